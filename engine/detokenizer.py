@@ -1,0 +1,60 @@
+"""Incremental detokenisation and stop handling for one sequence per call.
+
+Text grows by decoding a short window of recent tokens; a window that ends inside a
+multi-byte character (U+FFFD) waits for the next token, so streamed text never shows garbage.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvguard.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from kvguard.engine.tokenizer import Tokenizer
+
+
+def append_token(tok: Tokenizer, seq: Sequence, token: int, eos_ids: set[int]) -> None:
+    """Record a sampled token and finish the sequence when a stop condition holds."""
+    seq.output_token_ids.append(token)
+    p = seq.params
+    if (token in eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
+        seq.finish_reason = "stop"
+        return
+    _extend_text(tok, seq)
+    if p.stop and _apply_stop_strings(seq):
+        seq.finish_reason = "stop"
+        return
+    if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= seq.max_total_len:
+        seq.finish_reason = "length"
+
+
+def _extend_text(tok: Tokenizer, seq: Sequence) -> None:
+    ids = seq.token_ids
+    if seq.read_offset == 0 and seq.prefix_offset == 0:
+        seq.prefix_offset = max(0, len(seq.prompt_token_ids) - 5)
+        seq.read_offset = len(seq.prompt_token_ids)
+    prefix = tok.decode(ids[seq.prefix_offset : seq.read_offset])
+    full = tok.decode(ids[seq.prefix_offset :])
+    if len(full) > len(prefix) and not full.endswith("\ufffd"):
+        seq.text += full[len(prefix) :]
+        seq.prefix_offset = seq.read_offset
+        seq.read_offset = len(ids)
+
+
+def _apply_stop_strings(seq: Sequence) -> bool:
+    """Cut the text at the first stop string; only the newly added tail needs scanning."""
+    longest = max(len(s) for s in seq.params.stop)
+    start = max(0, seq.stop_checked_len - longest + 1)
+    best = -1
+    hit = ""
+    for s in seq.params.stop:
+        i = seq.text.find(s, start)
+        if i != -1 and (best == -1 or i < best):
+            best, hit = i, s
+    seq.stop_checked_len = len(seq.text)
+    if best == -1:
+        return False
+    keep = best + len(hit) if seq.params.include_stop_str_in_output else best
+    seq.text = seq.text[:keep]
+    return True

@@ -1,0 +1,43 @@
+"""Per-request decoding parameters, validated when the request is added."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    max_tokens: int = 64
+    temperature: float = 0.0  # 0 means greedy
+    top_k: int = 0  # 0 disables
+    top_p: float = 1.0
+    seed: int | None = None  # per-request generator: same seed, same output
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.validate()
+
+    def validate(self) -> None:
+        if (
+            not isinstance(self.max_tokens, int)
+            or isinstance(self.max_tokens, bool)
+            or self.max_tokens <= 0
+        ):
+            raise ValueError(f"max_tokens={self.max_tokens!r}: expected an integer >= 1")
+        if not self.temperature >= 0.0:
+            raise ValueError(f"temperature={self.temperature!r}: expected a number >= 0")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k!r}: expected an integer >= 0 (0 disables)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p={self.top_p!r}: expected a number in (0, 1]")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop={self.stop!r}: expected non-empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1

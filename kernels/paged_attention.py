@@ -1,0 +1,142 @@
+"""Paged attention in plain torch: the path that runs everywhere (CPU and CUDA).
+
+The KV pools are `[num_blocks, block_size, num_kv_heads, head_dim]`; a sequence's tokens live in
+the blocks its block table lists, in order. Queries come as one flattened batch of sequences,
+each contributing its last `query_len` positions (a prefill chunk, or one decode token).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def write_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store this step's K/V `[T, kv_heads, head_dim]` at flat slots `block * block_size + offset`."""
+    nb, bs, h, d = k_cache.shape
+    k_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """Contiguous `[length, kv_heads, head_dim]` copy of one sequence's cached tokens."""
+    bs = cache.shape[1]
+    nblocks = (length + bs - 1) // bs
+    blocks = cache.index_select(0, block_table[:nblocks])
+    return blocks.flatten(0, 1)[:length]
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: list[int],
+    query_lens: list[int],
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of a mixed prefill/decode batch over the paged cache.
+
+    `seq_lens[i]` counts all of sequence i's tokens (this step's included, already written);
+    its queries are the last `query_lens[i]` of them. Returns `[T, num_heads, head_dim]`.
+    """
+    out = torch.empty_like(q)
+    starts = _cumsum(query_lens)
+    decode = [i for i, n in enumerate(query_lens) if n == 1]
+    if decode:
+        _decode(q, out, k_cache, v_cache, block_tables, seq_lens, starts, decode, scale)
+    for i, qlen in enumerate(query_lens):
+        if qlen > 1:
+            s = starts[i]
+            out[s : s + qlen] = _prefill_one(
+                q[s : s + qlen], k_cache, v_cache, block_tables[i], seq_lens[i], scale
+            )
+    return out
+
+
+def _cumsum(lens: list[int]) -> list[int]:
+    starts, total = [], 0
+    for n in lens:
+        starts.append(total)
+        total += n
+    return starts
+
+
+def _prefill_one(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """One prefill chunk: its queries sit at the end of the sequence (bottom-right causal)."""
+    qlen = q.shape[0]
+    k = gather_kv(k_cache, block_table, seq_len).transpose(0, 1)
+    v = gather_kv(v_cache, block_table, seq_len).transpose(0, 1)
+    qh = q.transpose(0, 1)
+    if qlen == seq_len:
+        o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        pos_q = torch.arange(seq_len - qlen, seq_len, device=q.device)
+        mask = pos_q[:, None] >= torch.arange(seq_len, device=q.device)[None, :]
+        o = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return o.transpose(0, 1)
+
+
+def _decode(
+    q: torch.Tensor,
+    out: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: list[int],
+    starts: list[int],
+    rows: list[int],
+    scale: float,
+) -> None:
+    """Single-token queries of many sequences, attended in one batched call.
+
+    K/V blocks are gathered into a reused workspace (fresh allocations cost more than the copy
+    on CPU), and query heads are folded onto their KV head so GQA needs no K/V repeat.
+    """
+    dev = q.device
+    nb, bs, hkv, d = k_cache.shape
+    g, nh = len(rows), q.shape[1]
+    lens = [seq_lens[i] for i in rows]
+    nblocks = (max(lens) + bs - 1) // bs
+    idx = torch.tensor(rows, device=dev)
+    tables = block_tables.index_select(0, idx)[:, :nblocks].reshape(-1).long()
+    k = _gather_into(k_cache, tables, 0).view(g, nblocks * bs, hkv, d).transpose(1, 2)
+    v = _gather_into(v_cache, tables, 1).view(g, nblocks * bs, hkv, d).transpose(1, 2)
+    qpos = torch.tensor([starts[i] for i in rows], device=dev)
+    qg = q.index_select(0, qpos).view(g, hkv, nh // hkv, d)
+    mask = None
+    if min(lens) != nblocks * bs:
+        lens_t = torch.tensor(lens, device=dev)
+        mask = (torch.arange(nblocks * bs, device=dev)[None, :] < lens_t[:, None])[:, None, None, :]
+    o = F.scaled_dot_product_attention(qg.to(k.dtype), k, v, attn_mask=mask, scale=scale)
+    out.index_copy_(0, qpos, o.reshape(g, nh, d).to(out.dtype))
+
+
+_WORKSPACE: dict[tuple[torch.device, torch.dtype, int], torch.Tensor] = {}
+
+
+def _gather_into(cache: torch.Tensor, blocks: torch.Tensor, slot: int) -> torch.Tensor:
+    """Copy `blocks` of `cache` into a persistent buffer (grown on demand, reused per call)."""
+    nb = cache.shape[0]
+    row = cache[0].numel()
+    need = blocks.numel() * row
+    key = (cache.device, cache.dtype, slot)
+    buf = _WORKSPACE.get(key)
+    if buf is None or buf.numel() < need:
+        buf = torch.empty(need, dtype=cache.dtype, device=cache.device)
+        _WORKSPACE[key] = buf
+    out = buf[:need].view(blocks.numel(), row)
+    return torch.index_select(cache.view(nb, row), 0, blocks, out=out)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,18 +24,16 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field and what was expected."""
 
 
-def parse_bytes(value: int | str) -> int:
+def parse_bytes(value: int | str, name: str = "size") -> int:
     """Accept 268435456, '256MiB', '1.5GiB', '512 MB'."""
     if isinstance(value, int):
         return value
-    text = str(value).strip().lower().replace(" ", "")
-    num = text.rstrip("kmgib")
-    unit = text[len(num) :]
-    if unit not in _SIZE_UNITS or not num:
+    m = re.fullmatch(r"([0-9]*\.?[0-9]+)([kmg]i?b|b)?", str(value).strip().lower().replace(" ", ""))
+    if m is None:
         raise ConfigError(
-            f"cannot read {value!r} as a size: expected e.g. 268435456, '256MiB', '2GiB'"
+            f"{name}={value!r}: cannot read as a size, expected e.g. 268435456, '256MiB', '2GiB'"
         )
-    return int(float(num) * _SIZE_UNITS[unit])
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2) or ""])
 
 
 def kvguard_home() -> Path:
@@ -63,7 +62,7 @@ class EngineConfig:
     home: Path = field(default_factory=kvguard_home)
 
     def __post_init__(self) -> None:
-        self.kv_cache_bytes = parse_bytes(self.kv_cache_bytes)
+        self.kv_cache_bytes = parse_bytes(self.kv_cache_bytes, "kv_cache_bytes")
         self.home = Path(self.home)
         self.validate()
 

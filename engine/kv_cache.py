@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from kvguard.engine.config import ConfigError
 from kvguard.engine.model_config import ModelConfig
 

@@ -8,6 +8,7 @@ import time
 from collections.abc import Sequence as Seq
 
 import torch
+
 from kvguard.engine.block_manager import BlockManager
 from kvguard.engine.config import ConfigError, EngineConfig
 from kvguard.engine.detokenizer import append_token
@@ -256,6 +257,37 @@ class LLMEngine:
                 if out.finished:
                     final[out.request_id] = out
         return [final[r] for r in rids]
+
+    @torch.inference_mode()
+    def score(self, token_ids: list[int]) -> torch.Tensor:
+        """Logits `[len, vocab]` at every position of `token_ids`, run through the paged cache.
+
+        Teacher forcing for quality checks (e.g. FP8 KV against full precision): the tokens are
+        prefilled chunk by chunk, exactly like a request, into blocks freed afterwards.
+        """
+        seq = Sequence("__score__", list(token_ids), SamplingParams(), 0, -1, len(token_ids) + 1)
+        chunk = self.scheduler.max_num_batched_tokens
+        if not self.block_manager.can_allocate(self.block_manager.blocks_for(len(token_ids))):
+            raise RuntimeError("score: not enough free KV blocks; call it while the engine is idle")
+        logits = []
+        try:
+            while seq.num_computed_tokens < len(token_ids):
+                n = min(chunk, len(token_ids) - seq.num_computed_tokens)
+                self.block_manager.allocate(seq, n)
+                batch = ScheduledBatch([seq], [n])
+                start = seq.num_computed_tokens
+                slots = [self.block_manager.slot(seq, p) for p in range(start, start + n)]
+                hidden = self.model(
+                    torch.tensor(token_ids[start : start + n], device=self.device),
+                    torch.arange(start, start + n, device=self.device),
+                    self.kv_cache.layers,
+                    self._metadata(batch, slots),
+                )
+                seq.num_computed_tokens += n
+                logits.append(self.model.compute_logits(hidden))
+        finally:
+            self.block_manager.free(seq)
+        return torch.cat(logits)
 
     def snapshot(self) -> EngineSnapshot:
         bm = self.block_manager

@@ -11,9 +11,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from kvguard.engine.model_config import ModelConfig, ModelLoadError
 from kvguard.kernels import paged_attention, write_kv
-from torch import nn
 
 
 @dataclass(slots=True)

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+
 from kvguard.engine.sampling_params import SamplingParams
 
 PRIORITIES = {"high": 0, "normal": 1, "low": 2}

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvguard.kernels.fp8 import FP8_DTYPE, as_bytes, dequantize, write_kv_fp8
+
 
 def write_kv(
     k_cache: torch.Tensor,
@@ -17,18 +19,38 @@ def write_kv(
     k: torch.Tensor,
     v: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Store this step's K/V `[T, kv_heads, head_dim]` at flat slots `block * block_size + offset`."""
+    """Store this step's K/V `[T, kv_heads, head_dim]` at flat slots `block * block_size + offset`.
+
+    An fp8 cache needs its `[num_blocks, kv_heads]` scale tensors, updated in place.
+    """
+    if k_cache.dtype == FP8_DTYPE:
+        write_kv_fp8(k_cache, k_scale, k, slot_mapping)
+        write_kv_fp8(v_cache, v_scale, v, slot_mapping)
+        return
     nb, bs, h, d = k_cache.shape
     k_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
-def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+def gather_kv(
+    cache: torch.Tensor,
+    block_table: torch.Tensor,
+    length: int,
+    scales: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """Contiguous `[length, kv_heads, head_dim]` copy of one sequence's cached tokens."""
     bs = cache.shape[1]
     nblocks = (length + bs - 1) // bs
-    blocks = cache.index_select(0, block_table[:nblocks])
+    ids = block_table[:nblocks].long()
+    if cache.dtype == FP8_DTYPE:
+        raw = as_bytes(cache).index_select(0, ids).view(FP8_DTYPE)
+        blocks = dequantize(raw, scales.index_select(0, ids)[:, None, :, None], dtype)
+    else:
+        blocks = cache.index_select(0, ids)
     return blocks.flatten(0, 1)[:length]
 
 
@@ -40,22 +62,26 @@ def paged_attention(
     seq_lens: list[int],
     query_lens: list[int],
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of a mixed prefill/decode batch over the paged cache.
 
     `seq_lens[i]` counts all of sequence i's tokens (this step's included, already written);
     its queries are the last `query_lens[i]` of them. Returns `[T, num_heads, head_dim]`.
+    An fp8 cache is dequantised with its per-block, per-head `k_scale` / `v_scale`.
     """
+    kv = (k_cache, v_cache, k_scale, v_scale)
     out = torch.empty_like(q)
     starts = _cumsum(query_lens)
     decode = [i for i, n in enumerate(query_lens) if n == 1]
     if decode:
-        _decode(q, out, k_cache, v_cache, block_tables, seq_lens, starts, decode, scale)
+        _decode(q, out, kv, block_tables, seq_lens, starts, decode, scale)
     for i, qlen in enumerate(query_lens):
         if qlen > 1:
             s = starts[i]
             out[s : s + qlen] = _prefill_one(
-                q[s : s + qlen], k_cache, v_cache, block_tables[i], seq_lens[i], scale
+                q[s : s + qlen], kv, block_tables[i], seq_lens[i], scale
             )
     return out
 
@@ -68,18 +94,20 @@ def _cumsum(lens: list[int]) -> list[int]:
     return starts
 
 
+KV = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+
+
 def _prefill_one(
     q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    kv: KV,
     block_table: torch.Tensor,
     seq_len: int,
     scale: float,
 ) -> torch.Tensor:
     """One prefill chunk: its queries sit at the end of the sequence (bottom-right causal)."""
     qlen = q.shape[0]
-    k = gather_kv(k_cache, block_table, seq_len).transpose(0, 1)
-    v = gather_kv(v_cache, block_table, seq_len).transpose(0, 1)
+    k = gather_kv(kv[0], block_table, seq_len, kv[2], q.dtype).transpose(0, 1)
+    v = gather_kv(kv[1], block_table, seq_len, kv[3], q.dtype).transpose(0, 1)
     qh = q.transpose(0, 1)
     if qlen == seq_len:
         o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale, enable_gqa=True)
@@ -93,8 +121,7 @@ def _prefill_one(
 def _decode(
     q: torch.Tensor,
     out: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    kv: KV,
     block_tables: torch.Tensor,
     seq_lens: list[int],
     starts: list[int],
@@ -107,14 +134,14 @@ def _decode(
     on CPU), and query heads are folded onto their KV head so GQA needs no K/V repeat.
     """
     dev = q.device
-    nb, bs, hkv, d = k_cache.shape
+    nb, bs, hkv, d = kv[0].shape
     g, nh = len(rows), q.shape[1]
     lens = [seq_lens[i] for i in rows]
     nblocks = (max(lens) + bs - 1) // bs
     idx = torch.tensor(rows, device=dev)
     tables = block_tables.index_select(0, idx)[:, :nblocks].reshape(-1).long()
-    k = _gather_into(k_cache, tables, 0).view(g, nblocks * bs, hkv, d).transpose(1, 2)
-    v = _gather_into(v_cache, tables, 1).view(g, nblocks * bs, hkv, d).transpose(1, 2)
+    k = _gather_into(kv[0], tables, 0, kv[2], q.dtype).view(g, nblocks * bs, hkv, d).transpose(1, 2)
+    v = _gather_into(kv[1], tables, 1, kv[3], q.dtype).view(g, nblocks * bs, hkv, d).transpose(1, 2)
     qpos = torch.tensor([starts[i] for i in rows], device=dev)
     qg = q.index_select(0, qpos).view(g, hkv, nh // hkv, d)
     mask = None
@@ -128,15 +155,35 @@ def _decode(
 _WORKSPACE: dict[tuple[torch.device, torch.dtype, int], torch.Tensor] = {}
 
 
-def _gather_into(cache: torch.Tensor, blocks: torch.Tensor, slot: int) -> torch.Tensor:
-    """Copy `blocks` of `cache` into a persistent buffer (grown on demand, reused per call)."""
-    nb = cache.shape[0]
-    row = cache[0].numel()
-    need = blocks.numel() * row
-    key = (cache.device, cache.dtype, slot)
+def _gather_into(
+    cache: torch.Tensor,
+    blocks: torch.Tensor,
+    slot: int,
+    scales: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Copy `blocks` of `cache` into a persistent buffer (grown on demand, reused per call);
+    fp8 blocks come out dequantised to `dtype`."""
+    nb, bs, h, d = cache.shape
+    row = bs * h * d
+    gathered = torch.index_select(
+        cache.view(nb, row),
+        0,
+        blocks,
+        out=_buffer(cache.dtype, cache.device, slot, blocks.numel() * row).view(-1, row),
+    )
+    if cache.dtype != FP8_DTYPE:
+        return gathered
+    out = _buffer(dtype, cache.device, slot + 2, blocks.numel() * row).view(-1, bs, h, d)
+    out.copy_(gathered.view(-1, bs, h, d))
+    out.mul_(scales.index_select(0, blocks)[:, None, :, None])
+    return out.view(-1, row)
+
+
+def _buffer(dtype: torch.dtype, device: torch.device, slot: int, numel: int) -> torch.Tensor:
+    key = (device, dtype, slot)
     buf = _WORKSPACE.get(key)
-    if buf is None or buf.numel() < need:
-        buf = torch.empty(need, dtype=cache.dtype, device=cache.device)
+    if buf is None or buf.numel() < numel:
+        buf = torch.empty(numel, dtype=dtype, device=device)
         _WORKSPACE[key] = buf
-    out = buf[:need].view(blocks.numel(), row)
-    return torch.index_select(cache.view(nb, row), 0, blocks, out=out)
+    return buf[:numel]

@@ -1,0 +1,247 @@
+"""The engine against Hugging Face transformers, and its scheduling and accounting invariants."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvguard.engine import EngineConfig, LLMEngine, ModelLoadError, SamplingParams
+from kvguard.engine.config import ConfigError, kvguard_home
+from kvguard.engine.model_registry import resolve_model
+
+PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "def fibonacci(n):",
+    "List three primary colours:",
+    "Once upon a time, in a small village,",
+    "Explain what a KV cache is in one sentence.",
+    "1, 2, 3, 4, 5,",
+    "Translate 'good morning' into German:",
+]
+
+
+def make_engine(model: str = "tiny", **kw) -> LLMEngine:
+    kw.setdefault("kv_cache_bytes", "32MiB")
+    kw.setdefault("num_threads", 2)
+    return LLMEngine.from_config(EngineConfig(model=model, **kw), progress=False)
+
+
+@pytest.fixture(scope="module")
+def tiny() -> LLMEngine:
+    return make_engine()
+
+
+def hf_model(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(ids) :].tolist()
+
+
+def compare_with_hf(engine: LLMEngine, model_name: str, prompts: list[str], n: int) -> None:
+    hf = hf_model(resolve_model(model_name, kvguard_home(), progress=False))
+    chats = [
+        engine.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts
+    ]
+    ids = [engine.tokenizer.encode(c) for c in chats]
+    outs = engine.generate(ids, SamplingParams(max_tokens=n, ignore_eos=True))
+    for prompt_ids, out in zip(ids, outs, strict=True):
+        assert out.token_ids == hf_greedy(hf, prompt_ids, n), f"diverged on {prompt_ids[:8]}..."
+        assert out.finish_reason == "length"
+        with torch.no_grad():
+            ref = hf(torch.tensor([prompt_ids])).logits[0, -1]
+        ours = engine.score(prompt_ids)[-1]
+        assert (ours - ref).abs().max().item() <= 1e-3
+    engine.audit_blocks()
+
+
+def test_tiny_matches_transformers(tiny: LLMEngine) -> None:
+    compare_with_hf(tiny, "tiny", PROMPTS, 32)
+
+
+@pytest.mark.slow
+def test_smollm2_matches_transformers() -> None:
+    engine = make_engine("smollm2-135m", kv_cache_bytes="64MiB")
+    compare_with_hf(engine, "smollm2-135m", PROMPTS, 32)
+
+
+def test_chunked_prefill_equals_whole_prefill(tiny: LLMEngine) -> None:
+    """A prompt split over many steps (budget 7 tokens) gives the same tokens as one pass."""
+    chunked = make_engine(max_num_batched_tokens=7)
+    ids = tiny.tokenizer.encode(PROMPTS[4] * 3)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    assert chunked.generate([ids], params)[0].token_ids == tiny.generate([ids], params)[0].token_ids
+
+
+def test_preempted_request_recomputes_same_tokens(tiny: LLMEngine) -> None:
+    """A pool too small for the batch forces recompute preemption; outputs must not change."""
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    ids = [tiny.tokenizer.encode(p) for p in PROMPTS]
+    calm = tiny.generate(ids, params)
+    squeezed = make_engine(num_gpu_blocks=12)
+    outs = squeezed.generate(ids, params)
+    assert squeezed.snapshot().num_preemptions > 0
+    assert sum(o.num_preemptions for o in outs) > 0
+    assert [o.token_ids for o in outs] == [o.token_ids for o in calm]
+    squeezed.audit_blocks()
+    assert squeezed.snapshot().blocks_free == squeezed.snapshot().blocks_total
+
+
+def test_seeded_sampling_is_reproducible(tiny: LLMEngine) -> None:
+    # tiny's logits are sharply peaked (so greedy has no ties): sample hot to see randomness
+    params = SamplingParams(max_tokens=20, temperature=8.0, top_p=0.95, top_k=200, seed=1234)
+    a = tiny.generate([PROMPTS[0], PROMPTS[1]], [params, params])
+    b = tiny.generate([PROMPTS[1], PROMPTS[0]], [params, params])
+    assert a[0].token_ids == b[1].token_ids and a[1].token_ids == b[0].token_ids
+    other = tiny.generate(
+        [PROMPTS[0]], SamplingParams(max_tokens=20, temperature=8.0, top_p=0.95, top_k=200, seed=99)
+    )
+    assert other[0].token_ids != a[0].token_ids
+
+
+def test_stop_strings_and_stop_tokens(tiny: LLMEngine) -> None:
+    free = tiny.generate([PROMPTS[2]], SamplingParams(max_tokens=40, ignore_eos=True))[0]
+    assert len(free.text) > 6
+    stop = free.text[3:6]
+    cut = tiny.generate([PROMPTS[2]], SamplingParams(max_tokens=40, ignore_eos=True, stop=[stop]))[
+        0
+    ]
+    assert cut.finish_reason == "stop"
+    assert cut.text == free.text[: free.text.index(stop)]
+    tok = free.token_ids[5]
+    by_id = tiny.generate([PROMPTS[2]], SamplingParams(max_tokens=40, stop_token_ids=[tok]))[0]
+    assert by_id.finish_reason == "stop" and by_id.token_ids[-1] == tok
+    assert tok not in by_id.token_ids[:-1]
+
+
+def test_abort_frees_blocks(tiny: LLMEngine) -> None:
+    rid = tiny.add_request(PROMPTS[0], SamplingParams(max_tokens=100, ignore_eos=True))
+    tiny.step()
+    assert tiny.snapshot().blocks_used > 0
+    assert tiny.abort(rid)
+    outs = tiny.step()
+    assert [o.finish_reason for o in outs if o.request_id == rid] == ["abort"]
+    assert not tiny.has_unfinished()
+    assert tiny.snapshot().blocks_used == 0
+    assert not tiny.abort(rid)
+
+
+# -- bad input --------------------------------------------------------------------------------
+
+
+def test_bad_requests_are_rejected_and_others_unaffected(tiny: LLMEngine) -> None:
+    good = tiny.add_request(PROMPTS[0], SamplingParams(max_tokens=8, ignore_eos=True))
+    with pytest.raises(ValueError, match="prompt is empty"):
+        tiny.add_request("")
+    with pytest.raises(ValueError, match="prompt is empty"):
+        tiny.add_request([])
+    with pytest.raises(ValueError, match="max_model_len"):
+        tiny.add_request([5] * (tiny.max_model_len + 1))
+    with pytest.raises(ValueError, match="max_tokens"):
+        tiny.add_request("hi", SamplingParams(max_tokens=0))
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=-3)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        tiny.add_request([1, 2, 10**9])
+    with pytest.raises(ValueError, match="priority"):
+        tiny.add_request("hi", priority="urgent")
+    with pytest.raises(ValueError, match="already in use"):
+        tiny.add_request("hi", request_id=good)
+    done = {}
+    while tiny.has_unfinished():
+        for o in tiny.step():
+            done[o.request_id] = o
+    assert done[good].finish_reason == "length" and len(done[good].token_ids) == 8
+
+
+def test_prompt_larger_than_pool_is_rejected_at_once() -> None:
+    small = make_engine(num_gpu_blocks=4)  # 64 tokens in the whole pool
+    with pytest.raises(ValueError, match="whole pool has 4"):
+        small.add_request([7] * 100)
+    assert not small.has_unfinished()
+
+
+def test_unknown_model_and_bad_config() -> None:
+    with pytest.raises(ModelLoadError, match="smollm2-135m"):
+        make_engine("no-such-model")
+    with pytest.raises(ConfigError, match="kv_cache_bytes"):
+        EngineConfig(kv_cache_bytes="lots")
+    with pytest.raises(ConfigError, match="block_size"):
+        EngineConfig(block_size=7)
+
+
+# -- block accounting property test -----------------------------------------------------------
+
+OPS = st.lists(
+    st.one_of(
+        st.tuples(
+            st.just("add"),
+            st.integers(1, 90),
+            st.integers(1, 40),
+            st.sampled_from(["high", "normal", "low"]),
+        ),
+        st.tuples(st.just("abort"), st.integers(0, 50), st.just(0), st.just("")),
+        st.tuples(st.just("step"), st.integers(1, 4), st.just(0), st.just("")),
+    ),
+    min_size=1,
+    max_size=40,
+)
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(ops=OPS)
+def test_block_accounting_under_random_traffic(ops) -> None:
+    engine = _property_engine()
+    rids: list[str] = []
+    for op, a, b, prio in ops:
+        if op == "add":
+            rids.append(
+                engine.add_request(
+                    [3 + (i % 200) for i in range(a)],
+                    SamplingParams(max_tokens=b, ignore_eos=True),
+                    priority=prio,
+                )
+            )
+        elif op == "abort" and rids:
+            engine.abort(rids[a % len(rids)])
+        else:
+            for _ in range(a):
+                engine.step()
+        engine.audit_blocks()
+    while engine.has_unfinished():
+        engine.step()
+        engine.audit_blocks()
+    snap = engine.snapshot()
+    assert snap.blocks_free == snap.blocks_total and snap.num_running == snap.num_waiting == 0
+
+
+_PROP_ENGINE: list[LLMEngine] = []
+
+
+def _property_engine() -> LLMEngine:
+    """One small-pool engine reused across examples (it is idle and empty between them)."""
+    if not _PROP_ENGINE:
+        _PROP_ENGINE.append(
+            make_engine(num_gpu_blocks=24, max_num_seqs=6, max_num_batched_tokens=64)
+        )
+    engine = _PROP_ENGINE[0]
+    assert not engine.has_unfinished()
+    return engine

@@ -7,6 +7,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvguard.engine.admission import AdmissionConfig
+
 KV_DTYPES = ("auto", "fp32", "fp16", "bf16", "fp8_e4m3")
 _SIZE_UNITS = {
     "": 1,
@@ -57,6 +59,11 @@ class EngineConfig:
     max_model_len: int = 4096
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
+    enable_cpu_offload: bool = False  # swap preempted sequences to a host pool
+    cpu_cache_ratio: float = 0.4  # host pool holds at most this share of all KV (seed §7.2)
+    min_gpu_blocks: int = 0  # below this device pool size preemption recomputes instead
+    admission: AdmissionConfig | None = None  # None: accept every valid request (library use)
+    oom_quiet_period_s: float = 10.0  # after an OOM, the batch budget doubles back per quiet period
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU; None leaves torch's default
     home: Path = field(default_factory=kvguard_home)

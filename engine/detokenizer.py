@@ -25,8 +25,9 @@ def append_token(tok: Tokenizer, seq: Sequence, token: int, eos_ids: set[int]) -
     if p.stop and _apply_stop_strings(seq):
         seq.finish_reason = "stop"
         return
-    if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= seq.max_total_len:
+    if len(seq.output_token_ids) >= seq.max_tokens or seq.num_tokens >= seq.max_total_len:
         seq.finish_reason = "length"
+        seq.truncated = seq.max_tokens < p.max_tokens and seq.num_tokens < seq.max_total_len
 
 
 def _extend_text(tok: Tokenizer, seq: Sequence) -> None:

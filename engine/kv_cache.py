@@ -1,17 +1,29 @@
-"""The paged KV pools: per layer K and V tensors `[num_blocks, block_size, kv_heads, head_dim]`."""
+"""The paged KV pools: per layer K and V `[num_blocks, block_size, kv_heads, head_dim]`.
+
+An fp8 pool carries one fp32 scale per block per KV head for K and for V. A second, host-side
+pool (pinned on CUDA) holds swapped-out sequences. Both pools can change dtype while serving:
+the conversion runs layer by layer, so at any moment at most one layer exists twice.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from kvguard.engine.config import ConfigError
 from kvguard.engine.model_config import ModelConfig
+from kvguard.kernels.fp8 import FP8_DTYPE, FP8_MAX, as_bytes, dequantize, quantize
 
 KV_TORCH_DTYPES = {
     "fp32": torch.float32,
     "fp16": torch.float16,
     "bf16": torch.bfloat16,
+    "fp8_e4m3": FP8_DTYPE,
 }
+SCALE_BYTES = 4
+
+LayerKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 
 
 def kv_dtype_name(name: str, model_dtype: torch.dtype) -> str:
@@ -21,31 +33,175 @@ def kv_dtype_name(name: str, model_dtype: torch.dtype) -> str:
     return {v: k for k, v in KV_TORCH_DTYPES.items()}[model_dtype]
 
 
-def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: str) -> int:
+def element_size(dtype: str) -> int:
     if dtype not in KV_TORCH_DTYPES:
-        raise ConfigError(f"kv_cache_dtype={dtype!r} is not available in this build")
-    elem = torch.tensor([], dtype=KV_TORCH_DTYPES[dtype]).element_size()
-    return block_size * cfg.kv_bytes_per_token(elem)
+        raise ConfigError(f"kv_cache_dtype={dtype!r}: expected one of {', '.join(KV_TORCH_DTYPES)}")
+    return torch.tensor([], dtype=KV_TORCH_DTYPES[dtype]).element_size()
+
+
+def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: str) -> int:
+    """K+V bytes of one block across all layers, fp8 scales included."""
+    data = block_size * cfg.kv_bytes_per_token(element_size(dtype))
+    scales = 2 * cfg.num_layers * cfg.num_kv_heads * SCALE_BYTES if dtype == "fp8_e4m3" else 0
+    return data + scales
+
+
+@dataclass(slots=True)
+class Pool:
+    """One tier (device or host): its layers, block count and dtype."""
+
+    layers: list[LayerKV]
+    num_blocks: int
+    dtype: str
+    device: torch.device
+
+    @property
+    def nbytes(self) -> int:
+        return sum(_layer_bytes(layer) for layer in self.layers)
+
+
+def _layer_bytes(layer: LayerKV) -> int:
+    return sum(t.numel() * t.element_size() for t in layer if t is not None)
+
+
+def new_layer(
+    cfg: ModelConfig, n: int, block_size: int, dtype: str, device: torch.device, pin: bool = False
+) -> LayerKV:
+    shape = (n, block_size, cfg.num_kv_heads, cfg.head_dim)
+    tdt = KV_TORCH_DTYPES[dtype]
+
+    def buf() -> torch.Tensor:
+        t = torch.zeros(shape, dtype=tdt, device=device)
+        return t.pin_memory() if pin else t
+
+    if dtype != "fp8_e4m3":
+        return (buf(), buf(), None, None)
+    scales = (n, cfg.num_kv_heads)
+    ks = torch.zeros(scales, dtype=torch.float32, device=device)
+    vs = torch.zeros(scales, dtype=torch.float32, device=device)
+    return (buf(), buf(), ks.pin_memory() if pin else ks, vs.pin_memory() if pin else vs)
+
+
+def new_pool(cfg: ModelConfig, n: int, block_size: int, dtype: str, device: torch.device) -> Pool:
+    pin = device.type == "cpu" and torch.cuda.is_available()
+    layers = [new_layer(cfg, n, block_size, dtype, device, pin) for _ in range(cfg.num_layers)]
+    return Pool(layers, n, dtype, device)
+
+
+def read_blocks(layer: LayerKV, ids: torch.Tensor, which: int, dtype: torch.dtype) -> torch.Tensor:
+    """Blocks `ids` of K (which=0) or V (1) in `dtype`, dequantised if the pool is fp8."""
+    data = layer[which]
+    if data.dtype != FP8_DTYPE:
+        return data.index_select(0, ids).to(dtype)
+    raw = as_bytes(data).index_select(0, ids).view(FP8_DTYPE)
+    return dequantize(raw, layer[2 + which].index_select(0, ids)[:, None, :, None], dtype)
+
+
+def write_blocks(layer: LayerKV, ids: torch.Tensor, which: int, vals: torch.Tensor) -> None:
+    """Store whole blocks `vals` at `ids`; fp8 gets a fresh scale per block and head."""
+    data = layer[which]
+    if data.dtype != FP8_DTYPE:
+        data.index_copy_(0, ids, vals.to(data.dtype))
+        return
+    amax = vals.float().abs().amax(dim=(1, 3))  # [n, kv_heads]
+    scale = (amax / FP8_MAX).clamp_min_(1e-12)
+    layer[2 + which].index_copy_(0, ids, scale)
+    as_bytes(data).index_copy_(0, ids, as_bytes(quantize(vals, scale[:, None, :, None])))
+
+
+def copy_blocks(src: LayerKV, src_ids: torch.Tensor, dst: LayerKV, dst_ids: torch.Tensor) -> None:
+    """Block copy between pools of the same dtype (swap): raw bytes, scales alongside."""
+    for i, t in enumerate(src):
+        if t is None:
+            continue
+        s = as_bytes(t) if t.dtype == FP8_DTYPE else t
+        d = as_bytes(dst[i]) if dst[i].dtype == FP8_DTYPE else dst[i]
+        d.index_copy_(0, dst_ids.to(d.device), s.index_select(0, src_ids.to(s.device)).to(d.device))
 
 
 class KVCache:
     def __init__(
-        self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: str, device: torch.device
+        self,
+        cfg: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: str,
+        device: torch.device,
+        num_host_blocks: int = 0,
     ) -> None:
-        self.num_blocks = num_blocks
+        self.cfg = cfg
         self.block_size = block_size
-        self.dtype = dtype
-        self.bytes_per_block = bytes_per_block(cfg, block_size, dtype)
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        tdt = KV_TORCH_DTYPES[dtype]
-        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (
-                torch.zeros(shape, dtype=tdt, device=device),
-                torch.zeros(shape, dtype=tdt, device=device),
-            )
-            for _ in range(cfg.num_layers)
-        ]
+        self.device_pool = new_pool(cfg, num_blocks, block_size, dtype, device)
+        self.host_pool = new_pool(cfg, num_host_blocks, block_size, dtype, torch.device("cpu"))
+        # The byte budgets stay fixed; the block counts follow the dtype.
+        self.budget_bytes = num_blocks * bytes_per_block(cfg, block_size, dtype)
+        self.host_budget_bytes = num_host_blocks * bytes_per_block(cfg, block_size, dtype)
+        self.last_switch_peak_extra_bytes = 0
 
     @property
-    def total_bytes(self) -> int:
-        return self.num_blocks * self.bytes_per_block
+    def layers(self) -> list[LayerKV]:
+        return self.device_pool.layers
+
+    @property
+    def dtype(self) -> str:
+        return self.device_pool.dtype
+
+    @property
+    def num_blocks(self) -> int:
+        return self.device_pool.num_blocks
+
+    @property
+    def num_host_blocks(self) -> int:
+        return self.host_pool.num_blocks
+
+    def blocks_for_budget(self, dtype: str, host: bool = False) -> int:
+        budget = self.host_budget_bytes if host else self.budget_bytes
+        return budget // bytes_per_block(self.cfg, self.block_size, dtype)
+
+    def swap_out(self, device_ids: list[int], host_ids: list[int]) -> None:
+        dev, host = _ids(device_ids, self.device_pool), _ids(host_ids, self.host_pool)
+        for d, h in zip(self.device_pool.layers, self.host_pool.layers, strict=True):
+            copy_blocks(d, dev, h, host)
+
+    def swap_in(self, host_ids: list[int], device_ids: list[int]) -> None:
+        dev, host = _ids(device_ids, self.device_pool), _ids(host_ids, self.host_pool)
+        for d, h in zip(self.device_pool.layers, self.host_pool.layers, strict=True):
+            copy_blocks(h, host, d, dev)
+
+    def convert(self, pool: Pool, dtype: str, new_n: int, moves: dict[int, int]) -> int:
+        """Rebuild `pool` as `new_n` blocks of `dtype`, live block `old` landing at `moves[old]`.
+
+        Layer by layer: the new layer is built, filled from the old one, and the old one dropped
+        before the next layer starts. Returns the peak of bytes held beyond the larger of the
+        old and new pool sizes (the price of the switch).
+        """
+        compute = torch.float32
+        src = torch.tensor(sorted(moves), dtype=torch.long, device=pool.device)
+        dst = torch.tensor([moves[o] for o in sorted(moves)], dtype=torch.long, device=pool.device)
+        start = current = pool.nbytes
+        peak = 0
+        for i, layer in enumerate(pool.layers):
+            fresh = new_layer(
+                self.cfg, new_n, self.block_size, dtype, pool.device, pin=_pinned(layer)
+            )
+            held = current + _layer_bytes(fresh)
+            for which in (0, 1):
+                if src.numel():
+                    vals = read_blocks(layer, src, which, compute)
+                    held_now = held + vals.numel() * vals.element_size()
+                    peak = max(peak, held_now)
+                    write_blocks(fresh, dst, which, vals)
+                    del vals
+            peak = max(peak, held)
+            current += _layer_bytes(fresh) - _layer_bytes(layer)
+            pool.layers[i] = fresh
+        pool.dtype, pool.num_blocks = dtype, new_n
+        return max(0, peak - max(start, current))
+
+
+def _ids(ids: list[int], pool: Pool) -> torch.Tensor:
+    return torch.tensor(ids, dtype=torch.long, device=pool.device)
+
+
+def _pinned(layer: LayerKV) -> bool:
+    return layer[0].device.type == "cpu" and torch.cuda.is_available() and layer[0].is_pinned()

@@ -1,17 +1,26 @@
-"""LLMEngine: requests in, tokens out, one `step()` at a time over a paged KV cache."""
+"""LLMEngine: requests in, tokens out, one `step()` at a time over a paged KV cache.
+
+One thread owns an engine. Other threads post control actions to its mailbox (applied at the
+start of the next step) and read `latest_snapshot`, which is replaced after every step.
+"""
 
 from __future__ import annotations
 
 import itertools
 import logging
 import time
+from collections import deque
 from collections.abc import Sequence as Seq
 
 import torch
 
+from kvguard.engine.admission import AdmissionController, AdmissionDecision
 from kvguard.engine.block_manager import BlockManager
 from kvguard.engine.config import ConfigError, EngineConfig
+from kvguard.engine.control import Mailbox
+from kvguard.engine.control_surface import ControlSurface
 from kvguard.engine.detokenizer import append_token
+from kvguard.engine.events import EventBus
 from kvguard.engine.kv_cache import KV_TORCH_DTYPES, KVCache, bytes_per_block, kv_dtype_name
 from kvguard.engine.model import AttentionMetadata, LlamaForCausalLM, build_model
 from kvguard.engine.model_config import ModelConfig
@@ -20,11 +29,25 @@ from kvguard.engine.sampler import sample
 from kvguard.engine.sampling_params import SamplingParams
 from kvguard.engine.scheduler import ScheduledBatch, Scheduler
 from kvguard.engine.sequence import RequestOutput, Sequence, Status, parse_priority
-from kvguard.engine.snapshot import EngineSnapshot
+from kvguard.engine.snapshot import EngineSnapshot, build_snapshot
 from kvguard.engine.tokenizer import Tokenizer
 from kvguard.engine.weights import load_weights
 
 log = logging.getLogger("kvguard.engine")
+OOM_ERRORS: tuple[type[BaseException], ...] = (torch.OutOfMemoryError,)
+MIN_BATCHED_TOKENS = 64
+
+
+class InjectedOOMError(RuntimeError):
+    """Raised inside a forward pass by `inject_oom` (the documented fault-injection test hook)."""
+
+
+class AdmissionRejected(ValueError):
+    """The admission controller refused a request; `decision` says why and when to retry."""
+
+    def __init__(self, decision: AdmissionDecision) -> None:
+        super().__init__(decision.reason)
+        self.decision = decision
 
 
 def pick_device(name: str) -> torch.device:
@@ -42,7 +65,7 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     return KV_TORCH_DTYPES[name]
 
 
-class LLMEngine:
+class LLMEngine(ControlSurface):
     def __init__(
         self,
         config: EngineConfig,
@@ -57,21 +80,42 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         self.kv_cache = kv_cache
+        self.events = EventBus()
+        self.mailbox = Mailbox()
         self.block_manager = BlockManager(kv_cache.num_blocks, config.block_size)
+        self.host_block_manager = BlockManager(kv_cache.num_host_blocks, config.block_size)
         self.scheduler = Scheduler(
             self.block_manager,
+            self.host_block_manager,
+            kv_cache,
             config.max_num_seqs,
             config.max_num_batched_tokens,
             config.enable_chunked_prefill,
+            offload=config.enable_cpu_offload and kv_cache.num_blocks >= config.min_gpu_blocks,
+            emit=self.events.emit,
         )
+        self.admission = None
+        if config.admission is not None and config.admission.enable:
+            self.admission = AdmissionController(
+                config.admission, config.block_size, kv_cache.bytes_per_block
+            )
+            self.scheduler.admit_gate = self._commit
         self.max_model_len = min(config.max_model_len, model_config.max_position_embeddings)
         self.eos_ids = set(tokenizer.eos_token_ids) | set(model_config.eos_token_ids)
+        self.max_new_tokens_cap: int | None = None
+        self.allow_rank: int | None = None  # admission halted: only ranks <= this get in
+        self.configured_batched_tokens = config.max_num_batched_tokens
         self._seqs: dict[str, Sequence] = {}
         self._order = itertools.count()
         self._ids = itertools.count()
         self._pending: list[RequestOutput] = []  # aborted/finished outside a step
         self._step_no = 0
-        self._tokens_generated = 0
+        self._counters = {"tokens_generated": 0, "prompt_tokens": 0, "finished": 0, "oom": 0}
+        self._inject_oom = 0
+        self._last_oom = 0.0
+        self._ttft: deque[float] = deque(maxlen=256)
+        self._tpot: deque[float] = deque(maxlen=256)
+        self.latest_snapshot: EngineSnapshot = self.snapshot()
 
     # -- construction ---------------------------------------------------------------------
     @classmethod
@@ -89,7 +133,10 @@ class LLMEngine:
         log.info("loaded %s in %.2fs", path, time.perf_counter() - t0)
         kv_dtype = kv_dtype_name(config.kv_cache_dtype, dtype)
         num_blocks = config.num_gpu_blocks or _num_blocks(config, mcfg, kv_dtype, device)
-        kv = KVCache(mcfg, num_blocks, config.block_size, kv_dtype, device)
+        host_blocks = 0
+        if config.enable_cpu_offload:
+            host_blocks = int(num_blocks * config.cpu_cache_ratio / (1.0 - config.cpu_cache_ratio))
+        kv = KVCache(mcfg, num_blocks, config.block_size, kv_dtype, device, host_blocks)
         return cls(config, model, mcfg, tokenizer, kv)
 
     # -- requests -------------------------------------------------------------------------
@@ -101,7 +148,8 @@ class LLMEngine:
         priority: str | int = "normal",
         add_special_tokens: bool = True,
     ) -> str:
-        """Queue a request; raise ValueError (naming the problem) for one that cannot be served."""
+        """Queue a request. ValueError names what makes it unservable; AdmissionRejected
+        (a ValueError) carries the controller's decision and retry hint."""
         params = params or SamplingParams()
         params.validate()
         rank = parse_priority(priority)
@@ -116,9 +164,51 @@ class LLMEngine:
         if params.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(params.seed)
         seq = Sequence(rid, ids, params, rank, next(self._order), limit, gen)
+        if self.max_new_tokens_cap is not None:
+            seq.max_tokens = min(seq.max_tokens, self.max_new_tokens_cap)
+        self._admit(seq)
         self._seqs[rid] = seq
         self.scheduler.add(seq)
+        self._counters["prompt_tokens"] += len(ids)
         return rid
+
+    def _admit(self, seq: Sequence) -> None:
+        if self.allow_rank is not None and seq.priority > self.allow_rank:
+            raise AdmissionRejected(
+                AdmissionDecision(
+                    "reject",
+                    "admission is halted for this priority",
+                    status=503,
+                    estimated_wait_s=5.0,
+                )
+            )
+        if self.admission is None:
+            seq.admitted = True
+            return
+        queued = sum(1 for s in self.scheduler.waiting if not s.admitted)
+        d = self.admission.decide(
+            len(seq.prompt_token_ids),
+            seq.max_tokens,
+            seq.priority,
+            self.block_manager.num_blocks,
+            self.block_manager.num_used / self.block_manager.num_blocks,
+            queued,
+            seq.max_total_len,
+        )
+        self.events.emit("admission", decision=d.decision, reason=d.reason, priority=seq.priority)
+        if d.decision == "reject":
+            raise AdmissionRejected(d)
+        seq.max_tokens = d.max_tokens
+        seq.projected_blocks = self.admission.projected_blocks(
+            len(seq.prompt_token_ids) + d.max_tokens
+        )
+        seq.admission = d
+        if d.decision == "admit":
+            self.admission.committed_blocks += seq.projected_blocks
+            seq.admitted = True
+
+    def _commit(self, seq: Sequence) -> bool:
+        return self.admission.try_commit(seq.projected_blocks, self.block_manager.num_blocks)
 
     def _prompt_ids(self, prompt: str | list[int], add_special_tokens: bool) -> list[int]:
         if isinstance(prompt, str):
@@ -155,7 +245,8 @@ class LLMEngine:
         return f"prompt of {n} tokens leaves no room to generate within max_model_len={limit}"
 
     def abort(self, request_id: str) -> bool:
-        """Stop a request and free its blocks; False if it is unknown or already finished."""
+        """Stop a request and free its blocks; False if it is unknown or already finished.
+        Engine thread only (other threads post `lambda: engine.abort(rid)` to the mailbox)."""
         seq = self._seqs.get(request_id)
         if seq is None or seq.is_finished:
             return False
@@ -168,19 +259,28 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or bool(self._pending)
 
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._seqs
+
     # -- the loop -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one batch; return outputs of every request that advanced or finished."""
+        """Apply posted actions, run one batch; return outputs of requests that advanced."""
+        self.mailbox.drain()
         outputs, self._pending = self._pending, []
+        self._maybe_restore_budget()
         batch = self.scheduler.schedule()
-        if batch.empty:
-            return outputs
-        sampled = self._run(batch)
-        now = time.monotonic()
-        for seq, token in sampled:
-            self._emit(seq, token, now)
-            outputs.append(RequestOutput.of(seq))
-        self._step_no += 1
+        if not batch.empty:
+            try:
+                sampled = self._run(batch)
+            except OOM_ERRORS + (InjectedOOMError,) as e:
+                self._on_oom(batch, e)
+                sampled = []
+            now = time.monotonic()
+            for seq, token in sampled:
+                self._emit_token(seq, token, now)
+                outputs.append(RequestOutput.of(seq))
+            self._step_no += 1
+        self.latest_snapshot = self.snapshot()
         return outputs
 
     def _run(self, batch: ScheduledBatch) -> list[tuple[Sequence, int]]:
@@ -194,6 +294,9 @@ class LLMEngine:
                 rows.append(len(ids) - 1)
         meta = self._metadata(batch, slots)
         dev = self.device
+        if self._inject_oom:
+            self._inject_oom -= 1
+            raise InjectedOOMError("injected out-of-memory fault (inject_oom test hook)")
         hidden = self.model(
             torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), self.kv_cache.layers, meta
         )
@@ -219,11 +322,14 @@ class LLMEngine:
             query_lens=list(batch.num_tokens),
         )
 
-    def _emit(self, seq: Sequence, token: int, now: float) -> None:
+    def _emit_token(self, seq: Sequence, token: int, now: float) -> None:
         if seq.first_token_time is None:
             seq.first_token_time = now
+            self._ttft.append(now - seq.arrival_time)
+        elif seq.last_token_time is not None:
+            self._tpot.append(now - seq.last_token_time)
         seq.last_token_time = now
-        self._tokens_generated += 1
+        self._counters["tokens_generated"] += 1
         append_token(self.tokenizer, seq, token, self.eos_ids)
         if seq.finish_reason is not None:
             self.scheduler.remove(seq)
@@ -231,7 +337,65 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence) -> None:
         seq.status = Status.FINISHED
+        self._counters["finished"] += 1
+        if self.admission is not None and seq.admitted:
+            self.admission.release(seq.projected_blocks)
         self._seqs.pop(seq.request_id, None)
+
+    # -- out-of-memory safety -------------------------------------------------------------
+    def inject_oom(self, times: int = 1) -> None:
+        """Test hook: the next `times` forward passes fail as if the device ran out of memory."""
+        self._inject_oom += times
+
+    def _on_oom(self, batch: ScheduledBatch, error: BaseException) -> None:
+        """Put the step's sequences back to recompute, halve the batch budget, tell listeners."""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        for seq in batch.seqs:
+            if seq.status is Status.RUNNING:
+                self.scheduler.running.remove(seq)
+                self.block_manager.free(seq)
+                seq.num_computed_tokens = 0
+                seq.num_preemptions += 1
+                self.scheduler.preemptions["recompute"] += 1
+                self.scheduler.add(seq)
+        before = self.scheduler.max_num_batched_tokens
+        self.scheduler.max_num_batched_tokens = max(MIN_BATCHED_TOKENS, before // 2)
+        self.scheduler.chunked = True  # a halved budget must still fit every prompt
+        self._counters["oom"] += 1
+        self._last_oom = time.monotonic()
+        log.warning(
+            "out of memory in a step (%s): %d sequences requeued, batch budget %d -> %d",
+            error,
+            len(batch.seqs),
+            before,
+            self.scheduler.max_num_batched_tokens,
+        )
+        self.events.emit(
+            "engine_oom",
+            error=str(error),
+            requeued=[s.request_id for s in batch.seqs],
+            max_num_batched_tokens_before=before,
+            max_num_batched_tokens_after=self.scheduler.max_num_batched_tokens,
+        )
+
+    def _maybe_restore_budget(self) -> None:
+        cur = self.scheduler.max_num_batched_tokens
+        if cur >= self.configured_batched_tokens or not self._last_oom:
+            return
+        if time.monotonic() - self._last_oom >= self.config.oom_quiet_period_s:
+            new = min(self.configured_batched_tokens, cur * 2)
+            self.scheduler.max_num_batched_tokens = new
+            self._last_oom = time.monotonic()
+            if new == self.configured_batched_tokens:
+                self.scheduler.chunked = self.config.enable_chunked_prefill
+            self.events.emit(
+                "knob_changed",
+                knob="max_num_batched_tokens",
+                before=cur,
+                after=new,
+                reason="recovered after out-of-memory",
+            )
 
     # -- convenience ----------------------------------------------------------------------
     def generate(
@@ -274,14 +438,13 @@ class LLMEngine:
             while seq.num_computed_tokens < len(token_ids):
                 n = min(chunk, len(token_ids) - seq.num_computed_tokens)
                 self.block_manager.allocate(seq, n)
-                batch = ScheduledBatch([seq], [n])
                 start = seq.num_computed_tokens
                 slots = [self.block_manager.slot(seq, p) for p in range(start, start + n)]
                 hidden = self.model(
                     torch.tensor(token_ids[start : start + n], device=self.device),
                     torch.arange(start, start + n, device=self.device),
                     self.kv_cache.layers,
-                    self._metadata(batch, slots),
+                    self._metadata(ScheduledBatch([seq], [n]), slots),
                 )
                 seq.num_computed_tokens += n
                 logits.append(self.model.compute_logits(hidden))
@@ -290,26 +453,11 @@ class LLMEngine:
         return torch.cat(logits)
 
     def snapshot(self) -> EngineSnapshot:
-        bm = self.block_manager
-        return EngineSnapshot(
-            step=self._step_no,
-            block_size=bm.block_size,
-            blocks_total=bm.num_blocks,
-            blocks_used=bm.num_used,
-            blocks_free=bm.num_free,
-            live_tokens=sum(s.num_computed_tokens for s in self.scheduler.running),
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
-            num_preemptions=self.scheduler.num_preemptions,
-            kv_cache_dtype=self.kv_cache.dtype,
-            max_num_seqs=self.scheduler.max_num_seqs,
-            max_num_batched_tokens=self.scheduler.max_num_batched_tokens,
-            tokens_generated=self._tokens_generated,
-        )
+        return build_snapshot(self)
 
     def audit_blocks(self) -> None:
-        """Assert exact block accounting (tests call it between steps)."""
-        self.block_manager.audit(self.scheduler.live())
+        """Assert exact block accounting on both tiers (tests call it between steps)."""
+        self.scheduler.audit()
 
 
 def _num_blocks(config: EngineConfig, cfg: ModelConfig, kv_dtype: str, device: torch.device) -> int:

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvguard.engine.kv_cache import LayerKV
 from kvguard.engine.model_config import ModelConfig, ModelLoadError
 from kvguard.kernels import paged_attention, write_kv
 
@@ -93,7 +94,7 @@ class Attention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        kv: tuple[torch.Tensor, torch.Tensor],
+        kv: LayerKV,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
@@ -102,9 +103,17 @@ class Attention(nn.Module):
         )
         q = apply_rope(q.view(t, self.nh, self.hd), cos, sin)
         k = apply_rope(k.view(t, self.nkv, self.hd), cos, sin)
-        write_kv(kv[0], kv[1], k, v.view(t, self.nkv, self.hd), meta.slot_mapping)
+        write_kv(kv[0], kv[1], k, v.view(t, self.nkv, self.hd), meta.slot_mapping, kv[2], kv[3])
         o = paged_attention(
-            q, kv[0], kv[1], meta.block_tables, meta.seq_lens, meta.query_lens, self.scale
+            q,
+            kv[0],
+            kv[1],
+            meta.block_tables,
+            meta.seq_lens,
+            meta.query_lens,
+            self.scale,
+            kv[2],
+            kv[3],
         )
         return self.o_proj(o.reshape(t, self.nh * self.hd))
 
@@ -163,7 +172,7 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list[LayerKV],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Hidden states `[T, hidden]` after the final norm."""

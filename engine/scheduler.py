@@ -1,18 +1,23 @@
 """Continuous batching: which sequences run this step, and with how many tokens each.
 
-Each step: running sequences first (decodes, then unfinished prefill chunks), then waiting
-sequences admitted in (priority, arrival) order while the token budget, `max_num_seqs` and
-free blocks allow. When a running sequence needs a block and none is free, the
-lowest-priority, newest running sequence is preempted (recomputed later); nothing is dropped.
+Each step: running sequences first (decodes, then unfinished prefill chunks), then swapped
+sequences brought back, then waiting ones admitted in (priority, arrival) order while the token
+budget, `max_num_seqs` and free blocks allow. When a running sequence needs a block and none is
+free, the lowest-priority, newest running sequence is preempted: swapped to the host pool when
+offload is on and it has room, recomputed later otherwise. Nothing is ever dropped.
 """
 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvguard.engine.block_manager import BlockManager
+from kvguard.engine.kv_cache import KVCache
 from kvguard.engine.sequence import Sequence, Status
+
+EventSink = Callable[..., None]
 
 
 @dataclass(slots=True)
@@ -25,26 +30,37 @@ class ScheduledBatch:
     def empty(self) -> bool:
         return not self.seqs
 
-    @property
-    def total_tokens(self) -> int:
-        return sum(self.num_tokens)
+    def add(self, seq: Sequence, n: int) -> None:
+        self.seqs.append(seq)
+        self.num_tokens.append(n)
 
 
 class Scheduler:
     def __init__(
         self,
         block_manager: BlockManager,
+        host_block_manager: BlockManager,
+        kv_cache: KVCache,
         max_num_seqs: int,
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool = True,
+        offload: bool = False,
+        emit: EventSink | None = None,
     ) -> None:
         self.bm = block_manager
+        self.host_bm = host_block_manager
+        self.kv = kv_cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunked = enable_chunked_prefill
+        self.offload = offload
+        self.readmit_usage = 0.80  # evicted sequences return only below this usage
+        self.admit_gate: Callable[[Sequence], bool] = lambda seq: True
+        self.emit: EventSink = emit or (lambda kind, **data: None)
         self.waiting: list[Sequence] = []  # sorted by (priority, order)
+        self.swapped: list[Sequence] = []  # sorted by (priority, order)
         self.running: list[Sequence] = []
-        self.num_preemptions = 0
+        self.preemptions = {"swap": 0, "recompute": 0}
 
     # -- queues -----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -52,23 +68,30 @@ class Scheduler:
         bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
 
     def remove(self, seq: Sequence) -> None:
-        """Take `seq` out of whichever queue holds it and release its blocks."""
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
+        """Take `seq` out of whichever queue holds it and release its blocks on both tiers."""
+        for queue in (self.running, self.waiting, self.swapped):
+            if seq in queue:
+                queue.remove(seq)
+                break
         self.bm.free(seq)
+        self.host_bm.give(seq.request_id, seq.host_block_table)
+        seq.host_block_table = []
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     def live(self) -> list[Sequence]:
-        return self.running + self.waiting
+        return self.running + self.swapped + self.waiting
+
+    @property
+    def num_preemptions(self) -> int:
+        return sum(self.preemptions.values())
 
     # -- one step ---------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self._schedule_running(batch, self.max_num_batched_tokens)
+        budget = self._schedule_swapped(batch, budget)
         self._schedule_waiting(batch, budget)
         return batch
 
@@ -77,60 +100,139 @@ class Scheduler:
         for seq in sorted(self.running, key=lambda s: (s.num_uncomputed > 1, s.sort_key)):
             if seq.status is not Status.RUNNING or budget <= 0:
                 continue
-            n = min(seq.num_uncomputed, budget)
-            if n < seq.num_uncomputed and not self.chunked:
-                continue
-            if not self._reserve(seq, n, batch):
-                continue
-            batch.seqs.append(seq)
-            batch.num_tokens.append(n)
-            budget -= n
+            n = self._chunk(seq, budget)
+            if n and self._reserve(seq, n, batch):
+                batch.add(seq, n)
+                budget -= n
         return budget
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        n = min(seq.num_uncomputed, budget)
+        return 0 if n < seq.num_uncomputed and not self.chunked else n
 
     def _reserve(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
         """Get blocks for `n` tokens of `seq`, preempting others (or `seq` itself) if needed."""
         need = self.bm.blocks_needed(seq, n)
         while not self.bm.can_allocate(need):
-            victim = self._pick_victim(exclude=batch.seqs)
+            victim = self.pick_victim(exclude=batch.seqs)
             if victim is None:
                 return False
-            self._preempt(victim, batch)
+            self.preempt(victim)
+            batch.preempted.append(victim)
             if victim is seq:
                 return False
         self.bm.allocate(seq, n)
         return True
 
-    def _pick_victim(self, exclude: list[Sequence]) -> Sequence | None:
-        """Lowest priority, newest arrival among running sequences not yet in this batch."""
-        candidates = [s for s in self.running if s not in exclude]
+    def pick_victim(self, exclude: list[Sequence] = (), max_rank: int = 0) -> Sequence | None:
+        """Lowest priority, newest arrival among running sequences of rank >= `max_rank`."""
+        candidates = [s for s in self.running if s not in exclude and s.priority >= max_rank]
         return max(candidates, key=lambda s: s.sort_key, default=None)
 
-    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+    def preempt(self, seq: Sequence) -> str:
+        """Move a running sequence off the device: swap if possible, else recompute later."""
         self.running.remove(seq)
-        self.bm.free(seq)
-        seq.num_computed_tokens = 0
         seq.num_preemptions += 1
-        self.num_preemptions += 1
-        batch.preempted.append(seq)
-        self.add(seq)
+        n = len(seq.block_table)
+        if self.offload and n and self.host_bm.can_allocate(n):
+            host = self.host_bm.take(seq.request_id, n)
+            self.kv.swap_out(seq.block_table, host)
+            self.bm.free(seq)
+            seq.host_block_table = host
+            seq.status = Status.SWAPPED
+            bisect.insort(self.swapped, seq, key=lambda s: s.sort_key)
+            mode = "swap"
+            self.emit("swapped_out", request_id=seq.request_id, blocks=n)
+        else:
+            self.bm.free(seq)
+            seq.num_computed_tokens = 0
+            self.add(seq)
+            mode = "recompute"
+        self.preemptions[mode] += 1
+        self.emit("preempted", request_id=seq.request_id, mode=mode, priority=seq.priority)
+        return mode
+
+    def _room(self, n_blocks: int, seq: Sequence) -> bool:
+        # Keep a block per running sequence in hand so the next decode step does not preempt
+        # what was just admitted; evicted sequences wait until usage is below readmit_usage.
+        reserve = min(len(self.running), self.bm.num_blocks // 100 + 1)
+        if not self.bm.can_allocate(n_blocks, reserve):
+            return False
+        if seq.held:
+            after = (self.bm.num_used + n_blocks) / self.bm.num_blocks
+            return after < self.readmit_usage
+        return True
+
+    def _schedule_swapped(self, batch: ScheduledBatch, budget: int) -> int:
+        while self.swapped and len(self.running) < self.max_num_seqs:
+            seq = self.swapped[0]
+            if seq in batch.preempted or not self._room(len(seq.host_block_table) + 1, seq):
+                break
+            self.swapped.pop(0)
+            self._swap_in(seq)
+            n = self._chunk(seq, budget)
+            if n and budget > 0 and self._reserve(seq, n, batch):
+                batch.add(seq, n)
+                budget -= n
+        return budget
+
+    def _swap_in(self, seq: Sequence) -> None:
+        dev = self.bm.take(seq.request_id, len(seq.host_block_table))
+        self.kv.swap_in(seq.host_block_table, dev)
+        self.host_bm.give(seq.request_id, seq.host_block_table)
+        seq.host_block_table, seq.block_table = [], dev
+        seq.status, seq.held = Status.RUNNING, False
+        self.running.append(seq)
+        self.emit("swapped_in", request_id=seq.request_id, blocks=len(dev))
 
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
-        # Keep a block per running sequence in hand so the next decode step does not preempt
-        # what was just admitted.
-        reserve = min(len(self.running), self.bm.num_blocks // 100 + 1)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if seq in batch.preempted:
                 break  # preempted this very step: let memory settle first
-            n = min(seq.num_uncomputed, budget)
-            if n < seq.num_uncomputed and not self.chunked:
+            n = self._chunk(seq, budget)
+            if not n or not self._room(self.bm.blocks_needed(seq, n), seq):
                 break
-            if not self.bm.can_allocate(self.bm.blocks_needed(seq, n), reserve):
+            if not seq.admitted and not self.admit_gate(seq):
                 break
             self.waiting.pop(0)
             self.bm.allocate(seq, n)
-            seq.status = Status.RUNNING
+            seq.status, seq.held, seq.admitted = Status.RUNNING, False, True
             self.running.append(seq)
-            batch.seqs.append(seq)
-            batch.num_tokens.append(n)
+            batch.add(seq, n)
             budget -= n
+
+    # -- control ----------------------------------------------------------------------------
+    def shrink_running(self, limit: int) -> list[tuple[str, str]]:
+        """Preempt the excess over `limit` running sequences, lowest priority newest first."""
+        moved = []
+        while len(self.running) > limit:
+            victim = self.pick_victim()
+            moved.append((victim.request_id, self.preempt(victim)))
+        return moved
+
+    def evict(self, count: int, max_rank: int) -> list[tuple[str, str]]:
+        """Preempt up to `count` running sequences of rank >= `max_rank`; they are held."""
+        moved = []
+        for _ in range(count):
+            victim = self.pick_victim(max_rank=max_rank)
+            if victim is None:
+                break
+            victim.held = True
+            moved.append((victim.request_id, self.preempt(victim)))
+        return moved
+
+    def audit(self) -> None:
+        live = self.live()
+        self.bm.audit((s.request_id, s.block_table) for s in live)
+        self.host_bm.audit((s.request_id, s.host_block_table) for s in live)
+        for s in live:
+            if s.status is Status.SWAPPED:
+                assert not s.block_table and len(s.host_block_table) == self.bm.blocks_for(
+                    s.num_computed_tokens
+                )
+            else:
+                assert not s.host_block_table, f"{s.request_id} is {s.status} but holds host blocks"
+                assert len(s.block_table) == self.bm.blocks_for(s.num_computed_tokens), (
+                    f"{s.request_id} holds {len(s.block_table)} blocks for {s.num_computed_tokens} tokens"
+                )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -43,6 +44,13 @@ class Sequence:
     status: Status = Status.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V sit in the cache
     block_table: list[int] = field(default_factory=list)
+    host_block_table: list[int] = field(default_factory=list)  # while swapped out
+    max_tokens: int = 0  # effective limit: params.max_tokens, lowered by a max-token cap
+    truncated: bool = False  # finished at a cap below what the request asked for
+    held: bool = False  # evicted: readmitted only once pressure has eased
+    admitted: bool = False  # passed admission once; preemption does not undo that
+    projected_blocks: int = 0  # admission's projected peak, released on finish
+    admission: Any = None  # the AdmissionDecision that let it in (queue position, truncation)
     finish_reason: str | None = None
     text: str = ""
     prefix_offset: int = 0  # incremental detokenisation window
@@ -52,6 +60,10 @@ class Sequence:
     first_token_time: float | None = None
     last_token_time: float | None = None
     num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.max_tokens:
+            self.max_tokens = self.params.max_tokens
 
     @property
     def num_tokens(self) -> int:
@@ -88,6 +100,7 @@ class RequestOutput:
     priority: str = "normal"
     num_preemptions: int = 0
     ttft_s: float | None = None
+    truncated: bool = False  # stopped by a max-token cap below the requested max_tokens
 
     @classmethod
     def of(cls, seq: Sequence) -> RequestOutput:
@@ -102,4 +115,5 @@ class RequestOutput:
             priority=PRIORITY_NAMES[seq.priority],
             num_preemptions=seq.num_preemptions,
             ttft_s=ttft,
+            truncated=seq.truncated,
         )

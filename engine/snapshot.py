@@ -1,26 +1,141 @@
-"""An immutable picture of the engine after a step, for readers that must not lock the loop."""
+"""An immutable picture of the engine after a step, for readers that must not lock the loop.
+
+The engine replaces `latest_snapshot` after every step; a reference swap is atomic in CPython,
+so metrics exporters and rule evaluators on other threads read it without any lock.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvguard.engine.control_surface import allowed_name
+from kvguard.engine.sequence import PRIORITY_NAMES
+
+if TYPE_CHECKING:
+    from kvguard.engine.llm_engine import LLMEngine
+
+
+@dataclass(slots=True, frozen=True)
+class TierStats:
+    blocks_total: int
+    blocks_used: int
+
+    @property
+    def blocks_free(self) -> int:
+        return self.blocks_total - self.blocks_used
+
+    @property
+    def usage_ratio(self) -> float:
+        return self.blocks_used / self.blocks_total if self.blocks_total else 0.0
 
 
 @dataclass(slots=True, frozen=True)
 class EngineSnapshot:
+    time: float
     step: int
     block_size: int
-    blocks_total: int
-    blocks_used: int
-    blocks_free: int
-    live_tokens: int  # tokens whose K/V are held in the cache
-    num_running: int
-    num_waiting: int
-    num_preemptions: int
+    device: TierStats
+    host: TierStats
+    live_tokens: int  # tokens whose K/V are held in the device cache
+    queues: dict[str, dict[str, int]]  # waiting/running/swapped -> priority -> count
     kv_cache_dtype: str
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    tokens_generated: int
+    knobs: dict[str, object]  # every control-surface value now in force
+    admission: dict[str, object]
+    counters: dict[str, int]
+    preemptions: dict[str, int]
+    admission_decisions: dict[str, int]
+    ttft_p50_s: float | None
+    tpot_p50_s: float | None
+    events: dict[str, int] = field(default_factory=dict)
+
+    # -- shorthands used by benchmarks, rules and metrics ---------------------------------
+    @property
+    def blocks_total(self) -> int:
+        return self.device.blocks_total
+
+    @property
+    def blocks_used(self) -> int:
+        return self.device.blocks_used
+
+    @property
+    def blocks_free(self) -> int:
+        return self.device.blocks_free
 
     @property
     def kv_cache_usage_ratio(self) -> float:
-        return self.blocks_used / self.blocks_total if self.blocks_total else 0.0
+        return self.device.usage_ratio
+
+    @property
+    def num_running(self) -> int:
+        return sum(self.queues["running"].values())
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(self.queues["waiting"].values())
+
+    @property
+    def num_swapped(self) -> int:
+        return sum(self.queues["swapped"].values())
+
+    @property
+    def num_preemptions(self) -> int:
+        return sum(self.preemptions.values())
+
+    @property
+    def max_num_seqs(self) -> int:
+        return int(self.knobs["max_num_seqs"])
+
+    @property
+    def max_num_batched_tokens(self) -> int:
+        return int(self.knobs["max_num_batched_tokens"])
+
+    @property
+    def tokens_generated(self) -> int:
+        return self.counters["tokens_generated"]
+
+
+def _by_priority(seqs: list) -> dict[str, int]:
+    out = dict.fromkeys(PRIORITY_NAMES.values(), 0)
+    for s in seqs:
+        out[PRIORITY_NAMES[s.priority]] += 1
+    return out
+
+
+def _median(values) -> float | None:
+    vals = list(values)
+    return statistics.median(vals) if vals else None
+
+
+def build_snapshot(engine: LLMEngine) -> EngineSnapshot:
+    sch = engine.scheduler
+    adm = engine.admission
+    return EngineSnapshot(
+        time=time.time(),
+        step=engine._step_no,
+        block_size=engine.block_manager.block_size,
+        device=TierStats(engine.block_manager.num_blocks, engine.block_manager.num_used),
+        host=TierStats(engine.host_block_manager.num_blocks, engine.host_block_manager.num_used),
+        live_tokens=sum(s.num_computed_tokens for s in sch.running),
+        queues={
+            "waiting": _by_priority(sch.waiting),
+            "running": _by_priority(sch.running),
+            "swapped": _by_priority(sch.swapped),
+        },
+        kv_cache_dtype=engine.kv_cache.dtype,
+        knobs=engine.knobs(),
+        admission={
+            "enabled": adm is not None,
+            "halted": engine.allow_rank is not None,
+            "allow_priority": allowed_name(engine.allow_rank),
+            "committed_blocks": 0 if adm is None else adm.committed_blocks,
+        },
+        counters=dict(engine._counters),
+        preemptions=dict(sch.preemptions),
+        admission_decisions={} if adm is None else dict(adm.decisions),
+        ttft_p50_s=_median(engine._ttft),
+        tpot_p50_s=_median(engine._tpot),
+        events=dict(engine.events.counts),
+    )

@@ -34,10 +34,12 @@ class Mailbox:
 
     def __init__(self) -> None:
         self._q: queue.SimpleQueue[tuple[Callable[[], Any], Future]] = queue.SimpleQueue()
+        self.notify: Callable[[], None] = lambda: None  # the engine loop wakes on a post
 
     def post(self, fn: Callable[[], Any]) -> Future:
         fut: Future = Future()
         self._q.put((fn, fut))
+        self.notify()
         return fut
 
     def pending(self) -> bool:

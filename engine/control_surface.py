@@ -12,7 +12,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 from kvguard.engine.control import ActionResult
-from kvguard.engine.kv_cache import KV_TORCH_DTYPES, bytes_per_block, kv_dtype_name
+from kvguard.engine.kv_cache import KV_TORCH_DTYPES, kv_dtype_name
 from kvguard.engine.sequence import PRIORITY_NAMES, RequestOutput, Status, parse_priority
 
 if TYPE_CHECKING:
@@ -114,9 +114,6 @@ class ControlSurface:
         extra = self._rebuild_tier(self.kv_cache.device_pool, bm, dtype, new_n, "block_table")
         extra_h = self._rebuild_tier(
             self.kv_cache.host_pool, hbm, dtype, new_host, "host_block_table"
-        )
-        self.kv_cache.bytes_per_block = bytes_per_block(
-            self.model_config, self.config.block_size, dtype
         )
         self.kv_cache.last_switch_peak_extra_bytes = max(extra, extra_h)
         if self.admission is not None:

@@ -151,6 +151,10 @@ class KVCache:
         return self.device_pool.num_blocks
 
     @property
+    def bytes_per_block(self) -> int:
+        return bytes_per_block(self.cfg, self.block_size, self.dtype)
+
+    @property
     def num_host_blocks(self) -> int:
         return self.host_pool.num_blocks
 

@@ -1,0 +1,296 @@
+"""Live remedies: swap, FP8 switch, eviction, batch cuts, caps, admission halt, OOM safety."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from kvguard.engine import LLMEngine, SamplingParams
+from kvguard.engine.admission import AdmissionConfig
+from kvguard.engine.engine_loop import EngineLoop
+from kvguard.engine.llm_engine import AdmissionRejected
+from tests.test_engine import PROMPTS, make_engine
+
+
+def run_all(engine: LLMEngine) -> None:
+    while engine.has_unfinished():
+        engine.step()
+        engine.audit_blocks()
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def calm() -> LLMEngine:
+    return make_engine()
+
+
+def swap_matches_undisturbed(model: str, calm_engine: LLMEngine, blocks: int, n: int) -> None:
+    ids = [calm_engine.tokenizer.encode(p) for p in PROMPTS]
+    want = [o.token_ids for o in calm_engine.generate(ids, greedy(n))]
+    squeezed = make_engine(
+        model, num_gpu_blocks=blocks, enable_cpu_offload=True, cpu_cache_ratio=0.5
+    )
+    outs = squeezed.generate(ids, greedy(n))
+    snap = squeezed.snapshot()
+    assert snap.preemptions["swap"] > 0, snap.preemptions
+    assert [o.token_ids for o in outs] == want
+    squeezed.audit_blocks()
+    assert snap.host.blocks_used == 0 and squeezed.snapshot().blocks_used == 0
+
+
+def test_swap_out_in_gives_identical_outputs_tiny(calm: LLMEngine) -> None:
+    swap_matches_undisturbed("tiny", calm, 12, 48)
+
+
+@pytest.mark.slow
+def test_swap_out_in_gives_identical_outputs_smollm2() -> None:
+    calm_engine = make_engine("smollm2-135m", kv_cache_bytes="64MiB")
+    swap_matches_undisturbed("smollm2-135m", calm_engine, 10, 24)
+
+
+def test_live_fp8_switch_mid_generation(calm: LLMEngine) -> None:
+    engine = make_engine(kv_cache_bytes="4MiB")
+    rids = [engine.add_request(p, greedy(40)) for p in PROMPTS]
+    for _ in range(5):
+        engine.step()
+    before = engine.snapshot()
+    used_before = before.blocks_used
+    assert used_before > 0 and before.num_running == len(PROMPTS)
+    fut = engine.set_kv_cache_dtype("fp8_e4m3")
+    engine.step()
+    res = fut.result(0)
+    assert res.ok and res.after["kv_cache_dtype"] == "fp8_e4m3", res.detail
+    engine.audit_blocks()
+    after = engine.snapshot()
+    assert after.blocks_total >= 0.97 * before.blocks_total * (4 / 1)
+    # the switch never holds more than one new layer plus one layer's live blocks extra
+    layers = engine.model_config.num_layers
+    bound = engine.kv_cache.budget_bytes / layers + res.data["live_bytes"] / layers
+    assert 0 < res.data["peak_extra_bytes"] <= bound, res.data
+    assert res.data["peak_extra_bytes"] < engine.kv_cache.budget_bytes  # never a second full cache
+    done = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o
+    assert set(done) == set(rids)
+    assert all(o.finish_reason == "length" and len(o.token_ids) == 40 for o in done.values())
+    # and back again once the live tokens fit a full-precision pool
+    back = engine.set_kv_cache_dtype("fp32")
+    engine.step()
+    assert back.result(0).ok and engine.snapshot().kv_cache_dtype == "fp32"
+    assert engine.snapshot().blocks_total == before.blocks_total
+    engine.audit_blocks()
+
+
+def test_switch_back_refused_while_live_tokens_do_not_fit() -> None:
+    engine = make_engine(kv_cache_bytes="2MiB", kv_cache_dtype="fp8_e4m3")
+    fp8_blocks = engine.snapshot().blocks_total
+    long = [3 + i % 200 for i in range(600)]
+    rids = [engine.add_request(long, greedy(64)) for _ in range(8)]
+    for _ in range(4):
+        engine.step()
+    used = engine.snapshot().blocks_used
+    assert used > fp8_blocks / 4, "test needs more live blocks than an fp32 pool holds"
+    fut = engine.set_kv_cache_dtype("fp32")
+    engine.step()
+    res = fut.result(0)
+    assert not res.ok and "refused" in res.detail and res.after == res.before
+    assert engine.snapshot().kv_cache_dtype == "fp8_e4m3"
+    run_all(engine)
+    assert all(not engine.has_request(r) for r in rids)
+
+
+def test_set_max_num_seqs_preempts_excess_and_restores(calm: LLMEngine) -> None:
+    engine = make_engine()
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(p, greedy(30), priority=["high", "normal", "low"][i % 3])
+    engine.step()
+    assert engine.snapshot().num_running == 8
+    fut = engine.set_max_num_seqs(3)
+    engine.step()
+    res = fut.result(0)
+    assert res.before["max_num_seqs"] == 32 and res.after["max_num_seqs"] == 3
+    assert len(res.data["preempted"]) == 5
+    snap = engine.snapshot()
+    assert snap.num_running == 3 and snap.queues["running"]["high"] == 3
+    again = engine.set_max_num_seqs(3)
+    engine.step()
+    assert not again.result(0).changed  # idempotent
+    engine.set_max_num_seqs(32)
+    run_all(engine)
+
+
+def test_evict_lowest_priority_holds_until_pressure_eases() -> None:
+    engine = make_engine(enable_cpu_offload=True)
+    prios = ["high", "low", "normal", "low", "high", "low", "normal", "normal"]
+    rids = {
+        engine.add_request(p, greedy(20), priority=pr): pr
+        for p, pr in zip(PROMPTS, prios, strict=True)
+    }
+    engine.step()
+    fut = engine.evict(2, "low")
+    engine.step()
+    res = fut.result(0)
+    evicted = [rid for rid, _mode in res.data["evicted"]]
+    assert len(evicted) == 2 and all(rids[r] == "low" for r in evicted)
+    # newest low-priority first
+    lows = [r for r, pr in rids.items() if pr == "low"]
+    assert evicted == sorted(lows, key=lambda r: int(r.split("-")[1]), reverse=True)[:2]
+    engine.evict(10, "normal")
+    engine.step()
+    run_all(engine)
+    assert engine.snapshot().num_preemptions >= 2
+
+
+def test_max_new_tokens_cap_truncates_and_says_so() -> None:
+    engine = make_engine()
+    a = engine.add_request(PROMPTS[0], greedy(50))
+    engine.step()
+    engine.set_max_new_tokens_cap(5)
+    outs = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs[o.request_id] = o
+    assert outs[a].finish_reason == "length" and outs[a].truncated and len(outs[a].token_ids) == 5
+    b = engine.add_request(PROMPTS[1], greedy(50))
+    run_all(engine)
+    engine.set_max_new_tokens_cap(None)
+    engine.step()
+    c = engine.generate([PROMPTS[2]], greedy(12))[0]
+    assert len(c.token_ids) == 12 and not c.truncated
+    assert b not in outs
+
+
+def test_halt_and_resume_admission() -> None:
+    engine = make_engine()
+    engine.halt_admission("high")
+    engine.step()
+    with pytest.raises(AdmissionRejected, match="halted") as err:
+        engine.add_request(PROMPTS[0], greedy(4), priority="normal")
+    assert err.value.decision.status == 503
+    rid = engine.add_request(PROMPTS[0], greedy(4), priority="high")
+    engine.resume_admission()
+    engine.step()
+    engine.add_request(PROMPTS[1], greedy(4), priority="low")
+    run_all(engine)
+    assert not engine.has_request(rid)
+    kinds = [e.kind for e in engine.events.recent()]
+    assert "admission_halted" in kinds and "admission_resumed" in kinds
+
+
+def test_every_action_under_concurrent_load_loses_nothing() -> None:
+    engine = make_engine(kv_cache_bytes="3MiB", enable_cpu_offload=True)
+    loop = EngineLoop(engine).start()
+    rng = random.Random(7)
+    try:
+        streams = [
+            loop.submit(
+                PROMPTS[i % 8] * rng.randint(1, 3),
+                greedy(rng.randint(20, 60)),
+                rng.choice(["high", "normal", "low"]),
+            )
+            for i in range(20)
+        ]
+        actions = [
+            lambda: engine.set_max_num_seqs(4),
+            lambda: engine.evict(4, "normal"),
+            lambda: engine.set_kv_cache_dtype("fp8_e4m3"),
+            lambda: engine.set_offload(False),
+            lambda: engine.set_max_new_tokens_cap(15),
+            lambda: engine.halt_admission("high"),
+            lambda: engine.set_offload(True),
+            lambda: engine.resume_admission(),
+            lambda: engine.set_max_new_tokens_cap(None),
+            lambda: engine.set_max_num_seqs(32),
+            lambda: engine.set_kv_cache_dtype("fp32"),
+        ]
+        results = []
+        for act in actions:
+            results.append(act().result(30))
+            halted = results[-1].after["admission_allow_priority"] is not None
+            try:
+                streams.append(loop.submit(PROMPTS[0], greedy(10), "normal"))
+                assert not halted
+            except AdmissionRejected as e:
+                assert halted and e.decision.status == 503 and "halted" in str(e)
+        finals = [s.result(120) for s in streams]
+        assert all(f.finish_reason in ("length", "stop") for f in finals), [
+            f.finish_reason for f in finals
+        ]
+        assert len({f.request_id for f in finals}) == len(streams)
+        assert all(r.ok for r in results if r.action != "set_kv_cache_dtype"), [
+            r.detail for r in results
+        ]
+        loop.call(engine.audit_blocks).result(10)
+        snap = loop.snapshot()
+        assert snap.num_running == snap.num_waiting == snap.num_swapped == 0
+    finally:
+        loop.stop()
+
+
+def test_injected_oom_requeues_halves_budget_and_recovers() -> None:
+    engine = make_engine(oom_quiet_period_s=0.3, max_num_batched_tokens=512)
+    rids = [engine.add_request(p, greedy(12)) for p in PROMPTS]
+    engine.step()
+    engine.inject_oom()
+    engine.step()
+    snap = engine.snapshot()
+    assert snap.max_num_batched_tokens == 256
+    assert snap.counters["oom"] == 1 and snap.preemptions["recompute"] >= 1
+    oom = engine.events.recent("engine_oom")
+    assert len(oom) == 1 and oom[0].data["max_num_batched_tokens_after"] == 256
+    engine.audit_blocks()
+    done = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o
+    assert set(done) == set(rids) and all(len(o.token_ids) == 12 for o in done.values())
+    time.sleep(0.35)
+    engine.step()
+    assert engine.snapshot().max_num_batched_tokens == 512
+
+
+def test_admission_queues_then_serves_everything() -> None:
+    cfg = AdmissionConfig(safety_factor=1.2, max_queue=64, dynamic_max_tokens=False)
+    engine = make_engine(num_gpu_blocks=40, admission=cfg)
+    decisions = []
+    for _i in range(12):
+        engine.add_request([3 + (j % 100) for j in range(60)], greedy(40), priority="normal")
+        decisions.append(engine.events.recent("admission")[-1].data["decision"])
+    assert "admit" in decisions and "queue" in decisions
+    peak = 0
+    while engine.has_unfinished():
+        engine.step()
+        peak = max(peak, engine.admission.committed_blocks)
+        assert engine.admission.committed_blocks <= engine.admission.budget_blocks(40)
+    assert engine.admission.committed_blocks == 0 and peak > 0
+
+
+def test_admission_rejects_what_can_never_fit_at_once() -> None:
+    engine = make_engine(num_gpu_blocks=10, admission=AdmissionConfig())
+    with pytest.raises(AdmissionRejected, match="never fit") as err:
+        engine.add_request([5] * 150, greedy(4))
+    assert err.value.decision.status == 400
+
+
+def test_engine_loop_streams_and_control_from_other_threads() -> None:
+    engine = make_engine()
+    loop = EngineLoop(engine).start()
+    try:
+        s = loop.submit(PROMPTS[0], greedy(10))
+        texts = [o.text for o in s]
+        assert len(texts) == 10 and s.final is not None and s.final.finished
+        res = engine.set_max_num_seqs(5).result(5)
+        assert res.after["max_num_seqs"] == 5
+        with pytest.raises(ValueError, match="max_tokens"):
+            loop.submit(PROMPTS[0], SamplingParams(max_tokens=0))
+        assert loop.alive and time.monotonic() - loop.last_beat < 1.0
+    finally:
+        loop.stop()

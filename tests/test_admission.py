@@ -1,0 +1,106 @@
+"""Admission control as property tests over random traces (seed §5)."""
+
+from __future__ import annotations
+
+import time
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvguard.engine.admission import AdmissionConfig, AdmissionController, dynamic_max_tokens
+
+BLOCK = 16
+TOTAL = 64
+
+requests = st.tuples(
+    st.integers(1, 1500),  # prompt tokens
+    st.integers(1, 600),  # max_new_tokens
+    st.integers(0, 2),  # priority rank (0 = high)
+    st.floats(0.0, 1.0),  # current KV usage ratio
+)
+traces = st.lists(st.tuples(st.sampled_from(["arrive", "start", "finish"]), requests), max_size=80)
+configs = st.builds(
+    AdmissionConfig,
+    safety_factor=st.floats(1.0, 1.5),
+    reserved_headroom_bytes=st.integers(0, 8).map(lambda b: b * 1000),
+    dynamic_max_tokens=st.booleans(),
+    max_queue=st.integers(0, 10),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(cfg=configs, trace=traces)
+def test_never_admits_past_budget_and_respects_the_queue_bound(cfg, trace) -> None:
+    ctl = AdmissionController(cfg, BLOCK, bytes_per_block=1000)
+    budget = ctl.budget_blocks(TOTAL)
+    queue: list[int] = []  # projected blocks of queued requests
+    running: list[int] = []
+    for op, (prompt, max_new, rank, usage) in trace:
+        if op == "arrive":
+            d = ctl.decide(prompt, max_new, rank, TOTAL, usage, len(queue), 4096)
+            if ctl.projected_blocks(prompt + 1) > budget:
+                assert d.decision == "reject" and d.status == 400, "an impossible request got in"
+                continue
+            if d.decision == "reject":
+                assert d.reason and d.status in (400, 429)
+                if d.status == 429 and "queue full" in d.reason:
+                    assert len(queue) >= cfg.max_queue
+                continue
+            assert 1 <= d.max_tokens <= max_new
+            assert d.truncated == (d.max_tokens < max_new)
+            need = ctl.projected_blocks(prompt + d.max_tokens)
+            assert need <= budget, "admitted something that can never fit"
+            if d.decision == "admit":
+                ctl.committed_blocks += need
+                running.append(need)
+            else:
+                assert d.queue_position == len(queue) + 1
+                queue.append(need)
+        elif op == "start" and queue:
+            if ctl.try_commit(queue[0], TOTAL):
+                running.append(queue.pop(0))
+        elif op == "finish" and running:
+            ctl.release(running.pop(0))
+        assert ctl.committed_blocks <= budget
+        assert ctl.committed_blocks == sum(running)
+        assert len(queue) <= cfg.max_queue
+
+
+@settings(max_examples=200, deadline=None)
+@given(prompt=st.integers(1, 200), max_new=st.integers(1, 300), usage=st.floats(0.951, 1.0))
+def test_emergency_mode_takes_only_high_priority(prompt, max_new, usage) -> None:
+    ctl = AdmissionController(AdmissionConfig(), BLOCK, 1000)
+    for rank in (1, 2):
+        d = ctl.decide(prompt, max_new, rank, TOTAL, usage, 0, 4096)
+        assert d.decision == "reject" and d.status == 429 and "only high" in d.reason
+    high = ctl.decide(prompt, max_new, 0, TOTAL, usage, 0, 4096)
+    assert high.decision in ("admit", "queue"), high
+
+
+@given(st.integers(1, 5000), st.floats(0.0, 1.0), st.integers(1, 5000))
+def test_dynamic_max_tokens_ladder_never_grows_and_stays_positive(req, usage, remaining) -> None:
+    n = dynamic_max_tokens(req, usage, remaining)
+    assert 1 <= n <= max(1, min(req, remaining))
+    if usage < 0.5:
+        assert n == min(req, remaining)
+    if usage >= 0.9:
+        assert n <= 100
+
+
+def test_ladder_matches_the_brief() -> None:
+    assert dynamic_max_tokens(1000, 0.3, 4000) == 1000
+    assert dynamic_max_tokens(1000, 0.6, 4000) == 750
+    assert dynamic_max_tokens(1000, 0.8, 4000) == 500
+    assert dynamic_max_tokens(1000, 0.95, 4000) == 100
+    assert dynamic_max_tokens(60, 0.8, 4000) == 50  # "at least 50 tokens" (never above the ask)
+
+
+def test_estimated_wait_uses_measured_release_rate() -> None:
+    ctl = AdmissionController(AdmissionConfig(), BLOCK, 1000)
+    assert ctl.wait_s(10) == 1.0  # unknown rate: a short default hint
+    for _ in range(5):
+        ctl.release(4)
+        time.sleep(0.01)
+    rate = ctl.release_rate()
+    assert rate > 0
+    assert abs(ctl.wait_s(8) - min(30.0, 8 / rate)) < 1e-9

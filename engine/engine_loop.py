@@ -23,12 +23,15 @@ _DONE = object()
 class RequestStream:
     """Outputs of one request as the engine produces them; the last one has `finished` set."""
 
-    def __init__(self) -> None:
+    def __init__(self, listener: Callable[[RequestOutput], None] | None = None) -> None:
         self.request_id = ""
         self._q: queue.Queue = queue.Queue()
         self.final: RequestOutput | None = None
+        self.listener = listener  # called on the engine thread for every output (must not block)
 
     def _put(self, out: RequestOutput) -> None:
+        if self.listener is not None:
+            self.listener(out)
         self._q.put(out)
         if out.finished:
             self.final = out
@@ -131,7 +134,21 @@ class EngineLoop:
         timeout: float | None = 60.0,
     ) -> RequestStream:
         """Add a request; raises what `add_request` raises (ValueError, AdmissionRejected)."""
-        stream = RequestStream()
+        stream, fut = self.submit_nowait(prompt, params, priority, request_id, add_special_tokens)
+        fut.result(timeout)
+        return stream
+
+    def submit_nowait(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        priority: str | int = "normal",
+        request_id: str | None = None,
+        add_special_tokens: bool = True,
+        listener: Callable[[RequestOutput], None] | None = None,
+    ) -> tuple[RequestStream, Future]:
+        """Post a request; the Future resolves to its id (or the add_request error)."""
+        stream = RequestStream(listener)
 
         def add() -> str:
             rid = self.engine.add_request(prompt, params, request_id, priority, add_special_tokens)
@@ -139,8 +156,10 @@ class EngineLoop:
             self._streams[rid] = stream
             return rid
 
-        self.call(add).result(timeout)
-        return stream
+        return stream, self.call(add)
+
+    def in_flight(self) -> int:
+        return len(self._streams)
 
     def abort(self, request_id: str) -> Future:
         return self.call(lambda: self.engine.abort(request_id))

@@ -10,6 +10,7 @@ offload is on and it has room, recomputed later otherwise. Nothing is ever dropp
 from __future__ import annotations
 
 import bisect
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -198,6 +199,8 @@ class Scheduler:
             self.waiting.pop(0)
             self.bm.allocate(seq, n)
             seq.status, seq.held, seq.admitted = Status.RUNNING, False, True
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.monotonic()
             self.running.append(seq)
             batch.add(seq, n)
             budget -= n

@@ -58,6 +58,7 @@ class Sequence:
     stop_checked_len: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
+    first_scheduled_time: float | None = None
     last_token_time: float | None = None
     num_preemptions: int = 0
 
@@ -101,6 +102,7 @@ class RequestOutput:
     num_preemptions: int = 0
     ttft_s: float | None = None
     truncated: bool = False  # stopped by a max-token cap below the requested max_tokens
+    queue_time_s: float | None = None  # arrival until first scheduled
 
     @classmethod
     def of(cls, seq: Sequence) -> RequestOutput:
@@ -116,4 +118,7 @@ class RequestOutput:
             num_preemptions=seq.num_preemptions,
             ttft_s=ttft,
             truncated=seq.truncated,
+            queue_time_s=None
+            if seq.first_scheduled_time is None
+            else seq.first_scheduled_time - seq.arrival_time,
         )

@@ -108,6 +108,7 @@ def _prefill_one(
     qlen = q.shape[0]
     k = gather_kv(kv[0], block_table, seq_len, kv[2], q.dtype).transpose(0, 1)
     v = gather_kv(kv[1], block_table, seq_len, kv[3], q.dtype).transpose(0, 1)
+    k, v = k.to(q.dtype), v.to(q.dtype)  # a cache may be stored narrower than compute
     qh = q.transpose(0, 1)
     if qlen == seq_len:
         o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale, enable_gqa=True)
@@ -148,7 +149,8 @@ def _decode(
     if min(lens) != nblocks * bs:
         lens_t = torch.tensor(lens, device=dev)
         mask = (torch.arange(nblocks * bs, device=dev)[None, :] < lens_t[:, None])[:, None, None, :]
-    o = F.scaled_dot_product_attention(qg.to(k.dtype), k, v, attn_mask=mask, scale=scale)
+    k, v = k.to(q.dtype), v.to(q.dtype)
+    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
     out.index_copy_(0, qpos, o.reshape(g, nh, d).to(out.dtype))
 
 

@@ -1,0 +1,112 @@
+"""`kvguard serve` and `kvguard status`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+
+def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="run the daemon: OpenAI-compatible API, metrics, remedies",
+        description="Serve a model over an OpenAI-compatible HTTP API. Without --config the built-in "
+        "defaults serve smollm2-135m on 127.0.0.1:8000. Flags override the file.",
+    )
+    p.add_argument(
+        "--config", type=Path, help="YAML config (see daemon/examples/); validated at start"
+    )
+    p.add_argument("--model", help="model name or directory (overrides serving.model)")
+    p.add_argument("--host", help="bind address (overrides api.host; default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="port (overrides api.port; default 8000)")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        default=None,
+        help="rules record what they would do and change nothing",
+    )
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from kvguard.daemon.config import apply_overrides, load_config
+    from kvguard.daemon.service import run
+
+    cfg = apply_overrides(
+        load_config(args.config),
+        model=args.model,
+        host=args.host,
+        port=args.port,
+        dry_run=args.dry_run,
+    )
+    return run(cfg, args.config)
+
+
+def add_status_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "status",
+        help="show a running daemon's state (knobs, queues, KV, admission)",
+        description="Query GET /admin/state of a running daemon.",
+    )
+    p.add_argument(
+        "--url",
+        default=os.environ.get("KVGUARD_URL", "http://127.0.0.1:8000"),
+        help="daemon base URL (default: $KVGUARD_URL or %(default)s)",
+    )
+    p.add_argument(
+        "--token-file",
+        type=Path,
+        default=Path(os.environ.get("KVGUARD_ADMIN_TOKEN_FILE", "/etc/kvguard/admin.token")),
+        help="file holding the admin bearer token (default: %(default)s)",
+    )
+    p.add_argument("--json", action="store_true", help="print the raw JSON state")
+    p.set_defaults(func=cmd_status)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    import httpx
+
+    try:
+        token = args.token_file.read_text().strip()
+    except OSError as e:
+        raise ValueError(f"cannot read the admin token from {args.token_file}: {e.strerror}") from e
+    try:
+        r = httpx.get(
+            args.url.rstrip("/") + "/admin/state",
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=10,
+        )
+    except httpx.HTTPError as e:
+        raise ValueError(f"cannot reach kvguard at {args.url}: {e}") from e
+    if r.status_code != 200:
+        raise ValueError(f"{args.url} answered {r.status_code}: {r.text[:200]}")
+    state = r.json()
+    if args.json:
+        print(json.dumps(state, indent=2))
+        return 0
+    _print_state(state)
+    return 0
+
+
+def _print_state(s: dict) -> None:
+    kv = s["kv"]
+    dev = kv["device"]
+    q = s["queues"]
+    adm = s["admission"]
+    print(f"model        {s['model']}  ready={s['ready']} draining={s['draining']}")
+    print(
+        f"kv cache     {kv['dtype']}  {dev['blocks_used']}/{dev['blocks_total']} blocks "
+        f"({dev['usage_ratio']:.1%})  host {kv['host']['blocks_used']}/{kv['host']['blocks_total']}"
+    )
+    for state in ("running", "waiting", "swapped"):
+        row = "  ".join(f"{p}={n}" for p, n in q[state].items())
+        print(f"{state:<12} {row}")
+    halted = f"halted (allowed: {adm['allow_priority']})" if adm["halted"] else "open"
+    print(f"admission    {halted}")
+    print("knobs        " + "  ".join(f"{k}={v}" for k, v in s["knobs"].items()))
+    print("preemptions  " + "  ".join(f"{k}={v}" for k, v in s["preemptions"].items()))
+    if s.get("rules"):
+        for r in s["rules"]:
+            print(f"rule         {r['name']:<20} {r['state']}")

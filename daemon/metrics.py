@@ -1,0 +1,188 @@
+"""Prometheus metrics: read from the engine's latest snapshot at scrape time, plus request
+latency histograms observed by the HTTP layer. Names follow Prometheus conventions (base units,
+`_total` counters) under the `kvguard_` prefix; docs/metrics lists them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvguard.daemon.nvml import NvmlReader
+from kvguard.engine.snapshot import EngineSnapshot
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+KV_DTYPES = ("fp32", "fp16", "bf16", "fp8_e4m3")
+
+
+def _gauge(name: str, doc: str, labels: list[str] | None = None) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, labels=labels)
+
+
+class SnapshotCollector(Collector):
+    """Engine state as of the last step: nothing is computed or locked at scrape time."""
+
+    def __init__(self, snapshot: Callable[[], EngineSnapshot], ready: Callable[[], bool]) -> None:
+        self.snapshot = snapshot
+        self.ready = ready
+
+    def collect(self):  # noqa: ANN201 - generator of metric families
+        s = self.snapshot()
+        yield from self._kv(s)
+        yield from self._queues(s)
+        yield from self._counters(s)
+        yield from self._knobs(s)
+        up = _gauge("kvguard_ready", "1 when the daemon accepts requests")
+        up.add_metric([], 1.0 if self.ready() else 0.0)
+        yield up
+
+    def _kv(self, s: EngineSnapshot):  # noqa: ANN202
+        usage = _gauge("kvguard_kv_cache_usage_ratio", "Share of KV blocks in use", ["tier"])
+        blocks = _gauge("kvguard_kv_cache_blocks", "KV blocks by tier and state", ["tier", "state"])
+        for tier, t in (("device", s.device), ("host", s.host)):
+            usage.add_metric([tier], t.usage_ratio)
+            blocks.add_metric([tier, "used"], t.blocks_used)
+            blocks.add_metric([tier, "free"], t.blocks_free)
+        live = _gauge("kvguard_kv_cache_live_tokens", "Tokens whose K/V are held on the device")
+        live.add_metric([], s.live_tokens)
+        dtype = _gauge(
+            "kvguard_kv_cache_dtype_info",
+            "KV cache dtype in force (1 for the active one)",
+            ["dtype"],
+        )
+        for d in KV_DTYPES:
+            dtype.add_metric([d], 1.0 if s.kv_cache_dtype == d else 0.0)
+        yield from (usage, blocks, live, dtype)
+
+    def _queues(self, s: EngineSnapshot):  # noqa: ANN202
+        req = _gauge(
+            "kvguard_requests",
+            "Requests inside the engine by state and priority",
+            ["state", "priority"],
+        )
+        for state, by_prio in s.queues.items():
+            for prio, n in by_prio.items():
+                req.add_metric([state, prio], n)
+        yield req
+
+    def _counters(self, s: EngineSnapshot):  # noqa: ANN202
+        pre = CounterMetricFamily(
+            "kvguard_preemptions", "Sequences preempted, by mode", labels=["mode"]
+        )
+        for mode, n in s.preemptions.items():
+            pre.add_metric([mode], n)
+        adm = CounterMetricFamily(
+            "kvguard_admission_decisions", "Admission decisions", labels=["decision"]
+        )
+        for decision in ("admit", "queue", "reject"):
+            adm.add_metric([decision], s.admission_decisions.get(decision, 0))
+        oom = CounterMetricFamily(
+            "kvguard_engine_oom_events", "Out-of-memory faults survived by the engine"
+        )
+        oom.add_metric([], s.counters["oom"])
+        gen = CounterMetricFamily("kvguard_generated_tokens", "Output tokens generated")
+        gen.add_metric([], s.counters["tokens_generated"])
+        prompt = CounterMetricFamily("kvguard_prompt_tokens", "Prompt tokens accepted")
+        prompt.add_metric([], s.counters["prompt_tokens"])
+        steps = CounterMetricFamily("kvguard_engine_steps", "Engine steps run")
+        steps.add_metric([], s.step)
+        yield from (pre, adm, oom, gen, prompt, steps)
+
+    def _knobs(self, s: EngineSnapshot):  # noqa: ANN202
+        k = s.knobs
+        seqs = _gauge("kvguard_max_num_seqs", "Batch limit in force")
+        seqs.add_metric([], float(k["max_num_seqs"]))
+        toks = _gauge("kvguard_max_num_batched_tokens", "Per-step token budget in force")
+        toks.add_metric([], float(k["max_num_batched_tokens"]))
+        cap = _gauge("kvguard_max_new_tokens_cap", "Max-token cap in force (0 = none)")
+        cap.add_metric([], float(k["max_new_tokens_cap"] or 0))
+        off = _gauge("kvguard_cpu_offload_enabled", "1 while preemption may swap to the host pool")
+        off.add_metric([], 1.0 if k["offload"] else 0.0)
+        halted = _gauge("kvguard_admission_halted", "1 while admission is halted")
+        halted.add_metric([], 1.0 if s.admission["halted"] else 0.0)
+        yield from (seqs, toks, cap, off, halted)
+
+
+class NvmlCollector(Collector):
+    def __init__(self, reader: NvmlReader) -> None:
+        self.reader = reader
+
+    def collect(self):  # noqa: ANN201
+        readings = self.reader.read()
+        up = _gauge("kvguard_nvml_up", "1 when NVML answered the last query")
+        up.add_metric([], 1.0 if readings else 0.0)
+        yield up
+        if not readings:
+            return
+        fams = {
+            "used": _gauge("kvguard_gpu_memory_used_bytes", "GPU memory used", ["gpu"]),
+            "free": _gauge("kvguard_gpu_memory_free_bytes", "GPU memory free", ["gpu"]),
+            "total": _gauge("kvguard_gpu_memory_total_bytes", "GPU memory total", ["gpu"]),
+            "util": _gauge("kvguard_gpu_utilization_ratio", "GPU busy share", ["gpu"]),
+            "temp": _gauge("kvguard_gpu_temperature_celsius", "GPU temperature", ["gpu"]),
+            "power": _gauge("kvguard_gpu_power_watts", "GPU power draw", ["gpu"]),
+        }
+        for r in readings:
+            g = [str(r.index)]
+            fams["used"].add_metric(g, r.memory_used_bytes)
+            fams["free"].add_metric(g, r.memory_free_bytes)
+            fams["total"].add_metric(g, r.memory_total_bytes)
+            fams["util"].add_metric(g, r.utilization_ratio)
+            fams["temp"].add_metric(g, r.temperature_celsius)
+            fams["power"].add_metric(g, r.power_watts)
+        yield from fams.values()
+
+
+class Metrics:
+    """One registry per daemon (tests run several in one process)."""
+
+    def __init__(
+        self, snapshot: Callable[[], EngineSnapshot], ready: Callable[[], bool], nvml: NvmlReader
+    ) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(SnapshotCollector(snapshot, ready))
+        self.registry.register(NvmlCollector(nvml))
+        r = self.registry
+        self.ttft = Histogram(
+            "kvguard_time_to_first_token_seconds",
+            "Request arrival to first token",
+            ["priority"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.inter_token = Histogram(
+            "kvguard_inter_token_latency_seconds",
+            "Gap between streamed tokens",
+            ["priority"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "kvguard_request_duration_seconds",
+            "Request arrival to last token",
+            ["priority"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            "kvguard_request_queue_time_seconds",
+            "Arrival until first scheduled",
+            ["priority"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.http = Counter(
+            "kvguard_http_requests",
+            "HTTP answers by route and status",
+            ["route", "status"],
+            registry=r,
+        )
+        self.finished = Counter(
+            "kvguard_requests_finished",
+            "Finished requests by reason",
+            ["finish_reason", "priority"],
+            registry=r,
+        )

@@ -1,0 +1,231 @@
+"""The daemon: wires engine, engine thread, HTTP, metrics and systemd together and runs the
+lifecycle — READY after load, watchdog pings from the engine heartbeat, SIGHUP reload,
+SIGTERM drain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import threading
+import time
+from collections.abc import Generator
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from kvguard.daemon import sdnotify
+from kvguard.daemon.config import ConfigFileError, DaemonConfig, load_config
+from kvguard.daemon.metrics import Metrics
+from kvguard.daemon.nvml import NvmlReader
+from kvguard.engine.engine_loop import EngineLoop
+from kvguard.engine.llm_engine import LLMEngine
+from kvguard.rules.actions import run_action
+
+log = logging.getLogger("kvguard.daemon")
+STALL_AFTER_S = 30.0  # an engine loop without a heartbeat this long is not ready
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handlers: the service owns SIGTERM/SIGINT/SIGHUP."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
+
+
+class Service:
+    def __init__(self, cfg: DaemonConfig, config_path: Path | None = None) -> None:
+        self.cfg = cfg
+        self.config_path = config_path
+        self.started = int(time.time())
+        self.draining = False
+        self._ready = False
+        self.engine: LLMEngine
+        self.loop: EngineLoop
+        self.nvml = NvmlReader()
+        self.metrics: Metrics
+        self._stop_watchdog = threading.Event()
+        self.exit_code = 0
+
+    # -- names ------------------------------------------------------------------------------
+    @property
+    def engine_model(self) -> str:
+        return self.cfg.serving.model
+
+    @property
+    def model_name(self) -> str:
+        return self.cfg.api.served_model_name or self.cfg.serving.model
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def load(self, progress: bool = True) -> None:
+        sdnotify.status(f"loading model {self.engine_model}")
+        self.engine = LLMEngine.from_config(self.cfg.to_engine_config(), progress=progress)
+        self.loop = EngineLoop(self.engine).start()
+        self.metrics = Metrics(
+            lambda: self.engine.latest_snapshot, lambda: self.readiness()[0], self.nvml
+        )
+        self._ready = True
+        threading.Thread(target=self._watchdog, name="kvguard-watchdog", daemon=True).start()
+        sdnotify.ready(self._status_line())
+        log.info("ready: %s", self._status_line())
+
+    def readiness(self) -> tuple[bool, str]:
+        if not self._ready:
+            return False, "loading"
+        if self.draining:
+            return False, "draining"
+        if not self.loop.alive:
+            return False, "engine loop stopped"
+        if time.monotonic() - self.loop.last_beat > STALL_AFTER_S:
+            return False, "engine loop stalled"
+        return True, "ok"
+
+    def _status_line(self) -> str:
+        s = self.engine.latest_snapshot
+        adm = "halted" if s.admission["halted"] else "open"
+        return (
+            f"running={s.num_running} waiting={s.num_waiting} swapped={s.num_swapped} "
+            f"kv={s.kv_cache_usage_ratio:.0%} dtype={s.kv_cache_dtype} admission={adm}"
+        )
+
+    def _watchdog(self) -> None:
+        """Ping systemd only while the engine loop beats: a stalled loop stops the pings."""
+        interval = sdnotify.watchdog_interval()
+        period = interval / 3 if interval else 2.0
+        while not self._stop_watchdog.wait(period):
+            beat_age = time.monotonic() - self.loop.last_beat
+            if interval and beat_age < interval / 2:
+                sdnotify.watchdog()
+            sdnotify.status(
+                self._status_line()
+                if beat_age < period * 2
+                else f"engine loop stalled {beat_age:.0f}s"
+            )
+
+    async def serve(self) -> int:
+        from kvguard.daemon.app import create_app
+
+        config = uvicorn.Config(
+            create_app(self),
+            host=self.cfg.api.host,
+            port=self.cfg.api.port,
+            log_level="info",
+            lifespan="off",
+            access_log=False,
+        )
+        server = _Server(config)
+        aio = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            aio.add_signal_handler(sig, lambda: aio.create_task(self.shutdown(server)))
+        aio.add_signal_handler(signal.SIGHUP, lambda: aio.run_in_executor(None, self.reload))
+        await server.serve()
+        self.close()
+        return self.exit_code
+
+    async def shutdown(self, server: uvicorn.Server) -> None:
+        """Stop admitting (503), let in-flight requests finish up to drain_timeout, then exit."""
+        if self.draining:
+            return
+        self.draining = True
+        sdnotify.stopping()
+        deadline = time.monotonic() + self.cfg.api.drain_timeout
+        log.info(
+            "draining %d in-flight requests (up to %.0fs)",
+            self.loop.in_flight(),
+            self.cfg.api.drain_timeout,
+        )
+        while self.loop.in_flight() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        left = self.loop.in_flight()
+        if left:
+            log.warning("drain timeout: aborting %d requests", left)
+            await asyncio.wrap_future(self.loop.call(self._abort_all))
+            await asyncio.sleep(0.2)  # let the aborted responses go out
+        server.should_exit = True
+
+    def _abort_all(self) -> int:
+        ids = list(self.loop._streams)
+        for rid in ids:
+            self.engine.abort(rid)
+        return len(ids)
+
+    def close(self) -> None:
+        self._stop_watchdog.set()
+        self.loop.stop()
+
+    # -- operations -------------------------------------------------------------------------
+    def reload(self) -> dict[str, Any]:
+        """Re-read the config file; a bad file keeps the running config and says why."""
+        sdnotify.reloading()
+        try:
+            if self.config_path is None:
+                return {
+                    "reloaded": False,
+                    "reason": "no config file to reload (started without --config)",
+                }
+            new = load_config(self.config_path)
+            changes = self._apply_reloadable(new)
+            log.info("reloaded %s: %s", self.config_path, changes or "no changes")
+            return {"reloaded": True, "changes": changes}
+        except ConfigFileError as e:
+            log.error("reload refused, keeping the running config: %s", e)
+            return {"reloaded": False, "reason": str(e)}
+        finally:
+            sdnotify.ready(self._status_line())
+
+    def _apply_reloadable(self, new: DaemonConfig) -> dict[str, Any]:
+        changes = {}
+        if new.api.drain_timeout != self.cfg.api.drain_timeout:
+            changes["api.drain_timeout"] = new.api.drain_timeout
+        self.cfg.api.drain_timeout = new.api.drain_timeout
+        return changes
+
+    def admin_token(self) -> str | None:
+        path = self.cfg.api.admin_token_file
+        if not path:
+            return None
+        try:
+            return Path(path).read_text().strip() or None
+        except OSError:
+            return None
+
+    def manual_action(self, name: str, params: dict[str, Any]) -> Future:
+        return run_action(self.engine, name, params)
+
+    def state(self) -> dict[str, Any]:
+        s = self.engine.latest_snapshot
+        return {
+            "model": self.model_name,
+            "ready": self.readiness()[0],
+            "draining": self.draining,
+            "knobs": s.knobs,
+            "queues": s.queues,
+            "admission": s.admission,
+            "kv": {
+                "dtype": s.kv_cache_dtype,
+                "device": {
+                    "blocks_total": s.device.blocks_total,
+                    "blocks_used": s.device.blocks_used,
+                    "usage_ratio": s.device.usage_ratio,
+                },
+                "host": {"blocks_total": s.host.blocks_total, "blocks_used": s.host.blocks_used},
+            },
+            "counters": s.counters,
+            "preemptions": s.preemptions,
+            "admission_decisions": s.admission_decisions,
+            "nvml": {"available": self.nvml.available, "error": self.nvml.error},
+        }
+
+
+def run(cfg: DaemonConfig, config_path: Path | None = None) -> int:
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    svc = Service(cfg, config_path)
+    svc.load()
+    return asyncio.run(svc.serve())

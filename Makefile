@@ -19,7 +19,8 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/kvguard generate --max-tokens 64 --chat "Explain in two sentences why a paged KV cache saves memory."
+	$(VENV)/bin/kvguard model fetch smollm2-135m
+	$(VENV)/bin/kvguard serve
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -59,7 +59,7 @@ class Service:
 
     @property
     def model_name(self) -> str:
-        return self.cfg.api.served_model_name or self.cfg.serving.model
+        return self.cfg.served_model_name()
 
     # -- lifecycle --------------------------------------------------------------------------
     def load(self, progress: bool = True) -> None:
@@ -179,15 +179,19 @@ class Service:
             sdnotify.ready(self._status_line())
 
     def _apply_reloadable(self, new: DaemonConfig) -> dict[str, Any]:
+        """Take what can change without a restart (timeouts, rules); the rest needs one."""
         changes = {}
         if new.api.drain_timeout != self.cfg.api.drain_timeout:
             changes["api.drain_timeout"] = new.api.drain_timeout
-        self.cfg.api.drain_timeout = new.api.drain_timeout
+        api = self.cfg.api.model_copy(update={"drain_timeout": new.api.drain_timeout})
+        self.cfg = self.cfg.model_copy(
+            update={"api": api, "rules": new.rules, "prometheus": new.prometheus}
+        )
         return changes
 
     def admin_token(self) -> str | None:
-        path = self.cfg.api.admin_token_file
-        if not path:
+        path = self.cfg.api.admin_token_path()
+        if path is None:
             return None
         try:
             return Path(path).read_text().strip() or None

@@ -1,0 +1,229 @@
+"""The `kvguard` command line: one entry point, one subcommand per job.
+
+Each subcommand is registered by a builder in SUBCOMMANDS, so later ones (serve, status, audit,
+rules, alerts, db, bench) plug in without touching the others. Handlers import the engine
+lazily: `kvguard --help` and argument errors answer at once instead of after loading torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from kvguard.daemon.cli_serve import add_serve_parser, add_status_parser
+
+EXIT_USAGE = 2  # bad arguments, bad config, a model that cannot be loaded
+Handler = Callable[[argparse.Namespace], int]
+SubcommandBuilder = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], None]
+
+MODEL_HELP = (
+    "a known model name (see `kvguard model list`), a Hugging Face-format model directory "
+    "or a .gguf file (default: %(default)s)"
+)
+
+
+# -- kvguard model -----------------------------------------------------------------------------
+def add_model_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    model = sub.add_parser(
+        "model",
+        help="list and fetch models in the local cache",
+        description="Models live in $KVGUARD_HOME/models (default ~/.cache/kvguard/models).",
+    )
+    actions = model.add_subparsers(dest="model_command", metavar="{list,fetch}", required=True)
+    lst = actions.add_parser("list", help="show known models and whether they are cached")
+    lst.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
+    lst.set_defaults(func=cmd_model_list)
+    fetch = actions.add_parser(
+        "fetch",
+        help="download and convert a model into the cache",
+        description="Download and convert a known model into the cache and print its directory.",
+    )
+    fetch.add_argument("name", metavar="NAME", help="a known model name, e.g. smollm2-135m or tiny")
+    fetch.add_argument(
+        "--force", action="store_true", help="fetch and convert again even if cached"
+    )
+    fetch.set_defaults(func=cmd_model_fetch)
+
+
+def cmd_model_list(args: argparse.Namespace) -> int:
+    from kvguard.engine.config import kvguard_home
+    from kvguard.engine.model_registry import list_models
+
+    rows = list_models(kvguard_home())
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(f"{'NAME':<16} {'CACHED':<7} {'SIZE':>9}  DESCRIPTION")
+    for row in rows:
+        size = f"{row['size_bytes'] / 2**20:.1f}MiB" if row["cached"] else "-"
+        cached = "yes" if row["cached"] else "no"
+        print(f"{row['name']:<16} {cached:<7} {size:>9}  {row['description']}")
+    return 0
+
+
+def cmd_model_fetch(args: argparse.Namespace) -> int:
+    from kvguard.engine.config import kvguard_home
+    from kvguard.engine.model_registry import fetch_model
+
+    print(fetch_model(args.name, kvguard_home(), force=args.force, progress=True))
+    return 0
+
+
+# -- kvguard generate --------------------------------------------------------------------------
+def add_generate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    gen = sub.add_parser(
+        "generate",
+        help="generate text offline, without a server",
+        description="Load a model, run the prompts through the engine as one batch, print the text.",
+        epilog="example: kvguard generate --chat --max-tokens 32 'What is a KV cache?'",
+    )
+    gen.add_argument(
+        "prompts",
+        nargs="+",
+        metavar="PROMPT",
+        help="prompt text; several prompts run as one batch; '-' reads a prompt from stdin",
+    )
+    gen.add_argument("--model", metavar="NAME|PATH", default="smollm2-135m", help=MODEL_HELP)
+    gen.add_argument(
+        "--max-tokens",
+        metavar="N",
+        type=int,
+        default=64,
+        help="tokens to generate per prompt (default: %(default)s)",
+    )
+    gen.add_argument(
+        "--temperature",
+        metavar="T",
+        type=float,
+        default=0.0,
+        help="0 is greedy (default: %(default)s)",
+    )
+    gen.add_argument(
+        "--top-p",
+        metavar="P",
+        type=float,
+        default=1.0,
+        help="nucleus sampling mass in (0, 1] (default: %(default)s)",
+    )
+    gen.add_argument(
+        "--top-k",
+        metavar="K",
+        type=int,
+        default=0,
+        help="sample from the k most likely tokens; 0 disables (default: %(default)s)",
+    )
+    gen.add_argument(
+        "--seed", metavar="S", type=int, default=None, help="sampling seed: same seed, same output"
+    )
+    gen.add_argument(
+        "--chat",
+        action="store_true",
+        help="wrap each prompt as a user message in the model's chat template",
+    )
+    gen.add_argument(
+        "--json", action="store_true", help="print a JSON list with token ids and finish reasons"
+    )
+    gen.add_argument(
+        "--kv-cache-bytes",
+        metavar="SIZE",
+        default=None,
+        help="KV cache budget on CPU, e.g. 64MiB (default: the engine's)",
+    )
+    gen.add_argument(
+        "--device",
+        metavar="DEVICE",
+        default="auto",
+        help="auto, cpu, cuda or cuda:N (default: %(default)s)",
+    )
+    gen.set_defaults(func=cmd_generate)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from kvguard.engine import EngineConfig, LLMEngine, SamplingParams
+
+    config: dict[str, Any] = {"model": args.model, "device": args.device}
+    if args.kv_cache_bytes is not None:
+        config["kv_cache_bytes"] = args.kv_cache_bytes
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+    )
+    engine = LLMEngine.from_config(EngineConfig(**config))
+    prompts = [sys.stdin.read() if p == "-" else p for p in args.prompts]
+    if args.chat:
+        prompts = [_chat_prompt(engine.tokenizer, p) for p in prompts]
+    # A rendered chat prompt already holds every special token the model expects.
+    outs = engine.generate(prompts, params, add_special_tokens=not args.chat)
+    _print_outputs(prompts, outs, args.json)
+    return 0
+
+
+def _chat_prompt(tokenizer: Any, prompt: str) -> str:
+    messages = [{"role": "user", "content": prompt}]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+
+
+def _print_outputs(prompts: list[str], outs: list[Any], as_json: bool) -> None:
+    if not as_json:
+        for out in outs:
+            print(out.text)
+        return
+    rows = [
+        {
+            "request_id": out.request_id,
+            "prompt": prompt,
+            "prompt_token_ids": out.prompt_token_ids,
+            "token_ids": out.token_ids,
+            "text": out.text,
+            "finish_reason": out.finish_reason,
+        }
+        for prompt, out in zip(prompts, outs, strict=True)
+    ]
+    print(json.dumps(rows, indent=2, ensure_ascii=False))
+
+
+# -- entry point -------------------------------------------------------------------------------
+SUBCOMMANDS: dict[str, SubcommandBuilder] = {
+    "serve": add_serve_parser,
+    "status": add_status_parser,
+    "model": add_model_parser,
+    "generate": add_generate_parser,
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvguard",
+        description="kvguard: an LLM inference daemon whose paged KV cache defends itself "
+        "against running out of memory.",
+        epilog="Set KVGUARD_HOME to move the model cache (default ~/.cache/kvguard).",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for build in SUBCOMMANDS.values():
+        build(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand; expected failures print one line, not a traceback, and exit 2."""
+    args = build_parser().parse_args(argv)
+    handler: Handler = args.func
+    from kvguard.engine.model_config import ModelLoadError  # after parsing: --help stays fast
+
+    try:
+        return handler(args)
+    except (ModelLoadError, ValueError, OSError) as e:  # ConfigError is a ValueError
+        print(f"kvguard: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

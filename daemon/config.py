@@ -1,0 +1,592 @@
+"""The daemon's YAML configuration: every key optional, every mistake reported with its line.
+
+The file mirrors the seed's sections (`serving`, `admission_control`, `offloading`,
+`quantization`, `recovery`, `monitoring`) plus the daemon's own (`api`, `rules`, `prometheus`,
+`audit`). An empty file, or none at all, serves the default model on 127.0.0.1:8000.
+
+An operator edits this file by hand, usually on a server and under pressure, so a bad file is
+answered once with *every* problem as `FILE:LINE: section.field: problem (expected ...)` rather
+than the first exception pydantic happens to raise. Line numbers come from the YAML node tree
+(each mapping key's mark), matched to pydantic's error locations.
+
+The seed's larger baselines ask for tensor/pipeline parallelism and 4-bit weights. They are
+accepted here, so the seed's files validate and can be kept under version control, but
+`to_engine_config()` refuses them with a clear message: the engine serves one device with
+unquantised weights.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import ErrorDetails
+
+from kvguard.engine.admission import AdmissionConfig
+from kvguard.engine.config import ConfigError, EngineConfig, parse_bytes
+
+MiB = 2**20
+CUDA_HEADROOM_MB = 2048  # seed §7.1: room for activations beside the KV pool on a GPU
+ADMIN_TOKEN_CREDENTIAL = "admin.token"  # name under $CREDENTIALS_DIRECTORY (systemd LoadCredential)
+
+Loc = tuple[str | int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Where:
+    """Turns an error location into the `FILE:LINE` (or `--flag`) an operator can act on."""
+
+    name: str = ""  # the file; "" for built-in defaults
+    lines: Mapping[Loc, int] = field(default_factory=dict)  # each key's line, 1-based
+    flags: Mapping[Loc, str] = field(default_factory=dict)  # keys set from the command line
+
+    def __call__(self, loc: Loc) -> str:
+        for n in range(len(loc), 0, -1):
+            if loc[:n] in self.flags:
+                return self.flags[loc[:n]]
+        for n in range(len(loc), -1, -1):  # an unset key points at its section
+            if loc[:n] in self.lines:
+                return f"{self.name}:{self.lines[loc[:n]]}"
+        return self.name
+
+
+class ConfigFileError(ValueError):
+    """A config file (or a command-line override) is unusable; `errors` holds one line per problem."""
+
+    def __init__(self, errors: list[str]) -> None:
+        self.errors = errors
+        super().__init__("\n".join(errors))
+
+
+# -- value types ---------------------------------------------------------------------------------
+_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d|w)")
+_DURATION_EXPECTED = (
+    "expected seconds as a number or a duration like '500ms', '30s', '5m', '2h', '90d'"
+)
+
+
+def parse_duration(value: Any) -> float:
+    """Seconds from 30, 2.5, '30s', '5m', '1h30m' or '90d': the units Prometheus users type."""
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise ValueError(f"{value!r} is not a duration ({_DURATION_EXPECTED})")
+    seconds = float(value) if isinstance(value, int | float) else _parse_duration_text(value)
+    if seconds < 0:
+        raise ValueError(f"{value!r} is negative ({_DURATION_EXPECTED})")
+    return seconds
+
+
+def _parse_duration_text(value: str) -> float:
+    text = value.strip().replace(" ", "")
+    if re.fullmatch(r"\d+(\.\d+)?", text):
+        return float(text)
+    if not text or not re.fullmatch(rf"(?:{_DURATION_PART.pattern})+", text):
+        raise ValueError(f"{value!r} is not a duration ({_DURATION_EXPECTED})")
+    return sum(float(n) * _DURATION_UNITS[unit] for n, unit in _DURATION_PART.findall(text))
+
+
+def _parse_size(value: Any) -> int:
+    """Bytes from 268435456 or '256MiB', via the engine's own parser so both agree."""
+    expected = "expected bytes as an integer or a size like '256MiB', '2GiB', '512MB'"
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise ValueError(f"{value!r} is not a size ({expected})")
+    try:
+        n = parse_bytes(value)
+    except ConfigError:
+        raise ValueError(f"{value!r} is not a size ({expected})") from None
+    if n <= 0:
+        raise ValueError(f"{value!r} is not positive ({expected} above zero)")
+    return n
+
+
+def _check_device(value: Any) -> Any:
+    if isinstance(value, str) and re.fullmatch(r"auto|cpu|cuda(:\d+)?", value):
+        return value
+    raise ValueError(f"{value!r} is not a device (expected auto, cpu, cuda or cuda:N)")
+
+
+Duration = Annotated[float, BeforeValidator(parse_duration)]
+Size = Annotated[int, BeforeValidator(_parse_size)]
+Device = Annotated[str, BeforeValidator(_check_device)]
+Ratio = Annotated[float, Field(gt=0.0, le=1.0)]
+OptPath = Annotated[Path | None, Field(strict=False)]
+
+
+class _Section(BaseModel):
+    # strict: `port: "8000"` or `enable: "yes"` is a typo worth reporting, not coercing.
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+# -- sections ------------------------------------------------------------------------------------
+class ServingConfig(_Section):
+    """The model and the engine's knobs (seed §7 `serving`)."""
+
+    model: str = Field("smollm2-135m", min_length=1)
+    device: Device = "auto"
+    dtype: Literal["auto", "fp32", "fp16", "bf16"] = "auto"
+    kv_cache_bytes: Size = 256 * MiB  # the KV budget on CPU; CUDA sizes from the utilisation
+    gpu_memory_utilization: Ratio = 0.85
+    block_size: Literal[8, 16, 32, 64] = 16
+    max_num_seqs: int = Field(32, ge=1)
+    max_model_len: int = Field(4096, ge=1)
+    kv_cache_dtype: Literal["auto", "fp32", "fp16", "bf16", "fp8_e4m3"] = "auto"
+    enable_chunked_prefill: bool = True
+    max_num_batched_tokens: int = Field(2048, ge=1)
+    num_threads: int | None = Field(None, ge=1)
+    tensor_parallel: int = Field(1, ge=1)  # accepted for the seed's baselines; engine needs 1
+    pipeline_parallel: int = Field(1, ge=1)
+
+    @field_validator("max_num_batched_tokens")
+    @classmethod
+    def _whole_prompt_fits(cls, v: int, info: ValidationInfo) -> int:
+        """Without chunking a prompt is prefilled in one step, so a step must hold the longest."""
+        limit = info.data.get("max_model_len")
+        if info.data.get("enable_chunked_prefill") is False and limit is not None and v < limit:
+            raise ValueError(
+                f"{v} < max_model_len {limit} with chunked prefill off "
+                f"(expected >= {limit}, or enable_chunked_prefill: true)"
+            )
+        return v
+
+
+class AdmissionControlConfig(_Section):
+    """Seed §5: project each request's KV peak before admitting it."""
+
+    enable: bool = True
+    safety_factor: float = Field(1.15, ge=1.0)
+    # null = auto: 2048 MiB on CUDA (seed §7.1), 0 on CPU. On CPU the KV pool is an explicit
+    # byte budget with nothing else inside it to protect, and 2 GiB would swallow the default
+    # 256 MiB pool whole: every request would be refused.
+    reserved_headroom_mb: int | None = Field(None, ge=0)
+    dynamic_max_tokens: bool = True
+    max_queue: int = Field(256, ge=0)
+
+
+class OffloadingConfig(_Section):
+    """Seed §7.2: swap preempted sequences' KV to host memory instead of recomputing."""
+
+    enable_cpu_offload: bool = False
+    cpu_cache_ratio: float = Field(0.4, ge=0.0, lt=1.0)
+    min_gpu_blocks: int = Field(512, ge=0)
+
+
+class QuantizationConfig(_Section):
+    """Seed §7.3 weight quantisation; only `none` can be served today."""
+
+    model_quantization: Literal["none", "awq_4bit", "gptq_4bit"] = "none"
+
+
+class RecoveryConfig(_Section):
+    """Seed §7.1 thresholds: below the target all is well, above the throttle we limit load."""
+
+    target_vram_usage: Ratio = 0.80
+    throttle_threshold: Ratio = 0.90
+
+    @field_validator("throttle_threshold")
+    @classmethod
+    def _above_target(cls, v: float, info: ValidationInfo) -> float:
+        target = info.data.get("target_vram_usage")
+        if target is not None and v <= target:
+            raise ValueError(f"{v} <= target_vram_usage {target} (expected a ratio above it)")
+        return v
+
+
+class MonitoringConfig(_Section):
+    """How often the exporter samples, and when GPU memory counts as close to OOM."""
+
+    oom_alert_threshold: Ratio = 0.90
+    nvml_poll_interval: Annotated[Duration, Field(gt=0)] = 5.0
+    # The engine publishes a snapshot every step; this bounds how often gauges are rebuilt.
+    snapshot_interval: Annotated[Duration, Field(gt=0)] = 1.0
+
+
+class ApiConfig(_Section):
+    """The HTTP listener. Loopback by default: exposing a model server is a deliberate act."""
+
+    host: str = Field("127.0.0.1", min_length=1)
+    port: int = Field(8000, ge=0, le=65535)  # 0: any free port (tests)
+    # null: the systemd credential $CREDENTIALS_DIRECTORY/admin.token if present and non-empty,
+    # else /admin/* is disabled. A default path under /etc would not be readable by the
+    # DynamicUser the unit runs as; systemd's LoadCredential= hands it over safely.
+    admin_token_file: OptPath = None
+    drain_timeout: Duration = 30.0
+    served_model_name: str | None = Field(None, min_length=1)
+
+    def admin_token_path(self) -> Path | None:
+        """The token file to read, or None when the admin API is off."""
+        if self.admin_token_file is not None:
+            return self.admin_token_file
+        creds = os.environ.get("CREDENTIALS_DIRECTORY")
+        if not creds:
+            return None
+        path = Path(creds) / ADMIN_TOKEN_CREDENTIAL
+        return path if path.is_file() and path.stat().st_size > 0 else None
+
+
+class RulesConfig(_Section):
+    path: OptPath = None  # null: the packaged default rules
+    dry_run: bool = False  # record what would have been done, change nothing
+
+
+class PrometheusConfig(_Section):
+    url: str | None = Field(None, pattern=r"^https?://")  # null: PromQL signals are unknown
+    timeout: Annotated[Duration, Field(gt=0)] = 2.0
+    instance: str | None = Field(None, min_length=1)  # null: "<hostname>:<api.port>"
+
+
+class AuditConfig(_Section):
+    url: str | None = Field(None, min_length=1)  # any SQLAlchemy URL; null: SQLite, see audit_url
+    retention: Annotated[Duration, Field(gt=0)] = 90 * 86400.0
+
+
+class DaemonConfig(_Section):
+    """The whole file; immutable, so a reload swaps it whole instead of mutating it in place."""
+
+    serving: ServingConfig = ServingConfig()
+    admission_control: AdmissionControlConfig = AdmissionControlConfig()
+    offloading: OffloadingConfig = OffloadingConfig()
+    quantization: QuantizationConfig = QuantizationConfig()
+    recovery: RecoveryConfig = RecoveryConfig()
+    monitoring: MonitoringConfig = MonitoringConfig()
+    api: ApiConfig = ApiConfig()
+    rules: RulesConfig = RulesConfig()
+    prometheus: PrometheusConfig = PrometheusConfig()
+    audit: AuditConfig = AuditConfig()
+
+    _where: Where = PrivateAttr(default_factory=Where)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_sections(cls, data: Any) -> Any:
+        """`serving:` with nothing under it (YAML null) means that section's defaults."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
+    def to_engine_config(self) -> EngineConfig:
+        """The engine's config; refuses what the engine cannot serve, naming the key and line."""
+        problems = self._unservable()
+        if problems:
+            raise ConfigFileError([self._line(loc, msg) for loc, msg in problems])
+        s, a, o = self.serving, self.admission_control, self.offloading
+        return EngineConfig(
+            model=s.model,
+            device=s.device,
+            dtype=s.dtype,
+            kv_cache_dtype=s.kv_cache_dtype,
+            kv_cache_bytes=s.kv_cache_bytes,
+            gpu_memory_utilization=s.gpu_memory_utilization,
+            block_size=s.block_size,
+            max_num_seqs=s.max_num_seqs,
+            max_model_len=s.max_model_len,
+            max_num_batched_tokens=s.max_num_batched_tokens,
+            enable_chunked_prefill=s.enable_chunked_prefill,
+            num_threads=s.num_threads,
+            enable_cpu_offload=o.enable_cpu_offload,
+            cpu_cache_ratio=o.cpu_cache_ratio,
+            min_gpu_blocks=o.min_gpu_blocks,
+            admission=AdmissionConfig(
+                enable=a.enable,
+                safety_factor=a.safety_factor,
+                reserved_headroom_bytes=self.reserved_headroom_mb() * MiB,
+                dynamic_max_tokens=a.dynamic_max_tokens,
+                max_queue=a.max_queue,
+            ),
+        )
+
+    def reserved_headroom_mb(self) -> int:
+        """The configured headroom, or the auto value for the device the engine will use."""
+        mb = self.admission_control.reserved_headroom_mb
+        if mb is not None:
+            return mb
+        return CUDA_HEADROOM_MB if _uses_cuda(self.serving.device) else 0
+
+    def _unservable(self) -> list[tuple[Loc, str]]:
+        s = self.serving
+        out: list[tuple[Loc, str]] = []
+        for key in ("tensor_parallel", "pipeline_parallel"):
+            if getattr(s, key) > 1:
+                out.append(
+                    (
+                        ("serving", key),
+                        f"{getattr(s, key)} is not supported: kvguard's engine serves a model on "
+                        "one device (expected 1)",
+                    )
+                )
+        q = self.quantization.model_quantization
+        if q != "none":
+            out.append(
+                (
+                    ("quantization", "model_quantization"),
+                    f"{q} weights cannot be loaded yet (expected none: unquantised weights, or a "
+                    "GGUF that the engine dequantises)",
+                )
+            )
+        return out + self._headroom_problem()
+
+    def _headroom_problem(self) -> list[tuple[Loc, str]]:
+        """On CPU the pool is kv_cache_bytes; a headroom as large would refuse every request."""
+        mb = self.admission_control.reserved_headroom_mb
+        budget = self.serving.kv_cache_bytes
+        if mb is None or _uses_cuda(self.serving.device) or mb * MiB < budget:
+            return []
+        return [
+            (
+                ("admission_control", "reserved_headroom_mb"),
+                f"{mb} MiB leaves nothing of the {budget / MiB:g} MiB CPU KV budget "
+                "(serving.kv_cache_bytes), so every request would be refused "
+                "(expected well below it, e.g. 0..16 on CPU)",
+            )
+        ]
+
+    def _line(self, loc: Loc, msg: str) -> str:
+        where = self._where(loc)
+        return f"{where + ': ' if where else ''}{_dotted(loc)}: {msg}"
+
+    def audit_url(self) -> str:
+        """The audit database: as configured, else SQLite in systemd's state dir or ./var/."""
+        if self.audit.url:
+            return self.audit.url
+        return f"sqlite:///{state_dir() / 'audit.db'}"
+
+    def served_model_name(self) -> str:
+        """The name clients put in `model` and see in /v1/models."""
+        return self.api.served_model_name or self.serving.model
+
+    def prometheus_instance(self) -> str:
+        """The value substituted for `$instance` in PromQL signals."""
+        return self.prometheus.instance or f"{socket.gethostname()}:{self.api.port}"
+
+
+def _uses_cuda(device: str) -> bool:
+    """Whether the engine will run on CUDA; `auto` asks torch, as the engine itself will."""
+    if device != "auto":
+        return device.startswith("cuda")
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def state_dir() -> Path:
+    """systemd's StateDirectory= (first entry of $STATE_DIRECTORY), else ./var/ (absolute)."""
+    env = os.environ.get("STATE_DIRECTORY", "").split(":")[0]
+    return Path(env) if env else Path("var").resolve()
+
+
+# -- loading -------------------------------------------------------------------------------------
+def load_config(path: Path | None) -> DaemonConfig:
+    """Read and validate a config file; None (no --config) gives the defaults."""
+    if path is None:
+        return DaemonConfig()
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigFileError([f"{path}: cannot read the config file: {e}"]) from None
+    data, lines, errors = _parse_yaml(text, str(path))
+    if errors:
+        raise ConfigFileError(errors)
+    return _validate(data, Where(str(path), lines))
+
+
+def apply_overrides(
+    cfg: DaemonConfig,
+    model: str | None = None,
+    host: str | None = None,
+    port: int | None = None,
+    dry_run: bool | None = None,
+) -> DaemonConfig:
+    """A copy with command-line flags applied on top of the file; flags win, as users expect."""
+    flags = {
+        ("serving", "model"): ("--model", model),
+        ("api", "host"): ("--host", host),
+        ("api", "port"): ("--port", port),
+        ("rules", "dry_run"): ("--dry-run", dry_run),
+    }
+    data = cfg.model_dump(exclude_unset=True)
+    for (section, key), (_, value) in flags.items():
+        if value is not None:
+            data.setdefault(section, {})[key] = value
+    given = {loc: flag for loc, (flag, value) in flags.items() if value is not None}
+    return _validate(data, replace(cfg._where, flags={**cfg._where.flags, **given}))
+
+
+def _validate(data: Any, where: Where) -> DaemonConfig:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigFileError([_top_level_error(data, where)])
+    try:
+        cfg = DaemonConfig.model_validate(data)
+    except ValidationError as e:
+        errors = sorted(e.errors(), key=lambda err: _line_of(where(tuple(err["loc"]))))
+        raise ConfigFileError([_format_error(err, where) for err in errors]) from None
+    cfg._where = where
+    return cfg
+
+
+def _line_of(prefix: str) -> int:
+    """The line in a `FILE:LINE` prefix, so errors are listed in the order they appear."""
+    head, _, tail = prefix.rpartition(":")
+    return int(tail) if head and tail.isdigit() else 0
+
+
+def _top_level_error(data: Any, where: Where) -> str:
+    sections = ", ".join(DaemonConfig.model_fields)
+    prefix = where(())
+    return (
+        f"{prefix + ': ' if prefix else ''}(top level): {_shown(data)} "
+        f"(expected a mapping of sections: {sections})"
+    )
+
+
+# -- YAML with line numbers ----------------------------------------------------------------------
+def _parse_yaml(text: str, name: str) -> tuple[Any, dict[Loc, int], list[str]]:
+    """The document, the line of every key (1-based) and any syntax or duplicate-key errors."""
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        data = loader.construct_document(node) if node is not None else None
+    except yaml.MarkedYAMLError as e:
+        return None, {}, [_yaml_error(e, name)]
+    except yaml.YAMLError as e:
+        return None, {}, [f"{name}: YAML error: {e}"]
+    finally:
+        loader.dispose()
+    lines: dict[Loc, int] = {}
+    errors: list[str] = []
+    if node is not None:
+        lines[()] = node.start_mark.line + 1
+        _index_node(node, (), lines, errors, name)
+    return data, lines, errors
+
+
+def _yaml_error(e: yaml.MarkedYAMLError, name: str) -> str:
+    mark = e.problem_mark or e.context_mark
+    line = f":{mark.line + 1}" if mark is not None else ""
+    context = f" ({e.context})" if e.context else ""
+    return f"{name}{line}: YAML syntax: {e.problem}{context} (expected valid YAML)"
+
+
+def _index_node(
+    node: yaml.Node, loc: Loc, lines: dict[Loc, int], errors: list[str], name: str
+) -> None:
+    """Record each key's line; a key given twice is an error (YAML would keep the last silently)."""
+    if isinstance(node, yaml.MappingNode):
+        for key_node, value_node in node.value:
+            key = (*loc, key_node.value)
+            line = key_node.start_mark.line + 1
+            if key in lines:
+                errors.append(
+                    f"{name}:{line}: {_dotted(key)}: duplicate key "
+                    f"(expected once; first given on line {lines[key]})"
+                )
+                continue
+            lines[key] = line
+            _index_node(value_node, key, lines, errors, name)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            lines[(*loc, i)] = item.start_mark.line + 1
+            _index_node(item, (*loc, i), lines, errors, name)
+
+
+# -- pydantic errors as operator messages --------------------------------------------------------
+_EXPECTED_TYPE = {
+    "int_type": "an integer",
+    "int_from_float": "an integer",
+    "float_type": "a number",
+    "bool_type": "true or false",
+    "string_type": "a string",
+    "path_type": "a file path",
+    "model_type": "a mapping of keys",
+    "dict_type": "a mapping of keys",
+}
+_BOUNDS = {
+    "greater_than": ">",
+    "greater_than_equal": ">=",
+    "less_than": "<",
+    "less_than_equal": "<=",
+}
+
+
+def _format_error(err: ErrorDetails, where: Where) -> str:
+    loc = tuple(err["loc"])
+    prefix = where(loc)
+    return f"{prefix + ': ' if prefix else ''}{_dotted(loc)}: {_describe(err)}"
+
+
+def _describe(err: ErrorDetails) -> str:
+    """pydantic's error as `problem (expected ...)`, in the file's own terms."""
+    kind, value, ctx = err["type"], err.get("input"), err.get("ctx") or {}
+    if kind == "value_error":
+        return str(ctx.get("error", err["msg"]))
+    if kind == "extra_forbidden":
+        known = ", ".join(_known_keys(tuple(err["loc"][:-1])))
+        return f"unknown key (expected one of: {known})"
+    if kind == "literal_error":
+        return f"{value!r} is not allowed (expected {ctx.get('expected')})"
+    if kind in _EXPECTED_TYPE:
+        return f"{_shown(value)} (expected {_EXPECTED_TYPE[kind]})"
+    if kind in _BOUNDS:
+        bound = next(iter(ctx.values()))
+        return f"{value!r} is out of range (expected a value {_BOUNDS[kind]} {bound})"
+    if kind in ("string_too_short", "string_pattern_mismatch"):
+        return f"{value!r} is not allowed (expected {_string_rule(ctx)})"
+    return f"{err['msg'].lower()} (got {value!r})"
+
+
+def _string_rule(ctx: dict[str, Any]) -> str:
+    if "pattern" in ctx:
+        return f"a value matching {ctx['pattern']}, e.g. http://127.0.0.1:9090"
+    return "a non-empty string"
+
+
+def _known_keys(loc: Loc) -> list[str]:
+    model: type[BaseModel] = DaemonConfig
+    for part in loc:
+        annotation = model.model_fields[str(part)].annotation
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return []
+        model = annotation
+    return list(model.model_fields)
+
+
+def _kind(value: Any) -> str:
+    """How a YAML user would name the value they wrote."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, dict):
+        return "a mapping"
+    if isinstance(value, int | float):
+        return "a number"
+    return "a string"
+
+
+def _shown(value: Any) -> str:
+    """`a string 'x'`, `a number 5`; containers by kind alone, as they can be long."""
+    return _kind(value) if isinstance(value, list | dict) else f"{_kind(value)} {value!r}"
+
+
+def _dotted(loc: Loc) -> str:
+    return ".".join(f"[{p}]" if isinstance(p, int) else str(p) for p in loc).replace(".[", "[")

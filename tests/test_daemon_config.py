@@ -1,0 +1,345 @@
+"""The daemon's config file: defaults, the shipped examples, and errors an operator can act on."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from kvguard.daemon.config import (
+    ConfigFileError,
+    DaemonConfig,
+    MiB,
+    apply_overrides,
+    load_config,
+    parse_duration,
+)
+
+DAEMON = Path(__file__).resolve().parents[1] / "daemon"
+EXAMPLES = DAEMON / "examples"
+ETC_CONFIG = DAEMON / "systemd" / "etc" / "kvguard" / "config.yaml"
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "kvguard.yaml"
+    path.write_text(textwrap.dedent(text).lstrip("\n"))
+    return path
+
+
+def errors_of(path: Path) -> list[str]:
+    with pytest.raises(ConfigFileError) as info:
+        load_config(path)
+    assert str(info.value) == "\n".join(info.value.errors)
+    return info.value.errors
+
+
+# -- defaults ------------------------------------------------------------------------------------
+def test_defaults_serve_the_default_model_on_loopback() -> None:
+    cfg = load_config(None)
+    assert (cfg.serving.model, cfg.api.host, cfg.api.port) == ("smollm2-135m", "127.0.0.1", 8000)
+    assert cfg.served_model_name() == "smollm2-135m"
+    engine = cfg.to_engine_config()
+    assert engine.model == "smollm2-135m"
+    assert engine.kv_cache_bytes == 256 * MiB
+    assert (engine.block_size, engine.max_num_seqs, engine.max_model_len) == (16, 32, 4096)
+    assert engine.admission is not None and engine.admission.safety_factor == 1.15
+    assert engine.admission.reserved_headroom_bytes == cfg.reserved_headroom_mb() * MiB
+
+
+def test_headroom_is_auto_per_device() -> None:
+    """The seed's 2 GiB suits a GPU; on CPU it would exceed the whole 256 MiB KV budget."""
+    cpu = DaemonConfig.model_validate({"serving": {"device": "cpu"}})
+    cuda = DaemonConfig.model_validate({"serving": {"device": "cuda:0"}})
+    assert cpu.to_engine_config().admission.reserved_headroom_bytes == 0
+    assert cuda.to_engine_config().admission.reserved_headroom_bytes == 2048 * MiB
+
+
+@pytest.mark.parametrize("text", ["", "# only a comment\n", "---\n", "serving:\napi: ~\n"])
+def test_empty_file_or_sections_mean_defaults(tmp_path: Path, text: str) -> None:
+    assert load_config(write(tmp_path, text)).model_dump() == DaemonConfig().model_dump()
+
+
+def test_etc_config_documents_the_defaults() -> None:
+    """The commented /etc file lists the defaults: it must not drift from the code."""
+    assert load_config(ETC_CONFIG).model_dump() == DaemonConfig().model_dump()
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [(30, 30.0), (2.5, 2.5), ("30s", 30.0), ("5m", 300.0), ("2h", 7200.0), ("90d", 7776000.0)]
+    + [("500ms", 0.5), ("1h30m", 5400.0), ("45", 45.0)],
+)
+def test_durations(text: str | float, seconds: float) -> None:
+    assert parse_duration(text) == pytest.approx(seconds)
+
+
+def test_units_are_converted(tmp_path: Path) -> None:
+    cfg = load_config(
+        write(
+            tmp_path,
+            "serving: {kv_cache_bytes: 1GiB}\naudit: {retention: 2w}\napi: {drain_timeout: 1m}",
+        )
+    )
+    assert cfg.serving.kv_cache_bytes == 2**30
+    assert (cfg.audit.retention, cfg.api.drain_timeout) == (14 * 86400.0, 60.0)
+
+
+# -- shipped examples ----------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["single-gpu-7b", "dual-gpu-13b", "multi-gpu-70b", "cpu-smollm2"])
+def test_examples_validate(name: str) -> None:
+    load_config(EXAMPLES / f"{name}.yaml")
+
+
+def test_seed_single_gpu_baseline_converts() -> None:
+    engine = load_config(EXAMPLES / "single-gpu-7b.yaml").to_engine_config()
+    assert (engine.model, engine.kv_cache_dtype, engine.max_num_seqs) == (
+        "meta-llama/Llama-2-7b-hf",
+        "fp16",
+        32,
+    )
+    assert engine.admission.reserved_headroom_bytes == 2048 * MiB
+
+
+def test_cpu_example_converts_with_offload_active() -> None:
+    engine = load_config(EXAMPLES / "cpu-smollm2.yaml").to_engine_config()
+    assert (engine.device, engine.kv_cache_bytes, engine.num_threads) == ("cpu", 256 * MiB, 2)
+    assert engine.enable_cpu_offload and engine.min_gpu_blocks <= 364  # 256 MiB / 720 KiB blocks
+    assert engine.admission.reserved_headroom_bytes == 8 * MiB
+
+
+def test_parallel_baselines_validate_but_cannot_be_served() -> None:
+    path = EXAMPLES / "dual-gpu-13b.yaml"
+    cfg = load_config(path)
+    assert cfg.serving.tensor_parallel == 2 and cfg.offloading.min_gpu_blocks == 512
+    with pytest.raises(ConfigFileError) as info:
+        cfg.to_engine_config()
+    assert info.value.errors == [
+        f"{path}:{line_of(path, 'tensor_parallel:')}: serving.tensor_parallel: 2 is not "
+        "supported: kvguard's engine serves a model on one device (expected 1)"
+    ]
+
+
+def test_large_baseline_lists_every_unservable_key() -> None:
+    path = EXAMPLES / "multi-gpu-70b.yaml"
+    with pytest.raises(ConfigFileError) as info:
+        load_config(path).to_engine_config()
+    keys = ["tensor_parallel:", "pipeline_parallel:", "model_quantization:"]
+    prefixes = [f"{path}:{line_of(path, key)}: " for key in keys]
+    assert [e[: len(p)] for e, p in zip(info.value.errors, prefixes, strict=True)] == prefixes
+    assert "quantization.model_quantization: awq_4bit" in info.value.errors[2]
+
+
+def line_of(path: Path, needle: str) -> int:
+    lines = path.read_text().splitlines()
+    return next(i for i, line in enumerate(lines, 1) if line.lstrip().startswith(needle))
+
+
+# -- broken files --------------------------------------------------------------------------------
+BROKEN = [
+    (
+        "unknown key",
+        "serving:\n  model: x\n  max_seqs: 4\n",
+        "3: serving.max_seqs: unknown key (expected one of: model, device,",
+    ),
+    (
+        "unknown section",
+        "api: {port: 1}\nserve: {}\n",
+        "2: serve: unknown key (expected one of: serving, admission_control,",
+    ),
+    (
+        "wrong type",
+        "serving:\n  max_num_seqs: many\n",
+        "2: serving.max_num_seqs: a string 'many' (expected an integer)",
+    ),
+    (
+        "quoted number",
+        "api:\n  host: 0.0.0.0\n  port: '8000'\n",
+        "3: api.port: a string '8000' (expected an integer)",
+    ),
+    (
+        "bool as string",
+        "rules:\n  dry_run: maybe\n",
+        "2: rules.dry_run: a string 'maybe' (expected true or false)",
+    ),
+    (
+        "bad duration",
+        "api:\n  drain_timeout: 30 sec\n",
+        "2: api.drain_timeout: '30 sec' is not a duration (expected seconds as a number or a "
+        "duration like '500ms', '30s', '5m', '2h', '90d')",
+    ),
+    (
+        "negative duration",
+        "monitoring: {nvml_poll_interval: -5}\n",
+        "1: monitoring.nvml_poll_interval: -5 is negative (expected seconds",
+    ),
+    (
+        "bad size",
+        "# budget\n\nserving:\n  kv_cache_bytes: 256 megs\n",
+        "4: serving.kv_cache_bytes: '256 megs' is not a size (expected bytes as an integer or a "
+        "size like '256MiB', '2GiB', '512MB')",
+    ),
+    (
+        "bad enum",
+        "serving:\n  kv_cache_dtype: fp8\n",
+        "2: serving.kv_cache_dtype: 'fp8' is not allowed (expected 'auto', 'fp32', 'fp16', "
+        "'bf16' or 'fp8_e4m3')",
+    ),
+    (
+        "bad device",
+        "serving:\n  device: gpu\n",
+        "2: serving.device: 'gpu' is not a device (expected auto, cpu, cuda or cuda:N)",
+    ),
+    (
+        "out of range",
+        "serving:\n  gpu_memory_utilization: 1.5\n",
+        "2: serving.gpu_memory_utilization: 1.5 is out of range (expected a value <= 1.0)",
+    ),
+    (
+        "section not a mapping",
+        "serving:\n  model: x\noffloading: yes\n",
+        "3: offloading: a boolean True (expected a mapping of keys)",
+    ),
+    (
+        "cross-field",
+        "serving:\n  enable_chunked_prefill: false\n  max_num_batched_tokens: 512\n",
+        "3: serving.max_num_batched_tokens: 512 < max_model_len 4096 with chunked prefill off "
+        "(expected >= 4096, or enable_chunked_prefill: true)",
+    ),
+    (
+        "thresholds out of order",
+        "recovery:\n  target_vram_usage: 0.9\n  throttle_threshold: 0.8\n",
+        "3: recovery.throttle_threshold: 0.8 <= target_vram_usage 0.9 (expected a ratio above it)",
+    ),
+    (
+        "duplicate key",
+        "serving:\n  model: a\n  model: b\n",
+        "3: serving.model: duplicate key (expected once; first given on line 2)",
+    ),
+    (
+        "yaml syntax error",
+        "serving:\n  model: x\n  max_num_seqs: [1, 2\napi: {}\n",
+        "4: YAML syntax: expected ',' or ']', but got ':' (while parsing a flow sequence) "
+        "(expected valid YAML)",
+    ),
+    (
+        "bad indentation",
+        "serving:\n  model: x\n   block_size: 16\n",
+        "3: YAML syntax: mapping values are not allowed here (expected valid YAML)",
+    ),
+    (
+        "list at top level",
+        "# a list by mistake\n- serving\n- api\n",
+        "2: (top level): a list (expected a mapping of sections: serving, admission_control,",
+    ),
+    (
+        "scalar at top level",
+        "serving\n",
+        "1: (top level): a string 'serving' (expected a mapping of sections:",
+    ),
+]
+
+
+@pytest.mark.parametrize(("text", "expected"), [b[1:] for b in BROKEN], ids=[b[0] for b in BROKEN])
+def test_broken_file_names_file_line_and_field(tmp_path: Path, text: str, expected: str) -> None:
+    path = write(tmp_path, text)
+    errors = errors_of(path)
+    assert len(errors) == 1, errors
+    assert errors[0].startswith(f"{path}:{expected}"), errors[0]
+
+
+def test_every_error_in_a_file_is_listed_in_file_order(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        """
+        serving:
+          model: smollm2-135m
+          block_size: 12
+          kv_cache_bytes: lots
+        admission_control:
+          safety_factor: 0.5
+        api:
+          port: 70000
+          colour: blue
+        audit:
+          retention: forever
+        """,
+    )
+    errors = errors_of(path)
+    assert [e.split(": ")[0:2] for e in errors] == [
+        [f"{path}:3", "serving.block_size"],
+        [f"{path}:4", "serving.kv_cache_bytes"],
+        [f"{path}:6", "admission_control.safety_factor"],
+        [f"{path}:8", "api.port"],
+        [f"{path}:9", "api.colour"],
+        [f"{path}:11", "audit.retention"],
+    ]
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    path = tmp_path / "absent.yaml"
+    [error] = errors_of(path)
+    assert error.startswith(f"{path}: cannot read the config file:")
+
+
+def test_cpu_headroom_larger_than_the_budget_is_refused(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        "serving: {device: cpu}\nadmission_control:\n  reserved_headroom_mb: 2048\n",
+    )
+    with pytest.raises(ConfigFileError) as info:
+        load_config(path).to_engine_config()
+    assert info.value.errors[0].startswith(
+        f"{path}:3: admission_control.reserved_headroom_mb: 2048 MiB leaves nothing of the 256 MiB"
+    )
+
+
+# -- derived values ------------------------------------------------------------------------------
+def test_audit_url_defaults_to_sqlite_in_the_state_dir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("STATE_DIRECTORY", "/var/lib/kvguard:/var/lib/other")
+    assert DaemonConfig().audit_url() == "sqlite:////var/lib/kvguard/audit.db"
+    monkeypatch.delenv("STATE_DIRECTORY")
+    monkeypatch.chdir(tmp_path)
+    assert DaemonConfig().audit_url() == f"sqlite:///{tmp_path.resolve()}/var/audit.db"
+    cfg = DaemonConfig.model_validate({"audit": {"url": "postgresql://db/kvguard"}})
+    assert cfg.audit_url() == "postgresql://db/kvguard"
+
+
+def test_admin_token_comes_from_the_file_or_the_systemd_credential(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("CREDENTIALS_DIRECTORY", raising=False)
+    assert DaemonConfig().api.admin_token_path() is None
+    monkeypatch.setenv("CREDENTIALS_DIRECTORY", str(tmp_path))
+    assert DaemonConfig().api.admin_token_path() is None  # no credential: admin API off
+    (tmp_path / "admin.token").write_text("s3cret\n")
+    assert DaemonConfig().api.admin_token_path() == tmp_path / "admin.token"
+    explicit = DaemonConfig.model_validate({"api": {"admin_token_file": "/etc/kvguard/t"}})
+    assert explicit.api.admin_token_path() == Path("/etc/kvguard/t")
+
+
+# -- command-line overrides ----------------------------------------------------------------------
+def test_overrides_win_over_the_file(tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, "serving: {model: tiny, max_num_seqs: 4}\napi: {port: 9000}"))
+    out = apply_overrides(cfg, model="smollm2-135m", host="0.0.0.0", port=8080, dry_run=True)
+    assert (out.serving.model, out.serving.max_num_seqs) == ("smollm2-135m", 4)
+    assert (out.api.host, out.api.port, out.rules.dry_run) == ("0.0.0.0", 8080, True)
+    assert apply_overrides(cfg).model_dump() == cfg.model_dump()
+    assert cfg.api.port == 9000  # the original is left alone
+
+
+def test_bad_override_names_the_flag() -> None:
+    with pytest.raises(ConfigFileError) as info:
+        apply_overrides(DaemonConfig(), port=70000)
+    assert info.value.errors == [
+        "--port: api.port: 70000 is out of range (expected a value <= 65535)"
+    ]
+
+
+def test_overridden_config_still_points_at_file_lines(tmp_path: Path) -> None:
+    path = write(tmp_path, "serving:\n  model: x\n  tensor_parallel: 2\n")
+    with pytest.raises(ConfigFileError) as info:
+        apply_overrides(load_config(path), port=1).to_engine_config()
+    assert info.value.errors[0].startswith(f"{path}:3: serving.tensor_parallel: 2 ")

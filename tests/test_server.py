@@ -1,0 +1,394 @@
+"""`kvguard serve` as a user runs it: a real process on loopback, the real `openai` client."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+KVGUARD = str(Path(sys.executable).parent / "kvguard")
+TOKEN = "s3cret-admin-token"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Daemon:
+    """A `kvguard serve` subprocess with its own config, token and state directory."""
+
+    def __init__(self, tmp: Path, extra: str = "", env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        (tmp / "admin.token").write_text(TOKEN + "\n")
+        self.config = tmp / "config.yaml"
+        self.config.write_text(
+            f"serving: {{model: tiny, kv_cache_bytes: 8MiB, max_model_len: 512}}\n"
+            f"api: {{host: 127.0.0.1, port: {self.port}, admin_token_file: {tmp / 'admin.token'},"
+            f" drain_timeout: 20s}}\n"
+            f"audit: {{url: 'sqlite:///{tmp / 'audit.db'}'}}\n" + extra
+        )
+        full_env = {**os.environ, "STATE_DIRECTORY": str(tmp), **(env or {})}
+        self.log = open(tmp / "daemon.log", "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            [KVGUARD, "serve", "--config", str(self.config)],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=full_env,
+        )
+        self.wait_ready()
+
+    def wait_ready(self, timeout: float = 90) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"daemon exited {self.proc.returncode}: {Path(self.log.name).read_text()}"
+                )
+            try:
+                if httpx.get(self.url + "/ready", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError("daemon not ready")
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+    def admin(self, method: str, path: str, **kw) -> httpx.Response:
+        return httpx.request(
+            method, self.url + path, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60, **kw
+        )
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.log.close()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    d = Daemon(tmp_path_factory.mktemp("daemon"))
+    yield d
+    assert d.stop() == 0
+
+
+def test_completion_chat_and_usage(daemon: Daemon) -> None:
+    c = daemon.client()
+    assert [m.id for m in c.models.list().data] == ["tiny"]
+    r = c.completions.create(
+        model="tiny",
+        prompt="Hello there",
+        max_tokens=12,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 12 and r.usage.prompt_tokens == len(b"Hello there")
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 12
+    chat = c.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Hi!"}], max_tokens=8, temperature=0
+    )
+    assert chat.choices[0].message.role == "assistant"
+    assert chat.usage.completion_tokens <= 8 and chat.choices[0].finish_reason in ("stop", "length")
+
+
+def test_streaming_matches_non_streaming(daemon: Daemon) -> None:
+    c = daemon.client()
+    full = c.completions.create(
+        model="tiny",
+        prompt="Stream me",
+        max_tokens=16,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    chunks = list(
+        c.completions.create(
+            model="tiny",
+            prompt="Stream me",
+            max_tokens=16,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == full.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+    chat = list(
+        c.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "x"}],
+            max_tokens=6,
+            stream=True,
+            stream_options={"include_usage": True},
+            temperature=0,
+        )
+    )
+    assert chat[0].choices[0].delta.role == "assistant"
+    assert chat[-1].usage is not None and chat[-1].usage.completion_tokens <= 6
+
+
+def test_stop_strings_are_honoured(daemon: Daemon) -> None:
+    c = daemon.client()
+    free = (
+        c.completions.create(
+            model="tiny",
+            prompt="abc",
+            max_tokens=30,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        .choices[0]
+        .text
+    )
+    stop = free[4:6]
+    cut = c.completions.create(
+        model="tiny",
+        prompt="abc",
+        max_tokens=30,
+        temperature=0,
+        stop=[stop],
+        extra_body={"ignore_eos": True},
+    )
+    assert (
+        cut.choices[0].finish_reason == "stop" and cut.choices[0].text == free[: free.index(stop)]
+    )
+    streamed = "".join(
+        ch.choices[0].text
+        for ch in c.completions.create(
+            model="tiny",
+            prompt="abc",
+            max_tokens=30,
+            temperature=0,
+            stop=[stop],
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        if ch.choices
+    )
+    assert streamed == cut.choices[0].text
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "needle"),
+    [
+        ("{not json", 400, ""),
+        ({"model": "tiny", "prompt": 5}, 400, "prompt"),
+        ({"model": "tiny", "prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
+        ({"model": "tiny", "prompt": "x", "max_tokens": "ten"}, 400, "max_tokens"),
+        ({"model": "gpt-9", "prompt": "x"}, 404, "gpt-9"),
+        ({"model": "tiny", "prompt": "x" * 5000}, 400, "max_model_len"),
+        ({"model": "tiny", "prompt": "x", "priority": "urgent"}, 400, "priority"),
+        ({"model": "tiny", "prompt": ""}, 400, "empty"),
+        ({"model": "tiny", "prompt": "x", "temperature": -1}, 400, "temperature"),
+        ({"model": "tiny", "prompt": "x", "n": 3}, 400, "n"),
+    ],
+)
+def test_bad_requests_get_openai_errors(daemon: Daemon, body, status: int, needle: str) -> None:
+    data = body if isinstance(body, str) else json.dumps(body)
+    r = httpx.post(
+        daemon.url + "/v1/completions", content=data, headers={"Content-Type": "application/json"}
+    )
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and needle in err["message"] + str(err.get("param"))
+
+
+def test_bad_priority_header_and_chat_body(daemon: Daemon) -> None:
+    r = httpx.post(daemon.url + "/v1/chat/completions", json={"model": "tiny", "messages": []})
+    assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
+    r = httpx.post(
+        daemon.url + "/v1/completions",
+        json={"model": "tiny", "prompt": "x"},
+        headers={"X-Priority": "urgent"},
+    )
+    assert r.status_code == 400
+
+
+def test_admin_needs_the_token(daemon: Daemon) -> None:
+    assert httpx.get(daemon.url + "/admin/state").status_code == 401
+    bad = httpx.get(daemon.url + "/admin/state", headers={"Authorization": "Bearer nope"})
+    assert bad.status_code == 403
+    ok = daemon.admin("GET", "/admin/state")
+    assert ok.status_code == 200 and ok.json()["knobs"]["max_num_seqs"] == 32
+    act = daemon.admin("POST", "/admin/actions/reduce_batch", json={"factor": 0.5})
+    assert act.status_code == 200 and act.json()["after"]["max_num_seqs"] == 16
+    daemon.admin("POST", "/admin/actions/restore_batch")
+    assert daemon.admin("POST", "/admin/actions/no_such_action").status_code == 404
+    assert (
+        daemon.admin("POST", "/admin/actions/reduce_batch", json={"factor": 3}).status_code == 400
+    )
+
+
+def test_cap_truncation_is_reported(daemon: Daemon) -> None:
+    daemon.admin("POST", "/admin/actions/cap_max_new_tokens", json={"n": 4})
+    try:
+        r = httpx.post(
+            daemon.url + "/v1/completions",
+            json={"model": "tiny", "prompt": "cap", "max_tokens": 20, "ignore_eos": True},
+        ).json()
+        assert r["usage"]["completion_tokens"] == 4 and r["kvguard"]["truncated"] is True
+    finally:
+        daemon.admin("POST", "/admin/actions/uncap_max_new_tokens")
+
+
+def test_halted_admission_answers_503_with_retry_after(daemon: Daemon) -> None:
+    daemon.admin("POST", "/admin/actions/halt_admission", json={"allow_priority": "high"})
+    try:
+        r = httpx.post(
+            daemon.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2}
+        )
+        assert r.status_code == 503 and int(r.headers["Retry-After"]) >= 1
+        assert r.json()["error"]["code"] == "admission_rejected"
+        hi = httpx.post(
+            daemon.url + "/v1/completions",
+            json={"model": "tiny", "prompt": "x", "max_tokens": 2},
+            headers={"X-Priority": "high"},
+        )
+        assert hi.status_code == 200
+    finally:
+        daemon.admin("POST", "/admin/actions/resume_admission")
+
+
+def test_metrics_and_health(daemon: Daemon) -> None:
+    assert httpx.get(daemon.url + "/health").json()["status"] == "alive"
+    text = httpx.get(daemon.url + "/metrics").text
+    for name in (
+        'kvguard_kv_cache_usage_ratio{tier="device"}',
+        "kvguard_kv_cache_blocks",
+        "kvguard_requests{",
+        "kvguard_preemptions_total",
+        "kvguard_admission_decisions_total",
+        "kvguard_engine_oom_events_total",
+        "kvguard_time_to_first_token_seconds_bucket",
+        "kvguard_nvml_up 0.0",
+    ):
+        assert name in text, name
+
+
+def test_client_disconnect_frees_blocks(daemon: Daemon) -> None:
+    with httpx.stream(
+        "POST",
+        daemon.url + "/v1/completions",
+        json={
+            "model": "tiny",
+            "prompt": "long",
+            "max_tokens": 400,
+            "ignore_eos": True,
+            "stream": True,
+        },
+    ) as r:
+        for _ in r.iter_lines():
+            break
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        s = daemon.admin("GET", "/admin/state").json()
+        if s["kv"]["device"]["blocks_used"] == 0 and sum(s["queues"]["running"].values()) == 0:
+            return
+        time.sleep(0.1)
+    pytest.fail("blocks of a disconnected client were not freed")
+
+
+def test_default_bind_is_loopback() -> None:
+    from kvguard.daemon.config import load_config
+
+    cfg = load_config(None)
+    assert cfg.api.host == "127.0.0.1" and cfg.serving.model == "smollm2-135m"
+
+
+def test_sigterm_under_load_drains_and_exits_zero(tmp_path: Path) -> None:
+    d = Daemon(tmp_path)
+    results: list[object] = []
+
+    def one() -> None:
+        try:
+            r = httpx.post(
+                d.url + "/v1/completions",
+                timeout=60,
+                json={"model": "tiny", "prompt": "drain me", "max_tokens": 200, "ignore_eos": True},
+            )
+            results.append(
+                r.status_code if r.status_code != 200 else r.json()["usage"]["completion_tokens"]
+            )
+        except httpx.HTTPError as e:
+            results.append(e)
+
+    threads = [threading.Thread(target=one) for _ in range(6)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)
+    d.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.2)
+    late = httpx.post(
+        d.url + "/v1/completions",
+        json={"model": "tiny", "prompt": "x", "max_tokens": 2},
+        timeout=10,
+    )
+    assert late.status_code == 503
+    for t in threads:
+        t.join(60)
+    assert d.proc.wait(60) == 0
+    d.log.close()
+    assert results == [200] * 6, results
+
+
+def test_sd_notify_lifecycle_and_watchdog(tmp_path: Path) -> None:
+    sock_path = tmp_path / "notify.sock"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(sock_path))
+    sock.settimeout(0.5)
+    msgs: list[str] = []
+    stop = threading.Event()
+
+    def recv() -> None:
+        while not stop.is_set():
+            try:
+                msgs.append(sock.recv(4096).decode())
+            except TimeoutError:
+                continue
+
+    t = threading.Thread(target=recv, daemon=True)
+    t.start()
+    d = Daemon(tmp_path, env={"NOTIFY_SOCKET": str(sock_path), "WATCHDOG_USEC": "600000"})
+    try:
+        time.sleep(1.5)
+        assert any("WATCHDOG=1" in m for m in msgs)
+        # a stalled engine loop stops the pings
+        d.admin("POST", "/admin/debug/stall", json={"seconds": 3})
+        time.sleep(0.8)
+        n = len([m for m in msgs if "WATCHDOG=1" in m])
+        time.sleep(1.5)
+        assert len([m for m in msgs if "WATCHDOG=1" in m]) == n, (
+            "watchdog pinged while the loop was stalled"
+        )
+        time.sleep(1.5)
+        d.proc.send_signal(signal.SIGHUP)
+        time.sleep(1.0)
+    finally:
+        code = d.stop()
+        stop.set()
+        t.join(2)
+    assert code == 0
+    seq = [m.split("\n")[0] for m in msgs if m.startswith(("READY=1", "RELOADING=1", "STOPPING=1"))]
+    assert seq[:3] == ["READY=1", "RELOADING=1", "READY=1"] and seq[-1] == "STOPPING=1", seq
+    reloading = next(m for m in msgs if m.startswith("RELOADING=1"))
+    assert "MONOTONIC_USEC=" in reloading
+    assert sum("WATCHDOG=1" in m for m in msgs) > n  # pings resumed after the stall

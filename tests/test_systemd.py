@@ -1,0 +1,157 @@
+"""The systemd unit (checked by systemd's own analyzer) and the sd_notify client (over a real socket).
+
+`systemd-analyze` comes from the Debian package `systemd`; a missing tool fails the tests (.ci/run installs it).
+`verify` insists that ExecStart= exists, and /usr/local/bin/kvguard only does on an installed
+host, so the unit is checked as a copy whose ExecStart= points at this venv's `kvguard` script
+(or /bin/true when the package is not installed); every other line is the shipped one.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvguard.daemon import sdnotify
+
+UNIT = Path(__file__).resolve().parents[1] / "daemon" / "systemd" / "kvguard.service"
+SHIPPED_EXEC = "ExecStart=/usr/local/bin/kvguard "
+MAX_EXPOSURE = 3.0
+
+
+def needs_analyze(fn):  # noqa: ANN001, ANN201 - a missing tool is a failure, never a skip
+    def run(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        assert shutil.which("systemd-analyze"), (
+            "systemd-analyze missing: install the Debian package systemd"
+        )
+        return fn(*args, **kwargs)
+
+    run.__name__, run.__doc__ = fn.__name__, fn.__doc__
+    return run
+
+
+@pytest.fixture
+def unit_copy(tmp_path: Path) -> Path:
+    script = Path(sys.executable).parent / "kvguard"
+    exe = script if script.exists() else Path("/bin/true")
+    text = UNIT.read_text()
+    assert text.count(SHIPPED_EXEC) == 1, "the unit's ExecStart changed: update this test"
+    path = tmp_path / UNIT.name
+    path.write_text(text.replace(SHIPPED_EXEC, f"ExecStart={exe} "))
+    return path
+
+
+def analyze(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "SYSTEMD_LOG_COLOR": "0", "SYSTEMD_PAGER": "", "LC_ALL": "C.UTF-8"}
+    cmd = ["systemd-analyze", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env, check=False)
+
+
+@needs_analyze
+def test_unit_verifies_cleanly(unit_copy: Path) -> None:
+    proc = analyze("verify", str(unit_copy))
+    assert (proc.returncode, proc.stderr, proc.stdout) == (0, "", "")
+
+
+@needs_analyze
+def test_unit_exposure_is_low(unit_copy: Path) -> None:
+    proc = analyze("security", "--offline=yes", "--no-pager", str(unit_copy))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == "", proc.stderr  # e.g. "Invalid syntax, ignoring" for a bad line
+    m = re.search(r"Overall exposure level for \S+: (\d+\.\d+)", proc.stdout)
+    assert m, proc.stdout
+    exposure = float(m.group(1))
+    print(f"systemd-analyze security: overall exposure {exposure}")
+    failed = [line for line in proc.stdout.splitlines() if line.startswith("✗")]
+    assert exposure <= MAX_EXPOSURE, "\n".join(failed)
+
+
+def test_unit_does_not_forbid_writable_executable_memory() -> None:
+    """PyTorch's CPU kernels are JIT-compiled; see the unit's comment on MemoryDenyWriteExecute."""
+    settings = [line.strip() for line in UNIT.read_text().splitlines()]
+    assert not any(line.startswith("MemoryDenyWriteExecute=") for line in settings)
+    assert "Type=notify" in settings and "NotifyAccess=main" in settings
+
+
+# -- sd_notify -----------------------------------------------------------------------------------
+@pytest.fixture
+def receiver(monkeypatch: pytest.MonkeyPatch) -> Iterator[socket.socket]:
+    """A datagram socket playing systemd's part, at a short path (sun_path holds 108 bytes)."""
+    folder = tempfile.mkdtemp(prefix="kvg-")
+    path = os.path.join(folder, "notify")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(path)
+    sock.settimeout(5)
+    monkeypatch.setenv("NOTIFY_SOCKET", path)
+    yield sock
+    sock.close()
+    shutil.rmtree(folder)
+
+
+def recv(sock: socket.socket) -> str:
+    return sock.recv(4096).decode()
+
+
+def test_lifecycle_messages(receiver: socket.socket) -> None:
+    assert sdnotify.ready("serving smollm2-135m")
+    assert recv(receiver) == "READY=1\nSTATUS=serving smollm2-135m"
+    assert sdnotify.status("draining\n3 requests left") and sdnotify.watchdog()
+    assert recv(receiver) == "STATUS=draining 3 requests left"  # one line: no forged keys
+    assert recv(receiver) == "WATCHDOG=1"
+    assert sdnotify.stopping() and sdnotify.extend_timeout(1.5)
+    assert recv(receiver) == "STOPPING=1"
+    assert recv(receiver) == "EXTEND_TIMEOUT_USEC=1500000"
+
+
+def test_reloading_carries_the_monotonic_clock(receiver: socket.socket) -> None:
+    before = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
+    assert sdnotify.reloading()
+    after = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
+    first, second = recv(receiver).split("\n")
+    assert first == "RELOADING=1"
+    key, _, usec = second.partition("=")
+    assert key == "MONOTONIC_USEC" and before <= int(usec) <= after
+    assert sdnotify.ready()
+    assert recv(receiver) == "READY=1"
+
+
+def test_abstract_socket(monkeypatch: pytest.MonkeyPatch) -> None:
+    name = f"kvguard-test-{uuid.uuid4().hex}"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind("\0" + name)
+        sock.settimeout(5)
+        monkeypatch.setenv("NOTIFY_SOCKET", "@" + name)
+        assert sdnotify.watchdog()
+        assert recv(sock) == "WATCHDOG=1"
+
+
+def test_outside_systemd_is_a_quiet_no_op(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    assert not sdnotify.ready() and not sdnotify.notify("WATCHDOG=1")
+    monkeypatch.setenv("NOTIFY_SOCKET", "/nonexistent/kvguard/notify")
+    assert not sdnotify.status("nobody listens")  # reported, never raised
+
+
+def test_watchdog_interval(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("WATCHDOG_USEC", raising=False)
+    monkeypatch.delenv("WATCHDOG_PID", raising=False)
+    assert sdnotify.watchdog_interval() is None
+    monkeypatch.setenv("WATCHDOG_USEC", "30000000")
+    assert sdnotify.watchdog_interval() == 30.0
+    monkeypatch.setenv("WATCHDOG_PID", str(os.getpid()))
+    assert sdnotify.watchdog_interval() == 30.0
+    monkeypatch.setenv("WATCHDOG_PID", "1")  # meant for another process
+    assert sdnotify.watchdog_interval() is None
+    monkeypatch.setenv("WATCHDOG_PID", str(os.getpid()))
+    monkeypatch.setenv("WATCHDOG_USEC", "0")
+    assert sdnotify.watchdog_interval() is None

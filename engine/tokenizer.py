@@ -1,0 +1,187 @@
+"""Text <-> token ids and chat prompts, from a model directory's tokenizer files.
+
+Built on the `tokenizers` library and jinja2 directly: transformers takes seconds to import and
+is only a test dependency. Chat templates render in a sandbox with the same environment
+conventions transformers uses (trim_blocks, lstrip_blocks, loop controls, `raise_exception`,
+`tojson`, `strftime_now`), so a model's template produces the prompt it was trained on.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+from kvguard.engine.model_config import ModelLoadError
+
+_SPECIAL_ROLES = ("bos_token", "eos_token", "pad_token", "unk_token")
+
+
+class Tokenizer:
+    """A model's tokenizer: encode, decode, chat template, and its special token ids."""
+
+    def __init__(
+        self,
+        backend: HFTokenizer,
+        config: dict[str, Any],
+        chat_template: str | None = None,
+        model_eos_ids: tuple[int, ...] = (),
+        model_bos_id: int | None = None,
+    ) -> None:
+        self._tok = backend
+        self._config = config
+        self.chat_template = chat_template
+        self.special_tokens = {role: _token_text(config.get(role)) for role in _SPECIAL_ROLES}
+        self.eos_token_id = self._id_of(self.special_tokens["eos_token"])
+        if self.eos_token_id is None and model_eos_ids:
+            self.eos_token_id = model_eos_ids[0]
+        self.eos_token_ids = {
+            *model_eos_ids,
+            *([] if self.eos_token_id is None else [self.eos_token_id]),
+        }
+        self.bos_token_id = self._id_of(self.special_tokens["bos_token"])
+        if self.bos_token_id is None:
+            self.bos_token_id = model_bos_id
+        self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+
+    @classmethod
+    def from_dir(cls, path: Path) -> Tokenizer:
+        """Read tokenizer.json, tokenizer_config.json and the eos ids of config.json and
+        generation_config.json (a chat model often ends turns with an id only those list)."""
+        path = Path(path)
+        file = path / "tokenizer.json"
+        if not file.is_file():
+            raise ModelLoadError(f"{file}: missing; a model directory needs tokenizer.json")
+        try:
+            backend = HFTokenizer.from_file(str(file))
+        except Exception as e:  # the Rust parser raises plain Exception on bad JSON
+            raise ModelLoadError(f"{file}: not a valid tokenizer.json ({e})") from e
+        config = _read_json(path / "tokenizer_config.json")
+        model = _read_json(path / "config.json")
+        generation = _read_json(path / "generation_config.json")
+        eos = (*_ids(model.get("eos_token_id")), *_ids(generation.get("eos_token_id")))
+        template = _chat_template(path, config)
+        return cls(backend, config, template, tuple(dict.fromkeys(eos)), model.get("bos_token_id"))
+
+    # -- ids <-> text ----------------------------------------------------------------------
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids; special tokens written in the text (e.g. <|im_start|>) become their ids.
+
+        add_special_tokens adds what the tokenizer's post-processor adds (e.g. BOS for Llama).
+        """
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def _id_of(self, token: str | None) -> int | None:
+        return None if token is None else self._tok.token_to_id(token)
+
+    # -- chat ------------------------------------------------------------------------------
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
+        """Render messages into the prompt text the model was fine-tuned on.
+
+        Extra keyword arguments (e.g. tools) are passed to the template as variables.
+        """
+        if self._template is None:
+            raise ValueError("this model has no chat template: send a plain prompt instead")
+        variables = {k: v for k, v in self.special_tokens.items() if v is not None}
+        variables.update(kwargs)
+        try:
+            return self._template.render(
+                messages=messages, add_generation_prompt=add_generation_prompt, **variables
+            )
+        except jinja2.TemplateError as e:  # raise_exception() in the template, or a bad message
+            raise ValueError(f"chat template rejected the messages: {e}") from e
+
+    @cached_property
+    def _template(self) -> jinja2.Template | None:
+        """Compiled once, on first use, so that loading a tokenizer stays cheap."""
+        if self.chat_template is None:
+            return None
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+        )
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = _strftime_now
+        try:
+            return env.from_string(self.chat_template)
+        except jinja2.TemplateSyntaxError as e:
+            raise ModelLoadError(f"chat template does not compile: {e} (line {e.lineno})") from e
+
+
+def _read_json(file: Path) -> dict[str, Any]:
+    """An optional JSON file: absent means empty, unreadable is an error naming it."""
+    if not file.is_file():
+        return {}
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{file}: not valid JSON ({e})") from e
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{file}: expected a JSON object")
+    return data
+
+
+def _ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, list):
+        return tuple(int(v) for v in value)
+    return (int(value),)
+
+
+def _token_text(value: Any) -> str | None:
+    """tokenizer_config.json writes a special token as a string or as an AddedToken object."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _chat_template(path: Path, config: dict[str, Any]) -> str | None:
+    """The template from tokenizer_config.json (string, or a list of named templates), or from
+    chat_template.jinja, where newer transformers versions save it."""
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if template is None and (path / "chat_template.jinja").is_file():
+        template = (path / "chat_template.jinja").read_text(encoding="utf-8")
+    return template if isinstance(template, str) else None
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    """Templates expect non-ASCII kept as is (jinja's own tojson escapes it and HTML chars)."""
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)

@@ -1,0 +1,45 @@
+"""Shared fixtures: the real default model and the tiny test model, from the real cache.
+
+The models resolve through the default kvguard home ($KVGUARD_HOME or ~/.cache/kvguard), so
+the first run fetches and converts smollm2-135m once and every later run reuses it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# transformers is the reference implementation in tests; it must never reach for the network.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from kvguard.engine.config import kvguard_home  # noqa: E402
+from kvguard.engine.model_registry import resolve_model  # noqa: E402
+from kvguard.engine.model_registry import smollm2_gguf as ensure_smollm2_gguf  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def model_home() -> Path:
+    """The default cache, shared across test runs (and with `kvguard` itself)."""
+    return kvguard_home()
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(model_home: Path) -> Path:
+    """smollm2-135m as a Hugging Face directory (fetched and converted on first use)."""
+    return resolve_model("smollm2-135m", model_home, progress=False)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf(smollm2_dir: Path, model_home: Path) -> Path:
+    """The GGUF that smollm2_dir was converted from: transformers' reference input."""
+    return ensure_smollm2_gguf(model_home, progress=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(model_home: Path) -> Path:
+    """The tiny random-weight Llama (seed 0) as a Hugging Face directory."""
+    return resolve_model("tiny", model_home, progress=False)

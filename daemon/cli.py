@@ -77,7 +77,7 @@ def add_generate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     gen = sub.add_parser(
         "generate",
         help="generate text offline, without a server",
-        description="Load a model, run the prompts through the engine as one batch, print the text.",
+        description="Load a model, run the prompts as one batch, print the generated text.",
         epilog="example: kvguard generate --chat --max-tokens 32 'What is a KV cache?'",
     )
     gen.add_argument(

@@ -28,7 +28,7 @@ from kvguard.engine.tokenizer_build import (
 
 CONVERTER_REVISION = 1  # bump when the output changes, so cached conversions are redone
 
-# tokenizer.ggml.pre -> how the text is cut before BPE (mirrors what each vocabulary was trained with)
+# tokenizer.ggml.pre -> how text is cut before BPE (as each vocabulary was trained)
 PRE_SPLITS = {
     "default": GPT2_SPLIT,
     "gpt2": GPT2_SPLIT,
@@ -241,7 +241,8 @@ def tokenizer_spec(src: GgufFile, config: dict[str, Any]) -> BpeSpec:
     pre = str(src.get("tokenizer.ggml.pre", "default"))
     if pre not in PRE_SPLITS:
         raise ModelLoadError(
-            f"{src.path}: tokenizer.ggml.pre={pre!r} is not supported: expected one of {sorted(PRE_SPLITS)}"
+            f"{src.path}: tokenizer.ggml.pre={pre!r} is not supported: "
+            f"expected one of {sorted(PRE_SPLITS)}"
         )
     tokens = [str(t) for t in src.get("tokenizer.ggml.tokens")]
     types = [int(t) for t in src.get("tokenizer.ggml.token_type", [1] * len(tokens))]

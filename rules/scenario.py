@@ -1,0 +1,150 @@
+"""`kvguard rules test`: replay a scenario of signal values and events through the real
+evaluator on a fake clock, and check which actions fire and undo when (the rules' own unit
+test, in the spirit of `promtool test rules`).
+
+Scenario file:
+
+    duration: 300s            # how long to replay (ticks every rules `interval`)
+    series:                   # signal name -> steps; a value holds until the next step
+      kv_usage: [{at: 0s, value: 0.50}, {at: 30s, value: 0.93}, {at: 120s, value: 0.70}]
+      gpu_mem: []             # no data: the signal is unknown (rules on it never act)
+    events:                   # optional: engine events and Alertmanager alerts
+      - {at: 200s, kind: engine_oom}
+      - {at: 210s, kind: "alert:GPUNearOOM"}
+      - {at: 260s, kind: "alert:GPUNearOOM", resolved: true}
+    expect:                   # every action the rules take, in order (nothing more, nothing less)
+      - {at: 40s, rule: reduce-batch, action: reduce_batch}
+      - {at: 215s, rule: reduce-batch, action: restore_batch, undo: true}
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from kvguard.engine.control import ActionResult
+from kvguard.rules.evaluator import Decision, Evaluator
+from kvguard.rules.schema import RuleSet, Signal, parse_duration
+from kvguard.rules.yaml_lines import load_with_lines
+
+
+class _M(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Step(_M):
+    at: float
+    value: float | None
+
+    _d = field_validator("at", mode="before")(lambda v: parse_duration(v))
+
+
+class Event(_M):
+    at: float
+    kind: str
+    resolved: bool = False
+
+    _d = field_validator("at", mode="before")(lambda v: parse_duration(v))
+
+
+class Expect(_M):
+    at: float
+    rule: str
+    action: str
+    undo: bool = False
+    outcome: str = "applied"
+
+    _d = field_validator("at", mode="before")(lambda v: parse_duration(v))
+
+
+class Scenario(_M):
+    duration: float
+    series: dict[str, list[Step]] = Field(default_factory=dict)
+    events: list[Event] = Field(default_factory=list)
+    expect: list[Expect] = Field(default_factory=list)
+    dry_run: bool = False
+
+    _d = field_validator("duration", mode="before")(lambda v: parse_duration(v))
+
+
+@dataclass(slots=True)
+class Outcome:
+    decisions: list[Decision]
+    failures: list[str]
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+
+def load_scenario(path: Path) -> Scenario:
+    data, _lines = load_with_lines(Path(path).read_text(), str(path))
+    try:
+        return Scenario.model_validate(data or {})
+    except ValidationError as e:
+        problems = "; ".join(
+            f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors()
+        )
+        raise ValueError(f"{path}: {problems}") from e
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _value_at(steps: list[Step], t: float) -> float | None:
+    current = None
+    for s in sorted(steps, key=lambda s: s.at):
+        if s.at <= t:
+            current = s.value
+    return current
+
+
+def run_scenario(rules: RuleSet, sc: Scenario) -> Outcome:
+    clock = _Clock()
+
+    def read(name: str, _sig: Signal) -> float | None:
+        return _value_at(sc.series.get(name, []), clock.t)
+
+    def execute(action: str, params: dict[str, Any]) -> ActionResult:
+        return ActionResult(action, {}, {}, "simulated", True)
+
+    ev = Evaluator(rules, read, execute, clock=clock, wall_clock=clock, dry_run=sc.dry_run)
+    events = sorted(sc.events, key=lambda e: e.at)
+    t = 0.0
+    while t <= sc.duration + 1e-9:
+        clock.t = t
+        while events and events[0].at <= t:
+            e = events.pop(0)
+            clock.t = e.at
+            ev.handle_event(e.kind, resolved=e.resolved)
+            clock.t = t
+        ev.tick()
+        t = round(t + rules.interval, 9)
+    return Outcome(ev.decisions, _compare(ev.decisions, sc.expect))
+
+
+def _compare(got: list[Decision], want: list[Expect]) -> list[str]:
+    failures = []
+    for i in range(max(len(got), len(want))):
+        g = got[i] if i < len(got) else None
+        w = want[i] if i < len(want) else None
+        gs = None if g is None else (round(g.time, 6), g.rule, g.action, g.undo, g.outcome)
+        ws = None if w is None else (round(w.at, 6), w.rule, w.action, w.undo, w.outcome)
+        if gs != ws:
+            failures.append(f"action #{i + 1}: expected {_fmt(ws)}, got {_fmt(gs)}")
+    return failures
+
+
+def _fmt(t: tuple | None) -> str:
+    if t is None:
+        return "nothing"
+    at, rule, action, undo, outcome = t
+    return f"{action}{' (undo)' if undo else ''} by {rule} at {at:g}s [{outcome}]"

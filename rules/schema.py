@@ -1,0 +1,292 @@
+"""The rules file: named signals, threshold rules with hysteresis, and event rules.
+
+Validated with pydantic; every problem is reported as `FILE:LINE: field.path: problem` and all
+of them at once, so `kvguard rules check` can list everything wrong in one run.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from kvguard.rules.actions import ACTIONS, ActionError, parse_params
+from kvguard.rules.yaml_lines import line_for, load_with_lines
+
+LOCAL_SIGNALS = {
+    "kv_cache_usage_ratio": "device KV blocks in use / total",
+    "host_kv_cache_usage_ratio": "host (swap) KV blocks in use / total",
+    "num_waiting": "requests waiting for admission to the batch",
+    "num_running": "requests in the running batch",
+    "num_swapped": "requests swapped out to the host pool",
+    "preemptions_total": "preemptions since start",
+    "gpu_memory_used_ratio": "highest GPU memory used / total over GPUs (NVML; unknown without one)",
+}
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h|d)?$")
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
+
+
+class RulesFileError(ValueError):
+    def __init__(self, errors: list[str]) -> None:
+        super().__init__("\n".join(errors))
+        self.errors = errors
+
+
+def parse_duration(value: Any) -> float:
+    if isinstance(value, bool) or value is None:
+        raise ValueError(f"{value!r} is not a duration (expected e.g. 10s, 5m, 1h or seconds)")
+    if isinstance(value, int | float):
+        if value < 0:
+            raise ValueError(f"{value!r} is negative (expected a duration >= 0)")
+        return float(value)
+    m = _DURATION.match(str(value).strip())
+    if not m:
+        raise ValueError(f"{value!r} is not a duration (expected e.g. 10s, 5m, 1h or seconds)")
+    return float(m.group(1)) * _UNITS[m.group(2)]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Signal(_Model):
+    local: str | None = None
+    promql: str | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> Signal:
+        if (self.local is None) == (self.promql is None):
+            raise ValueError("a signal needs exactly one of `local` or `promql`")
+        if self.local is not None and self.local not in LOCAL_SIGNALS:
+            raise ValueError(
+                f"unknown local signal {self.local!r} (expected one of {', '.join(LOCAL_SIGNALS)})"
+            )
+        return self
+
+
+class Rule(_Model):
+    name: str = Field(..., min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    signal: str | None = None
+    above: float | None = None
+    below: float | None = None
+    for_: float = Field(0.0, alias="for")
+    recover_below: float | None = None
+    recover_above: float | None = None
+    recover_for: float = 0.0
+    cooldown: float | None = None
+    on: str | None = None
+    action: str
+    params: dict[str, Any] = Field(default_factory=dict)
+    undo: str | None = None
+    undo_params: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("for_", "recover_for", "cooldown", mode="before")
+    @classmethod
+    def _durations(cls, v: Any) -> Any:
+        return None if v is None else parse_duration(v)
+
+    @model_validator(mode="after")
+    def _shape(self) -> Rule:
+        if self.on is not None:
+            self._event_shape()
+        else:
+            self._threshold_shape()
+        self._check_action(self.action, self.params, "action", "params")
+        if self.undo is not None:
+            self._check_action(self.undo, self.undo_params, "undo", "undo_params")
+        return self
+
+    def _event_shape(self) -> None:
+        if not (
+            self.on == "engine_oom" or self.on == "preemption_storm" or self.on.startswith("alert:")
+        ):
+            raise _At(
+                ("on",),
+                f"on={self.on!r}: expected engine_oom, preemption_storm or alert:<AlertName>",
+            )
+        if self.signal is not None or self.above is not None or self.below is not None:
+            raise ValueError("an event rule (`on`) takes no signal, above or below")
+
+    def _threshold_shape(self) -> None:
+        if self.signal is None:
+            raise ValueError("a rule needs `signal` with `above`/`below`, or `on` for an event")
+        if (self.above is None) == (self.below is None):
+            raise ValueError("a threshold rule needs exactly one of `above` or `below`")
+        if self.recover_below is not None and self.recover_above is not None:
+            raise ValueError("give at most one of recover_below / recover_above")
+        if self.above is not None and self.recover_above is not None:
+            raise ValueError("a rule firing `above` recovers `below`: use recover_below")
+        if self.below is not None and self.recover_below is not None:
+            raise ValueError("a rule firing `below` recovers `above`: use recover_above")
+        if (
+            self.above is not None
+            and self.recover_below is not None
+            and self.recover_below > self.above
+        ):
+            raise ValueError(
+                f"recover_below={self.recover_below} must not exceed above={self.above}"
+            )
+        if (
+            self.below is not None
+            and self.recover_above is not None
+            and self.recover_above < self.below
+        ):
+            raise ValueError(
+                f"recover_above={self.recover_above} must not be under below={self.below}"
+            )
+
+    @staticmethod
+    def _check_action(name: str, params: dict[str, Any], field: str, params_field: str) -> None:
+        if name not in ACTIONS:
+            raise _At(
+                (field,), f"unknown {field} {name!r} (expected one of {', '.join(sorted(ACTIONS))})"
+            )
+        try:
+            parse_params(name, params)
+        except ActionError as e:
+            raise _At((params_field,), str(e)) from e
+
+    # -- evaluation helpers -----------------------------------------------------------------
+    @property
+    def is_event(self) -> bool:
+        return self.on is not None
+
+    def triggered(self, v: float) -> bool:
+        return v > self.above if self.above is not None else v < self.below  # type: ignore[operator]
+
+    def threshold(self) -> float | None:
+        return self.above if self.above is not None else self.below
+
+    def recovered(self, v: float) -> bool:
+        """Below the lower recovery threshold (hysteresis); without one, when no longer triggered."""
+        if self.recover_below is not None:
+            return v < self.recover_below
+        if self.recover_above is not None:
+            return v > self.recover_above
+        return not self.triggered(v)
+
+
+class RuleSet(_Model):
+    version: int = 1
+    interval: float = 5.0
+    cooldown: float = 30.0
+    signals: dict[str, Signal] = Field(default_factory=dict)
+    rules: list[Rule] = Field(default_factory=list)
+
+    @field_validator("interval", "cooldown", mode="before")
+    @classmethod
+    def _durations(cls, v: Any) -> Any:
+        return parse_duration(v)
+
+    @field_validator("version")
+    @classmethod
+    def _version(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError(f"version {v} is not supported (expected 1)")
+        return v
+
+    @model_validator(mode="after")
+    def _references(self) -> RuleSet:
+        seen: set[str] = set()
+        for i, r in enumerate(self.rules):
+            if r.name in seen:
+                raise _At(("rules", i, "name"), f"duplicate rule name {r.name!r}")
+            seen.add(r.name)
+            if r.signal is not None and r.signal not in self.signals:
+                raise _At(
+                    ("rules", i, "signal"),
+                    f"unknown signal {r.signal!r} (defined: {', '.join(self.signals) or 'none'})",
+                )
+        if self.interval <= 0:
+            raise _At(("interval",), "interval must be > 0")
+        return self
+
+    def cooldown_of(self, rule: Rule) -> float:
+        return self.cooldown if rule.cooldown is None else rule.cooldown
+
+
+class _At(ValueError):
+    """A cross-field error that knows its own location."""
+
+    def __init__(self, loc: tuple, msg: str) -> None:
+        super().__init__(msg)
+        self.loc = loc
+
+
+def _alias(loc: tuple) -> tuple:
+    return tuple("for" if p == "for_" else p for p in loc)
+
+
+def load_rules_text(text: str, name: str) -> RuleSet:
+    try:
+        data, lines = load_with_lines(text, name)
+    except ValueError as e:
+        raise RulesFileError([str(e)]) from e
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise RulesFileError(
+            [f"{name}:1: the rules file must be a mapping (version, interval, signals, rules)"]
+        )
+    try:
+        rs = RuleSet.model_validate(data)
+    except ValidationError as e:
+        errors = [_format(err, lines, name) for err in e.errors()]
+        errors += [m for m in _cross_checks(data, lines, name) if m not in errors]
+        raise RulesFileError(sorted(errors, key=_line_key)) from e
+    return rs
+
+
+def _line_key(msg: str) -> int:
+    parts = msg.split(":")
+    return int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 0
+
+
+def _cross_checks(data: dict, lines: dict, name: str) -> list[str]:
+    """Duplicate names and unknown signals, found even when other fields are broken."""
+    out = []
+    signals = data.get("signals") if isinstance(data.get("signals"), dict) else {}
+    seen: set[str] = set()
+    for i, r in enumerate(data.get("rules") or []):
+        if not isinstance(r, dict):
+            continue
+        if r.get("name") in seen:
+            out.append(
+                f"{name}:{line_for(lines, ('rules', i, 'name'))}: rules.{i}.name: duplicate rule name {r['name']!r}"
+            )
+        seen.add(r.get("name"))
+        sig = r.get("signal")
+        if sig is not None and sig not in signals:
+            out.append(
+                f"{name}:{line_for(lines, ('rules', i, 'signal'))}: rules.{i}.signal: unknown signal {sig!r} "
+                f"(defined: {', '.join(signals) or 'none'})"
+            )
+    return out
+
+
+def _format(err: dict, lines: dict, name: str) -> str:
+    ctx = err.get("ctx") or {}
+    inner = ctx.get("error")
+    loc = _alias(tuple(err["loc"]))
+    if isinstance(inner, _At):
+        loc = loc + inner.loc
+    field = ".".join(str(p) for p in loc) or "(top level)"
+    msg = str(inner) if inner is not None else err["msg"]
+    if err["type"] == "extra_forbidden":
+        msg = "unknown key"
+    msg = msg.removeprefix("Value error, ")
+    return f"{name}:{line_for(lines, loc)}: {field}: {msg}"
+
+
+def load_rules(path: Path) -> RuleSet:
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise RulesFileError([f"{path}: cannot read: {e.strerror}"]) from e
+    return load_rules_text(text, str(path))
+
+
+def default_rules_path() -> Path:
+    return Path(__file__).with_name("default.yaml")

@@ -80,5 +80,23 @@ def router(service: Service) -> APIRouter:
     return r
 
 
+def alertmanager_router(service: Service) -> APIRouter:
+    """POST /alertmanager: Alertmanager's webhook (payload version 4), same bearer token."""
+
+    async def auth(authorization: str | None = Header(None)) -> None:
+        check_token(service, authorization)
+
+    r = APIRouter(dependencies=[Depends(auth)])
+
+    @r.post("/alertmanager")
+    async def alertmanager(payload: dict[str, Any] = Body(...)) -> dict[str, Any]:
+        try:
+            return service.control.alertmanager(payload)
+        except ValueError as e:
+            raise ApiError(400, str(e), "alerts") from e
+
+    return r
+
+
 def _jsonable(data: dict[str, Any]) -> dict[str, Any]:
     return {k: (list(v) if isinstance(v, tuple) else v) for k, v in data.items()}

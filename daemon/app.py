@@ -26,6 +26,7 @@ def create_app(service: Service) -> FastAPI:
     )
     app.include_router(openai_api.router(service))
     app.include_router(admin_api.router(service))
+    app.include_router(admin_api.alertmanager_router(service))
     _health_routes(app, service)
     _error_handlers(app)
 

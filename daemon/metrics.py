@@ -136,6 +136,66 @@ class NvmlCollector(Collector):
         yield from fams.values()
 
 
+class ControlPlaneCollector(Collector):
+    """Rule states, evaluations, actions, degradation level, and the health of what the
+    control plane depends on (Prometheus queries, audit writes, Alertmanager)."""
+
+    def __init__(
+        self, control: Callable[[], object | None], audit: Callable[[], object | None]
+    ) -> None:
+        self.control = control
+        self.audit = audit
+
+    def collect(self):  # noqa: ANN201
+        cp = self.control()
+        audit = self.audit()
+        if audit is not None:
+            fails = CounterMetricFamily(
+                "kvguard_audit_write_failures", "Failed audit write attempts (retried)"
+            )
+            fails.add_metric([], getattr(audit, "failures", 0))
+            depth = _gauge("kvguard_audit_queue_depth", "Audit rows waiting to be written")
+            depth.add_metric([], audit.depth())
+            dropped = CounterMetricFamily(
+                "kvguard_audit_dropped", "Audit rows dropped at the queue bound"
+            )
+            dropped.add_metric([], getattr(audit, "dropped", 0))
+            yield from (fails, depth, dropped)
+        if cp is None:
+            return
+        ev = cp.evaluator
+        state = _gauge("kvguard_rule_state", "1 for each rule's current state", ["rule", "state"])
+        for r in ev.rule_states():
+            for st in ("inactive", "pending", "firing", "recovering", "unknown"):
+                state.add_metric([r["name"], st], 1.0 if r["state"] == st else 0.0)
+        evals = CounterMetricFamily("kvguard_rule_evaluations", "Rule evaluation ticks")
+        evals.add_metric([], ev.stats.evaluations)
+        efail = CounterMetricFamily("kvguard_rule_evaluation_failures", "Rule ticks that raised")
+        efail.add_metric([], ev.stats.failures)
+        acts = CounterMetricFamily(
+            "kvguard_actions",
+            "Actions by rule, action and outcome",
+            labels=["rule", "action", "outcome"],
+        )
+        for (rule, action, outcome), n in ev.stats.actions.items():
+            acts.add_metric([rule, action, outcome], n)
+        level = _gauge(
+            "kvguard_degradation_level",
+            "0 calm; else 1 + ladder index of the highest rule in force",
+        )
+        level.add_metric([], ev.level())
+        pq = CounterMetricFamily(
+            "kvguard_prometheus_query_failures", "PromQL signal reads that failed"
+        )
+        pq.add_metric([], cp.promql.failures)
+        al = CounterMetricFamily(
+            "kvguard_alerts_received", "Alertmanager alerts taken", labels=["alertname", "status"]
+        )
+        for (name, status), n in cp.alerts_received.items():
+            al.add_metric([name, status], n)
+        yield from (state, evals, efail, acts, level, pq, al)
+
+
 class Metrics:
     """One registry per daemon (tests run several in one process)."""
 
@@ -178,6 +238,12 @@ class Metrics:
             "kvguard_http_requests",
             "HTTP answers by route and status",
             ["route", "status"],
+            registry=r,
+        )
+        self.rule_tick = Histogram(
+            "kvguard_rule_evaluation_duration_seconds",
+            "Time to evaluate all rules once",
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5),
             registry=r,
         )
         self.finished = Counter(

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 import threading
 import time
 from collections.abc import Generator
@@ -19,8 +20,10 @@ from typing import Any
 import uvicorn
 
 from kvguard.daemon import sdnotify
+from kvguard.daemon.audit import AuditStore
 from kvguard.daemon.config import ConfigFileError, DaemonConfig, load_config
-from kvguard.daemon.metrics import Metrics
+from kvguard.daemon.control_plane import ControlPlane
+from kvguard.daemon.metrics import ControlPlaneCollector, Metrics
 from kvguard.daemon.nvml import NvmlReader
 from kvguard.engine.engine_loop import EngineLoop
 from kvguard.engine.llm_engine import LLMEngine
@@ -50,6 +53,8 @@ class Service:
         self.nvml = NvmlReader()
         self.metrics: Metrics
         self._stop_watchdog = threading.Event()
+        self.audit: AuditStore | None = None
+        self.control: ControlPlane | None = None
         self.exit_code = 0
 
     # -- names ------------------------------------------------------------------------------
@@ -69,6 +74,16 @@ class Service:
         self.metrics = Metrics(
             lambda: self.engine.latest_snapshot, lambda: self.readiness()[0], self.nvml
         )
+        sdnotify.status("migrating the audit database")
+        self.audit = AuditStore(self.cfg.audit_url(), host=socket.gethostname())
+        self.audit.start()
+        self.audit.record_event("daemon_start", detail=f"model {self.engine_model}")
+        self.control = ControlPlane(self)
+        self.control.on_tick = self.metrics.rule_tick.observe
+        self.metrics.registry.register(
+            ControlPlaneCollector(lambda: self.control, lambda: self.audit)
+        )
+        self.control.start()
         self._ready = True
         threading.Thread(target=self._watchdog, name="kvguard-watchdog", daemon=True).start()
         sdnotify.ready(self._status_line())
@@ -156,7 +171,13 @@ class Service:
 
     def close(self) -> None:
         self._stop_watchdog.set()
+        if self.control is not None:
+            self.control.stop()
         self.loop.stop()
+        if self.audit is not None:
+            self.audit.record_event("daemon_stop", detail=f"exit {self.exit_code}")
+            if not self.audit.stop(timeout=10):
+                log.error("audit log not fully flushed at exit (%d rows left)", self.audit.depth())
 
     # -- operations -------------------------------------------------------------------------
     def reload(self) -> dict[str, Any]:
@@ -169,11 +190,25 @@ class Service:
                     "reason": "no config file to reload (started without --config)",
                 }
             new = load_config(self.config_path)
+            rules = self.control.reload(new.rules.path, new.rules.dry_run) if self.control else {}
+            if rules.get("rules_reloaded") is False:
+                log.error(
+                    "reload refused, keeping the running rules: %s", "; ".join(rules["errors"])
+                )
+                return {"reloaded": False, "reason": "\n".join(rules["errors"])}
             changes = self._apply_reloadable(new)
             log.info("reloaded %s: %s", self.config_path, changes or "no changes")
-            return {"reloaded": True, "changes": changes}
+            self.audit.record_event(
+                "reload", detail=f"{self.config_path}", data={"changes": changes, **rules}
+            )
+            return {"reloaded": True, "changes": changes, **rules}
         except ConfigFileError as e:
             log.error("reload refused, keeping the running config: %s", e)
+            self.audit.record_event(
+                "config_error",
+                detail=f"reload refused: {self.config_path}",
+                data={"errors": e.errors},
+            )
             return {"reloaded": False, "reason": str(e)}
         finally:
             sdnotify.ready(self._status_line())
@@ -199,7 +234,32 @@ class Service:
             return None
 
     def manual_action(self, name: str, params: dict[str, Any]) -> Future:
-        return run_action(self.engine, name, params)
+        """An operator's remedy: same catalogue as the rules, audited with trigger `manual`."""
+        fut = run_action(self.engine, name, params)
+
+        def record(f: Future) -> None:
+            err = f.exception()
+            res = None if err else f.result()
+            outcome = "failed" if err else ("applied" if res.ok else "refused")
+            self.audit.record_action(
+                rule="manual",
+                action=name,
+                trigger="manual",
+                signal=None,
+                value=None,
+                threshold=None,
+                params=params,
+                state_before=res.before if res else None,
+                state_after=res.after if res else None,
+                outcome=outcome,
+                error=str(err) if err else (None if res.ok else res.detail),
+                incident=self.control.evaluator.incident if self.control else None,
+                is_undo=False,
+                detail=res.detail if res else str(err),
+            )
+
+        fut.add_done_callback(record)
+        return fut
 
     def state(self) -> dict[str, Any]:
         s = self.engine.latest_snapshot
@@ -223,6 +283,10 @@ class Service:
             "preemptions": s.preemptions,
             "admission_decisions": s.admission_decisions,
             "nvml": {"available": self.nvml.available, "error": self.nvml.error},
+            "rules": self.control.evaluator.rule_states() if self.control else [],
+            "degradation_level": self.control.evaluator.level() if self.control else 0,
+            "incident": self.control.evaluator.incident if self.control else None,
+            "dry_run": self.control.evaluator.dry_run if self.control else False,
         }
 
 

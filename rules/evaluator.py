@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any, Protocol
 
 from kvguard.engine.control import ActionResult
@@ -298,7 +299,7 @@ class Evaluator:
                 self.incident,
                 peak_level=self.incident_peak,
                 actions_count=self.incident_actions,
-                closed_at=self.wall_clock(),
+                closed_at=self._wall(),
             )
         log.info("incident %s closed after %d actions", self.incident, self.incident_actions)
         self.incident = None
@@ -335,8 +336,7 @@ class Evaluator:
         if self.audit is None:
             return
         self.audit.record_action(
-            time=self.wall_clock(),
-            host=self.host,
+            time=self._wall(),
             rule=rule.name,
             action=action,
             trigger=trigger,
@@ -356,6 +356,9 @@ class Evaluator:
             self.audit.update_incident(
                 self.incident, peak_level=self.incident_peak, actions_count=self.incident_actions
             )
+
+    def _wall(self) -> datetime:
+        return datetime.fromtimestamp(self.wall_clock(), UTC)
 
     # -- views ------------------------------------------------------------------------------
     def rule_states(self) -> list[dict[str, Any]]:

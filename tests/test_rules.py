@@ -1,0 +1,269 @@
+"""The rule evaluator on a fake clock, rule-file validation, and `kvguard rules` from the shell."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvguard.engine.control import ActionResult
+from kvguard.rules.evaluator import Evaluator
+from kvguard.rules.schema import RulesFileError, default_rules_path, load_rules, load_rules_text
+
+KVGUARD = str(Path(sys.executable).parent / "kvguard")
+REPO = Path(__file__).resolve().parents[1]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class Harness:
+    """An evaluator over one settable signal value with a recording executor."""
+
+    def __init__(self, text: str, dry_run: bool = False, refuse: set[str] = frozenset()) -> None:
+        self.rules = load_rules_text(text, "test.yaml")
+        self.clock = Clock()
+        self.value: float | None = 0.0
+        self.calls: list[str] = []
+        self.refuse = refuse
+
+        def execute(action: str, params: dict) -> ActionResult:
+            self.calls.append(action)
+            return ActionResult(action, {}, {"x": len(self.calls)}, "ok", action not in self.refuse)
+
+        self.ev = Evaluator(
+            self.rules,
+            lambda n, s: self.value,
+            execute,
+            clock=self.clock,
+            wall_clock=self.clock,
+            dry_run=dry_run,
+        )
+
+    def at(self, t: float, value: float | None) -> list[tuple[str, str, bool]]:
+        self.clock.t, self.value = t, value
+        return [(d.rule, d.action, d.undo) for d in self.ev.tick()]
+
+    def state(self, rule: str) -> str:
+        return self.ev.states[rule].shown
+
+
+HEADER = "version: 1\ninterval: 5s\ncooldown: 30s\nsignals: {kv: {local: kv_cache_usage_ratio}}\nrules:\n"
+BATCH = (
+    "  - {name: batch, signal: kv, above: 0.9, for: 10s, action: reduce_batch, recover_below: 0.8,"
+    " recover_for: 20s, undo: restore_batch}\n"
+)
+EVICT = "  - {name: evict, signal: kv, above: 0.95, action: evict_lowest_priority}\n"
+FP8 = (
+    "  - {name: fp8, signal: kv, above: 0.97, action: enable_fp8_kv, recover_below: 0.5,"
+    " undo: disable_fp8_kv}\n"
+)
+
+
+def test_for_must_hold_before_acting() -> None:
+    h = Harness(HEADER + BATCH)
+    assert h.at(0, 0.95) == [] and h.state("batch") == "pending"
+    assert h.at(5, 0.85) == [] and h.state("batch") == "inactive"  # dipped: the clock restarts
+    assert h.at(10, 0.95) == []
+    assert h.at(15, 0.95) == []
+    assert h.at(20, 0.95) == [("batch", "reduce_batch", False)] and h.state("batch") == "firing"
+
+
+def test_hysteresis_needs_the_lower_threshold_held() -> None:
+    h = Harness(HEADER + BATCH)
+    h.at(0, 0.95)
+    h.at(10, 0.95)
+    assert h.at(15, 0.85) == [] and h.state("batch") == "firing"  # under 0.9 but not under 0.8
+    assert h.at(20, 0.75) == [] and h.state("batch") == "recovering"
+    assert h.at(30, 0.82) == [] and h.state("batch") == "firing"  # back up: recovery restarts
+    h.at(35, 0.7)
+    assert h.at(50, 0.7) == []
+    assert h.at(55, 0.7) == [("batch", "restore_batch", True)] and h.state("batch") == "inactive"
+
+
+def test_cooldown_spaces_repeated_actions() -> None:
+    h = Harness(HEADER + EVICT)
+    assert h.at(0, 0.99) == [("evict", "evict_lowest_priority", False)]
+    assert all(h.at(t, 0.99) == [] for t in (5, 10, 25))
+    assert h.at(30, 0.99) == [("evict", "evict_lowest_priority", False)]
+
+
+def test_one_escalation_per_tick_cheapest_first() -> None:
+    h = Harness(HEADER + BATCH.replace("for: 10s", "for: 0s") + EVICT + FP8)
+    assert h.at(0, 0.99) == [("batch", "reduce_batch", False)]
+    assert h.at(5, 0.99) == [("evict", "evict_lowest_priority", False)]
+    assert h.at(10, 0.99) == [("fp8", "enable_fp8_kv", False)]
+    assert h.ev.level() == 3
+
+
+def test_undo_in_reverse_order_of_application() -> None:
+    h = Harness(HEADER + BATCH.replace("for: 10s", "for: 0s") + FP8)
+    h.at(0, 0.99)
+    h.at(5, 0.99)
+    assert h.ev.applied == ["batch", "fp8"]
+    # both recover below 0.5, batch first in time, but fp8 (applied last) must be undone first
+    assert h.at(10, 0.4) == [("fp8", "disable_fp8_kv", True)]  # fp8 recover_for 0
+    assert h.at(15, 0.4) == []
+    assert h.at(30, 0.4) == [("batch", "restore_batch", True)]
+    assert h.ev.incident is None
+
+
+def test_unknown_signal_never_acts_and_keeps_state() -> None:
+    h = Harness(HEADER + BATCH)
+    h.at(0, 0.95)
+    assert h.at(5, None) == [] and h.state("batch") == "unknown"
+    assert h.at(15, None) == [] and h.calls == []
+    assert h.at(20, 0.95) == [("batch", "reduce_batch", False)]  # pending kept its start time
+
+
+def test_dry_run_records_and_changes_nothing() -> None:
+    h = Harness(HEADER + BATCH.replace("for: 10s", "for: 0s"), dry_run=True)
+    assert h.at(0, 0.95) == [("batch", "reduce_batch", False)]
+    assert h.calls == [] and h.ev.decisions[-1].outcome == "dry_run"
+    h.at(5, 0.5)
+    assert h.at(25, 0.5) == [("batch", "restore_batch", True)] and h.calls == []
+
+
+def test_refused_action_is_recorded_and_retried_after_cooldown() -> None:
+    h = Harness(HEADER + FP8.replace("0.97", "0.9"), refuse={"enable_fp8_kv"})
+    assert h.at(0, 0.95) == [("fp8", "enable_fp8_kv", False)]
+    assert h.ev.decisions[-1].outcome == "refused" and h.state("fp8") == "pending"
+    assert h.at(10, 0.95) == []
+    assert h.at(30, 0.95) == [("fp8", "enable_fp8_kv", False)]
+
+
+def test_event_rules_and_alert_resolution() -> None:
+    h = Harness(
+        HEADER + "  - {name: oom, on: engine_oom, action: handle_oom, cooldown: 10s}\n"
+        "  - {name: am, on: 'alert:GPUNearOOM', action: halt_admission, undo: resume_admission}\n"
+    )
+    assert [d.action for d in h.ev.handle_event("engine_oom")] == ["handle_oom"]
+    assert h.ev.handle_event("engine_oom") == []  # cooldown
+    h.clock.t = 10
+    assert [d.action for d in h.ev.handle_event("engine_oom")] == ["handle_oom"]
+    assert [d.action for d in h.ev.handle_event("alert:GPUNearOOM")] == ["halt_admission"]
+    assert [(d.action, d.undo) for d in h.ev.handle_event("alert:GPUNearOOM", resolved=True)] == [
+        ("resume_admission", True)
+    ]
+    assert h.ev.handle_event("alert:Other") == []
+
+
+def test_incident_opens_on_first_action_and_closes_when_calm() -> None:
+    h = Harness(HEADER + BATCH.replace("for: 10s", "for: 0s"))
+    h.at(0, 0.95)
+    first = h.ev.incident
+    assert first is not None
+    h.at(5, 0.5)
+    h.at(25, 0.5)
+    assert h.ev.incident is None and h.ev.incident_actions == 2
+
+
+BAD_FILES = [
+    ("interval: soon\n", "test.yaml:1: interval: 'soon' is not a duration"),
+    ("version: 2\n", "test.yaml:1: version: version 2 is not supported"),
+    ("colour: red\n", "test.yaml:1: colour: unknown key"),
+    ("signals: {kv: {local: nope}}\n", "test.yaml:1: signals.kv: unknown local signal 'nope'"),
+    (
+        "signals: {kv: {local: kv_cache_usage_ratio, promql: up}}\n",
+        "exactly one of `local` or `promql`",
+    ),
+    (
+        "signals: {kv: {local: kv_cache_usage_ratio}}\nrules:\n  - {name: a, signal: kv, above: 1, action: boom}\n",
+        "test.yaml:3: rules.0.action: unknown action 'boom'",
+    ),
+    (
+        "signals: {kv: {local: kv_cache_usage_ratio}}\nrules:\n  - {name: a, signal: zz, above: 1, action: restore_batch}\n",
+        "test.yaml:3: rules.0.signal: unknown signal 'zz'",
+    ),
+    (
+        "signals: {kv: {local: kv_cache_usage_ratio}}\nrules:\n  - {name: a, signal: kv, above: 1, action: restore_batch}\n"
+        "  - {name: a, signal: kv, above: 1, action: restore_batch}\n",
+        "test.yaml:4: rules.1.name: duplicate rule name 'a'",
+    ),
+    (
+        "signals: {kv: {local: kv_cache_usage_ratio}}\nrules:\n  - {name: a, signal: kv, above: 1, for: 3 parsecs,"
+        " action: restore_batch}\n",
+        "test.yaml:3: rules.0.for: '3 parsecs' is not a duration",
+    ),
+    (
+        "signals: {kv: {local: kv_cache_usage_ratio}}\nrules:\n  - {name: a, signal: kv, above: 1, action: reduce_batch,"
+        " params: {factor: 2}}\n",
+        "test.yaml:3: rules.0.params: action 'reduce_batch' params: factor",
+    ),
+    (
+        "signals: {kv: {local: kv_cache_usage_ratio}}\nrules:\n  - {name: a, signal: kv, above: 0.9, recover_below: 0.95,"
+        " action: reduce_batch, undo: restore_batch}\n",
+        "recover_below=0.95 must not exceed above=0.9",
+    ),
+    (
+        "rules:\n  - {name: a, on: lunch, action: restore_batch}\n",
+        "test.yaml:2: rules.0.on: on='lunch'",
+    ),
+    ("rules: [\n", "test.yaml:2: YAML syntax error"),
+    ("- just\n- a list\n", "test.yaml:1: the rules file must be a mapping"),
+]
+
+
+@pytest.mark.parametrize(("text", "message"), BAD_FILES)
+def test_bad_rule_files_name_line_field_and_problem(text: str, message: str) -> None:
+    with pytest.raises(RulesFileError) as err:
+        load_rules_text(text, "test.yaml")
+    assert any(message in e for e in err.value.errors), err.value.errors
+
+
+def test_every_error_is_listed_at_once() -> None:
+    text = (
+        "interval: soon\nsignals: {kv: {local: kv_cache_usage_ratio}}\nrules:\n"
+        "  - {name: a, signal: zz, above: 1, action: boom}\n  - {name: a, signal: kv, abov: 1, action: halt_admission}\n"
+    )
+    with pytest.raises(RulesFileError) as err:
+        load_rules_text(text, "t.yaml")
+    assert len(err.value.errors) >= 5
+
+
+def test_default_rules_ship_the_ladder() -> None:
+    rs = load_rules(default_rules_path())
+    ladder = [(r.above, r.action) for r in rs.rules if r.signal == "kv_usage"]
+    assert ladder == [
+        (0.92, "reduce_batch"),
+        (0.95, "evict_lowest_priority"),
+        (0.97, "enable_fp8_kv"),
+        (0.99, "halt_admission"),
+    ]
+    assert any(r.on == "engine_oom" and r.action == "handle_oom" for r in rs.rules)
+
+
+def test_rules_cli_check_and_test() -> None:
+    ok = subprocess.run([KVGUARD, "rules", "check"], capture_output=True, text=True)
+    assert ok.returncode == 0 and "OK" in ok.stdout
+    scen = sorted(str(p) for p in (REPO / "rules" / "scenarios").glob("*.yaml"))
+    res = subprocess.run(
+        [KVGUARD, "rules", "test", str(default_rules_path()), *scen], capture_output=True, text=True
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.count("PASS") == len(scen) >= 2
+
+
+def test_rules_cli_fails_on_a_wrong_expectation(tmp_path: Path) -> None:
+    sc = tmp_path / "wrong.yaml"
+    sc.write_text(
+        "duration: 60s\nseries:\n  kv_usage: [{at: 0s, value: 0.99}]\n"
+        "expect:\n  - {at: 5s, rule: evict-low, action: evict_lowest_priority}\n"
+    )
+    res = subprocess.run(
+        [KVGUARD, "rules", "test", str(default_rules_path()), str(sc)],
+        capture_output=True,
+        text=True,
+    )
+    assert res.returncode == 1 and "FAIL" in res.stdout and "expected" in res.stdout
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rules: [{name: x}]\n")
+    chk = subprocess.run([KVGUARD, "rules", "check", str(bad)], capture_output=True, text=True)
+    assert chk.returncode == 1 and f"{bad}:1: rules.0" in chk.stderr

@@ -13,6 +13,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from kvguard.daemon.alerts_cli import add_alerts_parser
+from kvguard.daemon.audit_cli import add_audit_parser, add_db_parser
 from kvguard.daemon.cli_serve import add_serve_parser, add_status_parser
 from kvguard.daemon.rules_cli import add_rules_parser
 
@@ -194,6 +196,9 @@ SUBCOMMANDS: dict[str, SubcommandBuilder] = {
     "serve": add_serve_parser,
     "status": add_status_parser,
     "rules": add_rules_parser,
+    "audit": add_audit_parser,
+    "db": add_db_parser,
+    "alerts": add_alerts_parser,
     "model": add_model_parser,
     "generate": add_generate_parser,
 }

@@ -150,15 +150,19 @@ class ControlPlane:
         alerts = payload.get("alerts")
         if not isinstance(alerts, list):
             raise ValueError("payload.alerts: expected a list")
-        taken, dupes = 0, 0
+        taken, dupes, other = 0, 0, 0
+        mine = self.service.cfg.prometheus_instance()
         for a in alerts:
             if not isinstance(a, dict):
                 raise ValueError("payload.alerts[]: expected objects")
-            if self._take_alert(a):
+            inst = (a.get("labels") or {}).get("instance")
+            if inst is not None and inst != mine:
+                other += 1  # a fleet-wide receiver: another daemon's alert is not ours to act on
+            elif self._take_alert(a):
                 taken += 1
             else:
                 dupes += 1
-        return {"accepted": taken, "duplicates": dupes}
+        return {"accepted": taken, "duplicates": dupes, "other_instance": other}
 
     def _take_alert(self, a: dict[str, Any]) -> bool:
         name = str((a.get("labels") or {}).get("alertname", ""))

@@ -78,7 +78,6 @@ class Stats:
     evaluations: int = 0
     failures: int = 0
     last_duration_s: float = 0.0
-    durations: list[float] = field(default_factory=list)
     actions: dict[tuple[str, str, str], int] = field(default_factory=dict)
     alerts: dict[tuple[str, str], int] = field(default_factory=dict)
 
@@ -125,11 +124,17 @@ class Evaluator:
 
     # -- the tick ---------------------------------------------------------------------------
     def tick(self) -> list[Decision]:
+        """One evaluation. Signals are read before taking the lock: a slow Prometheus must not
+        block readers of the rule states (metrics, /admin/state)."""
+        t0 = time.perf_counter()
+        try:
+            values = self._read_values()
+        except Exception:  # noqa: BLE001
+            values = {}
         with self._lock:
-            t0 = time.perf_counter()
             start = len(self.decisions)
             try:
-                self._tick()
+                self._tick(values)
             except Exception:
                 self.stats.failures += 1
                 log.exception("rule evaluation failed")
@@ -137,13 +142,10 @@ class Evaluator:
                 d = time.perf_counter() - t0
                 self.stats.evaluations += 1
                 self.stats.last_duration_s = d
-                self.stats.durations.append(d)
-                del self.stats.durations[:-1024]
             return self.decisions[start:]
 
-    def _tick(self) -> None:
+    def _tick(self, values: dict[str, float | None]) -> None:
         now = self.clock()
-        values = self._read_values()
         escalated = False
         for rule in self.rules.rules:
             if rule.is_event:

@@ -45,8 +45,16 @@ class PromQL:
         self._client = None
         if url:
             from prometheus_api_client import PrometheusConnect
+            from urllib3.util.retry import Retry
 
-            self._client = PrometheusConnect(url=url, disable_ssl=True, timeout=timeout_s)
+            # No retries: a down Prometheus must answer "unknown" within the timeout, not
+            # after a backoff loop that outlives the evaluation interval.
+            self._client = PrometheusConnect(
+                url=url,
+                disable_ssl=True,
+                timeout=timeout_s,
+                retry=Retry(total=0, connect=0, read=0),
+            )
 
     def query(self, expr: str) -> float | None:
         if self._client is None:

@@ -29,8 +29,10 @@ def free_port() -> int:
 class Daemon:
     """A `kvguard serve` subprocess with its own config, token and state directory."""
 
-    def __init__(self, tmp: Path, extra: str = "", env: dict[str, str] | None = None) -> None:
-        self.port = free_port()
+    def __init__(
+        self, tmp: Path, extra: str = "", env: dict[str, str] | None = None, port: int | None = None
+    ) -> None:
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         (tmp / "admin.token").write_text(TOKEN + "\n")
         self.config = tmp / "config.yaml"

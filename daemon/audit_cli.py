@@ -1,0 +1,423 @@
+"""`kvguard audit ...` and `kvguard db ...`: what the daemon did, read after an incident.
+
+An operator runs these on a server, often while things are on fire, so they read the daemon's
+own database by default (the same URL `kvguard serve` would use, or a config's `audit.url`),
+never create a database by reading, print rich tables on a terminal and plain columns in a
+pipe, offer `--json` everywhere, and answer mistakes with one line (a ValueError, which the
+`kvguard` entry point prints as `kvguard: error: ...`).
+
+Handlers import SQLAlchemy and rich lazily so `kvguard --help` stays instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import re
+import sys
+from collections.abc import Iterable, Sequence
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvguard.daemon.audit import AuditStore
+
+OUTCOMES = ("applied", "failed", "dry_run", "refused")  # as kvguard.daemon.audit_models
+EXPORT_TABLES = ("actions", "events", "incidents")
+WHOLE_COLUMNS = {"ID", "TIME", "OPENED", "CLOSED", "INCIDENT"}
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
+_PART = r"(\d+(?:\.\d+)?)(ms|s|m|h|d|w)"
+
+
+# -- kvguard audit -----------------------------------------------------------------------------
+def add_audit_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    audit = sub.add_parser(
+        "audit",
+        help="query the audit database: actions, events, incidents",
+        description="Read the actions the rules took, the daemon's events and the incidents, "
+        "from the daemon's audit database (default: the one `kvguard serve` uses). "
+        "Times are UTC; an ISO time without an offset is taken as UTC.",
+    )
+    cmds = audit.add_subparsers(
+        dest="audit_command", metavar="{list,show,incidents,timeline,export}", required=True
+    )
+    _add_list(cmds)
+    _add_show(cmds)
+    _add_incidents(cmds)
+    _add_timeline(cmds)
+    _add_export(cmds)
+
+
+def _db_options() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument(
+        "--db", metavar="URL", help="SQLAlchemy URL of the audit database (default: the daemon's)"
+    )
+    p.add_argument(
+        "--config", metavar="FILE", type=Path, help="take the database from this config's audit.url"
+    )
+    return p
+
+
+def _json_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _window_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--since", metavar="WHEN", help="from this time: a duration ago (2h, 30m, 1d) or ISO"
+    )
+    p.add_argument("--until", metavar="WHEN", help="up to this time: a duration ago or ISO")
+
+
+def _limit_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--limit",
+        metavar="N",
+        type=int,
+        default=100,
+        help="newest N rows; 0: all (default: %(default)s)",
+    )
+
+
+def _add_list(cmds: Any) -> None:
+    p = cmds.add_parser("list", parents=[_db_options()], help="list actions, oldest first")
+    _window_options(p)
+    p.add_argument("--rule", help="only this rule")
+    p.add_argument("--action", help="only this action (e.g. reduce_batch)")
+    p.add_argument("--outcome", choices=OUTCOMES, help="only this outcome")
+    p.add_argument("--incident", metavar="ID", help="only actions of this incident")
+    _limit_option(p)
+    _json_option(p)
+    p.set_defaults(func=cmd_audit_list)
+
+
+def _add_show(cmds: Any) -> None:
+    p = cmds.add_parser("show", parents=[_db_options()], help="show one action in full")
+    p.add_argument("id", metavar="ID", type=int, help="action id (from `kvguard audit list`)")
+    _json_option(p)
+    p.set_defaults(func=cmd_audit_show)
+
+
+def _add_incidents(cmds: Any) -> None:
+    p = cmds.add_parser("incidents", parents=[_db_options()], help="list incidents")
+    _window_options(p)
+    p.add_argument("--open", action="store_true", help="only incidents not closed yet")
+    _limit_option(p)
+    _json_option(p)
+    p.set_defaults(func=cmd_audit_incidents)
+
+
+def _add_timeline(cmds: Any) -> None:
+    p = cmds.add_parser(
+        "timeline",
+        parents=[_db_options()],
+        help="an incident's actions and events in time order",
+    )
+    p.add_argument(
+        "incident", metavar="INCIDENT", help="incident id (from `kvguard audit incidents`)"
+    )
+    _json_option(p)
+    p.set_defaults(func=cmd_audit_timeline)
+
+
+def _add_export(cmds: Any) -> None:
+    p = cmds.add_parser(
+        "export",
+        parents=[_db_options()],
+        help="dump a whole table as JSON or CSV",
+        description="Dump every row of a table (actions by default), oldest first.",
+    )
+    fmt = p.add_mutually_exclusive_group(required=True)
+    fmt.add_argument("--json", action="store_true", help="a JSON list of rows")
+    fmt.add_argument("--csv", action="store_true", help="CSV with a header; JSON cells as text")
+    p.add_argument("--table", choices=EXPORT_TABLES, default="actions", help="default: actions")
+    _window_options(p)
+    p.add_argument("--output", "-o", metavar="FILE", type=Path, help="write here, not stdout")
+    p.set_defaults(func=cmd_audit_export)
+
+
+def cmd_audit_list(args: argparse.Namespace) -> int:
+    since, until = _window(args)
+    rows = _open_store(args).list_actions(
+        since=since,
+        until=until,
+        rule=args.rule,
+        action=args.action,
+        outcome=args.outcome,
+        incident=args.incident,
+        limit=_limit(args.limit),
+    )
+    if args.json:
+        return _print_json(rows)
+    headers = ("ID", "TIME", "RULE", "ACTION", "SIGNAL", "OUTCOME", "INCIDENT")
+    _print_table(headers, [_action_cells(r) for r in rows], empty="no actions")
+    return 0
+
+
+def cmd_audit_show(args: argparse.Namespace) -> int:
+    row = _open_store(args).get_action(args.id)
+    if row is None:
+        raise ValueError(f"no action with id {args.id}")
+    if args.json:
+        return _print_json(row)
+    for key, value in row.items():
+        print(f"{key:<13} {_text(value, pretty=True)}")
+    return 0
+
+
+def cmd_audit_incidents(args: argparse.Namespace) -> int:
+    since, until = _window(args)
+    store = _open_store(args)
+    rows = store.list_incidents(
+        since=since, until=until, open_only=args.open, limit=_limit(args.limit)
+    )
+    if args.json:
+        return _print_json(rows)
+    headers = ("ID", "OPENED", "CLOSED", "PEAK", "ACTIONS", "HOST", "SUMMARY")
+    _print_table(headers, [_incident_cells(r) for r in rows], empty="no incidents")
+    return 0
+
+
+def cmd_audit_timeline(args: argparse.Namespace) -> int:
+    store = _open_store(args)
+    incident = store.get_incident(args.incident)
+    rows = store.timeline(args.incident)
+    if incident is None and not rows:
+        raise ValueError(f"no incident {args.incident!r} (see `kvguard audit incidents`)")
+    if args.json:
+        return _print_json({"incident": incident, "timeline": rows})
+    if incident is not None:
+        _print_incident_header(incident)
+    headers = ("TIME", "TYPE", "WHAT", "SIGNAL", "RESULT")
+    _print_table(headers, [_timeline_cells(r) for r in rows], empty="no actions or events")
+    return 0
+
+
+def cmd_audit_export(args: argparse.Namespace) -> int:
+    since, until = _window(args)
+    store = _open_store(args)
+    if args.table == "actions":
+        rows = store.list_actions(since=since, until=until, limit=None)
+    elif args.table == "events":
+        rows = store.list_events(since=since, until=until, limit=None)
+    else:
+        rows = store.list_incidents(since=since, until=until, limit=None)
+    out: IO[str] = open(args.output, "w", newline="") if args.output else sys.stdout  # noqa: SIM115
+    try:
+        if args.csv:
+            _write_csv(out, _columns(args.table), rows)
+        else:
+            out.write(_dumps(rows) + "\n")
+    finally:
+        if args.output:
+            out.close()
+    return 0
+
+
+# -- kvguard db --------------------------------------------------------------------------------
+def add_db_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    db = sub.add_parser(
+        "db",
+        help="migrate the audit database",
+        description="The daemon migrates its audit database when it starts; these do it by hand "
+        "(e.g. for a PostgreSQL database shared by a fleet).",
+    )
+    cmds = db.add_subparsers(dest="db_command", metavar="{upgrade,current}", required=True)
+    up = cmds.add_parser(
+        "upgrade", parents=[_db_options()], help="create or migrate the database to a revision"
+    )
+    up.add_argument("--revision", default="head", help="target revision (default: %(default)s)")
+    up.set_defaults(func=cmd_db_upgrade)
+    cur = cmds.add_parser("current", parents=[_db_options()], help="print the database's revision")
+    _json_option(cur)
+    cur.set_defaults(func=cmd_db_current)
+
+
+def cmd_db_upgrade(args: argparse.Namespace) -> int:
+    from kvguard.daemon.audit_migrate import current, shown, upgrade
+
+    url = _db_url(args)
+    upgrade(url, args.revision)
+    print(f"{shown(url)}: at revision {current(url)}")
+    return 0
+
+
+def cmd_db_current(args: argparse.Namespace) -> int:
+    from kvguard.daemon.audit_migrate import current, head, shown
+
+    url = _db_url(args)
+    rev, newest = current(url), head()
+    if args.json:
+        return _print_json({"url": shown(url), "revision": rev, "head": newest})
+    state = "up to date" if rev == newest else f"behind {newest}: run `kvguard db upgrade`"
+    print(f"{rev or 'none (empty database)'} ({state})")
+    return 0
+
+
+# -- helpers -----------------------------------------------------------------------------------
+def _db_url(args: argparse.Namespace) -> str:
+    """--db, else the config's audit.url, else where `kvguard serve` would put it."""
+    if args.db:
+        return args.db
+    from kvguard.daemon.config import load_config  # imports the engine: only when needed
+
+    return load_config(args.config).audit_url()
+
+
+def _open_store(args: argparse.Namespace) -> AuditStore:
+    """A store for reading only: the database must exist and be migrated."""
+    from kvguard.daemon.audit import AuditStore
+    from kvguard.daemon.audit_migrate import current, shown
+
+    url = _db_url(args)
+    if current(url) is None:
+        raise ValueError(f"{shown(url)} is not a kvguard audit database (run `kvguard db upgrade`)")
+    return AuditStore(url, host="-")
+
+
+def parse_when(text: str, now: datetime | None = None) -> datetime:
+    """A --since/--until value: a duration ago ('2h', '1h30m', '90s') or an ISO time (UTC if
+    it has no offset, matching how times are stored and printed)."""
+    value = text.strip()
+    if re.fullmatch(rf"(?:{_PART})+", value):
+        seconds = sum(float(n) * _UNITS[u] for n, u in re.findall(_PART, value))
+        return (now or datetime.now(UTC)) - timedelta(seconds=seconds)
+    try:
+        t = datetime.fromisoformat(value)
+    except ValueError:
+        raise ValueError(
+            f"{text!r} is not a time: expected a duration ago like 2h, 30m, 1d "
+            "or an ISO time like 2025-01-31T12:00:00"
+        ) from None
+    return t.replace(tzinfo=UTC) if t.tzinfo is None else t.astimezone(UTC)
+
+
+def _window(args: argparse.Namespace) -> tuple[datetime | None, datetime | None]:
+    since = parse_when(args.since) if args.since else None
+    until = parse_when(args.until) if args.until else None
+    if since and until and since > until:
+        raise ValueError(f"--since {args.since} is after --until {args.until}")
+    return since, until
+
+
+def _limit(n: int) -> int | None:
+    if n < 0:
+        raise ValueError(f"--limit {n}: expected 0 (no limit) or more")
+    return n or None
+
+
+def _time(t: datetime | None) -> str:
+    return t.strftime("%Y-%m-%dT%H:%M:%SZ") if t else "-"
+
+
+def _num(v: float | None) -> str:
+    return "-" if v is None else f"{v:.4g}"
+
+
+def _signal(r: dict[str, Any]) -> str:
+    if not r.get("signal"):
+        return "-"
+    threshold = f" (threshold {_num(r['threshold'])})" if r.get("threshold") is not None else ""
+    return f"{r['signal']}={_num(r['value'])}{threshold}"
+
+
+def _action_cells(r: dict[str, Any]) -> tuple[str, ...]:
+    action = r["action"] + (" (undo)" if r["is_undo"] else "")
+    rule, incident = r["rule"] or "-", r["incident"] or "-"
+    return (str(r["id"]), _time(r["time"]), rule, action, _signal(r), r["outcome"], incident)
+
+
+def _closed(r: dict[str, Any]) -> str:
+    return _time(r["closed_at"]) if r["closed_at"] else "open"
+
+
+def _incident_cells(r: dict[str, Any]) -> tuple[str, ...]:
+    peak, count = str(r["peak_level"]), str(r["actions_count"])
+    return (r["id"], _time(r["opened_at"]), _closed(r), peak, count, r["host"], r["summary"])
+
+
+def _print_incident_header(r: dict[str, Any]) -> None:
+    print(f"incident {r['id']}  {r['summary']}")
+    closed = f"closed {_time(r['closed_at'])}" if r["closed_at"] else "still open"
+    print(
+        f"opened {_time(r['opened_at'])}  {closed}  peak level {r['peak_level']}  "
+        f"actions {r['actions_count']}  host {r['host']}"
+    )
+
+
+def _timeline_cells(r: dict[str, Any]) -> tuple[str, ...]:
+    if r["type"] == "event":
+        return (_time(r["time"]), "event", r["kind"], "-", r["detail"] or "-")
+    what = f"{r['rule'] or 'manual'}: {r['action']}" + (" (undo)" if r["is_undo"] else "")
+    result = r["outcome"] + (f": {r['error']}" if r["error"] else "")
+    return (_time(r["time"]), "action", what, _signal(r), result)
+
+
+def _text(value: Any, pretty: bool = False) -> str:
+    if isinstance(value, datetime):
+        return value.isoformat()
+    if isinstance(value, dict | list):
+        return json.dumps(value, indent=2 if pretty else None, sort_keys=True)
+    return "" if value is None else str(value)
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, datetime):
+        return value.isoformat()
+    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, indent=2, default=_json_default, ensure_ascii=False)
+
+
+def _print_json(value: Any) -> int:
+    print(_dumps(value))
+    return 0
+
+
+def _print_table(headers: Sequence[str], rows: Iterable[Sequence[str]], empty: str) -> None:
+    """A rich table on a terminal; plain aligned columns in a pipe, for grep and awk."""
+    rows = list(rows)
+    if not rows:
+        print(f"({empty})", file=sys.stderr)
+        return
+    if sys.stdout.isatty():
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(header_style="bold")
+        for i, h in enumerate(headers):
+            # Ids and times are copied into the next command: keep them whole; fold the rest
+            # over lines on a narrow terminal rather than hide any of it behind an ellipsis.
+            keep = max(len(h), *(len(r[i]) for r in rows)) if h in WHOLE_COLUMNS else None
+            table.add_column(h, min_width=keep, no_wrap=keep is not None, overflow="fold")
+        for row in rows:
+            table.add_row(*row)
+        Console().print(table)
+        return
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    for row in [tuple(headers), *rows]:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+
+
+def _columns(table: str) -> list[str]:
+    from kvguard.daemon.audit import TABLES
+
+    return list(TABLES[table].c.keys())
+
+
+def _write_csv(out: IO[str], columns: list[str], rows: list[dict[str, Any]]) -> None:
+    writer = csv.DictWriter(out, fieldnames=columns, lineterminator="\n")
+    writer.writeheader()
+    for r in rows:
+        writer.writerow({k: _csv_cell(r[k]) for k in columns})
+
+
+def _csv_cell(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return _text(value)

@@ -1,0 +1,172 @@
+"""Connecting to the audit database and migrating it with Alembic, run from code.
+
+The daemon migrates its own database at start, before READY, and `kvguard db upgrade` does the
+same by hand, so Alembic is driven through its command API with a `Config` built here: an
+installed wheel has no alembic.ini, and the URL (which may hold a password with `%` in it) never
+passes through ini interpolation. The connection handed to Alembic comes from `make_engine`, so
+migrations run with the same SQLite settings as the writer.
+
+Every failure an operator can cause (a malformed URL, a driver that is not installed, a file
+that is not there, a database that refuses) becomes a one-line `ValueError`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.util import CommandError
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import ArgumentError, NoSuchModuleError, SQLAlchemyError
+from sqlalchemy.pool import StaticPool
+
+import kvguard.migrations
+
+MIGRATIONS_DIR = Path(kvguard.migrations.__file__).resolve().parent
+BUSY_TIMEOUT_MS = 5000  # how long a SQLite writer waits for another's lock before failing
+
+
+def parse_url(url: str) -> URL:
+    try:
+        return make_url(url)
+    except ArgumentError:
+        raise ValueError(
+            f"{url!r} is not a database URL (expected e.g. sqlite:////var/lib/kvguard/audit.db "
+            "or postgresql://user@host/kvguard)"
+        ) from None
+
+
+def shown(url: str | URL) -> str:
+    """The URL as it may appear in a log or an error: without its password."""
+    try:
+        u = parse_url(url) if isinstance(url, str) else url
+    except ValueError:
+        return repr(url)
+    return u.render_as_string(hide_password=True)
+
+
+def sqlite_path(url: str | URL) -> Path | None:
+    """The file behind a SQLite URL; None for other backends and in-memory databases."""
+    u = parse_url(url) if isinstance(url, str) else url
+    if u.get_backend_name() != "sqlite" or u.database in (None, "", ":memory:"):
+        return None
+    if u.database.startswith("file:"):  # a URI filename (?uri=true): not a plain path
+        return None
+    return Path(u.database)
+
+
+def make_engine(url: str, busy_timeout_ms: int = BUSY_TIMEOUT_MS) -> Engine:
+    """An engine for any SQLAlchemy URL; on SQLite, WAL and a busy timeout on every connection.
+
+    WAL lets the CLI read while the daemon writes; the busy timeout makes a writer wait out a
+    short lock instead of failing at once. An in-memory SQLite database gets one shared
+    connection, or the writer thread would see a different, empty database.
+    """
+    u = parse_url(url)
+    kwargs: dict[str, Any] = {}
+    sqlite = u.get_backend_name() == "sqlite"
+    if sqlite and u.database in (None, "", ":memory:"):
+        kwargs = {"poolclass": StaticPool, "connect_args": {"check_same_thread": False}}
+    elif not sqlite:
+        kwargs = {"pool_pre_ping": True}  # a server's idle timeout is not a failed write
+    try:
+        engine = create_engine(u, **kwargs)
+    except NoSuchModuleError:
+        raise ValueError(f"{shown(u)}: unknown database backend {u.drivername!r}") from None
+    except ImportError as e:
+        raise ValueError(f"{shown(u)}: its database driver is not installed ({e.name})") from None
+    if sqlite:
+        event.listen(engine, "connect", _sqlite_pragmas(busy_timeout_ms))
+    return engine
+
+
+def _sqlite_pragmas(busy_timeout_ms: int) -> Any:
+    def on_connect(dbapi_conn: Any, _record: Any) -> None:
+        cur = dbapi_conn.cursor()
+        try:
+            cur.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")  # first: WAL may wait
+            cur.execute("PRAGMA journal_mode = WAL")
+        finally:
+            cur.close()
+
+    return on_connect
+
+
+def require_database(url: str) -> None:
+    """Refuse a SQLite file that does not exist: reading must not create an empty database."""
+    path = sqlite_path(url)
+    if path is not None and not path.is_file():
+        raise ValueError(
+            f"no audit database at {path} (the daemon creates it when it starts; "
+            "pass --db URL or --config FILE to read another)"
+        )
+
+
+@contextmanager
+def db_errors(url: str) -> Iterator[None]:
+    """Turn database and Alembic failures into one line naming the database."""
+    try:
+        yield
+    except CommandError as e:
+        raise ValueError(f"{shown(url)}: {e}") from None
+    except SQLAlchemyError as e:
+        reason = getattr(e, "orig", None) or e
+        raise ValueError(f"{shown(url)}: {str(reason).splitlines()[0]}") from None
+
+
+def alembic_config(connection: Any = None) -> Config:
+    """Alembic's configuration, built in memory; env.py uses `connection` when given."""
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+    cfg.set_main_option("path_separator", "os")
+    if connection is not None:
+        cfg.attributes["connection"] = connection
+    return cfg
+
+
+def _run(url: str, fn: Any, revision: str, busy_timeout_ms: int) -> None:
+    path = sqlite_path(url)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    engine = make_engine(url, busy_timeout_ms)
+    try:
+        with db_errors(url), engine.begin() as conn:
+            fn(alembic_config(conn), revision)
+    finally:
+        engine.dispose()
+
+
+def upgrade(url: str, revision: str = "head", busy_timeout_ms: int = BUSY_TIMEOUT_MS) -> None:
+    """Bring the database to `revision`, creating it (and a SQLite file's directory) if needed."""
+    _run(url, command.upgrade, revision, busy_timeout_ms)
+
+
+def downgrade(url: str, revision: str = "base", busy_timeout_ms: int = BUSY_TIMEOUT_MS) -> None:
+    """Take the database back to `revision`; "base" drops every audit table."""
+    _run(url, command.downgrade, revision, busy_timeout_ms)
+
+
+def current(url: str) -> str | None:
+    """The database's revision; None when it has never been migrated."""
+    require_database(url)
+    engine = make_engine(url)
+    try:
+        with db_errors(url), engine.connect() as conn:
+            return MigrationContext.configure(conn).get_current_revision()
+    finally:
+        engine.dispose()
+
+
+def head() -> str:
+    """The newest revision this kvguard ships."""
+    from alembic.script import ScriptDirectory
+
+    rev = ScriptDirectory.from_config(alembic_config()).get_current_head()
+    assert rev is not None, f"no migrations in {MIGRATIONS_DIR}"
+    return rev

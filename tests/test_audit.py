@@ -1,0 +1,472 @@
+"""The audit store, its migrations and `kvguard audit|db`, against real SQLite files.
+
+Faults are real too: tests run as root, for whom a read-only file is still writable, so a
+"database that refuses writes" is a second sqlite3 connection holding `BEGIN EXCLUSIVE`, which
+makes every other writer fail with "database is locked" once its busy timeout runs out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import logging
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import closing, redirect_stdout
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+
+from kvguard.daemon import audit, audit_migrate
+from kvguard.daemon.audit import AuditStore
+from kvguard.daemon.audit_cli import add_audit_parser, add_db_parser, parse_when
+from kvguard.daemon.audit_models import Base
+
+NOW = datetime.now(UTC).replace(microsecond=0)
+TABLES = {"actions", "events", "incidents"}
+
+
+@pytest.fixture
+def db_path(tmp_path: Path) -> Path:
+    return tmp_path / "state" / "audit.db"  # the directory does not exist yet
+
+
+@pytest.fixture
+def db_url(db_path: Path) -> str:
+    return f"sqlite:///{db_path}"
+
+
+@pytest.fixture
+def store(db_url: str) -> Iterator[AuditStore]:
+    s = AuditStore(db_url, host="node-1")
+    s.start()
+    yield s
+    s.stop(timeout=5)
+
+
+def _tables(path: Path) -> set[str]:
+    with closing(sqlite3.connect(path)) as c:
+        return {r[0] for r in c.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+
+
+def _count(path: Path, table: str) -> int:
+    with closing(sqlite3.connect(path)) as c:
+        return c.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
+
+
+def _details(path: Path, table: str) -> list[str]:
+    with closing(sqlite3.connect(path)) as c:
+        return [r[0] for r in c.execute(f"SELECT detail FROM {table} ORDER BY id")]
+
+
+def _act(store: AuditStore, **kw: Any) -> None:
+    fields: dict[str, Any] = {
+        "rule": "reduce-batch",
+        "action": "reduce_batch",
+        "outcome": "applied",
+    }
+    store.record_action(**(fields | kw))
+
+
+# -- migrations ----------------------------------------------------------------------------
+def test_upgrade_downgrade_upgrade(db_url: str, db_path: Path) -> None:
+    audit_migrate.upgrade(db_url)
+    assert audit_migrate.current(db_url) == audit_migrate.head() == "0001"
+    assert _tables(db_path) >= TABLES
+
+    audit_migrate.downgrade(db_url)
+    assert audit_migrate.current(db_url) is None
+    assert not TABLES & _tables(db_path)
+
+    audit_migrate.upgrade(db_url)
+    assert audit_migrate.current(db_url) == "0001"
+
+
+def test_models_match_migrations(db_url: str, db_path: Path) -> None:
+    audit_migrate.upgrade(db_url)
+    engine = audit_migrate.make_engine(db_url)
+    with engine.connect() as conn:
+        ctx = MigrationContext.configure(conn, opts={"compare_type": True})
+        assert compare_metadata(ctx, Base.metadata) == []
+    # The comparison does see a difference when there is one.
+    with closing(sqlite3.connect(db_path)) as c:
+        c.execute("DROP INDEX ix_actions_rule")
+    with engine.connect() as conn:
+        ctx = MigrationContext.configure(conn, opts={"compare_type": True})
+        assert [d[0] for d in compare_metadata(ctx, Base.metadata)] == ["add_index"]
+    engine.dispose()
+
+
+def test_sqlite_connections_use_wal_and_busy_timeout(db_url: str, db_path: Path) -> None:
+    db_path.parent.mkdir()
+    engine = audit_migrate.make_engine(db_url, busy_timeout_ms=1234)
+    with engine.connect() as conn:
+        assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+        assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() == 1234
+    engine.dispose()
+
+
+def test_bad_urls_and_missing_databases_are_one_line_errors(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="not a database URL"):
+        AuditStore("not a url")
+    with pytest.raises(ValueError, match="driver is not installed") as e:
+        AuditStore("postgresql://kv:s3cret@localhost/audit")
+    assert "s3cret" not in str(e.value)
+    with pytest.raises(ValueError, match="no audit database at"):
+        audit_migrate.current(f"sqlite:///{tmp_path / 'missing.db'}")
+    assert not (tmp_path / "missing.db").exists()  # reading never creates a database
+
+
+# -- writing and reading ---------------------------------------------------------------------
+def test_actions_and_events_round_trip(store: AuditStore) -> None:
+    params = {"factor": 0.5, "min": 1}
+    _act(
+        store,
+        signal="kv_usage",
+        value=0.95,
+        threshold=0.92,
+        params=params,
+        state_before={"max_num_seqs": 32},
+        state_after={"max_num_seqs": 16},
+        time=NOW - timedelta(minutes=3),
+    )
+    params["factor"] = 0.1  # the row keeps the values of the call
+    _act(store, rule="fp8-kv", action="enable_fp8_kv", outcome="failed", error="no fp8", time=NOW)
+    _act(store, action="restore_batch", is_undo=True, trigger="manual", rule=None, time=NOW)
+    store.record_event("reload", "rules reloaded", {"rules": 6}, time=NOW)
+    assert store.flush(10)
+
+    rows = store.list_actions()
+    assert [r["action"] for r in rows] == ["reduce_batch", "enable_fp8_kv", "restore_batch"]
+    first = store.get_action(rows[0]["id"])
+    assert first is not None
+    assert first["params"] == {"factor": 0.5, "min": 1}
+    assert first["state_after"] == {"max_num_seqs": 16}
+    assert (first["signal"], first["value"], first["threshold"]) == ("kv_usage", 0.95, 0.92)
+    assert first["time"] == NOW - timedelta(minutes=3) and first["time"].tzinfo is not None
+    assert first["host"] == "node-1" and first["is_undo"] is False
+    assert [r["rule"] for r in store.list_actions(outcome="failed")] == ["fp8-kv"]
+    assert store.list_actions(since=NOW - timedelta(minutes=1), limit=1)[0]["is_undo"] is True
+    assert len(store.list_actions(until=NOW - timedelta(minutes=1))) == 1
+    assert store.get_action(999) is None
+    assert store.list_events(kind="reload")[0]["data"] == {"rules": 6}
+    assert (store.written, store.failures, store.dropped, store.depth()) == (4, 0, 0, 0)
+
+
+def test_caller_bugs_raise_at_the_call(store: AuditStore) -> None:
+    with pytest.raises(ValueError, match="outcome 'done'"):
+        _act(store, outcome="done")
+    with pytest.raises(ValueError, match="trigger"):
+        _act(store, trigger="cron")
+    with pytest.raises(ValueError, match="no timezone"):
+        store.record_event("reload", time=datetime(2025, 1, 1))
+    assert store.depth() == 0
+
+
+def test_incident_open_update_close_and_timeline(store: AuditStore) -> None:
+    t0 = NOW - timedelta(minutes=10)
+    inc = store.open_incident(1, "kv cache above 92%", time=t0)
+    assert inc.startswith("inc-")  # known before anything is written
+    store.record_event("alert_received", "KVCacheHigh", incident=inc, time=t0)
+    _act(store, signal="kv_usage", value=0.93, incident=inc, time=t0 + timedelta(seconds=10))
+    store.record_event("engine_oom", incident=inc, time=t0 + timedelta(seconds=20))
+    _act(store, action="halt_admission", incident=inc, time=t0 + timedelta(seconds=30))
+    store.update_incident(inc, peak_level=4, actions_count=2)
+    _act(
+        store, action="resume_admission", is_undo=True, incident=inc, time=t0 + timedelta(minutes=5)
+    )
+    store.record_event("daemon_start")  # not part of the incident
+    store.update_incident(inc, actions_count=3, closed_at=t0 + timedelta(minutes=5))
+    assert store.flush(10)
+
+    row = store.get_incident(inc)
+    assert row is not None
+    assert (row["peak_level"], row["actions_count"]) == (4, 3)
+    assert row["closed_at"] == t0 + timedelta(minutes=5)
+    assert store.list_incidents(open_only=True) == []
+    steps = [(r["type"], r.get("kind") or r["action"]) for r in store.timeline(inc)]
+    assert steps == [
+        ("event", "alert_received"),
+        ("action", "reduce_batch"),
+        ("event", "engine_oom"),
+        ("action", "halt_admission"),
+        ("action", "resume_admission"),
+    ]
+
+
+# -- faults ----------------------------------------------------------------------------------
+@pytest.fixture
+def locked(db_path: Path) -> Iterator[sqlite3.Connection]:
+    """Another process's write transaction: every other writer gets "database is locked"."""
+    audit_migrate.upgrade(f"sqlite:///{db_path}")
+    conn = sqlite3.connect(db_path, isolation_level=None, check_same_thread=False)
+    conn.execute("BEGIN EXCLUSIVE")
+    yield conn
+    if conn.in_transaction:
+        conn.execute("ROLLBACK")
+    conn.close()
+
+
+def _wait_for(cond: Any, timeout: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def test_locked_database_never_blocks_callers_and_loses_nothing(
+    db_url: str, db_path: Path, locked: sqlite3.Connection
+) -> None:
+    store = AuditStore(db_url, busy_timeout_ms=50)
+    store.start()  # already migrated: start needs no write
+    errors: list[BaseException] = []
+
+    def caller(n: int) -> None:
+        try:
+            for i in range(50):
+                _act(store, detail=f"{n}-{i}")
+                store.record_event("tick", detail=f"{n}-{i}")
+        except BaseException as e:  # noqa: BLE001 - any escape is the failure under test
+            errors.append(e)
+
+    threads = [threading.Thread(target=caller, args=(n,)) for n in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    # Every call returned while the database was still locked: no caller waited for it.
+    assert not any(t.is_alive() for t in threads) and errors == []
+    assert store.depth() == 400 and store.written == 0
+    assert _wait_for(lambda: store.failures > 0)
+    assert store.last_error is not None and "locked" in store.last_error
+    assert store.flush(timeout=0.2) is False
+
+    locked.execute("ROLLBACK")
+    assert store.flush(timeout=30)
+    expected = sorted(f"{n}-{i}" for n in range(4) for i in range(50))
+    assert sorted(_details(db_path, "actions")) == expected  # each row exactly once
+    assert sorted(_details(db_path, "events")) == expected
+    assert (store.dropped, store.rejected, store.depth()) == (0, 0, 0)
+    assert store.stop(timeout=5)
+
+
+def test_stop_reports_rows_it_could_not_write(
+    db_url: str, locked: sqlite3.Connection, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = AuditStore(db_url, busy_timeout_ms=20)
+    store.start(migrate=False)
+    store.record_event("daemon_stop")
+    with caplog.at_level(logging.ERROR, logger=audit.__name__):
+        assert store.stop(timeout=0.3) is False
+    assert "stopping with 1 rows not written" in caplog.text
+
+
+def test_full_queue_drops_new_rows_and_says_so(
+    db_url: str, db_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = AuditStore(db_url, max_queue=5)  # not started: the queue only fills
+    with caplog.at_level(logging.ERROR, logger=audit.__name__):
+        for i in range(8):
+            store.record_event("tick", detail=str(i))
+    assert (store.depth(), store.dropped) == (5, 3)
+    assert "audit queue full" in caplog.text
+    store.start()
+    assert store.stop(timeout=10)
+    assert _details(db_path, "events") == ["0", "1", "2", "3", "4"]
+
+
+def test_a_refused_row_is_skipped_without_wedging_the_queue(
+    store: AuditStore,
+    db_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    monkeypatch.setattr(audit, "new_incident_id", lambda now=None: "inc-same")
+    store.record_event("before")
+    store.open_incident(1, "first")
+    store.open_incident(2, "duplicate id: the primary key refuses it")
+    store.record_event("after")
+    with caplog.at_level(logging.ERROR, logger=audit.__name__):
+        assert store.flush(10)
+    assert (store.rejected, store.written) == (1, 3)
+    assert _count(db_path, "incidents") == 1 and _count(db_path, "events") == 2
+    assert "refused a row" in caplog.text
+
+
+# -- CLI ---------------------------------------------------------------------------------------
+def _registered() -> bool:
+    from kvguard.daemon.cli import SUBCOMMANDS
+
+    return "audit" in SUBCOMMANDS and "db" in SUBCOMMANDS
+
+
+def kvguard(*argv: str) -> tuple[int, str]:
+    """Run `kvguard ARGV` in-process: through the real entry point once it knows audit/db."""
+    out = io.StringIO()
+    with redirect_stdout(out):
+        if _registered():
+            from kvguard.daemon.cli import main
+
+            return main(list(argv)), out.getvalue()
+        parser = argparse.ArgumentParser(prog="kvguard")
+        sub = parser.add_subparsers(dest="command", required=True)
+        add_audit_parser(sub)
+        add_db_parser(sub)
+        args = parser.parse_args(list(argv))
+        try:
+            return args.func(args), out.getvalue()
+        except ValueError as e:  # what cli.main does
+            print(f"kvguard: error: {e}", file=sys.stderr)
+            return 2, out.getvalue()
+
+
+@pytest.fixture
+def filled(db_url: str) -> tuple[str, str]:
+    """An audit database with one old action and an incident of two actions an hour ago."""
+    s = AuditStore(db_url, host="node-1")
+    s.start()
+    _act(s, rule="old", signal="kv_usage", value=0.9, time=NOW - timedelta(hours=5))
+    inc = s.open_incident(2, "kv pressure", time=NOW - timedelta(hours=1))
+    _act(
+        s,
+        signal="kv_usage",
+        value=0.951,
+        threshold=0.92,
+        incident=inc,
+        time=NOW - timedelta(hours=1),
+    )
+    s.record_event("engine_oom", "step preempted", incident=inc, time=NOW - timedelta(minutes=59))
+    _act(
+        s,
+        action="halt_admission",
+        outcome="dry_run",
+        incident=inc,
+        time=NOW - timedelta(minutes=58),
+    )
+    s.update_incident(inc, actions_count=2, closed_at=NOW - timedelta(minutes=30))
+    assert s.stop(timeout=10)
+    return db_url, inc
+
+
+def test_cli_list_filters_and_json(filled: tuple[str, str]) -> None:
+    url, inc = filled
+    rc, out = kvguard("audit", "list", "--db", url, "--json")
+    assert rc == 0 and [r["rule"] for r in json.loads(out)] == [
+        "old",
+        "reduce-batch",
+        "reduce-batch",
+    ]
+    rc, out = kvguard("audit", "list", "--db", url, "--since", "2h", "--json")
+    assert [r["incident"] for r in json.loads(out)] == [inc, inc]
+    rc, out = kvguard("audit", "list", "--db", url, "--outcome", "dry_run", "--json")
+    assert [r["action"] for r in json.loads(out)] == ["halt_admission"]
+    rc, out = kvguard("audit", "list", "--db", url, "--since", "2h")  # plain table in a pipe
+    assert out.splitlines()[0].split() == [
+        "ID",
+        "TIME",
+        "RULE",
+        "ACTION",
+        "SIGNAL",
+        "OUTCOME",
+        "INCIDENT",
+    ]
+    assert "kv_usage=0.951 (threshold 0.92)" in out and len(out.splitlines()) == 3
+
+
+def test_cli_show_incidents_and_timeline(filled: tuple[str, str]) -> None:
+    url, inc = filled
+    rc, out = kvguard("audit", "show", "2", "--db", url, "--json")
+    assert rc == 0 and json.loads(out)["value"] == 0.951
+    rc, out = kvguard("audit", "incidents", "--db", url, "--json")
+    assert [(r["id"], r["actions_count"]) for r in json.loads(out)] == [(inc, 2)]
+    rc, out = kvguard("audit", "timeline", inc, "--db", url, "--json")
+    body = json.loads(out)
+    assert body["incident"]["summary"] == "kv pressure"
+    assert [e.get("kind") or e["action"] for e in body["timeline"]] == [
+        "reduce_batch",
+        "engine_oom",
+        "halt_admission",
+    ]
+    rc, out = kvguard("audit", "timeline", inc, "--db", url)
+    assert "kv_usage=0.951" in out and "engine_oom" in out and "dry_run" in out
+
+
+def test_cli_export_csv_and_json(filled: tuple[str, str], tmp_path: Path) -> None:
+    url, _ = filled
+    dest = tmp_path / "actions.csv"
+    assert kvguard("audit", "export", "--csv", "--db", url, "--output", str(dest))[0] == 0
+    rows = list(csv.DictReader(dest.open()))
+    assert [r["rule"] for r in rows] == ["old", "reduce-batch", "reduce-batch"]
+    assert rows[0]["params"] == "{}" and rows[2]["is_undo"] == "false"
+    rc, out = kvguard("audit", "export", "--json", "--table", "events", "--db", url)
+    assert [e["kind"] for e in json.loads(out)] == ["engine_oom"]
+
+
+def test_cli_reads_the_database_of_a_config(filled: tuple[str, str], tmp_path: Path) -> None:
+    url, _ = filled
+    cfg = tmp_path / "kvguard.yaml"
+    cfg.write_text(f"audit:\n  url: {url}\n")
+    rc, out = kvguard("audit", "list", "--config", str(cfg), "--json")
+    assert rc == 0 and len(json.loads(out)) == 3
+
+
+def test_cli_db_upgrade_and_current(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'new' / 'audit.db'}"
+    rc, out = kvguard("db", "upgrade", "--db", url)
+    assert rc == 0 and "at revision 0001" in out
+    rc, out = kvguard("db", "current", "--db", url, "--json")
+    assert json.loads(out)["revision"] == json.loads(out)["head"] == "0001"
+
+
+def test_cli_errors_are_one_line(
+    tmp_path: Path, filled: tuple[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    url, _ = filled
+    missing = f"sqlite:///{tmp_path / 'missing.db'}"
+    cases = [
+        (("audit", "list", "--db", missing), "no audit database at"),
+        (("audit", "list", "--db", url, "--since", "yesterday"), "is not a time"),
+        (("audit", "show", "99", "--db", url), "no action with id 99"),
+        (("audit", "timeline", "inc-nope", "--db", url), "no incident 'inc-nope'"),
+    ]
+    for argv, message in cases:
+        rc, _ = kvguard(*argv)
+        err = capsys.readouterr().err
+        assert rc == 2 and err.startswith("kvguard: error: ") and message in err
+        assert len(err.strip().splitlines()) == 1
+
+
+def test_parse_when() -> None:
+    assert parse_when("1h30m", now=NOW) == NOW - timedelta(minutes=90)
+    assert parse_when("2025-01-31T12:00:00") == datetime(2025, 1, 31, 12, tzinfo=UTC)
+    assert parse_when("2025-01-31T13:00:00+01:00") == datetime(2025, 1, 31, 12, tzinfo=UTC)
+
+
+@pytest.mark.skipif(not _registered(), reason="`kvguard audit` is not registered in cli.py yet")
+def test_installed_kvguard_command(filled: tuple[str, str]) -> None:
+    url, inc = filled
+    exe = Path(sys.executable).with_name("kvguard")
+    run = subprocess.run(
+        [exe, "audit", "list", "--db", url, "--since", "2h", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    assert [r["incident"] for r in json.loads(run.stdout)] == [inc, inc]
+    bad = subprocess.run(
+        [exe, "audit", "list", "--db", url, "--since", "soon"], capture_output=True, text=True
+    )
+    assert bad.returncode == 2 and bad.stderr.startswith("kvguard: error: 'soon' is not a time")

@@ -1,0 +1,250 @@
+"""The control plane end to end: a real Prometheus scrapes a live `kvguard serve`, a PromQL rule
+acts on the engine under load and undoes when the load is gone, all of it in the audit log."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sqlite3
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.test_server import Daemon, free_port
+
+PROM_RULES = """version: 1
+interval: 1s
+cooldown: 2s
+signals:
+  fleet_kv: {{promql: 'max(kvguard_kv_cache_usage_ratio{{tier="device",instance="$instance"}})'}}
+rules:
+  - {{name: busy, signal: fleet_kv, above: {above}, action: reduce_batch, params: {{factor: 0.5}},
+     recover_below: 0.05, recover_for: 2s, undo: restore_batch}}
+"""
+
+
+def wait_for(pred, timeout: float, what: str, step: float = 0.2):  # noqa: ANN001, ANN201
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(step)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+class Prometheus:
+    def __init__(self, tmp: Path, target_port: int) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cfg = tmp / "prometheus.yml"
+        cfg.write_text(
+            "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+            "scrape_configs:\n  - job_name: kvguard\n"
+            f"    static_configs: [{{targets: ['127.0.0.1:{target_port}']}}]\n"
+        )
+        self.proc = subprocess.Popen(
+            [
+                "prometheus",
+                f"--config.file={cfg}",
+                f"--storage.tsdb.path={tmp / 'tsdb'}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        wait_for(self._ready, 30, "prometheus ready")
+
+    def _ready(self) -> bool:
+        try:
+            return httpx.get(self.url + "/-/ready", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(20)
+
+
+def rows(db: Path, sql: str) -> list[tuple]:
+    con = sqlite3.connect(db)
+    try:
+        return con.execute(sql).fetchall()
+    finally:
+        con.close()
+
+
+def load(d: Daemon, n: int, tokens: int) -> list[threading.Thread]:
+    def one() -> None:
+        httpx.post(
+            d.url + "/v1/completions",
+            timeout=120,
+            json={
+                "model": "tiny",
+                "prompt": "load " * 20,
+                "max_tokens": tokens,
+                "ignore_eos": True,
+            },
+        )
+
+    threads = [threading.Thread(target=one) for _ in range(n)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def test_promql_rule_acts_under_load_and_undoes_after(tmp_path: Path) -> None:
+    port = free_port()
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(PROM_RULES.format(above=0.3))
+    prom_port_holder = tmp_path / "unused"
+    prom = Prometheus(tmp_path, port)
+    try:
+        d = Daemon(
+            tmp_path,
+            port=port,
+            extra=(
+                f"rules: {{path: {rules}}}\n"
+                f"prometheus: {{url: '{prom.url}', timeout: 2s, instance: '127.0.0.1:{port}'}}\n"
+            ),
+        )
+        try:
+            threads = load(d, 16, 300)
+            fired = wait_for(
+                lambda: d.admin("GET", "/admin/state").json()["knobs"]["max_num_seqs"] == 16,
+                60,
+                "reduce_batch applied by the PromQL rule",
+            )
+            assert fired
+            for t in threads:
+                t.join(180)
+            wait_for(
+                lambda: d.admin("GET", "/admin/state").json()["knobs"]["max_num_seqs"] == 32,
+                60,
+                "restore_batch after the load",
+            )
+            wait_for(
+                lambda: d.admin("GET", "/admin/state").json()["incident"] is None,
+                30,
+                "incident closed",
+            )
+            metrics = httpx.get(d.url + "/metrics").text
+            assert (
+                'kvguard_actions_total{action="reduce_batch",outcome="applied",rule="busy"}'
+                in metrics
+            )
+            # Prometheus goes away: the signal becomes unknown, failures are counted, nothing acts
+            prom.stop()
+            wait_for(
+                lambda: _metric(d, "kvguard_prometheus_query_failures_total") > 0,
+                30,
+                "query failures",
+            )
+            state = d.admin("GET", "/admin/state").json()
+            assert state["rules"][0]["state"] == "unknown"
+        finally:
+            assert d.stop() == 0
+        db = tmp_path / "audit.db"
+        acts = rows(
+            db,
+            "SELECT rule, action, outcome, is_undo, state_before, state_after, incident, trigger "
+            "FROM actions ORDER BY id",
+        )
+        assert [(a[0], a[1], a[2], bool(a[3])) for a in acts] == [
+            ("busy", "reduce_batch", "applied", False),
+            ("busy", "restore_batch", "applied", True),
+        ]
+        before, after = json.loads(acts[0][4]), json.loads(acts[0][5])
+        assert before["max_num_seqs"] == 32 and after["max_num_seqs"] == 16
+        assert acts[0][6] and acts[0][6] == acts[1][6] and acts[0][7] == "signal"
+        inc = rows(db, "SELECT id, closed_at, actions_count FROM incidents")
+        assert (
+            len(inc) == 1 and inc[0][0] == acts[0][6] and inc[0][1] is not None and inc[0][2] == 2
+        )
+        kinds = [r[0] for r in rows(db, "SELECT kind FROM events ORDER BY id")]
+        assert kinds[0] == "daemon_start" and kinds[-1] == "daemon_stop"
+    finally:
+        if prom.proc.poll() is None:
+            prom.stop()
+        del prom_port_holder
+
+
+def _metric(d: Daemon, name: str) -> float:
+    for line in httpx.get(d.url + "/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return 0.0
+
+
+def test_sighup_with_broken_rules_keeps_the_old_ones(tmp_path: Path) -> None:
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(
+        "version: 1\nsignals: {kv: {local: kv_cache_usage_ratio}}\nrules:\n"
+        "  - {name: first, signal: kv, above: 0.99, action: halt_admission}\n"
+    )
+    d = Daemon(tmp_path, extra=f"rules: {{path: {rules}}}\n")
+    try:
+        names = lambda: [r["name"] for r in d.admin("GET", "/admin/state").json()["rules"]]  # noqa: E731
+        assert names() == ["first"]
+        rules.write_text("version: 1\nrules:\n  - {name: broken, signal: nope, action: explode}\n")
+        d.proc.send_signal(signal.SIGHUP)
+        time.sleep(1.5)
+        assert names() == ["first"] and d.proc.poll() is None
+        rules.write_text(
+            "version: 1\nsignals: {kv: {local: kv_cache_usage_ratio}}\nrules:\n"
+            "  - {name: second, signal: kv, above: 0.99, action: halt_admission}\n"
+        )
+        res = d.admin("POST", "/admin/reload").json()
+        assert res["reloaded"] is True and names() == ["second"]
+    finally:
+        assert d.stop() == 0
+    events = rows(tmp_path / "audit.db", "SELECT kind, detail FROM events ORDER BY id")
+    assert any(k == "config_error" and "rules reload refused" in det for k, det in events)
+    assert any(k == "reload" for k, _ in events)
+
+
+def test_alertmanager_webhook_dedupes_and_resolves(tmp_path: Path) -> None:
+    d = Daemon(tmp_path)
+    alert = {
+        "status": "firing",
+        "labels": {"alertname": "GPUNearOOM", "severity": "critical"},
+        "startsAt": "2026-11-30T10:00:00Z",
+        "fingerprint": "abc123",
+    }
+    body = {"version": "4", "status": "firing", "receiver": "kvguard", "alerts": [alert]}
+    try:
+        assert httpx.post(d.url + "/alertmanager", json=body).status_code == 401
+        first = d.admin("POST", "/alertmanager", json=body).json()
+        again = d.admin("POST", "/alertmanager", json=body).json()
+        assert first == {"accepted": 1, "duplicates": 0} and again == {
+            "accepted": 0,
+            "duplicates": 1,
+        }
+        wait_for(
+            lambda: d.admin("GET", "/admin/state").json()["admission"]["halted"],
+            20,
+            "halt from the alert",
+        )
+        resolved = {**body, "status": "resolved", "alerts": [{**alert, "status": "resolved"}]}
+        assert d.admin("POST", "/alertmanager", json=resolved).json()["accepted"] == 1
+        wait_for(
+            lambda: not d.admin("GET", "/admin/state").json()["admission"]["halted"],
+            20,
+            "resume on resolve",
+        )
+        bad = d.admin("POST", "/alertmanager", json={"version": "3", "alerts": []})
+        assert bad.status_code == 400 and "version" in bad.json()["error"]["message"]
+    finally:
+        assert d.stop() == 0
+    db = tmp_path / "audit.db"
+    kinds = [r[0] for r in rows(db, "SELECT kind FROM events ORDER BY id")]
+    assert kinds.count("alert_received") == 1 and kinds.count("alert_resolved") == 1
+    acts = rows(db, "SELECT rule, action, trigger, is_undo FROM actions ORDER BY id")
+    assert acts == [
+        ("am-gpu-near-oom", "halt_admission", "alert", 0),
+        ("am-gpu-near-oom", "resume_admission", "alert", 1),
+    ]

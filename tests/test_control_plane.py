@@ -220,10 +220,11 @@ def test_alertmanager_webhook_dedupes_and_resolves(tmp_path: Path) -> None:
         assert httpx.post(d.url + "/alertmanager", json=body).status_code == 401
         first = d.admin("POST", "/alertmanager", json=body).json()
         again = d.admin("POST", "/alertmanager", json=body).json()
-        assert first == {"accepted": 1, "duplicates": 0} and again == {
-            "accepted": 0,
-            "duplicates": 1,
-        }
+        assert first == {"accepted": 1, "duplicates": 0, "other_instance": 0}
+        assert again == {"accepted": 0, "duplicates": 1, "other_instance": 0}
+        labels = {**alert["labels"], "instance": "elsewhere:1"}
+        other = {**body, "alerts": [{**alert, "fingerprint": "zz", "labels": labels}]}
+        assert d.admin("POST", "/alertmanager", json=other).json()["other_instance"] == 1
         wait_for(
             lambda: d.admin("GET", "/admin/state").json()["admission"]["halted"],
             20,

@@ -73,6 +73,13 @@ def router(service: Service) -> APIRouter:
         service.loop.call(lambda: time.sleep(seconds))
         return {"stalled_s": seconds}
 
+    @r.post("/debug/inject_oom")
+    async def inject_oom(body: dict[str, Any] | None = Body(None)) -> dict[str, Any]:
+        """Test hook: the next `times` (<= 10) forward passes fail as out-of-memory would."""
+        times = int(min(10, max(1, int((body or {}).get("times", 1)))))
+        await asyncio.wrap_future(service.loop.call(lambda: service.engine.inject_oom(times)))
+        return {"injected": times}
+
     @r.post("/reload")
     async def reload() -> dict[str, Any]:
         return await asyncio.to_thread(service.reload)

@@ -28,11 +28,11 @@ import time as _time
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from itertools import groupby
 from typing import Any, Literal
 
-from sqlalchemy import Select, Table, insert, select, update
+from sqlalchemy import Select, Table, delete, insert, select, update
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DataError, DBAPIError, DisconnectionError, IntegrityError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
@@ -56,7 +56,7 @@ BATCH = 256  # rows per transaction: one fsync for a burst of actions
 BACKOFF_START = 0.05  # seconds before the first retry
 BACKOFF_MAX = 1.0  # a database that comes back is used again within about a second
 
-OpKind = Literal["actions", "events", "incidents", "incident_update"]
+OpKind = Literal["actions", "events", "incidents", "incident_update", "purge"]
 TABLES: dict[str, Table] = {
     m.__tablename__: Base.metadata.tables[m.__tablename__] for m in (Action, Event, Incident)
 }
@@ -297,6 +297,10 @@ class AuditStore:
         if values:
             self._enqueue(_Op("incident_update", {"id": incident_id, **values}))
 
+    def purge_older_than(self, days: float) -> None:
+        """Queue the retention sweep (`audit.retention`): it runs on the writer, in order."""
+        self._enqueue(_Op("purge", {"before": utcnow() - timedelta(days=days)}))
+
     def _enqueue(self, op: _Op) -> None:
         with self._lock:
             if self._depth() < self.max_queue:
@@ -510,10 +514,22 @@ def _apply(conn: Connection, ops: list[_Op]) -> None:
     """Run ops in order; consecutive inserts into one table go as one executemany."""
     for kind, group in groupby(ops, key=lambda op: op.kind):
         rows = [op.row for op in group]
-        if kind == "incident_update":
+        if kind == "purge":
+            for r in rows:
+                _purge(conn, r["before"])
+        elif kind == "incident_update":
             t = TABLES["incidents"]
             for r in rows:
                 values = {k: v for k, v in r.items() if k != "id"}
                 conn.execute(update(t).where(t.c.id == r["id"]).values(values))
         else:
             conn.execute(insert(TABLES[kind]), rows)
+
+
+def _purge(conn: Connection, before: datetime) -> None:
+    """Retention: drop rows older than `before`; incidents only once closed."""
+    for name in ("actions", "events"):
+        t = TABLES[name]
+        conn.execute(delete(t).where(t.c.time < before))
+    t = TABLES["incidents"]
+    conn.execute(delete(t).where(t.c.closed_at.is_not(None), t.c.closed_at < before))

@@ -470,3 +470,26 @@ def test_installed_kvguard_command(filled: tuple[str, str]) -> None:
         [exe, "audit", "list", "--db", url, "--since", "soon"], capture_output=True, text=True
     )
     assert bad.returncode == 2 and bad.stderr.startswith("kvguard: error: 'soon' is not a time")
+
+
+def test_retention_purges_old_rows_and_closed_incidents(tmp_path) -> None:
+    from datetime import timedelta
+
+    from kvguard.daemon.audit import AuditStore, utcnow
+
+    store = AuditStore(f"sqlite:///{tmp_path / 'r.db'}")
+    store.start()
+    old = utcnow() - timedelta(days=100)
+    store.record_event("daemon_start", time=old)
+    store.record_event("daemon_start")
+    inc_old = store.open_incident(1, "old", time=old)
+    store.update_incident(inc_old, closed_at=old + timedelta(minutes=5))
+    inc_open = store.open_incident(1, "still open", time=old)
+    store.record_action(action="reduce_batch", outcome="applied", time=old)
+    store.record_action(action="restore_batch", outcome="applied")
+    store.purge_older_than(90)
+    assert store.flush(10)
+    assert len(store.list_events(limit=None)) == 1
+    assert [a["action"] for a in store.list_actions(limit=None)] == ["restore_batch"]
+    assert [i["id"] for i in store.list_incidents(limit=None)] == [inc_open]
+    store.stop()

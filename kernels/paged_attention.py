@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvguard.kernels.dispatch import use_triton
 from kvguard.kernels.fp8 import FP8_DTYPE, as_bytes, dequantize, write_kv_fp8
 
 
@@ -26,6 +27,11 @@ def write_kv(
 
     An fp8 cache needs its `[num_blocks, kv_heads]` scale tensors, updated in place.
     """
+    if use_triton(k_cache.device, k_cache.dtype):
+        from kvguard.kernels import triton_kv
+
+        triton_kv.write_kv(k_cache, v_cache, k, v, slot_mapping, k_scale, v_scale)
+        return
     if k_cache.dtype == FP8_DTYPE:
         write_kv_fp8(k_cache, k_scale, k, slot_mapping)
         write_kv_fp8(v_cache, v_scale, v, slot_mapping)
@@ -75,7 +81,13 @@ def paged_attention(
     out = torch.empty_like(q)
     starts = _cumsum(query_lens)
     decode = [i for i, n in enumerate(query_lens) if n == 1]
-    if decode:
+    if decode and use_triton(q.device, k_cache.dtype):
+        from kvguard.kernels import triton_attention
+
+        triton_attention.decode_rows(
+            q, out, k_cache, v_cache, block_tables, seq_lens, starts, decode, scale, *kv[2:]
+        )
+    elif decode:
         _decode(q, out, kv, block_tables, seq_lens, starts, decode, scale)
     for i, qlen in enumerate(query_lens):
         if qlen > 1:
@@ -186,6 +198,9 @@ def _buffer(dtype: torch.dtype, device: torch.device, slot: int, numel: int) -> 
     key = (device, dtype, slot)
     buf = _WORKSPACE.get(key)
     if buf is None or buf.numel() < numel:
-        buf = torch.empty(numel, dtype=dtype, device=device)
+        # A normal tensor, even when first needed under inference_mode: callers outside it
+        # (tests, benchmarks) may write into it later, which an inference tensor forbids.
+        with torch.inference_mode(False):
+            buf = torch.empty(numel, dtype=dtype, device=device)
         _WORKSPACE[key] = buf
     return buf[:numel]

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# One GPU check for the Triton path (issue 8), under 5 minutes on one GPU:
+#   1. the Triton kernel tests, compiled on CUDA (KVGUARD_TEST_DEVICE=cuda);
+#   2. bench/gpu_kernels.py: kernel time, bandwidth vs copy bandwidth, ratio to dense SDPA for
+#      SmolLM2 and Llama-2-7B shapes at batch 64, contexts 1k/4k/16k; smollm2-135m end to end
+#      with KVGUARD_TRITON=0 vs 1 (needs the converted model under $KVGUARD_HOME; the GPU
+#      machine cannot download it, so without it that part reports an error and the rest stands).
+# Results land in ${OUT:-bench/out}/gpu_kernels.json and on stdout.
+#
+#   bench/gpu_check.sh              # on a CUDA host
+#   bench/gpu_check.sh --cpu-smoke  # no GPU: tiny shapes in the Triton interpreter
+# PY overrides the interpreter (default .venv/bin/python, else python3); it needs torch (CUDA
+# build on a GPU host), triton, pytest, and kvguard installed (`pip install -e .`).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
+OUT_DIR=${OUT:-bench/out}
+mkdir -p "$OUT_DIR"
+
+if ! "$PY" -c "import kvguard.kernels" 2>/dev/null; then
+  "$PY" -m pip install --quiet --no-deps --no-build-isolation -e . >/dev/null
+fi
+
+if [[ "${1:-}" == "--cpu-smoke" ]]; then
+  TRITON_INTERPRET=1 timeout 300 "$PY" bench/gpu_kernels.py --cpu-smoke --json "$OUT_DIR/gpu_kernels_smoke.json"
+  exit
+fi
+
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+"$PY" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
+
+status=0
+echo "== Triton kernel tests on CUDA"
+KVGUARD_TEST_DEVICE=cuda timeout 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py || status=1
+
+echo "== kernel benchmark and end to end"
+timeout 240 "$PY" bench/gpu_kernels.py --json "$OUT_DIR/gpu_kernels.json" || status=1
+exit $status

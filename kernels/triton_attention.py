@@ -1,0 +1,326 @@
+"""Paged decode attention as a Triton kernel: the CUDA fast path for single-token queries.
+
+Same layout as the torch path (`kvguard.kernels.paged_attention`): caches are
+`[num_blocks, block_size, kv_heads, head_dim]`, a sequence's tokens live in the blocks its row
+of `block_tables` lists, and queries are `[B, heads, head_dim]`, one token per sequence.
+
+Why a kernel: the torch decode path first gathers every sequence's blocks into a contiguous
+workspace (and, for FP8, dequantises it there), so each decode step reads the KV cache, writes
+a copy and reads the copy again. This kernel reads each K/V element once, straight from the
+pool through the block table, and dequantises FP8 in registers.
+
+How it works: one program per (sequence, KV head, context split). It loads the queries of all
+heads that share the KV head (GQA needs no K/V repeat), walks its share of the context in tiles
+of `tile` tokens (a tile may span blocks: every token looks up its own block id, so partial
+blocks and any block order just work), and keeps an online softmax (running max `m`, running
+sum `l`, unnormalised output `acc`) in fp32. Long contexts with few sequences would leave most
+of the GPU idle with one program per (sequence, head), so the context is split and a second
+small kernel merges the splits by their log-sum-exp (flash-decoding). Everything is computed in
+fp32: inputs are converted right after loading (also because Triton's CPU interpreter gets
+bf16 arithmetic wrong).
+
+`triton` is imported when this module is imported, never by `kvguard.kernels` itself: import
+this module only after `kvguard.kernels.dispatch.use_triton` said yes (or in tests).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kvguard.kernels.fp8 import FP8_DTYPE
+
+_LOG2E = 1.4426950408889634
+# Work below which a split is not worth its merge: a split reads at least this many tokens.
+_MIN_SPLIT_TOKENS = 256
+# Aim for this many programs so every SM has a few to switch between (H100/H200 have 132 SMs).
+_TARGET_PROGRAMS = 528
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    ks_ptr,
+    vs_ptr,
+    table_ptr,
+    lens_ptr,
+    out_ptr,
+    part_o_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    qk_scale,
+    tokens_per_split,
+    stride_qb,
+    stride_qh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_tb,
+    stride_ob,
+    stride_oh,
+    num_kv_heads,
+    num_splits,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE: tl.constexpr,
+    IS_FP8: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    """Attention of one sequence's query heads (one GQA group) over one split of its context.
+
+    With SPLIT the normalised partial output and its `m`/`l` go to the workspace for
+    `_merge_kernel`; without, the final output goes straight to `out_ptr`. `qk_scale` already
+    includes log2(e) so the softmax uses exp2. K and V share strides (they are allocated alike).
+    """
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, DIM_PAD)
+    g_ok = g < GROUP
+    d_ok = d < HEAD_DIM
+    heads = kvh * GROUP + g
+
+    q = tl.load(
+        q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+        mask=g_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    ).to(tl.float32)
+    q = q * qk_scale
+
+    seq_len = tl.load(lens_ptr + b)
+    start = split * tokens_per_split
+    end = tl.minimum(seq_len, start + tokens_per_split)
+
+    m = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+    lsum = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, DIM_PAD], dtype=tl.float32)
+
+    for t0 in range(start, end, TILE):
+        toks = t0 + tl.arange(0, TILE)
+        t_ok = toks < end
+        blk = tl.load(table_ptr + b * stride_tb + toks // BLOCK_SIZE, mask=t_ok, other=0)
+        blk = blk.to(tl.int64)
+        row = blk * stride_cb + (toks % BLOCK_SIZE) * stride_cs + kvh * stride_ch
+        kv_mask = t_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        if IS_FP8:
+            k = k * tl.load(ks_ptr + blk * num_kv_heads + kvh, mask=t_ok, other=0.0)[:, None]
+            v = v * tl.load(vs_ptr + blk * num_kv_heads + kvh, mask=t_ok, other=0.0)[:, None]
+        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [GROUP_PAD, TILE]
+        scores = tl.where(t_ok[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        p = tl.exp2(scores - m_new[:, None])
+        alpha = tl.exp2(m - m_new)
+        lsum = lsum * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        m = m_new
+
+    # An empty split (context shorter than the split grid) leaves l == 0: output 0, weight 0.
+    o = acc / tl.where(lsum > 0, lsum, 1.0)[:, None]
+    o_mask = g_ok[:, None] & d_ok[None, :]
+    if SPLIT:
+        part = (b * num_kv_heads * GROUP + heads) * num_splits + split
+        tl.store(part_o_ptr + part[:, None] * DIM_PAD + d[None, :], o, mask=o_mask)
+        tl.store(part_m_ptr + part, m, mask=g_ok)
+        tl.store(part_l_ptr + part, lsum, mask=g_ok)
+    else:
+        dst = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
+        tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
+@triton.jit
+def _merge_kernel(
+    out_ptr,
+    part_o_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    stride_ob,
+    stride_oh,
+    num_heads,
+    num_splits,
+    HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    """Combine one (sequence, head)'s split outputs, each weighted by `l * 2^(m - max m)`."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, DIM_PAD)
+    s_ok = s < num_splits
+    base = (b * num_heads + h) * num_splits
+    m = tl.load(part_m_ptr + base + s, mask=s_ok, other=float("-inf"))
+    lsum = tl.load(part_l_ptr + base + s, mask=s_ok, other=0.0)
+    o = tl.load(
+        part_o_ptr + (base + s)[:, None] * DIM_PAD + d[None, :], mask=s_ok[:, None], other=0.0
+    )
+    m_max = tl.max(m, axis=0)
+    w = tl.where(lsum > 0, lsum * tl.exp2(m - m_max), 0.0)
+    res = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)
+    dst = out_ptr + b * stride_ob + h * stride_oh + d
+    tl.store(dst, res.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def choose_splits(batch: int, kv_heads: int, max_seq_len: int) -> int:
+    """How many pieces to cut each context into: enough programs to fill the GPU, but no piece
+    shorter than `_MIN_SPLIT_TOKENS` (below that the merge costs more than the parallelism buys)."""
+    want = math.ceil(_TARGET_PROGRAMS / max(1, batch * kv_heads))
+    most = max(1, math.ceil(max_seq_len / _MIN_SPLIT_TOKENS))
+    return max(1, min(want, most))
+
+
+def paged_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seq_len: int,
+    scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Decode attention: `q` `[B, heads, head_dim]` over each sequence's first `seq_lens[b]`
+    cached tokens (all valid, so no causal mask). Returns `[B, heads, head_dim]` in q's dtype.
+
+    `max_seq_len` is a host int so the split count is chosen without a device sync;
+    `num_splits` overrides the heuristic (tests use it to cover both kernels).
+    """
+    bsz, nh, hd = q.shape
+    _, block_size, hkv, hd_c = k_cache.shape
+    if hd_c != hd or nh % hkv:
+        raise ValueError(f"q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}")
+    if v_cache.stride() != k_cache.stride() or k_cache.stride(-1) != 1:
+        raise ValueError("K and V caches must share strides and have a contiguous head_dim")
+    is_fp8 = k_cache.dtype == FP8_DTYPE
+    if is_fp8 and (k_scale is None or v_scale is None):
+        raise ValueError("an fp8 cache needs k_scale and v_scale")
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    block_tables = block_tables.to(torch.int32)
+    seq_lens = seq_lens.to(device=q.device, dtype=torch.int32)
+    out = torch.empty_like(q)
+    if bsz == 0:
+        return out
+    group = nh // hkv
+    group_pad, dim_pad = _pow2(group), _pow2(hd)
+    # Keep the [group, tile, dim] product tile within a register budget.
+    tile = max(16, min(64, _pow2(8192 // (group_pad * dim_pad) + 1) >> 1))
+    splits = num_splits or choose_splits(bsz, hkv, max_seq_len)
+    per_split = math.ceil(max(1, max_seq_len) / splits / tile) * tile
+    splits = max(1, math.ceil(max(1, max_seq_len) / per_split))
+    dummy = out  # stands in for pointers a constexpr branch never touches
+    ks = k_scale if is_fp8 else dummy
+    vs = v_scale if is_fp8 else dummy
+    if is_fp8:
+        ks, vs = ks.float().contiguous(), vs.float().contiguous()
+    if splits > 1:
+        part_o = torch.empty(bsz * nh * splits, dim_pad, dtype=torch.float32, device=q.device)
+        part_m = torch.empty(bsz * nh * splits, dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+    else:
+        part_o = part_m = part_l = dummy
+    _decode_kernel[(bsz, hkv, splits)](
+        q,
+        k_cache,
+        v_cache,
+        ks,
+        vs,
+        block_tables,
+        seq_lens,
+        out,
+        part_o,
+        part_m,
+        part_l,
+        scale * _LOG2E,
+        per_split,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        hkv,
+        splits,
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        HEAD_DIM=hd,
+        DIM_PAD=dim_pad,
+        BLOCK_SIZE=block_size,
+        TILE=tile,
+        IS_FP8=is_fp8,
+        SPLIT=splits > 1,
+    )
+    if splits > 1:
+        _merge_kernel[(bsz, nh)](
+            out,
+            part_o,
+            part_m,
+            part_l,
+            out.stride(0),
+            out.stride(1),
+            nh,
+            splits,
+            HEAD_DIM=hd,
+            DIM_PAD=dim_pad,
+            SPLITS_PAD=_pow2(splits),
+        )
+    return out
+
+
+def decode_rows(
+    q: torch.Tensor,
+    out: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: list[int],
+    starts: list[int],
+    rows: list[int],
+    scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> None:
+    """The decode rows of a mixed batch, in `paged_attention`'s terms: sequences `rows` have
+    one query each, at flat position `starts[i]` of `q`/`out` `[T, heads, head_dim]`."""
+    dev = q.device
+    lens = [seq_lens[i] for i in rows]
+    if rows == list(range(len(rows))) and starts[: len(rows)] == rows:
+        # All-decode batch (the common case): no gather or scatter of q/out needed.
+        n = len(rows)
+        lens_t = torch.tensor(lens, dtype=torch.int32).to(dev, non_blocking=True)
+        out[:n] = paged_decode(
+            q[:n], k_cache, v_cache, block_tables[:n], lens_t, max(lens), scale, k_scale, v_scale
+        )
+        return
+    idx = torch.tensor(rows, device=dev)
+    qpos = torch.tensor([starts[i] for i in rows], device=dev)
+    o = paged_decode(
+        q.index_select(0, qpos),
+        k_cache,
+        v_cache,
+        block_tables.index_select(0, idx),
+        torch.tensor(lens, dtype=torch.int32, device=dev),
+        max(lens),
+        scale,
+        k_scale,
+        v_scale,
+    )
+    out.index_copy_(0, qpos, o)

@@ -1,0 +1,158 @@
+"""KV-cache writes as a Triton kernel: the CUDA path for `write_kv`.
+
+`write_kv` stores this step's K/V `[T, kv_heads, head_dim]` at flat slots
+`block * block_size + offset` of a `[num_blocks, block_size, kv_heads, head_dim]` cache. On CUDA
+the torch `index_copy_` path launches a dtype cast plus a scatter per tensor; this kernel does the
+cast (or the FP8 quantisation) and the scatter in one pass, one program per token.
+
+FP8 split of work: the per-block scale bookkeeping stays in torch (`update_fp8_scales`, the same
+algorithm as `kvguard.kernels.fp8.write_kv_fp8`): zero the scale of blocks that start afresh, take
+the per-block-per-head amax of the new tokens, grow scales and requantise the few blocks whose
+scale grew. That part touches whole blocks only on growth, is data-dependent (`unique`, a
+conditional requantise) and is rare after a block's first tokens, so a kernel buys little. The
+kernel then quantises the new tokens with the final scales: `x / scale`, clamped to ±448, cast
+to e4m3.
+
+Swap copies (`kv_cache.copy_blocks`) have no Triton kernel on purpose: they move blocks between
+the device pool and the pinned host pool, which is a PCIe DMA that `index_select` + `.to()` +
+`index_copy_` already drive at copy-engine speed; a Triton kernel can only run on one side of that
+copy and would add nothing but a device-side gather torch already does with one kernel.
+
+Slots < 0 are skipped (padding tokens), which the torch path does not need but costs nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvguard.kernels.fp8 import FP8_DTYPE, FP8_MAX, as_bytes, quantize
+
+_TINY = 1e-12  # the torch path's floor for a scale, so a block of zeros never divides by 0
+
+
+@triton.jit
+def _write_kernel(
+    x_ptr,
+    cache_ptr,
+    slots_ptr,
+    scales_ptr,
+    stride_xt,
+    stride_xh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    HEADS: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    IS_FP8: tl.constexpr,
+    FP8_LIMIT: tl.constexpr,
+):
+    """Store all KV heads of token `program_id(0)` at its slot (quantised for an FP8 cache)."""
+    t = tl.program_id(0)
+    slot = tl.load(slots_ptr + t).to(tl.int64)
+    h = tl.arange(0, HEADS_PAD)
+    d = tl.arange(0, DIM_PAD)
+    # Broadcast the slot check to a tensor: the interpreter rejects a scalar bool in a mask.
+    h_ok = (h < HEADS) & ((h * 0 + slot) >= 0)
+    ok = h_ok[:, None] & (d[None, :] < HEAD_DIM)
+    x = tl.load(x_ptr + t * stride_xt + h[:, None] * stride_xh + d[None, :], mask=ok, other=0.0)
+    blk = slot // BLOCK_SIZE
+    dst = cache_ptr + blk * stride_cb + (slot % BLOCK_SIZE) * stride_cs
+    dst = dst + h[:, None] * stride_ch + d[None, :]
+    if IS_FP8:
+        s = tl.load(scales_ptr + blk * HEADS + h, mask=h_ok, other=1.0)
+        q = x.to(tl.float32) / s[:, None]
+        q = tl.minimum(tl.maximum(q, -FP8_LIMIT), FP8_LIMIT)
+        tl.store(dst, q.to(cache_ptr.dtype.element_ty), mask=ok)
+    else:
+        tl.store(dst, x.to(tl.float32).to(cache_ptr.dtype.element_ty), mask=ok)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def store_kv(
+    cache: torch.Tensor,
+    x: torch.Tensor,
+    slots: torch.Tensor,
+    scales: torch.Tensor | None = None,
+) -> None:
+    """Write `x` `[T, kv_heads, head_dim]` into `cache` at flat `slots`; an FP8 cache is
+    quantised with `scales` `[num_blocks, kv_heads]`, which must already cover `x`."""
+    t = x.shape[0]
+    if t == 0:
+        return
+    _, bs, h, d = cache.shape
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    is_fp8 = cache.dtype == FP8_DTYPE
+    if is_fp8 and (scales is None or not scales.is_contiguous()):
+        raise ValueError("an fp8 cache needs contiguous [num_blocks, kv_heads] scales")
+    _write_kernel[(t,)](
+        x,
+        cache,
+        slots,
+        scales if is_fp8 else x,
+        x.stride(0),
+        x.stride(1),
+        cache.stride(0),
+        cache.stride(1),
+        cache.stride(2),
+        HEADS=h,
+        HEADS_PAD=_pow2(h),
+        HEAD_DIM=d,
+        DIM_PAD=_pow2(d),
+        BLOCK_SIZE=bs,
+        IS_FP8=is_fp8,
+        FP8_LIMIT=FP8_MAX,
+    )
+
+
+def update_fp8_scales(
+    cache: torch.Tensor, scales: torch.Tensor, x: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """Grow `scales` so every block `slots` touches can hold `x`; requantise grown blocks.
+
+    Mirrors the scale half of `fp8.write_kv_fp8` (a write at offset 0 restarts its block); the
+    new tokens themselves are left for `store_kv`.
+    """
+    nb, bs, h, d = cache.shape
+    blocks = torch.div(slots, bs, rounding_mode="floor")
+    fresh = blocks[slots % bs == 0]
+    if fresh.numel():
+        scales.index_fill_(0, fresh, 0.0)
+    touched, inverse = torch.unique(blocks, return_inverse=True)
+    amax = torch.zeros(touched.numel(), h, dtype=torch.float32, device=x.device)
+    amax.scatter_reduce_(0, inverse[:, None].expand(-1, h), x.float().abs().amax(-1), "amax")
+    old = scales.index_select(0, touched)
+    new = torch.maximum(old, amax / FP8_MAX).clamp_min_(_TINY)
+    grow = ((new > old) & (old > 0)).any(-1)
+    if grow.any():
+        ids = touched[grow]
+        ratio = (old[grow] / new[grow])[:, None, :, None]
+        raw = as_bytes(cache)
+        old_vals = raw.index_select(0, ids).view(FP8_DTYPE).float()
+        raw.index_copy_(0, ids, as_bytes(quantize(old_vals * ratio, 1.0)))
+    scales.index_copy_(0, touched, new)
+
+
+def write_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> None:
+    """Drop-in for `paged_attention.write_kv`: scales updated in torch, tokens stored by Triton."""
+    if k_cache.dtype == FP8_DTYPE:
+        update_fp8_scales(k_cache, k_scale, k, slot_mapping)
+        update_fp8_scales(v_cache, v_scale, v, slot_mapping)
+    store_kv(k_cache, k, slot_mapping, k_scale)
+    store_kv(v_cache, v, slot_mapping, v_scale)

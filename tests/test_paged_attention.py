@@ -18,8 +18,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-# The package re-exports the function under the module's own name, so fetch the module itself
-# (the decode-group test patches one of its constants).
+# The package re-exports the function under the module's own name, so `from kvguard.kernels
+# import paged_attention` yields the function; fetch the module itself.
 pa = importlib.import_module("kvguard.kernels.paged_attention")
 
 ATOL = 1e-5
@@ -77,7 +77,7 @@ def make_pool(
     shuffle: bool = True,
     spare_blocks: int = 3,
 ) -> PagedBatch:
-    """Empty pools plus block tables; spare blocks make stray writes/reads land somewhere wrong."""
+    """Garbage-filled pools plus block tables; spare blocks give stray reads something wrong to find."""
     need = [blocks_needed(n, block_size) for n in seq_lens]
     total = sum(need) + spare_blocks
     ids = torch.randperm(total, generator=gen).tolist() if shuffle else list(range(total))

@@ -174,7 +174,7 @@ def run_until_prefilled(engine: LLMEngine, rids: set[str]) -> None:
 
 def fill_to(engine: LLMEngine, target: int, prompts: list[list[int]], live: list[str]) -> None:
     """Add live sequences until about `target` device blocks hold their KV."""
-    per_seq = engine.block_manager.blocks_for(len(prompts[0]) + 1)
+    per_seq = engine.block_manager.blocks_for(len(prompts[0]))  # at its first token
     need = max(0, math.ceil((target - engine.snapshot().blocks_used) / per_seq))
     new = {engine.add_request(prompts.pop(), greedy(4000)) for _ in range(need)}
     live.extend(new)
@@ -366,6 +366,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--agree-prompts", type=int, default=0, help="quality prompts (20; quick 2)")
     p.add_argument("--agree-tokens", type=int, default=0, help="tokens per prompt (64; quick 8)")
     p.add_argument("--rounds", type=int, default=1, help="decode rounds per dtype; best counts")
+    p.add_argument(
+        "--fills", default="", help="live-switch fill levels (0.2,0.4,0.6,0.8; quick 0.6)"
+    )
     args = p.parse_args()
     quick = args.quick
     args.kv_cache_bytes = args.kv_cache_bytes or ("16MiB" if quick else "256MiB")
@@ -373,7 +376,8 @@ def parse_args() -> argparse.Namespace:
     args.decode_tokens = args.decode_tokens or (8 if quick else 64)
     args.agree_prompts = min(args.agree_prompts or (2 if quick else 20), len(QUALITY_PROMPTS))
     args.agree_tokens = args.agree_tokens or (8 if quick else 64)
-    args.fills = [0.6] if quick else [0.2, 0.4, 0.6, 0.8]
+    default_fills = "0.6" if quick else "0.2,0.4,0.6,0.8"
+    args.fills = [float(x) for x in (args.fills or default_fills).split(",")]
     return args
 
 
@@ -455,7 +459,7 @@ def summary(
     worst = max(s.s_per_gib for s in warm)
     cold = [s.pause_s for s in pauses if s.cold]
     on_cpu = engine.device.type == "cpu"
-    return [
+    lines = [
         f"capacity: fp8 holds {ratio(caps[1].blocks, caps[0].blocks)} the blocks of {caps[0].dtype}",
         verdict(
             f"live switch <= {PAUSE_GOAL_S_PER_GIB} s/GiB on CPU",
@@ -469,6 +473,21 @@ def summary(
         f"decode: fp8 at {ratio(d_fp8.tokens_per_s, d_full.tokens_per_s)} the tokens/s of"
         f" {d_full.dtype}",
     ]
+    if len(warm) >= 2:
+        fixed, per_gib = pause_fit(warm)
+        lines.insert(
+            2, f"live switch fit: pause = {fixed * 1e3:.0f} ms + {per_gib:.3f} s/GiB x live KV"
+        )
+    return lines
+
+
+def pause_fit(samples: list[PauseSample]) -> tuple[float, float]:
+    """Least-squares pause = fixed + slope x live GiB: the pool rebuild costs something even
+    with nothing live, and the slope is the price of each further GiB converted."""
+    fit = statistics.linear_regression(
+        [s.live_bytes / GiB for s in samples], [s.pause_s for s in samples]
+    )
+    return fit.intercept, fit.slope
 
 
 if __name__ == "__main__":

@@ -66,7 +66,7 @@ if TYPE_CHECKING:
 BLOCK_SIZE = 16
 # Short prompts, long outputs: sequences admitted small outgrow the pool while decoding.
 FULL = TraceSpec(32, LengthDist(64, 0.6, 16, 256), LengthDist(128, 0.4, 64, 256))
-QUICK = TraceSpec(8, LengthDist(24, 0.4, 16, 48), LengthDist(28, 0.3, 20, 40))
+QUICK = TraceSpec(6, LengthDist(20, 0.3, 16, 32), LengthDist(24, 0.2, 16, 32))
 
 
 # ----------------------------------------------------------------------------- 1. swap copies
@@ -289,14 +289,14 @@ TRACE_HEADERS = [
 
 def parse_args() -> argparse.Namespace:
     p = common_args(__doc__.split("\n\n")[0])
-    p.add_argument("--seq-tokens", type=int, default=0, help="sequence to swap (4096; quick 256)")
+    p.add_argument("--seq-tokens", type=int, default=0, help="sequence to swap (4096; quick 128)")
     p.add_argument("--reps", type=int, default=0, help="copy repetitions (7; quick 3)")
     p.add_argument("--overflow", type=float, default=2.0, help="trace demand / device pool")
     p.add_argument("--rounds", type=int, default=1, help="trace passes per mode; best counts")
     p.add_argument("--recompute-reps", type=int, default=1, help="timed prefills of the sequence")
     p.add_argument("--no-reference", action="store_true", help="skip the undisturbed reference run")
     args = p.parse_args()
-    args.seq_tokens = args.seq_tokens or (256 if args.quick else 4096)
+    args.seq_tokens = args.seq_tokens or (128 if args.quick else 4096)
     args.reps = args.reps or (3 if args.quick else 7)
     return args
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from kvguard.daemon.alerts_cli import add_alerts_parser
 from kvguard.daemon.audit_cli import add_audit_parser, add_db_parser
+from kvguard.daemon.bench_cli import add_bench_parser
 from kvguard.daemon.cli_serve import add_serve_parser, add_status_parser
 from kvguard.daemon.rules_cli import add_rules_parser
 
@@ -199,6 +200,7 @@ SUBCOMMANDS: dict[str, SubcommandBuilder] = {
     "audit": add_audit_parser,
     "db": add_db_parser,
     "alerts": add_alerts_parser,
+    "bench": add_bench_parser,
     "model": add_model_parser,
     "generate": add_generate_parser,
 }

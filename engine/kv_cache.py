@@ -13,7 +13,7 @@ import torch
 
 from kvguard.engine.config import ConfigError
 from kvguard.engine.model_config import ModelConfig
-from kvguard.kernels.fp8 import FP8_DTYPE, FP8_MAX, as_bytes, dequantize, quantize
+from kvguard.kernels.fp8 import FP8_DTYPE, FP8_MAX, as_bytes, as_rows, dequantize, quantize
 
 KV_TORCH_DTYPES = {
     "fp32": torch.float32,
@@ -106,7 +106,7 @@ def write_blocks(layer: LayerKV, ids: torch.Tensor, which: int, vals: torch.Tens
     amax = vals.float().abs().amax(dim=(1, 3))  # [n, kv_heads]
     scale = (amax / FP8_MAX).clamp_min_(1e-12)
     layer[2 + which].index_copy_(0, ids, scale)
-    as_bytes(data).index_copy_(0, ids, as_bytes(quantize(vals, scale[:, None, :, None])))
+    as_rows(data).index_copy_(0, ids, as_rows(quantize(vals, scale[:, None, :, None])))
 
 
 def copy_blocks(src: LayerKV, src_ids: torch.Tensor, dst: LayerKV, dst_ids: torch.Tensor) -> None:
@@ -114,8 +114,7 @@ def copy_blocks(src: LayerKV, src_ids: torch.Tensor, dst: LayerKV, dst_ids: torc
     for i, t in enumerate(src):
         if t is None:
             continue
-        s = as_bytes(t) if t.dtype == FP8_DTYPE else t
-        d = as_bytes(dst[i]) if dst[i].dtype == FP8_DTYPE else dst[i]
+        s, d = as_rows(t), as_rows(dst[i])
         d.index_copy_(0, dst_ids.to(d.device), s.index_select(0, src_ids.to(s.device)).to(d.device))
 
 

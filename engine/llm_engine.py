@@ -100,6 +100,7 @@ class LLMEngine(ControlSurface):
                 config.admission, config.block_size, kv_cache.bytes_per_block
             )
             self.scheduler.admit_gate = self._commit
+            self.scheduler.release_gate = self._uncommit
         self.max_model_len = min(config.max_model_len, model_config.max_position_embeddings)
         self.eos_ids = set(tokenizer.eos_token_ids) | set(model_config.eos_token_ids)
         self.max_new_tokens_cap: int | None = None
@@ -209,6 +210,9 @@ class LLMEngine(ControlSurface):
 
     def _commit(self, seq: Sequence) -> bool:
         return self.admission.try_commit(seq.projected_blocks, self.block_manager.num_blocks)
+
+    def _uncommit(self, seq: Sequence) -> None:
+        self.admission.committed_blocks -= seq.projected_blocks
 
     def _prompt_ids(self, prompt: str | list[int], add_special_tokens: bool) -> list[int]:
         if isinstance(prompt, str):

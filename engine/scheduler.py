@@ -57,6 +57,7 @@ class Scheduler:
         self.offload = offload
         self.readmit_usage = 0.80  # evicted sequences return only below this usage
         self.admit_gate: Callable[[Sequence], bool] = lambda seq: True
+        self.release_gate: Callable[[Sequence], None] = lambda seq: None
         self.emit: EventSink = emit or (lambda kind, **data: None)
         self.waiting: list[Sequence] = []  # sorted by (priority, order)
         self.swapped: list[Sequence] = []  # sorted by (priority, order)
@@ -187,16 +188,26 @@ class Scheduler:
         self.emit("swapped_in", request_id=seq.request_id, blocks=len(dev))
 
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        """Admit in (priority, arrival) order. A request still waiting for its admission
+        commitment must not block those behind it that already hold one (they would otherwise
+        wait on a commitment that only their own completion can free); requests without a
+        commitment never overtake each other."""
+        gated = False  # an uncommitted request ahead could not commit: later ones wait too
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[i]
             if seq in batch.preempted:
                 break  # preempted this very step: let memory settle first
+            if not seq.admitted and (gated or not self.admit_gate(seq)):
+                gated = True
+                i += 1
+                continue
             n = self._chunk(seq, budget)
             if not n or not self._room(self.bm.blocks_needed(seq, n), seq):
+                if not seq.admitted:
+                    self.release_gate(seq)  # committed just now but cannot start: give it back
                 break
-            if not seq.admitted and not self.admit_gate(seq):
-                break
-            self.waiting.pop(0)
+            self.waiting.pop(i)
             self.bm.allocate(seq, n)
             seq.status, seq.held, seq.admitted = Status.RUNNING, False, True
             if seq.first_scheduled_time is None:

@@ -201,6 +201,24 @@ def _chain(name: str, futures: list[Future]) -> Future:
     return out
 
 
+def _recover_from_oom(e: LLMEngine, p: NoParams) -> Future:
+    """Undo the emergency chain once the engine has been quiet: configured batch size, KV
+    dtype, offload setting and open admission (the batch token budget restores itself)."""
+    return _chain(
+        "recover_from_oom",
+        [
+            e.set_max_num_seqs(e.config.max_num_seqs),
+            e.set_kv_cache_dtype(
+                _full_kv_dtype(e) if e.config.kv_cache_dtype != "fp8_e4m3" else "fp8_e4m3"
+            ),
+            e.set_offload(e.config.enable_cpu_offload)
+            if e.host_block_manager.num_blocks
+            else e.set_offload(False),
+            e.resume_admission(),
+        ],
+    )
+
+
 _SPECS.append(
     ActionSpec(
         "handle_oom",
@@ -208,6 +226,15 @@ _SPECS.append(
         _handle_oom,
         None,
         "the emergency chain: halve batch, evict 4, offload, FP8 KV, halt if > 98%",
+    )
+)
+_SPECS.append(
+    ActionSpec(
+        "recover_from_oom",
+        NoParams,
+        _recover_from_oom,
+        None,
+        "undo handle_oom: configured batch, KV dtype and offload; admission open",
     )
 )
 ACTIONS: dict[str, ActionSpec] = {s.name: s for s in _SPECS}

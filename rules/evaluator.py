@@ -206,7 +206,10 @@ class Evaluator:
             return
         rule = self._rule(self.applied[-1])
         st = self.states[rule.name]
-        if st.unknown or st.state != "recovering" or now - st.since < rule.recover_for:
+        if rule.is_event:  # e.g. the OOM chain: undone after `recover_for` without a new event
+            if st.state != "firing" or now - (st.last_action or now) < rule.recover_for:
+                return
+        elif st.unknown or st.state != "recovering" or now - st.since < rule.recover_for:
             return
         outcome = self._act(
             rule, rule.undo or "", rule.undo_params, "signal", values.get(rule.signal), undo=True
@@ -239,6 +242,9 @@ class Evaluator:
                 st.last_action = now
                 if outcome in ("applied", "dry_run"):
                     st.state = "firing" if rule.undo is not None else "inactive"
+                    timed = rule.undo is not None and trigger == "event"
+                    if timed and rule.name not in self.applied:
+                        self.applied.append(rule.name)
             self._maybe_close_incident()
             return self.decisions[start:]
 

@@ -294,3 +294,24 @@ def test_engine_loop_streams_and_control_from_other_threads() -> None:
         assert loop.alive and time.monotonic() - loop.last_beat < 1.0
     finally:
         loop.stop()
+
+
+def test_committed_requests_are_not_blocked_by_a_queued_one_ahead() -> None:
+    """A high-priority request waiting for its commitment sorts ahead of normal ones that
+    already hold theirs; those must still run (else nothing ever frees the commitment)."""
+    cfg = AdmissionConfig(safety_factor=1.0, max_queue=8, dynamic_max_tokens=False)
+    engine = make_engine(num_gpu_blocks=10, admission=cfg)
+    prompt = [3 + j for j in range(60)]
+    a = engine.add_request(prompt, greedy(20), priority="normal")
+    b = engine.add_request(prompt, greedy(20), priority="normal")
+    c = engine.add_request(prompt, greedy(20), priority="high")
+    decisions = [e.data["decision"] for e in engine.events.recent("admission")]
+    assert decisions == ["admit", "admit", "queue"]
+    for _ in range(500):
+        if not engine.has_unfinished():
+            break
+        engine.step()
+        engine.audit_blocks()
+    assert not engine.has_unfinished(), engine.snapshot().queues
+    assert not any(engine.has_request(r) for r in (a, b, c))
+    assert engine.admission.committed_blocks == 0

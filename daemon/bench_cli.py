@@ -1,0 +1,80 @@
+"""`kvguard bench overload|chaos`: the serving benchmarks, run from a repository checkout.
+
+The benchmarks live in `bench/` next to the package sources, not inside the wheel (they start
+daemons, Prometheus and load generators, and they are for developers), so this command finds
+the checkout and runs the script in a subprocess with the same Python: the benchmark then owns
+its process, signals and exit status exactly as when it is run by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+BENCHMARKS = {
+    "overload": "open-loop burst against kvguard, kvguard without its control plane, and "
+    "max-length preallocation; table, JSON and PNG timeline",
+    "chaos": "faults during a loaded run: Prometheus down, audit DB locked, engine OOM, "
+    "SIGHUP with a broken and a good rules file, client disconnects, SIGTERM",
+}
+
+
+def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    bench = sub.add_parser(
+        "bench",
+        help="run a serving benchmark from the repository checkout",
+        description="Run bench/overload.py or bench/chaos.py from the kvguard checkout.",
+    )
+    cmds = bench.add_subparsers(dest="bench_command", metavar="{overload,chaos}", required=True)
+    for name, help_text in BENCHMARKS.items():
+        p = cmds.add_parser(name, help=help_text, description=help_text)
+        _script_options(p, overload=name == "overload")
+        p.add_argument("--repo", type=Path, help="the kvguard checkout (default: found)")
+        p.set_defaults(func=cmd_bench)
+
+
+def _script_options(p: argparse.ArgumentParser, overload: bool) -> None:
+    """The scripts' own options, declared here too so --help shows them; they are passed on."""
+    p.add_argument("--quick", action="store_true", help="short smoke run")
+    p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    p.add_argument("--model", help="model name or directory (default smollm2-135m)")
+    p.add_argument("--threads", help="engine threads (default 2)")
+    p.add_argument("--workdir", metavar="DIR", help="keep configs, logs and audit DBs here")
+    if overload:
+        p.add_argument("--png", metavar="FILE", help="timeline plot (default overload.png)")
+        p.add_argument("--seed", help="trace seed (default 0)")
+        p.add_argument("--only", action="append", metavar="CONFIG", help="run only CONFIG")
+
+
+def script_argv(args: argparse.Namespace) -> list[str]:
+    """Back to command-line form: only what the user set, so the script's defaults hold."""
+    argv = ["--quick"] if args.quick else []
+    for opt in ("json", "model", "threads", "workdir", "png", "seed"):
+        value = getattr(args, opt, None)
+        if value is not None:
+            argv += [f"--{opt}", str(value)]
+    for only in getattr(args, "only", None) or []:
+        argv += ["--only", only]
+    return argv
+
+
+def find_checkout(explicit: Path | None) -> Path:
+    """The checkout holding bench/: --repo, $KVGUARD_REPO, this file's tree, or the cwd."""
+    here = Path(__file__).resolve().parents[1]
+    env = os.environ.get("KVGUARD_REPO")
+    for cand in (explicit, Path(env) if env else None, here, Path.cwd()):
+        if cand is not None and (cand / "bench" / "overload.py").is_file():
+            return cand
+    raise ValueError(
+        "no kvguard checkout with bench/ found: run from the repository, or pass --repo DIR "
+        "(or set KVGUARD_REPO); the benchmarks are not part of the installed package"
+    )
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    repo = find_checkout(args.repo)
+    script = repo / "bench" / f"{args.bench_command}.py"
+    return subprocess.call([sys.executable, str(script), *script_argv(args)], cwd=repo)

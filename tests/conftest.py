@@ -12,6 +12,10 @@ from pathlib import Path
 import pytest
 
 # transformers is the reference implementation in tests; it must never reach for the network.
+# Triton reads TRITON_INTERPRET when it is first imported, and other imports (schemathesis,
+# transformers) may pull it in before the kernel tests run: decide here, before anything else.
+if os.environ.get("KVGUARD_TEST_DEVICE", "cpu") == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

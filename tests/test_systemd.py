@@ -29,15 +29,12 @@ SHIPPED_EXEC = "ExecStart=/usr/local/bin/kvguard "
 MAX_EXPOSURE = 3.0
 
 
-def needs_analyze(fn):  # noqa: ANN001, ANN201 - a missing tool is a failure, never a skip
-    def run(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-        assert shutil.which("systemd-analyze"), (
-            "systemd-analyze missing: install the Debian package systemd"
-        )
-        return fn(*args, **kwargs)
-
-    run.__name__, run.__doc__ = fn.__name__, fn.__doc__
-    return run
+@pytest.fixture
+def analyzer() -> str:
+    """The systemd-analyze binary; a missing tool is a failure, never a skip."""
+    exe = shutil.which("systemd-analyze")
+    assert exe, "systemd-analyze missing: install the Debian package systemd"
+    return exe
 
 
 @pytest.fixture
@@ -57,14 +54,12 @@ def analyze(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env, check=False)
 
 
-@needs_analyze
-def test_unit_verifies_cleanly(unit_copy: Path) -> None:
+def test_unit_verifies_cleanly(analyzer: str, unit_copy: Path) -> None:
     proc = analyze("verify", str(unit_copy))
     assert (proc.returncode, proc.stderr, proc.stdout) == (0, "", "")
 
 
-@needs_analyze
-def test_unit_exposure_is_low(unit_copy: Path) -> None:
+def test_unit_exposure_is_low(analyzer: str, unit_copy: Path) -> None:
     proc = analyze("security", "--offline=yes", "--no-pager", str(unit_copy))
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr == "", proc.stderr  # e.g. "Invalid syntax, ignoring" for a bad line

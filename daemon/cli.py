@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -222,6 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run one subcommand; expected failures print one line, not a traceback, and exit 2."""
     args = build_parser().parse_args(argv)
+    # Idle OpenMP workers must sleep, not spin: on a shared CPU spinning made the engine several
+    # times slower. Set before torch loads (handlers import it lazily); an explicit value wins.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     handler: Handler = args.func
     from kvguard.engine.model_config import ModelLoadError  # after parsing: --help stays fast
 

@@ -25,15 +25,14 @@ def dequantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torc
     return (x.float() * scale).to(dtype)
 
 
-def write_kv_fp8(
+def grow_scales(
     cache: torch.Tensor, scales: torch.Tensor, x: torch.Tensor, slots: torch.Tensor
-) -> None:
-    """Write `x` `[T, kv_heads, head_dim]` into fp8 `cache` at flat `slots`, updating `scales`.
-
-    `scales` is `[num_blocks, kv_heads]` fp32. A write at offset 0 starts a block afresh (blocks
-    are reused after being freed, and always fill from offset 0).
-    """
-    nb, bs, h, d = cache.shape
+) -> torch.Tensor:
+    """Grow `scales` `[num_blocks, kv_heads]` so every block `slots` touches can hold `x`
+    `[T, kv_heads, head_dim]`, requantising blocks whose scale grew; returns each token's scale
+    `[T, kv_heads, 1]`. A write at offset 0 starts a block afresh (blocks are reused after being
+    freed, and always fill from offset 0). Shared by the torch and Triton write paths."""
+    bs, h = cache.shape[1], cache.shape[2]
     blocks = torch.div(slots, bs, rounding_mode="floor")
     fresh = blocks[slots % bs == 0]
     if fresh.numel():
@@ -50,7 +49,15 @@ def write_kv_fp8(
         old_vals = as_bytes(cache).index_select(0, ids).view(FP8_DTYPE).float()
         as_rows(cache).index_copy_(0, ids, as_rows(quantize(old_vals * ratio, 1.0)))
     scales.index_copy_(0, touched, new)
-    token_scale = new.index_select(0, inverse)[:, :, None]
+    return new.index_select(0, inverse)[:, :, None]
+
+
+def write_kv_fp8(
+    cache: torch.Tensor, scales: torch.Tensor, x: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """Write `x` `[T, kv_heads, head_dim]` into fp8 `cache` at flat `slots`, updating `scales`."""
+    nb, bs, h, d = cache.shape
+    token_scale = grow_scales(cache, scales, x, slots)
     as_rows(cache.view(nb * bs, h, d)).index_copy_(0, slots, as_rows(quantize(x, token_scale)))
 
 

@@ -27,9 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvguard.kernels.fp8 import FP8_DTYPE, FP8_MAX, as_bytes, quantize
-
-_TINY = 1e-12  # the torch path's floor for a scale, so a block of zeros never divides by 0
+from kvguard.kernels.fp8 import FP8_DTYPE, FP8_MAX, grow_scales
 
 
 @triton.jit
@@ -116,29 +114,9 @@ def store_kv(
 def update_fp8_scales(
     cache: torch.Tensor, scales: torch.Tensor, x: torch.Tensor, slots: torch.Tensor
 ) -> None:
-    """Grow `scales` so every block `slots` touches can hold `x`; requantise grown blocks.
-
-    Mirrors the scale half of `fp8.write_kv_fp8` (a write at offset 0 restarts its block); the
-    new tokens themselves are left for `store_kv`.
-    """
-    nb, bs, h, d = cache.shape
-    blocks = torch.div(slots, bs, rounding_mode="floor")
-    fresh = blocks[slots % bs == 0]
-    if fresh.numel():
-        scales.index_fill_(0, fresh, 0.0)
-    touched, inverse = torch.unique(blocks, return_inverse=True)
-    amax = torch.zeros(touched.numel(), h, dtype=torch.float32, device=x.device)
-    amax.scatter_reduce_(0, inverse[:, None].expand(-1, h), x.float().abs().amax(-1), "amax")
-    old = scales.index_select(0, touched)
-    new = torch.maximum(old, amax / FP8_MAX).clamp_min_(_TINY)
-    grow = ((new > old) & (old > 0)).any(-1)
-    if grow.any():
-        ids = touched[grow]
-        ratio = (old[grow] / new[grow])[:, None, :, None]
-        raw = as_bytes(cache)
-        old_vals = raw.index_select(0, ids).view(FP8_DTYPE).float()
-        raw.index_copy_(0, ids, as_bytes(quantize(old_vals * ratio, 1.0)))
-    scales.index_copy_(0, touched, new)
+    """The scale half of the FP8 write, shared with the torch path (`fp8.grow_scales`); the new
+    tokens themselves are stored by `store_kv`."""
+    grow_scales(cache, scales, x, slots)
 
 
 def write_kv(

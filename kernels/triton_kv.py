@@ -5,7 +5,7 @@
 the torch `index_copy_` path launches a dtype cast plus a scatter per tensor; this kernel does the
 cast (or the FP8 quantisation) and the scatter in one pass, one program per token.
 
-FP8 split of work: the per-block scale bookkeeping stays in torch (`update_fp8_scales`, the same
+FP8 split of work: the per-block scale bookkeeping stays in torch (`fp8.grow_scales`, the same
 algorithm as `kvguard.kernels.fp8.write_kv_fp8`): zero the scale of blocks that start afresh, take
 the per-block-per-head amax of the new tokens, grow scales and requantise the few blocks whose
 scale grew. That part touches whole blocks only on growth, is data-dependent (`unique`, a
@@ -111,14 +111,6 @@ def store_kv(
     )
 
 
-def update_fp8_scales(
-    cache: torch.Tensor, scales: torch.Tensor, x: torch.Tensor, slots: torch.Tensor
-) -> None:
-    """The scale half of the FP8 write, shared with the torch path (`fp8.grow_scales`); the new
-    tokens themselves are stored by `store_kv`."""
-    grow_scales(cache, scales, x, slots)
-
-
 def write_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -130,7 +122,7 @@ def write_kv(
 ) -> None:
     """Drop-in for `paged_attention.write_kv`: scales updated in torch, tokens stored by Triton."""
     if k_cache.dtype == FP8_DTYPE:
-        update_fp8_scales(k_cache, k_scale, k, slot_mapping)
-        update_fp8_scales(v_cache, v_scale, v, slot_mapping)
+        grow_scales(k_cache, k_scale, k, slot_mapping)
+        grow_scales(v_cache, v_scale, v, slot_mapping)
     store_kv(k_cache, k, slot_mapping, k_scale)
     store_kv(v_cache, v, slot_mapping, v_scale)

@@ -4,9 +4,10 @@ A real Prometheus scrapes the daemon and a PromQL rule reads it back, so losing 
 matters. While an open-loop load runs (this process, over HTTP), the faults are:
 
   prometheus   Prometheus stopped for a while, then started again on the same port
-  audit-lock   the audit DB held by another connection's BEGIN EXCLUSIVE (we run as root, where
-               chmod cannot make a file read-only, so a writer lock stands in for it); one manual
-               action is taken while it is held, so a row has to wait for the lock
+  audit-ro     the audit DB made read-only: `chattr +i` on the file and its WAL (root ignores
+               chmod, not the immutable flag); where chattr is unavailable (not root, not
+               ext2/3/4) another connection's BEGIN EXCLUSIVE stands in. One manual action is
+               taken meanwhile, so a row has to wait until the file is writable again
   engine-oom   one out-of-memory fault inside an engine step (POST /admin/debug/inject_oom)
   sighup-bad   SIGHUP with a broken rules file: the old rules must stay
   sighup-good  SIGHUP with a good rules file: the new rules must be in force
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import contextlib
 import os
 import signal
 import sqlite3
@@ -33,7 +35,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -272,22 +274,17 @@ class Chaos:
         self.prom.start()
         return f"fleet-kv while down: {states.get('fleet-kv')}; Prometheus restarted"
 
-    def audit_lock(self) -> str:
-        con = sqlite3.connect(self.d.db, timeout=30, isolation_level=None)
-        try:
-            con.execute("BEGIN EXCLUSIVE")
+    def audit_readonly(self) -> str:
+        with read_only(self.d.db) as how:
             r = self.d.admin("POST", "/admin/actions/set_max_num_seqs", json={"n": 24})
             self.manual_actions += 1
             time.sleep(self.t.lock_s)
             depth = metric_sum(self._metrics(), "kvguard_audit_queue_depth")
-            con.execute("COMMIT")
-        finally:
-            con.close()
         r2 = self.d.admin("POST", "/admin/actions/set_max_num_seqs", json={"n": 32})
         self.manual_actions += 1
         return (
-            f"manual action under the lock: HTTP {r.status_code}; audit queue depth {depth:.0f} "
-            f"before release; restore HTTP {r2.status_code}"
+            f"{how} {self.t.lock_s:g}s; manual action meanwhile: HTTP {r.status_code}; "
+            f"audit queue depth {depth:.0f} before release; restore HTTP {r2.status_code}"
         )
 
     def engine_oom(self) -> str:
@@ -307,6 +304,38 @@ class Chaos:
         s = self.d.state()
         running, used = sum(s["queues"]["running"].values()), s["kv"]["device"]["blocks_used"]
         return f"{self.t.disconnects} clients hung up; then {running} running, {used} KV blocks"
+
+
+@contextlib.contextmanager
+def read_only(db: Path) -> Iterator[str]:
+    """The SQLite file and its WAL refuse writes inside the block; yields how that was done.
+
+    The shared-memory index (-shm) is left alone: SQLite maps it, and an immutable mapping
+    would kill the process with SIGBUS instead of failing a write.
+    """
+    files = [f for f in (db, db.with_name(db.name + "-wal")) if f.exists()]
+    done: list[Path] = []
+    try:
+        for f in files:
+            if subprocess.run(["chattr", "+i", str(f)], capture_output=True).returncode != 0:
+                break
+            done.append(f)
+        if files and len(done) == len(files):
+            yield "audit DB and WAL read-only (chattr +i) for"
+            return
+        for f in done:  # chattr works on some files only: undo it, use the lock instead
+            subprocess.run(["chattr", "-i", str(f)], check=True)
+        done.clear()
+        con = sqlite3.connect(db, timeout=30, isolation_level=None)
+        try:
+            con.execute("BEGIN EXCLUSIVE")
+            yield "chattr unavailable: audit DB write-locked (BEGIN EXCLUSIVE) for"
+            con.execute("COMMIT")
+        finally:
+            con.close()
+    finally:
+        for f in done:
+            subprocess.run(["chattr", "-i", str(f)], check=True)
 
 
 # ----------------------------------------------------------------------------- the run
@@ -367,7 +396,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         load.start()
         time.sleep(timing.warmup_s)
         chaos.fault("prometheus", chaos.prometheus_down)
-        chaos.fault("audit-lock", chaos.audit_lock)
+        chaos.fault("audit-ro", chaos.audit_readonly)
         chaos.fault("engine-oom", chaos.engine_oom)
         chaos.fault("sighup-bad", lambda: chaos.sighup(BROKEN_RULES))
         # a visibly different good file: the rule's new name proves the reload took effect

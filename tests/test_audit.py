@@ -1,8 +1,9 @@
 """The audit store, its migrations and `kvguard audit|db`, against real SQLite files.
 
-Faults are real too: tests run as root, for whom a read-only file is still writable, so a
-"database that refuses writes" is a second sqlite3 connection holding `BEGIN EXCLUSIVE`, which
-makes every other writer fail with "database is locked" once its busy timeout runs out.
+Faults are real too. Tests run as root, for whom a read-only mode bit changes nothing, so a
+"database that refuses writes" is either a second sqlite3 connection holding `BEGIN EXCLUSIVE`
+(every other writer fails with "database is locked" once its busy timeout runs out) or the file
+and its WAL made immutable with `chattr +i`, which root cannot write through either.
 """
 
 from __future__ import annotations
@@ -259,6 +260,36 @@ def test_locked_database_never_blocks_callers_and_loses_nothing(
     assert sorted(_details(db_path, "actions")) == expected  # each row exactly once
     assert sorted(_details(db_path, "events")) == expected
     assert (store.dropped, store.rejected, store.depth()) == (0, 0, 0)
+    assert store.stop(timeout=5)
+
+
+def _chattr(flag: str, *files: Path) -> None:
+    for f in files:
+        r = subprocess.run(["chattr", flag, str(f)], capture_output=True, text=True)
+        assert r.returncode == 0, f"chattr {flag} {f} failed (root on ext4 needed): {r.stderr}"
+
+
+def test_read_only_database_file_loses_nothing(db_url: str, db_path: Path) -> None:
+    store = AuditStore(db_url, busy_timeout_ms=50)
+    store.start()
+    _act(store, detail="before")
+    assert store.flush(10)
+    # The main file and the WAL refuse writes; -shm stays writable (SQLite maps it).
+    files = [db_path, db_path.with_name(db_path.name + "-wal")]
+    _chattr("+i", *files)
+    try:
+        for i in range(20):
+            _act(store, detail=f"ro-{i}")
+            store.record_event("tick", detail=f"ro-{i}")
+        assert _wait_for(lambda: store.failures > 0)
+        assert store.written == 1 and store.depth() == 40
+        assert store.last_error is not None
+    finally:
+        _chattr("-i", *files)
+    assert store.flush(timeout=30)
+    assert _details(db_path, "actions") == ["before"] + [f"ro-{i}" for i in range(20)]
+    assert _details(db_path, "events") == [f"ro-{i}" for i in range(20)]
+    assert (store.dropped, store.rejected) == (0, 0)
     assert store.stop(timeout=5)
 
 

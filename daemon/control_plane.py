@@ -203,11 +203,25 @@ class ControlPlane:
                 "config_error", detail=f"rules reload refused: {path}", data={"errors": e.errors}
             )
             return {"rules_reloaded": False, "errors": e.errors}
+        diff = rules_diff(self.ruleset, new)
         self.rules_path, self.ruleset = path, new
         self.evaluator.replace_rules(new)
         self.evaluator.dry_run = dry_run
         self.scheduler.reschedule_job("rules", trigger="interval", seconds=new.interval)
-        return {"rules_reloaded": True, "rules": len(new.rules)}
+        return {"rules_reloaded": True, "rules": len(new.rules), "rules_changed": diff}
+
+
+def rules_diff(old: RuleSet, new: RuleSet) -> list[str]:
+    """What a reload changed, rule by rule: `+name` added, `-name` removed, `~name` edited."""
+    before, after = {r.name: r for r in old.rules}, {r.name: r for r in new.rules}
+    out = [f"-{n}" for n in before if n not in after]
+    out += [f"+{n}" for n in after if n not in before]
+    out += [f"~{n}" for n in after if n in before and after[n] != before[n]]
+    if old.signals != new.signals:
+        out.append("~signals")
+    if old.interval != new.interval:
+        out.append(f"interval {old.interval:g}s -> {new.interval:g}s")
+    return out
 
 
 def _plain(data: dict[str, Any]) -> dict[str, Any]:

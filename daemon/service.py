@@ -197,7 +197,10 @@ class Service:
                 )
                 return {"reloaded": False, "reason": "\n".join(rules["errors"])}
             changes = self._apply_reloadable(new)
-            log.info("reloaded %s: %s", self.config_path, changes or "no changes")
+            said = [str(changes)] if changes else []
+            if rules.get("rules_changed"):
+                said.append("rules " + " ".join(rules["rules_changed"]))
+            log.info("reloaded %s: %s", self.config_path, "; ".join(said) or "no changes")
             self.audit.record_event(
                 "reload", detail=f"{self.config_path}", data={"changes": changes, **rules}
             )

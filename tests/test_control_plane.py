@@ -200,8 +200,10 @@ def test_sighup_with_broken_rules_keeps_the_old_ones(tmp_path: Path) -> None:
         )
         res = d.admin("POST", "/admin/reload").json()
         assert res["reloaded"] is True and names() == ["second"]
+        assert res["rules_changed"] == ["-first", "+second"]
     finally:
         assert d.stop() == 0
+    assert "rules -first +second" in (tmp_path / "daemon.log").read_text()
     events = rows(tmp_path / "audit.db", "SELECT kind, detail FROM events ORDER BY id")
     assert any(k == "config_error" and "rules reload refused" in det for k, det in events)
     assert any(k == "reload" for k, _ in events)

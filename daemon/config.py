@@ -177,6 +177,8 @@ class AdmissionControlConfig(_Section):
     reserved_headroom_mb: int | None = Field(None, ge=0)
     dynamic_max_tokens: bool = True
     max_queue: int = Field(256, ge=0)
+    # share of the KV budget that only `high` priority may commit into (0 = none)
+    high_priority_reserve: float = Field(0.10, ge=0.0, lt=1.0)
 
 
 class OffloadingConfig(_Section):
@@ -308,6 +310,7 @@ class DaemonConfig(_Section):
                 reserved_headroom_bytes=self.reserved_headroom_mb() * MiB,
                 dynamic_max_tokens=a.dynamic_max_tokens,
                 max_queue=a.max_queue,
+                high_priority_reserve=a.high_priority_reserve,
             ),
         )
 

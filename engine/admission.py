@@ -3,9 +3,11 @@
 A request's peak is (prompt + max_new_tokens) × safety_factor tokens, in blocks. Requests are
 admitted while the committed peaks of everything admitted stay within the budget (the pool
 minus the reserved headroom); the rest wait in the engine's bounded queue with a position and
-an estimated wait from the measured KV release rate. Above 95% usage only `high` priority is
-taken, and a request that can never fit is rejected at once. (Halting admission is an engine
-knob, checked before the controller.)
+an estimated wait from the measured KV release rate. A share of the budget
+(`high_priority_reserve`, 10% by default) is committed to `high` priority only, so a burst of
+normal and low traffic cannot fill every commitment and make high-priority requests queue
+behind it. Above 95% usage only `high` priority is taken, and a request that can never fit is
+rejected at once. (Halting admission is an engine knob, checked before the controller.)
 """
 
 from __future__ import annotations
@@ -26,10 +28,15 @@ class AdmissionConfig:
     reserved_headroom_bytes: int = 0
     dynamic_max_tokens: bool = True
     max_queue: int = 256
+    high_priority_reserve: float = 0.10  # share of the budget only `high` may commit into
 
     def __post_init__(self) -> None:
         if self.safety_factor < 1.0:
             raise ValueError(f"safety_factor={self.safety_factor}: expected >= 1.0")
+        if not 0.0 <= self.high_priority_reserve < 1.0:
+            raise ValueError(
+                f"high_priority_reserve={self.high_priority_reserve}: expected 0 <= x < 1"
+            )
         if self.max_queue < 0 or self.reserved_headroom_bytes < 0:
             raise ValueError("max_queue and reserved_headroom_bytes must be >= 0")
 
@@ -71,6 +78,14 @@ class AdmissionController:
         headroom = -(-self.config.reserved_headroom_bytes // self.bytes_per_block)
         return max(0, total_blocks - headroom)
 
+    def limit_blocks(self, total_blocks: int, rank: int) -> int:
+        """What requests of this priority may commit in all: the budget, less the high-priority
+        reserve for every other priority."""
+        budget = self.budget_blocks(total_blocks)
+        if rank == HIGH:
+            return budget
+        return math.floor(budget * (1.0 - self.config.high_priority_reserve))
+
     def projected_blocks(self, tokens: int) -> int:
         return math.ceil(tokens * self.config.safety_factor / self.block_size)
 
@@ -91,10 +106,12 @@ class AdmissionController:
     def _decide(
         self, prompt_len, max_tokens, rank, total_blocks, usage, queued, max_total_len
     ) -> AdmissionDecision:  # noqa: ANN001 - same types as decide
-        budget = self.budget_blocks(total_blocks)
+        budget = self.limit_blocks(total_blocks, rank)
         if self.projected_blocks(prompt_len + 1) > budget:
             return _reject(
-                400, f"prompt of {prompt_len} tokens can never fit the KV budget of {budget} blocks"
+                400,
+                f"prompt of {prompt_len} tokens can never fit the KV budget of {budget} blocks"
+                + ("" if rank == HIGH else " (what is left outside the high-priority reserve)"),
             )
         if usage > EMERGENCY_USAGE and rank != HIGH:
             return _reject(
@@ -121,9 +138,9 @@ class AdmissionController:
         )
 
     # -- commitments --------------------------------------------------------------------------
-    def try_commit(self, blocks: int, total_blocks: int) -> bool:
+    def try_commit(self, blocks: int, total_blocks: int, rank: int = HIGH) -> bool:
         """Reserve a projected peak when a queued request is about to start."""
-        if self.committed_blocks + blocks > self.budget_blocks(total_blocks):
+        if self.committed_blocks + blocks > self.limit_blocks(total_blocks, rank):
             return False
         self.committed_blocks += blocks
         return True

@@ -209,7 +209,9 @@ class LLMEngine(ControlSurface):
             seq.admitted = True
 
     def _commit(self, seq: Sequence) -> bool:
-        return self.admission.try_commit(seq.projected_blocks, self.block_manager.num_blocks)
+        return self.admission.try_commit(
+            seq.projected_blocks, self.block_manager.num_blocks, seq.priority
+        )
 
     def _uncommit(self, seq: Sequence) -> None:
         self.admission.committed_blocks -= seq.projected_blocks

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -25,6 +26,7 @@ configs = st.builds(
     reserved_headroom_bytes=st.integers(0, 8).map(lambda b: b * 1000),
     dynamic_max_tokens=st.booleans(),
     max_queue=st.integers(0, 10),
+    high_priority_reserve=st.sampled_from([0.0, 0.1, 0.3]),
 )
 
 
@@ -33,12 +35,14 @@ configs = st.builds(
 def test_never_admits_past_budget_and_respects_the_queue_bound(cfg, trace) -> None:
     ctl = AdmissionController(cfg, BLOCK, bytes_per_block=1000)
     budget = ctl.budget_blocks(TOTAL)
-    queue: list[int] = []  # projected blocks of queued requests
+    queue: list[tuple[int, int]] = []  # (projected blocks, rank) of queued requests
     running: list[int] = []
     for op, (prompt, max_new, rank, usage) in trace:
+        limit = ctl.limit_blocks(TOTAL, rank)
+        assert limit <= budget and (rank != 0 or limit == budget)
         if op == "arrive":
             d = ctl.decide(prompt, max_new, rank, TOTAL, usage, len(queue), 4096)
-            if ctl.projected_blocks(prompt + 1) > budget:
+            if ctl.projected_blocks(prompt + 1) > limit:
                 assert d.decision == "reject" and d.status == 400, "an impossible request got in"
                 continue
             if d.decision == "reject":
@@ -49,21 +53,42 @@ def test_never_admits_past_budget_and_respects_the_queue_bound(cfg, trace) -> No
             assert 1 <= d.max_tokens <= max_new
             assert d.truncated == (d.max_tokens < max_new)
             need = ctl.projected_blocks(prompt + d.max_tokens)
-            assert need <= budget, "admitted something that can never fit"
+            assert need <= limit, "admitted something that can never fit"
             if d.decision == "admit":
+                assert ctl.committed_blocks + need <= limit, "admitted into the high reserve"
                 ctl.committed_blocks += need
                 running.append(need)
             else:
                 assert d.queue_position == len(queue) + 1
-                queue.append(need)
+                queue.append((need, rank))
         elif op == "start" and queue:
-            if ctl.try_commit(queue[0], TOTAL):
-                running.append(queue.pop(0))
+            need, r = queue[0]
+            before = ctl.committed_blocks
+            if ctl.try_commit(need, TOTAL, r):
+                assert before + need <= ctl.limit_blocks(TOTAL, r)
+                running.append(queue.pop(0)[0])
+            else:
+                assert before + need > ctl.limit_blocks(TOTAL, r)
         elif op == "finish" and running:
             ctl.release(running.pop(0))
         assert ctl.committed_blocks <= budget
         assert ctl.committed_blocks == sum(running)
         assert len(queue) <= cfg.max_queue
+
+
+def test_high_priority_reserve_keeps_room_for_high() -> None:
+    ctl = AdmissionController(AdmissionConfig(high_priority_reserve=0.25), BLOCK, 1000)
+    assert (ctl.limit_blocks(TOTAL, 0), ctl.limit_blocks(TOTAL, 1)) == (64, 48)
+    admitted = 0
+    while (d := ctl.decide(64, 64, 1, TOTAL, 0.0, 0, 4096)).decision == "admit":
+        ctl.committed_blocks += ctl.projected_blocks(64 + d.max_tokens)
+        admitted += 1
+    assert admitted == 4 and ctl.committed_blocks == 40  # 10 blocks each: a 5th would pass 48
+    assert ctl.decide(64, 64, 2, TOTAL, 0.0, 0, 4096).decision == "queue"  # low: no reserve
+    assert ctl.decide(64, 64, 0, TOTAL, 0.0, 0, 4096).decision == "admit"  # high: the reserve
+    assert not ctl.try_commit(10, TOTAL, 1) and ctl.try_commit(10, TOTAL, 0)
+    with pytest.raises(ValueError, match="high_priority_reserve"):
+        AdmissionConfig(high_priority_reserve=1.0)
 
 
 @settings(max_examples=200, deadline=None)

@@ -298,8 +298,11 @@ def test_engine_loop_streams_and_control_from_other_threads() -> None:
 
 def test_committed_requests_are_not_blocked_by_a_queued_one_ahead() -> None:
     """A high-priority request waiting for its commitment sorts ahead of normal ones that
-    already hold theirs; those must still run (else nothing ever frees the commitment)."""
-    cfg = AdmissionConfig(safety_factor=1.0, max_queue=8, dynamic_max_tokens=False)
+    already hold theirs; those must still run (else nothing ever frees the commitment).
+    No high-priority reserve here: the two normal requests must commit the whole budget."""
+    cfg = AdmissionConfig(
+        safety_factor=1.0, max_queue=8, dynamic_max_tokens=False, high_priority_reserve=0.0
+    )
     engine = make_engine(num_gpu_blocks=10, admission=cfg)
     prompt = [3 + j for j in range(60)]
     a = engine.add_request(prompt, greedy(20), priority="normal")

@@ -53,6 +53,7 @@ class RuleState:
     last_action: float | None = None
     unknown: bool = False
     value: float | None = None
+    undo_refused_at: float | None = None  # a refused undo is retried after the cooldown
 
     @property
     def shown(self) -> str:
@@ -211,12 +212,17 @@ class Evaluator:
                 return
         elif st.unknown or st.state != "recovering" or now - st.since < rule.recover_for:
             return
+        refused = st.undo_refused_at
+        if refused is not None and now - refused < self.rules.cooldown_of(rule):
+            return  # e.g. fp32 KV cannot hold the live tokens yet: not a new try every tick
         outcome = self._act(
             rule, rule.undo or "", rule.undo_params, "signal", values.get(rule.signal), undo=True
         )
         if outcome in ("applied", "dry_run"):
             self.applied.pop()
-            st.state, st.last_action = "inactive", now
+            st.state, st.last_action, st.undo_refused_at = "inactive", now, None
+        else:
+            st.undo_refused_at = now
 
     # -- events -----------------------------------------------------------------------------
     def handle_event(

@@ -139,6 +139,21 @@ def test_refused_action_is_recorded_and_retried_after_cooldown() -> None:
     assert h.at(30, 0.95) == [("fp8", "enable_fp8_kv", False)]
 
 
+def test_refused_undo_is_retried_after_cooldown_not_every_tick() -> None:
+    refuse = {"disable_fp8_kv"}
+    h = Harness(HEADER + FP8, refuse=refuse)
+    assert h.at(0, 0.99) == [("fp8", "enable_fp8_kv", False)]
+    assert h.at(5, 0.4) == [("fp8", "disable_fp8_kv", True)]
+    assert h.ev.decisions[-1].outcome == "refused" and h.ev.applied == ["fp8"]
+    assert h.at(10, 0.4) == [] and h.at(30, 0.4) == []  # within the 30 s cooldown: no retry
+    assert h.at(35, 0.4) == [("fp8", "disable_fp8_kv", True)]
+    refuse.clear()
+    assert h.at(40, 0.4) == []
+    assert h.at(65, 0.4) == [("fp8", "disable_fp8_kv", True)]
+    assert h.ev.decisions[-1].outcome == "applied" and h.ev.applied == []
+    assert h.state("fp8") == "inactive" and h.calls.count("disable_fp8_kv") == 3
+
+
 def test_event_rules_and_alert_resolution() -> None:
     h = Harness(
         HEADER + "  - {name: oom, on: engine_oom, action: handle_oom, cooldown: 10s}\n"

@@ -32,11 +32,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-# One OpenMP wait policy for every engine in the run, set before torch loads libgomp. Under the
-# default, libgomp workers spin-wait, and switch to a short spin only once a second thread owns an
-# OpenMP team (as transformers' continuous-batching thread does): engines in one process would run
-# under different policies, and on a host shared with other work the spinning is several times
-# slower. OMP_WAIT_POLICY in the environment overrides this.
+# The OpenMP wait policy of every benchmark, set before torch loads libgomp: why, in
+# bench/throughput.py and bench/README.md ("Fairness rules").
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 if not __package__:  # run as a file: import siblings as bench.*, never shadow the stdlib `trace`
     sys.path[0] = str(Path(__file__).resolve().parents[1])

@@ -106,11 +106,11 @@ class AdmissionController:
     def _decide(
         self, prompt_len, max_tokens, rank, total_blocks, usage, queued, max_total_len
     ) -> AdmissionDecision:  # noqa: ANN001 - same types as decide
-        budget = self.limit_blocks(total_blocks, rank)
-        if self.projected_blocks(prompt_len + 1) > budget:
+        limit = self.limit_blocks(total_blocks, rank)
+        if self.projected_blocks(prompt_len + 1) > limit:
             return _reject(
                 400,
-                f"prompt of {prompt_len} tokens can never fit the KV budget of {budget} blocks"
+                f"prompt of {prompt_len} tokens can never fit the KV budget of {limit} blocks"
                 + ("" if rank == HIGH else " (what is left outside the high-priority reserve)"),
             )
         if usage > EMERGENCY_USAGE and rank != HIGH:
@@ -120,19 +120,19 @@ class AdmissionController:
         n = max_tokens
         if self.config.dynamic_max_tokens:
             n = dynamic_max_tokens(max_tokens, usage, max_total_len - prompt_len)
-        while n > 1 and self.projected_blocks(prompt_len + n) > budget:
+        while n > 1 and self.projected_blocks(prompt_len + n) > limit:
             n = max(1, n // 2)  # shrink to what can ever fit rather than refuse
         if not self.config.dynamic_max_tokens and n < max_tokens:
             return _reject(
                 400,
-                f"prompt + max_tokens={max_tokens} can never fit the KV budget of {budget} blocks",
+                f"prompt + max_tokens={max_tokens} can never fit the KV budget of {limit} blocks",
             )
         need = self.projected_blocks(prompt_len + n)
-        if self.committed_blocks + need <= budget and queued == 0:
+        if self.committed_blocks + need <= limit and queued == 0:
             return AdmissionDecision("admit", "", n, n < max_tokens)
         if queued >= self.config.max_queue:
             return _reject(429, f"queue full ({queued} waiting)", self.wait_s(need))
-        wait = self.wait_s(self.committed_blocks + need - budget)
+        wait = self.wait_s(self.committed_blocks + need - limit)
         return AdmissionDecision(
             "queue", "waiting for KV memory", n, n < max_tokens, queued + 1, wait
         )
@@ -144,6 +144,14 @@ class AdmissionController:
             return False
         self.committed_blocks += blocks
         return True
+
+    def commit(self, blocks: int) -> None:
+        """Reserve a peak that `decide` admitted at once."""
+        self.committed_blocks += blocks
+
+    def uncommit(self, blocks: int) -> None:
+        """Give back a reservation whose request could not start after all (no KV released)."""
+        self.committed_blocks -= blocks
 
     def release(self, blocks: int) -> None:
         self.committed_blocks = max(0, self.committed_blocks - blocks)

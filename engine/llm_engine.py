@@ -205,7 +205,7 @@ class LLMEngine(ControlSurface):
         )
         seq.admission = d
         if d.decision == "admit":
-            self.admission.committed_blocks += seq.projected_blocks
+            self.admission.commit(seq.projected_blocks)
             seq.admitted = True
 
     def _commit(self, seq: Sequence) -> bool:
@@ -214,7 +214,7 @@ class LLMEngine(ControlSurface):
         )
 
     def _uncommit(self, seq: Sequence) -> None:
-        self.admission.committed_blocks -= seq.projected_blocks
+        self.admission.uncommit(seq.projected_blocks)
 
     def _prompt_ids(self, prompt: str | list[int], add_special_tokens: bool) -> list[int]:
         if isinstance(prompt, str):

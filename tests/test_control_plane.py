@@ -78,23 +78,32 @@ def rows(db: Path, sql: str) -> list[tuple]:
         con.close()
 
 
-def load(d: Daemon, n: int, tokens: int) -> list[threading.Thread]:
-    def one() -> None:
-        httpx.post(
-            d.url + "/v1/completions",
-            timeout=120,
-            json={
-                "model": "tiny",
-                "prompt": "load " * 20,
-                "max_tokens": tokens,
-                "ignore_eos": True,
-            },
-        )
+class SteadyLoad:
+    """`n` clients, each sending a new request as soon as its last one ends, until stopped:
+    the pressure lasts as long as the test needs it, however slow or fast the machine is."""
 
-    threads = [threading.Thread(target=one) for _ in range(n)]
-    for t in threads:
-        t.start()
-    return threads
+    def __init__(self, d: Daemon, n: int, tokens: int) -> None:
+        self.done = threading.Event()
+        self.threads = [threading.Thread(target=self._client, args=(d, tokens)) for _ in range(n)]
+        for t in self.threads:
+            t.start()
+
+    def _client(self, d: Daemon, tokens: int) -> None:
+        body = {"model": "tiny", "prompt": "load " * 20, "max_tokens": tokens, "ignore_eos": True}
+        while not self.done.is_set():
+            httpx.post(d.url + "/v1/completions", timeout=300, json=body)
+
+    def stop(self) -> None:
+        self.done.set()
+        for t in self.threads:
+            t.join(300)
+
+
+def prom_value(prom: Prometheus, expr: str) -> float | None:
+    """The value of a one-series PromQL expression now, or None while it has no sample."""
+    r = httpx.get(prom.url + "/api/v1/query", params={"query": expr}, timeout=10).json()
+    result = r["data"]["result"]
+    return float(result[0]["value"][1]) if result else None
 
 
 def test_promql_rule_acts_under_load_and_undoes_after(tmp_path: Path) -> None:
@@ -112,24 +121,32 @@ def test_promql_rule_acts_under_load_and_undoes_after(tmp_path: Path) -> None:
                 f"prometheus: {{url: '{prom.url}', timeout: 2s, instance: '127.0.0.1:{port}'}}\n"
             ),
         )
+        usage = f'max(kvguard_kv_cache_usage_ratio{{tier="device",instance="127.0.0.1:{port}"}})'
         try:
-            threads = load(d, 16, 300)
-            fired = wait_for(
-                lambda: d.admin("GET", "/admin/state").json()["knobs"]["max_num_seqs"] == 16,
-                60,
-                "reduce_batch applied by the PromQL rule",
-            )
-            assert fired
-            for t in threads:
-                t.join(180)
+            # Wait for what makes the action due, never for a guessed time: load that lasts until
+            # Prometheus holds a sample above the threshold and the rule has acted on it.
+            steady = SteadyLoad(d, 16, 300)
+            try:
+                wait_for(
+                    lambda: (prom_value(prom, usage) or 0.0) > 0.3,
+                    300,
+                    "a scraped KV usage sample above the rule's threshold",
+                )
+                wait_for(
+                    lambda: d.admin("GET", "/admin/state").json()["knobs"]["max_num_seqs"] == 16,
+                    120,
+                    "reduce_batch applied by the PromQL rule",
+                )
+            finally:
+                steady.stop()
             wait_for(
                 lambda: d.admin("GET", "/admin/state").json()["knobs"]["max_num_seqs"] == 32,
-                60,
+                120,
                 "restore_batch after the load",
             )
             wait_for(
                 lambda: d.admin("GET", "/admin/state").json()["incident"] is None,
-                30,
+                60,
                 "incident closed",
             )
             metrics = httpx.get(d.url + "/metrics").text

@@ -348,7 +348,11 @@ def test_rules_evaluate_on_the_live_series_and_stay_quiet(
     while any(r["lastEvaluation"].startswith("0001") for g in groups() for r in g["rules"]):
         assert time.monotonic() < deadline, "rules not evaluated within 30s"
         time.sleep(0.5)
-    time.sleep(6)  # one more round of the 5s memory group, on at least a few scrapes
+    # the recording rule has a sample once its group ran on scraped data: wait for that itself
+    deadline = time.monotonic() + 120
+    while not query(prometheus, "kvguard:kv_cache_usage:max"):
+        assert time.monotonic() < deadline, "kvguard:kv_cache_usage:max not recorded within 120s"
+        time.sleep(0.5)
     loaded = [r for g in groups() for r in g["rules"]]
     assert len(loaded) == len(all_rules())
     bad = {r["name"]: r.get("lastError") for r in loaded if r["health"] != "ok"}

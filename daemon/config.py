@@ -20,6 +20,8 @@ from __future__ import annotations
 import os
 import re
 import socket
+import types
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -34,15 +36,15 @@ from pydantic import (
     PrivateAttr,
     ValidationError,
     ValidationInfo,
+    create_model,
     field_validator,
     model_validator,
 )
 from pydantic_core import ErrorDetails
 
-from kvguard.engine.admission import AdmissionConfig
 from kvguard.engine.config import ConfigError, EngineConfig, parse_bytes
+from kvguard.engine.knobs import DEVICE_EXPECTED, DEVICE_PATTERN, KnobField, MiB, build, knob_fields
 
-MiB = 2**20
 CUDA_HEADROOM_MB = 2048  # seed §7.1: room for activations beside the KV pool on a GPU
 ADMIN_TOKEN_CREDENTIAL = "admin.token"  # name under $CREDENTIALS_DIRECTORY (systemd LoadCredential)
 
@@ -117,9 +119,9 @@ def _parse_size(value: Any) -> int:
 
 
 def _check_device(value: Any) -> Any:
-    if isinstance(value, str) and re.fullmatch(r"auto|cpu|cuda(:\d+)?", value):
+    if isinstance(value, str) and re.fullmatch(DEVICE_PATTERN, value):
         return value
-    raise ValueError(f"{value!r} is not a device (expected auto, cpu, cuda or cuda:N)")
+    raise ValueError(f"{value!r} is not a device (expected {DEVICE_EXPECTED})")
 
 
 Duration = Annotated[float, BeforeValidator(parse_duration)]
@@ -135,28 +137,58 @@ class _Section(BaseModel):
 
 
 # -- sections ------------------------------------------------------------------------------------
-class ServingConfig(_Section):
-    """The model and the engine's knobs (seed §7 `serving`)."""
+# The engine's knobs (kvguard.engine.knobs) as they appear in the file. `Size`, `Duration` and
+# `Device` report a bad value in the operator's terms ("'256 megs' is not a size (expected ...)").
+_ENGINE_KNOBS = knob_fields(EngineConfig)
+_FILE_KINDS: dict[str, Any] = {"size": Size, "duration": Duration, "device": Device}
 
-    model: str = Field("smollm2-135m", min_length=1)
-    device: Device = "auto"
-    dtype: Literal["auto", "fp32", "fp16", "bf16"] = "auto"
-    kv_cache_bytes: Size = 256 * MiB  # the KV budget on CPU; CUDA sizes from the utilisation
-    gpu_memory_utilization: Ratio = 0.85
-    block_size: Literal[8, 16, 32, 64] = 16
-    max_num_seqs: int = Field(32, ge=1)
-    max_model_len: int = Field(4096, ge=1)
-    kv_cache_dtype: Literal["auto", "fp32", "fp16", "bf16", "fp8_e4m3"] = "auto"
-    enable_chunked_prefill: bool = True
-    max_num_batched_tokens: int = Field(2048, ge=1)
-    num_threads: int | None = Field(None, ge=1)
+
+def _knob_field(k: KnobField) -> tuple[Any, Any]:
+    """The pydantic (type, FieldInfo) an engine knob gets in its config-file section."""
+    spec = k.knob
+    base = _FILE_KINDS.get(spec.kind) or _non_optional(k.type)
+    if spec.choices:
+        base = Literal[spec.choices]  # type: ignore[valid-type]
+    optional = k.file_default is None or type(None) in typing.get_args(k.type)
+    bounds = {
+        name: k.to_file(getattr(spec, name))
+        for name in ("ge", "gt", "le", "lt")
+        if getattr(spec, name) is not None
+    }
+    if spec.min_length:
+        bounds["min_length"] = spec.min_length
+    info = Field(k.file_default, description=spec.doc, **bounds)
+    return (base | None if optional else base), info
+
+
+def _non_optional(annotation: Any) -> Any:
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    return args[0] if isinstance(annotation, types.UnionType) and len(args) == 1 else annotation
+
+
+def _knob_section(section: str) -> type[_Section]:
+    """A section model holding every engine knob declared for `section`, in declaration order.
+
+    The section classes below subclass it to add what only the daemon knows (keys it accepts but
+    refuses to serve, checks across keys), so each engine knob is defined once, on EngineConfig.
+    """
+    fields = {k.file_key: _knob_field(k) for k in _ENGINE_KNOBS if k.knob.section == section}
+    return create_model(f"_{section}_knobs", __base__=_Section, **fields)  # type: ignore[call-overload]
+
+
+class ServingConfig(_knob_section("serving")):  # type: ignore[misc]
+    """The model and the engine's knobs (seed §7 `serving`), declared on EngineConfig."""
+
     tensor_parallel: int = Field(1, ge=1)  # accepted for the seed's baselines; engine needs 1
     pipeline_parallel: int = Field(1, ge=1)
 
     @field_validator("max_num_batched_tokens")
     @classmethod
     def _whole_prompt_fits(cls, v: int, info: ValidationInfo) -> int:
-        """Without chunking a prompt is prefilled in one step, so a step must hold the longest."""
+        """Without chunking a prompt is prefilled in one step, so a step must hold the longest.
+
+        EngineConfig declares enable_chunked_prefill and max_model_len before this field, so
+        both are already validated (in info.data) when this runs."""
         limit = info.data.get("max_model_len")
         if info.data.get("enable_chunked_prefill") is False and limit is not None and v < limit:
             raise ValueError(
@@ -166,27 +198,12 @@ class ServingConfig(_Section):
         return v
 
 
-class AdmissionControlConfig(_Section):
-    """Seed §5: project each request's KV peak before admitting it."""
-
-    enable: bool = True
-    safety_factor: float = Field(1.15, ge=1.0)
-    # null = auto: 2048 MiB on CUDA (seed §7.1), 0 on CPU. On CPU the KV pool is an explicit
-    # byte budget with nothing else inside it to protect, and 2 GiB would swallow the default
-    # 256 MiB pool whole: every request would be refused.
-    reserved_headroom_mb: int | None = Field(None, ge=0)
-    dynamic_max_tokens: bool = True
-    max_queue: int = Field(256, ge=0)
-    # share of the KV budget that only `high` priority may commit into (0 = none)
-    high_priority_reserve: float = Field(0.10, ge=0.0, lt=1.0)
+class AdmissionControlConfig(_knob_section("admission_control")):  # type: ignore[misc]
+    """Seed §5: project each request's KV peak before admitting it (AdmissionConfig's knobs)."""
 
 
-class OffloadingConfig(_Section):
+class OffloadingConfig(_knob_section("offloading")):  # type: ignore[misc]
     """Seed §7.2: swap preempted sequences' KV to host memory instead of recomputing."""
-
-    enable_cpu_offload: bool = False
-    cpu_cache_ratio: float = Field(0.4, ge=0.0, lt=1.0)
-    min_gpu_blocks: int = Field(512, ge=0)
 
 
 class QuantizationConfig(_Section):
@@ -287,32 +304,15 @@ class DaemonConfig(_Section):
         problems = self._unservable()
         if problems:
             raise ConfigFileError([self._line(loc, msg) for loc, msg in problems])
-        s, a, o = self.serving, self.admission_control, self.offloading
-        return EngineConfig(
-            model=s.model,
-            device=s.device,
-            dtype=s.dtype,
-            kv_cache_dtype=s.kv_cache_dtype,
-            kv_cache_bytes=s.kv_cache_bytes,
-            gpu_memory_utilization=s.gpu_memory_utilization,
-            block_size=s.block_size,
-            max_num_seqs=s.max_num_seqs,
-            max_model_len=s.max_model_len,
-            max_num_batched_tokens=s.max_num_batched_tokens,
-            enable_chunked_prefill=s.enable_chunked_prefill,
-            num_threads=s.num_threads,
-            enable_cpu_offload=o.enable_cpu_offload,
-            cpu_cache_ratio=o.cpu_cache_ratio,
-            min_gpu_blocks=o.min_gpu_blocks,
-            admission=AdmissionConfig(
-                enable=a.enable,
-                safety_factor=a.safety_factor,
-                reserved_headroom_bytes=self.reserved_headroom_mb() * MiB,
-                dynamic_max_tokens=a.dynamic_max_tokens,
-                max_queue=a.max_queue,
-                high_priority_reserve=a.high_priority_reserve,
-            ),
+        return build(
+            EngineConfig, {k.path: k.to_engine(self._knob_value(k)) for k in _ENGINE_KNOBS}
         )
+
+    def _knob_value(self, k: KnobField) -> Any:
+        """An engine knob's value as the file gives it; a null meaning "auto" is resolved here."""
+        if k.path == ("admission", "reserved_headroom_bytes"):
+            return self.reserved_headroom_mb()
+        return getattr(getattr(self, k.knob.section), k.file_key)
 
     def reserved_headroom_mb(self) -> int:
         """The configured headroom, or the auto value for the device the engine will use."""

@@ -17,28 +17,45 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from kvguard.engine.knobs import MiB, check_knobs, knob
+
 EMERGENCY_USAGE = 0.95
 HIGH = 0
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class AdmissionConfig:
-    enable: bool = True
-    safety_factor: float = 1.15
-    reserved_headroom_bytes: int = 0
-    dynamic_max_tokens: bool = True
-    max_queue: int = 256
-    high_priority_reserve: float = 0.10  # share of the budget only `high` may commit into
+    """The admission knobs; the daemon offers each in its `admission_control` section."""
+
+    enable: bool = knob(True, section="admission_control", doc="project KV peaks before admitting")
+    safety_factor: float = knob(
+        1.15, section="admission_control", ge=1.0, doc="margin on each request's projected KV peak"
+    )
+    reserved_headroom_bytes: int = knob(
+        0,
+        section="admission_control",
+        key="reserved_headroom_mb",
+        scale=MiB,
+        ge=0,
+        # Unset in the file: 2048 MiB on CUDA (seed §7.1), 0 on CPU, where the KV pool is an
+        # explicit byte budget with nothing else inside it to protect.
+        file_default=None,
+        doc="KV budget kept free of commitments; unset: 2048 MiB on CUDA, 0 on CPU",
+    )
+    dynamic_max_tokens: bool = knob(
+        True, section="admission_control", doc="shorten max_tokens as KV usage climbs (seed §5.2)"
+    )
+    max_queue: int = knob(256, section="admission_control", ge=0, doc="requests that may wait")
+    high_priority_reserve: float = knob(
+        0.10,
+        section="admission_control",
+        ge=0.0,
+        lt=1.0,
+        doc="share of the budget only `high` priority may commit into (0 = none)",
+    )
 
     def __post_init__(self) -> None:
-        if self.safety_factor < 1.0:
-            raise ValueError(f"safety_factor={self.safety_factor}: expected >= 1.0")
-        if not 0.0 <= self.high_priority_reserve < 1.0:
-            raise ValueError(
-                f"high_priority_reserve={self.high_priority_reserve}: expected 0 <= x < 1"
-            )
-        if self.max_queue < 0 or self.reserved_headroom_bytes < 0:
-            raise ValueError("max_queue and reserved_headroom_bytes must be >= 0")
+        check_knobs(self)
 
 
 @dataclass(slots=True, frozen=True)

@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvguard.engine.admission import AdmissionConfig
+from kvguard.engine.knobs import ConfigError, MiB, check_knobs, knob
+
+__all__ = ["KV_DTYPES", "ConfigError", "EngineConfig", "kvguard_home", "parse_bytes"]
 
 KV_DTYPES = ("auto", "fp32", "fp16", "bf16", "fp8_e4m3")
 _SIZE_UNITS = {
@@ -20,10 +23,6 @@ _SIZE_UNITS = {
     "mb": 10**6,
     "gb": 10**9,
 }
-
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the field and what was expected."""
 
 
 def parse_bytes(value: int | str, name: str = "size") -> int:
@@ -43,30 +42,98 @@ def kvguard_home() -> Path:
     return Path(os.environ.get("KVGUARD_HOME") or Path.home() / ".cache" / "kvguard")
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class EngineConfig:
-    model: str = "smollm2-135m"
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    dtype: str = (
-        "auto"  # model compute dtype: auto (fp32 on CPU, bf16 on CUDA) | fp32 | fp16 | bf16
+    """Every knob the engine reads at start-up.
+
+    Fields declared with `knob()` are the operator's: the daemon's config file offers each one
+    in its section, named and bounded as declared here (see kvguard.engine.knobs). The rest are
+    for library use: tests, benchmarks and the environment. Field order is the order the
+    config file lists them in.
+    """
+
+    model: str = knob(
+        "smollm2-135m",
+        section="serving",
+        min_length=1,
+        doc="a known name (`kvguard model list`), a Hugging Face directory or a .gguf file",
     )
-    kv_cache_dtype: str = "auto"  # auto follows dtype
-    kv_cache_bytes: int | str = "256MiB"  # KV budget on CPU
-    gpu_memory_utilization: float = 0.85  # KV budget on CUDA, after profiling
-    num_gpu_blocks: int | None = None  # override the computed pool size (tests, benchmarks)
-    block_size: int = 16
-    max_num_seqs: int = 32
-    max_model_len: int = 4096
-    max_num_batched_tokens: int = 2048
-    enable_chunked_prefill: bool = True
-    enable_cpu_offload: bool = False  # swap preempted sequences to a host pool
-    cpu_cache_ratio: float = 0.4  # host pool holds at most this share of all KV (seed §7.2)
-    min_gpu_blocks: int = 0  # below this device pool size preemption recomputes instead
+    device: str = knob("auto", section="serving", kind="device", doc="auto | cpu | cuda | cuda:N")
+    dtype: str = knob(
+        "auto",
+        section="serving",
+        choices=("auto", "fp32", "fp16", "bf16"),
+        doc="model compute dtype: auto is fp32 on CPU, bf16 on CUDA",
+    )
+    kv_cache_bytes: int | str = knob(
+        256 * MiB,
+        section="serving",
+        kind="size",
+        gt=0,
+        doc="the KV budget on CPU (CUDA sizes the pool from gpu_memory_utilization)",
+    )
+    gpu_memory_utilization: float = knob(
+        0.85,
+        section="serving",
+        gt=0.0,
+        le=1.0,
+        doc="share of GPU memory kvguard may use; the KV pool is sized after profiling",
+    )
+    block_size: int = knob(16, section="serving", choices=(8, 16, 32, 64), doc="tokens per block")
+    max_num_seqs: int = knob(32, section="serving", ge=1, doc="sequences in one batch")
+    max_model_len: int = knob(4096, section="serving", ge=1, doc="prompt + output tokens")
+    kv_cache_dtype: str = knob(
+        "auto",
+        section="serving",
+        choices=KV_DTYPES,
+        doc="KV element type; auto follows dtype. Rules may switch it live",
+    )
+    enable_chunked_prefill: bool = knob(
+        True, section="serving", doc="split long prompts over steps (else one step holds a prompt)"
+    )
+    max_num_batched_tokens: int = knob(
+        2048, section="serving", ge=1, doc="tokens one step may process, prefill and decode"
+    )
+    num_threads: int | None = knob(
+        None, section="serving", ge=1, doc="torch intra-op threads on CPU; unset: torch's default"
+    )
+    num_gpu_blocks: int | None = knob(
+        None,
+        section="serving",
+        ge=1,
+        doc="fix the KV pool at this many blocks instead of sizing it from the budget",
+    )
+    oom_quiet_period_s: float = knob(
+        10.0,
+        section="serving",
+        key="oom_quiet_period",
+        kind="duration",
+        gt=0.0,
+        doc="an OOM halves the step's token budget; it doubles back once per quiet period",
+    )
+    enable_cpu_offload: bool = knob(
+        False,
+        section="offloading",
+        doc="swap preempted sequences' KV to a host pool instead of recomputing them",
+    )
+    cpu_cache_ratio: float = knob(
+        0.4,
+        section="offloading",
+        ge=0.0,
+        lt=1.0,
+        doc="the host pool holds at most this share of all KV (seed §7.2)",
+    )
+    min_gpu_blocks: int = knob(
+        0,
+        section="offloading",
+        ge=0,
+        # Serving baselines keep 512 hot blocks on the GPU (seed §7.2); library callers that
+        # enable offload on a small test pool expect it to swap.
+        file_default=512,
+        doc="below this device pool size preemption recomputes instead of swapping",
+    )
     admission: AdmissionConfig | None = None  # None: accept every valid request (library use)
-    oom_quiet_period_s: float = 10.0  # after an OOM, the batch budget doubles back per quiet period
-    seed: int = 0
-    num_threads: int | None = None  # torch intra-op threads on CPU; None leaves torch's default
-    home: Path = field(default_factory=kvguard_home)
+    home: Path = field(default_factory=kvguard_home)  # $KVGUARD_HOME: the unit file sets it
 
     def __post_init__(self) -> None:
         self.kv_cache_bytes = parse_bytes(self.kv_cache_bytes, "kv_cache_bytes")
@@ -74,25 +141,8 @@ class EngineConfig:
         self.validate()
 
     def validate(self) -> None:
-        def need(ok: bool, name: str, expected: str) -> None:
-            if not ok:
-                raise ConfigError(f"{name}={getattr(self, name)!r}: expected {expected}")
-
-        need(self.dtype in ("auto", "fp32", "fp16", "bf16"), "dtype", "auto|fp32|fp16|bf16")
-        need(self.kv_cache_dtype in KV_DTYPES, "kv_cache_dtype", "|".join(KV_DTYPES))
-        need(self.block_size in (8, 16, 32, 64), "block_size", "8, 16, 32 or 64")
-        need(self.max_num_seqs >= 1, "max_num_seqs", "an integer >= 1")
-        need(self.max_model_len >= 1, "max_model_len", "an integer >= 1")
-        need(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "an integer >= 1")
-        need(
-            0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "a ratio in (0, 1]"
-        )
-        need(int(self.kv_cache_bytes) > 0, "kv_cache_bytes", "a positive size")
-        need(
-            self.num_gpu_blocks is None or self.num_gpu_blocks >= 1,
-            "num_gpu_blocks",
-            ">= 1 or None",
-        )
+        """Each knob against its declaration, then the rules that tie knobs together."""
+        check_knobs(self)
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ConfigError(
                 f"max_num_batched_tokens={self.max_num_batched_tokens} < max_model_len="

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import re
 import textwrap
 from pathlib import Path
 
 import pytest
+import yaml
 
 from kvguard.daemon.config import (
     ConfigFileError,
@@ -15,6 +19,8 @@ from kvguard.daemon.config import (
     load_config,
     parse_duration,
 )
+from kvguard.engine.admission import AdmissionConfig
+from kvguard.engine.config import EngineConfig
 
 DAEMON = Path(__file__).resolve().parents[1] / "daemon"
 EXAMPLES = DAEMON / "examples"
@@ -343,3 +349,114 @@ def test_overridden_config_still_points_at_file_lines(tmp_path: Path) -> None:
     with pytest.raises(ConfigFileError) as info:
         apply_overrides(load_config(path), port=1).to_engine_config()
     assert info.value.errors[0].startswith(f"{path}:3: serving.tensor_parallel: 2 ")
+
+
+# -- one definition of the engine's knobs --------------------------------------------------------
+# How an operator sets each EngineConfig field (admission's nested ones included): the YAML, with
+# a value unlike the default, and what the engine must then receive, in the engine's own unit.
+KNOB_SAMPLES: dict[tuple[str, ...], tuple[dict[str, dict[str, object]], object]] = {
+    ("model",): ({"serving": {"model": "tiny"}}, "tiny"),
+    ("device",): ({"serving": {"device": "cuda:1"}}, "cuda:1"),
+    ("dtype",): ({"serving": {"dtype": "bf16"}}, "bf16"),
+    ("kv_cache_bytes",): ({"serving": {"kv_cache_bytes": "64MiB"}}, 64 * MiB),
+    ("gpu_memory_utilization",): ({"serving": {"gpu_memory_utilization": 0.5}}, 0.5),
+    ("block_size",): ({"serving": {"block_size": 32}}, 32),
+    ("max_num_seqs",): ({"serving": {"max_num_seqs": 7}}, 7),
+    ("max_model_len",): ({"serving": {"max_model_len": 1024}}, 1024),
+    ("kv_cache_dtype",): ({"serving": {"kv_cache_dtype": "fp8_e4m3"}}, "fp8_e4m3"),
+    ("enable_chunked_prefill",): (
+        {"serving": {"enable_chunked_prefill": False, "max_num_batched_tokens": 4096}},
+        False,
+    ),
+    ("max_num_batched_tokens",): ({"serving": {"max_num_batched_tokens": 512}}, 512),
+    ("num_threads",): ({"serving": {"num_threads": 3}}, 3),
+    ("num_gpu_blocks",): ({"serving": {"num_gpu_blocks": 100}}, 100),
+    ("oom_quiet_period_s",): ({"serving": {"oom_quiet_period": "2m"}}, 120.0),
+    ("enable_cpu_offload",): ({"offloading": {"enable_cpu_offload": True}}, True),
+    ("cpu_cache_ratio",): ({"offloading": {"cpu_cache_ratio": 0.25}}, 0.25),
+    ("min_gpu_blocks",): ({"offloading": {"min_gpu_blocks": 64}}, 64),
+    ("admission", "enable"): ({"admission_control": {"enable": False}}, False),
+    ("admission", "safety_factor"): ({"admission_control": {"safety_factor": 1.5}}, 1.5),
+    ("admission", "reserved_headroom_bytes"): (
+        {"admission_control": {"reserved_headroom_mb": 16}},
+        16 * MiB,
+    ),
+    ("admission", "dynamic_max_tokens"): (
+        {"admission_control": {"dynamic_max_tokens": False}},
+        False,
+    ),
+    ("admission", "max_queue"): ({"admission_control": {"max_queue": 9}}, 9),
+    ("admission", "high_priority_reserve"): (
+        {"admission_control": {"high_priority_reserve": 0.3}},
+        0.3,
+    ),
+}
+# EngineConfig fields with no key of their own in the file, and why.
+NOT_IN_THE_FILE = {
+    ("home",): "the model cache, from $KVGUARD_HOME (the unit file sets it)",
+    ("admission",): "built from the admission_control section, field by field",
+}
+# Keys the file accepts for the seed's baselines but refuses to serve (see _unservable).
+REFUSED_KEYS = {("serving", "tensor_parallel"), ("serving", "pipeline_parallel")}
+KNOB_SECTIONS = ("serving", "admission_control", "offloading")
+
+
+def engine_field_paths(cls: type = EngineConfig, prefix: tuple[str, ...] = ()) -> list[tuple]:
+    """Every field of EngineConfig and of the admission config nested in it."""
+    out: list[tuple[str, ...]] = []
+    for f in dataclasses.fields(cls):
+        out.append((*prefix, f.name))
+        if f.name == "admission":
+            out += engine_field_paths(AdmissionConfig, (*prefix, f.name))
+    return out
+
+
+@pytest.mark.parametrize("path", engine_field_paths(), ids=".".join)
+def test_every_engine_field_is_set_from_the_file(tmp_path: Path, path: tuple[str, ...]) -> None:
+    """A knob added to the engine but not to the file (or not passed on) is caught here."""
+    if path in NOT_IN_THE_FILE:
+        return
+    assert path in KNOB_SAMPLES, f"EngineConfig.{'.'.join(path)}: no config-file key sets it"
+    sections, expected = KNOB_SAMPLES[path]
+    engine = load_config(write(tmp_path, yaml.safe_dump(sections))).to_engine_config()
+    got = functools.reduce(getattr, path, engine)
+    assert got == expected and type(got) is type(expected), (sections, got)
+
+
+def test_every_file_key_of_the_engine_sections_reaches_the_engine() -> None:
+    """The other direction: a key in serving/admission_control/offloading that nothing reads."""
+    keys = {
+        (section, key)
+        for section in KNOB_SECTIONS
+        for key in DaemonConfig.model_fields[section].annotation.model_fields
+    }
+    sampled = {
+        (s, k) for sections, _ in KNOB_SAMPLES.values() for s in sections for k in sections[s]
+    }
+    assert keys - REFUSED_KEYS == sampled
+
+
+def test_file_defaults_are_the_engine_defaults_unless_declared() -> None:
+    """Units and defaults agree: an empty file gives the engine's own defaults, except the two
+    the daemon sets for serving (512 hot GPU blocks, a headroom that depends on the device)."""
+    cfg = DaemonConfig()
+    engine = cfg.to_engine_config()
+    library = EngineConfig(admission=AdmissionConfig())
+    declared = {
+        ("min_gpu_blocks",): 512,
+        ("admission", "reserved_headroom_bytes"): cfg.reserved_headroom_mb() * MiB,
+    }
+    for path in engine_field_paths():
+        if path in NOT_IN_THE_FILE:
+            continue
+        want = declared.get(path, functools.reduce(getattr, path, library))
+        assert functools.reduce(getattr, path, engine) == want, path
+
+
+def test_etc_config_names_every_engine_key() -> None:
+    """Operators discover knobs in /etc/kvguard/config.yaml, so each one appears there."""
+    text = ETC_CONFIG.read_text()
+    for section in KNOB_SECTIONS:
+        for key in DaemonConfig.model_fields[section].annotation.model_fields:
+            if (section, key) not in REFUSED_KEYS:
+                assert re.search(rf"^\s*#?\s*{key}:", text, re.M), f"{section}.{key}"

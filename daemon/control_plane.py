@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from apscheduler.schedulers.background import BackgroundScheduler
 
+from kvguard.engine.control import ActionResult
 from kvguard.engine.events import EngineEvent
 from kvguard.rules.actions import run_action
 from kvguard.rules.evaluator import Evaluator
@@ -87,12 +88,16 @@ class ControlPlane:
             self.scheduler.shutdown(wait=True)
 
     def evaluate(self) -> None:
+        """One tick; a tick skipped because another evaluation holds the turn (e.g. awaiting a
+        stalled engine) is not a measured tick."""
         t0 = time.perf_counter()
-        self.evaluator.tick()
-        if self.on_tick:
+        if self.evaluator.try_tick() is not None and self.on_tick:
             self.on_tick(time.perf_counter() - t0)
 
-    def _execute(self, action: str, params: dict[str, Any]):  # noqa: ANN202 - ActionResult
+    def _execute(self, action: str, params: dict[str, Any]) -> ActionResult:
+        """Post the action and wait for the engine to apply it at a step boundary. Called by the
+        evaluator with no state lock held, so a slow engine delays only the next evaluation,
+        never `/metrics` or `/admin/state`."""
         return run_action(self.service.engine, action, params).result(timeout=120)
 
     def _poll_nvml(self) -> None:

@@ -9,6 +9,19 @@ so the cheapest remedy acts first and its effect is seen before the next; undo r
 order of application, one per tick; a signal that cannot be read leaves the rule where it is,
 marked unknown, and never acts; dry-run records what would have happened and changes nothing.
 The clock is injected so all of this is testable offline.
+
+Two locks, so that nobody who only reads waits on the engine:
+
+- `_turn` serialises evaluations (ticks and events). It is held for a whole tick, actions
+  included, so two ticks (the scheduled one and one started by an event, on different
+  APScheduler threads) can never both fire a rule or escalate twice. A tick that finds it
+  taken is skipped: the holder is evaluating already, and the next tick reads fresh values.
+  An event waits for it instead: an alert or its resolution must never be dropped.
+- `_lock` guards the rule states, the applied stack, the incident and the decisions. It is
+  held only to decide (advance the state machines, choose at most one escalation or one
+  undo, mark that rule's action in flight) and to record the result (audit row, incident,
+  state update), never while an action is awaited: the engine may take up to two minutes
+  to apply one, and `/metrics` and `/admin/state` read the rule states meanwhile.
 """
 
 from __future__ import annotations
@@ -54,6 +67,7 @@ class RuleState:
     unknown: bool = False
     value: float | None = None
     undo_refused_at: float | None = None  # a refused undo is retried after the cooldown
+    in_flight: str | None = None  # the action being awaited (decided, not yet recorded)
 
     @property
     def shown(self) -> str:
@@ -75,8 +89,23 @@ class Decision:
 
 
 @dataclass(slots=True)
+class Attempt:
+    """An action chosen under the state lock, to be awaited without it and then recorded."""
+
+    rule: Rule
+    st: RuleState
+    action: str
+    params: dict[str, Any]
+    trigger: str
+    value: float | None
+    undo: bool
+    dry_run: bool
+
+
+@dataclass(slots=True)
 class Stats:
     evaluations: int = 0
+    skipped: int = 0  # ticks not run because another evaluation held the turn
     failures: int = 0
     last_duration_s: float = 0.0
     actions: dict[tuple[str, str, str], int] = field(default_factory=dict)
@@ -110,7 +139,8 @@ class Evaluator:
         self.incident_peak = 0
         self.stats = Stats()
         self.decisions: list[Decision] = []
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()  # state: held briefly, never across an action
+        self._turn = threading.Lock()  # one evaluation (tick or event) at a time
 
     # -- configuration ----------------------------------------------------------------------
     def replace_rules(self, rules: RuleSet) -> None:
@@ -125,29 +155,58 @@ class Evaluator:
 
     # -- the tick ---------------------------------------------------------------------------
     def tick(self) -> list[Decision]:
-        """One evaluation. Signals are read before taking the lock: a slow Prometheus must not
-        block readers of the rule states (metrics, /admin/state)."""
-        t0 = time.perf_counter()
+        """One evaluation; nothing (an empty list) when another evaluation holds the turn."""
+        return self.try_tick() or []
+
+    def try_tick(self) -> list[Decision] | None:
+        """One evaluation, or None when skipped because another one is under way (the
+        scheduler's tick and an event's tick may meet; only one of them acts). Signals are
+        read outside the state lock: a slow Prometheus must not block readers either."""
+        if not self._turn.acquire(blocking=False):
+            self.stats.skipped += 1
+            log.info("rule tick skipped: %s", self._busy_why())
+            return None
         try:
-            values = self._read_values()
-        except Exception:  # noqa: BLE001
-            values = {}
-        with self._lock:
+            t0 = time.perf_counter()
             start = len(self.decisions)
+            try:
+                values = self._read_values()
+            except Exception:  # noqa: BLE001 - no values: every rule unknown, nothing acts
+                values = {}
             try:
                 self._tick(values)
             except Exception:
                 self.stats.failures += 1
                 log.exception("rule evaluation failed")
             finally:
-                d = time.perf_counter() - t0
                 self.stats.evaluations += 1
-                self.stats.last_duration_s = d
-            return self.decisions[start:]
+                self.stats.last_duration_s = time.perf_counter() - t0
+            with self._lock:
+                return self.decisions[start:]
+        finally:
+            self._turn.release()
+
+    def _busy_why(self) -> str:
+        with self._lock:
+            waiting = [f"{n}: {st.in_flight}" for n, st in self.states.items() if st.in_flight]
+        return "awaiting " + ", ".join(waiting) if waiting else "another evaluation is running"
 
     def _tick(self, values: dict[str, float | None]) -> None:
-        now = self.clock()
-        escalated = False
+        with self._lock:
+            now = self.clock()
+            escalation = self._decide(values, now)
+        if escalation is not None:
+            self._carry_out(escalation, lambda outcome: self._escalated(escalation, now, outcome))
+        with self._lock:
+            undo = self._decide_undo(values, now)
+        if undo is not None:
+            self._carry_out(undo, lambda outcome: self._undone(undo, now, outcome))
+        with self._lock:
+            self._maybe_close_incident()
+
+    def _decide(self, values: dict[str, float | None], now: float) -> Attempt | None:
+        """Advance every rule's state machine; choose at most one escalation, in file order."""
+        chosen = None
         for rule in self.rules.rules:
             if rule.is_event:
                 continue
@@ -157,10 +216,9 @@ class Evaluator:
             if v is None:
                 continue
             self._advance(rule, st, v, now)
-            if not escalated:
-                escalated = self._maybe_act(rule, st, v, now)
-        self._maybe_undo(values, now)
-        self._maybe_close_incident()
+            if chosen is None and self._should_act(rule, st, v, now):
+                chosen = self._attempt(rule, st, rule.action, rule.params, "signal", v, undo=False)
+        return chosen
 
     def _read_values(self) -> dict[str, float | None]:
         used = {r.signal for r in self.rules.rules if r.signal is not None}
@@ -189,107 +247,159 @@ class Evaluator:
     def _cooled(self, rule: Rule, st: RuleState, now: float) -> bool:
         return st.last_action is None or now - st.last_action >= self.rules.cooldown_of(rule)
 
-    def _maybe_act(self, rule: Rule, st: RuleState, v: float, now: float) -> bool:
+    def _should_act(self, rule: Rule, st: RuleState, v: float, now: float) -> bool:
         ready = st.state == "pending" and now - st.since >= rule.for_
         repeat = st.state == "firing" and rule.undo is None and rule.triggered(v)
-        if not (ready or repeat) or not self._cooled(rule, st, now):
-            return False
-        outcome = self._act(rule, rule.action, rule.params, "signal", v, undo=False)
-        st.last_action = now
-        if outcome in ("applied", "dry_run"):
-            st.state = "firing"
-            if rule.undo is not None and rule.name not in self.applied:
-                self.applied.append(rule.name)
-        return True  # an attempt, even a refused one, is this tick's one escalation
+        return (ready or repeat) and st.in_flight is None and self._cooled(rule, st, now)
 
-    def _maybe_undo(self, values: dict[str, float | None], now: float) -> None:
+    def _escalated(self, a: Attempt, now: float, outcome: str) -> None:
+        """An attempt, even a refused one, was this tick's one escalation: the cooldown runs."""
+        a.st.last_action = now
+        if outcome in ("applied", "dry_run") and self._live(a):
+            a.st.state = "firing"
+            if self._rule(a.rule.name).undo is not None and a.rule.name not in self.applied:
+                self.applied.append(a.rule.name)
+
+    def _decide_undo(self, values: dict[str, float | None], now: float) -> Attempt | None:
+        """The undo of the last remedy applied, once its rule has recovered long enough."""
         if not self.applied:
-            return
+            return None
         rule = self._rule(self.applied[-1])
         st = self.states[rule.name]
+        if st.in_flight is not None:
+            return None
         if rule.is_event:  # e.g. the OOM chain: undone after `recover_for` without a new event
             if st.state != "firing" or now - (st.last_action or now) < rule.recover_for:
-                return
+                return None
         elif st.unknown or st.state != "recovering" or now - st.since < rule.recover_for:
-            return
+            return None
         refused = st.undo_refused_at
         if refused is not None and now - refused < self.rules.cooldown_of(rule):
-            return  # e.g. fp32 KV cannot hold the live tokens yet: not a new try every tick
-        outcome = self._act(
-            rule, rule.undo or "", rule.undo_params, "signal", values.get(rule.signal), undo=True
-        )
-        if outcome in ("applied", "dry_run"):
-            self.applied.pop()
-            st.state, st.last_action, st.undo_refused_at = "inactive", now, None
-        else:
-            st.undo_refused_at = now
+            return None  # e.g. fp32 KV cannot hold the live tokens yet: not a new try every tick
+        value = values.get(rule.signal)
+        return self._attempt(rule, st, rule.undo or "", rule.undo_params, "signal", value, True)
+
+    def _undone(self, a: Attempt, now: float, outcome: str) -> None:
+        if outcome not in ("applied", "dry_run"):
+            a.st.undo_refused_at = now
+            return
+        if a.rule.name in self.applied:  # still the last one: nothing else acted meanwhile
+            self.applied.remove(a.rule.name)
+        a.st.state, a.st.last_action, a.st.undo_refused_at = "inactive", now, None
 
     # -- events -----------------------------------------------------------------------------
     def handle_event(
         self, kind: str, data: dict[str, Any] | None = None, resolved: bool = False
     ) -> list[Decision]:
-        """Run event rules for `kind` (engine_oom, preemption_storm, alert:<Name>) right away."""
-        with self._lock:
-            start = len(self.decisions)
-            now = self.clock()
+        """Run event rules for `kind` (engine_oom, preemption_storm, alert:<Name>) right away.
+        Waits for a tick under way rather than skip: an alert or its resolution is acted on
+        once, never dropped."""
+        with self._turn:
+            with self._lock:
+                start = len(self.decisions)
+                now = self.clock()
+                names = [r.name for r in self.rules.rules if r.on == kind]
             trigger = "alert" if kind.startswith("alert:") else "event"
-            for rule in self.rules.rules:
-                if rule.on != kind:
+            for name in names:
+                with self._lock:
+                    a = self._decide_event(name, trigger, now, resolved)
+                if a is None:
                     continue
-                st = self.states[rule.name]
                 if resolved:
-                    if rule.undo is not None and st.state == "firing":
-                        self._act(rule, rule.undo, rule.undo_params, trigger, None, undo=True)
-                        st.state = "inactive"
-                    continue
-                if not self._cooled(rule, st, now):
-                    continue
-                outcome = self._act(rule, rule.action, rule.params, trigger, None, undo=False)
-                st.last_action = now
-                if outcome in ("applied", "dry_run"):
-                    st.state = "firing" if rule.undo is not None else "inactive"
-                    timed = rule.undo is not None and trigger == "event"
-                    if timed and rule.name not in self.applied:
-                        self.applied.append(rule.name)
-            self._maybe_close_incident()
-            return self.decisions[start:]
+                    self._carry_out(a, lambda _outcome, a=a: self._resolved(a))
+                else:
+                    self._carry_out(a, lambda outcome, a=a: self._event_acted(a, now, outcome))
+            with self._lock:
+                self._maybe_close_incident()
+                return self.decisions[start:]
+
+    def _decide_event(self, name: str, trigger: str, now: float, resolved: bool) -> Attempt | None:
+        rule = next((r for r in self.rules.rules if r.name == name), None)
+        if rule is None:  # reloaded away while an earlier rule's action was awaited
+            return None
+        st = self.states[name]
+        if resolved:
+            if rule.undo is None or st.state != "firing" or st.in_flight is not None:
+                return None
+            return self._attempt(rule, st, rule.undo, rule.undo_params, trigger, None, True)
+        if st.in_flight is not None or not self._cooled(rule, st, now):
+            return None
+        return self._attempt(rule, st, rule.action, rule.params, trigger, None, undo=False)
+
+    def _resolved(self, a: Attempt) -> None:
+        a.st.state = "inactive"  # the alert is gone whatever the undo answered
+
+    def _event_acted(self, a: Attempt, now: float, outcome: str) -> None:
+        a.st.last_action = now
+        if outcome not in ("applied", "dry_run") or not self._live(a):
+            return
+        has_undo = self._rule(a.rule.name).undo is not None
+        a.st.state = "firing" if has_undo else "inactive"
+        timed = has_undo and a.trigger == "event"
+        if timed and a.rule.name not in self.applied:
+            self.applied.append(a.rule.name)
 
     # -- acting and recording ---------------------------------------------------------------
-    def _act(
+    def _attempt(
         self,
         rule: Rule,
+        st: RuleState,
         action: str,
         params: dict[str, Any],
         trigger: str,
         value: float | None,
         undo: bool,
-    ) -> str:
-        if self.dry_run:
-            res, outcome, error = None, "dry_run", None
-        else:
-            try:
-                res = self.execute(action, params)
-                outcome, error = (
-                    ("applied" if res.ok else "refused"),
-                    (None if res.ok else res.detail),
-                )
-            except Exception as e:  # noqa: BLE001 - a failed action is recorded, not fatal
-                res, outcome, error = None, "failed", f"{type(e).__name__}: {e}"
-                log.error("rule %s: action %s failed: %s", rule.name, action, error)
-        if outcome in ("applied", "dry_run") and not undo:
-            self._open_incident(rule)
-        self._record(rule, action, trigger, value, params, res, outcome, error, undo)
+    ) -> Attempt:
+        """Under the state lock: mark the rule busy so nothing chooses it again meanwhile."""
+        st.in_flight = action
+        return Attempt(rule, st, action, params, trigger, value, undo, self.dry_run)
+
+    def _carry_out(self, a: Attempt, settle: Callable[[str], None]) -> str:
+        """Await the action with no lock held, then record it and let `settle` move the state
+        machine, under the lock, in the order the old single-lock code did."""
+        try:
+            res, outcome, error = self._run(a)
+        finally:
+            with self._lock:
+                a.st.in_flight = None
+        with self._lock:
+            if outcome in ("applied", "dry_run") and not a.undo:
+                self._open_incident(a.rule)
+            self._record(
+                a.rule, a.action, a.trigger, a.value, a.params, res, outcome, error, a.undo
+            )
+            settle(outcome)
         return outcome
+
+    def _run(self, a: Attempt) -> tuple[ActionResult | None, str, str | None]:
+        if a.dry_run:
+            return None, "dry_run", None
+        try:
+            res = self.execute(a.action, a.params)
+        except Exception as e:  # noqa: BLE001 - a failed action is recorded, not fatal
+            error = f"{type(e).__name__}: {e}"
+            log.error("rule %s: action %s failed: %s", a.rule.name, a.action, error)
+            return None, "failed", error
+        return res, ("applied" if res.ok else "refused"), (None if res.ok else res.detail)
+
+    def _live(self, a: Attempt) -> bool:
+        """False when a reload removed the rule while its action was awaited: the act is
+        recorded, but a rule that no longer exists is not put in force (nor on the undo stack)."""
+        if self.states.get(a.rule.name) is a.st:
+            return True
+        log.info("rule %s was reloaded away while %s ran: not tracked", a.rule.name, a.action)
+        return False
 
     def level(self) -> int:
         """0 when calm, else 1 + the ladder index of the highest rule in force."""
-        ladder = [r for r in self.rules.rules if not r.is_event]
-        active = [
-            i + 1
-            for i, r in enumerate(ladder)
-            if self.states[r.name].state in ("firing", "recovering")
-        ]
-        return max(active, default=0)
+        with self._lock:
+            ladder = [r for r in self.rules.rules if not r.is_event]
+            active = [
+                i + 1
+                for i, r in enumerate(ladder)
+                if self.states[r.name].state in ("firing", "recovering")
+            ]
+            return max(active, default=0)
 
     def _open_incident(self, rule: Rule) -> None:
         lvl = max(self.level(), 1)
@@ -386,6 +496,7 @@ class Evaluator:
                     "on": r.on,
                     "action": r.action,
                     "undo": r.undo,
+                    "in_flight": self.states[r.name].in_flight,
                 }
                 for r in self.rules.rules
             ]

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.test_server import Daemon, free_port
+from tests.test_server import TOKEN, Daemon, free_port
 
 PROM_RULES = """version: 1
 interval: 1s
@@ -268,3 +268,66 @@ def test_alertmanager_webhook_dedupes_and_resolves(tmp_path: Path) -> None:
         ("am-gpu-near-oom", "halt_admission", "alert", 0),
         ("am-gpu-near-oom", "resume_admission", "alert", 1),
     ]
+
+
+STALL_S = 20.0  # how long the engine thread sleeps: far longer than any read below may take
+READ_BOUND_S = 5.0  # a read that blocks on the action waits the whole stall, not this long
+
+
+def _state_within_bound(d: Daemon) -> dict:
+    """GET /admin/state, failing (not hanging) if it does not answer while the engine stalls."""
+    try:
+        r = httpx.get(
+            d.url + "/admin/state",
+            headers={"Authorization": f"Bearer {TOKEN}"},
+            timeout=READ_BOUND_S,
+        )
+    except httpx.TimeoutException:
+        pytest.fail("/admin/state blocked while a rule's action waited on the stalled engine")
+    return r.raise_for_status().json()
+
+
+def _in_flight(state: dict, rule: str) -> str | None:
+    return next(r for r in state["rules"] if r["name"] == rule).get("in_flight")
+
+
+def test_metrics_and_state_answer_while_an_action_waits_on_a_stalled_engine(
+    tmp_path: Path,
+) -> None:
+    d = Daemon(tmp_path)
+    alert = {
+        "status": "firing",
+        "labels": {"alertname": "GPUNearOOM"},
+        "startsAt": "2026-12-01T10:00:00Z",
+        "fingerprint": "stall1",
+    }
+    try:
+        stall = d.admin("POST", "/admin/debug/stall", json={"seconds": STALL_S})
+        assert stall.json() == {"stalled_s": STALL_S}
+        # the alert rule posts halt_admission behind the stall and waits for the engine
+        body = {"version": "4", "status": "firing", "alerts": [alert]}
+        assert d.admin("POST", "/alertmanager", json=body).json()["accepted"] == 1
+        wait_for(
+            lambda: _in_flight(_state_within_bound(d), "am-gpu-near-oom") == "halt_admission",
+            STALL_S,
+            "halt_admission awaited on the stalled engine",
+        )
+        metrics = httpx.get(d.url + "/metrics", timeout=READ_BOUND_S)
+        assert metrics.status_code == 200 and "kvguard_rule_state{" in metrics.text
+        state = _state_within_bound(d)
+        # both answered while the action was still awaited, not after the stall ended
+        assert _in_flight(state, "am-gpu-near-oom") == "halt_admission"
+        assert not state["admission"]["halted"]
+        # once the engine steps again the action lands, recorded once
+        wait_for(
+            lambda: _state_within_bound(d)["admission"]["halted"],
+            STALL_S + 60,
+            "halt_admission applied after the stall",
+        )
+        assert _in_flight(_state_within_bound(d), "am-gpu-near-oom") is None
+    finally:
+        assert d.stop() == 0
+    acts = rows(tmp_path / "audit.db", "SELECT rule, action, outcome, trigger FROM actions")
+    assert acts == [("am-gpu-near-oom", "halt_admission", "applied", "alert")]
+    log = (tmp_path / "daemon.log").read_text()
+    assert "rule tick skipped: awaiting am-gpu-near-oom: halt_admission" in log

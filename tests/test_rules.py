@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -282,3 +285,70 @@ def test_rules_cli_fails_on_a_wrong_expectation(tmp_path: Path) -> None:
     bad.write_text("rules: [{name: x}]\n")
     chk = subprocess.run([KVGUARD, "rules", "check", str(bad)], capture_output=True, text=True)
     assert chk.returncode == 1 and f"{bad}:1: rules.0" in chk.stderr
+
+
+class StalledEngine:
+    """An executor that holds each action until the test releases it, as a stalled engine
+    holds a posted action until its next step boundary."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.calls: list[str] = []
+
+    def __call__(self, action: str, params: dict) -> ActionResult:
+        self.calls.append(action)
+        self.entered.set()
+        if not self.release.wait(120):
+            raise TimeoutError("the test never released the action")
+        return ActionResult(action, {}, {}, "ok", True)
+
+
+def returns_within(fn: Callable[[], Any], bound: float = 10.0) -> Any:  # noqa: ANN401
+    """Call `fn` on a helper thread; fail (instead of hanging) if it does not return. The bound
+    only matters when `fn` blocks: an action in flight would hold it for the whole stall."""
+    out: list[Any] = []
+    t = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+    t.start()
+    t.join(bound)
+    if t.is_alive():
+        pytest.fail(f"{getattr(fn, '__name__', fn)} blocked while an action was in flight")
+    return out[0]
+
+
+def test_readers_and_a_second_tick_never_wait_on_an_action_in_flight() -> None:
+    rules = load_rules_text(
+        HEADER
+        + BATCH.replace("for: 10s", "for: 0s")
+        + "  - {name: am, on: 'alert:GPUNearOOM', action: halt_admission, undo: resume_admission}\n",
+        "test.yaml",
+    )
+    clock, engine = Clock(), StalledEngine()
+    ev = Evaluator(rules, lambda n, s: 0.95, engine, clock=clock, wall_clock=clock)
+    first: list = []
+    ticker = threading.Thread(target=lambda: first.extend(ev.tick()), daemon=True)
+    ticker.start()
+    alert = threading.Thread(target=lambda: ev.handle_event("alert:GPUNearOOM"), daemon=True)
+    try:
+        assert engine.entered.wait(60), "the rule never fired"
+        # the rule states, the level and the incident answer while the action is awaited
+        states = returns_within(ev.rule_states)
+        assert states[0]["state"] == "pending" and states[0]["in_flight"] == "reduce_batch"
+        assert returns_within(ev.level) == 0
+        # a concurrent tick (the scheduler's, while an event's tick acts) neither waits nor
+        # fires the rule a second time: it is skipped, and counted
+        assert returns_within(ev.try_tick) is None and returns_within(ev.tick) == []
+        assert ev.stats.skipped == 2 and engine.calls == ["reduce_batch"]
+        alert.start()  # an event is never dropped: it waits for the tick under way
+    finally:
+        engine.release.set()
+        ticker.join(60)
+        if alert.ident is not None:  # started
+            alert.join(60)
+    assert not ticker.is_alive() and not alert.is_alive()
+    assert [(d.rule, d.action, d.outcome) for d in first] == [("batch", "reduce_batch", "applied")]
+    assert engine.calls == ["reduce_batch", "halt_admission"]
+    assert ev.states["batch"].state == "firing" and ev.applied == ["batch"]
+    assert all(r["in_flight"] is None for r in ev.rule_states())
+    clock.t = 5  # firing now, with an undo: it does not act again while still over the line
+    assert ev.tick() == [] and engine.calls == ["reduce_batch", "halt_admission"]

@@ -271,7 +271,7 @@ def test_alertmanager_webhook_dedupes_and_resolves(tmp_path: Path) -> None:
 
 
 STALL_S = 20.0  # how long the engine thread sleeps: far longer than any read below may take
-READ_BOUND_S = 5.0  # a read that blocks on the action waits the whole stall, not this long
+READ_BOUND_S = 1.0  # a read that blocks on the action waits the whole stall, not this long
 
 
 def _state_within_bound(d: Daemon) -> dict:

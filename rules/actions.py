@@ -8,12 +8,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvguard.engine.control import ActionResult
-from kvguard.engine.llm_engine import LLMEngine
+
+if TYPE_CHECKING:  # the engine (and torch) only when an action runs, not to validate a file
+    from kvguard.engine.llm_engine import LLMEngine
 
 
 class _Params(BaseModel):

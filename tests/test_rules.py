@@ -352,3 +352,18 @@ def test_readers_and_a_second_tick_never_wait_on_an_action_in_flight() -> None:
     assert all(r["in_flight"] is None for r in ev.rule_states())
     clock.t = 5  # firing now, with an undo: it does not act again while still over the line
     assert ev.tick() == [] and engine.calls == ["reduce_batch", "halt_admission"]
+
+
+def test_validating_rules_does_not_load_the_engine() -> None:
+    """`kvguard rules check` (and the config loader) must not import torch: validating a YAML
+    file took 3 s and 250 MB when the schema pulled in the engine."""
+    script = (
+        "import sys\n"
+        "import kvguard.rules.schema, kvguard.rules.evaluator, kvguard.daemon.config\n"
+        "from kvguard.daemon.cli import main\n"
+        "assert main(['rules', 'check']) == 0\n"
+        "print('torch imported:', 'torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[-1] == "torch imported: False", out.stdout

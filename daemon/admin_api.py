@@ -82,7 +82,14 @@ def router(service: Service) -> APIRouter:
 
     @r.post("/reload")
     async def reload() -> dict[str, Any]:
-        return await asyncio.to_thread(service.reload)
+        """What changed; a refused reload (bad config or rules file) is the caller's to fix, so
+        it answers 400 with the reason, and the running config and rules stay."""
+        res = await asyncio.to_thread(service.reload)
+        if not res.get("reloaded"):
+            raise ApiError(
+                400, str(res.get("reason", "reload refused")), "config", "reload_refused"
+            )
+        return res
 
     return r
 

@@ -27,7 +27,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import (
     BaseModel,
     BeforeValidator,
@@ -44,6 +43,8 @@ from pydantic_core import ErrorDetails
 
 from kvguard.engine.config import ConfigError, EngineConfig, parse_bytes
 from kvguard.engine.knobs import DEVICE_EXPECTED, DEVICE_PATTERN, KnobField, MiB, build, knob_fields
+from kvguard.rules.durations import parse_duration
+from kvguard.rules.yaml_file import YamlFileError, load_yaml, read_source
 
 CUDA_HEADROOM_MB = 2048  # seed §7.1: room for activations beside the KV pool on a GPU
 ADMIN_TOKEN_CREDENTIAL = "admin.token"  # name under $CREDENTIALS_DIRECTORY (systemd LoadCredential)
@@ -78,30 +79,7 @@ class ConfigFileError(ValueError):
 
 
 # -- value types ---------------------------------------------------------------------------------
-_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
-_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d|w)")
-_DURATION_EXPECTED = (
-    "expected seconds as a number or a duration like '500ms', '30s', '5m', '2h', '90d'"
-)
-
-
-def parse_duration(value: Any) -> float:
-    """Seconds from 30, 2.5, '30s', '5m', '1h30m' or '90d': the units Prometheus users type."""
-    if isinstance(value, bool) or not isinstance(value, int | float | str):
-        raise ValueError(f"{value!r} is not a duration ({_DURATION_EXPECTED})")
-    seconds = float(value) if isinstance(value, int | float) else _parse_duration_text(value)
-    if seconds < 0:
-        raise ValueError(f"{value!r} is negative ({_DURATION_EXPECTED})")
-    return seconds
-
-
-def _parse_duration_text(value: str) -> float:
-    text = value.strip().replace(" ", "")
-    if re.fullmatch(r"\d+(\.\d+)?", text):
-        return float(text)
-    if not text or not re.fullmatch(rf"(?:{_DURATION_PART.pattern})+", text):
-        raise ValueError(f"{value!r} is not a duration ({_DURATION_EXPECTED})")
-    return sum(float(n) * _DURATION_UNITS[unit] for n, unit in _DURATION_PART.findall(text))
+# Durations (`parse_duration`, re-exported here) share one grammar with the rules file.
 
 
 def _parse_size(value: Any) -> int:
@@ -133,7 +111,8 @@ OptPath = Annotated[Path | None, Field(strict=False)]
 
 class _Section(BaseModel):
     # strict: `port: "8000"` or `enable: "yes"` is a typo worth reporting, not coercing.
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    # No .inf/.nan: `safety_factor: .inf` would pass `ge=1.0` and refuse every request.
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
 
 
 # -- sections ------------------------------------------------------------------------------------
@@ -400,12 +379,13 @@ def load_config(path: Path | None) -> DaemonConfig:
         return DaemonConfig()
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
+        source = read_source(path)
+    except OSError as e:
         raise ConfigFileError([f"{path}: cannot read the config file: {e}"]) from None
-    data, lines, errors = _parse_yaml(text, str(path))
-    if errors:
-        raise ConfigFileError(errors)
+    try:
+        data, lines = load_yaml(source, str(path))  # the rules file's loader and grammar
+    except YamlFileError as e:
+        raise ConfigFileError(e.errors) from None
     return _validate(data, Where(str(path), lines))
 
 
@@ -458,56 +438,6 @@ def _top_level_error(data: Any, where: Where) -> str:
         f"{prefix + ': ' if prefix else ''}(top level): {_shown(data)} "
         f"(expected a mapping of sections: {sections})"
     )
-
-
-# -- YAML with line numbers ----------------------------------------------------------------------
-def _parse_yaml(text: str, name: str) -> tuple[Any, dict[Loc, int], list[str]]:
-    """The document, the line of every key (1-based) and any syntax or duplicate-key errors."""
-    loader = yaml.SafeLoader(text)
-    try:
-        node = loader.get_single_node()
-        data = loader.construct_document(node) if node is not None else None
-    except yaml.MarkedYAMLError as e:
-        return None, {}, [_yaml_error(e, name)]
-    except yaml.YAMLError as e:
-        return None, {}, [f"{name}: YAML error: {e}"]
-    finally:
-        loader.dispose()
-    lines: dict[Loc, int] = {}
-    errors: list[str] = []
-    if node is not None:
-        lines[()] = node.start_mark.line + 1
-        _index_node(node, (), lines, errors, name)
-    return data, lines, errors
-
-
-def _yaml_error(e: yaml.MarkedYAMLError, name: str) -> str:
-    mark = e.problem_mark or e.context_mark
-    line = f":{mark.line + 1}" if mark is not None else ""
-    context = f" ({e.context})" if e.context else ""
-    return f"{name}{line}: YAML syntax: {e.problem}{context} (expected valid YAML)"
-
-
-def _index_node(
-    node: yaml.Node, loc: Loc, lines: dict[Loc, int], errors: list[str], name: str
-) -> None:
-    """Record each key's line; a key given twice is an error (YAML would keep the last silently)."""
-    if isinstance(node, yaml.MappingNode):
-        for key_node, value_node in node.value:
-            key = (*loc, key_node.value)
-            line = key_node.start_mark.line + 1
-            if key in lines:
-                errors.append(
-                    f"{name}:{line}: {_dotted(key)}: duplicate key "
-                    f"(expected once; first given on line {lines[key]})"
-                )
-                continue
-            lines[key] = line
-            _index_node(value_node, key, lines, errors, name)
-    elif isinstance(node, yaml.SequenceNode):
-        for i, item in enumerate(node.value):
-            lines[(*loc, i)] = item.start_mark.line + 1
-            _index_node(item, (*loc, i), lines, errors, name)
 
 
 # -- pydantic errors as operator messages --------------------------------------------------------

@@ -13,10 +13,12 @@ import socket
 import threading
 import time
 from collections import deque
+from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from apscheduler.schedulers.background import BackgroundScheduler
+from apscheduler.triggers.interval import IntervalTrigger
 
 from kvguard.engine.control import ActionResult
 from kvguard.engine.events import EngineEvent
@@ -199,21 +201,51 @@ class ControlPlane:
 
     # -- reload -----------------------------------------------------------------------------
     def reload(self, rules_path: Path | None, dry_run: bool) -> dict[str, Any]:
-        """Load new rules; a broken file keeps the running rules and says why."""
+        """Load new rules; on any failure the running rules and their schedule stay as they were.
+
+        Everything that can fail runs before anything is swapped: the file is validated and the
+        new interval made into a trigger whose next fire time is computed, so an interval that
+        APScheduler cannot add to a date is refused here instead of killing the rule job after
+        the old rules are gone. If swapping still fails, the old schedule is put back."""
         path = Path(rules_path) if rules_path else default_rules_path()
         try:
             new = load_rules(path)
+            trigger = self._interval_trigger(new.interval)
         except RulesFileError as e:
-            self.service.audit.record_event(
-                "config_error", detail=f"rules reload refused: {path}", data={"errors": e.errors}
-            )
-            return {"rules_reloaded": False, "errors": e.errors}
+            return self._reload_refused(path, e.errors)
+        except Exception as e:  # noqa: BLE001 - whatever it is, the running rules stay
+            return self._reload_refused(path, [f"{path}: {type(e).__name__}: {e}"])
+        job = self.scheduler.get_job("rules")
+        old_trigger = job.trigger if job is not None else None
+        try:
+            if job is not None:  # none before start(), which schedules self.ruleset.interval
+                self.scheduler.reschedule_job("rules", trigger=trigger)
+            self.evaluator.replace_rules(new)
+        except Exception as e:  # noqa: BLE001
+            log.exception("installing the reloaded rules failed; keeping the running ones")
+            if old_trigger is not None:
+                try:
+                    self.scheduler.reschedule_job("rules", trigger=old_trigger)
+                except Exception:  # noqa: BLE001 - already logged above; nothing else to try
+                    log.exception("could not restore the rule job's schedule")
+            return self._reload_refused(path, [f"{path}: not installed: {type(e).__name__}: {e}"])
         diff = rules_diff(self.ruleset, new)
         self.rules_path, self.ruleset = path, new
-        self.evaluator.replace_rules(new)
         self.evaluator.dry_run = dry_run
-        self.scheduler.reschedule_job("rules", trigger="interval", seconds=new.interval)
         return {"rules_reloaded": True, "rules": len(new.rules), "rules_changed": diff}
+
+    def _interval_trigger(self, seconds: float) -> IntervalTrigger:
+        """The rule job's trigger for `seconds`; raises (OverflowError) where APScheduler would
+        raise later, on the scheduler thread, with the job already half-replaced."""
+        trigger = IntervalTrigger(seconds=seconds, timezone=self.scheduler.timezone)
+        trigger.get_next_fire_time(None, datetime.now(self.scheduler.timezone))
+        return trigger
+
+    def _reload_refused(self, path: Path, errors: list[str]) -> dict[str, Any]:
+        self.service.audit.record_event(
+            "config_error", detail=f"rules reload refused: {path}", data={"errors": errors}
+        )
+        return {"rules_reloaded": False, "errors": errors}
 
 
 def rules_diff(old: RuleSet, new: RuleSet) -> list[str]:

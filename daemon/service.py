@@ -213,6 +213,14 @@ class Service:
                 data={"errors": e.errors},
             )
             return {"reloaded": False, "reason": str(e)}
+        except Exception as e:  # noqa: BLE001 - a reload must never take the daemon down
+            log.exception("reload failed, keeping the running config and rules")
+            self.audit.record_event(
+                "config_error",
+                detail=f"reload failed: {self.config_path}",
+                data={"errors": [f"{type(e).__name__}: {e}"]},
+            )
+            return {"reloaded": False, "reason": f"{type(e).__name__}: {e}"}
         finally:
             sdnotify.ready(self._status_line())
 

@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from kvguard.engine.control import ActionResult
 from kvguard.rules.evaluator import Decision, Evaluator
 from kvguard.rules.schema import RuleSet, Signal, parse_duration
-from kvguard.rules.yaml_lines import load_with_lines
+from kvguard.rules.yaml_file import load_yaml, read_source
 
 
 class _M(BaseModel):
@@ -81,7 +81,7 @@ class Outcome:
 
 
 def load_scenario(path: Path) -> Scenario:
-    data, _lines = load_with_lines(Path(path).read_text(), str(path))
+    data, _lines = load_yaml(read_source(Path(path)), str(path))
     try:
         return Scenario.model_validate(data or {})
     except ValidationError as e:

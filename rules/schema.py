@@ -6,14 +6,14 @@ of them at once, so `kvguard rules check` can list everything wrong in one run.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kvguard.rules.actions import ACTIONS, ActionError, parse_params
-from kvguard.rules.yaml_lines import line_for, load_with_lines
+from kvguard.rules.durations import parse_duration
+from kvguard.rules.yaml_file import YamlFileError, line_for, load_yaml, read_source
 
 LOCAL_SIGNALS = {
     "kv_cache_usage_ratio": "device KV blocks in use / total",
@@ -24,8 +24,6 @@ LOCAL_SIGNALS = {
     "preemptions_total": "preemptions since start",
     "gpu_memory_used_ratio": "highest GPU memory used / total over GPUs (NVML; unknown without one)",
 }
-_DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h|d)?$")
-_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
 
 
 class RulesFileError(ValueError):
@@ -34,21 +32,9 @@ class RulesFileError(ValueError):
         self.errors = errors
 
 
-def parse_duration(value: Any) -> float:
-    if isinstance(value, bool) or value is None:
-        raise ValueError(f"{value!r} is not a duration (expected e.g. 10s, 5m, 1h or seconds)")
-    if isinstance(value, int | float):
-        if value < 0:
-            raise ValueError(f"{value!r} is negative (expected a duration >= 0)")
-        return float(value)
-    m = _DURATION.match(str(value).strip())
-    if not m:
-        raise ValueError(f"{value!r} is not a duration (expected e.g. 10s, 5m, 1h or seconds)")
-    return float(m.group(1)) * _UNITS[m.group(2)]
-
-
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # No .inf/.nan thresholds: a NaN compares false both ways, so a rule on it never fires.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class Signal(_Model):
@@ -219,11 +205,11 @@ def _alias(loc: tuple) -> tuple:
     return tuple("for" if p == "for_" else p for p in loc)
 
 
-def load_rules_text(text: str, name: str) -> RuleSet:
+def load_rules_text(text: str | bytes, name: str) -> RuleSet:
     try:
-        data, lines = load_with_lines(text, name)
-    except ValueError as e:
-        raise RulesFileError([str(e)]) from e
+        data, lines = load_yaml(text, name)
+    except YamlFileError as e:
+        raise RulesFileError(e.errors) from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -282,10 +268,10 @@ def _format(err: dict, lines: dict, name: str) -> str:
 
 def load_rules(path: Path) -> RuleSet:
     try:
-        text = Path(path).read_text()
+        source = read_source(Path(path))
     except OSError as e:
         raise RulesFileError([f"{path}: cannot read: {e.strerror}"]) from e
-    return load_rules_text(text, str(path))
+    return load_rules_text(source, str(path))
 
 
 def default_rules_path() -> Path:

@@ -202,9 +202,9 @@ BROKEN = [
         "2: serving.gpu_memory_utilization: 1.5 is out of range (expected a value <= 1.0)",
     ),
     (
-        "section not a mapping",
+        "section not a mapping",  # YAML 1.2: `yes` is a string, only true/false are booleans
         "serving:\n  model: x\noffloading: yes\n",
-        "3: offloading: a boolean True (expected a mapping of keys)",
+        "3: offloading: a string 'yes' (expected a mapping of keys)",
     ),
     (
         "cross-field",
@@ -225,13 +225,12 @@ BROKEN = [
     (
         "yaml syntax error",
         "serving:\n  model: x\n  max_num_seqs: [1, 2\napi: {}\n",
-        "4: YAML syntax: expected ',' or ']', but got ':' (while parsing a flow sequence) "
-        "(expected valid YAML)",
+        "4: YAML syntax error: ",  # then libyaml's (or PyYAML's) own words
     ),
     (
         "bad indentation",
         "serving:\n  model: x\n   block_size: 16\n",
-        "3: YAML syntax: mapping values are not allowed here (expected valid YAML)",
+        "3: YAML syntax error: mapping values are not allowed",
     ),
     (
         "list at top level",

@@ -1,0 +1,150 @@
+"""A rules reload that fails, for whatever reason, keeps the running rules and their schedule.
+
+The in-process tests drive the real ControlPlane, APScheduler and audit store with only the
+engine left out (a reload never touches it); the last test does the same through a live
+`kvguard serve`: /admin/reload answers 400 and SIGHUP logs the refusal, the rules keep ticking.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from kvguard.daemon.audit import AuditStore
+from kvguard.daemon.config import load_config
+from kvguard.daemon.control_plane import ControlPlane
+from tests.test_server import Daemon
+
+RULES = (
+    "version: 1\ninterval: {interval}\nsignals: {{kv: {{local: kv_cache_usage_ratio}}}}\nrules:\n"
+    "  - {{name: {name}, signal: kv, above: 0.99, action: halt_admission}}\n"
+)
+
+
+@pytest.fixture
+def rules(tmp_path: Path) -> Path:
+    path = tmp_path / "rules.yaml"
+    path.write_text(RULES.format(interval="5s", name="first"))
+    return path
+
+
+@pytest.fixture
+def audit(tmp_path: Path) -> Iterator[AuditStore]:
+    store = AuditStore(f"sqlite:///{tmp_path / 'audit.db'}")
+    store.start()
+    yield store
+    store.stop(timeout=5)
+
+
+@pytest.fixture
+def plane(tmp_path: Path, rules: Path, audit: AuditStore) -> Iterator[ControlPlane]:
+    """A control plane whose rule job is scheduled (paused: no tick reaches for an engine)."""
+    config = tmp_path / "config.yaml"
+    config.write_text(f"rules: {{path: {rules}}}\n")
+    service = SimpleNamespace(cfg=load_config(config), engine=None, audit=audit)
+    cp = ControlPlane(service)  # type: ignore[arg-type]
+    cp.scheduler.start(paused=True)
+    cp.scheduler.add_job(cp.evaluate, "interval", seconds=cp.ruleset.interval, id="rules")
+    yield cp
+    cp.stop()
+
+
+def _interval(cp: ControlPlane) -> timedelta:
+    return cp.scheduler.get_job("rules").trigger.interval
+
+
+def _installed(cp: ControlPlane) -> list[str]:
+    return [r.name for r in cp.evaluator.rules.rules]
+
+
+def test_a_good_reload_swaps_rules_and_schedule(plane: ControlPlane, rules: Path) -> None:
+    rules.write_text(RULES.format(interval="7s", name="second"))
+    res = plane.reload(rules, dry_run=False)
+    assert res["rules_reloaded"] is True and res["rules_changed"][:2] == ["-first", "+second"]
+    assert _installed(plane) == ["second"] and _interval(plane) == timedelta(seconds=7)
+
+
+def test_an_infinite_interval_keeps_rules_and_schedule(
+    plane: ControlPlane, rules: Path, audit: AuditStore
+) -> None:
+    before = plane.ruleset
+    rules.write_text(RULES.format(interval=".inf", name="second"))
+    res = plane.reload(rules, dry_run=False)
+    assert res["rules_reloaded"] is False
+    assert res["errors"][0].startswith(f"{rules}:2: interval: inf is not finite")
+    assert plane.ruleset is before and _installed(plane) == ["first"]
+    assert _interval(plane) == timedelta(seconds=5)
+    audit.flush(timeout=5)
+    assert [e["detail"] for e in audit.list_events(kind="config_error")] == [
+        f"rules reload refused: {rules}"
+    ]
+
+
+def test_a_failed_reschedule_keeps_the_old_rules(
+    plane: ControlPlane, rules: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("scheduler is shutting down")
+
+    monkeypatch.setattr(plane.scheduler, "reschedule_job", refuse)
+    rules.write_text(RULES.format(interval="7s", name="second"))
+    res = plane.reload(rules, dry_run=False)
+    assert res["rules_reloaded"] is False
+    assert res["errors"] == [f"{rules}: not installed: RuntimeError: scheduler is shutting down"]
+    assert _installed(plane) == ["first"] and [r.name for r in plane.ruleset.rules] == ["first"]
+    assert _interval(plane) == timedelta(seconds=5)
+
+
+def test_rules_that_cannot_be_installed_put_the_schedule_back(
+    plane: ControlPlane, rules: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def refuse(*args: object) -> None:
+        raise RuntimeError("evaluator refused the rules")
+
+    monkeypatch.setattr(plane.evaluator, "replace_rules", refuse)
+    rules.write_text(RULES.format(interval="7s", name="second"))
+    res = plane.reload(rules, dry_run=False)
+    assert res["rules_reloaded"] is False and "evaluator refused the rules" in res["errors"][0]
+    assert [r.name for r in plane.ruleset.rules] == ["first"] and plane.rules_path == rules
+    assert _interval(plane) == timedelta(seconds=5)
+
+
+def _evaluations(d: Daemon) -> float:
+    for line in httpx.get(d.url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("kvguard_rule_evaluations_total "):
+            return float(line.split()[1])
+    return 0.0
+
+
+def test_a_bad_rules_file_is_refused_by_http_and_sighup_and_the_rules_keep_running(
+    tmp_path: Path, rules: Path
+) -> None:
+    rules.write_text(RULES.format(interval="1s", name="first"))
+    d = Daemon(tmp_path, extra=f"rules: {{path: {rules}}}\n")
+    try:
+        names = lambda: [r["name"] for r in d.admin("GET", "/admin/state").json()["rules"]]  # noqa: E731
+        assert names() == ["first"]
+        rules.write_text(RULES.format(interval=".inf", name="second"))
+        r = d.admin("POST", "/admin/reload")
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["message"].startswith(f"{rules}:2: interval: inf is not finite")
+        d.proc.send_signal(signal.SIGHUP)
+        time.sleep(1.5)
+        assert d.proc.poll() is None and names() == ["first"]
+        ticks = _evaluations(d)
+        deadline = time.monotonic() + 20
+        while _evaluations(d) < ticks + 2 and time.monotonic() < deadline:
+            time.sleep(0.25)
+        assert _evaluations(d) >= ticks + 2, "the rule job stopped ticking after the reloads"
+    finally:
+        assert d.stop() == 0
+    log = (tmp_path / "daemon.log").read_text()
+    assert f"reload refused, keeping the running rules: {rules}:2: interval: inf" in log
+    assert "OverflowError" not in log and "Traceback" not in log

@@ -6,12 +6,24 @@ in-memory queue and return, and ONE writer thread drains it in batches, one tran
 batch. When a write fails for a reason outside the row (a lock, a full disk, a dropped
 connection) the batch stays queued and is retried with exponential backoff until it lands:
 nothing is lost until the queue bound is reached, and only then are new rows dropped (counted in
-`dropped`, logged as errors). A row the database refuses for its own sake (a constraint) would
-fail forever, so it is isolated from its batch, logged and counted in `rejected` instead of
-wedging the queue.
+`dropped`, logged as errors, totalled again at stop). A row the database refuses for its own
+sake (a constraint) would fail forever, so it is isolated from its batch, logged and counted in
+`rejected` instead of wedging the queue.
 
-Counters for the metrics exporter: `failures` (failed write attempts,
-kvguard_audit_write_failures_total), `dropped`, `rejected`, `written`, and `depth()`.
+A database that cannot even be migrated at start (a read-only file or directory, a full disk, a
+server that is down) does not stop the daemon either: `start()` logs why and returns, the store
+is *degraded* (`problem()` says why, for readiness and kvguard_audit_up), rows queue, and the
+writer retries the migration with the same backoff before it writes anything. After a failed
+write the writer also drops its pooled connections: SQLite opens an immutable file read-only,
+and a connection opened then would refuse writes even after the file became writable again.
+
+Rows still queued when `stop()` gives up are appended to a spill file
+(`kvguard.daemon.audit_spill`) rather than lost; `import_file` loads one, skipping rows already
+present by the `uid` every action and event gets when queued. The writer imports any spill
+file of this database by itself once the database takes writes, then renames it.
+
+Counters for the metrics exporter: `failures` (failed write and migration attempts,
+kvguard_audit_write_failures_total), `dropped`, `rejected`, `written`, `spilled`, `depth()`.
 
 Reads (for `kvguard audit` and the admin API) use their own short connections and return plain
 dicts, with times as aware UTC datetimes.
@@ -25,18 +37,21 @@ import secrets
 import socket
 import threading
 import time as _time
+import uuid
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from itertools import groupby
-from typing import Any, Literal
+from pathlib import Path
+from typing import Any, Literal, cast
 
 from sqlalchemy import Select, Table, delete, insert, select, update
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DataError, DBAPIError, DisconnectionError, IntegrityError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
+from kvguard.daemon import audit_spill
 from kvguard.daemon.audit_migrate import (
     BUSY_TIMEOUT_MS,
     current,
@@ -66,6 +81,21 @@ TABLES: dict[str, Table] = {
 class _Op:
     kind: OpKind
     row: dict[str, Any]
+
+
+@dataclass(slots=True)
+class ImportResult:
+    """What `import_file` did: rows added per table, rows skipped as already present, and
+    incident updates and purges applied (again)."""
+
+    added: dict[str, int] = field(default_factory=dict)
+    skipped: int = 0
+    reapplied: int = 0
+    unreadable: list[int] = field(default_factory=list)  # line numbers cut short, skipped
+
+    @property
+    def total(self) -> int:
+        return sum(self.added.values())
 
 
 def utcnow() -> datetime:
@@ -99,6 +129,18 @@ def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> str:
     return value
 
 
+def _new_uid() -> str:
+    return uuid.uuid4().hex
+
+
+def _reason(e: BaseException, url: str) -> str:
+    """The first line of why, without the URL prefix `db_errors` puts on its ValueErrors."""
+    whole = str(getattr(e, "orig", None) or e).strip()
+    text = whole.splitlines()[0] if whole else type(e).__name__
+    prefix = f"{shown(url)}: "
+    return text[len(prefix) :] if text.startswith(prefix) else text
+
+
 def _is_transient(e: Exception) -> bool:
     """Retry what the database or connection caused; a row's own fault would fail forever."""
     if isinstance(e, IntegrityError | DataError):
@@ -115,7 +157,10 @@ class AuditStore:
         host: str | None = None,
         max_queue: int = 10000,
         busy_timeout_ms: int = BUSY_TIMEOUT_MS,
+        spill_dir: Path | None = None,
     ) -> None:
+        """`spill_dir` (the daemon passes its state directory) is where rows left at stop go
+        when the database is not a SQLite file or the file's own directory refuses them."""
         if max_queue < 1:
             raise ValueError(f"audit max_queue must be at least 1, not {max_queue}")
         self.url = url
@@ -127,33 +172,88 @@ class AuditStore:
         self._has_work = threading.Condition(self._lock)
         self._progress = threading.Condition(self._lock)
         self._pending: deque[_Op] = deque()
+        self._batch: list[_Op] = []  # taken by the writer, not yet settled (shrinks as they are)
         self._inflight = 0  # rows taken by the writer, not yet committed
         self._accepted = 0  # rows ever queued; FIFO, so flush() waits for _settled to reach it
         self._settled = 0  # rows ever written or refused
         self._stopping = False
         self._abandon = threading.Event()  # stop() gave up waiting: leave the retry loop
         self._thread: threading.Thread | None = None
+        self._migrated = False
+        self._spills_waiting = False  # a spill file's import failed on the database: retry
+        self.spill_paths = audit_spill.spill_paths(url, spill_dir)
+        self.spill_file: Path | None = None  # where stop() saved unwritten rows, if it had to
         self.failures = 0
         self.dropped = 0
         self.rejected = 0
         self.written = 0
+        self.spilled = 0
         self.last_error: str | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self, migrate: bool = True) -> None:
-        """Migrate to head (raising ValueError if that fails), then start the writer thread.
+        """Migrate to head, then start the writer thread. Rows recorded before are kept.
 
-        Rows recorded before start() are kept and written once it runs.
+        A migration that fails does not raise: the audit store must never stop the daemon from
+        serving. The store is then degraded (`problem()`), and the writer retries the migration
+        before its first write. `migrate=False` trusts that the database is at head already.
         """
         if self._thread is not None and self._thread.is_alive():
             return
-        if migrate:
-            upgrade(self.url, busy_timeout_ms=self.busy_timeout_ms)
+        if not migrate:
+            self._migrated = True
+        if not self._migrated:
+            self._migrated = self._try_migrate(1)
+        self._announce_spills()
         with self._lock:
             self._stopping = False
         self._abandon.clear()
         self._thread = threading.Thread(target=self._run, name="kvguard-audit", daemon=True)
         self._thread.start()
+
+    def problem(self) -> str | None:
+        """Why rows are not reaching the database now (one line), or None while they are."""
+        err = self.last_error
+        if self._migrated and err is None:
+            return None
+        what = "cannot write to" if self._migrated else "cannot migrate"
+        return f"{what} {shown(self.url)}: {err or 'not started'}; {self.depth()} rows queued"
+
+    def _try_migrate(self, attempt: int) -> bool:
+        try:
+            upgrade(self.url, busy_timeout_ms=self.busy_timeout_ms)
+        except Exception as e:  # noqa: BLE001 - whatever the database says, serving goes on
+            self.failures += 1
+            self.last_error = _reason(e, self.url)
+            if attempt == 1 or attempt % 60 == 0:
+                log.error(
+                    "audit degraded: cannot migrate %s (attempt %d): %s; serving goes on, "
+                    "%d rows queued (up to %d) until it can be migrated (retrying), "
+                    "saved to %s if still queued at exit",
+                    shown(self.url),
+                    attempt,
+                    self.last_error,
+                    self.depth(),
+                    self.max_queue,
+                    self.spill_paths[0] if self.spill_paths else "the log",
+                )
+            return False
+        if attempt > 1:
+            log.warning("audit: migrated %s after %d failed attempts", shown(self.url), attempt - 1)
+        self.last_error = None
+        return True
+
+    def _migrate_until_done(self) -> bool:
+        """The writer's retry of a migration start() could not do; False if stopped first."""
+        delay = BACKOFF_START
+        attempt = 1
+        while not self._migrated:
+            if self._abandon.wait(delay) or (self._stopping and not self.depth()):
+                return False
+            attempt += 1
+            self._migrated = self._try_migrate(attempt)
+            delay = min(delay * 2, BACKOFF_MAX)
+        return True
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until every row queued before the call is written; False after `timeout`.
@@ -174,7 +274,9 @@ class AuditStore:
         """Flush, then end the writer. False (and an error log) if rows were left unwritten.
 
         The writer is a daemon thread: when the database never comes back, the process can
-        still exit after `timeout`; the unwritten rows are then lost, and counted in the log.
+        still exit after `timeout`. The unwritten rows then go to a spill file (see the module
+        docstring); only if no spill file can be written either are they lost, and then each
+        is logged as an `audit row:` line so that even a full disk leaves them in the journal.
         """
         ok = self.flush(timeout)
         with self._lock:
@@ -183,13 +285,86 @@ class AuditStore:
             left = self._depth()
         if not ok:
             self._abandon.set()
-            log.error("audit: stopping with %d rows not written to %s", left, shown(self.url))
-        if self._thread is not None:
-            self._thread.join(timeout=1.0)
-            if not self._thread.is_alive():
-                self._thread = None
-                self._engine.dispose()
+            log.error(
+                "audit: stopping with %d rows not written to %s (%s)",
+                left,
+                shown(self.url),
+                self.last_error or "too slow",
+            )
+        self._join()
+        if self.depth():  # unwritten however it came to be (also rows recorded during stop)
+            self._abandon.set()
+            self._join()
+            self._spill()
+            ok = False
+        if self._thread is None:
+            self._engine.dispose()
+        if self.dropped:
+            log.error(
+                "audit: %d rows were dropped during this run because the queue was full "
+                "(%d rows; see kvguard_audit_dropped_total)",
+                self.dropped,
+                self.max_queue,
+            )
         return ok
+
+    def _join(self) -> None:
+        if self._thread is None:
+            return
+        # A writer inside a commit finishes it within the busy timeout; one that is still there
+        # after that may yet commit rows the spill also holds: an import skips those.
+        self._thread.join(timeout=self.busy_timeout_ms / 1000 + 1.0)
+        if not self._thread.is_alive():
+            self._thread = None
+
+    def _spill(self) -> None:
+        """Save what is still queued to the spill file (appending), or at worst to the log."""
+        with self._lock:
+            ops = [*self._batch, *self._pending]
+        if not ops:
+            return
+        lines = [audit_spill.encode(op.kind, op.row) for op in ops]
+        header = audit_spill.encode_header(shown(self.url), self.host, len(ops), self.last_error)
+        path, errors = audit_spill.append(self.spill_paths, [header, *lines])
+        with self._lock:  # saved (or logged below): no longer queued
+            self._pending.clear()
+            if self._thread is None:
+                self._settled += self._inflight
+                self._batch, self._inflight = [], 0
+            self._progress.notify_all()
+        if path is not None:
+            self.spilled += len(ops)
+            self.spill_file = path
+            log.error(
+                "audit: saved %d unwritten rows to %s%s; load them with `kvguard audit import %s` "
+                "(the daemon also does at its next start, once %s takes writes)",
+                len(ops),
+                path,
+                f" (could not use {'; '.join(errors)})" if errors else "",
+                path,
+                shown(self.url),
+            )
+            return
+        log.error(
+            "audit: %d unwritten rows could not be saved to a spill file (%s); they follow as "
+            "'audit row:' lines: collect them into a file for `kvguard audit import`",
+            len(ops),
+            "; ".join(errors) or "no spill location",
+        )
+        for line in lines:
+            log.error("audit row: %s", line)
+
+    def _announce_spills(self) -> None:
+        for path in self.spill_paths:
+            if path.is_file():
+                log.warning(
+                    "audit: %s holds %d rows an earlier run could not write; they are imported "
+                    "once %s takes writes (or run `kvguard audit import %s`)",
+                    path,
+                    audit_spill.count_lines(path),
+                    shown(self.url),
+                    path,
+                )
 
     def depth(self) -> int:
         """Rows queued or being written."""
@@ -241,6 +416,7 @@ class AuditStore:
             "incident": incident,
             "is_undo": bool(is_undo),
             "detail": detail,
+            "uid": _new_uid(),
         }
         self._enqueue(_Op("actions", row))
 
@@ -260,6 +436,7 @@ class AuditStore:
             "detail": detail,
             "data": _jsonable(data),
             "incident": incident,
+            "uid": _new_uid(),
         }
         self._enqueue(_Op("events", row))
 
@@ -321,6 +498,9 @@ class AuditStore:
 
     # -- the writer thread ---------------------------------------------------------------------
     def _run(self) -> None:
+        if not self._migrated and not self._migrate_until_done():
+            return
+        self._import_spills()
         while batch := self._take():
             try:
                 self._write_until_done(batch)
@@ -330,15 +510,17 @@ class AuditStore:
                 self._done(len(batch), written=False)
             if self._abandon.is_set():
                 return
+            if self._spills_waiting and self.last_error is None:
+                self._import_spills(again=True)
 
     def _take(self) -> list[_Op]:
         with self._lock:
             while not self._pending and not self._stopping:
                 self._has_work.wait()
             n = min(BATCH, len(self._pending))
-            batch = [self._pending.popleft() for _ in range(n)]
+            self._batch = [self._pending.popleft() for _ in range(n)]
             self._inflight = n
-            return batch
+            return self._batch
 
     def _write_until_done(self, batch: list[_Op]) -> None:
         delay = BACKOFF_START
@@ -351,6 +533,7 @@ class AuditStore:
                     raise
                 attempts += 1
                 self._failed(e, attempts)
+                self._engine.dispose()  # reconnect: a connection may have opened read-only
                 if self._abandon.wait(delay):
                     return
                 delay = min(delay * 2, BACKOFF_MAX)
@@ -368,14 +551,11 @@ class AuditStore:
             self.failures += 1
             self._write_singly(batch)
             return
-        n = len(batch)
-        batch.clear()
-        self._done(n)
+        self._done(len(batch))
 
     def _write_singly(self, batch: list[_Op]) -> None:
-        while batch:  # a row leaves the batch once settled: a retry never repeats it
+        while batch:  # a row leaves the batch once settled (_done): a retry never repeats it
             written = self._commit_or_reject(batch[0])
-            batch.pop(0)
             self._done(1, written)
 
     def _commit_or_reject(self, op: _Op) -> bool:
@@ -396,7 +576,9 @@ class AuditStore:
             _apply(conn, ops)
 
     def _done(self, n: int, written: bool = True) -> None:
+        """Settle the first `n` rows of the batch (under the lock: stop() may be reading it)."""
         with self._lock:
+            del self._batch[:n]
             self._inflight -= n
             self._settled += n
             self.written += n if written else 0
@@ -407,11 +589,73 @@ class AuditStore:
         self.last_error = str(getattr(e, "orig", None) or e).splitlines()[0]
         if attempts == 1 or attempts % 60 == 0:  # about once a minute during an outage
             log.warning(
-                "audit: cannot write to %s (attempt %d, %d rows waiting, retrying): %s",
+                "audit degraded: cannot write to %s (attempt %d, %d rows waiting, retrying): %s",
                 shown(self.url),
                 attempts,
                 self.depth(),
                 self.last_error,
+            )
+
+    # -- spill files ---------------------------------------------------------------------------
+    def import_file(self, path: Path) -> ImportResult:
+        """Load a spill file in one transaction, skipping rows already in the database.
+
+        Actions and events are matched by `uid`, incidents by id; incident updates and purges
+        are applied again, which changes nothing the second time (an update sets the totals
+        the evaluator had then, and no later run touches an incident of an earlier one).
+        """
+        spill = audit_spill.read(path)
+        ops = [_Op(cast(OpKind, kind), row) for kind, row in spill.ops]
+        with db_errors(self.url), self._engine.begin() as conn:
+            fresh, skipped = _absent(conn, ops)
+            _apply(conn, fresh)
+        result = ImportResult(skipped=skipped, unreadable=spill.unreadable)
+        for op in fresh:
+            if op.kind in TABLES:
+                result.added[op.kind] = result.added.get(op.kind, 0) + 1
+            else:
+                result.reapplied += 1
+        return result
+
+    def _import_spills(self, again: bool = False) -> None:
+        """Load spill files of earlier runs now that the database takes writes.
+
+        The database may be migrated and still refuse writes (a read-only file at head): then
+        the import is tried once more after the first batch that lands. A file that still
+        cannot be loaded, or cannot be read at all, is left for `kvguard audit import`.
+        """
+        self._spills_waiting = False
+        for path in self.spill_paths:
+            if not path.is_file():
+                continue
+            try:
+                audit_spill.read(path)
+            except ValueError as e:
+                log.error("audit: cannot import %s: %s", path, e)
+                continue
+            try:
+                res = self.import_file(path)
+                done = audit_spill.mark_imported(path)
+            except Exception as e:  # noqa: BLE001 - a failed import must not end the writer
+                self._spills_waiting = not again
+                log.error(
+                    "audit: could not import %s: %s; %s",
+                    path,
+                    e,
+                    "trying again once rows land"
+                    if not again
+                    else f"run `kvguard audit import {path}` once fixed",
+                )
+                continue
+            log.warning(
+                "audit: imported %d rows from %s into %s (%d already there%s); the file is now "
+                "%s and can be deleted",
+                res.total,
+                path,
+                shown(self.url),
+                res.skipped,
+                f"; skipped unreadable lines {res.unreadable}" if res.unreadable else "",
+                done,
             )
 
     # -- reading -------------------------------------------------------------------------------
@@ -508,6 +752,32 @@ def _window(q: Select[Any], col: Any, since: datetime | None, until: datetime | 
     if until is not None:
         q = q.where(col <= _aware(until))
     return q
+
+
+_KEYS = {"actions": "uid", "events": "uid", "incidents": "id"}  # what identifies an insert
+
+
+def _absent(conn: Connection, ops: list[_Op]) -> tuple[list[_Op], int]:
+    """The ops minus inserts whose row is already in the database (or earlier in `ops`)."""
+    present: dict[str, set[str]] = {}
+    for kind, col in _KEYS.items():
+        keys = [op.row[col] for op in ops if op.kind == kind and op.row.get(col)]
+        t, found = TABLES[kind], set()
+        for i in range(0, len(keys), 500):  # stay under every backend's bound-parameter limit
+            found.update(conn.scalars(select(t.c[col]).where(t.c[col].in_(keys[i : i + 500]))))
+        present[kind] = found
+    fresh: list[_Op] = []
+    skipped = 0
+    for op in ops:
+        col = _KEYS.get(op.kind)
+        key = op.row.get(col) if col else None
+        if key is not None:
+            if key in present[op.kind]:
+                skipped += 1
+                continue
+            present[op.kind].add(key)
+        fresh.append(op)
+    return fresh, skipped
 
 
 def _apply(conn: Connection, ops: list[_Op]) -> None:

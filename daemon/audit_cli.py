@@ -38,16 +38,24 @@ def add_audit_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         help="query the audit database: actions, events, incidents",
         description="Read the actions the rules took, the daemon's events and the incidents, "
         "from the daemon's audit database (default: the one `kvguard serve` uses). "
-        "Times are UTC; an ISO time without an offset is taken as UTC.",
+        "Times are UTC; an ISO time without an offset is taken as UTC. "
+        "The daemon serves even when this database cannot be written (GET /ready says "
+        "'audit degraded', kvguard_audit_up is 0): rows queue in memory and land once it can; "
+        "rows still queued at exit are saved to a spill file next to the database "
+        "(audit.db.spill.jsonl; in the state directory if that one refuses it), which "
+        "`kvguard audit import` loads and the next start imports by itself.",
     )
     cmds = audit.add_subparsers(
-        dest="audit_command", metavar="{list,show,incidents,timeline,export}", required=True
+        dest="audit_command",
+        metavar="{list,show,incidents,timeline,export,import}",
+        required=True,
     )
     _add_list(cmds)
     _add_show(cmds)
     _add_incidents(cmds)
     _add_timeline(cmds)
     _add_export(cmds)
+    _add_import(cmds)
 
 
 def _db_options() -> argparse.ArgumentParser:
@@ -139,6 +147,24 @@ def _add_export(cmds: Any) -> None:
     p.set_defaults(func=cmd_audit_export)
 
 
+def _add_import(cmds: Any) -> None:
+    p = cmds.add_parser(
+        "import",
+        parents=[_db_options()],
+        help="load a spill file of rows the daemon could not write",
+        description="Load FILE, a spill file the daemon wrote at exit because its audit "
+        "database would not take the rows (e.g. /var/lib/kvguard/audit.db.spill.jsonl), into "
+        "the database, migrating it first if needed. Rows already there are skipped (actions "
+        "and events by the uid they got when queued, incidents by id), so importing a file "
+        "twice adds nothing. Afterwards FILE is renamed to FILE.imported-TIME, which can be "
+        "deleted. The daemon does the same by itself at start once the database takes writes.",
+    )
+    p.add_argument("file", metavar="FILE", type=Path, help="the spill file (*.spill.jsonl)")
+    p.add_argument("--keep", action="store_true", help="leave FILE where it is, not renamed")
+    _json_option(p)
+    p.set_defaults(func=cmd_audit_import)
+
+
 def cmd_audit_list(args: argparse.Namespace) -> int:
     since, until = _window(args)
     rows = _open_store(args).list_actions(
@@ -214,6 +240,46 @@ def cmd_audit_export(args: argparse.Namespace) -> int:
     finally:
         if args.output:
             out.close()
+    return 0
+
+
+def cmd_audit_import(args: argparse.Namespace) -> int:
+    from kvguard.daemon.audit import AuditStore
+    from kvguard.daemon.audit_migrate import shown, upgrade
+    from kvguard.daemon.audit_spill import mark_imported
+
+    url = _db_url(args)
+    if not args.file.is_file():
+        raise ValueError(f"no spill file at {args.file}")
+    upgrade(url)  # the daemon may never have managed to create or migrate it
+    store = AuditStore(url, host="-")
+    try:
+        res = store.import_file(args.file)
+    finally:
+        store.stop()
+    renamed = None if args.keep else mark_imported(args.file)
+    if args.json:
+        return _print_json(
+            {
+                "file": str(args.file),
+                "db": shown(url),
+                "added": res.added,
+                "skipped": res.skipped,
+                "reapplied": res.reapplied,
+                "unreadable_lines": res.unreadable,
+                "renamed_to": str(renamed) if renamed else None,
+            }
+        )
+    kinds = ", ".join(f"{k} {n}" for k, n in res.added.items()) or "nothing new"
+    print(
+        f"{args.file}: added {res.total} rows to {shown(url)} ({kinds}); "
+        f"{res.skipped} already there; {res.reapplied} incident updates or purges applied"
+    )
+    if res.unreadable:
+        lines = ", ".join(map(str, res.unreadable))
+        print(f"skipped line(s) {lines}: cut short by an interrupted write, not JSON")
+    if renamed is not None:
+        print(f"renamed to {renamed}; delete it when you no longer need it")
     return 0
 
 

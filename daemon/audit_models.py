@@ -6,6 +6,12 @@ one row per remedy (`actions`), one row per daemon event (`events`), one row per
 string on actions and events rather than a foreign key: incident ids are made by the writer's
 callers, and an audit row must never be refused because its incident row has not landed yet.
 
+`uid` on actions and events is a random id given when the row is queued: a row
+saved to a spill file because the database could not take it is loaded later by
+`kvguard audit import`, and the uid is how that load recognises a row that is already there
+(imported twice, or committed by the writer while the spill was being saved). Rows written
+before revision 0002 have none.
+
 Times are stored in UTC. SQLite keeps no offset, so `UTCDateTime` hands back aware UTC
 datetimes on every backend and turns any aware datetime into UTC before it is stored.
 
@@ -83,11 +89,13 @@ class Action(Base):
     incident: Mapped[str | None] = mapped_column(String(64))
     is_undo: Mapped[bool] = mapped_column(Boolean)
     detail: Mapped[str] = mapped_column(Text)
+    uid: Mapped[str | None] = mapped_column(String(32))  # made at enqueue: see the module docstring
 
     __table_args__ = (
         Index("ix_actions_time", "time"),
         Index("ix_actions_rule", "rule"),
         Index("ix_actions_incident", "incident"),
+        Index("ix_actions_uid", "uid", unique=True),
     )
 
 
@@ -103,11 +111,13 @@ class Event(Base):
     detail: Mapped[str] = mapped_column(Text)
     data: Mapped[dict[str, Any] | None]
     incident: Mapped[str | None] = mapped_column(String(64))
+    uid: Mapped[str | None] = mapped_column(String(32))  # made at enqueue: see the module docstring
 
     __table_args__ = (
         Index("ix_events_time", "time"),
         Index("ix_events_kind", "kind"),
         Index("ix_events_incident", "incident"),
+        Index("ix_events_uid", "uid", unique=True),
     )
 
 

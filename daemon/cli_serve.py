@@ -107,6 +107,9 @@ def _print_state(s: dict) -> None:
     print(f"admission    {halted}")
     print("knobs        " + "  ".join(f"{k}={v}" for k, v in s["knobs"].items()))
     print("preemptions  " + "  ".join(f"{k}={v}" for k, v in s["preemptions"].items()))
+    audit = s.get("audit")  # absent from older daemons
+    if audit is not None:
+        print("audit        " + (f"degraded: {audit['reason']}" if audit["degraded"] else "ok"))
     if s.get("rules"):
         for r in s["rules"]:
             print(f"rule         {r['name']:<20} {r['state']}")

@@ -160,7 +160,13 @@ class ControlPlaneCollector(Collector):
                 "kvguard_audit_dropped", "Audit rows dropped at the queue bound"
             )
             dropped.add_metric([], getattr(audit, "dropped", 0))
-            yield from (fails, depth, dropped)
+            up = _gauge(
+                "kvguard_audit_up",
+                "1 while the audit database takes writes; 0 while degraded (rows queue)",
+            )
+            problem = getattr(audit, "problem", None)
+            up.add_metric([], 0.0 if problem is not None and problem() else 1.0)
+            yield from (fails, depth, dropped, up)
         if cp is None:
             return
         ev = cp.evaluator

@@ -21,7 +21,8 @@ import uvicorn
 
 from kvguard.daemon import sdnotify
 from kvguard.daemon.audit import AuditStore
-from kvguard.daemon.config import ConfigFileError, DaemonConfig, load_config
+from kvguard.daemon.audit_migrate import shown
+from kvguard.daemon.config import ConfigFileError, DaemonConfig, load_config, state_dir
 from kvguard.daemon.control_plane import ControlPlane
 from kvguard.daemon.metrics import ControlPlaneCollector, Metrics
 from kvguard.daemon.nvml import NvmlReader
@@ -75,8 +76,10 @@ class Service:
             lambda: self.engine.latest_snapshot, lambda: self.readiness()[0], self.nvml
         )
         sdnotify.status("migrating the audit database")
-        self.audit = AuditStore(self.cfg.audit_url(), host=socket.gethostname())
-        self.audit.start()
+        self.audit = AuditStore(
+            self.cfg.audit_url(), host=socket.gethostname(), spill_dir=state_dir()
+        )
+        self.audit.start()  # never raises for the database: a bad one leaves audit degraded
         self.audit.record_event("daemon_start", detail=f"model {self.engine_model}")
         self.control = ControlPlane(self)
         self.control.on_tick = self.metrics.rule_tick.observe
@@ -90,6 +93,10 @@ class Service:
         log.info("ready: %s", self._status_line())
 
     def readiness(self) -> tuple[bool, str]:
+        """Ready means requests are served. A degraded audit store does not change that (rows
+        queue, then spill at exit), so it stays ready (200) and says so in the reason:
+        taking the daemon out of a load balancer for it would turn a logging fault into an
+        outage."""
         if not self._ready:
             return False, "loading"
         if self.draining:
@@ -98,7 +105,8 @@ class Service:
             return False, "engine loop stopped"
         if time.monotonic() - self.loop.last_beat > STALL_AFTER_S:
             return False, "engine loop stalled"
-        return True, "ok"
+        problem = self.audit.problem() if self.audit is not None else None
+        return True, f"audit degraded: {problem}" if problem else "ok"
 
     def _status_line(self) -> str:
         s = self.engine.latest_snapshot
@@ -176,8 +184,7 @@ class Service:
         self.loop.stop()
         if self.audit is not None:
             self.audit.record_event("daemon_stop", detail=f"exit {self.exit_code}")
-            if not self.audit.stop(timeout=10):
-                log.error("audit log not fully flushed at exit (%d rows left)", self.audit.depth())
+            self.audit.stop(timeout=10)  # logs what it could not write and where it saved it
 
     # -- operations -------------------------------------------------------------------------
     def reload(self) -> dict[str, Any]:
@@ -298,6 +305,21 @@ class Service:
             "degradation_level": self.control.evaluator.level() if self.control else 0,
             "incident": self.control.evaluator.incident if self.control else None,
             "dry_run": self.control.evaluator.dry_run if self.control else False,
+            "audit": self._audit_state(),
+        }
+
+    def _audit_state(self) -> dict[str, Any]:
+        a = self.audit
+        if a is None:
+            return {"degraded": True, "reason": "not started"}
+        problem = a.problem()
+        return {
+            "db": shown(a.url),
+            "degraded": problem is not None,
+            "reason": problem,
+            "queue_depth": a.depth(),
+            "dropped": a.dropped,
+            "written": a.written,
         }
 
 

@@ -82,7 +82,7 @@ def _act(store: AuditStore, **kw: Any) -> None:
 # -- migrations ----------------------------------------------------------------------------
 def test_upgrade_downgrade_upgrade(db_url: str, db_path: Path) -> None:
     audit_migrate.upgrade(db_url)
-    assert audit_migrate.current(db_url) == audit_migrate.head() == "0001"
+    assert audit_migrate.current(db_url) == audit_migrate.head() == "0002"
     assert _tables(db_path) >= TABLES
 
     audit_migrate.downgrade(db_url)
@@ -90,7 +90,7 @@ def test_upgrade_downgrade_upgrade(db_url: str, db_path: Path) -> None:
     assert not TABLES & _tables(db_path)
 
     audit_migrate.upgrade(db_url)
-    assert audit_migrate.current(db_url) == "0001"
+    assert audit_migrate.current(db_url) == "0002"
 
 
 def test_models_match_migrations(db_url: str, db_path: Path) -> None:
@@ -456,9 +456,9 @@ def test_cli_reads_the_database_of_a_config(filled: tuple[str, str], tmp_path: P
 def test_cli_db_upgrade_and_current(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'new' / 'audit.db'}"
     rc, out = kvguard("db", "upgrade", "--db", url)
-    assert rc == 0 and "at revision 0001" in out
+    assert rc == 0 and "at revision 0002" in out
     rc, out = kvguard("db", "current", "--db", url, "--json")
-    assert json.loads(out)["revision"] == json.loads(out)["head"] == "0001"
+    assert json.loads(out)["revision"] == json.loads(out)["head"] == "0002"
 
 
 def test_cli_errors_are_one_line(
@@ -524,3 +524,216 @@ def test_retention_purges_old_rows_and_closed_incidents(tmp_path) -> None:
     assert [a["action"] for a in store.list_actions(limit=None)] == ["restore_batch"]
     assert [i["id"] for i in store.list_incidents(limit=None)] == [inc_open]
     store.stop()
+
+
+# -- an unwritable database: degraded, never fatal; spill at exit, import later ---------------
+def _unchattr(*files: Path) -> None:
+    """Undo chattr +i whatever happened (tmp dirs must stay deletable); never fails."""
+    for f in files:
+        subprocess.run(["chattr", "-i", str(f)], capture_output=True)
+
+
+def _kinds(path: Path) -> list[str]:
+    try:
+        with closing(sqlite3.connect(path)) as c:
+            return [r[0] for r in c.execute("SELECT kind FROM events ORDER BY id")]
+    except sqlite3.Error:  # not created or not migrated yet
+        return []
+
+
+def _metric(url: str, name: str) -> float | None:
+    import httpx
+
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return None
+
+
+def test_daemon_serves_with_an_unwritable_audit_db_and_writes_once_it_can(tmp_path: Path) -> None:
+    import httpx
+
+    from tests.test_server import Daemon, until
+
+    db = tmp_path / "audit.db"
+    db.touch()  # it exists but is empty: the start-up migration must write to it, and cannot
+    _chattr("+i", db)
+    daemon = None
+    try:
+        daemon = Daemon(tmp_path)  # waits for /ready 200: a degraded audit store is still ready
+        ready = httpx.get(daemon.url + "/ready", timeout=10).json()
+        assert ready["ready"] is True
+        assert ready["reason"].startswith(f"audit degraded: cannot migrate sqlite:///{db}: ")
+        assert "readonly database" in ready["reason"]
+        done = daemon.client().completions.create(
+            model="tiny",
+            prompt="Hello",
+            max_tokens=4,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        assert done.usage.completion_tokens == 4
+        assert _metric(daemon.url, "kvguard_audit_up") == 0.0
+        state = daemon.admin("GET", "/admin/state").json()["audit"]
+        assert state["degraded"] is True and state["queue_depth"] >= 1  # daemon_start, waiting
+        rc, out = kvguard(
+            "status", "--url", daemon.url, "--token-file", str(tmp_path / "admin.token")
+        )
+        assert rc == 0 and f"audit        degraded: cannot migrate sqlite:///{db}" in out
+        log_text = (tmp_path / "daemon.log").read_text()
+        assert f"audit degraded: cannot migrate sqlite:///{db}" in log_text
+        assert _kinds(db) == []
+
+        _chattr("-i", db)
+        # The writer migrates, then writes what queued meanwhile; /ready and the metric follow.
+        until(lambda: "daemon_start" in _kinds(db), 60, "queued rows to land")
+        until(lambda: httpx.get(daemon.url + "/ready").json()["reason"] == "ok", 60, "audit ok")
+        assert _metric(daemon.url, "kvguard_audit_up") == 1.0
+    finally:
+        _unchattr(db)
+        if daemon is not None:
+            assert daemon.stop() == 0
+    assert _kinds(db) == ["daemon_start", "daemon_stop"]
+    assert not db.with_name("audit.db.spill.jsonl").exists()  # nothing was left to spill
+
+
+def test_database_unwritable_from_the_start_is_degraded_until_it_is_writable(
+    db_url: str, db_path: Path
+) -> None:
+    from kvguard.daemon import audit_spill
+
+    audit_migrate.upgrade(db_url)  # at head: start() itself needs no write
+    spill = db_path.with_name("audit.db.spill.jsonl")  # an earlier run's, waiting to be loaded
+    earlier = {"time": NOW, "host": "h", "kind": "tick", "detail": "earlier run", "uid": "u1"}
+    header = audit_spill.encode_header(db_url, "h", 1, "disk full")
+    audit_spill.append([spill], [header, audit_spill.encode("events", earlier)])
+    files = [p for p in (db_path, db_path.with_name(db_path.name + "-wal")) if p.exists()]
+    _chattr("+i", *files)
+    store = AuditStore(db_url, busy_timeout_ms=50)
+    try:
+        store.start()
+        store.record_event("tick", detail="while read-only")
+        assert _wait_for(lambda: store.failures > 0)
+        problem = store.problem()
+        assert problem is not None and problem.startswith(f"cannot write to {db_url}: ")
+        assert spill.exists()  # its import failed too, and waits for the database
+    finally:
+        _unchattr(*files)
+    # The writer reconnects: a connection SQLite opened read-only would refuse writes forever.
+    assert store.flush(timeout=30)
+    assert store.problem() is None
+    assert _wait_for(lambda: not spill.exists())  # tried again once a batch landed
+    assert _details(db_path, "events") == ["while read-only", "earlier run"]
+    assert store.stop(timeout=5)
+
+
+def test_rows_left_at_stop_are_spilled_and_imported_once(
+    db_url: str, db_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    audit_migrate.upgrade(db_url)
+    files = [p for p in (db_path, db_path.with_name(db_path.name + "-wal")) if p.exists()]
+    _chattr("+i", *files)
+    store = AuditStore(db_url, busy_timeout_ms=50, max_queue=6)
+    try:
+        store.start()
+        inc = store.open_incident(2, "kv pressure", time=NOW)
+        _act(store, incident=inc, detail="a0", params={"factor": 0.5}, time=NOW)
+        _act(store, detail="a1")
+        store.record_event("tick", detail="e0", data={"n": 1})
+        store.update_incident(inc, actions_count=1, closed_at=NOW + timedelta(minutes=1))
+        store.record_event("tick", detail="e1")
+        store.record_event("tick", detail="over the bound")  # the 7th row: dropped, counted
+        assert (store.depth(), store.dropped) == (6, 1)
+        assert _wait_for(lambda: store.failures > 0)
+        with caplog.at_level(logging.ERROR, logger=audit.__name__):
+            assert store.stop(timeout=0.5) is False
+    finally:
+        _unchattr(*files)
+    spill = db_path.with_name("audit.db.spill.jsonl")
+    assert (store.spill_file, store.spilled, store.depth()) == (spill, 6, 0)
+    assert f"saved 6 unwritten rows to {spill}" in caplog.text
+    assert "1 rows were dropped during this run" in caplog.text
+    assert _count(db_path, "actions") == 0
+
+    rc, out = kvguard("audit", "import", str(spill), "--db", db_url)
+    assert rc == 0 and "added 5 rows" in out and "0 already there" in out
+    assert not spill.exists()
+    (renamed,) = db_path.parent.glob("audit.db.spill.jsonl.imported-*")
+    assert f"renamed to {renamed}" in out
+    assert _details(db_path, "actions") == ["a0", "a1"]
+    assert _details(db_path, "events") == ["e0", "e1"]
+    fresh = AuditStore(db_url)
+    first = fresh.list_actions()[0]
+    assert (first["incident"], first["params"], first["time"]) == (inc, {"factor": 0.5}, NOW)
+    assert fresh.list_events()[0]["data"] == {"n": 1}
+    incident = fresh.get_incident(inc)
+    assert incident is not None and incident["closed_at"] == NOW + timedelta(minutes=1)
+    assert (incident["peak_level"], incident["actions_count"]) == (2, 1)
+
+    # A second import of the same rows adds nothing.
+    rc, out = kvguard("audit", "import", str(renamed), "--db", db_url, "--keep", "--json")
+    assert rc == 0 and json.loads(out)["added"] == {} and json.loads(out)["skipped"] == 5
+    assert renamed.exists()
+    counts = [_count(db_path, t) for t in ("actions", "events", "incidents")]
+    assert counts == [2, 2, 1]
+    fresh.stop()
+
+
+def test_unwritable_directory_spills_to_the_state_dir_and_the_next_start_imports(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    db_dir, state = tmp_path / "db", tmp_path / "state"
+    db_dir.mkdir()
+    url = f"sqlite:///{db_dir / 'audit.db'}"
+    _chattr("+i", db_dir)  # no file can be created in it: neither the database nor a spill
+    try:
+        store = AuditStore(url, busy_timeout_ms=50, spill_dir=state)
+        with caplog.at_level(logging.WARNING, logger=audit.__name__):
+            store.start()  # does not raise: auditing must not stop the daemon
+            assert f"audit degraded: cannot migrate {url}" in caplog.text
+            problem = store.problem()
+            assert problem is not None and problem.startswith(f"cannot migrate {url}: ")
+            store.record_event("tick", detail="queued while unwritable")
+            assert store.stop(timeout=0.3) is False
+    finally:
+        _unchattr(db_dir)
+    spill = state / "audit.db.spill.jsonl"
+    assert store.spill_file == spill
+    assert f"saved 1 unwritten rows to {spill}" in caplog.text
+
+    caplog.clear()
+    nxt = AuditStore(url, spill_dir=state)
+    with caplog.at_level(logging.WARNING, logger=audit.__name__):
+        nxt.start()
+        assert f"{spill} holds 1 rows an earlier run could not write" in caplog.text
+        assert _wait_for(lambda: not spill.exists())  # imported, then renamed
+        nxt.record_event("tick", detail="after restart")
+        assert nxt.flush(10)
+    assert _details(db_dir / "audit.db", "events") == ["queued while unwritable", "after restart"]
+    assert "imported 1 rows from" in caplog.text
+    assert len(list(state.glob("audit.db.spill.jsonl.imported-*"))) == 1
+    assert nxt.stop(timeout=5)
+
+
+def test_a_spill_cut_short_by_a_crash_keeps_every_whole_line(tmp_path: Path) -> None:
+    from kvguard.daemon import audit_spill
+
+    spill = tmp_path / "audit.db.spill.jsonl"
+    first = [
+        audit_spill.encode_header("db", "h", 1, None),
+        audit_spill.encode("purge", {"before": NOW}),
+    ]
+    assert audit_spill.append([spill], first) == (spill, [])
+    with spill.open("a") as f:
+        f.write('{"op": "events", "row": {"kind": "ti')  # the process died here
+    second = [
+        audit_spill.encode_header("db", "h", 1, None),
+        audit_spill.encode("purge", {"before": NOW}),
+    ]
+    assert audit_spill.append([spill], second) == (spill, [])
+    read = audit_spill.read(spill)
+    assert read.ops == [("purge", {"before": NOW}), ("purge", {"before": NOW})]
+    assert (len(read.headers), read.unreadable) == (2, [3])
+    (tmp_path / "other.jsonl").write_text('{"a": 1}\n')
+    with pytest.raises(ValueError, match="not a kvguard audit spill"):
+        audit_spill.read(tmp_path / "other.jsonl")

@@ -1,0 +1,190 @@
+"""Spill files: audit rows the daemon could not write to its database before it stopped.
+
+The writer keeps rows in memory while the database refuses them (read-only, full, locked,
+unreachable). Memory does not survive the process, so at exit whatever is still queued is
+appended to a JSON-lines file instead of being lost, and `kvguard audit import FILE` (or the
+next start, once the database takes writes) loads it.
+
+Where: next to a SQLite database (`audit.db` -> `audit.db.spill.jsonl`), else in the state
+directory (`$STATE_DIRECTORY` or `./var/`), which is also where a non-SQLite database's rows go.
+The first place that takes the whole write wins; a failed append is cut back to the file's
+old length, so a half-written tail never corrupts the lines before it. A line cut short anyway
+(the process killed while writing it) is skipped on import and reported by line number: it
+can only be the row being written at that moment.
+
+Format, one JSON object per line, appended per spill so earlier unimported spills are kept:
+a header `{"kvguard_audit_spill": 1, "db": ..., "host": ..., "written_at": ..., "rows": N,
+"reason": ...}` that says what happened, then `{"op": KIND, "row": {...}}` per queued operation
+in queue order (KIND is a table name, `incident_update` or `purge`), times as ISO 8601 strings.
+Actions and events carry the `uid` they got when queued; that is what makes a second import
+of the same rows add nothing.
+
+This module only reads and writes files; loading rows into a database is
+`AuditStore.import_file`, next to the writer whose SQL it reuses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from kvguard.daemon.audit_migrate import sqlite_path
+
+SUFFIX = ".spill.jsonl"
+FORMAT = 1
+HEADER_KEY = "kvguard_audit_spill"
+KINDS = ("actions", "events", "incidents", "incident_update", "purge")
+TIME_KEYS = ("time", "opened_at", "closed_at", "before")  # the row fields that are datetimes
+
+
+def spill_paths(url: str, state_dir: Path | None) -> list[Path]:
+    """Where this database's spill file may be, in order of preference."""
+    db = sqlite_path(url)
+    paths: list[Path] = []
+    if db is not None:
+        paths.append(db.with_name(db.name + SUFFIX))
+    if state_dir is not None:
+        paths.append(state_dir / ((db.name if db is not None else "audit") + SUFFIX))
+    unique: list[Path] = []
+    for p in paths:
+        if all(os.path.abspath(p) != os.path.abspath(q) for q in unique):
+            unique.append(p)
+    return unique
+
+
+def _default(value: Any) -> Any:
+    if isinstance(value, datetime):
+        return value.astimezone(UTC).isoformat()
+    return str(value)  # the writer already made params/data JSON-safe; this is a fallback
+
+
+def encode(kind: str, row: dict[str, Any]) -> str:
+    """One operation as one line (without the newline)."""
+    return json.dumps({"op": kind, "row": row}, default=_default, ensure_ascii=False)
+
+
+def encode_header(db: str, host: str, rows: int, reason: str | None) -> str:
+    return json.dumps(
+        {
+            HEADER_KEY: FORMAT,
+            "db": db,
+            "host": host,
+            "written_at": datetime.now(UTC).isoformat(),
+            "rows": rows,
+            "reason": reason,
+        },
+        ensure_ascii=False,
+    )
+
+
+def append(paths: Iterable[Path], lines: list[str]) -> tuple[Path | None, list[str]]:
+    """Append `lines` to the first path that takes them all, fsynced; that path (None if none
+    did) and why each earlier one failed."""
+    data = ("\n".join(lines) + "\n").encode()
+    errors: list[str] = []
+    for path in paths:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
+        except OSError as e:
+            errors.append(f"{path}: {e.strerror or e}")
+            continue
+        start = os.lseek(fd, 0, os.SEEK_END)
+        try:
+            # After a line cut short by an earlier crash, start on a line of our own.
+            gap = b"\n" if start and os.pread(fd, 1, start - 1) != b"\n" else b""
+            view = memoryview(gap + data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+            return path, errors
+        except OSError as e:
+            errors.append(f"{path}: {e.strerror or e}")
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, start)  # leave the lines before this spill intact
+        finally:
+            os.close(fd)
+    return None, errors
+
+
+@dataclass(slots=True, frozen=True)
+class SpillRead:
+    ops: list[tuple[str, dict[str, Any]]]
+    headers: list[dict[str, Any]]
+    unreadable: list[int]  # numbers of lines cut short by an interrupted write, skipped
+
+
+def read(path: Path) -> SpillRead:
+    """Parse a spill file. A line that is not JSON is skipped and reported (an interrupted
+    write); one that is JSON but not ours, or a file without a header, is a ValueError."""
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError as e:
+        raise ValueError(f"cannot read {path}: {e.strerror or e}") from None
+    ops: list[tuple[str, dict[str, Any]]] = []
+    headers: list[dict[str, Any]] = []
+    unreadable: list[int] = []
+    for n, line in enumerate(text.split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError:
+            unreadable.append(n)
+            continue
+        if isinstance(obj, dict) and HEADER_KEY in obj:
+            headers.append(obj)
+            continue
+        ops.append(_op(path, n, obj))
+    if not headers:
+        raise ValueError(f"{path} is not a kvguard audit spill file (no header line)")
+    return SpillRead(ops, headers, unreadable)
+
+
+_REQUIRED = {"incident_update": ("id",), "purge": ("before",), "incidents": ("id",)}
+
+
+def _op(path: Path, n: int, obj: Any) -> tuple[str, dict[str, Any]]:
+    kind = obj.get("op") if isinstance(obj, dict) else None
+    row = obj.get("row") if isinstance(obj, dict) else None
+    if kind not in KINDS or not isinstance(row, dict):
+        raise ValueError(f"{path}:{n}: not a kvguard audit spill line")
+    missing = [k for k in _REQUIRED.get(kind, ()) if row.get(k) is None]
+    if missing:
+        raise ValueError(f"{path}:{n}: {kind} without {', '.join(missing)}")
+    row = dict(row)
+    for key in TIME_KEYS:
+        if isinstance(row.get(key), str):
+            try:
+                row[key] = datetime.fromisoformat(row[key]).astimezone(UTC)
+            except ValueError:
+                raise ValueError(f"{path}:{n}: {key} {row[key]!r} is not an ISO time") from None
+    return kind, row
+
+
+def count_lines(path: Path) -> int:
+    """Operations in a spill file, for the start-up notice; -1 if it cannot be read."""
+    try:
+        with path.open("rb") as f:
+            header = b'{"' + HEADER_KEY.encode()
+            return sum(1 for line in f if line.strip() and not line.startswith(header))
+    except OSError:
+        return -1
+
+
+def mark_imported(path: Path) -> Path:
+    """Rename an imported spill file out of the way (never delete audit data unasked)."""
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    target = path.with_name(f"{path.name}.imported-{stamp}")
+    n = 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{path.name}.imported-{stamp}-{n}")
+    path.rename(target)
+    return target

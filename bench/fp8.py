@@ -166,7 +166,7 @@ def run_until_prefilled(engine: LLMEngine, rids: set[str]) -> None:
     waiting = set(rids)
     while waiting:
         for out in engine.step():
-            if out.token_ids:
+            if out.num_output_tokens:
                 waiting.discard(out.request_id)
             if out.finished:
                 raise SystemExit(f"{out.request_id} finished while filling: raise max_tokens")
@@ -298,13 +298,13 @@ class DecodeRun:
 def decode_run(engine: LLMEngine, prompts: list[list[int]], tokens: int) -> DecodeRun:
     """Serve the batch; the clock starts once every sequence is past its prefill."""
     rids = [engine.add_request(p, greedy(tokens)) for p in prompts]
-    seen: dict[str, list[int]] = {}
+    seen: dict[str, list[int]] = {}  # each request's tokens, accumulated from the deltas
     t0 = base = None
     steps: list[float] = []
     while engine.has_unfinished():
         s0 = time.perf_counter()
         for out in engine.step():
-            seen[out.request_id] = out.token_ids
+            seen.setdefault(out.request_id, []).extend(out.new_token_ids)
         if t0 is not None:
             steps.append(time.perf_counter() - s0)
         elif len(seen) == len(rids) and all(seen.values()):

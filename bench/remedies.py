@@ -48,12 +48,17 @@ if TYPE_CHECKING:
     from kvguard.engine import EngineSnapshot, LLMEngine
     from kvguard.engine.control import ActionResult
     from kvguard.engine.engine_loop import EngineLoop
+    from kvguard.engine.sequence import RequestOutput
 
 PRIORITY_CYCLE = ("normal", "low", "low", "high")  # half low, so eviction has victims
 SATURATED = 0.85  # usage the load must reach again before the next remedy is measured
 
 
 # ----------------------------------------------------------------------------- the load
+
+
+def _drop_output(out: RequestOutput) -> None:
+    """The load's outputs are not read: only the engine's pressure and its snapshots matter."""
 
 
 class Timeline:
@@ -115,7 +120,11 @@ class Feeder:
         self.submitted += 1
         prompt = self.prompts[i % len(self.prompts)]
         prio = PRIORITY_CYCLE[i % len(PRIORITY_CYCLE)]
-        _, fut = self.loop.submit_nowait(prompt, greedy(self.output_len), prio)
+        # Nobody reads these outputs: a listener that drops them keeps the stream from
+        # buffering each request's text until it finishes.
+        _, fut = self.loop.submit_nowait(
+            prompt, greedy(self.output_len), prio, listener=_drop_output
+        )
         return fut
 
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import threading
 import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
@@ -19,6 +21,7 @@ from kvguard.daemon.openai_schemas import (
     now,
     usage,
 )
+from kvguard.engine.engine_loop import OutputBuffer
 from kvguard.engine.llm_engine import AdmissionRejected
 from kvguard.engine.sampling_params import SamplingParams
 from kvguard.engine.sequence import RequestOutput
@@ -152,14 +155,10 @@ async def _serve(
     priority = _priority(body, x_priority)
     if service.draining:
         raise ApiError(503, "server is shutting down", type_="service_unavailable", retry_after=5)
-    aio = asyncio.get_running_loop()
-    queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+    ctx = _Ctx(service, kind, body.model, priority, time.monotonic(), params)
+    outputs = _Outputs(asyncio.get_running_loop(), ctx, keep_deltas=bool(body.stream))
     stream, fut = service.loop.submit_nowait(
-        prompt,
-        params,
-        priority,
-        add_special_tokens=completion,
-        listener=lambda out: aio.call_soon_threadsafe(queue.put_nowait, out),
+        prompt, params, priority, add_special_tokens=completion, listener=outputs.push
     )
     try:
         await asyncio.wrap_future(fut)
@@ -175,13 +174,12 @@ async def _serve(
         ) from e
     except ValueError as e:
         raise ApiError(400, str(e), "prompt") from e
-    ctx = _Ctx(service, kind, body.model, priority, time.monotonic(), params)
     if body.stream:
         include_usage = bool((body.stream_options or {}).get("include_usage"))
         return StreamingResponse(
-            _sse(ctx, stream.request_id, queue, include_usage), media_type="text/event-stream"
+            _sse(ctx, stream.request_id, outputs, include_usage), media_type="text/event-stream"
         )
-    final = await _wait_final(service, request, stream.request_id, queue, ctx)
+    final = await _wait_final(service, request, stream.request_id, outputs)
     return _full_response(ctx, final)
 
 
@@ -208,6 +206,8 @@ class _Ctx:
         self.last: float | None = None
 
     def observe(self, out: RequestOutput) -> None:
+        """Latency metrics, per engine output (engine thread): they measure the engine, not how
+        fast the client reads."""
         m = self.service.metrics
         t = time.monotonic()
         if self.last is None:
@@ -222,18 +222,58 @@ class _Ctx:
             m.finished.labels(out.finish_reason or "unknown", self.priority).inc()
 
 
+class _Outputs:
+    """The engine's outputs for one HTTP request until the request's coroutine takes them.
+
+    The engine thread pushes one delta per token; the coroutine can be much slower (a client
+    reading its SSE stream slowly, or not at all). Untaken deltas are coalesced, so a request
+    holds at most one output however far behind its client is, never one per token. A
+    non-streaming request keeps only the final output, the one it answers with.
+    """
+
+    def __init__(self, aio: asyncio.AbstractEventLoop, ctx: _Ctx, keep_deltas: bool) -> None:
+        self._aio, self._ctx, self._keep_deltas = aio, ctx, keep_deltas
+        self._lock = threading.Lock()  # the engine thread adds, the event loop takes
+        self._buffer = OutputBuffer()
+        self._ready = asyncio.Event()
+
+    def push(self, out: RequestOutput) -> None:
+        """The stream's listener, on the engine thread: must not block."""
+        self._ctx.observe(out)
+        if not (self._keep_deltas or out.finished):
+            return
+        with self._lock:
+            self._buffer.add(out)
+        with contextlib.suppress(RuntimeError):  # a closed event loop (shutdown): nobody waits
+            self._aio.call_soon_threadsafe(self._ready.set)
+
+    async def get(self) -> RequestOutput:
+        """Everything new since the previous get, as one output; waits for something new."""
+        while True:
+            with self._lock:
+                out = self._buffer.take()
+            if out is not None:
+                return out
+            await self._ready.wait()
+            self._ready.clear()
+
+    def undelivered(self) -> int:
+        """Outputs waiting for the coroutine: 0 or 1."""
+        with self._lock:
+            return len(self._buffer)
+
+
 async def _wait_final(
-    service: Service, request: Request, rid: str, queue: asyncio.Queue[RequestOutput], ctx: _Ctx
+    service: Service, request: Request, rid: str, outputs: _Outputs
 ) -> RequestOutput:
     while True:
         try:
-            out = await asyncio.wait_for(queue.get(), timeout=0.5)
+            out = await asyncio.wait_for(outputs.get(), timeout=0.5)
         except TimeoutError:
             if await request.is_disconnected():
                 service.loop.abort(rid)
                 raise ApiError(499, "client disconnected") from None
             continue
-        ctx.observe(out)
         if out.finished:
             return out
 
@@ -268,7 +308,7 @@ def _full_response(ctx: _Ctx, out: RequestOutput) -> dict[str, Any]:
         "created": ctx.created,
         "model": ctx.model,
         "choices": [choice],
-        "usage": usage(len(out.prompt_token_ids), len(out.token_ids)),
+        "usage": usage(out.num_prompt_tokens, out.num_output_tokens),
         "kvguard": _kvguard_ext(ctx, out),
     }
 
@@ -296,29 +336,26 @@ def _sse_line(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-async def _sse(
-    ctx: _Ctx, rid: str, queue: asyncio.Queue[RequestOutput], include_usage: bool
-) -> AsyncIterator[str]:
-    """Stream text deltas; text that could still become part of a stop string is held back."""
-    hold = max((len(s) for s in ctx.params.stop), default=1) - 1
-    sent, first, final = 0, True, None
+async def _sse(ctx: _Ctx, rid: str, outputs: _Outputs, include_usage: bool) -> AsyncIterator[str]:
+    """Stream the engine's text deltas. The engine already holds back text that could still
+    become part of a stop string, so every delta is final; a slow client gets several tokens'
+    deltas coalesced into one chunk."""
+    first, final = True, None
     try:
         while final is None:
-            out = await queue.get()
-            ctx.observe(out)
+            out = await outputs.get()
             if out.finished:
                 final = out
-            upto = len(out.text) if out.finished else max(sent, len(out.text) - hold)
-            if upto > sent or first:
-                yield _sse_line(_chunk(ctx, out.text[sent:upto], None, first))
-                sent, first = upto, False
+            if out.new_text or first:
+                yield _sse_line(_chunk(ctx, out.new_text, None, first))
+                first = False
         end = _chunk(ctx, None, final.finish_reason, False)
         end["kvguard"] = _kvguard_ext(ctx, final)
         yield _sse_line(end)
         if include_usage:
             u = _chunk(ctx, None, None, False)
             u["choices"] = []
-            u["usage"] = usage(len(final.prompt_token_ids), len(final.token_ids))
+            u["usage"] = usage(final.num_prompt_tokens, final.num_output_tokens)
             yield _sse_line(u)
         yield "data: [DONE]\n\n"
     finally:

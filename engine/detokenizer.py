@@ -31,16 +31,15 @@ def append_token(tok: Tokenizer, seq: Sequence, token: int, eos_ids: set[int]) -
 
 
 def _extend_text(tok: Tokenizer, seq: Sequence) -> None:
-    ids = seq.token_ids
     if seq.read_offset == 0 and seq.prefix_offset == 0:
         seq.prefix_offset = max(0, len(seq.prompt_token_ids) - 5)
         seq.read_offset = len(seq.prompt_token_ids)
-    prefix = tok.decode(ids[seq.prefix_offset : seq.read_offset])
-    full = tok.decode(ids[seq.prefix_offset :])
+    prefix = tok.decode(seq.token_slice(seq.prefix_offset, seq.read_offset))
+    full = tok.decode(seq.token_slice(seq.prefix_offset))
     if len(full) > len(prefix) and not full.endswith("\ufffd"):
         seq.text += full[len(prefix) :]
         seq.prefix_offset = seq.read_offset
-        seq.read_offset = len(ids)
+        seq.read_offset = seq.num_tokens
 
 
 def _apply_stop_strings(seq: Sequence) -> bool:

@@ -4,11 +4,11 @@ request's outputs to whoever submitted it. Other threads never touch engine stat
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 
 from kvguard.engine.llm_engine import LLMEngine
@@ -17,42 +17,99 @@ from kvguard.engine.sequence import RequestOutput
 from kvguard.engine.snapshot import EngineSnapshot
 
 log = logging.getLogger("kvguard.engine.loop")
-_DONE = object()
+
+
+class OutputBuffer:
+    """Undelivered outputs of one request, coalesced into at most one.
+
+    A consumer that falls behind (a slow HTTP client, a caller that only wants the result)
+    must not make the engine keep one output per token: the buffer keeps the latest output's
+    counters and the concatenated deltas, so what it holds grows linearly with the output and
+    is one item however far behind the consumer is. Not thread-safe: its owner locks.
+    """
+
+    __slots__ = ("_last", "_ids", "_texts")
+
+    def __init__(self) -> None:
+        self._last: RequestOutput | None = None
+        self._ids: list[int] = []
+        self._texts: list[str] = []  # pieces joined on take: appending is O(1), not a copy
+
+    def add(self, out: RequestOutput) -> None:
+        self._ids.extend(out.new_token_ids)
+        if out.new_text:
+            self._texts.append(out.new_text)
+        self._last = out
+
+    def take(self) -> RequestOutput | None:
+        """Everything added since the previous take, as one output (None when nothing is)."""
+        last = self._last
+        if last is None:
+            return None
+        out = dataclasses.replace(last, new_token_ids=self._ids, new_text="".join(self._texts))
+        self._last, self._ids, self._texts = None, [], []
+        return out
+
+    def __len__(self) -> int:
+        return 0 if self._last is None else 1
 
 
 class RequestStream:
-    """Outputs of one request as the engine produces them; the last one has `finished` set."""
+    """Outputs of one request as the engine produces them; the last one has `finished` set.
+
+    Without a listener, iterate the stream (or call `result()`): outputs not yet taken are
+    coalesced, so an iteration may see several tokens in one output. With a listener, the
+    listener gets every output on the engine thread and the stream keeps only the final one
+    (for `result()`): it does not queue a second copy nobody reads.
+    """
 
     def __init__(self, listener: Callable[[RequestOutput], None] | None = None) -> None:
         self.request_id = ""
-        self._q: queue.Queue = queue.Queue()
         self.final: RequestOutput | None = None
         self.listener = listener  # called on the engine thread for every output (must not block)
+        self._cond = threading.Condition()
+        self._buffer = OutputBuffer()
+        self._done = False  # the final output has been taken by an iteration
 
     def _put(self, out: RequestOutput) -> None:
         if self.listener is not None:
-            self.listener(out)
-        self._q.put(out)
-        if out.finished:
-            self.final = out
-            self._q.put(_DONE)
+            try:
+                self.listener(out)
+            except Exception:  # noqa: BLE001 - a consumer's bug must not stop the engine thread
+                log.exception("output listener for %s failed", out.request_id)
+        with self._cond:
+            if self.listener is None:
+                self._buffer.add(out)
+            if out.finished:
+                self.final = out
+            self._cond.notify_all()
 
-    def __iter__(self):  # noqa: ANN204 - generator of RequestOutput
+    def __iter__(self) -> Iterator[RequestOutput]:
+        if self.listener is not None:
+            raise RuntimeError("a stream with a listener delivers its outputs to the listener")
         while True:
-            item = self._q.get()
-            if item is _DONE:
-                return
-            yield item
+            with self._cond:
+                while not self._done and not len(self._buffer):
+                    self._cond.wait()
+                if self._done:
+                    return
+                out = self._buffer.take()
+                assert out is not None
+                self._done = out.finished
+            yield out
 
     def result(self, timeout: float | None = None) -> RequestOutput:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.final is None:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            item = self._q.get(timeout=left)
-            if item is _DONE:
-                break
-        assert self.final is not None
-        return self.final
+        """The final output (whole text and token ids); waits for it."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self.final is not None, timeout):
+                raise TimeoutError(f"request {self.request_id} not finished after {timeout}s")
+            assert self.final is not None
+            return self.final
+
+    def undelivered(self) -> int:
+        """Outputs held for an iteration that has not taken them yet: 0 or 1."""
+        with self._cond:
+            return len(self._buffer)
 
 
 class EngineLoop:
@@ -147,7 +204,11 @@ class EngineLoop:
         add_special_tokens: bool = True,
         listener: Callable[[RequestOutput], None] | None = None,
     ) -> tuple[RequestStream, Future]:
-        """Post a request; the Future resolves to its id (or the add_request error)."""
+        """Post a request; the Future resolves to its id (or the add_request error).
+
+        A `listener` gets every output (a delta) on the engine thread and must not block; the
+        stream then keeps only the final output instead of queueing the deltas too.
+        """
         stream = RequestStream(listener)
 
         def add() -> str:

@@ -259,7 +259,7 @@ class LLMEngine(ControlSurface):
         self.scheduler.remove(seq)
         seq.finish_reason = "abort"
         self._finish(seq)
-        self._pending.append(RequestOutput.of(seq))
+        self._pending.append(RequestOutput.take(seq))
         return True
 
     def has_unfinished(self) -> bool:
@@ -284,7 +284,7 @@ class LLMEngine(ControlSurface):
             now = time.monotonic()
             for seq, token in sampled:
                 self._emit_token(seq, token, now)
-                outputs.append(RequestOutput.of(seq))
+                outputs.append(RequestOutput.take(seq))
             self._step_no += 1
         self.latest_snapshot = self.snapshot()
         return outputs
@@ -293,7 +293,7 @@ class LLMEngine(ControlSurface):
         ids, pos, slots, rows = [], [], [], []
         for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
             start = seq.num_computed_tokens
-            ids.extend(seq.token_ids[start : start + n])
+            ids.extend(seq.token_slice(start, start + n))
             pos.extend(range(start, start + n))
             slots.extend(self.block_manager.slot(seq, p) for p in range(start, start + n))
             if start + n == seq.num_tokens:

@@ -5,11 +5,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from kvguard.engine.sampling_params import SamplingParams
+
+_T = TypeVar("_T")
 
 PRIORITIES = {"high": 0, "normal": 1, "low": 2}
 PRIORITY_NAMES = {v: k for k, v in PRIORITIES.items()}
@@ -56,6 +58,8 @@ class Sequence:
     prefix_offset: int = 0  # incremental detokenisation window
     read_offset: int = 0
     stop_checked_len: int = 0
+    sent_tokens: int = 0  # output tokens already handed out in a RequestOutput
+    sent_text_len: int = 0  # characters of `text` already handed out
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     first_scheduled_time: float | None = None
@@ -74,6 +78,17 @@ class Sequence:
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_slice(self, start: int, end: int | None = None) -> list[int]:
+        """`token_ids[start:end]` without building `token_ids`: the engine asks for a few recent
+        tokens every step, and a whole copy each time costs O(length) per token."""
+        n_prompt = len(self.prompt_token_ids)
+        end = self.num_tokens if end is None else end
+        if start >= n_prompt:
+            return self.output_token_ids[start - n_prompt : end - n_prompt]
+        if end <= n_prompt:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n_prompt]
+
     @property
     def num_uncomputed(self) -> int:
         """Tokens still to run through the model: a prompt remainder, or the last sampled token."""
@@ -87,15 +102,42 @@ class Sequence:
     def sort_key(self) -> tuple[int, int]:
         return (self.priority, self.order)
 
+    def releasable_text_len(self) -> int:
+        """How much of `text` may be shown now. Text handed out cannot be taken back, so while
+        the request runs, the longest tail of `text` that is the start of a stop string is held
+        back: the next tokens may complete that stop string, and then the text is cut there.
+        Once finished, all of `text` (already cut at its stop string) is final."""
+        text = self.text
+        if self.finish_reason is not None or not self.params.stop:
+            return len(text)
+        hold = 0
+        for stop in self.params.stop:
+            for k in range(min(len(stop) - 1, len(text)), hold, -1):
+                if text.endswith(stop[:k]):
+                    hold = k
+                    break
+        return max(self.sent_text_len, len(text) - hold)
+
 
 @dataclass(slots=True)
 class RequestOutput:
-    """What a caller sees of a request: cumulative tokens and text so far."""
+    """What a request gained since its previous output: new token ids and new text, plus
+    cumulative counts. Outputs are deltas so that a request holds O(1) undelivered data per
+    output, not a copy of everything so far per token (which grows with the square of the
+    output length). Concatenating every output's `new_token_ids` / `new_text` in order gives
+    exactly the final output's `token_ids` / `text`.
+
+    The final output (`finished`) also carries the whole result, built once at finish, for
+    callers that only want the end: `text`, `token_ids` and `prompt_token_ids`. Reading those on
+    an unfinished output is an error, not an empty value, so that a caller still written for
+    cumulative outputs fails loudly instead of silently losing text.
+    """
 
     request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
+    new_token_ids: list[int]
+    new_text: str
+    num_prompt_tokens: int
+    num_output_tokens: int  # cumulative, including `new_token_ids`
     finish_reason: str | None
     finished: bool
     priority: str = "normal"
@@ -103,17 +145,54 @@ class RequestOutput:
     ttft_s: float | None = None
     truncated: bool = False  # stopped by a max-token cap below the requested max_tokens
     queue_time_s: float | None = None  # arrival until first scheduled
+    final_text: str | None = None  # the whole text; only on the final output
+    final_token_ids: list[int] | None = None  # every output token; only on the final output
+    final_prompt_token_ids: list[int] | None = None  # only on the final output
+
+    @property
+    def text(self) -> str:
+        """The whole generated text (final output only)."""
+        return self._final("text", self.final_text)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Every generated token id (final output only)."""
+        return self._final("token_ids", self.final_token_ids)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        """The prompt's token ids (final output only)."""
+        return self._final("prompt_token_ids", self.final_prompt_token_ids)
+
+    def _final(self, name: str, value: _T | None) -> _T:
+        if value is None:
+            raise AttributeError(
+                f"RequestOutput.{name} is only set on the final output; an unfinished output "
+                f"carries new_token_ids / new_text (what changed since the previous output)"
+            )
+        return value
 
     @classmethod
-    def of(cls, seq: Sequence) -> RequestOutput:
+    def take(cls, seq: Sequence) -> RequestOutput:
+        """Hand out what `seq` gained since the previous call and mark it handed out.
+
+        Call it exactly once per output: each call advances the sequence's delivery offsets.
+        """
         ttft = None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time
+        new_ids = seq.output_token_ids[seq.sent_tokens :]
+        upto = seq.releasable_text_len()
+        new_text = seq.text[seq.sent_text_len : upto]
+        seq.sent_tokens = len(seq.output_token_ids)
+        seq.sent_text_len = upto
+        done = seq.is_finished
         return cls(
             request_id=seq.request_id,
-            prompt_token_ids=list(seq.prompt_token_ids),
-            token_ids=list(seq.output_token_ids),
-            text=seq.text,
+            new_token_ids=new_ids,
+            new_text=new_text,
+            num_prompt_tokens=len(seq.prompt_token_ids),
+            num_output_tokens=len(seq.output_token_ids),
             finish_reason=seq.finish_reason,
-            finished=seq.is_finished,
+            finished=done,
             priority=PRIORITY_NAMES[seq.priority],
             num_preemptions=seq.num_preemptions,
             ttft_s=ttft,
@@ -121,4 +200,10 @@ class RequestOutput:
             queue_time_s=None
             if seq.first_scheduled_time is None
             else seq.first_scheduled_time - seq.arrival_time,
+            final_text=seq.text if done else None,
+            final_token_ids=list(seq.output_token_ids) if done else None,
+            final_prompt_token_ids=list(seq.prompt_token_ids) if done else None,
         )
+
+    # The name callers used when outputs were cumulative copies; it hands out a delta now too.
+    of = take

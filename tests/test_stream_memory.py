@@ -1,0 +1,320 @@
+"""Outputs leave the engine as deltas: what a request holds for a consumer that has not read
+it yet stays one coalesced output, linear in its length, however slow the consumer is."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import gc
+import json
+import threading
+import types
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvguard.engine import EngineConfig, LLMEngine, SamplingParams
+from kvguard.engine.detokenizer import append_token
+from kvguard.engine.engine_loop import EngineLoop, RequestStream
+from kvguard.engine.sequence import RequestOutput, Sequence, Status
+from kvguard.engine.tokenizer import Tokenizer
+
+N = 2000  # output tokens; the tiny model's 2048 positions hold the prompt too
+PROMPT = [5, 6, 7]
+# Objects of these modules are followed when measuring what a stream holds: the stream, its
+# buffers, outputs, the API's per-request state and the queues they may use. The engine, the
+# service and the event loop are not: they are not per-request undelivered state.
+FOLLOWED = (
+    "kvguard.engine.engine_loop",
+    "kvguard.engine.sequence",
+    "kvguard.daemon.openai_api",
+    "queue",
+    "asyncio.queues",
+)
+
+
+def held(roots: Iterable[object]) -> tuple[int, int]:
+    """(RequestOutput objects, list items + characters) reachable from `roots`.
+
+    Generic on purpose (containers, closures, bound methods, followed modules' objects), so the
+    same measure applies to any shape of stream: one output copying everything per token and
+    queued per token costs O(n^2) here, a coalesced delta O(n).
+    """
+    seen: set[int] = set()
+    todo = list(roots)
+    outputs = size = 0
+    while todo:
+        o = todo.pop()
+        if id(o) in seen or o is None or isinstance(o, int | float | bool | bytes):
+            continue
+        seen.add(id(o))
+        if isinstance(o, str):
+            size += len(o)
+        elif isinstance(o, list | tuple | collections.deque | set | frozenset):
+            size += len(o) if isinstance(o, list) else 0
+            todo.extend(x for x in o if not isinstance(x, int))
+        elif isinstance(o, dict):
+            todo.extend(o.values())
+        elif isinstance(o, types.MethodType):
+            todo.append(o.__self__)
+        elif isinstance(o, types.FunctionType):
+            todo.extend(c.cell_contents for c in o.__closure__ or ())
+        elif type(o).__module__ in FOLLOWED:
+            outputs += isinstance(o, RequestOutput)
+            todo.extend(gc.get_referents(o))  # its __dict__ or slot values
+    return outputs, size
+
+
+class Peak:
+    """The largest `held` of the engine loop's live streams, sampled after every engine step
+    (on the engine thread, so no delivery is half done)."""
+
+    def __init__(self, loop: EngineLoop, extra: Callable[[], list[object]] = list) -> None:
+        self.loop, self.extra = loop, extra
+        self.outputs = self.size = self.samples = 0
+
+    def __call__(self, _snapshot: object) -> None:
+        for stream in list(self.loop._streams.values()):
+            outputs, size = held([stream, *self.extra()])
+            self.outputs, self.size = max(self.outputs, outputs), max(self.size, size)
+            self.samples += 1
+
+
+def _engine(tiny_dir: Path) -> LLMEngine:
+    cfg = EngineConfig(
+        model=str(tiny_dir), kv_cache_bytes="32MiB", num_threads=2, max_model_len=2048
+    )
+    return LLMEngine.from_config(cfg, progress=False)
+
+
+def _params() -> SamplingParams:
+    return SamplingParams(max_tokens=N, ignore_eos=True)  # greedy
+
+
+def test_unread_stream_holds_one_coalesced_output(tiny_dir: Path) -> None:
+    loop = EngineLoop(_engine(tiny_dir)).start()
+    peak = Peak(loop)
+    loop.on_step.append(peak)
+    try:
+        stream = loop.submit(PROMPT, _params())
+        while loop.in_flight():  # nobody reads the stream while its 2,000 tokens are produced
+            threading.Event().wait(0.05)
+        final = stream.result(0)
+        assert peak.samples >= N - 1
+        # one undelivered output (plus the final one), linear in the output, at every step
+        assert peak.outputs <= 2, f"{peak.outputs} outputs held for one request"
+        assert peak.size <= 8 * (N + len(PROMPT)), f"{peak.size} ids + chars held"
+        assert held([stream])[0] <= 2
+        outs = list(stream)  # everything not yet read comes as one output, then the stream ends
+        assert len(outs) == 1 and outs[0].finished and outs[0].finish_reason == "length"
+        assert outs[0].new_token_ids == final.token_ids and len(final.token_ids) == N
+        assert outs[0].new_text == final.text
+        assert final.num_output_tokens == N and final.prompt_token_ids == PROMPT
+    finally:
+        loop.stop()
+
+
+def test_slow_reader_gets_deltas_that_add_up(tiny_dir: Path) -> None:
+    """A reader slower than the engine: coalesced deltas still concatenate to the final
+    output, and the stream never queues more than one output for it."""
+    loop = EngineLoop(_engine(tiny_dir)).start()
+    undelivered: list[int] = []
+    streams: list[RequestStream] = []
+    behind = threading.Event()
+
+    def on_step(_snapshot: object) -> None:
+        undelivered.extend(s.undelivered() for s in streams)
+        if len(undelivered) >= 100:
+            behind.set()
+
+    loop.on_step.append(on_step)
+    try:
+        stream = loop.submit(PROMPT, SamplingParams(max_tokens=300, ignore_eos=True))
+        streams.append(stream)
+        assert behind.wait(120)  # the reader starts 100 steps late, then reads slowly
+        ids: list[int] = []
+        text: list[str] = []
+        sizes = []
+        for out in stream:
+            sizes.append(len(out.new_token_ids))
+            ids.extend(out.new_token_ids)
+            text.append(out.new_text)
+            assert out.num_output_tokens == len(ids)
+            threading.Event().wait(0.005)
+        final = stream.result(0)
+        assert ids == final.token_ids and "".join(text) == final.text and len(ids) == 300
+        assert max(undelivered) <= 1
+        assert sizes[0] >= 99 and len(sizes) < 300  # what was not read came as one output
+    finally:
+        loop.stop()
+
+
+# -- deltas at the engine: multi-byte characters and stop strings -----------------------------
+
+
+def _run_tokens(tok: Tokenizer, ids: list[int], params: SamplingParams) -> list[RequestOutput]:
+    """Feed `ids` as if sampled, taking an output after each, as the engine does."""
+    seq = Sequence("r", tok.encode("x"), params, 1, 0, 10_000)
+    outs = []
+    for t in ids:
+        append_token(tok, seq, t, set())
+        if seq.finish_reason is not None:
+            seq.status = Status.FINISHED
+        outs.append(RequestOutput.take(seq))
+        if outs[-1].finished:
+            break
+    return outs
+
+
+def test_text_deltas_split_no_character_and_add_up(tiny_dir: Path) -> None:
+    tok = Tokenizer.from_dir(tiny_dir)
+    text = "héllo 日本語 ✓ 🙂 done"
+    ids = tok.encode(text)
+    assert len(ids) > len(text)  # the tiny tokenizer is byte level: characters span tokens
+    outs = _run_tokens(tok, ids, SamplingParams(max_tokens=len(ids), ignore_eos=True))
+    assert outs[-1].finished and outs[-1].text == text
+    assert "".join(o.new_text for o in outs) == text
+    assert all("\ufffd" not in o.new_text for o in outs)
+    assert any(o.new_token_ids and not o.new_text for o in outs)  # a partial character waited
+    assert [t for o in outs for t in o.new_token_ids] == outs[-1].token_ids == ids
+    with pytest.raises(AttributeError, match="final output"):
+        _ = outs[0].text  # an unfinished output has no whole text: it is a delta
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_text_that_may_become_a_stop_string_is_held_back(tiny_dir: Path, include: bool) -> None:
+    tok = Tokenizer.from_dir(tiny_dir)
+    text = "ab 日本 a日x 日本語 tail"
+    stop = "日本語"
+    params = SamplingParams(max_tokens=200, stop=[stop, "zz"], include_stop_str_in_output=include)
+    outs = _run_tokens(tok, tok.encode(text), params)
+    want = text[: text.index(stop) + (len(stop) if include else 0)]
+    assert outs[-1].finished and outs[-1].finish_reason == "stop" and outs[-1].text == want
+    streamed = ""
+    for o in outs:
+        streamed += o.new_text
+        assert want.startswith(streamed)  # nothing shown is ever taken back
+        if not o.finished:  # a tail that may still grow into "日本語" is not shown yet
+            assert not streamed.endswith(("日", "日本"))
+    assert streamed == want
+    # each held "日" / "日本" went out once the next character ruled the stop string out
+    assert "日本 " in [o.new_text for o in outs] and "日x" in [o.new_text for o in outs]
+
+
+# -- through the daemon's HTTP path --------------------------------------------------------------
+
+
+class _Client:
+    """One HTTP request driven straight through the ASGI app. Its `send` does not return
+    until `release` is set: a client that reads nothing while the answer is generated."""
+
+    def __init__(self, body: dict[str, Any], release: asyncio.Event) -> None:
+        self.body, self.release = json.dumps(body).encode(), release
+        self.status = 0
+        self.chunks: list[bytes] = []
+        self._sent_body = False
+        self._gone = asyncio.Event()
+
+    async def receive(self) -> dict[str, Any]:
+        if not self._sent_body:
+            self._sent_body = True
+            return {"type": "http.request", "body": self.body, "more_body": False}
+        await self._gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(self, message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
+        elif message["type"] == "http.response.body":
+            await self.release.wait()
+            self.chunks.append(message.get("body", b""))
+
+    async def call(self, app: Any, path: str) -> bytes:
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": "POST",
+            "scheme": "http",
+            "path": path,
+            "raw_path": path.encode(),
+            "root_path": "",
+            "query_string": b"",
+            "headers": [(b"host", b"test"), (b"content-type", b"application/json")],
+            "client": ("127.0.0.1", 50000),
+            "server": ("127.0.0.1", 8000),
+        }
+        await app(scope, self.receive, self.send)
+        self._gone.set()
+        return b"".join(self.chunks)
+
+
+def test_http_request_holds_one_output_while_its_client_reads_nothing(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    from kvguard.daemon.app import create_app
+    from kvguard.daemon.config import load_config
+    from kvguard.daemon.service import Service
+
+    cfg_file = tmp_path / "config.yaml"
+    cfg_file.write_text(
+        f"serving: {{model: {tiny_dir}, kv_cache_bytes: 32MiB, max_model_len: 2048}}\n"
+        f"audit: {{url: 'sqlite:///{tmp_path / 'audit.db'}'}}\n"
+    )
+    svc = Service(load_config(cfg_file), cfg_file)
+    svc.load(progress=False)
+    finals: dict[str, RequestOutput] = {}
+    deliver = svc.loop._deliver
+
+    def spy(out: RequestOutput) -> None:  # engine thread: keep each request's final output
+        if out.finished:
+            finals[out.request_id] = out
+        deliver(out)
+
+    svc.loop._deliver = spy  # type: ignore[method-assign]
+    peak = Peak(svc.loop)
+    svc.loop.on_step.append(peak)
+    try:
+        app = create_app(svc)
+        base = {"model": svc.model_name, "prompt": PROMPT, "max_tokens": N, "ignore_eos": True}
+
+        async def both() -> tuple[bytes, bytes, _Client, _Client]:
+            release = asyncio.Event()
+            sse = _Client(
+                {**base, "stream": True, "stream_options": {"include_usage": True}}, release
+            )
+            plain = _Client(base, release)
+            tasks = [asyncio.create_task(c.call(app, "/v1/completions")) for c in (sse, plain)]
+            while len(finals) < 2:  # the client reads nothing until both are generated
+                await asyncio.sleep(0.05)
+            release.set()
+            a, b = await asyncio.gather(*tasks)
+            return a, b, sse, plain
+
+        sse_body, plain_body, sse, plain = asyncio.run(asyncio.wait_for(both(), 600))
+        assert sse.status == plain.status == 200
+        assert peak.samples >= N
+        assert peak.outputs <= 2, f"{peak.outputs} outputs held for one HTTP request"
+        assert peak.size <= 8 * (N + len(PROMPT)) + 2000, f"{peak.size} ids + chars held"
+
+        events = [
+            json.loads(line[6:])
+            for line in sse_body.decode().split("\n\n")
+            if line.startswith("data: ") and line != "data: [DONE]"
+        ]
+        by_id = {f.request_id: f for f in finals.values()}
+        assert len(by_id) == 2
+        streamed = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+        answer = json.loads(plain_body)
+        texts = {f.text for f in by_id.values()}
+        assert streamed in texts and answer["choices"][0]["text"] in texts
+        assert [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1] == "length"
+        want_usage = {"prompt_tokens": len(PROMPT), "completion_tokens": N}
+        assert {k: events[-1]["usage"][k] for k in want_usage} == want_usage
+        assert {k: answer["usage"][k] for k in want_usage} == want_usage
+        assert answer["kvguard"]["truncated"] is False
+        assert len(sse.chunks) < N  # the unread deltas went out coalesced, not one per token
+    finally:
+        svc.close()

@@ -362,7 +362,7 @@ def start(workdir: Path, model: str, threads: int) -> tuple[Daemon, Prometheus, 
         f"rules: {{path: {rules}}}\n"
         f"prometheus: {{url: '{prom.url}', timeout: 1s, instance: '127.0.0.1:{port}'}}\n"
     )
-    d = Daemon(workdir / "daemon", config, port=port, drain_s=300)
+    d = Daemon(workdir / "daemon", config, port=port, drain_s=300, debug_hooks=True)
     d.wait_ready()
     return d, prom, rules, good
 

@@ -183,7 +183,12 @@ class Daemon:
     """A `kvguard serve` subprocess with its own config, token, audit DB and log."""
 
     def __init__(
-        self, workdir: Path, config_body: str, port: int | None = None, drain_s: int = 60
+        self,
+        workdir: Path,
+        config_body: str,
+        port: int | None = None,
+        drain_s: int = 60,
+        debug_hooks: bool = False,  # mount /admin/debug/* (the chaos bench injects OOMs)
     ) -> None:
         workdir.mkdir(parents=True, exist_ok=True)
         self.dir = workdir
@@ -194,7 +199,8 @@ class Daemon:
         self.config = workdir / "config.yaml"
         self.config.write_text(
             config_body + f"api: {{host: 127.0.0.1, port: {self.port}, admin_token_file: "
-            f"{workdir / 'admin.token'}, drain_timeout: {drain_s}s}}\n"
+            f"{workdir / 'admin.token'}, drain_timeout: {drain_s}s, "
+            f"debug_hooks: {str(debug_hooks).lower()}}}\n"
             f"audit: {{url: 'sqlite:///{self.db}'}}\n"
         )
         self.log_path = workdir / "daemon.log"

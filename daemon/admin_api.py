@@ -1,6 +1,8 @@
 """/admin: state, manual remedies and reload, behind a bearer token read from a file.
 
 No token file (or an empty one) disables the admin API: it answers 403 rather than run open.
+Invalid action or debug-hook parameters answer 400 with the field in `error.param`; the
+fault-injection hooks under /admin/debug exist only with `api.debug_hooks: true`.
 """
 
 from __future__ import annotations
@@ -8,15 +10,18 @@ from __future__ import annotations
 import asyncio
 import hmac
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import APIRouter, Body, Depends, Header
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvguard.daemon.openai_api import ApiError
 from kvguard.rules.actions import ACTIONS, ActionError
 
 if TYPE_CHECKING:
     from kvguard.daemon.service import Service
+
+_B = TypeVar("_B", bound=BaseModel)
 
 
 def check_token(service: Service, authorization: str | None) -> None:
@@ -54,8 +59,10 @@ def router(service: Service) -> APIRouter:
     async def act(action: str, params: dict[str, Any] | None = Body(None)) -> dict[str, Any]:
         try:
             fut = service.manual_action(action, params or {})
-        except ActionError as e:
-            raise ApiError(404 if "unknown action" in str(e) else 400, str(e), "action") from e
+        except ActionError as e:  # never acted on: 400 naming the parameter, nothing audited
+            if action not in ACTIONS:
+                raise ApiError(404, str(e), "action") from e
+            raise ApiError(400, str(e), e.param or "params", "invalid_action_params") from e
         res = await asyncio.wait_for(asyncio.wrap_future(fut), timeout=60)
         return {
             "action": res.action,
@@ -66,19 +73,8 @@ def router(service: Service) -> APIRouter:
             "data": _jsonable(res.data),
         }
 
-    @r.post("/debug/stall")
-    async def stall(body: dict[str, Any] | None = Body(None)) -> dict[str, Any]:
-        """Test hook: block the engine thread for `seconds` (<= 60), as a hung step would."""
-        seconds = min(60.0, max(0.0, float((body or {}).get("seconds", 1.0))))
-        service.loop.call(lambda: time.sleep(seconds))
-        return {"stalled_s": seconds}
-
-    @r.post("/debug/inject_oom")
-    async def inject_oom(body: dict[str, Any] | None = Body(None)) -> dict[str, Any]:
-        """Test hook: the next `times` (<= 10) forward passes fail as out-of-memory would."""
-        times = int(min(10, max(1, int((body or {}).get("times", 1)))))
-        await asyncio.wrap_future(service.loop.call(lambda: service.engine.inject_oom(times)))
-        return {"injected": times}
+    if service.cfg.api.debug_hooks:
+        _debug_routes(r, service)
 
     @r.post("/reload")
     async def reload() -> dict[str, Any]:
@@ -92,6 +88,50 @@ def router(service: Service) -> APIRouter:
         return res
 
     return r
+
+
+class _StallBody(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    seconds: float = Field(1.0, ge=0.0, le=60.0)
+
+
+class _OomBody(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    times: int = Field(1, ge=1, le=10)
+
+
+def _body(model: type[_B], body: Any) -> _B:
+    """A debug hook's body, validated: a 400 naming the field, never a 500 or a silent clamp."""
+    if body is not None and not isinstance(body, dict):
+        raise ApiError(400, "expected a JSON object", "body", "invalid_debug_params")
+    try:
+        return model(**(body or {}))
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = ".".join(map(str, err["loc"])) or "body"
+        raise ApiError(
+            400, f"{field}: {err['msg']} (got {err['input']!r:.40})", field, "invalid_debug_params"
+        ) from e
+
+
+def _debug_routes(r: APIRouter, service: Service) -> None:
+    """Fault injection for tests and benchmarks, mounted only with `api.debug_hooks: true`
+    (default off): a stalled engine or a fake OOM is an outage on a production daemon, and
+    the admin token alone should not be able to cause one. Off, the paths answer 404."""
+
+    @r.post("/debug/stall")
+    async def stall(body: Any = Body(None)) -> dict[str, Any]:
+        """Block the engine thread for `seconds` (0..60), as a hung step would."""
+        seconds = _body(_StallBody, body).seconds
+        service.loop.call(lambda: time.sleep(seconds))
+        return {"stalled_s": seconds}
+
+    @r.post("/debug/inject_oom")
+    async def inject_oom(body: Any = Body(None)) -> dict[str, Any]:
+        """The next `times` (1..10) forward passes fail as out-of-memory would."""
+        times = _body(_OomBody, body).times
+        await asyncio.wrap_future(service.loop.call(lambda: service.engine.inject_oom(times)))
+        return {"injected": times}
 
 
 def alertmanager_router(service: Service) -> APIRouter:

@@ -226,6 +226,9 @@ class ApiConfig(_Section):
     admin_token_file: OptPath = None
     drain_timeout: Duration = 30.0
     served_model_name: str | None = Field(None, min_length=1)
+    # /admin/debug/* (stall the engine, inject OOMs) for tests and benchmarks; off, they are 404.
+    # Read at start only: a reload does not mount or unmount them.
+    debug_hooks: bool = False
 
     def admin_token_path(self) -> Path | None:
         """The token file to read, or None when the admin API is off."""

@@ -99,8 +99,9 @@ class ControlPlane:
     def _execute(self, action: str, params: dict[str, Any]) -> ActionResult:
         """Post the action and wait for the engine to apply it at a step boundary. Called by the
         evaluator with no state lock held, so a slow engine delays only the next evaluation,
-        never `/metrics` or `/admin/state`."""
-        return run_action(self.service.engine, action, params).result(timeout=120)
+        never `/metrics` or `/admin/state`. A rule's parameter above the running config's limit
+        is held to that limit (`clamp`), and the recorded detail says so."""
+        return run_action(self.service.engine, action, params, clamp=True).result(timeout=120)
 
     def _poll_nvml(self) -> None:
         self._gpu_ratio = self.service.nvml.memory_used_ratio()

@@ -7,9 +7,10 @@ the next step boundary. Calling `step()` (or running an `EngineLoop`) is what ap
 
 from __future__ import annotations
 
+import math
 import time
 from concurrent.futures import Future
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvguard.engine.control import ActionResult
 from kvguard.engine.kv_cache import KV_TORCH_DTYPES, kv_dtype_name
@@ -17,6 +18,36 @@ from kvguard.engine.sequence import PRIORITY_NAMES, RequestOutput, Status, parse
 
 if TYPE_CHECKING:
     from kvguard.engine.llm_engine import LLMEngine
+
+
+class ParamError(ValueError):
+    """An action's argument is out of bounds or of the wrong type; `param` names it, so an API
+    can answer which field to fix."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def check_count(param: str, value: Any, lo: int, hi: int | None) -> int:
+    """A whole number lo <= value (<= hi). Booleans are refused although Python counts them as
+    ints (`True` sequences is a typo, not 1), and so are floats, even whole ones: 1e30 is not
+    a count anyone meant."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ParamError(param, f"{param}={value!r}: expected an integer")
+    if value < lo or (hi is not None and value > hi):
+        bounds = f"{lo} <= {param}" + (f" <= {hi}" if hi is not None else "")
+        raise ParamError(param, f"{param}={value}: expected {bounds}")
+    return value
+
+
+def check_ratio(param: str, value: Any) -> float:
+    """A finite number in (0, 1]: the share of something to keep."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ParamError(param, f"{param}={value!r}: expected a number in (0, 1]")
+    if not (math.isfinite(value) and 0 < value <= 1):
+        raise ParamError(param, f"{param}={value}: expected a number in (0, 1]")
+    return float(value)
 
 
 def allowed_name(rank: int | None) -> str | None:
@@ -52,27 +83,70 @@ class ControlSurface:
         return self.mailbox.post(run)
 
     # -- batch size -------------------------------------------------------------------------
-    def set_max_num_seqs(self: LLMEngine, n: int) -> Future:
-        if not isinstance(n, int) or n < 1:
-            raise ValueError(f"max_num_seqs={n!r}: expected an integer >= 1")
+    def set_max_num_seqs(self: LLMEngine, n: int, *, clamp: bool = False) -> Future:
+        """Set the batch limit, never above the configured one (serving.max_num_seqs): a remedy
+        may cut the batch and restore it, but raising it past what the operator sized the
+        server for would make things worse. Above that limit it raises ValueError, or with
+        `clamp` (rules) sets the limit itself and says so in the result's detail."""
+        limit = self.config.max_num_seqs
+        n = check_count("n", n, 1, None)
+        note = ""
+        if n > limit:
+            if not clamp:
+                raise ParamError(
+                    "n",
+                    f"n={n} is above the configured maximum serving.max_num_seqs={limit}: "
+                    f"expected 1 <= n <= {limit}",
+                )
+            note = f" (asked {n}, clamped to serving.max_num_seqs={limit})"
+            n = limit
 
-        def apply():
+        def apply() -> tuple[str, bool, dict]:
             self.scheduler.max_num_seqs = n
             moved = self.scheduler.shrink_running(n)
             return (
-                f"max_num_seqs={n}; {len(moved)} running sequences preempted",
+                f"max_num_seqs={n}{note}; {len(moved)} running sequences preempted",
                 True,
                 {"preempted": moved},
             )
 
         return self._act("set_max_num_seqs", apply)
 
+    def reduce_max_num_seqs(
+        self: LLMEngine, factor: float, minimum: int = 1, *, from_running: bool = False
+    ) -> Future:
+        """Cut the batch limit to min(current, max(minimum, floor(base * factor))), where base
+        is the current limit, or (`from_running`, the OOM chain) the sequences running now when
+        fewer. Computed on the engine thread when applied, from the live value, so a reduction
+        never raises the limit: not with a large `minimum`, nor after another action lowered
+        it while this one waited in the mailbox."""
+        factor = check_ratio("factor", factor)
+        minimum = check_count("min", minimum, 1, None)
+
+        def apply() -> tuple[str, bool, dict]:
+            current = self.scheduler.max_num_seqs
+            base = min(current, max(len(self.scheduler.running), 1)) if from_running else current
+            n = min(current, max(minimum, math.floor(base * factor)))
+            self.scheduler.max_num_seqs = n
+            moved = self.scheduler.shrink_running(n)
+            why = ""
+            if minimum > current:
+                why = f" (unchanged: min={minimum} is above it, and a reduction never raises it)"
+            elif n == current:
+                why = " (unchanged)"
+            return (
+                f"max_num_seqs {current} -> {n}{why}; {len(moved)} running sequences preempted",
+                True,
+                {"preempted": moved},
+            )
+
+        return self._act("reduce_max_num_seqs", apply)
+
     # -- eviction ---------------------------------------------------------------------------
     def evict(self: LLMEngine, count: int, max_priority: str = "low") -> Future:
         """Preempt up to `count` running sequences no more important than `max_priority`,
         lowest priority and newest first; they come back once usage has eased."""
-        if not isinstance(count, int) or count < 1:
-            raise ValueError(f"count={count!r}: expected an integer >= 1")
+        count = check_count("count", count, 1, None)  # more than are running: all that qualify
         rank = parse_priority(max_priority)
 
         def apply():
@@ -161,9 +235,22 @@ class ControlSurface:
         return self._act("set_offload", apply)
 
     # -- output length ----------------------------------------------------------------------
-    def set_max_new_tokens_cap(self: LLMEngine, n: int | None) -> Future:
-        if n is not None and (not isinstance(n, int) or n < 1):
-            raise ValueError(f"max_new_tokens cap {n!r}: expected an integer >= 1 or None")
+    def set_max_new_tokens_cap(self: LLMEngine, n: int | None, *, clamp: bool = False) -> Future:
+        """Cap every request's output at `n` tokens (None: no cap). A cap is at most
+        max_model_len, the longest output any request can have anyway: above it raises
+        ValueError, or with `clamp` (rules) caps at max_model_len and says so."""
+        note = ""
+        if n is not None:
+            n = check_count("n", n, 1, None)
+            if n > self.max_model_len:
+                if not clamp:
+                    raise ParamError(
+                        "n",
+                        f"n={n} is above max_model_len={self.max_model_len}: "
+                        f"expected 1 <= n <= {self.max_model_len}",
+                    )
+                note = f" (asked {n}, clamped to max_model_len={self.max_model_len})"
+                n = self.max_model_len
 
         def apply():
             self.max_new_tokens_cap = n
@@ -177,7 +264,7 @@ class ControlSurface:
                     touched += 1
                     self._finish_if_capped(seq)
             return (
-                f"max_new_tokens cap {n}; {touched} live requests adjusted",
+                f"max_new_tokens cap {n}{note}; {touched} live requests adjusted",
                 True,
                 {"adjusted": touched},
             )

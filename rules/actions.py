@@ -18,8 +18,18 @@ if TYPE_CHECKING:  # the engine (and torch) only when an action runs, not to val
     from kvguard.engine.llm_engine import LLMEngine
 
 
+# Static ceilings: what a rules file can be checked against before the daemon's config is
+# known. No engine kvguard runs holds a million sequences in one batch or sixteen million tokens
+# in one request, so a value above these is a typo (or a probe), never a setting. The limits of
+# the running config (serving.max_num_seqs, max_model_len) are checked when the action applies.
+MAX_SEQS = 1 << 20
+MAX_TOKENS = 1 << 24
+
+
 class _Params(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # Strict: `true` is not a count, `"4"` or `4.0` is not an integer and 1e30 is not either;
+    # no inf/nan. A remedy's parameters are read once by a person and then acted on unattended.
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class NoParams(_Params):
@@ -27,17 +37,17 @@ class NoParams(_Params):
 
 
 class ReduceBatch(_Params):
-    factor: float = Field(0.5, gt=0.0, lt=1.0)
-    min: int = Field(1, ge=1)
+    factor: float = Field(0.5, gt=0.0, le=1.0)
+    min: int = Field(1, ge=1, le=MAX_SEQS)
 
 
 class Evict(_Params):
-    count: int = Field(4, ge=1)
+    count: int = Field(4, ge=1, le=MAX_SEQS)
     max_priority: Literal["high", "normal", "low"] = "low"
 
 
 class Cap(_Params):
-    n: int = Field(256, ge=1)
+    n: int = Field(256, ge=1, le=MAX_TOKENS)
 
 
 class Halt(_Params):
@@ -45,20 +55,17 @@ class Halt(_Params):
 
 
 class SetSeqs(_Params):
-    n: int = Field(..., ge=1)
+    n: int = Field(..., ge=1, le=MAX_SEQS)
 
 
 @dataclass(frozen=True, slots=True)
 class ActionSpec:
     name: str
     params: type[_Params]
-    run: Callable[[LLMEngine, Any], Future]
+    # (engine, params, clamp) -> Future of ActionResult; `clamp` is run_action's, see there
+    run: Callable[[LLMEngine, Any, bool], Future]
     undo: str | None
     doc: str
-
-
-def _reduce(e: LLMEngine, p: ReduceBatch) -> Future:
-    return e.set_max_num_seqs(max(p.min, int(e.knobs()["max_num_seqs"] * p.factor)))
 
 
 def _full_kv_dtype(e: LLMEngine) -> str:
@@ -70,97 +77,99 @@ _SPECS = [
     ActionSpec(
         "reduce_batch",
         ReduceBatch,
-        _reduce,
+        lambda e, p, clamp: e.reduce_max_num_seqs(p.factor, p.min),
         "restore_batch",
-        "multiply max_num_seqs by `factor` (not below `min`); excess sequences preempted",
+        "max_num_seqs := min(current, max(`min`, floor(current * `factor`))): never raises it;"
+        " excess sequences preempted",
     ),
     ActionSpec(
         "restore_batch",
         NoParams,
-        lambda e, p: e.set_max_num_seqs(e.config.max_num_seqs),
+        lambda e, p, clamp: e.set_max_num_seqs(e.config.max_num_seqs),
         None,
         "max_num_seqs back to its configured value",
     ),
     ActionSpec(
         "set_max_num_seqs",
         SetSeqs,
-        lambda e, p: e.set_max_num_seqs(p.n),
+        lambda e, p, clamp: e.set_max_num_seqs(p.n, clamp=clamp),
         "restore_batch",
-        "set max_num_seqs to `n`",
+        "set max_num_seqs to `n` (1 <= n <= the configured serving.max_num_seqs)",
     ),
     ActionSpec(
         "evict_lowest_priority",
         Evict,
-        lambda e, p: e.evict(p.count, p.max_priority),
+        lambda e, p, clamp: e.evict(p.count, p.max_priority),
         None,
         "preempt `count` running sequences of priority <= `max_priority` (swap or recompute)",
     ),
     ActionSpec(
         "enable_fp8_kv",
         NoParams,
-        lambda e, p: e.set_kv_cache_dtype("fp8_e4m3"),
+        lambda e, p, clamp: e.set_kv_cache_dtype("fp8_e4m3"),
         "disable_fp8_kv",
         "switch the live KV cache to FP8 (about 2-4x the blocks in the same bytes)",
     ),
     ActionSpec(
         "disable_fp8_kv",
         NoParams,
-        lambda e, p: e.set_kv_cache_dtype(_full_kv_dtype(e)),
+        lambda e, p, clamp: e.set_kv_cache_dtype(_full_kv_dtype(e)),
         None,
         "switch the KV cache back to full precision (refused while live tokens would not fit)",
     ),
     ActionSpec(
         "enable_cpu_offload",
         NoParams,
-        lambda e, p: e.set_offload(True),
+        lambda e, p, clamp: e.set_offload(True),
         "disable_cpu_offload",
         "preempt by swapping to the host pool",
     ),
     ActionSpec(
         "disable_cpu_offload",
         NoParams,
-        lambda e, p: e.set_offload(False),
+        lambda e, p, clamp: e.set_offload(False),
         None,
         "preempt by recompute only",
     ),
     ActionSpec(
         "cap_max_new_tokens",
         Cap,
-        lambda e, p: e.set_max_new_tokens_cap(p.n),
+        lambda e, p, clamp: e.set_max_new_tokens_cap(p.n, clamp=clamp),
         "uncap_max_new_tokens",
-        "cap every request's max_tokens at `n` (responses say they were truncated)",
+        "cap every request's max_tokens at `n` (1 <= n <= max_model_len; responses say they"
+        " were truncated)",
     ),
     ActionSpec(
         "uncap_max_new_tokens",
         NoParams,
-        lambda e, p: e.set_max_new_tokens_cap(None),
+        lambda e, p, clamp: e.set_max_new_tokens_cap(None),
         None,
         "remove the max-token cap",
     ),
     ActionSpec(
         "halt_admission",
         Halt,
-        lambda e, p: e.halt_admission(p.allow_priority),
+        lambda e, p, clamp: e.halt_admission(p.allow_priority),
         "resume_admission",
         "refuse new requests (503) except priority `allow_priority` and above",
     ),
     ActionSpec(
         "resume_admission",
         NoParams,
-        lambda e, p: e.resume_admission(),
+        lambda e, p, clamp: e.resume_admission(),
         None,
         "accept new requests again",
     ),
 ]
 
 
-def _handle_oom(e: LLMEngine, p: NoParams) -> Future:
+def _handle_oom(e: LLMEngine, p: NoParams, clamp: bool) -> Future:
     """The brief's emergency chain after an OOM (seed §6.1), cheapest step first:
     1 halve the batch, 2 evict 4 lowest-priority, 3 swap to host if a pool exists,
     4 FP8 KV, 5 halt admission when the cache is still above 98%."""
     snap = e.latest_snapshot
     steps = [
-        e.set_max_num_seqs(max(1, min(snap.max_num_seqs, max(snap.num_running, 1)) // 2)),
+        e.reduce_max_num_seqs(0.5, 1, from_running=True),
         e.evict(4, "low"),
     ]
     if snap.host.blocks_total:
@@ -203,7 +212,7 @@ def _chain(name: str, futures: list[Future]) -> Future:
     return out
 
 
-def _recover_from_oom(e: LLMEngine, p: NoParams) -> Future:
+def _recover_from_oom(e: LLMEngine, p: NoParams, clamp: bool) -> Future:
     """Undo the emergency chain once the engine has been quiet: configured batch size, KV
     dtype, offload setting and open admission (the batch token budget restores itself)."""
     return _chain(
@@ -243,23 +252,63 @@ ACTIONS: dict[str, ActionSpec] = {s.name: s for s in _SPECS}
 
 
 class ActionError(ValueError):
-    """Unknown action or bad params; the message names which and what was expected."""
+    """Unknown action or bad params; the message names which and what was expected, and
+    `param` the parameter at fault (None for the action itself), for an API's error field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def parse_params(name: str, params: dict[str, Any] | None) -> _Params:
+    """Check params against the action's static bounds (types, ranges, names): what a rules
+    file can be checked for without the daemon's config."""
     spec = ACTIONS.get(name)
     if spec is None:
         raise ActionError(f"unknown action {name!r}: expected one of {', '.join(sorted(ACTIONS))}")
+    if params is not None and not isinstance(params, dict):
+        raise ActionError(
+            f"action {name!r} params: expected a mapping of parameter names to values, "
+            f"got {_shown(params)}",
+            "params",
+        )
     try:
         return spec.params(**(params or {}))
     except ValidationError as e:
+        errors = e.errors()
+        known = ", ".join(spec.params.model_fields) or "none"
         problems = "; ".join(
-            f"{'.'.join(map(str, err['loc'])) or 'params'}: {err['msg']}" for err in e.errors()
+            f"{'.'.join(map(str, err['loc'])) or 'params'}: "
+            + (
+                f"unknown parameter (expected: {known})"
+                if err["type"] == "extra_forbidden"
+                else f"{err['msg']} (got {_shown(err['input'])})"
+            )
+            for err in errors
         )
-        raise ActionError(f"action {name!r} params: {problems}") from e
+        first = ".".join(map(str, errors[0]["loc"])) if errors else ""
+        raise ActionError(f"action {name!r} params: {problems}", first or "params") from e
 
 
-def run_action(engine: LLMEngine, name: str, params: dict[str, Any] | None = None) -> Future:
-    """Validate and post `name` to the engine; the Future answers its ActionResult."""
+def run_action(
+    engine: LLMEngine, name: str, params: dict[str, Any] | None = None, *, clamp: bool = False
+) -> Future:
+    """Validate and post `name` to the engine; the Future answers its ActionResult.
+
+    Static bounds are checked here; the running config's limits (serving.max_num_seqs,
+    max_model_len) by the engine. Above those, an operator's request (`clamp` False, the admin
+    API) is refused with ActionError naming the parameter and the limit, so a 400 tells them at
+    once; a rule's (`clamp` True) is held to the limit and the result's detail says so, because
+    one rules file serves daemons of different sizes and a remedy held to the limit still
+    helps, where a refused one would leave the pressure in place.
+    """
     parsed = parse_params(name, params)
-    return ACTIONS[name].run(engine, parsed)
+    try:
+        return ACTIONS[name].run(engine, parsed, clamp)
+    except ValueError as e:  # the control surface validates its arguments before posting
+        raise ActionError(f"action {name!r} params: {e}", getattr(e, "param", None)) from e

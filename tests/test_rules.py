@@ -367,3 +367,29 @@ def test_validating_rules_does_not_load_the_engine() -> None:
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines()[-1] == "torch imported: False", out.stdout
+
+
+def test_rules_check_flags_out_of_bounds_action_params(tmp_path: Path) -> None:
+    """Issue 13: a rules file could ask a remedy to raise max_num_seqs to 10^9. What can be
+    judged without the daemon's config (types, inf/nan, booleans, static ceilings) is refused
+    by `kvguard rules check`, one line per parameter, naming it."""
+    rules = tmp_path / "huge.yaml"
+    rules.write_text(
+        "signals: {kv: {local: kv_cache_usage_ratio}}\nrules:\n"
+        "  - {name: a, signal: kv, above: 0.90, action: reduce_batch, params: {min: 1e9}}\n"
+        "  - {name: b, signal: kv, above: 0.91, action: reduce_batch, params: {min: 1000000000}}\n"
+        "  - {name: c, signal: kv, above: 0.92, action: set_max_num_seqs, params: {n: 1.0e+30}}\n"
+        "  - {name: d, signal: kv, above: 0.93, action: cap_max_new_tokens, params: {n: .inf}}\n"
+        "  - {name: e, signal: kv, above: 0.94, action: evict_lowest_priority,"
+        " params: {count: true}}\n"
+        "  - {name: f, signal: kv, above: 0.95, action: reduce_batch, params: {factor: .nan}}\n"
+    )
+    chk = subprocess.run([KVGUARD, "rules", "check", str(rules)], capture_output=True, text=True)
+    assert chk.returncode == 1, chk.stdout + chk.stderr
+    for line, field in [(3, "min"), (4, "min"), (5, "n"), (6, "n"), (7, "count"), (8, "factor")]:
+        want = f"{rules}:{line}: rules.{line - 3}.params: action"
+        assert any(ln.startswith(want) and f" {field}: " in ln for ln in chk.stderr.splitlines()), (
+            line,
+            chk.stderr,
+        )
+    assert "6 error(s)" in chk.stderr

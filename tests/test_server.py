@@ -39,7 +39,12 @@ class Daemon:
     """A `kvguard serve` subprocess with its own config, token and state directory."""
 
     def __init__(
-        self, tmp: Path, extra: str = "", env: dict[str, str] | None = None, port: int | None = None
+        self,
+        tmp: Path,
+        extra: str = "",
+        env: dict[str, str] | None = None,
+        port: int | None = None,
+        debug_hooks: bool = True,  # /admin/debug/*: some tests stall the engine or fake an OOM
     ) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -48,7 +53,7 @@ class Daemon:
         self.config.write_text(
             f"serving: {{model: tiny, kv_cache_bytes: 8MiB, max_model_len: 512}}\n"
             f"api: {{host: 127.0.0.1, port: {self.port}, admin_token_file: {tmp / 'admin.token'},"
-            f" drain_timeout: 20s}}\n"
+            f" drain_timeout: 20s, debug_hooks: {str(debug_hooks).lower()}}}\n"
             f"audit: {{url: 'sqlite:///{tmp / 'audit.db'}'}}\n" + extra
         )
         full_env = {**os.environ, "STATE_DIRECTORY": str(tmp), **(env or {})}

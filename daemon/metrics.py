@@ -89,7 +89,22 @@ class SnapshotCollector(Collector):
         prompt.add_metric([], s.counters["prompt_tokens"])
         steps = CounterMetricFamily("kvguard_engine_steps", "Engine steps run")
         steps.add_metric([], s.step)
-        yield from (pre, adm, oom, gen, prompt, steps)
+        yield from (pre, adm, oom, gen, prompt, steps, self._finished(s))
+
+    def _finished(self, s: EngineSnapshot) -> CounterMetricFamily:
+        """Counted by the engine, where every finish passes: a request aborted because its
+        client hung up or the drain cut it never reaches an HTTP success path, and an
+        outcome counter that misses those hides exactly the failures an operator looks for."""
+        fam = CounterMetricFamily(
+            "kvguard_requests_finished",
+            "Finished requests by reason (abort: client gone or cut by a drain)",
+            labels=["finish_reason", "priority"],
+        )
+        for reason in sorted({"stop", "length", "abort", *s.finished}):
+            by_priority = s.finished.get(reason, {})
+            for prio in ("high", "normal", "low"):
+                fam.add_metric([reason, prio], by_priority.get(prio, 0))
+        return fam
 
     def _knobs(self, s: EngineSnapshot):  # noqa: ANN202
         k = s.knobs
@@ -250,11 +265,5 @@ class Metrics:
             "kvguard_rule_evaluation_duration_seconds",
             "Time to evaluate all rules once",
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5),
-            registry=r,
-        )
-        self.finished = Counter(
-            "kvguard_requests_finished",
-            "Finished requests by reason",
-            ["finish_reason", "priority"],
             registry=r,
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -21,7 +22,7 @@ from kvguard.daemon.openai_schemas import (
     now,
     usage,
 )
-from kvguard.engine.engine_loop import OutputBuffer
+from kvguard.engine.engine_loop import OutputBuffer, RequestStream
 from kvguard.engine.llm_engine import AdmissionRejected
 from kvguard.engine.sampling_params import SamplingParams
 from kvguard.engine.sequence import RequestOutput
@@ -29,7 +30,13 @@ from kvguard.engine.sequence import RequestOutput
 if TYPE_CHECKING:
     from kvguard.daemon.service import Service
 
+log = logging.getLogger("kvguard.daemon.api")
 DEFAULT_CHAT_MAX_TOKENS = 512
+RETRY_ELSEWHERE_S = 5  # Retry-After on a request cut off by the drain
+DRAIN_CUT_MESSAGE = (
+    "kvguard is shutting down and cut this request off at the end of its drain period "
+    "before it finished; retry it on another instance"
+)
 
 
 class ApiError(Exception):
@@ -48,12 +55,14 @@ class ApiError(Exception):
         self.status, self.param, self.code, self.type_ = status, param, code, type_
         self.retry_after = retry_after
 
+    def body(self) -> dict[str, Any]:
+        return error_body(str(self), self.type_, self.param, self.code)
+
     def response(self) -> JSONResponse:
         headers = {}
         if self.retry_after is not None:
             headers["Retry-After"] = str(max(1, round(self.retry_after)))
-        body = error_body(str(self), self.type_, self.param, self.code)
-        return JSONResponse(body, status_code=self.status, headers=headers)
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
 def router(service: Service) -> APIRouter:
@@ -160,8 +169,12 @@ async def _serve(
     stream, fut = service.loop.submit_nowait(
         prompt, params, priority, add_special_tokens=completion, listener=outputs.push
     )
+    service.requests.add(outputs)  # a drain that runs out of time cuts it through this set
+    watch = _DisconnectWatch(request, service, stream, outputs)  # from now, not once admitted
+    admitted = False
     try:
         await asyncio.wrap_future(fut)
+        admitted = True
     except AdmissionRejected as e:
         d = e.decision
         typ = "invalid_request_error" if d.status == 400 else "overloaded_error"
@@ -174,12 +187,16 @@ async def _serve(
         ) from e
     except ValueError as e:
         raise ApiError(400, str(e), "prompt") from e
+    finally:
+        if not admitted:
+            watch.stop()
     if body.stream:
         include_usage = bool((body.stream_options or {}).get("include_usage"))
         return StreamingResponse(
-            _sse(ctx, stream.request_id, outputs, include_usage), media_type="text/event-stream"
+            _sse(ctx, stream.request_id, outputs, watch, include_usage),
+            media_type="text/event-stream",
         )
-    final = await _wait_final(service, request, stream.request_id, outputs)
+    final = await _wait_final(service, outputs, watch)
     return _full_response(ctx, final)
 
 
@@ -207,19 +224,21 @@ class _Ctx:
 
     def observe(self, out: RequestOutput) -> None:
         """Latency metrics, per engine output (engine thread): they measure the engine, not how
-        fast the client reads."""
+        fast the client reads. An output without tokens (an abort of a queued request) is no
+        token's latency. Finishes are counted by the engine (kvguard_requests_finished_total),
+        where aborts pass too."""
         m = self.service.metrics
         t = time.monotonic()
-        if self.last is None:
-            m.ttft.labels(self.priority).observe(t - self.t0)
-        else:
-            m.inter_token.labels(self.priority).observe(t - self.last)
-        self.last = t
+        if out.new_token_ids:
+            if self.last is None:
+                m.ttft.labels(self.priority).observe(t - self.t0)
+            else:
+                m.inter_token.labels(self.priority).observe(t - self.last)
+            self.last = t
         if out.finished:
             m.e2e.labels(self.priority).observe(t - self.t0)
             if out.queue_time_s is not None:
                 m.queue_time.labels(self.priority).observe(out.queue_time_s)
-            m.finished.labels(out.finish_reason or "unknown", self.priority).inc()
 
 
 class _Outputs:
@@ -236,6 +255,20 @@ class _Outputs:
         self._lock = threading.Lock()  # the engine thread adds, the event loop takes
         self._buffer = OutputBuffer()
         self._ready = asyncio.Event()
+        self.gone = False  # the client hung up (event loop only)
+        self.cut_message: str | None = None  # the server cut the request off (event loop only)
+
+    def hang_up(self) -> None:
+        """The client left: wake the waiting coroutine, which gives up (event loop only)."""
+        self.gone = True
+        self._ready.set()
+
+    def cut(self, message: str) -> None:
+        """The daemon gives up on the request (drain deadline): the waiting coroutine answers
+        the cut at once, without waiting for the engine, which may be stalled (event loop
+        only). Output already produced is still handed out first."""
+        self.cut_message = message
+        self._ready.set()
 
     def push(self, out: RequestOutput) -> None:
         """The stream's listener, on the engine thread: must not block."""
@@ -248,12 +281,19 @@ class _Outputs:
             self._aio.call_soon_threadsafe(self._ready.set)
 
     async def get(self) -> RequestOutput:
-        """Everything new since the previous get, as one output; waits for something new."""
+        """Everything new since the previous get, as one output; waits for something new.
+
+        Raises ClientGone once the client has hung up, RequestCut once the daemon has cut the
+        request and everything produced before the cut has been taken."""
         while True:
+            if self.gone:
+                raise ClientGone
             with self._lock:
                 out = self._buffer.take()
             if out is not None:
                 return out
+            if self.cut_message is not None:
+                raise RequestCut(self.cut_message)
             await self._ready.wait()
             self._ready.clear()
 
@@ -263,19 +303,77 @@ class _Outputs:
             return len(self._buffer)
 
 
-async def _wait_final(
-    service: Service, request: Request, rid: str, outputs: _Outputs
-) -> RequestOutput:
-    while True:
+class ClientGone(Exception):
+    """The client hung up; its request is aborted and nobody is left to answer."""
+
+
+class RequestCut(Exception):
+    """The daemon cut the request off before it finished (the drain deadline passed)."""
+
+
+class _DisconnectWatch:
+    """Aborts a request the moment its client hangs up, whatever the request is doing.
+
+    A task waits on the ASGI receive channel, which yields `http.disconnect` when the
+    connection drops, beside the coroutine that waits for outputs. A check made only between
+    outputs never runs while tokens keep arriving (and an abandoned request would generate to
+    its last token), nor in time for a queued request, which has no outputs at all. The abort
+    goes through the mailbox behind the request's own add, so it also reaches a request the
+    engine has not taken yet; the engine frees the blocks at its next step.
+    """
+
+    def __init__(
+        self, request: Request, service: Service, stream: RequestStream, outputs: _Outputs
+    ) -> None:
+        self._service, self._stream, self._outputs = service, stream, outputs
+        self._task = asyncio.get_running_loop().create_task(self._watch(request))
+
+    async def _watch(self, request: Request) -> None:
         try:
-            out = await asyncio.wait_for(outputs.get(), timeout=0.5)
-        except TimeoutError:
-            if await request.is_disconnected():
-                service.loop.abort(rid)
-                raise ApiError(499, "client disconnected") from None
-            continue
-        if out.finished:
-            return out
+            while (await request.receive())["type"] != "http.disconnect":
+                pass  # the body has been read: nothing but a disconnect should come
+        except Exception:  # noqa: BLE001 - a receive channel that fails has lost its client too
+            log.debug("receive failed for %s; taking the client as gone", self._stream.request_id)
+        self._service.loop.abort_stream(self._stream)
+        self._outputs.hang_up()
+
+    def stop(self) -> None:
+        """The answer is complete (or failed before the engine took the request)."""
+        self._task.cancel()
+
+
+def _cut_error(service: Service, out: RequestOutput | None, cut: str | None) -> ApiError:
+    """503 for a request the daemon stopped before it finished: a 200 would read as a
+    complete answer, and the client should retry elsewhere rather than use a truncated one."""
+    if cut is None:
+        cut = DRAIN_CUT_MESSAGE if service.draining else "the request was aborted by the server"
+    if out is not None:
+        cut += f" ({out.num_output_tokens} tokens had been generated)"
+    return ApiError(
+        503,
+        cut,
+        code="request_cut",
+        type_="service_unavailable",
+        retry_after=RETRY_ELSEWHERE_S,
+    )
+
+
+async def _wait_final(
+    service: Service, outputs: _Outputs, watch: _DisconnectWatch
+) -> RequestOutput:
+    try:
+        while not (out := await outputs.get()).finished:
+            pass
+    except ClientGone:
+        raise ApiError(499, "client disconnected") from None
+    except RequestCut as e:
+        raise _cut_error(service, None, str(e)) from None
+    finally:
+        watch.stop()
+        service.requests.discard(outputs)
+    if out.finish_reason == "abort":  # not the client's doing: the daemon stopped it
+        raise _cut_error(service, out, outputs.cut_message)
+    return out
 
 
 def _kvguard_ext(ctx: _Ctx, out: RequestOutput) -> dict[str, Any]:
@@ -336,19 +434,34 @@ def _sse_line(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-async def _sse(ctx: _Ctx, rid: str, outputs: _Outputs, include_usage: bool) -> AsyncIterator[str]:
+async def _sse(
+    ctx: _Ctx, rid: str, outputs: _Outputs, watch: _DisconnectWatch, include_usage: bool
+) -> AsyncIterator[str]:
     """Stream the engine's text deltas. The engine already holds back text that could still
     become part of a stop string, so every delta is final; a slow client gets several tokens'
-    deltas coalesced into one chunk."""
+    deltas coalesced into one chunk.
+
+    A request the daemon cut off (drain deadline) ends with an `error` event, the way OpenAI
+    streams report a failure, and no `[DONE]`: a stream that ends normally after a cut would
+    read as a complete answer."""
     first, final = True, None
     try:
         while final is None:
-            out = await outputs.get()
+            try:
+                out = await outputs.get()
+            except ClientGone:
+                return
+            except RequestCut as e:
+                yield _sse_line(_cut_error(ctx.service, None, str(e)).body())
+                return
             if out.finished:
                 final = out
             if out.new_text or first:
                 yield _sse_line(_chunk(ctx, out.new_text, None, first))
                 first = False
+        if final.finish_reason == "abort":
+            yield _sse_line(_cut_error(ctx.service, final, outputs.cut_message).body())
+            return
         end = _chunk(ctx, None, final.finish_reason, False)
         end["kvguard"] = _kvguard_ext(ctx, final)
         yield _sse_line(end)
@@ -359,5 +472,7 @@ async def _sse(ctx: _Ctx, rid: str, outputs: _Outputs, include_usage: bool) -> A
             yield _sse_line(u)
         yield "data: [DONE]\n\n"
     finally:
-        if final is None:  # client went away mid-stream: free its blocks
+        watch.stop()
+        ctx.service.requests.discard(outputs)
+        if final is None:  # client went away mid-stream, or a cut: free its blocks
             ctx.service.loop.abort(rid)

@@ -8,10 +8,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Generator
 from concurrent.futures import Future
 from pathlib import Path
@@ -32,6 +34,9 @@ from kvguard.rules.actions import run_action
 
 log = logging.getLogger("kvguard.daemon")
 STALL_AFTER_S = 30.0  # an engine loop without a heartbeat this long is not ready
+# After the drain deadline: how long the cut requests' 503s / SSE errors get to go out, and how
+# long the engine gets to apply the aborts, before the process exits regardless.
+CUT_GRACE_S = 5.0
 
 
 class _Server(uvicorn.Server):
@@ -57,6 +62,10 @@ class Service:
         self.audit: AuditStore | None = None
         self.control: ControlPlane | None = None
         self.exit_code = 0
+        # HTTP requests being answered (objects with `cut(message)`): a drain that runs out of
+        # time answers each of them at once, even if the engine thread is stalled.
+        self.requests: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._drain: asyncio.Task[None] | None = None  # held: the loop keeps weak references
 
     # -- names ------------------------------------------------------------------------------
     @property
@@ -140,18 +149,50 @@ class Service:
             log_level="info",
             lifespan="off",
             access_log=False,
+            timeout_graceful_shutdown=CUT_GRACE_S,  # counted from the end of the drain
         )
         server = _Server(config)
         aio = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            aio.add_signal_handler(sig, lambda: aio.create_task(self.shutdown(server)))
+            aio.add_signal_handler(sig, self._on_stop_signal, sig, server)
         aio.add_signal_handler(signal.SIGHUP, lambda: aio.run_in_executor(None, self.reload))
         await server.serve()
         self.close()
         return self.exit_code
 
+    def _on_stop_signal(self, sig: signal.Signals, server: uvicorn.Server) -> None:
+        """The first SIGTERM/SIGINT drains; a second one during the drain means the operator
+        will not wait for it: exit at once, non-zero (128 + the signal, as a shell reports a
+        death by that signal), so that systemd and scripts see the cut was forced."""
+        if not self.draining:
+            self._drain = asyncio.get_running_loop().create_task(self.shutdown(server))
+            return
+        code = 128 + int(sig)
+        cut = self.loop.in_flight()
+        log.warning(
+            "second %s during the drain: exiting now with status %d, cutting %d in-flight requests",
+            signal.Signals(sig).name,
+            code,
+            cut,
+        )
+        self.exit_code = code
+        self._exit_now(f"forced by a second {signal.Signals(sig).name}: {cut} requests cut")
+
+    def _exit_now(self, why: str) -> None:
+        """Leave without waiting for requests, the engine or connections: only the audit gets
+        a short, bounded chance to write (or spill) what it holds."""
+        self._stop_watchdog.set()
+        sdnotify.status(f"exiting: {why}")
+        if self.audit is not None:
+            self.audit.record_event("daemon_stop", detail=f"exit {self.exit_code}: {why}")
+            self.audit.stop(timeout=2)
+        logging.shutdown()  # flush the log line above
+        os._exit(self.exit_code)
+
     async def shutdown(self, server: uvicorn.Server) -> None:
-        """Stop admitting (503), let in-flight requests finish up to drain_timeout, then exit."""
+        """Stop admitting (503), let in-flight requests finish up to drain_timeout, then cut
+        the rest: each gets a 503 (or an SSE error event) saying the daemon is shutting down,
+        never a response that looks complete. Exits 0: the drain did what it promises."""
         if self.draining:
             return
         self.draining = True
@@ -166,10 +207,30 @@ class Service:
             await asyncio.sleep(0.05)
         left = self.loop.in_flight()
         if left:
-            log.warning("drain timeout: aborting %d requests", left)
-            await asyncio.wrap_future(self.loop.call(self._abort_all))
-            await asyncio.sleep(0.2)  # let the aborted responses go out
+            await self._cut_all(left)
         server.should_exit = True
+
+    async def _cut_all(self, left: int) -> None:
+        """Answer every unfinished request now (HTTP side), then have the engine abort them and
+        free their blocks; a stalled engine delays the exit by CUT_GRACE_S at most."""
+        from kvguard.daemon.openai_api import DRAIN_CUT_MESSAGE
+
+        log.warning(
+            "drain timeout after %gs: cutting %d unfinished requests (clients get 503)",
+            self.cfg.api.drain_timeout,
+            left,
+        )
+        for req in list(self.requests):
+            req.cut(DRAIN_CUT_MESSAGE)
+        aborted = self.loop.call(self._abort_all)
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(aborted), CUT_GRACE_S)
+        except TimeoutError:
+            log.error("engine did not apply the aborts within %gs; exiting anyway", CUT_GRACE_S)
+            return
+        deadline = time.monotonic() + CUT_GRACE_S
+        while self.loop.in_flight() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)  # the aborts' outputs reach their requests at the next step
 
     def _abort_all(self) -> int:
         ids = list(self.loop._streams)
@@ -187,6 +248,14 @@ class Service:
             self.audit.stop(timeout=10)  # logs what it could not write and where it saved it
 
     # -- operations -------------------------------------------------------------------------
+    def _sighup_before_serving(self, signum: int, frame: object) -> None:
+        """SIGHUP before the event loop handles it: ignored while loading; in the moment
+        between READY and serving, reloaded on a thread (a signal handler must not block)."""
+        if not self._ready:
+            log.warning("reload ignored: not ready yet (SIGHUP during start-up)")
+            return
+        threading.Thread(target=self.reload, name="kvguard-reload", daemon=True).start()
+
     def reload(self) -> dict[str, Any]:
         """Re-read the config file; a bad file keeps the running config and says why."""
         sdnotify.reloading()
@@ -328,5 +397,9 @@ def run(cfg: DaemonConfig, config_path: Path | None = None) -> int:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     svc = Service(cfg, config_path)
+    # Until serve() takes SIGHUP over, a reload has nothing to act on, and SIGHUP's default
+    # action would kill the process in the middle of loading the model or migrating the DB.
+    signal.signal(signal.SIGHUP, svc._sighup_before_serving)
+    log.info("starting (pid %d); SIGHUP is ignored until ready", os.getpid())
     svc.load()
     return asyncio.run(svc.serve())

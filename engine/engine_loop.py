@@ -225,5 +225,11 @@ class EngineLoop:
     def abort(self, request_id: str) -> Future:
         return self.call(lambda: self.engine.abort(request_id))
 
+    def abort_stream(self, stream: RequestStream) -> Future:
+        """Abort the request behind `stream`, even one whose add still waits in the mailbox:
+        the mailbox runs in order, so by the time this runs the add has run and named the
+        request (or failed, leaving nothing to abort). Resolves to whether it aborted one."""
+        return self.call(lambda: bool(stream.request_id) and self.engine.abort(stream.request_id))
+
     def snapshot(self) -> EngineSnapshot:
         return self.engine.latest_snapshot

@@ -28,7 +28,13 @@ from kvguard.engine.model_registry import resolve_model
 from kvguard.engine.sampler import sample
 from kvguard.engine.sampling_params import SamplingParams
 from kvguard.engine.scheduler import ScheduledBatch, Scheduler
-from kvguard.engine.sequence import RequestOutput, Sequence, Status, parse_priority
+from kvguard.engine.sequence import (
+    PRIORITY_NAMES,
+    RequestOutput,
+    Sequence,
+    Status,
+    parse_priority,
+)
 from kvguard.engine.snapshot import EngineSnapshot, build_snapshot
 from kvguard.engine.tokenizer import Tokenizer
 from kvguard.engine.weights import load_weights
@@ -112,6 +118,9 @@ class LLMEngine(ControlSurface):
         self._pending: list[RequestOutput] = []  # aborted/finished outside a step
         self._step_no = 0
         self._counters = {"tokens_generated": 0, "prompt_tokens": 0, "finished": 0, "oom": 0}
+        # finish_reason -> priority -> count. Every finish passes through `_finish`, aborts
+        # (client gone, drain cut) included, so this is the one place that can count them all.
+        self._finished: dict[str, dict[str, int]] = {}
         self._inject_oom = 0
         self._last_oom = 0.0
         self._ttft: deque[float] = deque(maxlen=256)
@@ -344,6 +353,9 @@ class LLMEngine(ControlSurface):
     def _finish(self, seq: Sequence) -> None:
         seq.status = Status.FINISHED
         self._counters["finished"] += 1
+        by_priority = self._finished.setdefault(seq.finish_reason or "unknown", {})
+        name = PRIORITY_NAMES[seq.priority]
+        by_priority[name] = by_priority.get(name, 0) + 1
         if self.admission is not None and seq.admitted:
             self.admission.release(seq.projected_blocks)
         self._seqs.pop(seq.request_id, None)

@@ -50,6 +50,8 @@ class EngineSnapshot:
     ttft_p50_s: float | None
     tpot_p50_s: float | None
     events: dict[str, int] = field(default_factory=dict)
+    # finish_reason -> priority -> requests finished so far (aborts included: see LLMEngine._finish)
+    finished: dict[str, dict[str, int]] = field(default_factory=dict)
 
     # -- shorthands used by benchmarks, rules and metrics ---------------------------------
     @property
@@ -138,4 +140,5 @@ def build_snapshot(engine: LLMEngine) -> EngineSnapshot:
         ttft_p50_s=_median(engine._ttft),
         tpot_p50_s=_median(engine._tpot),
         events=dict(engine.events.counts),
+        finished={reason: dict(n) for reason, n in engine._finished.items()},
     )

@@ -1,0 +1,188 @@
+"""Shutdown as an operator and a client see it: a drain that runs out of time answers the
+requests it cuts with a clear error, a second SIGTERM exits at once, and SIGHUP while the
+model loads is ignored instead of killing the process."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import threading
+from pathlib import Path
+
+import httpx
+
+from tests.test_server import KVGUARD, Daemon, free_port, until
+
+LONG = {"model": "tiny", "prompt": "drain", "max_tokens": 480, "ignore_eos": True}
+
+
+def in_engine(d: Daemon) -> int:
+    q = d.admin("GET", "/admin/state").json()["queues"]
+    return sum(sum(q[s].values()) for s in ("running", "waiting", "swapped"))
+
+
+def draining(d: Daemon) -> bool:
+    return httpx.get(d.url + "/ready", timeout=5).json()["reason"] == "draining"
+
+
+def set_drain_timeout(d: Daemon, value: str) -> None:
+    """api.drain_timeout is reloadable: change it in the daemon's config file and reload."""
+    text = d.config.read_text()
+    assert "drain_timeout: 20s" in text
+    d.config.write_text(text.replace("drain_timeout: 20s", f"drain_timeout: {value}"))
+    r = d.admin("POST", "/admin/reload")
+    assert r.status_code == 200 and "api.drain_timeout" in r.json()["changes"], r.text
+
+
+def hold_in_engine(d: Daemon, n: int) -> None:
+    """Wait until `n` requests are inside the engine, then freeze it (one sequence at a time,
+    engine stalled), so that none of them can finish before the drain deadline."""
+    until(lambda: in_engine(d) == n, 60, f"{n} requests inside the engine")
+    assert d.admin("POST", "/admin/debug/stall", json={"seconds": 4}).status_code == 200
+
+
+def test_drain_deadline_cuts_with_503_and_an_sse_error_never_a_complete_answer(
+    tmp_path: Path,
+) -> None:
+    d = Daemon(tmp_path)
+    set_drain_timeout(d, "1s")
+    d.admin("POST", "/admin/actions/set_max_num_seqs", json={"n": 1})
+    plain: list[httpx.Response] = []
+    streamed: list[list[str]] = []
+
+    def ask() -> None:
+        plain.append(httpx.post(d.url + "/v1/completions", json=LONG, timeout=60))
+
+    def stream() -> None:
+        with httpx.stream(
+            "POST", d.url + "/v1/completions", json={**LONG, "stream": True}, timeout=60
+        ) as r:
+            assert r.status_code == 200
+            streamed.append([line for line in r.iter_lines() if line])
+
+    threads = [threading.Thread(target=f) for f in (ask, ask, ask, stream, stream)]
+    for t in threads:
+        t.start()
+    hold_in_engine(d, 5)  # at most one runs: at least 2 plain and 1 streamed are cut
+    d.proc.send_signal(signal.SIGTERM)
+    for t in threads:
+        t.join(60)
+    assert d.proc.wait(60) == 0
+    d.log.close()
+
+    cut = [r for r in plain if r.status_code == 503]
+    assert len(plain) == 3 and len(cut) >= 2, [(r.status_code, r.text[:80]) for r in plain]
+    for r in plain:
+        if r.status_code == 200:  # finished within the drain: a whole answer
+            assert r.json()["choices"][0]["finish_reason"] == "length"
+            assert r.json()["usage"]["completion_tokens"] == LONG["max_tokens"]
+            continue
+        assert int(r.headers["Retry-After"]) >= 1
+        err = r.json()["error"]
+        assert err["type"] == "service_unavailable"
+        assert "shutting down" in err["message"] and "retry" in err["message"]
+    cut_streams = 0
+    for lines in streamed:
+        if lines[-1] == "data: [DONE]":  # finished within the drain
+            assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "length"
+            continue
+        cut_streams += 1
+        assert "data: [DONE]" not in lines
+        last = json.loads(lines[-1].removeprefix("data: "))
+        assert last["error"]["type"] == "service_unavailable"
+        assert "shutting down" in last["error"]["message"]
+        assert all('"finish_reason": "abort"' not in line for line in lines)
+    assert len(streamed) == 2 and cut_streams >= 1
+    log = Path(d.log.name).read_text()
+    assert "cutting" in log and "unfinished requests" in log
+
+
+def test_second_sigterm_during_the_drain_exits_at_once_non_zero(tmp_path: Path) -> None:
+    d = Daemon(tmp_path)  # drain_timeout 20s
+    d.admin("POST", "/admin/actions/set_max_num_seqs", json={"n": 1})
+    threads = [threading.Thread(target=post_and_lose, args=(d,)) for _ in range(3)]
+    for t in threads:
+        t.start()
+    until(lambda: in_engine(d) == 3, 60, "3 requests inside the engine")
+    d.admin("POST", "/admin/debug/stall", json={"seconds": 60})  # the drain cannot finish
+    d.proc.send_signal(signal.SIGTERM)
+    try:
+        until(lambda: draining(d), 30, "draining")
+        d.proc.send_signal(signal.SIGTERM)
+        # Well inside both the 20 s drain and the 60 s stall that a first SIGTERM waits out.
+        assert d.proc.wait(15) == 128 + signal.SIGTERM
+    finally:
+        if d.proc.poll() is None:
+            d.proc.kill()
+        d.log.close()
+    log = Path(d.log.name).read_text()
+    assert "second SIGTERM during the drain: exiting now with status 143" in log
+    assert "cutting 3 in-flight requests" in log
+    for t in threads:
+        t.join(60)
+
+
+def post_and_lose(d: Daemon) -> None:
+    """A request whose connection the test expects to drop with the process."""
+    with contextlib.suppress(httpx.HTTPError):
+        httpx.post(d.url + "/v1/completions", json=LONG, timeout=60)
+
+
+def test_sighup_while_loading_is_ignored(tmp_path: Path) -> None:
+    """Loading is held open deterministically: the rules file, read near the end of loading,
+    is a FIFO that this test opens for writing only once the daemon has opened it for reading.
+    SIGHUPs sent then arrive mid-load; the daemon must live on, log that it ignored them and
+    become ready once the rules arrive."""
+    from kvguard.rules.schema import default_rules_path
+
+    fifo = tmp_path / "rules.yaml"
+    os.mkfifo(fifo)
+    port = free_port()
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "serving: {model: tiny, kv_cache_bytes: 8MiB, max_model_len: 512}\n"
+        f"api: {{host: 127.0.0.1, port: {port}}}\n"
+        f"audit: {{url: 'sqlite:///{tmp_path / 'audit.db'}'}}\n"
+        f"rules: {{path: {fifo}}}\n"
+    )
+    log_path = tmp_path / "daemon.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [KVGUARD, "serve", "--config", str(config)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "STATE_DIRECTORY": str(tmp_path)},
+        )
+    try:
+        writer: list[int] = []
+
+        def reader_opened() -> bool:
+            assert proc.poll() is None, log_path.read_text()
+            try:  # ENXIO until the daemon has the FIFO open for reading, i.e. is loading
+                writer.append(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:
+                return False
+            return True
+
+        until(reader_opened, 90, "the daemon to open its rules file")
+        for _ in range(3):
+            proc.send_signal(signal.SIGHUP)
+        os.write(writer[0], default_rules_path().read_bytes())
+        os.close(writer[0])
+
+        def ready() -> bool:
+            assert proc.poll() is None, f"daemon died: {log_path.read_text()}"
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        until(ready, 90, "ready after the SIGHUPs")
+        assert "reload ignored: not ready yet" in log_path.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0

@@ -105,6 +105,10 @@ def _print_state(s: dict) -> None:
         print(f"{state:<12} {row}")
     halted = f"halted (allowed: {adm['allow_priority']})" if adm["halted"] else "open"
     print(f"admission    {halted}")
+    if adm.get("estimate"):  # absent from older daemons
+        print("estimate     " + _estimate_line(adm))
+    if adm.get("device_block_cap"):
+        print(f"kv cap       {adm['device_block_cap']} device blocks (keeps the FP8 undo open)")
     print("knobs        " + "  ".join(f"{k}={v}" for k, v in s["knobs"].items()))
     print("preemptions  " + "  ".join(f"{k}={v}" for k, v in s["preemptions"].items()))
     audit = s.get("audit")  # absent from older daemons
@@ -113,3 +117,15 @@ def _print_state(s: dict) -> None:
     if s.get("rules"):
         for r in s["rules"]:
             print(f"rule         {r['name']:<20} {r['state']}")
+
+
+def _estimate_line(adm: dict) -> str:
+    """Predicted admission at a glance: the share of max_tokens it plans for, per bucket, and
+    how far recent outputs ran from that plan."""
+    ratios = "  ".join(f"{b}={r:.2f}" for b, r in (adm.get("output_ratio") or {}).items())
+    err = adm.get("estimate_error") or {}
+    return (
+        f"{adm['estimate']}  output/max_tokens {ratios or 'cold: worst case'}  "
+        f"error {err.get('mean', 0.0):+.2f}  outran {err.get('undershoot_share', 0.0):.0%} "
+        f"of {err.get('samples', 0)}"
+    )

@@ -35,6 +35,7 @@ class SnapshotCollector(Collector):
         yield from self._queues(s)
         yield from self._counters(s)
         yield from self._knobs(s)
+        yield from self._admission(s)
         up = _gauge("kvguard_ready", "1 when the daemon accepts requests")
         up.add_metric([], 1.0 if self.ready() else 0.0)
         yield up
@@ -119,6 +120,38 @@ class SnapshotCollector(Collector):
         halted = _gauge("kvguard_admission_halted", "1 while admission is halted")
         halted.add_metric([], 1.0 if s.admission["halted"] else 0.0)
         yield from (seqs, toks, cap, off, halted)
+
+    def _admission(self, s: EngineSnapshot):  # noqa: ANN202
+        """Predicted admission's estimate and its error, so a bad guess shows before it hurts."""
+        adm = s.admission
+        ratio = _gauge(
+            "kvguard_admission_output_ratio_estimate",
+            "Share of max_tokens admission plans outputs at, by max_tokens bucket (1 = worst case)",
+            ["bucket"],
+        )
+        for bucket, r in (adm.get("output_ratio") or {}).items():
+            ratio.add_metric([bucket], r)
+        err = adm.get("estimate_error") or {}
+        mean = _gauge(
+            "kvguard_admission_estimate_error_ratio",
+            "Recent mean of (realised - planned output) / max_tokens; > 0: outputs outran plans",
+        )
+        mean.add_metric([], float(err.get("mean", 0.0)))
+        under = _gauge(
+            "kvguard_admission_estimate_undershoot_ratio",
+            "Share of recent requests whose output outran admission's plan",
+        )
+        under.add_metric([], float(err.get("undershoot_share", 0.0)))
+        committed = _gauge(
+            "kvguard_admission_committed_blocks", "KV blocks admission has planned for"
+        )
+        committed.add_metric([], float(adm.get("committed_blocks", 0)))
+        kv_cap = _gauge(
+            "kvguard_kv_cache_block_cap",
+            "Device blocks sequences may hold while a remedy narrowed the KV dtype (0 = no cap)",
+        )
+        kv_cap.add_metric([], float(adm.get("device_block_cap") or 0))
+        yield from (ratio, mean, under, committed, kv_cap)
 
 
 class NvmlCollector(Collector):

@@ -192,6 +192,7 @@ class ControlSurface:
         self.kv_cache.last_switch_peak_extra_bytes = max(extra, extra_h)
         if self.admission is not None:
             self.admission.bytes_per_block = self.kv_cache.bytes_per_block
+        self.scheduler.block_cap = self.undo_room_cap()  # keep the way back open
         pause = time.perf_counter() - t0
         data = {
             "from": old,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Sequence as Seq
@@ -42,6 +43,7 @@ from kvguard.engine.weights import load_weights
 log = logging.getLogger("kvguard.engine")
 OOM_ERRORS: tuple[type[BaseException], ...] = (torch.OutOfMemoryError,)
 MIN_BATCHED_TOKENS = 64
+UNDO_MARGIN = 0.10  # share of the configured dtype's pool kept free while a remedy narrows it
 
 
 class InjectedOOMError(RuntimeError):
@@ -107,6 +109,7 @@ class LLMEngine(ControlSurface):
             )
             self.scheduler.admit_gate = self._commit
             self.scheduler.release_gate = self._uncommit
+            self.admission.live = self._live_loads
         self.max_model_len = min(config.max_model_len, model_config.max_position_embeddings)
         self.eos_ids = set(tokenizer.eos_token_ids) | set(model_config.eos_token_ids)
         self.max_new_tokens_cap: int | None = None
@@ -196,12 +199,13 @@ class LLMEngine(ControlSurface):
             seq.admitted = True
             return
         queued = sum(1 for s in self.scheduler.waiting if not s.admitted)
+        capacity = self.scheduler.device_capacity()
         d = self.admission.decide(
             len(seq.prompt_token_ids),
             seq.max_tokens,
             seq.priority,
-            self.block_manager.num_blocks,
-            self.block_manager.num_used / self.block_manager.num_blocks,
+            capacity,
+            self.block_manager.num_used / capacity,
             queued,
             seq.max_total_len,
         )
@@ -210,7 +214,7 @@ class LLMEngine(ControlSurface):
             raise AdmissionRejected(d)
         seq.max_tokens = d.max_tokens
         seq.projected_blocks = self.admission.projected_blocks(
-            len(seq.prompt_token_ids) + d.max_tokens
+            len(seq.prompt_token_ids) + d.predicted_tokens
         )
         seq.admission = d
         if d.decision == "admit":
@@ -218,9 +222,38 @@ class LLMEngine(ControlSurface):
             seq.admitted = True
 
     def _commit(self, seq: Sequence) -> bool:
+        load = (seq.num_tokens, seq.admission.predicted_tokens if seq.admission else 1)
         return self.admission.try_commit(
-            seq.projected_blocks, self.block_manager.num_blocks, seq.priority
+            seq.projected_blocks, self.scheduler.device_capacity(), seq.priority, load
         )
+
+    def undo_room_cap(self) -> int | None:
+        """The device blocks sequences may hold while the KV dtype is narrower than configured.
+
+        A remedy that switches to FP8 is meant to be undone; if the scheduler filled the larger
+        FP8 pool, the live tokens would not fit the configured dtype's pool and the way back
+        would stay refused long after the burst. So use is capped at what that pool holds, less
+        UNDO_MARGIN (a request alone on the device may pass it: see Scheduler._can_allocate).
+        None when the live dtype holds no more blocks than the configured one.
+        """
+        configured = kv_dtype_name(self.config.kv_cache_dtype, next(self.model.parameters()).dtype)
+        full = self.kv_cache.blocks_for_budget(configured)
+        if self.kv_cache.dtype == configured or full >= self.block_manager.num_blocks:
+            return None
+        return max(1, math.floor(full * (1.0 - UNDO_MARGIN)))
+
+    def _live_loads(self) -> list[tuple[int, int]]:
+        """(tokens held, tokens still expected) of every admitted, unfinished request, for
+        predicted admission. A request past its prediction is expected to need at least another
+        block (or what its max_tokens leaves), not to end this very step."""
+        out = []
+        for s in self.scheduler.live():
+            if not s.admitted or s.admission is None:
+                continue
+            made = len(s.output_token_ids)
+            rest = max(s.admission.predicted_tokens - made, self.config.block_size)
+            out.append((s.num_tokens, max(0, min(s.max_tokens - made, rest))))
+        return out
 
     def _uncommit(self, seq: Sequence) -> None:
         self.admission.uncommit(seq.projected_blocks)
@@ -358,6 +391,12 @@ class LLMEngine(ControlSurface):
         by_priority[name] = by_priority.get(name, 0) + 1
         if self.admission is not None and seq.admitted:
             self.admission.release(seq.projected_blocks)
+            d = seq.admission
+            if d is not None and seq.finish_reason in ("stop", "length"):
+                # what the output really ran to teaches the estimator (aborts say nothing)
+                self.admission.estimator.observe(
+                    d.max_tokens, len(seq.output_token_ids), d.predicted_tokens
+                )
         self._seqs.pop(seq.request_id, None)
 
     # -- out-of-memory safety -------------------------------------------------------------

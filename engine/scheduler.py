@@ -5,6 +5,10 @@ sequences brought back, then waiting ones admitted in (priority, arrival) order 
 budget, `max_num_seqs` and free blocks allow. When a running sequence needs a block and none is
 free, the lowest-priority, newest running sequence is preempted: swapped to the host pool when
 offload is on and it has room, recomputed later otherwise. Nothing is ever dropped.
+
+`block_cap` bounds the device blocks in use below the pool size: while a remedy has narrowed
+the KV dtype (FP8), the engine caps use at what the configured dtype's pool holds, less a
+margin, so switching back always fits once the burst has passed (see LLMEngine).
 """
 
 from __future__ import annotations
@@ -63,6 +67,20 @@ class Scheduler:
         self.swapped: list[Sequence] = []  # sorted by (priority, order)
         self.running: list[Sequence] = []
         self.preemptions = {"swap": 0, "recompute": 0}
+        self.block_cap: int | None = None  # most device blocks in use; None: the whole pool
+
+    def device_capacity(self) -> int:
+        """Device blocks sequences may hold now: the pool, or the cap while one is set."""
+        n = self.bm.num_blocks
+        return n if self.block_cap is None else max(1, min(n, self.block_cap))
+
+    def _can_allocate(self, n: int, reserve: int = 0, alone: bool = False) -> bool:
+        """Free blocks within the cap; a sequence `alone` on the device may pass the cap (never
+        past the pool), so a request longer than the cap is slowed, not starved."""
+        capped = self.block_cap is not None and not alone
+        if capped and self.bm.num_used + n + reserve > self.block_cap:
+            return False
+        return self.bm.can_allocate(n, reserve)
 
     # -- queues -----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -115,7 +133,7 @@ class Scheduler:
     def _reserve(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
         """Get blocks for `n` tokens of `seq`, preempting others (or `seq` itself) if needed."""
         need = self.bm.blocks_needed(seq, n)
-        while not self.bm.can_allocate(need):
+        while not self._can_allocate(need, alone=self.running == [seq]):
             victim = self.pick_victim(exclude=batch.seqs)
             if victim is None:
                 return False
@@ -158,10 +176,10 @@ class Scheduler:
         # Keep a block per running sequence in hand so the next decode step does not preempt
         # what was just admitted; evicted sequences wait until usage is below readmit_usage.
         reserve = min(len(self.running), self.bm.num_blocks // 100 + 1)
-        if not self.bm.can_allocate(n_blocks, reserve):
+        if not self._can_allocate(n_blocks, reserve, alone=not self.running):
             return False
         if seq.held:
-            after = (self.bm.num_used + n_blocks) / self.bm.num_blocks
+            after = (self.bm.num_used + n_blocks) / self.device_capacity()
             return after < self.readmit_usage
         return True
 

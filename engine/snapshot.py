@@ -133,6 +133,12 @@ def build_snapshot(engine: LLMEngine) -> EngineSnapshot:
             "halted": engine.allow_rank is not None,
             "allow_priority": allowed_name(engine.allow_rank),
             "committed_blocks": 0 if adm is None else adm.committed_blocks,
+            # predicted admission: what outputs are planned at (share of max_tokens per bucket)
+            # and how far recent outputs ran from their plan
+            "estimate": None if adm is None else adm.config.estimate,
+            "output_ratio": {} if adm is None else adm.estimator.ratios(),
+            "estimate_error": {} if adm is None else adm.estimator.error(),
+            "device_block_cap": sch.block_cap,
         },
         counters=dict(engine._counters),
         preemptions=dict(sch.preemptions),

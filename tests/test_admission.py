@@ -27,6 +27,7 @@ configs = st.builds(
     dynamic_max_tokens=st.booleans(),
     max_queue=st.integers(0, 10),
     high_priority_reserve=st.sampled_from([0.0, 0.1, 0.3]),
+    estimate=st.just("worst_case"),  # the brief's sum of peaks (predicted: test_admission_predicted)
 )
 
 
@@ -77,7 +78,8 @@ def test_never_admits_past_budget_and_respects_the_queue_bound(cfg, trace) -> No
 
 
 def test_high_priority_reserve_keeps_room_for_high() -> None:
-    ctl = AdmissionController(AdmissionConfig(high_priority_reserve=0.25), BLOCK, 1000)
+    cfg = AdmissionConfig(high_priority_reserve=0.25, estimate="worst_case")  # sum of peaks
+    ctl = AdmissionController(cfg, BLOCK, 1000)
     assert (ctl.limit_blocks(TOTAL, 0), ctl.limit_blocks(TOTAL, 1)) == (64, 48)
     admitted = 0
     while (d := ctl.decide(64, 64, 1, TOTAL, 0.0, 0, 4096)).decision == "admit":

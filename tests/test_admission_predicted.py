@@ -1,0 +1,185 @@
+"""Predicted admission (issue 17): the output-length estimator, the overlap peak, an engine whose
+predictions undershoot, the FP8 cap that keeps the way back open, and the config key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvguard.daemon.config import load_config
+from kvguard.engine.admission import (
+    AdmissionConfig,
+    AdmissionController,
+    OutputLengthEstimator,
+    overlap_peak,
+)
+from kvguard.engine.config import EngineConfig
+from kvguard.engine.knobs import ConfigError
+from kvguard.engine.llm_engine import UNDO_MARGIN, LLMEngine
+from kvguard.engine.sampling_params import SamplingParams
+
+BLOCK = 16
+
+
+# -- the estimator ------------------------------------------------------------------------------
+def test_cold_start_is_the_worst_case() -> None:
+    est = OutputLengthEstimator()
+    assert est.ratio(100) == 1.0 and est.predict(100) == 100
+    for _ in range(est.min_samples - 1):
+        est.observe(100, 10, 100)
+    assert est.predict(100) == 100, "too few samples must still plan for max_tokens"
+
+
+def test_converges_to_the_realised_quantile() -> None:
+    est = OutputLengthEstimator(quantile=0.9, window=100)
+    realised = [10 + (i * 37) % 41 for i in range(200)]  # 10..50 of max_tokens 100, spread out
+    for r in realised:
+        est.observe(100, r, est.predict(100))
+    window = sorted(x / 100 for x in realised[-100:])
+    assert est.ratio(100) == pytest.approx(window[89])  # nearest rank: the 90th of 100
+    assert est.predict(100) == round(100 * window[89])
+    err = est.error()
+    assert err["samples"] == 200 and 0.0 <= err["undershoot_share"] <= 1.0
+
+
+def test_floor_bounds_the_prediction() -> None:
+    est = OutputLengthEstimator(floor=0.2)
+    for _ in range(20):
+        est.observe(200, 1, 200)
+    assert est.ratio(200) == 0.2 and est.predict(200) == 40
+
+
+def test_buckets_learn_separately_and_a_cold_bucket_borrows_the_pool() -> None:
+    est = OutputLengthEstimator(quantile=1.0)
+    for _ in range(10):
+        est.observe(64, 16, 64)  # 0.25 in the le64 bucket
+        est.observe(256, 192, 256)  # 0.75 in the le256 bucket
+    assert est.ratio(60) == 0.25 and est.predict(64) == 16
+    assert est.ratio(200) == 0.75 and est.predict(256) == 192
+    assert est.ratio(1000) == 0.75  # no le1024 samples yet: the pooled quantile
+    assert set(est.ratios()) == {"le64", "le256"}
+
+
+def test_overlap_peak_counts_only_requests_still_running() -> None:
+    assert overlap_peak([]) == 0
+    # two requests holding 10 tokens: one ends in 2 steps, one in 100
+    assert overlap_peak([(10, 2), (10, 100)]) == 110
+    assert overlap_peak([(50, 5), (50, 5)]) == 110
+    # the old rule would reserve the sum of the peaks: 10+2 + 10+100 = 122
+    assert overlap_peak([(10, 2), (10, 100)]) < 122
+    # in blocks, each request rounded up: 2 x ceil(55 x 1.0 / 16) at tau = 5
+    assert overlap_peak([(50, 5), (50, 5)], 16) == 8
+    assert overlap_peak([(60, 20), (60, 20)], 16, 1.15) == 2 * 6
+
+
+# -- admission ----------------------------------------------------------------------------------
+def test_cold_predicted_admission_decides_like_worst_case() -> None:
+    worst = AdmissionController(AdmissionConfig(estimate="worst_case"), BLOCK, 1000)
+    pred = AdmissionController(AdmissionConfig(estimate="predicted"), BLOCK, 1000)
+    for prompt, max_new in ((10, 30), (100, 300), (5, 1)):
+        a = worst.decide(prompt, max_new, 1, 64, 0.1, 0, 4096)
+        b = pred.decide(prompt, max_new, 1, 64, 0.1, 0, 4096)
+        assert (a.decision, a.max_tokens) == (b.decision, b.max_tokens)
+        assert b.predicted_tokens == b.max_tokens
+
+
+def test_warm_predicted_admission_plans_for_the_quantile() -> None:
+    ctl = AdmissionController(AdmissionConfig(estimate="predicted"), BLOCK, 1000)
+    for _ in range(10):
+        ctl.estimator.observe(256, 32, 256)
+    d = ctl.decide(20, 256, 1, 64, 0.1, 0, 4096)
+    assert d.decision == "admit" and d.max_tokens == 256 and d.predicted_tokens == 32
+    # with the pool's worth of admitted work live, the same request waits
+    ctl.live = lambda: [(200, 300)] * 3
+    assert ctl.decide(20, 256, 1, 64, 0.1, 0, 4096).decision == "queue"
+
+
+# -- the engine ---------------------------------------------------------------------------------
+def make_engine(**kw: object) -> LLMEngine:
+    kw.setdefault("kv_cache_bytes", "32MiB")
+    kw.setdefault("num_threads", 2)
+    return LLMEngine.from_config(EngineConfig(model="tiny", **kw), progress=False)
+
+
+def run_all(engine: LLMEngine, check: object = None) -> dict[str, object]:
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        engine.audit_blocks()
+        if check is not None:
+            check(engine)
+    return done
+
+
+def test_undershooting_predictions_lose_nothing() -> None:
+    """The estimator learnt from short answers; then every request runs to max_tokens. Admission
+    lets in far more than fits, the overshoot is absorbed by preemption, nothing is lost."""
+    adm = AdmissionConfig(estimate="predicted", dynamic_max_tokens=False, high_priority_reserve=0)
+    engine = make_engine(num_gpu_blocks=24, max_num_seqs=16, admission=adm)
+    for _ in range(16):
+        engine.admission.estimator.observe(96, 2, 96)  # answers used to end after 2 tokens
+    params = SamplingParams(max_tokens=96, ignore_eos=True)
+    rids = [engine.add_request(list(range(3, 3 + 20)), params) for _ in range(8)]
+    admitted = sum(engine._seqs[r].admitted for r in rids)
+    assert admitted > 2, "predicted admission should let more start than the worst case"
+    done = run_all(engine)
+    assert sorted(done) == sorted(rids)
+    assert all(o.num_output_tokens == 96 and o.finish_reason == "length" for o in done.values())
+    assert engine.scheduler.num_preemptions > 0, "the overshoot was absorbed by preemption"
+    assert engine.admission.committed_blocks == 0
+    assert engine.admission.estimator.error()["undershoot_share"] > 0  # it saw them outrun
+
+
+def test_fp8_remedy_caps_device_kv_so_the_undo_applies() -> None:
+    engine = make_engine(num_gpu_blocks=40, max_num_seqs=16)
+    full = engine.block_manager.num_blocks
+    assert engine.set_kv_cache_dtype("fp8_e4m3") and engine.step() == []
+    assert engine.kv_cache.dtype == "fp8_e4m3" and engine.block_manager.num_blocks > full
+    cap = engine.scheduler.block_cap
+    assert cap == int(full * (1 - UNDO_MARGIN))
+    peak = []
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    rids = [engine.add_request(list(range(3, 3 + 40)), params) for _ in range(12)]
+    done = run_all(engine, lambda e: peak.append(e.block_manager.num_used))
+    assert sorted(done) == sorted(rids)
+    assert max(peak) <= cap, f"device KV reached {max(peak)} blocks, cap {cap}"
+    assert max(peak) > full // 2, "the load should have pressed against the cap"
+    fut = engine.set_kv_cache_dtype("auto")
+    engine.step()
+    res = fut.result(timeout=5)
+    assert res.ok and engine.kv_cache.dtype == "fp32" and engine.scheduler.block_cap is None
+
+
+def test_fp8_undo_applies_while_requests_are_live() -> None:
+    """The way back is open at any time: live KV never exceeds the fp32 pool."""
+    engine = make_engine(num_gpu_blocks=40, max_num_seqs=16)
+    engine.set_kv_cache_dtype("fp8_e4m3")
+    engine.step()
+    params = SamplingParams(max_tokens=200, ignore_eos=True)
+    for _ in range(12):
+        engine.add_request(list(range(3, 3 + 40)), params)
+    for _ in range(30):
+        engine.step()
+    assert engine.block_manager.num_used > 0
+    fut = engine.set_kv_cache_dtype("auto")
+    engine.step()
+    assert fut.result(timeout=5).ok, fut.result().detail
+    done = run_all(engine)
+    assert len(done) == 12
+
+
+# -- the config key -----------------------------------------------------------------------------
+def test_estimate_key_from_yaml(tmp_path: Path) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text("admission_control: {estimate: worst_case, estimate_quantile: 0.8}\n")
+    adm = load_config(path).to_engine_config().admission
+    assert adm.estimate == "worst_case" and adm.estimate_quantile == 0.8
+    assert load_config(None).to_engine_config().admission.estimate == "predicted"
+    path.write_text("admission_control: {estimate: optimistic}\n")
+    with pytest.raises(Exception, match="estimate"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="estimate"):
+        AdmissionConfig(estimate="optimistic")

@@ -277,7 +277,7 @@ class ControlSurface:
             self.scheduler.remove(seq)
             seq.finish_reason, seq.truncated = "length", True
             self._finish(seq)
-            self._pending.append(RequestOutput.of(seq))
+            self._pending.append(RequestOutput.take(seq))
 
     # -- admission --------------------------------------------------------------------------
     def halt_admission(self: LLMEngine, allow_priority: str | None = "high") -> Future:

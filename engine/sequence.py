@@ -204,6 +204,3 @@ class RequestOutput:
             final_token_ids=list(seq.output_token_ids) if done else None,
             final_prompt_token_ids=list(seq.prompt_token_ids) if done else None,
         )
-
-    # The name callers used when outputs were cumulative copies; it hands out a delta now too.
-    of = take

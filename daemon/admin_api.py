@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from fastapi import APIRouter, Body, Depends, Header
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from kvguard.daemon.control_plane import AlertPayloadError
 from kvguard.daemon.openai_api import ApiError
 from kvguard.rules.actions import ACTIONS, ActionError
 
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
     from kvguard.daemon.service import Service
 
 _B = TypeVar("_B", bound=BaseModel)
+ALERTMANAGER_MAX_BODY = 1 << 20  # 100 alerts with their labels and annotations fit many times
 
 
 def check_token(service: Service, authorization: str | None) -> None:
@@ -142,12 +144,14 @@ def alertmanager_router(service: Service) -> APIRouter:
 
     r = APIRouter(dependencies=[Depends(auth)])
 
-    @r.post("/alertmanager")
+    @r.post("/alertmanager", max_body_size=ALERTMANAGER_MAX_BODY)
     async def alertmanager(payload: dict[str, Any] = Body(...)) -> dict[str, Any]:
+        """Bounded: a body over ALERTMANAGER_MAX_BODY answers 413, as do more than
+        MAX_ALERTS_PER_REQUEST alerts; a malformed alert answers 400 naming it."""
         try:
             return service.control.alertmanager(payload)
-        except ValueError as e:
-            raise ApiError(400, str(e), "alerts") from e
+        except AlertPayloadError as e:
+            raise ApiError(e.status, str(e), e.param, "invalid_alerts") from e
 
     return r
 

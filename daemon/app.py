@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import logging
+import re
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -16,6 +18,8 @@ from kvguard.daemon.openai_schemas import error_body
 
 if TYPE_CHECKING:
     from kvguard.daemon.service import Service
+
+log = logging.getLogger("kvguard.daemon.api")
 
 
 def create_app(service: Service) -> FastAPI:
@@ -32,8 +36,13 @@ def create_app(service: Service) -> FastAPI:
 
     @app.middleware("http")
     async def count(request: Request, call_next):  # noqa: ANN001, ANN202
-        response = await call_next(request)
+        try:
+            response = await call_next(request)
+        except Exception:  # noqa: BLE001 - see _crashed
+            response = _crashed(request)
         route = request.scope.get("route")
+        if response.status_code == 413 and "json" not in response.headers.get("content-type", ""):
+            response = _too_large(getattr(route, "max_body_size", None))
         path = getattr(route, "path", "unmatched")
         service.metrics.http.labels(path, str(response.status_code)).inc()
         return response
@@ -56,6 +65,67 @@ def _health_routes(app: FastAPI, service: Service) -> None:
         return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
+def _crashed(request: Request) -> Response:
+    """A route failed in a way no handler expected: log the traceback, answer a JSON 500.
+
+    Answered here rather than by an exception handler for Exception: Starlette runs those in
+    its outermost middleware and then re-raises, and uvicorn, seeing the exception after the
+    answer started, closes the connection, so a keep-alive client's next request is reset.
+    No input should get here (they are all answered 4xx); this is the net under that rule."""
+    log.exception("unhandled error in %s %s", request.method, request.url.path)
+    body = error_body(
+        "internal error: kvguard failed on this request; the daemon log has the traceback",
+        "server_error",
+    )
+    return JSONResponse(body, status_code=500)
+
+
+def _too_large(limit: int | None) -> Response:
+    """A route's body limit (e.g. /alertmanager's) answered by Starlette in plain text: the
+    same 413, as the OpenAI-style JSON every other refusal is."""
+    bound = f"at most {limit} bytes" if limit is not None else "too large"
+    body = error_body(f"request body too large: {bound} are taken here", code="body_too_large")
+    return JSONResponse(body, status_code=413)
+
+
+def _param(loc: tuple[Any, ...]) -> str | None:
+    """A validation error's location as the field path a client writes, `messages[0].content`
+    (FastAPI's leading "body" and pydantic's union-member tags such as `list[int]` dropped)."""
+    out = ""
+    for part in loc[1:] if loc[:1] == ("body",) else loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not _UNION_TAG.fullmatch(str(part)):
+            out += f".{part}" if out else str(part)
+    return out or None
+
+
+_UNION_TAG = re.compile(r"[a-z][a-z-]*\[.*\]")
+
+
+def _validation_message(err: dict[str, Any]) -> str:
+    param = _param(tuple(err.get("loc", ())))
+    kind = err.get("type")
+    if kind == "extra_forbidden":
+        return f"{param}: unknown field (kvguard refuses fields it does not serve instead of ignoring them)"
+    if param is None and kind == "missing":
+        return "the request body is missing: expected a JSON object"
+    if param is None and kind in ("model_attributes_type", "dict_type", "model_type"):
+        return "expected a JSON object as the request body"
+    return f"{param or 'body'}: {err.get('msg')}"
+
+
+def _json_error(err: dict[str, Any], doc: Any) -> str:
+    """`invalid JSON at line 1, column 25: Expecting ',' delimiter`, from the decoder's offset."""
+    pos = err["loc"][-1] if isinstance(err["loc"][-1], int) else 0
+    why = (err.get("ctx") or {}).get("error", "not valid JSON")
+    if not isinstance(doc, str):
+        return f"invalid JSON at character {pos + 1}: {why}"
+    line = doc.count("\n", 0, pos) + 1
+    column = pos - (doc.rfind("\n", 0, pos) + 1) + 1
+    return f"invalid JSON at line {line}, column {column}: {why}"
+
+
 def _error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> Response:
@@ -63,24 +133,34 @@ def _error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> Response:
-        errs = exc.errors()
+        errs = list(exc.errors())
         first = errs[0] if errs else {}
-        loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
-        param = ".".join(loc) or None
-        msgs = "; ".join(
-            f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
-            for e in errs[:5]
-        )
+        if first.get("type") == "json_invalid":
+            return JSONResponse(error_body(_json_error(first, exc.body)), status_code=400)
+        if isinstance(exc.body, bytes):  # a body FastAPI did not parse: not sent as JSON
+            kind = request.headers.get("content-type", "")
+            return JSONResponse(
+                error_body(
+                    f"Content-Type {kind!r} is not served: send the body as application/json"
+                ),
+                status_code=415,
+            )
+        msgs = "; ".join(dict.fromkeys(_validation_message(e) for e in errs[:5]))
+        param = _param(tuple(first.get("loc", ())))
         return JSONResponse(error_body(msgs or "invalid request", param=param), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        message = str(exc.detail)
+        cause = exc.__cause__
+        if isinstance(cause, RecursionError):
+            message = "invalid JSON: nested too deeply"
+        elif isinstance(cause, UnicodeDecodeError):
+            message = f"invalid JSON: not UTF-8 text ({cause.reason} at byte {cause.start})"
+        elif isinstance(cause, ValueError):  # e.g. an integer of more than 4300 digits
+            message = f"invalid JSON: {cause}"
         return JSONResponse(
-            error_body(str(exc.detail), "invalid_request_error"),
+            error_body(message, "invalid_request_error"),
             status_code=exc.status_code,
             headers=getattr(exc, "headers", None),
         )
-
-    @app.exception_handler(Exception)
-    async def crash(request: Request, exc: Exception) -> Response:
-        return PlainTextResponse("internal error", status_code=500)

@@ -13,6 +13,7 @@ import socket
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from apscheduler.schedulers.background import BackgroundScheduler
 from apscheduler.triggers.interval import IntervalTrigger
 
+from kvguard.daemon.openai_schemas import unicode_problem
 from kvguard.engine.control import ActionResult
 from kvguard.engine.events import EngineEvent
 from kvguard.rules.actions import run_action
@@ -34,6 +36,7 @@ log = logging.getLogger("kvguard.control")
 AUDITED_EVENTS = ("engine_oom", "admission_halted", "admission_resumed", "kv_dtype_switched")
 STORM_WINDOW_S = 10.0
 STORM_PREEMPTIONS = 32
+MAX_ALERTS_PER_REQUEST = 100  # Alertmanager's webhook_config max_alerts keeps a group under it
 
 
 class ControlPlane:
@@ -141,41 +144,70 @@ class ControlPlane:
 
     def _soon(self, kind: str, resolved: bool = False) -> None:
         """Evaluate right away on the scheduler's worker threads (not the caller's)."""
+        self._soon_all([(kind, resolved)])
+
+    def _soon_all(self, events: list[tuple[str, bool]]) -> None:
+        """One job that runs the event rules of each (kind, resolved) in order, then one tick."""
 
         def run() -> None:
-            self.evaluator.handle_event(kind, resolved=resolved)
+            for kind, resolved in events:
+                self.evaluator.handle_event(kind, resolved=resolved)
             self.evaluate()
 
         self.scheduler.add_job(run, id=None, misfire_grace_time=60)
 
     # -- Alertmanager -----------------------------------------------------------------------
     def alertmanager(self, payload: dict[str, Any]) -> dict[str, Any]:
-        """Webhook payload v4: each alert once per (fingerprint, startsAt, status)."""
-        if str(payload.get("version", "4")) != "4":
-            raise ValueError(
-                f"unsupported Alertmanager payload version {payload.get('version')!r} (expected 4)"
-            )
-        alerts = payload.get("alerts")
-        if not isinstance(alerts, list):
-            raise ValueError("payload.alerts: expected a list")
-        taken, dupes, other = 0, 0, 0
+        """Webhook payload v4: each alert taken once per (fingerprint, startsAt, status).
+
+        The payload is checked whole before anything is taken (AlertPayloadError names the
+        field), and bounded: at most MAX_ALERTS_PER_REQUEST alerts. The cost of a request is
+        per alert name, not per alert: one audit row per (name, status) with the count, and one
+        evaluation job for the whole request, in which each name is evaluated once: firing if
+        any of this daemon's alerts of that name still fires (a group's resolved alert does not
+        undo what its firing siblings keep needed), resolved once none does."""
+        alerts = parse_alerts(payload)
         mine = self.service.cfg.prometheus_instance()
+        taken, dupes, other = 0, 0, 0
+        new: dict[tuple[str, str], list[Alert]] = {}
+        firing: set[str] = set()
         for a in alerts:
-            if not isinstance(a, dict):
-                raise ValueError("payload.alerts[]: expected objects")
-            inst = (a.get("labels") or {}).get("instance")
-            if inst is not None and inst != mine:
+            if a.instance is not None and a.instance != mine:
                 other += 1  # a fleet-wide receiver: another daemon's alert is not ours to act on
-            elif self._take_alert(a):
+                continue
+            if a.status == "firing":
+                firing.add(a.name)
+            if self._first_time(a):
                 taken += 1
+                new.setdefault((a.name, a.status), []).append(a)
             else:
                 dupes += 1
+        for (name, status), group in new.items():
+            self.service.audit.record_event(
+                "alert_resolved" if status == "resolved" else "alert_received",
+                detail=name if len(group) == 1 else f"{name} (x{len(group)})",
+                data={
+                    "count": len(group),
+                    "labels": group[0].labels,
+                    "startsAt": group[0].starts_at,
+                    "fingerprint": group[0].fingerprint,
+                    "fingerprints": [a.fingerprint for a in group],
+                },
+                incident=self.evaluator.incident,
+            )
+        events: list[tuple[str, bool]] = []
+        for name in dict.fromkeys(name for name, _ in new):
+            if (name, "firing") in new:
+                events.append((f"alert:{name}", False))
+            elif name not in firing:
+                events.append((f"alert:{name}", True))
+        if events:
+            self._soon_all(events)
         return {"accepted": taken, "duplicates": dupes, "other_instance": other}
 
-    def _take_alert(self, a: dict[str, Any]) -> bool:
-        name = str((a.get("labels") or {}).get("alertname", ""))
-        status = str(a.get("status", "firing"))
-        key = (str(a.get("fingerprint") or name), str(a.get("startsAt", "")), status)
+    def _first_time(self, a: Alert) -> bool:
+        """Count the alert and remember it; False if this very alert was taken before."""
+        key = (a.fingerprint or a.name, a.starts_at or "", a.status)
         with self._lock:
             if key in self._seen_alerts:
                 return False
@@ -184,20 +216,8 @@ class ControlPlane:
                 oldest = sorted(self._seen_alerts, key=self._seen_alerts.get)[:5000]
                 for k in oldest:
                     del self._seen_alerts[k]
-            k2 = (name, status)
+            k2 = (a.name, a.status)
             self.alerts_received[k2] = self.alerts_received.get(k2, 0) + 1
-        kind = "alert_resolved" if status == "resolved" else "alert_received"
-        self.service.audit.record_event(
-            kind,
-            detail=name,
-            data={
-                "labels": a.get("labels"),
-                "startsAt": a.get("startsAt"),
-                "fingerprint": a.get("fingerprint"),
-            },
-            incident=self.evaluator.incident,
-        )
-        self._soon(f"alert:{name}", resolved=status == "resolved")
         return True
 
     # -- reload -----------------------------------------------------------------------------
@@ -279,3 +299,86 @@ def _summary(event: EngineEvent) -> str:
     if event.kind == "kv_dtype_switched":
         return f"KV {d.get('from')} -> {d.get('to')} in {d.get('pause_s', 0) * 1e3:.0f} ms"
     return event.kind.replace("_", " ")
+
+
+class AlertPayloadError(ValueError):
+    """An Alertmanager payload refused before any of it was taken: `param` names the field
+    (`alerts[3].labels`), `status` is 400, or 413 for too many alerts."""
+
+    def __init__(self, message: str, param: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.param, self.status = param, status
+
+
+@dataclass(frozen=True, slots=True)
+class Alert:
+    """One alert of a webhook payload, checked: the fields kvguard reads, as text."""
+
+    name: str
+    status: str
+    labels: dict[str, str]
+    starts_at: str | None
+    fingerprint: str | None
+
+    @property
+    def instance(self) -> str | None:
+        return self.labels.get("instance")
+
+
+def parse_alerts(payload: Any) -> list[Alert]:
+    """The alerts of a version 4 webhook payload, or AlertPayloadError naming the first field
+    that is not what Alertmanager sends (labels are an object of strings, status is firing or
+    resolved, every string valid Unicode). Fields kvguard does not read are not checked."""
+    if not isinstance(payload, dict):
+        raise AlertPayloadError("expected a JSON object (Alertmanager webhook payload)", "body")
+    version = payload.get("version", "4")
+    if str(version) != "4":
+        raise AlertPayloadError(
+            f"unsupported Alertmanager payload version {version!r} (expected 4)", "version"
+        )
+    alerts = payload.get("alerts")
+    if not isinstance(alerts, list):
+        raise AlertPayloadError("expected a list of alerts", "alerts")
+    if len(alerts) > MAX_ALERTS_PER_REQUEST:
+        raise AlertPayloadError(
+            f"{len(alerts)} alerts in one request; at most {MAX_ALERTS_PER_REQUEST} are taken "
+            f"(set max_alerts: {MAX_ALERTS_PER_REQUEST} in Alertmanager's webhook_config)",
+            "alerts",
+            status=413,
+        )
+    return [_parse_alert(a, f"alerts[{i}]") for i, a in enumerate(alerts)]
+
+
+def _parse_alert(a: Any, where: str) -> Alert:
+    if not isinstance(a, dict):
+        raise AlertPayloadError("expected an object", where)
+    labels = a.get("labels")
+    if not isinstance(labels, dict):
+        raise AlertPayloadError("expected an object of label names to strings", f"{where}.labels")
+    for key, value in labels.items():
+        _check_text(key, f"{where}.labels")
+        if not isinstance(value, str):
+            raise AlertPayloadError("expected a string", f"{where}.labels.{key}")
+        _check_text(value, f"{where}.labels.{key}")
+    name = labels.get("alertname")
+    if not name:
+        raise AlertPayloadError("missing: every alert has a name", f"{where}.labels.alertname")
+    status = a.get("status", "firing")
+    if status not in ("firing", "resolved"):
+        raise AlertPayloadError("expected firing or resolved", f"{where}.status")
+    fields = {}
+    for field in ("startsAt", "fingerprint"):
+        value = a.get(field)
+        if value is not None and not isinstance(value, str):
+            raise AlertPayloadError("expected a string", f"{where}.{field}")
+        if value is not None:
+            _check_text(value, f"{where}.{field}")
+        fields[field] = value
+    return Alert(name, status, labels, fields["startsAt"], fields["fingerprint"])
+
+
+def _check_text(text: str, where: str) -> None:
+    """An unpaired surrogate would be refused by the audit database, not here: refuse it here."""
+    problem = unicode_problem(text)
+    if problem is not None:
+        raise AlertPayloadError(problem, where)

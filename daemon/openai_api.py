@@ -96,7 +96,7 @@ def router(service: Service) -> APIRouter:
     async def chat(
         body: ChatCompletionRequest, request: Request, x_priority: str | None = Header(None)
     ) -> Any:
-        msgs = [{"role": m.role, "content": m.text()} for m in body.messages]
+        msgs = [m.for_template() for m in body.messages]
         try:
             prompt = service.engine.tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
         except Exception as e:  # noqa: BLE001 - a template error is the request's fault
@@ -133,8 +133,9 @@ def _params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int) ->
             stop=body.stop_list(),
             ignore_eos=body.ignore_eos,
         )
-    except ValueError as e:
-        raise ApiError(400, str(e)) from e
+    except ValueError as e:  # "stop=['']: ..." names its field first
+        field = str(e).split("=", 1)[0]
+        raise ApiError(400, str(e), field if field.isidentifier() else None) from e
 
 
 def _priority(body: Any, header: str | None) -> str:
@@ -165,6 +166,7 @@ async def _serve(
     if service.draining:
         raise ApiError(503, "server is shutting down", type_="service_unavailable", retry_after=5)
     ctx = _Ctx(service, kind, body.model, priority, time.monotonic(), params)
+    ctx.echo = prompt if getattr(body, "echo", False) else None
     outputs = _Outputs(asyncio.get_running_loop(), ctx, keep_deltas=bool(body.stream))
     stream, fut = service.loop.submit_nowait(
         prompt, params, priority, add_special_tokens=completion, listener=outputs.push
@@ -218,9 +220,19 @@ class _Ctx:
             t0,
         )
         self.params = params
+        self.echo: str | list[int] | None = None  # the prompt, for a completion with echo
         self.id = new_id("chatcmpl" if kind == "chat.completion" else "cmpl")
         self.created = now()
         self.last: float | None = None
+
+    def echo_text(self) -> str:
+        """What `echo` puts before the completion: the prompt as sent, or its token ids as
+        text (decoded once the engine has accepted them, so they are in the vocabulary)."""
+        if self.echo is None:
+            return ""
+        if isinstance(self.echo, str):
+            return self.echo
+        return self.service.engine.tokenizer.decode(self.echo, skip_special_tokens=False)
 
     def observe(self, out: RequestOutput) -> None:
         """Latency metrics, per engine output (engine thread): they measure the engine, not how
@@ -396,7 +408,7 @@ def _full_response(ctx: _Ctx, out: RequestOutput) -> dict[str, Any]:
     else:
         choice = {
             "index": 0,
-            "text": out.text,
+            "text": ctx.echo_text() + out.text,
             "finish_reason": out.finish_reason,
             "logprobs": None,
         }
@@ -419,7 +431,8 @@ def _chunk(ctx: _Ctx, text: str | None, finish: str | None, first: bool) -> dict
         choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+        text = (ctx.echo_text() if first else "") + (text or "")
+        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
         obj = "text_completion"
     return {
         "id": ctx.id,

@@ -1,37 +1,204 @@
 """Request and response bodies of the OpenAI-compatible API (the subset kvguard serves).
 
-Unknown fields are ignored, as OpenAI clients send many; fields kvguard reads are typed, and a
-wrong type or range is a 400 with an OpenAI-style error naming the field.
+Every field is accounted for, so that no request is answered as if it had asked for something
+else. A field kvguard serves is typed strictly (integers are integers, numbers are finite, text
+is valid Unicode); an OpenAI field it does not serve is accepted only at the value that asks for
+nothing (`logprobs: null`, `n: 1`, `presence_penalty: 0`, ...) and refused otherwise; an unknown
+field is refused, as OpenAI itself does, so that a typo (`max_token`) is not quietly dropped.
+Every refusal is a 400 with an OpenAI-style error naming the field (see README, "OpenAI fields").
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
+from pydantic_core import PydanticCustomError
 
 Priority = Literal["high", "normal", "low"]
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # OpenAI's integer range; torch takes no more
 
 
-class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+def unicode_problem(text: str) -> str | None:
+    """Why `text` cannot be UTF-8 encoded (an unpaired UTF-16 surrogate, which JSON's `\\ud800`
+    escapes can carry and Python's decoder lets through), or None. Such a string would fail
+    later, in the tokenizer, the audit database or the JSON answer, far from the field."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return (
+            f"unpaired UTF-16 surrogate \\u{ord(text[e.start]):04x} at character {e.start}: "
+            "not valid Unicode text"
+        )
+    return None
 
-    model: str
+
+def _text(value: str) -> str:
+    problem = unicode_problem(value)
+    if problem is not None:
+        raise PydanticCustomError("unicode", problem)
+    return value
+
+
+Text = Annotated[str, AfterValidator(_text)]
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+
+
+def _refuse(why: str, accepts: Callable[[Any], bool] = lambda v: False) -> AfterValidator:
+    """A field kvguard does not serve: null (and what `accepts`, the value that asks for
+    nothing) passes; anything else is refused with `why`, instead of being ignored."""
+
+    def check(value: Any) -> Any:
+        if value is None or accepts(value):
+            return value
+        raise PydanticCustomError("not_served", why)
+
+    return AfterValidator(check)
+
+
+def _is_zero(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and v == 0
+
+
+def _is_one(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v == 1
+
+
+NO_LOGPROBS = (
+    "not served: kvguard's sampler does not return log-probabilities; omit the field or send null"
+)
+NO_TOOLS = "not served: kvguard has no tool or function calling; omit the field or send null"
+
+
+def _prompt(value: Any) -> str | list[str] | list[int]:
+    """A prompt is a string, one string in a list, or a list of token ids (int64)."""
+    if isinstance(value, str):
+        return _text(value)
+    if not isinstance(value, list):
+        raise PydanticCustomError(
+            "prompt", "expected a string, a list of strings or a list of token ids"
+        )
+    if all(isinstance(p, str) for p in value):
+        for i, p in enumerate(value):
+            if (problem := unicode_problem(p)) is not None:
+                raise PydanticCustomError(
+                    "unicode", "element {i}: {problem}", {"i": i, "problem": problem}
+                )
+        return value
+    for i, p in enumerate(value):
+        if not isinstance(p, int) or isinstance(p, bool) or not INT64_MIN <= p <= INT64_MAX:
+            raise PydanticCustomError(
+                "prompt",
+                "element {i}: expected a token id (an integer); a list prompt is all strings "
+                "or all token ids, and one prompt per request is served",
+                {"i": i},
+            )
+    return value
+
+
+def _stop(value: Any) -> str | list[str] | None:
+    if value is None:
+        return None
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        raise PydanticCustomError("stop", "expected a string or a list of strings")
+    for i, s in enumerate(items):
+        if not s:
+            raise PydanticCustomError("stop", "element {i} is empty", {"i": i})
+        if (problem := unicode_problem(s)) is not None:
+            raise PydanticCustomError(
+                "unicode", "element {i}: {problem}", {"i": i, "problem": problem}
+            )
+    return value
+
+
+_STREAM_OPTIONS = {"include_usage", "include_obfuscation"}
+
+
+def _stream_options(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    """`include_usage` is served; `include_obfuscation` is accepted (kvguard never pads its
+    chunks, so there is nothing to turn off); anything else is refused."""
+    for key, v in (value or {}).items():
+        if key not in _STREAM_OPTIONS:
+            raise PydanticCustomError(
+                "stream_options",
+                "unknown option '{key}': expected include_usage or include_obfuscation",
+                {"key": printable(key)},
+            )
+        if v is not None and not isinstance(v, bool):
+            raise PydanticCustomError(
+                "stream_options", "{key}: expected true or false", {"key": key}
+            )
+    return value
+
+
+class _Body(BaseModel):
+    """Strict: `"4"`, `4.0` and `true` are not the integer 4; NaN and Infinity (which Python's
+    JSON parser accepts) are not numbers; an unknown field is an error."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _keys_are_text(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for key in data:
+                if isinstance(key, str) and unicode_problem(key) is not None:
+                    raise PydanticCustomError(
+                        "unicode", "a field name holds an unpaired UTF-16 surrogate"
+                    )
+        return data
+
+
+def _one_choice(n: int | None) -> int | None:
+    if n is not None and n != 1:
+        raise PydanticCustomError(
+            "not_served",
+            "only n=1 is served (one choice per request); send n requests for n choices",
+        )
+    return n
+
+
+class _Sampling(_Body):
+    model: Text
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0, description="kvguard extension: 0 disables")
-    n: int = Field(1, ge=1, le=1, description="only n=1 is served")
+    top_k: int = Field(0, ge=0, le=INT64_MAX, description="kvguard extension: 0 disables")
+    n: Annotated[int | None, AfterValidator(_one_choice)] = Field(1, description="only 1")
     stream: bool = False
-    stream_options: dict[str, Any] | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    user: str | None = None
+    stream_options: Annotated[dict[str, Any] | None, AfterValidator(_stream_options)] = Field(
+        None, description="include_usage (served), include_obfuscation (no padding is added)"
+    )
+    stop: Annotated[
+        Any,
+        AfterValidator(_stop),
+        WithJsonSchema(
+            {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]}
+        ),
+    ] = None
+    seed: Int64 | None = None
     ignore_eos: bool = Field(False, description="kvguard extension: generate max_tokens tokens")
     priority: Priority | None = Field(
         None, description="kvguard extension (or the X-Priority header)"
     )
+    # OpenAI fields that ask nothing of generation: accepted and not used
+    user: Text | None = None
+    metadata: dict[str, Text] | None = None
+    service_tier: Text | None = None
+    # OpenAI fields kvguard does not serve: refused unless they ask for nothing
+    frequency_penalty: Annotated[
+        Any, _refuse("not served: kvguard applies no penalties; send 0 or null", _is_zero)
+    ] = None
+    presence_penalty: Annotated[
+        Any, _refuse("not served: kvguard applies no penalties; send 0 or null", _is_zero)
+    ] = None
+    logit_bias: Annotated[
+        Any,
+        _refuse("not served: kvguard applies no logit bias; send {} or null", lambda v: v == {}),
+    ] = None
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -40,27 +207,149 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] = Field(..., description="one prompt (n=1)")
-    max_tokens: int | None = Field(16, ge=1)
-    echo: bool = False
+    prompt: Annotated[
+        Any,
+        AfterValidator(_prompt),
+        WithJsonSchema(
+            {
+                "anyOf": [
+                    {"type": "string"},
+                    {"type": "array", "items": {"type": "string"}},
+                    {"type": "array", "items": {"type": "integer"}},
+                ]
+            }
+        ),
+    ] = Field(..., description="one prompt: a string or a list of token ids")
+    max_tokens: int | None = Field(16, ge=1, le=INT64_MAX)
+    echo: bool | None = Field(False, description="the answer's text starts with the prompt")
+    logprobs: Annotated[Any, _refuse(NO_LOGPROBS)] = None
+    best_of: Annotated[
+        Any,
+        _refuse(
+            "not served: kvguard returns the one completion it samples; send 1 or null", _is_one
+        ),
+    ] = None
+    suffix: Annotated[
+        Any,
+        _refuse("not served: kvguard does not fill in the middle; send null", lambda v: v == ""),
+    ] = None
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+def _content(value: Any) -> str | list[dict[str, str]] | None:
+    """A message's content: text, or a list of text parts. Image, audio and file parts are
+    refused: dropping them would answer a different question than the one asked."""
+    if value is None or isinstance(value, str):
+        return None if value is None else _text(value)
+    if not isinstance(value, list):
+        raise PydanticCustomError("content", "expected a string or a list of text parts")
+    for j, part in enumerate(value):
+        if not isinstance(part, dict) or part.get("type") != "text":
+            raise PydanticCustomError(
+                "content",
+                'part {j}: only text parts (type "text") are served; kvguard\'s models take '
+                "no image, audio or file input",
+                {"j": j},
+            )
+        extra = sorted(set(part) - {"type", "text"})
+        if extra:
+            raise PydanticCustomError(
+                "content", "part {j}: unknown field {key}", {"j": j, "key": printable(extra[0])}
+            )
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise PydanticCustomError("content", "part {j}: text: expected a string", {"j": j})
+        if (problem := unicode_problem(text)) is not None:
+            raise PydanticCustomError(
+                "unicode", "part {j}: text: {problem}", {"j": j, "problem": problem}
+            )
+    return value
 
+
+Content = Annotated[
+    Any,
+    AfterValidator(_content),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "string"},
+                {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+                        "required": ["type", "text"],
+                        "additionalProperties": False,
+                    },
+                },
+                {"type": "null"},
+            ]
+        }
+    ),
+]
+
+
+class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = None
+    content: Content = None
+    name: Text | None = Field(None, description="passed to the chat template")
+    refusal: Annotated[Any, _refuse("not served: send the refusal text as content")] = None
+    annotations: Annotated[Any, _refuse("not served: send null", lambda v: v == [])] = None
+    tool_calls: Annotated[Any, _refuse(NO_TOOLS, lambda v: v == [])] = None
+    tool_call_id: Annotated[Any, _refuse(NO_TOOLS)] = None
+    function_call: Annotated[Any, _refuse(NO_TOOLS)] = None
+    audio: Annotated[Any, _refuse("not served: kvguard has no audio; send null")] = None
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
-        return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
+        return "".join(part["text"] for part in self.content)
+
+    def for_template(self) -> dict[str, str]:
+        """What the chat template sees: role, text, and the participant's name if given."""
+        out = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+def _text_format(v: Any) -> bool:
+    return v == {"type": "text"}
 
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(..., min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
+    logprobs: Annotated[Any, _refuse(NO_LOGPROBS, lambda v: v is False)] = None
+    top_logprobs: Annotated[Any, _refuse(NO_LOGPROBS, _is_zero)] = None
+    response_format: Annotated[
+        Any,
+        _refuse(
+            'not served: kvguard does not constrain output to JSON; send {"type": "text"} or null',
+            _text_format,
+        ),
+    ] = None
+    tools: Annotated[Any, _refuse(NO_TOOLS, lambda v: v == [])] = None
+    functions: Annotated[Any, _refuse(NO_TOOLS, lambda v: v == [])] = None
+    tool_choice: Annotated[Any, _refuse(NO_TOOLS, lambda v: v in ("none", "auto"))] = None
+    function_call: Annotated[Any, _refuse(NO_TOOLS, lambda v: v in ("none", "auto"))] = None
+    parallel_tool_calls: bool | None = Field(None, description="accepted: no tool is called")
+    modalities: Annotated[
+        Any,
+        _refuse('not served: kvguard answers text only; send ["text"]', lambda v: v == ["text"]),
+    ] = None
+    audio: Annotated[Any, _refuse("not served: kvguard has no audio output; send null")] = None
+    prediction: Annotated[
+        Any, _refuse("not served: kvguard has no predicted-output decoding; send null")
+    ] = None
+    reasoning_effort: Annotated[Any, _refuse("not served: the model has no reasoning mode")] = None
+    verbosity: Annotated[Any, _refuse("not served: send null")] = None
+    web_search_options: Annotated[Any, _refuse("not served: kvguard has no web search")] = None
+    store: Annotated[
+        Any, _refuse("not served: kvguard stores no completions; send false", lambda v: v is False)
+    ] = None
+    prompt_cache_key: Text | None = Field(None, description="accepted: a cache hint only")
+    safety_identifier: Text | None = None
 
 
 def new_id(prefix: str) -> str:
@@ -75,13 +364,26 @@ def usage(prompt: int, completion: int) -> dict[str, int]:
     }
 
 
+def printable(text: str) -> str:
+    """`text` made safe to put in a JSON answer: an unpaired surrogate (from the request that
+    is being refused for it) is written as the escape `\\ud800`, not sent as invalid UTF-8."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def error_body(
     message: str,
     type_: str = "invalid_request_error",
     param: str | None = None,
     code: str | None = None,
 ) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    return {
+        "error": {
+            "message": printable(message),
+            "type": type_,
+            "param": None if param is None else printable(param),
+            "code": code,
+        }
+    }
 
 
 def now() -> int:

@@ -26,6 +26,7 @@ from kvguard.daemon.audit import AuditStore
 from kvguard.daemon.audit_migrate import shown
 from kvguard.daemon.config import ConfigFileError, DaemonConfig, load_config, state_dir
 from kvguard.daemon.control_plane import ControlPlane
+from kvguard.daemon.logging_setup import configure_logging
 from kvguard.daemon.metrics import ControlPlaneCollector, Metrics
 from kvguard.daemon.nvml import NvmlReader
 from kvguard.engine.engine_loop import EngineLoop
@@ -393,9 +394,7 @@ class Service:
 
 
 def run(cfg: DaemonConfig, config_path: Path | None = None) -> int:
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging()
     svc = Service(cfg, config_path)
     # Until serve() takes SIGHUP over, a reload has nothing to act on, and SIGHUP's default
     # action would kill the process in the middle of loading the model or migrating the DB.

@@ -30,8 +30,11 @@ def _sample_row(row: torch.Tensor, p: SamplingParams, gen: torch.Generator | Non
 
 
 def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose mass reaches `top_p` (always >= 1)."""
+    """Keep the smallest set of most likely tokens whose mass reaches `top_p` (always >= 1:
+    a top_p too small for fp32, e.g. 1e-320, rounds to 0 and must still keep the first)."""
     sorted_p, idx = probs.sort(descending=True)
     mass_before = sorted_p.cumsum(0) - sorted_p
-    sorted_p = sorted_p.masked_fill(mass_before >= top_p, 0.0)
+    drop = mass_before >= top_p
+    drop[0] = False
+    sorted_p = sorted_p.masked_fill(drop, 0.0)
     return torch.zeros_like(probs).scatter_(0, idx, sorted_p)

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# Below this temperature a request decodes greedily, which is the limit it tends to: dividing
+# fp32 logits by a smaller one (1e-320 is a valid JSON number) overflows them to inf, and the
+# softmax of inf is NaN, which no sampler can draw from.
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -40,4 +45,4 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_BELOW_TEMPERATURE or self.top_k == 1

@@ -47,12 +47,17 @@ def _script_options(p: argparse.ArgumentParser, overload: bool) -> None:
         p.add_argument("--png", metavar="FILE", help="timeline plot (default overload.png)")
         p.add_argument("--seed", help="trace seed (default 0)")
         p.add_argument("--only", action="append", metavar="CONFIG", help="run only CONFIG")
+        p.add_argument(
+            "--trace",
+            choices=("realistic", "adversarial"),
+            help="realistic (default): answers end before max_tokens; adversarial: all run to it",
+        )
 
 
 def script_argv(args: argparse.Namespace) -> list[str]:
     """Back to command-line form: only what the user set, so the script's defaults hold."""
     argv = ["--quick"] if args.quick else []
-    for opt in ("json", "model", "threads", "workdir", "png", "seed"):
+    for opt in ("json", "model", "threads", "workdir", "png", "seed", "trace"):
         value = getattr(args, opt, None)
         if value is not None:
             argv += [f"--{opt}", str(value)]

@@ -183,3 +183,28 @@ def test_estimate_key_from_yaml(tmp_path: Path) -> None:
         load_config(path)
     with pytest.raises(ConfigError, match="estimate"):
         AdmissionConfig(estimate="optimistic")
+
+
+# -- what operators see -------------------------------------------------------------------------
+def test_estimate_and_error_are_exported_and_shown() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from kvguard.daemon.cli_serve import _estimate_line
+    from kvguard.daemon.metrics import SnapshotCollector
+
+    engine = make_engine(num_gpu_blocks=40, admission=AdmissionConfig())
+    for _ in range(5):
+        engine.admission.estimator.observe(128, 32, 128)
+    snap = engine.snapshot()
+    adm = snap.admission
+    assert adm["estimate"] == "predicted" and adm["output_ratio"] == {"le128": 0.25}
+    assert adm["estimate_error"]["samples"] == 5 and adm["device_block_cap"] is None
+    reg = CollectorRegistry()
+    reg.register(SnapshotCollector(lambda: snap, lambda: True))
+    text = generate_latest(reg).decode()
+    assert 'kvguard_admission_output_ratio_estimate{bucket="le128"} 0.25' in text
+    assert "kvguard_admission_estimate_error_ratio -0.75" in text
+    assert "kvguard_admission_estimate_undershoot_ratio 0.0" in text
+    assert "kvguard_kv_cache_block_cap 0.0" in text
+    line = _estimate_line(adm)
+    assert line.startswith("predicted") and "le128=0.25" in line and "error -0.75" in line

@@ -389,6 +389,11 @@ KNOB_SAMPLES: dict[tuple[str, ...], tuple[dict[str, dict[str, object]], object]]
         {"admission_control": {"high_priority_reserve": 0.3}},
         0.3,
     ),
+    ("admission", "estimate"): ({"admission_control": {"estimate": "worst_case"}}, "worst_case"),
+    ("admission", "estimate_quantile"): (
+        {"admission_control": {"estimate_quantile": 0.8}},
+        0.8,
+    ),
 }
 # EngineConfig fields with no key of their own in the file, and why.
 NOT_IN_THE_FILE = {

@@ -385,7 +385,21 @@ async def _wait_final(
         service.requests.discard(outputs)
     if out.finish_reason == "abort":  # not the client's doing: the daemon stopped it
         raise _cut_error(service, out, outputs.cut_message)
+    if out.finish_reason == "error":
+        raise _engine_error(out)
     return out
+
+
+def _engine_error(out: RequestOutput) -> ApiError:
+    """The engine step running this request failed (a bug, not the input: inputs are checked
+    before they reach it); the engine ended only that step's requests and serves on."""
+    return ApiError(
+        500,
+        "the engine failed while generating this request and stopped it "
+        f"({out.num_output_tokens} tokens had been generated; the daemon log has the cause)",
+        code="engine_error",
+        type_="server_error",
+    )
 
 
 def _kvguard_ext(ctx: _Ctx, out: RequestOutput) -> dict[str, Any]:
@@ -474,6 +488,9 @@ async def _sse(
                 first = False
         if final.finish_reason == "abort":
             yield _sse_line(_cut_error(ctx.service, final, outputs.cut_message).body())
+            return
+        if final.finish_reason == "error":
+            yield _sse_line(_engine_error(final).body())
             return
         end = _chunk(ctx, None, final.finish_reason, False)
         end["kvguard"] = _kvguard_ext(ctx, final)

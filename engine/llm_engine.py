@@ -323,6 +323,12 @@ class LLMEngine(ControlSurface):
             except OOM_ERRORS + (InjectedOOMError,) as e:
                 self._on_oom(batch, e)
                 sampled = []
+            except Exception:  # noqa: BLE001 - a bug or a poisoned input: stop this step's requests
+                log.exception(
+                    "engine step failed; its %d requests end with an error", len(batch.seqs)
+                )
+                outputs += self._fail(batch)
+                sampled = []
             now = time.monotonic()
             for seq, token in sampled:
                 self._emit_token(seq, token, now)
@@ -330,6 +336,21 @@ class LLMEngine(ControlSurface):
             self._step_no += 1
         self.latest_snapshot = self.snapshot()
         return outputs
+
+    def _fail(self, batch: ScheduledBatch) -> list[RequestOutput]:
+        """End a failed step's requests with finish_reason `error` and free their blocks.
+
+        Retrying the same batch would fail the same way, step after step, and stall every
+        request behind it; ending these few keeps the engine serving everyone else."""
+        failed = []
+        for seq in batch.seqs:
+            if seq.is_finished:
+                continue
+            self.scheduler.remove(seq)
+            seq.finish_reason = "error"
+            self._finish(seq)
+            failed.append(RequestOutput.take(seq))
+        return failed
 
     def _run(self, batch: ScheduledBatch) -> list[tuple[Sequence, int]]:
         ids, pos, slots, rows = [], [], [], []

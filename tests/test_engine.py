@@ -245,3 +245,25 @@ def _property_engine() -> LLMEngine:
     engine = _PROP_ENGINE[0]
     assert not engine.has_unfinished()
     return engine
+
+
+def test_a_failing_step_ends_its_requests_and_the_engine_serves_on(
+    tiny: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step that raises (not an OOM) would fail again on every retry and stall everyone:
+    its requests end with finish_reason `error`, their blocks are freed, the next request runs."""
+    rid = tiny.add_request(PROMPTS[0], SamplingParams(max_tokens=8, ignore_eos=True))
+    tiny.step()
+
+    def poisoned(hidden: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("poisoned step")
+
+    with monkeypatch.context() as m:
+        m.setattr(tiny.model, "compute_logits", poisoned)
+        outs = tiny.step()
+    assert [(o.request_id, o.finish_reason, o.finished) for o in outs] == [(rid, "error", True)]
+    assert not tiny.has_unfinished() and tiny.snapshot().blocks_used == 0
+    assert tiny.snapshot().finished["error"]["normal"] >= 1
+    after = tiny.generate([PROMPTS[1]], SamplingParams(max_tokens=5, ignore_eos=True))
+    assert after[0].finish_reason == "length" and len(after[0].token_ids) == 5
+    tiny.audit_blocks()

@@ -210,8 +210,9 @@ class AdmissionController:
         self._releases: deque[tuple[float, int]] = deque(maxlen=256)
         self.decisions = {"admit": 0, "queue": 0, "reject": 0}
         self.estimator = OutputLengthEstimator(quantile=config.estimate_quantile)
-        # (held, remaining) of every admitted, unfinished request; the engine sets it
-        self.live: Callable[[], list[LiveLoad]] = list
+        # (held, remaining) of every admitted, unfinished request of rank <= the argument
+        # (None: every rank); the engine sets it
+        self.live: Callable[[int | None], list[LiveLoad]] = lambda rank: []
 
     @property
     def predicted(self) -> bool:
@@ -221,9 +222,14 @@ class AdmissionController:
         """Output tokens a request with this max_tokens is planned for."""
         return self.estimator.predict(max_tokens) if self.predicted else max_tokens
 
-    def fits(self, prompt_len: int, planned: int, limit: int) -> bool:
-        """Whether a new request keeps the admitted requests' overlap peak within `limit`."""
-        loads = [*self.live(), (prompt_len, planned)]
+    def fits(self, prompt_len: int, planned: int, limit: int, rank: int = HIGH) -> bool:
+        """Whether a new request keeps the admitted requests' overlap peak within `limit`.
+
+        A `high` request is judged against high-priority work only: whatever lower-priority
+        work would have to make room for it is preempted (lowest priority, newest first, swap
+        first), so commitments of the burst's normal and low requests, which grow past their
+        plans, never make high priority queue."""
+        loads = [*self.live(HIGH if rank == HIGH else None), (prompt_len, planned)]
         return overlap_peak(loads, self.block_size, self.config.safety_factor) <= limit
 
     def budget_blocks(self, total_blocks: int) -> int:
@@ -282,7 +288,7 @@ class AdmissionController:
         planned = self.plan_tokens(n)
         need = self.projected_blocks(prompt_len + planned)
         if self.predicted:
-            room = self.fits(prompt_len, planned, limit)
+            room = self.fits(prompt_len, planned, limit, rank)
         else:
             room = self.committed_blocks + need <= limit
         if room and queued == 0:
@@ -303,7 +309,7 @@ class AdmissionController:
         peak instead of the sum of committed peaks."""
         limit = self.limit_blocks(total_blocks, rank)
         if self.predicted and load is not None:
-            if not self.fits(load[0], load[1], limit):
+            if not self.fits(load[0], load[1], limit, rank):
                 return False
         elif self.committed_blocks + blocks > limit:
             return False

@@ -199,6 +199,9 @@ class LLMEngine(ControlSurface):
             seq.admitted = True
             return
         queued = sum(1 for s in self.scheduler.waiting if not s.admitted)
+        if self.admission.predicted and seq.priority == 0:
+            # high priority sorts ahead of queued lower ones and does not wait on their KV
+            queued = sum(1 for s in self.scheduler.waiting if not s.admitted and s.priority == 0)
         capacity = self.scheduler.device_capacity()
         d = self.admission.decide(
             len(seq.prompt_token_ids),
@@ -242,13 +245,16 @@ class LLMEngine(ControlSurface):
             return None
         return max(1, math.floor(full * (1.0 - UNDO_MARGIN)))
 
-    def _live_loads(self) -> list[tuple[int, int]]:
-        """(tokens held, tokens still expected) of every admitted, unfinished request, for
-        predicted admission. A request past its prediction is expected to need at least another
-        block (or what its max_tokens leaves), not to end this very step."""
+    def _live_loads(self, max_rank: int | None = None) -> list[tuple[int, int]]:
+        """(tokens held, tokens still expected) of every admitted, unfinished request of rank
+        <= max_rank (None: all), for predicted admission. A request past its prediction is
+        expected to need at least another block (or what its max_tokens leaves), not to end
+        this very step."""
         out = []
         for s in self.scheduler.live():
             if not s.admitted or s.admission is None:
+                continue
+            if max_rank is not None and s.priority > max_rank:
                 continue
             made = len(s.output_token_ids)
             rest = max(s.admission.predicted_tokens - made, self.config.block_size)

@@ -91,8 +91,12 @@ def test_warm_predicted_admission_plans_for_the_quantile() -> None:
     d = ctl.decide(20, 256, 1, 64, 0.1, 0, 4096)
     assert d.decision == "admit" and d.max_tokens == 256 and d.predicted_tokens == 32
     # with the pool's worth of admitted work live, the same request waits
-    ctl.live = lambda: [(200, 300)] * 3
+    ctl.live = lambda rank: [(200, 300)] * 3
     assert ctl.decide(20, 256, 1, 64, 0.1, 0, 4096).decision == "queue"
+    # high priority is judged against high-priority work only: lower work gets preempted
+    ctl.live = lambda rank: [] if rank == 0 else [(200, 300)] * 3
+    assert ctl.decide(20, 256, 0, 64, 0.1, 0, 4096).decision == "admit"
+    assert ctl.decide(20, 256, 2, 64, 0.1, 0, 4096).decision == "queue"
 
 
 # -- the engine ---------------------------------------------------------------------------------

@@ -301,9 +301,14 @@ def test_engine_loop_streams_and_control_from_other_threads() -> None:
 def test_committed_requests_are_not_blocked_by_a_queued_one_ahead() -> None:
     """A high-priority request waiting for its commitment sorts ahead of normal ones that
     already hold theirs; those must still run (else nothing ever frees the commitment).
-    No high-priority reserve here: the two normal requests must commit the whole budget."""
+    No high-priority reserve here: the two normal requests must commit the whole budget.
+    Worst-case admission: predicted admission never makes high priority wait on lower work."""
     cfg = AdmissionConfig(
-        safety_factor=1.0, max_queue=8, dynamic_max_tokens=False, high_priority_reserve=0.0
+        safety_factor=1.0,
+        max_queue=8,
+        dynamic_max_tokens=False,
+        high_priority_reserve=0.0,
+        estimate="worst_case",
     )
     engine = make_engine(num_gpu_blocks=10, admission=cfg)
     prompt = [3 + j for j in range(60)]

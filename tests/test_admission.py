@@ -27,7 +27,8 @@ configs = st.builds(
     dynamic_max_tokens=st.booleans(),
     max_queue=st.integers(0, 10),
     high_priority_reserve=st.sampled_from([0.0, 0.1, 0.3]),
-    estimate=st.just("worst_case"),  # the brief's sum of peaks (predicted: test_admission_predicted)
+    # the brief's sum of peaks (predicted admission: tests/test_admission_predicted.py)
+    estimate=st.just("worst_case"),
 )
 
 

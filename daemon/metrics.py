@@ -231,7 +231,8 @@ class ControlPlaneCollector(Collector):
             "Actions by rule, action and outcome",
             labels=["rule", "action", "outcome"],
         )
-        for (rule, action, outcome), n in ev.stats.actions.items():
+        # a copy made in one C call: the evaluator may add a key while a scrape iterates
+        for (rule, action, outcome), n in dict(ev.stats.actions).items():
             acts.add_metric([rule, action, outcome], n)
         level = _gauge(
             "kvguard_degradation_level",

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvguard.engine.control import ActionResult
 from kvguard.engine.kv_cache import KV_TORCH_DTYPES, kv_dtype_name
-from kvguard.engine.sequence import PRIORITY_NAMES, RequestOutput, Status, parse_priority
+from kvguard.engine.sequence import PRIORITY_NAMES, Status, parse_priority
 
 if TYPE_CHECKING:
     from kvguard.engine.llm_engine import LLMEngine
@@ -39,6 +39,19 @@ def check_count(param: str, value: Any, lo: int, hi: int | None) -> int:
         bounds = f"{lo} <= {param}" + (f" <= {hi}" if hi is not None else "")
         raise ParamError(param, f"{param}={value}: expected {bounds}")
     return value
+
+
+def bounded_count(n: Any, limit: int, limit_name: str, clamp: bool) -> tuple[int, str]:
+    """`n` (parameter `n`) as a count 1 <= n <= limit. Above the limit: ParamError, or with
+    `clamp` (rules, whose one file serves daemons of different sizes) the limit itself and a
+    note for the action's detail."""
+    n = check_count("n", n, 1, None)
+    if n <= limit:
+        return n, ""
+    name = limit_name.rsplit(" ", 1)[-1]
+    if not clamp:
+        raise ParamError("n", f"n={n} is above {limit_name}={limit}: expected 1 <= n <= {limit}")
+    return limit, f" (asked {n}, clamped to {name}={limit})"
 
 
 def check_ratio(param: str, value: Any) -> float:
@@ -88,18 +101,9 @@ class ControlSurface:
         may cut the batch and restore it, but raising it past what the operator sized the
         server for would make things worse. Above that limit it raises ValueError, or with
         `clamp` (rules) sets the limit itself and says so in the result's detail."""
-        limit = self.config.max_num_seqs
-        n = check_count("n", n, 1, None)
-        note = ""
-        if n > limit:
-            if not clamp:
-                raise ParamError(
-                    "n",
-                    f"n={n} is above the configured maximum serving.max_num_seqs={limit}: "
-                    f"expected 1 <= n <= {limit}",
-                )
-            note = f" (asked {n}, clamped to serving.max_num_seqs={limit})"
-            n = limit
+        n, note = bounded_count(
+            n, self.config.max_num_seqs, "the configured maximum serving.max_num_seqs", clamp
+        )
 
         def apply() -> tuple[str, bool, dict]:
             self.scheduler.max_num_seqs = n
@@ -242,16 +246,7 @@ class ControlSurface:
         ValueError, or with `clamp` (rules) caps at max_model_len and says so."""
         note = ""
         if n is not None:
-            n = check_count("n", n, 1, None)
-            if n > self.max_model_len:
-                if not clamp:
-                    raise ParamError(
-                        "n",
-                        f"n={n} is above max_model_len={self.max_model_len}: "
-                        f"expected 1 <= n <= {self.max_model_len}",
-                    )
-                note = f" (asked {n}, clamped to max_model_len={self.max_model_len})"
-                n = self.max_model_len
+            n, note = bounded_count(n, self.max_model_len, "max_model_len", clamp)
 
         def apply():
             self.max_new_tokens_cap = n
@@ -274,10 +269,8 @@ class ControlSurface:
 
     def _finish_if_capped(self: LLMEngine, seq) -> None:  # noqa: ANN001
         if len(seq.output_token_ids) >= seq.max_tokens and seq.status is not Status.FINISHED:
-            self.scheduler.remove(seq)
-            seq.finish_reason, seq.truncated = "length", True
-            self._finish(seq)
-            self._pending.append(RequestOutput.take(seq))
+            seq.truncated = True
+            self._pending.append(self._end(seq, "length"))
 
     # -- admission --------------------------------------------------------------------------
     def halt_admission(self: LLMEngine, allow_priority: str | None = "high") -> Future:

@@ -198,10 +198,13 @@ class LLMEngine(ControlSurface):
         if self.admission is None:
             seq.admitted = True
             return
-        queued = sum(1 for s in self.scheduler.waiting if not s.admitted)
-        if self.admission.predicted and seq.priority == 0:
-            # high priority sorts ahead of queued lower ones and does not wait on their KV
-            queued = sum(1 for s in self.scheduler.waiting if not s.admitted and s.priority == 0)
+        # predicted: high priority sorts ahead of queued lower ones and does not wait on their KV
+        ahead = 0 if self.admission.predicted and seq.priority == 0 else None
+        queued = sum(
+            1
+            for s in self.scheduler.waiting
+            if not s.admitted and (ahead is None or s.priority == ahead)
+        )
         capacity = self.scheduler.device_capacity()
         d = self.admission.decide(
             len(seq.prompt_token_ids),
@@ -304,11 +307,16 @@ class LLMEngine(ControlSurface):
         seq = self._seqs.get(request_id)
         if seq is None or seq.is_finished:
             return False
-        self.scheduler.remove(seq)
-        seq.finish_reason = "abort"
-        self._finish(seq)
-        self._pending.append(RequestOutput.take(seq))
+        self._pending.append(self._end(seq, "abort"))
         return True
+
+    def _end(self, seq: Sequence, reason: str) -> RequestOutput:
+        """Finish `seq` outside the normal decode path (abort, cap, failed step): out of its
+        queue, blocks freed, counted, and its last output handed out."""
+        self.scheduler.remove(seq)
+        seq.finish_reason = reason
+        self._finish(seq)
+        return RequestOutput.take(seq)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or bool(self._pending)
@@ -348,15 +356,7 @@ class LLMEngine(ControlSurface):
 
         Retrying the same batch would fail the same way, step after step, and stall every
         request behind it; ending these few keeps the engine serving everyone else."""
-        failed = []
-        for seq in batch.seqs:
-            if seq.is_finished:
-                continue
-            self.scheduler.remove(seq)
-            seq.finish_reason = "error"
-            self._finish(seq)
-            failed.append(RequestOutput.take(seq))
-        return failed
+        return [self._end(seq, "error") for seq in batch.seqs if not seq.is_finished]
 
     def _run(self, batch: ScheduledBatch) -> list[tuple[Sequence, int]]:
         ids, pos, slots, rows = [], [], [], []

@@ -50,8 +50,8 @@ def tracked_files() -> list[str]:
             capture_output=True,
             check=True,
         ).stdout
-    except (OSError, subprocess.CalledProcessError):
-        pytest.skip("not a git checkout: the tracked tree is unknown")
+    except (OSError, subprocess.CalledProcessError) as e:
+        pytest.fail(f"`git ls-files` failed, so the tracked tree is unknown: {e}")
     # A file deleted in the working tree but not yet in the index is not part of the tree.
     return [p for p in out.decode().split("\0") if p and (REPO / p).is_file()]
 

@@ -22,8 +22,8 @@ from kvguard.daemon.openai_schemas import (
     now,
     usage,
 )
+from kvguard.engine.admission_policy import AdmissionRejected
 from kvguard.engine.engine_loop import OutputBuffer, RequestStream
-from kvguard.engine.llm_engine import AdmissionRejected
 from kvguard.engine.sampling_params import SamplingParams
 from kvguard.engine.sequence import RequestOutput
 
@@ -32,6 +32,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvguard.daemon.api")
 DEFAULT_CHAT_MAX_TOKENS = 512
+# the engine says why it refused a request; the answer is the server's choice: the request
+# itself cannot be served (400), the server is busy (429), or it has stopped taking work (503)
+ADMISSION_STATUS = {"never_fits": 400, "overloaded": 429, "queue_full": 429, "halted": 503}
 RETRY_ELSEWHERE_S = 5  # Retry-After on a request cut off by the drain
 DRAIN_CUT_MESSAGE = (
     "kvguard is shutting down and cut this request off at the end of its drain period "
@@ -179,13 +182,14 @@ async def _serve(
         admitted = True
     except AdmissionRejected as e:
         d = e.decision
-        typ = "invalid_request_error" if d.status == 400 else "overloaded_error"
+        status = ADMISSION_STATUS.get(d.kind, 503)
+        typ = "invalid_request_error" if status == 400 else "overloaded_error"
         raise ApiError(
-            d.status,
+            status,
             d.reason,
             code="admission_rejected",
             type_=typ,
-            retry_after=None if d.status == 400 else d.estimated_wait_s,
+            retry_after=None if status == 400 else d.estimated_wait_s,
         ) from e
     except ValueError as e:
         raise ApiError(400, str(e), "prompt") from e

@@ -184,7 +184,9 @@ class AdmissionDecision:
     truncated: bool = False
     queue_position: int = 0
     estimated_wait_s: float = 0.0
-    status: int = 200  # HTTP status a server should answer a rejection with
+    # why a rejection happened, for a server to map onto its own answer: never_fits (the
+    # request itself is the problem), overloaded, queue_full, halted (retry later)
+    kind: str = ""
     predicted_tokens: int = 0  # output tokens admission planned for (max_tokens: worst case)
 
 
@@ -267,13 +269,13 @@ class AdmissionController:
         limit = self.limit_blocks(total_blocks, rank)
         if self.projected_blocks(prompt_len + 1) > limit:
             return _reject(
-                400,
+                "never_fits",
                 f"prompt of {prompt_len} tokens can never fit the KV budget of {limit} blocks"
                 + ("" if rank == HIGH else " (what is left outside the high-priority reserve)"),
             )
         if usage > EMERGENCY_USAGE and rank != HIGH:
             return _reject(
-                429, f"KV cache {usage:.0%} full: only high priority is admitted", self.wait_s(1)
+                "overloaded", f"KV cache {usage:.0%} full: only high priority is admitted", self.wait_s(1)
             )
         n = max_tokens
         if self.config.dynamic_max_tokens:
@@ -282,7 +284,7 @@ class AdmissionController:
             n = max(1, n // 2)  # shrink to what can ever fit rather than refuse
         if not self.config.dynamic_max_tokens and n < max_tokens:
             return _reject(
-                400,
+                "never_fits",
                 f"prompt + max_tokens={max_tokens} can never fit the KV budget of {limit} blocks",
             )
         planned = self.plan_tokens(n)
@@ -294,10 +296,10 @@ class AdmissionController:
         if room and queued == 0:
             return AdmissionDecision("admit", "", n, n < max_tokens, predicted_tokens=planned)
         if queued >= self.config.max_queue:
-            return _reject(429, f"queue full ({queued} waiting)", self.wait_s(need))
+            return _reject("queue_full", f"queue full ({queued} waiting)", self.wait_s(need))
         wait = self.wait_s(max(need, self.committed_blocks + need - limit))
         return AdmissionDecision(
-            "queue", "waiting for KV memory", n, n < max_tokens, queued + 1, wait, 200, planned
+            "queue", "waiting for KV memory", n, n < max_tokens, queued + 1, wait, "", planned
         )
 
     # -- commitments --------------------------------------------------------------------------
@@ -340,5 +342,5 @@ class AdmissionController:
         return min(30.0, blocks / rate) if rate > 0 else 1.0
 
 
-def _reject(status: int, reason: str, wait: float = 0.0) -> AdmissionDecision:
-    return AdmissionDecision("reject", reason, 0, False, 0, wait, status)
+def _reject(kind: str, reason: str, wait: float = 0.0) -> AdmissionDecision:
+    return AdmissionDecision("reject", reason, 0, False, 0, wait, kind)

@@ -172,12 +172,12 @@ class ControlSurface:
         return self._act("set_kv_cache_dtype", lambda: self._switch_kv_dtype(dtype))
 
     def _switch_kv_dtype(self: LLMEngine, dtype: str) -> tuple[str, bool, dict]:
-        dtype = kv_dtype_name(dtype, next(self.model.parameters()).dtype)
+        dtype = kv_dtype_name(dtype, self.runner.dtype)
         old = self.kv_cache.dtype
         if dtype == old:
             return f"KV cache already {dtype}", True, {}
-        new_n = self.kv_cache.blocks_for_budget(dtype)
-        new_host = self.kv_cache.blocks_for_budget(dtype, host=True)
+        new_n = self.runner.blocks_for_budget(dtype)
+        new_host = self.runner.blocks_for_budget(dtype, host=True)
         bm, hbm = self.block_manager, self.host_block_manager
         if bm.num_used > new_n or hbm.num_used > new_host:
             return (
@@ -189,11 +189,13 @@ class ControlSurface:
         t0 = time.perf_counter()
         live_bytes = bm.num_used * self.kv_cache.bytes_per_block
         old_n = bm.num_blocks
-        extra = self._rebuild_tier(self.kv_cache.device_pool, bm, dtype, new_n, "block_table")
-        extra_h = self._rebuild_tier(
-            self.kv_cache.host_pool, hbm, dtype, new_host, "host_block_table"
+        moves, host_moves = bm.resize(new_n), hbm.resize(new_host)
+        self.scheduler.remap(moves)
+        self.scheduler.remap(host_moves, host=True)
+        extra = self.runner.convert_kv(
+            dtype, {"device": (new_n, moves), "host": (new_host, host_moves)}
         )
-        self.kv_cache.last_switch_peak_extra_bytes = max(extra, extra_h)
+        self.kv_cache.last_switch_peak_extra_bytes = extra
         if self.admission is not None:
             self.admission.bytes_per_block = self.kv_cache.bytes_per_block
         self.scheduler.block_cap = self.undo_room_cap()  # keep the way back open
@@ -205,7 +207,7 @@ class ControlSurface:
             "blocks_after": new_n,
             "pause_s": pause,
             "live_bytes": live_bytes,
-            "peak_extra_bytes": max(extra, extra_h),
+            "peak_extra_bytes": extra,
         }
         self.events.emit("kv_dtype_switched", **data)
         return (
@@ -213,12 +215,6 @@ class ControlSurface:
             True,
             data,
         )
-
-    def _rebuild_tier(self: LLMEngine, pool, bm, dtype: str, new_n: int, table: str) -> int:  # noqa: ANN001
-        moves = bm.resize(new_n)
-        for seq in self.scheduler.live():
-            setattr(seq, table, [moves[b] for b in getattr(seq, table)])
-        return self.kv_cache.convert(pool, dtype, new_n, moves)
 
     # -- offload ----------------------------------------------------------------------------
     def set_offload(self: LLMEngine, enabled: bool) -> Future:
@@ -253,8 +249,9 @@ class ControlSurface:
             touched = 0
             for seq in self.scheduler.live():
                 limit = seq.params.max_tokens if n is None else min(seq.params.max_tokens, n)
-                if seq.admission is not None and seq.admission.max_tokens:
-                    limit = min(limit, seq.admission.max_tokens)
+                d = self.admission_policy.decision(seq)
+                if d is not None and d.max_tokens:
+                    limit = min(limit, d.max_tokens)
                 if limit != seq.max_tokens:
                     seq.max_tokens = limit
                     touched += 1
@@ -278,7 +275,7 @@ class ControlSurface:
         rank = -1 if allow_priority is None else parse_priority(allow_priority)
 
         def apply():
-            self.allow_rank = rank
+            self.admission_policy.allow_rank = rank
             self.events.emit("admission_halted", allow_priority=allow_priority)
             return f"admission halted (allowed: {allow_priority or 'none'})", True, {}
 
@@ -287,7 +284,7 @@ class ControlSurface:
     def resume_admission(self: LLMEngine) -> Future:
         def apply():
             was = self.allow_rank
-            self.allow_rank = None
+            self.admission_policy.allow_rank = None
             if was is not None:
                 self.events.emit("admission_resumed")
             return "admission open", True, {}

@@ -6,6 +6,11 @@ budget, `max_num_seqs` and free blocks allow. When a running sequence needs a bl
 free, the lowest-priority, newest running sequence is preempted: swapped to the host pool when
 offload is on and it has room, recomputed later otherwise. Nothing is ever dropped.
 
+The scheduler owns every sequence state change: admission into the batch (asking the admission
+policy), preemption, and `update`, which advances a step's sequences from the tokens the model
+runner sampled and finishes them. KV copies for swap go through the runner (`kv`), which on a
+tensor-parallel engine repeats them on every rank.
+
 `block_cap` bounds the device blocks in use below the pool size: while a remedy has narrowed
 the KV dtype (FP8), the engine caps use at what the configured dtype's pool holds, less a
 margin, so switching back always fits once the burst has passed (see LLMEngine).
@@ -17,12 +22,21 @@ import bisect
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
+from kvguard.engine.admission_policy import AdmissionPolicy
 from kvguard.engine.block_manager import BlockManager
-from kvguard.engine.kv_cache import KVCache
 from kvguard.engine.sequence import Sequence, Status
 
 EventSink = Callable[..., None]
+MIN_BATCHED_TOKENS = 64
+
+
+class KVMover(Protocol):
+    """What the scheduler needs of the model runner: copies between the KV tiers."""
+
+    def swap_out(self, device_ids: list[int], host_ids: list[int]) -> None: ...
+    def swap_in(self, host_ids: list[int], device_ids: list[int]) -> None: ...
 
 
 @dataclass(slots=True)
@@ -45,7 +59,8 @@ class Scheduler:
         self,
         block_manager: BlockManager,
         host_block_manager: BlockManager,
-        kv_cache: KVCache,
+        kv: KVMover,
+        policy: AdmissionPolicy,
         max_num_seqs: int,
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool = True,
@@ -54,14 +69,14 @@ class Scheduler:
     ) -> None:
         self.bm = block_manager
         self.host_bm = host_block_manager
-        self.kv = kv_cache
+        self.kv = kv
+        self.policy = policy
+        policy.watch(self.live)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunked = enable_chunked_prefill
         self.offload = offload
         self.readmit_usage = 0.80  # evicted sequences return only below this usage
-        self.admit_gate: Callable[[Sequence], bool] = lambda seq: True
-        self.release_gate: Callable[[Sequence], None] = lambda seq: None
         self.emit: EventSink = emit or (lambda kind, **data: None)
         self.waiting: list[Sequence] = []  # sorted by (priority, order)
         self.swapped: list[Sequence] = []  # sorted by (priority, order)
@@ -164,13 +179,19 @@ class Scheduler:
             mode = "swap"
             self.emit("swapped_out", request_id=seq.request_id, blocks=n)
         else:
-            self.bm.free(seq)
-            seq.num_computed_tokens = 0
-            self.add(seq)
-            mode = "recompute"
-        self.preemptions[mode] += 1
-        self.emit("preempted", request_id=seq.request_id, mode=mode, priority=seq.priority)
+            mode = self._recompute(seq)
+        if mode == "swap":
+            self.preemptions[mode] += 1
+            self.emit("preempted", request_id=seq.request_id, mode=mode, priority=seq.priority)
         return mode
+
+    def _recompute(self, seq: Sequence) -> str:
+        self.bm.free(seq)
+        seq.num_computed_tokens = 0
+        self.add(seq)
+        self.preemptions["recompute"] += 1
+        self.emit("preempted", request_id=seq.request_id, mode="recompute", priority=seq.priority)
+        return "recompute"
 
     def _room(self, n_blocks: int, seq: Sequence) -> bool:
         # Keep a block per running sequence in hand so the next decode step does not preempt
@@ -216,23 +237,72 @@ class Scheduler:
             seq = self.waiting[i]
             if seq in batch.preempted:
                 break  # preempted this very step: let memory settle first
-            if not seq.admitted and (gated or not self.admit_gate(seq)):
+            was_admitted = self.policy.is_admitted(seq)
+            if not was_admitted and (
+                gated or not self.policy.try_start(seq, self.device_capacity())
+            ):
                 gated = True
                 i += 1
                 continue
             n = self._chunk(seq, budget)
             if not n or not self._room(self.bm.blocks_needed(seq, n), seq):
-                if not seq.admitted:
-                    self.release_gate(seq)  # committed just now but cannot start: give it back
+                if not was_admitted:
+                    self.policy.cancel_start(seq)  # committed just now but cannot start
                 break
             self.waiting.pop(i)
             self.bm.allocate(seq, n)
-            seq.status, seq.held, seq.admitted = Status.RUNNING, False, True
+            seq.status, seq.held = Status.RUNNING, False
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.monotonic()
             self.running.append(seq)
             batch.add(seq, n)
             budget -= n
+
+    # -- after the model ran ----------------------------------------------------------------
+    def update(
+        self,
+        batch: ScheduledBatch,
+        tokens: list[int],
+        on_token: Callable[[Sequence, int], None],
+    ) -> list[Sequence]:
+        """Advance the step's sequences by what was computed; hand each sampled token to
+        `on_token` (which appends it and may set a finish reason) and finish those done.
+        Returns the sequences that got a token, in batch order."""
+        for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
+            seq.num_computed_tokens += n
+        done = [s for s in batch.seqs if s.num_computed_tokens == s.num_tokens]
+        for seq, token in zip(done, tokens, strict=True):
+            on_token(seq, token)
+            if seq.finish_reason is not None:
+                self.finish(seq)
+        return done
+
+    def finish(self, seq: Sequence) -> None:
+        """Take `seq` out for good: blocks freed, its admission commitment given back."""
+        self.remove(seq)
+        seq.status = Status.FINISHED
+        self.policy.on_finish(seq)
+
+    def requeue_failed_step(self, batch: ScheduledBatch) -> int:
+        """A step ran out of memory: its running sequences go back to recompute (their KV
+        may be half written) and the step budget halves. Returns the budget before."""
+        for seq in batch.seqs:
+            if seq.status is Status.RUNNING:
+                self.running.remove(seq)
+                seq.num_preemptions += 1
+                self._recompute(seq)
+        before = self.max_num_batched_tokens
+        self.max_num_batched_tokens = max(MIN_BATCHED_TOKENS, before // 2)
+        self.chunked = True  # a halved budget must still fit every prompt
+        return before
+
+    def remap(self, moves: dict[int, int], host: bool = False) -> None:
+        """Renumber every live sequence's blocks on one tier after the pool was rebuilt."""
+        for seq in self.live():
+            if host:
+                seq.host_block_table = [moves[b] for b in seq.host_block_table]
+            else:
+                seq.block_table = [moves[b] for b in seq.block_table]
 
     # -- control ----------------------------------------------------------------------------
     def shrink_running(self, limit: int) -> list[tuple[str, str]]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch
 
@@ -50,9 +50,6 @@ class Sequence:
     max_tokens: int = 0  # effective limit: params.max_tokens, lowered by a max-token cap
     truncated: bool = False  # finished at a cap below what the request asked for
     held: bool = False  # evicted: readmitted only once pressure has eased
-    admitted: bool = False  # passed admission once; preemption does not undo that
-    projected_blocks: int = 0  # admission's projected peak, released on finish
-    admission: Any = None  # the AdmissionDecision that let it in (queue position, truncation)
     finish_reason: str | None = None
     text: str = ""
     prefix_offset: int = 0  # incremental detokenisation window

@@ -45,11 +45,13 @@ def test_never_admits_past_budget_and_respects_the_queue_bound(cfg, trace) -> No
         if op == "arrive":
             d = ctl.decide(prompt, max_new, rank, TOTAL, usage, len(queue), 4096)
             if ctl.projected_blocks(prompt + 1) > limit:
-                assert d.decision == "reject" and d.status == 400, "an impossible request got in"
+                assert d.decision == "reject" and d.kind == "never_fits", (
+                    "an impossible request got in"
+                )
                 continue
             if d.decision == "reject":
-                assert d.reason and d.status in (400, 429)
-                if d.status == 429 and "queue full" in d.reason:
+                assert d.reason and d.kind in ("never_fits", "overloaded", "queue_full")
+                if d.kind == "queue_full" and "queue full" in d.reason:
                     assert len(queue) >= cfg.max_queue
                 continue
             assert 1 <= d.max_tokens <= max_new
@@ -100,7 +102,7 @@ def test_emergency_mode_takes_only_high_priority(prompt, max_new, usage) -> None
     ctl = AdmissionController(AdmissionConfig(), BLOCK, 1000)
     for rank in (1, 2):
         d = ctl.decide(prompt, max_new, rank, TOTAL, usage, 0, 4096)
-        assert d.decision == "reject" and d.status == 429 and "only high" in d.reason
+        assert d.decision == "reject" and d.kind == "overloaded" and "only high" in d.reason
     high = ctl.decide(prompt, max_new, 0, TOTAL, usage, 0, 4096)
     assert high.decision in ("admit", "queue"), high
 

@@ -173,7 +173,7 @@ def test_halt_and_resume_admission() -> None:
     engine.step()
     with pytest.raises(AdmissionRejected, match="halted") as err:
         engine.add_request(PROMPTS[0], greedy(4), priority="normal")
-    assert err.value.decision.status == 503
+    assert err.value.decision.kind == "halted"
     rid = engine.add_request(PROMPTS[0], greedy(4), priority="high")
     engine.resume_admission()
     engine.step()
@@ -218,7 +218,7 @@ def test_every_action_under_concurrent_load_loses_nothing() -> None:
                 streams.append(loop.submit(PROMPTS[0], greedy(10), "normal"))
                 assert not halted
             except AdmissionRejected as e:
-                assert halted and e.decision.status == 503 and "halted" in str(e)
+                assert halted and e.decision.kind == "halted" and "halted" in str(e)
         finals = [s.result(120) for s in streams]
         assert all(f.finish_reason in ("length", "stop") for f in finals), [
             f.finish_reason for f in finals
@@ -277,7 +277,7 @@ def test_admission_rejects_what_can_never_fit_at_once() -> None:
     engine = make_engine(num_gpu_blocks=10, admission=AdmissionConfig())
     with pytest.raises(AdmissionRejected, match="never fit") as err:
         engine.add_request([5] * 150, greedy(4))
-    assert err.value.decision.status == 400
+    assert err.value.decision.kind == "never_fits"
 
 
 def test_engine_loop_streams_and_control_from_other_threads() -> None:

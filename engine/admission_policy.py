@@ -1,0 +1,147 @@
+"""Admission as a policy the scheduler consults: who may enter, and who may start.
+
+The policy keeps its own ticket per request (the decision that let it in, its projected peak,
+whether it has committed that peak); `Sequence` carries no admission state. The engine asks
+`check` when a request arrives (admit, queue or raise AdmissionRejected), the scheduler asks
+`try_start` before a queued request takes KV and `cancel_start` when it could not start after
+all, and `on_finish` gives a finished request's commitment back and teaches the output-length
+estimator what the output really ran to.
+
+Without a controller (library use, `admission_control.enable: false`) every valid request is
+admitted at once; the admission halt (a rule's remedy) works either way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from kvguard.engine.admission import HIGH, AdmissionController, AdmissionDecision
+from kvguard.engine.sequence import Sequence
+
+HALT_RETRY_S = 5.0
+
+
+class AdmissionRejected(ValueError):
+    """The admission policy refused a request; `decision` says why (`kind`) and when to retry."""
+
+    def __init__(self, decision: AdmissionDecision) -> None:
+        super().__init__(decision.reason)
+        self.decision = decision
+
+
+@dataclass(slots=True)
+class Ticket:
+    decision: AdmissionDecision | None  # None: admitted without a controller
+    projected_blocks: int = 0
+    admitted: bool = False  # committed its peak; preemption does not undo that
+
+
+class AdmissionPolicy:
+    def __init__(self, controller: AdmissionController | None, block_size: int) -> None:
+        self.controller = controller
+        self.block_size = block_size
+        self.allow_rank: int | None = None  # halted: only priorities <= this get in
+        self._tickets: dict[str, Ticket] = {}
+        self._live: Callable[[], Iterable[Sequence]] = tuple
+        if controller is not None:
+            controller.live = self._live_loads
+
+    def watch(self, live: Callable[[], Iterable[Sequence]]) -> None:
+        """The unfinished sequences, for predicted admission's overlap peak (the scheduler's)."""
+        self._live = live
+
+    # -- arrival ----------------------------------------------------------------------------
+    def check(self, seq: Sequence, capacity: int, used: int, waiting: Iterable[Sequence]) -> None:
+        """Admit `seq` now, queue it, or raise AdmissionRejected; may lower seq.max_tokens."""
+        if self.allow_rank is not None and seq.priority > self.allow_rank:
+            raise AdmissionRejected(
+                AdmissionDecision(
+                    "reject",
+                    "admission is halted for this priority",
+                    estimated_wait_s=HALT_RETRY_S,
+                    kind="halted",
+                )
+            )
+        ctl = self.controller
+        if ctl is None:
+            self._tickets[seq.request_id] = Ticket(None, admitted=True)
+            return
+        # predicted: high priority sorts ahead of queued lower ones and does not wait on their KV
+        ahead = HIGH if ctl.predicted and seq.priority == HIGH else None
+        queued = sum(
+            1 for s in waiting if not self.is_admitted(s) and (ahead is None or s.priority == ahead)
+        )
+        d = ctl.decide(
+            len(seq.prompt_token_ids),
+            seq.max_tokens,
+            seq.priority,
+            capacity,
+            used / capacity,
+            queued,
+            seq.max_total_len,
+        )
+        if d.decision == "reject":
+            raise AdmissionRejected(d)
+        seq.max_tokens = d.max_tokens
+        blocks = ctl.projected_blocks(len(seq.prompt_token_ids) + d.predicted_tokens)
+        ticket = Ticket(d, blocks, admitted=d.decision == "admit")
+        if ticket.admitted:
+            ctl.commit(blocks)
+        self._tickets[seq.request_id] = ticket
+
+    def decision(self, seq: Sequence) -> AdmissionDecision | None:
+        t = self._tickets.get(seq.request_id)
+        return None if t is None else t.decision
+
+    def is_admitted(self, seq: Sequence) -> bool:
+        t = self._tickets.get(seq.request_id)
+        return t is not None and t.admitted
+
+    # -- start ------------------------------------------------------------------------------
+    def try_start(self, seq: Sequence, capacity: int) -> bool:
+        """Commit a queued request's peak as it is about to start; False: it waits."""
+        t = self._tickets.get(seq.request_id)
+        if t is None or t.admitted:
+            return True
+        ctl = self.controller
+        load = (seq.num_tokens, t.decision.predicted_tokens if t.decision else 1)
+        if ctl is not None and not ctl.try_commit(t.projected_blocks, capacity, seq.priority, load):
+            return False
+        t.admitted = True
+        return True
+
+    def cancel_start(self, seq: Sequence) -> None:
+        """`try_start` committed, but the request could not take its blocks after all."""
+        t = self._tickets.get(seq.request_id)
+        if t is not None and t.admitted and self.controller is not None:
+            self.controller.uncommit(t.projected_blocks)
+            t.admitted = False
+
+    # -- finish -----------------------------------------------------------------------------
+    def on_finish(self, seq: Sequence) -> None:
+        t = self._tickets.pop(seq.request_id, None)
+        ctl = self.controller
+        if t is None or ctl is None or not t.admitted:
+            return
+        ctl.release(t.projected_blocks)
+        d = t.decision
+        if d is not None and seq.finish_reason in ("stop", "length"):
+            # what the output really ran to teaches the estimator (aborts say nothing)
+            ctl.estimator.observe(d.max_tokens, len(seq.output_token_ids), d.predicted_tokens)
+
+    def _live_loads(self, max_rank: int | None = None) -> list[tuple[int, int]]:
+        """(tokens held, tokens still expected) of every admitted, unfinished request of rank
+        <= max_rank (None: all). A request past its prediction is expected to need at least
+        another block (or what its max_tokens leaves), not to end this very step."""
+        out = []
+        for s in self._live():
+            t = self._tickets.get(s.request_id)
+            if t is None or not t.admitted or t.decision is None:
+                continue
+            if max_rank is not None and s.priority > max_rank:
+                continue
+            made = len(s.output_token_ids)
+            rest = max(t.decision.predicted_tokens - made, self.block_size)
+            out.append((s.num_tokens, max(0, min(s.max_tokens - made, rest))))
+        return out

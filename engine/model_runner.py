@@ -1,0 +1,203 @@
+"""ModelRunner: one rank's model execution — weights, KV pools, input preparation, the forward
+and (on the driver) sampling.
+
+It knows nothing of queues, priorities or admission: the scheduler decides what runs and with
+which blocks; the runner turns that into tensors, runs the model and returns sampled tokens.
+Everything that touches KV memory (writes in the forward, swap copies, the live dtype switch)
+goes through here, so a distributed runner can repeat it on every rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvguard.engine.config import ConfigError, EngineConfig
+from kvguard.engine.kv_cache import KV_TORCH_DTYPES, KVCache, bytes_per_block, kv_dtype_name
+from kvguard.engine.model import AttentionMetadata, LlamaForCausalLM, build_model
+from kvguard.engine.model_config import ModelConfig
+from kvguard.engine.sampler import sample
+from kvguard.engine.sequence import Sequence
+from kvguard.engine.weights import load_weights
+
+log = logging.getLogger("kvguard.engine")
+
+
+class InjectedOOMError(RuntimeError):
+    """Raised inside a forward pass by `inject_oom` (the documented fault-injection test hook)."""
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device={name!r}: CUDA is not available on this host")
+    return dev
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return KV_TORCH_DTYPES[name]
+
+
+@dataclass(slots=True)
+class StepInput:
+    """One step's tensors, built the same way on every rank from the scheduled batch."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor  # rows of the hidden states whose next token is sampled
+
+
+def step_lists(
+    seqs: list[Sequence], num_tokens: list[int], block_size: int
+) -> tuple[list[int], list[int], list[int], list[int]]:
+    """Token ids, positions, cache slots and the rows to sample, for `n` tokens of each
+    sequence starting at its first uncomputed token."""
+    ids, pos, slots, rows = [], [], [], []
+    for seq, n in zip(seqs, num_tokens, strict=True):
+        start = seq.num_computed_tokens
+        ids.extend(seq.token_slice(start, start + n))
+        pos.extend(range(start, start + n))
+        table = seq.block_table
+        slots.extend(
+            table[p // block_size] * block_size + p % block_size for p in range(start, start + n)
+        )
+        if start + n == seq.num_tokens:
+            rows.append(len(ids) - 1)
+    return ids, pos, slots, rows
+
+
+def attention_metadata(
+    tables: list[list[int]], computed: list[int], num_tokens: list[int], slots: list[int], device
+) -> AttentionMetadata:  # noqa: ANN001 - torch.device
+    width = max(len(t) for t in tables)
+    padded = [t + [0] * (width - len(t)) for t in tables]
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, device=device),
+        block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
+        seq_lens=[c + n for c, n in zip(computed, num_tokens, strict=True)],
+        query_lens=list(num_tokens),
+    )
+
+
+class ModelRunner:
+    def __init__(
+        self, model: LlamaForCausalLM, model_config: ModelConfig, kv_cache: KVCache
+    ) -> None:
+        self.model = model
+        self.model_config = model_config
+        self.kv_cache = kv_cache
+        self.device = next(model.parameters()).device
+        self.block_size = kv_cache.block_size
+        self._inject_oom = 0
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, path, mcfg: ModelConfig) -> ModelRunner:  # noqa: ANN001
+        device = pick_device(config.device)
+        dtype = pick_dtype(config.dtype, device)
+        max_len = min(config.max_model_len, mcfg.max_position_embeddings)
+        t0 = time.perf_counter()
+        model = build_model(mcfg, load_weights(path, dtype, device), max_len, dtype, device)
+        log.info("loaded %s in %.2fs", path, time.perf_counter() - t0)
+        kv_dtype = kv_dtype_name(config.kv_cache_dtype, dtype)
+        num_blocks = config.num_gpu_blocks or num_kv_blocks(config, mcfg, kv_dtype, device)
+        host_blocks = 0
+        if config.enable_cpu_offload:
+            host_blocks = int(num_blocks * config.cpu_cache_ratio / (1.0 - config.cpu_cache_ratio))
+        kv = KVCache(mcfg, num_blocks, config.block_size, kv_dtype, device, host_blocks)
+        return cls(model, mcfg, kv)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The model's compute dtype (what `kv_cache_dtype: auto` resolves to)."""
+        return next(self.model.parameters()).dtype
+
+    # -- one step -------------------------------------------------------------------------
+    def prepare(self, seqs: list[Sequence], num_tokens: list[int]) -> StepInput:
+        ids, pos, slots, rows = step_lists(seqs, num_tokens, self.block_size)
+        dev = self.device
+        meta = attention_metadata(
+            [s.block_table for s in seqs],
+            [s.num_computed_tokens for s in seqs],
+            num_tokens,
+            slots,
+            dev,
+        )
+        return StepInput(
+            torch.tensor(ids, device=dev),
+            torch.tensor(pos, device=dev),
+            meta,
+            torch.tensor(rows, device=dev),
+        )
+
+    def forward(self, inp: StepInput) -> torch.Tensor | None:
+        """Run the model; logits of the sampled rows (None when no row is sampled)."""
+        if self._inject_oom:
+            self._inject_oom -= 1
+            raise InjectedOOMError("injected out-of-memory fault (inject_oom test hook)")
+        hidden = self.model(inp.input_ids, inp.positions, self.kv_cache.layers, inp.meta)
+        if not inp.sample_rows.numel():
+            return None
+        return self.model.compute_logits(hidden[inp.sample_rows])
+
+    def execute(self, seqs: list[Sequence], num_tokens: list[int]) -> list[int]:
+        """Compute `num_tokens` of each sequence; the next token of every sequence whose
+        tokens are now all computed, in batch order. Sequences themselves are not changed:
+        the scheduler advances them from what this returns."""
+        logits = self.forward(self.prepare(seqs, num_tokens))
+        if logits is None:
+            return []
+        done = [
+            s
+            for s, n in zip(seqs, num_tokens, strict=True)
+            if s.num_computed_tokens + n == s.num_tokens
+        ]
+        return sample(logits, [s.params for s in done], [s.generator for s in done])
+
+    def inject_oom(self, times: int = 1) -> None:
+        """Test hook: the next `times` forward passes fail as if the device ran out of memory."""
+        self._inject_oom += times
+
+    # -- KV memory ------------------------------------------------------------------------
+    def swap_out(self, device_ids: list[int], host_ids: list[int]) -> None:
+        self.kv_cache.swap_out(device_ids, host_ids)
+
+    def swap_in(self, host_ids: list[int], device_ids: list[int]) -> None:
+        self.kv_cache.swap_in(host_ids, device_ids)
+
+    def convert_kv(self, dtype: str, tiers: dict[str, tuple[int, dict[int, int]]]) -> int:
+        """Rebuild each tier (`device`, `host`) as (new block count, moves) in `dtype`; the
+        peak of bytes held beyond the larger pool, over the tiers."""
+        kv = self.kv_cache
+        pools = {"device": kv.device_pool, "host": kv.host_pool}
+        return max(kv.convert(pools[t], dtype, n, moves) for t, (n, moves) in tiers.items())
+
+    def blocks_for_budget(self, dtype: str, host: bool = False) -> int:
+        return self.kv_cache.blocks_for_budget(dtype, host)
+
+    def shutdown(self) -> None:
+        """Nothing to stop in one process; a distributed runner stops its workers."""
+
+
+def num_kv_blocks(
+    config: EngineConfig, cfg: ModelConfig, kv_dtype: str, device: torch.device
+) -> int:
+    per_block = bytes_per_block(cfg, config.block_size, kv_dtype)
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        budget = int(free * config.gpu_memory_utilization)
+    else:
+        budget = int(config.kv_cache_bytes)
+    n = budget // per_block
+    if n < 1:
+        raise ConfigError(
+            f"KV budget of {budget} bytes holds no block of {per_block} bytes: raise kv_cache_bytes"
+        )
+    return n

@@ -22,6 +22,13 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     p.add_argument("--host", help="bind address (overrides api.host; default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port (overrides api.port; default 8000)")
     p.add_argument(
+        "--tensor-parallel",
+        type=int,
+        metavar="N",
+        help="split the model over N ranks: rank 0 in this process, N-1 worker processes it "
+        "starts, one GPU each on CUDA (overrides serving.tensor_parallel; default 1)",
+    )
+    p.add_argument(
         "--dry-run",
         action="store_true",
         default=None,
@@ -40,6 +47,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         dry_run=args.dry_run,
+        tensor_parallel=args.tensor_parallel,
     )
     return run(cfg, args.config)
 

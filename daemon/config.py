@@ -9,10 +9,11 @@ answered once with *every* problem as `FILE:LINE: section.field: problem (expect
 than the first exception pydantic happens to raise. Line numbers come from the YAML node tree
 (each mapping key's mark), matched to pydantic's error locations.
 
-The seed's larger baselines ask for tensor/pipeline parallelism and 4-bit weights. They are
-accepted here, so the seed's files validate and can be kept under version control, but
-`to_engine_config()` refuses them with a clear message: the engine serves one device with
-unquantised weights.
+The seed's larger baselines ask for tensor and pipeline parallelism and 4-bit weights.
+`serving.tensor_parallel` is an engine knob and is served (ranks in worker processes spawned by
+the daemon); `pipeline_parallel` above 1 and 4-bit weights are accepted here, so the seed's
+files validate and can be kept under version control, but `to_engine_config()` refuses them
+with a clear message naming the line.
 """
 
 from __future__ import annotations
@@ -158,7 +159,7 @@ def _knob_section(section: str) -> type[_Section]:
 class ServingConfig(_knob_section("serving")):  # type: ignore[misc]
     """The model and the engine's knobs (seed §7 `serving`), declared on EngineConfig."""
 
-    tensor_parallel: int = Field(1, ge=1)  # accepted for the seed's baselines; engine needs 1
+    # accepted for the seed's 70B baseline; serving across nodes is a later step (refused)
     pipeline_parallel: int = Field(1, ge=1)
 
     @field_validator("max_num_batched_tokens")
@@ -306,15 +307,14 @@ class DaemonConfig(_Section):
     def _unservable(self) -> list[tuple[Loc, str]]:
         s = self.serving
         out: list[tuple[Loc, str]] = []
-        for key in ("tensor_parallel", "pipeline_parallel"):
-            if getattr(s, key) > 1:
-                out.append(
-                    (
-                        ("serving", key),
-                        f"{getattr(s, key)} is not supported: kvguard's engine serves a model on "
-                        "one device (expected 1)",
-                    )
+        if s.pipeline_parallel > 1:
+            out.append(
+                (
+                    ("serving", "pipeline_parallel"),
+                    f"{s.pipeline_parallel} is not supported: kvguard runs a model on the GPUs of "
+                    "one host (serving.tensor_parallel) and not yet across hosts (expected 1)",
                 )
+            )
         q = self.quantization.model_quantization
         if q != "none":
             out.append(
@@ -398,10 +398,12 @@ def apply_overrides(
     host: str | None = None,
     port: int | None = None,
     dry_run: bool | None = None,
+    tensor_parallel: int | None = None,
 ) -> DaemonConfig:
     """A copy with command-line flags applied on top of the file; flags win, as users expect."""
     flags = {
         ("serving", "model"): ("--model", model),
+        ("serving", "tensor_parallel"): ("--tensor-parallel", tensor_parallel),
         ("api", "host"): ("--host", host),
         ("api", "port"): ("--port", port),
         ("rules", "dry_run"): ("--dry-run", dry_run),

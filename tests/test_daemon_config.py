@@ -114,26 +114,30 @@ def test_cpu_example_converts_with_offload_active() -> None:
     assert engine.admission.reserved_headroom_bytes == 8 * MiB
 
 
-def test_parallel_baselines_validate_but_cannot_be_served() -> None:
+def test_dual_gpu_baseline_is_accepted_as_written() -> None:
+    """Tensor parallelism is served: the seed's two-card baseline converts unchanged."""
     path = EXAMPLES / "dual-gpu-13b.yaml"
     cfg = load_config(path)
     assert cfg.serving.tensor_parallel == 2 and cfg.offloading.min_gpu_blocks == 512
-    with pytest.raises(ConfigFileError) as info:
-        cfg.to_engine_config()
-    assert info.value.errors == [
-        f"{path}:{line_of(path, 'tensor_parallel:')}: serving.tensor_parallel: 2 is not "
-        "supported: kvguard's engine serves a model on one device (expected 1)"
-    ]
+    engine = cfg.to_engine_config()
+    assert (engine.tensor_parallel, engine.device, engine.kv_cache_dtype) == (2, "cuda", "fp8_e4m3")
+    assert engine.tensor_parallel_timeout_s == 60.0
+    assert engine.enable_cpu_offload and engine.admission.reserved_headroom_bytes == 4096 * MiB
+    assert "cannot be served" not in path.read_text()
 
 
 def test_large_baseline_lists_every_unservable_key() -> None:
+    """tensor_parallel: 8 is served; stages across hosts and 4-bit weights are not yet."""
     path = EXAMPLES / "multi-gpu-70b.yaml"
+    cfg = load_config(path)
+    assert cfg.serving.tensor_parallel == 8
     with pytest.raises(ConfigFileError) as info:
-        load_config(path).to_engine_config()
-    keys = ["tensor_parallel:", "pipeline_parallel:", "model_quantization:"]
+        cfg.to_engine_config()
+    keys = ["pipeline_parallel:", "model_quantization:"]
     prefixes = [f"{path}:{line_of(path, key)}: " for key in keys]
     assert [e[: len(p)] for e, p in zip(info.value.errors, prefixes, strict=True)] == prefixes
-    assert "quantization.model_quantization: awq_4bit" in info.value.errors[2]
+    assert "serving.pipeline_parallel: 2 is not supported" in info.value.errors[0]
+    assert "quantization.model_quantization: awq_4bit" in info.value.errors[1]
 
 
 def line_of(path: Path, needle: str) -> int:
@@ -344,10 +348,21 @@ def test_bad_override_names_the_flag() -> None:
 
 
 def test_overridden_config_still_points_at_file_lines(tmp_path: Path) -> None:
-    path = write(tmp_path, "serving:\n  model: x\n  tensor_parallel: 2\n")
+    path = write(tmp_path, "serving:\n  model: x\n  pipeline_parallel: 2\n")
     with pytest.raises(ConfigFileError) as info:
         apply_overrides(load_config(path), port=1).to_engine_config()
-    assert info.value.errors[0].startswith(f"{path}:3: serving.tensor_parallel: 2 ")
+    assert info.value.errors[0].startswith(f"{path}:3: serving.pipeline_parallel: 2 ")
+
+
+def test_tensor_parallel_flag_overrides_the_file(tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, "serving: {model: tiny, tensor_parallel: 4}"))
+    assert cfg.to_engine_config().tensor_parallel == 4
+    assert apply_overrides(cfg, tensor_parallel=2).to_engine_config().tensor_parallel == 2
+    with pytest.raises(ConfigFileError) as info:
+        apply_overrides(cfg, tensor_parallel=0)
+    assert info.value.errors == [
+        "--tensor-parallel: serving.tensor_parallel: 0 is out of range (expected a value >= 1)"
+    ]
 
 
 # -- one definition of the engine's knobs --------------------------------------------------------
@@ -371,6 +386,8 @@ KNOB_SAMPLES: dict[tuple[str, ...], tuple[dict[str, dict[str, object]], object]]
     ("num_threads",): ({"serving": {"num_threads": 3}}, 3),
     ("num_gpu_blocks",): ({"serving": {"num_gpu_blocks": 100}}, 100),
     ("oom_quiet_period_s",): ({"serving": {"oom_quiet_period": "2m"}}, 120.0),
+    ("tensor_parallel",): ({"serving": {"tensor_parallel": 2}}, 2),
+    ("tensor_parallel_timeout_s",): ({"serving": {"tensor_parallel_timeout": "90s"}}, 90.0),
     ("enable_cpu_offload",): ({"offloading": {"enable_cpu_offload": True}}, True),
     ("cpu_cache_ratio",): ({"offloading": {"cpu_cache_ratio": 0.25}}, 0.25),
     ("min_gpu_blocks",): ({"offloading": {"min_gpu_blocks": 64}}, 64),
@@ -401,7 +418,7 @@ NOT_IN_THE_FILE = {
     ("admission",): "built from the admission_control section, field by field",
 }
 # Keys the file accepts for the seed's baselines but refuses to serve (see _unservable).
-REFUSED_KEYS = {("serving", "tensor_parallel"), ("serving", "pipeline_parallel")}
+REFUSED_KEYS = {("serving", "pipeline_parallel")}
 KNOB_SECTIONS = ("serving", "admission_control", "offloading")
 
 

@@ -2,19 +2,39 @@
 
 One forward runs a flattened batch: every scheduled token of every sequence in one `[T]` row
 list, prefill chunks and decode tokens mixed; attention is the only per-sequence part.
+
+Under tensor parallelism (a `TPGroup` of size > 1) every rank builds the same module tree over
+its own slices (see `kvguard.engine.distributed.sharding`): fused qkv and gate_up are
+column-parallel, o_proj and down_proj row-parallel, the embedding and lm_head split by
+vocabulary. With one rank the model runs the very calls it always ran.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvguard.engine.distributed.parallel_state import TPGroup
+from kvguard.engine.distributed.sharding import Shard, shard_config, shard_of
 from kvguard.engine.kv_cache import LayerKV
+from kvguard.engine.layers.parallel_linear import (
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 from kvguard.engine.model_config import ModelConfig, ModelLoadError
+from kvguard.engine.weights import (
+    DictSource,
+    Part,
+    WeightSource,
+    expected_tensor_names,
+    open_safetensors,
+)
 from kvguard.kernels import paged_attention, write_kv
 
 
@@ -81,12 +101,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
         super().__init__()
-        self.nh, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        local = shard_config(cfg, tp.size)
+        self.nh, self.nkv, self.hd = local.num_heads, local.num_kv_heads, cfg.head_dim
         q, kv = self.nh * self.hd, self.nkv * self.hd
         self.qkv_proj = nn.Linear(cfg.hidden_size, q + 2 * kv, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(q, cfg.hidden_size, bias=False)
+        self.o_proj = RowParallelLinear(q, cfg.hidden_size, tp)
         self.scale = self.hd**-0.5
 
     def forward(
@@ -119,11 +140,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
         super().__init__()
-        self.inter = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.inter = cfg.intermediate_size // tp.size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=False)
+        self.down_proj = RowParallelLinear(self.inter, cfg.hidden_size, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.inter, -1)
@@ -131,12 +152,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tp)
 
     def forward(self, x, cos, sin, kv, meta):  # noqa: ANN001, ANN201 - hot path, types as above
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, meta)
@@ -144,19 +165,29 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.cfg, self.tp = cfg, tp or TPGroup.single()
+        self.shard = shard_of(cfg, self.tp)
+        rows, h = len(self.shard.vocab), cfg.hidden_size
+        self.embed_tokens = VocabParallelEmbedding(rows, h, self.shard.vocab.start, self.tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(rows, h, cfg.vocab_size, self.tp)
+        self.tie_weights()
         self.register_buffer(
             "cos_cache", torch.empty(max_positions, cfg.head_dim), persistent=False
         )
         self.register_buffer(
             "sin_cache", torch.empty(max_positions, cfg.head_dim), persistent=False
         )
+
+    def tie_weights(self) -> None:
+        """Tied embeddings: the lm_head is the embedding's own parameter, one copy in memory.
+
+        Again after `to_empty`, which gives each module a fresh tensor and so unties them."""
+        if self.cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
 
     def init_rope(self, max_positions: int) -> None:
         """Fill the cos/sin tables (after `to_empty`, which leaves buffers uninitialised)."""
@@ -184,41 +215,70 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Full fp32 logits `[n, vocab_size]` on rank 0; None on the other ranks."""
+        return self.lm_head(hidden)
 
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up into single matmuls."""
-        own = self.state_dict()
-        used: set[str] = set()
+        self.load_from(DictSource(weights))
 
-        def take(name: str) -> torch.Tensor:
-            if name not in weights:
-                raise ModelLoadError(f"weights lack tensor {name!r}")
-            used.add(name)
-            return weights[name]
+    @torch.no_grad()
+    def load_from(self, source: WeightSource) -> None:
+        """Fill every parameter with this rank's parts of the Hugging Face tensors.
 
-        for key, dst in own.items():
-            src = self._hf_source(key, take)
+        A tied lm_head is the embedding's parameter, so `named_parameters` visits it once."""
+        for key, dst in self.named_parameters():
+            parts = [source.read(p) for p in hf_parts(key, self.cfg, self.shard)]
+            src = parts[0] if len(parts) == 1 else torch.cat(parts)
             if src.shape != dst.shape:
                 raise ModelLoadError(
                     f"tensor for {key!r} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}"
                 )
             dst.copy_(src)
 
-    def _hf_source(self, key: str, take) -> torch.Tensor:  # noqa: ANN001 - local callback
-        hf = key if key.startswith("lm_head") else f"model.{key}"
-        if key == "lm_head.weight" and self.cfg.tie_word_embeddings:
-            return take("model.embed_tokens.weight")
-        if ".qkv_proj." in key:
-            return torch.cat(
-                [take(hf.replace("qkv_proj", p)) for p in ("q_proj", "k_proj", "v_proj")]
-            )
-        if ".gate_up_proj." in key:
-            return torch.cat(
-                [take(hf.replace("gate_up_proj", p)) for p in ("gate_proj", "up_proj")]
-            )
-        return take(hf)
+
+def hf_parts(key: str, cfg: ModelConfig, shard: Shard) -> list[Part]:
+    """The Hugging Face tensor parts that make up our parameter `key` on one rank.
+
+    Fused projections are the concatenation of their parts' rows: q, k, v heads for qkv_proj,
+    the gate and up columns for gate_up_proj. Row-parallel weights take a column range."""
+    hd, prefix = cfg.head_dim, ("" if key.startswith("lm_head") else "model.")
+    name = prefix + key
+    q = range(shard.q_heads.start * hd, shard.q_heads.stop * hd)
+    kv = range(shard.kv_heads.start * hd, shard.kv_heads.stop * hd)
+    if ".qkv_proj." in key:
+        spans = {"q_proj": (q, cfg.num_heads * hd), "k_proj": (kv, cfg.num_kv_heads * hd)}
+        spans["v_proj"] = spans["k_proj"]
+        return [Part(name.replace("qkv_proj", p), s, 0, n) for p, (s, n) in spans.items()]
+    if ".gate_up_proj." in key:
+        return [
+            Part(name.replace("gate_up_proj", p), shard.mlp, 0, cfg.intermediate_size)
+            for p in ("gate_proj", "up_proj")
+        ]
+    if ".o_proj." in key:
+        return [Part(name, q, 1, cfg.num_heads * hd)]
+    if ".down_proj." in key:
+        return [Part(name, shard.mlp, 1, cfg.intermediate_size)]
+    if key in ("embed_tokens.weight", "lm_head.weight"):
+        return [Part(name, shard.vocab, 0, cfg.vocab_size)]
+    return [Part(name)]  # norms: replicated whole
+
+
+def _materialise(
+    cfg: ModelConfig,
+    max_positions: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    tp: TPGroup | None,
+) -> LlamaForCausalLM:
+    """Build on the meta device (no random init), then allocate uninitialised real tensors."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, max_positions, tp)
+    model = model.to_empty(device=device).to(dtype)
+    model.tie_weights()
+    model.init_rope(max_positions)
+    return model
 
 
 def build_model(
@@ -228,10 +288,29 @@ def build_model(
     dtype: torch.dtype,
     device: torch.device,
 ) -> LlamaForCausalLM:
-    """Build on the meta device (no random init), then fill in the real tensors."""
-    with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, max_positions)
-    model = model.to_empty(device=device).to(dtype)
-    model.init_rope(max_positions)
+    """A single-rank model from a dict of whole Hugging Face-named tensors."""
+    model = _materialise(cfg, max_positions, dtype, device, None)
     model.load_hf_weights(weights)
     return model.eval()
+
+
+def load_model(
+    path: Path,
+    cfg: ModelConfig,
+    max_positions: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    tp: TPGroup | None = None,
+) -> LlamaForCausalLM:
+    """The model of one rank, reading only that rank's slices from the safetensors files, so a
+    rank's weight memory is its share of the sharded tensors (plus the replicated norms)."""
+    model = _materialise(cfg, max_positions, dtype, device, tp)
+    with open_safetensors(Path(path), dtype, device) as source:
+        source.check_has(Path(path), expected_tensor_names(cfg))
+        model.load_from(source)
+    return model.eval()
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the parameters this rank holds (a tied lm_head counted once)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())

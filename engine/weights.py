@@ -1,15 +1,20 @@
-"""Loads a model directory's safetensors into a flat {Hugging Face name: tensor} dict.
+"""Reads a model directory's safetensors: whole ({Hugging Face name: tensor}) or rank slices.
 
 Every failure (no files, a truncated or corrupt file, a shard the index names but that is
-absent, a tensor the caller needs but that no file holds) is a ModelLoadError naming the file
-and the problem, because "it crashed in torch" is not something an operator can act on.
+absent, a tensor the caller needs but that no file holds, a tensor of the wrong size) is a
+ModelLoadError naming the file or tensor and the problem, because "it crashed in torch" is not
+something an operator can act on. Both ways of reading (a dict of whole tensors, and the slices
+one tensor-parallel rank reads straight from the files) go through the same checks.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -17,6 +22,98 @@ from safetensors import SafetensorError, safe_open
 from kvguard.engine.model_config import ModelConfig, ModelLoadError
 
 INDEX_FILE = "model.safetensors.index.json"
+_READ_ERRORS = (SafetensorError, OSError, RuntimeError, ValueError)
+
+
+@dataclass(frozen=True, slots=True)
+class Part:
+    """The part of tensor `name` one rank holds: `span` along `dim`, or all of it (span None).
+
+    `full` is the size the tensor must have along `dim`; it is checked before slicing, so a
+    wrong-sized tensor is refused rather than silently cut. Indices of `span` at or past `full`
+    read as zeros: the padding rows of a vocabulary that does not divide by the rank count.
+    """
+
+    name: str
+    span: range | None = None
+    dim: int = 0
+    full: int | None = None
+
+
+class WeightSource(Protocol):
+    """Where a model's parameters are read from, one `Part` at a time."""
+
+    def read(self, part: Part) -> torch.Tensor: ...
+
+
+class DictSource:
+    """Parts of tensors already in memory (the output of `load_weights`)."""
+
+    def __init__(self, weights: dict[str, torch.Tensor]) -> None:
+        self.weights = weights
+
+    def read(self, part: Part) -> torch.Tensor:
+        if part.name not in self.weights:
+            raise _missing(part.name)
+        tensor = self.weights[part.name]
+        if part.span is None:
+            return tensor
+        return _slice(
+            part, tuple(tensor.shape), lambda lo, hi: tensor.narrow(part.dim, lo, hi - lo)
+        )
+
+
+class SafetensorsSource:
+    """Parts read straight from the files: only the requested slice is copied out of the mmap,
+    so a rank's weight memory is its share, not the whole model."""
+
+    def __init__(
+        self, handles: dict[str, tuple[Path, Any]], dtype: torch.dtype, device: torch.device | str
+    ) -> None:
+        self.handles = handles  # tensor name -> (file, open safe_open handle)
+        self.dtype, self.device = dtype, torch.device(device)
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.handles)
+
+    def read(self, part: Part) -> torch.Tensor:
+        if part.name not in self.handles:
+            raise _missing(part.name)
+        file, handle = self.handles[part.name]
+        try:
+            if part.span is None:
+                t = handle.get_tensor(part.name)
+            else:
+                sl = handle.get_slice(part.name)
+                index = (slice(None),) * part.dim
+                t = _slice(part, tuple(sl.get_shape()), lambda lo, hi: sl[(*index, slice(lo, hi))])
+        except ModelLoadError:
+            raise
+        except _READ_ERRORS as e:
+            raise ModelLoadError(f"{file}: cannot read tensor {part.name!r} ({e})") from e
+        return _cast(t, self.dtype, self.device)
+
+    def check_has(self, path: Path, expected: Iterable[str]) -> None:
+        _check_expected(path, self.handles, expected)
+
+
+@contextmanager
+def open_safetensors(
+    path: Path, dtype: torch.dtype, device: torch.device | str = "cpu"
+) -> Iterator[SafetensorsSource]:
+    """Every shard of `path` opened (headers checked, the index honoured) until the block ends."""
+    path = Path(path)
+    handles: dict[str, tuple[Path, Any]] = {}
+    with ExitStack() as stack:
+        for file in safetensors_files(path):
+            handle = stack.enter_context(_open(file))
+            for name in handle.keys():  # noqa: SIM118 - a safe_open handle is not a dict
+                if name in handles:
+                    raise ModelLoadError(f"{file}: tensor {name!r} also appears in another shard")
+                handles[name] = (file, handle)
+        _check_index(path, handles)
+        yield SafetensorsSource(handles, dtype, device)
 
 
 def load_weights(
@@ -29,17 +126,10 @@ def load_weights(
 
     `expected` (optional) lists names that must be present, e.g. `expected_tensor_names(cfg)`.
     """
-    files = safetensors_files(Path(path))
-    weights: dict[str, torch.Tensor] = {}
-    for file in files:
-        for name, tensor in _read_file(file, dtype, torch.device(device)):
-            if name in weights:
-                raise ModelLoadError(f"{file}: tensor {name!r} also appears in another shard")
-            weights[name] = tensor
-    _check_index(Path(path), weights)
-    if expected is not None:
-        _check_expected(Path(path), weights, expected)
-    return weights
+    with open_safetensors(path, dtype, device) as source:
+        if expected is not None:
+            source.check_has(Path(path), expected)
+        return {name: source.read(Part(name)) for name in source.names}
 
 
 def safetensors_files(path: Path) -> list[Path]:
@@ -68,16 +158,32 @@ def _read_index(path: Path) -> dict[str, str]:
         raise ModelLoadError(f"{index}: not a valid safetensors index ({e})") from e
 
 
-def _read_file(
-    file: Path, dtype: torch.dtype, device: torch.device
-) -> list[tuple[str, torch.Tensor]]:
-    """Read one shard; a header that promises more bytes than the file has is caught here."""
+@contextmanager
+def _open(file: Path) -> Iterator[Any]:
+    """Open one shard; a header that promises more bytes than the file has is caught here."""
     try:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            names = list(f.keys())
-            return [(name, _cast(f.get_tensor(name), dtype, device)) for name in names]
-    except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+        handle = safe_open(str(file), framework="pt", device="cpu")
+    except _READ_ERRORS as e:
         raise ModelLoadError(f"{file}: cannot read safetensors, truncated or corrupt ({e})") from e
+    with handle:
+        yield handle
+
+
+def _slice(
+    part: Part, shape: tuple[int, ...], cut: Callable[[int, int], torch.Tensor]
+) -> torch.Tensor:
+    """`cut(lo, hi)` of the part, after checking the tensor's size; zero rows past its end."""
+    if part.full is not None and (len(shape) <= part.dim or shape[part.dim] != part.full):
+        raise ModelLoadError(
+            f"tensor {part.name!r} has shape {shape}, expected size {part.full} along dim {part.dim}"
+        )
+    stop = max(part.span.start, min(part.span.stop, shape[part.dim]))
+    t = cut(part.span.start, stop)
+    pad = part.span.stop - stop
+    if pad <= 0:
+        return t
+    zeros = t.new_zeros((*t.shape[: part.dim], pad, *t.shape[part.dim + 1 :]))
+    return torch.cat([t, zeros], dim=part.dim)
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -87,9 +193,13 @@ def _cast(t: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Te
     return t.to(device=device)
 
 
-def _check_index(path: Path, weights: dict[str, torch.Tensor]) -> None:
+def _missing(name: str) -> ModelLoadError:
+    return ModelLoadError(f"weights lack tensor {name!r}")
+
+
+def _check_index(path: Path, held: dict[str, Any]) -> None:
     index = _read_index(path)
-    missing = sorted(name for name in index if name not in weights)
+    missing = sorted(name for name in index if name not in held)
     if missing:
         raise ModelLoadError(
             f"{path / INDEX_FILE}: names tensors that no shard holds: "
@@ -97,8 +207,8 @@ def _check_index(path: Path, weights: dict[str, torch.Tensor]) -> None:
         )
 
 
-def _check_expected(path: Path, weights: dict[str, torch.Tensor], expected: Iterable[str]) -> None:
-    missing = sorted(set(expected) - weights.keys())
+def _check_expected(path: Path, held: dict[str, Any], expected: Iterable[str]) -> None:
+    missing = sorted(set(expected) - held.keys())
     if missing:
         raise ModelLoadError(f"{path}: weights lack tensors {missing[:5]} ({len(missing)} in all)")
 

@@ -56,5 +56,7 @@ class TPGroup:
 
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.size)] if self.is_first else None
-        dist.gather(x, parts, group=self.group, group_dst=0)
+        # `dst` is a global rank (group_dst only exists from torch 2.6; pyproject allows 2.3).
+        dst = 0 if self.group is None else dist.get_global_rank(self.group, 0)
+        dist.gather(x, parts, dst=dst, group=self.group)
         return torch.cat(parts, dim=-1) if parts is not None else None

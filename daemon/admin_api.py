@@ -17,10 +17,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvguard.daemon.control_plane import AlertPayloadError
 from kvguard.daemon.openai_api import ApiError
+from kvguard.engine.distributed.errors import RankFailure
 from kvguard.rules.actions import ACTIONS, ActionError
 
 if TYPE_CHECKING:
     from kvguard.daemon.service import Service
+    from kvguard.engine.llm_engine import LLMEngine
 
 _B = TypeVar("_B", bound=BaseModel)
 ALERTMANAGER_MAX_BODY = 1 << 20  # 100 alerts with their labels and annotations fit many times
@@ -102,6 +104,11 @@ class _OomBody(BaseModel):
     times: int = Field(1, ge=1, le=10)
 
 
+class _RankBody(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    rank: int = Field(1, ge=0, le=1023)
+
+
 def _body(model: type[_B], body: Any) -> _B:
     """A debug hook's body, validated: a 400 naming the field, never a 500 or a silent clamp."""
     if body is not None and not isinstance(body, dict):
@@ -134,6 +141,28 @@ def _debug_routes(r: APIRouter, service: Service) -> None:
         times = _body(_OomBody, body).times
         await asyncio.wrap_future(service.loop.call(lambda: service.engine.inject_oom(times)))
         return {"injected": times}
+
+    @r.post("/debug/fail_rank")
+    async def fail_rank(body: Any = Body(None)) -> dict[str, Any]:
+        """The engine's next step fails as if tensor-parallel rank `rank` had died, without
+        killing a process: the daemon's fatal path (503s, not ready, exit 1) on any engine."""
+        rank = _body(_RankBody, body).rank
+        failure = RankFailure(rank, f"died: {FAIL_RANK_REASON}")
+        await asyncio.wrap_future(service.loop.call(lambda: _fail_steps(service.engine, failure)))
+        return {"failing_rank": rank}
+
+
+FAIL_RANK_REASON = "injected by /admin/debug/fail_rank"
+
+
+def _fail_steps(engine: LLMEngine, failure: RankFailure) -> None:
+    """Every later step of `engine` raises `failure`, from where a distributed runner raises
+    it (the runner's execute). Engine thread."""
+
+    def execute(*_args: Any, **_kw: Any) -> list[int]:
+        raise failure
+
+    engine.runner.execute = execute
 
 
 def alertmanager_router(service: Service) -> APIRouter:

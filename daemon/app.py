@@ -13,8 +13,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvguard.daemon import admin_api, openai_api
-from kvguard.daemon.openai_api import ApiError
+from kvguard.daemon.openai_api import ApiError, engine_unavailable
 from kvguard.daemon.openai_schemas import error_body
+from kvguard.engine.engine_loop import EngineUnavailable
 
 if TYPE_CHECKING:
     from kvguard.daemon.service import Service
@@ -130,6 +131,12 @@ def _error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> Response:
         return exc.response()
+
+    @app.exception_handler(EngineUnavailable)
+    async def engine_gone(request: Request, exc: EngineUnavailable) -> Response:
+        """Work posted to an engine that has failed for good (a request not yet taken, an
+        admin action): 503, as for the requests that were in flight."""
+        return engine_unavailable(exc.cause).response()
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> Response:

@@ -117,6 +117,9 @@ def _print_state(s: dict) -> None:
         print("estimate     " + _estimate_line(adm))
     if adm.get("device_block_cap"):
         print(f"kv cap       {adm['device_block_cap']} device blocks (keeps the FP8 undo open)")
+    tp = s.get("tensor_parallel")  # absent from older daemons
+    if tp and tp["size"] > 1:
+        print("ranks        " + _ranks_line(tp))
     print("knobs        " + "  ".join(f"{k}={v}" for k, v in s["knobs"].items()))
     print("preemptions  " + "  ".join(f"{k}={v}" for k, v in s["preemptions"].items()))
     audit = s.get("audit")  # absent from older daemons
@@ -125,6 +128,14 @@ def _print_state(s: dict) -> None:
     if s.get("rules"):
         for r in s["rules"]:
             print(f"rule         {r['name']:<20} {r['state']}")
+
+
+def _ranks_line(tp: dict) -> str:
+    """Tensor parallelism at a glance: the ranks, the worker processes, a failure if any."""
+    pids = ", ".join(str(p) for p in tp["worker_pids"])
+    per_rank = tp["kv_cache_rank_bytes"][0] / 2**20 if tp["kv_cache_rank_bytes"] else 0.0
+    line = f"{tp['size']} tensor-parallel  workers pid {pids}  KV {per_rank:.0f} MiB per rank"
+    return line + (f"  FAILED: {tp['failure']}" if tp["failure"] else "")
 
 
 def _estimate_line(adm: dict) -> str:

@@ -184,6 +184,23 @@ class NvmlCollector(Collector):
         yield from fams.values()
 
 
+class TensorParallelCollector(Collector):
+    """How the model is split: the number of ranks and each rank's device KV pool in bytes
+    (every rank holds the same blocks, of its own KV heads). One rank: this process's pool."""
+
+    def __init__(self, size: Callable[[], int], kv_rank_bytes: Callable[[], list[int]]) -> None:
+        self.size = size
+        self.kv_rank_bytes = kv_rank_bytes
+
+    def collect(self):  # noqa: ANN201
+        size = _gauge("kvguard_tensor_parallel_size", "Ranks the model is split over")
+        size.add_metric([], float(self.size()))
+        kv = _gauge("kvguard_kv_cache_rank_bytes", "Bytes of each rank's device KV pool", ["rank"])
+        for rank, n in enumerate(self.kv_rank_bytes()):
+            kv.add_metric([str(rank)], float(n))
+        yield from (size, kv)
+
+
 class ControlPlaneCollector(Collector):
     """Rule states, evaluations, actions, degradation level, and the health of what the
     control plane depends on (Prometheus queries, audit writes, Alertmanager)."""

@@ -166,6 +166,8 @@ async def _serve(
             "model_not_found",
         )
     priority = _priority(body, x_priority)
+    if service.loop.fatal is not None:
+        raise engine_unavailable(service.loop.fatal)
     if service.draining:
         raise ApiError(503, "server is shutting down", type_="service_unavailable", retry_after=5)
     ctx = _Ctx(service, kind, body.model, priority, time.monotonic(), params)
@@ -390,13 +392,35 @@ async def _wait_final(
     if out.finish_reason == "abort":  # not the client's doing: the daemon stopped it
         raise _cut_error(service, out, outputs.cut_message)
     if out.finish_reason == "error":
-        raise _engine_error(out)
+        raise _engine_error(service, out)
     return out
 
 
-def _engine_error(out: RequestOutput) -> ApiError:
+def engine_unavailable(error: BaseException, out: RequestOutput | None = None) -> ApiError:
+    """503 once the engine has failed for good (a tensor-parallel rank died or hung): the
+    daemon exits and systemd restarts it, so the request may be retried shortly, here or on
+    another instance. Not a 500: nothing is wrong with the request or with this answer."""
+    message = (
+        f"kvguard's engine failed ({error}) and cannot serve this request; the daemon is "
+        "restarting: retry it shortly or on another instance"
+    )
+    if out is not None:
+        message += f" ({out.num_output_tokens} tokens had been generated)"
+    return ApiError(
+        503,
+        message,
+        code="engine_unavailable",
+        type_="service_unavailable",
+        retry_after=RETRY_ELSEWHERE_S,
+    )
+
+
+def _engine_error(service: Service, out: RequestOutput) -> ApiError:
     """The engine step running this request failed (a bug, not the input: inputs are checked
-    before they reach it); the engine ended only that step's requests and serves on."""
+    before they reach it); the engine ended only that step's requests and serves on. Unless
+    the engine failed for good, which ended every request: then it is a 503."""
+    if service.loop.fatal is not None:
+        return engine_unavailable(service.loop.fatal, out)
     return ApiError(
         500,
         "the engine failed while generating this request and stopped it "
@@ -494,7 +518,7 @@ async def _sse(
             yield _sse_line(_cut_error(ctx.service, final, outputs.cut_message).body())
             return
         if final.finish_reason == "error":
-            yield _sse_line(_engine_error(final).body())
+            yield _sse_line(_engine_error(ctx.service, final).body())
             return
         end = _chunk(ctx, None, final.finish_reason, False)
         end["kvguard"] = _kvguard_ext(ctx, final)

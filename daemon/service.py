@@ -1,6 +1,7 @@
 """The daemon: wires engine, engine thread, HTTP, metrics and systemd together and runs the
 lifecycle — READY after load, watchdog pings from the engine heartbeat, SIGHUP reload,
-SIGTERM drain.
+SIGTERM drain, and the exit after a fatal engine failure (a tensor-parallel rank died or hung),
+which systemd answers with a restart.
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ from kvguard.daemon.audit_migrate import shown
 from kvguard.daemon.config import ConfigFileError, DaemonConfig, load_config, state_dir
 from kvguard.daemon.control_plane import ControlPlane
 from kvguard.daemon.logging_setup import configure_logging
-from kvguard.daemon.metrics import ControlPlaneCollector, Metrics
+from kvguard.daemon.metrics import ControlPlaneCollector, Metrics, TensorParallelCollector
 from kvguard.daemon.nvml import NvmlReader
 from kvguard.engine.engine_loop import EngineLoop
 from kvguard.engine.llm_engine import LLMEngine
+from kvguard.engine.snapshot import EngineSnapshot
 from kvguard.rules.actions import run_action
 
 log = logging.getLogger("kvguard.daemon")
@@ -38,6 +40,12 @@ STALL_AFTER_S = 30.0  # an engine loop without a heartbeat this long is not read
 # After the drain deadline: how long the cut requests' 503s / SSE errors get to go out, and how
 # long the engine gets to apply the aborts, before the process exits regardless.
 CUT_GRACE_S = 5.0
+# After a fatal engine failure: the status to exit with (systemd's Restart=on-failure restarts
+# on any non-zero one), and how long the orderly exit (answers out, audit written, workers
+# stopped) may take before the process leaves regardless.
+FATAL_EXIT_CODE = 1
+FATAL_EXIT_DEADLINE_S = 20.0
+ENGINE_SHUTDOWN_S = 15.0  # stopping the workers: the runner asks, waits, then kills
 
 
 class _Server(uvicorn.Server):
@@ -60,6 +68,7 @@ class Service:
         self.nvml = NvmlReader()
         self.metrics: Metrics
         self._stop_watchdog = threading.Event()
+        self._watchdog_lock = threading.Lock()
         self.audit: AuditStore | None = None
         self.control: ControlPlane | None = None
         self.exit_code = 0
@@ -67,6 +76,14 @@ class Service:
         # time answers each of them at once, even if the engine thread is stalled.
         self.requests: weakref.WeakSet[Any] = weakref.WeakSet()
         self._drain: asyncio.Task[None] | None = None  # held: the loop keeps weak references
+        # Set while serve() runs, so that the engine thread can end it after a fatal failure.
+        self._aio: asyncio.AbstractEventLoop | None = None
+        self._server: uvicorn.Server | None = None
+        self._closed = threading.Event()  # close() finished: the forced exit is not needed
+        self._engine_stopped = False
+        self.worker_pids: list[int] = []
+        self.kv_rank_bytes: list[int] = []  # refreshed on the engine thread when the pool changes
+        self._kv_key: tuple[str, int] | None = None
 
     # -- names ------------------------------------------------------------------------------
     @property
@@ -81,9 +98,19 @@ class Service:
     def load(self, progress: bool = True) -> None:
         sdnotify.status(f"loading model {self.engine_model}")
         self.engine = LLMEngine.from_config(self.cfg.to_engine_config(), progress=progress)
-        self.loop = EngineLoop(self.engine).start()
+        self.worker_pids = _worker_pids(self.engine)
+        self._refresh_kv_rank_bytes(self.engine.latest_snapshot)
+        self.loop = EngineLoop(self.engine)
+        self.loop.on_step.append(self._refresh_kv_rank_bytes)
+        self.loop.on_fatal.append(self._on_engine_fatal)
+        self.loop.start()
         self.metrics = Metrics(
             lambda: self.engine.latest_snapshot, lambda: self.readiness()[0], self.nvml
+        )
+        self.metrics.registry.register(
+            TensorParallelCollector(
+                lambda: self.engine.config.tensor_parallel, lambda: self.kv_rank_bytes
+            )
         )
         sdnotify.status("migrating the audit database")
         self.audit = AuditStore(
@@ -109,6 +136,8 @@ class Service:
         outage."""
         if not self._ready:
             return False, "loading"
+        if self.loop.fatal is not None:
+            return False, f"engine failed: {self.loop.fatal}"
         if self.draining:
             return False, "draining"
         if not self.loop.alive:
@@ -131,14 +160,67 @@ class Service:
         interval = sdnotify.watchdog_interval()
         period = interval / 3 if interval else 2.0
         while not self._stop_watchdog.wait(period):
-            beat_age = time.monotonic() - self.loop.last_beat
-            if interval and beat_age < interval / 2:
-                sdnotify.watchdog()
-            sdnotify.status(
-                self._status_line()
-                if beat_age < period * 2
-                else f"engine loop stalled {beat_age:.0f}s"
-            )
+            with self._watchdog_lock:  # see _silence_watchdog
+                if self._stop_watchdog.is_set():
+                    return
+                beat_age = time.monotonic() - self.loop.last_beat
+                if interval and beat_age < interval / 2:
+                    sdnotify.watchdog()
+                sdnotify.status(
+                    self._status_line()
+                    if beat_age < period * 2
+                    else f"engine loop stalled {beat_age:.0f}s"
+                )
+
+    def _silence_watchdog(self) -> None:
+        """Stop the pings for good; once this returns, none is sent, not even one the watchdog
+        thread was about to send, so a failure's STATUS= line is the last word systemd gets."""
+        with self._watchdog_lock:
+            self._stop_watchdog.set()
+
+    def _refresh_kv_rank_bytes(self, snap: EngineSnapshot) -> None:
+        """Each rank's KV pool bytes, for the metrics (engine thread: the pool is the engine's).
+        Recomputed only when the pool changed (dtype switch, resize), not on every step."""
+        key = (snap.kv_cache_dtype, snap.device.blocks_total)
+        if key != self._kv_key:
+            self.kv_rank_bytes = _kv_bytes_per_rank(self.engine)
+            self._kv_key = key
+
+    def _on_engine_fatal(self, error: BaseException) -> None:
+        """The engine cannot step again (a rank died or hung; the loop has already ended every
+        in-flight request with an error and refuses new work). Say why, stop the watchdog pings
+        and exit non-zero: systemd restarts the whole service, the one way to get all ranks back
+        in step. Engine thread; the HTTP side is ended on the event loop."""
+        self.exit_code = FATAL_EXIT_CODE
+        log.error(
+            "engine failed for good: %s; not ready, answering 503 and exiting with status %d "
+            "so that systemd restarts the service",
+            error,
+            FATAL_EXIT_CODE,
+        )
+        self._silence_watchdog()
+        sdnotify.status(f"engine failed: {error}")
+        if self.audit is not None:
+            self.audit.record_event("engine_failure", detail=str(error), data=_failure_data(error))
+        aio, server = self._aio, self._server
+        if aio is not None and server is not None:
+            aio.call_soon_threadsafe(self._stop_serving, server)
+            threading.Thread(
+                target=self._exit_by_deadline, name="kvguard-exit", daemon=True
+            ).start()
+
+    def _stop_serving(self, server: uvicorn.Server) -> None:
+        """End serve(): uvicorn stops accepting and lets the answers already decided go out."""
+        sdnotify.stopping()
+        server.should_exit = True
+
+    def _exit_by_deadline(self) -> None:
+        """The orderly exit after a fatal failure is bounded: a stuck connection, audit write or
+        worker must not keep a daemon that serves nothing from being restarted."""
+        if self._closed.wait(FATAL_EXIT_DEADLINE_S):
+            return
+        log.error("orderly exit did not finish within %gs; exiting now", FATAL_EXIT_DEADLINE_S)
+        self._exit_now(f"engine failed: {self.loop.fatal}")
 
     async def serve(self) -> int:
         from kvguard.daemon.app import create_app
@@ -157,8 +239,13 @@ class Service:
         for sig in (signal.SIGTERM, signal.SIGINT):
             aio.add_signal_handler(sig, self._on_stop_signal, sig, server)
         aio.add_signal_handler(signal.SIGHUP, lambda: aio.run_in_executor(None, self.reload))
-        await server.serve()
-        self.close()
+        self._aio, self._server = aio, server
+        if self.loop.fatal is not None:  # failed between READY and now: the hook found no server
+            aio.call_soon(self._stop_serving, server)
+        try:
+            await server.serve()
+        finally:
+            self.close()
         return self.exit_code
 
     def _on_stop_signal(self, sig: signal.Signals, server: uvicorn.Server) -> None:
@@ -187,7 +274,8 @@ class Service:
         if self.audit is not None:
             self.audit.record_event("daemon_stop", detail=f"exit {self.exit_code}: {why}")
             self.audit.stop(timeout=2)
-        logging.shutdown()  # flush the log line above
+        self.shutdown_engine(timeout=5)
+        logging.shutdown()  # flush the log lines above
         os._exit(self.exit_code)
 
     async def shutdown(self, server: uvicorn.Server) -> None:
@@ -244,9 +332,27 @@ class Service:
         if self.control is not None:
             self.control.stop()
         self.loop.stop()
+        self.shutdown_engine()
         if self.audit is not None:
             self.audit.record_event("daemon_stop", detail=f"exit {self.exit_code}")
             self.audit.stop(timeout=10)  # logs what it could not write and where it saved it
+        if self.exit_code:
+            log.error("exiting with status %d", self.exit_code)
+        self._closed.set()
+
+    def shutdown_engine(self, timeout: float = ENGINE_SHUTDOWN_S) -> None:
+        """Stop the engine's worker processes, once, on every way out: no worker may outlive
+        the daemon. Bounded, on a helper thread: a stuck rank must not hold the exit (the
+        workers also leave by themselves once the daemon is gone)."""
+        engine = getattr(self, "engine", None)
+        if engine is None or self._engine_stopped:
+            return
+        self._engine_stopped = True
+        t = threading.Thread(target=engine.shutdown, name="kvguard-engine-stop", daemon=True)
+        t.start()
+        t.join(timeout)
+        if t.is_alive():
+            log.error("engine workers not stopped after %gs; %s", timeout, self.worker_pids)
 
     # -- operations -------------------------------------------------------------------------
     def _sighup_before_serving(self, signum: int, frame: object) -> None:
@@ -370,6 +476,12 @@ class Service:
             "counters": s.counters,
             "preemptions": s.preemptions,
             "admission_decisions": s.admission_decisions,
+            "tensor_parallel": {
+                "size": self.engine.config.tensor_parallel,
+                "worker_pids": self.worker_pids,
+                "kv_cache_rank_bytes": self.kv_rank_bytes,
+                "failure": None if self.loop.fatal is None else str(self.loop.fatal),
+            },
             "nvml": {"available": self.nvml.available, "error": self.nvml.error},
             "rules": self.control.evaluator.rule_states() if self.control else [],
             "degradation_level": self.control.evaluator.level() if self.control else 0,
@@ -400,5 +512,29 @@ def run(cfg: DaemonConfig, config_path: Path | None = None) -> int:
     # action would kill the process in the middle of loading the model or migrating the DB.
     signal.signal(signal.SIGHUP, svc._sighup_before_serving)
     log.info("starting (pid %d); SIGHUP is ignored until ready", os.getpid())
-    svc.load()
-    return asyncio.run(svc.serve())
+    try:
+        svc.load()
+        return asyncio.run(svc.serve())
+    finally:
+        svc.shutdown_engine()  # also when loading or serving raised
+
+
+def _worker_pids(engine: LLMEngine) -> list[int]:
+    """The tensor-parallel worker processes (none with one rank)."""
+    pids = getattr(engine.runner, "worker_pids", None)
+    return list(pids()) if pids is not None else []
+
+
+def _kv_bytes_per_rank(engine: LLMEngine) -> list[int]:
+    """Each rank's device KV pool in bytes; one rank: this process's pool."""
+    per_rank = getattr(engine.runner, "kv_bytes_per_rank", None)
+    return list(per_rank()) if per_rank is not None else [engine.kv_cache.device_pool.nbytes]
+
+
+def _failure_data(error: BaseException) -> dict[str, Any]:
+    """The audit row's data for an engine failure: the rank at fault and why, when known."""
+    data: dict[str, Any] = {"error": type(error).__name__}
+    for key in ("rank", "reason"):
+        if hasattr(error, key):
+            data[key] = getattr(error, key)
+    return data

@@ -1,22 +1,42 @@
 """The engine thread: runs `step()` while there is work, applies posted actions, and hands each
 request's outputs to whoever submitted it. Other threads never touch engine state directly.
+
+A step that raises is survived (the engine ends that step's requests itself), except a fatal
+failure such as a dead tensor-parallel rank: the engine cannot step again, so the loop stops
+stepping, ends every request it still streams with `finish_reason="error"`, refuses whatever is
+posted from then on, and tells its `on_fatal` hooks (the daemon exits for systemd to restart it).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 
+from kvguard.engine.control import Mailbox
+from kvguard.engine.distributed.errors import RankFailure
 from kvguard.engine.llm_engine import LLMEngine
 from kvguard.engine.sampling_params import SamplingParams
 from kvguard.engine.sequence import RequestOutput
 from kvguard.engine.snapshot import EngineSnapshot
 
 log = logging.getLogger("kvguard.engine.loop")
+# Failures after which the engine cannot step again: retrying would only fail again (or hang on
+# a collective with a dead peer), so the loop stops instead of serving on.
+FATAL_ERRORS: tuple[type[BaseException], ...] = (RankFailure,)
+
+
+class EngineUnavailable(RuntimeError):
+    """What the loop answers, after a fatal engine failure, to work posted to it: a request
+    or an action that would otherwise wait forever for a step that will never come."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(f"the engine stopped after a fatal failure: {cause}")
+        self.cause = cause
 
 
 class OutputBuffer:
@@ -70,8 +90,10 @@ class RequestStream:
         self._cond = threading.Condition()
         self._buffer = OutputBuffer()
         self._done = False  # the final output has been taken by an iteration
+        self.last: RequestOutput | None = None  # the latest output handed out (engine thread)
 
     def _put(self, out: RequestOutput) -> None:
+        self.last = out
         if self.listener is not None:
             try:
                 self.listener(out)
@@ -123,6 +145,10 @@ class EngineLoop:
         self.last_beat = time.monotonic()  # heartbeat: the systemd watchdog follows this
         self.on_step: list[Callable[[EngineSnapshot], None]] = []
         self.error: BaseException | None = None
+        # A fatal failure (FATAL_ERRORS): set once, never cleared; the engine steps no more.
+        self.fatal: BaseException | None = None
+        self.on_fatal: list[Callable[[BaseException], None]] = []  # called on the engine thread
+        self._fatal_lock = threading.Lock()  # orders `call` against the fatal switch
         self.paused = threading.Event()  # test hook: a set event stalls the loop (no heartbeat)
         engine.mailbox.notify = self._wake.set
 
@@ -148,12 +174,17 @@ class EngineLoop:
             while self.paused.is_set() and not self._stop.is_set():
                 time.sleep(0.01)
             self.last_beat = time.monotonic()
-            if not (eng.has_unfinished() or eng.mailbox.pending()):
-                self._wake.wait(self.idle_wait_s)
-                self._wake.clear()
-                continue
             try:
+                if not (eng.has_unfinished() or eng.mailbox.pending()):
+                    eng.check_ranks()  # a rank that dies while idle is noticed without traffic
+                    self._wake.wait(self.idle_wait_s)
+                    self._wake.clear()
+                    continue
                 outputs = eng.step()
+            except FATAL_ERRORS as e:
+                self._fail_fatally(e)
+                self._refuse_until_stopped(e)
+                return
             except Exception as e:  # noqa: BLE001 - keep serving; the failure is logged and kept
                 log.exception("engine step failed")
                 self.error = e
@@ -168,6 +199,39 @@ class EngineLoop:
                 except Exception:  # noqa: BLE001
                     log.exception("on_step hook failed")
 
+    def _fail_fatally(self, error: BaseException) -> None:
+        """Record the failure, end every stream so that no consumer waits forever, refuse what
+        is already posted, then tell the hooks. The engine itself is not touched again: its
+        ranks are out of step, and the state on this side may be half through a step."""
+        log.error("engine failed, no more steps: %s", error)
+        with self._fatal_lock:
+            self.fatal = error
+        ended = self._end_streams()
+        refused = _refuse_mailbox(self.engine.mailbox, error)
+        log.error(
+            "ended %d in-flight requests with an error; refused %d posted calls", ended, refused
+        )
+        for fn in self.on_fatal:
+            try:
+                fn(error)
+            except Exception:  # noqa: BLE001 - every hook must run
+                log.exception("on_fatal hook failed")
+
+    def _end_streams(self) -> int:
+        streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            stream._put(_failed_output(stream))
+        return len(streams)
+
+    def _refuse_until_stopped(self, error: BaseException) -> None:
+        """After a fatal failure, answer later posts at once until the loop is stopped (the
+        daemon exits within seconds, but a rule tick or an operator may post meanwhile). No
+        heartbeat: the systemd watchdog must not take a dead engine for a live one."""
+        while not self._stop.is_set():
+            self._wake.wait(self.idle_wait_s)
+            self._wake.clear()
+            _refuse_mailbox(self.engine.mailbox, error)
+
     def _deliver(self, out: RequestOutput) -> None:
         stream = self._streams.get(out.request_id)
         if stream is None:
@@ -178,8 +242,14 @@ class EngineLoop:
 
     # -- from any thread --------------------------------------------------------------------
     def call(self, fn: Callable[[], object]) -> Future:
-        """Run `fn` on the engine thread at the next step boundary."""
-        return self.engine.mailbox.post(fn)
+        """Run `fn` on the engine thread at the next step boundary. After a fatal failure the
+        Future fails at once with EngineUnavailable instead of waiting for a step."""
+        with self._fatal_lock:  # a post that wins the race is refused by _fail_fatally
+            if self.fatal is None:
+                return self.engine.mailbox.post(fn)
+        fut: Future = Future()
+        fut.set_exception(EngineUnavailable(self.fatal))
+        return fut
 
     def submit(
         self,
@@ -233,3 +303,41 @@ class EngineLoop:
 
     def snapshot(self) -> EngineSnapshot:
         return self.engine.latest_snapshot
+
+
+def _failed_output(stream: RequestStream) -> RequestOutput:
+    """The last output of a request the engine can no longer finish: `finish_reason="error"`,
+    the counts it had reached, nothing new. The whole text stays with the failed engine; a
+    consumer has had every delta already."""
+    last = stream.last
+    return RequestOutput(
+        request_id=stream.request_id,
+        new_token_ids=[],
+        new_text="",
+        num_prompt_tokens=last.num_prompt_tokens if last else 0,
+        num_output_tokens=last.num_output_tokens if last else 0,
+        finish_reason="error",
+        finished=True,
+        priority=last.priority if last else "normal",
+        num_preemptions=last.num_preemptions if last else 0,
+        ttft_s=last.ttft_s if last else None,
+        queue_time_s=last.queue_time_s if last else None,
+        final_text="",
+        final_token_ids=[],
+        final_prompt_token_ids=[],
+    )
+
+
+def _refuse_mailbox(mailbox: Mailbox, error: BaseException) -> int:
+    """Fail every call waiting in `mailbox` with EngineUnavailable, without running it: each
+    would act on an engine whose ranks are gone. Reaches into the mailbox's queue (the engine's
+    own type, in this package) because the mailbox offers only running what it holds."""
+    n = 0
+    while True:
+        try:
+            _fn, fut = mailbox._q.get_nowait()
+        except queue.Empty:
+            return n
+        if fut.set_running_or_notify_cancel():  # False: its caller cancelled it
+            fut.set_exception(EngineUnavailable(error))
+            n += 1

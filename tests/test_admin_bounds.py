@@ -120,6 +120,10 @@ def test_params_must_be_a_json_object(daemon: Daemon) -> None:
         ("inject_oom", {"times": 11}, "times"),
         ("inject_oom", {"times": 0}, "times"),
         ("inject_oom", {"times": True}, "times"),
+        ("fail_rank", {"rank": -1}, "rank"),
+        ("fail_rank", {"rank": "1"}, "rank"),
+        ("fail_rank", {"rank": True}, "rank"),
+        ("fail_rank", {"which": 1}, "which"),
     ],
 )
 def test_debug_hook_params_answer_400_naming_the_field(
@@ -136,7 +140,8 @@ def test_debug_hooks_work_when_configured(daemon: Daemon) -> None:
 def test_debug_hooks_are_absent_by_default(tmp_path: Path) -> None:
     d = Daemon(tmp_path, debug_hooks=False)
     try:
-        for hook, body in (("stall", {"seconds": 1}), ("inject_oom", {"times": 1})):
+        hooks = (("stall", {"seconds": 1}), ("inject_oom", {"times": 1}), ("fail_rank", {}))
+        for hook, body in hooks:
             assert d.admin("POST", f"/admin/debug/{hook}", json=body).status_code == 404
             assert httpx.post(f"{d.url}/admin/debug/{hook}", json=body).status_code == 404
         assert d.admin("POST", "/admin/actions/restore_batch").status_code == 200

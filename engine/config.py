@@ -94,6 +94,20 @@ class EngineConfig:
     max_num_batched_tokens: int = knob(
         2048, section="serving", ge=1, doc="tokens one step may process, prefill and decode"
     )
+    tensor_parallel: int = knob(
+        1,
+        section="serving",
+        ge=1,
+        doc="ranks the model is split over (one GPU each on CUDA, worker processes on CPU)",
+    )
+    tensor_parallel_timeout_s: float = knob(
+        60.0,
+        section="serving",
+        key="tensor_parallel_timeout",
+        kind="duration",
+        gt=0.0,
+        doc="a rank that does not start or answer a step within this is declared failed",
+    )
     num_threads: int | None = knob(
         None, section="serving", ge=1, doc="torch intra-op threads on CPU; unset: torch's default"
     )

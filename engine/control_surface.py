@@ -186,6 +186,12 @@ class ControlSurface:
                 False,
                 {},
             )
+        if not self.runner.can_convert(dtype, new_n):
+            return (
+                f"refused: a rank has no device memory for the {dtype} pool beside the {old} one",
+                False,
+                {},
+            )
         t0 = time.perf_counter()
         live_bytes = bm.num_used * self.kv_cache.bytes_per_block
         old_n = bm.num_blocks

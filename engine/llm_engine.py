@@ -22,6 +22,7 @@ from kvguard.engine.config import EngineConfig
 from kvguard.engine.control import Mailbox
 from kvguard.engine.control_surface import ControlSurface
 from kvguard.engine.detokenizer import append_token
+from kvguard.engine.distributed.errors import RankFailure
 from kvguard.engine.events import EventBus
 from kvguard.engine.kv_cache import KVCache, kv_dtype_name
 from kvguard.engine.model_config import ModelConfig
@@ -114,7 +115,12 @@ class LLMEngine(ControlSurface):
         path = resolve_model(config.model, config.home, progress=progress)
         mcfg = ModelConfig.from_dir(path)
         tokenizer = Tokenizer.from_dir(path)
-        runner = ModelRunner.from_config(config, path, mcfg)
+        if config.tensor_parallel > 1:
+            from kvguard.engine.distributed.driver import TensorParallelRunner
+
+            runner = TensorParallelRunner.launch(config, path, mcfg)
+        else:
+            runner = ModelRunner.from_config(config, path, mcfg)
         return cls(config, runner, mcfg, tokenizer)
 
     # the runner's parts, as callers (tests, benchmarks, the snapshot) know them
@@ -260,7 +266,9 @@ class LLMEngine(ControlSurface):
 
     # -- the loop -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Apply posted actions, run one batch; return outputs of requests that advanced."""
+        """Apply posted actions, run one batch; return outputs of requests that advanced.
+
+        Raises RankFailure (tensor parallel) when a rank died or hung: the engine is done."""
         self.mailbox.drain()
         outputs, self._pending = self._pending, []
         self._maybe_restore_budget()
@@ -277,6 +285,8 @@ class LLMEngine(ControlSurface):
         except OOM_ERRORS + (InjectedOOMError,) as e:
             self._on_oom(batch, e)
             return []
+        except RankFailure:
+            raise  # the engine is done: the daemon restarts it, no request is retried here
         except Exception:  # noqa: BLE001 - a bug or a poisoned input: stop this step's requests
             log.exception("engine step failed; its %d requests end with an error", len(batch.seqs))
             return self._fail(batch)
@@ -397,9 +407,7 @@ class LLMEngine(ControlSurface):
             while seq.num_computed_tokens < len(token_ids):
                 n = min(chunk, len(token_ids) - seq.num_computed_tokens)
                 self.block_manager.allocate(seq, n)
-                inp = self.runner.prepare([seq], [n])
-                inp.sample_rows = torch.arange(n, device=self.device)
-                logits.append(self.runner.forward(inp))
+                logits.append(self.runner.logits([seq], [n], every_row=True))
                 seq.num_computed_tokens += n
         finally:
             self.block_manager.free(seq)
@@ -415,3 +423,10 @@ class LLMEngine(ControlSurface):
     def shutdown(self) -> None:
         """Stop what the engine started outside this process (tensor-parallel workers)."""
         self.runner.shutdown()
+
+    def check_ranks(self) -> None:
+        """RankFailure if a tensor-parallel rank has died (cheap; an idle loop calls it, so a
+        dead rank is noticed without traffic). Nothing to check with one rank."""
+        check = getattr(self.runner, "check_alive", None)
+        if check is not None:
+            check()

@@ -16,12 +16,14 @@ from dataclasses import dataclass
 import torch
 
 from kvguard.engine.config import ConfigError, EngineConfig
+from kvguard.engine.distributed.agreement import agree_any, agree_min
+from kvguard.engine.distributed.parallel_state import TPGroup
+from kvguard.engine.distributed.sharding import shard_config
 from kvguard.engine.kv_cache import KV_TORCH_DTYPES, KVCache, bytes_per_block, kv_dtype_name
-from kvguard.engine.model import AttentionMetadata, LlamaForCausalLM, build_model
+from kvguard.engine.model import AttentionMetadata, LlamaForCausalLM, load_model
 from kvguard.engine.model_config import ModelConfig
 from kvguard.engine.sampler import sample
 from kvguard.engine.sequence import Sequence
-from kvguard.engine.weights import load_weights
 
 log = logging.getLogger("kvguard.engine")
 
@@ -36,6 +38,19 @@ def pick_device(name: str) -> torch.device:
     dev = torch.device(name)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device={name!r}: CUDA is not available on this host")
+    return dev
+
+
+def rank_device(name: str, tp: TPGroup) -> torch.device:
+    """This rank's device: one GPU per rank on CUDA (rank r on cuda:r), the CPU otherwise."""
+    dev = pick_device(name)
+    if dev.type == "cuda" and tp.size > 1:
+        if torch.cuda.device_count() < tp.size:
+            raise ConfigError(
+                f"tensor_parallel={tp.size} needs {tp.size} GPUs, {torch.cuda.device_count()} visible"
+            )
+        dev = torch.device("cuda", tp.rank)
+        torch.cuda.set_device(dev)
     return dev
 
 
@@ -55,64 +70,94 @@ class StepInput:
     sample_rows: torch.Tensor  # rows of the hidden states whose next token is sampled
 
 
-def step_lists(
-    seqs: list[Sequence], num_tokens: list[int], block_size: int
-) -> tuple[list[int], list[int], list[int], list[int]]:
-    """Token ids, positions, cache slots and the rows to sample, for `n` tokens of each
-    sequence starting at its first uncomputed token."""
-    ids, pos, slots, rows = [], [], [], []
-    for seq, n in zip(seqs, num_tokens, strict=True):
-        start = seq.num_computed_tokens
-        ids.extend(seq.token_slice(start, start + n))
-        pos.extend(range(start, start + n))
-        table = seq.block_table
-        slots.extend(
-            table[p // block_size] * block_size + p % block_size for p in range(start, start + n)
+def build_step(
+    tables: list[list[int]],
+    starts: list[int],
+    num_tokens: list[int],
+    sampled: list[bool],
+    token_ids: list[int],
+    block_size: int,
+    device: torch.device,
+    every_row: bool = False,
+) -> StepInput:
+    """The step's tensors from each sequence's block table, first uncomputed position, token
+    count and whether its last row is sampled (`every_row`: all rows, for scoring). Every
+    rank of a tensor-parallel engine calls this with the same lists, so slots agree."""
+    pos, slots, rows = [], [], []
+    for table, start, n, last in zip(tables, starts, num_tokens, sampled, strict=True):
+        span = range(start, start + n)
+        rows.extend(
+            range(len(pos), len(pos) + n) if every_row else ([len(pos) + n - 1] if last else [])
         )
-        if start + n == seq.num_tokens:
-            rows.append(len(ids) - 1)
-    return ids, pos, slots, rows
-
-
-def attention_metadata(
-    tables: list[list[int]], computed: list[int], num_tokens: list[int], slots: list[int], device
-) -> AttentionMetadata:  # noqa: ANN001 - torch.device
+        pos.extend(span)
+        slots.extend(table[p // block_size] * block_size + p % block_size for p in span)
     width = max(len(t) for t in tables)
     padded = [t + [0] * (width - len(t)) for t in tables]
-    return AttentionMetadata(
+    meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots, device=device),
         block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
-        seq_lens=[c + n for c, n in zip(computed, num_tokens, strict=True)],
+        seq_lens=[c + n for c, n in zip(starts, num_tokens, strict=True)],
         query_lens=list(num_tokens),
     )
+    return StepInput(
+        torch.tensor(token_ids, device=device),
+        torch.tensor(pos, device=device),
+        meta,
+        torch.tensor(rows, dtype=torch.long, device=device),
+    )
+
+
+def step_token_ids(seqs: list[Sequence], num_tokens: list[int]) -> list[int]:
+    ids: list[int] = []
+    for seq, n in zip(seqs, num_tokens, strict=True):
+        ids.extend(seq.token_slice(seq.num_computed_tokens, seq.num_computed_tokens + n))
+    return ids
+
+
+def finishes_prompt(seq: Sequence, n: int) -> bool:
+    """Whether computing `n` more tokens of `seq` reaches its end (a token is then sampled)."""
+    return seq.num_computed_tokens + n == seq.num_tokens
 
 
 class ModelRunner:
     def __init__(
-        self, model: LlamaForCausalLM, model_config: ModelConfig, kv_cache: KVCache
+        self,
+        model: LlamaForCausalLM,
+        model_config: ModelConfig,
+        kv_cache: KVCache,
+        tp: TPGroup | None = None,
     ) -> None:
         self.model = model
         self.model_config = model_config
         self.kv_cache = kv_cache
+        self.tp = tp or TPGroup.single()
         self.device = next(model.parameters()).device
         self.block_size = kv_cache.block_size
         self._inject_oom = 0
 
     @classmethod
-    def from_config(cls, config: EngineConfig, path, mcfg: ModelConfig) -> ModelRunner:  # noqa: ANN001
-        device = pick_device(config.device)
+    def from_config(
+        cls, config: EngineConfig, path, mcfg: ModelConfig, tp: TPGroup | None = None
+    ) -> ModelRunner:  # noqa: ANN001 - path: Path
+        """This rank's model (its shards only) and KV pools (its KV heads only). Every rank
+        holds the same number of blocks, the fewest any rank can afford, so block ids mean the
+        same KV slots everywhere."""
+        tp = tp or TPGroup.single()
+        device = rank_device(config.device, tp)
         dtype = pick_dtype(config.dtype, device)
         max_len = min(config.max_model_len, mcfg.max_position_embeddings)
         t0 = time.perf_counter()
-        model = build_model(mcfg, load_weights(path, dtype, device), max_len, dtype, device)
-        log.info("loaded %s in %.2fs", path, time.perf_counter() - t0)
+        model = load_model(path, mcfg, max_len, dtype, device, tp)
+        log.info("rank %d loaded %s in %.2fs", tp.rank, path, time.perf_counter() - t0)
+        local = shard_config(mcfg, tp.size)
         kv_dtype = kv_dtype_name(config.kv_cache_dtype, dtype)
-        num_blocks = config.num_gpu_blocks or num_kv_blocks(config, mcfg, kv_dtype, device)
+        num_blocks = config.num_gpu_blocks or num_kv_blocks(config, local, kv_dtype, device)
+        num_blocks = agree_min(tp, num_blocks)
         host_blocks = 0
         if config.enable_cpu_offload:
             host_blocks = int(num_blocks * config.cpu_cache_ratio / (1.0 - config.cpu_cache_ratio))
-        kv = KVCache(mcfg, num_blocks, config.block_size, kv_dtype, device, host_blocks)
-        return cls(model, mcfg, kv)
+        kv = KVCache(local, num_blocks, config.block_size, kv_dtype, device, host_blocks)
+        return cls(model, mcfg, kv, tp)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -120,25 +165,23 @@ class ModelRunner:
         return next(self.model.parameters()).dtype
 
     # -- one step -------------------------------------------------------------------------
-    def prepare(self, seqs: list[Sequence], num_tokens: list[int]) -> StepInput:
-        ids, pos, slots, rows = step_lists(seqs, num_tokens, self.block_size)
-        dev = self.device
-        meta = attention_metadata(
+    def prepare(
+        self, seqs: list[Sequence], num_tokens: list[int], every_row: bool = False
+    ) -> StepInput:
+        return build_step(
             [s.block_table for s in seqs],
             [s.num_computed_tokens for s in seqs],
             num_tokens,
-            slots,
-            dev,
-        )
-        return StepInput(
-            torch.tensor(ids, device=dev),
-            torch.tensor(pos, device=dev),
-            meta,
-            torch.tensor(rows, device=dev),
+            [finishes_prompt(s, n) for s, n in zip(seqs, num_tokens, strict=True)],
+            step_token_ids(seqs, num_tokens),
+            self.block_size,
+            self.device,
+            every_row,
         )
 
     def forward(self, inp: StepInput) -> torch.Tensor | None:
-        """Run the model; logits of the sampled rows (None when no row is sampled)."""
+        """Run the model; logits of the sampled rows (rank 0; None elsewhere or when no row is
+        sampled)."""
         if self._inject_oom:
             self._inject_oom -= 1
             raise InjectedOOMError("injected out-of-memory fault (inject_oom test hook)")
@@ -147,18 +190,21 @@ class ModelRunner:
             return None
         return self.model.compute_logits(hidden[inp.sample_rows])
 
+    def logits(
+        self, seqs: list[Sequence], num_tokens: list[int], every_row: bool = False
+    ) -> torch.Tensor | None:
+        """Compute `num_tokens` of each sequence into the KV cache; the logits of the rows
+        that are sampled (`every_row`: of every computed row)."""
+        return self.forward(self.prepare(seqs, num_tokens, every_row))
+
     def execute(self, seqs: list[Sequence], num_tokens: list[int]) -> list[int]:
         """Compute `num_tokens` of each sequence; the next token of every sequence whose
         tokens are now all computed, in batch order. Sequences themselves are not changed:
         the scheduler advances them from what this returns."""
-        logits = self.forward(self.prepare(seqs, num_tokens))
+        logits = self.logits(seqs, num_tokens)
         if logits is None:
             return []
-        done = [
-            s
-            for s, n in zip(seqs, num_tokens, strict=True)
-            if s.num_computed_tokens + n == s.num_tokens
-        ]
+        done = [s for s, n in zip(seqs, num_tokens, strict=True) if finishes_prompt(s, n)]
         return sample(logits, [s.params for s in done], [s.generator for s in done])
 
     def inject_oom(self, times: int = 1) -> None:
@@ -179,11 +225,27 @@ class ModelRunner:
         pools = {"device": kv.device_pool, "host": kv.host_pool}
         return max(kv.convert(pools[t], dtype, n, moves) for t, (n, moves) in tiers.items())
 
+    def can_convert(self, dtype: str, new_n: int) -> bool:
+        """Whether every rank has room for the switch's transient extra (one layer of the new
+        pool beside the old one); all ranks agree, so a switch happens everywhere or nowhere."""
+        ok = True
+        if self.device.type == "cuda":
+            free, _total = torch.cuda.mem_get_info(self.device)
+            layer = bytes_per_block(self.kv_cache.cfg, self.block_size, dtype) * new_n
+            ok = free > 2 * layer // max(1, self.kv_cache.cfg.num_layers)
+        return not agree_any(self.tp, not ok)
+
     def blocks_for_budget(self, dtype: str, host: bool = False) -> int:
         return self.kv_cache.blocks_for_budget(dtype, host)
 
     def shutdown(self) -> None:
         """Nothing to stop in one process; a distributed runner stops its workers."""
+
+    def worker_pids(self) -> list[int]:
+        return []
+
+    def kv_bytes_per_rank(self) -> list[int]:
+        return [self.kv_cache.device_pool.nbytes]
 
 
 def num_kv_blocks(

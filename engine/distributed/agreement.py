@@ -1,0 +1,28 @@
+"""Small collectives by which ranks agree on one number before acting on it."""
+
+from __future__ import annotations
+
+import torch
+
+from kvguard.engine.distributed.parallel_state import TPGroup
+
+
+def agree_min(tp: TPGroup, value: int) -> int:
+    """The smallest `value` over the ranks (one rank: `value`): e.g. the KV block count every
+    rank can afford, so block ids mean the same slots everywhere."""
+    return value if tp.size == 1 else _reduce(tp, value, "MIN")
+
+
+def agree_any(tp: TPGroup, flag: bool) -> bool:
+    """Whether any rank raised `flag` (one rank: `flag`): e.g. a fault that makes every rank
+    skip a step together instead of leaving the others waiting in a collective."""
+    return flag if tp.size == 1 else bool(_reduce(tp, int(flag), "MAX"))
+
+
+def _reduce(tp: TPGroup, value: int, op: str) -> int:
+    import torch.distributed as dist
+
+    device = "cuda" if dist.get_backend(tp.group) == "nccl" else "cpu"
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=getattr(dist.ReduceOp, op), group=tp.group)
+    return int(t.item())

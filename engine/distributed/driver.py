@@ -1,0 +1,298 @@
+"""Rank 0 of a tensor-parallel engine: the driver runner and the worker processes it drives.
+
+`TensorParallelRunner.launch` starts ranks 1..tp-1 as spawned processes, joins them in one
+process group (gloo on CPU, NCCL on CUDA) through a TCP store on loopback whose port the kernel
+picks, and loads rank 0's shards. Each step it sends every worker one `StepMessage`, runs its
+own share of the forward (the collectives inside the model meet the workers' shares) and
+samples from the gathered logits. KV copies and the dtype switch are repeated on every rank.
+
+A rank that dies or stops answering leaves the group out of step for good: the runner raises
+`RankFailure` naming it, and the only way on is a restart of the whole service.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import torch
+
+from kvguard.engine.config import EngineConfig
+from kvguard.engine.distributed.agreement import agree_any
+from kvguard.engine.distributed.errors import RankFailure
+from kvguard.engine.distributed.parallel_state import TPGroup
+from kvguard.engine.distributed.sharding import check_tensor_parallel
+from kvguard.engine.distributed.step_message import KVOp, StepEncoder
+from kvguard.engine.distributed.worker import WorkerArgs, threads_per_rank
+from kvguard.engine.model_config import ModelConfig
+from kvguard.engine.model_runner import (
+    InjectedOOMError,
+    ModelRunner,
+    build_step,
+    finishes_prompt,
+    pick_device,
+    step_token_ids,
+)
+from kvguard.engine.sequence import Sequence
+
+log = logging.getLogger("kvguard.engine.tp")
+DEATH_GRACE_S = 1.0  # after a failed collective: how long to wait for a dead rank to show
+STOP_GRACE_S = 5.0
+
+
+@dataclass(slots=True)
+class WorkerHandle:
+    rank: int
+    process: subprocess.Popen
+    conn: Connection
+    info: dict = field(default_factory=dict)
+
+    def death(self) -> str | None:
+        """Why this worker is gone, or None while it runs."""
+        code = self.process.poll()
+        if code is None:
+            return None
+        how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+        return f"(pid {self.process.pid}) died: {how}"
+
+    def wait_ready(self, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            if self.conn.poll(0.1):
+                kind, data = self.conn.recv()
+                if kind == "ready":
+                    self.info = data
+                    return
+                raise RankFailure(self.rank, f"failed to start: {data}")
+            if (why := self.death()) is not None:
+                raise RankFailure(self.rank, f"{why} while starting")
+        raise RankFailure(self.rank, "did not report ready in time")
+
+
+@dataclass(slots=True)
+class StepStats:
+    """Where rank 0's step time goes (the tensor-parallel benchmark reads these)."""
+
+    steps: int = 0
+    message_s: float = 0.0  # encoding and sending the step message
+    message_bytes: int = 0
+    step_s: float = 0.0  # the whole `logits` call
+
+
+class TensorParallelRunner(ModelRunner):
+    def __init__(
+        self,
+        runner: ModelRunner,
+        workers: list[WorkerHandle],
+        timeout_s: float,
+    ) -> None:
+        super().__init__(runner.model, runner.model_config, runner.kv_cache, runner.tp)
+        self.workers = workers
+        self.timeout_s = timeout_s
+        self.encoder = StepEncoder()
+        self.stats = StepStats()
+        self._kv_ops: list[KVOp] = []
+        self._failed: RankFailure | None = None
+
+    # -- start and stop -------------------------------------------------------------------
+    @classmethod
+    def launch(cls, config: EngineConfig, path: Path, mcfg: ModelConfig) -> TensorParallelRunner:
+        """Spawn the workers, form the group, load rank 0's shards; every rank is ready when
+        this returns, or all are stopped and the reason raised."""
+        import torch.distributed as dist
+
+        size = config.tensor_parallel
+        check_tensor_parallel(mcfg, size)
+        backend = "nccl" if pick_device(config.device).type == "cuda" else "gloo"
+        timeout = timedelta(seconds=config.tensor_parallel_timeout_s)
+        store = dist.TCPStore(
+            "127.0.0.1", 0, size, is_master=True, timeout=timeout, wait_for_workers=False
+        )
+        workers: list[WorkerHandle] = []
+        try:
+            for rank in range(1, size):
+                workers.append(_spawn(rank, size, store.port, backend, config, path))
+            torch.set_num_threads(config.num_threads or threads_per_rank(size))
+            dist.init_process_group(backend, store=store, rank=0, world_size=size, timeout=timeout)
+            runner = ModelRunner.from_config(config, path, mcfg, TPGroup(0, size))
+            deadline = time.monotonic() + config.tensor_parallel_timeout_s
+            for w in workers:
+                w.wait_ready(deadline)
+        except BaseException:
+            _stop(workers)
+            _leave_group()
+            raise
+        log.info(
+            "tensor parallel %d: workers %s on %s",
+            size,
+            ", ".join(f"rank {w.rank} pid {w.process.pid}" for w in workers),
+            backend,
+        )
+        return cls(runner, workers, config.tensor_parallel_timeout_s)
+
+    def shutdown(self) -> None:
+        _stop(self.workers)
+        _leave_group()
+
+    def worker_pids(self) -> list[int]:
+        return [w.process.pid for w in self.workers]
+
+    def kv_bytes_per_rank(self) -> list[int]:
+        """Every rank holds the same block count of the same number of KV heads (split or
+        replicated), so every rank's pool has rank 0's size."""
+        return [self.kv_cache.device_pool.nbytes] * self.tp.size
+
+    # -- health ---------------------------------------------------------------------------
+    def check_alive(self) -> None:
+        """RankFailure if a worker has died (a cheap non-blocking wait per worker)."""
+        if self._failed is not None:
+            raise self._failed
+        for w in self.workers:
+            if (why := w.death()) is not None:
+                self._fail(RankFailure(w.rank, why))
+
+    def _fail(self, failure: RankFailure) -> None:
+        self._failed = failure
+        raise failure
+
+    def _after_error(self, error: BaseException) -> None:
+        """A collective or a send failed: name the dead rank if one shows up, else the group."""
+        deadline = time.monotonic() + DEATH_GRACE_S
+        while time.monotonic() < deadline:
+            for w in self.workers:
+                if (why := w.death()) is not None:
+                    self._fail(RankFailure(w.rank, why))
+            time.sleep(0.02)
+        self._fail(RankFailure(-1, f"did not complete a step within {self.timeout_s:g}s: {error}"))
+
+    def _send_all(self, kind: str, payload: object) -> None:
+        for w in self.workers:
+            try:
+                w.conn.send((kind, payload))
+            except OSError as e:
+                self._after_error(e)
+
+    # -- one step -------------------------------------------------------------------------
+    def logits(
+        self, seqs: list[Sequence], num_tokens: list[int], every_row: bool = False
+    ) -> torch.Tensor | None:
+        self.check_alive()
+        t0 = time.perf_counter()
+        tables = [s.block_table for s in seqs]
+        starts = [s.num_computed_tokens for s in seqs]
+        sampled = [finishes_prompt(s, n) for s, n in zip(seqs, num_tokens, strict=True)]
+        ids = step_token_ids(seqs, num_tokens)
+        payload = self.encoder.encode(
+            [s.order for s in seqs],
+            tables,
+            starts,
+            num_tokens,
+            sampled,
+            ids,
+            every_row,
+            self._kv_ops,
+        )
+        self._kv_ops = []
+        self._send_all("step", payload)
+        t1 = time.perf_counter()
+        inp = build_step(
+            tables, starts, num_tokens, sampled, ids, self.block_size, self.device, every_row
+        )
+        try:
+            faulted = self._inject_oom > 0
+            if agree_any(self.tp, faulted):
+                self._inject_oom -= int(faulted)
+                self.encoder.forget()
+                raise InjectedOOMError("injected out-of-memory fault on a rank (inject_oom)")
+            hidden = self.model(inp.input_ids, inp.positions, self.kv_cache.layers, inp.meta)
+            out = None
+            if inp.sample_rows.numel():
+                out = self.model.compute_logits(hidden[inp.sample_rows])
+        except InjectedOOMError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the group is out of step: no retry can fix it
+            self._after_error(e)
+        st = self.stats
+        st.steps += 1
+        st.message_s += t1 - t0
+        st.message_bytes += len(payload)
+        st.step_s += time.perf_counter() - t0
+        return out
+
+    def inject_oom(self, times: int = 1, rank: int = 0) -> None:
+        """Test hook: the next `times` steps fail with an out-of-memory fault raised on `rank`;
+        every rank skips those steps together."""
+        if rank == 0:
+            super().inject_oom(times)
+            return
+        self.workers[rank - 1].conn.send(("inject_oom", times))
+
+    # -- KV memory, on every rank ---------------------------------------------------------
+    def swap_out(self, device_ids: list[int], host_ids: list[int]) -> None:
+        super().swap_out(device_ids, host_ids)
+        self._kv_ops.append(("swap_out", list(device_ids), list(host_ids)))
+
+    def swap_in(self, host_ids: list[int], device_ids: list[int]) -> None:
+        super().swap_in(host_ids, device_ids)
+        self._kv_ops.append(("swap_in", list(host_ids), list(device_ids)))
+
+    def can_convert(self, dtype: str, new_n: int) -> bool:
+        self.check_alive()
+        self._send_all("convert_check", (dtype, new_n))
+        return super().can_convert(dtype, new_n)
+
+    def convert_kv(self, dtype: str, tiers: dict[str, tuple[int, dict[int, int]]]) -> int:
+        self._send_all("convert", (dtype, tiers, self._kv_ops))
+        self._kv_ops = []
+        return super().convert_kv(dtype, tiers)
+
+
+def _spawn(
+    rank: int, size: int, port: int, backend: str, config: EngineConfig, path: Path
+) -> WorkerHandle:
+    """Start one worker as `python -m kvguard.engine.distributed.worker`, talking over a socket
+    pair it inherits. A fresh interpreter, not a multiprocessing child: it does not re-run the
+    caller's main module, whatever script started the engine."""
+    ours, theirs = socket.socketpair()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvguard.engine.distributed.worker", str(theirs.fileno())],
+        pass_fds=(theirs.fileno(),),
+        stdin=subprocess.DEVNULL,
+    )
+    theirs.close()
+    conn = Connection(ours.detach())
+    conn.send(WorkerArgs(rank, size, port, backend, config, Path(path), os.getpid()))
+    return WorkerHandle(rank, proc, conn)
+
+
+def _stop(workers: list[WorkerHandle]) -> None:
+    """Ask each worker to stop, then make sure: no worker outlives the engine."""
+    for w in workers:
+        with contextlib.suppress(OSError):
+            w.conn.send(("stop", None))
+    deadline = time.monotonic() + STOP_GRACE_S
+    for w in workers:
+        try:
+            w.process.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            w.process.kill()
+            w.process.wait(STOP_GRACE_S)
+        w.conn.close()
+
+
+def _leave_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - a broken group may not tear down cleanly
+            log.warning("process group did not tear down cleanly", exc_info=True)

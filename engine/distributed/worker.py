@@ -1,0 +1,171 @@
+"""A tensor-parallel worker rank: a ModelRunner in a loop, driven by rank 0 over a pipe.
+
+Rank 0 (the daemon's process) spawns ranks 1..tp-1 with this module's `worker_main`. A worker
+joins the process group, loads its shards, reports ready, then runs whatever rank 0 sends, in
+order: a step (KV copies replayed first, then the forward; rank 0 alone samples), a KV dtype
+switch, a fault to inject, or stop. It never outlives rank 0: the kernel kills it when its
+parent dies (PR_SET_PDEATHSIG), and a closed pipe ends its loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import pickle
+import signal
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import torch
+
+from kvguard.engine.config import EngineConfig
+from kvguard.engine.distributed.agreement import agree_any
+from kvguard.engine.distributed.parallel_state import TPGroup
+from kvguard.engine.distributed.step_message import StepDecoder, StepMessage
+from kvguard.engine.model_config import ModelConfig
+from kvguard.engine.model_runner import ModelRunner, build_step
+
+log = logging.getLogger("kvguard.engine.worker")
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Ask the kernel to SIGKILL this process when its parent goes, however it goes (even by
+    SIGKILL, which leaves no chance to clean up); exit now if the parent is already gone."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def threads_per_rank(size: int) -> int:
+    """Each rank's share of the cores: ranks compute at once, and oversubscribed threads on a
+    small machine spin against each other in every collective."""
+    return max(1, (os.cpu_count() or 1) // size)
+
+
+def init_group(rank: int, size: int, port: int, backend: str, timeout_s: float) -> TPGroup:
+    import torch.distributed as dist
+
+    store = dist.TCPStore(
+        "127.0.0.1", port, size, is_master=False, timeout=timedelta(seconds=timeout_s)
+    )
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=size, timeout=timedelta(seconds=timeout_s)
+    )
+    return TPGroup(rank, size)
+
+
+@dataclass(slots=True, frozen=True)
+class WorkerArgs:
+    """What rank 0 tells a worker first, over the socket it inherits."""
+
+    rank: int
+    size: int
+    port: int  # the TCP store's, on loopback
+    backend: str
+    config: EngineConfig
+    path: Path
+    parent_pid: int
+
+
+def main(argv: list[str]) -> None:
+    conn = Connection(int(argv[0]))
+    args: WorkerArgs = conn.recv()
+    worker_main(args, conn)
+
+
+def worker_main(args: WorkerArgs, conn: Connection) -> None:
+    rank, size, config, path = args.rank, args.size, args.config, args.path
+    die_with_parent(args.parent_pid)
+    logging.basicConfig(
+        level=os.environ.get("KVGUARD_LOG_LEVEL", "INFO").upper(),
+        format=f"%(asctime)s %(levelname)s tp-rank-{rank} %(name)s: %(message)s",
+    )
+    torch.set_num_threads(config.num_threads or threads_per_rank(size))
+    try:
+        tp = init_group(rank, size, args.port, args.backend, config.tensor_parallel_timeout_s)
+        mcfg = ModelConfig.from_dir(path)
+        runner = ModelRunner.from_config(config, path, mcfg, tp)
+        conn.send(("ready", {"pid": os.getpid(), "kv_bytes": runner.kv_cache.device_pool.nbytes}))
+    except Exception as e:  # noqa: BLE001 - tell rank 0 why, then exit non-zero
+        log.exception("rank %d failed to start", rank)
+        _send(conn, ("failed", f"{type(e).__name__}: {e}"))
+        os._exit(1)
+    Worker(runner, conn).run()
+
+
+def _send(conn: Connection, msg: object) -> None:
+    with contextlib.suppress(OSError):
+        conn.send(msg)
+
+
+class Worker:
+    def __init__(self, runner: ModelRunner, conn: Connection) -> None:
+        self.runner = runner
+        self.conn = conn
+        self.decoder = StepDecoder()
+
+    def run(self) -> None:
+        while True:
+            try:
+                kind, payload = self.conn.recv()
+            except (EOFError, OSError):
+                return  # rank 0 is gone
+            if kind == "stop":
+                return
+            getattr(self, f"on_{kind}")(payload)
+
+    @torch.inference_mode()
+    def on_step(self, payload: bytes) -> None:
+        msg: StepMessage = pickle.loads(payload)
+        self.on_kv_ops(msg.kv_ops)
+        tables = self.decoder.tables(msg)
+        r = self.runner
+        faulted = r._inject_oom > 0
+        if agree_any(r.tp, faulted):  # one rank's fault: every rank skips the step together
+            r._inject_oom -= int(faulted)
+            self.decoder = StepDecoder()  # rank 0 resends whole tables next time
+            return
+        inp = build_step(
+            tables,
+            msg.starts,
+            msg.num_tokens,
+            msg.sampled,
+            msg.token_ids,
+            r.block_size,
+            r.device,
+            msg.every_row,
+        )
+        hidden = r.model(inp.input_ids, inp.positions, r.kv_cache.layers, inp.meta)
+        if inp.sample_rows.numel():
+            r.model.compute_logits(hidden[inp.sample_rows])  # this rank's vocab share, gathered
+
+    def on_kv_ops(self, ops: list) -> None:  # noqa: ANN001 - list of KVOp
+        for kind, src, dst in ops:
+            getattr(self.runner, kind)(src, dst)
+
+    def on_convert_check(self, payload: tuple) -> None:
+        dtype, new_n = payload
+        self.runner.can_convert(dtype, new_n)  # the agreement is the collective inside
+
+    def on_convert(self, payload: tuple) -> None:
+        dtype, tiers, ops = payload
+        self.on_kv_ops(ops)
+        self.runner.convert_kv(dtype, tiers)
+
+    def on_inject_oom(self, times: int) -> None:
+        self.runner.inject_oom(times)
+
+    def on_ping(self, _payload: object) -> None:
+        self.conn.send(("pong", {"kv_bytes": self.runner.kv_cache.device_pool.nbytes}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -275,7 +275,9 @@ class AdmissionController:
             )
         if usage > EMERGENCY_USAGE and rank != HIGH:
             return _reject(
-                "overloaded", f"KV cache {usage:.0%} full: only high priority is admitted", self.wait_s(1)
+                "overloaded",
+                f"KV cache {usage:.0%} full: only high priority is admitted",
+                self.wait_s(1),
             )
         n = max_tokens
         if self.config.dynamic_max_tokens:

@@ -45,13 +45,15 @@ class Daemon:
         env: dict[str, str] | None = None,
         port: int | None = None,
         debug_hooks: bool = True,  # /admin/debug/*: some tests stall the engine or fake an OOM
+        serving: str = "{model: tiny, kv_cache_bytes: 8MiB, max_model_len: 512}",
+        args: tuple[str, ...] = (),  # more `kvguard serve` flags
     ) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         (tmp / "admin.token").write_text(TOKEN + "\n")
         self.config = tmp / "config.yaml"
         self.config.write_text(
-            f"serving: {{model: tiny, kv_cache_bytes: 8MiB, max_model_len: 512}}\n"
+            f"serving: {serving}\n"
             f"api: {{host: 127.0.0.1, port: {self.port}, admin_token_file: {tmp / 'admin.token'},"
             f" drain_timeout: 20s, debug_hooks: {str(debug_hooks).lower()}}}\n"
             f"audit: {{url: 'sqlite:///{tmp / 'audit.db'}'}}\n" + extra
@@ -59,7 +61,7 @@ class Daemon:
         full_env = {**os.environ, "STATE_DIRECTORY": str(tmp), **(env or {})}
         self.log = open(tmp / "daemon.log", "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
-            [KVGUARD, "serve", "--config", str(self.config)],
+            [KVGUARD, "serve", "--config", str(self.config), *args],
             stdout=self.log,
             stderr=subprocess.STDOUT,
             env=full_env,

@@ -27,6 +27,7 @@ from kvguard.engine.config import EngineConfig
 from kvguard.engine.distributed.agreement import agree_any
 from kvguard.engine.distributed.parallel_state import TPGroup
 from kvguard.engine.distributed.step_message import StepDecoder, StepMessage
+from kvguard.engine.model import weight_bytes
 from kvguard.engine.model_config import ModelConfig
 from kvguard.engine.model_runner import ModelRunner, build_step
 
@@ -93,7 +94,12 @@ def worker_main(args: WorkerArgs, conn: Connection) -> None:
         tp = init_group(rank, size, args.port, args.backend, config.tensor_parallel_timeout_s)
         mcfg = ModelConfig.from_dir(path)
         runner = ModelRunner.from_config(config, path, mcfg, tp)
-        conn.send(("ready", {"pid": os.getpid(), "kv_bytes": runner.kv_cache.device_pool.nbytes}))
+        info = {
+            "pid": os.getpid(),
+            "kv_bytes": runner.kv_cache.device_pool.nbytes,
+            "weight_bytes": weight_bytes(runner.model),
+        }
+        conn.send(("ready", info))
     except Exception as e:  # noqa: BLE001 - tell rank 0 why, then exit non-zero
         log.exception("rank %d failed to start", rank)
         _send(conn, ("failed", f"{type(e).__name__}: {e}"))

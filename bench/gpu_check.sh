@@ -5,6 +5,7 @@
 #      SmolLM2 and Llama-2-7B shapes at batch 64, contexts 1k/4k/16k; smollm2-135m end to end
 #      with KVGUARD_TRITON=0 vs 1 (needs the converted model under $KVGUARD_HOME; the GPU
 #      machine cannot download it, so without it that part reports an error and the rest stands).
+#   3. with two or more GPUs visible: bench/tensor_parallel.py, tiny at tp=1 vs tp=2 over NCCL.
 # Results land in ${OUT:-bench/out}/gpu_kernels.json and on stdout.
 #
 #   bench/gpu_check.sh              # on a CUDA host
@@ -35,4 +36,15 @@ KVGUARD_TEST_DEVICE=cuda timeout 120 "$PY" -m pytest -q -p no:cacheprovider test
 
 echo "== kernel benchmark and end to end"
 timeout 240 "$PY" bench/gpu_kernels.py --json "$OUT_DIR/gpu_kernels.json" || status=1
+
+# 3. tensor parallel over NCCL, one GPU per rank: the tiny model (written locally, nothing to
+#    download) at tp=1 and tp=2, same tokens required. Runs only where two GPUs are visible.
+ngpu=$("$PY" -c "import torch; print(torch.cuda.device_count())")
+if (( ngpu >= 2 )); then
+  echo "== tensor parallel 2 on CUDA (NCCL)"
+  timeout 180 "$PY" bench/tensor_parallel.py --quick --device cuda --pairs tiny:2 \
+    --json "$OUT_DIR/tensor_parallel.json" || status=1
+else
+  echo "== tensor parallel: not run, $ngpu GPU visible (needs 2)"
+fi
 exit $status

@@ -268,3 +268,14 @@ class NotifySocket:
         self._stop.set()
         self._thread.join(5)
         self._sock.close()
+
+
+def test_the_unit_restarts_a_daemon_that_exits_non_zero() -> None:
+    """The fatal path relies on systemd: exit 1 must mean a restart, and whatever the daemon
+    leaves in its control group (a worker that did not stop) must be killed with it."""
+    unit = Path(__file__).resolve().parents[1] / "daemon" / "systemd" / "kvguard.service"
+    settings = dict(
+        line.split("=", 1) for line in unit.read_text().splitlines() if line[:1].isalpha()
+    )
+    assert settings["Restart"] in ("on-failure", "always")
+    assert settings.get("KillMode", "control-group") in ("mixed", "control-group")

@@ -35,9 +35,9 @@ GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 def engine(model: str, tp: int, **kw) -> LLMEngine:
     kw.setdefault("kv_cache_bytes", "16MiB")
     kw.setdefault("max_model_len", 256)
+    kw.setdefault("tensor_parallel_timeout_s", 60.0)
     return LLMEngine.from_config(
-        EngineConfig(model=model, tensor_parallel=tp, tensor_parallel_timeout_s=60.0, **kw),
-        progress=False,
+        EngineConfig(model=model, tensor_parallel=tp, **kw), progress=False
     )
 
 
@@ -192,6 +192,25 @@ def test_a_killed_worker_fails_the_engine_clearly_and_leaves_no_process(tiny_dir
         with pytest.raises(RankFailure):
             eng.check_ranks()  # stays failed: the group cannot be trusted again
     finally:
+        eng.shutdown()
+    assert pid not in _children()
+
+
+def test_a_hung_worker_fails_the_engine_within_the_timeout(tiny_dir) -> None:
+    eng = engine("tiny", 2, tensor_parallel_timeout_s=3.0)
+    pid = eng.runner.worker_pids()[0]
+    try:
+        eng.add_request(PROMPTS[0], GREEDY)
+        eng.step()
+        os.kill(pid, signal.SIGSTOP)  # alive but answering nothing: a hang
+        t0 = time.monotonic()
+        with pytest.raises(RankFailure) as err:
+            while eng.has_unfinished():
+                eng.step()
+        assert time.monotonic() - t0 < 3.0 + 10
+        assert err.value.rank == 1 and "stopped" in str(err.value)
+    finally:
+        os.kill(pid, signal.SIGCONT)
         eng.shutdown()
     assert pid not in _children()
 

@@ -171,6 +171,14 @@ class TensorParallelRunner(ModelRunner):
                 if (why := w.death()) is not None:
                     self._fail(RankFailure(w.rank, why))
             time.sleep(0.02)
+        for w in self.workers:
+            if _state(w.process.pid) == "T":
+                self._fail(
+                    RankFailure(
+                        w.rank,
+                        f"(pid {w.process.pid}) is stopped and did not answer within {self.timeout_s:g}s",
+                    )
+                )
         self._fail(RankFailure(-1, f"did not complete a step within {self.timeout_s:g}s: {error}"))
 
     def _send_all(self, kind: str, payload: object) -> None:
@@ -253,6 +261,15 @@ class TensorParallelRunner(ModelRunner):
         self._send_all("convert", (dtype, tiers, self._kv_ops))
         self._kv_ops = []
         return super().convert_kv(dtype, tiers)
+
+
+def _state(pid: int) -> str:
+    """The process state letter from /proc (T: stopped), '' when it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
 
 
 def _spawn(

@@ -9,6 +9,7 @@ workers."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import socket
 import threading
@@ -34,19 +35,18 @@ FAILURE = RankFailure(1, "(pid 4242) died: exit code -9")
 LONG = SamplingParams(max_tokens=400, ignore_eos=True)
 
 
-def break_runner(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> threading.Event:
-    """The runner's steps raise FAILURE once the returned event is set (as a tensor-parallel
-    runner does once a worker is gone); until then they run normally."""
-    armed = threading.Event()
+def break_runner(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch, good_steps: int) -> None:
+    """The runner's steps raise FAILURE after `good_steps` good ones, as a tensor-parallel
+    runner does once a worker is gone. Counting steps, not time, decides when it fails."""
     real = engine.runner.execute
+    calls = itertools.count()
 
     def execute(seqs: Any, num_tokens: Any) -> list[int]:
-        if armed.is_set():
+        if next(calls) >= good_steps:
             raise FAILURE
         return real(seqs, num_tokens)
 
     monkeypatch.setattr(engine.runner, "execute", execute)
-    return armed
 
 
 @pytest.fixture
@@ -59,25 +59,27 @@ def engine(tiny_dir: Path) -> LLMEngine:
 def test_rank_failure_ends_every_stream_with_an_error_and_refuses_later_work(
     engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    armed = break_runner(engine, monkeypatch)
+    # Both requests are taken at the first step (the loop is held until both are posted):
+    # step 1 prefills them, step 2 decodes a second token, step 3 fails.
+    break_runner(engine, monkeypatch, good_steps=2)
     loop = EngineLoop(engine)
     told: list[BaseException] = []
     loop.on_fatal.append(told.append)
+    loop.paused.set()
     loop.start()
     try:
-        iterated = loop.submit([5, 6, 7], LONG)
+        iterated, _ = loop.submit_nowait([5, 6, 7], LONG)
         heard: list[RequestOutput] = []
-        listened, added = loop.submit_nowait([8, 9], LONG, listener=heard.append)
-        added.result(60)
-        until(lambda: iterated.last is not None and bool(heard), 60, "both requests generating")
-        armed.set()
+        listened, _ = loop.submit_nowait([8, 9], LONG, listener=heard.append)
+        loop.paused.clear()
         until(lambda: loop.fatal is not None, 60, "the loop to take the rank failure")
 
         assert loop.fatal is FAILURE and told == [FAILURE]
         outs = list(iterated)  # the iteration ends: the stream got a final output
         assert outs[-1].finished and outs[-1].finish_reason == "error"
         assert heard[-1].finished and heard[-1].finish_reason == "error"
-        assert heard[-1].num_output_tokens >= 1  # the counts it had reached
+        assert [o.num_output_tokens for o in heard] == [1, 2, 2]  # the counts it had reached
+        assert sum(len(o.new_token_ids) for o in outs) == 2
         assert listened.result(0).finish_reason == "error"
         assert loop.in_flight() == 0
 
@@ -150,18 +152,20 @@ def test_daemon_answers_503_and_turns_not_ready_on_a_rank_failure(
     """In-flight requests (plain and streamed) get 503 engine_unavailable instead of hanging,
     /ready says why it is not ready, new requests get 503, and the metrics show it. The exit
     itself is a process-level matter: see the subprocess test below."""
-    armed = break_runner(service.engine, monkeypatch)
+    break_runner(service.engine, monkeypatch, good_steps=2)  # as in the loop test above
     body = {"model": service.model_name, "prompt": "hi", "max_tokens": 400, "ignore_eos": True}
 
     async def run() -> dict[str, Any]:
         transport = httpx.ASGITransport(app=create_app(service))
         async with httpx.AsyncClient(transport=transport, base_url="http://kvguard") as c:
+            service.loop.paused.set()  # held until both requests are posted
             plain = asyncio.create_task(c.post("/v1/completions", json=body, timeout=60))
             streamed = asyncio.create_task(
                 c.post("/v1/completions", json={**body, "stream": True}, timeout=60)
             )
-            await _until_async(lambda: running(service) == 2, "both requests generating")
-            armed.set()
+            await _until_async(lambda: len(service.requests) == 2, "both requests posted")
+            service.loop.paused.clear()
+            await _until_async(lambda: service.loop.fatal is not None, "the rank failure")
             return {
                 "plain": await plain,
                 "sse": (await streamed).text.split("\n\n"),
@@ -198,11 +202,6 @@ def test_daemon_answers_503_and_turns_not_ready_on_a_rank_failure(
         m.startswith("engine failed for good: tensor-parallel rank 1 (pid 4242) died: exit code -9")
         for m in logged
     ), logged
-
-
-def running(service: Service) -> int:
-    snap = service.engine.latest_snapshot
-    return snap.num_running if snap.counters["tokens_generated"] >= 2 else 0
 
 
 async def _until_async(pred: Callable[[], bool], what: str, timeout: float = 60) -> None:

@@ -590,6 +590,7 @@ ROUTES = [
     ("POST", "/admin/reload", 10),
     ("POST", "/admin/debug/stall", 15),
     ("POST", "/admin/debug/inject_oom", 15),
+    ("POST", "/admin/debug/fail_rank", 15),
     ("DELETE", "/v1/completions", 5),
     ("POST", "/v1/nothing/here", 5),
 ]
@@ -652,8 +653,9 @@ def test_no_input_reaches_a_server_error(
     def check(body: str | bytes, token: str, content_type: str, action: str) -> None:
         target = path.replace("{action}", action)
         if "/debug/" in target and token.endswith(TOKEN):
-            # Valid hook bodies stall the engine or fake an OOM: the hooks' refusals are in
-            # tests/test_admin_bounds.py. Here they are reached without a usable token.
+            # Valid hook bodies stall the engine, fake an OOM or end the daemon (fail_rank):
+            # the hooks' refusals are in tests/test_admin_bounds.py. Here they are reached
+            # without a usable token.
             token = "Bearer wrong"
         headers = {"Authorization": token} if token else {}
         if content_type:

@@ -6,7 +6,10 @@
 #      with KVGUARD_TRITON=0 vs 1 (needs the converted model under $KVGUARD_HOME; the GPU
 #      machine cannot download it, so without it that part reports an error and the rest stands).
 #   3. with two or more GPUs visible: bench/tensor_parallel.py, tiny at tp=1 vs tp=2 over NCCL.
-# Results land in ${OUT:-bench/out}/gpu_kernels.json and on stdout.
+#   4. the W4A16 GEMM (issue 15): its tests compiled on CUDA, then bench/gpu_w4a16.py, Llama-2-7B
+#      layer shapes at batch 1/16/64/256 against fp16 torch.matmul (about a minute, mostly
+#      Triton compiles).
+# Results land in ${OUT:-bench/out}/gpu_kernels.json, gpu_w4a16.json and on stdout.
 #
 #   bench/gpu_check.sh              # on a CUDA host
 #   bench/gpu_check.sh --cpu-smoke  # no GPU: tiny shapes in the Triton interpreter
@@ -24,6 +27,7 @@ fi
 
 if [[ "${1:-}" == "--cpu-smoke" ]]; then
   TRITON_INTERPRET=1 timeout 300 "$PY" bench/gpu_kernels.py --cpu-smoke --json "$OUT_DIR/gpu_kernels_smoke.json"
+  TRITON_INTERPRET=1 timeout 120 "$PY" bench/gpu_w4a16.py --cpu-smoke --json "$OUT_DIR/gpu_w4a16_smoke.json"
   exit
 fi
 
@@ -47,4 +51,8 @@ if (( ngpu >= 2 )); then
 else
   echo "== tensor parallel: not run, $ngpu GPU visible (needs 2)"
 fi
+
+echo "== W4A16 GEMM: tests on CUDA, then Llama-2-7B layer shapes vs fp16 torch.matmul"
+KVGUARD_TEST_DEVICE=cuda timeout 150 "$PY" -m pytest -q -p no:cacheprovider tests/test_triton_w4a16.py || status=1
+timeout 150 "$PY" bench/gpu_w4a16.py --json "$OUT_DIR/gpu_w4a16.json" || status=1
 exit $status

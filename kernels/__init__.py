@@ -10,6 +10,10 @@ Which path runs where:
   requantisation stay in torch there). Prefill chunks still use the torch path
   (`scaled_dot_product_attention` on gathered K/V), as do swap copies (`engine.kv_cache`).
 - CUDA otherwise (no triton, or `KVGUARD_TRITON=0`): the torch implementation, as on CPU.
+- 4-bit weight-only matmuls (`dispatch.w4a16_matmul`, weights packed by
+  `w4a16.pack_for_triton`): the Triton W4A16 GEMM in `triton_w4a16` under the same rule (and
+  under `TRITON_INTERPRET=1` on CPU, for tests); elsewhere a torch reference that dequantises
+  the whole weight per call. CPU serving uses the quantized layer's int4pack kernels instead.
 
 The Triton modules are imported only when dispatch picks them, so kvguard imports and runs
 without triton installed.

@@ -4,6 +4,9 @@ The torch path in `paged_attention` runs everywhere and stays the reference; Tri
 over on CUDA, where the torch decode path pays for gathering every sequence's blocks into a
 contiguous workspace before attention. `KVGUARD_TRITON=0` turns the Triton path off (to compare
 the two, or to route around a kernel bug) without a code change.
+
+The same rule picks the Triton W4A16 GEMM for 4-bit weight-only linears (`w4a16_matmul`), whose
+torch path is only a reference: on CPU the quantized layer serves with torch's int4pack kernels.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ import importlib.util
 import os
 
 import torch
+
+from kvguard.kernels.w4a16 import W4A16Weight, reference_matmul
 
 
 @functools.cache
@@ -48,3 +53,34 @@ def use_triton(device: torch.device | str, kv_dtype: torch.dtype | None = None) 
     if os.environ.get("KVGUARD_TRITON", "1") == "0" or not triton_available():
         return False
     return kv_dtype != torch.float8_e4m3fn or _fp8_capable(dev.index)
+
+
+def _interpreting() -> bool:
+    """Triton's CPU interpreter is on (tests): kernels then run on CPU tensors."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def use_triton_w4a16(device: torch.device | str) -> bool:
+    """True when a W4A16 matmul on `device` should go to the Triton kernel: CUDA as for
+    `use_triton`, and CPU tensors under `TRITON_INTERPRET=1`, where the kernel runs in the
+    interpreter so tests can check it without a GPU (slow: not a CPU serving path).
+    `KVGUARD_TRITON=0` turns both off."""
+    dev = torch.device(device)
+    if dev.type == "cpu" and _interpreting():
+        return os.environ.get("KVGUARD_TRITON", "1") != "0" and triton_available()
+    return use_triton(dev)
+
+
+def w4a16_matmul(x: torch.Tensor, packed: W4A16Weight, **kernel_args: int | None) -> torch.Tensor:
+    """`x @ W.T` for a 4-bit weight packed by `w4a16.pack_for_triton`, y in x's dtype.
+
+    The Triton kernel where `use_triton_w4a16` says so (`kernel_args`: `split_k`, `large_m`,
+    see `triton_w4a16.matmul`); elsewhere the torch reference (the whole weight dequantised to
+    fp32 on every call: correct, but slow and large; on CPU serve with the int4pack layer
+    instead of calling this).
+    """
+    if use_triton_w4a16(x.device):
+        from kvguard.kernels import triton_w4a16
+
+        return triton_w4a16.matmul(x, packed, **kernel_args)
+    return reference_matmul(x, packed)

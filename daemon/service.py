@@ -203,11 +203,14 @@ class Service:
         if self.audit is not None:
             self.audit.record_event("engine_failure", detail=str(error), data=_failure_data(error))
         aio, server = self._aio, self._server
-        if aio is not None and server is not None:
+        if aio is not None and server is not None:  # else serve() has yet to start: it checks
+            self._begin_exit(aio, server)
+
+    def _begin_exit(self, aio: asyncio.AbstractEventLoop, server: uvicorn.Server) -> None:
+        """End serve() from any thread, and make sure the process goes even if that stalls."""
+        with contextlib.suppress(RuntimeError):  # the event loop already closed: serve() is over
             aio.call_soon_threadsafe(self._stop_serving, server)
-            threading.Thread(
-                target=self._exit_by_deadline, name="kvguard-exit", daemon=True
-            ).start()
+        threading.Thread(target=self._exit_by_deadline, name="kvguard-exit", daemon=True).start()
 
     def _stop_serving(self, server: uvicorn.Server) -> None:
         """End serve(): uvicorn stops accepting and lets the answers already decided go out."""
@@ -241,7 +244,7 @@ class Service:
         aio.add_signal_handler(signal.SIGHUP, lambda: aio.run_in_executor(None, self.reload))
         self._aio, self._server = aio, server
         if self.loop.fatal is not None:  # failed between READY and now: the hook found no server
-            aio.call_soon(self._stop_serving, server)
+            self._begin_exit(aio, server)
         try:
             await server.serve()
         finally:

@@ -101,12 +101,13 @@ class EngineConfig:
         doc="ranks the model is split over (one GPU each on CUDA, worker processes on CPU)",
     )
     tensor_parallel_timeout_s: float = knob(
-        60.0,
+        20.0,
         section="serving",
         key="tensor_parallel_timeout",
         kind="duration",
         gt=0.0,
-        doc="a rank that does not start or answer a step within this is declared failed",
+        doc="a rank that does not answer a step within this is declared failed (keep it below "
+        "WatchdogSec); start-up has its own 10-minute limit",
     )
     num_threads: int | None = knob(
         None, section="serving", ge=1, doc="torch intra-op threads on CPU; unset: torch's default"

@@ -8,9 +8,11 @@ from kvguard.engine.distributed.parallel_state import TPGroup
 
 
 def agree_min(tp: TPGroup, value: int) -> int:
-    """The smallest `value` over the ranks (one rank: `value`): e.g. the KV block count every
-    rank can afford, so block ids mean the same slots everywhere."""
-    return value if tp.size == 1 else _reduce(tp, value, "MIN")
+    """The smallest `value` over the ranks (one rank: `value`): the KV block count every rank
+    can afford, so block ids mean the same slots everywhere. It runs at start-up, where ranks
+    finish loading their shards at different times, so it uses the default group and its
+    start-up timeout, not the step group's."""
+    return value if tp.size == 1 else _reduce(TPGroup(tp.rank, tp.size), value, "MIN")
 
 
 def agree_any(tp: TPGroup, flag: bool) -> bool:

@@ -1,8 +1,10 @@
 """Rank 0 of a tensor-parallel engine: the driver runner and the worker processes it drives.
 
 `TensorParallelRunner.launch` starts ranks 1..tp-1 as spawned processes, joins them in one
-process group (gloo on CPU, NCCL on CUDA) through a TCP store on loopback whose port the kernel
-picks, and loads rank 0's shards. Each step it sends every worker one `StepMessage`, runs its
+process group (gloo on CPU, NCCL on CUDA) and loads rank 0's shards. The rendezvous is a file
+store in a private temporary directory, not a TCP store: torch's TCP store server listens on
+every interface whatever host name it is given, and torch.distributed traffic is not
+authenticated, so the group opens no listening port of its own; gloo is kept on loopback. Each step it sends every worker one `StepMessage`, runs its
 own share of the forward (the collectives inside the model meet the workers' shares) and
 samples from the gathered logits. KV copies and the dtype switch are repeated on every rank.
 
@@ -15,12 +17,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -29,10 +32,15 @@ import torch
 from kvguard.engine.config import EngineConfig
 from kvguard.engine.distributed.agreement import agree_any
 from kvguard.engine.distributed.errors import RankFailure
-from kvguard.engine.distributed.parallel_state import TPGroup
 from kvguard.engine.distributed.sharding import check_tensor_parallel
 from kvguard.engine.distributed.step_message import KVOp, StepEncoder
-from kvguard.engine.distributed.worker import WorkerArgs, threads_per_rank
+from kvguard.engine.distributed.worker import (
+    LOOPBACK,
+    STARTUP_TIMEOUT_S,
+    WorkerArgs,
+    join_group,
+    threads_per_rank,
+)
 from kvguard.engine.model_config import ModelConfig
 from kvguard.engine.model_runner import (
     InjectedOOMError,
@@ -107,29 +115,28 @@ class TensorParallelRunner(ModelRunner):
     def launch(cls, config: EngineConfig, path: Path, mcfg: ModelConfig) -> TensorParallelRunner:
         """Spawn the workers, form the group, load rank 0's shards; every rank is ready when
         this returns, or all are stopped and the reason raised."""
-        import torch.distributed as dist
 
         size = config.tensor_parallel
         check_tensor_parallel(mcfg, size)
         backend = "nccl" if pick_device(config.device).type == "cuda" else "gloo"
-        timeout = timedelta(seconds=config.tensor_parallel_timeout_s)
-        store = dist.TCPStore(
-            "127.0.0.1", 0, size, is_master=True, timeout=timeout, wait_for_workers=False
-        )
+        rendezvous = Path(tempfile.mkdtemp(prefix="kvguard-tp-")) / "store"
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", LOOPBACK)
         workers: list[WorkerHandle] = []
         try:
             for rank in range(1, size):
-                workers.append(_spawn(rank, size, store.port, backend, config, path))
+                workers.append(_spawn(rank, size, str(rendezvous), backend, config, path))
             torch.set_num_threads(config.num_threads or threads_per_rank(size))
-            dist.init_process_group(backend, store=store, rank=0, world_size=size, timeout=timeout)
-            runner = ModelRunner.from_config(config, path, mcfg, TPGroup(0, size))
-            deadline = time.monotonic() + config.tensor_parallel_timeout_s
+            tp = join_group(0, size, str(rendezvous), backend, config.tensor_parallel_timeout_s)
+            runner = ModelRunner.from_config(config, path, mcfg, tp)
+            deadline = time.monotonic() + STARTUP_TIMEOUT_S
             for w in workers:
                 w.wait_ready(deadline)
         except BaseException:
             _stop(workers)
             _leave_group()
             raise
+        finally:
+            shutil.rmtree(rendezvous.parent, ignore_errors=True)  # every rank has joined
         log.info(
             "tensor parallel %d: workers %s on %s",
             size,
@@ -273,7 +280,7 @@ def _state(pid: int) -> str:
 
 
 def _spawn(
-    rank: int, size: int, port: int, backend: str, config: EngineConfig, path: Path
+    rank: int, size: int, store: str, backend: str, config: EngineConfig, path: Path
 ) -> WorkerHandle:
     """Start one worker as `python -m kvguard.engine.distributed.worker`, talking over a socket
     pair it inherits. A fresh interpreter, not a multiprocessing child: it does not re-run the
@@ -286,7 +293,7 @@ def _spawn(
     )
     theirs.close()
     conn = Connection(ours.detach())
-    conn.send(WorkerArgs(rank, size, port, backend, config, Path(path), os.getpid()))
+    conn.send(WorkerArgs(rank, size, store, backend, config, Path(path), os.getpid()))
     return WorkerHandle(rank, proc, conn)
 
 

@@ -33,6 +33,8 @@ from kvguard.engine.model_runner import ModelRunner, build_step
 
 log = logging.getLogger("kvguard.engine.worker")
 PR_SET_PDEATHSIG = 1
+LOOPBACK = "lo"  # gloo's interface: ranks of one host never need another
+STARTUP_TIMEOUT_S = 600.0  # joining the group and loading every rank's shards
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -51,16 +53,21 @@ def threads_per_rank(size: int) -> int:
     return max(1, (os.cpu_count() or 1) // size)
 
 
-def init_group(rank: int, size: int, port: int, backend: str, timeout_s: float) -> TPGroup:
+def join_group(rank: int, size: int, store: str, backend: str, step_timeout_s: float) -> TPGroup:
+    """Join the ranks' process group, and return the group the model's collectives use.
+
+    Two timeouts: the default group (start-up: joining, and agreeing on the KV block count
+    after every rank has loaded its shards, which for a large model takes minutes) waits up to
+    STARTUP_TIMEOUT_S; the step group's collectives give up after `step_timeout_s`, so a hung
+    rank is named well before systemd's watchdog gives up on the whole daemon."""
     import torch.distributed as dist
 
-    store = dist.TCPStore(
-        "127.0.0.1", port, size, is_master=False, timeout=timedelta(seconds=timeout_s)
-    )
+    startup = timedelta(seconds=STARTUP_TIMEOUT_S)
     dist.init_process_group(
-        backend, store=store, rank=rank, world_size=size, timeout=timedelta(seconds=timeout_s)
+        backend, store=dist.FileStore(store, size), rank=rank, world_size=size, timeout=startup
     )
-    return TPGroup(rank, size)
+    group = dist.new_group(list(range(size)), timeout=timedelta(seconds=step_timeout_s))
+    return TPGroup(rank, size, group)
 
 
 @dataclass(slots=True, frozen=True)
@@ -69,7 +76,7 @@ class WorkerArgs:
 
     rank: int
     size: int
-    port: int  # the TCP store's, on loopback
+    store: str  # the rendezvous file, in a directory only this user can read
     backend: str
     config: EngineConfig
     path: Path
@@ -91,7 +98,7 @@ def worker_main(args: WorkerArgs, conn: Connection) -> None:
     )
     torch.set_num_threads(config.num_threads or threads_per_rank(size))
     try:
-        tp = init_group(rank, size, args.port, args.backend, config.tensor_parallel_timeout_s)
+        tp = join_group(rank, size, args.store, args.backend, config.tensor_parallel_timeout_s)
         mcfg = ModelConfig.from_dir(path)
         runner = ModelRunner.from_config(config, path, mcfg, tp)
         info = {

@@ -45,6 +45,19 @@ class Mailbox:
     def pending(self) -> bool:
         return not self._q.empty()
 
+    def refuse_pending(self, error: BaseException) -> int:
+        """Fail every waiting call with `error` without running it (the engine can no longer
+        act); returns how many callers were told."""
+        n = 0
+        while True:
+            try:
+                _fn, fut = self._q.get_nowait()
+            except queue.Empty:
+                return n
+            if fut.set_running_or_notify_cancel():  # False: its caller cancelled it
+                fut.set_exception(error)
+                n += 1
+
     def drain(self) -> int:
         n = 0
         while True:

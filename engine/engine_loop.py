@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -330,14 +329,5 @@ def _failed_output(stream: RequestStream) -> RequestOutput:
 
 def _refuse_mailbox(mailbox: Mailbox, error: BaseException) -> int:
     """Fail every call waiting in `mailbox` with EngineUnavailable, without running it: each
-    would act on an engine whose ranks are gone. Reaches into the mailbox's queue (the engine's
-    own type, in this package) because the mailbox offers only running what it holds."""
-    n = 0
-    while True:
-        try:
-            _fn, fut = mailbox._q.get_nowait()
-        except queue.Empty:
-            return n
-        if fut.set_running_or_notify_cancel():  # False: its caller cancelled it
-            fut.set_exception(EngineUnavailable(error))
-            n += 1
+    would act on an engine whose ranks are gone."""
+    return mailbox.refuse_pending(EngineUnavailable(error))

@@ -332,6 +332,86 @@ def test_unsupported_formats_are_refused_by_name(
     assert named in str(err.value) and str(path / "config.json") in str(err.value)
 
 
+# -- AWQ and GPTQ directories of the tiny model ----------------------------------------------
+def _minmax_codes(w: torch.Tensor, group: int, rng: np.random.Generator) -> tuple:
+    """Codes `[in, out]`, zeros and fp16 scales `[G, out]` of `w` `[out, in]` (asymmetric
+    min-max); the zeros are drawn in 1..15 so they also have a GPTQ v1 encoding."""
+    wt = w.t().double().numpy()
+    cols, out = wt.shape
+    scales = np.empty((cols // group, out))
+    for g in range(cols // group):
+        block = wt[g * group : (g + 1) * group]
+        scales[g] = np.maximum(block.max(0) - block.min(0), 1e-6) / 15
+    scales16 = torch.from_numpy(scales).half()
+    zeros = rng.integers(1, 16, size=scales.shape)
+    rows = np.arange(cols) // group
+    codes = np.clip(np.rint(wt / scales16.double().numpy()[rows]) + zeros[rows], 0, 15)
+    return codes.astype(np.int64), zeros, scales16
+
+
+def write_packed_checkpoint(src: Path, dst: Path, fmt: str, group: int = 32) -> dict:
+    """`src` with every projection packed as AWQ GEMM or GPTQ by the reference packers above;
+    returns {module: (codes, zeros, scales, g_idx)} to check against."""
+    dst.mkdir(parents=True)
+    rng = np.random.default_rng(7)
+    out, truth = {}, {}
+    for name, tensor in load_file(src / "model.safetensors").items():
+        if not LINEAR.fullmatch(name):
+            out[name] = tensor
+            continue
+        module = name.removesuffix(".weight")
+        codes, zeros, scales = _minmax_codes(tensor, group, rng)
+        g_idx = np.arange(codes.shape[0]) // group
+        if fmt == "awq":
+            out |= {
+                f"{module}.qweight": ref_pack_awq(codes),
+                f"{module}.qzeros": ref_pack_awq(zeros),
+            }
+        else:  # gptq, desc_act: shuffle which input rows form a group
+            g_idx = rng.permutation(g_idx)
+            stored = (zeros - 1) % 16 if fmt == "gptq" else zeros
+            out |= {
+                f"{module}.qweight": ref_pack_rows(codes),
+                f"{module}.qzeros": ref_pack_cols(stored),
+            }
+            out[f"{module}.g_idx"] = torch.from_numpy(g_idx).int()
+        out[f"{module}.scales"] = scales
+        truth[module] = (codes, zeros, scales, g_idx)
+    save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    if fmt == "awq":
+        qc = {"quant_method": "awq", "bits": 4, "group_size": group, "version": "gemm"}
+    else:
+        qc = {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": True}
+        qc |= {"sym": False, "checkpoint_format": fmt}
+    (dst / "config.json").write_text(json.dumps({**config, "quantization_config": qc}))
+    return truth
+
+
+@pytest.mark.parametrize("fmt", ["awq", "gptq", "gptq_v2"])
+def test_load_quantized_reads_awq_and_gptq_directories(
+    fmt: str, tiny_dir: Path, tmp_path: Path
+) -> None:
+    truth = write_packed_checkpoint(tiny_dir, tmp_path / fmt, fmt)
+    cfg = ModelConfig.from_dir(tmp_path / fmt)
+    specs, plain = load_quantized(tmp_path / fmt, cfg)
+    assert specs.keys() == truth.keys() and len(specs) == 7 * cfg.num_layers
+    for module, (codes, zeros, scales, g_idx) in truth.items():
+        assert torch.equal(specs[module].dequantize(), ref_dequant(codes, zeros, scales, g_idx))
+        assert (specs[module].perm is not None) == fmt.startswith("gptq")
+    original = load_file(tiny_dir / "model.safetensors")
+    assert plain.keys() == {k for k in original if not LINEAR.fullmatch(k)}
+
+
+def test_group_size_that_contradicts_the_config_is_named(tiny_dir: Path, tmp_path: Path) -> None:
+    write_packed_checkpoint(tiny_dir, tmp_path / "awq", "awq")
+    config = json.loads((tmp_path / "awq" / "config.json").read_text())
+    config["quantization_config"]["group_size"] = 128
+    (tmp_path / "awq" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="group size 32, quantization_config says 128"):
+        load_quantized(tmp_path / "awq", ModelConfig.from_dir(tmp_path / "awq"))
+
+
 # -- a compressed-tensors checkpoint of a real model directory -------------------------------
 def write_ct_checkpoint(src: Path, dst: Path, args: QuantizationArgs) -> Path:
     """`src` (a safetensors Llama dir) with every layer projection W4A16-compressed by

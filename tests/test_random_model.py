@@ -1,0 +1,58 @@
+"""Random-weight models of real shapes (what the GPU benchmark serves without a download)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvguard.engine import EngineConfig, LLMEngine, SamplingParams
+from kvguard.engine.model import LlamaForCausalLM
+from kvguard.engine.model_config import ModelConfig
+from kvguard.engine.random_model import hf_config, random_engine, write_random_model
+
+PROMPTS = [[5, 6, 7, 8, 9], [40, 41]]
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+@pytest.mark.parametrize(
+    ("shape", "params"),
+    # the published parameter counts of Llama-2-7B and SmolLM2-135M
+    [("llama2-7b", 6_738_415_616), ("smollm2-135m", 134_515_008)],
+)
+def test_shapes_have_the_real_parameter_counts(shape: str, params: int) -> None:
+    with torch.device("meta"):
+        model = LlamaForCausalLM(ModelConfig.from_hf_dict(hf_config(shape)), 16)
+    assert sum(p.numel() for p in model.parameters()) == params
+
+
+def test_in_memory_engine_matches_its_written_directory_and_transformers(tmp_path: Path) -> None:
+    cfg = EngineConfig(model="random:tiny", device="cpu", num_gpu_blocks=32)
+    in_memory = random_engine("tiny", cfg, seed=3).generate(PROMPTS, GREEDY)
+    path = write_random_model("tiny", tmp_path / "tiny", seed=3)
+    loaded = LLMEngine.from_config(EngineConfig(model=str(path), device="cpu"), progress=False)
+    from_dir = loaded.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in in_memory] == [o.token_ids for o in from_dir]
+
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = torch.tensor([PROMPTS[0]])
+    out = hf.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False, eos_token_id=None)
+    assert out[0, len(PROMPTS[0]) :].tolist() == in_memory[0].token_ids
+
+
+def test_weights_from_a_peer_are_used_as_given() -> None:
+    """The benchmark hands transformers' state_dict over, so both engines hold one set of
+    numbers; a different seed must not leak in."""
+    cfg = EngineConfig(model="random:tiny", device="cpu", num_gpu_blocks=32)
+    a = random_engine("tiny", cfg, seed=1)
+    from kvguard.engine.random_model import hf_state_dict
+
+    weights = hf_state_dict(a.model, hf_config("tiny"))
+    b = random_engine("tiny", cfg, seed=2, weights=weights)
+    for (name, pa), (_, pb) in zip(
+        a.model.named_parameters(), b.model.named_parameters(), strict=True
+    ):
+        assert torch.equal(pa, pb), name

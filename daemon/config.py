@@ -11,9 +11,10 @@ than the first exception pydantic happens to raise. Line numbers come from the Y
 
 The seed's larger baselines ask for tensor and pipeline parallelism and 4-bit weights.
 `serving.tensor_parallel` is an engine knob and is served (ranks in worker processes spawned by
-the daemon); `pipeline_parallel` above 1 and 4-bit weights are accepted here, so the seed's
-files validate and can be kept under version control, but `to_engine_config()` refuses them
-with a clear message naming the line.
+the daemon), and so is `quantization.model_quantization` (4-bit weights served packed; whether
+the checkpoint holds that format is checked when the model is resolved, naming the file).
+`pipeline_parallel` above 1 is accepted here, so the seed's files validate and can be kept
+under version control, but `to_engine_config()` refuses it with a clear message naming the line.
 """
 
 from __future__ import annotations
@@ -186,10 +187,9 @@ class OffloadingConfig(_knob_section("offloading")):  # type: ignore[misc]
     """Seed §7.2: swap preempted sequences' KV to host memory instead of recomputing."""
 
 
-class QuantizationConfig(_Section):
-    """Seed §7.3 weight quantisation; only `none` can be served today."""
-
-    model_quantization: Literal["none", "awq_4bit", "gptq_4bit"] = "none"
+class QuantizationConfig(_knob_section("quantization")):  # type: ignore[misc]
+    """Seed §7.3 weight quantisation (`model_quantization`, declared on EngineConfig): 4-bit
+    checkpoints and GGUF Q4/Q8 weights are served packed."""
 
 
 class RecoveryConfig(_Section):
@@ -313,15 +313,6 @@ class DaemonConfig(_Section):
                     ("serving", "pipeline_parallel"),
                     f"{s.pipeline_parallel} is not supported: kvguard runs a model on the GPUs of "
                     "one host (serving.tensor_parallel) and not yet across hosts (expected 1)",
-                )
-            )
-        q = self.quantization.model_quantization
-        if q != "none":
-            out.append(
-                (
-                    ("quantization", "model_quantization"),
-                    f"{q} weights cannot be loaded yet (expected none: unquantised weights, or a "
-                    "GGUF that the engine dequantises)",
                 )
             )
         return out + self._headroom_problem()

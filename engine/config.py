@@ -9,6 +9,7 @@ from pathlib import Path
 
 from kvguard.engine.admission import AdmissionConfig
 from kvguard.engine.knobs import ConfigError, MiB, check_knobs, knob
+from kvguard.engine.weights import QUANTIZATION_CHOICES
 
 __all__ = ["KV_DTYPES", "ConfigError", "EngineConfig", "kvguard_home", "parse_bytes"]
 
@@ -146,6 +147,14 @@ class EngineConfig:
         # enable offload on a small test pool expect it to swap.
         file_default=512,
         doc="below this device pool size preemption recomputes instead of swapping",
+    )
+    model_quantization: str = knob(
+        "auto",
+        section="quantization",
+        choices=QUANTIZATION_CHOICES,
+        doc="auto serves the checkpoint's own format (a GGUF's Q4/Q8 weights and AWQ, GPTQ, "
+        "compressed-tensors 4-bit kept packed); none serves a GGUF dequantised to fp32; "
+        "awq_4bit, gptq_4bit and gguf insist on that format and refuse another checkpoint",
     )
     admission: AdmissionConfig | None = None  # None: accept every valid request (library use)
     home: Path = field(default_factory=kvguard_home)  # $KVGUARD_HOME: the unit file sets it

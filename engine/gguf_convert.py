@@ -1,9 +1,18 @@
 """Converts a llama.cpp GGUF file into a Hugging Face-format directory, once, at fetch time.
 
-Reading a GGUF is slow (the tokenizer arrays alone take seconds to parse) and dequantising it
-on every start would be slower still, so the model is converted once into fp32 safetensors +
-tokenizer files, which then load in about a second. Only the `llama` architecture with a
-byte-level BPE (`gpt2`) tokenizer is handled: that covers SmolLM2, the default model.
+Reading a GGUF is slow (the tokenizer arrays alone take seconds to parse), so the model is
+converted once into safetensors + tokenizer files, which then load in about a second. Two forms:
+
+- packed (`packed=True`, what `model_quantization: auto | gguf` serves): Q4_0, Q4_1 and Q8_0
+  tensors stay quantized, unpacked to `QuantSpec`'s convention and stored per module as
+  `<name>.qweight` (uint8 codes; two 4-bit codes a byte, even column in the low nibble),
+  `<name>.scales` and `<name>.zeros` (float32, one per 32-column group); config.json says so in
+  `quantization_config` (`quant_method: gguf`). Every other tensor is dequantised to fp32.
+- fp32 (`packed=False`, `model_quantization: none`): every tensor dequantised, the reference
+  the packed model is compared with.
+
+Only the `llama` architecture with a byte-level BPE (`gpt2`) tokenizer is handled: that covers
+SmolLM2, the default model.
 """
 
 from __future__ import annotations
@@ -15,9 +24,11 @@ from typing import Any
 
 import gguf
 import numpy as np
+import torch
 from safetensors.numpy import save_file
 from tqdm import tqdm
 
+from kvguard.engine.layers.quant_spec import QuantSpec
 from kvguard.engine.model_config import ModelLoadError
 from kvguard.engine.tokenizer_build import (
     DIGITS_SPLIT,
@@ -25,6 +36,7 @@ from kvguard.engine.tokenizer_build import (
     BpeSpec,
     write_tokenizer_files,
 )
+from kvguard.engine.weights import Part, open_safetensors
 
 CONVERTER_REVISION = 1  # bump when the output changes, so cached conversions are redone
 
@@ -54,6 +66,23 @@ _GLOBAL_TENSORS = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+PACKED_FORMAT_VERSION = 1
+PACKED_TYPES = (
+    gguf.GGMLQuantizationType.Q4_0,
+    gguf.GGMLQuantizationType.Q4_1,
+    gguf.GGMLQuantizationType.Q8_0,
+)
+BITS = {
+    gguf.GGMLQuantizationType.Q4_0: 4,
+    gguf.GGMLQuantizationType.Q4_1: 4,
+    gguf.GGMLQuantizationType.Q8_0: 8,
+}
+BLOCK_BYTES = {
+    gguf.GGMLQuantizationType.Q4_0: 18,
+    gguf.GGMLQuantizationType.Q4_1: 20,
+    gguf.GGMLQuantizationType.Q8_0: 34,
+}
+GROUP = 32  # weights per block in all three
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
 _MISSING = object()
 
@@ -89,15 +118,20 @@ class GgufFile:
         return {t.name for t in self.reader.tensors}
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path, progress: bool = True) -> None:
-    """Write config.json, model.safetensors (fp32) and tokenizer files for a GGUF into out_dir."""
+def convert_gguf(
+    gguf_path: Path, out_dir: Path, progress: bool = True, packed: bool = False
+) -> None:
+    """Write config.json, model.safetensors (packed, or all fp32) and tokenizer files for a
+    GGUF into out_dir."""
     src = GgufFile(gguf_path)
     if src.arch != "llama":
         raise ModelLoadError(
             f"{src.path}: GGUF architecture {src.arch!r} is not supported (only 'llama')"
         )
     config = hf_config(src)
-    tensors = convert_tensors(src, config, progress)
+    tensors = convert_tensors(src, config, progress, packed)
+    if packed:
+        config["quantization_config"] = packed_config(src)
     spec = tokenizer_spec(src, config)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -197,17 +231,112 @@ def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return np.ascontiguousarray(pairs.swapaxes(1, 2).reshape(rows, cols))
 
 
-def convert_tensors(src: GgufFile, config: dict[str, Any], progress: bool) -> dict[str, np.ndarray]:
-    """Dequantise every tensor to fp32 under its Hugging Face name."""
+def convert_tensors(
+    src: GgufFile, config: dict[str, Any], progress: bool, packed: bool = False
+) -> dict[str, np.ndarray]:
+    """Every tensor under its Hugging Face name: fp32, or (packed) Q4_0/Q4_1/Q8_0 ones as
+    `.qweight/.scales/.zeros`."""
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     out: dict[str, np.ndarray] = {}
     bar = tqdm(
         src.reader.tensors, desc=f"converting {src.path.name}", unit="tensor", disable=not progress
     )
     for t in bar:
-        out[hf_tensor_name(src, t.name)] = _dequantise(src, t, heads)
+        name = hf_tensor_name(src, t.name)
+        if packed and t.tensor_type in PACKED_TYPES:
+            out.update(_packed(src, t, heads, name.removesuffix(".weight")))
+        else:
+            out[name] = _dequantise(src, t, heads)
     _check_complete(src, out, config)
     return out
+
+
+def packed_config(src: GgufFile) -> dict[str, Any]:
+    """The `quantization_config` of a packed conversion: which modules are packed, as what."""
+    modules = {
+        hf_tensor_name(src, t.name).removesuffix(".weight"): t.tensor_type.name
+        for t in src.reader.tensors
+        if t.tensor_type in PACKED_TYPES
+    }
+    return {
+        "quant_method": "gguf",
+        "format": "kvguard-packed",
+        "version": PACKED_FORMAT_VERSION,
+        "source": src.path.name,
+        "modules": modules,
+    }
+
+
+def _packed(src: GgufFile, t: Any, heads: dict[str, int], base: str) -> dict[str, np.ndarray]:
+    """One quantized tensor as codes + scales + zeros, rows un-permuted like the fp32 path."""
+    try:
+        q, scales, zeros = unpack_blocks(np.asarray(t.data), t.tensor_type)
+    except ValueError as e:
+        raise ModelLoadError(f"{src.path}: cannot unpack tensor {t.name!r} ({e})") from e
+    kind = t.name.split(".")[-2]
+    if kind in heads:  # the rope permutation moves whole output rows: codes and their scales
+        q, scales, zeros = (unpermute_rows(a, heads[kind]) for a in (q, scales, zeros))
+    if BITS[t.tensor_type] == 4:
+        q = q[:, 0::2] | (q[:, 1::2] << 4)
+    return {
+        f"{base}.qweight": np.ascontiguousarray(q),
+        f"{base}.scales": np.ascontiguousarray(scales),
+        f"{base}.zeros": np.ascontiguousarray(zeros),
+    }
+
+
+def unpack_blocks(
+    data: np.ndarray, qtype: gguf.GGMLQuantizationType
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A Q4_0 / Q4_1 / Q8_0 tensor's raw blocks (`[rows, bytes]`) as (uint8 codes `[rows, cols]`,
+    float32 scales and zeros `[rows, cols // 32]`) with `w = (code - zero) * scale`.
+
+    Blocks of 32 weights: Q4_0 is fp16 `d` + 16 bytes (`w = d * (nibble - 8)`), Q4_1 fp16 `d`,
+    fp16 `m` + 16 bytes (`w = d * nibble + m`), Q8_0 fp16 `d` + 32 int8 (`w = d * q`). In the
+    4-bit types byte j holds weight j in its low nibble and weight j + 16 in its high one."""
+    size = BLOCK_BYTES[qtype]
+    if data.ndim != 2 or data.shape[1] % size:
+        raise ValueError(f"{qtype.name} data of shape {data.shape} is not whole {size}-byte blocks")
+    blocks = data.reshape(data.shape[0], -1, size)
+    d = _f16(blocks[..., 0:2])
+    if qtype == gguf.GGMLQuantizationType.Q8_0:
+        q = (blocks[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        return q.reshape(data.shape[0], -1), d, np.full_like(d, 128.0)
+    qs = blocks[..., 4:] if qtype == gguf.GGMLQuantizationType.Q4_1 else blocks[..., 2:]
+    q = np.concatenate([qs & 15, qs >> 4], axis=-1).reshape(data.shape[0], -1)
+    if qtype == gguf.GGMLQuantizationType.Q4_0:
+        return q, d, np.full_like(d, 8.0)
+    return _min_to_zero(q, d, _f16(blocks[..., 2:4]))
+
+
+def _min_to_zero(
+    q: np.ndarray, d: np.ndarray, m: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_1's `d * q + m` as `(q - z) * s`: `z = -m / d`. A group with `d == 0` holds `m` in
+    every weight; it becomes codes 0, scale `m`, zero -1."""
+    flat = d == 0
+    safe = np.where(flat, 1.0, d).astype(np.float32)
+    zeros = np.where(flat, -1.0, -m / safe).astype(np.float32)
+    scales = np.where(flat, m, d).astype(np.float32)
+    if flat.any():
+        q = q.copy()
+        q.reshape(*d.shape, -1)[flat] = 0
+    return q, scales, zeros
+
+
+def unpack_nibbles(packed: np.ndarray) -> np.ndarray:
+    """`[rows, cols // 2]` bytes to `[rows, cols]` codes, the even column from the low nibble.
+
+    numpy, not torch: one pass each, unaffected by torch's thread pool (which, on a loaded
+    two-core host, made the same torch ops 10x slower at load)."""
+    out = np.empty((*packed.shape, 2), dtype=np.uint8)
+    np.bitwise_and(packed, 15, out=out[..., 0])
+    np.right_shift(packed, 4, out=out[..., 1])
+    return out.reshape(packed.shape[0], -1)
+
+
+def _f16(two_bytes: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(two_bytes).view(np.float16)[..., 0].astype(np.float32)
 
 
 def _dequantise(src: GgufFile, t: Any, heads: dict[str, int]) -> np.ndarray:
@@ -226,7 +355,8 @@ def _check_complete(src: GgufFile, out: dict[str, np.ndarray], config: dict[str,
     expected = {"model.embed_tokens.weight", "model.norm.weight"}
     for i in range(config["num_hidden_layers"]):
         expected |= {f"model.layers.{i}.{hf}.weight" for hf in _LAYER_TENSORS.values()}
-    missing = sorted(expected - out.keys())
+    held = {n.replace(".qweight", ".weight") for n in out}
+    missing = sorted(expected - held)
     if missing:
         raise ModelLoadError(f"{src.path}: missing tensors {missing[:5]} ({len(missing)} in all)")
 
@@ -289,3 +419,41 @@ def _token_text(src: GgufFile, tokens: list[str], role: str) -> str | None:
     if not 0 <= int(token_id) < len(tokens):
         raise ModelLoadError(f"{src.path}: {role} token id {token_id} is outside the vocabulary")
     return tokens[int(token_id)]
+
+
+def load_packed(
+    path: Path, dtype: torch.dtype
+) -> tuple[dict[str, QuantSpec], dict[str, torch.Tensor]]:
+    """A packed conversion's ({module: QuantSpec}, {tensor: plain tensor in `dtype`}).
+
+    Codes stay 8 or 4 bits (one byte a code once unpacked, until the layer packs them for its
+    kernel); no fp32 copy of a quantized weight is made."""
+    path = Path(path)
+    file = path / "config.json"
+    qc = json.loads(file.read_text()).get("quantization_config") or {}
+    if qc.get("format") != "kvguard-packed" or qc.get("version") != PACKED_FORMAT_VERSION:
+        raise ModelLoadError(
+            f"{file}: quantization_config is not kvguard's packed GGUF format version "
+            f"{PACKED_FORMAT_VERSION} (found {qc.get('format')!r} {qc.get('version')!r}); "
+            "delete the directory to have it converted again"
+        )
+    modules: dict[str, str] = qc["modules"]
+    specs: dict[str, QuantSpec] = {}
+    with open_safetensors(path, torch.float32) as source:
+        for module, kind in modules.items():
+            specs[module] = _read_spec(source, module, BITS[gguf.GGMLQuantizationType[kind]])
+        owned = {f"{m}.{p}" for m in modules for p in ("qweight", "scales", "zeros")}
+        plain = {n: source.read(Part(n)).to(dtype) for n in source.names if n not in owned}
+    return specs, plain
+
+
+def _read_spec(source: Any, module: str, bits: int) -> QuantSpec:
+    q = source.read(Part(f"{module}.qweight"))
+    if bits == 4:
+        q = torch.from_numpy(unpack_nibbles(q.numpy()))
+    scales = source.read(Part(f"{module}.scales"))
+    zeros = source.read(Part(f"{module}.zeros"))
+    try:
+        return QuantSpec(q, scales, zeros, q.shape[1] // scales.shape[1], bits)
+    except (ValueError, ZeroDivisionError) as e:
+        raise ModelLoadError(f"packed module {module!r}: inconsistent tensors ({e})") from e

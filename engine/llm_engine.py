@@ -112,7 +112,7 @@ class LLMEngine(ControlSurface):
     def from_config(cls, config: EngineConfig, progress: bool = True) -> LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        path = resolve_model(config.model, config.home, progress=progress)
+        path = resolve_model(config.model, config.home, progress, config.model_quantization)
         mcfg = ModelConfig.from_dir(path)
         tokenizer = Tokenizer.from_dir(path)
         if config.tensor_parallel > 1:

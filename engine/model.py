@@ -12,6 +12,7 @@ vocabulary. With one rank the model runs the very calls it always ran.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,11 +28,22 @@ from kvguard.engine.layers.parallel_linear import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from kvguard.engine.layers.quant_spec import QuantSpec
+from kvguard.engine.layers.quantized_linear import (
+    QuantizedEmbedding,
+    QuantizedLinear,
+    QuantizedLMHead,
+    RowParallelQuantized,
+    cat_rows,
+    slice_spec,
+)
 from kvguard.engine.model_config import ModelConfig, ModelLoadError
 from kvguard.engine.weights import (
     DictSource,
     Part,
     WeightSource,
+    check_quantization,
+    checkpoint_quantization,
     expected_tensor_names,
     open_safetensors,
 )
@@ -185,8 +197,9 @@ class LlamaForCausalLM(nn.Module):
     def tie_weights(self) -> None:
         """Tied embeddings: the lm_head is the embedding's own parameter, one copy in memory.
 
-        Again after `to_empty`, which gives each module a fresh tensor and so unties them."""
-        if self.cfg.tie_word_embeddings:
+        Again after `to_empty`, which gives each module a fresh tensor and so unties them.
+        (A quantized pair is tied when it is built: see `_install_quantized`.)"""
+        if self.cfg.tie_word_embeddings and isinstance(self.lm_head, ParallelLMHead):
             self.lm_head.weight = self.embed_tokens.weight
 
     def init_rope(self, max_positions: int) -> None:
@@ -271,10 +284,16 @@ def _materialise(
     dtype: torch.dtype,
     device: torch.device,
     tp: TPGroup | None,
+    quantized: Iterable[str] = (),
 ) -> LlamaForCausalLM:
-    """Build on the meta device (no random init), then allocate uninitialised real tensors."""
+    """Build on the meta device (no random init), then allocate uninitialised real tensors.
+
+    Modules named in `quantized` are left as placeholders, so no full-precision copy of a
+    quantized weight is ever allocated; `_install_quantized` puts the real layers in."""
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, max_positions, tp)
+    for name in quantized:
+        model.set_submodule(name, nn.Identity())
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()
     model.init_rope(max_positions)
@@ -301,16 +320,174 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     tp: TPGroup | None = None,
+    quantization: str = "auto",
 ) -> LlamaForCausalLM:
     """The model of one rank, reading only that rank's slices from the safetensors files, so a
-    rank's weight memory is its share of the sharded tensors (plus the replicated norms)."""
+    rank's weight memory is its share of the sharded tensors (plus the replicated norms).
+
+    A quantized checkpoint (config.json `quantization_config`) is served packed;
+    `quantization` (the `model_quantization` knob) must agree with what the directory holds."""
+    path = Path(path)
+    fmt = checkpoint_quantization(path)
+    check_quantization(path / "config.json", fmt, quantization)
+    if fmt is not None:
+        specs, plain = read_quantized(path, cfg, fmt, dtype)
+        return build_quantized_model(cfg, specs, plain, max_positions, dtype, device, tp)
     model = _materialise(cfg, max_positions, dtype, device, tp)
-    with open_safetensors(Path(path), dtype, device) as source:
-        source.check_has(Path(path), expected_tensor_names(cfg))
+    with open_safetensors(path, dtype, device) as source:
+        source.check_has(path, expected_tensor_names(cfg))
         model.load_from(source)
     return model.eval()
 
 
+def read_quantized(
+    path: Path, cfg: ModelConfig, fmt: str, dtype: torch.dtype
+) -> tuple[dict[str, QuantSpec], dict[str, torch.Tensor]]:
+    """({HF module name: QuantSpec}, {HF tensor name: plain tensor}) of a quantized directory."""
+    if fmt == "gguf":
+        from kvguard.engine.gguf_convert import load_packed
+
+        return load_packed(path, dtype)
+    from kvguard.engine.loader.quantized import load_quantized
+
+    return load_quantized(path, cfg, dtype)
+
+
+# our module -> the parameter whose Hugging Face parts say which checkpoint modules it fuses
+_LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+_ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
+
+
+def build_quantized_model(
+    cfg: ModelConfig,
+    specs: dict[str, QuantSpec],
+    plain: dict[str, torch.Tensor],
+    max_positions: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    tp: TPGroup | None = None,
+) -> LlamaForCausalLM:
+    """A model whose projections (and embedding / lm_head, where the checkpoint quantized
+    them) are `QuantizedLinear`s over this rank's slices of `specs`; the rest from `plain`."""
+    tp = tp or TPGroup.single()
+    shard = shard_of(cfg, tp)
+    names = _quantized_modules(cfg, specs, shard)
+    model = _materialise(cfg, max_positions, dtype, device, tp, names)
+    model.load_from(DictSource(plain))
+    _install_quantized(model, names, specs, plain, dtype, device)
+    return model.eval()
+
+
+def _quantized_modules(cfg: ModelConfig, specs: dict[str, QuantSpec], shard: Shard) -> list[str]:
+    """Our modules whose every checkpoint part is quantized; a fused module with only some
+    parts quantized is refused (one kernel serves the fused matrix)."""
+    ours = [f"layers.{i}.{m}" for i in range(cfg.num_layers) for m in _LINEARS]
+    ours += ["embed_tokens"] + ([] if cfg.tie_word_embeddings else ["lm_head"])
+    out = []
+    for name in ours:
+        bases = [p.name.removesuffix(".weight") for p in hf_parts(name + ".weight", cfg, shard)]
+        held = [b in specs for b in bases]
+        if all(held):
+            out.append(name)
+        elif any(held):
+            raise ModelLoadError(
+                f"{name}: fuses {bases}, of which only some are quantized; cannot serve that"
+            )
+    if cfg.tie_word_embeddings and "embed_tokens" in out:
+        out.append("lm_head")
+    return out
+
+
+def _install_quantized(
+    model: LlamaForCausalLM,
+    names: list[str],
+    specs: dict[str, QuantSpec],
+    plain: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> None:
+    cfg, shard, tp = model.cfg, model.shard, model.tp
+    for name in names:
+        if name in ("embed_tokens", "lm_head"):
+            continue
+        spec = _rank_spec(name, cfg, shard, specs)
+        bias = _rank_bias(name, cfg, shard, plain)
+        layer = QuantizedLinear(spec, bias, dtype, device)
+        if tp.size > 1 and name.endswith(_ROW_PARALLEL):
+            layer = RowParallelQuantized(layer, tp, None)
+        model.set_submodule(name, layer)
+    if "embed_tokens" in names:
+        _install_vocab(model, names, specs, dtype, device)
+
+
+def _install_vocab(
+    model: LlamaForCausalLM,
+    names: list[str],
+    specs: dict[str, QuantSpec],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> None:
+    """The quantized embedding and lm_head.
+
+    Tied, the embedding keeps the exact rows (8-bit codes, fp16 scales) and the lm_head a
+    kernel copy, which for group-wise 8-bit is per-row int8 (`approximate`): fast, and its top
+    candidates are recomputed from the exact rows. A 4-bit vocabulary is served exactly."""
+    cfg, shard, tp = model.cfg, model.shard, model.tp
+    embed = _rank_spec("embed_tokens", cfg, shard, specs)
+    head_spec = embed if cfg.tie_word_embeddings else _rank_spec("lm_head", cfg, shard, specs)
+    head = QuantizedLinear(head_spec, None, dtype, device, approximate=cfg.tie_word_embeddings)
+    model.embed_tokens = QuantizedEmbedding(embed, dtype, device, None, shard.vocab.start, tp)
+    exact = model.embed_tokens.table if cfg.tie_word_embeddings and tp.size == 1 else None
+    model.lm_head = QuantizedLMHead(head, cfg.vocab_size, tp, exact)
+
+
+def _rank_spec(name: str, cfg: ModelConfig, shard: Shard, specs: dict[str, QuantSpec]) -> QuantSpec:
+    """This rank's part of module `name`: its checkpoint parts sliced and fused by rows."""
+    parts = []
+    for p in hf_parts(name + ".weight", cfg, shard):
+        spec = specs[p.name.removesuffix(".weight")]
+        if p.full is not None and spec.shape[p.dim] != p.full:
+            raise ModelLoadError(
+                f"quantized {p.name!r} has shape {spec.shape}, expected {p.full} along dim {p.dim}"
+            )
+        try:
+            parts.append(spec if p.span is None else slice_spec(spec, p.span, p.dim, p.name))
+        except ValueError as e:
+            raise ModelLoadError(_split_advice(str(e), cfg, spec)) from e
+    return cat_rows(parts)
+
+
+def _split_advice(problem: str, cfg: ModelConfig, spec: QuantSpec) -> str:
+    """A row-parallel split off the group grid, with the tensor_parallel values that work."""
+    from kvguard.engine.distributed.sharding import valid_tp_sizes
+
+    g = spec.group_size
+    ok = [
+        n
+        for n in valid_tp_sizes(cfg)
+        if (cfg.intermediate_size // n) % g == 0 and (cfg.num_heads // n * cfg.head_dim) % g == 0
+    ]
+    return f"{problem}; tensor_parallel values that keep whole groups: {ok or 'only 1'}"
+
+
+def _rank_bias(
+    name: str, cfg: ModelConfig, shard: Shard, plain: dict[str, torch.Tensor]
+) -> torch.Tensor | None:
+    """qkv's bias (Qwen2), this rank's rows; the model has no other projection bias."""
+    if not (cfg.attention_bias and name.endswith("qkv_proj")):
+        return None
+    parts = hf_parts(name + ".bias", cfg, shard)
+    source = DictSource(plain)
+    return torch.cat([source.read(p) for p in parts])
+
+
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of the parameters this rank holds (a tied lm_head counted once)."""
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    """Bytes of the weights this rank holds: parameters and the quantized layers' buffers
+    (a tied lm_head counted once; the rotary tables are not weights)."""
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    buffers = sum(
+        b.numel() * b.element_size()
+        for name, b in model.named_buffers()
+        if not name.endswith(("cos_cache", "sin_cache"))
+    )
+    return params + buffers

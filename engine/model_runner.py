@@ -147,7 +147,7 @@ class ModelRunner:
         dtype = pick_dtype(config.dtype, device)
         max_len = min(config.max_model_len, mcfg.max_position_embeddings)
         t0 = time.perf_counter()
-        model = load_model(path, mcfg, max_len, dtype, device, tp)
+        model = load_model(path, mcfg, max_len, dtype, device, tp, config.model_quantization)
         log.info("rank %d loaded %s in %.2fs", tp.rank, path, time.perf_counter() - t0)
         local = shard_config(mcfg, tp.size)
         kv_dtype = kv_dtype_name(config.kv_cache_dtype, dtype)

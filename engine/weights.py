@@ -226,3 +226,53 @@ def expected_tensor_names(cfg: ModelConfig) -> list[str]:
         if cfg.attention_bias:
             names += [f"model.layers.{i}.self_attn.{p}_proj.bias" for p in "qkv"]
     return names
+
+
+# -- quantized checkpoints -------------------------------------------------------------------
+# `quantization.model_quantization` -> the checkpoint formats it accepts (None: unquantized).
+# compressed-tensors has no knob of its own: `auto` serves it.
+QUANTIZATION_CHOICES = ("auto", "none", "awq_4bit", "gptq_4bit", "gguf")
+_KNOB_FORMATS: dict[str, tuple[str | None, ...]] = {
+    "none": (None,),
+    "awq_4bit": ("awq",),
+    "gptq_4bit": ("gptq",),
+    "gguf": ("gguf",),
+}
+
+
+def checkpoint_quantization(path: Path) -> str | None:
+    """The quantization a model directory declares in config.json: None (plain weights),
+    `gguf` (kvguard's packed GGUF conversion) or what the quantized-checkpoint loader reads
+    (`awq`, `gptq`, `compressed-tensors`; it refuses other formats by name)."""
+    file = Path(path) / "config.json"
+    try:
+        qc = json.loads(file.read_text()).get("quantization_config")
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"{file}: cannot read ({e})") from e
+    if qc is None:
+        return None
+    if isinstance(qc, dict) and qc.get("quant_method") == "gguf":
+        return "gguf"
+    try:
+        from kvguard.engine.loader.quantized import detect_format
+    except ImportError as e:
+        raise ModelLoadError(
+            f"{file}: declares quantization_config {qc.get('quant_method')!r} but this build "
+            "has no quantized-checkpoint loader (kvguard.engine.loader.quantized)"
+        ) from e
+    return detect_format(path)
+
+
+def check_quantization(where: Path, found: str | None, knob: str) -> None:
+    """Refuse a `model_quantization` that the checkpoint at `where` does not hold."""
+    if knob not in QUANTIZATION_CHOICES:
+        raise ModelLoadError(
+            f"model_quantization={knob!r}: expected one of {', '.join(QUANTIZATION_CHOICES)}"
+        )
+    if knob == "auto" or found in _KNOB_FORMATS[knob]:
+        return
+    held = "unquantized weights" if found is None else f"{found} weights"
+    raise ModelLoadError(
+        f"{where}: holds {held}, but quantization.model_quantization is {knob} "
+        "(auto serves a checkpoint as it is)"
+    )

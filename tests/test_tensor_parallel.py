@@ -75,7 +75,8 @@ def assert_parity(model: str, tp: int, **kw) -> LLMEngine | None:
 
 
 def test_smollm2_at_tp3_matches_tp1(smollm2_dir) -> None:
-    assert_parity("smollm2-135m", 3)
+    # fp32 weights: exact up to summation order
+    assert_parity("smollm2-135m", 3, model_quantization="none")
 
 
 def test_tiny_at_tp2_matches_tp1(tiny_dir) -> None:

@@ -1,0 +1,427 @@
+"""The quantized linear layer: a `QuantSpec` packed once, at load, for the kernel that serves it.
+
+Decode on CPU is memory-bound: every token reads every weight, so the bytes a weight occupies
+are the time it costs. The layer therefore keeps weights low-bit and multiplies them with a real
+low-bit kernel; it never dequantises a whole matrix per call.
+
+Kernels, picked per layer at construction (`QuantizedLinear.kernel`):
+
+- `int4pack` (CPU, 4-bit): torch's `_weight_int4pack_mm_for_cpu`. It takes bf16 activations
+  (its fp32 path is ~10x slower on AVX2), group sizes 32/64/128/256 and `N % 16 == 0`. A group
+  size that is a larger multiple of 32 (per-channel included) is served exactly by repeating its
+  scales over 256/128/64/32-column groups; output rows are padded to a multiple of 16.
+  Its dequantisation is `(code - 8) * scale + zero` per group, so QuantSpec's
+  `(q - z) * s` maps exactly onto `scale = s`, `zero = (8 - z) * s`.
+- `int8pack` (CPU, 8-bit per-channel): torch's `_weight_int8pack_mm` (signed int8, one scale
+  per output row): `q - 128`, plus a per-row offset times the row sum of `x` where the zero
+  point is not 128. Exact.
+- `int4x2` (CPU, 8-bit in groups, GGUF Q8_0): no torch kernel takes 8-bit groups. Each code is
+  split into two 4-bit planes served by one int4pack matmul over 2N rows (1.25 bytes a weight,
+  codes exact). Measured on the default model's tied Q8_0 lm_head: requantising to per-row
+  int8 for `_weight_int8pack_mm` instead (1 byte a weight, ~1.3x faster) cost 1.2 points of
+  teacher-forced top-1 agreement (97.9% vs 99.0%); bf16 (2 bytes a weight) runs slower than
+  fp32 on AVX2 (no native bf16 matmul).
+- `w4a16` (CUDA, 4-bit): the Triton W4A16 GEMM through `kvguard.kernels.dispatch`.
+- `dense`: the weight dequantised once, at load, into the compute dtype (what no kernel above
+  takes: 4-bit groups that are not multiples of 32 on CPU, 8-bit on CUDA, or CUDA without the
+  Triton kernel). Bigger, but never a per-call dequantisation.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvguard.engine.distributed.parallel_state import TPGroup
+from kvguard.engine.layers.quant_spec import QuantSpec
+
+log = logging.getLogger("kvguard.engine")
+
+INT4_GROUPS = (256, 128, 64, 32)  # what _weight_int4pack_mm_for_cpu accepts, largest first
+INT4_ROWS = 16  # its packing needs output rows in multiples of this
+INT4_INNER_K_TILES = 2
+
+
+def cpu_int4_group(group_size: int) -> int | None:
+    """The int4pack group size that serves `group_size` exactly (scales repeated), or None."""
+    return next((g for g in INT4_GROUPS if group_size % g == 0), None)
+
+
+def pick_kernel(spec: QuantSpec, device: torch.device, approximate: bool = False) -> str:
+    if device.type == "cuda":
+        return "w4a16" if spec.bits == 4 and _triton_w4a16() else "dense"
+    if spec.bits == 8 and (approximate or spec.group_size == spec.shape[1]):
+        return "int8pack"
+    if cpu_int4_group(spec.group_size):
+        return "int4pack" if spec.bits == 4 else "int4x2"
+    return "dense"
+
+
+def _triton_w4a16() -> bool:
+    """Whether the Triton W4A16 kernel module is installed in this tree (a sibling's work)."""
+    try:
+        from kvguard.kernels import dispatch
+    except ImportError:
+        return False
+    return hasattr(dispatch, "w4a16_matmul")
+
+
+class QuantizedLinear(nn.Module):
+    """`y = x @ W.T (+ bias)` for a quantized `W`; activations and output in `dtype`."""
+
+    def __init__(
+        self,
+        spec: QuantSpec,
+        bias: torch.Tensor | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        approximate: bool = False,
+    ) -> None:
+        """`approximate`: a group-wise 8-bit weight may be requantised to per-row int8 (the
+        lm_head, whose top candidates `QuantizedLMHead` recomputes exactly)."""
+        super().__init__()
+        device = torch.device(device)
+        self.out_features, self.in_features = spec.shape
+        self.bits, self.group_size, self.dtype = spec.bits, spec.group_size, dtype
+        self.kernel = pick_kernel(spec, device, approximate)
+        perm = None if spec.perm is None else spec.perm.to(device=device, dtype=torch.long)
+        self.register_buffer("perm", perm)
+        self.register_buffer("bias", None if bias is None else bias.to(device, dtype))
+        getattr(self, f"_pack_{self.kernel}")(_spec_on(spec, device))
+
+    # -- packing, once ----------------------------------------------------------------------
+    def _pack_int4x2(self, spec: QuantSpec) -> None:
+        """8-bit groups as two 4-bit planes in one int4pack matrix of 2N rows: with
+        `q = 16 h + l`, `(q - z) s = (h - z/16) 16s + (l - 0) s`, exact in codes."""
+        hi = QuantSpec(spec.q >> 4, spec.scales * 16, spec.zeros / 16, spec.group_size, 4)
+        lo = QuantSpec(spec.q & 15, spec.scales, torch.zeros_like(spec.zeros), spec.group_size, 4)
+        self._pack_int4pack(cat_rows([hi, lo]))
+
+    def _pack_int4pack(self, spec: QuantSpec) -> None:
+        g = cpu_int4_group(spec.group_size)
+        assert g is not None
+        reps = spec.group_size // g
+        scales = spec.scales.float().repeat_interleave(reps, dim=1)
+        zeros = spec.zeros.float().repeat_interleave(reps, dim=1)
+        pad = -spec.shape[0] % INT4_ROWS
+        q = F.pad(spec.q.to(torch.int32), (0, 0, 0, pad))
+        scale_zero = torch.stack([scales, (8.0 - zeros) * scales], dim=-1)  # [N, G, 2]
+        scale_zero = F.pad(scale_zero, (0, 0, 0, 0, 0, pad))
+        self.int4_group = g
+        self.register_buffer(
+            "packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, INT4_INNER_K_TILES)
+        )
+        self.register_buffer(
+            "scale_zero", scale_zero.transpose(0, 1).contiguous().to(torch.bfloat16)
+        )
+
+    def _pack_int8pack(self, spec: QuantSpec) -> None:
+        if spec.group_size == spec.shape[1]:
+            w8 = (spec.q.to(torch.int16) - 128).to(torch.int8)
+            scale = spec.scales[:, 0].float()
+            offset = (128.0 - spec.zeros[:, 0].float()) * scale
+            if not offset.any():
+                offset = None
+        else:
+            w8, scale, offset = requantise_per_row(spec)
+        self.register_buffer("w8", w8.contiguous())
+        self.register_buffer("scale8", scale.to(torch.bfloat16))
+        self.register_buffer("offset8", None if offset is None else offset.to(self.dtype))
+
+    def _pack_w4a16(self, spec: QuantSpec) -> None:
+        from kvguard.kernels.w4a16 import pack_for_triton
+
+        self.w4a16 = pack_for_triton(spec)
+        for name in ("qweight", "scales", "zeros"):  # counted and moved like any buffer
+            self.register_buffer(f"w4a16_{name}", getattr(self.w4a16, name))
+
+    def _pack_dense(self, spec: QuantSpec) -> None:
+        log.info(
+            "%d-bit weight %s with group size %d: no low-bit kernel here, dequantised once",
+            spec.bits,
+            tuple(spec.shape),
+            spec.group_size,
+        )
+        w = spec.dequantize(torch.float32)
+        if spec.perm is not None:  # dequantize() already undid the permutation
+            self.perm = None
+        self.register_buffer("weight", w.to(self.dtype))
+
+    # -- the hot path ---------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if self.perm is not None:
+            x2 = x2.index_select(-1, self.perm)
+        y = getattr(self, f"_mm_{self.kernel}")(x2)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*lead, self.out_features)
+
+    def _mm_int4pack(self, x: torch.Tensor) -> torch.Tensor:
+        if not x.shape[0]:
+            return x.new_empty(0, self.out_features)
+        xb = x.to(torch.bfloat16).contiguous()
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            xb, self.packed, self.int4_group, self.scale_zero
+        )
+        return y[:, : self.out_features].to(x.dtype)
+
+    def _mm_int4x2(self, x: torch.Tensor) -> torch.Tensor:
+        if not x.shape[0]:
+            return x.new_empty(0, self.out_features)
+        xb = x.to(torch.bfloat16).contiguous()
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            xb, self.packed, self.int4_group, self.scale_zero
+        ).float()
+        n = self.out_features
+        return (y[:, :n] + y[:, n : 2 * n]).to(x.dtype)
+
+    def _mm_int8pack(self, x: torch.Tensor) -> torch.Tensor:
+        if not x.shape[0]:
+            return x.new_empty(0, self.out_features)
+        xb = x.to(torch.bfloat16).contiguous()
+        y = torch.ops.aten._weight_int8pack_mm(xb, self.w8, self.scale8).to(x.dtype)
+        if self.offset8 is not None:
+            y = y + x.sum(-1, keepdim=True) * self.offset8
+        return y
+
+    def _mm_w4a16(self, x: torch.Tensor) -> torch.Tensor:
+        from kvguard.kernels.dispatch import w4a16_matmul
+
+        return w4a16_matmul(x.contiguous(), self.w4a16)
+
+    def _mm_dense(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
+
+    # -- rows, for a (tied) embedding -------------------------------------------------------
+    def can_read_rows(self) -> bool:
+        return self.kernel in ("int8pack", "dense")
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Weight rows `ids`, dequantised (only those rows): the tied embedding's lookup."""
+        if self.kernel == "dense":
+            return F.embedding(ids, self.weight)
+        w = self.w8.index_select(0, ids.reshape(-1)).to(self.dtype)
+        out = w * self.scale8.index_select(0, ids.reshape(-1)).to(self.dtype).unsqueeze(-1)
+        if self.offset8 is not None:
+            out = out + self.offset8.index_select(0, ids.reshape(-1)).unsqueeze(-1)
+        return out.reshape(*ids.shape, self.in_features)
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+    def extra_repr(self) -> str:
+        return (
+            f"in={self.in_features}, out={self.out_features}, bits={self.bits}, "
+            f"group={self.group_size}, kernel={self.kernel}"
+        )
+
+
+def _spec_on(spec: QuantSpec, device: torch.device) -> QuantSpec:
+    perm = None if spec.perm is None else spec.perm.to(device)
+    return QuantSpec(
+        spec.q.to(device),
+        spec.scales.to(device),
+        spec.zeros.to(device),
+        spec.group_size,
+        spec.bits,
+        perm,
+    )
+
+
+def requantise_per_row(
+    spec: QuantSpec, chunk: int = 4096
+) -> tuple[torch.Tensor, torch.Tensor, None]:
+    """Symmetric int8 with one scale per output row (what `_weight_int8pack_mm` takes), a
+    chunk of rows at a time so no full fp32 copy of the matrix is made."""
+    w8 = torch.empty(spec.shape, dtype=torch.int8)
+    scales = torch.empty(spec.shape[0])
+    for lo in range(0, spec.shape[0], chunk):
+        part = _slice_rows(spec, range(lo, min(lo + chunk, spec.shape[0]))).dequantize()
+        scale = part.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / 127.0
+        scale = scale.to(torch.bfloat16).float()  # the kernel's scale dtype: codes match it
+        w8[lo : lo + len(part)] = torch.round(part / scale[:, None]).clamp_(-127, 127)
+        scales[lo : lo + len(part)] = scale
+    return w8, scales, None
+
+
+class QuantizedEmbedding(nn.Module):
+    """A vocabulary embedding over quantized rows: only the looked-up rows are dequantised.
+
+    Tied to a quantized lm_head that can hand out rows (int8 per-row, dense) it shares that
+    layer's storage, one copy in memory; otherwise (a 4-bit lm_head, whose packed layout is the
+    kernel's) it keeps its own codes, four bits a weight."""
+
+    def __init__(
+        self,
+        spec: QuantSpec,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        tied: QuantizedLinear | None = None,
+        start: int = 0,
+        tp: TPGroup | None = None,
+    ) -> None:
+        super().__init__()
+        self.dtype, self.start, self.tp = dtype, start, tp or TPGroup.single()
+        self.rows = spec.shape[0]
+        self.tied = tied if tied is not None and tied.can_read_rows() else None
+        if self.tied is None:
+            self.table = RowTable(spec, dtype, torch.device(device))
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.tied.rows(ids) if self.tied is not None else self.table(ids)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `[start, start + rows)` live here; others are zero here and filled in by the
+        rank that holds them (one all-reduce), as in `VocabParallelEmbedding`."""
+        if self.tp.size == 1:
+            return self.lookup(ids)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.rows)
+        rows = self.lookup(local.masked_fill(outside, 0))
+        return self.tp.all_reduce_(rows.masked_fill_(outside.unsqueeze(-1), 0.0))
+
+
+class RowTable(nn.Module):
+    """Codes (4-bit: two a byte) and group scales/zeros, dequantised a row at a time."""
+
+    def __init__(self, spec: QuantSpec, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        if spec.perm is not None:
+            raise ValueError("an embedding cannot have a desc_act input permutation")
+        self.bits, self.group_size, self.dtype = spec.bits, spec.group_size, dtype
+        q = spec.q.to(device)
+        if spec.bits == 4:
+            q = q[:, 0::2] | (q[:, 1::2] << 4)
+        self.register_buffer("codes", q.contiguous())
+        self.register_buffer("scales", spec.scales.to(device, torch.float16))
+        self.register_buffer("zeros", spec.zeros.to(device, torch.float32))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        q = self.codes.index_select(0, flat)
+        if self.bits == 4:
+            q = torch.stack([q & 15, q >> 4], dim=-1).flatten(1)
+        groups = q.shape[1] // self.group_size
+        s = self.scales.index_select(0, flat).float().unsqueeze(-1)
+        z = self.zeros.index_select(0, flat).unsqueeze(-1)
+        w = (q.view(-1, groups, self.group_size).float() - z) * s
+        return w.reshape(*ids.shape, -1).to(self.dtype)
+
+
+class QuantizedLMHead(nn.Module):
+    """The lm_head over a quantized weight (this rank's vocabulary rows); rank 0 gathers the
+    full fp32 logits, as `ParallelLMHead` does.
+
+    With `exact` rows (the tied embedding's table) the kernel's logits only rank the
+    vocabulary: the `REFINED` best candidates of each row are recomputed in fp32 from the exact
+    weights. Top-1 choices then match the full-precision head even where the fast kernel's
+    bf16 output (a step of 1/16 at a logit of 16) or a per-row int8 requantisation would blur
+    a near tie, at the cost of a top-k and a few hundred dot products a token."""
+
+    REFINED = 16
+
+    def __init__(
+        self,
+        linear: QuantizedLinear,
+        vocab_size: int,
+        tp: TPGroup | None = None,
+        exact: RowTable | None = None,
+    ) -> None:
+        super().__init__()
+        self.linear, self.vocab_size, self.tp = linear, vocab_size, tp or TPGroup.single()
+        self.exact = exact
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        logits = self.linear(hidden).float()
+        if self.tp.size == 1:
+            logits = logits[..., : self.vocab_size]
+            return logits if self.exact is None else self._refine(hidden, logits)
+        full = self.tp.gather_to_first(logits)
+        if full is None or full.shape[-1] == self.vocab_size:
+            return full
+        return full[..., : self.vocab_size].contiguous()
+
+    def _refine(self, hidden: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        if not logits.numel():
+            return logits
+        top = logits.topk(min(self.REFINED, logits.shape[-1]), dim=-1).indices  # [n, k]
+        rows = self.exact(top).float()  # [n, k, hidden]
+        exact = torch.einsum("nkh,nh->nk", rows, hidden.float())
+        return logits.scatter_(-1, top, exact)
+
+
+class RowParallelQuantized(nn.Module):
+    """A quantized row-parallel projection: partial outputs summed by one all-reduce, the bias
+    added once after the sum."""
+
+    def __init__(self, layer: QuantizedLinear, tp: TPGroup, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.layer, self.tp = layer, tp
+        self.register_buffer("bias", None if bias is None else bias.to(layer.dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.tp.all_reduce_(self.layer(x))
+        return out if self.bias is None else out + self.bias
+
+
+def cat_rows(specs: list[QuantSpec]) -> QuantSpec:
+    """Specs stacked along the output dimension (fused qkv, gate_up): same bits, group size
+    and input permutation, or an error naming what differs."""
+    first = specs[0]
+    for s in specs[1:]:
+        if (s.bits, s.group_size, s.shape[1]) != (first.bits, first.group_size, first.shape[1]):
+            raise ValueError(
+                f"cannot fuse {first.bits}-bit/group {first.group_size}/in {first.shape[1]} "
+                f"with {s.bits}-bit/group {s.group_size}/in {s.shape[1]}"
+            )
+        if (s.perm is None) != (first.perm is None) or (
+            s.perm is not None and not torch.equal(s.perm, first.perm)
+        ):
+            raise ValueError("cannot fuse projections with different desc_act permutations")
+    if len(specs) == 1:
+        return first
+    return QuantSpec(
+        torch.cat([s.q for s in specs]),
+        torch.cat([s.scales for s in specs]),
+        torch.cat([s.zeros for s in specs]),
+        first.group_size,
+        first.bits,
+        first.perm,
+    )
+
+
+def slice_spec(spec: QuantSpec, span: range, dim: int, name: str) -> QuantSpec:
+    """One rank's part of a spec: output rows (`dim` 0; rows past the end read as zeros, the
+    padded vocabulary) or input columns (`dim` 1, whole groups only)."""
+    if dim == 0:
+        return _slice_rows(spec, span)
+    g = spec.group_size
+    if span.start % g or len(span) % g:
+        raise ValueError(
+            f"{name}: input columns [{span.start}, {span.stop}) do not fall on its "
+            f"group boundaries (group size {g})"
+        )
+    if spec.perm is not None:
+        raise ValueError(f"{name}: a desc_act (g_idx) weight cannot be split by input columns")
+    cols, groups = slice(span.start, span.stop), slice(span.start // g, span.stop // g)
+    return QuantSpec(
+        spec.q[:, cols], spec.scales[:, groups], spec.zeros[:, groups], g, spec.bits, None
+    )
+
+
+def _slice_rows(spec: QuantSpec, span: range) -> QuantSpec:
+    stop = max(span.start, min(span.stop, spec.shape[0]))
+    pad = span.stop - stop
+
+    def cut(t: torch.Tensor) -> torch.Tensor:
+        t = t[span.start : stop]
+        return F.pad(t, (0, 0, 0, pad)) if pad > 0 else t
+
+    return QuantSpec(
+        cut(spec.q), cut(spec.scales), cut(spec.zeros), spec.group_size, spec.bits, spec.perm
+    )

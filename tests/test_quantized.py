@@ -1,0 +1,276 @@
+"""The quantized linear layer, GGUF Q4_0/Q4_1/Q8_0 kept packed, and the default model served
+packed: each kernel against `QuantSpec.dequantize`, each GGUF unpacker against the `gguf`
+package's own `quants.dequantize`, and the packed smollm2 against its fp32-dequantised form.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from kvguard.engine import EngineConfig, LLMEngine, ModelLoadError, SamplingParams
+from kvguard.engine.gguf_convert import (
+    GgufFile,
+    load_packed,
+    unpack_blocks,
+    unpack_nibbles,
+    unpermute_rows,
+)
+from kvguard.engine.layers.quant_spec import QuantSpec
+from kvguard.engine.layers.quantized_linear import (
+    QuantizedEmbedding,
+    QuantizedLinear,
+    QuantizedLMHead,
+    cat_rows,
+    slice_spec,
+)
+from kvguard.engine.model import weight_bytes
+from kvguard.engine.model_registry import resolve_model
+from kvguard.engine.weights import load_weights
+from tests.test_fp8_quality import TOPICS
+
+Q = gguf.GGMLQuantizationType
+
+
+def random_spec(
+    out: int, cols: int, group: int, bits: int, perm: bool = False, seed: int = 0
+) -> QuantSpec:
+    """Codes over the whole range, positive scales, float zero points anywhere in the range."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 2**bits, (out, cols), generator=g, dtype=torch.uint8)
+    scales = torch.rand(out, cols // group, generator=g) * 0.02 + 1e-3
+    zeros = torch.rand(out, cols // group, generator=g) * (2**bits - 1)
+    p = torch.randperm(cols, generator=g) if perm else None
+    return QuantSpec(q, scales, zeros, group, bits, p)
+
+
+# -- the layer against the reference dequantisation -------------------------------------------
+CASES = [
+    # (out, in, group, bits, perm, kernel)
+    (96, 256, 32, 4, False, "int4pack"),
+    (64, 256, 64, 4, False, "int4pack"),
+    (64, 512, 128, 4, False, "int4pack"),
+    (48, 512, 256, 4, False, "int4pack"),
+    (64, 384, 384, 4, False, "int4pack"),  # per-channel: scales repeated over 128-col groups
+    (40, 256, 32, 4, False, "int4pack"),  # out not a multiple of 16: padded rows
+    (64, 256, 64, 4, True, "int4pack"),  # GPTQ desc_act permutation
+    (48, 256, 16, 4, False, "dense"),  # no int4pack group size fits: dequantised once
+    (64, 256, 256, 8, False, "int8pack"),  # per-channel 8-bit, float zero points
+    (64, 256, 32, 8, False, "int4x2"),  # Q8_0-like groups: two 4-bit planes, codes exact
+]
+
+
+@pytest.mark.parametrize(("out", "cols", "group", "bits", "perm", "kernel"), CASES)
+def test_layer_matches_dequantised_matmul(
+    out: int, cols: int, group: int, bits: int, perm: bool, kernel: str
+) -> None:
+    spec = random_spec(out, cols, group, bits, perm)
+    bias = torch.randn(out)
+    layer = QuantizedLinear(spec, bias)
+    assert layer.kernel == kernel
+    for rows in (1, 5, 33):
+        x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
+        want = x @ spec.dequantize().T + bias
+        got = layer(x)
+        assert got.dtype == torch.float32 and got.shape == (rows, out)
+        # bf16 activations, scales and outputs: ~3 significant digits
+        tol = 1e-2
+        err = ((got - want).abs().max() / want.abs().max()).item()
+        assert err <= tol, f"{kernel}: relative error {err:.2e}"
+    assert layer(torch.empty(0, cols)).shape == (0, out)
+
+
+def test_embedding_rows_match_dequantised_rows() -> None:
+    ids = torch.tensor([[0, 7, 63], [5, 5, 1]])
+    # (bits, group, tolerance): per-channel int8 rows are the lm_head's own (bf16 row scales);
+    # the others keep a row table with fp16 scales (int4pack's layout is the kernel's own)
+    for bits, group, tol in ((8, 32, 1e-3), (8, 256, 4e-3), (4, 32, 1e-3)):
+        spec = random_spec(64, 256, group, bits)
+        tied = QuantizedLinear(spec)
+        emb = QuantizedEmbedding(spec, torch.float32, tied=tied)
+        assert (emb.tied is tied) == (tied.kernel == "int8pack")
+        want = spec.dequantize()[ids]
+        assert (emb(ids) - want).abs().max().item() <= tol * want.abs().max().item()
+
+
+def test_approximate_head_refines_its_top_candidates_exactly() -> None:
+    """A group-wise 8-bit lm_head requantised to per-row int8 ranks the vocabulary; its top
+    candidates' logits are recomputed from the exact rows."""
+    spec = random_spec(512, 256, 32, 8)
+    spec.scales = spec.scales.half().float()  # fp16 scales, as GGUF's Q8_0 has them
+    head = QuantizedLinear(spec, approximate=True)
+    assert head.kernel == "int8pack"
+    emb = QuantizedEmbedding(spec, torch.float32)
+    x = torch.randn(3, 256)
+    want = x @ spec.dequantize().T
+    rough = QuantizedLMHead(head, 512)(x)
+    refined = QuantizedLMHead(head, 512, exact=emb.table)(x)
+    top = want.topk(4).indices
+    assert (refined.gather(1, top) - want.gather(1, top)).abs().max().item() <= 1e-3
+    assert (rough - want).abs().max().item() > 1e-3  # the requantisation is visible
+    assert torch.equal(refined.argmax(-1), want.argmax(-1))
+
+
+def test_fusing_and_splitting_specs_follow_rows_and_groups() -> None:
+    a, b = random_spec(32, 128, 32, 4, seed=1), random_spec(16, 128, 32, 4, seed=2)
+    fused = cat_rows([a, b])
+    assert torch.equal(fused.dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
+    rows = slice_spec(fused, range(8, 40), 0, "x")
+    assert torch.equal(rows.dequantize(), fused.dequantize()[8:40])
+    cols = slice_spec(fused, range(64, 128), 1, "x")
+    assert torch.equal(cols.dequantize(), fused.dequantize()[:, 64:128])
+    with pytest.raises(ValueError, match="group boundaries"):
+        slice_spec(fused, range(16, 80), 1, "layers.0.mlp.down_proj")
+    padded = slice_spec(a, range(24, 40), 0, "embed")
+    assert torch.equal(padded.dequantize()[8:], torch.zeros(8, 128))
+
+
+# -- GGUF blocks against the gguf package's reference ------------------------------------------
+@pytest.fixture(scope="module")
+def tensors(smollm2_gguf: Path) -> dict[str, Any]:
+    """The default GGUF's tensors by name (parsed once: the tokenizer arrays take seconds)."""
+    return {t.name: t for t in GgufFile(smollm2_gguf).reader.tensors}
+
+
+def test_gguf_q4_1_and_q8_0_unpack_like_the_reference(tensors: dict[str, Any]) -> None:
+    for name in ("blk.0.attn_q.weight", "blk.7.ffn_down.weight", "blk.29.ffn_gate.weight"):
+        t = tensors[name]
+        assert t.tensor_type == Q.Q4_1
+        _check_unpack(np.asarray(t.data), Q.Q4_1)
+    embd = tensors["token_embd.weight"]
+    assert embd.tensor_type == Q.Q8_0
+    _check_unpack(np.asarray(embd.data)[:2048], Q.Q8_0)
+
+
+def test_gguf_q4_0_unpacks_like_the_reference(tensors: dict[str, Any]) -> None:
+    """The default GGUF has no Q4_0 tensor: quantise a real weight with the gguf package."""
+    t = tensors["blk.3.attn_output.weight"]
+    w = gguf.quants.dequantize(t.data, t.tensor_type)
+    _check_unpack(gguf.quants.quantize(w, Q.Q4_0), Q.Q4_0)
+
+
+def _check_unpack(data: np.ndarray, qtype: Q) -> None:
+    q, scales, zeros = unpack_blocks(data, qtype)
+    spec = QuantSpec(torch.from_numpy(q), torch.from_numpy(scales), torch.from_numpy(zeros), 32, 8)
+    want = torch.from_numpy(np.asarray(gguf.quants.dequantize(data, qtype), dtype=np.float32))
+    got = spec.dequantize()
+    # Q4_1 goes through z = -m/d: exact up to fp32 rounding of (q - z) * d
+    assert (got - want).abs().max().item() <= 1e-6 * max(1.0, want.abs().max().item())
+    assert int(q.max()) < (256 if qtype == Q.Q8_0 else 16)
+
+
+def test_nibble_order_round_trips() -> None:
+    codes = np.arange(16, dtype=np.uint8).reshape(2, 8)
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    assert np.array_equal(unpack_nibbles(packed), codes)
+
+
+# -- the default model, packed --------------------------------------------------------------
+@pytest.fixture(scope="module")
+def packed_dir(model_home: Path) -> Path:
+    return resolve_model("smollm2-135m", model_home, progress=False, quantization="auto")
+
+
+def test_packed_conversion_equals_the_fp32_one(packed_dir: Path, smollm2_dir: Path) -> None:
+    """Same weights both ways: q/k rows un-permuted with their scales, Q4_1 minimum folded into
+    float zero points, the Q8_0 embedding exact."""
+    specs, plain = load_packed(packed_dir, torch.float32)
+    names = ["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj"]
+    names += ["model.layers.11.mlp.down_proj", "model.embed_tokens"]
+    fp32 = load_weights(smollm2_dir, torch.float32, "cpu")
+    for name in names:
+        want = fp32[f"{name}.weight"]
+        assert (specs[name].dequantize() - want).abs().max().item() <= 1e-6, name
+    assert torch.equal(plain["model.norm.weight"], fp32["model.norm.weight"])
+    assert specs["model.layers.0.mlp.up_proj"].bits == 4
+    assert specs["model.embed_tokens"].bits == 8
+
+
+def test_unpermute_applies_to_codes_and_scales_alike(tensors: dict[str, Any]) -> None:
+    t = tensors["blk.2.attn_k.weight"]
+    q, scales, zeros = unpack_blocks(np.asarray(t.data), t.tensor_type)
+    spec = QuantSpec(
+        *(torch.from_numpy(unpermute_rows(a, 3)) for a in (q, scales, zeros)), group_size=32, bits=4
+    )
+    dense = unpermute_rows(gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32), 3)
+    assert (spec.dequantize() - torch.from_numpy(dense)).abs().max().item() <= 1e-6
+
+
+def make(quantization: str) -> LLMEngine:
+    cfg = EngineConfig(
+        model="smollm2-135m",
+        kv_cache_bytes="64MiB",
+        num_threads=1,  # one thread: steadier than two on a shared two-core host
+        model_quantization=quantization,
+    )
+    return LLMEngine.from_config(cfg, progress=False)
+
+
+@pytest.mark.slow
+def test_default_model_serves_packed_and_agrees_with_fp32() -> None:
+    packed = make(EngineConfig().model_quantization)  # the default: auto
+    layers = [m for m in packed.model.modules() if isinstance(m, QuantizedLinear)]
+    assert {m.kernel for m in layers} == {"int4pack", "int8pack"}  # int8: the lm_head
+    assert len(layers) == 30 * 4 + 1  # qkv, o, gate_up, down per layer + the tied lm_head
+    reference = make("none")
+    _report_bytes(packed, reference)
+
+    tok = reference.tokenizer
+    chats = [
+        tok.apply_chat_template([{"role": "user", "content": f"Explain {t}."}]) for t in TOPICS
+    ]
+    ids = [tok.encode(c) for c in chats]
+    outs = reference.generate(ids, SamplingParams(max_tokens=64, ignore_eos=True))
+    same = total = 0
+    for prompt, out in zip(ids, outs, strict=True):
+        seq = prompt + out.token_ids
+        want = reference.score(seq)[len(prompt) - 1 : -1].argmax(-1)
+        got = packed.score(seq)[len(prompt) - 1 : -1].argmax(-1)
+        same += int((want == got).sum())
+        total += len(want)
+    ratio = same / total
+    print(f"packed vs fp32 teacher-forced top-1 agreement: {ratio:.4f} over {total} positions")
+    assert total == 20 * 64
+    assert ratio >= 0.99
+
+
+def _report_bytes(packed: LLMEngine, reference: LLMEngine) -> None:
+    """Resident weight bytes against fp16 (two bytes for every weight the fp32 model holds)."""
+    fp16 = weight_bytes(reference.model) // 2
+    total = weight_bytes(packed.model)
+    w4 = sum(
+        m.nbytes() for m in packed.model.modules() if isinstance(m, QuantizedLinear) and m.bits == 4
+    )
+    w4_fp16 = 2 * sum(
+        m.in_features * m.out_features
+        for m in packed.model.modules()
+        if isinstance(m, QuantizedLinear) and m.bits == 4
+    )
+    print(
+        f"\nresident weights: packed {total / 2**20:.1f} MiB = {total / fp16:.3f}x fp16 "
+        f"({fp16 / 2**20:.1f} MiB; the Q8_0 vocabulary twice at 8 bits, norms fp32); "
+        f"W4 projections alone {w4 / w4_fp16:.3f}x fp16 (Q4_1: 4-bit codes + bf16 scale and "
+        f"zero per 32 weights)"
+    )
+    # the Q8_0 vocabulary matrix is held twice: exact rows (embedding, refinement) and the
+    # lm_head's per-row int8 kernel copy, 2 x 28 MiB of the total
+    assert total <= 0.5 * fp16
+    assert w4 <= 0.32 * w4_fp16
+
+
+def test_a_knob_the_checkpoint_does_not_hold_is_refused(model_home: Path, tiny_dir: Path) -> None:
+    for knob in ("awq_4bit", "gptq_4bit"):
+        with pytest.raises(ModelLoadError, match=r"SmolLM2-135M-Instruct\.Q4_1\.gguf.*gguf"):
+            resolve_model("smollm2-135m", model_home, progress=False, quantization=knob)
+    with pytest.raises(ModelLoadError, match=r"config\.json: holds unquantized weights.*gguf"):
+        resolve_model(str(tiny_dir), model_home, progress=False, quantization="gguf")
+    packed = resolve_model("smollm2-135m", model_home, progress=False, quantization="gguf")
+    with pytest.raises(ModelLoadError, match=r"smollm2-135m\.packed/config\.json: holds gguf"):
+        resolve_model(str(packed), model_home, progress=False, quantization="none")
+    fp32 = resolve_model("smollm2-135m", model_home, progress=False, quantization="none")
+    assert fp32 != packed and fp32.name == "smollm2-135m"

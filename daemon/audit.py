@@ -25,6 +25,9 @@ file of this database by itself once the database takes writes, then renames it.
 Counters for the metrics exporter: `failures` (failed write and migration attempts,
 kvguard_audit_write_failures_total), `dropped`, `rejected`, `written`, `spilled`, `depth()`.
 
+Every row carries `host` (the machine) and `instance` (the daemon, `audit.instance`): a
+fleet's daemons may write to one PostgreSQL database, and the readers filter by instance.
+
 Reads (for `kvguard audit` and the admin API) use their own short connections and return plain
 dicts, with times as aware UTC datetimes.
 """
@@ -158,13 +161,17 @@ class AuditStore:
         max_queue: int = 10000,
         busy_timeout_ms: int = BUSY_TIMEOUT_MS,
         spill_dir: Path | None = None,
+        instance: str | None = None,
     ) -> None:
         """`spill_dir` (the daemon passes its state directory) is where rows left at stop go
-        when the database is not a SQLite file or the file's own directory refuses them."""
+        when the database is not a SQLite file or the file's own directory refuses them.
+        `instance` tags every row with the daemon's name (default: `host`), so daemons that
+        share a database, even on one host, can be told apart."""
         if max_queue < 1:
             raise ValueError(f"audit max_queue must be at least 1, not {max_queue}")
         self.url = url
         self.host = host or socket.gethostname()
+        self.instance = instance or self.host
         self.max_queue = max_queue
         self.busy_timeout_ms = busy_timeout_ms
         self._engine = make_engine(url, busy_timeout_ms)  # a bad URL fails here, at start-up
@@ -402,6 +409,7 @@ class AuditStore:
         row = {
             "time": _aware(time),
             "host": self.host,
+            "instance": self.instance,
             "rule": rule,
             "action": action,
             "trigger": _one_of("trigger", trigger, TRIGGERS),
@@ -432,6 +440,7 @@ class AuditStore:
         row = {
             "time": _aware(time),
             "host": self.host,
+            "instance": self.instance,
             "kind": kind,
             "detail": detail,
             "data": _jsonable(data),
@@ -451,6 +460,7 @@ class AuditStore:
             "peak_level": int(level),
             "actions_count": 0,
             "host": self.host,
+            "instance": self.instance,
             "summary": summary,
         }
         self._enqueue(_Op("incidents", row))
@@ -605,7 +615,7 @@ class AuditStore:
         the evaluator had then, and no later run touches an incident of an earlier one).
         """
         spill = audit_spill.read(path)
-        ops = [_Op(cast(OpKind, kind), row) for kind, row in spill.ops]
+        ops = [_Op(cast(OpKind, kind), _tagged(kind, row)) for kind, row in spill.ops]
         with db_errors(self.url), self._engine.begin() as conn:
             fresh, skipped = _absent(conn, ops)
             _apply(conn, fresh)
@@ -668,11 +678,13 @@ class AuditStore:
         outcome: str | None = None,
         incident: str | None = None,
         limit: int | None = 100,
+        instance: str | None = None,
     ) -> list[dict[str, Any]]:
         """The newest `limit` matching actions, oldest first (read like a log)."""
         t = TABLES["actions"]
         q = _window(select(t), t.c.time, since, until)
-        for col, want in (("rule", rule), ("action", action), ("outcome", outcome)):
+        filters = (("rule", rule), ("action", action), ("outcome", outcome), ("instance", instance))
+        for col, want in filters:
             if want is not None:
                 q = q.where(t.c[col] == want)
         if incident is not None:
@@ -686,12 +698,15 @@ class AuditStore:
         kind: str | None = None,
         incident: str | None = None,
         limit: int | None = 100,
+        instance: str | None = None,
     ) -> list[dict[str, Any]]:
         """The newest `limit` matching events, oldest first."""
         t = TABLES["events"]
         q = _window(select(t), t.c.time, since, until)
         if kind is not None:
             q = q.where(t.c.kind == kind)
+        if instance is not None:
+            q = q.where(t.c.instance == instance)
         if incident is not None:
             q = q.where(t.c.incident == incident)
         return self._newest(q, t, t.c.time, limit)
@@ -702,12 +717,15 @@ class AuditStore:
         until: datetime | None = None,
         open_only: bool = False,
         limit: int | None = 100,
+        instance: str | None = None,
     ) -> list[dict[str, Any]]:
         """The newest `limit` incidents opened in the window, oldest first."""
         t = TABLES["incidents"]
         q = _window(select(t), t.c.opened_at, since, until)
         if open_only:
             q = q.where(t.c.closed_at.is_(None))
+        if instance is not None:
+            q = q.where(t.c.instance == instance)
         return self._newest(q, t, t.c.opened_at, limit)
 
     def get_action(self, action_id: int) -> dict[str, Any] | None:
@@ -740,6 +758,14 @@ class AuditStore:
     def _rows(self, q: Select[Any]) -> list[dict[str, Any]]:
         with db_errors(self.url), self._engine.connect() as conn:
             return [dict(r._mapping) for r in conn.execute(q)]
+
+
+def _tagged(kind: str, row: dict[str, Any]) -> dict[str, Any]:
+    """A spilled row as it goes in now: one spilled before revision 0003 has no `instance`,
+    and its writer was then the only daemon of its database, so its host names it."""
+    if kind in TABLES and not row.get("instance"):
+        return {**row, "instance": row.get("host") or "-"}
+    return row
 
 
 def _float(v: float | None) -> float | None:

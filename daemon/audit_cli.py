@@ -80,6 +80,15 @@ def _window_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--until", metavar="WHEN", help="up to this time: a duration ago or ISO")
 
 
+def _instance_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--instance",
+        metavar="NAME",
+        help="only rows written by this daemon (its audit.instance; default there: its hostname), "
+        "for a database shared by several daemons",
+    )
+
+
 def _limit_option(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--limit",
@@ -97,6 +106,7 @@ def _add_list(cmds: Any) -> None:
     p.add_argument("--action", help="only this action (e.g. reduce_batch)")
     p.add_argument("--outcome", choices=OUTCOMES, help="only this outcome")
     p.add_argument("--incident", metavar="ID", help="only actions of this incident")
+    _instance_option(p)
     _limit_option(p)
     _json_option(p)
     p.set_defaults(func=cmd_audit_list)
@@ -113,6 +123,7 @@ def _add_incidents(cmds: Any) -> None:
     p = cmds.add_parser("incidents", parents=[_db_options()], help="list incidents")
     _window_options(p)
     p.add_argument("--open", action="store_true", help="only incidents not closed yet")
+    _instance_option(p)
     _limit_option(p)
     _json_option(p)
     p.set_defaults(func=cmd_audit_incidents)
@@ -143,6 +154,7 @@ def _add_export(cmds: Any) -> None:
     fmt.add_argument("--csv", action="store_true", help="CSV with a header; JSON cells as text")
     p.add_argument("--table", choices=EXPORT_TABLES, default="actions", help="default: actions")
     _window_options(p)
+    _instance_option(p)
     p.add_argument("--output", "-o", metavar="FILE", type=Path, help="write here, not stdout")
     p.set_defaults(func=cmd_audit_export)
 
@@ -175,6 +187,7 @@ def cmd_audit_list(args: argparse.Namespace) -> int:
         outcome=args.outcome,
         incident=args.incident,
         limit=_limit(args.limit),
+        instance=args.instance,
     )
     if args.json:
         return _print_json(rows)
@@ -198,11 +211,15 @@ def cmd_audit_incidents(args: argparse.Namespace) -> int:
     since, until = _window(args)
     store = _open_store(args)
     rows = store.list_incidents(
-        since=since, until=until, open_only=args.open, limit=_limit(args.limit)
+        since=since,
+        until=until,
+        open_only=args.open,
+        limit=_limit(args.limit),
+        instance=args.instance,
     )
     if args.json:
         return _print_json(rows)
-    headers = ("ID", "OPENED", "CLOSED", "PEAK", "ACTIONS", "HOST", "SUMMARY")
+    headers = ("ID", "OPENED", "CLOSED", "PEAK", "ACTIONS", "INSTANCE", "SUMMARY")
     _print_table(headers, [_incident_cells(r) for r in rows], empty="no incidents")
     return 0
 
@@ -225,12 +242,13 @@ def cmd_audit_timeline(args: argparse.Namespace) -> int:
 def cmd_audit_export(args: argparse.Namespace) -> int:
     since, until = _window(args)
     store = _open_store(args)
+    window = {"since": since, "until": until, "limit": None, "instance": args.instance}
     if args.table == "actions":
-        rows = store.list_actions(since=since, until=until, limit=None)
+        rows = store.list_actions(**window)
     elif args.table == "events":
-        rows = store.list_events(since=since, until=until, limit=None)
+        rows = store.list_events(**window)
     else:
-        rows = store.list_incidents(since=since, until=until, limit=None)
+        rows = store.list_incidents(**window)
     out: IO[str] = open(args.output, "w", newline="") if args.output else sys.stdout  # noqa: SIM115
     try:
         if args.csv:
@@ -402,7 +420,7 @@ def _closed(r: dict[str, Any]) -> str:
 
 def _incident_cells(r: dict[str, Any]) -> tuple[str, ...]:
     peak, count = str(r["peak_level"]), str(r["actions_count"])
-    return (r["id"], _time(r["opened_at"]), _closed(r), peak, count, r["host"], r["summary"])
+    return (r["id"], _time(r["opened_at"]), _closed(r), peak, count, r["instance"], r["summary"])
 
 
 def _print_incident_header(r: dict[str, Any]) -> None:
@@ -410,7 +428,7 @@ def _print_incident_header(r: dict[str, Any]) -> None:
     closed = f"closed {_time(r['closed_at'])}" if r["closed_at"] else "still open"
     print(
         f"opened {_time(r['opened_at'])}  {closed}  peak level {r['peak_level']}  "
-        f"actions {r['actions_count']}  host {r['host']}"
+        f"actions {r['actions_count']}  instance {r['instance']}  host {r['host']}"
     )
 
 

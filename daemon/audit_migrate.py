@@ -6,6 +6,15 @@ installed wheel has no alembic.ini, and the URL (which may hold a password with 
 passes through ini interpolation. The connection handed to Alembic comes from `make_engine`, so
 migrations run with the same SQLite settings as the writer.
 
+Several daemons may migrate one database at the same moment (a fleet sharing a PostgreSQL
+database, restarted together), so a migration runs in one transaction that first takes a lock
+every other migration of that database waits for: a PostgreSQL advisory lock (released after
+the commit, or by the server when a dead process's connection drops), and on SQLite
+`BEGIN IMMEDIATE`, the file's write lock. The one that waited then finds the database at
+head and does nothing. Without it, two daemons would both see an empty database and both
+create its tables, and one of them would fail half-way; with SQLite's default driver mode each
+CREATE TABLE would even commit on its own, leaving tables without a revision stamp.
+
 Every failure an operator can cause (a malformed URL, a driver that is not installed, a file
 that is not there, a database that refuses) becomes a one-line `ValueError`.
 """
@@ -13,7 +22,7 @@ that is not there, a database that refuses) becomes a one-line `ValueError`.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +31,7 @@ from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.util import CommandError
 from sqlalchemy import Engine, create_engine, event
-from sqlalchemy.engine import URL, make_url
+from sqlalchemy.engine import URL, Connection, make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError, SQLAlchemyError
 from sqlalchemy.pool import StaticPool
 
@@ -30,6 +39,9 @@ import kvguard.migrations
 
 MIGRATIONS_DIR = Path(kvguard.migrations.__file__).resolve().parent
 BUSY_TIMEOUT_MS = 5000  # how long a SQLite writer waits for another's lock before failing
+# The PostgreSQL advisory lock key of audit migrations: any constant shared by every kvguard
+# (advisory keys are per database, so other applications' databases are not affected).
+MIGRATION_LOCK_KEY = int.from_bytes(b"kvguard!", "big") >> 1  # a positive bigint
 
 
 def parse_url(url: str) -> URL:
@@ -80,7 +92,10 @@ def make_engine(url: str, busy_timeout_ms: int = BUSY_TIMEOUT_MS) -> Engine:
     except NoSuchModuleError:
         raise ValueError(f"{shown(u)}: unknown database backend {u.drivername!r}") from None
     except ImportError as e:
-        raise ValueError(f"{shown(u)}: its database driver is not installed ({e.name})") from None
+        hint = " (pip install 'kvguard[postgres]')" if u.get_backend_name() == "postgresql" else ""
+        raise ValueError(
+            f"{shown(u)}: its database driver is not installed ({e.name}){hint}"
+        ) from None
     if sqlite:
         event.listen(engine, "connect", _sqlite_pragmas(busy_timeout_ms))
     return engine
@@ -130,20 +145,64 @@ def alembic_config(connection: Any = None) -> Config:
     return cfg
 
 
+@contextmanager
+def advisory_lock(conn: Connection) -> Iterator[None]:
+    """On PostgreSQL, hold the migration lock for the `with` block; elsewhere do nothing.
+
+    A session lock taken before the migration's transaction begins, so that even a server whose
+    default isolation is REPEATABLE READ gives the waiter a snapshot taken after the other
+    migration committed. The server drops the lock with the connection if the process dies.
+    """
+    if conn.dialect.name != "postgresql":
+        yield
+        return
+    conn.exec_driver_sql(f"SELECT pg_advisory_lock({MIGRATION_LOCK_KEY})")
+    conn.commit()
+    try:
+        yield
+    finally:
+        with suppress(SQLAlchemyError):  # a broken connection: closing it frees the lock
+            conn.rollback()
+            conn.exec_driver_sql(f"SELECT pg_advisory_unlock({MIGRATION_LOCK_KEY})")
+            conn.commit()
+
+
+def sqlite_write_lock(conn: Connection) -> None:
+    """On SQLite, take the file's write lock for the rest of the transaction.
+
+    The sqlite3 module would otherwise run each DDL statement outside any transaction: a second
+    migrator would see tables without a revision stamp, and one killed half-way would leave them.
+    Other backends (MySQL, ...) get no lock here: a fleet on one should run `kvguard db upgrade`
+    once before starting its daemons.
+    """
+    if conn.dialect.name == "sqlite":
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+def _at_head(conn: Connection) -> bool:
+    """Already migrated: every daemon start but the first ends here, before the SQLite write
+    lock (a read-only file at head must not fail for want of one)."""
+    return MigrationContext.configure(conn).get_current_revision() == head()
+
+
 def _run(url: str, fn: Any, revision: str, busy_timeout_ms: int) -> None:
     path = sqlite_path(url)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
     engine = make_engine(url, busy_timeout_ms)
     try:
-        with db_errors(url), engine.begin() as conn:
+        with db_errors(url), engine.connect() as conn, advisory_lock(conn), conn.begin():
+            if fn is command.upgrade and revision == "head" and _at_head(conn):
+                return
+            sqlite_write_lock(conn)
             fn(alembic_config(conn), revision)
     finally:
         engine.dispose()
 
 
 def upgrade(url: str, revision: str = "head", busy_timeout_ms: int = BUSY_TIMEOUT_MS) -> None:
-    """Bring the database to `revision`, creating it (and a SQLite file's directory) if needed."""
+    """Bring the database to `revision`, creating it (and a SQLite file's directory) if needed;
+    safe to run from several processes at once."""
     _run(url, command.upgrade, revision, busy_timeout_ms)
 
 

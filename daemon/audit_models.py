@@ -12,6 +12,10 @@ saved to a spill file because the database could not take it is loaded later by
 (imported twice, or committed by the writer while the spill was being saved). Rows written
 before revision 0002 have none.
 
+`host` is the machine a row was written on; `instance` names the daemon that wrote it
+(`audit.instance`, the hostname by default), because a fleet's daemons share one database and
+two of them may share a host. `kvguard audit ... --instance NAME` filters by it.
+
 Times are stored in UTC. SQLite keeps no offset, so `UTCDateTime` hands back aware UTC
 datetimes on every backend and turns any aware datetime into UTC before it is stored.
 
@@ -90,12 +94,14 @@ class Action(Base):
     is_undo: Mapped[bool] = mapped_column(Boolean)
     detail: Mapped[str] = mapped_column(Text)
     uid: Mapped[str | None] = mapped_column(String(32))  # made at enqueue: see the module docstring
+    instance: Mapped[str] = mapped_column(String(255))  # the daemon: see the module docstring
 
     __table_args__ = (
         Index("ix_actions_time", "time"),
         Index("ix_actions_rule", "rule"),
         Index("ix_actions_incident", "incident"),
         Index("ix_actions_uid", "uid", unique=True),
+        Index("ix_actions_instance", "instance"),
     )
 
 
@@ -112,12 +118,14 @@ class Event(Base):
     data: Mapped[dict[str, Any] | None]
     incident: Mapped[str | None] = mapped_column(String(64))
     uid: Mapped[str | None] = mapped_column(String(32))  # made at enqueue: see the module docstring
+    instance: Mapped[str] = mapped_column(String(255))  # the daemon: see the module docstring
 
     __table_args__ = (
         Index("ix_events_time", "time"),
         Index("ix_events_kind", "kind"),
         Index("ix_events_incident", "incident"),
         Index("ix_events_uid", "uid", unique=True),
+        Index("ix_events_instance", "instance"),
     )
 
 
@@ -133,5 +141,9 @@ class Incident(Base):
     actions_count: Mapped[int] = mapped_column(Integer)
     host: Mapped[str] = mapped_column(String(255))
     summary: Mapped[str] = mapped_column(Text)
+    instance: Mapped[str] = mapped_column(String(255))  # the daemon: see the module docstring
 
-    __table_args__ = (Index("ix_incidents_opened_at", "opened_at"),)
+    __table_args__ = (
+        Index("ix_incidents_opened_at", "opened_at"),
+        Index("ix_incidents_instance", "instance"),
+    )

@@ -256,6 +256,9 @@ class PrometheusConfig(_Section):
 class AuditConfig(_Section):
     url: str | None = Field(None, min_length=1)  # any SQLAlchemy URL; null: SQLite, see audit_url
     retention: Annotated[Duration, Field(gt=0)] = 90 * 86400.0
+    # Tags this daemon's rows; daemons sharing one database (and perhaps a host) need distinct
+    # names. null: the hostname.
+    instance: str | None = Field(None, min_length=1, max_length=255)
 
 
 class DaemonConfig(_Section):

@@ -114,7 +114,10 @@ class Service:
         )
         sdnotify.status("migrating the audit database")
         self.audit = AuditStore(
-            self.cfg.audit_url(), host=socket.gethostname(), spill_dir=state_dir()
+            self.cfg.audit_url(),
+            host=socket.gethostname(),
+            spill_dir=state_dir(),
+            instance=self.cfg.audit.instance,
         )
         self.audit.start()  # never raises for the database: a bad one leaves audit degraded
         self.audit.record_event("daemon_start", detail=f"model {self.engine_model}")

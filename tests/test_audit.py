@@ -82,7 +82,7 @@ def _act(store: AuditStore, **kw: Any) -> None:
 # -- migrations ----------------------------------------------------------------------------
 def test_upgrade_downgrade_upgrade(db_url: str, db_path: Path) -> None:
     audit_migrate.upgrade(db_url)
-    assert audit_migrate.current(db_url) == audit_migrate.head() == "0002"
+    assert audit_migrate.current(db_url) == audit_migrate.head() == "0003"
     assert _tables(db_path) >= TABLES
 
     audit_migrate.downgrade(db_url)
@@ -90,7 +90,7 @@ def test_upgrade_downgrade_upgrade(db_url: str, db_path: Path) -> None:
     assert not TABLES & _tables(db_path)
 
     audit_migrate.upgrade(db_url)
-    assert audit_migrate.current(db_url) == "0002"
+    assert audit_migrate.current(db_url) == "0003"
 
 
 def test_models_match_migrations(db_url: str, db_path: Path) -> None:
@@ -121,7 +121,7 @@ def test_bad_urls_and_missing_databases_are_one_line_errors(tmp_path: Path) -> N
     with pytest.raises(ValueError, match="not a database URL"):
         AuditStore("not a url")
     with pytest.raises(ValueError, match="driver is not installed") as e:
-        AuditStore("postgresql://kv:s3cret@localhost/audit")
+        AuditStore("mysql+mysqldb://kv:s3cret@localhost/audit")
     assert "s3cret" not in str(e.value)
     with pytest.raises(ValueError, match="no audit database at"):
         audit_migrate.current(f"sqlite:///{tmp_path / 'missing.db'}")
@@ -456,9 +456,9 @@ def test_cli_reads_the_database_of_a_config(filled: tuple[str, str], tmp_path: P
 def test_cli_db_upgrade_and_current(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'new' / 'audit.db'}"
     rc, out = kvguard("db", "upgrade", "--db", url)
-    assert rc == 0 and "at revision 0002" in out
+    assert rc == 0 and "at revision 0003" in out
     rc, out = kvguard("db", "current", "--db", url, "--json")
-    assert json.loads(out)["revision"] == json.loads(out)["head"] == "0002"
+    assert json.loads(out)["revision"] == json.loads(out)["head"] == "0003"
 
 
 def test_cli_errors_are_one_line(

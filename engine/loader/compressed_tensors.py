@@ -8,8 +8,8 @@ Per linear layer `<name>` with `out` x `in` weights:
   as 0..15: exactly `QuantSpec`'s unsigned `q`.
 - `<name>.weight_scale` `[out, in / group_size]` (strategy `group`) or `[out, 1]` (`channel`).
 - `<name>.weight_zero_point` (asymmetric only): signed zero points, packed int4 along the
-  *output* dimension since compressed-tensors 0.10 (int32 `[ceil(out / 8), groups]`, +8 like
-  the codes); older checkpoints hold them unpacked (`[out, groups]`, signed). Symmetric
+  *output* dimension by current compressed-tensors (0.20.1: int32 `[ceil(out / 8), groups]`,
+  +8 like the codes); older checkpoints may hold them unpacked (`[out, groups]`, signed). Symmetric
   checkpoints have none: the zero is 0 in signed codes, 8 in unsigned ones.
 - `<name>.weight_shape` int `[2]`: `(out, in)`.
 - `<name>.weight_g_idx` `[in]` (only older `actorder: group` checkpoints): the group of each

@@ -13,8 +13,9 @@ Per linear layer `<name>` with `in` inputs, `out` outputs and `G` groups:
   each, which GPTQ's act-order guarantees).
 
 Weight `W[o, i] = (q[i, o] - z[g_idx[i], o]) * s[g_idx[i], o]`. Zero points: format `gptq`
-(v1, `checkpoint_format` or `format`) stores `z - 1`, so the loader adds 1 back, modulo 16 as
-AutoGPTQ's masked dequantisation does; `gptq_v2` stores `z` as is. Symmetric checkpoints
+(v1, `checkpoint_format` or `format`) stores `z - 1`, so the loader adds 1 back, modulo 16 (a
+v1 zero of 0 has no faithful encoding: packers either wrap it to 15 or clamp it to 1; wrapping
+back reads the former right); `gptq_v2` stores `z` as is. Symmetric checkpoints
 carry their zeros too (8, stored as 7 in v1), so sym and asym read the same way.
 """
 

@@ -437,7 +437,7 @@ def _install_vocab(
     head_spec = embed if cfg.tie_word_embeddings else _rank_spec("lm_head", cfg, shard, specs)
     head = QuantizedLinear(head_spec, None, dtype, device, approximate=cfg.tie_word_embeddings)
     model.embed_tokens = QuantizedEmbedding(embed, dtype, device, None, shard.vocab.start, tp)
-    exact = model.embed_tokens.table if cfg.tie_word_embeddings and tp.size == 1 else None
+    exact = model.embed_tokens.table if cfg.tie_word_embeddings else None
     model.lm_head = QuantizedLMHead(head, cfg.vocab_size, tp, exact)
 
 

@@ -337,10 +337,12 @@ class QuantizedLMHead(nn.Module):
         self.exact = exact
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Each rank refines its own best candidates, so the global best are among them."""
         logits = self.linear(hidden).float()
+        if self.exact is not None:
+            logits = self._refine(hidden, logits)
         if self.tp.size == 1:
-            logits = logits[..., : self.vocab_size]
-            return logits if self.exact is None else self._refine(hidden, logits)
+            return logits[..., : self.vocab_size]
         full = self.tp.gather_to_first(logits)
         if full is None or full.shape[-1] == self.vocab_size:
             return full

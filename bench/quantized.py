@@ -1,0 +1,252 @@
+"""4-bit weights on CPU: kvguard packed vs kvguard fp32-dequantised vs OpenVINO GenAI, one run.
+
+The default model's GGUF (SmolLM2-135M, Q4_1 linears, Q8_0 tied embedding) served three ways:
+
+- `kvguard packed`: the GGUF's codes kept packed (`quantization.model_quantization: auto`);
+- `kvguard fp32`: the same weights dequantised to fp32 at conversion (`model_quantization: none`);
+- `OpenVINO GenAI`: `ContinuousBatchingPipeline` loading the very same .gguf file (a bench extra:
+  `pip install openvino-genai`; without it that column says why it is missing).
+
+Measured: resident weight bytes (kvguard: every parameter and weight buffer of the loaded model;
+goal <= 0.3x the fp16 size for W4), decode tokens/s at batch 1 and 32 (prompts of 32 ordinary
+tokens, greedy, EOS ignored, timed once every sequence has its first token), and the shared
+trace (bench/trace.py, 32 requests by default, forced output lengths) through each engine with
+the same token-id prompts, the same `max_num_seqs` and batched-token limit. Goals: packed batch-1
+decode >= 1.5x the fp32 path; trace throughput >= 0.7x OpenVINO GenAI.
+
+    python bench/quantized.py [--quick] [--json FILE] [--threads 2] [--requests 32]
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+if not __package__:  # run as a file: import siblings as bench.*, never shadow the stdlib `trace`
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+from bench.common import MiB, greedy, load_line, ratio, section, token_prompts, verdict  # noqa: E402
+from bench.trace import (  # noqa: E402
+    TraceRequest,
+    common_args,
+    format_table,
+    load_trace,
+    write_json,
+)
+
+KV_BYTES = 1 << 30  # every engine: 1 GiB of KV (OpenVINO's cache_size is whole GiB)
+MAX_NUM_SEQS = 32
+MAX_BATCHED = 2048
+
+
+def model_bytes(model: Any) -> int:
+    """Bytes of every parameter and weight buffer (the rotary tables are not weights), each
+    storage counted once (a tied lm_head shares the embedding's)."""
+    seen, total = set(), 0
+    tensors = list(model.named_parameters()) + list(model.named_buffers())
+    for name, t in tensors:
+        if name.endswith(("cos_cache", "sin_cache")):
+            continue
+        key = t.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+def fp16_bytes(model_dir: Path) -> int:
+    """What the model weighs in fp16: 2 bytes per weight of the unquantised checkpoint."""
+    from safetensors import safe_open
+
+    n = 0
+    for f in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():  # noqa: SIM118 - safe_open is not a mapping
+                n += math.prod(st.get_slice(name).get_shape())
+    return 2 * n
+
+
+class Kvguard:
+    def __init__(self, model: str, quantization: str, threads: int) -> None:
+        from kvguard.engine import EngineConfig, LLMEngine
+
+        cfg = EngineConfig(
+            model=model,
+            model_quantization=quantization,
+            kv_cache_bytes=KV_BYTES,
+            max_num_seqs=MAX_NUM_SEQS,
+            max_num_batched_tokens=MAX_BATCHED,
+            num_threads=threads,
+        )
+        self.engine = LLMEngine.from_config(cfg, progress=False)
+        self.name = f"kvguard {'fp32' if quantization == 'none' else 'packed'}"
+
+    def weight_bytes(self) -> int:
+        return model_bytes(self.engine.model)
+
+    def serve(self, reqs: Sequence[TraceRequest]) -> list[list[int]]:
+        params = [greedy(r.output_len) for r in reqs]
+        outs = self.engine.generate([r.prompt_ids for r in reqs], params)
+        return [list(o.final_token_ids) for o in outs]
+
+    def decode_tok_s(self, prompts: list[list[int]], tokens: int) -> float:
+        eng = self.engine
+        rids = [eng.add_request(p, greedy(tokens)) for p in prompts]
+        have = dict.fromkeys(rids, 0)
+        while min(have.values()) == 0:
+            for out in eng.step():
+                have[out.request_id] += len(out.new_token_ids)
+        t0, made = time.perf_counter(), 0
+        while eng.has_unfinished():
+            made += sum(len(o.new_token_ids) for o in eng.step())
+        return made / (time.perf_counter() - t0)
+
+
+class OpenVINO:
+    name = "OpenVINO GenAI"
+
+    def __init__(self, gguf: Path, threads: int) -> None:
+        import openvino_genai as og
+
+        sc = og.SchedulerConfig()
+        sc.cache_size = KV_BYTES >> 30
+        sc.max_num_seqs = MAX_NUM_SEQS
+        sc.max_num_batched_tokens = MAX_BATCHED
+        sc.dynamic_split_fuse = True
+        self.pipe = og.ContinuousBatchingPipeline(
+            str(gguf), sc, "CPU", {"INFERENCE_NUM_THREADS": threads}
+        )
+
+    def serve(self, reqs: Sequence[TraceRequest]) -> list[list[int]]:
+        import numpy as np
+        import openvino as ov
+        import openvino_genai as og
+
+        ids, cfgs = [], []
+        for r in reqs:
+            ids.append(ov.Tensor(np.array([r.prompt_ids], dtype=np.int64)))
+            g = og.GenerationConfig()
+            g.max_new_tokens = g.min_new_tokens = r.output_len
+            g.ignore_eos, g.do_sample = True, False
+            cfgs.append(g)
+        return [list(res.m_generation_ids[0]) for res in self.pipe.generate(ids, cfgs)]
+
+    def decode_tok_s(self, prompts: list[list[int]], tokens: int) -> float:
+        """Whole-request time minus a 1-token run of the same prompts (the prefill)."""
+        reqs = [TraceRequest(p, tokens) for p in prompts]
+        first = [TraceRequest(p, 1) for p in prompts]
+        t0 = time.perf_counter()
+        self.serve(first)
+        t1 = time.perf_counter()
+        self.serve(reqs)
+        t2 = time.perf_counter()
+        return len(prompts) * (tokens - 1) / max((t2 - t1) - (t1 - t0), 1e-9)
+
+
+def run_trace(engine: Any, trace: list[TraceRequest]) -> tuple[float, float]:
+    """(tokens/s, wall seconds) of the whole trace after a small warm-up; lengths checked."""
+    engine.serve(trace[:2])
+    t0 = time.perf_counter()
+    outs = engine.serve(trace)
+    wall = time.perf_counter() - t0
+    got, want = [len(o) for o in outs], [r.output_len for r in trace]
+    if got != want:
+        raise SystemExit(f"{engine.name}: output lengths differ from the trace")
+    return sum(want) / wall, wall
+
+
+def gguf_path() -> Path:
+    from kvguard.engine.config import kvguard_home
+
+    files = sorted((kvguard_home() / "gguf").glob("*.gguf"))
+    if not files:
+        raise SystemExit("no GGUF under $KVGUARD_HOME/gguf: run `kvguard model fetch` first")
+    return files[0]
+
+
+def main() -> None:
+    p = common_args(__doc__.split("\n\n")[0])
+    args = p.parse_args()
+    args.requests = args.requests or (8 if args.quick else 32)
+    tokens = 16 if args.quick else 64
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    model_dir, trace = load_trace(args)
+    section(f"4-bit weights, {args.threads} threads ({load_line()})")
+    engines: list[Any] = [
+        Kvguard(args.model, "auto", args.threads),
+        Kvguard(args.model, "none", args.threads),
+    ]
+    peer_error = ""
+    try:
+        engines.append(OpenVINO(gguf_path(), args.threads))
+    except ImportError as e:
+        peer_error = f"openvino-genai not installed ({e}): pip install openvino-genai"
+    fp16 = fp16_bytes(model_dir)
+    results = []
+    for eng in engines:
+        r: dict[str, Any] = {"engine": eng.name}
+        if isinstance(eng, Kvguard):
+            r["weight_bytes"] = eng.weight_bytes()
+        for batch in (1, 32):
+            r[f"bs{batch}_tok_s"] = eng.decode_tok_s(
+                token_prompts(args.model, batch, 32, batch), tokens
+            )
+        r["trace_tok_s"], r["trace_s"] = run_trace(eng, trace)
+        results.append(r)
+    packed, fp32 = results[0], results[1]
+    peer = results[2] if len(results) > 2 else None
+    rows = [
+        [
+            r["engine"],
+            f"{r['weight_bytes'] / MiB:.1f}" if "weight_bytes" in r else "-",
+            ratio(r["weight_bytes"], fp16) if "weight_bytes" in r else "-",
+            f"{r['bs1_tok_s']:.1f}",
+            f"{r['bs32_tok_s']:.1f}",
+            f"{r['trace_tok_s']:.1f}",
+            ratio(r["trace_tok_s"], peer["trace_tok_s"]) if peer else "-",
+        ]
+        for r in results
+    ]
+    headers = [
+        "engine",
+        "weights MiB",
+        "vs fp16",
+        "bs1 tok/s",
+        "bs32 tok/s",
+        "trace tok/s",
+        "vs OpenVINO",
+    ]
+    print(format_table(headers, rows))
+    if peer_error:
+        print(peer_error)
+    share = packed["weight_bytes"] / fp16
+    goals = [
+        verdict(
+            "packed weights <= 0.3x fp16",
+            share <= 0.3,
+            f"{share:.3f}x (the Q8_0 embedding is 8-bit)",
+        ),
+        verdict(
+            "packed batch-1 decode >= 1.5x fp32",
+            packed["bs1_tok_s"] >= 1.5 * fp32["bs1_tok_s"],
+            f"{packed['bs1_tok_s'] / fp32['bs1_tok_s']:.2f}x",
+        ),
+        verdict(
+            "trace >= 0.7x OpenVINO GenAI",
+            None if peer is None else packed["trace_tok_s"] >= 0.7 * peer["trace_tok_s"],
+            "peer missing"
+            if peer is None
+            else f"{packed['trace_tok_s'] / peer['trace_tok_s']:.2f}x",
+        ),
+    ]
+    for g in goals:
+        print(g)
+    write_json(args.json, {"results": results, "fp16_bytes": fp16, "goals": goals})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,538 @@
+"""kvguard end to end on one GPU, beside transformers and the physical limit, in one run.
+
+Random-weight models of real shapes (kvguard.engine.random_model: Llama-2-7B and SmolLM2-135M,
+bf16) are drawn on the GPU by transformers and handed to kvguard, so both engines hold the very
+same numbers and nothing is downloaded. Sections, each timed and kept apart (one failing or
+running out of time leaves the others' results in the JSON):
+
+1. decode tok/s at batch 1, 16 and 64 (prompt 128): kvguard, transformers static `generate`,
+   and the batch-1 limit (weight bytes / measured copy bandwidth: a decode step must read every
+   weight once). Decode time is t(N tokens) - t(1 token), so prefill is left out for both;
+   the same greedy tokens are required of both (first 8, bf16 noise allowed on a few rows);
+2. a mixed trace (lognormal prompt and output lengths): kvguard, transformers static batches of
+   16, and transformers continuous batching where this transformers has it;
+3. NVML: the daemon's reader, its memory figure against the CUDA runtime's (run first);
+4. a real CUDA out-of-memory: every free byte is taken, the engine's next step fails, the
+   engine requeues and, once the memory is back, finishes every request;
+5. CUDA KV pool sizing from `gpu_memory_utilization`: memory in use after one maximal batch,
+   against the share asked for;
+6. the live FP8 KV switch on a filled pool: pause per GiB of live KV, there and back;
+7. CUDA graphs (`KVGUARD_CUDA_GRAPHS`): same tokens and the speed-up, if the runner has them.
+
+Goals (issue 18): kvguard >= 2x transformers static at batch 64; batch-1 decode >= 60% of
+the bandwidth limit. `--cpu-smoke` runs every section on the tiny shape on CPU in seconds
+(the OOM is injected there, NVML is absent) to prove the script, not to measure.
+
+    python bench/gpu_e2e.py [--cpu-smoke] [--json FILE] [--shapes smollm2-135m,llama2-7b]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from bench.common import GiB, greedy, step_apply, verdict  # noqa: E402
+
+GB = 1e9
+STATIC_GOAL = 2.0  # kvguard / transformers static at batch 64
+LIMIT_GOAL = 0.60  # batch-1 decode / (copy bandwidth / weight bytes)
+
+
+class Run:
+    """Settings of one run: the GPU one, or the CPU smoke one (tiny shapes, few tokens)."""
+
+    def __init__(self, smoke: bool, shapes: list[str]) -> None:
+        self.smoke = smoke
+        self.device = torch.device("cpu" if smoke else "cuda")
+        self.dtype = torch.float32 if smoke else torch.bfloat16
+        self.shapes = ["tiny"] if smoke else shapes
+        self.batches = [1, 4] if smoke else [1, 16, 64]
+        self.prompt = 16 if smoke else 128
+        self.new_tokens = 6 if smoke else 64
+        self.trace_requests = 8 if smoke else 64
+        self.reps = 1 if smoke else 2
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def free(self) -> None:
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------- models
+
+
+def hf_random_model(shape: str, run: Run, seed: int = 0) -> Any:
+    """transformers' Llama of `shape`, initialised by transformers itself on the device."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from kvguard.engine.random_model import hf_config
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(**hf_config(shape))
+    with torch.device(run.device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=run.dtype)
+    return model.eval()
+
+
+def kvguard_engine(shape: str, run: Run, weights: dict | None, **knobs: Any) -> Any:
+    from kvguard.engine import EngineConfig
+    from kvguard.engine.random_model import random_engine
+
+    knobs.setdefault("max_num_seqs", max(run.batches))
+    knobs.setdefault("max_model_len", 1024 if run.smoke else 2048)
+    dtype = "fp32" if run.smoke else "bf16"
+    cfg = EngineConfig(model=f"random:{shape}", device=run.device.type, dtype=dtype, **knobs)
+    return random_engine(shape, cfg, weights=weights)
+
+
+def pool_blocks(batch: int, tokens: int, block_size: int = 16) -> int:
+    """Blocks for `batch` sequences of `tokens` each, plus one spare block per sequence."""
+    return batch * (-(-tokens // block_size) + 1)
+
+
+def prompts_for(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    """Token-id prompts (ids 3.. are ordinary in the byte tokenizer and every shape's vocab)."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, min(vocab, 259), (n, length), generator=gen).tolist()
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+def wall(fn: Callable[[], Any], run: Run) -> tuple[float, Any]:
+    run.sync()
+    t0 = time.perf_counter()
+    out = fn()
+    run.sync()
+    return time.perf_counter() - t0, out
+
+
+def decode_rate(gen: Callable[[int], Any], batch: int, run: Run) -> tuple[float, Any]:
+    """Decode tokens/s: batch x (N - 1) tokens over t(N) - t(1), so prefill cancels out.
+    Median over `run.reps` pairs after one warm-up; returns the N-token outputs too."""
+    gen(2)  # warm-up: compiles, allocator, cuBLAS handles
+    n, rates, out = run.new_tokens, [], None
+    for _ in range(run.reps):
+        t_one, _ = wall(lambda: gen(1), run)
+        t_all, out = wall(lambda: gen(n), run)
+        if t_all > t_one:  # on a noisy CPU smoke run a tiny model can invert them
+            rates.append(batch * (n - 1) / (t_all - t_one))
+    return (statistics.median(rates) if rates else float("nan")), out
+
+
+def kvguard_gen(engine: Any, prompts: list[list[int]]) -> Callable[[int], list[list[int]]]:
+    return lambda n: [o.token_ids for o in engine.generate(prompts, greedy(n))]
+
+
+def hf_gen(model: Any, prompts: list[list[int]], run: Run) -> Callable[[int], list[list[int]]]:
+    """Static `generate` on equal-length prompts (no padding needed), exactly n tokens."""
+    ids = torch.tensor(prompts, device=run.device)
+
+    def gen(n: int) -> list[list[int]]:
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=n,
+                min_new_tokens=n,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+        return out[:, ids.shape[1] :].tolist()
+
+    return gen
+
+
+def copy_bandwidth(run: Run) -> float:
+    from bench.gpu_kernels import copy_bandwidth as measure
+
+    nbytes = 2**20 if run.smoke else 2 * 2**30
+    return measure(run.device, nbytes, 3 if run.smoke else 20)
+
+
+# ----------------------------------------------------------------------------- sections
+
+
+def section_decode(shape: str, run: Run, copy_bw: float) -> dict[str, Any]:
+    """Batch 1/16/64 decode, kvguard vs transformers static, and the batch-1 limit."""
+    from kvguard.engine.model import weight_bytes
+
+    hf = hf_random_model(shape, run)
+    tokens = run.prompt + run.new_tokens + 8
+    eng = kvguard_engine(
+        shape,
+        run,
+        hf.state_dict(),
+        num_gpu_blocks=pool_blocks(max(run.batches), tokens),
+        max_num_batched_tokens=max(2048, max(run.batches) * run.prompt),
+    )
+    wbytes = weight_bytes(eng.model)
+    res: dict[str, Any] = {"weight_gb": wbytes / GB, "limit_tok_s_b1": copy_bw / wbytes, "rows": []}
+    for b in run.batches:
+        prompts = prompts_for(b, run.prompt, eng.model_config.vocab_size, seed=b)
+        kv_rate, kv_out = decode_rate(kvguard_gen(eng, prompts), b, run)
+        hf_rate, hf_out = decode_rate(hf_gen(hf, prompts, run), b, run)
+        same = sum(a[:8] == h[:8] for a, h in zip(kv_out, hf_out, strict=True))
+        row = {"batch": b, "kvguard_tok_s": kv_rate, "hf_static_tok_s": hf_rate}
+        row |= {"ratio": kv_rate / hf_rate, "same_first8": f"{same}/{b}"}
+        res["rows"].append(row)
+        print(f"  {shape} batch {b}: " + json.dumps(row), flush=True)
+        if run.smoke and same != b:  # fp32 on CPU: the weight handover must be exact
+            raise RuntimeError(f"kvguard and transformers disagree at batch {b}: {same}/{b}")
+    if shape == run.shapes[0]:  # the trace and the torch-path row once, on the cheaper shape
+        res["trace"] = section_trace(eng, hf, run)
+        res["triton_off"] = _triton_off(eng, run)
+    del eng, hf
+    run.free()
+    return res
+
+
+def _triton_off(eng: Any, run: Run) -> dict[str, Any]:
+    """The largest batch with KVGUARD_TRITON=0 (torch attention path), for the kernels' gain."""
+    b = max(run.batches)
+    prompts = prompts_for(b, run.prompt, eng.model_config.vocab_size, seed=b)
+    os.environ["KVGUARD_TRITON"] = "0"
+    try:
+        rate, _ = decode_rate(kvguard_gen(eng, prompts), b, run)
+    finally:
+        os.environ.pop("KVGUARD_TRITON", None)
+    return {"batch": b, "kvguard_tok_s": rate}
+
+
+def section_trace(eng: Any, hf: Any, run: Run) -> dict[str, Any]:
+    """The mixed trace through kvguard, transformers static 16s, transformers continuous."""
+    from bench.trace import FULL, QUICK, TraceSpec, make_trace
+
+    spec = QUICK if run.smoke else FULL
+    spec = TraceSpec(run.trace_requests, spec.prompt, spec.output, spec.seed)
+    trace = make_trace(spec, range(3, 259))
+    want = sum(r.output_len for r in trace)
+    out: dict[str, Any] = {"requests": len(trace), "output_tokens": want}
+    params = [greedy(r.output_len) for r in trace]
+    prompts = [r.prompt_ids for r in trace]
+    eng.generate(prompts[:2], params[:2])  # warm-up
+    sec, _ = wall(lambda: eng.generate(prompts, params), run)
+    out["kvguard_tok_s"] = want / sec
+    out["hf_static16_tok_s"] = want / _hf_static(hf, trace, run)
+    blocks = eng.kv_cache.num_blocks
+    out["hf_continuous_tok_s"] = _hf_continuous(hf, trace, run, blocks, want)
+    print("  trace: " + json.dumps(out), flush=True)
+    return out
+
+
+def _hf_static(hf: Any, trace: list, run: Run) -> float:
+    """Seconds for the trace in arrival-order batches of 16, left-padded, each batch run to its
+    longest output (what static batching costs)."""
+    from bench.throughput import greedy_config
+
+    def serve() -> None:
+        for i in range(0, len(trace), 16):
+            batch = trace[i : i + 16]
+            width = max(len(r.prompt_ids) for r in batch)
+            ids = torch.zeros(len(batch), width, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for j, r in enumerate(batch):
+                ids[j, width - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
+                mask[j, width - len(r.prompt_ids) :] = 1
+            steps = max(r.output_len for r in batch)
+            with torch.inference_mode():
+                hf.generate(
+                    input_ids=ids.to(run.device),
+                    attention_mask=mask.to(run.device),
+                    generation_config=greedy_config(steps, 0),
+                )
+
+    return wall(serve, run)[0]
+
+
+def _hf_continuous(hf: Any, trace: list, run: Run, blocks: int, want: int) -> float | str:
+    """transformers' continuous batching with kvguard's page count, page size and limits (set
+    up as bench/throughput.py does, warmed up on the trace's first requests), where this
+    transformers has it."""
+    from bench.throughput import _cb_serve, check_lengths, greedy_config
+
+    try:
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    except ImportError as e:
+        return f"not in this transformers: {e}"
+    cb = ContinuousBatchingConfig(
+        page_size=16,
+        num_blocks=blocks,
+        max_batch_tokens=2048,
+        max_requests_per_batch=max(run.batches),
+    )
+    try:
+        with hf.continuous_batching_context_manager(
+            generation_config=greedy_config(None, 0), continuous_batching_config=cb, warmup=False
+        ) as manager:
+            _cb_serve(manager, trace[:2])
+            sec, outputs = wall(lambda: _cb_serve(manager, trace), run)
+        check_lengths("transformers continuous batching", trace, outputs)
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - a peer's failure is reported
+        return f"failed: {exc!r}"[:300]
+    return want / sec
+
+
+def section_cuda_graphs(run: Run) -> dict[str, Any]:
+    """Eager vs graph replay on the smallest real shape, if the runner offers the switch."""
+    from kvguard.engine import model_runner
+
+    if not hasattr(model_runner, "CUDA_GRAPHS_ENV"):
+        return {"skipped": "the runner has no CUDA-graph switch yet (engine/cuda_graphs.py)"}
+    shape = run.shapes[0]
+    res: dict[str, Any] = {"shape": shape, "rows": []}
+    for b in run.batches:
+        rates, outs = {}, {}
+        for flag in ("0", "1"):
+            os.environ[model_runner.CUDA_GRAPHS_ENV] = flag
+            eng = kvguard_engine(shape, run, None, num_gpu_blocks=pool_blocks(b, 512))
+            prompts = prompts_for(b, run.prompt, eng.model_config.vocab_size, seed=b)
+            rates[flag], outs[flag] = decode_rate(kvguard_gen(eng, prompts), b, run)
+            del eng
+            run.free()
+        os.environ.pop(model_runner.CUDA_GRAPHS_ENV, None)
+        row = {"batch": b, "eager_tok_s": rates["0"], "graphs_tok_s": rates["1"]}
+        row |= {"speedup": rates["1"] / rates["0"], "same_tokens": outs["0"] == outs["1"]}
+        res["rows"].append(row)
+        print("  cuda graphs: " + json.dumps(row), flush=True)
+    return res
+
+
+def section_pool_sizing(run: Run) -> dict[str, Any]:
+    """Pool sized from gpu_memory_utilization, then one maximal batch: memory in use after it
+    against the share asked for."""
+    if run.device.type != "cuda":
+        return {"skipped": "CPU: the pool is sized from kv_cache_bytes"}
+    util = 0.5
+    run.free()
+    total = torch.cuda.mem_get_info()[1]
+    eng = kvguard_engine(
+        run.shapes[0], run, None, gpu_memory_utilization=util, max_num_batched_tokens=8192
+    )
+    pool = eng.kv_cache.device_pool.nbytes
+    prompts = prompts_for(max(run.batches), 128, eng.model_config.vocab_size, seed=7)
+    eng.generate(prompts, greedy(4))
+    free_after = torch.cuda.mem_get_info()[0]
+    res = {
+        "gpu_memory_utilization": util,
+        "total_gb": total / GB,
+        "pool_gb": pool / GB,
+        "blocks": eng.kv_cache.num_blocks,
+        "used_share_after_max_batch": (total - free_after) / total,
+        "torch_peak_gb": torch.cuda.max_memory_allocated() / GB,
+    }
+    del eng
+    run.free()
+    print("  pool sizing: " + json.dumps(res), flush=True)
+    return res
+
+
+def fill_device(chunk: int = GiB) -> list[torch.Tensor]:
+    """Allocate until the device refuses, halving the chunk down to 1 MiB: a real OOM state."""
+    hog: list[torch.Tensor] = []
+    while chunk >= 2**20:
+        try:
+            hog.append(torch.empty(chunk, dtype=torch.uint8, device="cuda"))
+        except torch.OutOfMemoryError:
+            chunk //= 2
+    return hog
+
+
+def section_oom(run: Run) -> dict[str, Any]:
+    """The engine meets a real CUDA OOM mid-serving and finishes every request afterwards."""
+    shape = run.shapes[0]
+    eng = kvguard_engine(
+        shape, run, None, num_gpu_blocks=pool_blocks(32, 512), max_num_batched_tokens=8192
+    )
+    prompts = prompts_for(32, 256, eng.model_config.vocab_size, seed=11)
+    eng.generate(prompts[:2], greedy(2))  # warm-up outside the OOM
+    rids = [eng.add_request(p, greedy(16)) for p in prompts]
+    hog: list[torch.Tensor] = []
+    if run.device.type == "cuda":
+        run.free()
+        hog = fill_device()
+    else:
+        eng.inject_oom(1)  # no device memory to exhaust: the same path, by the test hook
+    free_at_oom = torch.cuda.mem_get_info()[0] if hog else None
+    for _ in range(3):
+        eng.step()
+    ooms = eng._counters["oom"]  # noqa: SLF001 - the engine's own count of OOM steps
+    del hog
+    run.free()
+    finished: dict[str, int] = {}
+    t0 = time.perf_counter()
+    while eng.has_unfinished() and time.perf_counter() - t0 < 120:
+        for out in eng.step():
+            if out.finished:
+                finished[out.request_id] = len(out.token_ids)
+    res = {
+        "oom_steps": ooms,
+        "free_bytes_at_oom": free_at_oom,
+        "finished": sum(finished.get(r) == 16 for r in rids),
+        "requests": len(rids),
+        "injected": run.device.type != "cuda",
+        "max_num_batched_tokens_after": eng.scheduler.max_num_batched_tokens,
+    }
+    del eng
+    run.free()
+    print("  oom: " + json.dumps(res), flush=True)
+    return res
+
+
+def section_fp8(run: Run) -> dict[str, Any]:
+    """Fill the pool to about half with live sequences, switch to FP8 and back mid-generation."""
+    shape = run.shapes[-1]
+    blocks = pool_blocks(64, 1024 if run.smoke else 2048)
+    eng = kvguard_engine(shape, run, None, num_gpu_blocks=blocks, max_num_batched_tokens=8192)
+    prompt_len = (256 if run.smoke else 1024) - 16
+    prompts = prompts_for(32, prompt_len, eng.model_config.vocab_size, seed=13)
+    for p in prompts:
+        eng.add_request(p, greedy(8 if run.smoke else 64))
+    while not all(s.num_computed_tokens >= prompt_len for s in eng.scheduler.running) or (
+        eng.scheduler.waiting
+    ):
+        eng.step()
+    snap = eng.snapshot()
+    res: dict[str, Any] = {"shape": shape, "usage": snap.kv_cache_usage_ratio}
+    for name, dtype in (("to_fp8", "fp8_e4m3"), ("back", "auto")):
+        sec, result = wall(lambda d=dtype, e=eng: step_apply(e, e.set_kv_cache_dtype(d)), run)
+        live_gib = result.data.get("live_bytes", 0) / GiB if result.ok else 0
+        res[name] = {"ok": result.ok, "detail": result.detail, "step_s": sec, "live_gib": live_gib}
+        if result.ok and live_gib:
+            res[name]["pause_s_per_gib"] = result.data["pause_s"] / live_gib
+    while eng.has_unfinished():
+        eng.step()
+    del eng
+    run.free()
+    print("  fp8 switch: " + json.dumps(res), flush=True)
+    return res
+
+
+def section_nvml(run: Run) -> dict[str, Any]:
+    """The daemon's NVML reader on this GPU; its used bytes against cudaMemGetInfo's."""
+    from kvguard.daemon.nvml import NvmlReader
+
+    reader = NvmlReader()
+    if not reader.available:
+        return {"available": False, "error": reader.error}
+    readings = reader.read()
+    res: dict[str, Any] = {"available": True, "gpus": [r.__repr__() for r in readings]}
+    if readings and run.device.type == "cuda":
+        free, total = torch.cuda.mem_get_info()
+        res["used_ratio_nvml"] = readings[0].memory_used_ratio
+        res["used_ratio_cuda"] = (total - free) / total
+    print("  nvml: " + json.dumps(res), flush=True)
+    return res
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def goals(result: dict[str, Any]) -> list[str]:
+    """The issue's goals from whatever sections completed (None: not measured)."""
+    lines = []
+    for shape, dec in result.get("decode", {}).items():
+        rows = {r["batch"]: r for r in dec.get("rows", [])}
+        top = rows.get(64)
+        ratio = top["ratio"] if top else None
+        lines.append(
+            verdict(
+                f"{shape} kvguard >= {STATIC_GOAL}x transformers static at batch 64",
+                None if ratio is None else ratio >= STATIC_GOAL,
+                "-" if ratio is None else f"{ratio:.2f}x",
+            )
+        )
+        b1 = rows.get(1)
+        share = b1["kvguard_tok_s"] / dec["limit_tok_s_b1"] if b1 else None
+        lines.append(
+            verdict(
+                f"{shape} batch-1 decode >= {LIMIT_GOAL:.0%} of the bandwidth limit",
+                None if share is None else share >= LIMIT_GOAL,
+                "-" if share is None else f"{share:.0%} of {dec['limit_tok_s_b1']:.0f} tok/s",
+            )
+        )
+    oom = result.get("oom", {})
+    if "finished" in oom:
+        ok = oom["oom_steps"] >= 1 and oom["finished"] == oom["requests"]
+        detail = f"{oom['oom_steps']} OOM steps, {oom['finished']}/{oom['requests']} finished"
+        lines.append(verdict("engine survives a real CUDA OOM", ok, detail))
+    return lines
+
+
+def run_section(result: dict[str, Any], key: str, fn: Callable[[], Any], out: Path | None) -> None:
+    """One section; a failure is recorded and the run goes on. The JSON is rewritten after
+    every section so a run cut short by its time limit still leaves what it measured."""
+    print(f"\n== {key}", flush=True)
+    t0 = time.perf_counter()
+    try:
+        value = fn()
+    except Exception as exc:  # noqa: BLE001 - one broken section must not lose the others
+        traceback.print_exc()
+        value = {"error": repr(exc)[:500]}
+        result.setdefault("errors", []).append(key)
+    parts = key.split("/")
+    slot = result
+    for p in parts[:-1]:
+        slot = slot.setdefault(p, {})
+    slot[parts[-1]] = value
+    result.setdefault("seconds", {})[key] = round(time.perf_counter() - t0, 1)
+    if out is not None:
+        out.write_text(json.dumps(result, indent=2, default=str) + "\n")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cpu-smoke", action="store_true", help="tiny shape on CPU, seconds")
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--shapes", default="smollm2-135m,llama2-7b")
+    args = ap.parse_args()
+    if not args.cpu_smoke and not torch.cuda.is_available():
+        print("no CUDA device: run with --cpu-smoke", file=sys.stderr)
+        return 2
+    run = Run(args.cpu_smoke, args.shapes.split(","))
+    if run.smoke:
+        torch.set_num_threads(2)
+    result: dict[str, Any] = {
+        "device": "cpu" if run.smoke else torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+    }
+    # Cheapest and most wanted first: a run cut short by its time limit loses the tail.
+    run_section(result, "nvml", lambda: section_nvml(run), args.json)
+    run_section(result, "copy_gbs", lambda: copy_bandwidth(run) / GB, args.json)
+    copy_bw = result["copy_gbs"] * GB if isinstance(result["copy_gbs"], float) else 1.0
+    for shape in run.shapes:
+        decode = lambda s=shape: section_decode(s, run, copy_bw)  # noqa: E731
+        run_section(result, f"decode/{shape}", decode, args.json)
+    run_section(result, "oom", lambda: section_oom(run), args.json)
+    run_section(result, "pool_sizing", lambda: section_pool_sizing(run), args.json)
+    run_section(result, "fp8_switch", lambda: section_fp8(run), args.json)
+    run_section(result, "cuda_graphs", lambda: section_cuda_graphs(run), args.json)
+    print()
+    for line in goals(result):
+        print(line)
+    result["goals"] = goals(result)
+    if args.json is not None:
+        args.json.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    return 1 if result.get("errors") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -38,7 +38,8 @@ from kvguard.engine.tokenizer_build import (
 )
 from kvguard.engine.weights import Part, open_safetensors
 
-CONVERTER_REVISION = 1  # bump when the output changes, so cached conversions are redone
+# Bump model_registry.CONVERTER_REVISION when the output changes, so cached conversions are
+# redone (it lives there so that serving never imports this module and `gguf`).
 
 # tokenizer.ggml.pre -> how text is cut before BPE (as each vocabulary was trained)
 PRE_SPLITS = {

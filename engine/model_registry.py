@@ -27,10 +27,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvguard.engine.gguf_convert import CONVERTER_REVISION, convert_gguf
 from kvguard.engine.model_config import ModelLoadError
 from kvguard.engine.tiny_model import TINY_REVISION, build_tiny
 from kvguard.engine.weights import check_quantization, checkpoint_quantization
+
+# The GGUF converter's output revision: bump when engine/gguf_convert.py writes something
+# different, so cached conversions are redone. It lives here, not in the converter, because
+# the converter needs the `gguf` package and only converting should: serving an already
+# converted or a non-GGUF model (the GPU image has no gguf) must not import it.
+CONVERTER_REVISION = 1
 
 DEFAULT_MODEL = "smollm2-135m"
 COMPLETE_MARKER = ".kvguard-complete"
@@ -53,6 +58,13 @@ class KnownModel:
     build: Builder
     revision: int  # bump when the build recipe changes, so stale caches are rebuilt
     gguf: Callable[[Path], Path] | None = None  # the GGUF it comes from (it has a packed form)
+
+
+def convert_gguf(path: Path, out_dir: Path, progress: bool, packed: bool) -> None:
+    """The GGUF converter, imported on first use (it needs `gguf`; see CONVERTER_REVISION)."""
+    from kvguard.engine.gguf_convert import convert_gguf as convert
+
+    convert(path, out_dir, progress, packed)
 
 
 def _build_smollm2(out_dir: Path, home: Path, progress: bool, force: bool, packed: bool) -> None:

@@ -1,58 +1,113 @@
 #!/usr/bin/env bash
-# One GPU check for the Triton path (issue 8), under 5 minutes on one GPU:
+# The whole GPU check in one command, under 8 minutes on one GPU, with only what the device
+# image has (bench/device_image_packages.txt) plus the wheels bench/gpu_prepare.sh put in
+# .gpu_wheels/ (none are needed today). Nothing is downloaded: the models are random weights
+# of real shapes built on the GPU (kvguard.engine.random_model), the tiny model is written
+# locally.
 #   1. the Triton kernel tests, compiled on CUDA (KVGUARD_TEST_DEVICE=cuda);
-#   2. bench/gpu_kernels.py: kernel time, bandwidth vs copy bandwidth, ratio to dense SDPA for
-#      SmolLM2 and Llama-2-7B shapes at batch 64, contexts 1k/4k/16k; smollm2-135m end to end
-#      with KVGUARD_TRITON=0 vs 1 (needs the converted model under $KVGUARD_HOME; the GPU
-#      machine cannot download it, so without it that part reports an error and the rest stands).
-#   3. with two or more GPUs visible: bench/tensor_parallel.py, tiny at tp=1 vs tp=2 over NCCL.
-#   4. the W4A16 GEMM (issue 15): its tests compiled on CUDA, then bench/gpu_w4a16.py, Llama-2-7B
-#      layer shapes at batch 1/16/64/256 against fp16 torch.matmul (about a minute, mostly
-#      Triton compiles).
-# Results land in ${OUT:-bench/out}/gpu_kernels.json, gpu_w4a16.json and on stdout.
+#   2. bench/gpu_e2e.py (issue 18): kvguard vs transformers static and continuous batching on
+#      random Llama-2-7B and SmolLM2-135M, batch 1/16/64 and a mixed trace, the batch-1
+#      bandwidth limit, KVGUARD_TRITON=0 vs 1, a real CUDA OOM, pool sizing from
+#      gpu_memory_utilization, the live FP8 switch, NVML, CUDA graphs once the runner has them;
+#   3. bench/gpu_kernels.py --skip-e2e: Triton decode attention time, bandwidth vs copy
+#      bandwidth, ratio to dense SDPA (SmolLM2 and Llama-2-7B shapes, batch 64, 1k/4k/16k);
+#   4. with two or more GPUs visible: bench/tensor_parallel.py, tiny at tp=1 vs tp=2 over NCCL;
+#   5. the W4A16 GEMM (issue 15): its tests compiled on CUDA, then bench/gpu_w4a16.py.
+# Each step has its own time limit, and all of them together stop at DEADLINE_S (460 s): a
+# step that would pass it gets only what is left. Results: ${OUT:-bench/out}/gpu_check.log,
+# gpu_e2e.json, gpu_kernels.json, gpu_w4a16.json (tensor_parallel.json with 2 GPUs).
 #
-#   bench/gpu_check.sh              # on a CUDA host
-#   bench/gpu_check.sh --cpu-smoke  # no GPU: tiny shapes in the Triton interpreter
+#   bench/gpu_check.sh              # on a CUDA host (the device tool: carry [".gpu_wheels"])
+#   bench/gpu_check.sh --cpu-smoke  # no GPU: tiny shapes, Triton interpreter, about a minute
+# GPU_WHEELS overrides the wheel folder (default .gpu_wheels).
 # PY overrides the interpreter (default .venv/bin/python, else python3); it needs torch (CUDA
-# build on a GPU host), triton, pytest, and kvguard installed (`pip install -e .`).
+# build on a GPU host), triton, transformers, pytest. kvguard need not be installed: the
+# working tree is put on the path through a namespace shim (pyproject's package-dir mapping).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
 OUT_DIR=${OUT:-bench/out}
+DEADLINE_S=${DEADLINE_S:-460}
 mkdir -p "$OUT_DIR"
+exec > >(tee -a "$OUT_DIR/gpu_check.log") 2>&1
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 
-if ! "$PY" -c "import kvguard.kernels" 2>/dev/null; then
-  "$PY" -m pip install --quiet --no-deps --no-build-isolation -e . >/dev/null
-fi
+# Seconds a step may take: its own limit, or what is left before the deadline if less.
+left() {
+  local rest=$((DEADLINE_S - SECONDS))
+  echo $((rest < $1 ? (rest > 0 ? rest : 1) : $1))
+}
+
+install_wheels() {  # the prepared wheels, offline, into a private directory on the path
+  local wheels=${GPU_WHEELS:-.gpu_wheels} site
+  compgen -G "$wheels/*.whl" >/dev/null || return 0
+  site=$(mktemp -d "${TMPDIR:-/tmp}/kvguard-site.XXXXXX")
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" \
+    "$wheels"/*.whl
+  export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+  echo "installed prepared wheels: $(cd "$wheels" && echo *.whl)"
+}
+
+kvguard_on_path() {  # kvguard.<folder> -> ./<folder>, as pyproject maps them, without a build
+  "$PY" -c "import kvguard.engine, kvguard.kernels" 2>/dev/null && return 0
+  local shim
+  shim=$(mktemp -d "${TMPDIR:-/tmp}/kvguard-shim.XXXXXX")
+  "$PY" - "$shim" <<'PYEOF'
+import sys
+import tomllib
+from pathlib import Path
+
+root, shim = Path.cwd(), Path(sys.argv[1]) / "kvguard"
+shim.mkdir()
+mapping = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+for package, folder in mapping.items():
+    (shim / package.split(".", 1)[1]).symlink_to(root / folder)
+PYEOF
+  export PYTHONPATH="$shim${PYTHONPATH:+:$PYTHONPATH}"
+}
+
+install_wheels
+kvguard_on_path
+"$PY" -c "import kvguard.engine.llm_engine, kvguard.kernels.dispatch, kvguard.daemon.nvml"
 
 if [[ "${1:-}" == "--cpu-smoke" ]]; then
-  TRITON_INTERPRET=1 timeout 300 "$PY" bench/gpu_kernels.py --cpu-smoke --json "$OUT_DIR/gpu_kernels_smoke.json"
-  TRITON_INTERPRET=1 timeout 120 "$PY" bench/gpu_w4a16.py --cpu-smoke --json "$OUT_DIR/gpu_w4a16_smoke.json"
-  exit
+  status=0
+  export TRITON_INTERPRET=1
+  # the GPU run's test modules and conftest import with what is here (collection only)
+  timeout 120 "$PY" -m pytest -qq --collect-only -p no:cacheprovider tests/test_triton_kernels.py \
+    tests/test_triton_w4a16.py tests/test_cuda_graphs.py || status=1
+  timeout 300 "$PY" bench/gpu_kernels.py --cpu-smoke --json "$OUT_DIR/gpu_kernels_smoke.json" || status=1
+  timeout 120 "$PY" bench/gpu_w4a16.py --cpu-smoke --json "$OUT_DIR/gpu_w4a16_smoke.json" || status=1
+  timeout 300 "$PY" bench/gpu_e2e.py --cpu-smoke --json "$OUT_DIR/gpu_e2e_smoke.json" || status=1
+  exit $status
 fi
 
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-"$PY" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
+"$PY" -c "import torch, triton, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 
 status=0
 echo "== Triton kernel tests on CUDA"
-KVGUARD_TEST_DEVICE=cuda timeout 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py || status=1
+KVGUARD_TEST_DEVICE=cuda timeout "$(left 90)" "$PY" -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py || status=1
 
-echo "== kernel benchmark and end to end"
-timeout 240 "$PY" bench/gpu_kernels.py --json "$OUT_DIR/gpu_kernels.json" || status=1
+echo "== end to end: kvguard vs transformers on random-weight models (issue 18)"
+timeout "$(left 190)" "$PY" bench/gpu_e2e.py --json "$OUT_DIR/gpu_e2e.json" || status=1
 
-# 3. tensor parallel over NCCL, one GPU per rank: the tiny model (written locally, nothing to
-#    download) at tp=1 and tp=2, same tokens required. Runs only where two GPUs are visible.
+echo "== kernel benchmark"
+timeout "$(left 80)" "$PY" bench/gpu_kernels.py --skip-e2e --json "$OUT_DIR/gpu_kernels.json" || status=1
+
+# tensor parallel over NCCL, one GPU per rank: the tiny model (written locally, nothing to
+# download) at tp=1 and tp=2, same tokens required. Runs only where two GPUs are visible.
 ngpu=$("$PY" -c "import torch; print(torch.cuda.device_count())")
-if (( ngpu >= 2 )); then
+if ((ngpu >= 2)); then
   echo "== tensor parallel 2 on CUDA (NCCL)"
-  timeout 180 "$PY" bench/tensor_parallel.py --quick --device cuda --pairs tiny:2 \
+  timeout "$(left 120)" "$PY" bench/tensor_parallel.py --quick --device cuda --pairs tiny:2 \
     --json "$OUT_DIR/tensor_parallel.json" || status=1
 else
   echo "== tensor parallel: not run, $ngpu GPU visible (needs 2)"
 fi
 
 echo "== W4A16 GEMM: tests on CUDA, then Llama-2-7B layer shapes vs fp16 torch.matmul"
-KVGUARD_TEST_DEVICE=cuda timeout 150 "$PY" -m pytest -q -p no:cacheprovider tests/test_triton_w4a16.py || status=1
-timeout 150 "$PY" bench/gpu_w4a16.py --json "$OUT_DIR/gpu_w4a16.json" || status=1
+KVGUARD_TEST_DEVICE=cuda timeout "$(left 45)" "$PY" -m pytest -q -p no:cacheprovider tests/test_triton_w4a16.py || status=1
+timeout "$(left 60)" "$PY" bench/gpu_w4a16.py --json "$OUT_DIR/gpu_w4a16.json" || status=1
+echo "== gpu_check done in ${SECONDS}s, status $status"
 exit $status

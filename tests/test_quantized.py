@@ -87,6 +87,24 @@ def test_layer_matches_dequantised_matmul(
     assert layer(torch.empty(0, cols)).shape == (0, out)
 
 
+@pytest.mark.parametrize("perm", [False, True])
+def test_cuda_path_calls_the_w4a16_kernel_once_per_layer(
+    perm: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On CUDA a 4-bit layer hands its packed weight to `dispatch.w4a16_matmul` (the Triton
+    kernel; here its interpreter or torch reference on CPU), which gathers the desc_act
+    permutation itself: forced on CPU so the wiring is tested without a GPU."""
+    from kvguard.engine.layers import quantized_linear
+
+    monkeypatch.setattr(quantized_linear, "pick_kernel", lambda *a, **k: "w4a16")
+    spec = random_spec(32, 128, 32, 4, perm=perm)
+    layer = QuantizedLinear(spec)
+    assert layer.kernel == "w4a16" and layer.perm is None
+    x = torch.randn(3, 128)
+    want = x @ spec.dequantize().T
+    assert (layer(x) - want).abs().max().item() <= 1e-3 * want.abs().max().item()
+
+
 def test_embedding_rows_match_dequantised_rows() -> None:
     ids = torch.tensor([[0, 7, 63], [5, 5, 1]])
     # (bits, group, tolerance): per-channel int8 rows are the lm_head's own (bf16 row scales);

@@ -135,6 +135,7 @@ class QuantizedLinear(nn.Module):
         from kvguard.kernels.w4a16 import pack_for_triton
 
         self.w4a16 = pack_for_triton(spec)
+        self.perm = None  # the kernel gathers the desc_act permutation itself
         for name in ("qweight", "scales", "zeros"):  # counted and moved like any buffer
             self.register_buffer(f"w4a16_{name}", getattr(self.w4a16, name))
 

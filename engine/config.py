@@ -113,6 +113,12 @@ class EngineConfig:
     num_threads: int | None = knob(
         None, section="serving", ge=1, doc="torch intra-op threads on CPU; unset: torch's default"
     )
+    cuda_graphs: bool = knob(
+        False,
+        section="serving",
+        doc="replay decode steps as CUDA graphs padded to batch-size buckets (CUDA with Triton, "
+        "one rank, non-FP8 KV); off until a GPU run shows equal tokens and a speed-up",
+    )
     num_gpu_blocks: int | None = knob(
         None,
         section="serving",

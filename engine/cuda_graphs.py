@@ -8,8 +8,10 @@ shape and in the addresses it reads, so:
 - steps are padded up to the nearest captured batch size (`graph_buckets`, `bucket_for`);
 - every input lives in one set of static buffers (sized for the largest bucket) that each step
   is copied into (`pad_decode`, `DecodeGraphs.run`);
-- padding rows must be harmless: each writes its K/V to a scratch block that no sequence ever
-  owns and attends only to that block, so live blocks are never written or read by a dummy;
+- padding rows must be harmless: their KV slot is -1, which the Triton KV write skips, and
+  their length is 0, so the Triton decode kernel reads nothing for them (its output row is 0):
+  a dummy never writes or reads a live block. Unused block-table columns are never read
+  (reads stop at each row's length);
 - attention reads per-sequence lengths from a device tensor and sizes its grid for
   `max_model_len`, never from host lists (a host-to-device copy cannot be captured);
 - a KV pool that is rebuilt (the live FP8 switch) has new addresses: its graphs are dropped and
@@ -19,8 +21,10 @@ Only all-decode batches of at most the largest bucket replay; anything else (a p
 a bigger batch) runs eagerly, as before. The switch (`cuda_graphs`, off by default) stays off
 until a device run shows the replayed tokens equal to eager ones and a speed-up.
 
-The bucketing and padding are plain tensor code and are tested on CPU; `DecodeGraphs.capture`
-needs CUDA.
+Graphs need the Triton kernels (the torch KV write cannot skip a slot), so they run only where
+`kvguard.kernels.dispatch.use_triton` holds, and not for an FP8 pool (its scale growth runs in
+torch). The bucketing and padding are plain tensor code, tested on CPU with the Triton kernels
+in the interpreter; `DecodeGraphs.capture` needs CUDA.
 """
 
 from __future__ import annotations
@@ -33,11 +37,13 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from kvguard.engine.kv_cache import KVCache
     from kvguard.engine.model_runner import StepInput
 
 # Batch sizes captured by default (cut at max_num_seqs, which is always added): dense at the
 # small end, where launch overhead dominates, sparse above, where padding waste would.
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+NO_SLOT = -1  # a padding row's KV slot: the Triton write skips negative slots
 
 
 def graph_buckets(
@@ -97,29 +103,23 @@ def decode_inputs(step: StepInput) -> DecodeInputs | None:
     )
 
 
-def pad_decode(
-    inp: DecodeInputs, bucket: int, width: int, scratch_block: int, block_size: int
-) -> DecodeInputs:
+def pad_decode(inp: DecodeInputs, bucket: int, width: int) -> DecodeInputs:
     """`inp` padded to `bucket` rows and `width` table columns.
 
-    Dummy rows: token 0 at position 0, writing slot 0 of `scratch_block` and attending to that
-    one slot (length 1), so what they compute is finite and touches no live block. Unused
-    table columns of real rows also point at the scratch block rather than block 0 (a live
-    block): attention never reads past a row's length, but nothing should name a live block
-    it does not own."""
+    Dummy rows: token 0 at position 0, KV slot -1 (not written), length 0 (nothing read), so
+    what they compute is finite and touches no block. Padding columns hold block 0 and are
+    never read: attention stops at each row's length."""
     n, w = inp.block_tables.shape
     if n > bucket or w > width:
         raise ValueError(f"a step of {n} rows x {w} blocks does not fit bucket {bucket} x {width}")
-    dev = inp.input_ids.device
-    scratch_slot = scratch_block * block_size
-    tables = torch.full((bucket, width), scratch_block, dtype=torch.int32, device=dev)
+    tables = torch.zeros((bucket, width), dtype=torch.int32, device=inp.input_ids.device)
     tables[:n, :w] = inp.block_tables
     return DecodeInputs(
         _pad(inp.input_ids, bucket, 0),
         _pad(inp.positions, bucket, 0),
-        _pad(inp.slot_mapping, bucket, scratch_slot),
+        _pad(inp.slot_mapping, bucket, NO_SLOT),
         tables,
-        _pad(inp.seq_lens.to(torch.int32), bucket, 1),
+        _pad(inp.seq_lens.to(torch.int32), bucket, 0),
     )
 
 
@@ -152,9 +152,7 @@ class StaticBuffers:
     Every graph shares them (and one memory pool), so the graphs cost one step's activations,
     not one per bucket."""
 
-    def __init__(
-        self, rows: int, width: int, scratch_block: int, block_size: int, device: torch.device
-    ) -> None:
+    def __init__(self, rows: int, width: int, device: torch.device) -> None:
         empty = DecodeInputs(
             torch.zeros(0, dtype=torch.long, device=device),
             torch.zeros(0, dtype=torch.long, device=device),
@@ -162,7 +160,7 @@ class StaticBuffers:
             torch.zeros(0, width, dtype=torch.int32, device=device),
             torch.zeros(0, dtype=torch.int32, device=device),
         )
-        self.inp = pad_decode(empty, rows, width, scratch_block, block_size)
+        self.inp = pad_decode(empty, rows, width)
 
     def view(self, bucket: int) -> DecodeInputs:
         return live_tables_only(self.inp, bucket)
@@ -188,17 +186,13 @@ class DecodeGraphs:
         forward: DecodeForward,
         buckets: Sequence[int],
         width: int,
-        scratch_block: int,
-        block_size: int,
         device: torch.device,
     ) -> None:
         self.forward = forward
         self.buckets = tuple(buckets)
         self.width = width
-        self.scratch_block = scratch_block
-        self.block_size = block_size
         self.device = device
-        self.buffers = StaticBuffers(max(self.buckets), width, scratch_block, block_size, device)
+        self.buffers = StaticBuffers(max(self.buckets), width, device)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.captures = 0  # how many times the set was (re)captured: tests and benches read it
 
@@ -214,7 +208,7 @@ class DecodeGraphs:
             return None
         if not self._graphs:
             self.capture()
-        self.buffers.load(pad_decode(inp, bucket, self.width, self.scratch_block, self.block_size))
+        self.buffers.load(pad_decode(inp, bucket, self.width))
         graph, out = self._graphs[bucket]
         graph.replay()
         return out[: inp.rows]
@@ -222,7 +216,7 @@ class DecodeGraphs:
     def capture(self) -> None:
         """Capture every bucket (CUDA only). Each is run once eagerly on a side stream first,
         so lazily created state (Triton compiles, cuBLAS workspaces) exists before capture."""
-        pool = None
+        pool, graphs = None, {}
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
@@ -233,9 +227,29 @@ class DecodeGraphs:
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
                     out = self.forward(*args)
                 pool = graph.pool()
-                self._graphs[b] = (graph, out)
+                graphs[b] = (graph, out)
         torch.cuda.current_stream(self.device).wait_stream(stream)
+        self._graphs = graphs  # all or nothing: a capture that fails (OOM) leaves none
         self.captures += 1
+
+
+def model_decode_forward(model: torch.nn.Module, kv_cache: KVCache, max_len: int) -> DecodeForward:
+    """The model's forward in graph form: lengths from a device tensor, the attention grid
+    sized for `max_len`, the pool's layers read at call time (a capture after the live dtype
+    switch sees the new pool)."""
+    from kvguard.engine.model import AttentionMetadata
+
+    def forward(
+        ids: torch.Tensor,
+        pos: torch.Tensor,
+        slots: torch.Tensor,
+        tables: torch.Tensor,
+        lens: torch.Tensor,
+    ) -> torch.Tensor:
+        meta = AttentionMetadata(slots, tables, [], [], seq_lens_t=lens, graph_max_len=max_len)
+        return model(ids, pos, kv_cache.layers, meta)
+
+    return forward
 
 
 def _args(inp: DecodeInputs) -> tuple[torch.Tensor, ...]:

@@ -48,6 +48,7 @@ from kvguard.engine.weights import (
     open_safetensors,
 )
 from kvguard.kernels import paged_attention, write_kv
+from kvguard.kernels.paged_attention import decode_attention
 
 
 @dataclass(slots=True)
@@ -58,6 +59,10 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [B, max_blocks] int32
     seq_lens: list[int]  # tokens in cache per sequence after this step's writes
     query_lens: list[int]  # tokens computed this step per sequence
+    # A CUDA-graph decode step (kvguard.engine.cuda_graphs) has no host lists: one token per
+    # row, lengths in this device tensor, the attention grid sized for graph_max_len.
+    seq_lens_t: torch.Tensor | None = None
+    graph_max_len: int = 0
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -137,18 +142,17 @@ class Attention(nn.Module):
         q = apply_rope(q.view(t, self.nh, self.hd), cos, sin)
         k = apply_rope(k.view(t, self.nkv, self.hd), cos, sin)
         write_kv(kv[0], kv[1], k, v.view(t, self.nkv, self.hd), meta.slot_mapping, kv[2], kv[3])
-        o = paged_attention(
-            q,
-            kv[0],
-            kv[1],
-            meta.block_tables,
-            meta.seq_lens,
-            meta.query_lens,
-            self.scale,
-            kv[2],
-            kv[3],
-        )
+        o = self._attend(q, kv, meta)
         return self.o_proj(o.reshape(t, self.nh * self.hd))
+
+    def _attend(self, q: torch.Tensor, kv: LayerKV, meta: AttentionMetadata) -> torch.Tensor:
+        tables = meta.block_tables
+        if meta.seq_lens_t is not None:  # graph replay: nothing may come from the host
+            lens, top = meta.seq_lens_t, meta.graph_max_len
+            return decode_attention(q, kv[0], kv[1], tables, lens, top, self.scale, kv[2], kv[3])
+        return paged_attention(
+            q, kv[0], kv[1], tables, meta.seq_lens, meta.query_lens, self.scale, kv[2], kv[3]
+        )
 
 
 class MLP(nn.Module):

@@ -10,12 +10,20 @@ goes through here, so a distributed runner can repeat it on every rank.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 
 import torch
 
 from kvguard.engine.config import ConfigError, EngineConfig
+from kvguard.engine.cuda_graphs import (
+    DecodeGraphs,
+    decode_inputs,
+    graph_buckets,
+    model_decode_forward,
+    table_width,
+)
 from kvguard.engine.distributed.agreement import agree_any, agree_min
 from kvguard.engine.distributed.parallel_state import TPGroup
 from kvguard.engine.distributed.sharding import shard_config
@@ -24,8 +32,17 @@ from kvguard.engine.model import AttentionMetadata, LlamaForCausalLM, load_model
 from kvguard.engine.model_config import ModelConfig
 from kvguard.engine.sampler import sample
 from kvguard.engine.sequence import Sequence
+from kvguard.kernels.dispatch import use_triton
 
 log = logging.getLogger("kvguard.engine")
+CUDA_GRAPHS_ENV = "KVGUARD_CUDA_GRAPHS"  # "1" / "0" overrides the cuda_graphs knob (benchmarks)
+
+
+def cuda_graphs_wanted(config: EngineConfig, device: torch.device, tp_size: int) -> bool:
+    """Graphs only on CUDA with one rank; the environment may override the knob either way."""
+    env = os.environ.get(CUDA_GRAPHS_ENV)
+    wanted = config.cuda_graphs if env is None else env == "1"
+    return wanted and device.type == "cuda" and tp_size == 1
 
 
 class InjectedOOMError(RuntimeError):
@@ -134,6 +151,7 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.block_size = kv_cache.block_size
         self._inject_oom = 0
+        self.graphs: DecodeGraphs | None = None
 
     @classmethod
     def from_config(
@@ -157,7 +175,16 @@ class ModelRunner:
         if config.enable_cpu_offload:
             host_blocks = int(num_blocks * config.cpu_cache_ratio / (1.0 - config.cpu_cache_ratio))
         kv = KVCache(local, num_blocks, config.block_size, kv_dtype, device, host_blocks)
-        return cls(model, mcfg, kv, tp)
+        runner = cls(model, mcfg, kv, tp)
+        if cuda_graphs_wanted(config, device, tp.size):
+            runner.enable_cuda_graphs(config.max_num_seqs, max_len)
+        return runner
+
+    def enable_cuda_graphs(self, max_num_seqs: int, max_len: int) -> None:
+        """Replay all-decode steps as CUDA graphs from now on (captured on first use)."""
+        forward = model_decode_forward(self.model, self.kv_cache, max_len)
+        width = table_width(max_len, self.block_size)
+        self.graphs = DecodeGraphs(forward, graph_buckets(max_num_seqs), width, self.device)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -185,10 +212,23 @@ class ModelRunner:
         if self._inject_oom:
             self._inject_oom -= 1
             raise InjectedOOMError("injected out-of-memory fault (inject_oom test hook)")
-        hidden = self.model(inp.input_ids, inp.positions, self.kv_cache.layers, inp.meta)
+        hidden = self._replay(inp)
+        if hidden is None:
+            hidden = self.model(inp.input_ids, inp.positions, self.kv_cache.layers, inp.meta)
         if not inp.sample_rows.numel():
             return None
         return self.model.compute_logits(hidden[inp.sample_rows])
+
+    def _replay(self, inp: StepInput) -> torch.Tensor | None:
+        """The step's hidden states by CUDA-graph replay; None when it must run eagerly (no
+        graphs, a prefill row, too big a batch, an FP8 pool, or the Triton path turned off)."""
+        kv = self.kv_cache
+        if self.graphs is None or kv.dtype == "fp8_e4m3":
+            return None
+        if not use_triton(self.device, KV_TORCH_DTYPES[kv.dtype]):
+            return None
+        step = decode_inputs(inp)
+        return None if step is None else self.graphs.run(step)
 
     def logits(
         self, seqs: list[Sequence], num_tokens: list[int], every_row: bool = False
@@ -223,6 +263,8 @@ class ModelRunner:
         peak of bytes held beyond the larger pool, over the tiers."""
         kv = self.kv_cache
         pools = {"device": kv.device_pool, "host": kv.host_pool}
+        if self.graphs is not None:
+            self.graphs.invalidate()  # they write the old pool's addresses
         return max(kv.convert(pools[t], dtype, n, moves) for t, (n, moves) in tiers.items())
 
     def can_convert(self, dtype: str, new_n: int) -> bool:

@@ -29,7 +29,13 @@ from kvguard.engine.kv_cache import KVCache, kv_dtype_name
 from kvguard.engine.llm_engine import LLMEngine
 from kvguard.engine.model import LlamaForCausalLM, _materialise
 from kvguard.engine.model_config import ModelConfig
-from kvguard.engine.model_runner import ModelRunner, num_kv_blocks, pick_device, pick_dtype
+from kvguard.engine.model_runner import (
+    ModelRunner,
+    cuda_graphs_wanted,
+    num_kv_blocks,
+    pick_device,
+    pick_dtype,
+)
 from kvguard.engine.tiny_model import tiny_config, tiny_tokenizer_spec
 from kvguard.engine.tokenizer import Tokenizer
 from kvguard.engine.tokenizer_build import write_tokenizer_files
@@ -154,7 +160,10 @@ def random_engine(
     max_len = min(config.max_model_len, mcfg.max_position_embeddings)
     model = build_random_model(shape, device, dtype, max_len, seed, weights)
     kv = _kv_cache(config, mcfg, kv_dtype_name(config.kv_cache_dtype, dtype), device)
-    return LLMEngine(config, ModelRunner(model, mcfg, kv), mcfg, byte_tokenizer())
+    runner = ModelRunner(model, mcfg, kv)
+    if cuda_graphs_wanted(config, device, 1):
+        runner.enable_cuda_graphs(config.max_num_seqs, max_len)
+    return LLMEngine(config, runner, mcfg, byte_tokenizer())
 
 
 def _kv_cache(

@@ -98,6 +98,33 @@ def paged_attention(
     return out
 
 
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seq_len: int,
+    scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Single-token queries `[B, heads, head_dim]` with lengths in a device tensor and a grid
+    sized for `max_seq_len`: no host list and no device sync, so a CUDA graph can capture it
+    (kvguard.engine.cuda_graphs). A row of length 0 (graph padding) reads nothing and is 0.
+
+    Only the Triton kernel does this (the torch path needs host lengths): on CUDA callers use
+    it only where `use_triton` holds, and this raises elsewhere rather than silently syncing;
+    on CPU it runs in Triton's interpreter (TRITON_INTERPRET=1, tests)."""
+    if q.device.type == "cuda" and not use_triton(q.device, k_cache.dtype):
+        raise RuntimeError("decode_attention needs the Triton decode kernel (CUDA + triton)")
+    from kvguard.kernels import triton_attention
+
+    return triton_attention.paged_decode(
+        q, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale, k_scale, v_scale
+    )
+
+
 def _cumsum(lens: list[int]) -> list[int]:
     starts, total = [], 0
     for n in lens:

@@ -1,5 +1,6 @@
 """CUDA-graph decode: the bucketing and padding on CPU (the capture itself needs a GPU: see
-bench/gpu_e2e.py), with the real tiny-shaped model running padded steps."""
+bench/gpu_e2e.py), with the real tiny-shaped model running the graph's forward on a padded step
+through the Triton kernels in the interpreter (conftest sets TRITON_INTERPRET=1 on CPU)."""
 
 from __future__ import annotations
 
@@ -11,16 +12,21 @@ from hypothesis import strategies as st
 from kvguard.engine import EngineConfig, SamplingParams
 from kvguard.engine.cuda_graphs import (
     DEFAULT_BUCKETS,
+    NO_SLOT,
+    DecodeGraphs,
     DecodeInputs,
     StaticBuffers,
     bucket_for,
     decode_inputs,
     graph_buckets,
+    model_decode_forward,
     pad_decode,
     table_width,
 )
-from kvguard.engine.model import AttentionMetadata
+from kvguard.engine.model_runner import CUDA_GRAPHS_ENV, cuda_graphs_wanted
 from kvguard.engine.random_model import random_engine
+
+FIELDS = ("input_ids", "positions", "slot_mapping", "block_tables", "seq_lens")
 
 
 def test_buckets_end_at_max_num_seqs() -> None:
@@ -58,32 +64,32 @@ def _inputs(n: int, width: int) -> DecodeInputs:
     )
 
 
-def test_padding_rows_touch_only_the_scratch_block() -> None:
+def test_padding_rows_write_nothing_and_read_nothing() -> None:
     real = _inputs(3, 2)
-    p = pad_decode(real, bucket=4, width=5, scratch_block=99, block_size=16)
+    p = pad_decode(real, bucket=4, width=5)
     assert p.rows == 4 and p.block_tables.shape == (4, 5)
     assert torch.equal(p.input_ids[:3], real.input_ids)
     assert torch.equal(p.positions[:3], real.positions)
     assert torch.equal(p.slot_mapping[:3], real.slot_mapping)
     assert torch.equal(p.block_tables[:3, :2], real.block_tables)
     assert torch.equal(p.seq_lens[:3], real.seq_lens)
-    # dummy row: token 0 at position 0, writes slot 0 of the scratch block, attends to it only
-    assert (p.input_ids[3], p.positions[3], p.slot_mapping[3], p.seq_lens[3]) == (0, 0, 99 * 16, 1)
-    # unused columns, real rows too, name the scratch block, never a live one
-    assert (p.block_tables[:3, 2:] == 99).all() and (p.block_tables[3] == 99).all()
+    # dummy row: token 0 at position 0, no KV slot (-1: skipped), length 0 (nothing read)
+    dummy = (p.input_ids[3], p.positions[3], p.slot_mapping[3], p.seq_lens[3])
+    assert dummy == (0, 0, NO_SLOT, 0)
+    assert p.seq_lens.dtype == torch.int32 and p.block_tables.dtype == torch.int32
 
 
 def test_a_step_too_big_for_the_bucket_is_refused() -> None:
     with pytest.raises(ValueError):
-        pad_decode(_inputs(5, 2), bucket=4, width=5, scratch_block=9, block_size=16)
+        pad_decode(_inputs(5, 2), bucket=4, width=5)
     with pytest.raises(ValueError):
-        pad_decode(_inputs(2, 6), bucket=4, width=5, scratch_block=9, block_size=16)
+        pad_decode(_inputs(2, 6), bucket=4, width=5)
 
 
 def test_static_buffers_are_loaded_in_place() -> None:
-    bufs = StaticBuffers(8, 5, scratch_block=7, block_size=16, device=torch.device("cpu"))
+    bufs = StaticBuffers(8, 5, device=torch.device("cpu"))
     before = bufs.inp.input_ids.data_ptr()
-    padded = pad_decode(_inputs(3, 2), 4, 5, 7, 16)
+    padded = pad_decode(_inputs(3, 2), 4, 5)
     bufs.load(padded)
     view = bufs.view(4)
     assert bufs.inp.input_ids.data_ptr() == before  # graphs keep reading the same memory
@@ -91,11 +97,33 @@ def test_static_buffers_are_loaded_in_place() -> None:
         assert torch.equal(getattr(view, name), getattr(padded, name))
 
 
+def test_a_batch_above_the_largest_bucket_runs_eagerly() -> None:
+    graphs = DecodeGraphs(lambda *a: a[0], (1, 2), 4, torch.device("cpu"))
+    assert graphs.run(_inputs(3, 2)) is None  # no capture attempted (that needs CUDA)
+    assert graphs.captures == 0
+
+
+def test_graphs_are_off_by_default_and_cuda_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = EngineConfig(model="tiny")
+    assert cfg.cuda_graphs is False
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert not cuda_graphs_wanted(cfg, cuda, 1)
+    monkeypatch.setenv(CUDA_GRAPHS_ENV, "1")
+    assert cuda_graphs_wanted(cfg, cuda, 1)
+    assert not cuda_graphs_wanted(cfg, cpu, 1)
+    assert not cuda_graphs_wanted(cfg, cuda, 2)  # tensor parallel: not yet
+    monkeypatch.setenv(CUDA_GRAPHS_ENV, "0")
+    assert not cuda_graphs_wanted(EngineConfig(model="tiny", cuda_graphs=True), cuda, 1)
+
+
 def _decode_state(n: int) -> tuple:
     """An engine whose next step decodes `n` sequences of different lengths, and that step's
     prepared tensors (blocks allocated, nothing run yet)."""
     eng = random_engine(
-        "tiny", EngineConfig(model="random:tiny", device="cpu", num_gpu_blocks=64, max_num_seqs=8)
+        "tiny",
+        EngineConfig(
+            model="random:tiny", device="cpu", num_gpu_blocks=64, max_num_seqs=8, max_model_len=256
+        ),
     )
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     for i in range(n):
@@ -107,43 +135,37 @@ def _decode_state(n: int) -> tuple:
     return eng, batch, eng.runner.prepare(batch.seqs, batch.num_tokens)
 
 
-def _forward(eng, inp: DecodeInputs) -> torch.Tensor:  # noqa: ANN001
-    meta = AttentionMetadata(
-        inp.slot_mapping, inp.block_tables, inp.seq_lens.tolist(), [1] * inp.rows
-    )
-    return eng.model(inp.input_ids, inp.positions, eng.kv_cache.layers, meta)
+def _kv(eng) -> list[torch.Tensor]:  # noqa: ANN001
+    return [t for layer in eng.kv_cache.layers for t in layer[:2]]
 
 
-def _snapshot(eng) -> list[torch.Tensor]:  # noqa: ANN001
-    return [t.clone() for layer in eng.kv_cache.layers for t in layer[:2]]
+def test_graph_forward_of_a_padded_step_equals_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The forward a graph captures, run on a padded step with the Triton kernels in the
+    interpreter (the KV write the graph path uses skips slot -1; the torch one cannot): the real
+    rows' hidden states and KV writes equal the eager step's, and no other slot changes."""
+    from kvguard.engine import model as model_module
+    from kvguard.kernels import triton_kv
 
-
-def test_padded_step_computes_the_same_rows_and_spares_live_blocks() -> None:
-    eng, batch, step = _decode_state(3)
+    eng, _batch, step = _decode_state(3)
     inp = decode_inputs(step)
     assert inp is not None
-    scratch = eng.kv_cache.num_blocks - 1
-    assert all(scratch not in s.block_table for s in batch.seqs)
-    before = _snapshot(eng)
-    eager = _forward(eng, inp)
-    after_eager = _snapshot(eng)
-    for t, saved in zip(
-        (t for layer in eng.kv_cache.layers for t in layer[:2]), before, strict=True
-    ):
+    before = [t.clone() for t in _kv(eng)]
+    eager = eng.model(step.input_ids, step.positions, eng.kv_cache.layers, step.meta)
+    after_eager = [t.clone() for t in _kv(eng)]
+    for t, saved in zip(_kv(eng), before, strict=True):
         t.copy_(saved)  # undo the eager step's writes
-    width = table_width(eng.max_model_len, eng.config.block_size)
-    padded = pad_decode(inp, bucket=8, width=width, scratch_block=scratch, block_size=16)
-    replayed = _forward(eng, padded)
-    torch.testing.assert_close(replayed[:3], eager, rtol=1e-5, atol=1e-5)
+
+    monkeypatch.setattr(model_module, "write_kv", triton_kv.write_kv)
+    max_len = eng.max_model_len
+    forward = model_decode_forward(eng.model, eng.kv_cache, max_len)
+    padded = pad_decode(inp, bucket=8, width=table_width(max_len, eng.config.block_size))
+    replayed = forward(*(getattr(padded, f) for f in FIELDS))
+    torch.testing.assert_close(replayed[:3], eager, rtol=1e-4, atol=1e-5)
     assert torch.isfinite(replayed).all()
-    live = torch.ones(eng.kv_cache.num_blocks, dtype=torch.bool)
-    live[scratch] = False
-    for got, want, old in zip(_snapshot(eng), after_eager, before, strict=True):
-        # every live block as eager left it: the real rows' slots hold the same K/V, and
-        # everything the eager step did not write is bit for bit untouched
-        torch.testing.assert_close(got[live], want[live], rtol=1e-5, atol=1e-6)
-        untouched = (want == old)[live]
-        assert torch.equal(got[live][untouched], old[live][untouched])
+    for got, want, old in zip(_kv(eng), after_eager, before, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        untouched = want == old  # every slot the eager step did not write: bit for bit
+        assert torch.equal(got[untouched], old[untouched])
 
 
 def test_only_all_decode_steps_are_eligible() -> None:

@@ -387,6 +387,7 @@ KNOB_SAMPLES: dict[tuple[str, ...], tuple[dict[str, dict[str, object]], object]]
     ),
     ("max_num_batched_tokens",): ({"serving": {"max_num_batched_tokens": 512}}, 512),
     ("num_threads",): ({"serving": {"num_threads": 3}}, 3),
+    ("cuda_graphs",): ({"serving": {"cuda_graphs": True}}, True),
     ("num_gpu_blocks",): ({"serving": {"num_gpu_blocks": 100}}, 100),
     ("oom_quiet_period_s",): ({"serving": {"oom_quiet_period": "2m"}}, 120.0),
     ("tensor_parallel",): ({"serving": {"tensor_parallel": 2}}, 2),

@@ -167,3 +167,17 @@ def test_a_worker_killed_while_idle_is_noticed_without_traffic(tmp_path: Path) -
         d.stop()
     log = Path(d.log.name).read_text()
     assert f"engine failed for good: tensor-parallel rank 1 (pid {pid}) died" in log
+
+
+def test_workers_die_with_a_daemon_killed_by_sigkill(tmp_path: Path) -> None:
+    """SIGKILL leaves the daemon no chance to stop its workers: the kernel does it for them
+    (PR_SET_PDEATHSIG), so no orphan rank holds a GPU while systemd restarts the service."""
+    d = Daemon(tmp_path, serving=TINY_CPU, args=("--tensor-parallel", "2"))
+    try:
+        workers = tensor_parallel(d.url)["worker_pids"]
+        assert workers and all(alive(p) for p in workers)
+        d.proc.kill()
+        d.proc.wait(30)
+        until(lambda: not any(alive(p) for p in workers), 30, f"workers {workers} to die")
+    finally:
+        d.stop()

@@ -87,10 +87,10 @@ command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,dri
 
 status=0
 echo "== Triton kernel tests on CUDA"
-KVGUARD_TEST_DEVICE=cuda timeout "$(left 90)" "$PY" -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py || status=1
+KVGUARD_TEST_DEVICE=cuda timeout "$(left 60)" "$PY" -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py || status=1
 
 echo "== end to end: kvguard vs transformers on random-weight models (issue 18)"
-timeout "$(left 190)" "$PY" bench/gpu_e2e.py --json "$OUT_DIR/gpu_e2e.json" || status=1
+timeout "$(left 220)" "$PY" bench/gpu_e2e.py --json "$OUT_DIR/gpu_e2e.json" || status=1
 
 echo "== kernel benchmark"
 timeout "$(left 80)" "$PY" bench/gpu_kernels.py --skip-e2e --json "$OUT_DIR/gpu_kernels.json" || status=1
@@ -108,6 +108,6 @@ fi
 
 echo "== W4A16 GEMM: tests on CUDA, then Llama-2-7B layer shapes vs fp16 torch.matmul"
 KVGUARD_TEST_DEVICE=cuda timeout "$(left 45)" "$PY" -m pytest -q -p no:cacheprovider tests/test_triton_w4a16.py || status=1
-timeout "$(left 60)" "$PY" bench/gpu_w4a16.py --json "$OUT_DIR/gpu_w4a16.json" || status=1
+timeout "$(left 55)" "$PY" bench/gpu_w4a16.py --json "$OUT_DIR/gpu_w4a16.json" || status=1
 echo "== gpu_check done in ${SECONDS}s, status $status"
 exit $status

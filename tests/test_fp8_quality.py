@@ -34,7 +34,9 @@ TOPICS = [
 
 @pytest.mark.slow
 def test_fp8_kv_agrees_with_full_precision() -> None:
-    engine = make_engine("smollm2-135m", kv_cache_bytes="64MiB")
+    # fp32 weights: the KV dtype's own effect, as the bound below was set (on the 4-bit packed
+    # default weights FP8 KV measured 94.9%)
+    engine = make_engine("smollm2-135m", kv_cache_bytes="64MiB", model_quantization="none")
     tok = engine.tokenizer
     prompts = [
         tok.apply_chat_template([{"role": "user", "content": f"Explain {t}."}]) for t in TOPICS

@@ -169,7 +169,10 @@ class ModelRunner:
         log.info("rank %d loaded %s in %.2fs", tp.rank, path, time.perf_counter() - t0)
         local = shard_config(mcfg, tp.size)
         kv_dtype = kv_dtype_name(config.kv_cache_dtype, dtype)
-        num_blocks = config.num_gpu_blocks or num_kv_blocks(config, local, kv_dtype, device)
+        num_blocks = config.num_gpu_blocks
+        if not num_blocks:
+            peak = activation_peak(model, local, config, kv_dtype, device, max_len)
+            num_blocks = num_kv_blocks(config, local, kv_dtype, device, peak)
         num_blocks = agree_min(tp, num_blocks)
         host_blocks = 0
         if config.enable_cpu_offload:
@@ -291,17 +294,79 @@ class ModelRunner:
 
 
 def num_kv_blocks(
-    config: EngineConfig, cfg: ModelConfig, kv_dtype: str, device: torch.device
+    config: EngineConfig,
+    cfg: ModelConfig,
+    kv_dtype: str,
+    device: torch.device,
+    activation_bytes: int = 0,
 ) -> int:
+    """Blocks the KV budget holds: `kv_cache_bytes` on CPU; on CUDA what is left of the
+    `gpu_memory_utilization` share of the whole GPU after what is in use now (weights, the CUDA
+    context) and the activation peak of one maximal step (`activation_peak`)."""
     per_block = bytes_per_block(cfg, config.block_size, kv_dtype)
     if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        budget = int(free * config.gpu_memory_utilization)
+        free, total = torch.cuda.mem_get_info(device)
+        budget = cuda_kv_budget(total, free, activation_bytes, config.gpu_memory_utilization)
+        advice = "raise gpu_memory_utilization or lower max_num_batched_tokens"
     else:
         budget = int(config.kv_cache_bytes)
+        advice = "raise kv_cache_bytes"
     n = budget // per_block
     if n < 1:
         raise ConfigError(
-            f"KV budget of {budget} bytes holds no block of {per_block} bytes: raise kv_cache_bytes"
+            f"KV budget of {budget} bytes holds no block of {per_block} bytes: {advice}"
         )
     return n
+
+
+def cuda_kv_budget(total: int, free: int, activation_bytes: int, utilization: float) -> int:
+    """KV bytes on a GPU: `utilization` of all its memory, less everything already in use
+    (`total - free`: weights, CUDA context, and anyone else's) and the activation peak. A share
+    of the whole GPU, not of what is free, so the knob means what it says with any model."""
+    return int(total * utilization) - (total - free) - activation_bytes
+
+
+def profile_step(
+    model: LlamaForCausalLM,
+    cfg: ModelConfig,
+    config: EngineConfig,
+    kv_dtype: str,
+    device: torch.device,
+    max_len: int,
+) -> int:
+    """One maximal step on a throwaway pool: a prefill chunk of `max_num_batched_tokens` (one
+    sequence: its attention is the largest temporary) and logits for `max_num_seqs` rows.
+    Returns the throwaway pool's bytes."""
+    tokens = max(1, min(config.max_num_batched_tokens, max_len))
+    nblocks = -(-tokens // config.block_size)
+    scratch = KVCache(cfg, nblocks, config.block_size, kv_dtype, device)
+    step = build_step(
+        [list(range(nblocks))], [0], [tokens], [True], [0] * tokens, config.block_size, device
+    )
+    hidden = model(step.input_ids, step.positions, scratch.layers, step.meta)
+    model.compute_logits(hidden[: min(tokens, config.max_num_seqs)])
+    return scratch.device_pool.nbytes
+
+
+def activation_peak(
+    model: LlamaForCausalLM,
+    cfg: ModelConfig,
+    config: EngineConfig,
+    kv_dtype: str,
+    device: torch.device,
+    max_len: int,
+) -> int:
+    """Bytes `profile_step` allocates at its peak beyond what was resident before it, its
+    throwaway pool left out. CUDA only: 0 elsewhere, where the budget is a fixed byte count.
+    Every tensor-parallel rank runs it (its forward has collectives)."""
+    if device.type != "cuda":
+        return 0
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    pool = profile_step(model, cfg, config, kv_dtype, device, max_len)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base - pool
+    torch.cuda.empty_cache()
+    log.info("one maximal step peaks at %.1f MiB of activations", peak / 2**20)
+    return peak

@@ -31,6 +31,7 @@ from kvguard.engine.model import LlamaForCausalLM, _materialise
 from kvguard.engine.model_config import ModelConfig
 from kvguard.engine.model_runner import (
     ModelRunner,
+    activation_peak,
     cuda_graphs_wanted,
     num_kv_blocks,
     pick_device,
@@ -159,7 +160,7 @@ def random_engine(
     mcfg = ModelConfig.from_hf_dict(hf_config(shape))
     max_len = min(config.max_model_len, mcfg.max_position_embeddings)
     model = build_random_model(shape, device, dtype, max_len, seed, weights)
-    kv = _kv_cache(config, mcfg, kv_dtype_name(config.kv_cache_dtype, dtype), device)
+    kv = _kv_cache(config, model, mcfg, kv_dtype_name(config.kv_cache_dtype, dtype), max_len)
     runner = ModelRunner(model, mcfg, kv)
     if cuda_graphs_wanted(config, device, 1):
         runner.enable_cuda_graphs(config.max_num_seqs, max_len)
@@ -167,10 +168,15 @@ def random_engine(
 
 
 def _kv_cache(
-    config: EngineConfig, mcfg: ModelConfig, kv_dtype: str, device: torch.device
+    config: EngineConfig, model: LlamaForCausalLM, mcfg: ModelConfig, kv_dtype: str, max_len: int
 ) -> KVCache:
-    """The pools, sized after the weights are on the device (as ModelRunner.from_config does)."""
-    n = config.num_gpu_blocks or num_kv_blocks(config, mcfg, kv_dtype, device)
+    """The pools, sized after the weights are on the device and one maximal step was profiled
+    (as ModelRunner.from_config does)."""
+    device = next(model.parameters()).device
+    n = config.num_gpu_blocks
+    if not n:
+        peak = activation_peak(model, mcfg, config, kv_dtype, device, max_len)
+        n = num_kv_blocks(config, mcfg, kv_dtype, device, peak)
     host = 0
     if config.enable_cpu_offload:
         host = int(n * config.cpu_cache_ratio / (1.0 - config.cpu_cache_ratio))

@@ -227,6 +227,31 @@ def e2e(
     return result
 
 
+def goals(rows: list[Row], smoke: bool) -> list[str]:
+    """Issue 8's goals over the rows at 4k+ context: >= 70% of copy bandwidth and <= 1.2x
+    dense SDPA (worst row of each); not measured in the interpreter."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from bench.common import verdict
+
+    long = [r for r in rows if r.context >= 4096]
+    if smoke or not long:
+        return [verdict("Triton decode attention at 4k+ context", None, "no GPU rows")]
+    bw = min(long, key=lambda r: r.of_copy_bw)
+    slow = max(long, key=lambda r: r.triton_over_dense)
+    return [
+        verdict(
+            ">= 70% of copy bandwidth at 4k+",
+            bw.of_copy_bw >= 0.70,
+            f"worst {bw.of_copy_bw:.0%}: {bw.shape} {bw.kv_dtype} ctx {bw.context}",
+        ),
+        verdict(
+            "<= 1.2x dense SDPA at 4k+",
+            slow.triton_over_dense <= 1.2,
+            f"worst {slow.triton_over_dense:.2f}x: {slow.shape} {slow.kv_dtype} ctx {slow.context}",
+        ),
+    ]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes, Triton interpreter")
@@ -279,6 +304,8 @@ def main() -> int:
                     f" {r.triton_over_dense:>8.2f} {r.max_abs_err:>8.1e}",
                     flush=True,
                 )
+    for line in goals(rows, args.cpu_smoke):
+        print(line, flush=True)
     bad = [r for r in rows if not r.max_abs_err < 0.1]
     result: dict[str, Any] = {
         "device": "cpu-interpreter" if args.cpu_smoke else torch.cuda.get_device_name(),

@@ -392,6 +392,7 @@ KNOB_SAMPLES: dict[tuple[str, ...], tuple[dict[str, dict[str, object]], object]]
     ("oom_quiet_period_s",): ({"serving": {"oom_quiet_period": "2m"}}, 120.0),
     ("tensor_parallel",): ({"serving": {"tensor_parallel": 2}}, 2),
     ("tensor_parallel_timeout_s",): ({"serving": {"tensor_parallel_timeout": "90s"}}, 90.0),
+    ("model_quantization",): ({"quantization": {"model_quantization": "none"}}, "none"),
     ("enable_cpu_offload",): ({"offloading": {"enable_cpu_offload": True}}, True),
     ("cpu_cache_ratio",): ({"offloading": {"cpu_cache_ratio": 0.25}}, 0.25),
     ("min_gpu_blocks",): ({"offloading": {"min_gpu_blocks": 64}}, 64),
@@ -423,7 +424,7 @@ NOT_IN_THE_FILE = {
 }
 # Keys the file accepts for the seed's baselines but refuses to serve (see _unservable).
 REFUSED_KEYS = {("serving", "pipeline_parallel")}
-KNOB_SECTIONS = ("serving", "admission_control", "offloading")
+KNOB_SECTIONS = ("serving", "admission_control", "offloading", "quantization")
 
 
 def engine_field_paths(cls: type = EngineConfig, prefix: tuple[str, ...] = ()) -> list[tuple]:

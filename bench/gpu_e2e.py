@@ -184,7 +184,8 @@ def section_decode(shape: str, run: Run, copy_bw: float) -> dict[str, Any]:
         shape,
         run,
         hf.state_dict(),
-        num_gpu_blocks=pool_blocks(max(run.batches), tokens),
+        # the batches' sequences, plus room for the trace's longest request (640 tokens)
+        num_gpu_blocks=pool_blocks(max(run.batches), tokens) + pool_blocks(1, 1024),
         max_num_batched_tokens=max(2048, max(run.batches) * run.prompt),
     )
     wbytes = weight_bytes(eng.model)

@@ -4,12 +4,15 @@ through the Triton kernels in the interpreter (conftest sets TRITON_INTERPRET=1 
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvguard.engine import EngineConfig, SamplingParams
+from kvguard.engine import EngineConfig, LLMEngine, SamplingParams
 from kvguard.engine.cuda_graphs import (
     DEFAULT_BUCKETS,
     NO_SLOT,
@@ -25,6 +28,9 @@ from kvguard.engine.cuda_graphs import (
 )
 from kvguard.engine.model_runner import CUDA_GRAPHS_ENV, cuda_graphs_wanted
 from kvguard.engine.random_model import random_engine
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import step_apply  # noqa: E402
 
 FIELDS = ("input_ids", "positions", "slot_mapping", "block_tables", "seq_lens")
 
@@ -174,3 +180,64 @@ def test_only_all_decode_steps_are_eligible() -> None:
     batch = eng.scheduler.schedule()
     assert batch.num_tokens == [3]  # the prompt's prefill
     assert decode_inputs(eng.runner.prepare(batch.seqs, batch.num_tokens)) is None
+
+
+class _ReplayByRerun:
+    """Stands in for a captured CUDA graph on CPU: `replay` reruns the captured forward on the
+    same static buffers and writes the same output tensor, which is what a graph does."""
+
+    replays = 0
+
+    def __init__(self, forward, args: tuple) -> None:  # noqa: ANN001
+        self.forward, self.args = forward, args
+        self.out = forward(*args)
+
+    def replay(self) -> None:
+        type(self).replays += 1
+        with torch.inference_mode():  # the forward's outputs are inference tensors
+            self.out.copy_(self.forward(*self.args))
+
+
+def _capture_on_cpu(self: DecodeGraphs) -> None:
+    graphs = {}
+    for b in sorted(self.buckets, reverse=True):
+        g = _ReplayByRerun(self.forward, tuple(getattr(self.buffers.view(b), f) for f in FIELDS))
+        graphs[b] = (g, g.out)
+    self._graphs = graphs
+    self.captures += 1
+
+
+def test_engine_with_graph_replay_gives_the_eager_tokens(
+    monkeypatch: pytest.MonkeyPatch, tiny_dir: Path
+) -> None:
+    """The runner's whole replay path (eligibility, padding into shrinking buckets as
+    sequences finish, static buffers, the FP8 switch dropping graphs and the way back
+    recapturing) on CPU: capture replaced by rerun-on-replay, kernels in the interpreter."""
+    from kvguard.engine import model as model_module
+    from kvguard.engine import model_runner
+    from kvguard.kernels import triton_kv
+
+    prompts = [[5 + i] * (3 + 11 * i) for i in range(5)]
+    params = [SamplingParams(max_tokens=14 - 2 * i, ignore_eos=True) for i in range(5)]
+    cfg = EngineConfig(model=str(tiny_dir), device="cpu", max_num_seqs=8, max_model_len=256)
+    eager = LLMEngine.from_config(cfg, progress=False).generate(prompts, params)
+
+    monkeypatch.setattr(model_module, "write_kv", triton_kv.write_kv)
+    monkeypatch.setattr(model_runner, "use_triton", lambda *a: True)
+    monkeypatch.setattr(DecodeGraphs, "capture", _capture_on_cpu)
+    eng = LLMEngine.from_config(cfg, progress=False)
+    eng.runner.enable_cuda_graphs(cfg.max_num_seqs, eng.max_model_len)
+    before = _ReplayByRerun.replays
+    replayed = eng.generate(prompts, params)
+    assert [o.token_ids for o in replayed] == [o.token_ids for o in eager]
+    assert eng.runner.graphs.captures == 1
+    assert _ReplayByRerun.replays - before >= 10  # decode steps replayed, not run eagerly
+
+    assert step_apply(eng, eng.set_kv_cache_dtype("fp8_e4m3")).ok
+    assert not eng.runner.graphs._graphs  # noqa: SLF001 - dropped with the old pool
+    eng.generate(prompts[:2], params[:2])  # FP8: eager, nothing captured
+    assert eng.runner.graphs.captures == 1
+    assert step_apply(eng, eng.set_kv_cache_dtype("auto")).ok
+    again = eng.generate(prompts, params)
+    assert [o.token_ids for o in again] == [o.token_ids for o in eager]
+    assert eng.runner.graphs.captures == 2

@@ -29,7 +29,6 @@ PY=${PY:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
 OUT_DIR=${OUT:-bench/out}
 DEADLINE_S=${DEADLINE_S:-460}
 mkdir -p "$OUT_DIR"
-exec > >(tee -a "$OUT_DIR/gpu_check.log") 2>&1
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 
 # Seconds a step may take: its own limit, or what is left before the deadline if less.
@@ -66,48 +65,55 @@ PYEOF
   export PYTHONPATH="$shim${PYTHONPATH:+:$PYTHONPATH}"
 }
 
-install_wheels
-kvguard_on_path
-"$PY" -c "import kvguard.engine.llm_engine, kvguard.kernels.dispatch, kvguard.daemon.nvml"
+main() {
+  install_wheels
+  kvguard_on_path
+  "$PY" -c "import kvguard.engine.llm_engine, kvguard.kernels.dispatch, kvguard.daemon.nvml"
 
-if [[ "${1:-}" == "--cpu-smoke" ]]; then
+  if [[ "${1:-}" == "--cpu-smoke" ]]; then
+    status=0
+    export TRITON_INTERPRET=1
+    # the GPU run's test modules and conftest import with what is here (collection only)
+    timeout 120 "$PY" -m pytest -qq --collect-only -p no:cacheprovider tests/test_triton_kernels.py \
+      tests/test_triton_w4a16.py tests/test_cuda_graphs.py || status=1
+    timeout 300 "$PY" bench/gpu_kernels.py --cpu-smoke --json "$OUT_DIR/gpu_kernels_smoke.json" || status=1
+    timeout 120 "$PY" bench/gpu_w4a16.py --cpu-smoke --json "$OUT_DIR/gpu_w4a16_smoke.json" || status=1
+    timeout 300 "$PY" bench/gpu_e2e.py --cpu-smoke --json "$OUT_DIR/gpu_e2e_smoke.json" || status=1
+    exit $status
+  fi
+
+  command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  "$PY" -c "import torch, triton, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+
   status=0
-  export TRITON_INTERPRET=1
-  # the GPU run's test modules and conftest import with what is here (collection only)
-  timeout 120 "$PY" -m pytest -qq --collect-only -p no:cacheprovider tests/test_triton_kernels.py \
-    tests/test_triton_w4a16.py tests/test_cuda_graphs.py || status=1
-  timeout 300 "$PY" bench/gpu_kernels.py --cpu-smoke --json "$OUT_DIR/gpu_kernels_smoke.json" || status=1
-  timeout 120 "$PY" bench/gpu_w4a16.py --cpu-smoke --json "$OUT_DIR/gpu_w4a16_smoke.json" || status=1
-  timeout 300 "$PY" bench/gpu_e2e.py --cpu-smoke --json "$OUT_DIR/gpu_e2e_smoke.json" || status=1
+  echo "== Triton kernel tests on CUDA"
+  KVGUARD_TEST_DEVICE=cuda timeout "$(left 60)" "$PY" -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py || status=1
+
+  echo "== end to end: kvguard vs transformers on random-weight models (issue 18)"
+  timeout "$(left 220)" "$PY" bench/gpu_e2e.py --json "$OUT_DIR/gpu_e2e.json" || status=1
+
+  echo "== kernel benchmark"
+  timeout "$(left 80)" "$PY" bench/gpu_kernels.py --skip-e2e --json "$OUT_DIR/gpu_kernels.json" || status=1
+
+  # tensor parallel over NCCL, one GPU per rank: the tiny model (written locally, nothing to
+  # download) at tp=1 and tp=2, same tokens required. Runs only where two GPUs are visible.
+  ngpu=$("$PY" -c "import torch; print(torch.cuda.device_count())")
+  if ((ngpu >= 2)); then
+    echo "== tensor parallel 2 on CUDA (NCCL)"
+    timeout "$(left 120)" "$PY" bench/tensor_parallel.py --quick --device cuda --pairs tiny:2 \
+      --json "$OUT_DIR/tensor_parallel.json" || status=1
+  else
+    echo "== tensor parallel: not run, $ngpu GPU visible (needs 2)"
+  fi
+
+  echo "== W4A16 GEMM: tests on CUDA, then Llama-2-7B layer shapes vs fp16 torch.matmul"
+  KVGUARD_TEST_DEVICE=cuda timeout "$(left 45)" "$PY" -m pytest -q -p no:cacheprovider tests/test_triton_w4a16.py || status=1
+  timeout "$(left 55)" "$PY" bench/gpu_w4a16.py --json "$OUT_DIR/gpu_w4a16.json" || status=1
+  echo "== gpu_check done in ${SECONDS}s, status $status"
   exit $status
-fi
+}
 
-command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-"$PY" -c "import torch, triton, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'transformers', transformers.__version__)"
-
-status=0
-echo "== Triton kernel tests on CUDA"
-KVGUARD_TEST_DEVICE=cuda timeout "$(left 60)" "$PY" -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py || status=1
-
-echo "== end to end: kvguard vs transformers on random-weight models (issue 18)"
-timeout "$(left 220)" "$PY" bench/gpu_e2e.py --json "$OUT_DIR/gpu_e2e.json" || status=1
-
-echo "== kernel benchmark"
-timeout "$(left 80)" "$PY" bench/gpu_kernels.py --skip-e2e --json "$OUT_DIR/gpu_kernels.json" || status=1
-
-# tensor parallel over NCCL, one GPU per rank: the tiny model (written locally, nothing to
-# download) at tp=1 and tp=2, same tokens required. Runs only where two GPUs are visible.
-ngpu=$("$PY" -c "import torch; print(torch.cuda.device_count())")
-if ((ngpu >= 2)); then
-  echo "== tensor parallel 2 on CUDA (NCCL)"
-  timeout "$(left 120)" "$PY" bench/tensor_parallel.py --quick --device cuda --pairs tiny:2 \
-    --json "$OUT_DIR/tensor_parallel.json" || status=1
-else
-  echo "== tensor parallel: not run, $ngpu GPU visible (needs 2)"
-fi
-
-echo "== W4A16 GEMM: tests on CUDA, then Llama-2-7B layer shapes vs fp16 torch.matmul"
-KVGUARD_TEST_DEVICE=cuda timeout "$(left 45)" "$PY" -m pytest -q -p no:cacheprovider tests/test_triton_w4a16.py || status=1
-timeout "$(left 55)" "$PY" bench/gpu_w4a16.py --json "$OUT_DIR/gpu_w4a16.json" || status=1
-echo "== gpu_check done in ${SECONDS}s, status $status"
-exit $status
+# Everything goes to the log under $OUT as well; the pipeline (not a process substitution)
+# makes the script wait for tee, so the log is complete when the device run's files are taken.
+main "$@" 2>&1 | tee -a "$OUT_DIR/gpu_check.log"
+exit "${PIPESTATUS[0]}"

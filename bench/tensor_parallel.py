@@ -72,6 +72,7 @@ def build(model: str, tp: int, args: argparse.Namespace) -> Any:
     cfg = EngineConfig(
         model=model,
         tensor_parallel=tp,
+        model_quantization=args.quantization,
         device=args.device,
         kv_cache_bytes=args.kv_cache_bytes,
         gpu_memory_utilization=0.3,
@@ -200,6 +201,13 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="short smoke run (16 tokens per request)")
     p.add_argument("--json", type=Path, help="also write the results as JSON")
     p.add_argument("--kv-cache-bytes", default="64MiB", help="KV budget per rank")
+    p.add_argument(
+        "--quantization",
+        default="none",
+        help="model_quantization for every engine (default none: fp32 weights, where tp>1 must "
+        "give exactly tp=1's tokens; packed 4-bit kernels round row-parallel partial sums to "
+        "bf16, so greedy runs may part at near-ties)",
+    )
     p.add_argument("--device", default="cpu", help="cpu (gloo), or cuda: one GPU per rank (NCCL)")
     p.add_argument(
         "--pairs",

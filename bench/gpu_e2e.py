@@ -90,9 +90,9 @@ def hf_random_model(shape: str, run: Run, seed: int = 0) -> Any:
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(**hf_config(shape))
-    with torch.device(run.device):
+    with torch.device(run.device):  # drawn on the GPU itself: seconds, not a CPU init of 7B
         model = AutoModelForCausalLM.from_config(cfg, dtype=run.dtype)
-    return model.eval()
+    return model.to(run.device).eval()  # a no-op unless this transformers ignored the device
 
 
 def kvguard_engine(shape: str, run: Run, weights: dict | None, **knobs: Any) -> Any:

@@ -29,6 +29,7 @@ from kvguard.engine.loader.gptq import gptq_spec
 from kvguard.engine.loader.packing import perm_from_g_idx, unpack_nibbles
 from kvguard.engine.loader.quantized import detect_format, load_quantized
 from kvguard.engine.model_config import ModelConfig, ModelLoadError
+from tests.test_engine import PROMPTS
 
 pytest.importorskip("compressed_tensors")
 from compressed_tensors.compressors.model_compressors.model_compressor import (  # noqa: E402
@@ -46,16 +47,6 @@ from compressed_tensors.quantization import (  # noqa: E402
 from compressed_tensors.quantization.utils.helpers import calculate_qparams  # noqa: E402
 
 LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight")
-PROMPTS = [
-    "The capital of France is",
-    "Write a haiku about the sea.",
-    "def fibonacci(n):",
-    "List three primary colours:",
-    "Once upon a time, in a small village,",
-    "Explain what a KV cache is in one sentence.",
-    "1, 2, 3, 4, 5,",
-    "Translate 'good morning' into German:",
-]
 
 
 # -- reference packers: the published bit orders, one nibble at a time -----------------------

@@ -9,11 +9,13 @@ from pathlib import Path
 
 from kvguard.engine.admission import AdmissionConfig
 from kvguard.engine.knobs import ConfigError, MiB, check_knobs, knob
-from kvguard.engine.weights import QUANTIZATION_CHOICES
 
 __all__ = ["KV_DTYPES", "ConfigError", "EngineConfig", "kvguard_home", "parse_bytes"]
 
 KV_DTYPES = ("auto", "fp32", "fp16", "bf16", "fp8_e4m3")
+# How checkpoint weights are served (kvguard.engine.weights reads the checkpoint's own format);
+# declared here, torch-free, because the daemon's config loader validates the knob
+QUANTIZATION_CHOICES = ("auto", "none", "awq_4bit", "gptq_4bit", "gguf")
 _SIZE_UNITS = {
     "": 1,
     "b": 1,

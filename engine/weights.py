@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import torch
 from safetensors import SafetensorError, safe_open
 
+from kvguard.engine.config import QUANTIZATION_CHOICES
 from kvguard.engine.model_config import ModelConfig, ModelLoadError
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -231,7 +232,6 @@ def expected_tensor_names(cfg: ModelConfig) -> list[str]:
 # -- quantized checkpoints -------------------------------------------------------------------
 # `quantization.model_quantization` -> the checkpoint formats it accepts (None: unquantized).
 # compressed-tensors has no knob of its own: `auto` serves it.
-QUANTIZATION_CHOICES = ("auto", "none", "awq_4bit", "gptq_4bit", "gguf")
 _KNOB_FORMATS: dict[str, tuple[str | None, ...]] = {
     "none": (None,),
     "awq_4bit": ("awq",),

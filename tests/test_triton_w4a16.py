@@ -238,8 +238,9 @@ def test_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not dispatch.use_triton_w4a16("cuda")
 
 
-@pytest.mark.skipif(DEVICE != "cuda", reason="the dispatch path end to end needs CUDA")
-def test_dispatch_runs_kernel_on_cuda() -> None:
+def test_dispatch_runs_the_kernel_end_to_end() -> None:
+    """Through `dispatch.w4a16_matmul` as QuantizedLinear calls it: compiled on CUDA
+    (KVGUARD_TEST_DEVICE=cuda), in the Triton interpreter on CPU."""
     spec = make_spec(48, 128, 64, seed=14)
     w = w4a16.pack_for_triton(to_device(spec))
     x = activations(3, 128, "fp16", seed=15)

@@ -44,7 +44,8 @@ def add_model_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     fetch = actions.add_parser(
         "fetch",
         help="download and convert a model into the cache",
-        description="Download and convert a known model into the cache and print its directory.",
+        description="Download and convert a known model into the cache and print its directory "
+        "(for a GGUF-born model both forms: fp32, then the 4-bit packed one `serve` uses).",
     )
     fetch.add_argument("name", metavar="NAME", help="a known model name, e.g. smollm2-135m or tiny")
     fetch.add_argument(
@@ -66,14 +67,22 @@ def cmd_model_list(args: argparse.Namespace) -> int:
         size = f"{row['size_bytes'] / 2**20:.1f}MiB" if row["cached"] else "-"
         cached = "yes" if row["cached"] else "no"
         print(f"{row['name']:<16} {cached:<7} {size:>9}  {row['description']}")
+        packed = row.get("packed")
+        if packed is not None:  # the form `serve` uses by default (model_quantization: auto)
+            size = f"{packed['size_bytes'] / 2**20:.1f}MiB" if packed["cached"] else "-"
+            cached = "yes" if packed["cached"] else "no"
+            print(f"{'  packed':<16} {cached:<7} {size:>9}  served by default (4-bit kept packed)")
     return 0
 
 
 def cmd_model_fetch(args: argparse.Namespace) -> int:
     from kvguard.engine.config import kvguard_home
-    from kvguard.engine.model_registry import fetch_model
+    from kvguard.engine.model_registry import KNOWN_MODELS, fetch_model
 
-    print(fetch_model(args.name, kvguard_home(), force=args.force, progress=True))
+    home = kvguard_home()
+    print(fetch_model(args.name, home, force=args.force, progress=True))
+    if KNOWN_MODELS[args.name].gguf is not None:  # and the packed form `serve` uses by default
+        print(fetch_model(args.name, home, force=args.force, progress=True, packed=True))
     return 0
 
 

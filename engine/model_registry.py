@@ -165,10 +165,13 @@ def fetch_model(
 def list_models(home: Path) -> list[dict[str, Any]]:
     """Known models and converted GGUF files, with whether (and how big) they are cached."""
     home = Path(home)
-    rows = [
-        _row(m.name, m.description, home / "models" / m.name, m.revision)
-        for m in KNOWN_MODELS.values()
-    ]
+    rows = []
+    for m in KNOWN_MODELS.values():
+        row = _row(m.name, m.description, home / "models" / m.name, m.revision)
+        if m.gguf is not None:  # served packed by default: its second form is listed with it
+            packed = home / "models" / (m.name + PACKED_SUFFIX)
+            row["packed"] = _row(m.name, "4-bit packed", packed, m.revision)
+        rows.append(row)
     gguf_root = home / "models" / "gguf"
     if gguf_root.is_dir():
         for path in sorted(p for p in gguf_root.iterdir() if is_complete(p)):

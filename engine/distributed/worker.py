@@ -3,7 +3,7 @@
 Rank 0 (the daemon's process) spawns ranks 1..tp-1 with this module's `worker_main`. A worker
 joins the process group, loads its shards, reports ready, then runs whatever rank 0 sends, in
 order: a step (KV copies replayed first, then the forward; rank 0 alone samples), a KV dtype
-switch, a fault to inject, or stop. It never outlives rank 0: the kernel kills it when its
+switch (checked, then applied), or stop. It never outlives rank 0: the kernel kills it when its
 parent dies (PR_SET_PDEATHSIG), and a closed pipe ends its loop.
 """
 
@@ -24,7 +24,6 @@ from pathlib import Path
 import torch
 
 from kvguard.engine.config import EngineConfig
-from kvguard.engine.distributed.agreement import agree_any
 from kvguard.engine.distributed.parallel_state import TPGroup
 from kvguard.engine.distributed.step_message import StepDecoder, StepMessage
 from kvguard.engine.model import weight_bytes
@@ -141,11 +140,6 @@ class Worker:
         self.on_kv_ops(msg.kv_ops)
         tables = self.decoder.tables(msg)
         r = self.runner
-        faulted = r._inject_oom > 0
-        if agree_any(r.tp, faulted):  # one rank's fault: every rank skips the step together
-            r._inject_oom -= int(faulted)
-            self.decoder = StepDecoder()  # rank 0 resends whole tables next time
-            return
         inp = build_step(
             tables,
             msg.starts,
@@ -172,9 +166,6 @@ class Worker:
         dtype, tiers, ops = payload
         self.on_kv_ops(ops)
         self.runner.convert_kv(dtype, tiers)
-
-    def on_inject_oom(self, times: int) -> None:
-        self.runner.inject_oom(times)
 
     def on_ping(self, _payload: object) -> None:
         self.conn.send(("pong", {"kv_bytes": self.runner.kv_cache.device_pool.nbytes}))

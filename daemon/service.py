@@ -527,14 +527,12 @@ def run(cfg: DaemonConfig, config_path: Path | None = None) -> int:
 
 def _worker_pids(engine: LLMEngine) -> list[int]:
     """The tensor-parallel worker processes (none with one rank)."""
-    pids = getattr(engine.runner, "worker_pids", None)
-    return list(pids()) if pids is not None else []
+    return engine.runner.worker_pids()
 
 
 def _kv_bytes_per_rank(engine: LLMEngine) -> list[int]:
     """Each rank's device KV pool in bytes; one rank: this process's pool."""
-    per_rank = getattr(engine.runner, "kv_bytes_per_rank", None)
-    return list(per_rank()) if per_rank is not None else [engine.kv_cache.device_pool.nbytes]
+    return engine.runner.kv_bytes_per_rank()
 
 
 def _failure_data(error: BaseException) -> dict[str, Any]:

@@ -426,7 +426,5 @@ class LLMEngine(ControlSurface):
 
     def check_ranks(self) -> None:
         """RankFailure if a tensor-parallel rank has died (cheap; an idle loop calls it, so a
-        dead rank is noticed without traffic). Nothing to check with one rank."""
-        check = getattr(self.runner, "check_alive", None)
-        if check is not None:
-            check()
+        dead rank is noticed without traffic)."""
+        self.runner.check_alive()

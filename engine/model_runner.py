@@ -289,6 +289,9 @@ class ModelRunner:
     def worker_pids(self) -> list[int]:
         return []
 
+    def check_alive(self) -> None:
+        """Nothing to check with one rank; a distributed runner checks its workers."""
+
     def kv_bytes_per_rank(self) -> list[int]:
         return [self.kv_cache.device_pool.nbytes]
 

@@ -39,6 +39,7 @@ import kvguard.migrations
 
 MIGRATIONS_DIR = Path(kvguard.migrations.__file__).resolve().parent
 BUSY_TIMEOUT_MS = 5000  # how long a SQLite writer waits for another's lock before failing
+MIGRATION_WAIT_MS = 120_000  # how long a SQLite migrator waits for another's migration
 # The PostgreSQL advisory lock key of audit migrations: any constant shared by every kvguard
 # (advisory keys are per database, so other applications' databases are not affected).
 MIGRATION_LOCK_KEY = int.from_bytes(b"kvguard!", "big") >> 1  # a positive bigint
@@ -176,6 +177,9 @@ def sqlite_write_lock(conn: Connection) -> None:
     once before starting its daemons.
     """
     if conn.dialect.name == "sqlite":
+        # wait out another process's whole migration, as pg_advisory_lock does, not just the
+        # few seconds a writer waits for an insert (a migration on a busy host takes longer)
+        conn.exec_driver_sql(f"PRAGMA busy_timeout = {MIGRATION_WAIT_MS}")
         conn.exec_driver_sql("BEGIN IMMEDIATE")
 
 

@@ -10,11 +10,10 @@ than the first exception pydantic happens to raise. Line numbers come from the Y
 (each mapping key's mark), matched to pydantic's error locations.
 
 The seed's larger baselines ask for tensor and pipeline parallelism and 4-bit weights.
-`serving.tensor_parallel` is an engine knob and is served (ranks in worker processes spawned by
-the daemon), and so is `quantization.model_quantization` (4-bit weights served packed; whether
-the checkpoint holds that format is checked when the model is resolved, naming the file).
-`pipeline_parallel` above 1 is accepted here, so the seed's files validate and can be kept
-under version control, but `to_engine_config()` refuses it with a clear message naming the line.
+`serving.tensor_parallel` and `serving.pipeline_parallel` are engine knobs and are served (ranks
+in worker processes spawned by the daemon), and so is `quantization.model_quantization` (4-bit
+weights served packed; whether the checkpoint holds that format is checked when the model is
+resolved, naming the file).
 """
 
 from __future__ import annotations
@@ -159,9 +158,6 @@ def _knob_section(section: str) -> type[_Section]:
 
 class ServingConfig(_knob_section("serving")):  # type: ignore[misc]
     """The model and the engine's knobs (seed §7 `serving`), declared on EngineConfig."""
-
-    # accepted for the seed's 70B baseline; serving across nodes is a later step (refused)
-    pipeline_parallel: int = Field(1, ge=1)
 
     @field_validator("max_num_batched_tokens")
     @classmethod
@@ -310,12 +306,14 @@ class DaemonConfig(_Section):
     def _unservable(self) -> list[tuple[Loc, str]]:
         s = self.serving
         out: list[tuple[Loc, str]] = []
-        if s.pipeline_parallel > 1:
+        layers = s.pipeline_layers
+        if layers is not None and (len(layers) != s.pipeline_parallel or min(layers) < 1):
             out.append(
                 (
-                    ("serving", "pipeline_parallel"),
-                    f"{s.pipeline_parallel} is not supported: kvguard runs a model on the GPUs of "
-                    "one host (serving.tensor_parallel) and not yet across hosts (expected 1)",
+                    ("serving", "pipeline_layers"),
+                    f"{layers} does not split the layers into pipeline_parallel="
+                    f"{s.pipeline_parallel} stages (expected {s.pipeline_parallel} layer counts, "
+                    "each at least 1)",
                 )
             )
         return out + self._headroom_problem()

@@ -112,6 +112,19 @@ class EngineConfig:
         doc="a rank that does not answer a step within this is declared failed (keep it below "
         "WatchdogSec); start-up has its own 10-minute limit",
     )
+    pipeline_parallel: int = knob(
+        1,
+        section="serving",
+        ge=1,
+        doc="pipeline stages: the decoder layers split into this many contiguous stages, each "
+        "a tensor-parallel group (world = tensor_parallel x pipeline_parallel ranks)",
+    )
+    pipeline_layers: list[int] | None = knob(
+        None,
+        section="serving",
+        doc="decoder layers per stage, first stage first (one entry per stage, summing to the "
+        "model's layer count); unset: an even split, earlier stages taking any remainder",
+    )
     num_threads: int | None = knob(
         None, section="serving", ge=1, doc="torch intra-op threads on CPU; unset: torch's default"
     )
@@ -175,8 +188,34 @@ class EngineConfig:
     def validate(self) -> None:
         """Each knob against its declaration, then the rules that tie knobs together."""
         check_knobs(self)
+        self._check_pipeline_layers()
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ConfigError(
                 f"max_num_batched_tokens={self.max_num_batched_tokens} < max_model_len="
                 f"{self.max_model_len}: without chunked prefill a whole prompt must fit one step"
             )
+
+    def _check_pipeline_layers(self) -> None:
+        """The override's shape; whether it covers the model is checked once the model is
+        known (`kvguard.engine.distributed.sharding.stage_layers`)."""
+        layers = self.pipeline_layers
+        if layers is None:
+            return
+        if not isinstance(layers, list) or not all(
+            isinstance(n, int) and not isinstance(n, bool) for n in layers
+        ):
+            raise ConfigError(f"pipeline_layers={layers!r}: expected a list of layer counts")
+        if len(layers) != self.pipeline_parallel:
+            raise ConfigError(
+                f"pipeline_layers={layers}: {len(layers)} stages given but pipeline_parallel="
+                f"{self.pipeline_parallel} (expected one layer count per stage)"
+            )
+        if any(n < 1 for n in layers):
+            raise ConfigError(
+                f"pipeline_layers={layers}: every stage needs at least one decoder layer"
+            )
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of the whole engine: a tensor-parallel group per pipeline stage."""
+        return self.tensor_parallel * self.pipeline_parallel

@@ -115,7 +115,7 @@ class LLMEngine(ControlSurface):
         path = resolve_model(config.model, config.home, progress, config.model_quantization)
         mcfg = ModelConfig.from_dir(path)
         tokenizer = Tokenizer.from_dir(path)
-        if config.tensor_parallel > 1:
+        if config.world_size > 1:
             from kvguard.engine.distributed.driver import TensorParallelRunner
 
             runner = TensorParallelRunner.launch(config, path, mcfg)

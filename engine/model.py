@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvguard.engine.distributed.parallel_state import TPGroup
+from kvguard.engine.distributed.parallel_state import PipelineStage, TPGroup
 from kvguard.engine.distributed.sharding import Shard, shard_config, shard_of
 from kvguard.engine.kv_cache import LayerKV
 from kvguard.engine.layers.parallel_linear import (
@@ -181,15 +181,23 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPGroup | None = None) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        max_positions: int,
+        tp: TPGroup | None = None,
+        stage: PipelineStage | None = None,
+    ) -> None:
         super().__init__()
         self.cfg, self.tp = cfg, tp or TPGroup.single()
+        self.stage = stage or PipelineStage.single(cfg.num_layers)
         self.shard = shard_of(cfg, self.tp)
         rows, h = len(self.shard.vocab), cfg.hidden_size
         self.embed_tokens = VocabParallelEmbedding(rows, h, self.shard.vocab.start, self.tp)
         self.layers = nn.ModuleList(DecoderLayer(cfg, self.tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = ParallelLMHead(rows, h, cfg.vocab_size, self.tp)
+        self._keep_stage_only()
         self.tie_weights()
         self.register_buffer(
             "cos_cache", torch.empty(max_positions, cfg.head_dim), persistent=False
@@ -198,12 +206,28 @@ class LlamaForCausalLM(nn.Module):
             "sin_cache", torch.empty(max_positions, cfg.head_dim), persistent=False
         )
 
+    def _keep_stage_only(self) -> None:
+        """A pipeline stage holds only its own layers (the others become empty placeholders,
+        so parameter names keep their global layer index); the embedding only on the first
+        stage, the final norm and lm_head only on the last. One stage keeps everything."""
+        st = self.stage
+        for i in range(self.cfg.num_layers):
+            if i not in st.layers:
+                self.layers[i] = nn.Identity()
+        if not st.is_first:
+            self.embed_tokens = nn.Identity()
+        if not st.is_last:
+            self.norm = nn.Identity()
+            self.lm_head = nn.Identity()
+
     def tie_weights(self) -> None:
         """Tied embeddings: the lm_head is the embedding's own parameter, one copy in memory.
 
         Again after `to_empty`, which gives each module a fresh tensor and so unties them.
-        (A quantized pair is tied when it is built: see `_install_quantized`.)"""
-        if self.cfg.tie_word_embeddings and isinstance(self.lm_head, ParallelLMHead):
+        (A quantized pair is tied when it is built: see `_install_quantized`.) A last stage
+        that is not also the first holds the lm_head alone, loaded from the embedding's rows."""
+        tied = self.cfg.tie_word_embeddings and isinstance(self.lm_head, ParallelLMHead)
+        if tied and isinstance(self.embed_tokens, VocabParallelEmbedding):
             self.lm_head.weight = self.embed_tokens.weight
 
     def init_rope(self, max_positions: int) -> None:
@@ -222,12 +246,17 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[LayerKV],
         meta: AttentionMetadata,
+        hidden: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Hidden states `[T, hidden]` after the final norm."""
-        x = self.embed_tokens(input_ids)
+        """Hidden states `[T, hidden]` after the final norm; on a pipeline stage before the
+        last, the residual stream after its layers (what the next stage's `hidden` is: each
+        layer adds its output to the stream it was given, so one tensor carries both).
+        `kv_caches` are this stage's layers' pools, in order."""
+        x = self.embed_tokens(input_ids) if self.stage.is_first else hidden
         cos = self.cos_cache.index_select(0, positions).unsqueeze(1)
         sin = self.sin_cache.index_select(0, positions).unsqueeze(1)
-        for layer, kv in zip(self.layers, kv_caches, strict=True):
+        own = self.layers[self.stage.layers.start : self.stage.layers.stop]
+        for layer, kv in zip(own, kv_caches, strict=True):
             x = layer(x, cos, sin, kv, meta)
         return self.norm(x)
 
@@ -277,6 +306,8 @@ def hf_parts(key: str, cfg: ModelConfig, shard: Shard) -> list[Part]:
         return [Part(name, q, 1, cfg.num_heads * hd)]
     if ".down_proj." in key:
         return [Part(name, shard.mlp, 1, cfg.intermediate_size)]
+    if key == "lm_head.weight" and cfg.tie_word_embeddings:  # a last stage's own copy
+        return [Part("model.embed_tokens.weight", shard.vocab, 0, cfg.vocab_size)]
     if key in ("embed_tokens.weight", "lm_head.weight"):
         return [Part(name, shard.vocab, 0, cfg.vocab_size)]
     return [Part(name)]  # norms: replicated whole
@@ -289,13 +320,14 @@ def _materialise(
     device: torch.device,
     tp: TPGroup | None,
     quantized: Iterable[str] = (),
+    stage: PipelineStage | None = None,
 ) -> LlamaForCausalLM:
     """Build on the meta device (no random init), then allocate uninitialised real tensors.
 
     Modules named in `quantized` are left as placeholders, so no full-precision copy of a
     quantized weight is ever allocated; `_install_quantized` puts the real layers in."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, max_positions, tp)
+        model = LlamaForCausalLM(cfg, max_positions, tp, stage)
     for name in quantized:
         model.set_submodule(name, nn.Identity())
     model = model.to_empty(device=device).to(dtype)
@@ -325,6 +357,7 @@ def load_model(
     device: torch.device,
     tp: TPGroup | None = None,
     quantization: str = "auto",
+    stage: PipelineStage | None = None,
 ) -> LlamaForCausalLM:
     """The model of one rank, reading only that rank's slices from the safetensors files, so a
     rank's weight memory is its share of the sharded tensors (plus the replicated norms).
@@ -336,8 +369,8 @@ def load_model(
     check_quantization(path / "config.json", fmt, quantization)
     if fmt is not None:
         specs, plain = read_quantized(path, cfg, fmt, dtype)
-        return build_quantized_model(cfg, specs, plain, max_positions, dtype, device, tp)
-    model = _materialise(cfg, max_positions, dtype, device, tp)
+        return build_quantized_model(cfg, specs, plain, max_positions, dtype, device, tp, stage)
+    model = _materialise(cfg, max_positions, dtype, device, tp, (), stage)
     with open_safetensors(path, dtype, device) as source:
         source.check_has(path, expected_tensor_names(cfg))
         model.load_from(source)
@@ -370,13 +403,15 @@ def build_quantized_model(
     dtype: torch.dtype,
     device: torch.device,
     tp: TPGroup | None = None,
+    stage: PipelineStage | None = None,
 ) -> LlamaForCausalLM:
     """A model whose projections (and embedding / lm_head, where the checkpoint quantized
     them) are `QuantizedLinear`s over this rank's slices of `specs`; the rest from `plain`."""
     tp = tp or TPGroup.single()
+    stage = stage or PipelineStage.single(cfg.num_layers)
     shard = shard_of(cfg, tp)
-    names = _quantized_modules(cfg, specs, shard)
-    model = _materialise(cfg, max_positions, dtype, device, tp, names)
+    names = _stage_modules(_quantized_modules(cfg, specs, shard), stage)
+    model = _materialise(cfg, max_positions, dtype, device, tp, names, stage)
     model.load_from(DictSource(plain))
     _install_quantized(model, names, specs, plain, dtype, device)
     return model.eval()
@@ -402,6 +437,18 @@ def _quantized_modules(cfg: ModelConfig, specs: dict[str, QuantSpec], shard: Sha
     return out
 
 
+def _stage_modules(names: list[str], stage: PipelineStage) -> list[str]:
+    """The quantized modules a pipeline stage holds: its layers', the embedding on the first
+    stage, the lm_head on the last (all of them with one stage)."""
+
+    def held(name: str) -> bool:
+        if name.startswith("layers."):
+            return int(name.split(".")[1]) in stage.layers
+        return stage.is_first if name == "embed_tokens" else stage.is_last
+
+    return [n for n in names if held(n)]
+
+
 def _install_quantized(
     model: LlamaForCausalLM,
     names: list[str],
@@ -420,7 +467,7 @@ def _install_quantized(
         if tp.size > 1 and name.endswith(_ROW_PARALLEL):
             layer = RowParallelQuantized(layer, tp, None)
         model.set_submodule(name, layer)
-    if "embed_tokens" in names:
+    if "embed_tokens" in names or "lm_head" in names:
         _install_vocab(model, names, specs, dtype, device)
 
 
@@ -439,10 +486,14 @@ def _install_vocab(
     cfg, shard, tp = model.cfg, model.shard, model.tp
     embed = _rank_spec("embed_tokens", cfg, shard, specs)
     head_spec = embed if cfg.tie_word_embeddings else _rank_spec("lm_head", cfg, shard, specs)
-    head = QuantizedLinear(head_spec, None, dtype, device, approximate=cfg.tie_word_embeddings)
-    model.embed_tokens = QuantizedEmbedding(embed, dtype, device, None, shard.vocab.start, tp)
-    exact = model.embed_tokens.table if cfg.tie_word_embeddings else None
-    model.lm_head = QuantizedLMHead(head, cfg.vocab_size, tp, exact)
+    # a pipeline stage builds only the ends it holds (a tied last stage keeps the exact rows)
+    table = QuantizedEmbedding(embed, dtype, device, None, shard.vocab.start, tp)
+    if "embed_tokens" in names:
+        model.embed_tokens = table
+    if "lm_head" in names:
+        head = QuantizedLinear(head_spec, None, dtype, device, approximate=cfg.tie_word_embeddings)
+        exact = table.table if cfg.tie_word_embeddings else None
+        model.lm_head = QuantizedLMHead(head, cfg.vocab_size, tp, exact)
 
 
 def _rank_spec(name: str, cfg: ModelConfig, shard: Shard, specs: dict[str, QuantSpec]) -> QuantSpec:

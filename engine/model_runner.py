@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -25,7 +25,7 @@ from kvguard.engine.cuda_graphs import (
     table_width,
 )
 from kvguard.engine.distributed.agreement import agree_any, agree_min
-from kvguard.engine.distributed.parallel_state import TPGroup
+from kvguard.engine.distributed.parallel_state import PipelineStage, TPGroup
 from kvguard.engine.distributed.sharding import shard_config
 from kvguard.engine.kv_cache import KV_TORCH_DTYPES, KVCache, bytes_per_block, kv_dtype_name
 from kvguard.engine.model import AttentionMetadata, LlamaForCausalLM, load_model
@@ -38,11 +38,11 @@ log = logging.getLogger("kvguard.engine")
 CUDA_GRAPHS_ENV = "KVGUARD_CUDA_GRAPHS"  # "1" / "0" overrides the cuda_graphs knob (benchmarks)
 
 
-def cuda_graphs_wanted(config: EngineConfig, device: torch.device, tp_size: int) -> bool:
+def cuda_graphs_wanted(config: EngineConfig, device: torch.device, world_size: int) -> bool:
     """Graphs only on CUDA with one rank; the environment may override the knob either way."""
     env = os.environ.get(CUDA_GRAPHS_ENV)
     wanted = config.cuda_graphs if env is None else env == "1"
-    return wanted and device.type == "cuda" and tp_size == 1
+    return wanted and device.type == "cuda" and world_size == 1
 
 
 class InjectedOOMError(RuntimeError):
@@ -58,15 +58,18 @@ def pick_device(name: str) -> torch.device:
     return dev
 
 
-def rank_device(name: str, tp: TPGroup) -> torch.device:
-    """This rank's device: one GPU per rank on CUDA (rank r on cuda:r), the CPU otherwise."""
+def rank_device(name: str, tp: TPGroup, rank: int | None = None) -> torch.device:
+    """This rank's device: one GPU per rank on CUDA, the CPU otherwise. Global rank r takes
+    cuda:(r mod the GPUs visible), so the ranks of one host (one stage's tensor-parallel group
+    and any further stages placed there) take its GPUs in order."""
     dev = pick_device(name)
-    if dev.type == "cuda" and tp.size > 1:
+    rank = tp.rank if rank is None else rank
+    if dev.type == "cuda" and (tp.size > 1 or rank > 0):
         if torch.cuda.device_count() < tp.size:
             raise ConfigError(
                 f"tensor_parallel={tp.size} needs {tp.size} GPUs, {torch.cuda.device_count()} visible"
             )
-        dev = torch.device("cuda", tp.rank)
+        dev = torch.device("cuda", rank % torch.cuda.device_count())
         torch.cuda.set_device(dev)
     return dev
 
@@ -143,11 +146,13 @@ class ModelRunner:
         model_config: ModelConfig,
         kv_cache: KVCache,
         tp: TPGroup | None = None,
+        stage: PipelineStage | None = None,
     ) -> None:
         self.model = model
         self.model_config = model_config
         self.kv_cache = kv_cache
         self.tp = tp or TPGroup.single()
+        self.stage = stage or PipelineStage.single(model_config.num_layers, self.tp)
         self.device = next(model.parameters()).device
         self.block_size = kv_cache.block_size
         self._inject_oom = 0
@@ -155,31 +160,37 @@ class ModelRunner:
 
     @classmethod
     def from_config(
-        cls, config: EngineConfig, path, mcfg: ModelConfig, tp: TPGroup | None = None
-    ) -> ModelRunner:  # noqa: ANN001 - path: Path
-        """This rank's model (its shards only) and KV pools (its KV heads only). Every rank
-        holds the same number of blocks, the fewest any rank can afford, so block ids mean the
-        same KV slots everywhere."""
+        cls,
+        config: EngineConfig,
+        path,  # noqa: ANN001 - Path
+        mcfg: ModelConfig,
+        tp: TPGroup | None = None,
+        stage: PipelineStage | None = None,
+    ) -> ModelRunner:
+        """This rank's model (its shards of its stage's layers only) and KV pools (its KV
+        heads of its stage's layers only). Every rank of every stage holds the same number of
+        blocks, the fewest any rank can afford, so block ids mean the same KV slots everywhere."""
         tp = tp or TPGroup.single()
-        device = rank_device(config.device, tp)
+        stage = stage or PipelineStage.single(mcfg.num_layers, tp)
+        device = rank_device(config.device, tp, stage.world.rank)
         dtype = pick_dtype(config.dtype, device)
         max_len = min(config.max_model_len, mcfg.max_position_embeddings)
         t0 = time.perf_counter()
-        model = load_model(path, mcfg, max_len, dtype, device, tp, config.model_quantization)
-        log.info("rank %d loaded %s in %.2fs", tp.rank, path, time.perf_counter() - t0)
-        local = shard_config(mcfg, tp.size)
+        model = load_model(path, mcfg, max_len, dtype, device, tp, config.model_quantization, stage)
+        log.info("rank %d loaded %s in %.2fs", stage.world.rank, path, time.perf_counter() - t0)
+        local = replace(shard_config(mcfg, tp.size), num_layers=len(stage.layers))
         kv_dtype = kv_dtype_name(config.kv_cache_dtype, dtype)
         num_blocks = config.num_gpu_blocks
         if not num_blocks:
             peak = activation_peak(model, local, config, kv_dtype, device, max_len)
             num_blocks = num_kv_blocks(config, local, kv_dtype, device, peak)
-        num_blocks = agree_min(tp, num_blocks)
+        num_blocks = agree_min(stage.world, num_blocks)
         host_blocks = 0
         if config.enable_cpu_offload:
             host_blocks = int(num_blocks * config.cpu_cache_ratio / (1.0 - config.cpu_cache_ratio))
         kv = KVCache(local, num_blocks, config.block_size, kv_dtype, device, host_blocks)
-        runner = cls(model, mcfg, kv, tp)
-        if cuda_graphs_wanted(config, device, tp.size):
+        runner = cls(model, mcfg, kv, tp, stage)
+        if cuda_graphs_wanted(config, device, stage.world.size):
             runner.enable_cuda_graphs(config.max_num_seqs, max_len)
         return runner
 
@@ -272,13 +283,14 @@ class ModelRunner:
 
     def can_convert(self, dtype: str, new_n: int) -> bool:
         """Whether every rank has room for the switch's transient extra (one layer of the new
-        pool beside the old one); all ranks agree, so a switch happens everywhere or nowhere."""
+        pool beside the old one); all ranks of all stages agree, so a switch happens
+        everywhere or nowhere."""
         ok = True
         if self.device.type == "cuda":
             free, _total = torch.cuda.mem_get_info(self.device)
             layer = bytes_per_block(self.kv_cache.cfg, self.block_size, dtype) * new_n
             ok = free > 2 * layer // max(1, self.kv_cache.cfg.num_layers)
-        return not agree_any(self.tp, not ok)
+        return not agree_any(self.stage.world, not ok)
 
     def blocks_for_budget(self, dtype: str, host: bool = False) -> int:
         return self.kv_cache.blocks_for_budget(dtype, host)
@@ -346,8 +358,14 @@ def profile_step(
     step = build_step(
         [list(range(nblocks))], [0], [tokens], [True], [0] * tokens, config.block_size, device
     )
-    hidden = model(step.input_ids, step.positions, scratch.layers, step.meta)
-    model.compute_logits(hidden[: min(tokens, config.max_num_seqs)])
+    # A later pipeline stage's input is the previous stage's hidden states: zeros do here (the
+    # peak depends on shapes, and each stage profiles alone, with no transfer between stages).
+    zeros = torch.zeros(
+        tokens, cfg.hidden_size, dtype=next(model.parameters()).dtype, device=device
+    )
+    hidden = model(step.input_ids, step.positions, scratch.layers, step.meta, zeros)
+    if model.stage.is_last:
+        model.compute_logits(hidden[: min(tokens, config.max_num_seqs)])
     return scratch.device_pool.nbytes
 
 

@@ -126,21 +126,23 @@ def test_dual_gpu_baseline_is_accepted_as_written() -> None:
     assert "cannot be served" not in path.read_text()
 
 
-def test_large_baseline_lists_every_unservable_key() -> None:
-    """tensor_parallel: 8 and awq_4bit weights are served; stages across hosts are not yet."""
+def test_large_baseline_is_accepted_as_written() -> None:
+    """tensor_parallel 8 x pipeline_parallel 2 and awq_4bit weights: the file converts unchanged."""
     path = EXAMPLES / "multi-gpu-70b.yaml"
-    cfg = load_config(path)
-    assert cfg.serving.tensor_parallel == 8
-    assert cfg.quantization.model_quantization == "awq_4bit"
+    engine = load_config(path).to_engine_config()
+    assert (engine.tensor_parallel, engine.pipeline_parallel, engine.world_size) == (8, 2, 16)
+    assert engine.model_quantization == "awq_4bit" and engine.pipeline_layers is None
+    assert "cannot be served" not in path.read_text()
+
+
+def test_pipeline_layers_that_miss_the_stages_name_the_line(tmp_path: Path) -> None:
+    path = write(tmp_path, "serving:\n  pipeline_parallel: 2\n  pipeline_layers: [30]\n")
     with pytest.raises(ConfigFileError) as info:
-        cfg.to_engine_config()
-    prefixes = [f"{path}:{line_of(path, 'pipeline_parallel:')}: "]
-    assert [e[: len(p)] for e, p in zip(info.value.errors, prefixes, strict=True)] == prefixes
-    assert "serving.pipeline_parallel: 2 is not supported" in info.value.errors[0]
-    # without the pipeline stages the file converts, 4-bit weights and all
-    data = yaml.safe_load(path.read_text())
-    del data["serving"]["pipeline_parallel"]
-    assert DaemonConfig.model_validate(data).to_engine_config().model_quantization == "awq_4bit"
+        load_config(path).to_engine_config()
+    assert info.value.errors == [
+        f"{path}:3: serving.pipeline_layers: [30] does not split the layers into "
+        "pipeline_parallel=2 stages (expected 2 layer counts, each at least 1)"
+    ]
 
 
 def line_of(path: Path, needle: str) -> int:
@@ -351,10 +353,10 @@ def test_bad_override_names_the_flag() -> None:
 
 
 def test_overridden_config_still_points_at_file_lines(tmp_path: Path) -> None:
-    path = write(tmp_path, "serving:\n  model: x\n  pipeline_parallel: 2\n")
+    path = write(tmp_path, "serving:\n  model: x\n  pipeline_layers: [0]\n")
     with pytest.raises(ConfigFileError) as info:
         apply_overrides(load_config(path), port=1).to_engine_config()
-    assert info.value.errors[0].startswith(f"{path}:3: serving.pipeline_parallel: 2 ")
+    assert info.value.errors[0].startswith(f"{path}:3: serving.pipeline_layers: [0] ")
 
 
 def test_tensor_parallel_flag_overrides_the_file(tmp_path: Path) -> None:
@@ -392,6 +394,11 @@ KNOB_SAMPLES: dict[tuple[str, ...], tuple[dict[str, dict[str, object]], object]]
     ("oom_quiet_period_s",): ({"serving": {"oom_quiet_period": "2m"}}, 120.0),
     ("tensor_parallel",): ({"serving": {"tensor_parallel": 2}}, 2),
     ("tensor_parallel_timeout_s",): ({"serving": {"tensor_parallel_timeout": "90s"}}, 90.0),
+    ("pipeline_parallel",): ({"serving": {"pipeline_parallel": 2}}, 2),
+    ("pipeline_layers",): (
+        {"serving": {"pipeline_parallel": 2, "pipeline_layers": [20, 10]}},
+        [20, 10],
+    ),
     ("model_quantization",): ({"quantization": {"model_quantization": "none"}}, "none"),
     ("enable_cpu_offload",): ({"offloading": {"enable_cpu_offload": True}}, True),
     ("cpu_cache_ratio",): ({"offloading": {"cpu_cache_ratio": 0.25}}, 0.25),
@@ -423,7 +430,7 @@ NOT_IN_THE_FILE = {
     ("admission",): "built from the admission_control section, field by field",
 }
 # Keys the file accepts for the seed's baselines but refuses to serve (see _unservable).
-REFUSED_KEYS = {("serving", "pipeline_parallel")}
+REFUSED_KEYS: set[tuple[str, str]] = set()
 KNOB_SECTIONS = ("serving", "admission_control", "offloading", "quantization")
 
 

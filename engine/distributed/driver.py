@@ -1,6 +1,12 @@
-"""Rank 0 of a tensor-parallel engine: the driver runner and the worker processes it drives.
+"""Rank 0 of a distributed engine: the driver runner and the worker processes it drives.
 
-`TensorParallelRunner.launch` starts ranks 1..tp-1 as spawned processes, joins them in one
+The world is tensor_parallel x pipeline_parallel ranks: each pipeline stage (a contiguous run
+of decoder layers) is a tensor-parallel group, and rank 0 is stage 0's first rank. Rank 0 runs
+its stage, hands the residual stream to the next stage and, when rows are sampled, waits for
+the last stage's logits: one micro-batch in flight, so a pipeline computes exactly what one
+process computes (stages take turns; the scheduler does not yet keep several batches going).
+
+`TensorParallelRunner.launch` starts ranks 1..world-1 as spawned processes, joins them in one
 process group (gloo on CPU, NCCL on CUDA) and loads rank 0's shards. The rendezvous is a file
 store in a private temporary directory, not a TCP store: torch's TCP store server listens on
 every interface whatever host name it is given, and torch.distributed traffic is not
@@ -31,7 +37,7 @@ import torch
 
 from kvguard.engine.config import EngineConfig
 from kvguard.engine.distributed.errors import RankFailure
-from kvguard.engine.distributed.sharding import check_tensor_parallel
+from kvguard.engine.distributed.sharding import check_tensor_parallel, stage_layers
 from kvguard.engine.distributed.step_message import KVOp, StepEncoder
 from kvguard.engine.distributed.worker import (
     LOOPBACK,
@@ -92,6 +98,8 @@ class StepStats:
     message_s: float = 0.0  # encoding and sending the step message
     message_bytes: int = 0
     step_s: float = 0.0  # the whole `logits` call
+    busy_s: float = 0.0  # rank 0's own forward (its stage's layers, or the whole model at pp=1)
+    wait_s: float = 0.0  # pipeline: waiting for the last stage's logits
 
 
 class TensorParallelRunner(ModelRunner):
@@ -101,7 +109,9 @@ class TensorParallelRunner(ModelRunner):
         workers: list[WorkerHandle],
         timeout_s: float,
     ) -> None:
-        super().__init__(runner.model, runner.model_config, runner.kv_cache, runner.tp)
+        super().__init__(
+            runner.model, runner.model_config, runner.kv_cache, runner.tp, runner.stage
+        )
         self.workers = workers
         self.timeout_s = timeout_s
         self.encoder = StepEncoder()
@@ -109,6 +119,7 @@ class TensorParallelRunner(ModelRunner):
         self._kv_ops: list[KVOp] = []
         self._faults: list[int] = []  # ranks of injected faults still to fire, in order
         self._failed: RankFailure | None = None
+        self._split: list[int] | None = None  # pipeline_layers as configured (None: even)
 
     # -- start and stop -------------------------------------------------------------------
     @classmethod
@@ -116,8 +127,9 @@ class TensorParallelRunner(ModelRunner):
         """Spawn the workers, form the group, load rank 0's shards; every rank is ready when
         this returns, or all are stopped and the reason raised."""
 
-        size = config.tensor_parallel
-        check_tensor_parallel(mcfg, size)
+        size = config.world_size
+        check_tensor_parallel(mcfg, config.tensor_parallel)
+        layers = stage_layers(mcfg.num_layers, config.pipeline_parallel, config.pipeline_layers)
         backend = "nccl" if pick_device(config.device).type == "cuda" else "gloo"
         rendezvous = Path(tempfile.mkdtemp(prefix="kvguard-tp-")) / "store"
         os.environ.setdefault("GLOO_SOCKET_IFNAME", LOOPBACK)
@@ -126,8 +138,8 @@ class TensorParallelRunner(ModelRunner):
             for rank in range(1, size):
                 workers.append(_spawn(rank, size, str(rendezvous), backend, config, path))
             torch.set_num_threads(config.num_threads or threads_per_rank(size))
-            tp = join_group(0, size, str(rendezvous), backend, config.tensor_parallel_timeout_s)
-            runner = ModelRunner.from_config(config, path, mcfg, tp)
+            tp, stage = join_group(0, config, layers, str(rendezvous), backend)
+            runner = ModelRunner.from_config(config, path, mcfg, tp, stage)
             deadline = time.monotonic() + STARTUP_TIMEOUT_S
             for w in workers:
                 w.wait_ready(deadline)
@@ -138,12 +150,16 @@ class TensorParallelRunner(ModelRunner):
         finally:
             shutil.rmtree(rendezvous.parent, ignore_errors=True)  # every rank has joined
         log.info(
-            "tensor parallel %d: workers %s on %s",
-            size,
+            "tensor parallel %d x pipeline %d (layers %s): workers %s on %s",
+            config.tensor_parallel,
+            config.pipeline_parallel,
+            ", ".join(f"{r.start}-{r.stop - 1}" for r in layers),
             ", ".join(f"rank {w.rank} pid {w.process.pid}" for w in workers),
             backend,
         )
-        return cls(runner, workers, config.tensor_parallel_timeout_s)
+        out = cls(runner, workers, config.tensor_parallel_timeout_s)
+        out._split = config.pipeline_layers
+        return out
 
     def shutdown(self) -> None:
         _stop(self.workers)
@@ -154,8 +170,15 @@ class TensorParallelRunner(ModelRunner):
 
     def kv_bytes_per_rank(self) -> list[int]:
         """Every rank holds the same block count of the same number of KV heads (split or
-        replicated), so every rank's pool has rank 0's size."""
-        return [self.kv_cache.device_pool.nbytes] * self.tp.size
+        replicated) for each of its stage's layers, so a rank's pool is rank 0's scaled by its
+        stage's layer count (at pp=1: rank 0's size everywhere)."""
+        own, mine = self.kv_cache.device_pool.nbytes, len(self.stage.layers)
+        split = self.stage_layer_counts()
+        return [own * split[r // self.tp.size] // mine for r in range(self.stage.world.size)]
+
+    def stage_layer_counts(self) -> list[int]:
+        cfg = self.model_config
+        return [len(r) for r in stage_layers(cfg.num_layers, self.stage.count, self._split)]
 
     # -- health ---------------------------------------------------------------------------
     def check_alive(self) -> None:
@@ -224,26 +247,51 @@ class TensorParallelRunner(ModelRunner):
         inp = build_step(
             tables, starts, num_tokens, sampled, ids, self.block_size, self.device, every_row
         )
+        st = self.stats
         try:
+            t2 = time.perf_counter()
             hidden = self.model(inp.input_ids, inp.positions, self.kv_cache.layers, inp.meta)
+            st.busy_s += time.perf_counter() - t2
             out = None
-            if inp.sample_rows.numel():
+            if self.stage.count > 1:
+                out = self._through_stages(hidden, len(inp.sample_rows))
+            elif inp.sample_rows.numel():
                 out = self.model.compute_logits(hidden[inp.sample_rows])
         except Exception as e:  # noqa: BLE001 - the group is out of step: no retry can fix it
             self._after_error(e)
-        st = self.stats
         st.steps += 1
         st.message_s += t1 - t0
         st.message_bytes += len(payload)
         st.step_s += time.perf_counter() - t0
         return out
 
+    def _through_stages(self, hidden: torch.Tensor, rows: int) -> torch.Tensor | None:
+        """Hand stage 0's residual stream to stage 1 (each of stage 0's ranks sends its own
+        copy to its counterpart), then wait for the sampled rows' logits from the last stage."""
+        self.stage.send_next(hidden)
+        if not rows:
+            return None
+        t0 = time.perf_counter()
+        out = self.stage.recv_logits(rows, self.model_config.vocab_size, self.device)
+        self.stats.wait_s += time.perf_counter() - t0
+        return out
+
+    def worker_busy_s(self) -> dict[int, float]:
+        """Each worker's seconds of forward since start (rank -> seconds), asked over its pipe
+        between steps: the pipeline benchmark's time per stage and idle share."""
+        self._send_all("stats", None)
+        out = {}
+        for w in self.workers:
+            kind, data = w.conn.recv()
+            out[w.rank] = data["busy_s"] if kind == "stats" else float("nan")
+        return out
+
     def inject_oom(self, times: int = 1, rank: int = 0) -> None:
         """Test hook: the next `times` steps fail with an out-of-memory fault on `rank`. Rank 0
         schedules every step, so it holds the faults of all ranks and sends such a step to no
         one: every rank skips it together, with no per-step collective to agree on it."""
-        if not 0 <= rank < self.tp.size:
-            raise ValueError(f"rank={rank}: expected 0 <= rank < {self.tp.size}")
+        if not 0 <= rank < self.stage.world.size:
+            raise ValueError(f"rank={rank}: expected 0 <= rank < {self.stage.world.size}")
         self._faults += [rank] * times
 
     # -- KV memory, on every rank ---------------------------------------------------------

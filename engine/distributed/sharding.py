@@ -94,3 +94,36 @@ def shard_of(cfg: ModelConfig, tp: TPGroup) -> Shard:
         mlp=range(r * width, (r + 1) * width),
         vocab=range(r * rows, (r + 1) * rows),
     )
+
+
+def stage_layers(num_layers: int, stages: int, override: list[int] | None = None) -> list[range]:
+    """The decoder layers of each pipeline stage, as contiguous global index ranges.
+
+    An even split by default, the earlier stages taking one more layer each while a remainder
+    lasts (the last stage also holds the lm_head); `override` gives each stage's count. Refused,
+    before anything is spawned, when a stage would hold no layer or the counts miss the model."""
+    if stages > num_layers:
+        raise ConfigError(
+            f"pipeline_parallel={stages} exceeds the model's {num_layers} decoder layers: "
+            f"every stage needs at least one (pipeline_parallel may be 1..{num_layers})"
+        )
+    if override is None:
+        base, extra = divmod(num_layers, stages)
+        counts = [base + (1 if s < extra else 0) for s in range(stages)]
+    else:
+        counts = list(override)
+        if len(counts) != stages:
+            raise ConfigError(
+                f"pipeline_layers={counts}: {len(counts)} stages given but pipeline_parallel="
+                f"{stages} (expected one layer count per stage)"
+            )
+        if any(n < 1 for n in counts) or sum(counts) != num_layers:
+            raise ConfigError(
+                f"pipeline_layers={counts} sums to {sum(counts)}, but the model has {num_layers} "
+                f"decoder layers (expected {stages} counts of at least 1 summing to {num_layers})"
+            )
+    out, start = [], 0
+    for n in counts:
+        out.append(range(start, start + n))
+        start += n
+    return out

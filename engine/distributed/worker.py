@@ -16,6 +16,7 @@ import os
 import pickle
 import signal
 import sys
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
@@ -24,7 +25,8 @@ from pathlib import Path
 import torch
 
 from kvguard.engine.config import EngineConfig
-from kvguard.engine.distributed.parallel_state import TPGroup
+from kvguard.engine.distributed.parallel_state import PipelineStage, TPGroup
+from kvguard.engine.distributed.sharding import stage_layers
 from kvguard.engine.distributed.step_message import StepDecoder, StepMessage
 from kvguard.engine.model import weight_bytes
 from kvguard.engine.model_config import ModelConfig
@@ -52,21 +54,44 @@ def threads_per_rank(size: int) -> int:
     return max(1, (os.cpu_count() or 1) // size)
 
 
-def join_group(rank: int, size: int, store: str, backend: str, step_timeout_s: float) -> TPGroup:
-    """Join the ranks' process group, and return the group the model's collectives use.
+def join_group(
+    rank: int,
+    config: EngineConfig,
+    layers: list[range],
+    store: str,
+    backend: str,
+) -> tuple[TPGroup, PipelineStage]:
+    """Join the ranks' process group; return this rank's tensor-parallel group (what the
+    model's collectives use) and its pipeline stage (which layers it runs, and the group over
+    every rank that carries the transfers between stages and the agreements).
 
-    Two timeouts: the default group (start-up: joining, and agreeing on the KV block count
-    after every rank has loaded its shards, which for a large model takes minutes) waits up to
-    STARTUP_TIMEOUT_S; the step group's collectives give up after `step_timeout_s`, so a hung
-    rank is named well before systemd's watchdog gives up on the whole daemon."""
+    World rank = stage * tensor_parallel + tp rank: a stage's tp group is consecutive ranks, so
+    the ranks of one host form whole tp groups. Every rank creates every group, in the same
+    order (torch.distributed requires it). Two timeouts: the default group (start-up: joining,
+    and agreeing on the KV block count after every rank has loaded its shards, which for a
+    large model takes minutes) waits up to STARTUP_TIMEOUT_S; the step groups give up after
+    `tensor_parallel_timeout_s`, so a hung rank is named well before systemd's watchdog gives
+    up on the whole daemon."""
     import torch.distributed as dist
 
+    tp_size, pp_size = config.tensor_parallel, config.pipeline_parallel
+    size = tp_size * pp_size
     startup = timedelta(seconds=STARTUP_TIMEOUT_S)
     dist.init_process_group(
         backend, store=dist.FileStore(store, size), rank=rank, world_size=size, timeout=startup
     )
-    group = dist.new_group(list(range(size)), timeout=timedelta(seconds=step_timeout_s))
-    return TPGroup(rank, size, group)
+    step = timedelta(seconds=config.tensor_parallel_timeout_s)
+    world = dist.new_group(list(range(size)), timeout=step)
+    mine = world
+    if pp_size > 1:
+        for s in range(pp_size):
+            group = dist.new_group(list(range(s * tp_size, (s + 1) * tp_size)), timeout=step)
+            if s == rank // tp_size:
+                mine = group
+    index = rank // tp_size
+    tp = TPGroup(rank % tp_size, tp_size, mine)
+    world_group = TPGroup(rank, size, world)
+    return tp, PipelineStage(index, pp_size, layers[index], tp_size, world_group)
 
 
 @dataclass(slots=True, frozen=True)
@@ -97,9 +122,10 @@ def worker_main(args: WorkerArgs, conn: Connection) -> None:
     )
     torch.set_num_threads(config.num_threads or threads_per_rank(size))
     try:
-        tp = join_group(rank, size, args.store, args.backend, config.tensor_parallel_timeout_s)
         mcfg = ModelConfig.from_dir(path)
-        runner = ModelRunner.from_config(config, path, mcfg, tp)
+        layers = stage_layers(mcfg.num_layers, config.pipeline_parallel, config.pipeline_layers)
+        tp, stage = join_group(rank, config, layers, args.store, args.backend)
+        runner = ModelRunner.from_config(config, path, mcfg, tp, stage)
         info = {
             "pid": os.getpid(),
             "kv_bytes": runner.kv_cache.device_pool.nbytes,
@@ -123,6 +149,7 @@ class Worker:
         self.runner = runner
         self.conn = conn
         self.decoder = StepDecoder()
+        self.busy_s = 0.0  # seconds in this rank's forward (the pipeline benchmark reads it)
 
     def run(self) -> None:
         while True:
@@ -150,9 +177,22 @@ class Worker:
             r.device,
             msg.every_row,
         )
-        hidden = r.model(inp.input_ids, inp.positions, r.kv_cache.layers, inp.meta)
-        if inp.sample_rows.numel():
-            r.model.compute_logits(hidden[inp.sample_rows])  # this rank's vocab share, gathered
+        stage = r.stage
+        received = None
+        if not stage.is_first:  # the previous stage's residual stream, one row per token
+            width = r.model_config.hidden_size
+            received = stage.recv_prev(
+                torch.empty(len(inp.input_ids), width, dtype=r.dtype, device=r.device)
+            )
+        t0 = time.perf_counter()
+        hidden = r.model(inp.input_ids, inp.positions, r.kv_cache.layers, inp.meta, received)
+        self.busy_s += time.perf_counter() - t0
+        if not stage.is_last:
+            stage.send_next(hidden)
+        elif inp.sample_rows.numel():
+            logits = r.model.compute_logits(hidden[inp.sample_rows])  # gathered to tp rank 0
+            if logits is not None and stage.count > 1:
+                stage.send_logits(logits)  # the driver samples
 
     def on_kv_ops(self, ops: list) -> None:  # noqa: ANN001 - list of KVOp
         for kind, src, dst in ops:
@@ -169,6 +209,10 @@ class Worker:
 
     def on_ping(self, _payload: object) -> None:
         self.conn.send(("pong", {"kv_bytes": self.runner.kv_cache.device_pool.nbytes}))
+
+    def on_stats(self, _payload: object) -> None:
+        """Seconds spent computing since start (busy); the rest of a rank's time is waiting."""
+        self.conn.send(("stats", {"busy_s": self.busy_s}))
 
 
 if __name__ == "__main__":

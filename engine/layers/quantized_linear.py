@@ -6,6 +6,17 @@ low-bit kernel; it never dequantises a whole matrix per call.
 
 Kernels, picked per layer at construction (`QuantizedLinear.kernel`):
 
+- `w4a8` / `w8a8` (CPU with AVX2, FMA, F16C and a C compiler; 4-bit or 8-bit weights in groups
+  that are multiples of 32, `in_features % 64 == 0`): `kvguard.kernels.cpu_lowbit`, our C GEMMs.
+  Activations are quantised per row to int8 in blocks of 32 and multiplied with integer dots
+  (what OpenVINO and llama.cpp do on AVX2); fp32 out. One int8 level cost the default model
+  1.8 points of teacher-forced top-1 agreement with fp32 (98.2%; bf16 activations: 99.2%), and
+  no one kind of layer carried it, so projections quantise in two levels (`x ~ e (p1 +
+  p2/256)`, about 16 bits, two integer dots a block) and only the `approximate` lm_head, whose
+  best candidates are recomputed exactly anyway, in one. The weights keep their codes exactly and
+  fp16 scales and mins (`w = d*q + m`) per group, so GGUF Q4_0/Q4_1/Q8_0 are held at their own
+  size and a Q8_0 lm_head can hand its rows to the tied embedding. Picked ahead of all below;
+  without a compiler or those CPU features the layer falls back to them (logged once).
 - `int4pack` (CPU, 4-bit): torch's `_weight_int4pack_mm_for_cpu`. It takes bf16 activations
   (its fp32 path is ~10x slower on AVX2), group sizes 32/64/128/256 and `N % 16 == 0`. A group
   size that is a larger multiple of 32 (per-channel included) is served exactly by repeating its
@@ -30,6 +41,7 @@ Kernels, picked per layer at construction (`QuantizedLinear.kernel`):
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +49,7 @@ from torch import nn
 
 from kvguard.engine.distributed.parallel_state import TPGroup
 from kvguard.engine.layers.quant_spec import QuantSpec
+from kvguard.kernels import cpu_lowbit
 
 log = logging.getLogger("kvguard.engine")
 
@@ -50,9 +63,16 @@ def cpu_int4_group(group_size: int) -> int | None:
     return next((g for g in INT4_GROUPS if group_size % g == 0), None)
 
 
+def lowbit_fits(spec: QuantSpec) -> bool:
+    """Whether the C kernels' layout holds this weight (whole 32-blocks, pairs of them)."""
+    return spec.group_size % cpu_lowbit.BLOCK == 0 and spec.shape[1] % (2 * cpu_lowbit.BLOCK) == 0
+
+
 def pick_kernel(spec: QuantSpec, device: torch.device, approximate: bool = False) -> str:
     if device.type == "cuda":
         return "w4a16" if spec.bits == 4 and _triton_w4a16() else "dense"
+    if lowbit_fits(spec) and cpu_lowbit.available():
+        return "w4a8" if spec.bits == 4 else "w8a8"
     if spec.bits == 8 and (approximate or spec.group_size == spec.shape[1]):
         return "int8pack"
     if cpu_int4_group(spec.group_size):
@@ -79,20 +99,43 @@ class QuantizedLinear(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         approximate: bool = False,
+        kernel: str | None = None,
     ) -> None:
         """`approximate`: a group-wise 8-bit weight may be requantised to per-row int8 (the
-        lm_head, whose top candidates `QuantizedLMHead` recomputes exactly)."""
+        lm_head, whose top candidates `QuantizedLMHead` recomputes exactly). `kernel` forces
+        one (tests), else `pick_kernel` chooses."""
         super().__init__()
         device = torch.device(device)
         self.out_features, self.in_features = spec.shape
         self.bits, self.group_size, self.dtype = spec.bits, spec.group_size, dtype
-        self.kernel = pick_kernel(spec, device, approximate)
+        self.kernel = kernel or pick_kernel(spec, device, approximate)
+        self.requantised = False  # int8pack over a requantised copy: its rows are not exact
+        # C kernels: activations in two int8 levels (~16 bits) unless the outputs are refined
+        self.fine = not approximate
         perm = None if spec.perm is None else spec.perm.to(device=device, dtype=torch.long)
         self.register_buffer("perm", perm)
         self.register_buffer("bias", None if bias is None else bias.to(device, dtype))
         getattr(self, f"_pack_{self.kernel}")(_spec_on(spec, device))
 
     # -- packing, once ----------------------------------------------------------------------
+    def _pack_w4a8(self, spec: QuantSpec) -> None:
+        """`(q - z) s = s q + m` with `m = -z s`: codes two a byte, scale and min fp16."""
+        self._lowbit_buffers(cpu_lowbit.pack4(spec.q), spec.scales, -spec.zeros * spec.scales)
+
+    def _pack_w8a8(self, spec: QuantSpec) -> None:
+        """Signed codes `q - 128`: `(q - z) s = s (q - 128) + (128 - z) s`; GGUF Q8_0 (zero
+        point 128) has no min."""
+        codes = (spec.q.to(torch.int16) - 128).to(torch.int8)
+        mins = (128.0 - spec.zeros) * spec.scales
+        self._lowbit_buffers(codes, spec.scales, mins if mins.any() else None)
+
+    def _lowbit_buffers(
+        self, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None
+    ) -> None:
+        self.register_buffer("lowbit_codes", cpu_lowbit.pad_columns(codes))
+        self.register_buffer("lowbit_scales", cpu_lowbit.tile_columns(scales))
+        self.register_buffer("lowbit_mins", None if mins is None else cpu_lowbit.tile_columns(mins))
+
     def _pack_int4x2(self, spec: QuantSpec) -> None:
         """8-bit groups as two 4-bit planes in one int4pack matrix of 2N rows: with
         `q = 16 h + l`, `(q - z) s = (h - z/16) 16s + (l - 0) s`, exact in codes."""
@@ -127,6 +170,7 @@ class QuantizedLinear(nn.Module):
                 offset = None
         else:
             w8, scale, offset = requantise_per_row(spec)
+            self.requantised = True
         self.register_buffer("w8", w8.contiguous())
         self.register_buffer("scale8", scale.to(torch.bfloat16))
         self.register_buffer("offset8", None if offset is None else offset.to(self.dtype))
@@ -161,6 +205,28 @@ class QuantizedLinear(nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*lead, self.out_features)
+
+    def _mm_w4a8(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_lowbit.w4a8(
+            x,
+            self.out_features,
+            self.lowbit_codes,
+            self.lowbit_scales,
+            self.lowbit_mins,
+            self.group_size,
+            self.fine,
+        ).to(x.dtype)
+
+    def _mm_w8a8(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_lowbit.w8a8(
+            x,
+            self.out_features,
+            self.lowbit_codes,
+            self.lowbit_scales,
+            self.lowbit_mins,
+            self.group_size,
+            self.fine,
+        ).to(x.dtype)
 
     def _mm_int4pack(self, x: torch.Tensor) -> torch.Tensor:
         if not x.shape[0]:
@@ -200,17 +266,35 @@ class QuantizedLinear(nn.Module):
 
     # -- rows, for a (tied) embedding -------------------------------------------------------
     def can_read_rows(self) -> bool:
-        return self.kernel in ("int8pack", "dense")
+        """Whether `rows` gives the weight's own rows (not a requantised copy's)."""
+        if self.perm is not None or self.requantised:
+            return False
+        return self.kernel in ("w4a8", "w8a8", "int8pack", "dense")
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Weight rows `ids`, dequantised (only those rows): the tied embedding's lookup."""
         if self.kernel == "dense":
             return F.embedding(ids, self.weight)
+        if self.kernel in ("w4a8", "w8a8"):
+            return self._lowbit_rows(ids)
         w = self.w8.index_select(0, ids.reshape(-1)).to(self.dtype)
         out = w * self.scale8.index_select(0, ids.reshape(-1)).to(self.dtype).unsqueeze(-1)
         if self.offset8 is not None:
             out = out + self.offset8.index_select(0, ids.reshape(-1)).unsqueeze(-1)
         return out.reshape(*ids.shape, self.in_features)
+
+    def _lowbit_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        q = self.lowbit_codes.index_select(0, flat)
+        if self.kernel == "w4a8":
+            q = cpu_lowbit.unpack4(q)
+        tile, col = flat // cpu_lowbit.TILE, flat % cpu_lowbit.TILE
+        groups = self.in_features // self.group_size
+        w = q.view(-1, groups, self.group_size).float()
+        w = w * self.lowbit_scales[tile, :, col].float().unsqueeze(-1)
+        if self.lowbit_mins is not None:
+            w = w + self.lowbit_mins[tile, :, col].float().unsqueeze(-1)
+        return w.reshape(*ids.shape, self.in_features).to(self.dtype)
 
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers())
@@ -253,9 +337,10 @@ def requantise_per_row(
 class QuantizedEmbedding(nn.Module):
     """A vocabulary embedding over quantized rows: only the looked-up rows are dequantised.
 
-    Tied to a quantized lm_head that can hand out rows (int8 per-row, dense) it shares that
-    layer's storage, one copy in memory; otherwise (a 4-bit lm_head, whose packed layout is the
-    kernel's) it keeps its own codes, four bits a weight."""
+    Tied to a quantized lm_head that can hand out its own rows (the C kernels' layouts,
+    per-channel int8, dense) it shares that layer's storage, one copy in memory; otherwise (an
+    int4pack lm_head, whose layout is torch's, or a requantised int8 copy) it keeps its own
+    codes."""
 
     def __init__(
         self,
@@ -274,6 +359,7 @@ class QuantizedEmbedding(nn.Module):
             self.table = RowTable(spec, dtype, torch.device(device))
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """This rank's rows `ids` (local numbering), exact: what the lm_head refines from."""
         return self.tied.rows(ids) if self.tied is not None else self.table(ids)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -301,8 +387,21 @@ class RowTable(nn.Module):
         self.register_buffer("codes", q.contiguous())
         self.register_buffer("scales", spec.scales.to(device, torch.float16))
         self.register_buffer("zeros", spec.zeros.to(device, torch.float32))
+        self.read: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def read_from(self, linear: QuantizedLinear) -> None:
+        """Serve the rows from `linear`, which holds these very rows exactly (a tied lm_head
+        built from the same spec), and drop this copy: the vocabulary is held once."""
+        width = self.codes.shape[1] * (2 if self.bits == 4 else 1)
+        if (linear.out_features, linear.in_features) != (self.codes.shape[0], width):
+            raise ValueError(f"{linear} does not hold this table's {tuple(self.codes.shape)} rows")
+        self.read = linear.rows
+        for name in ("codes", "scales", "zeros"):
+            delattr(self, name)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.read is not None:
+            return self.read(ids).to(self.dtype)
         flat = ids.reshape(-1)
         q = self.codes.index_select(0, flat)
         if self.bits == 4:
@@ -318,11 +417,16 @@ class QuantizedLMHead(nn.Module):
     """The lm_head over a quantized weight (this rank's vocabulary rows); rank 0 gathers the
     full fp32 logits, as `ParallelLMHead` does.
 
+    A tied head is handed the embedding's row table as `exact`; where this head's own storage
+    holds the same rows exactly (the C kernels' layouts keep the codes) the table reads them
+    from here and drops its copy, so the vocabulary matrix is held once.
+
     With `exact` rows (the tied embedding's table) the kernel's logits only rank the
     vocabulary: the `REFINED` best candidates of each row are recomputed in fp32 from the exact
-    weights. Top-1 choices then match the full-precision head even where the fast kernel's
-    bf16 output (a step of 1/16 at a logit of 16) or a per-row int8 requantisation would blur
-    a near tie, at the cost of a top-k and a few hundred dot products a token."""
+    weights and the fp32 hidden state. Top-1 choices then match the full-precision head even
+    where the fast kernel's int8 activations, bf16 output (a step of 1/16 at a logit of 16) or
+    a per-row int8 requantisation would blur a near tie, at the cost of a top-k and a few
+    hundred dot products a token."""
 
     REFINED = 16
 
@@ -331,10 +435,12 @@ class QuantizedLMHead(nn.Module):
         linear: QuantizedLinear,
         vocab_size: int,
         tp: TPGroup | None = None,
-        exact: RowTable | None = None,
+        exact: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         super().__init__()
         self.linear, self.vocab_size, self.tp = linear, vocab_size, tp or TPGroup.single()
+        if isinstance(exact, RowTable) and exact.read is None and linear.can_read_rows():
+            exact.read_from(linear)
         self.exact = exact
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:

@@ -1,0 +1,246 @@
+"""W4A8 and W8A8 CPU GEMMs (`lowbit.c`), compiled on first use and called through ctypes.
+
+torch's CPU weight-only kernels multiply in bf16 or fp32; on AVX2 the fast way is integers:
+activations quantised to int8 per block of 32, each block a `vpmaddubsw` dot with the 4-bit or
+8-bit weight codes. The C source ships with the package and is compiled once per source and
+flags into the kvguard cache (`$KVGUARD_HOME/kernels`, default `~/.cache/kvguard/kernels`),
+written under a temporary name and renamed, so two processes compiling at once both end with a
+whole library. ctypes drops the GIL for the call.
+
+Without a C compiler, without AVX2/FMA/F16C, or off x86-64 Linux, `library()` is None (one log
+line says why) and the quantized layer keeps torch's kernels.
+
+OpenMP: the library is linked against the OpenMP runtime torch loaded (`torch/lib/libgomp*`), so
+its parallel regions reuse torch's thread team instead of starting a second runtime whose
+spinning threads would fight torch's for the cores.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger("kvguard.kernels")
+
+SOURCE = Path(__file__).with_name("lowbit.c")
+CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-fopenmp", "-std=c11")
+CPU_FLAGS = ("avx2", "fma", "f16c")
+BLOCK = 32  # activation and weight block: one scale per 32 values
+TILE = 8  # output columns a kernel tile computes side by side
+
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+_INT = ctypes.c_int
+_GEMM_ARGS = [_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _I64, _INT, _INT]
+
+
+def cache_dir() -> Path:
+    """The kvguard cache (kernels may not import the engine's config: it sits above them)."""
+    home = os.environ.get("KVGUARD_HOME") or Path.home() / ".cache" / "kvguard"
+    return Path(home) / "kernels"
+
+
+def compiler() -> str | None:
+    """`$CC` when set (a path or a name on PATH), else `cc` or `gcc` on PATH."""
+    cc = os.environ.get("CC")
+    if cc:
+        return shutil.which(cc)
+    return shutil.which("cc") or shutil.which("gcc")
+
+
+def cpu_problem() -> str | None:
+    """Why this CPU cannot run the kernels, or None."""
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return f"{platform.system()}/{platform.machine()} is not x86-64 Linux"
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError as e:
+        return f"cannot read /proc/cpuinfo ({e})"
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    have = set(line.split(":", 1)[-1].split())
+    missing = [f for f in CPU_FLAGS if f not in have]
+    return f"the CPU lacks {', '.join(missing)}" if missing else None
+
+
+def torch_openmp() -> Path | None:
+    """The OpenMP runtime torch ships and has loaded, if it ships one."""
+    libs = sorted(Path(torch.__file__).parent.joinpath("lib").glob("libgomp*.so*"))
+    return libs[0] if libs else None
+
+
+def _build(cc: str, out: Path) -> None:
+    """Compile then link against torch's libgomp (or the compiler's, when torch has none)."""
+    gomp = torch_openmp()
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        obj, lib = Path(tmp) / "lowbit.o", Path(tmp) / out.name
+        run = functools.partial(subprocess.run, check=True, capture_output=True, text=True)
+        run([cc, *CFLAGS, "-c", str(SOURCE), "-o", str(obj)])
+        link = [str(gomp), f"-Wl,-rpath,{gomp.parent}"] if gomp else ["-fopenmp"]
+        run([cc, "-shared", str(obj), "-o", str(lib), *link])
+        os.replace(lib, out)  # atomic: a concurrent compile of the same key writes the same file
+
+
+def _key(cc: str) -> str:
+    h = hashlib.sha256(SOURCE.read_bytes())
+    h.update(" ".join((cc, *CFLAGS, str(torch_openmp()))).encode())
+    return h.hexdigest()[:16]
+
+
+def _load(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    for name in ("kvg_w4a8", "kvg_w8a8"):
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = _GEMM_ARGS, ctypes.c_int
+    lib.kvg_quantize_rows.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR]
+    lib.kvg_quantize_rows.restype = None
+    return lib
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels, or None (logged once) where they cannot run here."""
+    problem = cpu_problem()
+    cc = compiler()
+    if problem is None and cc is None:
+        problem = f"no C compiler ({'$CC=' + os.environ['CC'] if os.environ.get('CC') else 'cc'})"
+    if problem is None:
+        path = cache_dir() / f"lowbit-{_key(cc)}.so"
+        try:
+            if not path.exists():
+                path.parent.mkdir(parents=True, exist_ok=True)
+                _build(cc, path)
+            return _load(path)
+        except (OSError, subprocess.CalledProcessError) as e:
+            detail = getattr(e, "stderr", "") or str(e)
+            problem = f"building {path.name} failed: {detail.strip()[:500]}"
+    log.warning(
+        "CPU low-bit kernels unavailable (%s): quantized layers use torch's kernels", problem
+    )
+    return None
+
+
+def available() -> bool:
+    return library() is not None
+
+
+def _gemm(
+    fn: str,
+    x: torch.Tensor,
+    n: int,
+    codes: torch.Tensor,
+    d: torch.Tensor,
+    m: torch.Tensor | None,
+    group: int,
+    fine: bool,
+) -> torch.Tensor:
+    lib = library()
+    assert lib is not None, "cpu_lowbit.library() is None: check available() first"
+    x = x.float()
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    rows, k = x.shape
+    out = torch.empty(rows, n)
+    if rows:
+        mp = None if m is None else m.data_ptr()
+        threads = torch.get_num_threads()
+        rc = getattr(lib, fn)(
+            x.data_ptr(), rows, k, x.stride(0), codes.data_ptr(), d.data_ptr(), mp, n,
+            group // BLOCK, out.data_ptr(), n, threads, int(fine),
+        )  # fmt: skip
+        if rc == -1:
+            raise MemoryError(f"{fn}: no memory for the {rows}x{k} activation workspace")
+        if rc:
+            raise ValueError(f"{fn}: in_features {k} / group {group} do not fit the layout")
+    return out
+
+
+def w4a8(
+    x: torch.Tensor,
+    n: int,
+    codes: torch.Tensor,
+    d: torch.Tensor,
+    m: torch.Tensor,
+    group: int,
+    fine: bool = False,
+) -> torch.Tensor:
+    """`x [M, K] @ W.T` (fp32) for `n` output columns of 4-bit codes (`pack4`, `pad_columns`)
+    with `w = d * q + m` per group (`tile_columns`). `fine`: activations in two int8 levels
+    (about 16 bits, two integer dots a block) instead of one."""
+    return _gemm("kvg_w4a8", x, n, codes, d, m, group, fine)
+
+
+def w8a8(
+    x: torch.Tensor,
+    n: int,
+    codes: torch.Tensor,
+    d: torch.Tensor,
+    m: torch.Tensor | None,
+    group: int,
+    fine: bool = False,
+) -> torch.Tensor:
+    """`x [M, K] @ W.T` (fp32) for `n` output columns of signed 8-bit codes (`pad_columns`)
+    with `w = d * q (+ m)` per group (`tile_columns`); `fine` as in `w4a8`."""
+    return _gemm("kvg_w8a8", x, n, codes, d, m, group, fine)
+
+
+def pack4(q: torch.Tensor) -> torch.Tensor:
+    """Codes `[N, K]` (0..15) two a byte: for each pair of 32-blocks, byte j holds element j
+    of the even block (low nibble) and of the odd block (high nibble). K % 64 == 0."""
+    n, k = q.shape
+    pairs = q.to(torch.uint8).reshape(n, k // (2 * BLOCK), 2, BLOCK)
+    return (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+
+def unpack4(codes: torch.Tensor) -> torch.Tensor:
+    """`pack4` undone: `[N, K/2]` bytes to `[N, K]` codes."""
+    n = codes.shape[0]
+    pairs = codes.reshape(n, -1, BLOCK)
+    return torch.cat([pairs & 15, pairs >> 4], dim=-1).reshape(n, -1)
+
+
+def tile_columns(t: torch.Tensor) -> torch.Tensor:
+    """Per-group values `[N, G]` as the kernels read them: `[ceil(N/8), G, 8]` fp16 (eight
+    output columns side by side), padding columns zero."""
+    n, groups = t.shape
+    t = F.pad(t.to(torch.float16), (0, 0, 0, -n % TILE))
+    return t.reshape(-1, TILE, groups).transpose(1, 2).contiguous()
+
+
+def untile_columns(t: torch.Tensor, n: int) -> torch.Tensor:
+    """`tile_columns` undone: `[N, G]`."""
+    return t.transpose(1, 2).reshape(-1, t.shape[1])[:n]
+
+
+def pad_columns(codes: torch.Tensor) -> torch.Tensor:
+    """Codes `[N, ...]` padded with zero rows to a multiple of the eight-column tile."""
+    return F.pad(codes, (0, 0, 0, -codes.shape[0] % TILE)).contiguous()
+
+
+def quantize_rows(
+    x: torch.Tensor, fine: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """The kernels' activation quantisation: (level-1 int8 [M, K], level-2 int8 or None,
+    block scale [M, K/32], block sum [M, K/32]). One level: `x ~ e * q1`; two: the scale is
+    `e / 256` and `x ~ scale * (256 * q1 + q2)`."""
+    lib = library()
+    assert lib is not None
+    x = x.float().contiguous()
+    rows, k = x.shape
+    q1 = torch.empty(rows, k, dtype=torch.int8)
+    q2 = torch.empty(rows, k, dtype=torch.int8) if fine else None
+    e, es = torch.empty(rows, k // BLOCK), torch.empty(rows, k // BLOCK)
+    lib.kvg_quantize_rows(
+        x.data_ptr(), rows, k, k, q1.data_ptr(), None if q2 is None else q2.data_ptr(),
+        e.data_ptr(), es.data_ptr(),
+    )  # fmt: skip
+    return q1, q2, e, es

@@ -1,0 +1,286 @@
+/* kvguard CPU low-bit GEMMs: int8 activations times 4-bit or 8-bit grouped weights (AVX2).
+ *
+ * Decode on CPU streams every weight once per step, and a prefill batch is compute-bound, so
+ * both want the weight small and the inner product in integers: activations are quantised per
+ * row in blocks of 32 to int8 (one float scale per block, and the block's dequantised sum for
+ * asymmetric weights), each 32-weight block is a single vpmaddubsw/vpmaddwd integer dot,
+ * scaled once per block in float.
+ *
+ * Weight layout (built by kvguard/kernels/cpu_lowbit.py), row-major by output column n:
+ *   4-bit: codes[n][K/2]: block b's 16 bytes hold element j in the low nibble and element
+ *          j+16 in the high one (unsigned 0..15); w = d*q + m.
+ *   8-bit: codes[n][K]: signed int8; w = d*q + m.
+ *   d, m: fp16 [N][K/group], one per group of `bpg` blocks of 32 (m may be NULL: zero).
+ * With activation block x ~ e*p (p int8) the block's contribution is
+ *   d*e*sum(q*p) + m*e*sum(p).
+ *
+ * Threads: one OpenMP region per call, linked against the OpenMP runtime torch itself loaded
+ * (one thread team for torch's ops and ours, no second runtime spinning beside it). Rows are
+ * quantised split over threads, then output columns are split; each thread walks its columns
+ * in cache-sized chunks and, inside a chunk, tiles of up to four activation rows, so a weight
+ * block is unpacked once for four rows.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define QK 32
+#define MR 4
+
+int kvg_lowbit_abi(void) { return 1; }
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline int hsum_i32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    return _mm_cvtsi128_si32(s);
+}
+
+static inline __m256i pack_i8(__m256i i0, __m256i i1, __m256i i2, __m256i i3) {
+    /* packs interleave 128-bit lanes; the permute restores element order; saturates */
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    const __m256i w = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+    return _mm256_permutevar8x32_epi32(w, order);
+}
+
+/* One row of K floats to int8 blocks: with e = amax/127 and y = x * (127/amax),
+ * p1 = round_half_even(y). `p2` (may be NULL) gets a second level,
+ * p2 = clamp(round_half_even((y - p1) * 256), +-127), so x ~ e * (p1 + p2/256) to about 16
+ * bits. Per block: es = the block's dequantised sum, and e (one level) or e/256 (two: the
+ * kernels combine 256 * p1 + p2 in integers). */
+static void quantize_row(const float *x, int64_t K, int8_t *p1, int8_t *p2, float *e, float *es) {
+    const __m256 sign = _mm256_set1_ps(-0.0f), k256 = _mm256_set1_ps(256.0f);
+    const int rnd = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    for (int64_t b = 0; b < K / QK; ++b) {
+        const float *xb = x + b * QK;
+        __m256 v[4];
+        __m256 mx = _mm256_setzero_ps();
+        for (int j = 0; j < 4; ++j) {
+            v[j] = _mm256_loadu_ps(xb + 8 * j);
+            mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[j]));
+        }
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        const float amax = _mm_cvtss_f32(m4);
+        const __m256 iv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+        __m256i i[4], f[4];
+        __m256i sum1 = _mm256_setzero_si256(), sum2 = _mm256_setzero_si256();
+        for (int j = 0; j < 4; ++j) {
+            const __m256 y = _mm256_mul_ps(v[j], iv);
+            const __m256 r1 = _mm256_round_ps(y, rnd);
+            i[j] = _mm256_cvtps_epi32(r1);
+            sum1 = _mm256_add_epi32(sum1, i[j]);
+            if (p2) {
+                const __m256 r2 = _mm256_round_ps(_mm256_mul_ps(_mm256_sub_ps(y, r1), k256), rnd);
+                f[j] = _mm256_min_epi32(_mm256_set1_epi32(127), _mm256_cvtps_epi32(r2));
+                f[j] = _mm256_max_epi32(_mm256_set1_epi32(-127), f[j]);
+                sum2 = _mm256_add_epi32(sum2, f[j]);
+            }
+        }
+        _mm256_storeu_si256((__m256i *)(p1 + b * QK), pack_i8(i[0], i[1], i[2], i[3]));
+        const float d = amax / 127.0f;
+        if (p2) {
+            _mm256_storeu_si256((__m256i *)(p2 + b * QK), pack_i8(f[0], f[1], f[2], f[3]));
+            e[b] = d / 256.0f;
+            es[b] = (d / 256.0f) * (float)(256 * hsum_i32(sum1) + hsum_i32(sum2));
+        } else {
+            e[b] = d;
+            es[b] = d * (float)hsum_i32(sum1);
+        }
+    }
+}
+
+/* Eight int32 vectors to one: lane c holds the sum of all of d[c]'s lanes. */
+static inline __m256i reduce8(__m256i d0, __m256i d1, __m256i d2, __m256i d3, __m256i d4,
+                              __m256i d5, __m256i d6, __m256i d7) {
+    const __m256i q0 = _mm256_hadd_epi32(_mm256_hadd_epi32(d0, d1), _mm256_hadd_epi32(d2, d3));
+    const __m256i q1 = _mm256_hadd_epi32(_mm256_hadd_epi32(d4, d5), _mm256_hadd_epi32(d6, d7));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(q0, q1, 0x20),
+                            _mm256_permute2x128_si256(q0, q1, 0x31));
+}
+
+/* One weight block (eight columns' codes w, |w| in aw for 8-bit) against `rows` activation
+ * rows: eight integer dots per row, reduced to one vector of eight column sums, scaled. */
+static inline __attribute__((always_inline)) __m256i dot(const int bits, __m256i w, __m256i aw,
+                                                          __m256i x) {
+    return bits == 4 ? _mm256_maddubs_epi16(w, x) : _mm256_maddubs_epi16(aw, _mm256_sign_epi8(x, w));
+}
+
+static inline __attribute__((always_inline)) void block(
+    const int bits, const int two, const int rows, const __m256i *w, const __m256i *aw,
+    const int8_t *xq, const int8_t *xq2, const float *xe, const float *xes, int64_t K, int64_t nb,
+    int64_t b, __m256 dv, __m256 mv, int has_m, __m256 *acc, __m256 *corr) {
+    const __m256i ones = _mm256_set1_epi16(1), k256 = _mm256_set1_epi16(256);
+    for (int r = 0; r < rows; ++r) {
+        const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + r * K + b * QK));
+        __m256i x2 = x;
+        if (two) x2 = _mm256_loadu_si256((const __m256i *)(xq2 + r * K + b * QK));
+        __m256i d[8];
+        for (int c = 0; c < 8; ++c) {
+            if (two) /* 256 * sum(w p1) + sum(w p2), exact in int32 */
+                d[c] = _mm256_add_epi32(_mm256_madd_epi16(dot(bits, w[c], aw[c], x), k256),
+                                        _mm256_madd_epi16(dot(bits, w[c], aw[c], x2), ones));
+            else
+                d[c] = _mm256_madd_epi16(dot(bits, w[c], aw[c], x), ones);
+        }
+        const __m256 s = _mm256_cvtepi32_ps(reduce8(d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7]));
+        acc[r] = _mm256_fmadd_ps(s, _mm256_mul_ps(dv, _mm256_broadcast_ss(xe + r * nb + b)), acc[r]);
+        if (has_m) corr[r] = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(xes + r * nb + b), corr[r]);
+    }
+}
+
+/* Eight output columns (one tile: codes of column c at wc + c*row_bytes) for `rows` (1..MR, a
+ * constant after inlining) activation rows. 4-bit codes come two blocks per 32 bytes (block
+ * 2p in the low nibbles, 2p+1 in the high), so one load and three ops unpack 64 weights. */
+static inline __attribute__((always_inline)) void tile(
+    const int bits, const int two, const int rows, const int8_t *xq, const int8_t *xq2,
+    const float *xe, const float *xes,
+    int64_t K, const uint8_t *wc, const uint16_t *wd, const uint16_t *wm, int64_t bpg,
+    float *out, int64_t ldo, int64_t valid) {
+    const int64_t nb = K / QK;
+    const int64_t row_bytes = bits == 4 ? K / 2 : K;
+    const __m256i lo4 = _mm256_set1_epi8(0x0f);
+    const int has_m = wm != NULL;
+    __m256 acc[MR], corr[MR];
+    for (int r = 0; r < rows; ++r) acc[r] = corr[r] = _mm256_setzero_ps();
+    __m256 dv = _mm256_setzero_ps(), mv = _mm256_setzero_ps();
+    int64_t g = 0, k = 0; /* group of block b, and b's place in it */
+    for (int64_t b = 0; b < nb; b += 2) {
+        __m256i lo[8], hi[8], alo[8], ahi[8];
+        for (int c = 0; c < 8; ++c) {
+            const uint8_t *p = wc + c * row_bytes;
+            if (bits == 4) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(p + b * (QK / 2)));
+                lo[c] = _mm256_and_si256(v, lo4);
+                hi[c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
+                alo[c] = ahi[c] = _mm256_setzero_si256(); /* unused: codes are unsigned */
+            } else {
+                lo[c] = _mm256_loadu_si256((const __m256i *)(p + b * QK));
+                hi[c] = _mm256_loadu_si256((const __m256i *)(p + (b + 1) * QK));
+                alo[c] = _mm256_sign_epi8(lo[c], lo[c]);
+                ahi[c] = _mm256_sign_epi8(hi[c], hi[c]);
+            }
+        }
+        for (int half = 0; half < 2; ++half) {
+            if (k == 0) {
+                dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wd + g * 8)));
+                if (has_m) mv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wm + g * 8)));
+            }
+            block(bits, two, rows, half ? hi : lo, half ? ahi : alo, xq, xq2, xe, xes, K, nb,
+                  b + half, dv, mv, has_m, acc, corr);
+            if (++k == bpg) {
+                k = 0;
+                ++g;
+            }
+        }
+    }
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)valid), lane);
+    for (int r = 0; r < rows; ++r) {
+        const __m256 v = _mm256_add_ps(acc[r], corr[r]);
+        if (valid >= 8) _mm256_storeu_ps(out + r * ldo, v);
+        else _mm256_maskstore_ps(out + r * ldo, mask, v);
+    }
+}
+
+#define TILE_ROWS(BITS, TWO)                                                                 \
+    switch (rows) {                                                                          \
+    case 4: tile(BITS, TWO, 4, xr, xr2, er, esr, K, c, d, m, bpg, o, ldo, valid); break;     \
+    case 3: tile(BITS, TWO, 3, xr, xr2, er, esr, K, c, d, m, bpg, o, ldo, valid); break;     \
+    case 2: tile(BITS, TWO, 2, xr, xr2, er, esr, K, c, d, m, bpg, o, ldo, valid); break;     \
+    default: tile(BITS, TWO, 1, xr, xr2, er, esr, K, c, d, m, bpg, o, ldo, valid); break;    \
+    }
+
+static void columns(const int bits, int64_t M, int64_t K, const int8_t *xq, const int8_t *xq2,
+                    const float *xe, const float *xes, const uint8_t *wc, const uint16_t *wd,
+                    const uint16_t *wm, int64_t N, int64_t bpg, int64_t t0, int64_t t1, float *out,
+                    int64_t ldo) {
+    const int64_t nb = K / QK, groups = nb / bpg;
+    const int64_t row_bytes = bits == 4 ? K / 2 : K;
+    int64_t chunk = (24 * 1024) / (8 * row_bytes); /* column tiles whose codes stay in L1 */
+    if (chunk < 1) chunk = 1;
+    for (int64_t c0 = t0; c0 < t1; c0 += chunk) {
+        const int64_t c1 = c0 + chunk < t1 ? c0 + chunk : t1;
+        for (int64_t m0 = 0; m0 < M; m0 += MR) {
+            const int64_t rows = M - m0 < MR ? M - m0 : MR;
+            const int8_t *xr = xq + m0 * K, *xr2 = xq2 ? xq2 + m0 * K : NULL;
+            const float *er = xe + m0 * nb, *esr = xes + m0 * nb;
+            for (int64_t t = c0; t < c1; ++t) {
+                const uint8_t *c = wc + t * 8 * row_bytes;
+                const uint16_t *d = wd + t * groups * 8, *m = wm ? wm + t * groups * 8 : NULL;
+                float *o = out + m0 * ldo + t * 8;
+                const int64_t valid = N - t * 8;
+                if (bits == 4 && xr2) TILE_ROWS(4, 1)
+                else if (bits == 4) TILE_ROWS(4, 0)
+                else if (xr2) TILE_ROWS(8, 1)
+                else TILE_ROWS(8, 0)
+            }
+        }
+    }
+}
+
+/* out[M][ldo] (first N columns) = x[M][K] (row stride ldx) times W^T; returns 0, -1 when the
+ * workspace could not be allocated, -2 on a shape the layout cannot hold. The codes and the
+ * scales hold ceil(N/8)*8 columns (padding columns are zero). */
+static int gemm(const int bits, const float *x, int64_t M, int64_t K, int64_t ldx,
+                const uint8_t *wc, const uint16_t *wd, const uint16_t *wm, int64_t N, int64_t bpg,
+                float *out, int64_t ldo, int threads, int two) {
+    if (K % (2 * QK) || bpg < 1 || (K / QK) % bpg) return -2;
+    const int64_t nb = K / QK;
+    const size_t qbytes = ((size_t)(M * K) + 63) & ~(size_t)63;
+    const size_t levels = two ? 2 : 1;
+    char *ws = aligned_alloc(64, levels * qbytes + ((2 * M * nb * sizeof(float) + 63) & ~(size_t)63));
+    if (!ws) return -1;
+    int8_t *xq = (int8_t *)ws, *xq2 = two ? (int8_t *)(ws + qbytes) : NULL;
+    float *xe = (float *)(ws + levels * qbytes), *xes = xe + M * nb;
+    const int64_t tiles = (N + 7) / 8;
+    if (threads < 1) threads = 1;
+    if (threads > tiles) threads = (int)tiles;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        int t = 0, T = 1;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+        T = omp_get_num_threads();
+#endif
+        for (int64_t i = M * t / T; i < M * (t + 1) / T; ++i)
+            quantize_row(x + i * ldx, K, xq + i * K, xq2 ? xq2 + i * K : NULL, xe + i * nb, xes + i * nb);
+#pragma omp barrier
+        const int64_t t0 = tiles * t / T, t1 = tiles * (t + 1) / T;
+        if (t0 < t1) columns(bits, M, K, xq, xq2, xe, xes, wc, wd, wm, N, bpg, t0, t1, out, ldo);
+    }
+    free(ws);
+    return 0;
+}
+
+int kvg_w4a8(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *codes,
+             const uint16_t *d, const uint16_t *m, int64_t N, int64_t bpg, float *out,
+             int64_t ldo, int threads, int two) {
+    return gemm(4, x, M, K, ldx, codes, d, m, N, bpg, out, ldo, threads, two);
+}
+
+int kvg_w8a8(const float *x, int64_t M, int64_t K, int64_t ldx, const int8_t *codes,
+             const uint16_t *d, const uint16_t *m, int64_t N, int64_t bpg, float *out,
+             int64_t ldo, int threads, int two) {
+    return gemm(8, x, M, K, ldx, (const uint8_t *)codes, d, m, N, bpg, out, ldo, threads, two);
+}
+
+/* The activation quantisation alone, for tests: q1 [M][K], q2 [M][K] or NULL, e and es
+ * [M][K/32] as the GEMMs use them. */
+void kvg_quantize_rows(const float *x, int64_t M, int64_t K, int64_t ldx, int8_t *q1, int8_t *q2,
+                       float *e, float *es) {
+    for (int64_t i = 0; i < M; ++i)
+        quantize_row(x + i * ldx, K, q1 + i * K, q2 ? q2 + i * K : NULL, e + i * (K / QK),
+                     es + i * (K / QK));
+}

@@ -1,0 +1,171 @@
+"""The C W4A8 / W8A8 kernels (`kvguard.kernels.cpu_lowbit`): against a torch reference that
+quantises the activations the same way (tight), against the fp32 dequantised matmul (loose),
+and the fallback to torch's kernels where no compiler is found."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvguard.engine.layers.quant_spec import QuantSpec
+from kvguard.engine.layers.quantized_linear import QuantizedLinear, pick_kernel
+from kvguard.kernels import cpu_lowbit
+
+BATCHES = (1, 3, 17, 33)
+
+
+def gguf_like(fmt: str, out: int, cols: int, seed: int = 0) -> QuantSpec:
+    """Q4_0 (zero point 8), Q4_1 (a float min), Q8_0 (zero point 128) in groups of 32, or
+    `asym<group>`: 4-bit with float zero points in groups of `group` (AWQ/GPTQ-like)."""
+    g = torch.Generator().manual_seed(seed)
+    bits = 8 if fmt == "q8_0" else 4
+    group = int(fmt.removeprefix("asym")) if fmt.startswith("asym") else 32
+    q = torch.randint(0, 2**bits, (out, cols), generator=g, dtype=torch.uint8)
+    scales = (torch.rand(out, cols // group, generator=g) * 0.02 + 1e-3).half().float()
+    if fmt == "q4_0":
+        zeros = torch.full_like(scales, 8.0)
+    elif fmt == "q8_0":
+        zeros = torch.full_like(scales, 128.0)
+    else:
+        zeros = torch.rand(out, cols // group, generator=g) * (2**bits - 1)
+    return QuantSpec(q, scales, zeros, group, bits)
+
+
+def quantise_like_the_kernel(x: torch.Tensor, fine: bool = False) -> torch.Tensor:
+    """int8 per block of 32, scale amax/127, round half to even (and, `fine`, the remainder
+    in 1/256ths of a step, clamped to +-127): the dequantised activations."""
+    blocks = x.reshape(x.shape[0], -1, cpu_lowbit.BLOCK)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    y = blocks * inv
+    p1 = torch.round(y)
+    if not fine:
+        return (p1 * (amax / 127.0)).reshape(x.shape)
+    p2 = torch.round((y - p1) * 256).clamp(-127, 127)
+    return ((256 * p1 + p2) * (amax / 127.0 / 256.0)).reshape(x.shape)
+
+
+def weight_as_stored(spec: QuantSpec) -> torch.Tensor:
+    """`d q + m` with the fp16 scale and min the kernels hold (8-bit codes signed)."""
+    g = spec.group_size
+    d = spec.scales.half().float()
+    if spec.bits == 4:
+        q, m = spec.q.float(), (-spec.zeros * spec.scales).half().float()
+    else:
+        q, m = spec.q.float() - 128, ((128 - spec.zeros) * spec.scales).half().float()
+    return q * d.repeat_interleave(g, 1) + m.repeat_interleave(g, 1)
+
+
+def rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0", "asym64", "asym128"])
+@pytest.mark.parametrize("out", [40, 75])
+@pytest.mark.parametrize("fine", [True, False])
+def test_kernel_matches_references(fmt: str, out: int, fine: bool) -> None:
+    """Two activation levels (projections) or one (an `approximate`, refined lm_head)."""
+    spec = gguf_like(fmt, out, 256)
+    layer = QuantizedLinear(spec, approximate=not fine)
+    assert layer.kernel == ("w8a8" if fmt == "q8_0" else "w4a8") and layer.fine == fine
+    stored, full = weight_as_stored(spec), spec.dequantize()
+    for rows in BATCHES:
+        x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
+        got = layer(x)
+        assert got.shape == (rows, out) and got.dtype == torch.float32
+        assert rel(got, quantise_like_the_kernel(x, fine) @ stored.T) <= 1e-5
+        # one level: ~2 significant digits; two: the fp32 matmul's up to fp16 scales and mins
+        assert rel(got, x @ full.T) <= (2e-3 if fine else 2e-2)
+
+
+def test_activation_quantisation_is_the_reference_one() -> None:
+    x = torch.randn(7, 192) * torch.linspace(0.01, 100, 192)
+    x[2, :32] = 0.0  # an all-zero block: scale 0, codes 0
+    amax = x.reshape(7, -1, 32).abs().amax(-1)
+    q, none, e, es = cpu_lowbit.quantize_rows(x)
+    assert none is None and torch.equal(e, amax / 127.0)
+    assert q.abs().max().item() == 127 and not q[2, :32].any()
+    deq = (q.float().reshape(7, -1, 32) * e.unsqueeze(-1)).reshape(7, 192)
+    assert torch.equal(deq, quantise_like_the_kernel(x))
+    assert torch.allclose(es, e * q.float().reshape(7, -1, 32).sum(-1))
+
+    q1, q2, e, es = cpu_lowbit.quantize_rows(x, fine=True)
+    assert q2 is not None and torch.equal(q1, q) and torch.equal(e, amax / 127.0 / 256.0)
+    both = 256 * q1.float() + q2.float()
+    deq = (both.reshape(7, -1, 32) * e.unsqueeze(-1)).reshape(7, 192)
+    assert torch.equal(deq, quantise_like_the_kernel(x, fine=True))
+    assert (deq - x).abs().max().item() <= (amax.max() / 127 / 256).item()  # ~16 bits
+    assert torch.allclose(es, e * both.reshape(7, -1, 32).sum(-1))
+
+
+def test_threads_and_strides_do_not_change_the_result() -> None:
+    """Threads split output columns, each column computed alike: equal bit for bit; a row
+    stride wider than the row (a slice of a fused activation) is read in place."""
+    spec = gguf_like("q4_1", 200, 512)
+    layer = QuantizedLinear(spec)
+    wide = torch.randn(33, 700)
+    x = wide[:, 100:612]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = layer(x.contiguous())
+        torch.set_num_threads(2)
+        two = layer(x)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
+def test_large_batch_and_wide_layer_match_the_reference() -> None:
+    """A prefill-sized batch through a wide (lm_head-like) 8-bit matrix."""
+    spec = gguf_like("q8_0", 1001, 576, seed=3)
+    x = torch.randn(130, 576)
+    for fine in (True, False):
+        got = QuantizedLinear(spec, approximate=not fine)(x)
+        assert rel(got, quantise_like_the_kernel(x, fine) @ weight_as_stored(spec).T) <= 1e-5
+
+
+def test_without_a_compiler_the_torch_kernels_serve(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("KVGUARD_HOME", str(tmp_path))  # no library built there yet
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    cpu_lowbit.library.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvguard.kernels"):
+            assert not cpu_lowbit.available()
+        assert "no C compiler ($CC=/nonexistent/cc)" in caplog.text
+        assert "use torch's kernels" in caplog.text
+        for fmt, kernel in (("q4_1", "int4pack"), ("q8_0", "int4x2")):
+            spec = gguf_like(fmt, 64, 256)
+            layer = QuantizedLinear(spec)
+            assert layer.kernel == kernel == pick_kernel(spec, torch.device("cpu"))
+            x = torch.randn(5, 256)
+            assert rel(layer(x), x @ spec.dequantize().T) <= 1e-2
+        assert not (tmp_path / "kernels").exists() or not any((tmp_path / "kernels").iterdir())
+    finally:
+        cpu_lowbit.library.cache_clear()
+
+
+BUILD = """
+import sys
+from kvguard.kernels import cpu_lowbit
+sys.exit(0 if cpu_lowbit.available() else 1)
+"""
+
+
+def test_two_processes_compiling_at_once_both_load_one_library(tmp_path: Path) -> None:
+    """Each compiles to a temporary name and renames: both end with a whole library, and the
+    cache holds that one file."""
+    env = {**os.environ, "KVGUARD_HOME": str(tmp_path)}
+    env.pop("CC", None)
+    procs = [subprocess.Popen([sys.executable, "-c", BUILD], env=env) for _ in range(2)]
+    assert [p.wait(timeout=300) for p in procs] == [0, 0]
+    built = list((tmp_path / "kernels").iterdir())
+    assert len(built) == 1 and built[0].name.startswith("lowbit-") and built[0].suffix == ".so"

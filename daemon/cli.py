@@ -18,6 +18,7 @@ from kvguard.daemon.alerts_cli import add_alerts_parser
 from kvguard.daemon.audit_cli import add_audit_parser, add_db_parser
 from kvguard.daemon.bench_cli import add_bench_parser
 from kvguard.daemon.cli_serve import add_serve_parser, add_status_parser
+from kvguard.daemon.cli_worker import add_worker_parser
 from kvguard.daemon.rules_cli import add_rules_parser
 
 EXIT_USAGE = 2  # bad arguments, bad config, a model that cannot be loaded
@@ -205,6 +206,7 @@ def _print_outputs(prompts: list[str], outs: list[Any], as_json: bool) -> None:
 # -- entry point -------------------------------------------------------------------------------
 SUBCOMMANDS: dict[str, SubcommandBuilder] = {
     "serve": add_serve_parser,
+    "worker": add_worker_parser,
     "status": add_status_parser,
     "rules": add_rules_parser,
     "audit": add_audit_parser,

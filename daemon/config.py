@@ -42,7 +42,7 @@ from pydantic import (
 )
 from pydantic_core import ErrorDetails
 
-from kvguard.engine.config import ConfigError, EngineConfig, parse_bytes
+from kvguard.engine.config import ConfigError, DistributedConfig, EngineConfig, parse_bytes
 from kvguard.engine.knobs import DEVICE_EXPECTED, DEVICE_PATTERN, KnobField, MiB, build, knob_fields
 from kvguard.rules.durations import parse_duration
 from kvguard.rules.yaml_file import YamlFileError, load_yaml, read_source
@@ -156,8 +156,29 @@ def _knob_section(section: str) -> type[_Section]:
     return create_model(f"_{section}_knobs", __base__=_Section, **fields)  # type: ignore[call-overload]
 
 
+class DistributedSection(_Section):
+    """`serving.distributed`: ranks on other hosts (`kvguard worker`) and where they meet the
+    daemon (see kvguard.engine.config.DistributedConfig)."""
+
+    remote_ranks: list[int] = []
+    master_addr: str = "127.0.0.1"
+    master_port: int = Field(0, ge=0, le=65535)
+    interface: str = "lo"
+    allow_network: bool = False
+    join_timeout: Duration = Field(600.0, gt=0.0)
+    authkey_file: OptPath = None
+
+    def to_engine(self) -> DistributedConfig:
+        d = self.model_dump()
+        d["remote_ranks"] = tuple(d["remote_ranks"])
+        d["join_timeout_s"] = d.pop("join_timeout")
+        return DistributedConfig(**d)
+
+
 class ServingConfig(_knob_section("serving")):  # type: ignore[misc]
     """The model and the engine's knobs (seed §7 `serving`), declared on EngineConfig."""
+
+    distributed: DistributedSection = DistributedSection()
 
     @field_validator("max_num_batched_tokens")
     @classmethod
@@ -286,9 +307,10 @@ class DaemonConfig(_Section):
         problems = self._unservable()
         if problems:
             raise ConfigFileError([self._line(loc, msg) for loc, msg in problems])
-        return build(
+        engine = build(
             EngineConfig, {k.path: k.to_engine(self._knob_value(k)) for k in _ENGINE_KNOBS}
         )
+        return replace(engine, distributed=self.serving.distributed.to_engine())
 
     def _knob_value(self, k: KnobField) -> Any:
         """An engine knob's value as the file gives it; a null meaning "auto" is resolved here."""
@@ -316,7 +338,20 @@ class DaemonConfig(_Section):
                     "each at least 1)",
                 )
             )
-        return out + self._headroom_problem()
+        return out + self._network_problem() + self._headroom_problem()
+
+    def _network_problem(self) -> list[tuple[Loc, str]]:
+        """Remote ranks need a key, and a network address needs the operator's yes."""
+        d, world = self.serving.distributed, self.serving.tensor_parallel
+        world *= self.serving.pipeline_parallel
+        try:
+            d.to_engine().validate(world)
+        except ConfigError as e:
+            key = "master_addr" if "master_addr" in str(e) else "remote_ranks"
+            key = "authkey_file" if "authkey_file" in str(e) else key
+            why = str(e).removeprefix(f"distributed.{key}").lstrip("= ")
+            return [(("serving", "distributed", key), why)]
+        return []
 
     def _headroom_problem(self) -> list[tuple[Loc, str]]:
         """On CPU the pool is kv_cache_bytes; a headroom as large would refuse every request."""

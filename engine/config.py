@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,6 +40,56 @@ def parse_bytes(value: int | str, name: str = "size") -> int:
             f"{name}={value!r}: cannot read as a size, expected e.g. 268435456, '256MiB', '2GiB'"
         )
     return int(float(m.group(1)) * _SIZE_UNITS[m.group(2) or ""])
+
+
+def is_loopback(host: str) -> bool:
+    """Whether every address `host` resolves to is a loopback one."""
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
+
+
+def check_network(host: str, allow_network: bool, who: str) -> None:
+    """Refuse a non-loopback address unless the operator allowed network traffic."""
+    if not allow_network and not is_loopback(host):
+        raise ConfigError(
+            f"{who}={host!r} is not a loopback address: torch.distributed traffic is not "
+            "authenticated, so kvguard uses a network interface only when "
+            "serving.distributed.allow_network is true (that traffic belongs on a private network)"
+        )
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
+class DistributedConfig:
+    """Ranks on other hosts (`kvguard worker`) and where they meet the daemon (the config
+    file's `serving.distributed`). With no remote ranks every rank is a local worker process
+    and nothing listens on any port."""
+
+    remote_ranks: tuple[int, ...] = ()  # world ranks run by `kvguard worker` on other hosts
+    master_addr: str = "127.0.0.1"  # the rendezvous listens here, and only here
+    master_port: int = 0  # 0: any free port (logged); a multi-node deployment fixes one
+    interface: str = "lo"  # gloo's (and NCCL's) socket interface on this host
+    allow_network: bool = False  # a non-loopback master_addr is refused without it
+    join_timeout_s: float = 600.0  # how long the daemon waits for its remote ranks
+    authkey_file: Path | None = None  # the shared secret each remote rank must prove it holds
+
+    def validate(self, world_size: int) -> None:
+        ranks = list(self.remote_ranks)
+        bad = [r for r in ranks if not 0 < r < world_size]
+        if bad or len(set(ranks)) != len(ranks):
+            raise ConfigError(
+                f"distributed.remote_ranks={ranks}: expected distinct ranks in 1..{world_size - 1} "
+                f"(rank 0 is the daemon; the world is tensor_parallel x pipeline_parallel)"
+            )
+        if ranks:
+            check_network(self.master_addr, self.allow_network, "distributed.master_addr")
+            if self.authkey_file is None:
+                raise ConfigError(
+                    "distributed.authkey_file is required with remote ranks: each must prove "
+                    "it holds that secret before the daemon reads a byte from it"
+                )
 
 
 def kvguard_home() -> Path:
@@ -178,6 +230,7 @@ class EngineConfig:
         "awq_4bit, gptq_4bit and gguf insist on that format and refuse another checkpoint",
     )
     admission: AdmissionConfig | None = None  # None: accept every valid request (library use)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
     home: Path = field(default_factory=kvguard_home)  # $KVGUARD_HOME: the unit file sets it
 
     def __post_init__(self) -> None:
@@ -189,6 +242,7 @@ class EngineConfig:
         """Each knob against its declaration, then the rules that tie knobs together."""
         check_knobs(self)
         self._check_pipeline_layers()
+        self.distributed.validate(self.world_size)
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ConfigError(
                 f"max_num_batched_tokens={self.max_num_batched_tokens} < max_model_len="

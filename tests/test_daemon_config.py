@@ -20,7 +20,7 @@ from kvguard.daemon.config import (
     parse_duration,
 )
 from kvguard.engine.admission import AdmissionConfig
-from kvguard.engine.config import EngineConfig
+from kvguard.engine.config import DistributedConfig, EngineConfig
 
 DAEMON = Path(__file__).resolve().parents[1] / "daemon"
 EXAMPLES = DAEMON / "examples"
@@ -398,6 +398,21 @@ KNOB_SAMPLES: dict[tuple[str, ...], tuple[dict[str, dict[str, object]], object]]
     ("pipeline_layers",): (
         {"serving": {"pipeline_parallel": 2, "pipeline_layers": [20, 10]}},
         [20, 10],
+    ),
+    ("distributed",): (
+        {
+            "serving": {
+                "tensor_parallel": 2,
+                "distributed": {
+                    "remote_ranks": [1],
+                    "authkey_file": "/etc/kvguard/worker.key",
+                    "join_timeout": "30s",
+                },
+            }
+        },
+        DistributedConfig(
+            remote_ranks=(1,), authkey_file=Path("/etc/kvguard/worker.key"), join_timeout_s=30.0
+        ),
     ),
     ("model_quantization",): ({"quantization": {"model_quantization": "none"}}, "none"),
     ("enable_cpu_offload",): ({"offloading": {"enable_cpu_offload": True}}, True),

@@ -37,6 +37,7 @@ import torch
 
 from kvguard.engine.config import EngineConfig
 from kvguard.engine.distributed.errors import RankFailure
+from kvguard.engine.distributed.rendezvous import RendezvousServer, peer_closed
 from kvguard.engine.distributed.sharding import check_tensor_parallel, stage_layers
 from kvguard.engine.distributed.step_message import KVOp, StepEncoder
 from kvguard.engine.distributed.worker import (
@@ -65,12 +66,17 @@ STOP_GRACE_S = 5.0
 @dataclass(slots=True)
 class WorkerHandle:
     rank: int
-    process: subprocess.Popen
+    process: subprocess.Popen | None  # None: a remote rank (`kvguard worker` on another host)
     conn: Connection
     info: dict = field(default_factory=dict)
+    host: str = ""  # a remote rank's address
 
     def death(self) -> str | None:
         """Why this worker is gone, or None while it runs."""
+        if self.process is None:
+            if peer_closed(self.conn):
+                return f"(remote, {self.host}) closed its connection"
+            return None
         code = self.process.poll()
         if code is None:
             return None
@@ -132,11 +138,17 @@ class TensorParallelRunner(ModelRunner):
         layers = stage_layers(mcfg.num_layers, config.pipeline_parallel, config.pipeline_layers)
         backend = "nccl" if pick_device(config.device).type == "cuda" else "gloo"
         rendezvous = Path(tempfile.mkdtemp(prefix="kvguard-tp-")) / "store"
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", LOOPBACK)
+        remote = set(config.distributed.remote_ranks)
+        _set_interface(config.distributed.interface if remote else LOOPBACK)
         workers: list[WorkerHandle] = []
+        server = _open_rendezvous(config, str(rendezvous)) if remote else None
         try:
             for rank in range(1, size):
-                workers.append(_spawn(rank, size, str(rendezvous), backend, config, path))
+                if rank not in remote:
+                    workers.append(_spawn(rank, size, str(rendezvous), backend, config, path))
+            if server is not None:
+                workers += _admit_remote(server, config, backend)
+                workers.sort(key=lambda w: w.rank)
             torch.set_num_threads(config.num_threads or threads_per_rank(size))
             tp, stage = join_group(0, config, layers, str(rendezvous), backend)
             runner = ModelRunner.from_config(config, path, mcfg, tp, stage)
@@ -148,13 +160,15 @@ class TensorParallelRunner(ModelRunner):
             _leave_group()
             raise
         finally:
+            if server is not None:
+                server.close()
             shutil.rmtree(rendezvous.parent, ignore_errors=True)  # every rank has joined
         log.info(
             "tensor parallel %d x pipeline %d (layers %s): workers %s on %s",
             config.tensor_parallel,
             config.pipeline_parallel,
             ", ".join(f"{r.start}-{r.stop - 1}" for r in layers),
-            ", ".join(f"rank {w.rank} pid {w.process.pid}" for w in workers),
+            ", ".join(_where(w) for w in workers),
             backend,
         )
         out = cls(runner, workers, config.tensor_parallel_timeout_s)
@@ -166,7 +180,8 @@ class TensorParallelRunner(ModelRunner):
         _leave_group()
 
     def worker_pids(self) -> list[int]:
-        return [w.process.pid for w in self.workers]
+        """The local worker processes (remote ranks run on other hosts)."""
+        return [w.process.pid for w in self.workers if w.process is not None]
 
     def kv_bytes_per_rank(self) -> list[int]:
         """Every rank holds the same block count of the same number of KV heads (split or
@@ -202,7 +217,7 @@ class TensorParallelRunner(ModelRunner):
                     self._fail(RankFailure(w.rank, why))
             time.sleep(0.02)
         for w in self.workers:
-            if _state(w.process.pid) == "T":
+            if w.process is not None and _state(w.process.pid) == "T":
                 self._fail(
                     RankFailure(
                         w.rank,
@@ -314,6 +329,48 @@ class TensorParallelRunner(ModelRunner):
         return super().convert_kv(dtype, tiers)
 
 
+def _where(w: WorkerHandle) -> str:
+    return f"rank {w.rank} " + (f"pid {w.process.pid}" if w.process else f"remote {w.host}")
+
+
+def _set_interface(name: str) -> None:
+    """The socket interface gloo and NCCL use on this host; an operator's setting wins."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", name)
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", name)
+
+
+def _open_rendezvous(config: EngineConfig, store: str) -> RendezvousServer:
+    d = config.distributed
+    if d.authkey_file is None:  # validated with the config; kept for type checkers
+        raise RankFailure(-1, "has remote ranks but no distributed.authkey_file")
+    key = Path(d.authkey_file).read_bytes().strip()
+    size = config.world_size
+    server = RendezvousServer(d.master_addr, d.master_port, key, size, list(d.remote_ranks), store)
+    host, port = server.address
+    log.info(
+        "waiting up to %gs for remote ranks %s: kvguard worker --master %s:%d --rank R "
+        "--world-size %d",
+        d.join_timeout_s,
+        ", ".join(str(r) for r in sorted(d.remote_ranks)),
+        host,
+        port,
+        size,
+    )
+    return server
+
+
+def _admit_remote(
+    server: RendezvousServer, config: EngineConfig, backend: str
+) -> list[WorkerHandle]:
+    """Wait for every remote rank (RankFailure naming the missing ones), then tell each what
+    rank 0 tells a local worker; a remote rank resolves the model in its own cache."""
+    out = []
+    for r in server.wait(config.distributed.join_timeout_s).values():
+        r.control.send(WorkerArgs(r.rank, config.world_size, "", backend, config, None, 0))
+        out.append(WorkerHandle(r.rank, None, r.control, host=r.host))
+    return out
+
+
 def _state(pid: int) -> str:
     """The process state letter from /proc (T: stopped), '' when it cannot be read."""
     try:
@@ -348,6 +405,9 @@ def _stop(workers: list[WorkerHandle]) -> None:
             w.conn.send(("stop", None))
     deadline = time.monotonic() + STOP_GRACE_S
     for w in workers:
+        if w.process is None:  # a remote rank stops itself; its host's systemd restarts it
+            w.conn.close()
+            continue
         try:
             w.process.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:

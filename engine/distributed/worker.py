@@ -17,10 +17,11 @@ import pickle
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -30,6 +31,7 @@ from kvguard.engine.distributed.sharding import stage_layers
 from kvguard.engine.distributed.step_message import StepDecoder, StepMessage
 from kvguard.engine.model import weight_bytes
 from kvguard.engine.model_config import ModelConfig
+from kvguard.engine.model_registry import resolve_model
 from kvguard.engine.model_runner import ModelRunner, build_step
 
 log = logging.getLogger("kvguard.engine.worker")
@@ -58,7 +60,7 @@ def join_group(
     rank: int,
     config: EngineConfig,
     layers: list[range],
-    store: str,
+    store: str | Any,
     backend: str,
 ) -> tuple[TPGroup, PipelineStage]:
     """Join the ranks' process group; return this rank's tensor-parallel group (what the
@@ -77,9 +79,9 @@ def join_group(
     tp_size, pp_size = config.tensor_parallel, config.pipeline_parallel
     size = tp_size * pp_size
     startup = timedelta(seconds=STARTUP_TIMEOUT_S)
-    dist.init_process_group(
-        backend, store=dist.FileStore(store, size), rank=rank, world_size=size, timeout=startup
-    )
+    if isinstance(store, str):
+        store = dist.FileStore(store, size)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=startup)
     step = timedelta(seconds=config.tensor_parallel_timeout_s)
     world = dist.new_group(list(range(size)), timeout=step)
     mine = world
@@ -100,11 +102,11 @@ class WorkerArgs:
 
     rank: int
     size: int
-    store: str  # the rendezvous file, in a directory only this user can read
+    store: str  # the rendezvous file, in a directory only this user can read ("": remote)
     backend: str
     config: EngineConfig
-    path: Path
-    parent_pid: int
+    path: Path | None  # None: a remote rank resolves the model in its own cache
+    parent_pid: int  # 0: a remote rank, whose parent is its host's systemd
 
 
 def main(argv: list[str]) -> None:
@@ -113,18 +115,23 @@ def main(argv: list[str]) -> None:
     worker_main(args, conn)
 
 
-def worker_main(args: WorkerArgs, conn: Connection) -> None:
+def worker_main(args: WorkerArgs, conn: Connection, store: Any = None) -> bool:
+    """Join, load, serve until told to stop (True) or until rank 0 is gone (False). `store`:
+    a remote rank's store proxy, in place of the rendezvous file."""
     rank, size, config, path = args.rank, args.size, args.config, args.path
-    die_with_parent(args.parent_pid)
+    if args.parent_pid:
+        die_with_parent(args.parent_pid)
     logging.basicConfig(
         level=os.environ.get("KVGUARD_LOG_LEVEL", "INFO").upper(),
         format=f"%(asctime)s %(levelname)s tp-rank-{rank} %(name)s: %(message)s",
     )
     torch.set_num_threads(config.num_threads or threads_per_rank(size))
     try:
+        if path is None:
+            path = resolve_model(config.model, config.home, False, config.model_quantization)
         mcfg = ModelConfig.from_dir(path)
         layers = stage_layers(mcfg.num_layers, config.pipeline_parallel, config.pipeline_layers)
-        tp, stage = join_group(rank, config, layers, args.store, args.backend)
+        tp, stage = join_group(rank, config, layers, store or args.store, args.backend)
         runner = ModelRunner.from_config(config, path, mcfg, tp, stage)
         info = {
             "pid": os.getpid(),
@@ -136,7 +143,7 @@ def worker_main(args: WorkerArgs, conn: Connection) -> None:
         log.exception("rank %d failed to start", rank)
         _send(conn, ("failed", f"{type(e).__name__}: {e}"))
         os._exit(1)
-    Worker(runner, conn).run()
+    return Worker(runner, conn).run()
 
 
 def _send(conn: Connection, msg: object) -> None:
@@ -151,14 +158,15 @@ class Worker:
         self.decoder = StepDecoder()
         self.busy_s = 0.0  # seconds in this rank's forward (the pipeline benchmark reads it)
 
-    def run(self) -> None:
+    def run(self) -> bool:
+        """Serve rank 0's messages: True when told to stop, False when rank 0 is gone."""
         while True:
             try:
                 kind, payload = self.conn.recv()
             except (EOFError, OSError):
-                return  # rank 0 is gone
+                return False
             if kind == "stop":
-                return
+                return True
             getattr(self, f"on_{kind}")(payload)
 
     @torch.inference_mode()
@@ -213,6 +221,36 @@ class Worker:
     def on_stats(self, _payload: object) -> None:
         """Seconds spent computing since start (busy); the rest of a rank's time is waiting."""
         self.conn.send(("stats", {"busy_s": self.busy_s}))
+
+
+def remote_main(
+    master: tuple[str, int],
+    rank: int,
+    world_size: int,
+    authkey: bytes,
+    connect_timeout_s: float,
+) -> int:
+    """`kvguard worker`: join the daemon at `master` as `rank` from another host; the exit
+    status: 0 when the daemon stopped it, 1 when it lost the daemon (systemd restarts it
+    either way, and it rejoins when the daemon is back)."""
+    from kvguard.engine.config import kvguard_home
+    from kvguard.engine.distributed.rendezvous import StoreProxy, connect
+
+    control, store = connect(master, authkey, rank, world_size, connect_timeout_s)
+    args: WorkerArgs = control.recv()
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", args.config.distributed.interface)
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", args.config.distributed.interface)
+    args = replace(args, config=replace(args.config, home=kvguard_home()))  # this host's cache
+    try:
+        stopped = worker_main(args, control, StoreProxy(store))
+    except Exception:  # noqa: BLE001 - a collective broken by a lost master, most likely
+        log.exception("rank %d: a step failed", rank)
+        stopped = False
+    if not stopped:
+        log.error("rank %d lost its master at %s:%d; exiting", rank, *master)
+        return 1
+    log.info("rank %d stopped by its master", rank)
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,157 @@
+"""A rank on "another host": `kvguard worker` started as its own process, as another node would
+start it, joining a `kvguard serve` over the authenticated rendezvous on loopback (pipeline
+parallel 2: the daemon runs stage 0, the remote worker stage 1)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from kvguard.engine.config import ConfigError, DistributedConfig
+from tests.test_server import KVGUARD, TOKEN, free_port, until
+from tests.test_tensor_parallel_serve import ask, ready
+
+LISTENING = re.compile(r"kvguard worker --master (127\.0\.0\.1:\d+) --rank R --world-size 2")
+
+
+class Cluster:
+    """A daemon serving the tiny model at pipeline_parallel 2 with rank 1 remote."""
+
+    def __init__(self, tmp: Path, join_timeout: str = "120s") -> None:
+        self.tmp = tmp
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.key = tmp / "worker.key"
+        self.key.write_text("a shared secret for this test\n")
+        (tmp / "admin.token").write_text(TOKEN + "\n")
+        config = tmp / "config.yaml"
+        config.write_text(
+            "serving: {model: tiny, device: cpu, kv_cache_bytes: 8MiB, max_model_len: 512,\n"
+            f"  pipeline_parallel: 2, tensor_parallel_timeout: 30s,\n"
+            f"  distributed: {{remote_ranks: [1], authkey_file: '{self.key}',"
+            f" join_timeout: {join_timeout}}}}}\n"
+            "admission_control: {reserved_headroom_mb: 0}\n"
+            f"api: {{host: 127.0.0.1, port: {self.port}, admin_token_file: {tmp / 'admin.token'}}}\n"
+            f"audit: {{url: 'sqlite:///{tmp / 'audit.db'}'}}\n"
+        )
+        self.log_path = tmp / "daemon.log"
+        with open(self.log_path, "w") as log:
+            self.daemon = subprocess.Popen(
+                [KVGUARD, "serve", "--config", str(config)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "STATE_DIRECTORY": str(tmp)},
+            )
+        self.worker: subprocess.Popen | None = None
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def master(self) -> str:
+        """HOST:PORT the daemon listens on for its remote ranks, once it says so."""
+        found: list[str] = []
+
+        def listening() -> bool:
+            assert self.daemon.poll() is None, self.log()
+            found[:] = LISTENING.findall(self.log())
+            return bool(found)
+
+        until(listening, 120, "the daemon to listen for remote ranks")
+        return found[0]
+
+    def start_worker(self) -> subprocess.Popen:
+        with open(self.tmp / "worker.log", "w") as log:
+            self.worker = subprocess.Popen(
+                [KVGUARD, "worker", "--master", self.master(), "--rank", "1"]
+                + ["--world-size", "2", "--authkey-file", str(self.key)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        return self.worker
+
+    def wait_ready(self) -> None:
+        until(lambda: ready(self.daemon, self.url, self.tmp), 180, "the daemon to be ready")
+
+    def close(self) -> None:
+        for p in (self.daemon, self.worker):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait(30)
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, tiny_dir: Path):  # noqa: ANN201 - a generator fixture
+    c = Cluster(tmp_path)
+    yield c
+    c.close()
+
+
+def test_a_remote_worker_joins_serves_and_exits_non_zero_when_it_loses_the_master(
+    cluster: Cluster,
+) -> None:
+    worker = cluster.start_worker()
+    cluster.wait_ready()
+    r = ask(cluster.url)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 8
+    assert "remote rank 1 joined from 127.0.0.1" in cluster.log()
+    cluster.daemon.send_signal(signal.SIGKILL)  # the master host goes away
+    cluster.daemon.wait(30)
+    assert worker.wait(60) == 1
+    assert "lost its master" in (cluster.tmp / "worker.log").read_text()
+
+
+def test_a_remote_worker_killed_mid_run_makes_the_daemon_exit_non_zero(cluster: Cluster) -> None:
+    worker = cluster.start_worker()
+    cluster.wait_ready()
+    assert ask(cluster.url).usage.completion_tokens == 8
+    worker.kill()
+    worker.wait(30)
+    assert cluster.daemon.wait(60) != 0
+    assert "rank 1 (remote, 127.0.0.1) closed its connection" in cluster.log()
+
+
+def test_the_daemon_fails_naming_a_remote_rank_that_never_joins(tmp_path: Path, tiny_dir) -> None:  # noqa: ANN001
+    c = Cluster(tmp_path, join_timeout="2s")
+    try:
+        assert c.daemon.wait(120) != 0
+        log = c.log()
+        assert "rank 1 did not join within 2s" in log
+        assert "kvguard worker --master 127.0.0.1:" in log
+    finally:
+        c.close()
+
+
+def test_a_wrong_key_is_refused_before_anything_is_read(cluster: Cluster) -> None:
+    master = cluster.master()
+    cluster.key.write_text("not the daemon's secret\n")  # the worker reads this one
+    wrong = subprocess.run(
+        [KVGUARD, "worker", "--master", master, "--rank", "1", "--world-size", "2"]
+        + ["--authkey-file", str(cluster.key), "--connect-timeout", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert wrong.returncode == 2 and "did not accept this worker's key" in wrong.stderr
+    until(lambda: "refused a connection to the rendezvous" in cluster.log(), 30, "the refusal")
+
+
+def test_a_network_address_is_refused_without_allow_network() -> None:
+    with pytest.raises(ConfigError, match=r"'10\.1\.2\.3' is not a loopback address"):
+        DistributedConfig(
+            remote_ranks=(1,), master_addr="10.1.2.3", authkey_file=Path("k")
+        ).validate(2)
+    DistributedConfig(
+        remote_ranks=(1,), master_addr="10.1.2.3", authkey_file=Path("k"), allow_network=True
+    ).validate(2)
+    refused = subprocess.run(
+        [KVGUARD, "worker", "--master", "10.1.2.3:29500", "--rank", "1", "--world-size", "2"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert refused.returncode == 2 and "not a loopback address" in refused.stderr

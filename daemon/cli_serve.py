@@ -118,7 +118,7 @@ def _print_state(s: dict) -> None:
     if adm.get("device_block_cap"):
         print(f"kv cap       {adm['device_block_cap']} device blocks (keeps the FP8 undo open)")
     tp = s.get("tensor_parallel")  # absent from older daemons
-    if tp and tp["size"] > 1:
+    if tp and (tp["size"] > 1 or tp.get("pipeline_stages", 1) > 1):
         print("ranks        " + _ranks_line(tp))
     print("knobs        " + "  ".join(f"{k}={v}" for k, v in s["knobs"].items()))
     print("preemptions  " + "  ".join(f"{k}={v}" for k, v in s["preemptions"].items()))
@@ -134,7 +134,9 @@ def _ranks_line(tp: dict) -> str:
     """Tensor parallelism at a glance: the ranks, the worker processes, a failure if any."""
     pids = ", ".join(str(p) for p in tp["worker_pids"])
     per_rank = tp["kv_cache_rank_bytes"][0] / 2**20 if tp["kv_cache_rank_bytes"] else 0.0
-    line = f"{tp['size']} tensor-parallel  workers pid {pids}  KV {per_rank:.0f} MiB per rank"
+    stages = tp.get("pipeline_stages", 1)  # absent from older daemons
+    split = f"{tp['size']} tensor-parallel" + (f" x {stages} pipeline stages" if stages > 1 else "")
+    line = f"{split}  workers pid {pids}  KV {per_rank:.0f} MiB per rank"
     return line + (f"  FAILED: {tp['failure']}" if tp["failure"] else "")
 
 

@@ -345,7 +345,7 @@ class DaemonConfig(_Section):
         d, world = self.serving.distributed, self.serving.tensor_parallel
         world *= self.serving.pipeline_parallel
         try:
-            d.to_engine().validate(world)
+            d.to_engine().validate(world, self.serving.tensor_parallel)
         except ConfigError as e:
             key = "master_addr" if "master_addr" in str(e) else "remote_ranks"
             key = "authkey_file" if "authkey_file" in str(e) else key

@@ -484,6 +484,7 @@ class Service:
             "admission_decisions": s.admission_decisions,
             "tensor_parallel": {
                 "size": self.engine.config.tensor_parallel,
+                "pipeline_stages": self.engine.config.pipeline_parallel,
                 "worker_pids": self.worker_pids,
                 "kv_cache_rank_bytes": self.kv_rank_bytes,
                 "failure": None if self.loop.fatal is None else str(self.loop.fatal),

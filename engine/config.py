@@ -75,7 +75,7 @@ class DistributedConfig:
     join_timeout_s: float = 600.0  # how long the daemon waits for its remote ranks
     authkey_file: Path | None = None  # the shared secret each remote rank must prove it holds
 
-    def validate(self, world_size: int) -> None:
+    def validate(self, world_size: int, tp_size: int = 1) -> None:
         ranks = list(self.remote_ranks)
         bad = [r for r in ranks if not 0 < r < world_size]
         if bad or len(set(ranks)) != len(ranks):
@@ -83,6 +83,14 @@ class DistributedConfig:
                 f"distributed.remote_ranks={ranks}: expected distinct ranks in 1..{world_size - 1} "
                 f"(rank 0 is the daemon; the world is tensor_parallel x pipeline_parallel)"
             )
+        for first in range(0, world_size, tp_size):  # a stage's tensor-parallel group
+            group = set(range(first, first + tp_size))
+            if group & set(ranks) and not group <= set(ranks):
+                raise ConfigError(
+                    f"distributed.remote_ranks={ranks}: the tensor-parallel group of ranks "
+                    f"{first}..{first + tp_size - 1} would span hosts (its all-reduces need one "
+                    "host's links): list all of its ranks or none"
+                )
         if ranks:
             check_network(self.master_addr, self.allow_network, "distributed.master_addr")
             if self.authkey_file is None:
@@ -242,7 +250,7 @@ class EngineConfig:
         """Each knob against its declaration, then the rules that tie knobs together."""
         check_knobs(self)
         self._check_pipeline_layers()
-        self.distributed.validate(self.world_size)
+        self.distributed.validate(self.world_size, self.tensor_parallel)
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ConfigError(
                 f"max_num_batched_tokens={self.max_num_batched_tokens} < max_model_len="

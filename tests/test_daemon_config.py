@@ -402,7 +402,7 @@ KNOB_SAMPLES: dict[tuple[str, ...], tuple[dict[str, dict[str, object]], object]]
     ("distributed",): (
         {
             "serving": {
-                "tensor_parallel": 2,
+                "pipeline_parallel": 2,
                 "distributed": {
                     "remote_ranks": [1],
                     "authkey_file": "/etc/kvguard/worker.key",

@@ -155,3 +155,10 @@ def test_a_network_address_is_refused_without_allow_network() -> None:
         timeout=60,
     )
     assert refused.returncode == 2 and "not a loopback address" in refused.stderr
+
+
+def test_a_tensor_parallel_group_split_across_hosts_is_refused() -> None:
+    key = Path("k")
+    with pytest.raises(ConfigError, match=r"ranks 2\.\.3 would span hosts"):
+        DistributedConfig(remote_ranks=(2,), authkey_file=key).validate(4, 2)
+    DistributedConfig(remote_ranks=(2, 3), authkey_file=key).validate(4, 2)  # stage 1, whole

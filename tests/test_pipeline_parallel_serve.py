@@ -53,10 +53,19 @@ def test_the_large_baseline_scaled_down_serves_a_request(tmp_path: Path) -> None
         until(lambda: ready(proc, url, tmp_path), 180, "the four-rank daemon to be ready")
         tp = tensor_parallel(url)
         assert tp["size"] == 2 and len(tp["worker_pids"]) == 3 and tp["failure"] is None
+        assert tp["pipeline_stages"] == 2
         r = ask(url)
         assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 8
         log_text = (tmp_path / "daemon.log").read_text()
         assert "tensor parallel 2 x pipeline 2 (layers 0-0, 1-1)" in log_text
+        status = subprocess.run(
+            [KVGUARD, "status", "--url", url, "--token-file", str(tmp_path / "admin.token")],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert status.returncode == 0, status.stderr
+        assert "2 tensor-parallel x 2 pipeline stages  workers pid" in status.stdout
         stop_and_check_workers(proc, tp["worker_pids"])
     finally:
         if proc.poll() is None:

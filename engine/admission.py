@@ -15,8 +15,11 @@ ran to, not from its max_tokens: an online quantile (the median by default) of r
 have finished.
 Commitments are then judged by the peak the admitted requests reach together, given that each
 decodes one token per step and frees its KV when it ends (`overlap_peak`), instead of the sum of
-their individual peaks, which they never reach at once. A wrong guess loses nothing: the request
-runs on and preemption (swap first), eviction and the ladder absorb the overshoot.
+their individual peaks, which they never reach at once. The safety factor stretches what is
+uncertain, the output still to come (never past max_tokens), not the tokens a request already
+holds: those are known to the token, and inflating them kept an eighth of the pool reserved and
+empty. A wrong guess loses nothing: the request runs on and preemption (swap first), eviction
+and the ladder absorb the overshoot.
 `estimate: worst_case` keeps the brief's rule: the sum of (prompt + max_tokens) peaks.
 """
 
@@ -32,6 +35,7 @@ from kvguard.engine.knobs import MiB, check_knobs, knob
 
 EMERGENCY_USAGE = 0.95
 HIGH = 0
+NORMAL = 1
 
 
 @dataclass(slots=True, kw_only=True)
@@ -71,6 +75,15 @@ class AdmissionConfig:
         choices=("predicted", "worst_case"),
         doc="project outputs from realised lengths (predicted) or from max_tokens (worst_case)",
     )
+    low_priority_delay_s: float = knob(
+        1.0,
+        section="admission_control",
+        key="low_priority_delay",
+        kind="duration",
+        ge=0.0,
+        doc="queued low requests go ahead of normal ones that arrived this much later "
+        "(a normal burst delays low traffic by this, never starves it)",
+    )
     # The median, not a high quantile: admission judges the whole batch's peak, and over a
     # batch the long and short answers even out; the safety factor is the batch's margin, and
     # preemption absorbs what still outruns it. (0.9 left KV at 0.74 in the overload bench.)
@@ -90,12 +103,18 @@ class AdmissionConfig:
 LiveLoad = tuple[int, int]
 
 
+def stretch(expected: int, cap: int, factor: float) -> int:
+    """Output still to come, planned with a margin: `expected` × factor, never past `cap` (what
+    max_tokens leaves), which is certain."""
+    return max(0, min(cap, math.ceil(expected * factor)))
+
+
 def overlap_peak(loads: Iterable[LiveLoad], block_size: int = 1, factor: float = 1.0) -> int:
     """The most KV blocks a set of requests will hold at one time (tokens with block_size 1).
 
     Continuous batching decodes every running request one token per step, so τ steps from now
     request i holds held_i + τ tokens (× `factor`, rounded up to blocks) while τ <= remaining_i,
-    and nothing after. Each term only grows until its request ends, so the maximum is at τ = 0
+    and nothing after. (Predicted admission passes margins in `remaining` and factor 1.) Each term only grows until its request ends, so the maximum is at τ = 0
     or at some remaining_i: evaluating those points is exact, O(n²) for the few dozen requests
     a batch holds.
     """
@@ -224,15 +243,21 @@ class AdmissionController:
         """Output tokens a request with this max_tokens is planned for."""
         return self.estimator.predict(max_tokens) if self.predicted else max_tokens
 
-    def fits(self, prompt_len: int, planned: int, limit: int, rank: int = HIGH) -> bool:
+    def fits(
+        self, prompt_len: int, planned: int, limit: int, rank: int = HIGH, cap: int | None = None
+    ) -> bool:
         """Whether a new request keeps the admitted requests' overlap peak within `limit`.
+
+        `planned` output tokens are stretched by the safety factor up to `cap` (its max_tokens;
+        None: planned itself); the live loads come stretched already (the policy's).
 
         A `high` request is judged against high-priority work only: whatever lower-priority
         work would have to make room for it is preempted (lowest priority, newest first, swap
         first), so commitments of the burst's normal and low requests, which grow past their
         plans, never make high priority queue."""
-        loads = [*self.live(HIGH if rank == HIGH else None), (prompt_len, planned)]
-        return overlap_peak(loads, self.block_size, self.config.safety_factor) <= limit
+        rest = stretch(planned, planned if cap is None else cap, self.config.safety_factor)
+        loads = [*self.live(HIGH if rank == HIGH else None), (prompt_len, rest)]
+        return overlap_peak(loads, self.block_size) <= limit
 
     def budget_blocks(self, total_blocks: int) -> int:
         headroom = -(-self.config.reserved_headroom_bytes // self.bytes_per_block)
@@ -292,7 +317,7 @@ class AdmissionController:
         planned = self.plan_tokens(n)
         need = self.projected_blocks(prompt_len + planned)
         if self.predicted:
-            room = self.fits(prompt_len, planned, limit, rank)
+            room = self.fits(prompt_len, planned, limit, rank, n)
         else:
             room = self.committed_blocks + need <= limit
         if room and queued == 0:
@@ -306,14 +331,19 @@ class AdmissionController:
 
     # -- commitments --------------------------------------------------------------------------
     def try_commit(
-        self, blocks: int, total_blocks: int, rank: int = HIGH, load: LiveLoad | None = None
+        self,
+        blocks: int,
+        total_blocks: int,
+        rank: int = HIGH,
+        load: LiveLoad | None = None,
+        cap: int | None = None,
     ) -> bool:
         """Reserve a projected peak when a queued request is about to start; predicted
-        admission judges the request's `load` (prompt, planned output) against the overlap
-        peak instead of the sum of committed peaks."""
+        admission judges the request's `load` (tokens held, planned output still to come, at
+        most `cap`) against the overlap peak instead of the sum of committed peaks."""
         limit = self.limit_blocks(total_blocks, rank)
         if self.predicted and load is not None:
-            if not self.fits(load[0], load[1], limit, rank):
+            if not self.fits(load[0], load[1], limit, rank, cap):
                 return False
         elif self.committed_blocks + blocks > limit:
             return False

@@ -16,7 +16,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from kvguard.engine.admission import HIGH, AdmissionController, AdmissionDecision
+from kvguard.engine.admission import (
+    HIGH,
+    NORMAL,
+    AdmissionController,
+    AdmissionDecision,
+    stretch,
+)
 from kvguard.engine.sequence import Sequence
 
 HALT_RETRY_S = 5.0
@@ -90,6 +96,17 @@ class AdmissionPolicy:
             ctl.commit(blocks)
         self._tickets[seq.request_id] = ticket
 
+    def queue_key(self, seq: Sequence) -> tuple[int, float, int]:
+        """Where `seq` waits in line. Without a controller: strict priority, then arrival.
+        With one, `high` goes first and normal and low requests are served by arrival, a low
+        one as if it had come `low_priority_delay_s` later: a burst of normal traffic delays
+        low requests by that much, never starves them for the whole burst."""
+        ctl = self.controller
+        if ctl is None or seq.priority == HIGH:
+            return (seq.priority, 0.0, seq.order)
+        delay = ctl.config.low_priority_delay_s if seq.priority > NORMAL else 0.0
+        return (NORMAL, seq.arrival_time + delay, seq.order)
+
     def decision(self, seq: Sequence) -> AdmissionDecision | None:
         t = self._tickets.get(seq.request_id)
         return None if t is None else t.decision
@@ -105,8 +122,12 @@ class AdmissionPolicy:
         if t is None or t.admitted:
             return True
         ctl = self.controller
-        load = (seq.num_tokens, t.decision.predicted_tokens if t.decision else 1)
-        if ctl is not None and not ctl.try_commit(t.projected_blocks, capacity, seq.priority, load):
+        made = len(seq.output_token_ids)  # a recomputed request has some output already
+        planned = max(1, (t.decision.predicted_tokens if t.decision else 1) - made)
+        load, cap = (seq.num_tokens, planned), max(0, seq.max_tokens - made)
+        if ctl is not None and not ctl.try_commit(
+            t.projected_blocks, capacity, seq.priority, load, cap
+        ):
             return False
         t.admitted = True
         return True
@@ -132,9 +153,11 @@ class AdmissionPolicy:
 
     def _live_loads(self, max_rank: int | None = None) -> list[tuple[int, int]]:
         """(tokens held, tokens still expected) of every admitted, unfinished request of rank
-        <= max_rank (None: all). A request past its prediction is expected to need at least
-        another block (or what its max_tokens leaves), not to end this very step."""
+        <= max_rank (None: all), the tokens to come stretched by the safety factor (never
+        past what max_tokens leaves). A request past its prediction is expected to need at
+        least another block (or what its max_tokens leaves), not to end this very step."""
         out = []
+        factor = self.controller.config.safety_factor if self.controller else 1.0
         for s in self._live():
             t = self._tickets.get(s.request_id)
             if t is None or not t.admitted or t.decision is None:
@@ -143,5 +166,5 @@ class AdmissionPolicy:
                 continue
             made = len(s.output_token_ids)
             rest = max(t.decision.predicted_tokens - made, self.block_size)
-            out.append((s.num_tokens, max(0, min(s.max_tokens - made, rest))))
+            out.append((s.num_tokens, stretch(rest, s.max_tokens - made, factor)))
         return out

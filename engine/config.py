@@ -157,6 +157,13 @@ class EngineConfig:
     max_num_batched_tokens: int = knob(
         2048, section="serving", ge=1, doc="tokens one step may process, prefill and decode"
     )
+    prefill_while_decoding: int | None = knob(
+        None,
+        section="serving",
+        ge=1,
+        doc="prompt tokens a step may run while other sequences decode (bounds their "
+        "inter-token latency and a new request's wait); unset: 256 on CPU, no extra bound on CUDA",
+    )
     tensor_parallel: int = knob(
         1,
         section="serving",

@@ -51,6 +51,18 @@ OOM_ERRORS: tuple[type[BaseException], ...] = (torch.OutOfMemoryError,)
 UNDO_MARGIN = 0.10  # share of the configured dtype's pool kept free while a remedy narrows it
 
 
+CPU_PREFILL_WHILE_DECODING = 256  # a CPU forward of 256 prompt tokens: a few decode steps' time
+
+
+def prefill_while_decoding(config: EngineConfig, device: torch.device) -> int | None:
+    """The knob, or its device default: on CPU a step's time grows with every prompt token,
+    so long prompts go in chunks beside the decodes; a GPU runs big chunks at nearly the cost
+    of small ones."""
+    if config.prefill_while_decoding is not None:
+        return config.prefill_while_decoding
+    return CPU_PREFILL_WHILE_DECODING if device.type == "cpu" else None
+
+
 class LLMEngine(ControlSurface):
     """Requests in, outputs out. `step()` = drain the mailbox -> `scheduler.schedule()` ->
     `runner.execute()` -> `scheduler.update()` -> outputs. The engine validates requests,
@@ -88,6 +100,7 @@ class LLMEngine(ControlSurface):
             config.enable_chunked_prefill,
             offload=config.enable_cpu_offload and kv.num_blocks >= config.min_gpu_blocks,
             emit=self.events.emit,
+            prefill_while_decoding=prefill_while_decoding(config, runner.device),
         )
         self.max_model_len = min(config.max_model_len, model_config.max_position_embeddings)
         self.eos_ids = set(tokenizer.eos_token_ids) | set(model_config.eos_token_ids)

@@ -11,6 +11,13 @@ policy), preemption, and `update`, which advances a step's sequences from the to
 runner sampled and finishes them. KV copies for swap go through the runner (`kv`), which on a
 tensor-parallel engine repeats them on every rank.
 
+Two rules keep a loaded engine responsive. While any sequence decodes, a step runs at most
+`prefill_while_decoding` prompt tokens besides the decodes (a high request's excepted): one long prompt no longer stalls
+every decoding sequence (and a newly arrived request waiting for the step) for a whole
+`max_num_batched_tokens` forward. And while a `high` priority request still has prompt to run,
+prompt chunks of lower priorities wait a step, so its first token comes from a step that holds
+only the decodes and its own prompt (on an engine that decodes at all).
+
 `block_cap` bounds the device blocks in use below the pool size: while a remedy has narrowed
 the KV dtype (FP8), the engine caps use at what the configured dtype's pool holds, less a
 margin, so switching back always fits once the burst has passed (see LLMEngine).
@@ -24,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from kvguard.engine.admission import HIGH
 from kvguard.engine.admission_policy import AdmissionPolicy
 from kvguard.engine.block_manager import BlockManager
 from kvguard.engine.sequence import Sequence, Status
@@ -66,6 +74,7 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         offload: bool = False,
         emit: EventSink | None = None,
+        prefill_while_decoding: int | None = None,
     ) -> None:
         self.bm = block_manager
         self.host_bm = host_block_manager
@@ -75,6 +84,8 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunked = enable_chunked_prefill
+        # prompt tokens a step may run beside decodes (None: max_num_batched_tokens)
+        self.prefill_while_decoding = prefill_while_decoding
         self.offload = offload
         self.readmit_usage = 0.80  # evicted sequences return only below this usage
         self.emit: EventSink = emit or (lambda kind, **data: None)
@@ -100,7 +111,7 @@ class Scheduler:
     # -- queues -----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
-        bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
+        bisect.insort(self.waiting, seq, key=self.policy.queue_key)
 
     def remove(self, seq: Sequence) -> None:
         """Take `seq` out of whichever queue holds it and release its blocks on both tiers."""
@@ -125,21 +136,50 @@ class Scheduler:
     # -- one step ---------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
-        budget = self._schedule_running(batch, self.max_num_batched_tokens)
+        urgent = self._urgent_prompt()
+        budget = self._schedule_running(batch, self.max_num_batched_tokens, urgent)
         budget = self._schedule_swapped(batch, budget)
-        self._schedule_waiting(batch, budget)
+        self._schedule_waiting(batch, budget, urgent)
         return batch
 
-    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+    def _urgent_prompt(self) -> bool:
+        """Whether a `high` request still has prompt to run while others decode: running, or
+        admitted and first in line (one still queued for its commitment does not hold the
+        others up). On an engine with nothing decoding, prompts that arrived together start
+        together."""
+        if not any(s.num_uncomputed == 1 for s in self.running):
+            return False
+        head = self.waiting[:1]
+        return any(
+            s.priority == HIGH and s.num_uncomputed > 1 and s.status is Status.RUNNING
+            for s in self.running
+        ) or any(s.priority == HIGH and self.policy.is_admitted(s) for s in head)
+
+    def _prompt_budget(self, batch: ScheduledBatch, budget: int, urgent: bool) -> int:
+        """What is left for prompt tokens once the decodes are in. A high request's prompt
+        (the only prompt an urgent step runs) is not cut: its first token is the point."""
+        if urgent:
+            return budget
+        if batch.seqs and self.chunked and self.prefill_while_decoding is not None:
+            return min(budget, self.prefill_while_decoding)
+        return budget
+
+    def _schedule_running(self, batch: ScheduledBatch, budget: int, urgent: bool) -> int:
         # Decodes (one token) before prefill chunks keep inter-token latency steady.
+        capped = False
         for seq in sorted(self.running, key=lambda s: (s.num_uncomputed > 1, s.sort_key)):
             if seq.status is not Status.RUNNING or budget <= 0:
                 continue
+            if seq.num_uncomputed > 1:
+                if not capped:
+                    budget, capped = self._prompt_budget(batch, budget, urgent), True
+                if urgent and seq.priority != HIGH:
+                    continue  # a high request's prompt first, alone with the decodes
             n = self._chunk(seq, budget)
             if n and self._reserve(seq, n, batch):
                 batch.add(seq, n)
                 budget -= n
-        return budget
+        return budget if capped else self._prompt_budget(batch, budget, urgent)
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         n = min(seq.num_uncomputed, budget)
@@ -226,16 +266,17 @@ class Scheduler:
         self.running.append(seq)
         self.emit("swapped_in", request_id=seq.request_id, blocks=len(dev))
 
-    def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
-        """Admit in (priority, arrival) order. A request still waiting for its admission
-        commitment must not block those behind it that already hold one (they would otherwise
-        wait on a commitment that only their own completion can free); requests without a
-        commitment never overtake each other."""
+    def _schedule_waiting(self, batch: ScheduledBatch, budget: int, urgent: bool = False) -> None:
+        """Admit in queue order (the admission policy's `queue_key`). A request still waiting
+        for its admission commitment must not block those behind it that already hold one
+        (they would otherwise wait on a commitment that only their own completion can free);
+        requests without a commitment never overtake each other. While a high request's
+        prompt runs, only high requests start."""
         gated = False  # an uncommitted request ahead could not commit: later ones wait too
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[i]
-            if seq in batch.preempted:
+            if seq in batch.preempted or (urgent and seq.priority != HIGH):
                 break  # preempted this very step: let memory settle first
             was_admitted = self.policy.is_admitted(seq)
             if not was_admitted and (

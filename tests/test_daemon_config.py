@@ -388,6 +388,7 @@ KNOB_SAMPLES: dict[tuple[str, ...], tuple[dict[str, dict[str, object]], object]]
         False,
     ),
     ("max_num_batched_tokens",): ({"serving": {"max_num_batched_tokens": 512}}, 512),
+    ("prefill_while_decoding",): ({"serving": {"prefill_while_decoding": 64}}, 64),
     ("num_threads",): ({"serving": {"num_threads": 3}}, 3),
     ("cuda_graphs",): ({"serving": {"cuda_graphs": True}}, True),
     ("num_gpu_blocks",): ({"serving": {"num_gpu_blocks": 100}}, 100),
@@ -437,6 +438,10 @@ KNOB_SAMPLES: dict[tuple[str, ...], tuple[dict[str, dict[str, object]], object]]
     ("admission", "estimate_quantile"): (
         {"admission_control": {"estimate_quantile": 0.8}},
         0.8,
+    ),
+    ("admission", "low_priority_delay_s"): (
+        {"admission_control": {"low_priority_delay": "2500ms"}},
+        2.5,
     ),
 }
 # EngineConfig fields with no key of their own in the file, and why.

@@ -89,7 +89,10 @@ def test_live_fp8_switch_mid_generation(calm: LLMEngine) -> None:
 
 
 def test_switch_back_refused_while_live_tokens_do_not_fit() -> None:
-    engine = make_engine(kv_cache_bytes="2MiB", kv_cache_dtype="fp8_e4m3")
+    # whole 2048-token steps of prompt beside the decodes: the pool fills in four steps
+    engine = make_engine(
+        kv_cache_bytes="2MiB", kv_cache_dtype="fp8_e4m3", prefill_while_decoding=2048
+    )
     fp8_blocks = engine.snapshot().blocks_total
     long = [3 + i % 200 for i in range(600)]
     rids = [engine.add_request(long, greedy(64)) for _ in range(8)]

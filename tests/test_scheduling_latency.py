@@ -1,0 +1,161 @@
+"""A loaded engine stays responsive (issue 17): prompt tokens beside decodes are bounded, a high
+request's prompt runs alone with the decodes, low requests are delayed behind a normal burst by
+a bounded amount instead of starved, and predicted admission's margin covers the output still
+to come, not the tokens already held."""
+
+from __future__ import annotations
+
+from kvguard.engine.admission import AdmissionConfig, AdmissionController
+from kvguard.engine.admission_policy import AdmissionPolicy
+from kvguard.engine.config import EngineConfig
+from kvguard.engine.llm_engine import LLMEngine, prefill_while_decoding
+from kvguard.engine.sampling_params import SamplingParams
+from kvguard.engine.sequence import Sequence
+
+BLOCK = 16
+
+
+def make_engine(**kw: object) -> LLMEngine:
+    kw.setdefault("kv_cache_bytes", "32MiB")
+    kw.setdefault("num_threads", 2)
+    return LLMEngine.from_config(EngineConfig(model="tiny", **kw), progress=False)
+
+
+def prompt(n: int, start: int = 3) -> list[int]:
+    return [start + i % 200 for i in range(n)]
+
+
+def computed(engine: LLMEngine, rid: str) -> int:
+    return engine._seqs[rid].num_computed_tokens
+
+
+def long_params() -> SamplingParams:
+    return SamplingParams(max_tokens=64, ignore_eos=True)
+
+
+# -- prompt tokens beside decodes ---------------------------------------------------------------
+def test_prompt_tokens_beside_decodes_are_bounded() -> None:
+    eng = make_engine(max_num_batched_tokens=512, prefill_while_decoding=32)
+    a = eng.add_request(prompt(10), long_params())
+    eng.step()  # a's prompt: a decodes from now on
+    b = eng.add_request(prompt(200, 7), long_params())
+    eng.step()
+    assert computed(eng, a) == 11 and computed(eng, b) == 32  # one decode + a 32-token chunk
+    eng.step()
+    assert computed(eng, b) == 64
+
+
+def test_a_prompt_alone_takes_the_whole_step_budget() -> None:
+    eng = make_engine(max_num_batched_tokens=512, prefill_while_decoding=32)
+    b = eng.add_request(prompt(200), long_params())
+    eng.step()
+    assert computed(eng, b) == 200  # nothing decodes: no reason to chunk
+
+
+def test_the_default_bounds_cpu_only() -> None:
+    import torch
+
+    cfg = EngineConfig(model="tiny")
+    assert prefill_while_decoding(cfg, torch.device("cpu")) == 256
+    assert prefill_while_decoding(cfg, torch.device("cuda")) is None
+    cfg = EngineConfig(model="tiny", prefill_while_decoding=100)
+    assert prefill_while_decoding(cfg, torch.device("cuda")) == 100
+
+
+def test_without_chunked_prefill_a_prompt_is_not_cut_by_the_bound() -> None:
+    eng = make_engine(
+        max_num_batched_tokens=4096, prefill_while_decoding=32, enable_chunked_prefill=False
+    )
+    eng.add_request(prompt(10), long_params())
+    eng.step()
+    b = eng.add_request(prompt(200, 7), long_params())
+    eng.step()
+    assert computed(eng, b) == 200  # whole, or it could never start while a decodes
+
+
+# -- a high request's prompt --------------------------------------------------------------------
+def test_high_prompt_runs_alone_with_the_decodes() -> None:
+    eng = make_engine(max_num_batched_tokens=512, prefill_while_decoding=32)
+    a = eng.add_request(prompt(10), long_params())
+    eng.step()
+    low = eng.add_request(prompt(300, 5), long_params(), priority="low")
+    eng.step()
+    assert computed(eng, low) == 32
+    high = eng.add_request(prompt(40, 9), long_params(), priority="high")
+    late = eng.add_request(prompt(20, 11), long_params(), priority="normal")
+    eng.step()
+    # the decode and the high prompt, whole (past the 32-token bound: its first token is the
+    # point); the low prompt's next chunk and the normal request wait
+    assert computed(eng, a) == 12
+    assert computed(eng, high) == 40
+    assert computed(eng, low) == 32 and computed(eng, late) == 0
+    assert eng._seqs[high].output_token_ids  # its first token came from that step
+    eng.step()
+    assert computed(eng, low) > 32  # and then the others go on
+
+
+def test_a_queued_high_request_does_not_hold_the_others_up() -> None:
+    """A high request still queued for its commitment is not being served: lower prompts
+    carry on rather than wait on it."""
+    eng = make_engine(max_num_batched_tokens=512, prefill_while_decoding=64)
+    a = eng.add_request(prompt(10), long_params())
+    eng.step()
+    low = eng.add_request(prompt(300, 5), long_params(), priority="low")
+    eng.step()
+    high = eng._seqs[eng.add_request(prompt(40, 9), long_params(), priority="high")]
+    eng.admission_policy.cancel_start(high)  # as if its commitment did not fit yet
+    eng.admission_policy._tickets[high.request_id].admitted = False
+    assert not eng.scheduler._urgent_prompt()
+    eng.admission_policy._tickets[high.request_id].admitted = True
+    assert eng.scheduler._urgent_prompt()
+    del a, low
+
+
+# -- low priority behind a normal burst ---------------------------------------------------------
+def seq(rid: str, priority: int, order: int, arrival: float) -> Sequence:
+    s = Sequence(rid, [1, 2, 3], SamplingParams(), priority, order, 4096)
+    s.arrival_time = arrival
+    return s
+
+
+def test_low_goes_ahead_of_normals_that_came_later_than_the_delay() -> None:
+    ctl = AdmissionController(AdmissionConfig(low_priority_delay_s=1.0), BLOCK, 1000)
+    policy = AdmissionPolicy(ctl, BLOCK)
+    low = seq("low", 2, 0, 100.0)
+    near = seq("near", 1, 1, 100.5)  # a normal half a second younger: still ahead of it
+    far = seq("far", 1, 2, 101.5)  # a normal 1.5 s younger: behind it
+    high = seq("high", 0, 3, 105.0)  # high: ahead of everything
+    order = sorted([far, low, high, near], key=policy.queue_key)
+    assert [s.request_id for s in order] == ["high", "near", "low", "far"]
+
+
+def test_without_a_controller_the_queue_is_strict_priority() -> None:
+    policy = AdmissionPolicy(None, BLOCK)
+    low, normal = seq("low", 2, 0, 100.0), seq("normal", 1, 1, 500.0)
+    assert sorted([low, normal], key=policy.queue_key) == [normal, low]
+
+
+def test_the_engine_queue_follows_the_policy() -> None:
+    adm = AdmissionConfig(low_priority_delay_s=1.0)
+    eng = make_engine(admission=adm, max_num_seqs=1)
+    eng.add_request(prompt(10), long_params())
+    eng.step()  # the one slot is taken: the rest queue
+    low = eng.add_request(prompt(10), long_params(), priority="low")
+    normal = eng.add_request(prompt(10), long_params(), priority="normal")
+    eng._seqs[normal].arrival_time = eng._seqs[low].arrival_time + 5.0
+    eng.scheduler.waiting.sort(key=eng.admission_policy.queue_key)  # as if it came 5 s later
+    late = eng.add_request(prompt(10), long_params(), priority="high")
+    assert [s.request_id for s in eng.scheduler.waiting] == [late, low, normal]
+
+
+# -- predicted admission's margin ---------------------------------------------------------------
+def test_the_margin_stretches_the_output_to_come_not_the_tokens_held() -> None:
+    ctl = AdmissionController(AdmissionConfig(estimate="predicted"), BLOCK, 1000)
+    ctl.live = lambda rank: [(1100, 40)]  # a live request, its margin already applied
+    # at tau = 19: ceil(1119 / 16) + ceil((16 + 19) / 16) = 70 + 3 blocks, the new request's
+    # 16 planned tokens stretched to ceil(16 x 1.15) = 19; the old rule, 1.15 x every token
+    # held as well, would ask ceil(1119 x 1.15 / 16) + 3 = 84
+    assert ctl.fits(16, 16, 73, rank=1, cap=64)
+    assert not ctl.fits(16, 16, 72, rank=1, cap=64)
+    # the stretch never passes what max_tokens allows: at tau = 16, 70 + 2 blocks
+    assert ctl.fits(16, 16, 72, rank=1, cap=16)

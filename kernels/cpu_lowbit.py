@@ -26,6 +26,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -101,8 +102,10 @@ def _load(path: Path) -> ctypes.CDLL:
     for name in ("kvg_w4a8", "kvg_w8a8"):
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = _GEMM_ARGS, ctypes.c_int
-    lib.kvg_quantize_rows.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR]
+    lib.kvg_quantize_rows.argtypes = [_PTR, _I64, _I64, _I64, _INT, _PTR, _PTR, _PTR]
     lib.kvg_quantize_rows.restype = None
+    lib.kvg_dequantize.argtypes = [_INT, _PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _INT]
+    lib.kvg_dequantize.restype = ctypes.c_int
     return lib
 
 
@@ -174,8 +177,8 @@ def w4a8(
     fine: bool = False,
 ) -> torch.Tensor:
     """`x [M, K] @ W.T` (fp32) for `n` output columns of 4-bit codes (`pack4`, `pad_columns`)
-    with `w = d * q + m` per group (`tile_columns`). `fine`: activations in two int8 levels
-    (about 16 bits, two integer dots a block) instead of one."""
+    with `w = d * q + m` per group (`tile_columns`). Activations in int8 per block of 32, or
+    `fine`: int16 (`vpmaddwd` dots, codes widened once per block for four rows)."""
     return _gemm("kvg_w4a8", x, n, codes, d, m, group, fine)
 
 
@@ -191,6 +194,37 @@ def w8a8(
     """`x [M, K] @ W.T` (fp32) for `n` output columns of signed 8-bit codes (`pad_columns`)
     with `w = d * q (+ m)` per group (`tile_columns`); `fine` as in `w4a8`."""
     return _gemm("kvg_w8a8", x, n, codes, d, m, group, fine)
+
+
+_scratch = threading.local()
+
+
+def dequantize(
+    bits: int,
+    n: int,
+    k: int,
+    codes: torch.Tensor,
+    d: torch.Tensor,
+    m: torch.Tensor | None,
+    group: int,
+) -> torch.Tensor:
+    """The weight `[n, k]` in fp32, written into a per-thread scratch buffer that the next
+    call reuses (valid until then): for a batch big enough that one fp32 GEMM beats the
+    integer dots, the copy costs a small fraction of the GEMM and no memory kept."""
+    lib = library()
+    assert lib is not None
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.numel() < n * k:
+        buf = _scratch.buf = torch.empty(n * k)
+    out = buf[: n * k].view(n, k)
+    mp = None if m is None else m.data_ptr()
+    rc = lib.kvg_dequantize(
+        bits, codes.data_ptr(), d.data_ptr(), mp, n, k, group // BLOCK, out.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    if rc:
+        raise ValueError(f"dequantize: in_features {k} / group {group} do not fit the layout")
+    return out
 
 
 def pack4(q: torch.Tensor) -> torch.Tensor:
@@ -228,19 +262,19 @@ def pad_columns(codes: torch.Tensor) -> torch.Tensor:
 
 def quantize_rows(
     x: torch.Tensor, fine: bool = False
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
-    """The kernels' activation quantisation: (level-1 int8 [M, K], level-2 int8 or None,
-    block scale [M, K/32], block sum [M, K/32]). One level: `x ~ e * q1`; two: the scale is
-    `e / 256` and `x ~ scale * (256 * q1 + q2)`."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernels' activation quantisation: (codes [M, K], block scale [M, K/32], block
+    sum [M, K/32]) with `x ~ scale * code`; int8 codes, or `fine` int16 (in natural order
+    here: the kernels' block order undone)."""
     lib = library()
     assert lib is not None
     x = x.float().contiguous()
     rows, k = x.shape
-    q1 = torch.empty(rows, k, dtype=torch.int8)
-    q2 = torch.empty(rows, k, dtype=torch.int8) if fine else None
+    q = torch.empty(rows, k, dtype=torch.int16 if fine else torch.int8)
     e, es = torch.empty(rows, k // BLOCK), torch.empty(rows, k // BLOCK)
     lib.kvg_quantize_rows(
-        x.data_ptr(), rows, k, k, q1.data_ptr(), None if q2 is None else q2.data_ptr(),
-        e.data_ptr(), es.data_ptr(),
-    )  # fmt: skip
-    return q1, q2, e, es
+        x.data_ptr(), rows, k, k, int(fine), q.data_ptr(), e.data_ptr(), es.data_ptr()
+    )
+    if fine:  # stored per block as elements 0-7, 16-23, 8-15, 24-31
+        q = q.view(rows, -1, 4, 8)[:, :, [0, 2, 1, 3]].reshape(rows, k)
+    return q, e, es

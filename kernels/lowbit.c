@@ -1,10 +1,12 @@
 /* kvguard CPU low-bit GEMMs: int8 activations times 4-bit or 8-bit grouped weights (AVX2).
  *
- * Decode on CPU streams every weight once per step, and a prefill batch is compute-bound, so
- * both want the weight small and the inner product in integers: activations are quantised per
- * row in blocks of 32 to int8 (one float scale per block, and the block's dequantised sum for
- * asymmetric weights), each 32-weight block is a single vpmaddubsw/vpmaddwd integer dot,
- * scaled once per block in float.
+ * Decode on CPU streams every weight once per step, and a batch is compute-bound, so both
+ * want the weight small and the inner product in integers: activations are quantised per row
+ * in blocks of 32 to int8 (one float scale per block, and the block's dequantised sum for
+ * asymmetric weights), each 32-weight block a vpmaddubsw + vpmaddwd integer dot, scaled once
+ * per block in float. `fine` quantises to int16 instead (about as precise as the fp32 input
+ * for a block of 32): the codes are widened to int16 once per block and serve up to four rows
+ * with two vpmaddwd each.
  *
  * Weight layout (built by kvguard/kernels/cpu_lowbit.py), row-major by output column n:
  *   4-bit: codes[n][K/2]: block b's 16 bytes hold element j in the low nibble and element
@@ -53,14 +55,15 @@ static inline __m256i pack_i8(__m256i i0, __m256i i1, __m256i i2, __m256i i3) {
     return _mm256_permutevar8x32_epi32(w, order);
 }
 
-/* One row of K floats to int8 blocks: with e = amax/127 and y = x * (127/amax),
- * p1 = round_half_even(y). `p2` (may be NULL) gets a second level,
- * p2 = clamp(round_half_even((y - p1) * 256), +-127), so x ~ e * (p1 + p2/256) to about 16
- * bits. Per block: es = the block's dequantised sum, and e (one level) or e/256 (two: the
- * kernels combine 256 * p1 + p2 in integers). */
-static void quantize_row(const float *x, int64_t K, int8_t *p1, int8_t *p2, float *e, float *es) {
-    const __m256 sign = _mm256_set1_ps(-0.0f), k256 = _mm256_set1_ps(256.0f);
+/* One row of K floats to blocks of 32: with e = amax/L and y = x * (L/amax), codes
+ * p = round_half_even(y), L = 127 in int8 (`q8`) or, `fine`, L = 32767 in int16 (`q16`,
+ * each block stored as elements 0-7,16-23 then 8-15,24-31: the order `vpunpck[lh]bw` widens
+ * the weight codes to). Per block: e, and es = e * sum(p) for the weights' mins. */
+static void quantize_row(const float *x, int64_t K, int fine, int8_t *q8, int16_t *q16, float *e,
+                         float *es) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
     const int rnd = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    const float levels = fine ? 32767.0f : 127.0f;
     for (int64_t b = 0; b < K / QK; ++b) {
         const float *xb = x + b * QK;
         __m256 v[4];
@@ -73,31 +76,25 @@ static void quantize_row(const float *x, int64_t K, int8_t *p1, int8_t *p2, floa
         m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
         m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
         const float amax = _mm_cvtss_f32(m4);
-        const __m256 iv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-        __m256i i[4], f[4];
-        __m256i sum1 = _mm256_setzero_si256(), sum2 = _mm256_setzero_si256();
+        const __m256 iv = _mm256_set1_ps(amax > 0.0f ? levels / amax : 0.0f);
+        __m256i i[4];
+        __m256i sum = _mm256_setzero_si256();
         for (int j = 0; j < 4; ++j) {
-            const __m256 y = _mm256_mul_ps(v[j], iv);
-            const __m256 r1 = _mm256_round_ps(y, rnd);
-            i[j] = _mm256_cvtps_epi32(r1);
-            sum1 = _mm256_add_epi32(sum1, i[j]);
-            if (p2) {
-                const __m256 r2 = _mm256_round_ps(_mm256_mul_ps(_mm256_sub_ps(y, r1), k256), rnd);
-                f[j] = _mm256_min_epi32(_mm256_set1_epi32(127), _mm256_cvtps_epi32(r2));
-                f[j] = _mm256_max_epi32(_mm256_set1_epi32(-127), f[j]);
-                sum2 = _mm256_add_epi32(sum2, f[j]);
-            }
+            i[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[j], iv), rnd));
+            sum = _mm256_add_epi32(sum, i[j]);
         }
-        _mm256_storeu_si256((__m256i *)(p1 + b * QK), pack_i8(i[0], i[1], i[2], i[3]));
-        const float d = amax / 127.0f;
-        if (p2) {
-            _mm256_storeu_si256((__m256i *)(p2 + b * QK), pack_i8(f[0], f[1], f[2], f[3]));
-            e[b] = d / 256.0f;
-            es[b] = (d / 256.0f) * (float)(256 * hsum_i32(sum1) + hsum_i32(sum2));
+        if (fine) {
+            /* packs works per 128-bit lane: (0-3,16-19 | 4-7,20-23) -> 0-7,16-23 */
+            const __m256i lo = _mm256_permute4x64_epi64(_mm256_packs_epi32(i[0], i[2]), 0xd8);
+            const __m256i hi = _mm256_permute4x64_epi64(_mm256_packs_epi32(i[1], i[3]), 0xd8);
+            _mm256_storeu_si256((__m256i *)(q16 + b * QK), lo);
+            _mm256_storeu_si256((__m256i *)(q16 + b * QK + 16), hi);
         } else {
-            e[b] = d;
-            es[b] = d * (float)hsum_i32(sum1);
+            _mm256_storeu_si256((__m256i *)(q8 + b * QK), pack_i8(i[0], i[1], i[2], i[3]));
         }
+        const float d = amax / levels;
+        e[b] = d;
+        es[b] = d * (float)hsum_i32(sum);
     }
 }
 
@@ -118,20 +115,28 @@ static inline __attribute__((always_inline)) __m256i dot(const int bits, __m256i
 }
 
 static inline __attribute__((always_inline)) void block(
-    const int bits, const int two, const int rows, const __m256i *w, const __m256i *aw,
-    const int8_t *xq, const int8_t *xq2, const float *xe, const float *xes, int64_t K, int64_t nb,
-    int64_t b, __m256 dv, __m256 mv, int has_m, __m256 *acc, __m256 *corr) {
-    const __m256i ones = _mm256_set1_epi16(1), k256 = _mm256_set1_epi16(256);
-    for (int r = 0; r < rows; ++r) {
-        const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + r * K + b * QK));
-        __m256i x2 = x;
-        if (two) x2 = _mm256_loadu_si256((const __m256i *)(xq2 + r * K + b * QK));
-        __m256i d[8];
+    const int bits, const int fine, const int rows, const __m256i *w, const __m256i *aw,
+    const void *xq, const float *xe, const float *xes, int64_t K, int64_t nb, int64_t b,
+    __m256 dv, __m256 mv, int has_m, __m256 *acc, __m256 *corr) {
+    const __m256i ones = _mm256_set1_epi16(1), zero = _mm256_setzero_si256();
+    __m256i wa[8], wb[8];
+    if (fine) /* codes widened to int16 once for all rows, in the activations' order */
         for (int c = 0; c < 8; ++c) {
-            if (two) /* 256 * sum(w p1) + sum(w p2), exact in int32 */
-                d[c] = _mm256_add_epi32(_mm256_madd_epi16(dot(bits, w[c], aw[c], x), k256),
-                                        _mm256_madd_epi16(dot(bits, w[c], aw[c], x2), ones));
-            else
+            const __m256i ext = bits == 4 ? zero : _mm256_cmpgt_epi8(zero, w[c]);
+            wa[c] = _mm256_unpacklo_epi8(w[c], ext);
+            wb[c] = _mm256_unpackhi_epi8(w[c], ext);
+        }
+    for (int r = 0; r < rows; ++r) {
+        __m256i d[8];
+        if (fine) {
+            const int16_t *x16 = (const int16_t *)xq + r * K + b * QK;
+            const __m256i xa = _mm256_loadu_si256((const __m256i *)x16);
+            const __m256i xb = _mm256_loadu_si256((const __m256i *)(x16 + 16));
+            for (int c = 0; c < 8; ++c)
+                d[c] = _mm256_add_epi32(_mm256_madd_epi16(wa[c], xa), _mm256_madd_epi16(wb[c], xb));
+        } else {
+            const __m256i x = _mm256_loadu_si256((const __m256i *)((const int8_t *)xq + r * K + b * QK));
+            for (int c = 0; c < 8; ++c)
                 d[c] = _mm256_madd_epi16(dot(bits, w[c], aw[c], x), ones);
         }
         const __m256 s = _mm256_cvtepi32_ps(reduce8(d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7]));
@@ -144,8 +149,8 @@ static inline __attribute__((always_inline)) void block(
  * constant after inlining) activation rows. 4-bit codes come two blocks per 32 bytes (block
  * 2p in the low nibbles, 2p+1 in the high), so one load and three ops unpack 64 weights. */
 static inline __attribute__((always_inline)) void tile(
-    const int bits, const int two, const int rows, const int8_t *xq, const int8_t *xq2,
-    const float *xe, const float *xes,
+    const int bits, const int fine, const int rows, const void *xq, const float *xe,
+    const float *xes,
     int64_t K, const uint8_t *wc, const uint16_t *wd, const uint16_t *wm, int64_t bpg,
     float *out, int64_t ldo, int64_t valid) {
     const int64_t nb = K / QK;
@@ -177,7 +182,7 @@ static inline __attribute__((always_inline)) void tile(
                 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wd + g * 8)));
                 if (has_m) mv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wm + g * 8)));
             }
-            block(bits, two, rows, half ? hi : lo, half ? ahi : alo, xq, xq2, xe, xes, K, nb,
+            block(bits, fine, rows, half ? hi : lo, half ? ahi : alo, xq, xe, xes, K, nb,
                   b + half, dv, mv, has_m, acc, corr);
             if (++k == bpg) {
                 k = 0;
@@ -194,36 +199,37 @@ static inline __attribute__((always_inline)) void tile(
     }
 }
 
-#define TILE_ROWS(BITS, TWO)                                                                 \
+#define TILE_ROWS(BITS, FINE)                                                                \
     switch (rows) {                                                                          \
-    case 4: tile(BITS, TWO, 4, xr, xr2, er, esr, K, c, d, m, bpg, o, ldo, valid); break;     \
-    case 3: tile(BITS, TWO, 3, xr, xr2, er, esr, K, c, d, m, bpg, o, ldo, valid); break;     \
-    case 2: tile(BITS, TWO, 2, xr, xr2, er, esr, K, c, d, m, bpg, o, ldo, valid); break;     \
-    default: tile(BITS, TWO, 1, xr, xr2, er, esr, K, c, d, m, bpg, o, ldo, valid); break;    \
+    case 4: tile(BITS, FINE, 4, xr, er, esr, K, c, d, m, bpg, o, ldo, valid); break;         \
+    case 3: tile(BITS, FINE, 3, xr, er, esr, K, c, d, m, bpg, o, ldo, valid); break;         \
+    case 2: tile(BITS, FINE, 2, xr, er, esr, K, c, d, m, bpg, o, ldo, valid); break;         \
+    default: tile(BITS, FINE, 1, xr, er, esr, K, c, d, m, bpg, o, ldo, valid); break;        \
     }
 
-static void columns(const int bits, int64_t M, int64_t K, const int8_t *xq, const int8_t *xq2,
+static void columns(const int bits, const int fine, int64_t M, int64_t K, const void *xq,
                     const float *xe, const float *xes, const uint8_t *wc, const uint16_t *wd,
                     const uint16_t *wm, int64_t N, int64_t bpg, int64_t t0, int64_t t1, float *out,
                     int64_t ldo) {
     const int64_t nb = K / QK, groups = nb / bpg;
     const int64_t row_bytes = bits == 4 ? K / 2 : K;
+    const int64_t x_bytes = fine ? 2 : 1;
     int64_t chunk = (24 * 1024) / (8 * row_bytes); /* column tiles whose codes stay in L1 */
     if (chunk < 1) chunk = 1;
     for (int64_t c0 = t0; c0 < t1; c0 += chunk) {
         const int64_t c1 = c0 + chunk < t1 ? c0 + chunk : t1;
         for (int64_t m0 = 0; m0 < M; m0 += MR) {
             const int64_t rows = M - m0 < MR ? M - m0 : MR;
-            const int8_t *xr = xq + m0 * K, *xr2 = xq2 ? xq2 + m0 * K : NULL;
+            const void *xr = (const char *)xq + m0 * K * x_bytes;
             const float *er = xe + m0 * nb, *esr = xes + m0 * nb;
             for (int64_t t = c0; t < c1; ++t) {
                 const uint8_t *c = wc + t * 8 * row_bytes;
                 const uint16_t *d = wd + t * groups * 8, *m = wm ? wm + t * groups * 8 : NULL;
                 float *o = out + m0 * ldo + t * 8;
                 const int64_t valid = N - t * 8;
-                if (bits == 4 && xr2) TILE_ROWS(4, 1)
+                if (bits == 4 && fine) TILE_ROWS(4, 1)
                 else if (bits == 4) TILE_ROWS(4, 0)
-                else if (xr2) TILE_ROWS(8, 1)
+                else if (fine) TILE_ROWS(8, 1)
                 else TILE_ROWS(8, 0)
             }
         }
@@ -232,18 +238,16 @@ static void columns(const int bits, int64_t M, int64_t K, const int8_t *xq, cons
 
 /* out[M][ldo] (first N columns) = x[M][K] (row stride ldx) times W^T; returns 0, -1 when the
  * workspace could not be allocated, -2 on a shape the layout cannot hold. The codes and the
- * scales hold ceil(N/8)*8 columns (padding columns are zero). */
+ * scales hold ceil(N/8)*8 columns (padding columns are zero). `fine`: int16 activations. */
 static int gemm(const int bits, const float *x, int64_t M, int64_t K, int64_t ldx,
                 const uint8_t *wc, const uint16_t *wd, const uint16_t *wm, int64_t N, int64_t bpg,
-                float *out, int64_t ldo, int threads, int two) {
+                float *out, int64_t ldo, int threads, int fine) {
     if (K % (2 * QK) || bpg < 1 || (K / QK) % bpg) return -2;
     const int64_t nb = K / QK;
-    const size_t qbytes = ((size_t)(M * K) + 63) & ~(size_t)63;
-    const size_t levels = two ? 2 : 1;
-    char *ws = aligned_alloc(64, levels * qbytes + ((2 * M * nb * sizeof(float) + 63) & ~(size_t)63));
+    const size_t qbytes = ((size_t)(M * K) * (fine ? 2 : 1) + 63) & ~(size_t)63;
+    char *ws = aligned_alloc(64, qbytes + ((2 * M * nb * sizeof(float) + 63) & ~(size_t)63));
     if (!ws) return -1;
-    int8_t *xq = (int8_t *)ws, *xq2 = two ? (int8_t *)(ws + qbytes) : NULL;
-    float *xe = (float *)(ws + levels * qbytes), *xes = xe + M * nb;
+    float *xe = (float *)(ws + qbytes), *xes = xe + M * nb;
     const int64_t tiles = (N + 7) / 8;
     if (threads < 1) threads = 1;
     if (threads > tiles) threads = (int)tiles;
@@ -255,10 +259,11 @@ static int gemm(const int bits, const float *x, int64_t M, int64_t K, int64_t ld
         T = omp_get_num_threads();
 #endif
         for (int64_t i = M * t / T; i < M * (t + 1) / T; ++i)
-            quantize_row(x + i * ldx, K, xq + i * K, xq2 ? xq2 + i * K : NULL, xe + i * nb, xes + i * nb);
+            quantize_row(x + i * ldx, K, fine, (int8_t *)ws + i * K, (int16_t *)ws + i * K,
+                         xe + i * nb, xes + i * nb);
 #pragma omp barrier
         const int64_t t0 = tiles * t / T, t1 = tiles * (t + 1) / T;
-        if (t0 < t1) columns(bits, M, K, xq, xq2, xe, xes, wc, wd, wm, N, bpg, t0, t1, out, ldo);
+        if (t0 < t1) columns(bits, fine, M, K, ws, xe, xes, wc, wd, wm, N, bpg, t0, t1, out, ldo);
     }
     free(ws);
     return 0;
@@ -266,21 +271,65 @@ static int gemm(const int bits, const float *x, int64_t M, int64_t K, int64_t ld
 
 int kvg_w4a8(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *codes,
              const uint16_t *d, const uint16_t *m, int64_t N, int64_t bpg, float *out,
-             int64_t ldo, int threads, int two) {
-    return gemm(4, x, M, K, ldx, codes, d, m, N, bpg, out, ldo, threads, two);
+             int64_t ldo, int threads, int fine) {
+    return gemm(4, x, M, K, ldx, codes, d, m, N, bpg, out, ldo, threads, fine);
 }
 
 int kvg_w8a8(const float *x, int64_t M, int64_t K, int64_t ldx, const int8_t *codes,
              const uint16_t *d, const uint16_t *m, int64_t N, int64_t bpg, float *out,
-             int64_t ldo, int threads, int two) {
-    return gemm(8, x, M, K, ldx, (const uint8_t *)codes, d, m, N, bpg, out, ldo, threads, two);
+             int64_t ldo, int threads, int fine) {
+    return gemm(8, x, M, K, ldx, (const uint8_t *)codes, d, m, N, bpg, out, ldo, threads, fine);
 }
 
-/* The activation quantisation alone, for tests: q1 [M][K], q2 [M][K] or NULL, e and es
- * [M][K/32] as the GEMMs use them. */
-void kvg_quantize_rows(const float *x, int64_t M, int64_t K, int64_t ldx, int8_t *q1, int8_t *q2,
+/* The weight as fp32 rows out[N][K] (w = d*q + m), split over threads by column tiles: for
+ * batches big enough that an fp32 GEMM of the whole matrix beats the integer dots. */
+int kvg_dequantize(int bits, const uint8_t *wc, const uint16_t *wd, const uint16_t *wm, int64_t N,
+                   int64_t K, int64_t bpg, float *out, int threads) {
+    if (K % (2 * QK) || bpg < 1 || (K / QK) % bpg) return -2;
+    const int64_t nb = K / QK, groups = nb / bpg, tiles = (N + 7) / 8;
+    const int64_t row_bytes = bits == 4 ? K / 2 : K;
+    if (threads < 1) threads = 1;
+    if (threads > tiles) threads = (int)tiles;
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+    for (int64_t n = 0; n < N; ++n) {
+        const uint8_t *c = wc + n * row_bytes;
+        const uint16_t *d = wd + (n / 8) * groups * 8 + n % 8, *m = wm ? wm + (n / 8) * groups * 8 + n % 8 : NULL;
+        float *o = out + n * K;
+        for (int64_t b = 0; b < nb; ++b) {
+            const int64_t g = b / bpg;
+            const __m256 dv = _mm256_set1_ps(_cvtsh_ss(d[g * 8]));
+            const __m256 mv = _mm256_set1_ps(m ? _cvtsh_ss(m[g * 8]) : 0.0f);
+            __m128i q[2];
+            if (bits == 4) {
+                /* the pair (2p, 2p+1) shares 32 bytes: elements j in byte j, low nibble even */
+                const __m128i lo4 = _mm_set1_epi8(0x0f);
+                const __m128i a = _mm_loadu_si128((const __m128i *)(c + (b / 2) * QK));
+                const __m128i z = _mm_loadu_si128((const __m128i *)(c + (b / 2) * QK + 16));
+                const int shift = (b & 1) ? 4 : 0;
+                q[0] = _mm_and_si128(_mm_srli_epi16(a, shift), lo4);
+                q[1] = _mm_and_si128(_mm_srli_epi16(z, shift), lo4);
+            } else {
+                q[0] = _mm_loadu_si128((const __m128i *)(c + b * QK));
+                q[1] = _mm_loadu_si128((const __m128i *)(c + b * QK + 16));
+            }
+            for (int h = 0; h < 2; ++h) {
+                for (int j = 0; j < 2; ++j) {
+                    const __m128i part = j ? _mm_srli_si128(q[h], 8) : q[h];
+                    const __m256i i32 = bits == 4 ? _mm256_cvtepu8_epi32(part) : _mm256_cvtepi8_epi32(part);
+                    _mm256_storeu_ps(o + b * QK + h * 16 + j * 8,
+                                     _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32), dv, mv));
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+/* The activation quantisation alone, for tests: codes [M][K] (int8, or int16 in the kernels'
+ * block order when `fine`), e and es [M][K/32] as the GEMMs use them. */
+void kvg_quantize_rows(const float *x, int64_t M, int64_t K, int64_t ldx, int fine, void *q,
                        float *e, float *es) {
     for (int64_t i = 0; i < M; ++i)
-        quantize_row(x + i * ldx, K, q1 + i * K, q2 ? q2 + i * K : NULL, e + i * (K / QK),
-                     es + i * (K / QK));
+        quantize_row(x + i * ldx, K, fine, (int8_t *)q + i * K, (int16_t *)q + i * K,
+                     e + i * (K / QK), es + i * (K / QK));
 }

@@ -14,7 +14,11 @@ import pytest
 import torch
 
 from kvguard.engine.layers.quant_spec import QuantSpec
-from kvguard.engine.layers.quantized_linear import QuantizedLinear, pick_kernel
+from kvguard.engine.layers.quantized_linear import (
+    DEQUANTIZED_GEMM_ROWS,
+    QuantizedLinear,
+    pick_kernel,
+)
 from kvguard.kernels import cpu_lowbit
 
 BATCHES = (1, 3, 17, 33)
@@ -38,17 +42,13 @@ def gguf_like(fmt: str, out: int, cols: int, seed: int = 0) -> QuantSpec:
 
 
 def quantise_like_the_kernel(x: torch.Tensor, fine: bool = False) -> torch.Tensor:
-    """int8 per block of 32, scale amax/127, round half to even (and, `fine`, the remainder
-    in 1/256ths of a step, clamped to +-127): the dequantised activations."""
+    """int8 (`fine`: int16) per block of 32, scale amax/127 (amax/32767), round half to even:
+    the dequantised activations."""
+    levels = 32767.0 if fine else 127.0
     blocks = x.reshape(x.shape[0], -1, cpu_lowbit.BLOCK)
     amax = blocks.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
-    y = blocks * inv
-    p1 = torch.round(y)
-    if not fine:
-        return (p1 * (amax / 127.0)).reshape(x.shape)
-    p2 = torch.round((y - p1) * 256).clamp(-127, 127)
-    return ((256 * p1 + p2) * (amax / 127.0 / 256.0)).reshape(x.shape)
+    inv = torch.where(amax > 0, levels / amax, torch.zeros_like(amax))
+    return (torch.round(blocks * inv) * (amax / levels)).reshape(x.shape)
 
 
 def weight_as_stored(spec: QuantSpec) -> torch.Tensor:
@@ -70,7 +70,7 @@ def rel(got: torch.Tensor, want: torch.Tensor) -> float:
 @pytest.mark.parametrize("out", [40, 75])
 @pytest.mark.parametrize("fine", [True, False])
 def test_kernel_matches_references(fmt: str, out: int, fine: bool) -> None:
-    """Two activation levels (projections) or one (an `approximate`, refined lm_head)."""
+    """int16 activations (projections) or int8 (an `approximate`, refined lm_head)."""
     spec = gguf_like(fmt, out, 256)
     layer = QuantizedLinear(spec, approximate=not fine)
     assert layer.kernel == ("w8a8" if fmt == "q8_0" else "w4a8") and layer.fine == fine
@@ -80,28 +80,23 @@ def test_kernel_matches_references(fmt: str, out: int, fine: bool) -> None:
         got = layer(x)
         assert got.shape == (rows, out) and got.dtype == torch.float32
         assert rel(got, quantise_like_the_kernel(x, fine) @ stored.T) <= 1e-5
-        # one level: ~2 significant digits; two: the fp32 matmul's up to fp16 scales and mins
+        # int8: ~2 significant digits; int16: the fp32 matmul's up to fp16 scales and mins
         assert rel(got, x @ full.T) <= (2e-3 if fine else 2e-2)
 
 
-def test_activation_quantisation_is_the_reference_one() -> None:
+@pytest.mark.parametrize("fine", [False, True])
+def test_activation_quantisation_is_the_reference_one(fine: bool) -> None:
     x = torch.randn(7, 192) * torch.linspace(0.01, 100, 192)
     x[2, :32] = 0.0  # an all-zero block: scale 0, codes 0
+    levels = 32767 if fine else 127
     amax = x.reshape(7, -1, 32).abs().amax(-1)
-    q, none, e, es = cpu_lowbit.quantize_rows(x)
-    assert none is None and torch.equal(e, amax / 127.0)
-    assert q.abs().max().item() == 127 and not q[2, :32].any()
+    q, e, es = cpu_lowbit.quantize_rows(x, fine)
+    assert q.dtype == (torch.int16 if fine else torch.int8)
+    assert torch.equal(e, amax / levels)
+    assert q.abs().max().item() == levels and not q[2, :32].any()
     deq = (q.float().reshape(7, -1, 32) * e.unsqueeze(-1)).reshape(7, 192)
-    assert torch.equal(deq, quantise_like_the_kernel(x))
+    assert torch.equal(deq, quantise_like_the_kernel(x, fine))
     assert torch.allclose(es, e * q.float().reshape(7, -1, 32).sum(-1))
-
-    q1, q2, e, es = cpu_lowbit.quantize_rows(x, fine=True)
-    assert q2 is not None and torch.equal(q1, q) and torch.equal(e, amax / 127.0 / 256.0)
-    both = 256 * q1.float() + q2.float()
-    deq = (both.reshape(7, -1, 32) * e.unsqueeze(-1)).reshape(7, 192)
-    assert torch.equal(deq, quantise_like_the_kernel(x, fine=True))
-    assert (deq - x).abs().max().item() <= (amax.max() / 127 / 256).item()  # ~16 bits
-    assert torch.allclose(es, e * both.reshape(7, -1, 32).sum(-1))
 
 
 def test_threads_and_strides_do_not_change_the_result() -> None:
@@ -122,13 +117,17 @@ def test_threads_and_strides_do_not_change_the_result() -> None:
     assert torch.equal(one, two)
 
 
-def test_large_batch_and_wide_layer_match_the_reference() -> None:
-    """A prefill-sized batch through a wide (lm_head-like) 8-bit matrix."""
-    spec = gguf_like("q8_0", 1001, 576, seed=3)
-    x = torch.randn(130, 576)
-    for fine in (True, False):
-        got = QuantizedLinear(spec, approximate=not fine)(x)
-        assert rel(got, quantise_like_the_kernel(x, fine) @ weight_as_stored(spec).T) <= 1e-5
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_a_prefill_batch_runs_one_fp32_gemm_over_the_dequantised_weight(fmt: str) -> None:
+    """From `DEQUANTIZED_GEMM_ROWS` rows a projection's weight is dequantised into scratch and
+    multiplied in fp32 (the activations unquantised); the refined head stays on int8 dots."""
+    spec = gguf_like(fmt, 1001, 576, seed=3)
+    stored = weight_as_stored(spec)
+    for rows in (DEQUANTIZED_GEMM_ROWS, 130):
+        x = torch.randn(rows, 576)
+        assert rel(QuantizedLinear(spec)(x), x @ stored.T) <= 1e-5
+        head = QuantizedLinear(spec, approximate=True)(x)
+        assert rel(head, quantise_like_the_kernel(x) @ stored.T) <= 1e-5
 
 
 def test_without_a_compiler_the_torch_kernels_serve(

@@ -279,7 +279,13 @@ def make(quantization: str) -> LLMEngine:
 
 
 @pytest.mark.slow
-def test_default_model_serves_packed_and_agrees_with_fp32() -> None:
+def test_default_model_serves_packed_and_agrees_with_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Scoring a whole sequence is a prefill batch, which a C-kernel projection would serve
+    by one fp32 GEMM over its dequantised weight: the threshold is lifted so the integer
+    kernels (int16 activations, the int8 lm_head) are what is measured."""
+    from kvguard.engine.layers import quantized_linear
+
+    monkeypatch.setattr(quantized_linear, "DEQUANTIZED_GEMM_ROWS", 1 << 30)
     packed = make(EngineConfig().model_quantization)  # the default: auto
     layers = [m for m in packed.model.modules() if isinstance(m, QuantizedLinear)]
     assert {m.kernel for m in layers} == {"w4a8", "w8a8"}  # w8a8: the lm_head

@@ -9,11 +9,13 @@ Kernels, picked per layer at construction (`QuantizedLinear.kernel`):
 - `w4a8` / `w8a8` (CPU with AVX2, FMA, F16C and a C compiler; 4-bit or 8-bit weights in groups
   that are multiples of 32, `in_features % 64 == 0`): `kvguard.kernels.cpu_lowbit`, our C GEMMs.
   Activations are quantised per row to int8 in blocks of 32 and multiplied with integer dots
-  (what OpenVINO and llama.cpp do on AVX2); fp32 out. One int8 level cost the default model
+  (what OpenVINO and llama.cpp do on AVX2); fp32 out. int8 activations cost the default model
   1.8 points of teacher-forced top-1 agreement with fp32 (98.2%; bf16 activations: 99.2%), and
-  no one kind of layer carried it, so projections quantise in two levels (`x ~ e (p1 +
-  p2/256)`, about 16 bits, two integer dots a block) and only the `approximate` lm_head, whose
-  best candidates are recomputed exactly anyway, in one. The weights keep their codes exactly and
+  no one kind of layer carried it (making any one kind exact left it at 97.2-98.4%), so the
+  projections quantise activations to int16 (`fine`: `vpmaddwd` dots, 100.0%) and only the
+  `approximate` lm_head, whose best candidates are recomputed exactly anyway, to int8. From
+  `DEQUANTIZED_GEMM_ROWS` rows (prefill) a projection dequantises its weight into a reused
+  fp32 scratch and runs one sgemm instead: there the integer dots lose to MKL. The weights keep their codes exactly and
   fp16 scales and mins (`w = d*q + m`) per group, so GGUF Q4_0/Q4_1/Q8_0 are held at their own
   size and a Q8_0 lm_head can hand its rows to the tied embedding. Picked ahead of all below;
   without a compiler or those CPU features the layer falls back to them (logged once).
@@ -56,6 +58,10 @@ log = logging.getLogger("kvguard.engine")
 INT4_GROUPS = (256, 128, 64, 32)  # what _weight_int4pack_mm_for_cpu accepts, largest first
 INT4_ROWS = 16  # its packing needs output rows in multiples of this
 INT4_INNER_K_TILES = 2
+# From this many activation rows (a prefill chunk) a `fine` C-kernel layer dequantises its
+# weight into a reused fp32 scratch and runs one fp32 GEMM: measured here, the integer dots
+# with two activation levels lose to MKL's sgemm once the rows amortise the dequantisation.
+DEQUANTIZED_GEMM_ROWS = 64
 
 
 def cpu_int4_group(group_size: int) -> int | None:
@@ -110,7 +116,7 @@ class QuantizedLinear(nn.Module):
         self.bits, self.group_size, self.dtype = spec.bits, spec.group_size, dtype
         self.kernel = kernel or pick_kernel(spec, device, approximate)
         self.requantised = False  # int8pack over a requantised copy: its rows are not exact
-        # C kernels: activations in two int8 levels (~16 bits) unless the outputs are refined
+        # C kernels: int16 activations unless the outputs are refined (then int8)
         self.fine = not approximate
         perm = None if spec.perm is None else spec.perm.to(device=device, dtype=torch.long)
         self.register_buffer("perm", perm)
@@ -207,6 +213,8 @@ class QuantizedLinear(nn.Module):
         return y.reshape(*lead, self.out_features)
 
     def _mm_w4a8(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fine and x.shape[0] >= DEQUANTIZED_GEMM_ROWS:
+            return self._mm_dequantized(x)
         return cpu_lowbit.w4a8(
             x,
             self.out_features,
@@ -218,6 +226,8 @@ class QuantizedLinear(nn.Module):
         ).to(x.dtype)
 
     def _mm_w8a8(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fine and x.shape[0] >= DEQUANTIZED_GEMM_ROWS:
+            return self._mm_dequantized(x)
         return cpu_lowbit.w8a8(
             x,
             self.out_features,
@@ -227,6 +237,18 @@ class QuantizedLinear(nn.Module):
             self.group_size,
             self.fine,
         ).to(x.dtype)
+
+    def _mm_dequantized(self, x: torch.Tensor) -> torch.Tensor:
+        w = cpu_lowbit.dequantize(
+            self.bits,
+            self.out_features,
+            self.in_features,
+            self.lowbit_codes,
+            self.lowbit_scales,
+            self.lowbit_mins,
+            self.group_size,
+        )
+        return F.linear(x.float(), w).to(x.dtype)
 
     def _mm_int4pack(self, x: torch.Tensor) -> torch.Tensor:
         if not x.shape[0]:

@@ -192,6 +192,13 @@ class EngineConfig:
         doc="decoder layers per stage, first stage first (one entry per stage, summing to the "
         "model's layer count); unset: an even split, earlier stages taking any remainder",
     )
+    pipeline_micro_batches: int | None = knob(
+        None,
+        section="serving",
+        ge=1,
+        doc="micro-batches a pipeline step's batch is split into, so stages compute at once; "
+        "unset: pipeline_parallel; 1: stages take turns",
+    )
     num_threads: int | None = knob(
         None, section="serving", ge=1, doc="torch intra-op threads on CPU; unset: torch's default"
     )

@@ -400,6 +400,7 @@ KNOB_SAMPLES: dict[tuple[str, ...], tuple[dict[str, dict[str, object]], object]]
         {"serving": {"pipeline_parallel": 2, "pipeline_layers": [20, 10]}},
         [20, 10],
     ),
+    ("pipeline_micro_batches",): ({"serving": {"pipeline_micro_batches": 1}}, 1),
     ("distributed",): (
         {
             "serving": {

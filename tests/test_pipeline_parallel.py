@@ -2,8 +2,10 @@
 stage a tensor-parallel group of worker processes, the residual stream passed stage to stage,
 the logits sent back to rank 0, and every remedy applied on every stage.
 
-With one micro-batch in flight a pipeline computes exactly what one process computes, only in
-other processes: greedy tokens must be identical and the last logits equal within 1e-4.
+A pipeline computes exactly what one process computes, only in other processes, whether a
+step's batch goes through whole (one micro-batch: stages take turns) or split into micro-batches
+that the stages work on at once: greedy tokens must be identical and the last logits equal
+within 1e-4.
 """
 
 from __future__ import annotations
@@ -45,9 +47,11 @@ def assert_same(eng: LLMEngine, want: tuple) -> None:
     eng.audit_blocks()
 
 
-def test_pp2_gives_the_tokens_of_one_process(want) -> None:  # noqa: ANN001
-    eng = engine(pp=2)
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_pp2_gives_the_tokens_of_one_process(want, micro_batches: int) -> None:  # noqa: ANN001
+    eng = engine(pp=2, pipeline_micro_batches=micro_batches)
     try:
+        assert eng.runner.micro_batches == micro_batches
         assert len(eng.runner.worker_pids()) == 1
         assert list(eng.model.stage.layers) == [0]  # rank 0 holds the first layer only
         assert len(eng.kv_cache.layers) == 1
@@ -147,3 +151,20 @@ def test_a_split_the_model_cannot_take_is_refused_before_spawning(
 def test_pipeline_layers_of_the_wrong_shape_are_refused(layers: list[int], problem: str) -> None:
     with pytest.raises(ConfigError, match=problem):
         EngineConfig(model="tiny", pipeline_parallel=2, pipeline_layers=layers)
+
+
+def test_micro_batches_of_a_decode_step_send_block_table_deltas(tiny_dir) -> None:  # noqa: ANN001
+    eng = engine(pp=2, pipeline_micro_batches=2)
+    try:
+        for p in PROMPTS:
+            eng.add_request(p, GREEDY)
+        eng.step()  # prefill: whole tables and prompt ids
+        st = eng.runner.stats
+        first = st.message_bytes
+        for _ in range(8):
+            eng.step()
+        per_decode = (st.message_bytes - first) / 8
+        # two messages a step, four sequences each, one token each, tables as deltas
+        assert per_decode < 900, f"{per_decode:.0f} bytes per decode step"
+    finally:
+        eng.shutdown()

@@ -2,9 +2,10 @@
 
 The world is tensor_parallel x pipeline_parallel ranks: each pipeline stage (a contiguous run
 of decoder layers) is a tensor-parallel group, and rank 0 is stage 0's first rank. Rank 0 runs
-its stage, hands the residual stream to the next stage and, when rows are sampled, waits for
-the last stage's logits: one micro-batch in flight, so a pipeline computes exactly what one
-process computes (stages take turns; the scheduler does not yet keep several batches going).
+its stage, hands the residual stream to the next stage and takes the last stage's logits back.
+A step's batch goes through as `pipeline_micro_batches` runs of sequences, so the stages work
+on different runs at once; every run's logits are back before the step ends, so the scheduler
+never sees a sequence in flight and a pipeline computes exactly what one process computes.
 
 `TensorParallelRunner.launch` starts ranks 1..world-1 as spawned processes, joins them in one
 process group (gloo on CPU, NCCL on CUDA) and loads rank 0's shards. The rendezvous is a file
@@ -51,6 +52,7 @@ from kvguard.engine.model_config import ModelConfig
 from kvguard.engine.model_runner import (
     InjectedOOMError,
     ModelRunner,
+    StepInput,
     build_step,
     finishes_prompt,
     pick_device,
@@ -126,6 +128,7 @@ class TensorParallelRunner(ModelRunner):
         self._faults: list[int] = []  # ranks of injected faults still to fire, in order
         self._failed: RankFailure | None = None
         self._split: list[int] | None = None  # pipeline_layers as configured (None: even)
+        self.micro_batches = 1  # pipeline: micro-batches a step's batch is split into
 
     # -- start and stop -------------------------------------------------------------------
     @classmethod
@@ -173,6 +176,7 @@ class TensorParallelRunner(ModelRunner):
         )
         out = cls(runner, workers, config.tensor_parallel_timeout_s)
         out._split = config.pipeline_layers
+        out.micro_batches = config.pipeline_micro_batches or config.pipeline_parallel
         return out
 
     def shutdown(self) -> None:
@@ -242,54 +246,77 @@ class TensorParallelRunner(ModelRunner):
             rank = self._faults.pop(0)
             raise InjectedOOMError(f"injected out-of-memory fault on rank {rank} (inject_oom)")
         t0 = time.perf_counter()
+        st = self.stats
+        if self.stage.count == 1:
+            inp = self._start(seqs, num_tokens, every_row, False)
+            try:
+                hidden = self._forward(inp)
+                out = None
+                if inp.sample_rows.numel():
+                    out = self.model.compute_logits(hidden[inp.sample_rows])
+            except Exception as e:  # noqa: BLE001 - the group is out of step: no retry can fix it
+                self._after_error(e)
+        else:
+            out = self._pipeline(seqs, num_tokens, every_row)
+        st.steps += 1
+        st.step_s += time.perf_counter() - t0
+        return out
+
+    def _start(
+        self, seqs: list[Sequence], num_tokens: list[int], every_row: bool, continues: bool
+    ) -> StepInput:
+        """Send every worker this (micro-)batch's step message; rank 0's own step tensors."""
+        t0 = time.perf_counter()
         tables = [s.block_table for s in seqs]
         starts = [s.num_computed_tokens for s in seqs]
         sampled = [finishes_prompt(s, n) for s, n in zip(seqs, num_tokens, strict=True)]
         ids = step_token_ids(seqs, num_tokens)
+        handles = [s.order for s in seqs]
         payload = self.encoder.encode(
-            [s.order for s in seqs],
-            tables,
-            starts,
-            num_tokens,
-            sampled,
-            ids,
-            every_row,
-            self._kv_ops,
+            handles, tables, starts, num_tokens, sampled, ids, every_row, self._kv_ops, continues
         )
         self._kv_ops = []
         self._send_all("step", payload)
-        t1 = time.perf_counter()
-        inp = build_step(
+        self.stats.message_s += time.perf_counter() - t0
+        self.stats.message_bytes += len(payload)
+        return build_step(
             tables, starts, num_tokens, sampled, ids, self.block_size, self.device, every_row
         )
-        st = self.stats
+
+    def _forward(self, inp: StepInput) -> torch.Tensor:
+        t0 = time.perf_counter()
+        hidden = self.model(inp.input_ids, inp.positions, self.kv_cache.layers, inp.meta)
+        self.stats.busy_s += time.perf_counter() - t0
+        return hidden
+
+    def _pipeline(
+        self, seqs: list[Sequence], num_tokens: list[int], every_row: bool
+    ) -> torch.Tensor | None:
+        """The batch as micro-batches (contiguous runs of its sequences, in batch order): rank
+        0 runs stage 0 of each and hands it on without waiting, so stage 0 computes micro-batch
+        k+1 while the next stage computes k; then it takes the logits back in the same order.
+        Every micro-batch's tokens return within this call: no sequence is scheduled again
+        before its token is in, and the result is the one-batch result, row for row."""
+        import torch.distributed as dist
+
+        sends, rows, outs = [], [], []
+        dst = self.stage.world.rank + self.stage.tp_size
         try:
-            t2 = time.perf_counter()
-            hidden = self.model(inp.input_ids, inp.positions, self.kv_cache.layers, inp.meta)
-            st.busy_s += time.perf_counter() - t2
-            out = None
-            if self.stage.count > 1:
-                out = self._through_stages(hidden, len(inp.sample_rows))
-            elif inp.sample_rows.numel():
-                out = self.model.compute_logits(hidden[inp.sample_rows])
+            for i, part in enumerate(micro_batches(num_tokens, self.micro_batches)):
+                span = slice(part.start, part.stop)
+                inp = self._start(seqs[span], num_tokens[span], every_row, i > 0)
+                hidden = self._forward(inp).contiguous()
+                sends.append((hidden, dist.isend(hidden, dst, group=self.stage.world.group)))
+                rows.append(len(inp.sample_rows))
+            t0 = time.perf_counter()
+            vocab = self.model_config.vocab_size
+            outs = [self.stage.recv_logits(n, vocab, self.device) for n in rows if n]
+            for _, work in sends:
+                work.wait()
+            self.stats.wait_s += time.perf_counter() - t0
         except Exception as e:  # noqa: BLE001 - the group is out of step: no retry can fix it
             self._after_error(e)
-        st.steps += 1
-        st.message_s += t1 - t0
-        st.message_bytes += len(payload)
-        st.step_s += time.perf_counter() - t0
-        return out
-
-    def _through_stages(self, hidden: torch.Tensor, rows: int) -> torch.Tensor | None:
-        """Hand stage 0's residual stream to stage 1 (each of stage 0's ranks sends its own
-        copy to its counterpart), then wait for the sampled rows' logits from the last stage."""
-        self.stage.send_next(hidden)
-        if not rows:
-            return None
-        t0 = time.perf_counter()
-        out = self.stage.recv_logits(rows, self.model_config.vocab_size, self.device)
-        self.stats.wait_s += time.perf_counter() - t0
-        return out
+        return torch.cat(outs) if outs else None
 
     def worker_busy_s(self) -> dict[int, float]:
         """Each worker's seconds of forward since start (rank -> seconds), asked over its pipe
@@ -327,6 +354,22 @@ class TensorParallelRunner(ModelRunner):
         self._send_all("convert", (dtype, tiers, self._kv_ops))
         self._kv_ops = []
         return super().convert_kv(dtype, tiers)
+
+
+def micro_batches(num_tokens: list[int], most: int) -> list[range]:
+    """A batch's sequences as at most `most` contiguous runs of about equal token counts,
+    none empty."""
+    n = min(most, len(num_tokens))
+    total, out, start, done = sum(num_tokens), [], 0, 0
+    for i, t in enumerate(num_tokens):
+        done += t
+        cut = len(out) + 1  # the run that closing here would end
+        last_chance = len(num_tokens) - (i + 1) == n - cut  # one sequence per run left to open
+        if cut < n and (done * n >= total * cut or last_chance):
+            out.append(range(start, i + 1))
+            start = i + 1
+    out.append(range(start, len(num_tokens)))
+    return out
 
 
 def _where(w: WorkerHandle) -> str:

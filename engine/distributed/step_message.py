@@ -6,7 +6,8 @@ prompt chunks as they are prefilled, then one sampled token per decode step. Blo
 sent as deltas: a sequence that ran in the previous step and only gained blocks sends the new
 ones; any other (new, resumed, swapped back, renumbered by a dtype switch) sends its whole
 table. Both ends keep the tables of the previous step's sequences only, so nothing grows with
-the number of requests served.
+the number of requests served. A pipeline step sent as several micro-batches is one step: its
+later messages say they continue it, and the tables known stay those of the step before.
 
 Before the step's tensors, the message carries the KV copies (swap out/in) rank 0 made since the
 previous message, in order: replaying them in order on a worker gives the same pools, because
@@ -33,6 +34,7 @@ class StepMessage:
     token_ids: list[int]
     every_row: bool = False  # scoring: logits of every row
     kv_ops: list[KVOp] = field(default_factory=list)
+    continues: bool = False  # another micro-batch of the previous message's step
 
 
 class StepEncoder:
@@ -40,6 +42,7 @@ class StepEncoder:
 
     def __init__(self) -> None:
         self._known: dict[int, list[int]] = {}
+        self._before: dict[int, list[int]] = {}  # the tables known before this step
 
     def encode(
         self,
@@ -51,8 +54,11 @@ class StepEncoder:
         token_ids: list[int],
         every_row: bool,
         kv_ops: list[KVOp],
+        continues: bool = False,
     ) -> bytes:
-        known, self._known = self._known, {}
+        if not continues:
+            self._before, self._known = self._known, {}
+        known = self._before
         deltas = []
         for h, table in zip(handles, tables, strict=True):
             old = known.get(h)
@@ -62,7 +68,7 @@ class StepEncoder:
                 deltas.append((False, list(table)))
             self._known[h] = list(table)
         msg = StepMessage(
-            handles, starts, num_tokens, sampled, deltas, token_ids, every_row, kv_ops
+            handles, starts, num_tokens, sampled, deltas, token_ids, every_row, kv_ops, continues
         )
         return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
 
@@ -72,9 +78,12 @@ class StepDecoder:
 
     def __init__(self) -> None:
         self._tables: dict[int, list[int]] = {}
+        self._before: dict[int, list[int]] = {}
 
     def tables(self, msg: StepMessage) -> list[list[int]]:
-        known, self._tables = self._tables, {}
+        if not msg.continues:
+            self._before, self._tables = self._tables, {}
+        known = self._before
         out = []
         for h, (append, blocks) in zip(msg.handles, msg.tables, strict=True):
             table = known[h] + blocks if append else blocks

@@ -162,3 +162,20 @@ def test_a_tensor_parallel_group_split_across_hosts_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"ranks 2\.\.3 would span hosts"):
         DistributedConfig(remote_ranks=(2,), authkey_file=key).validate(4, 2)
     DistributedConfig(remote_ranks=(2, 3), authkey_file=key).validate(4, 2)  # stage 1, whole
+
+
+def test_the_daemon_config_names_the_line_of_a_network_master(tmp_path: Path) -> None:
+    from kvguard.daemon.config import ConfigFileError, load_config
+
+    path = tmp_path / "kvguard.yaml"
+    path.write_text(
+        "serving:\n  pipeline_parallel: 2\n  distributed:\n    remote_ranks: [1]\n"
+        "    master_addr: 10.1.2.3\n    authkey_file: /etc/kvguard/worker.key\n"
+    )
+    with pytest.raises(ConfigFileError) as info:
+        load_config(path).to_engine_config()
+    assert info.value.errors[0].startswith(
+        f"{path}:5: serving.distributed.master_addr: '10.1.2.3' is not a loopback address"
+    )
+    path.write_text(path.read_text() + "    allow_network: true\n")
+    assert load_config(path).to_engine_config().distributed.allow_network

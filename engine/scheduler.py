@@ -15,8 +15,10 @@ Two rules keep a loaded engine responsive. While any sequence decodes, a step ru
 `prefill_while_decoding` prompt tokens besides the decodes (a high request's excepted): one long prompt no longer stalls
 every decoding sequence (and a newly arrived request waiting for the step) for a whole
 `max_num_batched_tokens` forward. And while a `high` priority request still has prompt to run,
-prompt chunks of lower priorities wait a step, so its first token comes from a step that holds
-only the decodes and its own prompt (on an engine that decodes at all).
+lower-priority work waits a step, decodes included, so its first token comes from a step that
+holds only high-priority work: its time to first token under load is its unloaded one plus
+what is left of the step in flight when it arrived (on an engine that decodes at all; the
+others lose one step).
 
 `block_cap` bounds the device blocks in use below the pool size: while a remedy has narrowed
 the KV dtype (FP8), the engine caps use at what the configured dtype's pool holds, less a
@@ -138,7 +140,7 @@ class Scheduler:
         batch = ScheduledBatch()
         urgent = self._urgent_prompt()
         budget = self._schedule_running(batch, self.max_num_batched_tokens, urgent)
-        budget = self._schedule_swapped(batch, budget)
+        budget = self._schedule_swapped(batch, budget, urgent)
         self._schedule_waiting(batch, budget, urgent)
         return batch
 
@@ -170,11 +172,10 @@ class Scheduler:
         for seq in sorted(self.running, key=lambda s: (s.num_uncomputed > 1, s.sort_key)):
             if seq.status is not Status.RUNNING or budget <= 0:
                 continue
-            if seq.num_uncomputed > 1:
-                if not capped:
-                    budget, capped = self._prompt_budget(batch, budget, urgent), True
-                if urgent and seq.priority != HIGH:
-                    continue  # a high request's prompt first, alone with the decodes
+            if urgent and seq.priority != HIGH:
+                continue  # a high request's prompt runs in a step of high work only
+            if seq.num_uncomputed > 1 and not capped:
+                budget, capped = self._prompt_budget(batch, budget, urgent), True
             n = self._chunk(seq, budget)
             if n and self._reserve(seq, n, batch):
                 batch.add(seq, n)
@@ -244,8 +245,8 @@ class Scheduler:
             return after < self.readmit_usage
         return True
 
-    def _schedule_swapped(self, batch: ScheduledBatch, budget: int) -> int:
-        while self.swapped and len(self.running) < self.max_num_seqs:
+    def _schedule_swapped(self, batch: ScheduledBatch, budget: int, urgent: bool) -> int:
+        while not urgent and self.swapped and len(self.running) < self.max_num_seqs:
             seq = self.swapped[0]
             if seq in batch.preempted or not self._room(len(seq.host_block_table) + 1, seq):
                 break

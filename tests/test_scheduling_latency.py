@@ -74,7 +74,7 @@ def test_without_chunked_prefill_a_prompt_is_not_cut_by_the_bound() -> None:
 
 
 # -- a high request's prompt --------------------------------------------------------------------
-def test_high_prompt_runs_alone_with_the_decodes() -> None:
+def test_high_prompt_runs_in_a_step_of_its_own() -> None:
     eng = make_engine(max_num_batched_tokens=512, prefill_while_decoding=32)
     a = eng.add_request(prompt(10), long_params())
     eng.step()
@@ -84,14 +84,14 @@ def test_high_prompt_runs_alone_with_the_decodes() -> None:
     high = eng.add_request(prompt(40, 9), long_params(), priority="high")
     late = eng.add_request(prompt(20, 11), long_params(), priority="normal")
     eng.step()
-    # the decode and the high prompt, whole (past the 32-token bound: its first token is the
-    # point); the low prompt's next chunk and the normal request wait
-    assert computed(eng, a) == 12
+    # the high prompt alone, whole (past the 32-token bound: its first token is the point);
+    # the decode, the low prompt's next chunk and the normal request wait a step
+    assert computed(eng, a) == 11
     assert computed(eng, high) == 40
     assert computed(eng, low) == 32 and computed(eng, late) == 0
     assert eng._seqs[high].output_token_ids  # its first token came from that step
     eng.step()
-    assert computed(eng, low) > 32  # and then the others go on
+    assert computed(eng, a) == 12 and computed(eng, low) > 32  # then the others go on
 
 
 def test_a_queued_high_request_does_not_hold_the_others_up() -> None:

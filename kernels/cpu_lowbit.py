@@ -74,9 +74,14 @@ def cpu_problem() -> str | None:
 
 
 def torch_openmp() -> Path | None:
-    """The OpenMP runtime torch ships and has loaded, if it ships one."""
-    libs = sorted(Path(torch.__file__).parent.joinpath("lib").glob("libgomp*.so*"))
-    return libs[0] if libs else None
+    """The OpenMP runtime torch ships and has loaded, if it ships one (`torch/lib/` in the CPU
+    wheels, `torch.libs/` with a hashed name in the manylinux CUDA ones)."""
+    root = Path(torch.__file__).parent
+    for folder in (root / "lib", root.parent / "torch.libs"):
+        libs = sorted(folder.glob("libgomp*.so*"))
+        if libs:
+            return libs[0]
+    return None
 
 
 def _build(cc: str, out: Path) -> None:

@@ -24,6 +24,19 @@ from kvguard.kernels import cpu_lowbit
 BATCHES = (1, 3, 17, 33)
 
 
+@pytest.fixture(autouse=True)
+def _seeded() -> None:
+    torch.manual_seed(0)  # every test draws the same activations on every run
+
+
+def correctly_rounded(num: torch.Tensor | float, den: torch.Tensor | float) -> torch.Tensor:
+    """`num / den` rounded once to fp32, as the C division is (torch may multiply by a
+    reciprocal, one ulp off, which flips a code sitting on a rounding boundary)."""
+    num = num.double() if isinstance(num, torch.Tensor) else num
+    den = den.double() if isinstance(den, torch.Tensor) else den
+    return (num / den).float()
+
+
 def gguf_like(fmt: str, out: int, cols: int, seed: int = 0) -> QuantSpec:
     """Q4_0 (zero point 8), Q4_1 (a float min), Q8_0 (zero point 128) in groups of 32, or
     `asym<group>`: 4-bit with float zero points in groups of `group` (AWQ/GPTQ-like)."""
@@ -47,8 +60,8 @@ def quantise_like_the_kernel(x: torch.Tensor, fine: bool = False) -> torch.Tenso
     levels = 32767.0 if fine else 127.0
     blocks = x.reshape(x.shape[0], -1, cpu_lowbit.BLOCK)
     amax = blocks.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, levels / amax, torch.zeros_like(amax))
-    return (torch.round(blocks * inv) * (amax / levels)).reshape(x.shape)
+    inv = torch.where(amax > 0, correctly_rounded(levels, amax), torch.zeros_like(amax))
+    return (torch.round(blocks * inv) * correctly_rounded(amax, levels)).reshape(x.shape)
 
 
 def weight_as_stored(spec: QuantSpec) -> torch.Tensor:
@@ -92,7 +105,7 @@ def test_activation_quantisation_is_the_reference_one(fine: bool) -> None:
     amax = x.reshape(7, -1, 32).abs().amax(-1)
     q, e, es = cpu_lowbit.quantize_rows(x, fine)
     assert q.dtype == (torch.int16 if fine else torch.int8)
-    assert torch.equal(e, amax / levels)
+    assert torch.equal(e, correctly_rounded(amax, levels))
     assert q.abs().max().item() == levels and not q[2, :32].any()
     deq = (q.float().reshape(7, -1, 32) * e.unsqueeze(-1)).reshape(7, 192)
     assert torch.equal(deq, quantise_like_the_kernel(x, fine))

@@ -243,14 +243,17 @@ static int gemm(const int bits, const float *x, int64_t M, int64_t K, int64_t ld
                 const uint8_t *wc, const uint16_t *wd, const uint16_t *wm, int64_t N, int64_t bpg,
                 float *out, int64_t ldo, int threads, int fine) {
     if (K % (2 * QK) || bpg < 1 || (K / QK) % bpg) return -2;
-    const int64_t nb = K / QK;
-    const size_t qbytes = ((size_t)(M * K) * (fine ? 2 : 1) + 63) & ~(size_t)63;
-    char *ws = aligned_alloc(64, qbytes + ((2 * M * nb * sizeof(float) + 63) & ~(size_t)63));
-    if (!ws) return -1;
-    float *xe = (float *)(ws + qbytes), *xes = xe + M * nb;
-    const int64_t tiles = (N + 7) / 8;
+    const int64_t nb = K / QK, tiles = (N + 7) / 8;
     if (threads < 1) threads = 1;
     if (threads > tiles) threads = (int)tiles;
+    /* A few rows (decode) are quantised by every thread into its own copy, so the only
+     * synchronisation is the region's end: each barrier is a chance to wait a whole
+     * scheduler slice when the cores are oversubscribed. Many rows are split, then a barrier. */
+    const int own = M <= 4 && threads > 1;
+    const size_t qbytes = ((size_t)(M * K) * (fine ? 2 : 1) + 63) & ~(size_t)63;
+    const size_t region = qbytes + ((2 * M * nb * sizeof(float) + 63) & ~(size_t)63);
+    char *ws = aligned_alloc(64, region * (own ? (size_t)threads : 1));
+    if (!ws) return -1;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         int t = 0, T = 1;
@@ -258,12 +261,17 @@ static int gemm(const int bits, const float *x, int64_t M, int64_t K, int64_t ld
         t = omp_get_thread_num();
         T = omp_get_num_threads();
 #endif
-        for (int64_t i = M * t / T; i < M * (t + 1) / T; ++i)
-            quantize_row(x + i * ldx, K, fine, (int8_t *)ws + i * K, (int16_t *)ws + i * K,
+        char *mine = own ? ws + region * (size_t)t : ws;
+        float *xe = (float *)(mine + qbytes), *xes = xe + M * nb;
+        const int64_t r0 = own ? 0 : M * t / T, r1 = own ? M : M * (t + 1) / T;
+        for (int64_t i = r0; i < r1; ++i)
+            quantize_row(x + i * ldx, K, fine, (int8_t *)mine + i * K, (int16_t *)mine + i * K,
                          xe + i * nb, xes + i * nb);
+        if (!own) {
 #pragma omp barrier
+        }
         const int64_t t0 = tiles * t / T, t1 = tiles * (t + 1) / T;
-        if (t0 < t1) columns(bits, fine, M, K, ws, xe, xes, wc, wd, wm, N, bpg, t0, t1, out, ldo);
+        if (t0 < t1) columns(bits, fine, M, K, mine, xe, xes, wc, wd, wm, N, bpg, t0, t1, out, ldo);
     }
     free(ws);
     return 0;

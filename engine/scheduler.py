@@ -138,10 +138,17 @@ class Scheduler:
     # -- one step ---------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
-        urgent = self._urgent_prompt()
-        budget = self._schedule_running(batch, self.max_num_batched_tokens, urgent)
-        budget = self._schedule_swapped(batch, budget, urgent)
-        self._schedule_waiting(batch, budget, urgent)
+        if self._urgent_prompt():
+            budget = self._schedule_running(batch, self.max_num_batched_tokens, True)
+            self._schedule_waiting(batch, budget, True)
+            if any(s.priority == HIGH and s.num_uncomputed > 1 for s in batch.seqs):
+                return batch
+            # the high prompt cannot run now (no slot or no blocks for it): never an idle
+            # step waiting on it, everyone else runs as usual
+        budget = self.max_num_batched_tokens - sum(batch.num_tokens)
+        budget = self._schedule_running(batch, budget, False)
+        budget = self._schedule_swapped(batch, budget, False)
+        self._schedule_waiting(batch, budget, False)
         return batch
 
     def _urgent_prompt(self) -> bool:
@@ -170,7 +177,7 @@ class Scheduler:
         # Decodes (one token) before prefill chunks keep inter-token latency steady.
         capped = False
         for seq in sorted(self.running, key=lambda s: (s.num_uncomputed > 1, s.sort_key)):
-            if seq.status is not Status.RUNNING or budget <= 0:
+            if seq.status is not Status.RUNNING or budget <= 0 or seq in batch.seqs:
                 continue
             if urgent and seq.priority != HIGH:
                 continue  # a high request's prompt runs in a step of high work only

@@ -111,6 +111,29 @@ def test_a_queued_high_request_does_not_hold_the_others_up() -> None:
     del a, low
 
 
+def test_a_high_request_that_cannot_start_leaves_no_idle_step() -> None:
+    """Every slot taken by normal work: the high request waits for a slot, and the normal
+    sequences keep decoding meanwhile (a step of high work only would be an empty one)."""
+    eng = make_engine(max_num_seqs=2)
+    normals = [eng.add_request(prompt(10, 3 + i), greedy_n(6)) for i in range(2)]
+    eng.step()
+    high = eng.add_request(prompt(12, 9), greedy_n(3), priority="high")
+    before = [computed(eng, r) for r in normals]
+    eng.step()
+    assert [computed(eng, r) for r in normals] == [n + 1 for n in before]
+    assert computed(eng, high) == 0
+    steps = 0
+    while eng.has_unfinished():
+        assert eng.step() is not None
+        steps += 1
+        assert steps < 50, "the engine stopped making progress"
+    assert all(not eng.has_request(r) for r in [*normals, high])
+
+
+def greedy_n(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, ignore_eos=True)
+
+
 # -- low priority behind a normal burst ---------------------------------------------------------
 def seq(rid: str, priority: int, order: int, arrival: float) -> Sequence:
     s = Sequence(rid, [1, 2, 3], SamplingParams(), priority, order, 4096)

@@ -114,7 +114,8 @@ def overlap_peak(loads: Iterable[LiveLoad], block_size: int = 1, factor: float =
 
     Continuous batching decodes every running request one token per step, so τ steps from now
     request i holds held_i + τ tokens (× `factor`, rounded up to blocks) while τ <= remaining_i,
-    and nothing after. (Predicted admission passes margins in `remaining` and factor 1.) Each term only grows until its request ends, so the maximum is at τ = 0
+    and nothing after. (Predicted admission puts its margin in `remaining`, `stretch`, and
+    passes factor 1.) Each term only grows until its request ends, so the maximum is at τ = 0
     or at some remaining_i: evaluating those points is exact, O(n²) for the few dozen requests
     a batch holds.
     """

@@ -124,7 +124,7 @@ class AdmissionPolicy:
         ctl = self.controller
         made = len(seq.output_token_ids)  # a recomputed request has some output already
         planned = max(1, (t.decision.predicted_tokens if t.decision else 1) - made)
-        load, cap = (seq.num_tokens, planned), max(0, seq.max_tokens - made)
+        load, cap = (seq.num_tokens, planned), seq.max_tokens - made
         if ctl is not None and not ctl.try_commit(
             t.projected_blocks, capacity, seq.priority, load, cap
         ):

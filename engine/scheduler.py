@@ -12,9 +12,9 @@ runner sampled and finishes them. KV copies for swap go through the runner (`kv`
 tensor-parallel engine repeats them on every rank.
 
 Two rules keep a loaded engine responsive. While any sequence decodes, a step runs at most
-`prefill_while_decoding` prompt tokens besides the decodes (a high request's excepted): one long prompt no longer stalls
-every decoding sequence (and a newly arrived request waiting for the step) for a whole
-`max_num_batched_tokens` forward. And while a `high` priority request still has prompt to run,
+`prefill_while_decoding` prompt tokens besides the decodes (a high request's excepted): one
+long prompt no longer stalls every decoding sequence (and a newly arrived request waiting for
+the step) for a whole `max_num_batched_tokens` forward. And while a `high` priority request still has prompt to run,
 lower-priority work waits a step, decodes included, so its first token comes from a step that
 holds only high-priority work: its time to first token under load is its unloaded one plus
 what is left of the step in flight when it arrived (on an engine that decodes at all; the
@@ -147,7 +147,7 @@ class Scheduler:
             # step waiting on it, everyone else runs as usual
         budget = self.max_num_batched_tokens - sum(batch.num_tokens)
         budget = self._schedule_running(batch, budget, False)
-        budget = self._schedule_swapped(batch, budget, False)
+        budget = self._schedule_swapped(batch, budget)
         self._schedule_waiting(batch, budget, False)
         return batch
 
@@ -252,8 +252,8 @@ class Scheduler:
             return after < self.readmit_usage
         return True
 
-    def _schedule_swapped(self, batch: ScheduledBatch, budget: int, urgent: bool) -> int:
-        while not urgent and self.swapped and len(self.running) < self.max_num_seqs:
+    def _schedule_swapped(self, batch: ScheduledBatch, budget: int) -> int:
+        while self.swapped and len(self.running) < self.max_num_seqs:
             seq = self.swapped[0]
             if seq in batch.preempted or not self._room(len(seq.host_block_table) + 1, seq):
                 break

@@ -212,10 +212,12 @@ class QuantizedLinear(nn.Module):
             y = y + self.bias
         return y.reshape(*lead, self.out_features)
 
-    def _mm_w4a8(self, x: torch.Tensor) -> torch.Tensor:
+    def _mm_lowbit(self, x: torch.Tensor) -> torch.Tensor:
+        """`w4a8` and `w8a8`: the C kernels, or from DEQUANTIZED_GEMM_ROWS rows one sgemm."""
         if self.fine and x.shape[0] >= DEQUANTIZED_GEMM_ROWS:
             return self._mm_dequantized(x)
-        return cpu_lowbit.w4a8(
+        gemm = cpu_lowbit.w4a8 if self.bits == 4 else cpu_lowbit.w8a8
+        return gemm(
             x,
             self.out_features,
             self.lowbit_codes,
@@ -225,18 +227,7 @@ class QuantizedLinear(nn.Module):
             self.fine,
         ).to(x.dtype)
 
-    def _mm_w8a8(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fine and x.shape[0] >= DEQUANTIZED_GEMM_ROWS:
-            return self._mm_dequantized(x)
-        return cpu_lowbit.w8a8(
-            x,
-            self.out_features,
-            self.lowbit_codes,
-            self.lowbit_scales,
-            self.lowbit_mins,
-            self.group_size,
-            self.fine,
-        ).to(x.dtype)
+    _mm_w4a8 = _mm_w8a8 = _mm_lowbit
 
     def _mm_dequantized(self, x: torch.Tensor) -> torch.Tensor:
         w = cpu_lowbit.dequantize(

@@ -47,7 +47,7 @@ from kvguard.engine.weights import (
     expected_tensor_names,
     open_safetensors,
 )
-from kvguard.kernels import paged_attention, write_kv
+from kvguard.kernels import cpu_ops, paged_attention, write_kv
 from kvguard.kernels.paged_attention import decode_attention
 
 
@@ -104,9 +104,19 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if cpu_ops.enabled(x) and x.stride(-1) == 1:
+            return cpu_ops.rmsnorm(x, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
+
+    def add_forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + y, its norm): the residual add and the norm after it, in one pass where the
+        CPU kernel serves (x is then updated in place and returned)."""
+        if cpu_ops.enabled(x) and x.is_contiguous() and y.dtype == x.dtype:
+            return x, cpu_ops.rmsnorm(x, self.weight, self.eps, y)
+        x = x + y
+        return x, self(x)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -136,11 +146,14 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(
-            [self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], -1
-        )
-        q = apply_rope(q.view(t, self.nh, self.hd), cos, sin)
-        k = apply_rope(k.view(t, self.nkv, self.hd), cos, sin)
+        qkv = self.qkv_proj(x)
+        native = cpu_ops.enabled(qkv) and qkv.stride(-1) == 1
+        if native:  # q and k heads are adjacent in each row: rotated in place, one call
+            cpu_ops.rope_(qkv, self.nh + self.nkv, self.hd, cos.view(t, -1), sin.view(t, -1))
+        q, k, v = qkv.split([self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], -1)
+        q, k = q.view(t, self.nh, self.hd), k.view(t, self.nkv, self.hd)
+        if not native:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         write_kv(kv[0], kv[1], k, v.view(t, self.nkv, self.hd), meta.slot_mapping, kv[2], kv[3])
         o = self._attend(q, kv, meta)
         return self.o_proj(o.reshape(t, self.nh * self.hd))
@@ -176,8 +189,10 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg, tp)
 
     def forward(self, x, cos, sin, kv, meta):  # noqa: ANN001, ANN201 - hot path, types as above
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        """May update `x` in place (the model passes a stream it owns)."""
+        a = self.self_attn(self.input_layernorm(x), cos, sin, kv, meta)
+        x, h = self.post_attention_layernorm.add_forward(x, a)
+        return x + self.mlp(h)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -252,7 +267,8 @@ class LlamaForCausalLM(nn.Module):
         last, the residual stream after its layers (what the next stage's `hidden` is: each
         layer adds its output to the stream it was given, so one tensor carries both).
         `kv_caches` are this stage's layers' pools, in order."""
-        x = self.embed_tokens(input_ids) if self.stage.is_first else hidden
+        # the layers may update the stream in place: a stage's input is copied, never changed
+        x = self.embed_tokens(input_ids) if self.stage.is_first else hidden.clone()
         cos = self.cos_cache.index_select(0, positions).unsqueeze(1)
         sin = self.sin_cache.index_select(0, positions).unsqueeze(1)
         own = self.layers[self.stage.layers.start : self.stage.layers.stop]

@@ -1,5 +1,8 @@
 """W4A8 and W8A8 CPU GEMMs (`lowbit.c`), compiled on first use and called through ctypes.
 
+The same library carries the step kernels of `cpu_ops.c` (paged decode attention, RMSNorm,
+RoPE; wrapped by `kvguard.kernels.cpu_ops`): one compile, one cache file, one load.
+
 torch's CPU weight-only kernels multiply in bf16 or fp32; on AVX2 the fast way is integers:
 activations quantised to int8 per block of 32, each block a `vpmaddubsw` dot with the 4-bit or
 8-bit weight codes. The C source ships with the package and is compiled once per source and
@@ -34,7 +37,8 @@ import torch.nn.functional as F
 
 log = logging.getLogger("kvguard.kernels")
 
-SOURCE = Path(__file__).with_name("lowbit.c")
+# One library: the low-bit GEMMs and the step kernels of `cpu_ops` (attention, norm, RoPE).
+SOURCES = tuple(Path(__file__).with_name(f) for f in ("lowbit.c", "cpu_ops.c"))
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-fopenmp", "-std=c11")
 CPU_FLAGS = ("avx2", "fma", "f16c")
 BLOCK = 32  # activation and weight block: one scale per 32 values
@@ -88,16 +92,19 @@ def _build(cc: str, out: Path) -> None:
     """Compile then link against torch's libgomp (or the compiler's, when torch has none)."""
     gomp = torch_openmp()
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        obj, lib = Path(tmp) / "lowbit.o", Path(tmp) / out.name
+        objs, lib = [Path(tmp) / f"{src.stem}.o" for src in SOURCES], Path(tmp) / out.name
         run = functools.partial(subprocess.run, check=True, capture_output=True, text=True)
-        run([cc, *CFLAGS, "-c", str(SOURCE), "-o", str(obj)])
+        for src, obj in zip(SOURCES, objs, strict=True):
+            run([cc, *CFLAGS, "-c", str(src), "-o", str(obj)])
         link = [str(gomp), f"-Wl,-rpath,{gomp.parent}"] if gomp else ["-fopenmp"]
-        run([cc, "-shared", str(obj), "-o", str(lib), *link])
+        run([cc, "-shared", *map(str, objs), "-o", str(lib), *link])
         os.replace(lib, out)  # atomic: a concurrent compile of the same key writes the same file
 
 
 def _key(cc: str) -> str:
-    h = hashlib.sha256(SOURCE.read_bytes())
+    h = hashlib.sha256()
+    for src in SOURCES:
+        h.update(src.read_bytes())
     h.update(" ".join((cc, *CFLAGS, str(torch_openmp()))).encode())
     return h.hexdigest()[:16]
 
@@ -111,6 +118,14 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.kvg_quantize_rows.restype = None
     lib.kvg_dequantize.argtypes = [_INT, _PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _INT]
     lib.kvg_dequantize.restype = ctypes.c_int
+    _F = ctypes.c_float
+    lib.kvg_paged_decode.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR]
+    lib.kvg_paged_decode.argtypes += [_INT, _I64, _I64, _I64, _I64, _PTR, _I64, _F, _INT]
+    lib.kvg_paged_decode.restype = ctypes.c_int
+    lib.kvg_rmsnorm.argtypes = [_PTR, _I64, _PTR, _I64, _I64, _PTR, _F, _PTR, _INT]
+    lib.kvg_rmsnorm.restype = None
+    lib.kvg_rope.argtypes = [_PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _INT]
+    lib.kvg_rope.restype = None
     return lib
 
 
@@ -122,7 +137,7 @@ def library() -> ctypes.CDLL | None:
     if problem is None and cc is None:
         problem = f"no C compiler ({'$CC=' + os.environ['CC'] if os.environ.get('CC') else 'cc'})"
     if problem is None:
-        path = cache_dir() / f"lowbit-{_key(cc)}.so"
+        path = cache_dir() / f"kvguard-cpu-{_key(cc)}.so"
         try:
             if not path.exists():
                 path.parent.mkdir(parents=True, exist_ok=True)

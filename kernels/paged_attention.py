@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvguard.kernels import cpu_ops
 from kvguard.kernels.dispatch import use_triton
 from kvguard.kernels.fp8 import FP8_DTYPE, as_bytes, dequantize, write_kv_fp8
 
@@ -87,6 +88,8 @@ def paged_attention(
         triton_attention.decode_rows(
             q, out, k_cache, v_cache, block_tables, seq_lens, starts, decode, scale, *kv[2:]
         )
+    elif decode and cpu_ops.enabled(q) and cpu_ops.decode_supported(q, k_cache):
+        _decode_native(q, out, kv, block_tables, seq_lens, starts, decode, scale)
     elif decode:
         _decode(q, out, kv, block_tables, seq_lens, starts, decode, scale)
     for i, qlen in enumerate(query_lens):
@@ -191,6 +194,27 @@ def _decode(
     k, v = k.to(q.dtype), v.to(q.dtype)
     o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
     out.index_copy_(0, qpos, o.reshape(g, nh, d).to(out.dtype))
+
+
+def _decode_native(
+    q: torch.Tensor,
+    out: torch.Tensor,
+    kv: KV,
+    block_tables: torch.Tensor,
+    seq_lens: list[int],
+    starts: list[int],
+    rows: list[int],
+    scale: float,
+) -> None:
+    """`_decode` by the CPU kernel, which reads the paged pool in place (no gather)."""
+    tables = block_tables
+    if len(rows) != block_tables.shape[0]:
+        tables = block_tables.index_select(0, torch.tensor(rows))
+    if tables.dtype != torch.int32 or tables.stride(1) != 1:
+        tables = tables.to(torch.int32).contiguous()
+    qrows = torch.tensor([starts[i] for i in rows])
+    lens = torch.tensor([seq_lens[i] for i in rows], dtype=torch.int32)
+    cpu_ops.paged_decode(q, out, qrows, lens, kv[0], kv[1], tables, scale, kv[2], kv[3])
 
 
 _WORKSPACE: dict[tuple[torch.device, torch.dtype, int], torch.Tensor] = {}

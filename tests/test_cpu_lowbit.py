@@ -180,4 +180,4 @@ def test_two_processes_compiling_at_once_both_load_one_library(tmp_path: Path) -
     procs = [subprocess.Popen([sys.executable, "-c", BUILD], env=env) for _ in range(2)]
     assert [p.wait(timeout=300) for p in procs] == [0, 0]
     built = list((tmp_path / "kernels").iterdir())
-    assert len(built) == 1 and built[0].name.startswith("lowbit-") and built[0].suffix == ".so"
+    assert len(built) == 1 and built[0].name.startswith("kvguard-cpu-") and built[0].suffix == ".so"

@@ -1,0 +1,355 @@
+/* kvguard CPU step kernels (AVX2): paged decode attention, RMSNorm with the residual add, RoPE.
+ *
+ * A decode step on CPU is one row per sequence, so each torch op around the projections costs
+ * more in dispatch than in arithmetic, and the torch attention path first gathers every
+ * sequence's K/V blocks into a contiguous copy. These kernels read the paged pool in place and
+ * replace a dozen ops per layer with one call each. fp32 activations only.
+ *
+ * Paged decode attention: one query token per sequence; pools [blocks][block_size][kv_heads][d]
+ * in fp32, fp16, bf16 or fp8 e4m3 (with one fp32 scale per block and KV head). A work item is
+ * (sequence, KV head, split of its tokens): the query heads that share the KV head are scored
+ * a block of tokens at a time (one running max per head, rescaled once per block), and with
+ * fewer items than threads x 4 a long sequence is split into runs whose partial softmax sums
+ * are merged at the end (the split-K of flash decoding).
+ */
+#pragma GCC optimize("fp-contract=off") /* RoPE and RMSNorm round like torch's mul-then-add */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2, KV_FP8 = 3 };
+#define MAX_GROUP 16
+#define MAX_DIM 256
+#define MAX_BLOCK 64
+
+int kvg_ops_abi(void) { return 1; }
+
+static float fp8_lut[256];
+static int fp8_ready;
+
+/* e4m3fn: sign, 4 exponent bits (bias 7), 3 mantissa bits; 0x7f/0xff are NaN, no infinity. */
+static void build_fp8_lut(void) {
+    for (int b = 0; b < 256; ++b) {
+        const int s = b >> 7, e = (b >> 3) & 15, m = b & 7;
+        float v;
+        if ((b & 0x7f) == 0x7f)
+            v = NAN;
+        else if (e == 0)
+            v = ldexpf((float)m, -9); /* subnormal: m/8 * 2^-6 */
+        else
+            v = ldexpf(1.0f + (float)m / 8.0f, e - 7);
+        fp8_lut[b] = s ? -v : v;
+    }
+    fp8_ready = 1;
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* Eight values of a KV row as fp32. */
+static inline __m256 load8(const void *p, int64_t i, int type) {
+    switch (type) {
+    case KV_F16:
+        return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)));
+    case KV_BF16: {
+        const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+    }
+    case KV_FP8: {
+        const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)((const uint8_t *)p + i)));
+        return _mm256_i32gather_ps(fp8_lut, idx, 4);
+    }
+    default:
+        return _mm256_loadu_ps((const float *)p + i);
+    }
+}
+
+static inline int64_t elem_size(int type) { return type == KV_F32 ? 4 : type == KV_FP8 ? 1 : 2; }
+
+typedef struct {
+    const float *q;
+    int64_t ldq;
+    const void *k, *v;
+    const float *ks, *vs;
+    int type;
+    int64_t bs, hkv, d, g;
+    const int32_t *tables;
+    int64_t ldt;
+    float scale;
+} Attn;
+
+/* Eight vectors to one: lane r holds the sum of c[r]'s lanes. */
+static inline __m256 reduce8(const __m256 *c) {
+    const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(c[0], c[1]), _mm256_hadd_ps(c[2], c[3]));
+    const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(c[4], c[5]), _mm256_hadd_ps(c[6], c[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+/* e^x for eight floats: x = n ln2 + r with |r| <= ln2/2, e^r by its degree-6 Taylor
+ * polynomial (relative error ~2e-7), 2^n built in the exponent bits; -inf and very negative
+ * x give 0. */
+static inline __m256 exp8(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.0f), hi = _mm256_set1_ps(88.0f);
+    const __m256 zero_mask = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x); /* ln2 split in two */
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 720.0f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(zero_mask, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+/* Tokens [t0, t1) of one sequence against the g query heads of KV head h: running max m[j],
+ * sum l[j] and unnormalised output acc[j][d]. Per block of the table: the scores of all its
+ * tokens, one max update per head, then each 8-wide slice of the output accumulated in a
+ * register over the block's tokens (V rows stay in L1 for the g heads). */
+static void attend_run(const Attn *a, const float *qrow, const int32_t *table, int64_t h,
+                       int64_t t0, int64_t t1, float *m, float *l, float *acc) {
+    const int64_t d = a->d, g = a->g, bs = a->bs, es = elem_size(a->type);
+    const int64_t step = a->hkv * d; /* elements from one token's row to the next */
+    float qs[MAX_GROUP * MAX_DIM];
+    float kb[MAX_BLOCK * MAX_DIM], vb[MAX_BLOCK * MAX_DIM]; /* a non-fp32 block as fp32 */
+    float s[MAX_GROUP][MAX_BLOCK + 8];
+    for (int64_t j = 0; j < g; ++j) {
+        m[j] = -INFINITY;
+        l[j] = 0.0f;
+        for (int64_t i = 0; i < d; ++i) {
+            qs[j * d + i] = qrow[(h * g + j) * d + i] * a->scale;
+            acc[j * d + i] = 0.0f;
+        }
+    }
+    for (int64_t t = t0; t < t1;) {
+        const int64_t blk = table[t / bs], off = t % bs;
+        const int64_t n = (t1 - t < bs - off) ? t1 - t : bs - off;
+        const float ksc = a->ks ? a->ks[blk * a->hkv + h] : 1.0f;
+        const float vsc = a->vs ? a->vs[blk * a->hkv + h] : 1.0f;
+        const int64_t row0 = ((blk * bs + off) * a->hkv + h) * d; /* element index of token t */
+        const float *kr; /* K rows of the block's tokens, `kstep` floats apart */
+        int64_t kstep;
+        if (a->type == KV_F32) {
+            kr = (const float *)a->k + row0;
+            kstep = step;
+        } else {
+            for (int64_t u = 0; u < n; ++u) {
+                const char *kp = (const char *)a->k + (row0 + u * step) * es;
+                for (int64_t i = 0; i < d; i += 8)
+                    _mm256_storeu_ps(kb + u * d + i, load8(kp, i, a->type));
+            }
+            kr = kb;
+            kstep = d;
+        }
+        const __m256 kscv = _mm256_set1_ps(ksc);
+        for (int64_t j = 0; j < g; ++j) {
+            const float *qj = qs + j * d;
+            int64_t u = 0;
+            for (; u + 8 <= n; u += 8) { /* eight tokens' dots, reduced together */
+                __m256 c[8];
+                for (int r = 0; r < 8; ++r)
+                    c[r] = _mm256_setzero_ps();
+                for (int64_t i = 0; i < d; i += 8) {
+                    const __m256 qv = _mm256_loadu_ps(qj + i);
+                    for (int r = 0; r < 8; ++r)
+                        c[r] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr + (u + r) * kstep + i), c[r]);
+                }
+                _mm256_storeu_ps(&s[j][u], _mm256_mul_ps(reduce8(c), kscv));
+            }
+            for (; u < n; ++u) {
+                __m256 c = _mm256_setzero_ps();
+                for (int64_t i = 0; i < d; i += 8)
+                    c = _mm256_fmadd_ps(_mm256_loadu_ps(qj + i), _mm256_loadu_ps(kr + u * kstep + i), c);
+                s[j][u] = hsum8(c) * ksc;
+            }
+        }
+        for (int64_t j = 0; j < g; ++j) {
+            float mx = m[j];
+            for (int64_t u = 0; u < n; ++u)
+                mx = s[j][u] > mx ? s[j][u] : mx;
+            const float c = expf(m[j] - mx); /* 0 on the first block (m = -inf) */
+            const __m256 mv = _mm256_set1_ps(mx);
+            __m256 sum = _mm256_setzero_ps();
+            for (int64_t u = 0; u < n; u += 8) {
+                const int64_t left = n - u;
+                __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(&s[j][u]), mv));
+                if (left < 8) { /* lanes past the block's end count nothing */
+                    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+                    const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)left), lane);
+                    p = _mm256_and_ps(p, _mm256_castsi256_ps(keep));
+                }
+                sum = _mm256_add_ps(sum, p);
+                _mm256_storeu_ps(&s[j][u], _mm256_mul_ps(p, _mm256_set1_ps(vsc)));
+            }
+            l[j] = l[j] * c + hsum8(sum);
+            m[j] = mx;
+            if (c != 1.0f) {
+                const __m256 cv = _mm256_set1_ps(c);
+                for (int64_t i = 0; i < d; i += 8)
+                    _mm256_storeu_ps(acc + j * d + i, _mm256_mul_ps(_mm256_loadu_ps(acc + j * d + i), cv));
+            }
+        }
+        const float *vr; /* V rows of the block's tokens, `vstep` floats apart */
+        int64_t vstep;
+        if (a->type == KV_F32) {
+            vr = (const float *)a->v + row0;
+            vstep = step;
+        } else {
+            for (int64_t u = 0; u < n; ++u) {
+                const char *vp = (const char *)a->v + (row0 + u * step) * es;
+                for (int64_t i = 0; i < d; i += 8)
+                    _mm256_storeu_ps(vb + u * d + i, load8(vp, i, a->type));
+            }
+            vr = vb;
+            vstep = d;
+        }
+        for (int64_t j = 0; j < g; ++j) {
+            for (int64_t i = 0; i < d; i += 8) {
+                __m256 o = _mm256_loadu_ps(acc + j * d + i);
+                for (int64_t u = 0; u < n; ++u)
+                    o = _mm256_fmadd_ps(_mm256_set1_ps(s[j][u]), _mm256_loadu_ps(vr + u * vstep + i), o);
+                _mm256_storeu_ps(acc + j * d + i, o);
+            }
+        }
+        t += n;
+    }
+}
+
+/* Attention of `B` single-token queries over the paged pool. Sequence b's query is row
+ * rows[b] of q ([rows][heads][d], row stride ldq floats) and its output row rows[b] of out
+ * ([rows][heads][d], contiguous); it attends to lens[b] cached tokens through its block table
+ * (tables + b * ldt). Returns 0, 1 on an unsupported shape, -1 without memory. */
+int kvg_paged_decode(const float *q, int64_t ldq, float *out, const int64_t *rows,
+                     const int32_t *lens, int64_t B, const void *k, const void *v,
+                     const float *ks, const float *vs, int type, int64_t bs, int64_t hkv,
+                     int64_t heads, int64_t d, const int32_t *tables, int64_t ldt, float scale,
+                     int threads) {
+    if (heads % hkv || heads / hkv > MAX_GROUP || d % 8 || d > MAX_DIM || bs > MAX_BLOCK)
+        return 1;
+    if (type == KV_FP8 && !fp8_ready)
+        build_fp8_lut();
+    const Attn a = {q, ldq, k, v, ks, vs, type, bs, hkv, d, heads / hkv, tables, ldt, scale};
+    const int64_t g = a.g;
+    int64_t longest = 1;
+    for (int64_t b = 0; b < B; ++b)
+        longest = lens[b] > longest ? lens[b] : longest;
+    /* Split each sequence into runs of at least 4 blocks until there is work for every thread. */
+    int64_t split = 1;
+    while (B * hkv * split < 4 * (int64_t)threads && longest / (split * 2) >= 4 * bs)
+        split *= 2;
+    const int64_t per = g * d + 2 * g; /* one run's partial: acc, then m, then l */
+    float *part = split > 1 ? malloc(sizeof(float) * B * hkv * split * per) : NULL;
+    if (split > 1 && !part)
+        return -1;
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(dynamic, 1)
+    for (int64_t it = 0; it < B * hkv * split; ++it) {
+        const int64_t b = it / (hkv * split), h = (it / split) % hkv, sp = it % split;
+        const int64_t len = lens[b], chunk = (len + split - 1) / split;
+        const int64_t t0 = sp * chunk < len ? sp * chunk : len;
+        const int64_t t1 = t0 + chunk < len ? t0 + chunk : len;
+        float local[MAX_GROUP * MAX_DIM + 2 * MAX_GROUP];
+        float *acc = part ? part + it * per : local;
+        float *m = acc + g * d, *l = m + g;
+        attend_run(&a, q + rows[b] * ldq, tables + b * ldt, h, t0, t1, m, l, acc);
+        if (part)
+            continue;
+        float *o = out + rows[b] * heads * d + h * g * d;
+        for (int64_t j = 0; j < g; ++j) {
+            const float inv = l[j] > 0.0f ? 1.0f / l[j] : 0.0f;
+            for (int64_t i = 0; i < d; ++i)
+                o[j * d + i] = acc[j * d + i] * inv;
+        }
+    }
+    if (part) {
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+        for (int64_t bh = 0; bh < B * hkv; ++bh) {
+            const int64_t b = bh / hkv, h = bh % hkv;
+            float *o = out + rows[b] * heads * d + h * g * d;
+            for (int64_t j = 0; j < g; ++j) {
+                float mx = -INFINITY;
+                for (int64_t sp = 0; sp < split; ++sp) {
+                    const float mj = part[(bh * split + sp) * per + g * d + j];
+                    mx = mj > mx ? mj : mx;
+                }
+                float l = 0.0f;
+                for (int64_t i = 0; i < d; ++i)
+                    o[j * d + i] = 0.0f;
+                for (int64_t sp = 0; sp < split; ++sp) {
+                    const float *p = part + (bh * split + sp) * per;
+                    if (p[g * d + g + j] == 0.0f) /* an empty run */
+                        continue;
+                    const float c = expf(p[g * d + j] - mx);
+                    l += p[g * d + g + j] * c;
+                    for (int64_t i = 0; i < d; ++i)
+                        o[j * d + i] += p[j * d + i] * c;
+                }
+                const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+                for (int64_t i = 0; i < d; ++i)
+                    o[j * d + i] *= inv;
+            }
+        }
+        free(part);
+    }
+    return 0;
+}
+
+/* RMSNorm of T rows of width d (row stride ldx), optionally after the residual add
+ * x += y (y contiguous [T][d], x updated in place): out = w * (x / sqrt(mean(x^2) + eps)). */
+void kvg_rmsnorm(float *x, int64_t ldx, const float *y, int64_t T, int64_t d, const float *w,
+                 float eps, float *out, int threads) {
+#pragma omp parallel for num_threads(threads) if (threads > 1 && T * d >= (1 << 16)) schedule(static)
+    for (int64_t t = 0; t < T; ++t) {
+        float *xr = x + t * ldx;
+        if (y)
+            for (int64_t i = 0; i < d; ++i)
+                xr[i] = xr[i] + y[t * d + i];
+        __m256 acc = _mm256_setzero_ps();
+        int64_t i = 0;
+        for (; i + 8 <= d; i += 8) {
+            const __m256 v = _mm256_loadu_ps(xr + i);
+            acc = _mm256_add_ps(acc, _mm256_mul_ps(v, v));
+        }
+        float ss = hsum8(acc);
+        for (; i < d; ++i)
+            ss += xr[i] * xr[i];
+        const float r = 1.0f / sqrtf(ss / (float)d + eps);
+        float *o = out + t * d;
+        for (i = 0; i < d; ++i)
+            o[i] = w[i] * (xr[i] * r);
+    }
+}
+
+/* Rotate-half RoPE in place on the first `heads` heads (width d) of T rows (row stride ldx),
+ * with per-row tables cos/sin [T][d] (the two halves repeat the same frequencies). */
+void kvg_rope(float *x, int64_t ldx, int64_t T, int64_t heads, int64_t d, const float *cos_t,
+              const float *sin_t, int threads) {
+    const int64_t half = d / 2;
+#pragma omp parallel for num_threads(threads) if (threads > 1 && T * heads * d >= (1 << 16)) schedule(static)
+    for (int64_t t = 0; t < T; ++t) {
+        const float *c = cos_t + t * d, *s = sin_t + t * d;
+        for (int64_t hh = 0; hh < heads; ++hh) {
+            float *p = x + t * ldx + hh * d;
+            for (int64_t i = 0; i < half; ++i) {
+                const float x1 = p[i], x2 = p[i + half];
+                const float a = x1 * c[i], b = -x2 * s[i];
+                const float e = x2 * c[i + half], f = x1 * s[i + half];
+                p[i] = a + b;
+                p[i + half] = e + f;
+            }
+        }
+    }
+}

@@ -1,0 +1,121 @@
+"""The CPU step kernels of `cpu_ops.c`: paged decode attention over the pool in place, RMSNorm
+(with the residual add folded in) and RoPE, for fp32 activations.
+
+They live in the library `cpu_lowbit` builds (one compile on first use). `enabled(x)` says
+whether a tensor takes them: fp32 on the CPU, the library built, and `KVGUARD_CPU_OPS` not
+"0" (the switch that keeps torch's ops, for comparison). Where they do not apply the callers
+keep their torch code, which stays the reference the tests hold these kernels to.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kvguard.kernels import cpu_lowbit
+from kvguard.kernels.fp8 import FP8_DTYPE
+
+ENV = "KVGUARD_CPU_OPS"
+KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, FP8_DTYPE: 3}
+_state: dict[str, bool] = {}
+
+
+def _on() -> bool:
+    on = _state.get("on")
+    if on is None:
+        on = _state["on"] = os.environ.get(ENV, "1") != "0" and cpu_lowbit.available()
+    return on
+
+
+def enabled(x: torch.Tensor) -> bool:
+    """Whether `x` (an activation) is served by these kernels."""
+    return x.device.type == "cpu" and x.dtype == torch.float32 and _on()
+
+
+def reset() -> None:
+    """Read `KVGUARD_CPU_OPS` again (tests switch it)."""
+    _state.clear()
+
+
+def decode_supported(q: torch.Tensor, cache: torch.Tensor) -> bool:
+    """Whether `paged_decode` serves these shapes: head_dim a multiple of 8 up to 256, at most
+    16 query heads per KV head, blocks of at most 64 tokens, a known pool dtype."""
+    _nb, bs, hkv, d = cache.shape
+    heads = q.shape[1]
+    return (
+        cache.dtype in KV_TYPES
+        and heads % hkv == 0
+        and heads // hkv <= 16
+        and d % 8 == 0
+        and d <= 256
+        and bs <= 64
+        and q.stride(2) == 1
+        and q.stride(1) == d
+    )
+
+
+def paged_decode(
+    q: torch.Tensor,
+    out: torch.Tensor,
+    rows: torch.Tensor,
+    lens: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,
+    scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> None:
+    """Single-token attention for the sequences whose query is row `rows[b]` of `q`
+    `[T, heads, d]` (rows may be strided), written to the same rows of `out` (contiguous).
+    Sequence b attends to `lens[b]` (int32) cached tokens through `tables[b]` (int32 block
+    table rows). An fp8 pool needs its per-block, per-KV-head fp32 scales."""
+    lib = cpu_lowbit.library()
+    _nb, bs, hkv, d = k_cache.shape
+    assert out.is_contiguous() and tables.dtype == torch.int32 and lens.dtype == torch.int32
+    assert tables.stride(1) == 1 and rows.dtype == torch.int64
+    fp8 = k_cache.dtype == FP8_DTYPE
+    rc = lib.kvg_paged_decode(
+        q.data_ptr(), q.stride(0), out.data_ptr(), rows.data_ptr(), lens.data_ptr(),
+        rows.numel(), k_cache.data_ptr(), v_cache.data_ptr(),
+        k_scale.data_ptr() if fp8 else None, v_scale.data_ptr() if fp8 else None,
+        KV_TYPES[k_cache.dtype], bs, hkv, q.shape[1], d, tables.data_ptr(), tables.stride(0),
+        scale, torch.get_num_threads(),
+    )  # fmt: skip
+    if rc == -1:
+        raise MemoryError("paged_decode: no memory for the split-K partial sums")
+    if rc:
+        raise ValueError(f"paged_decode: unsupported shape q={tuple(q.shape)} kv={tuple(k_cache.shape)}")
+
+
+def rmsnorm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`weight * x / sqrt(mean(x^2) + eps)` over the last dimension; with `residual`, first
+    `x += residual` in place (x's rows may be strided, the last dimension must not)."""
+    lib = cpu_lowbit.library()
+    d = x.shape[-1]
+    x2 = x.view(-1, d)
+    assert x2.stride(-1) == 1 and weight.is_contiguous()
+    out = torch.empty(x2.shape, dtype=x.dtype)
+    y = None
+    if residual is not None:
+        residual = residual.reshape(-1, d).contiguous()
+        y = residual.data_ptr()
+    lib.kvg_rmsnorm(
+        x2.data_ptr(), x2.stride(0), y, x2.shape[0], d, weight.data_ptr(), eps, out.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return out.view(x.shape)
+
+
+def rope_(x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate-half RoPE in place on the first `heads` heads of each row of `x` `[T, width]`
+    (unit stride along the row), with `cos`/`sin` `[T, head_dim]` per row (contiguous)."""
+    lib = cpu_lowbit.library()
+    assert x.stride(-1) == 1 and cos.is_contiguous() and sin.is_contiguous()
+    lib.kvg_rope(
+        x.data_ptr(), x.stride(0), x.shape[0], heads, head_dim, cos.data_ptr(), sin.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip

@@ -86,7 +86,9 @@ def paged_decode(
     if rc == -1:
         raise MemoryError("paged_decode: no memory for the split-K partial sums")
     if rc:
-        raise ValueError(f"paged_decode: unsupported shape q={tuple(q.shape)} kv={tuple(k_cache.shape)}")
+        raise ValueError(
+            f"paged_decode: unsupported shape q={tuple(q.shape)} kv={tuple(k_cache.shape)}"
+        )
 
 
 def rmsnorm(

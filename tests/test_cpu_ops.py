@@ -1,0 +1,201 @@
+"""The CPU step kernels (`kernels/cpu_ops.c`): paged decode attention, RMSNorm, RoPE.
+
+Attention is held to the float64 dense reference of test_paged_attention on pools filled with
+garbage outside each sequence's blocks, for every pool dtype, GQA ratio and the split-K path;
+the narrow pools (fp16, bf16, fp8) also to torch's own decode path, which dequantises the same
+way. Norm and RoPE are held to the torch code they replace. `KVGUARD_CPU_OPS=0` must bring the
+torch path back, and a whole model must produce the same tokens either way.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from kvguard.engine import EngineConfig, LLMEngine
+from kvguard.engine.model import RMSNorm, apply_rope
+from kvguard.engine.sampling_params import SamplingParams
+from kvguard.kernels import cpu_lowbit, cpu_ops
+from kvguard.kernels.fp8 import FP8_DTYPE, write_kv_fp8
+from tests.test_paged_attention import (
+    assert_close,
+    dense_reference,
+    make_pool,
+    random_seq,
+    run_batch,
+    slots,
+)
+
+pa = importlib.import_module("kvguard.kernels.paged_attention")
+
+
+@pytest.fixture(autouse=True)
+def _native_on(monkeypatch: pytest.MonkeyPatch):
+    """Every test starts with the kernels on and leaves the switch as it found it."""
+    assert cpu_lowbit.available(), "the C kernels must build here (.ci/run installs gcc)"
+    monkeypatch.delenv(cpu_ops.ENV, raising=False)
+    cpu_ops.reset()
+    yield
+    cpu_ops.reset()
+
+
+def _forbid(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    def refuse(*_a, **_k):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError(f"{name} must not run on this path")
+
+    monkeypatch.setattr(pa, name, refuse)
+
+
+def test_decode_rows_take_the_kernel_and_the_switch_brings_torch_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    seqs = [(45, 1), (30, 12), (16, 1), (3, 1)]
+    _forbid(monkeypatch, "_decode")
+    out, ref = run_batch(seqs, 9, 3, 64, 16, seed=11)
+    assert_close(out, ref)
+    monkeypatch.undo()
+    monkeypatch.setenv(cpu_ops.ENV, "0")
+    cpu_ops.reset()
+    _forbid(monkeypatch, "_decode_native")
+    out, ref = run_batch(seqs, 9, 3, 64, 16, seed=11)
+    assert_close(out, ref)
+
+
+@pytest.mark.parametrize(
+    ("lengths", "n_heads", "n_kv", "head_dim", "block_size"),
+    [
+        ([1000], 9, 3, 64, 16),  # one long sequence: split into runs over the threads
+        ([700, 1], 4, 1, 128, 32),  # split, with one run of a sequence empty
+        ([257, 64, 65], 8, 2, 64, 8),
+        ([33] * 40, 9, 3, 64, 16),  # more items than threads: no split
+        ([5, 17], 16, 1, 8, 4),  # the widest group, the narrowest head
+    ],
+)
+def test_decode_matches_the_dense_reference(
+    lengths: list[int], n_heads: int, n_kv: int, head_dim: int, block_size: int
+) -> None:
+    out, ref = run_batch([(n, 1) for n in lengths], n_heads, n_kv, head_dim, block_size, seed=2)
+    assert_close(out, ref)
+
+
+def test_a_shape_the_kernel_does_not_serve_falls_back_to_torch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """head_dim 12 is not a multiple of 8: torch's path answers, correctly."""
+    _forbid(monkeypatch, "_decode_native")
+    out, ref = run_batch([(20, 1), (9, 1)], 4, 2, 12, 8, seed=3)
+    assert_close(out, ref)
+
+
+def _narrow_pool(dtype: torch.dtype, lengths: list[int], gen: torch.Generator):  # noqa: ANN202
+    n_heads, n_kv, head_dim, block_size = 9, 3, 64, 16
+    batch = make_pool(lengths, n_kv, head_dim, block_size, gen)
+    shape = batch.k_cache.shape
+    if dtype == FP8_DTYPE:
+        k_cache = torch.zeros(shape, dtype=dtype)
+        v_cache = torch.zeros(shape, dtype=dtype)
+        scales = (torch.zeros(shape[0], n_kv), torch.zeros(shape[0], n_kv))
+    else:
+        k_cache, v_cache = batch.k_cache.to(dtype), batch.v_cache.to(dtype)
+        scales = (None, None)
+    for i, n in enumerate(lengths):
+        _q, k, v = random_seq(n, n_heads, n_kv, head_dim, gen)
+        where = slots(batch.tables[i], 0, n, block_size)
+        if dtype == FP8_DTYPE:
+            write_kv_fp8(k_cache, scales[0], k, where)
+            write_kv_fp8(v_cache, scales[1], v, where)
+        else:
+            pa.write_kv(k_cache, v_cache, k, v, where)
+    q = torch.randn(len(lengths), n_heads, head_dim, generator=gen)
+    return q, (k_cache, v_cache, *scales), batch.block_tables
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, FP8_DTYPE])
+def test_narrow_pools_read_like_torchs_dequantisation(dtype: torch.dtype) -> None:
+    lengths = [1, 40, 300, 17]
+    q, kv, tables = _narrow_pool(dtype, lengths, torch.Generator().manual_seed(4))
+    rows = list(range(len(lengths)))
+    want, got = torch.zeros_like(q), torch.zeros_like(q)
+    pa._decode(q, want, kv, tables, lengths, rows, rows, 0.125)
+    pa._decode_native(q, got, kv, tables, lengths, rows, rows, 0.125)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_strided_query_rows_and_rows_between_prefill_rows() -> None:
+    """Queries as a view into a wider row (the fused qkv output), decode rows interleaved."""
+    gen = torch.Generator().manual_seed(5)
+    n_heads, n_kv, d, bs = 9, 3, 64, 16
+    seqs = [(30, 4), (50, 1), (12, 12), (70, 1)]
+    batch = make_pool([s for s, _ in seqs], n_kv, d, bs, gen)
+    rows, refs = [], []
+    for i, (n, qlen) in enumerate(seqs):
+        q, k, v = random_seq(n, n_heads, n_kv, d, gen)
+        pa.write_kv(batch.k_cache, batch.v_cache, k, v, slots(batch.tables[i], 0, n, bs))
+        rows.append(q[n - qlen :])
+        refs.append(dense_reference(q[n - qlen :], k, v, 1 / 8))
+    flat = torch.cat(rows)
+    wide = torch.zeros(flat.shape[0], (n_heads + 2 * n_kv) * d)
+    wide[:, : n_heads * d] = flat.reshape(flat.shape[0], -1)
+    q = wide[:, : n_heads * d].view(-1, n_heads, d)
+    assert not q.is_contiguous()
+    out = pa.paged_attention(
+        q, batch.k_cache, batch.v_cache, batch.block_tables,
+        [s for s, _ in seqs], [n for _, n in seqs], 1 / 8,
+    )  # fmt: skip
+    assert_close(out, torch.cat(refs).float())
+
+
+@pytest.mark.parametrize("rows", [1, 5, 300])
+def test_rmsnorm_matches_torch_and_adds_the_residual_in_place(rows: int) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 576, generator=gen) * 3
+    y = torch.randn(rows, 576, generator=gen)
+    norm = RMSNorm(576, 1e-5)
+    norm.weight.data = torch.randn(576, generator=gen)
+    cpu_ops.reset()
+    with torch.no_grad():
+        want_sum = x + y
+        xf = want_sum.float()
+        want = norm.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5))
+        got_x, got = norm.add_forward(x.clone(), y)
+        alone = norm(want_sum)
+    torch.testing.assert_close(got_x, want_sum, atol=0, rtol=0)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(alone, want, atol=1e-6, rtol=1e-5)
+
+
+def test_rope_in_place_equals_apply_rope_on_q_and_k_only() -> None:
+    gen = torch.Generator().manual_seed(6)
+    t, nh, nkv, d = 7, 9, 3, 64
+    qkv = torch.randn(t, (nh + 2 * nkv) * d, generator=gen)
+    pos = torch.tensor([0, 3, 17, 100, 5, 6, 2047])
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    freqs = torch.outer(pos.float(), inv)
+    emb = torch.cat((freqs, freqs), -1)
+    cos, sin = emb.cos(), emb.sin()
+    want_q = apply_rope(qkv[:, : nh * d].view(t, nh, d), cos[:, None], sin[:, None])
+    want_k = apply_rope(qkv[:, nh * d : (nh + nkv) * d].view(t, nkv, d), cos[:, None], sin[:, None])
+    got = qkv.clone()
+    cpu_ops.rope_(got, nh + nkv, d, cos, sin)
+    assert torch.equal(got[:, : nh * d], want_q.reshape(t, -1))
+    assert torch.equal(got[:, nh * d : (nh + nkv) * d], want_k.reshape(t, -1))
+    assert torch.equal(got[:, (nh + nkv) * d :], qkv[:, (nh + nkv) * d :])  # v untouched
+
+
+@pytest.mark.parametrize("model", ["tiny", "smollm2-135m"])
+def test_a_model_makes_the_same_tokens_with_the_kernels_and_without(
+    model: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prompts = [[100 + 7 * i + j for j in range(5 + 9 * i)] for i in range(4)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    cfg = EngineConfig(model=model, kv_cache_bytes="64MiB", num_threads=2, max_num_seqs=4)
+    outs = {}
+    for on in ("1", "0"):
+        monkeypatch.setenv(cpu_ops.ENV, on)
+        cpu_ops.reset()
+        eng = LLMEngine.from_config(cfg, progress=False)
+        outs[on] = [o.final_token_ids for o in eng.generate(prompts, params)]
+    assert outs["1"] == outs["0"]
+    assert all(len(t) == 24 for t in outs["1"])

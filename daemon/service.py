@@ -97,13 +97,14 @@ class Service:
     # -- lifecycle --------------------------------------------------------------------------
     def load(self, progress: bool = True) -> None:
         sdnotify.status(f"loading model {self.engine_model}")
-        self.engine = LLMEngine.from_config(self.cfg.to_engine_config(), progress=progress)
+        config = self.cfg.to_engine_config()
+        # built on the engine thread, where it steps (see EngineLoop.start)
+        self.loop = EngineLoop().start(lambda: LLMEngine.from_config(config, progress=progress))
+        self.engine = self.loop.engine
         self.worker_pids = _worker_pids(self.engine)
         self._refresh_kv_rank_bytes(self.engine.latest_snapshot)
-        self.loop = EngineLoop(self.engine)
         self.loop.on_step.append(self._refresh_kv_rank_bytes)
         self.loop.on_fatal.append(self._on_engine_fatal)
-        self.loop.start()
         self.metrics = Metrics(
             lambda: self.engine.latest_snapshot, lambda: self.readiness()[0], self.nvml
         )

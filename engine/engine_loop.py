@@ -134,8 +134,9 @@ class RequestStream:
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.05) -> None:
-        self.engine = engine
+    def __init__(self, engine: LLMEngine | None = None, idle_wait_s: float = 0.05) -> None:
+        """`engine`, or None when `start` builds it on the loop's thread."""
+        self.engine: LLMEngine = engine  # type: ignore[assignment] - set by start() if None
         self.idle_wait_s = idle_wait_s
         self._streams: dict[str, RequestStream] = {}
         self._wake = threading.Event()
@@ -149,12 +150,41 @@ class EngineLoop:
         self.on_fatal: list[Callable[[BaseException], None]] = []  # called on the engine thread
         self._fatal_lock = threading.Lock()  # orders `call` against the fatal switch
         self.paused = threading.Event()  # test hook: a set event stalls the loop (no heartbeat)
-        engine.mailbox.notify = self._wake.set
+        if engine is not None:
+            engine.mailbox.notify = self._wake.set
 
     # -- lifecycle --------------------------------------------------------------------------
-    def start(self) -> EngineLoop:
-        self._thread = threading.Thread(target=self._run, name="kvguard-engine", daemon=True)
+    def start(self, factory: Callable[[], LLMEngine] | None = None) -> EngineLoop:
+        """Step on the loop's own thread from now on. With `factory`, the engine is first
+        built on that thread (this waits for it, and raises what building raised).
+
+        Why build there: GNU OpenMP gives every thread that opens a parallel region its own
+        team of workers, and once a process holds more of them than it has CPUs, workers stop
+        spinning between regions, so each of the step kernels' many short regions waits for
+        sleeping workers to wake (measured: batch-1 decode 2.3x slower). Loading opens
+        regions; done on the caller's thread, its team would stay. Built here, the loop's
+        thread holds the only team. (Not a thread that loads and exits: a tensor-parallel
+        engine's workers die with the thread that started them.)"""
+        built = threading.Event()
+        failure: list[BaseException] = []
+
+        def main() -> None:
+            if factory is not None:
+                try:
+                    self.engine = factory()
+                except BaseException as e:  # noqa: BLE001 - raised on the caller's thread
+                    failure.append(e)
+                    built.set()
+                    return
+                self.engine.mailbox.notify = self._wake.set
+            built.set()
+            self._run()
+
+        self._thread = threading.Thread(target=main, name="kvguard-engine", daemon=True)
         self._thread.start()
+        built.wait()
+        if failure:
+            raise failure[0]
         return self
 
     def stop(self, timeout: float = 10.0) -> None:

@@ -148,5 +148,5 @@ def _estimate_line(adm: dict) -> str:
     return (
         f"{adm['estimate']}  output/max_tokens {ratios or 'cold: worst case'}  "
         f"error {err.get('mean', 0.0):+.2f}  outran {err.get('undershoot_share', 0.0):.0%} "
-        f"of {err.get('samples', 0)}"
+        f"of {err.get('samples', 0)}  overcommit {adm.get('overcommit', 1.0):.2f}x"
     )

@@ -90,7 +90,12 @@ class SnapshotCollector(Collector):
         prompt.add_metric([], s.counters["prompt_tokens"])
         steps = CounterMetricFamily("kvguard_engine_steps", "Engine steps run")
         steps.add_metric([], s.step)
-        yield from (pre, adm, oom, gen, prompt, steps, self._finished(s))
+        cut = CounterMetricFamily(
+            "kvguard_engine_steps_interrupted",
+            "Steps stopped between layers for a high-priority arrival (and run again)",
+        )
+        cut.add_metric([], s.counters.get("steps_interrupted", 0))
+        yield from (pre, adm, oom, gen, prompt, steps, cut, self._finished(s))
 
     def _finished(self, s: EngineSnapshot) -> CounterMetricFamily:
         """Counted by the engine, where every finish passes: a request aborted because its
@@ -142,6 +147,12 @@ class SnapshotCollector(Collector):
             "Share of recent requests whose output outran admission's plan",
         )
         under.add_metric([], float(err.get("undershoot_share", 0.0)))
+        over = _gauge(
+            "kvguard_admission_overcommit_ratio",
+            "How far past the KV budget predicted admission plans now: grows while steps "
+            "preempt nothing, cut when one does (1 = the budget)",
+        )
+        over.add_metric([], float(adm.get("overcommit", 1.0)))
         committed = _gauge(
             "kvguard_admission_committed_blocks", "KV blocks admission has planned for"
         )
@@ -151,7 +162,7 @@ class SnapshotCollector(Collector):
             "Device blocks sequences may hold while a remedy narrowed the KV dtype (0 = no cap)",
         )
         kv_cap.add_metric([], float(adm.get("device_block_cap") or 0))
-        yield from (ratio, mean, under, committed, kv_cap)
+        yield from (ratio, mean, under, over, committed, kv_cap)
 
 
 class NvmlCollector(Collector):

@@ -8,6 +8,9 @@ an estimated wait from the measured KV release rate. A share of the budget
 normal and low traffic cannot fill every commitment and make high-priority requests queue
 behind it. Above 95% usage only `high` priority is taken, and a request that can never fit is
 rejected at once. (Halting admission is an engine knob, checked before the controller.)
+Under predicted admission that emergency band queues instead (as the brief's own controller
+does: not allowed now, a place in the queue and a wait): it plans past the budget on purpose,
+so a pool above 95% is where it works, and a request turned away there was goodput lost.
 
 `estimate: predicted` (the default) projects a request's output from what recent outputs really
 ran to, not from its max_tokens: an online quantile (the median by default) of realised output
@@ -21,6 +24,18 @@ holds: those are known to the token, and inflating them kept an eighth of the po
 empty. A wrong guess loses nothing: the request runs on and preemption (swap first), eviction
 and the ladder absorb the overshoot.
 `estimate: worst_case` keeps the brief's rule: the sum of (prompt + max_tokens) peaks.
+
+Predicted admission pays for itself only if it holds requests back when that avoids worse:
+preemption, and the ladder's remedies. So it may plan past the budget, by a factor
+(`overcommit`, from 1 up to `max_overcommit`) that grows a little with every calm step and is
+cut by a quarter on every step that had to preempt for KV or ended with device KV at 0.9 or
+more, where the max_tokens ladder cuts and the default rules start acting (additive increase,
+multiplicative decrease): while the pool absorbs the load, admission lets in nearly what no
+admission would; once KV presses against it, admission tightens to its plan within a few
+steps. And the
+brief's max_tokens ladder cuts answers only in its emergency band (usage >= 0.9): its lower
+bands shrink a worst-case reservation, but a predicted one is planned from how long answers
+really run, which a cut does not change, so below 0.9 a cut would only lose tokens.
 """
 
 from __future__ import annotations
@@ -34,6 +49,10 @@ from dataclasses import dataclass, field
 from kvguard.engine.knobs import MiB, check_knobs, knob
 
 EMERGENCY_USAGE = 0.95
+PREDICTED_CUT_FROM = 0.9  # predicted admission: the max_tokens ladder's emergency band only
+OVERCOMMIT_STEP = 0.01  # added per calm step
+OVERCOMMIT_CUT = 0.75  # multiplied in per step that preempted for KV or ended above...
+PRESSED_USAGE = PREDICTED_CUT_FROM  # ...this device KV usage
 HIGH = 0
 NORMAL = 1
 
@@ -74,6 +93,13 @@ class AdmissionConfig:
         section="admission_control",
         choices=("predicted", "worst_case"),
         doc="project outputs from realised lengths (predicted) or from max_tokens (worst_case)",
+    )
+    max_overcommit: float = knob(
+        1.5,
+        section="admission_control",
+        ge=1.0,
+        doc="how far past the budget predicted admission may plan while steps preempt nothing "
+        "(cut on every step that preempts; 1 = never)",
     )
     low_priority_delay_s: float = knob(
         1.0,
@@ -232,6 +258,7 @@ class AdmissionController:
         self._releases: deque[tuple[float, int]] = deque(maxlen=256)
         self.decisions = {"admit": 0, "queue": 0, "reject": 0}
         self.estimator = OutputLengthEstimator(quantile=config.estimate_quantile)
+        self.overcommit = 1.0  # predicted admission plans up to budget x this (see the module)
         # (held, remaining) of every admitted, unfinished request of rank <= the argument
         # (None: every rank); the engine sets it
         self.live: Callable[[int | None], list[LiveLoad]] = lambda rank: []
@@ -258,7 +285,18 @@ class AdmissionController:
         plans, never make high priority queue."""
         rest = stretch(planned, planned if cap is None else cap, self.config.safety_factor)
         loads = [*self.live(HIGH if rank == HIGH else None), (prompt_len, rest)]
-        return overlap_peak(loads, self.block_size) <= limit
+        return overlap_peak(loads, self.block_size) <= math.floor(limit * self.overcommit)
+
+    def on_step(self, preempted: int, usage: float) -> None:
+        """After each scheduled step: `preempted` sequences had to leave the device for KV,
+        and `usage` of the device KV is in use. Predicted admission loosens its plan on calm
+        steps and tightens it on pressed ones (worst_case stays at the brief's budget)."""
+        if not self.predicted:
+            return
+        if preempted or usage >= PRESSED_USAGE:
+            self.overcommit = max(1.0, self.overcommit * OVERCOMMIT_CUT)
+        else:
+            self.overcommit = min(self.config.max_overcommit, self.overcommit + OVERCOMMIT_STEP)
 
     def budget_blocks(self, total_blocks: int) -> int:
         headroom = -(-self.config.reserved_headroom_bytes // self.bytes_per_block)
@@ -299,14 +337,15 @@ class AdmissionController:
                 f"prompt of {prompt_len} tokens can never fit the KV budget of {limit} blocks"
                 + ("" if rank == HIGH else " (what is left outside the high-priority reserve)"),
             )
-        if usage > EMERGENCY_USAGE and rank != HIGH:
+        emergency = usage > EMERGENCY_USAGE and rank != HIGH
+        if emergency and not self.predicted:
             return _reject(
                 "overloaded",
                 f"KV cache {usage:.0%} full: only high priority is admitted",
                 self.wait_s(1),
             )
         n = max_tokens
-        if self.config.dynamic_max_tokens:
+        if self.config.dynamic_max_tokens and (not self.predicted or usage >= PREDICTED_CUT_FROM):
             n = dynamic_max_tokens(max_tokens, usage, max_total_len - prompt_len)
         while n > 1 and self.projected_blocks(prompt_len + n) > limit:
             n = max(1, n // 2)  # shrink to what can ever fit rather than refuse
@@ -321,7 +360,7 @@ class AdmissionController:
             room = self.fits(prompt_len, planned, limit, rank, n)
         else:
             room = self.committed_blocks + need <= limit
-        if room and queued == 0:
+        if room and queued == 0 and not emergency:
             return AdmissionDecision("admit", "", n, n < max_tokens, predicted_tokens=planned)
         if queued >= self.config.max_queue:
             return _reject("queue_full", f"queue full ({queued} waiting)", self.wait_s(need))

@@ -139,6 +139,12 @@ class AdmissionPolicy:
             self.controller.uncommit(t.projected_blocks)
             t.admitted = False
 
+    def on_step(self, preempted: int, usage: float) -> None:
+        """A step was scheduled, with `preempted` sequences taken off the device for it and
+        `usage` of the device KV in use."""
+        if self.controller is not None:
+            self.controller.on_step(preempted, usage)
+
     # -- finish -----------------------------------------------------------------------------
     def on_finish(self, seq: Sequence) -> None:
         t = self._tickets.pop(seq.request_id, None)

@@ -162,7 +162,13 @@ class EngineConfig:
         section="serving",
         ge=1,
         doc="prompt tokens a step may run while other sequences decode (bounds their "
-        "inter-token latency and a new request's wait); unset: 256 on CPU, no extra bound on CUDA",
+        "inter-token latency and a new request's wait); unset: 128 on CPU, no extra bound on CUDA",
+    )
+    interrupt_for_high: bool = knob(
+        True,
+        section="serving",
+        doc="a high-priority arrival interrupts the step in flight between two layers (its "
+        "work is redone next step) so the high prompt starts at once; one process only",
     )
     tensor_parallel: int = knob(
         1,

@@ -16,11 +16,12 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 
+from kvguard.engine.admission import HIGH
 from kvguard.engine.control import Mailbox
 from kvguard.engine.distributed.errors import RankFailure
 from kvguard.engine.llm_engine import LLMEngine
 from kvguard.engine.sampling_params import SamplingParams
-from kvguard.engine.sequence import RequestOutput
+from kvguard.engine.sequence import RequestOutput, parse_priority
 from kvguard.engine.snapshot import EngineSnapshot
 
 log = logging.getLogger("kvguard.engine.loop")
@@ -316,7 +317,10 @@ class EngineLoop:
             self._streams[rid] = stream
             return rid
 
-        return stream, self.call(add)
+        posted = self.call(add)
+        if _is_high(priority):
+            self.engine.interrupt_step()  # after posting: the next drain takes it
+        return stream, posted
 
     def in_flight(self) -> int:
         return len(self._streams)
@@ -332,6 +336,13 @@ class EngineLoop:
 
     def snapshot(self) -> EngineSnapshot:
         return self.engine.latest_snapshot
+
+
+def _is_high(priority: str | int) -> bool:
+    try:
+        return parse_priority(priority) == HIGH
+    except ValueError:
+        return False  # add_request names the problem
 
 
 def _failed_output(stream: RequestStream) -> RequestOutput:

@@ -9,13 +9,14 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import threading
 import time
 from collections import deque
 from collections.abc import Sequence as Seq
 
 import torch
 
-from kvguard.engine.admission import AdmissionController
+from kvguard.engine.admission import HIGH, AdmissionController
 from kvguard.engine.admission_policy import AdmissionPolicy, AdmissionRejected
 from kvguard.engine.block_manager import BlockManager
 from kvguard.engine.config import EngineConfig
@@ -25,6 +26,7 @@ from kvguard.engine.detokenizer import append_token
 from kvguard.engine.distributed.errors import RankFailure
 from kvguard.engine.events import EventBus
 from kvguard.engine.kv_cache import KVCache, kv_dtype_name
+from kvguard.engine.model import StepInterrupted
 from kvguard.engine.model_config import ModelConfig
 from kvguard.engine.model_registry import resolve_model
 from kvguard.engine.model_runner import (
@@ -51,7 +53,7 @@ OOM_ERRORS: tuple[type[BaseException], ...] = (torch.OutOfMemoryError,)
 UNDO_MARGIN = 0.10  # share of the configured dtype's pool kept free while a remedy narrows it
 
 
-CPU_PREFILL_WHILE_DECODING = 256  # a CPU forward of 256 prompt tokens: a few decode steps' time
+CPU_PREFILL_WHILE_DECODING = 128  # prompt tokens beside the decodes: a forward of ~0.3 s on 2 cores
 
 
 def prefill_while_decoding(config: EngineConfig, device: torch.device) -> int | None:
@@ -111,7 +113,15 @@ class LLMEngine(ControlSurface):
         self._ids = itertools.count()
         self._pending: list[RequestOutput] = []  # aborted/finished outside a step
         self._step_no = 0
-        self._counters = {"tokens_generated": 0, "prompt_tokens": 0, "finished": 0, "oom": 0}
+        self._counters = {
+            "tokens_generated": 0,
+            "prompt_tokens": 0,
+            "finished": 0,
+            "oom": 0,
+            "steps_interrupted": 0,
+        }
+        # set by another thread when a high-priority request is on its way (`interrupt_step`)
+        self.interrupt = threading.Event()
         # finish_reason -> priority -> count. Every finish passes through `_count_finish`,
         # aborts (client gone, drain cut) included, so this is the one place that counts them.
         self._finished: dict[str, dict[str, int]] = {}
@@ -282,6 +292,7 @@ class LLMEngine(ControlSurface):
         """Apply posted actions, run one batch; return outputs of requests that advanced.
 
         Raises RankFailure (tensor parallel) when a rank died or hung: the engine is done."""
+        self.interrupt.clear()  # what is posted by now is in this step's drain
         self.mailbox.drain()
         outputs, self._pending = self._pending, []
         self._maybe_restore_budget()
@@ -292,9 +303,28 @@ class LLMEngine(ControlSurface):
         self.latest_snapshot = self.snapshot()
         return outputs
 
+    def interrupt_step(self) -> None:
+        """A high-priority request was just posted (any thread): the step in flight, unless
+        it runs high-priority prompt work itself, stops at its next layer and is redone after
+        the request is in, so the high prompt need not wait for a whole step of others' work."""
+        if self.config.interrupt_for_high:
+            self.interrupt.set()
+
+    def _interruptible(self, batch: ScheduledBatch) -> bool:
+        if not self.runner.can_interrupt:
+            return False
+        return not any(
+            s.priority == HIGH and n > 1 for s, n in zip(batch.seqs, batch.num_tokens, strict=True)
+        )
+
     def _run(self, batch: ScheduledBatch) -> list[RequestOutput]:
+        self.runner.step_stop = self.interrupt if self._interruptible(batch) else None
         try:
             tokens = self.runner.execute(batch.seqs, batch.num_tokens)
+        except StepInterrupted:
+            # nothing advanced: the batch keeps its blocks and runs again after the new request
+            self._counters["steps_interrupted"] += 1
+            return []
         except OOM_ERRORS + (InjectedOOMError,) as e:
             self._on_oom(batch, e)
             return []

@@ -12,6 +12,7 @@ vocabulary. With one rank the model runs the very calls it always ran.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +50,11 @@ from kvguard.engine.weights import (
 )
 from kvguard.kernels import cpu_ops, paged_attention, write_kv
 from kvguard.kernels.paged_attention import decode_attention
+
+
+class StepInterrupted(Exception):  # noqa: N818 - a signal, not an error
+    """A forward stopped between two layers because its `stop` event was set: nothing it
+    computed is used, and the KV it wrote is rewritten when the step runs again."""
 
 
 @dataclass(slots=True)
@@ -262,17 +268,21 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[LayerKV],
         meta: AttentionMetadata,
         hidden: torch.Tensor | None = None,
+        stop: threading.Event | None = None,
     ) -> torch.Tensor:
         """Hidden states `[T, hidden]` after the final norm; on a pipeline stage before the
         last, the residual stream after its layers (what the next stage's `hidden` is: each
         layer adds its output to the stream it was given, so one tensor carries both).
-        `kv_caches` are this stage's layers' pools, in order."""
+        `kv_caches` are this stage's layers' pools, in order. A set `stop` raises
+        StepInterrupted before the next layer."""
         # the layers may update the stream in place: a stage's input is copied, never changed
         x = self.embed_tokens(input_ids) if self.stage.is_first else hidden.clone()
         cos = self.cos_cache.index_select(0, positions).unsqueeze(1)
         sin = self.sin_cache.index_select(0, positions).unsqueeze(1)
         own = self.layers[self.stage.layers.start : self.stage.layers.stop]
         for layer, kv in zip(own, kv_caches, strict=True):
+            if stop is not None and stop.is_set():
+                raise StepInterrupted("interrupted between layers")
             x = layer(x, cos, sin, kv, meta)
         return self.norm(x)
 

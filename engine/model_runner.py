@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass, replace
 
@@ -157,6 +158,12 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         self._inject_oom = 0
         self.graphs: DecodeGraphs | None = None
+        # set for one step by the engine: the forward stops between layers once it is set
+        self.step_stop: threading.Event | None = None
+
+    # whether a step can stop between layers (one process; ranks of a distributed runner would
+    # be left half way through a collective)
+    can_interrupt = True
 
     @classmethod
     def from_config(
@@ -228,7 +235,9 @@ class ModelRunner:
             raise InjectedOOMError("injected out-of-memory fault (inject_oom test hook)")
         hidden = self._replay(inp)
         if hidden is None:
-            hidden = self.model(inp.input_ids, inp.positions, self.kv_cache.layers, inp.meta)
+            hidden = self.model(
+                inp.input_ids, inp.positions, self.kv_cache.layers, inp.meta, stop=self.step_stop
+            )
         if not inp.sample_rows.numel():
             return None
         return self.model.compute_logits(hidden[inp.sample_rows])

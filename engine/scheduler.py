@@ -137,6 +137,12 @@ class Scheduler:
 
     # -- one step ---------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
+        batch = self._schedule()
+        if not batch.empty:
+            self.policy.on_step(len(batch.preempted), self.bm.num_used / self.device_capacity())
+        return batch
+
+    def _schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         if self._urgent_prompt():
             budget = self._schedule_running(batch, self.max_num_batched_tokens, True)
@@ -252,6 +258,18 @@ class Scheduler:
             return after < self.readmit_usage
         return True
 
+    def _room_for(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
+        """Room for `n` tokens of a waiting `seq`; a `high` one makes its room by preempting
+        lower-priority running sequences (lowest priority, newest first; none of this step's),
+        as admission promised when it judged it against high-priority work only."""
+        while not self._room(self.bm.blocks_needed(seq, n), seq):
+            victim = self.pick_victim(exclude=batch.seqs, max_rank=HIGH + 1)
+            if seq.priority != HIGH or victim is None:
+                return False
+            self.preempt(victim)
+            batch.preempted.append(victim)
+        return True
+
     def _schedule_swapped(self, batch: ScheduledBatch, budget: int) -> int:
         while self.swapped and len(self.running) < self.max_num_seqs:
             seq = self.swapped[0]
@@ -294,7 +312,7 @@ class Scheduler:
                 i += 1
                 continue
             n = self._chunk(seq, budget)
-            if not n or not self._room(self.bm.blocks_needed(seq, n), seq):
+            if not n or not self._room_for(seq, n, batch):
                 if not was_admitted:
                     self.policy.cancel_start(seq)  # committed just now but cannot start
                 break

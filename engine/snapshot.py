@@ -138,6 +138,8 @@ def build_snapshot(engine: LLMEngine) -> EngineSnapshot:
             "estimate": None if adm is None else adm.config.estimate,
             "output_ratio": {} if adm is None else adm.estimator.ratios(),
             "estimate_error": {} if adm is None else adm.estimator.error(),
+            # how far past the budget predicted admission plans now (1: not at all)
+            "overcommit": 1.0 if adm is None else adm.overcommit,
             "device_block_cap": sch.block_cap,
         },
         counters=dict(engine._counters),

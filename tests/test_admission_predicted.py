@@ -99,6 +99,62 @@ def test_warm_predicted_admission_plans_for_the_quantile() -> None:
     assert ctl.decide(20, 256, 2, 64, 0.1, 0, 4096).decision == "queue"
 
 
+def test_overcommit_grows_while_nothing_is_preempted_and_is_cut_when_something_is() -> None:
+    ctl = AdmissionController(AdmissionConfig(max_overcommit=1.5), BLOCK, 1000)
+    assert ctl.overcommit == 1.0  # a fresh daemon plans at the budget
+    ctl.on_step(0, 0.5)
+    assert ctl.overcommit == pytest.approx(1.01)
+    for _ in range(200):
+        ctl.on_step(0, 0.89)
+    assert ctl.overcommit == 1.5  # never past the knob
+    ctl.on_step(3, 0.5)  # a step that preempted
+    assert ctl.overcommit == pytest.approx(1.125)
+    for _ in range(50):
+        ctl.on_step(0, 0.3)
+    ctl.on_step(0, 0.9)  # a step that ended with KV pressed
+    assert ctl.overcommit == pytest.approx(1.125)
+    ctl.on_step(1, 0.95)
+    assert ctl.overcommit == 1.0  # never below the budget
+    never = AdmissionController(AdmissionConfig(max_overcommit=1.0), BLOCK, 1000)
+    worst = AdmissionController(AdmissionConfig(estimate="worst_case"), BLOCK, 1000)
+    for _ in range(50):
+        never.on_step(0, 0.1)
+        worst.on_step(0, 0.1)
+    assert never.overcommit == 1.0 and worst.overcommit == 1.0
+
+
+def test_predicted_admission_plans_past_the_budget_by_the_overcommit() -> None:
+    ctl = AdmissionController(AdmissionConfig(high_priority_reserve=0), BLOCK, 1000)
+    for _ in range(10):
+        ctl.estimator.observe(64, 64, 64)  # answers run to their max_tokens
+    ctl.live = lambda rank: [(47 * BLOCK, 20)]  # 47 blocks held, 20 tokens to come
+    # 20 steps on: 49 blocks + the new request's 20 + 20 tokens in 3 = 52 against a budget of 50
+    assert ctl.decide(20, 64, 1, 50, 0.1, 0, 4096).decision == "queue"
+    ctl.overcommit = 1.1  # 55 blocks
+    assert ctl.decide(20, 64, 1, 50, 0.1, 0, 4096).decision == "admit"
+    # what can never fit the budget itself is still refused, whatever the overcommit
+    ctl.overcommit = 1.5
+    d = ctl.decide(51 * BLOCK, 64, 1, 50, 0.1, 0, 4096)
+    assert d.decision == "reject" and d.kind == "never_fits"
+
+
+@pytest.mark.parametrize(
+    ("usage", "predicted_cut", "worst_case_cut"),
+    [(0.3, 200, 200), (0.6, 200, 150), (0.8, 200, 100), (0.92, 100, 100)],
+)
+def test_predicted_admission_cuts_max_tokens_only_in_the_emergency_band(
+    usage: float, predicted_cut: int, worst_case_cut: int
+) -> None:
+    """The ladder's lower bands shrink worst-case reservations; a predicted one is planned from
+    realised lengths, so there a cut would only lose tokens."""
+    pred = AdmissionController(AdmissionConfig(high_priority_reserve=0), BLOCK, 1000)
+    worst = AdmissionController(
+        AdmissionConfig(estimate="worst_case", high_priority_reserve=0), BLOCK, 1000
+    )
+    assert pred.decide(10, 200, 1, 640, usage, 0, 4096).max_tokens == predicted_cut
+    assert worst.decide(10, 200, 1, 640, usage, 0, 4096).max_tokens == worst_case_cut
+
+
 # -- the engine ---------------------------------------------------------------------------------
 def make_engine(**kw: object) -> LLMEngine:
     kw.setdefault("kv_cache_bytes", "32MiB")
@@ -135,6 +191,38 @@ def test_undershooting_predictions_lose_nothing() -> None:
     assert engine.scheduler.num_preemptions > 0, "the overshoot was absorbed by preemption"
     assert engine.admission.committed_blocks == 0
     assert engine.admission.estimator.error()["undershoot_share"] > 0  # it saw them outrun
+
+
+def test_the_engine_loosens_admission_until_steps_preempt_then_tightens_it() -> None:
+    """Every scheduled step reports its preemptions and KV usage: overcommit grows on calm
+    steps and falls on every step that preempted or pressed the pool, and the long answers
+    still lose nothing."""
+    adm = AdmissionConfig(dynamic_max_tokens=False, high_priority_reserve=0)
+    engine = make_engine(num_gpu_blocks=24, max_num_seqs=16, admission=adm)
+    ctl = engine.admission
+    for _ in range(16):
+        ctl.estimator.observe(96, 2, 96)  # answers used to end after 2 tokens
+    trail: list[tuple[float, int, float, float]] = []  # (before, preempted, usage, after)
+    report = ctl.on_step
+
+    def recorded(preempted: int, usage: float) -> None:
+        before = ctl.overcommit
+        report(preempted, usage)
+        trail.append((before, preempted, usage, ctl.overcommit))
+
+    ctl.on_step = recorded
+    params = SamplingParams(max_tokens=96, ignore_eos=True)
+    rids = [engine.add_request(list(range(3, 3 + 20)), params) for _ in range(8)]
+    preempted_before = engine.scheduler.num_preemptions
+    done = run_all(engine)
+    assert sorted(done) == sorted(rids)
+    assert sum(p for _, p, _, _ in trail) == engine.scheduler.num_preemptions - preempted_before
+    pressed = [(b, a) for b, p, u, a in trail if p or u >= 0.9]
+    calm = [(b, a) for b, p, u, a in trail if not p and u < 0.9]
+    assert pressed and calm, "the overshoot should have pressed the pool, then let go"
+    assert all(a == max(1.0, b * 0.75) for b, a in pressed)
+    assert all(a == pytest.approx(min(1.5, b + 0.01)) for b, a in calm)
+    assert max(a for *_, a in trail) > 1.0
 
 
 def test_fp8_remedy_caps_device_kv_so_the_undo_applies() -> None:
@@ -210,5 +298,7 @@ def test_estimate_and_error_are_exported_and_shown() -> None:
     assert "kvguard_admission_estimate_error_ratio -0.75" in text
     assert "kvguard_admission_estimate_undershoot_ratio 0.0" in text
     assert "kvguard_kv_cache_block_cap 0.0" in text
+    assert "kvguard_admission_overcommit_ratio 1.0" in text
     line = _estimate_line(adm)
     assert line.startswith("predicted") and "le128=0.25" in line and "error -0.75" in line
+    assert "overcommit 1.00x" in line

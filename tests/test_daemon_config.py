@@ -444,6 +444,8 @@ KNOB_SAMPLES: dict[tuple[str, ...], tuple[dict[str, dict[str, object]], object]]
         {"admission_control": {"low_priority_delay": "2500ms"}},
         2.5,
     ),
+    ("interrupt_for_high",): ({"serving": {"interrupt_for_high": False}}, False),
+    ("admission", "max_overcommit"): ({"admission_control": {"max_overcommit": 1.2}}, 1.2),
 }
 # EngineConfig fields with no key of their own in the file, and why.
 NOT_IN_THE_FILE = {

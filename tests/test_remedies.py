@@ -261,7 +261,10 @@ def test_injected_oom_requeues_halves_budget_and_recovers() -> None:
 
 
 def test_admission_queues_then_serves_everything() -> None:
-    cfg = AdmissionConfig(safety_factor=1.2, max_queue=64, dynamic_max_tokens=False)
+    # planned to the budget exactly (no overcommit): commitments never pass it
+    cfg = AdmissionConfig(
+        safety_factor=1.2, max_queue=64, dynamic_max_tokens=False, max_overcommit=1.0
+    )
     engine = make_engine(num_gpu_blocks=40, admission=cfg)
     decisions = []
     for _i in range(12):

@@ -5,6 +5,8 @@ to come, not the tokens already held."""
 
 from __future__ import annotations
 
+import functools
+
 from kvguard.engine.admission import AdmissionConfig, AdmissionController
 from kvguard.engine.admission_policy import AdmissionPolicy
 from kvguard.engine.config import EngineConfig
@@ -56,7 +58,7 @@ def test_the_default_bounds_cpu_only() -> None:
     import torch
 
     cfg = EngineConfig(model="tiny")
-    assert prefill_while_decoding(cfg, torch.device("cpu")) == 256
+    assert prefill_while_decoding(cfg, torch.device("cpu")) == 128
     assert prefill_while_decoding(cfg, torch.device("cuda")) is None
     cfg = EngineConfig(model="tiny", prefill_while_decoding=100)
     assert prefill_while_decoding(cfg, torch.device("cuda")) == 100
@@ -182,3 +184,105 @@ def test_the_margin_stretches_the_output_to_come_not_the_tokens_held() -> None:
     assert not ctl.fits(16, 16, 72, rank=1, cap=64)
     # the stretch never passes what max_tokens allows: at tau = 16, 70 + 2 blocks
     assert ctl.fits(16, 16, 72, rank=1, cap=16)
+
+
+# -- a high arrival interrupts the step in flight ------------------------------------------------
+def _arrive_during_layer(eng: LLMEngine, layer: int, submit) -> None:  # noqa: ANN001
+    """Make `submit()` run inside the next forward, just before `layer`, as a request posted
+    by another thread while the step computes would."""
+    target = eng.runner.model.layers[layer]
+    original = target.forward
+
+    def forward(*args, **kw):  # noqa: ANN002, ANN003, ANN202
+        target.forward = original  # once
+        submit()
+        return original(*args, **kw)
+
+    target.forward = forward
+
+
+def test_a_high_arrival_interrupts_the_step_and_loses_nothing() -> None:
+    from kvguard.engine.engine_loop import EngineLoop
+
+    reference = make_engine()
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    want = [o.final_token_ids for o in reference.generate([prompt(40), prompt(25, 9)], params)]
+    want_high = reference.generate([prompt(30, 5)], params)[0].final_token_ids
+
+    eng = make_engine()
+    loop = EngineLoop(eng)  # not started: the test steps the engine itself
+    rids = [eng.add_request(p, params) for p in (prompt(40), prompt(25, 9))]
+    eng.step()  # both prompts
+    eng.step()  # a decode step
+    before = [computed(eng, r) for r in rids]
+    posted: list = []
+    _arrive_during_layer(
+        eng, 0, lambda: posted.append(loop.submit_nowait(prompt(30, 5), params, "high"))
+    )
+    assert eng.step() == []  # stopped before layer 1 (of 2): nothing advanced
+    assert [computed(eng, r) for r in rids] == before
+    assert eng.snapshot().counters["steps_interrupted"] == 1
+    eng.step()  # the high prompt, in a step of its own (the others wait it out)
+    stream, _ = posted[0]
+    high = stream.request_id
+    assert computed(eng, high) == 30 and [computed(eng, r) for r in rids] == before
+    done = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out.final_token_ids
+    assert [done[r] for r in rids] == want, "the redone step must produce what it would have"
+    assert done[high] == want_high
+    assert eng.snapshot().counters["steps_interrupted"] == 1
+
+
+def test_a_step_running_a_high_prompt_is_not_interrupted() -> None:
+    eng = make_engine()
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    a = eng.add_request(prompt(20), params)
+    eng.step()
+    h = eng.add_request(prompt(30, 5), params, priority="high")
+    _arrive_during_layer(eng, 0, eng.interrupt_step)
+    eng.step()  # the high prompt's step runs to its end
+    assert computed(eng, h) == 30
+    assert eng.snapshot().counters["steps_interrupted"] == 0
+    assert computed(eng, a) == 20  # it waited the high prompt's step out
+
+
+def test_normal_arrivals_and_the_switch_off_do_not_interrupt() -> None:
+    from kvguard.engine.engine_loop import EngineLoop
+
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    for cfg, priority in (({}, "normal"), ({"interrupt_for_high": False}, "high")):
+        eng = make_engine(**cfg)
+        loop = EngineLoop(eng)
+        a = eng.add_request(prompt(20), params)
+        eng.step()
+        post = functools.partial(loop.submit_nowait, prompt(9, 4), params, priority)
+        _arrive_during_layer(eng, 0, post)
+        eng.step()
+        assert computed(eng, a) == 21, (cfg, priority)
+        assert eng.snapshot().counters["steps_interrupted"] == 0
+
+
+def test_a_waiting_high_request_preempts_lower_work_for_its_blocks() -> None:
+    """The pool is full of normal work: a high request does not wait for it to finish, the
+    newest lowest-priority sequence makes room, and is served later all the same."""
+    eng = make_engine(num_gpu_blocks=10, max_num_seqs=8, admission=AdmissionConfig(enable=False))
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    normal = [eng.add_request(prompt(40, 3 + i), params) for i in range(3)]
+    eng.step()
+    eng.step()
+    assert all(computed(eng, r) == 41 for r in normal)
+    assert eng.block_manager.num_free < 3  # 3 x 3 blocks of 16 held: a 40-token prompt waits
+    high = eng.add_request(prompt(40, 50), params, priority="high")
+    eng.step()
+    assert computed(eng, high) == 40
+    assert eng.scheduler.num_preemptions >= 1
+    done = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert sorted(done) == sorted([*normal, high])
+    assert all(o.num_output_tokens == 6 for o in done.values())

@@ -111,6 +111,8 @@ class StepStats:
 
 
 class TensorParallelRunner(ModelRunner):
+    can_interrupt = False  # the ranks run each step to its end together
+
     def __init__(
         self,
         runner: ModelRunner,

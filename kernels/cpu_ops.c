@@ -116,14 +116,31 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_andnot_ps(zero_mask, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
 }
 
+/* `n` consecutive token rows of one KV head from element `row0` of `pool`, as fp32: the pool
+ * itself for an fp32 pool (rows `*stride` floats apart), else converted into `scratch`. */
+static const float *block_rows(const Attn *a, const void *pool, int64_t row0, int64_t n,
+                               float *scratch, int64_t *stride) {
+    const int64_t step = a->hkv * a->d, es = elem_size(a->type);
+    if (a->type == KV_F32) {
+        *stride = step;
+        return (const float *)pool + row0;
+    }
+    for (int64_t u = 0; u < n; ++u) {
+        const char *p = (const char *)pool + (row0 + u * step) * es;
+        for (int64_t i = 0; i < a->d; i += 8)
+            _mm256_storeu_ps(scratch + u * a->d + i, load8(p, i, a->type));
+    }
+    *stride = a->d;
+    return scratch;
+}
+
 /* Tokens [t0, t1) of one sequence against the g query heads of KV head h: running max m[j],
  * sum l[j] and unnormalised output acc[j][d]. Per block of the table: the scores of all its
  * tokens, one max update per head, then each 8-wide slice of the output accumulated in a
  * register over the block's tokens (V rows stay in L1 for the g heads). */
 static void attend_run(const Attn *a, const float *qrow, const int32_t *table, int64_t h,
                        int64_t t0, int64_t t1, float *m, float *l, float *acc) {
-    const int64_t d = a->d, g = a->g, bs = a->bs, es = elem_size(a->type);
-    const int64_t step = a->hkv * d; /* elements from one token's row to the next */
+    const int64_t d = a->d, g = a->g, bs = a->bs;
     float qs[MAX_GROUP * MAX_DIM];
     float kb[MAX_BLOCK * MAX_DIM], vb[MAX_BLOCK * MAX_DIM]; /* a non-fp32 block as fp32 */
     float s[MAX_GROUP][MAX_BLOCK + 8];
@@ -141,20 +158,8 @@ static void attend_run(const Attn *a, const float *qrow, const int32_t *table, i
         const float ksc = a->ks ? a->ks[blk * a->hkv + h] : 1.0f;
         const float vsc = a->vs ? a->vs[blk * a->hkv + h] : 1.0f;
         const int64_t row0 = ((blk * bs + off) * a->hkv + h) * d; /* element index of token t */
-        const float *kr; /* K rows of the block's tokens, `kstep` floats apart */
-        int64_t kstep;
-        if (a->type == KV_F32) {
-            kr = (const float *)a->k + row0;
-            kstep = step;
-        } else {
-            for (int64_t u = 0; u < n; ++u) {
-                const char *kp = (const char *)a->k + (row0 + u * step) * es;
-                for (int64_t i = 0; i < d; i += 8)
-                    _mm256_storeu_ps(kb + u * d + i, load8(kp, i, a->type));
-            }
-            kr = kb;
-            kstep = d;
-        }
+        int64_t kstep; /* K rows of the block's tokens, `kstep` floats apart */
+        const float *kr = block_rows(a, a->k, row0, n, kb, &kstep);
         const __m256 kscv = _mm256_set1_ps(ksc);
         for (int64_t j = 0; j < g; ++j) {
             const float *qj = qs + j * d;
@@ -203,20 +208,8 @@ static void attend_run(const Attn *a, const float *qrow, const int32_t *table, i
                     _mm256_storeu_ps(acc + j * d + i, _mm256_mul_ps(_mm256_loadu_ps(acc + j * d + i), cv));
             }
         }
-        const float *vr; /* V rows of the block's tokens, `vstep` floats apart */
         int64_t vstep;
-        if (a->type == KV_F32) {
-            vr = (const float *)a->v + row0;
-            vstep = step;
-        } else {
-            for (int64_t u = 0; u < n; ++u) {
-                const char *vp = (const char *)a->v + (row0 + u * step) * es;
-                for (int64_t i = 0; i < d; i += 8)
-                    _mm256_storeu_ps(vb + u * d + i, load8(vp, i, a->type));
-            }
-            vr = vb;
-            vstep = d;
-        }
+        const float *vr = block_rows(a, a->v, row0, n, vb, &vstep);
         for (int64_t j = 0; j < g; ++j) {
             for (int64_t i = 0; i < d; i += 8) {
                 __m256 o = _mm256_loadu_ps(acc + j * d + i);

@@ -21,6 +21,8 @@ that is not there, a database that refuses) becomes a one-line `ValueError`.
 
 from __future__ import annotations
 
+import sqlite3
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -107,11 +109,27 @@ def _sqlite_pragmas(busy_timeout_ms: int) -> Any:
         cur = dbapi_conn.cursor()
         try:
             cur.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")  # first: WAL may wait
-            cur.execute("PRAGMA journal_mode = WAL")
+            _journal_wal(cur, busy_timeout_ms)
         finally:
             cur.close()
 
     return on_connect
+
+
+def _journal_wal(cur: Any, busy_timeout_ms: int) -> None:
+    """`PRAGMA journal_mode = WAL`, retried while the file is locked. Switching a new file to
+    WAL needs it to itself, and SQLite answers "database is locked" at once, without its busy
+    handler, while another process holds it (two daemons, or migrators, opening one new file
+    together: one in six such starts failed here)."""
+    deadline = time.monotonic() + busy_timeout_ms / 1000
+    while True:
+        try:
+            cur.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) or time.monotonic() >= deadline:
+                raise
+            time.sleep(0.02)
 
 
 def require_database(url: str) -> None:

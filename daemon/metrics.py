@@ -149,8 +149,8 @@ class SnapshotCollector(Collector):
         under.add_metric([], float(err.get("undershoot_share", 0.0)))
         over = _gauge(
             "kvguard_admission_overcommit_ratio",
-            "How far past the KV budget predicted admission plans now: grows while steps "
-            "preempt nothing, cut when one does (1 = the budget)",
+            "How far past the KV budget predicted admission plans now: grows on calm steps, "
+            "cut on one that preempts or ends with KV at 0.9 or more (1 = the budget)",
         )
         over.add_metric([], float(adm.get("overcommit", 1.0)))
         committed = _gauge(

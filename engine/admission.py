@@ -32,10 +32,10 @@ cut by a quarter on every step that had to preempt for KV or ended with device K
 more, where the max_tokens ladder cuts and the default rules start acting (additive increase,
 multiplicative decrease): while the pool absorbs the load, admission lets in nearly what no
 admission would; once KV presses against it, admission tightens to its plan within a few
-steps. And the
-brief's max_tokens ladder cuts answers only in its emergency band (usage >= 0.9): its lower
-bands shrink a worst-case reservation, but a predicted one is planned from how long answers
-really run, which a cut does not change, so below 0.9 a cut would only lose tokens.
+steps. And the brief's max_tokens ladder cuts answers only in its emergency band (usage >=
+0.9): its lower bands shrink a worst-case reservation, but a predicted one is planned from how
+long answers really run, which a cut does not change, so below 0.9 a cut would only lose
+tokens.
 """
 
 from __future__ import annotations
@@ -49,10 +49,11 @@ from dataclasses import dataclass, field
 from kvguard.engine.knobs import MiB, check_knobs, knob
 
 EMERGENCY_USAGE = 0.95
-PREDICTED_CUT_FROM = 0.9  # predicted admission: the max_tokens ladder's emergency band only
+# Predicted admission: from this device KV usage the max_tokens ladder cuts and a step counts
+# as pressed (overcommit cut); below it neither
+PRESSED_USAGE = 0.9
 OVERCOMMIT_STEP = 0.01  # added per calm step
-OVERCOMMIT_CUT = 0.75  # multiplied in per step that preempted for KV or ended above...
-PRESSED_USAGE = PREDICTED_CUT_FROM  # ...this device KV usage
+OVERCOMMIT_CUT = 0.75  # multiplied in per pressed step, or one that preempted for KV
 HIGH = 0
 NORMAL = 1
 
@@ -98,8 +99,8 @@ class AdmissionConfig:
         1.5,
         section="admission_control",
         ge=1.0,
-        doc="how far past the budget predicted admission may plan while steps preempt nothing "
-        "(cut on every step that preempts; 1 = never)",
+        doc="how far past the budget predicted admission may plan while steps are calm (cut on "
+        "every step that preempts or ends with device KV at 0.9 or more; 1 = never)",
     )
     low_priority_delay_s: float = knob(
         1.0,
@@ -345,7 +346,7 @@ class AdmissionController:
                 self.wait_s(1),
             )
         n = max_tokens
-        if self.config.dynamic_max_tokens and (not self.predicted or usage >= PREDICTED_CUT_FROM):
+        if self.config.dynamic_max_tokens and (not self.predicted or usage >= PRESSED_USAGE):
             n = dynamic_max_tokens(max_tokens, usage, max_total_len - prompt_len)
         while n > 1 and self.projected_blocks(prompt_len + n) > limit:
             n = max(1, n // 2)  # shrink to what can ever fit rather than refuse

@@ -263,8 +263,10 @@ class Scheduler:
         lower-priority running sequences (lowest priority, newest first; none of this step's),
         as admission promised when it judged it against high-priority work only."""
         while not self._room(self.bm.blocks_needed(seq, n), seq):
+            if seq.priority != HIGH:
+                return False
             victim = self.pick_victim(exclude=batch.seqs, max_rank=HIGH + 1)
-            if seq.priority != HIGH or victim is None:
+            if victim is None:
                 return False
             self.preempt(victim)
             batch.preempted.append(victim)

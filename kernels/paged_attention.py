@@ -207,6 +207,20 @@ def _decode_native(
     scale: float,
 ) -> None:
     """`_decode` by the CPU kernel, which reads the paged pool in place (no gather)."""
+    qrows, lens, tables = _native_rows(block_tables, seq_lens, starts, rows)
+    cpu_ops.paged_decode(q, out, qrows, lens, kv[0], kv[1], tables, scale, kv[2], kv[3])
+
+
+# The step in flight's decode rows as the kernel takes them: every layer of a step passes the
+# same block-table tensor and seq_lens list, so they are built once per step, not per layer.
+_NATIVE_STEP: list[tuple] = []
+
+
+def _native_rows(
+    block_tables: torch.Tensor, seq_lens: list[int], starts: list[int], rows: list[int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if _NATIVE_STEP and _NATIVE_STEP[0][0] is block_tables and _NATIVE_STEP[0][1] is seq_lens:
+        return _NATIVE_STEP[0][2]
     tables = block_tables
     if len(rows) != block_tables.shape[0]:
         tables = block_tables.index_select(0, torch.tensor(rows))
@@ -214,7 +228,8 @@ def _decode_native(
         tables = tables.to(torch.int32).contiguous()
     qrows = torch.tensor([starts[i] for i in rows])
     lens = torch.tensor([seq_lens[i] for i in rows], dtype=torch.int32)
-    cpu_ops.paged_decode(q, out, qrows, lens, kv[0], kv[1], tables, scale, kv[2], kv[3])
+    _NATIVE_STEP[:] = [(block_tables, seq_lens, (qrows, lens, tables))]
+    return qrows, lens, tables
 
 
 _WORKSPACE: dict[tuple[torch.device, torch.dtype, int], torch.Tensor] = {}

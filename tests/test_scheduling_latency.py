@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import functools
 
-from kvguard.engine.admission import AdmissionConfig, AdmissionController
+from kvguard.engine.admission import HIGH, AdmissionConfig, AdmissionController
 from kvguard.engine.admission_policy import AdmissionPolicy
 from kvguard.engine.config import EngineConfig
 from kvguard.engine.llm_engine import LLMEngine, prefill_while_decoding
 from kvguard.engine.sampling_params import SamplingParams
+from kvguard.engine.scheduler import FIRST_TEXT_TOKENS, awaits_first_text
 from kvguard.engine.sequence import Sequence
 
 BLOCK = 16
@@ -94,6 +95,50 @@ def test_high_prompt_runs_in_a_step_of_its_own() -> None:
     assert eng._seqs[high].output_token_ids  # its first token came from that step
     eng.step()
     assert computed(eng, a) == 12 and computed(eng, low) > 32  # then the others go on
+
+
+def test_a_high_request_keeps_the_step_until_its_first_text_is_out() -> None:
+    """A first token whose text is held back (it begins a stop string) shows the client
+    nothing: the token after it comes from a step of high work too, not from a full step of
+    everyone's. Once text is out, the others go on."""
+    high_prompt = prompt(40, 9)
+    [ref] = make_engine().generate(
+        [high_prompt], SamplingParams(max_tokens=FIRST_TEXT_TOKENS, ignore_eos=True)
+    )
+    eng = make_engine(max_num_batched_tokens=512, prefill_while_decoding=32)
+    first = eng.tokenizer.decode(ref.token_ids[:1])
+    assert first, "the test needs a first token with text"
+    a = eng.add_request(prompt(10), long_params())
+    eng.step()
+    params = SamplingParams(max_tokens=64, ignore_eos=True, stop=[first + "\x01"])
+    high = eng._seqs[eng.add_request(high_prompt, params, priority="high")]
+    eng.step()  # the prompt, alone
+    assert len(high.output_token_ids) == 1 and high.sent_text_len == 0  # held back
+    assert computed(eng, a) == 10
+    steps = 1
+    while awaits_first_text(high):  # the next tokens come from steps of high work too
+        assert computed(eng, a) == 10
+        eng.step()
+        steps += 1
+    assert steps >= 2 and high.output_token_ids == ref.token_ids[:steps]
+    assert high.sent_text_len > 0 or steps == FIRST_TEXT_TOKENS
+    eng.step()
+    assert computed(eng, a) == 11  # then the others go on
+
+
+def test_the_wait_for_a_first_text_is_bounded() -> None:
+    """A high request whose text stays held back holds the others up for a few tokens at most."""
+    s = seq("h", HIGH, 0, 0.0)
+    assert awaits_first_text(s)  # its prompt has yet to run
+    for n in range(1, FIRST_TEXT_TOKENS + 1):
+        s.output_token_ids.append(7)
+        s.num_computed_tokens = s.num_tokens - 1
+        assert awaits_first_text(s) is (n < FIRST_TEXT_TOKENS)
+    s.output_token_ids[1:] = []
+    s.sent_text_len = 1
+    assert not awaits_first_text(s)  # text is out after one token
+    s.sent_text_len, s.priority = 0, 1
+    assert not awaits_first_text(s)  # only high requests
 
 
 def test_a_queued_high_request_does_not_hold_the_others_up() -> None:

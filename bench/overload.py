@@ -956,13 +956,24 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         choices=["kvguard", "kvguard-ladder", "kvguard-worst-case", "no-control", "prealloc"],
         action="append",
     )
+    p.add_argument(
+        "--burst-rps",
+        type=float,
+        metavar="R",
+        help=f"the burst's arrival rate on top of the base load (default {FULL.burst_rps:g}/s)",
+    )
     p.add_argument("--workdir", type=Path, help="keep configs, logs and audit DBs here")
     return p.parse_args(argv)
 
 
 def prepare(args: argparse.Namespace) -> tuple[LoadSpec, list[Arrival], Path]:
     base = QUICK if args.quick else FULL
-    spec = LoadSpec(**{**{f: getattr(base, f) for f in base.__slots__}, "seed": args.seed})
+    fields = {f: getattr(base, f) for f in base.__slots__}
+    if args.burst_rps is not None:
+        if args.burst_rps <= 0:
+            raise SystemExit(f"--burst-rps {args.burst_rps:g}: expected a rate above 0")
+        fields["burst_rps"] = args.burst_rps
+    spec = LoadSpec(**{**fields, "seed": args.seed})
     model_dir = resolve_model_dir(args.model)
     from tokenizers import Tokenizer
 

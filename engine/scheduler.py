@@ -4,7 +4,9 @@ Each step: running sequences first (decodes, then unfinished prefill chunks), th
 sequences brought back, then waiting ones admitted in (priority, arrival) order while the token
 budget, `max_num_seqs` and free blocks allow. When a running sequence needs a block and none is
 free, the lowest-priority, newest running sequence is preempted: swapped to the host pool when
-offload is on and it has room, recomputed later otherwise. Nothing is ever dropped.
+offload is on and it has room, recomputed later otherwise. Nothing is ever dropped. A waiting
+`high` request takes its blocks, and with every `max_num_seqs` slot taken its slot, from
+lower-priority running sequences the same way.
 
 The scheduler owns every sequence state change: admission into the batch (asking the admission
 policy), preemption, and `update`, which advances a step's sequences from the tokens the model
@@ -288,6 +290,19 @@ class Scheduler:
             batch.preempted.append(victim)
         return True
 
+    def _slot_for(self, seq: Sequence, batch: ScheduledBatch) -> bool:
+        """A running slot for a waiting `seq`: with all `max_num_seqs` taken, a `high` one
+        takes the slot of the lowest-priority, newest running sequence (none of this step's),
+        as it takes their blocks; with every slot held by high work it waits."""
+        if len(self.running) < self.max_num_seqs:
+            return True
+        victim = self.pick_victim(exclude=batch.seqs, max_rank=HIGH + 1)
+        if seq.priority != HIGH or victim is None:
+            return False
+        self.preempt(victim)
+        batch.preempted.append(victim)
+        return True
+
     def _schedule_swapped(self, batch: ScheduledBatch, budget: int) -> int:
         while self.swapped and len(self.running) < self.max_num_seqs:
             seq = self.swapped[0]
@@ -318,10 +333,12 @@ class Scheduler:
         prompt runs, only high requests start."""
         gated = False  # an uncommitted request ahead could not commit: later ones wait too
         i = 0
-        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+        while i < len(self.waiting) and budget > 0:
             seq = self.waiting[i]
             if seq in batch.preempted or (urgent and seq.priority != HIGH):
                 break  # preempted this very step: let memory settle first
+            if len(self.running) >= self.max_num_seqs and seq.priority != HIGH:
+                break  # every slot taken: only a high request makes itself one
             was_admitted = self.policy.is_admitted(seq)
             if not was_admitted and (
                 gated or not self.policy.try_start(seq, self.device_capacity())
@@ -330,7 +347,7 @@ class Scheduler:
                 i += 1
                 continue
             n = self._chunk(seq, budget)
-            if not n or not self._room_for(seq, n, batch):
+            if not n or not self._slot_for(seq, batch) or not self._room_for(seq, n, batch):
                 if not was_admitted:
                     self.policy.cancel_start(seq)  # committed just now but cannot start
                 break

@@ -158,23 +158,42 @@ def test_a_queued_high_request_does_not_hold_the_others_up() -> None:
     del a, low
 
 
-def test_a_high_request_that_cannot_start_leaves_no_idle_step() -> None:
-    """Every slot taken by normal work: the high request waits for a slot, and the normal
-    sequences keep decoding meanwhile (a step of high work only would be an empty one)."""
+def test_a_high_request_takes_the_slot_of_lower_work() -> None:
+    """Every slot taken by normal work: the high request takes the slot of the newest normal
+    sequence (preempted, recomputed later) instead of waiting for one to finish."""
     eng = make_engine(max_num_seqs=2)
     normals = [eng.add_request(prompt(10, 3 + i), greedy_n(6)) for i in range(2)]
     eng.step()
     high = eng.add_request(prompt(12, 9), greedy_n(3), priority="high")
-    before = [computed(eng, r) for r in normals]
     eng.step()
-    assert [computed(eng, r) for r in normals] == [n + 1 for n in before]
-    assert computed(eng, high) == 0
+    assert computed(eng, high) == 12  # its prompt ran at once
+    assert computed(eng, normals[1]) == 0 and computed(eng, normals[0]) == 10  # newest out
+    assert eng.scheduler.num_preemptions == 1
+    run_to_end(eng)
+    assert all(not eng.has_request(r) for r in [*normals, high])
+
+
+def test_a_high_request_that_cannot_start_leaves_no_idle_step() -> None:
+    """Every slot taken by high work: a new high request waits for a slot, and the others keep
+    decoding meanwhile (a step of high work only would be an empty one)."""
+    eng = make_engine(max_num_seqs=2)
+    highs = [eng.add_request(prompt(10, 3 + i), greedy_n(6), priority="high") for i in range(2)]
+    eng.step()
+    late = eng.add_request(prompt(12, 9), greedy_n(3), priority="high")
+    before = [computed(eng, r) for r in highs]
+    eng.step()
+    assert [computed(eng, r) for r in highs] == [n + 1 for n in before]
+    assert computed(eng, late) == 0 and eng.scheduler.num_preemptions == 0
+    run_to_end(eng)
+    assert all(not eng.has_request(r) for r in [*highs, late])
+
+
+def run_to_end(eng: LLMEngine) -> None:
     steps = 0
     while eng.has_unfinished():
         assert eng.step() is not None
         steps += 1
         assert steps < 50, "the engine stopped making progress"
-    assert all(not eng.has_request(r) for r in [*normals, high])
 
 
 def greedy_n(n: int) -> SamplingParams:

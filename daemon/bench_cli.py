@@ -52,15 +52,16 @@ def _script_options(p: argparse.ArgumentParser, overload: bool) -> None:
             choices=("realistic", "adversarial"),
             help="realistic (default): answers end before max_tokens; adversarial: all run to it",
         )
+        p.add_argument("--burst-rps", metavar="R", help="the burst's arrival rate (default 4/s)")
 
 
 def script_argv(args: argparse.Namespace) -> list[str]:
     """Back to command-line form: only what the user set, so the script's defaults hold."""
     argv = ["--quick"] if args.quick else []
-    for opt in ("json", "model", "threads", "workdir", "png", "seed", "trace"):
+    for opt in ("json", "model", "threads", "workdir", "png", "seed", "trace", "burst_rps"):
         value = getattr(args, opt, None)
         if value is not None:
-            argv += [f"--{opt}", str(value)]
+            argv += [f"--{opt.replace('_', '-')}", str(value)]
     for only in getattr(args, "only", None) or []:
         argv += ["--only", only]
     return argv

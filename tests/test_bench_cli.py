@@ -1,0 +1,23 @@
+"""`kvguard bench` hands the benchmark script exactly the options the user set."""
+
+from __future__ import annotations
+
+from kvguard.daemon.bench_cli import script_argv
+from kvguard.daemon.cli import build_parser
+
+
+def test_only_what_was_set_is_passed_on() -> None:
+    args = build_parser().parse_args(
+        ["bench", "overload", "--burst-rps", "8", "--only", "kvguard", "--only", "no-control"]
+    )
+    assert script_argv(args) == ["--burst-rps", "8", "--only", "kvguard", "--only", "no-control"]
+    args = build_parser().parse_args(["bench", "overload", "--quick", "--trace", "adversarial"])
+    assert script_argv(args) == ["--quick", "--trace", "adversarial"]
+
+
+def test_the_overload_script_reads_what_is_passed_on() -> None:
+    from bench.overload import parse_args
+
+    args = parse_args(["--burst-rps", "8", "--only", "kvguard"])
+    assert args.burst_rps == 8.0 and args.only == ["kvguard"]
+    assert parse_args([]).burst_rps is None  # the trace's own rate

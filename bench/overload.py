@@ -61,7 +61,6 @@ KVGUARD = str(Path(sys.executable).parent / "kvguard")
 TOKEN = "overload-bench-token"
 PRIORITIES = ("high", "normal", "low")
 PRIORITY_WEIGHTS = (0.10, 0.70, 0.20)
-OVERFLOW = 3.0  # the burst asks for this many times the KV budget
 SAMPLE_S = 0.5
 BUSY_STATES = ("pending", "firing", "recovering")
 UNDO_DUE_S = 10.0  # an undo is late when applied this long after its recovery condition held
@@ -86,23 +85,25 @@ class LoadSpec:
     patience_s: float  # a request unanswered this long is lost (a stalled server)
     caps: tuple[int, ...] = (64, 128, 256)  # the max_tokens clients ask for (realistic trace)
     seed: int = 0
+    overflow: float = 3.0  # the burst asks for this many times the KV budget
 
     @property
     def burst_end_s(self) -> float:
         return self.burst_start_s + self.burst_len_s
 
 
-FULL = LoadSpec(
+FULL = LoadSpec(  # a burst that overloads both the KV budget and the 2-core engine's compute
     duration_s=60,
     base_rps=0.5,
     burst_start_s=15,
     burst_len_s=15,
-    burst_rps=4.0,
+    burst_rps=8.0,
     prompt=LengthDist(32, 0.9, 8, 384),
     output=LengthDist(24, 0.8, 4, 128),
     max_model_len=512,
     settle_s=45,
     patience_s=240,
+    overflow=6.0,
 )
 QUICK = LoadSpec(
     duration_s=10,
@@ -202,12 +203,12 @@ def make_arrivals(
 
 
 def budget_tokens(spec: LoadSpec, arrivals: Sequence[Arrival], block_size: int = 16) -> int:
-    """KV budget: the burst's arrivals, all in flight at once, ask for OVERFLOW x this.
+    """KV budget: the burst's arrivals, all in flight at once, ask for `overflow` x this.
 
     Never below max_model_len, so that every single request can always be served.
     """
     burst = sum(a.total_len for a in arrivals if a.in_burst)
-    tokens = max(int(burst / OVERFLOW), spec.max_model_len)
+    tokens = max(int(burst / spec.overflow), spec.max_model_len)
     return -(-tokens // block_size) * block_size
 
 
@@ -960,7 +961,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--burst-rps",
         type=float,
         metavar="R",
-        help=f"the burst's arrival rate on top of the base load (default {FULL.burst_rps:g}/s)",
+        help=f"the burst's arrival rate on top of the base load (default {FULL.burst_rps:g}/s); "
+        "the KV budget stays the same",
     )
     p.add_argument("--workdir", type=Path, help="keep configs, logs and audit DBs here")
     return p.parse_args(argv)
@@ -972,6 +974,8 @@ def prepare(args: argparse.Namespace) -> tuple[LoadSpec, list[Arrival], Path]:
     if args.burst_rps is not None:
         if args.burst_rps <= 0:
             raise SystemExit(f"--burst-rps {args.burst_rps:g}: expected a rate above 0")
+        # the same memory for a lighter or heavier burst: the overflow scales with the rate
+        fields["overflow"] = base.overflow * args.burst_rps / base.burst_rps
         fields["burst_rps"] = args.burst_rps
     spec = LoadSpec(**{**fields, "seed": args.seed})
     model_dir = resolve_model_dir(args.model)

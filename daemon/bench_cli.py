@@ -52,7 +52,7 @@ def _script_options(p: argparse.ArgumentParser, overload: bool) -> None:
             choices=("realistic", "adversarial"),
             help="realistic (default): answers end before max_tokens; adversarial: all run to it",
         )
-        p.add_argument("--burst-rps", metavar="R", help="the burst's arrival rate (default 4/s)")
+        p.add_argument("--burst-rps", metavar="R", help="the burst's arrival rate (default 8/s)")
 
 
 def script_argv(args: argparse.Namespace) -> list[str]:

@@ -10,12 +10,39 @@ from kvguard.engine.sampling_params import SamplingParams
 def sample(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
 ) -> list[int]:
-    """One token per row of `logits` `[N, vocab]` (fp32)."""
+    """One token per row of `logits` `[N, vocab]` (fp32).
+
+    Rows sampled with only a temperature and no seed (what an OpenAI client asks by default)
+    are drawn together by inverse CDF: one uniform per row against the row's cumulative
+    probabilities. A `multinomial` per row cost about 2 ms over a 49k vocabulary (60 ms for
+    32 rows, 17% of a 32-sequence decode step in the daemon); the batch costs 3.5 ms. (Not an
+    exponential race: it needs a random number per vocabulary entry, and CPU generation of
+    those took 38 ms.) Seeded rows keep their own generator and draw, so a seed gives the
+    same tokens as before."""
     out = logits.argmax(dim=-1).tolist()
+    plain = [i for i, p in enumerate(params) if _plain(p, generators[i])]
+    if plain:
+        rows = torch.tensor(plain, device=logits.device)
+        temps = [params[i].temperature for i in plain]
+        temps = torch.tensor(temps, dtype=logits.dtype, device=logits.device)
+        cdf = torch.softmax(logits[rows] / temps.unsqueeze(1), dim=-1).cumsum_(dim=-1)
+        if bool(torch.isfinite(cdf[:, -1]).all()):
+            u = torch.rand(len(plain), 1, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]
+            # side right: a token of probability 0 has the cdf of the one before: never drawn
+            drawn = torch.searchsorted(cdf, u, right=True).clamp_max_(logits.shape[-1] - 1)
+            for i, token in zip(plain, drawn.squeeze(1).tolist(), strict=True):
+                out[i] = token
+        else:
+            plain = []  # NaN probabilities: the per-row draw refuses them loudly
+    batched = set(plain)
     for i, p in enumerate(params):
-        if not p.greedy:
+        if not p.greedy and i not in batched:
             out[i] = _sample_row(logits[i], p, generators[i])
     return out
+
+
+def _plain(p: SamplingParams, gen: torch.Generator | None) -> bool:
+    return not p.greedy and gen is None and p.top_k <= 0 and p.top_p >= 1.0
 
 
 def _sample_row(row: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:

@@ -1,0 +1,66 @@
+"""Sampling draws from the right distribution, on the batched path and the per-row one alike,
+and a seed still fixes the tokens. Statistical checks run on a fixed torch seed: the same
+draws on every machine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvguard.engine.sampler import sample
+from kvguard.engine.sampling_params import SamplingParams
+
+LOGITS = torch.tensor([2.0, 1.0, 0.0, -1.0, -30.0])
+ROWS = 20000
+
+
+def frequencies(tokens: list[int], n: int) -> torch.Tensor:
+    return torch.bincount(torch.tensor(tokens), minlength=n).double() / len(tokens)
+
+
+def test_unseeded_rows_are_drawn_from_their_tempered_softmax() -> None:
+    torch.manual_seed(0)
+    for temperature in (1.0, 0.5, 2.0):
+        p = SamplingParams(temperature=temperature)
+        tokens = sample(LOGITS.repeat(ROWS, 1), [p] * ROWS, [None] * ROWS)
+        want = torch.softmax(LOGITS.double() / temperature, dim=0)
+        # 4 standard errors of a frequency over ROWS draws
+        assert torch.allclose(frequencies(tokens, 5), want, atol=4 * (0.25 / ROWS) ** 0.5)
+        assert 4 not in tokens  # probability 1e-14 at most
+
+
+def test_rows_mix_greedy_tempered_seeded_and_filtered() -> None:
+    """Each row gets its own rule in one call: greedy, tempered, seeded, top-k."""
+    torch.manual_seed(0)
+    logits = torch.stack([LOGITS, LOGITS.flip(0), LOGITS, LOGITS])
+    params = [
+        SamplingParams(),  # greedy
+        SamplingParams(temperature=0.05),  # nearly greedy: the flipped row's max (1 - 2e-9)
+        SamplingParams(temperature=1.0, seed=7),
+        SamplingParams(temperature=5.0, top_k=1),  # top-k 1 is greedy
+    ]
+    gens = [None, None, torch.Generator().manual_seed(7), None]
+    out = sample(logits, params, gens)
+    assert out[0] == 0 and out[1] == 4 and out[3] == 0
+    again = sample(logits[2:3], [params[2]], [torch.Generator().manual_seed(7)])
+    assert again == [out[2]]  # a seed fixes its draw whatever else is in the batch
+
+
+def test_a_seeded_row_does_not_move_the_others() -> None:
+    """Unseeded rows draw from the global generator only; a seeded row from its own."""
+    p, seeded = SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, seed=3)
+    torch.manual_seed(1)
+    alone = sample(LOGITS.repeat(8, 1), [p] * 8, [None] * 8)
+    torch.manual_seed(1)
+    mixed = sample(
+        LOGITS.repeat(9, 1), [p] * 8 + [seeded], [None] * 8 + [torch.Generator().manual_seed(3)]
+    )
+    assert mixed[:8] == alone
+
+
+def test_nan_logits_are_refused_not_drawn() -> None:
+    """A model that produced NaN must fail its step (its requests end with an error), not
+    answer with an arbitrary token."""
+    logits = torch.tensor([[0.0, float("nan"), 1.0]])
+    with pytest.raises(RuntimeError):
+        sample(logits, [SamplingParams(temperature=1.0)], [None])

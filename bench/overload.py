@@ -19,7 +19,8 @@ ends at the number that gives that length, so every configuration sees the same 
 `adversarial`: max_tokens is the answer's length and EOS is ignored, so every request runs to
 its max_tokens — the worst case for predicted admission, run against worst-case admission.
 
-    python bench/overload.py [--quick] [--trace realistic|adversarial] [--json FILE] [--png FILE]
+    python bench/overload.py [--quick] [--trace realistic|adversarial] [--burst-rps R] [--json FILE]
+                              [--png FILE]
 """
 
 from __future__ import annotations

@@ -966,15 +966,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "the KV budget stays the same",
     )
     p.add_argument("--workdir", type=Path, help="keep configs, logs and audit DBs here")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.burst_rps is not None and args.burst_rps <= 0:
+        p.error(f"--burst-rps {args.burst_rps:g}: expected a rate above 0")
+    return args
 
 
 def prepare(args: argparse.Namespace) -> tuple[LoadSpec, list[Arrival], Path]:
     base = QUICK if args.quick else FULL
     fields = {f: getattr(base, f) for f in base.__slots__}
     if args.burst_rps is not None:
-        if args.burst_rps <= 0:
-            raise SystemExit(f"--burst-rps {args.burst_rps:g}: expected a rate above 0")
         # the same memory for a lighter or heavier burst: the overflow scales with the rate
         fields["overflow"] = base.overflow * args.burst_rps / base.burst_rps
         fields["burst_rps"] = args.burst_rps

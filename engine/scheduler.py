@@ -16,14 +16,14 @@ tensor-parallel engine repeats them on every rank.
 Two rules keep a loaded engine responsive. While any sequence decodes, a step runs at most
 `prefill_while_decoding` prompt tokens besides the decodes (a high request's excepted): one
 long prompt no longer stalls every decoding sequence (and a newly arrived request waiting for
-the step) for a whole `max_num_batched_tokens` forward. And while a `high` priority request awaits its first
-text, lower-priority work waits, decodes included, so its first token comes from a step that
-holds only high-priority work: its time to first token under load is its unloaded one plus
-what is left of the step in flight when it arrived (on an engine that decodes at all; the
-others lose one step). "First text", not first token: a token whose text is held back because
-it may begin a stop string shows the client nothing, and the token after it would otherwise
-come from a full step of everyone's work (measured: 0.6-1.0 s of a 1.4 s time to first text
-under load). That wait lasts at most FIRST_TEXT_TOKENS tokens.
+the step) for a whole `max_num_batched_tokens` forward. And while a `high` priority request
+awaits its first text, lower-priority work waits, decodes included, so its first token comes
+from a step that holds only high-priority work: its time to first token under load is its
+unloaded one plus what is left of the step in flight when it arrived (on an engine that
+decodes at all; the others lose a step or two). "First text", not first token: a token whose
+text is held back because it may begin a stop string shows the client nothing, and the token
+after it would otherwise come from a full step of everyone's work (measured: 0.6-1.0 s of a
+1.4 s time to first text under load). That wait lasts at most FIRST_TEXT_TOKENS tokens.
 
 `block_cap` bounds the device blocks in use below the pool size: while a remedy has narrowed
 the KV dtype (FP8), the engine caps use at what the configured dtype's pool holds, less a
@@ -281,23 +281,23 @@ class Scheduler:
         lower-priority running sequences (lowest priority, newest first; none of this step's),
         as admission promised when it judged it against high-priority work only."""
         while not self._room(self.bm.blocks_needed(seq, n), seq):
-            if seq.priority != HIGH:
+            if seq.priority != HIGH or not self._make_way(batch):
                 return False
-            victim = self.pick_victim(exclude=batch.seqs, max_rank=HIGH + 1)
-            if victim is None:
-                return False
-            self.preempt(victim)
-            batch.preempted.append(victim)
         return True
 
     def _slot_for(self, seq: Sequence, batch: ScheduledBatch) -> bool:
         """A running slot for a waiting `seq`: with all `max_num_seqs` taken, a `high` one
-        takes the slot of the lowest-priority, newest running sequence (none of this step's),
-        as it takes their blocks; with every slot held by high work it waits."""
+        takes the slot of lower-priority work as it takes their blocks; with every slot held
+        by high work it waits."""
         if len(self.running) < self.max_num_seqs:
             return True
+        return seq.priority == HIGH and self._make_way(batch)
+
+    def _make_way(self, batch: ScheduledBatch) -> bool:
+        """Preempt the lowest-priority, newest running sequence below `high` that is not in
+        this step; False when there is none."""
         victim = self.pick_victim(exclude=batch.seqs, max_rank=HIGH + 1)
-        if seq.priority != HIGH or victim is None:
+        if victim is None:
             return False
         self.preempt(victim)
         batch.preempted.append(victim)

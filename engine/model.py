@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvguard.engine.cpu_decode import CpuDecode
 from kvguard.engine.distributed.parallel_state import PipelineStage, TPGroup
 from kvguard.engine.distributed.sharding import Shard, shard_config, shard_of
 from kvguard.engine.kv_cache import LayerKV
@@ -182,7 +183,10 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(self.inter, cfg.hidden_size, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, -1)
+        gu = self.gate_up_proj(x)
+        if cpu_ops.enabled(gu) and gu.dim() == 2 and gu.stride(1) == 1:
+            return self.down_proj(cpu_ops.silu_mul(gu, self.inter))
+        gate, up = gu.split(self.inter, -1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -194,11 +198,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, tp)
 
-    def forward(self, x, cos, sin, kv, meta):  # noqa: ANN001, ANN201 - hot path, types as above
-        """May update `x` in place (the model passes a stream it owns)."""
-        a = self.self_attn(self.input_layernorm(x), cos, sin, kv, meta)
+    def forward(self, x, cos, sin, kv, meta, pending=None):  # noqa: ANN001, ANN201 - hot path
+        """The residual stream entering the layer is `x + pending` (`pending`: the previous
+        layer's MLP output, added here in the same pass as the norm). Returns the stream after
+        attention and this layer's MLP output, still to be added. May update `x` in place (the
+        model passes a stream it owns)."""
+        if pending is None:
+            h = self.input_layernorm(x)
+        else:
+            x, h = self.input_layernorm.add_forward(x, pending)
+        a = self.self_attn(h, cos, sin, kv, meta)
         x, h = self.post_attention_layernorm.add_forward(x, a)
-        return x + self.mlp(h)
+        return x, self.mlp(h)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -220,6 +231,10 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(rows, h, cfg.vocab_size, self.tp)
         self._keep_stage_only()
         self.tie_weights()
+        # CPU decode steps in one C call per layer (kvguard.engine.cpu_decode); tests turn it
+        # off to compare with the per-op path
+        self.fuse_cpu_decode = True
+        self._cpu_plan: CpuDecode | None | bool = False
         self.register_buffer(
             "cos_cache", torch.empty(max_positions, cfg.head_dim), persistent=False
         )
@@ -280,11 +295,29 @@ class LlamaForCausalLM(nn.Module):
         cos = self.cos_cache.index_select(0, positions).unsqueeze(1)
         sin = self.sin_cache.index_select(0, positions).unsqueeze(1)
         own = self.layers[self.stage.layers.start : self.stage.layers.stop]
-        for layer, kv in zip(own, kv_caches, strict=True):
-            if stop is not None and stop.is_set():
-                raise StepInterrupted("interrupted between layers")
-            x = layer(x, cos, sin, kv, meta)
-        return self.norm(x)
+        pending = None  # the last layer's MLP output, added to the stream by the next norm
+        fused = self._cpu_decode(own)
+        if fused is not None and fused.takes(x, kv_caches, meta):
+            x, pending = fused.run(x, cos, sin, kv_caches, meta, stop)
+        else:
+            for layer, kv in zip(own, kv_caches, strict=True):
+                if stop is not None and stop.is_set():
+                    raise StepInterrupted("interrupted between layers")
+                x, pending = layer(x, cos, sin, kv, meta, pending)
+        if pending is None:
+            return self.norm(x)
+        if isinstance(self.norm, RMSNorm):
+            return self.norm.add_forward(x, pending)[1]
+        return x.add_(pending)  # a stage before the last: the whole stream goes on
+
+    def _cpu_decode(self, own: Iterable[nn.Module]) -> CpuDecode | None:
+        """The one-call-per-layer CPU decode plan (built on first use; None where the layers
+        do not qualify, or `fuse_cpu_decode` is off)."""
+        if not self.fuse_cpu_decode:
+            return None
+        if self._cpu_plan is False:
+            self._cpu_plan = CpuDecode.build(list(own), self.tp.size)
+        return self._cpu_plan
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:

@@ -37,8 +37,10 @@ import torch.nn.functional as F
 
 log = logging.getLogger("kvguard.kernels")
 
-# One library: the low-bit GEMMs and the step kernels of `cpu_ops` (attention, norm, RoPE).
-SOURCES = tuple(Path(__file__).with_name(f) for f in ("lowbit.c", "cpu_ops.c"))
+# One library: the low-bit GEMMs, the step kernels of `cpu_ops` (attention, norm, RoPE) and
+# the whole-layer decode call of `cpu_layer`.
+SOURCES = tuple(Path(__file__).with_name(f) for f in ("lowbit.c", "cpu_ops.c", "decode_layer.c"))
+HEADER = Path(__file__).with_name("kvg_cpu.h")  # what the sources call of each other
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-fopenmp", "-std=c11")
 CPU_FLAGS = ("avx2", "fma", "f16c")
 BLOCK = 32  # activation and weight block: one scale per 32 values
@@ -103,7 +105,7 @@ def _build(cc: str, out: Path) -> None:
 
 def _key(cc: str) -> str:
     h = hashlib.sha256()
-    for src in SOURCES:
+    for src in (*SOURCES, HEADER):
         h.update(src.read_bytes())
     h.update(" ".join((cc, *CFLAGS, str(torch_openmp()))).encode())
     return h.hexdigest()[:16]
@@ -115,7 +117,7 @@ def _load(path: Path) -> ctypes.CDLL:
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = _GEMM_ARGS, ctypes.c_int
     lib.kvg_quantize_rows.argtypes = [_PTR, _I64, _I64, _I64, _INT, _PTR, _PTR, _PTR]
-    lib.kvg_quantize_rows.restype = None
+    lib.kvg_quantize_rows.restype = ctypes.c_int
     lib.kvg_dequantize.argtypes = [_INT, _PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _INT]
     lib.kvg_dequantize.restype = ctypes.c_int
     _F = ctypes.c_float
@@ -126,6 +128,10 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.kvg_rmsnorm.restype = None
     lib.kvg_rope.argtypes = [_PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _INT]
     lib.kvg_rope.restype = None
+    lib.kvg_silu_mul.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _INT]
+    lib.kvg_silu_mul.restype = None
+    lib.kvg_decode_layer.argtypes = [_PTR] * 7
+    lib.kvg_decode_layer.restype = ctypes.c_int
     return lib
 
 
@@ -196,7 +202,7 @@ def w4a8(
     group: int,
     fine: bool = False,
 ) -> torch.Tensor:
-    """`x [M, K] @ W.T` (fp32) for `n` output columns of 4-bit codes (`pack4`, `pad_columns`)
+    """`x [M, K] @ W.T` (fp32) for `n` output columns of 4-bit codes (`pack4`)
     with `w = d * q + m` per group (`tile_columns`). Activations in int8 per block of 32, or
     `fine`: int16 (`vpmaddwd` dots, codes widened once per block for four rows)."""
     return _gemm("kvg_w4a8", x, n, codes, d, m, group, fine)
@@ -248,18 +254,24 @@ def dequantize(
 
 
 def pack4(q: torch.Tensor) -> torch.Tensor:
-    """Codes `[N, K]` (0..15) two a byte: for each pair of 32-blocks, byte j holds element j
-    of the even block (low nibble) and of the odd block (high nibble). K % 64 == 0."""
+    """4-bit codes `[N, K]` (0..15; N padded with zero rows to a multiple of the 8-column
+    tile) as the kernels read them, `[ceil(N/8), K/32, 128]` bytes: for tile t and block b,
+    byte `32j + 4c + i` holds weight `32b + 8j + i` of column `8t + c` in its low nibble and
+    weight `32b + 8j + 4 + i` in its high one. K % 32 == 0."""
     n, k = q.shape
-    pairs = q.to(torch.uint8).reshape(n, k // (2 * BLOCK), 2, BLOCK)
-    return (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+    q = pad_columns(q.to(torch.uint8))
+    v = q.reshape(-1, TILE, k // BLOCK, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)  # t b j c i lo/hi
+    return (v[..., 0] | (v[..., 1] << 4)).reshape(-1, k // BLOCK, TILE * BLOCK // 2).contiguous()
 
 
-def unpack4(codes: torch.Tensor) -> torch.Tensor:
-    """`pack4` undone: `[N, K/2]` bytes to `[N, K]` codes."""
-    n = codes.shape[0]
-    pairs = codes.reshape(n, -1, BLOCK)
-    return torch.cat([pairs & 15, pairs >> 4], dim=-1).reshape(n, -1)
+def unpack4(codes: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """`pack4` undone: the codes `[N_padded, K]` (0..15), or only the columns `rows`."""
+    tiles, nb, _ = codes.shape
+    v = codes.reshape(tiles, nb, 4, TILE, 4)  # t b j c i
+    # every column (t c b j i), or only the rows asked for ((row) b j i)
+    v = v.permute(0, 3, 1, 2, 4) if rows is None else v[rows // TILE, :, :, rows % TILE]
+    v = torch.stack([v & 15, v >> 4], dim=-2)  # ... b j lo/hi i
+    return v.reshape(-1, nb * BLOCK)
 
 
 def tile_columns(t: torch.Tensor) -> torch.Tensor:
@@ -284,17 +296,17 @@ def quantize_rows(
     x: torch.Tensor, fine: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The kernels' activation quantisation: (codes [M, K], block scale [M, K/32], block
-    sum [M, K/32]) with `x ~ scale * code`; int8 codes, or `fine` int16 (in natural order
-    here: the kernels' block order undone)."""
+    sum [M, K/32]) with `x ~ scale * code`; int8 codes, or `fine` int16 (the 4-bit kernels
+    hold each as a high and a low byte, `256 h + l`: recombined here)."""
     lib = library()
     assert lib is not None
     x = x.float().contiguous()
     rows, k = x.shape
     q = torch.empty(rows, k, dtype=torch.int16 if fine else torch.int8)
     e, es = torch.empty(rows, k // BLOCK), torch.empty(rows, k // BLOCK)
-    lib.kvg_quantize_rows(
+    rc = lib.kvg_quantize_rows(
         x.data_ptr(), rows, k, k, int(fine), q.data_ptr(), e.data_ptr(), es.data_ptr()
     )
-    if fine:  # stored per block as elements 0-7, 16-23, 8-15, 24-31
-        q = q.view(rows, -1, 4, 8)[:, :, [0, 2, 1, 3]].reshape(rows, k)
+    if rc:
+        raise MemoryError("quantize_rows: no memory for one row's scratch")
     return q, e, es

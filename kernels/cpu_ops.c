@@ -5,6 +5,9 @@
  * sequence's K/V blocks into a contiguous copy. These kernels read the paged pool in place and
  * replace a dozen ops per layer with one call each. fp32 activations only.
  *
+ * SiLU-and-multiply: the gated MLP's silu(gate) * up from the fused [gate | up] projection,
+ * one call instead of a split, a silu and a multiply.
+ *
  * Paged decode attention: one query token per sequence; pools [blocks][block_size][kv_heads][d]
  * in fp32, fp16, bf16 or fp8 e4m3 (with one fp32 scale per block and KV head). A work item is
  * (sequence, KV head, split of its tokens): the query heads that share the KV head are scored
@@ -18,6 +21,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "kvg_cpu.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -344,5 +349,24 @@ void kvg_rope(float *x, int64_t ldx, int64_t T, int64_t heads, int64_t d, const 
                 p[i + half] = e + f;
             }
         }
+    }
+}
+
+/* out[t] = silu(g) * u for T rows of the fused projection [g | u] (each half `inter` wide,
+ * row stride ldx), silu(g) = g / (1 + e^-g); out is contiguous [T][inter]. */
+void kvg_silu_mul(const float *x, int64_t ldx, int64_t T, int64_t inter, float *out, int threads) {
+#pragma omp parallel for num_threads(threads) if (threads > 1 && T * inter >= (1 << 16)) schedule(static)
+    for (int64_t t = 0; t < T; ++t) {
+        const float *g = x + t * ldx, *u = g + inter;
+        float *o = out + t * inter;
+        const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+        int64_t i = 0;
+        for (; i + 8 <= inter; i += 8) {
+            const __m256 gv = _mm256_loadu_ps(g + i);
+            const __m256 den = _mm256_add_ps(one, exp8(_mm256_xor_ps(gv, sign)));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(gv, den), _mm256_loadu_ps(u + i)));
+        }
+        for (; i < inter; ++i)
+            o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
 }

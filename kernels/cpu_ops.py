@@ -1,5 +1,6 @@
 """The CPU step kernels of `cpu_ops.c`: paged decode attention over the pool in place, RMSNorm
-(with the residual add folded in) and RoPE, for fp32 activations.
+(with the residual add folded in), RoPE and the gated MLP's SiLU-and-multiply, for fp32
+activations.
 
 They live in the library `cpu_lowbit` builds (one compile on first use). `enabled(x)` says
 whether a tensor takes them: fp32 on the CPU, the library built, and `KVGUARD_CPU_OPS` not
@@ -38,18 +39,29 @@ def reset() -> None:
     _state.clear()
 
 
-def decode_supported(q: torch.Tensor, cache: torch.Tensor) -> bool:
+# the attention kernel's limits (cpu_ops.c: MAX_GROUP, MAX_DIM, MAX_BLOCK)
+MAX_GROUP, MAX_DIM, MAX_BLOCK = 16, 256, 64
+
+
+def decode_shape_supported(heads: int, kv_heads: int, head_dim: int, block_size: int) -> bool:
     """Whether `paged_decode` serves these shapes: head_dim a multiple of 8 up to 256, at most
-    16 query heads per KV head, blocks of at most 64 tokens, a known pool dtype."""
+    16 query heads per KV head, blocks of at most 64 tokens."""
+    return (
+        heads % kv_heads == 0
+        and heads // kv_heads <= MAX_GROUP
+        and head_dim % 8 == 0
+        and head_dim <= MAX_DIM
+        and block_size <= MAX_BLOCK
+    )
+
+
+def decode_supported(q: torch.Tensor, cache: torch.Tensor) -> bool:
+    """`decode_shape_supported` for these tensors, a known pool dtype, and query heads of unit
+    stride laid side by side."""
     _nb, bs, hkv, d = cache.shape
-    heads = q.shape[1]
     return (
         cache.dtype in KV_TYPES
-        and heads % hkv == 0
-        and heads // hkv <= 16
-        and d % 8 == 0
-        and d <= 256
-        and bs <= 64
+        and decode_shape_supported(q.shape[1], hkv, d, bs)
         and q.stride(2) == 1
         and q.stride(1) == d
     )
@@ -121,3 +133,15 @@ def rope_(x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: to
         x.data_ptr(), x.stride(0), x.shape[0], heads, head_dim, cos.data_ptr(), sin.data_ptr(),
         torch.get_num_threads(),
     )  # fmt: skip
+
+
+def silu_mul(x: torch.Tensor, inter: int) -> torch.Tensor:
+    """`silu(gate) * up` for rows `[gate | up]` of `x` `[T, 2 * inter]` (unit stride along the
+    row): `[T, inter]`, contiguous."""
+    lib = cpu_lowbit.library()
+    assert x.dim() == 2 and x.shape[1] == 2 * inter and x.stride(1) == 1
+    out = torch.empty(x.shape[0], inter, dtype=x.dtype)
+    lib.kvg_silu_mul(
+        x.data_ptr(), x.stride(0), x.shape[0], inter, out.data_ptr(), torch.get_num_threads()
+    )
+    return out

@@ -3,17 +3,30 @@
  * Decode on CPU streams every weight once per step, and a batch is compute-bound, so both
  * want the weight small and the inner product in integers: activations are quantised per row
  * in blocks of 32 to int8 (one float scale per block, and the block's dequantised sum for
- * asymmetric weights), each 32-weight block a vpmaddubsw + vpmaddwd integer dot, scaled once
- * per block in float. `fine` quantises to int16 instead (about as precise as the fp32 input
- * for a block of 32): the codes are widened to int16 once per block and serve up to four rows
- * with two vpmaddwd each.
+ * asymmetric weights), each block's integer dot is exact in int32, and scaled once per block
+ * in float. `fine` quantises to int16 instead (about as precise as the fp32 input for a block
+ * of 32).
  *
- * Weight layout (built by kvguard/kernels/cpu_lowbit.py), row-major by output column n:
- *   4-bit: codes[n][K/2]: block b's 16 bytes hold element j in the low nibble and element
- *          j+16 in the high one (unsigned 0..15); w = d*q + m.
- *   8-bit: codes[n][K]: signed int8; w = d*q + m.
- *   d, m: fp16 [N][K/group], one per group of `bpg` blocks of 32 (m may be NULL: zero).
- * With activation block x ~ e*p (p int8) the block's contribution is
+ * 4-bit weights are stored "vertically": a 32-bit lane holds four consecutive weights of one
+ * output column, a register eight columns side by side, so `vpmaddubsw` (codes 0..15 as the
+ * unsigned operand) against four activation bytes broadcast to every lane gives each column's
+ * partial dot in its own lane, and a block needs no horizontal reduction. The products stay in
+ * int16 across a block (8 x 2 x 15 x 128 < 2^15). `fine` activations are split into a signed
+ * high byte and an unsigned low byte, x = 256 h + l: the high bytes take the codes as the
+ * unsigned operand, the low bytes are themselves the unsigned operand (codes as signed
+ * 0..15), and 256 * dot(h) + dot(l) is the int16 dot exactly, so both activation precisions
+ * give the same integers as a plain widening dot would.
+ *
+ * Weight layout (built by kvguard/kernels/cpu_lowbit.py), tiles of eight output columns:
+ *   4-bit: codes[tile][K/32][4][32]: block b's quarter j holds, in byte 4c+i, weight
+ *          32b+8j+i of column c in the low nibble and weight 32b+8j+4+i in the high one
+ *          (unsigned 0..15); w = d*q + m.
+ *   8-bit: codes[n][K], row-major by output column: signed int8; w = d*q + m. Its dots run
+ *          per column (`vpsignb` then `vpmaddubsw`) and eight columns' sums are reduced to one
+ *          vector per block; `fine` widens the codes to int16 (`vpmaddwd`) once per block for
+ *          up to four rows.
+ *   d, m: fp16 [N/8][K/group][8], one per group of `bpg` blocks of 32 (m may be NULL: zero).
+ * With activation block x ~ e*p (p integer) the block's contribution is
  *   d*e*sum(q*p) + m*e*sum(p).
  *
  * Threads: one OpenMP region per call, linked against the OpenMP runtime torch itself loaded
@@ -25,6 +38,9 @@
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
+
+#include "kvg_cpu.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -55,15 +71,26 @@ static inline __m256i pack_i8(__m256i i0, __m256i i1, __m256i i2, __m256i i3) {
     return _mm256_permutevar8x32_epi32(w, order);
 }
 
+static inline __m256i pack_u8(__m256i i0, __m256i i1, __m256i i2, __m256i i3) {
+    /* as pack_i8, for values 0..255 */
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    const __m256i w = _mm256_packus_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+    return _mm256_permutevar8x32_epi32(w, order);
+}
+
+/* How a row of activations is stored for the kernels. */
+enum { Q_INT8 = 0, Q_INT16 = 1, Q_HILO = 2 };
+
 /* One row of K floats to blocks of 32: with e = amax/L and y = x * (L/amax), codes
- * p = round_half_even(y), L = 127 in int8 (`q8`) or, `fine`, L = 32767 in int16 (`q16`,
- * each block stored as elements 0-7,16-23 then 8-15,24-31: the order `vpunpck[lh]bw` widens
- * the weight codes to). Per block: e, and es = e * sum(p) for the weights' mins. */
-static void quantize_row(const float *x, int64_t K, int fine, int8_t *q8, int16_t *q16, float *e,
-                         float *es) {
+ * p = round_half_even(y), L = 127 (`Q_INT8`: int8 in `q8`) or L = 32767, stored as int16 in
+ * `q16` (`Q_INT16`, each block as elements 0-7,16-23 then 8-15,24-31: the order
+ * `vpunpck[lh]bw` widens 8-bit codes to) or as bytes (`Q_HILO`: p = 256 h + l, signed h in
+ * `q8`, unsigned l in `lo`). Per block: e, and es = e * sum(p) for the weights' mins. */
+static void quantize_row(const float *x, int64_t K, int mode, int8_t *q8, int16_t *q16,
+                         uint8_t *lo, float *e, float *es) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     const int rnd = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-    const float levels = fine ? 32767.0f : 127.0f;
+    const float levels = mode == Q_INT8 ? 127.0f : 32767.0f;
     for (int64_t b = 0; b < K / QK; ++b) {
         const float *xb = x + b * QK;
         __m256 v[4];
@@ -83,12 +110,21 @@ static void quantize_row(const float *x, int64_t K, int fine, int8_t *q8, int16_
             i[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[j], iv), rnd));
             sum = _mm256_add_epi32(sum, i[j]);
         }
-        if (fine) {
+        if (mode == Q_INT16) {
             /* packs works per 128-bit lane: (0-3,16-19 | 4-7,20-23) -> 0-7,16-23 */
-            const __m256i lo = _mm256_permute4x64_epi64(_mm256_packs_epi32(i[0], i[2]), 0xd8);
-            const __m256i hi = _mm256_permute4x64_epi64(_mm256_packs_epi32(i[1], i[3]), 0xd8);
-            _mm256_storeu_si256((__m256i *)(q16 + b * QK), lo);
-            _mm256_storeu_si256((__m256i *)(q16 + b * QK + 16), hi);
+            const __m256i l = _mm256_permute4x64_epi64(_mm256_packs_epi32(i[0], i[2]), 0xd8);
+            const __m256i h = _mm256_permute4x64_epi64(_mm256_packs_epi32(i[1], i[3]), 0xd8);
+            _mm256_storeu_si256((__m256i *)(q16 + b * QK), l);
+            _mm256_storeu_si256((__m256i *)(q16 + b * QK + 16), h);
+        } else if (mode == Q_HILO) {
+            const __m256i byte = _mm256_set1_epi32(0xff);
+            __m256i h[4], l[4];
+            for (int j = 0; j < 4; ++j) {
+                h[j] = _mm256_srai_epi32(i[j], 8); /* floor(p / 256): -128..127 */
+                l[j] = _mm256_and_si256(i[j], byte); /* p - 256 h: 0..255 */
+            }
+            _mm256_storeu_si256((__m256i *)(q8 + b * QK), pack_i8(h[0], h[1], h[2], h[3]));
+            _mm256_storeu_si256((__m256i *)(lo + b * QK), pack_u8(l[0], l[1], l[2], l[3]));
         } else {
             _mm256_storeu_si256((__m256i *)(q8 + b * QK), pack_i8(i[0], i[1], i[2], i[3]));
         }
@@ -107,22 +143,17 @@ static inline __m256i reduce8(__m256i d0, __m256i d1, __m256i d2, __m256i d3, __
                             _mm256_permute2x128_si256(q0, q1, 0x31));
 }
 
-/* One weight block (eight columns' codes w, |w| in aw for 8-bit) against `rows` activation
- * rows: eight integer dots per row, reduced to one vector of eight column sums, scaled. */
-static inline __attribute__((always_inline)) __m256i dot(const int bits, __m256i w, __m256i aw,
-                                                          __m256i x) {
-    return bits == 4 ? _mm256_maddubs_epi16(w, x) : _mm256_maddubs_epi16(aw, _mm256_sign_epi8(x, w));
-}
-
-static inline __attribute__((always_inline)) void block(
-    const int bits, const int fine, const int rows, const __m256i *w, const __m256i *aw,
-    const void *xq, const float *xe, const float *xes, int64_t K, int64_t nb, int64_t b,
-    __m256 dv, __m256 mv, int has_m, __m256 *acc, __m256 *corr) {
+/* 8-bit: one weight block (eight columns' codes w, |w| in aw) against `rows` activation rows:
+ * eight integer dots per row, reduced to one vector of eight column sums, scaled. */
+static inline __attribute__((always_inline)) void block8(
+    const int fine, const int rows, const __m256i *w, const __m256i *aw, const void *xq,
+    const float *xe, const float *xes, int64_t K, int64_t nb, int64_t b, __m256 dv, __m256 mv,
+    int has_m, __m256 *acc, __m256 *corr) {
     const __m256i ones = _mm256_set1_epi16(1), zero = _mm256_setzero_si256();
     __m256i wa[8], wb[8];
     if (fine) /* codes widened to int16 once for all rows, in the activations' order */
         for (int c = 0; c < 8; ++c) {
-            const __m256i ext = bits == 4 ? zero : _mm256_cmpgt_epi8(zero, w[c]);
+            const __m256i ext = _mm256_cmpgt_epi8(zero, w[c]);
             wa[c] = _mm256_unpacklo_epi8(w[c], ext);
             wb[c] = _mm256_unpackhi_epi8(w[c], ext);
         }
@@ -137,7 +168,7 @@ static inline __attribute__((always_inline)) void block(
         } else {
             const __m256i x = _mm256_loadu_si256((const __m256i *)((const int8_t *)xq + r * K + b * QK));
             for (int c = 0; c < 8; ++c)
-                d[c] = _mm256_madd_epi16(dot(bits, w[c], aw[c], x), ones);
+                d[c] = _mm256_madd_epi16(_mm256_maddubs_epi16(aw[c], _mm256_sign_epi8(x, w[c])), ones);
         }
         const __m256 s = _mm256_cvtepi32_ps(reduce8(d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7]));
         acc[r] = _mm256_fmadd_ps(s, _mm256_mul_ps(dv, _mm256_broadcast_ss(xe + r * nb + b)), acc[r]);
@@ -145,49 +176,84 @@ static inline __attribute__((always_inline)) void block(
     }
 }
 
-/* Eight output columns (one tile: codes of column c at wc + c*row_bytes) for `rows` (1..MR, a
- * constant after inlining) activation rows. 4-bit codes come two blocks per 32 bytes (block
- * 2p in the low nibbles, 2p+1 in the high), so one load and three ops unpack 64 weights. */
+static inline int32_t load32(const void *p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* 4-bit: one vertical weight block (w[g]: eight columns' weights 4g..4g+3 of the block, codes
+ * 0..15) against `rows` activation rows; each lane of the integer sum is one column's dot. */
+static inline __attribute__((always_inline)) void block4(
+    const int fine, const int rows, const __m256i *w, const int8_t *xh, const uint8_t *xl,
+    const float *xe, const float *xes, int64_t K, int64_t nb, int64_t b, __m256 dv, __m256 mv,
+    int has_m, __m256 *acc, __m256 *corr) {
+    const __m256i ones = _mm256_set1_epi16(1), s256 = _mm256_set1_epi16(256);
+    for (int r = 0; r < rows; ++r) {
+        const int8_t *h = xh + r * K + b * QK;
+        /* int16 sums of eight products of 15 x 128 at most: no saturation */
+        __m256i ph = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(load32(h)));
+        for (int g = 1; g < 8; ++g)
+            ph = _mm256_add_epi16(ph, _mm256_maddubs_epi16(w[g], _mm256_set1_epi32(load32(h + 4 * g))));
+        __m256i s;
+        if (fine) {
+            /* low bytes up to 255: four products a sum (4 x 2 x 255 x 15 < 2^15) */
+            const uint8_t *l = xl + r * K + b * QK;
+            __m256i pa = _mm256_maddubs_epi16(_mm256_set1_epi32(load32(l)), w[0]);
+            __m256i pb = _mm256_maddubs_epi16(_mm256_set1_epi32(load32(l + 16)), w[4]);
+            for (int g = 1; g < 4; ++g) {
+                pa = _mm256_add_epi16(pa, _mm256_maddubs_epi16(_mm256_set1_epi32(load32(l + 4 * g)), w[g]));
+                pb = _mm256_add_epi16(pb, _mm256_maddubs_epi16(_mm256_set1_epi32(load32(l + 16 + 4 * g)), w[g + 4]));
+            }
+            s = _mm256_add_epi32(_mm256_madd_epi16(ph, s256),
+                                 _mm256_add_epi32(_mm256_madd_epi16(pa, ones), _mm256_madd_epi16(pb, ones)));
+        } else {
+            s = _mm256_madd_epi16(ph, ones);
+        }
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dv, _mm256_broadcast_ss(xe + r * nb + b)), acc[r]);
+        if (has_m) corr[r] = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(xes + r * nb + b), corr[r]);
+    }
+}
+
+/* Eight output columns (one tile; 8-bit codes of column c at wc + c*K, 4-bit codes of the
+ * tile at wc) for `rows` (1..MR, a constant after inlining) activation rows: `xq` is the int8
+ * or int16 (8-bit weights) or the high bytes (4-bit, `fine`; the low bytes at `xl`). */
 static inline __attribute__((always_inline)) void tile(
-    const int bits, const int fine, const int rows, const void *xq, const float *xe,
-    const float *xes,
-    int64_t K, const uint8_t *wc, const uint16_t *wd, const uint16_t *wm, int64_t bpg,
-    float *out, int64_t ldo, int64_t valid) {
+    const int bits, const int fine, const int rows, const void *xq, const uint8_t *xl,
+    const float *xe, const float *xes, int64_t K, const uint8_t *wc, const uint16_t *wd,
+    const uint16_t *wm, int64_t bpg, float *out, int64_t ldo, int64_t valid) {
     const int64_t nb = K / QK;
-    const int64_t row_bytes = bits == 4 ? K / 2 : K;
     const __m256i lo4 = _mm256_set1_epi8(0x0f);
     const int has_m = wm != NULL;
     __m256 acc[MR], corr[MR];
     for (int r = 0; r < rows; ++r) acc[r] = corr[r] = _mm256_setzero_ps();
     __m256 dv = _mm256_setzero_ps(), mv = _mm256_setzero_ps();
     int64_t g = 0, k = 0; /* group of block b, and b's place in it */
-    for (int64_t b = 0; b < nb; b += 2) {
-        __m256i lo[8], hi[8], alo[8], ahi[8];
-        for (int c = 0; c < 8; ++c) {
-            const uint8_t *p = wc + c * row_bytes;
-            if (bits == 4) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(p + b * (QK / 2)));
-                lo[c] = _mm256_and_si256(v, lo4);
-                hi[c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
-                alo[c] = ahi[c] = _mm256_setzero_si256(); /* unused: codes are unsigned */
-            } else {
-                lo[c] = _mm256_loadu_si256((const __m256i *)(p + b * QK));
-                hi[c] = _mm256_loadu_si256((const __m256i *)(p + (b + 1) * QK));
-                alo[c] = _mm256_sign_epi8(lo[c], lo[c]);
-                ahi[c] = _mm256_sign_epi8(hi[c], hi[c]);
-            }
+    for (int64_t b = 0; b < nb; ++b) {
+        if (k == 0) {
+            dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wd + g * 8)));
+            if (has_m) mv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wm + g * 8)));
         }
-        for (int half = 0; half < 2; ++half) {
-            if (k == 0) {
-                dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wd + g * 8)));
-                if (has_m) mv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wm + g * 8)));
+        if (bits == 4) {
+            const uint8_t *p = wc + b * (8 * QK / 2);
+            __m256i w[8];
+            for (int j = 0; j < 4; ++j) { /* one load, three ops: 64 weights */
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 32 * j));
+                w[2 * j] = _mm256_and_si256(v, lo4);
+                w[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
             }
-            block(bits, fine, rows, half ? hi : lo, half ? ahi : alo, xq, xe, xes, K, nb,
-                  b + half, dv, mv, has_m, acc, corr);
-            if (++k == bpg) {
-                k = 0;
-                ++g;
+            block4(fine, rows, w, (const int8_t *)xq, xl, xe, xes, K, nb, b, dv, mv, has_m, acc, corr);
+        } else {
+            __m256i w[8], aw[8];
+            for (int c = 0; c < 8; ++c) {
+                w[c] = _mm256_loadu_si256((const __m256i *)(wc + c * K + b * QK));
+                aw[c] = _mm256_sign_epi8(w[c], w[c]);
             }
+            block8(fine, rows, w, aw, xq, xe, xes, K, nb, b, dv, mv, has_m, acc, corr);
+        }
+        if (++k == bpg) {
+            k = 0;
+            ++g;
         }
     }
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
@@ -201,29 +267,30 @@ static inline __attribute__((always_inline)) void tile(
 
 #define TILE_ROWS(BITS, FINE)                                                                \
     switch (rows) {                                                                          \
-    case 4: tile(BITS, FINE, 4, xr, er, esr, K, c, d, m, bpg, o, ldo, valid); break;         \
-    case 3: tile(BITS, FINE, 3, xr, er, esr, K, c, d, m, bpg, o, ldo, valid); break;         \
-    case 2: tile(BITS, FINE, 2, xr, er, esr, K, c, d, m, bpg, o, ldo, valid); break;         \
-    default: tile(BITS, FINE, 1, xr, er, esr, K, c, d, m, bpg, o, ldo, valid); break;        \
+    case 4: tile(BITS, FINE, 4, xr, lr, er, esr, K, c, d, m, bpg, o, ldo, valid); break;     \
+    case 3: tile(BITS, FINE, 3, xr, lr, er, esr, K, c, d, m, bpg, o, ldo, valid); break;     \
+    case 2: tile(BITS, FINE, 2, xr, lr, er, esr, K, c, d, m, bpg, o, ldo, valid); break;     \
+    default: tile(BITS, FINE, 1, xr, lr, er, esr, K, c, d, m, bpg, o, ldo, valid); break;    \
     }
 
 static void columns(const int bits, const int fine, int64_t M, int64_t K, const void *xq,
-                    const float *xe, const float *xes, const uint8_t *wc, const uint16_t *wd,
-                    const uint16_t *wm, int64_t N, int64_t bpg, int64_t t0, int64_t t1, float *out,
-                    int64_t ldo) {
+                    const uint8_t *xl, const float *xe, const float *xes, const uint8_t *wc,
+                    const uint16_t *wd, const uint16_t *wm, int64_t N, int64_t bpg, int64_t t0,
+                    int64_t t1, float *out, int64_t ldo) {
     const int64_t nb = K / QK, groups = nb / bpg;
-    const int64_t row_bytes = bits == 4 ? K / 2 : K;
-    const int64_t x_bytes = fine ? 2 : 1;
-    int64_t chunk = (24 * 1024) / (8 * row_bytes); /* column tiles whose codes stay in L1 */
+    const int64_t tile_bytes = 8 * (bits == 4 ? K / 2 : K);
+    const int64_t x_bytes = bits == 8 && fine ? 2 : 1;
+    int64_t chunk = (24 * 1024) / tile_bytes; /* column tiles whose codes stay in L1 */
     if (chunk < 1) chunk = 1;
     for (int64_t c0 = t0; c0 < t1; c0 += chunk) {
         const int64_t c1 = c0 + chunk < t1 ? c0 + chunk : t1;
         for (int64_t m0 = 0; m0 < M; m0 += MR) {
             const int64_t rows = M - m0 < MR ? M - m0 : MR;
             const void *xr = (const char *)xq + m0 * K * x_bytes;
+            const uint8_t *lr = xl + m0 * K;
             const float *er = xe + m0 * nb, *esr = xes + m0 * nb;
             for (int64_t t = c0; t < c1; ++t) {
-                const uint8_t *c = wc + t * 8 * row_bytes;
+                const uint8_t *c = wc + t * tile_bytes;
                 const uint16_t *d = wd + t * groups * 8, *m = wm ? wm + t * groups * 8 : NULL;
                 float *o = out + m0 * ldo + t * 8;
                 const int64_t valid = N - t * 8;
@@ -244,13 +311,14 @@ static int gemm(const int bits, const float *x, int64_t M, int64_t K, int64_t ld
                 float *out, int64_t ldo, int threads, int fine) {
     if (K % (2 * QK) || bpg < 1 || (K / QK) % bpg) return -2;
     const int64_t nb = K / QK, tiles = (N + 7) / 8;
+    const int mode = !fine ? Q_INT8 : bits == 4 ? Q_HILO : Q_INT16;
     if (threads < 1) threads = 1;
     if (threads > tiles) threads = (int)tiles;
     /* A few rows (decode) are quantised by every thread into its own copy, so the only
      * synchronisation is the region's end: each barrier is a chance to wait a whole
      * scheduler slice when the cores are oversubscribed. Many rows are split, then a barrier. */
     const int own = M <= 4 && threads > 1;
-    const size_t qbytes = ((size_t)(M * K) * (fine ? 2 : 1) + 63) & ~(size_t)63;
+    const size_t qbytes = ((size_t)(M * K) * (mode == Q_INT8 ? 1 : 2) + 63) & ~(size_t)63;
     const size_t region = qbytes + ((2 * M * nb * sizeof(float) + 63) & ~(size_t)63);
     char *ws = aligned_alloc(64, region * (own ? (size_t)threads : 1));
     if (!ws) return -1;
@@ -262,16 +330,18 @@ static int gemm(const int bits, const float *x, int64_t M, int64_t K, int64_t ld
         T = omp_get_num_threads();
 #endif
         char *mine = own ? ws + region * (size_t)t : ws;
+        uint8_t *lo = (uint8_t *)mine + M * K; /* Q_HILO: the low bytes after the high ones */
         float *xe = (float *)(mine + qbytes), *xes = xe + M * nb;
         const int64_t r0 = own ? 0 : M * t / T, r1 = own ? M : M * (t + 1) / T;
         for (int64_t i = r0; i < r1; ++i)
-            quantize_row(x + i * ldx, K, fine, (int8_t *)mine + i * K, (int16_t *)mine + i * K,
-                         xe + i * nb, xes + i * nb);
+            quantize_row(x + i * ldx, K, mode, (int8_t *)mine + i * K, (int16_t *)mine + i * K,
+                         lo + i * K, xe + i * nb, xes + i * nb);
         if (!own) {
 #pragma omp barrier
         }
         const int64_t t0 = tiles * t / T, t1 = tiles * (t + 1) / T;
-        if (t0 < t1) columns(bits, fine, M, K, mine, xe, xes, wc, wd, wm, N, bpg, t0, t1, out, ldo);
+        if (t0 < t1)
+            columns(bits, fine, M, K, mine, lo, xe, xes, wc, wd, wm, N, bpg, t0, t1, out, ldo);
     }
     free(ws);
     return 0;
@@ -295,36 +365,33 @@ int kvg_dequantize(int bits, const uint8_t *wc, const uint16_t *wd, const uint16
                    int64_t K, int64_t bpg, float *out, int threads) {
     if (K % (2 * QK) || bpg < 1 || (K / QK) % bpg) return -2;
     const int64_t nb = K / QK, groups = nb / bpg, tiles = (N + 7) / 8;
-    const int64_t row_bytes = bits == 4 ? K / 2 : K;
     if (threads < 1) threads = 1;
     if (threads > tiles) threads = (int)tiles;
 #pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
     for (int64_t n = 0; n < N; ++n) {
-        const uint8_t *c = wc + n * row_bytes;
-        const uint16_t *d = wd + (n / 8) * groups * 8 + n % 8, *m = wm ? wm + (n / 8) * groups * 8 + n % 8 : NULL;
+        const int64_t t = n / 8, c = n % 8;
+        const uint16_t *d = wd + t * groups * 8 + c, *m = wm ? wm + t * groups * 8 + c : NULL;
         float *o = out + n * K;
         for (int64_t b = 0; b < nb; ++b) {
             const int64_t g = b / bpg;
             const __m256 dv = _mm256_set1_ps(_cvtsh_ss(d[g * 8]));
             const __m256 mv = _mm256_set1_ps(m ? _cvtsh_ss(m[g * 8]) : 0.0f);
-            __m128i q[2];
             if (bits == 4) {
-                /* the pair (2p, 2p+1) shares 32 bytes: elements j in byte j, low nibble even */
-                const __m128i lo4 = _mm_set1_epi8(0x0f);
-                const __m128i a = _mm_loadu_si128((const __m128i *)(c + (b / 2) * QK));
-                const __m128i z = _mm_loadu_si128((const __m128i *)(c + (b / 2) * QK + 16));
-                const int shift = (b & 1) ? 4 : 0;
-                q[0] = _mm_and_si128(_mm_srli_epi16(a, shift), lo4);
-                q[1] = _mm_and_si128(_mm_srli_epi16(z, shift), lo4);
+                /* quarter j, column c: weights 8j..8j+3 low nibbles, 8j+4..8j+7 high */
+                const uint8_t *p = wc + (t * nb + b) * (8 * QK / 2) + 4 * c;
+                for (int j = 0; j < 4; ++j) {
+                    const uint32_t v = (uint32_t)load32(p + 32 * j);
+                    const __m128i lo = _mm_cvtsi32_si128((int)(v & 0x0f0f0f0fu));
+                    const __m128i hi = _mm_cvtsi32_si128((int)((v >> 4) & 0x0f0f0f0fu));
+                    const __m256i i32 = _mm256_cvtepu8_epi32(_mm_unpacklo_epi32(lo, hi));
+                    _mm256_storeu_ps(o + b * QK + 8 * j,
+                                     _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32), dv, mv));
+                }
             } else {
-                q[0] = _mm_loadu_si128((const __m128i *)(c + b * QK));
-                q[1] = _mm_loadu_si128((const __m128i *)(c + b * QK + 16));
-            }
-            for (int h = 0; h < 2; ++h) {
-                for (int j = 0; j < 2; ++j) {
-                    const __m128i part = j ? _mm_srli_si128(q[h], 8) : q[h];
-                    const __m256i i32 = bits == 4 ? _mm256_cvtepu8_epi32(part) : _mm256_cvtepi8_epi32(part);
-                    _mm256_storeu_ps(o + b * QK + h * 16 + j * 8,
+                const uint8_t *p = wc + n * K + b * QK;
+                for (int j = 0; j < 4; ++j) {
+                    const __m256i i32 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8 * j)));
+                    _mm256_storeu_ps(o + b * QK + 8 * j,
                                      _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32), dv, mv));
                 }
             }
@@ -333,11 +400,26 @@ int kvg_dequantize(int bits, const uint8_t *wc, const uint16_t *wd, const uint16
     return 0;
 }
 
-/* The activation quantisation alone, for tests: codes [M][K] (int8, or int16 in the kernels'
- * block order when `fine`), e and es [M][K/32] as the GEMMs use them. */
-void kvg_quantize_rows(const float *x, int64_t M, int64_t K, int64_t ldx, int fine, void *q,
-                       float *e, float *es) {
-    for (int64_t i = 0; i < M; ++i)
-        quantize_row(x + i * ldx, K, fine, (int8_t *)q + i * K, (int16_t *)q + i * K,
-                     e + i * (K / QK), es + i * (K / QK));
+/* The activation quantisation alone, for tests: codes [M][K] (int8, or int16 in natural order
+ * when `fine`: 256 h + l of the 4-bit kernels' bytes), e and es [M][K/32] as the GEMMs use them. */
+int kvg_quantize_rows(const float *x, int64_t M, int64_t K, int64_t ldx, int fine, void *q,
+                      float *e, float *es) {
+    int8_t *hi = malloc((size_t)K);
+    uint8_t *lo = malloc((size_t)K);
+    if (!hi || !lo) {
+        free(hi);
+        free(lo);
+        return -1;
+    }
+    for (int64_t i = 0; i < M; ++i) {
+        quantize_row(x + i * ldx, K, fine ? Q_HILO : Q_INT8, hi, NULL, lo, e + i * (K / QK),
+                     es + i * (K / QK));
+        for (int64_t k = 0; k < K; ++k) {
+            if (fine) ((int16_t *)q)[i * K + k] = (int16_t)(256 * hi[k] + lo[k]);
+            else ((int8_t *)q)[i * K + k] = hi[k];
+        }
+    }
+    free(hi);
+    free(lo);
+    return 0;
 }

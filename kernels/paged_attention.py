@@ -207,7 +207,7 @@ def _decode_native(
     scale: float,
 ) -> None:
     """`_decode` by the CPU kernel, which reads the paged pool in place (no gather)."""
-    qrows, lens, tables = _native_rows(block_tables, seq_lens, starts, rows)
+    qrows, lens, tables = decode_rows(block_tables, seq_lens, starts, rows)
     cpu_ops.paged_decode(q, out, qrows, lens, kv[0], kv[1], tables, scale, kv[2], kv[3])
 
 
@@ -216,9 +216,11 @@ def _decode_native(
 _NATIVE_STEP: list[tuple] = []
 
 
-def _native_rows(
+def decode_rows(
     block_tables: torch.Tensor, seq_lens: list[int], starts: list[int], rows: list[int]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The decode sequences `rows` as the CPU kernel takes them: (query row of each, int64;
+    its cached length, int32; its block table, int32 with unit stride)."""
     if _NATIVE_STEP and _NATIVE_STEP[0][0] is block_tables and _NATIVE_STEP[0][1] is seq_lens:
         return _NATIVE_STEP[0][2]
     tables = block_tables

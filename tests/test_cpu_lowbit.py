@@ -130,13 +130,40 @@ def test_threads_and_strides_do_not_change_the_result() -> None:
     assert torch.equal(one, two)
 
 
+def test_the_4bit_layout_holds_each_code_where_the_kernels_read_it() -> None:
+    """Tile t, block b: byte 32j + 4c + i holds weight 32b + 8j + i of column 8t + c (low
+    nibble) and weight 32b + 8j + 4 + i (high nibble); padding columns are zero."""
+    q = torch.randint(0, 16, (11, 128), dtype=torch.uint8)
+    packed = cpu_lowbit.pack4(q)
+    assert packed.shape == (2, 4, 128) and packed.dtype == torch.uint8
+    for n in range(16):
+        for k in range(128):
+            b, j, i, high = k // 32, k % 32 // 8, k % 4, k % 8 >= 4
+            byte = packed[n // 8, b, 32 * j + 4 * (n % 8) + i].item()
+            code = byte >> 4 if high else byte & 15
+            assert code == (q[n, k].item() if n < 11 else 0), (n, k)
+    assert torch.equal(cpu_lowbit.unpack4(packed)[:11], q)
+    rows = torch.tensor([10, 3, 0, 3])
+    assert torch.equal(cpu_lowbit.unpack4(packed, rows), q[rows])
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_a_layers_rows_are_its_stored_weight_rows(fmt: str) -> None:
+    """What a tied embedding reads from the lm_head's codes: the rows, dequantised."""
+    spec = gguf_like(fmt, 75, 256, seed=2)
+    layer = QuantizedLinear(spec)
+    assert layer.can_read_rows()
+    ids = torch.tensor([[74, 0], [9, 40]])
+    assert torch.equal(layer.rows(ids), weight_as_stored(spec)[ids])
+
+
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
 def test_a_prefill_batch_runs_one_fp32_gemm_over_the_dequantised_weight(fmt: str) -> None:
     """From `DEQUANTIZED_GEMM_ROWS` rows a projection's weight is dequantised into scratch and
     multiplied in fp32 (the activations unquantised); the refined head stays on int8 dots."""
     spec = gguf_like(fmt, 1001, 576, seed=3)
     stored = weight_as_stored(spec)
-    for rows in (DEQUANTIZED_GEMM_ROWS, 130):
+    for rows in (DEQUANTIZED_GEMM_ROWS, DEQUANTIZED_GEMM_ROWS + 66):
         x = torch.randn(rows, 576)
         assert rel(QuantizedLinear(spec)(x), x @ stored.T) <= 1e-5
         head = QuantizedLinear(spec, approximate=True)(x)

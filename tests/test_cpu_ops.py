@@ -13,6 +13,7 @@ import importlib
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from kvguard.engine import EngineConfig, LLMEngine
 from kvguard.engine.model import RMSNorm, apply_rope
@@ -182,6 +183,22 @@ def test_rope_in_place_equals_apply_rope_on_q_and_k_only() -> None:
     assert torch.equal(got[:, : nh * d], want_q.reshape(t, -1))
     assert torch.equal(got[:, nh * d : (nh + nkv) * d], want_k.reshape(t, -1))
     assert torch.equal(got[:, (nh + nkv) * d :], qkv[:, (nh + nkv) * d :])  # v untouched
+
+
+@pytest.mark.parametrize("inter", [1536, 20])  # a multiple of 8, and one with a tail
+def test_silu_mul_matches_torch_on_strided_rows(inter: int) -> None:
+    gen = torch.Generator().manual_seed(inter)
+    wide = torch.randn(9, 2 * inter + 5, generator=gen) * 6
+    wide[0, :4] = torch.tensor([-120.0, 120.0, 0.0, -0.0])  # saturating exponents, zeros
+    wide[1, 3] = float("nan")
+    gu = wide[:, : 2 * inter]  # a row stride wider than the row
+    got = cpu_ops.silu_mul(gu, inter)
+    gate, up = gu.split(inter, -1)
+    want = F.silu(gate) * up
+    assert got.shape == (9, inter) and got.is_contiguous()
+    assert torch.isnan(got[1, 3]) and torch.isfinite(got[0, :3]).all()
+    ok = ~torch.isnan(want)
+    torch.testing.assert_close(got[ok], want[ok], atol=1e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("model", ["tiny", "smollm2-135m"])

@@ -1,0 +1,128 @@
+"""The CPU decode fast path: a decode-only step runs each decoder layer in one C call.
+
+With packed (`w4a8`/`w8a8`) projections on the CPU, a batch-1 decode step of the default model
+spent more of its time between kernels than in them: a layer was about thirty torch ops and
+kernel calls, each paying Python and dispatch. `kvguard.kernels.cpu_layer` strings the same
+kernels together in C, in the same order, so the tokens are the same bit for bit.
+
+A step takes this path when every row is one decode token, the KV pools are fp32 (an FP8 or
+fp16 pool, after a live switch, runs the per-op path), the CPU kernels are on
+(`KVGUARD_CPU_OPS`), and every layer this rank holds qualifies: the four projections served
+by the C kernels with no input permutation and no bias on the output, down or gate/up
+projections, fp32 norms, and no tensor parallelism. The plan is built once, on the first step
+that could use it, and kept with the model.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kvguard.engine.layers.quantized_linear import QuantizedLinear
+from kvguard.kernels import cpu_layer, cpu_ops
+from kvguard.kernels.paged_attention import decode_rows
+
+log = logging.getLogger("kvguard.engine")
+
+
+def _weights(layer: Any) -> cpu_layer.LinearWeights | None:
+    if not isinstance(layer, QuantizedLinear) or layer.kernel not in ("w4a8", "w8a8"):
+        return None
+    if layer.perm is not None:
+        return None
+    return cpu_layer.LinearWeights(
+        layer.bits, layer.fine, layer.out_features, layer.in_features, layer.group_size,
+        layer.lowbit_codes, layer.lowbit_scales, layer.lowbit_mins, layer.bias,
+    )  # fmt: skip
+
+
+def _plan(layer: Any) -> cpu_layer.LayerPlan | None:
+    """The layer packed for the C call, or None where it does not qualify (the attention
+    shapes are checked per step, with the pool's block size: `CpuDecode.takes`)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    parts = [_weights(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+    if any(p is None for p in parts) or any(p.bias is not None for p in parts[1:]):
+        return None
+    norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+    if any(w.dtype != torch.float32 or not w.is_contiguous() for w in norms):
+        return None
+    if layer.input_layernorm.eps != layer.post_attention_layernorm.eps:
+        return None
+    return cpu_layer.plan_layer(
+        *parts, *norms, layer.input_layernorm.eps, attn.nh, attn.nkv, attn.hd, attn.scale
+    )
+
+
+class CpuDecode:
+    """Plans for a model's own layers; `run` replaces the layer loop of a qualifying step."""
+
+    def __init__(self, plans: list[cpu_layer.LayerPlan], heads: int, kv_heads: int, d: int) -> None:
+        self.plans = plans
+        self.work_per_row = max(p.work_per_row for p in plans)
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, d
+
+    @classmethod
+    def build(cls, layers: Sequence[Any], tp_size: int) -> CpuDecode | None:
+        if tp_size != 1 or not layers:
+            return None
+        plans = []
+        for layer in layers:
+            plan = _plan(layer)
+            if plan is None:
+                return None
+            plans.append(plan)
+        log.info("CPU decode steps run each of %d layers in one C call", len(plans))
+        attn = layers[0].self_attn
+        return cls(plans, attn.nh, attn.nkv, attn.hd)
+
+    def takes(self, x: torch.Tensor, kv_caches: Sequence[Any], meta: Any) -> bool:
+        """Whether this step qualifies: decode rows only, fp32 pools whose blocks the attention
+        kernel serves, the CPU kernels on."""
+        if meta.seq_lens_t is not None or not cpu_ops.enabled(x) or not x.is_contiguous():
+            return False
+        if any(n != 1 for n in meta.query_lens):
+            return False
+        block = kv_caches[0][0].shape[1]
+        if not cpu_ops.decode_shape_supported(self.heads, self.kv_heads, self.head_dim, block):
+            return False
+        return all(kv[0].dtype == torch.float32 and kv[2] is None for kv in kv_caches)
+
+    def run(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_caches: Sequence[Any],
+        meta: Any,
+        stop: Any = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(stream, last layer's MLP output still to add), as the layer loop returns them."""
+        from kvguard.engine.model import StepInterrupted
+
+        t = x.shape[0]
+        every = list(range(t))  # row i is sequence i's one token
+        rows, lens, tables = decode_rows(meta.block_tables, meta.seq_lens, every, every)
+        slots = meta.slot_mapping
+        if slots.dtype != torch.int64 or not slots.is_contiguous():
+            slots = slots.to(torch.int64).contiguous()
+        cos, sin = cos.reshape(t, -1).contiguous(), sin.reshape(t, -1).contiguous()
+        work = torch.empty(t * self.work_per_row)
+        pool = kv_caches[0][0]
+        step = cpu_layer.Step(
+            t, pool.shape[1], tables.stride(0), pool.shape[0] * pool.shape[1],
+            cos.data_ptr(), sin.data_ptr(),
+            slots.data_ptr(), rows.data_ptr(), lens.data_ptr(), tables.data_ptr(),
+            work.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        outs = (torch.empty_like(x), torch.empty_like(x))
+        pending = None
+        for i, (plan, kv) in enumerate(zip(self.plans, kv_caches, strict=True)):
+            if stop is not None and stop.is_set():
+                raise StepInterrupted("interrupted between layers")
+            out = outs[i % 2]
+            cpu_layer.run_layer(plan, step, x, pending, kv[0], kv[1], out)
+            pending = out
+        return x, pending

@@ -1,0 +1,95 @@
+/* kvguard CPU decode layer: one call for a whole decoder layer of a decode-only step.
+ *
+ * On a 2-core CPU a batch-1 decode step of a 135M model spends more time between kernels
+ * (Python, torch dispatch, a dozen small tensors a layer) than in them. This file strings the
+ * same kernels together in C: RMSNorm (with the previous layer's MLP output added to the
+ * stream), the fused qkv projection, RoPE, the K/V write into an fp32 pool, paged decode
+ * attention, the output projection and its residual add, the second RMSNorm, gate/up, SiLU
+ * and multiply, down. Each piece is the very function the per-op path calls, in the same
+ * order, so the two paths give the same bits. The layer's MLP output is left in `mlp_out`
+ * for the next layer's norm (or the final norm) to add.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#include "kvg_cpu.h"
+
+/* One quantized projection as the GEMMs take it (`bias` may be NULL). */
+typedef struct {
+    int64_t bits, fine, n, k, bpg;
+    const void *codes;
+    const uint16_t *d, *m;
+    const float *bias;
+} KvgLinear;
+
+/* A decoder layer's weights and shapes, built once. */
+typedef struct {
+    KvgLinear qkv, o, gate_up, down;
+    const float *norm1, *norm2;
+    float eps, scale;
+    int64_t hidden, heads, kv_heads, head_dim, inter;
+} KvgLayer;
+
+/* One decode step: T rows, one token of one sequence each. `work` holds
+ * T * (3*hidden + qkv.n + heads*head_dim + 3*inter) floats. */
+typedef struct {
+    int64_t T, block_size, ldt, num_slots; /* num_slots: the pools' blocks * block_size */
+    const float *cos, *sin;  /* [T][head_dim] */
+    const int64_t *slots;    /* [T] flat pool slot of each row's new token */
+    const int64_t *rows;     /* [T] 0..T-1: the query row of each sequence */
+    const int32_t *lens;     /* [T] tokens cached after this step's write */
+    const int32_t *tables;   /* [T][ldt] block tables */
+    float *work;
+    int64_t threads;
+} KvgStep;
+
+static int linear(const KvgLinear *w, const float *x, int64_t T, int64_t ldx, float *out,
+                  int threads) {
+    const int rc = w->bits == 4
+        ? kvg_w4a8(x, T, w->k, ldx, (const uint8_t *)w->codes, w->d, w->m, w->n, w->bpg, out,
+                   w->n, threads, (int)w->fine)
+        : kvg_w8a8(x, T, w->k, ldx, (const int8_t *)w->codes, w->d, w->m, w->n, w->bpg, out,
+                   w->n, threads, (int)w->fine);
+    if (rc == 0 && w->bias)
+        for (int64_t t = 0; t < T; ++t)
+            for (int64_t i = 0; i < w->n; ++i)
+                out[t * w->n + i] = out[t * w->n + i] + w->bias[i];
+    return rc;
+}
+
+/* x [T][hidden] is the stream (updated in place: + pending, + attention); `pending` (may be
+ * NULL) the previous layer's MLP output; the pools fp32 [blocks][block_size][kv_heads][d].
+ * Returns 0, -1 when a workspace could not be allocated, -2 on a shape a kernel refuses, -3
+ * on a slot outside the pool. */
+int kvg_decode_layer(const KvgLayer *L, const KvgStep *s, float *x, const float *pending,
+                     float *k_pool, float *v_pool, float *mlp_out) {
+    const int64_t T = s->T, H = L->hidden, d = L->head_dim, nq = L->heads * d;
+    const int64_t nkv = L->kv_heads * d, nqkv = L->qkv.n;
+    const int threads = (int)s->threads;
+    float *h = s->work, *qkv = h + T * H, *attn = qkv + T * nqkv, *o = attn + T * nq;
+    float *h2 = o + T * H, *gu = h2 + T * H, *act = gu + T * 2 * L->inter;
+    int rc;
+    for (int64_t t = 0; t < T; ++t)
+        if (s->slots[t] < 0 || s->slots[t] >= s->num_slots)
+            return -3; /* a slot outside the pool: refuse before writing anything */
+    kvg_rmsnorm(x, H, pending, T, H, L->norm1, L->eps, h, threads);
+    if ((rc = linear(&L->qkv, h, T, H, qkv, threads)))
+        return rc;
+    kvg_rope(qkv, nqkv, T, L->heads + L->kv_heads, d, s->cos, s->sin, threads);
+    for (int64_t t = 0; t < T; ++t) {
+        memcpy(k_pool + s->slots[t] * nkv, qkv + t * nqkv + nq, (size_t)nkv * sizeof(float));
+        memcpy(v_pool + s->slots[t] * nkv, qkv + t * nqkv + nq + nkv, (size_t)nkv * sizeof(float));
+    }
+    rc = kvg_paged_decode(qkv, nqkv, attn, s->rows, s->lens, T, k_pool, v_pool, NULL, NULL, 0,
+                          s->block_size, L->kv_heads, L->heads, d, s->tables, s->ldt, L->scale,
+                          threads);
+    if (rc)
+        return rc;
+    if ((rc = linear(&L->o, attn, T, nq, o, threads)))
+        return rc;
+    kvg_rmsnorm(x, H, o, T, H, L->norm2, L->eps, h2, threads);
+    if ((rc = linear(&L->gate_up, h2, T, H, gu, threads)))
+        return rc;
+    kvg_silu_mul(gu, 2 * L->inter, T, L->inter, act, threads);
+    return linear(&L->down, act, T, L->inter, mlp_out, threads);
+}

@@ -4,6 +4,8 @@ The default model's GGUF (SmolLM2-135M, Q4_1 linears, Q8_0 tied embedding) serve
 
 - `kvguard packed`: the GGUF's codes kept packed (`quantization.model_quantization: auto`);
 - `kvguard fp32`: the same weights dequantised to fp32 at conversion (`model_quantization: none`);
+- `kvguard packed int8`: packed, with activations quantised to int8 instead of int16
+  (`quantization.cpu_activations: int8`, as OpenVINO and llama.cpp do on AVX2);
 - `OpenVINO GenAI`: `ContinuousBatchingPipeline` loading the very same .gguf file (a bench extra:
   `pip install openvino-genai`; without it that column says why it is missing).
 
@@ -70,12 +72,15 @@ def fp16_bytes(model_dir: Path) -> int:
 
 
 class Kvguard:
-    def __init__(self, model: str, quantization: str, threads: int) -> None:
+    def __init__(
+        self, model: str, quantization: str, threads: int, activations: str = "int16"
+    ) -> None:
         from kvguard.engine import EngineConfig, LLMEngine
 
         cfg = EngineConfig(
             model=model,
             model_quantization=quantization,
+            cpu_activations=activations,
             kv_cache_bytes=KV_BYTES,
             max_num_seqs=MAX_NUM_SEQS,
             max_num_batched_tokens=MAX_BATCHED,
@@ -83,6 +88,8 @@ class Kvguard:
         )
         self.engine = LLMEngine.from_config(cfg, progress=False)
         self.name = f"kvguard {'fp32' if quantization == 'none' else 'packed'}"
+        if activations != "int16":
+            self.name += f" {activations}"
 
     def weight_bytes(self) -> int:
         return model_bytes(self.engine.model)
@@ -190,6 +197,7 @@ def main() -> None:
     engines: list[Any] = [
         Kvguard(args.model, "auto", args.threads),
         Kvguard(args.model, "none", args.threads),
+        Kvguard(args.model, "auto", args.threads, "int8"),
     ]
     peer_error = ""
     try:
@@ -211,7 +219,7 @@ def main() -> None:
         r["trace_tok_s"], r["trace_s"] = run_trace(eng, trace)
         results.append(r)
     packed, fp32 = results[0], results[1]
-    peer = results[2] if len(results) > 2 else None
+    peer = next((r for r in results if r["engine"] == OpenVINO.name), None)
     rows = [
         [
             r["engine"],

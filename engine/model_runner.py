@@ -29,6 +29,7 @@ from kvguard.engine.distributed.agreement import agree_any, agree_min
 from kvguard.engine.distributed.parallel_state import PipelineStage, TPGroup
 from kvguard.engine.distributed.sharding import shard_config
 from kvguard.engine.kv_cache import KV_TORCH_DTYPES, KVCache, bytes_per_block, kv_dtype_name
+from kvguard.engine.layers.quantized_linear import use_int8_activations
 from kvguard.engine.model import AttentionMetadata, LlamaForCausalLM, load_model
 from kvguard.engine.model_config import ModelConfig
 from kvguard.engine.sampler import sample
@@ -184,6 +185,8 @@ class ModelRunner:
         max_len = min(config.max_model_len, mcfg.max_position_embeddings)
         t0 = time.perf_counter()
         model = load_model(path, mcfg, max_len, dtype, device, tp, config.model_quantization, stage)
+        if config.cpu_activations == "int8" and use_int8_activations(model):
+            log.info("packed projections quantise activations to int8 (cpu_activations: int8)")
         log.info("rank %d loaded %s in %.2fs", stage.world.rank, path, time.perf_counter() - t0)
         local = replace(shard_config(mcfg, tp.size), num_layers=len(stage.layers))
         kv_dtype = kv_dtype_name(config.kv_cache_dtype, dtype)

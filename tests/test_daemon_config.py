@@ -417,6 +417,7 @@ KNOB_SAMPLES: dict[tuple[str, ...], tuple[dict[str, dict[str, object]], object]]
         ),
     ),
     ("model_quantization",): ({"quantization": {"model_quantization": "none"}}, "none"),
+    ("cpu_activations",): ({"quantization": {"cpu_activations": "int8"}}, "int8"),
     ("enable_cpu_offload",): ({"offloading": {"enable_cpu_offload": True}}, True),
     ("cpu_cache_ratio",): ({"offloading": {"cpu_cache_ratio": 0.25}}, 0.25),
     ("min_gpu_blocks",): ({"offloading": {"min_gpu_blocks": 64}}, 64),

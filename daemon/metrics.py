@@ -323,6 +323,13 @@ class Metrics:
             ["route", "status"],
             registry=r,
         )
+        self.gc_pause = Histogram(
+            "kvguard_gc_pause_seconds",
+            "Python cyclic garbage collections: how long each stopped the daemon, by generation",
+            ["generation"],
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1),
+            registry=r,
+        )
         self.rule_tick = Histogram(
             "kvguard_rule_evaluation_duration_seconds",
             "Time to evaluate all rules once",

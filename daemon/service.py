@@ -15,14 +15,14 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import uvicorn
 
-from kvguard.daemon import sdnotify
+from kvguard.daemon import gc_policy, sdnotify
 from kvguard.daemon.audit import AuditStore
 from kvguard.daemon.audit_migrate import shown
 from kvguard.daemon.config import ConfigFileError, DaemonConfig, load_config, state_dir
@@ -68,6 +68,7 @@ class Service:
         self.nvml = NvmlReader()
         self.metrics: Metrics
         self._stop_watchdog = threading.Event()
+        self._unwatch_gc: Callable[[], None] = lambda: None
         self._watchdog_lock = threading.Lock()
         self.audit: AuditStore | None = None
         self.control: ControlPlane | None = None
@@ -107,6 +108,9 @@ class Service:
         self.loop.on_fatal.append(self._on_engine_fatal)
         self.metrics = Metrics(
             lambda: self.engine.latest_snapshot, lambda: self.readiness()[0], self.nvml
+        )
+        self._unwatch_gc = gc_policy.watch_pauses(
+            lambda gen, s: self.metrics.gc_pause.labels(gen).observe(s)
         )
         self.metrics.registry.register(
             TensorParallelCollector(
@@ -242,6 +246,7 @@ class Service:
             timeout_graceful_shutdown=CUT_GRACE_S,  # counted from the end of the drain
         )
         server = _Server(config)
+        gc_policy.freeze_startup_heap()  # everything long-lived exists now (see gc_policy)
         aio = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             aio.add_signal_handler(sig, self._on_stop_signal, sig, server)
@@ -336,6 +341,8 @@ class Service:
 
     def close(self) -> None:
         self._stop_watchdog.set()
+        self._unwatch_gc()
+        gc_policy.unfreeze()
         if self.control is not None:
             self.control.stop()
         self.loop.stop()

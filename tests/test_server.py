@@ -298,6 +298,7 @@ def test_metrics_and_health(daemon: Daemon) -> None:
         "kvguard_engine_oom_events_total",
         "kvguard_time_to_first_token_seconds_bucket",
         "kvguard_nvml_up 0.0",
+        "kvguard_gc_pause_seconds_bucket",
     ):
         assert name in text, name
 

@@ -698,6 +698,17 @@ def summarize(
         if "rules-fast" in setup.config
         else None,
         "timeline": list(samples),
+        "per_request": [
+            {
+                "priority": o.priority,
+                "sent_s": round(o.sent_s, 3),
+                "first_s": None if o.first_s is None else round(o.first_s, 3),
+                "done_s": None if o.done_s is None else round(o.done_s, 3),
+                "tokens": o.tokens,
+                "status": o.status,
+            }
+            for o in outcomes
+        ],
     }
 
 

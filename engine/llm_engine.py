@@ -36,7 +36,7 @@ from kvguard.engine.model_runner import (
     pick_dtype,
 )
 from kvguard.engine.sampling_params import SamplingParams
-from kvguard.engine.scheduler import ScheduledBatch, Scheduler
+from kvguard.engine.scheduler import ScheduledBatch, Scheduler, awaits_first_text
 from kvguard.engine.sequence import (
     PRIORITY_NAMES,
     RequestOutput,
@@ -313,8 +313,11 @@ class LLMEngine(ControlSurface):
     def _interruptible(self, batch: ScheduledBatch) -> bool:
         if not self.runner.can_interrupt:
             return False
+        # a step that runs a high prompt, or the token a high request's first text waits
+        # on, is the one the new arrival would interrupt for
         return not any(
-            s.priority == HIGH and n > 1 for s, n in zip(batch.seqs, batch.num_tokens, strict=True)
+            s.priority == HIGH and (n > 1 or awaits_first_text(s))
+            for s, n in zip(batch.seqs, batch.num_tokens, strict=True)
         )
 
     def _run(self, batch: ScheduledBatch) -> list[RequestOutput]:

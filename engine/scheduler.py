@@ -24,6 +24,11 @@ decodes at all; the others lose a step or two). "First text", not first token: a
 text is held back because it may begin a stop string shows the client nothing, and the token
 after it would otherwise come from a full step of everyone's work (measured: 0.6-1.0 s of a
 1.4 s time to first text under load). That wait lasts at most FIRST_TEXT_TOKENS tokens.
+Those steps hold only the work that stands between high requests and their first text (high
+requests whose text is out decode with everyone else), and a high request whose next token can
+be its text gets it from a step of such decodes before another high prompt runs: in the
+overload benchmark a high request's second token had waited for the next high arrival's
+whole prompt step (0.4 s).
 
 `block_cap` bounds the device blocks in use below the pool size: while a remedy has narrowed
 the KV dtype (FP8), the engine caps use at what the configured dtype's pool holds, less a
@@ -165,7 +170,8 @@ class Scheduler:
         batch = ScheduledBatch()
         if self._urgent_prompt():
             budget = self._schedule_running(batch, self.max_num_batched_tokens, True)
-            self._schedule_waiting(batch, budget, True)
+            if not any(n == 1 for n in batch.num_tokens):
+                self._schedule_waiting(batch, budget, True)
             if any(awaits_first_text(s) for s in batch.seqs):
                 return batch
             # the high prompt cannot run now (no slot or no blocks for it): never an idle
@@ -203,8 +209,10 @@ class Scheduler:
         for seq in sorted(self.running, key=lambda s: (s.num_uncomputed > 1, s.sort_key)):
             if seq.status is not Status.RUNNING or budget <= 0 or seq in batch.seqs:
                 continue
-            if urgent and seq.priority != HIGH:
-                continue  # a high request's prompt runs in a step of high work only
+            if urgent and not awaits_first_text(seq):
+                continue  # a step of the work that stands between high requests and text
+            if urgent and seq.num_uncomputed > 1 and any(n == 1 for n in batch.num_tokens):
+                break  # a high request whose next token is its text goes first, alone
             if seq.num_uncomputed > 1 and not capped:
                 budget, capped = self._prompt_budget(batch, budget, urgent), True
             n = self._chunk(seq, budget)

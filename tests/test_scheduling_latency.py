@@ -126,6 +126,34 @@ def test_a_high_request_keeps_the_step_until_its_first_text_is_out() -> None:
     assert computed(eng, a) == 11  # then the others go on
 
 
+def test_the_token_a_first_text_waits_on_goes_before_the_next_high_prompt() -> None:
+    """Two high requests close together: the one whose next token is its first text gets it
+    from a step of its own decode (short), not from the second one's prompt step; a high
+    request whose text is out decodes with everyone else, not in those steps."""
+    eng = make_engine(max_num_batched_tokens=512, prefill_while_decoding=32)
+    p1 = prompt(40, 9)
+    [ref] = make_engine().generate([p1], SamplingParams(max_tokens=1))
+    held = SamplingParams(
+        max_tokens=64, ignore_eos=True, stop=[eng.tokenizer.decode(ref.token_ids) + "\x01"]
+    )
+    a = eng.add_request(prompt(10), long_params())
+    texted = eng._seqs[eng.add_request(prompt(12, 7), long_params(), priority="high")]
+    while awaits_first_text(texted):
+        eng.step()
+    h1 = eng._seqs[eng.add_request(p1, held, priority="high")]
+    eng.step()  # h1's prompt, alone: its first token's text is held back
+    assert len(h1.output_token_ids) == 1 and h1.sent_text_len == 0
+    h2 = eng._seqs[eng.add_request(prompt(60, 11), long_params(), priority="high")]
+    done_a, done_texted = computed(eng, a), texted.num_computed_tokens
+    eng.step()  # h1's next token alone: h2's prompt waits one short step
+    assert len(h1.output_token_ids) == 2 and h2.num_computed_tokens == 0
+    assert computed(eng, a) == done_a and texted.num_computed_tokens == done_texted
+    while awaits_first_text(h1):
+        eng.step()
+    eng.step()
+    assert h2.num_computed_tokens == 60  # then its prompt
+
+
 def test_the_wait_for_a_first_text_is_bounded() -> None:
     """A high request whose text stays held back holds the others up for a few tokens at most."""
     s = seq("h", HIGH, 0, 0.0)

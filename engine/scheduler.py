@@ -184,15 +184,20 @@ class Scheduler:
 
     def _urgent_prompt(self) -> bool:
         """Whether a `high` request awaits its first text while others decode: running (its
-        prompt, or a first token whose text is held back), or admitted and first in line (one
-        still queued for its commitment does not hold the others up). On an engine with
-        nothing else decoding, prompts that arrived together start together."""
+        prompt, or a first token whose text is held back), or first in line and admitted, or
+        queued for its commitment and committing now (one whose commitment does not fit yet
+        does not hold the others up). A queued one must commit here, before the step fills
+        with everyone's decodes: in a full pool its blocks can only come from sequences
+        outside the step. On an engine with nothing else decoding, prompts that arrived
+        together start together."""
         if not any(s.num_uncomputed == 1 and not awaits_first_text(s) for s in self.running):
             return False
+        if any(awaits_first_text(s) and s.status is Status.RUNNING for s in self.running):
+            return True
         head = self.waiting[:1]
         return any(
-            awaits_first_text(s) and s.status is Status.RUNNING for s in self.running
-        ) or any(s.priority == HIGH and self.policy.is_admitted(s) for s in head)
+            s.priority == HIGH and self.policy.try_start(s, self.device_capacity()) for s in head
+        )
 
     def _prompt_budget(self, batch: ScheduledBatch, budget: int, urgent: bool) -> int:
         """What is left for prompt tokens once the decodes are in. A high request's prompt

@@ -172,18 +172,42 @@ def test_the_wait_for_a_first_text_is_bounded() -> None:
 def test_a_queued_high_request_does_not_hold_the_others_up() -> None:
     """A high request still queued for its commitment is not being served: lower prompts
     carry on rather than wait on it."""
-    eng = make_engine(max_num_batched_tokens=512, prefill_while_decoding=64)
+    eng = make_engine(
+        max_num_batched_tokens=512, prefill_while_decoding=64, admission=AdmissionConfig()
+    )
     a = eng.add_request(prompt(10), long_params())
     eng.step()
     low = eng.add_request(prompt(300, 5), long_params(), priority="low")
     eng.step()
     high = eng._seqs[eng.add_request(prompt(40, 9), long_params(), priority="high")]
-    eng.admission_policy.cancel_start(high)  # as if its commitment did not fit yet
+    eng.admission_policy.cancel_start(high)  # its commitment does not fit yet
     eng.admission_policy._tickets[high.request_id].admitted = False
+    ctl = eng.admission_policy.controller
+    fits, ctl.try_commit = ctl.try_commit, lambda *a, **k: False
     assert not eng.scheduler._urgent_prompt()
-    eng.admission_policy._tickets[high.request_id].admitted = True
-    assert eng.scheduler._urgent_prompt()
+    ctl.try_commit = fits  # now it does: it commits and the steps are its
+    assert eng.scheduler._urgent_prompt() and eng.admission_policy.is_admitted(high)
     del a, low
+
+
+def test_a_queued_high_request_that_fits_takes_blocks_from_a_full_step() -> None:
+    """A high request queued at arrival (high-priority work filled its budget) whose
+    commitment fits once it reaches the head starts at once, preempting lower work for its
+    blocks, even when every running sequence decodes and the pool is full: it once waited
+    for one of them to finish, as no sequence outside the step could be preempted."""
+    eng = make_engine(num_gpu_blocks=24, max_num_batched_tokens=512, admission=AdmissionConfig())
+    normals = [eng.add_request(prompt(40, 3 + i), long_params()) for i in range(8)]
+    while any(computed(eng, r) < 40 for r in normals if eng.has_request(r)):
+        eng.step()
+    sch = eng.scheduler
+    assert sch.bm.num_free < 4, "the test needs a full pool"
+    high = eng._seqs[eng.add_request(prompt(40, 9), long_params(), priority="high")]
+    ticket = eng.admission_policy._tickets[high.request_id]
+    if ticket.admitted:  # as if high-priority work had filled its budget at arrival
+        eng.admission_policy.cancel_start(high)
+        ticket.admitted = False
+    eng.step()
+    assert high.num_computed_tokens == 40 and sch.num_preemptions >= 1
 
 
 def test_a_high_request_takes_the_slot_of_lower_work() -> None:

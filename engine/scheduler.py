@@ -83,6 +83,11 @@ class ScheduledBatch:
     def empty(self) -> bool:
         return not self.seqs
 
+    @property
+    def has_decode(self) -> bool:
+        """Whether a sequence computes one token in this step."""
+        return 1 in self.num_tokens
+
     def add(self, seq: Sequence, n: int) -> None:
         self.seqs.append(seq)
         self.num_tokens.append(n)
@@ -170,7 +175,7 @@ class Scheduler:
         batch = ScheduledBatch()
         if self._urgent_prompt():
             budget = self._schedule_running(batch, self.max_num_batched_tokens, True)
-            if not any(n == 1 for n in batch.num_tokens):
+            if not batch.has_decode:  # a first text's next token goes first, alone
                 self._schedule_waiting(batch, budget, True)
             if any(awaits_first_text(s) for s in batch.seqs):
                 return batch
@@ -216,7 +221,7 @@ class Scheduler:
                 continue
             if urgent and not awaits_first_text(seq):
                 continue  # a step of the work that stands between high requests and text
-            if urgent and seq.num_uncomputed > 1 and any(n == 1 for n in batch.num_tokens):
+            if urgent and seq.num_uncomputed > 1 and batch.has_decode:
                 break  # a high request whose next token is its text goes first, alone
             if seq.num_uncomputed > 1 and not capped:
                 budget, capped = self._prompt_budget(batch, budget, urgent), True

@@ -29,7 +29,6 @@ import platform
 import shutil
 import subprocess
 import tempfile
-import threading
 from pathlib import Path
 
 import torch
@@ -118,8 +117,6 @@ def _load(path: Path) -> ctypes.CDLL:
         fn.argtypes, fn.restype = _GEMM_ARGS, ctypes.c_int
     lib.kvg_quantize_rows.argtypes = [_PTR, _I64, _I64, _I64, _INT, _PTR, _PTR, _PTR]
     lib.kvg_quantize_rows.restype = ctypes.c_int
-    lib.kvg_dequantize.argtypes = [_INT, _PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _INT]
-    lib.kvg_dequantize.restype = ctypes.c_int
     _F = ctypes.c_float
     lib.kvg_paged_decode.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR]
     lib.kvg_paged_decode.argtypes += [_INT, _I64, _I64, _I64, _I64, _PTR, _I64, _F, _INT]
@@ -193,6 +190,19 @@ def _gemm(
     return out
 
 
+def panel_rows(rows: int | None = None) -> int:
+    """From how many activation rows a `fine` GEMM multiplies fp32 panels of the dequantised
+    weight instead of int16 dots (`gemm_f32` in lowbit.c); `rows` sets it (tests, benchmarks:
+    a huge value keeps the integer dots at any batch). Returns the value before."""
+    lib = library()
+    assert lib is not None, "cpu_lowbit.library() is None: check available() first"
+    var = ctypes.c_int.in_dll(lib, "kvg_f32_rows")
+    before = var.value
+    if rows is not None:
+        var.value = max(1, min(rows, 2**31 - 1))
+    return before
+
+
 def w4a8(
     x: torch.Tensor,
     n: int,
@@ -204,7 +214,8 @@ def w4a8(
 ) -> torch.Tensor:
     """`x [M, K] @ W.T` (fp32) for `n` output columns of 4-bit codes (`pack4`)
     with `w = d * q + m` per group (`tile_columns`). Activations in int8 per block of 32, or
-    `fine`: int16 (`vpmaddwd` dots, codes widened once per block for four rows)."""
+    `fine`: int16 (two `vpmaddubsw` dots, high and low bytes), and from `panel_rows()` rows
+    unquantised: fp32 FMAs over the weight dequantised sixteen columns at a time."""
     return _gemm("kvg_w4a8", x, n, codes, d, m, group, fine)
 
 
@@ -218,39 +229,9 @@ def w8a8(
     fine: bool = False,
 ) -> torch.Tensor:
     """`x [M, K] @ W.T` (fp32) for `n` output columns of signed 8-bit codes (`pad_columns`)
-    with `w = d * q (+ m)` per group (`tile_columns`); `fine` as in `w4a8`."""
+    with `w = d * q (+ m)` per group (`tile_columns`); `fine` (int16 dots, codes widened once
+    per block for four rows; fp32 panels from `panel_rows()` rows) as in `w4a8`."""
     return _gemm("kvg_w8a8", x, n, codes, d, m, group, fine)
-
-
-_scratch = threading.local()
-
-
-def dequantize(
-    bits: int,
-    n: int,
-    k: int,
-    codes: torch.Tensor,
-    d: torch.Tensor,
-    m: torch.Tensor | None,
-    group: int,
-) -> torch.Tensor:
-    """The weight `[n, k]` in fp32, written into a per-thread scratch buffer that the next
-    call reuses (valid until then): for a batch big enough that one fp32 GEMM beats the
-    integer dots, the copy costs a small fraction of the GEMM and no memory kept."""
-    lib = library()
-    assert lib is not None
-    buf = getattr(_scratch, "buf", None)
-    if buf is None or buf.numel() < n * k:
-        buf = _scratch.buf = torch.empty(n * k)
-    out = buf[: n * k].view(n, k)
-    mp = None if m is None else m.data_ptr()
-    rc = lib.kvg_dequantize(
-        bits, codes.data_ptr(), d.data_ptr(), mp, n, k, group // BLOCK, out.data_ptr(),
-        torch.get_num_threads(),
-    )  # fmt: skip
-    if rc:
-        raise ValueError(f"dequantize: in_features {k} / group {group} do not fit the layout")
-    return out
 
 
 def pack4(q: torch.Tensor) -> torch.Tensor:

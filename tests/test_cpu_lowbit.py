@@ -14,11 +14,7 @@ import pytest
 import torch
 
 from kvguard.engine.layers.quant_spec import QuantSpec
-from kvguard.engine.layers.quantized_linear import (
-    DEQUANTIZED_GEMM_ROWS,
-    QuantizedLinear,
-    pick_kernel,
-)
+from kvguard.engine.layers.quantized_linear import QuantizedLinear, pick_kernel
 from kvguard.kernels import cpu_lowbit
 
 BATCHES = (1, 3, 17, 33)
@@ -83,7 +79,8 @@ def rel(got: torch.Tensor, want: torch.Tensor) -> float:
 @pytest.mark.parametrize("out", [40, 75])
 @pytest.mark.parametrize("fine", [True, False])
 def test_kernel_matches_references(fmt: str, out: int, fine: bool) -> None:
-    """int16 activations (projections) or int8 (an `approximate`, refined lm_head)."""
+    """int16 activations (projections; fp32 panels from `panel_rows()` rows: 17 and 33) or
+    int8 (an `approximate`, refined lm_head)."""
     spec = gguf_like(fmt, out, 256)
     layer = QuantizedLinear(spec, approximate=not fine)
     assert layer.kernel == ("w8a8" if fmt == "q8_0" else "w4a8") and layer.fine == fine
@@ -92,7 +89,8 @@ def test_kernel_matches_references(fmt: str, out: int, fine: bool) -> None:
         x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
         got = layer(x)
         assert got.shape == (rows, out) and got.dtype == torch.float32
-        assert rel(got, quantise_like_the_kernel(x, fine) @ stored.T) <= 1e-5
+        panels = fine and rows >= cpu_lowbit.panel_rows()
+        assert rel(got, (x if panels else quantise_like_the_kernel(x, fine)) @ stored.T) <= 1e-5
         # int8: ~2 significant digits; int16: the fp32 matmul's up to fp16 scales and mins
         assert rel(got, x @ full.T) <= (2e-3 if fine else 2e-2)
 
@@ -157,17 +155,40 @@ def test_a_layers_rows_are_its_stored_weight_rows(fmt: str) -> None:
     assert torch.equal(layer.rows(ids), weight_as_stored(spec)[ids])
 
 
-@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
-def test_a_prefill_batch_runs_one_fp32_gemm_over_the_dequantised_weight(fmt: str) -> None:
-    """From `DEQUANTIZED_GEMM_ROWS` rows a projection's weight is dequantised into scratch and
-    multiplied in fp32 (the activations unquantised); the refined head stays on int8 dots."""
-    spec = gguf_like(fmt, 1001, 576, seed=3)
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0", "asym64"])
+@pytest.mark.parametrize("out", [1001, 40])
+def test_a_batch_from_panel_rows_multiplies_unquantised_activations(fmt: str, out: int) -> None:
+    """From `panel_rows()` rows an int16 projection multiplies the activations as they are,
+    in fp32, by its weight dequantised sixteen columns at a time (40 columns: a panel half
+    padding), past the kernel's stretches of k (576 > 256) and chunks of rows (200 > 192);
+    one row fewer stays on the integer dots, and the refined head on int8 at any batch."""
+    spec = gguf_like(fmt, out, 576, seed=3)
     stored = weight_as_stored(spec)
-    for rows in (DEQUANTIZED_GEMM_ROWS, DEQUANTIZED_GEMM_ROWS + 66):
+    layer, head = QuantizedLinear(spec), QuantizedLinear(spec, approximate=True)
+    first = cpu_lowbit.panel_rows()
+    for rows in (first - 1, first, first + 5, 200):
         x = torch.randn(rows, 576)
-        assert rel(QuantizedLinear(spec)(x), x @ stored.T) <= 1e-5
-        head = QuantizedLinear(spec, approximate=True)(x)
-        assert rel(head, quantise_like_the_kernel(x) @ stored.T) <= 1e-5
+        want = x if rows >= first else quantise_like_the_kernel(x, fine=True)
+        assert rel(layer(x), want @ stored.T) <= 1e-5, rows
+        assert rel(head(x), quantise_like_the_kernel(x) @ stored.T) <= 1e-5, rows
+
+
+def test_panel_rows_moves_the_switch() -> None:
+    """The threshold is the kernels' own (one value for the per-op layers and the decode
+    layer's C calls); setting it returns the old value, and 1 puts even one row on panels."""
+    spec = gguf_like("q4_1", 75, 256, seed=4)
+    layer, stored = QuantizedLinear(spec), weight_as_stored(spec)
+    x = torch.randn(2, 256)
+    before = cpu_lowbit.panel_rows(1)
+    try:
+        assert cpu_lowbit.panel_rows() == 1
+        assert rel(layer(x), x @ stored.T) <= 1e-5
+        cpu_lowbit.panel_rows(1 << 40)  # clamped to the C int
+        assert cpu_lowbit.panel_rows() == 2**31 - 1
+        assert rel(layer(x), quantise_like_the_kernel(x, fine=True) @ stored.T) <= 1e-5
+    finally:
+        cpu_lowbit.panel_rows(before)
+    assert cpu_lowbit.panel_rows() == before == 16
 
 
 def test_without_a_compiler_the_torch_kernels_serve(

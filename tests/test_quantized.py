@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -279,18 +280,24 @@ def make(quantization: str, activations: str = "int16") -> LLMEngine:
     return LLMEngine.from_config(cfg, progress=False)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(("activations", "floor"), [("int16", 0.99), ("int8", 0.97)])
-def test_default_model_serves_packed_and_agrees_with_fp32(
-    activations: str, floor: float, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Scoring a whole sequence is a prefill batch, which a C-kernel projection would serve
-    by one fp32 GEMM over its dequantised weight: the threshold is lifted so the integer
-    kernels (int16 activations, or int8 with `cpu_activations: int8`; the int8 lm_head) are
-    what is measured."""
-    from kvguard.engine.layers import quantized_linear
+@pytest.fixture
+def integer_dots_at_any_batch() -> Iterator[None]:
+    """int16 projections keep their integer dots however many rows a call has."""
+    from kvguard.kernels import cpu_lowbit
 
-    monkeypatch.setattr(quantized_linear, "DEQUANTIZED_GEMM_ROWS", 1 << 30)
+    before = cpu_lowbit.panel_rows(1 << 30)
+    yield
+    cpu_lowbit.panel_rows(before)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("integer_dots_at_any_batch")
+@pytest.mark.parametrize(("activations", "floor"), [("int16", 0.99), ("int8", 0.97)])
+def test_default_model_serves_packed_and_agrees_with_fp32(activations: str, floor: float) -> None:
+    """Scoring a whole sequence is a prefill batch, which an int16 C-kernel projection would
+    serve with fp32 panels of its dequantised weight: the threshold is lifted so the integer
+    kernels decode runs (int16 activations, or int8 with `cpu_activations: int8`; the int8
+    lm_head) are what is measured."""
     packed = make(EngineConfig().model_quantization, activations)  # the default: auto
     layers = [m for m in packed.model.modules() if isinstance(m, QuantizedLinear)]
     assert {m.kernel for m in layers} == {"w4a8", "w8a8"}  # w8a8: the lm_head

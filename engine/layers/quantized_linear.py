@@ -17,8 +17,11 @@ Kernels, picked per layer at construction (`QuantizedLinear.kernel`):
   `approximate` lm_head, whose best candidates are recomputed exactly anyway, to int8.
   `cpu_activations: int8` (`use_int8_activations`) trades the other way: 1.6-2x faster
   GEMMs (1.4-1.5x the batch-32 decode, 1.35x the trace) for 97.6% agreement. From
-  `DEQUANTIZED_GEMM_ROWS` rows (prefill) a projection dequantises its weight into a reused
-  fp32 scratch and runs one sgemm instead: there the integer dots lose to MKL. The weights keep their codes exactly and
+  `cpu_lowbit.panel_rows()` activation rows (prefill chunks, big decode batches) a `fine`
+  layer's kernel multiplies the activations unquantised, with fp32 FMAs over the weight
+  dequantised sixteen columns at a time: there the int16 dots lose to FMAs (1.2-1.5x from 32
+  rows and up) and to a whole-matrix dequantise-and-sgemm (whose copy costs more than the
+  panels below about a thousand rows). The weights keep their codes exactly and
   fp16 scales and mins (`w = d*q + m`) per group, so GGUF Q4_0/Q4_1/Q8_0 are held at their own
   size and a Q8_0 lm_head can hand its rows to the tied embedding. Picked ahead of all below;
   without a compiler or those CPU features the layer falls back to them (logged once).
@@ -61,11 +64,6 @@ log = logging.getLogger("kvguard.engine")
 INT4_GROUPS = (256, 128, 64, 32)  # what _weight_int4pack_mm_for_cpu accepts, largest first
 INT4_ROWS = 16  # its packing needs output rows in multiples of this
 INT4_INNER_K_TILES = 2
-# From this many activation rows (a prefill chunk) a `fine` C-kernel layer dequantises its
-# weight into a reused fp32 scratch and runs one fp32 GEMM: measured here (SmolLM2's
-# projections, 2 threads), the integer dots were 1.1-1.4x faster at 128 rows and MKL's sgemm
-# 1.1-1.2x faster at 256, once the rows amortise the dequantisation.
-DEQUANTIZED_GEMM_ROWS = 192
 
 
 def cpu_int4_group(group_size: int) -> int | None:
@@ -220,9 +218,7 @@ class QuantizedLinear(nn.Module):
         return y.reshape(*lead, self.out_features)
 
     def _mm_lowbit(self, x: torch.Tensor) -> torch.Tensor:
-        """`w4a8` and `w8a8`: the C kernels, or from DEQUANTIZED_GEMM_ROWS rows one sgemm."""
-        if self.fine and x.shape[0] >= DEQUANTIZED_GEMM_ROWS:
-            return self._mm_dequantized(x)
+        """`w4a8` and `w8a8`: the C kernels (which pick integer dots or fp32 panels by rows)."""
         gemm = cpu_lowbit.w4a8 if self.bits == 4 else cpu_lowbit.w8a8
         return gemm(
             x,
@@ -235,18 +231,6 @@ class QuantizedLinear(nn.Module):
         ).to(x.dtype)
 
     _mm_w4a8 = _mm_w8a8 = _mm_lowbit
-
-    def _mm_dequantized(self, x: torch.Tensor) -> torch.Tensor:
-        w = cpu_lowbit.dequantize(
-            self.bits,
-            self.out_features,
-            self.in_features,
-            self.lowbit_codes,
-            self.lowbit_scales,
-            self.lowbit_mins,
-            self.group_size,
-        )
-        return F.linear(x.float(), w).to(x.dtype)
 
     def _mm_int4pack(self, x: torch.Tensor) -> torch.Tensor:
         if not x.shape[0]:
@@ -330,8 +314,8 @@ class QuantizedLinear(nn.Module):
 def use_int8_activations(model: nn.Module) -> int:
     """Every C-kernel projection of `model` quantises its activations to int8 instead of int16
     (the `cpu_activations: int8` knob): twice the integer dots per instruction on AVX2, and no
-    dequantised-sgemm prefill (the int8 dots beat it at any batch). Returns how many layers
-    changed; the lm_head is int8 already."""
+    fp32 panels for big batches (the int8 dots beat them at any batch). Returns how many
+    layers changed; the lm_head is int8 already."""
     changed = 0
     for m in model.modules():
         if isinstance(m, QuantizedLinear) and m.kernel in ("w4a8", "w8a8") and m.fine:

@@ -63,6 +63,17 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* This thread's place in its team: (0, 1) outside a parallel region or without OpenMP. */
+static inline void team_place(int *t, int *T) {
+#ifdef _OPENMP
+    *t = omp_get_thread_num();
+    *T = omp_get_num_threads();
+#else
+    *t = 0;
+    *T = 1;
+#endif
+}
+
 static inline int hsum_i32(__m256i v) {
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
@@ -441,11 +452,8 @@ static int gemm_f32(const int bits, const float *x, int64_t M, int64_t K, int64_
     if (!ws) return -1;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
-        int t = 0, T = 1;
-#ifdef _OPENMP
-        t = omp_get_thread_num();
-        T = omp_get_num_threads();
-#endif
+        int t, T;
+        team_place(&t, &T);
         float *p = (float *)(ws + pbytes * (size_t)t);
         const int64_t p0 = panels * t / T, p1 = panels * (t + 1) / T;
         /* chunks of rows: a panel is dequantised once per chunk, and the chunk's activations
@@ -512,11 +520,8 @@ static int gemm(const int bits, const float *x, int64_t M, int64_t K, int64_t ld
     if (!ws) return -1;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
-        int t = 0, T = 1;
-#ifdef _OPENMP
-        t = omp_get_thread_num();
-        T = omp_get_num_threads();
-#endif
+        int t, T;
+        team_place(&t, &T);
         char *mine = own ? ws + region * (size_t)t : ws;
         uint8_t *lo = (uint8_t *)mine + M * K; /* Q_HILO: the low bytes after the high ones */
         float *xe = (float *)(mine + qbytes), *xes = xe + M * nb;

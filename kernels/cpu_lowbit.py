@@ -7,10 +7,10 @@ torch's CPU weight-only kernels multiply in bf16 or fp32; on AVX2 the fast way i
 activations quantised to int8 per block of 32, each block a `vpmaddubsw` dot with the 4-bit or
 8-bit weight codes. With int16 activations and enough rows (`panel_rows()`, 16) FMAs win
 instead: the kernel dequantises sixteen weight columns at a time into an fp32 panel and
-multiplies the activations as they are. The C source ships with the package and is compiled once per source and
-flags into the kvguard cache (`$KVGUARD_HOME/kernels`, default `~/.cache/kvguard/kernels`),
-written under a temporary name and renamed, so two processes compiling at once both end with a
-whole library. ctypes drops the GIL for the call.
+multiplies the activations as they are. The C source ships with the package and is compiled
+once per source and flags into the kvguard cache (`$KVGUARD_HOME/kernels`, default
+`~/.cache/kvguard/kernels`), written under a temporary name and renamed, so two processes
+compiling at once both end with a whole library. ctypes drops the GIL for the call.
 
 Without a C compiler, without AVX2/FMA/F16C, or off x86-64 Linux, `library()` is None (one log
 line says why) and the quantized layer keeps torch's kernels.

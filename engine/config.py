@@ -262,9 +262,10 @@ class EngineConfig:
         section="quantization",
         choices=("int16", "int8"),
         doc="packed weights on CPU (kvguard's C kernels): activations quantised per block of "
-        "32 to int16 (the default model agrees 100% top-1 with fp32, teacher-forced) or int8 "
-        "(as OpenVINO and llama.cpp do on AVX2: measured here, 1.4-1.5x the batch-32 decode "
-        "and 1.35x the mixed trace; 97.6% teacher-forced top-1 agreement on the default model)",
+        "32 to int16, or from 16 rows not quantised at all (fp32 panels; the default model "
+        "agrees 100% top-1 with fp32, teacher-forced), or int8 at any batch (as OpenVINO and "
+        "llama.cpp do on AVX2: measured here, 1.2x the batch-32 decode and the mixed trace; "
+        "97.6% teacher-forced top-1 agreement on the default model)",
     )
     admission: AdmissionConfig | None = None  # None: accept every valid request (library use)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)

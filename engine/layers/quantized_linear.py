@@ -16,7 +16,8 @@ Kernels, picked per layer at construction (`QuantizedLinear.kernel`):
   into a high and a low byte and take two `vpmaddubsw` dots, exact) and only the
   `approximate` lm_head, whose best candidates are recomputed exactly anyway, to int8.
   `cpu_activations: int8` (`use_int8_activations`) trades the other way: 1.6-2x faster
-  GEMMs (1.4-1.5x the batch-32 decode, 1.35x the trace) for 97.6% agreement. From
+  GEMMs than int16 dots, 1.2-1.4x than the fp32 panels below (1.2x the batch-32 decode and
+  the trace) for 97.6% agreement. From
   `cpu_lowbit.panel_rows()` activation rows (prefill chunks, big decode batches) a `fine`
   layer's kernel multiplies the activations unquantised, with fp32 FMAs over the weight
   dequantised sixteen columns at a time: there the int16 dots lose to FMAs (1.2-1.5x from 32

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -280,24 +279,30 @@ def make(quantization: str, activations: str = "int16") -> LLMEngine:
     return LLMEngine.from_config(cfg, progress=False)
 
 
-@pytest.fixture
-def integer_dots_at_any_batch() -> Iterator[None]:
-    """int16 projections keep their integer dots however many rows a call has."""
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("activations", "dots", "floor"),
+    [("int16", True, 0.99), ("int8", True, 0.97), ("int16", False, 0.995)],
+    ids=["int16 dots", "int8 dots", "int16 default"],
+)
+def test_default_model_serves_packed_and_agrees_with_fp32(
+    activations: str, dots: bool, floor: float
+) -> None:
+    """Scoring a whole sequence is a prefill batch, which an int16 C-kernel projection serves
+    with fp32 panels of its dequantised weight (`int16 default`: the activations unquantised,
+    so only the weights' own rounding to fp16 scales and the int8 lm_head remain). With
+    `dots` the threshold is lifted so the integer kernels small decode batches run (int16
+    activations, or int8 with `cpu_activations: int8`) are what is measured."""
     from kvguard.kernels import cpu_lowbit
 
-    before = cpu_lowbit.panel_rows(1 << 30)
-    yield
-    cpu_lowbit.panel_rows(before)
+    before = cpu_lowbit.panel_rows(1 << 30 if dots else None)
+    try:
+        _agreement(activations, "integer dots" if dots else "default kernels", floor)
+    finally:
+        cpu_lowbit.panel_rows(before)
 
 
-@pytest.mark.slow
-@pytest.mark.usefixtures("integer_dots_at_any_batch")
-@pytest.mark.parametrize(("activations", "floor"), [("int16", 0.99), ("int8", 0.97)])
-def test_default_model_serves_packed_and_agrees_with_fp32(activations: str, floor: float) -> None:
-    """Scoring a whole sequence is a prefill batch, which an int16 C-kernel projection would
-    serve with fp32 panels of its dequantised weight: the threshold is lifted so the integer
-    kernels decode runs (int16 activations, or int8 with `cpu_activations: int8`; the int8
-    lm_head) are what is measured."""
+def _agreement(activations: str, kernels: str, floor: float) -> None:
     packed = make(EngineConfig().model_quantization, activations)  # the default: auto
     layers = [m for m in packed.model.modules() if isinstance(m, QuantizedLinear)]
     assert {m.kernel for m in layers} == {"w4a8", "w8a8"}  # w8a8: the lm_head
@@ -321,7 +326,7 @@ def test_default_model_serves_packed_and_agrees_with_fp32(activations: str, floo
         total += len(want)
     ratio = same / total
     print(
-        f"packed ({activations} activations) vs fp32 teacher-forced top-1 agreement: "
+        f"packed ({activations} activations, {kernels}) vs fp32 teacher-forced top-1 agreement: "
         f"{ratio:.4f} over {total} positions"
     )
     assert total == 20 * 64

@@ -194,11 +194,11 @@ def _gemm(
 
 def panel_rows(rows: int | None = None) -> int:
     """From how many activation rows a `fine` GEMM multiplies fp32 panels of the dequantised
-    weight instead of int16 dots (`gemm_f32` in lowbit.c); `rows` sets it (tests, benchmarks:
+    weight instead of int16 dots (`gemm_panels` in lowbit.c); `rows` sets it (tests, benchmarks:
     a huge value keeps the integer dots at any batch). Returns the value before."""
     lib = library()
     assert lib is not None, "cpu_lowbit.library() is None: check available() first"
-    var = ctypes.c_int.in_dll(lib, "kvg_f32_rows")
+    var = ctypes.c_int.in_dll(lib, "kvg_panel_rows")
     before = var.value
     if rows is not None:
         var.value = max(1, min(rows, 2**31 - 1))

@@ -29,7 +29,7 @@
  * With activation block x ~ e*p (p integer) the block's contribution is
  *   d*e*sum(q*p) + m*e*sum(p).
  *
- * From `kvg_f32_rows` rows a `fine` GEMM leaves the integers: see `gemm_f32` (fp32 panels).
+ * From `kvg_panel_rows` rows a `fine` GEMM leaves the integers: see `gemm_panels`.
  *
  * Threads: one OpenMP region per call, linked against the OpenMP runtime torch itself loaded
  * (one thread team for torch's ops and ours, no second runtime spinning beside it). Rows are
@@ -52,9 +52,9 @@
 
 int kvg_lowbit_abi(void) { return 1; }
 
-/* From this many rows a `fine` GEMM multiplies fp32 panels (`gemm_f32`): below it the
+/* From this many rows a `fine` GEMM multiplies fp32 panels (`gemm_panels`): below it the
  * int16 dots win, the dequantisation shared by too few rows (measured, SmolLM2's shapes). */
-int kvg_f32_rows = 16;
+int kvg_panel_rows = 16;
 
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -320,7 +320,7 @@ static void columns(const int bits, const int fine, int64_t M, int64_t K, const 
     }
 }
 
-/* ---- fp32 panels: the `fine` GEMM from `kvg_f32_rows` activation rows ----------------------
+/* ---- fp32 panels: the `fine` GEMM from `kvg_panel_rows` activation rows ----------------------
  * int16 activations cost two `vpmaddubsw` (high and low bytes) per 32 multiply-adds, plus the
  * int16 sums, their widening and the per-block scaling: at best what fp32 FMAs do (eight a
  * pipe, two pipes), and well below it in practice. Once enough rows share it, dequantising the
@@ -403,7 +403,7 @@ static void panel8(const uint8_t *wc, const uint16_t *wd, const uint16_t *wm, in
 
 /* out[rows][0..valid) (+)= x[rows][k0..k1) times the panel's rows k0..k1; `rows` 1..PANEL_ROWS,
  * a constant once inlined; `add`: accumulate onto what an earlier stretch of k wrote. */
-static inline __attribute__((always_inline)) void panel_rows(const int rows, const float *x,
+static inline __attribute__((always_inline)) void panel_block(const int rows, const float *x,
                                                              int64_t ldx, const float *p, int64_t k0,
                                                              int64_t k1, int add, float *out,
                                                              int64_t ldo, int64_t valid) {
@@ -440,7 +440,7 @@ static inline __attribute__((always_inline)) void panel_rows(const int rows, con
     }
 }
 
-static int gemm_f32(const int bits, const float *x, int64_t M, int64_t K, int64_t ldx,
+static int gemm_panels(const int bits, const float *x, int64_t M, int64_t K, int64_t ldx,
                     const uint8_t *wc, const uint16_t *wd, const uint16_t *wm, int64_t N,
                     int64_t bpg, float *out, int64_t ldo, int threads) {
     const int64_t nb = K / QK, groups = nb / bpg, tiles = (N + 7) / 8;
@@ -480,12 +480,12 @@ static int gemm_f32(const int bits, const float *x, int64_t M, int64_t K, int64_
                         float *o = out + m0 * ldo + q * PANEL;
                         const int add = k0 > 0;
                         switch (c1 - m0 < PANEL_ROWS ? c1 - m0 : PANEL_ROWS) {
-                        case 6: panel_rows(6, xr, ldx, p, k0, k1, add, o, ldo, valid); break;
-                        case 5: panel_rows(5, xr, ldx, p, k0, k1, add, o, ldo, valid); break;
-                        case 4: panel_rows(4, xr, ldx, p, k0, k1, add, o, ldo, valid); break;
-                        case 3: panel_rows(3, xr, ldx, p, k0, k1, add, o, ldo, valid); break;
-                        case 2: panel_rows(2, xr, ldx, p, k0, k1, add, o, ldo, valid); break;
-                        default: panel_rows(1, xr, ldx, p, k0, k1, add, o, ldo, valid); break;
+                        case 6: panel_block(6, xr, ldx, p, k0, k1, add, o, ldo, valid); break;
+                        case 5: panel_block(5, xr, ldx, p, k0, k1, add, o, ldo, valid); break;
+                        case 4: panel_block(4, xr, ldx, p, k0, k1, add, o, ldo, valid); break;
+                        case 3: panel_block(3, xr, ldx, p, k0, k1, add, o, ldo, valid); break;
+                        case 2: panel_block(2, xr, ldx, p, k0, k1, add, o, ldo, valid); break;
+                        default: panel_block(1, xr, ldx, p, k0, k1, add, o, ldo, valid); break;
                         }
                     }
                 }
@@ -504,8 +504,8 @@ static int gemm(const int bits, const float *x, int64_t M, int64_t K, int64_t ld
                 float *out, int64_t ldo, int threads, int fine) {
     if (K % (2 * QK) || bpg < 1 || (K / QK) % bpg) return -2;
     if (threads < 1) threads = 1;
-    if (fine && M >= kvg_f32_rows)
-        return gemm_f32(bits, x, M, K, ldx, wc, wd, wm, N, bpg, out, ldo, threads);
+    if (fine && M >= kvg_panel_rows)
+        return gemm_panels(bits, x, M, K, ldx, wc, wd, wm, N, bpg, out, ldo, threads);
     const int64_t nb = K / QK, tiles = (N + 7) / 8;
     const int mode = !fine ? Q_INT8 : bits == 4 ? Q_HILO : Q_INT16;
     if (threads < 1) threads = 1;

@@ -17,15 +17,15 @@ Kernels, picked per layer at construction (`QuantizedLinear.kernel`):
   `approximate` lm_head, whose best candidates are recomputed exactly anyway, to int8.
   `cpu_activations: int8` (`use_int8_activations`) trades the other way: 1.6-2x faster
   GEMMs than int16 dots, 1.2-1.4x than the fp32 panels below (1.2x the batch-32 decode and
-  the trace) for 97.6% agreement. From
-  `cpu_lowbit.panel_rows()` activation rows (prefill chunks, big decode batches) a `fine`
-  layer's kernel multiplies the activations unquantised, with fp32 FMAs over the weight
-  dequantised sixteen columns at a time: there the int16 dots lose to FMAs (1.2-1.5x from 32
-  rows and up) and to a whole-matrix dequantise-and-sgemm (whose copy costs more than the
-  panels below about a thousand rows). The weights keep their codes exactly and
-  fp16 scales and mins (`w = d*q + m`) per group, so GGUF Q4_0/Q4_1/Q8_0 are held at their own
-  size and a Q8_0 lm_head can hand its rows to the tied embedding. Picked ahead of all below;
-  without a compiler or those CPU features the layer falls back to them (logged once).
+  the trace) for 97.6% agreement. From `cpu_lowbit.panel_rows()` activation rows (prefill
+  chunks, big decode batches) a `fine` layer's kernel multiplies the activations
+  unquantised, with fp32 FMAs over the weight dequantised sixteen columns at a time: there
+  the int16 dots lose to FMAs (1.2-1.5x from 32 rows and up) and to a whole-matrix
+  dequantise-and-sgemm (whose copy costs more than the panels below about a thousand rows).
+  The weights keep their codes exactly and fp16 scales and mins (`w = d*q + m`) per group,
+  so GGUF Q4_0/Q4_1/Q8_0 are held at their own size and a Q8_0 lm_head can hand its rows to
+  the tied embedding. Picked ahead of all below; without a compiler or those CPU features
+  the layer falls back to them (logged once).
 - `int4pack` (CPU, 4-bit): torch's `_weight_int4pack_mm_for_cpu`. It takes bf16 activations
   (its fp32 path is ~10x slower on AVX2), group sizes 32/64/128/256 and `N % 16 == 0`. A group
   size that is a larger multiple of 32 (per-channel included) is served exactly by repeating its

@@ -5,8 +5,9 @@ spent more of its time between kernels than in them: a layer was about thirty to
 kernel calls, each paying Python and dispatch. `kvguard.kernels.cpu_layer` strings the same
 kernels together in C, in the same order, so the tokens are the same bit for bit.
 
-A step takes this path when every row is one decode token, the KV pools are fp32 (an FP8 or
-fp16 pool, after a live switch, runs the per-op path), the CPU kernels are on
+A step takes this path when every row is one decode token, the KV pools are of a type the C
+kernels store and read (fp32, fp16, bf16, or fp8 with its scales: a live switch keeps the
+path), the CPU kernels are on
 (`KVGUARD_CPU_OPS`), and every layer this rank holds qualifies: the four projections served
 by the C kernels with no input permutation and no bias on the output, down or gate/up
 projections, fp32 norms, and no tensor parallelism. The plan is built once, on the first step
@@ -79,8 +80,8 @@ class CpuDecode:
         return cls(plans, attn.nh, attn.nkv, attn.hd)
 
     def takes(self, x: torch.Tensor, kv_caches: Sequence[Any], meta: Any) -> bool:
-        """Whether this step qualifies: decode rows only, fp32 pools whose blocks the attention
-        kernel serves, the CPU kernels on."""
+        """Whether this step qualifies: decode rows only, pools whose type and blocks the
+        attention kernel serves (an fp8 pool with its scales), the CPU kernels on."""
         if meta.seq_lens_t is not None or not cpu_ops.enabled(x) or not x.is_contiguous():
             return False
         if any(n != 1 for n in meta.query_lens):
@@ -88,7 +89,10 @@ class CpuDecode:
         block = kv_caches[0][0].shape[1]
         if not cpu_ops.decode_shape_supported(self.heads, self.kv_heads, self.head_dim, block):
             return False
-        return all(kv[0].dtype == torch.float32 and kv[2] is None for kv in kv_caches)
+        dtype = kv_caches[0][0].dtype  # one element type a step (`Step.kv_type`)
+        return all(
+            kv[0].dtype == dtype and cpu_ops.pool_supported(kv[0], kv[2]) for kv in kv_caches
+        )
 
     def run(
         self,
@@ -115,7 +119,7 @@ class CpuDecode:
             t, pool.shape[1], tables.stride(0), pool.shape[0] * pool.shape[1],
             cos.data_ptr(), sin.data_ptr(),
             slots.data_ptr(), rows.data_ptr(), lens.data_ptr(), tables.data_ptr(),
-            work.data_ptr(), torch.get_num_threads(),
+            work.data_ptr(), torch.get_num_threads(), cpu_ops.KV_TYPES[pool.dtype],
         )  # fmt: skip
         outs = (torch.empty_like(x), torch.empty_like(x))
         pending = None
@@ -123,6 +127,6 @@ class CpuDecode:
             if stop is not None and stop.is_set():
                 raise StepInterrupted("interrupted between layers")
             out = outs[i % 2]
-            cpu_layer.run_layer(plan, step, x, pending, kv[0], kv[1], out)
+            cpu_layer.run_layer(plan, step, x, pending, kv[0], kv[1], kv[2], kv[3], out)
             pending = out
         return x, pending

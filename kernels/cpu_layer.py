@@ -39,7 +39,7 @@ class Step(ctypes.Structure):
         ("T", _I64), ("block_size", _I64), ("ldt", _I64), ("num_slots", _I64),
         ("cos", _PTR), ("sin", _PTR),
         ("slots", _PTR), ("rows", _PTR), ("lens", _PTR), ("tables", _PTR), ("work", _PTR),
-        ("threads", _I64),
+        ("threads", _I64), ("kv_type", _I64),
     ]  # fmt: skip
 
 
@@ -112,13 +112,17 @@ def run_layer(
     pending: torch.Tensor | None,
     k_pool: torch.Tensor,
     v_pool: torch.Tensor,
+    k_scales: torch.Tensor | None,
+    v_scales: torch.Tensor | None,
     mlp_out: torch.Tensor,
 ) -> None:
     """The layer on the stream `x` `[T, hidden]` (updated in place); its MLP output goes to
-    `mlp_out`. The pools are fp32."""
+    `mlp_out`. The pools are of `step.kv_type` (`cpu_ops.KV_TYPES`); an fp8 pool comes with its
+    per-block scales, updated in place as the new tokens are written."""
     rc = cpu_lowbit.library().kvg_decode_layer(
         ctypes.addressof(plan.struct), ctypes.addressof(step), x.data_ptr(), _ptr(pending),
-        k_pool.data_ptr(), v_pool.data_ptr(), mlp_out.data_ptr(),
+        k_pool.data_ptr(), v_pool.data_ptr(), _ptr(k_scales), _ptr(v_scales),
+        mlp_out.data_ptr(),
     )  # fmt: skip
     if rc == -1:
         raise MemoryError("decode layer: no memory for a kernel's workspace")

@@ -34,48 +34,11 @@ enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2, KV_FP8 = 3 };
 
 int kvg_ops_abi(void) { return 1; }
 
-static float fp8_lut[256];
-static int fp8_ready;
-
-/* e4m3fn: sign, 4 exponent bits (bias 7), 3 mantissa bits; 0x7f/0xff are NaN, no infinity. */
-static void build_fp8_lut(void) {
-    for (int b = 0; b < 256; ++b) {
-        const int s = b >> 7, e = (b >> 3) & 15, m = b & 7;
-        float v;
-        if ((b & 0x7f) == 0x7f)
-            v = NAN;
-        else if (e == 0)
-            v = ldexpf((float)m, -9); /* subnormal: m/8 * 2^-6 */
-        else
-            v = ldexpf(1.0f + (float)m / 8.0f, e - 7);
-        fp8_lut[b] = s ? -v : v;
-    }
-    fp8_ready = 1;
-}
-
 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
-}
-
-/* Eight values of a KV row as fp32. */
-static inline __m256 load8(const void *p, int64_t i, int type) {
-    switch (type) {
-    case KV_F16:
-        return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)));
-    case KV_BF16: {
-        const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)));
-        return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
-    }
-    case KV_FP8: {
-        const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)((const uint8_t *)p + i)));
-        return _mm256_i32gather_ps(fp8_lut, idx, 4);
-    }
-    default:
-        return _mm256_loadu_ps((const float *)p + i);
-    }
 }
 
 static inline int64_t elem_size(int type) { return type == KV_F32 ? 4 : type == KV_FP8 ? 1 : 2; }
@@ -121,21 +84,48 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_andnot_ps(zero_mask, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
 }
 
+/* Eight e4m3fn values as fp32 without a table: the sign-extended byte shifted so its exponent
+ * and mantissa bits land on fp32's low exponent and high mantissa bits (bits 20-26) and its sign
+ * on bit 31 gives the value times 2^-120 (subnormals included, as fp32 subnormals), then one
+ * exact multiply by 2^120; 0x7f/0xff are NaN as in the table. */
+static inline __m256 fp8x8(const uint8_t *p) {
+    const __m256i b = _mm256_slli_epi32(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)), 20);
+    const __m256i body = _mm256_and_si256(b, _mm256_set1_epi32(0x07f00000));
+    const __m256i nan = _mm256_cmpeq_epi32(body, _mm256_set1_epi32(0x07f00000));
+    const __m256i w = _mm256_or_si256(_mm256_and_si256(b, _mm256_set1_epi32((int)0x87f00000u)), nan);
+    return _mm256_mul_ps(_mm256_castsi256_ps(w), _mm256_set1_ps(0x1p120f));
+}
+
 /* `n` consecutive token rows of one KV head from element `row0` of `pool`, as fp32: the pool
- * itself for an fp32 pool (rows `*stride` floats apart), else converted into `scratch`. */
+ * itself for an fp32 pool (rows `*stride` floats apart), else converted into `scratch` (one
+ * switch a block, the conversion inline: this runs for every cached token of every layer). */
 static const float *block_rows(const Attn *a, const void *pool, int64_t row0, int64_t n,
                                float *scratch, int64_t *stride) {
-    const int64_t step = a->hkv * a->d, es = elem_size(a->type);
+    const int64_t step = a->hkv * a->d, d = a->d;
     if (a->type == KV_F32) {
         *stride = step;
         return (const float *)pool + row0;
     }
-    for (int64_t u = 0; u < n; ++u) {
-        const char *p = (const char *)pool + (row0 + u * step) * es;
-        for (int64_t i = 0; i < a->d; i += 8)
-            _mm256_storeu_ps(scratch + u * a->d + i, load8(p, i, a->type));
+    *stride = d;
+    if (a->type == KV_FP8) {
+        const uint8_t *p = (const uint8_t *)pool + row0;
+        for (int64_t u = 0; u < n; ++u)
+            for (int64_t i = 0; i < d; i += 8)
+                _mm256_storeu_ps(scratch + u * d + i, fp8x8(p + u * step + i));
+    } else if (a->type == KV_F16) {
+        const uint16_t *p = (const uint16_t *)pool + row0;
+        for (int64_t u = 0; u < n; ++u)
+            for (int64_t i = 0; i < d; i += 8)
+                _mm256_storeu_ps(scratch + u * d + i,
+                                 _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + u * step + i))));
+    } else {
+        const uint16_t *p = (const uint16_t *)pool + row0;
+        for (int64_t u = 0; u < n; ++u)
+            for (int64_t i = 0; i < d; i += 8) {
+                const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p + u * step + i)));
+                _mm256_storeu_ps(scratch + u * d + i, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+            }
     }
-    *stride = a->d;
     return scratch;
 }
 
@@ -238,8 +228,6 @@ int kvg_paged_decode(const float *q, int64_t ldq, float *out, const int64_t *row
                      int threads) {
     if (heads % hkv || heads / hkv > MAX_GROUP || d % 8 || d > MAX_DIM || bs > MAX_BLOCK)
         return 1;
-    if (type == KV_FP8 && !fp8_ready)
-        build_fp8_lut();
     const Attn a = {q, ldq, k, v, ks, vs, type, bs, hkv, d, heads / hkv, tables, ldt, scale};
     const int64_t g = a.g;
     int64_t longest = 1;
@@ -301,6 +289,144 @@ int kvg_paged_decode(const float *q, int64_t ldq, float *out, const int64_t *row
             }
         }
         free(part);
+    }
+    return 0;
+}
+
+/* ---- KV writes: this step's K or V rows into the pool, converted to its element type ----- */
+
+/* Eight fp32 values to e4m3fn bytes (in the low 8 bytes), rounding to nearest even as torch's
+ * cast does: clamped to +-448 first (NaN passes), |v| >= 480 would be NaN (e4m3fn has no
+ * infinity); below 2^-6 a subnormal, rounded by adding 2^14 (whose ulp is e4m3's 2^-9);
+ * else the mantissa rounded to three bits and the exponent rebiased from 127 to 7. */
+static inline __m128i fp8_from8(__m256 v) {
+    v = _mm256_max_ps(_mm256_set1_ps(-448.0f), _mm256_min_ps(_mm256_set1_ps(448.0f), v));
+    const __m256i w = _mm256_castps_si256(v);
+    const __m256i sign = _mm256_srli_epi32(_mm256_and_si256(w, _mm256_set1_epi32((int)0x80000000u)), 24);
+    const __m256i a = _mm256_and_si256(w, _mm256_set1_epi32(0x7fffffff));
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(a, 20), _mm256_set1_epi32(1));
+    const __m256i bias = _mm256_set1_epi32((int)(((uint32_t)(7 - 127) << 23) + 0x7ffffu));
+    const __m256i normal = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(a, bias), odd), 20);
+    const __m256 magic = _mm256_castsi256_ps(_mm256_set1_epi32(0x46800000)); /* 2^14 */
+    const __m256i sub = _mm256_sub_epi32(
+        _mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(a), magic)), _mm256_castps_si256(magic));
+    const __m256i is_sub = _mm256_cmpgt_epi32(_mm256_set1_epi32(0x3c800000), a);
+    const __m256i is_nan = _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x43efffff));
+    __m256i r = _mm256_blendv_epi8(normal, sub, is_sub);
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7f), is_nan);
+    r = _mm256_or_si256(r, sign);
+    /* byte 0 of each 32-bit lane, the two 128-bit halves joined */
+    const __m256i pick = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                          0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+    r = _mm256_shuffle_epi8(r, pick);
+    return _mm_unpacklo_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+/* fp32 to bf16 bits, nearest even as torch rounds (NaN to 0x7fc0). */
+static inline uint16_t bf16_from(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if (isnan(f))
+        return 0x7fc0;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* `n` floats of `x` to the pool's type at `dst` (fp8: x / scale, as torch's quantise does). */
+static void store_row(void *dst, const float *x, int64_t n, int type, float scale) {
+    int64_t i = 0;
+    switch (type) {
+    case KV_F32:
+        memcpy(dst, x, (size_t)n * sizeof(float));
+        return;
+    case KV_F16:
+        for (; i + 8 <= n; i += 8)
+            _mm_storeu_si128((__m128i *)((uint16_t *)dst + i),
+                             _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+        for (; i < n; ++i)
+            ((uint16_t *)dst)[i] = _cvtss_sh(x[i], _MM_FROUND_TO_NEAREST_INT);
+        return;
+    case KV_BF16:
+        for (; i < n; ++i)
+            ((uint16_t *)dst)[i] = bf16_from(x[i]);
+        return;
+    default: {
+        const __m256 sv = _mm256_set1_ps(scale);
+        float tail[8] = {0};
+        for (; i + 8 <= n; i += 8)
+            _mm_storel_epi64((__m128i *)((uint8_t *)dst + i), fp8_from8(_mm256_div_ps(_mm256_loadu_ps(x + i), sv)));
+        if (i < n) {
+            uint8_t out[8];
+            memcpy(tail, x + i, (size_t)(n - i) * sizeof(float));
+            _mm_storel_epi64((__m128i *)out, fp8_from8(_mm256_div_ps(_mm256_loadu_ps(tail), sv)));
+            memcpy((uint8_t *)dst + i, out, (size_t)(n - i));
+        }
+    }
+    }
+}
+
+/* One fp8 block's `n` e4m3 values of head row `p` requantised to a grown scale: v * ratio. */
+static void requantise(uint8_t *p, int64_t n, float ratio) {
+    const __m256 r = _mm256_set1_ps(ratio);
+    for (int64_t i = 0; i + 8 <= n; i += 8)
+        _mm_storel_epi64((__m128i *)(p + i), fp8_from8(_mm256_mul_ps(fp8x8(p + i), r)));
+}
+
+#define MAX_KV_HEADS 256
+
+/* Rows x[t] (hkv * d floats, row stride ldx) into `pool` ([blocks][bs][hkv][d] of `type`) at
+ * flat slots[t]. An fp8 pool keeps one scale per block and KV head (`scales` [blocks][hkv]),
+ * which only grows while the block fills, exactly as kvguard.kernels.fp8.write_kv_fp8 does it:
+ * for each block this call touches (its tokens are consecutive rows here, as a sequence's are
+ * within a step), a write at offset 0 starts the block afresh, the new scale is
+ * max(old, amax / 448) (at least 1e-12), a block any of whose scales grew has its stored values
+ * requantised by old / new first, then the tokens are stored as x / scale. Returns 0, 1 on a
+ * shape this does not serve, -3 on a slot outside the pool (before anything is written). */
+int kvg_write_kv(void *pool, float *scales, int type, const float *x, int64_t ldx,
+                 const int64_t *slots, int64_t T, int64_t num_slots, int64_t bs, int64_t hkv,
+                 int64_t d) {
+    const int64_t row = hkv * d, es = elem_size(type);
+    if (bs < 1 || hkv < 1 || hkv > MAX_KV_HEADS || (type == KV_FP8 && (d % 8 || !scales)))
+        return 1;
+    for (int64_t t = 0; t < T; ++t)
+        if (slots[t] < 0 || slots[t] >= num_slots)
+            return -3;
+    if (type != KV_FP8) {
+        for (int64_t t = 0; t < T; ++t)
+            store_row((char *)pool + slots[t] * row * es, x + t * ldx, row, type, 1.0f);
+        return 0;
+    }
+    uint8_t *p8 = (uint8_t *)pool;
+    for (int64_t t0 = 0, t1; t0 < T; t0 = t1) {
+        const int64_t blk = slots[t0] / bs;
+        int fresh = 0;
+        for (t1 = t0; t1 < T && slots[t1] / bs == blk; ++t1)
+            fresh |= slots[t1] % bs == 0;
+        float *sc = scales + blk * hkv, nw[MAX_KV_HEADS];
+        int grow = 0;
+        for (int64_t h = 0; h < hkv; ++h) {
+            __m256 m = _mm256_setzero_ps();
+            const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+            for (int64_t t = t0; t < t1; ++t)
+                for (int64_t i = 0; i < d; i += 8)
+                    m = _mm256_max_ps(m, _mm256_and_ps(abs, _mm256_loadu_ps(x + t * ldx + h * d + i)));
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+            const float old = fresh ? 0.0f : sc[h], want = _mm_cvtss_f32(m4) / 448.0f;
+            nw[h] = want > old ? want : old;
+            if (nw[h] < 1e-12f)
+                nw[h] = 1e-12f;
+            grow |= nw[h] > old && old > 0.0f;
+        }
+        if (grow)
+            for (int64_t u = 0; u < bs; ++u)
+                for (int64_t h = 0; h < hkv; ++h)
+                    requantise(p8 + ((blk * bs + u) * hkv + h) * d, d, sc[h] / nw[h]);
+        for (int64_t h = 0; h < hkv; ++h)
+            sc[h] = nw[h];
+        for (int64_t t = t0; t < t1; ++t)
+            for (int64_t h = 0; h < hkv; ++h)
+                store_row(p8 + slots[t] * row + h * d, x + t * ldx + h * d, d, KV_FP8, nw[h]);
     }
     return 0;
 }

@@ -1,4 +1,5 @@
-"""The CPU step kernels of `cpu_ops.c`: paged decode attention over the pool in place, RMSNorm
+"""The CPU step kernels of `cpu_ops.c`: paged decode attention over the pool in place, the
+K/V write into a pool of any element type (fp8 with its growing per-block scales), RMSNorm
 (with the residual add folded in), RoPE and the gated MLP's SiLU-and-multiply, for fp32
 activations.
 
@@ -65,6 +66,44 @@ def decode_supported(q: torch.Tensor, cache: torch.Tensor) -> bool:
         and q.stride(2) == 1
         and q.stride(1) == d
     )
+
+
+def pool_supported(cache: torch.Tensor, scales: torch.Tensor | None) -> bool:
+    """Whether `write_kv` stores into this pool: a known element type, an fp8 pool with its
+    fp32 `[blocks, kv_heads]` scales and a head_dim of whole 8-value vectors, all contiguous."""
+    if cache.dtype not in KV_TYPES or not cache.is_contiguous():
+        return False
+    if cache.dtype != FP8_DTYPE:
+        return scales is None
+    return (
+        scales is not None
+        and scales.dtype == torch.float32
+        and scales.is_contiguous()
+        and scales.shape == cache.shape[:1] + cache.shape[2:3]
+        and cache.shape[3] % 8 == 0
+    )
+
+
+def write_kv(
+    cache: torch.Tensor, scales: torch.Tensor | None, x: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """Store `x` `[T, kv_heads, head_dim]` (rows may be strided, each row's heads side by side)
+    at flat `slots` (int64) of `cache`, as `kvguard.kernels.paged_attention.write_kv` does and
+    bit for bit (tests): a cast to the pool's type, or fp8 with `scales` grown, and the block
+    requantised, as `kvguard.kernels.fp8.write_kv_fp8` grows them. A sequence's tokens must be
+    consecutive rows (as a step lays them out)."""
+    nb, bs, hkv, d = cache.shape
+    assert pool_supported(cache, scales) and x.dtype == torch.float32
+    assert x.shape[1:] == (hkv, d) and x.stride(2) == 1 and x.stride(1) == d
+    assert slots.dtype == torch.int64 and slots.is_contiguous() and slots.numel() == x.shape[0]
+    rc = cpu_lowbit.library().kvg_write_kv(
+        cache.data_ptr(), None if scales is None else scales.data_ptr(), KV_TYPES[cache.dtype],
+        x.data_ptr(), x.stride(0), slots.data_ptr(), x.shape[0], nb * bs, bs, hkv, d,
+    )  # fmt: skip
+    if rc == -3:
+        raise IndexError(f"write_kv: a KV slot outside the pool of {nb * bs} slots")
+    if rc:
+        raise ValueError(f"write_kv: unsupported pool {tuple(cache.shape)} {cache.dtype}")
 
 
 def paged_decode(

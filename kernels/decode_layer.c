@@ -3,14 +3,13 @@
  * On a 2-core CPU a batch-1 decode step of a 135M model spends more time between kernels
  * (Python, torch dispatch, a dozen small tensors a layer) than in them. This file strings the
  * same kernels together in C: RMSNorm (with the previous layer's MLP output added to the
- * stream), the fused qkv projection, RoPE, the K/V write into an fp32 pool, paged decode
- * attention, the output projection and its residual add, the second RMSNorm, gate/up, SiLU
+ * stream), the fused qkv projection, RoPE, the K/V write into the pool (fp32, fp16, bf16, or
+ * fp8 with its per-block scales), paged decode attention, the output projection and its residual add, the second RMSNorm, gate/up, SiLU
  * and multiply, down. Each piece is the very function the per-op path calls, in the same
  * order, so the two paths give the same bits. The layer's MLP output is left in `mlp_out`
  * for the next layer's norm (or the final norm) to add.
  */
 #include <stdint.h>
-#include <string.h>
 
 #include "kvg_cpu.h"
 
@@ -41,6 +40,7 @@ typedef struct {
     const int32_t *tables;   /* [T][ldt] block tables */
     float *work;
     int64_t threads;
+    int64_t kv_type; /* the pools' element type: cpu_ops.c's KV_F32 .. KV_FP8 */
 } KvgStep;
 
 static int linear(const KvgLinear *w, const float *x, int64_t T, int64_t ldx, float *out,
@@ -58,11 +58,13 @@ static int linear(const KvgLinear *w, const float *x, int64_t T, int64_t ldx, fl
 }
 
 /* x [T][hidden] is the stream (updated in place: + pending, + attention); `pending` (may be
- * NULL) the previous layer's MLP output; the pools fp32 [blocks][block_size][kv_heads][d].
+ * NULL) the previous layer's MLP output; the pools [blocks][block_size][kv_heads][d] of
+ * `s->kv_type`, an fp8 pool with its scales [blocks][kv_heads] (else NULL).
  * Returns 0, -1 when a workspace could not be allocated, -2 on a shape a kernel refuses, -3
  * on a slot outside the pool. */
 int kvg_decode_layer(const KvgLayer *L, const KvgStep *s, float *x, const float *pending,
-                     float *k_pool, float *v_pool, float *mlp_out) {
+                     void *k_pool, void *v_pool, float *k_scales, float *v_scales,
+                     float *mlp_out) {
     const int64_t T = s->T, H = L->hidden, d = L->head_dim, nq = L->heads * d;
     const int64_t nkv = L->kv_heads * d, nqkv = L->qkv.n;
     const int threads = (int)s->threads;
@@ -76,13 +78,15 @@ int kvg_decode_layer(const KvgLayer *L, const KvgStep *s, float *x, const float 
     if ((rc = linear(&L->qkv, h, T, H, qkv, threads)))
         return rc;
     kvg_rope(qkv, nqkv, T, L->heads + L->kv_heads, d, s->cos, s->sin, threads);
-    for (int64_t t = 0; t < T; ++t) {
-        memcpy(k_pool + s->slots[t] * nkv, qkv + t * nqkv + nq, (size_t)nkv * sizeof(float));
-        memcpy(v_pool + s->slots[t] * nkv, qkv + t * nqkv + nq + nkv, (size_t)nkv * sizeof(float));
-    }
-    rc = kvg_paged_decode(qkv, nqkv, attn, s->rows, s->lens, T, k_pool, v_pool, NULL, NULL, 0,
-                          s->block_size, L->kv_heads, L->heads, d, s->tables, s->ldt, L->scale,
-                          threads);
+    const int type = (int)s->kv_type;
+    if ((rc = kvg_write_kv(k_pool, k_scales, type, qkv + nq, nqkv, s->slots, T, s->num_slots,
+                           s->block_size, L->kv_heads, d)) ||
+        (rc = kvg_write_kv(v_pool, v_scales, type, qkv + nq + nkv, nqkv, s->slots, T,
+                           s->num_slots, s->block_size, L->kv_heads, d)))
+        return rc == 1 ? -2 : rc;
+    rc = kvg_paged_decode(qkv, nqkv, attn, s->rows, s->lens, T, k_pool, v_pool, k_scales,
+                          v_scales, type, s->block_size, L->kv_heads, L->heads, d, s->tables,
+                          s->ldt, L->scale, threads);
     if (rc)
         return rc;
     if ((rc = linear(&L->o, attn, T, nq, o, threads)))

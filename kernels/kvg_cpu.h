@@ -16,6 +16,9 @@ int kvg_paged_decode(const float *q, int64_t ldq, float *out, const int64_t *row
                      const float *ks, const float *vs, int type, int64_t bs, int64_t hkv,
                      int64_t heads, int64_t d, const int32_t *tables, int64_t ldt, float scale,
                      int threads);
+int kvg_write_kv(void *pool, float *scales, int type, const float *x, int64_t ldx,
+                 const int64_t *slots, int64_t T, int64_t num_slots, int64_t bs, int64_t hkv,
+                 int64_t d);
 void kvg_rmsnorm(float *x, int64_t ldx, const float *y, int64_t T, int64_t d, const float *w,
                  float eps, float *out, int threads);
 void kvg_rope(float *x, int64_t ldx, int64_t T, int64_t heads, int64_t d, const float *cos_t,

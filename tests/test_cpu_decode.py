@@ -1,7 +1,7 @@
 """The CPU decode fast path (`kvguard.engine.cpu_decode`): a decode-only step of the packed
-default model runs each layer in one C call and gives the per-op path's logits bit for bit;
-steps it does not serve (a prefill row, an FP8 pool, the CPU kernels off, an fp32 model) run
-the per-op path."""
+default model runs each layer in one C call and gives the per-op path's logits bit for bit,
+on an fp32 pool and after a live switch to fp8, fp16 or bf16; steps it does not serve (a
+prefill row, the CPU kernels off, an fp32 model) run the per-op path."""
 
 from __future__ import annotations
 
@@ -66,14 +66,24 @@ def test_decode_steps_take_one_call_a_layer_and_give_the_per_op_logits(engine: L
         assert torch.equal(a, b)
 
 
-def test_an_fp8_pool_runs_the_per_op_path_and_fp32_takes_the_c_path_again(
-    engine: LLMEngine,
+@pytest.mark.parametrize("dtype", ["fp8_e4m3", "fp16", "bf16"])
+def test_a_live_switched_pool_keeps_the_c_path_and_its_logits_equal_the_per_op_ones(
+    engine: LLMEngine, dtype: str
 ) -> None:
+    """After a live KV switch decode steps still run one call a layer (the C write stores the
+    pool's type, fp8 with its growing scales), with the per-op path's logits bit for bit; the
+    switch back gives the fp32 tokens again."""
     _, before, _ = run(engine, True)
-    assert engine.set_kv_cache_dtype("fp8_e4m3") and engine.step() == []
+    assert engine.set_kv_cache_dtype(dtype) and engine.step() == []
     try:
-        _, fp8_tokens, calls = run(engine, True)
-        assert calls == 0 and all(len(t) == GREEDY.max_tokens for t in fp8_tokens)
+        assert engine.kv_cache.dtype == dtype
+        fused_logits, fused_tokens, calls = run(engine, True)
+        plain_logits, plain_tokens, none = run(engine, False)
+        assert none == 0 and calls > 0 and calls % engine.model.cfg.num_layers == 0
+        assert all(len(t) == GREEDY.max_tokens for t in fused_tokens)
+        assert fused_tokens == plain_tokens
+        for a, b in zip(fused_logits, plain_logits, strict=True):
+            assert torch.equal(a, b)
     finally:
         fut = engine.set_kv_cache_dtype("auto")
         engine.step()

@@ -216,3 +216,83 @@ def test_a_model_makes_the_same_tokens_with_the_kernels_and_without(
         outs[on] = [o.final_token_ids for o in eng.generate(prompts, params)]
     assert outs["1"] == outs["0"]
     assert all(len(t) == 24 for t in outs["1"])
+
+
+# lengths and magnitudes of successive writes into one sequence's blocks: a prefill chunk over
+# three blocks, single tokens, a chunk that grows every scale (the block is requantised), one
+# far below the scale (fp8 subnormals and zeros), one past 448 x the scale
+WRITES = [
+    (0, 40, 1.0),
+    (40, 41, 0.5),
+    (41, 42, 3.0),
+    (42, 50, 10.0),
+    (50, 51, 1e-6),
+    (51, 60, 700.0),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, FP8_DTYPE])
+def test_the_c_kv_write_stores_torchs_bits(dtype: torch.dtype) -> None:
+    """`cpu_ops.write_kv` (the decode fast path's write, and the per-op fp8 write) against
+    torch's cast or `write_kv_fp8`, byte for byte and scale for scale: strided rows, a block
+    table out of order, stale scales of a block's earlier owner, scales that grow."""
+    gen = torch.Generator().manual_seed(11)
+    nb, bs, h, d = 12, 16, 3, 64
+    fp8 = dtype == FP8_DTYPE
+    want = torch.zeros(nb, bs, h, d, dtype=dtype) if fp8 else torch.randn(nb, bs, h, d).to(dtype)
+    got = want.clone()
+    stale = torch.rand(nb, h, generator=gen) if fp8 else None
+    want_s, got_s = (stale.clone(), stale.clone()) if fp8 else (None, None)
+    table = [3, 7, 1, 9]
+    for p0, p1, mag in WRITES:
+        wide = torch.randn(p1 - p0, 2 * h * d, generator=gen) * mag
+        wide[:, h * d + 5] = 0.0
+        wide[0, h * d + 6 : h * d + 14] *= torch.logspace(-7, 0, 8)  # a wide dynamic range
+        x = wide[:, h * d :].view(p1 - p0, h, d)  # rows of a wider tensor, like the qkv output
+        where = torch.tensor([table[p // bs] * bs + p % bs for p in range(p0, p1)])
+        if fp8:
+            write_kv_fp8(want, want_s, x, where)
+        else:
+            want.view(nb * bs, h, d).index_copy_(0, where, x.to(dtype))
+        cpu_ops.write_kv(got, got_s, x, where)
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (p0, p1)
+        if fp8:
+            assert torch.equal(got_s, want_s), (p0, p1)
+    # exact halfway values (448 in every head makes the fresh block's scale 1): ties round
+    # to the even neighbour, in the normal and the subnormal range
+    ties = torch.tensor(
+        [448.0, 1.0625, 1.1875, -1.0625, 2.0**-10, 3 * 2.0**-10, 232.0, 5 * 2.0**-11]
+    )
+    x = ties.repeat(h, d // 8).view(1, h, d)
+    where = torch.tensor([5 * bs])
+    if fp8:
+        write_kv_fp8(want, want_s, x, where)
+    else:
+        want.view(nb * bs, h, d).index_copy_(0, where, x.to(dtype))
+    cpu_ops.write_kv(got, got_s, x, where)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    with pytest.raises(IndexError, match="outside the pool"):
+        cpu_ops.write_kv(got, got_s, x[:1], torch.tensor([nb * bs]))
+
+
+def test_every_fp8_byte_reads_as_torch_dequantises_it() -> None:
+    """One cached token and one query head: the output is the token's V row dequantised, so a
+    row of all 256 e4m3 bytes (subnormals, both zeros, the largest values, both NaNs) checks
+    the kernel's table-free conversion against torch's, exactly."""
+    d = 256
+    raw = torch.arange(256, dtype=torch.uint8)
+    k_cache = torch.zeros(2, 16, 1, d, dtype=FP8_DTYPE)
+    v_cache = torch.zeros(2, 16, 1, d, dtype=FP8_DTYPE)
+    v_cache.view(torch.uint8)[1, 0, 0] = raw
+    k_scale, v_scale = torch.ones(2, 1), torch.full((2, 1), 0.75)
+    q = torch.randn(1, 1, d)
+    out = torch.zeros_like(q)
+    tables = torch.tensor([[1]], dtype=torch.int32)
+    cpu_ops.paged_decode(
+        q, out, torch.tensor([0]), torch.tensor([1], dtype=torch.int32),
+        k_cache, v_cache, tables, 0.1, k_scale, v_scale,
+    )  # fmt: skip
+    want = raw.view(FP8_DTYPE).float() * 0.75
+    nan = torch.isnan(want)
+    assert nan.sum() == 2 and torch.isnan(out[0, 0][nan]).all()
+    assert torch.equal(out[0, 0][~nan], want[~nan])

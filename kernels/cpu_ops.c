@@ -206,7 +206,23 @@ static void attend_run(const Attn *a, const float *qrow, const int32_t *table, i
         int64_t vstep;
         const float *vr = block_rows(a, a->v, row0, n, vb, &vstep);
         for (int64_t j = 0; j < g; ++j) {
-            for (int64_t i = 0; i < d; i += 8) {
+            int64_t i = 0;
+            /* 64 outputs at a time in eight registers, tokens outer: eight independent FMA
+             * chains, where one slice at a time waited on its own FMA's latency per token
+             * (each slice still sums its tokens in the same order: the same bits) */
+            for (; i + 64 <= d; i += 64) {
+                __m256 o[8];
+                for (int r = 0; r < 8; ++r)
+                    o[r] = _mm256_loadu_ps(acc + j * d + i + 8 * r);
+                for (int64_t u = 0; u < n; ++u) {
+                    const __m256 p = _mm256_set1_ps(s[j][u]);
+                    for (int r = 0; r < 8; ++r)
+                        o[r] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + u * vstep + i + 8 * r), o[r]);
+                }
+                for (int r = 0; r < 8; ++r)
+                    _mm256_storeu_ps(acc + j * d + i + 8 * r, o[r]);
+            }
+            for (; i < d; i += 8) {
                 __m256 o = _mm256_loadu_ps(acc + j * d + i);
                 for (int64_t u = 0; u < n; ++u)
                     o = _mm256_fmadd_ps(_mm256_set1_ps(s[j][u]), _mm256_loadu_ps(vr + u * vstep + i), o);

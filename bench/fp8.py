@@ -12,7 +12,9 @@ One engine (smollm2-135m by default), one KV byte budget, measured in one run:
 3. quality: teacher-forced top-1 agreement, FP8 against full precision, on greedy
    continuations of fixed prompts (`kvguard.engine.kv_quality`);
 4. speed: decode tokens/s of the same batch (same prompts, same lengths, greedy) in each dtype,
-   timed from the step where every sequence has its first token, so prefill is excluded.
+   timed from the step where every sequence has its first token, so prefill is excluded; once
+   after short prompts (the projections dominate a step) and once after long ones, where
+   reading the cached K/V dominates and a narrower pool is read faster.
 
     python bench/fp8.py [--quick] [--json FILE] [--threads N] [--kv-cache-bytes 256MiB]
 """
@@ -367,6 +369,15 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--agree-tokens", type=int, default=0, help="tokens per prompt (64; quick 8)")
     p.add_argument("--rounds", type=int, default=1, help="decode rounds per dtype; best counts")
     p.add_argument(
+        "--long-prompt",
+        type=int,
+        default=0,
+        help="long-context decode: prompt tokens (512; quick 64)",
+    )
+    p.add_argument(
+        "--long-batch", type=int, default=0, help="long-context decode: sequences (8; quick 2)"
+    )
+    p.add_argument(
         "--fills", default="", help="live-switch fill levels (0.2,0.4,0.6,0.8; quick 0.6)"
     )
     args = p.parse_args()
@@ -376,6 +387,8 @@ def parse_args() -> argparse.Namespace:
     args.decode_tokens = args.decode_tokens or (8 if quick else 64)
     args.agree_prompts = min(args.agree_prompts or (2 if quick else 20), len(QUALITY_PROMPTS))
     args.agree_tokens = args.agree_tokens or (8 if quick else 64)
+    args.long_prompt = args.long_prompt or (64 if quick else 512)
+    args.long_batch = args.long_batch or (2 if quick else 8)
     default_fills = "0.6" if quick else "0.2,0.4,0.6,0.8"
     args.fills = [float(x) for x in (args.fills or default_fills).split(",")]
     return args
@@ -417,9 +430,18 @@ def main() -> None:
         f"free-running greedy outputs identical: {same_all:.0%} whole, "
         f"{same_pre:.0%} on the first {SAME_PREFIX} tokens"
     )
+    print(
+        f"\nafter {args.long_prompt}-token prompts, {args.long_batch} sequences x "
+        f"{args.decode_tokens} tokens:"
+    )
+    long_prompts = token_prompts(args.model, args.long_batch, args.long_prompt, args.seed + 1)
+    l_full, l_fp8 = measure_decode(engine, full, long_prompts, args.decode_tokens, args.rounds)
+    print(format_table(DECODE_HEADERS, decode_rows(l_full, l_fp8)))
 
     section("summary")
-    for line in summary(engine, caps, pauses, agree, d_full, d_fp8):
+    for line in summary(
+        engine, caps, pauses, agree, d_full, d_fp8, (args.long_prompt, l_full, l_fp8)
+    ):
         print(line)
     print(load_line())
     write_json(
@@ -442,6 +464,19 @@ def main() -> None:
                 }
                 for r in (d_full, d_fp8)
             ],
+            "decode_long_context": {
+                "prompt_tokens": args.long_prompt,
+                "sequences": args.long_batch,
+                "runs": [
+                    {
+                        "dtype": r.dtype,
+                        "decode_s": r.decode_s,
+                        "decode_tokens": r.decode_tokens,
+                        "tokens_per_s": r.tokens_per_s,
+                    }
+                    for r in (l_full, l_fp8)
+                ],
+            },
             "greedy_identical": {"whole": same_all, f"first_{SAME_PREFIX}": same_pre},
         },
     )
@@ -454,6 +489,7 @@ def summary(
     agree: Agreement,
     d_full: DecodeRun,
     d_fp8: DecodeRun,
+    long: tuple[int, DecodeRun, DecodeRun],
 ) -> list[str]:
     warm = [s for s in pauses if not s.cold] or pauses
     worst = max(s.s_per_gib for s in warm)
@@ -471,7 +507,8 @@ def summary(
         f"quality: teacher-forced top-1 agreement {agree.top1_agreement:.2%}"
         f" over {agree.positions} positions",
         f"decode: fp8 at {ratio(d_fp8.tokens_per_s, d_full.tokens_per_s)} the tokens/s of"
-        f" {d_full.dtype}",
+        f" {d_full.dtype} after short prompts, {ratio(long[2].tokens_per_s, long[1].tokens_per_s)}"
+        f" after {long[0]}-token ones",
     ]
     if len(warm) >= 2:
         fixed, per_gib = pause_fit(warm)

@@ -8,6 +8,10 @@
  * SiLU-and-multiply: the gated MLP's silu(gate) * up from the fused [gate | up] projection,
  * one call instead of a split, a silu and a multiply.
  *
+ * KV write: a step's K or V rows into the pool in its element type, fp8 with the per-block
+ * scales grown (and the block requantised) exactly as the torch write does; the decode fast
+ * path's write on every pool, and the per-op path's on fp8 pools.
+ *
  * Paged decode attention: one query token per sequence; pools [blocks][block_size][kv_heads][d]
  * in fp32, fp16, bf16 or fp8 e4m3 (with one fp32 scale per block and KV head). A work item is
  * (sequence, KV head, split of its tokens): the query heads that share the KV head are scored
@@ -87,7 +91,8 @@ static inline __m256 exp8(__m256 x) {
 /* Eight e4m3fn values as fp32 without a table: the sign-extended byte shifted so its exponent
  * and mantissa bits land on fp32's low exponent and high mantissa bits (bits 20-26) and its sign
  * on bit 31 gives the value times 2^-120 (subnormals included, as fp32 subnormals), then one
- * exact multiply by 2^120; 0x7f/0xff are NaN as in the table. */
+ * exact multiply by 2^120; 0x7f/0xff are NaN, as torch reads them. Subnormals need torch's
+ * default of denormals kept: under torch.set_flush_denormal(True) they would read as zero. */
 static inline __m256 fp8x8(const uint8_t *p) {
     const __m256i b = _mm256_slli_epi32(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)), 20);
     const __m256i body = _mm256_and_si256(b, _mm256_set1_epi32(0x07f00000));

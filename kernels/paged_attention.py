@@ -34,7 +34,9 @@ def write_kv(
         triton_kv.write_kv(k_cache, v_cache, k, v, slot_mapping, k_scale, v_scale)
         return
     if k_cache.dtype == FP8_DTYPE:
-        if _native_write(k, k_cache, k_scale, slot_mapping):
+        if _native_write(k, k_cache, k_scale, slot_mapping) and _native_write(
+            v, v_cache, v_scale, slot_mapping
+        ):
             # one C pass per pool instead of about twenty small torch ops (same bits: tests)
             cpu_ops.write_kv(k_cache, k_scale, k, slot_mapping)
             cpu_ops.write_kv(v_cache, v_scale, v, slot_mapping)

@@ -296,6 +296,14 @@ class DecodeRun:
     def tokens_per_s(self) -> float:
         return self.decode_tokens / self.decode_s
 
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "dtype": self.dtype,
+            "decode_s": self.decode_s,
+            "decode_tokens": self.decode_tokens,
+            "tokens_per_s": self.tokens_per_s,
+        }
+
 
 def decode_run(engine: LLMEngine, prompts: list[list[int]], tokens: int) -> DecodeRun:
     """Serve the batch; the clock starts once every sequence is past its prefill."""
@@ -455,27 +463,11 @@ def main() -> None:
             "capacity": [asdict(c) for c in caps],
             "live_switch": [asdict(s) | {"s_per_gib": s.s_per_gib} for s in pauses],
             "agreement": asdict(agree),
-            "decode": [
-                {
-                    "dtype": r.dtype,
-                    "decode_s": r.decode_s,
-                    "decode_tokens": r.decode_tokens,
-                    "tokens_per_s": r.tokens_per_s,
-                }
-                for r in (d_full, d_fp8)
-            ],
+            "decode": [r.as_json() for r in (d_full, d_fp8)],
             "decode_long_context": {
                 "prompt_tokens": args.long_prompt,
                 "sequences": args.long_batch,
-                "runs": [
-                    {
-                        "dtype": r.dtype,
-                        "decode_s": r.decode_s,
-                        "decode_tokens": r.decode_tokens,
-                        "tokens_per_s": r.tokens_per_s,
-                    }
-                    for r in (l_full, l_fp8)
-                ],
+                "runs": [r.as_json() for r in (l_full, l_fp8)],
             },
             "greedy_identical": {"whole": same_all, f"first_{SAME_PREFIX}": same_pre},
         },

@@ -352,7 +352,8 @@ static inline uint16_t bf16_from(float f) {
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-/* `n` floats of `x` to the pool's type at `dst` (fp8: x / scale, as torch's quantise does). */
+/* `n` floats of `x` to the pool's type at `dst` (fp8: x / scale, as torch's quantise does;
+ * n a multiple of 8). */
 static void store_row(void *dst, const float *x, int64_t n, int type, float scale) {
     int64_t i = 0;
     switch (type) {
@@ -370,17 +371,10 @@ static void store_row(void *dst, const float *x, int64_t n, int type, float scal
         for (; i < n; ++i)
             ((uint16_t *)dst)[i] = bf16_from(x[i]);
         return;
-    default: {
+    default: { /* n a multiple of 8: kvg_write_kv refuses other fp8 rows */
         const __m256 sv = _mm256_set1_ps(scale);
-        float tail[8] = {0};
-        for (; i + 8 <= n; i += 8)
+        for (; i < n; i += 8)
             _mm_storel_epi64((__m128i *)((uint8_t *)dst + i), fp8_from8(_mm256_div_ps(_mm256_loadu_ps(x + i), sv)));
-        if (i < n) {
-            uint8_t out[8];
-            memcpy(tail, x + i, (size_t)(n - i) * sizeof(float));
-            _mm_storel_epi64((__m128i *)out, fp8_from8(_mm256_div_ps(_mm256_loadu_ps(tail), sv)));
-            memcpy((uint8_t *)dst + i, out, (size_t)(n - i));
-        }
     }
     }
 }

@@ -84,6 +84,25 @@ def pool_supported(cache: torch.Tensor, scales: torch.Tensor | None) -> bool:
     )
 
 
+def write_supported(
+    cache: torch.Tensor, scales: torch.Tensor | None, x: torch.Tensor, slots: torch.Tensor
+) -> bool:
+    """Whether `write_kv` takes these arguments: a supported pool, fp32 rows `[T, kv_heads,
+    head_dim]` whose heads sit side by side (the rows themselves may be strided), int64 slots
+    one per row."""
+    _nb, _bs, hkv, d = cache.shape
+    return (
+        pool_supported(cache, scales)
+        and x.dtype == torch.float32
+        and x.shape[1:] == (hkv, d)
+        and x.stride(2) == 1
+        and x.stride(1) == d
+        and slots.dtype == torch.int64
+        and slots.is_contiguous()
+        and slots.numel() == x.shape[0]
+    )
+
+
 def write_kv(
     cache: torch.Tensor, scales: torch.Tensor | None, x: torch.Tensor, slots: torch.Tensor
 ) -> None:
@@ -93,9 +112,7 @@ def write_kv(
     requantised, as `kvguard.kernels.fp8.write_kv_fp8` grows them. A sequence's tokens must be
     consecutive rows (as a step lays them out)."""
     nb, bs, hkv, d = cache.shape
-    assert pool_supported(cache, scales) and x.dtype == torch.float32
-    assert x.shape[1:] == (hkv, d) and x.stride(2) == 1 and x.stride(1) == d
-    assert slots.dtype == torch.int64 and slots.is_contiguous() and slots.numel() == x.shape[0]
+    assert write_supported(cache, scales, x, slots)
     rc = cpu_lowbit.library().kvg_write_kv(
         cache.data_ptr(), None if scales is None else scales.data_ptr(), KV_TYPES[cache.dtype],
         x.data_ptr(), x.stride(0), slots.data_ptr(), x.shape[0], nb * bs, bs, hkv, d,

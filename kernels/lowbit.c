@@ -404,9 +404,9 @@ static void panel8(const uint8_t *wc, const uint16_t *wd, const uint16_t *wm, in
 /* out[rows][0..valid) (+)= x[rows][k0..k1) times the panel's rows k0..k1; `rows` 1..PANEL_ROWS,
  * a constant once inlined; `add`: accumulate onto what an earlier stretch of k wrote. */
 static inline __attribute__((always_inline)) void panel_block(const int rows, const float *x,
-                                                             int64_t ldx, const float *p, int64_t k0,
-                                                             int64_t k1, int add, float *out,
-                                                             int64_t ldo, int64_t valid) {
+                                                              int64_t ldx, const float *p, int64_t k0,
+                                                              int64_t k1, int add, float *out,
+                                                              int64_t ldo, int64_t valid) {
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     const __m256i m0 = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)valid), lane);
     const __m256i m1 = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)valid - 8), lane);
@@ -441,8 +441,8 @@ static inline __attribute__((always_inline)) void panel_block(const int rows, co
 }
 
 static int gemm_panels(const int bits, const float *x, int64_t M, int64_t K, int64_t ldx,
-                    const uint8_t *wc, const uint16_t *wd, const uint16_t *wm, int64_t N,
-                    int64_t bpg, float *out, int64_t ldo, int threads) {
+                       const uint8_t *wc, const uint16_t *wd, const uint16_t *wm, int64_t N,
+                       int64_t bpg, float *out, int64_t ldo, int threads) {
     const int64_t nb = K / QK, groups = nb / bpg, tiles = (N + 7) / 8;
     const int64_t panels = (tiles + 1) / 2;
     const int64_t tile_bytes = 8 * (bits == 4 ? K / 2 : K);
@@ -508,7 +508,6 @@ static int gemm(const int bits, const float *x, int64_t M, int64_t K, int64_t ld
         return gemm_panels(bits, x, M, K, ldx, wc, wd, wm, N, bpg, out, ldo, threads);
     const int64_t nb = K / QK, tiles = (N + 7) / 8;
     const int mode = !fine ? Q_INT8 : bits == 4 ? Q_HILO : Q_INT16;
-    if (threads < 1) threads = 1;
     if (threads > tiles) threads = (int)tiles;
     /* A few rows (decode) are quantised by every thread into its own copy, so the only
      * synchronisation is the region's end: each barrier is a chance to wait a whole

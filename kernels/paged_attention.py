@@ -34,8 +34,10 @@ def write_kv(
         triton_kv.write_kv(k_cache, v_cache, k, v, slot_mapping, k_scale, v_scale)
         return
     if k_cache.dtype == FP8_DTYPE:
-        if _native_write(k, k_cache, k_scale, slot_mapping) and _native_write(
-            v, v_cache, v_scale, slot_mapping
+        if (
+            cpu_ops.enabled(k)
+            and cpu_ops.write_supported(k_cache, k_scale, k, slot_mapping)
+            and cpu_ops.write_supported(v_cache, v_scale, v, slot_mapping)
         ):
             # one C pass per pool instead of about twenty small torch ops (same bits: tests)
             cpu_ops.write_kv(k_cache, k_scale, k, slot_mapping)
@@ -47,19 +49,6 @@ def write_kv(
     nb, bs, h, d = k_cache.shape
     k_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
-
-
-def _native_write(
-    x: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor
-) -> bool:
-    return (
-        cpu_ops.enabled(x)
-        and cpu_ops.pool_supported(cache, scales)
-        and x.stride(2) == 1
-        and x.stride(1) == x.shape[2]
-        and slots.dtype == torch.int64
-        and slots.is_contiguous()
-    )
 
 
 def gather_kv(

@@ -49,6 +49,12 @@
 
 #define QK 32
 #define MR 4
+/* Few rows stream the weights once and wait on memory, so the tile loop prefetches: 4-bit
+ * codes (one stream per tile, tiles back to back) this many bytes ahead, 8-bit codes (eight
+ * column streams a tile, each a row of K bytes) at the next tile's same block. Measured at
+ * batch 1 on SmolLM2's projections: the 4-bit sweep about 10% faster, the 8-bit lm_head
+ * about twice as fast (eight short streams the hardware prefetcher did not follow). */
+#define AHEAD4 2048
 
 int kvg_lowbit_abi(void) { return 1; }
 
@@ -253,6 +259,8 @@ static inline __attribute__((always_inline)) void tile(
         }
         if (bits == 4) {
             const uint8_t *p = wc + b * (8 * QK / 2);
+            _mm_prefetch((const char *)(p + AHEAD4), _MM_HINT_T0);
+            _mm_prefetch((const char *)(p + AHEAD4 + 64), _MM_HINT_T0);
             __m256i w[8];
             for (int j = 0; j < 4; ++j) { /* one load, three ops: 64 weights */
                 const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 32 * j));
@@ -263,6 +271,7 @@ static inline __attribute__((always_inline)) void tile(
         } else {
             __m256i w[8], aw[8];
             for (int c = 0; c < 8; ++c) {
+                _mm_prefetch((const char *)(wc + (8 + c) * K + b * QK), _MM_HINT_T0); /* next tile */
                 w[c] = _mm256_loadu_si256((const __m256i *)(wc + c * K + b * QK));
                 aw[c] = _mm256_sign_epi8(w[c], w[c]);
             }

@@ -31,6 +31,10 @@
  *
  * From `kvg_panel_rows` rows a `fine` GEMM leaves the integers: see `gemm_panels`.
  *
+ * The integer dots (`lowbit_dots.h`) are compiled twice into this file: for AVX2, and for
+ * AVX-512 VNNI under a function target attribute, picked per call (`kvg_vnni`: the CPU's
+ * answer by default), the same integers and so the same bits either way.
+ *
  * Threads: one OpenMP region per call, linked against the OpenMP runtime torch itself loaded
  * (one thread team for torch's ops and ours, no second runtime spinning beside it). Rows are
  * quantised split over threads, then output columns are split; each thread walks its columns
@@ -61,6 +65,26 @@ int kvg_lowbit_abi(void) { return 1; }
 /* From this many rows a `fine` GEMM multiplies fp32 panels (`gemm_panels`): below it the
  * int16 dots win, the dequantisation shared by too few rows (measured, SmolLM2's shapes). */
 int kvg_panel_rows = 16;
+
+/* Whether the integer dots run their AVX-512 VNNI copy (lowbit_dots.h): -1 until the first
+ * GEMM asks the CPU, then 0 or 1; `kvg_vnni` sets or reads it. */
+static int vnni_on = -1;
+
+static int vnni_supported(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+}
+
+/* on: 1 or 0 sets (1 only where the CPU has AVX-512 VNNI), -1 only reads. Returns the state
+ * before, or -2 when asked for VNNI on a CPU without it (nothing changed). */
+int kvg_vnni(int on) {
+    if (vnni_on < 0) vnni_on = vnni_supported();
+    const int before = vnni_on;
+    if (on == 1 && !vnni_supported()) return -2;
+    if (on == 0 || on == 1) vnni_on = on;
+    return before;
+}
 
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -166,168 +190,21 @@ static inline __m256i reduce8(__m256i d0, __m256i d1, __m256i d2, __m256i d3, __
                             _mm256_permute2x128_si256(q0, q1, 0x31));
 }
 
-/* 8-bit: one weight block (eight columns' codes w, |w| in aw) against `rows` activation rows:
- * eight integer dots per row, reduced to one vector of eight column sums, scaled. */
-static inline __attribute__((always_inline)) void block8(
-    const int fine, const int rows, const __m256i *w, const __m256i *aw, const void *xq,
-    const float *xe, const float *xes, int64_t K, int64_t nb, int64_t b, __m256 dv, __m256 mv,
-    int has_m, __m256 *acc, __m256 *corr) {
-    const __m256i ones = _mm256_set1_epi16(1), zero = _mm256_setzero_si256();
-    __m256i wa[8], wb[8];
-    if (fine) /* codes widened to int16 once for all rows, in the activations' order */
-        for (int c = 0; c < 8; ++c) {
-            const __m256i ext = _mm256_cmpgt_epi8(zero, w[c]);
-            wa[c] = _mm256_unpacklo_epi8(w[c], ext);
-            wb[c] = _mm256_unpackhi_epi8(w[c], ext);
-        }
-    for (int r = 0; r < rows; ++r) {
-        __m256i d[8];
-        if (fine) {
-            const int16_t *x16 = (const int16_t *)xq + r * K + b * QK;
-            const __m256i xa = _mm256_loadu_si256((const __m256i *)x16);
-            const __m256i xb = _mm256_loadu_si256((const __m256i *)(x16 + 16));
-            for (int c = 0; c < 8; ++c)
-                d[c] = _mm256_add_epi32(_mm256_madd_epi16(wa[c], xa), _mm256_madd_epi16(wb[c], xb));
-        } else {
-            const __m256i x = _mm256_loadu_si256((const __m256i *)((const int8_t *)xq + r * K + b * QK));
-            for (int c = 0; c < 8; ++c)
-                d[c] = _mm256_madd_epi16(_mm256_maddubs_epi16(aw[c], _mm256_sign_epi8(x, w[c])), ones);
-        }
-        const __m256 s = _mm256_cvtepi32_ps(reduce8(d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7]));
-        acc[r] = _mm256_fmadd_ps(s, _mm256_mul_ps(dv, _mm256_broadcast_ss(xe + r * nb + b)), acc[r]);
-        if (has_m) corr[r] = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(xes + r * nb + b), corr[r]);
-    }
-}
-
 static inline int32_t load32(const void *p) {
     int32_t v;
     memcpy(&v, p, sizeof v);
     return v;
 }
 
-/* 4-bit: one vertical weight block (w[g]: eight columns' weights 4g..4g+3 of the block, codes
- * 0..15) against `rows` activation rows; each lane of the integer sum is one column's dot. */
-static inline __attribute__((always_inline)) void block4(
-    const int fine, const int rows, const __m256i *w, const int8_t *xh, const uint8_t *xl,
-    const float *xe, const float *xes, int64_t K, int64_t nb, int64_t b, __m256 dv, __m256 mv,
-    int has_m, __m256 *acc, __m256 *corr) {
-    const __m256i ones = _mm256_set1_epi16(1), s256 = _mm256_set1_epi16(256);
-    for (int r = 0; r < rows; ++r) {
-        const int8_t *h = xh + r * K + b * QK;
-        /* int16 sums of eight products of 15 x 128 at most: no saturation */
-        __m256i ph = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(load32(h)));
-        for (int g = 1; g < 8; ++g)
-            ph = _mm256_add_epi16(ph, _mm256_maddubs_epi16(w[g], _mm256_set1_epi32(load32(h + 4 * g))));
-        __m256i s;
-        if (fine) {
-            /* low bytes up to 255: four products a sum (4 x 2 x 255 x 15 < 2^15) */
-            const uint8_t *l = xl + r * K + b * QK;
-            __m256i pa = _mm256_maddubs_epi16(_mm256_set1_epi32(load32(l)), w[0]);
-            __m256i pb = _mm256_maddubs_epi16(_mm256_set1_epi32(load32(l + 16)), w[4]);
-            for (int g = 1; g < 4; ++g) {
-                pa = _mm256_add_epi16(pa, _mm256_maddubs_epi16(_mm256_set1_epi32(load32(l + 4 * g)), w[g]));
-                pb = _mm256_add_epi16(pb, _mm256_maddubs_epi16(_mm256_set1_epi32(load32(l + 16 + 4 * g)), w[g + 4]));
-            }
-            s = _mm256_add_epi32(_mm256_madd_epi16(ph, s256),
-                                 _mm256_add_epi32(_mm256_madd_epi16(pa, ones), _mm256_madd_epi16(pb, ones)));
-        } else {
-            s = _mm256_madd_epi16(ph, ones);
-        }
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dv, _mm256_broadcast_ss(xe + r * nb + b)), acc[r]);
-        if (has_m) corr[r] = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(xes + r * nb + b), corr[r]);
-    }
-}
-
-/* Eight output columns (one tile; 8-bit codes of column c at wc + c*K, 4-bit codes of the
- * tile at wc) for `rows` (1..MR, a constant after inlining) activation rows: `xq` is the int8
- * or int16 (8-bit weights) or the high bytes (4-bit, `fine`; the low bytes at `xl`). */
-static inline __attribute__((always_inline)) void tile(
-    const int bits, const int fine, const int rows, const void *xq, const uint8_t *xl,
-    const float *xe, const float *xes, int64_t K, const uint8_t *wc, const uint16_t *wd,
-    const uint16_t *wm, int64_t bpg, float *out, int64_t ldo, int64_t valid) {
-    const int64_t nb = K / QK;
-    const __m256i lo4 = _mm256_set1_epi8(0x0f);
-    const int has_m = wm != NULL;
-    __m256 acc[MR], corr[MR];
-    for (int r = 0; r < rows; ++r) acc[r] = corr[r] = _mm256_setzero_ps();
-    __m256 dv = _mm256_setzero_ps(), mv = _mm256_setzero_ps();
-    int64_t g = 0, k = 0; /* group of block b, and b's place in it */
-    for (int64_t b = 0; b < nb; ++b) {
-        if (k == 0) {
-            dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wd + g * 8)));
-            if (has_m) mv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wm + g * 8)));
-        }
-        if (bits == 4) {
-            const uint8_t *p = wc + b * (8 * QK / 2);
-            _mm_prefetch((const char *)(p + AHEAD4), _MM_HINT_T0);
-            _mm_prefetch((const char *)(p + AHEAD4 + 64), _MM_HINT_T0);
-            __m256i w[8];
-            for (int j = 0; j < 4; ++j) { /* one load, three ops: 64 weights */
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 32 * j));
-                w[2 * j] = _mm256_and_si256(v, lo4);
-                w[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
-            }
-            block4(fine, rows, w, (const int8_t *)xq, xl, xe, xes, K, nb, b, dv, mv, has_m, acc, corr);
-        } else {
-            __m256i w[8], aw[8];
-            for (int c = 0; c < 8; ++c) {
-                _mm_prefetch((const char *)(wc + (8 + c) * K + b * QK), _MM_HINT_T0); /* next tile */
-                w[c] = _mm256_loadu_si256((const __m256i *)(wc + c * K + b * QK));
-                aw[c] = _mm256_sign_epi8(w[c], w[c]);
-            }
-            block8(fine, rows, w, aw, xq, xe, xes, K, nb, b, dv, mv, has_m, acc, corr);
-        }
-        if (++k == bpg) {
-            k = 0;
-            ++g;
-        }
-    }
-    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)valid), lane);
-    for (int r = 0; r < rows; ++r) {
-        const __m256 v = _mm256_add_ps(acc[r], corr[r]);
-        if (valid >= 8) _mm256_storeu_ps(out + r * ldo, v);
-        else _mm256_maskstore_ps(out + r * ldo, mask, v);
-    }
-}
-
-#define TILE_ROWS(BITS, FINE)                                                                \
-    switch (rows) {                                                                          \
-    case 4: tile(BITS, FINE, 4, xr, lr, er, esr, K, c, d, m, bpg, o, ldo, valid); break;     \
-    case 3: tile(BITS, FINE, 3, xr, lr, er, esr, K, c, d, m, bpg, o, ldo, valid); break;     \
-    case 2: tile(BITS, FINE, 2, xr, lr, er, esr, K, c, d, m, bpg, o, ldo, valid); break;     \
-    default: tile(BITS, FINE, 1, xr, lr, er, esr, K, c, d, m, bpg, o, ldo, valid); break;    \
-    }
-
-static void columns(const int bits, const int fine, int64_t M, int64_t K, const void *xq,
-                    const uint8_t *xl, const float *xe, const float *xes, const uint8_t *wc,
-                    const uint16_t *wd, const uint16_t *wm, int64_t N, int64_t bpg, int64_t t0,
-                    int64_t t1, float *out, int64_t ldo) {
-    const int64_t nb = K / QK, groups = nb / bpg;
-    const int64_t tile_bytes = 8 * (bits == 4 ? K / 2 : K);
-    const int64_t x_bytes = bits == 8 && fine ? 2 : 1;
-    int64_t chunk = (24 * 1024) / tile_bytes; /* column tiles whose codes stay in L1 */
-    if (chunk < 1) chunk = 1;
-    for (int64_t c0 = t0; c0 < t1; c0 += chunk) {
-        const int64_t c1 = c0 + chunk < t1 ? c0 + chunk : t1;
-        for (int64_t m0 = 0; m0 < M; m0 += MR) {
-            const int64_t rows = M - m0 < MR ? M - m0 : MR;
-            const void *xr = (const char *)xq + m0 * K * x_bytes;
-            const uint8_t *lr = xl + m0 * K;
-            const float *er = xe + m0 * nb, *esr = xes + m0 * nb;
-            for (int64_t t = c0; t < c1; ++t) {
-                const uint8_t *c = wc + t * tile_bytes;
-                const uint16_t *d = wd + t * groups * 8, *m = wm ? wm + t * groups * 8 : NULL;
-                float *o = out + m0 * ldo + t * 8;
-                const int64_t valid = N - t * 8;
-                if (bits == 4 && fine) TILE_ROWS(4, 1)
-                else if (bits == 4) TILE_ROWS(4, 0)
-                else if (fine) TILE_ROWS(8, 1)
-                else TILE_ROWS(8, 0)
-            }
-        }
-    }
-}
+/* The integer-dot kernels (few rows): compiled twice, AVX2 and AVX-512 VNNI, picked per call. */
+#define DOTS(name) name
+#include "lowbit_dots.h"
+#undef DOTS
+#define DOTS_VNNI 1
+#define DOTS(name) name##_vnni
+#include "lowbit_dots.h"
+#undef DOTS
+#undef DOTS_VNNI
 
 /* ---- fp32 panels: the `fine` GEMM from `kvg_panel_rows` activation rows ----------------------
  * int16 activations cost two `vpmaddubsw` (high and low bytes) per 32 multiply-adds, plus the
@@ -526,6 +403,7 @@ static int gemm(const int bits, const float *x, int64_t M, int64_t K, int64_t ld
     const size_t region = qbytes + ((2 * M * nb * sizeof(float) + 63) & ~(size_t)63);
     char *ws = aligned_alloc(64, region * (own ? (size_t)threads : 1));
     if (!ws) return -1;
+    const int vnni = kvg_vnni(-1) == 1;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         int t, T;
@@ -541,7 +419,9 @@ static int gemm(const int bits, const float *x, int64_t M, int64_t K, int64_t ld
 #pragma omp barrier
         }
         const int64_t t0 = tiles * t / T, t1 = tiles * (t + 1) / T;
-        if (t0 < t1)
+        if (t0 < t1 && vnni)
+            columns_vnni(bits, fine, M, K, mine, lo, xe, xes, wc, wd, wm, N, bpg, t0, t1, out, ldo);
+        else if (t0 < t1)
             columns(bits, fine, M, K, mine, lo, xe, xes, wc, wd, wm, N, bpg, t0, t1, out, ldo);
     }
     free(ws);

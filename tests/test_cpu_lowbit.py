@@ -188,7 +188,49 @@ def test_panel_rows_moves_the_switch() -> None:
         assert rel(layer(x), quantise_like_the_kernel(x, fine=True) @ stored.T) <= 1e-5
     finally:
         cpu_lowbit.panel_rows(before)
-    assert cpu_lowbit.panel_rows() == before == 16
+    assert cpu_lowbit.panel_rows() == before == cpu_lowbit.PANEL_ROWS[cpu_lowbit.vnni()]
+
+
+def cpu_has_vnni() -> bool:
+    flags = next(
+        ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")
+    )
+    return {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= set(flags.split(":")[1].split())
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0", "asym64"])
+def test_the_vnni_dots_give_the_avx2_dots_bits(fmt: str) -> None:
+    """Where the CPU has AVX-512 VNNI the integer dots run their VNNI copy by default (and the
+    panels start later), and it gives the AVX2 copy's bits: int16 and int8 activations, one to
+    a hundred rows (tiles of four rows and their remainders), a partial last tile of columns,
+    threads one and two. Without VNNI the AVX2 dots serve and asking for VNNI is refused."""
+    have = cpu_has_vnni()
+    assert cpu_lowbit.vnni() == have
+    assert cpu_lowbit.panel_rows() == cpu_lowbit.PANEL_ROWS[have] == (64 if have else 16)
+    if not have:
+        with pytest.raises(ValueError, match="AVX-512 VNNI"):
+            cpu_lowbit.vnni(True)
+        assert cpu_lowbit.vnni() is False
+        return
+    spec = gguf_like(fmt, 75, 576, seed=5)
+    layers = [QuantizedLinear(spec), QuantizedLinear(spec, approximate=True)]
+    rows_before, threads_before = cpu_lowbit.panel_rows(1 << 30), torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for rows in (1, 2, 3, 4, 5, 7, 8, 13, 100):
+                x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows)) * 3
+                for layer in layers:
+                    cpu_lowbit.vnni(True)
+                    fast = layer(x)
+                    assert cpu_lowbit.vnni(False) is True
+                    plain = layer(x)
+                    assert torch.equal(fast, plain), (fmt, layer.fine, rows, threads)
+    finally:
+        cpu_lowbit.vnni(True)
+        cpu_lowbit.panel_rows(rows_before)
+        torch.set_num_threads(threads_before)
+    assert cpu_lowbit.vnni() is True and cpu_lowbit.panel_rows() == rows_before
 
 
 def test_without_a_compiler_the_torch_kernels_serve(

@@ -1,0 +1,204 @@
+/* kvguard CPU low-bit GEMMs: the integer-dot kernels for a few activation rows (decode), as
+ * lowbit.c includes them twice: once for AVX2 (`vpmaddubsw`, `vpmaddwd`), once with DOTS_VNNI
+ * for CPUs with AVX-512 VNNI (`vpdpbusd`, `vpdpwssd` on 256-bit registers: one instruction
+ * where AVX2 needs two or three, and 32 vector registers), each function renamed by DOTS(name)
+ * and, in the VNNI copy, compiled for that target alone, so the rest of the library keeps its
+ * AVX2 code (compiled whole with AVX-512 enabled, the fp32 panels ran about 15% slower on an
+ * AVX-512 Zen core). Both copies compute the same integers, hence the same bits: the VNNI
+ * instructions sum the very products the AVX2 ones do, in int32, and none of the AVX2 int16
+ * sums saturates (see block4 and block8). */
+#ifdef DOTS_VNNI
+#define DOTS_FN __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+#else
+#define DOTS_FN
+#endif
+
+/* 8-bit: one weight block (eight columns' codes w, |w| in aw) against `rows` activation rows:
+ * eight integer dots per row, reduced to one vector of eight column sums, scaled. */
+static inline __attribute__((always_inline)) DOTS_FN void DOTS(block8)(
+    const int fine, const int rows, const __m256i *w, const __m256i *aw, const void *xq,
+    const float *xe, const float *xes, int64_t K, int64_t nb, int64_t b, __m256 dv, __m256 mv,
+    int has_m, __m256 *acc, __m256 *corr) {
+    const __m256i ones = _mm256_set1_epi16(1), zero = _mm256_setzero_si256();
+    (void)ones; /* the VNNI copy needs no pair sums */
+    __m256i wa[8], wb[8];
+    if (fine) /* codes widened to int16 once for all rows, in the activations' order */
+        for (int c = 0; c < 8; ++c) {
+            const __m256i ext = _mm256_cmpgt_epi8(zero, w[c]);
+            wa[c] = _mm256_unpacklo_epi8(w[c], ext);
+            wb[c] = _mm256_unpackhi_epi8(w[c], ext);
+        }
+    for (int r = 0; r < rows; ++r) {
+        __m256i d[8];
+        if (fine) {
+            const int16_t *x16 = (const int16_t *)xq + r * K + b * QK;
+            const __m256i xa = _mm256_loadu_si256((const __m256i *)x16);
+            const __m256i xb = _mm256_loadu_si256((const __m256i *)(x16 + 16));
+            for (int c = 0; c < 8; ++c)
+#ifdef DOTS_VNNI
+                d[c] = _mm256_dpwssd_epi32(_mm256_madd_epi16(wa[c], xa), wb[c], xb);
+#else
+                d[c] = _mm256_add_epi32(_mm256_madd_epi16(wa[c], xa), _mm256_madd_epi16(wb[c], xb));
+#endif
+        } else {
+            const __m256i x = _mm256_loadu_si256((const __m256i *)((const int8_t *)xq + r * K + b * QK));
+            /* |w| (0..128) times x with w's sign (|x| <= 127): a pair sums to 32512 at most, so
+             * `vpmaddubsw` never saturates and `vpdpbusd` gives the same int32 */
+            for (int c = 0; c < 8; ++c)
+#ifdef DOTS_VNNI
+                d[c] = _mm256_dpbusd_epi32(_mm256_setzero_si256(), aw[c], _mm256_sign_epi8(x, w[c]));
+#else
+                d[c] = _mm256_madd_epi16(_mm256_maddubs_epi16(aw[c], _mm256_sign_epi8(x, w[c])), ones);
+#endif
+        }
+        const __m256 s = _mm256_cvtepi32_ps(reduce8(d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7]));
+        acc[r] = _mm256_fmadd_ps(s, _mm256_mul_ps(dv, _mm256_broadcast_ss(xe + r * nb + b)), acc[r]);
+        if (has_m) corr[r] = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(xes + r * nb + b), corr[r]);
+    }
+}
+
+/* 4-bit: one vertical weight block (w[g]: eight columns' weights 4g..4g+3 of the block, codes
+ * 0..15) against `rows` activation rows; each lane of the integer sum is one column's dot. */
+static inline __attribute__((always_inline)) DOTS_FN void DOTS(block4)(
+    const int fine, const int rows, const __m256i *w, const int8_t *xh, const uint8_t *xl,
+    const float *xe, const float *xes, int64_t K, int64_t nb, int64_t b, __m256 dv, __m256 mv,
+    int has_m, __m256 *acc, __m256 *corr) {
+#ifdef DOTS_VNNI
+    for (int r = 0; r < rows; ++r) {
+        /* the same integer dots, each `vpdpbusd` summing four u8 x s8 products into a lane */
+        const int8_t *h = xh + r * K + b * QK;
+        __m256i s = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w[0], _mm256_set1_epi32(load32(h)));
+        for (int g = 1; g < 8; ++g)
+            s = _mm256_dpbusd_epi32(s, w[g], _mm256_set1_epi32(load32(h + 4 * g)));
+        if (fine) {
+            const uint8_t *l = xl + r * K + b * QK;
+            __m256i sl = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi32(load32(l)), w[0]);
+            for (int g = 1; g < 8; ++g)
+                sl = _mm256_dpbusd_epi32(sl, _mm256_set1_epi32(load32(l + 4 * g)), w[g]);
+            s = _mm256_add_epi32(_mm256_slli_epi32(s, 8), sl);
+        }
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dv, _mm256_broadcast_ss(xe + r * nb + b)), acc[r]);
+        if (has_m) corr[r] = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(xes + r * nb + b), corr[r]);
+    }
+#else
+    const __m256i ones = _mm256_set1_epi16(1), s256 = _mm256_set1_epi16(256);
+    for (int r = 0; r < rows; ++r) {
+        const int8_t *h = xh + r * K + b * QK;
+        /* int16 sums of eight products of 15 x 128 at most: no saturation */
+        __m256i ph = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(load32(h)));
+        for (int g = 1; g < 8; ++g)
+            ph = _mm256_add_epi16(ph, _mm256_maddubs_epi16(w[g], _mm256_set1_epi32(load32(h + 4 * g))));
+        __m256i s;
+        if (fine) {
+            /* low bytes up to 255: four products a sum (4 x 2 x 255 x 15 < 2^15) */
+            const uint8_t *l = xl + r * K + b * QK;
+            __m256i pa = _mm256_maddubs_epi16(_mm256_set1_epi32(load32(l)), w[0]);
+            __m256i pb = _mm256_maddubs_epi16(_mm256_set1_epi32(load32(l + 16)), w[4]);
+            for (int g = 1; g < 4; ++g) {
+                pa = _mm256_add_epi16(pa, _mm256_maddubs_epi16(_mm256_set1_epi32(load32(l + 4 * g)), w[g]));
+                pb = _mm256_add_epi16(pb, _mm256_maddubs_epi16(_mm256_set1_epi32(load32(l + 16 + 4 * g)), w[g + 4]));
+            }
+            s = _mm256_add_epi32(_mm256_madd_epi16(ph, s256),
+                                 _mm256_add_epi32(_mm256_madd_epi16(pa, ones), _mm256_madd_epi16(pb, ones)));
+        } else {
+            s = _mm256_madd_epi16(ph, ones);
+        }
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dv, _mm256_broadcast_ss(xe + r * nb + b)), acc[r]);
+        if (has_m) corr[r] = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(xes + r * nb + b), corr[r]);
+    }
+#endif
+}
+
+/* Eight output columns (one tile; 8-bit codes of column c at wc + c*K, 4-bit codes of the
+ * tile at wc) for `rows` (1..MR, a constant after inlining) activation rows: `xq` is the int8
+ * or int16 (8-bit weights) or the high bytes (4-bit, `fine`; the low bytes at `xl`). */
+static inline __attribute__((always_inline)) DOTS_FN void DOTS(tile)(
+    const int bits, const int fine, const int rows, const void *xq, const uint8_t *xl,
+    const float *xe, const float *xes, int64_t K, const uint8_t *wc, const uint16_t *wd,
+    const uint16_t *wm, int64_t bpg, float *out, int64_t ldo, int64_t valid) {
+    const int64_t nb = K / QK;
+    const __m256i lo4 = _mm256_set1_epi8(0x0f);
+    const int has_m = wm != NULL;
+    __m256 acc[MR], corr[MR];
+    for (int r = 0; r < rows; ++r) acc[r] = corr[r] = _mm256_setzero_ps();
+    __m256 dv = _mm256_setzero_ps(), mv = _mm256_setzero_ps();
+    int64_t g = 0, k = 0; /* group of block b, and b's place in it */
+    for (int64_t b = 0; b < nb; ++b) {
+        if (k == 0) {
+            dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wd + g * 8)));
+            if (has_m) mv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wm + g * 8)));
+        }
+        if (bits == 4) {
+            const uint8_t *p = wc + b * (8 * QK / 2);
+            _mm_prefetch((const char *)(p + AHEAD4), _MM_HINT_T0);
+            _mm_prefetch((const char *)(p + AHEAD4 + 64), _MM_HINT_T0);
+            __m256i w[8];
+            for (int j = 0; j < 4; ++j) { /* one load, three ops: 64 weights */
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 32 * j));
+                w[2 * j] = _mm256_and_si256(v, lo4);
+                w[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
+            }
+            DOTS(block4)(fine, rows, w, (const int8_t *)xq, xl, xe, xes, K, nb, b, dv, mv, has_m, acc, corr);
+        } else {
+            __m256i w[8], aw[8];
+            for (int c = 0; c < 8; ++c) {
+                _mm_prefetch((const char *)(wc + (8 + c) * K + b * QK), _MM_HINT_T0); /* next tile */
+                w[c] = _mm256_loadu_si256((const __m256i *)(wc + c * K + b * QK));
+                aw[c] = _mm256_sign_epi8(w[c], w[c]);
+            }
+            DOTS(block8)(fine, rows, w, aw, xq, xe, xes, K, nb, b, dv, mv, has_m, acc, corr);
+        }
+        if (++k == bpg) {
+            k = 0;
+            ++g;
+        }
+    }
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)valid), lane);
+    for (int r = 0; r < rows; ++r) {
+        const __m256 v = _mm256_add_ps(acc[r], corr[r]);
+        if (valid >= 8) _mm256_storeu_ps(out + r * ldo, v);
+        else _mm256_maskstore_ps(out + r * ldo, mask, v);
+    }
+}
+
+#define TILE_ROWS(BITS, FINE)                                                                \
+    switch (rows) {                                                                          \
+    case 4: DOTS(tile)(BITS, FINE, 4, xr, lr, er, esr, K, c, d, m, bpg, o, ldo, valid); break;     \
+    case 3: DOTS(tile)(BITS, FINE, 3, xr, lr, er, esr, K, c, d, m, bpg, o, ldo, valid); break;     \
+    case 2: DOTS(tile)(BITS, FINE, 2, xr, lr, er, esr, K, c, d, m, bpg, o, ldo, valid); break;     \
+    default: DOTS(tile)(BITS, FINE, 1, xr, lr, er, esr, K, c, d, m, bpg, o, ldo, valid); break;    \
+    }
+
+static DOTS_FN void DOTS(columns)(const int bits, const int fine, int64_t M, int64_t K, const void *xq,
+                    const uint8_t *xl, const float *xe, const float *xes, const uint8_t *wc,
+                    const uint16_t *wd, const uint16_t *wm, int64_t N, int64_t bpg, int64_t t0,
+                    int64_t t1, float *out, int64_t ldo) {
+    const int64_t nb = K / QK, groups = nb / bpg;
+    const int64_t tile_bytes = 8 * (bits == 4 ? K / 2 : K);
+    const int64_t x_bytes = bits == 8 && fine ? 2 : 1;
+    int64_t chunk = (24 * 1024) / tile_bytes; /* column tiles whose codes stay in L1 */
+    if (chunk < 1) chunk = 1;
+    for (int64_t c0 = t0; c0 < t1; c0 += chunk) {
+        const int64_t c1 = c0 + chunk < t1 ? c0 + chunk : t1;
+        for (int64_t m0 = 0; m0 < M; m0 += MR) {
+            const int64_t rows = M - m0 < MR ? M - m0 : MR;
+            const void *xr = (const char *)xq + m0 * K * x_bytes;
+            const uint8_t *lr = xl + m0 * K;
+            const float *er = xe + m0 * nb, *esr = xes + m0 * nb;
+            for (int64_t t = c0; t < c1; ++t) {
+                const uint8_t *c = wc + t * tile_bytes;
+                const uint16_t *d = wd + t * groups * 8, *m = wm ? wm + t * groups * 8 : NULL;
+                float *o = out + m0 * ldo + t * 8;
+                const int64_t valid = N - t * 8;
+                if (bits == 4 && fine) TILE_ROWS(4, 1)
+                else if (bits == 4) TILE_ROWS(4, 0)
+                else if (fine) TILE_ROWS(8, 1)
+                else TILE_ROWS(8, 0)
+            }
+        }
+    }
+}
+
+#undef TILE_ROWS
+#undef DOTS_FN

@@ -65,17 +65,23 @@ static inline __attribute__((always_inline)) DOTS_FN void DOTS(block4)(
     int has_m, __m256 *acc, __m256 *corr) {
 #ifdef DOTS_VNNI
     for (int r = 0; r < rows; ++r) {
-        /* the same integer dots, each `vpdpbusd` summing four u8 x s8 products into a lane */
+        /* the same integer dots, each `vpdpbusd` summing four u8 x s8 products into a lane;
+         * two accumulators a sum, so one row's dots are not one chain of eight latencies */
         const int8_t *h = xh + r * K + b * QK;
-        __m256i s = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w[0], _mm256_set1_epi32(load32(h)));
-        for (int g = 1; g < 8; ++g)
-            s = _mm256_dpbusd_epi32(s, w[g], _mm256_set1_epi32(load32(h + 4 * g)));
+        __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+        for (int g = 0; g < 8; g += 2) {
+            s0 = _mm256_dpbusd_epi32(s0, w[g], _mm256_set1_epi32(load32(h + 4 * g)));
+            s1 = _mm256_dpbusd_epi32(s1, w[g + 1], _mm256_set1_epi32(load32(h + 4 * g + 4)));
+        }
+        __m256i s = _mm256_add_epi32(s0, s1);
         if (fine) {
             const uint8_t *l = xl + r * K + b * QK;
-            __m256i sl = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi32(load32(l)), w[0]);
-            for (int g = 1; g < 8; ++g)
-                sl = _mm256_dpbusd_epi32(sl, _mm256_set1_epi32(load32(l + 4 * g)), w[g]);
-            s = _mm256_add_epi32(_mm256_slli_epi32(s, 8), sl);
+            __m256i l0 = _mm256_setzero_si256(), l1 = _mm256_setzero_si256();
+            for (int g = 0; g < 8; g += 2) {
+                l0 = _mm256_dpbusd_epi32(l0, _mm256_set1_epi32(load32(l + 4 * g)), w[g]);
+                l1 = _mm256_dpbusd_epi32(l1, _mm256_set1_epi32(load32(l + 4 * g + 4)), w[g + 1]);
+            }
+            s = _mm256_add_epi32(_mm256_slli_epi32(s, 8), _mm256_add_epi32(l0, l1));
         }
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dv, _mm256_broadcast_ss(xe + r * nb + b)), acc[r]);
         if (has_m) corr[r] = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(xes + r * nb + b), corr[r]);

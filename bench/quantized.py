@@ -99,9 +99,14 @@ class Kvguard:
         from collections import Counter
 
         from kvguard.engine.layers.quantized_linear import QuantizedLinear
+        from kvguard.kernels import cpu_lowbit
 
         layers = [m for m in self.engine.model.modules() if isinstance(m, QuantizedLinear)]
-        return ", ".join(f"{k} x{n}" for k, n in sorted(Counter(m.kernel for m in layers).items()))
+        used = ", ".join(f"{k} x{n}" for k, n in sorted(Counter(m.kernel for m in layers).items()))
+        if not cpu_lowbit.available():
+            return used
+        dots = "AVX-512 VNNI" if cpu_lowbit.vnni() else "AVX2"
+        return f"{used} ({dots} integer dots, fp32 panels from {cpu_lowbit.panel_rows()} rows)"
 
     def serve(self, reqs: Sequence[TraceRequest]) -> list[list[int]]:
         params = [greedy(r.output_len) for r in reqs]

@@ -106,7 +106,9 @@ class Kvguard:
         if not cpu_lowbit.available():
             return used
         dots = "AVX-512 VNNI" if cpu_lowbit.vnni() else "AVX2"
-        return f"{used} ({dots} integer dots, fp32 panels from {cpu_lowbit.panel_rows()} rows)"
+        rows = cpu_lowbit.panel_rows()
+        panels = "never" if rows == 2**31 - 1 else f"from {rows} rows"
+        return f"{used} ({dots} integer dots; 4-bit fp32 panels: {panels})"
 
     def serve(self, reqs: Sequence[TraceRequest]) -> list[list[int]]:
         params = [greedy(r.output_len) for r in reqs]

@@ -8,8 +8,8 @@ activations quantised to int8 per block of 32, each block a `vpmaddubsw` dot wit
 8-bit weight codes. With int16 activations and enough rows (`panel_rows()`, 16) FMAs win
 instead: the kernel dequantises sixteen weight columns at a time into an fp32 panel and
 multiplies the activations as they are. Where the CPU has AVX-512 VNNI the integer dots run
-a VNNI copy compiled into the same library (`vnni()`; same bits), which leads the panels up to
-64 rows (`PANEL_ROWS`). The C source ships with the package and is compiled
+a VNNI copy compiled into the same library (`vnni()`; same bits); for 4-bit weights it leads
+or ties the panels at any batch, so they take the dots at every batch there. The C source ships with the package and is compiled
 once per source and flags into the kvguard cache (`$KVGUARD_HOME/kernels`, default
 `~/.cache/kvguard/kernels`), written under a temporary name and renamed, so two processes
 compiling at once both end with a whole library. ctypes drops the GIL for the call.
@@ -48,10 +48,6 @@ HEADERS = tuple(Path(__file__).with_name(f) for f in ("kvg_cpu.h", "lowbit_dots.
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-fopenmp", "-std=c11")
 CPU_FLAGS = ("avx2", "fma", "f16c")
 BLOCK = 32  # activation and weight block: one scale per 32 values
-# From how many int16 rows the fp32 panels beat the integer dots: AVX2 dots (0), AVX-512 VNNI
-# dots (1). Measured on SmolLM2's projections, 2 threads: the AVX2 dots fall behind from 16
-# rows; the VNNI ones lead the panels by 10-35% up to 64 rows and run level from about 96.
-PANEL_ROWS = {0: 16, 1: 64}
 TILE = 8  # output columns a kernel tile computes side by side
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
@@ -157,10 +153,7 @@ def library() -> ctypes.CDLL | None:
             if not path.exists():
                 path.parent.mkdir(parents=True, exist_ok=True)
                 _build(cc, path)
-            lib = _load(path)
-            # the rows from which fp32 panels beat the integer dots, for the dots this CPU runs
-            ctypes.c_int.in_dll(lib, "kvg_panel_rows").value = PANEL_ROWS[lib.kvg_vnni(-1)]
-            return lib
+            return _load(path)
         except (OSError, subprocess.CalledProcessError) as e:
             detail = getattr(e, "stderr", "") or str(e)
             problem = f"building {path.name} failed: {detail.strip()[:500]}"
@@ -205,13 +198,17 @@ def _gemm(
     return out
 
 
-def panel_rows(rows: int | None = None) -> int:
-    """From how many activation rows a `fine` GEMM multiplies fp32 panels of the dequantised
-    weight instead of int16 dots (`gemm_panels` in lowbit.c); `rows` sets it (tests, benchmarks:
-    a huge value keeps the integer dots at any batch). Returns the value before."""
+def panel_rows(rows: int | None = None, bits: int = 4) -> int:
+    """From how many activation rows a `fine` GEMM of `bits`-bit weights multiplies fp32 panels
+    of the dequantised weight instead of int16 dots (`gemm_panels` in lowbit.c), on the dots
+    this process runs: 16 (8-bit weights, and 4-bit ones on the AVX2 dots), never (2**31 - 1:
+    4-bit weights on the VNNI dots, which lead or tie the panels at every batch). `rows` sets
+    that threshold (tests, benchmarks: a huge value keeps the integer dots at any batch, 1 puts
+    every batch on panels). Returns the value before."""
     lib = library()
     assert lib is not None, "cpu_lowbit.library() is None: check available() first"
-    var = ctypes.c_int.in_dll(lib, "kvg_panel_rows")
+    name = "kvg_panel_rows_vnni4" if bits == 4 and vnni() else "kvg_panel_rows"
+    var = ctypes.c_int.in_dll(lib, name)
     before = var.value
     if rows is not None:
         var.value = max(1, min(rows, 2**31 - 1))
@@ -219,7 +216,7 @@ def panel_rows(rows: int | None = None) -> int:
 
 
 def vnni(on: bool | None = None) -> bool:
-    """Whether the integer dots (fewer than `panel_rows()` int16 rows, any int8 rows) run their
+    """Whether the integer dots (int16 rows below `panel_rows()`, any int8 rows) run their
     AVX-512 VNNI copy: on by default where the CPU has AVX-512 F/BW/VL/VNNI, same bits as the
     AVX2 copy. `on` switches it (tests, benchmarks); True on a CPU without VNNI raises
     ValueError. Returns the state before."""

@@ -65,6 +65,10 @@ int kvg_lowbit_abi(void) { return 1; }
 /* From this many rows a `fine` GEMM multiplies fp32 panels (`gemm_panels`): below it the
  * int16 dots win, the dequantisation shared by too few rows (measured, SmolLM2's shapes). */
 int kvg_panel_rows = 16;
+/* The same for 4-bit codes on the VNNI dots: measured, they lead or tie the panels at every
+ * batch up to 2048 rows once their rows go in L2-sized stretches, so panels only when asked
+ * (8-bit codes keep `kvg_panel_rows`: their panels win from 32 rows even against VNNI). */
+int kvg_panel_rows_vnni4 = INT32_MAX;
 
 /* Whether the integer dots run their AVX-512 VNNI copy (lowbit_dots.h): -1 until the first
  * GEMM asks the CPU, then 0 or 1; `kvg_vnni` sets or reads it. */
@@ -390,7 +394,8 @@ static int gemm(const int bits, const float *x, int64_t M, int64_t K, int64_t ld
                 float *out, int64_t ldo, int threads, int fine) {
     if (K % (2 * QK) || bpg < 1 || (K / QK) % bpg) return -2;
     if (threads < 1) threads = 1;
-    if (fine && M >= kvg_panel_rows)
+    const int vnni = kvg_vnni(-1) == 1;
+    if (fine && M >= (vnni && bits == 4 ? kvg_panel_rows_vnni4 : kvg_panel_rows))
         return gemm_panels(bits, x, M, K, ldx, wc, wd, wm, N, bpg, out, ldo, threads);
     const int64_t nb = K / QK, tiles = (N + 7) / 8;
     const int mode = !fine ? Q_INT8 : bits == 4 ? Q_HILO : Q_INT16;
@@ -403,7 +408,6 @@ static int gemm(const int bits, const float *x, int64_t M, int64_t K, int64_t ld
     const size_t region = qbytes + ((2 * M * nb * sizeof(float) + 63) & ~(size_t)63);
     char *ws = aligned_alloc(64, region * (own ? (size_t)threads : 1));
     if (!ws) return -1;
-    const int vnni = kvg_vnni(-1) == 1;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         int t, T;

@@ -7,6 +7,9 @@
  * AVX-512 Zen core). Both copies compute the same integers, hence the same bits: the VNNI
  * instructions sum the very products the AVX2 ones do, in int32, and none of the AVX2 int16
  * sums saturates (see block4 and block8). */
+#ifndef DOTS_L2_BYTES
+#define DOTS_L2_BYTES (192 * 1024) /* activations a row stretch may hold (a core's L2: 0.5-2 MiB) */
+#endif
 #ifdef DOTS_VNNI
 #define DOTS_FN __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 #else
@@ -185,22 +188,30 @@ static DOTS_FN void DOTS(columns)(const int bits, const int fine, int64_t M, int
     const int64_t x_bytes = bits == 8 && fine ? 2 : 1;
     int64_t chunk = (24 * 1024) / tile_bytes; /* column tiles whose codes stay in L1 */
     if (chunk < 1) chunk = 1;
-    for (int64_t c0 = t0; c0 < t1; c0 += chunk) {
-        const int64_t c1 = c0 + chunk < t1 ? c0 + chunk : t1;
-        for (int64_t m0 = 0; m0 < M; m0 += MR) {
-            const int64_t rows = M - m0 < MR ? M - m0 : MR;
-            const void *xr = (const char *)xq + m0 * K * x_bytes;
-            const uint8_t *lr = xl + m0 * K;
-            const float *er = xe + m0 * nb, *esr = xes + m0 * nb;
-            for (int64_t t = c0; t < c1; ++t) {
-                const uint8_t *c = wc + t * tile_bytes;
-                const uint16_t *d = wd + t * groups * 8, *m = wm ? wm + t * groups * 8 : NULL;
-                float *o = out + m0 * ldo + t * 8;
-                const int64_t valid = N - t * 8;
-                if (bits == 4 && fine) TILE_ROWS(4, 1)
-                else if (bits == 4) TILE_ROWS(4, 0)
-                else if (fine) TILE_ROWS(8, 1)
-                else TILE_ROWS(8, 0)
+    /* rows in stretches whose activations stay in L2 while every column chunk passes over
+     * them (all rows at once streamed them from L3 once a prompt chunk passed ~100 rows) */
+    const int64_t row_bytes = K * (fine ? 2 : 1);
+    int64_t stretch = (DOTS_L2_BYTES / row_bytes) / MR * MR;
+    if (stretch < MR) stretch = MR;
+    for (int64_t r0 = 0; r0 < M; r0 += stretch) {
+        const int64_t r1 = r0 + stretch < M ? r0 + stretch : M;
+        for (int64_t c0 = t0; c0 < t1; c0 += chunk) {
+            const int64_t c1 = c0 + chunk < t1 ? c0 + chunk : t1;
+            for (int64_t m0 = r0; m0 < r1; m0 += MR) {
+                const int64_t rows = r1 - m0 < MR ? r1 - m0 : MR;
+                const void *xr = (const char *)xq + m0 * K * x_bytes;
+                const uint8_t *lr = xl + m0 * K;
+                const float *er = xe + m0 * nb, *esr = xes + m0 * nb;
+                for (int64_t t = c0; t < c1; ++t) {
+                    const uint8_t *c = wc + t * tile_bytes;
+                    const uint16_t *d = wd + t * groups * 8, *m = wm ? wm + t * groups * 8 : NULL;
+                    float *o = out + m0 * ldo + t * 8;
+                    const int64_t valid = N - t * 8;
+                    if (bits == 4 && fine) TILE_ROWS(4, 1)
+                    else if (bits == 4) TILE_ROWS(4, 0)
+                    else if (fine) TILE_ROWS(8, 1)
+                    else TILE_ROWS(8, 0)
+                }
             }
         }
     }

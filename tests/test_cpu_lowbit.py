@@ -89,7 +89,7 @@ def test_kernel_matches_references(fmt: str, out: int, fine: bool) -> None:
         x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
         got = layer(x)
         assert got.shape == (rows, out) and got.dtype == torch.float32
-        panels = fine and rows >= cpu_lowbit.panel_rows()
+        panels = fine and rows >= cpu_lowbit.panel_rows(bits=layer.bits)
         assert rel(got, (x if panels else quantise_like_the_kernel(x, fine)) @ stored.T) <= 1e-5
         # int8: ~2 significant digits; int16: the fp32 matmul's up to fp16 scales and mins
         assert rel(got, x @ full.T) <= (2e-3 if fine else 2e-2)
@@ -165,12 +165,18 @@ def test_a_batch_from_panel_rows_multiplies_unquantised_activations(fmt: str, ou
     spec = gguf_like(fmt, out, 576, seed=3)
     stored = weight_as_stored(spec)
     layer, head = QuantizedLinear(spec), QuantizedLinear(spec, approximate=True)
-    first = cpu_lowbit.panel_rows()
-    for rows in (first - 1, first, first + 5, 200):
-        x = torch.randn(rows, 576)
-        want = x if rows >= first else quantise_like_the_kernel(x, fine=True)
-        assert rel(layer(x), want @ stored.T) <= 1e-5, rows
-        assert rel(head(x), quantise_like_the_kernel(x) @ stored.T) <= 1e-5, rows
+    default = cpu_lowbit.panel_rows(bits=layer.bits)
+    # 4-bit weights on the VNNI dots take panels only when asked: ask from 24 rows
+    first = default if default <= 100 else 24
+    cpu_lowbit.panel_rows(first, bits=layer.bits)
+    try:
+        for rows in (first - 1, first, first + 5, 200):
+            x = torch.randn(rows, 576)
+            want = x if rows >= first else quantise_like_the_kernel(x, fine=True)
+            assert rel(layer(x), want @ stored.T) <= 1e-5, rows
+            assert rel(head(x), quantise_like_the_kernel(x) @ stored.T) <= 1e-5, rows
+    finally:
+        cpu_lowbit.panel_rows(default, bits=layer.bits)
 
 
 def test_panel_rows_moves_the_switch() -> None:
@@ -188,7 +194,8 @@ def test_panel_rows_moves_the_switch() -> None:
         assert rel(layer(x), quantise_like_the_kernel(x, fine=True) @ stored.T) <= 1e-5
     finally:
         cpu_lowbit.panel_rows(before)
-    assert cpu_lowbit.panel_rows() == before == cpu_lowbit.PANEL_ROWS[cpu_lowbit.vnni()]
+    assert cpu_lowbit.panel_rows() == before == (2**31 - 1 if cpu_lowbit.vnni() else 16)
+    assert cpu_lowbit.panel_rows(bits=8) == 16
 
 
 def cpu_has_vnni() -> bool:
@@ -200,13 +207,14 @@ def cpu_has_vnni() -> bool:
 
 @pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0", "asym64"])
 def test_the_vnni_dots_give_the_avx2_dots_bits(fmt: str) -> None:
-    """Where the CPU has AVX-512 VNNI the integer dots run their VNNI copy by default (and the
-    panels start later), and it gives the AVX2 copy's bits: int16 and int8 activations, one to
-    a hundred rows (tiles of four rows and their remainders), a partial last tile of columns,
-    threads one and two. Without VNNI the AVX2 dots serve and asking for VNNI is refused."""
+    """Where the CPU has AVX-512 VNNI the integer dots run their VNNI copy by default (4-bit
+    weights then never switch to panels), and it gives the AVX2 copy's bits: int16 and int8
+    activations, one to a few hundred rows (tiles of four rows and their remainders, stretches
+    of rows), a partial last tile of columns, threads one and two. Without VNNI the AVX2 dots serve and asking for VNNI is refused."""
     have = cpu_has_vnni()
     assert cpu_lowbit.vnni() == have
-    assert cpu_lowbit.panel_rows() == cpu_lowbit.PANEL_ROWS[have] == (64 if have else 16)
+    assert cpu_lowbit.panel_rows(bits=4) == (2**31 - 1 if have else 16)
+    assert cpu_lowbit.panel_rows(bits=8) == 16
     if not have:
         with pytest.raises(ValueError, match="AVX-512 VNNI"):
             cpu_lowbit.vnni(True)
@@ -214,11 +222,12 @@ def test_the_vnni_dots_give_the_avx2_dots_bits(fmt: str) -> None:
         return
     spec = gguf_like(fmt, 75, 576, seed=5)
     layers = [QuantizedLinear(spec), QuantizedLinear(spec, approximate=True)]
-    rows_before, threads_before = cpu_lowbit.panel_rows(1 << 30), torch.get_num_threads()
+    before = {b: cpu_lowbit.panel_rows(1 << 30, bits=b) for b in (4, 8)}  # dots at any batch
+    threads_before = torch.get_num_threads()
     try:
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            for rows in (1, 2, 3, 4, 5, 7, 8, 13, 100):
+            for rows in (1, 2, 3, 4, 5, 7, 8, 13, 100, 333):
                 x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows)) * 3
                 for layer in layers:
                     cpu_lowbit.vnni(True)
@@ -228,9 +237,10 @@ def test_the_vnni_dots_give_the_avx2_dots_bits(fmt: str) -> None:
                     assert torch.equal(fast, plain), (fmt, layer.fine, rows, threads)
     finally:
         cpu_lowbit.vnni(True)
-        cpu_lowbit.panel_rows(rows_before)
+        for b, rows in before.items():
+            cpu_lowbit.panel_rows(rows, bits=b)
         torch.set_num_threads(threads_before)
-    assert cpu_lowbit.vnni() is True and cpu_lowbit.panel_rows() == rows_before
+    assert cpu_lowbit.vnni() is True and cpu_lowbit.panel_rows() == 2**31 - 1
 
 
 def test_without_a_compiler_the_torch_kernels_serve(

@@ -26,7 +26,8 @@ Kernels, picked per layer at construction (`QuantizedLinear.kernel`):
   so GGUF Q4_0/Q4_1/Q8_0 are held at their own size and a Q8_0 lm_head can hand its rows to
   the tied embedding. Picked ahead of all below; without a compiler or those CPU features
   the layer falls back to them (logged once). On a CPU with AVX-512 VNNI the integer dots
-  take `vpdpbusd` (`cpu_lowbit.vnni()`, the same bits) and lead the panels up to 64 rows.
+  take `vpdpbusd` (`cpu_lowbit.vnni()`, the same bits) and, for 4-bit weights, serve every
+  batch (they lead or tie the panels at any number of rows).
 - `int4pack` (CPU, 4-bit): torch's `_weight_int4pack_mm_for_cpu`. It takes bf16 activations
   (its fp32 path is ~10x slower on AVX2), group sizes 32/64/128/256 and `N % 16 == 0`. A group
   size that is a larger multiple of 32 (per-channel included) is served exactly by repeating its

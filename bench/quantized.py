@@ -7,7 +7,9 @@ The default model's GGUF (SmolLM2-135M, Q4_1 linears, Q8_0 tied embedding) serve
 - `kvguard packed int8`: packed, with activations quantised to int8 instead of int16
   (`quantization.cpu_activations: int8`, as OpenVINO and llama.cpp do on AVX2);
 - `OpenVINO GenAI`: `ContinuousBatchingPipeline` loading the very same .gguf file (a bench extra:
-  `pip install openvino-genai`; without it that column says why it is missing).
+  `pip install openvino-genai`; without it that column says why it is missing), at its CPU
+  plugin's default inference precision, and where that is not f32 (bf16 on CPUs with
+  AVX512-BF16 or AMX) a second row `OpenVINO GenAI (f32)`: the peer at kvguard's precision.
 
 Measured: resident weight bytes (kvguard: every parameter and weight buffer of the loaded model;
 goal <= 0.3x the fp16 size for W4), decode tokens/s at batch 1 and 32 (prompts of 32 ordinary
@@ -129,9 +131,14 @@ class Kvguard:
 
 
 class OpenVINO:
+    """The peer as its users run it (`precision` None: the CPU plugin's default inference
+    precision, bf16 on CPUs with AVX512-BF16 or AMX), or at a given one ("f32": what kvguard
+    computes in, int16-exact activations and fp32 sums)."""
+
     name = "OpenVINO GenAI"
 
-    def __init__(self, gguf: Path, threads: int) -> None:
+    def __init__(self, gguf: Path, threads: int, precision: str | None = None) -> None:
+        import openvino as ov
         import openvino_genai as og
 
         sc = og.SchedulerConfig()
@@ -139,9 +146,13 @@ class OpenVINO:
         sc.max_num_seqs = MAX_NUM_SEQS
         sc.max_num_batched_tokens = MAX_BATCHED
         sc.dynamic_split_fuse = True
-        self.pipe = og.ContinuousBatchingPipeline(
-            str(gguf), sc, "CPU", {"INFERENCE_NUM_THREADS": threads}
-        )
+        props: dict[str, Any] = {"INFERENCE_NUM_THREADS": threads}
+        if precision:
+            props["INFERENCE_PRECISION_HINT"] = precision
+            self.name = f"{OpenVINO.name} ({precision})"
+        self.pipe = og.ContinuousBatchingPipeline(str(gguf), sc, "CPU", props)
+        hint = ov.Core().get_property("CPU", "INFERENCE_PRECISION_HINT")
+        self.precision = precision or hint.get_type_name()  # "bf16", "f32"
 
     def serve(self, reqs: Sequence[TraceRequest]) -> list[list[int]]:
         import numpy as np
@@ -209,6 +220,8 @@ def main() -> None:
     peer_error = ""
     try:
         engines.append(OpenVINO(gguf_path(), args.threads))
+        if engines[-1].precision != "f32":  # the peer at kvguard's own precision, beside
+            engines.append(OpenVINO(gguf_path(), args.threads, "f32"))
     except ImportError as e:
         peer_error = f"openvino-genai not installed ({e}): pip install openvino-genai"
     fp16 = fp16_bytes(model_dir)
@@ -218,6 +231,8 @@ def main() -> None:
         if isinstance(eng, Kvguard):
             r["weight_bytes"] = eng.weight_bytes()
             r["kernels"] = eng.kernels()
+        else:
+            r["precision"] = eng.precision
         eng.decode_tok_s(token_prompts(args.model, 2, 32, 7), 8)  # warm-up, untimed
         for batch in (1, 32):
             r[f"bs{batch}_tok_s"] = eng.decode_tok_s(
@@ -250,6 +265,8 @@ def main() -> None:
     ]
     print(format_table(headers, rows))
     print(f"packed kernels: {packed['kernels']}")
+    if peer:
+        print(f"{OpenVINO.name} inference precision (its default here): {peer['precision']}")
     if peer_error:
         print(peer_error)
     share = packed["weight_bytes"] / fp16

@@ -109,7 +109,7 @@ class Kvguard:
             return used
         dots = "AVX-512 VNNI" if cpu_lowbit.vnni() else "AVX2"
         rows = cpu_lowbit.panel_rows()
-        panels = "never" if rows == 2**31 - 1 else f"from {rows} rows"
+        panels = "never" if rows == cpu_lowbit.PANELS_NEVER else f"from {rows} rows"
         return f"{used} ({dots} integer dots; 4-bit fp32 panels: {panels})"
 
     def serve(self, reqs: Sequence[TraceRequest]) -> list[list[int]]:

@@ -9,8 +9,8 @@ activations quantised to int8 per block of 32, each block a `vpmaddubsw` dot wit
 instead: the kernel dequantises sixteen weight columns at a time into an fp32 panel and
 multiplies the activations as they are. Where the CPU has AVX-512 VNNI the integer dots run
 a VNNI copy compiled into the same library (`vnni()`; same bits); for 4-bit weights it leads
-or ties the panels at any batch, so they take the dots at every batch there. The C source ships with the package and is compiled
-once per source and flags into the kvguard cache (`$KVGUARD_HOME/kernels`, default
+or ties the panels at any batch, so they take the dots at every batch there. The C source
+ships with the package and is compiled once per source and flags into the kvguard cache (`$KVGUARD_HOME/kernels`, default
 `~/.cache/kvguard/kernels`), written under a temporary name and renamed, so two processes
 compiling at once both end with a whole library. ctypes drops the GIL for the call.
 
@@ -48,6 +48,7 @@ HEADERS = tuple(Path(__file__).with_name(f) for f in ("kvg_cpu.h", "lowbit_dots.
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-fopenmp", "-std=c11")
 CPU_FLAGS = ("avx2", "fma", "f16c")
 BLOCK = 32  # activation and weight block: one scale per 32 values
+PANELS_NEVER = 2**31 - 1  # a panel threshold no batch reaches (the C int's largest)
 TILE = 8  # output columns a kernel tile computes side by side
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
@@ -69,16 +70,21 @@ def compiler() -> str | None:
     return shutil.which("cc") or shutil.which("gcc")
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as Linux names them (`avx2`, `avx512_vnni`, ...)."""
+    text = Path("/proc/cpuinfo").read_text()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return set(line.split(":", 1)[-1].split())
+
+
 def cpu_problem() -> str | None:
     """Why this CPU cannot run the kernels, or None."""
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         return f"{platform.system()}/{platform.machine()} is not x86-64 Linux"
     try:
-        text = Path("/proc/cpuinfo").read_text()
+        have = cpu_flags()
     except OSError as e:
         return f"cannot read /proc/cpuinfo ({e})"
-    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-    have = set(line.split(":", 1)[-1].split())
     missing = [f for f in CPU_FLAGS if f not in have]
     return f"the CPU lacks {', '.join(missing)}" if missing else None
 
@@ -201,8 +207,9 @@ def _gemm(
 def panel_rows(rows: int | None = None, bits: int = 4) -> int:
     """From how many activation rows a `fine` GEMM of `bits`-bit weights multiplies fp32 panels
     of the dequantised weight instead of int16 dots (`gemm_panels` in lowbit.c), on the dots
-    this process runs: 16 (8-bit weights, and 4-bit ones on the AVX2 dots), never (2**31 - 1:
-    4-bit weights on the VNNI dots, which lead or tie the panels at every batch). `rows` sets
+    this process runs: 16 (8-bit weights, and 4-bit ones on the AVX2 dots), never
+    (`PANELS_NEVER`: 4-bit weights on the VNNI dots, which lead or tie the panels at every
+    batch). `rows` sets
     that threshold (tests, benchmarks: a huge value keeps the integer dots at any batch, 1 puts
     every batch on panels). Returns the value before."""
     lib = library()
@@ -211,7 +218,7 @@ def panel_rows(rows: int | None = None, bits: int = 4) -> int:
     var = ctypes.c_int.in_dll(lib, name)
     before = var.value
     if rows is not None:
-        var.value = max(1, min(rows, 2**31 - 1))
+        var.value = max(1, min(rows, PANELS_NEVER))
     return before
 
 

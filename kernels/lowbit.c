@@ -63,7 +63,8 @@
 int kvg_lowbit_abi(void) { return 1; }
 
 /* From this many rows a `fine` GEMM multiplies fp32 panels (`gemm_panels`): below it the
- * int16 dots win, the dequantisation shared by too few rows (measured, SmolLM2's shapes). */
+ * int16 dots win, the dequantisation shared by too few rows (measured, SmolLM2's shapes).
+ * For 8-bit codes, and for 4-bit ones on the AVX2 dots. */
 int kvg_panel_rows = 16;
 /* The same for 4-bit codes on the VNNI dots: measured, they lead or tie the panels at every
  * batch up to 2048 rows once their rows go in L2-sized stretches, so panels only when asked
@@ -423,10 +424,9 @@ static int gemm(const int bits, const float *x, int64_t M, int64_t K, int64_t ld
 #pragma omp barrier
         }
         const int64_t t0 = tiles * t / T, t1 = tiles * (t + 1) / T;
-        if (t0 < t1 && vnni)
-            columns_vnni(bits, fine, M, K, mine, lo, xe, xes, wc, wd, wm, N, bpg, t0, t1, out, ldo);
-        else if (t0 < t1)
-            columns(bits, fine, M, K, mine, lo, xe, xes, wc, wd, wm, N, bpg, t0, t1, out, ldo);
+        if (t0 < t1)
+            (vnni ? columns_vnni : columns)(bits, fine, M, K, mine, lo, xe, xes, wc, wd, wm, N,
+                                            bpg, t0, t1, out, ldo);
     }
     free(ws);
     return 0;

@@ -1,5 +1,6 @@
-/* kvguard CPU low-bit GEMMs: the integer-dot kernels for a few activation rows (decode), as
- * lowbit.c includes them twice: once for AVX2 (`vpmaddubsw`, `vpmaddwd`), once with DOTS_VNNI
+/* kvguard CPU low-bit GEMMs: the integer-dot kernels (int8 activations at any batch, int16
+ * below the panel threshold: decode, and every batch of 4-bit weights on VNNI), as lowbit.c
+ * includes them twice: once for AVX2 (`vpmaddubsw`, `vpmaddwd`), once with DOTS_VNNI
  * for CPUs with AVX-512 VNNI (`vpdpbusd`, `vpdpwssd` on 256-bit registers: one instruction
  * where AVX2 needs two or three, and 32 vector registers), each function renamed by DOTS(name)
  * and, in the VNNI copy, compiled for that target alone, so the rest of the library keeps its
@@ -7,9 +8,7 @@
  * AVX-512 Zen core). Both copies compute the same integers, hence the same bits: the VNNI
  * instructions sum the very products the AVX2 ones do, in int32, and none of the AVX2 int16
  * sums saturates (see block4 and block8). */
-#ifndef DOTS_L2_BYTES
 #define DOTS_L2_BYTES (192 * 1024) /* activations a row stretch may hold (a core's L2: 0.5-2 MiB) */
-#endif
 #ifdef DOTS_VNNI
 #define DOTS_FN __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 #else

@@ -4,7 +4,7 @@
  * for CPUs with AVX-512 VNNI (`vpdpbusd`, `vpdpwssd` on 256-bit registers: one instruction
  * where AVX2 needs two or three, and 32 vector registers), each function renamed by DOTS(name)
  * and, in the VNNI copy, compiled for that target alone, so the rest of the library keeps its
- * AVX2 code (compiled whole with AVX-512 enabled, the fp32 panels ran about 15% slower on an
+ * AVX2 code (compiled whole with AVX-512 enabled, the fp32 panels ran 16-24% slower on an
  * AVX-512 Zen core). Both copies compute the same integers, hence the same bits: the VNNI
  * instructions sum the very products the AVX2 ones do, in int32, and none of the AVX2 int16
  * sums saturates (see block4 and block8). */

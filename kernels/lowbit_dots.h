@@ -170,6 +170,87 @@ static inline __attribute__((always_inline)) DOTS_FN void DOTS(tile)(
     }
 }
 
+#ifdef DOTS_VNNI
+/* 4-bit, VNNI only: two neighbouring tiles (sixteen columns; tile t's codes at wc, t+1's at
+ * wc + tile_bytes, their scales at wd/wm and wd1/wm1) in 512-bit registers. A broadcast
+ * activation word then feeds sixteen columns, and the per-block float work (conversion,
+ * scaling) serves sixteen columns an instruction: measured on a Zen 4 core, 512-bit
+ * `vpdpbusd` sums a third more products a cycle than two 256-bit ones. Every lane does what
+ * `tile` does for its column, in the same order, so the bits are the same. */
+static inline __attribute__((always_inline)) DOTS_FN void tile16_vnni(
+    const int fine, const int rows, const int8_t *xh, const uint8_t *xl, const float *xe,
+    const float *xes, int64_t K, const uint8_t *wc, int64_t tile_bytes, const uint16_t *wd,
+    const uint16_t *wm, const uint16_t *wd1, const uint16_t *wm1, int64_t bpg, float *out,
+    int64_t ldo, int64_t valid) {
+    const int64_t nb = K / QK;
+    const __m512i lo4 = _mm512_set1_epi8(0x0f);
+    const int has_m = wm != NULL;
+    __m512 acc[MR], corr[MR];
+    for (int r = 0; r < rows; ++r) acc[r] = corr[r] = _mm512_setzero_ps();
+    __m512 dv = _mm512_setzero_ps(), mv = _mm512_setzero_ps();
+    int64_t g = 0, k = 0; /* group of block b, and b's place in it */
+    for (int64_t b = 0; b < nb; ++b) {
+        if (k == 0) {
+            dv = _mm512_cvtph_ps(_mm256_inserti128_si256(
+                _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(wd + g * 8))),
+                _mm_loadu_si128((const __m128i *)(wd1 + g * 8)), 1));
+            if (has_m)
+                mv = _mm512_cvtph_ps(_mm256_inserti128_si256(
+                    _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(wm + g * 8))),
+                    _mm_loadu_si128((const __m128i *)(wm1 + g * 8)), 1));
+        }
+        const uint8_t *p = wc + b * (8 * QK / 2), *p1 = p + tile_bytes;
+        _mm_prefetch((const char *)(p + AHEAD4), _MM_HINT_T0);
+        _mm_prefetch((const char *)(p + AHEAD4 + 64), _MM_HINT_T0);
+        _mm_prefetch((const char *)(p1 + AHEAD4), _MM_HINT_T0);
+        _mm_prefetch((const char *)(p1 + AHEAD4 + 64), _MM_HINT_T0);
+        __m512i w[8];
+        for (int j = 0; j < 4; ++j) {
+            const __m512i v = _mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(p + 32 * j))),
+                _mm256_loadu_si256((const __m256i *)(p1 + 32 * j)), 1);
+            w[2 * j] = _mm512_and_si512(v, lo4);
+            w[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
+        }
+        for (int r = 0; r < rows; ++r) {
+            const int8_t *h = xh + r * K + b * QK;
+            __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+            for (int q = 0; q < 8; q += 2) {
+                s0 = _mm512_dpbusd_epi32(s0, w[q], _mm512_set1_epi32(load32(h + 4 * q)));
+                s1 = _mm512_dpbusd_epi32(s1, w[q + 1], _mm512_set1_epi32(load32(h + 4 * q + 4)));
+            }
+            __m512i s = _mm512_add_epi32(s0, s1);
+            if (fine) {
+                const uint8_t *l = xl + r * K + b * QK;
+                __m512i l0 = _mm512_setzero_si512(), l1 = _mm512_setzero_si512();
+                for (int q = 0; q < 8; q += 2) {
+                    l0 = _mm512_dpbusd_epi32(l0, _mm512_set1_epi32(load32(l + 4 * q)), w[q]);
+                    l1 = _mm512_dpbusd_epi32(l1, _mm512_set1_epi32(load32(l + 4 * q + 4)), w[q + 1]);
+                }
+                s = _mm512_add_epi32(_mm512_slli_epi32(s, 8), _mm512_add_epi32(l0, l1));
+            }
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dv, _mm512_set1_ps(xe[r * nb + b])), acc[r]);
+            if (has_m) corr[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xes[r * nb + b]), corr[r]);
+        }
+        if (++k == bpg) {
+            k = 0;
+            ++g;
+        }
+    }
+    const __mmask16 mask = valid >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << valid) - 1);
+    for (int r = 0; r < rows; ++r)
+        _mm512_mask_storeu_ps(out + r * ldo, mask, _mm512_add_ps(acc[r], corr[r]));
+}
+
+#define TILE16_ROWS(FINE)                                                                    \
+    switch (rows) {                                                                          \
+    case 4: tile16_vnni(FINE, 4, xr, lr, er, esr, K, c, tile_bytes, d, m, d1, m1, bpg, o, ldo, valid); break; \
+    case 3: tile16_vnni(FINE, 3, xr, lr, er, esr, K, c, tile_bytes, d, m, d1, m1, bpg, o, ldo, valid); break; \
+    case 2: tile16_vnni(FINE, 2, xr, lr, er, esr, K, c, tile_bytes, d, m, d1, m1, bpg, o, ldo, valid); break; \
+    default: tile16_vnni(FINE, 1, xr, lr, er, esr, K, c, tile_bytes, d, m, d1, m1, bpg, o, ldo, valid); break; \
+    }
+#endif
+
 #define TILE_ROWS(BITS, FINE)                                                                \
     switch (rows) {                                                                          \
     case 4: DOTS(tile)(BITS, FINE, 4, xr, lr, er, esr, K, c, d, m, bpg, o, ldo, valid); break;     \
@@ -187,6 +268,9 @@ static DOTS_FN void DOTS(columns)(const int bits, const int fine, int64_t M, int
     const int64_t x_bytes = bits == 8 && fine ? 2 : 1;
     int64_t chunk = (24 * 1024) / tile_bytes; /* column tiles whose codes stay in L1 */
     if (chunk < 1) chunk = 1;
+#ifdef DOTS_VNNI
+    if (bits == 4 && chunk > 1) chunk &= ~(int64_t)1; /* whole pairs of tiles (tile16) */
+#endif
     /* rows in stretches whose activations stay in L2 while every column chunk passes over
      * them (all rows at once streamed them from L3 once a prompt chunk passed ~100 rows) */
     const int64_t row_bytes = K * (fine ? 2 : 1);
@@ -206,6 +290,15 @@ static DOTS_FN void DOTS(columns)(const int bits, const int fine, int64_t M, int
                     const uint16_t *d = wd + t * groups * 8, *m = wm ? wm + t * groups * 8 : NULL;
                     float *o = out + m0 * ldo + t * 8;
                     const int64_t valid = N - t * 8;
+#ifdef DOTS_VNNI
+                    if (bits == 4 && t + 1 < c1 && kvg_wide4) { /* two tiles at once */
+                        const uint16_t *d1 = d + groups * 8, *m1 = m ? m + groups * 8 : NULL;
+                        if (fine) TILE16_ROWS(1)
+                        else TILE16_ROWS(0)
+                        ++t;
+                        continue;
+                    }
+#endif
                     if (bits == 4 && fine) TILE_ROWS(4, 1)
                     else if (bits == 4) TILE_ROWS(4, 0)
                     else if (fine) TILE_ROWS(8, 1)
@@ -217,4 +310,7 @@ static DOTS_FN void DOTS(columns)(const int bits, const int fine, int64_t M, int
 }
 
 #undef TILE_ROWS
+#ifdef DOTS_VNNI
+#undef TILE16_ROWS
+#endif
 #undef DOTS_FN

@@ -1,8 +1,9 @@
 /* kvguard CPU low-bit GEMMs: the integer-dot kernels (int8 activations at any batch, int16
  * below the panel threshold: decode, and every batch of 4-bit weights on VNNI), as lowbit.c
  * includes them twice: once for AVX2 (`vpmaddubsw`, `vpmaddwd`), once with DOTS_VNNI
- * for CPUs with AVX-512 VNNI (`vpdpbusd`, `vpdpwssd` on 256-bit registers: one instruction
- * where AVX2 needs two or three, and 32 vector registers), each function renamed by DOTS(name)
+ * for CPUs with AVX-512 VNNI (`vpdpbusd`, `vpdpwssd`: one instruction where AVX2 needs two or
+ * three, and 32 vector registers; 4-bit weights also two tiles at once in 512-bit registers,
+ * `tile16_vnni`), each function renamed by DOTS(name)
  * and, in the VNNI copy, compiled for that target alone, so the rest of the library keeps its
  * AVX2 code (compiled whole with AVX-512 enabled, the fp32 panels ran 16-24% slower on an
  * AVX-512 Zen core). Both copies compute the same integers, hence the same bits: the VNNI

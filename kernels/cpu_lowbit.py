@@ -235,20 +235,6 @@ def vnni(on: bool | None = None) -> bool:
     return bool(before)
 
 
-def wide_tiles(on: bool | None = None) -> bool:
-    """Whether the VNNI dots (`vnni()`) take 4-bit weights sixteen output columns at a time in
-    512-bit registers (the default: about 1.3x the rate of eight) or eight, as the AVX2 dots
-    do; the same bits either way. `on` switches it (tests, benchmarks). Returns the state
-    before."""
-    lib = library()
-    assert lib is not None, "cpu_lowbit.library() is None: check available() first"
-    var = ctypes.c_int.in_dll(lib, "kvg_wide4")
-    before = bool(var.value)
-    if on is not None:
-        var.value = int(on)
-    return before
-
-
 def w4a8(
     x: torch.Tensor,
     n: int,

@@ -71,11 +71,6 @@ int kvg_panel_rows = 16;
  * (8-bit codes keep `kvg_panel_rows`: their panels win from 32 rows even against VNNI). */
 int kvg_panel_rows_vnni4 = INT32_MAX;
 
-/* Whether the VNNI dots take 4-bit columns sixteen at a time (two tiles in 512-bit registers,
- * `tile16_vnni`) or eight (one tile, as the AVX2 dots do); the same bits either way. Measured
- * on SmolLM2's projections (Zen 4, 2 threads): 1.25-1.35x the GMAC/s from 8 rows up. */
-int kvg_wide4 = 1;
-
 /* Whether the integer dots run their AVX-512 VNNI copy (lowbit_dots.h): -1 until the first
  * GEMM asks the CPU, then 0 or 1; `kvg_vnni` sets or reads it. */
 static int vnni_on = -1;

@@ -61,35 +61,12 @@ static inline __attribute__((always_inline)) DOTS_FN void DOTS(block8)(
 }
 
 /* 4-bit: one vertical weight block (w[g]: eight columns' weights 4g..4g+3 of the block, codes
- * 0..15) against `rows` activation rows; each lane of the integer sum is one column's dot. */
+ * 0..15) against `rows` activation rows; each lane of the integer sum is one column's dot.
+ * (The VNNI copy takes 4-bit weights in `tile16_vnni` instead.) */
 static inline __attribute__((always_inline)) DOTS_FN void DOTS(block4)(
     const int fine, const int rows, const __m256i *w, const int8_t *xh, const uint8_t *xl,
     const float *xe, const float *xes, int64_t K, int64_t nb, int64_t b, __m256 dv, __m256 mv,
     int has_m, __m256 *acc, __m256 *corr) {
-#ifdef DOTS_VNNI
-    for (int r = 0; r < rows; ++r) {
-        /* the same integer dots, each `vpdpbusd` summing four u8 x s8 products into a lane;
-         * two accumulators a sum, so one row's dots are not one chain of eight latencies */
-        const int8_t *h = xh + r * K + b * QK;
-        __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
-        for (int g = 0; g < 8; g += 2) {
-            s0 = _mm256_dpbusd_epi32(s0, w[g], _mm256_set1_epi32(load32(h + 4 * g)));
-            s1 = _mm256_dpbusd_epi32(s1, w[g + 1], _mm256_set1_epi32(load32(h + 4 * g + 4)));
-        }
-        __m256i s = _mm256_add_epi32(s0, s1);
-        if (fine) {
-            const uint8_t *l = xl + r * K + b * QK;
-            __m256i l0 = _mm256_setzero_si256(), l1 = _mm256_setzero_si256();
-            for (int g = 0; g < 8; g += 2) {
-                l0 = _mm256_dpbusd_epi32(l0, _mm256_set1_epi32(load32(l + 4 * g)), w[g]);
-                l1 = _mm256_dpbusd_epi32(l1, _mm256_set1_epi32(load32(l + 4 * g + 4)), w[g + 1]);
-            }
-            s = _mm256_add_epi32(_mm256_slli_epi32(s, 8), _mm256_add_epi32(l0, l1));
-        }
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dv, _mm256_broadcast_ss(xe + r * nb + b)), acc[r]);
-        if (has_m) corr[r] = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(xes + r * nb + b), corr[r]);
-    }
-#else
     const __m256i ones = _mm256_set1_epi16(1), s256 = _mm256_set1_epi16(256);
     for (int r = 0; r < rows; ++r) {
         const int8_t *h = xh + r * K + b * QK;
@@ -115,7 +92,6 @@ static inline __attribute__((always_inline)) DOTS_FN void DOTS(block4)(
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dv, _mm256_broadcast_ss(xe + r * nb + b)), acc[r]);
         if (has_m) corr[r] = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(xes + r * nb + b), corr[r]);
     }
-#endif
 }
 
 /* Eight output columns (one tile; 8-bit codes of column c at wc + c*K, 4-bit codes of the
@@ -172,12 +148,16 @@ static inline __attribute__((always_inline)) DOTS_FN void DOTS(tile)(
 }
 
 #ifdef DOTS_VNNI
-/* 4-bit, VNNI only: two neighbouring tiles (sixteen columns; tile t's codes at wc, t+1's at
- * wc + tile_bytes, their scales at wd/wm and wd1/wm1) in 512-bit registers. A broadcast
- * activation word then feeds sixteen columns, and the per-block float work (conversion,
- * scaling) serves sixteen columns an instruction: measured on a Zen 4 core, 512-bit
- * `vpdpbusd` sums a third more products a cycle than two 256-bit ones. Every lane does what
- * `tile` does for its column, in the same order, so the bits are the same. */
+/* 4-bit, the VNNI copy's tile: two neighbouring tiles (sixteen columns; tile t's codes at wc,
+ * t+1's at wc + tile_bytes, their scales at wd/wm and wd1/wm1) in 512-bit registers, or one
+ * tile twice (tile_bytes 0, the same scales, `valid` <= 8) where a thread's last tile has no
+ * neighbour. A broadcast activation word feeds sixteen columns, and the per-block float work
+ * (conversion, scaling) serves sixteen columns an instruction: measured on SmolLM2's
+ * projections (Zen 4, 2 threads, 256-bit tiles of eight columns before), 144-162 against
+ * 114-121 GMAC/s from 32 rows; a 512-bit `vpdpbusd` sums a third more products a cycle than
+ * two 256-bit ones there. Each `vpdpbusd` sums four u8 x s8 products into a lane, two
+ * accumulators a sum so one row's dots are not one chain of eight latencies. Every lane does
+ * what `tile` does for its column on AVX2, in the same order, so the bits are the same. */
 static inline __attribute__((always_inline)) DOTS_FN void tile16_vnni(
     const int fine, const int rows, const int8_t *xh, const uint8_t *xl, const float *xe,
     const float *xes, int64_t K, const uint8_t *wc, int64_t tile_bytes, const uint16_t *wd,
@@ -243,12 +223,12 @@ static inline __attribute__((always_inline)) DOTS_FN void tile16_vnni(
         _mm512_mask_storeu_ps(out + r * ldo, mask, _mm512_add_ps(acc[r], corr[r]));
 }
 
-#define TILE16_ROWS(FINE)                                                                    \
+#define TILE16_ROWS(FINE, TB, VALID)                                                         \
     switch (rows) {                                                                          \
-    case 4: tile16_vnni(FINE, 4, xr, lr, er, esr, K, c, tile_bytes, d, m, d1, m1, bpg, o, ldo, valid); break; \
-    case 3: tile16_vnni(FINE, 3, xr, lr, er, esr, K, c, tile_bytes, d, m, d1, m1, bpg, o, ldo, valid); break; \
-    case 2: tile16_vnni(FINE, 2, xr, lr, er, esr, K, c, tile_bytes, d, m, d1, m1, bpg, o, ldo, valid); break; \
-    default: tile16_vnni(FINE, 1, xr, lr, er, esr, K, c, tile_bytes, d, m, d1, m1, bpg, o, ldo, valid); break; \
+    case 4: tile16_vnni(FINE, 4, xr, lr, er, esr, K, c, TB, d, m, d1, m1, bpg, o, ldo, VALID); break; \
+    case 3: tile16_vnni(FINE, 3, xr, lr, er, esr, K, c, TB, d, m, d1, m1, bpg, o, ldo, VALID); break; \
+    case 2: tile16_vnni(FINE, 2, xr, lr, er, esr, K, c, TB, d, m, d1, m1, bpg, o, ldo, VALID); break; \
+    default: tile16_vnni(FINE, 1, xr, lr, er, esr, K, c, TB, d, m, d1, m1, bpg, o, ldo, VALID); break; \
     }
 #endif
 
@@ -292,11 +272,14 @@ static DOTS_FN void DOTS(columns)(const int bits, const int fine, int64_t M, int
                     float *o = out + m0 * ldo + t * 8;
                     const int64_t valid = N - t * 8;
 #ifdef DOTS_VNNI
-                    if (bits == 4 && t + 1 < c1 && kvg_wide4) { /* two tiles at once */
-                        const uint16_t *d1 = d + groups * 8, *m1 = m ? m + groups * 8 : NULL;
-                        if (fine) TILE16_ROWS(1)
-                        else TILE16_ROWS(0)
-                        ++t;
+                    if (bits == 4) { /* two tiles at once, or a lone last one twice */
+                        const int pair = t + 1 < c1;
+                        const int64_t tb = pair ? tile_bytes : 0, next = pair ? groups * 8 : 0;
+                        const uint16_t *d1 = d + next, *m1 = m ? m + next : NULL;
+                        const int64_t valid16 = pair || valid < 8 ? valid : 8;
+                        if (fine) TILE16_ROWS(1, tb, valid16)
+                        else TILE16_ROWS(0, tb, valid16)
+                        t += pair;
                         continue;
                     }
 #endif

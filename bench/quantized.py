@@ -101,6 +101,7 @@ class Kvguard:
         )
         self.engine = LLMEngine.from_config(cfg, progress=False)
         self.name = f"kvguard {'fp32' if quantization == 'none' else 'packed'}"
+        self.full_precision = quantization == "none" and activations == "int16"
         if activations != "int16":
             self.name += f" {activations}"
 
@@ -159,6 +160,7 @@ class OpenVINO:
         sc.max_num_batched_tokens = MAX_BATCHED
         sc.dynamic_split_fuse = True
         props: dict[str, Any] = {"INFERENCE_NUM_THREADS": threads}
+        self.full_precision = full
         if full:
             props |= self.FULL
             self.name = f"{OpenVINO.name} (full precision)"
@@ -261,9 +263,9 @@ def main() -> None:
         r["trace_tok_s"], r["trace_s"], outs = run_trace(eng, trace)
         results.append(r)
         outputs.append(outs)
-    full = {Kvguard: 1, OpenVINO: len(results) - 1}  # each engine's full-precision run
+    full = {type(e): o for e, o in zip(engines, outputs, strict=True) if e.full_precision}
     for eng, r, outs in zip(engines, results, outputs, strict=True):
-        ref = outputs[full[type(eng)]]
+        ref = full[type(eng)]  # the engine's own full-precision run
         r["same_as_full_precision"] = sum(a == b for a, b in zip(outs, ref, strict=True))
     packed, fp32 = results[0], results[1]
     peer = next((r for r in results if r["engine"] == OpenVINO.name), None)

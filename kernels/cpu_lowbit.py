@@ -10,8 +10,8 @@ instead: the kernel dequantises sixteen weight columns at a time into an fp32 pa
 multiplies the activations as they are. Where the CPU has AVX-512 VNNI the integer dots run
 a VNNI copy compiled into the same library (`vnni()`; same bits); for 4-bit weights it leads
 or ties the panels at any batch, so they take the dots at every batch there. The C source
-ships with the package and is compiled once per source and flags into the kvguard cache (`$KVGUARD_HOME/kernels`, default
-`~/.cache/kvguard/kernels`), written under a temporary name and renamed, so two processes
+ships with the package and is compiled once per source and flags into the kvguard cache
+(`$KVGUARD_HOME/kernels`, default `~/.cache/kvguard/kernels`), written under a temporary name and renamed, so two processes
 compiling at once both end with a whole library. ctypes drops the GIL for the call.
 
 Without a C compiler, without AVX2/FMA/F16C, or off x86-64 Linux, `library()` is None (one log
@@ -209,9 +209,8 @@ def panel_rows(rows: int | None = None, bits: int = 4) -> int:
     of the dequantised weight instead of int16 dots (`gemm_panels` in lowbit.c), on the dots
     this process runs: 16 (8-bit weights, and 4-bit ones on the AVX2 dots), never
     (`PANELS_NEVER`: 4-bit weights on the VNNI dots, which lead or tie the panels at every
-    batch). `rows` sets
-    that threshold (tests, benchmarks: a huge value keeps the integer dots at any batch, 1 puts
-    every batch on panels). Returns the value before."""
+    batch). `rows` sets that threshold (tests, benchmarks: a huge value keeps the integer dots
+    at any batch, 1 puts every batch on panels). Returns the value before."""
     lib = library()
     assert lib is not None, "cpu_lowbit.library() is None: check available() first"
     name = "kvg_panel_rows_vnni4" if bits == 4 and vnni() else "kvg_panel_rows"

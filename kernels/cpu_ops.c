@@ -173,14 +173,17 @@ static void attend_run(const Attn *a, const float *qrow, const int32_t *table, i
             }
         }
         for (int64_t h = 0; h < hkv; ++h) {
-            const float ksc = a->ks ? a->ks[blk * a->hkv + h] : 1.0f;
-            const float vsc = a->vs ? a->vs[blk * a->hkv + h] : 1.0f;
-            const int64_t row0 = ((blk * bs + off) * a->hkv + h) * d; /* element index of token t */
+            /* KV head h's g query heads: their queries, maxes, sums and outputs */
+            const float *qh = qs + h * g * d;
+            float *mh = m + h * g, *lh = l + h * g, *acch = acc + h * g * d;
+            const float ksc = a->ks ? a->ks[blk * hkv + h] : 1.0f;
+            const float vsc = a->vs ? a->vs[blk * hkv + h] : 1.0f;
+            const int64_t row0 = ((blk * bs + off) * hkv + h) * d; /* element index of token t */
             int64_t kstep; /* K rows of the block's tokens, `kstep` floats apart */
             const float *kr = block_rows(a, a->k, row0, n, kb, &kstep);
             const __m256 kscv = _mm256_set1_ps(ksc);
             for (int64_t j = 0; j < g; ++j) {
-                const float *qj = qs + (h * g + j) * d;
+                const float *qj = qh + j * d;
                 int64_t u = 0;
                 for (; u + 8 <= n; u += 8) { /* eight tokens' dots, reduced together */
                     __m256 c[8];
@@ -201,10 +204,10 @@ static void attend_run(const Attn *a, const float *qrow, const int32_t *table, i
                 }
             }
             for (int64_t j = 0; j < g; ++j) {
-                float mx = m[h * g + j];
+                float mx = mh[j];
                 for (int64_t u = 0; u < n; ++u)
                     mx = s[j][u] > mx ? s[j][u] : mx;
-                const float c = expf(m[h * g + j] - mx); /* 0 on the first block (m = -inf) */
+                const float c = expf(mh[j] - mx); /* 0 on the first block (m = -inf) */
                 const __m256 mv = _mm256_set1_ps(mx);
                 __m256 sum = _mm256_setzero_ps();
                 for (int64_t u = 0; u < n; u += 8) {
@@ -218,12 +221,12 @@ static void attend_run(const Attn *a, const float *qrow, const int32_t *table, i
                     sum = _mm256_add_ps(sum, p);
                     _mm256_storeu_ps(&s[j][u], _mm256_mul_ps(p, _mm256_set1_ps(vsc)));
                 }
-                l[h * g + j] = l[h * g + j] * c + hsum8(sum);
-                m[h * g + j] = mx;
+                lh[j] = lh[j] * c + hsum8(sum);
+                mh[j] = mx;
                 if (c != 1.0f) {
                     const __m256 cv = _mm256_set1_ps(c);
                     for (int64_t i = 0; i < d; i += 8)
-                        _mm256_storeu_ps(acc + (h * g + j) * d + i, _mm256_mul_ps(_mm256_loadu_ps(acc + (h * g + j) * d + i), cv));
+                        _mm256_storeu_ps(acch + j * d + i, _mm256_mul_ps(_mm256_loadu_ps(acch + j * d + i), cv));
                 }
             }
             int64_t vstep;
@@ -236,20 +239,20 @@ static void attend_run(const Attn *a, const float *qrow, const int32_t *table, i
                 for (; i + 64 <= d; i += 64) {
                     __m256 o[8];
                     for (int r = 0; r < 8; ++r)
-                        o[r] = _mm256_loadu_ps(acc + (h * g + j) * d + i + 8 * r);
+                        o[r] = _mm256_loadu_ps(acch + j * d + i + 8 * r);
                     for (int64_t u = 0; u < n; ++u) {
                         const __m256 p = _mm256_set1_ps(s[j][u]);
                         for (int r = 0; r < 8; ++r)
                             o[r] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + u * vstep + i + 8 * r), o[r]);
                     }
                     for (int r = 0; r < 8; ++r)
-                        _mm256_storeu_ps(acc + (h * g + j) * d + i + 8 * r, o[r]);
+                        _mm256_storeu_ps(acch + j * d + i + 8 * r, o[r]);
                 }
                 for (; i < d; i += 8) {
-                    __m256 o = _mm256_loadu_ps(acc + (h * g + j) * d + i);
+                    __m256 o = _mm256_loadu_ps(acch + j * d + i);
                     for (int64_t u = 0; u < n; ++u)
                         o = _mm256_fmadd_ps(_mm256_set1_ps(s[j][u]), _mm256_loadu_ps(vr + u * vstep + i), o);
-                    _mm256_storeu_ps(acc + (h * g + j) * d + i, o);
+                    _mm256_storeu_ps(acch + j * d + i, o);
                 }
             }
         }
@@ -272,12 +275,12 @@ int kvg_paged_decode(const float *q, int64_t ldq, float *out, const int64_t *row
     int64_t longest = 1;
     for (int64_t b = 0; b < B; ++b)
         longest = lens[b] > longest ? lens[b] : longest;
+    if (threads < 1)
+        threads = 1;
     /* Split each sequence into runs of at least 4 blocks until there is work for every thread. */
     int64_t split = 1;
     while (B * split < 4 * (int64_t)threads && longest / (split * 2) >= 4 * bs)
         split *= 2;
-    if (threads < 1)
-        threads = 1;
     const int64_t per = heads * d + 2 * heads; /* one run's partial: acc, then m, then l */
     /* per thread: the scaled queries, and the partial of a run that needs no merge */
     float *ws = malloc(sizeof(float) * (size_t)threads * (heads * d + per));

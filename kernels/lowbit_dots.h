@@ -282,10 +282,14 @@ static DOTS_FN void DOTS(columns)(const int bits, const int fine, int64_t M, int
                         t += pair;
                         continue;
                     }
+#else
+                    if (bits == 4) {
+                        if (fine) TILE_ROWS(4, 1)
+                        else TILE_ROWS(4, 0)
+                        continue;
+                    }
 #endif
-                    if (bits == 4 && fine) TILE_ROWS(4, 1)
-                    else if (bits == 4) TILE_ROWS(4, 0)
-                    else if (fine) TILE_ROWS(8, 1)
+                    if (fine) TILE_ROWS(8, 1)
                     else TILE_ROWS(8, 0)
                 }
             }

@@ -205,8 +205,8 @@ def test_the_vnni_dots_give_the_avx2_dots_bits(fmt: str) -> None:
     activations, one to a few hundred rows (tiles of four rows and their remainders, stretches
     of rows), 4-bit columns sixteen at a time (ten tiles: in pairs with one thread, five a
     thread with two, so each thread's last tile is alone), a partial last tile of columns,
-    threads one and two. Without VNNI the AVX2 dots
-    serve and asking for VNNI is refused. (The C side asks cpuid; this asks Linux.)"""
+    threads one and two. Without VNNI the AVX2 dots serve and asking for VNNI is refused.
+    (The C side asks cpuid; this asks Linux.)"""
     have = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= cpu_lowbit.cpu_flags()
     assert cpu_lowbit.vnni() == have
     assert cpu_lowbit.panel_rows(bits=4) == (2**31 - 1 if have else 16)

@@ -1,4 +1,5 @@
-/* kvguard CPU step kernels (AVX2): paged decode attention, RMSNorm with the residual add, RoPE.
+/* kvguard CPU step kernels (AVX2): paged decode and prefill attention, RMSNorm with the
+ * residual add, RoPE.
  *
  * A decode step on CPU is one row per sequence, so each torch op around the projections costs
  * more in dispatch than in arithmetic, and the torch attention path first gathers every
@@ -19,6 +20,12 @@
  * rows are read whole while the next block's are prefetched; with fewer items than threads x 4
  * a long sequence is split into runs whose partial softmax sums are merged at the end (the
  * split-K of flash decoding).
+ *
+ * Paged prefill attention: the prompt chunks of a step, causal, over the same pools, in one call
+ * for all of them (torch's attention needed each chunk's K/V gathered and a mask built). A work
+ * item is eight query positions of one chunk and one KV head; its queries are held transposed,
+ * eight to a vector, so scores, softmax and output are vectorised across queries, and blocks no
+ * query of the item can see are never read.
  */
 #pragma GCC optimize("fp-contract=off") /* RoPE and RMSNorm round like torch's mul-then-add */
 #include <immintrin.h>
@@ -342,6 +349,183 @@ int kvg_paged_decode(const float *q, int64_t ldq, float *out, const int64_t *row
         }
     }
     free(part);
+    free(ws);
+    return 0;
+}
+
+/* ---- Paged prefill attention: the queries of prompt chunks, causal, over the paged pool ---- */
+
+#define PQ 8 /* query vectors a lane group holds: eight positions of one query head */
+
+/* One lane group's scores against tokens [t, t + n) of a block (K rows `kstep` floats apart):
+ * s[u] holds token t+u's score for each of the eight queries. The queries are held transposed
+ * (qt[i * 8 + lane] = component i of lane's query), so a score is eight FMAs of a broadcast K
+ * element into a vector of eight queries: no horizontal sums, and the softmax that follows is
+ * vectorised across queries. Lane q is the query at position pos0 + q; token t+u is hidden from
+ * it where t + u > pos0 + q (causal), its score -inf. */
+static inline void prefill_scores(const float *qt, const float *kr, int64_t kstep, int64_t n,
+                                  int64_t d, int64_t t, int64_t pos0, float ksc, __m256 *s) {
+    const __m256 kscv = _mm256_set1_ps(ksc);
+    int64_t u = 0;
+    for (; u + 8 <= n; u += 8) {
+        __m256 c[8];
+        for (int r = 0; r < 8; ++r)
+            c[r] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < d; ++i) {
+            const __m256 qv = _mm256_loadu_ps(qt + i * PQ);
+            for (int r = 0; r < 8; ++r)
+                c[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(kr + (u + r) * kstep + i), qv, c[r]);
+        }
+        for (int r = 0; r < 8; ++r)
+            s[u + r] = _mm256_mul_ps(c[r], kscv);
+    }
+    for (; u < n; ++u) {
+        __m256 c = _mm256_setzero_ps();
+        for (int64_t i = 0; i < d; ++i)
+            c = _mm256_fmadd_ps(_mm256_broadcast_ss(kr + u * kstep + i), _mm256_loadu_ps(qt + i * PQ), c);
+        s[u] = _mm256_mul_ps(c, kscv);
+    }
+    if (t + n - 1 > pos0) { /* the block reaches past the first query: hide the future */
+        const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), ninf = _mm256_set1_ps(-INFINITY);
+        for (u = 0; u < n; ++u) {
+            const __m256 seen = _mm256_cmp_ps(lane, _mm256_set1_ps((float)(t + u - pos0)), _CMP_GE_OQ);
+            s[u] = _mm256_blendv_ps(ninf, s[u], seen);
+        }
+    }
+}
+
+/* One work item: KV head h's g query heads at the nq (<= 8) query positions pos0.. of one
+ * sequence, whose query rows start at q (row stride ldq) and output rows at o (row stride ldo).
+ * It attends tokens [0, pos0 + nq) a block at a time; per query head a running max, sum and
+ * output (held transposed, ot[i * 8 + lane]) as in flash attention. ws: (2 * g * d + 2 * g) * 8
+ * floats. */
+static void prefill_item(const Attn *a, const float *q, int64_t ldq, float *o, int64_t ldo,
+                         int64_t nq, int64_t pos0, const int32_t *table, int64_t h, float *ws) {
+    const int64_t d = a->d, g = a->g, bs = a->bs, hkv = a->hkv, end = pos0 + nq;
+    float *qt = ws, *ot = qt + g * d * PQ, *ml = ot + g * d * PQ; /* ml: max then sum, a group */
+    float kb[MAX_BLOCK * MAX_DIM], vb[MAX_BLOCK * MAX_DIM];
+    __m256 s[MAX_BLOCK];
+    for (int64_t j = 0; j < g; ++j) {
+        const float *qj = q + (h * g + j) * d;
+        for (int64_t i = 0; i < d; ++i)
+            for (int64_t r = 0; r < PQ; ++r)
+                qt[(j * d + i) * PQ + r] = r < nq ? qj[r * ldq + i] * a->scale : 0.0f;
+        _mm256_storeu_ps(ml + j * 2 * PQ, _mm256_set1_ps(-INFINITY));
+        _mm256_storeu_ps(ml + j * 2 * PQ + PQ, _mm256_setzero_ps());
+    }
+    memset(ot, 0, sizeof(float) * g * d * PQ);
+    for (int64_t t = 0; t < end; t += bs) {
+        const int64_t blk = table[t / bs], n = end - t < bs ? end - t : bs;
+        const int64_t row0 = (blk * bs * hkv + h) * d;
+        int64_t kstep, vstep;
+        const float *kr = block_rows(a, a->k, row0, n, kb, &kstep);
+        const float *vr = block_rows(a, a->v, row0, n, vb, &vstep);
+        const float ksc = a->ks ? a->ks[blk * hkv + h] : 1.0f;
+        const __m256 vsc = _mm256_set1_ps(a->vs ? a->vs[blk * hkv + h] : 1.0f);
+        for (int64_t j = 0; j < g; ++j) {
+            float *otj = ot + j * d * PQ;
+            prefill_scores(qt + j * d * PQ, kr, kstep, n, d, t, pos0, ksc, s);
+            /* token 0 is seen by every query, so after the first block each max is finite */
+            const __m256 m0 = _mm256_loadu_ps(ml + j * 2 * PQ);
+            __m256 mx = m0;
+            for (int64_t u = 0; u < n; ++u)
+                mx = _mm256_max_ps(mx, s[u]);
+            const __m256 c = exp8(_mm256_sub_ps(m0, mx)); /* 0 on the first block */
+            __m256 sum = _mm256_setzero_ps();
+            for (int64_t u = 0; u < n; ++u) {
+                const __m256 p = exp8(_mm256_sub_ps(s[u], mx));
+                sum = _mm256_add_ps(sum, p);
+                s[u] = _mm256_mul_ps(p, vsc);
+            }
+            _mm256_storeu_ps(ml + j * 2 * PQ, mx);
+            _mm256_storeu_ps(ml + j * 2 * PQ + PQ,
+                             _mm256_fmadd_ps(_mm256_loadu_ps(ml + j * 2 * PQ + PQ), c, sum));
+            /* eight output components at a time in registers, tokens inner */
+            for (int64_t i = 0; i < d; i += 8) {
+                __m256 acc[8];
+                for (int r = 0; r < 8; ++r)
+                    acc[r] = _mm256_mul_ps(_mm256_loadu_ps(otj + (i + r) * PQ), c);
+                for (int64_t u = 0; u < n; ++u) {
+                    const float *vu = vr + u * vstep + i;
+                    for (int r = 0; r < 8; ++r)
+                        acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(vu + r), s[u], acc[r]);
+                }
+                for (int r = 0; r < 8; ++r)
+                    _mm256_storeu_ps(otj + (i + r) * PQ, acc[r]);
+            }
+        }
+    }
+    for (int64_t j = 0; j < g; ++j) {
+        const float *otj = ot + j * d * PQ, *lj = ml + j * 2 * PQ + PQ;
+        for (int64_t r = 0; r < nq; ++r) {
+            const float inv = 1.0f / lj[r];
+            float *orow = o + r * ldo + (h * g + j) * d;
+            for (int64_t i = 0; i < d; ++i)
+                orow[i] = otj[i * PQ + r] * inv;
+        }
+    }
+}
+
+typedef struct {
+    int64_t cost, seq, pos, h;
+} PrefillItem;
+
+static int by_cost(const void *x, const void *y) {
+    const int64_t a = ((const PrefillItem *)x)->cost, b = ((const PrefillItem *)y)->cost;
+    return a < b ? 1 : a > b ? -1 : 0;
+}
+
+/* Causal attention of S prompt chunks over the paged pool. Chunk s's qlen[s] queries are rows
+ * qrow[s].. of q ([rows][heads][d], row stride ldq), at the last positions of its lens[s] cached
+ * tokens (this step's included, already written); its outputs go to the same rows of out
+ * ([rows][heads][d], contiguous), its block table at tables + s * ldt. A work item is eight
+ * positions of one chunk and one KV head with all its query heads; the longest first. Returns
+ * 0, 1 on an unsupported shape, -1 without memory. */
+int kvg_paged_prefill(const float *q, int64_t ldq, float *out, const int64_t *qrow,
+                      const int32_t *qlen, const int32_t *lens, int64_t S, const void *k,
+                      const void *v, const float *ks, const float *vs, int type, int64_t bs,
+                      int64_t hkv, int64_t heads, int64_t d, const int32_t *tables, int64_t ldt,
+                      float scale, int threads) {
+    if (heads % hkv || heads / hkv > MAX_GROUP || d % 8 || d > MAX_DIM || bs > MAX_BLOCK)
+        return 1;
+    const Attn a = {q, ldq, k, v, ks, vs, type, bs, hkv, d, heads / hkv, tables, ldt, scale};
+    int64_t n = 0;
+    for (int64_t s = 0; s < S; ++s) {
+        if (qlen[s] < 1 || qlen[s] > lens[s])
+            return 1;
+        n += (qlen[s] + PQ - 1) / PQ * hkv;
+    }
+    if (threads < 1)
+        threads = 1;
+    const int64_t per = (2 * a.g * d + 2 * a.g) * PQ;
+    PrefillItem *items = malloc(sizeof(PrefillItem) * (size_t)(n ? n : 1));
+    float *ws = malloc(sizeof(float) * (size_t)(threads * per));
+    if (!items || !ws) {
+        free(items);
+        free(ws);
+        return -1;
+    }
+    int64_t it = 0;
+    for (int64_t s = 0; s < S; ++s)
+        for (int64_t p = 0; p < qlen[s]; p += PQ)
+            for (int64_t h = 0; h < hkv; ++h) {
+                const int64_t pos = lens[s] - qlen[s] + p;
+                items[it++] = (PrefillItem){pos + PQ, s, p, h};
+            }
+    qsort(items, (size_t)n, sizeof(PrefillItem), by_cost);
+#pragma omp parallel for num_threads(threads) if (threads > 1 && n > 1) schedule(dynamic, 1)
+    for (int64_t i = 0; i < n; ++i) {
+        const PrefillItem w = items[i];
+        int self = 0;
+#ifdef _OPENMP
+        self = omp_get_thread_num();
+#endif
+        const int64_t left = qlen[w.seq] - w.pos, nq = left < PQ ? left : PQ;
+        const int64_t row = qrow[w.seq] + w.pos;
+        prefill_item(&a, q + row * ldq, ldq, out + row * heads * d, heads * d, nq,
+                     lens[w.seq] - qlen[w.seq] + w.pos, tables + w.seq * ldt, w.h, ws + self * per);
+    }
+    free(items);
     free(ws);
     return 0;
 }

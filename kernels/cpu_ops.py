@@ -159,6 +159,45 @@ def paged_decode(
         )
 
 
+def paged_prefill(
+    q: torch.Tensor,
+    out: torch.Tensor,
+    rows: torch.Tensor,
+    qlens: torch.Tensor,
+    lens: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,
+    scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> None:
+    """Causal attention of prompt chunks: chunk s's `qlens[s]` queries are rows `rows[s]`.. of
+    `q` `[T, heads, d]` (rows may be strided), at the last positions of its `lens[s]` cached
+    tokens (this step's already written); outputs to the same rows of `out` (contiguous).
+    `qlens`, `lens` and `tables` (block table rows, unit stride) are int32, `rows` int64. An fp8
+    pool needs its per-block, per-KV-head fp32 scales."""
+    lib = cpu_lowbit.library()
+    _nb, bs, hkv, d = k_cache.shape
+    assert out.is_contiguous() and tables.dtype == torch.int32 and tables.stride(1) == 1
+    assert lens.dtype == torch.int32 and qlens.dtype == torch.int32 and rows.dtype == torch.int64
+    fp8 = k_cache.dtype == FP8_DTYPE
+    rc = lib.kvg_paged_prefill(
+        q.data_ptr(), q.stride(0), out.data_ptr(), rows.data_ptr(), qlens.data_ptr(),
+        lens.data_ptr(), rows.numel(), k_cache.data_ptr(), v_cache.data_ptr(),
+        k_scale.data_ptr() if fp8 else None, v_scale.data_ptr() if fp8 else None,
+        KV_TYPES[k_cache.dtype], bs, hkv, q.shape[1], d, tables.data_ptr(), tables.stride(0),
+        scale, torch.get_num_threads(),
+    )  # fmt: skip
+    if rc == -1:
+        raise MemoryError("paged_prefill: no memory for the work list")
+    if rc:
+        raise ValueError(
+            f"paged_prefill: unsupported shape q={tuple(q.shape)} kv={tuple(k_cache.shape)}"
+            f" or a chunk longer than its sequence"
+        )
+
+
 def rmsnorm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> torch.Tensor:

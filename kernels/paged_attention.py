@@ -33,16 +33,18 @@ def write_kv(
 
         triton_kv.write_kv(k_cache, v_cache, k, v, slot_mapping, k_scale, v_scale)
         return
+    if (
+        cpu_ops.enabled(k)
+        and cpu_ops.write_supported(k_cache, k_scale, k, slot_mapping)
+        and cpu_ops.write_supported(v_cache, v_scale, v, slot_mapping)
+    ):
+        # one C pass per pool (same bits: tests): on fp8 pools instead of about twenty small
+        # torch ops; on the others instead of torch's index_copy_, which took 105 us for a
+        # mixed step's 165 rows of 192 floats (0.5 s of the 64-request trace on 2 cores)
+        cpu_ops.write_kv(k_cache, k_scale, k, slot_mapping)
+        cpu_ops.write_kv(v_cache, v_scale, v, slot_mapping)
+        return
     if k_cache.dtype == FP8_DTYPE:
-        if (
-            cpu_ops.enabled(k)
-            and cpu_ops.write_supported(k_cache, k_scale, k, slot_mapping)
-            and cpu_ops.write_supported(v_cache, v_scale, v, slot_mapping)
-        ):
-            # one C pass per pool instead of about twenty small torch ops (same bits: tests)
-            cpu_ops.write_kv(k_cache, k_scale, k, slot_mapping)
-            cpu_ops.write_kv(v_cache, v_scale, v, slot_mapping)
-            return
         write_kv_fp8(k_cache, k_scale, k, slot_mapping)
         write_kv_fp8(v_cache, v_scale, v, slot_mapping)
         return
@@ -101,6 +103,10 @@ def paged_attention(
         _decode_native(q, out, kv, block_tables, seq_lens, starts, decode, scale)
     elif decode:
         _decode(q, out, kv, block_tables, seq_lens, starts, decode, scale)
+    chunks = [i for i, n in enumerate(query_lens) if n > 1]
+    if chunks and cpu_ops.enabled(q) and cpu_ops.decode_supported(q, k_cache):
+        _prefill_native(q, out, kv, block_tables, seq_lens, query_lens, starts, chunks, scale)
+        return out
     for i, qlen in enumerate(query_lens):
         if qlen > 1:
             s = starts[i]
@@ -221,6 +227,32 @@ def _decode_native(
     """`_decode` by the CPU kernel, which reads the paged pool in place (no gather)."""
     qrows, lens, tables = decode_rows(block_tables, seq_lens, starts, rows)
     cpu_ops.paged_decode(q, out, qrows, lens, kv[0], kv[1], tables, scale, kv[2], kv[3])
+
+
+def _prefill_native(
+    q: torch.Tensor,
+    out: torch.Tensor,
+    kv: KV,
+    block_tables: torch.Tensor,
+    seq_lens: list[int],
+    query_lens: list[int],
+    starts: list[int],
+    chunks: list[int],
+    scale: float,
+) -> None:
+    """The prompt chunks `chunks` by the CPU kernel, in one call: it reads the paged pool in
+    place (no gather, no mask tensor) and skips the blocks a query cannot see. Against torch's
+    attention over gathered K/V, 2-2.7x faster for chunks of 16-128 tokens over 128-400 cached
+    ones (2 cores), where that was a tenth of the 64-request trace."""
+    tables = block_tables
+    if len(chunks) != block_tables.shape[0]:
+        tables = block_tables.index_select(0, torch.tensor(chunks))
+    if tables.dtype != torch.int32 or tables.stride(1) != 1:
+        tables = tables.to(torch.int32).contiguous()
+    rows = torch.tensor([starts[i] for i in chunks])
+    qlens = torch.tensor([query_lens[i] for i in chunks], dtype=torch.int32)
+    lens = torch.tensor([seq_lens[i] for i in chunks], dtype=torch.int32)
+    cpu_ops.paged_prefill(q, out, rows, qlens, lens, kv[0], kv[1], tables, scale, kv[2], kv[3])
 
 
 # The step in flight's decode rows as the kernel takes them: every layer of a step passes the

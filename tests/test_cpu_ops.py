@@ -1,4 +1,5 @@
-"""The CPU step kernels (`kernels/cpu_ops.c`): paged decode attention, RMSNorm, RoPE.
+"""The CPU step kernels (`kernels/cpu_ops.c`): paged decode and prefill attention, the KV
+write, RMSNorm, RoPE.
 
 Attention is held to the float64 dense reference of test_paged_attention on pools filled with
 garbage outside each sequence's blocks, for every pool dtype, GQA ratio and the split-K path;
@@ -233,7 +234,7 @@ WRITES = [
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, FP8_DTYPE])
 def test_the_c_kv_write_stores_torchs_bits(dtype: torch.dtype) -> None:
-    """`cpu_ops.write_kv` (the decode fast path's write, and the per-op fp8 write) against
+    """`cpu_ops.write_kv` (every KV write on the CPU, whatever the pool) against
     torch's cast or `write_kv_fp8`, byte for byte and scale for scale: strided rows, a block
     table out of order, stale scales of a block's earlier owner, scales that grow."""
     gen = torch.Generator().manual_seed(11)
@@ -296,3 +297,69 @@ def test_every_fp8_byte_reads_as_torch_dequantises_it() -> None:
     nan = torch.isnan(want)
     assert nan.sum() == 2 and torch.isnan(out[0, 0][nan]).all()
     assert torch.equal(out[0, 0][~nan], want[~nan])
+
+
+# ---------------------------------------------------------------- paged prefill attention
+
+
+def test_prefill_chunks_take_the_kernel_and_the_switch_brings_torch_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Prompt chunks (whole prompts and later chunks) beside decode rows: the C kernel serves
+    them, and `KVGUARD_CPU_OPS=0` gives them back to torch's attention, equally right."""
+    seqs = [(45, 45), (30, 12), (16, 1), (100, 37), (3, 2)]
+    _forbid(monkeypatch, "_prefill_one")
+    out, ref = run_batch(seqs, 9, 3, 64, 16, seed=12)
+    assert_close(out, ref)
+    monkeypatch.undo()
+    monkeypatch.setenv(cpu_ops.ENV, "0")
+    cpu_ops.reset()
+    _forbid(monkeypatch, "_prefill_native")
+    out, ref = run_batch(seqs, 9, 3, 64, 16, seed=12)
+    assert_close(out, ref)
+
+
+@pytest.mark.parametrize(
+    ("seqs", "n_heads", "n_kv", "head_dim", "block_size"),
+    [
+        ([(128, 128), (393, 128), (300, 16)], 9, 3, 64, 16),  # the default model's shapes
+        ([(70, 9), (9, 9), (2, 2), (17, 8)], 4, 1, 128, 32),  # lane groups cut short (9, 17)
+        ([(257, 64), (65, 65)], 8, 2, 64, 8),  # chunks that start and end mid-block
+        ([(40, 33), (130, 100)], 16, 1, 8, 4),  # the widest group, the narrowest head
+        ([(200, 150)], 2, 2, 256, 64),  # no grouping, the widest head, the largest block
+    ],
+)
+def test_prefill_matches_the_dense_reference(
+    seqs: list[tuple[int, int]], n_heads: int, n_kv: int, head_dim: int, block_size: int
+) -> None:
+    out, ref = run_batch(seqs, n_heads, n_kv, head_dim, block_size, seed=13)
+    assert_close(out, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, FP8_DTYPE])
+def test_narrow_pools_in_prefill_read_like_torchs_dequantisation(dtype: torch.dtype) -> None:
+    """Each chunk by the kernel against torch's attention over the same pool, dequantised by
+    gather (the per-block, per-head scales of an fp8 pool included)."""
+    lengths = [40, 300, 17]
+    gen = torch.Generator().manual_seed(14)
+    _q, kv, tables = _narrow_pool(dtype, lengths, gen)
+    qlens = [40, 77, 9]
+    q = torch.randn(sum(qlens), 9, 64, generator=gen)
+    starts = [0, 40, 117]
+    got = torch.zeros_like(q)
+    pa._prefill_native(q, got, kv, tables, lengths, qlens, starts, [0, 1, 2], 0.125)
+    for i, (n, s) in enumerate(zip(qlens, starts, strict=True)):
+        want = pa._prefill_one(q[s : s + n], kv, tables[i], lengths[i], 0.125)
+        torch.testing.assert_close(got[s : s + n], want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_chunk_longer_than_its_sequence_is_refused() -> None:
+    k = torch.zeros(4, 16, 3, 64)
+    q, out = torch.zeros(10, 9, 64), torch.zeros(10, 9, 64)
+    tables = torch.zeros(1, 4, dtype=torch.int32)
+    one = torch.tensor([10], dtype=torch.int32)
+    with pytest.raises(ValueError, match="longer than its sequence"):
+        cpu_ops.paged_prefill(
+            q, out, torch.tensor([0]), one, torch.tensor([9], dtype=torch.int32), k, k, tables, 1.0
+        )
+    cpu_ops.paged_prefill(q, out, torch.tensor([0]), one, one, k, k, tables, 1.0)  # fits

@@ -263,11 +263,18 @@ def test_chunked_prefill_reads_earlier_chunks_from_cache(chunk: int) -> None:
 
 
 @pytest.mark.parametrize("seqs", [[(40, 40)], [(70, 23)]], ids=["whole prompt", "later chunk"])
-def test_prefill_attention_takes_torchs_fused_cpu_kernel(seqs: list[tuple[int, int]]) -> None:
-    """Prefill chunks reach torch's fused CPU attention, not its unfused math path (which 3-d
-    inputs get: 2-4x slower at 96-1024 tokens), causal or with the mask of a later chunk."""
+def test_prefill_attention_takes_torchs_fused_cpu_kernel(
+    seqs: list[tuple[int, int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the C kernels are off (or do not serve the shape), prefill chunks reach torch's
+    fused CPU attention, not its unfused math path (which 3-d inputs get: 2-4x slower at
+    96-1024 tokens), causal or with the mask of a later chunk."""
     from torch.profiler import profile
 
+    from kvguard.kernels import cpu_ops
+
+    monkeypatch.setenv(cpu_ops.ENV, "0")
+    monkeypatch.setattr(cpu_ops, "_state", {})  # the switch read afresh; after the test, as it was
     with profile() as prof:
         out, ref = run_batch(seqs, 9, 3, 64, block_size=16)
     ops = {e.key for e in prof.key_averages()}

@@ -394,72 +394,75 @@ static inline void prefill_scores(const float *qt, const float *kr, int64_t kste
     }
 }
 
-/* One work item: KV head h's g query heads at the nq (<= 8) query positions pos0.. of one
- * sequence, whose query rows start at q (row stride ldq) and output rows at o (row stride ldo).
- * It attends tokens [0, pos0 + nq) a block at a time; per query head a running max, sum and
- * output (held transposed, ot[i * 8 + lane]) as in flash attention. ws: (2 * g * d + 2 * g) * 8
+/* One work item: every query head at the nq (<= 8) query positions pos0.. of one sequence,
+ * whose query rows start at q (row stride ldq) and output rows at o (row stride ldo). It
+ * attends tokens [0, pos0 + nq) a block at a time, and in a block each KV head in turn (a
+ * block's rows are read whole, as in decode); per query head a running max, sum and output
+ * (held transposed, ot[i * 8 + lane]) as in flash attention. ws: (2 * heads * d + 2 * heads) * 8
  * floats. */
 static void prefill_item(const Attn *a, const float *q, int64_t ldq, float *o, int64_t ldo,
-                         int64_t nq, int64_t pos0, const int32_t *table, int64_t h, float *ws) {
-    const int64_t d = a->d, g = a->g, bs = a->bs, hkv = a->hkv, end = pos0 + nq;
-    float *qt = ws, *ot = qt + g * d * PQ, *ml = ot + g * d * PQ; /* ml: max then sum, a group */
+                         int64_t nq, int64_t pos0, const int32_t *table, float *ws) {
+    const int64_t d = a->d, g = a->g, bs = a->bs, hkv = a->hkv, heads = hkv * g, end = pos0 + nq;
+    float *qt = ws, *ot = qt + heads * d * PQ, *ml = ot + heads * d * PQ; /* ml: max, then sum */
     float kb[MAX_BLOCK * MAX_DIM], vb[MAX_BLOCK * MAX_DIM];
     __m256 s[MAX_BLOCK];
-    for (int64_t j = 0; j < g; ++j) {
-        const float *qj = q + (h * g + j) * d;
+    for (int64_t j = 0; j < heads; ++j) {
+        const float *qj = q + j * d;
         for (int64_t i = 0; i < d; ++i)
             for (int64_t r = 0; r < PQ; ++r)
                 qt[(j * d + i) * PQ + r] = r < nq ? qj[r * ldq + i] * a->scale : 0.0f;
         _mm256_storeu_ps(ml + j * 2 * PQ, _mm256_set1_ps(-INFINITY));
         _mm256_storeu_ps(ml + j * 2 * PQ + PQ, _mm256_setzero_ps());
     }
-    memset(ot, 0, sizeof(float) * g * d * PQ);
+    memset(ot, 0, sizeof(float) * heads * d * PQ);
     for (int64_t t = 0; t < end; t += bs) {
         const int64_t blk = table[t / bs], n = end - t < bs ? end - t : bs;
-        const int64_t row0 = (blk * bs * hkv + h) * d;
-        int64_t kstep, vstep;
-        const float *kr = block_rows(a, a->k, row0, n, kb, &kstep);
-        const float *vr = block_rows(a, a->v, row0, n, vb, &vstep);
-        const float ksc = a->ks ? a->ks[blk * hkv + h] : 1.0f;
-        const __m256 vsc = _mm256_set1_ps(a->vs ? a->vs[blk * hkv + h] : 1.0f);
-        for (int64_t j = 0; j < g; ++j) {
-            float *otj = ot + j * d * PQ;
-            prefill_scores(qt + j * d * PQ, kr, kstep, n, d, t, pos0, ksc, s);
-            /* token 0 is seen by every query, so after the first block each max is finite */
-            const __m256 m0 = _mm256_loadu_ps(ml + j * 2 * PQ);
-            __m256 mx = m0;
-            for (int64_t u = 0; u < n; ++u)
-                mx = _mm256_max_ps(mx, s[u]);
-            const __m256 c = exp8(_mm256_sub_ps(m0, mx)); /* 0 on the first block */
-            __m256 sum = _mm256_setzero_ps();
-            for (int64_t u = 0; u < n; ++u) {
-                const __m256 p = exp8(_mm256_sub_ps(s[u], mx));
-                sum = _mm256_add_ps(sum, p);
-                s[u] = _mm256_mul_ps(p, vsc);
-            }
-            _mm256_storeu_ps(ml + j * 2 * PQ, mx);
-            _mm256_storeu_ps(ml + j * 2 * PQ + PQ,
-                             _mm256_fmadd_ps(_mm256_loadu_ps(ml + j * 2 * PQ + PQ), c, sum));
-            /* eight output components at a time in registers, tokens inner */
-            for (int64_t i = 0; i < d; i += 8) {
-                __m256 acc[8];
-                for (int r = 0; r < 8; ++r)
-                    acc[r] = _mm256_mul_ps(_mm256_loadu_ps(otj + (i + r) * PQ), c);
+        for (int64_t h = 0; h < hkv; ++h) {
+            const int64_t row0 = (blk * bs * hkv + h) * d;
+            int64_t kstep, vstep;
+            const float *kr = block_rows(a, a->k, row0, n, kb, &kstep);
+            const float *vr = block_rows(a, a->v, row0, n, vb, &vstep);
+            const float ksc = a->ks ? a->ks[blk * hkv + h] : 1.0f;
+            const __m256 vsc = _mm256_set1_ps(a->vs ? a->vs[blk * hkv + h] : 1.0f);
+            for (int64_t j = h * g; j < (h + 1) * g; ++j) {
+                float *otj = ot + j * d * PQ;
+                prefill_scores(qt + j * d * PQ, kr, kstep, n, d, t, pos0, ksc, s);
+                /* token 0 is seen by every query, so after the first block each max is finite */
+                const __m256 m0 = _mm256_loadu_ps(ml + j * 2 * PQ);
+                __m256 mx = m0;
+                for (int64_t u = 0; u < n; ++u)
+                    mx = _mm256_max_ps(mx, s[u]);
+                const __m256 c = exp8(_mm256_sub_ps(m0, mx)); /* 0 on the first block */
+                __m256 sum = _mm256_setzero_ps();
                 for (int64_t u = 0; u < n; ++u) {
-                    const float *vu = vr + u * vstep + i;
-                    for (int r = 0; r < 8; ++r)
-                        acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(vu + r), s[u], acc[r]);
+                    const __m256 p = exp8(_mm256_sub_ps(s[u], mx));
+                    sum = _mm256_add_ps(sum, p);
+                    s[u] = _mm256_mul_ps(p, vsc);
                 }
-                for (int r = 0; r < 8; ++r)
-                    _mm256_storeu_ps(otj + (i + r) * PQ, acc[r]);
+                _mm256_storeu_ps(ml + j * 2 * PQ, mx);
+                _mm256_storeu_ps(ml + j * 2 * PQ + PQ,
+                                 _mm256_fmadd_ps(_mm256_loadu_ps(ml + j * 2 * PQ + PQ), c, sum));
+                /* eight output components at a time in registers, tokens inner */
+                for (int64_t i = 0; i < d; i += 8) {
+                    __m256 acc[8];
+                    for (int r = 0; r < 8; ++r)
+                        acc[r] = _mm256_mul_ps(_mm256_loadu_ps(otj + (i + r) * PQ), c);
+                    for (int64_t u = 0; u < n; ++u) {
+                        const float *vu = vr + u * vstep + i;
+                        for (int r = 0; r < 8; ++r)
+                            acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(vu + r), s[u], acc[r]);
+                    }
+                    for (int r = 0; r < 8; ++r)
+                        _mm256_storeu_ps(otj + (i + r) * PQ, acc[r]);
+                }
             }
         }
     }
-    for (int64_t j = 0; j < g; ++j) {
+    for (int64_t j = 0; j < heads; ++j) {
         const float *otj = ot + j * d * PQ, *lj = ml + j * 2 * PQ + PQ;
         for (int64_t r = 0; r < nq; ++r) {
             const float inv = 1.0f / lj[r];
-            float *orow = o + r * ldo + (h * g + j) * d;
+            float *orow = o + r * ldo + j * d;
             for (int64_t i = 0; i < d; ++i)
                 orow[i] = otj[i * PQ + r] * inv;
         }
@@ -467,7 +470,7 @@ static void prefill_item(const Attn *a, const float *q, int64_t ldq, float *o, i
 }
 
 typedef struct {
-    int64_t cost, seq, pos, h;
+    int64_t cost, seq, pos;
 } PrefillItem;
 
 static int by_cost(const void *x, const void *y) {
@@ -493,11 +496,11 @@ int kvg_paged_prefill(const float *q, int64_t ldq, float *out, const int64_t *qr
     for (int64_t s = 0; s < S; ++s) {
         if (qlen[s] < 1 || qlen[s] > lens[s])
             return 1;
-        n += (qlen[s] + PQ - 1) / PQ * hkv;
+        n += (qlen[s] + PQ - 1) / PQ;
     }
     if (threads < 1)
         threads = 1;
-    const int64_t per = (2 * a.g * d + 2 * a.g) * PQ;
+    const int64_t per = (2 * heads * d + 2 * heads) * PQ;
     PrefillItem *items = malloc(sizeof(PrefillItem) * (size_t)(n ? n : 1));
     float *ws = malloc(sizeof(float) * (size_t)(threads * per));
     if (!items || !ws) {
@@ -508,10 +511,7 @@ int kvg_paged_prefill(const float *q, int64_t ldq, float *out, const int64_t *qr
     int64_t it = 0;
     for (int64_t s = 0; s < S; ++s)
         for (int64_t p = 0; p < qlen[s]; p += PQ)
-            for (int64_t h = 0; h < hkv; ++h) {
-                const int64_t pos = lens[s] - qlen[s] + p;
-                items[it++] = (PrefillItem){pos + PQ, s, p, h};
-            }
+            items[it++] = (PrefillItem){lens[s] - qlen[s] + p + PQ, s, p};
     qsort(items, (size_t)n, sizeof(PrefillItem), by_cost);
 #pragma omp parallel for num_threads(threads) if (threads > 1 && n > 1) schedule(dynamic, 1)
     for (int64_t i = 0; i < n; ++i) {
@@ -523,7 +523,7 @@ int kvg_paged_prefill(const float *q, int64_t ldq, float *out, const int64_t *qr
         const int64_t left = qlen[w.seq] - w.pos, nq = left < PQ ? left : PQ;
         const int64_t row = qrow[w.seq] + w.pos;
         prefill_item(&a, q + row * ldq, ldq, out + row * heads * d, heads * d, nq,
-                     lens[w.seq] - qlen[w.seq] + w.pos, tables + w.seq * ldt, w.h, ws + self * per);
+                     lens[w.seq] - qlen[w.seq] + w.pos, tables + w.seq * ldt, ws + self * per);
     }
     free(items);
     free(ws);

@@ -1,4 +1,4 @@
-"""One C call per decoder layer of a decode-only CPU step (`decode_layer.c`).
+"""One C call per decoder layer of a CPU step (`decode_layer.c`).
 
 The structures mirror the C ones field for field; a `Layer` holds raw pointers into the
 tensors it was built from, and `LayerPlan` keeps those tensors alive with it. The engine
@@ -37,9 +37,11 @@ class Layer(ctypes.Structure):
 class Step(ctypes.Structure):
     _fields_ = [
         ("T", _I64), ("block_size", _I64), ("ldt", _I64), ("num_slots", _I64),
-        ("cos", _PTR), ("sin", _PTR),
-        ("slots", _PTR), ("rows", _PTR), ("lens", _PTR), ("tables", _PTR), ("work", _PTR),
-        ("threads", _I64), ("kv_type", _I64),
+        ("cos", _PTR), ("sin", _PTR), ("slots", _PTR),
+        ("B", _I64), ("rows", _PTR), ("lens", _PTR), ("tables", _PTR),
+        ("S", _I64), ("chunk_rows", _PTR), ("chunk_qlens", _PTR), ("chunk_lens", _PTR),
+        ("chunk_tables", _PTR), ("chunk_ldt", _I64),
+        ("work", _PTR), ("threads", _I64), ("kv_type", _I64),
     ]  # fmt: skip
 
 
@@ -125,8 +127,8 @@ def run_layer(
         mlp_out.data_ptr(),
     )  # fmt: skip
     if rc == -1:
-        raise MemoryError("decode layer: no memory for a kernel's workspace")
+        raise MemoryError("CPU layer: no memory for a kernel's workspace")
     if rc == -3:
-        raise IndexError(f"decode layer: a KV slot outside the pool of {step.num_slots} slots")
+        raise IndexError(f"CPU layer: a KV slot outside the pool of {step.num_slots} slots")
     if rc:
-        raise ValueError(f"decode layer: a kernel refused the shapes ({rc})")
+        raise ValueError(f"CPU layer: a kernel refused the shapes ({rc})")

@@ -1,13 +1,16 @@
-/* kvguard CPU decode layer: one call for a whole decoder layer of a decode-only step.
+/* kvguard CPU step layer: one call for a whole decoder layer of a CPU step (decode rows,
+ * prompt chunks, or both).
  *
  * On a 2-core CPU a batch-1 decode step of a 135M model spends more time between kernels
- * (Python, torch dispatch, a dozen small tensors a layer) than in them. This file strings the
- * same kernels together in C: RMSNorm (with the previous layer's MLP output added to the
- * stream), the fused qkv projection, RoPE, the K/V write into the pool (fp32, fp16, bf16, or
- * fp8 with its per-block scales), paged decode attention, the output projection and its residual add, the second RMSNorm, gate/up, SiLU
- * and multiply, down. Each piece is the very function the per-op path calls, in the same
- * order, so the two paths give the same bits. The layer's MLP output is left in `mlp_out`
- * for the next layer's norm (or the final norm) to add.
+ * (Python, torch dispatch, a dozen small tensors a layer) than in them; a step with prompt
+ * chunks paid the same 7 ms or so. This file strings the same kernels together in C: RMSNorm
+ * (with the previous layer's MLP output added to the stream), the fused qkv projection, RoPE,
+ * the K/V write into the pool (fp32, fp16, bf16, or fp8 with its per-block scales), paged
+ * decode attention for the decode rows and paged prefill attention for the chunks, the output
+ * projection and its residual add, the second RMSNorm, gate/up, SiLU and multiply, down. Each
+ * piece is the very function the per-op path calls, in the same order, so the two paths give
+ * the same bits. The layer's MLP output is left in `mlp_out` for the next layer's norm (or
+ * the final norm) to add.
  */
 #include <stdint.h>
 
@@ -29,15 +32,23 @@ typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, inter;
 } KvgLayer;
 
-/* One decode step: T rows, one token of one sequence each. `work` holds
+/* One step: T rows, each a token of a sequence: B decode sequences of one row each and S
+ * prompt chunks of several consecutive rows. `work` holds
  * T * (3*hidden + qkv.n + heads*head_dim + 3*inter) floats. */
 typedef struct {
     int64_t T, block_size, ldt, num_slots; /* num_slots: the pools' blocks * block_size */
     const float *cos, *sin;  /* [T][head_dim] */
     const int64_t *slots;    /* [T] flat pool slot of each row's new token */
-    const int64_t *rows;     /* [T] 0..T-1: the query row of each sequence */
-    const int32_t *lens;     /* [T] tokens cached after this step's write */
-    const int32_t *tables;   /* [T][ldt] block tables */
+    int64_t B;               /* decode sequences */
+    const int64_t *rows;     /* [B] the query row of each */
+    const int32_t *lens;     /* [B] tokens cached after this step's write */
+    const int32_t *tables;   /* [B][ldt] block tables */
+    int64_t S;               /* prompt chunks */
+    const int64_t *chunk_rows;  /* [S] the first query row of each */
+    const int32_t *chunk_qlens; /* [S] its rows */
+    const int32_t *chunk_lens;  /* [S] tokens cached after this step's write */
+    const int32_t *chunk_tables; /* [S][chunk_ldt] block tables */
+    int64_t chunk_ldt;
     float *work;
     int64_t threads;
     int64_t kv_type; /* the pools' element type: cpu_ops.c's KV_F32 .. KV_FP8 */
@@ -84,11 +95,15 @@ int kvg_decode_layer(const KvgLayer *L, const KvgStep *s, float *x, const float 
         (rc = kvg_write_kv(v_pool, v_scales, type, qkv + nq + nkv, nqkv, s->slots, T,
                            s->num_slots, s->block_size, L->kv_heads, d)))
         return rc == 1 ? -2 : rc;
-    rc = kvg_paged_decode(qkv, nqkv, attn, s->rows, s->lens, T, k_pool, v_pool, k_scales,
-                          v_scales, type, s->block_size, L->kv_heads, L->heads, d, s->tables,
-                          s->ldt, L->scale, threads);
-    if (rc)
+    if (s->B && (rc = kvg_paged_decode(qkv, nqkv, attn, s->rows, s->lens, s->B, k_pool, v_pool,
+                                       k_scales, v_scales, type, s->block_size, L->kv_heads,
+                                       L->heads, d, s->tables, s->ldt, L->scale, threads)))
         return rc;
+    if (s->S && (rc = kvg_paged_prefill(qkv, nqkv, attn, s->chunk_rows, s->chunk_qlens,
+                                        s->chunk_lens, s->S, k_pool, v_pool, k_scales, v_scales,
+                                        type, s->block_size, L->kv_heads, L->heads, d,
+                                        s->chunk_tables, s->chunk_ldt, L->scale, threads)))
+        return rc == 1 ? -2 : rc;
     if ((rc = linear(&L->o, attn, T, nq, o, threads)))
         return rc;
     kvg_rmsnorm(x, H, o, T, H, L->norm2, L->eps, h2, threads);

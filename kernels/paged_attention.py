@@ -244,15 +244,28 @@ def _prefill_native(
     place (no gather, no mask tensor) and skips the blocks a query cannot see. Against torch's
     attention over gathered K/V, 2-2.7x faster for chunks of 16-128 tokens over 128-400 cached
     ones (2 cores), where that was a tenth of the 64-request trace."""
+    rows, qlens, lens, tables = prefill_chunks(block_tables, seq_lens, query_lens, starts, chunks)
+    cpu_ops.paged_prefill(q, out, rows, qlens, lens, kv[0], kv[1], tables, scale, kv[2], kv[3])
+
+
+def prefill_chunks(
+    block_tables: torch.Tensor,
+    seq_lens: list[int],
+    query_lens: list[int],
+    starts: list[int],
+    chunks: list[int],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The prompt chunks `chunks` as the CPU kernel takes them: (first query row of each,
+    int64; its query count, its cached length, int32; its block table, int32, unit stride)."""
     tables = block_tables
     if len(chunks) != block_tables.shape[0]:
-        tables = block_tables.index_select(0, torch.tensor(chunks))
+        tables = block_tables.index_select(0, torch.tensor(chunks, dtype=torch.int64))
     if tables.dtype != torch.int32 or tables.stride(1) != 1:
         tables = tables.to(torch.int32).contiguous()
-    rows = torch.tensor([starts[i] for i in chunks])
+    rows = torch.tensor([starts[i] for i in chunks], dtype=torch.int64)
     qlens = torch.tensor([query_lens[i] for i in chunks], dtype=torch.int32)
     lens = torch.tensor([seq_lens[i] for i in chunks], dtype=torch.int32)
-    cpu_ops.paged_prefill(q, out, rows, qlens, lens, kv[0], kv[1], tables, scale, kv[2], kv[3])
+    return rows, qlens, lens, tables
 
 
 # The step in flight's decode rows as the kernel takes them: every layer of a step passes the
@@ -269,10 +282,10 @@ def decode_rows(
         return _NATIVE_STEP[0][2]
     tables = block_tables
     if len(rows) != block_tables.shape[0]:
-        tables = block_tables.index_select(0, torch.tensor(rows))
+        tables = block_tables.index_select(0, torch.tensor(rows, dtype=torch.int64))
     if tables.dtype != torch.int32 or tables.stride(1) != 1:
         tables = tables.to(torch.int32).contiguous()
-    qrows = torch.tensor([starts[i] for i in rows])
+    qrows = torch.tensor([starts[i] for i in rows], dtype=torch.int64)
     lens = torch.tensor([seq_lens[i] for i in rows], dtype=torch.int32)
     _NATIVE_STEP[:] = [(block_tables, seq_lens, (qrows, lens, tables))]
     return qrows, lens, tables

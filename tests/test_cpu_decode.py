@@ -1,7 +1,8 @@
-"""The CPU decode fast path (`kvguard.engine.cpu_decode`): a decode-only step of the packed
-default model runs each layer in one C call and gives the per-op path's logits bit for bit,
-on an fp32 pool and after a live switch to fp8, fp16 or bf16; steps it does not serve (a
-prefill row, the CPU kernels off, an fp32 model) run the per-op path."""
+"""The CPU fast path (`kvguard.engine.cpu_decode`): every step of the packed default model
+(whole prompts, decode rows, and prompt chunks beside decode rows) runs each layer in one C
+call and gives the per-op path's logits bit for bit, on an fp32 pool and after a live switch
+to fp8, fp16 or bf16; steps it does not serve (the CPU kernels off, an fp32 model) run the
+per-op path."""
 
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ from kvguard.kernels import cpu_layer, cpu_ops
 # lengths that put the decode tokens on both sides of 16-token block edges
 PROMPTS = [[100 + 7 * i + j for j in range(n)] for i, n in enumerate((5, 15, 16, 31, 47))]
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+# queued after the first steps: its prompt goes in chunks beside the others' decode rows
+LATE = [200 + (13 * j) % 900 for j in range(300)]
+MIXED: list[int] = []  # a mark for each C layer call with both decode rows and prompt chunks
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +32,9 @@ def engine() -> LLMEngine:
     eng.shutdown()
 
 
-def run(eng: LLMEngine, fused: bool) -> tuple[list, list, int]:
-    """Every step's logits, the tokens, and how many layer calls took the C path."""
+def run(eng: LLMEngine, fused: bool, late: bool = False) -> tuple[list, list, int]:
+    """Every step's logits, the tokens, and how many layer calls took the C path; `late`
+    queues LATE after three steps, so later steps mix its prompt chunks with decode rows."""
     logits, calls = [], []
     compute, run_layer = eng.model.compute_logits, cpu_layer.run_layer
 
@@ -39,27 +44,45 @@ def run(eng: LLMEngine, fused: bool) -> tuple[list, list, int]:
         return out
 
     def count(*args: object) -> None:
+        step = args[1]
         calls.append(1)
+        if step.B and step.S:  # decode rows and prompt chunks in one call
+            MIXED.append(1)
         run_layer(*args)
 
     eng.model.compute_logits, cpu_layer.run_layer = record, count
     eng.model.fuse_cpu_decode = fused
     try:
-        tokens = [o.final_token_ids for o in eng.generate(PROMPTS, GREEDY)]
+        if not late:
+            tokens = [o.final_token_ids for o in eng.generate(PROMPTS, GREEDY)]
+        else:
+            ids = [eng.add_request(p, GREEDY) for p in PROMPTS]
+            done: dict[str, list[int]] = {}
+            for _ in range(3):
+                done.update((o.request_id, o.final_token_ids) for o in eng.step() if o.finished)
+            ids.append(eng.add_request(LATE, GREEDY))
+            while eng.has_unfinished():
+                done.update((o.request_id, o.final_token_ids) for o in eng.step() if o.finished)
+            tokens = [done[i] for i in ids]
     finally:
         eng.model.fuse_cpu_decode = True
         eng.model.compute_logits, cpu_layer.run_layer = compute, run_layer
     return logits, tokens, len(calls)
 
 
-def test_decode_steps_take_one_call_a_layer_and_give_the_per_op_logits(engine: LLMEngine) -> None:
-    fused_logits, fused_tokens, calls = run(engine, True)
-    plain_logits, plain_tokens, none = run(engine, False)
+@pytest.mark.parametrize("late", [False, True], ids=["prompts then decode", "mixed steps"])
+def test_every_step_takes_one_call_a_layer_and_gives_the_per_op_logits(
+    engine: LLMEngine, late: bool
+) -> None:
+    MIXED.clear()
+    fused_logits, fused_tokens, calls = run(engine, True, late)
+    plain_logits, plain_tokens, none = run(engine, False, late)
     layers = engine.model.cfg.num_layers
     assert isinstance(engine.model._cpu_plan, CpuDecode)
-    # the prefill steps run per op; every decode step is one call a layer
-    assert none == 0 and calls > 0 and calls % layers == 0
-    assert calls // layers >= GREEDY.max_tokens - 2
+    # every step (one logits call each) is one C call a layer
+    assert none == 0 and calls == layers * len(fused_logits)
+    assert all(len(t) == GREEDY.max_tokens for t in fused_tokens)
+    assert bool(MIXED) == late  # LATE's chunks went beside decode rows, and only then
     assert fused_tokens == plain_tokens
     assert len(fused_logits) == len(plain_logits)
     for a, b in zip(fused_logits, plain_logits, strict=True):

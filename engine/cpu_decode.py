@@ -78,7 +78,7 @@ class CpuDecode:
             if plan is None:
                 return None
             plans.append(plan)
-        log.info("CPU decode steps run each of %d layers in one C call", len(plans))
+        log.info("CPU steps run each of %d layers in one C call", len(plans))
         attn = layers[0].self_attn
         return cls(plans, attn.nh, attn.nkv, attn.hd)
 

@@ -231,7 +231,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(rows, h, cfg.vocab_size, self.tp)
         self._keep_stage_only()
         self.tie_weights()
-        # CPU decode steps in one C call per layer (kvguard.engine.cpu_decode); tests turn it
+        # CPU steps in one C call per layer (kvguard.engine.cpu_decode); tests turn it
         # off to compare with the per-op path
         self.fuse_cpu_decode = True
         self._cpu_plan: CpuDecode | None | bool = False

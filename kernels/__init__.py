@@ -2,8 +2,10 @@
 
 Which path runs where:
 
-- CPU: always the torch implementation in `paged_attention` (prefill, decode, KV writes). It is
-  also the reference every other path is tested against.
+- CPU: the C kernels of `cpu_ops` (decode and prefill attention over the pool in place, KV
+  writes) where they build and serve the shape, with `KVGUARD_CPU_OPS` not "0"; otherwise the
+  torch implementation in `paged_attention`, which is also the reference every other path is
+  tested against.
 - CUDA with triton importable and `KVGUARD_TRITON` not "0" (`dispatch.use_triton`):
   decode attention (single-token queries) runs the Triton kernel in `triton_attention`, and
   `write_kv` stores tokens with the Triton kernel in `triton_kv` (FP8 scale growth and block

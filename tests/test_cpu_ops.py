@@ -323,7 +323,9 @@ def test_prefill_chunks_take_the_kernel_and_the_switch_brings_torch_back(
     ("seqs", "n_heads", "n_kv", "head_dim", "block_size"),
     [
         ([(128, 128), (393, 128), (300, 16)], 9, 3, 64, 16),  # the default model's shapes
-        ([(70, 9), (9, 9), (2, 2), (17, 8)], 4, 1, 128, 32),  # lane groups cut short (9, 17)
+        ([(300, 16)], 9, 3, 64, 16),  # one item's positions: split by KV head over threads
+        ([(70, 9), (9, 9), (2, 2), (17, 8)], 4, 1, 128, 32),  # items cut short (9, 2, 8 rows)
+        ([(90, 33), (40, 17)], 9, 3, 64, 16),  # one or two rows past a whole item
         ([(257, 64), (65, 65)], 8, 2, 64, 8),  # chunks that start and end mid-block
         ([(40, 33), (130, 100)], 16, 1, 8, 4),  # the widest group, the narrowest head
         ([(200, 150)], 2, 2, 256, 64),  # no grouping, the widest head, the largest block

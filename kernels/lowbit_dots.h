@@ -16,8 +16,9 @@
 #define DOTS_FN
 #endif
 
-/* 8-bit: one weight block (eight columns' codes w, |w| in aw) against `rows` activation rows:
- * eight integer dots per row, reduced to one vector of eight column sums, scaled. */
+/* 8-bit: one weight block (eight columns' codes w; |w| in aw, w + 128 in the VNNI copy)
+ * against `rows` activation rows: eight integer dots per row, reduced to one vector of eight
+ * column sums, scaled. */
 static inline __attribute__((always_inline)) DOTS_FN void DOTS(block8)(
     const int fine, const int rows, const __m256i *w, const __m256i *aw, const void *xq,
     const float *xe, const float *xes, int64_t K, int64_t nb, int64_t b, __m256 dv, __m256 mv,
@@ -45,12 +46,19 @@ static inline __attribute__((always_inline)) DOTS_FN void DOTS(block8)(
 #endif
         } else {
             const __m256i x = _mm256_loadu_si256((const __m256i *)((const int8_t *)xq + r * K + b * QK));
-            /* |w| (0..128) times x with w's sign (|x| <= 127): a pair sums to 32512 at most, so
-             * `vpmaddubsw` never saturates and `vpdpbusd` gives the same int32 */
-            for (int c = 0; c < 8; ++c)
 #ifdef DOTS_VNNI
-                d[c] = _mm256_dpbusd_epi32(_mm256_setzero_si256(), aw[c], _mm256_sign_epi8(x, w[c]));
+            /* aw holds w + 128 (0..255, unsigned): each lane's four products (w + 128) x less
+             * 128 times the same four x, summed by `vpdpbusd` from that start, is the lane's
+             * exact sum of w x, as the AVX2 copy's is: one instruction a column, where
+             * |w| times x with w's sign took two */
+            const __m256i start = _mm256_sub_epi32(
+                zero, _mm256_dpbusd_epi32(zero, _mm256_set1_epi8((char)0x80), x));
+            for (int c = 0; c < 8; ++c)
+                d[c] = _mm256_dpbusd_epi32(start, aw[c], x);
 #else
+            /* |w| (0..128) times x with w's sign (|x| <= 127): a pair sums to 32512 at most, so
+             * `vpmaddubsw` never saturates */
+            for (int c = 0; c < 8; ++c)
                 d[c] = _mm256_madd_epi16(_mm256_maddubs_epi16(aw[c], _mm256_sign_epi8(x, w[c])), ones);
 #endif
         }
@@ -129,7 +137,11 @@ static inline __attribute__((always_inline)) DOTS_FN void DOTS(tile)(
             for (int c = 0; c < 8; ++c) {
                 _mm_prefetch((const char *)(wc + (8 + c) * K + b * QK), _MM_HINT_T0); /* next tile */
                 w[c] = _mm256_loadu_si256((const __m256i *)(wc + c * K + b * QK));
+#ifdef DOTS_VNNI
+                aw[c] = _mm256_xor_si256(w[c], _mm256_set1_epi8((char)0x80)); /* w + 128 */
+#else
                 aw[c] = _mm256_sign_epi8(w[c], w[c]);
+#endif
             }
             DOTS(block8)(fine, rows, w, aw, xq, xe, xes, K, nb, b, dv, mv, has_m, acc, corr);
         }

@@ -235,6 +235,76 @@ static inline __attribute__((always_inline)) DOTS_FN void tile16_vnni(
         _mm512_mask_storeu_ps(out + r * ldo, mask, _mm512_add_ps(acc[r], corr[r]));
 }
 
+/* 8-bit codes, int8 activations (the refined lm_head), the VNNI copy's tile: eight columns,
+ * two blocks at once in 512-bit registers (a column's codes of blocks b and b + 1 are 64
+ * bytes side by side, as are a row's activations). Each `vpdpbusd` takes w + 128 (unsigned)
+ * against x and starts from minus 128 times the lane's four x: the lane's exact sum of w x,
+ * what the AVX2 copy's |w| times x with w's sign gives. The eight columns' lanes are then
+ * summed by unpacks and adds (no horizontal adds), block b's column sums in lanes 0-7 and
+ * b + 1's in lanes 8-15, and scaled into the eight-column accumulators block by block, in
+ * the AVX2 copy's order: the same bits. K % 64 == 0 (the GEMMs require it). */
+static inline __attribute__((always_inline)) DOTS_FN void tile8_vnni(
+    const int rows, const int8_t *xq, const float *xe, const float *xes, int64_t K,
+    const uint8_t *wc, const uint16_t *wd, const uint16_t *wm, int64_t bpg, float *out,
+    int64_t ldo, int64_t valid) {
+    const int64_t nb = K / QK;
+    const int has_m = wm != NULL;
+    const __m512i bias = _mm512_set1_epi8((char)0x80), zero = _mm512_setzero_si512();
+    /* for the last step: lanes 0-3 of 128-bit lanes 0 and 2 of a and b, then 1 and 3 */
+    const __m512i pick_lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
+    const __m512i pick_hi = _mm512_setr_epi32(4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+    __m256 acc[MR], corr[MR];
+    for (int r = 0; r < rows; ++r) acc[r] = corr[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b += 2) {
+        const int64_t g0 = b / bpg, g1 = (b + 1) / bpg;
+        const __m256 dv0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wd + g0 * 8)));
+        const __m256 dv1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wd + g1 * 8)));
+        __m256 mv0 = _mm256_setzero_ps(), mv1 = _mm256_setzero_ps();
+        if (has_m) {
+            mv0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wm + g0 * 8)));
+            mv1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wm + g1 * 8)));
+        }
+        __m512i wu[8];
+        for (int c = 0; c < 8; ++c) {
+            _mm_prefetch((const char *)(wc + (8 + c) * K + b * QK), _MM_HINT_T0); /* next tile */
+            wu[c] = _mm512_xor_si512(_mm512_loadu_si512((const void *)(wc + c * K + b * QK)), bias);
+        }
+        for (int r = 0; r < rows; ++r) {
+            const __m512i x = _mm512_loadu_si512((const void *)(xq + r * K + b * QK));
+            const __m512i start = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, bias, x));
+            __m512i p[4];
+            for (int c = 0; c < 8; c += 2) { /* pairs of columns: two of each 128-bit lane */
+                const __m512i d0 = _mm512_dpbusd_epi32(start, wu[c], x);
+                const __m512i d1 = _mm512_dpbusd_epi32(start, wu[c + 1], x);
+                p[c / 2] = _mm512_add_epi32(_mm512_unpacklo_epi32(d0, d1), _mm512_unpackhi_epi32(d0, d1));
+            }
+            /* a 128-bit lane of q: that lane's sums of columns 0-3 (4-7 in q1) */
+            const __m512i q0 = _mm512_add_epi32(_mm512_unpacklo_epi64(p[0], p[1]), _mm512_unpackhi_epi64(p[0], p[1]));
+            const __m512i q1 = _mm512_add_epi32(_mm512_unpacklo_epi64(p[2], p[3]), _mm512_unpackhi_epi64(p[2], p[3]));
+            /* 128-bit lanes 0 + 1 are block b, 2 + 3 block b + 1 */
+            const __m512i sum = _mm512_add_epi32(_mm512_permutex2var_epi32(q0, pick_lo, q1),
+                                                 _mm512_permutex2var_epi32(q0, pick_hi, q1));
+            const __m256 s0 = _mm256_cvtepi32_ps(_mm512_castsi512_si256(sum));
+            const __m256 s1 = _mm256_cvtepi32_ps(_mm512_extracti64x4_epi64(sum, 1));
+            acc[r] = _mm256_fmadd_ps(s0, _mm256_mul_ps(dv0, _mm256_broadcast_ss(xe + r * nb + b)), acc[r]);
+            if (has_m) corr[r] = _mm256_fmadd_ps(mv0, _mm256_broadcast_ss(xes + r * nb + b), corr[r]);
+            acc[r] = _mm256_fmadd_ps(s1, _mm256_mul_ps(dv1, _mm256_broadcast_ss(xe + r * nb + b + 1)), acc[r]);
+            if (has_m) corr[r] = _mm256_fmadd_ps(mv1, _mm256_broadcast_ss(xes + r * nb + b + 1), corr[r]);
+        }
+    }
+    const __mmask8 mask = valid >= 8 ? (__mmask8)0xff : (__mmask8)((1u << valid) - 1);
+    for (int r = 0; r < rows; ++r)
+        _mm256_mask_storeu_ps(out + r * ldo, mask, _mm256_add_ps(acc[r], corr[r]));
+}
+
+#define TILE8_ROWS                                                                           \
+    switch (rows) {                                                                          \
+    case 4: tile8_vnni(4, (const int8_t *)xr, er, esr, K, c, d, m, bpg, o, ldo, valid); break; \
+    case 3: tile8_vnni(3, (const int8_t *)xr, er, esr, K, c, d, m, bpg, o, ldo, valid); break; \
+    case 2: tile8_vnni(2, (const int8_t *)xr, er, esr, K, c, d, m, bpg, o, ldo, valid); break; \
+    default: tile8_vnni(1, (const int8_t *)xr, er, esr, K, c, d, m, bpg, o, ldo, valid); break; \
+    }
+
 #define TILE16_ROWS(FINE, TB, VALID)                                                         \
     switch (rows) {                                                                          \
     case 4: tile16_vnni(FINE, 4, xr, lr, er, esr, K, c, TB, d, m, d1, m1, bpg, o, ldo, VALID); break; \
@@ -294,6 +364,10 @@ static DOTS_FN void DOTS(columns)(const int bits, const int fine, int64_t M, int
                         t += pair;
                         continue;
                     }
+                    if (!fine) { /* 8-bit codes, int8 activations: two blocks at once */
+                        TILE8_ROWS
+                        continue;
+                    }
 #else
                     if (bits == 4) {
                         if (fine) TILE_ROWS(4, 1)
@@ -312,5 +386,6 @@ static DOTS_FN void DOTS(columns)(const int bits, const int fine, int64_t M, int
 #undef TILE_ROWS
 #ifdef DOTS_VNNI
 #undef TILE16_ROWS
+#undef TILE8_ROWS
 #endif
 #undef DOTS_FN

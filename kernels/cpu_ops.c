@@ -822,3 +822,119 @@ void kvg_silu_mul(const float *x, int64_t ldx, int64_t T, int64_t inter, float *
             o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
 }
+
+/* ---- Row maxima: the sampler's greedy choice and the lm_head's candidates ---------------- */
+
+/* The index of row x's largest value, the first where several are equal (torch.argmax); of
+ * its first NaN where it holds one. */
+static int64_t argmax_row(const float *x, int64_t n) {
+    __m256 best = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
+    __m256i at = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), cur = at;
+    const __m256i eight = _mm256_set1_epi32(8);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) { /* each lane keeps its first largest value and its index */
+        const __m256 v = _mm256_loadu_ps(x + i);
+        const __m256 gt = _mm256_cmp_ps(v, best, _CMP_GT_OQ);
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        best = _mm256_blendv_ps(best, v, gt);
+        at = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(at), _mm256_castsi256_ps(cur), gt));
+        cur = _mm256_add_epi32(cur, eight);
+    }
+    float b[8];
+    int32_t a[8];
+    _mm256_storeu_ps(b, best);
+    _mm256_storeu_si256((__m256i *)a, at);
+    float m = b[0];
+    int64_t arg = a[0];
+    for (int j = 1; j < 8; ++j) /* the largest lane; among equal ones the lowest index */
+        if (b[j] > m || (b[j] == m && a[j] < arg)) {
+            m = b[j];
+            arg = a[j];
+        }
+    int any_nan = _mm256_movemask_ps(nan) != 0;
+    for (; i < n; ++i) {
+        any_nan |= x[i] != x[i];
+        if (x[i] > m) {
+            m = x[i];
+            arg = i;
+        }
+    }
+    if (any_nan)
+        for (i = 0; i < n; ++i)
+            if (x[i] != x[i])
+                return i;
+    return arg;
+}
+
+void kvg_argmax_rows(const float *x, int64_t M, int64_t N, int64_t ldx, int64_t *idx, int threads) {
+#pragma omp parallel for num_threads(threads) if (threads > 1 && M > 1) schedule(static)
+    for (int64_t r = 0; r < M; ++r)
+        idx[r] = argmax_row(x + r * ldx, N);
+}
+
+/* v[0..k) descending (equal values in the order they came), ids alongside: (val, id) in its
+ * place, the last one dropped where all k were held. */
+static inline void top_insert(float *v, int64_t *ids, int64_t *held, int64_t k, float val,
+                              int64_t id) {
+    int64_t p = *held < k ? (*held)++ : k - 1;
+    while (p > 0 && v[p - 1] < val) {
+        v[p] = v[p - 1];
+        ids[p] = ids[p - 1];
+        --p;
+    }
+    v[p] = val;
+    ids[p] = id;
+}
+
+/* The indices of row x's k largest values (k <= n), largest first; of equal values the lower
+ * index is taken. Eight values at a time are compared with the k-th largest so far, and only
+ * those above it are inserted. Returns 1 where the row holds a NaN (its indices then unset). */
+static int topk_row(const float *x, int64_t n, int64_t k, int64_t *ids, float *v) {
+    int64_t held = 0, i = 0;
+    __m256 nan = _mm256_setzero_ps();
+    for (; i < k; ++i) {
+        if (x[i] != x[i])
+            return 1;
+        top_insert(v, ids, &held, k, x[i], i);
+    }
+    for (; i < n && (i & 7); ++i) { /* up to an 8-aligned index */
+        if (x[i] != x[i])
+            return 1;
+        if (x[i] > v[k - 1])
+            top_insert(v, ids, &held, k, x[i], i);
+    }
+    for (; i + 8 <= n; i += 8) {
+        const __m256 w = _mm256_loadu_ps(x + i);
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(w, w, _CMP_UNORD_Q));
+        unsigned above = (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(w, _mm256_set1_ps(v[k - 1]), _CMP_GT_OQ));
+        while (above) {
+            const int j = __builtin_ctz(above);
+            above &= above - 1;
+            if (x[i + j] > v[k - 1]) /* the k-th largest may have risen meanwhile */
+                top_insert(v, ids, &held, k, x[i + j], i + j);
+        }
+    }
+    for (; i < n; ++i) {
+        if (x[i] != x[i])
+            return 1;
+        if (x[i] > v[k - 1])
+            top_insert(v, ids, &held, k, x[i], i);
+    }
+    return _mm256_movemask_ps(nan) != 0;
+}
+
+/* idx [M][k]: each row's k largest (1 <= k <= N, at most 256), largest first, ties to the
+ * lower index. Returns 0, 1 where a row holds a NaN (the caller then asks torch), 2 on a bad
+ * k. */
+int kvg_topk_rows(const float *x, int64_t M, int64_t N, int64_t ldx, int64_t k, int64_t *idx,
+                  int threads) {
+    if (k < 1 || k > N || k > 256)
+        return 2;
+    int bad = 0;
+#pragma omp parallel for num_threads(threads) if (threads > 1 && M > 1) schedule(static) reduction(| : bad)
+    for (int64_t r = 0; r < M; ++r) {
+        float v[256];
+        bad |= topk_row(x + r * ldx, N, k, idx + r * k, v);
+    }
+    return bad;
+}

@@ -198,6 +198,32 @@ def paged_prefill(
         )
 
 
+def argmax_rows(x: torch.Tensor) -> list[int]:
+    """`x.argmax(-1).tolist()` for fp32 rows `[M, N]` (unit stride along the row): the first
+    largest value's index, the first NaN's where a row holds one, as torch answers."""
+    lib = cpu_lowbit.library()
+    assert x.dim() == 2 and x.stride(1) == 1 and x.shape[1] > 0
+    idx = torch.empty(x.shape[0], dtype=torch.int64)
+    lib.kvg_argmax_rows(
+        x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), idx.data_ptr(), torch.get_num_threads()
+    )
+    return idx.tolist()
+
+
+def topk_indices(x: torch.Tensor, k: int) -> torch.Tensor | None:
+    """The indices `[M, k]` of each row's k largest values of fp32 rows `x` `[M, N]` (unit
+    stride along the row), largest first, of equal values the lower index; None where a row
+    holds a NaN (torch's topk orders those its own way: the caller asks it)."""
+    lib = cpu_lowbit.library()
+    assert x.dim() == 2 and x.stride(1) == 1 and 1 <= k <= min(x.shape[1], 256)
+    idx = torch.empty(x.shape[0], k, dtype=torch.int64)
+    rc = lib.kvg_topk_rows(
+        x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), k, idx.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return None if rc else idx
+
+
 def rmsnorm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> torch.Tensor:

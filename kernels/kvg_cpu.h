@@ -28,6 +28,9 @@ void kvg_rmsnorm(float *x, int64_t ldx, const float *y, int64_t T, int64_t d, co
                  float eps, float *out, int threads);
 void kvg_rope(float *x, int64_t ldx, int64_t T, int64_t heads, int64_t d, const float *cos_t,
               const float *sin_t, int threads);
+void kvg_argmax_rows(const float *x, int64_t M, int64_t N, int64_t ldx, int64_t *idx, int threads);
+int kvg_topk_rows(const float *x, int64_t M, int64_t N, int64_t ldx, int64_t k, int64_t *idx,
+                  int threads);
 void kvg_silu_mul(const float *x, int64_t ldx, int64_t T, int64_t inter, float *out, int threads);
 
 #endif

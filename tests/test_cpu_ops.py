@@ -365,3 +365,87 @@ def test_a_chunk_longer_than_its_sequence_is_refused() -> None:
             q, out, torch.tensor([0]), one, torch.tensor([9], dtype=torch.int32), k, k, tables, 1.0
         )
     cpu_ops.paged_prefill(q, out, torch.tensor([0]), one, one, k, k, tables, 1.0)  # fits
+
+
+# ---------------------------------------------------------------- row maxima (sampler, lm_head)
+
+
+def _rows_with_edge_cases() -> torch.Tensor:
+    gen = torch.Generator().manual_seed(21)
+    x = torch.randn(9, 1003, generator=gen)
+    x[1] = (x[1] * 2).round()  # many ties, the largest among them
+    x[2] = float("-inf")  # nothing but -inf: index 0
+    x[3, 500:] = float("-inf")
+    x[4, 1000] = 99.0  # the largest in the tail past the last eight
+    x[5, 7] = x[5, 15] = 50.0  # equal largest values in two lanes: the first wins
+    x[6, 15] = x[6, 7] = 50.0
+    x[7, :] = 1.0  # all equal
+    x[8, 3] = 1e30
+    return x
+
+
+def test_the_c_argmax_gives_torchs_indices() -> None:
+    """Ties (the first largest), rows of -inf, a tail past the last eight values, NaN (the
+    first NaN), strided rows, a row shorter than eight."""
+    x = _rows_with_edge_cases()
+    wide = torch.zeros(9, 1200)
+    wide[:, 7 : 7 + 1003] = x
+    view = wide[:, 7 : 7 + 1003]
+    assert cpu_ops.argmax_rows(view) == x.argmax(-1).tolist()
+    nan = x.clone()
+    nan[0, 600] = nan[0, 900] = float("nan")
+    nan[1, 1001] = float("nan")  # in the tail
+    assert cpu_ops.argmax_rows(nan) == nan.argmax(-1).tolist()
+    short = x[:, :5].contiguous()
+    assert cpu_ops.argmax_rows(short) == short.argmax(-1).tolist()
+
+
+def test_the_c_topk_gives_the_largest_values_lower_indices_first() -> None:
+    x = _rows_with_edge_cases()
+    for k in (1, 16, 200):
+        got = cpu_ops.topk_indices(x, k)
+        values = torch.gather(x, 1, got)
+        assert torch.equal(values, x.topk(k, dim=-1).values)  # the k largest, largest first
+        for row, idx in zip(x, got, strict=True):  # of equal values, the lower index
+            order = sorted(range(x.shape[1]), key=lambda i, r=row: (-r[i].item(), i))[:k]
+            assert idx.tolist() == order
+    gen = torch.Generator().manual_seed(22)
+    vocab = torch.randn(32, 49152, generator=gen)  # no ties: torch's very indices
+    assert torch.equal(cpu_ops.topk_indices(vocab, 16), vocab.topk(16, dim=-1).indices)
+    every = cpu_ops.topk_indices(x[:, :16], 16)  # k = N: every index, in that order
+    for row, idx in zip(x[:, :16], every, strict=True):
+        assert idx.tolist() == sorted(range(16), key=lambda i, r=row: (-r[i].item(), i))
+    nan = x.clone()
+    nan[4, 321] = float("nan")
+    assert cpu_ops.topk_indices(nan, 16) is None  # torch answers rows with a NaN
+
+
+def test_greedy_sampling_and_the_lm_heads_candidates_take_the_c_kernels(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls: list[str] = []
+    argmax, topk = cpu_ops.argmax_rows, cpu_ops.topk_indices
+
+    def count_argmax(x: torch.Tensor) -> list[int]:
+        calls.append("argmax")
+        return argmax(x)
+
+    def count_topk(x: torch.Tensor, k: int) -> torch.Tensor | None:
+        calls.append("topk")
+        return topk(x, k)
+
+    monkeypatch.setattr(cpu_ops, "argmax_rows", count_argmax)
+    monkeypatch.setattr(cpu_ops, "topk_indices", count_topk)
+    cfg = EngineConfig(model="smollm2-135m", kv_cache_bytes="32MiB", num_threads=2)
+    eng = LLMEngine.from_config(cfg, progress=False)
+    try:
+        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        fast = [o.final_token_ids for o in eng.generate([[1, 2, 3, 4], [9, 8, 7]], params)]
+        assert calls.count("argmax") >= 6 and calls.count("topk") >= 6
+        monkeypatch.setenv(cpu_ops.ENV, "0")
+        cpu_ops.reset()
+        calls.clear()
+        plain = [o.final_token_ids for o in eng.generate([[1, 2, 3, 4], [9, 8, 7]], params)]
+        assert calls == [] and plain == fast
+    finally:
+        eng.shutdown()

@@ -123,6 +123,26 @@ def write_kv(
         raise ValueError(f"write_kv: unsupported pool {tuple(cache.shape)} {cache.dtype}")
 
 
+def _attention_args(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    tables: torch.Tensor,
+    scale: float,
+) -> tuple:
+    """The attention kernels' common arguments, from the pools to the thread count."""
+    _nb, bs, hkv, d = k_cache.shape
+    fp8 = k_cache.dtype == FP8_DTYPE
+    return (
+        k_cache.data_ptr(), v_cache.data_ptr(),
+        k_scale.data_ptr() if fp8 else None, v_scale.data_ptr() if fp8 else None,
+        KV_TYPES[k_cache.dtype], bs, hkv, q.shape[1], d, tables.data_ptr(), tables.stride(0),
+        scale, torch.get_num_threads(),
+    )  # fmt: skip
+
+
 def paged_decode(
     q: torch.Tensor,
     out: torch.Tensor,
@@ -139,17 +159,11 @@ def paged_decode(
     `[T, heads, d]` (rows may be strided), written to the same rows of `out` (contiguous).
     Sequence b attends to `lens[b]` (int32) cached tokens through `tables[b]` (int32 block
     table rows). An fp8 pool needs its per-block, per-KV-head fp32 scales."""
-    lib = cpu_lowbit.library()
-    _nb, bs, hkv, d = k_cache.shape
     assert out.is_contiguous() and tables.dtype == torch.int32 and lens.dtype == torch.int32
     assert tables.stride(1) == 1 and rows.dtype == torch.int64
-    fp8 = k_cache.dtype == FP8_DTYPE
-    rc = lib.kvg_paged_decode(
+    rc = cpu_lowbit.library().kvg_paged_decode(
         q.data_ptr(), q.stride(0), out.data_ptr(), rows.data_ptr(), lens.data_ptr(),
-        rows.numel(), k_cache.data_ptr(), v_cache.data_ptr(),
-        k_scale.data_ptr() if fp8 else None, v_scale.data_ptr() if fp8 else None,
-        KV_TYPES[k_cache.dtype], bs, hkv, q.shape[1], d, tables.data_ptr(), tables.stride(0),
-        scale, torch.get_num_threads(),
+        rows.numel(), *_attention_args(q, k_cache, v_cache, k_scale, v_scale, tables, scale),
     )  # fmt: skip
     if rc == -1:
         raise MemoryError("paged_decode: no memory for the split-K partial sums")
@@ -177,17 +191,12 @@ def paged_prefill(
     tokens (this step's already written); outputs to the same rows of `out` (contiguous).
     `qlens`, `lens` and `tables` (block table rows, unit stride) are int32, `rows` int64. An fp8
     pool needs its per-block, per-KV-head fp32 scales."""
-    lib = cpu_lowbit.library()
-    _nb, bs, hkv, d = k_cache.shape
     assert out.is_contiguous() and tables.dtype == torch.int32 and tables.stride(1) == 1
     assert lens.dtype == torch.int32 and qlens.dtype == torch.int32 and rows.dtype == torch.int64
-    fp8 = k_cache.dtype == FP8_DTYPE
-    rc = lib.kvg_paged_prefill(
+    rc = cpu_lowbit.library().kvg_paged_prefill(
         q.data_ptr(), q.stride(0), out.data_ptr(), rows.data_ptr(), qlens.data_ptr(),
-        lens.data_ptr(), rows.numel(), k_cache.data_ptr(), v_cache.data_ptr(),
-        k_scale.data_ptr() if fp8 else None, v_scale.data_ptr() if fp8 else None,
-        KV_TYPES[k_cache.dtype], bs, hkv, q.shape[1], d, tables.data_ptr(), tables.stride(0),
-        scale, torch.get_num_threads(),
+        lens.data_ptr(), rows.numel(),
+        *_attention_args(q, k_cache, v_cache, k_scale, v_scale, tables, scale),
     )  # fmt: skip
     if rc == -1:
         raise MemoryError("paged_prefill: no memory for the work list")

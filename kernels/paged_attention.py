@@ -257,15 +257,20 @@ def prefill_chunks(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The prompt chunks `chunks` as the CPU kernel takes them: (first query row of each,
     int64; its query count, its cached length, int32; its block table, int32, unit stride)."""
-    tables = block_tables
-    if len(chunks) != block_tables.shape[0]:
-        tables = block_tables.index_select(0, torch.tensor(chunks, dtype=torch.int64))
-    if tables.dtype != torch.int32 or tables.stride(1) != 1:
-        tables = tables.to(torch.int32).contiguous()
     rows = torch.tensor([starts[i] for i in chunks], dtype=torch.int64)
     qlens = torch.tensor([query_lens[i] for i in chunks], dtype=torch.int32)
     lens = torch.tensor([seq_lens[i] for i in chunks], dtype=torch.int32)
-    return rows, qlens, lens, tables
+    return rows, qlens, lens, _kernel_tables(block_tables, chunks)
+
+
+def _kernel_tables(block_tables: torch.Tensor, seqs: list[int]) -> torch.Tensor:
+    """The block tables of sequences `seqs` as the CPU kernels read them: int32, unit stride."""
+    tables = block_tables
+    if len(seqs) != block_tables.shape[0]:
+        tables = block_tables.index_select(0, torch.tensor(seqs, dtype=torch.int64))
+    if tables.dtype != torch.int32 or tables.stride(1) != 1:
+        tables = tables.to(torch.int32).contiguous()
+    return tables
 
 
 # The step in flight's decode rows as the kernel takes them: every layer of a step passes the
@@ -280,11 +285,7 @@ def decode_rows(
     its cached length, int32; its block table, int32 with unit stride)."""
     if _NATIVE_STEP and _NATIVE_STEP[0][0] is block_tables and _NATIVE_STEP[0][1] is seq_lens:
         return _NATIVE_STEP[0][2]
-    tables = block_tables
-    if len(rows) != block_tables.shape[0]:
-        tables = block_tables.index_select(0, torch.tensor(rows, dtype=torch.int64))
-    if tables.dtype != torch.int32 or tables.stride(1) != 1:
-        tables = tables.to(torch.int32).contiguous()
+    tables = _kernel_tables(block_tables, rows)
     qrows = torch.tensor([starts[i] for i in rows], dtype=torch.int64)
     lens = torch.tensor([seq_lens[i] for i in rows], dtype=torch.int32)
     _NATIVE_STEP[:] = [(block_tables, seq_lens, (qrows, lens, tables))]

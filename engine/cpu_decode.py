@@ -27,7 +27,7 @@ import torch
 
 from kvguard.engine.layers.quantized_linear import QuantizedLinear
 from kvguard.kernels import cpu_layer, cpu_ops
-from kvguard.kernels.paged_attention import decode_rows, prefill_chunks
+from kvguard.kernels.paged_attention import decode_rows, prefill_chunks, row_starts
 
 log = logging.getLogger("kvguard.engine")
 
@@ -109,10 +109,7 @@ class CpuDecode:
 
         t = x.shape[0]
         qlens = meta.query_lens
-        starts, row = [], 0
-        for n in qlens:
-            starts.append(row)
-            row += n
+        starts = row_starts(qlens)
         decode = [i for i, n in enumerate(qlens) if n == 1]
         chunks = [i for i, n in enumerate(qlens) if n > 1]
         rows, lens, tables = decode_rows(meta.block_tables, meta.seq_lens, starts, decode)

@@ -11,8 +11,8 @@ multiplies the activations as they are. Where the CPU has AVX-512 VNNI the integ
 a VNNI copy compiled into the same library (`vnni()`; same bits); for 4-bit weights it leads
 or ties the panels at any batch, so they take the dots at every batch there. The C source
 ships with the package and is compiled once per source and flags into the kvguard cache
-(`$KVGUARD_HOME/kernels`, default `~/.cache/kvguard/kernels`), written under a temporary name and renamed, so two processes
-compiling at once both end with a whole library. ctypes drops the GIL for the call.
+(`$KVGUARD_HOME/kernels`, default `~/.cache/kvguard/kernels`), written under a temporary name
+and renamed, so two processes compiling at once both end with a whole library. ctypes drops the GIL for the call.
 
 Without a C compiler, without AVX2/FMA/F16C, or off x86-64 Linux, `library()` is None (one log
 line says why) and the quantized layer keeps torch's kernels.

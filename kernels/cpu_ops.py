@@ -207,6 +207,12 @@ def paged_prefill(
         )
 
 
+def rows_served(x: torch.Tensor) -> bool:
+    """Whether `argmax_rows` and `topk_indices` take `x`: fp32 CPU rows `[M, N]`, N > 0, unit
+    stride along the row, the kernels on."""
+    return enabled(x) and x.dim() == 2 and x.stride(1) == 1 and x.shape[1] > 0
+
+
 def argmax_rows(x: torch.Tensor) -> list[int]:
     """`x.argmax(-1).tolist()` for fp32 rows `[M, N]` (unit stride along the row): the first
     largest value's index, the first NaN's where a row holds one, as torch answers."""

@@ -16,15 +16,14 @@
 #define DOTS_FN
 #endif
 
-/* 8-bit: one weight block (eight columns' codes w; |w| in aw, w + 128 in the VNNI copy)
- * against `rows` activation rows: eight integer dots per row, reduced to one vector of eight
- * column sums, scaled. */
+/* 8-bit: one weight block (eight columns' codes w, |w| in aw) against `rows` activation rows:
+ * eight integer dots per row, reduced to one vector of eight column sums, scaled. (The VNNI
+ * copy takes int8 activations in `tile8_vnni` instead: only its `fine` rows come here.) */
 static inline __attribute__((always_inline)) DOTS_FN void DOTS(block8)(
     const int fine, const int rows, const __m256i *w, const __m256i *aw, const void *xq,
     const float *xe, const float *xes, int64_t K, int64_t nb, int64_t b, __m256 dv, __m256 mv,
     int has_m, __m256 *acc, __m256 *corr) {
     const __m256i ones = _mm256_set1_epi16(1), zero = _mm256_setzero_si256();
-    (void)ones; /* the VNNI copy needs no pair sums */
     __m256i wa[8], wb[8];
     if (fine) /* codes widened to int16 once for all rows, in the activations' order */
         for (int c = 0; c < 8; ++c) {
@@ -46,21 +45,10 @@ static inline __attribute__((always_inline)) DOTS_FN void DOTS(block8)(
 #endif
         } else {
             const __m256i x = _mm256_loadu_si256((const __m256i *)((const int8_t *)xq + r * K + b * QK));
-#ifdef DOTS_VNNI
-            /* aw holds w + 128 (0..255, unsigned): each lane's four products (w + 128) x less
-             * 128 times the same four x, summed by `vpdpbusd` from that start, is the lane's
-             * exact sum of w x, as the AVX2 copy's is: one instruction a column, where
-             * |w| times x with w's sign took two */
-            const __m256i start = _mm256_sub_epi32(
-                zero, _mm256_dpbusd_epi32(zero, _mm256_set1_epi8((char)0x80), x));
-            for (int c = 0; c < 8; ++c)
-                d[c] = _mm256_dpbusd_epi32(start, aw[c], x);
-#else
             /* |w| (0..128) times x with w's sign (|x| <= 127): a pair sums to 32512 at most, so
              * `vpmaddubsw` never saturates */
             for (int c = 0; c < 8; ++c)
                 d[c] = _mm256_madd_epi16(_mm256_maddubs_epi16(aw[c], _mm256_sign_epi8(x, w[c])), ones);
-#endif
         }
         const __m256 s = _mm256_cvtepi32_ps(reduce8(d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7]));
         acc[r] = _mm256_fmadd_ps(s, _mm256_mul_ps(dv, _mm256_broadcast_ss(xe + r * nb + b)), acc[r]);
@@ -137,11 +125,7 @@ static inline __attribute__((always_inline)) DOTS_FN void DOTS(tile)(
             for (int c = 0; c < 8; ++c) {
                 _mm_prefetch((const char *)(wc + (8 + c) * K + b * QK), _MM_HINT_T0); /* next tile */
                 w[c] = _mm256_loadu_si256((const __m256i *)(wc + c * K + b * QK));
-#ifdef DOTS_VNNI
-                aw[c] = _mm256_xor_si256(w[c], _mm256_set1_epi8((char)0x80)); /* w + 128 */
-#else
                 aw[c] = _mm256_sign_epi8(w[c], w[c]);
-#endif
             }
             DOTS(block8)(fine, rows, w, aw, xq, xe, xes, K, nb, b, dv, mv, has_m, acc, corr);
         }
@@ -364,19 +348,14 @@ static DOTS_FN void DOTS(columns)(const int bits, const int fine, int64_t M, int
                         t += pair;
                         continue;
                     }
-                    if (!fine) { /* 8-bit codes, int8 activations: two blocks at once */
-                        TILE8_ROWS
-                        continue;
-                    }
-#else
-                    if (bits == 4) {
-                        if (fine) TILE_ROWS(4, 1)
-                        else TILE_ROWS(4, 0)
-                        continue;
-                    }
-#endif
                     if (fine) TILE_ROWS(8, 1)
+                    else TILE8_ROWS /* 8-bit codes, int8 activations: two blocks at once */
+#else
+                    if (bits == 4 && fine) TILE_ROWS(4, 1)
+                    else if (bits == 4) TILE_ROWS(4, 0)
+                    else if (fine) TILE_ROWS(8, 1)
                     else TILE_ROWS(8, 0)
+#endif
                 }
             }
         }

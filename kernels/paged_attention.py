@@ -91,7 +91,7 @@ def paged_attention(
     """
     kv = (k_cache, v_cache, k_scale, v_scale)
     out = torch.empty_like(q)
-    starts = _cumsum(query_lens)
+    starts = row_starts(query_lens)
     decode = [i for i, n in enumerate(query_lens) if n == 1]
     if decode and use_triton(q.device, k_cache.dtype):
         from kvguard.kernels import triton_attention
@@ -143,7 +143,8 @@ def decode_attention(
     )
 
 
-def _cumsum(lens: list[int]) -> list[int]:
+def row_starts(lens: list[int]) -> list[int]:
+    """The first row of each sequence in a step whose sequences have `lens` rows each."""
     starts, total = [], 0
     for n in lens:
         starts.append(total)
@@ -257,10 +258,14 @@ def prefill_chunks(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The prompt chunks `chunks` as the CPU kernel takes them: (first query row of each,
     int64; its query count, its cached length, int32; its block table, int32, unit stride)."""
-    rows = torch.tensor([starts[i] for i in chunks], dtype=torch.int64)
-    qlens = torch.tensor([query_lens[i] for i in chunks], dtype=torch.int32)
-    lens = torch.tensor([seq_lens[i] for i in chunks], dtype=torch.int32)
-    return rows, qlens, lens, _kernel_tables(block_tables, chunks)
+
+    def build() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        rows = torch.tensor([starts[i] for i in chunks], dtype=torch.int64)
+        qlens = torch.tensor([query_lens[i] for i in chunks], dtype=torch.int32)
+        lens = torch.tensor([seq_lens[i] for i in chunks], dtype=torch.int32)
+        return rows, qlens, lens, _kernel_tables(block_tables, chunks)
+
+    return _per_step("chunks", block_tables, seq_lens, build)
 
 
 def _kernel_tables(block_tables: torch.Tensor, seqs: list[int]) -> torch.Tensor:
@@ -273,9 +278,19 @@ def _kernel_tables(block_tables: torch.Tensor, seqs: list[int]) -> torch.Tensor:
     return tables
 
 
-# The step in flight's decode rows as the kernel takes them: every layer of a step passes the
-# same block-table tensor and seq_lens list, so they are built once per step, not per layer.
-_NATIVE_STEP: list[tuple] = []
+# The step in flight's decode rows and prompt chunks as the kernels take them: every layer of
+# a step passes the same block-table tensor and seq_lens list, so they are built once per
+# step, not per layer (kind -> (block_tables, seq_lens, value)).
+_NATIVE_STEP: dict[str, tuple] = {}
+
+
+def _per_step(kind: str, block_tables: torch.Tensor, seq_lens: list[int], build):  # noqa: ANN001, ANN202
+    held = _NATIVE_STEP.get(kind)
+    if held is not None and held[0] is block_tables and held[1] is seq_lens:
+        return held[2]
+    value = build()
+    _NATIVE_STEP[kind] = (block_tables, seq_lens, value)
+    return value
 
 
 def decode_rows(
@@ -283,13 +298,13 @@ def decode_rows(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The decode sequences `rows` as the CPU kernel takes them: (query row of each, int64;
     its cached length, int32; its block table, int32 with unit stride)."""
-    if _NATIVE_STEP and _NATIVE_STEP[0][0] is block_tables and _NATIVE_STEP[0][1] is seq_lens:
-        return _NATIVE_STEP[0][2]
-    tables = _kernel_tables(block_tables, rows)
-    qrows = torch.tensor([starts[i] for i in rows], dtype=torch.int64)
-    lens = torch.tensor([seq_lens[i] for i in rows], dtype=torch.int32)
-    _NATIVE_STEP[:] = [(block_tables, seq_lens, (qrows, lens, tables))]
-    return qrows, lens, tables
+
+    def build() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        qrows = torch.tensor([starts[i] for i in rows], dtype=torch.int64)
+        lens = torch.tensor([seq_lens[i] for i in rows], dtype=torch.int32)
+        return qrows, lens, _kernel_tables(block_tables, rows)
+
+    return _per_step("decode", block_tables, seq_lens, build)
 
 
 _WORKSPACE: dict[tuple[torch.device, torch.dtype, int], torch.Tensor] = {}

@@ -109,7 +109,8 @@ class Kvguard:
         return model_bytes(self.engine.model)
 
     def kernels(self) -> str:
-        """Which quantized-layer kernels serve (C `w4a8`/`w8a8`, or torch's as a fallback)."""
+        """Which quantized-layer kernels serve (C `w4a8`/`w8a8`/`w8a8v`, or torch's as a
+        fallback)."""
         from collections import Counter
 
         from kvguard.engine.layers.quantized_linear import QuantizedLinear

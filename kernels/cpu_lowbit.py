@@ -123,7 +123,7 @@ def _key(cc: str) -> str:
 
 def _load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
-    for name in ("kvg_w4a8", "kvg_w8a8"):
+    for name in ("kvg_w4a8", "kvg_w8a8", "kvg_w8a8v"):
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = _GEMM_ARGS, ctypes.c_int
     lib.kvg_vnni.argtypes, lib.kvg_vnni.restype = [_INT], _INT
@@ -270,6 +270,39 @@ def w8a8(
     with `w = d * q (+ m)` per group (`tile_columns`); `fine` (int16 dots, codes widened once
     per block for four rows; fp32 panels from `panel_rows()` rows) as in `w4a8`."""
     return _gemm("kvg_w8a8", x, n, codes, d, m, group, fine)
+
+
+def w8a8v(
+    x: torch.Tensor,
+    n: int,
+    codes: torch.Tensor,
+    d: torch.Tensor,
+    m: torch.Tensor | None,
+    group: int,
+) -> torch.Tensor:
+    """`w8a8` with int8 activations over 8-bit codes in the vertical layout (`pack8v`): each
+    column's dot in its own lane, no horizontal sums; the same bits as `w8a8` (not `fine`) on
+    the same weights."""
+    return _gemm("kvg_w8a8v", x, n, codes, d, m, group, False)
+
+
+def pack8v(q: torch.Tensor) -> torch.Tensor:
+    """8-bit codes `[N, K]` (unsigned 0..255, the weight being `d (q - 128) + m`; N padded with
+    zero rows to a multiple of the 8-column tile) as `w8a8v` reads them, `[ceil(N/8), K/32,
+    256]` bytes: for tile t and block b, byte `32j + 4c + i` holds weight `32b + 4j + i` of
+    column `8t + c`. K % 32 == 0."""
+    n, k = q.shape
+    q = pad_columns(q.to(torch.uint8))
+    v = q.reshape(-1, TILE, k // BLOCK, 8, 4).permute(0, 2, 3, 1, 4)  # t b j c i
+    return v.reshape(-1, k // BLOCK, TILE * BLOCK).contiguous()
+
+
+def unpack8v(codes: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """`pack8v` undone: the unsigned codes `[N_padded, K]`, or only the columns `rows`."""
+    tiles, nb, _ = codes.shape
+    v = codes.reshape(tiles, nb, 8, TILE, 4)  # t b j c i
+    v = v.permute(0, 3, 1, 2, 4) if rows is None else v[rows // TILE, :, :, rows % TILE]
+    return v.reshape(-1, nb * BLOCK)
 
 
 def pack4(q: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,10 @@
  *          per column (`vpsignb` then `vpmaddubsw`) and eight columns' sums are reduced to one
  *          vector per block; `fine` widens the codes to int16 (`vpmaddwd`) once per block for
  *          up to four rows.
+ *   8-bit vertical (`kvg_w8a8v`, int8 activations only: the refined lm_head): codes[tile][K/32]
+ *          [8][32]: block b's eighth j holds, in byte 4c+i, weight 32b+4j+i of column c as
+ *          the unsigned code w + 128, so a block's dots need no horizontal sums either (the
+ *          row-major layout's column sums were about half the lm_head's instructions).
  *   d, m: fp16 [N/8][K/group][8], one per group of `bpg` blocks of 32 (m may be NULL: zero).
  * With activation block x ~ e*p (p integer) the block's contribution is
  *   d*e*sum(q*p) + m*e*sum(p).
@@ -53,12 +57,19 @@
 
 #define QK 32
 #define MR 4
+/* `bits` of the vertical 8-bit layout (`kvg_w8a8v`) */
+#define BITS_8V 9
 /* Few rows stream the weights once and wait on memory, so the tile loop prefetches: 4-bit
  * codes (one stream per tile, tiles back to back) this many bytes ahead, 8-bit codes (eight
  * column streams a tile, each a row of K bytes) at the next tile's same block. Measured at
  * batch 1 on SmolLM2's projections: the 4-bit sweep about 10% faster, the 8-bit lm_head
  * about twice as fast (eight short streams the hardware prefetcher did not follow). */
 #define AHEAD4 2048
+/* Vertical 8-bit codes (the lm_head, 256 bytes a tile a block) are prefetched further ahead.
+ * One row of them takes eight-column tiles even on VNNI (256-bit `vpdpbusd`): sixteen columns
+ * a tile pair read two streams at once and ran a single row 1.2-1.4x slower (SmolLM2's
+ * head, 2 Zen 4 cores); from two rows the pairs are level or ahead. */
+#define AHEAD8V 8192
 
 int kvg_lowbit_abi(void) { return 1; }
 
@@ -137,9 +148,10 @@ enum { Q_INT8 = 0, Q_INT16 = 1, Q_HILO = 2 };
  * p = round_half_even(y), L = 127 (`Q_INT8`: int8 in `q8`) or L = 32767, stored as int16 in
  * `q16` (`Q_INT16`, each block as elements 0-7,16-23 then 8-15,24-31: the order
  * `vpunpck[lh]bw` widens 8-bit codes to) or as bytes (`Q_HILO`: p = 256 h + l, signed h in
- * `q8`, unsigned l in `lo`). Per block: e, and es = e * sum(p) for the weights' mins. */
+ * `q8`, unsigned l in `lo`). Per block: e, and es = e * sum(p) for the weights' mins, and
+ * (`is`, where not NULL) sum(p) itself. */
 static void quantize_row(const float *x, int64_t K, int mode, int8_t *q8, int16_t *q16,
-                         uint8_t *lo, float *e, float *es) {
+                         uint8_t *lo, float *e, float *es, int32_t *is) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     const int rnd = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
     const float levels = mode == Q_INT8 ? 127.0f : 32767.0f;
@@ -181,8 +193,10 @@ static void quantize_row(const float *x, int64_t K, int mode, int8_t *q8, int16_
             _mm256_storeu_si256((__m256i *)(q8 + b * QK), pack_i8(i[0], i[1], i[2], i[3]));
         }
         const float d = amax / levels;
+        const int32_t total = hsum_i32(sum);
         e[b] = d;
-        es[b] = d * (float)hsum_i32(sum);
+        es[b] = d * (float)total;
+        if (is) is[b] = total;
     }
 }
 
@@ -393,7 +407,7 @@ static int gemm_panels(const int bits, const float *x, int64_t M, int64_t K, int
 static int gemm(const int bits, const float *x, int64_t M, int64_t K, int64_t ldx,
                 const uint8_t *wc, const uint16_t *wd, const uint16_t *wm, int64_t N, int64_t bpg,
                 float *out, int64_t ldo, int threads, int fine) {
-    if (K % (2 * QK) || bpg < 1 || (K / QK) % bpg) return -2;
+    if (K % (2 * QK) || bpg < 1 || (K / QK) % bpg || (bits == BITS_8V && fine)) return -2;
     if (threads < 1) threads = 1;
     const int vnni = kvg_vnni(-1) == 1;
     if (fine && M >= (vnni && bits == 4 ? kvg_panel_rows_vnni4 : kvg_panel_rows))
@@ -406,7 +420,9 @@ static int gemm(const int bits, const float *x, int64_t M, int64_t K, int64_t ld
      * scheduler slice when the cores are oversubscribed. Many rows are split, then a barrier. */
     const int own = M <= 4 && threads > 1;
     const size_t qbytes = ((size_t)(M * K) * (mode == Q_INT8 ? 1 : 2) + 63) & ~(size_t)63;
-    const size_t region = qbytes + ((2 * M * nb * sizeof(float) + 63) & ~(size_t)63);
+    /* the scales e and es, and for vertical 8-bit codes each block's integer sum */
+    const size_t per_block = 2 * sizeof(float) + (bits == BITS_8V ? sizeof(int32_t) : 0);
+    const size_t region = qbytes + ((M * nb * per_block + 63) & ~(size_t)63);
     char *ws = aligned_alloc(64, region * (own ? (size_t)threads : 1));
     if (!ws) return -1;
 #pragma omp parallel num_threads(threads) if (threads > 1)
@@ -416,17 +432,18 @@ static int gemm(const int bits, const float *x, int64_t M, int64_t K, int64_t ld
         char *mine = own ? ws + region * (size_t)t : ws;
         uint8_t *lo = (uint8_t *)mine + M * K; /* Q_HILO: the low bytes after the high ones */
         float *xe = (float *)(mine + qbytes), *xes = xe + M * nb;
+        int32_t *xis = bits == BITS_8V ? (int32_t *)(xes + M * nb) : NULL;
         const int64_t r0 = own ? 0 : M * t / T, r1 = own ? M : M * (t + 1) / T;
         for (int64_t i = r0; i < r1; ++i)
             quantize_row(x + i * ldx, K, mode, (int8_t *)mine + i * K, (int16_t *)mine + i * K,
-                         lo + i * K, xe + i * nb, xes + i * nb);
+                         lo + i * K, xe + i * nb, xes + i * nb, xis ? xis + i * nb : NULL);
         if (!own) {
 #pragma omp barrier
         }
         const int64_t t0 = tiles * t / T, t1 = tiles * (t + 1) / T;
         if (t0 < t1)
-            (vnni ? columns_vnni : columns)(bits, fine, M, K, mine, lo, xe, xes, wc, wd, wm, N,
-                                            bpg, t0, t1, out, ldo);
+            (vnni ? columns_vnni : columns)(bits, fine, M, K, mine, lo, xe, xes, xis, wc, wd, wm,
+                                            N, bpg, t0, t1, out, ldo);
     }
     free(ws);
     return 0;
@@ -444,6 +461,14 @@ int kvg_w8a8(const float *x, int64_t M, int64_t K, int64_t ldx, const int8_t *co
     return gemm(8, x, M, K, ldx, (const uint8_t *)codes, d, m, N, bpg, out, ldo, threads, fine);
 }
 
+/* 8-bit codes in the vertical layout (`pack8v`), int8 activations: the same bits as
+ * `kvg_w8a8` with `fine` 0 on the same weights in its row-major layout. */
+int kvg_w8a8v(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *codes,
+              const uint16_t *d, const uint16_t *m, int64_t N, int64_t bpg, float *out,
+              int64_t ldo, int threads, int fine) {
+    return gemm(BITS_8V, x, M, K, ldx, codes, d, m, N, bpg, out, ldo, threads, fine);
+}
+
 /* The activation quantisation alone, for tests: codes [M][K] (int8, or int16 in natural order
  * when `fine`: 256 h + l of the 4-bit kernels' bytes), e and es [M][K/32] as the GEMMs use them. */
 int kvg_quantize_rows(const float *x, int64_t M, int64_t K, int64_t ldx, int fine, void *q,
@@ -457,7 +482,7 @@ int kvg_quantize_rows(const float *x, int64_t M, int64_t K, int64_t ldx, int fin
     }
     for (int64_t i = 0; i < M; ++i) {
         quantize_row(x + i * ldx, K, fine ? Q_HILO : Q_INT8, hi, NULL, lo, e + i * (K / QK),
-                     es + i * (K / QK));
+                     es + i * (K / QK), NULL);
         for (int64_t k = 0; k < K; ++k) {
             if (fine) ((int16_t *)q)[i * K + k] = (int16_t)(256 * hi[k] + lo[k]);
             else ((int8_t *)q)[i * K + k] = hi[k];

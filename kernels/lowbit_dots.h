@@ -90,12 +90,48 @@ static inline __attribute__((always_inline)) DOTS_FN void DOTS(block4)(
     }
 }
 
-/* Eight output columns (one tile; 8-bit codes of column c at wc + c*K, 4-bit codes of the
- * tile at wc) for `rows` (1..MR, a constant after inlining) activation rows: `xq` is the int8
+/* 8-bit vertical: one weight block (eight columns' codes of weights 4j..4j+3 in w[j]) against
+ * `rows` int8 activation rows; each lane of the integer sum is one column's dot, as in
+ * `block4`. AVX2: w[j] holds the signed codes w, aw[j] |w| (0..128), and |w| times x with w's
+ * sign sums a pair to 32512 at most, so `vpmaddubsw` never saturates. VNNI: w[j] holds the
+ * unsigned codes w + 128 and each row's sum starts from minus 128 times the block's activation
+ * sum (`xis`), as in `tile16v_vnni`: the same integers either way. */
+static inline __attribute__((always_inline)) DOTS_FN void DOTS(block8v)(
+    const int rows, const __m256i *w, const __m256i *aw, const int8_t *xq, const float *xe,
+    const float *xes, const int32_t *xis, int64_t K, int64_t nb, int64_t b, __m256 dv,
+    __m256 mv, int has_m, __m256 *acc, __m256 *corr) {
+    for (int r = 0; r < rows; ++r) {
+        const int8_t *h = xq + r * K + b * QK;
+#ifdef DOTS_VNNI
+        (void)aw;
+        __m256i s0 = _mm256_set1_epi32(-128 * xis[r * nb + b]), s1 = _mm256_setzero_si256();
+        for (int j = 0; j < 8; j += 2) {
+            s0 = _mm256_dpbusd_epi32(s0, w[j], _mm256_set1_epi32(load32(h + 4 * j)));
+            s1 = _mm256_dpbusd_epi32(s1, w[j + 1], _mm256_set1_epi32(load32(h + 4 * j + 4)));
+        }
+#else
+        (void)xis;
+        const __m256i ones = _mm256_set1_epi16(1);
+        __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+        for (int j = 0; j < 8; j += 2) {
+            const __m256i x0 = _mm256_set1_epi32(load32(h + 4 * j));
+            const __m256i x1 = _mm256_set1_epi32(load32(h + 4 * j + 4));
+            s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(_mm256_maddubs_epi16(aw[j], _mm256_sign_epi8(x0, w[j])), ones));
+            s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(_mm256_maddubs_epi16(aw[j + 1], _mm256_sign_epi8(x1, w[j + 1])), ones));
+        }
+#endif
+        const __m256i s = _mm256_add_epi32(s0, s1);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dv, _mm256_broadcast_ss(xe + r * nb + b)), acc[r]);
+        if (has_m) corr[r] = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(xes + r * nb + b), corr[r]);
+    }
+}
+
+/* Eight output columns (one tile; 8-bit codes of column c at wc + c*K, 4-bit or vertical
+ * 8-bit codes of the tile at wc) for `rows` (1..MR, a constant after inlining) activation rows: `xq` is the int8
  * or int16 (8-bit weights) or the high bytes (4-bit, `fine`; the low bytes at `xl`). */
 static inline __attribute__((always_inline)) DOTS_FN void DOTS(tile)(
     const int bits, const int fine, const int rows, const void *xq, const uint8_t *xl,
-    const float *xe, const float *xes, int64_t K, const uint8_t *wc, const uint16_t *wd,
+    const float *xe, const float *xes, const int32_t *xis, int64_t K, const uint8_t *wc, const uint16_t *wd,
     const uint16_t *wm, int64_t bpg, float *out, int64_t ldo, int64_t valid) {
     const int64_t nb = K / QK;
     const __m256i lo4 = _mm256_set1_epi8(0x0f);
@@ -120,6 +156,18 @@ static inline __attribute__((always_inline)) DOTS_FN void DOTS(tile)(
                 w[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
             }
             DOTS(block4)(fine, rows, w, (const int8_t *)xq, xl, xe, xes, K, nb, b, dv, mv, has_m, acc, corr);
+        } else if (bits == BITS_8V) {
+            const uint8_t *p = wc + b * (8 * QK);
+            for (int j = 0; j < 4; ++j) _mm_prefetch((const char *)(p + AHEAD8V + 64 * j), _MM_HINT_T0);
+            __m256i w[8], aw[8];
+            for (int j = 0; j < 8; ++j) {
+                w[j] = _mm256_loadu_si256((const __m256i *)(p + 32 * j));
+#ifndef DOTS_VNNI
+                w[j] = _mm256_xor_si256(w[j], _mm256_set1_epi8((char)0x80)); /* w + 128 -> w */
+                aw[j] = _mm256_sign_epi8(w[j], w[j]);
+#endif
+            }
+            DOTS(block8v)(rows, w, aw, (const int8_t *)xq, xe, xes, xis, K, nb, b, dv, mv, has_m, acc, corr);
         } else {
             __m256i w[8], aw[8];
             for (int c = 0; c < 8; ++c) {
@@ -281,6 +329,71 @@ static inline __attribute__((always_inline)) DOTS_FN void tile8_vnni(
         _mm256_mask_storeu_ps(out + r * ldo, mask, _mm256_add_ps(acc[r], corr[r]));
 }
 
+/* 8-bit vertical codes, int8 activations (the refined lm_head), the VNNI copy's tile: two
+ * neighbouring tiles (sixteen columns) in 512-bit registers as `tile16_vnni` takes 4-bit
+ * ones, or one tile twice (tile_bytes 0). The codes w + 128 are the unsigned operand against
+ * a broadcast activation word, each row's chain started from minus 128 times its block's
+ * activation sum (`xis`): the exact sum of w x in each column's lane, what `block8v` gives,
+ * with no horizontal sums; scaled as there, so the same bits. */
+static inline __attribute__((always_inline)) DOTS_FN void tile16v_vnni(
+    const int rows, const int8_t *xq, const float *xe, const float *xes, const int32_t *xis,
+    int64_t K, const uint8_t *wc, int64_t tile_bytes, const uint16_t *wd, const uint16_t *wm,
+    const uint16_t *wd1, const uint16_t *wm1, int64_t bpg, float *out, int64_t ldo,
+    int64_t valid) {
+    const int64_t nb = K / QK;
+    const int has_m = wm != NULL;
+    __m512 acc[MR], corr[MR];
+    for (int r = 0; r < rows; ++r) acc[r] = corr[r] = _mm512_setzero_ps();
+    __m512 dv = _mm512_setzero_ps(), mv = _mm512_setzero_ps();
+    int64_t g = 0, k = 0; /* group of block b, and b's place in it */
+    for (int64_t b = 0; b < nb; ++b) {
+        if (k == 0) {
+            dv = _mm512_cvtph_ps(_mm256_inserti128_si256(
+                _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(wd + g * 8))),
+                _mm_loadu_si128((const __m128i *)(wd1 + g * 8)), 1));
+            if (has_m)
+                mv = _mm512_cvtph_ps(_mm256_inserti128_si256(
+                    _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(wm + g * 8))),
+                    _mm_loadu_si128((const __m128i *)(wm1 + g * 8)), 1));
+        }
+        const uint8_t *p = wc + b * (8 * QK), *p1 = p + tile_bytes;
+        for (int j = 0; j < 4; ++j) {
+            _mm_prefetch((const char *)(p + AHEAD8V + 64 * j), _MM_HINT_T0);
+            _mm_prefetch((const char *)(p1 + AHEAD8V + 64 * j), _MM_HINT_T0);
+        }
+        __m512i w[8];
+        for (int j = 0; j < 8; ++j)
+            w[j] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(p + 32 * j))),
+                                      _mm256_loadu_si256((const __m256i *)(p1 + 32 * j)), 1);
+        for (int r = 0; r < rows; ++r) {
+            const int8_t *h = xq + r * K + b * QK;
+            __m512i s0 = _mm512_set1_epi32(-128 * xis[r * nb + b]), s1 = _mm512_setzero_si512();
+            for (int j = 0; j < 8; j += 2) {
+                s0 = _mm512_dpbusd_epi32(s0, w[j], _mm512_set1_epi32(load32(h + 4 * j)));
+                s1 = _mm512_dpbusd_epi32(s1, w[j + 1], _mm512_set1_epi32(load32(h + 4 * j + 4)));
+            }
+            const __m512i s = _mm512_add_epi32(s0, s1);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dv, _mm512_set1_ps(xe[r * nb + b])), acc[r]);
+            if (has_m) corr[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xes[r * nb + b]), corr[r]);
+        }
+        if (++k == bpg) {
+            k = 0;
+            ++g;
+        }
+    }
+    const __mmask16 mask = valid >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << valid) - 1);
+    for (int r = 0; r < rows; ++r)
+        _mm512_mask_storeu_ps(out + r * ldo, mask, _mm512_add_ps(acc[r], corr[r]));
+}
+
+#define TILE16V_ROWS(TB, VALID)                                                              \
+    switch (rows) {                                                                          \
+    case 4: tile16v_vnni(4, (const int8_t *)xr, er, esr, isr, K, c, TB, d, m, d1, m1, bpg, o, ldo, VALID); break; \
+    case 3: tile16v_vnni(3, (const int8_t *)xr, er, esr, isr, K, c, TB, d, m, d1, m1, bpg, o, ldo, VALID); break; \
+    case 2: tile16v_vnni(2, (const int8_t *)xr, er, esr, isr, K, c, TB, d, m, d1, m1, bpg, o, ldo, VALID); break; \
+    default: tile16v_vnni(1, (const int8_t *)xr, er, esr, isr, K, c, TB, d, m, d1, m1, bpg, o, ldo, VALID); break; \
+    }
+
 #define TILE8_ROWS                                                                           \
     switch (rows) {                                                                          \
     case 4: tile8_vnni(4, (const int8_t *)xr, er, esr, K, c, d, m, bpg, o, ldo, valid); break; \
@@ -300,23 +413,24 @@ static inline __attribute__((always_inline)) DOTS_FN void tile8_vnni(
 
 #define TILE_ROWS(BITS, FINE)                                                                \
     switch (rows) {                                                                          \
-    case 4: DOTS(tile)(BITS, FINE, 4, xr, lr, er, esr, K, c, d, m, bpg, o, ldo, valid); break;     \
-    case 3: DOTS(tile)(BITS, FINE, 3, xr, lr, er, esr, K, c, d, m, bpg, o, ldo, valid); break;     \
-    case 2: DOTS(tile)(BITS, FINE, 2, xr, lr, er, esr, K, c, d, m, bpg, o, ldo, valid); break;     \
-    default: DOTS(tile)(BITS, FINE, 1, xr, lr, er, esr, K, c, d, m, bpg, o, ldo, valid); break;    \
+    case 4: DOTS(tile)(BITS, FINE, 4, xr, lr, er, esr, isr, K, c, d, m, bpg, o, ldo, valid); break;     \
+    case 3: DOTS(tile)(BITS, FINE, 3, xr, lr, er, esr, isr, K, c, d, m, bpg, o, ldo, valid); break;     \
+    case 2: DOTS(tile)(BITS, FINE, 2, xr, lr, er, esr, isr, K, c, d, m, bpg, o, ldo, valid); break;     \
+    default: DOTS(tile)(BITS, FINE, 1, xr, lr, er, esr, isr, K, c, d, m, bpg, o, ldo, valid); break;    \
     }
 
 static DOTS_FN void DOTS(columns)(const int bits, const int fine, int64_t M, int64_t K, const void *xq,
-                    const uint8_t *xl, const float *xe, const float *xes, const uint8_t *wc,
-                    const uint16_t *wd, const uint16_t *wm, int64_t N, int64_t bpg, int64_t t0,
-                    int64_t t1, float *out, int64_t ldo) {
+                    const uint8_t *xl, const float *xe, const float *xes, const int32_t *xis,
+                    const uint8_t *wc, const uint16_t *wd, const uint16_t *wm, int64_t N,
+                    int64_t bpg, int64_t t0, int64_t t1, float *out, int64_t ldo) {
     const int64_t nb = K / QK, groups = nb / bpg;
     const int64_t tile_bytes = 8 * (bits == 4 ? K / 2 : K);
     const int64_t x_bytes = bits == 8 && fine ? 2 : 1;
     int64_t chunk = (24 * 1024) / tile_bytes; /* column tiles whose codes stay in L1 */
     if (chunk < 1) chunk = 1;
 #ifdef DOTS_VNNI
-    if (bits == 4 && chunk > 1) chunk &= ~(int64_t)1; /* whole pairs of tiles (tile16) */
+    const int vertical = bits == 4 || bits == BITS_8V; /* pairs of tiles: tile16, tile16v */
+    if (vertical && chunk > 1) chunk &= ~(int64_t)1;
 #endif
     /* rows in stretches whose activations stay in L2 while every column chunk passes over
      * them (all rows at once streamed them from L3 once a prompt chunk passed ~100 rows) */
@@ -332,18 +446,24 @@ static DOTS_FN void DOTS(columns)(const int bits, const int fine, int64_t M, int
                 const void *xr = (const char *)xq + m0 * K * x_bytes;
                 const uint8_t *lr = xl + m0 * K;
                 const float *er = xe + m0 * nb, *esr = xes + m0 * nb;
+                const int32_t *isr = xis ? xis + m0 * nb : NULL;
                 for (int64_t t = c0; t < c1; ++t) {
                     const uint8_t *c = wc + t * tile_bytes;
                     const uint16_t *d = wd + t * groups * 8, *m = wm ? wm + t * groups * 8 : NULL;
                     float *o = out + m0 * ldo + t * 8;
                     const int64_t valid = N - t * 8;
 #ifdef DOTS_VNNI
-                    if (bits == 4) { /* two tiles at once, or a lone last one twice */
+                    if (bits == BITS_8V && M == 1) { /* one row: eight columns a tile (see AHEAD8V) */
+                        TILE_ROWS(BITS_8V, 0)
+                        continue;
+                    }
+                    if (vertical) { /* two tiles at once, or a lone last one twice */
                         const int pair = t + 1 < c1;
                         const int64_t tb = pair ? tile_bytes : 0, next = pair ? groups * 8 : 0;
                         const uint16_t *d1 = d + next, *m1 = m ? m + next : NULL;
                         const int64_t valid16 = pair || valid < 8 ? valid : 8;
-                        if (fine) TILE16_ROWS(1, tb, valid16)
+                        if (bits == BITS_8V) TILE16V_ROWS(tb, valid16)
+                        else if (fine) TILE16_ROWS(1, tb, valid16)
                         else TILE16_ROWS(0, tb, valid16)
                         t += pair;
                         continue;
@@ -353,6 +473,7 @@ static DOTS_FN void DOTS(columns)(const int bits, const int fine, int64_t M, int
 #else
                     if (bits == 4 && fine) TILE_ROWS(4, 1)
                     else if (bits == 4) TILE_ROWS(4, 0)
+                    else if (bits == BITS_8V) TILE_ROWS(BITS_8V, 0)
                     else if (fine) TILE_ROWS(8, 1)
                     else TILE_ROWS(8, 0)
 #endif
@@ -365,6 +486,7 @@ static DOTS_FN void DOTS(columns)(const int bits, const int fine, int64_t M, int
 #undef TILE_ROWS
 #ifdef DOTS_VNNI
 #undef TILE16_ROWS
+#undef TILE16V_ROWS
 #undef TILE8_ROWS
 #endif
 #undef DOTS_FN

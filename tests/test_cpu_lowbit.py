@@ -83,7 +83,8 @@ def test_kernel_matches_references(fmt: str, out: int, fine: bool) -> None:
     int8 (an `approximate`, refined lm_head)."""
     spec = gguf_like(fmt, out, 256)
     layer = QuantizedLinear(spec, approximate=not fine)
-    assert layer.kernel == ("w8a8" if fmt == "q8_0" else "w4a8") and layer.fine == fine
+    kernel = "w4a8" if fmt != "q8_0" else "w8a8" if fine else "w8a8v"
+    assert layer.kernel == kernel and layer.fine == fine
     stored, full = weight_as_stored(spec), spec.dequantize()
     for rows in BATCHES:
         x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
@@ -145,11 +146,57 @@ def test_the_4bit_layout_holds_each_code_where_the_kernels_read_it() -> None:
     assert torch.equal(cpu_lowbit.unpack4(packed, rows), q[rows])
 
 
-@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
-def test_a_layers_rows_are_its_stored_weight_rows(fmt: str) -> None:
-    """What a tied embedding reads from the lm_head's codes: the rows, dequantised."""
+def test_the_vertical_8bit_layout_holds_each_code_where_the_kernels_read_it() -> None:
+    """Tile t, block b: byte 32j + 4c + i holds weight 32b + 4j + i of column 8t + c, the
+    unsigned code; padding columns are zero."""
+    q = torch.randint(0, 256, (11, 128), dtype=torch.uint8)
+    packed = cpu_lowbit.pack8v(q)
+    assert packed.shape == (2, 4, 256) and packed.dtype == torch.uint8
+    for n in range(16):
+        for k in range(128):
+            b, j, i = k // 32, k % 32 // 4, k % 4
+            byte = packed[n // 8, b, 32 * j + 4 * (n % 8) + i].item()
+            assert byte == (q[n, k].item() if n < 11 else 0), (n, k)
+    assert torch.equal(cpu_lowbit.unpack8v(packed)[:11], q)
+    rows = torch.tensor([10, 3, 0, 3])
+    assert torch.equal(cpu_lowbit.unpack8v(packed, rows), q[rows])
+
+
+def test_the_vertical_8bit_head_gives_the_row_major_kernels_bits() -> None:
+    """`w8a8v` sums each column's products in its own lane where `w8a8` sums them across a
+    register, then scales block by block alike: the same bits for int8 activations, on each
+    copy of the dots this CPU has (VNNI: one row on the eight-column tile, more sixteen
+    columns a tile pair, a lone last tile), with and without mins, groups of one and two
+    blocks, one and two threads."""
+    have = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= cpu_lowbit.cpu_flags()
+    threads_before = torch.get_num_threads()
+    try:
+        for vnni in [False, True] if have else [False]:
+            cpu_lowbit.vnni(vnni)
+            for mins, threads in ((False, 2), (True, 1)):
+                spec = gguf_like("q8_0", 75 if threads == 2 else 200, 576, seed=6)
+                if mins:  # float zero points in groups of 64
+                    half = spec.scales[:, ::2].contiguous(), spec.zeros[:, ::2] - 3.5
+                    spec = QuantSpec(spec.q, half[0], half[1], 64, 8)
+                torch.set_num_threads(threads)
+                row_major = QuantizedLinear(spec, approximate=True, kernel="w8a8")
+                vertical = QuantizedLinear(spec, approximate=True)
+                assert vertical.kernel == "w8a8v" and not vertical.fine and not row_major.fine
+                assert (vertical.lowbit_mins is not None) == mins
+                for rows in (1, 2, 3, 4, 5, 9, 40):
+                    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows)) * 3
+                    assert torch.equal(vertical(x), row_major(x)), (vnni, mins, rows)
+    finally:
+        cpu_lowbit.vnni(have)
+        torch.set_num_threads(threads_before)
+
+
+@pytest.mark.parametrize(("fmt", "approximate"), [("q4_1", False), ("q8_0", False), ("q8_0", True)])
+def test_a_layers_rows_are_its_stored_weight_rows(fmt: str, approximate: bool) -> None:
+    """What a tied embedding reads from the lm_head's codes (row-major or vertical 8-bit,
+    4-bit): the rows, dequantised."""
     spec = gguf_like(fmt, 75, 256, seed=2)
-    layer = QuantizedLinear(spec)
+    layer = QuantizedLinear(spec, approximate=approximate)
     assert layer.can_read_rows()
     ids = torch.tensor([[74, 0], [9, 40]])
     assert torch.equal(layer.rows(ids), weight_as_stored(spec)[ids])

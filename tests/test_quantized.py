@@ -71,6 +71,8 @@ CASES = [
     (64, 256, 64, 4, True, "w4a8"),
     (64, 256, 32, 8, False, "w8a8"),
     (64, 256, 256, 8, False, "w8a8"),
+    (64, 256, 32, 8, False, "w8a8v"),  # the lm_head's vertical layout (int8 activations)
+    (44, 256, 64, 8, False, "w8a8v"),  # a lone last tile, groups of two blocks
 ]
 
 
@@ -99,7 +101,8 @@ def test_the_c_kernels_are_picked_where_they_fit() -> None:
     cpu = torch.device("cpu")
     assert pick_kernel(random_spec(64, 256, 32, 4), cpu) == "w4a8"
     assert pick_kernel(random_spec(64, 256, 128, 4), cpu) == "w4a8"
-    assert pick_kernel(random_spec(64, 256, 32, 8), cpu, approximate=True) == "w8a8"
+    assert pick_kernel(random_spec(64, 256, 32, 8), cpu, approximate=True) == "w8a8v"
+    assert pick_kernel(random_spec(64, 256, 32, 8), cpu) == "w8a8"
     assert pick_kernel(random_spec(64, 96, 32, 4), cpu) == "int4pack"  # 3 blocks: no pairs
     assert pick_kernel(random_spec(48, 256, 16, 4), cpu) == "dense"
 
@@ -133,13 +136,15 @@ def test_embedding_rows_match_dequantised_rows() -> None:
         (4, 32, "int4pack", 1e-3),
         (8, 32, "w8a8", 1e-3),
         (8, 128, "w8a8", 1e-3),
+        (8, 32, "w8a8v", 1e-3),
+        (8, 64, "w8a8v", 1e-3),
         (4, 64, "w4a8", 1e-3),
     ]
     for bits, group, kernel, tol in cases:
         spec = random_spec(64, 256, group, bits)
         tied = QuantizedLinear(spec, kernel=kernel)
         emb = QuantizedEmbedding(spec, torch.float32, tied=tied)
-        assert (emb.tied is tied) == (kernel in ("int8pack", "w8a8", "w4a8"))
+        assert (emb.tied is tied) == (kernel in ("int8pack", "w8a8", "w8a8v", "w4a8"))
         want = spec.dequantize()[ids]
         assert (emb(ids) - want).abs().max().item() <= tol * want.abs().max().item()
 
@@ -162,15 +167,17 @@ def test_approximate_head_refines_its_top_candidates_exactly() -> None:
     assert emb.table.read is None  # a requantised copy cannot stand in for the rows
 
 
-def test_a_c_kernel_head_holds_the_tied_vocabulary_once() -> None:
-    """Handed the embedding's table, a W8A8 head (codes exact) serves the embedding's rows
-    from its own storage: the table's copy is dropped, lookups and refined logits stay exact."""
+@pytest.mark.parametrize("kernel", ["w8a8", "w8a8v"])
+def test_a_c_kernel_head_holds_the_tied_vocabulary_once(kernel: str) -> None:
+    """Handed the embedding's table, a W8A8 head (codes exact, row-major or vertical) serves
+    the embedding's rows from its own storage: the table's copy is dropped, lookups and refined
+    logits stay exact."""
     spec = random_spec(512, 256, 32, 8)
     spec.scales = spec.scales.half().float()
     spec.zeros = torch.full_like(spec.zeros, 128.0)  # Q8_0: symmetric
     emb = QuantizedEmbedding(spec, torch.float32)
     head = QuantizedLMHead(
-        QuantizedLinear(spec, approximate=True, kernel="w8a8"), 512, exact=emb.table
+        QuantizedLinear(spec, approximate=True, kernel=kernel), 512, exact=emb.table
     )
     assert emb.table.read is not None and not list(emb.table.buffers())
     ids = torch.tensor([3, 511, 0])
@@ -305,7 +312,7 @@ def test_default_model_serves_packed_and_agrees_with_fp32(
 def _agreement(activations: str, kernels: str, floor: float) -> None:
     packed = make(EngineConfig().model_quantization, activations)  # the default: auto
     layers = [m for m in packed.model.modules() if isinstance(m, QuantizedLinear)]
-    assert {m.kernel for m in layers} == {"w4a8", "w8a8"}  # w8a8: the lm_head
+    assert {m.kernel for m in layers} == {"w4a8", "w8a8v"}  # w8a8v: the lm_head
     assert len(layers) == 30 * 4 + 1  # qkv, o, gate_up, down per layer + the tied lm_head
     assert sum(m.fine for m in layers) == (120 if activations == "int16" else 0)
     reference = make("none")

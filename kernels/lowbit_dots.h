@@ -192,6 +192,33 @@ static inline __attribute__((always_inline)) DOTS_FN void DOTS(tile)(
 }
 
 #ifdef DOTS_VNNI
+/* Two tiles side by side in one 512-bit register: eight columns' fp16 group values from each
+ * (as floats), or 32 bytes of codes from each. */
+static inline __attribute__((always_inline)) DOTS_FN __m512 cols16(const uint16_t *a, const uint16_t *b) {
+    return _mm512_cvtph_ps(_mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)a)), _mm_loadu_si128((const __m128i *)b), 1));
+}
+
+static inline __attribute__((always_inline)) DOTS_FN __m512i codes16(const uint8_t *a, const uint8_t *b) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)a)),
+                              _mm256_loadu_si256((const __m256i *)b), 1);
+}
+
+/* A block's integer column sums s into a row's accumulators: s d e, and m es for the mins
+ * (kept apart until the end, as the AVX2 copy keeps them). */
+static inline __attribute__((always_inline)) DOTS_FN void scale16(__m512i s, __m512 dv, __m512 mv,
+    int has_m, float e, float es, __m512 *acc, __m512 *corr) {
+    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dv, _mm512_set1_ps(e)), *acc);
+    if (has_m) *corr = _mm512_fmadd_ps(mv, _mm512_set1_ps(es), *corr);
+}
+
+/* The rows' sixteen (`valid` of them) outputs: acc + corr. */
+static inline __attribute__((always_inline)) DOTS_FN void store16(const int rows, const __m512 *acc,
+    const __m512 *corr, float *out, int64_t ldo, int64_t valid) {
+    const __mmask16 mask = valid >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << valid) - 1);
+    for (int r = 0; r < rows; ++r) _mm512_mask_storeu_ps(out + r * ldo, mask, _mm512_add_ps(acc[r], corr[r]));
+}
+
 /* 4-bit, the VNNI copy's tile: two neighbouring tiles (sixteen columns; tile t's codes at wc,
  * t+1's at wc + tile_bytes, their scales at wd/wm and wd1/wm1) in 512-bit registers, or one
  * tile twice (tile_bytes 0, the same scales, `valid` <= 8) where a thread's last tile has no
@@ -216,13 +243,8 @@ static inline __attribute__((always_inline)) DOTS_FN void tile16_vnni(
     int64_t g = 0, k = 0; /* group of block b, and b's place in it */
     for (int64_t b = 0; b < nb; ++b) {
         if (k == 0) {
-            dv = _mm512_cvtph_ps(_mm256_inserti128_si256(
-                _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(wd + g * 8))),
-                _mm_loadu_si128((const __m128i *)(wd1 + g * 8)), 1));
-            if (has_m)
-                mv = _mm512_cvtph_ps(_mm256_inserti128_si256(
-                    _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(wm + g * 8))),
-                    _mm_loadu_si128((const __m128i *)(wm1 + g * 8)), 1));
+            dv = cols16(wd + g * 8, wd1 + g * 8);
+            if (has_m) mv = cols16(wm + g * 8, wm1 + g * 8);
         }
         const uint8_t *p = wc + b * (8 * QK / 2), *p1 = p + tile_bytes;
         _mm_prefetch((const char *)(p + AHEAD4), _MM_HINT_T0);
@@ -231,9 +253,7 @@ static inline __attribute__((always_inline)) DOTS_FN void tile16_vnni(
         _mm_prefetch((const char *)(p1 + AHEAD4 + 64), _MM_HINT_T0);
         __m512i w[8];
         for (int j = 0; j < 4; ++j) {
-            const __m512i v = _mm512_inserti64x4(
-                _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(p + 32 * j))),
-                _mm256_loadu_si256((const __m256i *)(p1 + 32 * j)), 1);
+            const __m512i v = codes16(p + 32 * j, p1 + 32 * j);
             w[2 * j] = _mm512_and_si512(v, lo4);
             w[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
         }
@@ -254,17 +274,14 @@ static inline __attribute__((always_inline)) DOTS_FN void tile16_vnni(
                 }
                 s = _mm512_add_epi32(_mm512_slli_epi32(s, 8), _mm512_add_epi32(l0, l1));
             }
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dv, _mm512_set1_ps(xe[r * nb + b])), acc[r]);
-            if (has_m) corr[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xes[r * nb + b]), corr[r]);
+            scale16(s, dv, mv, has_m, xe[r * nb + b], xes[r * nb + b], acc + r, corr + r);
         }
         if (++k == bpg) {
             k = 0;
             ++g;
         }
     }
-    const __mmask16 mask = valid >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << valid) - 1);
-    for (int r = 0; r < rows; ++r)
-        _mm512_mask_storeu_ps(out + r * ldo, mask, _mm512_add_ps(acc[r], corr[r]));
+    store16(rows, acc, corr, out, ldo, valid);
 }
 
 /* 8-bit codes, int8 activations (the refined lm_head), the VNNI copy's tile: eight columns,
@@ -348,13 +365,8 @@ static inline __attribute__((always_inline)) DOTS_FN void tile16v_vnni(
     int64_t g = 0, k = 0; /* group of block b, and b's place in it */
     for (int64_t b = 0; b < nb; ++b) {
         if (k == 0) {
-            dv = _mm512_cvtph_ps(_mm256_inserti128_si256(
-                _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(wd + g * 8))),
-                _mm_loadu_si128((const __m128i *)(wd1 + g * 8)), 1));
-            if (has_m)
-                mv = _mm512_cvtph_ps(_mm256_inserti128_si256(
-                    _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(wm + g * 8))),
-                    _mm_loadu_si128((const __m128i *)(wm1 + g * 8)), 1));
+            dv = cols16(wd + g * 8, wd1 + g * 8);
+            if (has_m) mv = cols16(wm + g * 8, wm1 + g * 8);
         }
         const uint8_t *p = wc + b * (8 * QK), *p1 = p + tile_bytes;
         for (int j = 0; j < 4; ++j) {
@@ -363,8 +375,7 @@ static inline __attribute__((always_inline)) DOTS_FN void tile16v_vnni(
         }
         __m512i w[8];
         for (int j = 0; j < 8; ++j)
-            w[j] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(p + 32 * j))),
-                                      _mm256_loadu_si256((const __m256i *)(p1 + 32 * j)), 1);
+            w[j] = codes16(p + 32 * j, p1 + 32 * j);
         for (int r = 0; r < rows; ++r) {
             const int8_t *h = xq + r * K + b * QK;
             __m512i s0 = _mm512_set1_epi32(-128 * xis[r * nb + b]), s1 = _mm512_setzero_si512();
@@ -373,17 +384,14 @@ static inline __attribute__((always_inline)) DOTS_FN void tile16v_vnni(
                 s1 = _mm512_dpbusd_epi32(s1, w[j + 1], _mm512_set1_epi32(load32(h + 4 * j + 4)));
             }
             const __m512i s = _mm512_add_epi32(s0, s1);
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dv, _mm512_set1_ps(xe[r * nb + b])), acc[r]);
-            if (has_m) corr[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xes[r * nb + b]), corr[r]);
+            scale16(s, dv, mv, has_m, xe[r * nb + b], xes[r * nb + b], acc + r, corr + r);
         }
         if (++k == bpg) {
             k = 0;
             ++g;
         }
     }
-    const __mmask16 mask = valid >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << valid) - 1);
-    for (int r = 0; r < rows; ++r)
-        _mm512_mask_storeu_ps(out + r * ldo, mask, _mm512_add_ps(acc[r], corr[r]));
+    store16(rows, acc, corr, out, ldo, valid);
 }
 
 #define TILE16V_ROWS(TB, VALID)                                                              \

@@ -314,7 +314,7 @@ class QuantizedLinear(nn.Module):
         if self.kernel == "w4a8":
             q = cpu_lowbit.unpack4(self.lowbit_codes, flat)
         elif self.kernel == "w8a8v":
-            q = cpu_lowbit.unpack8v(self.lowbit_codes, flat).to(torch.int16) - 128
+            q = (cpu_lowbit.unpack8v(self.lowbit_codes, flat) ^ 128).view(torch.int8)
         else:
             q = self.lowbit_codes.index_select(0, flat)
         tile, col = flat // cpu_lowbit.TILE, flat % cpu_lowbit.TILE

@@ -304,7 +304,7 @@ def unpack8v(codes: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Ten
     tiles, nb, _ = codes.shape
     words = codes.view(torch.int32).view(tiles, nb, 8, TILE)  # t b j c
     v = words.permute(0, 3, 1, 2) if rows is None else words[rows // TILE, :, :, rows % TILE]
-    return v.reshape(v.shape[0] * (TILE if rows is None else 1), -1).view(torch.uint8)
+    return v.reshape(-1, nb * 8).contiguous().view(torch.uint8)  # K/4 words a column: K codes
 
 
 def pack4(q: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,7 @@
  *   8-bit vertical (`kvg_w8a8v`, int8 activations only: the refined lm_head): codes[tile][K/32]
  *          [8][32]: block b's eighth j holds, in byte 4c+i, weight 32b+4j+i of column c as
  *          the unsigned code w + 128, so a block's dots need no horizontal sums either (the
- *          row-major layout's column sums were about half the lm_head's instructions).
+ *          row-major VNNI tile spends over two instructions on column sums for each dot one).
  *   d, m: fp16 [N/8][K/group][8], one per group of `bpg` blocks of 32 (m may be NULL: zero).
  * With activation block x ~ e*p (p integer) the block's contribution is
  *   d*e*sum(q*p) + m*e*sum(p).
@@ -67,8 +67,9 @@
 #define AHEAD4 2048
 /* Vertical 8-bit codes (the lm_head, 256 bytes a tile a block) are prefetched further ahead.
  * One row of them takes eight-column tiles even on VNNI (256-bit `vpdpbusd`): sixteen columns
- * a tile pair read two streams at once and ran a single row 1.2-1.4x slower (SmolLM2's
- * head, 2 Zen 4 cores); from two rows the pairs are level or ahead. */
+ * a tile pair read two streams at once and ran a single row 1.3-1.5x slower than the AVX2
+ * copy's eight-column tiles (SmolLM2's head, 2 Zen 4 cores); from two rows the pairs are
+ * level or ahead. */
 #define AHEAD8V 8192
 
 int kvg_lowbit_abi(void) { return 1; }

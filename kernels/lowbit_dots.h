@@ -16,6 +16,14 @@
 #define DOTS_FN
 #endif
 
+/* A block's column sums s (as floats) into a row's accumulators: s d e, and m es for the
+ * mins, kept apart until the end (both copies, every tile: the same bits). */
+static inline __attribute__((always_inline)) DOTS_FN void DOTS(scale8)(__m256 s, __m256 dv,
+    __m256 mv, int has_m, const float *e, const float *es, __m256 *acc, __m256 *corr) {
+    *acc = _mm256_fmadd_ps(s, _mm256_mul_ps(dv, _mm256_broadcast_ss(e)), *acc);
+    if (has_m) *corr = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(es), *corr);
+}
+
 /* 8-bit: one weight block (eight columns' codes w, |w| in aw) against `rows` activation rows:
  * eight integer dots per row, reduced to one vector of eight column sums, scaled. (The VNNI
  * copy takes int8 activations in `tile8_vnni` instead: only its `fine` rows come here.) */
@@ -51,8 +59,7 @@ static inline __attribute__((always_inline)) DOTS_FN void DOTS(block8)(
                 d[c] = _mm256_madd_epi16(_mm256_maddubs_epi16(aw[c], _mm256_sign_epi8(x, w[c])), ones);
         }
         const __m256 s = _mm256_cvtepi32_ps(reduce8(d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7]));
-        acc[r] = _mm256_fmadd_ps(s, _mm256_mul_ps(dv, _mm256_broadcast_ss(xe + r * nb + b)), acc[r]);
-        if (has_m) corr[r] = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(xes + r * nb + b), corr[r]);
+        DOTS(scale8)(s, dv, mv, has_m, xe + r * nb + b, xes + r * nb + b, acc + r, corr + r);
     }
 }
 
@@ -85,8 +92,7 @@ static inline __attribute__((always_inline)) DOTS_FN void DOTS(block4)(
         } else {
             s = _mm256_madd_epi16(ph, ones);
         }
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dv, _mm256_broadcast_ss(xe + r * nb + b)), acc[r]);
-        if (has_m) corr[r] = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(xes + r * nb + b), corr[r]);
+        DOTS(scale8)(_mm256_cvtepi32_ps(s), dv, mv, has_m, xe + r * nb + b, xes + r * nb + b, acc + r, corr + r);
     }
 }
 
@@ -121,8 +127,7 @@ static inline __attribute__((always_inline)) DOTS_FN void DOTS(block8v)(
         }
 #endif
         const __m256i s = _mm256_add_epi32(s0, s1);
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dv, _mm256_broadcast_ss(xe + r * nb + b)), acc[r]);
-        if (has_m) corr[r] = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(xes + r * nb + b), corr[r]);
+        DOTS(scale8)(_mm256_cvtepi32_ps(s), dv, mv, has_m, xe + r * nb + b, xes + r * nb + b, acc + r, corr + r);
     }
 }
 
@@ -335,10 +340,8 @@ static inline __attribute__((always_inline)) DOTS_FN void tile8_vnni(
                                                  _mm512_permutex2var_epi32(q0, pick_hi, q1));
             const __m256 s0 = _mm256_cvtepi32_ps(_mm512_castsi512_si256(sum));
             const __m256 s1 = _mm256_cvtepi32_ps(_mm512_extracti64x4_epi64(sum, 1));
-            acc[r] = _mm256_fmadd_ps(s0, _mm256_mul_ps(dv0, _mm256_broadcast_ss(xe + r * nb + b)), acc[r]);
-            if (has_m) corr[r] = _mm256_fmadd_ps(mv0, _mm256_broadcast_ss(xes + r * nb + b), corr[r]);
-            acc[r] = _mm256_fmadd_ps(s1, _mm256_mul_ps(dv1, _mm256_broadcast_ss(xe + r * nb + b + 1)), acc[r]);
-            if (has_m) corr[r] = _mm256_fmadd_ps(mv1, _mm256_broadcast_ss(xes + r * nb + b + 1), corr[r]);
+            DOTS(scale8)(s0, dv0, mv0, has_m, xe + r * nb + b, xes + r * nb + b, acc + r, corr + r);
+            DOTS(scale8)(s1, dv1, mv1, has_m, xe + r * nb + b + 1, xes + r * nb + b + 1, acc + r, corr + r);
         }
     }
     const __mmask8 mask = valid >= 8 ? (__mmask8)0xff : (__mmask8)((1u << valid) - 1);

@@ -160,6 +160,8 @@ def test_the_vertical_8bit_layout_holds_each_code_where_the_kernels_read_it() ->
     assert torch.equal(cpu_lowbit.unpack8v(packed)[:11], q)
     rows = torch.tensor([10, 3, 0, 3])
     assert torch.equal(cpu_lowbit.unpack8v(packed, rows), q[rows])
+    one = q[:5, :64]  # a single tile: its words could be viewed in place, not copied
+    assert torch.equal(cpu_lowbit.unpack8v(cpu_lowbit.pack8v(one))[:5], one)
 
 
 def test_the_vertical_8bit_head_gives_the_row_major_kernels_bits() -> None:

@@ -32,8 +32,8 @@ Kernels, picked per layer at construction (`QuantizedLinear.kernel`):
   codes, scales and mins in a vertical layout (`cpu_lowbit.pack8v`: a 32-bit lane holds four
   consecutive weights of one column, as the 4-bit codes do), int8 activations only. Each
   column's dot stays in its own lane, so no block ends in horizontal sums: the SmolLM2 lm_head
-  (49152 x 576) ran 1.5-1.7x as fast from 8 rows on VNNI (1.2-1.4x on AVX2), the same bits
-  as `w8a8`. The tied embedding reads its rows back out of the layout.
+  (49152 x 576) ran 1.4-1.7x as fast from 8 rows on VNNI (1.4x on AVX2), the same bits as
+  `w8a8`. The tied embedding reads its rows back out of the layout.
 - `int4pack` (CPU, 4-bit): torch's `_weight_int4pack_mm_for_cpu`. It takes bf16 activations
   (its fp32 path is ~10x slower on AVX2), group sizes 32/64/128/256 and `N % 16 == 0`. A group
   size that is a larger multiple of 32 (per-channel included) is served exactly by repeating its

@@ -231,8 +231,12 @@ static inline __attribute__((always_inline)) DOTS_FN void store16(const int rows
  * (conversion, scaling) serves sixteen columns an instruction: measured on SmolLM2's
  * projections (Zen 4, 2 threads, 256-bit tiles of eight columns before), 144-162 against
  * 114-121 GMAC/s from 32 rows; a 512-bit `vpdpbusd` sums a third more products a cycle than
- * two 256-bit ones there. Each `vpdpbusd` sums four u8 x s8 products into a lane, two
- * accumulators a sum so one row's dots are not one chain of eight latencies. Every lane does
+ * two 256-bit ones there. Each `vpdpbusd` sums four u8 x s8 products into a lane. From three
+ * rows on, the rows' chains run interleaved, one accumulator a row (and one for the low bytes):
+ * a weight register feeds every row in turn and three to eight chains are in flight, which
+ * the compiler's row-after-row order (two chains a row, joined by an add) left to the
+ * out-of-order window; measured 5-7% more GMAC/s on SmolLM2's projections at 32 and 256 rows,
+ * int16 and int8 alike (a lone row keeps the two chains). Every lane does
  * what `tile` does for its column on AVX2, in the same order, so the bits are the same. */
 static inline __attribute__((always_inline)) DOTS_FN void tile16_vnni(
     const int fine, const int rows, const int8_t *xh, const uint8_t *xl, const float *xe,
@@ -262,7 +266,24 @@ static inline __attribute__((always_inline)) DOTS_FN void tile16_vnni(
             w[2 * j] = _mm512_and_si512(v, lo4);
             w[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
         }
-        for (int r = 0; r < rows; ++r) {
+        if (rows >= 3) {
+            __m512i hs[MR], ls[MR];
+            const int8_t *h = xh + b * QK;
+            for (int r = 0; r < rows; ++r) hs[r] = _mm512_setzero_si512();
+            for (int q = 0; q < 8; ++q)
+                for (int r = 0; r < rows; ++r)
+                    hs[r] = _mm512_dpbusd_epi32(hs[r], w[q], _mm512_set1_epi32(load32(h + r * K + 4 * q)));
+            if (fine) {
+                const uint8_t *l = xl + b * QK;
+                for (int r = 0; r < rows; ++r) ls[r] = _mm512_setzero_si512();
+                for (int q = 0; q < 8; ++q)
+                    for (int r = 0; r < rows; ++r)
+                        ls[r] = _mm512_dpbusd_epi32(ls[r], _mm512_set1_epi32(load32(l + r * K + 4 * q)), w[q]);
+                for (int r = 0; r < rows; ++r) hs[r] = _mm512_add_epi32(_mm512_slli_epi32(hs[r], 8), ls[r]);
+            }
+            for (int r = 0; r < rows; ++r)
+                scale16(hs[r], dv, mv, has_m, xe[r * nb + b], xes[r * nb + b], acc + r, corr + r);
+        } else for (int r = 0; r < rows; ++r) {
             const int8_t *h = xh + r * K + b * QK;
             __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
             for (int q = 0; q < 8; q += 2) {
@@ -379,7 +400,16 @@ static inline __attribute__((always_inline)) DOTS_FN void tile16v_vnni(
         __m512i w[8];
         for (int j = 0; j < 8; ++j)
             w[j] = codes16(p + 32 * j, p1 + 32 * j);
-        for (int r = 0; r < rows; ++r) {
+        if (rows >= 3) { /* rows interleaved, as in tile16_vnni (2% on the head at 8-32 rows) */
+            __m512i hs[MR];
+            const int8_t *h = xq + b * QK;
+            for (int r = 0; r < rows; ++r) hs[r] = _mm512_set1_epi32(-128 * xis[r * nb + b]);
+            for (int j = 0; j < 8; ++j)
+                for (int r = 0; r < rows; ++r)
+                    hs[r] = _mm512_dpbusd_epi32(hs[r], w[j], _mm512_set1_epi32(load32(h + r * K + 4 * j)));
+            for (int r = 0; r < rows; ++r)
+                scale16(hs[r], dv, mv, has_m, xe[r * nb + b], xes[r * nb + b], acc + r, corr + r);
+        } else for (int r = 0; r < rows; ++r) {
             const int8_t *h = xq + r * K + b * QK;
             __m512i s0 = _mm512_set1_epi32(-128 * xis[r * nb + b]), s1 = _mm512_setzero_si512();
             for (int j = 0; j < 8; j += 2) {

@@ -42,8 +42,8 @@
  * Threads: one OpenMP region per call, linked against the OpenMP runtime torch itself loaded
  * (one thread team for torch's ops and ours, no second runtime spinning beside it). Rows are
  * quantised split over threads, then output columns are split; each thread walks its columns
- * in cache-sized chunks and, inside a chunk, tiles of up to four activation rows, so a weight
- * block is unpacked once for four rows.
+ * in cache-sized chunks and, inside a chunk, tiles of up to four activation rows (six on the
+ * VNNI copy's sixteen-column tiles: MRV), so a weight block is unpacked once for that many.
  */
 #include <immintrin.h>
 #include <stdint.h>

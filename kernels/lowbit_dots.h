@@ -10,6 +10,7 @@
  * instructions sum the very products the AVX2 ones do, in int32, and none of the AVX2 int16
  * sums saturates (see block4 and block8). */
 #define DOTS_L2_BYTES (192 * 1024) /* activations a row stretch may hold (a core's L2: 0.5-2 MiB) */
+#define MRV 6 /* rows a VNNI tile of sixteen columns takes at once (MR elsewhere): see tile16_vnni */
 #ifdef DOTS_VNNI
 #define DOTS_FN __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 #else
@@ -232,11 +233,14 @@ static inline __attribute__((always_inline)) DOTS_FN void store16(const int rows
  * projections (Zen 4, 2 threads, 256-bit tiles of eight columns before), 144-162 against
  * 114-121 GMAC/s from 32 rows; a 512-bit `vpdpbusd` sums a third more products a cycle than
  * two 256-bit ones there. Each `vpdpbusd` sums four u8 x s8 products into a lane. From three
- * rows on, the rows' chains run interleaved, one accumulator a row (and one for the low bytes):
- * a weight register feeds every row in turn and three to eight chains are in flight, which
- * the compiler's row-after-row order (two chains a row, joined by an add) left to the
- * out-of-order window; measured 5-7% more GMAC/s on SmolLM2's projections at 32 and 256 rows,
- * int16 and int8 alike (a lone row keeps the two chains). Every lane does
+ * rows on, the rows' chains run interleaved, one accumulator a row: a weight register feeds
+ * every row in turn, so three to six chains are in flight, where the compiler's row-after-row
+ * order (two chains a row, joined by an add) left that to the out-of-order window (5-7% more
+ * GMAC/s on SmolLM2's projections at 32 and 256 rows, int16 and int8 alike). The low bytes'
+ * dots continue each row's chain from 256 times the high bytes' sum (no second accumulator,
+ * no add), which leaves the registers for six rows a tile (MRV) instead of four: the codes
+ * unpacked once serve half as many rows again (another 3-5% in A/B runs). Rows one and two
+ * keep two chains a row. Every lane does
  * what `tile` does for its column on AVX2, in the same order, so the bits are the same. */
 static inline __attribute__((always_inline)) DOTS_FN void tile16_vnni(
     const int fine, const int rows, const int8_t *xh, const uint8_t *xl, const float *xe,
@@ -246,7 +250,7 @@ static inline __attribute__((always_inline)) DOTS_FN void tile16_vnni(
     const int64_t nb = K / QK;
     const __m512i lo4 = _mm512_set1_epi8(0x0f);
     const int has_m = wm != NULL;
-    __m512 acc[MR], corr[MR];
+    __m512 acc[MRV], corr[MRV];
     for (int r = 0; r < rows; ++r) acc[r] = corr[r] = _mm512_setzero_ps();
     __m512 dv = _mm512_setzero_ps(), mv = _mm512_setzero_ps();
     int64_t g = 0, k = 0; /* group of block b, and b's place in it */
@@ -267,7 +271,7 @@ static inline __attribute__((always_inline)) DOTS_FN void tile16_vnni(
             w[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
         }
         if (rows >= 3) {
-            __m512i hs[MR], ls[MR];
+            __m512i hs[MRV];
             const int8_t *h = xh + b * QK;
             for (int r = 0; r < rows; ++r) hs[r] = _mm512_setzero_si512();
             for (int q = 0; q < 8; ++q)
@@ -275,11 +279,10 @@ static inline __attribute__((always_inline)) DOTS_FN void tile16_vnni(
                     hs[r] = _mm512_dpbusd_epi32(hs[r], w[q], _mm512_set1_epi32(load32(h + r * K + 4 * q)));
             if (fine) {
                 const uint8_t *l = xl + b * QK;
-                for (int r = 0; r < rows; ++r) ls[r] = _mm512_setzero_si512();
+                for (int r = 0; r < rows; ++r) hs[r] = _mm512_slli_epi32(hs[r], 8);
                 for (int q = 0; q < 8; ++q)
                     for (int r = 0; r < rows; ++r)
-                        ls[r] = _mm512_dpbusd_epi32(ls[r], _mm512_set1_epi32(load32(l + r * K + 4 * q)), w[q]);
-                for (int r = 0; r < rows; ++r) hs[r] = _mm512_add_epi32(_mm512_slli_epi32(hs[r], 8), ls[r]);
+                        hs[r] = _mm512_dpbusd_epi32(hs[r], _mm512_set1_epi32(load32(l + r * K + 4 * q)), w[q]);
             }
             for (int r = 0; r < rows; ++r)
                 scale16(hs[r], dv, mv, has_m, xe[r * nb + b], xes[r * nb + b], acc + r, corr + r);
@@ -383,7 +386,7 @@ static inline __attribute__((always_inline)) DOTS_FN void tile16v_vnni(
     int64_t valid) {
     const int64_t nb = K / QK;
     const int has_m = wm != NULL;
-    __m512 acc[MR], corr[MR];
+    __m512 acc[MRV], corr[MRV];
     for (int r = 0; r < rows; ++r) acc[r] = corr[r] = _mm512_setzero_ps();
     __m512 dv = _mm512_setzero_ps(), mv = _mm512_setzero_ps();
     int64_t g = 0, k = 0; /* group of block b, and b's place in it */
@@ -401,7 +404,7 @@ static inline __attribute__((always_inline)) DOTS_FN void tile16v_vnni(
         for (int j = 0; j < 8; ++j)
             w[j] = codes16(p + 32 * j, p1 + 32 * j);
         if (rows >= 3) { /* rows interleaved, as in tile16_vnni (2% on the head at 8-32 rows) */
-            __m512i hs[MR];
+            __m512i hs[MRV];
             const int8_t *h = xq + b * QK;
             for (int r = 0; r < rows; ++r) hs[r] = _mm512_set1_epi32(-128 * xis[r * nb + b]);
             for (int j = 0; j < 8; ++j)
@@ -429,6 +432,8 @@ static inline __attribute__((always_inline)) DOTS_FN void tile16v_vnni(
 
 #define TILE16V_ROWS(TB, VALID)                                                              \
     switch (rows) {                                                                          \
+    case 6: tile16v_vnni(6, (const int8_t *)xr, er, esr, isr, K, c, TB, d, m, d1, m1, bpg, o, ldo, VALID); break; \
+    case 5: tile16v_vnni(5, (const int8_t *)xr, er, esr, isr, K, c, TB, d, m, d1, m1, bpg, o, ldo, VALID); break; \
     case 4: tile16v_vnni(4, (const int8_t *)xr, er, esr, isr, K, c, TB, d, m, d1, m1, bpg, o, ldo, VALID); break; \
     case 3: tile16v_vnni(3, (const int8_t *)xr, er, esr, isr, K, c, TB, d, m, d1, m1, bpg, o, ldo, VALID); break; \
     case 2: tile16v_vnni(2, (const int8_t *)xr, er, esr, isr, K, c, TB, d, m, d1, m1, bpg, o, ldo, VALID); break; \
@@ -445,6 +450,8 @@ static inline __attribute__((always_inline)) DOTS_FN void tile16v_vnni(
 
 #define TILE16_ROWS(FINE, TB, VALID)                                                         \
     switch (rows) {                                                                          \
+    case 6: tile16_vnni(FINE, 6, xr, lr, er, esr, K, c, TB, d, m, d1, m1, bpg, o, ldo, VALID); break; \
+    case 5: tile16_vnni(FINE, 5, xr, lr, er, esr, K, c, TB, d, m, d1, m1, bpg, o, ldo, VALID); break; \
     case 4: tile16_vnni(FINE, 4, xr, lr, er, esr, K, c, TB, d, m, d1, m1, bpg, o, ldo, VALID); break; \
     case 3: tile16_vnni(FINE, 3, xr, lr, er, esr, K, c, TB, d, m, d1, m1, bpg, o, ldo, VALID); break; \
     case 2: tile16_vnni(FINE, 2, xr, lr, er, esr, K, c, TB, d, m, d1, m1, bpg, o, ldo, VALID); break; \
@@ -476,14 +483,19 @@ static DOTS_FN void DOTS(columns)(const int bits, const int fine, int64_t M, int
     /* rows in stretches whose activations stay in L2 while every column chunk passes over
      * them (all rows at once streamed them from L3 once a prompt chunk passed ~100 rows) */
     const int64_t row_bytes = K * (fine ? 2 : 1);
-    int64_t stretch = (DOTS_L2_BYTES / row_bytes) / MR * MR;
-    if (stretch < MR) stretch = MR;
+#ifdef DOTS_VNNI
+    const int64_t mr = vertical ? MRV : MR;
+#else
+    const int64_t mr = MR;
+#endif
+    int64_t stretch = (DOTS_L2_BYTES / row_bytes) / mr * mr;
+    if (stretch < mr) stretch = mr;
     for (int64_t r0 = 0; r0 < M; r0 += stretch) {
         const int64_t r1 = r0 + stretch < M ? r0 + stretch : M;
         for (int64_t c0 = t0; c0 < t1; c0 += chunk) {
             const int64_t c1 = c0 + chunk < t1 ? c0 + chunk : t1;
-            for (int64_t m0 = r0; m0 < r1; m0 += MR) {
-                const int64_t rows = r1 - m0 < MR ? r1 - m0 : MR;
+            for (int64_t m0 = r0; m0 < r1; m0 += mr) {
+                const int64_t rows = r1 - m0 < mr ? r1 - m0 : mr;
                 const void *xr = (const char *)xq + m0 * K * x_bytes;
                 const uint8_t *lr = xl + m0 * K;
                 const float *er = xe + m0 * nb, *esr = xes + m0 * nb;

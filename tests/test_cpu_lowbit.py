@@ -251,10 +251,11 @@ def test_panel_rows_moves_the_switch() -> None:
 def test_the_vnni_dots_give_the_avx2_dots_bits(fmt: str) -> None:
     """Where the CPU has AVX-512 VNNI the integer dots run their VNNI copy by default (4-bit
     weights then never switch to panels), and it gives the AVX2 copy's bits: int16 and int8
-    activations, one to a few hundred rows (tiles of four rows and their remainders, stretches
-    of rows), 4-bit columns sixteen at a time (ten tiles: in pairs with one thread, five a
-    thread with two, so each thread's last tile is alone), a partial last tile of columns,
-    threads one and two. Without VNNI the AVX2 dots serve and asking for VNNI is refused.
+    activations, one to a few hundred rows (tiles of four rows, six on the VNNI sixteen-column
+    tiles, and their remainders, stretches of rows), 4-bit columns sixteen at a time (ten
+    tiles: in pairs with one thread, five a thread with two, so each thread's last tile is
+    alone), a partial last tile of columns, threads one and two. Without VNNI the AVX2 dots
+    serve and asking for VNNI is refused.
     (The C side asks cpuid; this asks Linux.)"""
     have = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= cpu_lowbit.cpu_flags()
     assert cpu_lowbit.vnni() == have

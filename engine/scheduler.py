@@ -215,9 +215,9 @@ class Scheduler:
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int, urgent: bool) -> int:
         # Decodes (one token) before prefill chunks keep inter-token latency steady.
-        capped = False
+        capped, taken = False, set(batch.seqs)  # each running sequence is visited once
         for seq in sorted(self.running, key=lambda s: (s.num_uncomputed > 1, s.sort_key)):
-            if seq.status is not Status.RUNNING or budget <= 0 or seq in batch.seqs:
+            if seq.status is not Status.RUNNING or budget <= 0 or seq in taken:
                 continue
             if urgent and not awaits_first_text(seq):
                 continue  # a step of the work that stands between high requests and text

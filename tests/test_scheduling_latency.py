@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import functools
 
+import pytest
+
 from kvguard.engine.admission import HIGH, AdmissionConfig, AdmissionController
 from kvguard.engine.admission_policy import AdmissionPolicy
 from kvguard.engine.config import EngineConfig
@@ -402,3 +404,39 @@ def test_a_waiting_high_request_preempts_lower_work_for_its_blocks() -> None:
                 done[out.request_id] = out
     assert sorted(done) == sorted([*normal, high])
     assert all(o.num_output_tokens == 6 for o in done.values())
+
+
+# -- scheduling cost --------------------------------------------------------------------------
+def test_requests_are_compared_by_identity() -> None:
+    """Two requests with equal fields are two members of a queue (and hashable): a membership
+    test is a pointer compare, not a build of two tuples of every field."""
+    a, b = seq("same", 1, 0, 100.0), seq("same", 1, 0, 100.0)
+    assert a == a and a != b and len({a, b}) == 2
+    queue = [a, b]
+    queue.remove(b)
+    assert queue == [a] and queue[0] is a
+
+
+def test_a_step_of_many_decodes_compares_requests_linearly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Scheduling a decode step of 256 sequences compares requests O(n) times, not O(n^2): each
+    membership test against the step's batch had compared with every sequence already in it
+    (32640 compares a step, 84 ms of scheduling with field-by-field equality)."""
+    n = 256
+    eng = make_engine(max_num_seqs=n, kv_cache_bytes="64MiB", max_num_batched_tokens=4096)
+    for i in range(n):
+        eng.add_request(prompt(8, 3 + i), long_params())
+    while len(eng.scheduler.running) < n or any(
+        s.num_uncomputed > 1 for s in eng.scheduler.running
+    ):
+        eng.step()
+    compares = 0
+
+    def counting_eq(self: Sequence, other: object) -> bool:
+        nonlocal compares
+        compares += 1
+        return self is other
+
+    monkeypatch.setattr(Sequence, "__eq__", counting_eq)
+    batch = eng.scheduler.schedule()
+    assert len(batch.seqs) == n and set(batch.num_tokens) == {1}
+    assert compares <= 2 * n, compares

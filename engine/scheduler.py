@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -249,8 +249,9 @@ class Scheduler:
         self.bm.allocate(seq, n)
         return True
 
-    def pick_victim(self, exclude: list[Sequence] = (), max_rank: int = 0) -> Sequence | None:
+    def pick_victim(self, exclude: Iterable[Sequence] = (), max_rank: int = 0) -> Sequence | None:
         """Lowest priority, newest arrival among running sequences of rank >= `max_rank`."""
+        exclude = set(exclude)  # a step's batch: one lookup a candidate, not a scan
         candidates = [s for s in self.running if s not in exclude and s.priority >= max_rank]
         return max(candidates, key=lambda s: s.sort_key, default=None)
 

@@ -251,8 +251,8 @@ class Scheduler:
 
     def pick_victim(self, exclude: Iterable[Sequence] = (), max_rank: int = 0) -> Sequence | None:
         """Lowest priority, newest arrival among running sequences of rank >= `max_rank`."""
-        exclude = set(exclude)  # a step's batch: one lookup a candidate, not a scan
-        candidates = [s for s in self.running if s not in exclude and s.priority >= max_rank]
+        skip = set(exclude)  # a step's batch: one lookup a candidate, not a scan
+        candidates = [s for s in self.running if s not in skip and s.priority >= max_rank]
         return max(candidates, key=lambda s: s.sort_key, default=None)
 
     def preempt(self, seq: Sequence) -> str:

@@ -38,7 +38,7 @@ class Sequence:
     """One request's state. Compared and hashed by identity (`eq=False`): each request is one
     object, and the scheduler's membership tests (`seq in batch.seqs`, `running.remove`) ran
     the dataclass's field-by-field `__eq__`, a tuple of some thirty fields built per compare:
-    O(n^2) a step, 84 ms of scheduling a step at 256 running sequences."""
+    O(n^2) a step (a tiny-model step of 256 running sequences took 21.5 ms, 4.5 without)."""
 
     request_id: str
     prompt_token_ids: list[int]

@@ -761,7 +761,7 @@ int kvg_write_kv(void *pool, float *scales, int type, const float *x, int64_t ld
  * (64 Ki before): a batch-32 decode step's calls (18-49 thousand elements for SmolLM2) took
  * 1.3-1.4x less time on two threads than on one, call overhead included (SiLU-and-multiply
  * 16.4 against 21.9 us, RMSNorm 4.3 against 6.0, 2 Zen 4 cores), the workers spinning
- * between regions; a single row's stay on one thread. */
+ * between regions; a single row stays on one thread. */
 #define PAR_MIN (1 << 14)
 
 /* RMSNorm of T rows of width d (row stride ldx), optionally after the residual add

@@ -236,10 +236,12 @@ static inline __attribute__((always_inline)) DOTS_FN void store16(const int rows
  * rows on, the rows' chains run interleaved, one accumulator a row: a weight register feeds
  * every row in turn, so three to six chains are in flight, where the compiler's row-after-row
  * order (two chains a row, joined by an add) left that to the out-of-order window (5-7% more
- * GMAC/s on SmolLM2's projections at 32 and 256 rows, int16 and int8 alike). The low bytes'
+ * GMAC/s on SmolLM2's projections at 32 and 256 rows with int16 activations, 3% with int8,
+ * in alternating A/B runs). The low bytes'
  * dots continue each row's chain from 256 times the high bytes' sum (no second accumulator,
  * no add), which leaves the registers for six rows a tile (MRV) instead of four: the codes
- * unpacked once serve half as many rows again (another 3-5% in A/B runs). Rows one and two
+ * unpacked once serve half as many rows again (a median 2-4% more over eleven A/B runs at 16
+ * to 256 rows, two of them lost in the noise). Rows one and two
  * keep two chains a row. Every lane does
  * what `tile` does for its column on AVX2, in the same order, so the bits are the same. */
 static inline __attribute__((always_inline)) DOTS_FN void tile16_vnni(
@@ -403,7 +405,7 @@ static inline __attribute__((always_inline)) DOTS_FN void tile16v_vnni(
         __m512i w[8];
         for (int j = 0; j < 8; ++j)
             w[j] = codes16(p + 32 * j, p1 + 32 * j);
-        if (rows >= 3) { /* rows interleaved, as in tile16_vnni (2% on the head at 8-32 rows) */
+        if (rows >= 3) { /* rows interleaved, as in tile16_vnni (head, 8-32 rows: 2%, then 1-11% from six-row tiles) */
             __m512i hs[MRV];
             const int8_t *h = xq + b * QK;
             for (int r = 0; r < rows; ++r) hs[r] = _mm512_set1_epi32(-128 * xis[r * nb + b]);

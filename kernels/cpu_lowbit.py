@@ -48,6 +48,9 @@ HEADERS = tuple(Path(__file__).with_name(f) for f in ("kvg_cpu.h", "lowbit_dots.
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-fopenmp", "-std=c11")
 CPU_FLAGS = ("avx2", "fma", "f16c")
 BLOCK = 32  # activation and weight block: one scale per 32 values
+# the largest `fine` (int16) activation code: 127 * 256 + 127, so each is 256 h + l with both
+# h and l signed bytes (lowbit.c's FINE_LEVELS); int8 activations go to 127
+FINE_LEVELS = 32639
 PANELS_NEVER = 2**31 - 1  # a panel threshold no batch reaches (the C int's largest)
 TILE = 8  # output columns a kernel tile computes side by side
 
@@ -252,7 +255,7 @@ def w4a8(
 ) -> torch.Tensor:
     """`x [M, K] @ W.T` (fp32) for `n` output columns of 4-bit codes (`pack4`)
     with `w = d * q + m` per group (`tile_columns`). Activations in int8 per block of 32, or
-    `fine`: int16 (two `vpmaddubsw` dots, high and low bytes), and from `panel_rows()` rows
+    `fine`: int16 (two integer dots, high and low signed bytes), and from `panel_rows()` rows
     unquantised: fp32 FMAs over the weight dequantised sixteen columns at a time."""
     return _gemm("kvg_w4a8", x, n, codes, d, m, group, fine)
 
@@ -350,8 +353,9 @@ def quantize_rows(
     x: torch.Tensor, fine: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The kernels' activation quantisation: (codes [M, K], block scale [M, K/32], block
-    sum [M, K/32]) with `x ~ scale * code`; int8 codes, or `fine` int16 (the 4-bit kernels
-    hold each as a high and a low byte, `256 h + l`: recombined here)."""
+    sum [M, K/32]) with `x ~ scale * code`; int8 codes (up to 127), or `fine` int16 (up to
+    `FINE_LEVELS`; the 4-bit kernels hold each as two signed bytes, `256 h + l`: recombined
+    here)."""
     lib = library()
     assert lib is not None
     x = x.float().contiguous()

@@ -11,11 +11,13 @@
  * output column, a register eight columns side by side, so `vpmaddubsw` (codes 0..15 as the
  * unsigned operand) against four activation bytes broadcast to every lane gives each column's
  * partial dot in its own lane, and a block needs no horizontal reduction. The products stay in
- * int16 across a block (8 x 2 x 15 x 128 < 2^15). `fine` activations are split into a signed
- * high byte and an unsigned low byte, x = 256 h + l: the high bytes take the codes as the
- * unsigned operand, the low bytes are themselves the unsigned operand (codes as signed
- * 0..15), and 256 * dot(h) + dot(l) is the int16 dot exactly, so both activation precisions
- * give the same integers as a plain widening dot would.
+ * int16 across a block (8 x 2 x 15 x 128 < 2^15). `fine` activations (|x| <= 32639) are split
+ * into two signed bytes, x = 256 h + l with h and l in -128..127: both take the codes as the
+ * unsigned operand against the activation bytes as the signed one, exactly as int8 activations
+ * do, and 256 * dot(h) + dot(l) is the int16 dot exactly, so both activation precisions give
+ * the same integers as a plain widening dot would. (With an unsigned low byte, the low bytes'
+ * dots took them as the unsigned operand: a register broadcast a dot, where the signed operand
+ * is read from memory by the dot itself: see `lowbit_dots.h`.)
  *
  * Weight layout (built by kvguard/kernels/cpu_lowbit.py), tiles of eight output columns:
  *   4-bit: codes[tile][K/32][4][32]: block b's quarter j holds, in byte 4c+i, weight
@@ -135,27 +137,25 @@ static inline __m256i pack_i8(__m256i i0, __m256i i1, __m256i i2, __m256i i3) {
     return _mm256_permutevar8x32_epi32(w, order);
 }
 
-static inline __m256i pack_u8(__m256i i0, __m256i i1, __m256i i2, __m256i i3) {
-    /* as pack_i8, for values 0..255 */
-    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    const __m256i w = _mm256_packus_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
-    return _mm256_permutevar8x32_epi32(w, order);
-}
-
 /* How a row of activations is stored for the kernels. */
 enum { Q_INT8 = 0, Q_INT16 = 1, Q_HILO = 2 };
 
+/* The largest `fine` (int16) code: 127 * 256 + 127, so that every code is 256 h + l with h and
+ * l both signed bytes (`Q_HILO`). The 8-bit kernels' int16 codes take the same levels: one
+ * `fine` quantisation for both. */
+#define FINE_LEVELS 32639
+
 /* One row of K floats to blocks of 32: with e = amax/L and y = x * (L/amax), codes
- * p = round_half_even(y), L = 127 (`Q_INT8`: int8 in `q8`) or L = 32767, stored as int16 in
- * `q16` (`Q_INT16`, each block as elements 0-7,16-23 then 8-15,24-31: the order
- * `vpunpck[lh]bw` widens 8-bit codes to) or as bytes (`Q_HILO`: p = 256 h + l, signed h in
- * `q8`, unsigned l in `lo`). Per block: e, and es = e * sum(p) for the weights' mins, and
+ * p = round_half_even(y), L = 127 (`Q_INT8`: int8 in `q8`) or L = FINE_LEVELS, stored as int16
+ * in `q16` (`Q_INT16`, each block as elements 0-7,16-23 then 8-15,24-31: the order
+ * `vpunpck[lh]bw` widens 8-bit codes to) or as bytes (`Q_HILO`: p = 256 h + l, h in `q8` and
+ * l in `lo`, both signed). Per block: e, and es = e * sum(p) for the weights' mins, and
  * (`is`, where not NULL) sum(p) itself. */
 static void quantize_row(const float *x, int64_t K, int mode, int8_t *q8, int16_t *q16,
-                         uint8_t *lo, float *e, float *es, int32_t *is) {
+                         int8_t *lo, float *e, float *es, int32_t *is) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     const int rnd = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-    const float levels = mode == Q_INT8 ? 127.0f : 32767.0f;
+    const float levels = mode == Q_INT8 ? 127.0f : (float)FINE_LEVELS;
     for (int64_t b = 0; b < K / QK; ++b) {
         const float *xb = x + b * QK;
         __m256 v[4];
@@ -182,14 +182,14 @@ static void quantize_row(const float *x, int64_t K, int mode, int8_t *q8, int16_
             _mm256_storeu_si256((__m256i *)(q16 + b * QK), l);
             _mm256_storeu_si256((__m256i *)(q16 + b * QK + 16), h);
         } else if (mode == Q_HILO) {
-            const __m256i byte = _mm256_set1_epi32(0xff);
+            const __m256i half = _mm256_set1_epi32(128);
             __m256i h[4], l[4];
             for (int j = 0; j < 4; ++j) {
-                h[j] = _mm256_srai_epi32(i[j], 8); /* floor(p / 256): -128..127 */
-                l[j] = _mm256_and_si256(i[j], byte); /* p - 256 h: 0..255 */
+                h[j] = _mm256_srai_epi32(_mm256_add_epi32(i[j], half), 8); /* -127..127 */
+                l[j] = _mm256_sub_epi32(i[j], _mm256_slli_epi32(h[j], 8)); /* -128..127 */
             }
             _mm256_storeu_si256((__m256i *)(q8 + b * QK), pack_i8(h[0], h[1], h[2], h[3]));
-            _mm256_storeu_si256((__m256i *)(lo + b * QK), pack_u8(l[0], l[1], l[2], l[3]));
+            _mm256_storeu_si256((__m256i *)(lo + b * QK), pack_i8(l[0], l[1], l[2], l[3]));
         } else {
             _mm256_storeu_si256((__m256i *)(q8 + b * QK), pack_i8(i[0], i[1], i[2], i[3]));
         }
@@ -431,7 +431,7 @@ static int gemm(const int bits, const float *x, int64_t M, int64_t K, int64_t ld
         int t, T;
         team_place(&t, &T);
         char *mine = own ? ws + region * (size_t)t : ws;
-        uint8_t *lo = (uint8_t *)mine + M * K; /* Q_HILO: the low bytes after the high ones */
+        int8_t *lo = (int8_t *)mine + M * K; /* Q_HILO: the low bytes after the high ones */
         float *xe = (float *)(mine + qbytes), *xes = xe + M * nb;
         int32_t *xis = bits == BITS_8V ? (int32_t *)(xes + M * nb) : NULL;
         const int64_t r0 = own ? 0 : M * t / T, r1 = own ? M : M * (t + 1) / T;
@@ -474,8 +474,7 @@ int kvg_w8a8v(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *
  * when `fine`: 256 h + l of the 4-bit kernels' bytes), e and es [M][K/32] as the GEMMs use them. */
 int kvg_quantize_rows(const float *x, int64_t M, int64_t K, int64_t ldx, int fine, void *q,
                       float *e, float *es) {
-    int8_t *hi = malloc((size_t)K);
-    uint8_t *lo = malloc((size_t)K);
+    int8_t *hi = malloc((size_t)K), *lo = malloc((size_t)K);
     if (!hi || !lo) {
         free(hi);
         free(lo);

@@ -51,9 +51,9 @@ def gguf_like(fmt: str, out: int, cols: int, seed: int = 0) -> QuantSpec:
 
 
 def quantise_like_the_kernel(x: torch.Tensor, fine: bool = False) -> torch.Tensor:
-    """int8 (`fine`: int16) per block of 32, scale amax/127 (amax/32767), round half to even:
+    """int8 (`fine`: int16) per block of 32, scale amax/127 (amax/32639), round half to even:
     the dequantised activations."""
-    levels = 32767.0 if fine else 127.0
+    levels = float(cpu_lowbit.FINE_LEVELS) if fine else 127.0
     blocks = x.reshape(x.shape[0], -1, cpu_lowbit.BLOCK)
     amax = blocks.abs().amax(-1, keepdim=True)
     inv = torch.where(amax > 0, correctly_rounded(levels, amax), torch.zeros_like(amax))
@@ -100,7 +100,7 @@ def test_kernel_matches_references(fmt: str, out: int, fine: bool) -> None:
 def test_activation_quantisation_is_the_reference_one(fine: bool) -> None:
     x = torch.randn(7, 192) * torch.linspace(0.01, 100, 192)
     x[2, :32] = 0.0  # an all-zero block: scale 0, codes 0
-    levels = 32767 if fine else 127
+    levels = cpu_lowbit.FINE_LEVELS if fine else 127
     amax = x.reshape(7, -1, 32).abs().amax(-1)
     q, e, es = cpu_lowbit.quantize_rows(x, fine)
     assert q.dtype == (torch.int16 if fine else torch.int8)
@@ -109,6 +109,40 @@ def test_activation_quantisation_is_the_reference_one(fine: bool) -> None:
     deq = (q.float().reshape(7, -1, 32) * e.unsqueeze(-1)).reshape(7, 192)
     assert torch.equal(deq, quantise_like_the_kernel(x, fine))
     assert torch.allclose(es, e * q.float().reshape(7, -1, 32).sum(-1))
+
+
+def test_int16_codes_split_into_two_signed_bytes_at_every_edge() -> None:
+    """`fine` codes reach +-FINE_LEVELS and every low byte from -128 to 127 (the 4-bit kernels
+    hold a code as 256 h + l, both signed bytes): the codes are the ones asked for, and the
+    4-bit GEMM is the exact dot of those codes on every dot path (rows one, two and six: the
+    VNNI tile's two forms; the AVX2 copy's tiles where there is no VNNI or it is switched off)."""
+    top = cpu_lowbit.FINE_LEVELS
+    wanted = [
+        256 * h + lo for h in (-127, -64, -1, 0, 1, 64, 127) for lo in (-128, -127, -1, 0, 1, 127)
+    ]
+    wanted = [c for c in wanted if abs(c) <= top]
+    codes = torch.zeros(6, 256, dtype=torch.int64)
+    for r in range(6):  # each row from another place in the list, so each block holds others
+        codes[r] = torch.tensor((wanted * 8)[7 * r : 7 * r + 256])
+        codes[r, ::32] = top if r % 2 else -top  # each block's largest: amax 1, scale 1/top
+    x = codes.float() / top
+    q, e, _ = cpu_lowbit.quantize_rows(x, fine=True)
+    assert torch.equal(q.long(), codes) and torch.equal(e, torch.full_like(e, 1 / top))
+    spec = gguf_like("q4_1", 24, 256, seed=9)
+    layer = QuantizedLinear(spec)
+    assert layer.kernel == "w4a8" and layer.fine
+    want = x.double() @ weight_as_stored(spec).double().T
+    paths = [True, False] if cpu_lowbit.vnni() else [False]
+    try:
+        for on in paths:
+            cpu_lowbit.vnni(on)
+            for rows in (1, 2, 6):
+                assert rows < cpu_lowbit.panel_rows(bits=4)  # integer dots, not fp32 panels
+                got = layer(x[:rows])
+                assert rel(got.double(), want[:rows]) <= 1e-6, (on, rows)
+    finally:
+        if paths[0]:
+            cpu_lowbit.vnni(True)
 
 
 def test_threads_and_strides_do_not_change_the_result() -> None:

@@ -12,8 +12,8 @@ Kernels, picked per layer at construction (`QuantizedLinear.kernel`):
   (what OpenVINO and llama.cpp do on AVX2); fp32 out. int8 activations cost the default model
   1.8 points of teacher-forced top-1 agreement with fp32 (98.2%; bf16 activations: 99.2%), and
   no one kind of layer carried it (making any one kind exact left it at 97.2-98.4%), so the
-  projections quantise activations to int16 (`fine`: 100.0%; the 4-bit kernels split each
-  into a high and a low byte and take two `vpmaddubsw` dots, exact) and only the
+  projections quantise activations to int16 (`fine`, up to +-32639: 100.0%; the 4-bit kernels
+  split each into two signed bytes and take two integer dots, exact) and only the
   `approximate` lm_head, whose best candidates are recomputed exactly anyway, to int8.
   `cpu_activations: int8` (`use_int8_activations`) trades the other way: 1.6-2x faster
   GEMMs than int16 dots, 1.2-1.4x than the fp32 panels below (1.2x the batch-32 decode and

@@ -86,29 +86,33 @@ main() {
   "$PY" -c "import torch, triton, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 
   status=0
+  # Each test compiles its own kernel variants (about 40 and 50, 0.5-1 s each on one core): in
+  # parallel over the cores with pytest-xdist, which the device image has.
+  local par=()
+  "$PY" -c "import xdist" 2>/dev/null && par=(-n 8)
   echo "== Triton kernel tests on CUDA"
-  KVGUARD_TEST_DEVICE=cuda timeout "$(left 60)" "$PY" -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py || status=1
+  KVGUARD_TEST_DEVICE=cuda timeout -k 10 "$(left 60)" "$PY" -m pytest -q -p no:cacheprovider "${par[@]}" tests/test_triton_kernels.py || status=1
 
   echo "== end to end: kvguard vs transformers on random-weight models (issue 18)"
-  timeout "$(left 220)" "$PY" bench/gpu_e2e.py --json "$OUT_DIR/gpu_e2e.json" || status=1
+  timeout -k 10 "$(left 220)" "$PY" bench/gpu_e2e.py --json "$OUT_DIR/gpu_e2e.json" || status=1
 
   echo "== kernel benchmark"
-  timeout "$(left 80)" "$PY" bench/gpu_kernels.py --skip-e2e --json "$OUT_DIR/gpu_kernels.json" || status=1
+  timeout -k 10 "$(left 80)" "$PY" bench/gpu_kernels.py --skip-e2e --json "$OUT_DIR/gpu_kernels.json" || status=1
 
   # tensor parallel over NCCL, one GPU per rank: the tiny model (written locally, nothing to
   # download) at tp=1 and tp=2, same tokens required. Runs only where two GPUs are visible.
   ngpu=$("$PY" -c "import torch; print(torch.cuda.device_count())")
   if ((ngpu >= 2)); then
     echo "== tensor parallel 2 on CUDA (NCCL)"
-    timeout "$(left 120)" "$PY" bench/tensor_parallel.py --quick --device cuda --pairs tiny:2 \
+    timeout -k 10 "$(left 120)" "$PY" bench/tensor_parallel.py --quick --device cuda --pairs tiny:2 \
       --json "$OUT_DIR/tensor_parallel.json" || status=1
   else
     echo "== tensor parallel: not run, $ngpu GPU visible (needs 2)"
   fi
 
   echo "== W4A16 GEMM: tests on CUDA, then Llama-2-7B layer shapes vs fp16 torch.matmul"
-  KVGUARD_TEST_DEVICE=cuda timeout "$(left 45)" "$PY" -m pytest -q -p no:cacheprovider tests/test_triton_w4a16.py || status=1
-  timeout "$(left 55)" "$PY" bench/gpu_w4a16.py --json "$OUT_DIR/gpu_w4a16.json" || status=1
+  KVGUARD_TEST_DEVICE=cuda timeout -k 10 "$(left 45)" "$PY" -m pytest -q -p no:cacheprovider "${par[@]}" tests/test_triton_w4a16.py || status=1
+  timeout -k 10 "$(left 55)" "$PY" bench/gpu_w4a16.py --json "$OUT_DIR/gpu_w4a16.json" || status=1
   echo "== gpu_check done in ${SECONDS}s, status $status"
   exit $status
 }

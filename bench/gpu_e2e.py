@@ -308,10 +308,17 @@ def graphs_exact(run: Run) -> dict[str, Any]:
     params = [SamplingParams(max_tokens=48 - 8 * i, ignore_eos=True) for i in range(5)]
     for flag in ("0", "1"):
         os.environ[model_runner.CUDA_GRAPHS_ENV] = flag
-        cfg = EngineConfig(model="tiny", device=run.device.type, dtype="fp32", max_num_seqs=8)
+        # a fixed pool: sized from gpu_memory_utilization, one engine would take the share and
+        # leave the next none while the first is still referenced
+        cfg = EngineConfig(
+            model="tiny", device=run.device.type, dtype="fp32", max_num_seqs=8,
+            max_model_len=512, num_gpu_blocks=pool_blocks(8, 512),
+        )  # fmt: skip
         eng = LLMEngine.from_config(cfg, progress=False)
         outs[flag] = [o.token_ids for o in eng.generate(prompts, params)]
         captures += eng.runner.graphs.captures if eng.runner.graphs is not None else 0
+        del eng
+        run.free()
     os.environ.pop(model_runner.CUDA_GRAPHS_ENV, None)
     return {"same_tokens": outs["0"] == outs["1"], "captures": captures}
 
@@ -567,10 +574,11 @@ def main() -> int:
     for shape in run.shapes:
         decode = lambda s=shape: section_decode(s, run, copy_bw)  # noqa: E731
         run_section(result, f"decode/{shape}", decode, args.json)
+    # CUDA graphs before the rest: never run on a GPU yet, and its verdict decides a default
+    run_section(result, "cuda_graphs", lambda: section_cuda_graphs(run), args.json)
     run_section(result, "oom", lambda: section_oom(run), args.json)
     run_section(result, "pool_sizing", lambda: section_pool_sizing(run), args.json)
     run_section(result, "fp8_switch", lambda: section_fp8(run), args.json)
-    run_section(result, "cuda_graphs", lambda: section_cuda_graphs(run), args.json)
     print()
     for line in goals(result):
         print(line)

@@ -291,7 +291,10 @@ class ModelRunner:
         pools = {"device": kv.device_pool, "host": kv.host_pool}
         if self.graphs is not None:
             self.graphs.invalidate()  # they write the old pool's addresses
-        return max(kv.convert(pools[t], dtype, n, moves) for t, (n, moves) in tiers.items())
+        extra = max(kv.convert(pools[t], dtype, n, moves) for t, (n, moves) in tiers.items())
+        if self.device.type == "cuda":  # the copies are queued: done (or failed) before the
+            torch.cuda.synchronize(self.device)  # engine resumes and the pause is clocked
+        return extra
 
     def can_convert(self, dtype: str, new_n: int) -> bool:
         """Whether every rank has room for the switch's transient extra (one layer of the new
@@ -361,14 +364,20 @@ def profile_step(
     device: torch.device,
     max_len: int,
 ) -> int:
-    """One maximal step on a throwaway pool: a prefill chunk of `max_num_batched_tokens` (one
-    sequence: its attention is the largest temporary) and logits for `max_num_seqs` rows.
-    Returns the throwaway pool's bytes."""
-    tokens = max(1, min(config.max_num_batched_tokens, max_len))
-    nblocks = -(-tokens // config.block_size)
-    scratch = KVCache(cfg, nblocks, config.block_size, kv_dtype, device)
+    """One maximal step on a throwaway pool: `max_num_batched_tokens` prompt tokens in as few
+    sequences as `max_len` allows (one long prompt's attention is the largest temporary, and
+    every projection's activations grow with the step's tokens, however many sequences hold
+    them) and logits for `max_num_seqs` rows. Returns the throwaway pool's bytes."""
+    tokens = max(1, config.max_num_batched_tokens)
+    lens = [max_len] * (tokens // max_len) + ([tokens % max_len] if tokens % max_len else [])
+    tables, first = [], 0
+    for n in lens:
+        blocks = -(-n // config.block_size)
+        tables.append(list(range(first, first + blocks)))
+        first += blocks
+    scratch = KVCache(cfg, first, config.block_size, kv_dtype, device)
     step = build_step(
-        [list(range(nblocks))], [0], [tokens], [True], [0] * tokens, config.block_size, device
+        tables, [0] * len(lens), lens, [True] * len(lens), [0] * tokens, config.block_size, device
     )
     # A later pipeline stage's input is the previous stage's hidden states: zeros do here (the
     # peak depends on shapes, and each stage profiles alone, with no transfer between stages).

@@ -167,7 +167,9 @@ def _merge_kernel(
     )
     m_max = tl.max(m, axis=0)
     w = tl.where(lsum > 0, lsum * tl.exp2(m - m_max), 0.0)
-    res = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)
+    # a row with no tokens (a CUDA-graph padding row) has no weight anywhere: 0, not 0/0; a
+    # live row's weights sum to at least 1 (its largest split's own maximum counts exp2(0))
+    res = tl.sum(o * w[:, None], axis=0) / tl.maximum(tl.sum(w, axis=0), 1e-30)
     dst = out_ptr + b * stride_ob + h * stride_oh + d
     tl.store(dst, res.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 

@@ -63,7 +63,9 @@ def _write_kernel(
     dst = dst + h[:, None] * stride_ch + d[None, :]
     if IS_FP8:
         s = tl.load(scales_ptr + blk * HEADS + h, mask=h_ok, other=1.0)
-        q = x.to(tl.float32) / s[:, None]
+        # correctly rounded, as torch divides: a compiled `/` may be off by an ulp or two,
+        # which moves a quotient at an e4m3 rounding boundary to the next code
+        q = tl.math.div_rn(x.to(tl.float32), s[:, None])
         q = tl.minimum(tl.maximum(q, -FP8_LIMIT), FP8_LIMIT)
         tl.store(dst, q.to(cache_ptr.dtype.element_ty), mask=ok)
     else:

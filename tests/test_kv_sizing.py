@@ -50,5 +50,14 @@ def test_the_profiling_step_runs_on_its_own_pool() -> None:
     assert pool == 19 * bytes_per_block(eng.model_config, 16, "fp32")  # 300 tokens: 19 blocks
     after = [t for layer in eng.kv_cache.layers for t in layer[:2]]
     assert all(torch.equal(a, b) for a, b in zip(real_pool, after, strict=True))
+    # a step's tokens beyond max_model_len are more sequences, as the scheduler would batch
+    # them: 300 tokens of at most 128 are 128 + 128 + 44 (8 + 8 + 3 blocks), of at most 100
+    # three of 100 (7 blocks each)
+    assert profile_step(eng.model, eng.model_config, config, "fp32", cpu, 128) == 19 * (
+        bytes_per_block(eng.model_config, 16, "fp32")
+    )
+    assert profile_step(eng.model, eng.model_config, config, "fp32", cpu, 100) == 21 * (
+        bytes_per_block(eng.model_config, 16, "fp32")
+    )
     # no memory statistics off CUDA: the CPU budget is kv_cache_bytes, nothing to profile
     assert activation_peak(eng.model, eng.model_config, config, "fp32", cpu, 64) == 0

@@ -131,6 +131,27 @@ def test_decode_matches_torch_path(kv: str, case: int) -> None:
         torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
 
 
+def test_padding_rows_of_no_tokens_come_out_zero() -> None:
+    """A CUDA-graph replay pads the batch with rows of no tokens: with the context cut into
+    several pieces (a graph's pieces follow its longest possible context) their outputs are
+    0, never the 0/0 of an empty softmax, and the live rows are what they are alone."""
+    lens, bs, nh, hkv, d = [21, 7], 8, 4, 2, 16
+    nb = 8
+    cache, tables = fill(lens, nb, bs, hkv, d, "fp32", seed=11)
+    pad = torch.zeros(2, tables.shape[1], dtype=tables.dtype, device=DEVICE)
+    q = torch.randn(4, nh, d, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    # 512: a context bound long enough for four pieces of the tile (the graph's bound)
+    alone = ta.paged_decode(
+        q[:2], *cache[:2], tables, torch.tensor(lens), 512, d**-0.5, num_splits=4
+    )
+    got = ta.paged_decode(
+        q, *cache[:2], torch.cat([tables, pad]), torch.tensor(lens + [0, 0]), 512, d**-0.5,
+        num_splits=4,
+    )  # fmt: skip
+    assert torch.equal(got[2:], torch.zeros_like(got[2:]))
+    torch.testing.assert_close(got[:2], alone, atol=0, rtol=0)
+
+
 def test_decode_rows_in_mixed_batch() -> None:
     """Decode rows among prefill rows: `decode_rows` fills exactly the decode positions."""
     lens, bs, nh, hkv, d = [9, 20, 6], 4, 4, 2, 16

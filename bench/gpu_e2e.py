@@ -273,14 +273,15 @@ def _hf_continuous(hf: Any, trace: list, run: Run, blocks: int, want: int) -> fl
     """transformers' continuous batching with kvguard's page count, page size and limits (set
     up as bench/throughput.py does, warmed up on the trace's first requests), where this
     transformers has it."""
-    from bench.throughput import _cb_serve, check_lengths, greedy_config
+    from bench.throughput import _cb_serve, cb_config, check_lengths, greedy_config
 
     try:
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
     except ImportError as e:
         return f"not in this transformers: {e}"
-    cb = ContinuousBatchingConfig(
-        page_size=16,
+    cb = cb_config(
+        ContinuousBatchingConfig,
+        16,
         num_blocks=blocks,
         max_batch_tokens=2048,
         max_requests_per_batch=max(run.batches),

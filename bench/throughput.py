@@ -195,6 +195,21 @@ def static_contender(model: Any, batch_size: int, pad_id: int, num_requests: int
     return Contender(f"transformers generate, static {batch_size}", warm_then_time(serve), note)
 
 
+def cb_config(config_cls: Any, page: int, **limits: Any) -> Any:
+    """transformers' `ContinuousBatchingConfig` with KV pages of `page` tokens: the field is
+    `page_size` in recent releases and `block_size` in earlier 5.x ones (5.17, the GPU
+    device's), so the one this transformers has is set."""
+    import dataclasses
+
+    names = {f.name for f in dataclasses.fields(config_cls)}
+    key = "page_size" if "page_size" in names else "block_size"
+    return config_cls(**{key: page}, **limits)
+
+
+def cb_page(cb: Any) -> int:
+    return getattr(cb, "page_size", None) or cb.block_size
+
+
 def continuous_contender(model: Any, limits: Limits, pad_id: int) -> Contender:
     """transformers' own continuous batching with kvguard's KV bytes, page size and limits."""
     name = "transformers continuous batching"
@@ -205,8 +220,9 @@ def continuous_contender(model: Any, limits: Limits, pad_id: int) -> Contender:
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     bytes_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 4
-    cb = ContinuousBatchingConfig(
-        page_size=limits.block_size,
+    cb = cb_config(
+        ContinuousBatchingConfig,
+        limits.block_size,
         num_blocks=limits.kv_cache_bytes // (bytes_per_token * limits.block_size),
         max_batch_tokens=limits.max_batched_tokens,
         max_requests_per_batch=limits.max_num_seqs,
@@ -221,7 +237,7 @@ def continuous_contender(model: Any, limits: Limits, pad_id: int) -> Contender:
         ) as manager:
             return warm_then_time(lambda reqs: _cb_serve(manager, reqs))(trace)
 
-    return Contender(name, measure, f"{cb.num_blocks} pages x {cb.page_size}, same KV bytes")
+    return Contender(name, measure, f"{cb.num_blocks} pages x {cb_page(cb)}, same KV bytes")
 
 
 def _unavailable(trace: Sequence[TraceRequest]) -> tuple[float, Outputs]:

@@ -21,3 +21,25 @@ def test_the_overload_script_reads_what_is_passed_on() -> None:
     args = parse_args(["--burst-rps", "8", "--only", "kvguard"])
     assert args.burst_rps == 8.0 and args.only == ["kvguard"]
     assert parse_args([]).burst_rps is None  # the trace's own rate
+
+
+def test_the_transformers_peer_config_takes_either_page_field() -> None:
+    """transformers renamed ContinuousBatchingConfig's `block_size` to `page_size` after 5.17
+    (the GPU device's release): the peer sets whichever field this transformers has."""
+    from dataclasses import dataclass
+
+    from bench.throughput import cb_config, cb_page
+
+    @dataclass
+    class Older:
+        block_size: int = 256
+        num_blocks: int | None = None
+
+    @dataclass
+    class Newer:
+        page_size: int = 256
+        num_blocks: int | None = None
+
+    old, new = cb_config(Older, 16, num_blocks=9), cb_config(Newer, 16, num_blocks=9)
+    assert (old.block_size, old.num_blocks, cb_page(old)) == (16, 9, 16)
+    assert (new.page_size, new.num_blocks, cb_page(new)) == (16, 9, 16)

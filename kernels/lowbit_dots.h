@@ -23,16 +23,19 @@
  * lane by the dot itself (`vpdpbusd` with an {1toN} memory operand). GCC (12) keeps a separate
  * `vpbroadcastd` before each dot written as intrinsics; reading the word in the dot measured
  * 6-11% more GMAC/s on SmolLM2's 4-bit projections (Zen 4, 2 threads, 32 and 256 rows, same
- * bits) and, with the low bytes signed too (lowbit.c), 12-14% with int16 activations. */
+ * bits) and, with the low bytes signed too (lowbit.c), 12-14% with int16 activations. The
+ * word is read as a may_alias int32 (the activations are stored as bytes). */
+typedef int32_t __attribute__((may_alias)) kvg_word;
+
 static inline __attribute__((always_inline)) DOTS_FN __m512i dot_bcast16(__m512i acc, __m512i u,
                                                                          const void *p) {
-    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*(const int32_t *)p));
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*(const kvg_word *)p));
     return acc;
 }
 
 static inline __attribute__((always_inline)) DOTS_FN __m256i dot_bcast8(__m256i acc, __m256i u,
                                                                         const void *p) {
-    __asm__("vpdpbusd %2%{1to8%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*(const int32_t *)p));
+    __asm__("vpdpbusd %2%{1to8%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*(const kvg_word *)p));
     return acc;
 }
 #endif

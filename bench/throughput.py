@@ -206,10 +206,6 @@ def cb_config(config_cls: Any, page: int, **limits: Any) -> Any:
     return config_cls(**{key: page}, **limits)
 
 
-def cb_page(cb: Any) -> int:
-    return getattr(cb, "page_size", None) or cb.block_size
-
-
 def continuous_contender(model: Any, limits: Limits, pad_id: int) -> Contender:
     """transformers' own continuous batching with kvguard's KV bytes, page size and limits."""
     name = "transformers continuous batching"
@@ -237,7 +233,7 @@ def continuous_contender(model: Any, limits: Limits, pad_id: int) -> Contender:
         ) as manager:
             return warm_then_time(lambda reqs: _cb_serve(manager, reqs))(trace)
 
-    return Contender(name, measure, f"{cb.num_blocks} pages x {cb_page(cb)}, same KV bytes")
+    return Contender(name, measure, f"{cb.num_blocks} pages x {limits.block_size}, same KV bytes")
 
 
 def _unavailable(trace: Sequence[TraceRequest]) -> tuple[float, Outputs]:

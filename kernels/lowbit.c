@@ -15,9 +15,8 @@
  * into two signed bytes, x = 256 h + l with h and l in -128..127: both take the codes as the
  * unsigned operand against the activation bytes as the signed one, exactly as int8 activations
  * do, and 256 * dot(h) + dot(l) is the int16 dot exactly, so both activation precisions give
- * the same integers as a plain widening dot would. (With an unsigned low byte, the low bytes'
- * dots took them as the unsigned operand: a register broadcast a dot, where the signed operand
- * is read from memory by the dot itself: see `lowbit_dots.h`.)
+ * the same integers as a plain widening dot would. (The signed operand is the one a VNNI dot
+ * can read from memory itself: see `dot_bcast16` in `lowbit_dots.h`.)
  *
  * Weight layout (built by kvguard/kernels/cpu_lowbit.py), tiles of eight output columns:
  *   4-bit: codes[tile][K/32][4][32]: block b's quarter j holds, in byte 4c+i, weight

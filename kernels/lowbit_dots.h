@@ -243,6 +243,29 @@ static inline __attribute__((always_inline)) DOTS_FN void store16(const int rows
     for (int r = 0; r < rows; ++r) _mm512_mask_storeu_ps(out + r * ldo, mask, _mm512_add_ps(acc[r], corr[r]));
 }
 
+/* A block's eight dots (codes w[0..7] against the eight activation words at p) added to acc,
+ * in two chains joined at the end: a row or two alone would otherwise wait on one chain of
+ * eight latencies. */
+static inline __attribute__((always_inline)) DOTS_FN __m512i dots_block(__m512i acc,
+                                                                        const __m512i *w,
+                                                                        const int8_t *p) {
+    __m512i odd = _mm512_setzero_si512();
+    for (int q = 0; q < 8; q += 2) {
+        acc = dot_bcast16(acc, w[q], p + 4 * q);
+        odd = dot_bcast16(odd, w[q + 1], p + 4 * q + 4);
+    }
+    return _mm512_add_epi32(acc, odd);
+}
+
+/* The same for `rows` rows at once (row r's words at p + r K) into hs[r], one chain a row,
+ * the rows' dots interleaved: a code register feeds every row in turn. */
+static inline __attribute__((always_inline)) DOTS_FN void dots_block_rows(__m512i *hs,
+    const int rows, const __m512i *w, const int8_t *p, int64_t K) {
+    for (int q = 0; q < 8; ++q)
+        for (int r = 0; r < rows; ++r)
+            hs[r] = dot_bcast16(hs[r], w[q], p + r * K + 4 * q);
+}
+
 /* 4-bit, the VNNI copy's tile: two neighbouring tiles (sixteen columns; tile t's codes at wc,
  * t+1's at wc + tile_bytes, their scales at wd/wm and wd1/wm1) in 512-bit registers, or one
  * tile twice (tile_bytes 0, the same scales, `valid` <= 8) where a thread's last tile has no
@@ -292,37 +315,19 @@ static inline __attribute__((always_inline)) DOTS_FN void tile16_vnni(
         }
         if (rows >= 3) {
             __m512i hs[MRV];
-            const int8_t *h = xh + b * QK;
             for (int r = 0; r < rows; ++r) hs[r] = _mm512_setzero_si512();
-            for (int q = 0; q < 8; ++q)
-                for (int r = 0; r < rows; ++r)
-                    hs[r] = dot_bcast16(hs[r], w[q], h + r * K + 4 * q);
+            dots_block_rows(hs, rows, w, xh + b * QK, K);
             if (fine) {
-                const int8_t *l = xl + b * QK;
                 for (int r = 0; r < rows; ++r) hs[r] = _mm512_slli_epi32(hs[r], 8);
-                for (int q = 0; q < 8; ++q)
-                    for (int r = 0; r < rows; ++r)
-                        hs[r] = dot_bcast16(hs[r], w[q], l + r * K + 4 * q);
+                dots_block_rows(hs, rows, w, xl + b * QK, K);
             }
             for (int r = 0; r < rows; ++r)
                 scale16(hs[r], dv, mv, has_m, xe[r * nb + b], xes[r * nb + b], acc + r, corr + r);
         } else for (int r = 0; r < rows; ++r) {
-            const int8_t *h = xh + r * K + b * QK;
-            __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-            for (int q = 0; q < 8; q += 2) {
-                s0 = dot_bcast16(s0, w[q], h + 4 * q);
-                s1 = dot_bcast16(s1, w[q + 1], h + 4 * q + 4);
-            }
-            __m512i s = _mm512_add_epi32(s0, s1);
-            if (fine) {
-                const int8_t *l = xl + r * K + b * QK;
-                __m512i l0 = _mm512_setzero_si512(), l1 = _mm512_setzero_si512();
-                for (int q = 0; q < 8; q += 2) {
-                    l0 = dot_bcast16(l0, w[q], l + 4 * q);
-                    l1 = dot_bcast16(l1, w[q + 1], l + 4 * q + 4);
-                }
-                s = _mm512_add_epi32(_mm512_slli_epi32(s, 8), _mm512_add_epi32(l0, l1));
-            }
+            const __m512i zero = _mm512_setzero_si512();
+            __m512i s = dots_block(zero, w, xh + r * K + b * QK);
+            if (fine)
+                s = _mm512_add_epi32(_mm512_slli_epi32(s, 8), dots_block(zero, w, xl + r * K + b * QK));
             scale16(s, dv, mv, has_m, xe[r * nb + b], xes[r * nb + b], acc + r, corr + r);
         }
         if (++k == bpg) {
@@ -425,21 +430,12 @@ static inline __attribute__((always_inline)) DOTS_FN void tile16v_vnni(
             w[j] = codes16(p + 32 * j, p1 + 32 * j);
         if (rows >= 3) { /* rows interleaved, as in tile16_vnni (head, 8-32 rows: 2%, then 1-11% from six-row tiles) */
             __m512i hs[MRV];
-            const int8_t *h = xq + b * QK;
             for (int r = 0; r < rows; ++r) hs[r] = _mm512_set1_epi32(-128 * xis[r * nb + b]);
-            for (int j = 0; j < 8; ++j)
-                for (int r = 0; r < rows; ++r)
-                    hs[r] = dot_bcast16(hs[r], w[j], h + r * K + 4 * j);
+            dots_block_rows(hs, rows, w, xq + b * QK, K);
             for (int r = 0; r < rows; ++r)
                 scale16(hs[r], dv, mv, has_m, xe[r * nb + b], xes[r * nb + b], acc + r, corr + r);
         } else for (int r = 0; r < rows; ++r) {
-            const int8_t *h = xq + r * K + b * QK;
-            __m512i s0 = _mm512_set1_epi32(-128 * xis[r * nb + b]), s1 = _mm512_setzero_si512();
-            for (int j = 0; j < 8; j += 2) {
-                s0 = dot_bcast16(s0, w[j], h + 4 * j);
-                s1 = dot_bcast16(s1, w[j + 1], h + 4 * j + 4);
-            }
-            const __m512i s = _mm512_add_epi32(s0, s1);
+            const __m512i s = dots_block(_mm512_set1_epi32(-128 * xis[r * nb + b]), w, xq + r * K + b * QK);
             scale16(s, dv, mv, has_m, xe[r * nb + b], xes[r * nb + b], acc + r, corr + r);
         }
         if (++k == bpg) {

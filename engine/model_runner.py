@@ -35,6 +35,7 @@ from kvguard.engine.model_config import ModelConfig
 from kvguard.engine.sampler import sample
 from kvguard.engine.sequence import Sequence
 from kvguard.kernels.dispatch import use_triton
+from kvguard.kernels.paged_attention import decode_workspace_bytes
 
 log = logging.getLogger("kvguard.engine")
 CUDA_GRAPHS_ENV = "KVGUARD_CUDA_GRAPHS"  # "1" / "0" overrides the cuda_graphs knob (benchmarks)
@@ -192,8 +193,7 @@ class ModelRunner:
         kv_dtype = kv_dtype_name(config.kv_cache_dtype, dtype)
         num_blocks = config.num_gpu_blocks
         if not num_blocks:
-            peak = activation_peak(model, local, config, kv_dtype, device, max_len)
-            num_blocks = num_kv_blocks(config, local, kv_dtype, device, peak)
+            num_blocks = profiled_num_blocks(model, local, config, kv_dtype, device, max_len)
         num_blocks = agree_min(stage.world, num_blocks)
         host_blocks = 0
         if config.enable_cpu_offload:
@@ -403,12 +403,66 @@ def activation_peak(
     Every tensor-parallel rank runs it (its forward has collectives)."""
     if device.type != "cuda":
         return 0
+    # Reserved, not allocated, bytes: the caching allocator keeps what a step's tensors left
+    # in pieces too small to reuse, and that is memory the pool cannot have. The cache is
+    # emptied first so the base holds no free blocks the step could reuse unseen.
     torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
-    base = torch.cuda.memory_allocated(device)
+    base = torch.cuda.memory_reserved(device)
     pool = profile_step(model, cfg, config, kv_dtype, device, max_len)
     torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) - base - pool
+    peak = torch.cuda.max_memory_reserved(device) - base - pool
     torch.cuda.empty_cache()
     log.info("one maximal step peaks at %.1f MiB of activations", peak / 2**20)
     return peak
+
+
+def torch_decode_reserve(
+    cfg: ModelConfig,
+    config: EngineConfig,
+    kv_dtype: str,
+    device: torch.device,
+    max_len: int,
+    dtype: torch.dtype,
+) -> int:
+    """What the torch decode path's workspace can grow to (`decode_workspace_bytes`) on a
+    CUDA device where it serves instead of the Triton kernel (`KVGUARD_TRITON=0`, or an fp8
+    cache on a GPU older than compute capability 8.9): `max_num_seqs` sequences of `max_len`
+    tokens, for the KV dtype now and for fp8, which a live switch may bring. 0 elsewhere."""
+    if device.type != "cuda":
+        return 0
+    need = 0
+    for name in {kv_dtype, "fp8_e4m3"}:
+        cache = KV_TORCH_DTYPES[name]
+        if not use_triton(device, cache):
+            need = max(
+                need,
+                decode_workspace_bytes(
+                    config.max_num_seqs,
+                    max_len,
+                    config.block_size,
+                    cfg.num_heads,
+                    cfg.num_kv_heads,
+                    cfg.head_dim,
+                    cache,
+                    dtype,
+                ),
+            )
+    return need
+
+
+def profiled_num_blocks(
+    model: LlamaForCausalLM,
+    cfg: ModelConfig,
+    config: EngineConfig,
+    kv_dtype: str,
+    device: torch.device,
+    max_len: int,
+) -> int:
+    """`num_kv_blocks` with the activations of one maximal step measured (`activation_peak`)
+    and the torch decode workspace added where that path serves (`torch_decode_reserve`)."""
+    dtype = next(model.parameters()).dtype
+    reserve = activation_peak(model, cfg, config, kv_dtype, device, max_len)
+    reserve += torch_decode_reserve(cfg, config, kv_dtype, device, max_len, dtype)
+    return num_kv_blocks(config, cfg, kv_dtype, device, reserve)

@@ -31,11 +31,10 @@ from kvguard.engine.model import LlamaForCausalLM, _materialise
 from kvguard.engine.model_config import ModelConfig
 from kvguard.engine.model_runner import (
     ModelRunner,
-    activation_peak,
     cuda_graphs_wanted,
-    num_kv_blocks,
     pick_device,
     pick_dtype,
+    profiled_num_blocks,
 )
 from kvguard.engine.tiny_model import tiny_config, tiny_tokenizer_spec
 from kvguard.engine.tokenizer import Tokenizer
@@ -175,8 +174,7 @@ def _kv_cache(
     device = next(model.parameters()).device
     n = config.num_gpu_blocks
     if not n:
-        peak = activation_peak(model, mcfg, config, kv_dtype, device, max_len)
-        n = num_kv_blocks(config, mcfg, kv_dtype, device, peak)
+        n = profiled_num_blocks(model, mcfg, config, kv_dtype, device, max_len)
     host = 0
     if config.enable_cpu_offload:
         host = int(n * config.cpu_cache_ratio / (1.0 - config.cpu_cache_ratio))

@@ -215,6 +215,30 @@ def _decode(
     out.index_copy_(0, qpos, o.reshape(g, nh, d).to(out.dtype))
 
 
+def decode_workspace_bytes(
+    rows: int,
+    max_len: int,
+    block_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    cache_dtype: torch.dtype,
+    dtype: torch.dtype,
+) -> int:
+    """The most memory `_decode` holds for `rows` sequences of up to `max_len` tokens: its
+    persistent gathered K and V (plus their dequantised copies from an fp8 cache), and the
+    transients of one call (a cast to the compute `dtype`, the length mask, fp32 scores).
+    A maximal prefill never allocates these, so pool sizing adds them where this path serves."""
+    tokens = rows * -(-max_len // block_size) * block_size
+    elems = tokens * num_kv_heads * head_dim
+    cache_bytes = torch.tensor([], dtype=cache_dtype).element_size()
+    compute_bytes = torch.tensor([], dtype=dtype).element_size()
+    held = 2 * elems * cache_bytes
+    if cache_dtype == FP8_DTYPE or cache_dtype != dtype:
+        held += 2 * elems * compute_bytes
+    return held + tokens * (1 + 4 * num_heads)  # mask rows x len; scores rows x heads x len
+
+
 def _decode_native(
     q: torch.Tensor,
     out: torch.Tensor,

@@ -152,6 +152,9 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.kvg_write_kv.argtypes = [_PTR, _PTR, _INT, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64]
     lib.kvg_write_kv.restype = ctypes.c_int
     lib.kvg_decode_layer.argtypes = [_PTR] * 9
+    lib.kvg_refine8v.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64]
+    lib.kvg_refine8v.argtypes += [_PTR, _PTR, _PTR, _I64, _INT]
+    lib.kvg_refine8v.restype = None
     lib.kvg_decode_layer.restype = ctypes.c_int
     return lib
 
@@ -287,6 +290,37 @@ def w8a8v(
     column's dot in its own lane, no horizontal sums; the same bits as `w8a8` (not `fine`) on
     the same weights."""
     return _gemm("kvg_w8a8v", x, n, codes, d, m, group, False)
+
+
+def refine8v(
+    logits: torch.Tensor,
+    hidden: torch.Tensor,
+    ids: torch.Tensor,
+    codes: torch.Tensor,
+    d: torch.Tensor,
+    m: torch.Tensor | None,
+    group: int,
+) -> torch.Tensor:
+    """`logits[r, ids[r]] = hidden[r] @ W[ids[r]].T` in fp32, in place, W the exact weight of
+    vertical 8-bit codes (`pack8v`, `w = d (q - 128) + m` per group): the refined lm_head's
+    recomputation of its best candidates, without dequantising them to a tensor first.
+    `logits` fp32 `[M, N]` with unit stride along its rows, `hidden` `[M, K]`, `ids` int64
+    `[M, k]` (column ids below N, rows of `codes`' tiles)."""
+    lib = library()
+    assert lib is not None, "cpu_lowbit.library() is None: check available() first"
+    rows, k = ids.shape
+    hidden, ids = hidden.float(), ids.contiguous()
+    if hidden.stride(1) != 1:
+        hidden = hidden.contiguous()
+    assert logits.dtype == torch.float32 and logits.stride(1) == 1 and ids.dtype == torch.int64
+    assert hidden.shape[0] == logits.shape[0] == rows and hidden.shape[1] == codes.shape[1] * BLOCK
+    if rows and k:
+        lib.kvg_refine8v(
+            logits.data_ptr(), rows, logits.stride(0), hidden.data_ptr(), hidden.shape[1],
+            hidden.stride(0), ids.data_ptr(), k, codes.data_ptr(), d.data_ptr(),
+            None if m is None else m.data_ptr(), group // BLOCK, torch.get_num_threads(),
+        )  # fmt: skip
+    return logits
 
 
 def pack8v(q: torch.Tensor) -> torch.Tensor:

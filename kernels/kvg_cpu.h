@@ -11,6 +11,9 @@ int kvg_w4a8(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *c
 int kvg_w8a8(const float *x, int64_t M, int64_t K, int64_t ldx, const int8_t *codes,
              const uint16_t *d, const uint16_t *m, int64_t N, int64_t bpg, float *out,
              int64_t ldo, int threads, int fine);
+void kvg_refine8v(float *logits, int64_t M, int64_t ldl, const float *h, int64_t K, int64_t ldh,
+                  const int64_t *idx, int64_t k, const uint8_t *codes, const uint16_t *d,
+                  const uint16_t *m, int64_t bpg, int threads);
 int kvg_paged_decode(const float *q, int64_t ldq, float *out, const int64_t *rows,
                      const int32_t *lens, int64_t B, const void *k, const void *v,
                      const float *ks, const float *vs, int type, int64_t bs, int64_t hkv,

@@ -35,6 +35,7 @@ from kvguard.engine.layers.quantized_linear import (
 from kvguard.engine.model import weight_bytes
 from kvguard.engine.model_registry import resolve_model
 from kvguard.engine.weights import load_weights
+from kvguard.kernels import cpu_lowbit
 from tests.test_fp8_quality import TOPICS
 
 Q = gguf.GGMLQuantizationType
@@ -188,6 +189,47 @@ def test_a_c_kernel_head_holds_the_tied_vocabulary_once(kernel: str) -> None:
     top = want.topk(4).indices
     assert (got.gather(1, top) - want.gather(1, top)).abs().max().item() <= 1e-4
     assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_the_c_refinement_dots_the_exact_rows_where_they_lie(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The vertical 8-bit head refines its candidates in C from its own codes: the same
+    logits (to fp32 rounding) as dequantising those rows and taking their dots in torch, at
+    every column of a last, partly filled tile, with mins and two blocks a group."""
+    spec = random_spec(100, 256, 64, 8, seed=3)
+    spec.scales = spec.scales.half().float()
+    emb = QuantizedEmbedding(spec, torch.float32)
+    head = QuantizedLMHead(
+        QuantizedLinear(spec, approximate=True, kernel="w8a8v"), 100, exact=emb.table
+    )
+    x = torch.randn(7, 256, generator=torch.Generator().manual_seed(1))
+    rough = head.linear(x).float()
+    ids = torch.stack([torch.randperm(100, generator=torch.Generator().manual_seed(r))[:16]
+                       for r in range(7)])  # fmt: skip
+    ids[0, :4] = torch.tensor([96, 97, 98, 99])  # the last tile's real columns
+    got = cpu_lowbit.refine8v(rough.clone(), x, ids, *_head_args(head.linear))
+    untouched = torch.ones_like(rough, dtype=torch.bool).scatter_(-1, ids, False)
+    assert torch.equal(got[untouched], rough[untouched])
+    # against the fp64 dot of the exact rows (the embedding's, whose fp16 mins round the
+    # spec's zero points), within fp32 summation's bound (K eps of the terms' magnitudes),
+    # and as close as torch's einsum over them
+    rows = head.linear.rows(ids)
+    exact = torch.einsum("nkh,nh->nk", rows.double(), x.double())
+    scale = torch.einsum("nkh,nh->nk", rows.double().abs(), x.double().abs())
+    torch_err = (torch.einsum("nkh,nh->nk", rows, x).double() - exact).abs() / scale
+    err = (got.gather(-1, ids).double() - exact).abs() / scale
+    assert err.max().item() < 256 * 2**-24 and err.mean().item() < 4 * torch_err.mean().item()
+    # the head's forward takes this path and ranks by it
+    calls = []
+    real = cpu_lowbit.refine8v
+    monkeypatch.setattr(cpu_lowbit, "refine8v", lambda *a: calls.append(1) or real(*a))
+    assert torch.equal(head(x).argmax(-1), (x @ spec.dequantize().T).argmax(-1))
+    assert calls == [1]
+
+
+def _head_args(lin: QuantizedLinear) -> tuple:
+    return lin.lowbit_codes, lin.lowbit_scales, lin.lowbit_mins, lin.group_size
 
 
 def test_fusing_and_splitting_specs_follow_rows_and_groups() -> None:

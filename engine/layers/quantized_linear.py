@@ -506,6 +506,11 @@ class QuantizedLMHead(nn.Module):
             top = cpu_ops.topk_indices(logits, k)  # 0.17 against 1.5 ms for 32 rows here
         if top is None:
             top = logits.topk(k, dim=-1).indices  # [n, k]
+        lin = self.linear
+        if lin.kernel == "w8a8v" and getattr(self.exact, "read", None) == lin.rows:
+            # the exact rows are this head's own codes: dotted where they lie, in C
+            args = (lin.lowbit_codes, lin.lowbit_scales, lin.lowbit_mins, lin.group_size)
+            return cpu_lowbit.refine8v(logits, hidden.float(), top, *args)
         rows = self.exact(top).float()  # [n, k, hidden]
         exact = torch.einsum("nkh,nh->nk", rows, hidden.float())
         return logits.scatter_(-1, top, exact)

@@ -156,7 +156,7 @@ static inline __attribute__((always_inline)) DOTS_FN void DOTS(block8v)(
 static inline __attribute__((always_inline)) DOTS_FN void DOTS(tile)(
     const int bits, const int fine, const int rows, const void *xq, const int8_t *xl,
     const float *xe, const float *xes, const int32_t *xis, int64_t K, const uint8_t *wc, const uint16_t *wd,
-    const uint16_t *wm, int64_t bpg, float *out, int64_t ldo, int64_t valid) {
+    const uint16_t *wm, int64_t bpg, float *out, int64_t ldo, int64_t valid, int64_t ahead) {
     const int64_t nb = K / QK;
     const __m256i lo4 = _mm256_set1_epi8(0x0f);
     const int has_m = wm != NULL;
@@ -171,8 +171,8 @@ static inline __attribute__((always_inline)) DOTS_FN void DOTS(tile)(
         }
         if (bits == 4) {
             const uint8_t *p = wc + b * (8 * QK / 2);
-            _mm_prefetch((const char *)(p + AHEAD4), _MM_HINT_T0);
-            _mm_prefetch((const char *)(p + AHEAD4 + 64), _MM_HINT_T0);
+            _mm_prefetch((const char *)(p + ahead), _MM_HINT_T0);
+            _mm_prefetch((const char *)(p + ahead + 64), _MM_HINT_T0);
             __m256i w[8];
             for (int j = 0; j < 4; ++j) { /* one load, three ops: 64 weights */
                 const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 32 * j));
@@ -289,7 +289,7 @@ static inline __attribute__((always_inline)) DOTS_FN void tile16_vnni(
     const int fine, const int rows, const int8_t *xh, const int8_t *xl, const float *xe,
     const float *xes, int64_t K, const uint8_t *wc, int64_t tile_bytes, const uint16_t *wd,
     const uint16_t *wm, const uint16_t *wd1, const uint16_t *wm1, int64_t bpg, float *out,
-    int64_t ldo, int64_t valid) {
+    int64_t ldo, int64_t valid, int64_t ahead) {
     const int64_t nb = K / QK;
     const __m512i lo4 = _mm512_set1_epi8(0x0f);
     const int has_m = wm != NULL;
@@ -303,10 +303,10 @@ static inline __attribute__((always_inline)) DOTS_FN void tile16_vnni(
             if (has_m) mv = cols16(wm + g * 8, wm1 + g * 8);
         }
         const uint8_t *p = wc + b * (8 * QK / 2), *p1 = p + tile_bytes;
-        _mm_prefetch((const char *)(p + AHEAD4), _MM_HINT_T0);
-        _mm_prefetch((const char *)(p + AHEAD4 + 64), _MM_HINT_T0);
-        _mm_prefetch((const char *)(p1 + AHEAD4), _MM_HINT_T0);
-        _mm_prefetch((const char *)(p1 + AHEAD4 + 64), _MM_HINT_T0);
+        _mm_prefetch((const char *)(p + ahead), _MM_HINT_T0);
+        _mm_prefetch((const char *)(p + ahead + 64), _MM_HINT_T0);
+        _mm_prefetch((const char *)(p1 + ahead), _MM_HINT_T0);
+        _mm_prefetch((const char *)(p1 + ahead + 64), _MM_HINT_T0);
         __m512i w[8];
         for (int j = 0; j < 4; ++j) {
             const __m512i v = codes16(p + 32 * j, p1 + 32 * j);
@@ -466,21 +466,21 @@ static inline __attribute__((always_inline)) DOTS_FN void tile16v_vnni(
 
 #define TILE16_ROWS(FINE, TB, VALID)                                                         \
     switch (rows) {                                                                          \
-    case 6: tile16_vnni(FINE, 6, xr, lr, er, esr, K, c, TB, d, m, d1, m1, bpg, o, ldo, VALID); break; \
-    case 5: tile16_vnni(FINE, 5, xr, lr, er, esr, K, c, TB, d, m, d1, m1, bpg, o, ldo, VALID); break; \
-    case 4: tile16_vnni(FINE, 4, xr, lr, er, esr, K, c, TB, d, m, d1, m1, bpg, o, ldo, VALID); break; \
-    case 3: tile16_vnni(FINE, 3, xr, lr, er, esr, K, c, TB, d, m, d1, m1, bpg, o, ldo, VALID); break; \
-    case 2: tile16_vnni(FINE, 2, xr, lr, er, esr, K, c, TB, d, m, d1, m1, bpg, o, ldo, VALID); break; \
-    default: tile16_vnni(FINE, 1, xr, lr, er, esr, K, c, TB, d, m, d1, m1, bpg, o, ldo, VALID); break; \
+    case 6: tile16_vnni(FINE, 6, xr, lr, er, esr, K, c, TB, d, m, d1, m1, bpg, o, ldo, VALID, ahead); break; \
+    case 5: tile16_vnni(FINE, 5, xr, lr, er, esr, K, c, TB, d, m, d1, m1, bpg, o, ldo, VALID, ahead); break; \
+    case 4: tile16_vnni(FINE, 4, xr, lr, er, esr, K, c, TB, d, m, d1, m1, bpg, o, ldo, VALID, ahead); break; \
+    case 3: tile16_vnni(FINE, 3, xr, lr, er, esr, K, c, TB, d, m, d1, m1, bpg, o, ldo, VALID, ahead); break; \
+    case 2: tile16_vnni(FINE, 2, xr, lr, er, esr, K, c, TB, d, m, d1, m1, bpg, o, ldo, VALID, ahead); break; \
+    default: tile16_vnni(FINE, 1, xr, lr, er, esr, K, c, TB, d, m, d1, m1, bpg, o, ldo, VALID, ahead); break; \
     }
 #endif
 
 #define TILE_ROWS(BITS, FINE)                                                                \
     switch (rows) {                                                                          \
-    case 4: DOTS(tile)(BITS, FINE, 4, xr, lr, er, esr, isr, K, c, d, m, bpg, o, ldo, valid); break;     \
-    case 3: DOTS(tile)(BITS, FINE, 3, xr, lr, er, esr, isr, K, c, d, m, bpg, o, ldo, valid); break;     \
-    case 2: DOTS(tile)(BITS, FINE, 2, xr, lr, er, esr, isr, K, c, d, m, bpg, o, ldo, valid); break;     \
-    default: DOTS(tile)(BITS, FINE, 1, xr, lr, er, esr, isr, K, c, d, m, bpg, o, ldo, valid); break;    \
+    case 4: DOTS(tile)(BITS, FINE, 4, xr, lr, er, esr, isr, K, c, d, m, bpg, o, ldo, valid, ahead); break;     \
+    case 3: DOTS(tile)(BITS, FINE, 3, xr, lr, er, esr, isr, K, c, d, m, bpg, o, ldo, valid, ahead); break;     \
+    case 2: DOTS(tile)(BITS, FINE, 2, xr, lr, er, esr, isr, K, c, d, m, bpg, o, ldo, valid, ahead); break;     \
+    default: DOTS(tile)(BITS, FINE, 1, xr, lr, er, esr, isr, K, c, d, m, bpg, o, ldo, valid, ahead); break;    \
     }
 
 static DOTS_FN void DOTS(columns)(const int bits, const int fine, int64_t M, int64_t K, const void *xq,
@@ -506,6 +506,7 @@ static DOTS_FN void DOTS(columns)(const int bits, const int fine, int64_t M, int
 #endif
     int64_t stretch = (DOTS_L2_BYTES / row_bytes) / mr * mr;
     if (stretch < mr) stretch = mr;
+    const int64_t ahead = M <= mr ? AHEAD4_FEW : AHEAD4; /* 4-bit codes' prefetch distance */
     for (int64_t r0 = 0; r0 < M; r0 += stretch) {
         const int64_t r1 = r0 + stretch < M ? r0 + stretch : M;
         for (int64_t c0 = t0; c0 < t1; c0 += chunk) {

@@ -68,10 +68,13 @@
 #define AHEAD4 2048
 /* A GEMM of at most one row group (decode of a few sequences) waits on the stream alone, and
  * 2 KiB is less than one tile pair of a 576-wide projection's 4-bit codes ahead: well under
- * the memory's latency at one row's pace. It prefetches this far ahead instead (engine decode
- * on SmolLM2, 2 Zen 4 cores, alternating rounds: batch 1 2-7% and batch 4 5-11% faster); more
- * rows keep 2 KiB, where the far prefetches compete with the column chunk the next row group
- * reads from L1 (batch 32 ran 6% slower with 12 KiB for every GEMM). */
+ * the memory's latency at one row's pace. It prefetches this far ahead instead; more rows
+ * keep 2 KiB, where far prefetches competed with the column chunk the next row group reads
+ * from L1 (batch 32 ran 6% slower with 12 KiB for every GEMM). The 4-bit prefetches fill L2,
+ * not L1 (`_MM_HINT_T1`): into L1 they held the few L1 miss buffers the loads wait on. One row
+ * over 26 MB of codes (2 Zen 4 cores): 16-18 GB/s with 2 KiB into L1, 24 with 12 KiB into L2;
+ * engine decode in alternating rounds, batch 1 132 -> 152 tok/s, batch 4 level, batch 32 and
+ * prefill level. */
 #define AHEAD4_FEW 12288
 /* Vertical 8-bit codes (the lm_head, 256 bytes a tile a block) are prefetched further ahead.
  * One row of them takes eight-column tiles even on VNNI (256-bit `vpdpbusd`): sixteen columns

@@ -171,8 +171,8 @@ static inline __attribute__((always_inline)) DOTS_FN void DOTS(tile)(
         }
         if (bits == 4) {
             const uint8_t *p = wc + b * (8 * QK / 2);
-            _mm_prefetch((const char *)(p + ahead), _MM_HINT_T0);
-            _mm_prefetch((const char *)(p + ahead + 64), _MM_HINT_T0);
+            _mm_prefetch((const char *)(p + ahead), _MM_HINT_T1);
+            _mm_prefetch((const char *)(p + ahead + 64), _MM_HINT_T1);
             __m256i w[8];
             for (int j = 0; j < 4; ++j) { /* one load, three ops: 64 weights */
                 const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 32 * j));
@@ -303,10 +303,10 @@ static inline __attribute__((always_inline)) DOTS_FN void tile16_vnni(
             if (has_m) mv = cols16(wm + g * 8, wm1 + g * 8);
         }
         const uint8_t *p = wc + b * (8 * QK / 2), *p1 = p + tile_bytes;
-        _mm_prefetch((const char *)(p + ahead), _MM_HINT_T0);
-        _mm_prefetch((const char *)(p + ahead + 64), _MM_HINT_T0);
-        _mm_prefetch((const char *)(p1 + ahead), _MM_HINT_T0);
-        _mm_prefetch((const char *)(p1 + ahead + 64), _MM_HINT_T0);
+        _mm_prefetch((const char *)(p + ahead), _MM_HINT_T1);
+        _mm_prefetch((const char *)(p + ahead + 64), _MM_HINT_T1);
+        _mm_prefetch((const char *)(p1 + ahead), _MM_HINT_T1);
+        _mm_prefetch((const char *)(p1 + ahead + 64), _MM_HINT_T1);
         __m512i w[8];
         for (int j = 0; j < 4; ++j) {
             const __m512i v = codes16(p + 32 * j, p1 + 32 * j);

@@ -25,7 +25,7 @@ from kvguard.daemon.openai_schemas import (
 from kvguard.engine.admission_policy import AdmissionRejected
 from kvguard.engine.engine_loop import OutputBuffer, RequestStream
 from kvguard.engine.sampling_params import SamplingParams
-from kvguard.engine.sequence import RequestOutput
+from kvguard.engine.sequence import RequestOutput, TokenLogprob
 
 if TYPE_CHECKING:
     from kvguard.daemon.service import Service
@@ -125,7 +125,24 @@ def _single_prompt(prompt: str | list[str] | list[int]) -> str | list[int]:
     return list(prompt)
 
 
+def _logprobs(body: CompletionRequest | ChatCompletionRequest) -> int | None:
+    """How many alternatives each token's log-probability comes with; None: not asked."""
+    if isinstance(body, ChatCompletionRequest):
+        if body.top_logprobs and not body.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        return (body.top_logprobs or 0) if body.logprobs else None
+    if body.logprobs is not None and body.echo:
+        raise ApiError(
+            400,
+            "logprobs with echo: the prompt's log-probabilities are not served; "
+            "send echo: false or logprobs: null",
+            "logprobs",
+        )
+    return body.logprobs
+
+
 def _params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> SamplingParams:
+    logprobs = _logprobs(body)
     try:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -135,6 +152,7 @@ def _params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int) ->
             seed=body.seed,
             stop=body.stop_list(),
             ignore_eos=body.ignore_eos,
+            logprobs=logprobs,
         )
     except ValueError as e:  # "stop=['']: ..." names its field first
         field = str(e).split("=", 1)[0]
@@ -230,6 +248,47 @@ class _Ctx:
         self.id = new_id("chatcmpl" if kind == "chat.completion" else "cmpl")
         self.created = now()
         self.last: float | None = None
+        self.text_offset = 0  # a completion's logprobs: where the next token's text starts
+
+    def logprobs(self, lps: list[TokenLogprob] | None) -> dict[str, Any] | None:
+        """`lps` in OpenAI's shape: chat `{"content": [...], "refusal": null}`, a completion
+        `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}` (offsets continue from
+        the previous call's: a stream's chunks count on). None where not asked."""
+        if lps is None:
+            return None
+        tok = self.service.engine.tokenizer
+
+        def text(token_id: int) -> str:
+            return tok.decode([token_id], skip_special_tokens=False)
+
+        if self.kind == "chat.completion":
+
+            def entry(token_id: int, logprob: float) -> dict[str, Any]:
+                t = text(token_id)
+                return {"token": t, "logprob": logprob, "bytes": list(t.encode())}
+
+            content = [
+                {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(*a) for a in lp.top]}
+                for lp in lps
+            ]
+            return {"content": content, "refusal": None}
+        tokens, offsets = [], []
+        for lp in lps:
+            tokens.append(text(lp.token_id))
+            offsets.append(self.text_offset)
+            self.text_offset += len(tokens[-1])
+        tops = []
+        for lp in lps:  # keyed by text: of tokens that print alike, the likelier one
+            top: dict[str, float] = {}
+            for i, v in lp.top:
+                top.setdefault(text(i), v)
+            tops.append(top)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp.logprob for lp in lps],
+            "top_logprobs": tops,
+            "text_offset": offsets,
+        }
 
     def echo_text(self) -> str:
         """What `echo` puts before the completion: the prompt as sent, or its token ids as
@@ -445,14 +504,14 @@ def _full_response(ctx: _Ctx, out: RequestOutput) -> dict[str, Any]:
             "index": 0,
             "message": {"role": "assistant", "content": out.text},
             "finish_reason": out.finish_reason,
-            "logprobs": None,
+            "logprobs": ctx.logprobs(out.final_logprobs),
         }
     else:
         choice = {
             "index": 0,
             "text": ctx.echo_text() + out.text,
             "finish_reason": out.finish_reason,
-            "logprobs": None,
+            "logprobs": ctx.logprobs(out.final_logprobs),
         }
     return {
         "id": ctx.id,
@@ -465,16 +524,23 @@ def _full_response(ctx: _Ctx, out: RequestOutput) -> dict[str, Any]:
     }
 
 
-def _chunk(ctx: _Ctx, text: str | None, finish: str | None, first: bool) -> dict[str, Any]:
+def _chunk(
+    ctx: _Ctx,
+    text: str | None,
+    finish: str | None,
+    first: bool,
+    lps: list[TokenLogprob] | None = None,
+) -> dict[str, Any]:
+    logprobs = ctx.logprobs(lps) if lps else None
     if ctx.kind == "chat.completion":
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
         if text:
             delta["content"] = text
-        choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+        choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
         obj = "chat.completion.chunk"
     else:
         text = (ctx.echo_text() if first else "") + (text or "")
-        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}
         obj = "text_completion"
     return {
         "id": ctx.id,
@@ -500,6 +566,9 @@ async def _sse(
     streams report a failure, and no `[DONE]`: a stream that ends normally after a cut would
     read as a complete answer."""
     first, final = True, None
+    # tokens' log-probabilities go out with the chunk that carries their text (text held back
+    # for a stop string or a split character waits, and so do they), the rest with the end
+    pending: list[TokenLogprob] = []
     try:
         while final is None:
             try:
@@ -511,16 +580,17 @@ async def _sse(
                 return
             if out.finished:
                 final = out
+            pending.extend(out.new_logprobs or ())
             if out.new_text or first:
-                yield _sse_line(_chunk(ctx, out.new_text, None, first))
-                first = False
+                yield _sse_line(_chunk(ctx, out.new_text, None, first, pending))
+                first, pending = False, []
         if final.finish_reason == "abort":
             yield _sse_line(_cut_error(ctx.service, final, outputs.cut_message).body())
             return
         if final.finish_reason == "error":
             yield _sse_line(_engine_error(ctx.service, final).body())
             return
-        end = _chunk(ctx, None, final.finish_reason, False)
+        end = _chunk(ctx, None, final.finish_reason, False, pending)
         end["kvguard"] = _kvguard_ext(ctx, final)
         yield _sse_line(end)
         if include_usage:

@@ -67,9 +67,6 @@ def _is_one(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v == 1
 
 
-NO_LOGPROBS = (
-    "not served: kvguard's sampler does not return log-probabilities; omit the field or send null"
-)
 NO_TOOLS = "not served: kvguard has no tool or function calling; omit the field or send null"
 
 
@@ -222,7 +219,12 @@ class CompletionRequest(_Sampling):
     ] = Field(..., description="one prompt: a string or a list of token ids")
     max_tokens: int | None = Field(16, ge=1, le=INT64_MAX)
     echo: bool | None = Field(False, description="the answer's text starts with the prompt")
-    logprobs: Annotated[Any, _refuse(NO_LOGPROBS)] = None
+    logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=5,
+        description="each generated token's log-probability with this many alternatives",
+    )
     best_of: Annotated[
         Any,
         _refuse(
@@ -320,8 +322,10 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
-    logprobs: Annotated[Any, _refuse(NO_LOGPROBS, lambda v: v is False)] = None
-    top_logprobs: Annotated[Any, _refuse(NO_LOGPROBS, _is_zero)] = None
+    logprobs: bool | None = Field(None, description="each generated token's log-probability")
+    top_logprobs: int | None = Field(
+        None, ge=0, le=20, description="with this many alternatives (needs logprobs: true)"
+    )
     response_format: Annotated[
         Any,
         _refuse(

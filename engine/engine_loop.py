@@ -21,7 +21,7 @@ from kvguard.engine.control import Mailbox
 from kvguard.engine.distributed.errors import RankFailure
 from kvguard.engine.llm_engine import LLMEngine
 from kvguard.engine.sampling_params import SamplingParams
-from kvguard.engine.sequence import RequestOutput, parse_priority
+from kvguard.engine.sequence import RequestOutput, TokenLogprob, parse_priority
 from kvguard.engine.snapshot import EngineSnapshot
 
 log = logging.getLogger("kvguard.engine.loop")
@@ -48,17 +48,22 @@ class OutputBuffer:
     is one item however far behind the consumer is. Not thread-safe: its owner locks.
     """
 
-    __slots__ = ("_last", "_ids", "_texts")
+    __slots__ = ("_last", "_ids", "_texts", "_logprobs")
 
     def __init__(self) -> None:
         self._last: RequestOutput | None = None
         self._ids: list[int] = []
         self._texts: list[str] = []  # pieces joined on take: appending is O(1), not a copy
+        self._logprobs: list[TokenLogprob] | None = None  # where the request asked for them
 
     def add(self, out: RequestOutput) -> None:
         self._ids.extend(out.new_token_ids)
         if out.new_text:
             self._texts.append(out.new_text)
+        if out.new_logprobs is not None:
+            if self._logprobs is None:
+                self._logprobs = []
+            self._logprobs.extend(out.new_logprobs)
         self._last = out
 
     def take(self) -> RequestOutput | None:
@@ -66,8 +71,13 @@ class OutputBuffer:
         last = self._last
         if last is None:
             return None
-        out = dataclasses.replace(last, new_token_ids=self._ids, new_text="".join(self._texts))
-        self._last, self._ids, self._texts = None, [], []
+        out = dataclasses.replace(
+            last,
+            new_token_ids=self._ids,
+            new_text="".join(self._texts),
+            new_logprobs=self._logprobs,
+        )
+        self._last, self._ids, self._texts, self._logprobs = None, [], [], None
         return out
 
     def __len__(self) -> int:

@@ -41,6 +41,7 @@ from kvguard.engine.sequence import (
     PRIORITY_NAMES,
     RequestOutput,
     Sequence,
+    TokenLogprob,
     parse_priority,
 )
 from kvguard.engine.snapshot import EngineSnapshot, build_snapshot
@@ -192,6 +193,8 @@ class LLMEngine(ControlSurface):
         if params.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(params.seed)
         seq = Sequence(rid, ids, params, rank, next(self._order), limit, gen)
+        if params.logprobs is not None:
+            seq.output_logprobs = []
         if self.max_new_tokens_cap is not None:
             seq.max_tokens = min(seq.max_tokens, self.max_new_tokens_cap)
         try:
@@ -337,7 +340,11 @@ class LLMEngine(ControlSurface):
             log.exception("engine step failed; its %d requests end with an error", len(batch.seqs))
             return self._fail(batch)
         now = time.monotonic()
-        done = self.scheduler.update(batch, tokens, lambda seq, t: self._on_token(seq, t, now))
+        # the sampled tokens' log-probabilities where asked, in the order of `tokens`
+        lps = iter(getattr(self.runner, "logprobs", None) or [None] * len(tokens))
+        done = self.scheduler.update(
+            batch, tokens, lambda seq, t: self._on_token(seq, t, now, next(lps))
+        )
         return [RequestOutput.take(seq) for seq in done]
 
     def _fail(self, batch: ScheduledBatch) -> list[RequestOutput]:
@@ -347,7 +354,11 @@ class LLMEngine(ControlSurface):
         request behind it; ending these few keeps the engine serving everyone else."""
         return [self._end(seq, "error") for seq in batch.seqs if not seq.is_finished]
 
-    def _on_token(self, seq: Sequence, token: int, now: float) -> None:
+    def _on_token(
+        self, seq: Sequence, token: int, now: float, logprob: TokenLogprob | None = None
+    ) -> None:
+        if seq.output_logprobs is not None and logprob is not None:
+            seq.output_logprobs.append(logprob)
         if seq.first_token_time is None:
             seq.first_token_time = now
             self._ttft.append(now - seq.arrival_time)

@@ -32,8 +32,8 @@ from kvguard.engine.kv_cache import KV_TORCH_DTYPES, KVCache, bytes_per_block, k
 from kvguard.engine.layers.quantized_linear import use_int8_activations
 from kvguard.engine.model import AttentionMetadata, LlamaForCausalLM, load_model
 from kvguard.engine.model_config import ModelConfig
-from kvguard.engine.sampler import sample
-from kvguard.engine.sequence import Sequence
+from kvguard.engine.sampler import sample, token_logprobs
+from kvguard.engine.sequence import Sequence, TokenLogprob
 from kvguard.kernels.dispatch import use_triton
 from kvguard.kernels.paged_attention import decode_workspace_bytes
 
@@ -162,6 +162,9 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         # set for one step by the engine: the forward stops between layers once it is set
         self.step_stop: threading.Event | None = None
+        # the last `execute`'s tokens' log-probabilities, aligned with them (None where a
+        # request did not ask; empty when none did)
+        self.logprobs: list[TokenLogprob | None] = []
 
     # whether a step can stop between layers (one process; ranks of a distributed runner would
     # be left half way through a collective)
@@ -266,12 +269,18 @@ class ModelRunner:
     def execute(self, seqs: list[Sequence], num_tokens: list[int]) -> list[int]:
         """Compute `num_tokens` of each sequence; the next token of every sequence whose
         tokens are now all computed, in batch order. Sequences themselves are not changed:
-        the scheduler advances them from what this returns."""
+        the scheduler advances them from what this returns (and, where asked, from the
+        tokens' log-probabilities left in `self.logprobs`)."""
+        self.logprobs = []
         logits = self.logits(seqs, num_tokens)
         if logits is None:
             return []
         done = [s for s, n in zip(seqs, num_tokens, strict=True) if finishes_prompt(s, n)]
-        return sample(logits, [s.params for s in done], [s.generator for s in done])
+        params = [s.params for s in done]
+        tokens = sample(logits, params, [s.generator for s in done])
+        if any(p.logprobs is not None for p in params):
+            self.logprobs = token_logprobs(logits, params, tokens)
+        return tokens
 
     def inject_oom(self, times: int = 1) -> None:
         """Test hook: the next `times` forward passes fail as if the device ran out of memory."""

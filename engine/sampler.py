@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvguard.engine.sampling_params import SamplingParams
+from kvguard.engine.sequence import TokenLogprob
 from kvguard.kernels import cpu_ops
 
 
@@ -86,3 +87,27 @@ def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     drop[0] = False
     sorted_p = sorted_p.masked_fill(drop, 0.0)
     return torch.zeros_like(probs).scatter_(0, idx, sorted_p)
+
+
+def token_logprobs(
+    logits: torch.Tensor, params: list[SamplingParams], tokens: list[int]
+) -> list[TokenLogprob | None]:
+    """Each row's sampled token's log-probability under the model (the log-softmax of the raw
+    logits, before temperature, top-k and top-p: what the model thinks of the token, not how
+    it was drawn) with its `params.logprobs` most likely tokens'; None for rows that did not
+    ask. One log-softmax over the rows that asked, not over the batch."""
+    out: list[TokenLogprob | None] = [None] * len(params)
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if not rows:
+        return out
+    lp = torch.log_softmax(logits[torch.tensor(rows, device=logits.device)].float(), dim=-1)
+    chosen = lp.gather(1, torch.tensor([[tokens[i]] for i in rows], device=lp.device))
+    k = max(params[i].logprobs for i in rows)
+    top = lp.topk(min(k, lp.shape[-1]), dim=-1) if k else None
+    values = top.values.tolist() if top is not None else None
+    ids = top.indices.tolist() if top is not None else None
+    for j, i in enumerate(rows):
+        n = params[i].logprobs
+        alts = tuple(zip(ids[j][:n], values[j][:n], strict=True)) if n else ()
+        out[i] = TokenLogprob(tokens[i], float(chosen[j, 0]), alts)
+    return out

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 # fp32 logits by a smaller one (1e-320 is a valid JSON number) overflows them to inf, and the
 # softmax of inf is NaN, which no sampler can draw from.
 GREEDY_BELOW_TEMPERATURE = 1e-5
+# The most alternatives a sampled token's log-probability comes with (OpenAI's chat limit).
+MAX_LOGPROBS = 20
 
 
 @dataclass(slots=True)
@@ -21,6 +23,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    # None: no log-probabilities; k >= 0: each sampled token's, with the k most likely tokens'
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -42,6 +46,14 @@ class SamplingParams:
             raise ValueError(f"top_p={self.top_p!r}: expected a number in (0, 1]")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop={self.stop!r}: expected non-empty strings")
+        if self.logprobs is not None and (
+            not isinstance(self.logprobs, int)
+            or isinstance(self.logprobs, bool)
+            or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise ValueError(
+                f"logprobs={self.logprobs!r}: expected None or an integer 0..{MAX_LOGPROBS}"
+            )
 
     @property
     def greedy(self) -> bool:

@@ -26,6 +26,19 @@ def parse_priority(value: str | int) -> int:
     raise ValueError(f"priority={value!r}: expected one of high, normal, low")
 
 
+@dataclass(slots=True, frozen=True)
+class TokenLogprob:
+    """A sampled token's log-probability under the model (the log-softmax of the raw logits:
+    before temperature, top-k and top-p), and the `top` most likely tokens' as (id, logprob),
+    most likely first. On a packed CPU model whose lm_head ranks the vocabulary approximately,
+    the 16 best logits of each row are exact and the rest carry the ranking's int8 error
+    (about three significant digits), normaliser included."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -48,6 +61,8 @@ class Sequence:
     max_total_len: int  # prompt + output tokens may not exceed this (model length, pool size)
     generator: torch.Generator | None = None
     output_token_ids: list[int] = field(default_factory=list)
+    # one per output token where the request asked for log-probabilities (else None)
+    output_logprobs: list[TokenLogprob] | None = None
     status: Status = Status.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V sit in the cache
     block_table: list[int] = field(default_factory=list)
@@ -150,6 +165,10 @@ class RequestOutput:
     final_text: str | None = None  # the whole text; only on the final output
     final_token_ids: list[int] | None = None  # every output token; only on the final output
     final_prompt_token_ids: list[int] | None = None  # only on the final output
+    # the new tokens' log-probabilities, one per `new_token_ids` entry, where asked (else None)
+    new_logprobs: list[TokenLogprob] | None = None
+    # every output token's, on the final output of a request that asked (else None)
+    final_logprobs: list[TokenLogprob] | None = None
 
     @property
     def text(self) -> str:
@@ -182,6 +201,8 @@ class RequestOutput:
         """
         ttft = None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time
         new_ids = seq.output_token_ids[seq.sent_tokens :]
+        lps = seq.output_logprobs
+        new_lps = None if lps is None else lps[seq.sent_tokens :]
         upto = seq.releasable_text_len()
         new_text = seq.text[seq.sent_text_len : upto]
         seq.sent_tokens = len(seq.output_token_ids)
@@ -205,4 +226,6 @@ class RequestOutput:
             final_text=seq.text if done else None,
             final_token_ids=list(seq.output_token_ids) if done else None,
             final_prompt_token_ids=list(seq.prompt_token_ids) if done else None,
+            new_logprobs=new_lps,
+            final_logprobs=list(lps) if done and lps is not None else None,
         )

@@ -184,10 +184,16 @@ def test_malformed_bodies_answer_4xx(
     assert_still_connected(client, r)
 
 
-# -- OpenAI fields: served, or refused when they ask for something -----------------------------
+# -- OpenAI fields: served, or refused when they ask for something (or for too much) -----------
 REFUSED = [
-    ("/v1/completions", completion(logprobs=1), "logprobs"),
-    ("/v1/completions", completion(logprobs=0), "logprobs"),
+    # log-probabilities are served, within OpenAI's bounds and not for the prompt
+    ("/v1/completions", completion(logprobs=6), "logprobs"),
+    ("/v1/completions", completion(logprobs=-1), "logprobs"),
+    ("/v1/completions", completion(logprobs=True), "logprobs"),
+    ("/v1/completions", completion(logprobs=1, echo=True), "logprobs"),
+    ("/v1/chat/completions", chat(top_logprobs=2), "top_logprobs"),
+    ("/v1/chat/completions", chat(logprobs=True, top_logprobs=21), "top_logprobs"),
+    ("/v1/chat/completions", chat(logprobs=1), "logprobs"),
     ("/v1/completions", completion(n=2), "n"),
     ("/v1/completions", completion(best_of=3), "best_of"),
     ("/v1/completions", completion(suffix="}"), "suffix"),
@@ -200,8 +206,6 @@ REFUSED = [
         completion(stream_options={"include_usage": True, "x": 1}),
         "stream_options",
     ),
-    ("/v1/chat/completions", chat(logprobs=True), "logprobs"),
-    ("/v1/chat/completions", chat(top_logprobs=2), "top_logprobs"),
     ("/v1/chat/completions", chat(n=3), "n"),
     ("/v1/chat/completions", chat(response_format={"type": "json_object"}), "response_format"),
     (

@@ -1,0 +1,163 @@
+"""Log-probabilities of sampled tokens: the engine's against the model's own teacher-forced
+log-softmax, aligned per request in a mixed batch, and served through the OpenAI API
+(completions and chat, streamed and not) to the real `openai` client."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvguard.engine import EngineConfig, LLMEngine, SamplingParams
+from kvguard.engine.engine_loop import OutputBuffer
+from kvguard.engine.sequence import RequestOutput, TokenLogprob
+from tests.test_server import Daemon
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4, 5,"]
+
+
+@pytest.fixture(scope="module")
+def smollm() -> LLMEngine:
+    config = EngineConfig(model="smollm2-135m", kv_cache_bytes="64MiB", num_threads=2)
+    return LLMEngine.from_config(config, progress=False)
+
+
+# The packed lm_head computes the 16 best logits of a row exactly and the rest to the int8
+# ranking's three significant digits: the log-softmax's normaliser carries that, and a prefill
+# and a decode step round the tail's activations apart (about 1e-3 here).
+TOL = 5e-3
+
+
+def reference(eng: LLMEngine, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """The model's log-softmax at each output position, teacher-forced in one prefill."""
+    logits = eng.score(prompt + output[:-1]).float()
+    return torch.log_softmax(logits, -1)[len(prompt) - 1 :]
+
+
+def test_each_sampled_token_gets_the_models_log_probability(smollm: LLMEngine) -> None:
+    """Greedy and sampled requests with and without log-probabilities in one batch: each that
+    asked gets, per output token, that token's log-softmax and its k best alternatives, as the
+    model computes them teacher-forced; the others get none."""
+    eng = smollm
+    prompts = [eng.tokenizer.encode(p) for p in PROMPTS]
+    params = [
+        SamplingParams(max_tokens=8, logprobs=3, ignore_eos=True),
+        SamplingParams(max_tokens=8, ignore_eos=True),  # asks for none, between two that do
+        SamplingParams(max_tokens=8, logprobs=0, temperature=1.0, seed=7, ignore_eos=True),
+    ]
+    outs = eng.generate(prompts, params)
+    assert outs[1].final_logprobs is None
+    for prompt, p, out in zip(prompts, params, outs, strict=True):
+        if p.logprobs is None:
+            continue
+        lps = out.final_logprobs
+        assert [lp.token_id for lp in lps] == out.token_ids
+        ref = reference(eng, prompt, out.token_ids)
+        for i, lp in enumerate(lps):
+            assert abs(lp.logprob - ref[i, lp.token_id].item()) < TOL, (i, lp)
+            assert len(lp.top) == p.logprobs
+            if lp.top:
+                ids, values = zip(*lp.top, strict=True)
+                assert list(values) == sorted(values, reverse=True)
+                torch.testing.assert_close(
+                    torch.tensor(values), ref[i, list(ids)], atol=TOL, rtol=0
+                )
+                assert ids[0] == ref[i].argmax().item()
+        if p.greedy:  # the drawn token is the most likely one
+            assert all(lp.top[0] == (lp.token_id, lp.logprob) for lp in lps)
+    # the sampled request's draws do not depend on whether it asked for log-probabilities
+    again = eng.generate([prompts[2]], [SamplingParams(**{**_fields(params[2]), "logprobs": None})])
+    assert again[0].token_ids == outs[2].token_ids
+
+
+def _fields(p: SamplingParams) -> dict:
+    return {name: getattr(p, name) for name in p.__slots__}
+
+
+def test_streamed_deltas_carry_their_tokens_log_probabilities(smollm: LLMEngine) -> None:
+    """Every output's `new_logprobs` matches its `new_token_ids`; joined they are the final
+    list, and a consumer that falls behind gets them coalesced, none lost."""
+    eng = smollm
+    rid = eng.add_request(PROMPTS[0], SamplingParams(max_tokens=6, logprobs=1, ignore_eos=True))
+    deltas: list[RequestOutput] = []
+    while eng.has_unfinished():
+        deltas += [o for o in eng.step() if o.request_id == rid]
+    assert all(len(d.new_logprobs) == len(d.new_token_ids) for d in deltas)
+    joined = [lp for d in deltas for lp in d.new_logprobs]
+    assert joined == deltas[-1].final_logprobs and len(joined) == 6
+    buffer = OutputBuffer()
+    for d in deltas:
+        buffer.add(d)
+    merged = buffer.take()
+    assert merged.new_logprobs == joined and merged.new_token_ids == deltas[-1].final_token_ids
+
+
+def test_logprobs_are_validated() -> None:
+    for bad in (-1, 21, True, 2.0):
+        with pytest.raises(ValueError, match="logprobs"):
+            SamplingParams(logprobs=bad)
+    assert SamplingParams(logprobs=20).logprobs == 20
+    assert TokenLogprob(3, -0.5).top == ()
+
+
+# -- the OpenAI API ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory):
+    d = Daemon(tmp_path_factory.mktemp("logprobs"), debug_hooks=False)
+    yield d
+    assert d.stop() == 0
+
+
+def test_completion_logprobs_streamed_and_not(daemon: Daemon) -> None:
+    c = daemon.client()
+    ask = {"model": "tiny", "prompt": "Hello", "max_tokens": 8, "temperature": 0, "logprobs": 2}
+    full = c.completions.create(**ask, extra_body={"ignore_eos": True})
+    lp = full.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 8
+    assert all(v <= 0.0 for v in lp.token_logprobs)
+    assert all(1 <= len(top) <= 2 for top in lp.top_logprobs)  # two tokens may print alike
+    # greedy: the drawn token is the best alternative
+    drawn = zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True)
+    assert all(top[t] == v for t, v, top in drawn)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(8)]
+    chunks = list(c.completions.create(**ask, stream=True, extra_body={"ignore_eos": True}))
+    streamed = [ch.choices[0].logprobs for ch in chunks if ch.choices and ch.choices[0].logprobs]
+    assert [v for s in streamed for v in s.token_logprobs] == lp.token_logprobs
+    assert [t for s in streamed for t in s.tokens] == lp.tokens
+    assert [o for s in streamed for o in s.text_offset] == lp.text_offset
+    plain = c.completions.create(**{**ask, "logprobs": None}, extra_body={"ignore_eos": True})
+    assert plain.choices[0].logprobs is None and plain.choices[0].text == full.choices[0].text
+
+
+def test_chat_logprobs_streamed_and_not(daemon: Daemon) -> None:
+    c = daemon.client()
+    ask = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Hi!"}],
+        "max_tokens": 6,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 3,
+    }
+    full = c.chat.completions.create(**ask, extra_body={"ignore_eos": True})
+    content = full.choices[0].logprobs.content
+    assert len(content) == full.usage.completion_tokens == 6
+    for entry in content:
+        assert entry.logprob <= 0.0 and entry.bytes == list(entry.token.encode())
+        assert len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].logprob == entry.logprob  # greedy
+        values = [t.logprob for t in entry.top_logprobs]
+        assert values == sorted(values, reverse=True)
+    chunks = list(c.chat.completions.create(**ask, stream=True, extra_body={"ignore_eos": True}))
+    streamed = [e for ch in chunks if ch.choices and ch.choices[0].logprobs
+                for e in ch.choices[0].logprobs.content]  # fmt: skip
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    no_top = c.chat.completions.create(**{**ask, "top_logprobs": None})
+    assert all(e.top_logprobs == [] for e in no_top.choices[0].logprobs.content)
+
+
+def test_the_readme_lists_logprobs_as_served() -> None:
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    served = next(line for line in readme.splitlines() if line.startswith("| served |"))
+    assert "`logprobs`" in served and "`top_logprobs`" in served

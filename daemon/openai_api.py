@@ -153,6 +153,9 @@ def _params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int) ->
             stop=body.stop_list(),
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            logit_bias=body.logit_bias or {},
         )
     except ValueError as e:  # "stop=['']: ..." names its field first
         field = str(e).split("=", 1)[0]
@@ -211,8 +214,9 @@ async def _serve(
             type_=typ,
             retry_after=None if status == 400 else d.estimated_wait_s,
         ) from e
-    except ValueError as e:
-        raise ApiError(400, str(e), "prompt") from e
+    except ValueError as e:  # the engine's reason names its field first ("logit_bias token ...")
+        name = str(e).split(" ", 1)[0].split("=", 1)[0]
+        raise ApiError(400, str(e), name if name in type(body).model_fields else "prompt") from e
     finally:
         if not admitted:
             watch.stop()

@@ -3,7 +3,7 @@
 Every field is accounted for, so that no request is answered as if it had asked for something
 else. A field kvguard serves is typed strictly (integers are integers, numbers are finite, text
 is valid Unicode); an OpenAI field it does not serve is accepted only at the value that asks for
-nothing (`logprobs: null`, `n: 1`, `presence_penalty: 0`, ...) and refused otherwise; an unknown
+nothing (`n: 1`, `best_of: 1`, `tools: []`, ...) and refused otherwise; an unknown
 field is refused, as OpenAI itself does, so that a typo (`max_token`) is not quietly dropped.
 Every refusal is a 400 with an OpenAI-style error naming the field (see README, "OpenAI fields").
 """
@@ -59,8 +59,23 @@ def _refuse(why: str, accepts: Callable[[Any], bool] = lambda v: False) -> After
     return AfterValidator(check)
 
 
-def _is_zero(v: Any) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool) and v == 0
+def _logit_bias(value: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit bias: token ids as decimal strings, each mapped to -100..100."""
+    if value is None:
+        return None
+    out = {}
+    for key, bias in value.items():
+        if not key.isascii() or not key.isdigit():
+            raise PydanticCustomError(
+                "logit_bias", "key {key!r} is not a token id (a decimal integer)", {"key": key}
+            )
+        if not -100.0 <= bias <= 100.0:
+            raise PydanticCustomError(
+                "logit_bias", "bias {bias} for token {key} is outside [-100, 100]",
+                {"bias": bias, "key": key},
+            )  # fmt: skip
+        out[int(key)] = float(bias)
+    return out
 
 
 def _is_one(v: Any) -> bool:
@@ -185,17 +200,17 @@ class _Sampling(_Body):
     user: Text | None = None
     metadata: dict[str, Text] | None = None
     service_tier: Text | None = None
-    # OpenAI fields kvguard does not serve: refused unless they ask for nothing
-    frequency_penalty: Annotated[
-        Any, _refuse("not served: kvguard applies no penalties; send 0 or null", _is_zero)
-    ] = None
-    presence_penalty: Annotated[
-        Any, _refuse("not served: kvguard applies no penalties; send 0 or null", _is_zero)
-    ] = None
+    frequency_penalty: float | None = Field(
+        None, ge=-2.0, le=2.0, description="subtracted from a token's logit per time it was output"
+    )
+    presence_penalty: float | None = Field(
+        None, ge=-2.0, le=2.0, description="subtracted from a token's logit once it was output"
+    )
     logit_bias: Annotated[
-        Any,
-        _refuse("not served: kvguard applies no logit bias; send {} or null", lambda v: v == {}),
-    ] = None
+        dict[str, float] | None,
+        AfterValidator(_logit_bias),
+        WithJsonSchema({"type": "object", "additionalProperties": {"type": "number"}}),
+    ] = Field(None, description="token id (as a string) -> added to its logit, -100..100")
 
     def stop_list(self) -> list[str]:
         if self.stop is None:

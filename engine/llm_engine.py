@@ -181,6 +181,10 @@ class LLMEngine(ControlSurface):
         (a ValueError) carries the policy's decision and retry hint."""
         params = params or SamplingParams()
         params.validate()
+        vocab = self.model_config.vocab_size
+        if any(t >= vocab for t in params.logit_bias):
+            bad = sorted(t for t in params.logit_bias if t >= vocab)[:5]
+            raise ValueError(f"logit_bias token ids {bad} are outside the vocabulary [0, {vocab})")
         rank = parse_priority(priority)
         ids = self._prompt_ids(prompt, add_special_tokens)
         limit = self._max_total_len()

@@ -277,7 +277,8 @@ class ModelRunner:
             return []
         done = [s for s, n in zip(seqs, num_tokens, strict=True) if finishes_prompt(s, n)]
         params = [s.params for s in done]
-        tokens = sample(logits, params, [s.generator for s in done])
+        outputs = [s.output_token_ids for s in done]
+        tokens = sample(logits, params, [s.generator for s in done], outputs)
         if any(p.logprobs is not None for p in params):
             self.logprobs = token_logprobs(logits, params, tokens)
         return tokens

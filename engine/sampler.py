@@ -10,9 +10,13 @@ from kvguard.kernels import cpu_ops
 
 
 def sample(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    outputs: list[list[int]] | None = None,
 ) -> list[int]:
-    """One token per row of `logits` `[N, vocab]` (fp32).
+    """One token per row of `logits` `[N, vocab]` (fp32), after each row's penalties (against
+    its sequence's `outputs` so far) and logit bias (`adjust_logits`).
 
     Rows sampled with only a temperature and no seed (what an OpenAI client asks by default)
     are drawn together by inverse CDF: one uniform per row against the row's cumulative
@@ -21,6 +25,7 @@ def sample(
     exponential race: it needs a random number per vocabulary entry, and CPU generation of
     those took 38 ms.) Seeded rows keep their own generator and draw, so a seed gives the
     same tokens as before."""
+    logits = adjust_logits(logits, params, outputs)
     greedy = [i for i, p in enumerate(params) if p.greedy]
     out = [0] * len(params)
     if len(greedy) == len(params):
@@ -40,6 +45,31 @@ def sample(
         if not p.greedy and i not in batched:
             out[i] = _sample_row(logits[i], p, generators[i])
     return out
+
+
+def adjust_logits(
+    logits: torch.Tensor, params: list[SamplingParams], outputs: list[list[int]] | None
+) -> torch.Tensor:
+    """`logits` with, on each row that asks, its logit bias added and, for every token of
+    its output so far, `frequency_penalty` times the token's count plus `presence_penalty`
+    subtracted (OpenAI's definitions; the prompt's tokens do not count). The rows that ask
+    nothing are untouched, and so is `logits` itself: a copy is changed where one must be."""
+    rows = [i for i, p in enumerate(params) if p.adjusts_logits]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    for i in rows:
+        p, row = params[i], logits[i]
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), device=row.device)
+            bias = torch.tensor(list(p.logit_bias.values()), dtype=row.dtype, device=row.device)
+            row.index_add_(0, ids, bias)
+        seen = outputs[i] if outputs is not None else []
+        if seen and (p.presence_penalty or p.frequency_penalty):
+            ids, counts = torch.tensor(seen, device=row.device).unique(return_counts=True)
+            cut = counts.to(row.dtype) * p.frequency_penalty + p.presence_penalty
+            row.index_add_(0, ids, -cut)
+    return logits
 
 
 def _argmax(logits: torch.Tensor) -> list[int]:

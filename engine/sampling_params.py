@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 GREEDY_BELOW_TEMPERATURE = 1e-5
 # The most alternatives a sampled token's log-probability comes with (OpenAI's chat limit).
 MAX_LOGPROBS = 20
+MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2], as OpenAI's do
+MAX_LOGIT_BIAS = 100.0  # a logit bias lies in [-100, 100]
 
 
 @dataclass(slots=True)
@@ -25,6 +27,11 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # None: no log-probabilities; k >= 0: each sampled token's, with the k most likely tokens'
     logprobs: int | None = None
+    # subtracted from a token's logit once it is in the output (presence), and per time it
+    # is (frequency); the prompt's tokens do not count
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -46,6 +53,23 @@ class SamplingParams:
             raise ValueError(f"top_p={self.top_p!r}: expected a number in (0, 1]")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop={self.stop!r}: expected non-empty strings")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not abs(v) <= MAX_PENALTY:
+                raise ValueError(f"{name}={v!r}: expected a number in [-2, 2]")
+        if not isinstance(self.logit_bias, dict) or any(
+            not isinstance(t, int)
+            or isinstance(t, bool)
+            or t < 0
+            or isinstance(b, bool)
+            or not isinstance(b, int | float)
+            or not abs(b) <= MAX_LOGIT_BIAS
+            for t, b in self.logit_bias.items()
+        ):
+            raise ValueError(
+                f"logit_bias={self.logit_bias!r}: expected token ids >= 0 mapped to numbers "
+                "in [-100, 100]"
+            )
         if self.logprobs is not None and (
             not isinstance(self.logprobs, int)
             or isinstance(self.logprobs, bool)
@@ -54,6 +78,11 @@ class SamplingParams:
             raise ValueError(
                 f"logprobs={self.logprobs!r}: expected None or an integer 0..{MAX_LOGPROBS}"
             )
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether penalties or a logit bias change the logits before the draw."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
 
     @property
     def greedy(self) -> bool:

@@ -197,9 +197,15 @@ REFUSED = [
     ("/v1/completions", completion(n=2), "n"),
     ("/v1/completions", completion(best_of=3), "best_of"),
     ("/v1/completions", completion(suffix="}"), "suffix"),
-    ("/v1/completions", completion(presence_penalty=0.5), "presence_penalty"),
-    ("/v1/completions", completion(frequency_penalty=-1), "frequency_penalty"),
-    ("/v1/completions", completion(logit_bias={"7": 100}), "logit_bias"),
+    # penalties and logit bias are served, within OpenAI's bounds
+    ("/v1/completions", completion(presence_penalty=2.5), "presence_penalty"),
+    ("/v1/completions", completion(frequency_penalty=-3), "frequency_penalty"),
+    ("/v1/completions", completion(frequency_penalty="1"), "frequency_penalty"),
+    ("/v1/completions", completion(logit_bias={"7": 101}), "logit_bias"),
+    ("/v1/completions", completion(logit_bias={"seven": 1}), "logit_bias"),
+    ("/v1/completions", completion(logit_bias={"-7": 1}), "logit_bias"),
+    ("/v1/completions", completion(logit_bias={"99999999": 1}), "logit_bias"),
+    ("/v1/chat/completions", chat(logit_bias=[7]), "logit_bias"),
     ("/v1/completions", completion(max_token=5), "max_token"),
     (
         "/v1/completions",

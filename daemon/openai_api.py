@@ -131,11 +131,11 @@ def _logprobs(body: CompletionRequest | ChatCompletionRequest) -> int | None:
         if body.top_logprobs and not body.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         return (body.top_logprobs or 0) if body.logprobs else None
-    if body.logprobs is not None and body.echo:
+    if body.logprobs is not None and body.echo and body.stream:
         raise ApiError(
             400,
-            "logprobs with echo: the prompt's log-probabilities are not served; "
-            "send echo: false or logprobs: null",
+            "logprobs with echo: the prompt's log-probabilities are not streamed; "
+            "send stream: false (or echo: false)",
             "logprobs",
         )
     return body.logprobs
@@ -153,6 +153,7 @@ def _params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int) ->
             stop=body.stop_list(),
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=logprobs if getattr(body, "echo", False) else None,
             presence_penalty=body.presence_penalty or 0.0,
             frequency_penalty=body.frequency_penalty or 0.0,
             logit_bias=body.logit_bias or {},
@@ -276,23 +277,28 @@ class _Ctx:
                 for lp in lps
             ]
             return {"content": content, "refusal": None}
-        tokens, offsets = [], []
+        tokens, offsets, values, tops = [], [], [], []
         for lp in lps:
             tokens.append(text(lp.token_id))
             offsets.append(self.text_offset)
             self.text_offset += len(tokens[-1])
-        tops = []
-        for lp in lps:  # keyed by text: of tokens that print alike, the likelier one
-            top: dict[str, float] = {}
+            values.append(lp.logprob)
+            top: dict[str, float] = {}  # keyed by text: of tokens that print alike, the likelier
             for i, v in lp.top:
                 top.setdefault(text(i), v)
             tops.append(top)
-        return {
-            "tokens": tokens,
-            "token_logprobs": [lp.logprob for lp in lps],
-            "top_logprobs": tops,
-            "text_offset": offsets,
-        }
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
+                "text_offset": offsets}  # fmt: skip
+
+    def echo_logprobs(self, out: RequestOutput) -> dict[str, Any] | None:
+        """A completion's logprobs with `echo`: the prompt's tokens first (the first has none,
+        as OpenAI's answer has it), then the generated ones."""
+        if out.final_prompt_logprobs is None:
+            return self.logprobs(out.final_logprobs)
+        first = TokenLogprob(out.prompt_token_ids[0], 0.0)
+        lps = self.logprobs([first, *out.final_prompt_logprobs, *out.final_logprobs])
+        lps["token_logprobs"][0] = lps["top_logprobs"][0] = None
+        return lps
 
     def echo_text(self) -> str:
         """What `echo` puts before the completion: the prompt as sent, or its token ids as
@@ -515,7 +521,7 @@ def _full_response(ctx: _Ctx, out: RequestOutput) -> dict[str, Any]:
             "index": 0,
             "text": ctx.echo_text() + out.text,
             "finish_reason": out.finish_reason,
-            "logprobs": ctx.logprobs(out.final_logprobs),
+            "logprobs": ctx.echo_logprobs(out),
         }
     return {
         "id": ctx.id,

@@ -199,6 +199,8 @@ class LLMEngine(ControlSurface):
         seq = Sequence(rid, ids, params, rank, next(self._order), limit, gen)
         if params.logprobs is not None:
             seq.output_logprobs = []
+        if params.prompt_logprobs is not None:
+            seq.prompt_logprobs = []
         if self.max_new_tokens_cap is not None:
             seq.max_tokens = min(seq.max_tokens, self.max_new_tokens_cap)
         try:
@@ -344,6 +346,8 @@ class LLMEngine(ControlSurface):
             log.exception("engine step failed; its %d requests end with an error", len(batch.seqs))
             return self._fail(batch)
         now = time.monotonic()
+        for seq, entries in getattr(self.runner, "prompt_logprobs", None) or ():
+            seq.prompt_logprobs.extend(entries)  # the prompt positions it lacked, in order
         # the sampled tokens' log-probabilities where asked, in the order of `tokens`
         lps = iter(getattr(self.runner, "logprobs", None) or [None] * len(tokens))
         done = self.scheduler.update(

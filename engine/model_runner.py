@@ -32,7 +32,7 @@ from kvguard.engine.kv_cache import KV_TORCH_DTYPES, KVCache, bytes_per_block, k
 from kvguard.engine.layers.quantized_linear import use_int8_activations
 from kvguard.engine.model import AttentionMetadata, LlamaForCausalLM, load_model
 from kvguard.engine.model_config import ModelConfig
-from kvguard.engine.sampler import sample, token_logprobs
+from kvguard.engine.sampler import log_softmax_entries, sample, token_logprobs
 from kvguard.engine.sequence import Sequence, TokenLogprob
 from kvguard.kernels.dispatch import use_triton
 from kvguard.kernels.paged_attention import decode_workspace_bytes
@@ -97,21 +97,21 @@ def build_step(
     tables: list[list[int]],
     starts: list[int],
     num_tokens: list[int],
-    sampled: list[bool],
+    sampled: list[int],
     token_ids: list[int],
     block_size: int,
     device: torch.device,
     every_row: bool = False,
 ) -> StepInput:
     """The step's tensors from each sequence's block table, first uncomputed position, token
-    count and whether its last row is sampled (`every_row`: all rows, for scoring). Every
-    rank of a tensor-parallel engine calls this with the same lists, so slots agree."""
+    count and how many of its last rows get logits (`logit_rows`: 1 where a token is sampled,
+    all of a prompt chunk whose log-probabilities were asked; `every_row`: all rows, for
+    scoring). Every rank of a tensor-parallel engine calls this with the same lists, so slots
+    agree."""
     pos, slots, rows = [], [], []
-    for table, start, n, last in zip(tables, starts, num_tokens, sampled, strict=True):
+    for table, start, n, k in zip(tables, starts, num_tokens, sampled, strict=True):
         span = range(start, start + n)
-        rows.extend(
-            range(len(pos), len(pos) + n) if every_row else ([len(pos) + n - 1] if last else [])
-        )
+        rows.extend(range(len(pos) + (0 if every_row else n - int(k)), len(pos) + n))
         pos.extend(span)
         slots.extend(table[p // block_size] * block_size + p % block_size for p in span)
     width = max(len(t) for t in tables)
@@ -142,6 +142,22 @@ def finishes_prompt(seq: Sequence, n: int) -> bool:
     return seq.num_computed_tokens + n == seq.num_tokens
 
 
+def wants_prompt_logprobs(seq: Sequence) -> bool:
+    """Whether `seq` asked for its prompt's log-probabilities and lacks some still (one for
+    each prompt token after the first)."""
+    got = seq.prompt_logprobs
+    return got is not None and len(got) < len(seq.prompt_token_ids) - 1
+
+
+def logit_rows(seq: Sequence, n: int) -> int:
+    """How many of the last of `n` rows computed for `seq` this step get logits: all of them
+    while its prompt's log-probabilities are being collected, else 1 where a token is sampled
+    (`finishes_prompt`), else none."""
+    if wants_prompt_logprobs(seq):
+        return n
+    return int(finishes_prompt(seq, n))
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -163,8 +179,10 @@ class ModelRunner:
         # set for one step by the engine: the forward stops between layers once it is set
         self.step_stop: threading.Event | None = None
         # the last `execute`'s tokens' log-probabilities, aligned with them (None where a
-        # request did not ask; empty when none did)
+        # request did not ask; empty when none did), and its prompts' (sequence, entries for
+        # the prompt positions it lacked, in order)
         self.logprobs: list[TokenLogprob | None] = []
+        self.prompt_logprobs: list[tuple[Sequence, list[TokenLogprob]]] = []
 
     # whether a step can stop between layers (one process; ranks of a distributed runner would
     # be left half way through a collective)
@@ -226,7 +244,7 @@ class ModelRunner:
             [s.block_table for s in seqs],
             [s.num_computed_tokens for s in seqs],
             num_tokens,
-            [finishes_prompt(s, n) for s, n in zip(seqs, num_tokens, strict=True)],
+            [logit_rows(s, n) for s, n in zip(seqs, num_tokens, strict=True)],
             step_token_ids(seqs, num_tokens),
             self.block_size,
             self.device,
@@ -271,10 +289,12 @@ class ModelRunner:
         tokens are now all computed, in batch order. Sequences themselves are not changed:
         the scheduler advances them from what this returns (and, where asked, from the
         tokens' log-probabilities left in `self.logprobs`)."""
-        self.logprobs = []
+        self.logprobs, self.prompt_logprobs = [], []
         logits = self.logits(seqs, num_tokens)
         if logits is None:
             return []
+        if any(wants_prompt_logprobs(s) for s in seqs):
+            logits = self._take_prompt_logprobs(seqs, num_tokens, logits)
         done = [s for s, n in zip(seqs, num_tokens, strict=True) if finishes_prompt(s, n)]
         params = [s.params for s in done]
         outputs = [s.output_token_ids for s in done]
@@ -282,6 +302,31 @@ class ModelRunner:
         if any(p.logprobs is not None for p in params):
             self.logprobs = token_logprobs(logits, params, tokens)
         return tokens
+
+    def _take_prompt_logprobs(
+        self, seqs: list[Sequence], num_tokens: list[int], logits: torch.Tensor
+    ) -> torch.Tensor:
+        """Collect the prompt log-probabilities the step's extra logit rows hold into
+        `self.prompt_logprobs` ((sequence, entries) for the positions it still lacked, in
+        order); the rows that are sampled, one a finishing sequence, in batch order."""
+        sample_rows, at = [], 0
+        for seq, n in zip(seqs, num_tokens, strict=True):
+            k = logit_rows(seq, n)
+            if k > 1 or (k == 1 and wants_prompt_logprobs(seq)):
+                start, prompt = seq.num_computed_tokens, seq.prompt_token_ids
+                have = len(seq.prompt_logprobs)  # held: positions 1..have
+                # row j predicts the token at start + j + 1; of the prompt's, those not held
+                want = [j for j in range(k) if have < start + j + 1 < len(prompt)]
+                if want:
+                    targets = [prompt[start + j + 1] for j in want]
+                    rows = logits[torch.tensor([at + j for j in want], device=logits.device)]
+                    self.prompt_logprobs.append(
+                        (seq, log_softmax_entries(rows, targets, seq.params.prompt_logprobs))
+                    )
+            if finishes_prompt(seq, n):
+                sample_rows.append(at + k - 1)
+            at += k
+        return logits[torch.tensor(sample_rows, dtype=torch.long, device=logits.device)]
 
     def inject_oom(self, times: int = 1) -> None:
         """Test hook: the next `times` forward passes fail as if the device ran out of memory."""

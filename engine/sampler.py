@@ -123,21 +123,31 @@ def token_logprobs(
     logits: torch.Tensor, params: list[SamplingParams], tokens: list[int]
 ) -> list[TokenLogprob | None]:
     """Each row's sampled token's log-probability under the model (the log-softmax of the raw
-    logits, before temperature, top-k and top-p: what the model thinks of the token, not how
-    it was drawn) with its `params.logprobs` most likely tokens'; None for rows that did not
-    ask. One log-softmax over the rows that asked, not over the batch."""
+    logits, before penalties, bias, temperature, top-k and top-p: what the model thinks of the
+    token, not how it was drawn) with its `params.logprobs` most likely tokens'; None for rows
+    that did not ask. One log-softmax over the rows that asked, not over the batch."""
     out: list[TokenLogprob | None] = [None] * len(params)
     rows = [i for i, p in enumerate(params) if p.logprobs is not None]
     if not rows:
         return out
-    lp = torch.log_softmax(logits[torch.tensor(rows, device=logits.device)].float(), dim=-1)
-    chosen = lp.gather(1, torch.tensor([[tokens[i]] for i in rows], device=lp.device))
+    index = torch.tensor(rows, device=logits.device)
     k = max(params[i].logprobs for i in rows)
-    top = lp.topk(min(k, lp.shape[-1]), dim=-1) if k else None
-    values = top.values.tolist() if top is not None else None
-    ids = top.indices.tolist() if top is not None else None
-    for j, i in enumerate(rows):
-        n = params[i].logprobs
-        alts = tuple(zip(ids[j][:n], values[j][:n], strict=True)) if n else ()
-        out[i] = TokenLogprob(tokens[i], float(chosen[j, 0]), alts)
+    entries = log_softmax_entries(logits[index], [tokens[i] for i in rows], k)
+    for i, e in zip(rows, entries, strict=True):
+        out[i] = TokenLogprob(e.token_id, e.logprob, e.top[: params[i].logprobs])
     return out
+
+
+def log_softmax_entries(rows: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprob]:
+    """For each row of logits, `targets[i]`'s log-softmax and the `k` most likely tokens'."""
+    lp = torch.log_softmax(rows.float(), dim=-1)
+    chosen = lp.gather(1, torch.tensor(targets, device=lp.device).unsqueeze(1))[:, 0].tolist()
+    ids: list[list[int]] = [[] for _ in targets]
+    values: list[list[float]] = [[] for _ in targets]
+    if k:
+        top = lp.topk(min(k, lp.shape[-1]), dim=-1)
+        ids, values = top.indices.tolist(), top.values.tolist()
+    return [
+        TokenLogprob(t, c, tuple(zip(i, v, strict=True)))
+        for t, c, i, v in zip(targets, chosen, ids, values, strict=True)
+    ]

@@ -27,6 +27,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # None: no log-probabilities; k >= 0: each sampled token's, with the k most likely tokens'
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # likewise for each prompt token after the first
     # subtracted from a token's logit once it is in the output (presence), and per time it
     # is (frequency); the prompt's tokens do not count
     presence_penalty: float = 0.0
@@ -70,14 +71,12 @@ class SamplingParams:
                 f"logit_bias={self.logit_bias!r}: expected token ids >= 0 mapped to numbers "
                 "in [-100, 100]"
             )
-        if self.logprobs is not None and (
-            not isinstance(self.logprobs, int)
-            or isinstance(self.logprobs, bool)
-            or not 0 <= self.logprobs <= MAX_LOGPROBS
-        ):
-            raise ValueError(
-                f"logprobs={self.logprobs!r}: expected None or an integer 0..{MAX_LOGPROBS}"
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (
+                not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_LOGPROBS
+            ):
+                raise ValueError(f"{name}={v!r}: expected None or an integer 0..{MAX_LOGPROBS}")
 
     @property
     def adjusts_logits(self) -> bool:

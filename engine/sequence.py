@@ -63,6 +63,8 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     # one per output token where the request asked for log-probabilities (else None)
     output_logprobs: list[TokenLogprob] | None = None
+    # one per prompt token after the first, collected as the prompt is computed, where asked
+    prompt_logprobs: list[TokenLogprob] | None = None
     status: Status = Status.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V sit in the cache
     block_table: list[int] = field(default_factory=list)
@@ -169,6 +171,8 @@ class RequestOutput:
     new_logprobs: list[TokenLogprob] | None = None
     # every output token's, on the final output of a request that asked (else None)
     final_logprobs: list[TokenLogprob] | None = None
+    # every prompt token's after the first, on the final output of a request that asked
+    final_prompt_logprobs: list[TokenLogprob] | None = None
 
     @property
     def text(self) -> str:
@@ -228,4 +232,7 @@ class RequestOutput:
             final_prompt_token_ids=list(seq.prompt_token_ids) if done else None,
             new_logprobs=new_lps,
             final_logprobs=list(lps) if done and lps is not None else None,
+            final_prompt_logprobs=list(seq.prompt_logprobs)
+            if done and seq.prompt_logprobs is not None
+            else None,
         )

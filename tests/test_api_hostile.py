@@ -190,7 +190,7 @@ REFUSED = [
     ("/v1/completions", completion(logprobs=6), "logprobs"),
     ("/v1/completions", completion(logprobs=-1), "logprobs"),
     ("/v1/completions", completion(logprobs=True), "logprobs"),
-    ("/v1/completions", completion(logprobs=1, echo=True), "logprobs"),
+    ("/v1/completions", completion(logprobs=1, echo=True, stream=True), "logprobs"),
     ("/v1/chat/completions", chat(top_logprobs=2), "top_logprobs"),
     ("/v1/chat/completions", chat(logprobs=True, top_logprobs=21), "top_logprobs"),
     ("/v1/chat/completions", chat(logprobs=1), "logprobs"),

@@ -11,6 +11,7 @@ import torch
 
 from kvguard.engine import EngineConfig, LLMEngine, SamplingParams
 from kvguard.engine.engine_loop import OutputBuffer
+from kvguard.engine.random_model import byte_tokenizer
 from kvguard.engine.sequence import RequestOutput, TokenLogprob
 from tests.test_server import Daemon
 
@@ -93,10 +94,45 @@ def test_streamed_deltas_carry_their_tokens_log_probabilities(smollm: LLMEngine)
     assert merged.new_logprobs == joined and merged.new_token_ids == deltas[-1].final_token_ids
 
 
+def test_prompt_logprobs_are_the_models_across_prefill_chunks() -> None:
+    """A request that asks for its prompt's log-probabilities gets one per prompt token after
+    the first, equal to the teacher-forced log-softmax, however its prompt is chunked; a
+    request beside it that did not ask draws exactly what it draws alone."""
+    config = EngineConfig(
+        model="smollm2-135m", kv_cache_bytes="64MiB", num_threads=2, max_num_batched_tokens=8
+    )
+    eng = LLMEngine.from_config(config, progress=False)  # prompts in chunks of at most 8
+    text = "The capital of France is Paris, and the capital of Spain is Madrid."
+    prompt = eng.tokenizer.encode(text)
+    alone = eng.generate(["1, 2, 3,"], [SamplingParams(max_tokens=4)])[0]
+    asked = SamplingParams(max_tokens=3, prompt_logprobs=2, logprobs=1)
+    out, other = eng.generate([prompt, "1, 2, 3,"], [asked, SamplingParams(max_tokens=4)])
+    assert other.token_ids == alone.token_ids and other.final_prompt_logprobs is None
+    plps = out.final_prompt_logprobs
+    assert [e.token_id for e in plps] == prompt[1:] and len(prompt) > 8
+    ref = torch.log_softmax(eng.score(prompt).float(), -1)
+    for i, e in enumerate(plps):
+        assert abs(e.logprob - ref[i, prompt[i + 1]].item()) < 1e-4, i
+        assert [t for t, _ in e.top] == ref[i].topk(2).indices.tolist()
+    # and the generation itself is the one the request gets without asking
+    plain = eng.generate([prompt], [SamplingParams(max_tokens=3)])[0]
+    assert out.token_ids == plain.token_ids and len(out.final_logprobs) == 3
+    # a step that fails (out of memory) sends the request back to recompute from its first
+    # token: the positions it already holds are not collected twice
+    rid = eng.add_request(prompt, asked)
+    eng.step()
+    eng.runner.inject_oom(1)
+    final = [o for _ in range(200) if eng.has_unfinished() for o in eng.step() if o.finished]
+    assert final[0].request_id == rid and final[0].num_preemptions == 1
+    assert final[0].final_prompt_logprobs == plps and final[0].token_ids == out.token_ids
+
+
 def test_logprobs_are_validated() -> None:
     for bad in (-1, 21, True, 2.0):
         with pytest.raises(ValueError, match="logprobs"):
             SamplingParams(logprobs=bad)
+        with pytest.raises(ValueError, match="prompt_logprobs"):
+            SamplingParams(prompt_logprobs=bad)
     assert SamplingParams(logprobs=20).logprobs == 20
     assert TokenLogprob(3, -0.5).top == ()
 
@@ -128,6 +164,34 @@ def test_completion_logprobs_streamed_and_not(daemon: Daemon) -> None:
     assert [o for s in streamed for o in s.text_offset] == lp.text_offset
     plain = c.completions.create(**{**ask, "logprobs": None}, extra_body={"ignore_eos": True})
     assert plain.choices[0].logprobs is None and plain.choices[0].text == full.choices[0].text
+
+
+def test_echo_with_logprobs_scores_the_prompt(daemon: Daemon) -> None:
+    """What an evaluation harness asks (token ids, echo, logprobs, one new token): the prompt's
+    tokens come back with their log-probabilities, the first with none; each equals the raw
+    log-probability of the same token drawn after the same prefix (forced by a logit bias,
+    which log-probabilities do not see)."""
+    c = daemon.client()
+    ids = byte_tokenizer().encode("abcab", add_special_tokens=False)
+    scored = c.completions.create(
+        model="tiny", prompt=ids, max_tokens=1, temperature=0, echo=True, logprobs=1
+    )
+    lp = scored.choices[0].logprobs
+    assert len(lp.tokens) == len(ids) + 1 and lp.tokens[: len(ids)] == list("abcab")
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(len(top) == 1 for top in lp.top_logprobs[1:])
+    assert scored.choices[0].text.startswith("abcab")
+    for i in range(1, len(ids)):
+        forced = c.completions.create(
+            model="tiny",
+            prompt=ids[:i],
+            max_tokens=1,
+            temperature=0,
+            logprobs=0,
+            logit_bias={str(ids[i]): 100},
+        )
+        assert forced.choices[0].logprobs.tokens == [lp.tokens[i]]
+        assert abs(forced.choices[0].logprobs.token_logprobs[0] - lp.token_logprobs[i]) < 1e-4
 
 
 def test_chat_logprobs_streamed_and_not(daemon: Daemon) -> None:

@@ -54,7 +54,7 @@ from kvguard.engine.model_runner import (
     ModelRunner,
     StepInput,
     build_step,
-    finishes_prompt,
+    logit_rows,
     pick_device,
     step_token_ids,
 )
@@ -271,7 +271,7 @@ class TensorParallelRunner(ModelRunner):
         t0 = time.perf_counter()
         tables = [s.block_table for s in seqs]
         starts = [s.num_computed_tokens for s in seqs]
-        sampled = [finishes_prompt(s, n) for s, n in zip(seqs, num_tokens, strict=True)]
+        sampled = [logit_rows(s, n) for s, n in zip(seqs, num_tokens, strict=True)]
         ids = step_token_ids(seqs, num_tokens)
         handles = [s.order for s in seqs]
         payload = self.encoder.encode(

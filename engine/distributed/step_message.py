@@ -29,7 +29,7 @@ class StepMessage:
     handles: list[int]  # one per scheduled sequence
     starts: list[int]  # first position computed this step
     num_tokens: list[int]
-    sampled: list[bool]
+    sampled: list[int]  # of each sequence's last rows, how many get logits (`logit_rows`)
     tables: list[tuple[bool, list[int]]]  # (append?, block ids): a delta or the whole table
     token_ids: list[int]
     every_row: bool = False  # scoring: logits of every row
@@ -50,7 +50,7 @@ class StepEncoder:
         tables: list[list[int]],
         starts: list[int],
         num_tokens: list[int],
-        sampled: list[bool],
+        sampled: list[int],
         token_ids: list[int],
         every_row: bool,
         kv_ops: list[KVOp],

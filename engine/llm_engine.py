@@ -182,9 +182,11 @@ class LLMEngine(ControlSurface):
         params = params or SamplingParams()
         params.validate()
         vocab = self.model_config.vocab_size
-        if any(t >= vocab for t in params.logit_bias):
-            bad = sorted(t for t in params.logit_bias if t >= vocab)[:5]
-            raise ValueError(f"logit_bias token ids {bad} are outside the vocabulary [0, {vocab})")
+        bad = sorted(t for t in params.logit_bias if t >= vocab)
+        if bad:
+            raise ValueError(
+                f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {vocab})"
+            )
         rank = parse_priority(priority)
         ids = self._prompt_ids(prompt, add_special_tokens)
         limit = self._max_total_len()
@@ -349,9 +351,9 @@ class LLMEngine(ControlSurface):
         for seq, entries in getattr(self.runner, "prompt_logprobs", None) or ():
             seq.prompt_logprobs.extend(entries)  # the prompt positions it lacked, in order
         # the sampled tokens' log-probabilities where asked, in the order of `tokens`
-        lps = iter(getattr(self.runner, "logprobs", None) or [None] * len(tokens))
+        lps = iter(getattr(self.runner, "logprobs", None) or ())
         done = self.scheduler.update(
-            batch, tokens, lambda seq, t: self._on_token(seq, t, now, next(lps))
+            batch, tokens, lambda seq, t: self._on_token(seq, t, now, next(lps, None))
         )
         return [RequestOutput.take(seq) for seq in done]
 

@@ -312,7 +312,7 @@ class ModelRunner:
         sample_rows, at = [], 0
         for seq, n in zip(seqs, num_tokens, strict=True):
             k = logit_rows(seq, n)
-            if k > 1 or (k == 1 and wants_prompt_logprobs(seq)):
+            if wants_prompt_logprobs(seq):  # then all its k = n rows have logits
                 start, prompt = seq.num_computed_tokens, seq.prompt_token_ids
                 have = len(seq.prompt_logprobs)  # held: positions 1..have
                 # row j predicts the token at start + j + 1; of the prompt's, those not held

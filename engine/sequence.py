@@ -28,9 +28,9 @@ def parse_priority(value: str | int) -> int:
 
 @dataclass(slots=True, frozen=True)
 class TokenLogprob:
-    """A sampled token's log-probability under the model (the log-softmax of the raw logits:
-    before temperature, top-k and top-p), and the `top` most likely tokens' as (id, logprob),
-    most likely first. On a packed CPU model whose lm_head ranks the vocabulary approximately,
+    """A token's log-probability under the model (the log-softmax of the raw logits: before
+    penalties, bias, temperature, top-k and top-p), a sampled token's or a prompt token's, and
+    the `top` most likely tokens' at its position as (id, logprob), most likely first. On a packed CPU model whose lm_head ranks the vocabulary approximately,
     the 16 best logits of each row are exact and the rest carry the ranking's int8 error
     (about three significant digits), normaliser included."""
 

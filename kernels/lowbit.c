@@ -64,13 +64,14 @@
  * codes (one stream per tile, tiles back to back) this many bytes ahead, 8-bit codes (eight
  * column streams a tile, each a row of K bytes) at the next tile's same block. Measured at
  * batch 1 on SmolLM2's projections: the 4-bit sweep about 10% faster, the 8-bit lm_head
- * about twice as fast (eight short streams the hardware prefetcher did not follow). */
+ * about twice as fast (eight short streams the hardware prefetcher did not follow). 4-bit
+ * GEMMs of more than one row group keep this distance; those of one go further (below). */
 #define AHEAD4 2048
 /* A GEMM of at most one row group (decode of a few sequences) waits on the stream alone, and
  * 2 KiB is less than one tile pair of a 576-wide projection's 4-bit codes ahead: well under
- * the memory's latency at one row's pace. It prefetches this far ahead instead; more rows
- * keep 2 KiB, where far prefetches competed with the column chunk the next row group reads
- * from L1 (batch 32 ran 6% slower with 12 KiB for every GEMM). The 4-bit prefetches fill L2,
+ * the memory's latency at one row's pace. It prefetches this far ahead instead; with more
+ * rows far prefetches competed with the column chunk the next row group reads from L1
+ * (batch 32 ran 6% slower with 12 KiB for every GEMM). The 4-bit prefetches fill L2,
  * not L1 (`_MM_HINT_T1`): into L1 they held the few L1 miss buffers the loads wait on. One row
  * over 26 MB of codes (2 Zen 4 cores): 16-18 GB/s with 2 KiB into L1, 24 with 12 KiB into L2;
  * engine decode in alternating rounds, batch 1 132 -> 152 tok/s, batch 4 level, batch 32 and

@@ -231,11 +231,9 @@ def decode_workspace_bytes(
     A maximal prefill never allocates these, so pool sizing adds them where this path serves."""
     tokens = rows * -(-max_len // block_size) * block_size
     elems = tokens * num_kv_heads * head_dim
-    cache_bytes = torch.tensor([], dtype=cache_dtype).element_size()
-    compute_bytes = torch.tensor([], dtype=dtype).element_size()
-    held = 2 * elems * cache_bytes
-    if cache_dtype == FP8_DTYPE or cache_dtype != dtype:
-        held += 2 * elems * compute_bytes
+    held = 2 * elems * cache_dtype.itemsize
+    if cache_dtype != dtype:  # an fp8 cache's dequantised copies, or another dtype's casts
+        held += 2 * elems * dtype.itemsize
     return held + tokens * (1 + 4 * num_heads)  # mask rows x len; scores rows x heads x len
 
 

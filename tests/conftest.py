@@ -55,3 +55,22 @@ def smollm2_gguf(smollm2_dir: Path, model_home: Path) -> Path:
 def tiny_dir(model_home: Path) -> Path:
     """The tiny random-weight Llama (seed 0) as a Hugging Face directory."""
     return resolve_model("tiny", model_home, progress=False)
+
+
+@pytest.fixture(scope="module")
+def smollm_engine():  # noqa: ANN201 - an LLMEngine
+    """The default model, packed as served, on a small pool: one engine per test module."""
+    from kvguard.engine import EngineConfig, LLMEngine
+
+    config = EngineConfig(model="smollm2-135m", kv_cache_bytes="64MiB", num_threads=2)
+    return LLMEngine.from_config(config, progress=False)
+
+
+@pytest.fixture(scope="module")
+def tiny_daemon(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201 - a Daemon
+    """A `kvguard serve` of the tiny model on loopback, stopped cleanly at the module's end."""
+    from tests.test_server import Daemon
+
+    d = Daemon(tmp_path_factory.mktemp("daemon"), debug_hooks=False)
+    yield d
+    assert d.stop() == 0

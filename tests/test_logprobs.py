@@ -18,12 +18,6 @@ from tests.test_server import Daemon
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4, 5,"]
 
 
-@pytest.fixture(scope="module")
-def smollm() -> LLMEngine:
-    config = EngineConfig(model="smollm2-135m", kv_cache_bytes="64MiB", num_threads=2)
-    return LLMEngine.from_config(config, progress=False)
-
-
 # The packed lm_head computes the 16 best logits of a row exactly and the rest to the int8
 # ranking's three significant digits: the log-softmax's normaliser carries that, and a prefill
 # and a decode step round the tail's activations apart (about 1e-3 here).
@@ -36,11 +30,11 @@ def reference(eng: LLMEngine, prompt: list[int], output: list[int]) -> torch.Ten
     return torch.log_softmax(logits, -1)[len(prompt) - 1 :]
 
 
-def test_each_sampled_token_gets_the_models_log_probability(smollm: LLMEngine) -> None:
+def test_each_sampled_token_gets_the_models_log_probability(smollm_engine: LLMEngine) -> None:
     """Greedy and sampled requests with and without log-probabilities in one batch: each that
     asked gets, per output token, that token's log-softmax and its k best alternatives, as the
     model computes them teacher-forced; the others get none."""
-    eng = smollm
+    eng = smollm_engine
     prompts = [eng.tokenizer.encode(p) for p in PROMPTS]
     params = [
         SamplingParams(max_tokens=8, logprobs=3, ignore_eos=True),
@@ -76,10 +70,10 @@ def _fields(p: SamplingParams) -> dict:
     return {name: getattr(p, name) for name in p.__slots__}
 
 
-def test_streamed_deltas_carry_their_tokens_log_probabilities(smollm: LLMEngine) -> None:
+def test_streamed_deltas_carry_their_tokens_log_probabilities(smollm_engine: LLMEngine) -> None:
     """Every output's `new_logprobs` matches its `new_token_ids`; joined they are the final
     list, and a consumer that falls behind gets them coalesced, none lost."""
-    eng = smollm
+    eng = smollm_engine
     rid = eng.add_request(PROMPTS[0], SamplingParams(max_tokens=6, logprobs=1, ignore_eos=True))
     deltas: list[RequestOutput] = []
     while eng.has_unfinished():
@@ -138,15 +132,8 @@ def test_logprobs_are_validated() -> None:
 
 
 # -- the OpenAI API ------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory):
-    d = Daemon(tmp_path_factory.mktemp("logprobs"), debug_hooks=False)
-    yield d
-    assert d.stop() == 0
-
-
-def test_completion_logprobs_streamed_and_not(daemon: Daemon) -> None:
-    c = daemon.client()
+def test_completion_logprobs_streamed_and_not(tiny_daemon: Daemon) -> None:
+    c = tiny_daemon.client()
     ask = {"model": "tiny", "prompt": "Hello", "max_tokens": 8, "temperature": 0, "logprobs": 2}
     full = c.completions.create(**ask, extra_body={"ignore_eos": True})
     lp = full.choices[0].logprobs
@@ -166,12 +153,12 @@ def test_completion_logprobs_streamed_and_not(daemon: Daemon) -> None:
     assert plain.choices[0].logprobs is None and plain.choices[0].text == full.choices[0].text
 
 
-def test_echo_with_logprobs_scores_the_prompt(daemon: Daemon) -> None:
+def test_echo_with_logprobs_scores_the_prompt(tiny_daemon: Daemon) -> None:
     """What an evaluation harness asks (token ids, echo, logprobs, one new token): the prompt's
     tokens come back with their log-probabilities, the first with none; each equals the raw
     log-probability of the same token drawn after the same prefix (forced by a logit bias,
     which log-probabilities do not see)."""
-    c = daemon.client()
+    c = tiny_daemon.client()
     ids = byte_tokenizer().encode("abcab", add_special_tokens=False)
     scored = c.completions.create(
         model="tiny", prompt=ids, max_tokens=1, temperature=0, echo=True, logprobs=1
@@ -194,8 +181,8 @@ def test_echo_with_logprobs_scores_the_prompt(daemon: Daemon) -> None:
         assert abs(forced.choices[0].logprobs.token_logprobs[0] - lp.token_logprobs[i]) < 1e-4
 
 
-def test_chat_logprobs_streamed_and_not(daemon: Daemon) -> None:
-    c = daemon.client()
+def test_chat_logprobs_streamed_and_not(tiny_daemon: Daemon) -> None:
+    c = tiny_daemon.client()
     ask = {
         "model": "tiny",
         "messages": [{"role": "user", "content": "Hi!"}],

@@ -8,16 +8,10 @@ from collections import Counter
 import pytest
 import torch
 
-from kvguard.engine import EngineConfig, LLMEngine, SamplingParams
+from kvguard.engine import LLMEngine, SamplingParams
 from kvguard.engine.random_model import byte_tokenizer
 from kvguard.engine.sampler import adjust_logits
 from tests.test_server import Daemon
-
-
-@pytest.fixture(scope="module")
-def smollm() -> LLMEngine:
-    config = EngineConfig(model="smollm2-135m", kv_cache_bytes="64MiB", num_threads=2)
-    return LLMEngine.from_config(config, progress=False)
 
 
 def test_penalties_and_bias_are_openais_arithmetic() -> None:
@@ -36,8 +30,8 @@ def test_penalties_and_bias_are_openais_arithmetic() -> None:
     assert adjust_logits(logits, [SamplingParams()] * 3, None) is logits
 
 
-def test_logit_bias_steers_greedy_and_sampled_draws(smollm: LLMEngine) -> None:
-    eng = smollm
+def test_logit_bias_steers_greedy_and_sampled_draws(smollm_engine: LLMEngine) -> None:
+    eng = smollm_engine
     prompt = "The capital of France is"
     plain = eng.generate([prompt], [SamplingParams(max_tokens=4, ignore_eos=True)])[0]
     forced = eng.tokenizer.encode(" banana")[0]
@@ -54,8 +48,10 @@ def test_logit_bias_steers_greedy_and_sampled_draws(smollm: LLMEngine) -> None:
         eng.add_request(prompt, SamplingParams(logit_bias={49152: 1.0}))
 
 
-def test_frequency_penalty_breaks_a_repetition_and_ignores_the_prompt(smollm: LLMEngine) -> None:
-    eng = smollm
+def test_frequency_penalty_breaks_a_repetition_and_ignores_the_prompt(
+    smollm_engine: LLMEngine,
+) -> None:
+    eng = smollm_engine
     prompt = "1, 1, 1, 1, 1, 1,"
     outs = eng.generate(
         [prompt] * 3,
@@ -84,15 +80,8 @@ def test_sampling_controls_are_validated() -> None:
             SamplingParams(**bad)
 
 
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory):
-    d = Daemon(tmp_path_factory.mktemp("controls"), debug_hooks=False)
-    yield d
-    assert d.stop() == 0
-
-
-def test_the_api_serves_penalties_and_logit_bias(daemon: Daemon) -> None:
-    c = daemon.client()
+def test_the_api_serves_penalties_and_logit_bias(tiny_daemon: Daemon) -> None:
+    c = tiny_daemon.client()
     ask = {"model": "tiny", "prompt": "Hello", "max_tokens": 6, "temperature": 0}
     plain = c.completions.create(**ask, extra_body={"ignore_eos": True})
     token = str(byte_tokenizer().encode("q", add_special_tokens=False)[0])  # the tiny model's

@@ -86,7 +86,12 @@ def fp16_bytes(model_dir: Path) -> int:
 
 class Kvguard:
     def __init__(
-        self, model: str, quantization: str, threads: int, activations: str = "int16"
+        self,
+        model: str,
+        quantization: str,
+        threads: int,
+        activations: str = "int16",
+        prefix_caching: bool = False,  # the warm-up repeats trace prompts: no head start
     ) -> None:
         from kvguard.engine import EngineConfig, LLMEngine
 
@@ -98,6 +103,7 @@ class Kvguard:
             max_num_seqs=MAX_NUM_SEQS,
             max_num_batched_tokens=MAX_BATCHED,
             num_threads=threads,
+            enable_prefix_caching=prefix_caching,
         )
         self.engine = LLMEngine.from_config(cfg, progress=False)
         self.name = f"kvguard {'fp32' if quantization == 'none' else 'packed'}"
@@ -152,7 +158,9 @@ class OpenVINO:
     FULL = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32",
             "DYNAMIC_QUANTIZATION_GROUP_SIZE": 0}  # fmt: skip
 
-    def __init__(self, gguf: Path, threads: int, full: bool = False) -> None:
+    def __init__(
+        self, gguf: Path, threads: int, full: bool = False, prefix_caching: bool = False
+    ) -> None:
         import openvino_genai as og
 
         sc = og.SchedulerConfig()
@@ -160,6 +168,7 @@ class OpenVINO:
         sc.max_num_seqs = MAX_NUM_SEQS
         sc.max_num_batched_tokens = MAX_BATCHED
         sc.dynamic_split_fuse = True
+        sc.enable_prefix_caching = prefix_caching
         props: dict[str, Any] = {"INFERENCE_NUM_THREADS": threads}
         self.full_precision = full
         if full:

@@ -47,7 +47,10 @@ class SnapshotCollector(Collector):
             usage.add_metric([tier], t.usage_ratio)
             blocks.add_metric([tier, "used"], t.blocks_used)
             blocks.add_metric([tier, "free"], t.blocks_free)
-        live = _gauge("kvguard_kv_cache_live_tokens", "Tokens whose K/V are held on the device")
+        live = _gauge(
+            "kvguard_kv_cache_live_tokens",
+            "Tokens the running sequences hold on the device (a shared prefix counts for each)",
+        )
         live.add_metric([], s.live_tokens)
         dtype = _gauge(
             "kvguard_kv_cache_dtype_info",
@@ -56,7 +59,12 @@ class SnapshotCollector(Collector):
         )
         for d in KV_DTYPES:
             dtype.add_metric([d], 1.0 if s.kv_cache_dtype == d else 0.0)
-        yield from (usage, blocks, live, dtype)
+        cached = _gauge(
+            "kvguard_prefix_cache_blocks",
+            "Device KV blocks holding reusable prompt K/V (shared in use, or free until reused)",
+        )
+        cached.add_metric([], s.prefix_cache.get("blocks", 0))
+        yield from (usage, blocks, live, dtype, cached)
 
     def _queues(self, s: EngineSnapshot):  # noqa: ANN202
         req = _gauge(
@@ -95,7 +103,17 @@ class SnapshotCollector(Collector):
             "Steps stopped between layers for a high-priority arrival (and run again)",
         )
         cut.add_metric([], s.counters.get("steps_interrupted", 0))
-        yield from (pre, adm, oom, gen, prompt, steps, cut, self._finished(s))
+        hit = CounterMetricFamily(
+            "kvguard_prefix_cache_hit_tokens",
+            "Prompt tokens whose K/V a request found in the prefix cache",
+        )
+        hit.add_metric([], s.prefix_cache.get("hit_tokens", 0))
+        queried = CounterMetricFamily(
+            "kvguard_prefix_cache_queried_tokens",
+            "Prompt tokens of requests that looked in the prefix cache as they started",
+        )
+        queried.add_metric([], s.prefix_cache.get("queried_tokens", 0))
+        yield from (pre, adm, oom, gen, prompt, steps, cut, hit, queried, self._finished(s))
 
     def _finished(self, s: EngineSnapshot) -> CounterMetricFamily:
         """Counted by the engine, where every finish passes: a request aborted because its

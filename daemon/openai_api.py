@@ -529,7 +529,7 @@ def _full_response(ctx: _Ctx, out: RequestOutput) -> dict[str, Any]:
         "created": ctx.created,
         "model": ctx.model,
         "choices": [choice],
-        "usage": usage(out.num_prompt_tokens, out.num_output_tokens),
+        "usage": usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens),
         "kvguard": _kvguard_ext(ctx, out),
     }
 
@@ -606,7 +606,9 @@ async def _sse(
         if include_usage:
             u = _chunk(ctx, None, None, False)
             u["choices"] = []
-            u["usage"] = usage(final.num_prompt_tokens, final.num_output_tokens)
+            u["usage"] = usage(
+                final.num_prompt_tokens, final.num_output_tokens, final.num_cached_tokens
+            )
             yield _sse_line(u)
         yield "data: [DONE]\n\n"
     finally:

@@ -1,24 +1,54 @@
-"""Physical KV block allocation: a free list and an owner for every block in use.
+"""Physical KV block allocation: a free list, the sequences holding each block in use, and the
+prefix cache.
 
-Accounting must be exact, so every block is either on the free list or owned by exactly one
-sequence; `audit` proves it (the property tests call it after every step). One manager serves
-the device tier and a second one the host (swap) tier.
+Accounting must be exact, so every block is either on the free list or held by the sequences
+whose tables name it; `audit` proves it (the property tests call it after every step). One
+manager serves the device tier and a second one the host (swap) tier.
+
+Prefix cache (device tier, `caching=True`). Once a block of a sequence is full and its K/V are
+computed, its content is registered under an exact key: the key of the block before it (a
+content id, 0 for the first block) and the block's own token ids. A request whose leading
+full blocks match registered keys starts with those blocks in its table and its computed
+count past them, so its prompt runs only from the first block not found (always at least its
+last token, whose logits it samples). K/V depend only on the tokens before and at a position,
+so a cached block holds exactly what the request would compute (up to the rounding of another
+batch shape). Keys are compared whole, not by a hash, so two different prefixes can never share
+K/V, whatever their tokens. A block holding registered content is shared read-only: a sequence
+writes only at positions past its computed count, which lie in blocks of its own.
+
+A freed block keeps its content and its key until the free list hands it out again: the free
+list is ordered by release, least recently released first, and a sequence releases its last
+block first, so the ends of prefixes are reused before their starts. Cached blocks count as
+free everywhere (admission, pressure, remedies): the cache never holds memory a request needs.
+A pool rebuild (the live KV dtype switch) drops the cache: converted K/V are not what a request
+computes in the new dtype.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterable
 
 from kvguard.engine.sequence import Sequence
 
+# (content id of the block before, 0 for a first block; the block's token ids)
+BlockKey = tuple[int, tuple[int, ...]]
+
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, caching: bool = False) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
-        self._owner: dict[int, str] = {}
+        self.caching = caching
+        # free blocks, least recently released first (a dict keeps order and removes in O(1))
+        self._free: dict[int, None] = dict.fromkeys(range(num_blocks))
+        self._holders: dict[int, set[str]] = {}  # block in use -> request ids holding it
+        # prefix cache: key -> block, and back; a block's content id chains the next key
+        self._cache: dict[BlockKey, int] = {}
+        self._key_of: dict[int, BlockKey] = {}
+        self._content_of: dict[int, int] = {}
+        self._next_content = 1
+        self.hit_tokens = 0  # prompt tokens served from the cache
+        self.queried_tokens = 0  # prompt tokens of admissions that looked
 
     @property
     def num_free(self) -> int:
@@ -28,6 +58,11 @@ class BlockManager:
     def num_used(self) -> int:
         return self.num_blocks - len(self._free)
 
+    @property
+    def num_cached(self) -> int:
+        """Blocks holding reusable K/V (in use or free); free ones are handed out last."""
+        return len(self._cache)
+
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
@@ -35,22 +70,35 @@ class BlockManager:
         return len(self._free) - n >= reserve
 
     # -- raw blocks -----------------------------------------------------------------------
+    def _pop_free(self) -> int:
+        b = next(iter(self._free))
+        del self._free[b]
+        key = self._key_of.pop(b, None)
+        if key is not None:  # its cached content is overwritten from now on
+            del self._cache[key]
+            del self._content_of[b]
+        return b
+
     def take(self, owner: str, n: int) -> list[int]:
         if n > len(self._free):
             raise RuntimeError(f"{owner} needs {n} blocks: only {len(self._free)} free")
-        ids = [self._free.popleft() for _ in range(n)]
+        ids = [self._pop_free() for _ in range(n)]
         for b in ids:
-            self._owner[b] = owner
+            self._holders[b] = {owner}
         return ids
 
     def give(self, owner: str, ids: list[int]) -> None:
-        for b in ids:
-            if self._owner.get(b) != owner:
+        """Release `owner`'s hold on `ids`, last block first; a block nobody holds is free."""
+        for b in reversed(ids):
+            holders = self._holders.get(b)
+            if holders is None or owner not in holders:
                 raise RuntimeError(
-                    f"block {b} returned by {owner} but owned by {self._owner.get(b)}"
+                    f"block {b} returned by {owner} but held by {sorted(holders or ())}"
                 )
-            del self._owner[b]
-            self._free.append(b)
+            holders.discard(owner)
+            if not holders:
+                del self._holders[b]
+                self._free[b] = None
 
     # -- device blocks of a sequence ------------------------------------------------------
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
@@ -72,35 +120,97 @@ class BlockManager:
             + position % self.block_size
         )
 
+    # -- prefix cache ---------------------------------------------------------------------
+    def _key(self, seq: Sequence, i: int, parent: int) -> BlockKey:
+        bs = self.block_size
+        return parent, tuple(seq.token_slice(i * bs, (i + 1) * bs))
+
+    def match(self, seq: Sequence) -> int:
+        """Give a sequence with nothing computed the cached blocks its tokens begin with; its
+        computed count moves past them. At least its last token is left to compute. Returns
+        the tokens found."""
+        if not self.caching or seq.block_table or seq.num_computed_tokens:
+            return 0
+        parent, table, contents = 0, [], []
+        for i in range((seq.num_tokens - 1) // self.block_size):
+            b = self._cache.get(self._key(seq, i, parent))
+            if b is None:
+                break
+            if b in self._free:
+                del self._free[b]
+                self._holders[b] = set()
+            self._holders[b].add(seq.request_id)
+            parent = self._content_of[b]
+            table.append(b)
+            contents.append(parent)
+        seq.block_table, seq.block_contents = table, contents
+        seq.num_computed_tokens = len(table) * self.block_size
+        return seq.num_computed_tokens
+
+    def unmatch(self, seq: Sequence) -> None:
+        """Undo `match` for a sequence that could not start after all."""
+        self.free(seq)
+        seq.num_computed_tokens = 0
+        seq.block_contents = []
+
+    def record(self, queried: int, hit: int) -> None:
+        self.queried_tokens += queried
+        self.hit_tokens += hit
+
+    def commit(self, seq: Sequence) -> None:
+        """Register the blocks of `seq` that are full and computed since the last call."""
+        if not self.caching:
+            return
+        contents = seq.block_contents
+        for i in range(len(contents), seq.num_computed_tokens // self.block_size):
+            key = self._key(seq, i, contents[-1] if contents else 0)
+            b = self._cache.get(key)
+            if b is None:  # new content: this sequence's block holds it from now on
+                b = seq.block_table[i]
+                self._cache[key], self._key_of[b] = b, key
+                self._content_of[b] = self._next_content
+                self._next_content += 1
+            contents.append(self._content_of[b])
+
     # -- pool rebuild ---------------------------------------------------------------------
     def resize(self, new_n: int) -> dict[int, int]:
         """Renumber for a pool of `new_n` blocks; returns old -> new id of every used block.
 
-        Blocks below `new_n` keep their ids; those above move to the lowest free ids.
+        Blocks below `new_n` keep their ids; those above move to the lowest free ids. The
+        prefix cache is dropped (the pool is rebuilt in another dtype).
         """
         if self.num_used > new_n:
             raise RuntimeError(f"{self.num_used} blocks in use do not fit a pool of {new_n}")
-        used = set(self._owner)
+        self._cache.clear()
+        self._key_of.clear()
+        self._content_of.clear()
+        used = set(self._holders)
         spare = iter(b for b in range(new_n) if b not in used)
         moves = {b: (b if b < new_n else next(spare)) for b in sorted(used)}
-        self._owner = {moves[b]: o for b, o in self._owner.items()}
-        taken = set(self._owner)
-        self._free = deque(b for b in range(new_n) if b not in taken)
+        self._holders = {moves[b]: h for b, h in self._holders.items()}
+        self._free = dict.fromkeys(b for b in range(new_n) if b not in self._holders)
         self.num_blocks = new_n
         return moves
 
     def audit(self, tables: Iterable[tuple[str, list[int]]]) -> None:
-        """Raise AssertionError unless free and owned blocks partition the pool exactly."""
-        free = list(self._free)
-        assert len(set(free)) == len(free), "a block is on the free list twice"
+        """Raise AssertionError unless free and held blocks partition the pool exactly, and
+        only cached (read-only) blocks are shared."""
+        free = set(self._free)
         assert all(0 <= b < self.num_blocks for b in free), "free list holds an id outside the pool"
-        seen: dict[int, str] = {}
+        seen: dict[int, set[str]] = {}
         for owner, table in tables:
             for b in table:
-                assert b not in seen, f"block {b} used by {seen.get(b)} and {owner}"
-                seen[b] = owner
-        assert not set(free) & set(seen), "a block is both free and in use"
-        assert seen == self._owner, "owner map disagrees with the block tables"
+                holders = seen.setdefault(b, set())
+                assert owner not in holders, f"block {b} twice in the table of {owner}"
+                assert not holders or b in self._key_of, (
+                    f"block {b} used by {sorted(holders)} and {owner} but holds no cached content"
+                )
+                holders.add(owner)
+        assert not free & set(seen), "a block is both free and in use"
+        assert seen == self._holders, "holder map disagrees with the block tables"
         assert len(free) + len(seen) == self.num_blocks, (
             f"{self.num_blocks - len(free) - len(seen)} blocks leaked"
         )
+        for key, b in self._cache.items():
+            assert self._key_of.get(b) == key and b in self._content_of, f"cache entry {b} torn"
+        assert len(self._key_of) == len(self._cache) == len(self._content_of), "cache torn"

@@ -154,6 +154,13 @@ class EngineConfig:
     enable_chunked_prefill: bool = knob(
         True, section="serving", doc="split long prompts over steps (else one step holds a prompt)"
     )
+    enable_prefix_caching: bool = knob(
+        True,
+        section="serving",
+        doc="keep computed prompt blocks for reuse: a request whose prompt begins with the "
+        "same full blocks (a shared system prompt, an earlier turn) skips computing them; "
+        "cached blocks count as free and are overwritten least recently used first",
+    )
     max_num_batched_tokens: int = knob(
         2048, section="serving", ge=1, doc="tokens one step may process, prefill and decode"
     )

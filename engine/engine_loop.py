@@ -370,6 +370,7 @@ def _failed_output(stream: RequestStream) -> RequestOutput:
         finished=True,
         priority=last.priority if last else "normal",
         num_preemptions=last.num_preemptions if last else 0,
+        num_cached_tokens=last.num_cached_tokens if last else 0,
         ttft_s=last.ttft_s if last else None,
         queue_time_s=last.queue_time_s if last else None,
         final_text="",

@@ -85,7 +85,9 @@ class LLMEngine(ControlSurface):
         self.events = EventBus()
         self.mailbox = Mailbox()
         kv = runner.kv_cache
-        self.block_manager = BlockManager(kv.num_blocks, config.block_size)
+        self.block_manager = BlockManager(
+            kv.num_blocks, config.block_size, caching=config.enable_prefix_caching
+        )
         self.host_block_manager = BlockManager(kv.num_host_blocks, config.block_size)
         controller = None
         if config.admission is not None and config.admission.enable:

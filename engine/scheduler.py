@@ -279,6 +279,7 @@ class Scheduler:
     def _recompute(self, seq: Sequence) -> str:
         self.bm.free(seq)
         seq.num_computed_tokens = 0
+        seq.block_contents = []
         self.add(seq)
         self.preemptions["recompute"] += 1
         self.emit("preempted", request_id=seq.request_id, mode="recompute", priority=seq.priority)
@@ -365,19 +366,32 @@ class Scheduler:
                 gated = True
                 i += 1
                 continue
+            hit = self._match(seq)
             n = self._chunk(seq, budget)
             if not n or not self._slot_for(seq, batch) or not self._room_for(seq, n, batch):
+                if hit:
+                    self.bm.unmatch(seq)
                 if not was_admitted:
                     self.policy.cancel_start(seq)  # committed just now but cannot start
                 break
+            if self.bm.caching and seq.prompt_logprobs is None:
+                self.bm.record(seq.num_tokens, hit)
             self.waiting.pop(i)
             self.bm.allocate(seq, n)
             seq.status, seq.held = Status.RUNNING, False
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.monotonic()
+                seq.num_cached_tokens = hit
             self.running.append(seq)
             batch.add(seq, n)
             budget -= n
+
+    def _match(self, seq: Sequence) -> int:
+        """Start `seq` from the cached blocks its tokens begin with (the prefix cache); a
+        request for its prompt's log-probabilities computes every position itself."""
+        if seq.prompt_logprobs is not None:
+            return 0
+        return self.bm.match(seq)
 
     # -- after the model ran ----------------------------------------------------------------
     def update(
@@ -391,6 +405,7 @@ class Scheduler:
         Returns the sequences that got a token, in batch order."""
         for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
             seq.num_computed_tokens += n
+            self.bm.commit(seq)
         done = [s for s in batch.seqs if s.num_computed_tokens == s.num_tokens]
         for seq, token in zip(done, tokens, strict=True):
             on_token(seq, token)

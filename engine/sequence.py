@@ -69,6 +69,8 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose K/V sit in the cache
     block_table: list[int] = field(default_factory=list)
     host_block_table: list[int] = field(default_factory=list)  # while swapped out
+    # prefix-cache content id of each full computed block (BlockManager.commit), in order
+    block_contents: list[int] = field(default_factory=list)
     max_tokens: int = 0  # effective limit: params.max_tokens, lowered by a max-token cap
     truncated: bool = False  # finished at a cap below what the request asked for
     held: bool = False  # evicted: readmitted only once pressure has eased
@@ -84,6 +86,7 @@ class Sequence:
     first_scheduled_time: float | None = None
     last_token_time: float | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when it first started
 
     def __post_init__(self) -> None:
         if not self.max_tokens:
@@ -161,6 +164,7 @@ class RequestOutput:
     finished: bool
     priority: str = "normal"
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     ttft_s: float | None = None
     truncated: bool = False  # stopped by a max-token cap below the requested max_tokens
     queue_time_s: float | None = None  # arrival until first scheduled
@@ -222,6 +226,7 @@ class RequestOutput:
             finished=done,
             priority=PRIORITY_NAMES[seq.priority],
             num_preemptions=seq.num_preemptions,
+            num_cached_tokens=seq.num_cached_tokens,
             ttft_s=ttft,
             truncated=seq.truncated,
             queue_time_s=None

@@ -39,7 +39,7 @@ class EngineSnapshot:
     block_size: int
     device: TierStats
     host: TierStats
-    live_tokens: int  # tokens whose K/V are held in the device cache
+    live_tokens: int  # tokens the running sequences hold (a shared prefix counts for each)
     queues: dict[str, dict[str, int]]  # waiting/running/swapped -> priority -> count
     kv_cache_dtype: str
     knobs: dict[str, object]  # every control-surface value now in force
@@ -52,6 +52,8 @@ class EngineSnapshot:
     events: dict[str, int] = field(default_factory=dict)
     # finish_reason -> priority -> requests finished so far (aborts included: see LLMEngine._finish)
     finished: dict[str, dict[str, int]] = field(default_factory=dict)
+    # prefix cache: blocks holding reusable K/V; prompt tokens found / looked up at admission
+    prefix_cache: dict[str, int] = field(default_factory=dict)
 
     # -- shorthands used by benchmarks, rules and metrics ---------------------------------
     @property
@@ -149,4 +151,9 @@ def build_snapshot(engine: LLMEngine) -> EngineSnapshot:
         tpot_p50_s=_median(engine._tpot),
         events=dict(engine.events.counts),
         finished={reason: dict(n) for reason, n in engine._finished.items()},
+        prefix_cache={
+            "blocks": engine.block_manager.num_cached,
+            "hit_tokens": engine.block_manager.hit_tokens,
+            "queried_tokens": engine.block_manager.queried_tokens,
+        },
     )

@@ -3,6 +3,7 @@ acts on the engine under load and undoes when the load is gone, all of it in the
 
 from __future__ import annotations
 
+import itertools
 import json
 import signal
 import sqlite3
@@ -89,8 +90,12 @@ class SteadyLoad:
             t.start()
 
     def _client(self, d: Daemon, tokens: int) -> None:
-        body = {"model": "tiny", "prompt": "load " * 20, "max_tokens": tokens, "ignore_eos": True}
-        while not self.done.is_set():
+        # each request its own prompt: the prefix cache would share one prompt's blocks
+        body = {"model": "tiny", "max_tokens": tokens, "ignore_eos": True}
+        for k in itertools.count():
+            if self.done.is_set():
+                break
+            body["prompt"] = f"{threading.get_ident()} {k} " + "load " * 20
             httpx.post(d.url + "/v1/completions", timeout=300, json=body)
 
     def stop(self) -> None:

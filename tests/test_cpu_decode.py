@@ -26,7 +26,15 @@ MIXED: list[int] = []  # a mark for each C layer call with both decode rows and 
 
 @pytest.fixture(scope="module")
 def engine() -> LLMEngine:
-    cfg = EngineConfig(model="smollm2-135m", kv_cache_bytes="64MiB", num_threads=2, max_num_seqs=8)
+    # each test runs one workload twice (C path, per-op path) and compares them step by step:
+    # the prefix cache would let the second run skip the first's prompt blocks
+    cfg = EngineConfig(
+        model="smollm2-135m",
+        kv_cache_bytes="64MiB",
+        num_threads=2,
+        max_num_seqs=8,
+        enable_prefix_caching=False,
+    )
     eng = LLMEngine.from_config(cfg, progress=False)
     yield eng
     eng.shutdown()

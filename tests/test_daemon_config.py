@@ -391,6 +391,7 @@ KNOB_SAMPLES: dict[tuple[str, ...], tuple[dict[str, dict[str, object]], object]]
     ("prefill_while_decoding",): ({"serving": {"prefill_while_decoding": 64}}, 64),
     ("num_threads",): ({"serving": {"num_threads": 3}}, 3),
     ("cuda_graphs",): ({"serving": {"cuda_graphs": True}}, True),
+    ("enable_prefix_caching",): ({"serving": {"enable_prefix_caching": False}}, False),
     ("num_gpu_blocks",): ({"serving": {"num_gpu_blocks": 100}}, 100),
     ("oom_quiet_period_s",): ({"serving": {"oom_quiet_period": "2m"}}, 120.0),
     ("tensor_parallel",): ({"serving": {"tensor_parallel": 2}}, 2),

@@ -94,8 +94,8 @@ def test_switch_back_refused_while_live_tokens_do_not_fit() -> None:
         kv_cache_bytes="2MiB", kv_cache_dtype="fp8_e4m3", prefill_while_decoding=2048
     )
     fp8_blocks = engine.snapshot().blocks_total
-    long = [3 + i % 200 for i in range(600)]
-    rids = [engine.add_request(long, greedy(64)) for _ in range(8)]
+    # eight different prompts: the prefix cache would hold one prompt's blocks once
+    rids = [engine.add_request([3 + k + i % 200 for i in range(600)], greedy(64)) for k in range(8)]
     for _ in range(4):
         engine.step()
     used = engine.snapshot().blocks_used

@@ -1,0 +1,280 @@
+"""The prefix cache: a request whose prompt begins with full blocks another request computed
+starts past them, with exactly the tokens it gets without the cache; cached blocks count as
+free and yield to any request that needs them; keys are exact; a KV dtype switch drops them."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from kvguard.engine import EngineConfig, LLMEngine, SamplingParams
+from kvguard.engine.block_manager import BlockManager
+from kvguard.engine.sequence import Sequence
+
+
+def _seq(rid: str, tokens) -> Sequence:  # noqa: ANN001 - any int iterable
+    return Sequence(rid, list(tokens), SamplingParams(), 0, 0, 10_000)
+
+
+def _compute(bm: BlockManager, seq: Sequence, n: int) -> None:
+    """What a step does to `seq`'s blocks: room for `n` tokens, computed, full blocks kept."""
+    bm.allocate(seq, n)
+    seq.num_computed_tokens += n
+    bm.commit(seq)
+
+
+# -- the block manager --------------------------------------------------------------------
+
+
+def test_keys_are_whole_prefixes_and_the_last_token_is_always_computed() -> None:
+    bm = BlockManager(16, 4, caching=True)
+    a = _seq("a", range(10))
+    _compute(bm, a, 6)
+    _compute(bm, a, 4)  # 10 tokens in two steps: blocks 0-3 and 4-7 are full
+    assert bm.num_cached == 2 and a.block_contents[0] != a.block_contents[1]
+    b = _seq("b", [*range(8), 99, 98])
+    assert bm.match(b) == 8 and b.block_table == a.block_table[:2]
+    # the same second block after a different first block is other content
+    c = _seq("c", [9, 1, 2, 3, 4, 5, 6, 7, 8])
+    assert bm.match(c) == 0 and c.block_table == []
+    # a prompt of exactly two cached blocks leaves its last block to compute (its logits)
+    d = _seq("d", range(8))
+    assert bm.match(d) == 4 and d.num_computed_tokens == 4
+    bm.audit([("a", a.block_table), ("b", b.block_table), ("c", []), ("d", d.block_table)])
+    assert bm.num_used == 3  # a's three blocks, shared
+    # b runs on: its third block is its own, written past its computed count
+    _compute(bm, b, 2)
+    assert b.block_table[:2] == a.block_table[:2] and b.block_table[2] not in a.block_table
+    bm.audit([("a", a.block_table), ("b", b.block_table), ("d", d.block_table)])
+    for s in (a, b, d):
+        bm.free(s)
+    assert bm.num_free == 16 and bm.num_cached == 2
+
+
+def test_freed_blocks_stay_cached_and_are_reused_last_block_first() -> None:
+    bm = BlockManager(8, 4, caching=True)
+    a = _seq("a", range(13))
+    _compute(bm, a, 13)
+    assert bm.num_cached == 3
+    bm.free(a)
+    assert bm.num_free == 8 and bm.num_cached == 3  # free, content kept
+    other = _seq("o", [500] * 24)
+    bm.allocate(other, 24)  # the 5 never-used blocks, then a's last full block
+    assert bm.num_cached == 2
+    again = _seq("again", range(13))
+    assert bm.match(again) == 8  # a's first two blocks survive
+    bm.audit([("o", other.block_table), ("again", again.block_table)])
+
+
+def test_audit_refuses_a_shared_block_without_cached_content() -> None:
+    bm = BlockManager(8, 4, caching=True)
+    a = _seq("a", range(6))
+    _compute(bm, a, 6)  # block 1 is partial: not cached, a's alone
+    partial = a.block_table[1]
+    bm._holders[partial].add("b")
+    with pytest.raises(AssertionError, match="holds no cached content"):
+        bm.audit([("a", a.block_table), ("b", [partial])])
+
+
+def test_pool_rebuild_drops_the_cache_and_caching_off_keeps_nothing() -> None:
+    bm = BlockManager(8, 4, caching=True)
+    a = _seq("a", range(9))
+    _compute(bm, a, 9)
+    moves = bm.resize(6)
+    a.block_table = [moves[b] for b in a.block_table]
+    assert bm.num_cached == 0 and bm.match(_seq("b", range(9))) == 0
+    bm.audit([("a", a.block_table)])
+    off = BlockManager(8, 4)
+    c = _seq("c", range(9))
+    _compute(off, c, 9)
+    assert off.num_cached == 0 and off.match(_seq("d", range(9))) == 0
+
+
+# -- the engine ---------------------------------------------------------------------------
+
+
+def _engine(**kw: object) -> LLMEngine:
+    kw.setdefault("kv_cache_bytes", "32MiB")
+    kw.setdefault("num_threads", 2)
+    return LLMEngine.from_config(EngineConfig(model="tiny", **kw), progress=False)
+
+
+def _run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    rids = [engine.add_request(p, params) for p in prompts]
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        engine.audit_blocks()
+    return [done[r].token_ids for r in rids]
+
+
+def _step_tokens(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
+    """Record the tokens each step computes per sequence."""
+    seen: list[list[int]] = []
+    schedule = engine.scheduler.schedule
+
+    def recording():  # noqa: ANN202
+        batch = schedule()
+        seen.append(list(batch.num_tokens))
+        return batch
+
+    monkeypatch.setattr(engine.scheduler, "schedule", recording)
+    return seen
+
+
+GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
+SYSTEM = [3 + (i * 7) % 250 for i in range(64)]  # four full blocks of 16
+
+
+@pytest.fixture(scope="module")
+def uncached() -> LLMEngine:
+    return _engine(enable_prefix_caching=False)
+
+
+def test_a_repeated_prompt_computes_only_its_last_block(
+    uncached: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = _engine()
+    prompt = [*SYSTEM, 9, 10, 11]  # 67 tokens: 4 full blocks
+    first = _run(engine, [prompt], GREEDY)
+    steps = _step_tokens(engine, monkeypatch)
+    rid = engine.add_request(prompt, GREEDY)
+    outs = [o for _ in range(50) if engine.has_unfinished() for o in engine.step()]
+    final = outs[-1]
+    assert final.request_id == rid and final.token_ids == first[0]
+    assert steps[0] == [3] and final.num_cached_tokens == 64  # 67 - 64 prompt tokens computed
+    assert first == _run(uncached, [prompt], GREEDY)
+    snap = engine.snapshot()
+    assert snap.prefix_cache["hit_tokens"] == 64
+    assert snap.prefix_cache["queried_tokens"] == 2 * len(prompt)
+    assert snap.blocks_free == snap.blocks_total and snap.prefix_cache["blocks"] >= 4
+
+
+def test_running_requests_share_a_system_prompt(uncached: LLMEngine) -> None:
+    engine = _engine()
+    prompts = [[*SYSTEM, *range(20 + 10 * k, 30 + 10 * k)] for k in range(4)]
+    engine.add_request(prompts[0], GREEDY)
+    engine.step()  # the first prompt's blocks are computed and cached
+    rids = [engine.add_request(p, GREEDY) for p in prompts[1:]]
+    engine.step()
+    engine.audit_blocks()
+    seqs = [engine._seqs[r] for r in rids]
+    assert all(s.num_cached_tokens == 64 for s in seqs)
+    held = sum(len(s.block_table) for s in engine.scheduler.running)
+    # four requests of five blocks each hold 5 + 3 * 1 distinct blocks (plus one for the
+    # first request's decode)
+    assert engine.snapshot().blocks_used <= held - 3 * 4
+    while engine.has_unfinished():
+        engine.step()
+        engine.audit_blocks()
+    # and each answer is the one computed without the cache
+    assert _run(engine, prompts, GREEDY) == _run(uncached, prompts, GREEDY)
+
+
+def test_cached_blocks_yield_to_pressure(uncached: LLMEngine) -> None:
+    """The cache holds nothing a request needs: a workload that fills the pool preempts no
+    more with a full cache than with caching off."""
+    engine = _engine(num_gpu_blocks=24, max_num_seqs=8, max_num_batched_tokens=64)
+    ref = _engine(
+        num_gpu_blocks=24, max_num_seqs=8, max_num_batched_tokens=64, enable_prefix_caching=False
+    )
+    _run(engine, [[7 + k] * 40 for k in range(6)], SamplingParams(max_tokens=1))
+    assert engine.snapshot().prefix_cache["blocks"] >= 12
+    work = [[100 + k * 3 + i % 3 for i in range(30)] for k in range(8)]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    assert _run(engine, work, params) == _run(ref, work, params)
+    assert engine.snapshot().num_preemptions == ref.snapshot().num_preemptions > 0
+    snap = engine.snapshot()
+    assert snap.blocks_free == snap.blocks_total
+
+
+def test_a_preempted_request_recomputes_from_its_cached_blocks() -> None:
+    engine = _engine(num_gpu_blocks=12, max_num_seqs=4, max_num_batched_tokens=64)
+    prompts = [[11 + k + i % 5 for i in range(40)] for k in range(3)]
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    got = _run(engine, prompts, params)
+    snap = engine.snapshot()
+    assert snap.preemptions["recompute"] > 0
+    # each recompute found at least the prompt's full blocks it had computed before
+    assert snap.prefix_cache["hit_tokens"] >= 32 * snap.preemptions["recompute"]
+    assert got == _run(_engine(enable_prefix_caching=False), prompts, params)
+
+
+def test_prompt_logprobs_compute_the_whole_prompt(uncached: LLMEngine) -> None:
+    engine = _engine()
+    prompt = [*SYSTEM, 5]
+    _run(engine, [prompt], GREEDY)
+    hits = engine.snapshot().prefix_cache["hit_tokens"]
+    asked = SamplingParams(max_tokens=2, prompt_logprobs=1)
+    out = engine.generate([prompt], [asked])[0]
+    ref = uncached.generate([prompt], [asked])[0]
+    assert engine.snapshot().prefix_cache["hit_tokens"] == hits
+    assert len(out.final_prompt_logprobs) == len(prompt) - 1
+    assert [e.token_id for e in out.final_prompt_logprobs] == prompt[1:]
+    for e, r in zip(out.final_prompt_logprobs, ref.final_prompt_logprobs, strict=True):
+        assert abs(e.logprob - r.logprob) < 1e-4
+
+
+def test_a_kv_dtype_switch_drops_the_cache() -> None:
+    engine = _engine(kv_cache_bytes="4MiB")
+    prompt = [*SYSTEM, 1, 2]
+    _run(engine, [prompt], GREEDY)
+    assert engine.snapshot().prefix_cache["blocks"] >= 4
+    fut = engine.set_kv_cache_dtype("fp8_e4m3")
+    engine.step()
+    assert fut.result(0).ok
+    assert engine.snapshot().prefix_cache["blocks"] == 0
+    before = engine.snapshot().prefix_cache["hit_tokens"]
+    _run(engine, [prompt], GREEDY)  # computed again, in fp8, and cached again
+    assert engine.snapshot().prefix_cache["hit_tokens"] == before
+    _run(engine, [prompt], GREEDY)
+    assert engine.snapshot().prefix_cache["hit_tokens"] == before + 64
+
+
+def test_the_default_model_answers_alike_with_a_shared_system_prompt(
+    smollm_engine: LLMEngine,
+) -> None:
+    """Chat turns with one system prompt through the real model: the later ones start from
+    the first one's blocks and answer exactly as an engine without the cache does."""
+    system = (
+        "You are a careful assistant for a railway company. Answer in one short sentence, "
+        "name the station when you know it, and never invent timetables or platform numbers."
+    )
+    questions = ["Where does the night train stop?", "What is a platform?", "Who drives it?"]
+    tok = smollm_engine.tokenizer
+    prompts = [
+        tok.apply_chat_template(
+            [{"role": "system", "content": system}, {"role": "user", "content": q}]
+        )
+        for q in questions
+    ]
+    params = SamplingParams(max_tokens=12)
+    cached = [smollm_engine.generate([p], [params])[0] for p in prompts]
+    assert all(o.num_cached_tokens >= 32 for o in cached[1:])
+    ref = LLMEngine.from_config(
+        EngineConfig(
+            model="smollm2-135m",
+            kv_cache_bytes="64MiB",
+            num_threads=2,
+            enable_prefix_caching=False,
+        ),
+        progress=False,
+    )
+    assert [o.token_ids for o in cached] == [o.token_ids for o in ref.generate(prompts, params)]
+
+
+def test_usage_and_metrics_report_cached_tokens(tiny_daemon) -> None:  # noqa: ANN001
+    client = openai.OpenAI(base_url=tiny_daemon.url + "/v1", api_key="x")
+    prompt = " ".join(["alpha beta gamma delta"] * 12)
+    first = client.completions.create(model="tiny", prompt=prompt, max_tokens=2)
+    second = client.completions.create(model="tiny", prompt=prompt, max_tokens=2)
+    n = second.usage.prompt_tokens
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens == (n - 1) // 16 * 16 > 0
+    text = httpx.get(tiny_daemon.url + "/metrics").text
+    hit = [ln for ln in text.splitlines() if ln.startswith("kvguard_prefix_cache_hit_tokens_total")]
+    assert hit and float(hit[0].split()[-1]) >= (n - 1) // 16 * 16
+    assert "kvguard_prefix_cache_blocks " in text

@@ -130,6 +130,7 @@ def _load(path: Path) -> ctypes.CDLL:
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = _GEMM_ARGS, ctypes.c_int
     lib.kvg_vnni.argtypes, lib.kvg_vnni.restype = [_INT], _INT
+    lib.kvg_amx.argtypes, lib.kvg_amx.restype = [_INT], _INT
     lib.kvg_quantize_rows.argtypes = [_PTR, _I64, _I64, _I64, _INT, _PTR, _PTR, _PTR]
     lib.kvg_quantize_rows.restype = ctypes.c_int
     _F = ctypes.c_float
@@ -244,6 +245,19 @@ def vnni(on: bool | None = None) -> bool:
     before = lib.kvg_vnni(-1 if on is None else int(on))
     if before == -2:
         raise ValueError("this CPU lacks AVX-512 VNNI: the integer dots stay on AVX2")
+    return bool(before)
+
+
+def amx(on: bool | None = None) -> bool:
+    """Whether `fine` 4-bit GEMMs of 16 rows or more (prompt chunks) run on the AMX tile unit:
+    on by default where the CPU has AMX-INT8 (and AVX-512 VNNI) and Linux grants the tile
+    state, same bits as the VNNI dots. `on` switches it (tests, benchmarks); True where AMX is
+    not available raises ValueError. Returns the state before."""
+    lib = library()
+    assert lib is not None, "cpu_lowbit.library() is None: check available() first"
+    before = lib.kvg_amx(-1 if on is None else int(on))
+    if before == -2:
+        raise ValueError("no AMX here (the CPU lacks AMX-INT8 or Linux refused the tile state)")
     return bool(before)
 
 

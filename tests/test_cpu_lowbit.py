@@ -361,3 +361,39 @@ def test_two_processes_compiling_at_once_both_load_one_library(tmp_path: Path) -
     assert [p.wait(timeout=300) for p in procs] == [0, 0]
     built = list((tmp_path / "kernels").iterdir())
     assert len(built) == 1 and built[0].name.startswith("kvguard-cpu-") and built[0].suffix == ".so"
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "asym64"])
+def test_the_amx_tiles_give_the_vnni_dots_bits(fmt: str) -> None:
+    """Where the CPU has AMX-INT8 (and Linux grants the tile state) 4-bit GEMMs with int16
+    activations take sixteen rows at a time through the tile unit by default, with the VNNI
+    dots' bits: rows in whole sixteens and a remainder, past a 128-row stretch, ten column tiles
+    (pairs, each thread's lone last one with two threads), a pair holding padding columns,
+    threads one and two. Fewer than 16 rows and int8 activations stay on the dots. Without
+    AMX asking for it is refused. (The C side asks cpuid and Linux; this reads the flags.)"""
+    have = {"amx_tile", "amx_int8", "avx512_vnni"} <= cpu_lowbit.cpu_flags()
+    assert cpu_lowbit.amx() == have
+    if not have:
+        with pytest.raises(ValueError, match="no AMX"):
+            cpu_lowbit.amx(True)
+        assert cpu_lowbit.amx() is False
+        return
+    threads_before = torch.get_num_threads()
+    try:
+        for out in (75, 128, 200):
+            spec = gguf_like(fmt, out, 576, seed=5)
+            layers = [QuantizedLinear(spec), QuantizedLinear(spec, approximate=True)]
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                for rows in (1, 15, 16, 17, 31, 32, 100, 160, 333):
+                    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows)) * 3
+                    for layer in layers:
+                        cpu_lowbit.amx(True)
+                        tiles = layer(x)
+                        assert cpu_lowbit.amx(False) is True
+                        dots = layer(x)
+                        assert torch.equal(tiles, dots), (fmt, out, layer.fine, rows, threads)
+    finally:
+        cpu_lowbit.amx(True)
+        torch.set_num_threads(threads_before)
+    assert cpu_lowbit.amx() is True

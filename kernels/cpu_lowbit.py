@@ -131,6 +131,7 @@ def _load(path: Path) -> ctypes.CDLL:
         fn.argtypes, fn.restype = _GEMM_ARGS, ctypes.c_int
     lib.kvg_vnni.argtypes, lib.kvg_vnni.restype = [_INT], _INT
     lib.kvg_amx.argtypes, lib.kvg_amx.restype = [_INT], _INT
+    lib.kvg_amx_bf16.argtypes, lib.kvg_amx_bf16.restype = [_INT], _INT
     lib.kvg_quantize_rows.argtypes = [_PTR, _I64, _I64, _I64, _INT, _PTR, _PTR, _PTR]
     lib.kvg_quantize_rows.restype = ctypes.c_int
     _F = ctypes.c_float
@@ -258,6 +259,22 @@ def amx(on: bool | None = None) -> bool:
     before = lib.kvg_amx(-1 if on is None else int(on))
     if before == -2:
         raise ValueError("no AMX here (the CPU lacks AMX-INT8 or Linux refused the tile state)")
+    return bool(before)
+
+
+def amx_bf16(on: bool | None = None) -> bool:
+    """Whether `fine` 4-bit GEMMs of 128 rows or more (long prompt chunks) run as bf16 tiles in
+    fp32 accumulators: weights dequantised sixteen columns at a time and, like the activations,
+    split into two bf16 parts (about 2^-16 of each value kept), no per-block scaling. On by
+    default where the CPU has AMX-BF16 and Linux grants the tile state; not the integer dots'
+    bits but as close to the unquantised product (about 1.5e-5 of the largest output against
+    2e-5 for the int16 dots). `on` switches it; True where it is not available raises
+    ValueError. Returns the state before."""
+    lib = library()
+    assert lib is not None, "cpu_lowbit.library() is None: check available() first"
+    before = lib.kvg_amx_bf16(-1 if on is None else int(on))
+    if before == -2:
+        raise ValueError("no AMX-BF16 here (the CPU lacks it or Linux refused the tile state)")
     return bool(before)
 
 

@@ -615,6 +615,174 @@ static int gemm_panels(const int bits, const float *x, int64_t M, int64_t K, int
     return 0;
 }
 
+/* ---- AMX-BF16: prompt rows of 4-bit weights in fp32 accumulators on the tile unit ----------
+ * The integer tiles above still scale every block's sums in floats (a group of 32 weights has
+ * its own d and m). This path folds the scales into the weights instead, as the fp32 panels do
+ * (`panel4`: sixteen columns dequantised, w = d q + m), and gives the tile unit the weights and
+ * the activations each as two bf16 parts, v = hi + lo (hi: v with its low 16 bits cut, exact;
+ * lo: the rest rounded to bf16), so v is held to about 2^-16 of itself. `tdpbf16ps` then sums
+ * hi*hi + hi*lo + lo*hi (the lo*lo term is below 2^-16 relative) into one fp32 tile per
+ * sixteen rows and columns over the whole K: no per-block float work at all. Its products are
+ * exact in fp32 and its sums fp32, so the result sits as close to the fp32 panels' (the
+ * unquantised activations times the stored weight) as fp32 sums of another order do. */
+#define BF_FN __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl")))
+#define BF_GROUP 32                /* rows two C tiles hold */
+/* From this many rows: the panels' dequantisation is shared by enough rows (SmolLM2's
+ * projections, 2 threads: 0.6-1.0x the integer tiles at 48-64 rows, 1.1-1.4x at 96, 1.27-1.34x
+ * from 128) */
+#define BF_MIN_ROWS 128
+#define BF_STRETCH_BYTES (1 << 20) /* activations (hi + lo) a row stretch keeps in L2 */
+
+static int amx_bf16_on = -1;
+
+static int amx_bf16_supported(void) {
+    unsigned a, b, c, d;
+    __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
+    return (d >> 22 & 1) && amx_supported(); /* AMX-BF16, and the tile state granted */
+}
+
+/* on: 1 or 0 sets (1 only where AMX-BF16 is available), -1 only reads. Returns the state
+ * before, or -2 when asked for it where it is not available (nothing changed). */
+int kvg_amx_bf16(int on) {
+    if (amx_bf16_on < 0) amx_bf16_on = amx_bf16_supported();
+    const int before = amx_bf16_on;
+    if (on == 1 && !amx_bf16_supported()) return -2;
+    if (on == 0 || on == 1) amx_bf16_on = on;
+    return before;
+}
+
+/* 16 floats split: hi (bits with the low half cut) and lo (the remainder, rounded to nearest
+ * even), each as the top 16 bits of its 32-bit lane. */
+static inline __attribute__((always_inline)) BF_FN void bf_split(__m512 v, __m512i *hi, __m512i *lo) {
+    const __m512i bits = _mm512_castps_si512(v), top = _mm512_set1_epi32((int)0xffff0000u);
+    *hi = _mm512_and_si512(bits, top);
+    const __m512i r = _mm512_castps_si512(_mm512_sub_ps(v, _mm512_castsi512_ps(*hi)));
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(r, 16), _mm512_set1_epi32(1));
+    *lo = _mm512_and_si512(_mm512_add_epi32(r, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd)), top);
+}
+
+/* Rows of x (fp32) as bf16 hi and lo parts, row-major [rows][K] each. */
+static BF_FN void bf_rows(const float *x, int64_t rows, int64_t K, int64_t ldx, uint16_t *xh,
+                          uint16_t *xl) {
+    for (int64_t i = 0; i < rows; ++i)
+        for (int64_t k = 0; k < K; k += 32) {
+            __m512i h0, l0, h1, l1;
+            bf_split(_mm512_loadu_ps(x + i * ldx + k), &h0, &l0);
+            bf_split(_mm512_loadu_ps(x + i * ldx + k + 16), &h1, &l1);
+            /* each lane's top half, packed: 16 bf16 */
+            _mm256_storeu_si256((__m256i *)(xh + i * K + k), _mm512_cvtepi32_epi16(_mm512_srli_epi32(h0, 16)));
+            _mm256_storeu_si256((__m256i *)(xh + i * K + k + 16), _mm512_cvtepi32_epi16(_mm512_srli_epi32(h1, 16)));
+            _mm256_storeu_si256((__m256i *)(xl + i * K + k), _mm512_cvtepi32_epi16(_mm512_srli_epi32(l0, 16)));
+            _mm256_storeu_si256((__m256i *)(xl + i * K + k + 16), _mm512_cvtepi32_epi16(_mm512_srli_epi32(l1, 16)));
+        }
+}
+
+/* An fp32 panel p[K][16] as the tile unit's B operand, hi and lo: row j of a 32-deep slice holds
+ * each column's weights 2j and 2j+1 (a bf16 pair in a 32-bit lane), slices 1 KiB apart. */
+static BF_FN void bf_panel(const float *p, int64_t K, uint32_t *bh, uint32_t *bl) {
+    for (int64_t k = 0; k < K; k += 2) {
+        __m512i h0, l0, h1, l1;
+        bf_split(_mm512_load_ps(p + k * PANEL), &h0, &l0);
+        bf_split(_mm512_load_ps(p + (k + 1) * PANEL), &h1, &l1);
+        _mm512_store_si512(bh + k / 2 * 16, _mm512_or_si512(h1, _mm512_srli_epi32(h0, 16)));
+        _mm512_store_si512(bl + k / 2 * 16, _mm512_or_si512(l1, _mm512_srli_epi32(l0, 16)));
+    }
+}
+
+static BF_FN void bf_begin(void) {
+    amx_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    /* 0, 1: sums of rows 0-15 and 16-31; 2, 3: their activations' hi and lo for rows 0-15,
+     * 4, 5 for rows 16-31; 6, 7: the weights' hi and lo */
+    for (int t = 0; t < 8; ++t) c.rows[t] = 16, c.colsb[t] = 64;
+    _tile_loadconfig(&c);
+}
+
+#define BF_TILE(C, AH, AL, row)                                                               \
+    _tile_loadd(AH, xh + (row) * K + s * 32, 2 * K);                                          \
+    _tile_loadd(AL, xl + (row) * K + s * 32, 2 * K);                                          \
+    _tile_dpbf16ps(C, AH, 6);                                                                 \
+    _tile_dpbf16ps(C, AH, 7);                                                                 \
+    _tile_dpbf16ps(C, AL, 6);
+
+/* out = x W^T for 4-bit codes, from BF_GROUP rows: see above. Returns 0, or -1 when the
+ * workspace could not be allocated (nothing written). */
+static BF_FN int gemm_amx_bf16(const float *x, int64_t M, int64_t K, int64_t ldx,
+                               const uint8_t *wc, const uint16_t *wd, const uint16_t *wm,
+                               int64_t N, int64_t bpg, float *out, int64_t ldo, int threads) {
+    const int64_t nb = K / QK, groups = nb / bpg, tiles = (N + 7) / 8, panels = (tiles + 1) / 2;
+    const int64_t tile_bytes = 8 * K / 2, Mpad = (M + BF_GROUP - 1) / BF_GROUP * BF_GROUP;
+    int64_t stretch = BF_STRETCH_BYTES / (4 * K) / BF_GROUP * BF_GROUP;
+    if (stretch < BF_GROUP) stretch = BF_GROUP;
+    if (threads > panels) threads = (int)panels;
+    if (threads < 1) threads = 1;
+    const size_t xbytes = ((size_t)(Mpad * K) * sizeof(uint16_t) + 63) & ~(size_t)63;
+    /* a thread's fp32 panel, its hi and lo tiles, and a 32 x 16 spill for partial tiles */
+    const size_t own = (size_t)K * PANEL * sizeof(float) * 2 + 32 * 16 * sizeof(float);
+    char *ws = aligned_alloc(64, 2 * xbytes + own * (size_t)threads);
+    if (!ws) return -1;
+    uint16_t *xh = (uint16_t *)ws, *xl = (uint16_t *)(ws + xbytes);
+    memset(xh + M * K, 0, (size_t)((Mpad - M) * K) * sizeof(uint16_t));
+    memset(xl + M * K, 0, (size_t)((Mpad - M) * K) * sizeof(uint16_t));
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        int t, T;
+        team_place(&t, &T);
+        const int64_t r0 = M * t / T, r1 = M * (t + 1) / T;
+        bf_rows(x + r0 * ldx, r1 - r0, K, ldx, xh + r0 * K, xl + r0 * K);
+#pragma omp barrier
+        float *p = (float *)(ws + 2 * xbytes + own * (size_t)t);
+        uint32_t *bh = (uint32_t *)(p + K * PANEL), *bl = bh + K / 2 * 16;
+        float *spill = (float *)(bl + K / 2 * 16);
+        const int64_t p0 = panels * t / T, p1 = panels * (t + 1) / T;
+        __asm__ volatile("" ::: "memory");
+        bf_begin();
+        for (int64_t c0 = 0; c0 < Mpad; c0 += stretch) {
+            const int64_t c1 = c0 + stretch < Mpad ? c0 + stretch : Mpad;
+            for (int64_t q = p0; q < p1; ++q) {
+                for (int h = 0; h < 2; ++h) {
+                    const int64_t tl = 2 * q + h;
+                    if (tl >= tiles) { /* an odd tile count: the panel's second half is zero */
+                        for (int64_t k = 0; k < K; ++k) _mm256_store_ps(p + k * PANEL + 8, _mm256_setzero_ps());
+                        continue;
+                    }
+                    const uint16_t *d = wd + tl * groups * 8, *m = wm ? wm + tl * groups * 8 : NULL;
+                    panel4(wc + tl * tile_bytes, d, m, nb, bpg, p + 8 * h);
+                }
+                bf_panel(p, K, bh, bl);
+                __asm__ volatile("" ::: "memory");
+                const int64_t valid = N - q * PANEL < PANEL ? N - q * PANEL : PANEL;
+                for (int64_t m0 = c0; m0 < c1; m0 += BF_GROUP) {
+                    _tile_zero(0);
+                    _tile_zero(1);
+                    for (int64_t s = 0; s < K / 32; ++s) {
+                        _tile_loadd(6, bh + s * 256, 64);
+                        _tile_loadd(7, bl + s * 256, 64);
+                        BF_TILE(0, 2, 3, m0)
+                        BF_TILE(1, 4, 5, m0 + 16)
+                    }
+                    float *o = out + m0 * ldo + q * PANEL;
+                    if (valid == PANEL && m0 + BF_GROUP <= M) {
+                        _tile_stored(0, o, 4 * ldo);
+                        _tile_stored(1, o + 16 * ldo, 4 * ldo);
+                    } else { /* padding rows or columns: through the spill */
+                        _tile_stored(0, spill, 64);
+                        _tile_stored(1, spill + 256, 64);
+                        const __mmask16 mask = (__mmask16)((1u << valid) - 1);
+                        for (int64_t r = 0; r < BF_GROUP && m0 + r < M; ++r)
+                            _mm512_mask_storeu_ps(o + r * ldo, mask, _mm512_load_ps(spill + 16 * r));
+                    }
+                }
+            }
+        }
+        _tile_release();
+    }
+    free(ws);
+    return 0;
+}
+#undef BF_TILE
+
 /* out[M][ldo] (first N columns) = x[M][K] (row stride ldx) times W^T; returns 0, -1 when the
  * workspace could not be allocated, -2 on a shape the layout cannot hold. The codes and the
  * scales hold ceil(N/8)*8 columns (padding columns are zero). `fine`: int16 activations. */
@@ -624,6 +792,9 @@ static int gemm(const int bits, const float *x, int64_t M, int64_t K, int64_t ld
     if (K % (2 * QK) || bpg < 1 || (K / QK) % bpg || (bits == BITS_8V && fine)) return -2;
     if (threads < 1) threads = 1;
     const int vnni = kvg_vnni(-1) == 1, amx = vnni && kvg_amx(-1) == 1;
+    if (fine && bits == 4 && M >= BF_MIN_ROWS && kvg_amx_bf16(-1) == 1 && K % 32 == 0 &&
+        gemm_amx_bf16(x, M, K, ldx, wc, wd, wm, N, bpg, out, ldo, threads) == 0)
+        return 0;
     if (fine && M >= (vnni && bits == 4 ? kvg_panel_rows_vnni4 : kvg_panel_rows))
         return gemm_panels(bits, x, M, K, ldx, wc, wd, wm, N, bpg, out, ldo, threads);
     const int64_t nb = K / QK, tiles = (N + 7) / 8;

@@ -379,6 +379,7 @@ def test_the_amx_tiles_give_the_vnni_dots_bits(fmt: str) -> None:
         assert cpu_lowbit.amx() is False
         return
     threads_before = torch.get_num_threads()
+    bf16_before = cpu_lowbit.amx_bf16(False)  # long prompt chunks: bf16 tiles, other bits
     try:
         for out in (75, 128, 200):
             spec = gguf_like(fmt, out, 576, seed=5)
@@ -395,5 +396,48 @@ def test_the_amx_tiles_give_the_vnni_dots_bits(fmt: str) -> None:
                         assert torch.equal(tiles, dots), (fmt, out, layer.fine, rows, threads)
     finally:
         cpu_lowbit.amx(True)
+        cpu_lowbit.amx_bf16(bf16_before)
         torch.set_num_threads(threads_before)
     assert cpu_lowbit.amx() is True
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "asym64"])
+def test_bf16_tiles_hold_long_chunks_to_the_unquantised_product(fmt: str) -> None:
+    """Where the CPU has AMX-BF16 a 4-bit GEMM of 128 rows or more sums two bf16 parts of each
+    weight and activation on the tile unit: as close to the unquantised activations times the
+    stored weight (in fp64) as the int16 dots, or closer, for whole and partial row groups
+    (rows padded to 32), a past-the-stretch row count at K 1536, a pair of column tiles holding
+    padding columns and an odd tile count, threads one and two; below 128 rows the integer
+    paths serve, the same bits as with it off. Without it asking for it is refused."""
+    have = {"amx_tile", "amx_bf16"} <= cpu_lowbit.cpu_flags() and cpu_lowbit.amx()
+    assert cpu_lowbit.amx_bf16() == have
+    if not have:
+        with pytest.raises(ValueError, match="no AMX-BF16"):
+            cpu_lowbit.amx_bf16(True)
+        assert cpu_lowbit.amx_bf16() is False
+        return
+    threads_before = torch.get_num_threads()
+    try:
+        for out, cols in ((75, 576), (128, 576), (200, 1536)):
+            spec = gguf_like(fmt, out, cols, seed=7)
+            layer = QuantizedLinear(spec)
+            stored = weight_as_stored(spec).double()
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                for rows in (127, 128, 129, 160, 333):
+                    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows)) * 3
+                    want = x.double() @ stored.T
+                    cpu_lowbit.amx_bf16(True)
+                    tiles = layer(x)
+                    assert cpu_lowbit.amx_bf16(False) is True
+                    dots = layer(x)
+                    if rows < 128:
+                        assert torch.equal(tiles, dots), (fmt, out, rows, threads)
+                        continue
+                    err = (tiles.double() - want).abs().max() / want.abs().max()
+                    dots_err = (dots.double() - want).abs().max() / want.abs().max()
+                    assert err <= max(3e-5, dots_err), (fmt, out, rows, threads, err, dots_err)
+    finally:
+        cpu_lowbit.amx_bf16(True)
+        torch.set_num_threads(threads_before)
+    assert cpu_lowbit.amx_bf16() is True

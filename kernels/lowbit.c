@@ -792,11 +792,11 @@ static int gemm(const int bits, const float *x, int64_t M, int64_t K, int64_t ld
     if (K % (2 * QK) || bpg < 1 || (K / QK) % bpg || (bits == BITS_8V && fine)) return -2;
     if (threads < 1) threads = 1;
     const int vnni = kvg_vnni(-1) == 1, amx = vnni && kvg_amx(-1) == 1;
-    if (fine && bits == 4 && M >= BF_MIN_ROWS && kvg_amx_bf16(-1) == 1 && K % 32 == 0 &&
-        gemm_amx_bf16(x, M, K, ldx, wc, wd, wm, N, bpg, out, ldo, threads) == 0)
-        return 0;
     if (fine && M >= (vnni && bits == 4 ? kvg_panel_rows_vnni4 : kvg_panel_rows))
         return gemm_panels(bits, x, M, K, ldx, wc, wd, wm, N, bpg, out, ldo, threads);
+    if (fine && bits == 4 && M >= BF_MIN_ROWS && amx && kvg_amx_bf16(-1) == 1 &&
+        gemm_amx_bf16(x, M, K, ldx, wc, wd, wm, N, bpg, out, ldo, threads) == 0)
+        return 0;
     const int64_t nb = K / QK, tiles = (N + 7) / 8;
     const int mode = !fine ? Q_INT8 : bits == 4 ? Q_HILO : Q_INT16;
     if (threads > tiles) threads = (int)tiles;

@@ -304,6 +304,9 @@ def test_the_vnni_dots_give_the_avx2_dots_bits(fmt: str) -> None:
     layers = [QuantizedLinear(spec), QuantizedLinear(spec, approximate=True)]
     before = {b: cpu_lowbit.panel_rows(1 << 30, bits=b) for b in (4, 8)}  # dots at any batch
     threads_before = torch.get_num_threads()
+    # long chunks would leave the integers for bf16 tiles on an AMX CPU (the integer tiles
+    # keep the dots' bits: see the next tests)
+    bf16 = cpu_lowbit.amx_bf16(False) if cpu_lowbit.amx() else False
     try:
         for threads in (1, 2):
             torch.set_num_threads(threads)
@@ -317,6 +320,8 @@ def test_the_vnni_dots_give_the_avx2_dots_bits(fmt: str) -> None:
                     assert torch.equal(fast, plain), (fmt, layer.fine, rows, threads)
     finally:
         cpu_lowbit.vnni(True)
+        if bf16:
+            cpu_lowbit.amx_bf16(True)
         for b, rows in before.items():
             cpu_lowbit.panel_rows(rows, bits=b)
         torch.set_num_threads(threads_before)

@@ -241,11 +241,16 @@ def vnni(on: bool | None = None) -> bool:
     AVX-512 VNNI copy: on by default where the CPU has AVX-512 F/BW/VL/VNNI, same bits as the
     AVX2 copy. `on` switches it (tests, benchmarks); True on a CPU without VNNI raises
     ValueError. Returns the state before."""
+    return _switch("kvg_vnni", on, "this CPU lacks AVX-512 VNNI: the integer dots stay on AVX2")
+
+
+def _switch(fn: str, on: bool | None, refusal: str) -> bool:
+    """Read (`on` None) or set one of the library's CPU-path switches; the state before."""
     lib = library()
     assert lib is not None, "cpu_lowbit.library() is None: check available() first"
-    before = lib.kvg_vnni(-1 if on is None else int(on))
+    before = getattr(lib, fn)(-1 if on is None else int(on))
     if before == -2:
-        raise ValueError("this CPU lacks AVX-512 VNNI: the integer dots stay on AVX2")
+        raise ValueError(refusal)
     return bool(before)
 
 
@@ -254,12 +259,9 @@ def amx(on: bool | None = None) -> bool:
     on by default where the CPU has AMX-INT8 (and AVX-512 VNNI) and Linux grants the tile
     state, same bits as the VNNI dots. `on` switches it (tests, benchmarks); True where AMX is
     not available raises ValueError. Returns the state before."""
-    lib = library()
-    assert lib is not None, "cpu_lowbit.library() is None: check available() first"
-    before = lib.kvg_amx(-1 if on is None else int(on))
-    if before == -2:
-        raise ValueError("no AMX here (the CPU lacks AMX-INT8 or Linux refused the tile state)")
-    return bool(before)
+    return _switch(
+        "kvg_amx", on, "no AMX here (the CPU lacks AMX-INT8 or Linux refused the tile state)"
+    )
 
 
 def amx_bf16(on: bool | None = None) -> bool:
@@ -270,12 +272,9 @@ def amx_bf16(on: bool | None = None) -> bool:
     bits but as close to the unquantised product (about 1.5e-5 of the largest output against
     2e-5 for the int16 dots). `on` switches it; True where it is not available raises
     ValueError. Returns the state before."""
-    lib = library()
-    assert lib is not None, "cpu_lowbit.library() is None: check available() first"
-    before = lib.kvg_amx_bf16(-1 if on is None else int(on))
-    if before == -2:
-        raise ValueError("no AMX-BF16 here (the CPU lacks it or Linux refused the tile state)")
-    return bool(before)
+    return _switch(
+        "kvg_amx_bf16", on, "no AMX-BF16 here (the CPU lacks it or Linux refused the tile state)"
+    )
 
 
 def w4a8(

@@ -348,7 +348,6 @@ static AMX_FN void amx_pair(int64_t m0, int64_t m1, int64_t K, const int8_t *xh,
                             int64_t ldo, float *acc) {
     const int64_t nb = K / QK, rows = m1 - m0, groups = rows / AMX_ROWS;
     float *corr = acc + AMX_STRETCH * 16;
-    const __m512i lo4 = _mm512_set1_epi8(0x0f);
     const int has_m = wm != NULL;
     int32_t sums[2][AMX_SUMS] __attribute__((aligned(64)));
     __m512i codes[8] __attribute__((aligned(64)));
@@ -361,12 +360,8 @@ static AMX_FN void amx_pair(int64_t m0, int64_t m1, int64_t K, const int8_t *xh,
             dv = cols16(wd + g * 8, wd1 + g * 8);
             if (has_m) mv = cols16(wm + g * 8, wm1 + g * 8);
         }
-        const uint8_t *p = wc + b * (8 * QK / 2), *p1 = p + tile_bytes;
-        for (int j = 0; j < 4; ++j) {
-            const __m512i v = codes16(p + 32 * j, p1 + 32 * j);
-            codes[2 * j] = _mm512_and_si512(v, lo4);
-            codes[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
-        }
+        const uint8_t *p = wc + b * (8 * QK / 2);
+        unpack16(p, p + tile_bytes, codes);
         __asm__ volatile("" ::: "memory"); /* tileloadd reads memory GCC does not see it read */
         _tile_loadd(4, codes, 64);
         const int64_t x = m0 * K + b * QK, step = AMX_ROWS * K;
@@ -520,6 +515,23 @@ static void panel8(const uint8_t *wc, const uint16_t *wd, const uint16_t *wm, in
     }
 }
 
+/* Panel q of a GEMM's weight: its two column tiles (2q, 2q + 1) into p[K][PANEL], the second
+ * half zero where the tile count is odd. */
+static void fill_panel(const int bits, const uint8_t *wc, const uint16_t *wd, const uint16_t *wm,
+                       int64_t q, int64_t tiles, int64_t K, int64_t bpg, float *p) {
+    const int64_t nb = K / QK, groups = nb / bpg, tile_bytes = 8 * (bits == 4 ? K / 2 : K);
+    for (int h = 0; h < 2; ++h) {
+        const int64_t tl = 2 * q + h;
+        if (tl >= tiles) {
+            for (int64_t k = 0; k < K; ++k) _mm256_store_ps(p + k * PANEL + 8, _mm256_setzero_ps());
+            continue;
+        }
+        const uint16_t *d = wd + tl * groups * 8, *m = wm ? wm + tl * groups * 8 : NULL;
+        if (bits == 4) panel4(wc + tl * tile_bytes, d, m, nb, bpg, p + 8 * h);
+        else panel8(wc + tl * tile_bytes, d, m, K, bpg, p + 8 * h);
+    }
+}
+
 /* out[rows][0..valid) (+)= x[rows][k0..k1) times the panel's rows k0..k1; `rows` 1..PANEL_ROWS,
  * a constant once inlined; `add`: accumulate onto what an earlier stretch of k wrote. */
 static inline __attribute__((always_inline)) void panel_block(const int rows, const float *x,
@@ -562,9 +574,7 @@ static inline __attribute__((always_inline)) void panel_block(const int rows, co
 static int gemm_panels(const int bits, const float *x, int64_t M, int64_t K, int64_t ldx,
                        const uint8_t *wc, const uint16_t *wd, const uint16_t *wm, int64_t N,
                        int64_t bpg, float *out, int64_t ldo, int threads) {
-    const int64_t nb = K / QK, groups = nb / bpg, tiles = (N + 7) / 8;
-    const int64_t panels = (tiles + 1) / 2;
-    const int64_t tile_bytes = 8 * (bits == 4 ? K / 2 : K);
+    const int64_t tiles = (N + 7) / 8, panels = (tiles + 1) / 2;
     if (threads > panels) threads = (int)panels;
     const size_t pbytes = ((size_t)K * PANEL * sizeof(float) + 63) & ~(size_t)63;
     char *ws = aligned_alloc(64, pbytes * (size_t)threads);
@@ -580,16 +590,7 @@ static int gemm_panels(const int bits, const float *x, int64_t M, int64_t K, int
         for (int64_t c0 = 0; c0 < M; c0 += PANEL_MC) {
             const int64_t c1 = c0 + PANEL_MC < M ? c0 + PANEL_MC : M;
             for (int64_t q = p0; q < p1; ++q) {
-                for (int h = 0; h < 2; ++h) {
-                    const int64_t tl = 2 * q + h;
-                    if (tl >= tiles) { /* an odd tile count: the panel's second half is zero */
-                        for (int64_t k = 0; k < K; ++k) _mm256_store_ps(p + k * PANEL + 8, _mm256_setzero_ps());
-                        continue;
-                    }
-                    const uint16_t *d = wd + tl * groups * 8, *m = wm ? wm + tl * groups * 8 : NULL;
-                    if (bits == 4) panel4(wc + tl * tile_bytes, d, m, nb, bpg, p + 8 * h);
-                    else panel8(wc + tl * tile_bytes, d, m, K, bpg, p + 8 * h);
-                }
+                fill_panel(bits, wc, wd, wm, q, tiles, K, bpg, p);
                 const int64_t valid = N - q * PANEL;
                 /* stretches of k whose panel rows stay in L1 while every row group passes */
                 for (int64_t k0 = 0; k0 < K; k0 += PANEL_KC) {
@@ -711,8 +712,8 @@ static BF_FN void bf_begin(void) {
 static BF_FN int gemm_amx_bf16(const float *x, int64_t M, int64_t K, int64_t ldx,
                                const uint8_t *wc, const uint16_t *wd, const uint16_t *wm,
                                int64_t N, int64_t bpg, float *out, int64_t ldo, int threads) {
-    const int64_t nb = K / QK, groups = nb / bpg, tiles = (N + 7) / 8, panels = (tiles + 1) / 2;
-    const int64_t tile_bytes = 8 * K / 2, Mpad = (M + BF_GROUP - 1) / BF_GROUP * BF_GROUP;
+    const int64_t tiles = (N + 7) / 8, panels = (tiles + 1) / 2;
+    const int64_t Mpad = (M + BF_GROUP - 1) / BF_GROUP * BF_GROUP;
     int64_t stretch = BF_STRETCH_BYTES / (4 * K) / BF_GROUP * BF_GROUP;
     if (stretch < BF_GROUP) stretch = BF_GROUP;
     if (threads > panels) threads = (int)panels;
@@ -741,15 +742,7 @@ static BF_FN int gemm_amx_bf16(const float *x, int64_t M, int64_t K, int64_t ldx
         for (int64_t c0 = 0; c0 < Mpad; c0 += stretch) {
             const int64_t c1 = c0 + stretch < Mpad ? c0 + stretch : Mpad;
             for (int64_t q = p0; q < p1; ++q) {
-                for (int h = 0; h < 2; ++h) {
-                    const int64_t tl = 2 * q + h;
-                    if (tl >= tiles) { /* an odd tile count: the panel's second half is zero */
-                        for (int64_t k = 0; k < K; ++k) _mm256_store_ps(p + k * PANEL + 8, _mm256_setzero_ps());
-                        continue;
-                    }
-                    const uint16_t *d = wd + tl * groups * 8, *m = wm ? wm + tl * groups * 8 : NULL;
-                    panel4(wc + tl * tile_bytes, d, m, nb, bpg, p + 8 * h);
-                }
+                fill_panel(4, wc, wd, wm, q, tiles, K, bpg, p);
                 bf_panel(p, K, bh, bl);
                 __asm__ volatile("" ::: "memory");
                 const int64_t valid = N - q * PANEL < PANEL ? N - q * PANEL : PANEL;

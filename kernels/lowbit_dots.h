@@ -228,6 +228,18 @@ static inline __attribute__((always_inline)) DOTS_FN __m512i codes16(const uint8
                               _mm256_loadu_si256((const __m256i *)b), 1);
 }
 
+/* A block's 4-bit codes of two tiles (at p and p1) as eight registers of sixteen columns:
+ * w[2j] the low nibbles of quarter j (weights 8j..8j+3), w[2j+1] the high ones (8j+4..8j+7). */
+static inline __attribute__((always_inline)) DOTS_FN void unpack16(const uint8_t *p, const uint8_t *p1,
+                                                                   __m512i *w) {
+    const __m512i lo4 = _mm512_set1_epi8(0x0f);
+    for (int j = 0; j < 4; ++j) {
+        const __m512i v = codes16(p + 32 * j, p1 + 32 * j);
+        w[2 * j] = _mm512_and_si512(v, lo4);
+        w[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
+    }
+}
+
 /* A block's integer column sums s into a row's accumulators: s d e, and m es for the mins
  * (kept apart until the end, as the AVX2 copy keeps them). */
 static inline __attribute__((always_inline)) DOTS_FN void scale16(__m512i s, __m512 dv, __m512 mv,
@@ -291,7 +303,6 @@ static inline __attribute__((always_inline)) DOTS_FN void tile16_vnni(
     const uint16_t *wm, const uint16_t *wd1, const uint16_t *wm1, int64_t bpg, float *out,
     int64_t ldo, int64_t valid, int64_t ahead) {
     const int64_t nb = K / QK;
-    const __m512i lo4 = _mm512_set1_epi8(0x0f);
     const int has_m = wm != NULL;
     __m512 acc[MRV], corr[MRV];
     for (int r = 0; r < rows; ++r) acc[r] = corr[r] = _mm512_setzero_ps();
@@ -308,11 +319,7 @@ static inline __attribute__((always_inline)) DOTS_FN void tile16_vnni(
         _mm_prefetch((const char *)(p1 + ahead), _MM_HINT_T1);
         _mm_prefetch((const char *)(p1 + ahead + 64), _MM_HINT_T1);
         __m512i w[8];
-        for (int j = 0; j < 4; ++j) {
-            const __m512i v = codes16(p + 32 * j, p1 + 32 * j);
-            w[2 * j] = _mm512_and_si512(v, lo4);
-            w[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
-        }
+        unpack16(p, p1, w);
         if (rows >= 3) {
             __m512i hs[MRV];
             for (int r = 0; r < rows; ++r) hs[r] = _mm512_setzero_si512();

@@ -11,6 +11,7 @@ import pytest
 from kvguard.engine import EngineConfig, LLMEngine, SamplingParams
 from kvguard.engine.block_manager import BlockManager
 from kvguard.engine.sequence import Sequence
+from tests.test_admission_predicted import run_all
 
 
 def _seq(rid: str, tokens) -> Sequence:  # noqa: ANN001 - any int iterable
@@ -102,12 +103,7 @@ def _engine(**kw: object) -> LLMEngine:
 
 def _run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
     rids = [engine.add_request(p, params) for p in prompts]
-    done = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-        engine.audit_blocks()
+    done = run_all(engine)  # block accounting audited after every step
     return [done[r].token_ids for r in rids]
 
 

@@ -9,7 +9,10 @@ activations quantised to int8 per block of 32, each block a `vpmaddubsw` dot wit
 instead: the kernel dequantises sixteen weight columns at a time into an fp32 panel and
 multiplies the activations as they are. Where the CPU has AVX-512 VNNI the integer dots run
 a VNNI copy compiled into the same library (`vnni()`; same bits); for 4-bit weights it leads
-or ties the panels at any batch, so they take the dots at every batch there. The C source
+or ties the panels at any batch, so they take the dots at every batch there. Where it has
+AMX (and Linux grants the tile state), 4-bit prompt rows go to the tile unit: integer tiles
+from 16 rows (`amx()`; the dots' bits) and bf16 tiles summed in fp32 from 128 (`amx_bf16()`;
+two bf16 parts of each weight and activation, as close to the fp32 product). The C source
 ships with the package and is compiled once per source and flags into the kvguard cache
 (`$KVGUARD_HOME/kernels`, default `~/.cache/kvguard/kernels`), written under a temporary name
 and renamed, so two processes compiling at once both end with a whole library. ctypes drops the GIL for the call.

@@ -233,7 +233,8 @@ class Service:
         log.error("orderly exit did not finish within %gs; exiting now", FATAL_EXIT_DEADLINE_S)
         self._exit_now(f"engine failed: {self.loop.fatal}")
 
-    async def serve(self) -> int:
+    async def serve(self, sock: socket.socket | None = None) -> int:
+        """Serve HTTP until stopped: on `sock` (bound by `bind_api`), or on api.host:port."""
         from kvguard.daemon.app import create_app
 
         config = uvicorn.Config(
@@ -255,7 +256,7 @@ class Service:
         if self.loop.fatal is not None:  # failed between READY and now: the hook found no server
             self._begin_exit(aio, server)
         try:
-            await server.serve()
+            await server.serve(sockets=None if sock is None else [sock])
         finally:
             self.close()
         return self.exit_code
@@ -520,6 +521,26 @@ class Service:
         }
 
 
+def bind_api(host: str, port: int) -> socket.socket:
+    """The API's socket, bound (not listening: a client gets a refusal, not a wait, until
+    the daemon serves). Bound before the model loads, so a taken port fails the start at once
+    rather than after minutes of loading, and no connection the daemon itself opens meanwhile
+    (tensor-parallel workers, the audit database) can take the port as its own local one."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ApiBindError(f"cannot bind the API to {host}:{port}: {e.strerror or e}") from e
+    return sock
+
+
+class ApiBindError(RuntimeError):
+    """api.host:api.port cannot be bound (taken, or not an address of this host)."""
+
+
 def run(cfg: DaemonConfig, config_path: Path | None = None) -> int:
     configure_logging()
     svc = Service(cfg, config_path)
@@ -528,9 +549,15 @@ def run(cfg: DaemonConfig, config_path: Path | None = None) -> int:
     signal.signal(signal.SIGHUP, svc._sighup_before_serving)
     log.info("starting (pid %d); SIGHUP is ignored until ready", os.getpid())
     try:
+        sock = bind_api(cfg.api.host, cfg.api.port)
+    except ApiBindError as e:
+        log.error("%s; nothing loaded", e)
+        return 1
+    try:
         svc.load()
-        return asyncio.run(svc.serve())
+        return asyncio.run(svc.serve(sock))
     finally:
+        sock.close()
         svc.shutdown_engine()  # also when loading or serving raised
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -30,9 +31,18 @@ def until(pred, timeout: float, what: str) -> None:  # noqa: ANN001 - a predicat
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port free now, below Linux's ephemeral range (32768 and up): a port the
+    kernel picked from that range can become the local end of a connection some process opens
+    before the server binds it (a tensor-parallel worker's, say), and the bind then fails."""
+    rng = random.Random()  # the OS's entropy: test processes running together pick apart
+    while True:
+        port = rng.randrange(20000, 32768)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
 
 
 class Daemon:
@@ -324,6 +334,22 @@ def test_client_disconnect_frees_blocks(daemon: Daemon) -> None:
             return
         time.sleep(0.1)
     pytest.fail("blocks of a disconnected client were not freed")
+
+
+def test_a_taken_port_fails_the_start_before_the_model_loads(tmp_path: Path) -> None:
+    """The API's port is bound first: taken, the daemon exits 1 at once naming the address,
+    having loaded nothing (no model, no workers, no audit database)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(RuntimeError, match="exited 1") as failed:
+            Daemon(tmp_path, port=port)
+    log = str(failed.value)
+    assert f"cannot bind the API to 127.0.0.1:{port}" in log and "nothing loaded" in log
+    assert (
+        "loaded" not in log.replace("nothing loaded", "") and not (tmp_path / "audit.db").exists()
+    )
 
 
 def test_default_bind_is_loopback() -> None:

@@ -553,6 +553,7 @@ def run(cfg: DaemonConfig, config_path: Path | None = None) -> int:
     except ApiBindError as e:
         log.error("%s; nothing loaded", e)
         return 1
+    log.info("API bound to %s:%d; it answers once the model is loaded", cfg.api.host, cfg.api.port)
     try:
         svc.load()
         return asyncio.run(svc.serve(sock))

@@ -352,6 +352,10 @@ def test_a_taken_port_fails_the_start_before_the_model_loads(tmp_path: Path) -> 
     )
 
 
+def test_the_daemon_logs_where_it_listens(daemon: Daemon) -> None:
+    assert f"API bound to 127.0.0.1:{daemon.port}" in Path(daemon.log.name).read_text()
+
+
 def test_default_bind_is_loopback() -> None:
     from kvguard.daemon.config import load_config
 

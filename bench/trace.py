@@ -15,15 +15,39 @@ table printer and the JSON writer.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import statistics
+import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+
+def prefer_installed_kernels() -> None:
+    """transformers (5.25 and later) imports PyPI's `kernels` package. Run from the repository's
+    root (tests, benchmarks), the root's own `kernels/` folder (kvguard.kernels) is found first
+    under that name and transformers' import fails. Import the installed package first, from
+    sys.path without the root, so that `kernels` names it from then on; nothing happens where
+    it is not installed (transformers then does not ask for it)."""
+    if "kernels" in sys.modules:
+        return
+    root = Path(__file__).resolve().parents[1]
+    saved = sys.path[:]
+    sys.path[:] = [p for p in saved if Path(p or ".").resolve() != root]
+    try:
+        importlib.import_module("kernels")
+    except ImportError:
+        pass
+    finally:
+        sys.path[:] = saved
+
+
+prefer_installed_kernels()
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_SEED = 0

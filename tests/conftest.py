@@ -28,6 +28,11 @@ settings.register_profile("ci", derandomize=True, database=None, print_blob=True
 if os.environ.get("CI"):
     settings.load_profile("ci")
 
+# before transformers is imported: PyPI's `kernels`, not the repository's kernels/ folder
+from bench.trace import prefer_installed_kernels  # noqa: E402
+
+prefer_installed_kernels()
+
 from kvguard.engine.config import kvguard_home  # noqa: E402
 from kvguard.engine.model_registry import resolve_model  # noqa: E402
 from kvguard.engine.model_registry import smollm2_gguf as ensure_smollm2_gguf  # noqa: E402

@@ -15,8 +15,12 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from bench.trace import prefer_installed_kernels
+
 if TYPE_CHECKING:
     from kvguard.engine import LLMEngine
+
+prefer_installed_kernels()  # before a benchmark imports transformers (see there)
 
 GiB = 2**30
 MiB = 2**20

@@ -157,10 +157,16 @@ def _params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int) ->
             presence_penalty=body.presence_penalty or 0.0,
             frequency_penalty=body.frequency_penalty or 0.0,
             logit_bias=body.logit_bias or {},
+            json_schema=_json_schema(body),
         )
     except ValueError as e:  # "stop=['']: ..." names its field first
         field = str(e).split("=", 1)[0]
         raise ApiError(400, str(e), field if field.isidentifier() else None) from e
+
+
+def _json_schema(body: CompletionRequest | ChatCompletionRequest) -> dict[str, Any] | None:
+    fmt = getattr(body, "response_format", None)
+    return None if fmt is None else fmt.engine_schema()
 
 
 def _priority(body: Any, header: str | None) -> str:
@@ -216,7 +222,8 @@ async def _serve(
             retry_after=None if status == 400 else d.estimated_wait_s,
         ) from e
     except ValueError as e:  # the engine's reason names its field first ("logit_bias token ...")
-        name = str(e).split(" ", 1)[0].split("=", 1)[0]
+        name = str(e).split(" ", 1)[0].split("=", 1)[0].rstrip(":")
+        name = "response_format" if name == "json_schema" else name
         raise ApiError(400, str(e), name if name in type(body).model_fields else "prompt") from e
     finally:
         if not admitted:

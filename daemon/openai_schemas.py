@@ -18,6 +18,8 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
 from pydantic_core import PydanticCustomError
 
+from kvguard.engine.structured import compile_schema
+
 Priority = Literal["high", "normal", "low"]
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # OpenAI's integer range; torch takes no more
 
@@ -329,8 +331,51 @@ class ChatMessage(_Body):
         return out
 
 
-def _text_format(v: Any) -> bool:
-    return v == {"type": "text"}
+class JsonSchemaFormat(_Body):
+    """OpenAI's `response_format.json_schema`: the schema the answer's JSON must match."""
+
+    name: Text = Field(..., min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: Text | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    # strict or not, the schema is enforced in full (kvguard has no best-effort mode)
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    """`{"type": "text"}` asks for nothing; `json_object` for any JSON object; `json_schema`
+    for JSON matching `json_schema.schema` (checked here: a schema that cannot be served is a
+    400 before anything is queued)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise PydanticCustomError(
+                "response_format", 'type json_schema needs json_schema: {"name", "schema"}'
+            )
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise PydanticCustomError(
+                "response_format", "json_schema is given only with type json_schema"
+            )
+        schema = self.engine_schema()
+        if schema is not None:
+            try:
+                compile_schema(schema)
+            except ValueError as e:
+                raise PydanticCustomError(
+                    "response_format", "{why}", {"why": str(e).split(": ", 1)[-1]}
+                ) from e
+        return self
+
+    def engine_schema(self) -> dict[str, Any] | None:
+        """What the engine holds the answer to (SamplingParams.json_schema); None: text."""
+        if self.type == "json_object":
+            return {"type": "object"}
+        if self.type == "json_schema" and self.json_schema is not None:
+            return self.json_schema.schema_ if self.json_schema.schema_ is not None else {}
+        return None
 
 
 class ChatCompletionRequest(_Sampling):
@@ -341,13 +386,9 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = Field(
         None, ge=0, le=20, description="with this many alternatives (needs logprobs: true)"
     )
-    response_format: Annotated[
-        Any,
-        _refuse(
-            'not served: kvguard does not constrain output to JSON; send {"type": "text"} or null',
-            _text_format,
-        ),
-    ] = None
+    response_format: ResponseFormat | None = Field(
+        None, description="text, json_object (any JSON object) or json_schema"
+    )
     tools: Annotated[Any, _refuse(NO_TOOLS, lambda v: v == [])] = None
     functions: Annotated[Any, _refuse(NO_TOOLS, lambda v: v == [])] = None
     tool_choice: Annotated[Any, _refuse(NO_TOOLS, lambda v: v in ("none", "auto"))] = None

@@ -45,6 +45,7 @@ from kvguard.engine.sequence import (
     parse_priority,
 )
 from kvguard.engine.snapshot import EngineSnapshot, build_snapshot
+from kvguard.engine.structured import Grammars
 from kvguard.engine.tokenizer import Tokenizer
 
 __all__ = ["AdmissionRejected", "InjectedOOMError", "LLMEngine", "pick_device", "pick_dtype"]
@@ -109,6 +110,7 @@ class LLMEngine(ControlSurface):
         )
         self.max_model_len = min(config.max_model_len, model_config.max_position_embeddings)
         self.eos_ids = set(tokenizer.eos_token_ids) | set(model_config.eos_token_ids)
+        self.grammars = Grammars(tokenizer, model_config.vocab_size, self.eos_ids)
         self.max_new_tokens_cap: int | None = None
         self.configured_batched_tokens = config.max_num_batched_tokens
         self._seqs: dict[str, Sequence] = {}
@@ -201,6 +203,8 @@ class LLMEngine(ControlSurface):
         if params.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(params.seed)
         seq = Sequence(rid, ids, params, rank, next(self._order), limit, gen)
+        if params.json_schema is not None:
+            seq.grammar = self.grammars.for_schema(params.json_schema)
         if params.logprobs is not None:
             seq.output_logprobs = []
         if params.prompt_logprobs is not None:
@@ -378,7 +382,14 @@ class LLMEngine(ControlSurface):
             self._tpot.append(now - seq.last_token_time)
         seq.last_token_time = now
         self._counters["tokens_generated"] += 1
+        grammar_ok = seq.grammar is None or seq.grammar.advance(token)
         append_token(self.tokenizer, seq, token, self.eos_ids)
+        if seq.finish_reason is None and seq.grammar is not None:
+            if not grammar_ok:  # a masked draw cannot leave the grammar: a fault, said so
+                log.error("request %s left its grammar: %s", seq.request_id, seq.grammar.error)
+                seq.finish_reason = "error"
+            elif seq.grammar.complete:  # the JSON is closed and nothing may follow
+                seq.finish_reason = "stop"
         if seq.finish_reason is not None:
             self._count_finish(seq)
 

@@ -298,7 +298,8 @@ class ModelRunner:
         done = [s for s, n in zip(seqs, num_tokens, strict=True) if finishes_prompt(s, n)]
         params = [s.params for s in done]
         outputs = [s.output_token_ids for s in done]
-        tokens = sample(logits, params, [s.generator for s in done], outputs)
+        allowed = [None if s.grammar is None else s.grammar.allowed() for s in done]
+        tokens = sample(logits, params, [s.generator for s in done], outputs, allowed)
         if any(p.logprobs is not None for p in params):
             self.logprobs = token_logprobs(logits, params, tokens)
         return tokens

@@ -14,9 +14,11 @@ def sample(
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
     outputs: list[list[int]] | None = None,
+    allowed: list[torch.Tensor | None] | None = None,
 ) -> list[int]:
     """One token per row of `logits` `[N, vocab]` (fp32), after each row's penalties (against
-    its sequence's `outputs` so far) and logit bias (`adjust_logits`).
+    its sequence's `outputs` so far) and logit bias, and among the tokens its grammar allows
+    where it has one (`allowed`: a bool per vocabulary entry; `adjust_logits`).
 
     Rows sampled with only a temperature and no seed (what an OpenAI client asks by default)
     are drawn together by inverse CDF: one uniform per row against the row's cumulative
@@ -25,7 +27,7 @@ def sample(
     exponential race: it needs a random number per vocabulary entry, and CPU generation of
     those took 38 ms.) Seeded rows keep their own generator and draw, so a seed gives the
     same tokens as before."""
-    logits = adjust_logits(logits, params, outputs)
+    logits = adjust_logits(logits, params, outputs, allowed)
     greedy = [i for i, p in enumerate(params) if p.greedy]
     out = [0] * len(params)
     if len(greedy) == len(params):
@@ -48,18 +50,25 @@ def sample(
 
 
 def adjust_logits(
-    logits: torch.Tensor, params: list[SamplingParams], outputs: list[list[int]] | None
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    outputs: list[list[int]] | None,
+    allowed: list[torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
     """`logits` with, on each row that asks, its logit bias added and, for every token of
     its output so far, `frequency_penalty` times the token's count plus `presence_penalty`
-    subtracted (OpenAI's definitions; the prompt's tokens do not count). The rows that ask
-    nothing are untouched, and so is `logits` itself: a copy is changed where one must be."""
-    rows = [i for i, p in enumerate(params) if p.adjusts_logits]
+    subtracted (OpenAI's definitions; the prompt's tokens do not count), and -inf for every
+    token its grammar does not allow (`allowed[i]`). The rows that ask nothing are untouched,
+    and so is `logits` itself: a copy is changed where one must be."""
+    masks = allowed or [None] * len(params)
+    rows = [i for i, p in enumerate(params) if p.adjusts_logits or masks[i] is not None]
     if not rows:
         return logits
     logits = logits.clone()
     for i in rows:
         p, row = params[i], logits[i]
+        if masks[i] is not None:
+            row.masked_fill_(~masks[i].to(row.device), float("-inf"))
         if p.logit_bias:
             ids = torch.tensor(list(p.logit_bias), device=row.device)
             bias = torch.tensor(list(p.logit_bias.values()), dtype=row.dtype, device=row.device)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 # Below this temperature a request decodes greedily, which is the limit it tends to: dividing
 # fp32 logits by a smaller one (1e-320 is a valid JSON number) overflows them to inf, and the
@@ -33,6 +34,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    # the output is JSON matching this schema ({"type": "object"}: any object); see structured.py
+    json_schema: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -70,6 +73,10 @@ class SamplingParams:
             raise ValueError(
                 f"logit_bias={self.logit_bias!r}: expected token ids >= 0 mapped to numbers "
                 "in [-100, 100]"
+            )
+        if self.json_schema is not None and not isinstance(self.json_schema, dict):
+            raise ValueError(
+                f"json_schema={self.json_schema!r}: expected None or a JSON schema object"
             )
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)

@@ -5,11 +5,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
 from kvguard.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvguard.engine.structured import Grammar
 
 _T = TypeVar("_T")
 
@@ -60,6 +63,7 @@ class Sequence:
     order: int  # arrival counter: FCFS inside a priority class, "newest" for preemption
     max_total_len: int  # prompt + output tokens may not exceed this (model length, pool size)
     generator: torch.Generator | None = None
+    grammar: Grammar | None = None  # a structured-output request's place in its schema
     output_token_ids: list[int] = field(default_factory=list)
     # one per output token where the request asked for log-probabilities (else None)
     output_logprobs: list[TokenLogprob] | None = None

@@ -78,6 +78,10 @@ class Tokenizer:
         """
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def backend_json(self) -> str:
+        """The tokenizer as tokenizer.json text (what a grammar library builds its view from)."""
+        return self._tok.to_str()
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

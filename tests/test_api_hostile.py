@@ -213,7 +213,7 @@ REFUSED = [
         "stream_options",
     ),
     ("/v1/chat/completions", chat(n=3), "n"),
-    ("/v1/chat/completions", chat(response_format={"type": "json_object"}), "response_format"),
+    ("/v1/chat/completions", chat(response_format={"type": "json_schema"}), "response_format"),
     (
         "/v1/chat/completions",
         chat(tools=[{"type": "function", "function": {"name": "f"}}]),

@@ -1,0 +1,201 @@
+"""Structured output: answers held to a JSON schema (the engine's `json_schema`, the API's
+`response_format`), on the real model and through the real `openai` client."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import openai
+import pytest
+import torch
+from pydantic import BaseModel
+
+from kvguard.engine import LLMEngine, SamplingParams
+from kvguard.engine.sampler import adjust_logits
+from kvguard.engine.sequence import Status
+from tests.test_server import Daemon
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+ASK = "Describe a person called Ada, aged 36, as JSON."
+
+
+def chat(eng: LLMEngine, text: str) -> str:
+    return eng.tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True
+    )
+
+
+def is_person(text: str) -> bool:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return (
+        isinstance(value, dict)
+        and set(value) == {"name", "age"}
+        and isinstance(value["name"], str)
+        and isinstance(value["age"], int)
+        and not isinstance(value["age"], bool)
+    )
+
+
+def test_a_grammar_mask_is_minus_infinity_off_the_allowed_tokens() -> None:
+    logits = torch.zeros(2, 6)
+    allowed = torch.tensor([False, True, False, True, False, False])
+    got = adjust_logits(logits, [SamplingParams(), SamplingParams()], None, [allowed, None])
+    assert got[0].tolist() == [float("-inf"), 0.0, float("-inf"), 0.0] + [float("-inf")] * 2
+    assert got[1].tolist() == [0.0] * 6  # a row without a grammar is left alone
+    assert logits.eq(0).all()  # the caller's logits (log-probabilities') unchanged
+
+
+def test_the_real_model_answers_the_schema_greedy_and_sampled(smollm_engine: LLMEngine) -> None:
+    eng = smollm_engine
+    prompt = chat(eng, ASK)
+    free = eng.generate([prompt], [SamplingParams(max_tokens=48)])[0]
+    assert not is_person(free.text)  # left alone it writes prose around its JSON
+    asks = [SamplingParams(max_tokens=48, json_schema=PERSON)] + [
+        SamplingParams(max_tokens=48, json_schema=PERSON, temperature=1.0, seed=s) for s in range(4)
+    ]
+    outs = eng.generate([prompt] * len(asks), asks)
+    for o in outs:
+        assert is_person(o.text), o.text
+        assert o.finish_reason == "stop"  # closed by the grammar, not cut by max_tokens
+        assert o.text == eng.tokenizer.decode(o.token_ids)
+    # one line, json.dumps' separators: nothing for a model to loop on between tokens
+    assert outs[0].text == json.dumps(json.loads(outs[0].text))
+
+
+def test_a_constrained_request_leaves_its_batch_neighbours_alone(
+    smollm_engine: LLMEngine,
+) -> None:
+    eng = smollm_engine
+    other = chat(eng, "Name three colours.")
+    solo = eng.generate([other], [SamplingParams(max_tokens=24, ignore_eos=True)])[0]
+    both = eng.generate(
+        [chat(eng, ASK), other],
+        [
+            SamplingParams(max_tokens=48, json_schema=PERSON),
+            SamplingParams(max_tokens=24, ignore_eos=True),
+        ],
+    )
+    assert is_person(both[0].text)
+    assert both[1].token_ids == solo.token_ids
+
+
+def test_json_object_mode_and_enums(smollm_engine: LLMEngine) -> None:
+    eng = smollm_engine
+    outs = eng.generate(
+        [chat(eng, 'Reply with the JSON object {"ok": true}.'), chat(eng, "Is water wet?")],
+        [
+            SamplingParams(max_tokens=48, json_schema={"type": "object"}),
+            # ignore_eos: the closed grammar ends it, not an end-of-sequence token
+            SamplingParams(max_tokens=8, json_schema={"enum": ["yes", "no"]}, ignore_eos=True),
+        ],
+    )
+    assert isinstance(json.loads(outs[0].text), dict) and outs[0].finish_reason == "stop"
+    assert json.loads(outs[1].text) in ("yes", "no") and outs[1].finish_reason == "stop"
+    assert not set(outs[1].token_ids) & eng.eos_ids
+
+
+def test_a_preempted_request_keeps_its_place_in_the_grammar(smollm_engine: LLMEngine) -> None:
+    """Recomputed after preemption, the request goes on from where its grammar was: the same
+    tokens as without the interruption, still the schema's JSON."""
+    eng = smollm_engine
+    prompt = chat(eng, ASK)
+    params = SamplingParams(max_tokens=48, json_schema=PERSON)
+    whole = eng.generate([prompt], [params])[0]
+    rid = eng.add_request(prompt, SamplingParams(max_tokens=48, json_schema=PERSON))
+    seq = eng._seqs[rid]
+    while len(seq.output_token_ids) < 5:
+        eng.step()
+    assert seq.status is Status.RUNNING and eng.scheduler.preempt(seq) == "recompute"
+    outs = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            outs[o.request_id] = o
+    assert seq.num_preemptions == 1 and seq.output_token_ids == whole.token_ids
+    assert is_person(seq.text)
+
+
+def test_schemas_are_checked_when_the_request_is_added(smollm_engine: LLMEngine) -> None:
+    eng = smollm_engine
+    with pytest.raises(ValueError, match="json_schema="):
+        SamplingParams(json_schema="{}")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"json_schema: .*nosuch"):
+        eng.add_request("Hi", SamplingParams(json_schema={"type": "nosuch"}))
+    assert not eng.has_unfinished()  # nothing was queued
+
+
+class Answer(BaseModel):
+    ok: bool
+    n: int
+
+
+def test_the_api_serves_response_format(tiny_daemon: Daemon) -> None:
+    c = tiny_daemon.client()
+    msgs: list[Any] = [{"role": "user", "content": "Hi"}]
+    # the openai client's own structured-output call: a strict schema from a pydantic model
+    parsed = c.chat.completions.parse(
+        model="tiny", messages=msgs, max_tokens=64, temperature=0, response_format=Answer
+    )
+    choice = parsed.choices[0]
+    assert isinstance(choice.message.parsed, Answer) and choice.finish_reason == "stop"
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "flag", "schema": schema}}
+    whole = c.chat.completions.create(
+        model="tiny", messages=msgs, max_tokens=64, temperature=0, response_format=fmt
+    )
+    assert isinstance(json.loads(whole.choices[0].message.content)["ok"], bool)
+    chunks = c.chat.completions.create(
+        model="tiny", messages=msgs, max_tokens=64, temperature=0, response_format=fmt,
+        stream=True,
+    )  # fmt: skip
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == whole.choices[0].message.content
+    obj = c.chat.completions.create(
+        model="tiny", messages=msgs, max_tokens=8, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {
+            "name": "yn", "schema": {"enum": ["yes", "no"]}}},
+    )  # fmt: skip
+    assert json.loads(obj.choices[0].message.content) in ("yes", "no")
+    plain = c.chat.completions.create(
+        model="tiny", messages=msgs, max_tokens=4, temperature=0, response_format={"type": "text"}
+    )
+    assert plain.choices[0].message.content is not None
+
+
+@pytest.mark.parametrize(
+    ("fmt", "says"),
+    [
+        ({"type": "json_schema"}, "type json_schema needs json_schema"),
+        ({"type": "json_object", "json_schema": {"name": "x"}}, "only with type json_schema"),
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nosuch"}}},
+         "nosuch"),
+        ({"type": "yaml"}, "json_object"),
+        ({"type": "json_schema", "json_schema": {"name": "bad name", "schema": {}}}, "name"),
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "extra": 1}},
+         "extra"),
+    ],
+)  # fmt: skip
+def test_the_api_refuses_a_bad_response_format(
+    tiny_daemon: Daemon, fmt: dict[str, Any], says: str
+) -> None:
+    c = tiny_daemon.client()
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Hi"}], response_format=fmt
+        )
+    err = e.value.body
+    assert err["param"].startswith("response_format"), err
+    assert says in err["message"], err
+    # the connection and the server go on serving
+    ok = c.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=2
+    )
+    assert ok.choices[0].finish_reason in ("stop", "length")

@@ -114,7 +114,21 @@ def _sample_row(row: torch.Tensor, p: SamplingParams, gen: torch.Generator | Non
     probs = torch.softmax(row, dim=-1)
     if p.top_p < 1.0:
         probs = _top_p(probs, p.top_p)
-    return int(torch.multinomial(probs, 1, generator=gen).item())
+    return _draw(probs, gen)
+
+
+def _draw(probs: torch.Tensor, gen: torch.Generator | None) -> int:
+    """One index of `probs` (not necessarily normalised) by inverse CDF: one uniform from
+    `gen` (the global generator if None) against the cumulative sum. `torch.multinomial`
+    took 1.1 ms a row over a 49k vocabulary (18 of a 16-row step's 45 ms when every request
+    had a seed); this takes about a tenth. NaN or no mass at all is refused, not drawn."""
+    cdf = probs.cumsum(0)
+    total = cdf[-1:]
+    if not (bool(torch.isfinite(total)) and float(total) > 0.0):
+        raise RuntimeError("cannot draw a token: its probabilities are NaN, inf or all zero")
+    u = torch.rand(1, generator=gen, dtype=cdf.dtype, device=cdf.device) * total
+    # side right: a token of probability 0 has the cdf of the one before it: never drawn
+    return int(torch.searchsorted(cdf, u, right=True).clamp_max_(probs.numel() - 1).item())
 
 
 def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:

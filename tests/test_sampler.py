@@ -29,6 +29,26 @@ def test_unseeded_rows_are_drawn_from_their_tempered_softmax() -> None:
         assert 4 not in tokens  # probability 1e-14 at most
 
 
+def test_seeded_and_filtered_rows_are_drawn_from_their_distribution() -> None:
+    """The per-row path (a seed, top-k or top-p): each draw from the row's own generator,
+    with the frequencies of the tempered softmax that the filter leaves, renormalised."""
+    torch.manual_seed(0)
+    soft = torch.softmax(LOGITS.double(), dim=0)
+    cases = [
+        (SamplingParams(temperature=1.0, seed=1), soft),
+        (SamplingParams(temperature=1.0, top_k=2), torch.cat([soft[:2] / soft[:2].sum(),
+                                                               torch.zeros(3)])),
+        (SamplingParams(temperature=1.0, top_p=0.8), torch.cat([soft[:2] / soft[:2].sum(),
+                                                                torch.zeros(3)])),
+    ]  # fmt: skip
+    for p, want in cases:
+        gens = [
+            torch.Generator().manual_seed(i) if p.seed is not None else None for i in range(ROWS)
+        ]
+        tokens = sample(LOGITS.repeat(ROWS, 1), [p] * ROWS, gens)
+        assert torch.allclose(frequencies(tokens, 5), want, atol=4 * (0.25 / ROWS) ** 0.5), p
+
+
 def test_rows_mix_greedy_tempered_seeded_and_filtered() -> None:
     """Each row gets its own rule in one call: greedy, tempered, seeded, top-k."""
     torch.manual_seed(0)
@@ -64,3 +84,5 @@ def test_nan_logits_are_refused_not_drawn() -> None:
     logits = torch.tensor([[0.0, float("nan"), 1.0]])
     with pytest.raises(RuntimeError):
         sample(logits, [SamplingParams(temperature=1.0)], [None])
+    with pytest.raises(RuntimeError, match="NaN"):  # the per-row path too
+        sample(logits, [SamplingParams(temperature=1.0, seed=1)], [torch.Generator()])

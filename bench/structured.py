@@ -1,0 +1,237 @@
+"""Structured output: answers held to a JSON schema, kvguard beside OpenVINO GenAI, one run.
+
+The workload an application that parses answers sends: chat requests asking the default model
+to describe a person as JSON (each its own name, age and job), answered greedily with at most
+64 tokens, first free and then held to one schema (name: string, age: integer, job: string,
+nothing else). The same token ids go to kvguard (packed, `SamplingParams.json_schema`, what
+the API's `response_format` sets) and to OpenVINO GenAI's `ContinuousBatchingPipeline`
+(`StructuredOutputConfig(json_schema=...)`) on the same GGUF, all requests arriving together.
+
+Measured per engine and mode: wall seconds, answers/s and output tokens/s; answers that parse
+as JSON; answers that match the schema; answers the engine ended itself (its grammar closed or
+an end-of-sequence token) rather than at the token limit; for kvguard, the time its grammars
+took (each token's mask and advance), per constrained token and as a share of the run. (A
+constrained answer is shorter than a free one, so tokens/s, which spreads the same prompts
+over fewer tokens, is not the cost of constraining; the grammar time is.) Goals: every
+constrained kvguard answer matches the schema; grammar work <= 5% of the constrained run.
+
+    python bench/structured.py [--quick] [--json FILE] [--threads 2] [--requests 16]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+if not __package__:  # run as a file: import siblings as bench.*, never shadow the stdlib `trace`
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+from bench.common import load_line, ratio, section, verdict  # noqa: E402
+from bench.quantized import Kvguard, OpenVINO, gguf_path  # noqa: E402
+from bench.trace import common_args, format_table, write_json  # noqa: E402
+
+MAX_TOKENS = 64
+SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer"},
+        "job": {"type": "string"},
+    },
+    "required": ["name", "age", "job"],
+    "additionalProperties": False,
+}
+NAMES = ["Ada", "Alan", "Grace", "Linus", "Margaret", "Dennis", "Barbara", "Ken"]
+JOBS = ["engineer", "teacher", "pilot", "baker", "nurse", "farmer", "painter", "chemist"]
+
+
+def asks(n: int) -> list[str]:
+    return [
+        f"Describe {NAMES[i % 8]}, aged {20 + 3 * i}, who works as a {JOBS[(i * 3) % 8]}, as JSON."
+        for i in range(n)
+    ]
+
+
+def matches(text: str) -> tuple[bool, bool]:
+    """(parses as JSON, matches SCHEMA)."""
+    try:
+        v = json.loads(text)
+    except json.JSONDecodeError:
+        return False, False
+    ok = (
+        isinstance(v, dict)
+        and set(v) == {"name", "age", "job"}
+        and isinstance(v["name"], str)
+        and isinstance(v["job"], str)
+        and isinstance(v["age"], int)
+        and not isinstance(v["age"], bool)
+    )
+    return True, ok
+
+
+class KvguardJson:
+    name = "kvguard packed"
+
+    def __init__(self, model: str, threads: int) -> None:
+        self.engine = Kvguard(model, "auto", threads).engine
+
+    def serve(self, prompts: list[list[int]], schema: dict[str, Any] | None) -> list[list[int]]:
+        from kvguard.engine import SamplingParams
+
+        params = [SamplingParams(max_tokens=MAX_TOKENS, json_schema=schema) for _ in prompts]
+        return [list(o.final_token_ids) for o in self.engine.generate(prompts, params)]
+
+
+class OpenVINOJson:
+    name = OpenVINO.name
+
+    def __init__(self, threads: int, stop_ids: set[int]) -> None:
+        self.pipe = OpenVINO(gguf_path(), threads).pipe
+        self.stop_ids = stop_ids
+
+    def serve(self, prompts: list[list[int]], schema: dict[str, Any] | None) -> list[list[int]]:
+        import numpy as np
+        import openvino as ov
+        import openvino_genai as og
+
+        ids, cfgs = [], []
+        for p in prompts:
+            ids.append(ov.Tensor(np.array([p], dtype=np.int64)))
+            g = og.GenerationConfig()
+            g.max_new_tokens, g.do_sample = MAX_TOKENS, False
+            g.eos_token_id = min(self.stop_ids)
+            g.stop_token_ids = set(self.stop_ids)
+            if schema is not None:
+                g.structured_output_config = og.StructuredOutputConfig(
+                    json_schema=json.dumps(schema)
+                )
+            cfgs.append(g)
+        return [list(r.m_generation_ids[0]) for r in self.pipe.generate(ids, cfgs)]
+
+
+class GrammarClock:
+    """Seconds kvguard's grammars spend (masks and advances) while it is installed."""
+
+    def __init__(self) -> None:
+        from kvguard.engine.structured import Grammar
+
+        self.seconds, self.cls = 0.0, Grammar
+        self.saved = {name: getattr(Grammar, name) for name in ("allowed", "advance")}
+
+    def __enter__(self) -> GrammarClock:
+        for name, fn in self.saved.items():
+            setattr(self.cls, name, self._timed(fn))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for name, fn in self.saved.items():
+            setattr(self.cls, name, fn)
+
+    def _timed(self, fn: Any) -> Any:
+        def timed(grammar: Any, *args: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(grammar, *args)
+            finally:
+                self.seconds += time.perf_counter() - t0
+
+        return timed
+
+
+def run(engine: Any, prompts: list[list[int]], schema: Any, tok: Any, stop: set[int]) -> dict:
+    engine.serve(prompts[:2], schema)  # untimed warm-up (and the grammar library's setup)
+    clock = GrammarClock() if isinstance(engine, KvguardJson) else None
+    with clock or contextlib.nullcontext():
+        t0 = time.perf_counter()
+        outs = engine.serve(prompts, schema)
+        wall = time.perf_counter() - t0
+    texts = [tok.decode([t for t in o if t not in stop]) for o in outs]
+    checks = [matches(t) for t in texts]
+    return {
+        "engine": engine.name,
+        "schema": schema is not None,
+        "wall_s": wall,
+        "tokens": sum(len(o) for o in outs),
+        "tok_s": sum(len(o) for o in outs) / wall,
+        "answers_s": len(outs) / wall,
+        "grammar_s": clock.seconds if clock and schema is not None else None,
+        "json": sum(c[0] for c in checks),
+        "valid": sum(c[1] for c in checks),
+        "ended": sum(len(o) < MAX_TOKENS or o[-1] in stop for o in outs),
+        "sample": texts[0],
+    }
+
+
+def main() -> None:
+    p = common_args(__doc__.split("\n\n")[0])
+    args = p.parse_args()
+    n = args.requests or (4 if args.quick else 16)
+    section(
+        f"structured output: {n} chat requests for a person as JSON, at most {MAX_TOKENS} "
+        f"tokens, greedy; {args.threads} threads ({load_line()})"
+    )
+    kv = KvguardJson(args.model, args.threads)
+    tok, stop = kv.engine.tokenizer, set(kv.engine.eos_ids)
+    prompts = [
+        tok.encode(tok.apply_chat_template([{"role": "user", "content": a}], True)) for a in asks(n)
+    ]
+    results = [run(kv, prompts, s, tok, stop) for s in (None, SCHEMA)]
+    del kv
+    peer_error = ""
+    try:
+        ov_engine = OpenVINOJson(args.threads, stop)
+    except ImportError as e:
+        peer_error = f"openvino-genai not installed ({e}): pip install openvino-genai"
+    else:
+        results += [run(ov_engine, prompts, s, tok, stop) for s in (None, SCHEMA)]
+    rows = []
+    for r in results:
+        g = r["grammar_s"]
+        rows.append(
+            [
+                r["engine"],
+                "schema" if r["schema"] else "free",
+                f"{r['wall_s']:.2f}",
+                f"{r['answers_s']:.2f}",
+                f"{r['tok_s']:.1f}",
+                r["tokens"],
+                f"{r['json']}/{n}",
+                f"{r['valid']}/{n}",
+                f"{r['ended']}/{n}",
+                "-" if g is None else f"{g / r['tokens'] * 1e3:.3f}",
+                "-" if g is None else ratio(100 * g, r["wall_s"], "%"),
+            ]
+        )
+    headers = ["engine", "output", "wall s", "answers/s", "tok/s", "tokens", "parses as JSON",
+               "matches schema", "ended by engine", "grammar ms/token", "grammar share"]  # fmt: skip
+    print(format_table(headers, rows))
+    for r in results:
+        print(f"{r['engine']} ({'schema' if r['schema'] else 'free'}), first answer: "
+              f"{r['sample'][:100]!r}")  # fmt: skip
+    if peer_error:
+        print(peer_error)
+    on = next(r for r in results if r["engine"] == KvguardJson.name and r["schema"])
+    off = next(r for r in results if r["engine"] == KvguardJson.name and not r["schema"])
+    share = on["grammar_s"] / on["wall_s"]
+    peer = next((r for r in results if r["engine"] == OpenVINOJson.name and r["schema"]), None)
+    if peer:
+        print(
+            f"kvguard vs {OpenVINOJson.name}, both with the schema: "
+            f"{ratio(on['answers_s'], peer['answers_s'])} the answers/s, "
+            f"{on['valid']}/{n} against {peer['valid']}/{n} matching"
+        )
+    print(
+        f"kvguard with the schema: {ratio(on['answers_s'], off['answers_s'])} the answers/s "
+        "of free answers"
+    )
+    print(verdict("every constrained kvguard answer matches the schema", on["valid"] == n,
+                  f"{on['valid']}/{n}"))  # fmt: skip
+    print(verdict("grammar work <= 5% of the constrained run", share <= 0.05, f"{share:.1%}"))
+    write_json(args.json, {"requests": n, "max_tokens": MAX_TOKENS, "results": results})
+
+
+if __name__ == "__main__":
+    main()

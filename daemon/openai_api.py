@@ -198,6 +198,8 @@ async def _serve(
         raise engine_unavailable(service.loop.fatal)
     if service.draining:
         raise ApiError(503, "server is shutting down", type_="service_unavailable", retry_after=5)
+    if params.json_schema is not None:  # the grammar library's tokenizer view, once, not
+        await asyncio.to_thread(service.engine.grammars.view)  # on the engine's thread
     ctx = _Ctx(service, kind, body.model, priority, time.monotonic(), params)
     ctx.echo = prompt if getattr(body, "echo", False) else None
     outputs = _Outputs(asyncio.get_running_loop(), ctx, keep_deltas=bool(body.stream))

@@ -220,6 +220,53 @@ class _Sampling(_Body):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
+class JsonSchemaFormat(_Body):
+    """OpenAI's `response_format.json_schema`: the schema the answer's JSON must match."""
+
+    name: Text = Field(..., min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: Text | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    # strict or not, the schema is enforced in full (kvguard has no best-effort mode)
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    """`{"type": "text"}` asks for nothing; `json_object` for any JSON object; `json_schema`
+    for JSON matching `json_schema.schema` (checked here: a schema that cannot be served is a
+    400 before anything is queued)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise PydanticCustomError(
+                "response_format", 'type json_schema needs json_schema: {"name", "schema"}'
+            )
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise PydanticCustomError(
+                "response_format", "json_schema is given only with type json_schema"
+            )
+        schema = self.engine_schema()
+        if schema is not None:
+            try:
+                compile_schema(schema)
+            except ValueError as e:
+                raise PydanticCustomError(
+                    "response_format", "{why}", {"why": str(e).split(": ", 1)[-1]}
+                ) from e
+        return self
+
+    def engine_schema(self) -> dict[str, Any] | None:
+        """What the engine holds the answer to (SamplingParams.json_schema); None: text."""
+        if self.type == "json_object":
+            return {"type": "object"}
+        if self.type == "json_schema" and self.json_schema is not None:
+            return self.json_schema.schema_ if self.json_schema.schema_ is not None else {}
+        return None
+
+
 class CompletionRequest(_Sampling):
     prompt: Annotated[
         Any,
@@ -235,6 +282,9 @@ class CompletionRequest(_Sampling):
         ),
     ] = Field(..., description="one prompt: a string or a list of token ids")
     max_tokens: int | None = Field(16, ge=1, le=INT64_MAX)
+    response_format: ResponseFormat | None = Field(
+        None, description="kvguard extension, as chat's: text, json_object or json_schema"
+    )
     echo: bool | None = Field(False, description="the answer's text starts with the prompt")
     logprobs: int | None = Field(
         None,
@@ -329,53 +379,6 @@ class ChatMessage(_Body):
         if self.name is not None:
             out["name"] = self.name
         return out
-
-
-class JsonSchemaFormat(_Body):
-    """OpenAI's `response_format.json_schema`: the schema the answer's JSON must match."""
-
-    name: Text = Field(..., min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
-    description: Text | None = None
-    schema_: dict[str, Any] | None = Field(None, alias="schema")
-    # strict or not, the schema is enforced in full (kvguard has no best-effort mode)
-    strict: bool | None = None
-
-
-class ResponseFormat(_Body):
-    """`{"type": "text"}` asks for nothing; `json_object` for any JSON object; `json_schema`
-    for JSON matching `json_schema.schema` (checked here: a schema that cannot be served is a
-    400 before anything is queued)."""
-
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-
-    @model_validator(mode="after")
-    def _consistent(self) -> ResponseFormat:
-        if self.type == "json_schema" and self.json_schema is None:
-            raise PydanticCustomError(
-                "response_format", 'type json_schema needs json_schema: {"name", "schema"}'
-            )
-        if self.type != "json_schema" and self.json_schema is not None:
-            raise PydanticCustomError(
-                "response_format", "json_schema is given only with type json_schema"
-            )
-        schema = self.engine_schema()
-        if schema is not None:
-            try:
-                compile_schema(schema)
-            except ValueError as e:
-                raise PydanticCustomError(
-                    "response_format", "{why}", {"why": str(e).split(": ", 1)[-1]}
-                ) from e
-        return self
-
-    def engine_schema(self) -> dict[str, Any] | None:
-        """What the engine holds the answer to (SamplingParams.json_schema); None: text."""
-        if self.type == "json_object":
-            return {"type": "object"}
-        if self.type == "json_schema" and self.json_schema is not None:
-            return self.json_schema.schema_ if self.json_schema.schema_ is not None else {}
-        return None
 
 
 class ChatCompletionRequest(_Sampling):

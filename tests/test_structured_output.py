@@ -164,6 +164,13 @@ def test_the_api_serves_response_format(tiny_daemon: Daemon) -> None:
             "name": "yn", "schema": {"enum": ["yes", "no"]}}},
     )  # fmt: skip
     assert json.loads(obj.choices[0].message.content) in ("yes", "no")
+    # completions take it too (a kvguard extension, as top_k is)
+    done = c.completions.create(
+        model="tiny", prompt="Hi", max_tokens=64, temperature=0,
+        extra_body={"response_format": fmt},
+    )  # fmt: skip
+    assert isinstance(json.loads(done.choices[0].text)["ok"], bool)
+    assert done.choices[0].finish_reason == "stop"
     plain = c.chat.completions.create(
         model="tiny", messages=msgs, max_tokens=4, temperature=0, response_format={"type": "text"}
     )

@@ -1,4 +1,5 @@
-"""POST /v1/completions, POST /v1/chat/completions (JSON or SSE), GET /v1/models."""
+"""POST /v1/completions, POST /v1/chat/completions (JSON or SSE), GET /v1/models,
+POST /tokenize and POST /detokenize."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from kvguard.daemon.openai_schemas import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     error_body,
     new_id,
     now,
@@ -99,20 +102,62 @@ def router(service: Service) -> APIRouter:
     async def chat(
         body: ChatCompletionRequest, request: Request, x_priority: str | None = Header(None)
     ) -> Any:
-        msgs = [m.for_template() for m in body.messages]
-        try:
-            prompt = service.engine.tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
-        except Exception as e:  # noqa: BLE001 - a template error is the request's fault
-            raise ApiError(
-                400, f"messages cannot be rendered by the chat template: {e}", "messages"
-            ) from e
+        prompt = _render_chat(service, [m.for_template() for m in body.messages])
         limit = body.max_completion_tokens or body.max_tokens or DEFAULT_CHAT_MAX_TOKENS
         params = _params(body, limit)
         return await _serve(
             service, request, "chat.completion", prompt, params, body, x_priority, False
         )
 
+    @r.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        """The token ids a request would be served with: its count against the limit a
+        prompt must stay under (max_model_len, or the KV pool's tokens if fewer)."""
+        _check_model(service, body.model)
+        tok = service.engine.tokenizer
+        if body.messages is not None:
+            msgs = [m.for_template() for m in body.messages]
+            text = _render_chat(service, msgs)
+            special = bool(body.add_special_tokens)
+        else:
+            text, special = body.prompt or "", body.add_special_tokens is not False
+        ids = await asyncio.to_thread(tok.encode, text, special)
+        limit = service.engine.max_prompt_len()
+        return {"count": len(ids), "max_model_len": limit, "tokens": ids}
+
+    @r.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        _check_model(service, body.model)
+        vocab = service.engine.model_config.vocab_size
+        bad = [t for t in body.tokens if t >= vocab]
+        if bad:
+            raise ApiError(
+                400, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", "tokens"
+            )
+        tok = service.engine.tokenizer
+        text = await asyncio.to_thread(tok.decode, body.tokens, False)
+        return {"prompt": text}
+
     return r
+
+
+def _check_model(service: Service, model: str) -> None:
+    if model not in (service.model_name, service.engine_model):
+        raise ApiError(
+            404,
+            f"model {model!r} does not exist; this server serves {service.model_name!r}",
+            "model",
+            "model_not_found",
+        )
+
+
+def _render_chat(service: Service, msgs: list[dict[str, str]]) -> str:
+    try:
+        return service.engine.tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
+    except Exception as e:  # noqa: BLE001 - a template error is the request's fault
+        raise ApiError(
+            400, f"messages cannot be rendered by the chat template: {e}", "messages"
+        ) from e
 
 
 def _single_prompt(prompt: str | list[str] | list[int]) -> str | list[int]:
@@ -186,13 +231,7 @@ async def _serve(
     x_priority: str | None,
     completion: bool,
 ) -> Any:
-    if body.model not in (service.model_name, service.engine_model):
-        raise ApiError(
-            404,
-            f"model {body.model!r} does not exist; this server serves {service.model_name!r}",
-            "model",
-            "model_not_found",
-        )
+    _check_model(service, body.model)
     priority = _priority(body, x_priority)
     if service.loop.fatal is not None:
         raise engine_unavailable(service.loop.fatal)

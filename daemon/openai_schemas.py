@@ -415,6 +415,32 @@ class ChatCompletionRequest(_Sampling):
     safety_identifier: Text | None = None
 
 
+class TokenizeRequest(_Body):
+    """POST /tokenize: a prompt as completions tokenize it, or messages as chat renders them."""
+
+    model: Text
+    prompt: Text | None = Field(None, description="text, tokenized as /v1/completions does")
+    messages: list[ChatMessage] | None = Field(
+        None, min_length=1, description="rendered by the chat template, as /v1/chat/completions"
+    )
+    add_special_tokens: bool | None = Field(
+        None, description="default: true for a prompt, false for messages (as served)"
+    )
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise PydanticCustomError("tokenize", "send exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(_Body):
+    """POST /detokenize: token ids back to text."""
+
+    model: Text
+    tokens: list[Annotated[int, Field(ge=0, le=INT64_MAX)]]
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 

@@ -268,6 +268,11 @@ class LLMEngine(ControlSurface):
             raise ValueError("prompt is empty: expected at least one token")
         return ids
 
+    def max_prompt_len(self) -> int:
+        """A prompt must be shorter than this (max_model_len, or the pool's tokens if fewer):
+        at least one token must fit after it."""
+        return self._max_total_len()
+
     def _max_total_len(self) -> int:
         return min(self.max_model_len, self.block_manager.num_blocks * self.config.block_size)
 

@@ -1,0 +1,62 @@
+"""POST /tokenize and /detokenize: the ids a request is served with, on the real daemon."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.test_server import Daemon
+
+MSGS = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "Hi there"}]
+
+
+def post(d: Daemon, path: str, body: dict) -> httpx.Response:
+    return httpx.post(d.url + path, json=body, timeout=30)
+
+
+def test_counts_match_what_the_completions_serve(tiny_daemon: Daemon) -> None:
+    d, c = tiny_daemon, tiny_daemon.client()
+    text = "Hello, tokenizer"
+    r = post(d, "/tokenize", {"model": "tiny", "prompt": text})
+    assert r.status_code == 200, r.text
+    got = r.json()
+    done = c.completions.create(model="tiny", prompt=text, max_tokens=1)
+    assert got["count"] == len(got["tokens"]) == done.usage.prompt_tokens
+    assert 0 < got["max_model_len"] <= 512  # the daemon's max_model_len (or its pool's)
+    r = post(d, "/tokenize", {"model": "tiny", "messages": MSGS})
+    chat = c.chat.completions.create(model="tiny", messages=MSGS, max_tokens=1)
+    assert r.json()["count"] == chat.usage.prompt_tokens
+    # served as a completion prompt of token ids, the same count again
+    again = c.completions.create(model="tiny", prompt=got["tokens"], max_tokens=1)
+    assert again.usage.prompt_tokens == got["count"]
+
+
+def test_detokenize_inverts_tokenize(tiny_daemon: Daemon) -> None:
+    d = tiny_daemon
+    text = "round trip: é, 漢字"
+    ids = post(d, "/tokenize", {"model": "tiny", "prompt": text, "add_special_tokens": False})
+    r = post(d, "/detokenize", {"model": "tiny", "tokens": ids.json()["tokens"]})
+    assert r.status_code == 200 and r.json() == {"prompt": text}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param"),
+    [
+        ("/tokenize", {"model": "tiny"}, 400, None),
+        ("/tokenize", {"model": "tiny", "prompt": "a", "messages": MSGS}, 400, None),
+        ("/tokenize", {"model": "nope", "prompt": "a"}, 404, "model"),
+        ("/tokenize", {"model": "tiny", "prompt": 7}, 400, "prompt"),
+        ("/detokenize", {"model": "tiny", "tokens": [10**9]}, 400, "tokens"),
+        ("/detokenize", {"model": "tiny", "tokens": [-1]}, 400, "tokens[0]"),
+        ("/detokenize", {"model": "tiny", "tokens": [1.0]}, 400, "tokens[0]"),
+    ],
+)
+def test_bad_input_is_a_named_4xx(
+    tiny_daemon: Daemon, path: str, body: dict, status: int, param: str | None
+) -> None:
+    r = post(tiny_daemon, path, body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == param, err
+    if param is None:
+        assert "exactly one of prompt and messages" in err["message"]

@@ -113,7 +113,18 @@ class SnapshotCollector(Collector):
             "Prompt tokens of requests that looked in the prefix cache as they started",
         )
         queried.add_metric([], s.prefix_cache.get("queried_tokens", 0))
-        yield from (pre, adm, oom, gen, prompt, steps, cut, hit, queried, self._finished(s))
+        structured = CounterMetricFamily(
+            "kvguard_structured_requests",
+            "Requests answered to a JSON schema (response_format json_object or json_schema)",
+        )
+        structured.add_metric([], s.structured.get("requests", 0))
+        grammar = CounterMetricFamily(
+            "kvguard_grammar_seconds",
+            "Engine-thread seconds spent on structured requests' token masks and advances",
+        )
+        grammar.add_metric([], s.structured.get("grammar_seconds", 0.0))
+        yield from (pre, adm, oom, gen, prompt, steps, cut, hit, queried, structured, grammar,
+                    self._finished(s))  # fmt: skip
 
     def _finished(self, s: EngineSnapshot) -> CounterMetricFamily:
         """Counted by the engine, where every finish passes: a request aborted because its

@@ -54,6 +54,8 @@ class EngineSnapshot:
     finished: dict[str, dict[str, int]] = field(default_factory=dict)
     # prefix cache: blocks holding reusable K/V; prompt tokens found / looked up at admission
     prefix_cache: dict[str, int] = field(default_factory=dict)
+    # structured output: requests given a JSON schema; seconds their grammars took
+    structured: dict[str, float] = field(default_factory=dict)
 
     # -- shorthands used by benchmarks, rules and metrics ---------------------------------
     @property
@@ -155,5 +157,9 @@ def build_snapshot(engine: LLMEngine) -> EngineSnapshot:
             "blocks": engine.block_manager.num_cached,
             "hit_tokens": engine.block_manager.hit_tokens,
             "queried_tokens": engine.block_manager.queried_tokens,
+        },
+        structured={
+            "requests": engine.grammars.requests,
+            "grammar_seconds": engine.grammars.seconds,
         },
     )

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -68,6 +69,8 @@ class Grammars:
         self._eos = sorted(eos_ids)
         self._view: Any = None
         self._lock = threading.Lock()
+        self.requests = 0  # grammars made (structured requests accepted)
+        self.seconds = 0.0  # spent in every grammar's masks and advances (the engine thread)
 
     def view(self) -> Any:
         """The library's view of the tokenizer, built on the first call (any thread: the
@@ -87,27 +90,38 @@ class Grammars:
             raise ValueError(
                 f"json_schema: not a JSON schema kvguard can serve: {matcher.get_error()}"
             )
-        return Grammar(matcher, self._vocab)
+        self.requests += 1
+        return Grammar(matcher, self._vocab, self)
 
 
 class Grammar:
     """One request's place in its schema's grammar."""
 
-    def __init__(self, matcher: Any, vocab_size: int) -> None:
+    def __init__(self, matcher: Any, vocab_size: int, owner: Grammars | None = None) -> None:
         self._m = matcher
         self._vocab = vocab_size
+        self._owner = owner  # where the time it takes is counted
 
     def allowed(self) -> torch.Tensor | None:
         """A bool per vocabulary entry: whether the token may come next. None when nothing
         may (the grammar is in error): the draw is then left alone, and `advance` refuses
         what it gives, so the fault ends this request only, not its batch's step."""
+        t0 = time.perf_counter()
         words = np.frombuffer(self._m.compute_bitmask(), dtype=np.uint8)
         bits = np.unpackbits(words, bitorder="little")[: self._vocab].astype(np.bool_)
+        self._spent(t0)
         return torch.from_numpy(bits) if bits.any() else None
 
     def advance(self, token: int) -> bool:
         """Take the drawn token; False when the grammar cannot (it is then in error)."""
-        return bool(self._m.consume_token(token))
+        t0 = time.perf_counter()
+        ok = bool(self._m.consume_token(token))
+        self._spent(t0)
+        return ok
+
+    def _spent(self, t0: float) -> None:
+        if self._owner is not None:
+            self._owner.seconds += time.perf_counter() - t0
 
     @property
     def complete(self) -> bool:

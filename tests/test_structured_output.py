@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import httpx
 import openai
 import pytest
 import torch
@@ -137,8 +138,15 @@ class Answer(BaseModel):
     n: int
 
 
+def metric(d: Daemon, name: str) -> float:
+    text = httpx.get(d.url + "/metrics", timeout=10).text
+    return float(next(ln for ln in text.splitlines() if ln.startswith(name + " ")).split()[1])
+
+
 def test_the_api_serves_response_format(tiny_daemon: Daemon) -> None:
     c = tiny_daemon.client()
+    requests0 = metric(tiny_daemon, "kvguard_structured_requests_total")
+    seconds0 = metric(tiny_daemon, "kvguard_grammar_seconds_total")
     msgs: list[Any] = [{"role": "user", "content": "Hi"}]
     # the openai client's own structured-output call: a strict schema from a pydantic model
     parsed = c.chat.completions.parse(
@@ -175,6 +183,9 @@ def test_the_api_serves_response_format(tiny_daemon: Daemon) -> None:
         model="tiny", messages=msgs, max_tokens=4, temperature=0, response_format={"type": "text"}
     )
     assert plain.choices[0].message.content is not None
+    # five answers held to a schema (not the text one), and the time their grammars took
+    assert metric(tiny_daemon, "kvguard_structured_requests_total") - requests0 == 5
+    assert metric(tiny_daemon, "kvguard_grammar_seconds_total") > seconds0
 
 
 @pytest.mark.parametrize(

@@ -135,6 +135,7 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.kvg_vnni.argtypes, lib.kvg_vnni.restype = [_INT], _INT
     lib.kvg_amx.argtypes, lib.kvg_amx.restype = [_INT], _INT
     lib.kvg_amx_bf16.argtypes, lib.kvg_amx_bf16.restype = [_INT], _INT
+    lib.kvg_attn512.argtypes, lib.kvg_attn512.restype = [_INT], _INT
     lib.kvg_quantize_rows.argtypes = [_PTR, _I64, _I64, _I64, _INT, _PTR, _PTR, _PTR]
     lib.kvg_quantize_rows.restype = ctypes.c_int
     _F = ctypes.c_float
@@ -278,6 +279,14 @@ def amx_bf16(on: bool | None = None) -> bool:
     return _switch(
         "kvg_amx_bf16", on, "no AMX-BF16 here (the CPU lacks it or Linux refused the tile state)"
     )
+
+
+def attention512(on: bool | None = None) -> bool:
+    """Whether prefill attention runs its AVX-512 copy (sixteen queries a vector, not eight):
+    on by default where the CPU has AVX-512 F/BW/VL/DQ, same bits as the AVX2 copy. `on`
+    switches it (tests, benchmarks); True on a CPU without AVX-512 raises ValueError. Returns
+    the state before."""
+    return _switch("kvg_attn512", on, "this CPU lacks AVX-512: prefill attention stays on AVX2")
 
 
 def w4a8(

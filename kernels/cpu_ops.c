@@ -1,5 +1,5 @@
-/* kvguard CPU step kernels (AVX2): paged decode and prefill attention, RMSNorm with the
- * residual add, RoPE.
+/* kvguard CPU step kernels (AVX2; prefill attention also in AVX-512 where the CPU has it):
+ * paged decode and prefill attention, RMSNorm with the residual add, RoPE.
  *
  * A decode step on CPU is one row per sequence, so each torch op around the projections costs
  * more in dispatch than in arithmetic, and the torch attention path first gathers every
@@ -557,6 +557,145 @@ static void prefill_item(const Attn *a, const float *q, int64_t ldq, float *o, i
         transpose_out(ot + j * d * PQ, ml + j * 2 * PQ + PQ, nq, d, o + j * d, ldo);
 }
 
+/* ---- The same prefill attention in 512-bit vectors, where the CPU has AVX-512 -------------
+ * An item's sixteen queries are one vector, not two: each broadcast K or V element feeds one
+ * FMA of sixteen lanes where it fed two of eight, and the exponentials go sixteen at a time.
+ * Every lane does what it does in `prefill_item`, in the same order (the same FMA chains, the
+ * same polynomial, the same sums), so the bits are the same; only the instruction count
+ * halves: 18.5 against 24.0 ms for a layer of eight 544-token prompts (SmolLM2's heads, 2
+ * threads, an AVX-512 Xeon). On by default where the CPU has AVX-512 F/BW/VL/DQ
+ * (`kvg_attn512`). */
+#define A512_FN __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
+
+static int attn512_on = -1;
+
+static int attn512_supported(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+}
+
+/* on: 1 or 0 sets (1 only where the CPU has AVX-512), -1 only reads. Returns the state before,
+ * or -2 when asked for it on a CPU without it (nothing changed). */
+int kvg_attn512(int on) {
+    if (attn512_on < 0) attn512_on = attn512_supported();
+    const int before = attn512_on;
+    if (on == 1 && !attn512_supported()) return -2;
+    if (on == 0 || on == 1) attn512_on = on;
+    return before;
+}
+
+/* exp8's arithmetic, sixteen lanes */
+static inline __attribute__((always_inline)) A512_FN __m512 exp16(__m512 x) {
+    const __m512 lo = _mm512_set1_ps(-87.0f), hi = _mm512_set1_ps(88.0f);
+    const __mmask16 zero = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+    x = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_maskz_mov_ps((__mmask16)~zero, _mm512_mul_ps(p, _mm512_castsi512_ps(e)));
+}
+
+/* prefill_scores with one vector of sixteen queries: s[u] is token t+u's, eight tokens (eight
+ * FMA chains) at a time */
+static inline __attribute__((always_inline)) A512_FN void prefill_scores512(
+    const float *qt, const float *kr, int64_t kstep, int64_t n, int64_t d, int64_t t,
+    int64_t pos0, float ksc, __m512 *s) {
+    const __m512 kscv = _mm512_set1_ps(ksc);
+    int64_t u = 0;
+    for (; u + 8 <= n; u += 8) {
+        __m512 c[8];
+        for (int r = 0; r < 8; ++r) c[r] = _mm512_setzero_ps();
+        for (int64_t i = 0; i < d; ++i) {
+            const __m512 q = _mm512_loadu_ps(qt + i * PQ);
+            for (int r = 0; r < 8; ++r)
+                c[r] = _mm512_fmadd_ps(_mm512_set1_ps(kr[(u + r) * kstep + i]), q, c[r]);
+        }
+        for (int r = 0; r < 8; ++r) s[u + r] = _mm512_mul_ps(c[r], kscv);
+    }
+    for (; u < n; ++u) {
+        __m512 c = _mm512_setzero_ps();
+        for (int64_t i = 0; i < d; ++i)
+            c = _mm512_fmadd_ps(_mm512_set1_ps(kr[u * kstep + i]), _mm512_loadu_ps(qt + i * PQ), c);
+        s[u] = _mm512_mul_ps(c, kscv);
+    }
+    if (t + n - 1 > pos0) { /* the block reaches past the first query: hide the future */
+        const __m512 lane = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        for (u = 0; u < n; ++u) {
+            const __mmask16 seen = _mm512_cmp_ps_mask(lane, _mm512_set1_ps((float)(t + u - pos0)), _CMP_GE_OQ);
+            s[u] = _mm512_mask_blend_ps(seen, _mm512_set1_ps(-INFINITY), s[u]);
+        }
+    }
+}
+
+/* prefill_item in 512-bit vectors: see there */
+static A512_FN void prefill_item512(const Attn *a, const float *q, int64_t ldq, float *o,
+                                    int64_t ldo, int64_t nq, int64_t pos0, const int32_t *table,
+                                    int64_t h0, int64_t h1, float *ws) {
+    const int64_t d = a->d, g = a->g, bs = a->bs, hkv = a->hkv, heads = hkv * g, end = pos0 + nq;
+    float *qt = ws, *ot = qt + heads * d * PQ, *ml = ot + heads * d * PQ;
+    float kb[MAX_BLOCK * MAX_DIM], vb[MAX_BLOCK * MAX_DIM];
+    __m512 s[MAX_BLOCK];
+    for (int64_t j = h0 * g; j < h1 * g; ++j) {
+        transpose_in(q + j * d, ldq, nq, d, a->scale, qt + j * d * PQ);
+        for (int64_t r = 0; r < PQ; ++r) {
+            ml[j * 2 * PQ + r] = -INFINITY;
+            ml[j * 2 * PQ + PQ + r] = 0.0f;
+        }
+    }
+    memset(ot + h0 * g * d * PQ, 0, sizeof(float) * (h1 - h0) * g * d * PQ);
+    for (int64_t t = 0; t < end; t += bs) {
+        const int64_t blk = table[t / bs], n = end - t < bs ? end - t : bs;
+        for (int64_t h = h0; h < h1; ++h) {
+            const int64_t row0 = (blk * bs * hkv + h) * d;
+            int64_t kstep, vstep;
+            const float *kr = block_rows(a, a->k, row0, n, kb, &kstep);
+            const float *vr = block_rows(a, a->v, row0, n, vb, &vstep);
+            const float ksc = a->ks ? a->ks[blk * hkv + h] : 1.0f;
+            const __m512 vsc = _mm512_set1_ps(a->vs ? a->vs[blk * hkv + h] : 1.0f);
+            for (int64_t j = h * g; j < (h + 1) * g; ++j) {
+                float *otj = ot + j * d * PQ, *mj = ml + j * 2 * PQ;
+                prefill_scores512(qt + j * d * PQ, kr, kstep, n, d, t, pos0, ksc, s);
+                const __m512 m0 = _mm512_loadu_ps(mj);
+                __m512 mx = m0;
+                for (int64_t u = 0; u < n; ++u) mx = _mm512_max_ps(mx, s[u]);
+                const __m512 c = exp16(_mm512_sub_ps(m0, mx));
+                __m512 sum = _mm512_setzero_ps();
+                for (int64_t u = 0; u < n; ++u) {
+                    const __m512 p = exp16(_mm512_sub_ps(s[u], mx));
+                    sum = _mm512_add_ps(sum, p);
+                    s[u] = _mm512_mul_ps(p, vsc);
+                }
+                _mm512_storeu_ps(mj, mx);
+                _mm512_storeu_ps(mj + PQ, _mm512_fmadd_ps(_mm512_loadu_ps(mj + PQ), c, sum));
+                /* eight output components at a time in registers, tokens inner */
+                for (int64_t i = 0; i < d; i += 8) {
+                    __m512 acc[8];
+                    for (int r = 0; r < 8; ++r)
+                        acc[r] = _mm512_mul_ps(_mm512_loadu_ps(otj + (i + r) * PQ), c);
+                    for (int64_t u = 0; u < n; ++u) {
+                        const float *vu = vr + u * vstep + i;
+                        for (int r = 0; r < 8; ++r)
+                            acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(vu[r]), s[u], acc[r]);
+                    }
+                    for (int r = 0; r < 8; ++r) _mm512_storeu_ps(otj + (i + r) * PQ, acc[r]);
+                }
+            }
+        }
+    }
+    for (int64_t j = h0 * g; j < h1 * g; ++j)
+        transpose_out(ot + j * d * PQ, ml + j * 2 * PQ + PQ, nq, d, o + j * d, ldo);
+}
+
 typedef struct {
     int64_t cost, seq, pos, h0, h1; /* KV heads [h0, h1) */
 } PrefillItem;
@@ -607,6 +746,7 @@ int kvg_paged_prefill(const float *q, int64_t ldq, float *out, const int64_t *qr
                 items[it++] = (PrefillItem){lens[s] - qlen[s] + p + PQ, s, p, h0, h1};
             }
     qsort(items, (size_t)n, sizeof(PrefillItem), by_cost);
+    const int wide = kvg_attn512(-1) == 1;
 #pragma omp parallel for num_threads(threads) if (threads > 1 && n > 1) schedule(dynamic, 1)
     for (int64_t i = 0; i < n; ++i) {
         const PrefillItem w = items[i];
@@ -616,9 +756,9 @@ int kvg_paged_prefill(const float *q, int64_t ldq, float *out, const int64_t *qr
 #endif
         const int64_t left = qlen[w.seq] - w.pos, nq = left < PQ ? left : PQ;
         const int64_t row = qrow[w.seq] + w.pos;
-        prefill_item(&a, q + row * ldq, ldq, out + row * heads * d, heads * d, nq,
-                     lens[w.seq] - qlen[w.seq] + w.pos, tables + w.seq * ldt, w.h0, w.h1,
-                     ws + self * per);
+        (wide ? prefill_item512 : prefill_item)(&a, q + row * ldq, ldq, out + row * heads * d,
+                                                heads * d, nq, lens[w.seq] - qlen[w.seq] + w.pos,
+                                                tables + w.seq * ldt, w.h0, w.h1, ws + self * per);
     }
     free(items);
     free(ws);

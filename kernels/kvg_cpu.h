@@ -24,6 +24,7 @@ int kvg_paged_prefill(const float *q, int64_t ldq, float *out, const int64_t *qr
                       const void *v, const float *ks, const float *vs, int type, int64_t bs,
                       int64_t hkv, int64_t heads, int64_t d, const int32_t *tables, int64_t ldt,
                       float scale, int threads);
+int kvg_attn512(int on);
 int kvg_write_kv(void *pool, float *scales, int type, const float *x, int64_t ldx,
                  const int64_t *slots, int64_t T, int64_t num_slots, int64_t bs, int64_t hkv,
                  int64_t d);

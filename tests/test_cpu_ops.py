@@ -319,23 +319,57 @@ def test_prefill_chunks_take_the_kernel_and_the_switch_brings_torch_back(
     assert_close(out, ref)
 
 
-@pytest.mark.parametrize(
-    ("seqs", "n_heads", "n_kv", "head_dim", "block_size"),
-    [
-        ([(128, 128), (393, 128), (300, 16)], 9, 3, 64, 16),  # the default model's shapes
-        ([(300, 16)], 9, 3, 64, 16),  # one item's positions: split by KV head over threads
-        ([(70, 9), (9, 9), (2, 2), (17, 8)], 4, 1, 128, 32),  # items cut short (9, 2, 8 rows)
-        ([(90, 33), (40, 17)], 9, 3, 64, 16),  # one or two rows past a whole item
-        ([(257, 64), (65, 65)], 8, 2, 64, 8),  # chunks that start and end mid-block
-        ([(40, 33), (130, 100)], 16, 1, 8, 4),  # the widest group, the narrowest head
-        ([(200, 150)], 2, 2, 256, 64),  # no grouping, the widest head, the largest block
-    ],
-)
+PREFILL_SHAPES = [
+    ([(128, 128), (393, 128), (300, 16)], 9, 3, 64, 16),  # the default model's shapes
+    ([(300, 16)], 9, 3, 64, 16),  # one item's positions: split by KV head over threads
+    ([(70, 9), (9, 9), (2, 2), (17, 8)], 4, 1, 128, 32),  # items cut short (9, 2, 8 rows)
+    ([(90, 33), (40, 17)], 9, 3, 64, 16),  # one or two rows past a whole item
+    ([(257, 64), (65, 65)], 8, 2, 64, 8),  # chunks that start and end mid-block
+    ([(40, 33), (130, 100)], 16, 1, 8, 4),  # the widest group, the narrowest head
+    ([(200, 150)], 2, 2, 256, 64),  # no grouping, the widest head, the largest block
+    ([(61, 61), (45, 13)], 9, 3, 64, 13),  # blocks of an odd size: 8 tokens and a remainder
+]
+
+
+@pytest.mark.parametrize(("seqs", "n_heads", "n_kv", "head_dim", "block_size"), PREFILL_SHAPES)
 def test_prefill_matches_the_dense_reference(
     seqs: list[tuple[int, int]], n_heads: int, n_kv: int, head_dim: int, block_size: int
 ) -> None:
     out, ref = run_batch(seqs, n_heads, n_kv, head_dim, block_size, seed=13)
     assert_close(out, ref)
+
+
+@pytest.mark.parametrize(("seqs", "n_heads", "n_kv", "head_dim", "block_size"), PREFILL_SHAPES)
+def test_the_avx512_prefill_gives_the_avx2_bits(
+    seqs: list[tuple[int, int]], n_heads: int, n_kv: int, head_dim: int, block_size: int
+) -> None:
+    """Where the CPU has AVX-512, prefill attention runs sixteen queries a vector by default,
+    each lane doing what it does in the AVX2 copy in the same order: the same bits, on every
+    shape above (and an fp8 pool's). Without AVX-512 asking for it is refused."""
+    have = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpu_lowbit.cpu_flags()
+    assert cpu_lowbit.attention512() == have
+    if not have:
+        with pytest.raises(ValueError, match="lacks AVX-512"):
+            cpu_lowbit.attention512(True)
+        return
+    try:
+        wide, _ = run_batch(seqs, n_heads, n_kv, head_dim, block_size, seed=15)
+        assert cpu_lowbit.attention512(False) is True
+        narrow, _ = run_batch(seqs, n_heads, n_kv, head_dim, block_size, seed=15)
+    finally:
+        cpu_lowbit.attention512(True)
+    assert torch.equal(wide, narrow)
+    gen = torch.Generator().manual_seed(16)
+    lengths, qlens, starts = [40, 300], [40, 77], [0, 40]
+    _q, kv, tables = _narrow_pool(FP8_DTYPE, lengths, gen)
+    q = torch.randn(sum(qlens), 9, 64, generator=gen)
+    outs = []
+    for on in (True, False):
+        cpu_lowbit.attention512(on)
+        outs.append(torch.zeros_like(q))
+        pa._prefill_native(q, outs[-1], kv, tables, lengths, qlens, starts, [0, 1], 0.125)
+    cpu_lowbit.attention512(True)
+    assert torch.equal(outs[0], outs[1])
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, FP8_DTYPE])

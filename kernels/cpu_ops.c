@@ -476,6 +476,29 @@ static void transpose_out(const float *ot, const float *l, int64_t nq, int64_t d
     }
 }
 
+/* An item's start: its query heads of KV heads [h0, h1) transposed into qt (times the scale),
+ * their running maxes at -inf and sums and outputs at 0. */
+static void prefill_begin(const Attn *a, const float *q, int64_t ldq, int64_t nq, int64_t h0,
+                          int64_t h1, float *qt, float *ot, float *ml) {
+    const int64_t d = a->d, g = a->g;
+    for (int64_t j = h0 * g; j < h1 * g; ++j) {
+        transpose_in(q + j * d, ldq, nq, d, a->scale, qt + j * d * PQ);
+        for (int64_t r = 0; r < PQ; ++r) {
+            ml[j * 2 * PQ + r] = -INFINITY;
+            ml[j * 2 * PQ + PQ + r] = 0.0f;
+        }
+    }
+    memset(ot + h0 * g * d * PQ, 0, sizeof(float) * (h1 - h0) * g * d * PQ);
+}
+
+/* An item's end: each query head's outputs divided by its sum, back to rows of o. */
+static void prefill_end(const Attn *a, int64_t nq, int64_t h0, int64_t h1, const float *ot,
+                        const float *ml, float *o, int64_t ldo) {
+    const int64_t d = a->d, g = a->g;
+    for (int64_t j = h0 * g; j < h1 * g; ++j)
+        transpose_out(ot + j * d * PQ, ml + j * 2 * PQ + PQ, nq, d, o + j * d, ldo);
+}
+
 /* One work item: every query head at the nq (<= 16) query positions pos0.. of one sequence,
  * whose query rows start at q (row stride ldq) and output rows at o (row stride ldo). It
  * attends tokens [0, pos0 + nq) a block at a time, and in a block each KV head in turn (a
@@ -491,14 +514,7 @@ static void prefill_item(const Attn *a, const float *q, int64_t ldq, float *o, i
     float *qt = ws, *ot = qt + heads * d * PQ, *ml = ot + heads * d * PQ; /* ml: max, then sum */
     float kb[MAX_BLOCK * MAX_DIM], vb[MAX_BLOCK * MAX_DIM];
     __m256 s[2 * MAX_BLOCK];
-    for (int64_t j = h0 * g; j < h1 * g; ++j) {
-        transpose_in(q + j * d, ldq, nq, d, a->scale, qt + j * d * PQ);
-        for (int64_t r = 0; r < PQ; ++r) {
-            ml[j * 2 * PQ + r] = -INFINITY;
-            ml[j * 2 * PQ + PQ + r] = 0.0f;
-        }
-    }
-    memset(ot + h0 * g * d * PQ, 0, sizeof(float) * (h1 - h0) * g * d * PQ);
+    prefill_begin(a, q, ldq, nq, h0, h1, qt, ot, ml);
     for (int64_t t = 0; t < end; t += bs) {
         const int64_t blk = table[t / bs], n = end - t < bs ? end - t : bs;
         for (int64_t h = h0; h < h1; ++h) {
@@ -553,8 +569,7 @@ static void prefill_item(const Attn *a, const float *q, int64_t ldq, float *o, i
             }
         }
     }
-    for (int64_t j = h0 * g; j < h1 * g; ++j)
-        transpose_out(ot + j * d * PQ, ml + j * 2 * PQ + PQ, nq, d, o + j * d, ldo);
+    prefill_end(a, nq, h0, h1, ot, ml, o, ldo);
 }
 
 /* ---- The same prefill attention in 512-bit vectors, where the CPU has AVX-512 -------------
@@ -645,14 +660,7 @@ static A512_FN void prefill_item512(const Attn *a, const float *q, int64_t ldq, 
     float *qt = ws, *ot = qt + heads * d * PQ, *ml = ot + heads * d * PQ;
     float kb[MAX_BLOCK * MAX_DIM], vb[MAX_BLOCK * MAX_DIM];
     __m512 s[MAX_BLOCK];
-    for (int64_t j = h0 * g; j < h1 * g; ++j) {
-        transpose_in(q + j * d, ldq, nq, d, a->scale, qt + j * d * PQ);
-        for (int64_t r = 0; r < PQ; ++r) {
-            ml[j * 2 * PQ + r] = -INFINITY;
-            ml[j * 2 * PQ + PQ + r] = 0.0f;
-        }
-    }
-    memset(ot + h0 * g * d * PQ, 0, sizeof(float) * (h1 - h0) * g * d * PQ);
+    prefill_begin(a, q, ldq, nq, h0, h1, qt, ot, ml);
     for (int64_t t = 0; t < end; t += bs) {
         const int64_t blk = table[t / bs], n = end - t < bs ? end - t : bs;
         for (int64_t h = h0; h < h1; ++h) {
@@ -692,8 +700,7 @@ static A512_FN void prefill_item512(const Attn *a, const float *q, int64_t ldq, 
             }
         }
     }
-    for (int64_t j = h0 * g; j < h1 * g; ++j)
-        transpose_out(ot + j * d * PQ, ml + j * 2 * PQ + PQ, nq, d, o + j * d, ldo);
+    prefill_end(a, nq, h0, h1, ot, ml, o, ldo);
 }
 
 typedef struct {

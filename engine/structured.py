@@ -51,7 +51,13 @@ def compile_schema(schema: dict[str, Any]) -> str:
         raise ValueError(f"json_schema={schema!r}: expected a JSON schema object")
     llg = _llguidance()
     try:
-        grammar = llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=LAYOUT)
+        text = json.dumps(schema)
+    except RecursionError as e:  # nested past what the JSON encoder follows
+        raise ValueError(
+            "json_schema: not a JSON schema kvguard can serve: nested too deeply"
+        ) from e
+    try:
+        grammar = llg.LLMatcher.grammar_from_json_schema(text, defaults=LAYOUT)
     except (ValueError, TypeError) as e:
         raise ValueError(f"json_schema: not a JSON schema kvguard can serve: {e}") from e
     problem = llg.LLMatcher.validate_grammar(grammar)

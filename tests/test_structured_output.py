@@ -130,7 +130,17 @@ def test_schemas_are_checked_when_the_request_is_added(smollm_engine: LLMEngine)
         SamplingParams(json_schema="{}")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"json_schema: .*nosuch"):
         eng.add_request("Hi", SamplingParams(json_schema={"type": "nosuch"}))
+    # nested deeper than JSON text can be written by Python (the API's parser stops sooner)
+    with pytest.raises(ValueError, match="json_schema: .*nested too deeply"):
+        eng.add_request("Hi", SamplingParams(json_schema=nested(5000)))
     assert not eng.has_unfinished()  # nothing was queued
+
+
+def nested(depth: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
 
 
 class Answer(BaseModel):
@@ -196,6 +206,11 @@ def test_the_api_serves_response_format(tiny_daemon: Daemon) -> None:
         ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nosuch"}}},
          "nosuch"),
         ({"type": "yaml"}, "json_object"),
+        # nested past the grammar library's limit
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": nested(150)}},
+         "recursion limit"),
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "enum": [f"v{i}" for i in range(200_000)]}}}, "too big"),
         ({"type": "json_schema", "json_schema": {"name": "bad name", "schema": {}}}, "name"),
         ({"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "extra": 1}},
          "extra"),

@@ -113,7 +113,8 @@ def _sample_row(row: torch.Tensor, p: SamplingParams, gen: torch.Generator | Non
         row = row.masked_fill(row < kth, float("-inf"))
     probs = torch.softmax(row, dim=-1)
     if p.top_p < 1.0:
-        probs = _top_p(probs, p.top_p)
+        kept, ids = nucleus(probs, p.top_p)
+        return int(ids[_draw(kept, gen)])
     return _draw(probs, gen)
 
 
@@ -131,15 +132,28 @@ def _draw(probs: torch.Tensor, gen: torch.Generator | None) -> int:
     return int(torch.searchsorted(cdf, u, right=True).clamp_max_(probs.numel() - 1).item())
 
 
-def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose mass reaches `top_p` (always >= 1:
-    a top_p too small for fp32, e.g. 1e-320, rounds to 0 and must still keep the first)."""
-    sorted_p, idx = probs.sort(descending=True)
-    mass_before = sorted_p.cumsum(0) - sorted_p
-    drop = mass_before >= top_p
-    drop[0] = False
-    sorted_p = sorted_p.masked_fill(drop, 0.0)
-    return torch.zeros_like(probs).scatter_(0, idx, sorted_p)
+NUCLEUS_FIRST = 256  # most likely tokens looked at first for a top-p nucleus
+
+
+def nucleus(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The smallest set of most likely tokens whose mass reaches `top_p` (always >= 1: a
+    top_p too small for fp32, e.g. 1e-320, rounds to 0 and must still keep the first): their
+    probabilities, most likely first, and their ids. From the NUCLEUS_FIRST most likely
+    tokens, and from a sort of them all only when the set does not close inside those: a sort
+    of the whole 49k vocabulary took 3.8 ms a row (a 16-row step's sampling 61 ms, more than
+    its forward), the first 256 a tenth of that. (A larger partial selection before the sort
+    cost more than the sort.)"""
+    n = probs.numel()
+    for k in dict.fromkeys((min(n, NUCLEUS_FIRST), n)):
+        if k < n:
+            top, ids = torch.topk(probs, k)  # most likely first
+        else:
+            top, ids = probs.sort(descending=True)
+        mass_before = top.cumsum(0) - top  # non-decreasing: those below top_p are a prefix
+        keep = max(1, int((mass_before < top_p).sum()))
+        if keep < k or k == n:
+            break
+    return top[:keep], ids[:keep]
 
 
 def token_logprobs(

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvguard.engine.sampler import sample
+from kvguard.engine.sampler import nucleus, sample
 from kvguard.engine.sampling_params import SamplingParams
 
 LOGITS = torch.tensor([2.0, 1.0, 0.0, -1.0, -30.0])
@@ -47,6 +47,25 @@ def test_seeded_and_filtered_rows_are_drawn_from_their_distribution() -> None:
         ]
         tokens = sample(LOGITS.repeat(ROWS, 1), [p] * ROWS, gens)
         assert torch.allclose(frequencies(tokens, 5), want, atol=4 * (0.25 / ROWS) ** 0.5), p
+
+
+def full_sort_nucleus(probs: torch.Tensor, top_p: float) -> set[int]:
+    """The top-p set by its definition: sort everything, keep while the mass before < top_p."""
+    sorted_p, idx = probs.sort(descending=True)
+    before = sorted_p.cumsum(0) - sorted_p
+    return set(idx[: max(1, int((before < top_p).sum()))].tolist())
+
+
+@pytest.mark.parametrize("scale", [8.0, 3.0, 0.1])  # peaked to flat
+@pytest.mark.parametrize("top_p", [0.5, 0.9, 0.99, 1e-30])
+def test_the_nucleus_is_the_full_sorts_set(scale: float, top_p: float) -> None:
+    """The top-p set from the 256 most likely tokens, or from a sort of all where it does not
+    close inside them, is the set the definition gives, most likely first."""
+    probs = torch.softmax(torch.randn(5000, generator=torch.Generator().manual_seed(3)) * scale, 0)
+    kept, ids = nucleus(probs, top_p)
+    assert set(ids.tolist()) == full_sort_nucleus(probs, top_p)
+    assert torch.equal(kept, probs[ids]) and bool((kept[:-1] >= kept[1:]).all())
+    # both ways are taken: 1 to 219 tokens close inside the first 256, 1243 to 4935 do not
 
 
 def test_rows_mix_greedy_tempered_seeded_and_filtered() -> None:

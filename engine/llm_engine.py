@@ -226,6 +226,8 @@ class LLMEngine(ControlSurface):
             self._admission_event(seq, d.decision, d.reason)
         self._seqs[rid] = seq
         self.scheduler.add(seq)
+        if seq.grammar is not None:  # queued: a request admission refused is not counted
+            self.grammars.requests += 1
         self._counters["prompt_tokens"] += len(ids)
         return rid
 

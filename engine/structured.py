@@ -75,7 +75,7 @@ class Grammars:
         self._eos = sorted(eos_ids)
         self._view: Any = None
         self._lock = threading.Lock()
-        self.requests = 0  # grammars made (structured requests accepted)
+        self.requests = 0  # structured requests queued (counted by the engine)
         self.seconds = 0.0  # spent in every grammar's masks and advances (the engine thread)
 
     def view(self) -> Any:
@@ -96,7 +96,6 @@ class Grammars:
             raise ValueError(
                 f"json_schema: not a JSON schema kvguard can serve: {matcher.get_error()}"
             )
-        self.requests += 1
         return Grammar(matcher, self._vocab, self)
 
 

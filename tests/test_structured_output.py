@@ -13,6 +13,7 @@ import torch
 from pydantic import BaseModel
 
 from kvguard.engine import LLMEngine, SamplingParams
+from kvguard.engine.admission_policy import AdmissionRejected
 from kvguard.engine.sampler import adjust_logits
 from kvguard.engine.sequence import Status
 from tests.test_server import Daemon
@@ -134,6 +135,18 @@ def test_schemas_are_checked_when_the_request_is_added(smollm_engine: LLMEngine)
     with pytest.raises(ValueError, match="json_schema: .*nested too deeply"):
         eng.add_request("Hi", SamplingParams(json_schema=nested(5000)))
     assert not eng.has_unfinished()  # nothing was queued
+    # a request admission refuses is not counted as a structured request
+    before = eng.grammars.requests
+    eng.halt_admission(None)
+    eng.step()  # the action runs on the engine's thread, at its next step
+    with pytest.raises(AdmissionRejected):
+        eng.add_request("Hi", SamplingParams(json_schema=PERSON))
+    eng.resume_admission()
+    eng.step()
+    eng.add_request("Hi", SamplingParams(max_tokens=1, json_schema=PERSON))
+    assert eng.grammars.requests == before + 1
+    while eng.has_unfinished():
+        eng.step()
 
 
 def nested(depth: int) -> dict[str, Any]:

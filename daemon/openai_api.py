@@ -122,7 +122,7 @@ def router(service: Service) -> APIRouter:
         else:
             text, special = body.prompt or "", body.add_special_tokens is not False
         ids = await asyncio.to_thread(tok.encode, text, special)
-        limit = service.engine.max_prompt_len()
+        limit = service.engine.max_total_len()
         return {"count": len(ids), "max_model_len": limit, "tokens": ids}
 
     @r.post("/detokenize")
@@ -202,16 +202,13 @@ def _params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int) ->
             presence_penalty=body.presence_penalty or 0.0,
             frequency_penalty=body.frequency_penalty or 0.0,
             logit_bias=body.logit_bias or {},
-            json_schema=_json_schema(body),
+            json_schema=None
+            if body.response_format is None
+            else body.response_format.engine_schema(),
         )
     except ValueError as e:  # "stop=['']: ..." names its field first
         field = str(e).split("=", 1)[0]
         raise ApiError(400, str(e), field if field.isidentifier() else None) from e
-
-
-def _json_schema(body: CompletionRequest | ChatCompletionRequest) -> dict[str, Any] | None:
-    fmt = getattr(body, "response_format", None)
-    return None if fmt is None else fmt.engine_schema()
 
 
 def _priority(body: Any, header: str | None) -> str:

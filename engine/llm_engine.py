@@ -193,7 +193,7 @@ class LLMEngine(ControlSurface):
             )
         rank = parse_priority(priority)
         ids = self._prompt_ids(prompt, add_special_tokens)
-        limit = self._max_total_len()
+        limit = self.max_total_len()
         if len(ids) >= limit:
             raise ValueError(self._too_long(len(ids), limit))
         rid = request_id or f"req-{next(self._ids)}"
@@ -270,12 +270,9 @@ class LLMEngine(ControlSurface):
             raise ValueError("prompt is empty: expected at least one token")
         return ids
 
-    def max_prompt_len(self) -> int:
-        """A prompt must be shorter than this (max_model_len, or the pool's tokens if fewer):
-        at least one token must fit after it."""
-        return self._max_total_len()
-
-    def _max_total_len(self) -> int:
+    def max_total_len(self) -> int:
+        """Prompt plus output tokens may not exceed this (max_model_len, or the pool's tokens
+        if fewer): a prompt must be shorter, so one token fits after it."""
         return min(self.max_model_len, self.block_manager.num_blocks * self.config.block_size)
 
     def _too_long(self, n: int, limit: int) -> str:

@@ -590,15 +590,7 @@ static int attn512_supported(void) {
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
 }
 
-/* on: 1 or 0 sets (1 only where the CPU has AVX-512), -1 only reads. Returns the state before,
- * or -2 when asked for it on a CPU without it (nothing changed). */
-int kvg_attn512(int on) {
-    if (attn512_on < 0) attn512_on = attn512_supported();
-    const int before = attn512_on;
-    if (on == 1 && !attn512_supported()) return -2;
-    if (on == 0 || on == 1) attn512_on = on;
-    return before;
-}
+int kvg_attn512(int on) { return kvg_switch(&attn512_on, attn512_supported, on); }
 
 /* exp8's arithmetic, sixteen lanes */
 static inline __attribute__((always_inline)) A512_FN __m512 exp16(__m512 x) {

@@ -5,6 +5,18 @@
 #define KVG_CPU_H
 #include <stdint.h>
 
+/* A CPU-path switch (`kvg_vnni`, `kvg_amx`, `kvg_amx_bf16`, `kvg_attn512`): `*state` is -1
+ * until first asked, then what `supported` says; on: 1 or 0 sets it (1 only where
+ * `supported`), -1 only reads. Returns the state before, or -2 when asked for a path this CPU
+ * lacks (nothing changed). */
+static inline int kvg_switch(int *state, int (*supported)(void), int on) {
+    if (*state < 0) *state = supported();
+    const int before = *state;
+    if (on == 1 && !supported()) return -2;
+    if (on == 0 || on == 1) *state = on;
+    return before;
+}
+
 int kvg_w4a8(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *codes,
              const uint16_t *d, const uint16_t *m, int64_t N, int64_t bpg, float *out,
              int64_t ldo, int threads, int fine);

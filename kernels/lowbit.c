@@ -108,15 +108,7 @@ static int vnni_supported(void) {
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
 }
 
-/* on: 1 or 0 sets (1 only where the CPU has AVX-512 VNNI), -1 only reads. Returns the state
- * before, or -2 when asked for VNNI on a CPU without it (nothing changed). */
-int kvg_vnni(int on) {
-    if (vnni_on < 0) vnni_on = vnni_supported();
-    const int before = vnni_on;
-    if (on == 1 && !vnni_supported()) return -2;
-    if (on == 0 || on == 1) vnni_on = on;
-    return before;
-}
+int kvg_vnni(int on) { return kvg_switch(&vnni_on, vnni_supported, on); }
 
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -286,15 +278,7 @@ static int amx_supported(void) {
     return granted;
 }
 
-/* on: 1 or 0 sets (1 only where the CPU and the kernel allow AMX), -1 only reads. Returns the
- * state before, or -2 when asked for AMX where it is not available (nothing changed). */
-int kvg_amx(int on) {
-    if (amx_on < 0) amx_on = amx_supported();
-    const int before = amx_on;
-    if (on == 1 && !amx_supported()) return -2;
-    if (on == 0 || on == 1) amx_on = on;
-    return before;
-}
+int kvg_amx(int on) { return kvg_switch(&amx_on, amx_supported, on); }
 
 static AMX_FN void amx_begin(void) {
     amx_config c;
@@ -642,15 +626,7 @@ static int amx_bf16_supported(void) {
     return (d >> 22 & 1) && amx_supported(); /* AMX-BF16, and the tile state granted */
 }
 
-/* on: 1 or 0 sets (1 only where AMX-BF16 is available), -1 only reads. Returns the state
- * before, or -2 when asked for it where it is not available (nothing changed). */
-int kvg_amx_bf16(int on) {
-    if (amx_bf16_on < 0) amx_bf16_on = amx_bf16_supported();
-    const int before = amx_bf16_on;
-    if (on == 1 && !amx_bf16_supported()) return -2;
-    if (on == 0 || on == 1) amx_bf16_on = on;
-    return before;
-}
+int kvg_amx_bf16(int on) { return kvg_switch(&amx_bf16_on, amx_bf16_supported, on); }
 
 /* 16 floats split: hi (bits with the low half cut) and lo (the remainder, rounded to nearest
  * even), each as the top 16 bits of its 32-bit lane. */

@@ -8,6 +8,7 @@ import logging
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -352,6 +353,7 @@ def test_without_a_compiler_the_torch_kernels_serve(
 
 BUILD = """
 import sys
+from collections.abc import Callable
 from kvguard.kernels import cpu_lowbit
 sys.exit(0 if cpu_lowbit.available() else 1)
 """
@@ -368,6 +370,17 @@ def test_two_processes_compiling_at_once_both_load_one_library(tmp_path: Path) -
     assert len(built) == 1 and built[0].name.startswith("kvguard-cpu-") and built[0].suffix == ".so"
 
 
+def switch_follows_cpu(switch: Callable[..., bool], have: bool, refusal: str) -> bool:
+    """A CPU-path switch is on by default exactly where the CPU has the path, and asking for
+    it elsewhere is refused (`refusal` in the message) without turning it on. Returns `have`."""
+    assert switch() == have
+    if not have:
+        with pytest.raises(ValueError, match=refusal):
+            switch(True)
+        assert switch() is False
+    return have
+
+
 @pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "asym64"])
 def test_the_amx_tiles_give_the_vnni_dots_bits(fmt: str) -> None:
     """Where the CPU has AMX-INT8 (and Linux grants the tile state) 4-bit GEMMs with int16
@@ -377,11 +390,7 @@ def test_the_amx_tiles_give_the_vnni_dots_bits(fmt: str) -> None:
     threads one and two. Fewer than 16 rows and int8 activations stay on the dots. Without
     AMX asking for it is refused. (The C side asks cpuid and Linux; this reads the flags.)"""
     have = {"amx_tile", "amx_int8", "avx512_vnni"} <= cpu_lowbit.cpu_flags()
-    assert cpu_lowbit.amx() == have
-    if not have:
-        with pytest.raises(ValueError, match="no AMX"):
-            cpu_lowbit.amx(True)
-        assert cpu_lowbit.amx() is False
+    if not switch_follows_cpu(cpu_lowbit.amx, have, "no AMX"):
         return
     threads_before = torch.get_num_threads()
     bf16_before = cpu_lowbit.amx_bf16(False)  # long prompt chunks: bf16 tiles, other bits
@@ -415,11 +424,7 @@ def test_bf16_tiles_hold_long_chunks_to_the_unquantised_product(fmt: str) -> Non
     padding columns and an odd tile count, threads one and two; below 128 rows the integer
     paths serve, the same bits as with it off. Without it asking for it is refused."""
     have = {"amx_tile", "amx_bf16"} <= cpu_lowbit.cpu_flags() and cpu_lowbit.amx()
-    assert cpu_lowbit.amx_bf16() == have
-    if not have:
-        with pytest.raises(ValueError, match="no AMX-BF16"):
-            cpu_lowbit.amx_bf16(True)
-        assert cpu_lowbit.amx_bf16() is False
+    if not switch_follows_cpu(cpu_lowbit.amx_bf16, have, "no AMX-BF16"):
         return
     threads_before = torch.get_num_threads()
     try:

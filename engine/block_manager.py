@@ -47,6 +47,7 @@ class BlockManager:
         self._key_of: dict[int, BlockKey] = {}
         self._content_of: dict[int, int] = {}
         self._next_content = 1
+        self._retired = 0  # entries resize() kept for blocks in use: shared, never looked up
         self.hit_tokens = 0  # prompt tokens served from the cache
         self.queried_tokens = 0  # prompt tokens of admissions that looked
 
@@ -61,7 +62,7 @@ class BlockManager:
     @property
     def num_cached(self) -> int:
         """Blocks holding reusable K/V (in use or free); free ones are handed out last."""
-        return len(self._cache)
+        return len(self._cache) - self._retired
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -77,6 +78,7 @@ class BlockManager:
         if key is not None:  # its cached content is overwritten from now on
             del self._cache[key]
             del self._content_of[b]
+            self._retired -= key[0] < 0
         return b
 
     def take(self, owner: str, n: int) -> list[int]:
@@ -131,21 +133,30 @@ class BlockManager:
         the tokens found."""
         if not self.caching or seq.block_table or seq.num_computed_tokens:
             return 0
-        parent, table, contents = 0, [], []
-        for i in range((seq.num_tokens - 1) // self.block_size):
-            b = self._cache.get(self._key(seq, i, parent))
-            if b is None:
-                break
+        table = self._lookup(seq)
+        for b in table:
             if b in self._free:
                 del self._free[b]
                 self._holders[b] = set()
             self._holders[b].add(seq.request_id)
-            parent = self._content_of[b]
-            table.append(b)
-            contents.append(parent)
-        seq.block_table, seq.block_contents = table, contents
+        seq.block_table, seq.block_contents = table, [self._content_of[b] for b in table]
         seq.num_computed_tokens = len(table) * self.block_size
         return seq.num_computed_tokens
+
+    def cached_blocks(self, seq: Sequence) -> int:
+        """How many leading blocks `match` would give `seq` now (nothing is taken)."""
+        return len(self._lookup(seq)) if self.caching else 0
+
+    def _lookup(self, seq: Sequence) -> list[int]:
+        """The cached blocks `seq`'s tokens begin with, its last token's block excluded."""
+        parent, found = 0, []
+        for i in range((seq.num_tokens - 1) // self.block_size):
+            b = self._cache.get(self._key(seq, i, parent))
+            if b is None:
+                break
+            parent = self._content_of[b]
+            found.append(b)
+        return found
 
     def unmatch(self, seq: Sequence) -> None:
         """Undo `match` for a sequence that could not start after all."""
@@ -177,16 +188,24 @@ class BlockManager:
         """Renumber for a pool of `new_n` blocks; returns old -> new id of every used block.
 
         Blocks below `new_n` keep their ids; those above move to the lowest free ids. The
-        prefix cache is dropped (the pool is rebuilt in another dtype).
+        prefix cache is dropped (the pool is rebuilt in another dtype): a cached block still
+        in use keeps a key no lookup can form (a negative parent, no tokens), so the sequences
+        sharing it go on sharing it read-only and no new one finds its converted K/V.
         """
         if self.num_used > new_n:
             raise RuntimeError(f"{self.num_used} blocks in use do not fit a pool of {new_n}")
+        kept = {b: self._content_of[b] for b in self._holders if b in self._content_of}
         self._cache.clear()
         self._key_of.clear()
         self._content_of.clear()
         used = set(self._holders)
         spare = iter(b for b in range(new_n) if b not in used)
         moves = {b: (b if b < new_n else next(spare)) for b in sorted(used)}
+        for b, content in kept.items():
+            key: BlockKey = (-content, ())
+            self._cache[key], self._key_of[moves[b]] = moves[b], key
+            self._content_of[moves[b]] = content
+        self._retired = len(kept)
         self._holders = {moves[b]: h for b, h in self._holders.items()}
         self._free = dict.fromkeys(b for b in range(new_n) if b not in self._holders)
         self.num_blocks = new_n

@@ -30,6 +30,10 @@ be its text gets it from a step of such decodes before another high prompt runs:
 overload benchmark a high request's second token had waited for the next high arrival's
 whole prompt step (0.4 s).
 
+A waiting request whose prompt begins with full blocks a running prompt is computing now (a
+burst with one system prompt, the `n` choices of one request) waits for them and takes them
+from the prefix cache, instead of computing them beside it in the same step (`_follows`).
+
 `block_cap` bounds the device blocks in use below the pool size: while a remedy has narrowed
 the KV dtype (FP8), the engine caps use at what the configured dtype's pool holds, less a
 margin, so switching back always fits once the burst has passed (see LLMEngine).
@@ -366,6 +370,9 @@ class Scheduler:
                 gated = True
                 i += 1
                 continue
+            if self._follows(seq):
+                i += 1  # it starts once the blocks it shares are in the cache
+                continue
             hit = self._match(seq)
             n = self._chunk(seq, budget)
             if not n or not self._slot_for(seq, batch) or not self._room_for(seq, n, batch):
@@ -385,6 +392,35 @@ class Scheduler:
             self.running.append(seq)
             batch.add(seq, n)
             budget -= n
+
+    def _follows(self, seq: Sequence) -> bool:
+        """Whether waiting `seq` should let a running prompt compute blocks it begins with
+        first: a burst of requests with one system prompt (or the `n` choices of one
+        request) computes the shared blocks once, the followers taking them from the prefix
+        cache a step or a few later, instead of each computing them in the same step. Only
+        when the shared blocks are at least half of what `seq` would compute (a common
+        chat-template header is not worth a step's wait), and only behind a prompt of the
+        same or higher priority (a high request never waits on work that high steps hold
+        back)."""
+        bm = self.bm
+        if not bm.caching or seq.prompt_logprobs is not None or seq.num_computed_tokens:
+            return False
+        leaders = [s for s in self.running if s.num_uncomputed > 1 and s.priority <= seq.priority]
+        if not leaders:
+            return False
+        bs = bm.block_size
+        limit = (seq.num_tokens - 1) // bs  # the blocks match() could give it
+        cached = bm.cached_blocks(seq)
+        own = seq.num_tokens - cached * bs  # what it would compute starting now
+        for lead in leaders:
+            shared, top = 0, min(limit, lead.num_tokens // bs)
+            while shared < top and seq.token_slice(shared * bs, (shared + 1) * bs) == (
+                lead.token_slice(shared * bs, (shared + 1) * bs)
+            ):
+                shared += 1
+            if shared > cached and 2 * (shared - cached) * bs >= own:
+                return True
+        return False
 
     def _match(self, seq: Sequence) -> int:
         """Start `seq` from the cached blocks its tokens begin with (the prefix cache); a

@@ -92,6 +92,24 @@ def test_pool_rebuild_drops_the_cache_and_caching_off_keeps_nothing() -> None:
     assert off.num_cached == 0 and off.match(_seq("d", range(9))) == 0
 
 
+def test_blocks_shared_through_a_pool_rebuild_stay_shared_and_are_never_found() -> None:
+    bm = BlockManager(8, 4, caching=True)
+    a, b = _seq("a", range(10)), _seq("b", [*range(8), 50, 51])
+    _compute(bm, a, 10)
+    assert bm.match(b) == 8 and b.block_table == a.block_table[:2]
+    moves = bm.resize(6)  # the live dtype switch: a's and b's first two blocks are shared
+    for s in (a, b):
+        s.block_table = [moves[x] for x in s.block_table]
+    bm.audit([("a", a.block_table), ("b", b.block_table)])
+    assert bm.num_cached == 0 and bm.cached_blocks(_seq("c", range(10))) == 0
+    _compute(bm, b, 2)  # b runs on in the new pool beside a
+    bm.audit([("a", a.block_table), ("b", b.block_table)])
+    bm.free(a)
+    bm.free(b)
+    assert bm.num_free == 6 and bm.match(_seq("d", range(10))) == 0
+    bm.audit([])
+
+
 # -- the engine ---------------------------------------------------------------------------
 
 
@@ -274,3 +292,52 @@ def test_usage_and_metrics_report_cached_tokens(tiny_daemon) -> None:  # noqa: A
     hit = [ln for ln in text.splitlines() if ln.startswith("kvguard_prefix_cache_hit_tokens_total")]
     assert hit and float(hit[0].split()[-1]) >= (n - 1) // 16 * 16
     assert "kvguard_prefix_cache_blocks " in text
+
+
+# -- a burst with one prefix computes it once ---------------------------------------------
+
+
+def test_a_burst_with_one_system_prompt_computes_it_once(
+    uncached: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Requests arriving together with one system prompt: the first computes it, the others
+    wait a step and take its blocks from the cache, with the answers computed without it."""
+    engine = _engine()
+    steps = _step_tokens(engine, monkeypatch)
+    prompts = [[*SYSTEM, *range(20 + 10 * k, 30 + 10 * k)] for k in range(4)]
+    rids = [engine.add_request(p, GREEDY) for p in prompts]
+    done = run_all(engine)
+    assert steps[0] == [74] and steps[1] == [1, 10, 10, 10]
+    assert [done[r].num_cached_tokens for r in rids] == [0, 64, 64, 64]
+    assert [done[r].token_ids for r in rids] == _run(uncached, prompts, GREEDY)
+
+
+def test_a_short_shared_header_does_not_hold_a_prompt_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One shared block of a five-block prompt is not worth a step's wait: all start at once."""
+    engine = _engine()
+    steps = _step_tokens(engine, monkeypatch)
+    prompts = [[*SYSTEM[:16], *range(100 + 70 * k, 164 + 70 * k)] for k in range(3)]
+    for p in prompts:
+        engine.add_request(p, GREEDY)
+    run_all(engine)
+    assert steps[0] == [80, 80, 80]
+
+
+def test_only_a_prompt_of_the_same_priority_or_higher_is_waited_for() -> None:
+    """A high request never waits on a normal prompt's blocks (high steps may hold that
+    prompt back); a normal one with the same prompt does."""
+    engine = _engine(max_num_batched_tokens=48)
+    prompt = [*SYSTEM, *range(20, 30)]  # 74 tokens: 48 in the first step, 26 in the second
+    lead = engine.add_request(prompt, GREEDY)
+    engine.step()
+    high = engine.add_request([*SYSTEM, 7, 8], GREEDY, priority="high")
+    follower = engine.add_request(prompt, GREEDY)
+    engine.step()  # the lead's last 26 tokens, the high request's 18, 4 tokens to spare
+    seqs = engine._seqs
+    assert seqs[lead].num_computed_tokens == 74 and seqs[high].num_computed_tokens == 66
+    assert seqs[follower].num_computed_tokens == 0
+    done = run_all(engine)
+    assert done[follower].num_cached_tokens == 64 and done[high].num_cached_tokens == 48
+    assert done[follower].token_ids == done[lead].token_ids

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Header, Request
@@ -165,7 +166,11 @@ def _single_prompt(prompt: str | list[str] | list[int]) -> str | list[int]:
         return prompt
     if prompt and all(isinstance(p, str) for p in prompt):
         if len(prompt) != 1:
-            raise ApiError(400, "only one prompt per request is served (n=1)", "prompt")
+            raise ApiError(
+                400,
+                "only one prompt per request is served (send n for several choices of one prompt)",
+                "prompt",
+            )
         return prompt[0]
     return list(prompt)
 
@@ -238,15 +243,25 @@ async def _serve(
         await asyncio.to_thread(service.engine.grammars.view)  # on the engine's thread
     ctx = _Ctx(service, kind, body.model, priority, time.monotonic(), params)
     ctx.echo = prompt if getattr(body, "echo", False) else None
-    outputs = _Outputs(asyncio.get_running_loop(), ctx, keep_deltas=bool(body.stream))
-    stream, fut = service.loop.submit_nowait(
-        prompt, params, priority, add_special_tokens=completion, listener=outputs.push
-    )
-    service.requests.add(outputs)  # a drain that runs out of time cuts it through this set
-    watch = _DisconnectWatch(request, service, stream, outputs)  # from now, not once admitted
+    aio = asyncio.get_running_loop()
+    outs = [_Outputs(aio, ctx, bool(body.stream)) for _ in range(body.n or 1)]
+    streams, futs = [], []
+    for i, outputs in enumerate(outs):  # one engine request per choice, in order
+        stream, fut = service.loop.submit_nowait(
+            prompt,
+            _choice_params(params, i),
+            priority,
+            add_special_tokens=completion,
+            listener=outputs.push,
+        )
+        streams.append(stream)
+        futs.append(fut)
+        service.requests.add(outputs)  # a drain that runs out of time cuts it through this set
+    watch = _DisconnectWatch(request, service, streams, outs)  # from now, not once admitted
     admitted = False
     try:
-        await asyncio.wrap_future(fut)
+        for fut in futs:
+            await asyncio.wrap_future(fut)
         admitted = True
     except AdmissionRejected as e:
         d = e.decision
@@ -264,16 +279,26 @@ async def _serve(
         name = "response_format" if name == "json_schema" else name
         raise ApiError(400, str(e), name if name in type(body).model_fields else "prompt") from e
     finally:
-        if not admitted:
+        if not admitted:  # every choice or none: those admitted before the refusal end too
             watch.stop()
+            for stream, outputs in zip(streams, outs, strict=True):
+                service.loop.abort_stream(stream)
+                service.requests.discard(outputs)
     if body.stream:
         include_usage = bool((body.stream_options or {}).get("include_usage"))
         return StreamingResponse(
-            _sse(ctx, stream.request_id, outputs, watch, include_usage),
-            media_type="text/event-stream",
+            _sse(ctx, streams, outs, watch, include_usage), media_type="text/event-stream"
         )
-    final = await _wait_final(service, outputs, watch)
-    return _full_response(ctx, final)
+    finals = await _wait_final(service, streams, outs, watch)
+    return _full_response(ctx, finals)
+
+
+def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Choice `index`'s parameters: a seeded request's choices draw with seeds seed,
+    seed + 1, ... (each reproducible, and not all the same sample)."""
+    if index == 0 or params.seed is None:
+        return params
+    return dataclasses.replace(params, seed=params.seed + index)
 
 
 class _Ctx:
@@ -297,13 +322,14 @@ class _Ctx:
         self.echo: str | list[int] | None = None  # the prompt, for a completion with echo
         self.id = new_id("chatcmpl" if kind == "chat.completion" else "cmpl")
         self.created = now()
-        self.last: float | None = None
-        self.text_offset = 0  # a completion's logprobs: where the next token's text starts
+        # a completion's logprobs: where choice i's next token's text starts
+        self.text_offset: dict[int, int] = {}
 
-    def logprobs(self, lps: list[TokenLogprob] | None) -> dict[str, Any] | None:
+    def logprobs(self, lps: list[TokenLogprob] | None, index: int = 0) -> dict[str, Any] | None:
         """`lps` in OpenAI's shape: chat `{"content": [...], "refusal": null}`, a completion
         `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}` (offsets continue from
-        the previous call's: a stream's chunks count on). None where not asked."""
+        the previous call's for the same choice: a stream's chunks count on). None where not
+        asked."""
         if lps is None:
             return None
         tok = self.service.engine.tokenizer
@@ -323,25 +349,27 @@ class _Ctx:
             ]
             return {"content": content, "refusal": None}
         tokens, offsets, values, tops = [], [], [], []
+        offset = self.text_offset.get(index, 0)
         for lp in lps:
             tokens.append(text(lp.token_id))
-            offsets.append(self.text_offset)
-            self.text_offset += len(tokens[-1])
+            offsets.append(offset)
+            offset += len(tokens[-1])
             values.append(lp.logprob)
             top: dict[str, float] = {}  # keyed by text: of tokens that print alike, the likelier
             for i, v in lp.top:
                 top.setdefault(text(i), v)
             tops.append(top)
+        self.text_offset[index] = offset
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
                 "text_offset": offsets}  # fmt: skip
 
-    def echo_logprobs(self, out: RequestOutput) -> dict[str, Any] | None:
+    def echo_logprobs(self, out: RequestOutput, index: int) -> dict[str, Any] | None:
         """A completion's logprobs with `echo`: the prompt's tokens first (the first has none,
         as OpenAI's answer has it), then the generated ones."""
         if out.final_prompt_logprobs is None:
-            return self.logprobs(out.final_logprobs)
+            return self.logprobs(out.final_logprobs, index)
         first = TokenLogprob(out.prompt_token_ids[0], 0.0)
-        lps = self.logprobs([first, *out.final_prompt_logprobs, *out.final_logprobs])
+        lps = self.logprobs([first, *out.final_prompt_logprobs, *out.final_logprobs], index)
         lps["token_logprobs"][0] = lps["top_logprobs"][0] = None
         return lps
 
@@ -354,27 +382,30 @@ class _Ctx:
             return self.echo
         return self.service.engine.tokenizer.decode(self.echo, skip_special_tokens=False)
 
-    def observe(self, out: RequestOutput) -> None:
-        """Latency metrics, per engine output (engine thread): they measure the engine, not how
-        fast the client reads. An output without tokens (an abort of a queued request) is no
-        token's latency. Finishes are counted by the engine (kvguard_requests_finished_total),
-        where aborts pass too."""
+    def observe(self, out: RequestOutput, last: float | None) -> float | None:
+        """Latency metrics, per engine output of one choice (engine thread): they measure the
+        engine, not how fast the client reads. `last` is when the choice's previous token
+        came (None: none yet); returns when this one did. An output without tokens (an abort
+        of a queued request) is no token's latency. Finishes are counted by the engine
+        (kvguard_requests_finished_total), where aborts pass too."""
         m = self.service.metrics
         t = time.monotonic()
         if out.new_token_ids:
-            if self.last is None:
+            if last is None:
                 m.ttft.labels(self.priority).observe(t - self.t0)
             else:
-                m.inter_token.labels(self.priority).observe(t - self.last)
-            self.last = t
+                m.inter_token.labels(self.priority).observe(t - last)
+            last = t
         if out.finished:
             m.e2e.labels(self.priority).observe(t - self.t0)
             if out.queue_time_s is not None:
                 m.queue_time.labels(self.priority).observe(out.queue_time_s)
+        return last
 
 
 class _Outputs:
-    """The engine's outputs for one HTTP request until the request's coroutine takes them.
+    """The engine's outputs for one choice of an HTTP request until the request's coroutine
+    takes them.
 
     The engine thread pushes one delta per token; the coroutine can be much slower (a client
     reading its SSE stream slowly, or not at all). Untaken deltas are coalesced, so a request
@@ -389,6 +420,7 @@ class _Outputs:
         self._ready = asyncio.Event()
         self.gone = False  # the client hung up (event loop only)
         self.cut_message: str | None = None  # the server cut the request off (event loop only)
+        self._last: float | None = None  # when the previous token came (engine thread only)
 
     def hang_up(self) -> None:
         """The client left: wake the waiting coroutine, which gives up (event loop only)."""
@@ -404,7 +436,7 @@ class _Outputs:
 
     def push(self, out: RequestOutput) -> None:
         """The stream's listener, on the engine thread: must not block."""
-        self._ctx.observe(out)
+        self._last = self._ctx.observe(out, self._last)
         if not (self._keep_deltas or out.finished):
             return
         with self._lock:
@@ -451,13 +483,18 @@ class _DisconnectWatch:
     outputs never runs while tokens keep arriving (and an abandoned request would generate to
     its last token), nor in time for a queued request, which has no outputs at all. The abort
     goes through the mailbox behind the request's own add, so it also reaches a request the
-    engine has not taken yet; the engine frees the blocks at its next step.
+    engine has not taken yet; the engine frees the blocks at its next step. Every choice of
+    the request (`n`) is aborted.
     """
 
     def __init__(
-        self, request: Request, service: Service, stream: RequestStream, outputs: _Outputs
+        self,
+        request: Request,
+        service: Service,
+        streams: Sequence[RequestStream],
+        outs: Sequence[_Outputs],
     ) -> None:
-        self._service, self._stream, self._outputs = service, stream, outputs
+        self._service, self._streams, self._outs = service, streams, outs
         self._task = asyncio.get_running_loop().create_task(self._watch(request))
 
     async def _watch(self, request: Request) -> None:
@@ -465,9 +502,12 @@ class _DisconnectWatch:
             while (await request.receive())["type"] != "http.disconnect":
                 pass  # the body has been read: nothing but a disconnect should come
         except Exception:  # noqa: BLE001 - a receive channel that fails has lost its client too
-            log.debug("receive failed for %s; taking the client as gone", self._stream.request_id)
-        self._service.loop.abort_stream(self._stream)
-        self._outputs.hang_up()
+            rid = self._streams[0].request_id
+            log.debug("receive failed for %s; taking the client as gone", rid)
+        for stream in self._streams:
+            self._service.loop.abort_stream(stream)
+        for outputs in self._outs:
+            outputs.hang_up()
 
     def stop(self) -> None:
         """The answer is complete (or failed before the engine took the request)."""
@@ -490,24 +530,73 @@ def _cut_error(service: Service, out: RequestOutput | None, cut: str | None) -> 
     )
 
 
-async def _wait_final(
-    service: Service, outputs: _Outputs, watch: _DisconnectWatch
-) -> RequestOutput:
+async def _merged(outs: Sequence[_Outputs]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(choice index, output) as each choice's outputs come, until every choice has its
+    final one; raises ClientGone or RequestCut as `_Outputs.get` does."""
+    if len(outs) == 1:
+        while True:
+            out = await outs[0].get()
+            yield 0, out
+            if out.finished:
+                return
+    waits = {asyncio.ensure_future(o.get()): i for i, o in enumerate(outs)}
     try:
-        while not (out := await outputs.get()).finished:
-            pass
+        while waits:
+            done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=waits.__getitem__):
+                i = waits.pop(task)
+                out = task.result()
+                yield i, out
+                if not out.finished:
+                    waits[asyncio.ensure_future(outs[i].get())] = i
+    finally:
+        for task in waits:
+            task.cancel()
+
+
+def _failure(service: Service, out: RequestOutput, outputs: _Outputs) -> ApiError | None:
+    """The error a choice's final output answers with; None: it finished normally."""
+    if out.finish_reason == "abort":  # not the client's doing: the daemon stopped it
+        return _cut_error(service, out, outputs.cut_message)
+    if out.finish_reason == "error":
+        return _engine_error(service, out)
+    return None
+
+
+def _end(
+    service: Service, streams: Sequence[RequestStream], outs: Sequence[_Outputs], finished: set[int]
+) -> None:
+    """The request's answer is complete or failed: the watch's and drain's hold on its
+    choices ends, and a choice still running (another one failed) is aborted."""
+    for i, (stream, outputs) in enumerate(zip(streams, outs, strict=True)):
+        service.requests.discard(outputs)
+        if i not in finished:
+            service.loop.abort_stream(stream)
+
+
+async def _wait_final(
+    service: Service,
+    streams: Sequence[RequestStream],
+    outs: Sequence[_Outputs],
+    watch: _DisconnectWatch,
+) -> list[RequestOutput]:
+    """Every choice's final output; the first that failed fails the request."""
+    finals: dict[int, RequestOutput] = {}
+    try:
+        async with contextlib.aclosing(_merged(outs)) as outputs:
+            async for i, out in outputs:
+                if out.finished:
+                    finals[i] = out
+                    if (err := _failure(service, out, outs[i])) is not None:
+                        raise err
     except ClientGone:
         raise ApiError(499, "client disconnected") from None
     except RequestCut as e:
         raise _cut_error(service, None, str(e)) from None
     finally:
         watch.stop()
-        service.requests.discard(outputs)
-    if out.finish_reason == "abort":  # not the client's doing: the daemon stopped it
-        raise _cut_error(service, out, outputs.cut_message)
-    if out.finish_reason == "error":
-        raise _engine_error(service, out)
-    return out
+        _end(service, streams, outs, set(finals))
+    return [finals[i] for i in range(len(outs))]
 
 
 def engine_unavailable(error: BaseException, out: RequestOutput | None = None) -> ApiError:
@@ -544,38 +633,50 @@ def _engine_error(service: Service, out: RequestOutput) -> ApiError:
     )
 
 
-def _kvguard_ext(ctx: _Ctx, out: RequestOutput) -> dict[str, Any]:
+def _kvguard_ext(ctx: _Ctx, outs: Sequence[RequestOutput]) -> dict[str, Any]:
+    """kvguard's own fields of an answer (of all its choices: the longest queue time)."""
+    waits = [o.queue_time_s for o in outs if o.queue_time_s is not None]
     return {
         "priority": ctx.priority,
-        "truncated": out.truncated,
-        "queue_time_s": out.queue_time_s,
-        "preemptions": out.num_preemptions,
+        "truncated": any(o.truncated for o in outs),
+        "queue_time_s": max(waits) if waits else None,
+        "preemptions": sum(o.num_preemptions for o in outs),
     }
 
 
-def _full_response(ctx: _Ctx, out: RequestOutput) -> dict[str, Any]:
-    if ctx.kind == "chat.completion":
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": out.text},
-            "finish_reason": out.finish_reason,
-            "logprobs": ctx.logprobs(out.final_logprobs),
-        }
-    else:
-        choice = {
-            "index": 0,
-            "text": ctx.echo_text() + out.text,
-            "finish_reason": out.finish_reason,
-            "logprobs": ctx.echo_logprobs(out),
-        }
+def _usage(outs: Sequence[RequestOutput]) -> dict[str, Any]:
+    """The prompt once, every choice's output tokens; cached: the prompt tokens the first
+    choice to run found cached (the others found what it computed too)."""
+    cached = min(o.num_cached_tokens for o in outs)
+    return usage(outs[0].num_prompt_tokens, sum(o.num_output_tokens for o in outs), cached)
+
+
+def _full_response(ctx: _Ctx, outs: Sequence[RequestOutput]) -> dict[str, Any]:
+    choices = []
+    for i, out in enumerate(outs):
+        if ctx.kind == "chat.completion":
+            choice = {
+                "index": i,
+                "message": {"role": "assistant", "content": out.text},
+                "finish_reason": out.finish_reason,
+                "logprobs": ctx.logprobs(out.final_logprobs, i),
+            }
+        else:
+            choice = {
+                "index": i,
+                "text": ctx.echo_text() + out.text,
+                "finish_reason": out.finish_reason,
+                "logprobs": ctx.echo_logprobs(out, i),
+            }
+        choices.append(choice)
     return {
         "id": ctx.id,
         "object": ctx.kind,
         "created": ctx.created,
         "model": ctx.model,
-        "choices": [choice],
-        "usage": usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens),
-        "kvguard": _kvguard_ext(ctx, out),
+        "choices": choices,
+        "usage": _usage(outs),
+        "kvguard": _kvguard_ext(ctx, outs),
     }
 
 
@@ -585,17 +686,18 @@ def _chunk(
     finish: str | None,
     first: bool,
     lps: list[TokenLogprob] | None = None,
+    index: int = 0,
 ) -> dict[str, Any]:
-    logprobs = ctx.logprobs(lps) if lps else None
+    logprobs = ctx.logprobs(lps, index) if lps else None
     if ctx.kind == "chat.completion":
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
         if text:
             delta["content"] = text
-        choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
+        choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
         obj = "chat.completion.chunk"
     else:
         text = (ctx.echo_text() if first else "") + (text or "")
-        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}
+        choice = {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}
         obj = "text_completion"
     return {
         "id": ctx.id,
@@ -611,53 +713,52 @@ def _sse_line(obj: dict[str, Any]) -> str:
 
 
 async def _sse(
-    ctx: _Ctx, rid: str, outputs: _Outputs, watch: _DisconnectWatch, include_usage: bool
+    ctx: _Ctx,
+    streams: Sequence[RequestStream],
+    outs: Sequence[_Outputs],
+    watch: _DisconnectWatch,
+    include_usage: bool,
 ) -> AsyncIterator[str]:
-    """Stream the engine's text deltas. The engine already holds back text that could still
-    become part of a stop string, so every delta is final; a slow client gets several tokens'
-    deltas coalesced into one chunk.
+    """Stream the engine's text deltas, each choice's chunks with its index as they come. The
+    engine already holds back text that could still become part of a stop string, so every
+    delta is final; a slow client gets several tokens' deltas coalesced into one chunk. A
+    choice's last chunk carries its finish reason (and kvguard's fields); the usage chunk,
+    when asked for, comes once every choice has finished.
 
-    A request the daemon cut off (drain deadline) ends with an `error` event, the way OpenAI
-    streams report a failure, and no `[DONE]`: a stream that ends normally after a cut would
-    read as a complete answer."""
-    first, final = True, None
+    A request the daemon cut off (drain deadline), or a choice the engine failed, ends the
+    stream with an `error` event, the way OpenAI streams report a failure, and no `[DONE]`:
+    a stream that ends normally after a cut would read as a complete answer."""
+    first = [True] * len(outs)
+    finals: dict[int, RequestOutput] = {}
     # tokens' log-probabilities go out with the chunk that carries their text (text held back
     # for a stop string or a split character waits, and so do they), the rest with the end
-    pending: list[TokenLogprob] = []
+    pending: list[list[TokenLogprob]] = [[] for _ in outs]
     try:
-        while final is None:
-            try:
-                out = await outputs.get()
-            except ClientGone:
-                return
-            except RequestCut as e:
-                yield _sse_line(_cut_error(ctx.service, None, str(e)).body())
-                return
-            if out.finished:
-                final = out
-            pending.extend(out.new_logprobs or ())
-            if out.new_text or first:
-                yield _sse_line(_chunk(ctx, out.new_text, None, first, pending))
-                first, pending = False, []
-        if final.finish_reason == "abort":
-            yield _sse_line(_cut_error(ctx.service, final, outputs.cut_message).body())
-            return
-        if final.finish_reason == "error":
-            yield _sse_line(_engine_error(ctx.service, final).body())
-            return
-        end = _chunk(ctx, None, final.finish_reason, False, pending)
-        end["kvguard"] = _kvguard_ext(ctx, final)
-        yield _sse_line(end)
+        async with contextlib.aclosing(_merged(outs)) as outputs:
+            async for i, out in outputs:
+                pending[i].extend(out.new_logprobs or ())
+                if out.new_text or first[i]:
+                    yield _sse_line(_chunk(ctx, out.new_text, None, first[i], pending[i], i))
+                    first[i], pending[i] = False, []
+                if not out.finished:
+                    continue
+                finals[i] = out
+                if (err := _failure(ctx.service, out, outs[i])) is not None:
+                    yield _sse_line(err.body())
+                    return
+                end = _chunk(ctx, None, out.finish_reason, False, pending[i], i)
+                end["kvguard"] = _kvguard_ext(ctx, [out])
+                yield _sse_line(end)
         if include_usage:
             u = _chunk(ctx, None, None, False)
             u["choices"] = []
-            u["usage"] = usage(
-                final.num_prompt_tokens, final.num_output_tokens, final.num_cached_tokens
-            )
+            u["usage"] = _usage([finals[i] for i in range(len(outs))])
             yield _sse_line(u)
         yield "data: [DONE]\n\n"
+    except ClientGone:
+        return
+    except RequestCut as e:
+        yield _sse_line(_cut_error(ctx.service, None, str(e)).body())
     finally:
         watch.stop()
-        ctx.service.requests.discard(outputs)
-        if final is None:  # client went away mid-stream, or a cut: free its blocks
-            ctx.service.loop.abort(rid)
+        _end(ctx.service, streams, outs, set(finals))

@@ -22,6 +22,7 @@ from kvguard.engine.structured import compile_schema
 
 Priority = Literal["high", "normal", "low"]
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # OpenAI's integer range; torch takes no more
+MAX_CHOICES = 32  # `n`: each choice is a sequence of its own, admitted like a request
 
 
 def unicode_problem(text: str) -> str | None:
@@ -167,21 +168,18 @@ class _Body(BaseModel):
         return data
 
 
-def _one_choice(n: int | None) -> int | None:
-    if n is not None and n != 1:
-        raise PydanticCustomError(
-            "not_served",
-            "only n=1 is served (one choice per request); send n requests for n choices",
-        )
-    return n
-
-
 class _Sampling(_Body):
     model: Text
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, le=INT64_MAX, description="kvguard extension: 0 disables")
-    n: Annotated[int | None, AfterValidator(_one_choice)] = Field(1, description="only 1")
+    n: int | None = Field(
+        1,
+        ge=1,
+        le=MAX_CHOICES,
+        description=f"choices of one prompt, 1..{MAX_CHOICES}: the prompt is computed once, "
+        "a seeded request's choice i draws with seed + i",
+    )
     stream: bool = False
     stream_options: Annotated[dict[str, Any] | None, AfterValidator(_stream_options)] = Field(
         None, description="include_usage (served), include_obfuscation (no padding is added)"
@@ -294,9 +292,7 @@ class CompletionRequest(_Sampling):
     )
     best_of: Annotated[
         Any,
-        _refuse(
-            "not served: kvguard returns the one completion it samples; send 1 or null", _is_one
-        ),
+        _refuse("not served: kvguard returns every choice it samples (n); send 1 or null", _is_one),
     ] = None
     suffix: Annotated[
         Any,

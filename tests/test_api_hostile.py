@@ -194,7 +194,7 @@ REFUSED = [
     ("/v1/chat/completions", chat(top_logprobs=2), "top_logprobs"),
     ("/v1/chat/completions", chat(logprobs=True, top_logprobs=21), "top_logprobs"),
     ("/v1/chat/completions", chat(logprobs=1), "logprobs"),
-    ("/v1/completions", completion(n=2), "n"),
+    ("/v1/completions", completion(n=0), "n"),
     ("/v1/completions", completion(best_of=3), "best_of"),
     ("/v1/completions", completion(suffix="}"), "suffix"),
     # penalties and logit bias are served, within OpenAI's bounds
@@ -212,7 +212,7 @@ REFUSED = [
         completion(stream_options={"include_usage": True, "x": 1}),
         "stream_options",
     ),
-    ("/v1/chat/completions", chat(n=3), "n"),
+    ("/v1/chat/completions", chat(n=33), "n"),
     ("/v1/chat/completions", chat(response_format={"type": "json_schema"}), "response_format"),
     (
         "/v1/chat/completions",

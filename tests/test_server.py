@@ -227,7 +227,7 @@ def test_stop_strings_are_honoured(daemon: Daemon) -> None:
         ({"model": "tiny", "prompt": "x", "priority": "urgent"}, 400, "priority"),
         ({"model": "tiny", "prompt": ""}, 400, "empty"),
         ({"model": "tiny", "prompt": "x", "temperature": -1}, 400, "temperature"),
-        ({"model": "tiny", "prompt": "x", "n": 3}, 400, "n"),
+        ({"model": "tiny", "prompt": "x", "n": 33}, 400, "n"),
     ],
 )
 def test_bad_requests_get_openai_errors(daemon: Daemon, body, status: int, needle: str) -> None:

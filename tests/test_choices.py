@@ -1,0 +1,141 @@
+"""`n`: several choices of one prompt in one request, through the real `openai` client.
+
+Each choice is an engine request of its own (admitted, queued, preempted and aborted like
+one); a seeded request's choice i draws with seed + i, so it is the request with that seed;
+the prompt's full blocks are computed once (the others take them from the prefix cache);
+a refusal of any choice refuses the request and ends the others; a client that hangs up
+ends every choice."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.test_disconnect import count, finished, idle, send, state
+from tests.test_server import Daemon, until
+
+PROMPT = "the quick brown fox jumps over the lazy dog " * 6
+
+
+def _hit_tokens(d: Daemon) -> float:
+    text = httpx.get(d.url + "/metrics").text
+    m = re.search(r"^kvguard_prefix_cache_hit_tokens_total (\S+)$", text, re.M)
+    assert m, "kvguard_prefix_cache_hit_tokens_total not exported"
+    return float(m.group(1))
+
+
+def test_chat_choices_are_the_seeded_requests_they_stand_for(tiny_daemon: Daemon) -> None:
+    client = tiny_daemon.client()
+    msgs = [{"role": "user", "content": "Name three colours."}]
+    kw: dict[str, Any] = {"model": "tiny", "messages": msgs, "max_tokens": 12, "temperature": 1.0}
+    got = client.chat.completions.create(n=3, seed=41, **kw)
+    assert [c.index for c in got.choices] == [0, 1, 2]
+    alone = [client.chat.completions.create(seed=41 + i, **kw) for i in range(3)]
+    assert [c.message.content for c in got.choices] == [a.choices[0].message.content for a in alone]
+    assert len({c.message.content for c in got.choices}) > 1  # not one sample three times
+    assert got.usage.prompt_tokens == alone[0].usage.prompt_tokens
+    assert got.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    assert [c.finish_reason for c in got.choices] == [a.choices[0].finish_reason for a in alone]
+
+
+def test_streamed_choices_match_the_answer_and_each_ends_once(tiny_daemon: Daemon) -> None:
+    client = tiny_daemon.client()
+    kw: dict[str, Any] = {
+        "model": "tiny",
+        "prompt": PROMPT,
+        "max_tokens": 10,
+        "temperature": 0.9,
+        "seed": 7,
+        "n": 4,
+        "logprobs": 1,
+    }
+    whole = client.completions.create(**kw)
+    texts, ends, offsets = ["", "", "", ""], [[], [], [], []], [[], [], [], []]
+    usage = None
+    for chunk in client.completions.create(
+        stream=True, stream_options={"include_usage": True}, **kw
+    ):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            if c.finish_reason is not None:
+                ends[c.index].append(c.finish_reason)
+            if c.logprobs is not None:
+                offsets[c.index] += c.logprobs.text_offset
+    assert texts == [c.text for c in whole.choices]
+    assert ends == [[c.finish_reason] for c in whole.choices]
+    # each choice's text offsets count from its own start, as in the whole answer
+    assert offsets == [c.logprobs.text_offset for c in whole.choices]
+    assert all(o[0] == 0 for o in offsets)
+    assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens == 40
+
+
+def test_the_choices_compute_their_prompt_once(tiny_daemon: Daemon) -> None:
+    """The full blocks of the prompt are computed for the first choice; the other three find
+    them in the prefix cache (whether they arrived in the same step or not)."""
+    client = tiny_daemon.client()
+    prompt = "choices share a prompt " * 9 + "once"
+    before = _hit_tokens(tiny_daemon)
+    got = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=4, n=4, temperature=0.8, seed=3
+    )
+    full = (got.usage.prompt_tokens - 1) // 16 * 16
+    assert full >= 32
+    assert got.usage.prompt_tokens_details.cached_tokens == 0  # the first choice computed it
+    assert _hit_tokens(tiny_daemon) - before == 3 * full
+
+
+@pytest.mark.parametrize("n", [0, 33, -1, 2.5, "2"])
+def test_a_choice_count_out_of_range_is_refused_naming_n(tiny_daemon: Daemon, n: object) -> None:
+    r = httpx.post(
+        tiny_daemon.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "n": n}
+    )
+    assert r.status_code == 400
+    assert "n" in r.json()["error"]["param"]
+
+
+@pytest.fixture(scope="module")
+def queue_daemon(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201 - a Daemon
+    """A pool of 64 blocks, admission by worst case, a queue of at most one: while a request
+    of 480 tokens runs, a request's first choice waits in the queue and the next is refused."""
+    d = Daemon(
+        tmp_path_factory.mktemp("choices"),
+        extra="admission_control: {enable: true, estimate: worst_case, max_queue: 1}\n",
+        serving="{model: tiny, kv_cache_bytes: 512KiB, max_model_len: 512}",
+    )
+    yield d
+    assert d.stop() == 0
+
+
+def test_a_refused_choice_refuses_the_request_and_ends_the_others(queue_daemon: Daemon) -> None:
+    d = queue_daemon
+    aborts = finished(d, "abort")
+    holder = send(d, {"prompt": "hold", "max_tokens": 480})
+    try:
+        until(lambda: count(state(d), "running") == 1, 60, "one request generating")
+        with pytest.raises(openai.APIStatusError) as e:
+            d.client().completions.create(model="tiny", prompt="three", max_tokens=400, n=3)
+        assert e.value.status_code == 429
+        assert e.value.message.endswith("queue full (1 waiting)")  # the first choice waited
+        # and was ended with the request: only the holder is left
+        until(lambda: count(state(d), "waiting") == 0, 10, "the queued choice ended")
+        assert count(state(d), "running") == 1 and finished(d, "abort") - aborts == 1
+    finally:
+        holder.close()
+    until(lambda: idle(state(d)), 30, "the holder aborted")
+
+
+def test_a_client_that_hangs_up_ends_every_choice(tiny_daemon: Daemon) -> None:
+    d = tiny_daemon
+    for stream in (False, True):
+        sock = send(d, {"prompt": "leave", "max_tokens": 480, "n": 3, "stream": stream})
+        try:
+            until(lambda: count(state(d), "running") == 3, 60, "three choices generating")
+        finally:
+            sock.close()
+        until(lambda: idle(state(d)), 5, "every choice aborted")

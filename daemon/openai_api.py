@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import APIRouter, Header, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from kvguard.daemon import tools
 from kvguard.daemon.openai_schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -103,9 +104,17 @@ def router(service: Service) -> APIRouter:
     async def chat(
         body: ChatCompletionRequest, request: Request, x_priority: str | None = Header(None)
     ) -> Any:
-        prompt = _render_chat(service, [m.for_template() for m in body.messages])
+        if (problem := body.tool_problem()) is not None:
+            raise ApiError(400, problem[1], problem[0])
+        msgs = [m.for_template() for m in body.messages]
+        mode = body.tool_mode()
+        if mode is not None:  # the tools described to the model, its answer held to the form
+            msgs = tools.with_tools(msgs, body.tool_functions(), mode, body.parallel())
+        prompt = _render_chat(service, msgs)
         limit = body.max_completion_tokens or body.max_tokens or DEFAULT_CHAT_MAX_TOKENS
         params = _params(body, limit)
+        if mode is not None:
+            params = dataclasses.replace(params, json_schema=None, grammar=body.tool_grammar())
         return await _serve(
             service, request, "chat.completion", prompt, params, body, x_priority, False
         )
@@ -239,10 +248,11 @@ async def _serve(
         raise engine_unavailable(service.loop.fatal)
     if service.draining:
         raise ApiError(503, "server is shutting down", type_="service_unavailable", retry_after=5)
-    if params.json_schema is not None:  # the grammar library's tokenizer view, once, not
+    if params.json_schema or params.grammar:  # the grammar library's tokenizer view, once, not
         await asyncio.to_thread(service.engine.grammars.view)  # on the engine's thread
     ctx = _Ctx(service, kind, body.model, priority, time.monotonic(), params)
     ctx.echo = prompt if getattr(body, "echo", False) else None
+    ctx.tools = params.grammar is not None
     aio = asyncio.get_running_loop()
     outs = [_Outputs(aio, ctx, bool(body.stream)) for _ in range(body.n or 1)]
     streams, futs = [], []
@@ -320,6 +330,7 @@ class _Ctx:
         )
         self.params = params
         self.echo: str | list[int] | None = None  # the prompt, for a completion with echo
+        self.tools = False  # a chat answer that may be tool calls
         self.id = new_id("chatcmpl" if kind == "chat.completion" else "cmpl")
         self.created = now()
         # a completion's logprobs: where choice i's next token's text starts
@@ -655,10 +666,14 @@ def _full_response(ctx: _Ctx, outs: Sequence[RequestOutput]) -> dict[str, Any]:
     choices = []
     for i, out in enumerate(outs):
         if ctx.kind == "chat.completion":
+            calls = tools.parse(out.text) if ctx.tools else None
+            message: dict[str, Any] = {"role": "assistant", "content": out.text}
+            if calls is not None:
+                message = {"role": "assistant", "content": None, "tool_calls": _calls(calls)}
             choice = {
                 "index": i,
-                "message": {"role": "assistant", "content": out.text},
-                "finish_reason": out.finish_reason,
+                "message": message,
+                "finish_reason": out.finish_reason if calls is None else "tool_calls",
                 "logprobs": ctx.logprobs(out.final_logprobs, i),
             }
         else:
@@ -680,6 +695,16 @@ def _full_response(ctx: _Ctx, outs: Sequence[RequestOutput]) -> dict[str, Any]:
     }
 
 
+def _calls(calls: list[tools.Call], streamed: bool = False) -> list[dict[str, Any]]:
+    """Tool calls in OpenAI's shape (a stream's deltas number them)."""
+    out = []
+    for j, c in enumerate(calls):
+        entry: dict[str, Any] = {"index": j} if streamed else {}
+        fn = {"name": c.name, "arguments": c.arguments}
+        out.append({**entry, "id": c.id, "type": "function", "function": fn})
+    return out
+
+
 def _chunk(
     ctx: _Ctx,
     text: str | None,
@@ -687,12 +712,15 @@ def _chunk(
     first: bool,
     lps: list[TokenLogprob] | None = None,
     index: int = 0,
+    calls: list[tools.Call] | None = None,
 ) -> dict[str, Any]:
     logprobs = ctx.logprobs(lps, index) if lps else None
     if ctx.kind == "chat.completion":
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
         if text:
             delta["content"] = text
+        if calls:
+            delta["tool_calls"] = _calls(calls, streamed=True)
         choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
         obj = "chat.completion.chunk"
     else:
@@ -727,8 +755,13 @@ async def _sse(
 
     A request the daemon cut off (drain deadline), or a choice the engine failed, ends the
     stream with an `error` event, the way OpenAI streams report a failure, and no `[DONE]`:
-    a stream that ends normally after a cut would read as a complete answer."""
+    a stream that ends normally after a cut would read as a complete answer.
+
+    An answer that may be tool calls is held back while it could still be: once its text
+    cannot begin a call it streams as content, and calls go out whole, each in one delta,
+    when the choice finishes."""
     first = [True] * len(outs)
+    held = [_Held() if ctx.tools else None for _ in outs]
     finals: dict[int, RequestOutput] = {}
     # tokens' log-probabilities go out with the chunk that carries their text (text held back
     # for a stop string or a split character waits, and so do they), the rest with the end
@@ -737,8 +770,12 @@ async def _sse(
         async with contextlib.aclosing(_merged(outs)) as outputs:
             async for i, out in outputs:
                 pending[i].extend(out.new_logprobs or ())
-                if out.new_text or first[i]:
-                    yield _sse_line(_chunk(ctx, out.new_text, None, first[i], pending[i], i))
+                text = out.new_text
+                hold = held[i]
+                if hold is not None:
+                    text = hold.feed(text or "", out.finished)
+                if text or first[i]:
+                    yield _sse_line(_chunk(ctx, text, None, first[i], pending[i], i))
                     first[i], pending[i] = False, []
                 if not out.finished:
                     continue
@@ -746,7 +783,11 @@ async def _sse(
                 if (err := _failure(ctx.service, out, outs[i])) is not None:
                     yield _sse_line(err.body())
                     return
-                end = _chunk(ctx, None, out.finish_reason, False, pending[i], i)
+                finish = out.finish_reason
+                if hold is not None and hold.calls is not None:
+                    yield _sse_line(_chunk(ctx, None, None, False, pending[i], i, hold.calls))
+                    finish, pending[i] = "tool_calls", []
+                end = _chunk(ctx, None, finish, False, pending[i], i)
                 end["kvguard"] = _kvguard_ext(ctx, [out])
                 yield _sse_line(end)
         if include_usage:
@@ -762,3 +803,27 @@ async def _sse(
     finally:
         watch.stop()
         _end(ctx.service, streams, outs, set(finals))
+
+
+class _Held:
+    """A streamed answer that may be tool calls: its text until it is known to be either."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.calls: list[tools.Call] | None = None  # once finished as calls
+        self.is_text = False
+
+    def feed(self, new: str, finished: bool) -> str:
+        """The content to stream now: nothing while the text may still be calls, all of it
+        once it cannot (or the answer finished as something that does not parse as calls)."""
+        if self.is_text:
+            return new
+        self.text += new
+        if finished:
+            self.calls = tools.parse(self.text)
+            if self.calls is not None:
+                return ""
+        elif tools.could_be_call(self.text):
+            return ""
+        self.is_text = True
+        return self.text

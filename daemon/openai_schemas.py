@@ -18,11 +18,13 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
 from pydantic_core import PydanticCustomError
 
-from kvguard.engine.structured import compile_schema
+from kvguard.daemon import tools
+from kvguard.engine.structured import compile_grammar, compile_schema
 
 Priority = Literal["high", "normal", "low"]
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # OpenAI's integer range; torch takes no more
 MAX_CHOICES = 32  # `n`: each choice is a sequence of its own, admitted like a request
+MAX_TOOLS = 128  # functions one request may offer (OpenAI's limit)
 
 
 def unicode_problem(text: str) -> str | None:
@@ -85,7 +87,7 @@ def _is_one(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v == 1
 
 
-NO_TOOLS = "not served: kvguard has no tool or function calling; omit the field or send null"
+OLD_FUNCTIONS = "not served: deprecated by OpenAI; send tools and tool_choice instead"
 
 
 def _prompt(value: Any) -> str | list[str] | list[int]:
@@ -353,16 +355,80 @@ Content = Annotated[
 ]
 
 
+ToolName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+
+
+def _parameters(schema: dict[str, Any] | None) -> dict[str, Any] | None:
+    if schema is not None:
+        try:
+            compile_schema(schema)
+        except ValueError as e:
+            raise PydanticCustomError(
+                "parameters", "{why}", {"why": str(e).split(": ", 1)[-1]}
+            ) from e
+    return schema
+
+
+def _unique_names(value: list[Tool] | None) -> list[Tool] | None:
+    names = [t.function.name for t in value or ()]
+    if len(set(names)) != len(names):
+        raise PydanticCustomError("tools", "function names must be unique")
+    return value
+
+
+class FunctionDef(_Body):
+    name: ToolName
+    description: Text | None = None
+    parameters: Annotated[dict[str, Any] | None, AfterValidator(_parameters)] = Field(
+        None, description="the JSON schema of its arguments (any object when absent)"
+    )
+    # strict or not, the arguments are held to the schema in full
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Body):
+    name: ToolName
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class FunctionCall(_Body):
+    name: ToolName
+    arguments: Text = Field(..., description="the arguments as JSON text")
+
+
+class ToolCall(_Body):
+    id: Text
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Content = None
     name: Text | None = Field(None, description="passed to the chat template")
     refusal: Annotated[Any, _refuse("not served: send the refusal text as content")] = None
     annotations: Annotated[Any, _refuse("not served: send null", lambda v: v == [])] = None
-    tool_calls: Annotated[Any, _refuse(NO_TOOLS, lambda v: v == [])] = None
-    tool_call_id: Annotated[Any, _refuse(NO_TOOLS)] = None
-    function_call: Annotated[Any, _refuse(NO_TOOLS)] = None
+    tool_calls: list[ToolCall] | None = Field(None, description="an assistant turn's calls")
+    tool_call_id: Text | None = Field(None, description="a tool turn: the call it answers")
+    function_call: Annotated[Any, _refuse(OLD_FUNCTIONS)] = None
     audio: Annotated[Any, _refuse("not served: kvguard has no audio; send null")] = None
+
+    @model_validator(mode="after")
+    def _tool_fields(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise PydanticCustomError("tool_calls", "only an assistant message has tool_calls")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise PydanticCustomError("tool_call_id", "only a tool message has a tool_call_id")
+        return self
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -370,8 +436,16 @@ class ChatMessage(_Body):
         return "".join(part["text"] for part in self.content)
 
     def for_template(self) -> dict[str, str]:
-        """What the chat template sees: role, text, and the participant's name if given."""
-        out = {"role": self.role, "content": self.text()}
+        """What the chat template sees: role, text, and the participant's name if given. An
+        assistant turn's tool calls are written as the model writes them, and a tool turn is a
+        user turn holding its result (see daemon/tools.py)."""
+        role, content = self.role, self.text()
+        if self.tool_calls:
+            calls = [(c.function.name, c.function.arguments) for c in self.tool_calls]
+            content = tools.render_calls(content, calls)
+        if role == "tool":
+            role, content = "user", tools.render_result(content)
+        out = {"role": role, "content": content}
         if self.name is not None:
             out["name"] = self.name
         return out
@@ -388,11 +462,17 @@ class ChatCompletionRequest(_Sampling):
     response_format: ResponseFormat | None = Field(
         None, description="text, json_object (any JSON object) or json_schema"
     )
-    tools: Annotated[Any, _refuse(NO_TOOLS, lambda v: v == [])] = None
-    functions: Annotated[Any, _refuse(NO_TOOLS, lambda v: v == [])] = None
-    tool_choice: Annotated[Any, _refuse(NO_TOOLS, lambda v: v in ("none", "auto"))] = None
-    function_call: Annotated[Any, _refuse(NO_TOOLS, lambda v: v in ("none", "auto"))] = None
-    parallel_tool_calls: bool | None = Field(None, description="accepted: no tool is called")
+    tools: Annotated[list[Tool] | None, AfterValidator(_unique_names)] = Field(
+        None, max_length=MAX_TOOLS
+    )
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description='"auto" when tools are given: calls or a text answer'
+    )
+    parallel_tool_calls: bool | None = Field(
+        None, description="several calls in one answer (default true)"
+    )
+    functions: Annotated[Any, _refuse(OLD_FUNCTIONS, lambda v: v == [])] = None
+    function_call: Annotated[Any, _refuse(OLD_FUNCTIONS, lambda v: v in ("none", "auto"))] = None
     modalities: Annotated[
         Any,
         _refuse('not served: kvguard answers text only; send ["text"]', lambda v: v == ["text"]),
@@ -409,6 +489,48 @@ class ChatCompletionRequest(_Sampling):
     ] = None
     prompt_cache_key: Text | None = Field(None, description="accepted: a cache hint only")
     safety_identifier: Text | None = None
+
+    def tool_problem(self) -> tuple[str, str] | None:
+        """(field, why) when the tools and tool_choice cannot be served together."""
+        names = [t.function.name for t in self.tools or ()]
+        choice = self.tool_choice
+        if choice not in (None, "none") and not names:
+            return "tool_choice", "tool_choice needs tools"
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            return (
+                "tool_choice",
+                f"function {printable(choice.function.name)} is not among the tools",
+            )
+        if self.tool_mode() is not None:
+            try:
+                compile_grammar(self.tool_grammar())
+            except ValueError as e:
+                return "tools", str(e)
+        return None
+
+    def tool_functions(self) -> list[tools.Function]:
+        return [
+            tools.Function(t.function.name, t.function.description, t.function.parameters)
+            for t in self.tools or ()
+        ]
+
+    def tool_mode(self) -> str | None:
+        """None: no tools in play (none given, or tool_choice "none"); else "auto",
+        "required" or the name of the function to call."""
+        choice = self.tool_choice
+        if not self.tools or choice == "none":
+            return None
+        if isinstance(choice, NamedToolChoice):
+            return choice.function.name
+        return choice or "auto"
+
+    def parallel(self) -> bool:
+        return self.parallel_tool_calls is not False
+
+    def tool_grammar(self) -> str:
+        content = None if self.response_format is None else self.response_format.engine_schema()
+        mode = self.tool_mode() or "auto"
+        return tools.grammar(self.tool_functions(), mode, self.parallel(), content)
 
 
 class TokenizeRequest(_Body):

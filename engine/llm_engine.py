@@ -203,8 +203,8 @@ class LLMEngine(ControlSurface):
         if params.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(params.seed)
         seq = Sequence(rid, ids, params, rank, next(self._order), limit, gen)
-        if params.json_schema is not None:
-            seq.grammar = self.grammars.for_schema(params.json_schema)
+        if params.json_schema is not None or params.grammar is not None:
+            seq.grammar = self.grammars.for_params(params)
         if params.logprobs is not None:
             seq.output_logprobs = []
         if params.prompt_logprobs is not None:

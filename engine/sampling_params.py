@@ -36,6 +36,8 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     # the output is JSON matching this schema ({"type": "object"}: any object); see structured.py
     json_schema: dict[str, Any] | None = None
+    # or a grammar the output must match: Lark text in llguidance's dialect (tool calls use it)
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -78,6 +80,10 @@ class SamplingParams:
             raise ValueError(
                 f"json_schema={self.json_schema!r}: expected None or a JSON schema object"
             )
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar):
+            raise ValueError(f"grammar={self.grammar!r}: expected None or a Lark grammar")
+        if self.grammar is not None and self.json_schema is not None:
+            raise ValueError("grammar: give a grammar or a json_schema, not both")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None and (

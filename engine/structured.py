@@ -18,6 +18,10 @@ limit (a random-weight model did, at every temperature), and a fixed layout boun
 to a schema of bounded values. A schema may say otherwise under llguidance's own key,
 `"x-guidance": {"whitespace_flexible": true}`.
 
+A request may instead give a grammar (`SamplingParams.grammar`: Lark text in llguidance's
+dialect, whose `%json {...}` embeds a schema); the daemon's tool calls are one (a text answer
+or `<tool_call>` blocks holding a function's name and arguments, see daemon/tools.py).
+
 A grammar lives on its sequence in the engine process and moves only forward: a preempted
 request keeps its tokens (recomputed or swapped back), so its grammar stays where it was.
 """
@@ -32,6 +36,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from kvguard.engine.sampling_params import SamplingParams
 
 # One line, separators as Python's json.dumps writes them: readable, and no room to loop
 LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -61,6 +67,20 @@ def compile_schema(schema: dict[str, Any]) -> str:
             "json_schema: not a JSON schema kvguard can serve: nested too deeply"
         ) from e
     return _compile(text)
+
+
+@functools.lru_cache(maxsize=COMPILED_SCHEMAS)
+def compile_grammar(lark: str) -> str:
+    """The grammar llguidance runs for Lark text; ValueError naming what is wrong with it."""
+    llg = _llguidance()
+    try:
+        grammar = llg.LLMatcher.grammar_from_lark(lark)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"grammar: not a grammar kvguard can serve: {e}") from e
+    problem = llg.LLMatcher.validate_grammar(grammar)
+    if problem:
+        raise ValueError(f"grammar: not a grammar kvguard can serve: {problem}")
+    return grammar
 
 
 @functools.lru_cache(maxsize=COMPILED_SCHEMAS)
@@ -99,14 +119,16 @@ class Grammars:
                 )
             return self._view
 
-    def for_schema(self, schema: dict[str, Any]) -> Grammar:
-        """A fresh grammar for one request (a few ms for a schema of a hundred fields)."""
-        grammar = compile_schema(schema)
+    def for_params(self, params: SamplingParams) -> Grammar:
+        """A fresh grammar for one request's `json_schema` or `grammar` (a few ms for a schema
+        of a hundred fields)."""
+        if params.grammar is not None:
+            field, grammar = "grammar", compile_grammar(params.grammar)
+        else:
+            field, grammar = "json_schema", compile_schema(params.json_schema or {})
         matcher = _llguidance().LLMatcher(self.view(), grammar, log_level=0)
         if matcher.is_error():
-            raise ValueError(
-                f"json_schema: not a JSON schema kvguard can serve: {matcher.get_error()}"
-            )
+            raise ValueError(f"{field}: not one kvguard can serve: {matcher.get_error()}")
         return Grammar(matcher, self._vocab, self)
 
 

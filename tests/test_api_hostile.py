@@ -216,7 +216,7 @@ REFUSED = [
     ("/v1/chat/completions", chat(response_format={"type": "json_schema"}), "response_format"),
     (
         "/v1/chat/completions",
-        chat(tools=[{"type": "function", "function": {"name": "f"}}]),
+        chat(tools=[{"type": "function", "function": {"name": "f"}}] * 2),
         "tools",
     ),
     ("/v1/chat/completions", chat(tool_choice="required"), "tool_choice"),
@@ -230,7 +230,7 @@ REFUSED = [
     (
         "/v1/chat/completions",
         chat([{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}]),
-        "messages[0].tool_calls",
+        "messages[0].tool_calls[0].type",
     ),
 ]
 

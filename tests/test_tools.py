@@ -1,0 +1,286 @@
+"""Tool calling: calls held to the `<tool_call>` form and each function's argument schema by a
+grammar, answered as OpenAI's `tool_calls` (streamed and not), the conversation rendered back,
+and bad tool requests refused naming their field; through the real `openai` client."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+import httpx
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+from kvguard.daemon import tools
+from kvguard.engine import EngineConfig, LLMEngine
+from kvguard.engine.structured import compile_grammar
+from tests.test_server import Daemon
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 20},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+TOOLS = [WEATHER, TIME]
+CALL = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+FUNCS = [tools.Function(t["function"]["name"], None, t["function"]["parameters"]) for t in TOOLS]
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201 - a Daemon
+    """The tiny model with room for a system message describing two tools (700 tokens)."""
+    d = Daemon(
+        tmp_path_factory.mktemp("tools"),
+        debug_hooks=False,
+        serving="{model: tiny, kv_cache_bytes: 32MiB, max_model_len: 2048}",
+    )
+    yield d
+    assert d.stop() == 0
+
+
+def _valid(name: str, arguments: str) -> None:
+    """The call names an offered function and its arguments match that function's schema."""
+    args = json.loads(arguments)
+    assert name in ("get_weather", "get_time")
+    assert set(args) == ({"city", "unit"} if name == "get_weather" else {"city"})
+    assert isinstance(args["city"], str) and len(args["city"]) <= 20
+    assert name == "get_time" or args["unit"] in ("celsius", "fahrenheit")
+
+
+def _chat(d: Daemon, **kw: Any) -> Any:
+    kw = {"model": "tiny", "messages": ASK, "tools": TOOLS, "max_tokens": 200, **kw}
+    return d.client().chat.completions.create(**kw)
+
+
+# -- the form, without a model ------------------------------------------------------------
+
+
+def test_parse_takes_whole_calls_only() -> None:
+    one = '<tool_call>{"name": "get_time", "arguments": {"city": "Oslo"}}</tool_call>'
+    calls = tools.parse(one)
+    assert calls is not None and [(c.name, c.arguments) for c in calls] == [
+        ("get_time", '{"city": "Oslo"}')
+    ]
+    two = tools.parse(one + "\n" + one.replace("Oslo", "Rome"))
+    assert two is not None and [json.loads(c.arguments)["city"] for c in two] == ["Oslo", "Rome"]
+    assert len({c.id for c in two}) == 2 and all(c.id.startswith("call_") for c in two)
+    assert tools.parse("The weather is fine.") is None
+    assert tools.parse(one[:-3]) is None  # cut short by max_tokens: not a call
+    assert tools.parse(one + " and more text") is None
+    assert tools.could_be_call("<tool") and tools.could_be_call(one[:20])
+    assert not tools.could_be_call("<b>") and not tools.could_be_call("Sure")
+
+
+def test_the_grammars_hold_answers_to_the_form() -> None:
+    """Which texts each tool_choice's grammar accepts, walked token by token by llguidance
+    over the tiny model's tokenizer."""
+    import llguidance
+
+    engine = LLMEngine.from_config(
+        EngineConfig(model="tiny", kv_cache_bytes="4MiB", num_threads=1), progress=False
+    )
+    tok, view = engine.tokenizer, engine.grammars.view()
+
+    def accepts(grammar: str, text: str) -> bool:
+        m = llguidance.LLMatcher(view, compile_grammar(grammar), log_level=0)
+        return all(m.consume_token(t) for t in tok.encode(text, False)) and m.is_accepting()
+
+    good = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}</tool_call>'  # noqa: E501
+    extra_arg = good.replace('"celsius"}', '"celsius", "wind": 3}')
+    bad_enum = good.replace("celsius", "kelvin")
+    other = '<tool_call>{"name": "get_time", "arguments": {"city": "Oslo"}}</tool_call>'
+    auto = tools.grammar(FUNCS, "auto", True)
+    assert (
+        accepts(auto, good) and accepts(auto, "It is sunny.") and accepts(auto, good + "\n" + other)
+    )
+    assert not accepts(auto, extra_arg) and not accepts(auto, bad_enum)
+    assert not accepts(auto, good.replace("get_weather", "get_wether"))
+    assert not accepts(auto, good.replace('{"name": ', '{"name":'))  # one layout
+    required = tools.grammar(FUNCS, "required", True)
+    assert accepts(required, good) and not accepts(required, "It is sunny.")
+    single = tools.grammar(FUNCS, "required", False)
+    assert accepts(single, good) and not accepts(single, good + "\n" + other)
+    named = tools.grammar(FUNCS, "get_time", True)
+    assert accepts(named, other) and not accepts(named, good)
+    as_json = tools.grammar(FUNCS, "auto", True, {"type": "object"})
+    assert accepts(as_json, '{"a": 1}') and not accepts(as_json, "It is sunny.")
+
+
+# -- through the API ----------------------------------------------------------------------
+
+
+def test_required_and_named_choices_answer_with_valid_calls(daemon: Daemon) -> None:
+    """One call per answer (arguments of bounded length): every sampled answer is a call
+    that validates; several calls, cut by max_tokens, are text, as OpenAI's are."""
+    for seed in range(4):
+        r = _chat(
+            daemon, tool_choice="required", temperature=1.0, seed=seed, parallel_tool_calls=False
+        )
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        (call,) = choice.message.tool_calls
+        assert call.type == "function" and call.id.startswith("call_")
+        _valid(call.function.name, call.function.arguments)
+    cut = _chat(daemon, tool_choice="required", temperature=0, max_tokens=30)
+    assert cut.choices[0].finish_reason == "length" and cut.choices[0].message.tool_calls is None
+    assert cut.choices[0].message.content.startswith("<tool_call>")
+    named = {"type": "function", "function": {"name": "get_time"}}
+    r = _chat(daemon, tool_choice=named, temperature=0, parallel_tool_calls=False)
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "get_time" and r.choices[0].finish_reason == "tool_calls"
+    _valid(call.function.name, call.function.arguments)
+
+
+def test_a_streamed_call_is_the_answer_s_call(daemon: Daemon) -> None:
+    kw: dict[str, Any] = {"tool_choice": "required", "temperature": 0, "parallel_tool_calls": False}
+    whole = _chat(daemon, **kw).choices[0]
+    assert whole.finish_reason == "tool_calls"
+    calls: dict[int, dict[str, str]] = {}
+    ends, content = [], ""
+    for chunk in _chat(daemon, stream=True, **kw):
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            for tc in c.delta.tool_calls or ():
+                entry = calls.setdefault(tc.index, {"name": "", "arguments": ""})
+                entry["name"] += tc.function.name or ""
+                entry["arguments"] += tc.function.arguments or ""
+            if c.finish_reason:
+                ends.append(c.finish_reason)
+    assert ends == [whole.finish_reason]
+    if whole.finish_reason == "tool_calls":
+        got = [calls[i] for i in sorted(calls)]
+        want = [
+            {"name": t.function.name, "arguments": t.function.arguments}
+            for t in whole.message.tool_calls
+        ]  # noqa: E501
+        assert got == want and content == ""
+    else:
+        assert calls == {} and content == whole.message.content
+
+
+def test_auto_answers_text_or_calls(daemon: Daemon) -> None:
+    """The same request answers in text, or calls when its first token is pushed to `<`."""
+    lt = httpx.post(
+        daemon.url + "/tokenize",
+        json={"model": "tiny", "prompt": "<", "add_special_tokens": False},
+    ).json()["tokens"]
+    assert len(lt) == 1
+    text = _chat(daemon, temperature=0, logit_bias={str(lt[0]): -100}, max_tokens=16)
+    assert text.choices[0].message.tool_calls is None
+    assert text.choices[0].message.content and text.choices[0].finish_reason != "tool_calls"
+    called = _chat(daemon, temperature=0, logit_bias={str(lt[0]): 100}, parallel_tool_calls=False)
+    choice = called.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    _valid(call.function.name, call.function.arguments)
+    # the streamed text answer is the whole one, and holds nothing back at its end
+    chunks = _chat(daemon, temperature=0, logit_bias={str(lt[0]): -100}, max_tokens=16, stream=True)
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == text.choices[0].message.content
+
+
+class GetTime(BaseModel):
+    city: str = Field(max_length=20)
+    zone: Literal["utc", "local"]
+
+
+def test_the_openai_client_parses_its_strict_tools(daemon: Daemon) -> None:
+    """`pydantic_function_tool` sends a strict schema; `parse` returns the arguments as the
+    model, for every choice of an n=2 request."""
+    c = daemon.client()
+    r = c.chat.completions.parse(
+        model="tiny",
+        messages=ASK,
+        tools=[openai.pydantic_function_tool(GetTime)],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=120,
+        n=2,
+        seed=5,
+        temperature=0.7,
+    )
+    assert len(r.choices) == 2
+    for choice in r.choices:
+        if choice.finish_reason == "length":
+            continue
+        (call,) = choice.message.tool_calls
+        assert isinstance(call.function.parsed_arguments, GetTime)
+
+
+def test_a_conversation_with_calls_and_results_is_rendered_back(daemon: Daemon) -> None:
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_time", "arguments": '{"city": "Oslo"}'},
+    }
+    msgs = [
+        {"role": "system", "content": "Be brief."},
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "14:02"},
+    ]
+    r = httpx.post(daemon.url + "/tokenize", json={"model": "tiny", "messages": msgs}).json()
+    text = httpx.post(
+        daemon.url + "/detokenize", json={"model": "tiny", "tokens": r["tokens"]}
+    ).json()["prompt"]
+    assert '<tool_call>{"name": "get_time", "arguments": {"city": "Oslo"}}</tool_call>' in text
+    assert "<tool_response>\n14:02\n</tool_response>" in text
+    answer = _chat(daemon, messages=msgs, max_tokens=8, temperature=0)
+    assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"tool_choice": "required"}, "tool_choice"),  # no tools
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice",
+        ),  # noqa: E501
+        ({"tools": [TIME, TIME]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}]},
+            "tools",
+        ),
+        ({"tools": [{"type": "retrieval"}]}, "tools"),
+        ({"tool_choice": "sometimes", "tools": TOOLS}, "tool_choice"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+        ({"messages": [{"role": "user", "content": "x", "tool_calls": [CALL]}]}, "messages"),
+        ({"messages": [{"role": "user", "content": "x", "tool_call_id": "c"}]}, "messages"),
+    ],
+)
+def test_bad_tool_requests_are_refused_naming_the_field(
+    daemon: Daemon, body: dict[str, Any], param: str
+) -> None:
+    r = httpx.post(
+        daemon.url + "/v1/chat/completions",
+        json={"model": "tiny", "messages": ASK, "max_tokens": 4, **body},
+    )
+    assert r.status_code == 400, r.text
+    assert param in (r.json()["error"]["param"] or "")

@@ -143,10 +143,6 @@ class BlockManager:
         seq.num_computed_tokens = len(table) * self.block_size
         return seq.num_computed_tokens
 
-    def cached_blocks(self, seq: Sequence) -> int:
-        """How many leading blocks `match` would give `seq` now (nothing is taken)."""
-        return len(self._lookup(seq)) if self.caching else 0
-
     def _lookup(self, seq: Sequence) -> list[int]:
         """The cached blocks `seq`'s tokens begin with, its last token's block excluded."""
         parent, found = 0, []

@@ -356,7 +356,9 @@ class Scheduler:
         requests without a commitment never overtake each other. While a high request's
         prompt runs, only high requests start."""
         gated = False  # an uncommitted request ahead could not commit: later ones wait too
-        i = 0
+        # running prompts whose blocks waiting requests may take instead of computing them
+        leaders = [s for s in self.running if s.num_uncomputed > 1] if self.bm.caching else []
+        i = deferred = 0
         while i < len(self.waiting) and budget > 0:
             seq = self.waiting[i]
             if seq in batch.preempted or (urgent and seq.priority != HIGH):
@@ -370,8 +372,11 @@ class Scheduler:
                 gated = True
                 i += 1
                 continue
-            if self._follows(seq):
+            if leaders and self._follows(seq, leaders):
                 i += 1  # it starts once the blocks it shares are in the cache
+                deferred += 1
+                if deferred >= self.max_num_seqs:
+                    break  # no more could start this step: the rest of the queue waits too
                 continue
             hit = self._match(seq)
             n = self._chunk(seq, budget)
@@ -392,33 +397,43 @@ class Scheduler:
             self.running.append(seq)
             batch.add(seq, n)
             budget -= n
+            if self.bm.caching and seq.num_uncomputed > 1:
+                leaders.append(seq)
 
-    def _follows(self, seq: Sequence) -> bool:
-        """Whether waiting `seq` should let a running prompt compute blocks it begins with
-        first: a burst of requests with one system prompt (or the `n` choices of one
-        request) computes the shared blocks once, the followers taking them from the prefix
-        cache a step or a few later, instead of each computing them in the same step. Only
-        when the shared blocks are at least half of what `seq` would compute (a common
-        chat-template header is not worth a step's wait), and only behind a prompt of the
-        same or higher priority (a high request never waits on work that high steps hold
-        back)."""
-        bm = self.bm
-        if not bm.caching or seq.prompt_logprobs is not None or seq.num_computed_tokens:
+    def _follows(self, seq: Sequence, leaders: list[Sequence]) -> bool:
+        """Whether waiting `seq` should let a running prompt (one of `leaders`) compute blocks
+        it begins with first: a burst of requests with one system prompt (or the `n` choices
+        of one request) computes the shared blocks once, the followers taking them from the
+        prefix cache a step or a few later, instead of each computing them in the same step.
+        Only when the blocks the leader has still to compute are at least half of what `seq`
+        would compute (a common chat-template header is not worth a step's wait), and only
+        behind a prompt of the same or higher priority (a high request never waits on work
+        that high steps hold back). What `seq` would find cached is what the leader has
+        computed: the leader started from every cached block it shares, and commits the rest
+        as it computes them. Prefixes are compared as slices (a bisection over blocks), so a
+        long queue behind one prompt costs microseconds a request, not a lookup a block."""
+        if seq.prompt_logprobs is not None or seq.num_computed_tokens:
             return False
-        leaders = [s for s in self.running if s.num_uncomputed > 1 and s.priority <= seq.priority]
-        if not leaders:
-            return False
-        bs = bm.block_size
+        bs = self.bm.block_size
         limit = (seq.num_tokens - 1) // bs  # the blocks match() could give it
-        cached = bm.cached_blocks(seq)
-        own = seq.num_tokens - cached * bs  # what it would compute starting now
         for lead in leaders:
-            shared, top = 0, min(limit, lead.num_tokens // bs)
-            while shared < top and seq.token_slice(shared * bs, (shared + 1) * bs) == (
-                lead.token_slice(shared * bs, (shared + 1) * bs)
-            ):
-                shared += 1
-            if shared > cached and 2 * (shared - cached) * bs >= own:
+            done = lead.num_computed_tokens // bs  # its blocks in the cache
+            top = min(limit, lead.num_tokens // bs)
+            if lead.priority > seq.priority or top <= done:
+                continue
+            if seq.token_slice(0, top * bs) == lead.token_slice(0, top * bs):
+                lo = hi = top  # a burst behind one prompt: all it can share is shared
+            elif seq.token_slice(0, (done + 1) * bs) != lead.token_slice(0, (done + 1) * bs):
+                continue  # not even the next block it computes is shared
+            else:
+                lo, hi = done + 1, top - 1  # shared blocks: at least lo, at most hi
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if seq.token_slice(0, mid * bs) == lead.token_slice(0, mid * bs):
+                    lo = mid
+                else:
+                    hi = mid - 1
+            if 2 * (lo - done) * bs >= seq.num_tokens - done * bs:
                 return True
         return False
 

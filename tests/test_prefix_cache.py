@@ -101,7 +101,7 @@ def test_blocks_shared_through_a_pool_rebuild_stay_shared_and_are_never_found() 
     for s in (a, b):
         s.block_table = [moves[x] for x in s.block_table]
     bm.audit([("a", a.block_table), ("b", b.block_table)])
-    assert bm.num_cached == 0 and bm.cached_blocks(_seq("c", range(10))) == 0
+    assert bm.num_cached == 0 and bm.match(_seq("c", range(10))) == 0
     _compute(bm, b, 2)  # b runs on in the new pool beside a
     bm.audit([("a", a.block_table), ("b", b.block_table)])
     bm.free(a)

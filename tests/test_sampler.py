@@ -59,12 +59,14 @@ def full_sort_nucleus(probs: torch.Tensor, top_p: float) -> set[int]:
 @pytest.mark.parametrize("scale", [8.0, 3.0, 0.1])  # peaked to flat
 @pytest.mark.parametrize("top_p", [0.5, 0.9, 0.99, 1e-30])
 def test_the_nucleus_is_the_full_sorts_set(scale: float, top_p: float) -> None:
-    """The top-p set from the 256 most likely tokens, or from a sort of all where it does not
-    close inside them, is the set the definition gives, most likely first."""
+    """The top-p set from the 256 most likely tokens (most likely first), or from a sort of
+    all where it does not close inside them, is the set the definition gives."""
     probs = torch.softmax(torch.randn(5000, generator=torch.Generator().manual_seed(3)) * scale, 0)
     kept, ids = nucleus(probs, top_p)
     assert set(ids.tolist()) == full_sort_nucleus(probs, top_p)
-    assert torch.equal(kept, probs[ids]) and bool((kept[:-1] >= kept[1:]).all())
+    assert torch.equal(kept, probs[ids]) and len(set(ids.tolist())) == len(ids)
+    if len(ids) < 256:
+        assert bool((kept[:-1] >= kept[1:]).all())
     # both ways are taken: 1 to 219 tokens close inside the first 256, 1243 to 4935 do not
 
 

@@ -44,9 +44,9 @@ def sample(
     for i, token in zip(plain, drawn, strict=True):
         out[i] = token
     batched = set(plain)
-    for i, p in enumerate(params):
-        if not p.greedy and i not in batched:
-            out[i] = _sample_row(logits[i], p, generators[i])
+    rest = [i for i, p in enumerate(params) if not p.greedy and i not in batched]
+    for i, token in zip(rest, _sample_rows(logits, rest, params, generators), strict=True):
+        out[i] = token
     return out
 
 
@@ -107,16 +107,43 @@ def _plain(p: SamplingParams, gen: torch.Generator | None) -> bool:
     return not p.greedy and gen is None and p.top_k <= 0 and p.top_p >= 1.0
 
 
-def _sample_row(row: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
-    row = row / p.temperature
-    if p.top_k > 0:
-        kth = torch.topk(row, min(p.top_k, row.numel())).values[-1]
-        row = row.masked_fill(row < kth, float("-inf"))
-    probs = torch.softmax(row, dim=-1)
-    if p.top_p < 1.0:
-        kept, ids = nucleus(probs, p.top_p)
-        return int(ids[_draw(kept, gen)])
-    return _draw(probs, gen)
+def _sample_rows(
+    logits: torch.Tensor,
+    rows: list[int],
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+) -> list[int]:
+    """The rows with a seed, top-k or top-p: temperature, top-k, softmax and the top-p
+    selection of the 256 likeliest over all of them at once, then each row's nucleus and
+    draw (from its own generator where it has one). Row by row the same work cost 0.77 ms a
+    row in bench/choices.py, 15% of its run."""
+    if not rows:
+        return []
+    index = torch.tensor(rows, device=logits.device)
+    temps = [params[i].temperature for i in rows]
+    x = logits[index] / torch.tensor(temps, dtype=logits.dtype, device=logits.device)[:, None]
+    vocab = x.shape[-1]
+    ks = [min(params[i].top_k, vocab) for i in rows]
+    if any(ks):
+        kth = torch.topk(x, max(ks), dim=-1).values
+        for j, k in enumerate(ks):
+            if k:
+                x[j].masked_fill_(x[j] < kth[j, k - 1], float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    filtered = [j for j, i in enumerate(rows) if params[i].top_p < 1.0]
+    first = {}
+    if filtered and vocab > NUCLEUS_FIRST:  # the likeliest of every top-p row, most first
+        top, ids = torch.topk(probs[torch.tensor(filtered, device=probs.device)], NUCLEUS_FIRST)
+        first = {j: (top[n], ids[n]) for n, j in enumerate(filtered)}
+    out = []
+    for j, i in enumerate(rows):
+        p, gen = params[i], generators[i]
+        if p.top_p < 1.0:
+            kept, ids = nucleus(probs[j], p.top_p, first.get(j))
+            out.append(int(ids[_draw(kept, gen)]))
+        else:
+            out.append(_draw(probs[j], gen))
+    return out
 
 
 def _draw(probs: torch.Tensor, gen: torch.Generator | None) -> int:
@@ -136,7 +163,11 @@ def _draw(probs: torch.Tensor, gen: torch.Generator | None) -> int:
 NUCLEUS_FIRST = 256  # most likely tokens looked at first for a top-p nucleus
 
 
-def nucleus(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+def nucleus(
+    probs: torch.Tensor,
+    top_p: float,
+    first: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The smallest set of most likely tokens whose mass reaches `top_p` (always >= 1: a
     top_p too small for fp32, e.g. 1e-320, rounds to 0 and must still keep the first): their
     probabilities and their ids. From the NUCLEUS_FIRST most likely
@@ -146,9 +177,10 @@ def nucleus(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tens
     cost more than the sort.) On CPU the sort is of the values only (`_nucleus_by_threshold`,
     whose set comes in id order); a flat distribution (an uncertain model, a high
     temperature) needs it for most draws: 399 of 512 in bench/choices.py, whose nuclei held
-    267 to 13k tokens."""
+    267 to 13k tokens. `first`: the NUCLEUS_FIRST likeliest (values, ids), most likely
+    first, where the caller selected them already (for several rows at once)."""
     if probs.numel() > NUCLEUS_FIRST:
-        top, ids = torch.topk(probs, NUCLEUS_FIRST)  # most likely first
+        top, ids = first if first is not None else torch.topk(probs, NUCLEUS_FIRST)
         keep = _reaching(top, top_p)
         if keep < NUCLEUS_FIRST:  # the set closed inside them
             return top[:keep], ids[:keep]

@@ -13,7 +13,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from kvguard.daemon import tools
-from kvguard.engine import EngineConfig, LLMEngine
+from kvguard.engine import EngineConfig, LLMEngine, SamplingParams
 from kvguard.engine.structured import compile_grammar
 from tests.test_server import Daemon
 
@@ -129,6 +129,31 @@ def test_the_grammars_hold_answers_to_the_form() -> None:
     assert accepts(named, other) and not accepts(named, good)
     as_json = tools.grammar(FUNCS, "auto", True, {"type": "object"})
     assert accepts(as_json, '{"a": 1}') and not accepts(as_json, "It is sunny.")
+
+
+def test_the_real_model_calls_the_right_function_with_the_right_argument(
+    smollm_engine: LLMEngine,
+) -> None:
+    """The default model, never taught this form, told about two functions and held to a
+    call: greedy, it picks the function the question asks for and the city it names."""
+    fns = [
+        tools.Function(name, what, {"type": "object", "properties": {"city": {"type": "string"}},
+                                    "required": ["city"], "additionalProperties": False})
+        for name, what in (("get_weather", "The current weather in a city"),
+                           ("get_time", "The local time in a city"))
+    ]  # fmt: skip
+    tok = smollm_engine.tokenizer
+    for question, name, city in (
+        ("What is the weather in Paris?", "get_weather", "Paris"),
+        ("What time is it in Tokyo?", "get_time", "Tokyo"),
+    ):
+        msgs = tools.with_tools([{"role": "user", "content": question}], fns, "required", False)
+        prompt = tok.apply_chat_template(msgs, add_generation_prompt=True)
+        params = SamplingParams(max_tokens=60, grammar=tools.grammar(fns, "required", False))
+        out = smollm_engine.generate([prompt], [params])[0]
+        assert out.finish_reason == "stop"  # the grammar closed the call
+        (call,) = tools.parse(out.text) or []
+        assert (call.name, json.loads(call.arguments)) == (name, {"city": city})
 
 
 # -- through the API ----------------------------------------------------------------------

@@ -28,7 +28,7 @@ from typing import Any
 if not __package__:  # run as a file: import siblings as bench.*, never shadow the stdlib `trace`
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 from bench.common import load_line, ratio, section, token_prompts, verdict  # noqa: E402
-from bench.quantized import Kvguard, OpenVINO, gguf_path  # noqa: E402
+from bench.quantized import Kvguard, OpenVINO, built, gguf_path  # noqa: E402
 from bench.trace import common_args, format_table, write_json  # noqa: E402
 
 OUTPUT, TEMPERATURE, TOP_P = 32, 0.8, 0.95
@@ -105,13 +105,8 @@ def main() -> None:
         ("kvguard packed", "off", lambda: Kvguard(args.model, "auto", args.threads)),
         (OpenVINO.name, "forked", lambda: OpenVINO(gguf_path(), args.threads)),
     ]
-    results, peer_error = [], ""
-    for name, sharing, make in makers:
-        try:
-            eng = make()
-        except ImportError as e:
-            peer_error = f"openvino-genai not installed ({e}): pip install openvino-genai"
-            continue
+    results, notes = [], []
+    for name, sharing, eng in built(makers, notes):
         serve = serve_kvguard if isinstance(eng, Kvguard) else serve_openvino
         serve(eng, warm, 2, args.seed)  # untimed
         before = eng.engine.snapshot().prefix_cache if isinstance(eng, Kvguard) else {}
@@ -162,8 +157,8 @@ def main() -> None:
     peer = next((r for r in results if r["engine"] == OpenVINO.name), None)
     if peer:
         print(f"kvguard (cache on) vs {OpenVINO.name}: {ratio(on['tok_s'], peer['tok_s'])} tok/s")
-    if peer_error:
-        print(peer_error)
+    if notes:
+        print("\n".join(notes))
     speed = on["tok_s"] / off["tok_s"]
     # each prompt once: its length, plus what each other choice recomputes past the full blocks
     once = on["prompt_tokens_computed"] <= count * (length + (n - 1) * 16)

@@ -32,7 +32,7 @@ from typing import Any
 if not __package__:  # run as a file: import siblings as bench.*, never shadow the stdlib `trace`
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 from bench.common import load_line, ratio, section, token_prompts, verdict  # noqa: E402
-from bench.quantized import Kvguard, OpenVINO, gguf_path  # noqa: E402
+from bench.quantized import Kvguard, OpenVINO, built, gguf_path  # noqa: E402
 from bench.trace import TraceRequest, common_args, format_table, write_json  # noqa: E402
 
 QUESTION, ANSWER = 32, 32
@@ -70,13 +70,8 @@ def main() -> None:
         (OpenVINO.name, True, lambda: OpenVINO(gguf_path(), args.threads, prefix_caching=True)),
         (OpenVINO.name, False, lambda: OpenVINO(gguf_path(), args.threads)),
     ]
-    results, peer_error = [], ""
-    for name, cache, make in makers:
-        try:
-            eng = make()
-        except ImportError as e:
-            peer_error = f"openvino-genai not installed ({e}): pip install openvino-genai"
-            continue
+    results, notes = [], []
+    for name, cache, eng in built(makers, notes):
         t0 = time.perf_counter()
         eng.serve(cold)  # the system prompt's first burst
         cold_s = time.perf_counter() - t0
@@ -143,8 +138,8 @@ def main() -> None:
             f"{ratio(kv_on['trace_tok_s'], peer['trace_tok_s'])}, warm TTFT "
             f"{ratio(peer['warm_ttft_s'], kv_on['warm_ttft_s'])} faster"
         )
-    if peer_error:
-        print(peer_error)
+    if notes:
+        print("\n".join(notes))
     speed = kv_on["trace_tok_s"] / kv_off["trace_tok_s"]
     ttft = kv_off["warm_ttft_s"] / kv_on["warm_ttft_s"]
     cold = kv_on["cold_tok_s"] / kv_off["cold_tok_s"]

@@ -231,6 +231,16 @@ def run_trace(engine: Any, trace: list[TraceRequest]) -> tuple[float, float, lis
     return sum(want) / wall, wall, outs
 
 
+def built(makers: list[tuple[str, Any, Any]], notes: list[str]) -> Any:
+    """(name, tag, engine) for each (name, tag, maker) whose engine builds; a peer that is
+    not installed is skipped with a note saying how to install it."""
+    for name, tag, make in makers:
+        try:
+            yield name, tag, make()
+        except ImportError as e:
+            notes.append(f"openvino-genai not installed ({e}): pip install openvino-genai")
+
+
 def gguf_path() -> Path:
     from kvguard.engine.config import kvguard_home
 

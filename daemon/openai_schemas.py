@@ -220,6 +220,14 @@ class _Sampling(_Body):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
+def _servable(schema: dict[str, Any], field: str) -> None:
+    """Refuse, naming `field`, a schema the grammar library cannot serve."""
+    try:
+        compile_schema(schema)
+    except ValueError as e:
+        raise PydanticCustomError(field, "{why}", {"why": str(e).split(": ", 1)[-1]}) from e
+
+
 class JsonSchemaFormat(_Body):
     """OpenAI's `response_format.json_schema`: the schema the answer's JSON must match."""
 
@@ -250,12 +258,7 @@ class ResponseFormat(_Body):
             )
         schema = self.engine_schema()
         if schema is not None:
-            try:
-                compile_schema(schema)
-            except ValueError as e:
-                raise PydanticCustomError(
-                    "response_format", "{why}", {"why": str(e).split(": ", 1)[-1]}
-                ) from e
+            _servable(schema, "response_format")
         return self
 
     def engine_schema(self) -> dict[str, Any] | None:
@@ -360,12 +363,7 @@ ToolName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0
 
 def _parameters(schema: dict[str, Any] | None) -> dict[str, Any] | None:
     if schema is not None:
-        try:
-            compile_schema(schema)
-        except ValueError as e:
-            raise PydanticCustomError(
-                "parameters", "{why}", {"why": str(e).split(": ", 1)[-1]}
-            ) from e
+        _servable(schema, "parameters")
     return schema
 
 

@@ -32,6 +32,7 @@ import functools
 import json
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -72,28 +73,29 @@ def compile_schema(schema: dict[str, Any]) -> str:
 @functools.lru_cache(maxsize=COMPILED_SCHEMAS)
 def compile_grammar(lark: str) -> str:
     """The grammar llguidance runs for Lark text; ValueError naming what is wrong with it."""
-    llg = _llguidance()
-    try:
-        grammar = llg.LLMatcher.grammar_from_lark(lark)
-    except (ValueError, TypeError) as e:
-        raise ValueError(f"grammar: not a grammar kvguard can serve: {e}") from e
-    problem = llg.LLMatcher.validate_grammar(grammar)
-    if problem:
-        raise ValueError(f"grammar: not a grammar kvguard can serve: {problem}")
-    return grammar
+    return _checked("grammar: not a grammar", lambda llg: llg.LLMatcher.grammar_from_lark(lark))
 
 
 @functools.lru_cache(maxsize=COMPILED_SCHEMAS)
 def _compile(text: str) -> str:
     """`compile_schema` of a schema's JSON text (a refusal raises, and is not cached)."""
+    return _checked(
+        "json_schema: not a JSON schema",
+        lambda llg: llg.LLMatcher.grammar_from_json_schema(text, defaults=LAYOUT),
+    )
+
+
+def _checked(what: str, build: Callable[[Any], str]) -> str:
+    """The grammar `build` makes with the library, validated; ValueError "`what` kvguard
+    can serve: why" when it cannot be made or is not valid."""
     llg = _llguidance()
     try:
-        grammar = llg.LLMatcher.grammar_from_json_schema(text, defaults=LAYOUT)
+        grammar = build(llg)
     except (ValueError, TypeError) as e:
-        raise ValueError(f"json_schema: not a JSON schema kvguard can serve: {e}") from e
+        raise ValueError(f"{what} kvguard can serve: {e}") from e
     problem = llg.LLMatcher.validate_grammar(grammar)
     if problem:
-        raise ValueError(f"json_schema: not a JSON schema kvguard can serve: {problem}")
+        raise ValueError(f"{what} kvguard can serve: {problem}")
     return grammar
 
 

@@ -5,7 +5,10 @@ to describe a person as JSON (each its own name, age and job), answered greedily
 64 tokens, first free and then held to one schema (name: string, age: integer, job: string,
 nothing else). The same token ids go to kvguard (packed, `SamplingParams.json_schema`, what
 the API's `response_format` sets) and to OpenVINO GenAI's `ContinuousBatchingPipeline`
-(`StructuredOutputConfig(json_schema=...)`) on the same GGUF, all requests arriving together.
+(`StructuredOutputConfig(json_schema=...)`) on the same GGUF, all requests arriving together. kvguard runs the schema twice: with its
+jump-forward (the tokens the schema forces, its keys and punctuation, appended at once and
+computed in one chunk; the default) and drawing every token, and serves 8 constrained
+answers one at a time each way (the latency of an answer alone).
 
 Measured per engine and mode: wall seconds, answers/s and output tokens/s; answers that parse
 as JSON; answers that match the schema; answers the engine ended itself (its grammar closed or
@@ -120,7 +123,9 @@ class OpenVINOJson:
         return [list(r.m_generation_ids[0]) for r in self.pipe.generate(ids, cfgs)]
 
 
-def run(engine: Any, prompts: list[list[int]], schema: Any, tok: Any, stop: set[int]) -> dict:
+def run(
+    engine: Any, prompts: list[list[int]], schema: Any, tok: Any, stop: set[int], label: str = ""
+) -> dict:
     engine.serve(prompts[:2], schema)  # untimed warm-up (and the grammar library's setup)
     grammar_s0 = engine.grammar_seconds()
     t0 = time.perf_counter()
@@ -132,6 +137,7 @@ def run(engine: Any, prompts: list[list[int]], schema: Any, tok: Any, stop: set[
     return {
         "engine": engine.name,
         "schema": schema is not None,
+        "output": label or ("schema" if schema is not None else "free"),
         "wall_s": wall,
         "tokens": sum(len(o) for o in outs),
         "tok_s": sum(len(o) for o in outs) / wall,
@@ -142,6 +148,16 @@ def run(engine: Any, prompts: list[list[int]], schema: Any, tok: Any, stop: set[
         "ended": sum(len(o) < MAX_TOKENS or o[-1] in stop for o in outs),
         "sample": texts[0],
     }
+
+
+def one_at_a_time(kv: KvguardJson, prompts: list[list[int]], jump: bool) -> float:
+    """Mean seconds of a constrained answer served alone (each after the one before)."""
+    kv.engine.config.grammar_jump_forward = jump
+    kv.serve(prompts[:1], SCHEMA)  # untimed
+    t0 = time.perf_counter()
+    for p in prompts:
+        kv.serve([p], SCHEMA)
+    return (time.perf_counter() - t0) / len(prompts)
 
 
 def main() -> None:
@@ -158,6 +174,9 @@ def main() -> None:
         tok.encode(tok.apply_chat_template([{"role": "user", "content": a}], True)) for a in asks(n)
     ]
     results = [run(kv, prompts, s, tok, stop) for s in (None, SCHEMA)]
+    kv.engine.config.grammar_jump_forward = False  # every token drawn, forced ones too
+    results.append(run(kv, prompts, SCHEMA, tok, stop, "schema, no jump"))
+    alone = {jump: one_at_a_time(kv, prompts[:8], jump) for jump in (True, False)}
     del kv
     peer_error = ""
     try:
@@ -172,7 +191,7 @@ def main() -> None:
         rows.append(
             [
                 r["engine"],
-                "schema" if r["schema"] else "free",
+                r["output"],
                 f"{r['wall_s']:.2f}",
                 f"{r['answers_s']:.2f}",
                 f"{r['tok_s']:.1f}",
@@ -188,11 +207,12 @@ def main() -> None:
                "matches schema", "ended by engine", "grammar ms/token", "grammar share"]  # fmt: skip
     print(format_table(headers, rows))
     for r in results:
-        print(f"{r['engine']} ({'schema' if r['schema'] else 'free'}), first answer: "
+        print(f"{r['engine']} ({r['output']}), first answer: "
               f"{r['sample'][:100]!r}")  # fmt: skip
     if peer_error:
         print(peer_error)
-    on = next(r for r in results if r["engine"] == KvguardJson.name and r["schema"])
+    on = next(r for r in results if r["engine"] == KvguardJson.name and r["output"] == "schema")
+    drawn = next(r for r in results if r["output"] == "schema, no jump")
     off = next(r for r in results if r["engine"] == KvguardJson.name and not r["schema"])
     share = on["grammar_s"] / on["wall_s"]
     peer = next((r for r in results if r["engine"] == OpenVINOJson.name and r["schema"]), None)
@@ -204,12 +224,21 @@ def main() -> None:
         )
     print(
         f"kvguard with the schema: {ratio(on['answers_s'], off['answers_s'])} the answers/s "
-        "of free answers"
+        f"of free answers; jump-forward {ratio(on['answers_s'], drawn['answers_s'])} the "
+        "answers/s of drawing every token"
+    )
+    print(
+        f"kvguard, one constrained answer at a time: {alone[True] * 1e3:.0f} ms with "
+        f"jump-forward, {alone[False] * 1e3:.0f} ms drawing every token "
+        f"({ratio(alone[False], alone[True])} faster)"
     )
     print(verdict("every constrained kvguard answer matches the schema", on["valid"] == n,
                   f"{on['valid']}/{n}"))  # fmt: skip
     print(verdict("grammar work <= 5% of the constrained run", share <= 0.05, f"{share:.1%}"))
-    write_json(args.json, {"requests": n, "max_tokens": MAX_TOKENS, "results": results})
+    write_json(
+        args.json,
+        {"requests": n, "max_tokens": MAX_TOKENS, "results": results, "alone_s": alone},
+    )
 
 
 if __name__ == "__main__":

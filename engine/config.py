@@ -171,6 +171,12 @@ class EngineConfig:
         doc="prompt tokens a step may run while other sequences decode (bounds their "
         "inter-token latency and a new request's wait); unset: 128 on CPU, no extra bound on CUDA",
     )
+    grammar_jump_forward: bool = knob(
+        True,
+        section="serving",
+        doc="tokens a request's grammar forces (a schema's keys and punctuation, a tool call's "
+        "frame) are appended at once and computed in one chunk, not drawn a step each",
+    )
     interrupt_for_high: bool = knob(
         True,
         section="serving",

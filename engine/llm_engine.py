@@ -392,10 +392,26 @@ class LLMEngine(ControlSurface):
             if not grammar_ok:  # a masked draw cannot leave the grammar: a fault, said so
                 log.error("request %s left its grammar: %s", seq.request_id, seq.grammar.error)
                 seq.finish_reason = "error"
-            elif seq.grammar.complete:  # the JSON is closed and nothing may follow
-                seq.finish_reason = "stop"
+            else:
+                self._jump_forward(seq)
+                if seq.finish_reason is None and seq.grammar.complete:
+                    seq.finish_reason = "stop"  # the JSON is closed and nothing may follow
         if seq.finish_reason is not None:
             self._count_finish(seq)
+
+    def _jump_forward(self, seq: Sequence) -> None:
+        """Append the tokens `seq`'s grammar forces after the one just drawn (structured.py);
+        the next step computes them with it as one chunk. Not for a request that asks for
+        log-probabilities (a forced token has none) or once it is finished."""
+        if not self.config.grammar_jump_forward or seq.grammar is None:
+            return
+        if seq.output_logprobs is not None or seq.prompt_logprobs is not None:
+            return
+        for token in seq.grammar.forced():
+            self._counters["tokens_generated"] += 1
+            append_token(self.tokenizer, seq, token, self.eos_ids)
+            if seq.finish_reason is not None:  # max_tokens, the length limit, a stop string
+                break
 
     def _count_finish(self, seq: Sequence) -> None:
         self._counters["finished"] += 1

@@ -65,9 +65,9 @@ def awaits_first_text(seq: Sequence) -> bool:
     runs, or its first tokens' text is held back (it could begin a stop string)."""
     if seq.priority != HIGH or seq.is_finished:
         return False
-    return seq.num_uncomputed > 1 or (
-        seq.sent_text_len == 0 and len(seq.output_token_ids) < FIRST_TEXT_TOKENS
-    )
+    if seq.num_computed_tokens < len(seq.prompt_token_ids):
+        return True  # its prompt runs (or runs again, after a preemption)
+    return seq.sent_text_len == 0 and len(seq.output_token_ids) < FIRST_TEXT_TOKENS
 
 
 class KVMover(Protocol):

@@ -447,6 +447,7 @@ KNOB_SAMPLES: dict[tuple[str, ...], tuple[dict[str, dict[str, object]], object]]
         2.5,
     ),
     ("interrupt_for_high",): ({"serving": {"interrupt_for_high": False}}, False),
+    ("grammar_jump_forward",): ({"serving": {"grammar_jump_forward": False}}, False),
     ("admission", "max_overcommit"): ({"admission_control": {"max_overcommit": 1.2}}, 1.2),
 }
 # EngineConfig fields with no key of their own in the file, and why.

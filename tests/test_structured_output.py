@@ -245,3 +245,48 @@ def test_the_api_refuses_a_bad_response_format(
         model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=2
     )
     assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+# -- jump-forward -------------------------------------------------------------------------
+
+
+def _steps_and_answer(eng: LLMEngine, params: SamplingParams) -> tuple[list[int], Any]:
+    """Each step's computed-token count for one request on `eng`, and its final output."""
+    rid = eng.add_request(chat(eng, ASK), params)
+    counts, final = [], None
+    while eng.has_unfinished():
+        seq = eng._seqs.get(rid)
+        before = seq.num_computed_tokens if seq is not None else 0
+        for out in eng.step():
+            final = out if out.finished else final
+        seq = eng._seqs.get(rid)
+        counts.append((seq.num_computed_tokens if seq is not None else -1) - before)
+    return counts, final
+
+
+def test_forced_tokens_are_appended_at_once_and_computed_as_one_chunk(
+    smollm_engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The person's keys and punctuation come without a draw each: the same greedy answer in
+    fewer steps, the forced tokens computed in chunks after the drawn one."""
+    eng = smollm_engine
+    params = SamplingParams(max_tokens=64, json_schema=PERSON)
+    jumped, answer = _steps_and_answer(eng, params)
+    monkeypatch.setattr(eng.config, "grammar_jump_forward", False)
+    drawn, plain = _steps_and_answer(eng, params)
+    assert is_person(answer.text) and answer.text == plain.text
+    assert answer.token_ids == plain.token_ids
+    assert len(jumped) < len(drawn) - 3  # the steps a draw each would have taken
+    assert any(n > 1 for n in jumped[1:])  # chunks of forced tokens after the prompt's
+    assert all(n == 1 for n in drawn[1:-1])
+
+
+def test_forced_tokens_keep_to_max_tokens_and_logprobs_requests_draw_each(
+    smollm_engine: LLMEngine,
+) -> None:
+    eng = smollm_engine
+    cut = eng.generate([chat(eng, ASK)], [SamplingParams(max_tokens=3, json_schema=PERSON)])[0]
+    assert len(cut.token_ids) == 3 and cut.finish_reason == "length"
+    asked = SamplingParams(max_tokens=64, json_schema=PERSON, logprobs=0)
+    out = eng.generate([chat(eng, ASK)], [asked])[0]
+    assert is_person(out.text) and len(out.final_logprobs) == len(out.token_ids)

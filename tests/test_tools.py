@@ -244,15 +244,13 @@ def test_the_openai_client_parses_its_strict_tools(daemon: Daemon) -> None:
         tools=[openai.pydantic_function_tool(GetTime)],
         tool_choice="required",
         parallel_tool_calls=False,
-        max_tokens=120,
+        max_tokens=240,  # 20 characters of any script, a few tokens each, and the call's frame
         n=2,
         seed=5,
         temperature=0.7,
     )
     assert len(r.choices) == 2
     for choice in r.choices:
-        if choice.finish_reason == "length":
-            continue
         (call,) = choice.message.tool_calls
         assert isinstance(call.function.parsed_arguments, GetTime)
 

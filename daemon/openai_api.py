@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvguard.daemon.api")
 DEFAULT_CHAT_MAX_TOKENS = 512
+MAX_SEQUENCES = 256  # prompts x n of one request: each is a sequence of its own
 # the engine says why it refused a request; the answer is the server's choice: the request
 # itself cannot be served (400), the server is busy (429), or it has stopped taking work (503)
 ADMISSION_STATUS = {"never_fits": 400, "overloaded": 429, "queue_full": 429, "halted": 503}
@@ -94,10 +95,17 @@ def router(service: Service) -> APIRouter:
     async def completions(
         body: CompletionRequest, request: Request, x_priority: str | None = Header(None)
     ) -> Any:
-        prompt = _single_prompt(body.prompt)
+        prompts = _prompts(body.prompt)
+        if len(prompts) * (body.n or 1) > MAX_SEQUENCES:
+            raise ApiError(
+                400,
+                f"{len(prompts)} prompts x n={body.n} choices: at most {MAX_SEQUENCES} "
+                "sequences per request; send fewer prompts per request",
+                "prompt",
+            )
         params = _params(body, body.max_tokens or 16)
         return await _serve(
-            service, request, "text_completion", prompt, params, body, x_priority, True
+            service, request, "text_completion", prompts, params, body, x_priority, True
         )
 
     @r.post("/v1/chat/completions")
@@ -116,7 +124,7 @@ def router(service: Service) -> APIRouter:
         if mode is not None:
             params = dataclasses.replace(params, json_schema=None, grammar=body.tool_grammar())
         return await _serve(
-            service, request, "chat.completion", prompt, params, body, x_priority, False
+            service, request, "chat.completion", [prompt], params, body, x_priority, False
         )
 
     @r.post("/tokenize")
@@ -170,18 +178,13 @@ def _render_chat(service: Service, msgs: list[dict[str, str]]) -> str:
         ) from e
 
 
-def _single_prompt(prompt: str | list[str] | list[int]) -> str | list[int]:
+def _prompts(prompt: Any) -> list[str | list[int]]:
+    """A completions request's prompts: one string or token-id list, or a list of them."""
     if isinstance(prompt, str):
-        return prompt
-    if prompt and all(isinstance(p, str) for p in prompt):
-        if len(prompt) != 1:
-            raise ApiError(
-                400,
-                "only one prompt per request is served (send n for several choices of one prompt)",
-                "prompt",
-            )
-        return prompt[0]
-    return list(prompt)
+        return [prompt]
+    if prompt and all(isinstance(p, str | list) for p in prompt):
+        return list(prompt)
+    return [list(prompt)]
 
 
 def _logprobs(body: CompletionRequest | ChatCompletionRequest) -> int | None:
@@ -236,7 +239,7 @@ async def _serve(
     service: Service,
     request: Request,
     kind: str,
-    prompt: str | list[int],
+    prompts: list[str | list[int]],
     params: SamplingParams,
     body: Any,
     x_priority: str | None,
@@ -251,15 +254,16 @@ async def _serve(
     if params.json_schema or params.grammar:  # the grammar library's tokenizer view, once, not
         await asyncio.to_thread(service.engine.grammars.view)  # on the engine's thread
     ctx = _Ctx(service, kind, body.model, priority, time.monotonic(), params)
-    ctx.echo = prompt if getattr(body, "echo", False) else None
+    ctx.n = body.n or 1
+    ctx.echo = prompts if getattr(body, "echo", False) else None
     ctx.tools = params.grammar is not None
     aio = asyncio.get_running_loop()
-    outs = [_Outputs(aio, ctx, bool(body.stream)) for _ in range(body.n or 1)]
+    outs = [_Outputs(aio, ctx, bool(body.stream)) for _ in range(len(prompts) * ctx.n)]
     streams, futs = [], []
     for i, outputs in enumerate(outs):  # one engine request per choice, in order
         stream, fut = service.loop.submit_nowait(
-            prompt,
-            _choice_params(params, i),
+            prompts[i // ctx.n],
+            _choice_params(params, i % ctx.n),
             priority,
             add_special_tokens=completion,
             listener=outputs.push,
@@ -329,7 +333,8 @@ class _Ctx:
             t0,
         )
         self.params = params
-        self.echo: str | list[int] | None = None  # the prompt, for a completion with echo
+        self.n = 1  # choices per prompt: choice i answers prompt i // n
+        self.echo: list[str | list[int]] | None = None  # the prompts, for a completion with echo
         self.tools = False  # a chat answer that may be tool calls
         self.id = new_id("chatcmpl" if kind == "chat.completion" else "cmpl")
         self.created = now()
@@ -384,14 +389,15 @@ class _Ctx:
         lps["token_logprobs"][0] = lps["top_logprobs"][0] = None
         return lps
 
-    def echo_text(self) -> str:
-        """What `echo` puts before the completion: the prompt as sent, or its token ids as
+    def echo_text(self, index: int) -> str:
+        """What `echo` puts before choice `index`: its prompt as sent, or its token ids as
         text (decoded once the engine has accepted them, so they are in the vocabulary)."""
         if self.echo is None:
             return ""
-        if isinstance(self.echo, str):
-            return self.echo
-        return self.service.engine.tokenizer.decode(self.echo, skip_special_tokens=False)
+        prompt = self.echo[index // self.n]
+        if isinstance(prompt, str):
+            return prompt
+        return self.service.engine.tokenizer.decode(prompt, skip_special_tokens=False)
 
     def observe(self, out: RequestOutput, last: float | None) -> float | None:
         """Latency metrics, per engine output of one choice (engine thread): they measure the
@@ -655,11 +661,13 @@ def _kvguard_ext(ctx: _Ctx, outs: Sequence[RequestOutput]) -> dict[str, Any]:
     }
 
 
-def _usage(outs: Sequence[RequestOutput]) -> dict[str, Any]:
-    """The prompt once, every choice's output tokens; cached: the prompt tokens the first
-    choice to run found cached (the others found what it computed too)."""
-    cached = min(o.num_cached_tokens for o in outs)
-    return usage(outs[0].num_prompt_tokens, sum(o.num_output_tokens for o in outs), cached)
+def _usage(outs: Sequence[RequestOutput], n: int) -> dict[str, Any]:
+    """Each prompt once, every choice's output tokens; cached: per prompt, the prompt tokens
+    the first of its choices to run found cached (the others found what it computed too)."""
+    groups = [outs[k : k + n] for k in range(0, len(outs), n)]
+    prompt = sum(g[0].num_prompt_tokens for g in groups)
+    cached = sum(min(o.num_cached_tokens for o in g) for g in groups)
+    return usage(prompt, sum(o.num_output_tokens for o in outs), cached)
 
 
 def _full_response(ctx: _Ctx, outs: Sequence[RequestOutput]) -> dict[str, Any]:
@@ -679,7 +687,7 @@ def _full_response(ctx: _Ctx, outs: Sequence[RequestOutput]) -> dict[str, Any]:
         else:
             choice = {
                 "index": i,
-                "text": ctx.echo_text() + out.text,
+                "text": ctx.echo_text(i) + out.text,
                 "finish_reason": out.finish_reason,
                 "logprobs": ctx.echo_logprobs(out, i),
             }
@@ -690,7 +698,7 @@ def _full_response(ctx: _Ctx, outs: Sequence[RequestOutput]) -> dict[str, Any]:
         "created": ctx.created,
         "model": ctx.model,
         "choices": choices,
-        "usage": _usage(outs),
+        "usage": _usage(outs, ctx.n),
         "kvguard": _kvguard_ext(ctx, outs),
     }
 
@@ -724,7 +732,7 @@ def _chunk(
         choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
         obj = "chat.completion.chunk"
     else:
-        text = (ctx.echo_text() if first else "") + (text or "")
+        text = (ctx.echo_text(index) if first else "") + (text or "")
         choice = {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}
         obj = "text_completion"
     return {
@@ -793,7 +801,7 @@ async def _sse(
         if include_usage:
             u = _chunk(ctx, None, None, False)
             u["choices"] = []
-            u["usage"] = _usage([finals[i] for i in range(len(outs))])
+            u["usage"] = _usage([finals[i] for i in range(len(outs))], ctx.n)
             yield _sse_line(u)
         yield "data: [DONE]\n\n"
     except ClientGone:

@@ -90,8 +90,9 @@ def _is_one(v: Any) -> bool:
 OLD_FUNCTIONS = "not served: deprecated by OpenAI; send tools and tool_choice instead"
 
 
-def _prompt(value: Any) -> str | list[str] | list[int]:
-    """A prompt is a string, one string in a list, or a list of token ids (int64)."""
+def _prompt(value: Any) -> str | list[str] | list[int] | list[list[int]]:
+    """A prompt is a string or a list of token ids (int64); several prompts are a list of
+    strings or a list of token-id lists."""
     if isinstance(value, str):
         return _text(value)
     if not isinstance(value, list):
@@ -105,15 +106,23 @@ def _prompt(value: Any) -> str | list[str] | list[int]:
                     "unicode", "element {i}: {problem}", {"i": i, "problem": problem}
                 )
         return value
+    if value and all(isinstance(p, list) for p in value):
+        for i, ids in enumerate(value):
+            _token_ids(ids, f"element {i}: ")
+        return value
+    _token_ids(value, "")
+    return value
+
+
+def _token_ids(value: list[Any], where: str) -> None:
     for i, p in enumerate(value):
         if not isinstance(p, int) or isinstance(p, bool) or not INT64_MIN <= p <= INT64_MAX:
             raise PydanticCustomError(
                 "prompt",
-                "element {i}: expected a token id (an integer); a list prompt is all strings "
-                "or all token ids, and one prompt per request is served",
-                {"i": i},
+                "{where}element {i}: expected a token id (an integer); a list prompt is all "
+                "strings, all token ids or all lists of token ids",
+                {"where": where, "i": i},
             )
-    return value
 
 
 def _stop(value: Any) -> str | list[str] | None:
@@ -280,10 +289,18 @@ class CompletionRequest(_Sampling):
                     {"type": "string"},
                     {"type": "array", "items": {"type": "string"}},
                     {"type": "array", "items": {"type": "integer"}},
+                    {
+                        "type": "array",
+                        "items": {"type": "array", "items": {"type": "integer"}},
+                    },
                 ]
             }
         ),
-    ] = Field(..., description="one prompt: a string or a list of token ids")
+    ] = Field(
+        ...,
+        description="a string or a list of token ids; several prompts as a list of strings "
+        "or of token-id lists (n choices each)",
+    )
     max_tokens: int | None = Field(16, ge=1, le=INT64_MAX)
     response_format: ResponseFormat | None = Field(
         None, description="kvguard extension, as chat's: text, json_object or json_schema"

@@ -139,3 +139,49 @@ def test_a_client_that_hangs_up_ends_every_choice(tiny_daemon: Daemon) -> None:
         finally:
             sock.close()
         until(lambda: idle(state(d)), 5, "every choice aborted")
+
+
+# -- several prompts in one completions request -------------------------------------------
+
+
+def test_several_prompts_answer_in_order_with_n_choices_each(tiny_daemon: Daemon) -> None:
+    """Choice i answers prompt i // n with choice i % n's seed, echoes its own prompt, and the
+    usage counts each prompt once; streamed, the same texts."""
+    client = tiny_daemon.client()
+    prompts = ["alpha beta gamma", "one two three four five"]
+    kw: dict[str, Any] = {"model": "tiny", "max_tokens": 6, "temperature": 1.0, "seed": 11}
+    got = client.completions.create(prompt=prompts, n=2, echo=True, **kw)
+    assert [c.index for c in got.choices] == [0, 1, 2, 3]
+    alone = [
+        client.completions.create(prompt=p, **{**kw, "seed": 11 + j})
+        for p in prompts
+        for j in range(2)
+    ]
+    want = [prompts[i // 2] + a.choices[0].text for i, a in enumerate(alone)]
+    assert [c.text for c in got.choices] == want
+    assert got.usage.prompt_tokens == alone[0].usage.prompt_tokens + alone[2].usage.prompt_tokens
+    assert got.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    texts = ["", "", "", ""]
+    for chunk in client.completions.create(prompt=prompts, n=2, echo=True, stream=True, **kw):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == want
+
+
+def test_token_id_prompts_and_their_limits(tiny_daemon: Daemon) -> None:
+    client = tiny_daemon.client()
+    ids = [[5, 6, 7, 8], [9, 10, 11]]
+    got = client.completions.create(model="tiny", prompt=ids, max_tokens=3, temperature=0)
+    alone = [client.completions.create(model="tiny", prompt=p, max_tokens=3, temperature=0)
+             for p in ids]  # fmt: skip
+    assert [c.text for c in got.choices] == [a.choices[0].text for a in alone]
+    assert got.usage.prompt_tokens == 7
+    url = tiny_daemon.url + "/v1/completions"
+    for body, why in (
+        ({"prompt": ["x"] * 9, "n": 32}, "at most 256 sequences"),
+        ({"prompt": [[1, 2], 3]}, "element"),
+        ({"prompt": [[1, 2], []]}, "empty"),
+    ):
+        r = httpx.post(url, json={"model": "tiny", "max_tokens": 2, **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+        assert why in r.json()["error"]["message"], r.text

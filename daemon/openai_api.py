@@ -703,14 +703,12 @@ def _full_response(ctx: _Ctx, outs: Sequence[RequestOutput]) -> dict[str, Any]:
     }
 
 
-def _calls(calls: list[tools.Call], streamed: bool = False) -> list[dict[str, Any]]:
-    """Tool calls in OpenAI's shape (a stream's deltas number them)."""
-    out = []
-    for j, c in enumerate(calls):
-        entry: dict[str, Any] = {"index": j} if streamed else {}
-        fn = {"name": c.name, "arguments": c.arguments}
-        out.append({**entry, "id": c.id, "type": "function", "function": fn})
-    return out
+def _calls(calls: list[tools.Call]) -> list[dict[str, Any]]:
+    """Tool calls in OpenAI's shape."""
+    return [
+        {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+        for c in calls
+    ]
 
 
 def _chunk(
@@ -720,7 +718,7 @@ def _chunk(
     first: bool,
     lps: list[TokenLogprob] | None = None,
     index: int = 0,
-    calls: list[tools.Call] | None = None,
+    calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     logprobs = ctx.logprobs(lps, index) if lps else None
     if ctx.kind == "chat.completion":
@@ -728,7 +726,7 @@ def _chunk(
         if text:
             delta["content"] = text
         if calls:
-            delta["tool_calls"] = _calls(calls, streamed=True)
+            delta["tool_calls"] = calls  # tools.CallStream's deltas
         choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
         obj = "chat.completion.chunk"
     else:
@@ -766,10 +764,10 @@ async def _sse(
     a stream that ends normally after a cut would read as a complete answer.
 
     An answer that may be tool calls is held back while it could still be: once its text
-    cannot begin a call it streams as content, and calls go out whole, each in one delta,
-    when the choice finishes."""
+    cannot begin a call it streams as content; a call goes out as OpenAI streams one, its id
+    and name once known, then its arguments as they are written (tools.CallStream)."""
     first = [True] * len(outs)
-    held = [_Held() if ctx.tools else None for _ in outs]
+    held = [tools.CallStream() if ctx.tools else None for _ in outs]
     finals: dict[int, RequestOutput] = {}
     # tokens' log-probabilities go out with the chunk that carries their text (text held back
     # for a stop string or a split character waits, and so do they), the rest with the end
@@ -778,12 +776,12 @@ async def _sse(
         async with contextlib.aclosing(_merged(outs)) as outputs:
             async for i, out in outputs:
                 pending[i].extend(out.new_logprobs or ())
-                text = out.new_text
-                hold = held[i]
+                text, deltas, hold = out.new_text, [], held[i]
                 if hold is not None:
-                    text = hold.feed(text or "", out.finished)
-                if text or first[i]:
-                    yield _sse_line(_chunk(ctx, text, None, first[i], pending[i], i))
+                    text, deltas = hold.feed(text or "")
+                    text += hold.flush() if out.finished else ""
+                if text or first[i] or deltas:
+                    yield _sse_line(_chunk(ctx, text, None, first[i], pending[i], i, deltas))
                     first[i], pending[i] = False, []
                 if not out.finished:
                     continue
@@ -792,9 +790,8 @@ async def _sse(
                     yield _sse_line(err.body())
                     return
                 finish = out.finish_reason
-                if hold is not None and hold.calls is not None:
-                    yield _sse_line(_chunk(ctx, None, None, False, pending[i], i, hold.calls))
-                    finish, pending[i] = "tool_calls", []
+                if hold is not None and hold.finish() is not None:
+                    finish = "tool_calls"
                 end = _chunk(ctx, None, finish, False, pending[i], i)
                 end["kvguard"] = _kvguard_ext(ctx, [out])
                 yield _sse_line(end)
@@ -811,27 +808,3 @@ async def _sse(
     finally:
         watch.stop()
         _end(ctx.service, streams, outs, set(finals))
-
-
-class _Held:
-    """A streamed answer that may be tool calls: its text until it is known to be either."""
-
-    def __init__(self) -> None:
-        self.text = ""
-        self.calls: list[tools.Call] | None = None  # once finished as calls
-        self.is_text = False
-
-    def feed(self, new: str, finished: bool) -> str:
-        """The content to stream now: nothing while the text may still be calls, all of it
-        once it cannot (or the answer finished as something that does not parse as calls)."""
-        if self.is_text:
-            return new
-        self.text += new
-        if finished:
-            self.calls = tools.parse(self.text)
-            if self.calls is not None:
-                return ""
-        elif tools.could_be_call(self.text):
-            return ""
-        self.is_text = True
-        return self.text

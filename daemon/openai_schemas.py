@@ -380,6 +380,10 @@ ToolName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0
 
 def _parameters(schema: dict[str, Any] | None) -> dict[str, Any] | None:
     if schema is not None:
+        if schema.get("type", "object") != "object":
+            raise PydanticCustomError(
+                "parameters", "must describe a JSON object (a call's arguments are one)"
+            )
         _servable(schema, "parameters")
     return schema
 

@@ -31,7 +31,9 @@ from typing import Any
 from kvguard.engine.structured import LAYOUT
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-_CALL = re.compile(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE), re.S)
+# a call's start up to its arguments, in the one layout the grammar writes
+_HEAD = re.compile(re.escape(OPEN) + r'\{"name": "([A-Za-z0-9_-]{1,64})", "arguments": ')
+_NAME = re.compile(r"[A-Za-z0-9_-]{0,64}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,23 +149,138 @@ def render_result(content: str) -> str:
 def parse(text: str) -> list[Call] | None:
     """The calls an answer makes; None when it is a text answer (or calls cut short by
     max_tokens or a stop string, which are not calls: the text is returned as it is)."""
-    if not text.startswith(OPEN):
-        return None
-    found = _CALL.findall(text)
-    rest = _CALL.sub("", text).strip()
-    if not found or rest:
-        return None
-    calls = []
-    for body in found:
-        try:
-            obj = json.loads(body)
-        except ValueError:
-            return None
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            return None
-        arguments = json.dumps(obj.get("arguments", {}), ensure_ascii=False)
-        calls.append(Call(f"call_{uuid.uuid4().hex[:24]}", obj["name"], arguments))
-    return calls
+    stream = CallStream()
+    stream.feed(text)
+    return stream.finish()
+
+
+def _new_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+class CallStream:
+    """An answer that may be calls, read as it is generated. `feed` returns the content to
+    show now (nothing while the text may still be calls; all of it once it cannot) and the
+    calls' stream deltas: a call's id and name once its head is complete, then its arguments'
+    JSON text as it comes (the end of the arguments is found by scanning the JSON, strings
+    and escapes included, so a `</tool_call>` inside a string is an argument's text)."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.is_text = False
+        self.calls: list[Call] = []
+        self._pos = 0  # how far the calls are read
+        self._args: list[str] = []  # the current call's arguments so far
+        self._depth = 0  # the arguments' open brackets
+        self._in_string = self._escaped = False
+        self._closing = False  # the arguments are complete, the call's end is not yet read
+        self._broken = False  # the text stopped following the form (cut or not calls)
+
+    def feed(self, new: str) -> tuple[str, list[dict[str, Any]]]:
+        if self.is_text:
+            return new, []
+        self.text += new
+        if not self.calls and not self._args and self._pos == 0 and not could_be_call(self.text):
+            self.is_text = True
+            return self.text, []
+        return "", self._read()
+
+    def flush(self) -> str:
+        """At the answer's end: what was held back and went out neither as content nor as
+        calls (an answer cut while it could still have been calls), as content."""
+        if self.is_text or self.calls:
+            return ""
+        self.is_text = True
+        return self.text
+
+    def finish(self) -> list[Call] | None:
+        """The calls, if the whole answer is complete calls; None when it is text."""
+        complete = not self.is_text and not self._broken and not self._args and self.calls
+        return self.calls if complete and not self.text[self._pos :].strip() else None
+
+    def _read(self) -> list[dict[str, Any]]:
+        deltas: list[dict[str, Any]] = []
+        while not self._broken:
+            if not self._args and self._depth == 0:  # between calls: the next head
+                rest = self.text[self._pos :]
+                if self.calls and rest.startswith("\n"):
+                    rest, self._pos = rest[1:], self._pos + 1
+                head = _HEAD.match(rest)
+                if head is None:
+                    self._broken = bool(rest) and not _could_be_head(rest)
+                    return deltas
+                call = Call(_new_id(), head.group(1), "")
+                self.calls.append(call)
+                self._pos += head.end()
+                self._args = [""]
+                deltas.append(self._delta(call.id, call.name, ""))
+                continue
+            if not self._closing:
+                piece, self._closing = self._scan()
+                if piece:
+                    self._args.append(piece)
+                    deltas.append(self._delta(None, None, piece))
+                if not self._closing:
+                    return deltas
+            tail = self.text[self._pos :]  # the arguments are complete: the call's end
+            if not tail.startswith("}" + CLOSE):
+                if len(tail) >= len(CLOSE) + 1 or not ("}" + CLOSE).startswith(tail):
+                    self._broken = True
+                return deltas
+            self._pos += len(CLOSE) + 1
+            self._closing = False
+            last = self.calls[-1]
+            self.calls[-1] = Call(last.id, last.name, "".join(self._args))
+            self._args = []
+        return deltas
+
+    def _scan(self) -> tuple[str, bool]:
+        """The arguments' characters from the read position up to their end or the text's
+        end, and whether they ended (their last bracket closed)."""
+        start = i = self._pos
+        text = self.text
+        while i < len(text):
+            ch = text[i]
+            i += 1
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif ch == "\\":
+                    self._escaped = True
+                elif ch == '"':
+                    self._in_string = False
+            elif ch == '"':
+                self._in_string = True
+            elif ch in "{[":
+                self._depth += 1
+            elif ch in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    self._pos = i
+                    return text[start:i], True
+        self._pos = i
+        return text[start:i], False
+
+    def _delta(self, call_id: str | None, name: str | None, arguments: str) -> dict[str, Any]:
+        entry: dict[str, Any] = {"index": len(self.calls) - 1}
+        if call_id is not None:
+            entry |= {"id": call_id, "type": "function", "function": {"name": name}}
+            entry["function"]["arguments"] = arguments
+        else:
+            entry["function"] = {"arguments": arguments}
+        return entry
+
+
+def _could_be_head(text: str) -> bool:
+    """Whether `text` may still grow into a call's head (OPEN, then the name's frame)."""
+    frame = OPEN + '{"name": "'
+    if len(text) <= len(frame):
+        return frame.startswith(text)
+    if not text.startswith(frame):
+        return False
+    rest = text[len(frame) :]
+    name = _NAME.match(rest)
+    return '", "arguments": '.startswith(rest[name.end() if name else 0 :])
 
 
 def could_be_call(text: str) -> bool:

@@ -96,6 +96,47 @@ def test_parse_takes_whole_calls_only() -> None:
     assert not tools.could_be_call("<b>") and not tools.could_be_call("Sure")
 
 
+def _stream(text: str) -> tuple[str, list[dict[str, Any]], tools.CallStream]:
+    """`text` fed to a CallStream a character at a time: the content and deltas it gave."""
+    stream, content, deltas = tools.CallStream(), "", []
+    for ch in text:
+        shown, new = stream.feed(ch)
+        content += shown
+        deltas += new
+    return content + stream.flush(), deltas, stream
+
+
+def test_calls_stream_as_they_are_written() -> None:
+    """Each call's id and name once its head is complete, then its arguments piece by piece
+    (a `</tool_call>` inside an argument's string is the argument's text); text streams as
+    content once it cannot be calls; a cut answer is content, or the calls begun."""
+    odd = '{"q": "a}</tool_call> \\"b\\" {["}'
+    text = (
+        '<tool_call>{"name": "get_time", "arguments": {"city": "Oslo"}}</tool_call>\n'
+        f'<tool_call>{{"name": "search", "arguments": {odd}}}</tool_call>'
+    )
+    content, deltas, stream = _stream(text)
+    assert content == ""
+    heads = [d for d in deltas if "id" in d]
+    assert [(d["index"], d["function"]["name"]) for d in heads] == [(0, "get_time"), (1, "search")]
+    args = ["".join(d["function"]["arguments"] for d in deltas if d["index"] == i) for i in (0, 1)]
+    assert args == ['{"city": "Oslo"}', odd] and json.loads(odd)["q"].startswith("a}</tool_call>")
+    assert len([d for d in deltas if d["index"] == 0]) > 3  # piece by piece, not whole
+    calls = stream.finish()
+    assert calls is not None and [(c.name, c.arguments) for c in calls] == [
+        ("get_time", '{"city": "Oslo"}'),
+        ("search", odd),
+    ]
+    assert [c.id for c in calls] == [d["id"] for d in heads]
+    assert tools.parse(text) is not None and len(tools.parse(text) or []) == 2
+    content, deltas, stream = _stream("It is <b>sunny</b>.")
+    assert content == "It is <b>sunny</b>." and deltas == [] and stream.finish() is None
+    content, deltas, stream = _stream('<tool_call>{"name": "get_t')  # cut in the head
+    assert content == '<tool_call>{"name": "get_t' and deltas == [] and stream.finish() is None
+    content, deltas, stream = _stream('<tool_call>{"name": "f", "arguments": {"a": ')  # cut
+    assert content == "" and deltas and stream.finish() is None
+
+
 def test_the_grammars_hold_answers_to_the_form() -> None:
     """Which texts each tool_choice's grammar accepts, walked token by token by llguidance
     over the tiny model's tokenizer."""
@@ -292,6 +333,17 @@ def test_a_conversation_with_calls_and_results_is_rendered_back(daemon: Daemon) 
             "tools",
         ),
         ({"tools": [{"type": "retrieval"}]}, "tools"),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {"name": "f", "parameters": {"type": "string"}},
+                    }
+                ]
+            },
+            "tools",
+        ),
         ({"tool_choice": "sometimes", "tools": TOOLS}, "tool_choice"),
         ({"functions": [{"name": "f"}]}, "functions"),
         ({"messages": [{"role": "user", "content": "x", "tool_calls": [CALL]}]}, "messages"),

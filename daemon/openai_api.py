@@ -31,6 +31,7 @@ from kvguard.engine.admission_policy import AdmissionRejected
 from kvguard.engine.engine_loop import OutputBuffer, RequestStream
 from kvguard.engine.sampling_params import SamplingParams
 from kvguard.engine.sequence import RequestOutput, TokenLogprob
+from kvguard.engine.structured import compile_grammar
 
 if TYPE_CHECKING:
     from kvguard.daemon.service import Service
@@ -115,14 +116,20 @@ def router(service: Service) -> APIRouter:
         if (problem := body.tool_problem()) is not None:
             raise ApiError(400, problem[1], problem[0])
         msgs = [m.for_template() for m in body.messages]
-        mode = body.tool_mode()
-        if mode is not None:  # the tools described to the model, its answer held to the form
-            msgs = tools.with_tools(msgs, body.tool_functions(), mode, body.parallel())
-        prompt = _render_chat(service, msgs)
         limit = body.max_completion_tokens or body.max_tokens or DEFAULT_CHAT_MAX_TOKENS
         params = _params(body, limit)
-        if mode is not None:
-            params = dataclasses.replace(params, json_schema=None, grammar=body.tool_grammar())
+        mode = body.tool_mode()
+        if mode is not None:  # the tools described to the model, its answer held to the form
+            fns, parallel = body.tool_functions(), body.parallel()
+            msgs = tools.with_tools(msgs, fns, mode, parallel)
+            # a response_format schema holds a text answer (`auto`) to JSON
+            grammar = tools.grammar(fns, mode, parallel, params.json_schema)
+            try:
+                compile_grammar(grammar)
+            except ValueError as e:
+                raise ApiError(400, str(e), "tools") from e
+            params = dataclasses.replace(params, json_schema=None, grammar=grammar)
+        prompt = _render_chat(service, msgs)
         return await _serve(
             service, request, "chat.completion", [prompt], params, body, x_priority, False
         )

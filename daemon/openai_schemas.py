@@ -19,7 +19,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchem
 from pydantic_core import PydanticCustomError
 
 from kvguard.daemon import tools
-from kvguard.engine.structured import compile_grammar, compile_schema
+from kvguard.engine.structured import compile_schema
 
 Priority = Literal["high", "normal", "low"]
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # OpenAI's integer range; torch takes no more
@@ -520,11 +520,6 @@ class ChatCompletionRequest(_Sampling):
                 "tool_choice",
                 f"function {printable(choice.function.name)} is not among the tools",
             )
-        if self.tool_mode() is not None:
-            try:
-                compile_grammar(self.tool_grammar())
-            except ValueError as e:
-                return "tools", str(e)
         return None
 
     def tool_functions(self) -> list[tools.Function]:
@@ -545,11 +540,6 @@ class ChatCompletionRequest(_Sampling):
 
     def parallel(self) -> bool:
         return self.parallel_tool_calls is not False
-
-    def tool_grammar(self) -> str:
-        content = None if self.response_format is None else self.response_format.engine_schema()
-        mode = self.tool_mode() or "auto"
-        return tools.grammar(self.tool_functions(), mode, self.parallel(), content)
 
 
 class TokenizeRequest(_Body):

@@ -170,7 +170,7 @@ class CallStream:
         self.is_text = False
         self.calls: list[Call] = []
         self._pos = 0  # how far the calls are read
-        self._args: list[str] = []  # the current call's arguments so far
+        self._args_at: int | None = None  # where the current call's arguments start
         self._depth = 0  # the arguments' open brackets
         self._in_string = self._escaped = False
         self._closing = False  # the arguments are complete, the call's end is not yet read
@@ -180,7 +180,7 @@ class CallStream:
         if self.is_text:
             return new, []
         self.text += new
-        if not self.calls and not self._args and self._pos == 0 and not could_be_call(self.text):
+        if not self.calls and not could_be_call(self.text):
             self.is_text = True
             return self.text, []
         return "", self._read()
@@ -195,13 +195,13 @@ class CallStream:
 
     def finish(self) -> list[Call] | None:
         """The calls, if the whole answer is complete calls; None when it is text."""
-        complete = not self.is_text and not self._broken and not self._args and self.calls
+        complete = not self.is_text and not self._broken and self._args_at is None and self.calls
         return self.calls if complete and not self.text[self._pos :].strip() else None
 
     def _read(self) -> list[dict[str, Any]]:
         deltas: list[dict[str, Any]] = []
         while not self._broken:
-            if not self._args and self._depth == 0:  # between calls: the next head
+            if self._args_at is None:  # between calls: the next head
                 rest = self.text[self._pos :]
                 if self.calls and rest.startswith("\n"):
                     rest, self._pos = rest[1:], self._pos + 1
@@ -209,17 +209,14 @@ class CallStream:
                 if head is None:
                     self._broken = bool(rest) and not _could_be_head(rest)
                     return deltas
-                call = Call(_new_id(), head.group(1), "")
-                self.calls.append(call)
-                self._pos += head.end()
-                self._args = [""]
-                deltas.append(self._delta(call.id, call.name, ""))
+                self.calls.append(Call(_new_id(), head.group(1), ""))
+                self._pos = self._args_at = self._pos + head.end()
+                deltas.append(self._delta("", self.calls[-1]))
                 continue
             if not self._closing:
                 piece, self._closing = self._scan()
                 if piece:
-                    self._args.append(piece)
-                    deltas.append(self._delta(None, None, piece))
+                    deltas.append(self._delta(piece))
                 if not self._closing:
                     return deltas
             tail = self.text[self._pos :]  # the arguments are complete: the call's end
@@ -227,11 +224,10 @@ class CallStream:
                 if len(tail) >= len(CLOSE) + 1 or not ("}" + CLOSE).startswith(tail):
                     self._broken = True
                 return deltas
-            self._pos += len(CLOSE) + 1
-            self._closing = False
             last = self.calls[-1]
-            self.calls[-1] = Call(last.id, last.name, "".join(self._args))
-            self._args = []
+            self.calls[-1] = Call(last.id, last.name, self.text[self._args_at : self._pos])
+            self._pos += len(CLOSE) + 1
+            self._closing, self._args_at = False, None
         return deltas
 
     def _scan(self) -> tuple[str, bool]:
@@ -261,14 +257,12 @@ class CallStream:
         self._pos = i
         return text[start:i], False
 
-    def _delta(self, call_id: str | None, name: str | None, arguments: str) -> dict[str, Any]:
-        entry: dict[str, Any] = {"index": len(self.calls) - 1}
-        if call_id is not None:
-            entry |= {"id": call_id, "type": "function", "function": {"name": name}}
-            entry["function"]["arguments"] = arguments
-        else:
-            entry["function"] = {"arguments": arguments}
-        return entry
+    def _delta(self, arguments: str, head: Call | None = None) -> dict[str, Any]:
+        """The current call's stream delta: its id, type and name too at its head."""
+        if head is None:
+            return {"index": len(self.calls) - 1, "function": {"arguments": arguments}}
+        fn = {"name": head.name, "arguments": arguments}
+        return {"index": len(self.calls) - 1, "id": head.id, "type": "function", "function": fn}
 
 
 def _could_be_head(text: str) -> bool:

@@ -170,9 +170,9 @@ def nucleus(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The smallest set of most likely tokens whose mass reaches `top_p` (always >= 1: a
     top_p too small for fp32, e.g. 1e-320, rounds to 0 and must still keep the first): their
-    probabilities and their ids. From the NUCLEUS_FIRST most likely
-    tokens, and from a sort of them all only when the set does not close inside those: a sort
-    of the whole 49k vocabulary took 3.8 ms a row (a 16-row step's sampling 61 ms, more than
+    probabilities and their ids. From the NUCLEUS_FIRST most likely tokens, and from a sort
+    of them all only when the set does not close inside those: a sort of the whole 49k
+    vocabulary took 3.8 ms a row (a 16-row step's sampling 61 ms, more than
     its forward), the first 256 a tenth of that. (A larger partial selection before the sort
     cost more than the sort.) On CPU the sort is of the values only (`_nucleus_by_threshold`,
     whose set comes in id order); a flat distribution (an uncertain model, a high

@@ -182,6 +182,12 @@ class SnapshotCollector(Collector):
             "cut on one that preempts or ends with KV at 0.9 or more (1 = the budget)",
         )
         over.add_metric([], float(adm.get("overcommit", 1.0)))
+        drain = _gauge(
+            "kvguard_admission_finish_rate",
+            "Requests finished per second over the last 10s: how fast the queue drains "
+            "(past max_queue a request waits if the queue ahead drains within max_queue_wait)",
+        )
+        drain.add_metric([], float(adm.get("finish_rate", 0.0)))
         committed = _gauge(
             "kvguard_admission_committed_blocks", "KV blocks admission has planned for"
         )
@@ -191,7 +197,7 @@ class SnapshotCollector(Collector):
             "Device blocks sequences may hold while a remedy narrowed the KV dtype (0 = no cap)",
         )
         kv_cap.add_metric([], float(adm.get("device_block_cap") or 0))
-        yield from (ratio, mean, under, over, committed, kv_cap)
+        yield from (ratio, mean, under, over, drain, committed, kv_cap)
 
 
 class NvmlCollector(Collector):

@@ -3,7 +3,11 @@
 A request's peak is (prompt + max_new_tokens) × safety_factor tokens, in blocks. Requests are
 admitted while the committed peaks of everything admitted stay within the budget (the pool
 minus the reserved headroom); the rest wait in the engine's bounded queue with a position and
-an estimated wait from the measured KV release rate. A share of the budget
+an estimated wait from the measured KV release rate. The queue is bounded by time more than by
+count: past `max_queue` a request still waits while the requests ahead of it would start within
+`max_queue_wait` at the rate requests have been finishing (an open-loop burst that the engine
+works off in half a minute is served, not refused, and a client that would wait for minutes
+hears so at once, with a Retry-After). A share of the budget
 (`high_priority_reserve`, 10% by default) is committed to `high` priority only, so a burst of
 normal and low traffic cannot fill every commitment and make high-priority requests queue
 behind it. Above 95% usage only `high` priority is taken, and a request that can never fit is
@@ -56,6 +60,8 @@ OVERCOMMIT_STEP = 0.01  # added per calm step
 OVERCOMMIT_CUT = 0.75  # multiplied in per pressed step, or one that preempted for KV
 HIGH = 0
 NORMAL = 1
+# The finish rate that says how fast the queue drains is measured over this much recent time
+FINISH_WINDOW_S = 10.0
 
 
 @dataclass(slots=True, kw_only=True)
@@ -80,7 +86,21 @@ class AdmissionConfig:
     dynamic_max_tokens: bool = knob(
         True, section="admission_control", doc="shorten max_tokens as KV usage climbs (seed §5.2)"
     )
-    max_queue: int = knob(256, section="admission_control", ge=0, doc="requests that may wait")
+    max_queue: int = knob(
+        256,
+        section="admission_control",
+        ge=0,
+        doc="requests that may wait however slowly the queue moves (see max_queue_wait)",
+    )
+    max_queue_wait_s: float = knob(
+        60.0,
+        section="admission_control",
+        key="max_queue_wait",
+        kind="duration",
+        ge=0.0,
+        doc="past max_queue a request still waits while the queue ahead of it would drain within "
+        "this, at the rate requests finished over the last 10s (0: max_queue is a hard limit)",
+    )
     high_priority_reserve: float = knob(
         0.10,
         section="admission_control",
@@ -257,6 +277,8 @@ class AdmissionController:
         self.bytes_per_block = bytes_per_block
         self.committed_blocks = 0
         self._releases: deque[tuple[float, int]] = deque(maxlen=256)
+        self._finished: deque[float] = deque()  # finish times within FINISH_WINDOW_S
+        self.clock: Callable[[], float] = time.monotonic
         self.decisions = {"admit": 0, "queue": 0, "reject": 0}
         self.estimator = OutputLengthEstimator(quantile=config.estimate_quantile)
         self.overcommit = 1.0  # predicted admission plans up to budget x this (see the module)
@@ -364,7 +386,16 @@ class AdmissionController:
         if room and queued == 0 and not emergency:
             return AdmissionDecision("admit", "", n, n < max_tokens, predicted_tokens=planned)
         if queued >= self.config.max_queue:
-            return _reject("queue_full", f"queue full ({queued} waiting)", self.wait_s(need))
+            drain, bound = self.drain_s(queued), self.config.max_queue_wait_s
+            if bound == 0 or drain > bound:
+                known = math.isfinite(drain)
+                return _reject(
+                    "queue_full",
+                    f"queue full ({queued} waiting"
+                    + (f", about {drain:.0f}s to drain)" if known else ")"),
+                    # when the queue ahead would drain within max_queue_wait again
+                    drain - bound if known else self.wait_s(need),
+                )
         wait = self.wait_s(max(need, self.committed_blocks + need - limit))
         return AdmissionDecision(
             "queue", "waiting for KV memory", n, n < max_tokens, queued + 1, wait, "", planned
@@ -400,8 +431,29 @@ class AdmissionController:
         self.committed_blocks -= blocks
 
     def release(self, blocks: int) -> None:
+        """An admitted request finished (or was aborted) and gives its peak back."""
         self.committed_blocks = max(0, self.committed_blocks - blocks)
-        self._releases.append((time.monotonic(), blocks))
+        now = self.clock()
+        self._releases.append((now, blocks))
+        self._finished.append(now)
+        self._forget_finishes(now)
+
+    def _forget_finishes(self, now: float) -> None:
+        while self._finished and self._finished[0] < now - FINISH_WINDOW_S:
+            self._finished.popleft()
+
+    def finish_rate(self) -> float:
+        """Requests finished per second over the last FINISH_WINDOW_S (0 when none did)."""
+        self._forget_finishes(self.clock())
+        return len(self._finished) / FINISH_WINDOW_S
+
+    def drain_s(self, queued: int) -> float:
+        """Seconds until `queued` requests ahead have started, at the recent finish rate (each
+        start waits for a finish once the queue is long); inf when nothing finished lately.
+        Measured over a fixed window, so an engine that only just got busy looks slower than
+        it is: the estimate errs towards refusing."""
+        rate = self.finish_rate()
+        return queued / rate if rate > 0 else math.inf
 
     def release_rate(self) -> float:
         """Blocks released per second over the recent window (0 when unknown)."""

@@ -26,6 +26,7 @@ configs = st.builds(
     reserved_headroom_bytes=st.integers(0, 8).map(lambda b: b * 1000),
     dynamic_max_tokens=st.booleans(),
     max_queue=st.integers(0, 10),
+    max_queue_wait_s=st.just(0.0),  # a hard count (the wait-bounded queue: tests below)
     high_priority_reserve=st.sampled_from([0.0, 0.1, 0.3]),
     # the brief's sum of peaks (predicted admission: tests/test_admission_predicted.py)
     estimate=st.just("worst_case"),
@@ -128,6 +129,46 @@ def test_ladder_matches_the_brief() -> None:
     assert dynamic_max_tokens(1000, 0.8, 4000) == 500
     assert dynamic_max_tokens(1000, 0.95, 4000) == 100
     assert dynamic_max_tokens(60, 0.8, 4000) == 50  # "at least 50 tokens" (never above the ask)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_past_max_queue_a_request_waits_while_the_queue_drains_in_time() -> None:
+    cfg = AdmissionConfig(max_queue=4, max_queue_wait_s=10.0, estimate="worst_case")
+    ctl = AdmissionController(cfg, BLOCK, 1000)
+    ctl.clock = clock = Clock()
+    full = ctl.decide(16, 16, 1, TOTAL, 0.0, 4, 4096)
+    # nothing finished yet: the drain rate is unknown and max_queue is the limit
+    assert (full.decision, full.kind) == ("reject", "queue_full")
+    assert full.reason == "queue full (4 waiting)"
+    for _ in range(30):  # 30 finishes in the last 10 s: 3 requests/s
+        clock.now += 0.3
+        ctl.release(1)
+    assert ctl.finish_rate() == pytest.approx(3.0)
+    assert ctl.drain_s(24) == pytest.approx(8.0)
+    d = ctl.decide(16, 16, 1, TOTAL, 0.0, 24, 4096)  # 24 ahead start within 8 s
+    assert d.decision == "queue" and d.queue_position == 25
+    far = ctl.decide(16, 16, 1, TOTAL, 0.0, 45, 4096)  # 15 s to drain: 5 s past the bound
+    assert (far.decision, far.kind) == ("reject", "queue_full")
+    assert far.reason == "queue full (45 waiting, about 15s to drain)"
+    assert far.estimated_wait_s == pytest.approx(5.0)
+    clock.now += 20  # nothing finished for 20 s: the rate is unknown again
+    assert ctl.finish_rate() == 0.0
+    assert ctl.decide(16, 16, 1, TOTAL, 0.0, 5, 4096).decision == "reject"
+    # under max_queue a request queues however slowly the queue moves
+    assert ctl.decide(16, 16, 1, TOTAL, 0.0, 3, 4096).decision == "queue"
+    hard = AdmissionController(AdmissionConfig(max_queue=4, max_queue_wait_s=0.0), BLOCK, 1000)
+    hard.clock = clock
+    for _ in range(30):
+        clock.now += 0.01
+        hard.release(1)
+    assert hard.decide(16, 16, 1, TOTAL, 0.0, 4, 4096).kind == "queue_full"  # 0: a hard limit
 
 
 def test_estimated_wait_uses_measured_release_rate() -> None:

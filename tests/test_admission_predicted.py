@@ -299,6 +299,7 @@ def test_estimate_and_error_are_exported_and_shown() -> None:
     assert "kvguard_admission_estimate_undershoot_ratio 0.0" in text
     assert "kvguard_kv_cache_block_cap 0.0" in text
     assert "kvguard_admission_overcommit_ratio 1.0" in text
+    assert f"kvguard_admission_finish_rate {adm['finish_rate']}" in text
     line = _estimate_line(adm)
     assert line.startswith("predicted") and "le128=0.25" in line and "error -0.75" in line
     assert "overcommit 1.00x" in line

@@ -102,10 +102,12 @@ def test_a_choice_count_out_of_range_is_refused_naming_n(tiny_daemon: Daemon, n:
 @pytest.fixture(scope="module")
 def queue_daemon(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201 - a Daemon
     """A pool of 64 blocks, admission by worst case, a queue of at most one: while a request
-    of 480 tokens runs, a request's first choice waits in the queue and the next is refused."""
+    of 480 tokens runs, a request's first choice waits in the queue and the next is refused
+    (max_queue a hard limit)."""
     d = Daemon(
         tmp_path_factory.mktemp("choices"),
-        extra="admission_control: {enable: true, estimate: worst_case, max_queue: 1}\n",
+        extra="admission_control: {enable: true, estimate: worst_case, max_queue: 1, "
+        "max_queue_wait: 0s}\n",
         serving="{model: tiny, kv_cache_bytes: 512KiB, max_model_len: 512}",
     )
     yield d

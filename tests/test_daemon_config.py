@@ -433,6 +433,7 @@ KNOB_SAMPLES: dict[tuple[str, ...], tuple[dict[str, dict[str, object]], object]]
         False,
     ),
     ("admission", "max_queue"): ({"admission_control": {"max_queue": 9}}, 9),
+    ("admission", "max_queue_wait_s"): ({"admission_control": {"max_queue_wait": "90s"}}, 90.0),
     ("admission", "high_priority_reserve"): (
         {"admission_control": {"high_priority_reserve": 0.3}},
         0.3,

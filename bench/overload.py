@@ -98,13 +98,13 @@ FULL = LoadSpec(  # a burst that overloads both the KV budget and the 2-core eng
     base_rps=0.5,
     burst_start_s=15,
     burst_len_s=15,
-    burst_rps=16.0,
+    burst_rps=32.0,
     prompt=LengthDist(32, 0.9, 8, 384),
     output=LengthDist(24, 0.8, 4, 128),
     max_model_len=512,
     settle_s=45,
     patience_s=240,
-    overflow=12.0,
+    overflow=24.0,
 )
 QUICK = LoadSpec(
     duration_s=10,

@@ -18,6 +18,7 @@ from kvguard.daemon.audit_cli import add_audit_parser, add_db_parser
 from kvguard.daemon.bench_cli import add_bench_parser
 from kvguard.daemon.cli_serve import add_serve_parser, add_status_parser
 from kvguard.daemon.cli_worker import add_worker_parser
+from kvguard.daemon.keys_cli import add_keys_parser
 from kvguard.daemon.rules_cli import add_rules_parser
 
 EXIT_USAGE = 2  # bad arguments, bad config, a model that cannot be loaded
@@ -212,6 +213,7 @@ SUBCOMMANDS: dict[str, SubcommandBuilder] = {
     "db": add_db_parser,
     "alerts": add_alerts_parser,
     "bench": add_bench_parser,
+    "keys": add_keys_parser,
     "model": add_model_parser,
     "generate": add_generate_parser,
 }

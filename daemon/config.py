@@ -242,6 +242,10 @@ class ApiConfig(_Section):
     # else /admin/* is disabled. A default path under /etc would not be readable by the
     # DynamicUser the unit runs as; systemd's LoadCredential= hands it over safely.
     admin_token_file: OptPath = None
+    # null: the OpenAI endpoints are open and a client may ask for any priority. Set it (a
+    # YAML file of key digests, daemon/api_keys.py; `kvguard keys add`) on any network where
+    # not every client may claim `high`. Re-read on SIGHUP.
+    api_keys_file: OptPath = None
     drain_timeout: Duration = 30.0
     served_model_name: str | None = Field(None, min_length=1)
     # /admin/debug/* (stall the engine, inject OOMs) for tests and benchmarks; off, they are 404.

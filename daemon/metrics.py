@@ -358,6 +358,19 @@ class Metrics:
             ["route", "status"],
             registry=r,
         )
+        self.api_requests = Counter(
+            "kvguard_api_key_requests",
+            "Requests to the OpenAI endpoints by API key name (with api.api_keys_file set)",
+            ["key"],
+            registry=r,
+        )
+        self.auth_failures = Counter(
+            "kvguard_api_auth_failures",
+            "Requests refused for their API key: missing, unknown, or asking for a priority "
+            "above the key's max_priority",
+            ["reason"],
+            registry=r,
+        )
         self.gc_pause = Histogram(
             "kvguard_gc_pause_seconds",
             "Python cyclic garbage collections: how long each stopped the daemon, by generation",

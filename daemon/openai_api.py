@@ -13,7 +13,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from fastapi import APIRouter, Header, Request
+from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvguard.daemon import tools
@@ -34,6 +34,7 @@ from kvguard.engine.sequence import RequestOutput, TokenLogprob
 from kvguard.engine.structured import compile_grammar
 
 if TYPE_CHECKING:
+    from kvguard.daemon.api_keys import ApiKey
     from kvguard.daemon.service import Service
 
 log = logging.getLogger("kvguard.daemon.api")
@@ -72,11 +73,16 @@ class ApiError(Exception):
         headers = {}
         if self.retry_after is not None:
             headers["Retry-After"] = str(max(1, round(self.retry_after)))
+        if self.status == 401:  # RFC 9110: say which scheme would do
+            headers["WWW-Authenticate"] = "Bearer"
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
 def router(service: Service) -> APIRouter:
-    r = APIRouter()
+    async def authorize(request: Request, authorization: str | None = Header(None)) -> None:
+        request.state.api_key = _api_key(service, authorization)
+
+    r = APIRouter(dependencies=[Depends(authorize)])
 
     @r.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -235,10 +241,47 @@ def _params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int) ->
         raise ApiError(400, str(e), field if field.isidentifier() else None) from e
 
 
-def _priority(body: Any, header: str | None) -> str:
-    p = body.priority or (header.strip().lower() if header else "normal")
+def _api_key(service: Service, authorization: str | None) -> ApiKey | None:
+    """The caller's key (None: the daemon checks no keys); 401 without a known one."""
+    keys = service.api_keys
+    if keys is None:
+        return None
+    scheme, _, given = (authorization or "").strip().partition(" ")
+    if scheme.lower() != "bearer" or not given.strip():
+        service.metrics.auth_failures.labels("missing").inc()
+        raise ApiError(
+            401,
+            "missing API key: send it as the header Authorization: Bearer <key>",
+            code="invalid_api_key",
+            type_="authentication_error",
+        )
+    key = keys.find(given.strip())
+    if key is None:
+        service.metrics.auth_failures.labels("unknown").inc()
+        raise ApiError(
+            401,
+            "incorrect API key provided",
+            code="invalid_api_key",
+            type_="authentication_error",
+        )
+    service.metrics.api_requests.labels(key.name).inc()
+    return key
+
+
+def _priority(service: Service, body: Any, header: str | None, key: ApiKey | None) -> str:
+    asked = body.priority or (header.strip().lower() if header else None)
+    p = asked or (key.default_priority if key is not None else "normal")
     if p not in ("high", "normal", "low"):
         raise ApiError(400, f"priority {p!r}: expected high, normal or low", "priority")
+    if key is not None and not key.allows(p):
+        service.metrics.auth_failures.labels("priority").inc()
+        raise ApiError(
+            403,
+            f"priority {p}: API key {key.name!r} may ask for {key.max_priority} priority at most",
+            "priority",
+            code="priority_not_allowed",
+            type_="permission_error",
+        )
     return p
 
 
@@ -253,7 +296,7 @@ async def _serve(
     completion: bool,
 ) -> Any:
     _check_model(service, body.model)
-    priority = _priority(body, x_priority)
+    priority = _priority(service, body, x_priority, getattr(request.state, "api_key", None))
     if service.loop.fatal is not None:
         raise engine_unavailable(service.loop.fatal)
     if service.draining:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import os
 import signal
@@ -23,6 +24,7 @@ from typing import Any
 import uvicorn
 
 from kvguard.daemon import gc_policy, sdnotify
+from kvguard.daemon.api_keys import ApiKeys, KeysFileError, load_keys
 from kvguard.daemon.audit import AuditStore
 from kvguard.daemon.audit_migrate import shown
 from kvguard.daemon.config import ConfigFileError, DaemonConfig, load_config, state_dir
@@ -85,6 +87,8 @@ class Service:
         self.worker_pids: list[int] = []
         self.kv_rank_bytes: list[int] = []  # refreshed on the engine thread when the pool changes
         self._kv_key: tuple[str, int] | None = None
+        # None: the OpenAI endpoints are open (api.api_keys_file unset)
+        self.api_keys: ApiKeys | None = self._load_keys(cfg)
 
     # -- names ------------------------------------------------------------------------------
     @property
@@ -388,6 +392,7 @@ class Service:
                     "reason": "no config file to reload (started without --config)",
                 }
             new = load_config(self.config_path)
+            keys = self._load_keys(new)  # a bad keys file refuses the reload like a bad config
             rules = self.control.reload(new.rules.path, new.rules.dry_run) if self.control else {}
             if rules.get("rules_reloaded") is False:
                 log.error(
@@ -395,6 +400,11 @@ class Service:
                 )
                 return {"reloaded": False, "reason": "\n".join(rules["errors"])}
             changes = self._apply_reloadable(new)
+            if _key_names(keys) != _key_names(self.api_keys):
+                changes["api.api_keys_file"] = (
+                    None if keys is None else f"{keys.path} ({len(keys)} keys)"
+                )
+            self.api_keys = keys
             said = [str(changes)] if changes else []
             if rules.get("rules_changed"):
                 said.append("rules " + " ".join(rules["rules_changed"]))
@@ -403,7 +413,7 @@ class Service:
                 "reload", detail=f"{self.config_path}", data={"changes": changes, **rules}
             )
             return {"reloaded": True, "changes": changes, **rules}
-        except ConfigFileError as e:
+        except (ConfigFileError, KeysFileError) as e:
             log.error("reload refused, keeping the running config: %s", e)
             self.audit.record_event(
                 "config_error",
@@ -427,11 +437,18 @@ class Service:
         changes = {}
         if new.api.drain_timeout != self.cfg.api.drain_timeout:
             changes["api.drain_timeout"] = new.api.drain_timeout
-        api = self.cfg.api.model_copy(update={"drain_timeout": new.api.drain_timeout})
+        api = self.cfg.api.model_copy(
+            update={"drain_timeout": new.api.drain_timeout, "api_keys_file": new.api.api_keys_file}
+        )
         self.cfg = self.cfg.model_copy(
             update={"api": api, "rules": new.rules, "prometheus": new.prometheus}
         )
         return changes
+
+    @staticmethod
+    def _load_keys(cfg: DaemonConfig) -> ApiKeys | None:
+        path = cfg.api.api_keys_file
+        return None if path is None else load_keys(path)
 
     def admin_token(self) -> str | None:
         path = self.cfg.api.admin_token_path()
@@ -521,6 +538,18 @@ class Service:
         }
 
 
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _key_names(keys: ApiKeys | None) -> object:
+    """What a reload compares: which keys, with which priorities (None: no keys file)."""
+    return None if keys is None else (keys.path, sorted(keys.by_digest.items()))
+
+
 def bind_api(host: str, port: int) -> socket.socket:
     """The API's socket, bound (not listening: a client gets a refusal, not a wait, until
     the daemon serves). Bound before the model loads, so a taken port fails the start at once
@@ -554,6 +583,14 @@ def run(cfg: DaemonConfig, config_path: Path | None = None) -> int:
         log.error("%s; nothing loaded", e)
         return 1
     log.info("API bound to %s:%d; it answers once the model is loaded", cfg.api.host, cfg.api.port)
+    if svc.api_keys is None and not _loopback(cfg.api.host):
+        log.warning(
+            "the API listens on %s with no api.api_keys_file: any client that reaches it may "
+            "ask for high priority (kvguard keys add; docs in README, 'API keys')",
+            cfg.api.host,
+        )
+    elif svc.api_keys is not None:
+        log.info("API keys: %d from %s", len(svc.api_keys), svc.api_keys.path)
     try:
         svc.load()
         return asyncio.run(svc.serve(sock))

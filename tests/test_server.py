@@ -57,6 +57,7 @@ class Daemon:
         debug_hooks: bool = True,  # /admin/debug/*: some tests stall the engine or fake an OOM
         serving: str = "{model: tiny, kv_cache_bytes: 8MiB, max_model_len: 512}",
         args: tuple[str, ...] = (),  # more `kvguard serve` flags
+        api: str = "",  # more keys of the `api` section, e.g. "api_keys_file: /x.yaml"
     ) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -65,7 +66,8 @@ class Daemon:
         self.config.write_text(
             f"serving: {serving}\n"
             f"api: {{host: 127.0.0.1, port: {self.port}, admin_token_file: {tmp / 'admin.token'},"
-            f" drain_timeout: 20s, debug_hooks: {str(debug_hooks).lower()}}}\n"
+            f" drain_timeout: 20s, debug_hooks: {str(debug_hooks).lower()}"
+            f"{', ' + api if api else ''}}}\n"
             f"audit: {{url: 'sqlite:///{tmp / 'audit.db'}'}}\n" + extra
         )
         full_env = {**os.environ, "STATE_DIRECTORY": str(tmp), **(env or {})}

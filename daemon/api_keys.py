@@ -1,0 +1,260 @@
+"""API keys for the OpenAI endpoints, and the priority each key may ask for.
+
+kvguard's admission gives `high` requests a reserved share of the KV budget, lets them
+interrupt a step and take blocks from lower-priority work. On an open API any client can ask
+for that. With `api.api_keys_file` set, every `/v1/*`, `/tokenize` and `/detokenize` request
+must carry `Authorization: Bearer <key>` for a key in the file, and a request may ask for no
+higher priority than its key's `max_priority`; a request that names none runs at the key's
+`default_priority`. `/health`, `/ready` and `/metrics` stay open; `/admin/*` keeps its own
+token.
+
+The file holds SHA-256 digests, never keys, so it is not a secret (mode 0644 under
+/etc/kvguard is fine) and a leaked copy lets nobody in. `kvguard keys add NAME` makes a key,
+prints it once and appends its digest; SIGHUP (`systemctl reload kvguard`) applies the file,
+and a file with a problem is refused at start and on reload (the running keys stay) with one
+`FILE:LINE: problem` line each.
+
+```yaml
+keys:
+  - name: web-frontend
+    sha256: 9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08
+    max_priority: high          # the highest priority it may ask for (default: normal)
+    default_priority: normal    # when a request names none (default: normal, capped)
+  - name: nightly-batch
+    sha256: ...
+    max_priority: low
+```
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from kvguard.rules.yaml_file import YamlFileError, load_yaml, read_source
+
+Priority = Literal["high", "normal", "low"]
+RANK = {"high": 0, "normal": 1, "low": 2}
+KEY_PREFIX = "kvg-"
+MAX_KEYS = 10_000
+
+
+def digest(key: str) -> str:
+    """The SHA-256 of a key as 64 hex digits: what the file stores."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def new_key() -> str:
+    """A fresh key: 256 random bits, URL-safe, recognisable by its prefix."""
+    return KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+class _Entry(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    max_priority: Priority = "normal"
+    default_priority: Priority | None = None  # None: normal, or max_priority if lower
+
+    @property
+    def default(self) -> str:
+        """The priority of a request that names none: default_priority, else normal, or low
+        where max_priority is low."""
+        if self.default_priority:
+            return self.default_priority
+        return "normal" if RANK[self.max_priority] <= RANK["normal"] else self.max_priority
+
+    @model_validator(mode="after")
+    def _default_within_max(self) -> _Entry:
+        if self.default_priority and RANK[self.default_priority] < RANK[self.max_priority]:
+            raise ValueError(
+                f"default_priority {self.default_priority} is above max_priority "
+                f"{self.max_priority}"
+            )
+        return self
+
+
+class _File(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    keys: list[_Entry] = Field(default_factory=list, max_length=MAX_KEYS)
+
+
+@dataclass(frozen=True, slots=True)
+class ApiKey:
+    name: str
+    max_priority: str
+    default_priority: str
+
+    def allows(self, priority: str) -> bool:
+        return RANK[priority] >= RANK[self.max_priority]
+
+
+@dataclass(frozen=True, slots=True)
+class ApiKeys:
+    path: Path
+    by_digest: dict[str, ApiKey]
+
+    def find(self, key: str) -> ApiKey | None:
+        return self.by_digest.get(digest(key))
+
+    def __len__(self) -> int:
+        return len(self.by_digest)
+
+
+class KeysFileError(ValueError):
+    """The keys file cannot be used; `errors` holds one `FILE:LINE: problem` line each."""
+
+    def __init__(self, errors: list[str]) -> None:
+        super().__init__("\n".join(errors))
+        self.errors = errors
+
+
+def read_entries(path: Path) -> tuple[list[_Entry], dict[tuple[Any, ...], int]]:
+    """The file's entries (an absent or empty file has none) and each key's line."""
+    try:
+        source = read_source(path)
+    except FileNotFoundError:
+        return [], {}
+    except OSError as e:
+        raise KeysFileError([f"{path}: cannot read the API keys file: {e}"]) from None
+    try:
+        data, lines = load_yaml(source, str(path))
+    except YamlFileError as e:
+        raise KeysFileError(e.errors) from None
+    if data is None:
+        return [], lines
+    if not isinstance(data, dict):
+        raise KeysFileError([f"{path}:1: expected a mapping with a `keys` list"])
+    try:
+        parsed = _File.model_validate(data)
+    except ValidationError as e:
+        raise KeysFileError([_error(path, lines, err) for err in e.errors()]) from None
+    problems = []
+    for field in ("name", "sha256"):
+        seen: dict[str, int] = {}
+        for i, entry in enumerate(parsed.keys):
+            value = getattr(entry, field)
+            if value in seen:
+                where = _where(path, lines, ("keys", i, field))
+                problems.append(f"{where}: {field} given twice (first in keys[{seen[value]}])")
+            seen.setdefault(value, i)
+    if problems:
+        raise KeysFileError(problems)
+    return parsed.keys, lines
+
+
+def load_keys(path: Path) -> ApiKeys:
+    """The keys in force from `path`. The file must exist: a daemon told to check keys and
+    given none would refuse every request, which is never what was meant."""
+    if not Path(path).is_file():
+        raise KeysFileError([f"{path}: API keys file not found (api.api_keys_file)"])
+    entries, _ = read_entries(Path(path))
+    keys = {e.sha256: ApiKey(e.name, e.max_priority, e.default) for e in entries}
+    return ApiKeys(Path(path), keys)
+
+
+def _where(path: Path, lines: dict[tuple[Any, ...], int], loc: tuple[Any, ...]) -> str:
+    for n in range(len(loc), -1, -1):
+        if loc[:n] in lines:
+            return f"{path}:{lines[loc[:n]]}"
+    return str(path)
+
+
+def _error(path: Path, lines: dict[tuple[Any, ...], int], err: Any) -> str:
+    loc = tuple(x for x in err["loc"] if x not in ("function-after[_default_within_max()]",))
+    dotted = "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in loc).lstrip(".")
+    kind, value = err["type"], err.get("input")
+    if kind == "extra_forbidden":
+        known = "name, sha256, max_priority, default_priority" if len(loc) > 1 else "keys"
+        what = f"unknown key (expected one of: {known})"
+    elif kind == "literal_error":
+        what = f"{value!r} is not allowed (expected high, normal or low)"
+    elif kind == "string_pattern_mismatch" and loc[-1:] == ("sha256",):
+        what = "expected the key's SHA-256 as 64 lowercase hex digits (kvguard keys hash)"
+    elif kind == "string_pattern_mismatch":
+        what = f"{value!r} is not allowed (expected letters, digits, '.', '_' or '-')"
+    elif kind == "missing":
+        what = "missing (every key needs a name and a sha256)"
+    elif kind == "value_error":
+        what = str((err.get("ctx") or {}).get("error", err["msg"]))
+    else:
+        what = f"{err['msg'].lower()} (got {value!r})"
+    return f"{_where(path, lines, loc)}: {dotted or '(top level)'}: {what}"
+
+
+def add_key(path: Path, name: str, max_priority: str, default_priority: str | None) -> str:
+    """Make a key, append its digest to the file (created 0644 if absent) and return it."""
+    if default_priority and RANK[default_priority] < RANK[max_priority]:
+        raise KeysFileError(
+            [f"--default-priority {default_priority} is above --max-priority {max_priority}"]
+        )
+    entries, _ = read_entries(path)
+    if any(e.name == name for e in entries):
+        raise KeysFileError([f"{path}: a key named {name!r} is already there"])
+    key = new_key()
+    try:  # the same checks a daemon applies when it reads the file
+        _Entry(
+            name=name,
+            sha256=digest(key),
+            max_priority=max_priority,
+            default_priority=default_priority,
+        )
+    except ValidationError as e:
+        raise KeysFileError([_error(path, {}, err) for err in e.errors()]) from None
+    block = f"  - name: {name}\n    sha256: {digest(key)}\n    max_priority: {max_priority}\n"
+    if default_priority:
+        block += f"    default_priority: {default_priority}\n"
+    _append(path, block)
+    return key
+
+
+def _append(path: Path, block: str) -> None:
+    text = path.read_text() if path.exists() else ""
+    if not text.strip():
+        text = "# kvguard API keys (daemon/api_keys.py): digests only, never the keys\nkeys:\n"
+    elif "keys: []" in text:
+        text = text.replace("keys: []", "keys:")
+    if not text.endswith("\n"):
+        text += "\n"
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text + block)
+    os.chmod(tmp, 0o644)
+    tmp.replace(path)
+    read_entries(path)  # what was written must read back
+
+
+def remove_key(path: Path, name: str) -> None:
+    """Drop the entry named `name` (and its lines) from the file."""
+    entries, lines = read_entries(path)
+    idx = next((i for i, e in enumerate(entries) if e.name == name), None)
+    if idx is None:
+        raise KeysFileError([f"{path}: no key named {name!r}"])
+    text = path.read_text().splitlines(keepends=True)
+    start = lines[("keys", idx)] - 1
+    end = lines[("keys", idx + 1)] - 1 if idx + 1 < len(entries) else _block_end(text, start)
+    kept = text[:start] + text[end:]
+    if len(entries) == 1:
+        kept = [
+            line.replace("keys:", "keys: []") if line.strip() == "keys:" else line for line in kept
+        ]
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(kept))
+    os.chmod(tmp, 0o644)
+    tmp.replace(path)
+    read_entries(path)
+
+
+def _block_end(text: list[str], start: int) -> int:
+    """The line after the last entry's block: its indented lines (comments included)."""
+    end = start + 1
+    while end < len(text) and (text[end].startswith("    ") or not text[end].strip()):
+        end += 1
+    return end

@@ -1,0 +1,123 @@
+"""`kvguard keys`: make, list, revoke and hash API keys (daemon/api_keys.py)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+DEFAULT_FILE = Path("/etc/kvguard/api_keys.yaml")
+PRIORITIES = ("high", "normal", "low")
+
+
+def add_keys_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    keys = sub.add_parser(
+        "keys",
+        help="make, list and revoke API keys for the OpenAI endpoints",
+        description="The keys file (api.api_keys_file) holds SHA-256 digests, never keys: "
+        "`add` prints a new key once. The daemon reads the file at start and on SIGHUP "
+        "(systemctl reload kvguard).",
+    )
+    keys.add_argument(
+        "--file",
+        type=Path,
+        default=DEFAULT_FILE,
+        help="the API keys file, as api.api_keys_file names it (default: %(default)s)",
+    )
+    actions = keys.add_subparsers(
+        dest="keys_command", metavar="{add,list,remove,hash}", required=True
+    )
+    add = actions.add_parser(
+        "add",
+        help="make a key, append its digest to the file and print the key (once)",
+        description="Make a random key, append its SHA-256 to the file (created if absent) "
+        "and print the key on standard output: it is not stored anywhere, so keep it now.",
+    )
+    add.add_argument("name", metavar="NAME", help="the key's name (metrics and errors show it)")
+    add.add_argument(
+        "--max-priority",
+        choices=PRIORITIES,
+        default="normal",
+        help="the highest priority a request with this key may ask for (default: %(default)s)",
+    )
+    add.add_argument(
+        "--default-priority",
+        choices=PRIORITIES,
+        default=None,
+        help="the priority of a request that names none (default: normal, or low where "
+        "--max-priority is low)",
+    )
+    add.set_defaults(func=cmd_keys_add)
+    lst = actions.add_parser("list", help="show each key's name and priorities")
+    lst.add_argument("--json", action="store_true", help="print a JSON list")
+    lst.set_defaults(func=cmd_keys_list)
+    rm = actions.add_parser("remove", help="revoke a key: drop its entry from the file")
+    rm.add_argument("name", metavar="NAME")
+    rm.set_defaults(func=cmd_keys_remove)
+    hsh = actions.add_parser(
+        "hash",
+        help="print the SHA-256 digest of a key read from standard input",
+        description="For a key made elsewhere: put the printed digest in the file by hand.",
+    )
+    hsh.set_defaults(func=cmd_keys_hash)
+
+
+def cmd_keys_add(args: argparse.Namespace) -> int:
+    from kvguard.daemon.api_keys import add_key
+
+    key = add_key(args.file, args.name, args.max_priority, args.default_priority)
+    print(key)
+    print(
+        f"added {args.name!r} to {args.file}; reload the daemon to apply it "
+        "(systemctl reload kvguard)",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def cmd_keys_list(args: argparse.Namespace) -> int:
+    from kvguard.daemon.api_keys import read_entries
+
+    entries, _ = read_entries(args.file)
+    rows = [
+        {
+            "name": e.name,
+            "max_priority": e.max_priority,
+            "default_priority": e.default,
+            "sha256": e.sha256[:12],
+        }
+        for e in entries
+    ]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    if not rows:
+        print(f"no keys in {args.file}")
+        return 0
+    width = max(len(r["name"]) for r in rows)
+    print(f"{'NAME':<{width}}  MAX     DEFAULT  SHA256")
+    for r in rows:
+        print(
+            f"{r['name']:<{width}}  {r['max_priority']:<6}  {r['default_priority']:<7}  "
+            f"{r['sha256']}..."
+        )
+    return 0
+
+
+def cmd_keys_remove(args: argparse.Namespace) -> int:
+    from kvguard.daemon.api_keys import remove_key
+
+    remove_key(args.file, args.name)
+    print(f"removed {args.name!r} from {args.file}; reload the daemon to apply it", file=sys.stderr)
+    return 0
+
+
+def cmd_keys_hash(args: argparse.Namespace) -> int:
+    from kvguard.daemon.api_keys import digest
+
+    key = sys.stdin.readline().strip()
+    if not key:
+        raise ValueError("no key on standard input (expected one line holding the key)")
+    print(digest(key))
+    return 0

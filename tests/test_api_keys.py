@@ -1,0 +1,224 @@
+"""API keys (daemon/api_keys.py): who may call the OpenAI endpoints, at which priority.
+
+Through a real daemon, the real `openai` client and real HTTP: no key or a wrong key is a 401
+naming the problem; a key may not ask for a priority above its `max_priority` (403), and a
+request that names none runs at the key's default; health, readiness and metrics stay open;
+the admin API keeps its own token; SIGHUP applies a new keys file and refuses a broken one,
+keeping the keys in force. The `kvguard keys` commands make, list, revoke and hash keys."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from kvguard.daemon.api_keys import KeysFileError, digest, load_keys, read_entries
+from kvguard.daemon.cli import main
+from tests.test_server import KVGUARD, Daemon, until
+
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+def add(path: Path, name: str, *flags: str, capsys: pytest.CaptureFixture[str]) -> str:
+    assert main(["keys", "--file", str(path), "add", name, *flags]) == 0
+    return capsys.readouterr().out.strip()
+
+
+def metric(d: Daemon, name: str, **labels: str) -> float:
+    text = httpx.get(d.url + "/metrics").text
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    pat = rf"^{re.escape(name)}{re.escape('{' + want + '}') if want else ''} (\S+)$"
+    m = re.search(pat, text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201 - (Daemon, keys by name)
+    tmp = tmp_path_factory.mktemp("keys")
+    path = tmp / "api_keys.yaml"
+    keys = {}
+    for name, flags in (
+        ("web", ["--max-priority", "high"]),
+        ("batch", ["--max-priority", "low"]),
+        ("mid", []),
+    ):
+        proc = subprocess.run(
+            [KVGUARD, "keys", "--file", str(path), "add", name, *flags],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        keys[name] = proc.stdout.strip()
+        assert "reload the daemon" in proc.stderr
+    d = Daemon(tmp, api=f"api_keys_file: {path}", debug_hooks=False)
+    yield d, keys, path
+    assert d.stop() == 0
+
+
+def client(d: Daemon, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=d.url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def test_no_key_or_a_wrong_key_is_refused_with_401(keyed) -> None:  # noqa: ANN001
+    d, keys, _ = keyed
+    before = metric(d, "kvguard_api_auth_failures_total", reason="missing")
+    r = httpx.post(d.url + "/v1/chat/completions", json=CHAT)
+    assert r.status_code == 401 and r.headers["WWW-Authenticate"] == "Bearer"
+    err = r.json()["error"]
+    assert err["code"] == "invalid_api_key" and "Authorization: Bearer" in err["message"]
+    assert metric(d, "kvguard_api_auth_failures_total", reason="missing") == before + 1
+    with pytest.raises(openai.AuthenticationError) as e:
+        client(d, "kvg-not-a-key").chat.completions.create(**CHAT)
+    assert e.value.status_code == 401 and "incorrect API key" in e.value.message
+    assert metric(d, "kvguard_api_auth_failures_total", reason="unknown") >= 1
+    # every OpenAI endpoint, before its body is even looked at
+    for method, path, body in (
+        ("GET", "/v1/models", None),
+        ("POST", "/v1/completions", {"model": "tiny", "prompt": "x"}),
+        ("POST", "/v1/completions", {"not": "a request"}),
+        ("POST", "/tokenize", {"model": "tiny", "prompt": "x"}),
+        ("POST", "/detokenize", {"model": "tiny", "tokens": [1]}),
+    ):
+        assert httpx.request(method, d.url + path, json=body).status_code == 401, path
+    auth = {"Authorization": "Basic " + keys["web"]}  # the right secret, the wrong scheme
+    assert httpx.post(d.url + "/v1/chat/completions", json=CHAT, headers=auth).status_code == 401
+
+
+def test_health_ready_metrics_stay_open_and_admin_keeps_its_token(keyed) -> None:  # noqa: ANN001
+    d, keys, _ = keyed
+    for path in ("/health", "/ready", "/metrics"):
+        assert httpx.get(d.url + path).status_code == 200, path
+    assert d.admin("GET", "/admin/state").status_code == 200
+    api_key = {"Authorization": f"Bearer {keys['web']}"}
+    assert httpx.get(d.url + "/admin/state", headers=api_key).status_code == 403
+
+
+def test_a_key_is_held_to_its_max_priority_and_runs_at_its_default(keyed) -> None:  # noqa: ANN001
+    d, keys, _ = keyed
+    served = {
+        p: metric(d, "kvguard_request_duration_seconds_count", priority=p)
+        for p in ("high", "normal", "low")
+    }
+    web = client(d, keys["web"])
+    assert web.models.list().data[0].id == "tiny"
+    web.chat.completions.create(**CHAT, extra_body={"priority": "high"})  # allowed
+    web.chat.completions.create(**CHAT)  # no priority: normal
+    batch = client(d, keys["batch"])
+    with pytest.raises(openai.PermissionDeniedError) as e:
+        batch.chat.completions.create(**CHAT, extra_headers={"X-Priority": "normal"})
+    assert e.value.status_code == 403
+    assert "API key 'batch' may ask for low priority at most" in e.value.message
+    assert e.value.body["code"] == "priority_not_allowed" and e.value.body["param"] == "priority"
+    batch.completions.create(model="tiny", prompt="x", max_tokens=2)  # no priority: low
+    mid = client(d, keys["mid"])
+    with pytest.raises(openai.PermissionDeniedError):
+        mid.chat.completions.create(**CHAT, extra_body={"priority": "high"})
+    mid.chat.completions.create(**CHAT, extra_body={"priority": "low"})
+    after = {p: metric(d, "kvguard_request_duration_seconds_count", priority=p) for p in served}
+    assert {p: after[p] - served[p] for p in served} == {"high": 1, "normal": 1, "low": 2}
+    assert metric(d, "kvguard_api_key_requests_total", key="batch") == 2
+    assert metric(d, "kvguard_api_auth_failures_total", reason="priority") == 2
+
+
+def test_sighup_applies_a_new_keys_file_and_refuses_a_broken_one(keyed, capsys) -> None:  # noqa: ANN001
+    d, keys, path = keyed
+    good = path.read_text()
+    fresh = add(path, "fresh", capsys=capsys)
+    assert fresh.startswith("kvg-") and len(fresh) > 40
+    with pytest.raises(openai.AuthenticationError):  # not in force before the reload
+        client(d, fresh).chat.completions.create(**CHAT)
+    r = d.admin("POST", "/admin/reload").json()
+    assert r["reloaded"] and "api.api_keys_file" in r["changes"]
+    client(d, fresh).chat.completions.create(**CHAT)
+    path.write_text(good + "  - name: broken\n    sha256: nothex\n")
+    d.proc.send_signal(signal.SIGHUP)
+    log = Path(d.log.name)
+    until(lambda: "keys[3].sha256" in log.read_text(), 20, "the refused reload logged")
+    assert "reload refused, keeping the running config" in log.read_text()
+    client(d, fresh).chat.completions.create(**CHAT)  # the keys in force stay
+    client(d, keys["web"]).chat.completions.create(**CHAT)
+    path.write_text(good)  # `fresh` revoked
+    assert d.admin("POST", "/admin/reload").json()["reloaded"]
+    with pytest.raises(openai.AuthenticationError):
+        client(d, fresh).chat.completions.create(**CHAT)
+
+
+def test_a_missing_or_broken_keys_file_stops_the_start(tmp_path: Path) -> None:
+    for body, said in (
+        (None, "API keys file not found"),
+        ("keys:\n  - name: a\n    sha256: abc\n", ":3: keys[0].sha256"),
+    ):
+        path = tmp_path / "keys.yaml"
+        if body is not None:
+            path.write_text(body)
+        cfg = tmp_path / "config.yaml"
+        cfg.write_text(f"serving: {{model: tiny}}\napi: {{port: 0, api_keys_file: {path}}}\n")
+        proc = subprocess.run(
+            [KVGUARD, "serve", "--config", str(cfg)], capture_output=True, text=True, timeout=60
+        )
+        assert proc.returncode == 2 and said in proc.stderr, proc.stderr
+
+
+def test_keys_file_problems_are_named_by_line(tmp_path: Path) -> None:
+    path = tmp_path / "k.yaml"
+    ok = digest("a")
+    path.write_text(
+        "keys:\n"
+        "  - name: a\n"
+        f"    sha256: {ok}\n"
+        "    max_priority: top\n"
+        "    colour: red\n"
+        f"  - {{name: a, sha256: {digest('b')}, max_priority: low, default_priority: high}}\n"
+    )
+    with pytest.raises(KeysFileError) as e:
+        load_keys(path)
+    assert e.value.errors == [
+        f"{path}:4: keys[0].max_priority: 'top' is not allowed (expected high, normal or low)",
+        f"{path}:5: keys[0].colour: unknown key (expected one of: name, sha256, max_priority, "
+        "default_priority)",
+        f"{path}:6: keys[1]: default_priority high is above max_priority low",
+    ]
+    path.write_text(f"keys:\n  - {{name: a, sha256: {ok}}}\n  - {{name: a, sha256: {ok}}}\n")
+    with pytest.raises(KeysFileError) as e:
+        load_keys(path)
+    assert e.value.errors == [
+        f"{path}:3: name given twice (first in keys[0])",
+        f"{path}:3: sha256 given twice (first in keys[0])",
+    ]
+    path.write_text("- just a list\n")
+    with pytest.raises(KeysFileError, match="expected a mapping with a `keys` list"):
+        load_keys(path)
+
+
+def test_keys_commands_add_list_remove_and_hash(tmp_path: Path, capsys, monkeypatch) -> None:  # noqa: ANN001
+    path = tmp_path / "sub" / "k.yaml"
+    path.parent.mkdir()
+    a = add(path, "a", "--max-priority", "high", capsys=capsys)
+    b = add(path, "b", "--max-priority", "low", capsys=capsys)
+    assert a != b and oct(path.stat().st_mode & 0o777) == "0o644"
+    assert path.read_text().count("sha256:") == 2 and a not in path.read_text()
+    keys = load_keys(path)
+    assert keys.find(a).max_priority == "high" and keys.find(a).default_priority == "normal"
+    assert keys.find(b).default_priority == "low" and keys.find("kvg-other") is None
+    assert main(["keys", "--file", str(path), "list", "--json"]) == 0
+    assert '"name": "b"' in capsys.readouterr().out
+    assert main(["keys", "--file", str(path), "add", "a"]) == 2  # names are unique
+    assert "already there" in capsys.readouterr().err
+    assert main(["keys", "--file", str(path), "add", "c", "--default-priority", "high"]) == 2
+    assert "--default-priority high is above --max-priority normal" in capsys.readouterr().err
+    assert main(["keys", "--file", str(path), "remove", "a"]) == 0
+    assert [e.name for e in read_entries(path)[0]] == ["b"]
+    assert main(["keys", "--file", str(path), "remove", "b"]) == 0
+    assert read_entries(path)[0] == [] and len(load_keys(path)) == 0
+    assert main(["keys", "--file", str(path), "remove", "b"]) == 2
+    assert add(path, "again", capsys=capsys).startswith("kvg-")  # an emptied file takes more
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("secret\n"))
+    assert main(["keys", "hash"]) == 0
+    assert capsys.readouterr().out.strip() == digest("secret")

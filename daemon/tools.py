@@ -8,8 +8,8 @@ descriptions and argument schemas, and how to call one), and a call is written a
 one per line for several calls. The answer is held to that form by a grammar (the engine's
 `SamplingParams.grammar`, run by llguidance like a JSON schema): with `tool_choice`
 `"required"` it is one or more calls (one with `parallel_tool_calls: false`), with a named
-function one call of that function, and with `"auto"` either calls or a text answer (which
-then may not begin with `<`; with a `response_format` schema, JSON matching it). Each call's
+function one call of that function, and with `"auto"` either calls or a text answer (anything
+not beginning with OPEN; with a `response_format` schema, JSON matching it). Each call's
 arguments match its function's `parameters` schema, so a call always parses and always
 validates: a model that was never taught this form still calls tools correctly, and one that
 was (most tool-trained models write `<tool_call>` blocks) needs no parser of its own.
@@ -83,10 +83,29 @@ def grammar(
     if choice != "auto":
         return "\n".join(["start: calls", *lines])
     if content_schema is None:
-        content = r"content: /[^<][\s\S]*/"
+        content = f"content: /{_not_a_call()}/"
     else:
         content = f"content: %json {json.dumps({**content_schema, 'x-guidance': LAYOUT})}"
     return "\n".join(["start: content | calls", content, *lines])
+
+
+def _not_a_call() -> str:
+    """A regex for every non-empty text that does not begin with OPEN: one that parts from
+    OPEN at some character (an HTML tag, `<3`, `<tool>`), or a proper prefix of OPEN alone.
+    (The grammar library has no lookahead; this is its complement, spelled out.)"""
+    parts = []
+    for i, ch in enumerate(OPEN):
+        head = "".join(_regex_char(c) for c in OPEN[:i])
+        parts.append(f"{head}[^{_regex_char(ch)}][\\s\\S]*")
+        if i:
+            parts.append(head)
+    return "|".join(parts)
+
+
+def _regex_char(ch: str) -> str:
+    """`ch` as a regex literal. Only metacharacters are escaped: `\\<` and `\\>` are word
+    boundaries to the grammar library's regex syntax, not angle brackets."""
+    return "\\" + ch if ch in "\\.+*?()|[]{}^$#&-~/" else ch
 
 
 def system_text(functions: Sequence[Function], choice: str, parallel: bool) -> str:

@@ -162,6 +162,12 @@ def test_the_grammars_hold_answers_to_the_form() -> None:
     assert not accepts(auto, extra_arg) and not accepts(auto, bad_enum)
     assert not accepts(auto, good.replace("get_weather", "get_wether"))
     assert not accepts(auto, good.replace('{"name": ', '{"name":'))  # one layout
+    # a text answer may begin with "<" (markup, "<3", a tag named like the call's start), so
+    # long as it is not a call's opening
+    for text in ("<b>Oslo</b> is sunny.", "<3", "<tool> is a word", "<tool_call", "<"):
+        assert accepts(auto, text), text
+    assert not accepts(auto, "<tool_call>It is sunny.")
+    assert not accepts(auto, good.replace("</tool_call>", "</tool_call> and text"))
     required = tools.grammar(FUNCS, "required", True)
     assert accepts(required, good) and not accepts(required, "It is sunny.")
     single = tools.grammar(FUNCS, "required", False)

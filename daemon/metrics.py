@@ -7,12 +7,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvguard.daemon.nvml import NvmlReader
 from kvguard.engine.snapshot import EngineSnapshot
+from kvguard.rules.host_memory import host_memory_used_ratio
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 KV_DTYPES = ("fp32", "fp16", "bf16", "fp8_e4m3")
@@ -314,6 +315,10 @@ class ControlPlaneCollector(Collector):
         yield from (state, evals, efail, acts, level, pq, al)
 
 
+def _or_nan(value: float | None) -> float:
+    return float("nan") if value is None else value
+
+
 class Metrics:
     """One registry per daemon (tests run several in one process)."""
 
@@ -358,6 +363,13 @@ class Metrics:
             ["route", "status"],
             registry=r,
         )
+        host = Gauge(
+            "kvguard_host_memory_used_ratio",
+            "Host memory in use / total, or the daemon's cgroup working set / its limit, the "
+            "higher (NaN where neither can be read)",
+            registry=r,
+        )
+        host.set_function(lambda: _or_nan(host_memory_used_ratio()))
         self.api_requests = Counter(
             "kvguard_api_key_requests",
             "Requests to the OpenAI endpoints by API key name (with api.api_keys_file set)",

@@ -184,7 +184,7 @@ class BlockManager:
         """Renumber for a pool of `new_n` blocks; returns old -> new id of every used block.
 
         Blocks below `new_n` keep their ids; those above move to the lowest free ids. The
-        prefix cache is dropped (the pool is rebuilt in another dtype): a cached block still
+        prefix cache is dropped (the pool is rebuilt, in another dtype or size): a cached block still
         in use keeps a key no lookup can form (a negative parent, no tokens), so the sequences
         sharing it go on sharing it read-only and no new one finds its converted K/V.
         """

@@ -7,10 +7,13 @@ the next step boundary. Calling `step()` (or running an `EngineLoop`) is what ap
 
 from __future__ import annotations
 
+import ctypes
 import math
 import time
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 from kvguard.engine.control import ActionResult
 from kvguard.engine.kv_cache import KV_TORCH_DTYPES, kv_dtype_name
@@ -63,6 +66,19 @@ def check_ratio(param: str, value: Any) -> float:
     return float(value)
 
 
+def release_freed_memory(device: torch.device) -> None:
+    """Hand memory the old pool held back to the system: the CUDA caching allocator keeps
+    freed blocks for reuse, and glibc keeps freed heap pages unless trimmed."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: its allocator returns large blocks itself
+        return
+    libc.malloc_trim(0)
+
+
 def allowed_name(rank: int | None) -> str | None:
     """Admission knob as text: None (open), 'none' (halted for all), or the best priority allowed."""
     if rank is None:
@@ -78,6 +94,7 @@ class ControlSurface:
             "max_num_seqs": self.scheduler.max_num_seqs,
             "max_num_batched_tokens": self.scheduler.max_num_batched_tokens,
             "kv_cache_dtype": self.kv_cache.dtype,
+            "kv_pool_blocks": self.block_manager.num_blocks,
             "offload": self.scheduler.offload,
             "max_new_tokens_cap": self.max_new_tokens_cap,
             "admission_allow_priority": allowed_name(self.allow_rank),
@@ -176,7 +193,7 @@ class ControlSurface:
         old = self.kv_cache.dtype
         if dtype == old:
             return f"KV cache already {dtype}", True, {}
-        new_n = self.runner.blocks_for_budget(dtype)
+        new_n = self.pool_blocks(dtype)
         new_host = self.runner.blocks_for_budget(dtype, host=True)
         bm, hbm = self.block_manager, self.host_block_manager
         if bm.num_used > new_n or hbm.num_used > new_host:
@@ -218,6 +235,76 @@ class ControlSurface:
         self.events.emit("kv_dtype_switched", **data)
         return (
             f"KV cache {old} -> {dtype}: {old_n} -> {new_n} blocks in {pause * 1e3:.1f} ms",
+            True,
+            data,
+        )
+
+    # -- KV pool size -----------------------------------------------------------------------
+    def set_kv_pool_share(self: LLMEngine, share: float) -> Future:
+        """Hold the device KV pool at `share` of its configured bytes (1: all of them), in
+        the live KV dtype, without a restart: memory goes back to the host or the GPU's other
+        tenants under pressure, and returns when the pressure is gone. The pool never shrinks
+        below one longest request (max_model_len), so every admitted request can still finish;
+        running sequences whose blocks do not fit are preempted first (lowest priority, newest
+        first; swapped or recomputed, never dropped) and readmitted once usage eases."""
+        share = check_ratio("share", share)
+        return self._act("set_kv_pool_share", lambda: self._resize_pool(share))
+
+    def _resize_pool(self: LLMEngine, share: float) -> tuple[str, bool, dict]:
+        dtype = self.kv_cache.dtype
+        full = self.runner.blocks_for_budget(dtype)
+        bm = self.block_manager
+        floor_n = min(full, bm.blocks_for(self.max_model_len))
+        want = max(1, math.floor(full * share))
+        new_n, old_n = max(floor_n, want), bm.num_blocks
+        note = ""
+        if want < floor_n:
+            note = (
+                f" (held at {new_n} blocks: one request of max_model_len={self.max_model_len} "
+                "tokens must still fit)"
+            )
+        if new_n == old_n:
+            self.kv_pool_share = new_n / full
+            return f"KV pool already {old_n} blocks{note}", True, {"blocks": old_n}
+        if new_n > old_n and not self.runner.can_convert(dtype, new_n):
+            return (
+                f"refused: no device memory for a pool of {new_n} blocks; retry later",
+                False,
+                {},
+            )
+        moved = []
+        while bm.num_used > new_n:
+            victim = self.scheduler.pick_victim()
+            if victim is None:
+                break
+            victim.held = True  # back once usage has eased, as an eviction's
+            moved.append((victim.request_id, self.scheduler.preempt(victim)))
+        if bm.num_used > new_n:
+            return (
+                f"refused: {bm.num_used} blocks in use do not fit {new_n}",
+                False,
+                {"preempted": moved},
+            )
+        t0 = time.perf_counter()
+        moves = bm.resize(new_n)
+        self.scheduler.remap(moves)
+        self.runner.convert_kv(dtype, {"device": (new_n, moves)})
+        self.kv_pool_share = new_n / full
+        self.scheduler.block_cap = self.undo_room_cap()
+        release_freed_memory(self.runner.device)
+        pause = time.perf_counter() - t0
+        data = {
+            "blocks_before": old_n,
+            "blocks_after": new_n,
+            "share": round(self.kv_pool_share, 4),
+            "bytes_after": new_n * self.kv_cache.bytes_per_block,
+            "preempted": moved,
+            "pause_s": pause,
+        }
+        self.events.emit("kv_pool_resized", **data)
+        return (
+            f"KV pool {old_n} -> {new_n} blocks ({self.kv_pool_share:.0%} of configured){note}; "
+            f"{len(moved)} running sequences preempted; {pause * 1e3:.1f} ms",
             True,
             data,
         )

@@ -172,7 +172,8 @@ class KVCache:
             copy_blocks(h, host, d, dev)
 
     def convert(self, pool: Pool, dtype: str, new_n: int, moves: dict[int, int]) -> int:
-        """Rebuild `pool` as `new_n` blocks of `dtype`, live block `old` landing at `moves[old]`.
+        """Rebuild `pool` as `new_n` blocks of `dtype` (a new dtype, or the same one in a new
+        size), live block `old` landing at `moves[old]`.
 
         Layer by layer: the new layer is built, filled from the old one, and the old one dropped
         before the next layer starts. Returns the peak of bytes held beyond the larger of the
@@ -188,8 +189,10 @@ class KVCache:
                 self.cfg, new_n, self.block_size, dtype, pool.device, pin=_pinned(layer)
             )
             held = current + _layer_bytes(fresh)
-            for which in (0, 1):
-                if src.numel():
+            if src.numel() and dtype == pool.dtype:  # a new size, same dtype: the bytes as
+                copy_blocks(layer, src, fresh, dst)  # they are, scales alongside
+            elif src.numel():
+                for which in (0, 1):
                     vals = read_blocks(layer, src, which, compute)
                     held_now = held + vals.numel() * vals.element_size()
                     peak = max(peak, held_now)

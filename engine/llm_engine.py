@@ -112,6 +112,8 @@ class LLMEngine(ControlSurface):
         self.eos_ids = set(tokenizer.eos_token_ids) | set(model_config.eos_token_ids)
         self.grammars = Grammars(tokenizer, model_config.vocab_size, self.eos_ids)
         self.max_new_tokens_cap: int | None = None
+        # the device KV pool held at this share of its configured bytes (set_kv_pool_share)
+        self.kv_pool_share = 1.0
         self.configured_batched_tokens = config.max_num_batched_tokens
         self._seqs: dict[str, Sequence] = {}
         self._order = itertools.count()
@@ -234,6 +236,12 @@ class LLMEngine(ControlSurface):
     def _admission_event(self, seq: Sequence, decision: str, reason: str) -> None:
         self.events.emit("admission", decision=decision, reason=reason, priority=seq.priority)
 
+    def pool_blocks(self, dtype: str) -> int:
+        """Device blocks a pool of `dtype` has in the bytes the engine holds now: the
+        configured budget, or the share of it a remedy left (set_kv_pool_share)."""
+        full = self.runner.blocks_for_budget(dtype)
+        return full if self.kv_pool_share >= 1.0 else max(1, math.floor(full * self.kv_pool_share))
+
     def undo_room_cap(self) -> int | None:
         """The device blocks sequences may hold while the KV dtype is narrower than configured.
 
@@ -244,7 +252,7 @@ class LLMEngine(ControlSurface):
         None when the live dtype holds no more blocks than the configured one.
         """
         configured = kv_dtype_name(self.config.kv_cache_dtype, self.runner.dtype)
-        full = self.runner.blocks_for_budget(configured)
+        full = self.pool_blocks(configured)
         if self.kv_cache.dtype == configured or full >= self.block_manager.num_blocks:
             return None
         return max(1, math.floor(full * (1.0 - UNDO_MARGIN)))

@@ -58,6 +58,10 @@ class SetSeqs(_Params):
     n: int = Field(..., ge=1, le=MAX_SEQS)
 
 
+class PoolShare(_Params):
+    share: float = Field(0.5, gt=0.0, le=1.0)
+
+
 @dataclass(frozen=True, slots=True)
 class ActionSpec:
     name: str
@@ -116,6 +120,21 @@ _SPECS = [
         lambda e, p, clamp: e.set_kv_cache_dtype(_full_kv_dtype(e)),
         None,
         "switch the KV cache back to full precision (refused while live tokens would not fit)",
+    ),
+    ActionSpec(
+        "shrink_kv_pool",
+        PoolShare,
+        lambda e, p, clamp: e.set_kv_pool_share(p.share),
+        "restore_kv_pool",
+        "hold the device KV pool at `share` of its configured bytes and give the rest back "
+        "(never below one max_model_len request; sequences that do not fit are preempted)",
+    ),
+    ActionSpec(
+        "restore_kv_pool",
+        NoParams,
+        lambda e, p, clamp: e.set_kv_pool_share(1.0),
+        None,
+        "the device KV pool back to its configured bytes (refused while the memory is not free)",
     ),
     ActionSpec(
         "enable_cpu_offload",

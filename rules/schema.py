@@ -23,6 +23,8 @@ LOCAL_SIGNALS = {
     "num_swapped": "requests swapped out to the host pool",
     "preemptions_total": "preemptions since start",
     "gpu_memory_used_ratio": "highest GPU memory used / total over GPUs (NVML; unknown without one)",
+    "host_memory_used_ratio": "host memory in use / total, or the service cgroup's working set / "
+    "its limit (MemoryMax=), the higher (rules/host_memory.py)",
 }
 
 

@@ -11,6 +11,7 @@ import math
 from collections.abc import Callable
 
 from kvguard.engine.snapshot import EngineSnapshot
+from kvguard.rules.host_memory import host_memory_used_ratio
 from kvguard.rules.schema import Signal
 
 log = logging.getLogger("kvguard.rules.signals")
@@ -29,6 +30,7 @@ def local_value(
         "num_swapped": lambda: float(snap.num_swapped),
         "preemptions_total": lambda: float(snap.num_preemptions),
         "gpu_memory_used_ratio": gpu_used_ratio,
+        "host_memory_used_ratio": host_memory_used_ratio,
     }
     return table[name]()
 

@@ -9,6 +9,8 @@ matters. While an open-loop load runs (this process, over HTTP), the faults are:
                ext2/3/4) another connection's BEGIN EXCLUSIVE stands in. One manual action is
                taken meanwhile, so a row has to wait until the file is writable again
   engine-oom   one out-of-memory fault inside an engine step (POST /admin/debug/inject_oom)
+  kv-pool      the device KV pool shrunk to a quarter of its bytes (shrink_kv_pool), held,
+               then restored (restore_kv_pool): what does not fit is preempted, nothing lost
   sighup-bad   SIGHUP with a broken rules file: the old rules must stay
   sighup-good  SIGHUP with a good rules file: the new rules must be in force
   disconnect   20 streaming clients hang up mid-stream
@@ -291,6 +293,27 @@ class Chaos:
         r = self.d.admin("POST", "/admin/debug/inject_oom", json={"times": 1})
         return f"inject_oom: HTTP {r.status_code} {r.text[:80]}"
 
+    def kv_pool(self) -> str:
+        """The device KV pool shrunk to a quarter under load (what the host-mem rule does at
+        half), held, then restored: requests that do not fit are preempted, none lost."""
+        r = self.d.admin("POST", "/admin/actions/shrink_kv_pool", json={"share": 0.25})
+        self.manual_actions += 1
+        body = r.json() if r.status_code == 200 else {}
+        time.sleep(self.t.lock_s)
+        r2 = self.d.admin("POST", "/admin/actions/restore_kv_pool")
+        self.manual_actions += 1
+        back = r2.json() if r2.status_code == 200 else {}
+        blocks = (
+            f"{body.get('before', {}).get('kv_pool_blocks')} -> "
+            f"{body.get('after', {}).get('kv_pool_blocks')} -> "
+            f"{back.get('after', {}).get('kv_pool_blocks')} blocks"
+        )
+        preempted = len((body.get("data") or {}).get("preempted", []))
+        return (
+            f"shrink HTTP {r.status_code}, restore HTTP {r2.status_code} after "
+            f"{self.t.lock_s:g}s: {blocks}, {preempted} preempted"
+        )
+
     def sighup(self, text: str) -> str:
         self.rules.write_text(text)
         self.d.proc.send_signal(signal.SIGHUP)
@@ -398,6 +421,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         chaos.fault("prometheus", chaos.prometheus_down)
         chaos.fault("audit-ro", chaos.audit_readonly)
         chaos.fault("engine-oom", chaos.engine_oom)
+        chaos.fault("kv-pool", chaos.kv_pool)
         chaos.fault("sighup-bad", lambda: chaos.sighup(BROKEN_RULES))
         # a visibly different good file: the rule's new name proves the reload took effect
         chaos.fault("sighup-good", lambda: chaos.sighup(good.replace("fleet-kv,", "fleet-kv-v2,")))

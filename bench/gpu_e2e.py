@@ -16,7 +16,8 @@ running out of time leaves the others' results in the JSON):
    engine requeues and, once the memory is back, finishes every request;
 5. CUDA KV pool sizing from `gpu_memory_utilization`: memory in use after one maximal batch,
    against the share asked for;
-6. the live FP8 KV switch on a filled pool: pause per GiB of live KV, there and back;
+6. the live FP8 KV switch on a filled pool: pause per GiB of live KV, there and back; then
+   the live pool resize on it (half, and back): device memory given back, pause;
 7. CUDA graphs (`KVGUARD_CUDA_GRAPHS=0` vs `1`): equal greedy tokens on the tiny test model in
    fp32 (random bf16 weights have near-tied logits, where summation order alone can flip a
    token), then the speed-up at batch 1/16/64 on the SmolLM2 shape; the knob stays off by
@@ -456,12 +457,32 @@ def section_fp8(run: Run) -> dict[str, Any]:
         res[name] = {"ok": result.ok, "detail": result.detail, "step_s": sec, "live_gib": live_gib}
         if result.ok and live_gib:
             res[name]["pause_s_per_gib"] = result.data["pause_s"] / live_gib
+    # the live pool resize (shrink_kv_pool / restore_kv_pool) on the same filled pool: what
+    # the device (CPU: the process) really gets back, and the pause
+    for name, share in (("pool_half", 0.5), ("pool_back", 1.0)):
+        before = free_bytes(run)
+        sec, result = wall(lambda s=share, e=eng: step_apply(e, e.set_kv_pool_share(s)), run)
+        res[name] = {
+            "ok": result.ok,
+            "detail": result.detail,
+            "step_s": sec,
+            "freed_gib": (free_bytes(run) - before) / GiB,
+            "preempted": len(result.data.get("preempted", [])),
+        }
     while eng.has_unfinished():
         eng.step()
     del eng
     run.free()
     print("  fp8 switch: " + json.dumps(res), flush=True)
     return res
+
+
+def free_bytes(run: Run) -> int:
+    """Device memory free (cudaMemGetInfo), or on the CPU smoke run minus the resident size."""
+    if not run.smoke:
+        return torch.cuda.mem_get_info()[0]
+    pages = int(Path("/proc/self/statm").read_text().split()[1])
+    return -pages * os.sysconf("SC_PAGE_SIZE")
 
 
 def section_nvml(run: Run) -> dict[str, Any]:

@@ -5,7 +5,9 @@ interrupt a step and take blocks from lower-priority work. On an open API any cl
 for that. With `api.api_keys_file` set, every `/v1/*`, `/tokenize` and `/detokenize` request
 must carry `Authorization: Bearer <key>` for a key in the file, and a request may ask for no
 higher priority than its key's `max_priority`; a request that names none runs at the key's
-`default_priority`. `/health`, `/ready` and `/metrics` stay open; `/admin/*` keeps its own
+`default_priority`. A key's `max_requests` bounds what it has queued or running at once (each
+choice of `n` counts), so one client's flood cannot fill the queue every other client waits
+in: past it, 429 with a Retry-After. `/health`, `/ready` and `/metrics` stay open; `/admin/*` keeps its own
 token.
 
 The file holds SHA-256 digests, never keys, so it is not a secret (mode 0644 under
@@ -20,6 +22,7 @@ keys:
     sha256: 9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08
     max_priority: high          # the highest priority it may ask for (default: normal)
     default_priority: normal    # when a request names none (default: normal, capped)
+    max_requests: 64            # queued or running at once; more answer 429 (default: no limit)
   - name: nightly-batch
     sha256: ...
     max_priority: low
@@ -62,6 +65,8 @@ class _Entry(BaseModel):
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     max_priority: Priority = "normal"
     default_priority: Priority | None = None  # None: normal, or max_priority if lower
+    # sequences (each of a request's `n` choices is one) it may have queued or running at once
+    max_requests: int | None = Field(None, ge=1, le=1_000_000)
 
     @property
     def default(self) -> str:
@@ -92,6 +97,7 @@ class ApiKey:
     name: str
     max_priority: str
     default_priority: str
+    max_requests: int | None = None
 
     def allows(self, priority: str) -> bool:
         return RANK[priority] >= RANK[self.max_priority]
@@ -157,7 +163,7 @@ def load_keys(path: Path) -> ApiKeys:
     if not Path(path).is_file():
         raise KeysFileError([f"{path}: API keys file not found (api.api_keys_file)"])
     entries, _ = read_entries(Path(path))
-    keys = {e.sha256: ApiKey(e.name, e.max_priority, e.default) for e in entries}
+    keys = {e.sha256: ApiKey(e.name, e.max_priority, e.default, e.max_requests) for e in entries}
     return ApiKeys(Path(path), keys)
 
 
@@ -173,7 +179,9 @@ def _error(path: Path, lines: dict[tuple[Any, ...], int], err: Any) -> str:
     dotted = "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in loc).lstrip(".")
     kind, value = err["type"], err.get("input")
     if kind == "extra_forbidden":
-        known = "name, sha256, max_priority, default_priority" if len(loc) > 1 else "keys"
+        known = (
+            "name, sha256, max_priority, default_priority, max_requests" if len(loc) > 1 else "keys"
+        )
         what = f"unknown key (expected one of: {known})"
     elif kind == "literal_error":
         what = f"{value!r} is not allowed (expected high, normal or low)"
@@ -190,7 +198,13 @@ def _error(path: Path, lines: dict[tuple[Any, ...], int], err: Any) -> str:
     return f"{_where(path, lines, loc)}: {dotted or '(top level)'}: {what}"
 
 
-def add_key(path: Path, name: str, max_priority: str, default_priority: str | None) -> str:
+def add_key(
+    path: Path,
+    name: str,
+    max_priority: str,
+    default_priority: str | None,
+    max_requests: int | None = None,
+) -> str:
     """Make a key, append its digest to the file (created 0644 if absent) and return it."""
     if default_priority and RANK[default_priority] < RANK[max_priority]:
         raise KeysFileError(
@@ -206,12 +220,15 @@ def add_key(path: Path, name: str, max_priority: str, default_priority: str | No
             sha256=digest(key),
             max_priority=max_priority,
             default_priority=default_priority,
+            max_requests=max_requests,
         )
     except ValidationError as e:
         raise KeysFileError([_error(path, {}, err) for err in e.errors()]) from None
     block = f"  - name: {name}\n    sha256: {digest(key)}\n    max_priority: {max_priority}\n"
     if default_priority:
         block += f"    default_priority: {default_priority}\n"
+    if max_requests is not None:
+        block += f"    max_requests: {max_requests}\n"
     _append(path, block)
     return key
 

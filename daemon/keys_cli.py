@@ -48,6 +48,14 @@ def add_keys_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="the priority of a request that names none (default: normal, or low where "
         "--max-priority is low)",
     )
+    add.add_argument(
+        "--max-requests",
+        type=_at_least_one,
+        default=None,
+        metavar="N",
+        help="requests (each choice of n counts) the key may have queued or running at once; "
+        "more answer 429 (default: no limit)",
+    )
     add.set_defaults(func=cmd_keys_add)
     lst = actions.add_parser("list", help="show each key's name and priorities")
     lst.add_argument("--json", action="store_true", help="print a JSON list")
@@ -63,10 +71,20 @@ def add_keys_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     hsh.set_defaults(func=cmd_keys_hash)
 
 
+def _at_least_one(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number, at least 1")
+    return n
+
+
 def cmd_keys_add(args: argparse.Namespace) -> int:
     from kvguard.daemon.api_keys import add_key
 
-    key = add_key(args.file, args.name, args.max_priority, args.default_priority)
+    key = add_key(args.file, args.name, args.max_priority, args.default_priority, args.max_requests)
     print(key)
     print(
         f"added {args.name!r} to {args.file}; reload the daemon to apply it "
@@ -85,6 +103,7 @@ def cmd_keys_list(args: argparse.Namespace) -> int:
             "name": e.name,
             "max_priority": e.max_priority,
             "default_priority": e.default,
+            "max_requests": e.max_requests,
             "sha256": e.sha256[:12],
         }
         for e in entries
@@ -95,12 +114,13 @@ def cmd_keys_list(args: argparse.Namespace) -> int:
     if not rows:
         print(f"no keys in {args.file}")
         return 0
-    width = max(len(r["name"]) for r in rows)
-    print(f"{'NAME':<{width}}  MAX     DEFAULT  SHA256")
+    width = max(4, *(len(r["name"]) for r in rows))
+    print(f"{'NAME':<{width}}  MAX     DEFAULT  REQUESTS  SHA256")
     for r in rows:
+        limit = "-" if r["max_requests"] is None else str(r["max_requests"])
         print(
             f"{r['name']:<{width}}  {r['max_priority']:<6}  {r['default_priority']:<7}  "
-            f"{r['sha256']}..."
+            f"{limit:<8}  {r['sha256']}..."
         )
     return 0
 

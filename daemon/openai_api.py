@@ -268,6 +268,25 @@ def _api_key(service: Service, authorization: str | None) -> ApiKey | None:
     return key
 
 
+def _within_limit(service: Service, key: ApiKey, asked: int) -> None:
+    """429 when `asked` more sequences would take `key` past its max_requests. What it has
+    in flight is what the daemon still answers for it (the drain's set, which a finished or
+    refused request leaves at once and a forgotten one when it is collected)."""
+    if key.max_requests is None:
+        return
+    live = sum(1 for o in list(service.requests) if getattr(o, "key", None) == key.name)
+    if live + asked > key.max_requests:
+        service.metrics.auth_failures.labels("max_requests").inc()
+        raise ApiError(
+            429,
+            f"API key {key.name!r} has {live} requests queued or running and may have "
+            f"{key.max_requests} at once (max_requests); this one asks for {asked}",
+            code="key_request_limit",
+            type_="rate_limit_error",
+            retry_after=1,
+        )
+
+
 def _priority(service: Service, body: Any, header: str | None, key: ApiKey | None) -> str:
     asked = body.priority or (header.strip().lower() if header else None)
     p = asked or (key.default_priority if key is not None else "normal")
@@ -296,7 +315,8 @@ async def _serve(
     completion: bool,
 ) -> Any:
     _check_model(service, body.model)
-    priority = _priority(service, body, x_priority, getattr(request.state, "api_key", None))
+    key = getattr(request.state, "api_key", None)
+    priority = _priority(service, body, x_priority, key)
     if service.loop.fatal is not None:
         raise engine_unavailable(service.loop.fatal)
     if service.draining:
@@ -305,6 +325,9 @@ async def _serve(
         await asyncio.to_thread(service.engine.grammars.view)  # on the engine's thread
     ctx = _Ctx(service, kind, body.model, priority, time.monotonic(), params)
     ctx.n = body.n or 1
+    if key is not None:
+        _within_limit(service, key, len(prompts) * ctx.n)
+        ctx.key = key.name
     ctx.echo = prompts if getattr(body, "echo", False) else None
     ctx.tools = params.grammar is not None
     aio = asyncio.get_running_loop()
@@ -386,6 +409,7 @@ class _Ctx:
         self.n = 1  # choices per prompt: choice i answers prompt i // n
         self.echo: list[str | list[int]] | None = None  # the prompts, for a completion with echo
         self.tools = False  # a chat answer that may be tool calls
+        self.key: str | None = None  # the API key's name, where the daemon checks keys
         self.id = new_id("chatcmpl" if kind == "chat.completion" else "cmpl")
         self.created = now()
         # a completion's logprobs: where choice i's next token's text starts
@@ -488,6 +512,11 @@ class _Outputs:
         self.gone = False  # the client hung up (event loop only)
         self.cut_message: str | None = None  # the server cut the request off (event loop only)
         self._last: float | None = None  # when the previous token came (engine thread only)
+
+    @property
+    def key(self) -> str | None:
+        """The name of the API key this choice counts against (None: keys are not checked)."""
+        return self._ctx.key
 
     def hang_up(self) -> None:
         """The client left: wake the waiting coroutine, which gives up (event loop only)."""

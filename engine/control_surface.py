@@ -7,13 +7,10 @@ the next step boundary. Calling `step()` (or running an `EngineLoop`) is what ap
 
 from __future__ import annotations
 
-import ctypes
 import math
 import time
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
-
-import torch
 
 from kvguard.engine.control import ActionResult
 from kvguard.engine.kv_cache import KV_TORCH_DTYPES, kv_dtype_name
@@ -64,19 +61,6 @@ def check_ratio(param: str, value: Any) -> float:
     if not (math.isfinite(value) and 0 < value <= 1):
         raise ParamError(param, f"{param}={value}: expected a number in (0, 1]")
     return float(value)
-
-
-def release_freed_memory(device: torch.device) -> None:
-    """Hand memory the old pool held back to the system: the CUDA caching allocator keeps
-    freed blocks for reuse, and glibc keeps freed heap pages unless trimmed."""
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        return
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc: its allocator returns large blocks itself
-        return
-    libc.malloc_trim(0)
 
 
 def allowed_name(rank: int | None) -> str | None:
@@ -291,7 +275,6 @@ class ControlSurface:
         self.runner.convert_kv(dtype, {"device": (new_n, moves)})
         self.kv_pool_share = new_n / full
         self.scheduler.block_cap = self.undo_room_cap()
-        release_freed_memory(self.runner.device)
         pause = time.perf_counter() - t0
         data = {
             "blocks_before": old_n,

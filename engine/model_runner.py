@@ -9,6 +9,7 @@ goes through here, so a distributed runner can repeat it on every rank.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import threading
@@ -50,6 +51,19 @@ def cuda_graphs_wanted(config: EngineConfig, device: torch.device, world_size: i
 
 class InjectedOOMError(RuntimeError):
     """Raised inside a forward pass by `inject_oom` (the documented fault-injection test hook)."""
+
+
+def release_freed_memory(device: torch.device) -> None:
+    """Hand memory the old pool held back to the system: the CUDA caching allocator keeps
+    freed blocks for reuse, and glibc keeps freed heap pages unless trimmed."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: its allocator returns large blocks itself
+        return
+    libc.malloc_trim(0)
 
 
 def pick_device(name: str) -> torch.device:
@@ -350,6 +364,7 @@ class ModelRunner:
         extra = max(kv.convert(pools[t], dtype, n, moves) for t, (n, moves) in tiers.items())
         if self.device.type == "cuda":  # the copies are queued: done (or failed) before the
             torch.cuda.synchronize(self.device)  # engine resumes and the pause is clocked
+        release_freed_memory(self.device)  # every rank runs this: each gives its own back
         return extra
 
     def can_convert(self, dtype: str, new_n: int) -> bool:

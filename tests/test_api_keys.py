@@ -19,6 +19,7 @@ import pytest
 
 from kvguard.daemon.api_keys import KeysFileError, digest, load_keys, read_entries
 from kvguard.daemon.cli import main
+from tests.test_disconnect import count, idle, send, state
 from tests.test_server import KVGUARD, Daemon, until
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -46,6 +47,7 @@ def keyed(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201 - (Daemon, 
         ("web", ["--max-priority", "high"]),
         ("batch", ["--max-priority", "low"]),
         ("mid", []),
+        ("capped", ["--max-requests", "2"]),
     ):
         proc = subprocess.run(
             [KVGUARD, "keys", "--file", str(path), "add", name, *flags],
@@ -125,9 +127,42 @@ def test_a_key_is_held_to_its_max_priority_and_runs_at_its_default(keyed) -> Non
     assert metric(d, "kvguard_api_auth_failures_total", reason="priority") == 2
 
 
+def test_a_key_is_held_to_its_max_requests_and_others_are_not(keyed) -> None:  # noqa: ANN001
+    d, keys, _ = keyed
+    capped = client(d, keys["capped"])
+    with pytest.raises(openai.RateLimitError) as e:  # 3 choices: past the limit of 2 at once
+        capped.completions.create(model="tiny", prompt="x", max_tokens=2, n=3)
+    assert "API key 'capped' has 0 requests queued or running" in e.value.message
+    assert e.value.response.headers["Retry-After"] == "1"
+    held = [send(d, {"prompt": "hold", "max_tokens": 400, "stream": True}, keys["capped"])]
+    held.append(send(d, {"prompt": "hold", "max_tokens": 400}, keys["capped"]))
+    try:
+        until(lambda: count(state(d), "running") == 2, 60, "two requests of the key running")
+        with pytest.raises(openai.RateLimitError) as e:
+            capped.chat.completions.create(**CHAT)
+        assert "has 2 requests queued or running and may have 2 at once" in e.value.message
+        assert e.value.body["code"] == "key_request_limit"
+        client(d, keys["mid"]).chat.completions.create(**CHAT)  # another key is not held back
+    finally:
+        for sock in held:
+            sock.close()
+    until(lambda: idle(state(d)), 30, "the held requests aborted")
+    until(lambda: _answers(capped), 30, "the key served again")
+    assert metric(d, "kvguard_api_auth_failures_total", reason="max_requests") >= 2
+
+
+def _answers(c: openai.OpenAI) -> bool:
+    """Whether a request with this client is served now (its key's slots are free)."""
+    try:
+        c.chat.completions.create(**CHAT)
+    except openai.RateLimitError:
+        return False
+    return True
+
+
 def test_sighup_applies_a_new_keys_file_and_refuses_a_broken_one(keyed, capsys) -> None:  # noqa: ANN001
     d, keys, path = keyed
-    good = path.read_text()
+    good, n = path.read_text(), len(read_entries(path)[0])
     fresh = add(path, "fresh", capsys=capsys)
     assert fresh.startswith("kvg-") and len(fresh) > 40
     with pytest.raises(openai.AuthenticationError):  # not in force before the reload
@@ -138,7 +173,7 @@ def test_sighup_applies_a_new_keys_file_and_refuses_a_broken_one(keyed, capsys) 
     path.write_text(good + "  - name: broken\n    sha256: nothex\n")
     d.proc.send_signal(signal.SIGHUP)
     log = Path(d.log.name)
-    until(lambda: "keys[3].sha256" in log.read_text(), 20, "the refused reload logged")
+    until(lambda: f"keys[{n}].sha256" in log.read_text(), 20, "the refused reload logged")
     assert "reload refused, keeping the running config" in log.read_text()
     client(d, fresh).chat.completions.create(**CHAT)  # the keys in force stay
     client(d, keys["web"]).chat.completions.create(**CHAT)
@@ -180,7 +215,7 @@ def test_keys_file_problems_are_named_by_line(tmp_path: Path) -> None:
     assert e.value.errors == [
         f"{path}:4: keys[0].max_priority: 'top' is not allowed (expected high, normal or low)",
         f"{path}:5: keys[0].colour: unknown key (expected one of: name, sha256, max_priority, "
-        "default_priority)",
+        "default_priority, max_requests)",
         f"{path}:6: keys[1]: default_priority high is above max_priority low",
     ]
     path.write_text(f"keys:\n  - {{name: a, sha256: {ok}}}\n  - {{name: a, sha256: {ok}}}\n")

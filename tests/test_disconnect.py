@@ -25,13 +25,14 @@ def daemon(tmp_path_factory):
     assert d.stop() == 0
 
 
-def send(d: Daemon, body: dict[str, Any]) -> socket.socket:
+def send(d: Daemon, body: dict[str, Any], key: str | None = None) -> socket.socket:
     """POST /v1/completions on a raw socket and leave the answer unread: the caller hangs up by
-    closing it, the way a client that gave up does."""
+    closing it, the way a client that gave up does. `key`: an API key to send."""
     data = json.dumps({"model": "tiny", "ignore_eos": True, **body}).encode()
     sock = socket.create_connection(("127.0.0.1", d.port))
+    auth = f"Authorization: Bearer {key}\r\n" if key else ""
     head = (
-        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n{auth}"
         f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
     )
     sock.sendall(head.encode() + data)

@@ -33,7 +33,13 @@ if TYPE_CHECKING:
     from kvguard.daemon.service import Service
 
 log = logging.getLogger("kvguard.control")
-AUDITED_EVENTS = ("engine_oom", "admission_halted", "admission_resumed", "kv_dtype_switched")
+AUDITED_EVENTS = (
+    "engine_oom",
+    "admission_halted",
+    "admission_resumed",
+    "kv_dtype_switched",
+    "kv_pool_resized",
+)
 STORM_WINDOW_S = 10.0
 STORM_PREEMPTIONS = 32
 MAX_ALERTS_PER_REQUEST = 100  # Alertmanager's webhook_config max_alerts keeps a group under it
@@ -298,6 +304,11 @@ def _summary(event: EngineEvent) -> str:
         )
     if event.kind == "kv_dtype_switched":
         return f"KV {d.get('from')} -> {d.get('to')} in {d.get('pause_s', 0) * 1e3:.0f} ms"
+    if event.kind == "kv_pool_resized":
+        return (
+            f"KV pool {d.get('blocks_before')} -> {d.get('blocks_after')} blocks, "
+            f"{len(d.get('preempted', []))} preempted, in {d.get('pause_s', 0) * 1e3:.0f} ms"
+        )
     return event.kind.replace("_", " ")
 
 

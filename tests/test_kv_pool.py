@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import sqlite3
 from pathlib import Path
 
 import pytest
@@ -202,3 +203,14 @@ def test_the_daemon_resizes_the_pool_on_an_admin_action_and_exports_host_memory(
     assert r.status_code == 200 and r.json()["after"]["kv_pool_blocks"] == full
     client = d.client()
     assert client.completions.create(model="tiny", prompt="x", max_tokens=3).usage
+    db = d.config.parent / "audit.db"
+
+    def resized() -> list[str]:
+        with sqlite3.connect(db) as c:
+            rows = c.execute("SELECT detail FROM events WHERE kind = 'kv_pool_resized'")
+            return [r[0] for r in rows]
+
+    until(lambda: len(resized()) == 2, 30, "both resizes in the audit log")
+    first, back = resized()
+    assert first.startswith(f"KV pool {full} -> {full // 2} blocks, 0 preempted, in ")
+    assert back.startswith(f"KV pool {full // 2} -> {full} blocks") and back.endswith(" ms")

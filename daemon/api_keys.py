@@ -241,11 +241,7 @@ def _append(path: Path, block: str) -> None:
         text = text.replace("keys: []", "keys:")
     if not text.endswith("\n"):
         text += "\n"
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text + block)
-    os.chmod(tmp, 0o644)
-    tmp.replace(path)
-    read_entries(path)  # what was written must read back
+    _write(path, text + block)
 
 
 def remove_key(path: Path, name: str) -> None:
@@ -262,8 +258,14 @@ def remove_key(path: Path, name: str) -> None:
         kept = [
             line.replace("keys:", "keys: []") if line.strip() == "keys:" else line for line in kept
         ]
+    _write(path, "".join(kept))
+
+
+def _write(path: Path, text: str) -> None:
+    """Replace the file at once (a daemon reloading meanwhile reads the old or the new one,
+    never half of one), readable by the service's user; what was written must read back."""
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(kept))
+    tmp.write_text(text)
     os.chmod(tmp, 0o644)
     tmp.replace(path)
     read_entries(path)

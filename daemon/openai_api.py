@@ -248,24 +248,19 @@ def _api_key(service: Service, authorization: str | None) -> ApiKey | None:
         return None
     scheme, _, given = (authorization or "").strip().partition(" ")
     if scheme.lower() != "bearer" or not given.strip():
-        service.metrics.auth_failures.labels("missing").inc()
-        raise ApiError(
-            401,
-            "missing API key: send it as the header Authorization: Bearer <key>",
-            code="invalid_api_key",
-            type_="authentication_error",
+        raise _unauthorized(
+            service, "missing", "missing API key: send it as the header Authorization: Bearer <key>"
         )
     key = keys.find(given.strip())
     if key is None:
-        service.metrics.auth_failures.labels("unknown").inc()
-        raise ApiError(
-            401,
-            "incorrect API key provided",
-            code="invalid_api_key",
-            type_="authentication_error",
-        )
+        raise _unauthorized(service, "unknown", "incorrect API key provided")
     service.metrics.api_requests.labels(key.name).inc()
     return key
+
+
+def _unauthorized(service: Service, reason: str, message: str) -> ApiError:
+    service.metrics.auth_failures.labels(reason).inc()
+    return ApiError(401, message, code="invalid_api_key", type_="authentication_error")
 
 
 def _within_limit(service: Service, key: ApiKey, asked: int) -> None:

@@ -256,7 +256,9 @@ def test_a_streamed_call_is_the_answer_s_call(daemon: Daemon) -> None:
 
 
 def test_auto_answers_text_or_calls(daemon: Daemon) -> None:
-    """The same request answers in text, or calls when its first token is pushed to `<`."""
+    """The same request answers in text, or calls when its first token is pushed to `<` and
+    its text must be JSON (a text answer may begin with `<` too: it only may not be a call's
+    opening)."""
     lt = httpx.post(
         daemon.url + "/tokenize",
         json={"model": "tiny", "prompt": "<", "add_special_tokens": False},
@@ -265,11 +267,21 @@ def test_auto_answers_text_or_calls(daemon: Daemon) -> None:
     text = _chat(daemon, temperature=0, logit_bias={str(lt[0]): -100}, max_tokens=16)
     assert text.choices[0].message.tool_calls is None
     assert text.choices[0].message.content and text.choices[0].finish_reason != "tool_calls"
-    called = _chat(daemon, temperature=0, logit_bias={str(lt[0]): 100}, parallel_tool_calls=False)
+    called = _chat(
+        daemon,
+        temperature=0,
+        logit_bias={str(lt[0]): 100},
+        parallel_tool_calls=False,
+        response_format={"type": "json_object"},
+    )
     choice = called.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     (call,) = choice.message.tool_calls
     _valid(call.function.name, call.function.arguments)
+    # pushed to `<` without a JSON text, it may answer in text that begins with `<`
+    tag = _chat(daemon, temperature=0, logit_bias={str(lt[0]): 100}, max_tokens=8)
+    assert tag.choices[0].message.tool_calls is None and tag.choices[0].finish_reason == "length"
+    assert tag.choices[0].message.content.startswith("<")
     # the streamed text answer is the whole one, and holds nothing back at its end
     chunks = _chat(daemon, temperature=0, logit_bias={str(lt[0]): -100}, max_tokens=16, stream=True)
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)

@@ -9,8 +9,9 @@ matters. While an open-loop load runs (this process, over HTTP), the faults are:
                ext2/3/4) another connection's BEGIN EXCLUSIVE stands in. One manual action is
                taken meanwhile, so a row has to wait until the file is writable again
   engine-oom   one out-of-memory fault inside an engine step (POST /admin/debug/inject_oom)
-  kv-pool      the device KV pool shrunk to a quarter of its bytes (shrink_kv_pool), held,
-               then restored (restore_kv_pool): what does not fit is preempted, nothing lost
+  kv-pool      long requests fill the device KV pool past half; it is shrunk (shrink_kv_pool
+               0.25, held at one max_model_len request), held, then restored
+               (restore_kv_pool): what does not fit is preempted, nothing lost
   sighup-bad   SIGHUP with a broken rules file: the old rules must stay
   sighup-good  SIGHUP with a good rules file: the new rules must be in force
   disconnect   20 streaming clients hang up mid-stream
@@ -98,10 +99,11 @@ class Timing:
     warmup_s: float
     rps: float
     disconnects: int = 20
+    longs: int = 8  # the kv-pool fault's long requests
 
 
-FULL = Timing(prom_down_s=30, lock_s=10, settle_s=8, warmup_s=10, rps=0.7)
-QUICK = Timing(prom_down_s=8, lock_s=4, settle_s=3, warmup_s=4, rps=0.5)
+FULL = Timing(prom_down_s=30, lock_s=10, settle_s=8, warmup_s=10, rps=0.7, longs=8)
+QUICK = Timing(prom_down_s=8, lock_s=4, settle_s=3, warmup_s=4, rps=0.5, longs=6)
 
 
 # ----------------------------------------------------------------------------- Prometheus
@@ -200,6 +202,15 @@ class Load(threading.Thread):
             asyncio.run_coroutine_threadsafe(self._hang_up(), self.loop) for _ in range(n)
         ]
 
+    async def _long(self) -> Outcome:
+        a = self.arrival()
+        return await self._one(Arrival(0.0, a.prompt_ids[:64], 160, "low", False))
+
+    def longs(self, n: int) -> None:
+        """n low-priority requests of 160 output tokens, from inside the load's loop: enough
+        live KV that a smaller pool cannot hold it."""
+        self.extra += [asyncio.run_coroutine_threadsafe(self._long(), self.loop) for _ in range(n)]
+
     def stop(self) -> None:
         self.halt.set()
         self.join(600)
@@ -293,9 +304,17 @@ class Chaos:
         r = self.d.admin("POST", "/admin/debug/inject_oom", json={"times": 1})
         return f"inject_oom: HTTP {r.status_code} {r.text[:80]}"
 
-    def kv_pool(self) -> str:
-        """The device KV pool shrunk to a quarter under load (what the host-mem rule does at
-        half), held, then restored: requests that do not fit are preempted, none lost."""
+    def kv_pool(self, load: Load) -> str:
+        """Long requests fill the pool past half; it is then shrunk to a quarter (held at one
+        max_model_len request: half of this one), held, and restored: what does not fit is
+        preempted and finishes later, nothing is lost."""
+        load.longs(self.t.longs)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            kv = self.d.state()["kv"]["device"]
+            if kv["blocks_used"] > kv["blocks_total"] // 2:
+                break
+            time.sleep(0.2)
         r = self.d.admin("POST", "/admin/actions/shrink_kv_pool", json={"share": 0.25})
         self.manual_actions += 1
         body = r.json() if r.status_code == 200 else {}
@@ -421,7 +440,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         chaos.fault("prometheus", chaos.prometheus_down)
         chaos.fault("audit-ro", chaos.audit_readonly)
         chaos.fault("engine-oom", chaos.engine_oom)
-        chaos.fault("kv-pool", chaos.kv_pool)
+        chaos.fault("kv-pool", lambda: chaos.kv_pool(load))
         chaos.fault("sighup-bad", lambda: chaos.sighup(BROKEN_RULES))
         # a visibly different good file: the rule's new name proves the reload took effect
         chaos.fault("sighup-good", lambda: chaos.sighup(good.replace("fleet-kv,", "fleet-kv-v2,")))

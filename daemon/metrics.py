@@ -376,6 +376,12 @@ class Metrics:
             ["key"],
             registry=r,
         )
+        self.api_tokens = Counter(
+            "kvguard_api_key_tokens",
+            "Tokens served by API key name: each prompt once, and the generated ones",
+            ["key", "kind"],
+            registry=r,
+        )
         self.auth_failures = Counter(
             "kvguard_api_auth_failures",
             "Requests refused for their API key: missing, unknown, or asking for a priority "

@@ -513,6 +513,11 @@ class _Outputs:
         """The name of the API key this choice counts against (None: keys are not checked)."""
         return self._ctx.key
 
+    @property
+    def n(self) -> int:
+        """Choices per prompt in this choice's request."""
+        return self._ctx.n
+
     def hang_up(self) -> None:
         """The client left: wake the waiting coroutine, which gives up (event loop only)."""
         self.gone = True
@@ -655,14 +660,25 @@ def _failure(service: Service, out: RequestOutput, outputs: _Outputs) -> ApiErro
 
 
 def _end(
-    service: Service, streams: Sequence[RequestStream], outs: Sequence[_Outputs], finished: set[int]
+    service: Service,
+    streams: Sequence[RequestStream],
+    outs: Sequence[_Outputs],
+    finals: dict[int, RequestOutput],
 ) -> None:
     """The request's answer is complete or failed: the watch's and drain's hold on its
-    choices ends, and a choice still running (another one failed) is aborted."""
+    choices ends, a choice still running (another one failed) is aborted, and its API key
+    is charged for the tokens of the choices that finished."""
     for i, (stream, outputs) in enumerate(zip(streams, outs, strict=True)):
         service.requests.discard(outputs)
-        if i not in finished:
+        if i not in finals:
             service.loop.abort_stream(stream)
+    key = outs[0].key if outs else None
+    if key is not None and finals:
+        n = outs[0].n
+        prompts = {i // n: out.num_prompt_tokens for i, out in finals.items()}
+        tokens = service.metrics.api_tokens
+        tokens.labels(key, "prompt").inc(sum(prompts.values()))
+        tokens.labels(key, "completion").inc(sum(o.num_output_tokens for o in finals.values()))
 
 
 async def _wait_final(
@@ -686,7 +702,7 @@ async def _wait_final(
         raise _cut_error(service, None, str(e)) from None
     finally:
         watch.stop()
-        _end(service, streams, outs, set(finals))
+        _end(service, streams, outs, finals)
     return [finals[i] for i in range(len(outs))]
 
 
@@ -881,4 +897,4 @@ async def _sse(
         yield _sse_line(_cut_error(ctx.service, None, str(e)).body())
     finally:
         watch.stop()
-        _end(ctx.service, streams, outs, set(finals))
+        _end(ctx.service, streams, outs, finals)

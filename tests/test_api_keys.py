@@ -160,6 +160,31 @@ def _answers(c: openai.OpenAI) -> bool:
     return True
 
 
+def test_each_key_is_charged_the_tokens_its_requests_were_served(keyed) -> None:  # noqa: ANN001
+    d, keys, _ = keyed
+
+    def charged() -> tuple[float, float]:
+        return tuple(
+            metric(d, "kvguard_api_key_tokens_total", key="mid", kind=k)
+            for k in ("prompt", "completion")
+        )
+
+    mid = client(d, keys["mid"])
+    before = charged()
+    r = mid.completions.create(model="tiny", prompt=["one two", "three"], max_tokens=3, n=2)
+    chunks = mid.chat.completions.create(
+        **{**CHAT, "max_tokens": 4}, stream=True, stream_options={"include_usage": True}
+    )
+    streamed = [c.usage for c in chunks if c.usage is not None][0]
+    after = charged()
+    want = (
+        r.usage.prompt_tokens + streamed.prompt_tokens,
+        r.usage.completion_tokens + streamed.completion_tokens,
+    )
+    assert (after[0] - before[0], after[1] - before[1]) == want
+    assert want[1] == 2 * 2 * 3 + 4  # 2 prompts x 2 choices x 3 tokens, then 4
+
+
 def test_sighup_applies_a_new_keys_file_and_refuses_a_broken_one(keyed, capsys) -> None:  # noqa: ANN001
     d, keys, path = keyed
     good, n = path.read_text(), len(read_entries(path)[0])

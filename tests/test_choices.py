@@ -126,6 +126,8 @@ def test_a_refused_choice_refuses_the_request_and_ends_the_others(queue_daemon: 
         assert e.value.message.endswith("queue full (1 waiting)")  # the first choice waited
         # and was ended with the request: only the holder is left
         until(lambda: count(state(d), "waiting") == 0, 10, "the queued choice ended")
+        # the metrics are rebuilt from the engine's snapshot at most every second
+        until(lambda: finished(d, "abort") - aborts == 1, 10, "its abort counted")
         assert count(state(d), "running") == 1 and finished(d, "abort") - aborts == 1
     finally:
         holder.close()

@@ -119,7 +119,7 @@ class _Section(BaseModel):
 # -- sections ------------------------------------------------------------------------------------
 # The engine's knobs (kvguard.engine.knobs) as they appear in the file. `Size`, `Duration` and
 # `Device` report a bad value in the operator's terms ("'256 megs' is not a size (expected ...)").
-_ENGINE_KNOBS = knob_fields(EngineConfig)
+ENGINE_KNOBS = knob_fields(EngineConfig)
 _FILE_KINDS: dict[str, Any] = {"size": Size, "duration": Duration, "device": Device}
 
 
@@ -152,7 +152,7 @@ def _knob_section(section: str) -> type[_Section]:
     The section classes below subclass it to add what only the daemon knows (keys it accepts but
     refuses to serve, checks across keys), so each engine knob is defined once, on EngineConfig.
     """
-    fields = {k.file_key: _knob_field(k) for k in _ENGINE_KNOBS if k.knob.section == section}
+    fields = {k.file_key: _knob_field(k) for k in ENGINE_KNOBS if k.knob.section == section}
     return create_model(f"_{section}_knobs", __base__=_Section, **fields)  # type: ignore[call-overload]
 
 
@@ -312,11 +312,11 @@ class DaemonConfig(_Section):
         if problems:
             raise ConfigFileError([self._line(loc, msg) for loc, msg in problems])
         engine = build(
-            EngineConfig, {k.path: k.to_engine(self._knob_value(k)) for k in _ENGINE_KNOBS}
+            EngineConfig, {k.path: k.to_engine(self.knob_value(k)) for k in ENGINE_KNOBS}
         )
         return replace(engine, distributed=self.serving.distributed.to_engine())
 
-    def _knob_value(self, k: KnobField) -> Any:
+    def knob_value(self, k: KnobField) -> Any:
         """An engine knob's value as the file gives it; a null meaning "auto" is resolved here."""
         if k.path == ("admission", "reserved_headroom_bytes"):
             return self.reserved_headroom_mb()

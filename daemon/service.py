@@ -27,12 +27,19 @@ from kvguard.daemon import gc_policy, sdnotify
 from kvguard.daemon.api_keys import ApiKeys, KeysFileError, load_keys
 from kvguard.daemon.audit import AuditStore
 from kvguard.daemon.audit_migrate import shown
-from kvguard.daemon.config import ConfigFileError, DaemonConfig, load_config, state_dir
+from kvguard.daemon.config import (
+    ENGINE_KNOBS,
+    ConfigFileError,
+    DaemonConfig,
+    load_config,
+    state_dir,
+)
 from kvguard.daemon.control_plane import ControlPlane
 from kvguard.daemon.logging_setup import configure_logging
 from kvguard.daemon.metrics import ControlPlaneCollector, Metrics, TensorParallelCollector
 from kvguard.daemon.nvml import NvmlReader
 from kvguard.engine.engine_loop import EngineLoop
+from kvguard.engine.knobs import KnobField
 from kvguard.engine.llm_engine import LLMEngine
 from kvguard.engine.snapshot import EngineSnapshot
 from kvguard.rules.actions import run_action
@@ -48,6 +55,7 @@ CUT_GRACE_S = 5.0
 FATAL_EXIT_CODE = 1
 FATAL_EXIT_DEADLINE_S = 20.0
 ENGINE_SHUTDOWN_S = 15.0  # stopping the workers: the runner asks, waits, then kills
+RECONFIGURE_TIMEOUT_S = 30.0  # a reload waits this long for the engine to take new knobs
 
 
 class _Server(uvicorn.Server):
@@ -399,7 +407,13 @@ class Service:
                     "reload refused, keeping the running rules: %s", "; ".join(rules["errors"])
                 )
                 return {"reloaded": False, "reason": "\n".join(rules["errors"])}
-            changes = self._apply_reloadable(new)
+            changes, restart = self._apply_reloadable(new)
+            if restart:
+                log.warning(
+                    "reload: %s changed in the file and take%s effect at the next restart",
+                    ", ".join(restart),
+                    "s" if len(restart) == 1 else "",
+                )
             if _key_names(keys) != _key_names(self.api_keys):
                 changes["api.api_keys_file"] = (
                     None if keys is None else f"{keys.path} ({len(keys)} keys)"
@@ -412,7 +426,7 @@ class Service:
             self.audit.record_event(
                 "reload", detail=f"{self.config_path}", data={"changes": changes, **rules}
             )
-            return {"reloaded": True, "changes": changes, **rules}
+            return {"reloaded": True, "changes": changes, "restart_needed": restart, **rules}
         except (ConfigFileError, KeysFileError) as e:
             log.error("reload refused, keeping the running config: %s", e)
             self.audit.record_event(
@@ -432,18 +446,34 @@ class Service:
         finally:
             sdnotify.ready(self._status_line())
 
-    def _apply_reloadable(self, new: DaemonConfig) -> dict[str, Any]:
-        """Take what can change without a restart (timeouts, rules); the rest needs one."""
-        changes = {}
+    def _apply_reloadable(self, new: DaemonConfig) -> tuple[dict[str, Any], list[str]]:
+        """Take what can change without a restart: timeouts, rules, Prometheus, API keys and
+        the engine knobs declared live (batch limits, the step budget, admission control, the
+        CPU KV budget), applied to the running engine; (what changed, what changed in the file
+        but waits for a restart). `self.cfg` stays what is in force."""
+        changes: dict[str, Any] = {}
         if new.api.drain_timeout != self.cfg.api.drain_timeout:
             changes["api.drain_timeout"] = new.api.drain_timeout
-        api = self.cfg.api.model_copy(
+        live, restart = engine_changes(self.cfg, new)
+        if live:
+            values = {k.path: k.to_engine(new.knob_value(k)) for k in live}
+            res = self.engine.reconfigure(values).result(timeout=RECONFIGURE_TIMEOUT_S)
+            if not res.ok:
+                raise RuntimeError(f"the engine refused part of the change: {res.detail}")
+            changes |= {f"{k.knob.section}.{k.file_key}": new.knob_value(k) for k in live}
+        cfg = self.cfg
+        for k in live:
+            section = getattr(cfg, k.knob.section)
+            value = getattr(getattr(new, k.knob.section), k.file_key)  # as the file gives it
+            moved = section.model_copy(update={k.file_key: value})
+            cfg = cfg.model_copy(update={k.knob.section: moved})
+        api = cfg.api.model_copy(
             update={"drain_timeout": new.api.drain_timeout, "api_keys_file": new.api.api_keys_file}
         )
-        self.cfg = self.cfg.model_copy(
+        self.cfg = cfg.model_copy(
             update={"api": api, "rules": new.rules, "prometheus": new.prometheus}
         )
-        return changes
+        return changes, restart
 
     @staticmethod
     def _load_keys(cfg: DaemonConfig) -> ApiKeys | None:
@@ -536,6 +566,28 @@ class Service:
             "dropped": a.dropped,
             "written": a.written,
         }
+
+
+def engine_changes(old: DaemonConfig, new: DaemonConfig) -> tuple[list[KnobField], list[str]]:
+    """What differs between two config files: the engine knobs a reload applies (declared
+    live), and the keys (`section.key`) of everything else that differs, which wait for a
+    restart. Rules, Prometheus, the drain timeout and the API keys file are the reload's own."""
+    live, restart = [], []
+    for k in ENGINE_KNOBS:
+        if old.knob_value(k) != new.knob_value(k):
+            (live if k.knob.live else restart).append(k)
+    later = [f"{k.knob.section}.{k.file_key}" for k in restart]
+    reloaded = {("api", "drain_timeout"), ("api", "api_keys_file")}
+    knobs = {(k.knob.section, k.file_key) for k in ENGINE_KNOBS}
+    for section in DaemonConfig.model_fields:
+        if section in ("rules", "prometheus"):
+            continue
+        was, now = getattr(old, section).model_dump(), getattr(new, section).model_dump()
+        for key in sorted(set(was) | set(now)):
+            if (section, key) in reloaded | knobs or was.get(key) == now.get(key):
+                continue
+            later.append(f"{section}.{key}")
+    return live, later
 
 
 def _loopback(host: str) -> bool:

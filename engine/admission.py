@@ -70,11 +70,16 @@ class AdmissionConfig:
 
     enable: bool = knob(True, section="admission_control", doc="project KV peaks before admitting")
     safety_factor: float = knob(
-        1.15, section="admission_control", ge=1.0, doc="margin on each request's projected KV peak"
+        1.15,
+        section="admission_control",
+        live=True,
+        ge=1.0,
+        doc="margin on each request's projected KV peak",
     )
     reserved_headroom_bytes: int = knob(
         0,
         section="admission_control",
+        live=True,
         key="reserved_headroom_mb",
         scale=MiB,
         ge=0,
@@ -84,17 +89,22 @@ class AdmissionConfig:
         doc="KV budget kept free of commitments; unset: 2048 MiB on CUDA, 0 on CPU",
     )
     dynamic_max_tokens: bool = knob(
-        True, section="admission_control", doc="shorten max_tokens as KV usage climbs (seed §5.2)"
+        True,
+        section="admission_control",
+        live=True,
+        doc="shorten max_tokens as KV usage climbs (seed §5.2)",
     )
     max_queue: int = knob(
         256,
         section="admission_control",
+        live=True,
         ge=0,
         doc="requests that may wait however slowly the queue moves (see max_queue_wait)",
     )
     max_queue_wait_s: float = knob(
         60.0,
         section="admission_control",
+        live=True,
         key="max_queue_wait",
         kind="duration",
         ge=0.0,
@@ -104,6 +114,7 @@ class AdmissionConfig:
     high_priority_reserve: float = knob(
         0.10,
         section="admission_control",
+        live=True,
         ge=0.0,
         lt=1.0,
         doc="share of the budget only `high` priority may commit into (0 = none)",
@@ -118,6 +129,7 @@ class AdmissionConfig:
     max_overcommit: float = knob(
         1.5,
         section="admission_control",
+        live=True,
         ge=1.0,
         doc="how far past the budget predicted admission may plan while steps are calm (cut on "
         "every step that preempts or ends with device KV at 0.9 or more; 1 = never)",
@@ -125,6 +137,7 @@ class AdmissionConfig:
     low_priority_delay_s: float = knob(
         1.0,
         section="admission_control",
+        live=True,
         key="low_priority_delay",
         kind="duration",
         ge=0.0,
@@ -137,6 +150,7 @@ class AdmissionConfig:
     estimate_quantile: float = knob(
         0.5,
         section="admission_control",
+        live=True,
         gt=0.0,
         le=1.0,
         doc="quantile of recent output / max_tokens that predicted admission plans for",

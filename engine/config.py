@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvguard.engine.admission import AdmissionConfig
-from kvguard.engine.knobs import ConfigError, MiB, check_knobs, knob
+from kvguard.engine.knobs import ConfigError, MiB, check_knobs, knob, knob_fields
 
 __all__ = ["KV_DTYPES", "ConfigError", "EngineConfig", "kvguard_home", "parse_bytes"]
 
@@ -131,6 +131,7 @@ class EngineConfig:
     kv_cache_bytes: int | str = knob(
         256 * MiB,
         section="serving",
+        live=True,
         kind="size",
         gt=0,
         doc="the KV budget on CPU (CUDA sizes the pool from gpu_memory_utilization)",
@@ -143,7 +144,7 @@ class EngineConfig:
         doc="share of GPU memory kvguard may use; the KV pool is sized after profiling",
     )
     block_size: int = knob(16, section="serving", choices=(8, 16, 32, 64), doc="tokens per block")
-    max_num_seqs: int = knob(32, section="serving", ge=1, doc="sequences in one batch")
+    max_num_seqs: int = knob(32, section="serving", live=True, ge=1, doc="sequences in one batch")
     max_model_len: int = knob(4096, section="serving", ge=1, doc="prompt + output tokens")
     kv_cache_dtype: str = knob(
         "auto",
@@ -162,11 +163,16 @@ class EngineConfig:
         "cached blocks count as free and are overwritten least recently used first",
     )
     max_num_batched_tokens: int = knob(
-        2048, section="serving", ge=1, doc="tokens one step may process, prefill and decode"
+        2048,
+        section="serving",
+        live=True,
+        ge=1,
+        doc="tokens one step may process, prefill and decode",
     )
     prefill_while_decoding: int | None = knob(
         None,
         section="serving",
+        live=True,
         ge=1,
         doc="prompt tokens a step may run while other sequences decode (bounds their "
         "inter-token latency and a new request's wait); unset: 128 on CPU, no extra bound on CUDA",
@@ -174,12 +180,14 @@ class EngineConfig:
     grammar_jump_forward: bool = knob(
         True,
         section="serving",
+        live=True,
         doc="tokens a request's grammar forces (a schema's keys and punctuation, a tool call's "
         "frame) are appended at once and computed in one chunk, not drawn a step each",
     )
     interrupt_for_high: bool = knob(
         True,
         section="serving",
+        live=True,
         doc="a high-priority arrival interrupts the step in flight between two layers (its "
         "work is redone next step) so the high prompt starts at once; one process only",
     )
@@ -236,6 +244,7 @@ class EngineConfig:
     oom_quiet_period_s: float = knob(
         10.0,
         section="serving",
+        live=True,
         key="oom_quiet_period",
         kind="duration",
         gt=0.0,
@@ -324,3 +333,8 @@ class EngineConfig:
     def world_size(self) -> int:
         """Ranks of the whole engine: a tensor-parallel group per pipeline stage."""
         return self.tensor_parallel * self.pipeline_parallel
+
+
+# The knobs a reload (SIGHUP) applies to a running engine (`LLMEngine.reconfigure`); the rest
+# take effect at the next start.
+LIVE_KNOBS = frozenset(k.path for k in knob_fields(EngineConfig) if k.knob.live)

@@ -7,12 +7,16 @@ the next step boundary. Calling `step()` (or running an `EngineLoop`) is what ap
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
+from kvguard.engine.admission import AdmissionConfig
+from kvguard.engine.config import LIVE_KNOBS
 from kvguard.engine.control import ActionResult
+from kvguard.engine.knobs import KnobPath
 from kvguard.engine.kv_cache import KV_TORCH_DTYPES, kv_dtype_name
 from kvguard.engine.sequence import PRIORITY_NAMES, Status, parse_priority
 
@@ -291,6 +295,63 @@ class ControlSurface:
             True,
             data,
         )
+
+    # -- configuration ----------------------------------------------------------------------
+    def reconfigure(self: LLMEngine, values: dict[KnobPath, Any]) -> Future:
+        """Apply knobs a reload changed, those declared `live`, at the next step boundary.
+        The configured batch limit and step budget are what a remedy's undo restores; one a
+        remedy has lowered stays lowered unless the new value is lower still."""
+        not_live = [".".join(p) for p in values if p not in LIVE_KNOBS]
+        if not_live:
+            raise ValueError(f"{', '.join(not_live)}: take effect at a restart, not a reload")
+        inner = {p[1]: v for p, v in values.items() if p[0] == "admission"}
+        if inner:  # bounds checked now, in the caller's thread (AdmissionConfig's own check)
+            dataclasses.replace(self.config.admission or AdmissionConfig(), **inner)
+
+        def apply() -> tuple[str, bool, dict]:
+            said, ok = [], True
+            for path, value in values.items():
+                detail, done = self._set_knob(path, value)
+                said.append(detail)
+                ok = ok and done
+            changed = {".".join(p): v for p, v in values.items()}
+            return "; ".join(said), ok, {"changed": changed}
+
+        return self._act("reconfigure", apply)
+
+    def _set_knob(self: LLMEngine, path: KnobPath, value: Any) -> tuple[str, bool]:
+        name = path[-1]
+        if path[0] == "admission":
+            fresh = dataclasses.replace(self.config.admission or AdmissionConfig(), **{name: value})
+            self.config.admission = fresh
+            if self.admission is not None:
+                self.admission.config = fresh
+                self.admission.estimator.quantile = fresh.estimate_quantile
+            return f"admission_control.{name}={value}", True
+        old = getattr(self.config, name)
+        setattr(self.config, name, value)
+        sch = self.scheduler
+        if name == "max_num_seqs":
+            limit = value if sch.max_num_seqs == old else min(sch.max_num_seqs, value)
+            sch.max_num_seqs = limit
+            moved = sch.shrink_running(limit)
+            return f"max_num_seqs={value} (in force {limit}; {len(moved)} preempted)", True
+        if name == "max_num_batched_tokens":
+            cur = sch.max_num_batched_tokens
+            self.configured_batched_tokens = value
+            sch.max_num_batched_tokens = value if cur == old else min(cur, value)
+            return f"max_num_batched_tokens={value} (in force {sch.max_num_batched_tokens})", True
+        if name == "prefill_while_decoding":
+            from kvguard.engine.llm_engine import prefill_while_decoding  # it imports this module
+
+            sch.prefill_while_decoding = prefill_while_decoding(self.config, self.runner.device)
+        if name == "kv_cache_bytes":
+            if self.runner.device.type != "cpu":
+                return "kv_cache_bytes: unused on this device (gpu_memory_utilization)", True
+            self.kv_cache.budget_bytes = int(value)
+            detail, done, _ = self._resize_pool(self.kv_pool_share)
+            return f"kv_cache_bytes={value}: {detail}", done
+        return f"{name}={value}", True
 
     # -- offload ----------------------------------------------------------------------------
     def set_offload(self: LLMEngine, enabled: bool) -> Future:

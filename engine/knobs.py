@@ -69,6 +69,8 @@ class Knob:
     # The file's default, where serving operators want another than library users; None there
     # means "auto", resolved by the daemon (e.g. a headroom that depends on the device).
     file_default: Any = SAME
+    # A reload (SIGHUP) applies it to the running engine; the others take effect at a restart.
+    live: bool = False
 
     def expected(self) -> str:
         """What a valid value looks like, for error messages."""

@@ -1,0 +1,101 @@
+"""A reload applies the knobs that can change live to the running engine, and names the rest.
+
+Through the engine: batch limit, step budget, admission knobs and the CPU KV budget change at
+a step boundary; a limit a remedy lowered stays lowered (its undo restores the new configured
+value); knobs that need a restart are refused by name. Through a live `kvguard serve`: a
+reload changes them without a restart, says which changes wait for one, and a file with a bad
+value changes nothing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvguard.engine.admission import AdmissionConfig
+from kvguard.engine.knobs import ConfigError
+from tests.test_engine import PROMPTS, make_engine
+from tests.test_kv_pool import apply, finish
+from tests.test_remedies import greedy
+from tests.test_server import Daemon, until
+
+
+def test_the_engine_takes_live_knobs_at_a_step_boundary() -> None:
+    engine = make_engine(kv_cache_bytes="1MiB", max_model_len=128, admission=AdmissionConfig())
+    full = engine.block_manager.num_blocks
+    rids = [engine.add_request(p, greedy(16)) for p in PROMPTS]
+    engine.step()
+    res = apply(
+        engine,
+        engine.reconfigure(
+            {
+                ("max_num_seqs",): 4,
+                ("max_num_batched_tokens",): 512,
+                ("kv_cache_bytes",): 512 * 1024,
+                ("admission", "max_queue"): 9,
+                ("admission", "estimate_quantile"): 0.75,
+                ("interrupt_for_high",): False,
+            }
+        ),
+    )
+    assert res.ok, res.detail
+    assert res.after["max_num_seqs"] == 4 and len(engine.scheduler.running) <= 4
+    assert res.after["max_num_batched_tokens"] == 512
+    assert res.after["kv_pool_blocks"] == full // 2
+    assert engine.config.max_num_seqs == 4 and engine.config.kv_cache_bytes == 512 * 1024
+    assert engine.admission.config.max_queue == 9 and engine.admission.estimator.quantile == 0.75
+    assert engine.config.interrupt_for_high is False
+    # a remedy's lower limit stays in force; its undo restores the newly configured value
+    assert apply(engine, engine.reduce_max_num_seqs(0.5)).after["max_num_seqs"] == 2
+    assert apply(engine, engine.reconfigure({("max_num_seqs",): 6})).after["max_num_seqs"] == 2
+    assert apply(engine, engine.set_max_num_seqs(6)).after["max_num_seqs"] == 6
+    done = finish(engine)
+    assert all(len(done[r]) == 16 for r in rids)
+    with pytest.raises(ValueError, match="max_model_len: take effect at a restart"):
+        engine.reconfigure({("max_model_len",): 64})
+    with pytest.raises(ConfigError, match="safety_factor"):
+        engine.reconfigure({("admission", "safety_factor"): 0.5})
+
+
+def test_a_reload_changes_live_knobs_without_a_restart_and_names_the_rest(tmp_path: Path) -> None:
+    serving = "{model: tiny, kv_cache_bytes: 2MiB, max_model_len: 512}"
+    d = Daemon(tmp_path, serving=serving, extra="admission_control: {max_queue: 256}\n")
+    try:
+        knobs = d.admin("GET", "/admin/state").json()["knobs"]
+        full, pid = knobs["kv_pool_blocks"], d.proc.pid
+        text = d.config.read_text()
+        d.config.write_text(
+            text.replace(
+                serving,
+                "{model: tiny, kv_cache_bytes: 1MiB, max_model_len: 256, max_num_seqs: 8}",
+            ).replace("{max_queue: 256}", "{max_queue: 9, max_queue_wait: 5s}")
+            + "monitoring: {snapshot_interval: 2s}\n"
+        )
+        r = d.admin("POST", "/admin/reload").json()
+        assert r["reloaded"], r
+        assert r["changes"] == {
+            "serving.kv_cache_bytes": 1 << 20,
+            "serving.max_num_seqs": 8,
+            "admission_control.max_queue": 9,
+            "admission_control.max_queue_wait": 5.0,
+        }
+        assert r["restart_needed"] == ["serving.max_model_len", "monitoring.snapshot_interval"]
+        knobs = d.admin("GET", "/admin/state").json()["knobs"]
+        assert knobs["max_num_seqs"] == 8 and knobs["kv_pool_blocks"] == full // 2
+        assert d.proc.pid == pid and d.proc.poll() is None  # no restart
+        log = Path(d.log.name)
+        until(lambda: "take effect at the next restart" in log.read_text(), 10, "the warning")
+        assert "serving.max_model_len, monitoring.snapshot_interval changed in the file" in (
+            log.read_text()
+        )
+        # the same file again: nothing changes, the restart is still pending
+        again = d.admin("POST", "/admin/reload").json()
+        assert again["changes"] == {} and again["restart_needed"] == r["restart_needed"]
+        # a value out of bounds refuses the whole reload
+        d.config.write_text(d.config.read_text().replace("max_num_seqs: 8", "max_num_seqs: 0"))
+        bad = d.admin("POST", "/admin/reload")
+        assert bad.status_code == 400 and "max_num_seqs" in bad.json()["error"]["message"]
+        assert d.admin("GET", "/admin/state").json()["knobs"]["max_num_seqs"] == 8
+        assert d.client().completions.create(model="tiny", prompt="x", max_tokens=2).usage
+    finally:
+        assert d.stop() == 0

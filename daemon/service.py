@@ -43,6 +43,7 @@ from kvguard.engine.knobs import KnobField
 from kvguard.engine.llm_engine import LLMEngine
 from kvguard.engine.snapshot import EngineSnapshot
 from kvguard.rules.actions import run_action
+from kvguard.rules.schema import default_rules_path, load_rules
 
 log = logging.getLogger("kvguard.daemon")
 STALL_AFTER_S = 30.0  # an engine loop without a heartbeat this long is not ready
@@ -401,13 +402,16 @@ class Service:
                 }
             new = load_config(self.config_path)
             keys = self._load_keys(new)  # a bad keys file refuses the reload like a bad config
+            # the rules file is checked before the engine takes new knobs, and the engine's
+            # change is all or nothing, so a refused reload has changed nothing
+            valid = _rules_valid(new)
+            changes, restart = self._apply_reloadable(new) if valid else ({}, [])
             rules = self.control.reload(new.rules.path, new.rules.dry_run) if self.control else {}
             if rules.get("rules_reloaded") is False:
                 log.error(
                     "reload refused, keeping the running rules: %s", "; ".join(rules["errors"])
                 )
                 return {"reloaded": False, "reason": "\n".join(rules["errors"])}
-            changes, restart = self._apply_reloadable(new)
             if restart:
                 log.warning(
                     "reload: %s changed in the file and take%s effect at the next restart",
@@ -458,8 +462,8 @@ class Service:
         if live:
             values = {k.path: k.to_engine(new.knob_value(k)) for k in live}
             res = self.engine.reconfigure(values).result(timeout=RECONFIGURE_TIMEOUT_S)
-            if not res.ok:
-                raise RuntimeError(f"the engine refused part of the change: {res.detail}")
+            if not res.ok:  # the engine changed nothing
+                raise ConfigFileError([f"{self.config_path}: {res.detail}"])
             changes |= {f"{k.knob.section}.{k.file_key}": new.knob_value(k) for k in live}
         cfg = self.cfg
         for k in live:
@@ -588,6 +592,15 @@ def engine_changes(old: DaemonConfig, new: DaemonConfig) -> tuple[list[KnobField
                 continue
             later.append(f"{section}.{key}")
     return live, later
+
+
+def _rules_valid(cfg: DaemonConfig) -> bool:
+    """Whether the rules file `cfg` names loads (the control plane words the refusal)."""
+    try:
+        load_rules(Path(cfg.rules.path) if cfg.rules.path else default_rules_path())
+    except Exception:  # noqa: BLE001 - whatever it is, the reload is refused
+        return False
+    return True
 
 
 def _loopback(host: str) -> bool:

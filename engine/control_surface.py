@@ -309,6 +309,10 @@ class ControlSurface:
             dataclasses.replace(self.config.admission or AdmissionConfig(), **inner)
 
         def apply() -> tuple[str, bool, dict]:
+            if (budget := values.get(("kv_cache_bytes",))) is not None:
+                problem = self._budget_problem(int(budget))
+                if problem:  # nothing applied: a reload is all or nothing
+                    return f"refused: {problem}", False, {}
             said, ok = [], True
             for path, value in values.items():
                 detail, done = self._set_knob(path, value)
@@ -318,6 +322,22 @@ class ControlSurface:
             return "; ".join(said), ok, {"changed": changed}
 
         return self._act("reconfigure", apply)
+
+    def _budget_problem(self: LLMEngine, budget: int) -> str | None:
+        """Why a CPU KV budget of `budget` bytes cannot be taken now: it must hold a block,
+        and every request in flight must still be able to grow to its length limit (it was
+        admitted against the pool it found)."""
+        if self.runner.device.type != "cpu":
+            return None
+        blocks = budget // self.kv_cache.bytes_per_block
+        bm = self.block_manager
+        need = max((bm.blocks_for(s.max_total_len) for s in self.scheduler.live()), default=1)
+        if blocks < need:
+            return (
+                f"kv_cache_bytes={budget} holds {blocks} blocks and requests in flight may "
+                f"grow to {need}; lower it when they have finished"
+            )
+        return None
 
     def _set_knob(self: LLMEngine, path: KnobPath, value: Any) -> tuple[str, bool]:
         name = path[-1]

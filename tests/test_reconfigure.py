@@ -14,6 +14,7 @@ import pytest
 
 from kvguard.engine.admission import AdmissionConfig
 from kvguard.engine.knobs import ConfigError
+from tests.test_disconnect import count, idle, send, state
 from tests.test_engine import PROMPTS, make_engine
 from tests.test_kv_pool import apply, finish
 from tests.test_remedies import greedy
@@ -51,6 +52,13 @@ def test_the_engine_takes_live_knobs_at_a_step_boundary() -> None:
     assert apply(engine, engine.set_max_num_seqs(6)).after["max_num_seqs"] == 6
     done = finish(engine)
     assert all(len(done[r]) == 16 for r in rids)
+    # a budget the requests in flight could outgrow is refused, and nothing else changes
+    rid = engine.add_request(list(range(3, 100)), greedy(24))  # may grow to 128 tokens
+    engine.step()
+    no = apply(engine, engine.reconfigure({("max_num_seqs",): 3, ("kv_cache_bytes",): 8192}))
+    assert not no.ok and "requests in flight may grow to 8" in no.detail, no.detail
+    assert no.after == no.before and engine.config.max_num_seqs == 6
+    assert len(finish(engine)[rid]) == 24
     with pytest.raises(ValueError, match="max_model_len: take effect at a restart"):
         engine.reconfigure({("max_model_len",): 64})
     with pytest.raises(ConfigError, match="safety_factor"):
@@ -96,6 +104,26 @@ def test_a_reload_changes_live_knobs_without_a_restart_and_names_the_rest(tmp_pa
         bad = d.admin("POST", "/admin/reload")
         assert bad.status_code == 400 and "max_num_seqs" in bad.json()["error"]["message"]
         assert d.admin("GET", "/admin/state").json()["knobs"]["max_num_seqs"] == 8
+        # a KV budget the request in flight could outgrow refuses the reload, knobs and all
+        good = d.config.read_text().replace("max_num_seqs: 0", "max_num_seqs: 8")
+        d.config.write_text(
+            good.replace("kv_cache_bytes: 1MiB", "kv_cache_bytes: 8KiB").replace(
+                "max_num_seqs: 8", "max_num_seqs: 4"
+            )
+        )
+        holder = send(d, {"prompt": "hold", "max_tokens": 400})
+        try:
+            until(lambda: count(state(d), "running") == 1, 60, "a request generating")
+            bad = d.admin("POST", "/admin/reload")
+            assert bad.status_code == 400, bad.text
+            assert "requests in flight may grow to" in bad.json()["error"]["message"]
+            knobs = d.admin("GET", "/admin/state").json()["knobs"]
+            assert knobs["max_num_seqs"] == 8 and knobs["kv_pool_blocks"] == full // 2
+        finally:
+            holder.close()
+        until(lambda: idle(state(d)), 30, "the holder aborted")
+        d.config.write_text(good)
+        assert d.admin("POST", "/admin/reload").json()["reloaded"]
         assert d.client().completions.create(model="tiny", prompt="x", max_tokens=2).usage
     finally:
         assert d.stop() == 0

@@ -18,6 +18,7 @@ from kvguard.engine.config import LIVE_KNOBS
 from kvguard.engine.control import ActionResult
 from kvguard.engine.knobs import KnobPath
 from kvguard.engine.kv_cache import KV_TORCH_DTYPES, kv_dtype_name
+from kvguard.engine.model_runner import CUDA_GROW_MARGIN, HOST_GROW_BELOW
 from kvguard.engine.sequence import PRIORITY_NAMES, Status, parse_priority
 
 if TYPE_CHECKING:
@@ -254,9 +255,12 @@ class ControlSurface:
         if new_n == old_n:
             self.kv_pool_share = new_n / full
             return f"KV pool already {old_n} blocks{note}", True, {"blocks": old_n}
-        if new_n > old_n and not self.runner.can_convert(dtype, new_n):
+        grow = (new_n - old_n) * self.kv_cache.bytes_per_block
+        if grow > 0 and not (self.runner.can_grow(grow) and self.runner.can_convert(dtype, new_n)):
             return (
-                f"refused: no device memory for a pool of {new_n} blocks; retry later",
+                f"refused: no room for {grow / 2**20:.0f} MiB more KV without pressing memory "
+                f"(host memory kept under {HOST_GROW_BELOW:.0%}, on CUDA "
+                f"{CUDA_GROW_MARGIN:.0%} of the device free); retry when memory is free",
                 False,
                 {},
             )

@@ -29,6 +29,7 @@ from kvguard.engine.cuda_graphs import (
 from kvguard.engine.distributed.agreement import agree_any, agree_min
 from kvguard.engine.distributed.parallel_state import PipelineStage, TPGroup
 from kvguard.engine.distributed.sharding import shard_config
+from kvguard.engine.host_memory import room_bytes
 from kvguard.engine.kv_cache import KV_TORCH_DTYPES, KVCache, bytes_per_block, kv_dtype_name
 from kvguard.engine.layers.quantized_linear import use_int8_activations
 from kvguard.engine.model import AttentionMetadata, LlamaForCausalLM, load_model
@@ -39,6 +40,8 @@ from kvguard.kernels.dispatch import use_triton
 from kvguard.kernels.paged_attention import decode_workspace_bytes
 
 log = logging.getLogger("kvguard.engine")
+HOST_GROW_BELOW = 0.90  # a KV pool grows back only while host memory stays under this
+CUDA_GROW_MARGIN = 0.05  # ... and on CUDA while this share of the device stays free
 CUDA_GRAPHS_ENV = "KVGUARD_CUDA_GRAPHS"  # "1" / "0" overrides the cuda_graphs knob (benchmarks)
 
 
@@ -376,6 +379,21 @@ class ModelRunner:
             free, _total = torch.cuda.mem_get_info(self.device)
             layer = bytes_per_block(self.kv_cache.cfg, self.block_size, dtype) * new_n
             ok = free > 2 * layer // max(1, self.kv_cache.cfg.num_layers)
+        return not agree_any(self.stage.world, not ok)
+
+    def can_grow(self, extra_bytes: int) -> bool:
+        """Whether every rank has room for `extra_bytes` more KV and stays clear of pressure:
+        on CUDA the free device memory less a margin of the whole; on CPU the host's (or its
+        memory cgroup's) room below HOST_GROW_BELOW of its limit, the line under which the
+        default ladder's host-mem rule gives memory back, so that taking it again cannot
+        press the host into giving it back once more."""
+        ok = True
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            ok = extra_bytes <= free - int(total * CUDA_GROW_MARGIN)
+        else:
+            room = room_bytes(HOST_GROW_BELOW)
+            ok = room is None or extra_bytes <= room
         return not agree_any(self.stage.world, not ok)
 
     def blocks_for_budget(self, dtype: str, host: bool = False) -> int:

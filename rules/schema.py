@@ -24,7 +24,7 @@ LOCAL_SIGNALS = {
     "preemptions_total": "preemptions since start",
     "gpu_memory_used_ratio": "highest GPU memory used / total over GPUs (NVML; unknown without one)",
     "host_memory_used_ratio": "host memory in use / total, or the service cgroup's working set / "
-    "its limit (MemoryMax=), the higher (rules/host_memory.py)",
+    "its limit (MemoryMax=), the higher (engine/host_memory.py)",
 }
 
 

@@ -10,8 +10,8 @@ import logging
 import math
 from collections.abc import Callable
 
+from kvguard.engine.host_memory import host_memory_used_ratio
 from kvguard.engine.snapshot import EngineSnapshot
-from kvguard.rules.host_memory import host_memory_used_ratio
 from kvguard.rules.schema import Signal
 
 log = logging.getLogger("kvguard.rules.signals")

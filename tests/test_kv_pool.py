@@ -18,7 +18,7 @@ import pytest
 from kvguard.engine import LLMEngine
 from kvguard.engine.control_surface import ParamError
 from kvguard.rules.actions import ActionError, run_action
-from kvguard.rules.host_memory import host_memory_used_ratio
+from kvguard.engine.host_memory import host_memory_used_ratio
 from tests.test_engine import PROMPTS, make_engine
 from tests.test_remedies import greedy, run_all
 from tests.test_server import until
@@ -104,6 +104,29 @@ def test_an_fp8_switch_after_a_shrink_keeps_the_share() -> None:
     assert engine.block_manager.num_blocks == full32
     done = finish(engine)
     assert all(len(done[r]) == 24 for r in rids)
+
+
+def test_the_pool_grows_back_only_into_free_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A restore (or a larger budget) takes memory only while the host stays under 90%:
+    taking it back must not press the host into giving it back again. The host's memory
+    is what cannot be pressed here at will, so its reading is replaced."""
+    import kvguard.engine.model_runner as runner_module
+
+    engine = make_engine(kv_cache_bytes="2MiB", max_model_len=128)
+    full, per_block = engine.block_manager.num_blocks, engine.kv_cache.bytes_per_block
+    assert apply(engine, engine.set_kv_pool_share(0.5)).ok
+    asked: list[float] = []
+
+    def room(below: float) -> int:
+        asked.append(below)
+        return (full // 2) * per_block - 1  # one byte short of the way back
+
+    monkeypatch.setattr(runner_module, "room_bytes", room)
+    no = apply(engine, engine.set_kv_pool_share(1.0))
+    assert not no.ok and "no room for 1 MiB more KV" in no.detail and asked == [0.90]
+    assert engine.block_manager.num_blocks == full // 2
+    monkeypatch.setattr(runner_module, "room_bytes", lambda below: (full // 2) * per_block)
+    assert apply(engine, engine.set_kv_pool_share(1.0)).data["blocks_after"] == full
 
 
 def rss_bytes() -> int:

@@ -124,6 +124,40 @@ def test_fp8_switch_mid_generation_gives_the_tokens_tp1_gives(tiny_dir) -> None:
     assert got == want
 
 
+def _resize_mid_generation(tp: int) -> tuple[list[list[int]], list[int]]:
+    """Shrink the pool to a quarter mid-generation (preempting), then give it back."""
+    eng = engine("tiny", tp, kv_cache_bytes="1MiB", max_model_len=64)
+    try:
+        rids = [eng.add_request(p, GREEDY) for p in PROMPTS]
+        for _ in range(6):
+            eng.step()
+        sizes = []
+        outs: dict[str, list[int]] = {}
+        for share in (0.25, 1.0):
+            fut = eng.set_kv_pool_share(share)
+            for _ in range(8):
+                for out in eng.step():
+                    if out.finished:
+                        outs[out.request_id] = out.final_token_ids
+            result = fut.result(timeout=0)
+            assert result.ok, result.detail
+            sizes.append(eng.block_manager.num_blocks)
+            eng.audit_blocks()
+        while eng.has_unfinished():
+            for out in eng.step():
+                if out.finished:
+                    outs[out.request_id] = out.final_token_ids
+        return [outs[r] for r in rids], sizes
+    finally:
+        eng.shutdown()
+
+
+def test_a_pool_resize_mid_generation_gives_the_tokens_tp1_gives(tiny_dir) -> None:
+    want, sizes1 = _resize_mid_generation(1)
+    got, sizes2 = _resize_mid_generation(2)
+    assert got == want and sizes1[0] < sizes1[1] and sizes2[0] < sizes2[1]
+
+
 def test_preemption_and_swap_under_tp2_lose_nothing(tiny_dir) -> None:
     want, _ = reference("tiny")
     # a pool of a few blocks per request: sequences are preempted to the host pool and back

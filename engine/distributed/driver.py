@@ -352,6 +352,11 @@ class TensorParallelRunner(ModelRunner):
         self._send_all("convert_check", (dtype, new_n))
         return super().can_convert(dtype, new_n)
 
+    def can_grow(self, extra_bytes: int) -> bool:
+        self.check_alive()
+        self._send_all("grow_check", extra_bytes)
+        return super().can_grow(extra_bytes)
+
     def convert_kv(self, dtype: str, tiers: dict[str, tuple[int, dict[int, int]]]) -> int:
         self._send_all("convert", (dtype, tiers, self._kv_ops))
         self._kv_ops = []

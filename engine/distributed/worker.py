@@ -210,6 +210,9 @@ class Worker:
         dtype, new_n = payload
         self.runner.can_convert(dtype, new_n)  # the agreement is the collective inside
 
+    def on_grow_check(self, payload: int) -> None:
+        self.runner.can_grow(payload)  # the agreement is the collective inside
+
     def on_convert(self, payload: tuple) -> None:
         dtype, tiers, ops = payload
         self.on_kv_ops(ops)

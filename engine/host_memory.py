@@ -12,6 +12,10 @@ The ratio is the higher of
   `memory.limit_in_bytes`): its working set (usage less the inactive file pages of
   memory.stat, the reading container runtimes evict on) / the limit.
 None when neither can be read (not Linux): an unknown signal never acts.
+
+`room_bytes` is what the process may still take before either reading passes a share: a KV
+pool grows back (restore_kv_pool, a larger kv_cache_bytes) only into that room, so giving the
+memory back and taking it again cannot chase each other.
 """
 
 from __future__ import annotations
@@ -21,14 +25,30 @@ from pathlib import Path
 NO_LIMIT = 1 << 60  # a cgroup v1 limit at or above this is "unlimited" rounded to pages
 
 
+Usage = tuple[int, int]  # (bytes in use, bytes that may be used)
+
+
 def host_memory_used_ratio(
     proc: Path = Path("/proc"), cgroup_root: Path = Path("/sys/fs/cgroup")
 ) -> float | None:
-    ratios = [r for r in (_host(proc), _cgroup(proc, cgroup_root)) if r is not None]
+    ratios = [min(1.0, max(0.0, used / limit)) for used, limit in _usages(proc, cgroup_root)]
     return max(ratios) if ratios else None
 
 
-def _host(proc: Path) -> float | None:
+def room_bytes(
+    below: float, proc: Path = Path("/proc"), cgroup_root: Path = Path("/sys/fs/cgroup")
+) -> int | None:
+    """Bytes the process may still take while both readings stay at or under `below` of their
+    limits (0 when past it already); None when neither can be read."""
+    rooms = [max(0, int(limit * below) - used) for used, limit in _usages(proc, cgroup_root)]
+    return min(rooms) if rooms else None
+
+
+def _usages(proc: Path, root: Path) -> list[Usage]:
+    return [u for u in (_host(proc), _cgroup(proc, root)) if u is not None]
+
+
+def _host(proc: Path) -> Usage | None:
     try:
         text = (proc / "meminfo").read_text()
     except OSError:
@@ -38,15 +58,15 @@ def _host(proc: Path) -> float | None:
         name, _, rest = line.partition(":")
         parts = rest.split()
         if parts and parts[0].isdigit():
-            fields[name] = int(parts[0])
+            fields[name] = int(parts[0]) * 1024  # kB
     total, available = fields.get("MemTotal"), fields.get("MemAvailable")
     if not total or available is None:
         return None
-    return min(1.0, max(0.0, 1.0 - available / total))
+    return total - available, total
 
 
-def _cgroup(proc: Path, root: Path) -> float | None:
-    """The working set of this process's memory cgroup over its limit; None without one."""
+def _cgroup(proc: Path, root: Path) -> Usage | None:
+    """The working set of this process's memory cgroup and its limit; None without one."""
     try:
         lines = (proc / "self" / "cgroup").read_text().splitlines()
     except OSError:
@@ -66,7 +86,7 @@ def _cgroup(proc: Path, root: Path) -> float | None:
     return None
 
 
-def _read(group: Path, limit_file: str, usage_file: str, inactive_key: str) -> float | None:
+def _read(group: Path, limit_file: str, usage_file: str, inactive_key: str) -> Usage | None:
     try:
         limit = group.joinpath(limit_file).read_text().strip()
         usage = int(group.joinpath(usage_file).read_text())
@@ -81,4 +101,4 @@ def _read(group: Path, limit_file: str, usage_file: str, inactive_key: str) -> f
         name, _, value = line.partition(" ")
         if name == inactive_key and value.strip().isdigit():
             inactive = int(value)
-    return min(1.0, max(0.0, (usage - inactive) / int(limit)))
+    return max(0, usage - inactive), int(limit)

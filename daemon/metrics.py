@@ -12,8 +12,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvguard.daemon.nvml import NvmlReader
-from kvguard.engine.snapshot import EngineSnapshot
 from kvguard.engine.host_memory import host_memory_used_ratio
+from kvguard.engine.snapshot import EngineSnapshot
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 KV_DTYPES = ("fp32", "fp16", "bf16", "fp8_e4m3")

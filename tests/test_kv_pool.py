@@ -17,8 +17,8 @@ import pytest
 
 from kvguard.engine import LLMEngine
 from kvguard.engine.control_surface import ParamError
-from kvguard.rules.actions import ActionError, run_action
 from kvguard.engine.host_memory import host_memory_used_ratio
+from kvguard.rules.actions import ActionError, run_action
 from tests.test_engine import PROMPTS, make_engine
 from tests.test_remedies import greedy, run_all
 from tests.test_server import until

@@ -41,6 +41,7 @@ from kvguard.kernels.paged_attention import decode_workspace_bytes
 
 log = logging.getLogger("kvguard.engine")
 HOST_GROW_BELOW = 0.90  # a KV pool grows back only while host memory stays under this
+HOST_START_BELOW = 0.95  # a CPU KV pool that would take host memory past this refuses to start
 CUDA_GROW_MARGIN = 0.05  # ... and on CUDA while this share of the device stays free
 CUDA_GRAPHS_ENV = "KVGUARD_CUDA_GRAPHS"  # "1" / "0" overrides the cuda_graphs knob (benchmarks)
 
@@ -430,6 +431,13 @@ def num_kv_blocks(
     else:
         budget = int(config.kv_cache_bytes)
         advice = "raise kv_cache_bytes"
+        room = room_bytes(HOST_START_BELOW)
+        if room is not None and budget > room:
+            raise ConfigError(
+                f"kv_cache_bytes={budget} ({budget / 2**20:.0f} MiB) is more than this host can hold: "
+                f"{room / 2**20:.0f} MiB are free below {HOST_START_BELOW:.0%} of its memory "
+                "(or of the service's MemoryMax=); lower kv_cache_bytes"
+            )
     n = budget // per_block
     if n < 1:
         raise ConfigError(

@@ -18,6 +18,7 @@ import pytest
 from kvguard.engine import LLMEngine
 from kvguard.engine.control_surface import ParamError
 from kvguard.engine.host_memory import host_memory_used_ratio
+from kvguard.engine.knobs import ConfigError
 from kvguard.rules.actions import ActionError, run_action
 from tests.test_engine import PROMPTS, make_engine
 from tests.test_remedies import greedy, run_all
@@ -127,6 +128,15 @@ def test_the_pool_grows_back_only_into_free_memory(monkeypatch: pytest.MonkeyPat
     assert engine.block_manager.num_blocks == full // 2
     monkeypatch.setattr(runner_module, "room_bytes", lambda below: (full // 2) * per_block)
     assert apply(engine, engine.set_kv_pool_share(1.0)).data["blocks_after"] == full
+
+
+def test_a_pool_the_host_cannot_hold_refuses_to_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvguard.engine.model_runner as runner_module
+
+    monkeypatch.setattr(runner_module, "room_bytes", lambda below: 1 << 20)
+    with pytest.raises(ConfigError, match=r"kv_cache_bytes=2097152 \(2 MiB\) is more than this"):
+        make_engine(kv_cache_bytes="2MiB")
+    make_engine(kv_cache_bytes="1MiB")  # what fits starts
 
 
 def rss_bytes() -> int:

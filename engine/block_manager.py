@@ -20,8 +20,8 @@ A freed block keeps its content and its key until the free list hands it out aga
 list is ordered by release, least recently released first, and a sequence releases its last
 block first, so the ends of prefixes are reused before their starts. Cached blocks count as
 free everywhere (admission, pressure, remedies): the cache never holds memory a request needs.
-A pool rebuild (the live KV dtype switch) drops the cache: converted K/V are not what a request
-computes in the new dtype.
+A pool rebuild in another dtype (the live KV dtype switch) drops the cache: converted K/V are
+not what a request computes in the new dtype. A resize in the same dtype keeps what fits.
 """
 
 from __future__ import annotations
@@ -180,16 +180,49 @@ class BlockManager:
             contents.append(self._content_of[b])
 
     # -- pool rebuild ---------------------------------------------------------------------
-    def resize(self, new_n: int) -> dict[int, int]:
-        """Renumber for a pool of `new_n` blocks; returns old -> new id of every used block.
+    def resize(self, new_n: int, keep_cache: bool = False) -> dict[int, int]:
+        """Renumber for a pool of `new_n` blocks; returns old -> new id of every block whose
+        K/V the new pool must hold (every used block, and with `keep_cache` the cached free
+        blocks kept).
 
-        Blocks below `new_n` keep their ids; those above move to the lowest free ids. The
-        prefix cache is dropped (the pool is rebuilt, in another dtype or size): a cached block still
-        in use keeps a key no lookup can form (a negative parent, no tokens), so the sequences
-        sharing it go on sharing it read-only and no new one finds its converted K/V.
+        Blocks below `new_n` keep their ids; used ones above move to free ids below it. A pool
+        rebuilt in another dtype (`keep_cache` False) drops the prefix cache: a cached block
+        still in use keeps a key no lookup can form (a negative parent, no tokens), so the
+        sequences sharing it go on sharing it read-only and no new one finds its converted K/V.
+        A pool resized in the same dtype keeps it: the K/V are the same bytes, so cached blocks
+        inside the new pool stay findable, and a moved block takes an uncached free id first,
+        then the cached one the free list would hand out next.
         """
         if self.num_used > new_n:
             raise RuntimeError(f"{self.num_used} blocks in use do not fit a pool of {new_n}")
+        if not keep_cache:
+            return self._rebuild(new_n)
+        used = set(self._holders)
+        inside = [b for b in self._free if b < new_n]  # in the order they are handed out
+        spare = iter(
+            [b for b in inside if b not in self._key_of] + [b for b in inside if b in self._key_of]
+        )
+        moves = {b: (b if b < new_n else next(spare)) for b in sorted(used)}
+        taken = set(moves.values())
+        cache: dict[BlockKey, int] = {}
+        key_of: dict[int, BlockKey] = {}
+        content_of: dict[int, int] = {}
+        for key, b in self._cache.items():
+            nb = moves[b] if b in used else (b if b < new_n and b not in taken else None)
+            if nb is None:  # outside the new pool, or overwritten by a moved block
+                continue
+            cache[key], key_of[nb], content_of[nb] = nb, key, self._content_of[b]
+            if b not in used:
+                moves[b] = nb  # the new pool must hold its K/V too
+        self._cache, self._key_of, self._content_of = cache, key_of, content_of
+        self._retired = sum(key[0] < 0 for key in cache)
+        self._holders = {moves[b]: h for b, h in self._holders.items()}
+        fresh = range(self.num_blocks, new_n)  # a grown pool's new blocks hold nothing: first
+        self._free = dict.fromkeys([*fresh, *(b for b in inside if b not in taken)])
+        self.num_blocks = new_n
+        return moves
+
+    def _rebuild(self, new_n: int) -> dict[int, int]:
         kept = {b: self._content_of[b] for b in self._holders if b in self._content_of}
         self._cache.clear()
         self._key_of.clear()

@@ -278,7 +278,7 @@ class ControlSurface:
                 {"preempted": moved},
             )
         t0 = time.perf_counter()
-        moves = bm.resize(new_n)
+        moves = bm.resize(new_n, keep_cache=True)  # same dtype: cached K/V stay valid
         self.scheduler.remap(moves)
         self.runner.convert_kv(dtype, {"device": (new_n, moves)})
         self.kv_pool_share = new_n / full

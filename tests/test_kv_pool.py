@@ -67,6 +67,30 @@ def test_a_shrink_mid_generation_preempts_what_does_not_fit_and_changes_no_token
     assert engine.block_manager.num_used == 0
 
 
+def test_a_resize_keeps_the_prefix_cache_that_fits_and_its_answers() -> None:
+    """Same dtype, same bytes: cached blocks inside the new pool stay findable, including
+    those a running sequence shares, and serve the answers a cache-off engine computes."""
+    system = list(range(3, 3 + 64))  # four full blocks every request shares
+    asks = [system + [200 + i, 201 + i, 202 + i] for i in range(6)]
+    calm = make_engine(kv_cache_bytes="2MiB", max_model_len=256, enable_prefix_caching=False)
+    want = [o.token_ids for o in calm.generate(asks, greedy(12))]
+    engine = make_engine(kv_cache_bytes="2MiB", max_model_len=256)
+    bm = engine.block_manager
+    first = engine.generate([asks[0]], greedy(12))[0]
+    assert first.token_ids == want[0] and bm.num_cached >= 4
+    rid = engine.add_request(asks[1], greedy(12))
+    engine.step()  # it shares the four cached blocks while the pool shrinks
+    hits = bm.hit_tokens
+    assert hits >= 64
+    res = apply(engine, engine.set_kv_pool_share(0.25))
+    assert res.ok and bm.num_cached >= 4
+    done = finish(engine)
+    got = [done[rid]] + [o.token_ids for o in engine.generate(asks[2:], greedy(12))]
+    assert got == want[1:]
+    assert bm.hit_tokens - hits >= 4 * 64  # every later request found the system prompt
+    assert apply(engine, engine.set_kv_pool_share(1.0)).ok and bm.num_cached >= 4
+
+
 def test_the_pool_never_shrinks_below_one_longest_request() -> None:
     engine = make_engine(kv_cache_bytes="2MiB", max_model_len=256)
     full, block = engine.block_manager.num_blocks, engine.config.block_size

@@ -341,3 +341,34 @@ def test_only_a_prompt_of_the_same_priority_or_higher_is_waited_for() -> None:
     done = run_all(engine)
     assert done[follower].num_cached_tokens == 64 and done[high].num_cached_tokens == 48
     assert done[follower].token_ids == done[lead].token_ids
+
+
+def test_a_same_dtype_resize_keeps_what_fits_and_moves_into_uncached_ids_first() -> None:
+    bm = BlockManager(16, 4, caching=True)
+    filler = _seq("filler", range(100, 140))  # blocks 0-9, freed: uncached ids
+    bm.allocate(filler, 40)
+    a = _seq("a", range(16))  # blocks 10-13, all four cached, a keeps holding them
+    _compute(bm, a, 16)
+    b = _seq("b", range(50, 58))  # blocks 14-15 cached, then freed: cached but free
+    _compute(bm, b, 8)
+    bm.free(b)
+    bm.free(filler)
+    assert a.block_table == [10, 11, 12, 13] and bm.num_cached == 6
+    moves = bm.resize(8, keep_cache=True)
+    # a's blocks move into uncached free ids, in the order the free list hands them out (the
+    # filler freed its last block first); b's cached blocks lie outside the new pool
+    assert moves == {10: 7, 11: 6, 12: 5, 13: 4}
+    a.block_table = [moves[x] for x in a.block_table]
+    bm.audit([("a", a.block_table)])
+    assert bm.num_cached == 4 and bm.num_blocks == 8
+    c = _seq("c", [*range(16), 7])
+    assert bm.match(c) == 16 and c.block_table == [7, 6, 5, 4]
+    bm.free(c)
+    bm.free(a)
+    bm.audit([])
+    # growing keeps them too, new blocks handed out first; a free cached block inside the
+    # pool is moved (copied) to itself so that the new pool holds its K/V
+    moves = bm.resize(12, keep_cache=True)
+    assert moves == {7: 7, 6: 6, 5: 5, 4: 4} and next(iter(bm._free)) == 8
+    d = _seq("d", [*range(16), 9])
+    assert bm.match(d) == 16

@@ -120,6 +120,14 @@ def _print_state(s: dict) -> None:
     tp = s.get("tensor_parallel")  # absent from older daemons
     if tp and (tp["size"] > 1 or tp.get("pipeline_stages", 1) > 1):
         print("ranks        " + _ranks_line(tp))
+    if s.get("host_memory_used_ratio") is not None:  # absent from older daemons
+        print(f"host memory  {s['host_memory_used_ratio']:.1%} used")
+    if "api_keys" in s:
+        keys = s["api_keys"]
+        print(
+            "api keys     "
+            + ("none (open)" if keys is None else f"{keys['keys']} from {keys['file']}")
+        )
     print("knobs        " + "  ".join(f"{k}={v}" for k, v in s["knobs"].items()))
     print("preemptions  " + "  ".join(f"{k}={v}" for k, v in s["preemptions"].items()))
     audit = s.get("audit")  # absent from older daemons

@@ -39,6 +39,7 @@ from kvguard.daemon.logging_setup import configure_logging
 from kvguard.daemon.metrics import ControlPlaneCollector, Metrics, TensorParallelCollector
 from kvguard.daemon.nvml import NvmlReader
 from kvguard.engine.engine_loop import EngineLoop
+from kvguard.engine.host_memory import host_memory_used_ratio
 from kvguard.engine.knobs import KnobField
 from kvguard.engine.llm_engine import LLMEngine
 from kvguard.engine.snapshot import EngineSnapshot
@@ -555,6 +556,11 @@ class Service:
             "incident": self.control.evaluator.incident if self.control else None,
             "dry_run": self.control.evaluator.dry_run if self.control else False,
             "audit": self._audit_state(),
+            # None: the OpenAI endpoints are open (no api.api_keys_file)
+            "api_keys": None
+            if self.api_keys is None
+            else {"file": str(self.api_keys.path), "keys": len(self.api_keys)},
+            "host_memory_used_ratio": host_memory_used_ratio(),
         }
 
     def _audit_state(self) -> dict[str, Any]:

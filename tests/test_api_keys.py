@@ -93,6 +93,15 @@ def test_no_key_or_a_wrong_key_is_refused_with_401(keyed) -> None:  # noqa: ANN0
 
 def test_health_ready_metrics_stay_open_and_admin_keeps_its_token(keyed) -> None:  # noqa: ANN001
     d, keys, _ = keyed
+    token = Path(d.log.name).parent / "admin.token"
+    status = subprocess.run(
+        [KVGUARD, "status", "--url", d.url, "--token-file", str(token)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert re.search(r"^api keys     \d+ from .*api_keys\.yaml$", status, re.M), status
+    assert re.search(r"^host memory  \d+\.\d% used$", status, re.M), status
     for path in ("/health", "/ready", "/metrics"):
         assert httpx.get(d.url + path).status_code == 200, path
     assert d.admin("GET", "/admin/state").status_code == 200

@@ -17,8 +17,9 @@ from pathlib import Path
 BENCHMARKS = {
     "overload": "open-loop burst against kvguard, kvguard without its control plane, and "
     "max-length preallocation; table, JSON and PNG timeline",
-    "chaos": "faults during a loaded run: Prometheus down, audit DB locked, engine OOM, "
-    "SIGHUP with a broken and a good rules file, client disconnects, SIGTERM",
+    "chaos": "faults during a loaded run: Prometheus down, audit DB locked, engine OOM, the KV "
+    "pool shrunk and restored, SIGHUP with a broken and a good rules file, client disconnects, "
+    "SIGTERM",
 }
 
 
@@ -52,7 +53,7 @@ def _script_options(p: argparse.ArgumentParser, overload: bool) -> None:
             choices=("realistic", "adversarial"),
             help="realistic (default): answers end before max_tokens; adversarial: all run to it",
         )
-        p.add_argument("--burst-rps", metavar="R", help="the burst's arrival rate (default 8/s)")
+        p.add_argument("--burst-rps", metavar="R", help="the burst's arrival rate (default 32/s)")
 
 
 def script_argv(args: argparse.Namespace) -> list[str]:

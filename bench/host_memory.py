@@ -19,10 +19,10 @@ need not lend their cgroups.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sqlite3
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,9 +33,7 @@ import httpx
 
 if not __package__:
     sys.path[0] = str(Path(__file__).resolve().parents[1])
-import contextlib
-
-from bench.overload import KVGUARD, TOKEN, free_port  # noqa: E402
+from bench.overload import Daemon  # noqa: E402
 
 RULES = """version: 1
 interval: 1s
@@ -113,30 +111,17 @@ def main() -> int:
         return 2
     work = args.workdir or Path(tempfile.mkdtemp(prefix="kvguard-hostmem-"))
     work.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    (work / "admin.token").write_text(TOKEN + "\n")
     (work / "rules.yaml").write_text(RULES)
-    (work / "config.yaml").write_text(
+    config = (
         f"serving: {{model: {args.model}, kv_cache_bytes: {args.kv}, max_model_len: 512}}\n"
-        f"api: {{host: 127.0.0.1, port: {port}, admin_token_file: {work / 'admin.token'}}}\n"
-        f"rules: {{path: {work / 'rules.yaml'}}}\naudit: {{url: 'sqlite:///{work / 'audit.db'}'}}\n"
+        f"rules: {{path: {work / 'rules.yaml'}}}\n"
     )
-    url, auth = f"http://127.0.0.1:{port}", {"Authorization": f"Bearer {TOKEN}"}
-    log = (work / "daemon.log").open("w")
-    proc = subprocess.Popen(
-        [KVGUARD, "serve", "--config", str(work / "config.yaml")],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env={**os.environ, "STATE_DIRECTORY": str(work)},
-        preexec_fn=group.enter,
-    )
+    # the daemon is charged to the cgroup from its first page
+    d = Daemon(work / "daemon", config, preexec_fn=group.enter)
     out: dict[str, Any] = {"cgroup": "v1" if group.v1 else "v2", "kv": args.kv}
 
-    def state() -> dict[str, Any]:
-        return httpx.get(url + "/admin/state", headers=auth, timeout=30).json()
-
     def pool() -> int:
-        return state()["knobs"]["kv_pool_blocks"]
+        return d.state()["knobs"]["kv_pool_blocks"]
 
     def until(pred: Any, limit_s: float) -> float:
         t0 = time.monotonic()
@@ -147,7 +132,7 @@ def main() -> int:
         return time.monotonic() - t0
 
     try:
-        until(lambda: _ready(url), 300)
+        d.wait_ready(300)
         full = pool()
         ws0 = group.working_set()
         tight = int(ws0 / 0.96)
@@ -163,7 +148,7 @@ def main() -> int:
         out["shrunk"] = {"pool_blocks": pool(), "working_set_mib": ws1 >> 20,
                          "freed_mib": (ws0 - ws1) >> 20}  # fmt: skip
         r = httpx.post(
-            url + "/v1/completions",
+            d.url + "/v1/completions",
             json={"model": args.model, "prompt": "The capital of France is", "max_tokens": 8},
             timeout=60,
         )
@@ -174,11 +159,9 @@ def main() -> int:
         out["restore_after_relax_s"] = round(until(lambda: pool() == full, 60), 2)
         out["restored"] = {"pool_blocks": pool(), "working_set_mib": group.working_set() >> 20}
     finally:
-        proc.terminate()
-        out["exit_status"] = proc.wait(120)
-        log.close()
+        out["exit_status"] = d.stop(120)
         group.remove()
-    with sqlite3.connect(work / "audit.db") as db:
+    with sqlite3.connect(d.db) as db:
         rows = db.execute(
             "SELECT action, outcome, detail FROM actions WHERE rule = 'host-mem' ORDER BY id"
         ).fetchall()
@@ -196,13 +179,6 @@ def main() -> int:
     if args.json:
         args.json.write_text(json.dumps(out, indent=2) + "\n")
     return 0 if ok else 1
-
-
-def _ready(url: str) -> bool:
-    try:
-        return httpx.get(url + "/ready", timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -240,6 +240,7 @@ class Daemon:
         port: int | None = None,
         drain_s: int = 60,
         debug_hooks: bool = False,  # mount /admin/debug/* (the chaos bench injects OOMs)
+        preexec_fn: Callable[[], None] | None = None,  # run in the child before exec
     ) -> None:
         workdir.mkdir(parents=True, exist_ok=True)
         self.dir = workdir
@@ -262,6 +263,7 @@ class Daemon:
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env=env,
+            preexec_fn=preexec_fn,
         )
 
     def wait_ready(self, timeout: float = 180) -> None:

@@ -40,6 +40,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from kvguard.daemon.config import ConfigFileError, Where
 from kvguard.rules.yaml_file import YamlFileError, load_yaml, read_source
 
 Priority = Literal["high", "normal", "low"]
@@ -115,12 +116,8 @@ class ApiKeys:
         return len(self.by_digest)
 
 
-class KeysFileError(ValueError):
+class KeysFileError(ConfigFileError):
     """The keys file cannot be used; `errors` holds one `FILE:LINE: problem` line each."""
-
-    def __init__(self, errors: list[str]) -> None:
-        super().__init__("\n".join(errors))
-        self.errors = errors
 
 
 def read_entries(path: Path) -> tuple[list[_Entry], dict[tuple[Any, ...], int]]:
@@ -149,7 +146,7 @@ def read_entries(path: Path) -> tuple[list[_Entry], dict[tuple[Any, ...], int]]:
         for i, entry in enumerate(parsed.keys):
             value = getattr(entry, field)
             if value in seen:
-                where = _where(path, lines, ("keys", i, field))
+                where = Where(str(path), lines)(("keys", i, field))
                 problems.append(f"{where}: {field} given twice (first in keys[{seen[value]}])")
             seen.setdefault(value, i)
     if problems:
@@ -167,21 +164,12 @@ def load_keys(path: Path) -> ApiKeys:
     return ApiKeys(Path(path), keys)
 
 
-def _where(path: Path, lines: dict[tuple[Any, ...], int], loc: tuple[Any, ...]) -> str:
-    for n in range(len(loc), -1, -1):
-        if loc[:n] in lines:
-            return f"{path}:{lines[loc[:n]]}"
-    return str(path)
-
-
 def _error(path: Path, lines: dict[tuple[Any, ...], int], err: Any) -> str:
     loc = tuple(x for x in err["loc"] if x not in ("function-after[_default_within_max()]",))
     dotted = "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in loc).lstrip(".")
     kind, value = err["type"], err.get("input")
     if kind == "extra_forbidden":
-        known = (
-            "name, sha256, max_priority, default_priority, max_requests" if len(loc) > 1 else "keys"
-        )
+        known = ", ".join(_Entry.model_fields if len(loc) > 1 else _File.model_fields)
         what = f"unknown key (expected one of: {known})"
     elif kind == "literal_error":
         what = f"{value!r} is not allowed (expected high, normal or low)"
@@ -195,7 +183,7 @@ def _error(path: Path, lines: dict[tuple[Any, ...], int], err: Any) -> str:
         what = str((err.get("ctx") or {}).get("error", err["msg"]))
     else:
         what = f"{err['msg'].lower()} (got {value!r})"
-    return f"{_where(path, lines, loc)}: {dotted or '(top level)'}: {what}"
+    return f"{Where(str(path), lines)(loc)}: {dotted or '(top level)'}: {what}"
 
 
 def add_key(

@@ -13,6 +13,7 @@ import socket
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -227,13 +228,20 @@ class ControlPlane:
         return True
 
     # -- reload -----------------------------------------------------------------------------
-    def reload(self, rules_path: Path | None, dry_run: bool) -> dict[str, Any]:
+    def reload(
+        self,
+        rules_path: Path | None,
+        dry_run: bool,
+        before_install: Callable[[], None] | None = None,
+    ) -> dict[str, Any]:
         """Load new rules; on any failure the running rules and their schedule stay as they were.
 
         Everything that can fail runs before anything is swapped: the file is validated and the
         new interval made into a trigger whose next fire time is computed, so an interval that
         APScheduler cannot add to a date is refused here instead of killing the rule job after
-        the old rules are gone. If swapping still fails, the old schedule is put back."""
+        the old rules are gone. If swapping still fails, the old schedule is put back.
+        `before_install` (the daemon's other reloadable settings) runs once the rules are
+        known good and before they are swapped; what it raises refuses the reload whole."""
         path = Path(rules_path) if rules_path else default_rules_path()
         try:
             new = load_rules(path)
@@ -242,6 +250,8 @@ class ControlPlane:
             return self._reload_refused(path, e.errors)
         except Exception as e:  # noqa: BLE001 - whatever it is, the running rules stay
             return self._reload_refused(path, [f"{path}: {type(e).__name__}: {e}"])
+        if before_install is not None:
+            before_install()
         job = self.scheduler.get_job("rules")
         old_trigger = job.trigger if job is not None else None
         try:

@@ -384,8 +384,8 @@ class Metrics:
         )
         self.auth_failures = Counter(
             "kvguard_api_auth_failures",
-            "Requests refused for their API key: missing, unknown, or asking for a priority "
-            "above the key's max_priority",
+            "Requests refused for their API key: missing, unknown, asking for a priority "
+            "above the key's max_priority, or past its max_requests",
             ["reason"],
             registry=r,
         )

@@ -269,7 +269,7 @@ def _within_limit(service: Service, key: ApiKey, asked: int) -> None:
     refused request leaves at once and a forgotten one when it is collected)."""
     if key.max_requests is None:
         return
-    live = sum(1 for o in list(service.requests) if getattr(o, "key", None) == key.name)
+    live = sum(1 for o in list(service.requests) if o.ctx.key == key.name)
     if live + asked > key.max_requests:
         service.metrics.auth_failures.labels("max_requests").inc()
         raise ApiError(
@@ -500,23 +500,13 @@ class _Outputs:
     """
 
     def __init__(self, aio: asyncio.AbstractEventLoop, ctx: _Ctx, keep_deltas: bool) -> None:
-        self._aio, self._ctx, self._keep_deltas = aio, ctx, keep_deltas
+        self._aio, self.ctx, self._keep_deltas = aio, ctx, keep_deltas
         self._lock = threading.Lock()  # the engine thread adds, the event loop takes
         self._buffer = OutputBuffer()
         self._ready = asyncio.Event()
         self.gone = False  # the client hung up (event loop only)
         self.cut_message: str | None = None  # the server cut the request off (event loop only)
         self._last: float | None = None  # when the previous token came (engine thread only)
-
-    @property
-    def key(self) -> str | None:
-        """The name of the API key this choice counts against (None: keys are not checked)."""
-        return self._ctx.key
-
-    @property
-    def n(self) -> int:
-        """Choices per prompt in this choice's request."""
-        return self._ctx.n
 
     def hang_up(self) -> None:
         """The client left: wake the waiting coroutine, which gives up (event loop only)."""
@@ -532,7 +522,7 @@ class _Outputs:
 
     def push(self, out: RequestOutput) -> None:
         """The stream's listener, on the engine thread: must not block."""
-        self._last = self._ctx.observe(out, self._last)
+        self._last = self.ctx.observe(out, self._last)
         if not (self._keep_deltas or out.finished):
             return
         with self._lock:
@@ -672,13 +662,11 @@ def _end(
         service.requests.discard(outputs)
         if i not in finals:
             service.loop.abort_stream(stream)
-    key = outs[0].key if outs else None
-    if key is not None and finals:
-        n = outs[0].n
-        prompts = {i // n: out.num_prompt_tokens for i, out in finals.items()}
+    ctx = outs[0].ctx  # a request has at least one choice
+    if ctx.key is not None and finals:
         tokens = service.metrics.api_tokens
-        tokens.labels(key, "prompt").inc(sum(prompts.values()))
-        tokens.labels(key, "completion").inc(sum(o.num_output_tokens for o in finals.values()))
+        tokens.labels(ctx.key, "prompt").inc(_prompt_tokens(finals, ctx.n))
+        tokens.labels(ctx.key, "completion").inc(sum(o.num_output_tokens for o in finals.values()))
 
 
 async def _wait_final(
@@ -755,9 +743,14 @@ def _usage(outs: Sequence[RequestOutput], n: int) -> dict[str, Any]:
     """Each prompt once, every choice's output tokens; cached: per prompt, the prompt tokens
     the first of its choices to run found cached (the others found what it computed too)."""
     groups = [outs[k : k + n] for k in range(0, len(outs), n)]
-    prompt = sum(g[0].num_prompt_tokens for g in groups)
     cached = sum(min(o.num_cached_tokens for o in g) for g in groups)
+    prompt = _prompt_tokens(dict(enumerate(outs)), n)
     return usage(prompt, sum(o.num_output_tokens for o in outs), cached)
+
+
+def _prompt_tokens(outs: dict[int, RequestOutput], n: int) -> int:
+    """Each prompt's tokens once, from any of its choices (choice i answers prompt i // n)."""
+    return sum({i // n: o.num_prompt_tokens for i, o in outs.items()}.values())
 
 
 def _full_response(ctx: _Ctx, outs: Sequence[RequestOutput]) -> dict[str, Any]:

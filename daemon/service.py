@@ -24,7 +24,7 @@ from typing import Any
 import uvicorn
 
 from kvguard.daemon import gc_policy, sdnotify
-from kvguard.daemon.api_keys import ApiKeys, KeysFileError, load_keys
+from kvguard.daemon.api_keys import ApiKeys, load_keys
 from kvguard.daemon.audit import AuditStore
 from kvguard.daemon.audit_migrate import shown
 from kvguard.daemon.config import (
@@ -44,7 +44,6 @@ from kvguard.engine.knobs import KnobField
 from kvguard.engine.llm_engine import LLMEngine
 from kvguard.engine.snapshot import EngineSnapshot
 from kvguard.rules.actions import run_action
-from kvguard.rules.schema import default_rules_path, load_rules
 
 log = logging.getLogger("kvguard.daemon")
 STALL_AFTER_S = 30.0  # an engine loop without a heartbeat this long is not ready
@@ -403,23 +402,31 @@ class Service:
                 }
             new = load_config(self.config_path)
             keys = self._load_keys(new)  # a bad keys file refuses the reload like a bad config
-            # the rules file is checked before the engine takes new knobs, and the engine's
-            # change is all or nothing, so a refused reload has changed nothing
-            valid = _rules_valid(new)
-            changes, restart = self._apply_reloadable(new) if valid else ({}, [])
-            rules = self.control.reload(new.rules.path, new.rules.dry_run) if self.control else {}
+            # the engine takes new knobs once the rules file is known good, and its change is
+            # all or nothing, so a refused reload has changed nothing
+            applied: list[tuple[dict[str, Any], list[str]]] = []
+            rules = (
+                self.control.reload(
+                    new.rules.path,
+                    new.rules.dry_run,
+                    before_install=lambda: applied.append(self._apply_reloadable(new)),
+                )
+                if self.control
+                else {}
+            )
             if rules.get("rules_reloaded") is False:
                 log.error(
                     "reload refused, keeping the running rules: %s", "; ".join(rules["errors"])
                 )
                 return {"reloaded": False, "reason": "\n".join(rules["errors"])}
+            changes, restart = applied[0] if applied else self._apply_reloadable(new)
             if restart:
                 log.warning(
                     "reload: %s changed in the file and take%s effect at the next restart",
                     ", ".join(restart),
                     "s" if len(restart) == 1 else "",
                 )
-            if _key_names(keys) != _key_names(self.api_keys):
+            if keys != self.api_keys:
                 changes["api.api_keys_file"] = (
                     None if keys is None else f"{keys.path} ({len(keys)} keys)"
                 )
@@ -432,7 +439,7 @@ class Service:
                 "reload", detail=f"{self.config_path}", data={"changes": changes, **rules}
             )
             return {"reloaded": True, "changes": changes, "restart_needed": restart, **rules}
-        except (ConfigFileError, KeysFileError) as e:
+        except ConfigFileError as e:  # a KeysFileError too
             log.error("reload refused, keeping the running config: %s", e)
             self.audit.record_event(
                 "config_error",
@@ -600,25 +607,11 @@ def engine_changes(old: DaemonConfig, new: DaemonConfig) -> tuple[list[KnobField
     return live, later
 
 
-def _rules_valid(cfg: DaemonConfig) -> bool:
-    """Whether the rules file `cfg` names loads (the control plane words the refusal)."""
-    try:
-        load_rules(Path(cfg.rules.path) if cfg.rules.path else default_rules_path())
-    except Exception:  # noqa: BLE001 - whatever it is, the reload is refused
-        return False
-    return True
-
-
 def _loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return host == "localhost"
-
-
-def _key_names(keys: ApiKeys | None) -> object:
-    """What a reload compares: which keys, with which priorities (None: no keys file)."""
-    return None if keys is None else (keys.path, sorted(keys.by_digest.items()))
 
 
 def bind_api(host: str, port: int) -> socket.socket:

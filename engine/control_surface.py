@@ -309,8 +309,12 @@ class ControlSurface:
         if not_live:
             raise ValueError(f"{', '.join(not_live)}: take effect at a restart, not a reload")
         inner = {p[1]: v for p, v in values.items() if p[0] == "admission"}
-        if inner:  # bounds checked now, in the caller's thread (AdmissionConfig's own check)
+        # built (and so bounds-checked) now, in the caller's thread: AdmissionConfig's own check
+        admission = (
             dataclasses.replace(self.config.admission or AdmissionConfig(), **inner)
+            if inner
+            else None
+        )
 
         def apply() -> tuple[str, bool, dict]:
             if (budget := values.get(("kv_cache_bytes",))) is not None:
@@ -318,10 +322,17 @@ class ControlSurface:
                 if problem:  # nothing applied: a reload is all or nothing
                     return f"refused: {problem}", False, {}
             said, ok = [], True
+            if admission is not None:
+                self.config.admission = admission
+                if self.admission is not None:
+                    self.admission.config = admission
+                    self.admission.estimator.quantile = admission.estimate_quantile
+                said += [f"admission_control.{k}={v}" for k, v in inner.items()]
             for path, value in values.items():
-                detail, done = self._set_knob(path, value)
-                said.append(detail)
-                ok = ok and done
+                if path[0] != "admission":
+                    detail, done = self._set_knob(path[0], value)
+                    said.append(detail)
+                    ok = ok and done
             changed = {".".join(p): v for p, v in values.items()}
             return "; ".join(said), ok, {"changed": changed}
 
@@ -343,15 +354,8 @@ class ControlSurface:
             )
         return None
 
-    def _set_knob(self: LLMEngine, path: KnobPath, value: Any) -> tuple[str, bool]:
-        name = path[-1]
-        if path[0] == "admission":
-            fresh = dataclasses.replace(self.config.admission or AdmissionConfig(), **{name: value})
-            self.config.admission = fresh
-            if self.admission is not None:
-                self.admission.config = fresh
-                self.admission.estimator.quantile = fresh.estimate_quantile
-            return f"admission_control.{name}={value}", True
+    def _set_knob(self: LLMEngine, name: str, value: Any) -> tuple[str, bool]:
+        """One serving knob of `reconfigure`, on the engine thread: (what was done, ok)."""
         old = getattr(self.config, name)
         setattr(self.config, name, value)
         sch = self.scheduler

@@ -124,8 +124,18 @@ class SnapshotCollector(Collector):
             "Engine-thread seconds spent on structured requests' token masks and advances",
         )
         grammar.add_metric([], s.structured.get("grammar_seconds", 0.0))
+        drafted = CounterMetricFamily(
+            "kvguard_spec_draft_tokens",
+            "Speculative draft tokens (prompt lookup) verified by the model",
+        )
+        drafted.add_metric([], s.speculative.get("drafted", 0))
+        accepted = CounterMetricFamily(
+            "kvguard_spec_accepted_tokens",
+            "Speculative draft tokens the model chose as its own (each one a step saved)",
+        )
+        accepted.add_metric([], s.speculative.get("accepted", 0))
         yield from (pre, adm, oom, gen, prompt, steps, cut, hit, queried, structured, grammar,
-                    self._finished(s))  # fmt: skip
+                    drafted, accepted, self._finished(s))  # fmt: skip
 
     def _finished(self, s: EngineSnapshot) -> CounterMetricFamily:
         """Counted by the engine, where every finish passes: a request aborted because its

@@ -111,6 +111,15 @@ class BlockManager:
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
         seq.block_table.extend(self.take(seq.request_id, self.blocks_needed(seq, num_new_tokens)))
 
+    def trim(self, seq: Sequence) -> None:
+        """Give back the blocks past those `seq`'s computed tokens fill: blocks taken for
+        speculative drafts that were rejected (never registered in the cache: only full
+        computed blocks are)."""
+        keep = self.blocks_for(seq.num_computed_tokens)
+        if len(seq.block_table) > keep:
+            self.give(seq.request_id, seq.block_table[keep:])
+            del seq.block_table[keep:]
+
     def free(self, seq: Sequence) -> None:
         self.give(seq.request_id, seq.block_table)
         seq.block_table = []

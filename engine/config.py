@@ -191,6 +191,34 @@ class EngineConfig:
         doc="a high-priority arrival interrupts the step in flight between two layers (its "
         "work is redone next step) so the high prompt starts at once; one process only",
     )
+    speculative_tokens: int = knob(
+        0,
+        section="serving",
+        live=True,
+        ge=0,
+        le=16,
+        doc="speculative decoding by prompt lookup: at most this many draft tokens a decode "
+        "step, copied from where the request's last tokens occurred before in its prompt or "
+        "output, verified in the same step (greedy output unchanged, sampled output from the "
+        "same distribution); 0 turns it off",
+    )
+    speculative_ngram: int = knob(
+        3,
+        section="serving",
+        live=True,
+        ge=1,
+        le=8,
+        doc="the longest run of last tokens a draft is looked up by (shorter runs down to 2 "
+        "are tried next)",
+    )
+    speculative_max_batch: int = knob(
+        4,
+        section="serving",
+        live=True,
+        ge=1,
+        doc="no drafts while more sequences than this decode at once (a large batch already "
+        "keeps the device busy, and a draft row costs compute)",
+    )
     tensor_parallel: int = knob(
         1,
         section="serving",

@@ -373,6 +373,10 @@ class ControlSurface:
             from kvguard.engine.llm_engine import prefill_while_decoding  # it imports this module
 
             sch.prefill_while_decoding = prefill_while_decoding(self.config, self.runner.device)
+        if name.startswith("speculative_"):
+            from kvguard.engine.llm_engine import speculation
+
+            sch.speculation = speculation(self.config)
         if name == "kv_cache_bytes":
             if self.runner.device.type != "cpu":
                 return "kv_cache_bytes: unused on this device (gpu_memory_utilization)", True

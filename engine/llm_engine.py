@@ -32,11 +32,12 @@ from kvguard.engine.model_registry import resolve_model
 from kvguard.engine.model_runner import (
     InjectedOOMError,
     ModelRunner,
+    finishes_prompt,
     pick_device,
     pick_dtype,
 )
 from kvguard.engine.sampling_params import SamplingParams
-from kvguard.engine.scheduler import ScheduledBatch, Scheduler, awaits_first_text
+from kvguard.engine.scheduler import ScheduledBatch, Scheduler, Speculation, awaits_first_text
 from kvguard.engine.sequence import (
     PRIORITY_NAMES,
     RequestOutput,
@@ -56,6 +57,13 @@ UNDO_MARGIN = 0.10  # share of the configured dtype's pool kept free while a rem
 
 
 CPU_PREFILL_WHILE_DECODING = 128  # prompt tokens beside the decodes: a forward of ~0.3 s on 2 cores
+
+
+def speculation(config: EngineConfig) -> Speculation | None:
+    """The scheduler's draft settings from the `speculative_*` knobs (None: off)."""
+    return Speculation.of(
+        config.speculative_tokens, config.speculative_ngram, config.speculative_max_batch
+    )
 
 
 def prefill_while_decoding(config: EngineConfig, device: torch.device) -> int | None:
@@ -107,6 +115,7 @@ class LLMEngine(ControlSurface):
             offload=config.enable_cpu_offload and kv.num_blocks >= config.min_gpu_blocks,
             emit=self.events.emit,
             prefill_while_decoding=prefill_while_decoding(config, runner.device),
+            speculation=speculation(config),
         )
         self.max_model_len = min(config.max_model_len, model_config.max_position_embeddings)
         self.eos_ids = set(tokenizer.eos_token_ids) | set(model_config.eos_token_ids)
@@ -345,8 +354,8 @@ class LLMEngine(ControlSurface):
         # a step that runs a high prompt, or the token a high request's first text waits
         # on, is the one the new arrival would interrupt for
         return not any(
-            s.priority == HIGH and (n > 1 or awaits_first_text(s))
-            for s, n in zip(batch.seqs, batch.num_tokens, strict=True)
+            s.priority == HIGH and (s.num_uncomputed > 1 or awaits_first_text(s))
+            for s in batch.seqs
         )
 
     def _run(self, batch: ScheduledBatch) -> list[RequestOutput]:
@@ -368,12 +377,23 @@ class LLMEngine(ControlSurface):
         now = time.monotonic()
         for seq, entries in getattr(self.runner, "prompt_logprobs", None) or ():
             seq.prompt_logprobs.extend(entries)  # the prompt positions it lacked, in order
-        # the sampled tokens' log-probabilities where asked, in the order of `tokens`
-        lps = iter(getattr(self.runner, "logprobs", None) or ())
-        done = self.scheduler.update(
-            batch, tokens, lambda seq, t: self._on_token(seq, t, now, next(lps, None))
-        )
+        # the new tokens' log-probabilities where asked: a list for each entry of `tokens`
+        lps = getattr(self.runner, "logprobs", None) or []
+        of = {id(seq): lps[i] for i, seq in enumerate(self._sampled(batch))} if lps else {}
+
+        def on_token(seq: Sequence, token: int, i: int) -> None:
+            got = of.get(id(seq))
+            self._on_token(seq, token, now, got[i] if got else None)
+
+        done = self.scheduler.update(batch, tokens, on_token)
         return [RequestOutput.take(seq) for seq in done]
+
+    @staticmethod
+    def _sampled(batch: ScheduledBatch) -> list[Sequence]:
+        """The step's sequences that get tokens (their last token runs), in batch order."""
+        return [
+            s for s, n in zip(batch.seqs, batch.num_tokens, strict=True) if finishes_prompt(s, n)
+        ]
 
     def _fail(self, batch: ScheduledBatch) -> list[RequestOutput]:
         """End a failed step's requests with finish_reason `error` and free their blocks.

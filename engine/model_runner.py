@@ -36,6 +36,7 @@ from kvguard.engine.model import AttentionMetadata, LlamaForCausalLM, load_model
 from kvguard.engine.model_config import ModelConfig
 from kvguard.engine.sampler import log_softmax_entries, sample, token_logprobs
 from kvguard.engine.sequence import Sequence, TokenLogprob
+from kvguard.engine.speculative import accepted_prefix
 from kvguard.kernels.dispatch import use_triton
 from kvguard.kernels.paged_attention import decode_workspace_bytes
 
@@ -120,25 +121,41 @@ def build_step(
     block_size: int,
     device: torch.device,
     every_row: bool = False,
+    as_decode: list[bool] | None = None,
 ) -> StepInput:
     """The step's tensors from each sequence's block table, first uncomputed position, token
     count and how many of its last rows get logits (`logit_rows`: 1 where a token is sampled,
     all of a prompt chunk whose log-probabilities were asked; `every_row`: all rows, for
-    scoring). Every rank of a tensor-parallel engine calls this with the same lists, so slots
-    agree."""
+    scoring). A sequence marked in `as_decode` (a last token with its speculative drafts)
+    attends as one decode row a position, each seeing the positions up to its own: the same
+    causal attention, by the decode kernels, so each row's logits are what a decode step of
+    its own would give (up to how a long sequence's rows are split over threads: a greedy
+    request keeps its tokens but at a near tie), and a few queries no longer pay for a
+    prompt tile (the CPU prefill kernel's sixteen: two queries over 512 cached tokens
+    took 7.8 ms a step, 4.8 as decode rows). Every rank of a tensor-parallel engine calls
+    this with the same lists, so slots agree."""
     pos, slots, rows = [], [], []
-    for table, start, n, k in zip(tables, starts, num_tokens, sampled, strict=True):
+    entries, lens, qlens = [], [], []  # attention entries: a table, its length, its queries
+    for i, (table, start, n, k) in enumerate(zip(tables, starts, num_tokens, sampled, strict=True)):
         span = range(start, start + n)
         rows.extend(range(len(pos) + (0 if every_row else n - int(k)), len(pos) + n))
         pos.extend(span)
         slots.extend(table[p // block_size] * block_size + p % block_size for p in span)
+        if as_decode is not None and as_decode[i]:
+            entries.extend([table] * n)
+            lens.extend(range(start + 1, start + n + 1))
+            qlens.extend([1] * n)
+        else:
+            entries.append(table)
+            lens.append(start + n)
+            qlens.append(n)
     width = max(len(t) for t in tables)
-    padded = [t + [0] * (width - len(t)) for t in tables]
+    padded = [t + [0] * (width - len(t)) for t in entries]
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots, device=device),
         block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
-        seq_lens=[c + n for c, n in zip(starts, num_tokens, strict=True)],
-        query_lens=list(num_tokens),
+        seq_lens=lens,
+        query_lens=qlens,
     )
     return StepInput(
         torch.tensor(token_ids, device=device),
@@ -149,15 +166,24 @@ def build_step(
 
 
 def step_token_ids(seqs: list[Sequence], num_tokens: list[int]) -> list[int]:
+    """The token ids a step computes: each sequence's next `n`, its drafts after its last."""
     ids: list[int] = []
     for seq, n in zip(seqs, num_tokens, strict=True):
         ids.extend(seq.token_slice(seq.num_computed_tokens, seq.num_computed_tokens + n))
+        ids.extend(seq.draft[: n - seq.num_uncomputed])
     return ids
 
 
+def drafted(seqs: list[Sequence]) -> list[bool] | None:
+    """Which sequences compute speculative drafts this step (None when none does)."""
+    marks = [bool(s.draft) for s in seqs]
+    return marks if any(marks) else None
+
+
 def finishes_prompt(seq: Sequence, n: int) -> bool:
-    """Whether computing `n` more tokens of `seq` reaches its end (a token is then sampled)."""
-    return seq.num_computed_tokens + n == seq.num_tokens
+    """Whether computing `n` more tokens of `seq` reaches its end (a token is then sampled;
+    with drafts, `n` goes past it)."""
+    return seq.num_computed_tokens + n >= seq.num_tokens
 
 
 def wants_prompt_logprobs(seq: Sequence) -> bool:
@@ -173,6 +199,8 @@ def logit_rows(seq: Sequence, n: int) -> int:
     (`finishes_prompt`), else none."""
     if wants_prompt_logprobs(seq):
         return n
+    if seq.draft:  # its last token and each draft: a row per token that follows
+        return 1 + len(seq.draft)
     return int(finishes_prompt(seq, n))
 
 
@@ -196,10 +224,11 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         # set for one step by the engine: the forward stops between layers once it is set
         self.step_stop: threading.Event | None = None
-        # the last `execute`'s tokens' log-probabilities, aligned with them (None where a
-        # request did not ask; empty when none did), and its prompts' (sequence, entries for
-        # the prompt positions it lacked, in order)
-        self.logprobs: list[TokenLogprob | None] = []
+        # the last `execute`'s tokens' log-probabilities, a list for each sequence it returned
+        # tokens for, aligned with them (entries None where a request did not ask; no lists
+        # when none did), and its prompts' (sequence, entries for the prompt positions it
+        # lacked, in order)
+        self.logprobs: list[list[TokenLogprob | None]] = []
         self.prompt_logprobs: list[tuple[Sequence, list[TokenLogprob]]] = []
 
     # whether a step can stop between layers (one process; ranks of a distributed runner would
@@ -267,6 +296,7 @@ class ModelRunner:
             self.block_size,
             self.device,
             every_row,
+            drafted(seqs),
         )
 
     def forward(self, inp: StepInput) -> torch.Tensor | None:
@@ -302,11 +332,13 @@ class ModelRunner:
         that are sampled (`every_row`: of every computed row)."""
         return self.forward(self.prepare(seqs, num_tokens, every_row))
 
-    def execute(self, seqs: list[Sequence], num_tokens: list[int]) -> list[int]:
-        """Compute `num_tokens` of each sequence; the next token of every sequence whose
-        tokens are now all computed, in batch order. Sequences themselves are not changed:
-        the scheduler advances them from what this returns (and, where asked, from the
-        tokens' log-probabilities left in `self.logprobs`)."""
+    def execute(self, seqs: list[Sequence], num_tokens: list[int]) -> list[list[int]]:
+        """Compute `num_tokens` of each sequence; for every sequence whose tokens are now all
+        computed, in batch order, its new tokens: the next one, or with drafts
+        (`seq.draft`, computed after its last token) the drafts its rows chose in turn and the
+        token after them (speculative.py). Sequences themselves are not changed: the
+        scheduler advances them from what this returns (and, where asked, from the tokens'
+        log-probabilities left in `self.logprobs`, one list a returned sequence)."""
         self.logprobs, self.prompt_logprobs = [], []
         logits = self.logits(seqs, num_tokens)
         if logits is None:
@@ -314,12 +346,28 @@ class ModelRunner:
         if any(wants_prompt_logprobs(s) for s in seqs):
             logits = self._take_prompt_logprobs(seqs, num_tokens, logits)
         done = [s for s, n in zip(seqs, num_tokens, strict=True) if finishes_prompt(s, n)]
-        params = [s.params for s in done]
-        outputs = [s.output_token_ids for s in done]
-        allowed = [None if s.grammar is None else s.grammar.allowed() for s in done]
-        tokens = sample(logits, params, [s.generator for s in done], outputs, allowed)
+        params, gens, outputs, allowed = [], [], [], []
+        for s in done:  # a row for the last token, and one after each draft
+            for j in range(len(s.draft) + 1):
+                params.append(s.params)
+                gens.append(s.generator)
+                penalised = j and (s.params.presence_penalty or s.params.frequency_penalty)
+                outputs.append(
+                    s.output_token_ids + s.draft[:j] if penalised else s.output_token_ids
+                )
+                allowed.append(None if s.grammar is None else s.grammar.allowed())
+        chosen = sample(logits, params, gens, outputs, allowed)
+        lps = None
         if any(p.logprobs is not None for p in params):
-            self.logprobs = token_logprobs(logits, params, tokens)
+            lps = token_logprobs(logits, params, chosen)
+        tokens, at = [], 0
+        for s in done:
+            rows = len(s.draft) + 1
+            emitted = accepted_prefix(s.draft, chosen[at : at + rows])
+            tokens.append(emitted)
+            if lps is not None:
+                self.logprobs.append(lps[at : at + len(emitted)])
+            at += rows
         return tokens
 
     def _take_prompt_logprobs(
@@ -342,8 +390,8 @@ class ModelRunner:
                     self.prompt_logprobs.append(
                         (seq, log_softmax_entries(rows, targets, seq.params.prompt_logprobs))
                     )
-            if finishes_prompt(seq, n):
-                sample_rows.append(at + k - 1)
+            if finishes_prompt(seq, n):  # with drafts, every row
+                sample_rows.extend(range(at + k - 1 - len(seq.draft), at + k))
             at += k
         return logits[torch.tensor(sample_rows, dtype=torch.long, device=logits.device)]
 

@@ -51,6 +51,7 @@ from kvguard.engine.admission import HIGH
 from kvguard.engine.admission_policy import AdmissionPolicy
 from kvguard.engine.block_manager import BlockManager
 from kvguard.engine.sequence import Sequence, Status
+from kvguard.engine.speculative import Lookup, ngram_sizes
 
 EventSink = Callable[..., None]
 MIN_BATCHED_TOKENS = 64
@@ -77,6 +78,20 @@ class KVMover(Protocol):
     def swap_in(self, host_ids: list[int], device_ids: list[int]) -> None: ...
 
 
+@dataclass(frozen=True, slots=True)
+class Speculation:
+    """Prompt-lookup drafts (kvguard.engine.speculative): at most `tokens` a step, looked up
+    by n-grams of `sizes`, while at most `max_batch` sequences decode."""
+
+    tokens: int
+    sizes: tuple[int, ...]
+    max_batch: int
+
+    @classmethod
+    def of(cls, tokens: int, ngram: int, max_batch: int) -> Speculation | None:
+        return cls(tokens, ngram_sizes(ngram), max_batch) if tokens > 0 else None
+
+
 @dataclass(slots=True)
 class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
@@ -89,8 +104,8 @@ class ScheduledBatch:
 
     @property
     def has_decode(self) -> bool:
-        """Whether a sequence computes one token in this step."""
-        return 1 in self.num_tokens
+        """Whether a sequence computes its last token in this step (with any drafts)."""
+        return any(s.num_uncomputed == 1 for s in self.seqs)
 
     def add(self, seq: Sequence, n: int) -> None:
         self.seqs.append(seq)
@@ -110,6 +125,7 @@ class Scheduler:
         offload: bool = False,
         emit: EventSink | None = None,
         prefill_while_decoding: int | None = None,
+        speculation: Speculation | None = None,
     ) -> None:
         self.bm = block_manager
         self.host_bm = host_block_manager
@@ -129,6 +145,10 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.preemptions = {"swap": 0, "recompute": 0}
         self.block_cap: int | None = None  # most device blocks in use; None: the whole pool
+        self.speculation = speculation
+        self.drafting = False  # this step proposes drafts (few enough sequences decode)
+        self.drafted = 0  # draft tokens computed, and of them accepted, since the start
+        self.accepted = 0
 
     def device_capacity(self) -> int:
         """Device blocks sequences may hold now: the pool, or the cap while one is set."""
@@ -177,6 +197,11 @@ class Scheduler:
 
     def _schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
+        spec = self.speculation
+        for seq in self.running:
+            seq.draft = []  # a step interrupted before its update leaves its drafts
+        decoding = sum(s.num_uncomputed == 1 for s in self.running) if spec else 0
+        self.drafting = spec is not None and decoding <= spec.max_batch
         if self._urgent_prompt():
             budget = self._schedule_running(batch, self.max_num_batched_tokens, True)
             if not batch.has_decode:  # a first text's next token goes first, alone
@@ -231,9 +256,39 @@ class Scheduler:
                 budget, capped = self._prompt_budget(batch, budget, urgent), True
             n = self._chunk(seq, budget)
             if n and self._reserve(seq, n, batch):
+                if n == seq.num_uncomputed == 1 and self.drafting:
+                    n += self._speculate(seq, budget - 1)
                 batch.add(seq, n)
                 budget -= n
         return budget if capped else self._prompt_budget(batch, budget, urgent)
+
+    def _speculate(self, seq: Sequence, budget: int) -> int:
+        """Give decoding `seq` draft tokens to verify with its last one (`seq.draft`), and the
+        blocks they need if those are free (never by preempting); how many it got. Not for a
+        request held to a grammar (its drafts would have to pass it first)."""
+        spec = self.speculation
+        if spec is None or seq.grammar is not None:
+            return 0
+        # the token the step samples after them must still fit both limits
+        most = min(
+            spec.tokens,
+            budget,
+            seq.max_tokens - len(seq.output_token_ids) - 1,
+            seq.max_total_len - seq.num_tokens - 1,
+        )
+        if most <= 0:
+            return 0
+        if seq.lookup is None or seq.lookup.sizes != spec.sizes:
+            seq.lookup = Lookup(spec.sizes, spec.tokens)
+        draft = seq.lookup.propose(seq, most)
+        need = self.bm.blocks_needed(seq, 1 + len(draft))
+        if need and not self._can_allocate(need, reserve=len(self.running)):
+            room = len(seq.block_table) * self.bm.block_size - seq.num_computed_tokens - 1
+            draft, need = draft[: max(0, room)], 0
+        if need:
+            self.bm.allocate(seq, 1 + len(draft))
+        seq.draft = draft
+        return len(draft)
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         n = min(seq.num_uncomputed, budget)
@@ -262,6 +317,7 @@ class Scheduler:
     def preempt(self, seq: Sequence) -> str:
         """Move a running sequence off the device: swap if possible, else recompute later."""
         self.running.remove(seq)
+        seq.draft = []
         seq.num_preemptions += 1
         n = len(seq.block_table)
         if self.offload and n and self.host_bm.can_allocate(n):
@@ -281,6 +337,7 @@ class Scheduler:
         return mode
 
     def _recompute(self, seq: Sequence) -> str:
+        seq.draft = []
         self.bm.free(seq)
         seq.num_computed_tokens = 0
         seq.block_contents = []
@@ -448,21 +505,42 @@ class Scheduler:
     def update(
         self,
         batch: ScheduledBatch,
-        tokens: list[int],
-        on_token: Callable[[Sequence, int], None],
+        tokens: list[list[int]],
+        on_token: Callable[[Sequence, int, int], None],
     ) -> list[Sequence]:
-        """Advance the step's sequences by what was computed; hand each sampled token to
-        `on_token` (which appends it and may set a finish reason) and finish those done.
-        Returns the sequences that got a token, in batch order."""
+        """Advance the step's sequences by what was computed; hand each token a sequence got
+        (one, or with drafts the accepted ones and the one after) to `on_token` (sequence,
+        token, its index among them; it appends the token and may set a finish reason), and
+        finish those done: a finished sequence takes none of its remaining tokens. `tokens`
+        holds the tokens of each sequence that reached its end, in batch order. Returns those
+        sequences, in batch order."""
+        got = iter(tokens)
+        done: list[tuple[Sequence, list[int]]] = []
         for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
+            if seq.num_computed_tokens + n >= seq.num_tokens:  # its last token ran: sampled
+                emitted = next(got)
+                if seq.draft:  # the rejected drafts' K/V are not computed tokens
+                    kept = len(emitted) - 1
+                    n -= len(seq.draft) - kept
+                    self.drafted += len(seq.draft)
+                    self.accepted += kept
+                    seq.lookup.record(len(seq.draft), kept, self.speculation_tokens)
+                    seq.draft = []
+                done.append((seq, emitted))
             seq.num_computed_tokens += n
+            self.bm.trim(seq)  # blocks that only rejected drafts needed
             self.bm.commit(seq)
-        done = [s for s in batch.seqs if s.num_computed_tokens == s.num_tokens]
-        for seq, token in zip(done, tokens, strict=True):
-            on_token(seq, token)
-            if seq.finish_reason is not None:
-                self.finish(seq)
-        return done
+        for seq, emitted in done:
+            for i, token in enumerate(emitted):
+                on_token(seq, token, i)
+                if seq.finish_reason is not None:
+                    self.finish(seq)
+                    break
+        return [seq for seq, _ in done]
+
+    @property
+    def speculation_tokens(self) -> int:
+        return self.speculation.tokens if self.speculation is not None else 1
 
     def finish(self, seq: Sequence) -> None:
         """Take `seq` out for good: blocks freed, its admission commitment given back."""

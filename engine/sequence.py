@@ -12,6 +12,7 @@ import torch
 from kvguard.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from kvguard.engine.speculative import Lookup
     from kvguard.engine.structured import Grammar
 
 _T = TypeVar("_T")
@@ -91,6 +92,10 @@ class Sequence:
     last_token_time: float | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when it first started
+    # speculative decoding: the draft tokens this step computes after its last token (set by
+    # the scheduler, consumed by `Scheduler.update`), and the request's n-gram index
+    draft: list[int] = field(default_factory=list)
+    lookup: Lookup | None = None
 
     def __post_init__(self) -> None:
         if not self.max_tokens:

@@ -56,6 +56,8 @@ class EngineSnapshot:
     prefix_cache: dict[str, int] = field(default_factory=dict)
     # structured output: requests given a JSON schema; seconds their grammars took
     structured: dict[str, float] = field(default_factory=dict)
+    # speculative decoding: draft tokens verified, and of them accepted, since the start
+    speculative: dict[str, int] = field(default_factory=dict)
 
     # -- shorthands used by benchmarks, rules and metrics ---------------------------------
     @property
@@ -164,4 +166,5 @@ def build_snapshot(engine: LLMEngine) -> EngineSnapshot:
             "requests": engine.grammars.requests,
             "grammar_seconds": engine.grammars.seconds,
         },
+        speculative={"drafted": sch.drafted, "accepted": sch.accepted},
     )

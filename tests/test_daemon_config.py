@@ -449,6 +449,9 @@ KNOB_SAMPLES: dict[tuple[str, ...], tuple[dict[str, dict[str, object]], object]]
     ),
     ("interrupt_for_high",): ({"serving": {"interrupt_for_high": False}}, False),
     ("grammar_jump_forward",): ({"serving": {"grammar_jump_forward": False}}, False),
+    ("speculative_tokens",): ({"serving": {"speculative_tokens": 6}}, 6),
+    ("speculative_ngram",): ({"serving": {"speculative_ngram": 2}}, 2),
+    ("speculative_max_batch",): ({"serving": {"speculative_max_batch": 12}}, 12),
     ("admission", "max_overcommit"): ({"admission_control": {"max_overcommit": 1.2}}, 1.2),
 }
 # EngineConfig fields with no key of their own in the file, and why.

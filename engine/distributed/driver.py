@@ -54,6 +54,7 @@ from kvguard.engine.model_runner import (
     ModelRunner,
     StepInput,
     build_step,
+    drafted,
     logit_rows,
     pick_device,
     step_token_ids,
@@ -274,16 +275,19 @@ class TensorParallelRunner(ModelRunner):
         sampled = [logit_rows(s, n) for s, n in zip(seqs, num_tokens, strict=True)]
         ids = step_token_ids(seqs, num_tokens)
         handles = [s.order for s in seqs]
+        as_decode = drafted(seqs)
         payload = self.encoder.encode(
-            handles, tables, starts, num_tokens, sampled, ids, every_row, self._kv_ops, continues
-        )
+            handles, tables, starts, num_tokens, sampled, ids, every_row, self._kv_ops, continues,
+            as_decode,
+        )  # fmt: skip
         self._kv_ops = []
         self._send_all("step", payload)
         self.stats.message_s += time.perf_counter() - t0
         self.stats.message_bytes += len(payload)
         return build_step(
-            tables, starts, num_tokens, sampled, ids, self.block_size, self.device, every_row
-        )
+            tables, starts, num_tokens, sampled, ids, self.block_size, self.device, every_row,
+            as_decode,
+        )  # fmt: skip
 
     def _forward(self, inp: StepInput) -> torch.Tensor:
         t0 = time.perf_counter()

@@ -35,6 +35,7 @@ class StepMessage:
     every_row: bool = False  # scoring: logits of every row
     kv_ops: list[KVOp] = field(default_factory=list)
     continues: bool = False  # another micro-batch of the previous message's step
+    as_decode: list[bool] | None = None  # sequences with drafts: one decode row a position
 
 
 class StepEncoder:
@@ -55,6 +56,7 @@ class StepEncoder:
         every_row: bool,
         kv_ops: list[KVOp],
         continues: bool = False,
+        as_decode: list[bool] | None = None,
     ) -> bytes:
         if not continues:
             self._before, self._known = self._known, {}
@@ -68,8 +70,9 @@ class StepEncoder:
                 deltas.append((False, list(table)))
             self._known[h] = list(table)
         msg = StepMessage(
-            handles, starts, num_tokens, sampled, deltas, token_ids, every_row, kv_ops, continues
-        )
+            handles, starts, num_tokens, sampled, deltas, token_ids, every_row, kv_ops, continues,
+            as_decode,
+        )  # fmt: skip
         return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
 
 

@@ -184,6 +184,7 @@ class Worker:
             r.block_size,
             r.device,
             msg.every_row,
+            msg.as_decode,
         )
         stage = r.stage
         received = None

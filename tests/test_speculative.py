@@ -1,0 +1,216 @@
+"""Speculative decoding by prompt lookup: drafts come from the request's own earlier text, are
+verified in one step, and change nothing a request gets: a greedy request gets the same tokens
+and log-probabilities (to rounding), a sampled one tokens from the same distribution; drafts never
+take a block from anyone, and their rejected K/V never reach the prefix cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvguard.engine import EngineConfig, LLMEngine, SamplingParams
+from kvguard.engine.model_runner import ModelRunner
+from kvguard.engine.sequence import Sequence
+from kvguard.engine.speculative import Lookup, accepted_prefix, ngram_sizes
+from tests.test_admission_predicted import run_all
+
+TEXT = (
+    "A paged KV cache keeps each request's keys and values in fixed-size blocks, so memory is "
+    "taken as a request grows and given back the moment it ends. The scheduler admits requests "
+    "while blocks are free, and preempts the newest, lowest-priority request when they run out."
+)
+
+
+class Tokens:
+    """What a lookup reads of a request: its length and slices of its tokens."""
+
+    def __init__(self, ids: list[int]) -> None:
+        self.ids = ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.ids)
+
+    def token_slice(self, start: int, end: int | None = None) -> list[int]:
+        return self.ids[start:end]
+
+
+# -- the lookup ---------------------------------------------------------------------------
+
+
+def test_a_draft_is_what_followed_the_latest_earlier_occurrence_of_the_longest_ngram() -> None:
+    seq = Tokens([1, 2, 3, 4, 5, 9, 1, 2, 3])
+    lookup = Lookup(ngram_sizes(3), 4)
+    assert lookup.propose(seq, 10) == [4, 5, 9, 1]
+    seq.ids += [4, 7, 1, 2, 3]  # indexed as it grows: the latest occurrence wins
+    assert lookup.propose(seq, 10) == [4, 7, 1, 2]
+    assert lookup.propose(seq, 2) == [4, 7]  # never past what the caller allows
+    seq.ids += [8]  # "2 3 8" and "3 8" never occurred before: no draft
+    assert lookup.propose(seq, 10) == []
+    seq.ids += [5]  # "8 5" neither, and a single token is no anchor
+    assert lookup.propose(seq, 10) == []
+    seq.ids += [9]  # "5 9" did: what followed it, up to the end of the text
+    assert lookup.propose(seq, 10) == [1, 2, 3, 4]
+
+
+def test_a_shorter_ngram_serves_when_the_longest_has_no_match() -> None:
+    lookup = Lookup(ngram_sizes(4), 3)
+    assert lookup.sizes == (4, 3, 2)
+    seq = Tokens([7, 8, 20, 21, 1, 2, 8, 20])  # "2 8 20" never occurred, "8 20" did
+    assert lookup.propose(seq, 10) == [21, 1, 2]
+
+
+def test_the_draft_length_grows_while_drafts_are_accepted_and_shrinks_after_a_rejection() -> None:
+    lookup = Lookup(ngram_sizes(3), 2)
+    lookup.record(2, 2, most=8)
+    assert lookup.k == 4
+    lookup.record(4, 4, most=5)
+    assert lookup.k == 5  # never beyond the configured most
+    lookup.record(5, 1, most=5)
+    lookup.record(4, 0, most=5)
+    assert lookup.k == 3 and (lookup.proposed, lookup.accepted) == (15, 7)
+    for _ in range(5):
+        lookup.record(1, 0, most=5)
+    assert lookup.k == 1  # always at least one
+
+
+def test_a_verify_step_keeps_the_chosen_drafts_and_the_first_token_that_differs() -> None:
+    assert accepted_prefix([4, 5, 6], [4, 5, 7, 1]) == [4, 5, 7]
+    assert accepted_prefix([4, 5], [4, 5, 6]) == [4, 5, 6]  # all kept: one more after them
+    assert accepted_prefix([4], [3, 9]) == [3]
+    assert accepted_prefix([], [3]) == [3]
+
+
+# -- the engine ---------------------------------------------------------------------------
+
+
+def _engine(spec: int, **kw) -> LLMEngine:
+    kw.setdefault("kv_cache_bytes", "64MiB")
+    config = EngineConfig(
+        model="smollm2-135m", num_threads=2, speculative_tokens=spec, speculative_max_batch=8, **kw
+    )
+    return LLMEngine.from_config(config, progress=False)
+
+
+@pytest.fixture(scope="module")
+def plain() -> LLMEngine:
+    return _engine(0)
+
+
+@pytest.fixture(scope="module")
+def spec() -> LLMEngine:
+    return _engine(4)
+
+
+def _prompts(engine: LLMEngine) -> list[str]:
+    tok = engine.tokenizer
+    asks = ["Repeat this text exactly:", "Fix any typos in this text:", "What is this text about?"]
+    return [
+        tok.apply_chat_template([{"role": "user", "content": f"{ask}\n\n{TEXT}"}]) for ask in asks
+    ]
+
+
+def _outputs(engine: LLMEngine, prompts: list, params: list[SamplingParams]) -> list:
+    rids = [engine.add_request(p, q) for p, q in zip(prompts, params, strict=True)]
+    done = run_all(engine)  # the block audit after every step
+    return [done[r] for r in rids]
+
+
+def test_greedy_requests_get_the_same_tokens_and_logprobs_with_drafts(
+    plain: LLMEngine, spec: LLMEngine
+) -> None:
+    prompts = _prompts(plain)
+    params = [
+        SamplingParams(max_tokens=80, stop=["blocks"]),  # a stop string inside a draft
+        SamplingParams(max_tokens=37),  # a limit that falls inside a draft
+        SamplingParams(max_tokens=80, logprobs=2),
+    ]
+    before = spec.snapshot().speculative
+    want = _outputs(plain, prompts, params)
+    got = _outputs(spec, prompts, params)
+    for g, w in zip(got, want, strict=True):
+        assert (g.token_ids, g.text, g.finish_reason) == (w.token_ids, w.text, w.finish_reason)
+        if w.final_logprobs is not None:  # decode rows either way: the threads' split aside
+            for a, b in zip(g.final_logprobs, w.final_logprobs, strict=True):
+                assert a.token_id == b.token_id and [t for t, _ in a.top] == [t for t, _ in b.top]
+                assert abs(a.logprob - b.logprob) < 5e-3
+    assert got[1].finish_reason == "length" and len(got[1].token_ids) == 37
+    assert got[0].finish_reason == "stop" and got[0].text.endswith("fixed-size ")
+    after = spec.snapshot().speculative
+    drafted = after["drafted"] - before["drafted"]
+    accepted = after["accepted"] - before["accepted"]
+    assert accepted > 40 and drafted >= accepted, (drafted, accepted)
+    steps = plain.snapshot().step
+    assert spec.snapshot().step < steps  # fewer steps for the same tokens (both ran warm)
+    snap = spec.snapshot()
+    assert snap.blocks_free == snap.blocks_total
+
+
+def test_drafts_never_take_a_block_another_request_needs() -> None:
+    """A pool so small that requests preempt each other: drafts shrink to the room their
+    sequence's last block has rather than take a free block, every step's accounting holds,
+    and every request gets the tokens it gets without drafts."""
+    small = {"num_gpu_blocks": 24, "max_num_batched_tokens": 256, "kv_cache_bytes": "64MiB"}
+    ref, eng = _engine(0, **small), _engine(8, **small)
+    prompts = _prompts(ref) * 2
+    params = [SamplingParams(max_tokens=60, ignore_eos=True)] * len(prompts)
+    want = _outputs(ref, prompts, params)
+    got = _outputs(eng, prompts, params)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert eng.snapshot().num_preemptions > 0 and eng.snapshot().speculative["accepted"] > 0
+
+
+def test_no_drafts_for_a_grammar_or_past_the_batch_limit(spec: LLMEngine) -> None:
+    prompt = _prompts(spec)[0]
+    before = spec.snapshot().speculative["drafted"]
+    schema = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
+    _outputs(spec, [prompt], [SamplingParams(max_tokens=40, json_schema=schema)])
+    assert spec.snapshot().speculative["drafted"] == before
+    many = [prompt] * 9  # more than speculative_max_batch (8) decode together
+    _outputs(spec, many, [SamplingParams(max_tokens=6, ignore_eos=True)] * len(many))
+    assert spec.snapshot().speculative["drafted"] == before
+
+
+def test_a_reload_turns_drafts_on_and_off_live(plain: LLMEngine) -> None:
+    prompt = _prompts(plain)[0]
+    params = SamplingParams(max_tokens=40)
+    want = _outputs(plain, [prompt], [params])[0].token_ids
+    res = plain.reconfigure({("speculative_tokens",): 4}).result()
+    assert res.ok, res.detail
+    try:
+        got = _outputs(plain, [prompt], [params])[0].token_ids
+        assert got == want and plain.snapshot().speculative["accepted"] > 0
+    finally:
+        assert plain.reconfigure({("speculative_tokens",): 0}).result().ok
+    drafted = plain.snapshot().speculative["drafted"]
+    _outputs(plain, [prompt], [params])
+    assert plain.snapshot().speculative["drafted"] == drafted
+
+
+def test_sampled_tokens_follow_the_models_distribution() -> None:
+    """Sampling with a draft keeps the draft with its probability and otherwise draws from the
+    distribution without it, so each position's token is distributed as without drafts. Checked
+    on fixed logits (the model's are not the point here): 4000 seeded draws of a step with two
+    drafts against the exact probabilities."""
+    p0 = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    p1 = torch.tensor([0.1, 0.6, 0.2, 0.1])
+    p2 = torch.tensor([0.25, 0.25, 0.25, 0.25])
+    logits = torch.stack([p0, p1, p2]).log()
+    runner = ModelRunner.__new__(ModelRunner)  # only its sampling: a forward is replaced
+    runner.logits = lambda seqs, num_tokens: logits  # noqa: ARG005
+    counts = torch.zeros(4, 4)
+    second = torch.zeros(4)
+    n = 4000
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(n):
+        seq = Sequence("r", [9, 9], SamplingParams(temperature=1.0, seed=1), 1, 0, 100)
+        seq.output_token_ids, seq.num_computed_tokens = [7], 2
+        seq.generator = gen
+        seq.draft = [0, 1]  # drafts: token 0, then token 1
+        [emitted] = runner.execute([seq], [3])
+        counts[0, emitted[0]] += 1
+        if emitted[0] == 0:  # the first draft kept: the second token is row 1's draw
+            second[emitted[1]] += 1
+            assert len(emitted) == 2 or emitted[1] == 1
+    assert torch.allclose(counts[0] / n, p0, atol=0.03)
+    assert torch.allclose(second / second.sum(), p1, atol=0.04)

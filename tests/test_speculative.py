@@ -13,6 +13,7 @@ from kvguard.engine.model_runner import ModelRunner
 from kvguard.engine.sequence import Sequence
 from kvguard.engine.speculative import Lookup, accepted_prefix, ngram_sizes
 from tests.test_admission_predicted import run_all
+from tests.test_kv_pool import apply
 
 TEXT = (
     "A paged KV cache keeps each request's keys and values in fixed-size blocks, so memory is "
@@ -175,13 +176,13 @@ def test_a_reload_turns_drafts_on_and_off_live(plain: LLMEngine) -> None:
     prompt = _prompts(plain)[0]
     params = SamplingParams(max_tokens=40)
     want = _outputs(plain, [prompt], [params])[0].token_ids
-    res = plain.reconfigure({("speculative_tokens",): 4}).result()
+    res = apply(plain, plain.reconfigure({("speculative_tokens",): 4}))  # at a step boundary
     assert res.ok, res.detail
     try:
         got = _outputs(plain, [prompt], [params])[0].token_ids
         assert got == want and plain.snapshot().speculative["accepted"] > 0
     finally:
-        assert plain.reconfigure({("speculative_tokens",): 0}).result().ok
+        assert apply(plain, plain.reconfigure({("speculative_tokens",): 0})).ok
     drafted = plain.snapshot().speculative["drafted"]
     _outputs(plain, [prompt], [params])
     assert plain.snapshot().speculative["drafted"] == drafted

@@ -34,7 +34,7 @@ from kvguard.engine.kv_cache import KV_TORCH_DTYPES, KVCache, bytes_per_block, k
 from kvguard.engine.layers.quantized_linear import use_int8_activations
 from kvguard.engine.model import AttentionMetadata, LlamaForCausalLM, load_model
 from kvguard.engine.model_config import ModelConfig
-from kvguard.engine.sampler import log_softmax_entries, sample, token_logprobs
+from kvguard.engine.sampler import log_softmax_entries, rewind, sample, token_logprobs
 from kvguard.engine.sequence import Sequence, TokenLogprob
 from kvguard.engine.speculative import accepted_prefix
 from kvguard.kernels.dispatch import use_triton
@@ -356,6 +356,9 @@ class ModelRunner:
                     s.output_token_ids + s.draft[:j] if penalised else s.output_token_ids
                 )
                 allowed.append(None if s.grammar is None else s.grammar.allowed())
+        # a seeded sequence's generator before its rows drew: rows past the first rejected
+        # draft give their draws back, so its stream is one draw a token, drafts or not
+        seeded = {id(s): s.generator.get_state() for s in done if s.draft and s.generator}
         chosen = sample(logits, params, gens, outputs, allowed)
         lps = None
         if any(p.logprobs is not None for p in params):
@@ -364,6 +367,8 @@ class ModelRunner:
         for s in done:
             rows = len(s.draft) + 1
             emitted = accepted_prefix(s.draft, chosen[at : at + rows])
+            if len(emitted) < rows and id(s) in seeded:
+                rewind(s.generator, seeded[id(s)], len(emitted))
             tokens.append(emitted)
             if lps is not None:
                 self.logprobs.append(lps[at : at + len(emitted)])

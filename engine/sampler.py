@@ -146,6 +146,9 @@ def _sample_rows(
     return out
 
 
+DRAW_DTYPE = torch.float32  # a seeded draw's uniform: one a token (`rewind` replays them)
+
+
 def _draw(probs: torch.Tensor, gen: torch.Generator | None) -> int:
     """One index of `probs` (not necessarily normalised) by inverse CDF: one uniform from
     `gen` (the global generator if None) against the cumulative sum. `torch.multinomial`
@@ -155,9 +158,16 @@ def _draw(probs: torch.Tensor, gen: torch.Generator | None) -> int:
     total = cdf[-1:]
     if not (bool(torch.isfinite(total)) and float(total) > 0.0):
         raise RuntimeError("cannot draw a token: its probabilities are NaN, inf or all zero")
-    u = torch.rand(1, generator=gen, dtype=cdf.dtype, device=cdf.device) * total
+    u = torch.rand(1, generator=gen, dtype=DRAW_DTYPE, device=cdf.device).to(cdf.dtype) * total
     # side right: a token of probability 0 has the cdf of the one before it: never drawn
     return int(torch.searchsorted(cdf, u, right=True).clamp_max_(probs.numel() - 1).item())
+
+
+def rewind(gen: torch.Generator, state: torch.Tensor, draws: int) -> None:
+    """Put `gen` where `draws` draws (`_draw`'s, one uniform each) from `state` leave it."""
+    gen.set_state(state)
+    for _ in range(draws):
+        torch.rand(1, generator=gen, dtype=DRAW_DTYPE, device=gen.device)
 
 
 NUCLEUS_FIRST = 256  # most likely tokens looked at first for a top-p nucleus

@@ -18,8 +18,8 @@ decoding would, and keeps a draft only where the draw equals it: for a draft tha
 token rather than a draw from another model, that is exactly speculative sampling's rule (the
 draft is kept with its probability; when it is not, the token drawn is distributed as the row's
 distribution without the draft), so the output follows the model's distribution as without
-drafts (its random numbers are consumed differently, so a seed gives other tokens than with
-speculation off). K/V computed for rejected drafts lie past the request's computed count: the
+drafts. A seeded request's generator gives back the draws of rows past a rejected draft, so
+it spends one draw a token either way: a seed gives the same tokens with drafts on or off. K/V computed for rejected drafts lie past the request's computed count: the
 next step overwrites them, and blocks only they needed go back to the pool at once.
 
 Drafts cost compute: a verify step of `k` drafts takes longer than a one-token step (on 2 CPU

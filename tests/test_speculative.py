@@ -147,6 +147,26 @@ def test_greedy_requests_get_the_same_tokens_and_logprobs_with_drafts(
     assert snap.blocks_free == snap.blocks_total
 
 
+def test_a_seed_gives_the_same_tokens_with_drafts_on_or_off(
+    plain: LLMEngine, spec: LLMEngine
+) -> None:
+    """A seeded request draws one number a token either way: the rows past a rejected draft
+    give theirs back, so its tokens do not depend on whether, or how long, drafts ran."""
+    prompts = _prompts(plain)
+    params = [
+        SamplingParams(max_tokens=60, temperature=0.7, seed=7 + i, top_p=0.95 if i else 1.0)
+        for i in range(len(prompts))
+    ]
+    before = spec.snapshot().speculative
+    want = _outputs(plain, prompts, params)
+    got = _outputs(spec, prompts, params)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    after = spec.snapshot().speculative
+    accepted = after["accepted"] - before["accepted"]
+    rejected = after["drafted"] - before["drafted"] - accepted
+    assert accepted > 10 and rejected > 0, (accepted, rejected)
+
+
 def test_drafts_never_take_a_block_another_request_needs() -> None:
     """A pool so small that requests preempt each other: drafts shrink to the room their
     sequence's last block has rather than take a free block, every step's accounting holds,

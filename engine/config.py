@@ -212,12 +212,23 @@ class EngineConfig:
         "are tried next)",
     )
     speculative_max_batch: int = knob(
-        4,
+        16,
         section="serving",
         live=True,
         ge=1,
-        doc="no drafts while more sequences than this decode at once (a large batch already "
-        "keeps the device busy, and a draft row costs compute)",
+        doc="no drafts while more sequences than this decode at once; below it a draft "
+        "position runs only where it pays for its row (speculative_row_cost)",
+    )
+    speculative_row_cost: float | None = knob(
+        None,
+        section="serving",
+        live=True,
+        ge=0.0,
+        le=100.0,
+        doc="what one more row of a decode step costs over the step's fixed part: a draft "
+        "position runs only where its chance of bringing a token pays for its row; unset: "
+        "learnt from the engine's own decode steps; 0 drafts as far as speculative_tokens "
+        "allows whenever a match is found",
     )
     tensor_parallel: int = knob(
         1,

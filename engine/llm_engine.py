@@ -46,6 +46,7 @@ from kvguard.engine.sequence import (
     parse_priority,
 )
 from kvguard.engine.snapshot import EngineSnapshot, build_snapshot
+from kvguard.engine.speculative import ROW_COST_PRIOR, StepCost
 from kvguard.engine.structured import Grammars
 from kvguard.engine.tokenizer import Tokenizer
 
@@ -62,7 +63,18 @@ CPU_PREFILL_WHILE_DECODING = 128  # prompt tokens beside the decodes: a forward 
 def speculation(config: EngineConfig) -> Speculation | None:
     """The scheduler's draft settings from the `speculative_*` knobs (None: off)."""
     return Speculation.of(
-        config.speculative_tokens, config.speculative_ngram, config.speculative_max_batch
+        config.speculative_tokens,
+        config.speculative_ngram,
+        config.speculative_max_batch,
+        config.speculative_row_cost,
+    )
+
+
+def decode_only(batch: ScheduledBatch) -> bool:
+    """Whether every sequence of `batch` computes just its last token (and its drafts)."""
+    return all(
+        s.num_uncomputed == 1 and n == 1 + len(s.draft)
+        for s, n in zip(batch.seqs, batch.num_tokens, strict=True)
     )
 
 
@@ -117,6 +129,8 @@ class LLMEngine(ControlSurface):
             prefill_while_decoding=prefill_while_decoding(config, runner.device),
             speculation=speculation(config),
         )
+        prior = ROW_COST_PRIOR.get(runner.device.type, ROW_COST_PRIOR["cuda"])
+        self.scheduler.step_cost = StepCost(prior)
         self.max_model_len = min(config.max_model_len, model_config.max_position_embeddings)
         self.eos_ids = set(tokenizer.eos_token_ids) | set(model_config.eos_token_ids)
         self.grammars = Grammars(tokenizer, model_config.vocab_size, self.eos_ids)
@@ -360,6 +374,7 @@ class LLMEngine(ControlSurface):
 
     def _run(self, batch: ScheduledBatch) -> list[RequestOutput]:
         self.runner.step_stop = self.interrupt if self._interruptible(batch) else None
+        t0 = time.perf_counter()
         try:
             tokens = self.runner.execute(batch.seqs, batch.num_tokens)
         except StepInterrupted:
@@ -374,6 +389,8 @@ class LLMEngine(ControlSurface):
         except Exception:  # noqa: BLE001 - a bug or a poisoned input: stop this step's requests
             log.exception("engine step failed; its %d requests end with an error", len(batch.seqs))
             return self._fail(batch)
+        if decode_only(batch):  # what a draft row costs is learnt from these
+            self.scheduler.step_cost.observe(sum(batch.num_tokens), time.perf_counter() - t0)
         now = time.monotonic()
         for seq, entries in getattr(self.runner, "prompt_logprobs", None) or ():
             seq.prompt_logprobs.extend(entries)  # the prompt positions it lacked, in order

@@ -51,7 +51,7 @@ from kvguard.engine.admission import HIGH
 from kvguard.engine.admission_policy import AdmissionPolicy
 from kvguard.engine.block_manager import BlockManager
 from kvguard.engine.sequence import Sequence, Status
-from kvguard.engine.speculative import Lookup, ngram_sizes
+from kvguard.engine.speculative import ROW_COST_PRIOR, Lookup, StepCost, ngram_sizes
 
 EventSink = Callable[..., None]
 MIN_BATCHED_TOKENS = 64
@@ -81,15 +81,19 @@ class KVMover(Protocol):
 @dataclass(frozen=True, slots=True)
 class Speculation:
     """Prompt-lookup drafts (kvguard.engine.speculative): at most `tokens` a step, looked up
-    by n-grams of `sizes`, while at most `max_batch` sequences decode."""
+    by n-grams of `sizes`, while at most `max_batch` sequences decode; `row_cost` fixes the
+    ratio a draft's worth is judged by (None: learnt from the steps, `StepCost`)."""
 
     tokens: int
     sizes: tuple[int, ...]
     max_batch: int
+    row_cost: float | None = None
 
     @classmethod
-    def of(cls, tokens: int, ngram: int, max_batch: int) -> Speculation | None:
-        return cls(tokens, ngram_sizes(ngram), max_batch) if tokens > 0 else None
+    def of(
+        cls, tokens: int, ngram: int, max_batch: int, row_cost: float | None = None
+    ) -> Speculation | None:
+        return cls(tokens, ngram_sizes(ngram), max_batch, row_cost) if tokens > 0 else None
 
 
 @dataclass(slots=True)
@@ -146,7 +150,9 @@ class Scheduler:
         self.preemptions = {"swap": 0, "recompute": 0}
         self.block_cap: int | None = None  # most device blocks in use; None: the whole pool
         self.speculation = speculation
+        self.step_cost = StepCost(ROW_COST_PRIOR["cpu"])  # the engine sets its device's prior
         self.drafting = False  # this step proposes drafts (few enough sequences decode)
+        self.draft_threshold = 0.0  # this step's least chance a draft row must have
         self.drafted = 0  # draft tokens computed, and of them accepted, since the start
         self.accepted = 0
 
@@ -202,6 +208,9 @@ class Scheduler:
             seq.draft = []  # a step interrupted before its update leaves its drafts
         decoding = sum(s.num_uncomputed == 1 for s in self.running) if spec else 0
         self.drafting = spec is not None and decoding <= spec.max_batch
+        if self.drafting:
+            self.step_cost.fixed = spec.row_cost
+            self.draft_threshold = self.step_cost.threshold(decoding)
         if self._urgent_prompt():
             budget = self._schedule_running(batch, self.max_num_batched_tokens, True)
             if not batch.has_decode:  # a first text's next token goes first, alone
@@ -279,8 +288,8 @@ class Scheduler:
         if most <= 0:
             return 0
         if seq.lookup is None or seq.lookup.sizes != spec.sizes:
-            seq.lookup = Lookup(spec.sizes, spec.tokens)
-        draft = seq.lookup.propose(seq, most)
+            seq.lookup = Lookup(spec.sizes)
+        draft = seq.lookup.propose(seq, seq.lookup.length(self.draft_threshold, most))
         need = self.bm.blocks_needed(seq, 1 + len(draft))
         if need and not self._can_allocate(need, reserve=len(self.running)):
             room = len(seq.block_table) * self.bm.block_size - seq.num_computed_tokens - 1
@@ -524,7 +533,7 @@ class Scheduler:
                     n -= len(seq.draft) - kept
                     self.drafted += len(seq.draft)
                     self.accepted += kept
-                    seq.lookup.record(len(seq.draft), kept, self.speculation_tokens)
+                    seq.lookup.record(len(seq.draft), kept)
                     seq.draft = []
                 done.append((seq, emitted))
             seq.num_computed_tokens += n
@@ -537,10 +546,6 @@ class Scheduler:
                     self.finish(seq)
                     break
         return [seq for seq, _ in done]
-
-    @property
-    def speculation_tokens(self) -> int:
-        return self.speculation.tokens if self.speculation is not None else 1
 
     def finish(self, seq: Sequence) -> None:
         """Take `seq` out for good: blocks freed, its admission commitment given back."""

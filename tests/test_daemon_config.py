@@ -452,6 +452,7 @@ KNOB_SAMPLES: dict[tuple[str, ...], tuple[dict[str, dict[str, object]], object]]
     ("speculative_tokens",): ({"serving": {"speculative_tokens": 6}}, 6),
     ("speculative_ngram",): ({"serving": {"speculative_ngram": 2}}, 2),
     ("speculative_max_batch",): ({"serving": {"speculative_max_batch": 12}}, 12),
+    ("speculative_row_cost",): ({"serving": {"speculative_row_cost": 0.5}}, 0.5),
     ("admission", "max_overcommit"): ({"admission_control": {"max_overcommit": 1.2}}, 1.2),
 }
 # EngineConfig fields with no key of their own in the file, and why.

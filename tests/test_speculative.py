@@ -11,7 +11,7 @@ import torch
 from kvguard.engine import EngineConfig, LLMEngine, SamplingParams
 from kvguard.engine.model_runner import ModelRunner
 from kvguard.engine.sequence import Sequence
-from kvguard.engine.speculative import Lookup, accepted_prefix, ngram_sizes
+from kvguard.engine.speculative import Lookup, StepCost, accepted_prefix, ngram_sizes
 from tests.test_admission_predicted import run_all
 from tests.test_kv_pool import apply
 
@@ -41,38 +41,62 @@ class Tokens:
 
 def test_a_draft_is_what_followed_the_latest_earlier_occurrence_of_the_longest_ngram() -> None:
     seq = Tokens([1, 2, 3, 4, 5, 9, 1, 2, 3])
-    lookup = Lookup(ngram_sizes(3), 4)
-    assert lookup.propose(seq, 10) == [4, 5, 9, 1]
+    lookup = Lookup(ngram_sizes(3))
+    assert lookup.propose(seq, 4) == [4, 5, 9, 1]
     seq.ids += [4, 7, 1, 2, 3]  # indexed as it grows: the latest occurrence wins
-    assert lookup.propose(seq, 10) == [4, 7, 1, 2]
+    assert lookup.propose(seq, 4) == [4, 7, 1, 2]
     assert lookup.propose(seq, 2) == [4, 7]  # never past what the caller allows
     seq.ids += [8]  # "2 3 8" and "3 8" never occurred before: no draft
     assert lookup.propose(seq, 10) == []
     seq.ids += [5]  # "8 5" neither, and a single token is no anchor
     assert lookup.propose(seq, 10) == []
     seq.ids += [9]  # "5 9" did: what followed it, up to the end of the text
-    assert lookup.propose(seq, 10) == [1, 2, 3, 4]
+    assert lookup.propose(seq, 4) == [1, 2, 3, 4]
+    assert len(lookup.propose(seq, 20)) == 11  # what followed, up to the end of the text
 
 
 def test_a_shorter_ngram_serves_when_the_longest_has_no_match() -> None:
-    lookup = Lookup(ngram_sizes(4), 3)
+    lookup = Lookup(ngram_sizes(4))
     assert lookup.sizes == (4, 3, 2)
     seq = Tokens([7, 8, 20, 21, 1, 2, 8, 20])  # "2 8 20" never occurred, "8 20" did
-    assert lookup.propose(seq, 10) == [21, 1, 2]
+    assert lookup.propose(seq, 3) == [21, 1, 2]
 
 
-def test_the_draft_length_grows_while_drafts_are_accepted_and_shrinks_after_a_rejection() -> None:
-    lookup = Lookup(ngram_sizes(3), 2)
-    lookup.record(2, 2, most=8)
-    assert lookup.k == 4
-    lookup.record(4, 4, most=5)
-    assert lookup.k == 5  # never beyond the configured most
-    lookup.record(5, 1, most=5)
-    lookup.record(4, 0, most=5)
-    assert lookup.k == 3 and (lookup.proposed, lookup.accepted) == (15, 7)
-    for _ in range(5):
-        lookup.record(1, 0, most=5)
-    assert lookup.k == 1  # always at least one
+def test_the_draft_length_is_what_the_acceptance_estimate_pays_for() -> None:
+    lookup = Lookup(ngram_sizes(3))
+    assert lookup.acceptance == pytest.approx(0.7)  # the prior
+    assert lookup.length(0.25, 8) == 3  # 0.7 ** 3 = 0.34 >= 0.25 > 0.7 ** 4
+    assert lookup.length(0.0, 5) == 5  # rows cost nothing: as far as allowed
+    assert lookup.length(0.25, 2) == 2  # never past what the caller allows
+    for _ in range(4):
+        lookup.record(4, 4)  # every draft accepted
+    assert lookup.acceptance > 0.9 and lookup.length(0.25, 16) >= 13
+    for _ in range(12):
+        lookup.record(3, 0)  # every first draft rejected
+    assert lookup.acceptance < 0.25 and lookup.length(0.25, 16) == 0
+    assert (lookup.proposed, lookup.accepted) == (52, 16)
+    steps = 0
+    while lookup.length(0.25, 16) == 0:  # not drafting, the estimate drifts to the prior
+        steps += 1
+    assert 2 < steps < 100 and lookup.acceptance <= 0.7
+
+
+def test_a_row_is_judged_by_what_the_steps_measured() -> None:
+    cost = StepCost(prior=0.3)
+    assert cost.ratio() == 0.3  # nothing measured yet
+    for _ in range(50):
+        cost.observe(4, 0.0059)  # every step the same size: the slope is unknown
+    assert cost.ratio() == 0.3
+    for rows in [1, 2, 4, 8, 12] * 20:  # base 2.5 ms, 0.85 ms a row
+        cost.observe(rows, 0.0025 + 0.00085 * rows)
+    assert cost.ratio() == pytest.approx(0.34, rel=0.02)
+    assert cost.threshold(1) == pytest.approx(0.254, abs=0.005)
+    assert cost.threshold(16) == pytest.approx(0.845, abs=0.005)
+    flat = StepCost(prior=0.3)
+    for rows in [1, 8] * 20:  # rows that cost nothing (a GPU's memory-bound step)
+        flat.observe(rows, 0.004)
+    assert flat.ratio() == 0.0 and flat.threshold(64) == 0.0
+    assert StepCost(prior=0.3, fixed=1.0).threshold(3) == pytest.approx(0.75)
 
 
 def test_a_verify_step_keeps_the_chosen_drafts_and_the_first_token_that_differs() -> None:
@@ -87,6 +111,7 @@ def test_a_verify_step_keeps_the_chosen_drafts_and_the_first_token_that_differs(
 
 def _engine(spec: int, **kw) -> LLMEngine:
     kw.setdefault("kv_cache_bytes", "64MiB")
+    kw.setdefault("speculative_row_cost", 0.0)  # drafts decided by matches alone, not timings
     config = EngineConfig(
         model="smollm2-135m", num_threads=2, speculative_tokens=spec, speculative_max_batch=8, **kw
     )
@@ -190,6 +215,22 @@ def test_no_drafts_for_a_grammar_or_past_the_batch_limit(spec: LLMEngine) -> Non
     many = [prompt] * 9  # more than speculative_max_batch (8) decode together
     _outputs(spec, many, [SamplingParams(max_tokens=6, ignore_eos=True)] * len(many))
     assert spec.snapshot().speculative["drafted"] == before
+
+
+def test_no_draft_where_its_row_costs_more_than_it_may_bring(spec: LLMEngine) -> None:
+    """A row cost so high that no estimate pays for a draft: none is tried and the tokens are
+    the same. With the cost learnt, the engine measures its decode steps."""
+    prompt = _prompts(spec)[0]
+    params = SamplingParams(max_tokens=40)
+    want = _outputs(spec, [prompt], [params])[0].token_ids
+    assert apply(spec, spec.reconfigure({("speculative_row_cost",): 100.0})).ok
+    try:
+        before = spec.snapshot().speculative["drafted"]
+        assert _outputs(spec, [prompt], [params])[0].token_ids == want
+        assert spec.snapshot().speculative["drafted"] == before
+    finally:
+        assert apply(spec, spec.reconfigure({("speculative_row_cost",): 0.0})).ok
+    assert spec.scheduler.step_cost.weight > 8  # decode-only steps were timed
 
 
 def test_a_reload_turns_drafts_on_and_off_live(plain: LLMEngine) -> None:

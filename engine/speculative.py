@@ -19,8 +19,9 @@ token rather than a draw from another model, that is exactly speculative samplin
 draft is kept with its probability; when it is not, the token drawn is distributed as the row's
 distribution without the draft), so the output follows the model's distribution as without
 drafts. A seeded request's generator gives back the draws of rows past a rejected draft, so
-it spends one draw a token either way: a seed gives the same tokens with drafts on or off. K/V computed for rejected drafts lie past the request's computed count: the
-next step overwrites them, and blocks only they needed go back to the pool at once.
+it spends one draw a token either way: a seed gives the same tokens with drafts on or off.
+K/V computed for rejected drafts lie past the request's computed count: the next step
+overwrites them, and blocks only they needed go back to the pool at once.
 
 Drafts cost compute: a draft row makes its step longer (on 2 CPU cores about 0.85 ms a row
 for the default model against 2.5 ms of a step's fixed part; on a GPU next to nothing), and it
@@ -33,9 +34,9 @@ costs. With `b` sequences decoding and a step of n rows taking base + row * n se
 costs (base + row * b) / b, so the threshold is r b / (1 + r b) with r = row / base, learnt
 from the engine's own decode steps (`speculative_row_cost` fixes r instead). One decoding
 sequence on the CPU drafts while a^j >= 0.25; sixteen only where a^j >= 0.84: a large batch
-already fills the cores. A request whose text has no earlier match drafts nothing and pays
-nothing; one whose drafts keep failing stops drafting until its estimate drifts back to the
-prior.
+already fills the cores (past `speculative_max_batch` decoding sequences no draft is
+looked up at all). A request whose text has no earlier match drafts nothing and pays nothing;
+one whose drafts keep failing stops drafting until its estimate drifts back to the prior.
 """
 
 from __future__ import annotations

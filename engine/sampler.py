@@ -113,12 +113,46 @@ def _sample_rows(
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
 ) -> list[int]:
-    """The rows with a seed, top-k or top-p: temperature, top-k, softmax and the top-p
-    selection of the 256 likeliest over all of them at once, then each row's nucleus and
-    draw (from its own generator where it has one). Row by row the same work cost 0.77 ms a
-    row in bench/choices.py, 15% of its run."""
+    """The rows with a seed, top-k or top-p. On the CPU kernels' path, the rows without a
+    top-k in one C call (`cpu_ops.topp_draw`: temperature, softmax, a nucleus by quickselect
+    on mass and the draw, rows over the threads; a flat distribution's nucleus took a sort of
+    the whole vocabulary, 0.32 ms a row, a third of bench/choices.py's sampling). The others
+    (`_sample_slow`): temperature, top-k, softmax and the top-p selection of the 256 likeliest
+    over all of them at once, then each row's nucleus and draw. Each row takes one uniform
+    from its own generator where it has one (the global one where not)."""
     if not rows:
         return []
+    want, drawn = list(rows), {}
+    if cpu_ops.rows_served(logits):
+        fast = [i for i in rows if params[i].top_k <= 0]
+        if fast:
+            x = logits[torch.tensor(fast)]
+            u = [_uniform(generators[i]) for i in fast]
+            temps = [params[i].temperature for i in fast]
+            tokens = cpu_ops.topp_draw(x, temps, [params[i].top_p for i in fast], u)
+            if tokens is None:
+                raise RuntimeError(
+                    "cannot draw a token: its probabilities are NaN, inf or all zero"
+                )
+            drawn = dict(zip(fast, tokens, strict=True))
+            rows = [i for i in rows if i not in drawn]
+    if rows:
+        drawn |= dict(zip(rows, _sample_slow(logits, rows, params, generators), strict=True))
+    return [drawn[i] for i in want]
+
+
+def _uniform(gen: torch.Generator | None) -> float:
+    """The uniform a draw takes: one from `gen` (the global generator if None), as `_draw`."""
+    return float(torch.rand(1, generator=gen, dtype=DRAW_DTYPE))
+
+
+def _sample_slow(
+    logits: torch.Tensor,
+    rows: list[int],
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+) -> list[int]:
+    """`_sample_rows` by torch ops: rows with a top-k, or off the CPU kernels' path."""
     index = torch.tensor(rows, device=logits.device)
     temps = [params[i].temperature for i in rows]
     x = logits[index] / torch.tensor(temps, dtype=logits.dtype, device=logits.device)[:, None]
@@ -140,7 +174,8 @@ def _sample_rows(
         p, gen = params[i], generators[i]
         if p.top_p < 1.0:
             kept, ids = nucleus(probs[j], p.top_p, first.get(j))
-            out.append(int(ids[_draw(kept, gen)]))
+            ids, order = ids.sort()  # drawn over in id order, as the C draw does
+            out.append(int(ids[_draw(kept[order], gen)]))
         else:
             out.append(_draw(probs[j], gen))
     return out

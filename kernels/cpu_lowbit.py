@@ -149,6 +149,8 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.kvg_argmax_rows.restype = None
     lib.kvg_topk_rows.argtypes = [_PTR, _I64, _I64, _I64, _I64, _PTR, _INT]
     lib.kvg_topk_rows.restype = ctypes.c_int
+    lib.kvg_topp_rows.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _INT]
+    lib.kvg_topp_rows.restype = ctypes.c_int
     lib.kvg_rmsnorm.argtypes = [_PTR, _I64, _PTR, _I64, _I64, _PTR, _F, _PTR, _INT]
     lib.kvg_rmsnorm.restype = None
     lib.kvg_rope.argtypes = [_PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _INT]

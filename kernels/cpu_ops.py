@@ -239,6 +239,31 @@ def topk_indices(x: torch.Tensor, k: int) -> torch.Tensor | None:
     return None if rc else idx
 
 
+def topp_draw(
+    x: torch.Tensor, temps: list[float], top_ps: list[float], u: list[float]
+) -> list[int] | None:
+    """A token for each fp32 row of logits `x` `[M, N]` (unit stride along the row): drawn
+    from softmax(x / temps[r]) within its top_ps[r] nucleus (the fewest likeliest tokens whose
+    probability reaches it; of tokens tied at its edge, the lower ids) by inverse CDF with
+    the uniform u[r], over the nucleus in id order. None where a row has a NaN, no finite
+    largest value or no probability mass."""
+    lib = cpu_lowbit.library()
+    assert x.dim() == 2 and x.stride(1) == 1 and x.shape[1] > 0
+    m = x.shape[0]
+    assert len(temps) == len(top_ps) == len(u) == m
+    t = torch.tensor(temps, dtype=torch.float32)
+    p = torch.tensor(top_ps, dtype=torch.float32)
+    uu = torch.tensor(u, dtype=torch.float32)
+    tok = torch.empty(m, dtype=torch.int64)
+    rc = lib.kvg_topp_rows(
+        x.data_ptr(), m, x.shape[1], x.stride(0), t.data_ptr(), p.data_ptr(), uu.data_ptr(),
+        tok.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if rc < 0:
+        raise MemoryError("topp_draw: no memory for a row's probabilities")
+    return None if rc else tok.tolist()
+
+
 def rmsnorm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> torch.Tensor:

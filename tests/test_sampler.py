@@ -107,3 +107,82 @@ def test_nan_logits_are_refused_not_drawn() -> None:
         sample(logits, [SamplingParams(temperature=1.0)], [None])
     with pytest.raises(RuntimeError, match="NaN"):  # the per-row path too
         sample(logits, [SamplingParams(temperature=1.0, seed=1)], [torch.Generator()])
+
+
+# -- the C draw (cpu_ops.topp_draw): the sampler's path for rows without a top-k on CPU -----
+
+
+def reference_draw(x: torch.Tensor, temp: float, top_p: float, u: float) -> int:
+    """The draw by its definition in float64: the nucleus from a full sort (most likely first,
+    equal values in id order) keeping each token whose mass before it is below top_p of the
+    whole, then the first token in id order whose running mass exceeds u times the
+    nucleus's."""
+    p = torch.exp((x.double() - x.max()) / temp)
+    order = sorted(range(len(p)), key=lambda i: (-p[i].item(), i))
+    before, keep, target = 0.0, 0, top_p * p.sum().item()
+    for i in order:
+        if keep and before >= target:
+            break
+        before += p[i].item()
+        keep += 1
+    kept = sorted(order[:keep])
+    mass = sum(p[i].item() for i in kept)
+    acc = 0.0
+    for i in kept:
+        acc += p[i].item()
+        if acc > u * mass:
+            return i
+    return kept[-1]
+
+
+@pytest.mark.parametrize("scale", [8.0, 3.0, 0.1])  # peaked to flat
+def test_the_c_draw_is_the_definitions(scale: float) -> None:
+    from kvguard.kernels import cpu_ops
+
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 3000, generator=gen) * scale
+    x[1, ::7] = float("-inf")  # tokens a grammar or a bias forbids: never drawn
+    cases = [(t, p) for t in (1.0, 0.6) for p in (0.5, 0.9, 0.99, 1e-30, 1.0)]
+    for u in (0.0, 0.13, 0.5, 0.87, 0.999):
+        for temp, top_p in cases:
+            got = cpu_ops.topp_draw(x, [temp] * 6, [top_p] * 6, [u] * 6)
+            want = [reference_draw(row, temp, top_p, u) for row in x]
+            assert got == want, (temp, top_p, u)
+            assert all(x[1, t] > float("-inf") for t in got[1:2])
+
+
+def test_the_c_draw_takes_ties_at_the_nucleus_edge_in_id_order() -> None:
+    from kvguard.kernels import cpu_ops
+
+    inf = float("-inf")
+    x = torch.tensor([[inf, 0.0, 0.0, inf, 0.0, 0.0, -1e3, inf, 0.0, 0.0, inf]])
+    # six tokens of probability 1 (the rest ~0): half the mass is their first three in id order
+    draws = [cpu_ops.topp_draw(x, [1.0], [0.5], [u])[0] for u in (0.0, 0.34, 0.67, 0.99)]
+    assert draws == [1, 2, 4, 4]
+    assert cpu_ops.topp_draw(x, [1.0], [1.0], [0.99]) == [9]  # all six
+    bad = torch.tensor([[0.0, float("nan"), 1.0], [inf, inf, inf]])
+    for row in bad:  # NaN, or nothing to draw: refused
+        assert cpu_ops.topp_draw(row[None], [1.0], [0.9], [0.5]) is None
+
+
+def test_the_c_draw_gives_the_torch_paths_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Seeded rows with and without a top-p take one uniform each from their generator on
+    either path and draw over their nucleus in id order: the same seed, the same token."""
+    from kvguard.kernels import cpu_ops
+
+    x = torch.randn(48, 5000, generator=torch.Generator().manual_seed(9)) * 3.0
+    params = [
+        SamplingParams(temperature=0.8, top_p=(0.95, 0.5, 1.0)[i % 3], seed=i) for i in range(48)
+    ]
+
+    def draws() -> list[int]:
+        return sample(x, params, [torch.Generator().manual_seed(i) for i in range(48)])
+
+    fast = draws()
+    monkeypatch.setenv(cpu_ops.ENV, "0")
+    cpu_ops.reset()
+    try:
+        assert draws() == fast
+    finally:
+        monkeypatch.undo()
+        cpu_ops.reset()

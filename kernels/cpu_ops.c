@@ -1175,6 +1175,12 @@ static void nucleus_edge(const float *p, int64_t n, double target, float *a, flo
         *sum += above;
         return;
     }
+    if (m == 0) { /* not reached: target > 0 puts the edge in a bin with mass */
+        *least = -1.0f;
+        *ties = 0;
+        *sum = above;
+        return;
+    }
     /* the bin's own sum fell short by rounding: the whole bin, down to its least value */
     float lo = a[0];
     double all = 0.0;
@@ -1222,8 +1228,13 @@ static int topp_row(const float *x, int64_t n, float temp, float top_p, float u,
     float least = -1.0f;
     int64_t ties = 0;
     double kept = total;
-    if (top_p < 1.0f)
+    if (top_p < 1.0f && (double)top_p * total > 0.0) {
         nucleus_edge(p, n, (double)top_p * total, a, &least, &ties, &kept);
+    } else if (top_p < 1.0f) { /* no mass to reach (a denormal top_p read as 0): the first */
+        least = 1.0f;          /* largest alone, whose p is exp(0) = 1 exactly */
+        ties = 1;
+        kept = 1.0;
+    }
     const double r = (double)u * kept;
     double acc = 0.0;
     int64_t t = ties;

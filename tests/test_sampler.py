@@ -160,6 +160,8 @@ def test_the_c_draw_takes_ties_at_the_nucleus_edge_in_id_order() -> None:
     draws = [cpu_ops.topp_draw(x, [1.0], [0.5], [u])[0] for u in (0.0, 0.34, 0.67, 0.99)]
     assert draws == [1, 2, 4, 4]
     assert cpu_ops.topp_draw(x, [1.0], [1.0], [0.99]) == [9]  # all six
+    for tiny in (0.0, 1e-320, 1e-45):  # no mass to reach (denormals read as 0): the first max
+        assert cpu_ops.topp_draw(x, [1.0], [tiny], [0.99]) == [1]
     bad = torch.tensor([[0.0, float("nan"), 1.0], [inf, inf, inf]])
     for row in bad:  # NaN, or nothing to draw: refused
         assert cpu_ops.topp_draw(row[None], [1.0], [0.9], [0.5]) is None

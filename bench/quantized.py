@@ -218,6 +218,20 @@ class OpenVINO:
         return len(prompts) * (tokens - 1) / max((t2 - t1) - (t1 - t0), 1e-9)
 
 
+def ov_greedy(prompt: list[int], max_tokens: int, stop: set[int]) -> tuple[Any, Any]:
+    """One greedy OpenVINO GenAI request that ends at a `stop` token: the prompt's token-id
+    tensor and its `GenerationConfig` (for the caller to add to)."""
+    import numpy as np
+    import openvino as ov
+    import openvino_genai as og
+
+    g = og.GenerationConfig()
+    g.max_new_tokens, g.do_sample = max_tokens, False
+    g.eos_token_id = min(stop)
+    g.stop_token_ids = set(stop)
+    return ov.Tensor(np.array([prompt], dtype=np.int64)), g
+
+
 def run_trace(engine: Any, trace: list[TraceRequest]) -> tuple[float, float, list[list[int]]]:
     """(tokens/s, wall seconds, outputs) of the whole trace after a small warm-up; lengths
     checked."""

@@ -41,7 +41,14 @@ from typing import Any
 if not __package__:  # run as a file: import siblings as bench.*, never shadow the stdlib `trace`
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 from bench.common import load_line, make_engine, ratio, section, step_apply, verdict  # noqa: E402
-from bench.quantized import KV_BYTES, MAX_BATCHED, MAX_NUM_SEQS, OpenVINO, gguf_path  # noqa: E402
+from bench.quantized import (  # noqa: E402
+    KV_BYTES,
+    MAX_BATCHED,
+    MAX_NUM_SEQS,
+    OpenVINO,
+    gguf_path,
+    ov_greedy,
+)
 from bench.trace import common_args, format_table, write_json  # noqa: E402
 
 NGRAM = 3
@@ -161,17 +168,10 @@ class OpenVINOLookup:
         return None  # the pipeline does not say how many drafts it kept
 
     def serve(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-        import numpy as np
-        import openvino as ov
-        import openvino_genai as og
-
         ids, cfgs = [], []
         for p in prompts:
-            ids.append(ov.Tensor(np.array([p], dtype=np.int64)))
-            g = og.GenerationConfig()
-            g.max_new_tokens, g.do_sample = max_tokens, False
-            g.eos_token_id = min(self.stop)
-            g.stop_token_ids = set(self.stop)
+            tensor, g = ov_greedy(p, max_tokens, self.stop)
+            ids.append(tensor)
             if self.on:
                 g.num_assistant_tokens, g.max_ngram_size = self.draft, NGRAM
             cfgs.append(g)

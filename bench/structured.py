@@ -33,7 +33,7 @@ from typing import Any
 if not __package__:  # run as a file: import siblings as bench.*, never shadow the stdlib `trace`
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 from bench.common import load_line, ratio, section, verdict  # noqa: E402
-from bench.quantized import Kvguard, OpenVINO, gguf_path  # noqa: E402
+from bench.quantized import Kvguard, OpenVINO, gguf_path, ov_greedy  # noqa: E402
 from bench.trace import common_args, format_table, write_json  # noqa: E402
 
 MAX_TOKENS = 64
@@ -104,17 +104,12 @@ class OpenVINOJson:
         return None
 
     def serve(self, prompts: list[list[int]], schema: dict[str, Any] | None) -> list[list[int]]:
-        import numpy as np
-        import openvino as ov
         import openvino_genai as og
 
         ids, cfgs = [], []
         for p in prompts:
-            ids.append(ov.Tensor(np.array([p], dtype=np.int64)))
-            g = og.GenerationConfig()
-            g.max_new_tokens, g.do_sample = MAX_TOKENS, False
-            g.eos_token_id = min(self.stop_ids)
-            g.stop_token_ids = set(self.stop_ids)
+            tensor, g = ov_greedy(p, MAX_TOKENS, self.stop_ids)
+            ids.append(tensor)
             if schema is not None:
                 g.structured_output_config = og.StructuredOutputConfig(
                     json_schema=json.dumps(schema)

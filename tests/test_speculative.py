@@ -5,6 +5,8 @@ take a block from anyone, and their rejected K/V never reach the prefix cache.""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -14,6 +16,8 @@ from kvguard.engine.sequence import Sequence
 from kvguard.engine.speculative import Lookup, StepCost, accepted_prefix, ngram_sizes
 from tests.test_admission_predicted import run_all
 from tests.test_kv_pool import apply
+from tests.test_server import Daemon
+from tests.test_structured_output import metric
 
 TEXT = (
     "A paged KV cache keeps each request's keys and values in fixed-size blocks, so memory is "
@@ -276,3 +280,33 @@ def test_sampled_tokens_follow_the_models_distribution() -> None:
             assert len(emitted) == 2 or emitted[1] == 1
     assert torch.allclose(counts[0] / n, p0, atol=0.03)
     assert torch.allclose(second / second.sum(), p1, atol=0.04)
+
+
+def test_the_daemon_drafts_over_http_and_counts_them(tmp_path: Path, plain: LLMEngine) -> None:
+    """`kvguard serve` with drafts on: a greedy chat answer, streamed and not, is the answer
+    the engine gives without drafts, and /metrics counts the drafts and the kept ones."""
+    d = Daemon(
+        tmp_path,
+        debug_hooks=False,
+        serving="{model: smollm2-135m, kv_cache_bytes: 64MiB, max_model_len: 1024, "
+        "speculative_tokens: 4, speculative_row_cost: 0}",
+    )
+    try:
+        c = d.client()
+        msgs = [{"role": "user", "content": f"Repeat this text exactly:\n\n{TEXT}"}]
+        whole = c.chat.completions.create(
+            model="smollm2-135m", messages=msgs, max_tokens=48, temperature=0
+        )
+        chunks = c.chat.completions.create(
+            model="smollm2-135m", messages=msgs, max_tokens=48, temperature=0, stream=True
+        )
+        streamed = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+        assert streamed == whole.choices[0].message.content
+        prompt = plain.tokenizer.apply_chat_template(msgs, True)
+        want = _outputs(plain, [prompt], [SamplingParams(max_tokens=48)])[0].text
+        assert whole.choices[0].message.content == want
+        drafted = metric(d, "kvguard_spec_draft_tokens_total")
+        accepted = metric(d, "kvguard_spec_accepted_tokens_total")
+        assert drafted >= accepted > 20, (drafted, accepted)
+    finally:
+        assert d.stop() == 0

@@ -134,8 +134,14 @@ class SnapshotCollector(Collector):
             "Speculative draft tokens the model chose as its own (each one a step saved)",
         )
         accepted.add_metric([], s.speculative.get("accepted", 0))
+        row_cost = _gauge(
+            "kvguard_spec_row_cost_ratio",
+            "What one more row costs a decode step over the step's fixed part, by which a "
+            "draft position must pay for itself (learnt from the steps, or the configured one)",
+        )
+        row_cost.add_metric([], s.speculative.get("row_cost", 0.0))
         yield from (pre, adm, oom, gen, prompt, steps, cut, hit, queried, structured, grammar,
-                    drafted, accepted, self._finished(s))  # fmt: skip
+                    drafted, accepted, row_cost, self._finished(s))  # fmt: skip
 
     def _finished(self, s: EngineSnapshot) -> CounterMetricFamily:
         """Counted by the engine, where every finish passes: a request aborted because its

@@ -56,8 +56,9 @@ class EngineSnapshot:
     prefix_cache: dict[str, int] = field(default_factory=dict)
     # structured output: requests given a JSON schema; seconds their grammars took
     structured: dict[str, float] = field(default_factory=dict)
-    # speculative decoding: draft tokens verified, and of them accepted, since the start
-    speculative: dict[str, int] = field(default_factory=dict)
+    # speculative decoding: draft tokens verified, and of them accepted, since the start; and
+    # row_cost, a draft row's cost over a decode step's fixed part (learnt, or the knob's)
+    speculative: dict[str, float] = field(default_factory=dict)
 
     # -- shorthands used by benchmarks, rules and metrics ---------------------------------
     @property
@@ -166,5 +167,9 @@ def build_snapshot(engine: LLMEngine) -> EngineSnapshot:
             "requests": engine.grammars.requests,
             "grammar_seconds": engine.grammars.seconds,
         },
-        speculative={"drafted": sch.drafted, "accepted": sch.accepted},
+        speculative={
+            "drafted": sch.drafted,
+            "accepted": sch.accepted,
+            "row_cost": round(sch.step_cost.ratio(), 4),
+        },
     )

@@ -232,6 +232,7 @@ def test_no_draft_where_its_row_costs_more_than_it_may_bring(spec: LLMEngine) ->
         before = spec.snapshot().speculative["drafted"]
         assert _outputs(spec, [prompt], [params])[0].token_ids == want
         assert spec.snapshot().speculative["drafted"] == before
+        assert spec.snapshot().speculative["row_cost"] == 100.0  # what drafts are judged by
     finally:
         assert apply(spec, spec.reconfigure({("speculative_row_cost",): 0.0})).ok
     assert spec.scheduler.step_cost.weight > 8  # decode-only steps were timed
@@ -308,5 +309,6 @@ def test_the_daemon_drafts_over_http_and_counts_them(tmp_path: Path, plain: LLME
         drafted = metric(d, "kvguard_spec_draft_tokens_total")
         accepted = metric(d, "kvguard_spec_accepted_tokens_total")
         assert drafted >= accepted > 20, (drafted, accepted)
+        assert metric(d, "kvguard_spec_row_cost_ratio") == 0.0  # the configured one
     finally:
         assert d.stop() == 0

@@ -46,7 +46,7 @@ from kvguard.engine.sequence import (
     parse_priority,
 )
 from kvguard.engine.snapshot import EngineSnapshot, build_snapshot
-from kvguard.engine.speculative import ROW_COST_PRIOR, StepCost
+from kvguard.engine.speculative import ROW_COST_PRIOR
 from kvguard.engine.structured import Grammars
 from kvguard.engine.tokenizer import Tokenizer
 
@@ -128,9 +128,8 @@ class LLMEngine(ControlSurface):
             emit=self.events.emit,
             prefill_while_decoding=prefill_while_decoding(config, runner.device),
             speculation=speculation(config),
+            row_cost_prior=ROW_COST_PRIOR.get(runner.device.type, ROW_COST_PRIOR["cuda"]),
         )
-        prior = ROW_COST_PRIOR.get(runner.device.type, ROW_COST_PRIOR["cuda"])
-        self.scheduler.step_cost = StepCost(prior)
         self.max_model_len = min(config.max_model_len, model_config.max_position_embeddings)
         self.eos_ids = set(tokenizer.eos_token_ids) | set(model_config.eos_token_ids)
         self.grammars = Grammars(tokenizer, model_config.vocab_size, self.eos_ids)
@@ -389,7 +388,7 @@ class LLMEngine(ControlSurface):
         except Exception:  # noqa: BLE001 - a bug or a poisoned input: stop this step's requests
             log.exception("engine step failed; its %d requests end with an error", len(batch.seqs))
             return self._fail(batch)
-        if decode_only(batch):  # what a draft row costs is learnt from these
+        if self.scheduler.speculation is not None and decode_only(batch):  # a draft row's cost
             self.scheduler.step_cost.observe(sum(batch.num_tokens), time.perf_counter() - t0)
         now = time.monotonic()
         for seq, entries in getattr(self.runner, "prompt_logprobs", None) or ():

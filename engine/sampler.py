@@ -127,7 +127,7 @@ def _sample_rows(
         fast = [i for i in rows if params[i].top_k <= 0]
         if fast:
             x = logits[torch.tensor(fast)]
-            u = [_uniform(generators[i]) for i in fast]
+            u = [float(_uniform(generators[i])) for i in fast]
             temps = [params[i].temperature for i in fast]
             tokens = cpu_ops.topp_draw(x, temps, [params[i].top_p for i in fast], u)
             if tokens is None:
@@ -139,11 +139,6 @@ def _sample_rows(
     if rows:
         drawn |= dict(zip(rows, _sample_slow(logits, rows, params, generators), strict=True))
     return [drawn[i] for i in want]
-
-
-def _uniform(gen: torch.Generator | None) -> float:
-    """The uniform a draw takes: one from `gen` (the global generator if None), as `_draw`."""
-    return float(torch.rand(1, generator=gen, dtype=DRAW_DTYPE))
 
 
 def _sample_slow(
@@ -184,6 +179,11 @@ def _sample_slow(
 DRAW_DTYPE = torch.float32  # a seeded draw's uniform: one a token (`rewind` replays them)
 
 
+def _uniform(gen: torch.Generator | None, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The one uniform a draw takes, from `gen` (the global generator if None)."""
+    return torch.rand(1, generator=gen, dtype=DRAW_DTYPE, device=device)
+
+
 def _draw(probs: torch.Tensor, gen: torch.Generator | None) -> int:
     """One index of `probs` (not necessarily normalised) by inverse CDF: one uniform from
     `gen` (the global generator if None) against the cumulative sum. `torch.multinomial`
@@ -193,7 +193,7 @@ def _draw(probs: torch.Tensor, gen: torch.Generator | None) -> int:
     total = cdf[-1:]
     if not (bool(torch.isfinite(total)) and float(total) > 0.0):
         raise RuntimeError("cannot draw a token: its probabilities are NaN, inf or all zero")
-    u = torch.rand(1, generator=gen, dtype=DRAW_DTYPE, device=cdf.device).to(cdf.dtype) * total
+    u = _uniform(gen, cdf.device).to(cdf.dtype) * total
     # side right: a token of probability 0 has the cdf of the one before it: never drawn
     return int(torch.searchsorted(cdf, u, right=True).clamp_max_(probs.numel() - 1).item())
 
@@ -202,7 +202,7 @@ def rewind(gen: torch.Generator, state: torch.Tensor, draws: int) -> None:
     """Put `gen` where `draws` draws (`_draw`'s, one uniform each) from `state` leave it."""
     gen.set_state(state)
     for _ in range(draws):
-        torch.rand(1, generator=gen, dtype=DRAW_DTYPE, device=gen.device)
+        _uniform(gen, gen.device)
 
 
 NUCLEUS_FIRST = 256  # most likely tokens looked at first for a top-p nucleus

@@ -51,7 +51,13 @@ from kvguard.engine.admission import HIGH
 from kvguard.engine.admission_policy import AdmissionPolicy
 from kvguard.engine.block_manager import BlockManager
 from kvguard.engine.sequence import Sequence, Status
-from kvguard.engine.speculative import ROW_COST_PRIOR, Lookup, StepCost, ngram_sizes
+from kvguard.engine.speculative import (
+    ROW_COST_PRIOR,
+    Lookup,
+    StepCost,
+    draft_threshold,
+    ngram_sizes,
+)
 
 EventSink = Callable[..., None]
 MIN_BATCHED_TOKENS = 64
@@ -130,6 +136,7 @@ class Scheduler:
         emit: EventSink | None = None,
         prefill_while_decoding: int | None = None,
         speculation: Speculation | None = None,
+        row_cost_prior: float = ROW_COST_PRIOR["cpu"],
     ) -> None:
         self.bm = block_manager
         self.host_bm = host_block_manager
@@ -150,11 +157,17 @@ class Scheduler:
         self.preemptions = {"swap": 0, "recompute": 0}
         self.block_cap: int | None = None  # most device blocks in use; None: the whole pool
         self.speculation = speculation
-        self.step_cost = StepCost(ROW_COST_PRIOR["cpu"])  # the engine sets its device's prior
+        self.step_cost = StepCost(row_cost_prior)  # what a draft row costs, learnt
         self.drafting = False  # this step proposes drafts (few enough sequences decode)
         self.draft_threshold = 0.0  # this step's least chance a draft row must have
         self.drafted = 0  # draft tokens computed, and of them accepted, since the start
         self.accepted = 0
+
+    def row_cost(self) -> float:
+        """The row cost drafts are judged by: `speculative_row_cost`, or the learnt one."""
+        spec = self.speculation
+        fixed = spec.row_cost if spec is not None else None
+        return self.step_cost.ratio() if fixed is None else fixed
 
     def device_capacity(self) -> int:
         """Device blocks sequences may hold now: the pool, or the cap while one is set."""
@@ -209,8 +222,7 @@ class Scheduler:
         decoding = sum(s.num_uncomputed == 1 for s in self.running) if spec else 0
         self.drafting = spec is not None and decoding <= spec.max_batch
         if self.drafting:
-            self.step_cost.fixed = spec.row_cost
-            self.draft_threshold = self.step_cost.threshold(decoding)
+            self.draft_threshold = draft_threshold(self.row_cost(), decoding)
         if self._urgent_prompt():
             budget = self._schedule_running(batch, self.max_num_batched_tokens, True)
             if not batch.has_decode:  # a first text's next token goes first, alone

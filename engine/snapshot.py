@@ -170,6 +170,6 @@ def build_snapshot(engine: LLMEngine) -> EngineSnapshot:
         speculative={
             "drafted": sch.drafted,
             "accepted": sch.accepted,
-            "row_cost": round(sch.step_cost.ratio(), 4),
+            "row_cost": round(sch.row_cost(), 4),
         },
     )

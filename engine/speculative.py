@@ -29,7 +29,7 @@ brings a token only if every draft before it is accepted too. So a draft is wort
 where it is likely enough: each request keeps an estimate `a` of how often its drafts are
 accepted (recent verify steps weigh most, a prior when it has none), draft position `j` is
 expected to bring a^j tokens, and a step drafts position `j` when a^j is at least the
-threshold `StepCost.threshold`: what a row costs against what a token of a step without drafts
+threshold `draft_threshold`: what a row costs against what a token of a step without drafts
 costs. With `b` sequences decoding and a step of n rows taking base + row * n seconds, a token
 costs (base + row * b) / b, so the threshold is r b / (1 + r b) with r = row / base, learnt
 from the engine's own decode steps (`speculative_row_cost` fixes r instead). One decoding
@@ -144,17 +144,17 @@ class StepCost:
     """What a row costs a decode step against the step's fixed part, learnt from the engine's
     own decode-only steps: a least-squares line through (rows, seconds), older steps decaying.
     Until steps of different sizes have been seen (the slope is unknown while every step has
-    as many rows) it answers the device's prior."""
+    as many rows) it answers the device's prior. `speculative_row_cost` overrides it
+    (`Scheduler.row_cost`)."""
 
     DECAY = 0.98  # a step's weight against the one after it: the fit follows the last ~50
     MIN_WEIGHT = 8.0  # steps before the fit is trusted
     MIN_SPREAD = 0.25  # variance of the row count the slope needs
 
-    __slots__ = ("prior", "fixed", "_s")
+    __slots__ = ("prior", "_s")
 
-    def __init__(self, prior: float, fixed: float | None = None) -> None:
+    def __init__(self, prior: float) -> None:
         self.prior = prior
-        self.fixed = fixed
         self._s = [0.0] * 5  # weight, sum x, sum y, sum xx, sum xy
 
     def observe(self, rows: int, seconds: float) -> None:
@@ -169,8 +169,6 @@ class StepCost:
 
     def ratio(self) -> float:
         """r: one more row's seconds over the step's fixed seconds."""
-        if self.fixed is not None:
-            return self.fixed
         w, x, y, xx, xy = self._s
         if w < self.MIN_WEIGHT:
             return self.prior
@@ -182,11 +180,13 @@ class StepCost:
         base = max(my - row * mx, 0.1 * my)  # a noisy fit never makes rows all of a step
         return row / base
 
-    def threshold(self, decoding: int) -> float:
-        """The least chance of bringing a token that pays for a draft row while `decoding`
-        sequences decode: a row's cost over a token's in a step without drafts."""
-        r = self.ratio() * max(decoding, 1)
-        return r / (1.0 + r)
+
+def draft_threshold(row_cost: float, decoding: int) -> float:
+    """The least chance of bringing a token that pays for a draft row while `decoding`
+    sequences decode, a row costing `row_cost` (r) of a step's fixed part: a row's cost over a
+    token's in a step without drafts, r b / (1 + r b)."""
+    r = row_cost * max(decoding, 1)
+    return r / (1.0 + r)
 
 
 def ngram_sizes(longest: int) -> tuple[int, ...]:

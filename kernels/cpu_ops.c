@@ -1175,13 +1175,8 @@ static void nucleus_edge(const float *p, int64_t n, double target, float *a, flo
         *sum += above;
         return;
     }
-    if (m == 0) { /* not reached: target > 0 puts the edge in a bin with mass */
-        *least = -1.0f;
-        *ties = 0;
-        *sum = above;
-        return;
-    }
-    /* the bin's own sum fell short by rounding: the whole bin, down to its least value */
+    /* the bin's own sum fell short by rounding: the whole bin, down to its least value (it
+     * holds a value: its mass reached target - above > 0, the caller's target being > 0) */
     float lo = a[0];
     double all = 0.0;
     for (int64_t i = 0; i < m; ++i) {

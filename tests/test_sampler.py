@@ -173,6 +173,7 @@ def test_the_c_draw_gives_the_torch_paths_tokens(monkeypatch: pytest.MonkeyPatch
     from kvguard.kernels import cpu_ops
 
     x = torch.randn(48, 5000, generator=torch.Generator().manual_seed(9)) * 3.0
+    assert cpu_ops.rows_served(x)  # the first draws are the C kernel's
     params = [
         SamplingParams(temperature=0.8, top_p=(0.95, 0.5, 1.0)[i % 3], seed=i) for i in range(48)
     ]

@@ -13,7 +13,13 @@ import torch
 from kvguard.engine import EngineConfig, LLMEngine, SamplingParams
 from kvguard.engine.model_runner import ModelRunner
 from kvguard.engine.sequence import Sequence
-from kvguard.engine.speculative import Lookup, StepCost, accepted_prefix, ngram_sizes
+from kvguard.engine.speculative import (
+    Lookup,
+    StepCost,
+    accepted_prefix,
+    draft_threshold,
+    ngram_sizes,
+)
 from tests.test_admission_predicted import run_all
 from tests.test_kv_pool import apply
 from tests.test_server import Daemon
@@ -94,13 +100,13 @@ def test_a_row_is_judged_by_what_the_steps_measured() -> None:
     for rows in [1, 2, 4, 8, 12] * 20:  # base 2.5 ms, 0.85 ms a row
         cost.observe(rows, 0.0025 + 0.00085 * rows)
     assert cost.ratio() == pytest.approx(0.34, rel=0.02)
-    assert cost.threshold(1) == pytest.approx(0.254, abs=0.005)
-    assert cost.threshold(16) == pytest.approx(0.845, abs=0.005)
+    assert draft_threshold(cost.ratio(), 1) == pytest.approx(0.254, abs=0.005)
+    assert draft_threshold(cost.ratio(), 16) == pytest.approx(0.845, abs=0.005)
     flat = StepCost(prior=0.3)
     for rows in [1, 8] * 20:  # rows that cost nothing (a GPU's memory-bound step)
         flat.observe(rows, 0.004)
-    assert flat.ratio() == 0.0 and flat.threshold(64) == 0.0
-    assert StepCost(prior=0.3, fixed=1.0).threshold(3) == pytest.approx(0.75)
+    assert flat.ratio() == 0.0 and draft_threshold(flat.ratio(), 64) == 0.0
+    assert draft_threshold(1.0, 3) == pytest.approx(0.75)  # a configured row cost
 
 
 def test_a_verify_step_keeps_the_chosen_drafts_and_the_first_token_that_differs() -> None:

@@ -114,9 +114,9 @@ def _sample_rows(
     generators: list[torch.Generator | None],
 ) -> list[int]:
     """The rows with a seed, top-k or top-p. On the CPU kernels' path, the rows without a
-    top-k in one C call (`cpu_ops.topp_draw`: temperature, softmax, a nucleus by quickselect
-    on mass and the draw, rows over the threads; a flat distribution's nucleus took a sort of
-    the whole vocabulary, 0.32 ms a row, a third of bench/choices.py's sampling). The others
+    top-k in one C call (`cpu_ops.topp_draw`: temperature, softmax, the nucleus from per-bin
+    masses and the draw, rows over the threads; a flat distribution's nucleus took a sort of
+    the whole vocabulary, 0.32 ms a row, over half of bench/choices.py's sampling). The others
     (`_sample_slow`): temperature, top-k, softmax and the top-p selection of the 256 likeliest
     over all of them at once, then each row's nucleus and draw. Each row takes one uniform
     from its own generator where it has one (the global one where not)."""

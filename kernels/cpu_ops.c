@@ -1145,7 +1145,7 @@ static int select_edge(float *a, int64_t n, double target, float *least, int64_t
  * sums the mass of each bin of values (their bits' order is their values' order); the bins
  * from the top find the one the edge lies in, and only that bin's values (`a`: scratch) are
  * selected among. A quickselect over the whole row cost a flat row 0.6 ms over a 49k
- * vocabulary, more than a sort; this about a tenth. */
+ * vocabulary, more than a sort; this 0.16 ms (2 threads, 32 rows: 11.3 against 4.0 ms). */
 static void nucleus_edge(const float *p, int64_t n, double target, float *a, float *least,
                          int64_t *ties, double *sum) {
     double mass[EDGE_BINS] = {0};

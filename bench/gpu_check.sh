@@ -9,7 +9,7 @@
 #      random Llama-2-7B and SmolLM2-135M, batch 1/16/64 and a mixed trace, the batch-1
 #      bandwidth limit, KVGUARD_TRITON=0 vs 1, a real CUDA OOM, pool sizing from
 #      gpu_memory_utilization, the live FP8 switch, NVML, CUDA graphs once the runner has them;
-#   3. bench/gpu_kernels.py --skip-e2e: Triton decode attention time, bandwidth vs copy
+#   3. bench/gpu_kernels.py --skip-e2e --sweep: Triton decode attention time, bandwidth vs copy
 #      bandwidth, ratio to dense SDPA (SmolLM2 and Llama-2-7B shapes, batch 64, 1k/4k/16k);
 #   4. with two or more GPUs visible: bench/tensor_parallel.py, tiny at tp=1 vs tp=2 over NCCL;
 #   5. the W4A16 GEMM (issue 15): its tests compiled on CUDA, then bench/gpu_w4a16.py.
@@ -19,7 +19,9 @@
 #
 #   bench/gpu_check.sh              # on a CUDA host (the device tool: carry [".gpu_wheels"])
 #   bench/gpu_check.sh --cpu-smoke  # no GPU: tiny shapes, Triton interpreter, about a minute
-# GPU_WHEELS overrides the wheel folder (default .gpu_wheels).
+# GPU_WHEELS overrides the wheel folder (default .gpu_wheels). A rerun on little device time
+# can take some steps: GPU_CHECK_STEPS (default "tests e2e kernels tp w4a16"), and pass the
+# scripts options: E2E_ARGS (e.g. "--sections decode --batches 1"), KERNEL_ARGS.
 # PY overrides the interpreter (default .venv/bin/python, else python3); it needs torch (CUDA
 # build on a GPU host), triton, transformers, pytest. kvguard need not be installed: the
 # working tree is put on the path through a namespace shim (pyproject's package-dir mapping).
@@ -76,7 +78,7 @@ main() {
     # the GPU run's test modules and conftest import with what is here (collection only)
     timeout 120 "$PY" -m pytest -qq --collect-only -p no:cacheprovider tests/test_triton_kernels.py \
       tests/test_triton_w4a16.py tests/test_cuda_graphs.py || status=1
-    timeout 300 "$PY" bench/gpu_kernels.py --cpu-smoke --json "$OUT_DIR/gpu_kernels_smoke.json" || status=1
+    timeout 300 "$PY" bench/gpu_kernels.py --cpu-smoke --sweep --json "$OUT_DIR/gpu_kernels_smoke.json" || status=1
     timeout 120 "$PY" bench/gpu_w4a16.py --cpu-smoke --json "$OUT_DIR/gpu_w4a16_smoke.json" || status=1
     timeout 300 "$PY" bench/gpu_e2e.py --cpu-smoke --json "$OUT_DIR/gpu_e2e_smoke.json" || status=1
     exit $status
@@ -86,23 +88,34 @@ main() {
   "$PY" -c "import torch, triton, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 
   status=0
+  local steps=" ${GPU_CHECK_STEPS:-tests e2e kernels tp w4a16} "
   # Each test compiles its own kernel variants (about 40 and 50, 0.5-1 s each on one core): in
   # parallel over the cores with pytest-xdist, which the device image has.
   local par=()
   "$PY" -c "import xdist" 2>/dev/null && par=(-n 8)
-  echo "== Triton kernel tests on CUDA"
-  KVGUARD_TEST_DEVICE=cuda timeout -k 10 "$(left 60)" "$PY" -m pytest -q -p no:cacheprovider "${par[@]}" tests/test_triton_kernels.py || status=1
+  if [[ $steps == *" tests "* ]]; then
+    echo "== Triton kernel tests on CUDA"
+    KVGUARD_TEST_DEVICE=cuda timeout -k 10 "$(left 60)" "$PY" -m pytest -q -p no:cacheprovider "${par[@]}" tests/test_triton_kernels.py || status=1
+  fi
 
-  echo "== end to end: kvguard vs transformers on random-weight models (issue 18)"
-  timeout -k 10 "$(left 220)" "$PY" bench/gpu_e2e.py --json "$OUT_DIR/gpu_e2e.json" || status=1
+  if [[ $steps == *" e2e "* ]]; then
+    echo "== end to end: kvguard vs transformers on random-weight models (issue 18)"
+    # shellcheck disable=SC2086  # E2E_ARGS is a list of options
+    timeout -k 10 "$(left 220)" "$PY" bench/gpu_e2e.py ${E2E_ARGS:-} --json "$OUT_DIR/gpu_e2e.json" || status=1
+  fi
 
-  echo "== kernel benchmark"
-  timeout -k 10 "$(left 80)" "$PY" bench/gpu_kernels.py --skip-e2e --json "$OUT_DIR/gpu_kernels.json" || status=1
+  if [[ $steps == *" kernels "* ]]; then
+    echo "== kernel benchmark"
+    # shellcheck disable=SC2086
+    timeout -k 10 "$(left 120)" "$PY" bench/gpu_kernels.py --skip-e2e --sweep ${KERNEL_ARGS:-} --json "$OUT_DIR/gpu_kernels.json" || status=1
+  fi
 
   # tensor parallel over NCCL, one GPU per rank: the tiny model (written locally, nothing to
   # download) at tp=1 and tp=2, same tokens required. Runs only where two GPUs are visible.
   ngpu=$("$PY" -c "import torch; print(torch.cuda.device_count())")
-  if ((ngpu >= 2)); then
+  if [[ $steps != *" tp "* ]]; then
+    :
+  elif ((ngpu >= 2)); then
     echo "== tensor parallel 2 on CUDA (NCCL)"
     timeout -k 10 "$(left 120)" "$PY" bench/tensor_parallel.py --quick --device cuda --pairs tiny:2 \
       --json "$OUT_DIR/tensor_parallel.json" || status=1
@@ -110,9 +123,11 @@ main() {
     echo "== tensor parallel: not run, $ngpu GPU visible (needs 2)"
   fi
 
-  echo "== W4A16 GEMM: tests on CUDA, then Llama-2-7B layer shapes vs fp16 torch.matmul"
-  KVGUARD_TEST_DEVICE=cuda timeout -k 10 "$(left 45)" "$PY" -m pytest -q -p no:cacheprovider "${par[@]}" tests/test_triton_w4a16.py || status=1
-  timeout -k 10 "$(left 55)" "$PY" bench/gpu_w4a16.py --json "$OUT_DIR/gpu_w4a16.json" || status=1
+  if [[ $steps == *" w4a16 "* ]]; then
+    echo "== W4A16 GEMM: tests on CUDA, then Llama-2-7B layer shapes vs fp16 torch.matmul"
+    KVGUARD_TEST_DEVICE=cuda timeout -k 10 "$(left 45)" "$PY" -m pytest -q -p no:cacheprovider "${par[@]}" tests/test_triton_w4a16.py || status=1
+    timeout -k 10 "$(left 55)" "$PY" bench/gpu_w4a16.py --json "$OUT_DIR/gpu_w4a16.json" || status=1
+  fi
   echo "== gpu_check done in ${SECONDS}s, status $status"
   exit $status
 }

@@ -20,8 +20,10 @@ running out of time leaves the others' results in the JSON):
    the live pool resize on it (half, and back): device memory given back, pause;
 7. CUDA graphs (`KVGUARD_CUDA_GRAPHS=0` vs `1`): equal greedy tokens on the tiny test model in
    fp32 (random bf16 weights have near-tied logits, where summation order alone can flip a
-   token), then the speed-up at batch 1/16/64 on the SmolLM2 shape; the knob stays off by
-   default until this shows both.
+   token), then the speed-up at batch 1/16/64 on the SmolLM2 shape (the knob is on by
+   default since the first device run showed both; the other sections run with it);
+8. where a decode step's host time goes: cProfile of kvguard on that shape, eager and replayed,
+   at batch 1 and the largest batch (the functions with the most own time per step).
 
 Goals (issue 18): kvguard >= 2x transformers static at batch 64; batch-1 decode >= 60% of
 the bandwidth limit. `--cpu-smoke` runs every section on the tiny shape on CPU in seconds
@@ -52,6 +54,8 @@ import torch  # noqa: E402
 from bench.common import GiB, greedy, step_apply, verdict  # noqa: E402
 
 GB = 1e9
+# every section, in the order they run (`--sections` picks some: a rerun on little device time)
+SECTIONS = ("nvml", "decode", "trace", "cuda_graphs", "profile", "oom", "pool_sizing", "fp8_switch")
 STATIC_GOAL = 2.0  # kvguard / transformers static at batch 64
 LIMIT_GOAL = 0.60  # batch-1 decode / (copy bandwidth / weight bytes)
 
@@ -59,12 +63,13 @@ LIMIT_GOAL = 0.60  # batch-1 decode / (copy bandwidth / weight bytes)
 class Run:
     """Settings of one run: the GPU one, or the CPU smoke one (tiny shapes, few tokens)."""
 
-    def __init__(self, smoke: bool, shapes: list[str]) -> None:
+    def __init__(self, smoke: bool, shapes: list[str], batches: list[int] | None = None) -> None:
         self.smoke = smoke
         self.device = torch.device("cpu" if smoke else "cuda")
         self.dtype = torch.float32 if smoke else torch.bfloat16
         self.shapes = ["tiny"] if smoke else shapes
-        self.batches = [1, 4] if smoke else [1, 16, 64]
+        self.batches = batches or ([1, 4] if smoke else [1, 16, 64])
+        self.sections = set(SECTIONS)
         self.prompt = 16 if smoke else 128
         self.new_tokens = 6 if smoke else 48
         self.trace_requests = 8 if smoke else 32
@@ -131,11 +136,13 @@ def wall(fn: Callable[[], Any], run: Run) -> tuple[float, Any]:
 
 def decode_rate(gen: Callable[[int], Any], batch: int, run: Run) -> tuple[float, Any]:
     """Decode tokens/s: batch x (N - 1) tokens over t(N) - t(1), so prefill cancels out.
-    Median over `run.reps` pairs after one warm-up; returns the N-token outputs too."""
-    gen(2)  # warm-up: compiles, allocator, cuBLAS handles
+    One whole N-token warm-up first (kernels compiled, graphs captured for every bucket the
+    run passes through), then the median over `run.reps` pairs, t(1) the faster of two
+    tries; returns the N-token outputs too."""
+    gen(run.new_tokens)
     n, rates, out = run.new_tokens, [], None
     for _ in range(run.reps):
-        t_one, _ = wall(lambda: gen(1), run)
+        t_one = min(wall(lambda: gen(1), run)[0] for _ in range(2))
         t_all, out = wall(lambda: gen(n), run)
         if t_all > t_one:  # on a noisy CPU smoke run a tiny model can invert them
             rates.append(batch * (n - 1) / (t_all - t_one))
@@ -203,7 +210,8 @@ def section_decode(shape: str, run: Run, copy_bw: float) -> dict[str, Any]:
         print(f"  {shape} batch {b}: " + json.dumps(row), flush=True)
         if run.smoke and same != b:  # fp32 on CPU: the weight handover must be exact
             raise RuntimeError(f"kvguard and transformers disagree at batch {b}: {same}/{b}")
-    if shape == run.shapes[0]:  # the trace and the torch-path row once, on the cheaper shape
+    if shape == run.shapes[0] and "trace" in run.sections:
+        # the trace and the torch-path row once, on the cheaper shape
         res["trace"] = section_trace(eng, hf, run)
         res["triton_off"] = _triton_off(eng, run)
     del eng, hf
@@ -350,6 +358,45 @@ def section_cuda_graphs(run: Run) -> dict[str, Any]:
         row["captures"] = captures  # 0 on CPU: graphs need CUDA, both runs were eager
         res["rows"].append(row)
         print("  cuda graphs: " + json.dumps(row), flush=True)
+    return res
+
+
+def section_profile(run: Run) -> dict[str, Any]:
+    """Where a decode step's host time goes: cProfile over kvguard generating on the first
+    (cheapest) shape, eager and with graphs, at batch 1 and the largest batch. Each entry:
+    the functions with the most own time (a GPU wait shows as the call that synchronises)."""
+    import cProfile
+    import pstats
+
+    from kvguard.engine import model_runner
+
+    shape, n = run.shapes[0], run.new_tokens
+    res: dict[str, Any] = {"shape": shape, "tokens": n}
+    for flag in ("0", "1"):
+        os.environ[model_runner.CUDA_GRAPHS_ENV] = flag
+        for b in (1, max(run.batches)):
+            eng = kvguard_engine(shape, run, None, num_gpu_blocks=pool_blocks(b, 512))
+            prompts = prompts_for(b, run.prompt, eng.model_config.vocab_size, seed=b)
+            gen = kvguard_gen(eng, prompts)
+            gen(2)  # warm-up: compile, capture
+            prof = cProfile.Profile()
+            sec, _ = wall(lambda g=gen, p=prof: p.runcall(g, n), run)
+            stats = pstats.Stats(prof)
+            table = stats.stats  # type: ignore[attr-defined]
+            rows = sorted(table.items(), key=lambda kv: -kv[1][2])[:25]
+            top = [
+                f"{tt * 1e3 / n:8.3f} ms/step own {ct * 1e3 / n:8.3f} cum {nc / n:7.1f} calls"
+                f"  {Path(f).name}:{line}({fn})"
+                for (f, line, fn), (_, nc, tt, ct, _) in rows
+            ]
+            key = f"{'graphs' if flag == '1' else 'eager'}_b{b}"
+            res[key] = {"ms_per_step": sec * 1e3 / n, "top": top}
+            print(f"  {key}: {sec * 1e3 / n:.2f} ms/step (profiled)", flush=True)
+            for line in top[:12]:
+                print("    " + line, flush=True)
+            del eng
+            run.free()
+    os.environ.pop(model_runner.CUDA_GRAPHS_ENV, None)
     return res
 
 
@@ -578,11 +625,18 @@ def main() -> int:
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shape on CPU, seconds")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--shapes", default="smollm2-135m,llama2-7b")
+    ap.add_argument("--batches", help="decode batch sizes (default 1,16,64; 1,4 with --cpu-smoke)")
+    ap.add_argument("--sections", default=",".join(SECTIONS), help="comma list of: %(default)s")
     args = ap.parse_args()
+    wanted = set(args.sections.split(","))
+    if wanted - set(SECTIONS):
+        ap.error(f"unknown sections {sorted(wanted - set(SECTIONS))}: choose from {SECTIONS}")
     if not args.cpu_smoke and not torch.cuda.is_available():
         print("no CUDA device: run with --cpu-smoke", file=sys.stderr)
         return 2
-    run = Run(args.cpu_smoke, args.shapes.split(","))
+    batches = [int(b) for b in args.batches.split(",")] if args.batches else None
+    run = Run(args.cpu_smoke, args.shapes.split(","), batches)
+    run.sections = wanted
     if run.smoke:
         torch.set_num_threads(2)
     result: dict[str, Any] = {
@@ -590,17 +644,24 @@ def main() -> int:
         "torch": torch.__version__,
     }
     # Cheapest and most wanted first: a run cut short by its time limit loses the tail.
-    run_section(result, "nvml", lambda: section_nvml(run), args.json)
+    if "nvml" in wanted:  # first: its memory figure is read before anything is allocated
+        run_section(result, "nvml", lambda: section_nvml(run), args.json)
     run_section(result, "copy_gbs", lambda: copy_bandwidth(run) / GB, args.json)
+    sections: list[tuple[str, Callable[[], Any]]] = []
     copy_bw = result["copy_gbs"] * GB if isinstance(result["copy_gbs"], float) else 1.0
     for shape in run.shapes:
         decode = lambda s=shape: section_decode(s, run, copy_bw)  # noqa: E731
-        run_section(result, f"decode/{shape}", decode, args.json)
-    # CUDA graphs before the rest: never run on a GPU yet, and its verdict decides a default
-    run_section(result, "cuda_graphs", lambda: section_cuda_graphs(run), args.json)
-    run_section(result, "oom", lambda: section_oom(run), args.json)
-    run_section(result, "pool_sizing", lambda: section_pool_sizing(run), args.json)
-    run_section(result, "fp8_switch", lambda: section_fp8(run), args.json)
+        sections.append((f"decode/{shape}", decode))
+    sections += [
+        ("cuda_graphs", lambda: section_cuda_graphs(run)),
+        ("profile", lambda: section_profile(run)),
+        ("oom", lambda: section_oom(run)),
+        ("pool_sizing", lambda: section_pool_sizing(run)),
+        ("fp8_switch", lambda: section_fp8(run)),
+    ]
+    for key, fn in sections:
+        if key.split("/")[0] in wanted:
+            run_section(result, key, fn, args.json)
     print()
     for line in goals(result):
         print(line)

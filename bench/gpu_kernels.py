@@ -21,7 +21,10 @@ on every call), plus whether both produce the same greedy tokens.
 TRITON_INTERPRET=1 itself) and the end-to-end code on CPU with a few tokens (both settings take
 the torch path there), so the script can be checked without a GPU.
 
-    python bench/gpu_kernels.py [--cpu-smoke] [--json FILE] [--skip-e2e]
+`--sweep` then times the kernel under each launch config (tile, warps, stages, programs the
+context splits aim at) at 4k context.
+
+    python bench/gpu_kernels.py [--cpu-smoke] [--json FILE] [--skip-e2e] [--sweep]
 """
 
 from __future__ import annotations
@@ -150,6 +153,7 @@ def bench_shape(
     copy_bw: float,
     reps: int,
     dense_ms: dict[tuple[str, int], float],
+    config: tuple[int, int, int, int] | None = None,
 ) -> Row:
     from kvguard.kernels.triton_attention import paged_decode
 
@@ -159,8 +163,16 @@ def bench_shape(
     scale = shape.head_dim**-0.5
     lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
 
+    launch, splits = None, None
+    if config is not None:
+        from kvguard.kernels.triton_attention import choose_splits
+
+        launch, splits = config[:3], choose_splits(batch, shape.kv_heads, ctx, config[3])
+
     def run() -> torch.Tensor:
-        return paged_decode(q, s["kc"], s["vc"], s["tables"], lens, ctx, scale, s["ks"], s["vs"])
+        return paged_decode(
+            q, s["kc"], s["vc"], s["tables"], lens, ctx, scale, s["ks"], s["vs"], splits, launch
+        )
 
     def dense() -> torch.Tensor:
         return F.scaled_dot_product_attention(
@@ -192,6 +204,51 @@ def bench_shape(
         t * 1e3 / dense_ms[key],
         err,
     )
+
+
+# (tokens per tile, warps, stages, programs aimed at) tried at 4k context: the defaults are
+# decode_config's and choose_splits' 528 programs
+SWEEP = [
+    (64, 4, 2, 528),
+    (128, 4, 2, 528),
+    (64, 8, 2, 528),
+    (64, 4, 2, 1056),
+    (64, 4, 2, 2112),
+    (128, 4, 2, 2112),
+    (64, 4, 2, 4224),
+]
+
+
+def sweep(
+    shapes: list[Shape],
+    batch: int,
+    ctx: int,
+    device: torch.device,
+    copy_bw: float,
+    reps: int,
+    configs: list[tuple[int, int, int, int]],
+) -> list[dict[str, Any]]:
+    """The kernel's time under each launch config (tile, warps, stages, programs aimed at),
+    per shape and cache dtype: what `decode_config` and `choose_splits` should pick (a config
+    the GPU cannot fit is reported, not fatal)."""
+    out: list[dict[str, Any]] = []
+    dense_ms: dict[tuple[str, int], float] = {}
+    for shape in shapes:
+        for kv in ("bf16", "fp8"):
+            for cfg in configs:
+                entry: dict[str, Any] = {"shape": shape.name, "kv": kv, "config": list(cfg)}
+                try:
+                    r = bench_shape(shape, batch, ctx, kv, device, copy_bw, reps, dense_ms, cfg)
+                    entry |= {"ms": r.triton_ms, "of_copy": r.of_copy_bw, "err": r.max_abs_err}
+                    entry["over_dense"] = r.triton_over_dense
+                    line = f"{r.triton_ms:8.3f} ms {r.of_copy_bw:5.0%} of copy"
+                    line += f" {r.triton_over_dense:6.2f}x dense err {r.max_abs_err:.1e}"
+                except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory
+                    entry["error"] = repr(exc)[:200]
+                    line = entry["error"]
+                out.append(entry)
+                print(f"  sweep {shape.name:10} {kv:5} ctx {ctx} {cfg}: {line}", flush=True)
+    return out
 
 
 def e2e(
@@ -257,6 +314,7 @@ def main() -> int:
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes, Triton interpreter")
     ap.add_argument("--json", type=Path, help="also write the results here")
     ap.add_argument("--skip-e2e", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="time each launch config at 4k context")
     ap.add_argument(
         "--model", help="end-to-end model (default smollm2-135m; tiny with --cpu-smoke)"
     )
@@ -306,12 +364,16 @@ def main() -> int:
                 )
     for line in goals(rows, args.cpu_smoke):
         print(line, flush=True)
-    bad = [r for r in rows if not r.max_abs_err < 0.1]
+    mismatches = sum(1 for r in rows if not r.max_abs_err < 0.1)
     result: dict[str, Any] = {
         "device": "cpu-interpreter" if args.cpu_smoke else torch.cuda.get_device_name(),
         "copy_gbs": copy_bw / GB,
         "rows": [asdict(r) for r in rows],
     }
+    if args.sweep:
+        ctx, configs = (64, SWEEP[:2]) if args.cpu_smoke else (4096, SWEEP)
+        result["sweep"] = sweep(shapes, batch, ctx, device, copy_bw, reps, configs)
+        mismatches += sum(1 for e in result["sweep"] if not e.get("err", 0.0) < 0.1)
     if not args.skip_e2e:
         try:
             if args.cpu_smoke:
@@ -326,8 +388,8 @@ def main() -> int:
             print(f"end to end skipped: {exc!r}", flush=True)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
-    if bad:
-        print(f"MISMATCH against dense SDPA in {len(bad)} rows", file=sys.stderr)
+    if mismatches:
+        print(f"MISMATCH against dense SDPA in {mismatches} rows", file=sys.stderr)
         return 1
     return 0
 

@@ -18,8 +18,9 @@ shape and in the addresses it reads, so:
   captured again on first use.
 
 Only all-decode batches of at most the largest bucket replay; anything else (a prefill chunk,
-a bigger batch) runs eagerly, as before. The switch (`cuda_graphs`, off by default) stays off
-until a device run shows the replayed tokens equal to eager ones and a speed-up.
+a bigger batch) runs eagerly, as before. The switch (`cuda_graphs`) is on by default since the
+first device run (H200, bench/gpu_e2e.py): the tiny model's fp32 tokens equal to eager, and
+decode 6.7x faster at batch 1, 5.1x at batch 16 and 64 on the SmolLM2 shape.
 
 Graphs need the Triton kernels (the torch KV write cannot skip a slot), so they run only where
 `kvguard.kernels.dispatch.use_triton` holds, and not for an FP8 pool (its scale growth runs in

@@ -26,6 +26,7 @@ this module only after `kvguard.kernels.dispatch.use_triton` said yes (or in tes
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -38,6 +39,9 @@ _LOG2E = 1.4426950408889634
 _MIN_SPLIT_TOKENS = 256
 # Aim for this many programs so every SM has a few to switch between (H100/H200 have 132 SMs).
 _TARGET_PROGRAMS = 528
+# The interpreter computes in numpy, where bf16 arithmetic is wrong: there bf16 dots run in
+# fp32 (fp16 ones, FP8 caches' included, keep their 16-bit path, so the CPU tests cover it).
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -73,8 +77,17 @@ def _decode_kernel(
     TILE: tl.constexpr,
     IS_FP8: tl.constexpr,
     SPLIT: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    DOT_F16: tl.constexpr,
 ):
     """Attention of one sequence's query heads (one GQA group) over one split of its context.
+
+    Both products are `tl.dot`s (tensor cores, and loads Triton can pipeline ahead of them):
+    the group's queries are padded to `GROUP_PAD` (at least 16) rows. With `DOT_F32` they run
+    in fp32 at full precision (fp32 models, and bf16 in the CPU interpreter); with `DOT_F16`
+    in fp16 (FP8 caches: e4m3 widens to fp16 exactly and in hardware, to bf16 only by a longer
+    emulated path); otherwise in q's dtype (bf16/fp16). Both accumulate in fp32. FP8 per-block
+    scales are applied to the scores and the probabilities instead of to the tiles.
 
     With SPLIT the normalised partial output and its `m`/`l` go to the workspace for
     `_merge_kernel`; without, the final output goes straight to `out_ptr`. `qk_scale` already
@@ -94,8 +107,11 @@ def _decode_kernel(
         q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
         mask=g_ok[:, None] & d_ok[None, :],
         other=0.0,
-    ).to(tl.float32)
-    q = q * qk_scale
+    )
+    if DOT_F32:
+        q = q.to(tl.float32)
+    elif DOT_F16:
+        q = q.to(tl.float16)
 
     seq_len = tl.load(lens_ptr + b)
     start = split * tokens_per_split
@@ -112,18 +128,31 @@ def _decode_kernel(
         blk = blk.to(tl.int64)
         row = blk * stride_cb + (toks % BLOCK_SIZE) * stride_cs + kvh * stride_ch
         kv_mask = t_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if DOT_F32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
+            scores = tl.dot(q, tl.trans(k))  # [GROUP_PAD, TILE], fp32
         if IS_FP8:
-            k = k * tl.load(ks_ptr + blk * num_kv_heads + kvh, mask=t_ok, other=0.0)[:, None]
-            v = v * tl.load(vs_ptr + blk * num_kv_heads + kvh, mask=t_ok, other=0.0)[:, None]
-        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [GROUP_PAD, TILE]
-        scores = tl.where(t_ok[None, :], scores, float("-inf"))
+            k_sc = tl.load(ks_ptr + blk * num_kv_heads + kvh, mask=t_ok, other=0.0)
+            scores = scores * k_sc[None, :]
+        scores = tl.where(t_ok[None, :], scores * qk_scale, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         p = tl.exp2(scores - m_new[:, None])
         alpha = tl.exp2(m - m_new)
         lsum = lsum * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        if IS_FP8:
+            p = p * tl.load(vs_ptr + blk * num_kv_heads + kvh, mask=t_ok, other=0.0)[None, :]
+        if DOT_F32:  # noqa: SIM108 - kept a constexpr branch, as the one above
+            pv = tl.dot(p, v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(q.dtype), v)
+        acc = acc * alpha[:, None] + pv
         m = m_new
 
     # An empty split (context shorter than the split grid) leaves l == 0: output 0, weight 0.
@@ -178,10 +207,22 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def choose_splits(batch: int, kv_heads: int, max_seq_len: int) -> int:
-    """How many pieces to cut each context into: enough programs to fill the GPU, but no piece
-    shorter than `_MIN_SPLIT_TOKENS` (below that the merge costs more than the parallelism buys)."""
-    want = math.ceil(_TARGET_PROGRAMS / max(1, batch * kv_heads))
+def decode_config(dim_pad: int, fp8: bool) -> tuple[int, int, int]:
+    """(tokens per tile, warps, pipeline stages), from the H200 sweep (bench/gpu_kernels.py
+    --sweep, batch 64, 4k context): 16-bit caches 64-token tiles, 8 warps from head size 128
+    (98% of copy bandwidth on Llama-2-7B's shape); FP8 caches 128-token tiles, 4 warps."""
+    if fp8:
+        return (128 if dim_pad <= 128 else 64), 4, 2
+    return (64 if dim_pad <= 128 else 32), (4 if dim_pad <= 64 else 8), 2
+
+
+def choose_splits(
+    batch: int, kv_heads: int, max_seq_len: int, target: int = _TARGET_PROGRAMS
+) -> int:
+    """How many pieces to cut each context into: about `target` programs, to fill the GPU, but
+    no piece shorter than `_MIN_SPLIT_TOKENS` (below that the merge costs more than the
+    parallelism buys)."""
+    want = math.ceil(target / max(1, batch * kv_heads))
     most = max(1, math.ceil(max_seq_len / _MIN_SPLIT_TOKENS))
     return max(1, min(want, most))
 
@@ -197,12 +238,14 @@ def paged_decode(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     num_splits: int | None = None,
+    config: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
     """Decode attention: `q` `[B, heads, head_dim]` over each sequence's first `seq_lens[b]`
     cached tokens (all valid, so no causal mask). Returns `[B, heads, head_dim]` in q's dtype.
 
     `max_seq_len` is a host int so the split count is chosen without a device sync;
-    `num_splits` overrides the heuristic (tests use it to cover both kernels).
+    `num_splits` overrides the heuristic (tests use it to cover both kernels); `config`
+    overrides `decode_config`'s (tile, warps, stages) (the GPU benchmark compares them).
     """
     bsz, nh, hd = q.shape
     _, block_size, hkv, hd_c = k_cache.shape
@@ -220,9 +263,9 @@ def paged_decode(
     if bsz == 0:
         return out
     group = nh // hkv
-    group_pad, dim_pad = _pow2(group), _pow2(hd)
-    # Keep the [group, tile, dim] product tile within a register budget.
-    tile = max(16, min(64, _pow2(8192 // (group_pad * dim_pad) + 1) >> 1))
+    # tl.dot wants every dimension at least 16: a group of 1-15 heads is padded with zero rows
+    group_pad, dim_pad = max(16, _pow2(group)), max(16, _pow2(hd))
+    tile, warps, stages = config or decode_config(dim_pad, is_fp8)
     splits = num_splits or choose_splits(bsz, hkv, max_seq_len)
     per_split = math.ceil(max(1, max_seq_len) / splits / tile) * tile
     splits = max(1, math.ceil(max(1, max_seq_len) / per_split))
@@ -269,6 +312,11 @@ def paged_decode(
         TILE=tile,
         IS_FP8=is_fp8,
         SPLIT=splits > 1,
+        DOT_F32=q.dtype == torch.float32
+        or (_INTERPRETED and q.dtype == torch.bfloat16 and not is_fp8),
+        DOT_F16=is_fp8,
+        num_warps=warps,
+        num_stages=stages,
     )
     if splits > 1:
         _merge_kernel[(bsz, nh)](

@@ -102,13 +102,16 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("kv", ["fp32", "fp16", "bf16", "fp8"])
+@pytest.mark.parametrize("kv", ["fp32", "fp16", "bf16", "fp8", "fp8-bf16"])
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_decode_matches_torch_path(kv: str, case: int) -> None:
+    """fp8 caches with fp32 queries take the fp32 dots; with bf16 queries (a bf16 model's
+    FP8 pool) the fp16 dots."""
     lens, bs, nh, hkv, d = CASES[case]
     nb = sum((n + bs - 1) // bs for n in lens) + 3
+    kv, _, q_dtype = kv.partition("-")
     cache, tables = fill(lens, nb, bs, hkv, d, kv, seed=case)
-    compute = torch.float32 if kv in ("fp32", "fp8") else DTYPES[kv]
+    compute = DTYPES[q_dtype] if q_dtype else torch.float32 if kv == "fp8" else DTYPES[kv]
     q = torch.randn(len(lens), nh, d, generator=torch.Generator().manual_seed(7)).to(
         DEVICE, compute
     )

@@ -203,7 +203,12 @@ def test_chat_logprobs_streamed_and_not(tiny_daemon: Daemon) -> None:
     chunks = list(c.chat.completions.create(**ask, stream=True, extra_body={"ignore_eos": True}))
     streamed = [e for ch in chunks if ch.choices and ch.choices[0].logprobs
                 for e in ch.choices[0].logprobs.content]  # fmt: skip
-    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    # the same tokens; the same log-probabilities but for the last bits: the second request
+    # finds the prompt in the prefix cache and computes its tail in a shorter chunk, and an
+    # AVX-512 sgemm rounds a row differently with the number of rows beside it
+    assert [e.token for e in streamed] == [e.token for e in content]
+    want = [e.logprob for e in content]
+    assert [e.logprob for e in streamed] == pytest.approx(want, rel=1e-5, abs=1e-5)
     no_top = c.chat.completions.create(**{**ask, "top_logprobs": None})
     assert all(e.top_logprobs == [] for e in no_top.choices[0].logprobs.content)
 

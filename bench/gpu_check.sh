@@ -4,7 +4,8 @@
 # .gpu_wheels/ (none are needed today). Nothing is downloaded: the models are random weights
 # of real shapes built on the GPU (kvguard.engine.random_model), the tiny model is written
 # locally.
-#   1. the Triton kernel tests, compiled on CUDA (KVGUARD_TEST_DEVICE=cuda);
+#   1. the Triton kernel tests (attention, KV write, per-layer ops), compiled on CUDA
+#      (KVGUARD_TEST_DEVICE=cuda);
 #   2. bench/gpu_e2e.py (issue 18): kvguard vs transformers static and continuous batching on
 #      random Llama-2-7B and SmolLM2-135M, batch 1/16/64 and a mixed trace, the batch-1
 #      bandwidth limit, KVGUARD_TRITON=0 vs 1, a real CUDA OOM, pool sizing from
@@ -77,6 +78,7 @@ main() {
     export TRITON_INTERPRET=1
     # the GPU run's test modules and conftest import with what is here (collection only)
     timeout 120 "$PY" -m pytest -qq --collect-only -p no:cacheprovider tests/test_triton_kernels.py \
+      tests/test_triton_fused.py \
       tests/test_triton_w4a16.py tests/test_cuda_graphs.py || status=1
     timeout 300 "$PY" bench/gpu_kernels.py --cpu-smoke --sweep --json "$OUT_DIR/gpu_kernels_smoke.json" || status=1
     timeout 120 "$PY" bench/gpu_w4a16.py --cpu-smoke --json "$OUT_DIR/gpu_w4a16_smoke.json" || status=1
@@ -95,7 +97,7 @@ main() {
   "$PY" -c "import xdist" 2>/dev/null && par=(-n 8)
   if [[ $steps == *" tests "* ]]; then
     echo "== Triton kernel tests on CUDA"
-    KVGUARD_TEST_DEVICE=cuda timeout -k 10 "$(left 60)" "$PY" -m pytest -q -p no:cacheprovider "${par[@]}" tests/test_triton_kernels.py || status=1
+    KVGUARD_TEST_DEVICE=cuda timeout -k 10 "$(left 60)" "$PY" -m pytest -q -p no:cacheprovider "${par[@]}" tests/test_triton_kernels.py tests/test_triton_fused.py || status=1
   fi
 
   if [[ $steps == *" e2e "* ]]; then

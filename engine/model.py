@@ -50,6 +50,7 @@ from kvguard.engine.weights import (
     open_safetensors,
 )
 from kvguard.kernels import cpu_ops, paged_attention, write_kv
+from kvguard.kernels.dispatch import fused_ops
 from kvguard.kernels.paged_attention import decode_attention
 
 
@@ -113,6 +114,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if cpu_ops.enabled(x) and x.stride(-1) == 1:
             return cpu_ops.rmsnorm(x, self.weight, self.eps)
+        if x.stride(-1) == 1 and (ops := fused_ops(x)) is not None:
+            return ops.rmsnorm(x, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -122,6 +125,8 @@ class RMSNorm(nn.Module):
         CPU kernel serves (x is then updated in place and returned)."""
         if cpu_ops.enabled(x) and x.is_contiguous() and y.dtype == x.dtype:
             return x, cpu_ops.rmsnorm(x, self.weight, self.eps, y)
+        if x.is_contiguous() and y.dtype == x.dtype and (ops := fused_ops(x)) is not None:
+            return x, ops.rmsnorm(x, self.weight, self.eps, y)
         x = x + y
         return x, self(x)
 
@@ -154,12 +159,14 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
-        native = cpu_ops.enabled(qkv) and qkv.stride(-1) == 1
-        if native:  # q and k heads are adjacent in each row: rotated in place, one call
-            cpu_ops.rope_(qkv, self.nh + self.nkv, self.hd, cos.view(t, -1), sin.view(t, -1))
+        ops = None  # a kernel for RoPE in place: q and k heads are adjacent in each row
+        if qkv.stride(-1) == 1:
+            ops = cpu_ops if cpu_ops.enabled(qkv) else fused_ops(qkv)
+        if ops is not None:
+            ops.rope_(qkv, self.nh + self.nkv, self.hd, cos.view(t, -1), sin.view(t, -1))
         q, k, v = qkv.split([self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], -1)
         q, k = q.view(t, self.nh, self.hd), k.view(t, self.nkv, self.hd)
-        if not native:
+        if ops is None:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         write_kv(kv[0], kv[1], k, v.view(t, self.nkv, self.hd), meta.slot_mapping, kv[2], kv[3])
         o = self._attend(q, kv, meta)
@@ -184,8 +191,10 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gu = self.gate_up_proj(x)
-        if cpu_ops.enabled(gu) and gu.dim() == 2 and gu.stride(1) == 1:
-            return self.down_proj(cpu_ops.silu_mul(gu, self.inter))
+        if gu.dim() == 2 and gu.stride(1) == 1:
+            ops = cpu_ops if cpu_ops.enabled(gu) else fused_ops(gu)
+            if ops is not None:
+                return self.down_proj(ops.silu_mul(gu, self.inter))
         gate, up = gu.split(self.inter, -1)
         return self.down_proj(F.silu(gate) * up)
 

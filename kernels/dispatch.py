@@ -5,7 +5,8 @@ over on CUDA, where the torch decode path pays for gathering every sequence's bl
 contiguous workspace before attention. `KVGUARD_TRITON=0` turns the Triton path off (to compare
 the two, or to route around a kernel bug) without a code change.
 
-The same rule picks the Triton W4A16 GEMM for 4-bit weight-only linears (`w4a16_matmul`), whose
+The same rule picks the Triton kernels for a layer's small ops (`fused_ops`: residual add +
+RMSNorm, RoPE, SiLU-and-multiply), and the Triton W4A16 GEMM for 4-bit weight-only linears (`w4a16_matmul`), whose
 torch path is only a reference: on CPU the quantized layer serves with torch's int4pack kernels.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+from types import ModuleType
 
 import torch
 
@@ -53,6 +55,16 @@ def use_triton(device: torch.device | str, kv_dtype: torch.dtype | None = None) 
     if os.environ.get("KVGUARD_TRITON", "1") == "0" or not triton_available():
         return False
     return kv_dtype != torch.float8_e4m3fn or _fp8_capable(dev.index)
+
+
+def fused_ops(x: torch.Tensor) -> ModuleType | None:
+    """The Triton per-layer ops (`triton_fused`: add + RMSNorm, RoPE, SiLU-and-multiply) where
+    they serve activation `x`: on CUDA as `use_triton` says; None means the torch ops."""
+    if x.device.type != "cuda" or not use_triton(x.device):
+        return None
+    from kvguard.kernels import triton_fused
+
+    return triton_fused
 
 
 def _interpreting() -> bool:

@@ -10,7 +10,7 @@
 #      random Llama-2-7B and SmolLM2-135M, batch 1/16/64 and a mixed trace, the batch-1
 #      bandwidth limit, KVGUARD_TRITON=0 vs 1, a real CUDA OOM, pool sizing from
 #      gpu_memory_utilization, the live FP8 switch, NVML, CUDA graphs once the runner has them;
-#   3. bench/gpu_kernels.py --skip-e2e --sweep: Triton decode attention time, bandwidth vs copy
+#   3. bench/gpu_kernels.py --skip-e2e --sweep --prefill: Triton decode attention time, bandwidth vs copy
 #      bandwidth, ratio to dense SDPA (SmolLM2 and Llama-2-7B shapes, batch 64, 1k/4k/16k);
 #   4. with two or more GPUs visible: bench/tensor_parallel.py, tiny at tp=1 vs tp=2 over NCCL;
 #   5. the W4A16 GEMM (issue 15): its tests compiled on CUDA, then bench/gpu_w4a16.py.
@@ -80,7 +80,7 @@ main() {
     timeout 120 "$PY" -m pytest -qq --collect-only -p no:cacheprovider tests/test_triton_kernels.py \
       tests/test_triton_fused.py \
       tests/test_triton_w4a16.py tests/test_cuda_graphs.py || status=1
-    timeout 300 "$PY" bench/gpu_kernels.py --cpu-smoke --sweep --json "$OUT_DIR/gpu_kernels_smoke.json" || status=1
+    timeout 300 "$PY" bench/gpu_kernels.py --cpu-smoke --sweep --prefill --json "$OUT_DIR/gpu_kernels_smoke.json" || status=1
     timeout 120 "$PY" bench/gpu_w4a16.py --cpu-smoke --json "$OUT_DIR/gpu_w4a16_smoke.json" || status=1
     timeout 300 "$PY" bench/gpu_e2e.py --cpu-smoke --json "$OUT_DIR/gpu_e2e_smoke.json" || status=1
     exit $status
@@ -109,7 +109,7 @@ main() {
   if [[ $steps == *" kernels "* ]]; then
     echo "== kernel benchmark"
     # shellcheck disable=SC2086
-    timeout -k 10 "$(left 120)" "$PY" bench/gpu_kernels.py --skip-e2e --sweep ${KERNEL_ARGS:-} --json "$OUT_DIR/gpu_kernels.json" || status=1
+    timeout -k 10 "$(left 120)" "$PY" bench/gpu_kernels.py --skip-e2e --sweep --prefill ${KERNEL_ARGS:-} --json "$OUT_DIR/gpu_kernels.json" || status=1
   fi
 
   # tensor parallel over NCCL, one GPU per rank: the tiny model (written locally, nothing to

@@ -5,9 +5,10 @@ bf16) are drawn on the GPU by transformers and handed to kvguard, so both engine
 same numbers and nothing is downloaded. Sections, each timed and kept apart (one failing or
 running out of time leaves the others' results in the JSON):
 
-1. decode tok/s at batch 1, 16 and 64 (prompt 128): kvguard, transformers static `generate`,
-   and the batch-1 limit (weight bytes / measured copy bandwidth: a decode step must read every
-   weight once). Decode time is t(N tokens) - t(1 token), so prefill is left out for both;
+1. decode tok/s at batch 1, 16 and 64 (prompt 128): kvguard (and, at the smallest and largest
+   batch, kvguard with its per-layer Triton ops off: `KVGUARD_FUSED_OPS=0`), transformers
+   static `generate`, and the batch-1 limit (weight bytes / measured copy bandwidth: a decode
+   step must read every weight once). Decode time is t(N tokens) - t(1 token), so prefill is left out for both;
    the same greedy tokens are required of both (first 8, bf16 noise allowed on a few rows);
 2. a mixed trace (lognormal prompt and output lengths): kvguard, transformers static batches of
    16, and transformers continuous batching where this transformers has it;
@@ -210,6 +211,8 @@ def section_decode(shape: str, run: Run, copy_bw: float) -> dict[str, Any]:
         print(f"  {shape} batch {b}: " + json.dumps(row), flush=True)
         if run.smoke and same != b:  # fp32 on CPU: the weight handover must be exact
             raise RuntimeError(f"kvguard and transformers disagree at batch {b}: {same}/{b}")
+    res["fused_off"] = _fused_off(eng, run)
+    print(f"  {shape} per-layer Triton ops off: " + json.dumps(res["fused_off"]), flush=True)
     if shape == run.shapes[0] and "trace" in run.sections:
         # the trace and the torch-path row once, on the cheaper shape
         res["trace"] = section_trace(eng, hf, run)
@@ -219,16 +222,42 @@ def section_decode(shape: str, run: Run, copy_bw: float) -> dict[str, Any]:
     return res
 
 
+def _rate_with_env(eng: Any, run: Run, batch: int, env: str, value: str) -> float:
+    """Decode tok/s at `batch` with one kernel switch flipped; captured CUDA graphs are dropped
+    before and after (a graph replays the kernels it was captured with, whatever the switch)."""
+    prompts = prompts_for(batch, run.prompt, eng.model_config.vocab_size, seed=batch)
+    graphs = eng.runner.graphs
+    old = os.environ.get(env)
+    os.environ[env] = value
+    try:
+        if graphs is not None:
+            graphs.invalidate()
+        rate, _ = decode_rate(kvguard_gen(eng, prompts), batch, run)
+    finally:
+        if old is None:
+            os.environ.pop(env, None)
+        else:
+            os.environ[env] = old
+        if graphs is not None:
+            graphs.invalidate()
+    return rate
+
+
 def _triton_off(eng: Any, run: Run) -> dict[str, Any]:
     """The largest batch with KVGUARD_TRITON=0 (torch attention path), for the kernels' gain."""
     b = max(run.batches)
-    prompts = prompts_for(b, run.prompt, eng.model_config.vocab_size, seed=b)
-    os.environ["KVGUARD_TRITON"] = "0"
-    try:
-        rate, _ = decode_rate(kvguard_gen(eng, prompts), b, run)
-    finally:
-        os.environ.pop("KVGUARD_TRITON", None)
-    return {"batch": b, "kvguard_tok_s": rate}
+    return {"batch": b, "kvguard_tok_s": _rate_with_env(eng, run, b, "KVGUARD_TRITON", "0")}
+
+
+def _fused_off(eng: Any, run: Run) -> list[dict[str, Any]]:
+    """Batch 1 and the largest batch with KVGUARD_FUSED_OPS=0 (a layer's norms, RoPE and
+    SiLU back to torch ops), for the per-layer kernels' gain."""
+    from kvguard.kernels.dispatch import FUSED_OPS_ENV
+
+    return [
+        {"batch": b, "kvguard_tok_s": _rate_with_env(eng, run, b, FUSED_OPS_ENV, "0")}
+        for b in sorted({min(run.batches), max(run.batches)})
+    ]
 
 
 def section_trace(eng: Any, hf: Any, run: Run) -> dict[str, Any]:

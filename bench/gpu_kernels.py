@@ -21,15 +21,17 @@ on every call), plus whether both produce the same greedy tokens.
 TRITON_INTERPRET=1 itself) and the end-to-end code on CPU with a few tokens (both settings take
 the torch path there), so the script can be checked without a GPU.
 
-`--sweep` then times the kernel under each launch config (tile, warps, stages, programs the
-context splits aim at) at 4k context.
+`--sweep` then times the decode kernel under each launch config (tile, warps, stages, programs
+the context splits aim at) at 4k context; `--prefill` times the Triton prefill kernel against
+the torch path (16 prefill chunks of 512 after 0 and 1536 cached tokens).
 
-    python bench/gpu_kernels.py [--cpu-smoke] [--json FILE] [--skip-e2e] [--sweep]
+    python bench/gpu_kernels.py [--cpu-smoke] [--json FILE] [--skip-e2e] [--sweep] [--prefill]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import statistics
@@ -208,14 +210,18 @@ def bench_shape(
 
 # (tokens per tile, warps, stages, programs aimed at) tried at 4k context: the defaults are
 # decode_config's and choose_splits' 528 programs
+# (second H200 sweep: 64/8/2 best for Llama-2-7B bf16, 128/4/2 for its FP8 cache; more bytes in
+# flight per program is what the FP8 and 64-wide-head rows lack, so longer tiles and a third
+# stage are tried)
 SWEEP = [
     (64, 4, 2, 528),
     (128, 4, 2, 528),
     (64, 8, 2, 528),
-    (64, 4, 2, 1056),
-    (64, 4, 2, 2112),
+    (256, 4, 2, 528),
+    (128, 4, 3, 528),
+    (256, 8, 2, 528),
     (128, 4, 2, 2112),
-    (64, 4, 2, 4224),
+    (256, 4, 2, 2112),
 ]
 
 
@@ -249,6 +255,76 @@ def sweep(
                 out.append(entry)
                 print(f"  sweep {shape.name:10} {kv:5} ctx {ctx} {cfg}: {line}", flush=True)
     return out
+
+
+def prefill_bench(
+    shapes: list[Shape],
+    batch: int,
+    chunk: int,
+    prefixes: list[int],
+    device: torch.device,
+    reps: int,
+) -> list[dict[str, Any]]:
+    """Prefill chunks of `chunk` queries after `prefix` cached tokens, `batch` sequences: the
+    Triton prefill kernel (one launch) against the torch path (per-sequence SDPA over gathered
+    K/V, the default), bf16 cache. The kernel is opt-in (KVGUARD_TRITON_PREFILL=1) until
+    rows like these show it equal and faster."""
+    from kvguard.kernels.dispatch import TRITON_PREFILL_ENV
+
+    os.environ.pop(TRITON_PREFILL_ENV, None)  # paged_attention: the torch path
+    rows = []
+    for shape in shapes:
+        for prefix in prefixes:
+            row = _prefill_row(shape, batch, chunk, prefix, device, reps)
+            rows.append(row)
+            print(
+                f"  prefill {shape.name:10} B {batch} chunk {chunk} after {prefix}: kernel"
+                f" {row['kernel_ms']:8.3f} ms, torch path {row['torch_ms']:8.3f} ms"
+                f" ({row['speedup']:.2f}x), err {row['err']:.1e}",
+                flush=True,
+            )
+    return rows
+
+
+def _prefill_row(
+    shape: Shape, batch: int, chunk: int, prefix: int, device: torch.device, reps: int
+) -> dict[str, Any]:
+    from kvguard.kernels.triton_attention import prefill_rows
+
+    # the module itself (the package re-exports its function under the same name)
+    pa = importlib.import_module("kvguard.kernels.paged_attention")
+    cuda = device.type == "cuda"
+    ctx = prefix + chunk
+    s = paged_setup(shape, batch, ctx, "bf16", 16, device)
+    gen = torch.Generator(device=device).manual_seed(1)
+    q = torch.randn(
+        batch * chunk, shape.heads, shape.head_dim, device=device, dtype=torch.bfloat16,
+        generator=gen,
+    )  # fmt: skip
+    lens, qlens = [ctx] * batch, [chunk] * batch
+    starts = pa.row_starts(qlens)
+    scale = shape.head_dim**-0.5
+    out = torch.empty_like(q)
+
+    def kernel() -> None:
+        prefill_rows(
+            q, out, s["kc"], s["vc"], s["tables"], lens, qlens, starts, list(range(batch)), scale
+        )
+
+    def torch_path() -> torch.Tensor:
+        return pa.paged_attention(q, s["kc"], s["vc"], s["tables"], lens, qlens, scale)
+
+    ref = torch_path()
+    kernel()
+    err = (out.float() - ref.float()).abs().max().item()
+    t_kernel, t_torch = timer(kernel, reps, cuda), timer(torch_path, reps, cuda)
+    s.clear()
+    if cuda:
+        torch.cuda.empty_cache()
+    row: dict[str, Any] = {"shape": shape.name, "batch": batch, "chunk": chunk, "prefix": prefix}
+    row |= {"kernel_ms": t_kernel * 1e3, "torch_ms": t_torch * 1e3, "err": err}
+    row["speedup"] = t_torch / t_kernel
+    return row
 
 
 def e2e(
@@ -315,6 +391,7 @@ def main() -> int:
     ap.add_argument("--json", type=Path, help="also write the results here")
     ap.add_argument("--skip-e2e", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="time each launch config at 4k context")
+    ap.add_argument("--prefill", action="store_true", help="Triton prefill kernel vs torch path")
     ap.add_argument(
         "--model", help="end-to-end model (default smollm2-135m; tiny with --cpu-smoke)"
     )
@@ -374,6 +451,10 @@ def main() -> int:
         ctx, configs = (64, SWEEP[:2]) if args.cpu_smoke else (4096, SWEEP)
         result["sweep"] = sweep(shapes, batch, ctx, device, copy_bw, reps, configs)
         mismatches += sum(1 for e in result["sweep"] if not e.get("err", 0.0) < 0.1)
+    if args.prefill:
+        batch_p, chunk, prefixes = (2, 24, [0, 40]) if args.cpu_smoke else (16, 512, [0, 1536])
+        result["prefill"] = prefill_bench(shapes, batch_p, chunk, prefixes, device, reps)
+        mismatches += sum(1 for e in result["prefill"] if not e["err"] < 0.1)
     if not args.skip_e2e:
         try:
             if args.cpu_smoke:

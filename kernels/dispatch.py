@@ -57,10 +57,27 @@ def use_triton(device: torch.device | str, kv_dtype: torch.dtype | None = None) 
     return kv_dtype != torch.float8_e4m3fn or _fp8_capable(dev.index)
 
 
+TRITON_PREFILL_ENV = "KVGUARD_TRITON_PREFILL"  # "1": prefill chunks through the Triton kernel
+
+
+def use_triton_prefill(device: torch.device | str, kv_dtype: torch.dtype | None = None) -> bool:
+    """Whether prefill chunks on `device` go to the Triton prefill kernel
+    (`triton_attention.prefill_rows`) instead of torch's per-sequence SDPA: where `use_triton`
+    holds and `KVGUARD_TRITON_PREFILL` is "1". Off by default until a device run has shown it
+    equal and faster (bench/gpu_kernels.py times both)."""
+    return os.environ.get(TRITON_PREFILL_ENV, "0") == "1" and use_triton(device, kv_dtype)
+
+
+FUSED_OPS_ENV = "KVGUARD_FUSED_OPS"  # "0": a layer's small ops back to torch (benchmarks)
+
+
 def fused_ops(x: torch.Tensor) -> ModuleType | None:
     """The Triton per-layer ops (`triton_fused`: add + RMSNorm, RoPE, SiLU-and-multiply) where
-    they serve activation `x`: on CUDA as `use_triton` says; None means the torch ops."""
+    they serve activation `x`: on CUDA as `use_triton` says, unless `KVGUARD_FUSED_OPS` is "0";
+    None means the torch ops."""
     if x.device.type != "cuda" or not use_triton(x.device):
+        return None
+    if os.environ.get(FUSED_OPS_ENV, "1") == "0":
         return None
     from kvguard.kernels import triton_fused
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from kvguard.kernels import cpu_ops
-from kvguard.kernels.dispatch import use_triton
+from kvguard.kernels.dispatch import use_triton, use_triton_prefill
 from kvguard.kernels.fp8 import FP8_DTYPE, as_bytes, dequantize, write_kv_fp8
 
 
@@ -104,6 +104,14 @@ def paged_attention(
     elif decode:
         _decode(q, out, kv, block_tables, seq_lens, starts, decode, scale)
     chunks = [i for i, n in enumerate(query_lens) if n > 1]
+    if chunks and use_triton_prefill(q.device, k_cache.dtype):
+        from kvguard.kernels import triton_attention
+
+        triton_attention.prefill_rows(
+            q, out, k_cache, v_cache, block_tables, seq_lens, query_lens, starts, chunks, scale,
+            *kv[2:],
+        )  # fmt: skip
+        return out
     if chunks and cpu_ops.enabled(q) and cpu_ops.decode_supported(q, k_cache):
         _prefill_native(q, out, kv, block_tables, seq_lens, query_lens, starts, chunks, scale)
         return out

@@ -374,3 +374,173 @@ def decode_rows(
         v_scale,
     )
     out.index_copy_(0, qpos, o)
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    ks_ptr,
+    vs_ptr,
+    table_ptr,
+    out_ptr,
+    tile_seq_ptr,
+    tile_q0_ptr,
+    seq_lens_ptr,
+    q_lens_ptr,
+    q_starts_ptr,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_tb,
+    stride_ot,
+    stride_oh,
+    num_kv_heads,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE: tl.constexpr,
+    IS_FP8: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    DOT_F16: tl.constexpr,
+):
+    """Causal attention of `BLOCK_M` queries of one prefill chunk, all heads of one GQA group
+    (rows r = token * GROUP_PAD + head), over the sequence's cached tokens up to each query's
+    own position. The chunk's queries are the last `q_len` of the sequence's `seq_len` tokens
+    (bottom-right causal: query j sits at position seq_len - q_len + j). Dots, dtypes and FP8
+    scales as in `_decode_kernel`."""
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    seq = tl.load(tile_seq_ptr + tile)
+    q0 = tl.load(tile_q0_ptr + tile)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    q_len = tl.load(q_lens_ptr + seq)
+    q_start = tl.load(q_starts_ptr + seq).to(tl.int64)
+
+    r = tl.arange(0, BLOCK_M * GROUP_PAD)
+    tok = q0 + r // GROUP_PAD
+    g = r % GROUP_PAD
+    d = tl.arange(0, DIM_PAD)
+    row_ok = (tok < q_len) & (g < GROUP)
+    d_ok = d < HEAD_DIM
+    heads = kvh * GROUP + g
+    q = tl.load(
+        q_ptr + (q_start + tok)[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    if DOT_F32:
+        q = q.to(tl.float32)
+    elif DOT_F16:
+        q = q.to(tl.float16)
+    # each row's last visible key; rows past the chunk see what its last query sees (finite,
+    # never stored)
+    pos = seq_len - q_len + tl.minimum(tok, q_len - 1)
+    end = seq_len - q_len + tl.minimum(q0 + BLOCK_M, q_len)
+
+    m = tl.full([BLOCK_M * GROUP_PAD], float("-inf"), dtype=tl.float32)
+    lsum = tl.zeros([BLOCK_M * GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M * GROUP_PAD, DIM_PAD], dtype=tl.float32)
+    for t0 in range(0, end, TILE):
+        toks = t0 + tl.arange(0, TILE)
+        t_ok = toks < end
+        blk = tl.load(table_ptr + seq * stride_tb + toks // BLOCK_SIZE, mask=t_ok, other=0)
+        blk = blk.to(tl.int64)
+        row = blk * stride_cb + (toks % BLOCK_SIZE) * stride_cs + kvh * stride_ch
+        kv_mask = t_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if DOT_F32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
+            scores = tl.dot(q, tl.trans(k))
+        if IS_FP8:
+            k_sc = tl.load(ks_ptr + blk * num_kv_heads + kvh, mask=t_ok, other=0.0)
+            scores = scores * k_sc[None, :]
+        visible = t_ok[None, :] & (toks[None, :] <= pos[:, None])
+        scores = tl.where(visible, scores * qk_scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        p = tl.exp2(scores - m_new[:, None])
+        alpha = tl.exp2(m - m_new)
+        lsum = lsum * alpha + tl.sum(p, axis=1)
+        if IS_FP8:
+            p = p * tl.load(vs_ptr + blk * num_kv_heads + kvh, mask=t_ok, other=0.0)[None, :]
+        if DOT_F32:  # noqa: SIM108 - kept a constexpr branch, as the one above
+            pv = tl.dot(p, v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(q.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m = m_new
+    o = acc / tl.where(lsum > 0, lsum, 1.0)[:, None]
+    dst = out_ptr + (q_start + tok)[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :]
+    tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+def prefill_rows(
+    q: torch.Tensor,
+    out: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: list[int],
+    query_lens: list[int],
+    starts: list[int],
+    rows: list[int],
+    scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> None:
+    """The prefill chunks of a mixed batch, in `paged_attention`'s terms: sequences `rows`
+    have `query_lens[i]` queries at flat rows `starts[i]...` of `q`/`out` `[T, heads, dim]`,
+    the last of their `seq_lens[i]` tokens (all already in the cache). One launch for all."""
+    _, nh, hd = q.shape
+    _, block_size, hkv, hd_c = k_cache.shape
+    if hd_c != hd or nh % hkv or q.stride(-1) != 1 or out.stride(-1) != 1:
+        raise ValueError(f"q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}")
+    if v_cache.stride() != k_cache.stride() or k_cache.stride(-1) != 1:
+        raise ValueError("K and V caches must share strides and have a contiguous head_dim")
+    is_fp8 = k_cache.dtype == FP8_DTYPE
+    if is_fp8 and (k_scale is None or v_scale is None):
+        raise ValueError("an fp8 cache needs k_scale and v_scale")
+    if not rows:
+        return
+    group = nh // hkv
+    group_pad, dim_pad = _pow2(group), max(16, _pow2(hd))
+    block_m = max(16, 64 // group_pad)
+    tile = 32 if dim_pad > 128 else 64
+    tile_seq, tile_q0 = [], []
+    for i in rows:
+        for q0 in range(0, query_lens[i], block_m):
+            tile_seq.append(i)
+            tile_q0.append(q0)
+    dev = q.device
+    meta = torch.tensor([tile_seq, tile_q0], dtype=torch.int32).to(dev, non_blocking=True)
+    per_seq = torch.tensor([seq_lens, query_lens, starts], dtype=torch.int32).to(
+        dev, non_blocking=True
+    )
+    tables = block_tables.to(torch.int32)
+    dummy = out  # stands in for the scale pointers a constexpr branch never touches
+    ks = k_scale.float().contiguous() if is_fp8 else dummy
+    vs = v_scale.float().contiguous() if is_fp8 else dummy
+    _prefill_kernel[(len(tile_seq), hkv)](
+        q, k_cache, v_cache, ks, vs, tables, out, meta[0], meta[1],
+        per_seq[0], per_seq[1], per_seq[2], scale * _LOG2E, q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
+        out.stride(0), out.stride(1), hkv,
+        GROUP=group, GROUP_PAD=group_pad, BLOCK_M=block_m, HEAD_DIM=hd, DIM_PAD=dim_pad,
+        BLOCK_SIZE=block_size, TILE=tile, IS_FP8=is_fp8,
+        DOT_F32=q.dtype == torch.float32
+        or (_INTERPRETED and q.dtype == torch.bfloat16 and not is_fp8),
+        DOT_F16=is_fp8, num_warps=4, num_stages=2,
+    )  # fmt: skip

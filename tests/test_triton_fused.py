@@ -129,6 +129,9 @@ def test_the_dispatch_serves_cuda_only_and_the_switch_turns_it_off(
     if DEVICE == "cuda":
         x = torch.zeros(2, device="cuda")
         assert dispatch.fused_ops(x) is tf
+        monkeypatch.setenv(dispatch.FUSED_OPS_ENV, "0")
+        assert dispatch.fused_ops(x) is None
+        monkeypatch.delenv(dispatch.FUSED_OPS_ENV)
         monkeypatch.setenv("KVGUARD_TRITON", "0")
         assert dispatch.fused_ops(x) is None
 

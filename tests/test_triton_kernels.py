@@ -134,6 +134,48 @@ def test_decode_matches_torch_path(kv: str, case: int) -> None:
         torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
 
 
+# (lens, query lens, block_size, heads, kv_heads, head_dim): whole prompts, chunks after a cached
+# prefix, a chunk longer than a query tile, decode rows between them, MHA and GQA 3
+PREFILL_CASES = [
+    ([20, 37, 9], [20, 5, 1], 8, 4, 2, 16),
+    ([70, 33], [70, 33], 16, 6, 2, 32),
+    ([45, 12, 30], [17, 1, 30], 4, 2, 2, 8),
+]
+
+
+@pytest.mark.parametrize("kv", ["fp32", "fp16", "bf16", "fp8", "fp8-bf16"])
+@pytest.mark.parametrize("case", range(len(PREFILL_CASES)))
+def test_prefill_matches_torch_path(kv: str, case: int) -> None:
+    """The Triton prefill kernel fills exactly the chunks' rows, as the torch path does."""
+    lens, qlens, bs, nh, hkv, d = PREFILL_CASES[case]
+    nb = sum((n + bs - 1) // bs for n in lens) + 2
+    kv, _, q_dtype = kv.partition("-")
+    cache, tables = fill(lens, nb, bs, hkv, d, kv, seed=case)
+    compute = DTYPES[q_dtype] if q_dtype else torch.float32 if kv == "fp8" else DTYPES[kv]
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(sum(qlens), nh, d, generator=gen).to(DEVICE, compute)
+    ref = torch_path.paged_attention(q, *cache[:2], tables, lens, qlens, d**-0.5, *cache[2:])
+    starts = torch_path.row_starts(qlens)
+    chunks = [i for i, n in enumerate(qlens) if n > 1]
+    out = torch.full_like(q, float("nan"))
+    ta.prefill_rows(q, out, *cache[:2], tables, lens, qlens, starts, chunks, d**-0.5, *cache[2:])
+    rows = torch.cat([torch.arange(starts[i], starts[i] + qlens[i]) for i in chunks])
+    # 16-bit: both sides round scores, probabilities and outputs (fp16 dots for fp8 here)
+    tol = 1e-5 if compute == torch.float32 else 3e-2
+    torch.testing.assert_close(out[rows].float(), ref[rows].float(), atol=tol, rtol=tol)
+    others = [r for r in range(len(q)) if r not in set(rows.tolist())]
+    assert out[others].isnan().all()  # decode rows are not the kernel's
+
+
+def test_prefill_dispatch_is_opt_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dispatch, "triton_available", lambda: True)
+    monkeypatch.setenv("KVGUARD_TRITON", "1")  # the fixture's reference setting, undone here
+    monkeypatch.delenv(dispatch.TRITON_PREFILL_ENV, raising=False)
+    assert not dispatch.use_triton_prefill("cuda")
+    monkeypatch.setenv(dispatch.TRITON_PREFILL_ENV, "1")
+    assert dispatch.use_triton_prefill("cuda") and not dispatch.use_triton_prefill("cpu")
+
+
 def test_padding_rows_of_no_tokens_come_out_zero() -> None:
     """A CUDA-graph replay pads the batch with rows of no tokens: with the context cut into
     several pieces (a graph's pieces follow its longest possible context) their outputs are

@@ -6,8 +6,10 @@ contiguous workspace before attention. `KVGUARD_TRITON=0` turns the Triton path 
 the two, or to route around a kernel bug) without a code change.
 
 The same rule picks the Triton kernels for a layer's small ops (`fused_ops`: residual add +
-RMSNorm, RoPE, SiLU-and-multiply), and the Triton W4A16 GEMM for 4-bit weight-only linears (`w4a16_matmul`), whose
-torch path is only a reference: on CPU the quantized layer serves with torch's int4pack kernels.
+RMSNorm, RoPE, SiLU-and-multiply), and the Triton W4A16 GEMM for 4-bit weight-only linears
+(`w4a16_matmul`), whose torch path is only a reference: on CPU the quantized layer serves with
+torch's int4pack kernels. Prefill chunks take the Triton prefill kernel only when asked
+(`use_triton_prefill`).
 """
 
 from __future__ import annotations

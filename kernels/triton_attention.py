@@ -1,4 +1,5 @@
-"""Paged decode attention as a Triton kernel: the CUDA fast path for single-token queries.
+"""Paged attention as Triton kernels: decode (single-token queries), the CUDA fast path, and
+prefill chunks (opt-in, `dispatch.use_triton_prefill`).
 
 Same layout as the torch path (`kvguard.kernels.paged_attention`): caches are
 `[num_blocks, block_size, kv_heads, head_dim]`, a sequence's tokens live in the blocks its row
@@ -10,14 +11,19 @@ a copy and reads the copy again. This kernel reads each K/V element once, straig
 pool through the block table, and dequantises FP8 in registers.
 
 How it works: one program per (sequence, KV head, context split). It loads the queries of all
-heads that share the KV head (GQA needs no K/V repeat), walks its share of the context in tiles
-of `tile` tokens (a tile may span blocks: every token looks up its own block id, so partial
-blocks and any block order just work), and keeps an online softmax (running max `m`, running
-sum `l`, unnormalised output `acc`) in fp32. Long contexts with few sequences would leave most
-of the GPU idle with one program per (sequence, head), so the context is split and a second
-small kernel merges the splits by their log-sum-exp (flash-decoding). Everything is computed in
-fp32: inputs are converted right after loading (also because Triton's CPU interpreter gets
-bf16 arithmetic wrong).
+heads that share the KV head (GQA needs no K/V repeat; the group is padded to 16 rows), walks
+its share of the context in tiles of `tile` tokens (a tile may span blocks: every token looks up
+its own block id, so partial blocks and any block order just work), and keeps an online softmax
+(running max `m`, running sum `l`, unnormalised output `acc`) in fp32. Both products are
+`tl.dot`s: on tensor cores, with loads Triton pipelines ahead of them. The first H200 run had
+the earlier form (per-element products summed in registers) at 41-45% of copy bandwidth on
+Llama-2-7B's shape and 3-8% on SmolLM2's; the dots give 83-101% there (bench/README.md). Long
+contexts with few sequences would leave most of the GPU idle with one program per (sequence,
+head), so the context is split and a second small kernel merges the splits by their
+log-sum-exp (flash-decoding).
+
+The prefill kernel takes a block of a chunk's queries for all heads of a group per program and
+the same tiles, with each query's causal limit; one launch serves every chunk of a step.
 
 `triton` is imported when this module is imported, never by `kvguard.kernels` itself: import
 this module only after `kvguard.kernels.dispatch.use_triton` said yes (or in tests).

@@ -6,7 +6,7 @@ same numbers and nothing is downloaded. Sections, each timed and kept apart (one
 running out of time leaves the others' results in the JSON):
 
 1. decode tok/s at batch 1, 16 and 64 (prompt 128): kvguard (and, at the smallest and largest
-   batch, kvguard with its per-layer Triton ops off: `KVGUARD_FUSED_OPS=0`), transformers
+   batch, kvguard with its per-layer Triton ops on: `KVGUARD_FUSED_OPS=1`), transformers
    static `generate`, and the batch-1 limit (weight bytes / measured copy bandwidth: a decode
    step must read every weight once). Decode time is t(N tokens) - t(1 token), so prefill is left out for both;
    the same greedy tokens are required of both (first 8, bf16 noise allowed on a few rows);
@@ -200,9 +200,11 @@ def section_decode(shape: str, run: Run, copy_bw: float) -> dict[str, Any]:
     )
     wbytes = weight_bytes(eng.model)
     res: dict[str, Any] = {"weight_gb": wbytes / GB, "limit_tok_s_b1": copy_bw / wbytes, "rows": []}
+    outs: dict[int, Any] = {}
     for b in run.batches:
         prompts = prompts_for(b, run.prompt, eng.model_config.vocab_size, seed=b)
         kv_rate, kv_out = decode_rate(kvguard_gen(eng, prompts), b, run)
+        outs[b] = kv_out
         hf_rate, hf_out = decode_rate(hf_gen(hf, prompts, run), b, run)
         same = sum(a[:8] == h[:8] for a, h in zip(kv_out, hf_out, strict=True))
         row = {"batch": b, "kvguard_tok_s": kv_rate, "hf_static_tok_s": hf_rate}
@@ -211,8 +213,8 @@ def section_decode(shape: str, run: Run, copy_bw: float) -> dict[str, Any]:
         print(f"  {shape} batch {b}: " + json.dumps(row), flush=True)
         if run.smoke and same != b:  # fp32 on CPU: the weight handover must be exact
             raise RuntimeError(f"kvguard and transformers disagree at batch {b}: {same}/{b}")
-    res["fused_off"] = _fused_off(eng, run)
-    print(f"  {shape} per-layer Triton ops off: " + json.dumps(res["fused_off"]), flush=True)
+    res["fused_on"] = _fused_on(eng, run, outs)
+    print(f"  {shape} per-layer Triton ops on: " + json.dumps(res["fused_on"]), flush=True)
     if shape == run.shapes[0] and "trace" in run.sections:
         # the trace and the torch-path row once, on the cheaper shape
         res["trace"] = section_trace(eng, hf, run)
@@ -222,9 +224,9 @@ def section_decode(shape: str, run: Run, copy_bw: float) -> dict[str, Any]:
     return res
 
 
-def _rate_with_env(eng: Any, run: Run, batch: int, env: str, value: str) -> float:
-    """Decode tok/s at `batch` with one kernel switch flipped; captured CUDA graphs are dropped
-    before and after (a graph replays the kernels it was captured with, whatever the switch)."""
+def _rate_with_env(eng: Any, run: Run, batch: int, env: str, value: str) -> tuple[float, Any]:
+    """Decode tok/s (and the outputs) at `batch` with one kernel switch flipped; captured CUDA
+    graphs are dropped before and after (a graph replays the kernels it was captured with)."""
     prompts = prompts_for(batch, run.prompt, eng.model_config.vocab_size, seed=batch)
     graphs = eng.runner.graphs
     old = os.environ.get(env)
@@ -232,7 +234,7 @@ def _rate_with_env(eng: Any, run: Run, batch: int, env: str, value: str) -> floa
     try:
         if graphs is not None:
             graphs.invalidate()
-        rate, _ = decode_rate(kvguard_gen(eng, prompts), batch, run)
+        rate, out = decode_rate(kvguard_gen(eng, prompts), batch, run)
     finally:
         if old is None:
             os.environ.pop(env, None)
@@ -240,24 +242,27 @@ def _rate_with_env(eng: Any, run: Run, batch: int, env: str, value: str) -> floa
             os.environ[env] = old
         if graphs is not None:
             graphs.invalidate()
-    return rate
+    return rate, out
 
 
 def _triton_off(eng: Any, run: Run) -> dict[str, Any]:
     """The largest batch with KVGUARD_TRITON=0 (torch attention path), for the kernels' gain."""
     b = max(run.batches)
-    return {"batch": b, "kvguard_tok_s": _rate_with_env(eng, run, b, "KVGUARD_TRITON", "0")}
+    return {"batch": b, "kvguard_tok_s": _rate_with_env(eng, run, b, "KVGUARD_TRITON", "0")[0]}
 
 
-def _fused_off(eng: Any, run: Run) -> list[dict[str, Any]]:
-    """Batch 1 and the largest batch with KVGUARD_FUSED_OPS=0 (a layer's norms, RoPE and
-    SiLU back to torch ops), for the per-layer kernels' gain."""
+def _fused_on(eng: Any, run: Run, default_out: dict[int, Any]) -> list[dict[str, Any]]:
+    """Batch 1 and the largest batch with KVGUARD_FUSED_OPS=1 (a layer's norms, RoPE and
+    SiLU as Triton kernels, opt-in), for their gain, and how many sequences' first 8 tokens
+    equal the default path's (bf16 near-ties aside)."""
     from kvguard.kernels.dispatch import FUSED_OPS_ENV
 
-    return [
-        {"batch": b, "kvguard_tok_s": _rate_with_env(eng, run, b, FUSED_OPS_ENV, "0")}
-        for b in sorted({min(run.batches), max(run.batches)})
-    ]
+    rows = []
+    for b in sorted({min(run.batches), max(run.batches)}):
+        rate, out = _rate_with_env(eng, run, b, FUSED_OPS_ENV, "1")
+        same = sum(a[:8] == d[:8] for a, d in zip(out, default_out[b], strict=True))
+        rows.append({"batch": b, "kvguard_tok_s": rate, "same_first8": f"{same}/{b}"})
+    return rows
 
 
 def section_trace(eng: Any, hf: Any, run: Run) -> dict[str, Any]:
@@ -608,6 +613,13 @@ def goals(result: dict[str, Any]) -> list[str]:
                 "-" if share is None else f"{share:.0%} of {dec['limit_tok_s_b1']:.0f} tok/s",
             )
         )
+        fused = {r["batch"]: r for r in dec.get("fused_on", [])}
+        if b1 and 1 in fused:  # what decides KVGUARD_FUSED_OPS's default
+            gain = fused[1]["kvguard_tok_s"] / b1["kvguard_tok_s"]
+            share_on = fused[1]["kvguard_tok_s"] / dec["limit_tok_s_b1"]
+            detail = f"batch 1 {gain:.2f}x ({share_on:.0%} of the limit), same first 8 tokens"
+            detail += " " + ", ".join(f"{r['same_first8']} at {b}" for b, r in fused.items())
+            lines.append(verdict(f"{shape} per-layer Triton ops faster", gain > 1.0, detail))
     graphs = result.get("cuda_graphs", {})
     rows, exact = graphs.get("rows", []), graphs.get("tiny_fp32", {})
     if rows and exact.get("captures") and all(r["captures"] for r in rows):

@@ -11,9 +11,10 @@ Which path runs where:
   `write_kv` stores tokens with the Triton kernel in `triton_kv` (FP8 scale growth and block
   requantisation stay in torch there). Prefill chunks still use the torch path
   (`scaled_dot_product_attention` on gathered K/V), as do swap copies (`engine.kv_cache`).
-  A layer's small ops (residual add + RMSNorm, RoPE in place, SiLU-and-multiply) run as one
-  Triton kernel each from `triton_fused` (`dispatch.fused_ops`), as the C kernels of
-  `cpu_ops` do on CPU.
+  With `KVGUARD_FUSED_OPS=1` a layer's small ops (residual add + RMSNorm, RoPE in place,
+  SiLU-and-multiply) run as one Triton kernel each from `triton_fused` (`dispatch.fused_ops`),
+  as the C kernels of `cpu_ops` do on CPU; with `KVGUARD_TRITON_PREFILL=1` prefill chunks run
+  `triton_attention.prefill_rows`.
 - CUDA otherwise (no triton, or `KVGUARD_TRITON=0`): the torch implementation, as on CPU.
 - 4-bit weight-only matmuls (`dispatch.w4a16_matmul`, weights packed by
   `w4a16.pack_for_triton`): the Triton W4A16 GEMM in `triton_w4a16` under the same rule (and

@@ -6,10 +6,11 @@ contiguous workspace before attention. `KVGUARD_TRITON=0` turns the Triton path 
 the two, or to route around a kernel bug) without a code change.
 
 The same rule picks the Triton kernels for a layer's small ops (`fused_ops`: residual add +
-RMSNorm, RoPE, SiLU-and-multiply), and the Triton W4A16 GEMM for 4-bit weight-only linears
+RMSNorm, RoPE, SiLU-and-multiply) where asked, and the Triton W4A16 GEMM for 4-bit weight-only linears
 (`w4a16_matmul`), whose torch path is only a reference: on CPU the quantized layer serves with
-torch's int4pack kernels. Prefill chunks take the Triton prefill kernel only when asked
-(`use_triton_prefill`).
+torch's int4pack kernels. The small ops (`fused_ops`) and prefill chunks
+(`use_triton_prefill`) take their Triton kernels only when asked, until a device run has timed
+them.
 """
 
 from __future__ import annotations
@@ -70,16 +71,17 @@ def use_triton_prefill(device: torch.device | str, kv_dtype: torch.dtype | None 
     return os.environ.get(TRITON_PREFILL_ENV, "0") == "1" and use_triton(device, kv_dtype)
 
 
-FUSED_OPS_ENV = "KVGUARD_FUSED_OPS"  # "0": a layer's small ops back to torch (benchmarks)
+FUSED_OPS_ENV = "KVGUARD_FUSED_OPS"  # "1": a layer's small ops as Triton kernels (opt-in)
 
 
 def fused_ops(x: torch.Tensor) -> ModuleType | None:
     """The Triton per-layer ops (`triton_fused`: add + RMSNorm, RoPE, SiLU-and-multiply) where
-    they serve activation `x`: on CUDA as `use_triton` says, unless `KVGUARD_FUSED_OPS` is "0";
-    None means the torch ops."""
-    if x.device.type != "cuda" or not use_triton(x.device):
+    they serve activation `x`: on CUDA as `use_triton` says, when `KVGUARD_FUSED_OPS` is "1";
+    None means the torch ops. Opt-in until a device run has shown them equal and faster
+    (bench/gpu_e2e.py times decode with them on and off), as CUDA graphs were."""
+    if os.environ.get(FUSED_OPS_ENV, "0") != "1":
         return None
-    if os.environ.get(FUSED_OPS_ENV, "1") == "0":
+    if x.device.type != "cuda" or not use_triton(x.device):
         return None
     from kvguard.kernels import triton_fused
 

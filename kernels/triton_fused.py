@@ -6,7 +6,9 @@ about 2.4 ms of GPU time even inside a CUDA graph, for 0.27 GB of weights (0.06 
 Each layer ran some 40 kernels, most of them elementwise pieces of the norms (float, pow, mean,
 rsqrt, mul, cast, mul) and of RoPE (float, slices, neg, cat, mul, mul, add, cast), and a kernel
 costs a few microseconds however small. These three kernels replace about 32 of them per
-layer with 4 (their speed-up awaits the next device run; bench/gpu_check.sh tests them on CUDA).
+layer with 4. Opt-in (`KVGUARD_FUSED_OPS=1`, `dispatch.fused_ops`) until a device run has
+shown their tokens and speed-up: bench/gpu_check.sh tests them on CUDA and gpu_e2e.py times
+decode with them on and off.
 
 They mirror the CPU kernels of `kvguard.kernels.cpu_ops` (same arguments, same in-place
 contracts), and round where the torch path rounds: the norm's normalised value is cast to the

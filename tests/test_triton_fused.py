@@ -122,18 +122,17 @@ def test_silu_mul_matches_torch_on_strided_rows(dtype: str, inter: int) -> None:
         tf.silu_mul(gu, inter + 1)
 
 
-def test_the_dispatch_serves_cuda_only_and_the_switch_turns_it_off(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_the_dispatch_is_opt_in_and_serves_cuda_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(dispatch.FUSED_OPS_ENV, "1")
     assert dispatch.fused_ops(torch.zeros(2)) is None  # CPU activations: the C kernels' job
     if DEVICE == "cuda":
         x = torch.zeros(2, device="cuda")
         assert dispatch.fused_ops(x) is tf
-        monkeypatch.setenv(dispatch.FUSED_OPS_ENV, "0")
-        assert dispatch.fused_ops(x) is None
-        monkeypatch.delenv(dispatch.FUSED_OPS_ENV)
         monkeypatch.setenv("KVGUARD_TRITON", "0")
         assert dispatch.fused_ops(x) is None
+        monkeypatch.delenv("KVGUARD_TRITON")
+        monkeypatch.delenv(dispatch.FUSED_OPS_ENV)
+        assert dispatch.fused_ops(x) is None  # off unless asked
 
 
 def test_the_tiny_model_gives_the_torch_logits_with_the_kernels(

@@ -51,6 +51,80 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
+def _as_dot_input(q, DOT_F32: tl.constexpr, DOT_F16: tl.constexpr):
+    """Queries in the dtype the dots run in (see `_decode_kernel`)."""
+    if DOT_F32:
+        q = q.to(tl.float32)
+    elif DOT_F16:
+        q = q.to(tl.float16)
+    return q
+
+
+@triton.jit
+def _attend_tile(
+    q,
+    m,
+    lsum,
+    acc,
+    toks,
+    t_ok,
+    pos,
+    k_ptr,
+    v_ptr,
+    ks_ptr,
+    vs_ptr,
+    table_row_ptr,
+    kvh,
+    d,
+    d_ok,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    num_kv_heads,
+    qk_scale,
+    BLOCK_SIZE: tl.constexpr,
+    IS_FP8: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    CAUSAL: tl.constexpr,
+):
+    """One tile of keys `toks` (valid where `t_ok`) into the online softmax (`m`, `lsum`, `acc`)
+    of query rows `q`: the tile's K/V are read through the sequence's block-table row, FP8
+    scales go on the scores and probabilities; with CAUSAL, row r sees keys up to `pos[r]`."""
+    blk = tl.load(table_row_ptr + toks // BLOCK_SIZE, mask=t_ok, other=0).to(tl.int64)
+    row = blk * stride_cb + (toks % BLOCK_SIZE) * stride_cs + kvh * stride_ch
+    kv_mask = t_ok[:, None] & d_ok[None, :]
+    k = tl.load(k_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    if DOT_F32:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
+        scores = tl.dot(q, tl.trans(k))  # [rows, TILE], fp32
+    if IS_FP8:
+        k_sc = tl.load(ks_ptr + blk * num_kv_heads + kvh, mask=t_ok, other=0.0)
+        scores = scores * k_sc[None, :]
+    if CAUSAL:  # noqa: SIM108 - a constexpr branch
+        visible = t_ok[None, :] & (toks[None, :] <= pos[:, None])
+    else:
+        visible = t_ok[None, :]
+    scores = tl.where(visible, scores * qk_scale, float("-inf"))
+    m_new = tl.maximum(m, tl.max(scores, axis=1))
+    p = tl.exp2(scores - m_new[:, None])
+    alpha = tl.exp2(m - m_new)
+    lsum = lsum * alpha + tl.sum(p, axis=1)
+    if IS_FP8:
+        p = p * tl.load(vs_ptr + blk * num_kv_heads + kvh, mask=t_ok, other=0.0)[None, :]
+    if DOT_F32:  # noqa: SIM108 - kept a constexpr branch, as the one above
+        pv = tl.dot(p, v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(q.dtype), v)
+    return m_new, lsum, acc * alpha[:, None] + pv
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr,
     k_ptr,
@@ -114,10 +188,7 @@ def _decode_kernel(
         mask=g_ok[:, None] & d_ok[None, :],
         other=0.0,
     )
-    if DOT_F32:
-        q = q.to(tl.float32)
-    elif DOT_F16:
-        q = q.to(tl.float16)
+    q = _as_dot_input(q, DOT_F32, DOT_F16)
 
     seq_len = tl.load(lens_ptr + b)
     start = split * tokens_per_split
@@ -129,37 +200,11 @@ def _decode_kernel(
 
     for t0 in range(start, end, TILE):
         toks = t0 + tl.arange(0, TILE)
-        t_ok = toks < end
-        blk = tl.load(table_ptr + b * stride_tb + toks // BLOCK_SIZE, mask=t_ok, other=0)
-        blk = blk.to(tl.int64)
-        row = blk * stride_cb + (toks % BLOCK_SIZE) * stride_cs + kvh * stride_ch
-        kv_mask = t_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if DOT_F32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            k = k.to(q.dtype)
-            v = v.to(q.dtype)
-            scores = tl.dot(q, tl.trans(k))  # [GROUP_PAD, TILE], fp32
-        if IS_FP8:
-            k_sc = tl.load(ks_ptr + blk * num_kv_heads + kvh, mask=t_ok, other=0.0)
-            scores = scores * k_sc[None, :]
-        scores = tl.where(t_ok[None, :], scores * qk_scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        p = tl.exp2(scores - m_new[:, None])
-        alpha = tl.exp2(m - m_new)
-        lsum = lsum * alpha + tl.sum(p, axis=1)
-        if IS_FP8:
-            p = p * tl.load(vs_ptr + blk * num_kv_heads + kvh, mask=t_ok, other=0.0)[None, :]
-        if DOT_F32:  # noqa: SIM108 - kept a constexpr branch, as the one above
-            pv = tl.dot(p, v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(q.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m = m_new
+        m, lsum, acc = _attend_tile(
+            q, m, lsum, acc, toks, toks < end, m, k_ptr, v_ptr, ks_ptr, vs_ptr,  # (pos unused)
+            table_ptr + b * stride_tb, kvh, d, d_ok, stride_cb, stride_cs, stride_ch,
+            num_kv_heads, qk_scale, BLOCK_SIZE, IS_FP8, DOT_F32, CAUSAL=False,
+        )  # fmt: skip
 
     # An empty split (context shorter than the split grid) leaves l == 0: output 0, weight 0.
     o = acc / tl.where(lsum > 0, lsum, 1.0)[:, None]
@@ -233,6 +278,26 @@ def choose_splits(
     return max(1, min(want, most))
 
 
+def _check_cache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+) -> bool:
+    """Refuse a cache the kernels cannot read for these queries; True for an FP8 cache."""
+    _, nh, hd = q.shape
+    _, _, hkv, hd_c = k_cache.shape
+    if hd_c != hd or nh % hkv:
+        raise ValueError(f"q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}")
+    if v_cache.stride() != k_cache.stride() or k_cache.stride(-1) != 1:
+        raise ValueError("K and V caches must share strides and have a contiguous head_dim")
+    is_fp8 = k_cache.dtype == FP8_DTYPE
+    if is_fp8 and (k_scale is None or v_scale is None):
+        raise ValueError("an fp8 cache needs k_scale and v_scale")
+    return is_fp8
+
+
 def paged_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -254,14 +319,8 @@ def paged_decode(
     overrides `decode_config`'s (tile, warps, stages) (the GPU benchmark compares them).
     """
     bsz, nh, hd = q.shape
-    _, block_size, hkv, hd_c = k_cache.shape
-    if hd_c != hd or nh % hkv:
-        raise ValueError(f"q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}")
-    if v_cache.stride() != k_cache.stride() or k_cache.stride(-1) != 1:
-        raise ValueError("K and V caches must share strides and have a contiguous head_dim")
-    is_fp8 = k_cache.dtype == FP8_DTYPE
-    if is_fp8 and (k_scale is None or v_scale is None):
-        raise ValueError("an fp8 cache needs k_scale and v_scale")
+    _, block_size, hkv, _ = k_cache.shape
+    is_fp8 = _check_cache(q, k_cache, v_cache, k_scale, v_scale)
     q = q if q.stride(-1) == 1 else q.contiguous()
     block_tables = block_tables.to(torch.int32)
     seq_lens = seq_lens.to(device=q.device, dtype=torch.int32)
@@ -442,10 +501,7 @@ def _prefill_kernel(
         mask=row_ok[:, None] & d_ok[None, :],
         other=0.0,
     )
-    if DOT_F32:
-        q = q.to(tl.float32)
-    elif DOT_F16:
-        q = q.to(tl.float16)
+    q = _as_dot_input(q, DOT_F32, DOT_F16)
     # each row's last visible key; rows past the chunk see what its last query sees (finite,
     # never stored)
     pos = seq_len - q_len + tl.minimum(tok, q_len - 1)
@@ -456,38 +512,11 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M * GROUP_PAD, DIM_PAD], dtype=tl.float32)
     for t0 in range(0, end, TILE):
         toks = t0 + tl.arange(0, TILE)
-        t_ok = toks < end
-        blk = tl.load(table_ptr + seq * stride_tb + toks // BLOCK_SIZE, mask=t_ok, other=0)
-        blk = blk.to(tl.int64)
-        row = blk * stride_cb + (toks % BLOCK_SIZE) * stride_cs + kvh * stride_ch
-        kv_mask = t_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if DOT_F32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            k = k.to(q.dtype)
-            v = v.to(q.dtype)
-            scores = tl.dot(q, tl.trans(k))
-        if IS_FP8:
-            k_sc = tl.load(ks_ptr + blk * num_kv_heads + kvh, mask=t_ok, other=0.0)
-            scores = scores * k_sc[None, :]
-        visible = t_ok[None, :] & (toks[None, :] <= pos[:, None])
-        scores = tl.where(visible, scores * qk_scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        p = tl.exp2(scores - m_new[:, None])
-        alpha = tl.exp2(m - m_new)
-        lsum = lsum * alpha + tl.sum(p, axis=1)
-        if IS_FP8:
-            p = p * tl.load(vs_ptr + blk * num_kv_heads + kvh, mask=t_ok, other=0.0)[None, :]
-        if DOT_F32:  # noqa: SIM108 - kept a constexpr branch, as the one above
-            pv = tl.dot(p, v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(q.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m = m_new
+        m, lsum, acc = _attend_tile(
+            q, m, lsum, acc, toks, toks < end, pos, k_ptr, v_ptr, ks_ptr, vs_ptr,
+            table_ptr + seq * stride_tb, kvh, d, d_ok, stride_cb, stride_cs, stride_ch,
+            num_kv_heads, qk_scale, BLOCK_SIZE, IS_FP8, DOT_F32, CAUSAL=True,
+        )  # fmt: skip
     o = acc / tl.where(lsum > 0, lsum, 1.0)[:, None]
     dst = out_ptr + (q_start + tok)[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :]
     tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -511,14 +540,10 @@ def prefill_rows(
     have `query_lens[i]` queries at flat rows `starts[i]...` of `q`/`out` `[T, heads, dim]`,
     the last of their `seq_lens[i]` tokens (all already in the cache). One launch for all."""
     _, nh, hd = q.shape
-    _, block_size, hkv, hd_c = k_cache.shape
-    if hd_c != hd or nh % hkv or q.stride(-1) != 1 or out.stride(-1) != 1:
-        raise ValueError(f"q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}")
-    if v_cache.stride() != k_cache.stride() or k_cache.stride(-1) != 1:
-        raise ValueError("K and V caches must share strides and have a contiguous head_dim")
-    is_fp8 = k_cache.dtype == FP8_DTYPE
-    if is_fp8 and (k_scale is None or v_scale is None):
-        raise ValueError("an fp8 cache needs k_scale and v_scale")
+    _, block_size, hkv, _ = k_cache.shape
+    is_fp8 = _check_cache(q, k_cache, v_cache, k_scale, v_scale)
+    if q.stride(-1) != 1 or out.stride(-1) != 1:
+        raise ValueError("q and out need a contiguous head_dim")
     if not rows:
         return
     group = nh // hkv

@@ -23,7 +23,8 @@ running out of time leaves the others' results in the JSON):
 7. CUDA graphs (`KVGUARD_CUDA_GRAPHS=0` vs `1`): equal greedy tokens on the tiny test model in
    fp32 (random bf16 weights have near-tied logits, where summation order alone can flip a
    token), then the speed-up at batch 1/16/64 on the SmolLM2 shape (the knob is on by
-   default since the first device run showed both; the other sections run with it);
+   default since the first device run showed both; the other sections run with it); and an
+   FP8 pool eager vs replayed (`KVGUARD_FP8_GRAPHS=1`, opt-in);
 8. where a decode step's host time goes: cProfile of kvguard on that shape, eager and replayed,
    at batch 1 and the largest batch (the functions with the most own time per step).
 
@@ -406,7 +407,37 @@ def section_cuda_graphs(run: Run) -> dict[str, Any]:
         row["captures"] = captures  # 0 on CPU: graphs need CUDA, both runs were eager
         res["rows"].append(row)
         print("  cuda graphs: " + json.dumps(row), flush=True)
+    res["fp8"] = _fp8_graphs(shape, run)
+    print("  cuda graphs, FP8 pool: " + json.dumps(res["fp8"]), flush=True)
     return res
+
+
+def _fp8_graphs(shape: str, run: Run) -> dict[str, Any]:
+    """An FP8 pool at the middle batch: eager (the default) vs replayed with
+    `KVGUARD_FP8_GRAPHS=1` (the scales grown in the graph's KV write kernel): speed-up, and
+    how many sequences' tokens are equal."""
+    from kvguard.engine import model_runner
+
+    b = sorted(run.batches)[len(run.batches) // 2]
+    rates, outs = {}, {}
+    for flag in ("0", "1"):
+        os.environ[model_runner.FP8_GRAPHS_ENV] = flag
+        eng = kvguard_engine(
+            shape, run, None, num_gpu_blocks=pool_blocks(b, 512), kv_cache_dtype="fp8_e4m3"
+        )
+        prompts = prompts_for(b, run.prompt, eng.model_config.vocab_size, seed=b)
+        rates[flag], outs[flag] = decode_rate(kvguard_gen(eng, prompts), b, run)
+        del eng
+        run.free()
+    os.environ.pop(model_runner.FP8_GRAPHS_ENV, None)
+    same = sum(a == e for a, e in zip(outs["1"], outs["0"], strict=True))
+    return {
+        "batch": b,
+        "eager_tok_s": rates["0"],
+        "graphs_tok_s": rates["1"],
+        "speedup": rates["1"] / rates["0"],
+        "same_tokens": f"{same}/{b}",
+    }
 
 
 def section_profile(run: Run) -> dict[str, Any]:
@@ -645,6 +676,10 @@ def goals(result: dict[str, Any]) -> list[str]:
         same, b1 = exact["same_tokens"], rows[0]["speedup"]
         detail = f"tiny fp32 tokens {'equal' if same else 'DIFFER'}, batch-1 speed-up {b1:.2f}x"
         lines.append(verdict("CUDA graphs equal to eager and faster", same and b1 > 1.0, detail))
+        fp8 = graphs.get("fp8", {})
+        if "speedup" in fp8:  # what decides KVGUARD_FP8_GRAPHS's default
+            detail = f"batch {fp8['batch']} {fp8['speedup']:.2f}x, same tokens {fp8['same_tokens']}"
+            lines.append(verdict("FP8 pool replayed faster", fp8["speedup"] > 1.0, detail))
     pool = result.get("pool_sizing", {})
     if "used_share_after_max_batch" in pool:
         used, util = pool["used_share_after_max_batch"], pool["gpu_memory_utilization"]

@@ -23,8 +23,11 @@ first device run (H200, bench/gpu_e2e.py): the tiny model's fp32 tokens equal to
 decode 6.7x faster at batch 1, 5.1x at batch 16 and 64 on the SmolLM2 shape.
 
 Graphs need the Triton kernels (the torch KV write cannot skip a slot), so they run only where
-`kvguard.kernels.dispatch.use_triton` holds, and not for an FP8 pool (its scale growth runs in
-torch). The bucketing and padding are plain tensor code, tested on CPU with the Triton kernels
+`kvguard.kernels.dispatch.use_triton` holds. An FP8 pool's writes grow block scales: the
+general path does that in torch with a host sync (`unique`, a conditional requantise), but a
+replayed step writes one token per sequence, each alone in its block, which one Triton kernel
+handles without a sync (`triton_kv.store_fp8_own_blocks`); FP8 pools replay only with
+`KVGUARD_FP8_GRAPHS=1` until a device run has shown that path's tokens and speed-up. The bucketing and padding are plain tensor code, tested on CPU with the Triton kernels
 in the interpreter; `DecodeGraphs.capture` needs CUDA.
 """
 

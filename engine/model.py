@@ -168,7 +168,10 @@ class Attention(nn.Module):
         q, k = q.view(t, self.nh, self.hd), k.view(t, self.nkv, self.hd)
         if ops is None:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        write_kv(kv[0], kv[1], k, v.view(t, self.nkv, self.hd), meta.slot_mapping, kv[2], kv[3])
+        # a graph replays decode steps only: each token alone in its sequence's last block
+        own = meta.seq_lens_t is not None
+        v = v.view(t, self.nkv, self.hd)
+        write_kv(kv[0], kv[1], k, v, meta.slot_mapping, kv[2], kv[3], own_blocks=own)
         o = self._attend(q, kv, meta)
         return self.o_proj(o.reshape(t, self.nh * self.hd))
 

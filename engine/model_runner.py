@@ -45,6 +45,9 @@ HOST_GROW_BELOW = 0.90  # a KV pool grows back only while host memory stays unde
 HOST_START_BELOW = 0.95  # a CPU KV pool that would take host memory past this refuses to start
 CUDA_GROW_MARGIN = 0.05  # ... and on CUDA while this share of the device stays free
 CUDA_GRAPHS_ENV = "KVGUARD_CUDA_GRAPHS"  # "1" / "0" overrides the cuda_graphs knob (benchmarks)
+# "1": an FP8 pool's decode steps replay too (their scales grow in one kernel); opt-in until a
+# device run has shown its tokens and speed-up
+FP8_GRAPHS_ENV = "KVGUARD_FP8_GRAPHS"
 
 
 def cuda_graphs_wanted(config: EngineConfig, device: torch.device, world_size: int) -> bool:
@@ -316,9 +319,12 @@ class ModelRunner:
 
     def _replay(self, inp: StepInput) -> torch.Tensor | None:
         """The step's hidden states by CUDA-graph replay; None when it must run eagerly (no
-        graphs, a prefill row, too big a batch, an FP8 pool, or the Triton path turned off)."""
+        graphs, a prefill row, too big a batch, an FP8 pool unless `KVGUARD_FP8_GRAPHS=1`, or
+        the Triton path turned off)."""
         kv = self.kv_cache
-        if self.graphs is None or kv.dtype == "fp8_e4m3":
+        if self.graphs is None:
+            return None
+        if kv.dtype == "fp8_e4m3" and os.environ.get(FP8_GRAPHS_ENV) != "1":
             return None
         if not use_triton(self.device, KV_TORCH_DTYPES[kv.dtype]):
             return None

@@ -13,7 +13,7 @@ import torch
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
-_TINY = 1e-12
+SCALE_FLOOR = 1e-12  # the least scale a block holds (an all-zero block still divides)
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -41,7 +41,7 @@ def grow_scales(
     amax = torch.zeros(touched.numel(), h, dtype=torch.float32, device=x.device)
     amax.scatter_reduce_(0, inverse[:, None].expand(-1, h), x.float().abs().amax(-1), "amax")
     old = scales.index_select(0, touched)
-    new = torch.maximum(old, amax / FP8_MAX).clamp_min_(_TINY)
+    new = torch.maximum(old, amax / FP8_MAX).clamp_min_(SCALE_FLOOR)
     grow = ((new > old) & (old > 0)).any(-1)
     if grow.any():
         ids = touched[grow]

@@ -23,15 +23,18 @@ def write_kv(
     slot_mapping: torch.Tensor,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    own_blocks: bool = False,
 ) -> None:
     """Store this step's K/V `[T, kv_heads, head_dim]` at flat slots `block * block_size + offset`.
 
     An fp8 cache needs its `[num_blocks, kv_heads]` scale tensors, updated in place.
+    `own_blocks`: every token is alone in its block (a decode step), which lets the Triton path
+    update FP8 scales without a host sync (CUDA graphs); the other paths need no hint.
     """
     if use_triton(k_cache.device, k_cache.dtype):
         from kvguard.kernels import triton_kv
 
-        triton_kv.write_kv(k_cache, v_cache, k, v, slot_mapping, k_scale, v_scale)
+        triton_kv.write_kv(k_cache, v_cache, k, v, slot_mapping, k_scale, v_scale, own_blocks)
         return
     if (
         cpu_ops.enabled(k)

@@ -11,7 +11,9 @@ the per-block-per-head amax of the new tokens, grow scales and requantise the fe
 scale grew. That part touches whole blocks only on growth, is data-dependent (`unique`, a
 conditional requantise) and is rare after a block's first tokens, so a kernel buys little. The
 kernel then quantises the new tokens with the final scales: `x / scale`, clamped to ±448, cast
-to e4m3.
+to e4m3. A decode step's tokens are each alone in their block (`own_blocks`): there one kernel
+(`store_fp8_own_blocks`) does the bookkeeping too, with no `unique` and no host sync, which is
+what lets a CUDA graph replay an FP8 pool's decode steps.
 
 Swap copies (`kv_cache.copy_blocks`) have no Triton kernel on purpose: they move blocks between
 the device pool and the pinned host pool, which is a PCIe DMA that `index_select` + `.to()` +
@@ -27,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvguard.kernels.fp8 import FP8_DTYPE, FP8_MAX, grow_scales
+from kvguard.kernels.fp8 import FP8_DTYPE, FP8_MAX, SCALE_FLOOR, grow_scales
 
 
 @triton.jit
@@ -72,6 +74,57 @@ def _write_kernel(
         tl.store(dst, x.to(tl.float32).to(cache_ptr.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def _write_fp8_own_block_kernel(
+    x_ptr,
+    cache_ptr,
+    slots_ptr,
+    scales_ptr,
+    stride_xt,
+    stride_xh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    FP8_LIMIT: tl.constexpr,
+    TINY: tl.constexpr,
+):
+    """Token `program_id(0)`, KV head `program_id(1)`, alone in its block: `grow_scales` and the
+    store in one pass, with no host sync (a CUDA graph can hold it). A token at offset 0 starts
+    its block afresh; otherwise the block's scale grows to hold it, the block's other rows
+    requantised by old / new where it grew."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    d = tl.arange(0, DIM_PAD)
+    r = tl.arange(0, BLOCK_SIZE)
+    slot = tl.load(slots_ptr + t).to(tl.int64)
+    live = (d * 0 + slot) >= 0  # a padding token (slot < 0) writes nothing
+    d_ok = (d < HEAD_DIM) & live
+    blk = tl.maximum(slot, 0) // BLOCK_SIZE
+    off = tl.maximum(slot, 0) % BLOCK_SIZE
+    x = tl.load(x_ptr + t * stride_xt + h * stride_xh + d, mask=d_ok, other=0.0).to(tl.float32)
+    old = tl.load(scales_ptr + blk * HEADS + h)
+    old = tl.where(off == 0, 0.0, old)
+    new = tl.maximum(tl.maximum(old, tl.max(tl.abs(x), axis=0) / FP8_LIMIT), TINY)
+    # as a vector (the interpreter rejects a scalar bool in a mask)
+    grow = (new + d * 0.0 > old) & (old + d * 0.0 > 0) & d_ok
+    base = cache_ptr + blk * stride_cb + h * stride_ch
+    rows = base + r[:, None] * stride_cs + d[None, :]
+    # the block's other rows, as `grow_scales` requantises whole blocks (rows past the token
+    # hold a freed block's stale bytes, never read; the token's own row is stored below)
+    others = (r[:, None] != off) & grow[None, :]
+    vals = tl.load(rows, mask=others, other=0.0).to(tl.float32)
+    vals = tl.minimum(tl.maximum(vals * (old / new), -FP8_LIMIT), FP8_LIMIT)
+    tl.store(rows, vals.to(cache_ptr.dtype.element_ty), mask=others)
+    q = tl.math.div_rn(x, new + d * 0.0)
+    q = tl.minimum(tl.maximum(q, -FP8_LIMIT), FP8_LIMIT)
+    tl.store(base + off * stride_cs + d, q.to(cache_ptr.dtype.element_ty), mask=d_ok)
+    tl.store(scales_ptr + blk * HEADS + h + d * 0, new + d * 0.0, mask=(d == 0) & live)
+
+
 def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -113,6 +166,26 @@ def store_kv(
     )
 
 
+def store_fp8_own_blocks(
+    cache: torch.Tensor, x: torch.Tensor, slots: torch.Tensor, scales: torch.Tensor
+) -> None:
+    """`fp8.write_kv_fp8` for tokens each alone in its block (a decode step: one token per
+    sequence), scales grown and blocks requantised in the kernel: no `unique`, no host sync."""
+    t = x.shape[0]
+    if t == 0:
+        return
+    _, bs, h, d = cache.shape
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if not scales.is_contiguous() or bs & (bs - 1):
+        raise ValueError("needs contiguous [num_blocks, kv_heads] scales, a power-of-two block")
+    _write_fp8_own_block_kernel[(t, h)](
+        x, cache, slots, scales, x.stride(0), x.stride(1), cache.stride(0), cache.stride(1),
+        cache.stride(2), HEADS=h, HEAD_DIM=d, DIM_PAD=_pow2(d), BLOCK_SIZE=bs,
+        FP8_LIMIT=FP8_MAX, TINY=SCALE_FLOOR,
+    )  # fmt: skip
+
+
 def write_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -121,8 +194,14 @@ def write_kv(
     slot_mapping: torch.Tensor,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    own_blocks: bool = False,
 ) -> None:
-    """Drop-in for `paged_attention.write_kv`: scales updated in torch, tokens stored by Triton."""
+    """Drop-in for `paged_attention.write_kv`: scales updated in torch, tokens stored by Triton;
+    with `own_blocks` (every token alone in its block) an FP8 write is one kernel per pool."""
+    if k_cache.dtype == FP8_DTYPE and own_blocks:
+        store_fp8_own_blocks(k_cache, k, slot_mapping, k_scale)
+        store_fp8_own_blocks(v_cache, v, slot_mapping, v_scale)
+        return
     if k_cache.dtype == FP8_DTYPE:
         grow_scales(k_cache, k_scale, k, slot_mapping)
         grow_scales(v_cache, v_scale, v, slot_mapping)

@@ -215,8 +215,9 @@ def test_engine_with_graph_replay_gives_the_eager_tokens(
     monkeypatch: pytest.MonkeyPatch, tiny_dir: Path
 ) -> None:
     """The runner's whole replay path (eligibility, padding into shrinking buckets as
-    sequences finish, static buffers, the FP8 switch dropping graphs and the way back
-    recapturing) on CPU: capture replaced by rerun-on-replay, kernels in the interpreter."""
+    sequences finish, static buffers, the FP8 switch dropping graphs, an FP8 pool replaying
+    when opted in, and the way back recapturing) on CPU: capture replaced by rerun-on-replay,
+    kernels in the interpreter."""
     from kvguard.engine import model as model_module
     from kvguard.engine import model_runner
     from kvguard.kernels import triton_kv
@@ -239,9 +240,17 @@ def test_engine_with_graph_replay_gives_the_eager_tokens(
 
     assert step_apply(eng, eng.set_kv_cache_dtype("fp8_e4m3")).ok
     assert not eng.runner.graphs._graphs  # noqa: SLF001 - dropped with the old pool
-    eng.generate(prompts[:2], params[:2])  # FP8: eager, nothing captured
+    monkeypatch.delenv(model_runner.FP8_GRAPHS_ENV, raising=False)
+    fp8_eager = eng.generate(prompts, params)  # FP8: eager, nothing captured
     assert eng.runner.graphs.captures == 1
+    # opted in, an FP8 pool replays too: scales grow inside the graph's own KV write kernel
+    monkeypatch.setenv(model_runner.FP8_GRAPHS_ENV, "1")
+    before = _ReplayByRerun.replays
+    fp8_replayed = eng.generate(prompts, params)
+    assert [o.token_ids for o in fp8_replayed] == [o.token_ids for o in fp8_eager]
+    assert eng.runner.graphs.captures == 2 and _ReplayByRerun.replays - before >= 10
+    monkeypatch.delenv(model_runner.FP8_GRAPHS_ENV)
     assert step_apply(eng, eng.set_kv_cache_dtype("auto")).ok
     again = eng.generate(prompts, params)
     assert [o.token_ids for o in again] == [o.token_ids for o in eager]
-    assert eng.runner.graphs.captures == 2
+    assert eng.runner.graphs.captures == 3

@@ -261,6 +261,34 @@ def assert_fp8_equal(ref: torch.Tensor, got: torch.Tensor) -> None:
         assert not diff.any()
 
 
+def test_fp8_writes_alone_in_their_blocks_match_the_torch_path() -> None:
+    """Decode-like steps (one token per block; fresh blocks, growing magnitudes that requantise
+    a block's earlier rows, a padding row): the one-kernel FP8 write leaves the torch path's
+    bytes and scales after every step."""
+    nb, bs, hkv, d = 5, 4, 3, 8
+    gen = torch.Generator().manual_seed(4)
+    a = make_cache(nb, bs, hkv, d, "fp8")
+    blocks = torch.tensor([3, 0, 4])  # three sequences' last blocks
+    for step in range(2 * bs + 1):  # across a block boundary: the next blocks start afresh
+        off = step % bs
+        if off == 0 and step:
+            blocks = blocks.flip(0)  # new blocks (reused ids: fresh scales must reset)
+        slots = (blocks * bs + off).to(DEVICE)
+        mag = torch.tensor([1.0, 3.0**step, 0.5])[:, None, None]  # one grows every step
+        k = (torch.randn(3, hkv, d, generator=gen) * mag).to(DEVICE)
+        v = torch.randn(3, hkv, d, generator=gen).to(DEVICE)
+        b = tuple(t.clone() for t in a)
+        torch_path.write_kv(a[0], a[1], k, v, slots, *a[2:])
+        pad = torch.cat([slots, torch.tensor([-1], device=DEVICE)])  # a graph's padding row
+        kp, vp = torch.cat([k, k[:1] * 100]), torch.cat([v, v[:1] * 100])
+        tkv.write_kv(b[0], b[1], kp, vp, pad, *b[2:], own_blocks=True)
+        assert_fp8_equal(a[0], b[0])
+        assert_fp8_equal(a[1], b[1])
+        torch.testing.assert_close(a[2], b[2], atol=0, rtol=0)
+        torch.testing.assert_close(a[3], b[3], atol=0, rtol=0)
+        a = b
+
+
 def test_write_skips_negative_slots() -> None:
     cache = torch.zeros(2, 4, 1, 8, device=DEVICE)
     x = torch.ones(2, 1, 8, device=DEVICE)

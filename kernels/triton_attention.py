@@ -203,7 +203,7 @@ def _decode_kernel(
         m, lsum, acc = _attend_tile(
             q, m, lsum, acc, toks, toks < end, m, k_ptr, v_ptr, ks_ptr, vs_ptr,  # (pos unused)
             table_ptr + b * stride_tb, kvh, d, d_ok, stride_cb, stride_cs, stride_ch,
-            num_kv_heads, qk_scale, BLOCK_SIZE, IS_FP8, DOT_F32, CAUSAL=False,
+            num_kv_heads, qk_scale, BLOCK_SIZE, IS_FP8, DOT_F32, False,  # not causal
         )  # fmt: skip
 
     # An empty split (context shorter than the split grid) leaves l == 0: output 0, weight 0.
@@ -515,7 +515,7 @@ def _prefill_kernel(
         m, lsum, acc = _attend_tile(
             q, m, lsum, acc, toks, toks < end, pos, k_ptr, v_ptr, ks_ptr, vs_ptr,
             table_ptr + seq * stride_tb, kvh, d, d_ok, stride_cb, stride_cs, stride_ch,
-            num_kv_heads, qk_scale, BLOCK_SIZE, IS_FP8, DOT_F32, CAUSAL=True,
+            num_kv_heads, qk_scale, BLOCK_SIZE, IS_FP8, DOT_F32, True,  # causal
         )  # fmt: skip
     o = acc / tl.where(lsum > 0, lsum, 1.0)[:, None]
     dst = out_ptr + (q_start + tok)[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :]

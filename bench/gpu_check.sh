@@ -10,8 +10,9 @@
 #      random Llama-2-7B and SmolLM2-135M, batch 1/16/64 and a mixed trace, the batch-1
 #      bandwidth limit, KVGUARD_TRITON=0 vs 1, a real CUDA OOM, pool sizing from
 #      gpu_memory_utilization, the live FP8 switch, NVML, CUDA graphs once the runner has them;
-#   3. bench/gpu_kernels.py --skip-e2e --sweep --prefill: Triton decode attention time, bandwidth vs copy
-#      bandwidth, ratio to dense SDPA (SmolLM2 and Llama-2-7B shapes, batch 64, 1k/4k/16k);
+#   3. bench/gpu_kernels.py --skip-e2e --sweep --prefill: Triton decode attention time,
+#      bandwidth vs copy bandwidth, ratio to dense SDPA (SmolLM2 and Llama-2-7B shapes, batch
+#      64, 1k/4k/16k), each launch config at 4k, the Triton prefill kernel vs the torch path;
 #   4. with two or more GPUs visible: bench/tensor_parallel.py, tiny at tp=1 vs tp=2 over NCCL;
 #   5. the W4A16 GEMM (issue 15): its tests compiled on CUDA, then bench/gpu_w4a16.py.
 # Each step has its own time limit, and all of them together stop at DEADLINE_S (460 s): a

@@ -8,7 +8,8 @@ running out of time leaves the others' results in the JSON):
 1. decode tok/s at batch 1, 16 and 64 (prompt 128): kvguard (and, at the smallest and largest
    batch, kvguard with its per-layer Triton ops on: `KVGUARD_FUSED_OPS=1`), transformers
    static `generate`, and the batch-1 limit (weight bytes / measured copy bandwidth: a decode
-   step must read every weight once). Decode time is t(N tokens) - t(1 token), so prefill is left out for both;
+   step must read every weight once). Decode time is t(N tokens) - t(1 token), so prefill is
+   left out for both;
    the same greedy tokens are required of both (first 8, bf16 noise allowed on a few rows);
 2. a mixed trace (lognormal prompt and output lengths): kvguard (also with its opt-in Triton
    prefill kernel: `KVGUARD_TRITON_PREFILL=1`), transformers static batches of 16, and
@@ -38,6 +39,7 @@ the bandwidth limit. `--cpu-smoke` runs every section on the tiny shape on CPU i
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -45,7 +47,7 @@ import statistics
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -66,13 +68,19 @@ LIMIT_GOAL = 0.60  # batch-1 decode / (copy bandwidth / weight bytes)
 class Run:
     """Settings of one run: the GPU one, or the CPU smoke one (tiny shapes, few tokens)."""
 
-    def __init__(self, smoke: bool, shapes: list[str], batches: list[int] | None = None) -> None:
+    def __init__(
+        self,
+        smoke: bool,
+        shapes: list[str],
+        batches: list[int] | None = None,
+        sections: set[str] | None = None,
+    ) -> None:
         self.smoke = smoke
         self.device = torch.device("cpu" if smoke else "cuda")
         self.dtype = torch.float32 if smoke else torch.bfloat16
         self.shapes = ["tiny"] if smoke else shapes
         self.batches = batches or ([1, 4] if smoke else [1, 16, 64])
-        self.sections = set(SECTIONS)
+        self.sections = sections or set(SECTIONS)
         self.prompt = 16 if smoke else 128
         self.new_tokens = 6 if smoke else 48
         self.trace_requests = 8 if smoke else 32
@@ -127,6 +135,21 @@ def prompts_for(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 # ----------------------------------------------------------------------------- timing
+
+
+@contextlib.contextmanager
+def env_set(name: str, value: str) -> Iterator[None]:
+    """`name=value` in the environment for the block (kvguard reads its switches per call),
+    the old value, or none, back after."""
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
 
 
 def wall(fn: Callable[[], Any], run: Run) -> tuple[float, Any]:
@@ -231,20 +254,14 @@ def _rate_with_env(eng: Any, run: Run, batch: int, env: str, value: str) -> tupl
     graphs are dropped before and after (a graph replays the kernels it was captured with)."""
     prompts = prompts_for(batch, run.prompt, eng.model_config.vocab_size, seed=batch)
     graphs = eng.runner.graphs
-    old = os.environ.get(env)
-    os.environ[env] = value
     try:
-        if graphs is not None:
-            graphs.invalidate()
-        rate, out = decode_rate(kvguard_gen(eng, prompts), batch, run)
+        with env_set(env, value):
+            if graphs is not None:
+                graphs.invalidate()
+            return decode_rate(kvguard_gen(eng, prompts), batch, run)
     finally:
-        if old is None:
-            os.environ.pop(env, None)
-        else:
-            os.environ[env] = old
         if graphs is not None:
             graphs.invalidate()
-    return rate, out
 
 
 def _triton_off(eng: Any, run: Run) -> dict[str, Any]:
@@ -286,12 +303,9 @@ def section_trace(eng: Any, hf: Any, run: Run) -> dict[str, Any]:
     # equal the default's (bf16 near-ties aside)
     from kvguard.kernels.dispatch import TRITON_PREFILL_ENV
 
-    os.environ[TRITON_PREFILL_ENV] = "1"
-    try:
+    with env_set(TRITON_PREFILL_ENV, "1"):
         eng.generate(prompts[:2], params[:2])  # compiles the kernel
         sec, tri = wall(lambda: eng.generate(prompts, params), run)
-    finally:
-        os.environ.pop(TRITON_PREFILL_ENV, None)
     same = sum(a.token_ids == b.token_ids for a, b in zip(tri, base, strict=True))
     out["kvguard_triton_prefill_tok_s"] = want / sec
     out["triton_prefill_same_outputs"] = f"{same}/{len(trace)}"
@@ -365,20 +379,19 @@ def graphs_exact(run: Run) -> dict[str, Any]:
     outs, captures = {}, 0
     prompts = [[5 + i] * (3 + 11 * i) for i in range(5)]
     params = [SamplingParams(max_tokens=48 - 8 * i, ignore_eos=True) for i in range(5)]
+    # a fixed pool: sized from gpu_memory_utilization, one engine would take the share and
+    # leave the next none while the first is still referenced
+    cfg = EngineConfig(
+        model="tiny", device=run.device.type, dtype="fp32", max_num_seqs=8,
+        max_model_len=512, num_gpu_blocks=pool_blocks(8, 512),
+    )  # fmt: skip
     for flag in ("0", "1"):
-        os.environ[model_runner.CUDA_GRAPHS_ENV] = flag
-        # a fixed pool: sized from gpu_memory_utilization, one engine would take the share and
-        # leave the next none while the first is still referenced
-        cfg = EngineConfig(
-            model="tiny", device=run.device.type, dtype="fp32", max_num_seqs=8,
-            max_model_len=512, num_gpu_blocks=pool_blocks(8, 512),
-        )  # fmt: skip
-        eng = LLMEngine.from_config(cfg, progress=False)
-        outs[flag] = [o.token_ids for o in eng.generate(prompts, params)]
+        with env_set(model_runner.CUDA_GRAPHS_ENV, flag):
+            eng = LLMEngine.from_config(cfg, progress=False)
+            outs[flag] = [o.token_ids for o in eng.generate(prompts, params)]
         captures += eng.runner.graphs.captures if eng.runner.graphs is not None else 0
         del eng
         run.free()
-    os.environ.pop(model_runner.CUDA_GRAPHS_ENV, None)
     return {"same_tokens": outs["0"] == outs["1"], "captures": captures}
 
 
@@ -391,17 +404,7 @@ def section_cuda_graphs(run: Run) -> dict[str, Any]:
     res: dict[str, Any] = {"tiny_fp32": graphs_exact(run), "shape": shape, "rows": []}
     print("  cuda graphs, tiny fp32: " + json.dumps(res["tiny_fp32"]), flush=True)
     for b in run.batches:
-        rates, outs, captures = {}, {}, 0
-        for flag in ("0", "1"):
-            os.environ[model_runner.CUDA_GRAPHS_ENV] = flag
-            eng = kvguard_engine(shape, run, None, num_gpu_blocks=pool_blocks(b, 512))
-            prompts = prompts_for(b, run.prompt, eng.model_config.vocab_size, seed=b)
-            rates[flag], outs[flag] = decode_rate(kvguard_gen(eng, prompts), b, run)
-            graphs = eng.runner.graphs
-            captures += graphs.captures if graphs is not None else 0
-            del eng
-            run.free()
-        os.environ.pop(model_runner.CUDA_GRAPHS_ENV, None)
+        rates, outs, captures = _off_and_on(shape, run, b, model_runner.CUDA_GRAPHS_ENV)
         row = {"batch": b, "eager_tok_s": rates["0"], "graphs_tok_s": rates["1"]}
         row |= {"speedup": rates["1"] / rates["0"], "same_tokens": outs["0"] == outs["1"]}
         row["captures"] = captures  # 0 on CPU: graphs need CUDA, both runs were eager
@@ -412,6 +415,24 @@ def section_cuda_graphs(run: Run) -> dict[str, Any]:
     return res
 
 
+def _off_and_on(
+    shape: str, run: Run, b: int, env: str, **knobs: Any
+) -> tuple[dict[str, float], dict[str, Any], int]:
+    """Decode tok/s and outputs at batch `b` of a fresh random-weight engine with switch `env`
+    "0" and then "1" (set while the engine is built and runs), and the graph captures made."""
+    rates, outs, captures = {}, {}, 0
+    for flag in ("0", "1"):
+        with env_set(env, flag):
+            eng = kvguard_engine(shape, run, None, num_gpu_blocks=pool_blocks(b, 512), **knobs)
+            prompts = prompts_for(b, run.prompt, eng.model_config.vocab_size, seed=b)
+            rates[flag], outs[flag] = decode_rate(kvguard_gen(eng, prompts), b, run)
+        graphs = eng.runner.graphs
+        captures += graphs.captures if graphs is not None else 0
+        del eng
+        run.free()
+    return rates, outs, captures
+
+
 def _fp8_graphs(shape: str, run: Run) -> dict[str, Any]:
     """An FP8 pool at the middle batch: eager (the default) vs replayed with
     `KVGUARD_FP8_GRAPHS=1` (the scales grown in the graph's KV write kernel): speed-up, and
@@ -419,17 +440,8 @@ def _fp8_graphs(shape: str, run: Run) -> dict[str, Any]:
     from kvguard.engine import model_runner
 
     b = sorted(run.batches)[len(run.batches) // 2]
-    rates, outs = {}, {}
-    for flag in ("0", "1"):
-        os.environ[model_runner.FP8_GRAPHS_ENV] = flag
-        eng = kvguard_engine(
-            shape, run, None, num_gpu_blocks=pool_blocks(b, 512), kv_cache_dtype="fp8_e4m3"
-        )
-        prompts = prompts_for(b, run.prompt, eng.model_config.vocab_size, seed=b)
-        rates[flag], outs[flag] = decode_rate(kvguard_gen(eng, prompts), b, run)
-        del eng
-        run.free()
-    os.environ.pop(model_runner.FP8_GRAPHS_ENV, None)
+    env = model_runner.FP8_GRAPHS_ENV
+    rates, outs, _ = _off_and_on(shape, run, b, env, kv_cache_dtype="fp8_e4m3")
     same = sum(a == e for a, e in zip(outs["1"], outs["0"], strict=True))
     return {
         "batch": b,
@@ -452,16 +464,15 @@ def section_profile(run: Run) -> dict[str, Any]:
     shape, n = run.shapes[0], run.new_tokens
     res: dict[str, Any] = {"shape": shape, "tokens": n}
     for flag in ("0", "1"):
-        os.environ[model_runner.CUDA_GRAPHS_ENV] = flag
         for b in (1, max(run.batches)):
-            eng = kvguard_engine(shape, run, None, num_gpu_blocks=pool_blocks(b, 512))
+            with env_set(model_runner.CUDA_GRAPHS_ENV, flag):
+                eng = kvguard_engine(shape, run, None, num_gpu_blocks=pool_blocks(b, 512))
             prompts = prompts_for(b, run.prompt, eng.model_config.vocab_size, seed=b)
             gen = kvguard_gen(eng, prompts)
             gen(2)  # warm-up: compile, capture
             prof = cProfile.Profile()
             sec, _ = wall(lambda g=gen, p=prof: p.runcall(g, n), run)
-            stats = pstats.Stats(prof)
-            table = stats.stats  # type: ignore[attr-defined]
+            table = pstats.Stats(prof).stats  # type: ignore[attr-defined]
             rows = sorted(table.items(), key=lambda kv: -kv[1][2])[:25]
             top = [
                 f"{tt * 1e3 / n:8.3f} ms/step own {ct * 1e3 / n:8.3f} cum {nc / n:7.1f} calls"
@@ -475,7 +486,6 @@ def section_profile(run: Run) -> dict[str, Any]:
                 print("    " + line, flush=True)
             del eng
             run.free()
-    os.environ.pop(model_runner.CUDA_GRAPHS_ENV, None)
     return res
 
 
@@ -730,8 +740,7 @@ def main() -> int:
         print("no CUDA device: run with --cpu-smoke", file=sys.stderr)
         return 2
     batches = [int(b) for b in args.batches.split(",")] if args.batches else None
-    run = Run(args.cpu_smoke, args.shapes.split(","), batches)
-    run.sections = wanted
+    run = Run(args.cpu_smoke, args.shapes.split(","), batches, wanted)
     if run.smoke:
         torch.set_num_threads(2)
     result: dict[str, Any] = {

@@ -27,8 +27,9 @@ Graphs need the Triton kernels (the torch KV write cannot skip a slot), so they 
 general path does that in torch with a host sync (`unique`, a conditional requantise), but a
 replayed step writes one token per sequence, each alone in its block, which one Triton kernel
 handles without a sync (`triton_kv.store_fp8_own_blocks`); FP8 pools replay only with
-`KVGUARD_FP8_GRAPHS=1` until a device run has shown that path's tokens and speed-up. The bucketing and padding are plain tensor code, tested on CPU with the Triton kernels
-in the interpreter; `DecodeGraphs.capture` needs CUDA.
+`KVGUARD_FP8_GRAPHS=1` until a device run has shown that path's tokens and speed-up. The
+bucketing and padding are plain tensor code, tested on CPU with the Triton kernels in the
+interpreter; `DecodeGraphs.capture` needs CUDA.
 """
 
 from __future__ import annotations

@@ -49,8 +49,8 @@ from kvguard.engine.weights import (
     expected_tensor_names,
     open_safetensors,
 )
-from kvguard.kernels import cpu_ops, paged_attention, write_kv
-from kvguard.kernels.dispatch import fused_ops
+from kvguard.kernels import paged_attention, write_kv
+from kvguard.kernels.dispatch import layer_ops
 from kvguard.kernels.paged_attention import decode_attention
 
 
@@ -112,20 +112,16 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if cpu_ops.enabled(x) and x.stride(-1) == 1:
-            return cpu_ops.rmsnorm(x, self.weight, self.eps)
-        if x.stride(-1) == 1 and (ops := fused_ops(x)) is not None:
+        if x.stride(-1) == 1 and (ops := layer_ops(x)) is not None:
             return ops.rmsnorm(x, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
 
     def add_forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + y, its norm): the residual add and the norm after it, in one pass where the
-        CPU kernel serves (x is then updated in place and returned)."""
-        if cpu_ops.enabled(x) and x.is_contiguous() and y.dtype == x.dtype:
-            return x, cpu_ops.rmsnorm(x, self.weight, self.eps, y)
-        if x.is_contiguous() and y.dtype == x.dtype and (ops := fused_ops(x)) is not None:
+        """(x + y, its norm): the residual add and the norm after it, in one pass where a
+        kernel serves (`layer_ops`; x is then updated in place and returned)."""
+        if x.is_contiguous() and y.dtype == x.dtype and (ops := layer_ops(x)) is not None:
             return x, ops.rmsnorm(x, self.weight, self.eps, y)
         x = x + y
         return x, self(x)
@@ -159,9 +155,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
-        ops = None  # a kernel for RoPE in place: q and k heads are adjacent in each row
-        if qkv.stride(-1) == 1:
-            ops = cpu_ops if cpu_ops.enabled(qkv) else fused_ops(qkv)
+        # a kernel for RoPE in place: q and k heads are adjacent in each row
+        ops = layer_ops(qkv) if qkv.stride(-1) == 1 else None
         if ops is not None:
             ops.rope_(qkv, self.nh + self.nkv, self.hd, cos.view(t, -1), sin.view(t, -1))
         q, k, v = qkv.split([self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], -1)
@@ -194,10 +189,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gu = self.gate_up_proj(x)
-        if gu.dim() == 2 and gu.stride(1) == 1:
-            ops = cpu_ops if cpu_ops.enabled(gu) else fused_ops(gu)
-            if ops is not None:
-                return self.down_proj(ops.silu_mul(gu, self.inter))
+        if gu.dim() == 2 and gu.stride(1) == 1 and (ops := layer_ops(gu)) is not None:
+            return self.down_proj(ops.silu_mul(gu, self.inter))
         gate, up = gu.split(self.inter, -1)
         return self.down_proj(F.silu(gate) * up)
 

@@ -9,7 +9,8 @@ Which path runs where:
 - CUDA with triton importable and `KVGUARD_TRITON` not "0" (`dispatch.use_triton`):
   decode attention (single-token queries) runs the Triton kernel in `triton_attention`, and
   `write_kv` stores tokens with the Triton kernel in `triton_kv` (FP8 scale growth and block
-  requantisation stay in torch there). Prefill chunks still use the torch path
+  requantisation stay in torch there, but in a replayed decode step, where one kernel does
+  them). Prefill chunks still use the torch path
   (`scaled_dot_product_attention` on gathered K/V), as do swap copies (`engine.kv_cache`).
   With `KVGUARD_FUSED_OPS=1` a layer's small ops (residual add + RMSNorm, RoPE in place,
   SiLU-and-multiply) run as one Triton kernel each from `triton_fused` (`dispatch.fused_ops`),

@@ -5,12 +5,12 @@ over on CUDA, where the torch decode path pays for gathering every sequence's bl
 contiguous workspace before attention. `KVGUARD_TRITON=0` turns the Triton path off (to compare
 the two, or to route around a kernel bug) without a code change.
 
-The same rule picks the Triton kernels for a layer's small ops (`fused_ops`: residual add +
-RMSNorm, RoPE, SiLU-and-multiply) where asked, and the Triton W4A16 GEMM for 4-bit weight-only linears
-(`w4a16_matmul`), whose torch path is only a reference: on CPU the quantized layer serves with
-torch's int4pack kernels. The small ops (`fused_ops`) and prefill chunks
-(`use_triton_prefill`) take their Triton kernels only when asked, until a device run has timed
-them.
+The same rule picks the Triton W4A16 GEMM for 4-bit weight-only linears (`w4a16_matmul`), whose
+torch path is only a reference: on CPU the quantized layer serves with torch's int4pack kernels.
+A layer's small ops (`layer_ops`: residual add + RMSNorm, RoPE, SiLU-and-multiply) run the C
+kernels of `cpu_ops` on CPU and, when asked, the Triton ones of `triton_fused` on CUDA
+(`fused_ops`); prefill chunks take the Triton kernel only when asked (`use_triton_prefill`):
+both opt-in until a device run has timed them.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from types import ModuleType
 
 import torch
 
+from kvguard.kernels import cpu_ops
 from kvguard.kernels.w4a16 import W4A16Weight, reference_matmul
 
 
@@ -79,13 +80,20 @@ def fused_ops(x: torch.Tensor) -> ModuleType | None:
     they serve activation `x`: on CUDA as `use_triton` says, when `KVGUARD_FUSED_OPS` is "1";
     None means the torch ops. Opt-in until a device run has shown them equal and faster
     (bench/gpu_e2e.py times decode with them on and off), as CUDA graphs were."""
-    if os.environ.get(FUSED_OPS_ENV, "0") != "1":
+    if x.device.type != "cuda" or os.environ.get(FUSED_OPS_ENV, "0") != "1":
         return None
-    if x.device.type != "cuda" or not use_triton(x.device):
+    if not use_triton(x.device):
         return None
     from kvguard.kernels import triton_fused
 
     return triton_fused
+
+
+def layer_ops(x: torch.Tensor) -> ModuleType | None:
+    """The kernels for a layer's small ops on activation `x` (`rmsnorm` with the residual add,
+    `rope_` in place, `silu_mul`, same contracts in both modules): `cpu_ops` where its C kernels
+    serve, else `triton_fused` where `fused_ops` says; None means torch's ops."""
+    return cpu_ops if cpu_ops.enabled(x) else fused_ops(x)
 
 
 def _interpreting() -> bool:

@@ -278,6 +278,14 @@ def choose_splits(
     return max(1, min(want, most))
 
 
+def _dot_flags(q_dtype: torch.dtype, is_fp8: bool) -> dict[str, bool]:
+    """The kernels' dot dtype (see `_decode_kernel`): fp32 for fp32 queries (and bf16 ones in
+    the interpreter, whose bf16 arithmetic is wrong, unless an FP8 cache takes fp16), fp16 for
+    an FP8 cache, else the queries' own 16-bit dtype."""
+    f32 = q_dtype == torch.float32 or (_INTERPRETED and q_dtype == torch.bfloat16 and not is_fp8)
+    return {"DOT_F32": f32, "DOT_F16": is_fp8}
+
+
 def _check_cache(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -377,9 +385,7 @@ def paged_decode(
         TILE=tile,
         IS_FP8=is_fp8,
         SPLIT=splits > 1,
-        DOT_F32=q.dtype == torch.float32
-        or (_INTERPRETED and q.dtype == torch.bfloat16 and not is_fp8),
-        DOT_F16=is_fp8,
+        **_dot_flags(q.dtype, is_fp8),
         num_warps=warps,
         num_stages=stages,
     )
@@ -570,8 +576,6 @@ def prefill_rows(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
         out.stride(0), out.stride(1), hkv,
         GROUP=group, GROUP_PAD=group_pad, BLOCK_M=block_m, HEAD_DIM=hd, DIM_PAD=dim_pad,
-        BLOCK_SIZE=block_size, TILE=tile, IS_FP8=is_fp8,
-        DOT_F32=q.dtype == torch.float32
-        or (_INTERPRETED and q.dtype == torch.bfloat16 and not is_fp8),
-        DOT_F16=is_fp8, num_warps=4, num_stages=2,
+        BLOCK_SIZE=block_size, TILE=tile, IS_FP8=is_fp8, **_dot_flags(q.dtype, is_fp8),
+        num_warps=4, num_stages=2,
     )  # fmt: skip

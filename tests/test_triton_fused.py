@@ -20,11 +20,11 @@ import torch.nn.functional as F  # noqa: E402
 
 triton = pytest.importorskip("triton")
 
-from kvguard.engine import model as model_mod  # noqa: E402
 from kvguard.engine.model import RMSNorm, apply_rope  # noqa: E402
 from kvguard.kernels import cpu_ops, dispatch  # noqa: E402
 
 tf = pytest.importorskip("kvguard.kernels.triton_fused")
+FUSED_OPS = dispatch.fused_ops  # the real one (the fixture below stands another in)
 
 if DEVICE == "cuda" and not torch.cuda.is_available():
     pytest.skip("KVGUARD_TEST_DEVICE=cuda but no CUDA device", allow_module_level=True)
@@ -45,8 +45,8 @@ def tol(dtype: torch.dtype) -> dict[str, float]:
 @pytest.fixture(autouse=True)
 def _torch_reference(monkeypatch: pytest.MonkeyPatch):
     """The references run the model's torch code: the CPU C kernels off, and (on CUDA) the
-    model's hooks kept off these kernels unless a test turns them on."""
-    monkeypatch.setattr(model_mod, "fused_ops", lambda x: None)
+    model's hooks (`dispatch.layer_ops`) kept off these kernels unless a test turns them on."""
+    monkeypatch.setattr(dispatch, "fused_ops", lambda x: None)
     monkeypatch.setenv(cpu_ops.ENV, "0")
     cpu_ops.reset()
     with torch.inference_mode():
@@ -124,15 +124,15 @@ def test_silu_mul_matches_torch_on_strided_rows(dtype: str, inter: int) -> None:
 
 def test_the_dispatch_is_opt_in_and_serves_cuda_only(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(dispatch.FUSED_OPS_ENV, "1")
-    assert dispatch.fused_ops(torch.zeros(2)) is None  # CPU activations: the C kernels' job
+    assert FUSED_OPS(torch.zeros(2)) is None  # CPU activations: the C kernels' job
     if DEVICE == "cuda":
         x = torch.zeros(2, device="cuda")
-        assert dispatch.fused_ops(x) is tf
+        assert FUSED_OPS(x) is tf
         monkeypatch.setenv("KVGUARD_TRITON", "0")
-        assert dispatch.fused_ops(x) is None
+        assert FUSED_OPS(x) is None
         monkeypatch.delenv("KVGUARD_TRITON")
         monkeypatch.delenv(dispatch.FUSED_OPS_ENV)
-        assert dispatch.fused_ops(x) is None  # off unless asked
+        assert FUSED_OPS(x) is None  # off unless asked
 
 
 def test_the_tiny_model_gives_the_torch_logits_with_the_kernels(
@@ -163,7 +163,7 @@ def test_the_tiny_model_gives_the_torch_logits_with_the_kernels(
 
     outs = {}
     for on in (False, True):
-        monkeypatch.setattr(model_mod, "fused_ops", (lambda x: Counted) if on else (lambda x: None))
+        monkeypatch.setattr(dispatch, "fused_ops", (lambda x: Counted) if on else (lambda x: None))
         eng = LLMEngine.from_config(cfg, progress=False)
         eng.model.fuse_cpu_decode = False
         res = eng.generate(prompts, params)

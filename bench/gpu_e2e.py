@@ -6,10 +6,11 @@ same numbers and nothing is downloaded. Sections, each timed and kept apart (one
 running out of time leaves the others' results in the JSON):
 
 1. decode tok/s at batch 1, 16 and 64 (prompt 128): kvguard (and, at the smallest and largest
-   batch, kvguard with its per-layer Triton ops on: `KVGUARD_FUSED_OPS=1`), transformers
-   static `generate`, and the batch-1 limit (weight bytes / measured copy bandwidth: a decode
-   step must read every weight once). Decode time is t(N tokens) - t(1 token), so prefill is
-   left out for both;
+   batch, kvguard with its per-layer Triton ops on: `KVGUARD_FUSED_OPS=1`, with its skinny
+   GEMMs on: `KVGUARD_TRITON_GEMV=1`, and at batch 1 with both; the skinny GEMMs' tokens on
+   the tiny fp32 model too), transformers static `generate`, and the batch-1 limit (weight
+   bytes / measured copy bandwidth: a decode step must read every weight once). Decode time
+   is t(N tokens) - t(1 token), so prefill is left out for both;
    the same greedy tokens are required of both (first 8, bf16 noise allowed on a few rows);
 2. a mixed trace (lognormal prompt and output lengths): kvguard (also with its opt-in Triton
    prefill kernel: `KVGUARD_TRITON_PREFILL=1`), transformers static batches of 16, and
@@ -212,6 +213,7 @@ def copy_bandwidth(run: Run) -> float:
 def section_decode(shape: str, run: Run, copy_bw: float) -> dict[str, Any]:
     """Batch 1/16/64 decode, kvguard vs transformers static, and the batch-1 limit."""
     from kvguard.engine.model import weight_bytes
+    from kvguard.kernels.dispatch import FUSED_OPS_ENV, GEMV_ENV
 
     hf = hf_random_model(shape, run)
     tokens = run.prompt + run.new_tokens + 8
@@ -238,8 +240,20 @@ def section_decode(shape: str, run: Run, copy_bw: float) -> dict[str, Any]:
         print(f"  {shape} batch {b}: " + json.dumps(row), flush=True)
         if run.smoke and same != b:  # fp32 on CPU: the weight handover must be exact
             raise RuntimeError(f"kvguard and transformers disagree at batch {b}: {same}/{b}")
-    res["fused_on"] = _fused_on(eng, run, outs)
+    ends = {min(run.batches), max(run.batches)}
+    # the opt-in paths, each alone at the smallest and largest batch, then together at batch 1
+    res["fused_on"] = _switched_on(eng, run, outs, {FUSED_OPS_ENV: "1"}, ends)
     print(f"  {shape} per-layer Triton ops on: " + json.dumps(res["fused_on"]), flush=True)
+    # (on the smoke run the skinny GEMMs run in Triton's interpreter: batch 1 only there)
+    gemv_batches = {min(run.batches)} if run.smoke else ends
+    res["gemv_on"] = _switched_on(eng, run, outs, {GEMV_ENV: "1"}, gemv_batches)
+    print(f"  {shape} skinny GEMMs on: " + json.dumps(res["gemv_on"]), flush=True)
+    both = {FUSED_OPS_ENV: "1", GEMV_ENV: "1"}
+    res["fused_gemv_on"] = _switched_on(eng, run, outs, both, {min(run.batches)})
+    print(f"  {shape} both on: " + json.dumps(res["fused_gemv_on"]), flush=True)
+    if shape == run.shapes[0]:
+        res["gemv_tiny_fp32"] = tiny_exact(run, GEMV_ENV)
+        print("  skinny GEMMs, tiny fp32: " + json.dumps(res["gemv_tiny_fp32"]), flush=True)
     if shape == run.shapes[0] and "trace" in run.sections:
         # the trace and the torch-path row once, on the cheaper shape
         res["trace"] = section_trace(eng, hf, run)
@@ -249,13 +263,16 @@ def section_decode(shape: str, run: Run, copy_bw: float) -> dict[str, Any]:
     return res
 
 
-def _rate_with_env(eng: Any, run: Run, batch: int, env: str, value: str) -> tuple[float, Any]:
-    """Decode tok/s (and the outputs) at `batch` with one kernel switch flipped; captured CUDA
-    graphs are dropped before and after (a graph replays the kernels it was captured with)."""
+def _rate_with_env(eng: Any, run: Run, batch: int, env: dict[str, str]) -> tuple[float, Any]:
+    """Decode tok/s (and the outputs) at `batch` with kernel switches flipped (`env`: name ->
+    value); captured CUDA graphs are dropped before and after (a graph replays the kernels it
+    was captured with)."""
     prompts = prompts_for(batch, run.prompt, eng.model_config.vocab_size, seed=batch)
     graphs = eng.runner.graphs
     try:
-        with env_set(env, value):
+        with contextlib.ExitStack() as stack:
+            for name, value in env.items():
+                stack.enter_context(env_set(name, value))
             if graphs is not None:
                 graphs.invalidate()
             return decode_rate(kvguard_gen(eng, prompts), batch, run)
@@ -267,18 +284,17 @@ def _rate_with_env(eng: Any, run: Run, batch: int, env: str, value: str) -> tupl
 def _triton_off(eng: Any, run: Run) -> dict[str, Any]:
     """The largest batch with KVGUARD_TRITON=0 (torch attention path), for the kernels' gain."""
     b = max(run.batches)
-    return {"batch": b, "kvguard_tok_s": _rate_with_env(eng, run, b, "KVGUARD_TRITON", "0")[0]}
+    return {"batch": b, "kvguard_tok_s": _rate_with_env(eng, run, b, {"KVGUARD_TRITON": "0"})[0]}
 
 
-def _fused_on(eng: Any, run: Run, default_out: dict[int, Any]) -> list[dict[str, Any]]:
-    """Batch 1 and the largest batch with KVGUARD_FUSED_OPS=1 (a layer's norms, RoPE and
-    SiLU as Triton kernels, opt-in), for their gain, and how many sequences' first 8 tokens
-    equal the default path's (bf16 near-ties aside)."""
-    from kvguard.kernels.dispatch import FUSED_OPS_ENV
-
+def _switched_on(
+    eng: Any, run: Run, default_out: dict[int, Any], env: dict[str, str], batches: set[int]
+) -> list[dict[str, Any]]:
+    """Decode tok/s at `batches` with opt-in switches on (`env`), for their gain, and how many
+    sequences' first 8 tokens equal the default path's (bf16 near-ties aside)."""
     rows = []
-    for b in sorted({min(run.batches), max(run.batches)}):
-        rate, out = _rate_with_env(eng, run, b, FUSED_OPS_ENV, "1")
+    for b in sorted(batches):
+        rate, out = _rate_with_env(eng, run, b, env)
         same = sum(a[:8] == d[:8] for a, d in zip(out, default_out[b], strict=True))
         rows.append({"batch": b, "kvguard_tok_s": rate, "same_first8": f"{same}/{b}"})
     return rows
@@ -370,15 +386,17 @@ def _hf_continuous(hf: Any, trace: list, run: Run, blocks: int, want: int) -> fl
     return want / sec
 
 
-def graphs_exact(run: Run) -> dict[str, Any]:
-    """Eager vs replay on the tiny test model in fp32 (its top-1/top-2 logit gaps are far
-    above fp32 noise, unlike random bf16 weights, so tokens must be equal): five sequences of
-    different lengths and stops, so the batch pads into buckets 8, 4, 2 and 1 as they finish."""
-    from kvguard.engine import EngineConfig, LLMEngine, SamplingParams, model_runner
+def tiny_exact(run: Run, env: str) -> dict[str, Any]:
+    """Switch `env` "0" vs "1" on the tiny test model in fp32 (its top-1/top-2 logit gaps are
+    far above fp32 noise, unlike random bf16 weights, so tokens must be equal): five sequences
+    of different lengths and stops, so a decode batch pads into graph buckets 8, 4, 2 and 1
+    as they finish."""
+    from kvguard.engine import EngineConfig, LLMEngine, SamplingParams
 
     outs, captures = {}, 0
     prompts = [[5 + i] * (3 + 11 * i) for i in range(5)]
-    params = [SamplingParams(max_tokens=48 - 8 * i, ignore_eos=True) for i in range(5)]
+    most = 12 if run.smoke else 48  # the smoke run's kernels may run in Triton's interpreter
+    params = [SamplingParams(max_tokens=most - most // 6 * i, ignore_eos=True) for i in range(5)]
     # a fixed pool: sized from gpu_memory_utilization, one engine would take the share and
     # leave the next none while the first is still referenced
     cfg = EngineConfig(
@@ -386,7 +404,7 @@ def graphs_exact(run: Run) -> dict[str, Any]:
         max_model_len=512, num_gpu_blocks=pool_blocks(8, 512),
     )  # fmt: skip
     for flag in ("0", "1"):
-        with env_set(model_runner.CUDA_GRAPHS_ENV, flag):
+        with env_set(env, flag):
             eng = LLMEngine.from_config(cfg, progress=False)
             outs[flag] = [o.token_ids for o in eng.generate(prompts, params)]
         captures += eng.runner.graphs.captures if eng.runner.graphs is not None else 0
@@ -401,7 +419,8 @@ def section_cuda_graphs(run: Run) -> dict[str, Any]:
     from kvguard.engine import model_runner
 
     shape = run.shapes[0]
-    res: dict[str, Any] = {"tiny_fp32": graphs_exact(run), "shape": shape, "rows": []}
+    exact = tiny_exact(run, model_runner.CUDA_GRAPHS_ENV)
+    res: dict[str, Any] = {"tiny_fp32": exact, "shape": shape, "rows": []}
     print("  cuda graphs, tiny fp32: " + json.dumps(res["tiny_fp32"]), flush=True)
     for b in run.batches:
         rates, outs, captures = _off_and_on(shape, run, b, model_runner.CUDA_GRAPHS_ENV)
@@ -645,6 +664,9 @@ def goals(result: dict[str, Any]) -> list[str]:
     """The issue's goals from whatever sections completed (None: not measured)."""
     lines = []
     smoke = result.get("device") == "cpu"  # CPU numbers prove the script, not the goals
+    # the skinny GEMMs' token check, on the tiny fp32 model (taken with the first shape)
+    exact = (d.get("gemv_tiny_fp32") for d in result.get("decode", {}).values())
+    tiny = next((e for e in exact if e), None)
     for shape, dec in result.get("decode", {}).items():
         if smoke or "rows" not in dec:
             lines.append(verdict(f"{shape} decode goals", None, "no GPU numbers"))
@@ -675,6 +697,27 @@ def goals(result: dict[str, Any]) -> list[str]:
             detail = f"batch 1 {gain:.2f}x ({share_on:.0%} of the limit), same first 8 tokens"
             detail += " " + ", ".join(f"{r['same_first8']} at {b}" for b, r in fused.items())
             lines.append(verdict(f"{shape} per-layer Triton ops faster", gain > 1.0, detail))
+        gemv = {r["batch"]: r for r in dec.get("gemv_on", [])}
+        if b1 and 1 in gemv:  # what decides KVGUARD_TRITON_GEMV's default (with gpu_gemv.py)
+            gain = gemv[1]["kvguard_tok_s"] / b1["kvguard_tok_s"]
+            share_on = gemv[1]["kvguard_tok_s"] / dec["limit_tok_s_b1"]
+            detail = f"batch 1 {gain:.2f}x ({share_on:.0%} of the limit), same first 8 tokens"
+            detail += " " + ", ".join(f"{r['same_first8']} at {b}" for b, r in gemv.items())
+            if tiny:
+                detail += f", tiny fp32 tokens {'equal' if tiny['same_tokens'] else 'DIFFER'}"
+            ok = gain > 1.0 and (tiny is None or tiny["same_tokens"])
+            lines.append(verdict(f"{shape} skinny GEMMs faster in decode", ok, detail))
+        both = dec.get("fused_gemv_on", [])
+        if both and both[0]["batch"] == 1:
+            share_on = both[0]["kvguard_tok_s"] / dec["limit_tok_s_b1"]
+            detail = f"{share_on:.0%} of {dec['limit_tok_s_b1']:.0f} tok/s"
+            lines.append(
+                verdict(
+                    f"{shape} batch-1 decode >= {LIMIT_GOAL:.0%} of the limit with both opt-ins",
+                    share_on >= LIMIT_GOAL,
+                    detail,
+                )
+            )
         trace = dec.get("trace", {})
         if "kvguard_triton_prefill_tok_s" in trace:  # what decides KVGUARD_TRITON_PREFILL's
             gain = trace["kvguard_triton_prefill_tok_s"] / trace["kvguard_tok_s"]

@@ -26,6 +26,7 @@ from kvguard.engine.distributed.parallel_state import PipelineStage, TPGroup
 from kvguard.engine.distributed.sharding import Shard, shard_config, shard_of
 from kvguard.engine.kv_cache import LayerKV
 from kvguard.engine.layers.parallel_linear import (
+    Linear,
     ParallelLMHead,
     RowParallelLinear,
     VocabParallelEmbedding,
@@ -141,7 +142,7 @@ class Attention(nn.Module):
         local = shard_config(cfg, tp.size)
         self.nh, self.nkv, self.hd = local.num_heads, local.num_kv_heads, cfg.head_dim
         q, kv = self.nh * self.hd, self.nkv * self.hd
-        self.qkv_proj = nn.Linear(cfg.hidden_size, q + 2 * kv, bias=cfg.attention_bias)
+        self.qkv_proj = Linear(cfg.hidden_size, q + 2 * kv, bias=cfg.attention_bias)
         self.o_proj = RowParallelLinear(q, cfg.hidden_size, tp)
         self.scale = self.hd**-0.5
 
@@ -184,7 +185,7 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
         super().__init__()
         self.inter = cfg.intermediate_size // tp.size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.inter, bias=False)
         self.down_proj = RowParallelLinear(self.inter, cfg.hidden_size, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

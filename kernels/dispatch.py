@@ -9,8 +9,9 @@ The same rule picks the Triton W4A16 GEMM for 4-bit weight-only linears (`w4a16_
 torch path is only a reference: on CPU the quantized layer serves with torch's int4pack kernels.
 A layer's small ops (`layer_ops`: residual add + RMSNorm, RoPE, SiLU-and-multiply) run the C
 kernels of `cpu_ops` on CPU and, when asked, the Triton ones of `triton_fused` on CUDA
-(`fused_ops`); prefill chunks take the Triton kernel only when asked (`use_triton_prefill`):
-both opt-in until a device run has timed them.
+(`fused_ops`); prefill chunks take the Triton kernel only when asked (`use_triton_prefill`), and
+so do decode-sized projections the skinny GEMMs of `triton_gemv` (`dense_linear`, and
+`w4a16_matmul` for 4-bit weights; `gemv_rows`): opt-in until a device run has timed them.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import os
 from types import ModuleType
 
 import torch
+import torch.nn.functional as F
 
 from kvguard.kernels import cpu_ops
 from kvguard.kernels.w4a16 import W4A16Weight, reference_matmul
@@ -112,14 +114,47 @@ def use_triton_w4a16(device: torch.device | str) -> bool:
     return use_triton(dev)
 
 
+GEMV_ENV = "KVGUARD_TRITON_GEMV"  # "1": projections of a few rows as Triton skinny GEMMs
+GEMV_MAX_ROWS = 8  # rows up to which `triton_gemv` takes a projection (its MAX_ROWS)
+
+
+def gemv_rows(x: torch.Tensor) -> bool:
+    """Whether a projection of activation `x` goes to `triton_gemv`'s skinny GEMMs: 1 to
+    `GEMV_MAX_ROWS` rows, `KVGUARD_TRITON_GEMV` "1", and CUDA as `use_triton` says (CPU tensors
+    under `TRITON_INTERPRET=1` too, for tests). Opt-in until a device run has shown them equal
+    and faster than cuBLAS (bench/gpu_kernels.py's `gemv` rows, gpu_e2e.py's decode)."""
+    if x.dim() == 0 or not 0 < x.numel() <= GEMV_MAX_ROWS * x.shape[-1]:
+        return False
+    if os.environ.get(GEMV_ENV, "0") != "1":
+        return False
+    return use_triton_w4a16(x.device)
+
+
+def dense_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`, through `triton_gemv.linear` where `gemv_rows(x)` says so
+    (weight and activation of one dtype)."""
+    if weight.dtype == x.dtype and gemv_rows(x):
+        from kvguard.kernels import triton_gemv
+
+        return triton_gemv.linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 def w4a16_matmul(x: torch.Tensor, packed: W4A16Weight, **kernel_args: int | None) -> torch.Tensor:
     """`x @ W.T` for a 4-bit weight packed by `w4a16.pack_for_triton`, y in x's dtype.
 
     The Triton kernel where `use_triton_w4a16` says so (`kernel_args`: `split_k`, `large_m`,
     see `triton_w4a16.matmul`); elsewhere the torch reference (the whole weight dequantised to
     fp32 on every call: correct, but slow and large; on CPU serve with the int4pack layer
-    instead of calling this).
+    instead of calling this). A few rows take `triton_gemv.w4a16_linear` where `gemv_rows`
+    says so and no `kernel_args` ask for the tiled kernel.
     """
+    if not kernel_args and gemv_rows(x):
+        from kvguard.kernels import triton_gemv
+
+        return triton_gemv.w4a16_linear(x, packed)
     if use_triton_w4a16(x.device):
         from kvguard.kernels import triton_w4a16
 

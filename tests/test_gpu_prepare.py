@@ -136,6 +136,7 @@ def test_gpu_check_cpu_smoke_runs_on_the_image_packages(image_python: Path, tmp_
     print(f"gpu_check.sh --cpu-smoke in the image venv: {time.perf_counter() - t0:.0f}s")
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
     assert "installed prepared wheels: tomli_w-1.2.0-py3-none-any.whl" in proc.stdout
-    for name in ("gpu_kernels_smoke.json", "gpu_w4a16_smoke.json", "gpu_e2e_smoke.json"):
+    smoke = ("gpu_kernels", "gpu_w4a16", "gpu_gemv", "gpu_e2e")
+    for name in (f"{script}_smoke.json" for script in smoke):
         assert (out / name).is_file(), name
     assert "engine survives an injected OOM (CPU): met" in (out / "gpu_check.log").read_text()

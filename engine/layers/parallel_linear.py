@@ -1,4 +1,7 @@
-"""Row-parallel linear and the vocabulary-parallel embedding and lm_head."""
+"""Linear layers (plain and row-parallel) and the vocabulary-parallel embedding and lm_head.
+
+Their matmuls go through `dispatch.dense_linear`: `F.linear`, or on CUDA a Triton skinny GEMM
+for decode-sized batches where it is switched on (`KVGUARD_TRITON_GEMV=1`)."""
 
 from __future__ import annotations
 
@@ -7,6 +10,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvguard.engine.distributed.parallel_state import TPGroup
+from kvguard.kernels.dispatch import dense_linear
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` whose matmul is `dispatch.dense_linear`'s (a column-parallel projection on
+    a rank is one of these over the rows it holds)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return dense_linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Linear):
@@ -21,8 +33,8 @@ class RowParallelLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.linear(x, self.weight, self.bias)
-        out = self.tp.all_reduce_(F.linear(x, self.weight))
+            return dense_linear(x, self.weight, self.bias)
+        out = self.tp.all_reduce_(dense_linear(x, self.weight))
         return out if self.bias is None else out + self.bias
 
 
@@ -57,7 +69,7 @@ class ParallelLMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """`[n, vocab_size]` fp32 logits on rank 0, None on the others."""
-        logits = F.linear(hidden, self.weight).float()
+        logits = dense_linear(hidden, self.weight).float()
         if self.tp.size == 1:
             return logits
         full = self.tp.gather_to_first(logits)

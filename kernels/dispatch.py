@@ -114,18 +114,22 @@ def use_triton_w4a16(device: torch.device | str) -> bool:
     return use_triton(dev)
 
 
-GEMV_ENV = "KVGUARD_TRITON_GEMV"  # "1": projections of a few rows as Triton skinny GEMMs
+GEMV_ENV = "KVGUARD_TRITON_GEMV"  # projections of a few rows as Triton skinny GEMMs (opt-in)
+# its values: which weights take them (a device run may show one kind faster, not the other)
+GEMV_WEIGHTS = {"1": ("dense", "4bit"), "dense": ("dense",), "4bit": ("4bit",)}
 GEMV_MAX_ROWS = 8  # rows up to which `triton_gemv` takes a projection (its MAX_ROWS)
 
 
-def gemv_rows(x: torch.Tensor) -> bool:
-    """Whether a projection of activation `x` goes to `triton_gemv`'s skinny GEMMs: 1 to
-    `GEMV_MAX_ROWS` rows, `KVGUARD_TRITON_GEMV` "1", and CUDA as `use_triton` says (CPU tensors
-    under `TRITON_INTERPRET=1` too, for tests). Opt-in until a device run has shown them equal
-    and faster than cuBLAS (bench/gpu_kernels.py's `gemv` rows, gpu_e2e.py's decode)."""
+def gemv_rows(x: torch.Tensor, weights: str = "dense") -> bool:
+    """Whether a projection of activation `x` onto `weights` ("dense": 16/32-bit, "4bit":
+    packed) goes to `triton_gemv`'s skinny GEMMs: 1 to `GEMV_MAX_ROWS` rows,
+    `KVGUARD_TRITON_GEMV` "1" (both kinds), "dense" or "4bit", and CUDA as `use_triton` says
+    (CPU tensors under `TRITON_INTERPRET=1` too, for tests). Opt-in until a device run has
+    shown them equal and faster (bench/gpu_gemv.py against cuBLAS and the tiled W4A16 GEMM,
+    gpu_e2e.py's decode)."""
     if x.dim() == 0 or not 0 < x.numel() <= GEMV_MAX_ROWS * x.shape[-1]:
         return False
-    if os.environ.get(GEMV_ENV, "0") != "1":
+    if weights not in GEMV_WEIGHTS.get(os.environ.get(GEMV_ENV, "0"), ()):
         return False
     return use_triton_w4a16(x.device)
 
@@ -151,7 +155,7 @@ def w4a16_matmul(x: torch.Tensor, packed: W4A16Weight, **kernel_args: int | None
     instead of calling this). A few rows take `triton_gemv.w4a16_linear` where `gemv_rows`
     says so and no `kernel_args` ask for the tiled kernel.
     """
-    if not kernel_args and gemv_rows(x):
+    if not kernel_args and gemv_rows(x, "4bit"):
         from kvguard.kernels import triton_gemv
 
         return triton_gemv.w4a16_linear(x, packed)

@@ -27,7 +27,8 @@ slice of x (no reshuffle, and never eight times the words in registers). Each wo
 one quantisation group (the group size is a multiple of 8), so its scale and zero apply once
 to the word's dot: `s * (dot(codes, x) - z * sum(x))`.
 
-Opt-in (`KVGUARD_TRITON_GEMV=1`, `dispatch.gemv_rows`) until a device run has timed it
+Opt-in (`KVGUARD_TRITON_GEMV=1`, or `dense` / `4bit` for one kind of weight;
+`dispatch.gemv_rows`) until a device run has timed it
 against cuBLAS (bench/gpu_kernels.py's `gemv` rows, bench/gpu_e2e.py's decode with it on).
 Under Triton's CPU interpreter (tests) the same kernels run on CPU tensors.
 """

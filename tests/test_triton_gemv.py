@@ -148,6 +148,15 @@ def test_the_dispatch_is_opt_in(monkeypatch: pytest.MonkeyPatch) -> None:
     assert dispatch.gemv_rows(x) and dispatch.gemv_rows(x[:1])
     assert not dispatch.gemv_rows(randn(9, 64, seed=18))
     assert not dispatch.gemv_rows(x[:0])
+    for value, dense, packed in (
+        ("dense", True, False),
+        ("4bit", False, True),
+        ("yes", False, False),
+    ):
+        monkeypatch.setenv(dispatch.GEMV_ENV, value)
+        assert dispatch.gemv_rows(x) == dense and dispatch.gemv_rows(x, "4bit") == packed
+    monkeypatch.setenv(dispatch.GEMV_ENV, "1")
+    assert dispatch.gemv_rows(x, "4bit")
     monkeypatch.setenv("KVGUARD_TRITON", "0")
     assert not dispatch.gemv_rows(x)
     monkeypatch.delenv("KVGUARD_TRITON")

@@ -8,8 +8,9 @@ gate_up 22016x4096, down 4096x11008, lm_head 32000x4096) and SmolLM2-135M (qkv 9
 - cuBLAS (`F.linear`, what serves today) and `triton_gemv.linear`: median time, the weight's
   bytes over it (GB/s) and its share of the device's copy bandwidth (read + write bytes of a
   device-to-device copy, `gpu_kernels.py`'s measure), the kernel's error against fp32;
-- Llama-2-7B's shapes as 4-bit weights (groups of 128, float zero points): the tiled W4A16 GEMM
-  as it serves today (`triton_w4a16.matmul`) against `triton_gemv.w4a16_linear`;
+- the same shapes as 4-bit weights with float zero points, Llama-2-7B in groups of 128 (as GPTQ
+  and AWQ checkpoints), SmolLM2-135M in groups of 32 (as the default GGUF, Q4_1): the tiled
+  W4A16 GEMM as it serves today (`triton_w4a16.matmul`) against `triton_gemv.w4a16_linear`;
 - `--sweep`: each launch config of both kernels at one row on Llama-2-7B's o and gate_up.
 
 Times are `triton.testing.do_bench` medians with the L2 cache cleared before every rep, so each
@@ -119,14 +120,30 @@ DENSE_HEADER = (
 
 
 def w4_rows(
-    shapes: list[tuple[str, int, int]],
+    models: list[tuple[str, list[tuple[str, int, int]], int]],
     rows: list[int],
-    group: int,
     device: torch.device,
     copy_bw: float,
     time_it: Callable[[Callable[[], Any]], float],
 ) -> list[dict[str, Any]]:
-    """The tiled W4A16 GEMM (today's path) vs the skinny 4-bit kernel, bf16 activations."""
+    """The tiled W4A16 GEMM (today's path) vs the skinny 4-bit kernel, bf16 activations, per
+    (model, shapes, group size)."""
+
+    out = []
+    for model, shapes, group in models:
+        out += _w4_model(model, shapes, group, rows, device, copy_bw, time_it)
+    return out
+
+
+def _w4_model(
+    model: str,
+    shapes: list[tuple[str, int, int]],
+    group: int,
+    rows: list[int],
+    device: torch.device,
+    copy_bw: float,
+    time_it: Callable[[Callable[[], Any]], float],
+) -> list[dict[str, Any]]:
     from kvguard.kernels import triton_gemv, triton_w4a16
 
     out = []
@@ -138,12 +155,13 @@ def w4_rows(
             err = rel_err(triton_gemv.w4a16_linear(x, w), ref)
             t_tiled = time_it(lambda x=x, w=w: triton_w4a16.matmul(x, w))
             t_gemv = time_it(lambda x=x, w=w: triton_gemv.w4a16_linear(x, w))
-            row = {"shape": name, "n": n, "k": k, "rows": m, "tiled_ms": t_tiled * 1e3}
+            row = {"model": model, "group": group, "shape": name, "n": n, "k": k, "rows": m}
+            row["tiled_ms"] = t_tiled * 1e3
             row |= {"gemv_ms": t_gemv * 1e3, "speedup": t_tiled / t_gemv}
             row |= {"gemv_of_copy": w.nbytes / t_gemv / copy_bw, "max_rel_err": err}
             out.append(row)
             print(
-                f"w4a16     {name:8} {n:>6} {k:>6} {m:>3} tiled {row['tiled_ms']:.4f} ms,"
+                f"w4a16 g{group:<3} {model:9} {name:8} {n:>6} {k:>6} {m:>3} tiled {row['tiled_ms']:.4f} ms,"
                 f" skinny {row['gemv_ms']:.4f} ms ({row['gemv_of_copy']:.0%} of copy),"
                 f" {row['speedup']:.2f}x, err {err:.1e}",
                 flush=True,
@@ -237,7 +255,8 @@ def main() -> int:
     if args.cpu_smoke:
         device = torch.device("cpu")
         models, rows, group = [("tiny", SMOKE)], SMOKE_ROWS, SMOKE_GROUP
-        w4_shapes, sweep_shapes, configs = SMOKE, SMOKE[:1], [(4, 64, 4), (8, 128, 4)]
+        w4_models = [("tiny", SMOKE, SMOKE_GROUP), ("tiny", SMOKE[:1], 32)]
+        sweep_shapes, configs = SMOKE[:1], [(4, 64, 4), (8, 128, 4)]
         copy_bw = copy_bandwidth(device, 2**20, 1)
     else:
         if not torch.cuda.is_available():
@@ -245,7 +264,9 @@ def main() -> int:
             return 2
         device = torch.device("cuda")
         models, rows, group = [("llama2-7b", LLAMA), ("smollm2", SMOL)], GPU_ROWS, GROUP
-        w4_shapes, sweep_shapes, configs = LLAMA, [LLAMA[1], LLAMA[2]], SWEEP
+        # GPTQ/AWQ-style groups of 128 on Llama-2-7B; the default GGUF's (Q4_1) groups of 32
+        w4_models = [("llama2-7b", LLAMA, GROUP), ("smollm2", SMOL, 32)]
+        sweep_shapes, configs = [LLAMA[1], LLAMA[2]], SWEEP
         print(torch.cuda.get_device_name(), flush=True)
         copy_bw = copy_bandwidth(device, 2 * 2**30, 20)
     print(f"device copy bandwidth (read+write): {copy_bw / GB:.1f} GB/s", flush=True)
@@ -258,7 +279,7 @@ def main() -> int:
     print(DENSE_HEADER)
     for model, shapes in models:
         result["dense"] += dense_rows(model, shapes, rows, device, copy_bw, time_it)
-    result["w4a16"] = w4_rows(w4_shapes, rows, group, device, copy_bw, time_it)
+    result["w4a16"] = w4_rows(w4_models, rows, device, copy_bw, time_it)
     if args.sweep:
         result["sweep"] = sweep(sweep_shapes, configs, group, device, copy_bw, time_it)
     result["goals"] = goals(result, args.cpu_smoke)

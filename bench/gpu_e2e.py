@@ -22,12 +22,15 @@ running out of time leaves the others' results in the JSON):
    against the share asked for;
 6. the live FP8 KV switch on a filled pool: pause per GiB of live KV, there and back; then
    the live pool resize on it (half, and back): device memory given back, pause;
-7. CUDA graphs (`KVGUARD_CUDA_GRAPHS=0` vs `1`): equal greedy tokens on the tiny test model in
+7. a 4-bit model of the first shape (groups of 32, as the default GGUF loads on a GPU: the
+   W4A16 path): decode at each batch through the tiled W4A16 GEMM and with the skinny 4-bit
+   GEMMs (`KVGUARD_TRITON_GEMV=4bit`), against the limit of its own bytes;
+8. CUDA graphs (`KVGUARD_CUDA_GRAPHS=0` vs `1`): equal greedy tokens on the tiny test model in
    fp32 (random bf16 weights have near-tied logits, where summation order alone can flip a
    token), then the speed-up at batch 1/16/64 on the SmolLM2 shape (the knob is on by
    default since the first device run showed both; the other sections run with it); and an
    FP8 pool eager vs replayed (`KVGUARD_FP8_GRAPHS=1`, opt-in);
-8. where a decode step's host time goes: cProfile of kvguard on that shape, eager and replayed,
+9. where a decode step's host time goes: cProfile of kvguard on that shape, eager and replayed,
    at batch 1 and the largest batch (the functions with the most own time per step).
 
 Goals (issue 18): kvguard >= 2x transformers static at batch 64; batch-1 decode >= 60% of
@@ -61,7 +64,10 @@ from bench.common import GiB, greedy, step_apply, verdict  # noqa: E402
 
 GB = 1e9
 # every section, in the order they run (`--sections` picks some: a rerun on little device time)
-SECTIONS = ("nvml", "decode", "trace", "cuda_graphs", "profile", "oom", "pool_sizing", "fp8_switch")
+SECTIONS = (
+    "nvml", "decode", "trace", "packed", "cuda_graphs", "profile", "oom", "pool_sizing",
+    "fp8_switch",
+)  # fmt: skip
 STATIC_GOAL = 2.0  # kvguard / transformers static at batch 64
 LIMIT_GOAL = 0.60  # batch-1 decode / (copy bandwidth / weight bytes)
 
@@ -113,7 +119,11 @@ def hf_random_model(shape: str, run: Run, seed: int = 0) -> Any:
     return model.to(run.device).eval()  # a no-op unless this transformers ignored the device
 
 
-def kvguard_engine(shape: str, run: Run, weights: dict | None, **knobs: Any) -> Any:
+def kvguard_engine(
+    shape: str, run: Run, weights: dict | None, quant_group: int | None = None, **knobs: Any
+) -> Any:
+    """kvguard on a random model of `shape` (the given weights, or 4-bit projections in groups
+    of `quant_group`), engine knobs as given."""
     from kvguard.engine import EngineConfig
     from kvguard.engine.random_model import random_engine
 
@@ -121,7 +131,7 @@ def kvguard_engine(shape: str, run: Run, weights: dict | None, **knobs: Any) -> 
     knobs.setdefault("max_model_len", 1024 if run.smoke else 2048)
     dtype = "fp32" if run.smoke else "bf16"
     cfg = EngineConfig(model=f"random:{shape}", device=run.device.type, dtype=dtype, **knobs)
-    return random_engine(shape, cfg, weights=weights)
+    return random_engine(shape, cfg, weights=weights, quant_group=quant_group)
 
 
 def pool_blocks(batch: int, tokens: int, block_size: int = 16) -> int:
@@ -298,6 +308,38 @@ def _switched_on(
         same = sum(a[:8] == d[:8] for a, d in zip(out, default_out[b], strict=True))
         rows.append({"batch": b, "kvguard_tok_s": rate, "same_first8": f"{same}/{b}"})
     return rows
+
+
+PACKED_GROUP = 32  # the default GGUF's (Q4_1) quantisation group
+
+
+def section_packed(run: Run, copy_bw: float) -> dict[str, Any]:
+    """A 4-bit model (the first shape's projections in groups of 32, as the default GGUF
+    loads; on a GPU the W4A16 path): decode tok/s at each batch through the tiled W4A16 GEMM
+    (today's default) and with the skinny 4-bit GEMMs (`KVGUARD_TRITON_GEMV=4bit`), how many
+    sequences' first 8 tokens agree, and batch 1 against the limit of its own bytes."""
+    from kvguard.engine.model import weight_bytes
+    from kvguard.kernels.dispatch import GEMV_ENV
+
+    shape = run.shapes[0]
+    tokens = run.prompt + run.new_tokens + 8
+    blocks = pool_blocks(max(run.batches), tokens)
+    eng = kvguard_engine(shape, run, None, quant_group=PACKED_GROUP, num_gpu_blocks=blocks)
+    wbytes = weight_bytes(eng.model)
+    res: dict[str, Any] = {"shape": shape, "group": PACKED_GROUP, "weight_gb": wbytes / GB}
+    res |= {"limit_tok_s_b1": copy_bw / wbytes, "rows": []}
+    for b in run.batches:
+        prompts = prompts_for(b, run.prompt, eng.model_config.vocab_size, seed=b)
+        tiled, tiled_out = decode_rate(kvguard_gen(eng, prompts), b, run)
+        skinny, skinny_out = _rate_with_env(eng, run, b, {GEMV_ENV: "4bit"})
+        same = sum(a[:8] == d[:8] for a, d in zip(skinny_out, tiled_out, strict=True))
+        row = {"batch": b, "tiled_tok_s": tiled, "skinny_tok_s": skinny}
+        row |= {"speedup": skinny / tiled, "same_first8": f"{same}/{b}"}
+        res["rows"].append(row)
+        print(f"  {shape} 4-bit g{PACKED_GROUP}: " + json.dumps(row), flush=True)
+    del eng
+    run.free()
+    return res
 
 
 def section_trace(eng: Any, hf: Any, run: Run) -> dict[str, Any]:
@@ -723,6 +765,14 @@ def goals(result: dict[str, Any]) -> list[str]:
             gain = trace["kvguard_triton_prefill_tok_s"] / trace["kvguard_tok_s"]
             detail = f"trace {gain:.2f}x, same outputs {trace['triton_prefill_same_outputs']}"
             lines.append(verdict(f"{shape} Triton prefill kernel faster", gain > 1.0, detail))
+    packed = result.get("packed", {})
+    rows = {r["batch"]: r for r in packed.get("rows", [])}
+    if 1 in rows and not smoke:  # what decides KVGUARD_TRITON_GEMV for 4-bit weights
+        share = rows[1]["skinny_tok_s"] / packed["limit_tok_s_b1"]
+        detail = f"batch 1 {rows[1]['speedup']:.2f}x ({share:.0%} of its limit), same first 8 "
+        detail += ", ".join(f"{r['same_first8']} at {b}" for b, r in rows.items())
+        ok = rows[1]["speedup"] > 1.0
+        lines.append(verdict("4-bit model decode faster with the skinny GEMMs", ok, detail))
     graphs = result.get("cuda_graphs", {})
     rows, exact = graphs.get("rows", []), graphs.get("tiny_fp32", {})
     if rows and exact.get("captures") and all(r["captures"] for r in rows):
@@ -800,6 +850,7 @@ def main() -> int:
         decode = lambda s=shape: section_decode(s, run, copy_bw)  # noqa: E731
         sections.append((f"decode/{shape}", decode))
     sections += [
+        ("packed", lambda: section_packed(run, copy_bw)),
         ("cuda_graphs", lambda: section_cuda_graphs(run)),
         ("profile", lambda: section_profile(run)),
         ("oom", lambda: section_oom(run)),

@@ -7,6 +7,11 @@ are drawn on the device itself (one generator, fixed seed), the tokenizer is the
 byte-level one (prompts are token-id lists anyway), and the engine is assembled from its parts
 exactly as `LLMEngine.from_config` would, minus the loading.
 
+With `quant_group`, the layers' projections are 4-bit instead (random codes, scales and
+float zero points in groups of that many inputs, the layout GPTQ / AWQ / GGUF Q4_1 checkpoints
+load into), served by the same quantized layers as a real 4-bit checkpoint: on a GPU the W4A16
+path, whose speed does not depend on the values either.
+
 `write_random_model` also writes a shape as an ordinary model directory (config.json,
 model.safetensors, tokenizer files) for code that wants a path; that is only sensible for the
 small shapes.
@@ -26,8 +31,9 @@ import torch
 
 from kvguard.engine.config import EngineConfig
 from kvguard.engine.kv_cache import KVCache, kv_dtype_name
+from kvguard.engine.layers.quant_spec import QuantSpec
 from kvguard.engine.llm_engine import LLMEngine
-from kvguard.engine.model import LlamaForCausalLM, _materialise
+from kvguard.engine.model import LlamaForCausalLM, _materialise, build_quantized_model
 from kvguard.engine.model_config import ModelConfig
 from kvguard.engine.model_runner import (
     ModelRunner,
@@ -41,6 +47,9 @@ from kvguard.engine.tokenizer import Tokenizer
 from kvguard.engine.tokenizer_build import write_tokenizer_files
 
 INIT_STD = 0.02  # transformers' Llama initializer_range: activations stay finite in bf16
+# uniform 4-bit codes about a zero point of 7.5 have a std of about 4.6 code units
+CODE_STD = 4.6
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 # The architecture fields of each shape; `hf_config` adds the common ones.
 SHAPES: dict[str, dict[str, Any]] = {
@@ -135,6 +144,61 @@ def build_random_model(
     return model.eval()
 
 
+@torch.no_grad()
+def random_4bit(
+    shape: str, group: int, device: torch.device, seed: int = 0
+) -> tuple[dict[str, QuantSpec], dict[str, torch.Tensor]]:
+    """({Hugging Face module: 4-bit QuantSpec}, {Hugging Face tensor: plain tensor}) for a
+    random model of `shape` whose layer projections are 4-bit in groups of `group` inputs
+    (weights of about INIT_STD, as `fill_random` draws them); embedding, norms and an untied
+    lm_head stay plain."""
+    cfg = hf_config(shape)
+    mcfg = ModelConfig.from_hf_dict(cfg)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    hd, h, inter = mcfg.head_dim, mcfg.hidden_size, mcfg.intermediate_size
+    out_in = {
+        "q_proj": (mcfg.num_heads * hd, h),
+        "k_proj": (mcfg.num_kv_heads * hd, h),
+        "v_proj": (mcfg.num_kv_heads * hd, h),
+        "o_proj": (h, mcfg.num_heads * hd),
+        "gate_proj": (inter, h),
+        "up_proj": (inter, h),
+        "down_proj": (h, inter),
+    }
+    specs, plain = {}, {}
+    for i in range(mcfg.num_layers):
+        base = f"model.layers.{i}."
+        for name in PROJECTIONS:
+            n, k = out_in[name]
+            if k % group:
+                raise ValueError(f"{name}: input width {k} is not a multiple of group {group}")
+            mod = (
+                base
+                + (
+                    "self_attn."
+                    if name.endswith(("q_proj", "k_proj", "v_proj", "o_proj"))
+                    else "mlp."
+                )
+                + name
+            )
+            specs[mod] = QuantSpec(
+                q=torch.randint(0, 16, (n, k), generator=gen, device=device, dtype=torch.uint8),
+                scales=torch.full((n, k // group), INIT_STD / CODE_STD, device=device),
+                zeros=torch.rand(n, k // group, generator=gen, device=device) + 7.0,
+                group_size=group,
+                bits=4,
+            )
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            plain[base + norm + ".weight"] = torch.ones(h, device=device)
+    embed = torch.empty(mcfg.vocab_size, h, device=device).normal_(0.0, INIT_STD, generator=gen)
+    plain["model.embed_tokens.weight"] = embed
+    plain["model.norm.weight"] = torch.ones(h, device=device)
+    if not mcfg.tie_word_embeddings:
+        head = torch.empty(mcfg.vocab_size, h, device=device).normal_(0.0, INIT_STD, generator=gen)
+        plain["lm_head.weight"] = head
+    return specs, plain
+
+
 def byte_tokenizer() -> Tokenizer:
     """The tiny model's byte-level tokenizer (its files written to a throwaway directory)."""
     with tempfile.TemporaryDirectory(prefix="kvguard-tok-") as tmp:
@@ -148,17 +212,23 @@ def random_engine(
     config: EngineConfig,
     seed: int = 0,
     weights: dict[str, torch.Tensor] | None = None,
+    quant_group: int | None = None,
 ) -> LLMEngine:
     """An engine serving a random model of `shape`, sized by `config` as `from_config` sizes one
     (`num_gpu_blocks`, else `gpu_memory_utilization` on CUDA, `kv_cache_bytes` on CPU).
-    `config.model` is only a label here. Tensor parallelism is not offered (one rank)."""
+    `config.model` is only a label here. Tensor parallelism is not offered (one rank). With
+    `quant_group`, the layer projections are 4-bit in groups of that size (`random_4bit`)."""
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     device = pick_device(config.device)
     dtype = pick_dtype(config.dtype, device)
     mcfg = ModelConfig.from_hf_dict(hf_config(shape))
     max_len = min(config.max_model_len, mcfg.max_position_embeddings)
-    model = build_random_model(shape, device, dtype, max_len, seed, weights)
+    if quant_group is None:
+        model = build_random_model(shape, device, dtype, max_len, seed, weights)
+    else:
+        specs, plain = random_4bit(shape, quant_group, device, seed)
+        model = build_quantized_model(mcfg, specs, plain, max_len, dtype, device)
     kv = _kv_cache(config, model, mcfg, kv_dtype_name(config.kv_cache_dtype, dtype), max_len)
     runner = ModelRunner(model, mcfg, kv)
     if cuda_graphs_wanted(config, device, 1):

@@ -56,3 +56,29 @@ def test_weights_from_a_peer_are_used_as_given() -> None:
         a.model.named_parameters(), b.model.named_parameters(), strict=True
     ):
         assert torch.equal(pa, pb), name
+
+
+def test_a_4bit_model_serves_through_the_quantized_layers() -> None:
+    """`quant_group`: every layer projection a 4-bit QuantizedLinear in groups of that size
+    (the benchmark's stand-in for a GGUF Q4_1 or GPTQ checkpoint), the same codes for a seed,
+    a quarter-ish of the dense bytes, and it generates; a group that does not divide is refused."""
+    from kvguard.engine.layers.quantized_linear import QuantizedLinear
+    from kvguard.engine.model import weight_bytes
+    from kvguard.engine.random_model import random_4bit
+
+    cfg = EngineConfig(model="random:tiny", device="cpu", num_gpu_blocks=32)
+    eng = random_engine("tiny", cfg, seed=4, quant_group=32)
+    dense = random_engine("tiny", cfg, seed=4)
+    for layer in eng.model.layers:
+        for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj):
+            assert isinstance(proj, QuantizedLinear) and proj.bits == 4
+            assert proj.group_size == 32
+    projections = sum(p.numel() * 4 for n, p in dense.model.named_parameters() if "proj" in n)
+    assert weight_bytes(eng.model) < weight_bytes(dense.model) - projections * 0.6
+    outs = eng.generate(PROMPTS, GREEDY)
+    assert [len(o.token_ids) for o in outs] == [6, 6]
+    a, _ = random_4bit("tiny", 32, torch.device("cpu"), seed=4)
+    b, _ = random_4bit("tiny", 32, torch.device("cpu"), seed=4)
+    assert all(torch.equal(a[k].q, b[k].q) for k in a) and len(a) == 2 * 7
+    with pytest.raises(ValueError, match="multiple of group 48"):
+        random_4bit("tiny", 48, torch.device("cpu"))

@@ -288,7 +288,9 @@ class QuantizedLinear(nn.Module):
         return w4a16_matmul(x.contiguous(), self.w4a16)
 
     def _mm_dense(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
+        from kvguard.kernels.dispatch import dense_linear
+
+        return dense_linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
 
     # -- rows, for a (tied) embedding -------------------------------------------------------
     def can_read_rows(self) -> bool:

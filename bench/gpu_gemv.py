@@ -72,6 +72,11 @@ def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     return ((got.float() - ref).abs().max() / ref.abs().max()).item()
 
 
+def bf16_weight(n: int, k: int, gen: torch.Generator, device: torch.device) -> torch.Tensor:
+    """A random `[n, k]` bf16 weight whose products with unit activations stay near 1."""
+    return (torch.randn(n, k, generator=gen, device=device) * k**-0.5).to(torch.bfloat16)
+
+
 def dense_rows(
     model: str,
     shapes: list[tuple[str, int, int]],
@@ -86,7 +91,7 @@ def dense_rows(
     out = []
     gen = torch.Generator(device=device).manual_seed(0)
     for name, n, k in shapes:
-        w = (torch.randn(n, k, generator=gen, device=device) * k**-0.5).to(torch.bfloat16)
+        w = bf16_weight(n, k, gen, device)
         wbytes = w.numel() * w.element_size()
         for m in rows:
             x = torch.randn(m, k, generator=gen, device=device).to(torch.bfloat16)
@@ -184,7 +189,7 @@ def sweep(
     out = []
     gen = torch.Generator(device=device).manual_seed(1)
     for name, n, k in shapes:
-        w16 = (torch.randn(n, k, generator=gen, device=device) * k**-0.5).to(torch.bfloat16)
+        w16 = bf16_weight(n, k, gen, device)
         w4, _ = make_weight(n, k, group, device)
         x = torch.randn(1, k, generator=gen, device=device).to(torch.bfloat16)
         for bn, bk, warps in configs:

@@ -85,3 +85,25 @@ def test_skinny_gemms_stay_light(builds: list[dict]) -> None:
     gemv = ("_dense_kernel", "_w4_kernel")
     regs = [b["reg"] for b in builds if b["ok"] and b["kernel"].endswith(gemv)]
     assert regs and max(regs) < 130, max(regs)
+
+
+def test_the_fallback_specialisation_rules_are_tritons() -> None:
+    """The recorder's own rules (used where a triton lacks the internal specialiser) give what
+    this triton's specialiser gives."""
+    import torch
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    import triton_sm90
+
+    try:
+        from triton._C.libtriton import native_specialize_impl
+        from triton.backends.compiler import BaseBackend
+    except ImportError:
+        native_specialize_impl = None
+    values = [1, 16, 17, 2**33, 1.5, True, None, torch.zeros(4), torch.zeros(8)[1:]]
+    values.append(torch.zeros(4, dtype=torch.bfloat16))
+    for v in values:
+        ours = triton_sm90._rules(v)
+        assert ours[0] in ("constexpr", "u1", "i32", "i64", "fp32") or ours[0].startswith("*")
+        if native_specialize_impl is not None:
+            assert ours == list(native_specialize_impl(BaseBackend, v, False, True, True)), v

@@ -30,16 +30,46 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+_PTR = {
+    "torch.bfloat16": "*bf16", "torch.float16": "*fp16", "torch.float32": "*fp32",
+    "torch.int32": "*i32", "torch.int64": "*i64", "torch.float8_e4m3fn": "*fp8e4nv",
+    "torch.uint8": "*u8", "torch.int8": "*i8",
+}  # fmt: skip
+
 
 def _kind(value: Any) -> list[Any]:
     """An argument as the JIT specialises it (type, and "D" where divisible by 16 / aligned)
-    and its value where it is a plain Python one (a constexpr, or an int the JIT folds)."""
-    from triton._C.libtriton import native_specialize_impl
-    from triton.backends.compiler import BaseBackend
-
-    kind, attr = native_specialize_impl(BaseBackend, value, False, True, True)
+    and its value where it is a plain Python one (a constexpr, or an int the JIT folds).
+    Triton's own specialiser where this triton has it (an internal API), else its rules."""
     plain = value if isinstance(value, bool | int | float | str) or value is None else None
+    try:
+        from triton._C.libtriton import native_specialize_impl
+        from triton.backends.compiler import BaseBackend
+    except ImportError:
+        return _rules(value) + [plain]
+    kind, attr = native_specialize_impl(BaseBackend, value, False, True, True)
     return [kind, attr, plain]
+
+
+def _rules(value: Any) -> list[Any]:
+    """Triton's specialisation rules: ints equal to 1 fold to constexprs, ints and pointers
+    divisible by 16 carry the hint, None is a constexpr."""
+    import torch
+
+    if value is None:
+        return ["constexpr", None]
+    if isinstance(value, torch.Tensor):
+        return [_PTR[str(value.dtype)], "D" if value.data_ptr() % 16 == 0 else ""]
+    if isinstance(value, bool):
+        return ["u1", None]
+    if isinstance(value, int):
+        if value == 1:
+            return ["constexpr", 1]
+        kind = "i32" if -(2**31) <= value < 2**31 else "i64"
+        return [kind, "D" if value % 16 == 0 else ""]
+    if isinstance(value, float):
+        return ["fp32", None]
+    return ["constexpr", value]
 
 
 def record(path: Path) -> None:

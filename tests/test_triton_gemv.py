@@ -211,3 +211,25 @@ def test_the_tiny_model_serves_the_same_tokens_through_the_kernels(
     for (tok_a, lp_a), (tok_b, lp_b) in zip(outs["0"], outs["1"], strict=True):
         assert tok_a == tok_b
         torch.testing.assert_close(torch.tensor(lp_a), torch.tensor(lp_b), atol=1e-4, rtol=1e-4)
+
+
+def test_quantized_layers_take_the_skinny_gemms(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 4-bit layer on the CUDA path (`w4a16`, forced here) with KVGUARD_TRITON_GEMV=4bit, and
+    a quantized layer's dense fallback (an 8-bit weight on CUDA) with `dense`, go through the
+    skinny GEMMs for decode rows and give the dequantised matmul."""
+    from kvguard.engine.layers.quantized_linear import QuantizedLinear
+
+    calls: list[str] = []
+    real_linear, real_w4 = tg.linear, tg.w4a16_linear
+    monkeypatch.setattr(tg, "linear", lambda *a: calls.append("dense") or real_linear(*a))
+    monkeypatch.setattr(tg, "w4a16_linear", lambda *a: calls.append("w4") or real_w4(*a))
+    spec = spec4(40, 128, 32, seed=20)
+    x = randn(2, 128, seed=21)
+    want = x @ spec.dequantize().to(DEVICE).T
+    for kernel, value in (("w4a16", "4bit"), ("dense", "dense")):
+        layer = QuantizedLinear(spec, device=DEVICE, kernel=kernel)
+        monkeypatch.setenv(dispatch.GEMV_ENV, value)
+        assert rel_err(layer(x), want) < TOL["fp32"]
+        monkeypatch.setenv(dispatch.GEMV_ENV, "0")
+        assert rel_err(layer(x), want) < TOL["fp32"]
+    assert calls == ["w4", "dense"]

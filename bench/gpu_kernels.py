@@ -221,6 +221,10 @@ SWEEP = [
     (256, 8, 2, 528),
     (128, 4, 2, 2112),
     (256, 4, 2, 2112),
+    # unpipelined (global -> registers, converted there): the sm_90 build of an FP8 tile
+    # pipelined through shared memory reads it back a byte or two at a time (LDS, not ldmatrix)
+    (128, 4, 1, 528),
+    (64, 8, 1, 528),
 ]
 
 

@@ -14,9 +14,9 @@ tile, and every row of x is dotted with the tile while it is in registers, so th
 read once whatever the row count. No split of K: a grid of N / BLOCK_N programs (hundreds at
 decode shapes, `config` picks BLOCK_N so) keeps the GPU's memory busy without the partial
 sums and second launch a split needs, and each output is one program's fp32 sum in a fixed
-order (deterministic). Triton does not software-pipeline loads that feed no `tl.dot`, so a
-program's bytes in flight are one tile's: `config` sizes tiles to keep several KiB in flight
-per program. Products and sums are fp32 whatever the activation dtype; the result
+order (deterministic). Triton does not software-pipeline loads that feed no `tl.dot`, so the
+kernels do it by hand: a program loads its next weight tile before it multiplies the one it
+has, two tiles in flight, and `config` sizes tiles to several KiB. Products and sums are fp32 whatever the activation dtype; the result
 is cast to x's dtype, as cuBLAS's is. Past `MAX_ROWS` rows the products outgrow the memory
 time (a bf16 weight element feeds one FMA per row) and cuBLAS's tensor cores win.
 
@@ -79,13 +79,22 @@ def _dense_kernel(
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
     acc = tl.zeros((ROWS_PAD, BLOCK_N), dtype=tl.float32)
     lanes = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)  # one row: sums per lane, reduced once
+    # the next tile is loaded before this one is used: two tiles in flight per program
+    w_next = tl.load(w_rows + rk[None, :], mask=n_ok[:, None] & (rk < K)[None, :], other=0.0)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + rk
         k_ok = kk < K
-        w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        w = w.to(tl.float32)
-        if ROWS == 1:
-            lanes += w * tl.load(x_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        w = w_next.to(tl.float32)
+        w_ok = n_ok[:, None] & k_ok[None, :]
+        after = kk + BLOCK_K
+        w_next = tl.load(
+            w_rows + after[None, :], mask=n_ok[:, None] & (after < K)[None, :], other=0.0
+        )
+        if ROWS == 1:  # x read in w's own shape (the same addresses per row, from L1): no
+            # layout conversion through shared memory
+            x_at = tl.broadcast_to(x_ptr + kk[None, :], (BLOCK_N, BLOCK_K))
+            x = tl.load(x_at, mask=w_ok, other=0.0)
+            lanes += w * x.to(tl.float32)
         else:
             for r in tl.static_range(ROWS):
                 x = tl.load(x_ptr + r * stride_xm + kk, mask=k_ok, other=0.0).to(tl.float32)
@@ -98,6 +107,14 @@ def _dense_kernel(
     dst = y_ptr + rows[:, None] * stride_ym + rn[None, :]
     ok = (rows[:, None] < ROWS) & n_ok[None, :]
     tl.store(dst, acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _plane(words, i: tl.constexpr):
+    """Code i of each word as a float, without an int-to-float conversion (a quarter-rate
+    instruction): under 2^23's exponent its bits are the float 2^23 + code, exactly."""
+    bits = ((words >> (4 * i)) & 0xF) | 0x4B000000
+    return bits.to(tl.float32, bitcast=True) - 8388608.0
 
 
 @triton.jit
@@ -132,30 +149,46 @@ def _w4_kernel(
     x_rows = xp_ptr + rows[:, None] * stride_xm
     acc = tl.zeros((ROWS_PAD, BLOCK_N), dtype=tl.float32)
     lanes = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)  # one row: sums per word lane
+    w_rows = qw_ptr + rn64[:, None] * stride_qn
+    # the next tile's words are loaded before this one's are used: two in flight per program
+    w_next = tl.load(w_rows + rw[None, :], mask=n_ok[:, None] & (rw < n_words)[None, :], other=0)
     for w0 in range(0, n_words, WORDS):
         ww = w0 + rw
         w_ok = ww < n_words
         tile_ok = n_ok[:, None] & w_ok[None, :]
         x_ok = r_ok[:, None] & w_ok[None, :]
-        words = tl.load(qw_ptr + rn64[:, None] * stride_qn + ww[None, :], mask=tile_ok, other=0)
+        words = w_next
+        after = ww + WORDS
+        w_next = tl.load(
+            w_rows + after[None, :], mask=n_ok[:, None] & (after < n_words)[None, :], other=0
+        )
         g = (ww * 8) // GROUP  # each word lies in one group
         s = tl.load(s_ptr + rn64[:, None] * stride_sn + g[None, :], mask=tile_ok, other=0.0)
         z = tl.load(z_ptr + rn64[:, None] * stride_zn + g[None, :], mask=tile_ok, other=0.0)
-        dots = tl.zeros((ROWS_PAD, BLOCK_N, WORDS), dtype=tl.float32)
-        x_sum = tl.zeros((ROWS_PAD, WORDS), dtype=tl.float32)
-        for i in tl.static_range(8):
-            # code i of each word as a float without an int-to-float conversion (a quarter-rate
-            # instruction): its bits under 2^23's exponent are 2^23 + code, exactly
-            bits = ((words >> (4 * i)) & 0xF) | 0x4B000000
-            codes = bits.to(tl.float32, bitcast=True) - 8388608.0
-            x = tl.load(x_rows + i * n_words + ww[None, :], mask=x_ok, other=0.0).to(tl.float32)
-            dots += codes[None, :, :] * x[:, None, :]
-            x_sum += x
-        part = (dots - z.to(tl.float32)[None, :, :] * x_sum[:, None, :]) * s.to(tl.float32)[None]
         if ROWS == 1:
-            lanes += tl.sum(part, axis=0)
+            # x's plane read in the words' own [BLOCK_N, WORDS] shape (each row of the tile
+            # the same addresses, from L1), so no layout conversion goes through shared memory
+            one = tile_ok & (rn[:, None] >= 0)
+            dot1 = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
+            sum1 = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
+            for i in tl.static_range(8):
+                x = tl.load(
+                    xp_ptr + i * n_words + ww[None, :] + 0 * rn[:, None], mask=one, other=0.0
+                )
+                x = x.to(tl.float32)
+                dot1 += _plane(words, i) * x
+                sum1 += x
+            lanes += (dot1 - z.to(tl.float32) * sum1) * s.to(tl.float32)
         else:
-            acc += tl.sum(part, axis=2)
+            dots = tl.zeros((ROWS_PAD, BLOCK_N, WORDS), dtype=tl.float32)
+            x_sum = tl.zeros((ROWS_PAD, WORDS), dtype=tl.float32)
+            for i in tl.static_range(8):
+                x = tl.load(x_rows + i * n_words + ww[None, :], mask=x_ok, other=0.0)
+                x = x.to(tl.float32)
+                dots += _plane(words, i)[None, :, :] * x[:, None, :]
+                x_sum += x
+            z3 = z.to(tl.float32)[None, :, :]
+            acc += tl.sum((dots - z3 * x_sum[:, None, :]) * s.to(tl.float32)[None], axis=2)
     if ROWS == 1:
         acc = tl.sum(lanes, axis=1)[None, :]
     dst = y_ptr + rows[:, None] * stride_ym + rn[None, :]

@@ -138,8 +138,8 @@ def dense_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """`F.linear(x, weight, bias)`, through `triton_gemv.linear` where `gemv_rows(x)` says so
-    (weight and activation of one dtype)."""
-    if weight.dtype == x.dtype and gemv_rows(x):
+    (weight and activation of one dtype, the weight's rows unit-stride)."""
+    if weight.dtype == x.dtype and weight.stride(-1) == 1 and gemv_rows(x):
         from kvguard.kernels import triton_gemv
 
         return triton_gemv.linear(x, weight, bias)

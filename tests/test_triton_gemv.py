@@ -171,12 +171,15 @@ def test_the_dispatch_is_opt_in(monkeypatch: pytest.MonkeyPatch) -> None:
     assert rel_err(dispatch.dense_linear(x, w), x @ w.T) < TOL["fp32"]
     with pytest.raises(RuntimeError):  # mixed dtypes: F.linear's error, not the kernel's
         dispatch.dense_linear(x.half(), w)
+    wt = randn(64, 16, seed=22).T  # a transposed view: F.linear takes it, the kernel would not
+    assert rel_err(dispatch.dense_linear(x, wt), x @ wt.T) < TOL["fp32"]
+    assert dispatch.dense_linear(x[0], w).shape == (16,)  # one unbatched row
     spec = spec4(16, 64, 32, seed=19)
     packed = w4a16.pack_for_triton(spec).to(DEVICE)
     ref = x @ spec.dequantize().to(DEVICE).T
     assert rel_err(dispatch.w4a16_matmul(x, packed), ref) < TOL["fp32"]
     assert rel_err(dispatch.w4a16_matmul(x, packed, split_k=1), ref) < TOL["fp32"]
-    assert calls == ["dense", "w4"]
+    assert calls == ["dense", "dense", "w4"]
 
 
 def test_the_tiny_model_serves_the_same_tokens_through_the_kernels(

@@ -254,3 +254,37 @@ def test_engine_with_graph_replay_gives_the_eager_tokens(
     again = eng.generate(prompts, params)
     assert [o.token_ids for o in again] == [o.token_ids for o in eager]
     assert eng.runner.graphs.captures == 3
+
+
+def test_graph_replay_through_the_skinny_gemms_gives_the_eager_tokens(
+    monkeypatch: pytest.MonkeyPatch, tiny_dir: Path
+) -> None:
+    """With KVGUARD_TRITON_GEMV=1 a replayed decode step's projections are the skinny GEMMs
+    (kernels in the interpreter), one variant per bucket of rows (8, 4, 2, 1 as sequences
+    finish): the eager path's tokens."""
+    from kvguard.engine import model as model_module
+    from kvguard.engine import model_runner
+    from kvguard.kernels import dispatch, triton_gemv, triton_kv
+
+    prompts = [[5 + i] * (3 + 11 * i) for i in range(5)]
+    params = [SamplingParams(max_tokens=10 - 2 * i, ignore_eos=True) for i in range(5)]
+    cfg = EngineConfig(model=str(tiny_dir), device="cpu", max_num_seqs=8, max_model_len=256)
+    eager = LLMEngine.from_config(cfg, progress=False).generate(prompts, params)
+
+    rows: set[int] = set()
+    real = triton_gemv.linear
+
+    def counted(x, w, b=None):  # noqa: ANN001, ANN202
+        rows.add(x.numel() // x.shape[-1])
+        return real(x, w, b)
+
+    monkeypatch.setattr(triton_gemv, "linear", counted)
+    monkeypatch.setenv(dispatch.GEMV_ENV, "1")
+    monkeypatch.setattr(model_module, "write_kv", triton_kv.write_kv)
+    monkeypatch.setattr(model_runner, "use_triton", lambda *a: True)
+    monkeypatch.setattr(DecodeGraphs, "capture", _capture_on_cpu)
+    eng = LLMEngine.from_config(cfg, progress=False)
+    eng.runner.enable_cuda_graphs(cfg.max_num_seqs, eng.max_model_len)
+    replayed = eng.generate(prompts, params)
+    assert [o.token_ids for o in replayed] == [o.token_ids for o in eager]
+    assert {8, 4, 2, 1} <= rows  # every bucket's rows went through the kernel

@@ -16,20 +16,26 @@ decode shapes, `config` picks BLOCK_N so) keeps the GPU's memory busy without th
 sums and second launch a split needs, and each output is one program's fp32 sum in a fixed
 order (deterministic). Triton does not software-pipeline loads that feed no `tl.dot`, so the
 kernels do it by hand: a program loads its next weight tile before it multiplies the one it
-has, two tiles in flight, and `config` sizes tiles to several KiB. Products and sums are fp32 whatever the activation dtype; the result
-is cast to x's dtype, as cuBLAS's is. Past `MAX_ROWS` rows the products outgrow the memory
-time (a bf16 weight element feeds one FMA per row) and cuBLAS's tensor cores win.
+has (two tiles in flight), and `config` sizes tiles to several KiB. A single x row is read in
+the weight tile's own shape (every tile row the same addresses, served by L1): loaded as a
+vector it had to be converted to the tile's layout through shared memory, which the sm_90
+build showed as barriers in every tile (tests/test_triton_sm90.py builds these kernels without
+a GPU). Products and sums are fp32 whatever the activation dtype; the result is cast to x's
+dtype, as cuBLAS's is. Past `MAX_ROWS` rows the products outgrow the memory time (a bf16
+weight element feeds one FMA per row) and cuBLAS's tensor cores win.
 
 The 4-bit kernel reads `w4a16.W4A16Weight`'s words (eight codes along K, low nibble first) as a
 `[BLOCK_N, WORDS]` tile and takes it one nibble plane at a time: plane i holds the codes of x's
-columns `8 w + i`, so each plane is an ordinary `[BLOCK_N, WORDS]` tile against a strided
-slice of x (no reshuffle, and never eight times the words in registers). Each word lies in
-one quantisation group (the group size is a multiple of 8), so its scale and zero apply once
-to the word's dot: `s * (dot(codes, x) - z * sum(x))`.
+columns `8 w + i`, so each plane is an ordinary `[BLOCK_N, WORDS]` tile against a slice of x
+(x is first copied into plane order, so that slice is contiguous), never eight times the words
+in registers. Codes become floats through their bits (2^23 + code, then minus 2^23), not the
+quarter-rate int-to-float conversion. Each word lies in one quantisation group (the group
+size is a multiple of 8), so its scale and zero apply once to the word's dot:
+`s * (dot(codes, x) - z * sum(x))`.
 
 Opt-in (`KVGUARD_TRITON_GEMV=1`, or `dense` / `4bit` for one kind of weight;
-`dispatch.gemv_rows`) until a device run has timed it
-against cuBLAS (bench/gpu_kernels.py's `gemv` rows, bench/gpu_e2e.py's decode with it on).
+`dispatch.gemv_rows`) until a device run has timed it against cuBLAS and the tiled W4A16 GEMM
+(bench/gpu_gemv.py; bench/gpu_e2e.py decodes with it on, dense and 4-bit models).
 Under Triton's CPU interpreter (tests) the same kernels run on CPU tensors.
 """
 

@@ -142,7 +142,9 @@ def test_the_tiny_model_gives_the_torch_logits_with_the_kernels(
     this device) give the torch path's logits, prefill and decode rows together."""
     from kvguard.engine import EngineConfig, LLMEngine, SamplingParams
 
-    cfg = EngineConfig(model="tiny", device=DEVICE, dtype="fp32", max_num_seqs=2)
+    # a fixed pool: sized from gpu_memory_utilization on CUDA, the first engine would leave
+    # the second none while it is still referenced
+    cfg = EngineConfig(model="tiny", device=DEVICE, dtype="fp32", max_num_seqs=2, num_gpu_blocks=64)
     params = SamplingParams(
         max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=3, prompt_logprobs=3
     )

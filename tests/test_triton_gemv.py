@@ -190,7 +190,9 @@ def test_the_tiny_model_serves_the_same_tokens_through_the_kernels(
     torch's matmul."""
     from kvguard.engine import EngineConfig, LLMEngine, SamplingParams
 
-    cfg = EngineConfig(model="tiny", device=DEVICE, dtype="fp32", max_num_seqs=2)
+    # a fixed pool: sized from gpu_memory_utilization on CUDA, the first engine would leave
+    # the second none while it is still referenced
+    cfg = EngineConfig(model="tiny", device=DEVICE, dtype="fp32", max_num_seqs=2, num_gpu_blocks=64)
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=3)
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [11, 12]]
     shapes: list[tuple[int, ...]] = []

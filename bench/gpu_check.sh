@@ -10,13 +10,13 @@
 #      random Llama-2-7B and SmolLM2-135M, batch 1/16/64 and a mixed trace, the batch-1
 #      bandwidth limit, KVGUARD_TRITON=0 vs 1, a real CUDA OOM, pool sizing from
 #      gpu_memory_utilization, the live FP8 switch, NVML, CUDA graphs once the runner has them;
-#   3. bench/gpu_kernels.py --skip-e2e --sweep --prefill: Triton decode attention time,
+#   3. the skinny GEMMs for decode-sized batches (triton_gemv): their tests compiled on CUDA,
+#      then bench/gpu_gemv.py --sweep (vs cuBLAS and the tiled W4A16 GEMM, launch configs);
+#   4. bench/gpu_kernels.py --skip-e2e --sweep --prefill: Triton decode attention time,
 #      bandwidth vs copy bandwidth, ratio to dense SDPA (SmolLM2 and Llama-2-7B shapes, batch
 #      64, 1k/4k/16k), each launch config at 4k, the Triton prefill kernel vs the torch path;
-#   4. with two or more GPUs visible: bench/tensor_parallel.py, tiny at tp=1 vs tp=2 over NCCL;
-#   5. the W4A16 GEMM (issue 15): its tests compiled on CUDA, then bench/gpu_w4a16.py;
-#   6. the skinny GEMMs for decode-sized batches (triton_gemv): their tests compiled on CUDA,
-#      then bench/gpu_gemv.py --sweep (vs cuBLAS and the tiled W4A16 GEMM, launch configs).
+#   5. with two or more GPUs visible: bench/tensor_parallel.py, tiny at tp=1 vs tp=2 over NCCL;
+#   6. the W4A16 GEMM (issue 15): its tests compiled on CUDA, then bench/gpu_w4a16.py.
 # Each step has its own time limit, and all of them together stop at DEADLINE_S (460 s): a
 # step that would pass it gets only what is left. Results: ${OUT:-bench/out}/gpu_check.log,
 # gpu_e2e.json, gpu_kernels.json, gpu_w4a16.json, gpu_gemv.json (tensor_parallel.json with 2
@@ -25,7 +25,7 @@
 #   bench/gpu_check.sh              # on a CUDA host (the device tool: carry [".gpu_wheels"])
 #   bench/gpu_check.sh --cpu-smoke  # no GPU: tiny shapes, Triton interpreter, about a minute
 # GPU_WHEELS overrides the wheel folder (default .gpu_wheels). A rerun on little device time
-# can take some steps: GPU_CHECK_STEPS (default "tests e2e kernels gemv tp w4a16"), and pass the
+# can take some steps: GPU_CHECK_STEPS (default "tests e2e gemv kernels tp w4a16"), and pass the
 # scripts options: E2E_ARGS (e.g. "--sections decode --batches 1"), KERNEL_ARGS.
 # PY overrides the interpreter (default .venv/bin/python, else python3); it needs torch (CUDA
 # build on a GPU host), triton, transformers, pytest. kvguard need not be installed: the
@@ -95,7 +95,7 @@ main() {
   "$PY" -c "import torch, triton, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 
   status=0
-  local steps=" ${GPU_CHECK_STEPS:-tests e2e kernels gemv tp w4a16} "
+  local steps=" ${GPU_CHECK_STEPS:-tests e2e gemv kernels tp w4a16} "
   # Each test compiles its own kernel variants (about 40 and 50, 0.5-1 s each on one core): in
   # parallel over the cores with pytest-xdist, which the device image has.
   local par=()
@@ -111,16 +111,16 @@ main() {
     timeout -k 10 "$(left 220)" "$PY" bench/gpu_e2e.py ${E2E_ARGS:-} --json "$OUT_DIR/gpu_e2e.json" || status=1
   fi
 
-  if [[ $steps == *" kernels "* ]]; then
-    echo "== kernel benchmark"
-    # shellcheck disable=SC2086
-    timeout -k 10 "$(left 120)" "$PY" bench/gpu_kernels.py --skip-e2e --sweep --prefill ${KERNEL_ARGS:-} --json "$OUT_DIR/gpu_kernels.json" || status=1
-  fi
-
   if [[ $steps == *" gemv "* ]]; then
     echo "== skinny GEMMs: tests on CUDA, then decode shapes vs cuBLAS and the tiled W4A16 GEMM"
     KVGUARD_TEST_DEVICE=cuda timeout -k 10 "$(left 45)" "$PY" -m pytest -q -p no:cacheprovider "${par[@]}" tests/test_triton_gemv.py || status=1
     timeout -k 10 "$(left 100)" "$PY" bench/gpu_gemv.py --sweep --json "$OUT_DIR/gpu_gemv.json" || status=1
+  fi
+
+  if [[ $steps == *" kernels "* ]]; then
+    echo "== kernel benchmark"
+    # shellcheck disable=SC2086
+    timeout -k 10 "$(left 120)" "$PY" bench/gpu_kernels.py --skip-e2e --sweep --prefill ${KERNEL_ARGS:-} --json "$OUT_DIR/gpu_kernels.json" || status=1
   fi
 
   # tensor parallel over NCCL, one GPU per rank: the tiny model (written locally, nothing to

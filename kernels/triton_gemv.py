@@ -174,14 +174,11 @@ def _w4_kernel(
         if ROWS == 1:
             # x's plane read in the words' own [BLOCK_N, WORDS] shape (each row of the tile
             # the same addresses, from L1), so no layout conversion goes through shared memory
-            one = tile_ok & (rn[:, None] >= 0)
+            x_at = tl.broadcast_to(xp_ptr + ww[None, :], (BLOCK_N, WORDS))
             dot1 = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
             sum1 = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
             for i in tl.static_range(8):
-                x = tl.load(
-                    xp_ptr + i * n_words + ww[None, :] + 0 * rn[:, None], mask=one, other=0.0
-                )
-                x = x.to(tl.float32)
+                x = tl.load(x_at + i * n_words, mask=tile_ok, other=0.0).to(tl.float32)
                 dot1 += _plane(words, i) * x
                 sum1 += x
             lanes += (dot1 - z.to(tl.float32) * sum1) * s.to(tl.float32)

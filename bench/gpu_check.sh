@@ -108,7 +108,7 @@ main() {
   if [[ $steps == *" e2e "* ]]; then
     echo "== end to end: kvguard vs transformers on random-weight models (issue 18)"
     # shellcheck disable=SC2086  # E2E_ARGS is a list of options
-    timeout -k 10 "$(left 220)" "$PY" bench/gpu_e2e.py ${E2E_ARGS:-} --json "$OUT_DIR/gpu_e2e.json" || status=1
+    timeout -k 10 "$(left 240)" "$PY" bench/gpu_e2e.py ${E2E_ARGS:-} --json "$OUT_DIR/gpu_e2e.json" || status=1
   fi
 
   if [[ $steps == *" gemv "* ]]; then

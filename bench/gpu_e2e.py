@@ -31,7 +31,9 @@ running out of time leaves the others' results in the JSON):
    default since the first device run showed both; the other sections run with it); and an
    FP8 pool eager vs replayed (`KVGUARD_FP8_GRAPHS=1`, opt-in);
 9. where a decode step's host time goes: cProfile of kvguard on that shape, eager and replayed,
-   at batch 1 and the largest batch (the functions with the most own time per step).
+   at batch 1 and the largest batch (the functions with the most own time per step);
+10. where a replayed batch-1 step's GPU time goes, kernel by kernel (torch.profiler), on each
+   shape with the defaults and with the per-layer ops and skinny GEMMs on.
 
 Goals (issue 18): kvguard >= 2x transformers static at batch 64; batch-1 decode >= 60% of
 the bandwidth limit. `--cpu-smoke` runs every section on the tiny shape on CPU in seconds
@@ -66,7 +68,7 @@ GB = 1e9
 # every section, in the order they run (`--sections` picks some: a rerun on little device time)
 SECTIONS = (
     "nvml", "decode", "trace", "packed", "cuda_graphs", "profile", "oom", "pool_sizing",
-    "fp8_switch",
+    "fp8_switch", "kernel_time",
 )  # fmt: skip
 STATIC_GOAL = 2.0  # kvguard / transformers static at batch 64
 LIMIT_GOAL = 0.60  # batch-1 decode / (copy bandwidth / weight bytes)
@@ -550,6 +552,65 @@ def section_profile(run: Run) -> dict[str, Any]:
     return res
 
 
+def section_kernel_time(run: Run) -> dict[str, Any]:
+    """What a batch-1 decode step spends on the GPU, kernel by kernel: torch.profiler over
+    the replayed steps of one request on each shape, with the defaults and with the per-layer
+    Triton ops and skinny GEMMs on. Per step: kernels launched, their GPU time, and the
+    kernels with the most of it (the batch-1 bandwidth goal is bound by these; on the CPU
+    smoke run there are no GPU kernels to list)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from kvguard.kernels.dispatch import FUSED_OPS_ENV, GEMV_ENV
+
+    acts = [ProfilerActivity.CPU]
+    if run.device.type == "cuda":
+        acts.append(ProfilerActivity.CUDA)
+    n, res = run.new_tokens, {}
+    for shape in run.shapes:
+        for label, env in (("default", {}), ("fused_gemv", {FUSED_OPS_ENV: "1", GEMV_ENV: "1"})):
+            with contextlib.ExitStack() as stack:
+                for name, value in env.items():  # set while capturing and while replaying
+                    stack.enter_context(env_set(name, value))
+                eng = kvguard_engine(shape, run, None, num_gpu_blocks=pool_blocks(1, 512))
+                gen = kvguard_gen(eng, prompts_for(1, run.prompt, eng.model_config.vocab_size, 1))
+                gen(n)  # warm-up: compile, capture every bucket it passes through
+                run.sync()
+                with profile(activities=acts) as prof:
+                    gen(n)
+                    run.sync()
+            key = f"{shape}/{label}"
+            res[key] = _kernel_table(prof, n)
+            print(f"  {key}: " + json.dumps({k: v for k, v in res[key].items() if k != "top"}))
+            for line in res[key]["top"][:8]:
+                print("    " + line, flush=True)
+            del eng
+            run.free()
+    return res
+
+
+def _kernel_table(prof: Any, steps: int) -> dict[str, Any]:
+    """GPU kernels of a profile, per decode step: count, GPU ms, the 15 costliest."""
+    from torch.autograd import DeviceType
+
+    kernels = [
+        e
+        for e in prof.key_averages()
+        if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0
+    ]
+    kernels.sort(key=lambda e: -e.self_device_time_total)
+    total_us = sum(e.self_device_time_total for e in kernels)
+    top = [
+        f"{e.self_device_time_total / 1e3 / steps:7.3f} ms/step {e.count / steps:6.1f} calls"
+        f"  {e.key[:90]}"
+        for e in kernels[:15]
+    ]
+    return {
+        "kernels_per_step": sum(e.count for e in kernels) / steps,
+        "gpu_ms_per_step": total_us / 1e3 / steps,
+        "top": top,
+    }
+
+
 def section_pool_sizing(run: Run) -> dict[str, Any]:
     """Pool sized from gpu_memory_utilization, then one maximal batch: memory in use after it
     against the share asked for."""
@@ -825,7 +886,14 @@ def main() -> int:
     ap.add_argument("--shapes", default="smollm2-135m,llama2-7b")
     ap.add_argument("--batches", help="decode batch sizes (default 1,16,64; 1,4 with --cpu-smoke)")
     ap.add_argument("--sections", default=",".join(SECTIONS), help="comma list of: %(default)s")
+    ap.add_argument(
+        "--goals", type=Path, metavar="JSON", help="only print the verdicts of a saved run's JSON"
+    )
     args = ap.parse_args()
+    if args.goals is not None:  # e.g. a run cut short by its time limit before its verdicts
+        for line in goals(json.loads(args.goals.read_text())):
+            print(line)
+        return 0
     wanted = set(args.sections.split(","))
     if wanted - set(SECTIONS):
         ap.error(f"unknown sections {sorted(wanted - set(SECTIONS))}: choose from {SECTIONS}")
@@ -856,6 +924,8 @@ def main() -> int:
         ("oom", lambda: section_oom(run)),
         ("pool_sizing", lambda: section_pool_sizing(run)),
         ("fp8_switch", lambda: section_fp8(run)),
+        # last: a profiler over graph replays is the one section that could upset the others
+        ("kernel_time", lambda: section_kernel_time(run)),
     ]
     for key, fn in sections:
         if key.split("/")[0] in wanted:

@@ -120,3 +120,20 @@ def test_skinny_gemm_kernel_verdicts() -> None:
     assert gpu_gemv.goals({"dense": dense, "w4a16": w4}, smoke=True) == [
         "goal skinny GEMM goals: not measured (no GPU numbers)"
     ]
+
+
+def test_the_verdicts_of_a_saved_run_print_alone(tmp_path) -> None:  # noqa: ANN001
+    """`gpu_e2e.py --goals FILE`: a run cut short before its verdicts still gets them."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    saved = tmp_path / "gpu_e2e.json"
+    saved.write_text(json.dumps(_run(140.7, 201.0, {}, 4.5)))
+    script = Path(__file__).resolve().parents[1] / "bench" / "gpu_e2e.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--goals", str(saved)], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == goals(_run(140.7, 201.0, {}, 4.5))

@@ -49,7 +49,6 @@ from kvguard.engine.tokenizer_build import write_tokenizer_files
 INIT_STD = 0.02  # transformers' Llama initializer_range: activations stay finite in bf16
 # uniform 4-bit codes about a zero point of 7.5 have a std of about 4.6 code units
 CODE_STD = 4.6
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 # The architecture fields of each shape; `hf_config` adds the common ones.
 SHAPES: dict[str, dict[str, Any]] = {
@@ -152,36 +151,25 @@ def random_4bit(
     random model of `shape` whose layer projections are 4-bit in groups of `group` inputs
     (weights of about INIT_STD, as `fill_random` draws them); embedding, norms and an untied
     lm_head stay plain."""
-    cfg = hf_config(shape)
-    mcfg = ModelConfig.from_hf_dict(cfg)
+    mcfg = ModelConfig.from_hf_dict(hf_config(shape))
     gen = torch.Generator(device=device).manual_seed(seed)
     hd, h, inter = mcfg.head_dim, mcfg.hidden_size, mcfg.intermediate_size
-    out_in = {
-        "q_proj": (mcfg.num_heads * hd, h),
-        "k_proj": (mcfg.num_kv_heads * hd, h),
-        "v_proj": (mcfg.num_kv_heads * hd, h),
-        "o_proj": (h, mcfg.num_heads * hd),
-        "gate_proj": (inter, h),
-        "up_proj": (inter, h),
-        "down_proj": (h, inter),
+    out_in = {  # module: (its block, output width, input width)
+        "q_proj": ("self_attn", mcfg.num_heads * hd, h),
+        "k_proj": ("self_attn", mcfg.num_kv_heads * hd, h),
+        "v_proj": ("self_attn", mcfg.num_kv_heads * hd, h),
+        "o_proj": ("self_attn", h, mcfg.num_heads * hd),
+        "gate_proj": ("mlp", inter, h),
+        "up_proj": ("mlp", inter, h),
+        "down_proj": ("mlp", h, inter),
     }
     specs, plain = {}, {}
     for i in range(mcfg.num_layers):
         base = f"model.layers.{i}."
-        for name in PROJECTIONS:
-            n, k = out_in[name]
+        for name, (block, n, k) in out_in.items():
             if k % group:
                 raise ValueError(f"{name}: input width {k} is not a multiple of group {group}")
-            mod = (
-                base
-                + (
-                    "self_attn."
-                    if name.endswith(("q_proj", "k_proj", "v_proj", "o_proj"))
-                    else "mlp."
-                )
-                + name
-            )
-            specs[mod] = QuantSpec(
+            specs[f"{base}{block}.{name}"] = QuantSpec(
                 q=torch.randint(0, 16, (n, k), generator=gen, device=device, dtype=torch.uint8),
                 scales=torch.full((n, k // group), INIT_STD / CODE_STD, device=device),
                 zeros=torch.rand(n, k // group, generator=gen, device=device) + 7.0,

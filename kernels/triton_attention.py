@@ -254,10 +254,6 @@ def _merge_kernel(
     tl.store(dst, res.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def decode_config(dim_pad: int, fp8: bool) -> tuple[int, int, int]:
     """(tokens per tile, warps, pipeline stages), from the H200 sweep (bench/gpu_kernels.py
     --sweep, batch 64, 4k context): 16-bit caches 64-token tiles, 8 warps from head size 128
@@ -306,6 +302,19 @@ def _check_cache(
     return is_fp8
 
 
+def _scale_args(
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    is_fp8: bool,
+    dummy: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' K/V scale arguments: an FP8 cache's block scales as contiguous fp32, else
+    `dummy` (any tensor: a constexpr branch never reads it)."""
+    if not is_fp8:
+        return dummy, dummy
+    return k_scale.float().contiguous(), v_scale.float().contiguous()
+
+
 def paged_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -337,16 +346,13 @@ def paged_decode(
         return out
     group = nh // hkv
     # tl.dot wants every dimension at least 16: a group of 1-15 heads is padded with zero rows
-    group_pad, dim_pad = max(16, _pow2(group)), max(16, _pow2(hd))
+    group_pad, dim_pad = max(16, triton.next_power_of_2(group)), max(16, triton.next_power_of_2(hd))
     tile, warps, stages = config or decode_config(dim_pad, is_fp8)
     splits = num_splits or choose_splits(bsz, hkv, max_seq_len)
     per_split = math.ceil(max(1, max_seq_len) / splits / tile) * tile
     splits = max(1, math.ceil(max(1, max_seq_len) / per_split))
     dummy = out  # stands in for pointers a constexpr branch never touches
-    ks = k_scale if is_fp8 else dummy
-    vs = v_scale if is_fp8 else dummy
-    if is_fp8:
-        ks, vs = ks.float().contiguous(), vs.float().contiguous()
+    ks, vs = _scale_args(k_scale, v_scale, is_fp8, dummy)
     if splits > 1:
         part_o = torch.empty(bsz * nh * splits, dim_pad, dtype=torch.float32, device=q.device)
         part_m = torch.empty(bsz * nh * splits, dtype=torch.float32, device=q.device)
@@ -401,7 +407,7 @@ def paged_decode(
             splits,
             HEAD_DIM=hd,
             DIM_PAD=dim_pad,
-            SPLITS_PAD=_pow2(splits),
+            SPLITS_PAD=triton.next_power_of_2(splits),
         )
     return out
 
@@ -553,7 +559,7 @@ def prefill_rows(
     if not rows:
         return
     group = nh // hkv
-    group_pad, dim_pad = _pow2(group), max(16, _pow2(hd))
+    group_pad, dim_pad = triton.next_power_of_2(group), max(16, triton.next_power_of_2(hd))
     block_m = max(16, 64 // group_pad)
     tile = 32 if dim_pad > 128 else 64
     tile_seq, tile_q0 = [], []
@@ -567,9 +573,7 @@ def prefill_rows(
         dev, non_blocking=True
     )
     tables = block_tables.to(torch.int32)
-    dummy = out  # stands in for the scale pointers a constexpr branch never touches
-    ks = k_scale.float().contiguous() if is_fp8 else dummy
-    vs = v_scale.float().contiguous() if is_fp8 else dummy
+    ks, vs = _scale_args(k_scale, v_scale, is_fp8, out)
     _prefill_kernel[(len(tile_seq), hkv)](
         q, k_cache, v_cache, ks, vs, tables, out, meta[0], meta[1],
         per_seq[0], per_seq[1], per_seq[2], scale * _LOG2E, q.stride(0), q.stride(1),

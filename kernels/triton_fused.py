@@ -102,10 +102,6 @@ def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, inter, BLOCK: tl.conste
     tl.store(out_ptr + row * stride_o + cols, (act * u).to(dt), mask=ok)
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def rmsnorm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -121,7 +117,7 @@ def rmsnorm(
     if x2.shape[0]:
         _rmsnorm_kernel[(x2.shape[0],)](
             x2, res, weight.contiguous(), out, x2.stride(0), res.stride(0), out.stride(0), d,
-            float(eps), HAS_RES=residual is not None, BLOCK=_pow2(d),
+            float(eps), HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(d),
             num_warps=4 if d <= 4096 else 8,
         )  # fmt: skip
     return out.view(x.shape)
@@ -136,7 +132,7 @@ def rope_(x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: to
     if x.shape[0] and heads:
         _rope_kernel[(x.shape[0], heads)](
             x, cos, sin, x.stride(0), cos.stride(0), heads, HEAD_DIM=head_dim,
-            HALF_PAD=_pow2(head_dim // 2), num_warps=1,
+            HALF_PAD=triton.next_power_of_2(head_dim // 2), num_warps=1,
         )  # fmt: skip
 
 
@@ -146,7 +142,7 @@ def silu_mul(x: torch.Tensor, inter: int) -> torch.Tensor:
     if x.dim() != 2 or x.shape[1] != 2 * inter or x.stride(1) != 1:
         raise ValueError(f"silu_mul: x {tuple(x.shape)} is not [T, 2 * {inter}] with unit stride")
     out = torch.empty(x.shape[0], inter, dtype=x.dtype, device=x.device)
-    block = min(1024, _pow2(inter))
+    block = min(1024, triton.next_power_of_2(inter))
     if x.shape[0]:
         grid = (x.shape[0], triton.cdiv(inter, block))
         _silu_mul_kernel[grid](x, out, x.stride(0), out.stride(0), inter, BLOCK=block)

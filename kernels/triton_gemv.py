@@ -7,7 +7,7 @@ device runs cuBLAS's batch-1 bf16 GEMMs did not: a 4096 x 4096 weight (32 MiB) t
 (1.77 TB/s, 42% of the measured 4.25 TB/s copy bandwidth), Llama-2-7B's MLP shapes 2.4-2.6
 TB/s; a Llama-2-7B decode step spends most of its time there, which is why batch-1 decode
 stood at 45% of its bandwidth limit. The 4-bit weights' tiled GEMM (`triton_w4a16`, tensor
-cores over 16-row tiles) did worse still at decode sizes: 0.2-0.5 TB/s of codes.
+cores over 16-row tiles) did worse still at decode sizes: 0.1-0.37 TB/s of codes (2-9%).
 
 How: one program per `BLOCK_N` output columns (weight rows) walks the whole K range, tile by
 tile, and every row of x is dotted with the tile while it is in registers, so the weight is
@@ -221,8 +221,8 @@ def config(n: int, k: int, sms: int, packed: bool = False, rows: int = 1) -> Gem
     at 8 rows), which keeps the kernel under 130 registers a thread (sm_90 build) without
     spilling. Never wider than k needs (a power of two)."""
     bn = 8 if triton.cdiv(n, 8) >= _PROGRAMS_PER_SM * sms else 4
-    bk = PACK * max(32, 128 // _pow2(rows)) if packed else 512
-    return GemvConfig(bn, min(bk, max(_pow2(k), 2 * PACK if packed else 16)))
+    bk = PACK * max(32, 128 // triton.next_power_of_2(rows)) if packed else 512
+    return GemvConfig(bn, min(bk, max(triton.next_power_of_2(k), 2 * PACK if packed else 16)))
 
 
 def _config_for(x: torch.Tensor, n: int, k: int, packed: bool) -> GemvConfig:
@@ -232,10 +232,6 @@ def _config_for(x: torch.Tensor, n: int, k: int, packed: bool) -> GemvConfig:
     if x.device.type != "cuda":
         return dataclasses.replace(config(n, k, 1, packed, rows), block_n=32)
     return config(n, k, _sm_count(x.device), packed, rows)
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def _rows(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -268,7 +264,7 @@ def linear(
         _dense_kernel[(triton.cdiv(n, cfg.block_n),)](
             x2, weight, weight if bias is None else bias, y, n, k, x2.stride(0),
             weight.stride(0), y.stride(0), HAS_BIAS=bias is not None, ROWS=m,
-            ROWS_PAD=_pow2(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            ROWS_PAD=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             num_warps=cfg.num_warps,
         )  # fmt: skip
     return y.view(*x.shape[:-1], n)
@@ -291,7 +287,7 @@ def w4a16_linear(x: torch.Tensor, w: W4A16Weight, cfg: GemvConfig | None = None)
         _w4_kernel[(triton.cdiv(n, cfg.block_n),)](
             _plane_order(x2, w.perm), w.qweight, w.scales, w.zeros, y, n, k // PACK, k,
             w.qweight.stride(0), w.scales.stride(0), w.zeros.stride(0), y.stride(0),
-            GROUP=w.group_size, ROWS=m, ROWS_PAD=_pow2(m), BLOCK_N=cfg.block_n,
+            GROUP=w.group_size, ROWS=m, ROWS_PAD=triton.next_power_of_2(m), BLOCK_N=cfg.block_n,
             WORDS=cfg.block_k // PACK, num_warps=cfg.num_warps,
         )  # fmt: skip
     return y.view(*x.shape[:-1], n)

@@ -33,6 +33,15 @@ from kvguard.kernels.fp8 import FP8_DTYPE, FP8_MAX, SCALE_FLOOR, grow_scales
 
 
 @triton.jit
+def _to_e4m3(x, scale, FP8_LIMIT: tl.constexpr, cache_ptr):
+    """x / scale as the cache's e4m3 codes, saturated. The quotient is correctly rounded, as
+    torch divides: a compiled `/` may be off by an ulp or two, which moves a quotient at an
+    e4m3 rounding boundary to the next code."""
+    q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_LIMIT), FP8_LIMIT)
+    return q.to(cache_ptr.dtype.element_ty)
+
+
+@triton.jit
 def _write_kernel(
     x_ptr,
     cache_ptr,
@@ -65,11 +74,7 @@ def _write_kernel(
     dst = dst + h[:, None] * stride_ch + d[None, :]
     if IS_FP8:
         s = tl.load(scales_ptr + blk * HEADS + h, mask=h_ok, other=1.0)
-        # correctly rounded, as torch divides: a compiled `/` may be off by an ulp or two,
-        # which moves a quotient at an e4m3 rounding boundary to the next code
-        q = tl.math.div_rn(x.to(tl.float32), s[:, None])
-        q = tl.minimum(tl.maximum(q, -FP8_LIMIT), FP8_LIMIT)
-        tl.store(dst, q.to(cache_ptr.dtype.element_ty), mask=ok)
+        tl.store(dst, _to_e4m3(x.to(tl.float32), s[:, None], FP8_LIMIT, cache_ptr), mask=ok)
     else:
         tl.store(dst, x.to(tl.float32).to(cache_ptr.dtype.element_ty), mask=ok)
 
@@ -119,14 +124,10 @@ def _write_fp8_own_block_kernel(
     vals = tl.load(rows, mask=others, other=0.0).to(tl.float32)
     vals = tl.minimum(tl.maximum(vals * (old / new), -FP8_LIMIT), FP8_LIMIT)
     tl.store(rows, vals.to(cache_ptr.dtype.element_ty), mask=others)
-    q = tl.math.div_rn(x, new + d * 0.0)
-    q = tl.minimum(tl.maximum(q, -FP8_LIMIT), FP8_LIMIT)
-    tl.store(base + off * stride_cs + d, q.to(cache_ptr.dtype.element_ty), mask=d_ok)
+    tl.store(
+        base + off * stride_cs + d, _to_e4m3(x, new + d * 0.0, FP8_LIMIT, cache_ptr), mask=d_ok
+    )
     tl.store(scales_ptr + blk * HEADS + h + d * 0, new + d * 0.0, mask=(d == 0) & live)
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def store_kv(
@@ -157,9 +158,9 @@ def store_kv(
         cache.stride(1),
         cache.stride(2),
         HEADS=h,
-        HEADS_PAD=_pow2(h),
+        HEADS_PAD=triton.next_power_of_2(h),
         HEAD_DIM=d,
-        DIM_PAD=_pow2(d),
+        DIM_PAD=triton.next_power_of_2(d),
         BLOCK_SIZE=bs,
         IS_FP8=is_fp8,
         FP8_LIMIT=FP8_MAX,
@@ -181,7 +182,7 @@ def store_fp8_own_blocks(
         raise ValueError("needs contiguous [num_blocks, kv_heads] scales, a power-of-two block")
     _write_fp8_own_block_kernel[(t, h)](
         x, cache, slots, scales, x.stride(0), x.stride(1), cache.stride(0), cache.stride(1),
-        cache.stride(2), HEADS=h, HEAD_DIM=d, DIM_PAD=_pow2(d), BLOCK_SIZE=bs,
+        cache.stride(2), HEADS=h, HEAD_DIM=d, DIM_PAD=triton.next_power_of_2(d), BLOCK_SIZE=bs,
         FP8_LIMIT=FP8_MAX, TINY=SCALE_FLOOR,
     )  # fmt: skip
 

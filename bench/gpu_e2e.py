@@ -8,8 +8,9 @@ running out of time leaves the others' results in the JSON):
 1. decode tok/s at batch 1, 16 and 64 (prompt 128): kvguard (and, at the smallest and largest
    batch, kvguard with its per-layer Triton ops on: `KVGUARD_FUSED_OPS=1`, with its skinny
    GEMMs on: `KVGUARD_TRITON_GEMV=1`, and at batch 1 with both; the skinny GEMMs' tokens on
-   the tiny fp32 model too), transformers static `generate`, and the batch-1 limit (weight
-   bytes / measured copy bandwidth: a decode step must read every weight once). Decode time
+   the tiny fp32 model too), transformers static `generate`, and the batch-1 limit (the weight
+   bytes a decode step must read once, all but an untied embedding table of which it reads a
+   row, over the measured copy bandwidth). Decode time
    is t(N tokens) - t(1 token), so prefill is left out for both;
    the same greedy tokens are required of both (first 8, bf16 noise allowed on a few rows);
 2. a mixed trace (lognormal prompt and output lengths): kvguard (also with its opt-in Triton
@@ -224,7 +225,7 @@ def copy_bandwidth(run: Run) -> float:
 
 def section_decode(shape: str, run: Run, copy_bw: float) -> dict[str, Any]:
     """Batch 1/16/64 decode, kvguard vs transformers static, and the batch-1 limit."""
-    from kvguard.engine.model import weight_bytes
+    from kvguard.engine.model import step_weight_bytes
     from kvguard.kernels.dispatch import FUSED_OPS_ENV, GEMV_ENV
 
     hf = hf_random_model(shape, run)
@@ -237,8 +238,12 @@ def section_decode(shape: str, run: Run, copy_bw: float) -> dict[str, Any]:
         num_gpu_blocks=pool_blocks(max(run.batches), tokens) + pool_blocks(1, 1024),
         max_num_batched_tokens=max(2048, max(run.batches) * run.prompt),
     )
-    wbytes = weight_bytes(eng.model)
-    res: dict[str, Any] = {"weight_gb": wbytes / GB, "limit_tok_s_b1": copy_bw / wbytes, "rows": []}
+    wbytes = step_weight_bytes(eng.model)
+    res: dict[str, Any] = {
+        "step_weight_gb": wbytes / GB,
+        "limit_tok_s_b1": copy_bw / wbytes,
+        "rows": [],
+    }
     outs: dict[int, Any] = {}
     for b in run.batches:
         prompts = prompts_for(b, run.prompt, eng.model_config.vocab_size, seed=b)
@@ -320,15 +325,15 @@ def section_packed(run: Run, copy_bw: float) -> dict[str, Any]:
     loads; on a GPU the W4A16 path): decode tok/s at each batch through the tiled W4A16 GEMM
     (today's default) and with the skinny 4-bit GEMMs (`KVGUARD_TRITON_GEMV=4bit`), how many
     sequences' first 8 tokens agree, and batch 1 against the limit of its own bytes."""
-    from kvguard.engine.model import weight_bytes
+    from kvguard.engine.model import step_weight_bytes
     from kvguard.kernels.dispatch import GEMV_ENV
 
     shape = run.shapes[0]
     tokens = run.prompt + run.new_tokens + 8
     blocks = pool_blocks(max(run.batches), tokens)
     eng = kvguard_engine(shape, run, None, quant_group=PACKED_GROUP, num_gpu_blocks=blocks)
-    wbytes = weight_bytes(eng.model)
-    res: dict[str, Any] = {"shape": shape, "group": PACKED_GROUP, "weight_gb": wbytes / GB}
+    wbytes = step_weight_bytes(eng.model)
+    res: dict[str, Any] = {"shape": shape, "group": PACKED_GROUP, "step_weight_gb": wbytes / GB}
     res |= {"limit_tok_s_b1": copy_bw / wbytes, "rows": []}
     for b in run.batches:
         prompts = prompts_for(b, run.prompt, eng.model_config.vocab_size, seed=b)

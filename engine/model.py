@@ -612,3 +612,20 @@ def weight_bytes(model: nn.Module) -> int:
         if not name.endswith(("cos_cache", "sin_cache"))
     )
     return params + buffers
+
+
+def step_weight_bytes(model: nn.Module) -> int:
+    """Bytes of weights a decode step must read: `weight_bytes` less the embedding table's own
+    (a step reads one row of it per token), which a tied lm_head reads whole, so it counts
+    there. What batch-1 decode's bandwidth limit divides by."""
+    emb, head = getattr(model, "embed_tokens", None), getattr(model, "lm_head", None)
+    if not isinstance(emb, nn.Module):
+        return weight_bytes(model)
+    heads = [] if not isinstance(head, nn.Module) else [*head.parameters(), *head.buffers()]
+    shared = {id(t) for t in heads}
+    table = sum(
+        t.numel() * t.element_size()
+        for t in (*emb.parameters(), *emb.buffers())
+        if id(t) not in shared
+    )
+    return weight_bytes(model) - table

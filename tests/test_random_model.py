@@ -27,6 +27,24 @@ def test_shapes_have_the_real_parameter_counts(shape: str, params: int) -> None:
     assert sum(p.numel() for p in model.parameters()) == params
 
 
+@pytest.mark.parametrize(
+    ("shape", "read"),
+    # Llama-2-7B's own embedding table (32000 x 4096) is not read whole by a step; SmolLM2's
+    # is its lm_head too (tied), so a step reads every weight
+    [("llama2-7b", 6_738_415_616 - 32000 * 4096), ("smollm2-135m", 134_515_008)],
+)
+def test_a_decode_step_reads_every_weight_but_an_untied_embedding_table(
+    shape: str, read: int
+) -> None:
+    from kvguard.engine.model import step_weight_bytes, weight_bytes
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(ModelConfig.from_hf_dict(hf_config(shape)), 16).to(torch.bfloat16)
+    assert step_weight_bytes(model) == 2 * read
+    tied = model.lm_head.weight is model.embed_tokens.weight
+    assert (step_weight_bytes(model) == weight_bytes(model)) == tied
+
+
 def test_in_memory_engine_matches_its_written_directory_and_transformers(tmp_path: Path) -> None:
     cfg = EngineConfig(model="random:tiny", device="cpu", num_gpu_blocks=32)
     in_memory = random_engine("tiny", cfg, seed=3).generate(PROMPTS, GREEDY)

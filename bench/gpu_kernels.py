@@ -146,11 +146,16 @@ def replay_timer(fn: Callable[[], Any], reps: int, calls: int = GRAPH_CALLS) -> 
         return None
 
 
-def gpu_time(fn: Callable[[], Any], reps: int, cuda: bool) -> tuple[float, float, str]:
+def gpu_time(
+    fn: Callable[[], Any], reps: int, cuda: bool, eager_too: bool = True
+) -> tuple[float, float, str]:
     """(seconds per call, seconds of a lone eager call, how the first was timed): graph replay
-    on CUDA where it captures, else the eager timing."""
-    eager = timer(fn, reps, cuda)
+    on CUDA where it captures, else the eager timing (NaN for the eager call where it was not
+    timed: `eager_too` False and the replay worked)."""
     replayed = replay_timer(fn, reps) if cuda else None
+    if replayed is not None and not eager_too:
+        return replayed, float("nan"), "graph"
+    eager = timer(fn, reps, cuda)
     return (eager, eager, "eager") if replayed is None else (replayed, eager, "graph")
 
 
@@ -200,6 +205,25 @@ def paged_setup(
     return out
 
 
+def early_widen_config(head_dim: int) -> tuple[int, ...]:
+    """The launch config `decode_config` picks for an FP8 cache with
+    `KVGUARD_FP8_EARLY_WIDEN=1` (tiles widened to fp16 as loaded)."""
+    import triton
+
+    from kvguard.kernels.dispatch import FP8_EARLY_WIDEN_ENV
+    from kvguard.kernels.triton_attention import decode_config
+
+    before = os.environ.get(FP8_EARLY_WIDEN_ENV)
+    os.environ[FP8_EARLY_WIDEN_ENV] = "1"
+    try:
+        return decode_config(max(16, triton.next_power_of_2(head_dim)), True)
+    finally:
+        if before is None:
+            os.environ.pop(FP8_EARLY_WIDEN_ENV)
+        else:
+            os.environ[FP8_EARLY_WIDEN_ENV] = before
+
+
 def bench_shape(
     shape: Shape,
     batch: int,
@@ -209,21 +233,26 @@ def bench_shape(
     copy_bw: float,
     reps: int,
     dense_ms: dict[tuple[str, int], float],
-    config: tuple[int, int, int, int] | None = None,
+    config: tuple[Any, ...] | None = None,
+    eager_too: bool = True,
 ) -> Row:
+    """One row: `kv` "bf16", "fp8", or "fp8e" (an FP8 cache widened as loaded, the config
+    `KVGUARD_FP8_EARLY_WIDEN=1` picks); `config` (tile, warps, stages, programs aimed at[,
+    widened as loaded]) overrides the launch; `eager_too`: also time a lone eager call."""
     from kvguard.kernels.triton_attention import paged_decode
 
     cuda = device.type == "cuda"
-    s = paged_setup(shape, batch, ctx, kv, 16, device)
+    s = paged_setup(shape, batch, ctx, "fp8" if kv == "fp8e" else kv, 16, device)
     q = torch.randn(batch, shape.heads, shape.head_dim, device=device, dtype=torch.bfloat16)
     scale = shape.head_dim**-0.5
     lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
 
-    launch, splits = None, None
+    launch, splits = (early_widen_config(shape.head_dim) if kv == "fp8e" else None), None
     if config is not None:
         from kvguard.kernels.triton_attention import choose_splits
 
-        launch, splits = config[:3], choose_splits(batch, shape.kv_heads, ctx, config[3])
+        launch = (*config[:3], *config[4:])
+        splits = choose_splits(batch, shape.kv_heads, ctx, config[3])
 
     def run() -> torch.Tensor:
         return paged_decode(
@@ -237,10 +266,10 @@ def bench_shape(
 
     got, ref = run(), dense()
     err = (got.float() - ref.float()).abs().max().item()
-    t, t_eager, timing = gpu_time(run, reps, cuda)
+    t, t_eager, timing = gpu_time(run, reps, cuda, eager_too)
     key = (shape.name, ctx)
     if kv == "bf16" or key not in dense_ms:
-        dense_ms[key] = gpu_time(dense, reps, cuda)[0] * 1e3
+        dense_ms[key] = gpu_time(dense, reps, cuda, eager_too)[0] * 1e3
     kv_bytes = 2 * s["kc"].element_size() * batch * ctx * shape.kv_heads * shape.head_dim
     if s["ks"] is not None:
         kv_bytes += 2 * 4 * batch * ((ctx + 15) // 16) * shape.kv_heads
@@ -281,6 +310,13 @@ SWEEP = [
     # pipelined through shared memory reads it back a byte or two at a time (LDS, not ldmatrix)
     (128, 4, 1, 528),
     (64, 8, 1, 528),
+    # FP8 tiles widened to fp16 as loaded (`_widen_e4m3`; FP8 caches only): read back with
+    # ldmatrix, 73-96 registers at 8 warps in the sm_90 builds
+    (128, 8, 2, 528, True),
+    (128, 8, 1, 528, True),
+    (64, 8, 2, 528, True),
+    (128, 4, 2, 528, True),
+    (256, 8, 2, 528, True),
 ]
 
 
@@ -301,11 +337,15 @@ def sweep(
     for shape in shapes:
         for kv in ("bf16", "fp8"):
             for cfg in configs:
+                if kv != "fp8" and cfg[4:5] == (True,):
+                    continue  # widening as loaded is for FP8 tiles
                 entry: dict[str, Any] = {"shape": shape.name, "kv": kv, "config": list(cfg)}
                 try:
-                    r = bench_shape(shape, batch, ctx, kv, device, copy_bw, reps, dense_ms, cfg)
+                    r = bench_shape(
+                        shape, batch, ctx, kv, device, copy_bw, reps, dense_ms, cfg, False
+                    )
                     entry |= {"ms": r.triton_ms, "of_copy": r.of_copy_bw, "err": r.max_abs_err}
-                    entry |= {"eager_ms": r.eager_ms, "timing": r.timing}
+                    entry["timing"] = r.timing
                     entry["over_dense"] = r.triton_over_dense
                     line = f"{r.triton_ms:8.3f} ms {r.of_copy_bw:5.0%} of copy"
                     line += f" {r.triton_over_dense:6.2f}x dense err {r.max_abs_err:.1e}"
@@ -426,9 +466,21 @@ def goals(rows: list[Row], smoke: bool) -> list[str]:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from bench.common import verdict
 
-    long = [r for r in rows if r.context >= 4096]
+    long = [r for r in rows if r.context >= 4096 and r.kv_dtype != "fp8e"]
     if smoke or not long:
         return [verdict("Triton decode attention at 4k+ context", None, "no GPU rows")]
+    plain = {(r.shape, r.context): r for r in long if r.kv_dtype == "fp8"}
+    pairs = [(plain[r.shape, r.context], r) for r in rows if r.kv_dtype == "fp8e"]
+    pairs = [(a, b) for a, b in pairs if a.context >= 4096]
+    early = verdict("FP8 widened as loaded faster", None, "no fp8e rows")
+    if pairs:
+        worst = max(pairs, key=lambda p: p[1].triton_ms / p[0].triton_ms)
+        same = all(b.max_abs_err < 0.1 for _, b in pairs)
+        detail = f"worst {worst[0].triton_ms / worst[1].triton_ms:.2f}x: {worst[1].shape}"
+        detail += f" ctx {worst[1].context} ({worst[1].of_copy_bw:.0%} of copy)"
+        early = verdict(
+            "FP8 widened as loaded faster", same and worst[1].triton_ms < worst[0].triton_ms, detail
+        )
     bw = min(long, key=lambda r: r.of_copy_bw)
     slow = max(long, key=lambda r: r.triton_over_dense)
     return [
@@ -442,6 +494,7 @@ def goals(rows: list[Row], smoke: bool) -> list[str]:
             slow.triton_over_dense <= 1.2,
             f"worst {slow.triton_over_dense:.2f}x: {slow.shape} {slow.kv_dtype} ctx {slow.context}",
         ),
+        early,
     ]
 
 
@@ -466,7 +519,7 @@ def main() -> int:
             1,
             2**20,
         )
-        kv_dtypes = ["bf16", "fp8"]
+        kv_dtypes = ["bf16", "fp8", "fp8e"]  # fp8e is fp8 in the interpreter (no inline asm)
     else:
         if not torch.cuda.is_available():
             print("no CUDA device: run with --cpu-smoke for the interpreter check", file=sys.stderr)
@@ -479,7 +532,7 @@ def main() -> int:
             20,
             2 * 2**30,
         )
-        kv_dtypes = ["bf16", "fp8"]
+        kv_dtypes = ["bf16", "fp8", "fp8e"]
         print(torch.cuda.get_device_name(), flush=True)
 
     copy_bw = copy_bandwidth(device, copy_bytes, reps)
@@ -507,14 +560,22 @@ def main() -> int:
         "copy_gbs": copy_bw / GB,
         "rows": [asdict(r) for r in rows],
     }
+
+    def save() -> None:  # after every part: a step cut short by its time limit keeps the rest
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=2))
+
+    save()
     if args.sweep:
-        ctx, configs = (64, SWEEP[:2]) if args.cpu_smoke else (4096, SWEEP)
+        ctx, configs = (64, SWEEP[:2] + SWEEP[-1:]) if args.cpu_smoke else (4096, SWEEP)
         result["sweep"] = sweep(shapes, batch, ctx, device, copy_bw, reps, configs)
         mismatches += sum(1 for e in result["sweep"] if not e.get("err", 0.0) < 0.1)
+        save()
     if args.prefill:
         batch_p, chunk, prefixes = (2, 24, [0, 40]) if args.cpu_smoke else (16, 512, [0, 1536])
         result["prefill"] = prefill_bench(shapes, batch_p, chunk, prefixes, device, reps)
         mismatches += sum(1 for e in result["prefill"] if not e["err"] < 0.1)
+        save()
     if not args.skip_e2e:
         try:
             if args.cpu_smoke:
@@ -527,8 +588,7 @@ def main() -> int:
         except Exception as exc:  # a missing model must not lose the kernel numbers above
             result["e2e"] = {"error": repr(exc)}
             print(f"end to end skipped: {exc!r}", flush=True)
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
+    save()
     if mismatches:
         print(f"MISMATCH against the reference in {mismatches} rows", file=sys.stderr)
         return 1

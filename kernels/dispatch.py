@@ -98,6 +98,17 @@ def layer_ops(x: torch.Tensor) -> ModuleType | None:
     return cpu_ops if cpu_ops.enabled(x) else fused_ops(x)
 
 
+FP8_EARLY_WIDEN_ENV = "KVGUARD_FP8_EARLY_WIDEN"  # "1": FP8 decode tiles widened as loaded
+
+
+def fp8_early_widen() -> bool:
+    """Whether the Triton decode kernel widens FP8 K/V tiles to fp16 as it loads them (in
+    128-token tiles of 8 warps) rather than after staging them: `KVGUARD_FP8_EARLY_WIDEN`
+    "1" (read when a step is launched or captured). Opt-in until a device run has shown it
+    equal and faster (bench/gpu_kernels.py's `fp8e` rows)."""
+    return os.environ.get(FP8_EARLY_WIDEN_ENV, "0") == "1"
+
+
 def _interpreting() -> bool:
     """Triton's CPU interpreter is on (tests): kernels then run on CPU tensors."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"

@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvguard.kernels import dispatch
 from kvguard.kernels.fp8 import FP8_DTYPE
 
 _LOG2E = 1.4426950408889634
@@ -58,6 +59,32 @@ def _as_dot_input(q, DOT_F32: tl.constexpr, DOT_F16: tl.constexpr):
     elif DOT_F16:
         q = q.to(tl.float16)
     return q
+
+
+@triton.jit
+def _widen_e4m3(x):
+    """e4m3 codes (loaded as uint8) to fp16 where they were loaded, four at a time by the
+    hardware's `cvt.rn.f16x2.e4m3x2` (sm_89+, the GPUs FP8 caches take Triton on).
+
+    A plain `.to(tl.float16)` gives the same values, but Triton moves such a cast past the
+    tile's layout change to the dot operand, to shuffle half the bytes: the sm_90 build then
+    reads the 8-bit tile back from shared memory a byte or two per lane (scalar LDS, no
+    ldmatrix) and needs about twice the registers of the bf16 kernel (tests/triton_sm90.py).
+    Inline asm marked impure is not moved, so the tile is widened as it arrives and goes
+    through shared memory as fp16, read with ldmatrix like a bf16 tile."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b16 lo, hi;
+        mov.b32 {lo, hi}, $2;
+        cvt.rn.f16x2.e4m3x2 $0, lo;
+        cvt.rn.f16x2.e4m3x2 $1, hi;
+        }""",
+        constraints="=r,=r,r",
+        args=[x],
+        dtype=tl.float16,
+        is_pure=False,
+        pack=4,
+    )
 
 
 @triton.jit
@@ -86,15 +113,23 @@ def _attend_tile(
     IS_FP8: tl.constexpr,
     DOT_F32: tl.constexpr,
     CAUSAL: tl.constexpr,
+    WIDEN_EARLY: tl.constexpr = False,
 ):
     """One tile of keys `toks` (valid where `t_ok`) into the online softmax (`m`, `lsum`, `acc`)
     of query rows `q`: the tile's K/V are read through the sequence's block-table row, FP8
-    scales go on the scores and probabilities; with CAUSAL, row r sees keys up to `pos[r]`."""
+    scales go on the scores and probabilities; with CAUSAL, row r sees keys up to `pos[r]`.
+    WIDEN_EARLY (FP8 on a GPU): the codes are widened to fp16 as loaded (`_widen_e4m3`)."""
     blk = tl.load(table_row_ptr + toks // BLOCK_SIZE, mask=t_ok, other=0).to(tl.int64)
     row = blk * stride_cb + (toks % BLOCK_SIZE) * stride_cs + kvh * stride_ch
     kv_mask = t_ok[:, None] & d_ok[None, :]
-    k = tl.load(k_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(v_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    offs = row[:, None] + d[None, :]
+    if WIDEN_EARLY:
+        u8 = tl.pointer_type(tl.uint8)
+        k = _widen_e4m3(tl.load(k_ptr.to(u8, bitcast=True) + offs, mask=kv_mask, other=0))
+        v = _widen_e4m3(tl.load(v_ptr.to(u8, bitcast=True) + offs, mask=kv_mask, other=0))
+    else:
+        k = tl.load(k_ptr + offs, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + offs, mask=kv_mask, other=0.0)
     if DOT_F32:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -159,6 +194,7 @@ def _decode_kernel(
     SPLIT: tl.constexpr,
     DOT_F32: tl.constexpr,
     DOT_F16: tl.constexpr,
+    WIDEN_EARLY: tl.constexpr,
 ):
     """Attention of one sequence's query heads (one GQA group) over one split of its context.
 
@@ -204,6 +240,7 @@ def _decode_kernel(
             q, m, lsum, acc, toks, toks < end, m, k_ptr, v_ptr, ks_ptr, vs_ptr,  # (pos unused)
             table_ptr + b * stride_tb, kvh, d, d_ok, stride_cb, stride_cs, stride_ch,
             num_kv_heads, qk_scale, BLOCK_SIZE, IS_FP8, DOT_F32, False,  # not causal
+            WIDEN_EARLY,
         )  # fmt: skip
 
     # An empty split (context shorter than the split grid) leaves l == 0: output 0, weight 0.
@@ -254,13 +291,19 @@ def _merge_kernel(
     tl.store(dst, res.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
-def decode_config(dim_pad: int, fp8: bool) -> tuple[int, int, int]:
-    """(tokens per tile, warps, pipeline stages), from the H200 sweep (bench/gpu_kernels.py
-    --sweep, batch 64, 4k context): 16-bit caches 64-token tiles, 8 warps from head size 128
-    (98% of copy bandwidth on Llama-2-7B's shape); FP8 caches 128-token tiles, 4 warps."""
+def decode_config(dim_pad: int, fp8: bool) -> tuple[int, int, int, bool]:
+    """(tokens per tile, warps, pipeline stages, FP8 widened as loaded), from the H200 sweep
+    (bench/gpu_kernels.py --sweep, batch 64, 4k context): 16-bit caches 64-token tiles, 8
+    warps from head size 128 (98% of copy bandwidth on Llama-2-7B's shape); FP8 caches
+    128-token tiles, 4 warps. With `KVGUARD_FP8_EARLY_WIDEN=1` (opt-in until a device run has
+    timed it) FP8 tiles are widened as loaded (`_widen_e4m3`) in 128-token tiles of 8 warps:
+    the sm_90 build needs 93 registers there against 207, and issues about 15% fewer
+    instructions per cached token than the bf16 kernel (29 warp-instructions against 34)."""
+    if fp8 and dispatch.fp8_early_widen() and not _INTERPRETED:
+        return (128 if dim_pad <= 128 else 64), 8, 2, True
     if fp8:
-        return (128 if dim_pad <= 128 else 64), 4, 2
-    return (64 if dim_pad <= 128 else 32), (4 if dim_pad <= 64 else 8), 2
+        return (128 if dim_pad <= 128 else 64), 4, 2, False
+    return (64 if dim_pad <= 128 else 32), (4 if dim_pad <= 64 else 8), 2, False
 
 
 def choose_splits(
@@ -326,14 +369,16 @@ def paged_decode(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     num_splits: int | None = None,
-    config: tuple[int, int, int] | None = None,
+    config: tuple[int, int, int] | tuple[int, int, int, bool] | None = None,
 ) -> torch.Tensor:
     """Decode attention: `q` `[B, heads, head_dim]` over each sequence's first `seq_lens[b]`
     cached tokens (all valid, so no causal mask). Returns `[B, heads, head_dim]` in q's dtype.
 
     `max_seq_len` is a host int so the split count is chosen without a device sync;
     `num_splits` overrides the heuristic (tests use it to cover both kernels); `config`
-    overrides `decode_config`'s (tile, warps, stages) (the GPU benchmark compares them).
+    overrides `decode_config`'s (tile, warps, stages[, FP8 widened as loaded]) (the GPU
+    benchmark compares them). The interpreter cannot run the early widening's inline asm:
+    there FP8 tiles are always widened by a cast.
     """
     bsz, nh, hd = q.shape
     _, block_size, hkv, _ = k_cache.shape
@@ -347,7 +392,8 @@ def paged_decode(
     group = nh // hkv
     # tl.dot wants every dimension at least 16: a group of 1-15 heads is padded with zero rows
     group_pad, dim_pad = max(16, triton.next_power_of_2(group)), max(16, triton.next_power_of_2(hd))
-    tile, warps, stages = config or decode_config(dim_pad, is_fp8)
+    tile, warps, stages, *early = config or decode_config(dim_pad, is_fp8)
+    widen_early = bool(early and early[0]) and is_fp8 and not _INTERPRETED
     splits = num_splits or choose_splits(bsz, hkv, max_seq_len)
     per_split = math.ceil(max(1, max_seq_len) / splits / tile) * tile
     splits = max(1, math.ceil(max(1, max_seq_len) / per_split))
@@ -392,6 +438,7 @@ def paged_decode(
         IS_FP8=is_fp8,
         SPLIT=splits > 1,
         **_dot_flags(q.dtype, is_fp8),
+        WIDEN_EARLY=widen_early,
         num_warps=warps,
         num_stages=stages,
     )

@@ -134,6 +134,44 @@ def test_decode_matches_torch_path(kv: str, case: int) -> None:
         torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("q_dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_fp8_widened_as_loaded_matches_torch_path(q_dtype: str, case: int) -> None:
+    """FP8 tiles widened to fp16 as they are loaded (`KVGUARD_FP8_EARLY_WIDEN`, the inline-asm
+    conversion on a GPU; the interpreter, which cannot run asm, widens by a cast): the
+    torch path's attention, with and without splits, under the config the knob picks."""
+    lens, bs, nh, hkv, d = CASES[case]
+    nb = sum((n + bs - 1) // bs for n in lens) + 3
+    cache, tables = fill(lens, nb, bs, hkv, d, "fp8", seed=case)
+    q = torch.randn(len(lens), nh, d, generator=torch.Generator().manual_seed(3))
+    q = q.to(DEVICE, DTYPES[q_dtype])
+    scale = d**-0.5
+    ref = torch_path.paged_attention(
+        q, *cache[:2], tables, lens, [1] * len(lens), scale, *cache[2:]
+    )
+    for splits in (1, 3):
+        got = ta.paged_decode(
+            q, *cache[:2], tables, torch.tensor(lens), max(lens), scale, *cache[2:],
+            num_splits=splits, config=(128, 8, 2, True),
+        )  # fmt: skip
+        tol = 1e-5 if q_dtype == "fp32" else 2e-2
+        torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
+
+
+def test_fp8_early_widening_is_opt_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`decode_config` widens FP8 tiles as loaded (128-token tiles, 8 warps) only with
+    `KVGUARD_FP8_EARLY_WIDEN=1` and never in the interpreter; 16-bit caches never."""
+    monkeypatch.delenv(dispatch.FP8_EARLY_WIDEN_ENV, raising=False)
+    monkeypatch.setattr(ta, "_INTERPRETED", False)
+    assert ta.decode_config(128, True) == (128, 4, 2, False)
+    monkeypatch.setenv(dispatch.FP8_EARLY_WIDEN_ENV, "1")
+    assert ta.decode_config(128, True) == (128, 8, 2, True)
+    assert ta.decode_config(256, True) == (64, 8, 2, True)
+    assert ta.decode_config(128, False) == (64, 8, 2, False)
+    monkeypatch.setattr(ta, "_INTERPRETED", True)
+    assert ta.decode_config(128, True) == (128, 4, 2, False)
+
+
 # (lens, query lens, block_size, heads, kv_heads, head_dim): whole prompts, chunks after a cached
 # prefix, a chunk longer than a query tile, decode rows between them, MHA and GQA 3
 PREFILL_CASES = [

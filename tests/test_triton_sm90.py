@@ -89,6 +89,25 @@ def test_skinny_gemms_stay_light(builds: list[dict]) -> None:
     assert regs and max(regs) < 130, max(regs)
 
 
+def test_fp8_tiles_widened_as_loaded_are_read_with_ldmatrix(builds: list[dict]) -> None:
+    """FP8 decode tiles cast after staging are read back from shared memory a byte or two a
+    lane (no ldmatrix) with twice the registers; widened as loaded (`KVGUARD_FP8_EARLY_WIDEN`)
+    they go through shared memory as fp16 and are read with ldmatrix, like bf16 tiles."""
+    decode = [b for b in builds if b["ok"] and b["kernel"].endswith("._decode_kernel")]
+    # the served heads (Llama-2-7B's 128, SmolLM2's 64; the tiny model's 16-wide tile differs)
+    fp8 = [b for b in decode if b["constexprs"]["IS_FP8"] and b["constexprs"]["HEAD_DIM"] >= 64]
+    early = [b for b in fp8 if b["constexprs"]["WIDEN_EARLY"]]
+    cast = [b for b in fp8 if not b["constexprs"]["WIDEN_EARLY"]]
+    assert early and cast
+    assert all(b["lds_narrow"] > b["ldsm"] for b in cast), [
+        (b["lds_narrow"], b["ldsm"]) for b in cast
+    ]
+    assert all(b["ldsm"] >= 8 and b["lds_narrow"] < b["ldsm"] for b in early), [
+        (b["lds_narrow"], b["ldsm"]) for b in early
+    ]
+    assert max(b["reg"] for b in early) < 128 < max(b["reg"] for b in cast)
+
+
 def test_the_fallback_specialisation_rules_are_tritons() -> None:
     """The recorder's own rules (used where a triton lacks the internal specialiser) give what
     this triton's specialiser gives."""

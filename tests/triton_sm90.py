@@ -24,6 +24,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -105,6 +106,7 @@ def _launch_everything() -> None:
     from kvguard.kernels import triton_gemv as tg
     from kvguard.kernels import triton_kv as tk
     from kvguard.kernels import triton_w4a16 as tw
+    from kvguard.kernels.dispatch import FP8_EARLY_WIDEN_ENV
     from kvguard.kernels.w4a16 import W4A16Weight
 
     # the launches a GPU makes: no interpreter-only choices (fp32 dots for bf16), GPU tiles
@@ -129,6 +131,10 @@ def _launch_everything() -> None:
                     tables = torch.zeros(batch, blocks, dtype=torch.int32)
                     lens = torch.full((batch,), ctx, dtype=torch.int32)
                     ta.paged_decode(q, kc, vc, tables, lens, ctx, hd**-0.5, sc, sc)
+                    if cache_dt == fp8:  # and widened as loaded (opt-in)
+                        os.environ[FP8_EARLY_WIDEN_ENV] = "1"
+                        ta.paged_decode(q, kc, vc, tables, lens, ctx, hd**-0.5, sc, sc)
+                        del os.environ[FP8_EARLY_WIDEN_ENV]
                 q = torch.zeros(40, heads, hd, dtype=dt)
                 out = torch.zeros_like(q)
                 tables = torch.zeros(3, blocks, dtype=torch.int32)
@@ -167,7 +173,9 @@ def _launch_everything() -> None:
                     tw.matmul(torch.zeros(m, k, dtype=dt), packed)
 
 
-def _resources(cubin: bytes) -> dict[str, int]:
+def _resources(cubin: bytes, sass: bool = False) -> dict[str, int]:
+    """Registers, stack, shared and local bytes of a build; with `sass`, also how its code
+    reads shared memory: `ldsm` ldmatrix instructions, `lds_narrow` 8/16-bit LDS ones."""
     import triton
 
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -177,9 +185,17 @@ def _resources(cubin: bytes) -> dict[str, int]:
         out = subprocess.run(
             [str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True
         ).stdout
+        code = ""
+        if sass:
+            code = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True)
+            code = code.stdout
     line = next(x for x in out.splitlines() if "REG:" in x)
     fields = dict(p.split(":", 1) for p in line.split() if ":" in p)
-    return {k.lower(): int(fields[k]) for k in ("REG", "STACK", "SHARED", "LOCAL")}
+    res = {k.lower(): int(fields[k]) for k in ("REG", "STACK", "SHARED", "LOCAL")}
+    if sass:
+        res["ldsm"] = len(re.findall(r"\bLDSM\b", code))
+        res["lds_narrow"] = len(re.findall(r"\bLDS\.(?:U8|S8|U16|S16)\b", code))
+    return res
 
 
 def compile_all(path: Path, part: int = 0, parts: int = 1) -> None:
@@ -220,7 +236,8 @@ def compile_all(path: Path, part: int = 0, parts: int = 1) -> None:
                 target=target,
                 options={"num_warps": launch["num_warps"], "num_stages": launch["num_stages"]},
             )
-            result |= {"ok": True} | _resources(compiled.asm["cubin"])
+            sass = launch["name"] == "_decode_kernel"  # how its tiles are read back
+            result |= {"ok": True} | _resources(compiled.asm["cubin"], sass)
         except Exception as exc:  # noqa: BLE001 - reported, and the test fails on it
             result |= {"ok": False, "error": f"{type(exc).__name__}: {exc}"[-2000:]}
         print(json.dumps(result), flush=True)

@@ -125,6 +125,17 @@ def use_triton_w4a16(device: torch.device | str) -> bool:
     return use_triton(dev)
 
 
+W4A16_PLANES_ENV = "KVGUARD_W4A16_PLANES"  # "1": the tiled W4A16 GEMM by nibble planes
+
+
+def w4a16_planes() -> bool:
+    """Whether the tiled W4A16 GEMM (9 to `LARGE_M` rows, and any rows the skinny GEMMs do
+    not take) runs by nibble planes (`triton_w4a16._planes_kernel`, 16-bit activations,
+    groups of 128 or a multiple): `KVGUARD_W4A16_PLANES` "1". Opt-in until a device run has
+    shown it faster (bench/gpu_w4a16.py)."""
+    return os.environ.get(W4A16_PLANES_ENV, "0") == "1"
+
+
 GEMV_ENV = "KVGUARD_TRITON_GEMV"  # projections of a few rows as Triton skinny GEMMs (opt-in)
 # its values: which weights take them (a device run may show one kind faster, not the other)
 GEMV_WEIGHTS = {"1": ("dense", "4bit"), "dense": ("dense",), "4bit": ("4bit",)}

@@ -53,7 +53,7 @@ import triton
 import triton.language as tl
 
 from kvguard.kernels.dispatch import GEMV_MAX_ROWS
-from kvguard.kernels.w4a16 import PACK, W4A16Weight
+from kvguard.kernels.w4a16 import PACK, W4A16Weight, plane_order
 
 __all__ = ["MAX_ROWS", "GemvConfig", "config", "linear", "w4a16_linear"]
 
@@ -297,7 +297,7 @@ def w4a16_linear(x: torch.Tensor, w: W4A16Weight, cfg: GemvConfig | None = None)
         cfg = cfg or _config_for(x2, n, k, packed=True)
         if cfg.block_k % PACK:
             raise ValueError(f"block_k {cfg.block_k} is not whole words of {PACK}")
-        xp = _plane_order(x2, w.perm)
+        xp = plane_order(x2, w.perm)
         # each word's eight x values summed (fp32): plane i of word w is column i * words + w
         sx = xp.view(m, PACK, k // PACK).sum(1, dtype=torch.float32)
         _w4_kernel[(triton.cdiv(n, cfg.block_n),)](
@@ -307,13 +307,3 @@ def w4a16_linear(x: torch.Tensor, w: W4A16Weight, cfg: GemvConfig | None = None)
             WORDS=cfg.block_k // PACK, num_warps=cfg.num_warps,
         )  # fmt: skip
     return y.view(*x.shape[:-1], n)
-
-
-def _plane_order(x2: torch.Tensor, perm: torch.Tensor | None) -> torch.Tensor:
-    """x's rows `[m, K]` as `[m, 8 * (K // 8)]` in plane order: column `i * K // 8 + w` holds
-    (permuted) x's column `8 w + i`, so nibble plane i of a tile of words meets a contiguous
-    run of x."""
-    m, k = x2.shape
-    if perm is None:
-        return x2.view(m, k // PACK, PACK).transpose(1, 2).contiguous()
-    return x2.index_select(1, perm.view(k // PACK, PACK).T.reshape(-1))

@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from kvguard.kernels.w4a16 import W4A16Weight, pack_for_triton
+from kvguard.kernels.w4a16 import W4A16Weight, pack_for_triton, plane_order
 
 __all__ = ["LARGE_M", "Plan", "W4A16Weight", "dequantize", "matmul", "pack_for_triton", "plan"]
 
@@ -136,6 +136,88 @@ def _gemm_kernel(
     if SPLIT:
         dst = part_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :]
         tl.store(dst, acc, mask=ok)
+    else:
+        dst = y_ptr + rm[:, None] * stride_ym + rn[None, :]
+        tl.store(dst, acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _codes16(words, i: tl.constexpr, BF16: tl.constexpr):
+    """Code i of each word as the 16-bit float 1 + code / 16: the nibble moved into 1.0's top
+    mantissa bits (integer instructions only; every value exact in fp16 and bf16)."""
+    c = (words >> (4 * i)) & 0xF
+    if BF16:  # one return (the compiler wants one type from a function)
+        out = ((c << 3) | 0x3F80).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        out = ((c << 6) | 0x3C00).to(tl.int16).to(tl.float16, bitcast=True)
+    return out
+
+
+@triton.jit
+def _planes_kernel(
+    xp_ptr,
+    sx_ptr,
+    qw_ptr,
+    s_ptr,
+    z_ptr,
+    y_ptr,
+    part_ptr,
+    M,
+    N,
+    n_words,
+    stride_xm,
+    stride_sxm,
+    stride_qn,
+    stride_sn,
+    stride_zn,
+    stride_ym,
+    tiles_per_split,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    BF16: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+):
+    """`_gemm_kernel` by nibble planes, for K tiles of 128 inside one group: a tile is
+    `[BLOCK_N, 16]` words, and plane i (code i of every word, `_codes16`) is an ordinary
+    `[BLOCK_N, 16]` operand against x's columns `8 w + i`, contiguous in `xp` (x in plane
+    order, `[M, 8, n_words]`). Eight K=16 dots a tile, no reshape of eight codes per word
+    into a row (which the sm_90 build turns into 2-byte shared-memory stores and loads, one
+    per weight, behind barriers), no int-to-float conversion. With the planes at
+    1 + code / 16, a tile adds `s * (16 * dot - (16 + z) * sum(x))`; `sx` holds each row's x
+    sum per tile (`[M, n_words // 16]`, fp32)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = rm < M
+    n_ok = rn < N
+    rw = tl.arange(0, 16)
+    first = pid_k * tiles_per_split
+    last = tl.minimum(first + tiles_per_split, n_words // 16)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    x_rows = xp_ptr + rm[:, None] * stride_xm
+    for t in range(first, last):
+        w0 = t * 16
+        words = tl.load(qw_ptr + rn[:, None] * stride_qn + (w0 + rw)[None, :], mask=n_ok[:, None])
+        g = (w0 * 8) // GROUP
+        s = tl.load(s_ptr + rn * stride_sn + g, mask=n_ok, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + rn * stride_zn + g, mask=n_ok, other=0.0).to(tl.float32)
+        dot = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for i in tl.static_range(8):
+            a = tl.load(x_rows + (i * n_words + w0 + rw)[None, :], mask=m_ok[:, None], other=0.0)
+            b = _codes16(words, i, BF16)
+            if FP32_DOT:
+                dot += tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), input_precision="ieee")
+            else:
+                dot = tl.dot(a, tl.trans(b), dot)
+        x_sum = tl.load(sx_ptr + rm * stride_sxm + t, mask=m_ok, other=0.0)
+        acc += (16.0 * dot - (16.0 + z[None, :]) * x_sum[:, None]) * s[None, :]
+    ok = m_ok[:, None] & n_ok[None, :]
+    if SPLIT:
+        tl.store(part_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :], acc, mask=ok)
     else:
         dst = y_ptr + rm[:, None] * stride_ym + rn[None, :]
         tl.store(dst, acc.to(y_ptr.dtype.element_ty), mask=ok)
@@ -314,26 +396,77 @@ def _fused(x: torch.Tensor, w: W4A16Weight, p: Plan) -> torch.Tensor:
         num_warps=p.num_warps,
         num_stages=p.num_stages,
     )
-    if split:
-        block = 1024
-        _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](part, y, m * n, p.split_k, BLOCK=block)
+    _reduce(part, y, p)
+    return y
+
+
+def _reduce(part: torch.Tensor, y: torch.Tensor, p: Plan) -> None:
+    """Sum the split-K partials into y (nothing to do without a split)."""
+    if p.split_k > 1:
+        block, mn = 1024, y.numel()
+        _splitk_reduce_kernel[(triton.cdiv(mn, block),)](part, y, mn, p.split_k, BLOCK=block)
+
+
+def planes_fit(x: torch.Tensor, w: W4A16Weight) -> bool:
+    """Whether `_planes_kernel` can take this call: 16-bit activations (fp32 ones keep the
+    exact fp32 dots of `_gemm_kernel`), K tiles of 128 inside one group (a group size that is
+    a multiple of 128, and K too)."""
+    k = w.shape[1]
+    return x.dtype != torch.float32 and w.group_size % 128 == 0 and k % 128 == 0
+
+
+def _fused_planes(x: torch.Tensor, w: W4A16Weight, p: Plan) -> torch.Tensor:
+    """`_planes_kernel` (plus the split-K reduction) on 2-D x (permutation not yet applied:
+    the copy into plane order applies it)."""
+    m, k = x.shape
+    n = w.shape[0]
+    xp = plane_order(x, w.perm)
+    # each row's x sum over each 128-column tile: plane i of tile t holds words 16 t .. 16 t + 15
+    sx = xp.view(m, 8, k // 128, 16).sum((1, 3), dtype=torch.float32)
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    split = p.split_k > 1
+    part = torch.empty(p.split_k, m, n, dtype=torch.float32, device=x.device) if split else y
+    grid = (triton.cdiv(m, p.block_m), triton.cdiv(n, p.block_n), p.split_k)
+    _planes_kernel[grid](
+        xp, sx, w.qweight, w.scales, w.zeros, y, part, m, n, k // 8, k, sx.stride(0),
+        w.qweight.stride(0), w.scales.stride(0), w.zeros.stride(0), y.stride(0),
+        p.tiles_per_split, GROUP=w.group_size, BLOCK_M=p.block_m, BLOCK_N=p.block_n,
+        SPLIT=split, BF16=x.dtype == torch.bfloat16,
+        FP32_DOT=isinstance(_planes_kernel, InterpretedFunction), num_warps=p.num_warps,
+        num_stages=p.num_stages,
+    )  # fmt: skip
+    _reduce(part, y, p)
     return y
 
 
 def matmul(
-    x: torch.Tensor, w: W4A16Weight, *, split_k: int | None = None, large_m: int = LARGE_M
+    x: torch.Tensor,
+    w: W4A16Weight,
+    *,
+    split_k: int | None = None,
+    large_m: int = LARGE_M,
+    planes: bool | None = None,
 ) -> torch.Tensor:
     """`x @ W.T` for x `[..., K]`: the fused kernel up to `large_m` rows, dequantise +
-    `torch.matmul` above. `split_k` forces the fused kernel's K split (1 = none)."""
+    `torch.matmul` above. `split_k` forces the fused kernel's K split (1 = none); `planes`
+    takes the nibble-plane kernel where `planes_fit` (None: as `dispatch.w4a16_planes` says,
+    opt-in until a device run has timed it)."""
     _check(x, w)
     n, k = w.shape
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
-    if w.perm is not None:
-        x2 = x2.index_select(1, w.perm)
     m = x2.shape[0]
     if m == 0:
         return x.new_empty(*lead, n)
+    if planes is None:
+        from kvguard.kernels.dispatch import w4a16_planes
+
+        planes = w4a16_planes()
+    if m <= large_m and planes and planes_fit(x2, w):
+        p = plan(m, n, k, w.group_size, x.device, split_k, x.dtype)
+        return _fused_planes(x2, w, p).reshape(*lead, n)
+    if w.perm is not None:
+        x2 = x2.index_select(1, w.perm)
     if m > large_m:
         y = x2 @ dequantize(w, x.dtype).T
     else:

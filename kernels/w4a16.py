@@ -113,3 +113,14 @@ def reference_matmul(x: torch.Tensor, w: W4A16Weight) -> torch.Tensor:
     if w.perm is not None:
         xf = xf.index_select(-1, w.perm.to(x.device))
     return (xf @ dequantize(w).T).to(x.dtype)
+
+
+def plane_order(x2: torch.Tensor, perm: torch.Tensor | None) -> torch.Tensor:
+    """x's rows `[m, K]` as `[m, 8 * (K // 8)]` in plane order (the 4-bit skinny GEMM's and the
+    nibble-plane W4A16 GEMM's activations): column `i * K // 8 + w` holds
+    (permuted) x's column `8 w + i`, so nibble plane i of a tile of words meets a contiguous
+    run of x."""
+    m, k = x2.shape
+    if perm is None:
+        return x2.reshape(m, k // PACK, PACK).transpose(1, 2).contiguous()
+    return x2.index_select(1, perm.view(k // PACK, PACK).T.reshape(-1))

@@ -26,7 +26,7 @@ KERNELS = {
     "triton_attention": {"_decode_kernel", "_merge_kernel", "_prefill_kernel"},
     "triton_kv": {"_write_kernel", "_write_fp8_own_block_kernel"},
     "triton_fused": {"_rmsnorm_kernel", "_rope_kernel", "_silu_mul_kernel"},
-    "triton_w4a16": {"_gemm_kernel", "_splitk_reduce_kernel", "_dequant_kernel"},
+    "triton_w4a16": {"_gemm_kernel", "_planes_kernel", "_splitk_reduce_kernel", "_dequant_kernel"},
     "triton_gemv": {"_dense_kernel", "_w4_kernel"},
 }
 PARTS = 2  # processes building at once (the CI machine's cores)

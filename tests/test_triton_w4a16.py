@@ -158,6 +158,52 @@ def test_large_m_path(dtype: str) -> None:
     assert rel_err(got, reference(x, spec)) < LARGE_TOL[dtype]
 
 
+# (M, K, N, group): decode rows, a multi-tile M, one and two 128-wide K tiles, N off the tile,
+# groups of 128 and one of 256 (spanning two tiles)
+PLANE_CASES = [(1, 128, 48, 128), (5, 256, 32, 128), (33, 256, 48, 256), (33, 128, 32, 128)]
+
+
+@pytest.mark.parametrize(
+    "case", PLANE_CASES, ids=[f"m{c[0]}-k{c[1]}-n{c[2]}-g{c[3]}" for c in PLANE_CASES]
+)
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_nibble_planes_match_reference(case: tuple[int, int, int, int], dtype: str) -> None:
+    """The nibble-plane kernel (`KVGUARD_W4A16_PLANES`), split-K off and on, desc_act or not."""
+    m, k, n, group = case
+    for desc_act in (False, True):
+        spec = make_spec(n, k, group, seed=m + k + n, desc_act=desc_act)
+        w = w4a16.pack_for_triton(to_device(spec))
+        x = activations(m, k, dtype, seed=m + 1)
+        assert tw.planes_fit(x, w)
+        ref = reference(x, spec)
+        for split in (1, k // 128):
+            got = tw.matmul(x, w, split_k=split, planes=True)
+            assert got.dtype == x.dtype and got.shape == (m, n)
+            assert rel_err(got, ref) < FUSED_TOL[dtype], (split, desc_act)
+
+
+def test_nibble_planes_are_opt_in_and_fit_only_whole_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The switch is read per call; calls the planes cannot take (fp32 activations, groups
+    under 128, K off a 128 multiple) keep the tiled kernel, with or without it."""
+    monkeypatch.delenv(dispatch.W4A16_PLANES_ENV, raising=False)
+    assert not dispatch.w4a16_planes()
+    monkeypatch.setenv(dispatch.W4A16_PLANES_ENV, "1")
+    assert dispatch.w4a16_planes()
+    calls = []
+    monkeypatch.setattr(tw, "_fused_planes", lambda *a: calls.append(a) or 1 / 0)
+    spec = make_spec(32, 128, 128, seed=3)
+    w = w4a16.pack_for_triton(to_device(spec))
+    with pytest.raises(ZeroDivisionError):
+        tw.matmul(activations(2, 128, "bf16", seed=4), w)  # the switch took it to the planes
+    assert len(calls) == 1
+    x32 = activations(2, 128, "fp32", seed=4)
+    assert not tw.planes_fit(x32, w)
+    assert rel_err(tw.matmul(x32, w), reference(x32, spec)) < 1e-5
+    small = w4a16.pack_for_triton(to_device(make_spec(32, 128, 64, seed=5)))
+    assert not tw.planes_fit(activations(2, 128, "bf16", seed=4), small)
+    assert len(calls) == 1
+
+
 def test_desc_act_leading_dims_and_strides() -> None:
     """A permuted spec, x with two leading dims, and x as a non-contiguous view, both paths."""
     k, n, group = 128, 48, 64

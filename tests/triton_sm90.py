@@ -171,6 +171,7 @@ def _launch_everything() -> None:
                     tg.w4a16_linear(torch.zeros(m, k, dtype=dt), packed, cfg=cfg)
                 for m in (1, 16, 64, 256):
                     tw.matmul(torch.zeros(m, k, dtype=dt), packed)
+                    tw.matmul(torch.zeros(m, k, dtype=dt), packed, planes=True)
 
 
 def _resources(cubin: bytes, sass: bool = False) -> dict[str, int]:

@@ -297,7 +297,7 @@ def decode_config(dim_pad: int, fp8: bool) -> tuple[int, int, int, bool]:
     warps from head size 128 (98% of copy bandwidth on Llama-2-7B's shape); FP8 caches
     128-token tiles, 4 warps. With `KVGUARD_FP8_EARLY_WIDEN=1` (opt-in until a device run has
     timed it) FP8 tiles are widened as loaded (`_widen_e4m3`) in 128-token tiles of 8 warps:
-    the sm_90 build needs 93 registers there against 207, and issues about 15% fewer
+    the sm_90 build needs 96 registers there against 205, and issues about 15% fewer
     instructions per cached token than the bf16 kernel (29 warp-instructions against 34)."""
     if fp8 and dispatch.fp8_early_widen() and not _INTERPRETED:
         return (128 if dim_pad <= 128 else 64), 8, 2, True

@@ -108,6 +108,29 @@ def test_fp8_tiles_widened_as_loaded_are_read_with_ldmatrix(builds: list[dict]) 
     assert max(b["reg"] for b in early) < 128 < max(b["reg"] for b in cast)
 
 
+def test_w4a16_nibble_planes_skip_the_per_weight_reshuffle(builds: list[dict]) -> None:
+    """The tiled W4A16 GEMM's codes, reshaped eight a word into a row, go through shared
+    memory as one 2-byte store per weight; the nibble-plane kernel's do not, and it needs
+    fewer registers at every tile the tiled one builds with (16-bit activations)."""
+
+    def key(b: dict) -> tuple:
+        c = b["constexprs"]
+        return c["BLOCK_M"], c["BLOCK_N"], b["signature"].get("x_ptr", b["signature"].get("xp_ptr"))
+
+    tiled = {key(b): b for b in builds if b["ok"] and b["kernel"].endswith("._gemm_kernel")}
+    planes = [b for b in builds if b["ok"] and b["kernel"].endswith("._planes_kernel")]
+    assert planes
+    for b in planes:
+        old = tiled[key(b)]
+        assert b["sts_narrow"] == 0 < old["sts_narrow"], (
+            key(b),
+            b["sts_narrow"],
+            old["sts_narrow"],
+        )
+        if key(b)[0] <= 16:  # decode-sized tiles
+            assert b["reg"] < old["reg"], (key(b), b["reg"], old["reg"])
+
+
 def test_the_fallback_specialisation_rules_are_tritons() -> None:
     """The recorder's own rules (used where a triton lacks the internal specialiser) give what
     this triton's specialiser gives."""

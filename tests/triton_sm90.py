@@ -176,7 +176,8 @@ def _launch_everything() -> None:
 
 def _resources(cubin: bytes, sass: bool = False) -> dict[str, int]:
     """Registers, stack, shared and local bytes of a build; with `sass`, also how its code
-    reads shared memory: `ldsm` ldmatrix instructions, `lds_narrow` 8/16-bit LDS ones."""
+    uses shared memory: `ldsm` ldmatrix instructions, `lds_narrow` / `sts_narrow` 8/16-bit
+    LDS / STS ones."""
     import triton
 
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -196,6 +197,7 @@ def _resources(cubin: bytes, sass: bool = False) -> dict[str, int]:
     if sass:
         res["ldsm"] = len(re.findall(r"\bLDSM\b", code))
         res["lds_narrow"] = len(re.findall(r"\bLDS\.(?:U8|S8|U16|S16)\b", code))
+        res["sts_narrow"] = len(re.findall(r"\bSTS\.(?:U8|S8|U16|S16)\b", code))
     return res
 
 
@@ -237,7 +239,8 @@ def compile_all(path: Path, part: int = 0, parts: int = 1) -> None:
                 target=target,
                 options={"num_warps": launch["num_warps"], "num_stages": launch["num_stages"]},
             )
-            sass = launch["name"] == "_decode_kernel"  # how its tiles are read back
+            # how tiles go through shared memory (decode attention, the tiled W4A16 GEMMs)
+            sass = launch["name"] in ("_decode_kernel", "_gemm_kernel", "_planes_kernel")
             result |= {"ok": True} | _resources(compiled.asm["cubin"], sass)
         except Exception as exc:  # noqa: BLE001 - reported, and the test fails on it
             result |= {"ok": False, "error": f"{type(exc).__name__}: {exc}"[-2000:]}

@@ -25,7 +25,8 @@ running out of time leaves the others' results in the JSON):
    the live pool resize on it (half, and back): device memory given back, pause;
 7. a 4-bit model of the first shape (groups of 32, as the default GGUF loads on a GPU: the
    W4A16 path): decode at each batch through the tiled W4A16 GEMM and with the skinny 4-bit
-   GEMMs (`KVGUARD_TRITON_GEMV=4bit`), against the limit of its own bytes;
+   GEMMs (`KVGUARD_TRITON_GEMV=4bit`), and past 8 rows with the tiled GEMM by nibble planes
+   (`KVGUARD_W4A16_PLANES=1`), against the limit of its own bytes;
 8. CUDA graphs (`KVGUARD_CUDA_GRAPHS=0` vs `1`): equal greedy tokens on the tiny test model in
    fp32 (random bf16 weights have near-tied logits, where summation order alone can flip a
    token), then the speed-up at batch 1/16/64 on the SmolLM2 shape (the knob is on by
@@ -326,7 +327,7 @@ def section_packed(run: Run, copy_bw: float) -> dict[str, Any]:
     (today's default) and with the skinny 4-bit GEMMs (`KVGUARD_TRITON_GEMV=4bit`), how many
     sequences' first 8 tokens agree, and batch 1 against the limit of its own bytes."""
     from kvguard.engine.model import step_weight_bytes
-    from kvguard.kernels.dispatch import GEMV_ENV
+    from kvguard.kernels.dispatch import GEMV_ENV, GEMV_MAX_ROWS, W4A16_PLANES_ENV
 
     shape = run.shapes[0]
     tokens = run.prompt + run.new_tokens + 8
@@ -342,6 +343,11 @@ def section_packed(run: Run, copy_bw: float) -> dict[str, Any]:
         same = sum(a[:8] == d[:8] for a, d in zip(skinny_out, tiled_out, strict=True))
         row = {"batch": b, "tiled_tok_s": tiled, "skinny_tok_s": skinny}
         row |= {"speedup": skinny / tiled, "same_first8": f"{same}/{b}"}
+        if b > GEMV_MAX_ROWS or run.smoke:  # past the skinny GEMMs: the tiled GEMM by planes
+            planes, planes_out = _rate_with_env(eng, run, b, {W4A16_PLANES_ENV: "1"})
+            same = sum(a[:8] == d[:8] for a, d in zip(planes_out, tiled_out, strict=True))
+            row |= {"planes_tok_s": planes, "planes_speedup": planes / tiled}
+            row["planes_same_first8"] = f"{same}/{b}"
         res["rows"].append(row)
         print(f"  {shape} 4-bit g{PACKED_GROUP}: " + json.dumps(row), flush=True)
     del eng
@@ -839,6 +845,13 @@ def goals(result: dict[str, Any]) -> list[str]:
         detail += ", ".join(f"{r['same_first8']} at {b}" for b, r in rows.items())
         ok = rows[1]["speedup"] > 1.0
         lines.append(verdict("4-bit model decode faster with the skinny GEMMs", ok, detail))
+    planes = [r for r in rows.values() if "planes_speedup" in r]
+    if planes and not smoke:  # KVGUARD_W4A16_PLANES on a GGUF-sized group
+        worst = min(planes, key=lambda r: r["planes_speedup"])
+        detail = f"worst {worst['planes_speedup']:.2f}x at batch {worst['batch']}, same first 8 "
+        detail += ", ".join(f"{r['planes_same_first8']} at {r['batch']}" for r in planes)
+        ok = worst["planes_speedup"] > 1.0
+        lines.append(verdict("4-bit model decode faster with nibble planes", ok, detail))
     graphs = result.get("cuda_graphs", {})
     rows, exact = graphs.get("rows", []), graphs.get("tiny_fp32", {})
     if rows and exact.get("captures") and all(r["captures"] for r in rows):

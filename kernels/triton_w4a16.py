@@ -179,14 +179,18 @@ def _planes_kernel(
     BF16: tl.constexpr,
     FP32_DOT: tl.constexpr,
 ):
-    """`_gemm_kernel` by nibble planes, for K tiles of 128 inside one group: a tile is
-    `[BLOCK_N, 16]` words, and plane i (code i of every word, `_codes16`) is an ordinary
+    """`_gemm_kernel` by nibble planes: a K tile is `[BLOCK_N, 16]` words (128 codes a row),
+    and plane i (code i of every word, `_codes16`: 1 + code / 16) is an ordinary
     `[BLOCK_N, 16]` operand against x's columns `8 w + i`, contiguous in `xp` (x in plane
-    order, `[M, 8, n_words]`). Eight K=16 dots a tile, no reshape of eight codes per word
-    into a row (which the sm_90 build turns into 2-byte shared-memory stores and loads, one
-    per weight, behind barriers), no int-to-float conversion. With the planes at
-    1 + code / 16, a tile adds `s * (16 * dot - (16 + z) * sum(x))`; `sx` holds each row's x
-    sum per tile (`[M, n_words // 16]`, fp32)."""
+    order, `[M, 8, n_words]`). Eight K=16 dots a tile, no reshape of eight codes a word into
+    a row (which the sm_90 build turns into 2-byte shared-memory stores and loads, one per
+    weight, behind barriers) and no int-to-float conversion. The last tile may be partial.
+
+    Groups of 128 or a multiple (one group a tile): the planes go to the tensor cores as they
+    are and a tile adds `s * (16 * dot - (16 + z) * sum(x))`, with `sx` holding each row's x
+    sum per tile (`[M, tiles]`, fp32). Smaller groups (e.g. GGUF's 32) change scale within a
+    plane, so each plane is dequantised first, `(code - z) * s` as one FMA from per-word
+    factors, and rounded to x's dtype for the dot (as the dequantise + matmul path rounds)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -196,25 +200,49 @@ def _planes_kernel(
     n_ok = rn < N
     rw = tl.arange(0, 16)
     first = pid_k * tiles_per_split
-    last = tl.minimum(first + tiles_per_split, n_words // 16)
+    last = tl.minimum(first + tiles_per_split, tl.cdiv(n_words, 16))
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     x_rows = xp_ptr + rm[:, None] * stride_xm
     for t in range(first, last):
-        w0 = t * 16
-        words = tl.load(qw_ptr + rn[:, None] * stride_qn + (w0 + rw)[None, :], mask=n_ok[:, None])
-        g = (w0 * 8) // GROUP
-        s = tl.load(s_ptr + rn * stride_sn + g, mask=n_ok, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + rn * stride_zn + g, mask=n_ok, other=0.0).to(tl.float32)
-        dot = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for i in tl.static_range(8):
-            a = tl.load(x_rows + (i * n_words + w0 + rw)[None, :], mask=m_ok[:, None], other=0.0)
-            b = _codes16(words, i, BF16)
-            if FP32_DOT:
-                dot += tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), input_precision="ieee")
-            else:
-                dot = tl.dot(a, tl.trans(b), dot)
-        x_sum = tl.load(sx_ptr + rm * stride_sxm + t, mask=m_ok, other=0.0)
-        acc += (16.0 * dot - (16.0 + z[None, :]) * x_sum[:, None]) * s[None, :]
+        ww = t * 16 + rw
+        w_ok = ww < n_words
+        tile_ok = n_ok[:, None] & w_ok[None, :]
+        x_ok = m_ok[:, None] & w_ok[None, :]
+        words = tl.load(qw_ptr + rn[:, None] * stride_qn + ww[None, :], mask=tile_ok, other=0)
+        if GROUP % 128 == 0:
+            g = (t * 128) // GROUP
+            s = tl.load(s_ptr + rn * stride_sn + g, mask=n_ok, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + rn * stride_zn + g, mask=n_ok, other=0.0).to(tl.float32)
+            dot = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for i in tl.static_range(8):
+                a = tl.load(x_rows + (i * n_words + ww)[None, :], mask=x_ok, other=0.0)
+                b = _codes16(words, i, BF16)
+                if FP32_DOT:
+                    dot += tl.dot(
+                        a.to(tl.float32), tl.trans(b.to(tl.float32)), input_precision="ieee"
+                    )
+                else:
+                    dot = tl.dot(a, tl.trans(b), dot)
+            x_sum = tl.load(sx_ptr + rm * stride_sxm + t, mask=m_ok, other=0.0)
+            acc += (16.0 * dot - (16.0 + z[None, :]) * x_sum[:, None]) * s[None, :]
+        else:
+            g = (ww * 8) // GROUP  # each word lies in one group
+            at = rn[:, None] * stride_sn + g[None, :]
+            s = tl.load(s_ptr + at, mask=tile_ok, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + rn[:, None] * stride_zn + g[None, :], mask=tile_ok, other=0.0)
+            mul = 16.0 * s  # (code - z) * s == 16 s (1 + code / 16) - (16 + z) s
+            add = -(16.0 + z.to(tl.float32)) * s
+            for i in tl.static_range(8):
+                a = tl.load(x_rows + (i * n_words + ww)[None, :], mask=x_ok, other=0.0)
+                b = _codes16(words, i, BF16).to(tl.float32) * mul + add
+                if FP32_DOT:
+                    acc += tl.dot(
+                        a.to(tl.float32),
+                        tl.trans(b.to(a.dtype).to(tl.float32)),
+                        input_precision="ieee",
+                    )
+                else:
+                    acc = tl.dot(a, tl.trans(b.to(a.dtype)), acc)
     ok = m_ok[:, None] & n_ok[None, :]
     if SPLIT:
         tl.store(part_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :], acc, mask=ok)
@@ -409,29 +437,33 @@ def _reduce(part: torch.Tensor, y: torch.Tensor, p: Plan) -> None:
 
 def planes_fit(x: torch.Tensor, w: W4A16Weight) -> bool:
     """Whether `_planes_kernel` can take this call: 16-bit activations (fp32 ones keep the
-    exact fp32 dots of `_gemm_kernel`), K tiles of 128 inside one group (a group size that is
-    a multiple of 128, and K too)."""
-    k = w.shape[1]
-    return x.dtype != torch.float32 and w.group_size % 128 == 0 and k % 128 == 0
+    exact fp32 dots of `_gemm_kernel`); any group size and K."""
+    return x.dtype != torch.float32 and w.shape[1] % 8 == 0
 
 
-def _fused_planes(x: torch.Tensor, w: W4A16Weight, p: Plan) -> torch.Tensor:
+def _fused_planes(x: torch.Tensor, w: W4A16Weight, split_k: int | None) -> torch.Tensor:
     """`_planes_kernel` (plus the split-K reduction) on 2-D x (permutation not yet applied:
-    the copy into plane order applies it)."""
+    the copy into plane order applies it), in K tiles of 128 (the last one partial)."""
     m, k = x.shape
     n = w.shape[0]
+    tiles = triton.cdiv(k, 128)
+    p = plan(m, n, tiles * 128, 128, x.device, split_k, x.dtype)
     xp = plane_order(x, w.perm)
-    # each row's x sum over each 128-column tile: plane i of tile t holds words 16 t .. 16 t + 15
-    sx = xp.view(m, 8, k // 128, 16).sum((1, 3), dtype=torch.float32)
+    if w.group_size % 128 == 0:
+        # each row's x sum over each 128-column tile: plane i of tile t holds its words
+        # 16 t .. 16 t + 15 (K is whole tiles here: groups are)
+        sx = xp.view(m, 8, tiles, 16).sum((1, 3), dtype=torch.float32)
+    else:
+        sx = xp.new_empty(0, dtype=torch.float32)  # not read
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     split = p.split_k > 1
     part = torch.empty(p.split_k, m, n, dtype=torch.float32, device=x.device) if split else y
     grid = (triton.cdiv(m, p.block_m), triton.cdiv(n, p.block_n), p.split_k)
     _planes_kernel[grid](
-        xp, sx, w.qweight, w.scales, w.zeros, y, part, m, n, k // 8, k, sx.stride(0),
-        w.qweight.stride(0), w.scales.stride(0), w.zeros.stride(0), y.stride(0),
-        p.tiles_per_split, GROUP=w.group_size, BLOCK_M=p.block_m, BLOCK_N=p.block_n,
-        SPLIT=split, BF16=x.dtype == torch.bfloat16,
+        xp, sx, w.qweight, w.scales, w.zeros, y, part, m, n, k // 8, k,
+        sx.stride(0) if sx.dim() == 2 else 0, w.qweight.stride(0), w.scales.stride(0),
+        w.zeros.stride(0), y.stride(0), p.tiles_per_split, GROUP=w.group_size,
+        BLOCK_M=p.block_m, BLOCK_N=p.block_n, SPLIT=split, BF16=x.dtype == torch.bfloat16,
         FP32_DOT=isinstance(_planes_kernel, InterpretedFunction), num_warps=p.num_warps,
         num_stages=p.num_stages,
     )  # fmt: skip
@@ -463,8 +495,7 @@ def matmul(
 
         planes = w4a16_planes()
     if m <= large_m and planes and planes_fit(x2, w):
-        p = plan(m, n, k, w.group_size, x.device, split_k, x.dtype)
-        return _fused_planes(x2, w, p).reshape(*lead, n)
+        return _fused_planes(x2, w, split_k).reshape(*lead, n)
     if w.perm is not None:
         x2 = x2.index_select(1, w.perm)
     if m > large_m:

@@ -110,8 +110,9 @@ def test_fp8_tiles_widened_as_loaded_are_read_with_ldmatrix(builds: list[dict]) 
 
 def test_w4a16_nibble_planes_skip_the_per_weight_reshuffle(builds: list[dict]) -> None:
     """The tiled W4A16 GEMM's codes, reshaped eight a word into a row, go through shared
-    memory as one 2-byte store per weight; the nibble-plane kernel's do not, and it needs
-    fewer registers at every tile the tiled one builds with (16-bit activations)."""
+    memory as one 2-byte store per weight; the nibble-plane kernel's do not, and at decode
+    tiles it needs fewer registers (16-bit activations; Llama-2-7B's groups of 128, and
+    SmolLM2's 576-wide rows in GGUF's groups of 32)."""
 
     def key(b: dict) -> tuple:
         c = b["constexprs"]
@@ -121,13 +122,12 @@ def test_w4a16_nibble_planes_skip_the_per_weight_reshuffle(builds: list[dict]) -
     planes = [b for b in builds if b["ok"] and b["kernel"].endswith("._planes_kernel")]
     assert planes
     for b in planes:
-        old = tiled[key(b)]
-        assert b["sts_narrow"] == 0 < old["sts_narrow"], (
-            key(b),
-            b["sts_narrow"],
-            old["sts_narrow"],
-        )
-        if key(b)[0] <= 16:  # decode-sized tiles
+        old, decode = tiled[key(b)], key(b)[0] <= 16
+        # groups under 128 dequantise each plane first: at the 64-row tile (wgmma, which
+        # reads an operand from shared memory) those weights go there 2 bytes at a time too
+        if b["constexprs"]["GROUP"] % 128 == 0 or decode:
+            assert b["sts_narrow"] == 0 < old["sts_narrow"], (key(b), b["sts_narrow"])
+        if decode:
             assert b["reg"] < old["reg"], (key(b), b["reg"], old["reg"])
 
 

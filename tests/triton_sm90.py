@@ -158,7 +158,17 @@ def _launch_everything() -> None:
                 w = torch.zeros(n, k, dtype=dt)
                 for m in (1, 2, 3, 4, 8):
                     tg.linear(torch.zeros(m, k, dtype=dt), w, cfg=tg.config(n, k, 132, rows=m))
-                if dt == torch.float32 or k % 128:
+                if dt == torch.float32:
+                    continue
+                if k % 128:  # SmolLM2's 576: a GGUF-sized group, by nibble planes
+                    g32 = W4A16Weight(
+                        torch.zeros(n, k // 8, dtype=torch.int32),
+                        torch.ones(n, k // 32),
+                        torch.zeros(n, k // 32),
+                        32,
+                    )
+                    for m in (16, 64):
+                        tw.matmul(torch.zeros(m, k, dtype=dt), g32, planes=True)
                     continue
                 packed = W4A16Weight(
                     torch.zeros(n, k // 8, dtype=torch.int32),

@@ -470,8 +470,8 @@ def goals(rows: list[Row], smoke: bool) -> list[str]:
     if smoke or not long:
         return [verdict("Triton decode attention at 4k+ context", None, "no GPU rows")]
     plain = {(r.shape, r.context): r for r in long if r.kv_dtype == "fp8"}
-    pairs = [(plain[r.shape, r.context], r) for r in rows if r.kv_dtype == "fp8e"]
-    pairs = [(a, b) for a, b in pairs if a.context >= 4096]
+    early_rows = [r for r in rows if r.kv_dtype == "fp8e" and (r.shape, r.context) in plain]
+    pairs = [(plain[r.shape, r.context], r) for r in early_rows]
     early = verdict("FP8 widened as loaded faster", None, "no fp8e rows")
     if pairs:
         worst = max(pairs, key=lambda p: p[1].triton_ms / p[0].triton_ms)

@@ -1,6 +1,7 @@
-"""The verdicts bench/gpu_e2e.py and bench/gpu_gemv.py print from a device run: they decide which
-opt-in CUDA path becomes a default (the per-layer Triton ops, the Triton prefill, FP8 pools under
-graphs, the skinny GEMMs), so their arithmetic is checked here on results shaped like a run's
+"""The verdicts bench/gpu_e2e.py, gpu_gemv.py, gpu_kernels.py and gpu_w4a16.py print from a
+device run: they decide which opt-in CUDA path becomes a default (the per-layer Triton ops, the
+Triton prefill, FP8 pools under graphs, the skinny GEMMs, FP8 tiles widened as loaded, the
+nibble-plane W4A16 GEMM), so their arithmetic is checked here on results shaped like a run's
 JSON."""
 
 from __future__ import annotations
@@ -137,3 +138,75 @@ def test_the_verdicts_of_a_saved_run_print_alone(tmp_path) -> None:  # noqa: ANN
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == goals(_run(140.7, 201.0, {}, 4.5))
+
+
+def _attention_rows(fp8e_ms: float, fp8e_err: float = 0.01) -> list[Any]:
+    from bench.gpu_kernels import Row
+
+    rows = []
+    for shape in ("smollm2", "llama2-7b"):
+        for ctx in (1024, 4096, 16384):
+            for kv, ms in (("bf16", 1.0), ("fp8", 1.2), ("fp8e", fp8e_ms)):
+                bw = 0.9 if kv == "bf16" else 0.5
+                err = fp8e_err if kv == "fp8e" else 0.01
+                rows.append(Row(shape, kv, 64, ctx, ms, ms, "graph", 1.0, 1.0, bw, 1.0, ms, err))
+    return rows
+
+
+def test_attention_verdicts_judge_fp8_widened_as_loaded_apart() -> None:
+    """gpu_kernels.py: the issue's attention goals over the default kernels only (the opt-in
+    fp8e rows, at every context including 1k, neither help nor hurt them), and the opt-in's own
+    verdict: faster than the plain FP8 rows at 4k+ with the reference's values."""
+    from bench.gpu_kernels import goals as attention_goals
+
+    faster, slower, wrong = (
+        attention_goals(_attention_rows(*a), False) for a in ((0.9,), (1.3,), (0.9, 0.5))
+    )
+    assert faster[:2] == slower[:2] == wrong[:2]
+    assert faster[0].startswith("goal >= 70% of copy bandwidth at 4k+: NOT met (worst 50%")
+    assert "FP8 widened as loaded faster: met (worst 1.33x" in faster[2]
+    assert "FP8 widened as loaded faster: NOT met" in slower[2]
+    assert "FP8 widened as loaded faster: NOT met" in wrong[2]
+    plain = [r for r in _attention_rows(0.9) if r.kv_dtype != "fp8e"]
+    assert "not measured" in attention_goals(plain, False)[2]
+    assert "not measured" in attention_goals(plain, True)[0]
+
+
+def test_w4a16_planes_verdict() -> None:
+    """gpu_w4a16.py: the nibble planes must beat the tiled kernel at every fused batch (not
+    the dequantise + matmul ones past LARGE_M), with the reference's values."""
+    from bench.gpu_w4a16 import Row, goals
+
+    def rows(ratios: list[float], err: float = 1e-3) -> list[Row]:
+        out = []
+        for b, r in zip((1, 16, 64, 256), ratios, strict=True):
+            out.append(Row("qkvo", 4096, 4096, b, "-", 1, 1, 1, r, 1, 1, 1, r, 1, 1, 1, 1e-3, err))
+        return out
+
+    assert "met (worst 1.25x: qkvo batch 64)" in goals(rows([0.5, 0.6, 0.8, 3.0]), False)[0]
+    assert "NOT met (worst 0.91x: qkvo batch 16)" in goals(rows([0.5, 1.1, 0.8, 0.1]), False)[0]
+    assert "NOT met" in goals(rows([0.5, 0.6, 0.8, 0.9], err=0.5), False)[0]
+    assert "not measured" in goals(rows([0.5, 0.6, 0.8, 0.9]), True)[0]
+
+
+def test_packed_planes_verdict() -> None:
+    """gpu_e2e.py's packed section: the nibble planes decode faster past the skinny GEMMs'
+    rows at every batch they ran, or the verdict says which batch lost."""
+
+    def packed(s16: float, s64: float) -> dict[str, Any]:
+        rows = [{"batch": 1, "tiled_tok_s": 100.0, "skinny_tok_s": 150.0, "speedup": 1.5}]
+        rows[0]["same_first8"] = "1/1"
+        for b, sp in ((16, s16), (64, s64)):
+            row = {"batch": b, "tiled_tok_s": 100.0, "skinny_tok_s": 100.0, "speedup": 1.0}
+            row |= {"same_first8": f"{b}/{b}", "planes_tok_s": 100 * sp, "planes_speedup": sp}
+            rows.append(row | {"planes_same_first8": f"{b}/{b}"})
+        return {"device": "NVIDIA H200", "packed": {"limit_tok_s_b1": 1000.0, "rows": rows}}
+
+    def line(result: dict[str, Any]) -> str:
+        return next(x for x in goals(result) if "nibble planes" in x)
+
+    assert line(packed(1.4, 1.2)).startswith(
+        "goal 4-bit model decode faster with nibble planes: met"
+    )
+    assert "NOT met (worst 0.90x at batch 64" in line(packed(1.4, 0.9))
+    assert not any("nibble planes" in x for x in goals(packed(1.4, 1.2) | {"device": "cpu"}))

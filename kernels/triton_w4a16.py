@@ -66,6 +66,20 @@ _ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
+def _store_tile(
+    acc, y_ptr, part_ptr, rm, rn, m_ok, n_ok, M, N, stride_ym, pid_k, SPLIT: tl.constexpr
+):
+    """A program's `[BLOCK_M, BLOCK_N]` result: with SPLIT its fp32 partial to
+    `part_ptr[pid_k, M, N]`; without, y's tile in y's dtype."""
+    ok = m_ok[:, None] & n_ok[None, :]
+    if SPLIT:
+        tl.store(part_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :], acc, mask=ok)
+    else:
+        dst = y_ptr + rm[:, None] * stride_ym + rn[None, :]
+        tl.store(dst, acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
 def _gemm_kernel(
     x_ptr,
     qw_ptr,
@@ -132,13 +146,7 @@ def _gemm_kernel(
             dot = tl.dot(a, tl.trans(codes.to(a.dtype)))
             a_sum = tl.sum(a.to(tl.float32), axis=1)
         acc += (dot - a_sum[:, None] * z[None, :]) * s[None, :]
-    ok = m_ok[:, None] & n_ok[None, :]
-    if SPLIT:
-        dst = part_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :]
-        tl.store(dst, acc, mask=ok)
-    else:
-        dst = y_ptr + rm[:, None] * stride_ym + rn[None, :]
-        tl.store(dst, acc.to(y_ptr.dtype.element_ty), mask=ok)
+    _store_tile(acc, y_ptr, part_ptr, rm, rn, m_ok, n_ok, M, N, stride_ym, pid_k, SPLIT)
 
 
 @triton.jit
@@ -243,12 +251,7 @@ def _planes_kernel(
                     )
                 else:
                     acc = tl.dot(a, tl.trans(b.to(a.dtype)), acc)
-    ok = m_ok[:, None] & n_ok[None, :]
-    if SPLIT:
-        tl.store(part_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :], acc, mask=ok)
-    else:
-        dst = y_ptr + rm[:, None] * stride_ym + rn[None, :]
-        tl.store(dst, acc.to(y_ptr.dtype.element_ty), mask=ok)
+    _store_tile(acc, y_ptr, part_ptr, rm, rn, m_ok, n_ok, M, N, stride_ym, pid_k, SPLIT)
 
 
 @triton.jit

@@ -24,6 +24,13 @@ grid reaches a few programs per SM, as far as the partials' traffic (growing wit
 small next to the weight's bytes. Splits write fp32 partials to a workspace and a small
 second kernel sums them in a fixed order (deterministic, unlike atomics) and casts to x's dtype.
 
+By nibble planes (`_planes_kernel`, opt-in with `KVGUARD_W4A16_PLANES=1` until a device run has
+timed it; 16-bit activations): the H200 ran the kernel above at 0.2-0.5x fp16's matmul, and its
+sm_90 build shows the reshape of eight codes a word into a row costing a 2-byte shared-memory
+store and load per weight plus a quarter-rate int-to-float conversion, at 152-184 registers.
+Taking code i of every word as one operand (x copied into the matching plane order) gives eight
+K=16 dots a 128-wide tile with neither: 90-138 registers, about a third fewer instructions.
+
 Large M (prefill): once enough rows share each weight, the GEMM is compute-bound and cuBLAS on a
 model-dtype weight beats a fused kernel, so above `LARGE_M` rows the weight is dequantised once
 per call into a scratch tensor of x's dtype (a Triton kernel, one pass over the packed weight)

@@ -7,12 +7,13 @@ robust timing statistics, and ratio cells that say which way is better.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from bench.trace import prefer_installed_kernels
@@ -24,6 +25,22 @@ prefer_installed_kernels()  # before a benchmark imports transformers (see there
 
 GiB = 2**30
 MiB = 2**20
+
+
+@contextlib.contextmanager
+def env_set(env: Mapping[str, str]) -> Iterator[None]:
+    """Each `name=value` of `env` in the environment for the block (kvguard reads its switches
+    per call), the old values, or none, back after."""
+    old = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for name, value in old.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def make_engine(model: str, threads: int, **config: Any) -> LLMEngine:

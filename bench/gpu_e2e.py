@@ -47,7 +47,6 @@ the bandwidth limit. `--cpu-smoke` runs every section on the tiny shape on CPU i
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import os
@@ -55,7 +54,7 @@ import statistics
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +63,7 @@ if not __package__:  # run as a file: import siblings as bench.*, never shadow t
 
 import torch  # noqa: E402
 
-from bench.common import GiB, greedy, step_apply, verdict  # noqa: E402
+from bench.common import GiB, env_set, greedy, step_apply, verdict  # noqa: E402
 
 GB = 1e9
 # every section, in the order they run (`--sections` picks some: a rerun on little device time)
@@ -150,21 +149,6 @@ def prompts_for(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 # ----------------------------------------------------------------------------- timing
-
-
-@contextlib.contextmanager
-def env_set(name: str, value: str) -> Iterator[None]:
-    """`name=value` in the environment for the block (kvguard reads its switches per call),
-    the old value, or none, back after."""
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
 
 
 def wall(fn: Callable[[], Any], run: Run) -> tuple[float, Any]:
@@ -288,9 +272,7 @@ def _rate_with_env(eng: Any, run: Run, batch: int, env: dict[str, str]) -> tuple
     prompts = prompts_for(batch, run.prompt, eng.model_config.vocab_size, seed=batch)
     graphs = eng.runner.graphs
     try:
-        with contextlib.ExitStack() as stack:
-            for name, value in env.items():
-                stack.enter_context(env_set(name, value))
+        with env_set(env):
             if graphs is not None:
                 graphs.invalidate()
             return decode_rate(kvguard_gen(eng, prompts), batch, run)
@@ -374,7 +356,7 @@ def section_trace(eng: Any, hf: Any, run: Run) -> dict[str, Any]:
     # equal the default's (bf16 near-ties aside)
     from kvguard.kernels.dispatch import TRITON_PREFILL_ENV
 
-    with env_set(TRITON_PREFILL_ENV, "1"):
+    with env_set({TRITON_PREFILL_ENV: "1"}):
         eng.generate(prompts[:2], params[:2])  # compiles the kernel
         sec, tri = wall(lambda: eng.generate(prompts, params), run)
     same = sum(a.token_ids == b.token_ids for a, b in zip(tri, base, strict=True))
@@ -459,7 +441,7 @@ def tiny_exact(run: Run, env: str) -> dict[str, Any]:
         max_model_len=512, num_gpu_blocks=pool_blocks(8, 512),
     )  # fmt: skip
     for flag in ("0", "1"):
-        with env_set(env, flag):
+        with env_set({env: flag}):
             eng = LLMEngine.from_config(cfg, progress=False)
             outs[flag] = [o.token_ids for o in eng.generate(prompts, params)]
         captures += eng.runner.graphs.captures if eng.runner.graphs is not None else 0
@@ -496,7 +478,7 @@ def _off_and_on(
     "0" and then "1" (set while the engine is built and runs), and the graph captures made."""
     rates, outs, captures = {}, {}, 0
     for flag in ("0", "1"):
-        with env_set(env, flag):
+        with env_set({env: flag}):
             eng = kvguard_engine(shape, run, None, num_gpu_blocks=pool_blocks(b, 512), **knobs)
             prompts = prompts_for(b, run.prompt, eng.model_config.vocab_size, seed=b)
             rates[flag], outs[flag] = decode_rate(kvguard_gen(eng, prompts), b, run)
@@ -539,7 +521,7 @@ def section_profile(run: Run) -> dict[str, Any]:
     res: dict[str, Any] = {"shape": shape, "tokens": n}
     for flag in ("0", "1"):
         for b in (1, max(run.batches)):
-            with env_set(model_runner.CUDA_GRAPHS_ENV, flag):
+            with env_set({model_runner.CUDA_GRAPHS_ENV: flag}):
                 eng = kvguard_engine(shape, run, None, num_gpu_blocks=pool_blocks(b, 512))
             prompts = prompts_for(b, run.prompt, eng.model_config.vocab_size, seed=b)
             gen = kvguard_gen(eng, prompts)
@@ -579,9 +561,7 @@ def section_kernel_time(run: Run) -> dict[str, Any]:
     n, res = run.new_tokens, {}
     for shape in run.shapes:
         for label, env in (("default", {}), ("fused_gemv", {FUSED_OPS_ENV: "1", GEMV_ENV: "1"})):
-            with contextlib.ExitStack() as stack:
-                for name, value in env.items():  # set while capturing and while replaying
-                    stack.enter_context(env_set(name, value))
+            with env_set(env):  # set while capturing and while replaying
                 eng = kvguard_engine(shape, run, None, num_gpu_blocks=pool_blocks(1, 512))
                 gen = kvguard_gen(eng, prompts_for(1, run.prompt, eng.model_config.vocab_size, 1))
                 gen(n)  # warm-up: compile, capture every bucket it passes through

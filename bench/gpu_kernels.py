@@ -53,6 +53,8 @@ if "--cpu-smoke" in sys.argv:  # must precede any triton import (jit picks its m
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `bench` run as a script too
+
 GB = 1e9
 
 
@@ -210,18 +212,12 @@ def early_widen_config(head_dim: int) -> tuple[int, ...]:
     `KVGUARD_FP8_EARLY_WIDEN=1` (tiles widened to fp16 as loaded)."""
     import triton
 
+    from bench.common import env_set
     from kvguard.kernels.dispatch import FP8_EARLY_WIDEN_ENV
     from kvguard.kernels.triton_attention import decode_config
 
-    before = os.environ.get(FP8_EARLY_WIDEN_ENV)
-    os.environ[FP8_EARLY_WIDEN_ENV] = "1"
-    try:
+    with env_set({FP8_EARLY_WIDEN_ENV: "1"}):
         return decode_config(max(16, triton.next_power_of_2(head_dim)), True)
-    finally:
-        if before is None:
-            os.environ.pop(FP8_EARLY_WIDEN_ENV)
-        else:
-            os.environ[FP8_EARLY_WIDEN_ENV] = before
 
 
 def bench_shape(
@@ -433,7 +429,6 @@ def e2e(
     """Greedy generation with each path; tokens/s over the whole generate call (prefill
     included, but with these lengths decode dominates). On CPU (the smoke run) both settings
     take the torch path: that only checks this code runs."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from bench.common import greedy, token_prompts
     from kvguard.engine import EngineConfig, LLMEngine
 
@@ -463,7 +458,6 @@ def e2e(
 def goals(rows: list[Row], smoke: bool) -> list[str]:
     """Issue 8's goals over the rows at 4k+ context: >= 70% of copy bandwidth and <= 1.2x
     dense SDPA (worst row of each); not measured in the interpreter."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from bench.common import verdict
 
     long = [r for r in rows if r.context >= 4096 and r.kv_dtype != "fp8e"]

@@ -130,9 +130,9 @@ W4A16_PLANES_ENV = "KVGUARD_W4A16_PLANES"  # "1": the tiled W4A16 GEMM by nibble
 
 def w4a16_planes() -> bool:
     """Whether the tiled W4A16 GEMM (9 to `LARGE_M` rows, and any rows the skinny GEMMs do
-    not take) runs by nibble planes (`triton_w4a16._planes_kernel`, 16-bit activations,
-    groups of 128 or a multiple): `KVGUARD_W4A16_PLANES` "1". Opt-in until a device run has
-    shown it faster (bench/gpu_w4a16.py)."""
+    not take) runs by nibble planes (`triton_w4a16._planes_kernel`, 16-bit activations, any
+    group): `KVGUARD_W4A16_PLANES` "1". Opt-in until a device run has shown it faster
+    (bench/gpu_w4a16.py, gpu_e2e.py's packed section)."""
     return os.environ.get(W4A16_PLANES_ENV, "0") == "1"
 
 

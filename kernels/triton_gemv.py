@@ -119,11 +119,12 @@ def _dense_kernel(
 
 
 @triton.jit
-def _plane(words, i: tl.constexpr):
+def code_plane(words, i: tl.constexpr):
     """Code i of each word as the float 1 + code / 16, in two integer instructions: the
     nibble shifted into the top four mantissa bits of 1.0 (no quarter-rate int-to-float
     conversion, no subtraction). A product with it is exact in fp32 for 16-bit x; the 1 is
-    taken back per word with the word's x sum (`_w4_kernel`)."""
+    taken back per word with the word's x sum (`_w4_kernel`), or by the FMA that
+    dequantises it (`triton_w4a16._planes_kernel`)."""
     if 4 * i <= 19:  # noqa: SIM108 - a constexpr branch (a shift count cannot be negative)
         bits = (words << (19 - 4 * i)) & 0x780000
     else:
@@ -157,7 +158,7 @@ def _w4_kernel(
     taken one nibble plane at a time. `xp` is x in plane order (`[rows, 8, n_words]`: plane i
     holds x's columns `8 w + i`), so each plane meets a contiguous slice of every x row; `sx`
     (`[rows, n_words]`, fp32) sums each word's eight x values. A word's planes are the floats
-    1 + code / 16 (`_plane`), so its dot with x is `16 * dot - 16 * sx`, and with the zero
+    1 + code / 16 (`code_plane`), so its dot with x is `16 * dot - 16 * sx`, and with the zero
     point and scale, `w = (code - z) * s`, the word adds `(16 * dot - (16 + z) * sx) * s`."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
@@ -192,7 +193,7 @@ def _w4_kernel(
             dot1 = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
             for i in tl.static_range(8):
                 x = tl.load(x_at + i * n_words, mask=tile_ok, other=0.0).to(tl.float32)
-                dot1 += _plane(words, i) * x
+                dot1 += code_plane(words, i) * x
             sx_at = tl.broadcast_to(sx_ptr + ww[None, :], (BLOCK_N, WORDS))
             sum1 = tl.load(sx_at, mask=tile_ok, other=0.0)
             lanes += (16.0 * dot1 - (16.0 + z.to(tl.float32)) * sum1) * s.to(tl.float32)
@@ -200,7 +201,7 @@ def _w4_kernel(
             dots = tl.zeros((ROWS_PAD, BLOCK_N, WORDS), dtype=tl.float32)
             for i in tl.static_range(8):
                 x = tl.load(x_rows + i * n_words + ww[None, :], mask=x_ok, other=0.0)
-                dots += _plane(words, i)[None, :, :] * x.to(tl.float32)[:, None, :]
+                dots += code_plane(words, i)[None, :, :] * x.to(tl.float32)[:, None, :]
             x_sum = tl.load(sx_rows + ww[None, :], mask=x_ok, other=0.0)
             z3 = 16.0 + z.to(tl.float32)[None, :, :]
             part = 16.0 * dots - z3 * x_sum[:, None, :]

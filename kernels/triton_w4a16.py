@@ -53,6 +53,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from kvguard.kernels.triton_gemv import code_plane
 from kvguard.kernels.w4a16 import W4A16Weight, pack_for_triton, plane_order
 
 __all__ = ["LARGE_M", "Plan", "W4A16Weight", "dequantize", "matmul", "pack_for_triton", "plan"]
@@ -158,8 +159,8 @@ def _gemm_kernel(
 
 @triton.jit
 def _codes16(words, i: tl.constexpr, BF16: tl.constexpr):
-    """Code i of each word as the 16-bit float 1 + code / 16: the nibble moved into 1.0's top
-    mantissa bits (integer instructions only; every value exact in fp16 and bf16)."""
+    """Code i of each word as the 16-bit float 1 + code / 16 (`triton_gemv.code_plane`'s
+    trick in fp16's or bf16's bits: every value exact in both), a tensor-core operand."""
     c = (words >> (4 * i)) & 0xF
     if BF16:  # one return (the compiler wants one type from a function)
         out = ((c << 3) | 0x3F80).to(tl.int16).to(tl.bfloat16, bitcast=True)
@@ -249,7 +250,7 @@ def _planes_kernel(
             add = -(16.0 + z.to(tl.float32)) * s
             for i in tl.static_range(8):
                 a = tl.load(x_rows + (i * n_words + ww)[None, :], mask=x_ok, other=0.0)
-                b = _codes16(words, i, BF16).to(tl.float32) * mul + add
+                b = code_plane(words, i) * mul + add
                 if FP32_DOT:
                     acc += tl.dot(
                         a.to(tl.float32),
@@ -445,10 +446,10 @@ def _reduce(part: torch.Tensor, y: torch.Tensor, p: Plan) -> None:
         _splitk_reduce_kernel[(triton.cdiv(mn, block),)](part, y, mn, p.split_k, BLOCK=block)
 
 
-def planes_fit(x: torch.Tensor, w: W4A16Weight) -> bool:
-    """Whether `_planes_kernel` can take this call: 16-bit activations (fp32 ones keep the
+def planes_fit(x: torch.Tensor) -> bool:
+    """Whether `_planes_kernel` can take activations `x`: 16-bit ones (fp32 ones keep the
     exact fp32 dots of `_gemm_kernel`); any group size and K."""
-    return x.dtype != torch.float32 and w.shape[1] % 8 == 0
+    return x.dtype != torch.float32
 
 
 def _fused_planes(x: torch.Tensor, w: W4A16Weight, split_k: int | None) -> torch.Tensor:
@@ -459,19 +460,16 @@ def _fused_planes(x: torch.Tensor, w: W4A16Weight, split_k: int | None) -> torch
     tiles = triton.cdiv(k, 128)
     p = plan(m, n, tiles * 128, 128, x.device, split_k, x.dtype)
     xp = plane_order(x, w.perm)
-    if w.group_size % 128 == 0:
-        # each row's x sum over each 128-column tile: plane i of tile t holds its words
-        # 16 t .. 16 t + 15 (K is whole tiles here: groups are)
-        sx = xp.view(m, 8, tiles, 16).sum((1, 3), dtype=torch.float32)
-    else:
-        sx = xp.new_empty(0, dtype=torch.float32)  # not read
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    # each row's x sum over each 128-column tile (plane i of tile t holds its words 16 t ..
+    # 16 t + 15; K is whole tiles where groups are); smaller groups read none
+    sx = xp.view(m, 8, tiles, 16).sum((1, 3), dtype=torch.float32) if w.group_size % 128 == 0 else y
     split = p.split_k > 1
     part = torch.empty(p.split_k, m, n, dtype=torch.float32, device=x.device) if split else y
     grid = (triton.cdiv(m, p.block_m), triton.cdiv(n, p.block_n), p.split_k)
     _planes_kernel[grid](
         xp, sx, w.qweight, w.scales, w.zeros, y, part, m, n, k // 8, k,
-        sx.stride(0) if sx.dim() == 2 else 0, w.qweight.stride(0), w.scales.stride(0),
+        sx.stride(0), w.qweight.stride(0), w.scales.stride(0),
         w.zeros.stride(0), y.stride(0), p.tiles_per_split, GROUP=w.group_size,
         BLOCK_M=p.block_m, BLOCK_N=p.block_n, SPLIT=split, BF16=x.dtype == torch.bfloat16,
         FP32_DOT=isinstance(_planes_kernel, InterpretedFunction), num_warps=p.num_warps,
@@ -504,7 +502,7 @@ def matmul(
         from kvguard.kernels.dispatch import w4a16_planes
 
         planes = w4a16_planes()
-    if m <= large_m and planes and planes_fit(x2, w):
+    if m <= large_m and planes and planes_fit(x2):
         return _fused_planes(x2, w, split_k).reshape(*lead, n)
     if w.perm is not None:
         x2 = x2.index_select(1, w.perm)

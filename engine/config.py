@@ -191,6 +191,18 @@ class EngineConfig:
         doc="a high-priority arrival interrupts the step in flight between two layers (its "
         "work is redone next step) so the high prompt starts at once; one process only",
     )
+    decode_steps: int = knob(
+        1,
+        section="serving",
+        live=True,
+        ge=1,
+        le=16,
+        doc="greedy decode steps run back to back without the host in between (each step's "
+        "tokens feed the next on the device, read back once): the host's per-step work is "
+        "paid once a run and a GPU is not left idle by it. Only while nothing waits and every "
+        "sequence is greedy without penalties, grammar or log-probabilities; a new request "
+        "waits at most the run. 1 is off",
+    )
     speculative_tokens: int = knob(
         0,
         section="serving",

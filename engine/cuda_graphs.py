@@ -98,14 +98,11 @@ def decode_inputs(step: StepInput) -> DecodeInputs | None:
     n = len(meta.query_lens)
     if any(q != 1 for q in meta.query_lens) or step.sample_rows.numel() != n:
         return None
-    dev = step.input_ids.device
-    return DecodeInputs(
-        step.input_ids,
-        step.positions,
-        meta.slot_mapping,
-        meta.block_tables,
-        torch.tensor(meta.seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
-    )
+    lens = step.seq_lens_dev
+    if lens is None:
+        lens = torch.tensor(meta.seq_lens, dtype=torch.int32)
+        lens = lens.to(step.input_ids.device, non_blocking=True)
+    return DecodeInputs(step.input_ids, step.positions, meta.slot_mapping, meta.block_tables, lens)
 
 
 def pad_decode(inp: DecodeInputs, bucket: int, width: int) -> DecodeInputs:

@@ -148,6 +148,7 @@ class LLMEngine(ControlSurface):
             "finished": 0,
             "oom": 0,
             "steps_interrupted": 0,
+            "steps_ahead": 0,  # decode steps run after another without the host in between
         }
         # set by another thread when a high-priority request is on its way (`interrupt_step`)
         self.interrupt = threading.Event()
@@ -349,8 +350,9 @@ class LLMEngine(ControlSurface):
         self._maybe_restore_budget()
         batch = self.scheduler.schedule()
         if not batch.empty:
-            outputs += self._run(batch)
-            self._step_no += 1
+            steps = self._steps_ahead(batch)
+            outputs += self._run(batch, steps)
+            self._step_no += steps
         self.latest_snapshot = self.snapshot()
         return outputs
 
@@ -371,14 +373,32 @@ class LLMEngine(ControlSurface):
             for s in batch.seqs
         )
 
-    def _run(self, batch: ScheduledBatch) -> list[RequestOutput]:
+    def _steps_ahead(self, batch: ScheduledBatch) -> int:
+        """Decode steps `batch` runs back to back (`serving.decode_steps`; see
+        `Scheduler.run_ahead`): 1 unless the knob asks for more, the runner can, the batch is
+        all decodes and nothing is posted for the engine to apply first."""
+        most = self.config.decode_steps
+        if most < 2 or not self.runner.can_run_ahead or not decode_only(batch):
+            return 1
+        if self.mailbox.pending() or self.interrupt.is_set():
+            return 1
+        return self.scheduler.run_ahead(batch, most)
+
+    def _run(self, batch: ScheduledBatch, steps: int = 1) -> list[RequestOutput]:
         self.runner.step_stop = self.interrupt if self._interruptible(batch) else None
         t0 = time.perf_counter()
         try:
-            tokens = self.runner.execute(batch.seqs, batch.num_tokens)
+            if steps > 1:
+                tokens = self.runner.decode_ahead(batch.seqs, steps)
+            else:
+                tokens = self.runner.execute(batch.seqs, batch.num_tokens)
         except StepInterrupted:
             # nothing advanced: the batch keeps its blocks and runs again after the new request
+            # (but those taken only for the later steps of a run)
             self._counters["steps_interrupted"] += 1
+            if steps > 1:
+                for seq in batch.seqs:
+                    self.scheduler.bm.trim(seq)
             return []
         except OOM_ERRORS + (InjectedOOMError,) as e:
             self._on_oom(batch, e)
@@ -388,7 +408,8 @@ class LLMEngine(ControlSurface):
         except Exception:  # noqa: BLE001 - a bug or a poisoned input: stop this step's requests
             log.exception("engine step failed; its %d requests end with an error", len(batch.seqs))
             return self._fail(batch)
-        if self.scheduler.speculation is not None and decode_only(batch):  # a draft row's cost
+        spec = self.scheduler.speculation is not None
+        if spec and steps == 1 and decode_only(batch):  # a draft row's cost
             self.scheduler.step_cost.observe(sum(batch.num_tokens), time.perf_counter() - t0)
         now = time.monotonic()
         for seq, entries in getattr(self.runner, "prompt_logprobs", None) or ():
@@ -401,7 +422,18 @@ class LLMEngine(ControlSurface):
             got = of.get(id(seq))
             self._on_token(seq, token, now, got[i] if got else None)
 
-        done = self.scheduler.update(batch, tokens, on_token)
+        def spread(seq: Sequence, token: int, i: int) -> None:
+            # a run's tokens reach the host together: each is timed an equal share of the
+            # run, so time per output token means what it does for single steps
+            last = seq.last_token_time
+            at = now if last is None else last + (now - last) / (steps - i)
+            self._on_token(seq, token, at)
+
+        if steps > 1:
+            self._counters["steps_ahead"] += steps - 1
+            done = self.scheduler.update_ahead(batch, tokens, spread)
+        else:
+            done = self.scheduler.update(batch, tokens, on_token)
         return [RequestOutput.take(seq) for seq in done]
 
     @staticmethod

@@ -34,7 +34,13 @@ from kvguard.engine.kv_cache import KV_TORCH_DTYPES, KVCache, bytes_per_block, k
 from kvguard.engine.layers.quantized_linear import use_int8_activations
 from kvguard.engine.model import AttentionMetadata, LlamaForCausalLM, load_model
 from kvguard.engine.model_config import ModelConfig
-from kvguard.engine.sampler import log_softmax_entries, rewind, sample, token_logprobs
+from kvguard.engine.sampler import (
+    greedy_ids,
+    log_softmax_entries,
+    rewind,
+    sample,
+    token_logprobs,
+)
 from kvguard.engine.sequence import Sequence, TokenLogprob
 from kvguard.engine.speculative import accepted_prefix
 from kvguard.kernels.dispatch import use_triton
@@ -113,6 +119,8 @@ class StepInput:
     positions: torch.Tensor
     meta: AttentionMetadata
     sample_rows: torch.Tensor  # rows of the hidden states whose next token is sampled
+    # meta.seq_lens already on the device (int32), where the caller has it (decode_ahead)
+    seq_lens_dev: torch.Tensor | None = None
 
 
 def build_step(
@@ -237,6 +245,8 @@ class ModelRunner:
     # whether a step can stop between layers (one process; ranks of a distributed runner would
     # be left half way through a collective)
     can_interrupt = True
+    # whether `decode_ahead` serves (one process: it runs steps no other rank is told of)
+    can_run_ahead = True
 
     @classmethod
     def from_config(
@@ -316,6 +326,48 @@ class ModelRunner:
         if not inp.sample_rows.numel():
             return None
         return self.model.compute_logits(hidden[inp.sample_rows])
+
+    def decode_ahead(self, seqs: list[Sequence], steps: int) -> list[list[int]]:
+        """`steps` greedy decode steps of `seqs` back to back, each step's tokens fed to the
+        next on the device: the tokens each sequence gets, `steps` apiece, read to the host
+        once at the end. Each step is the one `execute` runs for a batch of single decode
+        tokens (same inputs, same forward, the sampler's argmax), so the tokens are the ones
+        `steps` separate steps give. What the steps need from the host (positions, KV slots,
+        lengths) does not depend on the tokens and goes to the device in one copy before the
+        first; on a GPU the host then only launches, and the device runs the steps without
+        waiting on it. The caller has given every sequence blocks for `steps` more tokens
+        and takes from the end of each list what it does not keep (a sequence that finished
+        on an earlier token). Greedy sequences only: nothing here adjusts logits."""
+        if steps < 1 or not seqs:
+            raise ValueError(f"decode_ahead needs sequences and steps >= 1, got {steps}")
+        self.logprobs, self.prompt_logprobs = [], []  # none asked (Scheduler.run_ahead)
+        bs, b = self.block_size, len(seqs)
+        starts = [s.num_computed_tokens for s in seqs]
+        if any(s.num_uncomputed != 1 for s in seqs):
+            raise ValueError("decode_ahead runs sequences whose only uncomputed token is the last")
+        pos = [[p + j for p in starts] for j in range(steps)]
+        slots = [
+            [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, row, strict=True)]
+            for row in pos
+        ]
+        dev = self.device
+        host = torch.tensor([pos, slots], dtype=torch.long).to(dev)  # [2, steps, b]
+        width = max(len(s.block_table) for s in seqs)
+        tables = torch.tensor(
+            [s.block_table + [0] * (width - len(s.block_table)) for s in seqs],
+            dtype=torch.int32,
+        ).to(dev)
+        lens_t = (host[0] + 1).to(torch.int32)  # tokens each row attends to, its own included
+        ids = torch.tensor([s.token_slice(p, p + 1)[0] for s, p in zip(seqs, starts, strict=True)])
+        ids, rows, out = ids.to(dev), torch.arange(b, device=dev), []
+        for j in range(steps):
+            meta = AttentionMetadata(host[1, j], tables, [p + 1 for p in pos[j]], [1] * b)
+            logits = self.forward(StepInput(ids, host[0, j], meta, rows, lens_t[j]))
+            if logits is None:
+                raise RuntimeError("decode_ahead: the forward sampled no row")
+            ids = greedy_ids(logits)
+            out.append(ids)
+        return torch.stack(out, dim=1).tolist()
 
     def _replay(self, inp: StepInput) -> torch.Tensor | None:
         """The step's hidden states by CUDA-graph replay; None when it must run eagerly (no

@@ -90,6 +90,14 @@ def _argmax(logits: torch.Tensor) -> list[int]:
     return logits.argmax(dim=-1).tolist()
 
 
+def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's first largest value as a tensor on `logits`' device (what `sample` picks for
+    greedy rows, no host sync where the logits are on a GPU)."""
+    if cpu_ops.rows_served(logits):
+        return torch.tensor(cpu_ops.argmax_rows(logits), dtype=torch.long)
+    return logits.argmax(dim=-1)
+
+
 def _inverse_cdf(logits: torch.Tensor, rows: list[int], temps: list[float]) -> list[int] | None:
     """One draw per row of `logits[rows]` at its temperature; None if a row's probabilities
     are not finite."""

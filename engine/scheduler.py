@@ -67,6 +67,23 @@ MIN_BATCHED_TOKENS = 64
 FIRST_TEXT_TOKENS = 4
 
 
+def runs_ahead(seq: Sequence) -> bool:
+    """Whether `seq`'s next tokens can be drawn on the device without the host seeing each
+    first (`Scheduler.run_ahead`): greedy, and no grammar, drafts, penalties, logit bias or
+    log-probabilities."""
+    p = seq.params
+    return (
+        p.greedy
+        and not p.adjusts_logits
+        and p.logprobs is None
+        and p.prompt_logprobs is None
+        and seq.grammar is None
+        and not seq.draft
+        and seq.prompt_logprobs is None
+        and seq.output_logprobs is None
+    )
+
+
 def awaits_first_text(seq: Sequence) -> bool:
     """Whether `seq` is a high request whose client has seen no text yet: its prompt still
     runs, or its first tokens' text is held back (it could begin a stop string)."""
@@ -558,6 +575,52 @@ class Scheduler:
                     self.finish(seq)
                     break
         return [seq for seq, _ in done]
+
+    def run_ahead(self, batch: ScheduledBatch, most: int) -> int:
+        """How many greedy decode steps the decode-only `batch` runs back to back
+        (`serving.decode_steps`, at most `most`), with the blocks the later ones need taken;
+        1 means one step as usual. More than one only while nothing waits or is swapped out
+        (a new or resumed request would wait the whole run for its first step), while every
+        sequence is greedy and asks nothing a step's tokens would have to come back for first
+        (a grammar, drafts, penalties, a logit bias, log-probabilities), within each one's
+        max_tokens and length limit, and with free blocks for them (never preempting)."""
+        if most < 2 or self.waiting or self.swapped or not all(map(runs_ahead, batch.seqs)):
+            return 1
+        steps = min(
+            [most]
+            + [s.max_tokens - len(s.output_token_ids) for s in batch.seqs]
+            + [s.max_total_len - s.num_tokens for s in batch.seqs]
+        )
+        while steps > 1:
+            need = sum(self.bm.blocks_needed(s, steps) for s in batch.seqs)
+            if self._can_allocate(need):
+                for s in batch.seqs:
+                    self.bm.allocate(s, steps)
+                return steps
+            steps -= 1
+        return 1
+
+    def update_ahead(
+        self,
+        batch: ScheduledBatch,
+        tokens: list[list[int]],
+        on_token: Callable[[Sequence, int, int], None],
+    ) -> list[Sequence]:
+        """`update` for a run of decode steps (`run_ahead`): each sequence takes its tokens
+        in turn as separate steps would have handed them over, until one finishes it (the
+        rest are dropped, with the blocks only they filled). Returns the sequences, in batch
+        order."""
+        for seq, got in zip(batch.seqs, tokens, strict=True):
+            for i, token in enumerate(got):
+                seq.num_computed_tokens += 1
+                self.bm.commit(seq)
+                on_token(seq, token, i)
+                if seq.finish_reason is not None:
+                    self.finish(seq)
+                    break
+            else:
+                self.bm.trim(seq)
+        return list(batch.seqs)
 
     def finish(self, seq: Sequence) -> None:
         """Take `seq` out for good: blocks freed, its admission commitment given back."""

@@ -5,6 +5,7 @@ through the Triton kernels in the interpreter (conftest sets TRITON_INTERPRET=1 
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -254,6 +255,33 @@ def test_engine_with_graph_replay_gives_the_eager_tokens(
     again = eng.generate(prompts, params)
     assert [o.token_ids for o in again] == [o.token_ids for o in eager]
     assert eng.runner.graphs.captures == 3
+
+
+def test_runs_of_decode_steps_replay_and_give_the_eager_tokens(
+    monkeypatch: pytest.MonkeyPatch, tiny_dir: Path
+) -> None:
+    """`decode_steps` runs through graph replay: each step of a run is a replay whose token
+    ids come from the step before on the device and whose lengths come from the run's one
+    copy; the tokens are eager single steps'."""
+    from kvguard.engine import model as model_module
+    from kvguard.engine import model_runner
+    from kvguard.kernels import triton_kv
+
+    prompts = [[5 + i] * (3 + 11 * i) for i in range(4)]
+    params = [SamplingParams(max_tokens=15 - 3 * i, ignore_eos=True) for i in range(4)]
+    cfg = EngineConfig(model=str(tiny_dir), device="cpu", max_num_seqs=8, max_model_len=256)
+    eager = LLMEngine.from_config(cfg, progress=False).generate(prompts, params)
+
+    monkeypatch.setattr(model_module, "write_kv", triton_kv.write_kv)
+    monkeypatch.setattr(model_runner, "use_triton", lambda *a: True)
+    monkeypatch.setattr(DecodeGraphs, "capture", _capture_on_cpu)
+    eng = LLMEngine.from_config(replace(cfg, decode_steps=4), progress=False)
+    eng.runner.enable_cuda_graphs(cfg.max_num_seqs, eng.max_model_len)
+    before = _ReplayByRerun.replays
+    ran = eng.generate(prompts, params)
+    assert [o.token_ids for o in ran] == [o.token_ids for o in eager]
+    assert eng.snapshot().counters["steps_ahead"] >= 6
+    assert _ReplayByRerun.replays - before >= 10
 
 
 def test_graph_replay_through_the_skinny_gemms_gives_the_eager_tokens(

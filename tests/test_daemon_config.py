@@ -449,6 +449,7 @@ KNOB_SAMPLES: dict[tuple[str, ...], tuple[dict[str, dict[str, object]], object]]
     ),
     ("interrupt_for_high",): ({"serving": {"interrupt_for_high": False}}, False),
     ("grammar_jump_forward",): ({"serving": {"grammar_jump_forward": False}}, False),
+    ("decode_steps",): ({"serving": {"decode_steps": 4}}, 4),
     ("speculative_tokens",): ({"serving": {"speculative_tokens": 6}}, 6),
     ("speculative_ngram",): ({"serving": {"speculative_ngram": 2}}, 2),
     ("speculative_max_batch",): ({"serving": {"speculative_max_batch": 12}}, 12),

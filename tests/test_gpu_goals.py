@@ -210,3 +210,36 @@ def test_packed_planes_verdict() -> None:
     )
     assert "NOT met (worst 0.90x at batch 64" in line(packed(1.4, 0.9))
     assert not any("nibble planes" in x for x in goals(packed(1.4, 1.2) | {"device": "cpu"}))
+
+
+def test_runs_of_decode_steps_verdicts() -> None:
+    """Runs decide `serving.decode_steps`' default: faster at both ends and every sequence's
+    whole output equal; batch 1 with the per-layer ops and runs against the limit."""
+
+    def with_runs(
+        b1: float, b64: float, same64: str, fused_runs: float, ahead: int = 90
+    ) -> list[str]:
+        run = _run(140.7, 201.0, {}, 4.5)
+        dec = run["decode"]["llama2-7b"]
+        runs = {"decode_steps": 4, "steps_ahead": ahead}
+        dec["runs_on"] = [
+            {"batch": 1, "kvguard_tok_s": b1, "same_tokens": "1/1"} | runs,
+            {"batch": 64, "kvguard_tok_s": b64, "same_tokens": same64} | runs,
+        ]
+        dec["fused_runs_on"] = [
+            {"batch": 1, "kvguard_tok_s": fused_runs, "decode_steps": 4, "same_tokens": "1/1"}
+        ]
+        return goals(run)
+
+    lines = with_runs(160.0, 6300.0, "64/64", 220.0)
+    assert ": met (batch 1 1.14x, batch 64 1.10x, same tokens 1/1 at 1, 64/64 at 64)" in _line(
+        lines, "runs of decode steps faster"
+    )
+    assert ": met (70% of 314 tok/s)" in _line(lines, "per-layer ops and runs of 4")
+    assert "NOT met" in _line(with_runs(160.0, 6300.0, "63/64", 220.0), "runs of decode steps")
+    assert "NOT met" in _line(with_runs(160.0, 5600.0, "64/64", 220.0), "runs of decode steps")
+    # faster but no step ran inside a run: not the runs' doing
+    assert "NOT met" in _line(with_runs(160.0, 6300.0, "64/64", 220.0, 0), "runs of decode")
+    assert ": NOT met (51% of 314" in _line(
+        with_runs(160.0, 6300.0, "64/64", 160.0), "per-layer ops and runs"
+    )

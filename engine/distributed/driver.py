@@ -113,6 +113,7 @@ class StepStats:
 
 class TensorParallelRunner(ModelRunner):
     can_interrupt = False  # the ranks run each step to its end together
+    can_run_ahead = False  # every step is one the other ranks are sent
 
     def __init__(
         self,

@@ -1,0 +1,170 @@
+"""Decode steps run back to back (`serving.decode_steps`): the tokens, texts and finish reasons
+of one step at a time, whatever finishes mid-run; blocks accounted exactly; a run only where
+the host need not see each token first; the knob's bounds. On the tiny model, CPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvguard.engine import EngineConfig, LLMEngine, SamplingParams
+from kvguard.engine.config import ConfigError
+from kvguard.engine.scheduler import runs_ahead
+from kvguard.engine.sequence import Sequence
+
+
+def _engine(tiny_dir: Path, steps: int, **knobs: object) -> LLMEngine:
+    knobs.setdefault("max_num_seqs", 8)
+    cfg = EngineConfig(
+        model=str(tiny_dir), device="cpu", max_model_len=256, decode_steps=steps, **knobs
+    )
+    return LLMEngine.from_config(cfg, progress=False)
+
+
+def _outcome(outs: list) -> list[tuple]:
+    return [(o.token_ids, o.text, o.finish_reason) for o in outs]
+
+
+def _drive(eng: LLMEngine, prompts: list[list[int]], params: list[SamplingParams]) -> list:
+    """Step by hand, auditing every block between steps; the finished outputs by request."""
+    ids = [eng.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    done = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out
+        eng.audit_blocks()
+    assert eng.scheduler.bm.num_used == 0  # every block back, the ahead ones included
+    return [done[i] for i in ids]
+
+
+def test_runs_give_the_tokens_of_single_steps(tiny_dir: Path) -> None:
+    """Sequences ending mid-run (max_tokens, EOS, a stop string, the length limit) take just
+    the tokens single steps give them; the rest of the run is dropped with its blocks."""
+    prompts = [[5 + i] * (3 + 7 * i) for i in range(6)]
+    params = [
+        SamplingParams(max_tokens=13, ignore_eos=True),
+        SamplingParams(max_tokens=6, ignore_eos=True),  # ends inside the second run
+        SamplingParams(max_tokens=40),  # EOS where the model draws it
+        SamplingParams(max_tokens=40, ignore_eos=True, stop=["e"]),
+        SamplingParams(max_tokens=1, ignore_eos=True),  # its prompt's token is all it gets
+        SamplingParams(max_tokens=300, ignore_eos=True),  # stopped by max_model_len
+    ]
+    one = _drive(_engine(tiny_dir, 1), prompts, params)
+    eng = _engine(tiny_dir, 4)
+    ahead = _drive(eng, prompts, params)
+    assert _outcome(ahead) == _outcome(one)
+    assert one[-1].finish_reason == "length" and len(one[-1].token_ids) > 40
+    assert eng.snapshot().counters["steps_ahead"] > 0
+
+
+def test_a_run_never_passes_the_limits_it_must_stop_at(tiny_dir: Path) -> None:
+    eng = _engine(tiny_dir, 16)
+    out = eng.generate([[7] * 250], SamplingParams(max_tokens=50, ignore_eos=True))[0]
+    assert len(out.token_ids) == 6 and out.finish_reason == "length"  # 256 - 250
+    eng.audit_blocks()
+
+
+def test_sampled_requests_and_waiting_ones_keep_single_steps(tiny_dir: Path) -> None:
+    """A batch with a sampled, penalised or log-probability request runs step by step; so does
+    any batch while a request waits for a slot, and runs start once it is in."""
+    for odd in (
+        SamplingParams(max_tokens=12, temperature=0.8, seed=3),
+        SamplingParams(max_tokens=12, presence_penalty=1.0),
+        SamplingParams(max_tokens=12, logprobs=2),
+    ):
+        eng = _engine(tiny_dir, 4)
+        plain = SamplingParams(max_tokens=12, ignore_eos=True)
+        eng.generate([[5, 6, 7], [8, 9]], [plain, odd])
+        assert eng.snapshot().counters["steps_ahead"] == 0, odd
+
+    prompts = [[5 + i] * 4 for i in range(3)]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (4, 20, 20)]
+    eng = _engine(tiny_dir, 4, max_num_seqs=2)
+    ids = [eng.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    while eng.scheduler.waiting:
+        eng.step()
+        assert eng.snapshot().counters["steps_ahead"] == 0  # the third request waits
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.snapshot().counters["steps_ahead"] > 0
+    assert ids
+
+
+def test_a_pool_without_room_for_a_run_steps_one_at_a_time(tiny_dir: Path) -> None:
+    """Later steps of a run take only free blocks: with none to spare the batch runs single
+    steps (or shorter runs), never preempting anyone, and gives the same tokens."""
+    prompts = [[9] * 15, [10] * 15]
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    one = _engine(tiny_dir, 1, num_gpu_blocks=6).generate(prompts, params)
+    eng = _engine(tiny_dir, 8, num_gpu_blocks=6)
+    tight = eng.generate(prompts, params)
+    assert _outcome(tight) == _outcome(one)
+    assert eng.scheduler.num_preemptions == 0
+    assert eng.snapshot().counters["steps_ahead"] > 0  # runs where the blocks were there
+
+
+def test_time_per_output_token_is_shared_over_a_run(tiny_dir: Path) -> None:
+    eng = _engine(tiny_dir, 8)
+    eng.generate([[5, 6, 7]], SamplingParams(max_tokens=33, ignore_eos=True))
+    gaps = list(eng._tpot)  # noqa: SLF001 - what the snapshot's median is taken over
+    assert len(gaps) == 32 and min(gaps) > 0.0
+    assert eng.snapshot().tpot_p50_s > 0.0
+
+
+def test_which_sequences_may_run_ahead() -> None:
+    def seq(**kw: object) -> Sequence:
+        return Sequence("r", [1, 2, 3], SamplingParams(**kw), 1, 0, 64)
+
+    assert runs_ahead(seq())
+    assert runs_ahead(seq(temperature=0.7, top_k=1))  # greedy all the same
+    for kw in (
+        {"temperature": 0.7},
+        {"frequency_penalty": 0.5},
+        {"logit_bias": {3: 1.0}},
+        {"logprobs": 0},
+        {"prompt_logprobs": 1},
+    ):
+        assert not runs_ahead(seq(**kw)), kw
+    drafted = seq()
+    drafted.draft = [4]
+    assert not runs_ahead(drafted)
+
+
+@pytest.mark.parametrize("bad", [0, 17, -1])
+def test_decode_steps_out_of_range_is_refused(bad: int) -> None:
+    with pytest.raises(ConfigError, match="decode_steps"):
+        EngineConfig(model="tiny", decode_steps=bad)
+
+
+def test_a_run_reads_its_tokens_back_once(monkeypatch: pytest.MonkeyPatch, tiny_dir: Path) -> None:
+    """Without the CPU kernels (the GPU's path), a run's steps feed each other on the device:
+    the host reads tokens back once a run, not once a step."""
+    from kvguard.kernels import cpu_ops
+
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    params = SamplingParams(max_tokens=9, ignore_eos=True)
+    monkeypatch.setattr(cpu_ops, "rows_served", lambda t: False)
+    monkeypatch.setattr(cpu_ops, "enabled", lambda t: False)
+    one = _engine(tiny_dir, 1).generate(prompts, params)
+    eng = _engine(tiny_dir, 4)
+    ids = [eng.add_request(p, params) for p in prompts]
+    done = {o.request_id: o for o in eng.step() if o.finished}  # the prompts
+    reads = []
+    real = torch.Tensor.tolist
+
+    def counted(self: torch.Tensor) -> list:
+        reads.append(tuple(self.shape))
+        return real(self)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", counted)
+    eng.step()  # a run of 4 steps
+    monkeypatch.setattr(torch.Tensor, "tolist", real)
+    assert eng.snapshot().counters["steps_ahead"] == 3
+    assert reads == [(2, 4)]
+    while eng.has_unfinished():
+        done |= {o.request_id: o for o in eng.step() if o.finished}
+    assert eng.scheduler.bm.num_used == 0
+    assert _outcome([done[i] for i in ids]) == _outcome(one)

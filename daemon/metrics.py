@@ -104,6 +104,12 @@ class SnapshotCollector(Collector):
             "Steps stopped between layers for a high-priority arrival (and run again)",
         )
         cut.add_metric([], s.counters.get("steps_interrupted", 0))
+        ahead = CounterMetricFamily(
+            "kvguard_engine_steps_ahead",
+            "Decode steps run inside a run after its first, the host not in between "
+            "(serving.decode_steps)",
+        )
+        ahead.add_metric([], s.counters.get("steps_ahead", 0))
         hit = CounterMetricFamily(
             "kvguard_prefix_cache_hit_tokens",
             "Prompt tokens whose K/V a request found in the prefix cache",
@@ -140,7 +146,7 @@ class SnapshotCollector(Collector):
             "draft position must pay for itself (learnt from the steps, or the configured one)",
         )
         row_cost.add_metric([], s.speculative.get("row_cost", 0.0))
-        yield from (pre, adm, oom, gen, prompt, steps, cut, hit, queried, structured, grammar,
+        yield from (pre, adm, oom, gen, prompt, steps, cut, ahead, hit, queried, structured, grammar,
                     drafted, accepted, row_cost, self._finished(s))  # fmt: skip
 
     def _finished(self, s: EngineSnapshot) -> CounterMetricFamily:

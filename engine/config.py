@@ -200,8 +200,8 @@ class EngineConfig:
         doc="greedy decode steps run back to back without the host in between (each step's "
         "tokens feed the next on the device, read back once): the host's per-step work is "
         "paid once a run and a GPU is not left idle by it. Only while nothing waits and every "
-        "sequence is greedy without penalties, grammar or log-probabilities; a new request "
-        "waits at most the run. 1 is off",
+        "sequence is greedy or sampled with only a temperature, without penalties, grammar or "
+        "log-probabilities; a new request waits at most the run. 1 is off",
     )
     speculative_tokens: int = knob(
         0,

@@ -35,9 +35,9 @@ from kvguard.engine.layers.quantized_linear import use_int8_activations
 from kvguard.engine.model import AttentionMetadata, LlamaForCausalLM, load_model
 from kvguard.engine.model_config import ModelConfig
 from kvguard.engine.sampler import (
-    greedy_ids,
     log_softmax_entries,
     rewind,
+    run_draws,
     sample,
     token_logprobs,
 )
@@ -337,7 +337,8 @@ class ModelRunner:
         first; on a GPU the host then only launches, and the device runs the steps without
         waiting on it. The caller has given every sequence blocks for `steps` more tokens
         and takes from the end of each list what it does not keep (a sequence that finished
-        on an earlier token). Greedy sequences only: nothing here adjusts logits."""
+        on an earlier token). Greedy sequences and ones sampled with only a temperature (no
+        seed, top-k or top-p: `sampler.run_draws`); nothing here adjusts logits."""
         if steps < 1 or not seqs:
             raise ValueError(f"decode_ahead needs sequences and steps >= 1, got {steps}")
         self.logprobs, self.prompt_logprobs = [], []  # none asked (Scheduler.run_ahead)
@@ -359,15 +360,25 @@ class ModelRunner:
         ).to(dev)
         lens_t = (host[0] + 1).to(torch.int32)  # tokens each row attends to, its own included
         ids = torch.tensor([s.token_slice(p, p + 1)[0] for s, p in zip(seqs, starts, strict=True)])
-        ids, rows, out = ids.to(dev), torch.arange(b, device=dev), []
+        ids, rows, out, ok = ids.to(dev), torch.arange(b, device=dev), [], []
+        rows_drawn = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        drawn = None
+        if rows_drawn:
+            temps = [seqs[i].params.temperature for i in rows_drawn]
+            drawn = (torch.tensor(rows_drawn, device=dev), torch.tensor(temps, device=dev))
         for j in range(steps):
             meta = AttentionMetadata(host[1, j], tables, [p + 1 for p in pos[j]], [1] * b)
             logits = self.forward(StepInput(ids, host[0, j], meta, rows, lens_t[j]))
             if logits is None:
                 raise RuntimeError("decode_ahead: the forward sampled no row")
-            ids = greedy_ids(logits)
+            ids, finite = run_draws(logits, drawn)
             out.append(ids)
-        return torch.stack(out, dim=1).tolist()
+            if finite is not None:
+                ok.append(finite)
+        tokens = torch.stack(out, dim=1)
+        if ok and not bool(torch.stack(ok).all()):  # what `sample` refuses in a single step
+            raise RuntimeError("cannot draw a token: its probabilities are NaN, inf or all zero")
+        return tokens.tolist()
 
     def _replay(self, inp: StepInput) -> torch.Tensor | None:
         """The step's hidden states by CUDA-graph replay; None when it must run eagerly (no

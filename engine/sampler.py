@@ -98,6 +98,26 @@ def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
+def run_draws(
+    logits: torch.Tensor, drawn: tuple[torch.Tensor, torch.Tensor] | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A run of decode steps' tokens for one step (`ModelRunner.decode_ahead`), left on the
+    device: each row's argmax, but for the rows in `drawn` (their indices and temperatures,
+    on the logits' device) a draw at that temperature exactly as `sample` draws rows with only
+    a temperature and no seed (`_inverse_cdf`: one uniform a row from the global generator, in
+    row order). With `drawn`, also whether those rows' probabilities were finite (checked
+    once the run is back: the next step does not wait on the host for it)."""
+    ids = greedy_ids(logits)
+    if drawn is None:
+        return ids, None
+    index, temps = drawn
+    cdf = torch.softmax(logits[index] / temps.unsqueeze(1), dim=-1).cumsum_(dim=-1)
+    u = torch.rand(index.shape[0], 1, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]
+    picks = torch.searchsorted(cdf, u, right=True).clamp_max_(logits.shape[-1] - 1)[:, 0]
+    ids = ids.to(picks.device).index_copy_(0, index, picks)
+    return ids, torch.isfinite(cdf[:, -1])
+
+
 def _inverse_cdf(logits: torch.Tensor, rows: list[int], temps: list[float]) -> list[int] | None:
     """One draw per row of `logits[rows]` at its temperature; None if a row's probabilities
     are not finite."""

@@ -69,11 +69,12 @@ FIRST_TEXT_TOKENS = 4
 
 def runs_ahead(seq: Sequence) -> bool:
     """Whether `seq`'s next tokens can be drawn on the device without the host seeing each
-    first (`Scheduler.run_ahead`): greedy, and no grammar, drafts, penalties, logit bias or
-    log-probabilities."""
+    first (`Scheduler.run_ahead`): greedy or sampled with only a temperature (no seed, top-k
+    or top-p), and no grammar, drafts, penalties, logit bias or log-probabilities."""
     p = seq.params
+    plain = seq.generator is None and p.top_k <= 0 and p.top_p >= 1.0
     return (
-        p.greedy
+        (p.greedy or plain)
         and not p.adjusts_logits
         and p.logprobs is None
         and p.prompt_logprobs is None
@@ -581,8 +582,9 @@ class Scheduler:
         (`serving.decode_steps`, at most `most`), with the blocks the later ones need taken;
         1 means one step as usual. More than one only while nothing waits or is swapped out
         (a new or resumed request would wait the whole run for its first step), while every
-        sequence is greedy and asks nothing a step's tokens would have to come back for first
-        (a grammar, drafts, penalties, a logit bias, log-probabilities), within each one's
+        sequence is greedy or sampled with only a temperature and asks nothing a step's tokens
+        would have to come back for first (a seed, top-k or top-p, a grammar, drafts,
+        penalties, a logit bias, log-probabilities), within each one's
         max_tokens and length limit, and with free blocks for them (never preempting)."""
         if most < 2 or self.waiting or self.swapped or not all(map(runs_ahead, batch.seqs)):
             return 1

@@ -60,6 +60,34 @@ def test_runs_give_the_tokens_of_single_steps(tiny_dir: Path) -> None:
     assert eng.snapshot().counters["steps_ahead"] > 0
 
 
+def test_runs_draw_temperature_rows_as_single_steps_do(tiny_dir: Path) -> None:
+    """Rows sampled with only a temperature are drawn inside a run as `sample` draws them (one
+    uniform a row from the global generator, by inverse CDF): from the same global seed, a
+    batch of them, greedy rows beside, gets the single steps' tokens."""
+    prompts = [[5 + i] * (4 + 5 * i) for i in range(4)]
+    params = [
+        SamplingParams(max_tokens=17, temperature=t, ignore_eos=True) for t in (0.7, 1.0, 1.3, 0.9)
+    ]
+    outs = []
+    for steps in (1, 4):
+        eng = _engine(tiny_dir, steps)
+        torch.manual_seed(11)
+        outs.append(_outcome(eng.generate(prompts, params)))
+    assert outs[0] == outs[1]
+    assert eng.snapshot().counters["steps_ahead"] > 0
+    again = _engine(tiny_dir, 4)
+    torch.manual_seed(12)
+    assert _outcome(again.generate(prompts, params)) != outs[0]  # the draws are draws
+
+    mixed = [params[0], SamplingParams(max_tokens=17, ignore_eos=True), params[2]]
+    got = []
+    for steps in (1, 4):
+        eng = _engine(tiny_dir, steps)
+        torch.manual_seed(5)
+        got.append(_outcome(eng.generate(prompts[:3], mixed)))
+    assert got[0] == got[1]  # greedy rows beside: the drawn rows take the same uniforms
+
+
 def test_a_run_never_passes_the_limits_it_must_stop_at(tiny_dir: Path) -> None:
     eng = _engine(tiny_dir, 16)
     out = eng.generate([[7] * 250], SamplingParams(max_tokens=50, ignore_eos=True))[0]
@@ -72,6 +100,7 @@ def test_sampled_requests_and_waiting_ones_keep_single_steps(tiny_dir: Path) -> 
     any batch while a request waits for a slot, and runs start once it is in."""
     for odd in (
         SamplingParams(max_tokens=12, temperature=0.8, seed=3),
+        SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9),
         SamplingParams(max_tokens=12, presence_penalty=1.0),
         SamplingParams(max_tokens=12, logprobs=2),
     ):
@@ -120,8 +149,13 @@ def test_which_sequences_may_run_ahead() -> None:
 
     assert runs_ahead(seq())
     assert runs_ahead(seq(temperature=0.7, top_k=1))  # greedy all the same
+    assert runs_ahead(seq(temperature=0.7))  # drawn on the device
+    seeded = seq(temperature=0.7, seed=1)
+    seeded.generator = torch.Generator().manual_seed(1)
+    assert not runs_ahead(seeded)
     for kw in (
-        {"temperature": 0.7},
+        {"temperature": 0.7, "top_p": 0.9},
+        {"temperature": 0.7, "top_k": 5},
         {"frequency_penalty": 0.5},
         {"logit_bias": {3: 1.0}},
         {"logprobs": 0},
@@ -168,3 +202,81 @@ def test_a_run_reads_its_tokens_back_once(monkeypatch: pytest.MonkeyPatch, tiny_
         done |= {o.request_id: o for o in eng.step() if o.finished}
     assert eng.scheduler.bm.num_used == 0
     assert _outcome([done[i] for i in ids]) == _outcome(one)
+
+
+def test_remedies_apply_between_runs_and_lose_nothing(tiny_dir: Path) -> None:
+    """The live FP8 switch, an eviction and a max-token cap, posted while runs are on, apply
+    at a run's boundary: every request ends with its tokens, runs go on in the FP8 pool, and
+    the blocks add up after every step."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from bench.common import step_apply
+
+    eng = _engine(tiny_dir, 4)
+    ids = [
+        eng.add_request([5 + i] * 6, SamplingParams(max_tokens=40, ignore_eos=True), priority=p)
+        for i, p in enumerate(("normal", "low", "normal", "low"))
+    ]
+    done: dict[str, object] = {}
+
+    def steps(n: int) -> None:
+        for _ in range(n):
+            done.update({o.request_id: o for o in eng.step() if o.finished})
+            eng.audit_blocks()
+
+    steps(3)
+    before = eng.snapshot().counters["steps_ahead"]
+    assert before > 0
+    assert step_apply(eng, eng.set_kv_cache_dtype("fp8_e4m3")).ok
+    steps(2)
+    assert eng.snapshot().counters["steps_ahead"] > before  # runs in the FP8 pool too
+    assert step_apply(eng, eng.evict(1)).ok
+    assert step_apply(eng, eng.set_max_new_tokens_cap(30)).ok
+    while eng.has_unfinished():
+        steps(1)
+    outs = [done[i] for i in ids]
+    assert all(o.finish_reason == "length" for o in outs)
+    assert all(len(o.token_ids) == 30 for o in outs)
+    assert eng.scheduler.bm.num_used == 0
+
+
+def test_the_daemon_streams_every_token_of_a_run_in_order(tmp_path: Path) -> None:
+    """`serving.decode_steps` from the config file, through `kvguard serve` and the real
+    `openai` client: a streamed completion's pieces join to the non-streamed text of the
+    same greedy request, and the daemon's metrics count the steps run inside runs."""
+    import urllib.request
+
+    from tests.test_server import Daemon
+
+    d = Daemon(
+        tmp_path,
+        debug_hooks=False,
+        serving="{model: tiny, kv_cache_bytes: 8MiB, max_model_len: 512, decode_steps: 4}",
+    )
+    try:
+        client = d.client()
+        ask = {"model": "tiny", "prompt": "abc", "max_tokens": 23, "temperature": 0}
+        whole = client.completions.create(**ask).choices[0]
+        pieces = [c.choices[0].text for c in client.completions.create(**ask, stream=True)]
+        assert whole.finish_reason == "length"
+        assert "".join(pieces) == whole.text and len(pieces) > 1
+        with urllib.request.urlopen(d.url + "/metrics", timeout=10) as r:
+            metrics = r.read().decode()
+        line = next(x for x in metrics.splitlines() if x.startswith("kvguard_engine_steps_ahead"))
+        assert float(line.split()[-1]) > 0
+    finally:
+        assert d.stop() == 0
+
+
+def test_a_runner_of_several_ranks_keeps_single_steps(tiny_dir: Path) -> None:
+    """Every step of a distributed runner is one its other ranks are sent: no runs there (the
+    engine asks the runner), whatever the knob says."""
+    from kvguard.engine.distributed.driver import TensorParallelRunner
+
+    assert TensorParallelRunner.can_run_ahead is False
+    eng = _engine(tiny_dir, 4)
+    eng.runner.can_run_ahead = False
+    out = eng.generate([[5, 6, 7]], SamplingParams(max_tokens=12, ignore_eos=True))
+    assert len(out[0].token_ids) == 12
+    assert eng.snapshot().counters["steps_ahead"] == 0

@@ -581,12 +581,15 @@ class Scheduler:
         """How many greedy decode steps the decode-only `batch` runs back to back
         (`serving.decode_steps`, at most `most`), with the blocks the later ones need taken;
         1 means one step as usual. More than one only while nothing waits or is swapped out
-        (a new or resumed request would wait the whole run for its first step), while every
+        (a new or resumed request would wait the whole run for its first step) and no
+        sequence's first text is held back (it goes out at the step that frees it), while every
         sequence is greedy or sampled with only a temperature and asks nothing a step's tokens
         would have to come back for first (a seed, top-k or top-p, a grammar, drafts,
         penalties, a logit bias, log-probabilities), within each one's
         max_tokens and length limit, and with free blocks for them (never preempting)."""
         if most < 2 or self.waiting or self.swapped or not all(map(runs_ahead, batch.seqs)):
+            return 1
+        if any(map(awaits_first_text, batch.seqs)):  # a first text goes out at its own step
             return 1
         steps = min(
             [most]

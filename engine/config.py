@@ -197,11 +197,12 @@ class EngineConfig:
         live=True,
         ge=1,
         le=16,
-        doc="greedy decode steps run back to back without the host in between (each step's "
-        "tokens feed the next on the device, read back once): the host's per-step work is "
-        "paid once a run and a GPU is not left idle by it. Only while nothing waits and every "
-        "sequence is greedy or sampled with only a temperature, without penalties, grammar or "
-        "log-probabilities; a new request waits at most the run. 1 is off",
+        doc="decode steps run back to back without the host in between (each step's tokens "
+        "feed the next on the device; the host takes them while the later steps run): the "
+        "host's per-step work is paid once a run and a GPU is not left idle by it. Only while "
+        "nothing waits and every sequence is greedy or sampled with only a temperature, "
+        "without penalties, grammar or log-probabilities; a new request waits at most the "
+        "run. 1 is off",
     )
     speculative_tokens: int = knob(
         0,

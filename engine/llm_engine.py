@@ -32,6 +32,7 @@ from kvguard.engine.model_registry import resolve_model
 from kvguard.engine.model_runner import (
     InjectedOOMError,
     ModelRunner,
+    RunTokens,
     finishes_prompt,
     pick_device,
     pick_dtype,
@@ -422,18 +423,24 @@ class LLMEngine(ControlSurface):
             got = of.get(id(seq))
             self._on_token(seq, token, now, got[i] if got else None)
 
-        def spread(seq: Sequence, token: int, i: int) -> None:
-            # a run's tokens reach the host together: each is timed an equal share of the
-            # run, so time per output token means what it does for single steps
-            last = seq.last_token_time
-            at = now if last is None else last + (now - last) / (steps - i)
-            self._on_token(seq, token, at)
-
         if steps > 1:
-            self._counters["steps_ahead"] += steps - 1
-            done = self.scheduler.update_ahead(batch, tokens, spread)
-        else:
-            done = self.scheduler.update(batch, tokens, on_token)
+            return self._run_tokens(batch, tokens, steps)
+        done = self.scheduler.update(batch, tokens, on_token)
+        return [RequestOutput.take(seq) for seq in done]
+
+    def _run_tokens(self, batch: ScheduledBatch, run: RunTokens, steps: int) -> list[RequestOutput]:
+        """Hand a run's tokens over step by step as they come back (on a GPU while its later
+        steps still run), each timed when its step was ready. A step whose tokens cannot be
+        taken ends the requests still going with an error; those that finished keep theirs."""
+        self._counters["steps_ahead"] += steps - 1
+        try:
+            done = self.scheduler.update_ahead(batch, run, self._on_token)
+        except Exception:  # noqa: BLE001 - as in a single step: these requests, not the engine
+            log.exception("a run of decode steps failed; its unfinished requests end with an error")
+            return [
+                RequestOutput.take(s) if s.is_finished else self._end(s, "error")
+                for s in batch.seqs
+            ]
         return [RequestOutput.take(seq) for seq in done]
 
     @staticmethod

@@ -215,6 +215,38 @@ def logit_rows(seq: Sequence, n: int) -> int:
     return int(finishes_prompt(seq, n))
 
 
+class RunTokens:
+    """A launched run's tokens, step by step (`ModelRunner.decode_ahead`): `step(j)` waits for
+    step j alone (on a GPU its own event, the later steps still running) and gives its tokens,
+    one a sequence, with the time they were ready. A token of -1 is a row whose probabilities
+    were not finite (`Scheduler.update_ahead` refuses it as `sample` does in a single step)."""
+
+    def __init__(self) -> None:
+        self._steps: list[tuple[torch.Tensor, torch.cuda.Event | None, float]] = []
+
+    def __len__(self) -> int:
+        return len(self._steps)
+
+    def add(self, ids: torch.Tensor) -> None:
+        """Step `len(self)`'s tokens: on a GPU copied to pinned host memory behind the step,
+        with an event to wait for; elsewhere already computed."""
+        if ids.device.type != "cuda":
+            self._steps.append((ids, None, time.monotonic()))
+            return
+        host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+        host.copy_(ids, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._steps.append((host, event, 0.0))
+
+    def step(self, j: int) -> tuple[list[int], float]:
+        host, event, ready = self._steps[j]
+        if event is not None:
+            event.synchronize()
+            ready = time.monotonic()
+        return host.tolist(), ready
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -327,18 +359,19 @@ class ModelRunner:
             return None
         return self.model.compute_logits(hidden[inp.sample_rows])
 
-    def decode_ahead(self, seqs: list[Sequence], steps: int) -> list[list[int]]:
-        """`steps` greedy decode steps of `seqs` back to back, each step's tokens fed to the
-        next on the device: the tokens each sequence gets, `steps` apiece, read to the host
-        once at the end. Each step is the one `execute` runs for a batch of single decode
-        tokens (same inputs, same forward, the sampler's argmax), so the tokens are the ones
-        `steps` separate steps give. What the steps need from the host (positions, KV slots,
+    def decode_ahead(self, seqs: list[Sequence], steps: int) -> RunTokens:
+        """Launch `steps` decode steps of `seqs` back to back, each step's tokens fed to the
+        next on the device; their tokens come back step by step (`RunTokens`). Each step is
+        the one `execute` runs for a batch of single decode tokens (same inputs, same forward,
+        the sampler's argmax or temperature draw), so the tokens are the ones `steps`
+        separate steps give. What the steps need from the host (positions, KV slots,
         lengths) does not depend on the tokens and goes to the device in one copy before the
-        first; on a GPU the host then only launches, and the device runs the steps without
-        waiting on it. The caller has given every sequence blocks for `steps` more tokens
-        and takes from the end of each list what it does not keep (a sequence that finished
-        on an earlier token). Greedy sequences and ones sampled with only a temperature (no
-        seed, top-k or top-p: `sampler.run_draws`); nothing here adjusts logits."""
+        first; on a GPU the host then only launches, the device runs the steps without
+        waiting on it, and the host handles step j's tokens while the later steps run. The
+        caller has given every sequence blocks for `steps` more tokens and drops what a
+        sequence that finished early does not keep. Greedy sequences and ones sampled with
+        only a temperature (no seed, top-k or top-p: `sampler.run_draws`); nothing here
+        adjusts logits."""
         if steps < 1 or not seqs:
             raise ValueError(f"decode_ahead needs sequences and steps >= 1, got {steps}")
         self.logprobs, self.prompt_logprobs = [], []  # none asked (Scheduler.run_ahead)
@@ -360,7 +393,7 @@ class ModelRunner:
         ).to(dev)
         lens_t = (host[0] + 1).to(torch.int32)  # tokens each row attends to, its own included
         ids = torch.tensor([s.token_slice(p, p + 1)[0] for s, p in zip(seqs, starts, strict=True)])
-        ids, rows, out, ok = ids.to(dev), torch.arange(b, device=dev), [], []
+        ids, rows, run = ids.to(dev), torch.arange(b, device=dev), RunTokens()
         rows_drawn = [i for i, s in enumerate(seqs) if not s.params.greedy]
         drawn = None
         if rows_drawn:
@@ -371,14 +404,11 @@ class ModelRunner:
             logits = self.forward(StepInput(ids, host[0, j], meta, rows, lens_t[j]))
             if logits is None:
                 raise RuntimeError("decode_ahead: the forward sampled no row")
-            ids, finite = run_draws(logits, drawn)
-            out.append(ids)
-            if finite is not None:
-                ok.append(finite)
-        tokens = torch.stack(out, dim=1)
-        if ok and not bool(torch.stack(ok).all()):  # what `sample` refuses in a single step
-            raise RuntimeError("cannot draw a token: its probabilities are NaN, inf or all zero")
-        return tokens.tolist()
+            ids = run_draws(logits, drawn)
+            run.add(ids)  # -1 where a draw was refused: the run fails when that step is read
+            if drawn is not None:
+                ids = ids.clamp_min(0)  # the next step's input must be a token id
+        return run
 
     def _replay(self, inp: StepInput) -> torch.Tensor | None:
         """The step's hidden states by CUDA-graph replay; None when it must run eagerly (no

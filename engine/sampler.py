@@ -100,22 +100,22 @@ def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
 
 def run_draws(
     logits: torch.Tensor, drawn: tuple[torch.Tensor, torch.Tensor] | None
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+) -> torch.Tensor:
     """A run of decode steps' tokens for one step (`ModelRunner.decode_ahead`), left on the
     device: each row's argmax, but for the rows in `drawn` (their indices and temperatures,
     on the logits' device) a draw at that temperature exactly as `sample` draws rows with only
     a temperature and no seed (`_inverse_cdf`: one uniform a row from the global generator, in
-    row order). With `drawn`, also whether those rows' probabilities were finite (checked
-    once the run is back: the next step does not wait on the host for it)."""
+    row order), or -1 where the row's probabilities are not finite (what `sample` refuses;
+    the host finds it when it reads the step, which the next step does not wait for)."""
     ids = greedy_ids(logits)
     if drawn is None:
-        return ids, None
+        return ids
     index, temps = drawn
     cdf = torch.softmax(logits[index] / temps.unsqueeze(1), dim=-1).cumsum_(dim=-1)
     u = torch.rand(index.shape[0], 1, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]
     picks = torch.searchsorted(cdf, u, right=True).clamp_max_(logits.shape[-1] - 1)[:, 0]
-    ids = ids.to(picks.device).index_copy_(0, index, picks)
-    return ids, torch.isfinite(cdf[:, -1])
+    picks = torch.where(torch.isfinite(cdf[:, -1]), picks, -1)
+    return ids.to(picks.device).index_copy_(0, index, picks)
 
 
 def _inverse_cdf(logits: torch.Tensor, rows: list[int], temps: list[float]) -> list[int] | None:

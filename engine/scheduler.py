@@ -45,7 +45,7 @@ import bisect
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from kvguard.engine.admission import HIGH
 from kvguard.engine.admission_policy import AdmissionPolicy
@@ -58,6 +58,9 @@ from kvguard.engine.speculative import (
     draft_threshold,
     ngram_sizes,
 )
+
+if TYPE_CHECKING:
+    from kvguard.engine.model_runner import RunTokens
 
 EventSink = Callable[..., None]
 MIN_BATCHED_TOKENS = 64
@@ -585,17 +588,17 @@ class Scheduler:
         sequence's first text is held back (it goes out at the step that frees it), while every
         sequence is greedy or sampled with only a temperature and asks nothing a step's tokens
         would have to come back for first (a seed, top-k or top-p, a grammar, drafts,
-        penalties, a logit bias, log-probabilities), within each one's
-        max_tokens and length limit, and with free blocks for them (never preempting)."""
+        penalties, a logit bias, log-probabilities), no longer than the sequence with the
+        most tokens to go needs, within every one's length limit, and with free blocks for
+        them (never preempting)."""
         if most < 2 or self.waiting or self.swapped or not all(map(runs_ahead, batch.seqs)):
             return 1
         if any(map(awaits_first_text, batch.seqs)):  # a first text goes out at its own step
             return 1
-        steps = min(
-            [most]
-            + [s.max_tokens - len(s.output_token_ids) for s in batch.seqs]
-            + [s.max_total_len - s.num_tokens for s in batch.seqs]
-        )
+        # no longer than the longest-running sequence needs (one that ends sooner drops the
+        # rest of its run), and no position past any sequence's length limit
+        needed = max(s.max_tokens - len(s.output_token_ids) for s in batch.seqs)
+        steps = min([most, needed] + [s.max_total_len - s.num_tokens for s in batch.seqs])
         while steps > 1:
             need = sum(self.bm.blocks_needed(s, steps) for s in batch.seqs)
             if self._can_allocate(need):
@@ -608,23 +611,38 @@ class Scheduler:
     def update_ahead(
         self,
         batch: ScheduledBatch,
-        tokens: list[list[int]],
-        on_token: Callable[[Sequence, int, int], None],
+        run: RunTokens,
+        on_token: Callable[[Sequence, int, float], None],
     ) -> list[Sequence]:
-        """`update` for a run of decode steps (`run_ahead`): each sequence takes its tokens
-        in turn as separate steps would have handed them over, until one finishes it (the
-        rest are dropped, with the blocks only they filled). Returns the sequences, in batch
-        order."""
-        for seq, got in zip(batch.seqs, tokens, strict=True):
-            for i, token in enumerate(got):
+        """`update` for a run of decode steps (`run_ahead`), step by step as the run's tokens
+        come back: each sequence still going takes its token of the step (`on_token`:
+        sequence, token, when it was ready) as a step of its own would have handed it over,
+        and one that finishes takes no more (the rest of its run is dropped, with the blocks
+        only that filled). Returns the sequences, in batch order."""
+        going = list(batch.seqs)
+        for j in range(len(run)):
+            if not going:
+                break  # every sequence is done: the later steps' tokens are nobody's
+            tokens, ready = run.step(j)
+            left = []
+            for seq, token in zip(batch.seqs, tokens, strict=True):
+                if seq.is_finished:
+                    continue
+                if token < 0:  # its draw was refused: what `sample` raises in a single step
+                    raise RuntimeError(
+                        f"{seq.request_id}: cannot draw a token: its probabilities are NaN, "
+                        "inf or all zero"
+                    )
                 seq.num_computed_tokens += 1
                 self.bm.commit(seq)
-                on_token(seq, token, i)
+                on_token(seq, token, ready)
                 if seq.finish_reason is not None:
                     self.finish(seq)
-                    break
-            else:
-                self.bm.trim(seq)
+                else:
+                    left.append(seq)
+            going = left
+        for seq in going:
+            self.bm.trim(seq)
         return list(batch.seqs)
 
     def finish(self, seq: Sequence) -> None:

@@ -135,7 +135,9 @@ def test_a_pool_without_room_for_a_run_steps_one_at_a_time(tiny_dir: Path) -> No
     assert eng.snapshot().counters["steps_ahead"] > 0  # runs where the blocks were there
 
 
-def test_time_per_output_token_is_shared_over_a_run(tiny_dir: Path) -> None:
+def test_each_token_of_a_run_is_timed_when_its_step_was_ready(tiny_dir: Path) -> None:
+    """Time per output token stays a step's time: the tokens of a run are not all stamped
+    with the moment the host read them."""
     eng = _engine(tiny_dir, 8)
     eng.generate([[5, 6, 7]], SamplingParams(max_tokens=33, ignore_eos=True))
     gaps = list(eng._tpot)  # noqa: SLF001 - what the snapshot's median is taken over
@@ -173,9 +175,13 @@ def test_decode_steps_out_of_range_is_refused(bad: int) -> None:
         EngineConfig(model="tiny", decode_steps=bad)
 
 
-def test_a_run_reads_its_tokens_back_once(monkeypatch: pytest.MonkeyPatch, tiny_dir: Path) -> None:
+def test_a_run_launches_every_step_before_reading_any(
+    monkeypatch: pytest.MonkeyPatch, tiny_dir: Path
+) -> None:
     """Without the CPU kernels (the GPU's path), a run's steps feed each other on the device:
-    the host reads tokens back once a run, not once a step."""
+    every step is launched before the host reads the first one's tokens, then the host takes
+    them step by step (on a GPU while the later steps run), not by a read between steps."""
+    from kvguard.engine.model_runner import ModelRunner, RunTokens
     from kvguard.kernels import cpu_ops
 
     prompts = [[5, 6, 7, 8], [9, 10]]
@@ -186,22 +192,49 @@ def test_a_run_reads_its_tokens_back_once(monkeypatch: pytest.MonkeyPatch, tiny_
     eng = _engine(tiny_dir, 4)
     ids = [eng.add_request(p, params) for p in prompts]
     done = {o.request_id: o for o in eng.step() if o.finished}  # the prompts
-    reads = []
-    real = torch.Tensor.tolist
-
-    def counted(self: torch.Tensor) -> list:
-        reads.append(tuple(self.shape))
-        return real(self)
-
-    monkeypatch.setattr(torch.Tensor, "tolist", counted)
+    order: list[str] = []
+    forward, step = ModelRunner.forward, RunTokens.step
+    monkeypatch.setattr(
+        ModelRunner, "forward", lambda self, inp: (order.append("F"), forward(self, inp))[1]
+    )
+    monkeypatch.setattr(RunTokens, "step", lambda self, j: (order.append("R"), step(self, j))[1])
     eng.step()  # a run of 4 steps
-    monkeypatch.setattr(torch.Tensor, "tolist", real)
+    assert order == ["F"] * 4 + ["R"] * 4
     assert eng.snapshot().counters["steps_ahead"] == 3
-    assert reads == [(2, 4)]
     while eng.has_unfinished():
         done |= {o.request_id: o for o in eng.step() if o.finished}
     assert eng.scheduler.bm.num_used == 0
     assert _outcome([done[i] for i in ids]) == _outcome(one)
+
+
+def test_a_refused_draw_ends_the_unfinished_requests_of_its_run(
+    monkeypatch: pytest.MonkeyPatch, tiny_dir: Path
+) -> None:
+    """A drawn row whose probabilities are not finite fails its run as it fails a single step:
+    the requests still going end with an error, a request that finished earlier in the run
+    keeps its answer, the engine serves on and every block comes back."""
+    from kvguard.engine import sampler
+
+    eng = _engine(tiny_dir, 4)
+    short = eng.add_request([5, 6], SamplingParams(max_tokens=3, ignore_eos=True))
+    hot = eng.add_request([7, 8], SamplingParams(max_tokens=30, temperature=1.0))
+    outs = {o.request_id: o for o in eng.step() if o.finished}  # the prompts
+    real, calls = sampler.run_draws, []
+
+    def poisoned(logits: torch.Tensor, drawn: tuple | None) -> torch.Tensor:
+        calls.append(1)  # from the run's third step on, `hot`'s logits are NaN
+        return real(torch.full_like(logits, float("nan")) if len(calls) > 2 else logits, drawn)
+
+    monkeypatch.setattr("kvguard.engine.model_runner.run_draws", poisoned)
+    for o in eng.step():  # one run: `short` ends at its second step, `hot` fails at the third
+        outs[o.request_id] = o
+    assert len(calls) == 4
+    monkeypatch.undo()
+    assert outs[short].finish_reason == "length" and len(outs[short].token_ids) == 3
+    assert outs[hot].finish_reason == "error"
+    assert not eng.has_unfinished() and eng.scheduler.bm.num_used == 0
+    again = eng.generate([[9, 9]], SamplingParams(max_tokens=5, ignore_eos=True))
+    assert len(again[0].token_ids) == 5
 
 
 def test_remedies_apply_between_runs_and_lose_nothing(tiny_dir: Path) -> None:

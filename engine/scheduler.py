@@ -581,7 +581,7 @@ class Scheduler:
         return [seq for seq, _ in done]
 
     def run_ahead(self, batch: ScheduledBatch, most: int) -> int:
-        """How many greedy decode steps the decode-only `batch` runs back to back
+        """How many decode steps the decode-only `batch` runs back to back
         (`serving.decode_steps`, at most `most`), with the blocks the later ones need taken;
         1 means one step as usual. More than one only while nothing waits or is swapped out
         (a new or resumed request would wait the whole run for its first step) and no

@@ -212,6 +212,21 @@ def _capture_on_cpu(self: DecodeGraphs) -> None:
     self.captures += 1
 
 
+def _replaying_engine(monkeypatch: pytest.MonkeyPatch, cfg: EngineConfig) -> LLMEngine:
+    """An engine of `cfg` on CPU whose decode steps go through graph replay: capture replaced
+    by rerun-on-replay, the Triton KV write (it skips padding rows' slots) in the interpreter."""
+    from kvguard.engine import model as model_module
+    from kvguard.engine import model_runner
+    from kvguard.kernels import triton_kv
+
+    monkeypatch.setattr(model_module, "write_kv", triton_kv.write_kv)
+    monkeypatch.setattr(model_runner, "use_triton", lambda *a: True)
+    monkeypatch.setattr(DecodeGraphs, "capture", _capture_on_cpu)
+    eng = LLMEngine.from_config(cfg, progress=False)
+    eng.runner.enable_cuda_graphs(cfg.max_num_seqs, eng.max_model_len)
+    return eng
+
+
 def test_engine_with_graph_replay_gives_the_eager_tokens(
     monkeypatch: pytest.MonkeyPatch, tiny_dir: Path
 ) -> None:
@@ -219,20 +234,14 @@ def test_engine_with_graph_replay_gives_the_eager_tokens(
     sequences finish, static buffers, the FP8 switch dropping graphs, an FP8 pool replaying
     when opted in, and the way back recapturing) on CPU: capture replaced by rerun-on-replay,
     kernels in the interpreter."""
-    from kvguard.engine import model as model_module
     from kvguard.engine import model_runner
-    from kvguard.kernels import triton_kv
 
     prompts = [[5 + i] * (3 + 11 * i) for i in range(5)]
     params = [SamplingParams(max_tokens=14 - 2 * i, ignore_eos=True) for i in range(5)]
     cfg = EngineConfig(model=str(tiny_dir), device="cpu", max_num_seqs=8, max_model_len=256)
     eager = LLMEngine.from_config(cfg, progress=False).generate(prompts, params)
 
-    monkeypatch.setattr(model_module, "write_kv", triton_kv.write_kv)
-    monkeypatch.setattr(model_runner, "use_triton", lambda *a: True)
-    monkeypatch.setattr(DecodeGraphs, "capture", _capture_on_cpu)
-    eng = LLMEngine.from_config(cfg, progress=False)
-    eng.runner.enable_cuda_graphs(cfg.max_num_seqs, eng.max_model_len)
+    eng = _replaying_engine(monkeypatch, cfg)
     before = _ReplayByRerun.replays
     replayed = eng.generate(prompts, params)
     assert [o.token_ids for o in replayed] == [o.token_ids for o in eager]
@@ -263,20 +272,13 @@ def test_runs_of_decode_steps_replay_and_give_the_eager_tokens(
     """`decode_steps` runs through graph replay: each step of a run is a replay whose token
     ids come from the step before on the device and whose lengths come from the run's one
     copy; the tokens are eager single steps'."""
-    from kvguard.engine import model as model_module
-    from kvguard.engine import model_runner
-    from kvguard.kernels import triton_kv
 
     prompts = [[5 + i] * (3 + 11 * i) for i in range(4)]
     params = [SamplingParams(max_tokens=15 - 3 * i, ignore_eos=True) for i in range(4)]
     cfg = EngineConfig(model=str(tiny_dir), device="cpu", max_num_seqs=8, max_model_len=256)
     eager = LLMEngine.from_config(cfg, progress=False).generate(prompts, params)
 
-    monkeypatch.setattr(model_module, "write_kv", triton_kv.write_kv)
-    monkeypatch.setattr(model_runner, "use_triton", lambda *a: True)
-    monkeypatch.setattr(DecodeGraphs, "capture", _capture_on_cpu)
-    eng = LLMEngine.from_config(replace(cfg, decode_steps=4), progress=False)
-    eng.runner.enable_cuda_graphs(cfg.max_num_seqs, eng.max_model_len)
+    eng = _replaying_engine(monkeypatch, replace(cfg, decode_steps=4))
     before = _ReplayByRerun.replays
     ran = eng.generate(prompts, params)
     assert [o.token_ids for o in ran] == [o.token_ids for o in eager]
@@ -290,9 +292,7 @@ def test_graph_replay_through_the_skinny_gemms_gives_the_eager_tokens(
     """With KVGUARD_TRITON_GEMV=1 a replayed decode step's projections are the skinny GEMMs
     (kernels in the interpreter), one variant per bucket of rows (8, 4, 2, 1 as sequences
     finish): the eager path's tokens."""
-    from kvguard.engine import model as model_module
-    from kvguard.engine import model_runner
-    from kvguard.kernels import dispatch, triton_gemv, triton_kv
+    from kvguard.kernels import dispatch, triton_gemv
 
     prompts = [[5 + i] * (3 + 11 * i) for i in range(5)]
     params = [SamplingParams(max_tokens=10 - 2 * i, ignore_eos=True) for i in range(5)]
@@ -308,11 +308,7 @@ def test_graph_replay_through_the_skinny_gemms_gives_the_eager_tokens(
 
     monkeypatch.setattr(triton_gemv, "linear", counted)
     monkeypatch.setenv(dispatch.GEMV_ENV, "1")
-    monkeypatch.setattr(model_module, "write_kv", triton_kv.write_kv)
-    monkeypatch.setattr(model_runner, "use_triton", lambda *a: True)
-    monkeypatch.setattr(DecodeGraphs, "capture", _capture_on_cpu)
-    eng = LLMEngine.from_config(cfg, progress=False)
-    eng.runner.enable_cuda_graphs(cfg.max_num_seqs, eng.max_model_len)
+    eng = _replaying_engine(monkeypatch, cfg)
     replayed = eng.generate(prompts, params)
     assert [o.token_ids for o in replayed] == [o.token_ids for o in eager]
     assert {8, 4, 2, 1} <= rows  # every bucket's rows went through the kernel

@@ -200,8 +200,9 @@ class EngineConfig:
         doc="decode steps run back to back without the host in between (each step's tokens "
         "feed the next on the device; the host takes them while the later steps run): the "
         "host's per-step work is paid once a run and a GPU is not left idle by it. Only while "
-        "nothing waits and every sequence is greedy or sampled with only a temperature, "
-        "without penalties, grammar or log-probabilities; a new request waits at most the "
+        "every sequence is greedy or sampled with only a temperature, without penalties, "
+        "grammar or log-probabilities, and nothing is queued but on a full batch (a run then "
+        "ends where the first sequence reaches max_tokens); a new request waits at most the "
         "run. 1 is off",
     )
     speculative_tokens: int = knob(

@@ -583,21 +583,31 @@ class Scheduler:
     def run_ahead(self, batch: ScheduledBatch, most: int) -> int:
         """How many decode steps the decode-only `batch` runs back to back
         (`serving.decode_steps`, at most `most`), with the blocks the later ones need taken;
-        1 means one step as usual. More than one only while nothing waits or is swapped out
-        (a new or resumed request would wait the whole run for its first step) and no
-        sequence's first text is held back (it goes out at the step that frees it), while every
-        sequence is greedy or sampled with only a temperature and asks nothing a step's tokens
-        would have to come back for first (a seed, top-k or top-p, a grammar, drafts,
-        penalties, a logit bias, log-probabilities), no longer than the sequence with the
-        most tokens to go needs, within every one's length limit, and with free blocks for
-        them (never preempting)."""
-        if most < 2 or self.waiting or self.swapped or not all(map(runs_ahead, batch.seqs)):
+        1 means one step as usual.
+
+        More than one only while every sequence is greedy or sampled with only a temperature
+        and asks nothing a step's tokens would have to come back for first (a seed, top-k or
+        top-p, a grammar, drafts, penalties, a logit bias, log-probabilities), no sequence's
+        first text is held back (it goes out at the step that frees it) and nothing is
+        swapped out. With nothing waiting, a run is as long as the sequence with the most
+        tokens to go needs (one that ends sooner drops the rest of its run); a request that
+        arrives meanwhile waits at most the run. With requests waiting on a full batch (they
+        start as sequences finish), a run ends where the first sequence reaches max_tokens,
+        so they start when single steps would start them (an EOS or stop string inside the
+        run still holds them back to its end); with requests waiting on anything else, no
+        run. Always within every sequence's length limit and with free blocks (never
+        preempting)."""
+        if most < 2 or self.swapped or not all(map(runs_ahead, batch.seqs)):
             return 1
-        if any(map(awaits_first_text, batch.seqs)):  # a first text goes out at its own step
+        if any(map(awaits_first_text, batch.seqs)):
             return 1
-        # no longer than the longest-running sequence needs (one that ends sooner drops the
-        # rest of its run), and no position past any sequence's length limit
-        needed = max(s.max_tokens - len(s.output_token_ids) for s in batch.seqs)
+        to_go = [s.max_tokens - len(s.output_token_ids) for s in batch.seqs]
+        if not self.waiting:
+            needed = max(to_go)
+        elif len(self.running) >= self.max_num_seqs and len(batch.seqs) == len(self.running):
+            needed = min(to_go)
+        else:
+            return 1
         steps = min([most, needed] + [s.max_total_len - s.num_tokens for s in batch.seqs])
         while steps > 1:
             need = sum(self.bm.blocks_needed(s, steps) for s in batch.seqs)

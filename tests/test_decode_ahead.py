@@ -96,8 +96,8 @@ def test_a_run_never_passes_the_limits_it_must_stop_at(tiny_dir: Path) -> None:
 
 
 def test_sampled_requests_and_waiting_ones_keep_single_steps(tiny_dir: Path) -> None:
-    """A batch with a sampled, penalised or log-probability request runs step by step; so does
-    any batch while a request waits for a slot, and runs start once it is in."""
+    """A batch with a seeded, top-p, penalised or log-probability request runs step by step;
+    so does a batch with room while a request waits (it waits on something a step may free)."""
     for odd in (
         SamplingParams(max_tokens=12, temperature=0.8, seed=3),
         SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9),
@@ -109,17 +109,41 @@ def test_sampled_requests_and_waiting_ones_keep_single_steps(tiny_dir: Path) -> 
         eng.generate([[5, 6, 7], [8, 9]], [plain, odd])
         assert eng.snapshot().counters["steps_ahead"] == 0, odd
 
-    prompts = [[5 + i] * 4 for i in range(3)]
-    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (4, 20, 20)]
     eng = _engine(tiny_dir, 4, max_num_seqs=2)
+    eng.add_request([5] * 4, SamplingParams(max_tokens=20, ignore_eos=True))
+    eng.step()  # its prompt
+    batch = eng.scheduler.schedule()
+    assert eng.scheduler.run_ahead(batch, 4) == 4  # alone, nothing queued
+    eng.scheduler.bm.trim(batch.seqs[0])
+    batch = eng.scheduler.schedule()
+    eng.scheduler.waiting.append(Sequence("queued", [1, 2], SamplingParams(), 1, 0, 64))
+    assert eng.scheduler.run_ahead(batch, 4) == 1  # a slot is free: it waits on something else
+
+
+def _started_at(eng: LLMEngine, prompts: list, params: list) -> tuple[list, int]:
+    """Outcomes, and the engine step at which the last request left the queue."""
     ids = [eng.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
-    while eng.scheduler.waiting:
-        eng.step()
-        assert eng.snapshot().counters["steps_ahead"] == 0  # the third request waits
+    done, started = {}, None
     while eng.has_unfinished():
-        eng.step()
+        done |= {o.request_id: o for o in eng.step() if o.finished}
+        if started is None and not eng.scheduler.waiting:
+            started = eng.snapshot().step
+    return _outcome([done[i] for i in ids]), started
+
+
+def test_requests_waiting_on_a_full_batch_start_when_single_steps_start_them(
+    tiny_dir: Path,
+) -> None:
+    """With the batch full and a request queued, runs go on but end where the first sequence
+    reaches max_tokens: the queued request starts at the very step it starts with single
+    steps, and every answer is the same."""
+    prompts = [[5 + i] * 4 for i in range(3)]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (7, 20, 20)]
+    one = _started_at(_engine(tiny_dir, 1, max_num_seqs=2), prompts, params)
+    eng = _engine(tiny_dir, 4, max_num_seqs=2)
+    ahead = _started_at(eng, prompts, params)
+    assert ahead == one
     assert eng.snapshot().counters["steps_ahead"] > 0
-    assert ids
 
 
 def test_a_pool_without_room_for_a_run_steps_one_at_a_time(tiny_dir: Path) -> None:

@@ -16,7 +16,8 @@ running out of time leaves the others' results in the JSON):
    is t(N tokens) - t(1 token), so prefill is left out for both;
    the same greedy tokens are required of both (first 8, bf16 noise allowed on a few rows);
 2. a mixed trace (lognormal prompt and output lengths): kvguard (also with its opt-in Triton
-   prefill kernel: `KVGUARD_TRITON_PREFILL=1`), transformers static batches of 16, and
+   prefill kernel: `KVGUARD_TRITON_PREFILL=1`, and with runs of 4 decode steps), transformers
+   static batches of 16, and
    transformers continuous batching where this transformers has it;
 3. NVML: the daemon's reader, its memory figure against the CUDA runtime's (run first);
 4. a real CUDA out-of-memory: every free byte is taken, the engine's next step fails, the
@@ -389,6 +390,16 @@ def section_trace(eng: Any, hf: Any, run: Run) -> dict[str, Any]:
     same = sum(a.token_ids == b.token_ids for a, b in zip(tri, base, strict=True))
     out["kvguard_triton_prefill_tok_s"] = want / sec
     out["triton_prefill_same_outputs"] = f"{same}/{len(trace)}"
+    # runs of decode steps on the trace (all requests queued at once: runs go on while the
+    # batch is full and decoding), and how many outputs equal the default's
+    before, eng.config.decode_steps = eng.config.decode_steps, RUN_STEPS
+    try:
+        sec, ran = wall(lambda: eng.generate(prompts, params), run)
+    finally:
+        eng.config.decode_steps = before
+    same = sum(a.token_ids == b.token_ids for a, b in zip(ran, base, strict=True))
+    out["kvguard_runs_tok_s"] = want / sec
+    out["runs_same_outputs"] = f"{same}/{len(trace)}"
     out["hf_static16_tok_s"] = want / _hf_static(hf, trace, run)
     blocks = eng.kv_cache.num_blocks
     out["hf_continuous_tok_s"] = _hf_continuous(hf, trace, run, blocks, want)

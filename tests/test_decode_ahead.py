@@ -337,3 +337,36 @@ def test_a_runner_of_several_ranks_keeps_single_steps(tiny_dir: Path) -> None:
     out = eng.generate([[5, 6, 7]], SamplingParams(max_tokens=12, ignore_eos=True))
     assert len(out[0].token_ids) == 12
     assert eng.snapshot().counters["steps_ahead"] == 0
+
+
+def test_a_high_arrival_interrupts_a_run_and_loses_nothing(
+    monkeypatch: pytest.MonkeyPatch, tiny_dir: Path
+) -> None:
+    """A run is one step to `interrupt_for_high`: set while its second step computes, the run
+    stops between layers, its work is dropped with the blocks only its later steps took, and
+    the answers are the single steps' all the same."""
+    from kvguard.engine.model_runner import ModelRunner
+
+    prompts = [[5, 6, 7], [8, 9, 10, 11]]
+    params = SamplingParams(max_tokens=14, ignore_eos=True)
+    one = _engine(tiny_dir, 1).generate(prompts, params)
+    eng = _engine(tiny_dir, 4)
+    ids = [eng.add_request(p, params) for p in prompts]
+    done = {o.request_id: o for o in eng.step() if o.finished}  # the prompts
+    calls, forward = [], ModelRunner.forward
+
+    def second_interrupts(self: ModelRunner, inp: object) -> object:
+        calls.append(1)
+        if len(calls) == 2:
+            eng.interrupt.set()  # as a high request's arrival does, from another thread
+        return forward(self, inp)
+
+    monkeypatch.setattr(ModelRunner, "forward", second_interrupts)
+    assert eng.step() == []
+    monkeypatch.undo()
+    assert eng.snapshot().counters["steps_interrupted"] == 1
+    eng.audit_blocks()  # the blocks taken for the later steps went back
+    while eng.has_unfinished():
+        done |= {o.request_id: o for o in eng.step() if o.finished}
+        eng.audit_blocks()
+    assert _outcome([done[i] for i in ids]) == _outcome(one)

@@ -50,6 +50,7 @@ the bandwidth limit. `--cpu-smoke` runs every section on the tiny shape on CPU i
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -57,7 +58,7 @@ import statistics
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -298,6 +299,16 @@ def _triton_off(eng: Any, run: Run) -> dict[str, Any]:
     return {"batch": b, "kvguard_tok_s": _rate_with_env(eng, run, b, {"KVGUARD_TRITON": "0"})[0]}
 
 
+@contextlib.contextmanager
+def decode_steps(eng: Any, steps: int) -> Iterator[None]:
+    """`serving.decode_steps` at `steps` for the block, set live as a reload sets it."""
+    before, eng.config.decode_steps = eng.config.decode_steps, steps
+    try:
+        yield
+    finally:
+        eng.config.decode_steps = before
+
+
 def _switched_on(
     eng: Any,
     run: Run,
@@ -310,14 +321,11 @@ def _switched_on(
     steps (`serving.decode_steps`, set live as a reload does), for their gain, and how many
     sequences' first 8 tokens equal the default path's (bf16 near-ties aside); with runs, how
     many sequences' whole outputs do (a run's steps are the single steps' kernels)."""
-    rows, before = [], eng.config.decode_steps
+    rows = []
     for b in sorted(batches):
-        eng.config.decode_steps = steps
         ahead = eng.snapshot().counters["steps_ahead"]
-        try:
+        with decode_steps(eng, steps):
             rate, out = _rate_with_env(eng, run, b, env)
-        finally:
-            eng.config.decode_steps = before
         same = sum(a[:8] == d[:8] for a, d in zip(out, default_out[b], strict=True))
         row = {"batch": b, "kvguard_tok_s": rate, "same_first8": f"{same}/{b}"}
         if steps > 1:  # steps_ahead: how many steps ran inside runs (0: no run happened)
@@ -392,11 +400,8 @@ def section_trace(eng: Any, hf: Any, run: Run) -> dict[str, Any]:
     out["triton_prefill_same_outputs"] = f"{same}/{len(trace)}"
     # runs of decode steps on the trace (all requests queued at once: runs go on while the
     # batch is full and decoding), and how many outputs equal the default's
-    before, eng.config.decode_steps = eng.config.decode_steps, RUN_STEPS
-    try:
+    with decode_steps(eng, RUN_STEPS):
         sec, ran = wall(lambda: eng.generate(prompts, params), run)
-    finally:
-        eng.config.decode_steps = before
     same = sum(a.token_ids == b.token_ids for a, b in zip(ran, base, strict=True))
     out["kvguard_runs_tok_s"] = want / sec
     out["runs_same_outputs"] = f"{same}/{len(trace)}"

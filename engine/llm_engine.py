@@ -409,8 +409,9 @@ class LLMEngine(ControlSurface):
         except Exception:  # noqa: BLE001 - a bug or a poisoned input: stop this step's requests
             log.exception("engine step failed; its %d requests end with an error", len(batch.seqs))
             return self._fail(batch)
-        spec = self.scheduler.speculation is not None
-        if spec and steps == 1 and decode_only(batch):  # a draft row's cost
+        if steps > 1:
+            return self._run_tokens(batch, tokens)
+        if self.scheduler.speculation is not None and decode_only(batch):  # a draft row's cost
             self.scheduler.step_cost.observe(sum(batch.num_tokens), time.perf_counter() - t0)
         now = time.monotonic()
         for seq, entries in getattr(self.runner, "prompt_logprobs", None) or ():
@@ -423,16 +424,14 @@ class LLMEngine(ControlSurface):
             got = of.get(id(seq))
             self._on_token(seq, token, now, got[i] if got else None)
 
-        if steps > 1:
-            return self._run_tokens(batch, tokens, steps)
         done = self.scheduler.update(batch, tokens, on_token)
         return [RequestOutput.take(seq) for seq in done]
 
-    def _run_tokens(self, batch: ScheduledBatch, run: RunTokens, steps: int) -> list[RequestOutput]:
+    def _run_tokens(self, batch: ScheduledBatch, run: RunTokens) -> list[RequestOutput]:
         """Hand a run's tokens over step by step as they come back (on a GPU while its later
         steps still run), each timed when its step was ready. A step whose tokens cannot be
         taken ends the requests still going with an error; those that finished keep theirs."""
-        self._counters["steps_ahead"] += steps - 1
+        self._counters["steps_ahead"] += len(run) - 1
         try:
             done = self.scheduler.update_ahead(batch, run, self._on_token)
         except Exception:  # noqa: BLE001 - as in a single step: these requests, not the engine

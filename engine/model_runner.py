@@ -374,7 +374,6 @@ class ModelRunner:
         adjusts logits."""
         if steps < 1 or not seqs:
             raise ValueError(f"decode_ahead needs sequences and steps >= 1, got {steps}")
-        self.logprobs, self.prompt_logprobs = [], []  # none asked (Scheduler.run_ahead)
         bs, b = self.block_size, len(seqs)
         starts = [s.num_computed_tokens for s in seqs]
         if any(s.num_uncomputed != 1 for s in seqs):

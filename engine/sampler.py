@@ -103,36 +103,40 @@ def run_draws(
 ) -> torch.Tensor:
     """A run of decode steps' tokens for one step (`ModelRunner.decode_ahead`), left on the
     device: each row's argmax, but for the rows in `drawn` (their indices and temperatures,
-    on the logits' device) a draw at that temperature exactly as `sample` draws rows with only
-    a temperature and no seed (`_inverse_cdf`: one uniform a row from the global generator, in
-    row order), or -1 where the row's probabilities are not finite (what `sample` refuses;
-    the host finds it when it reads the step, which the next step does not wait for)."""
+    on the logits' device) the draw `sample` makes for rows with only a temperature and no
+    seed (`_cdf_draws`), or -1 where the row's probabilities are not finite (what `sample`
+    refuses; the host finds it when it reads the step, which the next step does not wait for)."""
     ids = greedy_ids(logits)
     if drawn is None:
         return ids
-    index, temps = drawn
+    picks, finite = _cdf_draws(logits, *drawn)
+    picks = torch.where(finite, picks, -1)
+    return ids.to(picks.device).index_copy_(0, drawn[0], picks)
+
+
+def _cdf_draws(
+    logits: torch.Tensor, index: torch.Tensor, temps: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One draw for each row `index` of `logits` at its temperature (`temps`, one a row, on
+    the logits' device): a uniform a row from the global generator, in row order, against the
+    row's cumulative probabilities; and whether each row's probabilities are finite."""
     cdf = torch.softmax(logits[index] / temps.unsqueeze(1), dim=-1).cumsum_(dim=-1)
     u = torch.rand(index.shape[0], 1, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]
+    # side right: a token of probability 0 has the cdf of the one before it: never drawn
     picks = torch.searchsorted(cdf, u, right=True).clamp_max_(logits.shape[-1] - 1)[:, 0]
-    picks = torch.where(torch.isfinite(cdf[:, -1]), picks, -1)
-    return ids.to(picks.device).index_copy_(0, index, picks)
+    return picks, torch.isfinite(cdf[:, -1])
 
 
 def _inverse_cdf(logits: torch.Tensor, rows: list[int], temps: list[float]) -> list[int] | None:
     """One draw per row of `logits[rows]` at its temperature; None if a row's probabilities
     are not finite."""
-    t = torch.tensor(temps, dtype=logits.dtype, device=logits.device).unsqueeze(1)
-    index = torch.tensor(rows, device=logits.device)
-    cdf = torch.softmax(logits[index] / t, dim=-1).cumsum_(dim=-1)
-    if not bool(torch.isfinite(cdf[:, -1]).all()):
-        return None
-    u = torch.rand(len(rows), 1, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]
-    # side right: a token of probability 0 has the cdf of the one before it: never drawn
-    return torch.searchsorted(cdf, u, right=True).clamp_max_(logits.shape[-1] - 1)[:, 0].tolist()
+    t = torch.tensor(temps, dtype=logits.dtype, device=logits.device)
+    picks, finite = _cdf_draws(logits, torch.tensor(rows, device=logits.device), t)
+    return picks.tolist() if bool(finite.all()) else None
 
 
 def _plain(p: SamplingParams, gen: torch.Generator | None) -> bool:
-    return not p.greedy and gen is None and p.top_k <= 0 and p.top_p >= 1.0
+    return p.temperature_only and gen is None
 
 
 def _sample_rows(

@@ -99,3 +99,8 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW_TEMPERATURE or self.top_k == 1
+
+    @property
+    def temperature_only(self) -> bool:
+        """Sampled with a temperature and nothing else shaping the draw (no top-k or top-p)."""
+        return not self.greedy and self.top_k <= 0 and self.top_p >= 1.0

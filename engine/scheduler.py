@@ -75,9 +75,8 @@ def runs_ahead(seq: Sequence) -> bool:
     first (`Scheduler.run_ahead`): greedy or sampled with only a temperature (no seed, top-k
     or top-p), and no grammar, drafts, penalties, logit bias or log-probabilities."""
     p = seq.params
-    plain = seq.generator is None and p.top_k <= 0 and p.top_p >= 1.0
     return (
-        (p.greedy or plain)
+        (p.greedy or (p.temperature_only and seq.generator is None))
         and not p.adjusts_logits
         and p.logprobs is None
         and p.prompt_logprobs is None
@@ -597,7 +596,7 @@ class Scheduler:
         run still holds them back to its end); with requests waiting on anything else, no
         run. Always within every sequence's length limit and with free blocks (never
         preempting)."""
-        if most < 2 or self.swapped or not all(map(runs_ahead, batch.seqs)):
+        if self.swapped or not all(map(runs_ahead, batch.seqs)):
             return 1
         if any(map(awaits_first_text, batch.seqs)):
             return 1

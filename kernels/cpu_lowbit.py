@@ -136,6 +136,8 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.kvg_amx.argtypes, lib.kvg_amx.restype = [_INT], _INT
     lib.kvg_amx_bf16.argtypes, lib.kvg_amx_bf16.restype = [_INT], _INT
     lib.kvg_attn512.argtypes, lib.kvg_attn512.restype = [_INT], _INT
+    lib.kvg_shared_prefix.argtypes, lib.kvg_shared_prefix.restype = [_INT], _INT
+    lib.kvg_shared_prefix_calls.argtypes, lib.kvg_shared_prefix_calls.restype = [], _I64
     lib.kvg_quantize_rows.argtypes = [_PTR, _I64, _I64, _I64, _INT, _PTR, _PTR, _PTR]
     lib.kvg_quantize_rows.restype = ctypes.c_int
     _F = ctypes.c_float
@@ -289,6 +291,23 @@ def attention512(on: bool | None = None) -> bool:
     switches it (tests, benchmarks); True on a CPU without AVX-512 raises ValueError. Returns
     the state before."""
     return _switch("kvg_attn512", on, "this CPU lacks AVX-512: prefill attention stays on AVX2")
+
+
+def shared_prefix(on: bool | None = None) -> bool:
+    """Whether decode attention reads blocks that several sequences share (a prefix-cache
+    hit) once for all of them, their queries taken together: on by default (every CPU).
+    Not the same bits as reading them per sequence (a sequence's softmax is merged from
+    its shared and own parts, as split-K merges). `on` switches it (tests, benchmarks).
+    Returns the state before."""
+    return _switch("kvg_shared_prefix", on, "")
+
+
+def shared_prefix_calls() -> int:
+    """Decode attention calls that read blocks once for several sequences (one call a layer a
+    step), since the library loaded."""
+    lib = library()
+    assert lib is not None, "cpu_lowbit.library() is None: check available() first"
+    return int(lib.kvg_shared_prefix_calls())
 
 
 def w4a8(

@@ -42,6 +42,7 @@
 
 enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2, KV_FP8 = 3 };
 #define MAX_GROUP 16
+#define MAX_Q 64 /* query heads one pass of attend_run holds (see decode_shared) */
 #define MAX_DIM 256
 #define MAX_BLOCK 64
 
@@ -158,7 +159,7 @@ static void attend_run(const Attn *a, const float *qrow, const int32_t *table, i
     const int64_t d = a->d, g = a->g, bs = a->bs, hkv = a->hkv, heads = hkv * g;
     const int64_t es = elem_size(a->type), row_bytes = hkv * d * es;
     float kb[MAX_BLOCK * MAX_DIM], vb[MAX_BLOCK * MAX_DIM]; /* a non-fp32 block as fp32 */
-    float s[MAX_GROUP][MAX_BLOCK + 8];
+    float s[MAX_Q][MAX_BLOCK + 8];
     for (int64_t j = 0; j < heads; ++j) {
         m[j] = -INFINITY;
         l[j] = 0.0f;
@@ -268,18 +269,42 @@ static void attend_run(const Attn *a, const float *qrow, const int32_t *table, i
     }
 }
 
-/* Attention of `B` single-token queries over the paged pool. Sequence b's query is row
- * rows[b] of q ([rows][heads][d], row stride ldq floats) and its output row rows[b] of out
- * ([rows][heads][d], contiguous); it attends to lens[b] cached tokens through its block table
- * (tables + b * ldt). Returns 0, 1 on an unsupported shape, -1 without memory. */
-int kvg_paged_decode(const float *q, int64_t ldq, float *out, const int64_t *rows,
-                     const int32_t *lens, int64_t B, const void *k, const void *v,
-                     const float *ks, const float *vs, int type, int64_t bs, int64_t hkv,
-                     int64_t heads, int64_t d, const int32_t *tables, int64_t ldt, float scale,
-                     int threads) {
-    if (heads % hkv || heads / hkv > MAX_GROUP || d % 8 || d > MAX_DIM || bs > MAX_BLOCK)
-        return 1;
-    const Attn a = {q, ldq, k, v, ks, vs, type, bs, hkv, d, heads / hkv, tables, ldt, scale};
+/* One sequence's output from its `n` partials (consecutive, each acc [heads][d], m [heads],
+ * l [heads]), each weighted by l * e^(m - max m); an empty one (l == 0) counts nothing. */
+static void merge_parts(const float *part, int64_t n, int64_t heads, int64_t d, float *o) {
+    const int64_t per = heads * d + 2 * heads;
+    for (int64_t j = 0; j < heads; ++j) {
+        float mx = -INFINITY;
+        for (int64_t sp = 0; sp < n; ++sp) {
+            const float mj = part[sp * per + heads * d + j];
+            mx = mj > mx ? mj : mx;
+        }
+        float l = 0.0f;
+        for (int64_t i = 0; i < d; ++i)
+            o[j * d + i] = 0.0f;
+        for (int64_t sp = 0; sp < n; ++sp) {
+            const float *p = part + sp * per;
+            if (p[heads * d + heads + j] == 0.0f) /* an empty run */
+                continue;
+            const float c = expf(p[heads * d + j] - mx);
+            l += p[heads * d + heads + j] * c;
+            for (int64_t i = 0; i < d; ++i)
+                o[j * d + i] += p[j * d + i] * c;
+        }
+        const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+        for (int64_t i = 0; i < d; ++i)
+            o[j * d + i] *= inv;
+    }
+}
+
+/* Decode attention with every sequence on its own: a work item is a sequence, or a run of its
+ * tokens (split-K) where items would be too few for the threads. */
+static int decode_each(const Attn *ap, float *out, const int64_t *rows, const int32_t *lens,
+                       int64_t B, int threads) {
+    const Attn a = *ap;
+    const float *q = a.q;
+    const int64_t ldq = a.ldq, ldt = a.ldt, bs = a.bs, d = a.d, heads = a.hkv * a.g;
+    const int32_t *tables = a.tables;
     int64_t longest = 1;
     for (int64_t b = 0; b < B; ++b)
         longest = lens[b] > longest ? lens[b] : longest;
@@ -323,35 +348,299 @@ int kvg_paged_decode(const float *q, int64_t ldq, float *out, const int64_t *row
     }
     if (part) {
 #pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
-        for (int64_t b = 0; b < B; ++b) {
-            float *o = out + rows[b] * heads * d;
-            for (int64_t j = 0; j < heads; ++j) {
-                float mx = -INFINITY;
-                for (int64_t sp = 0; sp < split; ++sp) {
-                    const float mj = part[(b * split + sp) * per + heads * d + j];
-                    mx = mj > mx ? mj : mx;
-                }
-                float l = 0.0f;
-                for (int64_t i = 0; i < d; ++i)
-                    o[j * d + i] = 0.0f;
-                for (int64_t sp = 0; sp < split; ++sp) {
-                    const float *p = part + (b * split + sp) * per;
-                    if (p[heads * d + heads + j] == 0.0f) /* an empty run */
-                        continue;
-                    const float c = expf(p[heads * d + j] - mx);
-                    l += p[heads * d + heads + j] * c;
-                    for (int64_t i = 0; i < d; ++i)
-                        o[j * d + i] += p[j * d + i] * c;
-                }
-                const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-                for (int64_t i = 0; i < d; ++i)
-                    o[j * d + i] *= inv;
-            }
-        }
+        for (int64_t b = 0; b < B; ++b)
+            merge_parts(part + b * split * per, split, heads, d, out + rows[b] * heads * d);
     }
     free(part);
     free(ws);
     return 0;
+}
+
+/* ---- Decode attention over shared prefixes ----
+ *
+ * Sequences that share leading blocks (a prefix-cache hit: one system prompt before every
+ * request, the n choices of one prompt) would each read those blocks' K and V rows on their
+ * own, and decode attention is bound by those reads. Here such a group reads each shared block
+ * once: its members' query heads are taken as the query heads of one wider GQA group (KV head
+ * h's queries of every member), so `attend_run` scores and sums a block's rows for all of them
+ * while they are in L1. Each member then has a partial for its shared blocks and one for its
+ * own tail (or several, where pieces are split for the threads), merged as split-K's are.
+ *
+ * Groups come from the block tables alone: sequences sorted by their full blocks' ids, the
+ * common run of neighbours gives the shared blocks; a group inside a group (the choices of one
+ * prompt behind a common system prompt) gets its own deeper piece. Sharing under MIN_SHARED
+ * blocks is left to each member (its merge would cost more than the reads it saves). */
+#define MIN_SHARED 2 /* blocks a group must share to read them once */
+
+static int shared_on = -1;
+static int shared_supported(void) { return 1; }
+int kvg_shared_prefix(int on) { return kvg_switch(&shared_on, shared_supported, on); }
+
+/* Decode attention calls (one a layer a step) that read some blocks once for several
+ * sequences, since the library loaded: what proves the path serves an engine. */
+static int64_t shared_calls = 0;
+int64_t kvg_shared_prefix_calls(void) { return __atomic_load_n(&shared_calls, __ATOMIC_RELAXED); }
+
+typedef struct {
+    const int32_t *tables;
+    int64_t ldt;
+    const int64_t *full; /* each sequence's full blocks */
+} Tables;
+
+/* Sequences a and b by their full blocks' ids, then the shorter first, then by index. */
+static int table_order(const Tables *t, int64_t a, int64_t b) {
+    const int32_t *ta = t->tables + a * t->ldt, *tb = t->tables + b * t->ldt;
+    const int64_t n = t->full[a] < t->full[b] ? t->full[a] : t->full[b];
+    for (int64_t i = 0; i < n; ++i)
+        if (ta[i] != tb[i])
+            return ta[i] < tb[i] ? -1 : 1;
+    if (t->full[a] != t->full[b])
+        return t->full[a] < t->full[b] ? -1 : 1;
+    return a < b ? -1 : a > b;
+}
+
+static void sort_by_table(const Tables *t, int64_t *x, int64_t *tmp, int64_t n) {
+    if (n < 2)
+        return;
+    const int64_t h = n / 2;
+    sort_by_table(t, x, tmp, h);
+    sort_by_table(t, x + h, tmp, n - h);
+    int64_t i = 0, j = h, o = 0;
+    while (i < h && j < n)
+        tmp[o++] = table_order(t, x[i], x[j]) <= 0 ? x[i++] : x[j++];
+    while (i < h)
+        tmp[o++] = x[i++];
+    while (j < n)
+        tmp[o++] = x[j++];
+    memcpy(x, tmp, sizeof(int64_t) * (size_t)n);
+}
+
+typedef struct {
+    int64_t first, count; /* members: order[first .. first + count) */
+    int64_t t0, t1;       /* tokens */
+} Job;
+
+typedef struct {
+    const int64_t *order, *lcp; /* lcp[i]: blocks order[i - 1] and order[i] share */
+    int64_t *tail;              /* each sequence's first block no group covers */
+    Job *jobs;
+    int64_t njobs, cap, bs, kmax; /* cap: the jobs room for groups */
+} Plan;
+
+/* Members order[l .. r), which share blocks [0, start) already covered by groups: a group over
+ * what they all share beyond that (if worth it), then the same for each run of them that
+ * shares more. */
+static void plan_range(Plan *p, int64_t l, int64_t r, int64_t start) {
+    if (r - l == 1) {
+        p->tail[p->order[l]] = start;
+        return;
+    }
+    int64_t common = p->lcp[l + 1];
+    for (int64_t i = l + 2; i < r; ++i)
+        common = p->lcp[i] < common ? p->lcp[i] : common;
+    const int64_t passes = (r - l + p->kmax - 1) / p->kmax;
+    if (common - start >= MIN_SHARED && p->njobs + passes <= p->cap) {
+        for (int64_t f = l; f < r; f += p->kmax) /* members beyond MAX_Q heads: another pass */
+            p->jobs[p->njobs++] = (Job){f, r - f < p->kmax ? r - f : p->kmax, start * p->bs, common * p->bs};
+        start = common;
+    }
+    for (int64_t i = l; i < r;) {
+        int64_t j = i + 1;
+        while (j < r && p->lcp[j] > common)
+            ++j;
+        plan_range(p, i, j, start);
+        i = j;
+    }
+}
+
+/* Jobs (groups' shared blocks, every sequence's tail) into pieces of tokens for the threads:
+ * a job costs its members times its tokens, and one costing over a (4 x threads)th of the
+ * step's attention is cut into runs of at least 4 blocks. Returns the piece count; with
+ * `pieces` NULL only counts. */
+static int64_t cut_pieces(const Job *jobs, int64_t njobs, int64_t bs, int threads, Job *pieces) {
+    int64_t total = 0, n = 0;
+    for (int64_t i = 0; i < njobs; ++i)
+        total += jobs[i].count * (jobs[i].t1 - jobs[i].t0);
+    const int64_t target = total / (4 * (int64_t)threads) + 1;
+    for (int64_t i = 0; i < njobs; ++i) {
+        const Job jb = jobs[i];
+        const int64_t tokens = jb.t1 - jb.t0;
+        int64_t cut = (jb.count * tokens + target - 1) / target;
+        if (cut > tokens / (4 * bs))
+            cut = tokens / (4 * bs);
+        if (cut < 1)
+            cut = 1;
+        const int64_t chunk = ((tokens + cut - 1) / cut + bs - 1) / bs * bs;
+        for (int64_t t = jb.t0; t < jb.t1; t += chunk, ++n)
+            if (pieces)
+                pieces[n] = (Job){jb.first, jb.count, t, t + chunk < jb.t1 ? t + chunk : jb.t1};
+    }
+    return n;
+}
+
+/* Decode attention with groups of sequences that share blocks reading them once. Returns 0,
+ * -1 without memory, or 2 where no group was found (nothing done: decode each sequence). */
+static int decode_shared(const Attn *ap, float *out, const int64_t *rows, const int32_t *lens,
+                         int64_t B, int threads) {
+    const Attn a = *ap;
+    const int64_t bs = a.bs, d = a.d, g = a.g, hkv = a.hkv, heads = hkv * g;
+    const int64_t per = heads * d + 2 * heads;
+    if (threads < 1)
+        threads = 1;
+    int64_t *idx = malloc(sizeof(int64_t) * (size_t)(6 * B + 1));
+    Job *jobs = malloc(sizeof(Job) * (size_t)(3 * B));
+    if (!idx || !jobs) {
+        free(idx);
+        free(jobs);
+        return -1;
+    }
+    int64_t *full = idx, *order = full + B, *tmp = order + B, *lcp = tmp + B, *tail = lcp + B;
+    int64_t *slot0 = tail + B; /* B + 1: each sequence's first partial */
+    int64_t cand = 0;
+    for (int64_t b = 0; b < B; ++b) {
+        full[b] = lens[b] / bs;
+        tail[b] = 0;
+        if (full[b] >= MIN_SHARED)
+            order[cand++] = b;
+    }
+    const Tables t = {a.tables, a.ldt, full};
+    sort_by_table(&t, order, tmp, cand);
+    for (int64_t i = 1; i < cand; ++i) {
+        const int32_t *x = a.tables + order[i - 1] * a.ldt, *y = a.tables + order[i] * a.ldt;
+        const int64_t n = full[order[i - 1]] < full[order[i]] ? full[order[i - 1]] : full[order[i]];
+        int64_t c = 0;
+        while (c < n && x[c] == y[c])
+            ++c;
+        lcp[i] = c;
+    }
+    Plan p = {order, lcp, tail, jobs, 0, 2 * B, bs, MAX_Q / g};
+    for (int64_t i = 0; i < cand;) { /* runs of neighbours sharing a first block */
+        int64_t j = i + 1;
+        while (j < cand && lcp[j] > 0)
+            ++j;
+        plan_range(&p, i, j, 0);
+        i = j;
+    }
+    if (p.njobs == 0) {
+        free(idx);
+        free(jobs);
+        return 2;
+    }
+    __atomic_fetch_add(&shared_calls, 1, __ATOMIC_RELAXED);
+    /* every sequence's tail, as a job of one member: order[] is reused as the member list
+     * (groups' members are runs of it; a tail's member is found by its index) */
+    int64_t *members = malloc(sizeof(int64_t) * (size_t)(B + cand));
+    if (!members) {
+        free(idx);
+        free(jobs);
+        return -1;
+    }
+    memcpy(members, order, sizeof(int64_t) * (size_t)cand);
+    for (int64_t b = 0; b < B; ++b) {
+        members[cand + b] = b;
+        if (tail[b] * bs < lens[b])
+            jobs[p.njobs++] = (Job){cand + b, 1, tail[b] * bs, lens[b]};
+    }
+    const int64_t npieces = cut_pieces(jobs, p.njobs, bs, threads, NULL);
+    Job *pieces = malloc(sizeof(Job) * (size_t)npieces);
+    int64_t *piece_slot = malloc(sizeof(int64_t) * (size_t)(npieces + 1));
+    if (!pieces || !piece_slot) {
+        free(idx), free(jobs), free(members), free(pieces), free(piece_slot);
+        return -1;
+    }
+    cut_pieces(jobs, p.njobs, bs, threads, pieces);
+    /* partial slots: each sequence's consecutive, in piece order; a piece's member i writes
+     * slot0[b] + (pieces of b before it) */
+    for (int64_t b = 0; b <= B; ++b)
+        slot0[b] = 0;
+    for (int64_t i = 0; i < npieces; ++i)
+        for (int64_t m = 0; m < pieces[i].count; ++m)
+            ++slot0[members[pieces[i].first + m] + 1];
+    for (int64_t b = 0; b < B; ++b)
+        slot0[b + 1] += slot0[b];
+    int64_t *taken = tmp; /* partials handed out so far, per sequence */
+    for (int64_t b = 0; b < B; ++b)
+        taken[b] = 0;
+    int64_t *slot_of = malloc(sizeof(int64_t) * (size_t)(slot0[B] + 1));
+    float *part = malloc(sizeof(float) * (size_t)(slot0[B] * per));
+    const int64_t wsz = 3 * MAX_Q * hkv * d + 2 * MAX_Q * hkv;
+    float *ws = malloc(sizeof(float) * (size_t)(threads * wsz));
+    if (!slot_of || !part || !ws) {
+        free(idx), free(jobs), free(members), free(pieces), free(piece_slot);
+        free(slot_of), free(part), free(ws);
+        return -1;
+    }
+    for (int64_t i = 0, n = 0; i < npieces; ++i) { /* piece i's members' slots from n on */
+        piece_slot[i] = n;
+        for (int64_t m = 0; m < pieces[i].count; ++m) {
+            const int64_t b = members[pieces[i].first + m];
+            slot_of[n++] = slot0[b] + taken[b]++;
+        }
+    }
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(dynamic, 1)
+    for (int64_t i = 0; i < npieces; ++i) {
+        const Job pc = pieces[i];
+        const int64_t *mem = members + pc.first, k = pc.count;
+        int self = 0;
+#ifdef _OPENMP
+        self = omp_get_thread_num();
+#endif
+        float *qg = ws + self * wsz, *qs = qg + MAX_Q * hkv * d, *acc = qs + MAX_Q * hkv * d;
+        float *m = acc + MAX_Q * hkv * d, *l = m + MAX_Q * hkv;
+        const int32_t *table = a.tables + mem[0] * a.ldt; /* the shared blocks' ids: any member's */
+        if (k == 1) {
+            float *pp = part + slot_of[piece_slot[i]] * per;
+            attend_run(&a, a.q + rows[mem[0]] * a.ldq, table, pc.t0, pc.t1, pp + heads * d,
+                       pp + heads * d + heads, pp, qs);
+            continue;
+        }
+        /* the members' queries as one group of k * g heads per KV head: [hkv][k][g][d] */
+        for (int64_t h = 0; h < hkv; ++h)
+            for (int64_t s = 0; s < k; ++s)
+                memcpy(qg + ((h * k + s) * g) * d, a.q + rows[mem[s]] * a.ldq + h * g * d,
+                       sizeof(float) * (size_t)(g * d));
+        Attn wide = a;
+        wide.g = k * g;
+        attend_run(&wide, qg, table, pc.t0, pc.t1, m, l, acc, qs);
+        for (int64_t s = 0; s < k; ++s) { /* back to each member's [heads] order */
+            float *pp = part + slot_of[piece_slot[i] + s] * per;
+            for (int64_t h = 0; h < hkv; ++h)
+                for (int64_t j = 0; j < g; ++j) {
+                    const int64_t w = (h * k + s) * g + j, o = h * g + j;
+                    memcpy(pp + o * d, acc + w * d, sizeof(float) * (size_t)d);
+                    pp[heads * d + o] = m[w];
+                    pp[heads * d + heads + o] = l[w];
+                }
+        }
+    }
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+    for (int64_t b = 0; b < B; ++b)
+        merge_parts(part + slot0[b] * per, slot0[b + 1] - slot0[b], heads, d,
+                    out + rows[b] * heads * d);
+    free(idx), free(jobs), free(members), free(pieces), free(piece_slot);
+    free(slot_of), free(part), free(ws);
+    return 0;
+}
+
+/* Attention of `B` single-token queries over the paged pool. Sequence b's query is row
+ * rows[b] of q ([rows][heads][d], row stride ldq floats) and its output row rows[b] of out
+ * ([rows][heads][d], contiguous); it attends to lens[b] cached tokens through its block table
+ * (tables + b * ldt). Sequences sharing blocks read them once (`kvg_shared_prefix`, on by
+ * default). Returns 0, 1 on an unsupported shape, -1 without memory. */
+int kvg_paged_decode(const float *q, int64_t ldq, float *out, const int64_t *rows,
+                     const int32_t *lens, int64_t B, const void *k, const void *v,
+                     const float *ks, const float *vs, int type, int64_t bs, int64_t hkv,
+                     int64_t heads, int64_t d, const int32_t *tables, int64_t ldt, float scale,
+                     int threads) {
+    if (heads % hkv || heads / hkv > MAX_GROUP || d % 8 || d > MAX_DIM || bs > MAX_BLOCK)
+        return 1;
+    const Attn a = {q, ldq, k, v, ks, vs, type, bs, hkv, d, heads / hkv, tables, ldt, scale};
+    if (B > 1 && kvg_shared_prefix(-1) == 1) {
+        const int rc = decode_shared(&a, out, rows, lens, B, threads);
+        if (rc != 2)
+            return rc;
+    }
+    return decode_each(&a, out, rows, lens, B, threads);
 }
 
 /* ---- Paged prefill attention: the queries of prompt chunks, causal, over the paged pool ---- */

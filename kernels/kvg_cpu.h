@@ -5,9 +5,9 @@
 #define KVG_CPU_H
 #include <stdint.h>
 
-/* A CPU-path switch (`kvg_vnni`, `kvg_amx`, `kvg_amx_bf16`, `kvg_attn512`): `*state` is -1
- * until first asked, then what `supported` says; on: 1 or 0 sets it (1 only where
- * `supported`), -1 only reads. Returns the state before, or -2 when asked for a path this CPU
+/* A CPU-path switch (`kvg_vnni`, `kvg_amx`, `kvg_amx_bf16`, `kvg_attn512`,
+ * `kvg_shared_prefix`): `*state` is -1 until first asked, then what `supported` says; on: 1
+ * or 0 sets it (1 only where `supported`), -1 only reads. Returns the state before, or -2 when asked for a path this CPU
  * lacks (nothing changed). */
 static inline int kvg_switch(int *state, int (*supported)(void), int on) {
     if (*state < 0) *state = supported();
@@ -37,6 +37,8 @@ int kvg_paged_prefill(const float *q, int64_t ldq, float *out, const int64_t *qr
                       int64_t hkv, int64_t heads, int64_t d, const int32_t *tables, int64_t ldt,
                       float scale, int threads);
 int kvg_attn512(int on);
+int kvg_shared_prefix(int on);
+int64_t kvg_shared_prefix_calls(void);
 int kvg_write_kv(void *pool, float *scales, int type, const float *x, int64_t ldx,
                  const int64_t *slots, int64_t T, int64_t num_slots, int64_t bs, int64_t hkv,
                  int64_t d);

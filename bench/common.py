@@ -43,6 +43,20 @@ def env_set(env: Mapping[str, str]) -> Iterator[None]:
                 os.environ[name] = value
 
 
+@contextlib.contextmanager
+def shared_reads(on: bool) -> Iterator[None]:
+    """CPU decode attention reading blocks that several sequences share once (`on`, the
+    default) or per sequence, inside the block (`cpu_lowbit.shared_prefix`)."""
+    from kvguard.kernels import cpu_lowbit
+
+    before = cpu_lowbit.shared_prefix(on) if cpu_lowbit.available() else on
+    try:
+        yield
+    finally:
+        if cpu_lowbit.available():
+            cpu_lowbit.shared_prefix(before)
+
+
 def make_engine(model: str, threads: int, **config: Any) -> LLMEngine:
     """An engine from keyword `EngineConfig` fields; every benchmark pins the thread count."""
     import torch

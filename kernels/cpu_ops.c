@@ -42,7 +42,6 @@
 
 enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2, KV_FP8 = 3 };
 #define MAX_GROUP 16
-#define MAX_Q 64 /* query heads one pass of attend_run holds (see decode_shared) */
 #define MAX_DIM 256
 #define MAX_BLOCK 64
 
@@ -159,7 +158,7 @@ static void attend_run(const Attn *a, const float *qrow, const int32_t *table, i
     const int64_t d = a->d, g = a->g, bs = a->bs, hkv = a->hkv, heads = hkv * g;
     const int64_t es = elem_size(a->type), row_bytes = hkv * d * es;
     float kb[MAX_BLOCK * MAX_DIM], vb[MAX_BLOCK * MAX_DIM]; /* a non-fp32 block as fp32 */
-    float s[MAX_Q][MAX_BLOCK + 8];
+    float s[MAX_GROUP][MAX_BLOCK + 8];
     for (int64_t j = 0; j < heads; ++j) {
         m[j] = -INFINITY;
         l[j] = 0.0f;
@@ -356,293 +355,6 @@ static int decode_each(const Attn *ap, float *out, const int64_t *rows, const in
     return 0;
 }
 
-/* ---- Decode attention over shared prefixes ----
- *
- * Sequences that share leading blocks (a prefix-cache hit: one system prompt before every
- * request, the n choices of one prompt) would each read those blocks' K and V rows on their
- * own, and decode attention is bound by those reads. Here such a group reads each shared block
- * once: its members' query heads are taken as the query heads of one wider GQA group (KV head
- * h's queries of every member), so `attend_run` scores and sums a block's rows for all of them
- * while they are in L1. Each member then has a partial for its shared blocks and one for its
- * own tail (or several, where pieces are split for the threads), merged as split-K's are.
- *
- * Groups come from the block tables alone: sequences sorted by their full blocks' ids, the
- * common run of neighbours gives the shared blocks; a group inside a group (the choices of one
- * prompt behind a common system prompt) gets its own deeper piece. Sharing under MIN_SHARED
- * blocks is left to each member (its merge would cost more than the reads it saves). */
-#define MIN_SHARED 2 /* blocks a group must share to read them once */
-
-static int shared_on = -1;
-static int shared_supported(void) { return 1; }
-int kvg_shared_prefix(int on) { return kvg_switch(&shared_on, shared_supported, on); }
-
-/* Decode attention calls (one a layer a step) that read some blocks once for several
- * sequences, since the library loaded: what proves the path serves an engine. */
-static int64_t shared_calls = 0;
-int64_t kvg_shared_prefix_calls(void) { return __atomic_load_n(&shared_calls, __ATOMIC_RELAXED); }
-
-typedef struct {
-    const int32_t *tables;
-    int64_t ldt;
-    const int64_t *full; /* each sequence's full blocks */
-} Tables;
-
-/* Sequences a and b by their full blocks' ids, then the shorter first, then by index. */
-static int table_order(const Tables *t, int64_t a, int64_t b) {
-    const int32_t *ta = t->tables + a * t->ldt, *tb = t->tables + b * t->ldt;
-    const int64_t n = t->full[a] < t->full[b] ? t->full[a] : t->full[b];
-    for (int64_t i = 0; i < n; ++i)
-        if (ta[i] != tb[i])
-            return ta[i] < tb[i] ? -1 : 1;
-    if (t->full[a] != t->full[b])
-        return t->full[a] < t->full[b] ? -1 : 1;
-    return a < b ? -1 : a > b;
-}
-
-static void sort_by_table(const Tables *t, int64_t *x, int64_t *tmp, int64_t n) {
-    if (n < 2)
-        return;
-    const int64_t h = n / 2;
-    sort_by_table(t, x, tmp, h);
-    sort_by_table(t, x + h, tmp, n - h);
-    int64_t i = 0, j = h, o = 0;
-    while (i < h && j < n)
-        tmp[o++] = table_order(t, x[i], x[j]) <= 0 ? x[i++] : x[j++];
-    while (i < h)
-        tmp[o++] = x[i++];
-    while (j < n)
-        tmp[o++] = x[j++];
-    memcpy(x, tmp, sizeof(int64_t) * (size_t)n);
-}
-
-typedef struct {
-    int64_t first, count; /* members: order[first .. first + count) */
-    int64_t t0, t1;       /* tokens */
-} Job;
-
-typedef struct {
-    const int64_t *order, *lcp; /* lcp[i]: blocks order[i - 1] and order[i] share */
-    int64_t *tail;              /* each sequence's first block no group covers */
-    Job *jobs;
-    int64_t njobs, cap, bs, kmax; /* cap: the jobs room for groups */
-} Plan;
-
-/* Members order[l .. r), which share blocks [0, start) already covered by groups: a group over
- * what they all share beyond that (if worth it), then the same for each run of them that
- * shares more. */
-static void plan_range(Plan *p, int64_t l, int64_t r, int64_t start) {
-    if (r - l == 1) {
-        p->tail[p->order[l]] = start;
-        return;
-    }
-    int64_t common = p->lcp[l + 1];
-    for (int64_t i = l + 2; i < r; ++i)
-        common = p->lcp[i] < common ? p->lcp[i] : common;
-    const int64_t passes = (r - l + p->kmax - 1) / p->kmax;
-    if (common - start >= MIN_SHARED && p->njobs + passes <= p->cap) {
-        for (int64_t f = l; f < r; f += p->kmax) /* members beyond MAX_Q heads: another pass */
-            p->jobs[p->njobs++] = (Job){f, r - f < p->kmax ? r - f : p->kmax, start * p->bs, common * p->bs};
-        start = common;
-    }
-    for (int64_t i = l; i < r;) {
-        int64_t j = i + 1;
-        while (j < r && p->lcp[j] > common)
-            ++j;
-        plan_range(p, i, j, start);
-        i = j;
-    }
-}
-
-/* Jobs (groups' shared blocks, every sequence's tail) into pieces of tokens for the threads:
- * a job costs its members times its tokens, and one costing over a (4 x threads)th of the
- * step's attention is cut into runs of at least 4 blocks. Returns the piece count; with
- * `pieces` NULL only counts. */
-static int64_t cut_pieces(const Job *jobs, int64_t njobs, int64_t bs, int threads, Job *pieces) {
-    int64_t total = 0, n = 0;
-    for (int64_t i = 0; i < njobs; ++i)
-        total += jobs[i].count * (jobs[i].t1 - jobs[i].t0);
-    const int64_t target = total / (4 * (int64_t)threads) + 1;
-    for (int64_t i = 0; i < njobs; ++i) {
-        const Job jb = jobs[i];
-        const int64_t tokens = jb.t1 - jb.t0;
-        int64_t cut = (jb.count * tokens + target - 1) / target;
-        if (cut > tokens / (4 * bs))
-            cut = tokens / (4 * bs);
-        if (cut < 1)
-            cut = 1;
-        const int64_t chunk = ((tokens + cut - 1) / cut + bs - 1) / bs * bs;
-        for (int64_t t = jb.t0; t < jb.t1; t += chunk, ++n)
-            if (pieces)
-                pieces[n] = (Job){jb.first, jb.count, t, t + chunk < jb.t1 ? t + chunk : jb.t1};
-    }
-    return n;
-}
-
-/* Decode attention with groups of sequences that share blocks reading them once. Returns 0,
- * -1 without memory, or 2 where no group was found (nothing done: decode each sequence). */
-static int decode_shared(const Attn *ap, float *out, const int64_t *rows, const int32_t *lens,
-                         int64_t B, int threads) {
-    const Attn a = *ap;
-    const int64_t bs = a.bs, d = a.d, g = a.g, hkv = a.hkv, heads = hkv * g;
-    const int64_t per = heads * d + 2 * heads;
-    if (threads < 1)
-        threads = 1;
-    int64_t *idx = malloc(sizeof(int64_t) * (size_t)(6 * B + 1));
-    Job *jobs = malloc(sizeof(Job) * (size_t)(3 * B));
-    if (!idx || !jobs) {
-        free(idx);
-        free(jobs);
-        return -1;
-    }
-    int64_t *full = idx, *order = full + B, *tmp = order + B, *lcp = tmp + B, *tail = lcp + B;
-    int64_t *slot0 = tail + B; /* B + 1: each sequence's first partial */
-    int64_t cand = 0;
-    for (int64_t b = 0; b < B; ++b) {
-        full[b] = lens[b] / bs;
-        tail[b] = 0;
-        if (full[b] >= MIN_SHARED)
-            order[cand++] = b;
-    }
-    const Tables t = {a.tables, a.ldt, full};
-    sort_by_table(&t, order, tmp, cand);
-    for (int64_t i = 1; i < cand; ++i) {
-        const int32_t *x = a.tables + order[i - 1] * a.ldt, *y = a.tables + order[i] * a.ldt;
-        const int64_t n = full[order[i - 1]] < full[order[i]] ? full[order[i - 1]] : full[order[i]];
-        int64_t c = 0;
-        while (c < n && x[c] == y[c])
-            ++c;
-        lcp[i] = c;
-    }
-    Plan p = {order, lcp, tail, jobs, 0, 2 * B, bs, MAX_Q / g};
-    for (int64_t i = 0; i < cand;) { /* runs of neighbours sharing a first block */
-        int64_t j = i + 1;
-        while (j < cand && lcp[j] > 0)
-            ++j;
-        plan_range(&p, i, j, 0);
-        i = j;
-    }
-    if (p.njobs == 0) {
-        free(idx);
-        free(jobs);
-        return 2;
-    }
-    __atomic_fetch_add(&shared_calls, 1, __ATOMIC_RELAXED);
-    /* every sequence's tail, as a job of one member: order[] is reused as the member list
-     * (groups' members are runs of it; a tail's member is found by its index) */
-    int64_t *members = malloc(sizeof(int64_t) * (size_t)(B + cand));
-    if (!members) {
-        free(idx);
-        free(jobs);
-        return -1;
-    }
-    memcpy(members, order, sizeof(int64_t) * (size_t)cand);
-    for (int64_t b = 0; b < B; ++b) {
-        members[cand + b] = b;
-        if (tail[b] * bs < lens[b])
-            jobs[p.njobs++] = (Job){cand + b, 1, tail[b] * bs, lens[b]};
-    }
-    const int64_t npieces = cut_pieces(jobs, p.njobs, bs, threads, NULL);
-    Job *pieces = malloc(sizeof(Job) * (size_t)npieces);
-    int64_t *piece_slot = malloc(sizeof(int64_t) * (size_t)(npieces + 1));
-    if (!pieces || !piece_slot) {
-        free(idx), free(jobs), free(members), free(pieces), free(piece_slot);
-        return -1;
-    }
-    cut_pieces(jobs, p.njobs, bs, threads, pieces);
-    /* partial slots: each sequence's consecutive, in piece order; a piece's member i writes
-     * slot0[b] + (pieces of b before it) */
-    for (int64_t b = 0; b <= B; ++b)
-        slot0[b] = 0;
-    for (int64_t i = 0; i < npieces; ++i)
-        for (int64_t m = 0; m < pieces[i].count; ++m)
-            ++slot0[members[pieces[i].first + m] + 1];
-    for (int64_t b = 0; b < B; ++b)
-        slot0[b + 1] += slot0[b];
-    int64_t *taken = tmp; /* partials handed out so far, per sequence */
-    for (int64_t b = 0; b < B; ++b)
-        taken[b] = 0;
-    int64_t *slot_of = malloc(sizeof(int64_t) * (size_t)(slot0[B] + 1));
-    float *part = malloc(sizeof(float) * (size_t)(slot0[B] * per));
-    const int64_t wsz = 3 * MAX_Q * hkv * d + 2 * MAX_Q * hkv;
-    float *ws = malloc(sizeof(float) * (size_t)(threads * wsz));
-    if (!slot_of || !part || !ws) {
-        free(idx), free(jobs), free(members), free(pieces), free(piece_slot);
-        free(slot_of), free(part), free(ws);
-        return -1;
-    }
-    for (int64_t i = 0, n = 0; i < npieces; ++i) { /* piece i's members' slots from n on */
-        piece_slot[i] = n;
-        for (int64_t m = 0; m < pieces[i].count; ++m) {
-            const int64_t b = members[pieces[i].first + m];
-            slot_of[n++] = slot0[b] + taken[b]++;
-        }
-    }
-#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(dynamic, 1)
-    for (int64_t i = 0; i < npieces; ++i) {
-        const Job pc = pieces[i];
-        const int64_t *mem = members + pc.first, k = pc.count;
-        int self = 0;
-#ifdef _OPENMP
-        self = omp_get_thread_num();
-#endif
-        float *qg = ws + self * wsz, *qs = qg + MAX_Q * hkv * d, *acc = qs + MAX_Q * hkv * d;
-        float *m = acc + MAX_Q * hkv * d, *l = m + MAX_Q * hkv;
-        const int32_t *table = a.tables + mem[0] * a.ldt; /* the shared blocks' ids: any member's */
-        if (k == 1) {
-            float *pp = part + slot_of[piece_slot[i]] * per;
-            attend_run(&a, a.q + rows[mem[0]] * a.ldq, table, pc.t0, pc.t1, pp + heads * d,
-                       pp + heads * d + heads, pp, qs);
-            continue;
-        }
-        /* the members' queries as one group of k * g heads per KV head: [hkv][k][g][d] */
-        for (int64_t h = 0; h < hkv; ++h)
-            for (int64_t s = 0; s < k; ++s)
-                memcpy(qg + ((h * k + s) * g) * d, a.q + rows[mem[s]] * a.ldq + h * g * d,
-                       sizeof(float) * (size_t)(g * d));
-        Attn wide = a;
-        wide.g = k * g;
-        attend_run(&wide, qg, table, pc.t0, pc.t1, m, l, acc, qs);
-        for (int64_t s = 0; s < k; ++s) { /* back to each member's [heads] order */
-            float *pp = part + slot_of[piece_slot[i] + s] * per;
-            for (int64_t h = 0; h < hkv; ++h)
-                for (int64_t j = 0; j < g; ++j) {
-                    const int64_t w = (h * k + s) * g + j, o = h * g + j;
-                    memcpy(pp + o * d, acc + w * d, sizeof(float) * (size_t)d);
-                    pp[heads * d + o] = m[w];
-                    pp[heads * d + heads + o] = l[w];
-                }
-        }
-    }
-#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
-    for (int64_t b = 0; b < B; ++b)
-        merge_parts(part + slot0[b] * per, slot0[b + 1] - slot0[b], heads, d,
-                    out + rows[b] * heads * d);
-    free(idx), free(jobs), free(members), free(pieces), free(piece_slot);
-    free(slot_of), free(part), free(ws);
-    return 0;
-}
-
-/* Attention of `B` single-token queries over the paged pool. Sequence b's query is row
- * rows[b] of q ([rows][heads][d], row stride ldq floats) and its output row rows[b] of out
- * ([rows][heads][d], contiguous); it attends to lens[b] cached tokens through its block table
- * (tables + b * ldt). Sequences sharing blocks read them once (`kvg_shared_prefix`, on by
- * default). Returns 0, 1 on an unsupported shape, -1 without memory. */
-int kvg_paged_decode(const float *q, int64_t ldq, float *out, const int64_t *rows,
-                     const int32_t *lens, int64_t B, const void *k, const void *v,
-                     const float *ks, const float *vs, int type, int64_t bs, int64_t hkv,
-                     int64_t heads, int64_t d, const int32_t *tables, int64_t ldt, float scale,
-                     int threads) {
-    if (heads % hkv || heads / hkv > MAX_GROUP || d % 8 || d > MAX_DIM || bs > MAX_BLOCK)
-        return 1;
-    const Attn a = {q, ldq, k, v, ks, vs, type, bs, hkv, d, heads / hkv, tables, ldt, scale};
-    if (B > 1 && kvg_shared_prefix(-1) == 1) {
-        const int rc = decode_shared(&a, out, rows, lens, B, threads);
-        if (rc != 2)
-            return rc;
-    }
-    return decode_each(&a, out, rows, lens, B, threads);
-}
-
 /* ---- Paged prefill attention: the queries of prompt chunks, causal, over the paged pool ---- */
 
 #define PQ 16 /* query positions an item holds: two lane groups of eight */
@@ -788,6 +500,71 @@ static void prefill_end(const Attn *a, int64_t nq, int64_t h0, int64_t h1, const
         transpose_out(ot + j * d * PQ, ml + j * 2 * PQ + PQ, nq, d, o + j * d, ldo);
 }
 
+/* Sixteen query lanes' running state after a block's scores s (as `prefill_scores` leaves
+ * them, n tokens): the lanes' maxes mj[0..16) and sums mj[16..32) updated, the outputs ot
+ * (held transposed, ot[i * 16 + lane]) rescaled and the block's V rows (`vstep` floats apart,
+ * times `vsc`) added with the new weights. */
+static inline void lanes_update(__m256 *s, int64_t n, const float *vr, int64_t vstep, int64_t d,
+                                __m256 vsc, float *otj, float *mj) {
+    __m256 c[2];
+    for (int gi = 0; gi < 2; ++gi) {
+        /* token 0 is seen by every query: after the first block each max is finite */
+        const __m256 m0 = _mm256_loadu_ps(mj + 8 * gi);
+        __m256 mx = m0;
+        for (int64_t u = 0; u < n; ++u)
+            mx = _mm256_max_ps(mx, s[2 * u + gi]);
+        c[gi] = exp8(_mm256_sub_ps(m0, mx)); /* 0 on the first block */
+        __m256 sum = _mm256_setzero_ps();
+        for (int64_t u = 0; u < n; ++u) {
+            const __m256 p = exp8(_mm256_sub_ps(s[2 * u + gi], mx));
+            sum = _mm256_add_ps(sum, p);
+            s[2 * u + gi] = _mm256_mul_ps(p, vsc);
+        }
+        _mm256_storeu_ps(mj + 8 * gi, mx);
+        _mm256_storeu_ps(mj + PQ + 8 * gi, _mm256_fmadd_ps(_mm256_loadu_ps(mj + PQ + 8 * gi), c[gi], sum));
+    }
+    /* four output components of both groups at a time in registers, tokens inner */
+    for (int64_t i = 0; i < d; i += 4) {
+        __m256 acc[4][2];
+        for (int r = 0; r < 4; ++r) {
+            acc[r][0] = _mm256_mul_ps(_mm256_loadu_ps(otj + (i + r) * PQ), c[0]);
+            acc[r][1] = _mm256_mul_ps(_mm256_loadu_ps(otj + (i + r) * PQ + 8), c[1]);
+        }
+        for (int64_t u = 0; u < n; ++u) {
+            const float *vu = vr + u * vstep + i;
+            const __m256 p0 = s[2 * u], p1 = s[2 * u + 1];
+            for (int r = 0; r < 4; ++r) {
+                const __m256 vv = _mm256_broadcast_ss(vu + r);
+                acc[r][0] = _mm256_fmadd_ps(vv, p0, acc[r][0]);
+                acc[r][1] = _mm256_fmadd_ps(vv, p1, acc[r][1]);
+            }
+        }
+        for (int r = 0; r < 4; ++r) {
+            _mm256_storeu_ps(otj + (i + r) * PQ, acc[r][0]);
+            _mm256_storeu_ps(otj + (i + r) * PQ + 8, acc[r][1]);
+        }
+    }
+}
+
+/* One set of sixteen query lanes (held transposed in qt; lane q at position pos0 + q, causal)
+ * over a block's n tokens from t for one KV head: scores, then the running state. */
+static void lanes_block(const float *qt, const float *kr, int64_t kstep, const float *vr,
+                        int64_t vstep, int64_t n, int64_t d, int64_t t, int64_t pos0, float ksc,
+                        float vsc, float *otj, float *mj) {
+    __m256 s[2 * MAX_BLOCK];
+    prefill_scores(qt, kr, kstep, n, d, t, pos0, ksc, s);
+    lanes_update(s, n, vr, vstep, d, _mm256_set1_ps(vsc), otj, mj);
+}
+
+/* lanes_block, or its 512-bit copy (`lanes_block512`, same bits) where `kvg_attn512` is on */
+typedef void (*LanesFn)(const float *, const float *, int64_t, const float *, int64_t, int64_t,
+                        int64_t, int64_t, int64_t, float, float, float *, float *);
+#define A512_FN __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
+static A512_FN void lanes_block512(const float *qt, const float *kr, int64_t kstep,
+                                   const float *vr, int64_t vstep, int64_t n, int64_t d, int64_t t,
+                                   int64_t pos0, float ksc, float vscf, float *otj, float *mj);
+static LanesFn lanes_fn(void);
+
 /* One work item: every query head at the nq (<= 16) query positions pos0.. of one sequence,
  * whose query rows start at q (row stride ldq) and output rows at o (row stride ldo). It
  * attends tokens [0, pos0 + nq) a block at a time, and in a block each KV head in turn (a
@@ -798,11 +575,10 @@ static void prefill_end(const Attn *a, int64_t nq, int64_t h0, int64_t h1, const
  * (2 * heads * d + 2 * heads) * 16 floats. */
 static void prefill_item(const Attn *a, const float *q, int64_t ldq, float *o, int64_t ldo,
                          int64_t nq, int64_t pos0, const int32_t *table, int64_t h0, int64_t h1,
-                         float *ws) {
+                         float *ws, LanesFn lanes) {
     const int64_t d = a->d, g = a->g, bs = a->bs, hkv = a->hkv, heads = hkv * g, end = pos0 + nq;
     float *qt = ws, *ot = qt + heads * d * PQ, *ml = ot + heads * d * PQ; /* ml: max, then sum */
     float kb[MAX_BLOCK * MAX_DIM], vb[MAX_BLOCK * MAX_DIM];
-    __m256 s[2 * MAX_BLOCK];
     prefill_begin(a, q, ldq, nq, h0, h1, qt, ot, ml);
     for (int64_t t = 0; t < end; t += bs) {
         const int64_t blk = table[t / bs], n = end - t < bs ? end - t : bs;
@@ -812,65 +588,376 @@ static void prefill_item(const Attn *a, const float *q, int64_t ldq, float *o, i
             const float *kr = block_rows(a, a->k, row0, n, kb, &kstep);
             const float *vr = block_rows(a, a->v, row0, n, vb, &vstep);
             const float ksc = a->ks ? a->ks[blk * hkv + h] : 1.0f;
-            const __m256 vsc = _mm256_set1_ps(a->vs ? a->vs[blk * hkv + h] : 1.0f);
-            for (int64_t j = h * g; j < (h + 1) * g; ++j) {
-                float *otj = ot + j * d * PQ, *mj = ml + j * 2 * PQ;
-                prefill_scores(qt + j * d * PQ, kr, kstep, n, d, t, pos0, ksc, s);
-                __m256 c[2];
-                for (int gi = 0; gi < 2; ++gi) {
-                    /* token 0 is seen by every query: after the first block each max is finite */
-                    const __m256 m0 = _mm256_loadu_ps(mj + 8 * gi);
-                    __m256 mx = m0;
-                    for (int64_t u = 0; u < n; ++u)
-                        mx = _mm256_max_ps(mx, s[2 * u + gi]);
-                    c[gi] = exp8(_mm256_sub_ps(m0, mx)); /* 0 on the first block */
-                    __m256 sum = _mm256_setzero_ps();
-                    for (int64_t u = 0; u < n; ++u) {
-                        const __m256 p = exp8(_mm256_sub_ps(s[2 * u + gi], mx));
-                        sum = _mm256_add_ps(sum, p);
-                        s[2 * u + gi] = _mm256_mul_ps(p, vsc);
-                    }
-                    _mm256_storeu_ps(mj + 8 * gi, mx);
-                    _mm256_storeu_ps(mj + PQ + 8 * gi,
-                                     _mm256_fmadd_ps(_mm256_loadu_ps(mj + PQ + 8 * gi), c[gi], sum));
-                }
-                /* four output components of both groups at a time in registers, tokens inner */
-                for (int64_t i = 0; i < d; i += 4) {
-                    __m256 acc[4][2];
-                    for (int r = 0; r < 4; ++r) {
-                        acc[r][0] = _mm256_mul_ps(_mm256_loadu_ps(otj + (i + r) * PQ), c[0]);
-                        acc[r][1] = _mm256_mul_ps(_mm256_loadu_ps(otj + (i + r) * PQ + 8), c[1]);
-                    }
-                    for (int64_t u = 0; u < n; ++u) {
-                        const float *vu = vr + u * vstep + i;
-                        const __m256 p0 = s[2 * u], p1 = s[2 * u + 1];
-                        for (int r = 0; r < 4; ++r) {
-                            const __m256 vv = _mm256_broadcast_ss(vu + r);
-                            acc[r][0] = _mm256_fmadd_ps(vv, p0, acc[r][0]);
-                            acc[r][1] = _mm256_fmadd_ps(vv, p1, acc[r][1]);
-                        }
-                    }
-                    for (int r = 0; r < 4; ++r) {
-                        _mm256_storeu_ps(otj + (i + r) * PQ, acc[r][0]);
-                        _mm256_storeu_ps(otj + (i + r) * PQ + 8, acc[r][1]);
-                    }
-                }
-            }
+            const float vsc = a->vs ? a->vs[blk * hkv + h] : 1.0f;
+            for (int64_t j = h * g; j < (h + 1) * g; ++j)
+                lanes(qt + j * d * PQ, kr, kstep, vr, vstep, n, d, t, pos0, ksc, vsc,
+                      ot + j * d * PQ, ml + j * 2 * PQ);
         }
     }
     prefill_end(a, nq, h0, h1, ot, ml, o, ldo);
 }
 
-/* ---- The same prefill attention in 512-bit vectors, where the CPU has AVX-512 -------------
- * An item's sixteen queries are one vector, not two: each broadcast K or V element feeds one
+/* Tokens [t0, t1) (t0 at a block's start) of blocks that a group of sequences shares, for
+ * `gw` query heads per KV head (the members' heads, qg [hkv][gw][d]): the prefill item's lanes,
+ * sixteen queries to a set held transposed, every FMA taking a broadcast K or V element (one
+ * query's dot products at a time need a K load per FMA and a horizontal sum per score), no
+ * position hidden. Blocks outer, KV heads inner, so a block's rows are read whole.
+ * Leaves each query's unnormalised output in acc [hkv][gw][d], its max in m and its sum in
+ * l [hkv][gw]. ws: hkv * sets * (2 * d + 2) * 16 floats, sets = gw / 16 rounded up. */
+static void group_pass(const Attn *a, const float *qg, int64_t gw, const int32_t *table,
+                       int64_t t0, int64_t t1, float *acc, float *m, float *l, float *ws) {
+    const int64_t d = a->d, bs = a->bs, hkv = a->hkv, sets = (gw + PQ - 1) / PQ;
+    const int64_t row_bytes = hkv * d * elem_size(a->type);
+    float *qt = ws, *ot = qt + hkv * sets * d * PQ, *ml = ot + hkv * sets * d * PQ;
+    float kb[MAX_BLOCK * MAX_DIM], vb[MAX_BLOCK * MAX_DIM], ones[PQ];
+    const LanesFn lanes = lanes_fn();
+    for (int64_t h = 0; h < hkv; ++h)
+        for (int64_t st = 0; st < sets; ++st) {
+            const int64_t x = h * sets + st, nq = gw - st * PQ < PQ ? gw - st * PQ : PQ;
+            transpose_in(qg + (h * gw + st * PQ) * d, d, nq, d, a->scale, qt + x * d * PQ);
+            for (int64_t r = 0; r < PQ; ++r) {
+                ml[x * 2 * PQ + r] = -INFINITY;
+                ml[x * 2 * PQ + PQ + r] = 0.0f;
+            }
+        }
+    memset(ot, 0, sizeof(float) * (size_t)(hkv * sets * d * PQ));
+    for (int64_t t = t0; t < t1; t += bs) {
+        const int64_t blk = table[t / bs], n = t1 - t < bs ? t1 - t : bs;
+        if (t + n < t1) { /* the next block's rows, while this one computes */
+            const char *kp = (const char *)a->k + table[(t + n) / bs] * bs * row_bytes;
+            const char *vp = (const char *)a->v + table[(t + n) / bs] * bs * row_bytes;
+            for (int64_t i = 0; i < bs * row_bytes; i += 64) {
+                _mm_prefetch(kp + i, _MM_HINT_T1);
+                _mm_prefetch(vp + i, _MM_HINT_T1);
+            }
+        }
+        for (int64_t h = 0; h < hkv; ++h) {
+            const int64_t row0 = (blk * bs * hkv + h) * d;
+            int64_t kstep, vstep;
+            const float *kr = block_rows(a, a->k, row0, n, kb, &kstep);
+            const float *vr = block_rows(a, a->v, row0, n, vb, &vstep);
+            const float ksc = a->ks ? a->ks[blk * hkv + h] : 1.0f;
+            const float vsc = a->vs ? a->vs[blk * hkv + h] : 1.0f;
+            for (int64_t st = 0; st < sets; ++st) { /* every query sees every token */
+                const int64_t x = h * sets + st;
+                lanes(qt + x * d * PQ, kr, kstep, vr, vstep, n, d, t, t + n, ksc, vsc,
+                      ot + x * d * PQ, ml + x * 2 * PQ);
+            }
+        }
+    }
+    for (int64_t r = 0; r < PQ; ++r)
+        ones[r] = 1.0f;
+    for (int64_t h = 0; h < hkv; ++h)
+        for (int64_t st = 0; st < sets; ++st) {
+            const int64_t x = h * sets + st, nq = gw - st * PQ < PQ ? gw - st * PQ : PQ;
+            const int64_t w = h * gw + st * PQ; /* the set's first query */
+            transpose_out(ot + x * d * PQ, ones, nq, d, acc + w * d, d);
+            memcpy(m + w, ml + x * 2 * PQ, sizeof(float) * (size_t)nq);
+            memcpy(l + w, ml + x * 2 * PQ + PQ, sizeof(float) * (size_t)nq);
+        }
+}
+
+/* ---- Decode attention over shared prefixes ----
+ *
+ * Sequences that share leading blocks (a prefix-cache hit: one system prompt before every
+ * request, the n choices of one prompt) would each read those blocks' K and V rows on their
+ * own. Here such a group reads each shared block once: KV head h's query heads of every member
+ * are taken together, sixteen to a set, and `group_pass` computes them as a prefill item
+ * computes its query positions (transposed, a broadcast K or V element into two vectors of
+ * eight queries), which also does the arithmetic in fewer instructions than one query's dot
+ * products at a time. Each member then has a partial for its shared blocks and one for its own
+ * tail (or several, where pieces are split for the threads), merged as split-K's are.
+ *
+ * Groups come from the block tables alone: sequences sorted by their full blocks' ids, the
+ * common run of neighbours gives the shared blocks; a group inside a group (the choices of one
+ * prompt behind a common system prompt) gets its own deeper piece. Sharing under MIN_SHARED
+ * blocks is left to each member (its merge would cost more than the reads it saves). */
+#define PASS_FLOATS (1 << 16) /* a group pass's transposed queries and outputs: 256 KiB, in L2 */
+#define MIN_SHARED 2 /* blocks a group must share to read them once */
+
+static int shared_on = -1;
+static int shared_supported(void) { return 1; }
+int kvg_shared_prefix(int on) { return kvg_switch(&shared_on, shared_supported, on); }
+
+/* Decode attention calls (one a layer a step) that read some blocks once for several
+ * sequences, since the library loaded: what proves the path serves an engine. */
+static int64_t shared_calls = 0;
+int64_t kvg_shared_prefix_calls(void) { return __atomic_load_n(&shared_calls, __ATOMIC_RELAXED); }
+
+typedef struct {
+    const int32_t *tables;
+    int64_t ldt;
+    const int64_t *full; /* each sequence's full blocks */
+} Tables;
+
+/* Sequences a and b by their full blocks' ids, then the shorter first, then by index. */
+static int table_order(const Tables *t, int64_t a, int64_t b) {
+    const int32_t *ta = t->tables + a * t->ldt, *tb = t->tables + b * t->ldt;
+    const int64_t n = t->full[a] < t->full[b] ? t->full[a] : t->full[b];
+    for (int64_t i = 0; i < n; ++i)
+        if (ta[i] != tb[i])
+            return ta[i] < tb[i] ? -1 : 1;
+    if (t->full[a] != t->full[b])
+        return t->full[a] < t->full[b] ? -1 : 1;
+    return a < b ? -1 : a > b;
+}
+
+static void sort_by_table(const Tables *t, int64_t *x, int64_t *tmp, int64_t n) {
+    if (n < 2)
+        return;
+    const int64_t h = n / 2;
+    sort_by_table(t, x, tmp, h);
+    sort_by_table(t, x + h, tmp, n - h);
+    int64_t i = 0, j = h, o = 0;
+    while (i < h && j < n)
+        tmp[o++] = table_order(t, x[i], x[j]) <= 0 ? x[i++] : x[j++];
+    while (i < h)
+        tmp[o++] = x[i++];
+    while (j < n)
+        tmp[o++] = x[j++];
+    memcpy(x, tmp, sizeof(int64_t) * (size_t)n);
+}
+
+typedef struct {
+    int64_t first, count; /* members: order[first .. first + count) */
+    int64_t t0, t1;       /* tokens */
+} Job;
+
+typedef struct {
+    const int64_t *order, *lcp; /* lcp[i]: blocks order[i - 1] and order[i] share */
+    int64_t *tail;              /* each sequence's first block no group covers */
+    Job *jobs;
+    int64_t njobs, cap, bs, kmax; /* cap: the jobs room for groups */
+} Plan;
+
+/* Members order[l .. r), which share blocks [0, start) already covered by groups: a group over
+ * what they all share beyond that (if worth it), then the same for each run of them that
+ * shares more. */
+static void plan_range(Plan *p, int64_t l, int64_t r, int64_t start) {
+    if (r - l == 1) {
+        p->tail[p->order[l]] = start;
+        return;
+    }
+    int64_t common = p->lcp[l + 1];
+    for (int64_t i = l + 2; i < r; ++i)
+        common = p->lcp[i] < common ? p->lcp[i] : common;
+    const int64_t passes = (r - l + p->kmax - 1) / p->kmax;
+    if (common - start >= MIN_SHARED && p->njobs + passes <= p->cap) {
+        const int64_t each = (r - l + passes - 1) / passes; /* members over passes, evenly */
+        for (int64_t f = l; f < r; f += each)
+            p->jobs[p->njobs++] = (Job){f, r - f < each ? r - f : each, start * p->bs, common * p->bs};
+        start = common;
+    }
+    for (int64_t i = l; i < r;) {
+        int64_t j = i + 1;
+        while (j < r && p->lcp[j] > common)
+            ++j;
+        plan_range(p, i, j, start);
+        i = j;
+    }
+}
+
+/* Jobs (groups' shared blocks, every sequence's tail) into pieces of tokens for the threads:
+ * a job costs its members times its tokens, and one costing over a (4 x threads)th of the
+ * step's attention is cut into runs of at least 4 blocks. Returns the piece count; with
+ * `pieces` NULL only counts. */
+static int64_t cut_pieces(const Job *jobs, int64_t njobs, int64_t bs, int threads, Job *pieces) {
+    int64_t total = 0, n = 0;
+    for (int64_t i = 0; i < njobs; ++i)
+        total += jobs[i].count * (jobs[i].t1 - jobs[i].t0);
+    const int64_t target = total / (4 * (int64_t)threads) + 1;
+    for (int64_t i = 0; i < njobs; ++i) {
+        const Job jb = jobs[i];
+        const int64_t tokens = jb.t1 - jb.t0;
+        int64_t cut = (jb.count * tokens + target - 1) / target;
+        if (cut > tokens / (4 * bs))
+            cut = tokens / (4 * bs);
+        if (cut < 1)
+            cut = 1;
+        const int64_t chunk = ((tokens + cut - 1) / cut + bs - 1) / bs * bs;
+        for (int64_t t = jb.t0; t < jb.t1; t += chunk, ++n)
+            if (pieces)
+                pieces[n] = (Job){jb.first, jb.count, t, t + chunk < jb.t1 ? t + chunk : jb.t1};
+    }
+    return n;
+}
+
+/* Decode attention with groups of sequences that share blocks reading them once. Returns 0,
+ * -1 without memory, or 2 where no group was found (nothing done: decode each sequence). */
+static int decode_shared(const Attn *ap, float *out, const int64_t *rows, const int32_t *lens,
+                         int64_t B, int threads) {
+    const Attn a = *ap;
+    const int64_t bs = a.bs, d = a.d, g = a.g, hkv = a.hkv, heads = hkv * g;
+    const int64_t per = heads * d + 2 * heads;
+    if (threads < 1)
+        threads = 1;
+    int64_t *idx = malloc(sizeof(int64_t) * (size_t)(6 * B + 1));
+    Job *jobs = malloc(sizeof(Job) * (size_t)(3 * B));
+    if (!idx || !jobs) {
+        free(idx);
+        free(jobs);
+        return -1;
+    }
+    int64_t *full = idx, *order = full + B, *tmp = order + B, *lcp = tmp + B, *tail = lcp + B;
+    int64_t *slot0 = tail + B; /* B + 1: each sequence's first partial */
+    int64_t cand = 0;
+    for (int64_t b = 0; b < B; ++b) {
+        full[b] = lens[b] / bs;
+        tail[b] = 0;
+        if (full[b] >= MIN_SHARED)
+            order[cand++] = b;
+    }
+    const Tables t = {a.tables, a.ldt, full};
+    sort_by_table(&t, order, tmp, cand);
+    for (int64_t i = 1; i < cand; ++i) {
+        const int32_t *x = a.tables + order[i - 1] * a.ldt, *y = a.tables + order[i] * a.ldt;
+        const int64_t n = full[order[i - 1]] < full[order[i]] ? full[order[i - 1]] : full[order[i]];
+        int64_t c = 0;
+        while (c < n && x[c] == y[c])
+            ++c;
+        lcp[i] = c;
+    }
+    /* members a pass holds: as many sixteen-query sets per KV head as PASS_FLOATS allows */
+    const int64_t sets = PASS_FLOATS / (hkv * 2 * PQ * d) > 1 ? PASS_FLOATS / (hkv * 2 * PQ * d) : 1;
+    const int64_t kmax = sets * PQ / g > 1 ? sets * PQ / g : 1, gmax = kmax * g;
+    Plan p = {order, lcp, tail, jobs, 0, 2 * B, bs, kmax};
+    for (int64_t i = 0; i < cand;) { /* runs of neighbours sharing a first block */
+        int64_t j = i + 1;
+        while (j < cand && lcp[j] > 0)
+            ++j;
+        plan_range(&p, i, j, 0);
+        i = j;
+    }
+    if (p.njobs == 0) {
+        free(idx);
+        free(jobs);
+        return 2;
+    }
+    __atomic_fetch_add(&shared_calls, 1, __ATOMIC_RELAXED);
+    /* every sequence's tail, as a job of one member: order[] is reused as the member list
+     * (groups' members are runs of it; a tail's member is found by its index) */
+    int64_t *members = malloc(sizeof(int64_t) * (size_t)(B + cand));
+    if (!members) {
+        free(idx);
+        free(jobs);
+        return -1;
+    }
+    memcpy(members, order, sizeof(int64_t) * (size_t)cand);
+    for (int64_t b = 0; b < B; ++b) {
+        members[cand + b] = b;
+        if (tail[b] * bs < lens[b])
+            jobs[p.njobs++] = (Job){cand + b, 1, tail[b] * bs, lens[b]};
+    }
+    const int64_t npieces = cut_pieces(jobs, p.njobs, bs, threads, NULL);
+    Job *pieces = malloc(sizeof(Job) * (size_t)npieces);
+    int64_t *piece_slot = malloc(sizeof(int64_t) * (size_t)(npieces + 1));
+    if (!pieces || !piece_slot) {
+        free(idx), free(jobs), free(members), free(pieces), free(piece_slot);
+        return -1;
+    }
+    cut_pieces(jobs, p.njobs, bs, threads, pieces);
+    /* partial slots: each sequence's consecutive, in piece order; a piece's member i writes
+     * slot0[b] + (pieces of b before it) */
+    for (int64_t b = 0; b <= B; ++b)
+        slot0[b] = 0;
+    for (int64_t i = 0; i < npieces; ++i)
+        for (int64_t m = 0; m < pieces[i].count; ++m)
+            ++slot0[members[pieces[i].first + m] + 1];
+    for (int64_t b = 0; b < B; ++b)
+        slot0[b + 1] += slot0[b];
+    int64_t *taken = tmp; /* partials handed out so far, per sequence */
+    for (int64_t b = 0; b < B; ++b)
+        taken[b] = 0;
+    int64_t *slot_of = malloc(sizeof(int64_t) * (size_t)(slot0[B] + 1));
+    float *part = malloc(sizeof(float) * (size_t)(slot0[B] * per));
+    /* per thread: a group's queries and its outputs, maxes and sums, then the scratch of a
+     * group pass (or of one sequence's run, smaller) */
+    const int64_t wsz = 2 * gmax * hkv * (d + 1) + hkv * sets * (2 * d + 2) * PQ;
+    float *ws = malloc(sizeof(float) * (size_t)(threads * wsz));
+    if (!slot_of || !part || !ws) {
+        free(idx), free(jobs), free(members), free(pieces), free(piece_slot);
+        free(slot_of), free(part), free(ws);
+        return -1;
+    }
+    for (int64_t i = 0, n = 0; i < npieces; ++i) { /* piece i's members' slots from n on */
+        piece_slot[i] = n;
+        for (int64_t m = 0; m < pieces[i].count; ++m) {
+            const int64_t b = members[pieces[i].first + m];
+            slot_of[n++] = slot0[b] + taken[b]++;
+        }
+    }
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(dynamic, 1)
+    for (int64_t i = 0; i < npieces; ++i) {
+        const Job pc = pieces[i];
+        const int64_t *mem = members + pc.first, k = pc.count;
+        int self = 0;
+#ifdef _OPENMP
+        self = omp_get_thread_num();
+#endif
+        float *qg = ws + self * wsz, *acc = qg + gmax * hkv * d, *m = acc + gmax * hkv * d;
+        float *l = m + gmax * hkv, *qs = l + gmax * hkv;
+        const int32_t *table = a.tables + mem[0] * a.ldt; /* the shared blocks' ids: any member's */
+        if (k == 1) {
+            float *pp = part + slot_of[piece_slot[i]] * per;
+            attend_run(&a, a.q + rows[mem[0]] * a.ldq, table, pc.t0, pc.t1, pp + heads * d,
+                       pp + heads * d + heads, pp, qs);
+            continue;
+        }
+        /* the members' queries as one group of k * g heads per KV head: [hkv][k][g][d] */
+        for (int64_t h = 0; h < hkv; ++h)
+            for (int64_t s = 0; s < k; ++s)
+                memcpy(qg + ((h * k + s) * g) * d, a.q + rows[mem[s]] * a.ldq + h * g * d,
+                       sizeof(float) * (size_t)(g * d));
+        group_pass(&a, qg, k * g, table, pc.t0, pc.t1, acc, m, l, qs);
+        for (int64_t s = 0; s < k; ++s) { /* back to each member's [heads] order */
+            float *pp = part + slot_of[piece_slot[i] + s] * per;
+            for (int64_t h = 0; h < hkv; ++h)
+                for (int64_t j = 0; j < g; ++j) {
+                    const int64_t w = (h * k + s) * g + j, o = h * g + j;
+                    memcpy(pp + o * d, acc + w * d, sizeof(float) * (size_t)d);
+                    pp[heads * d + o] = m[w];
+                    pp[heads * d + heads + o] = l[w];
+                }
+        }
+    }
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+    for (int64_t b = 0; b < B; ++b)
+        merge_parts(part + slot0[b] * per, slot0[b + 1] - slot0[b], heads, d,
+                    out + rows[b] * heads * d);
+    free(idx), free(jobs), free(members), free(pieces), free(piece_slot);
+    free(slot_of), free(part), free(ws);
+    return 0;
+}
+
+/* Attention of `B` single-token queries over the paged pool. Sequence b's query is row
+ * rows[b] of q ([rows][heads][d], row stride ldq floats) and its output row rows[b] of out
+ * ([rows][heads][d], contiguous); it attends to lens[b] cached tokens through its block table
+ * (tables + b * ldt). Sequences sharing blocks read them once (`kvg_shared_prefix`, on by
+ * default). Returns 0, 1 on an unsupported shape, -1 without memory. */
+int kvg_paged_decode(const float *q, int64_t ldq, float *out, const int64_t *rows,
+                     const int32_t *lens, int64_t B, const void *k, const void *v,
+                     const float *ks, const float *vs, int type, int64_t bs, int64_t hkv,
+                     int64_t heads, int64_t d, const int32_t *tables, int64_t ldt, float scale,
+                     int threads) {
+    if (heads % hkv || heads / hkv > MAX_GROUP || d % 8 || d > MAX_DIM || bs > MAX_BLOCK)
+        return 1;
+    const Attn a = {q, ldq, k, v, ks, vs, type, bs, hkv, d, heads / hkv, tables, ldt, scale};
+    if (B > 1 && kvg_shared_prefix(-1) == 1) {
+        const int rc = decode_shared(&a, out, rows, lens, B, threads);
+        if (rc != 2)
+            return rc;
+    }
+    return decode_each(&a, out, rows, lens, B, threads);
+}
+
+/* ---- The same lanes in 512-bit vectors, where the CPU has AVX-512 --------------------------
+ * Prefill items and group passes over shared blocks. Sixteen queries are one vector, not two: each broadcast K or V element feeds one
  * FMA of sixteen lanes where it fed two of eight, and the exponentials go sixteen at a time.
  * Every lane does what it does in `prefill_item`, in the same order (the same FMA chains, the
  * same polynomial, the same sums), so the bits are the same; only the instruction count
  * halves: 18.5 against 24.0 ms for a layer of eight 544-token prompts (SmolLM2's heads, 2
  * threads, an AVX-512 Xeon). On by default where the CPU has AVX-512 F/BW/VL/DQ
  * (`kvg_attn512`). */
-#define A512_FN __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
-
 static int attn512_on = -1;
 
 static int attn512_supported(void) {
@@ -933,56 +1020,41 @@ static inline __attribute__((always_inline)) A512_FN void prefill_scores512(
     }
 }
 
-/* prefill_item in 512-bit vectors: see there */
-static A512_FN void prefill_item512(const Attn *a, const float *q, int64_t ldq, float *o,
-                                    int64_t ldo, int64_t nq, int64_t pos0, const int32_t *table,
-                                    int64_t h0, int64_t h1, float *ws) {
-    const int64_t d = a->d, g = a->g, bs = a->bs, hkv = a->hkv, heads = hkv * g, end = pos0 + nq;
-    float *qt = ws, *ot = qt + heads * d * PQ, *ml = ot + heads * d * PQ;
-    float kb[MAX_BLOCK * MAX_DIM], vb[MAX_BLOCK * MAX_DIM];
+/* lanes_block in 512-bit vectors: one vector of sixteen queries, each lane's arithmetic in the
+ * same order (the same FMA chains, the same polynomial, the same sums): the same bits */
+static A512_FN void lanes_block512(const float *qt, const float *kr, int64_t kstep,
+                                   const float *vr, int64_t vstep, int64_t n, int64_t d, int64_t t,
+                                   int64_t pos0, float ksc, float vscf, float *otj, float *mj) {
     __m512 s[MAX_BLOCK];
-    prefill_begin(a, q, ldq, nq, h0, h1, qt, ot, ml);
-    for (int64_t t = 0; t < end; t += bs) {
-        const int64_t blk = table[t / bs], n = end - t < bs ? end - t : bs;
-        for (int64_t h = h0; h < h1; ++h) {
-            const int64_t row0 = (blk * bs * hkv + h) * d;
-            int64_t kstep, vstep;
-            const float *kr = block_rows(a, a->k, row0, n, kb, &kstep);
-            const float *vr = block_rows(a, a->v, row0, n, vb, &vstep);
-            const float ksc = a->ks ? a->ks[blk * hkv + h] : 1.0f;
-            const __m512 vsc = _mm512_set1_ps(a->vs ? a->vs[blk * hkv + h] : 1.0f);
-            for (int64_t j = h * g; j < (h + 1) * g; ++j) {
-                float *otj = ot + j * d * PQ, *mj = ml + j * 2 * PQ;
-                prefill_scores512(qt + j * d * PQ, kr, kstep, n, d, t, pos0, ksc, s);
-                const __m512 m0 = _mm512_loadu_ps(mj);
-                __m512 mx = m0;
-                for (int64_t u = 0; u < n; ++u) mx = _mm512_max_ps(mx, s[u]);
-                const __m512 c = exp16(_mm512_sub_ps(m0, mx));
-                __m512 sum = _mm512_setzero_ps();
-                for (int64_t u = 0; u < n; ++u) {
-                    const __m512 p = exp16(_mm512_sub_ps(s[u], mx));
-                    sum = _mm512_add_ps(sum, p);
-                    s[u] = _mm512_mul_ps(p, vsc);
-                }
-                _mm512_storeu_ps(mj, mx);
-                _mm512_storeu_ps(mj + PQ, _mm512_fmadd_ps(_mm512_loadu_ps(mj + PQ), c, sum));
-                /* eight output components at a time in registers, tokens inner */
-                for (int64_t i = 0; i < d; i += 8) {
-                    __m512 acc[8];
-                    for (int r = 0; r < 8; ++r)
-                        acc[r] = _mm512_mul_ps(_mm512_loadu_ps(otj + (i + r) * PQ), c);
-                    for (int64_t u = 0; u < n; ++u) {
-                        const float *vu = vr + u * vstep + i;
-                        for (int r = 0; r < 8; ++r)
-                            acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(vu[r]), s[u], acc[r]);
-                    }
-                    for (int r = 0; r < 8; ++r) _mm512_storeu_ps(otj + (i + r) * PQ, acc[r]);
-                }
-            }
-        }
+    const __m512 vsc = _mm512_set1_ps(vscf);
+    prefill_scores512(qt, kr, kstep, n, d, t, pos0, ksc, s);
+    const __m512 m0 = _mm512_loadu_ps(mj);
+    __m512 mx = m0;
+    for (int64_t u = 0; u < n; ++u) mx = _mm512_max_ps(mx, s[u]);
+    const __m512 c = exp16(_mm512_sub_ps(m0, mx));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t u = 0; u < n; ++u) {
+        const __m512 p = exp16(_mm512_sub_ps(s[u], mx));
+        sum = _mm512_add_ps(sum, p);
+        s[u] = _mm512_mul_ps(p, vsc);
     }
-    prefill_end(a, nq, h0, h1, ot, ml, o, ldo);
+    _mm512_storeu_ps(mj, mx);
+    _mm512_storeu_ps(mj + PQ, _mm512_fmadd_ps(_mm512_loadu_ps(mj + PQ), c, sum));
+    /* eight output components at a time in registers, tokens inner */
+    for (int64_t i = 0; i < d; i += 8) {
+        __m512 acc[8];
+        for (int r = 0; r < 8; ++r)
+            acc[r] = _mm512_mul_ps(_mm512_loadu_ps(otj + (i + r) * PQ), c);
+        for (int64_t u = 0; u < n; ++u) {
+            const float *vu = vr + u * vstep + i;
+            for (int r = 0; r < 8; ++r)
+                acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(vu[r]), s[u], acc[r]);
+        }
+        for (int r = 0; r < 8; ++r) _mm512_storeu_ps(otj + (i + r) * PQ, acc[r]);
+    }
 }
+
+static LanesFn lanes_fn(void) { return kvg_attn512(-1) == 1 ? lanes_block512 : lanes_block; }
 
 typedef struct {
     int64_t cost, seq, pos, h0, h1; /* KV heads [h0, h1) */
@@ -1034,7 +1106,7 @@ int kvg_paged_prefill(const float *q, int64_t ldq, float *out, const int64_t *qr
                 items[it++] = (PrefillItem){lens[s] - qlen[s] + p + PQ, s, p, h0, h1};
             }
     qsort(items, (size_t)n, sizeof(PrefillItem), by_cost);
-    const int wide = kvg_attn512(-1) == 1;
+    const LanesFn lanes = lanes_fn();
 #pragma omp parallel for num_threads(threads) if (threads > 1 && n > 1) schedule(dynamic, 1)
     for (int64_t i = 0; i < n; ++i) {
         const PrefillItem w = items[i];
@@ -1044,9 +1116,9 @@ int kvg_paged_prefill(const float *q, int64_t ldq, float *out, const int64_t *qr
 #endif
         const int64_t left = qlen[w.seq] - w.pos, nq = left < PQ ? left : PQ;
         const int64_t row = qrow[w.seq] + w.pos;
-        (wide ? prefill_item512 : prefill_item)(&a, q + row * ldq, ldq, out + row * heads * d,
-                                                heads * d, nq, lens[w.seq] - qlen[w.seq] + w.pos,
-                                                tables + w.seq * ldt, w.h0, w.h1, ws + self * per);
+        prefill_item(&a, q + row * ldq, ldq, out + row * heads * d, heads * d, nq,
+                     lens[w.seq] - qlen[w.seq] + w.pos, tables + w.seq * ldt, w.h0, w.h1,
+                     ws + self * per, lanes);
     }
     free(items);
     free(ws);

@@ -24,6 +24,7 @@ from kvguard.engine import EngineConfig, LLMEngine
 from kvguard.engine.sampling_params import SamplingParams
 from kvguard.kernels import cpu_lowbit, cpu_ops
 from kvguard.kernels.fp8 import FP8_DTYPE, write_kv_fp8
+from tests.test_cpu_lowbit import switch_follows_cpu
 from tests.test_paged_attention import assert_close, dense_reference
 
 pa = importlib.import_module("kvguard.kernels.paged_attention")
@@ -113,10 +114,12 @@ CASES = {
         + [(["S"], 3), (["S"], 30), (["S", "T"], 1), (["S", "T"], 16), (["S", "T"], 33)],
         {"H": 1, "P1": 8, "P2": 8, "S": 3, "T": 4}, 9, 3, 64, 16,
     ),
-    # thirty members of one group: more query heads than one pass holds (64 / 3 members)
-    "wide": ([(["A"], i) for i in range(30)], {"A": 10}, 9, 3, 64, 16),
-    # no GQA (one query head per KV head): seventy members, two passes
-    "mha": ([(["A"], i) for i in range(70)], {"A": 3}, 4, 4, 32, 8),
+    # sixty members of one group: more query heads (180 a KV head) than one pass keeps in its
+    # 256 KiB of sets (53 members of this shape), so the members go in two passes
+    "wide": ([(["A"], i) for i in range(60)], {"A": 10}, 9, 3, 64, 16),
+    # no GQA (one query head per KV head), eight KV heads of 128: 32 members a pass, seventy
+    # members in three
+    "mha": ([(["A"], i) for i in range(70)], {"A": 3}, 8, 8, 128, 8),
     # the widest GQA group and the narrowest head, a sequence on its own beside the group
     "gqa16": ([(["A"], 3), (["A"], 9), (["B"], 1)], {"A": 2, "B": 1}, 16, 1, 8, 4),
     # two sequences behind a long shared prompt: pieces cut for the threads
@@ -176,6 +179,25 @@ def test_narrow_pools_read_once_like_torchs_dequantisation(dtype: torch.dtype) -
     torch.testing.assert_close(
         decode(q, pools, tables, lens, shared=True), want, atol=1e-5, rtol=1e-5
     )
+
+
+@pytest.mark.parametrize("case", ["choices", "nested", "mha"])
+def test_the_avx512_group_pass_gives_the_avx2_bits(case: str) -> None:
+    """A group's pass takes the prefill lanes' 512-bit copy where the CPU has AVX-512 (the
+    AVX2 one elsewhere, where asking for AVX-512 is refused)."""
+    q, kv, tables, lens, ref = shared_batch(*CASES[case])
+    have = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpu_lowbit.cpu_flags()
+    if not switch_follows_cpu(cpu_lowbit.attention512, have, "lacks AVX-512"):
+        assert_close(decode(q, kv, tables, lens, shared=True), ref)
+        return
+    wide = decode(q, kv, tables, lens, shared=True)
+    before = cpu_lowbit.attention512(False)
+    try:
+        narrow = decode(q, kv, tables, lens, shared=True)
+    finally:
+        cpu_lowbit.attention512(before)
+    assert torch.equal(wide, narrow)
+    assert_close(narrow, ref)
 
 
 def test_the_switch_reads_and_sets() -> None:

@@ -143,6 +143,25 @@ static const float *block_rows(const Attn *a, const void *pool, int64_t row0, in
     return scratch;
 }
 
+/* KV head h's K and V rows of the first n tokens of block `blk` as fp32 (the pool itself, or
+ * converted into kb and vb), with the block's scales. */
+typedef struct {
+    const float *k, *v;
+    int64_t kstep, vstep; /* floats between rows */
+    float ksc, vsc;
+} HeadRows;
+
+static inline HeadRows head_rows(const Attn *a, int64_t blk, int64_t h, int64_t n, float *kb,
+                                 float *vb) {
+    const int64_t row0 = (blk * a->bs * a->hkv + h) * a->d;
+    HeadRows r;
+    r.k = block_rows(a, a->k, row0, n, kb, &r.kstep);
+    r.v = block_rows(a, a->v, row0, n, vb, &r.vstep);
+    r.ksc = a->ks ? a->ks[blk * a->hkv + h] : 1.0f;
+    r.vsc = a->vs ? a->vs[blk * a->hkv + h] : 1.0f;
+    return r;
+}
+
 /* Tokens [t0, t1) of one sequence, every query head: running max m[hq], sum l[hq] and
  * unnormalised output acc[hq][d] of query head hq = h * g + j (KV head h), `qs` [heads][d] a
  * workspace. A block of the table at a time, and in it each KV head in turn: the scores of the
@@ -583,14 +602,9 @@ static void prefill_item(const Attn *a, const float *q, int64_t ldq, float *o, i
     for (int64_t t = 0; t < end; t += bs) {
         const int64_t blk = table[t / bs], n = end - t < bs ? end - t : bs;
         for (int64_t h = h0; h < h1; ++h) {
-            const int64_t row0 = (blk * bs * hkv + h) * d;
-            int64_t kstep, vstep;
-            const float *kr = block_rows(a, a->k, row0, n, kb, &kstep);
-            const float *vr = block_rows(a, a->v, row0, n, vb, &vstep);
-            const float ksc = a->ks ? a->ks[blk * hkv + h] : 1.0f;
-            const float vsc = a->vs ? a->vs[blk * hkv + h] : 1.0f;
+            const HeadRows r = head_rows(a, blk, h, n, kb, vb);
             for (int64_t j = h * g; j < (h + 1) * g; ++j)
-                lanes(qt + j * d * PQ, kr, kstep, vr, vstep, n, d, t, pos0, ksc, vsc,
+                lanes(qt + j * d * PQ, r.k, r.kstep, r.v, r.vstep, n, d, t, pos0, r.ksc, r.vsc,
                       ot + j * d * PQ, ml + j * 2 * PQ);
         }
     }
@@ -632,15 +646,10 @@ static void group_pass(const Attn *a, const float *qg, int64_t gw, const int32_t
             }
         }
         for (int64_t h = 0; h < hkv; ++h) {
-            const int64_t row0 = (blk * bs * hkv + h) * d;
-            int64_t kstep, vstep;
-            const float *kr = block_rows(a, a->k, row0, n, kb, &kstep);
-            const float *vr = block_rows(a, a->v, row0, n, vb, &vstep);
-            const float ksc = a->ks ? a->ks[blk * hkv + h] : 1.0f;
-            const float vsc = a->vs ? a->vs[blk * hkv + h] : 1.0f;
+            const HeadRows r = head_rows(a, blk, h, n, kb, vb);
             for (int64_t st = 0; st < sets; ++st) { /* every query sees every token */
                 const int64_t x = h * sets + st;
-                lanes(qt + x * d * PQ, kr, kstep, vr, vstep, n, d, t, t + n, ksc, vsc,
+                lanes(qt + x * d * PQ, r.k, r.kstep, r.v, r.vstep, n, d, t, t + n, r.ksc, r.vsc,
                       ot + x * d * PQ, ml + x * 2 * PQ);
             }
         }

@@ -141,6 +141,38 @@ def test_shared_blocks_read_once_match_the_dense_reference(case: str) -> None:
     assert not torch.equal(got, per_sequence)
 
 
+def drawn_case(seed: int) -> tuple:
+    """A batch drawn from a fixed seed (the same every run): a tree of shared segments two
+    levels deep (0-5 blocks each, some too short to group), members with tails of 0-40
+    tokens, some sequences sharing nothing; one of four head shapes and block sizes."""
+    gen = torch.Generator().manual_seed(1000 + seed)
+
+    def draw(n: int) -> int:
+        return int(torch.randint(n, (1,), generator=gen))
+
+    shapes = [(9, 3, 64, 16), (8, 8, 32, 8), (16, 2, 64, 4), (4, 1, 128, 32)]
+    heads, kv, d, bs = shapes[seed % len(shapes)]
+    segments, specs = {}, []
+    for top in range(1 + draw(3)):
+        segments[f"T{top}"] = draw(6)
+        for sub in range(draw(3)):
+            segments[f"T{top}S{sub}"] = draw(6)
+            specs += [([f"T{top}", f"T{top}S{sub}"], draw(41)) for _ in range(1 + draw(5))]
+        specs += [([f"T{top}"], draw(41)) for _ in range(draw(4))]
+    specs += [([], 1 + draw(60)) for _ in range(draw(3))]
+    specs = [(names, own) for names, own in specs if own or any(segments[n] for n in names)]
+    return specs, segments, heads, kv, d, bs
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_drawn_sharing_matches_the_dense_reference(seed: int) -> None:
+    """Sixteen batches of drawn shapes (fixed seeds): grouped or not, every sequence's output
+    is its dense reference's."""
+    specs, segments, heads, kv, d, bs = drawn_case(seed)
+    q, pools, tables, lens, ref = shared_batch(specs, segments, heads, kv, d, bs, seed)
+    assert_close(decode(q, pools, tables, lens, shared=True), ref)
+
+
 @pytest.mark.parametrize(
     "specs",
     [

@@ -166,14 +166,23 @@ def test_greedy_requests_get_the_same_tokens_and_logprobs_with_drafts(
     got = _outputs(spec, prompts, params)
     for g, w in zip(got, want, strict=True):
         assert (g.token_ids, g.text, g.finish_reason) == (w.token_ids, w.text, w.finish_reason)
-        if w.final_logprobs is not None:  # decode rows either way: the threads' split aside
-            for a, b in zip(g.final_logprobs, w.final_logprobs, strict=True):
-                assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 5e-3
-                # the runners-up by rank: equal values (verify rows run in a wider GEMM, whose
-                # AVX-512 rounding can swap two candidates tied within 1e-3: same values)
-                assert len(a.top) == len(b.top) and a.top[0][0] == b.top[0][0]
-                for (_, la), (_, lb) in zip(a.top, b.top, strict=True):
-                    assert abs(la - lb) < 5e-3
+        if w.final_logprobs is None:
+            continue
+        # Decode rows either way, but not summed in the same order: a verify step's draft rows
+        # share their sequence's blocks, read once for all of them, and split differently over
+        # the threads. The candidates' logits are exact (the 8-bit lm_head recomputes its best
+        # in fp32), so the gaps between a token's candidates agree (7e-4 seen); the log-sum-exp
+        # over the whole vocabulary takes the other logits from int8 activations, and a float
+        # rounding in the hidden state can move a quantisation step there: a logprob's shift
+        # common to all its candidates reaches 8e-3 at a few positions (median 1e-4).
+        for a, b in zip(g.final_logprobs, w.final_logprobs, strict=True):
+            assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1.5e-2
+            # the runners-up by rank (verify rows run in a wider GEMM, whose AVX-512 rounding
+            # can swap two candidates tied within 1e-3: same values)
+            assert len(a.top) == len(b.top) and a.top[0][0] == b.top[0][0]
+            for (_, la), (_, lb) in zip(a.top, b.top, strict=True):
+                assert abs(la - lb) < 1.5e-2
+                assert abs((la - a.top[0][1]) - (lb - b.top[0][1])) < 5e-3
     assert got[1].finish_reason == "length" and len(got[1].token_ids) == 37
     assert got[0].finish_reason == "stop" and got[0].text.endswith("fixed-size ")
     after = spec.snapshot().speculative

@@ -19,7 +19,8 @@
  * head's query heads (one running max per query head, rescaled once per block), so a block's
  * rows are read whole while the next block's are prefetched; with fewer items than threads x 4
  * a long sequence is split into runs whose partial softmax sums are merged at the end (the
- * split-K of flash decoding).
+ * split-K of flash decoding). Sequences whose tables begin with the same blocks (a prefix-cache
+ * hit) read those blocks once, their queries taken together (`decode_shared`).
  *
  * Paged prefill attention: the prompt chunks of a step, causal, over the same pools, in one call
  * for all of them (torch's attention needed each chunk's K/V gathered and a mask built). A work
@@ -669,8 +670,8 @@ static void group_pass(const Attn *a, const float *qg, int64_t gw, const int32_t
 /* ---- Decode attention over shared prefixes ----
  *
  * Sequences that share leading blocks (a prefix-cache hit: one system prompt before every
- * request, the n choices of one prompt) would each read those blocks' K and V rows on their
- * own. Here such a group reads each shared block once: KV head h's query heads of every member
+ * request, the n choices of one prompt; a verify step's draft rows, which share all their
+ * sequence's blocks) would each read those blocks' K and V rows on their own. Here such a group reads each shared block once: KV head h's query heads of every member
  * are taken together, sixteen to a set, and `group_pass` computes them as a prefill item
  * computes its query positions (transposed, a broadcast K or V element into two vectors of
  * eight queries), which also does the arithmetic in fewer instructions than one query's dot
@@ -680,7 +681,7 @@ static void group_pass(const Attn *a, const float *qg, int64_t gw, const int32_t
  * Groups come from the block tables alone: sequences sorted by their full blocks' ids, the
  * common run of neighbours gives the shared blocks; a group inside a group (the choices of one
  * prompt behind a common system prompt) gets its own deeper piece. Sharing under MIN_SHARED
- * blocks is left to each member (its merge would cost more than the reads it saves). */
+ * blocks is left to each member (one block saves little and adds a partial to merge). */
 #define PASS_FLOATS (1 << 16) /* a group pass's transposed queries and outputs: 256 KiB, in L2 */
 #define MIN_SHARED 2 /* blocks a group must share to read them once */
 

@@ -681,7 +681,11 @@ static void group_pass(const Attn *a, const float *qg, int64_t gw, const int32_t
  * Groups come from the block tables alone: sequences sorted by their full blocks' ids, the
  * common run of neighbours gives the shared blocks; a group inside a group (the choices of one
  * prompt behind a common system prompt) gets its own deeper piece. Sharing under MIN_SHARED
- * blocks is left to each member (one block saves little and adds a partial to merge). */
+ * blocks is left to each member (one block saves little and adds a partial to merge), and so
+ * is a group whose query heads would fill under half of a set of sixteen: a set's lanes cost
+ * about half what one query's dot products do, so two members of three query heads each (six
+ * lanes) ran slower together (18.7-19.9 against 16.7-17.2 ms for a layer's calls of 16 such
+ * pairs, 2 Zen 4 cores) where four (twelve lanes) ran 9.9 against 14.9. */
 #define PASS_FLOATS (1 << 16) /* a group pass's transposed queries and outputs: 256 KiB, in L2 */
 #define MIN_SHARED 2 /* blocks a group must share to read them once */
 
@@ -737,7 +741,7 @@ typedef struct {
     const int64_t *order, *lcp; /* lcp[i]: blocks order[i - 1] and order[i] share */
     int64_t *tail;              /* each sequence's first block no group covers */
     Job *jobs;
-    int64_t njobs, cap, bs, kmax; /* cap: the jobs room for groups */
+    int64_t njobs, cap, bs, kmax, kmin; /* cap: the jobs room for groups */
 } Plan;
 
 /* Members order[l .. r), which share blocks [0, start) already covered by groups: a group over
@@ -752,7 +756,7 @@ static void plan_range(Plan *p, int64_t l, int64_t r, int64_t start) {
     for (int64_t i = l + 2; i < r; ++i)
         common = p->lcp[i] < common ? p->lcp[i] : common;
     const int64_t passes = (r - l + p->kmax - 1) / p->kmax;
-    if (common - start >= MIN_SHARED && p->njobs + passes <= p->cap) {
+    if (common - start >= MIN_SHARED && r - l >= p->kmin && p->njobs + passes <= p->cap) {
         const int64_t each = (r - l + passes - 1) / passes; /* members over passes, evenly */
         for (int64_t f = l; f < r; f += each)
             p->jobs[p->njobs++] = (Job){f, r - f < each ? r - f : each, start * p->bs, common * p->bs};
@@ -830,7 +834,8 @@ static int decode_shared(const Attn *ap, float *out, const int64_t *rows, const 
     /* members a pass holds: as many sixteen-query sets per KV head as PASS_FLOATS allows */
     const int64_t sets = PASS_FLOATS / (hkv * 2 * PQ * d) > 1 ? PASS_FLOATS / (hkv * 2 * PQ * d) : 1;
     const int64_t kmax = sets * PQ / g > 1 ? sets * PQ / g : 1, gmax = kmax * g;
-    Plan p = {order, lcp, tail, jobs, 0, 2 * B, bs, kmax};
+    const int64_t kmin = (PQ / 2 + g - 1) / g > 2 ? (PQ / 2 + g - 1) / g : 2;
+    Plan p = {order, lcp, tail, jobs, 0, 2 * B, bs, kmax, kmin};
     for (int64_t i = 0; i < cand;) { /* runs of neighbours sharing a first block */
         int64_t j = i + 1;
         while (j < cand && lcp[j] > 0)

@@ -179,6 +179,7 @@ def test_drawn_sharing_matches_the_dense_reference(seed: int) -> None:
         [([], 40), ([], 33), ([], 7)],  # nothing shared
         [(["H"], 40), (["H"], 9), (["H"], 70)],  # one shared block: under the minimum
         [(["A"], 30)],  # one sequence
+        [(["A"], 30), (["A"], 9), ([], 50)],  # two members: six of a set's sixteen lanes
     ],
 )
 def test_without_sharing_worth_a_group_the_bits_are_the_per_sequence_paths(

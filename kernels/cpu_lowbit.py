@@ -50,6 +50,8 @@ SOURCES = tuple(Path(__file__).with_name(f) for f in ("lowbit.c", "cpu_ops.c", "
 HEADERS = tuple(Path(__file__).with_name(f) for f in ("kvg_cpu.h", "lowbit_dots.h"))
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-fopenmp", "-std=c11")
 CPU_FLAGS = ("avx2", "fma", "f16c")
+# "0": decode attention reads blocks shared by several sequences per sequence (`shared_prefix`)
+SHARED_PREFIX_ENV = "KVGUARD_SHARED_PREFIX"
 BLOCK = 32  # activation and weight block: one scale per 32 values
 # the largest `fine` (int16) activation code: 127 * 256 + 127, so each is 256 h + l with both
 # h and l signed bytes (lowbit.c's FINE_LEVELS); int8 activations go to 127
@@ -138,6 +140,8 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.kvg_attn512.argtypes, lib.kvg_attn512.restype = [_INT], _INT
     lib.kvg_shared_prefix.argtypes, lib.kvg_shared_prefix.restype = [_INT], _INT
     lib.kvg_shared_prefix_calls.argtypes, lib.kvg_shared_prefix_calls.restype = [], _I64
+    if os.environ.get(SHARED_PREFIX_ENV, "1") == "0":
+        lib.kvg_shared_prefix(0)
     lib.kvg_quantize_rows.argtypes = [_PTR, _I64, _I64, _I64, _INT, _PTR, _PTR, _PTR]
     lib.kvg_quantize_rows.restype = ctypes.c_int
     _F = ctypes.c_float
@@ -295,10 +299,11 @@ def attention512(on: bool | None = None) -> bool:
 
 def shared_prefix(on: bool | None = None) -> bool:
     """Whether decode attention reads blocks that several sequences share (a prefix-cache
-    hit) once for all of them, their queries taken together: on by default (every CPU).
-    Not the same bits as reading them per sequence (a sequence's softmax is merged from
-    its shared and own parts, as split-K merges). `on` switches it (tests, benchmarks).
-    Returns the state before."""
+    hit) once for all of them, their queries taken together: on by default (every CPU), off
+    where the environment says `KVGUARD_SHARED_PREFIX=0` when the library loads. Not the same
+    bits as reading them per sequence (a sequence's softmax is merged from its shared and own
+    parts, as split-K merges). `on` switches it (tests, benchmarks). Returns the state
+    before."""
     return _switch("kvg_shared_prefix", on, "")
 
 

@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -231,6 +234,18 @@ def test_the_avx512_group_pass_gives_the_avx2_bits(case: str) -> None:
         cpu_lowbit.attention512(before)
     assert torch.equal(wide, narrow)
     assert_close(narrow, ref)
+
+
+@pytest.mark.parametrize(("env", "on"), [(None, True), ("1", True), ("0", False)])
+def test_the_environment_sets_the_default_as_the_library_loads(env: str | None, on: bool) -> None:
+    environ = {k: v for k, v in os.environ.items() if k != cpu_lowbit.SHARED_PREFIX_ENV}
+    if env is not None:
+        environ[cpu_lowbit.SHARED_PREFIX_ENV] = env
+    code = "from kvguard.kernels import cpu_lowbit; print(cpu_lowbit.shared_prefix())"
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=environ, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == str(on)
 
 
 def test_the_switch_reads_and_sets() -> None:

@@ -628,12 +628,10 @@ class Scheduler:
         sequence, token, when it was ready) as a step of its own would have handed it over,
         and one that finishes takes no more (the rest of its run is dropped, with the blocks
         only that filled). Returns the sequences, in batch order."""
-        going = list(batch.seqs)
         for j in range(len(run)):
-            if not going:
+            if all(seq.is_finished for seq in batch.seqs):
                 break  # every sequence is done: the later steps' tokens are nobody's
             tokens, ready = run.step(j)
-            left = []
             for seq, token in zip(batch.seqs, tokens, strict=True):
                 if seq.is_finished:
                     continue
@@ -647,11 +645,9 @@ class Scheduler:
                 on_token(seq, token, ready)
                 if seq.finish_reason is not None:
                     self.finish(seq)
-                else:
-                    left.append(seq)
-            going = left
-        for seq in going:
-            self.bm.trim(seq)
+        for seq in batch.seqs:
+            if not seq.is_finished:
+                self.bm.trim(seq)
         return list(batch.seqs)
 
     def finish(self, seq: Sequence) -> None:

@@ -805,15 +805,17 @@ static int decode_shared(const Attn *ap, float *out, const int64_t *rows, const 
     const int64_t per = heads * d + 2 * heads;
     if (threads < 1)
         threads = 1;
-    int64_t *idx = malloc(sizeof(int64_t) * (size_t)(6 * B + 1));
+    int rc = -1; /* without memory, until the end */
+    Job *pieces = NULL;
+    int64_t *piece_slot = NULL, *slot_of = NULL;
+    float *part = NULL, *ws = NULL;
+    int64_t *idx = malloc(sizeof(int64_t) * (size_t)(8 * B + 1));
     Job *jobs = malloc(sizeof(Job) * (size_t)(3 * B));
-    if (!idx || !jobs) {
-        free(idx);
-        free(jobs);
-        return -1;
-    }
+    if (!idx || !jobs)
+        goto done;
     int64_t *full = idx, *order = full + B, *tmp = order + B, *lcp = tmp + B, *tail = lcp + B;
-    int64_t *slot0 = tail + B; /* B + 1: each sequence's first partial */
+    int64_t *slot0 = tail + B;        /* B + 1: each sequence's first partial */
+    int64_t *members = slot0 + B + 1; /* 2 * B: groups' members, then each sequence alone */
     int64_t cand = 0;
     for (int64_t b = 0; b < B; ++b) {
         full[b] = lens[b] / bs;
@@ -844,19 +846,12 @@ static int decode_shared(const Attn *ap, float *out, const int64_t *rows, const 
         i = j;
     }
     if (p.njobs == 0) {
-        free(idx);
-        free(jobs);
-        return 2;
+        rc = 2;
+        goto done;
     }
     __atomic_fetch_add(&shared_calls, 1, __ATOMIC_RELAXED);
-    /* every sequence's tail, as a job of one member: order[] is reused as the member list
-     * (groups' members are runs of it; a tail's member is found by its index) */
-    int64_t *members = malloc(sizeof(int64_t) * (size_t)(B + cand));
-    if (!members) {
-        free(idx);
-        free(jobs);
-        return -1;
-    }
+    /* every sequence's tail, as a job of one member: the members are order[] (groups' members
+     * are runs of it) and then each sequence by its index */
     memcpy(members, order, sizeof(int64_t) * (size_t)cand);
     for (int64_t b = 0; b < B; ++b) {
         members[cand + b] = b;
@@ -864,12 +859,10 @@ static int decode_shared(const Attn *ap, float *out, const int64_t *rows, const 
             jobs[p.njobs++] = (Job){cand + b, 1, tail[b] * bs, lens[b]};
     }
     const int64_t npieces = cut_pieces(jobs, p.njobs, bs, threads, NULL);
-    Job *pieces = malloc(sizeof(Job) * (size_t)npieces);
-    int64_t *piece_slot = malloc(sizeof(int64_t) * (size_t)(npieces + 1));
-    if (!pieces || !piece_slot) {
-        free(idx), free(jobs), free(members), free(pieces), free(piece_slot);
-        return -1;
-    }
+    pieces = malloc(sizeof(Job) * (size_t)npieces);
+    piece_slot = malloc(sizeof(int64_t) * (size_t)(npieces + 1));
+    if (!pieces || !piece_slot)
+        goto done;
     cut_pieces(jobs, p.njobs, bs, threads, pieces);
     /* partial slots: each sequence's consecutive, in piece order; a piece's member i writes
      * slot0[b] + (pieces of b before it) */
@@ -883,17 +876,14 @@ static int decode_shared(const Attn *ap, float *out, const int64_t *rows, const 
     int64_t *taken = tmp; /* partials handed out so far, per sequence */
     for (int64_t b = 0; b < B; ++b)
         taken[b] = 0;
-    int64_t *slot_of = malloc(sizeof(int64_t) * (size_t)(slot0[B] + 1));
-    float *part = malloc(sizeof(float) * (size_t)(slot0[B] * per));
+    slot_of = malloc(sizeof(int64_t) * (size_t)(slot0[B] + 1));
+    part = malloc(sizeof(float) * (size_t)(slot0[B] * per));
     /* per thread: a group's queries and its outputs, maxes and sums, then the scratch of a
      * group pass (or of one sequence's run, smaller) */
     const int64_t wsz = 2 * gmax * hkv * (d + 1) + hkv * sets * (2 * d + 2) * PQ;
-    float *ws = malloc(sizeof(float) * (size_t)(threads * wsz));
-    if (!slot_of || !part || !ws) {
-        free(idx), free(jobs), free(members), free(pieces), free(piece_slot);
-        free(slot_of), free(part), free(ws);
-        return -1;
-    }
+    ws = malloc(sizeof(float) * (size_t)(threads * wsz));
+    if (!slot_of || !part || !ws)
+        goto done;
     for (int64_t i = 0, n = 0; i < npieces; ++i) { /* piece i's members' slots from n on */
         piece_slot[i] = n;
         for (int64_t m = 0; m < pieces[i].count; ++m) {
@@ -939,9 +929,10 @@ static int decode_shared(const Attn *ap, float *out, const int64_t *rows, const 
     for (int64_t b = 0; b < B; ++b)
         merge_parts(part + slot0[b] * per, slot0[b + 1] - slot0[b], heads, d,
                     out + rows[b] * heads * d);
-    free(idx), free(jobs), free(members), free(pieces), free(piece_slot);
-    free(slot_of), free(part), free(ws);
-    return 0;
+    rc = 0;
+done:
+    free(idx), free(jobs), free(pieces), free(piece_slot), free(slot_of), free(part), free(ws);
+    return rc;
 }
 
 /* Attention of `B` single-token queries over the paged pool. Sequence b's query is row

@@ -206,6 +206,90 @@ static void quantize_row(const float *x, int64_t K, int mode, int8_t *q8, int16_
     }
 }
 
+/* `quantize_row` on AVX-512 (the VNNI copy's CPUs), four blocks at a time: the same codes and
+ * scales bit for bit (maxima and integer sums do not depend on their order; each division,
+ * product and rounding is the scalar one's, lane by lane), in about half the instructions.
+ * The AVX2 copy reduces each block's maximum and code sum across a register on its own and
+ * divides twice in scalar; here four blocks' partial maxima and sums are reduced together
+ * (three shuffle steps for all four), and their scales are divided, converted and stored as
+ * one vector. One thread, rows in L1: 0.24 against 0.39 ns an element for the 4-bit
+ * kernels' two bytes, 0.18 against 0.24 for int8; SmolLM2's GEMMs, 2 Zen 4 threads, same
+ * bits: 1.01-1.04x (most at 32-512 rows of the 1536-wide down projection). */
+#define Q512_FN __attribute__((target("avx512f,avx512bw,avx512vl")))
+
+/* Four blocks' 16-lane partials to [b0 x4 | b1 x4 | b2 x4 | b3 x4]: each block's maximum
+ * (`max4`) or integer sum (`sum4`) in all four lanes of its 128-bit quarter. */
+static inline __attribute__((always_inline)) Q512_FN __m512 max4(const __m512 *a) {
+    const __m512 m01 = _mm512_max_ps(_mm512_shuffle_f32x4(a[0], a[1], 0x44), _mm512_shuffle_f32x4(a[0], a[1], 0xee));
+    const __m512 m23 = _mm512_max_ps(_mm512_shuffle_f32x4(a[2], a[3], 0x44), _mm512_shuffle_f32x4(a[2], a[3], 0xee));
+    __m512 m = _mm512_max_ps(_mm512_shuffle_f32x4(m01, m23, 0x88), _mm512_shuffle_f32x4(m01, m23, 0xdd));
+    m = _mm512_max_ps(m, _mm512_permute_ps(m, 0x4e));
+    return _mm512_max_ps(m, _mm512_permute_ps(m, 0xb1));
+}
+
+static inline __attribute__((always_inline)) Q512_FN __m512i sum4(const __m512i *a) {
+    const __m512i s01 = _mm512_add_epi32(_mm512_shuffle_i32x4(a[0], a[1], 0x44), _mm512_shuffle_i32x4(a[0], a[1], 0xee));
+    const __m512i s23 = _mm512_add_epi32(_mm512_shuffle_i32x4(a[2], a[3], 0x44), _mm512_shuffle_i32x4(a[2], a[3], 0xee));
+    __m512i s = _mm512_add_epi32(_mm512_shuffle_i32x4(s01, s23, 0x88), _mm512_shuffle_i32x4(s01, s23, 0xdd));
+    s = _mm512_add_epi32(s, _mm512_shuffle_epi32(s, (_MM_PERM_ENUM)0x4e));
+    return _mm512_add_epi32(s, _mm512_shuffle_epi32(s, (_MM_PERM_ENUM)0xb1));
+}
+
+static Q512_FN void quantize_row512(const float *x, int64_t K, int mode, int8_t *q8, int16_t *q16,
+                                    int8_t *lo, float *e, float *es, int32_t *is) {
+    const float levels = mode == Q_INT8 ? 127.0f : (float)FINE_LEVELS;
+    const __m512 lv = _mm512_set1_ps(levels), zero = _mm512_setzero_ps();
+    const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff), half = _mm512_set1_epi32(128);
+    const __m512i firsts = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+    const int64_t nb = K / QK;
+    for (int64_t b0 = 0; b0 < nb; b0 += 4) {
+        const int n = nb - b0 < 4 ? (int)(nb - b0) : 4;
+        __m512 v[8], a[4];
+        for (int j = 0; j < 4; ++j) { /* blocks past the row's end read as zeros */
+            const float *xb = x + (b0 + j) * QK;
+            v[2 * j] = j < n ? _mm512_loadu_ps(xb) : zero;
+            v[2 * j + 1] = j < n ? _mm512_loadu_ps(xb + 16) : zero;
+            a[j] = _mm512_max_ps(_mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v[2 * j]), abs_mask)),
+                                 _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v[2 * j + 1]), abs_mask)));
+        }
+        const __m512 amax = max4(a);
+        const __m512 iv = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(amax, zero, _CMP_GT_OQ), lv, amax);
+        __m512i s[4];
+        for (int j = 0; j < 4; ++j) {
+            const __m512 ivj = _mm512_shuffle_f32x4(iv, iv, 0x55 * j);
+            const int rnd = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+            const __m512i i0 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(v[2 * j], ivj), rnd);
+            const __m512i i1 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(v[2 * j + 1], ivj), rnd);
+            s[j] = _mm512_add_epi32(i0, i1);
+            if (j >= n) continue;
+            const int64_t o = (b0 + j) * QK;
+            if (mode == Q_INT16) { /* elements 0-7,16-23 then 8-15,24-31 (see quantize_row) */
+                const __m256i c0 = _mm512_cvtepi32_epi16(i0), c1 = _mm512_cvtepi32_epi16(i1);
+                _mm256_storeu_si256((__m256i *)(q16 + o), _mm256_permute2x128_si256(c0, c1, 0x20));
+                _mm256_storeu_si256((__m256i *)(q16 + o + 16), _mm256_permute2x128_si256(c0, c1, 0x31));
+            } else if (mode == Q_HILO) {
+                const __m512i h0 = _mm512_srai_epi32(_mm512_add_epi32(i0, half), 8);
+                const __m512i h1 = _mm512_srai_epi32(_mm512_add_epi32(i1, half), 8);
+                const __m512i l0 = _mm512_sub_epi32(i0, _mm512_slli_epi32(h0, 8));
+                const __m512i l1 = _mm512_sub_epi32(i1, _mm512_slli_epi32(h1, 8));
+                _mm_storeu_si128((__m128i *)(q8 + o), _mm512_cvtepi32_epi8(h0));
+                _mm_storeu_si128((__m128i *)(q8 + o + 16), _mm512_cvtepi32_epi8(h1));
+                _mm_storeu_si128((__m128i *)(lo + o), _mm512_cvtepi32_epi8(l0));
+                _mm_storeu_si128((__m128i *)(lo + o + 16), _mm512_cvtepi32_epi8(l1));
+            } else {
+                _mm_storeu_si128((__m128i *)(q8 + o), _mm512_cvtepi32_epi8(i0));
+                _mm_storeu_si128((__m128i *)(q8 + o + 16), _mm512_cvtepi32_epi8(i1));
+            }
+        }
+        const __m512i total = sum4(s);
+        const __m512 d = _mm512_div_ps(amax, lv);
+        const __mmask16 keep = (__mmask16)((1u << n) - 1);
+        _mm512_mask_storeu_ps(e + b0, keep, _mm512_permutexvar_ps(firsts, d));
+        _mm512_mask_storeu_ps(es + b0, keep, _mm512_permutexvar_ps(firsts, _mm512_mul_ps(d, _mm512_cvtepi32_ps(total))));
+        if (is) _mm512_mask_storeu_epi32(is + b0, keep, _mm512_permutexvar_epi32(firsts, total));
+    }
+}
+
 /* Eight int32 vectors to one: lane c holds the sum of all of d[c]'s lanes. */
 static inline __m256i reduce8(__m256i d0, __m256i d1, __m256i d2, __m256i d3, __m256i d4,
                               __m256i d5, __m256i d6, __m256i d7) {
@@ -789,8 +873,8 @@ static int gemm(const int bits, const float *x, int64_t M, int64_t K, int64_t ld
         int32_t *xis = bits == BITS_8V ? (int32_t *)(xes + M * nb) : NULL;
         const int64_t r0 = own ? 0 : M * t / T, r1 = own ? M : M * (t + 1) / T;
         for (int64_t i = r0; i < r1; ++i)
-            quantize_row(x + i * ldx, K, mode, (int8_t *)mine + i * K, (int16_t *)mine + i * K,
-                         lo + i * K, xe + i * nb, xes + i * nb, xis ? xis + i * nb : NULL);
+            (vnni ? quantize_row512 : quantize_row)(x + i * ldx, K, mode, (int8_t *)mine + i * K,
+                (int16_t *)mine + i * K, lo + i * K, xe + i * nb, xes + i * nb, xis ? xis + i * nb : NULL);
         if (!own) {
 #pragma omp barrier
         }
@@ -877,8 +961,8 @@ int kvg_quantize_rows(const float *x, int64_t M, int64_t K, int64_t ldx, int fin
         return -1;
     }
     for (int64_t i = 0; i < M; ++i) {
-        quantize_row(x + i * ldx, K, fine ? Q_HILO : Q_INT8, hi, NULL, lo, e + i * (K / QK),
-                     es + i * (K / QK), NULL);
+        (kvg_vnni(-1) == 1 ? quantize_row512 : quantize_row)(x + i * ldx, K, fine ? Q_HILO : Q_INT8,
+            hi, NULL, lo, e + i * (K / QK), es + i * (K / QK), NULL);
         for (int64_t k = 0; k < K; ++k) {
             if (fine) ((int16_t *)q)[i * K + k] = (int16_t)(256 * hi[k] + lo[k]);
             else ((int8_t *)q)[i * K + k] = hi[k];

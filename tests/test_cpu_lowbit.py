@@ -112,6 +112,39 @@ def test_activation_quantisation_is_the_reference_one(fine: bool) -> None:
     assert torch.allclose(es, e * q.float().reshape(7, -1, 32).sum(-1))
 
 
+@pytest.mark.parametrize("fine", [False, True])
+def test_the_avx512_quantiser_gives_the_avx2_bits(fine: bool) -> None:
+    """Where the VNNI dots serve, activations are quantised four blocks at a time in 512-bit
+    registers: the same codes, scales and sums as the AVX2 copy for rows of one to eight
+    blocks (every remainder of four), zero blocks (scale 0), a block whose largest value sits
+    in its last lane, values from 1e-30 to 1e30 and exact halves between levels (ties to even)."""
+    if not cpu_lowbit.vnni():
+        with pytest.raises(ValueError, match="AVX-512 VNNI"):
+            cpu_lowbit.vnni(True)
+        return
+    levels = cpu_lowbit.FINE_LEVELS if fine else 127
+    try:
+        for blocks in range(1, 9):
+            k = 32 * blocks
+            g = torch.Generator().manual_seed(blocks)
+            x = torch.randn(6, k, generator=g) * torch.logspace(-30, 30, k).roll(blocks)
+            x[1] = 0.0
+            x[2, 32 * (blocks - 1) :] = 0.0  # the last block zero
+            x[3, 31] = -1e30  # a block's largest in its last lane
+            x[4] = (torch.arange(k) % 5 - 2.5) / levels * 2  # halves between levels
+            x[4, ::32] = 2.0  # amax 2: scale 2/levels, codes at the halves
+            x[5] = torch.randn(k, generator=g) * 3
+            cpu_lowbit.vnni(True)
+            wide = cpu_lowbit.quantize_rows(x, fine)
+            assert cpu_lowbit.vnni(False) is True
+            plain = cpu_lowbit.quantize_rows(x, fine)
+            for a, b in zip(wide, plain, strict=True):
+                assert torch.equal(a, b), (blocks, fine)
+            assert not wide[0][1].any() and not wide[1][1].any()
+    finally:
+        cpu_lowbit.vnni(True)
+
+
 def test_int16_codes_split_into_two_signed_bytes_at_every_edge() -> None:
     """`fine` codes reach +-FINE_LEVELS and every low byte from -128 to 127 (the 4-bit kernels
     hold a code as 256 h + l, both signed bytes): the codes are the ones asked for, and the

@@ -72,7 +72,7 @@ def _logit_bias(value: dict[str, float] | None) -> dict[int, float] | None:
     for key, bias in value.items():
         if not key.isascii() or not key.isdigit():
             raise PydanticCustomError(
-                "logit_bias", "key {key!r} is not a token id (a decimal integer)", {"key": key}
+                "logit_bias", "key {key} is not a token id (a decimal integer)", {"key": repr(key)}
             )
         if not -100.0 <= bias <= 100.0:
             raise PydanticCustomError(

@@ -12,6 +12,7 @@ wrong types) to every route, with and without the token.
 from __future__ import annotations
 
 import json
+import re
 import sqlite3
 import threading
 import time
@@ -241,6 +242,8 @@ def test_unserved_openai_fields_are_refused_naming_them(
 ) -> None:
     err = openai_error(raw(client, "POST", path, body), 400, param)
     assert param.split("[")[0] in err["message"]
+    # every placeholder of the message filled in (a format spec like {key!r} is left as is)
+    assert not re.search(r"\{\w+(![rsa])?(:[^}]*)?\}", err["message"]), err["message"]
 
 
 def test_unserved_fields_at_their_do_nothing_value_are_accepted(client: httpx.Client) -> None:

@@ -26,15 +26,19 @@ Measured: resident weight bytes (kvguard: every parameter and weight buffer of t
 goal <= 0.3x the fp16 size for W4), decode tokens/s at batch 1 and 32 (prompts of 32 ordinary
 tokens, greedy, EOS ignored, timed once every sequence has its first token), and the shared
 trace (bench/trace.py, 32 requests by default, forced output lengths) through each engine with
-the same token-id prompts, the same `max_num_seqs` and batched-token limit. Goals: packed batch-1
+the same token-id prompts, the same `max_num_seqs` and batched-token limit. Each figure is the
+median of `--rounds` rounds (3; 1 with `--quick`), every engine measured once a round and the
+engines' order turning from round to round, so a machine that slows for a while (shared cores)
+weighs on every engine alike; the trace column's range shows the spread. Goals: packed batch-1
 decode >= 1.5x the fp32 path; trace throughput >= 0.7x OpenVINO GenAI.
 
-    python bench/quantized.py [--quick] [--json FILE] [--threads 2] [--requests 32]
+    python bench/quantized.py [--quick] [--json FILE] [--threads 2] [--requests 32] [--rounds 3]
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -266,8 +270,10 @@ def gguf_path() -> Path:
 
 def main() -> None:
     p = common_args(__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=0, help="rounds each figure is the median of (3)")
     args = p.parse_args()
     args.requests = args.requests or (8 if args.quick else 32)
+    args.rounds = args.rounds or (1 if args.quick else 3)
     tokens = 16 if args.quick else 64
     # No OMP_WAIT_POLICY override here (the other benches set PASSIVE because transformers'
     # continuous-batching thread runs beside kvguard in their process): torch's int4pack
@@ -287,20 +293,29 @@ def main() -> None:
     except ImportError as e:
         peer_error = f"openvino-genai not installed ({e}): pip install openvino-genai"
     fp16 = fp16_bytes(model_dir)
-    results, outputs = [], []
-    for eng in engines:
-        r: dict[str, Any] = {"engine": eng.name}
+    results: list[dict[str, Any]] = [{"engine": eng.name} for eng in engines]
+    for eng, r in zip(engines, results, strict=True):
         if isinstance(eng, Kvguard):
             r["weight_bytes"] = eng.weight_bytes()
             r["kernels"] = eng.kernels()
         eng.decode_tok_s(token_prompts(args.model, 2, 32, 7), 8)  # warm-up, untimed
-        for batch in (1, 32):
-            r[f"bs{batch}_tok_s"] = eng.decode_tok_s(
-                token_prompts(args.model, batch, 32, batch), tokens
-            )
-        r["trace_tok_s"], r["trace_s"], outs = run_trace(eng, trace)
-        results.append(r)
-        outputs.append(outs)
+    samples: list[dict[str, list[float]]] = [{} for _ in engines]
+    outputs: list[list[list[int]]] = [[] for _ in engines]
+    for rnd in range(args.rounds):
+        for i in [(rnd + j) % len(engines) for j in range(len(engines))]:
+            eng, got = engines[i], samples[i]
+            for batch in (1, 32):
+                prompts = token_prompts(args.model, batch, 32, batch)
+                got.setdefault(f"bs{batch}_tok_s", []).append(eng.decode_tok_s(prompts, tokens))
+            tok_s, wall, outs = run_trace(eng, trace)
+            got.setdefault("trace_tok_s", []).append(tok_s)
+            got.setdefault("trace_s", []).append(wall)
+            if outputs[i] and outs != outputs[i]:
+                print(f"note: {eng.name}'s trace outputs differ between rounds")
+            outputs[i] = outs
+    for r, got in zip(results, samples, strict=True):
+        r |= {k: statistics.median(v) for k, v in got.items()}
+        r["rounds"] = got
     full = {type(e): o for e, o in zip(engines, outputs, strict=True) if e.full_precision}
     for eng, r, outs in zip(engines, results, outputs, strict=True):
         ref = full[type(eng)]  # the engine's own full-precision run
@@ -315,6 +330,7 @@ def main() -> None:
             f"{r['bs1_tok_s']:.1f}",
             f"{r['bs32_tok_s']:.1f}",
             f"{r['trace_tok_s']:.1f}",
+            f"{min(r['rounds']['trace_tok_s']):.0f}-{max(r['rounds']['trace_tok_s']):.0f}",
             ratio(r["trace_tok_s"], peer["trace_tok_s"]) if peer else "-",
             f"{r['same_as_full_precision']}/{len(trace)}",
         ]
@@ -327,10 +343,12 @@ def main() -> None:
         "bs1 tok/s",
         "bs32 tok/s",
         "trace tok/s",
+        "trace range",
         "vs OpenVINO",
         "same tokens",
     ]
     print(format_table(headers, rows))
+    print(f"medians of {args.rounds} round(s); trace range: the rounds' lowest and highest")
     print(f"packed kernels: {packed['kernels']}")
     if peer:
         print(f"{OpenVINO.name} defaults here: {OpenVINO.defaults()}")

@@ -163,20 +163,36 @@ static inline HeadRows head_rows(const Attn *a, int64_t blk, int64_t h, int64_t 
     return r;
 }
 
+/* The K and V rows of the block after tokens [t, t + n) of a run ending at t1, prefetched
+ * into L2 while this block computes (faster than into L1 here, 55 against 61 ms for a step's
+ * 30 layers on one core; two to six blocks ahead gained nothing more). */
+static inline void prefetch_next(const Attn *a, const int32_t *table, int64_t t, int64_t n,
+                                 int64_t t1) {
+    if (t + n >= t1)
+        return;
+    const int64_t bs = a->bs, row_bytes = a->hkv * a->d * elem_size(a->type);
+    const int64_t bytes = (t1 - t - n < bs ? t1 - t - n : bs) * row_bytes;
+    const char *kp = (const char *)a->k + table[(t + n) / bs] * bs * row_bytes;
+    const char *vp = (const char *)a->v + table[(t + n) / bs] * bs * row_bytes;
+    for (int64_t i = 0; i < bytes; i += 64) {
+        _mm_prefetch(kp + i, _MM_HINT_T1);
+        _mm_prefetch(vp + i, _MM_HINT_T1);
+    }
+}
+
 /* Tokens [t0, t1) of one sequence, every query head: running max m[hq], sum l[hq] and
  * unnormalised output acc[hq][d] of query head hq = h * g + j (KV head h), `qs` [heads][d] a
  * workspace. A block of the table at a time, and in it each KV head in turn: the scores of the
  * block's tokens against that head's g query heads, one max update per query head, then each
  * 8-wide slice of the output accumulated in a register over the block's tokens (V rows stay in
  * L1 for the g heads). A block's K and V rows are thus read whole and in order, and the next
- * block's are prefetched (into L2: faster than into L1 here, 55 against 61 ms for a step's
- * 30 layers on one core; two to six blocks ahead gained nothing more). Items of one KV head
+ * block's are prefetched (`prefetch_next`). Items of one KV head
  * each read 1/hkv of every token's row: that pattern streamed from DRAM at a third of the
  * rate of whole rows (measured on a Zen 4 core: 7 vs 24 GB/s). */
 static void attend_run(const Attn *a, const float *qrow, const int32_t *table, int64_t t0,
                        int64_t t1, float *m, float *l, float *acc, float *qs) {
-    const int64_t d = a->d, g = a->g, bs = a->bs, hkv = a->hkv, heads = hkv * g;
-    const int64_t es = elem_size(a->type), row_bytes = hkv * d * es;
+    const int64_t d = a->d, g = a->g, bs = a->bs, hkv = a->hkv;
+    const int64_t heads = hkv * g;
     float kb[MAX_BLOCK * MAX_DIM], vb[MAX_BLOCK * MAX_DIM]; /* a non-fp32 block as fp32 */
     float s[MAX_GROUP][MAX_BLOCK + 8];
     for (int64_t j = 0; j < heads; ++j) {
@@ -190,16 +206,7 @@ static void attend_run(const Attn *a, const float *qrow, const int32_t *table, i
     for (int64_t t = t0; t < t1;) {
         const int64_t blk = table[t / bs], off = t % bs;
         const int64_t n = (t1 - t < bs - off) ? t1 - t : bs - off;
-        if (t + n < t1) { /* the next block's rows, while this one computes */
-            const int64_t nxt = table[(t + n) / bs];
-            const int64_t bytes = (t1 - t - n < bs ? t1 - t - n : bs) * row_bytes;
-            const char *kp = (const char *)a->k + nxt * bs * row_bytes;
-            const char *vp = (const char *)a->v + nxt * bs * row_bytes;
-            for (int64_t i = 0; i < bytes; i += 64) {
-                _mm_prefetch(kp + i, _MM_HINT_T1);
-                _mm_prefetch(vp + i, _MM_HINT_T1);
-            }
-        }
+        prefetch_next(a, table, t, n, t1);
         for (int64_t h = 0; h < hkv; ++h) {
             /* KV head h's g query heads: their queries, maxes, sums and outputs */
             const float *qh = qs + h * g * d;
@@ -622,7 +629,6 @@ static void prefill_item(const Attn *a, const float *q, int64_t ldq, float *o, i
 static void group_pass(const Attn *a, const float *qg, int64_t gw, const int32_t *table,
                        int64_t t0, int64_t t1, float *acc, float *m, float *l, float *ws) {
     const int64_t d = a->d, bs = a->bs, hkv = a->hkv, sets = (gw + PQ - 1) / PQ;
-    const int64_t row_bytes = hkv * d * elem_size(a->type);
     float *qt = ws, *ot = qt + hkv * sets * d * PQ, *ml = ot + hkv * sets * d * PQ;
     float kb[MAX_BLOCK * MAX_DIM], vb[MAX_BLOCK * MAX_DIM], ones[PQ];
     const LanesFn lanes = lanes_fn();
@@ -638,14 +644,7 @@ static void group_pass(const Attn *a, const float *qg, int64_t gw, const int32_t
     memset(ot, 0, sizeof(float) * (size_t)(hkv * sets * d * PQ));
     for (int64_t t = t0; t < t1; t += bs) {
         const int64_t blk = table[t / bs], n = t1 - t < bs ? t1 - t : bs;
-        if (t + n < t1) { /* the next block's rows, while this one computes */
-            const char *kp = (const char *)a->k + table[(t + n) / bs] * bs * row_bytes;
-            const char *vp = (const char *)a->v + table[(t + n) / bs] * bs * row_bytes;
-            for (int64_t i = 0; i < bs * row_bytes; i += 64) {
-                _mm_prefetch(kp + i, _MM_HINT_T1);
-                _mm_prefetch(vp + i, _MM_HINT_T1);
-            }
-        }
+        prefetch_next(a, table, t, n, t1);
         for (int64_t h = 0; h < hkv; ++h) {
             const HeadRows r = head_rows(a, blk, h, n, kb, vb);
             for (int64_t st = 0; st < sets; ++st) { /* every query sees every token */
@@ -671,8 +670,9 @@ static void group_pass(const Attn *a, const float *qg, int64_t gw, const int32_t
  *
  * Sequences that share leading blocks (a prefix-cache hit: one system prompt before every
  * request, the n choices of one prompt; a verify step's draft rows, which share all their
- * sequence's blocks) would each read those blocks' K and V rows on their own. Here such a group reads each shared block once: KV head h's query heads of every member
- * are taken together, sixteen to a set, and `group_pass` computes them as a prefill item
+ * sequence's blocks) would each read those blocks' K and V rows on their own. Here such a
+ * group reads each shared block once: KV head h's query heads of every member are taken
+ * together, sixteen to a set, and `group_pass` computes them as a prefill item
  * computes its query positions (transposed, a broadcast K or V element into two vectors of
  * eight queries), which also does the arithmetic in fewer instructions than one query's dot
  * products at a time. Each member then has a partial for its shared blocks and one for its own
@@ -704,13 +704,23 @@ typedef struct {
     const int64_t *full; /* each sequence's full blocks */
 } Tables;
 
-/* Sequences a and b by their full blocks' ids, then the shorter first, then by index. */
-static int table_order(const Tables *t, int64_t a, int64_t b) {
+/* The full blocks sequences a and b begin with alike. */
+static int64_t common_blocks(const Tables *t, int64_t a, int64_t b) {
     const int32_t *ta = t->tables + a * t->ldt, *tb = t->tables + b * t->ldt;
     const int64_t n = t->full[a] < t->full[b] ? t->full[a] : t->full[b];
-    for (int64_t i = 0; i < n; ++i)
-        if (ta[i] != tb[i])
-            return ta[i] < tb[i] ? -1 : 1;
+    int64_t c = 0;
+    while (c < n && ta[c] == tb[c])
+        ++c;
+    return c;
+}
+
+/* Sequences a and b by their full blocks' ids, then the shorter first, then by index. */
+static int table_order(const Tables *t, int64_t a, int64_t b) {
+    const int64_t c = common_blocks(t, a, b);
+    if (c < t->full[a] && c < t->full[b]) {
+        const int32_t x = t->tables[a * t->ldt + c], y = t->tables[b * t->ldt + c];
+        return x < y ? -1 : 1;
+    }
     if (t->full[a] != t->full[b])
         return t->full[a] < t->full[b] ? -1 : 1;
     return a < b ? -1 : a > b;
@@ -825,14 +835,8 @@ static int decode_shared(const Attn *ap, float *out, const int64_t *rows, const 
     }
     const Tables t = {a.tables, a.ldt, full};
     sort_by_table(&t, order, tmp, cand);
-    for (int64_t i = 1; i < cand; ++i) {
-        const int32_t *x = a.tables + order[i - 1] * a.ldt, *y = a.tables + order[i] * a.ldt;
-        const int64_t n = full[order[i - 1]] < full[order[i]] ? full[order[i - 1]] : full[order[i]];
-        int64_t c = 0;
-        while (c < n && x[c] == y[c])
-            ++c;
-        lcp[i] = c;
-    }
+    for (int64_t i = 1; i < cand; ++i)
+        lcp[i] = common_blocks(&t, order[i - 1], order[i]);
     /* members a pass holds: as many sixteen-query sets per KV head as PASS_FLOATS allows */
     const int64_t sets = PASS_FLOATS / (hkv * 2 * PQ * d) > 1 ? PASS_FLOATS / (hkv * 2 * PQ * d) : 1;
     const int64_t kmax = sets * PQ / g > 1 ? sets * PQ / g : 1, gmax = kmax * g;
@@ -957,11 +961,11 @@ int kvg_paged_decode(const float *q, int64_t ldq, float *out, const int64_t *row
 }
 
 /* ---- The same lanes in 512-bit vectors, where the CPU has AVX-512 --------------------------
- * Prefill items and group passes over shared blocks. Sixteen queries are one vector, not two: each broadcast K or V element feeds one
- * FMA of sixteen lanes where it fed two of eight, and the exponentials go sixteen at a time.
- * Every lane does what it does in `prefill_item`, in the same order (the same FMA chains, the
- * same polynomial, the same sums), so the bits are the same; only the instruction count
- * halves: 18.5 against 24.0 ms for a layer of eight 544-token prompts (SmolLM2's heads, 2
+ * Prefill items and group passes over shared blocks. Sixteen queries are one vector, not two:
+ * each broadcast K or V element feeds one FMA of sixteen lanes where it fed two of eight, and
+ * the exponentials go sixteen at a time. Every lane does what `lanes_block` does, in the same
+ * order (the same FMA chains, the same polynomial, the same sums), so the bits are the same;
+ * only the instruction count halves: 18.5 against 24.0 ms for a layer of eight 544-token prompts (SmolLM2's heads, 2
  * threads, an AVX-512 Xeon). On by default where the CPU has AVX-512 F/BW/VL/DQ
  * (`kvg_attn512`). */
 static int attn512_on = -1;

@@ -7,8 +7,8 @@
 
 /* A CPU-path switch (`kvg_vnni`, `kvg_amx`, `kvg_amx_bf16`, `kvg_attn512`,
  * `kvg_shared_prefix`): `*state` is -1 until first asked, then what `supported` says; on: 1
- * or 0 sets it (1 only where `supported`), -1 only reads. Returns the state before, or -2 when asked for a path this CPU
- * lacks (nothing changed). */
+ * or 0 sets it (1 only where `supported`), -1 only reads. Returns the state before, or -2
+ * when asked for a path this CPU lacks (nothing changed). */
 static inline int kvg_switch(int *state, int (*supported)(void), int on) {
     if (*state < 0) *state = supported();
     const int before = *state;

@@ -427,14 +427,25 @@ class AdmissionController:
         """Reserve a projected peak when a queued request is about to start; predicted
         admission judges the request's `load` (tokens held, planned output still to come, at
         most `cap`) against the overlap peak instead of the sum of committed peaks."""
-        limit = self.limit_blocks(total_blocks, rank)
-        if self.predicted and load is not None:
-            if not self.fits(load[0], load[1], limit, rank, cap):
-                return False
-        elif self.committed_blocks + blocks > limit:
+        # With nothing admitted in flight the request runs alone, and the pool always holds one
+        # request of its length limit: it starts whatever its projection (made against a
+        # larger pool before a live shrink or dtype switch, or over a limit below one whole
+        # request), which would otherwise keep it waiting forever on an idle engine.
+        if self.committed_blocks > 0 and not self._fits_beside(
+            blocks, total_blocks, rank, load, cap
+        ):
             return False
         self.committed_blocks += blocks
         return True
+
+    def _fits_beside(
+        self, blocks: int, total_blocks: int, rank: int, load: LiveLoad | None, cap: int | None
+    ) -> bool:
+        """Whether a request fits beside the commitments in flight (`try_commit`'s test)."""
+        limit = self.limit_blocks(total_blocks, rank)
+        if self.predicted and load is not None:
+            return self.fits(load[0], load[1], limit, rank, cap)
+        return self.committed_blocks + blocks <= limit
 
     def commit(self, blocks: int) -> None:
         """Reserve a peak that `decide` admitted at once."""

@@ -21,7 +21,9 @@ list is ordered by release, least recently released first, and a sequence releas
 block first, so the ends of prefixes are reused before their starts. Cached blocks count as
 free everywhere (admission, pressure, remedies): the cache never holds memory a request needs.
 A pool rebuild in another dtype (the live KV dtype switch) drops the cache: converted K/V are
-not what a request computes in the new dtype. A resize in the same dtype keeps what fits.
+not what a request computes in the new dtype, and the sequences live across it never register
+a block (`Sequence.kv_converted`): even the blocks they fill later hold K/V computed from
+converted ones. A resize in the same dtype keeps what fits.
 """
 
 from __future__ import annotations
@@ -174,8 +176,9 @@ class BlockManager:
         self.hit_tokens += hit
 
     def commit(self, seq: Sequence) -> None:
-        """Register the blocks of `seq` that are full and computed since the last call."""
-        if not self.caching:
+        """Register the blocks of `seq` that are full and computed since the last call (none
+        of a sequence whose K/V a dtype switch converted)."""
+        if not self.caching or seq.kv_converted:
             return
         contents = seq.block_contents
         for i in range(len(contents), seq.num_computed_tokens // self.block_size):

@@ -192,6 +192,15 @@ class ControlSurface:
                 False,
                 {},
             )
+        need, rid = self._longest_need()
+        if need > new_n:
+            return (
+                f"refused: request {rid} may grow to {need} blocks (it was admitted against the "
+                f"{old} pool of {bm.num_blocks}) but a {dtype} pool of the same bytes holds "
+                f"{new_n}; retry when it has finished",
+                False,
+                {},
+            )
         if not self.runner.can_convert(dtype, new_n):
             return (
                 f"refused: a rank has no device memory for the {dtype} pool beside the {old} one",
@@ -202,6 +211,8 @@ class ControlSurface:
         live_bytes = bm.num_used * self.kv_cache.bytes_per_block
         old_n = bm.num_blocks
         moves, host_moves = bm.resize(new_n), hbm.resize(new_host)
+        for seq in self.scheduler.live():
+            seq.kv_converted = seq.kv_converted or seq.num_computed_tokens > 0
         self.scheduler.remap(moves)
         self.scheduler.remap(host_moves, host=True)
         extra = self.runner.convert_kv(
@@ -345,14 +356,24 @@ class ControlSurface:
         if self.runner.device.type != "cpu":
             return None
         blocks = budget // self.kv_cache.bytes_per_block
-        bm = self.block_manager
-        need = max((bm.blocks_for(s.max_total_len) for s in self.scheduler.live()), default=1)
+        need = max(self._longest_need()[0], 1)
         if blocks < need:
             return (
                 f"kv_cache_bytes={budget} holds {blocks} blocks and requests in flight may "
                 f"grow to {need}; lower it when they have finished"
             )
         return None
+
+    def _longest_need(self: LLMEngine) -> tuple[int, str | None]:
+        """The most device blocks a request in flight may still need (its prompt and every
+        output token it may make, within the length limit it was admitted with), and its id:
+        a pool smaller than that could strand it (preempted, never to fit again)."""
+        bm, need, rid = self.block_manager, 0, None
+        for s in self.scheduler.live():
+            n = bm.blocks_for(min(s.max_total_len, len(s.prompt_token_ids) + s.max_tokens))
+            if n > need:
+                need, rid = n, s.request_id
+        return need, rid
 
     def _set_knob(self: LLMEngine, name: str, value: Any) -> tuple[str, bool]:
         """One serving knob of `reconfigure`, on the engine thread: (what was done, ok)."""

@@ -394,12 +394,12 @@ class LLMEngine(ControlSurface):
             else:
                 tokens = self.runner.execute(batch.seqs, batch.num_tokens)
         except StepInterrupted:
-            # nothing advanced: the batch keeps its blocks and runs again after the new request
-            # (but those taken only for the later steps of a run)
+            # nothing advanced: the batch runs again after the new request, holding the blocks
+            # of its computed tokens (those taken for this step's tokens go back: a preemption
+            # before then would otherwise swap out blocks that hold nothing)
             self._counters["steps_interrupted"] += 1
-            if steps > 1:
-                for seq in batch.seqs:
-                    self.scheduler.bm.trim(seq)
+            for seq in batch.seqs:
+                self.scheduler.bm.trim(seq)
             return []
         except OOM_ERRORS + (InjectedOOMError,) as e:
             self._on_oom(batch, e)

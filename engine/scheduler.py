@@ -382,6 +382,7 @@ class Scheduler:
         self.bm.free(seq)
         seq.num_computed_tokens = 0
         seq.block_contents = []
+        seq.kv_converted = False  # its K/V are computed afresh
         self.add(seq)
         self.preemptions["recompute"] += 1
         self.emit("preempted", request_id=seq.request_id, mode="recompute", priority=seq.priority)
@@ -395,8 +396,17 @@ class Scheduler:
             return False
         if seq.held:
             after = (self.bm.num_used + n_blocks) / self.device_capacity()
-            return after < self.readmit_usage
+            return after < self.readmit_usage or self._nothing_else(seq)
         return True
+
+    def _nothing_else(self, seq: Sequence) -> bool:
+        """Nothing runs and nobody but evicted sequences waits: holding `seq` back then frees
+        room for no one, so it returns however much of the pool it needs (a sequence holding
+        more than `readmit_usage` of the pool alone would otherwise wait forever, and every
+        request queued behind it with it)."""
+        if self.running:
+            return False
+        return all(s.held or s is seq for s in self.waiting)
 
     def _room_for(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
         """Room for `n` tokens of a waiting `seq`; a `high` one makes its room by preempting
@@ -428,7 +438,7 @@ class Scheduler:
     def _schedule_swapped(self, batch: ScheduledBatch, budget: int) -> int:
         while self.swapped and len(self.running) < self.max_num_seqs:
             seq = self.swapped[0]
-            if seq in batch.preempted or not self._room(len(seq.host_block_table) + 1, seq):
+            if seq in batch.preempted or not self._room(self._swap_in_blocks(seq), seq):
                 break
             self.swapped.pop(0)
             self._swap_in(seq)
@@ -437,6 +447,12 @@ class Scheduler:
                 batch.add(seq, n)
                 budget -= n
         return budget
+
+    def _swap_in_blocks(self, seq: Sequence) -> int:
+        """Device blocks a swapped `seq` needs to come back and compute its next token: its
+        host blocks, and one more only where that token starts a block (a sequence that filled
+        the whole pool must fit it again, not the pool and one block more)."""
+        return max(len(seq.host_block_table), self.bm.blocks_for(seq.num_computed_tokens + 1))
 
     def _swap_in(self, seq: Sequence) -> None:
         dev = self.bm.take(seq.request_id, len(seq.host_block_table))

@@ -76,6 +76,9 @@ class Sequence:
     host_block_table: list[int] = field(default_factory=list)  # while swapped out
     # prefix-cache content id of each full computed block (BlockManager.commit), in order
     block_contents: list[int] = field(default_factory=list)
+    # K/V converted by a live dtype switch: none of its blocks may enter the prefix cache (a
+    # later block's K/V depend on the earlier, converted ones); cleared by a recompute
+    kv_converted: bool = False
     max_tokens: int = 0  # effective limit: params.max_tokens, lowered by a max-token cap
     truncated: bool = False  # finished at a cap below what the request asked for
     held: bool = False  # evicted: readmitted only once pressure has eased

@@ -1,0 +1,148 @@
+"""Live remedies at the edges of the pool: every request still finishes, with the tokens it
+would have had.
+
+Each case here once stranded a request on an idle engine or served wrong K/V: a sequence
+evicted while holding most of the pool, one swapped out while holding all of it, a dtype switch
+to a smaller pool under a request admitted against the larger one, a queued request whose
+admission projection was made against a pool since shrunk, blocks of a sequence converted by a
+dtype switch entering the prefix cache, and an interrupted step keeping the blocks it took."""
+
+from __future__ import annotations
+
+from kvguard.engine import LLMEngine
+from kvguard.engine.admission import AdmissionConfig
+from tests.test_engine import make_engine
+from tests.test_kv_pool import apply
+from tests.test_remedies import greedy
+
+LONG = [3 + i % 300 for i in range(420)]  # 27 blocks of 16
+
+
+def finish(engine: LLMEngine, most: int = 2000) -> dict[str, list[int]]:
+    """Step until every request is done (failing, not hanging, after `most` steps), auditing
+    the blocks after each step."""
+    done: dict[str, list[int]] = {}
+    for _ in range(most):
+        if not engine.has_unfinished():
+            return done
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o.token_ids
+        engine.audit_blocks()
+    sch = engine.scheduler
+    queues = {q: [s.request_id for s in getattr(sch, q)] for q in ("running", "waiting", "swapped")}
+    raise AssertionError(f"unfinished after {most} steps: {queues}")
+
+
+def test_an_evicted_sequence_holding_most_of_the_pool_comes_back_when_alone() -> None:
+    for offload in (False, True):
+        kw = {"enable_cpu_offload": True, "min_gpu_blocks": 0} if offload else {}
+        engine = make_engine(kv_cache_bytes="256KiB", max_model_len=512, **kw)
+        assert engine.block_manager.num_blocks == 32
+        big = engine.add_request(LONG, greedy(8))
+        for _ in range(3):
+            engine.step()
+        res = apply(engine, engine.evict(1, "normal"))
+        assert [rid for rid, _ in res.data["evicted"]] == [big]
+        small = engine.add_request([5, 6, 7], greedy(4))
+        done = finish(engine)  # 28 of 32 blocks: above readmit_usage, but nothing else runs
+        assert len(done[big]) == 8 and len(done[small]) == 4, offload
+
+
+def test_a_sequence_swapped_out_holding_the_whole_pool_swaps_back_in() -> None:
+    engine = make_engine(
+        kv_cache_bytes="128KiB",
+        max_model_len=2048,
+        enable_cpu_offload=True,
+        min_gpu_blocks=0,
+        cpu_cache_ratio=0.5,
+        max_num_seqs=1,
+    )
+    assert engine.block_manager.num_blocks == 16 and engine.max_total_len() == 256
+    rid = engine.add_request(LONG[:230], greedy(25))  # grows to 255 tokens: all 16 blocks
+    seq = engine.scheduler.running[0] if engine.scheduler.running else None
+    while seq is None or seq.num_computed_tokens < 241:
+        engine.step()
+        seq = seq or engine.scheduler.running[0]
+    assert len(seq.block_table) == 16
+    high = engine.add_request([7, 8, 9], greedy(3), priority="high")
+    engine.step()
+    assert engine.scheduler.swapped == [seq] and len(seq.host_block_table) == 16
+    done = finish(engine)
+    assert len(done[rid]) == 25 and len(done[high]) == 3
+
+
+def test_a_dtype_switch_to_a_smaller_pool_waits_for_the_requests_admitted_against_the_larger() -> (
+    None
+):
+    prompt = LONG[:200]
+    want = make_engine(max_model_len=2048).generate([prompt], greedy(500))[0].token_ids
+    engine = make_engine(kv_cache_bytes="256KiB", max_model_len=2048)
+    assert apply(engine, engine.set_kv_cache_dtype("fp16")).ok
+    assert engine.block_manager.num_blocks == 64
+    rid = engine.add_request(prompt, greedy(500))  # 700 tokens: 44 blocks
+    for _ in range(3):
+        engine.step()
+    res = apply(engine, engine.set_kv_cache_dtype("fp32"))  # 32 blocks: it could never finish
+    assert not res.ok
+    assert rid in res.detail and "44 blocks" in res.detail and "holds 32" in res.detail
+    assert engine.kv_cache.dtype == "fp16"
+    got = finish(engine)[rid]
+    assert len(got) == 500
+    assert got[:100] == want[:100]  # fp16 K/V: the same tokens for a good while
+    assert apply(engine, engine.set_kv_cache_dtype("fp32")).ok  # and with it done, the way back
+
+
+def test_a_request_queued_for_admission_starts_after_the_pool_shrinks_under_it() -> None:
+    adm = AdmissionConfig(enable=True, estimate="worst_case", dynamic_max_tokens=True)
+    engine = make_engine(kv_cache_bytes="512KiB", max_model_len=256, admission=adm)
+    rids = [
+        engine.add_request([3 + k + i % 200 for i in range(100)], greedy(150)) for k in range(4)
+    ]
+    queued = [r for r in rids if not engine.admission_policy.is_admitted(engine._seqs[r])]
+    assert queued, "the test needs a request waiting for its commitment"
+    assert apply(engine, engine.set_kv_pool_share(0.25)).ok  # its projection no longer fits
+    done = finish(engine)
+    assert sorted(done) == sorted(rids) and all(len(t) == 150 for t in done.values())
+
+
+def test_blocks_filled_after_a_dtype_switch_never_serve_the_prefix_cache() -> None:
+    prompt = [3 + (i * 37) % 290 for i in range(40)]
+    cfg = {"kv_cache_bytes": "512KiB", "max_model_len": 256, "max_num_batched_tokens": 8}
+    want = make_engine(**cfg).generate([prompt], greedy(40))[0].token_ids
+    engine = make_engine(**cfg, enable_prefix_caching=True)
+    assert apply(engine, engine.set_kv_cache_dtype("fp8_e4m3")).ok
+    engine.add_request(prompt[:30], greedy(2))
+    engine.step()  # its tokens 0-7 computed in fp8
+    engine.set_kv_cache_dtype("fp32")
+    engine.step()  # back in fp32: tokens 8-15 fill block 0 with converted K/V before them
+    finish(engine)
+    hits = engine.block_manager.hit_tokens
+    rid = engine.add_request(prompt, greedy(40))
+    assert finish(engine)[rid] == want
+    assert engine.block_manager.hit_tokens == hits  # nothing of the converted request found
+    again = engine.add_request(prompt, greedy(40))  # what the fp32 request filled is found
+    assert finish(engine)[again] == want and engine.block_manager.hit_tokens > hits
+
+
+def test_an_interrupted_step_gives_back_the_blocks_it_took() -> None:
+    engine = make_engine(
+        kv_cache_bytes="256KiB",
+        max_model_len=512,
+        enable_cpu_offload=True,
+        min_gpu_blocks=0,
+        max_num_batched_tokens=64,
+    )
+    first = engine.add_request([3 + i % 200 for i in range(40)], greedy(20))
+    engine.step()
+    engine.step()
+    second = engine.add_request([5 + i % 200 for i in range(100)], greedy(5))
+    engine.mailbox.post(lambda: (engine.interrupt.set(), ("interrupt", True, {}))[1])
+    assert engine.step() == []
+    assert engine._counters["steps_interrupted"] == 1
+    engine.audit_blocks()  # each holds the blocks of its computed tokens, no more
+    res = apply(engine, engine.evict(2, "normal"))
+    assert len(res.data["evicted"]) == 2
+    done = finish(engine)
+    assert len(done[first]) == 20 and len(done[second]) == 5
+    assert engine.block_manager.num_used == 0 and engine.host_block_manager.num_used == 0

@@ -32,6 +32,7 @@ keys:
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import secrets
 from dataclasses import dataclass
@@ -47,6 +48,7 @@ Priority = Literal["high", "normal", "low"]
 RANK = {"high": 0, "normal": 1, "low": 2}
 KEY_PREFIX = "kvg-"
 MAX_KEYS = 10_000
+HEADER = "# kvguard API keys (daemon/api_keys.py): digests only, never the keys\n"
 
 
 def digest(key: str) -> str:
@@ -192,8 +194,9 @@ def add_key(
     max_priority: str,
     default_priority: str | None,
     max_requests: int | None = None,
-) -> str:
-    """Make a key, append its digest to the file (created 0644 if absent) and return it."""
+) -> tuple[str, str]:
+    """Make a key, append its digest to the file (created 0644 if absent); returns the key
+    and what `_write` says."""
     if default_priority and RANK[default_priority] < RANK[max_priority]:
         raise KeysFileError(
             [f"--default-priority {default_priority} is above --max-priority {max_priority}"]
@@ -203,7 +206,7 @@ def add_key(
         raise KeysFileError([f"{path}: a key named {name!r} is already there"])
     key = new_key()
     try:  # the same checks a daemon applies when it reads the file
-        _Entry(
+        entry = _Entry(
             name=name,
             sha256=digest(key),
             max_priority=max_priority,
@@ -212,28 +215,31 @@ def add_key(
         )
     except ValidationError as e:
         raise KeysFileError([_error(path, {}, err) for err in e.errors()]) from None
-    block = f"  - name: {name}\n    sha256: {digest(key)}\n    max_priority: {max_priority}\n"
-    if default_priority:
-        block += f"    default_priority: {default_priority}\n"
-    if max_requests is not None:
-        block += f"    max_requests: {max_requests}\n"
-    _append(path, block)
-    return key
-
-
-def _append(path: Path, block: str) -> None:
     text = path.read_text() if path.exists() else ""
     if not text.strip():
-        text = "# kvguard API keys (daemon/api_keys.py): digests only, never the keys\nkeys:\n"
+        text = f"{HEADER}keys:\n"
     elif "keys: []" in text:
         text = text.replace("keys: []", "keys:")
     if not text.endswith("\n"):
         text += "\n"
-    _write(path, text + block)
+    note = _write(path, text + _block(entry), [*entries, entry])
+    return key, note
 
 
-def remove_key(path: Path, name: str) -> None:
-    """Drop the entry named `name` (and its lines) from the file."""
+def _block(entry: _Entry) -> str:
+    """One entry in the layout `keys add` writes, every string quoted (a name such as `123`,
+    `null` or `true` must stay a string when read back)."""
+    block = f"  - name: {json.dumps(entry.name)}\n    sha256: {json.dumps(entry.sha256)}\n"
+    block += f"    max_priority: {entry.max_priority}\n"
+    if entry.default_priority:
+        block += f"    default_priority: {entry.default_priority}\n"
+    if entry.max_requests is not None:
+        block += f"    max_requests: {entry.max_requests}\n"
+    return block
+
+
+def remove_key(path: Path, name: str) -> str:
+    """Drop the entry named `name` (and its lines) from the file; returns what `_write` says."""
     entries, lines = read_entries(path)
     idx = next((i for i, e in enumerate(entries) if e.name == name), None)
     if idx is None:
@@ -246,17 +252,39 @@ def remove_key(path: Path, name: str) -> None:
         kept = [
             line.replace("keys:", "keys: []") if line.strip() == "keys:" else line for line in kept
         ]
-    _write(path, "".join(kept))
+    return _write(path, "".join(kept), entries[:idx] + entries[idx + 1 :])
 
 
-def _write(path: Path, text: str) -> None:
+def _write(path: Path, text: str, want: list[_Entry]) -> str:
     """Replace the file at once (a daemon reloading meanwhile reads the old or the new one,
-    never half of one), readable by the service's user; what was written must read back."""
+    never half of one), readable by the service's user. `text` is the file edited line by line
+    (its comments kept), and it is written only if it reads back as exactly the entries
+    `want`; a layout the line edit does not know (flow style, other indents) is written whole
+    instead, comments dropped: returns a note saying so, else "". The file is never replaced
+    by one that would not load."""
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.chmod(tmp, 0o644)
-    tmp.replace(path)
-    read_entries(path)
+    note = ""
+    try:
+        tmp.write_text(text)
+        if _entries_of(tmp) != want:
+            tmp.write_text(HEADER + "keys:\n" + "".join(_block(e) for e in want))
+            note = f"{path}: its layout is not the one `keys add` writes: rewritten whole"
+            if any("#" in line for line in text.splitlines(keepends=True) if line != HEADER):
+                note += " (its comments are gone)"
+            if _entries_of(tmp) != want:  # never: the canonical layout reads back
+                raise KeysFileError([f"{path}: the edited keys did not read back; left as it was"])
+        os.chmod(tmp, 0o644)
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return note
+
+
+def _entries_of(path: Path) -> list[_Entry] | None:
+    try:
+        return read_entries(path)[0]
+    except KeysFileError:
+        return None
 
 
 def _block_end(text: list[str], start: int) -> int:

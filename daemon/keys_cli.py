@@ -84,8 +84,12 @@ def _at_least_one(text: str) -> int:
 def cmd_keys_add(args: argparse.Namespace) -> int:
     from kvguard.daemon.api_keys import add_key
 
-    key = add_key(args.file, args.name, args.max_priority, args.default_priority, args.max_requests)
+    key, note = add_key(
+        args.file, args.name, args.max_priority, args.default_priority, args.max_requests
+    )
     print(key)
+    if note:
+        print(note, file=sys.stderr)
     print(
         f"added {args.name!r} to {args.file}; reload the daemon to apply it "
         "(systemctl reload kvguard)",
@@ -128,7 +132,9 @@ def cmd_keys_list(args: argparse.Namespace) -> int:
 def cmd_keys_remove(args: argparse.Namespace) -> int:
     from kvguard.daemon.api_keys import remove_key
 
-    remove_key(args.file, args.name)
+    note = remove_key(args.file, args.name)
+    if note:
+        print(note, file=sys.stderr)
     print(f"removed {args.name!r} from {args.file}; reload the daemon to apply it", file=sys.stderr)
     return 0
 

@@ -291,3 +291,38 @@ def test_keys_commands_add_list_remove_and_hash(tmp_path: Path, capsys, monkeypa
     monkeypatch.setattr("sys.stdin", io.StringIO("secret\n"))
     assert main(["keys", "hash"]) == 0
     assert capsys.readouterr().out.strip() == digest("secret")
+
+
+def test_keys_edits_keep_every_layout_loadable_and_exact(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    """Names YAML would read as numbers, null or booleans stay strings; a file in a layout the
+    line edit does not know (flow style, entries at column 0, other indents) is rewritten whole
+    with exactly the entries it should hold, and says so; a removal never leaves a key behind
+    or takes another with it."""
+    path = tmp_path / "k.yaml"
+    names = ["123", "null", "true", "1.5", "0x1F", "1_000", "web"]
+    keys = {n: add(path, n, capsys=capsys) for n in names}
+    loaded = load_keys(path)
+    assert [e.name for e in read_entries(path)[0]] == names
+    assert all(loaded.find(k).name == n for n, k in keys.items())
+    assert main(["keys", "--file", str(path), "remove", "null"]) == 0
+    assert "rewritten" not in capsys.readouterr().err  # its own layout: edited in place
+    assert [e.name for e in read_entries(path)[0]] == [n for n in names if n != "null"]
+    d, e = digest("x"), digest("y")
+    layouts = {
+        "flow": f"# ours\nkeys: [{{name: a, sha256: {d}}}, {{name: b, sha256: {e}}}]\n",
+        "column0": f"keys:\n- name: a\n  sha256: {d}\n- name: b\n  sha256: {e}\n",
+        "indent4": f"keys:\n    - name: a\n      sha256: {d}\n    - name: b\n      sha256: {e}\n",
+    }
+    for layout, text in layouts.items():
+        for gone, left in (("a", "b"), ("b", "a")):
+            path.write_text(text)
+            assert main(["keys", "--file", str(path), "remove", gone]) == 0, layout
+            err = capsys.readouterr().err
+            assert [x.name for x in read_entries(path)[0]] == [left], (layout, gone)
+            assert layout != "flow" or "rewritten whole" in err, (layout, err)
+            assert ("comments are gone" in err) == (layout == "flow"), (layout, err)
+        path.write_text(text)
+        new = add(path, "c", capsys=capsys)
+        assert [x.name for x in read_entries(path)[0]] == ["a", "b", "c"], layout
+        assert load_keys(path).find(new).name == "c"
+    assert not list(tmp_path.glob(".*.tmp"))  # no temporary file left behind

@@ -77,8 +77,13 @@ def cmd_test(args: argparse.Namespace) -> int:
         return 1
     failed = 0
     report = []
-    for sc_path in args.scenarios:
-        out = run_scenario(rs, load_scenario(sc_path))
+    try:
+        scenarios = [(p, load_scenario(p, rs)) for p in args.scenarios]
+    except RulesFileError as e:
+        print("\n".join(e.errors), file=sys.stderr)
+        return 1
+    for sc_path, sc in scenarios:
+        out = run_scenario(rs, sc)
         failed += not out.ok
         report.append(
             {

@@ -27,12 +27,20 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from kvguard.engine.control import ActionResult
 from kvguard.rules.evaluator import Decision, Evaluator
-from kvguard.rules.schema import RuleSet, Signal, parse_duration
-from kvguard.rules.yaml_file import load_yaml, read_source
+from kvguard.rules.schema import (
+    RuleSet,
+    RulesFileError,
+    Signal,
+    event_problem,
+    format_error,
+    line_key,
+    parse_duration,
+)
+from kvguard.rules.yaml_file import YamlFileError, line_for, load_yaml, read_source
 
 
 class _M(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class Step(_M):
@@ -48,6 +56,14 @@ class Event(_M):
     resolved: bool = False
 
     _d = field_validator("at", mode="before")(lambda v: parse_duration(v))
+
+    @field_validator("kind")
+    @classmethod
+    def _kind(cls, v: str) -> str:
+        problem = event_problem(v)
+        if problem:
+            raise ValueError(problem)
+        return v
 
 
 class Expect(_M):
@@ -80,15 +96,36 @@ class Outcome:
         return not self.failures
 
 
-def load_scenario(path: Path) -> Scenario:
-    data, _lines = load_yaml(read_source(Path(path)), str(path))
+def load_scenario(path: Path, rules: RuleSet | None = None) -> Scenario:
+    """The scenario at `path`; RulesFileError lists every problem as `FILE:LINE: field:
+    problem`, among them (given the `rules` it runs against) a series that names none of
+    their signals: a misspelt one would feed nothing, and the test would pass untested."""
+    name = str(path)
     try:
-        return Scenario.model_validate(data or {})
+        data, lines = load_yaml(read_source(Path(path)), name)
+    except YamlFileError as e:
+        raise RulesFileError(e.errors) from None
+    except OSError as e:
+        raise RulesFileError([f"{path}: cannot read: {e.strerror}"]) from None
+    if data is not None and not isinstance(data, dict):
+        raise RulesFileError([f"{name}:1: a scenario must be a mapping (duration, series, ...)"])
+    problems, sc = [], None
+    try:
+        sc = Scenario.model_validate(data or {})
     except ValidationError as e:
-        problems = "; ".join(
-            f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors()
-        )
-        raise ValueError(f"{path}: {problems}") from e
+        problems = [format_error(err, lines, name) for err in e.errors()]
+    series = (data or {}).get("series")
+    if rules is not None and isinstance(series, dict):
+        defined = ", ".join(rules.signals) or "none"
+        problems += [
+            f"{name}:{line_for(lines, ('series', s))}: series.{s}: names no signal of the rules "
+            f"file (defined: {defined})"
+            for s in series
+            if s not in rules.signals
+        ]
+    if problems or sc is None:
+        raise RulesFileError(sorted(problems, key=line_key))
+    return sc
 
 
 class _Clock:

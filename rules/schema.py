@@ -34,9 +34,23 @@ class RulesFileError(ValueError):
         self.errors = errors
 
 
+MIN_INTERVAL = 0.05  # seconds between evaluations: below it a typo, and a busy loop
+
+
 class _Model(BaseModel):
     # No .inf/.nan thresholds: a NaN compares false both ways, so a rule on it never fires.
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    # strict, as the config file: `above: true` or `above: "0.9"` is a typo to report, not a
+    # threshold of 1.0 or 0.9 to guess.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, strict=True)
+
+
+def event_problem(kind: str) -> str | None:
+    """Why `kind` is not an event a rule can listen `on` (None: it is one)."""
+    if kind in ("engine_oom", "preemption_storm"):
+        return None
+    if kind.startswith("alert:") and kind.removeprefix("alert:").strip():
+        return None
+    return f"{kind!r}: expected engine_oom, preemption_storm or alert:<AlertName>"
 
 
 class Signal(_Model):
@@ -87,13 +101,9 @@ class Rule(_Model):
         return self
 
     def _event_shape(self) -> None:
-        if not (
-            self.on == "engine_oom" or self.on == "preemption_storm" or self.on.startswith("alert:")
-        ):
-            raise _At(
-                ("on",),
-                f"on={self.on!r}: expected engine_oom, preemption_storm or alert:<AlertName>",
-            )
+        problem = event_problem(self.on)
+        if problem:
+            raise _At(("on",), f"on={problem}")
         if self.signal is not None or self.above is not None or self.below is not None:
             raise ValueError("an event rule (`on`) takes no signal, above or below")
 
@@ -168,6 +178,13 @@ class RuleSet(_Model):
     def _durations(cls, v: Any) -> Any:
         return parse_duration(v)
 
+    @field_validator("interval", mode="after")
+    @classmethod
+    def _interval(cls, v: float) -> float:
+        if v < MIN_INTERVAL:
+            raise ValueError(f"interval {v:g}s is too short: at least {MIN_INTERVAL * 1e3:g}ms")
+        return v
+
     @field_validator("version")
     @classmethod
     def _version(cls, v: int) -> int:
@@ -187,8 +204,6 @@ class RuleSet(_Model):
                     ("rules", i, "signal"),
                     f"unknown signal {r.signal!r} (defined: {', '.join(self.signals) or 'none'})",
                 )
-        if self.interval <= 0:
-            raise _At(("interval",), "interval must be > 0")
         return self
 
     def cooldown_of(self, rule: Rule) -> float:
@@ -221,13 +236,14 @@ def load_rules_text(text: str | bytes, name: str) -> RuleSet:
     try:
         rs = RuleSet.model_validate(data)
     except ValidationError as e:
-        errors = [_format(err, lines, name) for err in e.errors()]
+        errors = [format_error(err, lines, name) for err in e.errors()]
         errors += [m for m in _cross_checks(data, lines, name) if m not in errors]
-        raise RulesFileError(sorted(errors, key=_line_key)) from e
+        raise RulesFileError(sorted(errors, key=line_key)) from e
     return rs
 
 
-def _line_key(msg: str) -> int:
+def line_key(msg: str) -> int:
+    """The line a `FILE:LINE: ...` problem names (0 without one), to list them in order."""
     parts = msg.split(":")
     return int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 0
 
@@ -254,7 +270,8 @@ def _cross_checks(data: dict, lines: dict, name: str) -> list[str]:
     return out
 
 
-def _format(err: dict, lines: dict, name: str) -> str:
+def format_error(err: dict, lines: dict, name: str) -> str:
+    """One pydantic error as `FILE:LINE: field.path: problem`."""
     ctx = err.get("ctx") or {}
     inner = ctx.get("error")
     loc = _alias(tuple(err["loc"]))
@@ -264,6 +281,8 @@ def _format(err: dict, lines: dict, name: str) -> str:
     msg = str(inner) if inner is not None else err["msg"]
     if err["type"] == "extra_forbidden":
         msg = "unknown key"
+    elif inner is None and err["type"] not in ("missing", "value_error") and "input" in err:
+        msg += f" (got {err['input']!r})"
     msg = msg.removeprefix("Value error, ")
     return f"{name}:{line_for(lines, loc)}: {field}: {msg}"
 

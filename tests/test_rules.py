@@ -287,6 +287,65 @@ def test_rules_cli_fails_on_a_wrong_expectation(tmp_path: Path) -> None:
     assert chk.returncode == 1 and f"{bad}:1: rules.0" in chk.stderr
 
 
+def test_rules_are_typed_strictly_and_every_problem_is_listed() -> None:
+    """`above: true` or `"0.9"` is a typo, not a threshold of 1.0 or 0.9; an interval too short
+    to mean anything (and a busy loop for the evaluator) is refused beside every other error;
+    an event rule names its alert."""
+    text = (
+        "interval: 0\n"
+        "signals:\n  kv: {local: kv_cache_usage_ratio}\n"
+        "rules:\n"
+        "  - {name: a, signal: kv, above: true, action: halt_admission}\n"
+        "  - {name: b, signal: kv, above: '0.9', action: halt_admission}\n"
+        "  - {name: c, signal: kv, above: 0.9, action: reduce_batch, params: {factor: 2}}\n"
+        "  - {name: d, on: 'alert:', action: halt_admission}\n"
+    )
+    with pytest.raises(RulesFileError) as e:
+        load_rules_text(text, "r.yaml")
+    got = e.value.errors
+    assert "r.yaml:1: interval: interval 0s is too short: at least 50ms" in got
+    assert "r.yaml:5: rules.0.above: Input should be a valid number (got True)" in got
+    assert "r.yaml:6: rules.1.above: Input should be a valid number (got '0.9')" in got
+    assert any(m.startswith("r.yaml:7: rules.2.params:") for m in got), got
+    assert any(m.startswith("r.yaml:8: rules.3.on:") and "alert:<AlertName>" in m for m in got)
+    assert len(got) == 5, got
+    assert load_rules_text("interval: 50ms\n", "r.yaml").interval == 0.05
+
+
+def test_a_scenario_names_only_signals_and_events_that_exist(tmp_path: Path) -> None:
+    """A misspelt series or event would feed nothing and the scenario would pass untested:
+    each is refused by line, with every other problem, before anything runs."""
+    sc = tmp_path / "typo.yaml"
+    sc.write_text(
+        "duration: 60s\n"
+        "series:\n  kv_usag: [{at: 0s, value: 0.99}]\n"
+        "events:\n  - {at: 5s, kind: engine_oomm}\n  - {at: 6s, kind: engine_oom, resolved: 'yes'}\n"
+        "expect: []\n"
+    )
+    res = subprocess.run(
+        [KVGUARD, "rules", "test", str(default_rules_path()), str(sc)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode == 1 and "PASS" not in res.stdout, res.stdout
+    assert f"{sc}:5: events.0.kind: 'engine_oomm': expected engine_oom" in res.stderr
+    assert f"{sc}:6: events.1.resolved: Input should be a valid boolean (got 'yes')" in res.stderr
+    assert f"{sc}:3: series.kv_usag: names no signal" in res.stderr
+    sc.write_text("duration: 60s\nseries:\n  kv_usag: [{at: 0s, value: 0.99}]\n")
+    res = subprocess.run(
+        [KVGUARD, "rules", "test", str(default_rules_path()), str(sc)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode == 1
+    assert (
+        f"{sc}:3: series.kv_usag: names no signal of the rules file (defined: kv_usage"
+        in res.stderr
+    )
+
+
 class StalledEngine:
     """An executor that holds each action until the test releases it, as a stalled engine
     holds a posted action until its next step boundary."""

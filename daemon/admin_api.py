@@ -69,7 +69,7 @@ def router(service: Service) -> APIRouter:
             raise ApiError(400, str(e), e.param or "params", "invalid_action_params") from e
         res = await asyncio.wait_for(asyncio.wrap_future(fut), timeout=60)
         return {
-            "action": res.action,
+            "action": action,  # as asked: restore_batch, not the set_max_num_seqs it runs
             "ok": res.ok,
             "detail": res.detail,
             "before": res.before,

@@ -247,6 +247,9 @@ class ApiConfig(_Section):
     # not every client may claim `high`. Re-read on SIGHUP.
     api_keys_file: OptPath = None
     drain_timeout: Duration = 30.0
+    # The largest body /v1/*, /tokenize and /detokenize take (413 above it, read no further):
+    # 256 prompts of 4096 tokens as id lists are about 8 MiB. Read at start only.
+    max_request_bytes: Size = 16 * 2**20
     served_model_name: str | None = Field(None, min_length=1)
     # /admin/debug/* (stall the engine, inject OOMs) for tests and benchmarks; off, they are 404.
     # Read at start only: a reload does not mount or unmount them.

@@ -13,8 +13,8 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from fastapi import APIRouter, Depends, Header, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi import APIRouter, Header, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvguard.daemon import tools
 from kvguard.daemon.openai_schemas import (
@@ -43,6 +43,7 @@ MAX_SEQUENCES = 256  # prompts x n of one request: each is a sequence of its own
 # the engine says why it refused a request; the answer is the server's choice: the request
 # itself cannot be served (400), the server is busy (429), or it has stopped taking work (503)
 ADMISSION_STATUS = {"never_fits": 400, "overloaded": 429, "queue_full": 429, "halted": 503}
+TOKENIZE_LIMITS = 8  # /tokenize counts texts up to this many times max_model_len
 RETRY_ELSEWHERE_S = 5  # Retry-After on a request cut off by the drain
 DRAIN_CUT_MESSAGE = (
     "kvguard is shutting down and cut this request off at the end of its drain period "
@@ -79,10 +80,9 @@ class ApiError(Exception):
 
 
 def router(service: Service) -> APIRouter:
-    async def authorize(request: Request, authorization: str | None = Header(None)) -> None:
-        request.state.api_key = _api_key(service, authorization)
-
-    r = APIRouter(dependencies=[Depends(authorize)])
+    """The OpenAI routes. Each takes a body of at most `api.max_request_bytes`; the caller's
+    key is checked before the body is read (`authorize`, from the app's middleware)."""
+    r = APIRouter(max_body_size=service.cfg.api.max_request_bytes)
 
     @r.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -152,8 +152,16 @@ def router(service: Service) -> APIRouter:
             special = bool(body.add_special_tokens)
         else:
             text, special = body.prompt or "", body.add_special_tokens is not False
-        ids = await asyncio.to_thread(tok.encode, text, special)
         limit = service.engine.max_total_len()
+        most = TOKENIZE_LIMITS * limit  # tokenizing holds the GIL: bounded, as add_request's
+        ids, whole = await asyncio.to_thread(tok.encode_within, text, special, most)
+        if not whole:
+            raise ApiError(
+                400,
+                f"more than {most} tokens ({TOKENIZE_LIMITS}x max_model_len={limit}): "
+                "/tokenize counts texts up to that",
+                "messages" if body.messages is not None else "prompt",
+            )
         return {"count": len(ids), "max_model_len": limit, "tokens": ids}
 
     @r.post("/detokenize")
@@ -239,6 +247,17 @@ def _params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int) ->
     except ValueError as e:  # "stop=['']: ..." names its field first
         field = str(e).split("=", 1)[0]
         raise ApiError(400, str(e), field if field.isidentifier() else None) from e
+
+
+def authorize(service: Service, request: Request) -> Response | None:
+    """Check the caller's key before its body is read (a route's dependencies run only after
+    FastAPI has read and parsed it): the refusal to send, or None with the key (None: no keys
+    are checked) in `request.state.api_key`."""
+    try:
+        request.state.api_key = _api_key(service, request.headers.get("authorization"))
+    except ApiError as e:
+        return e.response()
+    return None
 
 
 def _api_key(service: Service, authorization: str | None) -> ApiKey | None:

@@ -218,10 +218,8 @@ class LLMEngine(ControlSurface):
                 f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {vocab})"
             )
         rank = parse_priority(priority)
-        ids = self._prompt_ids(prompt, add_special_tokens)
         limit = self.max_total_len()
-        if len(ids) >= limit:
-            raise ValueError(self._too_long(len(ids), limit))
+        ids = self._prompt_ids(prompt, add_special_tokens, limit)
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self._seqs:
             raise ValueError(f"request_id {rid!r} is already in use")
@@ -281,13 +279,23 @@ class LLMEngine(ControlSurface):
             return None
         return max(1, math.floor(full * (1.0 - UNDO_MARGIN)))
 
-    def _prompt_ids(self, prompt: str | list[int], add_special_tokens: bool) -> list[int]:
+    def _prompt_ids(
+        self, prompt: str | list[int], add_special_tokens: bool, limit: int
+    ) -> list[int]:
+        """The prompt's token ids, refused (ValueError) when empty, outside the vocabulary or
+        not shorter than `limit`. The work is bounded by `limit`, not by the prompt: this runs
+        on the engine thread, and a text of megabytes tokenized whole would stall every
+        request for seconds."""
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty: expected at least one token")
-            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+            ids, whole = self.tokenizer.encode_within(prompt, add_special_tokens, limit)
+            if not whole:
+                raise ValueError(self._too_long(limit, limit, more=True))
         else:
             ids = list(prompt)
+            if len(ids) >= limit:
+                raise ValueError(self._too_long(len(ids), limit))
             vocab = self.model_config.vocab_size
             bad = [
                 t
@@ -300,6 +308,8 @@ class LLMEngine(ControlSurface):
                 )
         if not ids:
             raise ValueError("prompt is empty: expected at least one token")
+        if len(ids) >= limit:
+            raise ValueError(self._too_long(len(ids), limit))
         return ids
 
     def max_total_len(self) -> int:
@@ -307,15 +317,18 @@ class LLMEngine(ControlSurface):
         if fewer): a prompt must be shorter, so one token fits after it."""
         return min(self.max_model_len, self.block_manager.num_blocks * self.config.block_size)
 
-    def _too_long(self, n: int, limit: int) -> str:
+    def _too_long(self, n: int, limit: int, more: bool = False) -> str:
+        """Why a prompt of `n` tokens (`more`: more than that) cannot be served."""
         pool = self.block_manager.num_blocks * self.config.block_size
+        size = f"more than {n}" if more else f"{n}"
         if n >= pool and pool <= self.max_model_len:
             need = self.block_manager.blocks_for(n + 1)
             return (
-                f"prompt of {n} tokens needs {need} KV blocks but the whole pool has "
-                f"{self.block_manager.num_blocks} ({pool} tokens): raise kv_cache_bytes"
+                f"prompt of {size} tokens needs {'at least ' if more else ''}{need} KV blocks but the "
+                f"whole pool has {self.block_manager.num_blocks} ({pool} tokens): raise "
+                "kv_cache_bytes"
             )
-        return f"prompt of {n} tokens leaves no room to generate within max_model_len={limit}"
+        return f"prompt of {size} tokens leaves no room to generate within max_model_len={limit}"
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its blocks; False if it is unknown or already finished.

@@ -21,6 +21,11 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from kvguard.engine.model_config import ModelLoadError
 
+# encode_within: the first prefix tried holds this many characters a token of the limit (few
+# tokens are longer), and a prefix is over the limit only by more than PREFIX_SLACK tokens
+PREFIX_CHARS = 16
+PREFIX_SLACK = 64
+
 _SPECIAL_ROLES = ("bos_token", "eos_token", "pad_token", "unk_token")
 
 
@@ -77,6 +82,22 @@ class Tokenizer:
         add_special_tokens adds what the tokenizer's post-processor adds (e.g. BOS for Llama).
         """
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_within(
+        self, text: str, add_special_tokens: bool, limit: int
+    ) -> tuple[list[int], bool]:
+        """`encode(text)` and True, or, for a text that holds more than `limit` tokens, the ids
+        of a prefix already holding more and False: the cost is set by `limit`, not by the
+        text (a prompt of megabytes is refused after tokenizing a few times `limit` tokens'
+        worth of it). A prefix counts as over only with PREFIX_SLACK tokens to spare, more
+        than a cut through the text can add."""
+        n = PREFIX_CHARS * (limit + PREFIX_SLACK)
+        while n < len(text):
+            ids = self.encode(text[:n], add_special_tokens)
+            if len(ids) > limit + PREFIX_SLACK:
+                return ids, False
+            n *= 4
+        return self.encode(text, add_special_tokens), True
 
     def backend_json(self) -> str:
         """The tokenizer as tokenizer.json text (what a grammar library builds its view from)."""

@@ -96,7 +96,9 @@ def test_reduce_batch_never_raises_the_limit(daemon: Daemon) -> None:
         assert r.json()["ok"] and r.json()["after"]["max_num_seqs"] == 1
         assert knobs(daemon)["max_num_seqs"] == 1
     finally:
-        daemon.admin("POST", "/admin/actions/restore_batch")
+        back = daemon.admin("POST", "/admin/actions/restore_batch")
+    assert back.json()["action"] == "restore_batch"  # as asked, not what it runs underneath
+    assert r.json()["action"] == "reduce_batch"
     assert knobs(daemon)["max_num_seqs"] == SEQS
 
 

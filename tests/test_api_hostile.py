@@ -236,6 +236,28 @@ REFUSED = [
 ]
 
 
+def test_oversized_bodies_and_prompts_are_refused_without_reading_them_whole(
+    client: httpx.Client,
+) -> None:
+    """A body over api.max_request_bytes answers 413 naming the limit; a text prompt of
+    megabytes (under it) is refused as too long after tokenizing a bounded prefix of it, and
+    /tokenize bounds its count the same way: none of them holds the engine thread for the
+    seconds a whole tokenization of megabytes takes."""
+    r = raw(client, "POST", "/v1/completions", b"x" * (17 << 20))
+    err = openai_error(r, 413, None)
+    assert f"{16 << 20} bytes" in err["message"]
+    huge = "hello world " * 1_000_000  # 12 MB, two million tokens
+    r = raw(client, "POST", "/v1/completions", completion(prompt=huge))
+    err = openai_error(r, 400, "prompt")
+    assert re.search(r"prompt of more than \d+ tokens", err["message"]), err
+    r = raw(client, "POST", "/tokenize", dumps({"model": "tiny", "prompt": huge}))
+    err = openai_error(r, 400, "prompt")
+    assert "tokens (8x max_model_len=" in err["message"], err
+    r = raw(client, "POST", "/tokenize", dumps({"model": "tiny", "prompt": "hi " * 100}))
+    assert r.status_code == 200 and r.json()["count"] >= 100
+    assert_still_connected(client, r)
+
+
 @pytest.mark.parametrize(("path", "body", "param"), REFUSED)
 def test_unserved_openai_fields_are_refused_naming_them(
     client: httpx.Client, path: str, body: str, param: str

@@ -87,6 +87,14 @@ def test_no_key_or_a_wrong_key_is_refused_with_401(keyed) -> None:  # noqa: ANN0
         ("POST", "/detokenize", {"model": "tiny", "tokens": [1]}),
     ):
         assert httpx.request(method, d.url + path, json=body).status_code == 401, path
+    # not even read: a body that is not JSON, or one over the size limit, gets the same 401
+    before = metric(d, "kvguard_api_auth_failures_total", reason="missing")
+    junk = {"Content-Type": "application/json"}
+    for content in (b"{bad", b"x" * (17 << 20)):
+        r = httpx.post(d.url + "/v1/completions", content=content, headers=junk)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert metric(d, "kvguard_api_auth_failures_total", reason="missing") == before + 2
+    assert metric(d, "kvguard_http_requests_total", route="/v1/completions", status="401") >= 2
     auth = {"Authorization": "Basic " + keys["web"]}  # the right secret, the wrong scheme
     assert httpx.post(d.url + "/v1/chat/completions", json=CHAT, headers=auth).status_code == 401
 

@@ -114,7 +114,7 @@ def _add_list(cmds: Any) -> None:
 
 def _add_show(cmds: Any) -> None:
     p = cmds.add_parser("show", parents=[_db_options()], help="show one action in full")
-    p.add_argument("id", metavar="ID", type=int, help="action id (from `kvguard audit list`)")
+    p.add_argument("id", metavar="ID", type=_row_id, help="action id (from `kvguard audit list`)")
     _json_option(p)
     p.set_defaults(func=cmd_audit_show)
 
@@ -362,13 +362,27 @@ def _open_store(args: argparse.Namespace) -> AuditStore:
     return AuditStore(url, host="-")
 
 
+def _row_id(text: str) -> int:
+    """An action id: a positive integer SQLite can hold (larger ones name no row)."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if not 0 < n < 2**63:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected an action id, a whole number >= 1")
+    return n
+
+
 def parse_when(text: str, now: datetime | None = None) -> datetime:
     """A --since/--until value: a duration ago ('2h', '1h30m', '90s') or an ISO time (UTC if
     it has no offset, matching how times are stored and printed)."""
     value = text.strip()
     if re.fullmatch(rf"(?:{_PART})+", value):
         seconds = sum(float(n) * _UNITS[u] for n, u in re.findall(_PART, value))
-        return (now or datetime.now(UTC)) - timedelta(seconds=seconds)
+        try:
+            return (now or datetime.now(UTC)) - timedelta(seconds=seconds)
+        except OverflowError:  # before the year 1: every row is newer
+            return datetime.min.replace(tzinfo=UTC)
     try:
         t = datetime.fromisoformat(value)
     except ValueError:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from pathlib import Path
 
@@ -51,8 +52,16 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from kvguard.engine.distributed.worker import remote_main
 
     host, sep, port = args.master.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ValueError(f"--master {args.master!r}: expected HOST:PORT")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"--master {args.master!r}: expected HOST:PORT (a port 1..65535)")
+    if not 0 < args.connect_timeout < math.inf:
+        raise ValueError(
+            f"--connect-timeout {args.connect_timeout}: expected seconds above zero, finite"
+        )
+    if args.world_size < 2:
+        raise ValueError(
+            f"--world-size {args.world_size}: expected 2 or more (the daemon is rank 0)"
+        )
     check_network(host, args.allow_network, "--master")
     if not 0 < args.rank < args.world_size:
         raise ValueError(

@@ -196,6 +196,14 @@ def test_export_writes_files_that_pass_promtool(tmp_path: Path) -> None:
     r = run(tool("promtool"), "test", "rules", *map(str, tests), cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
 
+    for bad, shown in (
+        ('https://x.org/a"b', "%22"),
+        ("https://x.org/a\\b", "%5C"),
+        ("https://x.org/a b", "%20"),
+    ):
+        with pytest.raises(ValueError, match=shown):  # pasted into quoted YAML and JSON
+            export(tmp_path / "other", runbook_base=bad)
+    assert not (tmp_path / "other").exists()
     rules.write_text(rules.read_text() + "# an operator's edit\n")
     with pytest.raises(FileExistsError, match="--force"):
         export(tmp_path)

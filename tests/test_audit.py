@@ -477,12 +477,16 @@ def test_cli_errors_are_one_line(
         err = capsys.readouterr().err
         assert rc == 2 and err.startswith("kvguard: error: ") and message in err
         assert len(err.strip().splitlines()) == 1
+    with pytest.raises(SystemExit) as e:  # argparse's usage line and its error
+        kvguard("audit", "show", "99999999999999999999", "--db", url)
+    assert e.value.code == 2 and "expected an action id" in capsys.readouterr().err
 
 
 def test_parse_when() -> None:
     assert parse_when("1h30m", now=NOW) == NOW - timedelta(minutes=90)
     assert parse_when("2025-01-31T12:00:00") == datetime(2025, 1, 31, 12, tzinfo=UTC)
     assert parse_when("2025-01-31T13:00:00+01:00") == datetime(2025, 1, 31, 12, tzinfo=UTC)
+    assert parse_when("99999999w", now=NOW) == datetime.min.replace(tzinfo=UTC)  # all of it
 
 
 @pytest.mark.skipif(not _registered(), reason="`kvguard audit` is not registered in cli.py yet")

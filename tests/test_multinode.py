@@ -155,6 +155,16 @@ def test_a_network_address_is_refused_without_allow_network() -> None:
         timeout=60,
     )
     assert refused.returncode == 2 and "not a loopback address" in refused.stderr
+    for flags, message in (
+        (["--master", "127.0.0.1:99999"], "a port 1..65535"),
+        (["--connect-timeout", "nan"], "--connect-timeout nan: expected seconds above zero"),
+        (["--connect-timeout", "-1"], "--connect-timeout -1.0: expected seconds above zero"),
+        (["--world-size", "1"], "--world-size 1: expected 2 or more"),
+    ):
+        argv = ["--master", "127.0.0.1:29500", "--rank", "1", "--world-size", "2", *flags]
+        bad = subprocess.run([KVGUARD, "worker", *argv], capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 2 and message in bad.stderr, (flags, bad.stderr)
+        assert "Traceback" not in bad.stderr
 
 
 def test_a_tensor_parallel_group_split_across_hosts_is_refused() -> None:

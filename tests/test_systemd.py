@@ -59,6 +59,29 @@ def test_unit_verifies_cleanly(analyzer: str, unit_copy: Path) -> None:
     assert (proc.returncode, proc.stderr, proc.stdout) == (0, "", "")
 
 
+def test_the_readmes_admin_drop_in_verifies_and_hands_over_the_token(
+    analyzer: str, unit_copy: Path
+) -> None:
+    """The README's steps turn the admin API on with a drop-in (the unit leaves LoadCredential=
+    commented: a missing token file would stop the start); the drop-in is what they write."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    found = re.search(
+        r"printf '(\[Service\][^']*)' \|\n\s+sudo install -D -m 0644 /dev/stdin "
+        r"(/etc/systemd/system/kvguard\.service\.d/admin\.conf)",
+        readme,
+    )
+    assert found, "the README's systemd steps no longer write the admin drop-in"
+    body = found.group(1).replace("\\n", "\n")
+    assert "LoadCredential=admin.token:/etc/kvguard/admin.token" in body.splitlines()
+    drop_in = unit_copy.parent / f"{unit_copy.name}.d" / "admin.conf"
+    drop_in.parent.mkdir()
+    drop_in.write_text(body)
+    proc = analyze("verify", str(unit_copy))
+    assert (proc.returncode, proc.stderr, proc.stdout) == (0, "", "")
+    drop_in.write_text(body + "NoSuchKey=1\n")  # and the drop-in is read: a bad key is seen
+    assert "NoSuchKey" in analyze("verify", str(unit_copy)).stderr
+
+
 def test_unit_exposure_is_low(analyzer: str, unit_copy: Path) -> None:
     proc = analyze("security", "--offline=yes", "--no-pager", str(unit_copy))
     assert proc.returncode == 0, proc.stderr

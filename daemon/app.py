@@ -29,9 +29,7 @@ def create_app(service: Service) -> FastAPI:
         version="0.1.0",
         description="LLM inference that keeps serving under memory pressure",
     )
-    openai_routes = openai_api.router(service)
-    app.include_router(openai_routes)
-    keyed = {route.path for route in openai_routes.routes}  # the paths an API key opens
+    app.include_router(openai_api.router(service))
     app.include_router(admin_api.router(service))
     app.include_router(admin_api.alertmanager_router(service))
     _health_routes(app, service)
@@ -39,19 +37,15 @@ def create_app(service: Service) -> FastAPI:
 
     @app.middleware("http")
     async def count(request: Request, call_next):  # noqa: ANN001, ANN202
-        path = request.url.path
-        refused = openai_api.authorize(service, request) if path in keyed else None
         try:
-            response = refused or await call_next(request)
+            response = await call_next(request)
         except Exception:  # noqa: BLE001 - see _crashed
             response = _crashed(request)
         route = request.scope.get("route")
         if response.status_code == 413 and "json" not in response.headers.get("content-type", ""):
             limit = getattr(route, "max_body_size", None)
-            response = _too_large(
-                limit or (service.cfg.api.max_request_bytes if path in keyed else None)
-            )
-        path = path if refused else getattr(route, "path", "unmatched")
+            response = _too_large(limit or getattr(route, "body_limit", None))
+        path = getattr(route, "path", "unmatched")
         service.metrics.http.labels(path, str(response.status_code)).inc()
         return response
 

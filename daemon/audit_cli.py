@@ -354,11 +354,17 @@ def _db_url(args: argparse.Namespace) -> str:
 def _open_store(args: argparse.Namespace) -> AuditStore:
     """A store for reading only: the database must exist and be migrated."""
     from kvguard.daemon.audit import AuditStore
-    from kvguard.daemon.audit_migrate import current, shown
+    from kvguard.daemon.audit_migrate import current, head, shown
 
     url = _db_url(args)
-    if current(url) is None:
+    at = current(url)
+    if at is None:
         raise ValueError(f"{shown(url)} is not a kvguard audit database (run `kvguard db upgrade`)")
+    if at != head():
+        raise ValueError(
+            f"{shown(url)} is at schema revision {at} and this kvguard reads {head()}: run "
+            "`kvguard db upgrade` (a running daemon upgrades it when it starts)"
+        )
     return AuditStore(url, host="-")
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -244,6 +246,10 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return handler(args)
+    except BrokenPipeError:  # `kvguard audit list | head`: the reader has what it wanted
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # no second error as Python flushes at exit
+        return 128 + signal.SIGPIPE
     except (ModelLoadError, ValueError, OSError) as e:  # ConfigError is a ValueError
         print(f"kvguard: error: {e}", file=sys.stderr)
         return EXIT_USAGE

@@ -80,6 +80,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         token = args.token_file.read_text().strip()
     except OSError as e:
         raise ValueError(f"cannot read the admin token from {args.token_file}: {e.strerror}") from e
+    if not token:
+        raise ValueError(f"{args.token_file} is empty: expected the daemon's admin token")
     try:
         r = httpx.get(
             args.url.rstrip("/") + "/admin/state",

@@ -557,7 +557,9 @@ def _kind(value: Any) -> str:
 
 def _shown(value: Any) -> str:
     """`a string 'x'`, `a number 5`; containers by kind alone, as they can be long."""
-    return _kind(value) if isinstance(value, list | dict) else f"{_kind(value)} {value!r}"
+    if value is None or isinstance(value, list | dict):
+        return _kind(value)
+    return f"{_kind(value)} {value!r}"
 
 
 def _dotted(loc: Loc) -> str:

@@ -10,11 +10,12 @@ import json
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Header, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 
 from kvguard.daemon import tools
 from kvguard.daemon.openai_schemas import (
@@ -81,22 +82,41 @@ class ApiError(Exception):
 
 def router(service: Service) -> APIRouter:
     """The OpenAI routes. Each takes a body of at most `api.max_request_bytes`; the caller's
-    key is checked before the body is read (`authorize`, from the app's middleware)."""
-    r = APIRouter(max_body_size=service.cfg.api.max_request_bytes)
+    key is checked before the body is read."""
+    limit = service.cfg.api.max_request_bytes
+
+    class KeyedRoute(APIRoute):
+        """A route that checks the caller's key before it reads the body (a dependency runs
+        only after FastAPI has read and parsed it)."""
+
+        body_limit = limit  # what a 413 names
+
+        def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
+            handler = super().get_route_handler()
+
+            async def keyed(request: Request) -> Response:
+                return authorize(service, request) or await handler(request)
+
+            return keyed
+
+    r = APIRouter(max_body_size=limit, route_class=KeyedRoute)
+
+    def served() -> dict[str, Any]:
+        return {
+            "id": service.model_name,
+            "object": "model",
+            "created": service.started,
+            "owned_by": "kvguard",
+        }
 
     @r.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": service.model_name,
-                    "object": "model",
-                    "created": service.started,
-                    "owned_by": "kvguard",
-                }
-            ],
-        }
+        return {"object": "list", "data": [served()]}
+
+    @r.get("/v1/models/{model:path}")  # ids may hold slashes (org/name)
+    async def model(model: str) -> dict[str, Any]:
+        _check_model(service, model)
+        return served()
 
     @r.post("/v1/completions")
     async def completions(
@@ -250,9 +270,8 @@ def _params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int) ->
 
 
 def authorize(service: Service, request: Request) -> Response | None:
-    """Check the caller's key before its body is read (a route's dependencies run only after
-    FastAPI has read and parsed it): the refusal to send, or None with the key (None: no keys
-    are checked) in `request.state.api_key`."""
+    """Check the caller's key: the refusal to send, or None with the key (None: no keys are
+    checked) in `request.state.api_key`."""
     try:
         request.state.api_key = _api_key(service, request.headers.get("authorization"))
     except ApiError as e:

@@ -44,6 +44,7 @@ from kvguard.engine.knobs import KnobField
 from kvguard.engine.llm_engine import LLMEngine
 from kvguard.engine.snapshot import EngineSnapshot
 from kvguard.rules.actions import run_action
+from kvguard.rules.schema import default_rules_path, load_rules
 
 log = logging.getLogger("kvguard.daemon")
 STALL_AFTER_S = 30.0  # an engine loop without a heartbeat this long is not ready
@@ -98,6 +99,9 @@ class Service:
         self._kv_key: tuple[str, int] | None = None
         # None: the OpenAI endpoints are open (api.api_keys_file unset)
         self.api_keys: ApiKeys | None = self._load_keys(cfg)
+        # the rules file checked now, before the port is bound and the model loaded (the
+        # control plane reads it again when it starts)
+        load_rules(Path(cfg.rules.path) if cfg.rules.path else default_rules_path())
 
     # -- names ------------------------------------------------------------------------------
     @property

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,8 +52,12 @@ class SamplingParams:
             or self.max_tokens <= 0
         ):
             raise ValueError(f"max_tokens={self.max_tokens!r}: expected an integer >= 1")
-        if not self.temperature >= 0.0:
-            raise ValueError(f"temperature={self.temperature!r}: expected a number >= 0")
+        if not 0.0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature={self.temperature!r}: expected a finite number >= 0")
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**63
+        ):
+            raise ValueError(f"seed={self.seed!r}: expected an integer that fits 64 bits")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k={self.top_k!r}: expected an integer >= 0 (0 disables)")
         if not 0.0 < self.top_p <= 1.0:

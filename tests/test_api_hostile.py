@@ -464,7 +464,7 @@ def test_unexpected_exception_is_a_logged_json_500_on_a_live_connection(
             pass
 
     service = SimpleNamespace(
-        cfg=SimpleNamespace(api=SimpleNamespace(debug_hooks=False)),
+        cfg=SimpleNamespace(api=SimpleNamespace(debug_hooks=False, max_request_bytes=1 << 20)),
         metrics=SimpleNamespace(http=Counter()),
     )
     app = create_app(service)  # type: ignore[arg-type]

@@ -93,6 +93,17 @@ def test_upgrade_downgrade_upgrade(db_url: str, db_path: Path) -> None:
     assert audit_migrate.current(db_url) == "0003"
 
 
+def test_reading_an_older_database_says_to_upgrade_it(
+    db_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    audit_migrate.upgrade(db_url, "0001")
+    rc, _ = kvguard("audit", "list", "--db", db_url)
+    err = capsys.readouterr().err
+    assert rc == 2 and "schema revision 0001" in err and "kvguard db upgrade" in err, err
+    audit_migrate.upgrade(db_url)
+    assert kvguard("audit", "list", "--db", db_url)[0] == 0
+
+
 def test_models_match_migrations(db_url: str, db_path: Path) -> None:
     audit_migrate.upgrade(db_url)
     engine = audit_migrate.make_engine(db_url)

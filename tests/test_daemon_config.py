@@ -247,6 +247,11 @@ BROKEN = [
         "2: (top level): a list (expected a mapping of sections: serving, admission_control,",
     ),
     (
+        "null value",
+        "serving:\n  model:\n",
+        "2: serving.model: null (expected a string)",
+    ),
+    (
         "scalar at top level",
         "serving\n",
         "1: (top level): a string 'serving' (expected a mapping of sections:",
@@ -525,3 +530,30 @@ def test_etc_config_names_every_engine_key() -> None:
         for key in DaemonConfig.model_fields[section].annotation.model_fields:
             if (section, key) not in REFUSED_KEYS:
                 assert re.search(rf"^\s*#?\s*{key}:", text, re.M), f"{section}.{key}"
+
+
+def test_status_with_an_empty_token_file_says_so(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    from kvguard.daemon.cli import main
+
+    token = tmp_path / "admin.token"
+    token.write_text("\n")
+    assert main(["status", "--url", "http://127.0.0.1:9", "--token-file", str(token)]) == 2
+    assert (
+        capsys.readouterr().err
+        == f"kvguard: error: {token} is empty: expected the daemon's admin token\n"
+    )
+
+
+def test_a_closed_pipe_ends_the_cli_quietly(tmp_path: Path) -> None:
+    """`kvguard ... | head`: the reader has gone; no error line, the shell's code for SIGPIPE."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os, sys\n"
+        "from kvguard.daemon.cli import main\n"
+        "r, w = os.pipe(); os.close(r); os.dup2(w, 1)\n"
+        "sys.exit(main(['model', 'list', '--json']))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 141 and proc.stderr == "", proc.stderr

@@ -148,3 +148,25 @@ def test_a_bad_rules_file_is_refused_by_http_and_sighup_and_the_rules_keep_runni
     log = (tmp_path / "daemon.log").read_text()
     assert f"reload refused, keeping the running rules: {rules}:2: interval: inf" in log
     assert "OverflowError" not in log and "Traceback" not in log
+
+
+def test_a_missing_or_broken_rules_file_stops_the_start_before_the_model_loads(
+    tmp_path: Path,
+) -> None:
+    """As a broken config: refused at once, naming the file (and line), with nothing bound or
+    loaded (the model named does not even exist: loading it would fail otherwise)."""
+    import subprocess
+
+    from tests.test_server import KVGUARD
+
+    for body, said in ((None, "cannot read"), ("interval: 0\n", ":1: interval: interval 0s")):
+        path = tmp_path / "rules.yaml"
+        if body is not None:
+            path.write_text(body)
+        cfg = tmp_path / "config.yaml"
+        cfg.write_text(f"serving: {{model: no-such-model}}\nrules: {{path: {path}}}\n")
+        proc = subprocess.run(
+            [KVGUARD, "serve", "--config", str(cfg)], capture_output=True, text=True, timeout=60
+        )
+        assert proc.returncode == 2 and f"{path}" in proc.stderr and said in proc.stderr
+        assert "no-such-model" not in proc.stderr, proc.stderr

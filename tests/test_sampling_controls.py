@@ -75,6 +75,8 @@ def test_sampling_controls_are_validated() -> None:
         {"logit_bias": {1: 101.0}},
         {"logit_bias": {-1: 1.0}},
         {"logit_bias": {"1": 1.0}},
+        {"temperature": float("inf")},  # logits / inf: masked tokens' -inf / inf is NaN
+        {"seed": 2**64},  # torch's generator takes 64 bits
     ):
         with pytest.raises(ValueError, match=next(iter(bad))):
             SamplingParams(**bad)

@@ -124,6 +124,9 @@ def daemon(tmp_path_factory):
 def test_completion_chat_and_usage(daemon: Daemon) -> None:
     c = daemon.client()
     assert [m.id for m in c.models.list().data] == ["tiny"]
+    assert c.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        c.models.retrieve("org/other-model")
     r = c.completions.create(
         model="tiny",
         prompt="Hello there",

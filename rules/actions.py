@@ -254,7 +254,7 @@ _SPECS.append(
         "handle_oom",
         NoParams,
         _handle_oom,
-        None,
+        "recover_from_oom",
         "the emergency chain: halve batch, evict 4, offload, FP8 KV, halt if > 98%",
     )
 )

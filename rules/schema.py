@@ -98,6 +98,13 @@ class Rule(_Model):
         self._check_action(self.action, self.params, "action", "params")
         if self.undo is not None:
             self._check_action(self.undo, self.undo_params, "undo", "undo_params")
+            inverse = ACTIONS[self.action].undo
+            if self.undo == self.action or (inverse is not None and self.undo != inverse):
+                raise _At(
+                    ("undo",),
+                    f"undo {self.undo!r} does not undo {self.action!r}"
+                    + (f" (its undo is {inverse})" if inverse else ""),
+                )
         return self
 
     def _event_shape(self) -> None:

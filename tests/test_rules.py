@@ -312,6 +312,32 @@ def test_rules_are_typed_strictly_and_every_problem_is_listed() -> None:
     assert load_rules_text("interval: 50ms\n", "r.yaml").interval == 0.05
 
 
+def test_a_rules_undo_must_undo_its_action() -> None:
+    """`undo: reduce_batch` on reduce_batch would halve the batch again on recovery."""
+    head = "signals:\n  kv: {local: kv_cache_usage_ratio}\nrules:\n"
+    for rule, said in (
+        (
+            "{name: a, signal: kv, above: 0.9, action: reduce_batch, undo: reduce_batch}",
+            "its undo is restore_batch",
+        ),
+        (
+            "{name: a, signal: kv, above: 0.9, action: enable_fp8_kv, undo: restore_batch}",
+            "its undo is disable_fp8_kv",
+        ),
+        (
+            "{name: a, on: engine_oom, action: evict_lowest_priority, undo: evict_lowest_priority}",
+            "does not undo",
+        ),
+    ):
+        with pytest.raises(RulesFileError) as e:
+            load_rules_text(head + f"  - {rule}\n", "r.yaml")
+        assert (
+            e.value.errors[0].startswith("r.yaml:4: rules.0.undo: ") and said in e.value.errors[0]
+        )
+    ok = "{name: a, on: engine_oom, action: handle_oom, undo: recover_from_oom}"
+    assert load_rules_text(head + f"  - {ok}\n", "r.yaml").rules[0].undo == "recover_from_oom"
+
+
 def test_a_scenario_names_only_signals_and_events_that_exist(tmp_path: Path) -> None:
     """A misspelt series or event would feed nothing and the scenario would pass untested:
     each is refused by line, with every other problem, before anything runs."""

@@ -29,6 +29,9 @@ _SIZE_UNITS = {
     "gb": 10**9,
 }
 
+# No engine holds a million sequences in one batch: above it a typo (the rules' ceiling too)
+MAX_NUM_SEQS = 1 << 20
+
 
 def parse_bytes(value: int | str, name: str = "size") -> int:
     """Accept 268435456, '256MiB', '1.5GiB', '512 MB'."""
@@ -144,7 +147,9 @@ class EngineConfig:
         doc="share of GPU memory kvguard may use; the KV pool is sized after profiling",
     )
     block_size: int = knob(16, section="serving", choices=(8, 16, 32, 64), doc="tokens per block")
-    max_num_seqs: int = knob(32, section="serving", live=True, ge=1, doc="sequences in one batch")
+    max_num_seqs: int = knob(
+        32, section="serving", live=True, ge=1, le=MAX_NUM_SEQS, doc="sequences in one batch"
+    )
     max_model_len: int = knob(4096, section="serving", ge=1, doc="prompt + output tokens")
     kv_cache_dtype: str = knob(
         "auto",

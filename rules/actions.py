@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from kvguard.engine.config import MAX_NUM_SEQS
 from kvguard.engine.control import ActionResult
 
 if TYPE_CHECKING:  # the engine (and torch) only when an action runs, not to validate a file
@@ -22,7 +23,7 @@ if TYPE_CHECKING:  # the engine (and torch) only when an action runs, not to val
 # known. No engine kvguard runs holds a million sequences in one batch or sixteen million tokens
 # in one request, so a value above these is a typo (or a probe), never a setting. The limits of
 # the running config (serving.max_num_seqs, max_model_len) are checked when the action applies.
-MAX_SEQS = 1 << 20
+MAX_SEQS = MAX_NUM_SEQS
 MAX_TOKENS = 1 << 24
 
 

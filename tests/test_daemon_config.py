@@ -247,6 +247,11 @@ BROKEN = [
         "2: (top level): a list (expected a mapping of sections: serving, admission_control,",
     ),
     (
+        "absurd batch",
+        "serving:\n  max_num_seqs: 100000000000000000000000000\n",
+        "2: serving.max_num_seqs: 100000000000000000000000000 is out of range (expected a value <= 1048576)",
+    ),
+    (
         "null value",
         "serving:\n  model:\n",
         "2: serving.model: null (expected a string)",

@@ -447,6 +447,12 @@ class ChatMessage(_Body):
             raise PydanticCustomError("tool_calls", "only an assistant message has tool_calls")
         if self.tool_call_id is not None and self.role != "tool":
             raise PydanticCustomError("tool_call_id", "only a tool message has a tool_call_id")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            # only an assistant turn that calls tools may leave its text out
+            raise PydanticCustomError(
+                "content",
+                "content is missing: only an assistant message with tool_calls may omit it",
+            )
         return self
 
     def text(self) -> str:

@@ -233,6 +233,8 @@ REFUSED = [
         chat([{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}]),
         "messages[0].tool_calls[0].type",
     ),
+    ("/v1/chat/completions", chat([{"role": "user", "content": None}]), "messages[0]"),
+    ("/v1/chat/completions", chat([{"role": "assistant"}]), "messages[0]"),
 ]
 
 

@@ -209,8 +209,36 @@ class QuantizationConfig(_knob_section("quantization")):  # type: ignore[misc]
     checkpoints and GGUF Q4/Q8 weights are served packed."""
 
 
+# Keys of the brief's config format that kvguard accepts, so its baselines load as written, but
+# does not act on: what they meant is set in the rules file (rules.path). A file that sets one
+# is told so at start (`inert_keys`).
+INERT = {
+    ("recovery", "target_vram_usage"): "recovery is each rule's recover_below in the rules file",
+    ("recovery", "throttle_threshold"): "load is limited by each rule's `above` in the rules file",
+    (
+        "monitoring",
+        "oom_alert_threshold",
+    ): "the GPU memory rule's `above` in the rules file decides",
+    (
+        "monitoring",
+        "snapshot_interval",
+    ): "gauges are read from the engine's latest step at each scrape",
+}
+
+
+def inert_keys(cfg: DaemonConfig) -> list[str]:
+    """One line for each key of `INERT` the file sets: it changes nothing, and why."""
+    return [
+        f"{section}.{key} has no effect in kvguard ({why}); it is accepted so the brief's "
+        "configs load as written"
+        for (section, key), why in INERT.items()
+        if key in getattr(cfg, section).model_fields_set
+    ]
+
+
 class RecoveryConfig(_Section):
-    """Seed §7.1 thresholds: below the target all is well, above the throttle we limit load."""
+    """Seed §7.1 thresholds, accepted and inert (`INERT`): the rules file sets when load is
+    limited and when it recovers."""
 
     target_vram_usage: Ratio = 0.80
     throttle_threshold: Ratio = 0.90
@@ -225,11 +253,11 @@ class RecoveryConfig(_Section):
 
 
 class MonitoringConfig(_Section):
-    """How often the exporter samples, and when GPU memory counts as close to OOM."""
+    """How often NVML is sampled. `oom_alert_threshold` and `snapshot_interval` are the brief's,
+    accepted and inert (`INERT`)."""
 
     oom_alert_threshold: Ratio = 0.90
     nvml_poll_interval: Annotated[Duration, Field(gt=0)] = 5.0
-    # The engine publishes a snapshot every step; this bounds how often gauges are rebuilt.
     snapshot_interval: Annotated[Duration, Field(gt=0)] = 1.0
 
 

@@ -31,6 +31,7 @@ from kvguard.daemon.config import (
     ENGINE_KNOBS,
     ConfigFileError,
     DaemonConfig,
+    inert_keys,
     load_config,
     state_dir,
 )
@@ -645,6 +646,8 @@ def run(cfg: DaemonConfig, config_path: Path | None = None) -> int:
     # action would kill the process in the middle of loading the model or migrating the DB.
     signal.signal(signal.SIGHUP, svc._sighup_before_serving)
     log.info("starting (pid %d); SIGHUP is ignored until ready", os.getpid())
+    for line in inert_keys(cfg):
+        log.warning("%s", line)
     try:
         sock = bind_api(cfg.api.host, cfg.api.port)
     except ApiBindError as e:

@@ -562,3 +562,23 @@ def test_a_closed_pipe_ends_the_cli_quietly(tmp_path: Path) -> None:
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 141 and proc.stderr == "", proc.stderr
+
+
+def test_the_briefs_inert_keys_load_and_are_named(tmp_path: Path) -> None:
+    """The brief's recovery and monitoring thresholds load as written, and each one a file
+    sets is named as changing nothing (the rules file decides); unset ones are not."""
+    from kvguard.daemon.config import inert_keys, load_config
+
+    assert inert_keys(load_config(write(tmp_path, "serving: {model: tiny}\n"))) == []
+    cfg = load_config(
+        write(
+            tmp_path,
+            "recovery:\n  target_vram_usage: 0.7\nmonitoring:\n  oom_alert_threshold: 0.9\n",
+        )
+    )
+    said = inert_keys(cfg)
+    assert [line.split(" ", 1)[0] for line in said] == [
+        "recovery.target_vram_usage",
+        "monitoring.oom_alert_threshold",
+    ]
+    assert all("has no effect in kvguard" in line for line in said)

@@ -393,12 +393,25 @@ class ModelRunner:
         lens_t = (host[0] + 1).to(torch.int32)  # tokens each row attends to, its own included
         ids = torch.tensor([s.token_slice(p, p + 1)[0] for s, p in zip(seqs, starts, strict=True)])
         ids, rows, run = ids.to(dev), torch.arange(b, device=dev), RunTokens()
-        rows_drawn = [i for i, s in enumerate(seqs) if not s.params.greedy]
-        drawn = None
-        if rows_drawn:
-            temps = [seqs[i].params.temperature for i in rows_drawn]
-            drawn = (torch.tensor(rows_drawn, device=dev), torch.tensor(temps, device=dev))
+        # A sampled row draws from the global generator only at the steps single steps would
+        # have run it: not past its last token (max_tokens, its length limit), so the rows
+        # after it draw what they would have drawn. (One that ends early on EOS or a stop
+        # string is found only when its step is read, after the later steps were launched.)
+        left = [
+            min(s.max_tokens - len(s.output_token_ids), s.max_total_len - s.num_tokens)
+            for s in seqs
+        ]
+        sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        drawn, rows_drawn = None, None
         for j in range(steps):
+            now = [i for i in sampled if j < left[i]]
+            if now != rows_drawn:
+                rows_drawn, temps = now, [seqs[i].params.temperature for i in now]
+                drawn = (
+                    (torch.tensor(now, device=dev), torch.tensor(temps, device=dev))
+                    if now
+                    else None
+                )
             meta = AttentionMetadata(host[1, j], tables, [p + 1 for p in pos[j]], [1] * b)
             logits = self.forward(StepInput(ids, host[0, j], meta, rows, lens_t[j]))
             if logits is None:

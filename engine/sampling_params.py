@@ -55,9 +55,11 @@ class SamplingParams:
         if not 0.0 <= self.temperature < math.inf:
             raise ValueError(f"temperature={self.temperature!r}: expected a finite number >= 0")
         if self.seed is not None and (
-            not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**63
+            not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64
         ):
-            raise ValueError(f"seed={self.seed!r}: expected an integer that fits 64 bits")
+            raise ValueError(
+                f"seed={self.seed!r}: expected an integer in [-2**63, 2**64), as torch seeds"
+            )
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k={self.top_k!r}: expected an integer >= 0 (0 disables)")
         if not 0.0 < self.top_p <= 1.0:

@@ -40,6 +40,12 @@ def test_chat_choices_are_the_seeded_requests_they_stand_for(tiny_daemon: Daemon
     assert got.usage.prompt_tokens == alone[0].usage.prompt_tokens
     assert got.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
     assert [c.finish_reason for c in got.choices] == [a.choices[0].finish_reason for a in alone]
+    top = 2**63 - 1  # the largest seed a request may send: its choices go past int64, served
+    high = [c.message.content for c in client.chat.completions.create(n=3, seed=top, **kw).choices]
+    assert high[0] == client.chat.completions.create(seed=top, **kw).choices[0].message.content
+    assert high == [
+        c.message.content for c in client.chat.completions.create(n=3, seed=top, **kw).choices
+    ]
 
 
 def test_streamed_choices_match_the_answer_and_each_ends_once(tiny_daemon: Daemon) -> None:

@@ -63,10 +63,12 @@ def test_runs_give_the_tokens_of_single_steps(tiny_dir: Path) -> None:
 def test_runs_draw_temperature_rows_as_single_steps_do(tiny_dir: Path) -> None:
     """Rows sampled with only a temperature are drawn inside a run as `sample` draws them (one
     uniform a row from the global generator, by inverse CDF): from the same global seed, a
-    batch of them, greedy rows beside, gets the single steps' tokens."""
+    batch of them, greedy rows beside, gets the single steps' tokens, also where a row reaches
+    its max_tokens inside a run (it draws no more once single steps would have ended it)."""
     prompts = [[5 + i] * (4 + 5 * i) for i in range(4)]
     params = [
-        SamplingParams(max_tokens=17, temperature=t, ignore_eos=True) for t in (0.7, 1.0, 1.3, 0.9)
+        SamplingParams(max_tokens=m, temperature=t, ignore_eos=True)
+        for m, t in ((17, 0.7), (3, 1.0), (17, 1.3), (10, 0.9))
     ]
     outs = []
     for steps in (1, 4):

@@ -51,7 +51,8 @@ class ControlPlane:
         self.service = service
         cfg = service.cfg
         self.rules_path = Path(cfg.rules.path) if cfg.rules.path else default_rules_path()
-        self.ruleset: RuleSet = load_rules(self.rules_path)
+        # what the service read before loading (`Service.read_rules`), else the file now
+        self.ruleset: RuleSet = service.rules_at_start or load_rules(self.rules_path)
         self.promql = PromQL(cfg.prometheus.url, cfg.prometheus.timeout, cfg.prometheus_instance())
         self._gpu_ratio: float | None = None
         reader = SignalReader(

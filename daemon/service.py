@@ -45,7 +45,7 @@ from kvguard.engine.knobs import KnobField
 from kvguard.engine.llm_engine import LLMEngine
 from kvguard.engine.snapshot import EngineSnapshot
 from kvguard.rules.actions import run_action
-from kvguard.rules.schema import default_rules_path, load_rules
+from kvguard.rules.schema import RuleSet, default_rules_path, load_rules
 
 log = logging.getLogger("kvguard.daemon")
 STALL_AFTER_S = 30.0  # an engine loop without a heartbeat this long is not ready
@@ -100,9 +100,7 @@ class Service:
         self._kv_key: tuple[str, int] | None = None
         # None: the OpenAI endpoints are open (api.api_keys_file unset)
         self.api_keys: ApiKeys | None = self._load_keys(cfg)
-        # the rules file checked now, before the port is bound and the model loaded (the
-        # control plane reads it again when it starts)
-        load_rules(Path(cfg.rules.path) if cfg.rules.path else default_rules_path())
+        self.rules_at_start: RuleSet | None = None  # read_rules(): the control plane's first
 
     # -- names ------------------------------------------------------------------------------
     @property
@@ -492,6 +490,12 @@ class Service:
         )
         return changes, restart
 
+    def read_rules(self) -> None:
+        """Read the rules file now, before the port is bound and the model loaded, so that a
+        missing or broken one stops the start at once; the control plane starts with it."""
+        path = Path(self.cfg.rules.path) if self.cfg.rules.path else default_rules_path()
+        self.rules_at_start = load_rules(path)
+
     @staticmethod
     def _load_keys(cfg: DaemonConfig) -> ApiKeys | None:
         path = cfg.api.api_keys_file
@@ -648,6 +652,7 @@ def run(cfg: DaemonConfig, config_path: Path | None = None) -> int:
     log.info("starting (pid %d); SIGHUP is ignored until ready", os.getpid())
     for line in inert_keys(cfg):
         log.warning("%s", line)
+    svc.read_rules()
     try:
         sock = bind_api(cfg.api.host, cfg.api.port)
     except ApiBindError as e:

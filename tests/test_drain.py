@@ -132,10 +132,10 @@ def post_and_lose(d: Daemon) -> None:
 
 
 def test_sighup_while_loading_is_ignored(tmp_path: Path) -> None:
-    """Loading is held open deterministically: the rules file, read near the end of loading,
+    """Starting is held open deterministically: the rules file, read before the model loads,
     is a FIFO that this test opens for writing only once the daemon has opened it for reading.
-    SIGHUPs sent then arrive mid-load; the daemon must live on, log that it ignored them and
-    become ready once the rules arrive."""
+    SIGHUPs sent then arrive mid-start; the daemon must live on, log that it ignored them and
+    become ready once the rules arrive (read once: the control plane starts with them)."""
     from kvguard.rules.schema import default_rules_path
 
     fifo = tmp_path / "rules.yaml"

@@ -48,7 +48,9 @@ def plane(tmp_path: Path, rules: Path, audit: AuditStore) -> Iterator[ControlPla
     """A control plane whose rule job is scheduled (paused: no tick reaches for an engine)."""
     config = tmp_path / "config.yaml"
     config.write_text(f"rules: {{path: {rules}}}\n")
-    service = SimpleNamespace(cfg=load_config(config), engine=None, audit=audit)
+    service = SimpleNamespace(
+        cfg=load_config(config), engine=None, audit=audit, rules_at_start=None
+    )
     cp = ControlPlane(service)  # type: ignore[arg-type]
     cp.scheduler.start(paused=True)
     cp.scheduler.add_job(cp.evaluate, "interval", seconds=cp.ruleset.interval, id="rules")

@@ -54,9 +54,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
     host, sep, port = args.master.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"--master {args.master!r}: expected HOST:PORT (a port 1..65535)")
-    if not 0 < args.connect_timeout < math.inf:
+    if not 0 <= args.connect_timeout < math.inf:
         raise ValueError(
-            f"--connect-timeout {args.connect_timeout}: expected seconds above zero, finite"
+            f"--connect-timeout {args.connect_timeout}: expected seconds, finite, >= 0 (0: one try)"
         )
     if args.world_size < 2:
         raise ValueError(

@@ -400,13 +400,15 @@ class Scheduler:
         return True
 
     def _nothing_else(self, seq: Sequence) -> bool:
-        """Nothing runs and nobody but evicted sequences waits: holding `seq` back then frees
-        room for no one, so it returns however much of the pool it needs (a sequence holding
-        more than `readmit_usage` of the pool alone would otherwise wait forever, and every
-        request queued behind it with it)."""
+        """Nothing runs and nobody waits who could start in its place (evicted sequences and
+        requests still waiting for their admission commitment, which `seq`'s own commitment
+        may be what holds back, do not count): holding `seq` back then frees room for no one,
+        so it returns however much of the pool it needs (a sequence holding more than
+        `readmit_usage` of the pool alone would otherwise wait forever, and every request
+        queued behind it with it)."""
         if self.running:
             return False
-        return all(s.held or s is seq for s in self.waiting)
+        return all(s.held or s is seq or not self.policy.is_admitted(s) for s in self.waiting)
 
     def _room_for(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
         """Room for `n` tokens of a waiting `seq`; a `high` one makes its room by preempting

@@ -157,8 +157,8 @@ def test_a_network_address_is_refused_without_allow_network() -> None:
     assert refused.returncode == 2 and "not a loopback address" in refused.stderr
     for flags, message in (
         (["--master", "127.0.0.1:99999"], "a port 1..65535"),
-        (["--connect-timeout", "nan"], "--connect-timeout nan: expected seconds above zero"),
-        (["--connect-timeout", "-1"], "--connect-timeout -1.0: expected seconds above zero"),
+        (["--connect-timeout", "nan"], "--connect-timeout nan: expected seconds, finite, >= 0"),
+        (["--connect-timeout", "-1"], "--connect-timeout -1.0: expected seconds, finite, >= 0"),
         (["--world-size", "1"], "--world-size 1: expected 2 or more"),
     ):
         argv = ["--master", "127.0.0.1:29500", "--rank", "1", "--world-size", "2", *flags]

@@ -11,6 +11,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Header, Request
@@ -380,9 +381,10 @@ async def _serve(
     watch = _DisconnectWatch(request, service, streams, outs)  # from now, not once admitted
     admitted = False
     try:
-        for fut in futs:
-            await asyncio.wrap_future(fut)
+        await _admission(futs, outs[0])
         admitted = True
+    except RequestCut as e:  # the drain ran out while the engine had not yet taken it in
+        raise _cut_error(service, None, str(e)) from None
     except AdmissionRejected as e:
         d = e.decision
         status = ADMISSION_STATUS.get(d.kind, 503)
@@ -411,6 +413,23 @@ async def _serve(
         )
     finals = await _wait_final(service, streams, outs, watch)
     return _full_response(ctx, finals)
+
+
+async def _admission(futs: list[Future], outputs: _Outputs) -> None:
+    """Wait until the engine has taken in every choice (raising what `add_request` raised), or
+    raise RequestCut once the drain cuts the request: the engine may be stalled, and the cut
+    answers at once whether or not it has seen the request (every choice is cut together)."""
+    cut = asyncio.ensure_future(outputs.was_cut.wait())
+    try:
+        for fut in futs:
+            added = asyncio.wrap_future(fut)
+            await asyncio.wait({added, cut}, return_when=asyncio.FIRST_COMPLETED)
+            if not added.done():
+                added.cancel()  # nobody will read it: the abort in the caller's finally ends it
+                raise RequestCut(outputs.cut_message or "")
+            added.result()
+    finally:
+        cut.cancel()
 
 
 def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
@@ -544,6 +563,7 @@ class _Outputs:
         self._ready = asyncio.Event()
         self.gone = False  # the client hung up (event loop only)
         self.cut_message: str | None = None  # the server cut the request off (event loop only)
+        self.was_cut = asyncio.Event()  # ... and when, for a coroutine awaiting admission
         self._last: float | None = None  # when the previous token came (engine thread only)
 
     def hang_up(self) -> None:
@@ -557,6 +577,7 @@ class _Outputs:
         only). Output already produced is still handed out first."""
         self.cut_message = message
         self._ready.set()
+        self.was_cut.set()
 
     def push(self, out: RequestOutput) -> None:
         """The stream's listener, on the engine thread: must not block."""

@@ -544,6 +544,9 @@ class Service:
             "model": self.model_name,
             "ready": self.readiness()[0],
             "draining": self.draining,
+            # requests not finished, those still on their way into the engine included (what
+            # a drain waits for)
+            "in_flight": self.loop.in_flight(),
             "knobs": s.knobs,
             "queues": s.queues,
             "admission": s.admission,

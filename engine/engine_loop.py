@@ -150,6 +150,10 @@ class EngineLoop:
         self.engine: LLMEngine = engine  # type: ignore[assignment] - set by start() if None
         self.idle_wait_s = idle_wait_s
         self._streams: dict[str, RequestStream] = {}
+        # requests posted whose add has not resolved yet (it waits in the mailbox behind a long
+        # step, or a stalled engine): in flight, though the engine does not know them yet
+        self._adding = 0
+        self._adding_lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -327,13 +331,23 @@ class EngineLoop:
             self._streams[rid] = stream
             return rid
 
+        with self._adding_lock:
+            self._adding += 1
         posted = self.call(add)
+        posted.add_done_callback(self._added)  # run, refused, or failed with the engine
         if _is_high(priority):
             self.engine.interrupt_step()  # after posting: the next drain takes it
         return stream, posted
 
+    def _added(self, _: Future) -> None:
+        with self._adding_lock:
+            self._adding -= 1
+
     def in_flight(self) -> int:
-        return len(self._streams)
+        """Requests not finished: those the engine holds and those whose add is still on its
+        way to it (a drain that counted only the first would miss a request posted behind a
+        long step, and exit under it)."""
+        return len(self._streams) + self._adding
 
     def abort(self, request_id: str) -> Future:
         return self.call(lambda: self.engine.abort(request_id))

@@ -125,6 +125,61 @@ def test_second_sigterm_during_the_drain_exits_at_once_non_zero(tmp_path: Path) 
         t.join(60)
 
 
+def test_a_request_the_engine_has_not_taken_in_yet_is_drained_not_lost(tmp_path: Path) -> None:
+    """A request posted while the engine thread is busy (a long step; here a stall) waits in
+    the engine's mailbox: the engine does not know it yet, but the drain must, and answer it
+    (it once exited at once under it: the client got a bare 500). A drain that runs out cuts
+    such a request with its 503 at once, though the engine is still stalled."""
+    d = Daemon(tmp_path)  # drain_timeout 20s
+    got: dict[str, httpx.Response] = {}
+
+    def post(name: str) -> None:
+        got[name] = httpx.post(
+            d.url + "/v1/completions", json={**LONG, "max_tokens": 4}, timeout=60
+        )
+
+    try:
+        assert d.admin("POST", "/admin/debug/stall", json={"seconds": 5}).status_code == 200
+        first = threading.Thread(target=post, args=("drained",))
+        first.start()
+        until(lambda: d.admin("GET", "/admin/state").json()["in_flight"] == 1, 30, "posted")
+        d.proc.send_signal(signal.SIGTERM)
+        first.join(60)
+        assert got["drained"].status_code == 200, got["drained"].text
+        assert got["drained"].json()["usage"]["completion_tokens"] == 4
+        assert d.proc.wait(30) == 0
+    finally:
+        if d.proc.poll() is None:
+            d.proc.kill()
+        d.log.close()
+    assert "draining 1 in-flight requests" in Path(d.log.name).read_text()
+
+
+def test_a_cut_answers_a_request_still_on_its_way_into_a_stalled_engine(tmp_path: Path) -> None:
+    d = Daemon(tmp_path)
+    set_drain_timeout(d, "1s")
+    got: dict[str, httpx.Response] = {}
+
+    def post() -> None:
+        got["cut"] = httpx.post(
+            d.url + "/v1/completions", json={**LONG, "max_tokens": 4}, timeout=60
+        )
+
+    try:
+        assert d.admin("POST", "/admin/debug/stall", json={"seconds": 60}).status_code == 200
+        t = threading.Thread(target=post)
+        t.start()
+        until(lambda: d.admin("GET", "/admin/state").json()["in_flight"] == 1, 30, "posted")
+        d.proc.send_signal(signal.SIGTERM)
+        t.join(30)  # the cut answers at once, though the engine has not even seen it
+        err = got["cut"].json()["error"]
+        assert got["cut"].status_code == 503 and err["code"] == "request_cut", got["cut"].text
+    finally:
+        d.proc.kill()
+        d.proc.wait(30)
+        d.log.close()
+
+
 def post_and_lose(d: Daemon) -> None:
     """A request whose connection the test expects to drop with the process."""
     with contextlib.suppress(httpx.HTTPError):

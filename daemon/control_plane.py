@@ -8,6 +8,7 @@ preemption storm) and Alertmanager alerts trigger an immediate evaluation.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import threading
@@ -19,6 +20,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from apscheduler.schedulers import SchedulerNotRunningError
 from apscheduler.schedulers.background import BackgroundScheduler
 from apscheduler.triggers.interval import IntervalTrigger
 
@@ -134,9 +136,17 @@ class ControlPlane:
                 incident=self.evaluator.incident,
             )
         if event.kind == "engine_oom":
-            self._soon("engine_oom")
+            self._soon_off_engine("engine_oom")
         elif event.kind == "preempted":
             self._count_preemption(event.time)
+
+    def _soon_off_engine(self, kind: str) -> None:
+        """`_soon` from another thread: the engine thread must never wait on the scheduler's
+        lock, which `stop()` holds while it waits for a running evaluation, and that may be
+        waiting for the engine to apply its action (a deadlock of up to 120 s at shutdown)."""
+        threading.Thread(
+            target=self._soon, args=(kind,), name="kvguard-rule-event", daemon=True
+        ).start()
 
     def _count_preemption(self, t: float) -> None:
         q = self._preempt_times
@@ -148,7 +158,7 @@ class ControlPlane:
             self.service.audit.record_event(
                 "preemption_storm", detail=f"{len(q)} preemptions in {STORM_WINDOW_S:g}s"
             )
-            self._soon("preemption_storm")
+            self._soon_off_engine("preemption_storm")
 
     def _soon(self, kind: str, resolved: bool = False) -> None:
         """Evaluate right away on the scheduler's worker threads (not the caller's)."""
@@ -162,7 +172,8 @@ class ControlPlane:
                 self.evaluator.handle_event(kind, resolved=resolved)
             self.evaluate()
 
-        self.scheduler.add_job(run, id=None, misfire_grace_time=60)
+        with contextlib.suppress(SchedulerNotRunningError):  # stopping: nothing to evaluate
+            self.scheduler.add_job(run, id=None, misfire_grace_time=60)
 
     # -- Alertmanager -----------------------------------------------------------------------
     def alertmanager(self, payload: dict[str, Any]) -> dict[str, Any]:

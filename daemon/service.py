@@ -75,6 +75,7 @@ class Service:
         self.config_path = config_path
         self.started = int(time.time())
         self.draining = False
+        self._reload_lock = threading.Lock()
         self._ready = False
         self.engine: LLMEngine
         self.loop: EngineLoop
@@ -116,12 +117,15 @@ class Service:
         sdnotify.status(f"loading model {self.engine_model}")
         config = self.cfg.to_engine_config()
         # built on the engine thread, where it steps (see EngineLoop.start)
-        self.loop = EngineLoop().start(lambda: LLMEngine.from_config(config, progress=progress))
+        loop = EngineLoop()
+        # before it starts: a rank lost at once (the idle loop checks them) must still make the
+        # daemon exit non-zero, for systemd to restart it
+        loop.on_fatal.append(self._on_engine_fatal)
+        self.loop = loop.start(lambda: LLMEngine.from_config(config, progress=progress))
         self.engine = self.loop.engine
         self.worker_pids = _worker_pids(self.engine)
         self._refresh_kv_rank_bytes(self.engine.latest_snapshot)
         self.loop.on_step.append(self._refresh_kv_rank_bytes)
-        self.loop.on_fatal.append(self._on_engine_fatal)
         self.metrics = Metrics(
             lambda: self.engine.latest_snapshot, lambda: self.readiness()[0], self.nvml
         )
@@ -357,6 +361,7 @@ class Service:
         return len(ids)
 
     def close(self) -> None:
+        self.draining = True  # whatever ended serving: from here no reload, no new request
         self._stop_watchdog.set()
         self._unwatch_gc()
         gc_policy.unfreeze()
@@ -395,7 +400,18 @@ class Service:
         threading.Thread(target=self.reload, name="kvguard-reload", daemon=True).start()
 
     def reload(self) -> dict[str, Any]:
-        """Re-read the config file; a bad file keeps the running config and says why."""
+        """Re-read the config file; a bad file keeps the running config and says why. One at a
+        time (SIGHUP and POST /admin/reload may come together: each compares the file with the
+        config in force and must see the other's result), and none once the drain has begun
+        (the engine is on its way out: a reload would wait on it, and say READY after
+        STOPPING)."""
+        with self._reload_lock:
+            if self.draining:
+                log.warning("reload refused: shutting down")
+                return {"reloaded": False, "reason": "shutting down: reloads are refused"}
+            return self._reload()
+
+    def _reload(self) -> dict[str, Any]:
         sdnotify.reloading()
         try:
             if self.config_path is None:

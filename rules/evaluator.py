@@ -43,6 +43,8 @@ STATES = ("inactive", "pending", "firing", "recovering", "unknown")
 SignalReader = Callable[[str, Signal], "float | None"]
 Executor = Callable[[str, dict[str, Any]], ActionResult]
 
+KEPT_DECISIONS = 10_000  # the latest decisions an evaluator keeps
+
 
 class AuditSink(Protocol):
     def record_action(self, **fields: Any) -> None: ...
@@ -138,7 +140,8 @@ class Evaluator:
         self.incident_actions = 0
         self.incident_peak = 0
         self.stats = Stats()
-        self.decisions: list[Decision] = []
+        self.decisions: list[Decision] = []  # the latest KEPT_DECISIONS
+        self.decided = 0  # decisions ever made: what a call returns is counted by this
         self._lock = threading.RLock()  # state: held briefly, never across an action
         self._turn = threading.Lock()  # one evaluation (tick or event) at a time
 
@@ -168,7 +171,7 @@ class Evaluator:
             return None
         try:
             t0 = time.perf_counter()
-            start = len(self.decisions)
+            start = self.decided
             try:
                 values = self._read_values()
             except Exception:  # noqa: BLE001 - no values: every rule unknown, nothing acts
@@ -182,7 +185,7 @@ class Evaluator:
                 self.stats.evaluations += 1
                 self.stats.last_duration_s = time.perf_counter() - t0
             with self._lock:
-                return self.decisions[start:]
+                return self._since(start)
         finally:
             self._turn.release()
 
@@ -296,7 +299,7 @@ class Evaluator:
         once, never dropped."""
         with self._turn:
             with self._lock:
-                start = len(self.decisions)
+                start = self.decided
                 now = self.clock()
                 names = [r.name for r in self.rules.rules if r.on == kind]
             trigger = "alert" if kind.startswith("alert:") else "event"
@@ -311,7 +314,13 @@ class Evaluator:
                     self._carry_out(a, lambda outcome, a=a: self._event_acted(a, now, outcome))
             with self._lock:
                 self._maybe_close_incident()
-                return self.decisions[start:]
+                return self._since(start)
+
+    def _since(self, start: int) -> list[Decision]:
+        """The decisions made since `decided` was `start` (a list kept to its latest
+        KEPT_DECISIONS: its length stops growing, so it cannot say what is new)."""
+        n = min(self.decided - start, len(self.decisions))
+        return self.decisions[len(self.decisions) - n :] if n > 0 else []
 
     def _decide_event(self, name: str, trigger: str, now: float, resolved: bool) -> Attempt | None:
         rule = next((r for r in self.rules.rules if r.name == name), None)
@@ -446,7 +455,8 @@ class Evaluator:
         self.decisions.append(
             Decision(self.clock(), rule.name, action, trigger, outcome, undo, value, detail)
         )
-        del self.decisions[:-10000]
+        self.decided += 1
+        del self.decisions[:-KEPT_DECISIONS]
         if self.incident is not None:
             self.incident_actions += 1
         log.info(

@@ -67,3 +67,38 @@ def test_failed_step_answers_500_then_serves_on(
     assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 6
     snap = service.engine.latest_snapshot
     assert snap.blocks_used == 0 and snap.finished["error"]["normal"] == 2
+
+
+def test_a_rank_lost_right_after_loading_exits_non_zero(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The idle loop checks the ranks as soon as the engine is up: a failure found then, before
+    the daemon has finished its own start, still makes it exit non-zero (systemd restarts it on
+    failure; an exit 0 left it down)."""
+    from kvguard.daemon import service as service_mod
+    from kvguard.daemon.config import DaemonConfig, apply_overrides
+    from kvguard.engine.distributed.errors import RankFailure
+    from kvguard.engine.llm_engine import LLMEngine
+
+    built = LLMEngine.from_config
+
+    def dead_rank(*args: Any, **kw: Any) -> LLMEngine:
+        engine = built(*args, **kw)
+
+        def check_alive() -> None:
+            raise RankFailure(1, "died right after loading")
+
+        engine.runner.check_alive = check_alive
+        return engine
+
+    monkeypatch.setattr(LLMEngine, "from_config", staticmethod(dead_rank))
+    monkeypatch.setenv("STATE_DIRECTORY", str(tmp_path))
+    cfg = apply_overrides(DaemonConfig(), model="tiny", port=0)
+    svc = service_mod.Service(cfg)
+    sock = service_mod.bind_api("127.0.0.1", 0)
+    try:
+        svc.load(progress=False)
+        assert asyncio.run(svc.serve(sock)) == service_mod.FATAL_EXIT_CODE
+    finally:
+        sock.close()
+        svc.shutdown_engine()

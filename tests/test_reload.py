@@ -172,3 +172,20 @@ def test_a_missing_or_broken_rules_file_stops_the_start_before_the_model_loads(
         )
         assert proc.returncode == 2 and f"{path}" in proc.stderr and said in proc.stderr
         assert "no-such-model" not in proc.stderr, proc.stderr
+
+
+def test_an_engine_event_never_waits_on_the_schedulers_lock(plane: ControlPlane) -> None:
+    """The engine thread reports an OOM while `stop()` holds the scheduler's lock, waiting for
+    an evaluation that waits for the engine: the report must return at once (it had to wait
+    for the lock: a deadlock of up to 120 s at shutdown)."""
+    import threading
+
+    from kvguard.engine.events import EngineEvent
+
+    with plane.scheduler._jobstores_lock:  # as shutdown(wait=True) holds it
+        engine_thread = threading.Thread(
+            target=plane._on_engine_event, args=(EngineEvent("engine_oom"),), daemon=True
+        )
+        engine_thread.start()
+        engine_thread.join(10)
+        assert not engine_thread.is_alive()

@@ -478,3 +478,21 @@ def test_rules_check_flags_out_of_bounds_action_params(tmp_path: Path) -> None:
             chk.stderr,
         )
     assert "6 error(s)" in chk.stderr
+
+
+def test_a_tick_returns_its_decisions_once_the_kept_list_is_full(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The evaluator keeps its latest decisions only; what a tick or an event returns is what
+    it decided, not what the (no longer growing) list gained: once full, every call had
+    returned nothing."""
+    from kvguard.rules import evaluator
+
+    monkeypatch.setattr(evaluator, "KEPT_DECISIONS", 3)
+    h = Harness(
+        HEADER
+        + "  - {name: evict, signal: kv, above: 0.9, action: evict_lowest_priority, cooldown: 0s}\n"
+    )
+    got = [h.at(5.0 * i, 0.95) for i in range(1, 7)]
+    assert got == [[("evict", "evict_lowest_priority", False)]] * 6
+    assert len(h.ev.decisions) == 3 and h.ev.decided == 6

@@ -316,12 +316,13 @@ class AuditStore:
         return ok
 
     def _join(self) -> None:
-        if self._thread is None:
+        thread = self._thread  # read once: a second stop() (the forced exit's) may clear it
+        if thread is None:
             return
         # A writer inside a commit finishes it within the busy timeout; one that is still there
         # after that may yet commit rows the spill also holds: an import skips those.
-        self._thread.join(timeout=self.busy_timeout_ms / 1000 + 1.0)
-        if not self._thread.is_alive():
+        thread.join(timeout=self.busy_timeout_ms / 1000 + 1.0)
+        if not thread.is_alive():
             self._thread = None
 
     def _spill(self) -> None:

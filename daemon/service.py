@@ -39,7 +39,7 @@ from kvguard.daemon.control_plane import ControlPlane
 from kvguard.daemon.logging_setup import configure_logging
 from kvguard.daemon.metrics import ControlPlaneCollector, Metrics, TensorParallelCollector
 from kvguard.daemon.nvml import NvmlReader
-from kvguard.engine.engine_loop import EngineLoop
+from kvguard.engine.engine_loop import EngineLoop, EngineUnavailable
 from kvguard.engine.host_memory import host_memory_used_ratio
 from kvguard.engine.knobs import KnobField
 from kvguard.engine.llm_engine import LLMEngine
@@ -219,13 +219,16 @@ class Service:
         in-flight request with an error and refuses new work). Say why, stop the watchdog pings
         and exit non-zero: systemd restarts the whole service, the one way to get all ranks back
         in step. Engine thread; the HTTP side is ended on the event loop."""
-        self.exit_code = FATAL_EXIT_CODE
-        log.error(
-            "engine failed for good: %s; not ready, answering 503 and exiting with status %d "
-            "so that systemd restarts the service",
-            error,
-            FATAL_EXIT_CODE,
-        )
+        if self.draining:  # asked to stop (its workers may be stopping first): the exit stays
+            log.error("engine failed while the daemon was stopping: %s", error)
+        else:
+            self.exit_code = FATAL_EXIT_CODE
+            log.error(
+                "engine failed for good: %s; not ready, answering 503 and exiting with status %d "
+                "so that systemd restarts the service",
+                error,
+                FATAL_EXIT_CODE,
+            )
         self._silence_watchdog()
         sdnotify.status(f"engine failed: {error}")
         if self.audit is not None:
@@ -349,6 +352,8 @@ class Service:
             await asyncio.wait_for(asyncio.wrap_future(aborted), CUT_GRACE_S)
         except TimeoutError:
             log.error("engine did not apply the aborts within %gs; exiting anyway", CUT_GRACE_S)
+            return
+        except EngineUnavailable:  # it failed meanwhile: it answered its requests already
             return
         deadline = time.monotonic() + CUT_GRACE_S
         while self.loop.in_flight() and time.monotonic() < deadline:

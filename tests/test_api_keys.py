@@ -20,7 +20,7 @@ import pytest
 from kvguard.daemon.api_keys import KeysFileError, digest, load_keys, read_entries
 from kvguard.daemon.cli import main
 from tests.test_disconnect import count, idle, send, state
-from tests.test_server import KVGUARD, Daemon, until
+from tests.test_server import KVGUARD, Daemon, serve_refused, until
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
@@ -238,9 +238,7 @@ def test_a_missing_or_broken_keys_file_stops_the_start(tmp_path: Path) -> None:
             path.write_text(body)
         cfg = tmp_path / "config.yaml"
         cfg.write_text(f"serving: {{model: tiny}}\napi: {{port: 0, api_keys_file: {path}}}\n")
-        proc = subprocess.run(
-            [KVGUARD, "serve", "--config", str(cfg)], capture_output=True, text=True, timeout=60
-        )
+        proc = serve_refused(cfg)
         assert proc.returncode == 2 and said in proc.stderr, proc.stderr
 
 

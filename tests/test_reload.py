@@ -157,9 +157,7 @@ def test_a_missing_or_broken_rules_file_stops_the_start_before_the_model_loads(
 ) -> None:
     """As a broken config: refused at once, naming the file (and line), with nothing bound or
     loaded (the model named does not even exist: loading it would fail otherwise)."""
-    import subprocess
-
-    from tests.test_server import KVGUARD
+    from tests.test_server import serve_refused
 
     for body, said in ((None, "cannot read"), ("interval: 0\n", ":1: interval: interval 0s")):
         path = tmp_path / "rules.yaml"
@@ -167,9 +165,7 @@ def test_a_missing_or_broken_rules_file_stops_the_start_before_the_model_loads(
             path.write_text(body)
         cfg = tmp_path / "config.yaml"
         cfg.write_text(f"serving: {{model: no-such-model}}\nrules: {{path: {path}}}\n")
-        proc = subprocess.run(
-            [KVGUARD, "serve", "--config", str(cfg)], capture_output=True, text=True, timeout=60
-        )
+        proc = serve_refused(cfg)
         assert proc.returncode == 2 and f"{path}" in proc.stderr and said in proc.stderr
         assert "no-such-model" not in proc.stderr, proc.stderr
 

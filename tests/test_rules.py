@@ -269,17 +269,19 @@ def test_rules_cli_check_and_test() -> None:
     assert res.stdout.count("PASS") == len(scen) >= 2
 
 
+def rules_test(*scenarios: Path) -> subprocess.CompletedProcess[str]:
+    """`kvguard rules test` of the default rules against `scenarios`."""
+    argv = [KVGUARD, "rules", "test", str(default_rules_path()), *map(str, scenarios)]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60)
+
+
 def test_rules_cli_fails_on_a_wrong_expectation(tmp_path: Path) -> None:
     sc = tmp_path / "wrong.yaml"
     sc.write_text(
         "duration: 60s\nseries:\n  kv_usage: [{at: 0s, value: 0.99}]\n"
         "expect:\n  - {at: 5s, rule: evict-low, action: evict_lowest_priority}\n"
     )
-    res = subprocess.run(
-        [KVGUARD, "rules", "test", str(default_rules_path()), str(sc)],
-        capture_output=True,
-        text=True,
-    )
+    res = rules_test(sc)
     assert res.returncode == 1 and "FAIL" in res.stdout and "expected" in res.stdout
     bad = tmp_path / "bad.yaml"
     bad.write_text("rules: [{name: x}]\n")
@@ -348,23 +350,13 @@ def test_a_scenario_names_only_signals_and_events_that_exist(tmp_path: Path) -> 
         "events:\n  - {at: 5s, kind: engine_oomm}\n  - {at: 6s, kind: engine_oom, resolved: 'yes'}\n"
         "expect: []\n"
     )
-    res = subprocess.run(
-        [KVGUARD, "rules", "test", str(default_rules_path()), str(sc)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    res = rules_test(sc)
     assert res.returncode == 1 and "PASS" not in res.stdout, res.stdout
     assert f"{sc}:5: events.0.kind: 'engine_oomm': expected engine_oom" in res.stderr
     assert f"{sc}:6: events.1.resolved: Input should be a valid boolean (got 'yes')" in res.stderr
     assert f"{sc}:3: series.kv_usag: names no signal" in res.stderr
     sc.write_text("duration: 60s\nseries:\n  kv_usag: [{at: 0s, value: 0.99}]\n")
-    res = subprocess.run(
-        [KVGUARD, "rules", "test", str(default_rules_path()), str(sc)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    res = rules_test(sc)
     assert res.returncode == 1
     assert (
         f"{sc}:3: series.kv_usag: names no signal of the rules file (defined: kv_usage"

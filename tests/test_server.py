@@ -30,6 +30,12 @@ def until(pred, timeout: float, what: str) -> None:  # noqa: ANN001 - a predicat
         time.sleep(0.05)
 
 
+def serve_refused(config: Path) -> subprocess.CompletedProcess[str]:
+    """`kvguard serve --config` of a config it must refuse to start with (it exits)."""
+    argv = [KVGUARD, "serve", "--config", str(config)]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60)
+
+
 def free_port() -> int:
     """A loopback port free now, below Linux's ephemeral range (32768 and up): a port the
     kernel picked from that range can become the local end of a connection some process opens

@@ -173,7 +173,10 @@ class ControlPlane:
             self.evaluate()
 
         with contextlib.suppress(SchedulerNotRunningError):  # stopping: nothing to evaluate
-            self.scheduler.add_job(run, id=None, misfire_grace_time=60)
+            # however late (misfire_grace_time None): an evaluation stuck on a slow engine may
+            # hold the pool's threads, and an event skipped as misfired would be lost (its
+            # alert already marked as seen)
+            self.scheduler.add_job(run, id=None, misfire_grace_time=None)
 
     # -- Alertmanager -----------------------------------------------------------------------
     def alertmanager(self, payload: dict[str, Any]) -> dict[str, Any]:

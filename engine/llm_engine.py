@@ -361,12 +361,18 @@ class LLMEngine(ControlSurface):
         self.interrupt.clear()  # what is posted by now is in this step's drain
         self.mailbox.drain()
         outputs, self._pending = self._pending, []
-        self._maybe_restore_budget()
-        batch = self.scheduler.schedule()
-        if not batch.empty:
-            steps = self._steps_ahead(batch)
-            outputs += self._run(batch, steps)
-            self._step_no += steps
+        try:
+            self._maybe_restore_budget()
+            batch = self.scheduler.schedule()
+            if not batch.empty:
+                steps = self._steps_ahead(batch)
+                outputs += self._run(batch, steps)
+                self._step_no += steps
+        except BaseException:
+            # requests already ended (aborts, caps) are answered by the next step, not lost
+            # with this one (their clients would wait for an answer that never comes)
+            self._pending[:0] = [o for o in outputs if o.finished]
+            raise
         self.latest_snapshot = self.snapshot()
         return outputs
 

@@ -9,6 +9,8 @@ dtype switch entering the prefix cache, and an interrupted step keeping the bloc
 
 from __future__ import annotations
 
+import pytest
+
 from kvguard.engine import LLMEngine
 from kvguard.engine.admission import AdmissionConfig
 from tests.test_engine import make_engine
@@ -146,3 +148,23 @@ def test_an_interrupted_step_gives_back_the_blocks_it_took() -> None:
     done = finish(engine)
     assert len(done[first]) == 20 and len(done[second]) == 5
     assert engine.block_manager.num_used == 0 and engine.host_block_manager.num_used == 0
+
+
+def test_an_ended_request_is_answered_though_the_step_that_would_answer_it_fails() -> None:
+    """An abort's output waits for the next step; a step that raises before it runs (a bug in
+    scheduling, say) hands it to the step after, so the client still gets its answer."""
+    engine = make_engine(kv_cache_bytes="256KiB", max_model_len=512)
+    rid = engine.add_request([3, 4, 5], greedy(50))
+    engine.step()
+    assert engine.abort(rid)
+    schedule = engine.scheduler.schedule
+
+    def broken() -> None:
+        raise RuntimeError("a scheduling bug")
+
+    engine.scheduler.schedule = broken  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="scheduling bug"):
+        engine.step()
+    engine.scheduler.schedule = schedule  # type: ignore[method-assign]
+    outs = engine.step()
+    assert [(o.request_id, o.finish_reason) for o in outs] == [(rid, "abort")]

@@ -353,10 +353,10 @@ async def _serve(
     priority = _priority(service, body, x_priority, key)
     if service.loop.fatal is not None:
         raise engine_unavailable(service.loop.fatal)
-    if service.draining:
-        raise ApiError(503, "server is shutting down", type_="service_unavailable", retry_after=5)
+    _refuse_if_draining(service)
     if params.json_schema or params.grammar:  # the grammar library's tokenizer view, once, not
         await asyncio.to_thread(service.engine.grammars.view)  # on the engine's thread
+        _refuse_if_draining(service)  # the drain may have begun meanwhile: not admitted after
     ctx = _Ctx(service, kind, body.model, priority, time.monotonic(), params)
     ctx.n = body.n or 1
     if key is not None:
@@ -413,6 +413,11 @@ async def _serve(
         )
     finals = await _wait_final(service, streams, outs, watch)
     return _full_response(ctx, finals)
+
+
+def _refuse_if_draining(service: Service) -> None:
+    if service.draining:
+        raise ApiError(503, "server is shutting down", type_="service_unavailable", retry_after=5)
 
 
 async def _admission(futs: list[Future], outputs: _Outputs) -> None:

@@ -25,11 +25,16 @@ def add_keys_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         default=DEFAULT_FILE,
         help="the API keys file, as api.api_keys_file names it (default: %(default)s)",
     )
+    # --file after the action too (`kvguard keys list --file F`), where it is as often written;
+    # not given there, the group's value (or default) stands
+    after = argparse.ArgumentParser(add_help=False)
+    after.add_argument("--file", type=Path, default=argparse.SUPPRESS, help="the API keys file")
     actions = keys.add_subparsers(
         dest="keys_command", metavar="{add,list,remove,hash}", required=True
     )
     add = actions.add_parser(
         "add",
+        parents=[after],
         help="make a key, append its digest to the file and print the key (once)",
         description="Make a random key, append its SHA-256 to the file (created if absent) "
         "and print the key on standard output: it is not stored anywhere, so keep it now.",
@@ -57,10 +62,12 @@ def add_keys_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "more answer 429 (default: no limit)",
     )
     add.set_defaults(func=cmd_keys_add)
-    lst = actions.add_parser("list", help="show each key's name and priorities")
+    lst = actions.add_parser("list", parents=[after], help="show each key's name and priorities")
     lst.add_argument("--json", action="store_true", help="print a JSON list")
     lst.set_defaults(func=cmd_keys_list)
-    rm = actions.add_parser("remove", help="revoke a key: drop its entry from the file")
+    rm = actions.add_parser(
+        "remove", parents=[after], help="revoke a key: drop its entry from the file"
+    )
     rm.add_argument("name", metavar="NAME")
     rm.set_defaults(func=cmd_keys_remove)
     hsh = actions.add_parser(

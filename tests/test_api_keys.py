@@ -285,6 +285,8 @@ def test_keys_commands_add_list_remove_and_hash(tmp_path: Path, capsys, monkeypa
     assert keys.find(b).default_priority == "low" and keys.find("kvg-other") is None
     assert main(["keys", "--file", str(path), "list", "--json"]) == 0
     assert '"name": "b"' in capsys.readouterr().out
+    assert main(["keys", "list", "--file", str(path), "--json"]) == 0  # after the action too
+    assert '"name": "b"' in capsys.readouterr().out
     assert main(["keys", "--file", str(path), "add", "a"]) == 2  # names are unique
     assert "already there" in capsys.readouterr().err
     assert main(["keys", "--file", str(path), "add", "c", "--default-priority", "high"]) == 2

@@ -213,26 +213,20 @@ class QuantizationConfig(_knob_section("quantization")):  # type: ignore[misc]
 # does not act on: what they meant is set in the rules file (rules.path). A file that sets one
 # is told so at start (`inert_keys`).
 INERT = {
-    ("recovery", "target_vram_usage"): "recovery is each rule's recover_below in the rules file",
-    ("recovery", "throttle_threshold"): "load is limited by each rule's `above` in the rules file",
-    (
-        "monitoring",
-        "oom_alert_threshold",
-    ): "the GPU memory rule's `above` in the rules file decides",
-    (
-        "monitoring",
-        "snapshot_interval",
-    ): "gauges are read from the engine's latest step at each scrape",
+    "recovery.target_vram_usage": "recovery is each rule's recover_below in the rules file",
+    "recovery.throttle_threshold": "load is limited by each rule's `above` in the rules file",
+    "monitoring.oom_alert_threshold": "the GPU memory rule's `above` in the rules file decides",
+    "monitoring.snapshot_interval": "gauges are read from the engine's latest step at each scrape",
 }
 
 
 def inert_keys(cfg: DaemonConfig) -> list[str]:
     """One line for each key of `INERT` the file sets: it changes nothing, and why."""
     return [
-        f"{section}.{key} has no effect in kvguard ({why}); it is accepted so the brief's "
-        "configs load as written"
-        for (section, key), why in INERT.items()
-        if key in getattr(cfg, section).model_fields_set
+        f"{name} has no effect in kvguard ({why}); it is accepted so the brief's configs load "
+        "as written"
+        for name, why in INERT.items()
+        if name.split(".")[1] in getattr(cfg, name.split(".")[0]).model_fields_set
     ]
 
 

@@ -29,7 +29,7 @@ from kvguard.engine.control import ActionResult
 from kvguard.engine.events import EngineEvent
 from kvguard.rules.actions import run_action
 from kvguard.rules.evaluator import Evaluator
-from kvguard.rules.schema import RuleSet, RulesFileError, default_rules_path, load_rules
+from kvguard.rules.schema import RuleSet, RulesFileError, load_rules, rules_file
 from kvguard.rules.signals import PromQL, SignalReader
 
 if TYPE_CHECKING:
@@ -52,7 +52,7 @@ class ControlPlane:
     def __init__(self, service: Service) -> None:
         self.service = service
         cfg = service.cfg
-        self.rules_path = Path(cfg.rules.path) if cfg.rules.path else default_rules_path()
+        self.rules_path = rules_file(cfg.rules.path)
         # what the service read before loading (`Service.read_rules`), else the file now
         self.ruleset: RuleSet = service.rules_at_start or load_rules(self.rules_path)
         self.promql = PromQL(cfg.prometheus.url, cfg.prometheus.timeout, cfg.prometheus_instance())
@@ -257,7 +257,7 @@ class ControlPlane:
         the old rules are gone. If swapping still fails, the old schedule is put back.
         `before_install` (the daemon's other reloadable settings) runs once the rules are
         known good and before they are swapped; what it raises refuses the reload whole."""
-        path = Path(rules_path) if rules_path else default_rules_path()
+        path = rules_file(rules_path)
         try:
             new = load_rules(path)
             trigger = self._interval_trigger(new.interval)

@@ -45,7 +45,7 @@ from kvguard.engine.knobs import KnobField
 from kvguard.engine.llm_engine import LLMEngine
 from kvguard.engine.snapshot import EngineSnapshot
 from kvguard.rules.actions import run_action
-from kvguard.rules.schema import RuleSet, default_rules_path, load_rules
+from kvguard.rules.schema import RuleSet, load_rules, rules_file
 
 log = logging.getLogger("kvguard.daemon")
 STALL_AFTER_S = 30.0  # an engine loop without a heartbeat this long is not ready
@@ -514,8 +514,7 @@ class Service:
     def read_rules(self) -> None:
         """Read the rules file now, before the port is bound and the model loaded, so that a
         missing or broken one stops the start at once; the control plane starts with it."""
-        path = Path(self.cfg.rules.path) if self.cfg.rules.path else default_rules_path()
-        self.rules_at_start = load_rules(path)
+        self.rules_at_start = load_rules(rules_file(self.cfg.rules.path))
 
     @staticmethod
     def _load_keys(cfg: DaemonConfig) -> ApiKeys | None:

@@ -294,12 +294,10 @@ class LLMEngine(ControlSurface):
                 raise ValueError(self._too_long(limit, limit, more=True))
         else:
             ids = list(prompt)
-            if len(ids) >= limit:
-                raise ValueError(self._too_long(len(ids), limit))
             vocab = self.model_config.vocab_size
-            bad = [
+            bad = [  # a list too long is refused below, without this scan
                 t
-                for t in ids
+                for t in (ids if len(ids) < limit else ())
                 if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab
             ]
             if bad:

@@ -304,3 +304,8 @@ def load_rules(path: Path) -> RuleSet:
 
 def default_rules_path() -> Path:
     return Path(__file__).with_name("default.yaml")
+
+
+def rules_file(path: str | Path | None) -> Path:
+    """The rules file `rules.path` names, or the packaged default rules when it names none."""
+    return Path(path) if path else default_rules_path()

@@ -18,6 +18,7 @@ from tests.test_kv_pool import apply
 from tests.test_remedies import greedy
 
 LONG = [3 + i % 300 for i in range(420)]  # 27 blocks of 16
+SWAP = {"enable_cpu_offload": True, "min_gpu_blocks": 0}  # preempted sequences swap out
 
 
 def finish(engine: LLMEngine, most: int = 2000) -> dict[str, list[int]]:
@@ -38,8 +39,9 @@ def finish(engine: LLMEngine, most: int = 2000) -> dict[str, list[int]]:
 
 def test_an_evicted_sequence_holding_most_of_the_pool_comes_back_when_alone() -> None:
     for offload in (False, True):
-        kw = {"enable_cpu_offload": True, "min_gpu_blocks": 0} if offload else {}
-        engine = make_engine(kv_cache_bytes="256KiB", max_model_len=512, **kw)
+        engine = make_engine(
+            kv_cache_bytes="256KiB", max_model_len=512, **(SWAP if offload else {})
+        )
         assert engine.block_manager.num_blocks == 32
         big = engine.add_request(LONG, greedy(8))
         for _ in range(3):
@@ -53,19 +55,13 @@ def test_an_evicted_sequence_holding_most_of_the_pool_comes_back_when_alone() ->
 
 def test_a_sequence_swapped_out_holding_the_whole_pool_swaps_back_in() -> None:
     engine = make_engine(
-        kv_cache_bytes="128KiB",
-        max_model_len=2048,
-        enable_cpu_offload=True,
-        min_gpu_blocks=0,
-        cpu_cache_ratio=0.5,
-        max_num_seqs=1,
+        kv_cache_bytes="128KiB", max_model_len=2048, cpu_cache_ratio=0.5, max_num_seqs=1, **SWAP
     )
     assert engine.block_manager.num_blocks == 16 and engine.max_total_len() == 256
     rid = engine.add_request(LONG[:230], greedy(25))  # grows to 255 tokens: all 16 blocks
-    seq = engine.scheduler.running[0] if engine.scheduler.running else None
-    while seq is None or seq.num_computed_tokens < 241:
+    seq = engine._seqs[rid]
+    while seq.num_computed_tokens < 241:
         engine.step()
-        seq = seq or engine.scheduler.running[0]
     assert len(seq.block_table) == 16
     high = engine.add_request([7, 8, 9], greedy(3), priority="high")
     engine.step()
@@ -129,11 +125,7 @@ def test_blocks_filled_after_a_dtype_switch_never_serve_the_prefix_cache() -> No
 
 def test_an_interrupted_step_gives_back_the_blocks_it_took() -> None:
     engine = make_engine(
-        kv_cache_bytes="256KiB",
-        max_model_len=512,
-        enable_cpu_offload=True,
-        min_gpu_blocks=0,
-        max_num_batched_tokens=64,
+        kv_cache_bytes="256KiB", max_model_len=512, max_num_batched_tokens=64, **SWAP
     )
     first = engine.add_request([3 + i % 200 for i in range(40)], greedy(20))
     engine.step()

@@ -365,7 +365,7 @@ async def _serve(
     ctx.echo = prompts if getattr(body, "echo", False) else None
     ctx.tools = params.grammar is not None
     aio = asyncio.get_running_loop()
-    outs = [_Outputs(aio, ctx, bool(body.stream)) for _ in range(len(prompts) * ctx.n)]
+    outs = [_Outputs(aio, ctx, i, bool(body.stream)) for i in range(len(prompts) * ctx.n)]
     streams, futs = [], []
     for i, outputs in enumerate(outs):  # one engine request per choice, in order
         stream, fut = service.loop.submit_nowait(
@@ -467,6 +467,7 @@ class _Ctx:
         self.echo: list[str | list[int]] | None = None  # the prompts, for a completion with echo
         self.tools = False  # a chat answer that may be tool calls
         self.key: str | None = None  # the API key's name, where the daemon checks keys
+        self._charged: set[int] = set()  # prompts whose tokens the key was charged (engine thread)
         self.id = new_id("chatcmpl" if kind == "chat.completion" else "cmpl")
         self.created = now()
         # a completion's logprobs: where choice i's next token's text starts
@@ -530,6 +531,20 @@ class _Ctx:
             return prompt
         return self.service.engine.tokenizer.decode(prompt, skip_special_tokens=False)
 
+    def charge(self, index: int, out: RequestOutput) -> None:
+        """Charge the key for choice `index`'s final output (engine thread): the tokens the
+        engine generated for it, however it ended (a client that hangs up near the end pays
+        for what was computed), and its prompt's tokens once, with the first of the prompt's
+        choices that generated any (one aborted while it waited computed nothing)."""
+        if self.key is None:
+            return
+        tokens = self.service.metrics.api_tokens
+        if out.num_output_tokens:
+            if index // self.n not in self._charged:
+                self._charged.add(index // self.n)
+                tokens.labels(self.key, "prompt").inc(out.num_prompt_tokens)
+            tokens.labels(self.key, "completion").inc(out.num_output_tokens)
+
     def observe(self, out: RequestOutput, last: float | None) -> float | None:
         """Latency metrics, per engine output of one choice (engine thread): they measure the
         engine, not how fast the client reads. `last` is when the choice's previous token
@@ -561,8 +576,10 @@ class _Outputs:
     non-streaming request keeps only the final output, the one it answers with.
     """
 
-    def __init__(self, aio: asyncio.AbstractEventLoop, ctx: _Ctx, keep_deltas: bool) -> None:
-        self._aio, self.ctx, self._keep_deltas = aio, ctx, keep_deltas
+    def __init__(
+        self, aio: asyncio.AbstractEventLoop, ctx: _Ctx, index: int, keep_deltas: bool
+    ) -> None:
+        self._aio, self.ctx, self._index, self._keep_deltas = aio, ctx, index, keep_deltas
         self._lock = threading.Lock()  # the engine thread adds, the event loop takes
         self._buffer = OutputBuffer()
         self._ready = asyncio.Event()
@@ -587,6 +604,8 @@ class _Outputs:
     def push(self, out: RequestOutput) -> None:
         """The stream's listener, on the engine thread: must not block."""
         self._last = self.ctx.observe(out, self._last)
+        if out.finished:
+            self.ctx.charge(self._index, out)
         if not (self._keep_deltas or out.finished):
             return
         with self._lock:
@@ -720,17 +739,12 @@ def _end(
     finals: dict[int, RequestOutput],
 ) -> None:
     """The request's answer is complete or failed: the watch's and drain's hold on its
-    choices ends, a choice still running (another one failed) is aborted, and its API key
-    is charged for the tokens of the choices that finished."""
+    choices ends, and a choice still running (another one failed, the client left) is
+    aborted. (Its API key is charged as each choice's final output comes: `_Ctx.charge`.)"""
     for i, (stream, outputs) in enumerate(zip(streams, outs, strict=True)):
         service.requests.discard(outputs)
         if i not in finals:
             service.loop.abort_stream(stream)
-    ctx = outs[0].ctx  # a request has at least one choice
-    if ctx.key is not None and finals:
-        tokens = service.metrics.api_tokens
-        tokens.labels(ctx.key, "prompt").inc(_prompt_tokens(finals, ctx.n))
-        tokens.labels(ctx.key, "completion").inc(sum(o.num_output_tokens for o in finals.values()))
 
 
 async def _wait_final(

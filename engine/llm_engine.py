@@ -441,7 +441,13 @@ class LLMEngine(ControlSurface):
             got = of.get(id(seq))
             self._on_token(seq, token, now, got[i] if got else None)
 
-        done = self.scheduler.update(batch, tokens, on_token)
+        try:
+            done = self.scheduler.update(batch, tokens, on_token)
+        except Exception:  # noqa: BLE001 - a fault taking the tokens: these requests, not the engine
+            log.exception(
+                "taking a step's tokens failed; its unfinished requests end with an error"
+            )
+            return self._salvage(batch)
         return [RequestOutput.take(seq) for seq in done]
 
     def _run_tokens(self, batch: ScheduledBatch, run: RunTokens) -> list[RequestOutput]:
@@ -453,11 +459,16 @@ class LLMEngine(ControlSurface):
             done = self.scheduler.update_ahead(batch, run, self._on_token)
         except Exception:  # noqa: BLE001 - as in a single step: these requests, not the engine
             log.exception("a run of decode steps failed; its unfinished requests end with an error")
-            return [
-                RequestOutput.take(s) if s.is_finished else self._end(s, "error")
-                for s in batch.seqs
-            ]
+            return self._salvage(batch)
         return [RequestOutput.take(seq) for seq in done]
+
+    def _salvage(self, batch: ScheduledBatch) -> list[RequestOutput]:
+        """After a fault while a step's tokens were taken: the requests that finished keep
+        their answers, the others end with an error (their state may be half advanced), so
+        that every client of the step hears the end of its request."""
+        return [
+            RequestOutput.take(s) if s.is_finished else self._end(s, "error") for s in batch.seqs
+        ]
 
     @staticmethod
     def _sampled(batch: ScheduledBatch) -> list[Sequence]:

@@ -22,6 +22,7 @@ from kvguard.daemon.cli import main
 from tests.test_disconnect import count, idle, send, state
 from tests.test_server import KVGUARD, Daemon, serve_refused, until
 
+KINDS = ("prompt", "completion")
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
 
@@ -203,6 +204,30 @@ def test_each_key_is_charged_the_tokens_its_requests_were_served(keyed) -> None:
     )
     assert (after[0] - before[0], after[1] - before[1]) == want
     assert want[1] == 2 * 2 * 3 + 4  # 2 prompts x 2 choices x 3 tokens, then 4
+
+
+def test_a_key_is_charged_what_was_generated_for_a_client_that_hung_up(keyed) -> None:  # noqa: ANN001
+    d, keys, _ = keyed
+    mid = client(d, keys["mid"])
+    prompt = mid.chat.completions.create(**{**CHAT, "max_tokens": 1}).usage.prompt_tokens
+    before = [metric(d, "kvguard_api_key_tokens_total", key="mid", kind=k) for k in KINDS]
+    chunks = mid.chat.completions.create(
+        **{**CHAT, "max_tokens": 400}, stream=True, extra_body={"ignore_eos": True}
+    )
+    got = 0
+    for c in chunks:
+        got += bool(c.choices and c.choices[0].delta.content)
+        if got == 5:
+            break
+    chunks.close()  # the client hangs up: the request is aborted with what it had generated
+
+    def charged() -> list[float]:  # as the aborted request's last output comes
+        return [metric(d, "kvguard_api_key_tokens_total", key="mid", kind=k) for k in KINDS]
+
+    until(lambda: charged()[1] > before[1], 30, "the abandoned request charged")
+    after = charged()  # the prompt is charged before the completion
+    assert after[0] - before[0] == prompt
+    assert 5 <= after[1] - before[1] < 400
 
 
 def test_sighup_applies_a_new_keys_file_and_refuses_a_broken_one(keyed, capsys) -> None:  # noqa: ANN001

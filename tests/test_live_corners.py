@@ -5,7 +5,8 @@ Each case here once stranded a request on an idle engine or served wrong K/V: a 
 evicted while holding most of the pool, one swapped out while holding all of it, a dtype switch
 to a smaller pool under a request admitted against the larger one, a queued request whose
 admission projection was made against a pool since shrunk, blocks of a sequence converted by a
-dtype switch entering the prefix cache, and an interrupted step keeping the blocks it took."""
+dtype switch entering the prefix cache, an interrupted step keeping the blocks it took, and a
+fault while a step's tokens were taken losing the answers of the requests it had finished."""
 
 from __future__ import annotations
 
@@ -160,3 +161,31 @@ def test_an_ended_request_is_answered_though_the_step_that_would_answer_it_fails
     engine.scheduler.schedule = schedule  # type: ignore[method-assign]
     outs = engine.step()
     assert [(o.request_id, o.finish_reason) for o in outs] == [(rid, "abort")]
+
+
+def test_a_fault_taking_a_steps_tokens_ends_its_requests_and_keeps_the_finished_answers() -> None:
+    """A step whose tokens cannot all be taken (a fault in the bookkeeping after the forward):
+    the request that finished in it keeps its answer, the others end with an error, the blocks
+    go back and the engine serves the next request."""
+    engine = make_engine(kv_cache_bytes="256KiB", max_model_len=512)
+    short = engine.add_request([3, 4, 5], greedy(1))
+    long = engine.add_request([6, 7, 8], greedy(20))
+    on_token = engine._on_token
+    calls = []
+
+    def faulty(seq, *args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(seq.request_id)
+        if len(calls) == 2:
+            raise RuntimeError("a bookkeeping bug")
+        return on_token(seq, *args, **kwargs)
+
+    engine._on_token = faulty  # type: ignore[method-assign]
+    outs = {o.request_id: o for o in engine.step()}
+    engine._on_token = on_token  # type: ignore[method-assign]
+    assert calls == [short, long]
+    assert outs[short].finish_reason == "length" and len(outs[short].token_ids) == 1
+    assert outs[long].finish_reason == "error"
+    engine.audit_blocks()
+    assert engine.block_manager.num_used == 0 and not engine.has_unfinished()
+    after = engine.add_request([6, 7, 8], greedy(4))
+    assert len(finish(engine)[after]) == 4

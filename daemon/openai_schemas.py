@@ -470,6 +470,8 @@ class ChatMessage(_Body):
             content = tools.render_calls(content, calls)
         if role == "tool":
             role, content = "user", tools.render_result(content)
+        elif role == "developer":  # OpenAI's successor to system, which templates know
+            role = "system"
         out = {"role": role, "content": content}
         if self.name is not None:
             out["name"] = self.name
@@ -534,14 +536,14 @@ class ChatCompletionRequest(_Sampling):
             for t in self.tools or ()
         ]
 
-    def tool_mode(self) -> str | None:
+    def tool_mode(self) -> tools.Choice | None:
         """None: no tools in play (none given, or tool_choice "none"); else "auto",
-        "required" or the name of the function to call."""
+        "required" or the function to call."""
         choice = self.tool_choice
         if not self.tools or choice == "none":
             return None
         if isinstance(choice, NamedToolChoice):
-            return choice.function.name
+            return tools.Named(choice.function.name)
         return choice or "auto"
 
     def parallel(self) -> bool:

@@ -44,36 +44,94 @@ class Function:
 
 
 @dataclass(frozen=True, slots=True)
+class Named:
+    """`tool_choice` naming one function: kept apart from the modes "auto" and "required",
+    which are also valid function names."""
+
+    name: str
+
+
+Choice = str | Named  # "auto", "required", or the one function to call
+
+
+@dataclass(frozen=True, slots=True)
 class Call:
     id: str
     name: str
     arguments: str  # JSON text, as OpenAI's `function.arguments`
 
 
-def call_schema(fn: Function) -> dict[str, Any]:
-    """The JSON a call of `fn` is: its name, and arguments matching its parameters."""
-    args = fn.parameters if fn.parameters is not None else {"type": "object"}
-    return {
+def call_schema(fn: Function) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The JSON a call of `fn` is: its name, and arguments matching its parameters (an object
+    where they name no type); and the definitions it needs at the root of the grammar's
+    schema. Parameters that refer to themselves (`#`, `#/$defs/...`: pydantic's nested
+    models) are such a definition, their references rebased onto it: in place, `#` would
+    mean the call around them."""
+    args = fn.parameters if fn.parameters is not None else {}
+    args = args if "type" in args else {**args, "type": "object"}
+    defs: dict[str, Any] = {}
+    if _refers_locally(args):
+        key = f"kvguard_arguments_{fn.name}"
+        defs[key] = _rebased(args, f"#/$defs/{key}")
+        args = {"$ref": f"#/$defs/{key}"}
+    call = {
         "type": "object",
         "properties": {"name": {"const": fn.name}, "arguments": args},
         "required": ["name", "arguments"],
         "additionalProperties": False,
     }
+    return call, defs
+
+
+# keywords whose values are JSON data, not schemas: a "$ref" inside one is not a reference
+_DATA = frozenset({"const", "enum", "default", "examples"})
+# keywords whose values map names to schemas: their keys are not keywords
+_NAMED = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
+def _rebased(schema: Any, base: str) -> Any:
+    """`schema` with each local reference (`#...`) taken relative to `base` instead."""
+    if isinstance(schema, list):
+        return [_rebased(s, base) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for k, v in schema.items():
+        if k == "$ref" and isinstance(v, str) and v.startswith("#"):
+            out[k] = base + v[1:]
+        elif k in _NAMED and isinstance(v, dict):
+            out[k] = {name: _rebased(s, base) for name, s in v.items()}
+        elif k in _DATA:
+            out[k] = v
+        else:
+            out[k] = _rebased(v, base)
+    return out
+
+
+def _refers_locally(schema: Any) -> bool:
+    """Whether `schema` holds a local reference (one `_rebased` would change)."""
+    return _rebased(schema, "#/x") != schema
 
 
 def grammar(
     functions: Sequence[Function],
-    choice: str,
+    choice: Choice,
     parallel: bool,
     content_schema: dict[str, Any] | None = None,
 ) -> str:
     """The Lark grammar (llguidance's dialect) an answer with tools is held to. `choice`:
-    "auto", "required", or the name of the one function to call."""
-    if choice not in ("auto", "required"):
-        functions = [f for f in functions if f.name == choice]
+    "auto", "required", or the one function to call."""
+    if isinstance(choice, Named):
+        functions = [f for f in functions if f.name == choice.name]
         parallel = False
-    schemas = [call_schema(f) for f in functions]
+    schemas, defs = [], {}
+    for f in functions:
+        schema, needs = call_schema(f)
+        schemas.append(schema)
+        defs.update(needs)
     call = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    if defs:
+        call = {**call, "$defs": defs}
     lines = [
         f"calls: call{' (NL call)*' if parallel else ''}",
         f'call: "{OPEN}" args "{CLOSE}"',
@@ -108,7 +166,7 @@ def _regex_char(ch: str) -> str:
     return "\\" + ch if ch in "\\.+*?()|[]{}^$#&-~/" else ch
 
 
-def system_text(functions: Sequence[Function], choice: str, parallel: bool) -> str:
+def system_text(functions: Sequence[Function], choice: Choice, parallel: bool) -> str:
     """What the model is told about its tools (a system message, or after the first one)."""
     lines = [
         "You can call functions. Each is given as JSON: its name, what it does, and the JSON "
@@ -122,20 +180,20 @@ def system_text(functions: Sequence[Function], choice: str, parallel: bool) -> s
         lines.append(json.dumps(entry, ensure_ascii=False))
     form = f'{OPEN}{{"name": <function name>, "arguments": <arguments as JSON>}}{CLOSE}'
     several = " (one line per call)" if parallel else ""
-    if choice == "auto":
+    if isinstance(choice, Named):
+        lines.append(f"Answer by calling {choice.name}: {form}.")
+    elif choice == "auto":
         lines.append(
             f"To call a function, answer with {form}{several} and nothing else. "
             "Otherwise answer as usual."
         )
-    elif choice == "required":
-        lines.append(f"Answer by calling a function: {form}{several}.")
     else:
-        lines.append(f"Answer by calling {choice}: {form}.")
+        lines.append(f"Answer by calling a function: {form}{several}.")
     return "\n".join(lines)
 
 
 def with_tools(
-    messages: list[dict[str, str]], functions: Sequence[Function], choice: str, parallel: bool
+    messages: list[dict[str, str]], functions: Sequence[Function], choice: Choice, parallel: bool
 ) -> list[dict[str, str]]:
     """`messages` with the tools described: after the first system message's text, or in a
     system message of their own before the others."""

@@ -29,6 +29,12 @@ def test_counts_match_what_the_completions_serve(tiny_daemon: Daemon) -> None:
     # served as a completion prompt of token ids, the same count again
     again = c.completions.create(model="tiny", prompt=got["tokens"], max_tokens=1)
     assert again.usage.prompt_tokens == got["count"]
+    # a `developer` turn (OpenAI's successor to `system`) is rendered as the system turn
+    developer = [{**MSGS[0], "role": "developer"}, MSGS[1]]
+    as_system = post(d, "/tokenize", {"model": "tiny", "messages": MSGS}).json()["tokens"]
+    assert post(d, "/tokenize", {"model": "tiny", "messages": developer}).json()["tokens"] == (
+        as_system
+    )
 
 
 def test_detokenize_inverts_tokenize(tiny_daemon: Daemon) -> None:

@@ -172,10 +172,63 @@ def test_the_grammars_hold_answers_to_the_form() -> None:
     assert accepts(required, good) and not accepts(required, "It is sunny.")
     single = tools.grammar(FUNCS, "required", False)
     assert accepts(single, good) and not accepts(single, good + "\n" + other)
-    named = tools.grammar(FUNCS, "get_time", True)
+    named = tools.grammar(FUNCS, tools.Named("get_time"), True)
     assert accepts(named, other) and not accepts(named, good)
     as_json = tools.grammar(FUNCS, "auto", True, {"type": "object"})
     assert accepts(as_json, '{"a": 1}') and not accepts(as_json, "It is sunny.")
+
+
+def test_calls_are_held_to_named_functions_nested_and_recursive_parameters_and_objects() -> None:
+    """A function named like a mode (`auto`, `required`) named in tool_choice is called, not
+    read as the mode; parameters referring to their own definitions (pydantic's nested
+    models, `#` for recursion) are resolved against the parameters, not the call around them;
+    parameters naming no type still take an object; and parameters that cannot be an object
+    are refused."""
+    import llguidance
+
+    engine = LLMEngine.from_config(
+        EngineConfig(model="tiny", kv_cache_bytes="4MiB", num_threads=1), progress=False
+    )
+    tok, view = engine.tokenizer, engine.grammars.view()
+
+    def accepts(grammar: str, name: str, args: str) -> bool:
+        text = f'<tool_call>{{"name": "{name}", "arguments": {args}}}</tool_call>'
+        m = llguidance.LLMatcher(view, compile_grammar(grammar), log_level=0)
+        return all(m.consume_token(t) for t in tok.encode(text, False)) and m.is_accepting()
+
+    class Address(BaseModel):
+        city: str
+
+    class Ship(BaseModel):
+        name: str
+        to: Address
+
+    ship = openai.pydantic_function_tool(Ship)["function"]["parameters"]
+    assert ship["properties"]["to"] == {"$ref": "#/$defs/Address"}
+    tree = {"type": "object", "properties": {"v": {"type": "integer"}, "child": {"$ref": "#"}},
+            "required": ["v"], "additionalProperties": False}  # fmt: skip
+    fns = [
+        tools.Function("auto", None, None),
+        tools.Function("required", None, None),
+        tools.Function("ship", None, ship),
+        tools.Function("tree", None, tree),
+        tools.Function("anything", None, {}),
+    ]
+    for mode in ("auto", "required"):
+        named = tools.grammar(fns, tools.Named(mode), True)
+        other = "required" if mode == "auto" else "auto"
+        assert accepts(named, mode, "{}") and not accepts(named, other, "{}")
+        assert "Answer by calling " + mode in tools.system_text(fns, tools.Named(mode), True)
+    g = tools.grammar(fns, "required", True)
+    assert accepts(g, "ship", '{"name": "Argo", "to": {"city": "Oslo"}}')
+    assert not accepts(g, "ship", '{"name": "Argo", "to": {"town": "Oslo"}}')
+    assert accepts(g, "tree", '{"v": 0, "child": {"v": 1, "child": {"v": 2}}}')
+    assert not accepts(g, "tree", '{"v": 0, "child": {"name": "tree", "arguments": {"v": 1}}}')
+    assert accepts(g, "anything", '{"a": [1]}') and not accepts(g, "anything", "[1]")
+    with pytest.raises(ValueError, match="unsatisfiable"):
+        compile_grammar(
+            tools.grammar([tools.Function("pick", None, {"enum": ["red"]})], "required", True)
+        )
 
 
 def test_the_real_model_calls_the_right_function_with_the_right_argument(

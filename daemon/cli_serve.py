@@ -117,8 +117,6 @@ def _print_state(s: dict) -> None:
     print(f"admission    {halted}")
     if adm.get("estimate"):  # absent from older daemons
         print("estimate     " + _estimate_line(adm))
-    if adm.get("device_block_cap"):
-        print(f"kv cap       {adm['device_block_cap']} device blocks (keeps the FP8 undo open)")
     tp = s.get("tensor_parallel")  # absent from older daemons
     if tp and (tp["size"] > 1 or tp.get("pipeline_stages", 1) > 1):
         print("ranks        " + _ranks_line(tp))

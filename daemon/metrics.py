@@ -215,12 +215,7 @@ class SnapshotCollector(Collector):
             "kvguard_admission_committed_blocks", "KV blocks admission has planned for"
         )
         committed.add_metric([], float(adm.get("committed_blocks", 0)))
-        kv_cap = _gauge(
-            "kvguard_kv_cache_block_cap",
-            "Device blocks sequences may hold while a remedy narrowed the KV dtype (0 = no cap)",
-        )
-        kv_cap.add_metric([], float(adm.get("device_block_cap") or 0))
-        yield from (ratio, mean, under, over, drain, committed, kv_cap)
+        yield from (ratio, mean, under, over, drain, committed)
 
 
 class NvmlCollector(Collector):

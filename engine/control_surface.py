@@ -221,7 +221,6 @@ class ControlSurface:
         self.kv_cache.last_switch_peak_extra_bytes = extra
         if self.admission is not None:
             self.admission.bytes_per_block = self.kv_cache.bytes_per_block
-        self.scheduler.block_cap = self.undo_room_cap()  # keep the way back open
         pause = time.perf_counter() - t0
         data = {
             "from": old,
@@ -293,7 +292,6 @@ class ControlSurface:
         self.scheduler.remap(moves)
         self.runner.convert_kv(dtype, {"device": (new_n, moves)})
         self.kv_pool_share = new_n / full
-        self.scheduler.block_cap = self.undo_room_cap()
         pause = time.perf_counter() - t0
         data = {
             "blocks_before": old_n,

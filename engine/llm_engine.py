@@ -25,7 +25,7 @@ from kvguard.engine.control_surface import ControlSurface
 from kvguard.engine.detokenizer import append_token
 from kvguard.engine.distributed.errors import RankFailure
 from kvguard.engine.events import EventBus
-from kvguard.engine.kv_cache import KVCache, kv_dtype_name
+from kvguard.engine.kv_cache import KVCache
 from kvguard.engine.model import StepInterrupted
 from kvguard.engine.model_config import ModelConfig
 from kvguard.engine.model_registry import resolve_model
@@ -55,7 +55,6 @@ __all__ = ["AdmissionRejected", "InjectedOOMError", "LLMEngine", "pick_device", 
 
 log = logging.getLogger("kvguard.engine")
 OOM_ERRORS: tuple[type[BaseException], ...] = (torch.OutOfMemoryError,)
-UNDO_MARGIN = 0.10  # share of the configured dtype's pool kept free while a remedy narrows it
 
 
 CPU_PREFILL_WHILE_DECODING = 128  # prompt tokens beside the decodes: a forward of ~0.3 s on 2 cores
@@ -263,21 +262,6 @@ class LLMEngine(ControlSurface):
         configured budget, or the share of it a remedy left (set_kv_pool_share)."""
         full = self.runner.blocks_for_budget(dtype)
         return full if self.kv_pool_share >= 1.0 else max(1, math.floor(full * self.kv_pool_share))
-
-    def undo_room_cap(self) -> int | None:
-        """The device blocks sequences may hold while the KV dtype is narrower than configured.
-
-        A remedy that switches to FP8 is meant to be undone; if the scheduler filled the larger
-        FP8 pool, the live tokens would not fit the configured dtype's pool and the way back
-        would stay refused long after the burst. So use is capped at what that pool holds, less
-        UNDO_MARGIN (a request alone on the device may pass it: see Scheduler._can_allocate).
-        None when the live dtype holds no more blocks than the configured one.
-        """
-        configured = kv_dtype_name(self.config.kv_cache_dtype, self.runner.dtype)
-        full = self.pool_blocks(configured)
-        if self.kv_cache.dtype == configured or full >= self.block_manager.num_blocks:
-            return None
-        return max(1, math.floor(full * (1.0 - UNDO_MARGIN)))
 
     def _prompt_ids(
         self, prompt: str | list[int], add_special_tokens: bool, limit: int
@@ -498,14 +482,17 @@ class LLMEngine(ControlSurface):
         self._counters["tokens_generated"] += 1
         grammar_ok = seq.grammar is None or seq.grammar.advance(token)
         append_token(self.tokenizer, seq, token, self.eos_ids)
-        if seq.finish_reason is None and seq.grammar is not None:
-            if not grammar_ok:  # a masked draw cannot leave the grammar: a fault, said so
-                log.error("request %s left its grammar: %s", seq.request_id, seq.grammar.error)
-                seq.finish_reason = "error"
+        if seq.grammar is not None and seq.finish_reason in (None, "length"):
+            if not grammar_ok:  # the library gave up on it (a schema past its parser's limits)
+                log.warning("request %s left its grammar: %s", seq.request_id, seq.grammar.error)
+                seq.finish_reason, seq.error = "error", seq.grammar.error
             else:
-                self._jump_forward(seq)
-                if seq.finish_reason is None and seq.grammar.complete:
-                    seq.finish_reason = "stop"  # the JSON is closed and nothing may follow
+                if seq.finish_reason is None:
+                    self._jump_forward(seq)
+                if seq.finish_reason in (None, "length") and seq.grammar.complete:
+                    # the JSON is closed and nothing may follow: complete, even where its
+                    # last token was the last max_tokens allowed
+                    seq.finish_reason = "stop"
         if seq.finish_reason is not None:
             self._count_finish(seq)
 

@@ -34,9 +34,9 @@ A waiting request whose prompt begins with full blocks a running prompt is compu
 burst with one system prompt, the `n` choices of one request) waits for them and takes them
 from the prefix cache, instead of computing them beside it in the same step (`_follows`).
 
-`block_cap` bounds the device blocks in use below the pool size: while a remedy has narrowed
-the KV dtype (FP8), the engine caps use at what the configured dtype's pool holds, less a
-margin, so switching back always fits once the burst has passed (see LLMEngine).
+A remedy that narrows the KV dtype (FP8) gives the scheduler the larger pool's every block:
+that is the remedy. The switch back waits until the live K/V fit the configured dtype's pool
+(the engine refuses it until then, and the rules retry it).
 """
 
 from __future__ import annotations
@@ -175,7 +175,6 @@ class Scheduler:
         self.swapped: list[Sequence] = []  # sorted by (priority, order)
         self.running: list[Sequence] = []
         self.preemptions = {"swap": 0, "recompute": 0}
-        self.block_cap: int | None = None  # most device blocks in use; None: the whole pool
         self.speculation = speculation
         self.step_cost = StepCost(row_cost_prior)  # what a draft row costs, learnt
         self.drafting = False  # this step proposes drafts (few enough sequences decode)
@@ -190,16 +189,10 @@ class Scheduler:
         return self.step_cost.ratio() if fixed is None else fixed
 
     def device_capacity(self) -> int:
-        """Device blocks sequences may hold now: the pool, or the cap while one is set."""
-        n = self.bm.num_blocks
-        return n if self.block_cap is None else max(1, min(n, self.block_cap))
+        """Device blocks sequences may hold now: the pool's."""
+        return self.bm.num_blocks
 
-    def _can_allocate(self, n: int, reserve: int = 0, alone: bool = False) -> bool:
-        """Free blocks within the cap; a sequence `alone` on the device may pass the cap (never
-        past the pool), so a request longer than the cap is slowed, not starved."""
-        capped = self.block_cap is not None and not alone
-        if capped and self.bm.num_used + n + reserve > self.block_cap:
-            return False
+    def _can_allocate(self, n: int, reserve: int = 0) -> bool:
         return self.bm.can_allocate(n, reserve)
 
     # -- queues -----------------------------------------------------------------------------
@@ -338,7 +331,7 @@ class Scheduler:
     def _reserve(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
         """Get blocks for `n` tokens of `seq`, preempting others (or `seq` itself) if needed."""
         need = self.bm.blocks_needed(seq, n)
-        while not self._can_allocate(need, alone=self.running == [seq]):
+        while not self._can_allocate(need):
             victim = self.pick_victim(exclude=batch.seqs)
             if victim is None:
                 return False
@@ -392,7 +385,7 @@ class Scheduler:
         # Keep a block per running sequence in hand so the next decode step does not preempt
         # what was just admitted; evicted sequences wait until usage is below readmit_usage.
         reserve = min(len(self.running), self.bm.num_blocks // 100 + 1)
-        if not self._can_allocate(n_blocks, reserve, alone=not self.running):
+        if not self._can_allocate(n_blocks, reserve):
             return False
         if seq.held:
             after = (self.bm.num_used + n_blocks) / self.device_capacity()

@@ -83,6 +83,7 @@ class Sequence:
     truncated: bool = False  # finished at a cap below what the request asked for
     held: bool = False  # evicted: readmitted only once pressure has eased
     finish_reason: str | None = None
+    error: str | None = None  # why it ended with "error" where the request's own input is why
     text: str = ""
     prefix_offset: int = 0  # incremental detokenisation window
     read_offset: int = 0
@@ -189,6 +190,9 @@ class RequestOutput:
     final_logprobs: list[TokenLogprob] | None = None
     # every prompt token's after the first, on the final output of a request that asked
     final_prompt_logprobs: list[TokenLogprob] | None = None
+    # on a final output with finish_reason "error": the cause where it is the request's own
+    # (a schema or grammar the grammar library gave up on), else None (a fault of the engine)
+    error: str | None = None
 
     @property
     def text(self) -> str:
@@ -252,4 +256,5 @@ class RequestOutput:
             final_prompt_logprobs=list(seq.prompt_logprobs)
             if done and seq.prompt_logprobs is not None
             else None,
+            error=seq.error if done else None,
         )

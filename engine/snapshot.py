@@ -149,7 +149,6 @@ def build_snapshot(engine: LLMEngine) -> EngineSnapshot:
             "overcommit": 1.0 if adm is None else adm.overcommit,
             # requests finished per second lately: how fast the queue drains past max_queue
             "finish_rate": 0.0 if adm is None else adm.finish_rate(),
-            "device_block_cap": sch.block_cap,
         },
         counters=dict(engine._counters),
         preemptions=dict(sch.preemptions),

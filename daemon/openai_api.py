@@ -4,6 +4,7 @@ POST /tokenize and POST /detokenize."""
 from __future__ import annotations
 
 import asyncio
+import codecs
 import contextlib
 import dataclasses
 import json
@@ -354,8 +355,11 @@ async def _serve(
     if service.loop.fatal is not None:
         raise engine_unavailable(service.loop.fatal)
     _refuse_if_draining(service)
-    if params.json_schema or params.grammar:  # the grammar library's tokenizer view, once, not
-        await asyncio.to_thread(service.engine.grammars.view)  # on the engine's thread
+    asks_logprobs = params.logprobs is not None or params.prompt_logprobs is not None
+    # the grammar library's tokenizer view (a grammar's, and logprobs' tokens' bytes), built
+    # once, neither on the engine's thread nor on the event loop
+    if params.json_schema or params.grammar or asks_logprobs:
+        await asyncio.to_thread(service.engine.grammars.view)
         _refuse_if_draining(service)  # the drain may have begun meanwhile: not admitted after
     ctx = _Ctx(service, kind, body.model, priority, time.monotonic(), params)
     ctx.n = body.n or 1
@@ -445,6 +449,10 @@ def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
     return dataclasses.replace(params, seed=params.seed + index)
 
 
+def _utf8_decoder() -> codecs.IncrementalDecoder:
+    return codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+
 class _Ctx:
     def __init__(
         self,
@@ -470,26 +478,37 @@ class _Ctx:
         self._charged: set[int] = set()  # prompts whose tokens the key was charged (engine thread)
         self.id = new_id("chatcmpl" if kind == "chat.completion" else "cmpl")
         self.created = now()
-        # a completion's logprobs: where choice i's next token's text starts
-        self.text_offset: dict[int, int] = {}
+        # a completion's logprobs, per choice i: its text's UTF-8 decoder (bytes of a character
+        # not yet whole) and how many characters it has made, where the next token's text is
+        self.text_offset: dict[int, tuple[codecs.IncrementalDecoder, int]] = {}
 
     def logprobs(self, lps: list[TokenLogprob] | None, index: int = 0) -> dict[str, Any] | None:
         """`lps` in OpenAI's shape: chat `{"content": [...], "refusal": null}`, a completion
         `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}` (offsets continue from
         the previous call's for the same choice: a stream's chunks count on). None where not
-        asked."""
+        asked.
+
+        A token's bytes are its own (the grammar library's view, built off the event loop
+        before such a request is taken in): one holding part of a character has its bytes, not
+        a replacement character. Its text is its bytes as UTF-8, or where they are not whole
+        characters `bytes:` and each byte as `\\xNN` (OpenAI's way), so tokens that print
+        alike stay apart; a completion's offsets index its text, a token that continues a
+        character at that character's."""
         if lps is None:
             return None
-        tok = self.service.engine.tokenizer
+        token_bytes = self.service.engine.grammars.token_bytes
 
-        def text(token_id: int) -> str:
-            return tok.decode([token_id], skip_special_tokens=False)
+        def text(raw: bytes) -> str:
+            try:
+                return raw.decode()
+            except UnicodeDecodeError:
+                return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
         if self.kind == "chat.completion":
 
             def entry(token_id: int, logprob: float) -> dict[str, Any]:
-                t = text(token_id)
-                return {"token": t, "logprob": logprob, "bytes": list(t.encode())}
+                raw = token_bytes(token_id)
+                return {"token": text(raw), "logprob": logprob, "bytes": list(raw)}
 
             content = [
                 {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(*a) for a in lp.top]}
@@ -497,17 +516,22 @@ class _Ctx:
             ]
             return {"content": content, "refusal": None}
         tokens, offsets, values, tops = [], [], [], []
-        offset = self.text_offset.get(index, 0)
+        utf8, made = self.text_offset.get(index) or (_utf8_decoder(), 0)
         for lp in lps:
-            tokens.append(text(lp.token_id))
-            offsets.append(offset)
-            offset += len(tokens[-1])
+            raw = token_bytes(lp.token_id)
+            tokens.append(text(raw))
+            # the character its first byte begins or continues: a byte that ends a character
+            # (or is replaced) is in the last one it makes, one still pending begins the next
+            head = utf8.decode(raw[:1])
+            pending = bool(utf8.getstate()[0]) or not raw
+            offsets.append(made + len(head) - (0 if pending else 1))
+            made += len(head) + len(utf8.decode(raw[1:]))
             values.append(lp.logprob)
             top: dict[str, float] = {}  # keyed by text: of tokens that print alike, the likelier
             for i, v in lp.top:
-                top.setdefault(text(i), v)
+                top.setdefault(text(token_bytes(i)), v)
             tops.append(top)
-        self.text_offset[index] = offset
+        self.text_offset[index] = (utf8, made)
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
                 "text_offset": offsets}  # fmt: skip
 
@@ -727,6 +751,15 @@ def _failure(service: Service, out: RequestOutput, outputs: _Outputs) -> ApiErro
     """The error a choice's final output answers with; None: it finished normally."""
     if out.finish_reason == "abort":  # not the client's doing: the daemon stopped it
         return _cut_error(service, out, outputs.cut_message)
+    if out.finish_reason == "error" and out.error is not None:  # the request's own schema
+        field = "tools" if outputs.ctx.tools else "response_format"
+        return ApiError(
+            400,
+            f"{field}: the grammar library gave up holding the answer to it "
+            f"({out.num_output_tokens} tokens generated): {out.error}; send a simpler one "
+            "(fewer alternatives, fewer properties in one object)",
+            field,
+        )
     if out.finish_reason == "error":
         return _engine_error(service, out)
     return None
@@ -941,9 +974,13 @@ async def _sse(
                 if hold is not None:
                     text, deltas = hold.feed(text or "")
                     text += hold.flush() if out.finished else ""
-                if text or first[i] or deltas:
-                    yield _sse_line(_chunk(ctx, text, None, first[i], pending[i], i, deltas))
-                    first[i], pending[i] = False, []
+                carries = bool(text or deltas)  # a chunk without text carries no logprobs
+                if carries or first[i]:
+                    lps = pending[i] if carries else None
+                    yield _sse_line(_chunk(ctx, text, None, first[i], lps, i, deltas))
+                    first[i] = False
+                    if carries:
+                        pending[i] = []
                 if not out.finished:
                     continue
                 finals[i] = out

@@ -20,26 +20,38 @@ def append_token(tok: Tokenizer, seq: Sequence, token: int, eos_ids: set[int]) -
     p = seq.params
     if (token in eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
         seq.finish_reason = "stop"
+        _extend_text(tok, seq, seq.num_tokens - 1, final=True)  # the text before it, whole
+        if p.stop:
+            _apply_stop_strings(seq)
         return
-    _extend_text(tok, seq)
+    _extend_text(tok, seq, seq.num_tokens)
     if p.stop and _apply_stop_strings(seq):
         seq.finish_reason = "stop"
         return
     if len(seq.output_token_ids) >= seq.max_tokens or seq.num_tokens >= seq.max_total_len:
         seq.finish_reason = "length"
         seq.truncated = seq.max_tokens < p.max_tokens and seq.num_tokens < seq.max_total_len
+        _extend_text(tok, seq, seq.num_tokens, final=True)
+        if p.stop and _apply_stop_strings(seq):
+            seq.finish_reason, seq.truncated = "stop", False
 
 
-def _extend_text(tok: Tokenizer, seq: Sequence) -> None:
+def _extend_text(tok: Tokenizer, seq: Sequence, end: int, final: bool = False) -> None:
+    """Add the text of the tokens up to `end` the window has not shown yet. A window ending
+    inside a multi-byte character waits for the next token, unless `final` (the request ends
+    here): then the bytes that never completed a character are shown as U+FFFD, as decoding
+    the whole output does, so that the text is the tokens' and a stream's chunks add up to it."""
     if seq.read_offset == 0 and seq.prefix_offset == 0:
         seq.prefix_offset = max(0, len(seq.prompt_token_ids) - 5)
         seq.read_offset = len(seq.prompt_token_ids)
+    if end <= seq.read_offset:
+        return
     prefix = tok.decode(seq.token_slice(seq.prefix_offset, seq.read_offset))
-    full = tok.decode(seq.token_slice(seq.prefix_offset))
-    if len(full) > len(prefix) and not full.endswith("\ufffd"):
+    full = tok.decode(seq.token_slice(seq.prefix_offset, end))
+    if len(full) > len(prefix) and (final or not full.endswith("\ufffd")):
         seq.text += full[len(prefix) :]
         seq.prefix_offset = seq.read_offset
-        seq.read_offset = seq.num_tokens
+        seq.read_offset = end
 
 
 def _apply_stop_strings(seq: Sequence) -> bool:

@@ -116,6 +116,7 @@ class Grammars:
         self._lock = threading.Lock()
         self.requests = 0  # structured requests queued (counted by the engine)
         self.seconds = 0.0  # spent in every grammar's masks and advances (the engine thread)
+        self._token_bytes: dict[int, bytes] = {}  # token id -> its raw bytes (token_bytes)
 
     def view(self) -> Any:
         """The library's view of the tokenizer, built on the first call (any thread: the
@@ -126,6 +127,17 @@ class Grammars:
                     self._tokenizer.backend_json(), n_vocab=self._vocab, eos_token=self._eos
                 )
             return self._view
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """A token's raw bytes, as the view has them (a token holding part of a character
+        has its bytes, not a replacement character); the view is built on the first call. An
+        id past the tokenizer's vocabulary (the model's padding rows) is no text: no bytes."""
+        raw = self._token_bytes.get(token_id)
+        if raw is None:
+            known = token_id < self._tokenizer.vocab_size
+            raw = bytes(self.view().decode_bytes([token_id])) if known else b""
+            self._token_bytes[token_id] = raw
+        return raw
 
     def for_params(self, params: SamplingParams) -> Grammar:
         """A fresh grammar for one request's `json_schema` or `grammar` (a few ms for a schema

@@ -183,6 +183,27 @@ def test_text_deltas_split_no_character_and_add_up(tiny_dir: Path) -> None:
         _ = outs[0].text  # an unfinished output has no whole text: it is a delta
 
 
+def test_a_request_ending_inside_a_character_shows_its_bytes_as_the_tokens_decode(
+    tiny_dir: Path,
+) -> None:
+    """Ended by max_tokens (or EOS) part way through a character, the text held back for the
+    rest of it goes out with the last output: the final text is the output tokens' decoding,
+    U+FFFD for the incomplete bytes, and the stream's deltas add up to it."""
+    tok = Tokenizer.from_dir(tiny_dir)
+    ids = tok.encode("ok 日本")
+    cut = ids[:-1]  # the last character's final byte never comes
+    (end,) = tok.encode("#")
+    assert end not in cut
+    for params, feed in (
+        (SamplingParams(max_tokens=len(cut), ignore_eos=True), cut),
+        (SamplingParams(max_tokens=100, stop_token_ids=[end]), [*cut, end]),
+    ):
+        outs = _run_tokens(tok, feed, params)
+        want = tok.decode(cut)
+        assert want.endswith("\ufffd") and outs[-1].finished
+        assert outs[-1].text == want and "".join(o.new_text for o in outs) == want
+
+
 @pytest.mark.parametrize("include", [False, True])
 def test_text_that_may_become_a_stop_string_is_held_back(tiny_dir: Path, include: bool) -> None:
     tok = Tokenizer.from_dir(tiny_dir)

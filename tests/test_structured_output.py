@@ -290,3 +290,49 @@ def test_forced_tokens_keep_to_max_tokens_and_logprobs_requests_draw_each(
     asked = SamplingParams(max_tokens=64, json_schema=PERSON, logprobs=0)
     out = eng.generate([chat(eng, ASK)], [asked])[0]
     assert is_person(out.text) and len(out.final_logprobs) == len(out.token_ids)
+
+
+def test_json_closed_on_the_last_token_max_tokens_allows_is_complete(
+    smollm_engine: LLMEngine,
+) -> None:
+    """An answer whose JSON closes on its max_tokens-th token is complete (`stop`, which the
+    openai client's `parse` needs), drawn or forced; one token fewer is `length`."""
+    eng = smollm_engine
+    for jump in (True, False):
+        eng.config.grammar_jump_forward = jump
+        try:
+            full = eng.generate(
+                [chat(eng, ASK)], [SamplingParams(max_tokens=64, json_schema=PERSON)]
+            )
+            n = len(full[0].token_ids)
+            assert full[0].finish_reason == "stop" and is_person(full[0].text)
+            exact, short = eng.generate(
+                [chat(eng, ASK)] * 2,
+                [SamplingParams(max_tokens=m, json_schema=PERSON) for m in (n, n - 1)],
+            )
+        finally:
+            eng.config.grammar_jump_forward = True
+        assert exact.token_ids == full[0].token_ids and exact.finish_reason == "stop", jump
+        assert short.finish_reason == "length" and not is_person(short.text), jump
+
+
+def test_a_schema_past_the_grammar_librarys_limits_is_a_400_naming_it(tiny_daemon: Daemon) -> None:
+    """A schema that compiles but that the grammar library gives up on while the answer is
+    written (an object of one of 2001 shapes: more alternatives than its parser holds in one
+    row) is the request's fault: a 400 naming response_format, streamed or not, not a 500."""
+    alternatives = [
+        {"type": "object", "properties": {f"k{i}": {"const": i}}, "required": [f"k{i}"],
+         "additionalProperties": False}
+        for i in range(2001)
+    ]  # fmt: skip
+    fmt = {
+        "type": "json_schema",
+        "json_schema": {"name": "many", "schema": {"anyOf": alternatives}},
+    }
+    c = tiny_daemon.client()
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 16}
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(**body, response_format=fmt)
+    assert e.value.body["param"] == "response_format" and "gave up" in e.value.message
+    with pytest.raises(openai.APIError, match="response_format: .* gave up"):  # as an event
+        list(c.chat.completions.create(**body, response_format=fmt, stream=True))

@@ -16,7 +16,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -68,6 +68,9 @@ class ControlPlane:
             dry_run=cfg.rules.dry_run,
             host=socket.gethostname(),
         )
+        # engine events that start an evaluation, recorded by it: in the incident it opens
+        self._causes: deque[EngineEvent] = deque()
+        self.evaluator.on_incident = self._record_causes
         self.scheduler = BackgroundScheduler(job_defaults={"max_instances": 1, "coalesce": True})
         self._preempt_times: deque[float] = deque()
         self._storm_until = 0.0
@@ -101,6 +104,8 @@ class ControlPlane:
     def stop(self) -> None:
         if self.scheduler.running:
             self.scheduler.shutdown(wait=True)
+        self._record_causes(self.evaluator.incident)  # events no evaluation took up
+        self.evaluator.close_at_stop()
 
     def evaluate(self) -> None:
         """One tick; a tick skipped because another evaluation holds the turn (e.g. awaiting a
@@ -128,17 +133,33 @@ class ControlPlane:
     # -- events -----------------------------------------------------------------------------
     def _on_engine_event(self, event: EngineEvent) -> None:
         """On the engine thread: only record and schedule, never act here."""
-        if event.kind in AUDITED_EVENTS:
-            self.service.audit.record_event(
-                event.kind,
-                detail=_summary(event),
-                data=_plain(event.data),
-                incident=self.evaluator.incident,
-            )
-        if event.kind == "engine_oom":
+        if event.kind == "engine_oom":  # its rules' evaluation records it (_record_causes)
+            self._causes.append(event)
             self._soon_off_engine("engine_oom")
+        elif event.kind in AUDITED_EVENTS:
+            self._record(event, self.evaluator.incident)
         elif event.kind == "preempted":
             self._count_preemption(event.time)
+
+    def _record(self, event: EngineEvent, incident: str | None) -> None:
+        self.service.audit.record_event(
+            event.kind,
+            detail=_summary(event),
+            data=_plain(event.data),
+            incident=incident,
+            time=datetime.fromtimestamp(event.time, UTC),
+        )
+
+    def _record_causes(self, incident: str | None) -> None:
+        """Record the engine events that started evaluations and are not recorded yet: as the
+        incident one opens opens (the event is that incident's cause, first in its timeline),
+        or after the evaluation in whatever incident is open (none acted on it)."""
+        while True:
+            try:
+                event = self._causes.popleft()
+            except IndexError:
+                return
+            self._record(event, incident)
 
     def _soon_off_engine(self, kind: str) -> None:
         """`_soon` from another thread: the engine thread must never wait on the scheduler's
@@ -168,8 +189,11 @@ class ControlPlane:
         """One job that runs the event rules of each (kind, resolved) in order, then one tick."""
 
         def run() -> None:
-            for kind, resolved in events:
-                self.evaluator.handle_event(kind, resolved=resolved)
+            try:
+                for kind, resolved in events:
+                    self.evaluator.handle_event(kind, resolved=resolved)
+            finally:  # those no rule acted on, in the incident open now, if one is
+                self._record_causes(self.evaluator.incident)
             self.evaluate()
 
         with contextlib.suppress(SchedulerNotRunningError):  # stopping: nothing to evaluate

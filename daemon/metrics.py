@@ -313,7 +313,15 @@ class ControlPlaneCollector(Collector):
             labels=["rule", "action", "outcome"],
         )
         # a copy made in one C call: the evaluator may add a key while a scrape iterates
-        for (rule, action, outcome), n in dict(ev.stats.actions).items():
+        counts = dict(ev.stats.actions)
+        # every rule's action and undo by every outcome from 0, so that the first failure is
+        # a rise increase() sees (a series born at 1 is no increase: RemedyFailed missed it)
+        outcomes = ("dry_run",) if ev.dry_run else ("applied", "failed", "refused")
+        for r in list(ev.rules.rules):
+            for action in (r.action, r.undo):
+                for outcome in outcomes if action else ():
+                    counts.setdefault((r.name, action, outcome), 0)
+        for (rule, action, outcome), n in counts.items():
             acts.add_metric([rule, action, outcome], n)
         level = _gauge(
             "kvguard_degradation_level",

@@ -130,6 +130,8 @@ class Evaluator:
         self.read_signal = read_signal
         self.execute = execute
         self.audit = audit
+        # called with a new incident's id as it opens (under the state lock: must not block)
+        self.on_incident: Callable[[str], None] | None = None
         self.clock = clock
         self.wall_clock = wall_clock
         self.dry_run = dry_run
@@ -366,18 +368,20 @@ class Evaluator:
     def _carry_out(self, a: Attempt, settle: Callable[[str], None]) -> str:
         """Await the action with no lock held, then record it and let `settle` move the state
         machine, under the lock, in the order the old single-lock code did."""
+        if not a.undo:  # before it runs, so that the events it causes are the incident's
+            with self._lock:
+                self._open_incident(a.rule)
         try:
             res, outcome, error = self._run(a)
         finally:
             with self._lock:
                 a.st.in_flight = None
         with self._lock:
-            if outcome in ("applied", "dry_run") and not a.undo:
-                self._open_incident(a.rule)
             self._record(
                 a.rule, a.action, a.trigger, a.value, a.params, res, outcome, error, a.undo
             )
             settle(outcome)
+            self._raise_peak()  # the rung that just acted is in force now
         return outcome
 
     def _run(self, a: Attempt) -> tuple[ActionResult | None, str, str | None]:
@@ -420,7 +424,33 @@ class Evaluator:
                 if self.audit
                 else f"local-{int(self.wall_clock())}"
             )
+            if self.on_incident is not None:
+                self.on_incident(self.incident)
         self.incident_peak = max(self.incident_peak, lvl)
+
+    def _raise_peak(self) -> None:
+        """The open incident's peak, after a rule's state moved: the highest level reached."""
+        if self.incident is None or self.level() <= self.incident_peak:
+            return
+        self.incident_peak = self.level()
+        if self.audit:
+            self.audit.update_incident(self.incident, peak_level=self.incident_peak)
+
+    def close_at_stop(self) -> None:
+        """The daemon stops: the open incident ends with it (the next start begins calm, its
+        remedies gone with the engine), so none stays open forever."""
+        with self._lock:
+            if self.incident is None:
+                return
+            if self.audit:
+                self.audit.update_incident(
+                    self.incident,
+                    peak_level=self.incident_peak,
+                    actions_count=self.incident_actions,
+                    closed_at=self._wall(),
+                )
+            log.info("incident %s closed: the daemon stops", self.incident)
+            self.incident = None
 
     def _maybe_close_incident(self) -> None:
         if self.incident is None or self.applied:
@@ -476,7 +506,9 @@ class Evaluator:
             trigger=trigger,
             signal=rule.signal or rule.on,
             value=value,
-            threshold=rule.threshold() if not rule.is_event else None,
+            threshold=None
+            if rule.is_event
+            else (rule.recovery_threshold() if undo else rule.threshold()),
             params=params,
             state_before=res.before if res else None,
             state_after=res.after if res else None,

@@ -164,6 +164,12 @@ class Rule(_Model):
     def threshold(self) -> float | None:
         return self.above if self.above is not None else self.below
 
+    def recovery_threshold(self) -> float | None:
+        """What the undo waits for: the recovery threshold, or without one the trigger's."""
+        if self.recover_below is not None:
+            return self.recover_below
+        return self.recover_above if self.recover_above is not None else self.threshold()
+
     def recovered(self, v: float) -> bool:
         """Below the lower recovery threshold (hysteresis); without one, when no longer triggered."""
         if self.recover_below is not None:

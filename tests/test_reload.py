@@ -194,3 +194,73 @@ def test_an_event_evaluation_runs_however_late(plane: ControlPlane) -> None:
     plane._soon("engine_oom")  # the scheduler is paused: the job waits, as behind busy threads
     jobs = [j for j in plane.scheduler.get_jobs() if j.id != "rules"]
     assert len(jobs) == 1 and jobs[0].misfire_grace_time is None
+
+
+def test_every_rules_actions_are_exported_from_zero(plane: ControlPlane, rules: Path) -> None:
+    """Each rule's action and undo by each outcome is a series from 0 before it first runs,
+    so its first failure is an increase RemedyFailed sees (a series born at 1 is none)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from kvguard.daemon.metrics import ControlPlaneCollector
+
+    reg = CollectorRegistry()
+    reg.register(ControlPlaneCollector(lambda: plane, lambda: None))
+
+    def series() -> set[str]:
+        text = generate_latest(reg).decode()
+        return {ln for ln in text.splitlines() if ln.startswith("kvguard_actions_total{")}
+
+    assert series() == {
+        f'kvguard_actions_total{{action="halt_admission",outcome="{o}",rule="first"}} 0.0'
+        for o in ("applied", "failed", "refused")
+    }
+    rules.write_text(
+        RULES.format(interval="5s", name="second").replace(
+            "action: halt_admission", "action: halt_admission, undo: resume_admission"
+        )
+    )
+    assert plane.reload(rules, dry_run=False)["rules_reloaded"]
+    assert {s.split("{")[1].split("}")[0] for s in series()} == {
+        f'action="{a}",outcome="{o}",rule="second"'
+        for a in ("halt_admission", "resume_admission")
+        for o in ("applied", "failed", "refused")
+    }
+
+
+def test_an_incident_an_oom_opens_begins_with_the_oom_and_ends_at_stop(
+    plane: ControlPlane, rules: Path, audit: AuditStore
+) -> None:
+    """The OOM that starts an incident is the first line of its timeline, the events its
+    remedy causes while it runs are the incident's, and the daemon's stop closes it."""
+    from kvguard.engine.control import ActionResult
+    from kvguard.engine.events import EngineEvent
+
+    rules.write_text(
+        "version: 1\ninterval: 5s\nrules:\n"
+        "  - {name: oom-chain, on: engine_oom, action: handle_oom, undo: recover_from_oom,"
+        " recover_for: 60s}\n"
+    )
+    assert plane.reload(rules, dry_run=False)["rules_reloaded"]
+
+    def execute(action: str, params: dict) -> ActionResult:  # the engine's switch, reported
+        plane._on_engine_event(EngineEvent("kv_dtype_switched", {"from": "fp32", "to": "fp8"}))
+        return ActionResult(action, {}, {}, "switched", True)
+
+    plane.evaluator.execute = execute
+    plane._on_engine_event(EngineEvent("engine_oom", {"error": "CUDA out of memory"}))
+    deadline = time.monotonic() + 10  # the event's job is added from a thread of its own
+    while not (jobs := [j for j in plane.scheduler.get_jobs() if j.id != "rules"]):
+        assert time.monotonic() < deadline, "the OOM's evaluation was never scheduled"
+        time.sleep(0.01)
+    jobs[0].func()  # the scheduler is paused: run the evaluation here
+    incident = plane.evaluator.incident
+    assert incident is not None
+    plane.stop()
+    assert audit.flush(10)
+    steps = [(r["type"], r.get("kind") or r["action"]) for r in audit.timeline(incident)]
+    assert steps == [
+        ("event", "engine_oom"),
+        ("event", "kv_dtype_switched"),
+        ("action", "handle_oom"),
+    ]
+    assert audit.get_incident(incident)["closed_at"] is not None

@@ -488,3 +488,49 @@ def test_a_tick_returns_its_decisions_once_the_kept_list_is_full(
     got = [h.at(5.0 * i, 0.95) for i in range(1, 7)]
     assert got == [[("evict", "evict_lowest_priority", False)]] * 6
     assert len(h.ev.decisions) == 3 and h.ev.decided == 6
+
+
+def test_an_incident_keeps_its_peak_its_actions_events_and_undo_thresholds_and_ends_at_stop(
+    tmp_path: Path,
+) -> None:
+    """Two rungs acting in one tick: the incident's peak is the level reached (the acting rung
+    counted); an event an action causes while it runs is the incident's; an undo records the
+    threshold that let it run (the recovery one); the daemon's stop closes the incident."""
+    from kvguard.daemon.audit import AuditStore
+
+    store = AuditStore(f"sqlite:///{tmp_path / 'audit.db'}")
+    store.start()
+    try:
+        h = Harness(
+            HEADER + "  - {name: batch, signal: kv, above: 0.9, action: reduce_batch,\n"
+            "     recover_below: 0.5, undo: restore_batch}\n"
+            "  - {name: fp8, signal: kv, above: 0.95, action: enable_fp8_kv,\n"
+            "     recover_below: 0.2, undo: disable_fp8_kv}\n"
+        )
+        execute = h.ev.execute
+
+        def with_event(action: str, params: dict) -> ActionResult:  # as the engine's would be
+            store.record_event("kv_dtype_switched", incident=h.ev.incident)
+            return execute(action, params)
+
+        h.ev.execute = with_event
+        h.ev.audit = store
+        assert h.at(0, 0.97) == [("batch", "reduce_batch", False)]
+        inc = h.ev.incident
+        assert h.at(5, 0.97) == [("fp8", "enable_fp8_kv", False)]
+        assert h.at(10, 0.1) == [("fp8", "disable_fp8_kv", True)]
+        assert h.at(15, 0.1) == [("batch", "restore_batch", True)]
+        assert h.ev.incident is None
+        assert h.at(100, 0.97) == [("batch", "reduce_batch", False)]  # open at the stop
+        second = h.ev.incident
+        h.ev.close_at_stop()
+        assert h.ev.incident is None and store.flush(10)
+        assert store.get_incident(inc)["peak_level"] == 2
+        assert store.get_incident(second)["closed_at"] is not None
+        events = store.list_events(limit=None)
+        assert [e["incident"] for e in events] == [inc, inc, inc, inc, second]
+        undo = {a["action"]: a["threshold"] for a in store.list_actions(limit=None)}
+        assert undo["disable_fp8_kv"] == 0.2 and undo["restore_batch"] == 0.5
+        assert undo["enable_fp8_kv"] == 0.95
+    finally:
+        store.stop(timeout=5)

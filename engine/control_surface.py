@@ -7,17 +7,22 @@ the next step boundary. Calling `step()` (or running an `EngineLoop`) is what ap
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 from kvguard.engine.admission import AdmissionConfig
 from kvguard.engine.config import LIVE_KNOBS
 from kvguard.engine.control import ActionResult
+from kvguard.engine.distributed.errors import PoolTorn
 from kvguard.engine.knobs import KnobPath
-from kvguard.engine.kv_cache import KV_TORCH_DTYPES, kv_dtype_name
+from kvguard.engine.kv_cache import KV_TORCH_DTYPES, OOM_ERRORS, kv_dtype_name
 from kvguard.engine.model_runner import CUDA_GROW_MARGIN, HOST_GROW_BELOW
 from kvguard.engine.sequence import PRIORITY_NAMES, Status, parse_priority
 
@@ -92,7 +97,11 @@ class ControlSurface:
     def _act(self: LLMEngine, name: str, fn) -> Future:  # noqa: ANN001 - () -> (detail, ok, data)
         def run() -> ActionResult:
             before = self.knobs()
-            detail, ok, data = fn()
+            try:
+                detail, ok, data = fn()
+            except PoolTorn as e:  # the engine cannot go on: its next step says so (fatal)
+                self.torn = e
+                raise
             after = self.knobs()
             if before != after:
                 changed = {k: (before[k], after[k]) for k in before if before[k] != after[k]}
@@ -210,14 +219,18 @@ class ControlSurface:
         t0 = time.perf_counter()
         live_bytes = bm.num_used * self.kv_cache.bytes_per_block
         old_n = bm.num_blocks
+        kept = self._bookkeeping()
         moves, host_moves = bm.resize(new_n), hbm.resize(new_host)
         for seq in self.scheduler.live():
             seq.kv_converted = seq.kv_converted or seq.num_computed_tokens > 0
         self.scheduler.remap(moves)
         self.scheduler.remap(host_moves, host=True)
-        extra = self.runner.convert_kv(
-            dtype, {"device": (new_n, moves), "host": (new_host, host_moves)}
-        )
+        try:
+            extra = self.runner.convert_kv(
+                dtype, {"device": (new_n, moves), "host": (new_host, host_moves)}
+            )
+        except OOM_ERRORS as e:
+            return self._conversion_failed(kept, f"a {dtype} pool", e)
         self.kv_cache.last_switch_peak_extra_bytes = extra
         if self.admission is not None:
             self.admission.bytes_per_block = self.kv_cache.bytes_per_block
@@ -236,6 +249,38 @@ class ControlSurface:
             f"KV cache {old} -> {dtype}: {old_n} -> {new_n} blocks in {pause * 1e3:.1f} ms",
             True,
             data,
+        )
+
+    def _bookkeeping(self: LLMEngine) -> Callable[[], None]:
+        """What a pool conversion changes before it converts (both tiers' block managers,
+        every live sequence's block tables), kept: the returned call puts it back."""
+        managers = [(bm, {k: copy.copy(v) for k, v in vars(bm).items()})
+                    for bm in (self.block_manager, self.host_block_manager)]  # fmt: skip
+        tables = [(s, list(s.block_table), list(s.host_block_table)) for s in self.scheduler.live()]
+
+        def restore() -> None:
+            for bm, state in managers:
+                vars(bm).update(state)
+            for s, device, host in tables:
+                s.block_table, s.host_block_table = device, host
+
+        return restore
+
+    def _conversion_failed(
+        self: LLMEngine, restore: Callable[[], None], what: str, error: BaseException
+    ) -> tuple[str, bool, dict]:
+        """A pool conversion ran out of memory and put the pool back as it was (KVCache.convert):
+        its bookkeeping goes back too, and the action is refused. With several ranks, the
+        others may have converted: the engine cannot go on (systemd restarts the daemon)."""
+        if self.config.world_size > 1:
+            raise PoolTorn(f"rank 0 could not build {what} ({error}); the other ranks may have")
+        restore()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return (
+            f"refused: out of memory building {what} ({error}); the pool is as it was",
+            False,
+            {},
         )
 
     # -- KV pool size -----------------------------------------------------------------------
@@ -288,9 +333,13 @@ class ControlSurface:
                 {"preempted": moved},
             )
         t0 = time.perf_counter()
+        kept = self._bookkeeping()
         moves = bm.resize(new_n, keep_cache=True)  # same dtype: cached K/V stay valid
         self.scheduler.remap(moves)
-        self.runner.convert_kv(dtype, {"device": (new_n, moves)})
+        try:
+            self.runner.convert_kv(dtype, {"device": (new_n, moves)})
+        except OOM_ERRORS as e:
+            return self._conversion_failed(kept, f"a pool of {new_n} blocks", e)
         self.kv_pool_share = new_n / full
         pause = time.perf_counter() - t0
         data = {

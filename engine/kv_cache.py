@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from kvguard.engine.config import ConfigError
+from kvguard.engine.distributed.errors import PoolTorn
 from kvguard.engine.model_config import ModelConfig
 from kvguard.kernels.fp8 import FP8_DTYPE, FP8_MAX, as_bytes, as_rows, dequantize, quantize
 
@@ -22,6 +23,8 @@ KV_TORCH_DTYPES = {
     "fp8_e4m3": FP8_DTYPE,
 }
 SCALE_BYTES = 4
+# what running out of device memory raises (a step, a pool conversion)
+OOM_ERRORS: tuple[type[BaseException], ...] = (torch.OutOfMemoryError,)
 
 LayerKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 
@@ -178,35 +181,82 @@ class KVCache:
         Layer by layer: the new layer is built, filled from the old one, and the old one dropped
         before the next layer starts. Returns the peak of bytes held beyond the larger of the
         old and new pool sizes (the price of the switch).
+
+        A layer that cannot be built (out of memory: the switch is a remedy, run under memory
+        pressure) undoes the layers already converted, so the pool is whole in its old dtype
+        and size again, and the error is raised (those layers' K/V went through `dtype` and
+        back: narrowed, they keep its rounding). Should that fail too, PoolTorn: the pool is
+        half converted and the engine cannot go on.
         """
-        compute = torch.float32
-        src = torch.tensor(sorted(moves), dtype=torch.long, device=pool.device)
-        dst = torch.tensor([moves[o] for o in sorted(moves)], dtype=torch.long, device=pool.device)
+        old_dtype, old_n = pool.dtype, pool.num_blocks
+        order = sorted(moves)
+        src = torch.tensor(order, dtype=torch.long, device=pool.device)
+        dst = torch.tensor([moves[o] for o in order], dtype=torch.long, device=pool.device)
         start = current = pool.nbytes
         peak = 0
         for i, layer in enumerate(pool.layers):
-            fresh = new_layer(
-                self.cfg, new_n, self.block_size, dtype, pool.device, pin=_pinned(layer)
-            )
-            held = current + _layer_bytes(fresh)
-            if src.numel() and dtype == pool.dtype:  # a new size, same dtype: the bytes as
-                copy_blocks(layer, src, fresh, dst)  # they are, scales alongside
-            elif src.numel():
-                for which in (0, 1):
-                    vals = read_blocks(layer, src, which, compute)
-                    held_now = held + vals.numel() * vals.element_size()
-                    peak = max(peak, held_now)
-                    write_blocks(fresh, dst, which, vals)
-                    del vals
+            try:
+                fresh, held = self._converted(layer, pool, dtype, new_n, src, dst, current)
+            except BaseException as e:
+                self._undo(pool, i, old_dtype, old_n, dst, src, e)
+                raise
             peak = max(peak, held)
             current += _layer_bytes(fresh) - _layer_bytes(layer)
             pool.layers[i] = fresh
         pool.dtype, pool.num_blocks = dtype, new_n
         return max(0, peak - max(start, current))
 
+    def _converted(
+        self,
+        layer: LayerKV,
+        pool: Pool,
+        dtype: str,
+        n: int,
+        src: torch.Tensor,
+        dst: torch.Tensor,
+        current: int,
+    ) -> tuple[LayerKV, int]:
+        """`layer` as `n` blocks of `dtype`, its blocks `src` at `dst`; and the most bytes the
+        pool held meanwhile (`current` before)."""
+        fresh = new_layer(self.cfg, n, self.block_size, dtype, pool.device, pin=_pinned(layer))
+        held = peak = current + _layer_bytes(fresh)
+        if src.numel() and dtype == _layer_dtype(layer):  # a new size, same dtype: the bytes
+            copy_blocks(layer, src, fresh, dst)  # as they are, scales alongside
+        elif src.numel():
+            for which in (0, 1):
+                vals = read_blocks(layer, src, which, torch.float32)
+                peak = max(peak, held + vals.numel() * vals.element_size())
+                write_blocks(fresh, dst, which, vals)
+                del vals
+        return fresh, peak
+
+    def _undo(
+        self,
+        pool: Pool,
+        done: int,
+        dtype: str,
+        n: int,
+        src: torch.Tensor,
+        dst: torch.Tensor,
+        error: BaseException,
+    ) -> None:
+        """Put the first `done` layers, converted, back as `n` blocks of `dtype`."""
+        try:
+            for j in range(done):
+                pool.layers[j], _ = self._converted(pool.layers[j], pool, dtype, n, src, dst, 0)
+        except BaseException as e:
+            raise PoolTorn(
+                f"the KV pool is half converted: layer {done} could not be built ({error}) and "
+                f"layer {j} could not be put back ({e})"
+            ) from e
+
 
 def _ids(ids: list[int], pool: Pool) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long, device=pool.device)
+
+
+def _layer_dtype(layer: LayerKV) -> str:
+    return next(name for name, t in KV_TORCH_DTYPES.items() if t == layer[0].dtype)
 
 
 def _pinned(layer: LayerKV) -> bool:

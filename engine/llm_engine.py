@@ -23,9 +23,9 @@ from kvguard.engine.config import EngineConfig
 from kvguard.engine.control import Mailbox
 from kvguard.engine.control_surface import ControlSurface
 from kvguard.engine.detokenizer import append_token
-from kvguard.engine.distributed.errors import RankFailure
+from kvguard.engine.distributed.errors import PoolTorn, RankFailure
 from kvguard.engine.events import EventBus
-from kvguard.engine.kv_cache import KVCache
+from kvguard.engine.kv_cache import OOM_ERRORS, KVCache
 from kvguard.engine.model import StepInterrupted
 from kvguard.engine.model_config import ModelConfig
 from kvguard.engine.model_registry import resolve_model
@@ -54,7 +54,6 @@ from kvguard.engine.tokenizer import Tokenizer
 __all__ = ["AdmissionRejected", "InjectedOOMError", "LLMEngine", "pick_device", "pick_dtype"]
 
 log = logging.getLogger("kvguard.engine")
-OOM_ERRORS: tuple[type[BaseException], ...] = (torch.OutOfMemoryError,)
 
 
 CPU_PREFILL_WHILE_DECODING = 128  # prompt tokens beside the decodes: a forward of ~0.3 s on 2 cores
@@ -141,6 +140,7 @@ class LLMEngine(ControlSurface):
         self._order = itertools.count()
         self._ids = itertools.count()
         self._pending: list[RequestOutput] = []  # aborted/finished outside a step
+        self.torn: PoolTorn | None = None  # a pool conversion failed half way: no more steps
         self._step_no = 0
         self._counters = {
             "tokens_generated": 0,
@@ -342,6 +342,8 @@ class LLMEngine(ControlSurface):
         Raises RankFailure (tensor parallel) when a rank died or hung: the engine is done."""
         self.interrupt.clear()  # what is posted by now is in this step's drain
         self.mailbox.drain()
+        if self.torn is not None:
+            raise self.torn
         outputs, self._pending = self._pending, []
         try:
             self._maybe_restore_budget()
@@ -623,5 +625,8 @@ class LLMEngine(ControlSurface):
 
     def check_ranks(self) -> None:
         """RankFailure if a tensor-parallel rank has died (cheap; an idle loop calls it, so a
-        dead rank is noticed without traffic)."""
+        dead rank is noticed without traffic), or PoolTorn once a pool conversion failed
+        half way."""
+        if self.torn is not None:
+            raise self.torn
         self.runner.check_alive()

@@ -27,6 +27,7 @@ from kvguard.engine.cuda_graphs import (
     table_width,
 )
 from kvguard.engine.distributed.agreement import agree_any, agree_min
+from kvguard.engine.distributed.errors import PoolTorn
 from kvguard.engine.distributed.parallel_state import PipelineStage, TPGroup
 from kvguard.engine.distributed.sharding import shard_config
 from kvguard.engine.host_memory import room_bytes
@@ -529,7 +530,25 @@ class ModelRunner:
         pools = {"device": kv.device_pool, "host": kv.host_pool}
         if self.graphs is not None:
             self.graphs.invalidate()  # they write the old pool's addresses
-        extra = max(kv.convert(pools[t], dtype, n, moves) for t, (n, moves) in tiers.items())
+        extra, done = 0, []
+        try:
+            for tier, (n, moves) in tiers.items():
+                pool = pools[tier]
+                before = (pool.dtype, pool.num_blocks)
+                extra = max(extra, kv.convert(pool, dtype, n, moves))
+                done.append((tier, pool, before, moves))
+        except PoolTorn:
+            raise
+        except BaseException as e:  # the failed tier is whole again: put the others back too
+            for tier, pool, (was, n), moves in reversed(done):
+                try:
+                    kv.convert(pool, was, n, {new: old for old, new in moves.items()})
+                except BaseException as again:
+                    raise PoolTorn(
+                        f"the {tier} KV pool could not be put back to {was} ({again}) after "
+                        f"another tier's conversion failed ({e})"
+                    ) from again
+            raise
         if self.device.type == "cuda":  # the copies are queued: done (or failed) before the
             torch.cuda.synchronize(self.device)  # engine resumes and the pause is clocked
         release_freed_memory(self.device)  # every rank runs this: each gives its own back

@@ -11,9 +11,12 @@ fault while a step's tokens were taken losing the answers of the requests it had
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kvguard.engine import LLMEngine
 from kvguard.engine.admission import AdmissionConfig
+from kvguard.engine.distributed.errors import PoolTorn
+from kvguard.engine.kv_cache import KV_TORCH_DTYPES
 from tests.test_engine import make_engine
 from tests.test_kv_pool import apply
 from tests.test_remedies import greedy
@@ -189,3 +192,67 @@ def test_a_fault_taking_a_steps_tokens_ends_its_requests_and_keeps_the_finished_
     assert engine.block_manager.num_used == 0 and not engine.has_unfinished()
     after = engine.add_request([6, 7, 8], greedy(4))
     assert len(finish(engine)[after]) == 4
+
+
+def _failing_layers(monkeypatch: pytest.MonkeyPatch, fail: set[int]) -> list[int]:
+    """Make the `fail`-th (0-based) layer buffers built from now on run out of memory."""
+    from kvguard.engine import kv_cache
+
+    real, calls = kv_cache.new_layer, []
+
+    def new_layer(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(len(calls))
+        if calls[-1] in fail:
+            raise torch.OutOfMemoryError("injected: no memory for a KV layer")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kv_cache, "new_layer", new_layer)
+    return calls
+
+
+def _pool_whole(engine: LLMEngine, dtype: str, blocks: int) -> None:
+    pool = engine.kv_cache.device_pool
+    assert engine.kv_cache.dtype == dtype and pool.num_blocks == blocks
+    assert engine.block_manager.num_blocks == blocks
+    for k, v, *_ in pool.layers:
+        assert k.dtype == v.dtype == KV_TORCH_DTYPES[dtype] and k.shape[0] == v.shape[0] == blocks
+
+
+def test_a_pool_conversion_out_of_memory_is_refused_and_the_pool_stays_whole(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The FP8 switch and the pool resize are remedies, run under memory pressure: a layer
+    that cannot be built undoes the layers already converted, the bookkeeping goes back, the
+    action is refused naming why, and every request finishes (a resize, which copies bytes
+    as they are, with the tokens it would have had). Failing to put it back too stops the
+    engine (a torn pool), never serves from it."""
+    prompts = [[3 + (7 * i + j) % 200 for j in range(40)] for i in range(4)]
+    want = make_engine(num_gpu_blocks=32, max_model_len=256).generate(prompts, greedy(30))
+    for action in ("switch", "resize"):
+        engine = make_engine(num_gpu_blocks=32, max_model_len=256)
+        rids = [engine.add_request(p, greedy(30)) for p in prompts]
+        for _ in range(4):
+            engine.step()
+        calls = _failing_layers(monkeypatch, {1})  # layer 0 converts, layer 1 fails
+        fut = (
+            engine.set_kv_cache_dtype("fp16")
+            if action == "switch"
+            else (engine.set_kv_pool_share(0.75))
+        )
+        res = apply(engine, fut)
+        monkeypatch.undo()
+        assert not res.ok and "out of memory" in res.detail and len(calls) == 3, action
+        _pool_whole(engine, "fp32", 32)
+        engine.audit_blocks()
+        done = finish(engine)
+        if action == "resize":
+            assert [done[r] for r in rids] == [o.token_ids for o in want]
+        else:  # layer 0's K/V went through fp16 and back
+            assert all(len(done[r]) == 30 for r in rids)
+    engine = make_engine(num_gpu_blocks=32, max_model_len=256)
+    engine.add_request(prompts[0], greedy(30))
+    engine.step()
+    _failing_layers(monkeypatch, {1, 2})  # layer 1 fails, and so does putting layer 0 back
+    engine.set_kv_cache_dtype("fp16")
+    with pytest.raises(PoolTorn, match="half converted"):
+        engine.step()

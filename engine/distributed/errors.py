@@ -15,3 +15,14 @@ class RankFailure(RuntimeError):
         super().__init__(f"{who} {reason}")
         self.rank = rank
         self.reason = reason
+
+
+class PoolTorn(RankFailure):
+    """The KV pool is half converted (a live dtype switch or resize failed and could not be
+    undone): its blocks no longer match the block tables, so, as with a lost rank, the engine
+    stops and systemd restarts the daemon."""
+
+    def __init__(self, reason: str) -> None:
+        RuntimeError.__init__(self, reason)
+        self.rank = -1
+        self.reason = reason

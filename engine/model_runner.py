@@ -312,6 +312,7 @@ class ModelRunner:
         host_blocks = 0
         if config.enable_cpu_offload:
             host_blocks = int(num_blocks * config.cpu_cache_ratio / (1.0 - config.cpu_cache_ratio))
+            check_host_pool(config, local, kv_dtype, device, num_blocks, host_blocks)
         kv = KVCache(local, num_blocks, config.block_size, kv_dtype, device, host_blocks)
         runner = cls(model, mcfg, kv, tp, stage)
         if cuda_graphs_wanted(config, device, stage.world.size):
@@ -594,6 +595,30 @@ class ModelRunner:
 
     def kv_bytes_per_rank(self) -> list[int]:
         return [self.kv_cache.device_pool.nbytes]
+
+
+def check_host_pool(
+    config: EngineConfig,
+    cfg: ModelConfig,
+    kv_dtype: str,
+    device: torch.device,
+    num_blocks: int,
+    host_blocks: int,
+) -> None:
+    """ConfigError when the swap pool (host memory on any device), with the KV pool itself on
+    a CPU, is more than the host holds below HOST_START_BELOW."""
+    per_block = bytes_per_block(cfg, config.block_size, kv_dtype)
+    swap = host_blocks * per_block
+    need = swap + (num_blocks * per_block if device.type == "cpu" else 0)
+    room = room_bytes(HOST_START_BELOW)
+    if room is not None and need > room:
+        beside = " beside the KV pool's" if device.type == "cpu" else ""
+        raise ConfigError(
+            f"the swap pool (cpu_cache_ratio={config.cpu_cache_ratio}: {swap / 2**20:.0f} MiB"
+            f"{beside}) is more than this host can hold: {room / 2**20:.0f} MiB are free below "
+            f"{HOST_START_BELOW:.0%} of its memory (or of the service's MemoryMax=); lower "
+            "cpu_cache_ratio"
+        )
 
 
 def num_kv_blocks(

@@ -159,6 +159,12 @@ def test_a_pool_the_host_cannot_hold_refuses_to_start(monkeypatch: pytest.Monkey
     with pytest.raises(ConfigError, match=r"kv_cache_bytes=2097152 \(2 MiB\) is more than this"):
         make_engine(kv_cache_bytes="2MiB")
     make_engine(kv_cache_bytes="1MiB")  # what fits starts
+    # the swap pool is host memory too (here beside the KV pool's): 0.5 MiB + 0.5 MiB fits,
+    # 0.5 MiB + 4.5 MiB (cpu_cache_ratio 0.9) does not
+    swap = {"enable_cpu_offload": True, "min_gpu_blocks": 0}
+    make_engine(kv_cache_bytes="512KiB", cpu_cache_ratio=0.5, **swap)
+    with pytest.raises(ConfigError, match=r"swap pool \(cpu_cache_ratio=0.9: 4 MiB beside"):
+        make_engine(kv_cache_bytes="512KiB", cpu_cache_ratio=0.9, **swap)
 
 
 def rss_bytes() -> int:

@@ -17,12 +17,19 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import socket
 import threading
 import time
 from dataclasses import dataclass
 from multiprocessing import AuthenticationError
-from multiprocessing.connection import Client, Connection, Listener
+from multiprocessing.connection import (
+    Client,
+    Connection,
+    Listener,
+    answer_challenge,
+    deliver_challenge,
+)
 from typing import Any
 
 import torch.distributed as dist
@@ -31,6 +38,13 @@ from kvguard.engine.distributed.errors import RankFailure
 
 log = logging.getLogger("kvguard.engine.rendezvous")
 ACCEPT_POLL_S = 0.2
+HANDSHAKE_S = 10.0  # a connection has this long to prove the key and say hello
+MAX_HANDSHAKES = 32  # connections in their handshake at once; more are closed unread
+
+
+class Refused(ConnectionError):
+    """The master refused this rank for a reason retrying cannot change (its world size, a
+    rank the daemon does not expect): the worker ends at once with the master's reason."""
 
 
 # -- the remote rank's side -------------------------------------------------------------------
@@ -84,12 +98,18 @@ def connect(
     while True:
         try:
             control = _join(master, authkey, "control", rank, world_size)
-            return control, _join(master, authkey, "store", rank, world_size)
+            try:
+                return control, _join(master, authkey, "store", rank, world_size)
+            except BaseException:
+                control.close()  # so that the next try is not refused as already joined
+                raise
         except AuthenticationError as e:
             raise ConnectionError(
                 f"the master at {master[0]}:{master[1]} did not accept this worker's key "
                 f"(it must equal the daemon's serving.distributed.authkey_file): {e}"
             ) from e
+        except Refused:
+            raise
         except (ConnectionRefusedError, ConnectionResetError, EOFError, TimeoutError) as e:
             if time.monotonic() >= deadline:
                 raise ConnectionError(
@@ -101,9 +121,11 @@ def connect(
 def _join(master: tuple[str, int], authkey: bytes, kind: str, rank: int, size: int) -> Connection:
     conn = Client(master, authkey=authkey)
     conn.send(("join", kind, rank, size))
-    ok, why = conn.recv()
+    ok, why, *final = conn.recv()
     if not ok:
         conn.close()
+        if final and final[0]:
+            raise Refused(f"the master at {master[0]}:{master[1]} refused rank {rank}: {why}")
         raise ConnectionRefusedError(f"the master refused rank {rank}: {why}")
     return conn
 
@@ -132,61 +154,114 @@ class RendezvousServer:
         self.address: tuple[str, int] = self.listener.address
         self.world_size, self.remote, self.store_path = world_size, set(remote), store_path
         self.joined: dict[int, RemoteRank] = {}
-        self._stores: set[int] = set()
+        self._stores: dict[int, Connection] = {}
         self._cond = threading.Condition()
         self._closing = False
+        self._handshakes = threading.BoundedSemaphore(MAX_HANDSHAKES)
+        self._said: set[tuple[int, str]] = set()  # refusals logged (a retrying worker's once)
+        self._authkey = authkey
         self._thread = threading.Thread(target=self._accept, name="kvguard-rendezvous", daemon=True)
         self._thread.start()
 
     def _accept(self) -> None:
+        """Take connections; each proves the key and says hello on a thread of its own, within
+        HANDSHAKE_S, so one that connects and stays silent holds up nobody else."""
+        raw = self.listener._listener  # the socket; the challenge runs in _handshake
         while not self._closing:
             try:
-                conn = self.listener.accept()  # the HMAC challenge runs inside accept
-            except (OSError, EOFError, AuthenticationError) as e:  # a wrong key, a dropped peer
+                conn = raw.accept()
+            except OSError as e:
                 if not self._closing:
                     log.warning("refused a connection to the rendezvous: %s", e)
                 continue
             if self._closing:
                 conn.close()
                 return
-            with contextlib.suppress(OSError, EOFError):
-                self._admit(conn)
+            if not self._handshakes.acquire(blocking=False):
+                log.warning("refused a connection to the rendezvous: %d handshakes already "
+                            "under way", MAX_HANDSHAKES)  # fmt: skip
+                conn.close()
+                continue
+            threading.Thread(target=self._handshake, args=(conn,), daemon=True).start()
 
-    def _admit(self, conn: Connection) -> None:
-        kind, rank, size = _hello(conn)
+    def _handshake(self, conn: Connection) -> None:
+        timer = threading.Timer(HANDSHAKE_S, _hang_up, args=(conn,))
+        timer.start()
+        try:
+            deliver_challenge(conn, self._authkey)
+            answer_challenge(conn, self._authkey)
+            hello = _hello(conn)
+            timer.cancel()
+            self._admit(conn, *hello)
+        except (OSError, EOFError, AuthenticationError) as e:  # a wrong key, a dropped peer
+            if not self._closing:
+                log.warning("refused a connection to the rendezvous: %s", e)
+            with contextlib.suppress(OSError):
+                conn.close()
+        finally:
+            timer.cancel()
+            self._handshakes.release()
+
+    def _admit(self, conn: Connection, kind: str, rank: int, size: int) -> None:
         with self._cond:
-            problem = self._problem(kind, rank, size)
+            problem, final = self._problem(kind, rank, size)
             if problem:
-                log.warning("refused rank %s: %s", rank, problem)
-                conn.send((False, problem))
+                if (rank, problem) not in self._said:  # a retrying worker's: logged once
+                    self._said.add((rank, problem))
+                    log.warning("refused rank %s: %s", rank, problem)
+                conn.send((False, problem, final))
                 conn.close()
                 return
-            conn.send((True, None))
+            conn.send((True, None, False))
             if kind == "store":
-                self._stores.add(rank)
+                self._stores[rank] = conn
                 store = dist.FileStore(self.store_path, self.world_size)
-                threading.Thread(target=_serve_store, args=(conn, store), daemon=True).start()
+                threading.Thread(
+                    target=self._serve_store, args=(rank, conn, store), daemon=True
+                ).start()
             else:
                 host = _peer_host(conn)
                 self.joined[rank] = RemoteRank(rank, host, conn)
                 log.info("remote rank %d joined from %s", rank, host)
             self._cond.notify_all()
 
-    def _problem(self, kind: str, rank: int, size: int) -> str | None:
+    def _serve_store(self, rank: int, conn: Connection, store: dist.Store) -> None:
+        _serve_store(conn, store)
+        with self._cond:  # hung up: a restarted worker may join in its place
+            if self._stores.get(rank) is conn:
+                del self._stores[rank]
+
+    def _problem(self, kind: str, rank: int, size: int) -> tuple[str | None, bool]:
+        """Why `rank` may not join now, and whether that is final (retrying cannot help)."""
         if size != self.world_size:
-            return f"world size {size} given, the daemon's is {self.world_size}"
+            return f"world size {size} given, the daemon's is {self.world_size}", True
         if rank not in self.remote:
-            return f"rank {rank} is not one of the remote ranks {sorted(self.remote)}"
+            return f"rank {rank} is not one of the remote ranks {sorted(self.remote)}", True
         if kind not in ("control", "store"):
-            return f"unknown channel {kind!r}"
+            return f"unknown channel {kind!r}", True
+        self._drop_gone()
         taken = rank in (self._stores if kind == "store" else self.joined)
-        return f"rank {rank} has already joined" if taken else None
+        return (f"rank {rank} has already joined" if taken else None), False
+
+    def _drop_gone(self) -> None:
+        """Forget ranks whose worker hung up before the group formed (it died, or was
+        restarted): they count as missing, and a restarted worker may join in their place."""
+        for rank, remote in list(self.joined.items()):
+            if peer_closed(remote.control):
+                log.warning("remote rank %d left before the group formed", rank)
+                del self.joined[rank]
+        for rank, conn in list(self._stores.items()):
+            if peer_closed(conn):
+                del self._stores[rank]
 
     def wait(self, timeout_s: float) -> dict[int, RemoteRank]:
         """Every remote rank with both channels, or RankFailure naming the missing ones."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
-            while not self._complete():
+            while True:
+                self._drop_gone()
+                if self._complete():
+                    break
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
@@ -226,6 +301,12 @@ def _hello(conn: Connection) -> tuple[str, int, int]:
     return str(msg[1]), int(msg[2]), int(msg[3])
 
 
+def _hang_up(conn: Connection) -> None:
+    """End a handshake that ran out of time: a read blocked in it returns at once."""
+    with contextlib.suppress(OSError), socket.socket(fileno=_dup(conn)) as s:
+        s.shutdown(socket.SHUT_RDWR)
+
+
 def _peer_host(conn: Connection) -> str:
     try:
         with socket.socket(fileno=_dup(conn)) as s:
@@ -235,8 +316,6 @@ def _peer_host(conn: Connection) -> str:
 
 
 def _dup(conn: Connection) -> int:
-    import os
-
     return os.dup(conn.fileno())
 
 

@@ -19,7 +19,6 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchem
 from pydantic_core import PydanticCustomError
 
 from kvguard.daemon import tools
-from kvguard.engine.structured import compile_schema
 
 Priority = Literal["high", "normal", "low"]
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # OpenAI's integer range; torch takes no more
@@ -229,14 +228,6 @@ class _Sampling(_Body):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
-def _servable(schema: dict[str, Any], field: str) -> None:
-    """Refuse, naming `field`, a schema the grammar library cannot serve."""
-    try:
-        compile_schema(schema)
-    except ValueError as e:
-        raise PydanticCustomError(field, "{why}", {"why": str(e).split(": ", 1)[-1]}) from e
-
-
 class JsonSchemaFormat(_Body):
     """OpenAI's `response_format.json_schema`: the schema the answer's JSON must match."""
 
@@ -265,9 +256,8 @@ class ResponseFormat(_Body):
             raise PydanticCustomError(
                 "response_format", "json_schema is given only with type json_schema"
             )
-        schema = self.engine_schema()
-        if schema is not None:
-            _servable(schema, "response_format")
+        # whether the grammar library can serve the schema is checked off the event loop
+        # (compiling a large one takes a second): openai_api._serve
         return self
 
     def engine_schema(self) -> dict[str, Any] | None:
@@ -379,12 +369,10 @@ ToolName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0
 
 
 def _parameters(schema: dict[str, Any] | None) -> dict[str, Any] | None:
-    if schema is not None:
-        if schema.get("type", "object") != "object":
-            raise PydanticCustomError(
-                "parameters", "must describe a JSON object (a call's arguments are one)"
-            )
-        _servable(schema, "parameters")
+    if schema is not None and schema.get("type", "object") != "object":
+        raise PydanticCustomError(
+            "parameters", "must describe a JSON object (a call's arguments are one)"
+        )
     return schema
 
 

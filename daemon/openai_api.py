@@ -151,6 +151,8 @@ def router(service: Service) -> APIRouter:
             fns, parallel = body.tool_functions(), body.parallel()
             msgs = tools.with_tools(msgs, fns, mode, parallel)
             # a response_format schema holds a text answer (`auto`) to JSON
+            if params.json_schema is not None:  # checked on its own: a 400 names it
+                await asyncio.to_thread(_servable, params.json_schema, None)
             grammar = tools.grammar(fns, mode, parallel, params.json_schema)
             params = dataclasses.replace(params, json_schema=None, grammar=grammar)
         prompt = _render_chat(service, msgs)
@@ -419,15 +421,21 @@ def _grammar_ready(service: Service, params: SamplingParams) -> None:
     """Off the event loop (a large schema takes a second to compile, the tokenizer view 0.3 s
     to build once): the request's schema or tools grammar compiled, refused with a 400 naming
     its field when the grammar library cannot serve it, and the view built."""
-    try:
-        if params.grammar is not None:  # a chat request's tools
-            compile_grammar(params.grammar)
-        elif params.json_schema is not None:
-            compile_schema(params.json_schema)
-    except ValueError as e:
-        field = "tools" if params.grammar is not None else "response_format"
-        raise ApiError(400, f"{field}: {str(e).split(': ', 1)[-1]}", field) from e
+    _servable(params.json_schema, params.grammar)
     service.engine.grammars.view()
+
+
+def _servable(schema: dict[str, Any] | None, grammar: str | None) -> None:
+    """A 400 naming `response_format` (a schema) or `tools` (a chat request's tools grammar)
+    when the grammar library cannot serve it."""
+    try:
+        if grammar is not None:
+            compile_grammar(grammar)
+        elif schema is not None:
+            compile_schema(schema)
+    except ValueError as e:
+        field = "tools" if grammar is not None else "response_format"
+        raise ApiError(400, f"{field}: {str(e).split(': ', 1)[-1]}", field) from e
 
 
 def _refuse_if_draining(service: Service) -> None:
@@ -640,7 +648,10 @@ class _Outputs:
         """The stream's listener, on the engine thread: must not block."""
         self._last = self.ctx.observe(out, self._last)
         if out.finished:
-            self.ctx.charge(self._index, out)
+            try:
+                self.ctx.charge(self._index, out)
+            except Exception:  # noqa: BLE001 - a metrics fault must not lose the answer
+                log.exception("charging request %s to its API key failed", out.request_id)
         if not (self._keep_deltas or out.finished):
             return
         with self._lock:

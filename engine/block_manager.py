@@ -234,6 +234,21 @@ class BlockManager:
         self.num_blocks = new_n
         return moves
 
+    def retire_cache(self, keep: set[int]) -> None:
+        """Make the cached content of every block outside `keep` unfindable (their K/V are no
+        longer what their keys say): a block in use keeps a key no lookup can form, so the
+        sequences sharing it go on sharing it read-only; a free one is forgotten."""
+        for key, b in list(self._cache.items()):
+            if b in keep or key[0] < 0:
+                continue
+            del self._cache[key]
+            if b in self._holders:
+                retired: BlockKey = (-self._content_of[b], ())
+                self._cache[retired], self._key_of[b] = b, retired
+            else:
+                del self._key_of[b], self._content_of[b]
+        self._retired = sum(key[0] < 0 for key in self._cache)
+
     def _rebuild(self, new_n: int) -> dict[int, int]:
         kept = {b: self._content_of[b] for b in self._holders if b in self._content_of}
         self._cache.clear()

@@ -229,8 +229,10 @@ class ControlSurface:
             extra = self.runner.convert_kv(
                 dtype, {"device": (new_n, moves), "host": (new_host, host_moves)}
             )
-        except OOM_ERRORS as e:
-            return self._conversion_failed(kept, f"a {dtype} pool", e)
+        except PoolTorn:
+            raise
+        except Exception as e:  # noqa: BLE001 - the pool is put back whatever failed
+            return self._conversion_failed(kept, f"a {dtype} pool", e, cached=set())
         self.kv_cache.last_switch_peak_extra_bytes = extra
         if self.admission is not None:
             self.admission.bytes_per_block = self.kv_cache.bytes_per_block
@@ -267,18 +269,28 @@ class ControlSurface:
         return restore
 
     def _conversion_failed(
-        self: LLMEngine, restore: Callable[[], None], what: str, error: BaseException
+        self: LLMEngine,
+        restore: Callable[[], None],
+        what: str,
+        error: BaseException,
+        cached: set[int],
     ) -> tuple[str, bool, dict]:
-        """A pool conversion ran out of memory and put the pool back as it was (KVCache.convert):
-        its bookkeeping goes back too, and the action is refused. With several ranks, the
-        others may have converted: the engine cannot go on (systemd restarts the daemon)."""
+        """A pool conversion failed (out of memory, most likely: it runs under pressure) and
+        put the pool back (KVCache.convert): its bookkeeping goes back too, and the action is
+        refused. Only the blocks it moved were put back, and a dtype switch's only through
+        the new dtype, so the prefix cache keeps only `cached` (a resize's moved blocks:
+        their bytes as they were). With several ranks, the others may have converted: the
+        engine cannot go on (systemd restarts the daemon)."""
         if self.config.world_size > 1:
             raise PoolTorn(f"rank 0 could not build {what} ({error}); the other ranks may have")
         restore()
+        self.block_manager.retire_cache(cached)
+        self.host_block_manager.retire_cache(set())
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+        kind = "out of memory" if isinstance(error, OOM_ERRORS) else type(error).__name__
         return (
-            f"refused: out of memory building {what} ({error}); the pool is as it was",
+            f"refused: {what} could not be built ({kind}: {error}); the pool is as it was",
             False,
             {},
         )
@@ -338,8 +350,10 @@ class ControlSurface:
         self.scheduler.remap(moves)
         try:
             self.runner.convert_kv(dtype, {"device": (new_n, moves)})
-        except OOM_ERRORS as e:
-            return self._conversion_failed(kept, f"a pool of {new_n} blocks", e)
+        except PoolTorn:
+            raise
+        except Exception as e:  # noqa: BLE001 - the pool is put back whatever failed
+            return self._conversion_failed(kept, f"a pool of {new_n} blocks", e, set(moves))
         self.kv_pool_share = new_n / full
         pause = time.perf_counter() - t0
         data = {

@@ -7,6 +7,7 @@ the conversion runs layer by layer, so at any moment at most one layer exists tw
 
 from __future__ import annotations
 
+import traceback
 from dataclasses import dataclass
 
 import torch
@@ -198,6 +199,7 @@ class KVCache:
             try:
                 fresh, held = self._converted(layer, pool, dtype, new_n, src, dst, current)
             except BaseException as e:
+                traceback.clear_frames(e.__traceback__)  # the half-built layer goes first
                 self._undo(pool, i, old_dtype, old_n, dst, src, e)
                 raise
             peak = max(peak, held)

@@ -452,9 +452,12 @@ class LLMEngine(ControlSurface):
         """After a fault while a step's tokens were taken: the requests that finished keep
         their answers, the others end with an error (their state may be half advanced), so
         that every client of the step hears the end of its request."""
-        return [
-            RequestOutput.take(s) if s.is_finished else self._end(s, "error") for s in batch.seqs
-        ]
+        outs = []
+        for s in batch.seqs:
+            if not s.is_finished and s.finish_reason is not None:  # its answer was complete
+                self.scheduler.finish(s)
+            outs.append(RequestOutput.take(s) if s.is_finished else self._end(s, "error"))
+        return outs
 
     @staticmethod
     def _sampled(batch: ScheduledBatch) -> list[Sequence]:
@@ -494,7 +497,7 @@ class LLMEngine(ControlSurface):
                 if seq.finish_reason in (None, "length") and seq.grammar.complete:
                     # the JSON is closed and nothing may follow: complete, even where its
                     # last token was the last max_tokens allowed
-                    seq.finish_reason = "stop"
+                    seq.finish_reason, seq.truncated = "stop", False
         if seq.finish_reason is not None:
             self._count_finish(seq)
 

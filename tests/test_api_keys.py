@@ -227,7 +227,7 @@ def test_a_key_is_charged_what_was_generated_for_a_client_that_hung_up(keyed) ->
     until(lambda: charged()[1] > before[1], 30, "the abandoned request charged")
     after = charged()  # the prompt is charged before the completion
     assert after[0] - before[0] == prompt
-    assert 5 <= after[1] - before[1] < 400
+    assert after[1] - before[1] >= 5  # what it had generated (all 400 if it ended first)
 
 
 def test_sighup_applies_a_new_keys_file_and_refuses_a_broken_one(keyed, capsys) -> None:  # noqa: ANN001

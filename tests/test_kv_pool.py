@@ -8,17 +8,20 @@ cgroup (v1 and v2) as the kernel writes them."""
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import sqlite3
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvguard.engine import LLMEngine
 from kvguard.engine.control_surface import ParamError
 from kvguard.engine.host_memory import host_memory_used_ratio
 from kvguard.engine.knobs import ConfigError
+from kvguard.engine.model_runner import release_freed_memory
 from kvguard.rules.actions import ActionError, run_action
 from tests.test_engine import PROMPTS, make_engine
 from tests.test_remedies import greedy, run_all
@@ -174,6 +177,8 @@ def rss_bytes() -> int:
 def test_a_shrink_gives_the_memory_back_to_the_host() -> None:
     engine = make_engine(kv_cache_bytes="512MiB", max_model_len=128)
     engine.generate(PROMPTS[:2], greedy(4))
+    gc.collect()  # earlier tests' garbage freed and trimmed now, not between the measurements
+    release_freed_memory(torch.device("cpu"))
     before = rss_bytes()
     res = apply(engine, engine.set_kv_pool_share(0.125))
     assert res.ok and res.data["bytes_after"] <= 64 * 2**20

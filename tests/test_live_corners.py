@@ -194,8 +194,11 @@ def test_a_fault_taking_a_steps_tokens_ends_its_requests_and_keeps_the_finished_
     assert len(finish(engine)[after]) == 4
 
 
-def _failing_layers(monkeypatch: pytest.MonkeyPatch, fail: set[int]) -> list[int]:
-    """Make the `fail`-th (0-based) layer buffers built from now on run out of memory."""
+def _failing_layers(
+    monkeypatch: pytest.MonkeyPatch, fail: set[int], error: type[Exception] = torch.OutOfMemoryError
+) -> list[int]:
+    """Make the `fail`-th (0-based) layer buffers built from now on run out of memory (on a
+    CPU torch says so with a RuntimeError from its allocator)."""
     from kvguard.engine import kv_cache
 
     real, calls = kv_cache.new_layer, []
@@ -203,7 +206,7 @@ def _failing_layers(monkeypatch: pytest.MonkeyPatch, fail: set[int]) -> list[int
     def new_layer(*args, **kwargs):  # type: ignore[no-untyped-def]
         calls.append(len(calls))
         if calls[-1] in fail:
-            raise torch.OutOfMemoryError("injected: no memory for a KV layer")
+            raise error("injected: DefaultCPUAllocator: can't allocate memory")
         return real(*args, **kwargs)
 
     monkeypatch.setattr(kv_cache, "new_layer", new_layer)
@@ -241,7 +244,8 @@ def test_a_pool_conversion_out_of_memory_is_refused_and_the_pool_stays_whole(
         )
         res = apply(engine, fut)
         monkeypatch.undo()
-        assert not res.ok and "out of memory" in res.detail and len(calls) == 3, action
+        assert not res.ok and "could not be built (out of memory" in res.detail, action
+        assert len(calls) == 3, action
         _pool_whole(engine, "fp32", 32)
         engine.audit_blocks()
         done = finish(engine)
@@ -256,3 +260,31 @@ def test_a_pool_conversion_out_of_memory_is_refused_and_the_pool_stays_whole(
     engine.set_kv_cache_dtype("fp16")
     with pytest.raises(PoolTorn, match="half converted"):
         engine.step()
+
+
+def test_a_refused_conversion_serves_no_cached_block_it_did_not_put_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A finished request's blocks stay in the prefix cache, free. A refused dtype switch put
+    back only the blocks in use (and through the new dtype): the cache forgets the rest, so
+    the same prompt is computed again; a refused resize put back every cached block it moved,
+    byte for byte, so they serve. Either way the same tokens, whatever error the allocator
+    raised."""
+    prompt = [3 + j % 200 for j in range(48)]
+    want = make_engine(num_gpu_blocks=32, max_model_len=256).generate([prompt], greedy(8))
+    for action, error in (("switch", torch.OutOfMemoryError), ("resize", RuntimeError)):
+        engine = make_engine(num_gpu_blocks=32, max_model_len=256)
+        assert engine.generate([prompt], greedy(8))[0].token_ids == want[0].token_ids
+        _failing_layers(monkeypatch, {1}, error)
+        fut = (
+            engine.set_kv_cache_dtype("fp16")
+            if action == "switch"
+            else (engine.set_kv_pool_share(0.75))
+        )
+        res = apply(engine, fut)
+        monkeypatch.undo()
+        assert not res.ok and "could not be built" in res.detail, action
+        again = engine.generate([prompt], greedy(8))[0]
+        assert again.token_ids == want[0].token_ids, action
+        assert again.num_cached_tokens == (0 if action == "switch" else 32), action
+        engine.audit_blocks()

@@ -193,7 +193,7 @@ class RendezvousServer:
             hello = _hello(conn)
             timer.cancel()
             self._admit(conn, *hello)
-        except (OSError, EOFError, AuthenticationError) as e:  # a wrong key, a dropped peer
+        except Exception as e:  # noqa: BLE001 - a wrong key, a dropped peer, a garbled hello
             if not self._closing:
                 log.warning("refused a connection to the rendezvous: %s", e)
             with contextlib.suppress(OSError):
@@ -204,6 +204,9 @@ class RendezvousServer:
 
     def _admit(self, conn: Connection, kind: str, rank: int, size: int) -> None:
         with self._cond:
+            if self._closing:  # the group has formed (or the daemon stops): nobody joins now
+                conn.close()
+                return
             problem, final = self._problem(kind, rank, size)
             if problem:
                 if (rank, problem) not in self._said:  # a retrying worker's: logged once
@@ -250,9 +253,10 @@ class RendezvousServer:
             if peer_closed(remote.control):
                 log.warning("remote rank %d left before the group formed", rank)
                 del self.joined[rank]
+                remote.control.close()
         for rank, conn in list(self._stores.items()):
             if peer_closed(conn):
-                del self._stores[rank]
+                del self._stores[rank]  # its store thread ends on the closed connection
 
     def wait(self, timeout_s: float) -> dict[int, RemoteRank]:
         """Every remote rank with both channels, or RankFailure naming the missing ones."""

@@ -440,23 +440,18 @@ class Evaluator:
         """The daemon stops: the open incident ends with it (the next start begins calm, its
         remedies gone with the engine), so none stays open forever."""
         with self._lock:
-            if self.incident is None:
-                return
-            if self.audit:
-                self.audit.update_incident(
-                    self.incident,
-                    peak_level=self.incident_peak,
-                    actions_count=self.incident_actions,
-                    closed_at=self._wall(),
-                )
-            log.info("incident %s closed: the daemon stops", self.incident)
-            self.incident = None
+            if self.incident is not None:
+                self._close_incident("the daemon stops")
 
     def _maybe_close_incident(self) -> None:
         if self.incident is None or self.applied:
             return
         if any(st.state != "inactive" for st in self.states.values()):
             return
+        self._close_incident(f"after {self.incident_actions} actions")
+
+    def _close_incident(self, why: str) -> None:
+        assert self.incident is not None
         if self.audit:
             self.audit.update_incident(
                 self.incident,
@@ -464,7 +459,7 @@ class Evaluator:
                 actions_count=self.incident_actions,
                 closed_at=self._wall(),
             )
-        log.info("incident %s closed after %d actions", self.incident, self.incident_actions)
+        log.info("incident %s closed %s", self.incident, why)
         self.incident = None
 
     def _record(

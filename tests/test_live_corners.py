@@ -15,6 +15,7 @@ import torch
 
 from kvguard.engine import LLMEngine
 from kvguard.engine.admission import AdmissionConfig
+from kvguard.engine.control import ActionResult
 from kvguard.engine.distributed.errors import PoolTorn
 from kvguard.engine.kv_cache import KV_TORCH_DTYPES
 from tests.test_engine import make_engine
@@ -213,6 +214,24 @@ def _failing_layers(
     return calls
 
 
+def _refused(
+    engine: LLMEngine,
+    monkeypatch: pytest.MonkeyPatch,
+    action: str,
+    error: type[Exception] = torch.OutOfMemoryError,
+) -> tuple[ActionResult, list[int]]:
+    """A switch to fp16 or a resize to 0.75 of the pool whose second layer fails: refused."""
+    calls = _failing_layers(monkeypatch, {1}, error)
+    if action == "switch":
+        fut = engine.set_kv_cache_dtype("fp16")
+    else:
+        fut = engine.set_kv_pool_share(0.75)
+    res = apply(engine, fut)
+    monkeypatch.undo()
+    assert not res.ok, action
+    return res, calls
+
+
 def _pool_whole(engine: LLMEngine, dtype: str, blocks: int) -> None:
     pool = engine.kv_cache.device_pool
     assert engine.kv_cache.dtype == dtype and pool.num_blocks == blocks
@@ -236,16 +255,8 @@ def test_a_pool_conversion_out_of_memory_is_refused_and_the_pool_stays_whole(
         rids = [engine.add_request(p, greedy(30)) for p in prompts]
         for _ in range(4):
             engine.step()
-        calls = _failing_layers(monkeypatch, {1})  # layer 0 converts, layer 1 fails
-        fut = (
-            engine.set_kv_cache_dtype("fp16")
-            if action == "switch"
-            else (engine.set_kv_pool_share(0.75))
-        )
-        res = apply(engine, fut)
-        monkeypatch.undo()
-        assert not res.ok and "could not be built (out of memory" in res.detail, action
-        assert len(calls) == 3, action
+        res, calls = _refused(engine, monkeypatch, action)  # layer 0 converts, layer 1 fails
+        assert "could not be built (out of memory" in res.detail and len(calls) == 3, action
         _pool_whole(engine, "fp32", 32)
         engine.audit_blocks()
         done = finish(engine)
@@ -275,15 +286,8 @@ def test_a_refused_conversion_serves_no_cached_block_it_did_not_put_back(
     for action, error in (("switch", torch.OutOfMemoryError), ("resize", RuntimeError)):
         engine = make_engine(num_gpu_blocks=32, max_model_len=256)
         assert engine.generate([prompt], greedy(8))[0].token_ids == want[0].token_ids
-        _failing_layers(monkeypatch, {1}, error)
-        fut = (
-            engine.set_kv_cache_dtype("fp16")
-            if action == "switch"
-            else (engine.set_kv_pool_share(0.75))
-        )
-        res = apply(engine, fut)
-        monkeypatch.undo()
-        assert not res.ok and "could not be built" in res.detail, action
+        res, _ = _refused(engine, monkeypatch, action, error)
+        assert "could not be built" in res.detail, action
         again = engine.generate([prompt], greedy(8))[0]
         assert again.token_ids == want[0].token_ids, action
         assert again.num_cached_tokens == (0 if action == "switch" else 32), action

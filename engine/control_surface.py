@@ -229,8 +229,6 @@ class ControlSurface:
             extra = self.runner.convert_kv(
                 dtype, {"device": (new_n, moves), "host": (new_host, host_moves)}
             )
-        except PoolTorn:
-            raise
         except Exception as e:  # noqa: BLE001 - the pool is put back whatever failed
             return self._conversion_failed(kept, f"a {dtype} pool", e, cached=set())
         self.kv_cache.last_switch_peak_extra_bytes = extra
@@ -279,8 +277,11 @@ class ControlSurface:
         put the pool back (KVCache.convert): its bookkeeping goes back too, and the action is
         refused. Only the blocks it moved were put back, and a dtype switch's only through
         the new dtype, so the prefix cache keeps only `cached` (a resize's moved blocks:
-        their bytes as they were). With several ranks, the others may have converted: the
-        engine cannot go on (systemd restarts the daemon)."""
+        their bytes as they were). A pool it could not put back (PoolTorn), or one of several
+        ranks' (the others may have converted): the engine cannot go on (systemd restarts the
+        daemon)."""
+        if isinstance(error, PoolTorn):
+            raise error
         if self.config.world_size > 1:
             raise PoolTorn(f"rank 0 could not build {what} ({error}); the other ranks may have")
         restore()
@@ -350,8 +351,6 @@ class ControlSurface:
         self.scheduler.remap(moves)
         try:
             self.runner.convert_kv(dtype, {"device": (new_n, moves)})
-        except PoolTorn:
-            raise
         except Exception as e:  # noqa: BLE001 - the pool is put back whatever failed
             return self._conversion_failed(kept, f"a pool of {new_n} blocks", e, set(moves))
         self.kv_pool_share = new_n / full

@@ -237,7 +237,7 @@ class LLMEngine(ControlSurface):
         try:
             self.admission_policy.check(
                 seq,
-                self.scheduler.device_capacity(),
+                self.block_manager.num_blocks,
                 self.block_manager.num_used,
                 self.scheduler.waiting,
             )

@@ -188,13 +188,6 @@ class Scheduler:
         fixed = spec.row_cost if spec is not None else None
         return self.step_cost.ratio() if fixed is None else fixed
 
-    def device_capacity(self) -> int:
-        """Device blocks sequences may hold now: the pool's."""
-        return self.bm.num_blocks
-
-    def _can_allocate(self, n: int, reserve: int = 0) -> bool:
-        return self.bm.can_allocate(n, reserve)
-
     # -- queues -----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
@@ -224,7 +217,7 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = self._schedule()
         if not batch.empty:
-            self.policy.on_step(len(batch.preempted), self.bm.num_used / self.device_capacity())
+            self.policy.on_step(len(batch.preempted), self.bm.num_used / self.bm.num_blocks)
         return batch
 
     def _schedule(self) -> ScheduledBatch:
@@ -264,7 +257,7 @@ class Scheduler:
             return True
         head = self.waiting[:1]
         return any(
-            s.priority == HIGH and self.policy.try_start(s, self.device_capacity()) for s in head
+            s.priority == HIGH and self.policy.try_start(s, self.bm.num_blocks) for s in head
         )
 
     def _prompt_budget(self, batch: ScheduledBatch, budget: int, urgent: bool) -> int:
@@ -316,7 +309,7 @@ class Scheduler:
             seq.lookup = Lookup(spec.sizes)
         draft = seq.lookup.propose(seq, seq.lookup.length(self.draft_threshold, most))
         need = self.bm.blocks_needed(seq, 1 + len(draft))
-        if need and not self._can_allocate(need, reserve=len(self.running)):
+        if need and not self.bm.can_allocate(need, reserve=len(self.running)):
             room = len(seq.block_table) * self.bm.block_size - seq.num_computed_tokens - 1
             draft, need = draft[: max(0, room)], 0
         if need:
@@ -331,7 +324,7 @@ class Scheduler:
     def _reserve(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
         """Get blocks for `n` tokens of `seq`, preempting others (or `seq` itself) if needed."""
         need = self.bm.blocks_needed(seq, n)
-        while not self._can_allocate(need):
+        while not self.bm.can_allocate(need):
             victim = self.pick_victim(exclude=batch.seqs)
             if victim is None:
                 return False
@@ -385,10 +378,10 @@ class Scheduler:
         # Keep a block per running sequence in hand so the next decode step does not preempt
         # what was just admitted; evicted sequences wait until usage is below readmit_usage.
         reserve = min(len(self.running), self.bm.num_blocks // 100 + 1)
-        if not self._can_allocate(n_blocks, reserve):
+        if not self.bm.can_allocate(n_blocks, reserve):
             return False
         if seq.held:
-            after = (self.bm.num_used + n_blocks) / self.device_capacity()
+            after = (self.bm.num_used + n_blocks) / self.bm.num_blocks
             return after < self.readmit_usage or self._nothing_else(seq)
         return True
 
@@ -475,9 +468,7 @@ class Scheduler:
             if len(self.running) >= self.max_num_seqs and seq.priority != HIGH:
                 break  # every slot taken: only a high request makes itself one
             was_admitted = self.policy.is_admitted(seq)
-            if not was_admitted and (
-                gated or not self.policy.try_start(seq, self.device_capacity())
-            ):
+            if not was_admitted and (gated or not self.policy.try_start(seq, self.bm.num_blocks)):
                 gated = True
                 i += 1
                 continue
@@ -621,7 +612,7 @@ class Scheduler:
         steps = min([most, needed] + [s.max_total_len - s.num_tokens for s in batch.seqs])
         while steps > 1:
             need = sum(self.bm.blocks_needed(s, steps) for s in batch.seqs)
-            if self._can_allocate(need):
+            if self.bm.can_allocate(need):
                 for s in batch.seqs:
                     self.bm.allocate(s, steps)
                 return steps

@@ -381,7 +381,14 @@ class Evaluator:
                 a.rule, a.action, a.trigger, a.value, a.params, res, outcome, error, a.undo
             )
             settle(outcome)
-            self._raise_peak()  # the rung that just acted is in force now
+            if self.incident is not None:  # its peak counts the rung that just acted
+                self.incident_peak = max(self.incident_peak, self.level())
+                if self.audit:
+                    self.audit.update_incident(
+                        self.incident,
+                        peak_level=self.incident_peak,
+                        actions_count=self.incident_actions,
+                    )
         return outcome
 
     def _run(self, a: Attempt) -> tuple[ActionResult | None, str, str | None]:
@@ -426,15 +433,6 @@ class Evaluator:
             )
             if self.on_incident is not None:
                 self.on_incident(self.incident)
-        self.incident_peak = max(self.incident_peak, lvl)
-
-    def _raise_peak(self) -> None:
-        """The open incident's peak, after a rule's state moved: the highest level reached."""
-        if self.incident is None or self.level() <= self.incident_peak:
-            return
-        self.incident_peak = self.level()
-        if self.audit:
-            self.audit.update_incident(self.incident, peak_level=self.incident_peak)
 
     def close_at_stop(self) -> None:
         """The daemon stops: the open incident ends with it (the next start begins calm, its
@@ -513,10 +511,6 @@ class Evaluator:
             is_undo=undo,
             detail=detail,
         )
-        if self.incident is not None:
-            self.audit.update_incident(
-                self.incident, peak_level=self.incident_peak, actions_count=self.incident_actions
-            )
 
     def _wall(self) -> datetime:
         return datetime.fromtimestamp(self.wall_clock(), UTC)

@@ -104,8 +104,13 @@ class ControlPlane:
     def stop(self) -> None:
         if self.scheduler.running:
             self.scheduler.shutdown(wait=True)
-        self._record_causes(self.evaluator.incident)  # events no evaluation took up
+        self.record_pending()
         self.evaluator.close_at_stop()
+
+    def record_pending(self) -> None:
+        """Record the engine events no evaluation took up yet, in the incident open now: at the
+        stop, and at a forced exit, which waits for no evaluation (they would be lost)."""
+        self._record_causes(self.evaluator.incident)
 
     def evaluate(self) -> None:
         """One tick; a tick skipped because another evaluation holds the turn (e.g. awaiting a

@@ -435,6 +435,10 @@ class ChatMessage(_Body):
             raise PydanticCustomError("tool_calls", "only an assistant message has tool_calls")
         if self.tool_call_id is not None and self.role != "tool":
             raise PydanticCustomError("tool_call_id", "only a tool message has a tool_call_id")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise PydanticCustomError(
+                "tool_call_id", "tool_call_id is missing: a tool message names the call it answers"
+            )
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
             # only an assistant turn that calls tools may leave its text out
             raise PydanticCustomError(

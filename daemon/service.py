@@ -308,6 +308,8 @@ class Service:
         self._stop_watchdog.set()
         sdnotify.status(f"exiting: {why}")
         if self.audit is not None:
+            if self.control is not None:
+                self.control.record_pending()  # an OOM whose evaluation has not run yet
             self.audit.record_event("daemon_stop", detail=f"exit {self.exit_code}: {why}")
             self.audit.stop(timeout=2)
         self.shutdown_engine(timeout=5)

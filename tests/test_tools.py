@@ -419,6 +419,7 @@ def test_a_conversation_with_calls_and_results_is_rendered_back(daemon: Daemon) 
         ({"functions": [{"name": "f"}]}, "functions"),
         ({"messages": [{"role": "user", "content": "x", "tool_calls": [CALL]}]}, "messages"),
         ({"messages": [{"role": "user", "content": "x", "tool_call_id": "c"}]}, "messages"),
+        ({"messages": [{"role": "tool", "content": "14:02"}]}, "messages"),
     ],
 )
 def test_bad_tool_requests_are_refused_naming_the_field(

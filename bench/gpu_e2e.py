@@ -265,9 +265,16 @@ def section_decode(shape: str, run: Run, copy_bw: float) -> dict[str, Any]:
     fused = {FUSED_OPS_ENV: "1"}
     res["fused_runs_on"] = _switched_on(eng, run, outs, fused, {min(run.batches)}, RUN_STEPS)
     print(f"  {shape} per-layer ops + runs: " + json.dumps(res["fused_runs_on"]), flush=True)
-    if shape == run.shapes[0]:
-        res["gemv_tiny_fp32"] = tiny_exact(run, GEMV_ENV)
-        print("  skinny GEMMs, tiny fp32: " + json.dumps(res["gemv_tiny_fp32"]), flush=True)
+    if shape == run.shapes[0]:  # each opt-in's tokens against the default's, exactly
+        from kvguard.kernels.dispatch import TRITON_PREFILL_ENV
+
+        for key, env in (
+            ("gemv_tiny_fp32", GEMV_ENV),
+            ("fused_tiny_fp32", FUSED_OPS_ENV),
+            ("prefill_tiny_fp32", TRITON_PREFILL_ENV),
+        ):
+            res[key] = tiny_exact(run, env)
+            print(f"  {key}: " + json.dumps(res[key]), flush=True)
     if shape == run.shapes[0] and "trace" in run.sections:
         # the trace and the torch-path row once, on the cheaper shape
         res["trace"] = section_trace(eng, hf, run)
@@ -466,12 +473,15 @@ def _hf_continuous(hf: Any, trace: list, run: Run, blocks: int, want: int) -> fl
     return want / sec
 
 
-def tiny_exact(run: Run, env: str) -> dict[str, Any]:
-    """Switch `env` "0" vs "1" on the tiny test model in fp32 (its top-1/top-2 logit gaps are
-    far above fp32 noise, unlike random bf16 weights, so tokens must be equal): five sequences
-    of different lengths and stops, so a decode batch pads into graph buckets 8, 4, 2 and 1
-    as they finish."""
+def tiny_exact(run: Run, env: str | dict[str, str], **knobs: Any) -> dict[str, Any]:
+    """Switch `env` "0" vs "1" (or every variable of a dict "0" vs its value) on the tiny
+    test model in fp32 (its top-1/top-2 logit gaps are far above fp32 noise, unlike random
+    bf16 weights, so tokens must be equal): five sequences of different lengths and stops,
+    so a decode batch pads into graph buckets 8, 4, 2 and 1 as they finish. `knobs` go to
+    the engine (an FP8 pool). `captures`: graph captures of the switched-on engine."""
     from kvguard.engine import EngineConfig, LLMEngine, SamplingParams
+
+    on = {env: "1"} if isinstance(env, str) else env
 
     outs, captures = {}, 0
     prompts = [[5 + i] * (3 + 11 * i) for i in range(5)]
@@ -481,13 +491,14 @@ def tiny_exact(run: Run, env: str) -> dict[str, Any]:
     # leave the next none while the first is still referenced
     cfg = EngineConfig(
         model="tiny", device=run.device.type, dtype="fp32", max_num_seqs=8,
-        max_model_len=512, num_gpu_blocks=pool_blocks(8, 512),
+        max_model_len=512, num_gpu_blocks=pool_blocks(8, 512), **knobs,
     )  # fmt: skip
-    for flag in ("0", "1"):
-        with env_set({env: flag}):
+    for flag, switches in (("0", dict.fromkeys(on, "0")), ("1", on)):
+        with env_set(switches):
             eng = LLMEngine.from_config(cfg, progress=False)
             outs[flag] = [o.token_ids for o in eng.generate(prompts, params)]
-        captures += eng.runner.graphs.captures if eng.runner.graphs is not None else 0
+        if flag == "1":
+            captures = eng.runner.graphs.captures if eng.runner.graphs is not None else 0
         del eng
         run.free()
     return {"same_tokens": outs["0"] == outs["1"], "captures": captures}
@@ -540,7 +551,7 @@ def _fp8_graphs(shape: str, run: Run) -> dict[str, Any]:
 
     b = sorted(run.batches)[len(run.batches) // 2]
     env = model_runner.FP8_GRAPHS_ENV
-    rates, outs, _ = _off_and_on(shape, run, b, env, kv_cache_dtype="fp8_e4m3")
+    rates, outs, captures = _off_and_on(shape, run, b, env, kv_cache_dtype="fp8_e4m3")
     same = sum(a == e for a, e in zip(outs["1"], outs["0"], strict=True))
     return {
         "batch": b,
@@ -548,6 +559,9 @@ def _fp8_graphs(shape: str, run: Run) -> dict[str, Any]:
         "graphs_tok_s": rates["1"],
         "speedup": rates["1"] / rates["0"],
         "same_tokens": f"{same}/{b}",
+        "captures": captures,  # 0: the switched-on run never replayed (it was eager too)
+        # the scales grown inside the graph must be eager's to the bit: exact tokens in fp32
+        "tiny_fp32": tiny_exact(run, env, kv_cache_dtype="fp8_e4m3"),
     }
 
 
@@ -797,13 +811,26 @@ def section_nvml(run: Run) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- report
 
 
+def exact_tokens(check: dict[str, Any] | None) -> tuple[bool, str]:
+    """A `tiny_exact` result as (proven, text): a path that becomes a default must have given
+    the default's tokens on the tiny fp32 model; not checked (a run cut short) proves nothing."""
+    if not check:
+        return False, "tiny fp32 tokens not checked"
+    return bool(
+        check["same_tokens"]
+    ), f"tiny fp32 tokens {'equal' if check['same_tokens'] else 'DIFFER'}"
+
+
 def goals(result: dict[str, Any]) -> list[str]:
-    """The issue's goals from whatever sections completed (None: not measured)."""
+    """The issue's goals from whatever sections completed (None: not measured). A verdict that
+    decides whether an opt-in path becomes a default needs it faster and, on the tiny fp32
+    model, giving the default path's tokens."""
     lines = []
     smoke = result.get("device") == "cpu"  # CPU numbers prove the script, not the goals
-    # the skinny GEMMs' token check, on the tiny fp32 model (taken with the first shape)
-    exact = (d.get("gemv_tiny_fp32") for d in result.get("decode", {}).values())
-    tiny = next((e for e in exact if e), None)
+
+    def tiny(key: str) -> dict[str, Any] | None:  # taken with the first shape
+        return next((d[key] for d in result.get("decode", {}).values() if d.get(key)), None)
+
     for shape, dec in result.get("decode", {}).items():
         if smoke or "rows" not in dec:
             lines.append(verdict(f"{shape} decode goals", None, "no GPU numbers"))
@@ -831,18 +858,21 @@ def goals(result: dict[str, Any]) -> list[str]:
         if b1 and 1 in fused:  # what decides KVGUARD_FUSED_OPS's default
             gain = fused[1]["kvguard_tok_s"] / b1["kvguard_tok_s"]
             share_on = fused[1]["kvguard_tok_s"] / dec["limit_tok_s_b1"]
+            equal, note = exact_tokens(tiny("fused_tiny_fp32"))
             detail = f"batch 1 {gain:.2f}x ({share_on:.0%} of the limit), same first 8 tokens"
             detail += " " + ", ".join(f"{r['same_first8']} at {b}" for b, r in fused.items())
-            lines.append(verdict(f"{shape} per-layer Triton ops faster", gain > 1.0, detail))
+            detail += f", {note}"
+            ok = gain > 1.0 and equal
+            lines.append(verdict(f"{shape} per-layer Triton ops faster", ok, detail))
         gemv = {r["batch"]: r for r in dec.get("gemv_on", [])}
         if b1 and 1 in gemv:  # what decides KVGUARD_TRITON_GEMV's default (with gpu_gemv.py)
             gain = gemv[1]["kvguard_tok_s"] / b1["kvguard_tok_s"]
             share_on = gemv[1]["kvguard_tok_s"] / dec["limit_tok_s_b1"]
             detail = f"batch 1 {gain:.2f}x ({share_on:.0%} of the limit), same first 8 tokens"
             detail += " " + ", ".join(f"{r['same_first8']} at {b}" for b, r in gemv.items())
-            if tiny:
-                detail += f", tiny fp32 tokens {'equal' if tiny['same_tokens'] else 'DIFFER'}"
-            ok = gain > 1.0 and (tiny is None or tiny["same_tokens"])
+            equal, note = exact_tokens(tiny("gemv_tiny_fp32"))
+            detail += f", {note}"
+            ok = gain > 1.0 and equal
             lines.append(verdict(f"{shape} skinny GEMMs faster in decode", ok, detail))
         both = dec.get("fused_gemv_on", [])
         if both and both[0]["batch"] == 1:
@@ -880,8 +910,11 @@ def goals(result: dict[str, Any]) -> list[str]:
         trace = dec.get("trace", {})
         if "kvguard_triton_prefill_tok_s" in trace:  # what decides KVGUARD_TRITON_PREFILL's
             gain = trace["kvguard_triton_prefill_tok_s"] / trace["kvguard_tok_s"]
+            equal, note = exact_tokens(tiny("prefill_tiny_fp32"))
             detail = f"trace {gain:.2f}x, same outputs {trace['triton_prefill_same_outputs']}"
-            lines.append(verdict(f"{shape} Triton prefill kernel faster", gain > 1.0, detail))
+            detail += f", {note}"
+            ok = gain > 1.0 and equal
+            lines.append(verdict(f"{shape} Triton prefill kernel faster", ok, detail))
     packed = result.get("packed", {})
     rows = {r["batch"]: r for r in packed.get("rows", [])}
     if 1 in rows and not smoke:  # what decides KVGUARD_TRITON_GEMV for 4-bit weights
@@ -899,14 +932,23 @@ def goals(result: dict[str, Any]) -> list[str]:
         lines.append(verdict("4-bit model decode faster with nibble planes", ok, detail))
     graphs = result.get("cuda_graphs", {})
     rows, exact = graphs.get("rows", []), graphs.get("tiny_fp32", {})
-    if rows and exact.get("captures") and all(r["captures"] for r in rows):
-        same, b1 = exact["same_tokens"], rows[0]["speedup"]
-        detail = f"tiny fp32 tokens {'equal' if same else 'DIFFER'}, batch-1 speed-up {b1:.2f}x"
-        lines.append(verdict("CUDA graphs equal to eager and faster", same and b1 > 1.0, detail))
-        fp8 = graphs.get("fp8", {})
-        if "speedup" in fp8:  # what decides KVGUARD_FP8_GRAPHS's default
-            detail = f"batch {fp8['batch']} {fp8['speedup']:.2f}x, same tokens {fp8['same_tokens']}"
-            lines.append(verdict("FP8 pool replayed faster", fp8["speedup"] > 1.0, detail))
+    if rows and not smoke:  # graphs that never captured on a GPU are a failure, not silence
+        first = next((r for r in rows if r["batch"] == 1), rows[0])
+        captured = bool(exact.get("captures")) and all(r["captures"] for r in rows)
+        same, note = exact_tokens(exact)
+        detail = f"{note}, batch-{first['batch']} speed-up {first['speedup']:.2f}x"
+        if not captured:
+            detail += ", NOTHING CAPTURED (both runs eager)"
+        ok = captured and same and first["speedup"] > 1.0
+        lines.append(verdict("CUDA graphs equal to eager and faster", ok, detail))
+    fp8 = graphs.get("fp8", {})
+    if "speedup" in fp8 and not smoke:  # what decides KVGUARD_FP8_GRAPHS's default
+        same, note = exact_tokens(fp8.get("tiny_fp32"))
+        captured = bool(fp8.get("captures")) and bool((fp8.get("tiny_fp32") or {}).get("captures"))
+        detail = f"batch {fp8['batch']} {fp8['speedup']:.2f}x, same tokens {fp8['same_tokens']}"
+        detail += f", {note}" + ("" if captured else ", NOTHING CAPTURED (both runs eager)")
+        ok = fp8["speedup"] > 1.0 and same and captured
+        lines.append(verdict("FP8 pool replayed faster", ok, detail))
     pool = result.get("pool_sizing", {})
     if "used_share_after_max_batch" in pool:
         used, util = pool["used_share_after_max_batch"], pool["gpu_memory_utilization"]

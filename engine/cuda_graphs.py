@@ -163,6 +163,11 @@ class StaticBuffers:
             torch.zeros(0, dtype=torch.int32, device=device),
         )
         self.inp = pad_decode(empty, rows, width)
+        self._padding = pad_decode(empty, rows, width)
+
+    def clear(self) -> None:
+        """Every row back to padding (touches no block), in place."""
+        self.load(self._padding)
 
     def view(self, bucket: int) -> DecodeInputs:
         return live_tables_only(self.inp, bucket)
@@ -217,7 +222,11 @@ class DecodeGraphs:
 
     def capture(self) -> None:
         """Capture every bucket (CUDA only). Each is run once eagerly on a side stream first,
-        so lazily created state (Triton compiles, cuBLAS workspaces) exists before capture."""
+        so lazily created state (Triton compiles, cuBLAS workspaces) exists before capture.
+        That run writes K/V, so the buffers are padding first: after `invalidate` they still
+        hold the last replayed step's slots and tables, the old pool's block ids (past the
+        end of a shrunk pool, or another sequence's blocks now)."""
+        self.buffers.clear()
         pool, graphs = None, {}
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))

@@ -113,7 +113,10 @@ def _write_fp8_own_block_kernel(
     x = tl.load(x_ptr + t * stride_xt + h * stride_xh + d, mask=d_ok, other=0.0).to(tl.float32)
     old = tl.load(scales_ptr + blk * HEADS + h)
     old = tl.where(off == 0, 0.0, old)
-    new = tl.maximum(tl.maximum(old, tl.max(tl.abs(x), axis=0) / FP8_LIMIT), TINY)
+    # divisions rounded as torch's are (`grow_scales`): Triton's own `/` is approximate on
+    # CUDA (a constant's reciprocal multiplied in), an ulp off the scale the torch path keeps
+    amax = tl.max(tl.abs(x), axis=0)
+    new = tl.maximum(tl.maximum(old, tl.math.div_rn(amax, amax * 0.0 + FP8_LIMIT)), TINY)
     # as a vector (the interpreter rejects a scalar bool in a mask)
     grow = (new + d * 0.0 > old) & (old + d * 0.0 > 0) & d_ok
     base = cache_ptr + blk * stride_cb + h * stride_ch
@@ -122,7 +125,7 @@ def _write_fp8_own_block_kernel(
     # hold a freed block's stale bytes, never read; the token's own row is stored below)
     others = (r[:, None] != off) & grow[None, :]
     vals = tl.load(rows, mask=others, other=0.0).to(tl.float32)
-    vals = tl.minimum(tl.maximum(vals * (old / new), -FP8_LIMIT), FP8_LIMIT)
+    vals = tl.minimum(tl.maximum(vals * tl.math.div_rn(old, new), -FP8_LIMIT), FP8_LIMIT)
     tl.store(rows, vals.to(cache_ptr.dtype.element_ty), mask=others)
     tl.store(
         base + off * stride_cs + d, _to_e4m3(x, new + d * 0.0, FP8_LIMIT, cache_ptr), mask=d_ok

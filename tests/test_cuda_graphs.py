@@ -4,6 +4,7 @@ through the Triton kernels in the interpreter (conftest sets TRITON_INTERPRET=1 
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -102,6 +103,47 @@ def test_static_buffers_are_loaded_in_place() -> None:
     assert bufs.inp.input_ids.data_ptr() == before  # graphs keep reading the same memory
     for name in ("input_ids", "positions", "slot_mapping", "block_tables", "seq_lens"):
         assert torch.equal(getattr(view, name), getattr(padded, name))
+
+
+def test_a_recapture_warms_up_on_padding_not_on_the_last_steps_slots(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The eager run before each capture writes K/V: after `invalidate` (the pool converted
+    or resized) the buffers held the last replayed step's slots and tables, block ids of the
+    old pool (past a shrunk pool's end, or another sequence's now). It must see padding only.
+    torch.cuda's stream and graph calls are stood in for, so `capture` itself runs on CPU."""
+
+    class _Stream:
+        def wait_stream(self, other: object) -> None:
+            pass
+
+    class _Graph:
+        def pool(self) -> None:
+            return None
+
+        def replay(self) -> None:
+            pass
+
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: _Stream())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _Graph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda *a, **k: contextlib.nullcontext())
+    seen: list[tuple[list[int], list[int], list[int]]] = []
+
+    def forward(*args: torch.Tensor) -> torch.Tensor:
+        _ids, _pos, slots, tables, lens = args
+        seen.append((slots.tolist(), lens.tolist(), tables.flatten().tolist()))
+        return torch.zeros(slots.shape[0], 4)
+
+    graphs = DecodeGraphs(forward, graph_buckets(4), 3, torch.device("cpu"))
+    graphs.run(_inputs(3, 2))  # the first capture, then the step loaded and replayed
+    graphs.invalidate()
+    seen.clear()
+    graphs.run(_inputs(1, 1))  # the recapture's warm-ups (and captures) see padding only
+    assert graphs.captures == 2 and len(seen) == 2 * len(graph_buckets(4))
+    for slots, lens, table in seen:
+        assert set(slots) == {NO_SLOT} and set(lens) == {0} and set(table) == {0}
 
 
 def test_a_batch_above_the_largest_bucket_runs_eagerly() -> None:

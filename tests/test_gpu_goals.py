@@ -20,6 +20,10 @@ def _run(
     gemv_b1: float = 150.0,
     both_b1: float = 190.0,
     tiny_same: bool = True,
+    fused_same: bool = True,
+    prefill_same: bool = True,
+    fp8_same: bool = True,
+    captures: int = 1,
 ) -> dict[str, Any]:
     return {
         "device": "NVIDIA H200",
@@ -40,13 +44,21 @@ def _run(
                 ],
                 "fused_gemv_on": [{"batch": 1, "kvguard_tok_s": both_b1, "same_first8": "1/1"}],
                 "gemv_tiny_fp32": {"same_tokens": tiny_same, "captures": 4},
+                "fused_tiny_fp32": {"same_tokens": fused_same, "captures": 4},
+                "prefill_tiny_fp32": {"same_tokens": prefill_same, "captures": 4},
                 "trace": trace,
             }
         },
         "cuda_graphs": {
-            "tiny_fp32": {"same_tokens": True, "captures": 1},
-            "rows": [{"batch": 1, "speedup": 6.9, "captures": 1}],
-            "fp8": {"batch": 16, "speedup": fp8_speedup, "same_tokens": "16/16"},
+            "tiny_fp32": {"same_tokens": True, "captures": captures},
+            "rows": [{"batch": 1, "speedup": 6.9, "captures": captures}],
+            "fp8": {
+                "batch": 16,
+                "speedup": fp8_speedup,
+                "same_tokens": "16/16",
+                "captures": captures,
+                "tiny_fp32": {"same_tokens": fp8_same, "captures": captures},
+            },
         },
     }
 
@@ -66,8 +78,14 @@ def test_a_faster_opt_in_path_is_met_and_a_slower_one_is_not() -> None:
     assert "NOT met (45% of 314 tok/s)" in _line(lines, "batch-1 decode")
     fused = _line(lines, "per-layer Triton ops faster")
     assert ": met (batch 1 1.43x (64% of the limit)" in fused and "60/64 at 64" in fused
-    assert ": met (trace 1.25x, same outputs 31/32)" in _line(lines, "Triton prefill kernel")
-    assert ": met (batch 16 4.50x, same tokens 16/16)" in _line(lines, "FP8 pool replayed")
+    assert ": met (trace 1.25x, same outputs 31/32, tiny fp32 tokens equal)" in _line(
+        lines, "Triton prefill kernel"
+    )
+    assert ": met (batch 16 4.50x, same tokens 16/16, tiny fp32 tokens equal)" in _line(
+        lines, "FP8 pool replayed"
+    )
+    assert "60/64 at 64, tiny fp32 tokens equal)" in fused
+    assert ": met (tiny fp32 tokens equal, batch-1 speed-up 6.90x)" in _line(lines, "CUDA graphs")
 
     gemv = _line(lines, "skinny GEMMs faster in decode")
     assert ": met (batch 1 1.07x (48% of the limit)" in gemv
@@ -84,6 +102,32 @@ def test_a_faster_opt_in_path_is_met_and_a_slower_one_is_not() -> None:
     assert "NOT met" in _line(slower, "per-layer Triton ops faster")
     assert "NOT met" in _line(slower, "Triton prefill kernel")
     assert "NOT met" in _line(slower, "FP8 pool replayed")
+
+
+def test_a_faster_opt_in_path_with_other_tokens_or_no_graphs_is_not_met() -> None:
+    """Faster is not enough to become a default: the tiny fp32 model's tokens must be the
+    default path's, checked (a run cut before the check proves nothing), and graphs that
+    never captured on the GPU are a failed verdict, not a missing one."""
+    trace = {
+        "kvguard_tok_s": 800.0,
+        "kvguard_triton_prefill_tok_s": 1000.0,
+        "triton_prefill_same_outputs": "32/32",
+    }
+    lines = goals(_run(140.7, 201.0, trace, 4.5, fused_same=False, prefill_same=False))
+    assert ": NOT met" in _line(lines, "per-layer Triton ops faster")
+    assert "DIFFER" in _line(lines, "per-layer Triton ops faster")
+    assert ": NOT met" in _line(lines, "Triton prefill kernel faster")
+    lines = goals(_run(140.7, 201.0, trace, 4.5, fp8_same=False))
+    assert ": NOT met" in _line(lines, "FP8 pool replayed") and "DIFFER" in _line(lines, "FP8")
+    uncaptured = goals(_run(140.7, 201.0, trace, 4.5, captures=0))
+    assert "NOT met" in _line(uncaptured, "CUDA graphs equal") and "NOTHING CAPTURED" in _line(
+        uncaptured, "CUDA graphs equal"
+    )
+    assert "NOT met" in _line(uncaptured, "FP8 pool replayed")
+    cut = _run(140.7, 201.0, trace, 4.5)
+    del cut["decode"]["llama2-7b"]["fused_tiny_fp32"]
+    assert "NOT met" in _line(goals(cut), "per-layer Triton ops faster")
+    assert "tiny fp32 tokens not checked" in _line(goals(cut), "per-layer Triton ops faster")
 
 
 def test_a_cpu_smoke_run_claims_no_goal() -> None:

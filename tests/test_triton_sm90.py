@@ -81,6 +81,16 @@ def test_the_16_bit_paths_do_not_spill(builds: list[dict]) -> None:
     assert not spills, spills[:3]
 
 
+def test_kv_writes_divide_as_torch_does(builds: list[dict]) -> None:
+    """The KV write kernels' FP8 scales and bytes are the torch path's to the bit (the kernel
+    tests compare them with rtol 0, and a graph's tokens must be eager's): every division in
+    them is rounded as IEEE's, never Triton's approximate `/` (a constant's reciprocal
+    multiplied in), which the interpreter the CPU tests run in never shows."""
+    writes = [b for b in builds if b["ok"] and ".triton_kv." in b["kernel"]]
+    assert writes
+    assert not [(b["kernel"], b["approx_div"]) for b in writes if b["approx_div"]]
+
+
 def test_skinny_gemms_stay_light(builds: list[dict]) -> None:
     """`triton_gemv.config` keeps both kernels under 130 registers a thread (so several
     programs share an SM and keep their loads in flight)."""

@@ -252,6 +252,8 @@ def compile_all(path: Path, part: int = 0, parts: int = 1) -> None:
             # how tiles go through shared memory (decode attention, the tiled W4A16 GEMMs)
             sass = launch["name"] in ("_decode_kernel", "_gemm_kernel", "_planes_kernel")
             result |= {"ok": True} | _resources(compiled.asm["cubin"], sass)
+            # divisions not rounded as IEEE's (and torch's) are: `/` on floats may become these
+            result["approx_div"] = len(re.findall(r"\bdiv\.(?:approx|full)\.", compiled.asm["ptx"]))
         except Exception as exc:  # noqa: BLE001 - reported, and the test fails on it
             result |= {"ok": False, "error": f"{type(exc).__name__}: {exc}"[-2000:]}
         print(json.dumps(result), flush=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -73,9 +73,61 @@ class ActionSpec:
     doc: str
 
 
-def _full_kv_dtype(e: LLMEngine) -> str:
+def _noted(fut: Future, note: Callable[[ActionResult], str | None]) -> Future:
+    """`fut` with its result's detail rewritten by `note` (None keeps it)."""
+    out: Future = Future()
+
+    def done(f: Future) -> None:
+        try:
+            r = f.result()
+        except Exception as exc:  # noqa: BLE001
+            out.set_exception(exc)
+            return
+        detail = note(r)
+        out.set_result(r if detail is None else replace(r, detail=detail))
+
+    fut.add_done_callback(done)
+    return out
+
+
+def _configured_kv_dtype(e: LLMEngine, p: NoParams, clamp: bool) -> Future:
+    """disable_fp8_kv: the KV cache back to serving.kv_cache_dtype, the dtype the operator
+    sized the pool for. Where that is fp8_e4m3 there is no full-precision cache to return to
+    (a switch to `auto` would leave a quarter of the configured pool's blocks): FP8 stays."""
     configured = e.config.kv_cache_dtype
-    return "auto" if configured in ("auto", "fp8_e4m3") else configured
+    fut = e.set_kv_cache_dtype(configured)
+    if configured != "fp8_e4m3":
+        return fut
+    return _noted(
+        fut,
+        lambda r: (
+            f"{r.detail}: serving.kv_cache_dtype is fp8_e4m3, so FP8 is the configured "
+            "dtype and the KV cache stays FP8"
+        ),
+    )
+
+
+def _offload_configured(e: LLMEngine) -> bool:
+    # the configured setting, where a host pool exists to swap into (none: recompute only)
+    return bool(e.config.enable_cpu_offload and e.host_block_manager.num_blocks)
+
+
+def _configured_offload(e: LLMEngine, p: NoParams, clamp: bool) -> Future:
+    """disable_cpu_offload: offload back to its configured state; a daemon configured with
+    offloading.enable_cpu_offload keeps swapping."""
+    on = _offload_configured(e)
+    fut = e.set_offload(on)
+    if not on:
+        return fut
+    return _noted(
+        fut,
+        lambda r: (
+            f"{r.detail}: offloading.enable_cpu_offload is true, so offload stays on "
+            "(its configured state)"
+            if r.ok
+            else None
+        ),
+    )
 
 
 _SPECS = [
@@ -118,9 +170,10 @@ _SPECS = [
     ActionSpec(
         "disable_fp8_kv",
         NoParams,
-        lambda e, p, clamp: e.set_kv_cache_dtype(_full_kv_dtype(e)),
+        _configured_kv_dtype,
         None,
-        "switch the KV cache back to full precision (refused while live tokens would not fit)",
+        "switch the KV cache back to its configured serving.kv_cache_dtype: full precision,"
+        " or FP8 still where that is fp8_e4m3 (refused while live tokens would not fit)",
     ),
     ActionSpec(
         "shrink_kv_pool",
@@ -147,9 +200,10 @@ _SPECS = [
     ActionSpec(
         "disable_cpu_offload",
         NoParams,
-        lambda e, p, clamp: e.set_offload(False),
+        _configured_offload,
         None,
-        "preempt by recompute only",
+        "offload back to its configured state: preempt by recompute only, or still by swapping"
+        " where offloading.enable_cpu_offload is true",
     ),
     ActionSpec(
         "cap_max_new_tokens",
@@ -239,12 +293,8 @@ def _recover_from_oom(e: LLMEngine, p: NoParams, clamp: bool) -> Future:
         "recover_from_oom",
         [
             e.set_max_num_seqs(e.config.max_num_seqs),
-            e.set_kv_cache_dtype(
-                _full_kv_dtype(e) if e.config.kv_cache_dtype != "fp8_e4m3" else "fp8_e4m3"
-            ),
-            e.set_offload(e.config.enable_cpu_offload)
-            if e.host_block_manager.num_blocks
-            else e.set_offload(False),
+            e.set_kv_cache_dtype(e.config.kv_cache_dtype),
+            e.set_offload(_offload_configured(e)),
             e.resume_admission(),
         ],
     )

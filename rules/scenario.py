@@ -8,7 +8,8 @@ Scenario file:
     series:                   # signal name -> steps; a value holds until the next step
       kv_usage: [{at: 0s, value: 0.50}, {at: 30s, value: 0.93}, {at: 120s, value: 0.70}]
       gpu_mem: []             # no data: the signal is unknown (rules on it never act)
-    events:                   # optional: engine events and Alertmanager alerts
+    events:                   # optional: engine events and Alertmanager alerts, at or before
+                              # `duration`, each of a kind some rule listens `on`
       - {at: 200s, kind: engine_oom}
       - {at: 210s, kind: "alert:GPUNearOOM"}
       - {at: 260s, kind: "alert:GPUNearOOM", resolved: true}
@@ -98,8 +99,9 @@ class Outcome:
 
 def load_scenario(path: Path, rules: RuleSet | None = None) -> Scenario:
     """The scenario at `path`; RulesFileError lists every problem as `FILE:LINE: field:
-    problem`, among them (given the `rules` it runs against) a series that names none of
-    their signals: a misspelt one would feed nothing, and the test would pass untested."""
+    problem`, among them what the replay would skip, so that the test would pass untested: an
+    event past `duration`, and (given the `rules` it runs against) a series that names none of
+    their signals or an event no rule listens on (a misspelt one would feed nothing)."""
     name = str(path)
     try:
         data, lines = load_yaml(read_source(Path(path)), name)
@@ -123,9 +125,51 @@ def load_scenario(path: Path, rules: RuleSet | None = None) -> Scenario:
             for s in series
             if s not in rules.signals
         ]
+    problems += _unreplayed_events(data or {}, lines, name, rules)
     if problems or sc is None:
         raise RulesFileError(sorted(problems, key=line_key))
     return sc
+
+
+def _duration_or_none(v: Any) -> float | None:
+    try:
+        return parse_duration(v)
+    except (TypeError, ValueError):
+        return None  # reported by the model's own validation
+
+
+def _unreplayed_events(data: dict, lines: dict, name: str, rules: RuleSet | None) -> list[str]:
+    """Events the replay would skip, so that an `expect` about them would pass untested: one
+    past `duration` (the replay stops there), and one of a kind no rule listens `on` (e.g. a
+    misspelt alert name; given the `rules`). Each is refused at its line."""
+    events = data.get("events")
+    if not isinstance(events, list):
+        return []
+    duration = _duration_or_none(data.get("duration"))
+    listened = sorted({r.on for r in rules.rules if r.on is not None}) if rules else []
+    out = []
+    for i, e in enumerate(events):
+        if not isinstance(e, dict):
+            continue
+        at = _duration_or_none(e.get("at"))
+        if at is not None and duration is not None and at > duration + 1e-9:
+            out.append(
+                f"{name}:{line_for(lines, ('events', i, 'at'))}: events.{i}.at: {at:g}s is "
+                f"past the scenario's duration ({duration:g}s): it would never be replayed"
+            )
+        kind = e.get("kind")
+        if (
+            rules is not None
+            and isinstance(kind, str)
+            and event_problem(kind) is None
+            and kind not in listened
+        ):
+            out.append(
+                f"{name}:{line_for(lines, ('events', i, 'kind'))}: events.{i}.kind: no rule "
+                f"listens on {kind!r}, so it would change nothing (rules listen on: "
+                f"{', '.join(listened) or 'none'})"
+            )
+    return out
 
 
 class _Clock:
@@ -165,6 +209,10 @@ def run_scenario(rules: RuleSet, sc: Scenario) -> Outcome:
             clock.t = t
         ev.tick()
         t = round(t + rules.interval, 9)
+    for e in events:  # after the last tick but within `duration`: still replayed, at its time
+        if e.at <= sc.duration + 1e-9:
+            clock.t = e.at
+            ev.handle_event(e.kind, resolved=e.resolved)
     return Outcome(ev.decisions, _compare(ev.decisions, sc.expect))
 
 

@@ -98,12 +98,18 @@ class Rule(_Model):
         self._check_action(self.action, self.params, "action", "params")
         if self.undo is not None:
             self._check_action(self.undo, self.undo_params, "undo", "undo_params")
+            # only the action's own undo: any other runs an unrelated remedy at recovery (an
+            # evict rule with `undo: halt_admission` would halt admission once KV recovers)
             inverse = ACTIONS[self.action].undo
-            if self.undo == self.action or (inverse is not None and self.undo != inverse):
+            if self.undo != inverse:
                 raise _At(
                     ("undo",),
-                    f"undo {self.undo!r} does not undo {self.action!r}"
-                    + (f" (its undo is {inverse})" if inverse else ""),
+                    f"rule {self.name!r}: undo {self.undo!r} does not undo {self.action!r} "
+                    + (
+                        f"(its undo is {inverse})"
+                        if inverse
+                        else "(that action has no undo: leave `undo` out)"
+                    ),
                 )
         return self
 

@@ -34,7 +34,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
 TRIGGERS = ("signal", "event", "alert", "manual")
-OUTCOMES = ("applied", "failed", "dry_run", "refused")
+OUTCOMES = ("applied", "failed", "dry_run", "refused", "held")
 
 # Named constraints and indexes: migrations on every backend (and SQLite's batch mode, which
 # recreates tables) can then refer to them by a stable name.

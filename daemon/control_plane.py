@@ -33,6 +33,7 @@ from kvguard.rules.schema import RuleSet, RulesFileError, load_rules, rules_file
 from kvguard.rules.signals import PromQL, SignalReader
 
 if TYPE_CHECKING:
+    from kvguard.daemon.config import Config
     from kvguard.daemon.service import Service
 
 log = logging.getLogger("kvguard.control")
@@ -55,14 +56,15 @@ class ControlPlane:
         self.rules_path = rules_file(cfg.rules.path)
         # what the service read before loading (`Service.read_rules`), else the file now
         self.ruleset: RuleSet = service.rules_at_start or load_rules(self.rules_path)
-        self.promql = PromQL(cfg.prometheus.url, cfg.prometheus.timeout, cfg.prometheus_instance())
+        self._prometheus = _prometheus_of(cfg)
+        self.promql = PromQL(*self._prometheus)
         self._gpu_ratio: float | None = None
-        reader = SignalReader(
+        self.reader = SignalReader(
             lambda: service.engine.latest_snapshot, lambda: self._gpu_ratio, self.promql
         )
         self.evaluator = Evaluator(
             self.ruleset,
-            reader,
+            self.reader,
             self._execute,
             audit=service.audit,
             dry_run=cfg.rules.dry_run,
@@ -312,8 +314,27 @@ class ControlPlane:
             return self._reload_refused(path, [f"{path}: not installed: {type(e).__name__}: {e}"])
         diff = rules_diff(self.ruleset, new)
         self.rules_path, self.ruleset = path, new
-        self.evaluator.dry_run = dry_run
-        return {"rules_reloaded": True, "rules": len(new.rules), "rules_changed": diff}
+        if dry_run != self.evaluator.dry_run:
+            diff.append(f"~dry_run={str(dry_run).lower()}")
+        self.evaluator.set_dry_run(dry_run)
+        out = {"rules_reloaded": True, "rules": len(new.rules), "rules_changed": diff}
+        return out | {"prometheus_changed": self._use_prometheus()}
+
+    def _use_prometheus(self) -> list[str]:
+        """PromQL signals read the `prometheus` section in force (a reload may change it):
+        a new client where it changed; what changed, by key."""
+        now = _prometheus_of(self.service.cfg)
+        changed = [
+            f"prometheus.{key}"
+            for key, old, new in zip(
+                ("url", "timeout", "instance"), self._prometheus, now, strict=True
+            )
+            if old != new
+        ]
+        if changed:
+            self._prometheus, self.promql = now, PromQL(*now)
+            self.reader.promql = self.promql
+        return changed
 
     def _interval_trigger(self, seconds: float) -> IntervalTrigger:
         """The rule job's trigger for `seconds`; raises (OverflowError) where APScheduler would
@@ -447,3 +468,8 @@ def _check_text(text: str, where: str) -> None:
     problem = unicode_problem(text)
     if problem is not None:
         raise AlertPayloadError(problem, where)
+
+
+def _prometheus_of(cfg: Config) -> tuple[str | None, float, str]:
+    """What the PromQL client is built from: URL, timeout, the `$instance` value."""
+    return cfg.prometheus.url, cfg.prometheus.timeout, cfg.prometheus_instance()

@@ -71,6 +71,21 @@ class ActionSpec:
     run: Callable[[LLMEngine, Any, bool], Future]
     undo: str | None
     doc: str
+    # the engine settings it sets (a remedy in force holds them: see SETTINGS)
+    settings: frozenset[str] = frozenset()
+
+
+# The engine settings remedies set, each with the action that puts it back to its configured
+# state. A rule whose remedy is in force holds the settings its action set; another rule's undo
+# leaves a held setting alone (that remedy is still needed) and restores only the others.
+SETTINGS = {
+    "batch": "restore_batch",
+    "kv_dtype": "disable_fp8_kv",
+    "kv_pool": "restore_kv_pool",
+    "offload": "disable_cpu_offload",
+    "token_cap": "uncap_max_new_tokens",
+    "admission": "resume_admission",
+}
 
 
 def _noted(fut: Future, note: Callable[[ActionResult], str | None]) -> Future:
@@ -138,6 +153,7 @@ _SPECS = [
         "restore_batch",
         "max_num_seqs := min(current, max(`min`, floor(current * `factor`))): never raises it;"
         " excess sequences preempted",
+        settings=frozenset({"batch"}),
     ),
     ActionSpec(
         "restore_batch",
@@ -145,6 +161,7 @@ _SPECS = [
         lambda e, p, clamp: e.set_max_num_seqs(e.config.max_num_seqs),
         None,
         "max_num_seqs back to its configured value",
+        settings=frozenset({"batch"}),
     ),
     ActionSpec(
         "set_max_num_seqs",
@@ -152,6 +169,7 @@ _SPECS = [
         lambda e, p, clamp: e.set_max_num_seqs(p.n, clamp=clamp),
         "restore_batch",
         "set max_num_seqs to `n` (1 <= n <= the configured serving.max_num_seqs)",
+        settings=frozenset({"batch"}),
     ),
     ActionSpec(
         "evict_lowest_priority",
@@ -166,6 +184,7 @@ _SPECS = [
         lambda e, p, clamp: e.set_kv_cache_dtype("fp8_e4m3"),
         "disable_fp8_kv",
         "switch the live KV cache to FP8 (about 2-4x the blocks in the same bytes)",
+        settings=frozenset({"kv_dtype"}),
     ),
     ActionSpec(
         "disable_fp8_kv",
@@ -174,6 +193,7 @@ _SPECS = [
         None,
         "switch the KV cache back to its configured serving.kv_cache_dtype: full precision,"
         " or FP8 still where that is fp8_e4m3 (refused while live tokens would not fit)",
+        settings=frozenset({"kv_dtype"}),
     ),
     ActionSpec(
         "shrink_kv_pool",
@@ -182,6 +202,7 @@ _SPECS = [
         "restore_kv_pool",
         "hold the device KV pool at `share` of its configured bytes and give the rest back "
         "(never below one max_model_len request; sequences that do not fit are preempted)",
+        settings=frozenset({"kv_pool"}),
     ),
     ActionSpec(
         "restore_kv_pool",
@@ -189,6 +210,7 @@ _SPECS = [
         lambda e, p, clamp: e.set_kv_pool_share(1.0),
         None,
         "the device KV pool back to its configured bytes (refused while the memory is not free)",
+        settings=frozenset({"kv_pool"}),
     ),
     ActionSpec(
         "enable_cpu_offload",
@@ -196,6 +218,7 @@ _SPECS = [
         lambda e, p, clamp: e.set_offload(True),
         "disable_cpu_offload",
         "preempt by swapping to the host pool",
+        settings=frozenset({"offload"}),
     ),
     ActionSpec(
         "disable_cpu_offload",
@@ -204,6 +227,7 @@ _SPECS = [
         None,
         "offload back to its configured state: preempt by recompute only, or still by swapping"
         " where offloading.enable_cpu_offload is true",
+        settings=frozenset({"offload"}),
     ),
     ActionSpec(
         "cap_max_new_tokens",
@@ -212,6 +236,7 @@ _SPECS = [
         "uncap_max_new_tokens",
         "cap every request's max_tokens at `n` (1 <= n <= max_model_len; responses say they"
         " were truncated)",
+        settings=frozenset({"token_cap"}),
     ),
     ActionSpec(
         "uncap_max_new_tokens",
@@ -219,6 +244,7 @@ _SPECS = [
         lambda e, p, clamp: e.set_max_new_tokens_cap(None),
         None,
         "remove the max-token cap",
+        settings=frozenset({"token_cap"}),
     ),
     ActionSpec(
         "halt_admission",
@@ -226,6 +252,7 @@ _SPECS = [
         lambda e, p, clamp: e.halt_admission(p.allow_priority),
         "resume_admission",
         "refuse new requests (503) except priority `allow_priority` and above",
+        settings=frozenset({"admission"}),
     ),
     ActionSpec(
         "resume_admission",
@@ -233,6 +260,7 @@ _SPECS = [
         lambda e, p, clamp: e.resume_admission(),
         None,
         "accept new requests again",
+        settings=frozenset({"admission"}),
     ),
 ]
 
@@ -252,11 +280,15 @@ def _handle_oom(e: LLMEngine, p: NoParams, clamp: bool) -> Future:
         steps.append(e.set_kv_cache_dtype("fp8_e4m3"))
     if snap.kv_cache_usage_ratio > 0.98:
         steps.append(e.halt_admission("high"))
-    return _chain("handle_oom", steps)
+    return _chain("handle_oom", steps, in_force=any)
 
 
-def _chain(name: str, futures: list[Future]) -> Future:
-    """One Future for several actions posted together (they apply in order at one boundary)."""
+def _chain(name: str, futures: list[Future], in_force: Callable = all) -> Future:
+    """One Future for several actions posted together (they apply in order at one boundary).
+    Its result is ok when `in_force` of the steps' are: `all` for an undo (one refused step,
+    e.g. FP8 that cannot switch back yet, is retried whole), `any` for the OOM chain, which is
+    in force, and must be undone, once any step changed the engine. `data["applied"]` names
+    the steps that applied."""
     out: Future = Future()
     left = [len(futures)]
 
@@ -276,8 +308,11 @@ def _chain(name: str, futures: list[Future]) -> Future:
                 results[0].before,
                 results[-1].after,
                 detail,
-                all(r.ok for r in results),
-                {"steps": [r.action for r in results]},
+                in_force(r.ok for r in results),
+                {
+                    "steps": [r.action for r in results],
+                    "applied": [r.action for r in results if r.ok],
+                },
             )
         )
 
@@ -307,6 +342,7 @@ _SPECS.append(
         _handle_oom,
         "recover_from_oom",
         "the emergency chain: halve batch, evict 4, offload, FP8 KV, halt if > 98%",
+        settings=frozenset({"batch", "offload", "kv_dtype", "admission"}),
     )
 )
 _SPECS.append(
@@ -316,9 +352,30 @@ _SPECS.append(
         _recover_from_oom,
         None,
         "undo handle_oom: configured batch, KV dtype and offload; admission open",
+        settings=frozenset({"batch", "offload", "kv_dtype", "admission"}),
     )
 )
 ACTIONS: dict[str, ActionSpec] = {s.name: s for s in _SPECS}
+# a chain's steps, by the engine call that ran each (ActionResult.action), and what each sets
+_STEP_SETTINGS = {
+    "set_max_num_seqs": "batch",
+    "reduce_max_num_seqs": "batch",
+    "set_kv_cache_dtype": "kv_dtype",
+    "set_kv_pool_share": "kv_pool",
+    "set_offload": "offload",
+    "set_max_new_tokens_cap": "token_cap",
+    "halt_admission": "admission",
+    "resume_admission": "admission",
+}
+
+
+def settings_set(action: str, result: ActionResult | None) -> frozenset[str]:
+    """The settings `action` set: a chain's, those of the steps that applied (the OOM chain
+    halts admission only above 98%); without a result (a dry run), all it may set."""
+    steps = (result.data or {}).get("applied") if result is not None else None
+    if steps is None:
+        return ACTIONS[action].settings
+    return frozenset(_STEP_SETTINGS[s] for s in steps if s in _STEP_SETTINGS)
 
 
 class ActionError(ValueError):

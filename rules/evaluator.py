@@ -35,6 +35,7 @@ from datetime import UTC, datetime
 from typing import Any, Protocol
 
 from kvguard.engine.control import ActionResult
+from kvguard.rules.actions import ACTIONS, SETTINGS, settings_set
 from kvguard.rules.schema import Rule, RuleSet, Signal
 
 log = logging.getLogger("kvguard.rules")
@@ -70,6 +71,9 @@ class RuleState:
     value: float | None = None
     undo_refused_at: float | None = None  # a refused undo is retried after the cooldown
     in_flight: str | None = None  # the action being awaited (decided, not yet recorded)
+    holds: frozenset[str] = frozenset()  # the settings its remedy in force set (SETTINGS)
+    live: bool = False  # that remedy was applied for real, not in a dry run
+    resolved: bool = False  # its alert resolved, and the undo is still to be done (retried)
 
     @property
     def shown(self) -> str:
@@ -102,6 +106,9 @@ class Attempt:
     value: float | None
     undo: bool
     dry_run: bool
+    # an undo's settings other remedies in force still hold: setting -> those rules
+    held: dict[str, list[str]] = field(default_factory=dict)
+    note: str = ""  # why it runs, where not the rule's own signal (a reload)
 
 
 @dataclass(slots=True)
@@ -138,6 +145,9 @@ class Evaluator:
         self.host = host
         self.states: dict[str, RuleState] = {r.name: RuleState() for r in rules.rules}
         self.applied: list[str] = []  # rules whose action is in force, in order of application
+        # remedies in force of rules a reload removed or changed (or of a dry-run switch):
+        # undone first, one a tick, with the rule they were applied by
+        self.retiring: list[tuple[Rule, RuleState, str]] = []  # (rule, its state, why)
         self.incident: str | None = None
         self.incident_actions = 0
         self.incident_peak = 0
@@ -149,11 +159,52 @@ class Evaluator:
 
     # -- configuration ----------------------------------------------------------------------
     def replace_rules(self, rules: RuleSet) -> None:
-        """Swap in a reloaded rule set; rules that keep their name keep their state."""
+        """Swap in a reloaded rule set. A rule that keeps its name and its remedy (action,
+        undo and their params) keeps its state, thresholds and timings taken from the new
+        file. The remedy in force of a rule removed, or given another remedy, is undone at
+        the next evaluations with the undo it was applied with (`retiring`; a setting
+        another remedy in force holds stays), and the new rule starts afresh: it acts again
+        if its condition still holds."""
         with self._lock:
+            after = {r.name: r for r in rules.rules}
+            kept: dict[str, RuleState] = {}
+            for old in self.rules.rules:
+                st = self.states.get(old.name)
+                new = after.get(old.name)
+                if st is None:
+                    continue
+                if new is not None and _remedy(new) == _remedy(old):
+                    kept[old.name] = st
+                elif self._in_force(old, st):
+                    why = "removed" if new is None else "given another remedy"
+                    self._retire(old, st, f"rule {why} by a reload")
             self.rules = rules
-            self.states = {r.name: self.states.get(r.name, RuleState()) for r in rules.rules}
-            self.applied = [n for n in self.applied if n in self.states]
+            self.states = {r.name: kept.get(r.name) or RuleState() for r in rules.rules}
+            self.applied = [n for n in self.applied if n in kept]
+
+    def set_dry_run(self, dry_run: bool) -> None:
+        """Switch dry-run mode (a reload). Every rule starts afresh in the new mode: remedies
+        applied for real are undone for real (retiring: the rules no longer control the
+        engine, or act again live), those only simulated are forgotten (nothing to undo)."""
+        with self._lock:
+            if dry_run == self.dry_run:
+                return
+            for rule in self.rules.rules:
+                st = self.states[rule.name]
+                if self._in_force(rule, st) and st.live:
+                    self._retire(rule, st, f"dry run switched {'on' if dry_run else 'off'}")
+            self.states = {r.name: RuleState() for r in self.rules.rules}
+            self.applied = []
+            self.dry_run = dry_run
+
+    @staticmethod
+    def _in_force(rule: Rule, st: RuleState) -> bool:
+        return rule.undo is not None and st.state in ("firing", "recovering")
+
+    def _retire(self, rule: Rule, st: RuleState, why: str) -> None:
+        log.info("rule %s: %s: its remedy in force is undone (%s)", rule.name, why, rule.undo)
+        st.undo_refused_at = None
+        self.retiring.append((rule, st, why))
 
     def _rule(self, name: str) -> Rule:
         return next(r for r in self.rules.rules if r.name == name)
@@ -201,11 +252,13 @@ class Evaluator:
             now = self.clock()
             escalation = self._decide(values, now)
         if escalation is not None:
-            self._carry_out(escalation, lambda outcome: self._escalated(escalation, now, outcome))
+            self._carry_out(
+                escalation, lambda outcome, res: self._escalated(escalation, now, outcome, res)
+            )
         with self._lock:
             undo = self._decide_undo(values, now)
         if undo is not None:
-            self._carry_out(undo, lambda outcome: self._undone(undo, now, outcome))
+            self._carry_out(undo, lambda outcome, res: self._undone(undo, now, outcome, res))
         with self._lock:
             self._maybe_close_incident()
 
@@ -218,7 +271,11 @@ class Evaluator:
             st = self.states[rule.name]
             v = values.get(rule.signal)
             st.unknown, st.value = v is None, v
-            if v is None:
+            if v is None:  # unseen time does not count towards `for` or `recover_for`
+                if st.state == "pending":
+                    st.state = "inactive"
+                elif st.state == "recovering":
+                    st.state = "firing"
                 continue
             self._advance(rule, st, v, now)
             if chosen is None and self._should_act(rule, st, v, now):
@@ -257,16 +314,43 @@ class Evaluator:
         repeat = st.state == "firing" and rule.undo is None and rule.triggered(v)
         return (ready or repeat) and st.in_flight is None and self._cooled(rule, st, now)
 
-    def _escalated(self, a: Attempt, now: float, outcome: str) -> None:
+    def _escalated(self, a: Attempt, now: float, outcome: str, res: ActionResult | None) -> None:
         """An attempt, even a refused one, was this tick's one escalation: the cooldown runs."""
         a.st.last_action = now
-        if outcome in ("applied", "dry_run") and self._live(a):
-            a.st.state = "firing"
-            if self._rule(a.rule.name).undo is not None and a.rule.name not in self.applied:
-                self.applied.append(a.rule.name)
+        if self._in_force_now(a, outcome, res) and a.rule.name not in self.applied:
+            self.applied.append(a.rule.name)
+
+    def _in_force_now(self, a: Attempt, outcome: str, res: ActionResult | None) -> bool:
+        """Settle an action that applied (or was simulated): its rule fires, holding the
+        settings it set. True where the rule is tracked and has an undo (its remedy is on
+        the undo stack's side of things); a rule reloaded away meanwhile retires its remedy."""
+        if outcome not in ("applied", "dry_run"):
+            return False
+        st = a.st
+        if a.rule.undo is None:  # a one-off (evict): a threshold rule may repeat while firing
+            st.state = "inactive" if a.rule.is_event else "firing"
+            return False
+        st.state = "firing"
+        st.holds = settings_set(a.action, res if outcome == "applied" else None)
+        st.live = outcome == "applied"
+        if self._live(a):
+            return True
+        self._retire(a.rule, st, "rule reloaded away while its action ran")
+        return False
 
     def _decide_undo(self, values: dict[str, float | None], now: float) -> Attempt | None:
-        """The undo of the last remedy applied, once its rule has recovered long enough."""
+        """At most one undo a tick: first a remedy a reload retired, then an alert's whose
+        undo was refused when it resolved, then the last remedy applied, once its rule has
+        recovered long enough."""
+        for rule, st, why in self.retiring:
+            if st.in_flight is None and self._undo_cooled(rule, st, now):
+                a = self._undo_attempt(rule, st, "manual", None, dry_run=not st.live)
+                a.note = why
+                return a
+        for rule in self.rules.rules:
+            st = self.states[rule.name]
+            if st.resolved and st.in_flight is None and self._undo_cooled(rule, st, now):
+                return self._undo_attempt(rule, st, "alert", None)
         if not self.applied:
             return None
         rule = self._rule(self.applied[-1])
@@ -274,23 +358,61 @@ class Evaluator:
         if st.in_flight is not None:
             return None
         if rule.is_event:  # e.g. the OOM chain: undone after `recover_for` without a new event
-            if st.state != "firing" or now - (st.last_action or now) < rule.recover_for:
+            last = now if st.last_action is None else st.last_action
+            if st.state != "firing" or now - last < rule.recover_for:
                 return None
         elif st.unknown or st.state != "recovering" or now - st.since < rule.recover_for:
             return None
-        refused = st.undo_refused_at
-        if refused is not None and now - refused < self.rules.cooldown_of(rule):
+        if not self._undo_cooled(rule, st, now):
             return None  # e.g. fp32 KV cannot hold the live tokens yet: not a new try every tick
-        value = values.get(rule.signal)
-        return self._attempt(rule, st, rule.undo or "", rule.undo_params, "signal", value, True)
+        return self._undo_attempt(rule, st, "signal", values.get(rule.signal))
 
-    def _undone(self, a: Attempt, now: float, outcome: str) -> None:
-        if outcome not in ("applied", "dry_run"):
+    def _undo_cooled(self, rule: Rule, st: RuleState, now: float) -> bool:
+        refused = st.undo_refused_at
+        return refused is None or now - refused >= self.rules.cooldown_of(rule)
+
+    def _undo_attempt(
+        self,
+        rule: Rule,
+        st: RuleState,
+        trigger: str,
+        value: float | None,
+        dry_run: bool | None = None,
+    ) -> Attempt:
+        """The undo of `rule`'s remedy, knowing which of its settings other remedies in force
+        still hold (those it leaves alone: see `_run`)."""
+        a = self._attempt(rule, st, rule.undo or "", rule.undo_params, trigger, value, True)
+        if dry_run is not None:
+            a.dry_run = dry_run
+        a.held = self._held_by_others(st, ACTIONS[a.action].settings, live=not a.dry_run)
+        return a
+
+    def _held_by_others(
+        self, st: RuleState, settings: frozenset[str], live: bool
+    ) -> dict[str, list[str]]:
+        """Which of `settings` the remedies in force of rules other than `st`'s hold, and by
+        which rules (in file order): those applied for real where `live`, else those only
+        simulated (a dry run's remedies hold nothing real)."""
+        held: dict[str, list[str]] = {}
+        for rule in self.rules.rules:
+            other = self.states[rule.name]
+            if other is st or not self._in_force(rule, other) or other.resolved:
+                continue
+            if other.live != live:
+                continue
+            for name in sorted(other.holds & settings):
+                held.setdefault(name, []).append(rule.name)
+        return held
+
+    def _undone(self, a: Attempt, now: float, outcome: str, res: ActionResult | None) -> None:
+        if outcome not in ("applied", "dry_run", "held"):
             a.st.undo_refused_at = now
             return
-        if a.rule.name in self.applied:  # still the last one: nothing else acted meanwhile
+        if a.rule.name in self.applied and self.states.get(a.rule.name) is a.st:
             self.applied.remove(a.rule.name)
+        self.retiring = [r for r in self.retiring if r[1] is not a.st]
         a.st.state, a.st.last_action, a.st.undo_refused_at = "inactive", now, None
+        a.st.holds, a.st.live, a.st.resolved = frozenset(), False, False
 
     # -- events -----------------------------------------------------------------------------
     def handle_event(
@@ -311,9 +433,11 @@ class Evaluator:
                 if a is None:
                     continue
                 if resolved:
-                    self._carry_out(a, lambda _outcome, a=a: self._resolved(a))
+                    self._carry_out(a, lambda outcome, res, a=a: self._resolved(a, now, outcome))
                 else:
-                    self._carry_out(a, lambda outcome, a=a: self._event_acted(a, now, outcome))
+                    self._carry_out(
+                        a, lambda outcome, res, a=a: self._event_acted(a, now, outcome, res)
+                    )
             with self._lock:
                 self._maybe_close_incident()
                 return self._since(start)
@@ -329,25 +453,37 @@ class Evaluator:
         if rule is None:  # reloaded away while an earlier rule's action was awaited
             return None
         st = self.states[name]
+        if st.in_flight is not None:
+            return None
         if resolved:
-            if rule.undo is None or st.state != "firing" or st.in_flight is not None:
+            if rule.undo is None or st.state != "firing" or st.resolved:
                 return None
-            return self._attempt(rule, st, rule.undo, rule.undo_params, trigger, None, True)
-        if st.in_flight is not None or not self._cooled(rule, st, now):
+            return self._undo_attempt(rule, st, trigger, None)
+        if st.resolved:  # the alert is back before its refused undo was retried: still needed
+            st.resolved, st.undo_refused_at = False, None
+            return None
+        # an alert that fires again after it resolved acts whatever the cooldown (it is one
+        # firing, deduplicated upstream; skipped, nothing would act on it until it resolves)
+        again = trigger == "alert" and st.state == "inactive"
+        if not again and not self._cooled(rule, st, now):
             return None
         return self._attempt(rule, st, rule.action, rule.params, trigger, None, undo=False)
 
-    def _resolved(self, a: Attempt) -> None:
-        a.st.state = "inactive"  # the alert is gone whatever the undo answered
+    def _resolved(self, a: Attempt, now: float, outcome: str) -> None:
+        """The alert resolved: its undo ran (the rule is calm), or was refused or failed: the
+        remedy stays in force and the undo is retried after the rule's cooldown."""
+        if outcome in ("applied", "dry_run", "held"):
+            self._undone(a, now, outcome, None)
+        else:
+            a.st.resolved, a.st.undo_refused_at = True, now
 
-    def _event_acted(self, a: Attempt, now: float, outcome: str) -> None:
+    def _event_acted(self, a: Attempt, now: float, outcome: str, res: ActionResult | None) -> None:
         a.st.last_action = now
-        if outcome not in ("applied", "dry_run") or not self._live(a):
-            return
-        has_undo = self._rule(a.rule.name).undo is not None
-        a.st.state = "firing" if has_undo else "inactive"
-        timed = has_undo and a.trigger == "event"
-        if timed and a.rule.name not in self.applied:
+        if self._in_force_now(a, outcome, res) and a.trigger == "event":
+            # undone after `recover_for` without another event, in stack order: an event that
+            # acts again puts its rule back on top (its remedy is the newest)
+            if a.rule.name in self.applied:
+                self.applied.remove(a.rule.name)
             self.applied.append(a.rule.name)
 
     # -- acting and recording ---------------------------------------------------------------
@@ -365,7 +501,7 @@ class Evaluator:
         st.in_flight = action
         return Attempt(rule, st, action, params, trigger, value, undo, self.dry_run)
 
-    def _carry_out(self, a: Attempt, settle: Callable[[str], None]) -> str:
+    def _carry_out(self, a: Attempt, settle: Callable[[str, ActionResult | None], None]) -> str:
         """Await the action with no lock held, then record it and let `settle` move the state
         machine, under the lock, in the order the old single-lock code did."""
         if not a.undo:  # before it runs, so that the events it causes are the incident's
@@ -377,10 +513,8 @@ class Evaluator:
             with self._lock:
                 a.st.in_flight = None
         with self._lock:
-            self._record(
-                a.rule, a.action, a.trigger, a.value, a.params, res, outcome, error, a.undo
-            )
-            settle(outcome)
+            self._record(a, res, outcome, error)
+            settle(outcome, res)
             if self.incident is not None:  # its peak counts the rung that just acted
                 self.incident_peak = max(self.incident_peak, self.level())
                 if self.audit:
@@ -392,15 +526,32 @@ class Evaluator:
         return outcome
 
     def _run(self, a: Attempt) -> tuple[ActionResult | None, str, str | None]:
+        """Run the attempt's action. An undo leaves alone the settings other remedies in force
+        hold (`held`): where it sets only those it changes nothing (`held`), where it sets
+        others too (the OOM chain's) it restores just those, each by its own action."""
+        kept = ", ".join(f"{s} (held by {', '.join(r)})" for s, r in sorted(a.held.items()))
+        free = sorted(ACTIONS[a.action].settings - set(a.held)) if a.held else None
+        if free == []:
+            return ActionResult(a.action, {}, {}, f"nothing restored: {kept}", True), "held", None
         if a.dry_run:
             return None, "dry_run", None
         try:
-            res = self.execute(a.action, a.params)
+            if free is None:
+                res = self.execute(a.action, a.params)
+            else:
+                res = self._restore(a.action, free, kept)
         except Exception as e:  # noqa: BLE001 - a failed action is recorded, not fatal
             error = f"{type(e).__name__}: {e}"
             log.error("rule %s: action %s failed: %s", a.rule.name, a.action, error)
             return None, "failed", error
         return res, ("applied" if res.ok else "refused"), (None if res.ok else res.detail)
+
+    def _restore(self, action: str, free: list[str], kept: str) -> ActionResult:
+        """Part of an undo: `free` settings back to their configured state, one action each."""
+        results = [self.execute(SETTINGS[s], {}) for s in free]
+        detail = "; ".join(f"{r.action}: {r.detail}" for r in results) + f"; kept: {kept}"
+        ok = all(r.ok for r in results)
+        return ActionResult(action, results[0].before, results[-1].after, detail, ok)
 
     def _live(self, a: Attempt) -> bool:
         """False when a reload removed the rule while its action was awaited: the act is
@@ -442,7 +593,7 @@ class Evaluator:
                 self._close_incident("the daemon stops")
 
     def _maybe_close_incident(self) -> None:
-        if self.incident is None or self.applied:
+        if self.incident is None or self.applied or self.retiring:
             return
         if any(st.state != "inactive" for st in self.states.values()):
             return
@@ -461,20 +612,16 @@ class Evaluator:
         self.incident = None
 
     def _record(
-        self,
-        rule: Rule,
-        action: str,
-        trigger: str,
-        value: float | None,
-        params: dict[str, Any],
-        res: ActionResult | None,
-        outcome: str,
-        error: str | None,
-        undo: bool,
+        self, a: Attempt, res: ActionResult | None, outcome: str, error: str | None
     ) -> None:
+        rule, action, trigger, value, params, undo = (
+            a.rule, a.action, a.trigger, a.value, a.params, a.undo
+        )  # fmt: skip
         key = (rule.name, action, outcome)
         self.stats.actions[key] = self.stats.actions.get(key, 0) + 1
         detail = res.detail if res else (error or "dry run: nothing changed")
+        if a.note:
+            detail = f"{a.note}: {detail}"
         self.decisions.append(
             Decision(self.clock(), rule.name, action, trigger, outcome, undo, value, detail)
         )
@@ -531,3 +678,8 @@ class Evaluator:
                 }
                 for r in self.rules.rules
             ]
+
+
+def _remedy(rule: Rule) -> tuple[Any, ...]:
+    """What a rule does to the engine: a reload that changes it retires the remedy in force."""
+    return (rule.action, rule.params, rule.undo, rule.undo_params)

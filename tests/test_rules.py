@@ -118,12 +118,23 @@ def test_undo_in_reverse_order_of_application() -> None:
     assert h.ev.incident is None
 
 
-def test_unknown_signal_never_acts_and_keeps_state() -> None:
+def test_unknown_signal_never_acts_and_unseen_time_does_not_count() -> None:
+    """Time the signal could not be read does not count towards `for` (as a Prometheus
+    alert's pending state ends when its expression returns nothing): two readings over the
+    threshold with a gap between are not a condition held for 10s. Nor towards
+    `recover_for`."""
     h = Harness(HEADER + BATCH)
     h.at(0, 0.95)
     assert h.at(5, None) == [] and h.state("batch") == "unknown"
     assert h.at(15, None) == [] and h.calls == []
-    assert h.at(20, 0.95) == [("batch", "reduce_batch", False)]  # pending kept its start time
+    assert h.at(20, 0.95) == [] and h.state("batch") == "pending"  # pending from 20 again
+    assert h.at(25, 0.95) == []
+    assert h.at(30, 0.95) == [("batch", "reduce_batch", False)]
+    h.at(35, 0.5)  # recovering (recover_for 20s)
+    assert h.at(45, None) == [] and h.state("batch") == "unknown"
+    assert h.at(55, 0.5) == [] and h.state("batch") == "recovering"  # from 55 again
+    assert h.at(70, 0.5) == []
+    assert h.at(75, 0.5) == [("batch", "restore_batch", True)]
 
 
 def test_dry_run_records_and_changes_nothing() -> None:

@@ -1,6 +1,8 @@
 """/admin: state, manual remedies and reload, behind a bearer token read from a file.
 
-No token file (or an empty one) disables the admin API: it answers 403 rather than run open.
+No token file (or an unreadable or empty one) disables the admin API: it answers 403, saying
+which, rather than run open; the daemon logs a warning at start and at reload for a token file
+that is set but unusable.
 Invalid action or debug-hook parameters answer 400 with the field in `error.param`; the
 fault-injection hooks under /admin/debug exist only with `api.debug_hooks: true`.
 """
@@ -29,13 +31,9 @@ ALERTMANAGER_MAX_BODY = 1 << 20  # 100 alerts with their labels and annotations 
 
 
 def check_token(service: Service, authorization: str | None) -> None:
-    token = service.admin_token()
-    if not token:
-        raise ApiError(
-            403,
-            "admin API disabled: no token configured (api.admin_token_file)",
-            type_="permission_error",
-        )
+    token, why = service.admin_token_status()
+    if not token:  # none configured, or a token file that cannot be read or is empty
+        raise ApiError(403, f"admin API disabled: {why}", type_="permission_error")
     if not authorization or not authorization.lower().startswith("bearer "):
         raise ApiError(401, "missing bearer token", type_="authentication_error")
     if not hmac.compare_digest(authorization[7:].strip().encode(), token.encode()):

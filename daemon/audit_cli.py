@@ -24,11 +24,15 @@ from typing import IO, TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from kvguard.daemon.audit import AuditStore
 
-OUTCOMES = ("applied", "failed", "dry_run", "refused")  # as kvguard.daemon.audit_models
+OUTCOMES = ("applied", "failed", "dry_run", "refused", "held")  # as kvguard.daemon.audit_models
 EXPORT_TABLES = ("actions", "events", "incidents")
 WHOLE_COLUMNS = {"ID", "TIME", "OPENED", "CLOSED", "INCIDENT"}
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
 _PART = r"(\d+(?:\.\d+)?)(ms|s|m|h|d|w)"
+DEFAULT_DB_HELP = (
+    "no --db or audit.url: audit.db in $STATE_DIRECTORY, else $KVGUARD_STATE_DIR, else "
+    "/var/lib/kvguard where the daemon's is, else ./var/"
+)
 
 
 # -- kvguard audit -----------------------------------------------------------------------------
@@ -61,7 +65,11 @@ def add_audit_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
 def _db_options() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument(
-        "--db", metavar="URL", help="SQLAlchemy URL of the audit database (default: the daemon's)"
+        "--db",
+        metavar="URL",
+        help="SQLAlchemy URL of the audit database (default: the daemon's: the config's "
+        "audit.url, else audit.db in $STATE_DIRECTORY, $KVGUARD_STATE_DIR, /var/lib/kvguard "
+        "if it holds one, or ./var/)",
     )
     p.add_argument(
         "--config", metavar="FILE", type=Path, help="take the database from this config's audit.url"
@@ -321,10 +329,15 @@ def add_db_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
 
 
 def cmd_db_upgrade(args: argparse.Namespace) -> int:
-    from kvguard.daemon.audit_migrate import current, shown, upgrade
+    from kvguard.daemon.audit_migrate import current, shown, sqlite_path, upgrade
 
-    url = _db_url(args)
+    url, default = _db_source(args)
+    path = sqlite_path(url)
+    created = path is not None and not path.exists()
     upgrade(url, args.revision)
+    if created:  # never silently: a stray database is one the daemon does not read
+        how = f" ({DEFAULT_DB_HELP})" if default else ""
+        print(f"created a new audit database at {path}{how}", file=sys.stderr)
     print(f"{shown(url)}: at revision {current(url)}")
     return 0
 
@@ -343,12 +356,18 @@ def cmd_db_current(args: argparse.Namespace) -> int:
 
 # -- helpers -----------------------------------------------------------------------------------
 def _db_url(args: argparse.Namespace) -> str:
-    """--db, else the config's audit.url, else where `kvguard serve` would put it."""
+    return _db_source(args)[0]
+
+
+def _db_source(args: argparse.Namespace) -> tuple[str, bool]:
+    """(--db, else the config's audit.url, else the default database: the daemon's state
+    directory as seen from this shell, see `state_dir(cli=True)`; whether it is the default)."""
     if args.db:
-        return args.db
+        return args.db, False
     from kvguard.daemon.config import load_config  # imports the engine: only when needed
 
-    return load_config(args.config).audit_url()
+    cfg = load_config(args.config)
+    return cfg.audit_url(cli=True), cfg.audit.url is None
 
 
 def _open_store(args: argparse.Namespace) -> AuditStore:

@@ -57,6 +57,30 @@ def parse_url(url: str) -> URL:
         ) from None
 
 
+def check_url(url: str) -> URL:
+    """The parsed URL, once its backend and its database driver are known to be installed:
+    what `make_engine` would find, found without connecting (the config check at load)."""
+    u = parse_url(url)
+    try:
+        dialect = u.get_dialect()
+    except NoSuchModuleError:
+        raise ValueError(_unknown_backend(u)) from None
+    try:
+        dialect.import_dbapi()
+    except ImportError as e:
+        raise ValueError(_driver_missing(u, e)) from None
+    return u
+
+
+def _unknown_backend(u: URL) -> str:
+    return f"{shown(u)}: unknown database backend {u.drivername!r}"
+
+
+def _driver_missing(u: URL, e: ImportError) -> str:
+    hint = " (pip install 'kvguard[postgres]')" if u.get_backend_name() == "postgresql" else ""
+    return f"{shown(u)}: its database driver is not installed ({e.name}){hint}"
+
+
 def shown(url: str | URL) -> str:
     """The URL as it may appear in a log or an error: without its password."""
     try:
@@ -93,12 +117,9 @@ def make_engine(url: str, busy_timeout_ms: int = BUSY_TIMEOUT_MS) -> Engine:
     try:
         engine = create_engine(u, **kwargs)
     except NoSuchModuleError:
-        raise ValueError(f"{shown(u)}: unknown database backend {u.drivername!r}") from None
+        raise ValueError(_unknown_backend(u)) from None
     except ImportError as e:
-        hint = " (pip install 'kvguard[postgres]')" if u.get_backend_name() == "postgresql" else ""
-        raise ValueError(
-            f"{shown(u)}: its database driver is not installed ({e.name}){hint}"
-        ) from None
+        raise ValueError(_driver_missing(u, e)) from None
     if sqlite:
         event.listen(engine, "connect", _sqlite_pragmas(busy_timeout_ms))
     return engine
@@ -138,7 +159,7 @@ def require_database(url: str) -> None:
     if path is not None and not path.is_file():
         raise ValueError(
             f"no audit database at {path} (the daemon creates it when it starts; "
-            "pass --db URL or --config FILE to read another)"
+            "pass --db URL or --config FILE, or set KVGUARD_STATE_DIR, to read another)"
         )
 
 

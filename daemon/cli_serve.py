@@ -41,15 +41,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvguard.daemon.config import apply_overrides, load_config
     from kvguard.daemon.service import run
 
-    cfg = apply_overrides(
-        load_config(args.config),
-        model=args.model,
-        host=args.host,
-        port=args.port,
-        dry_run=args.dry_run,
-        tensor_parallel=args.tensor_parallel,
-    )
-    return run(cfg, args.config)
+    overrides = {
+        "model": args.model,
+        "host": args.host,
+        "port": args.port,
+        "dry_run": args.dry_run,
+        "tensor_parallel": args.tensor_parallel,
+    }
+    cfg = apply_overrides(load_config(args.config), **overrides)
+    return run(cfg, args.config, overrides)  # a reload applies the flags again
 
 
 def add_status_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

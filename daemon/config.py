@@ -49,6 +49,9 @@ from kvguard.rules.yaml_file import YamlFileError, load_yaml, read_source
 
 CUDA_HEADROOM_MB = 2048  # seed §7.1: room for activations beside the KV pool on a GPU
 ADMIN_TOKEN_CREDENTIAL = "admin.token"  # name under $CREDENTIALS_DIRECTORY (systemd LoadCredential)
+AUDIT_DB = "audit.db"  # the default SQLite audit database's name in the state directory
+STATE_DIR_ENV = "KVGUARD_STATE_DIR"  # the state directory where systemd does not set one
+SYSTEMD_STATE_DIR = Path("/var/lib/kvguard")  # $STATE_DIRECTORY under the shipped unit
 
 Loc = tuple[str | int, ...]
 
@@ -306,6 +309,17 @@ class AuditConfig(_Section):
     # names. null: the hostname.
     instance: str | None = Field(None, min_length=1, max_length=255)
 
+    @field_validator("url")
+    @classmethod
+    def _usable_url(cls, v: str | None) -> str | None:
+        """A URL SQLAlchemy cannot parse, or whose backend or driver is not installed, is
+        refused with the file's line now, not after the port is bound and the model loaded."""
+        if v is not None:
+            from kvguard.daemon.audit_migrate import check_url  # SQLAlchemy: only when set
+
+            check_url(v)
+        return v
+
 
 class DaemonConfig(_Section):
     """The whole file; immutable, so a reload swaps it whole instead of mutating it in place."""
@@ -401,11 +415,12 @@ class DaemonConfig(_Section):
         where = self._where(loc)
         return f"{where + ': ' if where else ''}{_dotted(loc)}: {msg}"
 
-    def audit_url(self) -> str:
-        """The audit database: as configured, else SQLite in systemd's state dir or ./var/."""
+    def audit_url(self, cli: bool = False) -> str:
+        """The audit database: as configured, else SQLite in the state directory (`state_dir`;
+        `cli`: as `kvguard audit`/`kvguard db` look for it from an operator's shell)."""
         if self.audit.url:
             return self.audit.url
-        return f"sqlite:///{state_dir() / 'audit.db'}"
+        return f"sqlite:///{state_dir(cli) / AUDIT_DB}"
 
     def served_model_name(self) -> str:
         """The name clients put in `model` and see in /v1/models."""
@@ -425,10 +440,22 @@ def _uses_cuda(device: str) -> bool:
     return torch.cuda.is_available()
 
 
-def state_dir() -> Path:
-    """systemd's StateDirectory= (first entry of $STATE_DIRECTORY), else ./var/ (absolute)."""
+def state_dir(cli: bool = False) -> Path:
+    """Where the default audit database (and its spill file) lives: systemd's StateDirectory=
+    (first entry of $STATE_DIRECTORY), else $KVGUARD_STATE_DIR, else ./var/ (absolute).
+
+    `cli`: for `kvguard audit` and `kvguard db`, run from an operator's shell, where systemd's
+    variable is unset: before ./var/ they look in the shipped unit's state directory,
+    /var/lib/kvguard, when a database is there, so that they read the daemon's."""
     env = os.environ.get("STATE_DIRECTORY", "").split(":")[0]
-    return Path(env) if env else Path("var").resolve()
+    if env:
+        return Path(env)
+    own = os.environ.get(STATE_DIR_ENV, "")
+    if own:
+        return Path(own).resolve()
+    if cli and (SYSTEMD_STATE_DIR / AUDIT_DB).is_file():
+        return SYSTEMD_STATE_DIR
+    return Path("var").resolve()
 
 
 # -- loading -------------------------------------------------------------------------------------

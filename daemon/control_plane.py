@@ -320,17 +320,17 @@ class ControlPlane:
         out = {"rules_reloaded": True, "rules": len(new.rules), "rules_changed": diff}
         return out | {"prometheus_changed": self._use_prometheus()}
 
-    def _use_prometheus(self) -> list[str]:
+    def _use_prometheus(self) -> dict[str, Any]:
         """PromQL signals read the `prometheus` section in force (a reload may change it):
-        a new client where it changed; what changed, by key."""
+        a new client where it changed; what changed (`prometheus.KEY` -> its new value)."""
         now = _prometheus_of(self.service.cfg)
-        changed = [
-            f"prometheus.{key}"
+        changed = {
+            f"prometheus.{key}": new
             for key, old, new in zip(
                 ("url", "timeout", "instance"), self._prometheus, now, strict=True
             )
             if old != new
-        ]
+        }
         if changed:
             self._prometheus, self.promql = now, PromQL(*now)
             self.reader.promql = self.promql

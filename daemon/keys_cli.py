@@ -105,10 +105,21 @@ def cmd_keys_add(args: argparse.Namespace) -> int:
     return 0
 
 
+def _existing(path: Path) -> Path:
+    """`list` and `remove` read a file that must be there: a typo in --file is an error, as the
+    daemon's refusal to start on that path is (only `add` creates the file)."""
+    if not path.is_file():
+        what = "is not a regular file" if path.exists() else "not found"
+        raise ValueError(
+            f"API keys file {path} {what} (--file names another; `kvguard keys add` creates it)"
+        )
+    return path
+
+
 def cmd_keys_list(args: argparse.Namespace) -> int:
     from kvguard.daemon.api_keys import read_entries
 
-    entries, _ = read_entries(args.file)
+    entries, _ = read_entries(_existing(args.file))
     rows = [
         {
             "name": e.name,
@@ -139,7 +150,7 @@ def cmd_keys_list(args: argparse.Namespace) -> int:
 def cmd_keys_remove(args: argparse.Namespace) -> int:
     from kvguard.daemon.api_keys import remove_key
 
-    note = remove_key(args.file, args.name)
+    note = remove_key(_existing(args.file), args.name)
     if note:
         print(note, file=sys.stderr)
     print(f"removed {args.name!r} from {args.file}; reload the daemon to apply it", file=sys.stderr)

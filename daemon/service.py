@@ -16,7 +16,7 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Mapping
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -31,6 +31,7 @@ from kvguard.daemon.config import (
     ENGINE_KNOBS,
     ConfigFileError,
     DaemonConfig,
+    apply_overrides,
     inert_keys,
     load_config,
     state_dir,
@@ -70,9 +71,19 @@ class _Server(uvicorn.Server):
 
 
 class Service:
-    def __init__(self, cfg: DaemonConfig, config_path: Path | None = None) -> None:
+    def __init__(
+        self,
+        cfg: DaemonConfig,
+        config_path: Path | None = None,
+        overrides: Mapping[str, Any] | None = None,
+    ) -> None:
         self.cfg = cfg
         self.config_path = config_path
+        # `kvguard serve`'s flags (apply_overrides' arguments): applied over the file at start
+        # and over every file a reload reads, so that a reload keeps --dry-run, --model, ...
+        self.overrides: dict[str, Any] = {
+            k: v for k, v in (overrides or {}).items() if v is not None
+        }
         self.started = int(time.time())
         self.draining = False
         self._reload_lock = threading.Lock()
@@ -426,7 +437,10 @@ class Service:
                     "reloaded": False,
                     "reason": "no config file to reload (started without --config)",
                 }
-            new = load_config(self.config_path)
+            new = apply_overrides(load_config(self.config_path), **self.overrides)
+            conflicts = live_conflicts(self.cfg, new)
+            if conflicts:  # nothing applied yet: the reload is refused whole
+                raise ConfigFileError(conflicts)
             keys = self._load_keys(new)  # a bad keys file refuses the reload like a bad config
             # the engine takes new knobs once the rules file is known good, and its change is
             # all or nothing, so a refused reload has changed nothing
@@ -446,6 +460,7 @@ class Service:
                 )
                 return {"reloaded": False, "reason": "\n".join(rules["errors"])}
             changes, restart = applied[0] if applied else self._apply_reloadable(new)
+            changes.update(rules.pop("prometheus_changed", {}))  # PromQL signals' new client
             if restart:
                 log.warning(
                     "reload: %s changed in the file and take%s effect at the next restart",
@@ -457,6 +472,15 @@ class Service:
                     None if keys is None else f"{keys.path} ({len(keys)} keys)"
                 )
             self.api_keys = keys
+            if "rules.dry_run" in changes:  # a daemon whose rules start (or stop) acting for real
+                log.warning(
+                    "reload: rules.dry_run is now %s: %s",
+                    str(changes["rules.dry_run"]).lower(),
+                    "rules record what they would do and change nothing"
+                    if changes["rules.dry_run"]
+                    else "rules act for real",
+                )
+            self.warn_admin_token()
             said = [str(changes)] if changes else []
             if rules.get("rules_changed"):
                 said.append("rules " + " ".join(rules["rules_changed"]))
@@ -492,6 +516,8 @@ class Service:
         changes: dict[str, Any] = {}
         if new.api.drain_timeout != self.cfg.api.drain_timeout:
             changes["api.drain_timeout"] = new.api.drain_timeout
+        if new.rules.dry_run != self.cfg.rules.dry_run:  # the control plane takes it with the rules
+            changes["rules.dry_run"] = new.rules.dry_run
         live, restart = engine_changes(self.cfg, new)
         if live:
             values = {k.path: k.to_engine(new.knob_value(k)) for k in live}
@@ -524,13 +550,30 @@ class Service:
         return None if path is None else load_keys(path)
 
     def admin_token(self) -> str | None:
+        return self.admin_token_status()[0]
+
+    def admin_token_status(self) -> tuple[str | None, str]:
+        """(the admin token, "") or (None, why the admin API is off). Read at each request, so
+        a token file replaced in place takes effect at once."""
         path = self.cfg.api.admin_token_path()
         if path is None:
-            return None
+            return None, "no token configured (api.admin_token_file)"
+        what = "api.admin_token_file" if self.cfg.api.admin_token_file else "the credential"
         try:
-            return Path(path).read_text().strip() or None
-        except OSError:
-            return None
+            token = Path(path).read_text().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+            return None, f"cannot read {what} {path}: {why}"
+        if not token:
+            return None, f"{what} {path} is empty"
+        return token, ""
+
+    def warn_admin_token(self) -> None:
+        """At start and at each reload: a token file that is set but unusable turns the admin
+        API off (403), which must not go unnoticed."""
+        token, why = self.admin_token_status()
+        if token is None and self.cfg.api.admin_token_path() is not None:
+            log.warning("admin API disabled (/admin/* answers 403): %s", why)
 
     def manual_action(self, name: str, params: dict[str, Any]) -> Future:
         """An operator's remedy: same catalogue as the rules, audited with trigger `manual`."""
@@ -619,6 +662,28 @@ class Service:
         }
 
 
+def live_conflicts(running: DaemonConfig, new: DaemonConfig) -> list[str]:
+    """`new`'s live values checked against the restart-only values still in force (which a
+    reload leaves as they are), one `FILE:LINE: key: problem` line each; [] when they agree.
+
+    The file is validated on its own terms, so a file that lowers max_model_len and the step
+    budget together passes; but max_model_len only changes at the restart, and without chunked
+    prefill a step must hold the longest prompt the running limit lets in."""
+    out = []
+    s, n = running.serving, new.serving
+    if not s.enable_chunked_prefill and n.max_num_batched_tokens < s.max_model_len:
+        out.append(
+            new._line(
+                ("serving", "max_num_batched_tokens"),
+                f"{n.max_num_batched_tokens} < serving.max_model_len {s.max_model_len} in force, "
+                "with serving.enable_chunked_prefill off in force: a prompt longer than the "
+                "step budget could never be scheduled (both keys take effect only at a "
+                f"restart; expected >= {s.max_model_len} until then)",
+            )
+        )
+    return out
+
+
 def engine_changes(old: DaemonConfig, new: DaemonConfig) -> tuple[list[KnobField], list[str]]:
     """What differs between two config files: the engine knobs a reload applies (declared
     live), and the keys (`section.key`) of everything else that differs, which wait for a
@@ -668,9 +733,15 @@ class ApiBindError(RuntimeError):
     """api.host:api.port cannot be bound (taken, or not an address of this host)."""
 
 
-def run(cfg: DaemonConfig, config_path: Path | None = None) -> int:
+def run(
+    cfg: DaemonConfig,
+    config_path: Path | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> int:
+    """Serve `cfg` (the file at `config_path` with the command line's `overrides` applied,
+    which every reload applies again)."""
     configure_logging()
-    svc = Service(cfg, config_path)
+    svc = Service(cfg, config_path, overrides)
     # Until serve() takes SIGHUP over, a reload has nothing to act on, and SIGHUP's default
     # action would kill the process in the middle of loading the model or migrating the DB.
     signal.signal(signal.SIGHUP, svc._sighup_before_serving)
@@ -683,7 +754,9 @@ def run(cfg: DaemonConfig, config_path: Path | None = None) -> int:
     except ApiBindError as e:
         log.error("%s; nothing loaded", e)
         return 1
-    log.info("API bound to %s:%d; it answers once the model is loaded", cfg.api.host, cfg.api.port)
+    host, port = sock.getsockname()[:2]  # api.port 0: the port the kernel picked
+    log.info("API bound to %s; it answers once the model is loaded", _address(host, port))
+    svc.warn_admin_token()
     if svc.api_keys is None and not _loopback(cfg.api.host):
         log.warning(
             "the API listens on %s with no api.api_keys_file: any client that reaches it may "
@@ -698,6 +771,10 @@ def run(cfg: DaemonConfig, config_path: Path | None = None) -> int:
     finally:
         sock.close()
         svc.shutdown_engine()  # also when loading or serving raised
+
+
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _worker_pids(engine: LLMEngine) -> list[int]:

@@ -392,6 +392,10 @@ class ControlSurface:
                 problem = self._budget_problem(int(budget))
                 if problem:  # nothing applied: a reload is all or nothing
                     return f"refused: {problem}", False, {}
+            if (tokens := values.get(("max_num_batched_tokens",))) is not None:
+                problem = self._step_budget_problem(int(tokens))
+                if problem:
+                    return f"refused: {problem}", False, {}
             said, ok = [], True
             if admission is not None:
                 self.config.admission = admission
@@ -423,6 +427,20 @@ class ControlSurface:
                 f"grow to {need}; lower it when they have finished"
             )
         return None
+
+    def _step_budget_problem(self: LLMEngine, tokens: int) -> str | None:
+        """Why a configured step budget of `tokens` cannot be taken: without chunked prefill
+        (a restart-only knob) one step holds a whole prompt, so the budget must hold the
+        longest the running max_model_len lets in, or such a prompt would wait at the head of
+        the queue for ever. (An OOM's halved budget turns chunking on until it is restored to
+        the configured one, so it never meets this.)"""
+        if self.config.enable_chunked_prefill or tokens >= self.max_model_len:
+            return None
+        return (
+            f"max_num_batched_tokens={tokens} < max_model_len={self.max_model_len} in force "
+            "with enable_chunked_prefill off: a longer prompt could never be scheduled "
+            "(max_model_len and enable_chunked_prefill change only at a restart)"
+        )
 
     def _longest_need(self: LLMEngine) -> tuple[int, str | None]:
         """The most device blocks a request in flight may still need (its prompt and every

@@ -329,6 +329,24 @@ def test_keys_commands_add_list_remove_and_hash(tmp_path: Path, capsys, monkeypa
     assert capsys.readouterr().out.strip() == digest("secret")
 
 
+def test_keys_list_and_remove_refuse_a_missing_file_and_add_creates_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A typo in --file is an error naming the path (the daemon refuses to start on it), not
+    "no keys" with status 0; `add` is the one that creates the file."""
+    typo = tmp_path / "typo.yaml"
+    for argv in (["list"], ["list", "--json"], ["remove", "a"]):
+        assert main(["keys", *argv, "--file", str(typo)]) == 2
+        err = capsys.readouterr().err
+        assert f"API keys file {typo} not found" in err, err
+    assert main(["keys", "list", "--file", str(tmp_path)]) == 2
+    assert f"API keys file {tmp_path} is not a regular file" in capsys.readouterr().err
+    assert not typo.exists()
+    add(typo, "a", capsys=capsys)
+    assert main(["keys", "list", "--file", str(typo)]) == 0
+    assert capsys.readouterr().out.splitlines()[1].startswith("a ")
+
+
 def test_keys_edits_keep_every_layout_loadable_and_exact(tmp_path: Path, capsys) -> None:  # noqa: ANN001
     """Names YAML would read as numbers, null or booleans stay strings; a file in a layout the
     line edit does not know (flow style, entries at column 0, other indents) is rewritten whole

@@ -472,6 +472,45 @@ def test_cli_db_upgrade_and_current(tmp_path: Path) -> None:
     assert json.loads(out)["revision"] == json.loads(out)["head"] == "0003"
 
 
+def test_cli_reads_the_systemd_daemons_database_from_a_shell(
+    filled: tuple[str, str],
+    db_path: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Under the shipped unit the database is $STATE_DIRECTORY/audit.db, /var/lib/kvguard; an
+    operator's shell has no $STATE_DIRECTORY, yet `kvguard audit` (with or without a --config
+    that leaves audit.url unset) reads that one, not ./var/audit.db; KVGUARD_STATE_DIR names
+    another. `kvguard db upgrade` says where it creates a database."""
+    from kvguard.daemon import config
+
+    monkeypatch.setattr(config, "SYSTEMD_STATE_DIR", db_path.parent)  # /var/lib/kvguard
+    monkeypatch.delenv("STATE_DIRECTORY", raising=False)
+    monkeypatch.delenv("KVGUARD_STATE_DIR", raising=False)
+    shell = tmp_path / "home"
+    shell.mkdir()
+    monkeypatch.chdir(shell)
+    etc = tmp_path / "config.yaml"
+    etc.write_text("serving: {model: tiny}\n")
+    for argv in (("audit", "list", "--json"), ("audit", "list", "--config", str(etc), "--json")):
+        rc, out = kvguard(*argv)
+        assert rc == 0 and len(json.loads(out)) == 3, capsys.readouterr().err
+    rc, out = kvguard("db", "current", "--json")
+    assert rc == 0 and json.loads(out)["url"] == filled[0]
+    assert not (shell / "var").exists()  # no stray database where the daemon does not look
+    mine = tmp_path / "mine"
+    monkeypatch.setenv("KVGUARD_STATE_DIR", str(mine))
+    rc, _ = kvguard("audit", "list")
+    assert rc == 2 and f"no audit database at {mine}/audit.db" in capsys.readouterr().err
+    rc, out = kvguard("db", "upgrade")
+    err = capsys.readouterr().err
+    assert rc == 0 and (mine / "audit.db").is_file() and "at revision" in out
+    assert f"created a new audit database at {mine}/audit.db (no --db or audit.url" in err
+    rc, out = kvguard("db", "upgrade")  # there now: nothing to announce
+    assert rc == 0 and "created" not in capsys.readouterr().err
+
+
 def test_cli_errors_are_one_line(
     tmp_path: Path, filled: tuple[str, str], capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -195,6 +195,34 @@ def test_promql_rule_acts_under_load_and_undoes_after(tmp_path: Path) -> None:
         del prom_port_holder
 
 
+def test_a_reload_points_promql_signals_at_the_new_prometheus(tmp_path: Path) -> None:
+    """The `prometheus` section is live: a reload that sets its URL gives PromQL signals a
+    client for it (they were unknown without one) and says so in its changes."""
+    port = free_port()
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(PROM_RULES.format(above=0.9))
+    d = Daemon(tmp_path, port=port, extra=f"rules: {{path: {rules}}}\n")
+    prom = Prometheus(tmp_path, port)
+    try:
+        wait_for(
+            lambda: d.admin("GET", "/admin/state").json()["rules"][0]["state"] == "unknown",
+            30,
+            "the PromQL rule unknown without a Prometheus",
+        )
+        with d.config.open("a") as f:
+            f.write(f"prometheus: {{url: '{prom.url}', instance: '127.0.0.1:{port}'}}\n")
+        r = d.admin("POST", "/admin/reload")
+        assert r.status_code == 200 and r.json()["changes"]["prometheus.url"] == prom.url, r.text
+        wait_for(
+            lambda: d.admin("GET", "/admin/state").json()["rules"][0]["state"] == "inactive",
+            120,
+            "the PromQL rule reading the new Prometheus",
+        )
+    finally:
+        prom.stop()
+        assert d.stop() == 0
+
+
 def _metric(d: Daemon, name: str) -> float:
     for line in httpx.get(d.url + "/metrics").text.splitlines():
         if line.startswith(name + " "):

@@ -261,6 +261,21 @@ BROKEN = [
         "serving\n",
         "1: (top level): a string 'serving' (expected a mapping of sections:",
     ),
+    (
+        "audit url that is no URL",
+        "api: {port: 1}\naudit:\n  url: notaurl\n",
+        "3: audit.url: 'notaurl' is not a database URL (expected e.g. sqlite:////",
+    ),
+    (
+        "audit url of an unknown backend",
+        "audit: {url: 'nosuchdb://h/x'}\n",
+        "1: audit.url: nosuchdb://h/x: unknown database backend 'nosuchdb'",
+    ),
+    (
+        "audit url of an unknown driver",
+        "audit: {url: 'mysql+nosuchdriver://x/y'}\n",
+        "1: audit.url: mysql+nosuchdriver://x/y: unknown database backend",
+    ),
 ]
 
 
@@ -306,6 +321,30 @@ def test_missing_file(tmp_path: Path) -> None:
     assert error.startswith(f"{path}: cannot read the config file:")
 
 
+def test_an_audit_url_without_its_driver_is_refused_before_anything_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A backend SQLAlchemy knows whose driver is not installed: named with the file's line
+    at load, and `kvguard serve` stops there (status 2), before binding or loading."""
+    from sqlalchemy.dialects.mysql.mysqldb import MySQLDialect_mysqldb
+
+    def missing() -> None:
+        raise ModuleNotFoundError("No module named 'MySQLdb'", name="MySQLdb")
+
+    monkeypatch.setattr(MySQLDialect_mysqldb, "import_dbapi", classmethod(lambda cls: missing()))
+    path = write(tmp_path, "serving: {model: no-such-model}\naudit: {url: 'mysql://x/y'}\n")
+    assert errors_of(path) == [
+        f"{path}:2: audit.url: mysql://x/y: its database driver is not installed (MySQLdb)"
+    ]
+    from tests.test_server import serve_refused
+
+    for url in ("notaurl", "nosuchdb://x/y"):
+        path.write_text(f"serving: {{model: no-such-model}}\naudit: {{url: '{url}'}}\n")
+        proc = serve_refused(path)
+        assert proc.returncode == 2, proc.stderr
+        assert f"{path}:2: audit.url: " in proc.stderr and "no-such-model" not in proc.stderr
+
+
 def test_cpu_headroom_larger_than_the_budget_is_refused(tmp_path: Path) -> None:
     path = write(
         tmp_path,
@@ -329,6 +368,31 @@ def test_audit_url_defaults_to_sqlite_in_the_state_dir(
     assert DaemonConfig().audit_url() == f"sqlite:///{tmp_path.resolve()}/var/audit.db"
     cfg = DaemonConfig.model_validate({"audit": {"url": "postgresql://db/kvguard"}})
     assert cfg.audit_url() == "postgresql://db/kvguard"
+
+
+def test_the_cli_looks_for_the_systemd_daemons_database(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The daemon's default is unchanged; the CLI (no $STATE_DIRECTORY in a shell) takes
+    /var/lib/kvguard where a database is there, and $KVGUARD_STATE_DIR wins for both."""
+    from kvguard.daemon import config
+
+    system = tmp_path / "lib"
+    system.mkdir()
+    monkeypatch.setattr(config, "SYSTEMD_STATE_DIR", system)
+    monkeypatch.delenv("STATE_DIRECTORY", raising=False)
+    monkeypatch.delenv("KVGUARD_STATE_DIR", raising=False)
+    monkeypatch.chdir(tmp_path)
+    cfg, local = DaemonConfig(), f"sqlite:///{tmp_path.resolve()}/var/audit.db"
+    assert cfg.audit_url(cli=True) == cfg.audit_url() == local  # none at /var/lib/kvguard
+    (system / "audit.db").write_bytes(b"")
+    assert cfg.audit_url(cli=True) == f"sqlite:///{system}/audit.db"
+    assert cfg.audit_url() == local
+    monkeypatch.setenv("KVGUARD_STATE_DIR", "mine")
+    mine = f"sqlite:///{tmp_path.resolve()}/mine/audit.db"
+    assert cfg.audit_url(cli=True) == cfg.audit_url() == mine
+    monkeypatch.setenv("STATE_DIRECTORY", "/var/lib/kvguard")  # under systemd: its own
+    assert cfg.audit_url(cli=True) == "sqlite:////var/lib/kvguard/audit.db"
 
 
 def test_admin_token_comes_from_the_file_or_the_systemd_credential(

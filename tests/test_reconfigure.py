@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import httpx
 import pytest
 
 from kvguard.engine.admission import AdmissionConfig
@@ -63,6 +64,78 @@ def test_the_engine_takes_live_knobs_at_a_step_boundary() -> None:
         engine.reconfigure({("max_model_len",): 64})
     with pytest.raises(ConfigError, match="safety_factor"):
         engine.reconfigure({("admission", "safety_factor"): 0.5})
+
+
+def test_without_chunking_the_step_budget_stays_at_least_the_running_max_model_len() -> None:
+    """max_model_len and enable_chunked_prefill change only at a restart: a step budget below
+    the running max_model_len would leave a longer prompt waiting at the queue's head for
+    ever, so reconfigure refuses it (and changes nothing); an OOM's halving, which turns
+    chunking on until the budget is back, still works and ends where it began."""
+    engine = make_engine(
+        max_model_len=128, enable_chunked_prefill=False, max_num_batched_tokens=128
+    )
+    no = apply(engine, engine.reconfigure({("max_num_seqs",): 4, ("max_num_batched_tokens",): 100}))
+    assert not no.ok and no.after == no.before, no.detail
+    assert "max_num_batched_tokens=100 < max_model_len=128 in force" in no.detail
+    assert "enable_chunked_prefill off" in no.detail
+    assert engine.configured_batched_tokens == 128 and engine.config.max_num_seqs != 4
+    prompt = list(range(3, 123))  # 120 tokens: one step must hold them all
+    assert len(engine.generate([prompt], greedy(4))[0].token_ids) == 4
+    yes = apply(engine, engine.reconfigure({("max_num_batched_tokens",): 200}))
+    assert yes.ok and yes.after["max_num_batched_tokens"] == 200, yes.detail
+    engine.config.oom_quiet_period_s = 0.0
+    engine.inject_oom(1)
+    rid = engine.add_request(prompt, greedy(4))
+    done = finish(engine)
+    assert len(done[rid]) == 4 and engine._counters["oom"] == 1
+    assert engine.scheduler.max_num_batched_tokens == 200 and engine.scheduler.chunked is False
+
+
+def test_a_reload_may_not_lower_the_step_budget_below_the_running_max_model_len(
+    tmp_path: Path,
+) -> None:
+    """The file's own check passes (300 >= its new max_model_len 256) but 512 stays in force
+    until a restart: the reload is refused whole, naming both keys and the line, and a
+    450-token prompt is still served. A budget that holds it is taken; a change of
+    rules.dry_run is reported with the others."""
+    serving = (
+        "{model: tiny, kv_cache_bytes: 8MiB, max_model_len: 512, enable_chunked_prefill: false, "
+        "max_num_batched_tokens: 512}"
+    )
+    d = Daemon(tmp_path, serving=serving)
+    try:
+        text = d.config.read_text()
+        lowered = text.replace("max_model_len: 512", "max_model_len: 256")
+        d.config.write_text(
+            lowered.replace("max_num_batched_tokens: 512", "max_num_batched_tokens: 300")
+            + "rules: {dry_run: true}\n"
+        )
+        bad = d.admin("POST", "/admin/reload")
+        assert bad.status_code == 400, bad.text
+        message = bad.json()["error"]["message"]
+        assert message.startswith(
+            f"{d.config}:1: serving.max_num_batched_tokens: 300 < serving.max_model_len 512 in "
+            "force, with serving.enable_chunked_prefill off in force"
+        ), message
+        now = d.admin("GET", "/admin/state").json()
+        assert now["knobs"]["max_num_batched_tokens"] == 512 and now["dry_run"] is False
+        ids = httpx.post(
+            d.url + "/tokenize", json={"model": "tiny", "prompt": "hello world " * 200}
+        )
+        prompt = ids.json()["tokens"][:450]
+        assert len(prompt) == 450
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 4}
+        r = httpx.post(d.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        d.config.write_text(lowered + "rules: {dry_run: true}\n")  # 512 holds every prompt
+        ok = d.admin("POST", "/admin/reload").json()
+        assert ok["reloaded"] and ok["changes"] == {"rules.dry_run": True}, ok
+        assert ok["restart_needed"] == ["serving.max_model_len"]
+        assert d.admin("GET", "/admin/state").json()["dry_run"] is True
+        log = Path(d.log.name)
+        until(lambda: "rules.dry_run is now true" in log.read_text(), 10, "the dry-run warning")
+    finally:
+        assert d.stop() == 0
 
 
 def test_a_reload_changes_live_knobs_without_a_restart_and_names_the_rest(tmp_path: Path) -> None:

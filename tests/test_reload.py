@@ -20,7 +20,7 @@ import pytest
 from kvguard.daemon.audit import AuditStore
 from kvguard.daemon.config import load_config
 from kvguard.daemon.control_plane import ControlPlane
-from tests.test_server import Daemon
+from tests.test_server import Daemon, until
 
 RULES = (
     "version: 1\ninterval: {interval}\nsignals: {{kv: {{local: kv_cache_usage_ratio}}}}\nrules:\n"
@@ -150,6 +150,35 @@ def test_a_bad_rules_file_is_refused_by_http_and_sighup_and_the_rules_keep_runni
     log = (tmp_path / "daemon.log").read_text()
     assert f"reload refused, keeping the running rules: {rules}:2: interval: inf" in log
     assert "OverflowError" not in log and "Traceback" not in log
+
+
+def test_a_reload_keeps_the_command_lines_flags(tmp_path: Path, rules: Path) -> None:
+    """`kvguard serve --dry-run --model tiny` over a file that sets neither: a reload (HTTP
+    or SIGHUP) applies the flags again, so the rules stay in dry run and the model is not
+    reported as changed in the file."""
+    rules.write_text(RULES.format(interval="1s", name="first"))
+    d = Daemon(
+        tmp_path,
+        serving="{kv_cache_bytes: 8MiB, max_model_len: 512}",  # the default model in the file
+        extra=f"rules: {{path: {rules}}}\n",
+        args=("--dry-run", "--model", "tiny"),
+    )
+    log = Path(d.log.name)
+    try:
+        state = lambda: d.admin("GET", "/admin/state").json()  # noqa: E731
+        assert state()["dry_run"] is True and state()["model"] == "tiny"
+        rules.write_text(RULES.format(interval="1s", name="second"))
+        r = d.admin("POST", "/admin/reload").json()
+        assert r["reloaded"] and r["changes"] == {} and r["restart_needed"] == [], r
+        assert state()["dry_run"] is True and [x["name"] for x in state()["rules"]] == ["second"]
+        rules.write_text(RULES.format(interval="1s", name="third"))
+        d.proc.send_signal(signal.SIGHUP)
+        until(lambda: "rules -second +third" in log.read_text(), 20, "the SIGHUP reload")
+        assert state()["dry_run"] is True
+    finally:
+        assert d.stop() == 0
+    text = log.read_text()
+    assert "at the next restart" not in text and "dry_run is now" not in text
 
 
 def test_a_missing_or_broken_rules_file_stops_the_start_before_the_model_loads(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -365,6 +366,72 @@ def test_a_taken_port_fails_the_start_before_the_model_loads(tmp_path: Path) -> 
 
 def test_the_daemon_logs_where_it_listens(daemon: Daemon) -> None:
     assert f"API bound to 127.0.0.1:{daemon.port}" in Path(daemon.log.name).read_text()
+
+
+def test_port_0_logs_the_port_and_an_unusable_token_file_is_named(tmp_path: Path) -> None:
+    """`api.port: 0` binds a port the kernel picks: the log names that port, not 0. An
+    api.admin_token_file that cannot be read (or is empty) turns /admin/* off: the start and
+    each reload log a warning naming the file and why, and the 403 says the same."""
+    token = tmp_path / "missing" / "admin.token"
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "serving: {model: tiny, kv_cache_bytes: 8MiB, max_model_len: 512}\n"
+        f"api: {{host: 127.0.0.1, port: 0, admin_token_file: {token}}}\n"
+        f"audit: {{url: 'sqlite:///{tmp_path / 'audit.db'}'}}\n"
+    )
+    log = tmp_path / "daemon.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [KVGUARD, "serve", "--config", str(config)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "STATE_DIRECTORY": str(tmp_path)},
+        )
+    try:
+        bound = lambda: re.search(r"API bound to 127\.0\.0\.1:(\d+)", log.read_text())  # noqa: E731
+        until(lambda: bound() is not None or proc.poll() is not None, 60, "the bind")
+        assert proc.poll() is None, log.read_text()
+        port = int(bound().group(1))
+        assert port != 0
+        url = f"http://127.0.0.1:{port}"
+
+        def ready() -> bool:
+            try:
+                return httpx.get(url + "/ready", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        until(ready, 90, "the daemon ready on the port it logged")
+        assert (
+            "admin API disabled (/admin/* answers 403): cannot read api.admin_token_file "
+            f"{token}: No such file or directory" in log.read_text()
+        )
+        admin = lambda: httpx.get(  # noqa: E731
+            url + "/admin/state", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10
+        )
+        r = admin()
+        assert r.status_code == 403 and r.json()["error"]["message"] == (
+            f"admin API disabled: cannot read api.admin_token_file {token}: "
+            "No such file or directory"
+        )
+        token.parent.mkdir()
+        token.write_text("\n")
+        r = admin()
+        assert r.status_code == 403, r.text
+        assert (
+            r.json()["error"]["message"]
+            == f"admin API disabled: api.admin_token_file {token} is empty"
+        )
+        proc.send_signal(signal.SIGHUP)
+        until(lambda: f"{token} is empty" in log.read_text(), 20, "the reload's warning")
+        token.write_text(TOKEN + "\n")
+        assert admin().status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def test_default_bind_is_loopback() -> None:

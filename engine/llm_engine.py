@@ -259,9 +259,14 @@ class LLMEngine(ControlSurface):
 
     def pool_blocks(self, dtype: str) -> int:
         """Device blocks a pool of `dtype` has in the bytes the engine holds now: the
-        configured budget, or the share of it a remedy left (set_kv_pool_share)."""
+        configured budget, or the share of it a remedy left (set_kv_pool_share), never below
+        one max_model_len request (the floor `set_kv_pool_share` keeps: a share taken on a
+        narrower dtype's larger pool would otherwise leave too few blocks in a wider one)."""
         full = self.runner.blocks_for_budget(dtype)
-        return full if self.kv_pool_share >= 1.0 else max(1, math.floor(full * self.kv_pool_share))
+        if self.kv_pool_share >= 1.0:
+            return full
+        floor_n = min(full, self.block_manager.blocks_for(self.max_model_len))
+        return max(floor_n, math.floor(full * self.kv_pool_share), 1)
 
     def _prompt_ids(
         self, prompt: str | list[int], add_special_tokens: bool, limit: int

@@ -3,8 +3,9 @@
 Each step: running sequences first (decodes, then unfinished prefill chunks), then swapped
 sequences brought back, then waiting ones admitted in (priority, arrival) order while the token
 budget, `max_num_seqs` and free blocks allow. When a running sequence needs a block and none is
-free, the lowest-priority, newest running sequence is preempted: swapped to the host pool when
-offload is on and it has room, recomputed later otherwise. Nothing is ever dropped. A waiting
+free, the lowest-priority, newest running sequence is preempted (even one already scheduled
+for this step, which then leaves it): swapped to the host pool when offload is on and it has
+room, recomputed later otherwise. Nothing is ever dropped. A waiting
 `high` request takes its blocks, and with every `max_num_seqs` slot taken its slot, from
 lower-priority running sequences the same way.
 
@@ -140,6 +141,11 @@ class ScheduledBatch:
     def add(self, seq: Sequence, n: int) -> None:
         self.seqs.append(seq)
         self.num_tokens.append(n)
+
+    def drop(self, seq: Sequence) -> None:
+        """Take `seq` back out (preempted to make room for a later sequence of the step)."""
+        i = self.seqs.index(seq)
+        del self.seqs[i], self.num_tokens[i]
 
 
 class Scheduler:
@@ -322,12 +328,20 @@ class Scheduler:
         return 0 if n < seq.num_uncomputed and not self.chunked else n
 
     def _reserve(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
-        """Get blocks for `n` tokens of `seq`, preempting others (or `seq` itself) if needed."""
+        """Get blocks for `n` tokens of `seq`, preempting others (or `seq` itself) if needed:
+        the lowest-priority, newest running sequence, even one already in this step's batch
+        (a decode scheduled before this prompt chunk), which then leaves the batch before the
+        forward (its tokens are not given back to this step's budget). Otherwise a prompt
+        beside lower-priority decodes would be the only candidate outside the batch: it would
+        throw its own K/V away, come back next step and do it again."""
         need = self.bm.blocks_needed(seq, n)
         while not self.bm.can_allocate(need):
-            victim = self.pick_victim(exclude=batch.seqs)
+            victim = self.pick_victim()
             if victim is None:
                 return False
+            if victim in batch.seqs:
+                batch.drop(victim)
+                self.bm.trim(victim)  # the blocks taken for this step's tokens go back
             self.preempt(victim)
             batch.preempted.append(victim)
             if victim is seq:
@@ -390,8 +404,10 @@ class Scheduler:
         requests still waiting for their admission commitment, which `seq`'s own commitment
         may be what holds back, do not count): holding `seq` back then frees room for no one,
         so it returns however much of the pool it needs (a sequence holding more than
-        `readmit_usage` of the pool alone would otherwise wait forever, and every request
-        queued behind it with it)."""
+        `readmit_usage` of the pool alone would otherwise wait forever). Where admitted
+        requests wait behind a held `seq` on an idle engine, `_schedule_waiting` lets them
+        start first and makes `seq` an ordinary waiting request (they would otherwise wait
+        behind it forever, and it for them)."""
         if self.running:
             return False
         return all(s.held or s is seq or not self.policy.is_admitted(s) for s in self.waiting)
@@ -485,6 +501,14 @@ class Scheduler:
                     self.bm.unmatch(seq)
                 if not was_admitted:
                     self.policy.cancel_start(seq)  # committed just now but cannot start
+                if seq.held and not self.running:
+                    # On an idle engine only the readmit threshold holds an evicted sequence
+                    # back, and only for admitted requests queued behind it (`_nothing_else`):
+                    # they start first, and it waits on as an ordinary request at its place
+                    # in the queue (next as room allows, so it cannot starve either).
+                    seq.held = False
+                    i += 1
+                    continue
                 break
             if self.bm.caching and seq.prompt_logprobs is None:
                 self.bm.record(seq.num_tokens, hit)

@@ -1,0 +1,150 @@
+"""Scheduler corners: preemption and readmission that once stalled or looped.
+
+An evicted (held) sequence whose next chunk needs most of the pool, with an admitted request
+queued behind it, left an idle engine with work it would never run; a switch back from FP8
+after a pool-share cut left a pool smaller than one max_model_len request; and a prompt
+admitted beside lower-priority decodes preempted itself, and redid its prefill, every time a
+later chunk needed blocks, since the decodes (scheduled first) were never victims."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvguard.engine import LLMEngine, SamplingParams
+from tests.test_engine import make_engine
+from tests.test_kv_pool import apply
+from tests.test_live_corners import LONG, SWAP, finish
+from tests.test_remedies import greedy
+
+
+def alone(prompt: list[int], n: int, **cfg) -> list[int]:  # noqa: ANN003 - engine config
+    """`prompt`'s greedy tokens on an engine serving nothing else."""
+    return make_engine(**cfg).generate([prompt], greedy(n))[0].token_ids
+
+
+def started(engine: LLMEngine, rid: str) -> bool:
+    seq = engine._seqs[rid]
+    return seq.first_scheduled_time is not None and seq.num_computed_tokens > 0
+
+
+# -- 1: an evicted sequence never stalls an idle engine -------------------------------------
+@pytest.mark.parametrize("priority", ["low", "normal"])
+def test_an_evicted_sequence_with_a_request_queued_behind_it_lets_it_start_then_returns(
+    priority: str,
+) -> None:
+    cfg = {"kv_cache_bytes": "256KiB", "max_model_len": 512}
+    engine = make_engine(**cfg)
+    assert engine.block_manager.num_blocks == 32
+    big = engine.add_request(LONG, greedy(8), priority=priority)  # 27 of 32 blocks
+    for _ in range(3):
+        engine.step()
+    small = engine.add_request([5, 6, 7], greedy(4), priority=priority)  # queued behind it
+    res = apply(engine, engine.evict(1, priority))  # recomputed: nothing swaps here
+    assert res.data["evicted"] == [(big, "recompute")]
+    small_first = started(engine, small) and not started(engine, big)
+    done = finish(engine, most=100)  # it stalled here: nothing ran, both waited for ever
+    # the idle engine's next step started the request behind it, not the evicted one
+    assert small_first
+    assert done[big] == alone(LONG, 8, **cfg)
+    assert done[small] == alone([5, 6, 7], 4, **cfg)
+
+
+def test_sequences_preempted_by_a_pool_cut_do_not_stall_the_queue_behind_them() -> None:
+    cfg = {"kv_cache_bytes": "256KiB", "max_model_len": 256}
+    engine = make_engine(**cfg)
+    a = engine.add_request(LONG[:200], greedy(40))  # 13 -> 15 blocks
+    b = engine.add_request([9 + i % 250 for i in range(200)], greedy(40))
+    for _ in range(4):
+        engine.step()
+    c = engine.add_request([5, 6, 7], greedy(4))
+    res = apply(engine, engine.set_kv_pool_share(0.5))  # 16 blocks: one of them must go
+    assert res.ok and engine.block_manager.num_blocks == 16
+    assert [s.request_id for s in engine.scheduler.waiting if s.held] == [b]
+    done = finish(engine, most=300)
+    assert sorted(done) == sorted([a, b, c])
+    assert [len(done[r]) for r in (a, b, c)] == [40, 40, 4]
+    assert done[b] == alone([9 + i % 250 for i in range(200)], 40, **cfg)
+
+
+def test_an_evicted_sequence_is_not_starved_by_a_stream_of_requests_behind_it() -> None:
+    engine = make_engine(kv_cache_bytes="256KiB", max_model_len=512)
+    big = engine.add_request(LONG, greedy(8), priority="low")
+    for _ in range(3):
+        engine.step()
+    engine.add_request([5, 6, 7], greedy(4), priority="low")
+    apply(engine, engine.evict(1, "low"))
+    seq = engine._seqs[big]
+    for i in range(60):  # a request arrives every step: the engine never idles again
+        engine.add_request([5 + i % 50, 6, 7], greedy(4), priority="low")
+        engine.step()
+        engine.audit_blocks()
+        if seq.is_finished:
+            break
+    assert seq.is_finished, f"the evicted request was still {seq.status} after 60 steps"
+
+
+# -- 2: the way back from FP8 keeps the pool's floor ----------------------------------------
+def test_switching_back_from_fp8_after_a_pool_cut_keeps_one_max_model_len_request() -> None:
+    engine = make_engine(kv_cache_bytes="256KiB", max_model_len=512)
+    bm = engine.block_manager
+    assert bm.num_blocks == 32  # one max_model_len request: the floor a cut keeps in fp32
+    assert apply(engine, engine.set_kv_cache_dtype("fp8_e4m3")).ok
+    assert bm.num_blocks > 100
+    assert apply(engine, engine.set_kv_pool_share(0.25)).ok
+    assert bm.num_blocks == 32  # a quarter of the fp8 pool, held at the floor
+    res = apply(engine, engine.set_kv_cache_dtype("auto"))
+    assert res.ok, res.detail
+    assert bm.num_blocks == 32 and engine.max_total_len() == 512  # not a quarter of 32
+    assert engine.pool_blocks("fp32") == 32
+    prompt = list(range(3, 303))
+    rid = engine.add_request(prompt, greedy(8))  # it was refused: "raise kv_cache_bytes"
+    assert len(finish(engine)[rid]) == 8
+
+
+# -- 3: a prompt beside lower-priority decodes preempts them, not itself ---------------------
+LOWS = [[3 + (j * 13 + i) % 300 for i in range(100)] for j in range(2)]
+NORMAL = [7 + i % 290 for i in range(300)]  # 19 blocks: 32 hold it or the two lows, not all
+
+
+@pytest.mark.parametrize(
+    ("extra", "params"),
+    [
+        ({}, greedy(10)),  # no prefix cache: a readmitted prompt computes everything again
+        ({"enable_prefix_caching": True}, SamplingParams(max_tokens=10, prompt_logprobs=1)),
+        ({**SWAP}, greedy(10)),  # the decodes taken out of the step swap out
+    ],
+    ids=["uncached", "prompt-logprobs", "offload"],
+)
+def test_a_prompt_preempts_the_lower_priority_decodes_in_its_step_not_itself(
+    extra: dict, params: SamplingParams
+) -> None:
+    cfg = {"kv_cache_bytes": "256KiB", "max_model_len": 512, "prefill_while_decoding": 128}
+    if "enable_prefix_caching" not in extra:
+        cfg["enable_prefix_caching"] = False
+    cfg.update(extra)
+    engine = make_engine(**cfg)
+    lows = [engine.add_request(p, greedy(120), priority="low") for p in LOWS]
+    low_seqs = {r: engine._seqs[r] for r in lows}
+    for _ in range(3):
+        engine.step()
+    rid = engine.add_request(NORMAL, params, priority="normal")
+    seq = engine._seqs[rid]
+    preempted_lows = set()
+    done: dict[str, list[int]] = {}
+    for _ in range(400):
+        if not engine.has_unfinished():
+            break
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o.token_ids
+        engine.audit_blocks()
+        preempted_lows |= {r for r, s in low_seqs.items() if s.num_preemptions}
+        # it preempted itself every third step, redoing its prefill, while the lows ran on
+        assert seq.num_preemptions == 0
+    assert sorted(done) == sorted([rid, *lows])
+    assert preempted_lows == {lows[1]} or preempted_lows == set(lows)  # the newest first
+    assert engine.scheduler.preemptions["swap" if extra.get("enable_cpu_offload") else "recompute"]
+    want = {"enable_prefix_caching": False, "kv_cache_bytes": "256KiB", "max_model_len": 512}
+    assert done[rid] == alone(NORMAL, 10, **want)
+    for r, p in zip(lows, LOWS, strict=True):
+        assert done[r] == alone(p, 120, **want)

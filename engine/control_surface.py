@@ -20,6 +20,7 @@ import torch
 from kvguard.engine.admission import AdmissionConfig
 from kvguard.engine.config import LIVE_KNOBS
 from kvguard.engine.control import ActionResult
+from kvguard.engine.detokenizer import finish_text
 from kvguard.engine.distributed.errors import PoolTorn
 from kvguard.engine.knobs import KnobPath
 from kvguard.engine.kv_cache import KV_TORCH_DTYPES, OOM_ERRORS, kv_dtype_name
@@ -533,9 +534,12 @@ class ControlSurface:
         return self._act("set_max_new_tokens_cap", apply)
 
     def _finish_if_capped(self: LLMEngine, seq) -> None:  # noqa: ANN001
+        """A live cap at or below what `seq` has made ends it there, as max_tokens would: its
+        text made whole (a character cut short as U+FFFD) and its stop strings applied."""
         if len(seq.output_token_ids) >= seq.max_tokens and seq.status is not Status.FINISHED:
-            seq.truncated = True
-            self._pending.append(self._end(seq, "length"))
+            stopped = finish_text(self.tokenizer, seq)
+            seq.truncated = not stopped
+            self._pending.append(self._end(seq, "stop" if stopped else "length"))
 
     # -- admission --------------------------------------------------------------------------
     def halt_admission(self: LLMEngine, allow_priority: str | None = "high") -> Future:

@@ -31,9 +31,16 @@ def append_token(tok: Tokenizer, seq: Sequence, token: int, eos_ids: set[int]) -
     if len(seq.output_token_ids) >= seq.max_tokens or seq.num_tokens >= seq.max_total_len:
         seq.finish_reason = "length"
         seq.truncated = seq.max_tokens < p.max_tokens and seq.num_tokens < seq.max_total_len
-        _extend_text(tok, seq, seq.num_tokens, final=True)
-        if p.stop and _apply_stop_strings(seq):
+        if finish_text(tok, seq):
             seq.finish_reason, seq.truncated = "stop", False
+
+
+def finish_text(tok: Tokenizer, seq: Sequence) -> bool:
+    """The sequence ends at a length limit (its max_tokens, or a live cap lowering it): its
+    text made whole, the bytes of an unfinished character as U+FFFD, and a stop string the
+    last text completes applied. True where a stop string cut it (it ends `stop`)."""
+    _extend_text(tok, seq, seq.num_tokens, final=True)
+    return bool(seq.params.stop) and _apply_stop_strings(seq)
 
 
 def _extend_text(tok: Tokenizer, seq: Sequence, end: int, final: bool = False) -> None:

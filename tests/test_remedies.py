@@ -170,6 +170,24 @@ def test_max_new_tokens_cap_truncates_and_says_so() -> None:
     assert b not in outs
 
 
+def test_a_cap_ending_a_request_inside_a_character_ends_its_text_as_max_tokens_does() -> None:
+    """The live cap ends a request where max_tokens would have: its text is its tokens'
+    decoding, the bytes of a character it never finished as U+FFFD (the cap dropped them)."""
+    engine = make_engine()
+    tok = engine.tokenizer
+    lead = next(i for i in range(engine.model_config.vocab_size) if tok.decode([i]) == "\ufffd")
+    params = SamplingParams(max_tokens=8, ignore_eos=True, logit_bias={lead: 100.0})
+    rid = engine.add_request(tok.encode("hello there"), params)
+    engine.step()  # the prompt and a first token: a character's first byte
+    outs = {}
+    engine.set_max_new_tokens_cap(1)
+    while engine.has_unfinished():
+        outs.update({o.request_id: o for o in engine.step() if o.finished})
+    out = outs[rid]
+    assert out.token_ids == [lead] and out.finish_reason == "length" and out.truncated
+    assert out.text == tok.decode(out.token_ids) == "\ufffd"
+
+
 def test_halt_and_resume_admission() -> None:
     engine = make_engine()
     engine.halt_admission("high")

@@ -675,6 +675,8 @@ class Evaluator:
                     "action": r.action,
                     "undo": r.undo,
                     "in_flight": self.states[r.name].in_flight,
+                    # the engine settings its remedy in force holds (others' undos leave them)
+                    "holds": sorted(self.states[r.name].holds),
                 }
                 for r in self.rules.rules
             ]

@@ -139,6 +139,8 @@ def test_one_rules_undo_leaves_a_setting_another_remedy_still_holds() -> None:
     assert h.at(20) == [("halt", "resume_admission", "held")]
     assert h.engine.k["admission"] == "halted" and h.engine.calls.count("resume_admission") == 0
     assert "admission (held by gpu-halt)" in h.ev.decisions[-1].detail
+    holds = {r["name"]: r["holds"] for r in h.ev.rule_states()}  # /admin/state shows them
+    assert holds == {"halt": [], "gpu-halt": ["admission"]}
     h.run(25, 60)
     assert h.engine.k["admission"] == "halted"  # the GPU is still near full
     h.at(65, gpu=0.5)

@@ -2,7 +2,9 @@
 
 Each step: running sequences first (decodes, then unfinished prefill chunks), then swapped
 sequences brought back, then waiting ones admitted in (priority, arrival) order while the token
-budget, `max_num_seqs` and free blocks allow. When a running sequence needs a block and none is
+budget, `max_num_seqs` and free blocks allow; a swapped sequence that cannot come back yet
+keeps its place in that order (the requests queued after it wait, as they wait behind a
+recomputed one, which is itself in the queue). When a running sequence needs a block and none is
 free, the lowest-priority, newest running sequence is preempted (even one already scheduled
 for this step, which then leaves it): swapped to the host pool when offload is on and it has
 room, recomputed later otherwise. Nothing is ever dropped. A waiting
@@ -238,7 +240,8 @@ class Scheduler:
         if self._urgent_prompt():
             budget = self._schedule_running(batch, self.max_num_batched_tokens, True)
             if not batch.has_decode:  # a first text's next token goes first, alone
-                self._schedule_waiting(batch, budget, True)
+                place = min(map(self.policy.queue_key, self.swapped), default=None)
+                self._schedule_waiting(batch, budget, True, place)
             if any(awaits_first_text(s) for s in batch.seqs):
                 return batch
             # the high prompt cannot run now (no slot or no blocks for it): never an idle
@@ -246,7 +249,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens - sum(batch.num_tokens)
         budget = self._schedule_running(batch, budget, False)
         budget = self._schedule_swapped(batch, budget)
-        self._schedule_waiting(batch, budget, False)
+        self._schedule_waiting(batch, budget, False, self._swapped_place(batch))
         return batch
 
     def _urgent_prompt(self) -> bool:
@@ -407,7 +410,7 @@ class Scheduler:
         `readmit_usage` of the pool alone would otherwise wait forever). Where admitted
         requests wait behind a held `seq` on an idle engine, `_schedule_waiting` lets them
         start first and makes `seq` an ordinary waiting request (they would otherwise wait
-        behind it forever, and it for them)."""
+        behind it forever, and it for them), and `_swapped_place` a swapped one."""
         if self.running:
             return False
         return all(s.held or s is seq or not self.policy.is_admitted(s) for s in self.waiting)
@@ -452,6 +455,24 @@ class Scheduler:
                 budget -= n
         return budget
 
+    def _swapped_place(self, batch: ScheduledBatch) -> tuple | None:
+        """The queue place (`queue_key`) of the first sequence still swapped out this step:
+        waiting requests behind it wait with it, as they wait behind a preempted sequence that
+        is recomputed (it waits in the queue itself). Otherwise a sequence that needs most of
+        the pool to come back would stay out for as long as new requests keep taking the room
+        it waits for (an evicted one, whose return must also leave usage under
+        `readmit_usage`, for as long as anything runs at all). On an idle engine an evicted
+        (held) sequence that cannot come back lets the admitted requests queued behind it
+        start first and waits on as an ordinary swapped sequence, as a recomputed one does in
+        `_schedule_waiting`; None when nothing swapped out holds a place this step."""
+        keys = []
+        for seq in self.swapped:
+            if seq.held and not self.running and seq not in batch.preempted:
+                seq.held = False  # it found no room on an idle engine: it follows them
+            else:
+                keys.append(self.policy.queue_key(seq))
+        return min(keys, default=None)
+
     def _swap_in_blocks(self, seq: Sequence) -> int:
         """Device blocks a swapped `seq` needs to come back and compute its next token: its
         host blocks, and one more only where that token starts a block (a sequence that filled
@@ -467,12 +488,19 @@ class Scheduler:
         self.running.append(seq)
         self.emit("swapped_in", request_id=seq.request_id, blocks=len(dev))
 
-    def _schedule_waiting(self, batch: ScheduledBatch, budget: int, urgent: bool = False) -> None:
+    def _schedule_waiting(
+        self,
+        batch: ScheduledBatch,
+        budget: int,
+        urgent: bool = False,
+        behind: tuple | None = None,
+    ) -> None:
         """Admit in queue order (the admission policy's `queue_key`). A request still waiting
         for its admission commitment must not block those behind it that already hold one
         (they would otherwise wait on a commitment that only their own completion can free);
         requests without a commitment never overtake each other. While a high request's
-        prompt runs, only high requests start."""
+        prompt runs, only high requests start. Requests queued after `behind` (the place of a
+        sequence still swapped out, `_swapped_place`) wait for it to come back."""
         gated = False  # an uncommitted request ahead could not commit: later ones wait too
         # running prompts whose blocks waiting requests may take instead of computing them
         leaders = [s for s in self.running if s.num_uncomputed > 1] if self.bm.caching else []
@@ -481,6 +509,8 @@ class Scheduler:
             seq = self.waiting[i]
             if seq in batch.preempted or (urgent and seq.priority != HIGH):
                 break  # preempted this very step: let memory settle first
+            if behind is not None and self.policy.queue_key(seq) > behind:
+                break  # a sequence swapped out ahead of it in the queue comes back first
             if len(self.running) >= self.max_num_seqs and seq.priority != HIGH:
                 break  # every slot taken: only a high request makes itself one
             was_admitted = self.policy.is_admitted(seq)

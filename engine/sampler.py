@@ -9,6 +9,11 @@ from kvguard.engine.sampling_params import SamplingParams
 from kvguard.engine.sequence import TokenLogprob
 from kvguard.kernels import cpu_ops
 
+# Why a row gets no token (the step's requests then end with an error): a sampled row's
+# probabilities, or a greedy row's logits, that a model poisoned with NaN (or, sampled, inf or
+# a grammar that allows nothing) left nothing to choose from.
+NOT_DRAWN = "cannot draw a token: its probabilities are NaN, inf or all zero"
+
 
 def sample(
     logits: torch.Tensor,
@@ -32,9 +37,9 @@ def sample(
     greedy = [i for i, p in enumerate(params) if p.greedy]
     out = [0] * len(params)
     if len(greedy) == len(params):
-        out = _argmax(logits)
+        out = _greedy_picks(logits)
     elif greedy:  # only the greedy rows: an argmax of a sampled row is thrown away
-        picks = _argmax(logits[torch.tensor(greedy, device=logits.device)])
+        picks = _greedy_picks(logits[torch.tensor(greedy, device=logits.device)])
         for i, token in zip(greedy, picks, strict=True):
             out[i] = token
     plain = [i for i, p in enumerate(params) if _plain(p, generators[i])]
@@ -88,6 +93,24 @@ def _argmax(logits: torch.Tensor) -> list[int]:
     if cpu_ops.rows_served(logits):
         return cpu_ops.argmax_rows(logits)
     return logits.argmax(dim=-1).tolist()
+
+
+def _greedy_picks(logits: torch.Tensor) -> list[int]:
+    """`_argmax`, refusing as a draw is refused (`NOT_DRAWN`) where a row's logits hold a NaN:
+    both argmaxes (the C kernel's, torch's) answer such a row with its first NaN's index (an
+    all-NaN row with token 0), so only the chosen logits are looked at, not the rows."""
+    if cpu_ops.rows_served(logits):
+        picks = cpu_ops.argmax_rows(logits)
+        rows, ids = torch.arange(len(picks)), torch.tensor(picks, dtype=torch.long)
+        if bool(logits[rows, ids].isnan().any()):
+            raise RuntimeError(NOT_DRAWN)
+        return picks
+    ids = logits.argmax(dim=-1)
+    nan = logits.gather(-1, ids.unsqueeze(-1)).squeeze(-1).isnan()
+    picks = torch.where(nan, -1, ids).tolist()  # one copy to the host, as `_argmax` makes
+    if -1 in picks:
+        raise RuntimeError(NOT_DRAWN)
+    return picks
 
 
 def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
@@ -162,9 +185,7 @@ def _sample_rows(
             temps = [params[i].temperature for i in fast]
             tokens = cpu_ops.topp_draw(x, temps, [params[i].top_p for i in fast], u)
             if tokens is None:
-                raise RuntimeError(
-                    "cannot draw a token: its probabilities are NaN, inf or all zero"
-                )
+                raise RuntimeError(NOT_DRAWN)
             drawn = dict(zip(fast, tokens, strict=True))
             rows = [i for i in rows if i not in drawn]
     if rows:
@@ -223,7 +244,7 @@ def _draw(probs: torch.Tensor, gen: torch.Generator | None) -> int:
     cdf = probs.cumsum(0)
     total = cdf[-1:]
     if not (bool(torch.isfinite(total)) and float(total) > 0.0):
-        raise RuntimeError("cannot draw a token: its probabilities are NaN, inf or all zero")
+        raise RuntimeError(NOT_DRAWN)
     u = _uniform(gen, cdf.device).to(cdf.dtype) * total
     # side right: a token of probability 0 has the cdf of the one before it: never drawn
     return int(torch.searchsorted(cdf, u, right=True).clamp_max_(probs.numel() - 1).item())

@@ -457,7 +457,9 @@ def quantize_rows(
     """The kernels' activation quantisation: (codes [M, K], block scale [M, K/32], block
     sum [M, K/32]) with `x ~ scale * code`; int8 codes (up to 127), or `fine` int16 (up to
     `FINE_LEVELS`; the 4-bit kernels hold each as two signed bytes, `256 h + l`: recombined
-    here)."""
+    here). A block holding a NaN or an infinity has codes 0 and a NaN scale and sum (so the
+    GEMMs give every output of its row NaN); a block whose scale `L / amax` is not a finite
+    float (all zeros, or |x| under about 1e-36) has codes 0 and scale 0."""
     lib = library()
     assert lib is not None
     x = x.float().contiguous()

@@ -47,7 +47,9 @@
  * VNNI copy's sixteen-column tiles: MRV), so a weight block is unpacked once for that many.
  */
 #define _GNU_SOURCE /* syscall(): the AMX tile state is granted by arch_prctl */
+#include <float.h>
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -150,30 +152,47 @@ enum { Q_INT8 = 0, Q_INT16 = 1, Q_HILO = 2 };
  * `fine` quantisation for both. */
 #define FINE_LEVELS 32639
 
+/* A block's largest |x| is taken on the floats' bits as integers: for values without their
+ * sign the integer order is the float order, and a NaN's bits (above +inf's, 0x7f800000)
+ * win it, where `maxps` drops a NaN unless it is the second operand. So a block holding a NaN
+ * or an infinity has a maximum of at least NONFINITE, found with no per-element check. */
+#define NONFINITE 0x7f800000
+
 /* One row of K floats to blocks of 32: with e = amax/L and y = x * (L/amax), codes
  * p = round_half_even(y), L = 127 (`Q_INT8`: int8 in `q8`) or L = FINE_LEVELS, stored as int16
  * in `q16` (`Q_INT16`, each block as elements 0-7,16-23 then 8-15,24-31: the order
  * `vpunpck[lh]bw` widens 8-bit codes to) or as bytes (`Q_HILO`: p = 256 h + l, h in `q8` and
  * l in `lo`, both signed). Per block: e, and es = e * sum(p) for the weights' mins, and
- * (`is`, where not NULL) sum(p) itself. */
+ * (`is`, where not NULL) sum(p) itself. Two kinds of block have codes 0: one whose L/amax is
+ * not a finite float (all zeros, or values so small, amax below about L / FLT_MAX, that the
+ * scale overflowed and turned every code to the most negative one) with e = es = 0, and one
+ * holding a NaN or an infinity, with e = es = NaN, so that every output the row feeds is NaN
+ * (as x W^T in fp32 would be; a NaN code was INT_MIN, a finite garbage value). */
 static void quantize_row(const float *x, int64_t K, int mode, int8_t *q8, int16_t *q16,
                          int8_t *lo, float *e, float *es, int32_t *is) {
-    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
     const int rnd = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
     const float levels = mode == Q_INT8 ? 127.0f : (float)FINE_LEVELS;
     for (int64_t b = 0; b < K / QK; ++b) {
         const float *xb = x + b * QK;
         __m256 v[4];
-        __m256 mx = _mm256_setzero_ps();
+        __m256i mx = _mm256_setzero_si256();
         for (int j = 0; j < 4; ++j) {
             v[j] = _mm256_loadu_ps(xb + 8 * j);
-            mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[j]));
+            mx = _mm256_max_epi32(mx, _mm256_and_si256(_mm256_castps_si256(v[j]), abs_mask));
         }
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-        const float amax = _mm_cvtss_f32(m4);
-        const __m256 iv = _mm256_set1_ps(amax > 0.0f ? levels / amax : 0.0f);
+        __m128i m4 = _mm_max_epi32(_mm256_castsi256_si128(mx), _mm256_extracti128_si256(mx, 1));
+        m4 = _mm_max_epi32(m4, _mm_shuffle_epi32(m4, 0x4e));
+        m4 = _mm_max_epi32(m4, _mm_shuffle_epi32(m4, 0xb1));
+        const int32_t abits = _mm_cvtsi128_si32(m4);
+        const float amax = _mm_cvtss_f32(_mm_castsi128_ps(m4));
+        float inv = levels / amax, d = amax / levels;
+        if (!(inv <= FLT_MAX) || abits >= NONFINITE) { /* rare: see above */
+            d = abits >= NONFINITE ? NAN : 0.0f;
+            inv = 0.0f;
+            for (int j = 0; j < 4; ++j) v[j] = _mm256_setzero_ps();
+        }
+        const __m256 iv = _mm256_set1_ps(inv);
         __m256i i[4];
         __m256i sum = _mm256_setzero_si256();
         for (int j = 0; j < 4; ++j) {
@@ -198,7 +217,6 @@ static void quantize_row(const float *x, int64_t K, int mode, int8_t *q8, int16_
         } else {
             _mm256_storeu_si256((__m256i *)(q8 + b * QK), pack_i8(i[0], i[1], i[2], i[3]));
         }
-        const float d = amax / levels;
         const int32_t total = hsum_i32(sum);
         e[b] = d;
         es[b] = d * (float)total;
@@ -218,13 +236,14 @@ static void quantize_row(const float *x, int64_t K, int mode, int8_t *q8, int16_
 #define Q512_FN __attribute__((target("avx512f,avx512bw,avx512vl")))
 
 /* Four blocks' 16-lane partials to [b0 x4 | b1 x4 | b2 x4 | b3 x4]: each block's maximum
- * (`max4`) or integer sum (`sum4`) in all four lanes of its 128-bit quarter. */
-static inline __attribute__((always_inline)) Q512_FN __m512 max4(const __m512 *a) {
-    const __m512 m01 = _mm512_max_ps(_mm512_shuffle_f32x4(a[0], a[1], 0x44), _mm512_shuffle_f32x4(a[0], a[1], 0xee));
-    const __m512 m23 = _mm512_max_ps(_mm512_shuffle_f32x4(a[2], a[3], 0x44), _mm512_shuffle_f32x4(a[2], a[3], 0xee));
-    __m512 m = _mm512_max_ps(_mm512_shuffle_f32x4(m01, m23, 0x88), _mm512_shuffle_f32x4(m01, m23, 0xdd));
-    m = _mm512_max_ps(m, _mm512_permute_ps(m, 0x4e));
-    return _mm512_max_ps(m, _mm512_permute_ps(m, 0xb1));
+ * (`max4`: of |x|'s bits as integers, as `quantize_row` takes it, so a NaN wins) or integer
+ * sum (`sum4`) in all four lanes of its 128-bit quarter. */
+static inline __attribute__((always_inline)) Q512_FN __m512i max4(const __m512i *a) {
+    const __m512i m01 = _mm512_max_epi32(_mm512_shuffle_i32x4(a[0], a[1], 0x44), _mm512_shuffle_i32x4(a[0], a[1], 0xee));
+    const __m512i m23 = _mm512_max_epi32(_mm512_shuffle_i32x4(a[2], a[3], 0x44), _mm512_shuffle_i32x4(a[2], a[3], 0xee));
+    __m512i m = _mm512_max_epi32(_mm512_shuffle_i32x4(m01, m23, 0x88), _mm512_shuffle_i32x4(m01, m23, 0xdd));
+    m = _mm512_max_epi32(m, _mm512_shuffle_epi32(m, (_MM_PERM_ENUM)0x4e));
+    return _mm512_max_epi32(m, _mm512_shuffle_epi32(m, (_MM_PERM_ENUM)0xb1));
 }
 
 static inline __attribute__((always_inline)) Q512_FN __m512i sum4(const __m512i *a) {
@@ -244,16 +263,26 @@ static Q512_FN void quantize_row512(const float *x, int64_t K, int mode, int8_t 
     const int64_t nb = K / QK;
     for (int64_t b0 = 0; b0 < nb; b0 += 4) {
         const int n = nb - b0 < 4 ? (int)(nb - b0) : 4;
-        __m512 v[8], a[4];
+        __m512 v[8];
+        __m512i a[4];
         for (int j = 0; j < 4; ++j) { /* blocks past the row's end read as zeros */
             const float *xb = x + (b0 + j) * QK;
             v[2 * j] = j < n ? _mm512_loadu_ps(xb) : zero;
             v[2 * j + 1] = j < n ? _mm512_loadu_ps(xb + 16) : zero;
-            a[j] = _mm512_max_ps(_mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v[2 * j]), abs_mask)),
-                                 _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v[2 * j + 1]), abs_mask)));
+            a[j] = _mm512_max_epi32(_mm512_and_si512(_mm512_castps_si512(v[2 * j]), abs_mask),
+                                    _mm512_and_si512(_mm512_castps_si512(v[2 * j + 1]), abs_mask));
         }
-        const __m512 amax = max4(a);
-        const __m512 iv = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(amax, zero, _CMP_GT_OQ), lv, amax);
+        /* as `quantize_row`: codes 0 where L/amax is not finite (e 0) or the block holds a NaN
+         * or an infinity (e NaN) */
+        const __m512i abits = max4(a);
+        const __m512 amax = _mm512_castsi512_ps(abits);
+        const __mmask16 bad = _mm512_cmpge_epi32_mask(abits, _mm512_set1_epi32(NONFINITE));
+        __m512 iv = _mm512_div_ps(lv, amax);
+        const __mmask16 ok = _mm512_cmp_ps_mask(iv, _mm512_set1_ps(FLT_MAX), _CMP_LE_OQ) & ~bad;
+        iv = _mm512_maskz_mov_ps(ok, iv);
+        if (bad) /* rare: the codes of a block with a NaN or an infinity are zeros */
+            for (int j = 0; j < 4; ++j)
+                if (bad >> (4 * j) & 1) v[2 * j] = v[2 * j + 1] = zero;
         __m512i s[4];
         for (int j = 0; j < 4; ++j) {
             const __m512 ivj = _mm512_shuffle_f32x4(iv, iv, 0x55 * j);
@@ -282,7 +311,7 @@ static Q512_FN void quantize_row512(const float *x, int64_t K, int mode, int8_t 
             }
         }
         const __m512i total = sum4(s);
-        const __m512 d = _mm512_div_ps(amax, lv);
+        const __m512 d = _mm512_mask_mov_ps(_mm512_maskz_div_ps(ok, amax, lv), bad, _mm512_set1_ps(NAN));
         const __mmask16 keep = (__mmask16)((1u << n) - 1);
         _mm512_mask_storeu_ps(e + b0, keep, _mm512_permutexvar_ps(firsts, d));
         _mm512_mask_storeu_ps(es + b0, keep, _mm512_permutexvar_ps(firsts, _mm512_mul_ps(d, _mm512_cvtepi32_ps(total))));

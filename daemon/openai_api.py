@@ -301,12 +301,24 @@ def _unauthorized(service: Service, reason: str, message: str) -> ApiError:
     return ApiError(401, message, code="invalid_api_key", type_="authentication_error")
 
 
-def _within_limit(service: Service, key: ApiKey, asked: int) -> None:
+def _within_limit(service: Service, key: ApiKey, asked: int, param: str) -> None:
     """429 when `asked` more sequences would take `key` past its max_requests. What it has
     in flight is what the daemon still answers for it (the drain's set, which a finished or
-    refused request leaves at once and a forgotten one when it is collected)."""
+    refused request leaves at once and a forgotten one when it is collected). A request
+    asking for more sequences than the key may ever have at once is the request's own fault,
+    not a passing one: 400 naming `param`, with no Retry-After (a retry could never pass)."""
     if key.max_requests is None:
         return
+    if asked > key.max_requests:
+        service.metrics.auth_failures.labels("max_requests").inc()
+        raise ApiError(
+            400,
+            f"this request asks for {asked} sequences and API key {key.name!r} may have "
+            f"{key.max_requests} at once (max_requests): it can never be served; ask for "
+            "fewer choices or prompts",
+            param,
+            code="key_request_limit",
+        )
     live = sum(1 for o in list(service.requests) if o.ctx.key == key.name)
     if live + asked > key.max_requests:
         service.metrics.auth_failures.labels("max_requests").inc()
@@ -362,7 +374,7 @@ async def _serve(
     ctx = _Ctx(service, kind, body.model, priority, time.monotonic(), params)
     ctx.n = body.n or 1
     if key is not None:
-        _within_limit(service, key, len(prompts) * ctx.n)
+        _within_limit(service, key, len(prompts) * ctx.n, "n" if ctx.n > 1 else "prompt")
         ctx.key = key.name
     ctx.echo = prompts if getattr(body, "echo", False) else None
     ctx.tools = params.grammar is not None
@@ -494,7 +506,8 @@ class _Ctx:
         self.echo: list[str | list[int]] | None = None  # the prompts, for a completion with echo
         self.tools = False  # a chat answer that may be tool calls
         self.key: str | None = None  # the API key's name, where the daemon checks keys
-        self._charged: set[int] = set()  # prompts whose tokens the key was charged (engine thread)
+        # prompt index -> its tokens the key was charged for (engine thread)
+        self._charged: dict[int, int] = {}
         self.id = new_id("chatcmpl" if kind == "chat.completion" else "cmpl")
         self.created = now()
         # a completion's logprobs, per choice i: its text's UTF-8 decoder (bytes of a character
@@ -578,14 +591,18 @@ class _Ctx:
         """Charge the key for choice `index`'s final output (engine thread): the tokens the
         engine generated for it, however it ended (a client that hangs up near the end pays
         for what was computed), and its prompt's tokens once, with the first of the prompt's
-        choices that generated any (one aborted while it waited computed nothing)."""
+        choices that got any of them: the whole prompt once it generated a token, else the
+        part of it it had got through (a client that hangs up during a long prompt's chunked
+        prefill; one aborted while it waited got nothing)."""
         if self.key is None:
             return
         tokens = self.service.metrics.api_tokens
+        prompt = out.num_prompt_tokens if out.num_output_tokens else out.num_prompt_tokens_done
+        before = self._charged.get(index // self.n, 0)
+        if prompt > before:  # a prompt is paid once, as far as any of its choices got
+            self._charged[index // self.n] = prompt
+            tokens.labels(self.key, "prompt").inc(prompt - before)
         if out.num_output_tokens:
-            if index // self.n not in self._charged:
-                self._charged.add(index // self.n)
-                tokens.labels(self.key, "prompt").inc(out.num_prompt_tokens)
             tokens.labels(self.key, "completion").inc(out.num_output_tokens)
 
     def observe(self, out: RequestOutput, last: float | None) -> float | None:

@@ -359,19 +359,36 @@ class AdmissionController:
         usage: float,
         queued: int,
         max_total_len: int,
+        configured_blocks: int | None = None,
     ) -> AdmissionDecision:
-        d = self._decide(prompt_len, max_tokens, rank, total_blocks, usage, queued, max_total_len)
+        """Admit, queue or reject a request against a pool of `total_blocks` now.
+        `configured_blocks` is the pool the engine is configured with (None: `total_blocks`),
+        which a remedy may hold smaller for a while: what is too large only for the smaller
+        pool waits (alone on an idle engine it starts, `try_commit`), not refused."""
+        d = self._decide(
+            prompt_len,
+            max_tokens,
+            rank,
+            total_blocks,
+            usage,
+            queued,
+            max_total_len,
+            total_blocks if configured_blocks is None else configured_blocks,
+        )
         self.decisions[d.decision] += 1
         return d
 
     def _decide(
-        self, prompt_len, max_tokens, rank, total_blocks, usage, queued, max_total_len
+        self, prompt_len, max_tokens, rank, total_blocks, usage, queued, max_total_len, configured
     ) -> AdmissionDecision:  # noqa: ANN001 - same types as decide
         limit = self.limit_blocks(total_blocks, rank)
-        if self.projected_blocks(prompt_len + 1) > limit:
+        ever = self.limit_blocks(max(configured, total_blocks), rank)
+        # what is known (the prompt, and the token it must at least produce) is known to the
+        # token: no safety factor on it
+        if math.ceil((prompt_len + 1) / self.block_size) > ever:
             return _reject(
                 "never_fits",
-                f"prompt of {prompt_len} tokens can never fit the KV budget of {limit} blocks"
+                f"prompt of {prompt_len} tokens can never fit the KV budget of {ever} blocks"
                 + ("" if rank == HIGH else " (what is left outside the high-priority reserve)"),
             )
         emergency = usage > EMERGENCY_USAGE and rank != HIGH
@@ -381,15 +398,18 @@ class AdmissionController:
                 f"KV cache {usage:.0%} full: only high priority is admitted",
                 self.wait_s(1),
             )
+        # the model never produces past its length limit: plan (and learn) from what it can
+        max_tokens = max(1, min(max_tokens, max_total_len - prompt_len))
         n = max_tokens
         if self.config.dynamic_max_tokens and (not self.predicted or usage >= PRESSED_USAGE):
             n = dynamic_max_tokens(max_tokens, usage, max_total_len - prompt_len)
-        while n > 1 and self.projected_blocks(prompt_len + n) > limit:
-            n = max(1, n // 2)  # shrink to what can ever fit rather than refuse
+        if self.projected_blocks(prompt_len + n) > ever:
+            # shorten to the longest answer that can ever fit rather than refuse
+            n = max(1, min(n, self.longest_within(ever) - prompt_len))
         if not self.config.dynamic_max_tokens and n < max_tokens:
             return _reject(
                 "never_fits",
-                f"prompt + max_tokens={max_tokens} can never fit the KV budget of {limit} blocks",
+                f"prompt + max_tokens={max_tokens} can never fit the KV budget of {ever} blocks",
             )
         planned = self.plan_tokens(n)
         need = self.projected_blocks(prompt_len + planned)
@@ -411,9 +431,19 @@ class AdmissionController:
                     drain - bound if known else self.wait_s(need),
                 )
         wait = self.wait_s(max(need, self.committed_blocks + need - limit))
-        return AdmissionDecision(
-            "queue", "waiting for KV memory", n, n < max_tokens, queued + 1, wait, "", planned
-        )
+        reason = "waiting for KV memory"
+        if need > limit and limit < ever:
+            reason += f" (the KV pool is held at {total_blocks} blocks for now)"
+        return AdmissionDecision("queue", reason, n, n < max_tokens, queued + 1, wait, "", planned)
+
+    def longest_within(self, blocks: int) -> int:
+        """The most tokens whose projected peak (`projected_blocks`) stays within `blocks`."""
+        n = math.floor(blocks * self.block_size / self.config.safety_factor)
+        while n > 0 and self.projected_blocks(n) > blocks:  # float rounding, a step or two
+            n -= 1
+        while self.projected_blocks(n + 1) <= blocks:
+            n += 1
+        return n
 
     # -- commitments --------------------------------------------------------------------------
     def try_commit(

@@ -58,8 +58,18 @@ class AdmissionPolicy:
         self._live = live
 
     # -- arrival ----------------------------------------------------------------------------
-    def check(self, seq: Sequence, capacity: int, used: int, waiting: Iterable[Sequence]) -> None:
-        """Admit `seq` now, queue it, or raise AdmissionRejected; may lower seq.max_tokens."""
+    def check(
+        self,
+        seq: Sequence,
+        capacity: int,
+        used: int,
+        waiting: Iterable[Sequence],
+        configured: int | None = None,
+    ) -> None:
+        """Admit `seq` now, queue it, or raise AdmissionRejected; may lower seq.max_tokens.
+        `capacity` is the pool's blocks now, `configured` (None: the same) its blocks at the
+        configured bytes, which a remedy (shrink_kv_pool) may hold smaller for a while: what
+        only the smaller pool cannot hold waits instead of being refused."""
         if self.allow_rank is not None and seq.priority > self.allow_rank:
             raise AdmissionRejected(
                 AdmissionDecision(
@@ -73,8 +83,9 @@ class AdmissionPolicy:
         if ctl is None:
             self._tickets[seq.request_id] = Ticket(None, admitted=True)
             return
-        # predicted: high priority sorts ahead of queued lower ones and does not wait on their KV
-        ahead = HIGH if ctl.predicted and seq.priority == HIGH else None
+        # high priority sorts ahead of queued lower ones (`queue_key`), in either estimate: only
+        # high waiters are ahead of it
+        ahead = HIGH if seq.priority == HIGH else None
         queued = sum(
             1 for s in waiting if not self.is_admitted(s) and (ahead is None or s.priority == ahead)
         )
@@ -86,6 +97,7 @@ class AdmissionPolicy:
             used / capacity,
             queued,
             seq.max_total_len,
+            capacity if configured is None else configured,
         )
         if d.decision == "reject":
             raise AdmissionRejected(d)

@@ -403,6 +403,10 @@ class ControlSurface:
                 if self.admission is not None:
                     self.admission.config = admission
                     self.admission.estimator.quantile = admission.estimate_quantile
+                    # a lower max_overcommit bounds the overcommit from this step on
+                    self.admission.overcommit = min(
+                        self.admission.overcommit, admission.max_overcommit
+                    )
                 said += [f"admission_control.{k}={v}" for k, v in inner.items()]
             for path, value in values.items():
                 if path[0] != "admission":

@@ -240,6 +240,9 @@ class LLMEngine(ControlSurface):
                 self.block_manager.num_blocks,
                 self.block_manager.num_used,
                 self.scheduler.waiting,
+                # the pool at its configured bytes, in the dtype in force (a remedy may hold
+                # it at a share of them for a while)
+                self.runner.blocks_for_budget(self.kv_cache.dtype),
             )
         except AdmissionRejected as e:
             self._admission_event(seq, e.decision.decision, e.decision.reason)

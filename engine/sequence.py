@@ -193,6 +193,9 @@ class RequestOutput:
     # on a final output with finish_reason "error": the cause where it is the request's own
     # (a schema or grammar the grammar library gave up on), else None (a fault of the engine)
     error: str | None = None
+    # prompt tokens whose K/V it had (computed, or taken from the prefix cache) when this
+    # output was taken: what a request that ends before its first token got for its prompt
+    num_prompt_tokens_done: int = 0
 
     @property
     def text(self) -> str:
@@ -257,4 +260,5 @@ class RequestOutput:
             if done and seq.prompt_logprobs is not None
             else None,
             error=seq.error if done else None,
+            num_prompt_tokens_done=min(seq.num_computed_tokens, len(seq.prompt_token_ids)),
         )

@@ -1,0 +1,203 @@
+"""Admission at its edges: max_tokens past what the model can produce, prompts that fit only
+the configured pool while a remedy holds it smaller, answers shortened to what fits, high
+priority behind a full queue of normal work, and a reload lowering max_overcommit."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvguard.engine.admission import AdmissionConfig, AdmissionController
+from kvguard.engine.admission_policy import AdmissionRejected
+from kvguard.engine.config import EngineConfig
+from kvguard.engine.llm_engine import LLMEngine
+from kvguard.engine.sampling_params import SamplingParams
+
+BLOCK = 16
+
+
+def make_engine(**kw: object) -> LLMEngine:
+    kw.setdefault("kv_cache_bytes", "32MiB")
+    kw.setdefault("num_threads", 2)
+    kw.setdefault("max_model_len", 128)
+    return LLMEngine.from_config(EngineConfig(model="tiny", **kw), progress=False)
+
+
+def run_all(engine: LLMEngine) -> dict[str, object]:
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        engine.audit_blocks()
+    return done
+
+
+PROMPT = list(range(3, 3 + 8))  # 8 tokens: 120 more reach max_model_len 128
+
+
+# -- F1: max_tokens past the length limit ---------------------------------------------------------
+@pytest.mark.parametrize("estimate", ["worst_case", "predicted"])
+def test_max_tokens_past_the_length_limit_is_planned_as_what_the_model_can_produce(
+    estimate: str,
+) -> None:
+    """max_tokens 100000 on max_model_len 128 ends at 120 tokens, as max_tokens 120 does: four
+    such requests start together (10 projected blocks each of 48), not one at a time, and
+    the estimator learns they ran to their whole limit (ratio 1), not to 120/100000."""
+    adm = AdmissionConfig(estimate=estimate)
+    engine = make_engine(num_gpu_blocks=48, max_num_seqs=8, admission=adm)
+    params = SamplingParams(max_tokens=100000, ignore_eos=True)
+    rids = [engine.add_request(PROMPT, params) for _ in range(4)]
+    seqs = [engine._seqs[r] for r in rids]
+    assert all(engine.admission_policy.is_admitted(s) for s in seqs), "all four fit at once"
+    for s in seqs:
+        d = engine.admission_policy.decision(s)
+        assert d.decision == "admit" and d.max_tokens == 120 and not d.truncated
+        assert d.predicted_tokens == 120
+    done = run_all(engine)
+    assert all(done[r].num_output_tokens == 120 for r in rids)
+    assert all(done[r].finish_reason == "length" and not done[r].truncated for r in rids)
+    est = engine.admission.estimator
+    assert est.ratios() == {"le128": 1.0}
+    assert est.error()["mean"] == 0.0
+
+
+def test_max_tokens_past_the_length_limit_is_served_without_the_dynamic_ladder() -> None:
+    """With dynamic_max_tokens off, a max_tokens the length limit cuts anyway is no reason
+    to refuse the request as one that can never fit."""
+    adm = AdmissionConfig(dynamic_max_tokens=False)
+    engine = make_engine(num_gpu_blocks=48, admission=adm)
+    rid = engine.add_request(PROMPT, SamplingParams(max_tokens=100000, ignore_eos=True))
+    out = run_all(engine)[rid]
+    assert out.num_output_tokens == 120 and out.finish_reason == "length"
+
+
+# -- F2: never fits, judged on what is known, against the configured pool ---------------------
+def test_the_known_prompt_is_judged_to_the_token_not_with_the_safety_factor() -> None:
+    """A 150-token prompt (and its first token) fills 10 blocks of a 10-block budget exactly:
+    servable, though 151 × 1.15 tokens would not fit."""
+    ctl = AdmissionController(
+        AdmissionConfig(estimate="worst_case", high_priority_reserve=0.0), BLOCK, 1000
+    )
+    d = ctl.decide(150, 1, 1, 10, 0.0, 0, 4096)
+    assert d.decision != "reject", d.reason
+    d = ctl.decide(160, 1, 1, 10, 0.0, 0, 4096)  # 161 tokens: 11 blocks, truly too many
+    assert d.decision == "reject" and d.kind == "never_fits"
+
+
+def test_a_pool_held_smaller_queues_what_only_the_configured_pool_holds() -> None:
+    """While a remedy holds the pool at 32 blocks (28 for normal priority), a 450-token
+    prompt (29 blocks) waits rather than being refused as one that never fits, and an answer
+    the configured pool holds is not cut for the smaller one."""
+    ctl = AdmissionController(AdmissionConfig(estimate="worst_case"), BLOCK, 1000)
+    d = ctl.decide(450, 16, 1, 32, 0.0, 0, 512, configured_blocks=921)
+    assert d.decision == "queue" and d.max_tokens == 16, d
+    assert "held at 32 blocks" in d.reason
+    d = ctl.decide(300, 200, 1, 32, 0.0, 0, 512, configured_blocks=921)
+    assert d.decision == "queue" and d.max_tokens == 200 and not d.truncated
+    # against the configured pool itself, the 450-token prompt is past it for good
+    d = ctl.decide(450, 16, 1, 32, 0.0, 0, 512, configured_blocks=32)
+    assert d.decision == "reject" and d.kind == "never_fits"
+    assert "can never fit the KV budget of 28 blocks" in d.reason
+
+
+@pytest.mark.parametrize("estimate", ["worst_case", "predicted"])
+def test_an_answer_is_shortened_to_the_longest_that_fits_not_halved(estimate: str) -> None:
+    """300 prompt tokens and max_tokens 200 on a 28-block budget: (300 + 89) × 1.15 tokens fit
+    28 blocks, so the answer keeps 89 tokens (halving gave 50)."""
+    ctl = AdmissionController(AdmissionConfig(estimate=estimate), BLOCK, 1000)
+    d = ctl.decide(300, 200, 1, 32, 0.0, 0, 512)
+    assert d.max_tokens == 89 and d.truncated
+    assert ctl.projected_blocks(300 + 89) == 28 < ctl.projected_blocks(300 + 90)
+
+
+@pytest.mark.parametrize("served_before", [True, False])
+def test_a_prompt_for_the_configured_pool_is_served_while_a_remedy_holds_it_smaller(
+    served_before: bool,
+) -> None:
+    """The engine end to end: its configured pool of 64 blocks shrunk to one max_model_len
+    request (8 blocks, 7 for normal priority), after serving or before its first request: a
+    115-token prompt (8 blocks) is admitted and served, alone."""
+    engine = make_engine(num_gpu_blocks=64, admission=AdmissionConfig())
+    if served_before:
+        engine.add_request(PROMPT, SamplingParams(max_tokens=4))
+        run_all(engine)
+    fut = engine.set_kv_pool_share(0.01)
+    engine.step()
+    assert fut.result(0).ok and engine.block_manager.num_blocks == 8
+    rid = engine.add_request(list(range(3, 3 + 115)), SamplingParams(max_tokens=8, ignore_eos=True))
+    out = run_all(engine)[rid]
+    assert out.num_output_tokens == 8 and out.finish_reason == "length"
+
+
+# -- F4: a high request and the queue bound ------------------------------------------------------
+@pytest.mark.parametrize("estimate", ["worst_case", "predicted"])
+def test_a_high_request_is_not_refused_for_queued_normal_work(estimate: str) -> None:
+    """Normal requests fill the normal budget and max_queue 2 more wait: the next normal
+    request is refused, a high one (which goes ahead of them) is not."""
+    adm = AdmissionConfig(estimate=estimate, max_queue=2, max_queue_wait_s=0.0)
+    engine = make_engine(num_gpu_blocks=32, max_num_seqs=8, admission=adm)
+    normal = SamplingParams(max_tokens=100, ignore_eos=True)
+    with pytest.raises(AdmissionRejected) as e:
+        for _ in range(20):
+            engine.add_request(PROMPT, normal)
+    assert e.value.decision.kind == "queue_full"
+    queued = [s for s in engine.scheduler.waiting if not engine.admission_policy.is_admitted(s)]
+    assert len(queued) == 2
+    rid = engine.add_request(PROMPT, SamplingParams(max_tokens=8), priority="high")
+    d = engine.admission_policy.decision(engine._seqs[rid])
+    assert d.decision in ("admit", "queue") and d.queue_position <= 1
+
+
+# -- F5: a reload lowering max_overcommit --------------------------------------------------------
+def test_a_reload_lowering_max_overcommit_bounds_the_overcommit_at_once() -> None:
+    engine = make_engine(num_gpu_blocks=48, admission=AdmissionConfig())
+    ctl = engine.admission
+    ctl.overcommit = 1.4  # grown over calm steps
+    fut = engine.reconfigure({("admission", "max_overcommit"): 1.1})
+    engine.step()  # applied at the step boundary; nothing is scheduled, so no on_step
+    assert fut.result(0).ok
+    assert ctl.config.max_overcommit == 1.1 and ctl.overcommit == 1.1
+    fut = engine.reconfigure({("admission", "max_overcommit"): 1.5})  # raising it takes nothing
+    engine.step()
+    assert fut.result(0).ok and ctl.overcommit == 1.1
+
+
+# -- F7: a client that hangs up during a long prompt's chunked prefill ---------------------------
+def test_a_key_pays_for_the_prompt_tokens_a_request_got_through_before_it_was_aborted() -> None:
+    """A 96-token prompt in chunks of 16, aborted (its client hung up) after two steps: its
+    final output says 32 prompt tokens were done, and the API key is charged those (it was
+    charged nothing without a generated token); a prompt is paid once, as far as any of its
+    choices got, and a finished choice pays the whole prompt."""
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry, Counter
+
+    from kvguard.daemon.openai_api import _Ctx
+
+    engine = make_engine(num_gpu_blocks=64, max_num_batched_tokens=16)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    rid = engine.add_request(list(range(3, 3 + 96)), params)
+    engine.step(), engine.step()
+    assert engine.abort(rid)
+    aborted = next(o for o in engine.step() if o.request_id == rid)
+    assert aborted.finished and aborted.num_output_tokens == 0
+    assert aborted.num_prompt_tokens_done == 32
+    done = run_all(engine)  # nothing left; a second request of the same prompt finishes
+    other = engine.add_request(list(range(3, 3 + 96)), params)
+    finished = run_all(engine)[other]
+    assert not done and finished.num_output_tokens == 4
+
+    counter = Counter("t", "t", ["key", "kind"], registry=CollectorRegistry())
+    service = SimpleNamespace(metrics=SimpleNamespace(api_tokens=counter))
+    ctx = _Ctx(service, "text_completion", "tiny", "normal", 0.0, params)
+    ctx.key, ctx.n = "k", 2  # two choices of one prompt
+
+    def paid(kind: str) -> float:
+        return counter.labels("k", kind)._value.get()
+
+    ctx.charge(0, aborted)
+    assert (paid("prompt"), paid("completion")) == (32, 0)
+    ctx.charge(1, finished)  # the other choice finished: the rest of the prompt, once
+    assert (paid("prompt"), paid("completion")) == (96, 4)
+    ctx.charge(1, aborted)
+    assert paid("prompt") == 96

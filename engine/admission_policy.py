@@ -23,7 +23,7 @@ from kvguard.engine.admission import (
     AdmissionDecision,
     stretch,
 )
-from kvguard.engine.sequence import Sequence
+from kvguard.engine.sequence import PRIORITY_NAMES, Sequence
 
 HALT_RETRY_S = 5.0
 
@@ -74,7 +74,8 @@ class AdmissionPolicy:
             raise AdmissionRejected(
                 AdmissionDecision(
                     "reject",
-                    "admission is halted for this priority",
+                    f"admission is halted: only {_allowed(self.allow_rank)} requests are "
+                    f"admitted (this one is {PRIORITY_NAMES[seq.priority]})",
                     estimated_wait_s=HALT_RETRY_S,
                     kind="halted",
                 )
@@ -186,3 +187,9 @@ class AdmissionPolicy:
             rest = max(t.decision.predicted_tokens - made, self.block_size)
             out.append((s.num_tokens, stretch(rest, s.max_tokens - made, factor)))
         return out
+
+
+def _allowed(rank: int) -> str:
+    """The priorities a halt lets in, for its refusal (-1: none)."""
+    names = [PRIORITY_NAMES[r] for r in sorted(PRIORITY_NAMES) if r <= rank]
+    return " and ".join(names) if names else "no"

@@ -195,6 +195,7 @@ def test_halt_and_resume_admission() -> None:
     with pytest.raises(AdmissionRejected, match="halted") as err:
         engine.add_request(PROMPTS[0], greedy(4), priority="normal")
     assert err.value.decision.kind == "halted"
+    assert "only high requests are admitted (this one is normal)" in err.value.decision.reason
     rid = engine.add_request(PROMPTS[0], greedy(4), priority="high")
     engine.resume_admission()
     engine.step()

@@ -38,6 +38,12 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    import signal
+
+    # A reload (SIGHUP) before the daemon can take one is ignored, from the first moment: its
+    # default action would kill the process during the imports below (seconds: torch), before
+    # the service installs its own handler (which logs that it is not ready yet).
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     from kvguard.daemon.config import apply_overrides, load_config
     from kvguard.daemon.service import run
 
@@ -114,6 +120,9 @@ def _print_state(s: dict) -> None:
         row = "  ".join(f"{p}={n}" for p, n in q[state].items())
         print(f"{state:<12} {row}")
     halted = f"halted (allowed: {adm['allow_priority']})" if adm["halted"] else "open"
+    holders = [r["name"] for r in s.get("rules", []) if "admission" in r.get("holds", ())]
+    if adm["halted"] and holders:  # the rules whose remedy in force halted it
+        halted += " by " + ", ".join(holders)
     print(f"admission    {halted}")
     if adm.get("estimate"):  # absent from older daemons
         print("estimate     " + _estimate_line(adm))

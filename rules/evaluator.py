@@ -562,12 +562,13 @@ class Evaluator:
         return False
 
     def level(self) -> int:
-        """0 when calm, else 1 + the ladder index of the highest rule in force."""
+        """0 when calm, else 1 + the index in the file of the last rule in force: the ladder's
+        rungs and the event and alert rules alike (the OOM chain and an Alertmanager halt are
+        degradation too, which an alert on the level must see)."""
         with self._lock:
-            ladder = [r for r in self.rules.rules if not r.is_event]
             active = [
                 i + 1
-                for i, r in enumerate(ladder)
+                for i, r in enumerate(self.rules.rules)
                 if self.states[r.name].state in ("firing", "recovering")
             ]
             return max(active, default=0)

@@ -247,3 +247,47 @@ def test_sighup_while_loading_is_ignored(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
+
+
+def test_sighup_during_the_first_imports_is_ignored(tmp_path: Path) -> None:
+    """`kvguard serve` ignores SIGHUP before it imports anything heavy (torch takes seconds,
+    and SIGHUP's default action would kill it then): the test waits until the kernel shows
+    the signal ignored (/proc: SigIgn), sends it at once and the daemon still becomes ready."""
+    port = free_port()
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "serving: {model: tiny, kv_cache_bytes: 8MiB, max_model_len: 512}\n"
+        f"api: {{host: 127.0.0.1, port: {port}}}\n"
+        f"audit: {{url: 'sqlite:///{tmp_path / 'audit.db'}'}}\n"
+    )
+    log_path = tmp_path / "daemon.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [KVGUARD, "serve", "--config", str(config)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "STATE_DIRECTORY": str(tmp_path)},
+        )
+
+    def ignored() -> bool:
+        assert proc.poll() is None, log_path.read_text()
+        status = Path(f"/proc/{proc.pid}/status").read_text()
+        mask = next(line for line in status.splitlines() if line.startswith("SigIgn:"))
+        return bool(int(mask.split()[1], 16) & (1 << (signal.SIGHUP - 1)))
+
+    try:
+        until(ignored, 60, "SIGHUP ignored by kvguard serve")
+        proc.send_signal(signal.SIGHUP)
+
+        def ready() -> bool:
+            assert proc.poll() is None, f"daemon died: {log_path.read_text()}"
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        until(ready, 90, "ready after the early SIGHUP")
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0

@@ -301,3 +301,42 @@ def test_a_refused_alert_undo_is_retried_after_the_cooldown() -> None:
     assert h.run(15, 35) == []  # cooldown 30s from the refusal
     assert h.at(40) == [("am", "resume_admission", "applied")]
     assert h.engine.k["admission"] == "open" and h.ev.incident is None
+
+
+def test_the_level_counts_event_and_alert_rules_in_force() -> None:
+    """`kvguard_degradation_level` (and an incident's peak) is the file index of the last
+    rule in force, the OOM chain and an alert's halt included: before, both left it at 0, so
+    the alert on a prolonged degradation never saw them."""
+    h = Harness(BATCH + OOM + ALERT)
+    assert h.ev.level() == 0
+    h.event(0, "engine_oom")
+    assert h.ev.level() == 2
+    h.event(1, "alert:GPUNearOOM")
+    assert h.ev.level() == 3
+
+
+def test_kvguard_status_names_the_rules_that_halted_admission(capsys) -> None:  # noqa: ANN001
+    from kvguard.daemon.cli_serve import _print_state
+
+    state = {
+        "model": "tiny",
+        "ready": True,
+        "draining": False,
+        "kv": {
+            "dtype": "fp32",
+            "device": {"blocks_used": 1, "blocks_total": 10, "usage_ratio": 0.1},
+            "host": {"blocks_used": 0, "blocks_total": 0},
+        },
+        "queues": {s: {"high": 0} for s in ("running", "waiting", "swapped")},
+        "admission": {"halted": True, "allow_priority": "high"},
+        "knobs": {},
+        "preemptions": {},
+        "rules": [
+            {"name": "halt", "state": "firing", "holds": ["admission"]},
+            {"name": "batch", "state": "firing", "holds": ["batch"]},
+            {"name": "gpu-halt", "state": "recovering", "holds": ["admission"]},
+        ],
+    }
+    _print_state(state)
+    out = capsys.readouterr().out
+    assert "admission    halted (allowed: high) by halt, gpu-halt\n" in out

@@ -59,8 +59,9 @@ def check_network(host: str, allow_network: bool, who: str) -> None:
     if not allow_network and not is_loopback(host):
         raise ConfigError(
             f"{who}={host!r} is not a loopback address: torch.distributed traffic is not "
-            "authenticated, so kvguard uses a network interface only when "
-            "serving.distributed.allow_network is true (that traffic belongs on a private network)"
+            "authenticated, so kvguard uses a network interface only when told to: "
+            "serving.distributed.allow_network: true in the daemon's config, --allow-network "
+            "for kvguard worker (that traffic belongs on a private network)"
         )
 
 

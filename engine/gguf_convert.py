@@ -22,6 +22,7 @@ SmolLM2, the default model.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,8 @@ from kvguard.engine.tokenizer_build import (
     write_tokenizer_files,
 )
 from kvguard.engine.weights import Part, open_safetensors
+
+log = logging.getLogger("kvguard.engine")
 
 # Bump model_registry.CONVERTER_REVISION when the output changes, so cached conversions are
 # redone (it lives there so that serving never imports this module and `gguf`).
@@ -258,15 +261,34 @@ def convert_tensors(
     return out
 
 
+# A file's vocabulary-sized tensors, which llama.cpp's quantiser keeps in a finer type than
+# the layers by default (a Q4_0 file's `output.weight` is Q6_K): dequantised, they cost one
+# matrix, not the model, and are served in full precision with a warning
+VOCAB_TENSORS = ("token_embd.weight", "output.weight")
+
+
 def _refuse_unpackable(src: GgufFile) -> None:
     """A packed conversion serves Q4_0/Q4_1/Q8_0 tensors packed and unquantised ones as they
-    are; a tensor quantised otherwise (blocks of more than one value: Q4_K, Q5_0, Q6_K, IQ*,
-    ...) is refused before anything is converted, naming the file, the tensor and its type."""
-    bad = [
+    are. A layer's tensor quantised otherwise (blocks of more than one value: Q4_K, Q5_0,
+    Q6_K, IQ*, ...) is refused before anything is converted, naming the file, the tensor and
+    its type: dequantised, the model would take several times the file's size. The embedding
+    and the lm_head (`VOCAB_TENSORS`) are dequantised to fp32 instead, with a warning."""
+    odd = [
         t
         for t in src.reader.tensors
         if t.tensor_type not in PACKED_TYPES and gguf.GGML_QUANT_SIZES[t.tensor_type][0] > 1
     ]
+    for t in odd:
+        if t.name in VOCAB_TENSORS:
+            log.warning(
+                "%s: %s is %s, which kvguard does not serve packed: it is served dequantised "
+                "to fp32 (%.0f MiB)",
+                src.path,
+                t.name,
+                t.tensor_type.name,
+                int(np.prod(t.shape)) * 4 / 2**20,
+            )
+    bad = [t for t in odd if t.name not in VOCAB_TENSORS]
     if bad:
         kinds = sorted({t.tensor_type.name for t in bad})
         raise ModelLoadError(

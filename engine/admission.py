@@ -398,6 +398,7 @@ class AdmissionController:
                 f"KV cache {usage:.0%} full: only high priority is admitted",
                 self.wait_s(1),
             )
+        asked = max_tokens
         # the model never produces past its length limit: plan (and learn) from what it can
         max_tokens = max(1, min(max_tokens, max_total_len - prompt_len))
         n = max_tokens
@@ -409,7 +410,9 @@ class AdmissionController:
         if not self.config.dynamic_max_tokens and n < max_tokens:
             return _reject(
                 "never_fits",
-                f"prompt + max_tokens={max_tokens} can never fit the KV budget of {ever} blocks",
+                f"prompt of {prompt_len} tokens + max_tokens={asked} can never fit the KV "
+                f"budget of {ever} blocks (the most that fits: max_tokens="
+                f"{max(0, self.longest_within(ever) - prompt_len)})",
             )
         planned = self.plan_tokens(n)
         need = self.projected_blocks(prompt_len + planned)

@@ -74,8 +74,8 @@ class AdmissionPolicy:
             raise AdmissionRejected(
                 AdmissionDecision(
                     "reject",
-                    f"admission is halted: only {_allowed(self.allow_rank)} requests are "
-                    f"admitted (this one is {PRIORITY_NAMES[seq.priority]})",
+                    f"admission is halted: {_allowed(self.allow_rank)} "
+                    f"(this one is {PRIORITY_NAMES[seq.priority]})",
                     estimated_wait_s=HALT_RETRY_S,
                     kind="halted",
                 )
@@ -190,6 +190,8 @@ class AdmissionPolicy:
 
 
 def _allowed(rank: int) -> str:
-    """The priorities a halt lets in, for its refusal (-1: none)."""
+    """What a halt lets in, for its refusal (-1: nothing)."""
     names = [PRIORITY_NAMES[r] for r in sorted(PRIORITY_NAMES) if r <= rank]
-    return " and ".join(names) if names else "no"
+    if not names:
+        return "no request of any priority is admitted"
+    return f"only {' and '.join(names)} requests are admitted"

@@ -419,9 +419,8 @@ class ModelRunner:
             if logits is None:
                 raise RuntimeError("decode_ahead: the forward sampled no row")
             ids = run_draws(logits, drawn)
-            run.add(ids)  # -1 where a draw was refused: the run fails when that step is read
-            if drawn is not None:
-                ids = ids.clamp_min(0)  # the next step's input must be a token id
+            run.add(ids)  # -1 where a row was refused: the run fails when that step is read
+            ids = ids.clamp_min(0)  # the next step's input must be a token id
         return run
 
     def _replay(self, inp: StepInput) -> torch.Tensor | None:

@@ -124,11 +124,16 @@ def run_draws(
     logits: torch.Tensor, drawn: tuple[torch.Tensor, torch.Tensor] | None
 ) -> torch.Tensor:
     """A run of decode steps' tokens for one step (`ModelRunner.decode_ahead`), left on the
-    device: each row's argmax, but for the rows in `drawn` (their indices and temperatures,
-    on the logits' device) the draw `sample` makes for rows with only a temperature and no
-    seed (`_cdf_draws`), or -1 where the row's probabilities are not finite (what `sample`
-    refuses; the host finds it when it reads the step, which the next step does not wait for)."""
+    device: each row's argmax (-1 where its logits hold a NaN), but for the rows in `drawn`
+    (their indices and temperatures, on the logits' device) the draw `sample` makes for rows
+    with only a temperature and no seed (`_cdf_draws`), or -1 where the row's probabilities
+    are not finite (what `sample` refuses; the host finds it when it reads the step, which the
+    next step does not wait for)."""
     ids = greedy_ids(logits)
+    # -1 for a row whose chosen logit is NaN (an argmax answers such a row with a NaN's
+    # index), as `sample` refuses it; on the device, no sync
+    nan = logits.gather(-1, ids.to(logits.device).unsqueeze(-1)).squeeze(-1).isnan()
+    ids = torch.where(nan.to(ids.device), -1, ids)
     if drawn is None:
         return ids
     picks, finite = _cdf_draws(logits, *drawn)

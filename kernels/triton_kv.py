@@ -115,8 +115,10 @@ def _write_fp8_own_block_kernel(
     old = tl.where(off == 0, 0.0, old)
     # divisions rounded as torch's are (`grow_scales`): Triton's own `/` is approximate on
     # CUDA (a constant's reciprocal multiplied in), an ulp off the scale the torch path keeps
-    amax = tl.max(tl.abs(x), axis=0)
-    new = tl.maximum(tl.maximum(old, tl.math.div_rn(amax, amax * 0.0 + FP8_LIMIT)), TINY)
+    # (each |x| / limit, then the largest: the same value, rounding being monotonic, and an
+    # infinite x gives an infinite scale as torch's does; a divisor built from amax would not)
+    limit = d * 0.0 + FP8_LIMIT
+    new = tl.maximum(tl.maximum(old, tl.max(tl.math.div_rn(tl.abs(x), limit), axis=0)), TINY)
     # as a vector (the interpreter rejects a scalar bool in a mask)
     grow = (new + d * 0.0 > old) & (old + d * 0.0 > 0) & d_ok
     base = cache_ptr + blk * stride_cb + h * stride_ch

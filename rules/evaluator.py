@@ -330,8 +330,11 @@ class Evaluator:
         if a.rule.undo is None:  # a one-off (evict): a threshold rule may repeat while firing
             st.state = "inactive" if a.rule.is_event else "firing"
             return False
+        # an event rule acting again while in force adds to what it holds (the OOM chain's
+        # second run skips FP8, already on: the first run's FP8 is still its remedy)
+        before = st.holds if st.state in ("firing", "recovering") else frozenset()
         st.state = "firing"
-        st.holds = settings_set(a.action, res if outcome == "applied" else None)
+        st.holds = before | settings_set(a.action, res if outcome == "applied" else None)
         st.live = outcome == "applied"
         if self._live(a):
             return True

@@ -263,6 +263,30 @@ def test_a_refused_draw_ends_the_unfinished_requests_of_its_run(
     assert len(again[0].token_ids) == 5
 
 
+def test_a_greedy_row_of_nan_logits_fails_its_run(
+    monkeypatch: pytest.MonkeyPatch, tiny_dir: Path
+) -> None:
+    """A greedy row whose logits turn NaN inside a run ends with an error, as in a single
+    step (its argmax answered the NaN's index, token 0, and the run went on with it)."""
+    from kvguard.engine import sampler
+
+    eng = _engine(tiny_dir, 4)
+    hot = eng.add_request([7, 8], SamplingParams(max_tokens=30, ignore_eos=True))
+    outs = {o.request_id: o for o in eng.step() if o.finished}  # the prompt
+    real, calls = sampler.run_draws, []
+
+    def poisoned(logits: torch.Tensor, drawn: tuple | None) -> torch.Tensor:
+        calls.append(1)  # from the run's third step on, the logits are NaN
+        return real(torch.full_like(logits, float("nan")) if len(calls) > 2 else logits, drawn)
+
+    monkeypatch.setattr("kvguard.engine.model_runner.run_draws", poisoned)
+    for o in eng.step():
+        outs[o.request_id] = o
+    monkeypatch.undo()
+    assert calls and outs[hot].finish_reason == "error"
+    assert not eng.has_unfinished() and eng.scheduler.bm.num_used == 0
+
+
 def test_remedies_apply_between_runs_and_lose_nothing(tiny_dir: Path) -> None:
     """The live FP8 switch, an eviction and a max-token cap, posted while runs are on, apply
     at a run's boundary: every request ends with its tokens, runs go on in the FP8 pool, and

@@ -340,3 +340,17 @@ def test_kvguard_status_names_the_rules_that_halted_admission(capsys) -> None:  
     _print_state(state)
     out = capsys.readouterr().out
     assert "admission    halted (allowed: high) by halt, gpu-halt\n" in out
+
+
+def test_the_oom_chain_acting_again_keeps_holding_what_its_first_run_set() -> None:
+    """The chain's second run skips FP8 (on since its first): what it holds must still
+    include the KV dtype, or the FP8 rung's undo would switch back under the chain."""
+    h = Harness(FP8 + OOM)
+    h.event(0, "engine_oom")  # halves the batch, FP8 on
+    h.engine.oom_steps = ["reduce_max_num_seqs", "evict"]  # FP8 already on: skipped
+    assert h.event(12, "engine_oom") == [("oom", "handle_oom", "applied")]
+    assert h.ev.states["oom"].holds == {"batch", "kv_dtype"}
+    h.at(15, kv=0.98)  # the FP8 rung acts, on top of the undo stack
+    got = h.run(20, 40, kv=0.1)
+    assert (30, "fp8", "disable_fp8_kv", "held") in got, got
+    assert h.engine.k["kv_dtype"] == "fp8_e4m3"

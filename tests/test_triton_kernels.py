@@ -327,6 +327,22 @@ def test_fp8_writes_alone_in_their_blocks_match_the_torch_path() -> None:
         a = b
 
 
+def test_an_infinite_value_gives_its_block_the_torch_paths_infinite_scale() -> None:
+    """A poisoned K (an infinity) grows its block's scale to infinity on both paths (the
+    kernel's divisor once came from the block's maximum: inf * 0 made it NaN, a scale that
+    differs from torch's and hides the poison on CUDA)."""
+    a = make_cache(2, 4, 1, 8, "fp8")
+    b = tuple(t.clone() for t in a)
+    k = torch.ones(1, 1, 8, device=DEVICE)
+    k[0, 0, 3] = float("inf")
+    v = torch.ones(1, 1, 8, device=DEVICE)
+    slots = torch.tensor([4], device=DEVICE)
+    torch_path.write_kv(a[0], a[1], k, v, slots, *a[2:])
+    tkv.write_kv(b[0], b[1], k, v, slots, *b[2:], own_blocks=True)
+    assert a[2][1, 0].isinf() and b[2][1, 0].isinf()
+    torch.testing.assert_close(a[3], b[3], atol=0, rtol=0)
+
+
 def test_write_skips_negative_slots() -> None:
     cache = torch.zeros(2, 4, 1, 8, device=DEVICE)
     x = torch.ones(2, 1, 8, device=DEVICE)

@@ -297,8 +297,12 @@ class AdmissionController:
         self.estimator = OutputLengthEstimator(quantile=config.estimate_quantile)
         self.overcommit = 1.0  # predicted admission plans up to budget x this (see the module)
         # (held, remaining) of every admitted, unfinished request of rank <= the argument
-        # (None: every rank); the engine sets it
-        self.live: Callable[[int | None], list[LiveLoad]] = lambda rank: []
+        # (None: every rank); the engine sets it. Called as live(rank, (group, load)) it also
+        # holds `load`, a new request whose prompt prefix `group` (the prefix cache's shared
+        # blocks) live requests may hold already: each such prefix is counted once.
+        self.live: Callable[..., list[LiveLoad]] = lambda rank, join=None: (
+            [] if join is None else [join[1]]
+        )
 
     @property
     def predicted(self) -> bool:
@@ -309,7 +313,13 @@ class AdmissionController:
         return self.estimator.predict(max_tokens) if self.predicted else max_tokens
 
     def fits(
-        self, prompt_len: int, planned: int, limit: int, rank: int = HIGH, cap: int | None = None
+        self,
+        prompt_len: int,
+        planned: int,
+        limit: int,
+        rank: int = HIGH,
+        cap: int | None = None,
+        group: object = None,
     ) -> bool:
         """Whether a new request keeps the admitted requests' overlap peak within `limit`.
 
@@ -319,9 +329,16 @@ class AdmissionController:
         A `high` request is judged against high-priority work only: whatever lower-priority
         work would have to make room for it is preempted (lowest priority, newest first, swap
         first), so commitments of the burst's normal and low requests, which grow past their
-        plans, never make high priority queue."""
+        plans, never make high priority queue.
+
+        `group` (None: none) is the request's prompt prefix that the prefix cache shares with
+        live requests of the same prefix (the policy's key): `live` counts it once."""
         rest = stretch(planned, planned if cap is None else cap, self.config.safety_factor)
-        loads = [*self.live(HIGH if rank == HIGH else None), (prompt_len, rest)]
+        rank_of = HIGH if rank == HIGH else None
+        if group is None:
+            loads = [*self.live(rank_of), (prompt_len, rest)]
+        else:
+            loads = self.live(rank_of, (group, (prompt_len, rest)))
         return overlap_peak(loads, self.block_size) <= math.floor(limit * self.overcommit)
 
     def on_step(self, preempted: int, usage: float) -> None:
@@ -360,11 +377,16 @@ class AdmissionController:
         queued: int,
         max_total_len: int,
         configured_blocks: int | None = None,
+        shared: int = 0,
+        group: object = None,
     ) -> AdmissionDecision:
         """Admit, queue or reject a request against a pool of `total_blocks` now.
         `configured_blocks` is the pool the engine is configured with (None: `total_blocks`),
         which a remedy may hold smaller for a while: what is too large only for the smaller
-        pool waits (alone on an idle engine it starts, `try_commit`), not refused."""
+        pool waits (alone on an idle engine it starts, `try_commit`), not refused.
+        `shared` prompt tokens are held already by an admitted request with the same prompt
+        prefix (`group`, see `fits`), which the prefix cache gives this one: they are not
+        committed again (whether the request could ever fit is judged on its whole prompt)."""
         d = self._decide(
             prompt_len,
             max_tokens,
@@ -374,12 +396,24 @@ class AdmissionController:
             queued,
             max_total_len,
             total_blocks if configured_blocks is None else configured_blocks,
+            shared,
+            group,
         )
         self.decisions[d.decision] += 1
         return d
 
     def _decide(
-        self, prompt_len, max_tokens, rank, total_blocks, usage, queued, max_total_len, configured
+        self,
+        prompt_len,
+        max_tokens,
+        rank,
+        total_blocks,
+        usage,
+        queued,
+        max_total_len,
+        configured,
+        shared,
+        group,
     ) -> AdmissionDecision:  # noqa: ANN001 - same types as decide
         limit = self.limit_blocks(total_blocks, rank)
         ever = self.limit_blocks(max(configured, total_blocks), rank)
@@ -415,9 +449,9 @@ class AdmissionController:
                 f"{max(0, self.longest_within(ever) - prompt_len)})",
             )
         planned = self.plan_tokens(n)
-        need = self.projected_blocks(prompt_len + planned)
+        need = self.projected_blocks(prompt_len - shared + planned)
         if self.predicted:
-            room = self.fits(prompt_len, planned, limit, rank, n)
+            room = self.fits(prompt_len, planned, limit, rank, n, group)
         else:
             room = self.committed_blocks + need <= limit
         if room and queued == 0 and not emergency:
@@ -456,28 +490,36 @@ class AdmissionController:
         rank: int = HIGH,
         load: LiveLoad | None = None,
         cap: int | None = None,
+        group: object = None,
     ) -> bool:
         """Reserve a projected peak when a queued request is about to start; predicted
         admission judges the request's `load` (tokens held, planned output still to come, at
-        most `cap`) against the overlap peak instead of the sum of committed peaks."""
+        most `cap`; its shared prompt prefix `group`, see `fits`) against the overlap peak
+        instead of the sum of committed peaks."""
         # With nothing admitted in flight the request runs alone, and the pool always holds one
         # request of its length limit: it starts whatever its projection (made against a
         # larger pool before a live shrink or dtype switch, or over a limit below one whole
         # request), which would otherwise keep it waiting forever on an idle engine.
         if self.committed_blocks > 0 and not self._fits_beside(
-            blocks, total_blocks, rank, load, cap
+            blocks, total_blocks, rank, load, cap, group
         ):
             return False
         self.committed_blocks += blocks
         return True
 
     def _fits_beside(
-        self, blocks: int, total_blocks: int, rank: int, load: LiveLoad | None, cap: int | None
+        self,
+        blocks: int,
+        total_blocks: int,
+        rank: int,
+        load: LiveLoad | None,
+        cap: int | None,
+        group: object = None,
     ) -> bool:
         """Whether a request fits beside the commitments in flight (`try_commit`'s test)."""
         limit = self.limit_blocks(total_blocks, rank)
         if self.predicted and load is not None:
-            return self.fits(load[0], load[1], limit, rank, cap)
+            return self.fits(load[0], load[1], limit, rank, cap, group)
         return self.committed_blocks + blocks <= limit
 
     def commit(self, blocks: int) -> None:

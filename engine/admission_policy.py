@@ -9,12 +9,22 @@ estimator what the output really ran to.
 
 Without a controller (library use, `admission_control.enable: false`) every valid request is
 admitted at once; the admission halt (a rule's remedy) works either way.
+
+With the prefix cache on, requests whose prompts begin with the same blocks that the cache can
+share (every full block before the last prompt token's: the `n` choices of one request, or
+identical prompts) form a group, and the group's prefix is committed once, as long as any of
+its admitted requests lives: each request's ticket holds only its own part, the group the
+prefix (a projected peak's share, worst case) and the overlap peak counts it with the member
+that runs longest. The prefix is found by equal prompts up to that block, not by longest
+common prefix: prompts that share only some leading blocks are each counted whole (a
+conservative plan). A member that does not share after all (swapped, recomputed, a cache
+dropped by a dtype switch) only costs the preemption the plan did not foresee.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvguard.engine.admission import (
     HIGH,
@@ -41,14 +51,35 @@ class Ticket:
     decision: AdmissionDecision | None  # None: admitted without a controller
     projected_blocks: int = 0
     admitted: bool = False  # committed its peak; preemption does not undo that
+    # the prompt prefix the prefix cache may share (None: none), its peak outside
+    # `projected_blocks`: committed by the first admitted member of its group
+    group: GroupKey | None = None
+    shared_blocks: int = 0
+
+
+# a shared prompt prefix: its length in tokens and the hash of its tokens (two prefixes that
+# collide would only be planned as one: admission's estimate, never what a request computes)
+GroupKey = tuple[int, int]
+
+
+@dataclass(slots=True)
+class Group:
+    """The admitted requests of one shared prompt prefix, and the peak it committed for it."""
+
+    blocks: int
+    members: set[str] = field(default_factory=set)
 
 
 class AdmissionPolicy:
-    def __init__(self, controller: AdmissionController | None, block_size: int) -> None:
+    def __init__(
+        self, controller: AdmissionController | None, block_size: int, caching: bool = False
+    ) -> None:
         self.controller = controller
         self.block_size = block_size
+        self.caching = caching  # the prefix cache is on: shared prompt prefixes count once
         self.allow_rank: int | None = None  # halted: only priorities <= this get in
         self._tickets: dict[str, Ticket] = {}
+        self._groups: dict[GroupKey, Group] = {}  # groups with an admitted member
         self._live: Callable[[], Iterable[Sequence]] = tuple
         if controller is not None:
             controller.live = self._live_loads
@@ -90,8 +121,11 @@ class AdmissionPolicy:
         queued = sum(
             1 for s in waiting if not self.is_admitted(s) and (ahead is None or s.priority == ahead)
         )
+        key = self._group_key(seq)
+        shared = key[0] if key is not None and key in self._groups else 0
+        prompt = len(seq.prompt_token_ids)
         d = ctl.decide(
-            len(seq.prompt_token_ids),
+            prompt,
             seq.max_tokens,
             seq.priority,
             capacity,
@@ -99,15 +133,54 @@ class AdmissionPolicy:
             queued,
             seq.max_total_len,
             capacity if configured is None else configured,
+            shared,
+            key,
         )
         if d.decision == "reject":
             raise AdmissionRejected(d)
         seq.max_tokens = d.max_tokens
-        blocks = ctl.projected_blocks(len(seq.prompt_token_ids) + d.predicted_tokens)
-        ticket = Ticket(d, blocks, admitted=d.decision == "admit")
-        if ticket.admitted:
-            ctl.commit(blocks)
+        whole = ctl.projected_blocks(prompt + d.predicted_tokens)
+        own = whole if key is None else ctl.projected_blocks(prompt - key[0] + d.predicted_tokens)
+        ticket = Ticket(d, own, d.decision == "admit", key, whole - own)
         self._tickets[seq.request_id] = ticket
+        if ticket.admitted:
+            ctl.commit(self._commitment(ticket))
+            self._join(seq.request_id, ticket)
+
+    def _group_key(self, seq: Sequence) -> GroupKey | None:
+        """The prompt prefix the prefix cache can give `seq` from a request with the same one:
+        its full blocks before the last prompt token's (None: none, or the cache is off, or
+        the request computes its whole prompt for its log-probabilities)."""
+        if not self.caching or seq.prompt_logprobs is not None:
+            return None
+        n = (len(seq.prompt_token_ids) - 1) // self.block_size * self.block_size
+        # (its length, its hash): hashed once here, not at every admission check, which
+        # groups every live request (a long prompt's tokens are thousands)
+        return (n, hash(tuple(seq.prompt_token_ids[:n]))) if n > 0 else None
+
+    def _commitment(self, t: Ticket) -> int:
+        """The blocks admitting `t` commits: its own, and its group's prefix if no admitted
+        member of the group holds it."""
+        if t.group is None or t.group in self._groups:
+            return t.projected_blocks
+        return t.projected_blocks + t.shared_blocks
+
+    def _join(self, rid: str, t: Ticket) -> None:
+        """`t` was admitted (its `_commitment` committed)."""
+        if t.group is not None:
+            self._groups.setdefault(t.group, Group(t.shared_blocks)).members.add(rid)
+
+    def _leave(self, rid: str, t: Ticket) -> int:
+        """`t`'s commitment ends: the blocks it gives back, its group's prefix with the last
+        admitted member of the group."""
+        g = None if t.group is None else self._groups.get(t.group)
+        if g is None:
+            return t.projected_blocks
+        g.members.discard(rid)
+        if g.members:
+            return t.projected_blocks
+        del self._groups[t.group]
+        return t.projected_blocks + g.blocks
 
     def queue_key(self, seq: Sequence) -> tuple[int, float, int]:
         """Where `seq` waits in line. Without a controller: strict priority, then arrival.
@@ -139,17 +212,18 @@ class AdmissionPolicy:
         planned = max(1, (t.decision.predicted_tokens if t.decision else 1) - made)
         load, cap = (seq.num_tokens, planned), seq.max_tokens - made
         if ctl is not None and not ctl.try_commit(
-            t.projected_blocks, capacity, seq.priority, load, cap
+            self._commitment(t), capacity, seq.priority, load, cap, t.group
         ):
             return False
         t.admitted = True
+        self._join(seq.request_id, t)
         return True
 
     def cancel_start(self, seq: Sequence) -> None:
         """`try_start` committed, but the request could not take its blocks after all."""
         t = self._tickets.get(seq.request_id)
         if t is not None and t.admitted and self.controller is not None:
-            self.controller.uncommit(t.projected_blocks)
+            self.controller.uncommit(self._leave(seq.request_id, t))
             t.admitted = False
 
     def on_step(self, preempted: int, usage: float) -> None:
@@ -164,18 +238,26 @@ class AdmissionPolicy:
         ctl = self.controller
         if t is None or ctl is None or not t.admitted:
             return
-        ctl.release(t.projected_blocks)
+        ctl.release(self._leave(seq.request_id, t))
         d = t.decision
         if d is not None and seq.finish_reason in ("stop", "length"):
             # what the output really ran to teaches the estimator (aborts say nothing)
             ctl.estimator.observe(d.max_tokens, len(seq.output_token_ids), d.predicted_tokens)
 
-    def _live_loads(self, max_rank: int | None = None) -> list[tuple[int, int]]:
+    def _live_loads(
+        self,
+        max_rank: int | None = None,
+        join: tuple[GroupKey | None, tuple[int, int]] | None = None,
+    ) -> list[tuple[int, int]]:
         """(tokens held, tokens still expected) of every admitted, unfinished request of rank
         <= max_rank (None: all), the tokens to come stretched by the safety factor (never
         past what max_tokens leaves). A request past its prediction is expected to need at
-        least another block (or what its max_tokens leaves), not to end this very step."""
-        out = []
+        least another block (or what its max_tokens leaves), not to end this very step.
+        `join` (group, load) adds a new request's load. A group's shared prefix is counted
+        once: in full by the member expected to run longest (it is held while any member
+        lives, and the prefix is whole blocks), the others hold only their own tokens."""
+        out: list[tuple[int, int]] = []
+        groups: dict[GroupKey, list[tuple[int, int]]] = {}
         factor = self.controller.config.safety_factor if self.controller else 1.0
         for s in self._live():
             t = self._tickets.get(s.request_id)
@@ -185,7 +267,14 @@ class AdmissionPolicy:
                 continue
             made = len(s.output_token_ids)
             rest = max(t.decision.predicted_tokens - made, self.block_size)
-            out.append((s.num_tokens, stretch(rest, s.max_tokens - made, factor)))
+            load = (s.num_tokens, stretch(rest, s.max_tokens - made, factor))
+            (out if t.group is None else groups.setdefault(t.group, [])).append(load)
+        if join is not None:
+            key, load = join
+            (out if key is None else groups.setdefault(key, [])).append(load)
+        for key, loads in groups.items():
+            longest = max(range(len(loads)), key=lambda i: loads[i][1])
+            out.extend((h if i == longest else h - key[0], r) for i, (h, r) in enumerate(loads))
         return out
 
 

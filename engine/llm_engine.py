@@ -114,7 +114,9 @@ class LLMEngine(ControlSurface):
             controller = AdmissionController(
                 config.admission, config.block_size, kv.bytes_per_block
             )
-        self.admission_policy = AdmissionPolicy(controller, config.block_size)
+        self.admission_policy = AdmissionPolicy(
+            controller, config.block_size, config.enable_prefix_caching
+        )
         self.scheduler = Scheduler(
             self.block_manager,
             self.host_block_manager,

@@ -1,0 +1,134 @@
+"""Admission counts a prompt prefix that the prefix cache shares once: the `n` choices of one
+request (identical prompts) share the prompt's full blocks, the first computing them and the
+others taking them from the cache, so a group's prefix is committed once, for as long as any of
+its admitted requests lives. With the cache off every request counts its whole prompt."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvguard.engine.admission import AdmissionConfig
+from kvguard.engine.config import EngineConfig
+from kvguard.engine.llm_engine import LLMEngine
+from kvguard.engine.sampling_params import SamplingParams
+
+PROMPT = [65 + (i * 7) % 50 for i in range(400)]  # 25 blocks of 16; 24 shareable
+LONG = [3 + (i * 11) % 60 for i in range(470)]  # another prompt, 30 blocks
+
+
+def make_engine(estimate: str, caching: bool = True) -> LLMEngine:
+    """A 64-block pool (57 outside the high-priority reserve), as the daemon's 512KiB one."""
+    # overcommit 1: predicted admission plans to the budget itself (calm steps would loosen it)
+    adm = AdmissionConfig(estimate=estimate, reserved_headroom_bytes=0, max_overcommit=1.0)
+    cfg = EngineConfig(
+        model="tiny",
+        kv_cache_bytes="512KiB",
+        max_model_len=512,
+        num_threads=2,
+        enable_prefix_caching=caching,
+        admission=adm,
+    )
+    engine = LLMEngine.from_config(cfg, progress=False)
+    assert engine.block_manager.num_blocks == 64 and engine.config.block_size == 16
+    return engine
+
+
+def params(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+
+
+def admitted(engine: LLMEngine, rids: list[str]) -> int:
+    return sum(engine.admission_policy.is_admitted(engine._seqs[r]) for r in rids)
+
+
+def run_all(engine: LLMEngine) -> dict[str, object]:
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        engine.audit_blocks()
+    return done
+
+
+def assert_released(engine: LLMEngine) -> None:
+    assert engine.admission.committed_blocks == 0
+    assert engine.admission_policy._groups == {}
+    assert engine.admission_policy._tickets == {}
+
+
+@pytest.mark.parametrize("estimate", ["predicted", "worst_case"])
+def test_the_choices_of_one_prompt_are_admitted_together(estimate: str) -> None:
+    """n=4 of a 400-token prompt with max_tokens 32: 24 shared blocks and about 3 of each choice
+    fit the 57 blocks at once; counting the prompt per choice admitted 2 (1 in worst case)."""
+    engine = make_engine(estimate)
+    rids = [engine.add_request(PROMPT, params(32)) for _ in range(4)]
+    assert admitted(engine, rids) == 4
+    assert engine.admission.decisions == {"admit": 4, "queue": 0, "reject": 0}
+    # one prompt's peak (32 blocks) and each other choice's own tokens (4 blocks) once
+    assert engine.admission.committed_blocks == 32 + 3 * 4
+    done = run_all(engine)
+    assert sorted(done) == sorted(rids)
+    assert all(o.num_output_tokens == 32 and o.finish_reason == "length" for o in done.values())
+    assert engine.scheduler.num_preemptions == 0  # the plan was right: they did fit together
+    assert_released(engine)
+
+
+@pytest.mark.parametrize("estimate", ["predicted", "worst_case"])
+def test_the_prefix_stays_counted_after_the_member_that_brought_it_ends(estimate: str) -> None:
+    """The first request of a group (the one that committed the prefix) ends early: the prefix
+    is still held by the survivor, so it stays counted, and a request that would fit only if it
+    were forgotten waits until the survivor ends."""
+    engine = make_engine(estimate)
+    first = engine.add_request(PROMPT, params(2))
+    second = engine.add_request(PROMPT, params(32))
+    assert admitted(engine, [first, second]) == 2
+    whole_first = engine.admission.projected_blocks(400 + 2)
+    assert engine.admission.committed_blocks < whole_first + engine.admission.projected_blocks(432)
+    done = {}
+    while first not in done:
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+        engine.audit_blocks()
+    assert second not in done and engine.admission_policy.is_admitted(engine._seqs[second])
+    assert len(engine.admission_policy._groups) == 1  # the survivor keeps the group
+    seq = engine._seqs[second]
+    if estimate == "predicted":
+        # the survivor's load is its whole length again, prefix included
+        assert [h for h, _ in engine.admission_policy._live_loads()] == [seq.num_tokens]
+    else:
+        assert engine.admission.committed_blocks >= 24 + 4
+    # 30 blocks of prompt + 2 of output beside the survivor's 27: past 57 only if the prefix
+    # the survivor holds is counted
+    third = engine.add_request(LONG, params(32))
+    assert not engine.admission_policy.is_admitted(engine._seqs[third])
+    done.update(run_all(engine))
+    assert sorted(done) == sorted([first, second, third])
+    assert done[third].num_output_tokens == 32
+    assert_released(engine)
+
+
+@pytest.mark.parametrize("estimate", ["predicted", "worst_case"])
+def test_with_the_cache_off_each_request_counts_its_whole_prompt(estimate: str) -> None:
+    engine = make_engine(estimate, caching=False)
+    rids = [engine.add_request(PROMPT, params(32)) for _ in range(4)]
+    whole = engine.admission.projected_blocks(432)  # 32 blocks: 2 fit 57 by overlap, 1 by sum
+    want = 2 if estimate == "predicted" else 1
+    assert admitted(engine, rids) == want
+    assert engine.admission.committed_blocks == want * whole
+    assert engine.admission_policy._groups == {}
+    done = run_all(engine)
+    assert sorted(done) == sorted(rids)
+    assert_released(engine)
+
+
+def test_a_request_for_its_prompt_logprobs_shares_nothing() -> None:
+    """It computes its whole prompt itself (no cached blocks), so it counts it whole."""
+    engine = make_engine("worst_case")
+    a = engine.add_request(PROMPT, params(32))
+    b = engine.add_request(
+        PROMPT, SamplingParams(max_tokens=32, ignore_eos=True, prompt_logprobs=1)
+    )
+    assert admitted(engine, [a, b]) == 1
+    done = run_all(engine)
+    assert sorted(done) == sorted([a, b])
+    assert_released(engine)

@@ -11,6 +11,7 @@ from kvguard.engine.admission_policy import AdmissionRejected
 from kvguard.engine.config import EngineConfig
 from kvguard.engine.llm_engine import LLMEngine
 from kvguard.engine.sampling_params import SamplingParams
+from tests.test_admission_predicted import run_all
 
 BLOCK = 16
 
@@ -20,16 +21,6 @@ def make_engine(**kw: object) -> LLMEngine:
     kw.setdefault("num_threads", 2)
     kw.setdefault("max_model_len", 128)
     return LLMEngine.from_config(EngineConfig(model="tiny", **kw), progress=False)
-
-
-def run_all(engine: LLMEngine) -> dict[str, object]:
-    done = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-        engine.audit_blocks()
-    return done
 
 
 PROMPT = list(range(3, 3 + 8))  # 8 tokens: 120 more reach max_model_len 128

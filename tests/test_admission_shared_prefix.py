@@ -11,6 +11,7 @@ from kvguard.engine.admission import AdmissionConfig
 from kvguard.engine.config import EngineConfig
 from kvguard.engine.llm_engine import LLMEngine
 from kvguard.engine.sampling_params import SamplingParams
+from tests.test_admission_predicted import run_all
 
 PROMPT = [65 + (i * 7) % 50 for i in range(400)]  # 25 blocks of 16; 24 shareable
 LONG = [3 + (i * 11) % 60 for i in range(470)]  # another prompt, 30 blocks
@@ -39,16 +40,6 @@ def params(max_tokens: int) -> SamplingParams:
 
 def admitted(engine: LLMEngine, rids: list[str]) -> int:
     return sum(engine.admission_policy.is_admitted(engine._seqs[r]) for r in rids)
-
-
-def run_all(engine: LLMEngine) -> dict[str, object]:
-    done = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-        engine.audit_blocks()
-    return done
 
 
 def assert_released(engine: LLMEngine) -> None:

@@ -192,22 +192,15 @@ def post_and_lose(d: Daemon) -> None:
         httpx.post(d.url + "/v1/completions", json=LONG, timeout=60)
 
 
-def test_sighup_while_loading_is_ignored(tmp_path: Path) -> None:
-    """Starting is held open deterministically: the rules file, read before the model loads,
-    is a FIFO that this test opens for writing only once the daemon has opened it for reading.
-    SIGHUPs sent then arrive mid-start; the daemon must live on, log that it ignored them and
-    become ready once the rules arrive (read once: the control plane starts with them)."""
-    from kvguard.rules.schema import default_rules_path
-
-    fifo = tmp_path / "rules.yaml"
-    os.mkfifo(fifo)
+def start_serve(tmp_path: Path, extra: str = "") -> tuple[subprocess.Popen, int, Path]:
+    """`kvguard serve` of the tiny model on a free port, its log in tmp_path: (the process,
+    its port, the log's path). The caller stops it."""
     port = free_port()
     config = tmp_path / "config.yaml"
     config.write_text(
         "serving: {model: tiny, kv_cache_bytes: 8MiB, max_model_len: 512}\n"
         f"api: {{host: 127.0.0.1, port: {port}}}\n"
-        f"audit: {{url: 'sqlite:///{tmp_path / 'audit.db'}'}}\n"
-        f"rules: {{path: {fifo}}}\n"
+        f"audit: {{url: 'sqlite:///{tmp_path / 'audit.db'}'}}\n" + extra
     )
     log_path = tmp_path / "daemon.log"
     with open(log_path, "w") as log:
@@ -217,6 +210,19 @@ def test_sighup_while_loading_is_ignored(tmp_path: Path) -> None:
             stderr=subprocess.STDOUT,
             env={**os.environ, "STATE_DIRECTORY": str(tmp_path)},
         )
+    return proc, port, log_path
+
+
+def test_sighup_while_loading_is_ignored(tmp_path: Path) -> None:
+    """Starting is held open deterministically: the rules file, read before the model loads,
+    is a FIFO that this test opens for writing only once the daemon has opened it for reading.
+    SIGHUPs sent then arrive mid-start; the daemon must live on, log that it ignored them and
+    become ready once the rules arrive (read once: the control plane starts with them)."""
+    from kvguard.rules.schema import default_rules_path
+
+    fifo = tmp_path / "rules.yaml"
+    os.mkfifo(fifo)
+    proc, port, log_path = start_serve(tmp_path, f"rules: {{path: {fifo}}}\n")
     try:
         writer: list[int] = []
 
@@ -253,21 +259,7 @@ def test_sighup_during_the_first_imports_is_ignored(tmp_path: Path) -> None:
     """`kvguard serve` ignores SIGHUP before it imports anything heavy (torch takes seconds,
     and SIGHUP's default action would kill it then): the test waits until the kernel shows
     the signal ignored (/proc: SigIgn), sends it at once and the daemon still becomes ready."""
-    port = free_port()
-    config = tmp_path / "config.yaml"
-    config.write_text(
-        "serving: {model: tiny, kv_cache_bytes: 8MiB, max_model_len: 512}\n"
-        f"api: {{host: 127.0.0.1, port: {port}}}\n"
-        f"audit: {{url: 'sqlite:///{tmp_path / 'audit.db'}'}}\n"
-    )
-    log_path = tmp_path / "daemon.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [KVGUARD, "serve", "--config", str(config)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "STATE_DIRECTORY": str(tmp_path)},
-        )
+    proc, port, log_path = start_serve(tmp_path)
 
     def ignored() -> bool:
         assert proc.poll() is None, log_path.read_text()

@@ -30,6 +30,7 @@ from kvguard.engine.layers.quantized_linear import QuantizedLinear
 from kvguard.engine.model_config import ModelLoadError
 from kvguard.engine.sampler import NOT_DRAWN, sample
 from kvguard.engine.sampling_params import SamplingParams
+from kvguard.engine.tokenizer_build import byte_alphabet
 from kvguard.kernels import cpu_lowbit, cpu_ops
 
 Q = gguf.GGMLQuantizationType
@@ -37,19 +38,6 @@ VOCAB = 300
 
 
 # -- tiny GGUF files -------------------------------------------------------------------------
-def _byte_tokens() -> list[str]:
-    """The GPT-2 byte alphabet: one token a byte, so any text encodes."""
-    keep = {*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)}
-    out, shifted = [], 0
-    for b in range(256):
-        if b in keep:
-            out.append(chr(b))
-        else:
-            out.append(chr(256 + shifted))
-            shifted += 1
-    return out
-
-
 def _add(writer: gguf.GGUFWriter, name: str, w: np.ndarray, qtype: Q, seed: int) -> None:
     w = np.ascontiguousarray(w, dtype=np.float32)
     if qtype == Q.F32:
@@ -96,7 +84,7 @@ def write_gguf(
     w.add_head_count_kv(kv_heads)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_freq_base(10000.0)
-    tokens = [*_byte_tokens(), "Ġt"]  # the bytes and the one merge's result
+    tokens = [*byte_alphabet(), "Ġt"]  # the bytes and the one merge's result
     tokens += [f"<pad{i}>" for i in range(VOCAB - len(tokens))]
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("gpt2")

@@ -336,10 +336,11 @@ def test_committed_requests_are_not_blocked_by_a_queued_one_ahead() -> None:
         estimate="worst_case",
     )
     engine = make_engine(num_gpu_blocks=10, admission=cfg)
-    prompt = [3 + j for j in range(60)]
-    a = engine.add_request(prompt, greedy(20), priority="normal")
-    b = engine.add_request(prompt, greedy(20), priority="normal")
-    c = engine.add_request(prompt, greedy(20), priority="high")
+    # three different prompts: identical ones would share their prefix's commitment
+    a, b, c = (
+        engine.add_request([i + j for j in range(60)], greedy(20), priority=p)
+        for i, p in ((3, "normal"), (4, "normal"), (5, "high"))
+    )
     decisions = [e.data["decision"] for e in engine.events.recent("admission")]
     assert decisions == ["admit", "admit", "queue"]
     for _ in range(500):

@@ -56,8 +56,7 @@ class ControlPlane:
         self.rules_path = rules_file(cfg.rules.path)
         # what the service read before loading (`Service.read_rules`), else the file now
         self.ruleset: RuleSet = service.rules_at_start or load_rules(self.rules_path)
-        self._prometheus = _prometheus_of(cfg)
-        self.promql = PromQL(*self._prometheus)
+        self.promql = PromQL(*_prometheus_of(cfg))
         self._gpu_ratio: float | None = None
         self.reader = SignalReader(
             lambda: service.engine.latest_snapshot, lambda: self._gpu_ratio, self.promql
@@ -324,15 +323,16 @@ class ControlPlane:
         """PromQL signals read the `prometheus` section in force (a reload may change it):
         a new client where it changed; what changed (`prometheus.KEY` -> its new value)."""
         now = _prometheus_of(self.service.cfg)
+        p = self.promql
         changed = {
             f"prometheus.{key}": new
             for key, old, new in zip(
-                ("url", "timeout", "instance"), self._prometheus, now, strict=True
+                ("url", "timeout", "instance"), (p.url, p.timeout_s, p.instance), now, strict=True
             )
             if old != new
         }
         if changed:
-            self._prometheus, self.promql = now, PromQL(*now)
+            self.promql = PromQL(*now)
             self.reader.promql = self.promql
         return changed
 

@@ -44,11 +44,13 @@ tokens.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvguard.engine.knobs import MiB, check_knobs, knob
 
@@ -284,6 +286,20 @@ def dynamic_max_tokens(requested: int, usage: float, remaining: int) -> int:
     return max(1, min(n, remaining))
 
 
+def _counted(
+    decide: Callable[..., AdmissionDecision],
+) -> Callable[..., AdmissionDecision]:
+    """`AdmissionController.decide`, each decision counted by kind (`decisions`)."""
+
+    @functools.wraps(decide)
+    def counted(self: AdmissionController, *args: Any, **kwargs: Any) -> AdmissionDecision:
+        d = decide(self, *args, **kwargs)
+        self.decisions[d.decision] += 1
+        return d
+
+    return counted
+
+
 class AdmissionController:
     def __init__(self, config: AdmissionConfig, block_size: int, bytes_per_block: int) -> None:
         self.config = config
@@ -367,6 +383,7 @@ class AdmissionController:
     def projected_blocks(self, tokens: int) -> int:
         return math.ceil(tokens * self.config.safety_factor / self.block_size)
 
+    @_counted
     def decide(
         self,
         prompt_len: int,
@@ -387,34 +404,7 @@ class AdmissionController:
         `shared` prompt tokens are held already by an admitted request with the same prompt
         prefix (`group`, see `fits`), which the prefix cache gives this one: they are not
         committed again (whether the request could ever fit is judged on its whole prompt)."""
-        d = self._decide(
-            prompt_len,
-            max_tokens,
-            rank,
-            total_blocks,
-            usage,
-            queued,
-            max_total_len,
-            total_blocks if configured_blocks is None else configured_blocks,
-            shared,
-            group,
-        )
-        self.decisions[d.decision] += 1
-        return d
-
-    def _decide(
-        self,
-        prompt_len,
-        max_tokens,
-        rank,
-        total_blocks,
-        usage,
-        queued,
-        max_total_len,
-        configured,
-        shared,
-        group,
-    ) -> AdmissionDecision:  # noqa: ANN001 - same types as decide
+        configured = total_blocks if configured_blocks is None else configured_blocks
         limit = self.limit_blocks(total_blocks, rank)
         ever = self.limit_blocks(max(configured, total_blocks), rank)
         # what is known (the prompt, and the token it must at least produce) is known to the

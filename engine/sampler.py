@@ -96,28 +96,25 @@ def _argmax(logits: torch.Tensor) -> list[int]:
 
 
 def _greedy_picks(logits: torch.Tensor) -> list[int]:
-    """`_argmax`, refusing as a draw is refused (`NOT_DRAWN`) where a row's logits hold a NaN:
-    both argmaxes (the C kernel's, torch's) answer such a row with its first NaN's index (an
-    all-NaN row with token 0), so only the chosen logits are looked at, not the rows."""
-    if cpu_ops.rows_served(logits):
-        picks = cpu_ops.argmax_rows(logits)
-        rows, ids = torch.arange(len(picks)), torch.tensor(picks, dtype=torch.long)
-        if bool(logits[rows, ids].isnan().any()):
-            raise RuntimeError(NOT_DRAWN)
-        return picks
-    ids = logits.argmax(dim=-1)
-    nan = logits.gather(-1, ids.unsqueeze(-1)).squeeze(-1).isnan()
-    picks = torch.where(nan, -1, ids).tolist()  # one copy to the host, as `_argmax` makes
+    """`greedy_ids` on the host, refusing as a draw is refused (`NOT_DRAWN`) where a row's
+    logits hold a NaN."""
+    picks = greedy_ids(logits).tolist()
     if -1 in picks:
         raise RuntimeError(NOT_DRAWN)
     return picks
 
 
 def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
-    """`_argmax` as a tensor on `logits`' device: no host sync where the logits are on a GPU."""
+    """`_argmax` as a tensor on `logits`' device (no host sync where the logits are on a
+    GPU), -1 for a row whose logits hold a NaN: both argmaxes (the C kernel's, torch's)
+    answer such a row with its first NaN's index (an all-NaN row with token 0), so only the
+    chosen logits are looked at, not the rows."""
     if cpu_ops.rows_served(logits):
-        return torch.tensor(_argmax(logits), dtype=torch.long)
-    return logits.argmax(dim=-1)
+        ids = torch.tensor(_argmax(logits), dtype=torch.long)
+    else:
+        ids = logits.argmax(dim=-1)
+    nan = logits.gather(-1, ids.to(logits.device).unsqueeze(-1)).squeeze(-1).isnan()
+    return torch.where(nan.to(ids.device), -1, ids)
 
 
 def run_draws(
@@ -130,10 +127,6 @@ def run_draws(
     are not finite (what `sample` refuses; the host finds it when it reads the step, which the
     next step does not wait for)."""
     ids = greedy_ids(logits)
-    # -1 for a row whose chosen logit is NaN (an argmax answers such a row with a NaN's
-    # index), as `sample` refuses it; on the device, no sync
-    nan = logits.gather(-1, ids.to(logits.device).unsqueeze(-1)).squeeze(-1).isnan()
-    ids = torch.where(nan.to(ids.device), -1, ids)
     if drawn is None:
         return ids
     picks, finite = _cdf_draws(logits, *drawn)

@@ -71,21 +71,8 @@ class ActionSpec:
     run: Callable[[LLMEngine, Any, bool], Future]
     undo: str | None
     doc: str
-    # the engine settings it sets (a remedy in force holds them: see SETTINGS)
+    # the engine settings it sets (a remedy in force holds them: see SETTINGS below)
     settings: frozenset[str] = frozenset()
-
-
-# The engine settings remedies set, each with the action that puts it back to its configured
-# state. A rule whose remedy is in force holds the settings its action set; another rule's undo
-# leaves a held setting alone (that remedy is still needed) and restores only the others.
-SETTINGS = {
-    "batch": "restore_batch",
-    "kv_dtype": "disable_fp8_kv",
-    "kv_pool": "restore_kv_pool",
-    "offload": "disable_cpu_offload",
-    "token_cap": "uncap_max_new_tokens",
-    "admission": "resume_admission",
-}
 
 
 def _noted(fut: Future, note: Callable[[ActionResult], str | None]) -> Future:
@@ -356,6 +343,16 @@ _SPECS.append(
     )
 )
 ACTIONS: dict[str, ActionSpec] = {s.name: s for s in _SPECS}
+# Each engine setting remedies set, with the action that puts it back to its configured state
+# (the undo-less action that sets it alone). A rule whose remedy is in force holds the
+# settings its action set; another rule's undo leaves a held setting alone (that remedy is
+# still needed) and restores only the others, each by this action.
+SETTINGS = {
+    name: spec.name
+    for spec in _SPECS
+    if spec.undo is None and len(spec.settings) == 1
+    for name in spec.settings
+}
 # a chain's steps, by the engine call that ran each (ActionResult.action), and what each sets
 _STEP_SETTINGS = {
     "set_max_num_seqs": "batch",

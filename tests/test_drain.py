@@ -213,6 +213,19 @@ def start_serve(tmp_path: Path, extra: str = "") -> tuple[subprocess.Popen, int,
     return proc, port, log_path
 
 
+def wait_ready(proc: subprocess.Popen, port: int, log_path: Path, what: str) -> None:
+    """Until a `start_serve` daemon answers /ready 200 (failing at once if it died)."""
+
+    def ready() -> bool:
+        assert proc.poll() is None, f"daemon died: {log_path.read_text()}"
+        try:
+            return httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    until(ready, 90, what)
+
+
 def test_sighup_while_loading_is_ignored(tmp_path: Path) -> None:
     """Starting is held open deterministically: the rules file, read before the model loads,
     is a FIFO that this test opens for writing only once the daemon has opened it for reading.
@@ -239,15 +252,7 @@ def test_sighup_while_loading_is_ignored(tmp_path: Path) -> None:
             proc.send_signal(signal.SIGHUP)
         os.write(writer[0], default_rules_path().read_bytes())
         os.close(writer[0])
-
-        def ready() -> bool:
-            assert proc.poll() is None, f"daemon died: {log_path.read_text()}"
-            try:
-                return httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        until(ready, 90, "ready after the SIGHUPs")
+        wait_ready(proc, port, log_path, "ready after the SIGHUPs")
         assert "reload ignored: not ready yet" in log_path.read_text()
     finally:
         if proc.poll() is None:
@@ -270,15 +275,7 @@ def test_sighup_during_the_first_imports_is_ignored(tmp_path: Path) -> None:
     try:
         until(ignored, 60, "SIGHUP ignored by kvguard serve")
         proc.send_signal(signal.SIGHUP)
-
-        def ready() -> bool:
-            assert proc.poll() is None, f"daemon died: {log_path.read_text()}"
-            try:
-                return httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        until(ready, 90, "ready after the early SIGHUP")
+        wait_ready(proc, port, log_path, "ready after the early SIGHUP")
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)

@@ -426,9 +426,11 @@ class DaemonConfig(_Section):
         """The name clients put in `model` and see in /v1/models."""
         return self.api.served_model_name or self.serving.model
 
-    def prometheus_instance(self) -> str:
-        """The value substituted for `$instance` in PromQL signals."""
-        return self.prometheus.instance or f"{socket.gethostname()}:{self.api.port}"
+    def prometheus_instance(self, port: int | None = None) -> str:
+        """The value substituted for `$instance` in PromQL signals (and an alert's `instance`
+        label that is this daemon's): `prometheus.instance`, else host:port, the port being the
+        one the API is bound to (`port`: the kernel's pick where `api.port` is 0)."""
+        return self.prometheus.instance or f"{socket.gethostname()}:{port or self.api.port}"
 
 
 def _uses_cuda(device: str) -> bool:

@@ -56,7 +56,7 @@ class ControlPlane:
         self.rules_path = rules_file(cfg.rules.path)
         # what the service read before loading (`Service.read_rules`), else the file now
         self.ruleset: RuleSet = service.rules_at_start or load_rules(self.rules_path)
-        self.promql = PromQL(*_prometheus_of(cfg))
+        self.promql = PromQL(*_prometheus_of(cfg, service.api_port))
         self._gpu_ratio: float | None = None
         self.reader = SignalReader(
             lambda: service.engine.latest_snapshot, lambda: self._gpu_ratio, self.promql
@@ -219,7 +219,7 @@ class ControlPlane:
         any of this daemon's alerts of that name still fires (a group's resolved alert does not
         undo what its firing siblings keep needed), resolved once none does."""
         alerts = parse_alerts(payload)
-        mine = self.service.cfg.prometheus_instance()
+        mine = self.service.cfg.prometheus_instance(self.service.api_port)
         taken, dupes, other = 0, 0, 0
         new: dict[tuple[str, str], list[Alert]] = {}
         firing: set[str] = set()
@@ -322,7 +322,7 @@ class ControlPlane:
     def _use_prometheus(self) -> dict[str, Any]:
         """PromQL signals read the `prometheus` section in force (a reload may change it):
         a new client where it changed; what changed (`prometheus.KEY` -> its new value)."""
-        now = _prometheus_of(self.service.cfg)
+        now = _prometheus_of(self.service.cfg, self.service.api_port)
         p = self.promql
         changed = {
             f"prometheus.{key}": new
@@ -470,6 +470,7 @@ def _check_text(text: str, where: str) -> None:
         raise AlertPayloadError(problem, where)
 
 
-def _prometheus_of(cfg: Config) -> tuple[str | None, float, str]:
-    """What the PromQL client is built from: URL, timeout, the `$instance` value."""
-    return cfg.prometheus.url, cfg.prometheus.timeout, cfg.prometheus_instance()
+def _prometheus_of(cfg: Config, port: int | None) -> tuple[str | None, float, str]:
+    """What the PromQL client is built from: URL, timeout, the `$instance` value (`port`: the
+    one the API is bound to, where known)."""
+    return cfg.prometheus.url, cfg.prometheus.timeout, cfg.prometheus_instance(port)

@@ -97,6 +97,7 @@ class Service:
         self._watchdog_lock = threading.Lock()
         self.audit: AuditStore | None = None
         self.control: ControlPlane | None = None
+        self.api_port: int | None = None  # the bound port (`api.port` 0: the kernel's pick)
         self.exit_code = 0
         # HTTP requests being answered (objects with `cut(message)`): a drain that runs out of
         # time answers each of them at once, even if the engine thread is stalled.
@@ -755,6 +756,7 @@ def run(
         log.error("%s; nothing loaded", e)
         return 1
     host, port = sock.getsockname()[:2]  # api.port 0: the port the kernel picked
+    svc.api_port = port
     log.info("API bound to %s; it answers once the model is loaded", _address(host, port))
     svc.warn_admin_token()
     if svc.api_keys is None and not _loopback(cfg.api.host):

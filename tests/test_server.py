@@ -369,7 +369,8 @@ def test_the_daemon_logs_where_it_listens(daemon: Daemon) -> None:
 
 
 def test_port_0_logs_the_port_and_an_unusable_token_file_is_named(tmp_path: Path) -> None:
-    """`api.port: 0` binds a port the kernel picks: the log names that port, not 0. An
+    """`api.port: 0` binds a port the kernel picks: the log names that port, not 0, and so does
+    the daemon's own `instance` (the alerts it takes as its own). An
     api.admin_token_file that cannot be read (or is empty) turns /admin/* off: the start and
     each reload log a warning naming the file and why, and the 403 says the same."""
     token = tmp_path / "missing" / "admin.token"
@@ -426,6 +427,17 @@ def test_port_0_logs_the_port_and_an_unusable_token_file_is_named(tmp_path: Path
         until(lambda: f"{token} is empty" in log.read_text(), 20, "the reload's warning")
         token.write_text(TOKEN + "\n")
         assert admin().status_code == 200
+        # This daemon's `instance` (no prometheus.instance: host:port) has the bound port, so
+        # an alert labelled with it is its own, and one labelled host:0 is another daemon's.
+        alert = {"status": "firing", "labels": {"alertname": "KVCacheHigh"}}
+        alert["startsAt"] = "2026-11-30T10:00:00Z"
+        for n, where in enumerate((port, 0)):
+            labels = alert["labels"] | {"instance": f"{socket.gethostname()}:{where}"}
+            body = {"version": "4", "alerts": [alert | {"labels": labels, "fingerprint": f"f{n}"}]}
+            r = httpx.post(
+                url + "/alertmanager", json=body, headers={"Authorization": f"Bearer {TOKEN}"}
+            )
+            assert r.json() == {"accepted": 1 - n, "duplicates": 0, "other_instance": n}, r.text
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
     finally:

@@ -35,7 +35,7 @@ from kvguard.engine.weights import check_quantization, checkpoint_quantization
 # different, so cached conversions are redone. It lives here, not in the converter, because
 # the converter needs the `gguf` package and only converting should: serving an already
 # converted or a non-GGUF model (the GPU image has no gguf) must not import it.
-CONVERTER_REVISION = 1
+CONVERTER_REVISION = 2  # 2: packed conversions refuse Q4_K and other unpacked quantised types
 
 DEFAULT_MODEL = "smollm2-135m"
 COMPLETE_MARKER = ".kvguard-complete"

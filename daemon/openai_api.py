@@ -11,6 +11,7 @@ import json
 import logging
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
@@ -39,6 +40,7 @@ from kvguard.engine.structured import compile_grammar, compile_schema
 if TYPE_CHECKING:
     from kvguard.daemon.api_keys import ApiKey
     from kvguard.daemon.service import Service
+    from kvguard.engine.tokenizer import Tokenizer
 
 log = logging.getLogger("kvguard.daemon.api")
 DEFAULT_CHAT_MAX_TOKENS = 512
@@ -46,6 +48,7 @@ MAX_SEQUENCES = 256  # prompts x n of one request: each is a sequence of its own
 # the engine says why it refused a request; the answer is the server's choice: the request
 # itself cannot be served (400), the server is busy (429), or it has stopped taking work (503)
 ADMISSION_STATUS = {"never_fits": 400, "overloaded": 429, "queue_full": 429, "halted": 503}
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # OpenAI's code: a prompt over the context
 TOKENIZE_LIMITS = 8  # /tokenize counts texts up to this many times max_model_len
 RETRY_ELSEWHERE_S = 5  # Retry-After on a request cut off by the drain
 DRAIN_CUT_MESSAGE = (
@@ -413,7 +416,11 @@ async def _serve(
     except ValueError as e:  # the engine's reason names its field first ("logit_bias token ...")
         name = str(e).split(" ", 1)[0].split("=", 1)[0].rstrip(":")
         name = "response_format" if name == "json_schema" else name
-        raise ApiError(400, str(e), name if name in type(body).model_fields else "prompt") from e
+        if name not in type(body).model_fields:  # the prompt: chat's is its rendered messages
+            name = "prompt" if completion else "messages"
+        # a prompt too long for the context (engine._too_long): OpenAI's code for it
+        code = CONTEXT_LENGTH_EXCEEDED if str(e).startswith("prompt of ") else None
+        raise ApiError(400, str(e), name, code) from e
     finally:
         if not admitted:  # every choice or none: those admitted before the refusal end too
             watch.stop()
@@ -484,6 +491,25 @@ def _utf8_decoder() -> codecs.IncrementalDecoder:
     return codecs.getincrementaldecoder("utf-8")(errors="replace")
 
 
+# tokenizer -> token id -> whether decoding leaves the token out of the text (event loop only)
+_SKIPPED: weakref.WeakKeyDictionary[Tokenizer, dict[int, bool]] = weakref.WeakKeyDictionary()
+
+
+def _skipped(tok: Tokenizer, token_id: int) -> bool:
+    """Whether an answer's text leaves `token_id` out: a special token, which the engine
+    decodes answers without (skip_special_tokens), as its end-of-turn token. Worked out once
+    per token id, beside its bytes (`Grammars.token_bytes`)."""
+    known = _SKIPPED.get(tok)
+    if known is None:
+        known = _SKIPPED[tok] = {}
+    skipped = known.get(token_id)
+    if skipped is None:  # an id past the vocabulary has no bytes anyway
+        inside = token_id < tok.vocab_size
+        skipped = inside and tok.decode([token_id], True) != tok.decode([token_id], False)
+        known[token_id] = skipped
+    return skipped
+
+
 class _Ctx:
     def __init__(
         self,
@@ -514,7 +540,9 @@ class _Ctx:
         # not yet whole) and how many characters it has made, where the next token's text is
         self.text_offset: dict[int, tuple[codecs.IncrementalDecoder, int]] = {}
 
-    def logprobs(self, lps: list[TokenLogprob] | None, index: int = 0) -> dict[str, Any] | None:
+    def logprobs(
+        self, lps: list[TokenLogprob] | None, index: int = 0, shown: int = 0
+    ) -> dict[str, Any] | None:
         """`lps` in OpenAI's shape: chat `{"content": [...], "refusal": null}`, a completion
         `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}` (offsets continue from
         the previous call's for the same choice: a stream's chunks count on). None where not
@@ -525,10 +553,17 @@ class _Ctx:
         a replacement character. Its text is its bytes as UTF-8, or where they are not whole
         characters `bytes:` and each byte as `\\xNN` (OpenAI's way), so tokens that print
         alike stay apart; a completion's offsets index its text, a token that continues a
-        character at that character's."""
+        character at that character's. A generated token the text leaves out (a special
+        token: `_skipped`) takes no room in it: a completion's next token has its offset,
+        and a chat entry's `bytes` are none, so that they add up to the content. The first
+        `shown` tokens (an echoed prompt, whose text shows its special tokens) are all text.
+
+        A completion's `top_logprobs` hold the sampled token's too, as OpenAI's do (so up to
+        `logprobs` + 1 of them); chat's are the `top_logprobs` likeliest, as OpenAI's are."""
         if lps is None:
             return None
         token_bytes = self.service.engine.grammars.token_bytes
+        tok = self.service.engine.tokenizer
 
         def text(raw: bytes) -> str:
             try:
@@ -540,7 +575,8 @@ class _Ctx:
 
             def entry(token_id: int, logprob: float) -> dict[str, Any]:
                 raw = token_bytes(token_id)
-                return {"token": text(raw), "logprob": logprob, "bytes": list(raw)}
+                content = b"" if _skipped(tok, token_id) else raw
+                return {"token": text(raw), "logprob": logprob, "bytes": list(content)}
 
             content = [
                 {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(*a) for a in lp.top]}
@@ -549,23 +585,51 @@ class _Ctx:
             return {"content": content, "refusal": None}
         tokens, offsets, values, tops = [], [], [], []
         utf8, made = self.text_offset.get(index) or (_utf8_decoder(), 0)
-        for lp in lps:
+        for k, lp in enumerate(lps):
             raw = token_bytes(lp.token_id)
             tokens.append(text(raw))
+            values.append(lp.logprob)
+            top: dict[str, float] = {}  # keyed by text: of tokens that print alike, the likelier
+            alternatives = list(lp.top)
+            if all(i != lp.token_id for i, _ in alternatives):  # the sampled one, in its place
+                alternatives.append((lp.token_id, lp.logprob))
+                alternatives.sort(key=lambda a: -a[1])
+            for i, v in alternatives:
+                top.setdefault(text(token_bytes(i)), v)
+            tops.append(top)
+            if k >= shown and _skipped(tok, lp.token_id):
+                offsets.append(made)  # where the next character starts (or the one pending)
+                continue
             # the character its first byte begins or continues: a byte that ends a character
             # (or is replaced) is in the last one it makes, one still pending begins the next
             head = utf8.decode(raw[:1])
             pending = bool(utf8.getstate()[0]) or not raw
             offsets.append(made + len(head) - (0 if pending else 1))
             made += len(head) + len(utf8.decode(raw[1:]))
-            values.append(lp.logprob)
-            top: dict[str, float] = {}  # keyed by text: of tokens that print alike, the likelier
-            for i, v in lp.top:
-                top.setdefault(text(token_bytes(i)), v)
-            tops.append(top)
         self.text_offset[index] = (utf8, made)
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
                 "text_offset": offsets}  # fmt: skip
+
+    def answer_logprobs(
+        self, out: RequestOutput, lps: list[TokenLogprob] | None
+    ) -> list[TokenLogprob] | None:
+        """A chat answer's token log-probabilities `lps` (all of them, or the last output's)
+        but the end-of-turn token that ended it, which OpenAI does not list: its content has
+        no text of it. A completion lists every token generated."""
+        if lps and self.kind == "chat.completion" and self.ended_by_eos(out):
+            return lps[:-1]
+        return lps
+
+    def ended_by_eos(self, out: RequestOutput) -> bool:
+        """Whether a final output's last token is the end-of-sequence token that ended it."""
+        ids = out.final_token_ids
+        return (
+            out.finished
+            and out.finish_reason == "stop"
+            and not self.params.ignore_eos
+            and bool(ids)
+            and ids[-1] in self.service.engine.eos_ids
+        )
 
     def echo_logprobs(self, out: RequestOutput, index: int) -> dict[str, Any] | None:
         """A completion's logprobs with `echo`: the prompt's tokens first (the first has none,
@@ -573,7 +637,8 @@ class _Ctx:
         if out.final_prompt_logprobs is None:
             return self.logprobs(out.final_logprobs, index)
         first = TokenLogprob(out.prompt_token_ids[0], 0.0)
-        lps = self.logprobs([first, *out.final_prompt_logprobs, *out.final_logprobs], index)
+        prompt = [first, *out.final_prompt_logprobs]
+        lps = self.logprobs([*prompt, *out.final_logprobs], index, len(prompt))
         lps["token_logprobs"][0] = lps["top_logprobs"][0] = None
         return lps
 
@@ -915,7 +980,7 @@ def _full_response(ctx: _Ctx, outs: Sequence[RequestOutput]) -> dict[str, Any]:
                 "index": i,
                 "message": message,
                 "finish_reason": out.finish_reason if calls is None else "tool_calls",
-                "logprobs": ctx.logprobs(out.final_logprobs, i),
+                "logprobs": ctx.logprobs(ctx.answer_logprobs(out, out.final_logprobs), i),
             }
         else:
             choice = {
@@ -1008,7 +1073,7 @@ async def _sse(
     try:
         async with contextlib.aclosing(_merged(outs)) as outputs:
             async for i, out in outputs:
-                pending[i].extend(out.new_logprobs or ())
+                pending[i].extend(ctx.answer_logprobs(out, out.new_logprobs) or ())
                 text, deltas, hold = out.new_text, [], held[i]
                 if hold is not None:
                     text, deltas = hold.feed(text or "")

@@ -178,10 +178,16 @@ class _Body(BaseModel):
         return data
 
 
+def _null_is(default: Any) -> AfterValidator:
+    """A field OpenAI declares nullable: null is the field left out (its default)."""
+    return AfterValidator(lambda value: default if value is None else value)
+
+
 class _Sampling(_Body):
     model: Text
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    # null (the openai client's pass-through of an unset setting) is the default
+    temperature: Annotated[float | None, _null_is(1.0)] = Field(1.0, ge=0.0, le=2.0)
+    top_p: Annotated[float | None, _null_is(1.0)] = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, le=INT64_MAX, description="kvguard extension: 0 disables")
     n: int | None = Field(
         1,
@@ -190,7 +196,7 @@ class _Sampling(_Body):
         description=f"choices of one prompt, 1..{MAX_CHOICES}: the prompt is computed once, "
         "a seeded request's choice i draws with seed + i",
     )
-    stream: bool = False
+    stream: Annotated[bool | None, _null_is(False)] = False
     stream_options: Annotated[dict[str, Any] | None, AfterValidator(_stream_options)] = Field(
         None, description="include_usage (served), include_obfuscation (no padding is added)"
     )

@@ -2,14 +2,15 @@
 
 Each step: running sequences first (decodes, then unfinished prefill chunks), then swapped
 sequences brought back, then waiting ones admitted in (priority, arrival) order while the token
-budget, `max_num_seqs` and free blocks allow; a swapped sequence that cannot come back yet
-keeps its place in that order (the requests queued after it wait, as they wait behind a
-recomputed one, which is itself in the queue). When a running sequence needs a block and none is
-free, the lowest-priority, newest running sequence is preempted (even one already scheduled
-for this step, which then leaves it): swapped to the host pool when offload is on and it has
-room, recomputed later otherwise. Nothing is ever dropped. A waiting
-`high` request takes its blocks, and with every `max_num_seqs` slot taken its slot, from
-lower-priority running sequences the same way.
+budget, `max_num_seqs` and free blocks allow, and last the decodes' speculative drafts from the
+tokens and free blocks left (`_schedule_drafts`: a draft never holds a prompt back); a swapped
+sequence that cannot come back yet keeps its place in that order (the requests queued after it
+wait, as they wait behind a recomputed one, which is itself in the queue). When a running
+sequence needs a block and none is free, the lowest-priority, newest running sequence is
+preempted (even one already scheduled for this step, which then leaves it): swapped to the host
+pool when offload is on and it has room, recomputed later otherwise. Nothing is ever dropped.
+A waiting `high` request takes its blocks, and with every `max_num_seqs` slot taken its slot,
+from lower-priority running sequences the same way.
 
 The scheduler owns every sequence state change: admission into the batch (asking the admission
 policy), preemption, and `update`, which advances a step's sequences from the tokens the model
@@ -186,6 +187,7 @@ class Scheduler:
         self.speculation = speculation
         self.step_cost = StepCost(row_cost_prior)  # what a draft row costs, learnt
         self.drafting = False  # this step proposes drafts (few enough sequences decode)
+        self._to_draft: list[Sequence] = []  # decodes that may draft, last in the step
         self.draft_threshold = 0.0  # this step's least chance a draft row must have
         self.drafted = 0  # draft tokens computed, and of them accepted, since the start
         self.accepted = 0
@@ -237,12 +239,14 @@ class Scheduler:
         self.drafting = spec is not None and decoding <= spec.max_batch
         if self.drafting:
             self.draft_threshold = draft_threshold(self.row_cost(), decoding)
+        self._to_draft = []  # this step's decodes that may draft, once everyone has theirs
         if self._urgent_prompt():
             budget = self._schedule_running(batch, self.max_num_batched_tokens, True)
             if not batch.has_decode:  # a first text's next token goes first, alone
                 place = min(map(self.policy.queue_key, self.swapped), default=None)
                 self._schedule_waiting(batch, budget, True, place)
             if any(awaits_first_text(s) for s in batch.seqs):
+                self._schedule_drafts(batch)
                 return batch
             # the high prompt cannot run now (no slot or no blocks for it): never an idle
             # step waiting on it, everyone else runs as usual
@@ -250,6 +254,7 @@ class Scheduler:
         budget = self._schedule_running(batch, budget, False)
         budget = self._schedule_swapped(batch, budget)
         self._schedule_waiting(batch, budget, False, self._swapped_place(batch))
+        self._schedule_drafts(batch)
         return batch
 
     def _urgent_prompt(self) -> bool:
@@ -293,15 +298,34 @@ class Scheduler:
             n = self._chunk(seq, budget)
             if n and self._reserve(seq, n, batch):
                 if n == seq.num_uncomputed == 1 and self.drafting:
-                    n += self._speculate(seq, budget - 1)
+                    self._to_draft.append(seq)  # its drafts come last (`_schedule_drafts`)
                 batch.add(seq, n)
                 budget -= n
         return budget if capped else self._prompt_budget(batch, budget, urgent)
 
+    def _schedule_drafts(self, batch: ScheduledBatch) -> None:
+        """Drafts go last in a step: the decodes `_schedule_running` found eligible get theirs
+        from the tokens (`max_num_batched_tokens`) and free blocks left once running prompt
+        chunks, swapped sequences and waiting requests have what they need. A draft may bring
+        nothing: its rows and blocks never hold a prompt back or make a chunk preempt. A
+        decode preempted later in the step (it left the batch) drafts nothing."""
+        budget = self.max_num_batched_tokens - sum(batch.num_tokens)
+        for seq in self._to_draft:
+            if budget <= 0:
+                break
+            if seq.status is not Status.RUNNING or seq not in batch.seqs:
+                continue
+            i = batch.seqs.index(seq)
+            k = self._speculate(seq, budget)
+            batch.num_tokens[i] += k
+            budget -= k
+        self._to_draft = []
+
     def _speculate(self, seq: Sequence, budget: int) -> int:
-        """Give decoding `seq` draft tokens to verify with its last one (`seq.draft`), and the
-        blocks they need if those are free (never by preempting); how many it got. Not for a
-        request held to a grammar (its drafts would have to pass it first)."""
+        """Give decoding `seq` draft tokens to verify with its last one (`seq.draft`), at most
+        `budget`, and the blocks they need if those are free (never by preempting, and keeping
+        a block per running sequence for its next step); how many it got. Not for a request
+        held to a grammar (its drafts would have to pass it first)."""
         spec = self.speculation
         if spec is None or seq.grammar is not None:
             return 0

@@ -49,7 +49,7 @@ def plane(tmp_path: Path, rules: Path, audit: AuditStore) -> Iterator[ControlPla
     config = tmp_path / "config.yaml"
     config.write_text(f"rules: {{path: {rules}}}\n")
     service = SimpleNamespace(
-        cfg=load_config(config), engine=None, audit=audit, rules_at_start=None
+        cfg=load_config(config), engine=None, audit=audit, rules_at_start=None, api_port=None
     )
     cp = ControlPlane(service)  # type: ignore[arg-type]
     cp.scheduler.start(paused=True)

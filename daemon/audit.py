@@ -11,16 +11,29 @@ sake (a constraint) would fail forever, so it is isolated from its batch, logged
 `rejected` instead of wedging the queue.
 
 A database that cannot even be migrated at start (a read-only file or directory, a full disk, a
-server that is down) does not stop the daemon either: `start()` logs why and returns, the store
-is *degraded* (`problem()` says why, for readiness and kvguard_audit_up), rows queue, and the
-writer retries the migration with the same backoff before it writes anything. After a failed
-write the writer also drops its pooled connections: SQLite opens an immutable file read-only,
-and a connection opened then would refuse writes even after the file became writable again.
+server that is down, hung, or a lock held) does not stop the daemon either: the writer thread
+migrates, `start()` waits for its first attempt a few seconds at most (`START_WAIT_S`), logs why
+it failed or has not finished and returns; the store is *degraded* (`problem()` says why, for
+readiness and kvguard_audit_up), rows queue, and the writer retries the migration with the same
+backoff before it writes anything. Each attempt is bounded (a connect timeout, and on
+PostgreSQL bounded lock waits: `audit_migrate`), so the retries go on. After a failed write the
+writer also drops its pooled connections: SQLite opens an immutable file read-only, and a
+connection opened then would refuse writes even after the file became writable again.
+
+The database may also vanish under a running daemon: a SQLite file deleted or replaced (its
+device and inode change) is noticed before the next batch, and a write that finds no table
+(`no such table`, UndefinedTable) makes the writer migrate again, then write: the rows land in
+the new database instead of a deleted file.
 
 Rows still queued when `stop()` gives up are appended to a spill file
-(`kvguard.daemon.audit_spill`) rather than lost; `import_file` loads one, skipping rows already
-present by the `uid` every action and event gets when queued. The writer imports any spill
-file of this database by itself once the database takes writes, then renames it.
+(`kvguard.daemon.audit_spill`) rather than lost; `stop()` keeps to its timeout as a whole, and
+a writer stuck on a database that does not answer is left behind (it is a daemon thread) while
+what it holds is spilled. `import_file` loads a spill file, skipping rows already present by
+the `uid` every action and event gets when queued. The writer imports any spill file of this
+database by itself once the database takes writes, then renames it. A row the database refuses
+because of a schema this kvguard does not know (a NOT NULL, CHECK or foreign key another
+daemon's newer migration added) goes to the spill file too, for a later import; a row that
+would fail again (a duplicate) is logged whole and counted in `rejected`.
 
 Counters for the metrics exporter: `failures` (failed write and migration attempts,
 kvguard_audit_write_failures_total), `dropped`, `rejected`, `written`, `spilled`, `depth()`.
@@ -36,6 +49,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import secrets
 import socket
 import threading
@@ -49,7 +63,7 @@ from itertools import groupby
 from pathlib import Path
 from typing import Any, Literal, cast
 
-from sqlalchemy import Select, Table, delete, insert, select, update
+from sqlalchemy import Select, Table, delete, func, insert, or_, select, update
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DataError, DBAPIError, DisconnectionError, IntegrityError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
@@ -60,8 +74,10 @@ from kvguard.daemon.audit_migrate import (
     current,
     db_errors,
     downgrade,
+    head,
     make_engine,
     shown,
+    sqlite_path,
     upgrade,
 )
 from kvguard.daemon.audit_models import OUTCOMES, TRIGGERS, Action, Base, Event, Incident
@@ -73,6 +89,9 @@ log = logging.getLogger(__name__)
 BATCH = 256  # rows per transaction: one fsync for a burst of actions
 BACKOFF_START = 0.05  # seconds before the first retry
 BACKOFF_MAX = 1.0  # a database that comes back is used again within about a second
+START_WAIT_S = 5.0  # how long start() (before READY) waits for the first migration attempt
+MIGRATION_WAIT_S = 3.0  # a migration's longest wait for a lock (PostgreSQL), then a retry
+JOIN_MIN_S = 0.1  # stop() past its deadline still lets a writer that is done exit
 
 OpKind = Literal["actions", "events", "incidents", "incident_update", "purge"]
 TABLES: dict[str, Table] = {
@@ -151,6 +170,28 @@ def _is_transient(e: Exception) -> bool:
     return isinstance(e, DBAPIError | DisconnectionError | PoolTimeoutError | OSError)
 
 
+def _schema_missing(e: Exception) -> bool:
+    """A table is not there (the database was deleted, recreated or downgraded): migrate again."""
+    orig = getattr(e, "orig", None)
+    if getattr(orig, "sqlstate", None) in ("42P01", "42S02"):  # PostgreSQL, ODBC/MySQL
+        return True
+    return "no such table" in str(orig or e) or type(orig).__name__ == "UndefinedTable"
+
+
+def _replayable(e: Exception) -> bool:
+    """A refusal that a later import may get past: a NOT NULL, CHECK or foreign key that a newer
+    kvguard's migration added (its import fills what this one leaves out). A duplicate key (the
+    row is there already) or a value the column cannot hold would be refused again."""
+    if not isinstance(e, IntegrityError):
+        return False
+    orig = e.orig
+    code = getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
+    if code:
+        return code in ("23502", "23503", "23514")  # not_null, foreign_key, check violation
+    text = str(orig)
+    return text.startswith(("NOT NULL constraint", "CHECK constraint", "FOREIGN KEY constraint"))
+
+
 class AuditStore:
     """Queue-fed writer and reader of the audit database (see the module docstring)."""
 
@@ -187,6 +228,9 @@ class AuditStore:
         self._abandon = threading.Event()  # stop() gave up waiting: leave the retry loop
         self._thread: threading.Thread | None = None
         self._migrated = False
+        self._migrating_since: float | None = None  # monotonic start of the attempt under way
+        self._db_path = sqlite_path(url)
+        self._db_file: tuple[int, int] | None = None  # (st_dev, st_ino) of the file migrated
         self._spills_waiting = False  # a spill file's import failed on the database: retry
         self.spill_paths = audit_spill.spill_paths(url, spill_dir)
         self.spill_file: Path | None = None  # where stop() saved unwritten rows, if it had to
@@ -198,25 +242,38 @@ class AuditStore:
         self.last_error: str | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
-    def start(self, migrate: bool = True) -> None:
-        """Migrate to head, then start the writer thread. Rows recorded before are kept.
+    def start(self, migrate: bool = True, wait: float = START_WAIT_S) -> None:
+        """Start the writer thread, which migrates to head first. Rows recorded before are kept.
 
-        A migration that fails does not raise: the audit store must never stop the daemon from
-        serving. The store is then degraded (`problem()`), and the writer retries the migration
-        before its first write. `migrate=False` trusts that the database is at head already.
+        Waits `wait` seconds at most for the first migration attempt. One that fails, or has not
+        finished by then (a server that does not answer, a lock held), does not raise or hold
+        the caller: the audit store must never stop the daemon from serving. The store is then
+        degraded (`problem()`), and the writer goes on migrating (retrying) before its first
+        write. `migrate=False` trusts that the database is at head already.
         """
         if self._thread is not None and self._thread.is_alive():
             return
         if not migrate:
             self._migrated = True
-        if not self._migrated:
-            self._migrated = self._try_migrate(1)
         self._announce_spills()
         with self._lock:
             self._stopping = False
         self._abandon.clear()
-        self._thread = threading.Thread(target=self._run, name="kvguard-audit", daemon=True)
+        first_try = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, args=(first_try,), name="kvguard-audit", daemon=True
+        )
         self._thread.start()
+        if not first_try.wait(wait):
+            log.error(
+                "audit degraded: migrating %s has not finished after %gs (a long migration, a "
+                "server that does not answer, or a lock held); serving goes on, rows queue (up "
+                "to %d) until it is done, and are saved to %s if still queued at exit",
+                shown(self.url),
+                wait,
+                self.max_queue,
+                self.spill_paths[0] if self.spill_paths else "the log",
+            )
 
     def problem(self) -> str | None:
         """Why rows are not reaching the database now (one line), or None while they are."""
@@ -224,12 +281,25 @@ class AuditStore:
         if self._migrated and err is None:
             return None
         what = "cannot write to" if self._migrated else "cannot migrate"
+        since = self._migrating_since
+        if err is None and since is not None:
+            err = (
+                f"migration still running after {_time.monotonic() - since:.0f}s (a long "
+                "one, a server that does not answer, or a lock held)"
+            )
         return f"{what} {shown(self.url)}: {err or 'not started'}; {self.depth()} rows queued"
 
     def _try_migrate(self, attempt: int) -> bool:
+        self._migrating_since = _time.monotonic()
         try:
-            upgrade(self.url, busy_timeout_ms=self.busy_timeout_ms)
+            newer = upgrade(
+                self.url,
+                busy_timeout_ms=self.busy_timeout_ms,
+                wait_s=MIGRATION_WAIT_S,
+                newer_ok=True,
+            )
         except Exception as e:  # noqa: BLE001 - whatever the database says, serving goes on
+            self._migrating_since = None
             self.failures += 1
             self.last_error = _reason(e, self.url)
             if attempt == 1 or attempt % 60 == 0:
@@ -245,10 +315,45 @@ class AuditStore:
                     self.spill_paths[0] if self.spill_paths else "the log",
                 )
             return False
+        self._migrating_since = None
+        self._remember_file()
+        if newer is not None:
+            log.warning(
+                "audit: %s is at revision %s, newer than this kvguard knows (its head: %s): "
+                "writing to it without migrating; upgrade this daemon (README: upgrade order)",
+                shown(self.url),
+                newer,
+                head(),
+            )
         if attempt > 1:
             log.warning("audit: migrated %s after %d failed attempts", shown(self.url), attempt - 1)
         self.last_error = None
         return True
+
+    def _remember_file(self) -> None:
+        """Note which file a SQLite database is, to notice it deleted or replaced later."""
+        if self._db_path is None:
+            return
+        try:
+            st = os.stat(self._db_path)
+        except OSError:
+            self._db_file = None
+            return
+        self._db_file = (st.st_dev, st.st_ino)
+
+    def _replaced(self) -> bool:
+        """The SQLite file migrated is gone, or its name is another file's now (deleted by an
+        operator or a cleaner, restored from a backup): its connections would write to a
+        deleted file, or to one without tables."""
+        if self._db_path is None or self._db_file is None:
+            return False
+        try:
+            st = os.stat(self._db_path)
+        except FileNotFoundError:
+            return True
+        except OSError:  # cannot tell (a directory made unreadable): the write will say
+            return False
+        return (st.st_dev, st.st_ino) != self._db_file
 
     def _migrate_until_done(self) -> bool:
         """The writer's retry of a migration start() could not do; False if stopped first."""
@@ -285,6 +390,7 @@ class AuditStore:
         docstring); only if no spill file can be written either are they lost, and then each
         is logged as an `audit row:` line so that even a full disk leaves them in the journal.
         """
+        deadline = _time.monotonic() + timeout  # for the whole stop, spill excepted
         ok = self.flush(timeout)
         with self._lock:
             self._stopping = True
@@ -298,10 +404,12 @@ class AuditStore:
                 shown(self.url),
                 self.last_error or "too slow",
             )
-        self._join()
+        # What is left of the deadline, no more: a writer stuck in a commit or a migration (a
+        # server that does not answer) is left behind, a daemon thread, and what it holds is
+        # spilled now. It may yet commit rows the spill also holds: an import skips those.
+        self._join(max(deadline - _time.monotonic(), JOIN_MIN_S))
         if self.depth():  # unwritten however it came to be (also rows recorded during stop)
             self._abandon.set()
-            self._join()
             self._spill()
             ok = False
         if self._thread is None:
@@ -315,52 +423,60 @@ class AuditStore:
             )
         return ok
 
-    def _join(self) -> None:
+    def _join(self, timeout: float) -> None:
         thread = self._thread  # read once: a second stop() (the forced exit's) may clear it
         if thread is None:
             return
-        # A writer inside a commit finishes it within the busy timeout; one that is still there
-        # after that may yet commit rows the spill also holds: an import skips those.
-        thread.join(timeout=self.busy_timeout_ms / 1000 + 1.0)
+        thread.join(timeout=timeout)
         if not thread.is_alive():
             self._thread = None
 
     def _spill(self) -> None:
         """Save what is still queued to the spill file (appending), or at worst to the log."""
         with self._lock:
-            ops = [*self._batch, *self._pending]
+            batch, pending = list(self._batch), len(self._pending)
+            ops = [*batch, *list(self._pending)]
         if not ops:
             return
-        lines = [audit_spill.encode(op.kind, op.row) for op in ops]
-        header = audit_spill.encode_header(shown(self.url), self.host, len(ops), self.last_error)
-        path, errors = audit_spill.append(self.spill_paths, [header, *lines])
-        with self._lock:  # saved (or logged below): no longer queued
-            self._pending.clear()
+        self._save(ops, self.last_error, "unwritten")
+        with self._lock:  # saved (or logged): no longer queued; rows queued since stay queued
+            for _ in range(pending):
+                self._pending.popleft()
+            self._settled += pending
             if self._thread is None:
                 self._settled += self._inflight
                 self._batch, self._inflight = [], 0
             self._progress.notify_all()
+
+    def _save(self, ops: list[_Op], reason: str | None, what: str) -> Path | None:
+        """Append `ops` to the spill file, or at worst log each as an `audit row:` line."""
+        lines = [audit_spill.encode(op.kind, op.row) for op in ops]
+        header = audit_spill.encode_header(shown(self.url), self.host, len(ops), reason)
+        path, errors = audit_spill.append(self.spill_paths, [header, *lines])
         if path is not None:
             self.spilled += len(ops)
             self.spill_file = path
             log.error(
-                "audit: saved %d unwritten rows to %s%s; load them with `kvguard audit import %s` "
+                "audit: saved %d %s rows to %s%s; load them with `kvguard audit import %s` "
                 "(the daemon also does at its next start, once %s takes writes)",
                 len(ops),
+                what,
                 path,
                 f" (could not use {'; '.join(errors)})" if errors else "",
                 path,
                 shown(self.url),
             )
-            return
+            return path
         log.error(
-            "audit: %d unwritten rows could not be saved to a spill file (%s); they follow as "
+            "audit: %d %s rows could not be saved to a spill file (%s); they follow as "
             "'audit row:' lines: collect them into a file for `kvguard audit import`",
             len(ops),
+            what,
             "; ".join(errors) or "no spill location",
         )
         for line in lines:
             log.error("audit row: %s", line)
+        return None
 
     def _announce_spills(self) -> None:
         for path in self.spill_paths:
@@ -485,9 +601,18 @@ class AuditStore:
         if values:
             self._enqueue(_Op("incident_update", {"id": incident_id, **values}))
 
-    def purge_older_than(self, days: float) -> None:
-        """Queue the retention sweep (`audit.retention`): it runs on the writer, in order."""
-        self._enqueue(_Op("purge", {"before": utcnow() - timedelta(days=days)}))
+    def purge_older_than(self, days: float, close_stale: bool = False) -> None:
+        """Queue the retention sweep (`audit.retention`): it runs on the writer, in order.
+
+        `close_stale` (the daemon's sweep at start) first closes the incidents of this
+        instance opened before now and never closed: an earlier run's, killed before its
+        orderly stop could close them (see `_close_stale`). Else they would stay open, and
+        be kept by every later sweep, forever."""
+        now = utcnow()
+        row: dict[str, Any] = {"before": now - timedelta(days=days)}
+        if close_stale:
+            row |= {"stale_of": self.instance, "stale_before": now, "host": self.host}
+        self._enqueue(_Op("purge", row))
 
     def _enqueue(self, op: _Op) -> None:
         with self._lock:
@@ -508,7 +633,14 @@ class AuditStore:
             )
 
     # -- the writer thread ---------------------------------------------------------------------
-    def _run(self) -> None:
+    def _run(self, first_try: threading.Event) -> None:
+        try:
+            if not self._migrated:
+                self._migrated = self._try_migrate(1)
+            else:
+                self._remember_file()
+        finally:
+            first_try.set()  # start() returns
         if not self._migrated and not self._migrate_until_done():
             return
         self._import_spills()
@@ -516,9 +648,11 @@ class AuditStore:
             try:
                 self._write_until_done(batch)
             except Exception:  # a bug here must not end auditing for the rest of the run
-                log.exception("audit writer: unexpected error; %d rows skipped", len(batch))
-                self.rejected += len(batch)
-                self._done(len(batch), written=False)
+                left = list(batch)
+                log.exception("audit writer: unexpected error; %d rows not written", len(left))
+                self.rejected += len(left)
+                self._done(len(left), written=False)
+                self._save(left, "unexpected error in the audit writer", "unwritten")
             if self._abandon.is_set():
                 return
             if self._spills_waiting and self.last_error is None:
@@ -535,8 +669,29 @@ class AuditStore:
 
     def _write_until_done(self, batch: list[_Op]) -> None:
         delay = BACKOFF_START
-        attempts = 0
+        attempts = 0  # failed writes and migrations
+        migrations = 0
         while batch:
+            if self._migrated and self._replaced():
+                log.warning(
+                    "audit: %s was deleted or replaced while the daemon ran: migrating it again "
+                    "before writing (%d rows waiting)",
+                    self._db_path,
+                    self.depth(),
+                )
+                self._migrated = False
+            if not self._migrated:
+                # Close the old file's connections first: the last one to close also removes a
+                # deleted database's -wal and -shm, which a new file of that name would misread.
+                self._engine.dispose()
+                migrations += 1
+                self._migrated = self._try_migrate(migrations)
+                if not self._migrated:
+                    attempts += 1
+                    if self._abandon.wait(delay):
+                        return
+                    delay = min(delay * 2, BACKOFF_MAX)
+                    continue
             try:
                 self._write(batch)
             except Exception as e:
@@ -544,6 +699,10 @@ class AuditStore:
                     raise
                 attempts += 1
                 self._failed(e, attempts)
+                if _schema_missing(e):  # tables gone (a database recreated, or deleted)
+                    if attempts == 1 or attempts % 60 == 0:
+                        log.warning("audit: %s has lost tables: migrating again", shown(self.url))
+                    self._migrated = False
                 self._engine.dispose()  # reconnect: a connection may have opened read-only
                 if self._abandon.wait(delay):
                     return
@@ -565,12 +724,18 @@ class AuditStore:
         self._done(len(batch))
 
     def _write_singly(self, batch: list[_Op]) -> None:
-        while batch:  # a row leaves the batch once settled (_done): a retry never repeats it
-            written = self._commit_or_reject(batch[0])
-            self._done(1, written)
+        kept: list[_Op] = []  # refused rows a later import may write: spilled
+        try:
+            while batch:  # a row leaves the batch once settled (_done): a retry never repeats it
+                written = self._commit_or_reject(batch[0], kept)
+                self._done(1, written)
+        finally:
+            if kept:
+                self._save(kept, f"refused by {shown(self.url)}", "refused")
 
-    def _commit_or_reject(self, op: _Op) -> bool:
-        """True if written, False if the database refused this row for good."""
+    def _commit_or_reject(self, op: _Op, kept: list[_Op]) -> bool:
+        """True if written, False if the database refused this row (then in `kept` if a later
+        import may write it: see `_replayable`)."""
         try:
             self._commit([op])
             return True
@@ -579,7 +744,24 @@ class AuditStore:
                 raise
             self.failures += 1
             self.rejected += 1
-            log.error("audit: %s refused a row, skipped: %s: %r", shown(self.url), e, op)
+            if _replayable(e):
+                kept.append(op)
+                log.error(
+                    "audit: %s refused a row (%s): kept in the spill file, for an import once "
+                    "this kvguard is upgraded (a newer one changed the schema?): %r",
+                    shown(self.url),
+                    _reason(e, self.url),
+                    op,
+                )
+            else:
+                log.error(
+                    "audit: %s refused a row, which would be refused again: skipped, counted "
+                    "in rejected (%d so far): %s: %r",
+                    shown(self.url),
+                    self.rejected,
+                    _reason(e, self.url),
+                    op,
+                )
             return False
 
     def _commit(self, ops: list[_Op]) -> None:
@@ -720,9 +902,14 @@ class AuditStore:
         limit: int | None = 100,
         instance: str | None = None,
     ) -> list[dict[str, Any]]:
-        """The newest `limit` incidents opened in the window, oldest first."""
+        """The newest `limit` incidents open at some time in the window (opened before its
+        end, and still open or closed after its start), oldest first by opening."""
         t = TABLES["incidents"]
-        q = _window(select(t), t.c.opened_at, since, until)
+        q = select(t)
+        if since is not None:
+            q = q.where(or_(t.c.closed_at.is_(None), t.c.closed_at >= _aware(since)))
+        if until is not None:
+            q = q.where(t.c.opened_at <= _aware(until))
         if open_only:
             q = q.where(t.c.closed_at.is_(None))
         if instance is not None:
@@ -813,6 +1000,8 @@ def _apply(conn: Connection, ops: list[_Op]) -> None:
         rows = [op.row for op in group]
         if kind == "purge":
             for r in rows:
+                if r.get("stale_of"):
+                    _close_stale(conn, r)
                 _purge(conn, r["before"])
         elif kind == "incident_update":
             t = TABLES["incidents"]
@@ -820,7 +1009,67 @@ def _apply(conn: Connection, ops: list[_Op]) -> None:
                 values = {k: v for k, v in r.items() if k != "id"}
                 conn.execute(update(t).where(t.c.id == r["id"]).values(values))
         else:
-            conn.execute(insert(TABLES[kind]), rows)
+            conn.execute(insert(TABLES[kind]), [_no_nul(r) for r in rows])
+
+
+def _no_nul(row: dict[str, Any]) -> dict[str, Any]:
+    """PostgreSQL's text columns refuse a NUL character (SQLite keeps it): in free text (an
+    action's detail, an engine's error) it becomes U+FFFD rather than cost the whole row.
+    JSON columns keep it, escaped (\\u0000), as PostgreSQL's json type does."""
+    if not any(isinstance(v, str) and "\x00" in v for v in row.values()):
+        return row
+    return {k: v.replace("\x00", "\ufffd") if isinstance(v, str) else v for k, v in row.items()}
+
+
+def _close_stale(conn: Connection, r: dict[str, Any]) -> None:
+    """Close the incidents of instance `stale_of` opened before `stale_before` and still open.
+
+    The evaluator closes its incident when the daemon stops in order; one killed (SIGKILL, the
+    OOM killer, a watchdog's abort, a power cut) leaves it open, and its next start queues this
+    (`purge_older_than(close_stale=True)`). Each is closed at the time of its last row, the
+    last the log knows of that run's pressure (its opening if it has none), and gets an
+    `incident_closed` event saying how: the incidents table has no column for that.
+    """
+    before = r["stale_before"]
+    if isinstance(before, str):  # from a spill file: only top-level times are parsed
+        before = datetime.fromisoformat(before)
+    t, acts, evs = TABLES["incidents"], TABLES["actions"], TABLES["events"]
+    stale = conn.execute(
+        select(t.c.id, t.c.opened_at).where(
+            t.c.instance == r["stale_of"], t.c.closed_at.is_(None), t.c.opened_at < _aware(before)
+        )
+    ).all()
+    now = utcnow()
+    for incident, opened in stale:
+        lasts = [
+            conn.scalar(select(func.max(x.c.time)).where(x.c.incident == incident))
+            for x in (acts, evs)
+        ]
+        closed = max([opened, *(x for x in lasts if x is not None)])
+        conn.execute(update(t).where(t.c.id == incident).values(closed_at=closed))
+        conn.execute(
+            insert(evs),
+            [
+                {
+                    "time": now,
+                    "host": r.get("host") or "-",
+                    "instance": r["stale_of"],
+                    "kind": "incident_closed",
+                    "detail": "closed at a later start: the run that opened it ended without "
+                    "closing it (killed or crashed); closed at its last row",
+                    "data": {"closed_at": closed.isoformat(), "closed_by": "start"},
+                    "incident": incident,
+                    "uid": _new_uid(),
+                }
+            ],
+        )
+        log.warning(
+            "audit: incident %s of %s was left open by an earlier run (killed before its "
+            "orderly stop?): closed at %s, its last row",
+            incident,
+            r["stale_of"],
+            closed.isoformat(),
+        )
 
 
 def _purge(conn: Connection, before: datetime) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import re
 import sys
 from collections.abc import Iterable, Sequence
@@ -85,7 +86,12 @@ def _window_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--since", metavar="WHEN", help="from this time: a duration ago (2h, 30m, 1d) or ISO"
     )
-    p.add_argument("--until", metavar="WHEN", help="up to this time: a duration ago or ISO")
+    p.add_argument(
+        "--until",
+        metavar="WHEN",
+        help="up to this time: a duration ago or ISO (one without fractional seconds, as "
+        "printed, takes in the whole of its second)",
+    )
 
 
 def _instance_option(p: argparse.ArgumentParser) -> None:
@@ -128,7 +134,13 @@ def _add_show(cmds: Any) -> None:
 
 
 def _add_incidents(cmds: Any) -> None:
-    p = cmds.add_parser("incidents", parents=[_db_options()], help="list incidents")
+    p = cmds.add_parser(
+        "incidents",
+        parents=[_db_options()],
+        help="list incidents",
+        description="List incidents, oldest first; with --since/--until, those open at some "
+        "time in that window (opened before its end, closed after its start or still open).",
+    )
     _window_options(p)
     p.add_argument("--open", action="store_true", help="only incidents not closed yet")
     _instance_option(p)
@@ -174,13 +186,20 @@ def _add_import(cmds: Any) -> None:
         help="load a spill file of rows the daemon could not write",
         description="Load FILE, a spill file the daemon wrote at exit because its audit "
         "database would not take the rows (e.g. /var/lib/kvguard/audit.db.spill.jsonl), into "
-        "the database, migrating it first if needed. Rows already there are skipped (actions "
+        "the database, migrating it first if needed. The database must exist (`kvguard db "
+        "upgrade` creates one), and be the one the file was spilled from, as its header "
+        "says (else --force). Rows already there are skipped (actions "
         "and events by the uid they got when queued, incidents by id), so importing a file "
         "twice adds nothing. Afterwards FILE is renamed to FILE.imported-TIME, which can be "
         "deleted. The daemon does the same by itself at start once the database takes writes.",
     )
     p.add_argument("file", metavar="FILE", type=Path, help="the spill file (*.spill.jsonl)")
     p.add_argument("--keep", action="store_true", help="leave FILE where it is, not renamed")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="load it even into a database other than the one its header names",
+    )
     _json_option(p)
     p.set_defaults(func=cmd_audit_import)
 
@@ -271,13 +290,30 @@ def cmd_audit_export(args: argparse.Namespace) -> int:
 
 def cmd_audit_import(args: argparse.Namespace) -> int:
     from kvguard.daemon.audit import AuditStore
-    from kvguard.daemon.audit_migrate import shown, upgrade
-    from kvguard.daemon.audit_spill import mark_imported
+    from kvguard.daemon.audit_migrate import require_database, shown, upgrade
+    from kvguard.daemon.audit_spill import mark_imported, read
 
-    url = _db_url(args)
+    url, default = _db_source(args)
     if not args.file.is_file():
         raise ValueError(f"no spill file at {args.file}")
-    upgrade(url)  # the daemon may never have managed to create or migrate it
+    try:  # never create a database: rows loaded into a stray one are rows lost from sight
+        require_database(url)
+    except ValueError:
+        how = f" ({DEFAULT_DB_HELP})" if default else ""
+        raise ValueError(
+            f"no audit database at {shown(url)}{how}: not importing {args.file}; pass --db URL "
+            "or --config FILE to name the daemon's database (or set KVGUARD_STATE_DIR), or "
+            "create this one with `kvguard db upgrade`"
+        ) from None
+    spilled_from = sorted({str(h.get("db")) for h in read(args.file).headers})
+    spilled_from = [db for db in spilled_from if not _same_db(db, url)]
+    if spilled_from and not args.force:
+        raise ValueError(
+            f"{args.file} holds rows spilled from {', '.join(spilled_from)}, not {shown(url)}: "
+            "pass --db URL or --config FILE to load it into its own database, or --force to "
+            "load it into this one"
+        )
+    upgrade(url)  # the daemon may never have managed to migrate it
     store = AuditStore(url, host="-")
     try:
         res = store.import_file(args.file)
@@ -370,6 +406,20 @@ def _db_source(args: argparse.Namespace) -> tuple[str, bool]:
     return cfg.audit_url(cli=True), cfg.audit.url is None
 
 
+def _same_db(spilled: str, url: str) -> bool:
+    """Whether a spill header's `db` (the URL as shown, without a password) names `url`'s
+    database: the same URL, or the same SQLite file however its path is spelt."""
+    from kvguard.daemon.audit_migrate import shown, sqlite_path
+
+    if spilled == shown(url):
+        return True
+    try:
+        a, b = sqlite_path(spilled), sqlite_path(url)
+    except ValueError:  # not a URL at all
+        return False
+    return a is not None and b is not None and a.resolve() == b.resolve()
+
+
 def _open_store(args: argparse.Namespace) -> AuditStore:
     """A store for reading only: the database must exist and be migrated."""
     from kvguard.daemon.audit import AuditStore
@@ -418,9 +468,19 @@ def parse_when(text: str, now: datetime | None = None) -> datetime:
     return t.replace(tzinfo=UTC) if t.tzinfo is None else t.astimezone(UTC)
 
 
+def parse_until(text: str, now: datetime | None = None) -> datetime:
+    """An --until value: as `parse_when`, but an ISO time without fractional seconds (as the
+    tables print times) means the whole of that second: rows keep microseconds, and the row
+    printed at 12:00:00 may have been written at 12:00:00.73."""
+    t = parse_when(text, now)
+    if not re.fullmatch(rf"(?:{_PART})+", text.strip()) and not re.search(r":\d\d[.,]\d", text):
+        return t + timedelta(seconds=1) - timedelta(microseconds=1)  # rows end in microseconds
+    return t
+
+
 def _window(args: argparse.Namespace) -> tuple[datetime | None, datetime | None]:
     since = parse_when(args.since) if args.since else None
-    until = parse_when(args.until) if args.until else None
+    until = parse_until(args.until) if args.until else None
     if since and until and since > until:
         raise ValueError(f"--since {args.since} is after --until {args.until}")
     return since, until
@@ -493,8 +553,22 @@ def _json_default(value: Any) -> Any:
     raise TypeError(f"{type(value).__name__} is not JSON serialisable")
 
 
+def _finite(value: Any) -> Any:
+    """`value` with every non-finite float (a signal read as +Inf, a NaN) as None: JSON has
+    no Infinity or NaN, and a parser given Python's spelling of them refuses the whole text."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
 def _dumps(value: Any) -> str:
-    return json.dumps(value, indent=2, default=_json_default, ensure_ascii=False)
+    return json.dumps(
+        _finite(value), indent=2, default=_json_default, ensure_ascii=False, allow_nan=False
+    )
 
 
 def _print_json(value: Any) -> int:

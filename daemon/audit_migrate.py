@@ -15,6 +15,15 @@ head and does nothing. Without it, two daemons would both see an empty database 
 create its tables, and one of them would fail half-way; with SQLite's default driver mode each
 CREATE TABLE would even commit on its own, leaving tables without a revision stamp.
 
+The daemon's own migration must not wait without end either (it runs before READY, and a
+database must never keep the daemon from serving): it passes `wait_s`, which bounds the wait
+for another migration's lock (`pg_try_advisory_lock`, polled until then) and, through
+`SET LOCAL lock_timeout`, each wait of its DDL for a table lock (an analyst's transaction left
+open on `actions`). Every connection to a server also has a connect timeout and TCP keepalives
+(`make_engine`), so a server that hangs or a host that is gone fails the attempt instead of
+holding it; the daemon then runs degraded and its writer tries again. `kvguard db upgrade`
+passes no `wait_s` and waits as long as it takes, as an operator at a prompt expects.
+
 Every failure an operator can cause (a malformed URL, a driver that is not installed, a file
 that is not there, a database that refuses) becomes a one-line `ValueError`.
 """
@@ -42,6 +51,16 @@ import kvguard.migrations
 MIGRATIONS_DIR = Path(kvguard.migrations.__file__).resolve().parent
 BUSY_TIMEOUT_MS = 5000  # how long a SQLite writer waits for another's lock before failing
 MIGRATION_WAIT_MS = 120_000  # how long a SQLite migrator waits for another's migration
+# Connections to a database server: a server that accepts TCP but never answers (hung, or
+# SIGSTOPped) fails the connect after this long, and keepalives find a host that is gone.
+CONNECT_TIMEOUT_S = 5
+KEEPALIVES = {
+    "keepalives": 1,
+    "keepalives_idle": 10,
+    "keepalives_interval": 5,
+    "keepalives_count": 3,
+}
+LIBPQ_DRIVERS = ("psycopg", "psycopg2")  # the drivers that take libpq's connection parameters
 # The PostgreSQL advisory lock key of audit migrations: any constant shared by every kvguard
 # (advisory keys are per database, so other applications' databases are not affected).
 MIGRATION_LOCK_KEY = int.from_bytes(b"kvguard!", "big") >> 1  # a positive bigint
@@ -113,7 +132,8 @@ def make_engine(url: str, busy_timeout_ms: int = BUSY_TIMEOUT_MS) -> Engine:
     if sqlite and u.database in (None, "", ":memory:"):
         kwargs = {"poolclass": StaticPool, "connect_args": {"check_same_thread": False}}
     elif not sqlite:
-        kwargs = {"pool_pre_ping": True}  # a server's idle timeout is not a failed write
+        # pool_pre_ping: a server's idle timeout is not a failed write
+        kwargs = {"pool_pre_ping": True, "connect_args": _server_connect_args(u)}
     try:
         engine = create_engine(u, **kwargs)
     except NoSuchModuleError:
@@ -123,6 +143,18 @@ def make_engine(url: str, busy_timeout_ms: int = BUSY_TIMEOUT_MS) -> Engine:
     if sqlite:
         event.listen(engine, "connect", _sqlite_pragmas(busy_timeout_ms))
     return engine
+
+
+def _server_connect_args(u: URL) -> dict[str, Any]:
+    """A connect timeout (and on PostgreSQL TCP keepalives) for a database server, unless the
+    URL's query sets its own (`?connect_timeout=30`)."""
+    args: dict[str, Any] = {}
+    backend, driver = u.get_backend_name(), u.get_driver_name()
+    if backend == "postgresql" and driver in LIBPQ_DRIVERS:
+        args = {"connect_timeout": CONNECT_TIMEOUT_S, **KEEPALIVES}
+    elif backend in ("mysql", "mariadb") and driver in ("mysqldb", "pymysql"):
+        args = {"connect_timeout": CONNECT_TIMEOUT_S}
+    return {k: v for k, v in args.items() if k not in u.query}
 
 
 def _sqlite_pragmas(busy_timeout_ms: int) -> Any:
@@ -186,18 +218,22 @@ def alembic_config(connection: Any = None) -> Config:
 
 
 @contextmanager
-def advisory_lock(conn: Connection) -> Iterator[None]:
+def advisory_lock(conn: Connection, wait_s: float | None = None) -> Iterator[None]:
     """On PostgreSQL, hold the migration lock for the `with` block; elsewhere do nothing.
 
     A session lock taken before the migration's transaction begins, so that even a server whose
     default isolation is REPEATABLE READ gives the waiter a snapshot taken after the other
     migration committed. The server drops the lock with the connection if the process dies.
+    With `wait_s`, a lock another migration still holds after that long is a `ValueError`.
     """
     if conn.dialect.name != "postgresql":
         yield
         return
-    conn.exec_driver_sql(f"SELECT pg_advisory_lock({MIGRATION_LOCK_KEY})")
-    conn.commit()
+    if wait_s is None:
+        conn.exec_driver_sql(f"SELECT pg_advisory_lock({MIGRATION_LOCK_KEY})")
+        conn.commit()
+    else:
+        _try_advisory_lock(conn, wait_s)
     try:
         yield
     finally:
@@ -205,6 +241,36 @@ def advisory_lock(conn: Connection) -> Iterator[None]:
             conn.rollback()
             conn.exec_driver_sql(f"SELECT pg_advisory_unlock({MIGRATION_LOCK_KEY})")
             conn.commit()
+
+
+def _try_advisory_lock(conn: Connection, wait_s: float) -> None:
+    deadline = time.monotonic() + wait_s
+    pause = 0.02
+    while True:
+        got = conn.exec_driver_sql(f"SELECT pg_try_advisory_lock({MIGRATION_LOCK_KEY})").scalar()
+        conn.commit()
+        if got:
+            return
+        if time.monotonic() >= deadline:
+            raise ValueError(
+                f"another migration of this database has held its lock for over {wait_s:g}s "
+                "(a daemon or `kvguard db upgrade` migrating it, or a session holding "
+                f"pg_advisory_lock({MIGRATION_LOCK_KEY}))"
+            )
+        time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+        pause = min(pause * 2, 0.25)
+
+
+def pg_lock_timeout(conn: Connection, wait_s: float | None) -> None:
+    """On PostgreSQL with `wait_s`, bound each wait of this transaction for a table lock: an
+    ALTER TABLE queued behind an open transaction would otherwise wait for it without end,
+    and hold up every other session's writes to that table meanwhile."""
+    if wait_s is not None and conn.dialect.name == "postgresql":
+        conn.exec_driver_sql(f"SET LOCAL lock_timeout = '{max(1, int(wait_s * 1000))}ms'")
+
+
+def _lock_timed_out(e: BaseException) -> bool:
+    return getattr(getattr(e, "orig", None), "sqlstate", None) == "55P03"  # lock_not_available
 
 
 def sqlite_write_lock(conn: Connection) -> None:
@@ -228,25 +294,73 @@ def _at_head(conn: Connection) -> bool:
     return MigrationContext.configure(conn).get_current_revision() == head()
 
 
-def _run(url: str, fn: Any, revision: str, busy_timeout_ms: int) -> None:
+def _newer(conn: Connection) -> str | None:
+    """The database's revision if this kvguard does not know it: a newer kvguard's, during a
+    fleet's rolling upgrade (or another application's Alembic stamp)."""
+    from alembic.script import ScriptDirectory
+
+    rev = MigrationContext.configure(conn).get_current_revision()
+    if rev is None:
+        return None
+    try:
+        ScriptDirectory.from_config(alembic_config()).get_revision(rev)
+    except CommandError:  # "Can't locate revision"
+        return rev
+    return None
+
+
+def _run(
+    url: str,
+    fn: Any,
+    revision: str,
+    busy_timeout_ms: int,
+    wait_s: float | None = None,
+    newer_ok: bool = False,
+) -> str | None:
     path = sqlite_path(url)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
     engine = make_engine(url, busy_timeout_ms)
     try:
-        with db_errors(url), engine.connect() as conn, advisory_lock(conn), conn.begin():
-            if fn is command.upgrade and revision == "head" and _at_head(conn):
-                return
+        with db_errors(url), engine.connect() as conn, advisory_lock(conn, wait_s), conn.begin():
+            pg_lock_timeout(conn, wait_s)
+            if fn is command.upgrade and revision == "head":
+                if _at_head(conn):
+                    return None
+                newer = _newer(conn) if newer_ok else None
+                if newer is not None:
+                    return newer
             sqlite_write_lock(conn)
-            fn(alembic_config(conn), revision)
+            try:
+                fn(alembic_config(conn), revision)
+            except SQLAlchemyError as e:
+                if wait_s is None or not _lock_timed_out(e):
+                    raise
+                raise ValueError(
+                    f"{shown(url)}: the migration waited over {wait_s:g}s for a table lock "
+                    "that another session holds (an open transaction? see pg_stat_activity)"
+                ) from None
     finally:
         engine.dispose()
+    return None
 
 
-def upgrade(url: str, revision: str = "head", busy_timeout_ms: int = BUSY_TIMEOUT_MS) -> None:
+def upgrade(
+    url: str,
+    revision: str = "head",
+    busy_timeout_ms: int = BUSY_TIMEOUT_MS,
+    wait_s: float | None = None,
+    newer_ok: bool = False,
+) -> str | None:
     """Bring the database to `revision`, creating it (and a SQLite file's directory) if needed;
-    safe to run from several processes at once."""
-    _run(url, command.upgrade, revision, busy_timeout_ms)
+    safe to run from several processes at once. `wait_s` bounds the waits for another
+    migration's lock and for table locks on PostgreSQL (see the module docstring).
+
+    `newer_ok` (the daemon's): a database at a revision this kvguard does not know, a newer
+    kvguard's during a fleet's rolling upgrade, is left as it is and its revision returned; the
+    newer migrations are made to take an older daemon's rows (README: upgrade order). Without
+    it that is Alembic's error."""
+    return _run(url, command.upgrade, revision, busy_timeout_ms, wait_s, newer_ok)
 
 
 def downgrade(url: str, revision: str = "base", busy_timeout_ms: int = BUSY_TIMEOUT_MS) -> None:

@@ -3,7 +3,9 @@
 The writer keeps rows in memory while the database refuses them (read-only, full, locked,
 unreachable). Memory does not survive the process, so at exit whatever is still queued is
 appended to a JSON-lines file instead of being lost, and `kvguard audit import FILE` (or the
-next start, once the database takes writes) loads it.
+next start, once the database takes writes) loads it. Rows the database refused outright for a
+schema this kvguard does not know (a newer one's NOT NULL column, say) are appended as they are
+refused, for the import of an upgraded daemon.
 
 Where: next to a SQLite database (`audit.db` -> `audit.db.spill.jsonl`), else in the state
 directory (`$STATE_DIRECTORY` or `./var/`), which is also where a non-SQLite database's rows go.

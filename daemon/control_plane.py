@@ -91,6 +91,10 @@ class ControlPlane:
             id="nvml",
         )
         s.add_job(self._retention, "interval", hours=6, id="audit-retention")
+        # and once now, on the audit writer (queued: READY does not wait for it), so that a
+        # daemon restarted more often than every 6 h still purges; it first closes the
+        # incidents an earlier run of this daemon left open (killed before its orderly stop)
+        self._retention(at_start=True)
         s.start()
         self._poll_nvml()
         self.service.engine.events.subscribe(self._on_engine_event)
@@ -130,11 +134,11 @@ class ControlPlane:
     def _poll_nvml(self) -> None:
         self._gpu_ratio = self.service.nvml.memory_used_ratio()
 
-    def _retention(self) -> None:
+    def _retention(self, at_start: bool = False) -> None:
         days = self.service.cfg.audit.retention / 86400.0
         purge = getattr(self.service.audit, "purge_older_than", None)
         if purge is not None:
-            purge(days)
+            purge(days, close_stale=at_start)
 
     # -- events -----------------------------------------------------------------------------
     def _on_engine_event(self, event: EngineEvent) -> None:
@@ -464,8 +468,11 @@ def _parse_alert(a: Any, where: str) -> Alert:
 
 
 def _check_text(text: str, where: str) -> None:
-    """An unpaired surrogate would be refused by the audit database, not here: refuse it here."""
+    """An unpaired surrogate or a NUL character would be refused by the audit database (NUL by
+    PostgreSQL's text columns), not here: refuse it here."""
     problem = unicode_problem(text)
+    if problem is None and "\x00" in text:
+        problem = f"NUL character at character {text.index(chr(0))}: not allowed in alert text"
     if problem is not None:
         raise AlertPayloadError(problem, where)
 

@@ -596,7 +596,8 @@ class Service:
                 state_after=res.after if res else None,
                 outcome=outcome,
                 error=str(err) if err else (None if res.ok else res.detail),
-                incident=self.control.evaluator.incident if self.control else None,
+                # counted in the incident's actions_count, as its timeline lists it
+                incident=self.control.evaluator.count_outside_action() if self.control else None,
                 is_undo=False,
                 detail=res.detail if res else str(err),
             )

@@ -109,6 +109,9 @@ class Attempt:
     # an undo's settings other remedies in force still hold: setting -> those rules
     held: dict[str, list[str]] = field(default_factory=dict)
     note: str = ""  # why it runs, where not the rule's own signal (a reload)
+    # when it was decided (wall clock, set just before it runs): the audit row's time, so that
+    # the events the action causes while it runs follow it in a timeline, not precede it
+    decided_at: datetime | None = None
 
 
 @dataclass(slots=True)
@@ -510,6 +513,7 @@ class Evaluator:
         if not a.undo:  # before it runs, so that the events it causes are the incident's
             with self._lock:
                 self._open_incident(a.rule)
+        a.decided_at = self._wall()
         try:
             res, outcome, error = self._run(a)
         finally:
@@ -589,6 +593,18 @@ class Evaluator:
             if self.on_incident is not None:
                 self.on_incident(self.incident)
 
+    def count_outside_action(self) -> str | None:
+        """An action no rule took (an operator's, trigger `manual`), about to be recorded: it
+        belongs to the incident open now, if one is, and counts in that incident's
+        actions_count as its timeline lists it. Returns that incident's id (None when calm)."""
+        with self._lock:
+            if self.incident is None:
+                return None
+            self.incident_actions += 1
+            if self.audit:
+                self.audit.update_incident(self.incident, actions_count=self.incident_actions)
+            return self.incident
+
     def close_at_stop(self) -> None:
         """The daemon stops: the open incident ends with it (the next start begins calm, its
         remedies gone with the engine), so none stays open forever."""
@@ -644,7 +660,7 @@ class Evaluator:
         if self.audit is None:
             return
         self.audit.record_action(
-            time=self._wall(),
+            time=a.decided_at or self._wall(),
             rule=rule.name,
             action=action,
             trigger=trigger,

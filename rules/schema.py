@@ -9,7 +9,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from kvguard.rules.actions import ACTIONS, ActionError, parse_params
 from kvguard.rules.durations import parse_duration
@@ -35,6 +43,16 @@ class RulesFileError(ValueError):
 
 
 MIN_INTERVAL = 0.05  # seconds between evaluations: below it a typo, and a busy loop
+# The longest rule name, signal name and `on` value: the audit log's rule and signal columns
+# (String(128)) hold no more, and PostgreSQL refuses a longer value (SQLite would keep it).
+MAX_NAME = 128
+
+
+def _too_long(what: str, v: str | None) -> str | None:
+    """Why `v` cannot be a name (None: it can)."""
+    if v is None or len(v) <= MAX_NAME:
+        return None
+    return f"{what} is {len(v)} characters long: at most {MAX_NAME} (what the audit log keeps)"
 
 
 class _Model(BaseModel):
@@ -88,6 +106,14 @@ class Rule(_Model):
     @classmethod
     def _durations(cls, v: Any) -> Any:
         return None if v is None else parse_duration(v)
+
+    @field_validator("name", "on", mode="after")
+    @classmethod
+    def _length(cls, v: str | None, info: ValidationInfo) -> str | None:
+        problem = _too_long("a rule name" if info.field_name == "name" else "`on`", v)
+        if problem:
+            raise ValueError(problem)
+        return v
 
     @model_validator(mode="after")
     def _shape(self) -> Rule:
@@ -202,6 +228,15 @@ class RuleSet(_Model):
     def _interval(cls, v: float) -> float:
         if v < MIN_INTERVAL:
             raise ValueError(f"interval {v:g}s is too short: at least {MIN_INTERVAL * 1e3:g}ms")
+        return v
+
+    @field_validator("signals", mode="after")
+    @classmethod
+    def _signal_names(cls, v: dict[str, Signal]) -> dict[str, Signal]:
+        for name in v:
+            problem = _too_long("a signal name", name)
+            if problem:
+                raise _At((name,), problem)
         return v
 
     @field_validator("version")

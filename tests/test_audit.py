@@ -82,7 +82,7 @@ def _act(store: AuditStore, **kw: Any) -> None:
 # -- migrations ----------------------------------------------------------------------------
 def test_upgrade_downgrade_upgrade(db_url: str, db_path: Path) -> None:
     audit_migrate.upgrade(db_url)
-    assert audit_migrate.current(db_url) == audit_migrate.head() == "0003"
+    assert audit_migrate.current(db_url) == audit_migrate.head() == "0004"
     assert _tables(db_path) >= TABLES
 
     audit_migrate.downgrade(db_url)
@@ -90,7 +90,7 @@ def test_upgrade_downgrade_upgrade(db_url: str, db_path: Path) -> None:
     assert not TABLES & _tables(db_path)
 
     audit_migrate.upgrade(db_url)
-    assert audit_migrate.current(db_url) == "0003"
+    assert audit_migrate.current(db_url) == "0004"
 
 
 def test_reading_an_older_database_says_to_upgrade_it(
@@ -467,9 +467,9 @@ def test_cli_reads_the_database_of_a_config(filled: tuple[str, str], tmp_path: P
 def test_cli_db_upgrade_and_current(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'new' / 'audit.db'}"
     rc, out = kvguard("db", "upgrade", "--db", url)
-    assert rc == 0 and "at revision 0003" in out
+    assert rc == 0 and "at revision 0004" in out
     rc, out = kvguard("db", "current", "--db", url, "--json")
-    assert json.loads(out)["revision"] == json.loads(out)["head"] == "0003"
+    assert json.loads(out)["revision"] == json.loads(out)["head"] == "0004"
 
 
 def test_cli_reads_the_systemd_daemons_database_from_a_shell(

@@ -230,7 +230,7 @@ def kvguard(*argv: str) -> tuple[int, str]:
 # -- migrations --------------------------------------------------------------------------------
 def test_migrations_from_empty_match_the_models_on_postgresql(pg_url: str) -> None:
     audit_migrate.upgrade(pg_url)
-    assert audit_migrate.current(pg_url) == audit_migrate.head() == "0003"
+    assert audit_migrate.current(pg_url) == audit_migrate.head() == "0004"
     engine = audit_migrate.make_engine(pg_url)
     try:
         with engine.connect() as conn:
@@ -250,7 +250,7 @@ def test_migrations_from_empty_match_the_models_on_postgresql(pg_url: str) -> No
     audit_migrate.downgrade(pg_url)
     assert audit_migrate.current(pg_url) is None
     audit_migrate.upgrade(pg_url)
-    assert audit_migrate.current(pg_url) == "0003"
+    assert audit_migrate.current(pg_url) == "0004"
 
 
 @pytest.mark.parametrize("backend", ["postgresql", "sqlite"])
@@ -410,9 +410,9 @@ def test_cli_show_timeline_export_and_db_commands(
     rc, out = kvguard("audit", "export", "--json", "--table", "incidents", "--db", url)
     assert [r["id"] for r in json.loads(out)] == [incs["node-a"], incs["node-b"]]
     rc, out = kvguard("db", "current", "--db", url, "--json")
-    assert json.loads(out)["revision"] == json.loads(out)["head"] == "0003"
+    assert json.loads(out)["revision"] == json.loads(out)["head"] == "0004"
     rc, out = kvguard("db", "upgrade", "--db", url)
-    assert rc == 0 and "at revision 0003" in out and "postgresql+psycopg://" in out
+    assert rc == 0 and "at revision 0004" in out and "postgresql+psycopg://" in out
 
 
 def test_config_names_the_database_and_the_instance(
@@ -485,7 +485,7 @@ def test_server_down_at_start_is_degraded_until_it_comes_back(pg: PgServer, pg_d
         assert store.problem() is None
     finally:
         store.stop(timeout=10)
-    assert audit_migrate.current(url) == "0003"
+    assert audit_migrate.current(url) == "0004"
     assert _count(pg, pg_db, "SELECT kind, instance FROM events") == [("daemon_start", "node-y")]
 
 

@@ -289,7 +289,7 @@ def test_an_incident_an_oom_opens_begins_with_the_oom_and_ends_at_stop(
     steps = [(r["type"], r.get("kind") or r["action"]) for r in audit.timeline(incident)]
     assert steps == [
         ("event", "engine_oom"),
+        ("action", "handle_oom"),  # at the time it was decided, before what it caused
         ("event", "kv_dtype_switched"),
-        ("action", "handle_oom"),
     ]
     assert audit.get_incident(incident)["closed_at"] is not None

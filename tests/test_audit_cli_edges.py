@@ -1,0 +1,372 @@
+"""Edges of the audit log's data and of `kvguard audit`: incidents a killed daemon left open,
+the retention sweep at start, manual actions in an incident's count, decision times, time
+windows, non-finite values in JSON, names and text PostgreSQL refuses, and `audit import`
+into a database that is not the daemon's.
+
+Real parts throughout: SQLite files, a throwaway PostgreSQL server (tests/test_audit_postgres),
+`kvguard serve` processes on loopback (tests/test_server), and the CLI's own entry point.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sqlite3
+from contextlib import closing
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvguard.daemon import audit_migrate
+from kvguard.daemon.audit import AuditStore, utcnow
+from kvguard.daemon.control_plane import AlertPayloadError, parse_alerts
+from kvguard.engine.control import ActionResult
+from kvguard.rules.evaluator import Evaluator
+from kvguard.rules.schema import RulesFileError, load_rules_text
+from tests.test_audit import _act, kvguard
+from tests.test_audit_postgres import PgServer, pg, pg_db, pg_url  # noqa: F401 - fixtures
+from tests.test_server import Daemon, until
+
+NOW = datetime.now(UTC).replace(microsecond=0)
+
+# A rule that fires at the first tick and never recovers: its incident stays open until the
+# daemon stops (or is killed).
+ALWAYS = """version: 1
+interval: 1s
+signals: {kv: {local: kv_cache_usage_ratio}}
+rules:
+  - {name: always, signal: kv, below: 2.0, recover_above: 3.0, action: reduce_batch,
+     params: {factor: 0.5, min: 1}, undo: restore_batch}
+"""
+
+
+def _rows(db: Path, sql: str, *args: Any) -> list[tuple[Any, ...]]:
+    try:
+        with closing(sqlite3.connect(db)) as c:
+            return c.execute(sql, args).fetchall()
+    except sqlite3.Error:  # not created or not migrated yet
+        return []
+
+
+def _strict_json(text: str) -> Any:
+    """JSON as a strict parser (jq, JavaScript) reads it: no NaN or Infinity."""
+
+    def refuse(name: str) -> None:
+        raise ValueError(f"{name} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+# -- a daemon killed mid-incident; the start's retention sweep (#3, #12) ------------------------
+def test_a_daemon_killed_mid_incident_has_it_closed_and_old_rows_purged_at_next_start(
+    tmp_path: Path,
+) -> None:
+    db = tmp_path / "audit.db"
+    url = f"sqlite:///{db}"
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(ALWAYS)
+    old = AuditStore(url, host="elsewhere")  # a row from before the retention (90 days)
+    old.start()
+    old.record_event("daemon_start", detail="long ago", time=utcnow() - timedelta(days=100))
+    assert old.stop(timeout=10)
+
+    extra = f"rules: {{path: {rules}}}\n"
+    first = Daemon(tmp_path, extra=extra)
+    try:
+        until(
+            lambda: _rows(db, "SELECT incident FROM actions WHERE rule = 'always'"),
+            60,
+            "the rule's action and its incident to land",
+        )
+        until(lambda: _rows(db, "SELECT id FROM incidents"), 30, "the incident row")
+    finally:
+        first.proc.kill()  # SIGKILL: no orderly stop closes the incident
+        first.proc.wait(30)
+        first.log.close()
+    [(inc,)] = _rows(db, "SELECT id FROM incidents WHERE closed_at IS NULL")
+    [(acted,)] = _rows(db, "SELECT max(time) FROM actions WHERE incident = ?", inc)
+
+    second = Daemon(tmp_path, extra=extra)
+    try:
+        until(
+            lambda: _rows(db, "SELECT closed_at FROM incidents WHERE id = ?", inc)[0][0],
+            60,
+            "the next start to close the incident the killed daemon left open",
+        )
+        # the start's sweep also purged the 100-day-old row, without waiting 6 hours
+        until(
+            lambda: not _rows(db, "SELECT id FROM events WHERE detail = 'long ago'"),
+            60,
+            "the retention sweep at start",
+        )
+    finally:
+        assert second.stop() == 0  # orderly: closes its own incident
+    rc, out = kvguard("audit", "incidents", "--open", "--db", url, "--json")
+    assert rc == 0 and json.loads(out) == []
+    rc, out = kvguard("audit", "timeline", inc, "--db", url, "--json")
+    shown = json.loads(out)
+    assert (
+        shown["incident"]["closed_at"]
+        == datetime.fromisoformat(acted).replace(tzinfo=UTC).isoformat()
+    )  # at its last row: when the killed run last acted in it
+    closing_events = [r for r in shown["timeline"] if r.get("kind") == "incident_closed"]
+    assert len(closing_events) == 1 and "killed" in closing_events[0]["detail"]
+
+
+def test_the_start_sweep_closes_only_this_instances_incidents_of_earlier_runs(
+    tmp_path: Path,
+) -> None:
+    url = f"sqlite:///{tmp_path / 'a.db'}"
+    killed = AuditStore(url, host="h", instance="gpu-0")
+    killed.start()
+    mine = killed.open_incident(1, "left open", time=NOW - timedelta(hours=2))
+    _act(killed, incident=mine, time=NOW - timedelta(hours=2))
+    killed.record_event("engine_oom", incident=mine, time=NOW - timedelta(minutes=90))
+    bare = killed.open_incident(1, "no rows", time=NOW - timedelta(hours=1))
+    assert killed.stop(timeout=10)  # as if killed: nothing closed them
+    other = AuditStore(url, host="h", instance="gpu-1")
+    other.start()
+    theirs = other.open_incident(1, "another daemon's, running", time=NOW - timedelta(hours=2))
+    assert other.stop(timeout=10)
+
+    restarted = AuditStore(url, host="h", instance="gpu-0")
+    restarted.start()
+    restarted.purge_older_than(90, close_stale=True)  # what the control plane queues at start
+    now_open = restarted.open_incident(1, "this run's")
+    assert restarted.flush(10)
+    got = {r["id"]: r["closed_at"] for r in restarted.list_incidents(limit=None)}
+    assert got == {
+        mine: NOW - timedelta(minutes=90),  # its last row, the event
+        bare: NOW - timedelta(hours=1),  # no rows: its opening
+        theirs: None,
+        now_open: None,
+    }
+    restarted.purge_older_than(90)  # the sweeps every 6 h close nothing
+    assert restarted.flush(10)
+    assert restarted.get_incident(now_open)["closed_at"] is None
+    events = restarted.list_events(kind="incident_closed", limit=None)
+    assert sorted(e["incident"] for e in events) == sorted([mine, bare])
+    assert all(e["instance"] == "gpu-0" for e in events)
+    assert restarted.stop(timeout=10)
+
+
+# -- manual actions count in their incident (#13) ----------------------------------------------
+def test_a_manual_action_during_an_incident_counts_in_it(tmp_path: Path) -> None:
+    db = tmp_path / "audit.db"
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(ALWAYS)
+    d = Daemon(tmp_path, extra=f"rules: {{path: {rules}}}\n")
+    try:
+        until(lambda: d.admin("GET", "/admin/state").json()["incident"], 60, "an incident")
+        inc = d.admin("GET", "/admin/state").json()["incident"]
+        r = d.admin("POST", "/admin/actions/reduce_batch", json={"factor": 0.5})
+        assert r.status_code == 200, r.text
+        until(
+            lambda: _rows(db, "SELECT id FROM actions WHERE rule = 'manual' AND incident = ?", inc),
+            30,
+            "the manual action's row, in the incident",
+        )
+    finally:
+        assert d.stop() == 0
+    rc, out = kvguard("audit", "timeline", inc, "--db", f"sqlite:///{db}", "--json")
+    shown = json.loads(out)
+    actions = [r for r in shown["timeline"] if r["type"] == "action"]
+    assert [a["trigger"] for a in actions] == ["signal", "manual"]
+    assert shown["incident"]["actions_count"] == len(actions) == 2
+
+
+# -- an action's time is when it was decided (#8) -----------------------------------------------
+def test_an_action_is_recorded_at_its_decision_before_the_events_it_causes(
+    tmp_path: Path,
+) -> None:
+    store = AuditStore(f"sqlite:///{tmp_path / 'a.db'}", host="h")
+    store.start()
+    wall = [1_800_000_000.0]
+
+    def execute(action: str, params: dict[str, Any]) -> ActionResult:
+        wall[0] += 1.5  # the engine applies it at a step boundary, a while later...
+        store.record_event(  # ...and reports what it did then, as the control plane does
+            "admission_halted",
+            incident=ev.incident,
+            time=datetime.fromtimestamp(wall[0], UTC),
+        )
+        wall[0] += 1.5
+        return ActionResult(action, {}, {}, "halted", True)
+
+    rules = load_rules_text(
+        "version: 1\nrules:\n  - {name: halt, on: engine_oom, action: halt_admission}\n", "r.yaml"
+    )
+    ev = Evaluator(rules, lambda n, s: None, execute, audit=store, wall_clock=lambda: wall[0])
+    ev.handle_event("engine_oom")
+    assert store.flush(10)
+    [action] = store.list_actions()
+    assert action["time"] == datetime.fromtimestamp(1_800_000_000.0, UTC)
+    timeline = store.timeline(action["incident"])
+    assert [r["type"] for r in timeline] == ["action", "event"]  # the cause, then its effect
+    assert store.stop(timeout=10)
+
+
+# -- time windows (#9, #10) ----------------------------------------------------------------------
+def test_until_a_printed_time_takes_in_that_whole_second(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'a.db'}"
+    s = AuditStore(url, host="h")
+    s.start()
+    _act(s, rule="at", time=NOW + timedelta(microseconds=730000))
+    _act(s, rule="next", time=NOW + timedelta(seconds=1))
+    assert s.stop(timeout=10)
+    rc, out = kvguard("audit", "list", "--db", url)
+    printed = out.splitlines()[1].split()[1]  # the TIME column, whole seconds
+    assert printed == NOW.strftime("%Y-%m-%dT%H:%M:%SZ")
+    rc, out = kvguard("audit", "list", "--db", url, "--until", printed, "--json")
+    assert rc == 0 and [r["rule"] for r in json.loads(out)] == ["at"]
+    rc, out = kvguard(
+        "audit", "list", "--db", url, "--since", printed, "--until", printed, "--json"
+    )
+    assert rc == 0 and [r["rule"] for r in json.loads(out)] == ["at"]
+    exact = (NOW + timedelta(microseconds=500000)).isoformat()  # a fraction: that instant
+    rc, out = kvguard("audit", "list", "--db", url, "--until", exact, "--json")
+    assert rc == 0 and json.loads(out) == []
+    from kvguard.daemon.audit_cli import parse_until
+
+    assert parse_until("2h", now=NOW) == NOW - timedelta(hours=2)  # a duration: exactly then
+
+
+def test_incidents_in_a_window_are_those_open_at_some_time_in_it(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'a.db'}"
+    s = AuditStore(url, host="h")
+    s.start()
+    still_open = s.open_incident(1, "opened 3h ago, still open", time=NOW - timedelta(hours=3))
+    ended_inside = s.open_incident(1, "closed 30m ago", time=NOW - timedelta(hours=2.5))
+    s.update_incident(ended_inside, closed_at=NOW - timedelta(minutes=30))
+    ended_before = s.open_incident(1, "closed 2h ago", time=NOW - timedelta(hours=2.2))
+    s.update_incident(ended_before, closed_at=NOW - timedelta(hours=2))
+    opened_inside = s.open_incident(1, "opened 10m ago", time=NOW - timedelta(minutes=10))
+    assert s.stop(timeout=10)
+    rc, out = kvguard("audit", "incidents", "--db", url, "--since", "1h", "--json")
+    assert rc == 0
+    assert [r["id"] for r in json.loads(out)] == [still_open, ended_inside, opened_inside]
+    rc, out = kvguard("audit", "incidents", "--db", url, "--since", "1h", "--open", "--json")
+    assert [r["id"] for r in json.loads(out)] == [still_open, opened_inside]
+    until_t = (NOW - timedelta(minutes=20)).isoformat()
+    rc, out = kvguard(
+        "audit", "incidents", "--db", url, "--since", "1h", "--until", until_t, "--json"
+    )
+    assert [r["id"] for r in json.loads(out)] == [still_open, ended_inside]
+
+
+# -- JSON with a non-finite value (#11) -----------------------------------------------------------
+def test_json_output_writes_non_finite_numbers_as_null(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'a.db'}"
+    s = AuditStore(url, host="h")
+    s.start()
+    _act(s, signal="queue", value=math.inf, threshold=-math.inf, params={"x": math.nan})
+    assert s.stop(timeout=10)
+    for argv in (("audit", "list"), ("audit", "show", "1"), ("audit", "export")):
+        rc, out = kvguard(*argv, "--db", url, "--json")
+        assert rc == 0
+        got = _strict_json(out)
+        row = got[0] if isinstance(got, list) else got
+        assert row["value"] is None and row["threshold"] is None and row["params"] == {"x": None}
+
+
+# -- names and text the database refuses (#7) -----------------------------------------------------
+def test_rule_signal_and_on_names_are_at_most_128_characters() -> None:
+    long, fits = "r" * 129, "r" * 128
+    text = (
+        "version: 1\n"
+        f"signals: {{kv: {{local: kv_cache_usage_ratio}}, {long}: {{local: num_waiting}}}}\n"
+        "rules:\n"
+        f"  - {{name: {long}, signal: kv, above: 0.9, action: reduce_batch}}\n"
+        f"  - {{name: a, on: 'alert:{'A' * 123}', action: halt_admission}}\n"
+        f"  - {{name: {fits}, on: 'alert:{'A' * 122}', action: halt_admission}}\n"
+    )
+    with pytest.raises(RulesFileError) as e:
+        load_rules_text(text, "r.yaml")
+    assert e.value.errors == [
+        f"r.yaml:2: signals.{long}: a signal name is 129 characters long: at most 128 (what "
+        "the audit log keeps)",
+        "r.yaml:4: rules.0.name: a rule name is 129 characters long: at most 128 (what the "
+        "audit log keeps)",
+        "r.yaml:5: rules.1.on: `on` is 129 characters long: at most 128 (what the audit log keeps)",
+    ]
+
+
+def test_the_alert_receiver_refuses_nul_characters() -> None:
+    alert = {"status": "firing", "labels": {"alertname": "GPU\x00NearOOM"}}
+    with pytest.raises(AlertPayloadError) as e:
+        parse_alerts({"version": "4", "alerts": [alert]})
+    assert e.value.param == "alerts[0].labels.alertname" and "NUL" in str(e.value)
+    alert = {"status": "firing", "labels": {"alertname": "A"}, "fingerprint": "f\x00"}
+    with pytest.raises(AlertPayloadError) as e:
+        parse_alerts({"version": "4", "alerts": [alert]})
+    assert e.value.param == "alerts[0].fingerprint"
+
+
+def test_postgresql_keeps_long_names_and_nul_text_sqlite_would(pg_url: str) -> None:  # noqa: F811
+    s = AuditStore(pg_url, host="h")
+    s.start()
+    _act(s, rule="r" * 128, signal="alert:" + "A" * 122, detail="engine said a\x00b")
+    _act(s, rule="manual", error="boom\x00", detail="x")
+    s.record_event("engine_failure", detail="rank 1: \x00", data={"why": "a\x00b"})
+    assert s.stop(timeout=15)
+    assert s.rejected == 0 and s.written == 3
+    details = [r["detail"] for r in s.list_actions()] + [r["detail"] for r in s.list_events()]
+    assert details == ["engine said a\ufffdb", "x", "rank 1: \ufffd"]
+    assert [r["error"] for r in s.list_actions()] == [None, "boom\ufffd"]
+    assert s.list_events()[0]["data"] == {"why": "a\x00b"}  # JSON keeps it, escaped
+
+
+# -- `kvguard audit import` never creates a database, nor loads into another one (#6) -----------
+def _spill_of(tmp_path: Path, name: str) -> tuple[str, Path]:
+    """A database and a spill file of its rows (written by hand, as a stop would: see
+    audit_spill), the database left where it is."""
+    from kvguard.daemon import audit_spill
+
+    url = f"sqlite:///{tmp_path / name}"
+    row = {"time": NOW, "host": "h", "instance": "h", "kind": "daemon_start", "detail": "spilled"}
+    lines = [
+        audit_spill.encode_header(url, "h", 1, "database is locked"),
+        audit_spill.encode("events", row | {"data": None, "incident": None, "uid": "u1"}),
+    ]
+    spill = tmp_path / f"{name}.spill.jsonl"
+    spill.write_text("\n".join(lines) + "\n")
+    return url, spill
+
+
+def test_import_refuses_a_database_that_does_not_exist(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _, spill = _spill_of(tmp_path, "audit.db")
+    shell = tmp_path / "shell"
+    shell.mkdir()
+    monkeypatch.chdir(shell)
+    monkeypatch.delenv("STATE_DIRECTORY", raising=False)
+    monkeypatch.setenv("KVGUARD_STATE_DIR", str(shell / "var"))
+    rc, _ = kvguard("audit", "import", str(spill))
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("kvguard: error: no audit database at ")
+    assert f"sqlite:///{shell}/var/audit.db" in err and "--db URL" in err
+    assert "kvguard db upgrade" in err and len(err.strip().splitlines()) == 1
+    assert not (shell / "var").exists()  # nothing created...
+    assert spill.is_file()  # ...and the file not marked as imported
+
+
+def test_import_refuses_another_database_than_the_spills_unless_forced(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    origin, spill = _spill_of(tmp_path, "origin.db")
+    other = f"sqlite:///{tmp_path / 'other.db'}"
+    audit_migrate.upgrade(other)
+    rc, _ = kvguard("audit", "import", str(spill), "--db", other)
+    err = capsys.readouterr().err
+    assert rc == 2 and f"holds rows spilled from {origin}, not {other}" in err
+    assert "--force" in err and spill.is_file()
+    rc, out = kvguard("audit", "import", str(spill), "--db", other, "--force", "--json")
+    assert rc == 0 and json.loads(out)["added"] == {"events": 1}
+    # its own database, spelt another way, is its own
+    _, spill = _spill_of(tmp_path, "origin.db")
+    audit_migrate.upgrade(origin)
+    rc, out = kvguard("audit", "import", str(spill), "--db", f"sqlite:///{tmp_path}/./origin.db")
+    assert rc == 0, capsys.readouterr().err

@@ -1,0 +1,455 @@
+"""The audit store when its database misbehaves under a running fleet: a PostgreSQL server that
+hangs (its processes SIGSTOPped) or a lock held by someone else's open transaction at start, a
+fleet upgraded one daemon at a time, a SQLite file deleted under the daemon, a stop while the
+server does not answer.
+
+Real parts only: a throwaway PostgreSQL server (`tests.test_audit_postgres.PgServer`), real
+SQLite files, real locks taken by a second connection. Every wait is for a condition with a
+deadline; the only timings asserted are the bounds the daemon promises (start and stop).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import sqlite3
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import closing, contextmanager
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+
+from kvguard.daemon import audit, audit_migrate, audit_spill
+from kvguard.daemon.audit import AuditStore
+from kvguard.daemon.audit_models import Base
+from tests.test_audit_postgres import PgServer, wait_for
+
+NOW = datetime.now(UTC).replace(microsecond=0)
+START_BOUND_S = 15.0  # start() waits 5 s at most for its first migration attempt
+
+
+@pytest.fixture(scope="module")
+def pg() -> Iterator[PgServer]:
+    root = Path(tempfile.mkdtemp(prefix="kvguard-pg-robust-"))
+    server = PgServer(root)
+    try:
+        server.init()
+        server.start()
+        yield server
+    finally:
+        server.stop(immediate=True)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def pg_db(pg: PgServer) -> str:
+    if not pg.running:
+        pg.start()
+    return pg.create_database()
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:  # ended meanwhile
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            kids.append(int(entry))
+    return kids
+
+
+@contextmanager
+def hung(pg: PgServer) -> Iterator[None]:
+    """The database server hangs: every process of the cluster stopped (SIGSTOP), so the kernel
+    still accepts its connections and acknowledges its packets, but nothing answers."""
+    assert pg.proc is not None
+    pids = [pg.proc.pid, *_children(pg.proc.pid)]
+    for p in pids:
+        os.kill(p, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for p in pids:
+            os.kill(p, signal.SIGCONT)
+
+
+def _start_bounded(store: AuditStore) -> float | None:
+    """Seconds start() took, or None if it had not returned after START_BOUND_S."""
+    t = threading.Thread(target=store.start, daemon=True)
+    t0 = time.monotonic()
+    t.start()
+    t.join(START_BOUND_S)
+    return None if t.is_alive() else time.monotonic() - t0
+
+
+def _rows(pg: PgServer, db: str, sql: str) -> list[Any]:
+    with pg.connect(db) as conn:
+        return conn.execute(sql).fetchall()
+
+
+# -- 1. a start that cannot migrate does not keep the daemon from READY ------------------------
+def test_start_returns_while_the_server_hangs_and_rows_land_once_it_answers(
+    pg: PgServer, pg_db: str, tmp_path: Path
+) -> None:
+    url = pg.url(pg_db)
+    store = AuditStore(url, instance="node-h", spill_dir=tmp_path)
+    try:
+        with hung(pg):
+            took = _start_bounded(store)
+            assert took is not None, "start() still blocked on a hung server"
+            problem = store.problem()
+            assert problem is not None and problem.startswith(f"cannot migrate {url}: "), problem
+            store.record_event("daemon_start", "while the server hung")
+            # each attempt ends (a connect timeout), so the writer's retries go on
+            wait_for(lambda: "timeout" in (store.problem() or ""), 30, "an attempt to time out")
+        assert store.flush(timeout=60), store.problem()
+        assert store.problem() is None
+    finally:
+        store.stop(timeout=10)
+    assert audit_migrate.current(url) == audit_migrate.head()
+    assert _rows(pg, pg_db, "SELECT kind, instance FROM events") == [("daemon_start", "node-h")]
+
+
+def test_start_returns_while_a_transaction_holds_a_table_the_migration_alters(
+    pg: PgServer, pg_db: str, tmp_path: Path
+) -> None:
+    """An analyst's psql session left idle in a transaction after reading `actions`, while a
+    daemon of a newer kvguard starts on a database at 0002: its ALTER TABLE waits for that lock."""
+    url = pg.url(pg_db)
+    audit_migrate.upgrade(url, "0002")
+    analyst = pg.connect(pg_db)
+    store = AuditStore(url, instance="node-l", spill_dir=tmp_path)
+    try:
+        analyst.execute("SELECT count(*) FROM actions").fetchall()  # the transaction stays open
+        took = _start_bounded(store)
+        assert took is not None, "start() still blocked behind the analyst's transaction"
+        problem = wait_for(store.problem, 30, "the store to say it is degraded")
+        assert problem.startswith(f"cannot migrate {url}: "), problem
+        wait_for(lambda: "table lock" in (store.problem() or ""), 30, "the lock wait to end")
+        store.record_event("daemon_start", "while the migration waited")
+        analyst.rollback()
+        assert store.flush(timeout=60), store.problem()
+        assert store.problem() is None
+    finally:
+        analyst.close()
+        store.stop(timeout=10)
+    assert audit_migrate.current(url) == audit_migrate.head()
+    assert _rows(pg, pg_db, "SELECT kind FROM events") == [("daemon_start",)]
+
+
+def test_start_returns_while_another_migration_holds_the_lock(
+    pg: PgServer, pg_db: str, tmp_path: Path
+) -> None:
+    """A migrator stuck while holding the migration lock (a `kvguard db upgrade` suspended at a
+    prompt): the daemon's own migration gives up waiting and retries."""
+    url = pg.url(pg_db)
+    key = audit_migrate.MIGRATION_LOCK_KEY
+    store = AuditStore(url, instance="node-a", spill_dir=tmp_path)
+    with pg.connect(pg_db, autocommit=True) as holder:
+        holder.execute("SELECT pg_advisory_lock(%s)", (key,))
+        try:
+            took = _start_bounded(store)
+            assert took is not None, "start() still blocked on the migration lock"
+            wait_for(
+                lambda: "another migration" in (store.problem() or ""), 30, "the lock wait to end"
+            )
+            store.record_event("daemon_start")
+        finally:
+            holder.execute("SELECT pg_advisory_unlock(%s)", (key,))
+    try:
+        assert store.flush(timeout=60), store.problem()
+    finally:
+        store.stop(timeout=10)
+    assert _rows(pg, pg_db, "SELECT kind FROM events") == [("daemon_start",)]
+
+
+def test_the_kvguard_db_upgrade_command_still_waits_for_the_lock(pg: PgServer, pg_db: str) -> None:
+    """Only the daemon's migration is bounded: an operator's `kvguard db upgrade` waits."""
+    url = pg.url(pg_db)
+    key = audit_migrate.MIGRATION_LOCK_KEY
+    done = threading.Event()
+    with pg.connect(pg_db, autocommit=True) as holder:
+        holder.execute("SELECT pg_advisory_lock(%s)", (key,))
+        t = threading.Thread(target=lambda: (audit_migrate.upgrade(url), done.set()), daemon=True)
+        try:
+            t.start()
+            waiting = (
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted "
+                "AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+            )
+            wait_for(lambda: holder.execute(waiting).fetchone()[0] == 1, 30, "the wait")
+            assert not done.is_set()
+        finally:
+            holder.execute("SELECT pg_advisory_unlock(%s)", (key,))
+        t.join(60)
+    assert done.is_set() and audit_migrate.current(url) == audit_migrate.head()
+
+
+def test_a_connect_timeout_in_the_url_wins() -> None:
+    mine = sa.engine.make_url("postgresql+psycopg://u@db.invalid/kv")
+    args = audit_migrate._server_connect_args(mine)  # noqa: SLF001
+    assert args["connect_timeout"] == audit_migrate.CONNECT_TIMEOUT_S and args["keepalives"] == 1
+    own = sa.engine.make_url("postgresql+psycopg://u@db.invalid/kv?connect_timeout=30")
+    assert "connect_timeout" not in audit_migrate._server_connect_args(own)  # noqa: SLF001
+
+
+# -- 2. a fleet upgraded one daemon at a time --------------------------------------------------
+def _old_daemon_events() -> sa.Table:
+    """`events` as a kvguard from before 0003 knows it: no `instance`."""
+    return sa.Table(
+        "events",
+        sa.MetaData(),
+        sa.Column("id", sa.Integer, primary_key=True),
+        sa.Column("time", sa.DateTime(timezone=True)),
+        sa.Column("host", sa.String(255)),
+        sa.Column("kind", sa.String(64)),
+        sa.Column("detail", sa.Text),
+        sa.Column("data", sa.JSON),
+        sa.Column("incident", sa.String(64)),
+        sa.Column("uid", sa.String(32)),
+    )
+
+
+def _old_daemon_incidents() -> sa.Table:
+    return sa.Table(
+        "incidents",
+        sa.MetaData(),
+        sa.Column("id", sa.String(64), primary_key=True),
+        sa.Column("opened_at", sa.DateTime(timezone=True)),
+        sa.Column("closed_at", sa.DateTime(timezone=True)),
+        sa.Column("peak_level", sa.Integer),
+        sa.Column("actions_count", sa.Integer),
+        sa.Column("host", sa.String(255)),
+        sa.Column("summary", sa.Text),
+    )
+
+
+@pytest.mark.parametrize("backend", ["postgresql", "sqlite"])
+def test_rows_of_a_daemon_not_yet_upgraded_are_taken_with_their_host_as_instance(
+    backend: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    if backend == "postgresql":
+        pg = request.getfixturevalue("pg")
+        url = pg.url(request.getfixturevalue("pg_db"))
+    else:
+        url = f"sqlite:///{tmp_path}/audit.db"
+    # The first daemon of the new version has migrated the shared database...
+    new = AuditStore(url, host="new-node", instance="new-gpu0")
+    new.start()
+    try:
+        new.record_event("daemon_start", "new")
+        assert new.flush(30)
+        # ...while one of the old version still writes, without `instance`.
+        engine = audit_migrate.make_engine(url)
+        try:
+            with engine.begin() as conn:
+                conn.execute(
+                    sa.insert(_old_daemon_events()),
+                    [
+                        {"time": NOW, "host": "old-node", "kind": "tick", "detail": f"old {i}"}
+                        for i in range(3)
+                    ],
+                )
+                conn.execute(
+                    sa.insert(_old_daemon_incidents()),
+                    [
+                        {
+                            "id": "inc-old",
+                            "opened_at": NOW,
+                            "peak_level": 1,
+                            "actions_count": 0,
+                            "host": "old-node",
+                            "summary": "old",
+                        }
+                    ],
+                )
+            with engine.connect() as conn:
+                ctx = MigrationContext.configure(conn, opts={"compare_type": True})
+                assert compare_metadata(ctx, Base.metadata) == []
+        finally:
+            engine.dispose()
+        events = new.list_events(limit=None)
+        assert sorted((e["detail"], e["instance"]) for e in events) == [
+            ("new", "new-gpu0"),
+            ("old 0", "old-node"),
+            ("old 1", "old-node"),
+            ("old 2", "old-node"),
+        ]
+        assert new.get_incident("inc-old")["instance"] == "old-node"
+        new.record_event("tick", "new again")  # a row with its instance keeps it
+        assert new.flush(30)
+        assert new.list_events(limit=1)[0]["instance"] == "new-gpu0"
+    finally:
+        new.stop(timeout=10)
+    # Down and up again: the triggers go and come back with their revision.
+    audit_migrate.downgrade(url, "0003")
+    audit_migrate.upgrade(url)
+    assert audit_migrate.current(url) == audit_migrate.head()
+
+
+def test_a_daemon_restarted_on_a_database_a_newer_kvguard_migrated_writes_to_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An older daemon restarts mid-rollout: the database is at a revision it does not know.
+    It must not be degraded for good (Alembic cannot migrate to its own, older head)."""
+    url = f"sqlite:///{tmp_path}/audit.db"
+    audit_migrate.upgrade(url)
+    with closing(sqlite3.connect(tmp_path / "audit.db")) as c, c:
+        c.execute("UPDATE alembic_version SET version_num = '9999'")  # a newer kvguard's stamp
+    store = AuditStore(url, host="h")
+    with caplog.at_level(logging.WARNING, logger=audit.__name__):
+        store.start()
+    try:
+        assert store.problem() is None, store.problem()
+        assert "at revision 9999, newer than this kvguard knows" in caplog.text
+        store.record_event("tick", "from the older daemon")
+        assert store.flush(30), store.problem()
+    finally:
+        store.stop(timeout=10)
+    assert _details(tmp_path / "audit.db") == ["from the older daemon"]
+    with pytest.raises(ValueError, match="9999"):  # `kvguard db upgrade` still says so
+        audit_migrate.upgrade(url)
+
+
+def test_rows_refused_for_a_newer_schema_are_kept_in_the_spill_file(
+    pg: PgServer,
+    pg_db: str,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A newer kvguard's migration (another daemon's) adds a NOT NULL column this one does not
+    fill: its rows are refused, and kept for an import instead of vanishing. A duplicate,
+    which would be refused again, is only counted and logged."""
+    url = pg.url(pg_db)
+    monkeypatch.setattr(audit, "new_incident_id", lambda now=None: "inc-same")
+    store = AuditStore(url, instance="node-r", spill_dir=tmp_path)
+    store.start()
+    try:
+        store.open_incident(1, "first")
+        assert store.flush(30)
+        with pg.connect(pg_db) as conn:
+            conn.execute("ALTER TABLE events ADD COLUMN severity text NOT NULL DEFAULT 'info'")
+            conn.execute("ALTER TABLE events ALTER COLUMN severity DROP DEFAULT")
+        with caplog.at_level(logging.ERROR, logger=audit.__name__):
+            store.record_event("tick", "refused 0")
+            store.record_event("tick", "refused 1")
+            store.open_incident(1, "the same id again: refused for good")
+            assert store.flush(30)
+        assert store.rejected == 3 and store.written == 1
+    finally:
+        store.stop(timeout=10)
+    spill = tmp_path / "audit.spill.jsonl"
+    assert store.spill_file == spill
+    kept = audit_spill.read(spill)
+    assert [(k, r["detail"]) for k, r in kept.ops] == [
+        ("events", "refused 0"),
+        ("events", "refused 1"),
+    ]
+    assert kept.headers[0]["reason"] == f"refused by {url}"
+    assert "kept in the spill file" in caplog.text and "refused rows to" in caplog.text
+    assert "would be refused again" in caplog.text
+
+    # The daemon upgraded (here: the column gets the default its migration would give) imports
+    # them at its next start.
+    with pg.connect(pg_db) as conn:
+        conn.execute("ALTER TABLE events ALTER COLUMN severity SET DEFAULT 'info'")
+    nxt = AuditStore(url, instance="node-r", spill_dir=tmp_path)
+    nxt.start()
+    try:
+        wait_for(lambda: not spill.exists(), 30, "the spill file to be imported")
+    finally:
+        nxt.stop(timeout=10)
+    got = _rows(pg, pg_db, "SELECT detail, instance FROM events ORDER BY id")
+    assert got == [("refused 0", "node-r"), ("refused 1", "node-r")]
+
+
+# -- 3. the SQLite file deleted under the daemon ------------------------------------------------
+def _details(path: Path) -> list[str]:
+    with closing(sqlite3.connect(path)) as c:
+        return [r[0] for r in c.execute("SELECT detail FROM events ORDER BY id")]
+
+
+@pytest.mark.parametrize("reconnect", [False, True])
+def test_a_deleted_sqlite_file_is_created_again_and_the_rows_land_in_it(
+    tmp_path: Path, reconnect: bool
+) -> None:
+    """An operator (or a tmpfiles cleaner) removes the database while the daemon runs. Without
+    `reconnect` the writer's pooled connection still has the deleted file open; with it (as
+    after any failed write) a new connection makes a new, empty file."""
+    db = tmp_path / "audit.db"
+    store = AuditStore(f"sqlite:///{db}", host="h")
+    store.start()
+    try:
+        store.record_event("tick", "before")
+        assert store.flush(10)
+        for f in tmp_path.glob("audit.db*"):
+            f.unlink()
+        if reconnect:
+            store._engine.dispose()  # noqa: SLF001
+        store.record_event("tick", "after 1")
+        store.record_event("tick", "after 2")
+        assert store.flush(30), store.problem()
+        assert store.problem() is None
+    finally:
+        assert store.stop(timeout=10)
+    assert _details(db) == ["after 1", "after 2"]
+    assert audit_migrate.current(f"sqlite:///{db}") == audit_migrate.head()
+
+
+def test_lost_tables_are_migrated_again_on_postgresql(pg: PgServer, pg_db: str) -> None:
+    """Someone drops the audit tables (`kvguard db downgrade base`) under a running daemon."""
+    url = pg.url(pg_db)
+    store = AuditStore(url, instance="node-d")
+    store.start()
+    try:
+        store.record_event("tick", "before")
+        assert store.flush(30)
+        audit_migrate.downgrade(url, "base")
+        store.record_event("tick", "after")
+        assert store.flush(60), store.problem()
+    finally:
+        store.stop(timeout=10)
+    assert _rows(pg, pg_db, "SELECT detail FROM events") == [("after",)]
+
+
+# -- 4. stop keeps to its timeout with a hung server -------------------------------------------
+def test_stop_with_a_hung_server_keeps_to_its_timeout_and_spills(
+    pg: PgServer, pg_db: str, tmp_path: Path
+) -> None:
+    url = pg.url(pg_db)
+    store = AuditStore(url, instance="node-s", spill_dir=tmp_path)
+    store.start()
+    store.record_event("tick", "written")
+    assert store.flush(30)
+    writer = store._thread  # noqa: SLF001
+    with hung(pg):
+        for i in range(5):
+            store.record_event("tick", f"unwritten {i}")
+        wait_for(lambda: store.depth() == 5, 10, "the rows to queue")
+        t0 = time.monotonic()
+        ok = store.stop(timeout=2)
+        took = time.monotonic() - t0
+    assert ok is False
+    assert took < 3.0, f"stop(timeout=2) took {took:.1f}s"
+    spill = tmp_path / "audit.spill.jsonl"
+    assert store.spill_file == spill
+    assert [r["detail"] for _, r in audit_spill.read(spill).ops] == [
+        f"unwritten {i}" for i in range(5)
+    ]
+    if writer is not None:  # the writer left behind ends once the server answers again
+        writer.join(60)

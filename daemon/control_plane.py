@@ -78,6 +78,9 @@ class ControlPlane:
         self._seen_alerts: dict[tuple[str, str, str], float] = {}
         self._lock = threading.Lock()
         self.alerts_received: dict[tuple[str, str], int] = {}
+        # alerts whose `instance` label names another daemon, by alert name (each name logged
+        # once: a mismatched prometheus.instance shows in the journal, not only as silence)
+        self.alerts_ignored: dict[str, int] = {}
         self.on_tick = None  # set by metrics: observes tick duration
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -230,6 +233,7 @@ class ControlPlane:
         for a in alerts:
             if a.instance is not None and a.instance != mine:
                 other += 1  # a fleet-wide receiver: another daemon's alert is not ours to act on
+                self._ignore(a, mine)
                 continue
             if a.status == "firing":
                 firing.add(a.name)
@@ -260,6 +264,25 @@ class ControlPlane:
         if events:
             self._soon_all(events)
         return {"accepted": taken, "duplicates": dupes, "other_instance": other}
+
+    def _ignore(self, a: Alert, mine: str) -> None:
+        """Count an alert for another instance; the first of each name is logged, with the
+        instance it names and this daemon's, so that a `prometheus.instance` that does not
+        match the scrape target's label is found without guessing."""
+        with self._lock:
+            first = a.name not in self.alerts_ignored
+            self.alerts_ignored[a.name] = self.alerts_ignored.get(a.name, 0) + 1
+        if first:
+            log.warning(
+                "Alertmanager alert %s names instance %r, and this daemon is %r: not taken "
+                "(another daemon's alert; if it is this daemon's, set prometheus.instance to the "
+                "instance label Prometheus gives it). Further %s alerts for other instances are "
+                "counted in kvguard_alerts_ignored_total, not logged",
+                a.name,
+                a.instance,
+                mine,
+                a.name,
+            )
 
     def _first_time(self, a: Alert) -> bool:
         """Count the alert and remember it; False if this very alert was taken before."""
@@ -335,8 +358,8 @@ class ControlPlane:
             )
             if old != new
         }
-        if changed:
-            self.promql = PromQL(*now)
+        if changed:  # counting on: the failure and empty-answer counters never go back to 0
+            self.promql = p.reconfigured(*now)
             self.reader.promql = self.promql
         return changed
 

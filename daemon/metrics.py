@@ -158,7 +158,7 @@ class SnapshotCollector(Collector):
             "Finished requests by reason (abort: client gone or cut by a drain)",
             labels=["finish_reason", "priority"],
         )
-        for reason in sorted({"stop", "length", "abort", *s.finished}):
+        for reason in sorted({"stop", "length", "abort", "error", *s.finished}):
             by_priority = s.finished.get(reason, {})
             for prio in ("high", "normal", "low"):
                 fam.add_metric([reason, prio], by_priority.get(prio, 0))
@@ -219,50 +219,74 @@ class SnapshotCollector(Collector):
 
 
 class NvmlCollector(Collector):
+    """Every GPU NVML answers for, `own="true"` on those the engine runs on (NVML sees the
+    whole host: another tenant's GPU is `own="false"`). A field NVML does not answer for a GPU
+    (utilisation on a MIG-enabled GPU, say) has no sample for it."""
+
     def __init__(self, reader: NvmlReader) -> None:
         self.reader = reader
 
     def collect(self):  # noqa: ANN201
         readings = self.reader.read()
-        up = _gauge("kvguard_nvml_up", "1 when NVML answered the last query")
+        up = _gauge("kvguard_nvml_up", "1 when NVML answered the last query for at least one GPU")
         up.add_metric([], 1.0 if readings else 0.0)
         yield up
         if not readings:
             return
+        labels = ["gpu", "own"]
         fams = {
-            "used": _gauge("kvguard_gpu_memory_used_bytes", "GPU memory used", ["gpu"]),
-            "free": _gauge("kvguard_gpu_memory_free_bytes", "GPU memory free", ["gpu"]),
-            "total": _gauge("kvguard_gpu_memory_total_bytes", "GPU memory total", ["gpu"]),
-            "util": _gauge("kvguard_gpu_utilization_ratio", "GPU busy share", ["gpu"]),
-            "temp": _gauge("kvguard_gpu_temperature_celsius", "GPU temperature", ["gpu"]),
-            "power": _gauge("kvguard_gpu_power_watts", "GPU power draw", ["gpu"]),
+            "used": _gauge("kvguard_gpu_memory_used_bytes", "GPU memory used", labels),
+            "free": _gauge("kvguard_gpu_memory_free_bytes", "GPU memory free", labels),
+            "total": _gauge("kvguard_gpu_memory_total_bytes", "GPU memory total", labels),
+            "util": _gauge("kvguard_gpu_utilization_ratio", "GPU busy share", labels),
+            "temp": _gauge("kvguard_gpu_temperature_celsius", "GPU temperature", labels),
+            "power": _gauge("kvguard_gpu_power_watts", "GPU power draw", labels),
         }
         for r in readings:
-            g = [str(r.index)]
+            g = [str(r.index), "true" if r.own else "false"]
             fams["used"].add_metric(g, r.memory_used_bytes)
             fams["free"].add_metric(g, r.memory_free_bytes)
             fams["total"].add_metric(g, r.memory_total_bytes)
-            fams["util"].add_metric(g, r.utilization_ratio)
-            fams["temp"].add_metric(g, r.temperature_celsius)
-            fams["power"].add_metric(g, r.power_watts)
+            for key, value in (
+                ("util", r.utilization_ratio),
+                ("temp", r.temperature_celsius),
+                ("power", r.power_watts),
+            ):
+                if value is not None:
+                    fams[key].add_metric(g, value)
         yield from fams.values()
 
 
 class TensorParallelCollector(Collector):
-    """How the model is split: the number of ranks and each rank's device KV pool in bytes
-    (every rank holds the same blocks, of its own KV heads). One rank: this process's pool."""
+    """How the model is split: tensor-parallel ranks per stage, pipeline stages (the ranks are
+    their product) and each rank's device KV pool in bytes (every rank of a stage holds the
+    same blocks, of its own KV heads). One rank: this process's pool."""
 
-    def __init__(self, size: Callable[[], int], kv_rank_bytes: Callable[[], list[int]]) -> None:
+    def __init__(
+        self,
+        size: Callable[[], int],
+        kv_rank_bytes: Callable[[], list[int]],
+        stages: Callable[[], int] = lambda: 1,
+    ) -> None:
         self.size = size
         self.kv_rank_bytes = kv_rank_bytes
+        self.stages = stages
 
     def collect(self):  # noqa: ANN201
-        size = _gauge("kvguard_tensor_parallel_size", "Ranks the model is split over")
+        size = _gauge(
+            "kvguard_tensor_parallel_size",
+            "Tensor-parallel ranks each pipeline stage's layers are split over "
+            "(ranks in all: this x kvguard_pipeline_parallel_size)",
+        )
         size.add_metric([], float(self.size()))
+        stages = _gauge(
+            "kvguard_pipeline_parallel_size", "Pipeline stages the model's layers are divided into"
+        )
+        stages.add_metric([], float(self.stages()))
         kv = _gauge("kvguard_kv_cache_rank_bytes", "Bytes of each rank's device KV pool", ["rank"])
         for rank, n in enumerate(self.kv_rank_bytes()):
             kv.add_metric([str(rank)], float(n))
-        yield from (size, kv)
+        yield from (size, stages, kv)
 
 
 class ControlPlaneCollector(Collector):
@@ -332,12 +356,25 @@ class ControlPlaneCollector(Collector):
             "kvguard_prometheus_query_failures", "PromQL signal reads that failed"
         )
         pq.add_metric([], cp.promql.failures)
+        pq_empty = CounterMetricFamily(
+            "kvguard_prometheus_query_empty",
+            "PromQL signal reads answered with no number (an empty vector, NaN, a string): "
+            "the rule reading it is unknown",
+        )
+        pq_empty.add_metric([], cp.promql.empty)
         al = CounterMetricFamily(
             "kvguard_alerts_received", "Alertmanager alerts taken", labels=["alertname", "status"]
         )
-        for (name, status), n in cp.alerts_received.items():
+        for (name, status), n in dict(cp.alerts_received).items():
             al.add_metric([name, status], n)
-        yield from (state, evals, efail, acts, level, pq, al)
+        ignored = CounterMetricFamily(
+            "kvguard_alerts_ignored",
+            "Alertmanager alerts not taken: their instance label names another daemon",
+            labels=["alertname"],
+        )
+        for name, n in dict(cp.alerts_ignored).items():
+            ignored.add_metric([name], n)
+        yield from (state, evals, efail, acts, level, pq, pq_empty, al, ignored)
 
 
 def _or_nan(value: float | None) -> float:

@@ -39,7 +39,7 @@ from kvguard.daemon.config import (
 from kvguard.daemon.control_plane import ControlPlane
 from kvguard.daemon.logging_setup import configure_logging
 from kvguard.daemon.metrics import ControlPlaneCollector, Metrics, TensorParallelCollector
-from kvguard.daemon.nvml import NvmlReader
+from kvguard.daemon.nvml import NvmlReader, engine_gpu_ids
 from kvguard.engine.engine_loop import EngineLoop, EngineUnavailable
 from kvguard.engine.host_memory import host_memory_used_ratio
 from kvguard.engine.knobs import KnobField
@@ -135,6 +135,8 @@ class Service:
         loop.on_fatal.append(self._on_engine_fatal)
         self.loop = loop.start(lambda: LLMEngine.from_config(config, progress=progress))
         self.engine = self.loop.engine
+        # the GPUs the engine runs on: the GPU memory rule reads only these (NVML sees the host)
+        self.nvml.use_gpus(engine_gpu_ids(self.engine))
         self.worker_pids = _worker_pids(self.engine)
         self._refresh_kv_rank_bytes(self.engine.latest_snapshot)
         self.loop.on_step.append(self._refresh_kv_rank_bytes)
@@ -636,7 +638,11 @@ class Service:
                 "kv_cache_rank_bytes": self.kv_rank_bytes,
                 "failure": None if self.loop.fatal is None else str(self.loop.fatal),
             },
-            "nvml": {"available": self.nvml.available, "error": self.nvml.error},
+            "nvml": {
+                "available": self.nvml.available,
+                "error": self.nvml.error,
+                "own_gpus": self.nvml.own_gpus,  # NVML indices of the engine's GPUs
+            },
             "rules": self.control.evaluator.rule_states() if self.control else [],
             "degradation_level": self.control.evaluator.level() if self.control else 0,
             "incident": self.control.evaluator.incident if self.control else None,

@@ -1,14 +1,17 @@
 """Where rules read pressure: the engine snapshot and NVML (local), or a PromQL query.
 
 A value that cannot be read is None — the evaluator treats it as unknown and never acts on it.
-PromQL failures are counted and logged once per outage (not once per tick).
+PromQL failures are counted and logged once per outage (not once per tick); so are answers that
+hold no number (an empty vector, NaN, a string), once per query until it answers one again.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import threading
 from collections.abc import Callable
+from typing import Any
 
 from kvguard.engine.host_memory import host_memory_used_ratio
 from kvguard.engine.snapshot import EngineSnapshot
@@ -36,14 +39,23 @@ def local_value(
 
 
 class PromQL:
-    """Scalar or max-over-vector PromQL reads through prometheus-api-client, with a timeout."""
+    """Scalar or max-over-vector PromQL reads through prometheus-api-client, within a deadline.
+
+    `timeout_s` bounds the whole query, not each socket read: a Prometheus (or a proxy) that
+    trickles its answer a byte at a time would otherwise hold the rule tick for as long as it
+    pleases. The request runs on a daemon thread the caller stops waiting for at the deadline;
+    while one is still running past it, further queries fail at once instead of piling up."""
 
     def __init__(self, url: str | None, timeout_s: float, instance: str) -> None:
         self.url = url
         self.timeout_s = timeout_s
         self.instance = instance
-        self.failures = 0
+        self.failures = 0  # queries that failed (no answer, an error, past the deadline)
+        self.empty = 0  # queries answered with no number (empty vector, NaN, a string)
         self._down = False
+        self._empty_exprs: set[str] = set()  # queries answering no number now (logged once)
+        self._lock = threading.Lock()
+        self._late: threading.Event | None = None  # set once the query past its deadline ends
         self._client = None
         if url:
             from prometheus_api_client import PrometheusConnect
@@ -58,41 +70,114 @@ class PromQL:
                 retry=Retry(total=0, connect=0, read=0),
             )
 
+    def reconfigured(self, url: str | None, timeout_s: float, instance: str) -> PromQL:
+        """A client for changed settings (a reload) that counts on from this one's totals:
+        a counter that went back to 0 would read as a reset, not as the failures it had."""
+        new = PromQL(url, timeout_s, instance)
+        new.failures, new.empty = self.failures, self.empty
+        return new
+
     def query(self, expr: str) -> float | None:
         if self._client is None:
             self._fail(f"no prometheus.url configured for query {expr!r}")
             return None
         q = expr.replace("$instance", self.instance)
         try:
-            result = self._client.custom_query(q, timeout=self.timeout_s)
+            result = self._within_deadline(q)
         except Exception as e:  # noqa: BLE001 - any failure is an unknown signal
             self._fail(f"{type(e).__name__}: {e}")
             return None
         if self._down:
             log.info("Prometheus at %s answers again", self.url)
             self._down = False
-        return _value(result)
+        value = _value(result)
+        with self._lock:
+            if value is None:
+                self.empty += 1
+                if q not in self._empty_exprs:
+                    self._empty_exprs.add(q)
+                    log.warning(
+                        "PromQL query %r answered no number (%s); rules on it are unknown until "
+                        "it does",
+                        q,
+                        _describe(result),
+                    )
+            elif q in self._empty_exprs:
+                self._empty_exprs.discard(q)
+                log.info("PromQL query %r answers a number again", q)
+        return value
+
+    def _within_deadline(self, q: str) -> Any:
+        """custom_query's result, or TimeoutError once timeout_s has passed in all."""
+        with self._lock:
+            if self._late is not None and not self._late.is_set():
+                raise TimeoutError(
+                    f"an earlier query is still running past its {self.timeout_s:g}s deadline"
+                )
+            self._late = None
+        client, done, out = self._client, threading.Event(), {}
+
+        def run() -> None:
+            try:
+                out["result"] = client.custom_query(q, timeout=self.timeout_s)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                out["error"] = e
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name="kvguard-promql", daemon=True).start()
+        if not done.wait(self.timeout_s):
+            with self._lock:
+                self._late = done
+            raise TimeoutError(f"no complete answer within {self.timeout_s:g}s")
+        if "error" in out:
+            raise out["error"]
+        return out["result"]
 
     def _fail(self, why: str) -> None:
-        self.failures += 1
-        if not self._down:
-            log.warning(
-                "Prometheus query failing (%s); rules on PromQL signals are unknown until it recovers",
-                why,
-            )
+        with self._lock:
+            self.failures += 1
+            if self._down:
+                return
             self._down = True
+        log.warning(
+            "Prometheus query failing (%s); rules on PromQL signals are unknown until it recovers",
+            why,
+        )
 
 
 def _value(result: object) -> float | None:
-    """A vector's maximum (or a scalar); None for an empty result or NaN."""
+    """A vector's maximum (or a scalar); None for an empty result, NaN, or no number at all
+    (a string, a range vector)."""
     values: list[float] = []
     if isinstance(result, list):
-        if len(result) == 2 and not isinstance(result[0], dict):  # scalar: [ts, "v"]
-            values = [float(result[1])]
+        if len(result) == 2 and not isinstance(result[0], dict):  # scalar or string: [ts, "v"]
+            values = [_number(result[1])]
         else:
-            values = [float(item["value"][1]) for item in result if "value" in item]
+            values = [
+                _number(item["value"][1])
+                for item in result
+                if isinstance(item, dict)
+                and isinstance(item.get("value"), list | tuple)
+                and len(item["value"]) == 2
+            ]
     vals = [v for v in values if not math.isnan(v)]
     return max(vals) if vals else None
+
+
+def _number(text: object) -> float:
+    """Prometheus' sample value as a float; NaN for what is no number (a string result)."""
+    try:
+        return float(text)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def _describe(result: object) -> str:
+    """What an answer held, for the log line of a query that answered no number."""
+    if result == []:
+        return "an empty vector"
+    return f"{str(result)[:120]}"
 
 
 class SignalReader:

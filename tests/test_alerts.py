@@ -160,6 +160,24 @@ def test_alerts_carry_severity_text_and_a_runbook_section() -> None:
     }  # fmt: skip
 
 
+def runbook_sections() -> dict[str, str]:
+    """docs/runbooks.md's `## Name` sections, by name."""
+    parts = re.split(r"^## (\S+)$", RUNBOOKS.read_text(), flags=re.M)
+    return dict(zip(parts[1::2], parts[2::2], strict=True))
+
+
+def test_a_daemon_loading_its_model_is_kvguarddown_not_kvguardnotready() -> None:
+    """A loading daemon's port is bound but refuses connections (README): Prometheus sees
+    up == 0, never kvguard_ready == 0. The model-fetch advice belongs to KvguardDown."""
+    sections = runbook_sections()
+    down, not_ready = sections["KvguardDown"], sections["KvguardNotReady"]
+    assert "loading" in down and "kvguard model fetch" in down
+    assert "kvguard model fetch" not in not_ready and "first start" not in not_ready
+    by_name = {a["alert"]: a for a in alerts()}
+    assert "loading" not in by_name["KvguardNotReady"]["annotations"]["description"]
+    assert "loading its model" in by_name["KvguardDown"]["annotations"]["description"]
+
+
 # -- dashboard ---------------------------------------------------------------------------------
 def test_dashboard_reads_its_datasource_from_a_variable() -> None:
     d = dashboard()

@@ -793,7 +793,7 @@ def free_bytes(run: Run) -> int:
 
 def section_nvml(run: Run) -> dict[str, Any]:
     """The daemon's NVML reader on this GPU; its used bytes against cudaMemGetInfo's."""
-    from kvguard.daemon.nvml import NvmlReader
+    from kvguard.daemon.nvml import NvmlReader, gpu_id
 
     reader = NvmlReader()
     if not reader.available:
@@ -804,6 +804,12 @@ def section_nvml(run: Run) -> dict[str, Any]:
         free, total = torch.cuda.mem_get_info()
         res["used_ratio_nvml"] = readings[0].memory_used_ratio
         res["used_ratio_cuda"] = (total - free) / total
+        # the rule signal reads the engine's own GPUs only, found in NVML by PCI address: the
+        # address torch gives must be one NVML looks up (own_gpus not null, signal a number)
+        ids = [gpu_id(torch.cuda.get_device_properties(run.device))]
+        reader.use_gpus(ids)
+        res |= {"engine_gpus": ids, "own_gpus": reader.own_gpus, "error": reader.error}
+        res["signal"] = reader.memory_used_ratio()
     print("  nvml: " + json.dumps(res), flush=True)
     return res
 
@@ -960,6 +966,11 @@ def goals(result: dict[str, Any]) -> list[str]:
         detail = f"{oom['oom_steps']} OOM steps, {oom['finished']}/{oom['requests']} finished"
         what = "an injected OOM (CPU)" if oom["injected"] else "a real CUDA OOM"
         lines.append(verdict(f"engine survives {what}", ok, detail))
+    nvml = result.get("nvml", {})
+    if "engine_gpus" in nvml:
+        ok = bool(nvml["own_gpus"]) and nvml["signal"] is not None
+        detail = f"{nvml['engine_gpus']} -> NVML {nvml['own_gpus']}, signal {nvml['signal']}"
+        lines.append(verdict("NVML finds the engine's GPU by PCI address", ok, detail))
     return lines
 
 

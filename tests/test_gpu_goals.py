@@ -287,3 +287,12 @@ def test_runs_of_decode_steps_verdicts() -> None:
     assert ": NOT met (51% of 314" in _line(
         with_runs(160.0, 6300.0, "64/64", 160.0), "per-layer ops and runs"
     )
+
+
+def test_nvml_verdict_needs_the_engines_gpu_found_by_pci_address() -> None:
+    found = {"engine_gpus": ["0000:3b:00.0"], "own_gpus": [0], "signal": 0.02}
+    lost = found | {"own_gpus": [], "signal": None}  # NVML never matched torch's address
+    line = _line(goals({"device": "H200", "nvml": found}), "NVML finds")
+    assert ": met" in line and "NOT" not in line, line
+    assert "NOT met" in _line(goals({"device": "H200", "nvml": lost}), "NVML finds")
+    assert not [s for s in goals({"device": "cpu", "nvml": {"available": False}}) if "NVML" in s]

@@ -148,7 +148,9 @@ class Service:
         )
         self.metrics.registry.register(
             TensorParallelCollector(
-                lambda: self.engine.config.tensor_parallel, lambda: self.kv_rank_bytes
+                lambda: self.engine.config.tensor_parallel,
+                lambda: self.kv_rank_bytes,
+                lambda: self.engine.config.pipeline_parallel,
             )
         )
         sdnotify.status("migrating the audit database")
@@ -326,6 +328,8 @@ class Service:
                 self.control.record_pending()  # an OOM whose evaluation has not run yet
             self.audit.record_event("daemon_stop", detail=f"exit {self.exit_code}: {why}")
             self.audit.stop(timeout=2)
+        # no step may run against workers being stopped: it would fail as a dead rank would
+        self.loop.stop(timeout=2)
         self.shutdown_engine(timeout=5)
         logging.shutdown()  # flush the log lines above
         os._exit(self.exit_code)

@@ -246,15 +246,26 @@ class EngineLoop:
     def _fail_fatally(self, error: BaseException) -> None:
         """Record the failure, end every stream so that no consumer waits forever, refuse what
         is already posted, then tell the hooks. The engine itself is not touched again: its
-        ranks are out of step, and the state on this side may be half through a step."""
-        log.error("engine failed, no more steps: %s", error)
+        ranks are out of step, and the state on this side may be half through a step.
+
+        Once the loop has been told to stop, its owner is already taking the engine down (a
+        forced exit stops the workers under a step that did not end in time): the failure is
+        that, logged as a warning, and the hooks, which would start an exit, are not called."""
+        stopping = self._stop.is_set()
+        level = logging.WARNING if stopping else logging.ERROR
+        log.log(level, "engine %s, no more steps: %s", "stopped" if stopping else "failed", error)
         with self._fatal_lock:
             self.fatal = error
         ended = self._end_streams()
         refused = _refuse_mailbox(self.engine.mailbox, error)
-        log.error(
-            "ended %d in-flight requests with an error; refused %d posted calls", ended, refused
+        log.log(
+            level,
+            "ended %d in-flight requests with an error; refused %d posted calls",
+            ended,
+            refused,
         )
+        if stopping:
+            return
         for fn in self.on_fatal:
             try:
                 fn(error)

@@ -31,13 +31,15 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from kvguard.engine.config import EngineConfig
 from kvguard.engine.distributed.errors import RankFailure
+from kvguard.engine.distributed.fingerprint import differences, model_fingerprint
 from kvguard.engine.distributed.rendezvous import RendezvousServer, peer_closed
 from kvguard.engine.distributed.sharding import check_tensor_parallel, stage_layers
 from kvguard.engine.distributed.step_message import KVOp, StepEncoder
@@ -87,16 +89,32 @@ class WorkerHandle:
         return f"(pid {self.process.pid}) died: {how}"
 
     def wait_ready(self, deadline: float) -> None:
-        while time.monotonic() < deadline:
-            if self.conn.poll(0.1):
+        self.info = self.wait_for("ready", deadline)
+
+    def wait_for(self, want: str, deadline: float) -> Any:
+        """The data of this worker's next message, which must be `want`; RankFailure if it
+        reports a failure, dies, or says nothing before `deadline`."""
+        while True:
+            if (got := self.poll_for(want, 0.1)) is not None:
+                return got[0]
+            if time.monotonic() >= deadline:
+                raise RankFailure(self.rank, f"did not report {want} in time")
+
+    def poll_for(self, want: str, timeout: float = 0.0) -> tuple[Any] | None:
+        """(data,) if this worker's next message, `want`, has come within `timeout`; None if
+        nothing has; RankFailure if it reported a failure or died."""
+        if self.conn.poll(timeout):
+            try:
                 kind, data = self.conn.recv()
-                if kind == "ready":
-                    self.info = data
-                    return
-                raise RankFailure(self.rank, f"failed to start: {data}")
-            if (why := self.death()) is not None:
-                raise RankFailure(self.rank, f"{why} while starting")
-        raise RankFailure(self.rank, "did not report ready in time")
+            except (EOFError, OSError):
+                why = self.death() or "closed its connection"
+                raise RankFailure(self.rank, f"{why} while starting") from None
+            if kind == want:
+                return (data,)
+            raise RankFailure(self.rank, f"failed to start: {data}")
+        if (why := self.death()) is not None:
+            raise RankFailure(self.rank, f"{why} while starting")
+        return None
 
 
 @dataclass(slots=True)
@@ -138,7 +156,8 @@ class TensorParallelRunner(ModelRunner):
     @classmethod
     def launch(cls, config: EngineConfig, path: Path, mcfg: ModelConfig) -> TensorParallelRunner:
         """Spawn the workers, form the group, load rank 0's shards; every rank is ready when
-        this returns, or all are stopped and the reason raised."""
+        this returns, or all are stopped and the reason raised. Rank 0 joins the group only
+        once every worker has said it is joining, with the same model (`_check_joining`)."""
 
         size = config.world_size
         check_tensor_parallel(mcfg, config.tensor_parallel)
@@ -157,6 +176,8 @@ class TensorParallelRunner(ModelRunner):
                 workers += _admit_remote(server, config, backend)
                 workers.sort(key=lambda w: w.rank)
             torch.set_num_threads(config.num_threads or threads_per_rank(size))
+            deadline = time.monotonic() + STARTUP_TIMEOUT_S
+            _check_joining(workers, path, mcfg, deadline)
             tp, stage = join_group(0, config, layers, str(rendezvous), backend)
             runner = ModelRunner.from_config(config, path, mcfg, tp, stage)
             deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -424,6 +445,35 @@ def _admit_remote(
         r.control.send(WorkerArgs(r.rank, config.world_size, "", backend, config, None, 0))
         out.append(WorkerHandle(r.rank, None, r.control, host=r.host))
     return out
+
+
+def _check_joining(
+    workers: list[WorkerHandle], path: Path, mcfg: ModelConfig, deadline: float
+) -> None:
+    """Wait until every worker is about to join the group, before rank 0 joins it: a worker
+    that fails first (a model it cannot resolve or read, a bad setting) is named at once with
+    its reason, where rank 0 in the group would wait out the start-up timeout for it. A remote
+    rank's model (resolved in its host's cache) must be rank 0's: RankFailure naming what
+    differs, before any rank loads weights that would compute wrong tokens or break a step."""
+    mine: dict | None = None
+    waiting = list(workers)
+    while waiting:
+        for w in list(waiting):
+            got = w.poll_for("joining")
+            if got is None:
+                continue
+            waiting.remove(w)
+            theirs = (got[0] or {}).get("model")
+            if theirs is None:
+                continue
+            if mine is None:
+                mine = model_fingerprint(path, mcfg)
+            if (what := differences(mine, theirs)) is not None:
+                raise RankFailure(w.rank, f"resolved a different model: {what}")
+        if waiting:
+            if time.monotonic() >= deadline:
+                raise RankFailure(waiting[0].rank, "did not report joining in time")
+            wait([w.conn for w in waiting], 0.1)
 
 
 def _state(pid: int) -> str:

@@ -1,7 +1,8 @@
 """A tensor-parallel worker rank: a ModelRunner in a loop, driven by rank 0 over a pipe.
 
 Rank 0 (the daemon's process) spawns ranks 1..tp-1 with this module's `worker_main`. A worker
-joins the process group, loads its shards, reports ready, then runs whatever rank 0 sends, in
+says it is joining (a remote rank with its model's fingerprint, see fingerprint.py), joins the
+process group, loads its shards, reports ready, then runs whatever rank 0 sends, in
 order: a step (KV copies replayed first, then the forward; rank 0 alone samples), a KV dtype
 switch (checked, then applied), or stop. It never outlives rank 0: the kernel kills it when its
 parent dies (PR_SET_PDEATHSIG), and a closed pipe ends its loop.
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 
 from kvguard.engine.config import EngineConfig
+from kvguard.engine.distributed.fingerprint import model_fingerprint
 from kvguard.engine.distributed.parallel_state import PipelineStage, TPGroup
 from kvguard.engine.distributed.sharding import stage_layers
 from kvguard.engine.distributed.step_message import StepDecoder, StepMessage
@@ -109,6 +111,13 @@ class WorkerArgs:
     parent_pid: int  # 0: a remote rank, whose parent is its host's systemd
 
 
+def log_level() -> int:
+    """$KVGUARD_LOG_LEVEL as the daemon reads it (daemon/logging_setup.py): a name logging
+    does not know means INFO, never a worker that dies before it can say why."""
+    level = logging.getLevelName(os.environ.get("KVGUARD_LOG_LEVEL", "INFO").upper())
+    return level if isinstance(level, int) else logging.INFO
+
+
 def main(argv: list[str]) -> None:
     conn = Connection(int(argv[0]))
     args: WorkerArgs = conn.recv()
@@ -122,15 +131,22 @@ def worker_main(args: WorkerArgs, conn: Connection, store: Any = None) -> bool:
     if args.parent_pid:
         die_with_parent(args.parent_pid)
     logging.basicConfig(
-        level=os.environ.get("KVGUARD_LOG_LEVEL", "INFO").upper(),
+        level=log_level(),
         format=f"%(asctime)s %(levelname)s tp-rank-{rank} %(name)s: %(message)s",
     )
     torch.set_num_threads(config.num_threads or threads_per_rank(size))
     try:
-        if path is None:
+        fingerprint = None
+        if path is None:  # a remote rank: its own cache, which rank 0 checks against its own
             path = resolve_model(config.model, config.home, False, config.model_quantization)
-        mcfg = ModelConfig.from_dir(path)
+            mcfg = ModelConfig.from_dir(path)
+            fingerprint = model_fingerprint(path, mcfg)
+        else:
+            mcfg = ModelConfig.from_dir(path)
         layers = stage_layers(mcfg.num_layers, config.pipeline_parallel, config.pipeline_layers)
+        # Rank 0 joins the group only once every rank has said this (or failed): a rank that
+        # fails before it joins is reported at once, not after the group's start-up timeout.
+        conn.send(("joining", {"model": fingerprint}))
         tp, stage = join_group(rank, config, layers, store or args.store, args.backend)
         runner = ModelRunner.from_config(config, path, mcfg, tp, stage)
         info = {

@@ -78,11 +78,14 @@ static inline __m256 reduce8(const __m256 *c) {
 
 /* e^x for eight floats: x = n ln2 + r with |r| <= ln2/2, e^r by its degree-6 Taylor
  * polynomial (relative error ~2e-7), 2^n built in the exponent bits; -inf and very negative
- * x give 0. */
+ * x give 0, a NaN gives NaN. The clamp takes x as the second operand: maxps/minps return
+ * their second operand where either is NaN, so a NaN passes through it (x first turned a NaN
+ * score into e^-87, a finite weight, where torch's softmax gives NaN); finite x clamp alike
+ * either way. */
 static inline __m256 exp8(__m256 x) {
     const __m256 lo = _mm256_set1_ps(-87.0f), hi = _mm256_set1_ps(88.0f);
     const __m256 zero_mask = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-    x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+    x = _mm256_min_ps(hi, _mm256_max_ps(lo, x));
     const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x); /* ln2 split in two */
@@ -240,6 +243,8 @@ static void attend_run(const Attn *a, const float *qrow, const int32_t *table, i
             }
             for (int64_t j = 0; j < g; ++j) {
                 float mx = mh[j];
+                /* a NaN score is passed over here but not lost: its exp8 is NaN, and so are the
+                 * sum and every output component it reaches, as in torch's softmax */
                 for (int64_t u = 0; u < n; ++u)
                     mx = s[j][u] > mx ? s[j][u] : mx;
                 const float c = expf(mh[j] - mx); /* 0 on the first block (m = -inf) */
@@ -538,6 +543,9 @@ static inline void lanes_update(__m256 *s, int64_t n, const float *vr, int64_t v
         /* token 0 is seen by every query: after the first block each max is finite */
         const __m256 m0 = _mm256_loadu_ps(mj + 8 * gi);
         __m256 mx = m0;
+        /* a NaN score may or may not end up in the max (maxps keeps its second operand's NaN
+         * only); either way the lane's sum and outputs turn NaN: a NaN max makes every exp8
+         * NaN, a finite one that score's */
         for (int64_t u = 0; u < n; ++u)
             mx = _mm256_max_ps(mx, s[2 * u + gi]);
         c[gi] = exp8(_mm256_sub_ps(m0, mx)); /* 0 on the first block */
@@ -978,11 +986,11 @@ static int attn512_supported(void) {
 
 int kvg_attn512(int on) { return kvg_switch(&attn512_on, attn512_supported, on); }
 
-/* exp8's arithmetic, sixteen lanes */
+/* exp8's arithmetic, sixteen lanes (a NaN passes the clamp as there: x second) */
 static inline __attribute__((always_inline)) A512_FN __m512 exp16(__m512 x) {
     const __m512 lo = _mm512_set1_ps(-87.0f), hi = _mm512_set1_ps(88.0f);
     const __mmask16 zero = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
-    x = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
+    x = _mm512_min_ps(hi, _mm512_max_ps(lo, x));
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
@@ -1214,7 +1222,8 @@ static void requantise(uint8_t *p, int64_t n, float ratio) {
  * which only grows while the block fills, exactly as kvguard.kernels.fp8.write_kv_fp8 does it:
  * for each block this call touches (its tokens are consecutive rows here, as a sequence's are
  * within a step), a write at offset 0 starts the block afresh, the new scale is
- * max(old, amax / 448) (at least 1e-12), a block any of whose scales grew has its stored values
+ * max(old, amax / 448) (at least 1e-12; NaN where x holds a NaN, or the old scale is one, as
+ * torch's amax and maximum propagate it), a block any of whose scales grew has its stored values
  * requantised by old / new first, then the tokens are stored as x / scale. Returns 0, 1 on a
  * shape this does not serve, -3 on a slot outside the pool (before anything is written). */
 int kvg_write_kv(void *pool, float *scales, int type, const float *x, int64_t ldx,
@@ -1240,16 +1249,23 @@ int kvg_write_kv(void *pool, float *scales, int type, const float *x, int64_t ld
         float *sc = scales + blk * hkv, nw[MAX_KV_HEADS];
         int grow = 0;
         for (int64_t h = 0; h < hkv; ++h) {
-            __m256 m = _mm256_setzero_ps();
-            const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+            /* amax of |x|'s bits as integers (as lowbit.c's quantize_row takes it): without a
+             * sign the integer order is the float order, and a NaN's bits exceed +inf's, so a
+             * NaN wins the maximum in whatever lane it sits, as in torch's amax (maxps kept or
+             * dropped it by lane, and a dropped one left the block scaled to its other values) */
+            __m256i m = _mm256_setzero_si256();
+            const __m256i abs = _mm256_set1_epi32(0x7fffffff);
             for (int64_t t = t0; t < t1; ++t)
                 for (int64_t i = 0; i < d; i += 8)
-                    m = _mm256_max_ps(m, _mm256_and_ps(abs, _mm256_loadu_ps(x + t * ldx + h * d + i)));
-            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-            m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-            const float old = fresh ? 0.0f : sc[h], want = _mm_cvtss_f32(m4) / 448.0f;
-            nw[h] = want > old ? want : old;
+                    m = _mm256_max_epi32(m, _mm256_and_si256(abs, _mm256_castps_si256(_mm256_loadu_ps(x + t * ldx + h * d + i))));
+            __m128i m4 = _mm_max_epi32(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1));
+            m4 = _mm_max_epi32(m4, _mm_shuffle_epi32(m4, 0x4e));
+            m4 = _mm_max_epi32(m4, _mm_shuffle_epi32(m4, 0xb1));
+            const float old = fresh ? 0.0f : sc[h], want = _mm_cvtss_f32(_mm_castsi128_ps(m4)) / 448.0f;
+            /* torch.maximum(old, want): a NaN on either side wins (then the floor keeps it, as
+             * clamp_min does, and a NaN scale never counts as grown: the block's stored values
+             * stay, its new tokens store as NaN) */
+            nw[h] = old != old ? old : want != want ? want : want > old ? want : old;
             if (nw[h] < 1e-12f)
                 nw[h] = 1e-12f;
             grow |= nw[h] > old && old > 0.0f;

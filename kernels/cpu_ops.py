@@ -57,11 +57,15 @@ def decode_shape_supported(heads: int, kv_heads: int, head_dim: int, block_size:
 
 
 def decode_supported(q: torch.Tensor, cache: torch.Tensor) -> bool:
-    """`decode_shape_supported` for these tensors, a known pool dtype, and query heads of unit
-    stride laid side by side."""
+    """`decode_shape_supported` for these tensors, a known pool dtype in a contiguous pool (the
+    kernels address its rows by shape alone), and query heads of unit stride laid side by
+    side."""
     _nb, bs, hkv, d = cache.shape
     return (
         cache.dtype in KV_TYPES
+        and cache.is_contiguous()
+        and q.dim() == 3
+        and q.shape[2] == d
         and decode_shape_supported(q.shape[1], hkv, d, bs)
         and q.stride(2) == 1
         and q.stride(1) == d
@@ -112,7 +116,14 @@ def write_kv(
     requantised, as `kvguard.kernels.fp8.write_kv_fp8` grows them. A sequence's tokens must be
     consecutive rows (as a step lays them out)."""
     nb, bs, hkv, d = cache.shape
-    assert write_supported(cache, scales, x, slots)
+    if not (
+        write_supported(cache, scales, x, slots) and cache.is_cpu and x.is_cpu and slots.is_cpu
+    ):
+        raise ValueError(
+            f"write_kv: unsupported arguments: pool {tuple(cache.shape)} {cache.dtype}, rows "
+            f"{tuple(x.shape)} {x.dtype} strides {x.stride()}, slots {slots.dtype} "
+            f"{tuple(slots.shape)}"
+        )
     rc = cpu_lowbit.library().kvg_write_kv(
         cache.data_ptr(), None if scales is None else scales.data_ptr(), KV_TYPES[cache.dtype],
         x.data_ptr(), x.stride(0), slots.data_ptr(), x.shape[0], nb * bs, bs, hkv, d,
@@ -123,8 +134,26 @@ def write_kv(
         raise ValueError(f"write_kv: unsupported pool {tuple(cache.shape)} {cache.dtype}")
 
 
+def _bad(fn: str, name: str, want: str, t: torch.Tensor) -> ValueError:
+    return ValueError(
+        f"{fn}: `{name}` must be {want} (got {t.dtype} {tuple(t.shape)} strides {t.stride()}"
+        f" on {t.device})"
+    )
+
+
+def _vector(fn: str, name: str, t: torch.Tensor, dtype: torch.dtype, n: int) -> None:
+    """`t` must be `n` values of `dtype`, contiguous, on the CPU (the kernel reads t[0..n))."""
+    if not (
+        t.dtype == dtype and t.dim() == 1 and t.numel() == n and t.is_contiguous() and t.is_cpu
+    ):
+        raise _bad(fn, name, f"a contiguous CPU {dtype} vector of {n}", t)
+
+
 def _attention_args(
+    fn: str,
     q: torch.Tensor,
+    out: torch.Tensor,
+    n: int,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     k_scale: torch.Tensor | None,
@@ -132,9 +161,58 @@ def _attention_args(
     tables: torch.Tensor,
     scale: float,
 ) -> tuple:
-    """The attention kernels' common arguments, from the pools to the thread count."""
-    _nb, bs, hkv, d = k_cache.shape
+    """The attention kernels' common arguments, from the pools to the thread count, after
+    checking what the kernel takes on trust (it reads raw pointers by shape): each a ValueError
+    naming the argument. O(1): no look at the values, which is the callers' part (lengths
+    within the tables, rows within q)."""
+    if k_cache.dim() != 4 or not (k_cache.is_contiguous() and k_cache.is_cpu):
+        raise _bad(
+            fn, "k_cache", "a contiguous CPU pool [blocks, block_size, kv_heads, d]", k_cache
+        )
+    nb, bs, hkv, d = k_cache.shape
+    if k_cache.dtype not in KV_TYPES:
+        raise _bad(fn, "k_cache", f"of {', '.join(map(str, KV_TYPES))}", k_cache)
+    if not (
+        v_cache.shape == k_cache.shape
+        and v_cache.dtype == k_cache.dtype
+        and v_cache.is_contiguous()
+        and v_cache.is_cpu
+    ):
+        raise _bad(fn, "v_cache", "contiguous, of k_cache's shape and dtype", v_cache)
+    if not (
+        q.dtype == torch.float32
+        and q.dim() == 3
+        and q.shape[2] == d
+        and q.stride(2) == 1
+        and q.stride(1) == d
+        and q.is_cpu
+    ):
+        raise _bad(fn, "q", f"CPU float32 [rows, heads, {d}], each row's heads side by side", q)
+    if not (
+        out.dtype == torch.float32 and out.shape == q.shape and out.is_contiguous() and out.is_cpu
+    ):
+        raise _bad(fn, "out", f"a contiguous CPU float32 tensor of q's shape {tuple(q.shape)}", out)
+    if not (
+        tables.dtype == torch.int32
+        and tables.dim() == 2
+        and tables.shape[0] >= n
+        and tables.stride(1) == 1
+        and tables.is_cpu
+    ):
+        raise _bad(fn, "tables", f"CPU int32 [>= {n}, width] with unit stride along a row", tables)
     fp8 = k_cache.dtype == FP8_DTYPE
+    if fp8:
+        for name, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if sc is None or not (
+                sc.dtype == torch.float32
+                and sc.shape == (nb, hkv)
+                and sc.is_contiguous()
+                and sc.is_cpu
+            ):
+                raise ValueError(
+                    f"{fn}: an fp8 pool needs `{name}`, contiguous CPU float32 [{nb}, {hkv}]"
+                    f" (got {None if sc is None else (sc.dtype, tuple(sc.shape), sc.stride())})"
+                )
     return (
         k_cache.data_ptr(), v_cache.data_ptr(),
         k_scale.data_ptr() if fp8 else None, v_scale.data_ptr() if fp8 else None,
@@ -158,13 +236,17 @@ def paged_decode(
     """Single-token attention for the sequences whose query is row `rows[b]` of `q`
     `[T, heads, d]` (rows may be strided), written to the same rows of `out` (contiguous).
     Sequence b attends to `lens[b]` (int32) cached tokens through `tables[b]` (int32 block
-    table rows). An fp8 pool needs its per-block, per-KV-head fp32 scales."""
-    assert out.is_contiguous() and tables.dtype == torch.int32 and lens.dtype == torch.int32
-    assert tables.stride(1) == 1 and rows.dtype == torch.int64
+    table rows). An fp8 pool needs its per-block, per-KV-head fp32 scales. Arguments of the
+    wrong dtype, layout or size raise ValueError (the kernel would read them as raw memory)."""
+    n = rows.numel()
+    _vector("paged_decode", "rows", rows, torch.int64, n)
+    _vector("paged_decode", "lens", lens, torch.int32, n)
+    args = _attention_args(
+        "paged_decode", q, out, n, k_cache, v_cache, k_scale, v_scale, tables, scale
+    )
     rc = cpu_lowbit.library().kvg_paged_decode(
-        q.data_ptr(), q.stride(0), out.data_ptr(), rows.data_ptr(), lens.data_ptr(),
-        rows.numel(), *_attention_args(q, k_cache, v_cache, k_scale, v_scale, tables, scale),
-    )  # fmt: skip
+        q.data_ptr(), q.stride(0), out.data_ptr(), rows.data_ptr(), lens.data_ptr(), n, *args
+    )
     if rc == -1:
         raise MemoryError("paged_decode: no memory for the split-K partial sums")
     if rc:
@@ -190,13 +272,18 @@ def paged_prefill(
     `q` `[T, heads, d]` (rows may be strided), at the last positions of its `lens[s]` cached
     tokens (this step's already written); outputs to the same rows of `out` (contiguous).
     `qlens`, `lens` and `tables` (block table rows, unit stride) are int32, `rows` int64. An fp8
-    pool needs its per-block, per-KV-head fp32 scales."""
-    assert out.is_contiguous() and tables.dtype == torch.int32 and tables.stride(1) == 1
-    assert lens.dtype == torch.int32 and qlens.dtype == torch.int32 and rows.dtype == torch.int64
+    pool needs its per-block, per-KV-head fp32 scales. Arguments of the wrong dtype, layout or
+    size raise ValueError (the kernel would read them as raw memory)."""
+    n = rows.numel()
+    _vector("paged_prefill", "rows", rows, torch.int64, n)
+    _vector("paged_prefill", "qlens", qlens, torch.int32, n)
+    _vector("paged_prefill", "lens", lens, torch.int32, n)
+    args = _attention_args(
+        "paged_prefill", q, out, n, k_cache, v_cache, k_scale, v_scale, tables, scale
+    )
     rc = cpu_lowbit.library().kvg_paged_prefill(
         q.data_ptr(), q.stride(0), out.data_ptr(), rows.data_ptr(), qlens.data_ptr(),
-        lens.data_ptr(), rows.numel(),
-        *_attention_args(q, k_cache, v_cache, k_scale, v_scale, tables, scale),
+        lens.data_ptr(), n, *args,
     )  # fmt: skip
     if rc == -1:
         raise MemoryError("paged_prefill: no memory for the work list")
@@ -205,6 +292,18 @@ def paged_prefill(
             f"paged_prefill: unsupported shape q={tuple(q.shape)} kv={tuple(k_cache.shape)}"
             f" or a chunk longer than its sequence"
         )
+
+
+def _rows(fn: str, x: torch.Tensor) -> None:
+    """`x` must be CPU float32 rows `[M, N]`, N > 0, unit stride along a row."""
+    if not (
+        x.dtype == torch.float32
+        and x.dim() == 2
+        and x.shape[1] > 0
+        and x.stride(1) == 1
+        and x.is_cpu
+    ):
+        raise _bad(fn, "x", "CPU float32 rows [M, N > 0] with unit stride along a row", x)
 
 
 def rows_served(x: torch.Tensor) -> bool:
@@ -217,7 +316,7 @@ def argmax_rows(x: torch.Tensor) -> list[int]:
     """`x.argmax(-1).tolist()` for fp32 rows `[M, N]` (unit stride along the row): the first
     largest value's index, the first NaN's where a row holds one, as torch answers."""
     lib = cpu_lowbit.library()
-    assert x.dim() == 2 and x.stride(1) == 1 and x.shape[1] > 0
+    _rows("argmax_rows", x)
     idx = torch.empty(x.shape[0], dtype=torch.int64)
     lib.kvg_argmax_rows(
         x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), idx.data_ptr(), torch.get_num_threads()
@@ -230,7 +329,9 @@ def topk_indices(x: torch.Tensor, k: int) -> torch.Tensor | None:
     stride along the row), largest first, of equal values the lower index; None where a row
     holds a NaN (torch's topk orders those its own way: the caller asks it)."""
     lib = cpu_lowbit.library()
-    assert x.dim() == 2 and x.stride(1) == 1 and 1 <= k <= min(x.shape[1], 256)
+    _rows("topk_indices", x)
+    if not 1 <= k <= min(x.shape[1], 256):
+        raise ValueError(f"topk_indices: k={k} outside 1..{min(x.shape[1], 256)}")
     idx = torch.empty(x.shape[0], k, dtype=torch.int64)
     rc = lib.kvg_topk_rows(
         x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), k, idx.data_ptr(),
@@ -248,9 +349,10 @@ def topp_draw(
     the uniform u[r], over the nucleus in id order. None where a row has a NaN, no finite
     largest value or no probability mass."""
     lib = cpu_lowbit.library()
-    assert x.dim() == 2 and x.stride(1) == 1 and x.shape[1] > 0
+    _rows("topp_draw", x)
     m = x.shape[0]
-    assert len(temps) == len(top_ps) == len(u) == m
+    if not len(temps) == len(top_ps) == len(u) == m:
+        raise ValueError(f"topp_draw: temps, top_ps and u must hold {m} values each")
     t = torch.tensor(temps, dtype=torch.float32)
     p = torch.tensor(top_ps, dtype=torch.float32)
     uu = torch.tensor(u, dtype=torch.float32)
@@ -272,10 +374,22 @@ def rmsnorm(
     lib = cpu_lowbit.library()
     d = x.shape[-1]
     x2 = x.view(-1, d)
-    assert x2.stride(-1) == 1 and weight.is_contiguous()
+    if not (x.dtype == torch.float32 and x2.stride(-1) == 1 and x.is_cpu):
+        raise _bad("rmsnorm", "x", "CPU float32 with unit stride along the last dimension", x)
+    if not (
+        weight.dtype == torch.float32
+        and weight.shape == (d,)
+        and weight.is_contiguous()
+        and weight.is_cpu
+    ):
+        raise _bad("rmsnorm", "weight", f"a contiguous CPU float32 vector of {d}", weight)
     out = torch.empty(x2.shape, dtype=x.dtype)
     y = None
     if residual is not None:
+        if not (
+            residual.dtype == torch.float32 and residual.numel() == x2.numel() and residual.is_cpu
+        ):
+            raise _bad("rmsnorm", "residual", f"CPU float32 of x's {x2.numel()} values", residual)
         residual = residual.reshape(-1, d).contiguous()
         y = residual.data_ptr()
     lib.kvg_rmsnorm(
@@ -289,7 +403,23 @@ def rope_(x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: to
     """Rotate-half RoPE in place on the first `heads` heads of each row of `x` `[T, width]`
     (unit stride along the row), with `cos`/`sin` `[T, head_dim]` per row (contiguous)."""
     lib = cpu_lowbit.library()
-    assert x.stride(-1) == 1 and cos.is_contiguous() and sin.is_contiguous()
+    if not (
+        x.dtype == torch.float32
+        and x.dim() == 2
+        and x.stride(1) == 1
+        and head_dim % 2 == 0
+        and heads * head_dim <= x.shape[1]
+        and x.is_cpu
+    ):
+        raise _bad("rope_", "x", f"CPU float32 [T, >= {heads} x {head_dim}], unit stride", x)
+    for name, t in (("cos", cos), ("sin", sin)):
+        if not (
+            t.dtype == torch.float32
+            and t.shape == (x.shape[0], head_dim)
+            and t.is_contiguous()
+            and t.is_cpu
+        ):
+            raise _bad("rope_", name, f"contiguous CPU float32 [{x.shape[0]}, {head_dim}]", t)
     lib.kvg_rope(
         x.data_ptr(), x.stride(0), x.shape[0], heads, head_dim, cos.data_ptr(), sin.data_ptr(),
         torch.get_num_threads(),
@@ -300,7 +430,14 @@ def silu_mul(x: torch.Tensor, inter: int) -> torch.Tensor:
     """`silu(gate) * up` for rows `[gate | up]` of `x` `[T, 2 * inter]` (unit stride along the
     row): `[T, inter]`, contiguous."""
     lib = cpu_lowbit.library()
-    assert x.dim() == 2 and x.shape[1] == 2 * inter and x.stride(1) == 1
+    if not (
+        x.dtype == torch.float32
+        and x.dim() == 2
+        and x.shape[1] == 2 * inter
+        and x.stride(1) == 1
+        and x.is_cpu
+    ):
+        raise _bad("silu_mul", "x", f"CPU float32 [T, {2 * inter}], unit stride along a row", x)
     out = torch.empty(x.shape[0], inter, dtype=x.dtype)
     lib.kvg_silu_mul(
         x.data_ptr(), x.stride(0), x.shape[0], inter, out.data_ptr(), torch.get_num_threads()

@@ -33,12 +33,20 @@ from kvguard.kernels.fp8 import FP8_DTYPE, FP8_MAX, SCALE_FLOOR, grow_scales
 
 
 @triton.jit
+def _clamp_fp8(x, FP8_LIMIT: tl.constexpr):
+    """x clamped to ±FP8_LIMIT, a NaN kept (as torch's clamp keeps it): Triton's min/max drop a
+    NaN unless told to propagate it, which stored a NaN quotient (a NaN scale's tokens) as -448
+    where the torch path stores NaN."""
+    lo = tl.maximum(x, -FP8_LIMIT, propagate_nan=tl.PropagateNan.ALL)
+    return tl.minimum(lo, FP8_LIMIT, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _to_e4m3(x, scale, FP8_LIMIT: tl.constexpr, cache_ptr):
-    """x / scale as the cache's e4m3 codes, saturated. The quotient is correctly rounded, as
-    torch divides: a compiled `/` may be off by an ulp or two, which moves a quotient at an
-    e4m3 rounding boundary to the next code."""
-    q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_LIMIT), FP8_LIMIT)
-    return q.to(cache_ptr.dtype.element_ty)
+    """x / scale as the cache's e4m3 codes, saturated (a NaN stays NaN). The quotient is
+    correctly rounded, as torch divides: a compiled `/` may be off by an ulp or two, which
+    moves a quotient at an e4m3 rounding boundary to the next code."""
+    return _clamp_fp8(tl.math.div_rn(x, scale), FP8_LIMIT).to(cache_ptr.dtype.element_ty)
 
 
 @triton.jit
@@ -118,7 +126,13 @@ def _write_fp8_own_block_kernel(
     # (each |x| / limit, then the largest: the same value, rounding being monotonic, and an
     # infinite x gives an infinite scale as torch's does; a divisor built from amax would not)
     limit = d * 0.0 + FP8_LIMIT
-    new = tl.maximum(tl.maximum(old, tl.max(tl.math.div_rn(tl.abs(x), limit), axis=0)), TINY)
+    # NaN as torch's amax, maximum and clamp_min give it: a NaN in x (or an old NaN scale)
+    # makes the scale NaN. `tl.max` cannot be told to propagate a NaN (its reduction drops
+    # it), so a count of NaNs says where it must be.
+    amax = tl.max(tl.math.div_rn(tl.abs(x), limit), axis=0)
+    amax = tl.where(tl.sum((x != x).to(tl.int32), axis=0) > 0, float("nan"), amax)
+    new = tl.maximum(old, amax, propagate_nan=tl.PropagateNan.ALL)
+    new = tl.maximum(new, TINY, propagate_nan=tl.PropagateNan.ALL)
     # as a vector (the interpreter rejects a scalar bool in a mask)
     grow = (new + d * 0.0 > old) & (old + d * 0.0 > 0) & d_ok
     base = cache_ptr + blk * stride_cb + h * stride_ch
@@ -127,7 +141,7 @@ def _write_fp8_own_block_kernel(
     # hold a freed block's stale bytes, never read; the token's own row is stored below)
     others = (r[:, None] != off) & grow[None, :]
     vals = tl.load(rows, mask=others, other=0.0).to(tl.float32)
-    vals = tl.minimum(tl.maximum(vals * tl.math.div_rn(old, new), -FP8_LIMIT), FP8_LIMIT)
+    vals = _clamp_fp8(vals * tl.math.div_rn(old, new), FP8_LIMIT)
     tl.store(rows, vals.to(cache_ptr.dtype.element_ty), mask=others)
     tl.store(
         base + off * stride_cs + d, _to_e4m3(x, new + d * 0.0, FP8_LIMIT, cache_ptr), mask=d_ok

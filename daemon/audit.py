@@ -78,6 +78,7 @@ from kvguard.daemon.audit_migrate import (
     make_engine,
     shown,
     sqlite_path,
+    sqlstate,
     upgrade,
 )
 from kvguard.daemon.audit_models import OUTCOMES, TRIGGERS, Action, Base, Event, Incident
@@ -172,9 +173,9 @@ def _is_transient(e: Exception) -> bool:
 
 def _schema_missing(e: Exception) -> bool:
     """A table is not there (the database was deleted, recreated or downgraded): migrate again."""
-    orig = getattr(e, "orig", None)
-    if getattr(orig, "sqlstate", None) in ("42P01", "42S02"):  # PostgreSQL, ODBC/MySQL
+    if sqlstate(e) in ("42P01", "42S02"):  # PostgreSQL, ODBC/MySQL
         return True
+    orig = getattr(e, "orig", None)
     return "no such table" in str(orig or e) or type(orig).__name__ == "UndefinedTable"
 
 
@@ -184,11 +185,10 @@ def _replayable(e: Exception) -> bool:
     row is there already) or a value the column cannot hold would be refused again."""
     if not isinstance(e, IntegrityError):
         return False
-    orig = e.orig
-    code = getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
+    code = sqlstate(e)
     if code:
         return code in ("23502", "23503", "23514")  # not_null, foreign_key, check violation
-    text = str(orig)
+    text = str(e.orig)
     return text.startswith(("NOT NULL constraint", "CHECK constraint", "FOREIGN KEY constraint"))
 
 
@@ -233,6 +233,8 @@ class AuditStore:
         self._db_file: tuple[int, int] | None = None  # (st_dev, st_ino) of the file migrated
         self._spills_waiting = False  # a spill file's import failed on the database: retry
         self.spill_paths = audit_spill.spill_paths(url, spill_dir)
+        self.refused_paths = audit_spill.spill_paths(url, spill_dir, audit_spill.REFUSED_SUFFIX)
+        self._spill_lock = threading.Lock()  # one spill at a time (a forced exit's stop too)
         self.spill_file: Path | None = None  # where stop() saved unwritten rows, if it had to
         self.failures = 0
         self.dropped = 0
@@ -433,26 +435,30 @@ class AuditStore:
 
     def _spill(self) -> None:
         """Save what is still queued to the spill file (appending), or at worst to the log."""
-        with self._lock:
-            batch, pending = list(self._batch), len(self._pending)
-            ops = [*batch, *list(self._pending)]
-        if not ops:
-            return
-        self._save(ops, self.last_error, "unwritten")
-        with self._lock:  # saved (or logged): no longer queued; rows queued since stay queued
-            for _ in range(pending):
-                self._pending.popleft()
-            self._settled += pending
-            if self._thread is None:
-                self._settled += self._inflight
-                self._batch, self._inflight = [], 0
-            self._progress.notify_all()
+        with self._spill_lock:
+            with self._lock:
+                queued = list(self._pending)
+                ops = [*self._batch, *queued]
+            if not ops:
+                return
+            self._save(ops, self.last_error, "unwritten")
+            with self._lock:  # saved (or logged): no longer queued; rows queued since stay
+                saved = {id(op) for op in queued}  # (a writer still running may have taken
+                left = [op for op in self._pending if id(op) not in saved]  # some meanwhile)
+                self._settled += len(self._pending) - len(left)
+                self._pending = deque(left)
+                if self._thread is None:
+                    self._settled += self._inflight
+                    self._batch, self._inflight = [], 0
+                self._progress.notify_all()
 
     def _save(self, ops: list[_Op], reason: str | None, what: str) -> Path | None:
-        """Append `ops` to the spill file, or at worst log each as an `audit row:` line."""
+        """Append `ops` to the spill file (rows the database `refused`: to a file of their own,
+        whose import may fail until an upgrade), or at worst log each as an `audit row:` line."""
         lines = [audit_spill.encode(op.kind, op.row) for op in ops]
         header = audit_spill.encode_header(shown(self.url), self.host, len(ops), reason)
-        path, errors = audit_spill.append(self.spill_paths, [header, *lines])
+        paths = self.refused_paths if what == "refused" else self.spill_paths
+        path, errors = audit_spill.append(paths, [header, *lines])
         if path is not None:
             self.spilled += len(ops)
             self.spill_file = path
@@ -479,7 +485,7 @@ class AuditStore:
         return None
 
     def _announce_spills(self) -> None:
-        for path in self.spill_paths:
+        for path in [*self.spill_paths, *self.refused_paths]:
             if path.is_file():
                 log.warning(
                     "audit: %s holds %d rows an earlier run could not write; they are imported "
@@ -662,6 +668,8 @@ class AuditStore:
         with self._lock:
             while not self._pending and not self._stopping:
                 self._has_work.wait()
+            if self._abandon.is_set():  # stop() gave up on this writer and spills the queue
+                return []
             n = min(BATCH, len(self._pending))
             self._batch = [self._pending.popleft() for _ in range(n)]
             self._inflight = n
@@ -747,7 +755,7 @@ class AuditStore:
             if _replayable(e):
                 kept.append(op)
                 log.error(
-                    "audit: %s refused a row (%s): kept in the spill file, for an import once "
+                    "audit: %s refused a row (%s): kept in the refused rows' file, for an import once "
                     "this kvguard is upgraded (a newer one changed the schema?): %r",
                     shown(self.url),
                     _reason(e, self.url),
@@ -818,7 +826,7 @@ class AuditStore:
         cannot be loaded, or cannot be read at all, is left for `kvguard audit import`.
         """
         self._spills_waiting = False
-        for path in self.spill_paths:
+        for path in [*self.spill_paths, *self.refused_paths]:  # each file its own transaction
             if not path.is_file():
                 continue
             try:

@@ -471,11 +471,17 @@ def parse_when(text: str, now: datetime | None = None) -> datetime:
 def parse_until(text: str, now: datetime | None = None) -> datetime:
     """An --until value: as `parse_when`, but an ISO time without fractional seconds (as the
     tables print times) means the whole of that second: rows keep microseconds, and the row
-    printed at 12:00:00 may have been written at 12:00:00.73."""
+    printed at 12:00:00 may have been written at 12:00:00.73; a date alone means the whole of
+    that day."""
     t = parse_when(text, now)
-    if not re.fullmatch(rf"(?:{_PART})+", text.strip()) and not re.search(r":\d\d[.,]\d", text):
-        return t + timedelta(seconds=1) - timedelta(microseconds=1)  # rows end in microseconds
-    return t
+    value = text.strip()
+    if re.fullmatch(rf"(?:{_PART})+", value) or re.search(r":\d\d[.,]\d", value):
+        return t
+    whole = timedelta(days=1) if re.fullmatch(r"\d{4}-?\d\d-?\d\d", value) else timedelta(seconds=1)
+    try:
+        return t + whole - timedelta(microseconds=1)  # rows end in microseconds
+    except OverflowError:  # the last second (or day) there is: every row is older
+        return datetime.max.replace(tzinfo=UTC)
 
 
 def _window(args: argparse.Namespace) -> tuple[datetime | None, datetime | None]:

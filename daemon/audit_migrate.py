@@ -269,8 +269,15 @@ def pg_lock_timeout(conn: Connection, wait_s: float | None) -> None:
         conn.exec_driver_sql(f"SET LOCAL lock_timeout = '{max(1, int(wait_s * 1000))}ms'")
 
 
+def sqlstate(e: BaseException) -> str | None:
+    """The SQLSTATE of a database error, as the driver gives it (psycopg 3 `sqlstate`,
+    psycopg2 `pgcode`); None where it gives none (SQLite)."""
+    orig = getattr(e, "orig", None)
+    return getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
+
+
 def _lock_timed_out(e: BaseException) -> bool:
-    return getattr(getattr(e, "orig", None), "sqlstate", None) == "55P03"  # lock_not_available
+    return sqlstate(e) == "55P03"  # lock_not_available
 
 
 def sqlite_write_lock(conn: Connection) -> None:

@@ -5,7 +5,8 @@ unreachable). Memory does not survive the process, so at exit whatever is still 
 appended to a JSON-lines file instead of being lost, and `kvguard audit import FILE` (or the
 next start, once the database takes writes) loads it. Rows the database refused outright for a
 schema this kvguard does not know (a newer one's NOT NULL column, say) are appended as they are
-refused, for the import of an upgraded daemon.
+refused, for the import of an upgraded daemon, to a file of their own (`audit.db.refused.jsonl`):
+its import may keep failing until then, and must not hold back the rows of the spill file.
 
 Where: next to a SQLite database (`audit.db` -> `audit.db.spill.jsonl`), else in the state
 directory (`$STATE_DIRECTORY` or `./var/`), which is also where a non-SQLite database's rows go.
@@ -39,20 +40,22 @@ from typing import Any
 from kvguard.daemon.audit_migrate import sqlite_path
 
 SUFFIX = ".spill.jsonl"
+REFUSED_SUFFIX = ".refused.jsonl"  # rows the database refused: imported apart from the spill
 FORMAT = 1
 HEADER_KEY = "kvguard_audit_spill"
 KINDS = ("actions", "events", "incidents", "incident_update", "purge")
 TIME_KEYS = ("time", "opened_at", "closed_at", "before")  # the row fields that are datetimes
 
 
-def spill_paths(url: str, state_dir: Path | None) -> list[Path]:
-    """Where this database's spill file may be, in order of preference."""
+def spill_paths(url: str, state_dir: Path | None, suffix: str = SUFFIX) -> list[Path]:
+    """Where this database's spill file (`suffix`: or its refused rows' file) may be, in order
+    of preference."""
     db = sqlite_path(url)
     paths: list[Path] = []
     if db is not None:
-        paths.append(db.with_name(db.name + SUFFIX))
+        paths.append(db.with_name(db.name + suffix))
     if state_dir is not None:
-        paths.append(state_dir / ((db.name if db is not None else "audit") + SUFFIX))
+        paths.append(state_dir / ((db.name if db is not None else "audit") + suffix))
     unique: list[Path] = []
     for p in paths:
         if all(os.path.abspath(p) != os.path.abspath(q) for q in unique):

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-import os
+
+from kvguard.engine.log_level import log_level
 
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # Libraries that log routine work at INFO: APScheduler writes two lines per job run (the rule
@@ -15,10 +16,7 @@ CHATTY = ("apscheduler",)
 def configure_logging(level: int | str | None = None) -> int:
     """Set up the root logger at `level` (default $KVGUARD_LOG_LEVEL, else INFO) and quiet the
     CHATTY libraries to WARNING unless the level is DEBUG. Returns the level in force."""
-    chosen = level if level is not None else os.environ.get("KVGUARD_LOG_LEVEL", "INFO")
-    numeric = logging.getLevelName(chosen.upper()) if isinstance(chosen, str) else chosen
-    if not isinstance(numeric, int):
-        numeric = logging.INFO
+    numeric = log_level(level)
     logging.basicConfig(level=numeric, format=FORMAT)
     logging.getLogger().setLevel(numeric)
     for name in CHATTY:

@@ -294,22 +294,25 @@ def paged_prefill(
         )
 
 
-def _rows(fn: str, x: torch.Tensor) -> None:
-    """`x` must be CPU float32 rows `[M, N]`, N > 0, unit stride along a row."""
-    if not (
+def _is_rows(x: torch.Tensor) -> bool:
+    """CPU float32 rows `[M, N]`, N > 0, unit stride along a row."""
+    return (
         x.dtype == torch.float32
         and x.dim() == 2
         and x.shape[1] > 0
         and x.stride(1) == 1
         and x.is_cpu
-    ):
+    )
+
+
+def _rows(fn: str, x: torch.Tensor) -> None:
+    if not _is_rows(x):
         raise _bad(fn, "x", "CPU float32 rows [M, N > 0] with unit stride along a row", x)
 
 
 def rows_served(x: torch.Tensor) -> bool:
-    """Whether `argmax_rows` and `topk_indices` take `x`: fp32 CPU rows `[M, N]`, N > 0, unit
-    stride along the row, the kernels on."""
-    return enabled(x) and x.dim() == 2 and x.stride(1) == 1 and x.shape[1] > 0
+    """Whether `argmax_rows` and `topk_indices` take `x` (`_is_rows`), the kernels on."""
+    return enabled(x) and _is_rows(x)
 
 
 def argmax_rows(x: torch.Tensor) -> list[int]:

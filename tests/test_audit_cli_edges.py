@@ -231,6 +231,10 @@ def test_until_a_printed_time_takes_in_that_whole_second(tmp_path: Path) -> None
     from kvguard.daemon.audit_cli import parse_until
 
     assert parse_until("2h", now=NOW) == NOW - timedelta(hours=2)  # a duration: exactly then
+    day = datetime(2026, 1, 5, tzinfo=UTC)
+    assert parse_until("2026-01-05") == day + timedelta(days=1, microseconds=-1)  # the whole day
+    assert parse_until("9999-12-31T23:59:59") == datetime.max.replace(tzinfo=UTC)  # no overflow
+    assert parse_until("9999-12-31") == datetime.max.replace(tzinfo=UTC)
 
 
 def test_incidents_in_a_window_are_those_open_at_some_time_in_it(tmp_path: Path) -> None:

@@ -325,7 +325,7 @@ def test_a_daemon_restarted_on_a_database_a_newer_kvguard_migrated_writes_to_it(
         audit_migrate.upgrade(url)
 
 
-def test_rows_refused_for_a_newer_schema_are_kept_in_the_spill_file(
+def test_rows_refused_for_a_newer_schema_are_kept_in_a_file_of_their_own(
     pg: PgServer,
     pg_db: str,
     tmp_path: Path,
@@ -334,7 +334,9 @@ def test_rows_refused_for_a_newer_schema_are_kept_in_the_spill_file(
 ) -> None:
     """A newer kvguard's migration (another daemon's) adds a NOT NULL column this one does not
     fill: its rows are refused, and kept for an import instead of vanishing. A duplicate,
-    which would be refused again, is only counted and logged."""
+    which would be refused again, is only counted and logged. The refused rows' file is not the
+    spill file: while its import still fails (the daemon not yet upgraded), the spill file's
+    rows (left unwritten at a stop) are imported all the same."""
     url = pg.url(pg_db)
     monkeypatch.setattr(audit, "new_incident_id", lambda now=None: "inc-same")
     store = AuditStore(url, instance="node-r", spill_dir=tmp_path)
@@ -353,16 +355,34 @@ def test_rows_refused_for_a_newer_schema_are_kept_in_the_spill_file(
         assert store.rejected == 3 and store.written == 1
     finally:
         store.stop(timeout=10)
-    spill = tmp_path / "audit.spill.jsonl"
-    assert store.spill_file == spill
-    kept = audit_spill.read(spill)
+    refused = tmp_path / "audit.refused.jsonl"
+    assert store.spill_file == refused
+    kept = audit_spill.read(refused)
     assert [(k, r["detail"]) for k, r in kept.ops] == [
         ("events", "refused 0"),
         ("events", "refused 1"),
     ]
     assert kept.headers[0]["reason"] == f"refused by {url}"
-    assert "kept in the spill file" in caplog.text and "refused rows to" in caplog.text
+    assert "kept in the refused rows' file" in caplog.text and "refused rows to" in caplog.text
     assert "would be refused again" in caplog.text
+
+    # Rows an earlier stop left unwritten (an incident, which the newer schema still takes)
+    # land at the next start although the refused rows still cannot.
+    spill = tmp_path / "audit.spill.jsonl"
+    opened = datetime(2026, 12, 5, 9, 0, tzinfo=UTC)
+    row = {"id": "inc-unwritten", "opened_at": opened, "closed_at": None, "peak_level": 1}
+    row |= {"actions_count": 0, "host": "h", "instance": "node-r", "summary": "unwritten"}
+    header = audit_spill.encode_header(url, "h", 1, "stopped unwritten")
+    assert audit_spill.append([spill], [header, audit_spill.encode("incidents", row)])[0] == spill
+    old = AuditStore(url, instance="node-r", spill_dir=tmp_path)
+    old.start()
+    try:
+        wait_for(lambda: not spill.exists(), 30, "the spill file to be imported")
+    finally:
+        old.stop(timeout=10)
+    assert refused.exists()  # still refused: kept for the upgraded daemon
+    got = _rows(pg, pg_db, "SELECT id FROM incidents ORDER BY id")
+    assert got == [("inc-same",), ("inc-unwritten",)]
 
     # The daemon upgraded (here: the column gets the default its migration would give) imports
     # them at its next start.
@@ -371,7 +391,7 @@ def test_rows_refused_for_a_newer_schema_are_kept_in_the_spill_file(
     nxt = AuditStore(url, instance="node-r", spill_dir=tmp_path)
     nxt.start()
     try:
-        wait_for(lambda: not spill.exists(), 30, "the spill file to be imported")
+        wait_for(lambda: not refused.exists(), 30, "the refused rows to be imported")
     finally:
         nxt.stop(timeout=10)
     got = _rows(pg, pg_db, "SELECT detail, instance FROM events ORDER BY id")
@@ -453,3 +473,35 @@ def test_stop_with_a_hung_server_keeps_to_its_timeout_and_spills(
     ]
     if writer is not None:  # the writer left behind ends once the server answers again
         writer.join(60)
+
+
+def test_a_writer_that_finishes_migrating_during_stops_spill_takes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """stop() gave up on a writer still migrating and spills the queue; the writer's migration
+    then succeeds while the spill file is being written. It must not take rows from the queue
+    the spill is saving (stop raised IndexError, and rows were written and spilled both)."""
+    store = AuditStore(f"sqlite:///{tmp_path / 'audit.db'}", host="h", spill_dir=tmp_path)
+    migrate, append = store._try_migrate, audit_spill.append  # noqa: SLF001
+    migrating = threading.Event()
+
+    def slow_migrate(attempt: int) -> bool:
+        migrating.set()
+        time.sleep(1.0)  # longer than stop's timeout below
+        return migrate(attempt)
+
+    def slow_append(paths: Any, lines: list[str]) -> Any:
+        writer.join(10)  # the writer is done migrating and back for rows meanwhile
+        return append(paths, lines)
+
+    monkeypatch.setattr(store, "_try_migrate", slow_migrate)
+    monkeypatch.setattr(audit_spill, "append", slow_append)
+    store.start(wait=0.01)
+    writer = store._thread  # noqa: SLF001
+    assert writer is not None and migrating.wait(10)
+    for i in range(300):
+        store.record_event("tick", f"row {i}")
+    assert store.stop(timeout=0.2) is False
+    assert not writer.is_alive() and store.written == 0 and store.depth() == 0
+    spilled = audit_spill.read(tmp_path / "audit.db.spill.jsonl")
+    assert [r["detail"] for _, r in spilled.ops] == [f"row {i}" for i in range(300)]

@@ -31,6 +31,7 @@ from kvguard.engine.distributed.fingerprint import model_fingerprint
 from kvguard.engine.distributed.parallel_state import PipelineStage, TPGroup
 from kvguard.engine.distributed.sharding import stage_layers
 from kvguard.engine.distributed.step_message import StepDecoder, StepMessage
+from kvguard.engine.log_level import log_level
 from kvguard.engine.model import weight_bytes
 from kvguard.engine.model_config import ModelConfig
 from kvguard.engine.model_registry import resolve_model
@@ -109,13 +110,6 @@ class WorkerArgs:
     config: EngineConfig
     path: Path | None  # None: a remote rank resolves the model in its own cache
     parent_pid: int  # 0: a remote rank, whose parent is its host's systemd
-
-
-def log_level() -> int:
-    """$KVGUARD_LOG_LEVEL as the daemon reads it (daemon/logging_setup.py): a name logging
-    does not know means INFO, never a worker that dies before it can say why."""
-    level = logging.getLevelName(os.environ.get("KVGUARD_LOG_LEVEL", "INFO").upper())
-    return level if isinstance(level, int) else logging.INFO
 
 
 def main(argv: list[str]) -> None:

@@ -16,6 +16,9 @@ it NULL gets `host` from a trigger instead:
   columns of this revision: a later revision that adds a column which an old daemon could
   leave out must create these triggers again, and batch mode (which recreates a table) drops
   them, so a later revision that recreates one of these tables must create its trigger again.
+  The statement that left `instance` out then reports no row (rowcount 0, no lastrowid, an
+  empty RETURNING), the row being the trigger's: kvguard's writers read none of these back,
+  an ORM writing such rows would (give it `instance`).
 - Other backends get no trigger: upgrade every daemon before migrating such a database.
 
 Revision ID: 0004

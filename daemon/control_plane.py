@@ -76,6 +76,10 @@ class ControlPlane:
         self._preempt_times: deque[float] = deque()
         self._storm_until = 0.0
         self._seen_alerts: dict[tuple[str, str, str], float] = {}
+        # this daemon's alerts firing now, by name: the alerts (fingerprints) of each that
+        # fired and have not resolved since. Alertmanager's repeats are taken once, so a rule
+        # a reload starts afresh learns from this that its alert still fires (`_refire`)
+        self.firing: dict[str, set[str]] = {}
         self._lock = threading.Lock()
         self.alerts_received: dict[tuple[str, str], int] = {}
         # alerts whose `instance` label names another daemon, by alert name (each name logged
@@ -198,13 +202,19 @@ class ControlPlane:
         """Evaluate right away on the scheduler's worker threads (not the caller's)."""
         self._soon_all([(kind, resolved)])
 
-    def _soon_all(self, events: list[tuple[str, bool]]) -> None:
-        """One job that runs the event rules of each (kind, resolved) in order, then one tick."""
+    def _soon_all(
+        self,
+        events: list[tuple[str, bool]],
+        only: set[str] | None = None,
+        note: str = "",
+    ) -> None:
+        """One job that runs the event rules of each (kind, resolved) in order, then one tick
+        (`only`, `note`: as Evaluator.handle_event's)."""
 
         def run() -> None:
             try:
                 for kind, resolved in events:
-                    self.evaluator.handle_event(kind, resolved=resolved)
+                    self.evaluator.handle_event(kind, resolved=resolved, only=only, note=note)
             finally:  # those no rule acted on, in the incident open now, if one is
                 self._record_causes(self.evaluator.incident)
             self.evaluate()
@@ -237,6 +247,7 @@ class ControlPlane:
                 continue
             if a.status == "firing":
                 firing.add(a.name)
+            self._note_firing(a)
             if self._first_time(a):
                 taken += 1
                 new.setdefault((a.name, a.status), []).append(a)
@@ -284,6 +295,38 @@ class ControlPlane:
                 a.name,
             )
 
+    def _note_firing(self, a: Alert) -> None:
+        """Keep `firing` as the alert says: added while it fires, gone once it resolves."""
+        key = a.fingerprint or repr(sorted(a.labels.items()))
+        with self._lock:
+            if a.status == "firing":
+                self.firing.setdefault(a.name, set()).add(key)
+            elif a.name in self.firing:
+                self.firing[a.name].discard(key)
+                if not self.firing[a.name]:
+                    del self.firing[a.name]
+
+    def _refire(self, rules: RuleSet, fresh: list[str]) -> None:
+        """The alert rules a reload started afresh (new, given another remedy, or every rule
+        at a dry-run switch) act at once where their alert still fires: Alertmanager will not
+        send it again before it resolves (or only as a repeat, taken once), so without this
+        the new rule would never act."""
+        with self._lock:
+            firing = set(self.firing)
+        kinds: dict[str, None] = {}
+        only: set[str] = set()
+        for r in rules.rules:
+            if r.name in fresh and r.on and r.on.startswith("alert:") and r.on[6:] in firing:
+                kinds[r.on] = None
+                only.add(r.name)
+        if kinds:
+            log.info("alerts still firing after the reload: %s acts again", ", ".join(sorted(only)))
+            self._soon_all(
+                [(kind, False) for kind in kinds],
+                only=only,
+                note="its alert still fires after a reload",
+            )
+
     def _first_time(self, a: Alert) -> bool:
         """Count the alert and remember it; False if this very alert was taken before."""
         key = (a.fingerprint or a.name, a.starts_at or "", a.status)
@@ -329,7 +372,7 @@ class ControlPlane:
         try:
             if job is not None:  # none before start(), which schedules self.ruleset.interval
                 self.scheduler.reschedule_job("rules", trigger=trigger)
-            self.evaluator.replace_rules(new)
+            fresh = self.evaluator.replace_rules(new)
         except Exception as e:  # noqa: BLE001
             log.exception("installing the reloaded rules failed; keeping the running ones")
             if old_trigger is not None:
@@ -342,7 +385,9 @@ class ControlPlane:
         self.rules_path, self.ruleset = path, new
         if dry_run != self.evaluator.dry_run:
             diff.append(f"~dry_run={str(dry_run).lower()}")
-        self.evaluator.set_dry_run(dry_run)
+        if self.evaluator.set_dry_run(dry_run):
+            fresh = [r.name for r in new.rules]
+        self._refire(new, fresh)
         out = {"rules_reloaded": True, "rules": len(new.rules), "rules_changed": diff}
         return out | {"prometheus_changed": self._use_prometheus()}
 

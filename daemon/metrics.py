@@ -14,6 +14,8 @@ from prometheus_client.registry import Collector
 from kvguard.daemon.nvml import NvmlReader
 from kvguard.engine.host_memory import host_memory_used_ratio
 from kvguard.engine.snapshot import EngineSnapshot
+from kvguard.rules.actions import ACTIONS
+from kvguard.rules.evaluator import MANUAL
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 KV_DTYPES = ("fp32", "fp16", "bf16", "fp8_e4m3")
@@ -345,6 +347,9 @@ class ControlPlaneCollector(Collector):
             for action in (r.action, r.undo):
                 for outcome in outcomes if action else ():
                     counts.setdefault((r.name, action, outcome), 0)
+        # an operator's actions (rule "manual", never a dry run): each one's failures from 0
+        for action in ACTIONS:
+            counts.setdefault((MANUAL, action, "failed"), 0)
         for (rule, action, outcome), n in counts.items():
             acts.add_metric([rule, action, outcome], n)
         level = _gauge(

@@ -590,6 +590,8 @@ class Service:
             err = f.exception()
             res = None if err else f.result()
             outcome = "failed" if err else ("applied" if res.ok else "refused")
+            if self.control is not None:  # kvguard_actions_total{rule="manual"}
+                self.control.evaluator.count_manual(name, outcome)
             self.audit.record_action(
                 rule="manual",
                 action=name,

@@ -546,11 +546,17 @@ class ControlSurface:
             self._pending.append(self._end(seq, "stop" if stopped else "length"))
 
     # -- admission --------------------------------------------------------------------------
-    def halt_admission(self: LLMEngine, allow_priority: str | None = "high") -> Future:
-        """Refuse new requests except those of `allow_priority` or better (None: refuse all)."""
+    def halt_admission(
+        self: LLMEngine, allow_priority: str | None = "high", *, tighten_only: bool = False
+    ) -> Future:
+        """Refuse new requests except those of `allow_priority` or better (None: refuse all).
+        With `tighten_only` (the OOM chain) a stricter halt in force is kept as it is."""
         rank = -1 if allow_priority is None else parse_priority(allow_priority)
 
         def apply():
+            was = self.allow_rank
+            if tighten_only and was is not None and was <= rank:
+                return f"admission already halted (allowed: {allowed_name(was)}): kept", True, {}
             self.admission_policy.allow_rank = rank
             self.events.emit("admission_halted", allow_priority=allow_priority)
             return f"admission halted (allowed: {allow_priority or 'none'})", True, {}

@@ -117,6 +117,12 @@ class LLMEngine(ControlSurface):
         self.admission_policy = AdmissionPolicy(
             controller, config.block_size, config.enable_prefix_caching
         )
+        # offload as configured: on where enabled, unless the device pool is too small to keep
+        # swapping worth it (min_gpu_blocks); what disable_cpu_offload and the OOM chain's
+        # undo return to (enable_cpu_offload and min_gpu_blocks change only at a restart)
+        self.configured_offload = bool(
+            config.enable_cpu_offload and kv.num_blocks >= config.min_gpu_blocks
+        )
         self.scheduler = Scheduler(
             self.block_manager,
             self.host_block_manager,
@@ -125,7 +131,7 @@ class LLMEngine(ControlSurface):
             config.max_num_seqs,
             config.max_num_batched_tokens,
             config.enable_chunked_prefill,
-            offload=config.enable_cpu_offload and kv.num_blocks >= config.min_gpu_blocks,
+            offload=self.configured_offload,
             emit=self.events.emit,
             prefill_while_decoding=prefill_while_decoding(config, runner.device),
             speculation=speculation(config),

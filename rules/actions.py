@@ -110,8 +110,10 @@ def _configured_kv_dtype(e: LLMEngine, p: NoParams, clamp: bool) -> Future:
 
 
 def _offload_configured(e: LLMEngine) -> bool:
-    # the configured setting, where a host pool exists to swap into (none: recompute only)
-    return bool(e.config.enable_cpu_offload and e.host_block_manager.num_blocks)
+    # the state the engine started in (offloading.enable_cpu_offload, unless the device pool
+    # is under offloading.min_gpu_blocks), where a host pool exists to swap into (none:
+    # recompute only)
+    return bool(e.configured_offload and e.host_block_manager.num_blocks)
 
 
 def _configured_offload(e: LLMEngine, p: NoParams, clamp: bool) -> Future:
@@ -120,7 +122,10 @@ def _configured_offload(e: LLMEngine, p: NoParams, clamp: bool) -> Future:
     on = _offload_configured(e)
     fut = e.set_offload(on)
     if not on:
-        return fut
+        note = _offload_note(e)
+        if note is None:
+            return fut
+        return _noted(fut, lambda r: f"{r.detail}: {note}" if r.ok else None)
     return _noted(
         fut,
         lambda r: (
@@ -129,6 +134,17 @@ def _configured_offload(e: LLMEngine, p: NoParams, clamp: bool) -> Future:
             if r.ok
             else None
         ),
+    )
+
+
+def _offload_note(e: LLMEngine) -> str | None:
+    """Why offload is configured off though offloading.enable_cpu_offload is true (the
+    engine started recomputing: its device pool is under offloading.min_gpu_blocks)."""
+    if not e.config.enable_cpu_offload or e.configured_offload:
+        return None
+    return (
+        f"the device pool started under offloading.min_gpu_blocks={e.config.min_gpu_blocks} "
+        "blocks, so offload stays off (its configured state: preempted sequences recompute)"
     )
 
 
@@ -265,8 +281,8 @@ def _handle_oom(e: LLMEngine, p: NoParams, clamp: bool) -> Future:
         steps.append(e.set_offload(True))
     if snap.kv_cache_dtype != "fp8_e4m3":
         steps.append(e.set_kv_cache_dtype("fp8_e4m3"))
-    if snap.kv_cache_usage_ratio > 0.98:
-        steps.append(e.halt_admission("high"))
+    if snap.kv_cache_usage_ratio > 0.98:  # never loosening a stricter halt (allowed: none)
+        steps.append(e.halt_admission("high", tighten_only=True))
     return _chain("handle_oom", steps, in_force=any)
 
 
@@ -373,6 +389,72 @@ def settings_set(action: str, result: ActionResult | None) -> frozenset[str]:
     if steps is None:
         return ACTIONS[action].settings
     return frozenset(_STEP_SETTINGS[s] for s in steps if s in _STEP_SETTINGS)
+
+
+# Remedies in force that hold one setting each ask for a value of it, and the strictest wins:
+# the smallest batch (max_num_seqs), KV pool share and token cap, the fewest priorities
+# admitted (allowed: none, then high, normal, low). FP8 KV and offload have one value every
+# remedy asks for (FP8, swapping): nothing to choose between.
+_ADMISSION_ORDER = {None: -1, "high": 0, "normal": 1, "low": 2}
+# the action that puts a setting at a value a remedy asked for, and its parameter
+SET_TO = {
+    "batch": ("set_max_num_seqs", "n"),
+    "kv_pool": ("shrink_kv_pool", "share"),
+    "token_cap": ("cap_max_new_tokens", "n"),
+    "admission": ("halt_admission", "allow_priority"),
+}
+
+
+def strictness(setting: str, value: Any) -> float:
+    """Order of the values remedies ask for `setting`: the smaller, the stricter."""
+    if setting == "admission":
+        return _ADMISSION_ORDER[value]
+    if setting in SET_TO:
+        return float(value)
+    return 0.0  # kv_dtype, offload: one value
+
+
+def set_to(setting: str, value: Any) -> tuple[str, dict[str, Any]]:
+    """The action (and params) that puts `setting` at `value`."""
+    action, param = SET_TO[setting]
+    return action, {param: value}
+
+
+def targets(action: str, params: dict[str, Any] | None) -> dict[str, Any]:
+    """The values `action` sets whatever the engine's state, by setting: those that may
+    loosen what another remedy holds (reduce_batch never raises the batch, and the OOM
+    chain's halt never loosens a stricter one; FP8 and offload have one value)."""
+    p = parse_params(action, params)
+    if action == "set_max_num_seqs":
+        return {"batch": p.n}
+    if action == "shrink_kv_pool":
+        return {"kv_pool": p.share}
+    if action == "cap_max_new_tokens":
+        return {"token_cap": p.n}
+    if action == "halt_admission":
+        return {"admission": p.allow_priority}
+    return {}
+
+
+def asked(action: str, params: dict[str, Any] | None, result: ActionResult | None) -> dict:
+    """What a remedy in force asks of each setting it holds: the value it set (the engine's
+    after its action, a relative reduction's included), or where it set none (a dry run, an
+    action held back: `targets`) the value its params name. A setting whose value cannot be
+    told (a dry run's reduce_batch) is left out."""
+    after = (result.after or {}) if result is not None else {}
+    out: dict[str, Any] = dict(targets(action, params))
+    held = settings_set(action, result)
+    if "batch" in held and isinstance(after.get("max_num_seqs"), int):
+        out["batch"] = after["max_num_seqs"]
+    if "token_cap" in held and isinstance(after.get("max_new_tokens_cap"), int):
+        out["token_cap"] = after["max_new_tokens_cap"]
+    if "admission" in held and action == "handle_oom":
+        out["admission"] = "high"
+    if "kv_dtype" in held:
+        out["kv_dtype"] = "fp8_e4m3"
+    if "offload" in held:
+        out["offload"] = True
+    return {s: v for s, v in out.items() if s in held}
 
 
 class ActionError(ValueError):

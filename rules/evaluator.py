@@ -29,13 +29,22 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
 from kvguard.engine.control import ActionResult
-from kvguard.rules.actions import ACTIONS, SETTINGS, settings_set
+from kvguard.rules.actions import (
+    ACTIONS,
+    SET_TO,
+    SETTINGS,
+    asked,
+    set_to,
+    settings_set,
+    strictness,
+    targets,
+)
 from kvguard.rules.schema import Rule, RuleSet, Signal
 
 log = logging.getLogger("kvguard.rules")
@@ -45,6 +54,7 @@ SignalReader = Callable[[str, Signal], "float | None"]
 Executor = Callable[[str, dict[str, Any]], ActionResult]
 
 KEPT_DECISIONS = 10_000  # the latest decisions an evaluator keeps
+MANUAL = "manual"  # the rule an operator's action is counted and audited under
 
 
 class AuditSink(Protocol):
@@ -72,6 +82,8 @@ class RuleState:
     undo_refused_at: float | None = None  # a refused undo is retried after the cooldown
     in_flight: str | None = None  # the action being awaited (decided, not yet recorded)
     holds: frozenset[str] = frozenset()  # the settings its remedy in force set (SETTINGS)
+    # the value it asks of each setting it holds (the strictest asked is in force), where known
+    asked: dict[str, Any] = field(default_factory=dict)
     live: bool = False  # that remedy was applied for real, not in a dry run
     resolved: bool = False  # its alert resolved, and the undo is still to be done (retried)
 
@@ -106,8 +118,13 @@ class Attempt:
     value: float | None
     undo: bool
     dry_run: bool
-    # an undo's settings other remedies in force still hold: setting -> those rules
+    # an undo's settings other remedies in force still hold, or an act's that it would
+    # loosen (another remedy in force asks for a stricter value): setting -> those rules
     held: dict[str, list[str]] = field(default_factory=dict)
+    # an undo's held settings its remedy holds stricter than every other holder: each goes to
+    # the strictest value the others ask for (setting -> (value, the rules asking for it))
+    restore: dict[str, tuple[Any, list[str]]] = field(default_factory=dict)
+    kept: str = ""  # what `held` leaves as it is, and why: the audit row's detail says so
     note: str = ""  # why it runs, where not the rule's own signal (a reload)
     # when it was decided (wall clock, set just before it runs): the audit row's time, so that
     # the events the action causes while it runs follow it in a timeline, not precede it
@@ -161,13 +178,15 @@ class Evaluator:
         self._turn = threading.Lock()  # one evaluation (tick or event) at a time
 
     # -- configuration ----------------------------------------------------------------------
-    def replace_rules(self, rules: RuleSet) -> None:
+    def replace_rules(self, rules: RuleSet) -> list[str]:
         """Swap in a reloaded rule set. A rule that keeps its name and its remedy (action,
         undo and their params) keeps its state, thresholds and timings taken from the new
         file. The remedy in force of a rule removed, or given another remedy, is undone at
         the next evaluations with the undo it was applied with (`retiring`; a setting
         another remedy in force holds stays), and the new rule starts afresh: it acts again
-        if its condition still holds."""
+        if its condition still holds. Returns the names of the rules that start afresh (new,
+        or given another remedy): an alert rule among them acts again only on its alert,
+        which the caller knows still fires (the control plane's `firing`)."""
         with self._lock:
             after = {r.name: r for r in rules.rules}
             kept: dict[str, RuleState] = {}
@@ -184,14 +203,16 @@ class Evaluator:
             self.rules = rules
             self.states = {r.name: kept.get(r.name) or RuleState() for r in rules.rules}
             self.applied = [n for n in self.applied if n in kept]
+            return [r.name for r in rules.rules if r.name not in kept]
 
-    def set_dry_run(self, dry_run: bool) -> None:
+    def set_dry_run(self, dry_run: bool) -> bool:
         """Switch dry-run mode (a reload). Every rule starts afresh in the new mode: remedies
         applied for real are undone for real (retiring: the rules no longer control the
-        engine, or act again live), those only simulated are forgotten (nothing to undo)."""
+        engine, or act again live), those only simulated are forgotten (nothing to undo).
+        True where it switched (every rule starts afresh)."""
         with self._lock:
             if dry_run == self.dry_run:
-                return
+                return False
             for rule in self.rules.rules:
                 st = self.states[rule.name]
                 if self._in_force(rule, st) and st.live:
@@ -199,6 +220,7 @@ class Evaluator:
             self.states = {r.name: RuleState() for r in self.rules.rules}
             self.applied = []
             self.dry_run = dry_run
+            return True
 
     @staticmethod
     def _in_force(rule: Rule, st: RuleState) -> bool:
@@ -324,10 +346,12 @@ class Evaluator:
             self.applied.append(a.rule.name)
 
     def _in_force_now(self, a: Attempt, outcome: str, res: ActionResult | None) -> bool:
-        """Settle an action that applied (or was simulated): its rule fires, holding the
-        settings it set. True where the rule is tracked and has an undo (its remedy is on
-        the undo stack's side of things); a rule reloaded away meanwhile retires its remedy."""
-        if outcome not in ("applied", "dry_run"):
+        """Settle an action that applied (or was simulated, or held back: another remedy in
+        force holds the setting stricter, and this one's value is wanted once that one is
+        undone): its rule fires, holding the settings it set, each at the value it asked.
+        True where the rule is tracked and has an undo (its remedy is on the undo stack's
+        side of things); a rule reloaded away meanwhile retires its remedy."""
+        if outcome not in ("applied", "dry_run", "held"):
             return False
         st = a.st
         if a.rule.undo is None:  # a one-off (evict): a threshold rule may repeat while firing
@@ -335,10 +359,13 @@ class Evaluator:
             return False
         # an event rule acting again while in force adds to what it holds (the OOM chain's
         # second run skips FP8, already on: the first run's FP8 is still its remedy)
-        before = st.holds if st.state in ("firing", "recovering") else frozenset()
+        again = st.state in ("firing", "recovering")
+        before = st.holds if again else frozenset()
+        done = res if outcome == "applied" else None
         st.state = "firing"
-        st.holds = before | settings_set(a.action, res if outcome == "applied" else None)
-        st.live = outcome == "applied"
+        st.holds = before | settings_set(a.action, done)
+        st.asked = {**(st.asked if again else {}), **asked(a.action, a.params, done)}
+        st.live = not a.dry_run
         if self._live(a):
             return True
         self._retire(a.rule, st, "rule reloaded away while its action ran")
@@ -391,6 +418,10 @@ class Evaluator:
         if dry_run is not None:
             a.dry_run = dry_run
         a.held = self._held_by_others(st, ACTIONS[a.action].settings, live=not a.dry_run)
+        a.restore = self._restore_to(st, a.held)
+        a.kept = ", ".join(
+            f"{s} (held by {', '.join(r)})" for s, r in sorted(a.held.items()) if s not in a.restore
+        )
         return a
 
     def _held_by_others(
@@ -410,6 +441,57 @@ class Evaluator:
                 held.setdefault(name, []).append(rule.name)
         return held
 
+    def _asked_of(self, names: list[str], setting: str) -> list[Any] | None:
+        """What the rules `names` ask of `setting`; None where one's value is not known."""
+        values = [self.states[n].asked.get(setting, _UNKNOWN) for n in names]
+        return None if any(v is _UNKNOWN for v in values) else values
+
+    def _restore_to(
+        self, st: RuleState, held: dict[str, list[str]]
+    ) -> dict[str, tuple[Any, list[str]]]:
+        """The held settings that `st`'s remedy, leaving, holds stricter than every other
+        holder: each goes to the strictest value the others ask for (not to its configured
+        value, nor stays at the leaving remedy's), with the rules that ask for it."""
+        out: dict[str, tuple[Any, list[str]]] = {}
+        for setting, names in held.items():
+            values = self._asked_of(names, setting)
+            if setting not in SET_TO or setting not in st.asked or values is None:
+                continue  # FP8 and offload: one value, in force while any remedy holds it
+            best = min(values, key=lambda v: strictness(setting, v))
+            if strictness(setting, st.asked[setting]) < strictness(setting, best):
+                out[setting] = (best, [n for n, v in zip(names, values, strict=True) if v == best])
+        return out
+
+    def _loosened(
+        self, st: RuleState, action: str, params: dict[str, Any], live: bool
+    ) -> tuple[dict[str, list[str]], str]:
+        """The settings an act (not an undo) would loosen, with the rules whose remedies in
+        force hold them stricter, and what stays: it leaves those alone (see `_run`). An
+        action that puts settings back to their configured state (a rule may take
+        `resume_admission` as its action) loosens every one another remedy holds."""
+        spec = ACTIONS[action]
+        if spec.undo is None:
+            held = self._held_by_others(st, spec.settings, live)
+            kept = ", ".join(f"{s} (held by {', '.join(r)})" for s, r in sorted(held.items()))
+            return held, kept
+        held, said = {}, []
+        for setting, value in targets(action, params).items():
+            names = self._held_by_others(st, frozenset({setting}), live).get(setting, [])
+            asks = [(n, self.states[n].asked.get(setting, _UNKNOWN)) for n in names]
+            stricter = [
+                (n, v)
+                for n, v in asks
+                if v is not _UNKNOWN and strictness(setting, v) < strictness(setting, value)
+            ]
+            if stricter:
+                best = min((v for _, v in stricter), key=lambda v: strictness(setting, v))
+                held[setting] = [n for n, _ in stricter]
+                said.append(
+                    f"{setting} stays at {_shown(setting, best)} (held by "
+                    f"{', '.join(held[setting])}; this rule asks for {_shown(setting, value)})"
+                )
+        return held, ", ".join(said)
+
     def _undone(self, a: Attempt, now: float, outcome: str, res: ActionResult | None) -> None:
         if outcome not in ("applied", "dry_run", "held"):
             a.st.undo_refused_at = now
@@ -419,25 +501,37 @@ class Evaluator:
         self.retiring = [r for r in self.retiring if r[1] is not a.st]
         a.st.state, a.st.last_action, a.st.undo_refused_at = "inactive", now, None
         a.st.holds, a.st.live, a.st.resolved = frozenset(), False, False
+        a.st.asked = {}
 
     # -- events -----------------------------------------------------------------------------
     def handle_event(
-        self, kind: str, data: dict[str, Any] | None = None, resolved: bool = False
+        self,
+        kind: str,
+        data: dict[str, Any] | None = None,
+        resolved: bool = False,
+        only: Collection[str] | None = None,
+        note: str = "",
     ) -> list[Decision]:
         """Run event rules for `kind` (engine_oom, preemption_storm, alert:<Name>) right away.
         Waits for a tick under way rather than skip: an alert or its resolution is acted on
-        once, never dropped."""
+        once, never dropped. `only`: just the rules of these names (those a reload started
+        afresh while their alert fires), with `note` saying why in what they record."""
         with self._turn:
             with self._lock:
                 start = self.decided
                 now = self.clock()
-                names = [r.name for r in self.rules.rules if r.on == kind]
+                names = [
+                    r.name
+                    for r in self.rules.rules
+                    if r.on == kind and (only is None or r.name in only)
+                ]
             trigger = "alert" if kind.startswith("alert:") else "event"
             for name in names:
                 with self._lock:
                     a = self._decide_event(name, trigger, now, resolved)
                 if a is None:
                     continue
+                a.note = note
                 if resolved:
                     self._carry_out(a, lambda outcome, res, a=a: self._resolved(a, now, outcome))
                 else:
@@ -503,9 +597,14 @@ class Evaluator:
         value: float | None,
         undo: bool,
     ) -> Attempt:
-        """Under the state lock: mark the rule busy so nothing chooses it again meanwhile."""
+        """Under the state lock: mark the rule busy so nothing chooses it again meanwhile. An
+        act knows the settings it would loosen, which other remedies in force hold stricter
+        (it leaves those as they are: see `_run`)."""
         st.in_flight = action
-        return Attempt(rule, st, action, params, trigger, value, undo, self.dry_run)
+        a = Attempt(rule, st, action, params, trigger, value, undo, self.dry_run)
+        if not undo:
+            a.held, a.kept = self._loosened(st, action, params, live=not self.dry_run)
+        return a
 
     def _carry_out(self, a: Attempt, settle: Callable[[str, ActionResult | None], None]) -> str:
         """Await the action with no lock held, then record it and let `settle` move the state
@@ -533,32 +632,48 @@ class Evaluator:
         return outcome
 
     def _run(self, a: Attempt) -> tuple[ActionResult | None, str, str | None]:
-        """Run the attempt's action. An undo leaves alone the settings other remedies in force
-        hold (`held`): where it sets only those it changes nothing (`held`), where it sets
-        others too (the OOM chain's) it restores just those, each by its own action."""
-        kept = ", ".join(f"{s} (held by {', '.join(r)})" for s, r in sorted(a.held.items()))
-        free = sorted(ACTIONS[a.action].settings - set(a.held)) if a.held else None
-        if free == []:
-            return ActionResult(a.action, {}, {}, f"nothing restored: {kept}", True), "held", None
+        """Run the attempt's action. Settings other remedies in force hold (`held`) are never
+        loosened past what they ask: an undo puts each it holds stricter than they do at the
+        strictest value they ask for (`restore`) and leaves the others alone; an act leaves
+        alone those it would loosen. Where nothing is left to do it changes nothing (`held`);
+        where an undo or a reset sets others too (the OOM chain's) it restores just those to
+        their configured state, each by its own action."""
+        spec = ACTIONS[a.action]
+        steps: list[tuple[str, dict[str, Any], str]] | None = None
+        if a.held:
+            resets = a.undo or spec.undo is None  # to the configured state: the free ones too
+            free = sorted(spec.settings - set(a.held)) if resets else []
+            steps = [(SETTINGS[s], {}, "") for s in free]
+            for s, (value, names) in sorted(a.restore.items()):
+                holds = "holds" if len(names) == 1 else "hold"
+                steps.append((*set_to(s, value), f", what {', '.join(names)} still {holds}"))
+            if not steps:
+                what = "nothing restored" if resets else "nothing changed"
+                return ActionResult(a.action, {}, {}, f"{what}: {a.kept}", True), "held", None
         if a.dry_run:
             return None, "dry_run", None
         try:
-            if free is None:
+            if steps is None:
                 res = self.execute(a.action, a.params)
             else:
-                res = self._restore(a.action, free, kept)
+                res = self._restore(a.action, steps, a.kept)
         except Exception as e:  # noqa: BLE001 - a failed action is recorded, not fatal
             error = f"{type(e).__name__}: {e}"
             log.error("rule %s: action %s failed: %s", a.rule.name, a.action, error)
             return None, "failed", error
         return res, ("applied" if res.ok else "refused"), (None if res.ok else res.detail)
 
-    def _restore(self, action: str, free: list[str], kept: str) -> ActionResult:
-        """Part of an undo: `free` settings back to their configured state, one action each."""
-        results = [self.execute(SETTINGS[s], {}) for s in free]
-        detail = "; ".join(f"{r.action}: {r.detail}" for r in results) + f"; kept: {kept}"
-        ok = all(r.ok for r in results)
-        return ActionResult(action, results[0].before, results[-1].after, detail, ok)
+    def _restore(
+        self, action: str, steps: list[tuple[str, dict[str, Any], str]], kept: str
+    ) -> ActionResult:
+        """Part of an undo: each setting it restores by its own action (back to its
+        configured state, or to the value the other remedies holding it ask for)."""
+        results = [(self.execute(name, params), why) for name, params, why in steps]
+        detail = "; ".join(f"{r.action}: {r.detail}{why}" for r, why in results)
+        if kept:
+            detail += f"; kept: {kept}"
+        ok = all(r.ok for r, _ in results)
+        return ActionResult(action, results[0][0].before, results[-1][0].after, detail, ok)
 
     def _live(self, a: Attempt) -> bool:
         """False when a reload removed the rule while its action was awaited: the act is
@@ -604,6 +719,13 @@ class Evaluator:
             if self.audit:
                 self.audit.update_incident(self.incident, actions_count=self.incident_actions)
             return self.incident
+
+    def count_manual(self, action: str, outcome: str) -> None:
+        """An operator's action (the admin API's) counted with the rules' in `stats.actions`,
+        as rule `manual` (kvguard_actions_total, which RemedyFailed watches)."""
+        with self._lock:
+            key = (MANUAL, action, outcome)
+            self.stats.actions[key] = self.stats.actions.get(key, 0) + 1
 
     def close_at_stop(self) -> None:
         """The daemon stops: the open incident ends with it (the next start begins calm, its
@@ -700,6 +822,16 @@ class Evaluator:
                 }
                 for r in self.rules.rules
             ]
+
+
+_UNKNOWN = object()  # a value a remedy asked that cannot be told (a dry run's reduce_batch)
+
+
+def _shown(setting: str, value: Any) -> str:
+    """A value a remedy asks, as the audit detail names it."""
+    if setting == "admission":
+        return value or "none"  # the best priority admitted
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def _remedy(rule: Rule) -> tuple[Any, ...]:

@@ -38,6 +38,8 @@ class Engine:
             k["batch"] = max(1, int(k["batch"] * params.get("factor", 0.5)))
         elif action == "restore_batch":
             k["batch"] = CONFIGURED["batch"]
+        elif action == "set_max_num_seqs":
+            k["batch"] = params["n"]
         elif action == "enable_fp8_kv":
             k["kv_dtype"] = "fp8_e4m3"
         elif action == "disable_fp8_kv":
@@ -53,7 +55,8 @@ class Engine:
             data = {"steps": self.oom_steps, "applied": self.oom_steps}
         elif action == "recover_from_oom":
             k.update(CONFIGURED)
-        return ActionResult(action, before, dict(k), "ok", True, data)
+        # the batch limit as the engine's knobs name it: what a relative cut left
+        return ActionResult(action, before, {**k, "max_num_seqs": k["batch"]}, "ok", True, data)
 
 
 class Clock:
@@ -172,31 +175,37 @@ def test_the_oom_chains_undo_restores_only_what_no_rung_in_force_holds() -> None
     halted = {"batch": 8, "kv_dtype": "fp8_e4m3", "admission": "halted", "offload": False}
     assert h.engine.k == halted  # 32 halved by the chain, halved again by the rung
     # the chain is the oldest remedy: undone once the rungs above it are, as usage falls;
-    # the rungs' undos leave the batch and FP8 to the chain, which still holds them
+    # the rungs' undos leave the batch and FP8 to the chain, which still holds them: FP8
+    # stays, the batch goes back to the chain's 16 (not to the configured 32)
     h.run(125, 175, kv=0.1)
     undos = [d for d in h.ev.decisions if d.undo]
     assert [(d.rule, d.action, d.outcome) for d in undos] == [
         ("halt", "resume_admission", "applied"),
         ("fp8", "disable_fp8_kv", "held"),
-        ("batch", "restore_batch", "held"),
+        ("batch", "restore_batch", "applied"),
         ("oom", "recover_from_oom", "applied"),
     ]
+    assert "set_max_num_seqs: ok, what oom still holds" in undos[2].detail
     assert h.engine.k == CONFIGURED and h.ev.incident is None
 
 
 def test_the_oom_chain_undone_first_keeps_the_settings_of_rungs_still_in_force() -> None:
-    """An OOM while the batch rung is in force, usage high: the chain's undo (60s later) puts
-    back what only it set (FP8) and leaves the batch to its rung."""
-    h = Harness(BATCH + OOM)
-    assert h.at(0, kv=0.95) == [("batch", "reduce_batch", "applied")]
-    assert h.event(1, "engine_oom") == [("oom", "handle_oom", "applied")]
-    assert h.ev.applied == ["batch", "oom"]
-    assert h.run(5, 65) == [(65, "oom", "recover_from_oom", "applied")]
+    """An OOM while the batch and FP8 rungs are in force, usage high: the chain's undo (60s
+    later) puts back what only it set (offload, admission), leaves FP8 to its rung, and
+    puts the batch at the rung's 16: the chain's own 8 was stricter, and the configured 32
+    would undo the rung."""
+    h = Harness(BATCH + FP8 + OOM)
+    assert h.at(0, kv=0.98) == [("batch", "reduce_batch", "applied")]
+    assert h.at(5) == [("fp8", "enable_fp8_kv", "applied")]
+    assert h.event(6, "engine_oom") == [("oom", "handle_oom", "applied")]
+    assert h.ev.applied == ["batch", "fp8", "oom"]
+    assert h.engine.k["batch"] == 8
+    assert h.run(10, 70) == [(70, "oom", "recover_from_oom", "applied")]
     undo = next(d for d in h.ev.decisions if d.undo)
-    assert (undo.rule, undo.outcome) == ("oom", "applied")
-    assert "kept: batch (held by batch)" in undo.detail
-    assert h.engine.k["batch"] == 8 and h.engine.k["kv_dtype"] == "fp32"
-    assert "restore_batch" not in h.engine.calls and "disable_fp8_kv" in h.engine.calls
+    assert "set_max_num_seqs: ok, what batch still holds" in undo.detail
+    assert "kept: kv_dtype (held by fp8)" in undo.detail
+    assert h.engine.k["batch"] == 16 and h.engine.k["kv_dtype"] == "fp8_e4m3"
+    assert "restore_batch" not in h.engine.calls and "disable_fp8_kv" not in h.engine.calls
 
 
 def test_an_event_rule_that_acts_again_goes_back_on_top_of_the_undo_stack() -> None:

@@ -437,11 +437,20 @@ async def _serve(
 
 
 def _grammar_ready(service: Service, params: SamplingParams) -> None:
-    """Off the event loop (a large schema takes a second to compile, the tokenizer view 0.3 s
-    to build once): the request's schema or tools grammar compiled, refused with a 400 naming
-    its field when the grammar library cannot serve it, and the view built."""
+    """Off the event loop and the engine thread (a large schema takes a second to compile and
+    half a second to build a matcher for, the tokenizer view 0.3 s to build once): the
+    request's schema or tools grammar compiled, refused with a 400 naming its field when the
+    grammar library cannot serve it, the view built, and the matcher its choices copy built."""
     _servable(params.json_schema, params.grammar)
-    service.engine.grammars.view()
+    grammars = service.engine.grammars
+    grammars.view()
+    if params.json_schema is None and params.grammar is None:
+        return  # log-probabilities only: the view is all they need
+    try:
+        grammars.prepare(params)
+    except ValueError as e:
+        field = "tools" if params.grammar is not None else "response_format"
+        raise ApiError(400, f"{field}: {str(e).split(': ', 1)[-1]}", field) from e
 
 
 def _servable(schema: dict[str, Any] | None, grammar: str | None) -> None:

@@ -90,14 +90,19 @@ _NAMED = frozenset({"properties", "patternProperties", "$defs", "definitions", "
 
 
 def _rebased(schema: Any, base: str) -> Any:
-    """`schema` with each local reference (`#...`) taken relative to `base` instead."""
+    """`schema` with each local reference by pointer (`#`, `#/...`) taken relative to `base`
+    instead. A reference to an anchor (`#foo`) is left as it is (an anchor is named across its
+    document, wherever its schema sits), and so is a schema with an `$id` of its own, a
+    resource whose references resolve against it wherever it sits."""
     if isinstance(schema, list):
         return [_rebased(s, base) for s in schema]
     if not isinstance(schema, dict):
         return schema
+    if isinstance(schema.get("$id"), str) and not schema["$id"].startswith("#"):
+        return schema  # (an `$id` of only a fragment is draft 7's anchor: no new resource)
     out: dict[str, Any] = {}
     for k, v in schema.items():
-        if k == "$ref" and isinstance(v, str) and v.startswith("#"):
+        if k == "$ref" and isinstance(v, str) and (v == "#" or v.startswith("#/")):
             out[k] = base + v[1:]
         elif k in _NAMED and isinstance(v, dict):
             out[k] = {name: _rebased(s, base) for name, s in v.items()}

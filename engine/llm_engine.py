@@ -508,28 +508,31 @@ class LLMEngine(ControlSurface):
                 log.warning("request %s left its grammar: %s", seq.request_id, seq.grammar.error)
                 seq.finish_reason, seq.error = "error", seq.grammar.error
             else:
-                if seq.finish_reason is None:
-                    self._jump_forward(seq)
-                if seq.finish_reason in (None, "length") and seq.grammar.complete:
+                whole = seq.finish_reason is not None or self._jump_forward(seq)
+                if whole and seq.finish_reason in (None, "length") and seq.grammar.complete:
                     # the JSON is closed and nothing may follow: complete, even where its
                     # last token was the last max_tokens allowed
                     seq.finish_reason, seq.truncated = "stop", False
         if seq.finish_reason is not None:
             self._count_finish(seq)
 
-    def _jump_forward(self, seq: Sequence) -> None:
+    def _jump_forward(self, seq: Sequence) -> bool:
         """Append the tokens `seq`'s grammar forces after the one just drawn (structured.py);
         the next step computes them with it as one chunk. Not for a request that asks for
-        log-probabilities (a forced token has none) or once it is finished."""
+        log-probabilities (a forced token has none) or once it is finished. False where the
+        request ended before the last of them (max_tokens, the length limit, a stop string):
+        the grammar has taken them all, so its `complete` no longer speaks for the text."""
         if not self.config.grammar_jump_forward or seq.grammar is None:
-            return
+            return True
         if seq.output_logprobs is not None or seq.prompt_logprobs is not None:
-            return
-        for token in seq.grammar.forced():
+            return True
+        forced = seq.grammar.forced()
+        for i, token in enumerate(forced):
             self._counters["tokens_generated"] += 1
             append_token(self.tokenizer, seq, token, self.eos_ids)
             if seq.finish_reason is not None:  # max_tokens, the length limit, a stop string
-                break
+                return i == len(forced) - 1
+        return True
 
     def _count_finish(self, seq: Sequence) -> None:
         self._counters["finished"] += 1

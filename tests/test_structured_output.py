@@ -316,6 +316,26 @@ def test_json_closed_on_the_last_token_max_tokens_allows_is_complete(
         assert short.finish_reason == "length" and not is_person(short.text), jump
 
 
+def test_forced_tokens_cut_by_max_tokens_leave_the_answer_length(smollm_engine: LLMEngine) -> None:
+    """A const string is forced whole after the first drawn token, closing brace included: an
+    answer max_tokens cuts inside it is `length` (it was `stop`, the grammar having taken every
+    forced token, with the JSON open), and only the whole answer is `stop`."""
+    eng = smollm_engine
+    const = {"type": "object", "properties": {"a": {"const": "a long constant value"}}}
+    schema = const | {"required": ["a"], "additionalProperties": False}
+    full = eng.generate([chat(eng, ASK)], [SamplingParams(max_tokens=64, json_schema=schema)])
+    assert full[0].finish_reason == "stop"
+    assert json.loads(full[0].text) == {"a": "a long constant value"}
+    n = len(full[0].token_ids)
+    cuts = eng.generate(
+        [chat(eng, ASK)] * (n - 1),
+        [SamplingParams(max_tokens=m, json_schema=schema) for m in range(1, n)],
+    )
+    assert [(len(c.token_ids), c.finish_reason) for c in cuts] == [
+        (m, "length") for m in range(1, n)
+    ]
+
+
 def test_a_schema_past_the_grammar_librarys_limits_is_a_400_naming_it(tiny_daemon: Daemon) -> None:
     """A schema that compiles but that the grammar library gives up on while the answer is
     written (an object of one of 2001 shapes: more alternatives than its parser holds in one

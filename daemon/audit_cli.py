@@ -353,12 +353,32 @@ def add_db_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         description="The daemon migrates its audit database when it starts; these do it by hand "
         "(e.g. for a PostgreSQL database shared by a fleet).",
     )
-    cmds = db.add_subparsers(dest="db_command", metavar="{upgrade,current}", required=True)
+    cmds = db.add_subparsers(
+        dest="db_command", metavar="{upgrade,downgrade,current}", required=True
+    )
     up = cmds.add_parser(
         "upgrade", parents=[_db_options()], help="create or migrate the database to a revision"
     )
-    up.add_argument("--revision", default="head", help="target revision (default: %(default)s)")
+    up.add_argument(
+        "--revision",
+        default="head",
+        help="target revision, not older than the database's (default: %(default)s)",
+    )
     up.set_defaults(func=cmd_db_upgrade)
+    down = cmds.add_parser(
+        "downgrade",
+        parents=[_db_options()],
+        help="take the database back to an older revision",
+        description="Take the audit database back to an older revision, once every daemon using "
+        "it runs a kvguard that reads that revision. `--revision base` drops every audit table "
+        "and its rows.",
+    )
+    down.add_argument(
+        "--revision",
+        required=True,
+        help="an older revision than the database's: e.g. 0003, -1 (one back), or base",
+    )
+    down.set_defaults(func=cmd_db_downgrade)
     cur = cmds.add_parser("current", parents=[_db_options()], help="print the database's revision")
     _json_option(cur)
     cur.set_defaults(func=cmd_db_current)
@@ -370,11 +390,48 @@ def cmd_db_upgrade(args: argparse.Namespace) -> int:
     url, default = _db_source(args)
     path = sqlite_path(url)
     created = path is not None and not path.exists()
-    upgrade(url, args.revision)
+    at = None if created else current(url)
+    order = _revisions()
+    if at is None or at in order:  # else a newer kvguard's: upgrade() says so
+        target = _revision_index(args.revision, at, order)
+        if target < _index(at, order):
+            raise ValueError(
+                f"{shown(url)} is at revision {at}, newer than {args.revision}: an upgrade "
+                f"does not take it back (`kvguard db downgrade --revision {args.revision}` does)"
+            )
+    made = _missing_dirs(path.parent) if created and path is not None else []
+    try:
+        upgrade(url, args.revision)
+    except BaseException:
+        if created and path is not None:  # leave no empty database behind
+            _remove_sqlite(path, made)
+        raise
     if created:  # never silently: a stray database is one the daemon does not read
         how = f" ({DEFAULT_DB_HELP})" if default else ""
         print(f"created a new audit database at {path}{how}", file=sys.stderr)
     print(f"{shown(url)}: at revision {current(url)}")
+    return 0
+
+
+def cmd_db_downgrade(args: argparse.Namespace) -> int:
+    from kvguard.daemon.audit_migrate import current, downgrade, shown
+
+    url = _db_url(args)
+    at = current(url)  # the database must exist: a downgrade never creates one
+    order = _revisions()
+    if at is not None and at not in order:
+        raise ValueError(
+            f"{shown(url)} is at revision {at}, which this kvguard does not know (a newer "
+            "kvguard's): take it back with that version's `kvguard db downgrade`"
+        )
+    target = _revision_index(args.revision, at, order)
+    if target >= _index(at, order):
+        raise ValueError(
+            f"{shown(url)} is at revision {at or 'base (no audit tables)'}; {args.revision} is "
+            "not older: a downgrade only goes back (`kvguard db upgrade` goes forward)"
+        )
+    downgrade(url, order[target] if target >= 0 else "base")
+    print(f"{shown(url)}: at revision {current(url) or 'base (no audit tables)'}")
     return 0
 
 
@@ -391,6 +448,67 @@ def cmd_db_current(args: argparse.Namespace) -> int:
 
 
 # -- helpers -----------------------------------------------------------------------------------
+def _revisions() -> list[str]:
+    """The schema revisions this kvguard ships, oldest first (they form one line)."""
+    from alembic.script import ScriptDirectory
+
+    from kvguard.daemon.audit_migrate import alembic_config
+
+    script = ScriptDirectory.from_config(alembic_config())
+    return [r.revision for r in reversed(list(script.walk_revisions()))]
+
+
+def _index(rev: str | None, order: list[str]) -> int:
+    """A revision's place in `order`; -1 for none (base: no audit tables)."""
+    return -1 if rev is None else order.index(rev)
+
+
+def _revision_index(text: str, at: str | None, order: list[str]) -> int:
+    """Where a --revision lands in `order` (-1: base), from the database's revision `at`:
+    `base`, `head`, a revision (or a unique prefix of one), or +N / -N steps from `at`."""
+    value = text.strip()
+    if value == "base":
+        return -1
+    if value in ("head", "heads"):
+        return len(order) - 1
+    if re.fullmatch(r"[+-]\d+", value):
+        index = _index(at, order) + int(value)
+        if not -1 <= index < len(order):
+            raise ValueError(
+                f"--revision {text}: {abs(int(value))} steps from revision {at or 'base'} is "
+                f"past the ends (base .. {order[-1]})"
+            )
+        return index
+    matches = [i for i, rev in enumerate(order) if rev.startswith(value)] if value else []
+    if len(matches) != 1:
+        raise ValueError(
+            f"--revision {text}: {'ambiguous' if matches else 'unknown'} revision (this kvguard "
+            f"knows base, {', '.join(order)} (head); or +N / -N steps)"
+        )
+    return matches[0]
+
+
+def _missing_dirs(folder: Path) -> list[Path]:
+    """`folder` and its parents that do not exist yet, deepest first."""
+    missing = []
+    while not folder.exists() and folder != folder.parent:
+        missing.append(folder)
+        folder = folder.parent
+    return missing
+
+
+def _remove_sqlite(path: Path, dirs: list[Path]) -> None:
+    """Undo a failed first migration's SQLite file (and its journal files, and the folders
+    made for it): the next `kvguard db upgrade` must find nothing, as before."""
+    for suffix in ("", "-journal", "-wal", "-shm"):
+        Path(f"{path}{suffix}").unlink(missing_ok=True)
+    for folder in dirs:
+        try:
+            folder.rmdir()
+        except OSError:  # something else is in it now
+            break
+
+
 def _db_url(args: argparse.Namespace) -> str:
     return _db_source(args)[0]
 

@@ -3,7 +3,9 @@
 The benchmarks live in `bench/` next to the package sources, not inside the wheel (they start
 daemons, Prometheus and load generators, and they are for developers), so this command finds
 the checkout and runs the script in a subprocess with the same Python: the benchmark then owns
-its process, signals and exit status exactly as when it is run by hand.
+its process, signals and exit status exactly as when it is run by hand. It runs in the caller's
+working directory, so relative paths (--json, --png, --workdir, a model directory, and the
+script's own default overload.png) mean what they mean at the caller's prompt.
 """
 
 from __future__ import annotations
@@ -69,11 +71,21 @@ def script_argv(args: argparse.Namespace) -> list[str]:
 
 
 def find_checkout(explicit: Path | None) -> Path:
-    """The checkout holding bench/: --repo, $KVGUARD_REPO, this file's tree, or the cwd."""
-    here = Path(__file__).resolve().parents[1]
+    """The checkout holding bench/ (absolute): --repo, else $KVGUARD_REPO, else this file's
+    tree or the cwd. A checkout named by --repo or $KVGUARD_REPO is the one used or an error:
+    never another one found instead of it."""
     env = os.environ.get("KVGUARD_REPO")
-    for cand in (explicit, Path(env) if env else None, here, Path.cwd()):
-        if cand is not None and (cand / "bench" / "overload.py").is_file():
+    named = ("--repo", explicit) if explicit is not None else ("$KVGUARD_REPO", env)
+    if named[1]:
+        repo = Path(named[1]).resolve()  # against the caller's cwd
+        if not (repo / "bench" / "overload.py").is_file():
+            raise ValueError(
+                f"{named[0]} {named[1]}: not a kvguard checkout ({repo / 'bench' / 'overload.py'} "
+                "not found)"
+            )
+        return repo
+    for cand in (Path(__file__).resolve().parents[1], Path.cwd().resolve()):
+        if (cand / "bench" / "overload.py").is_file():
             return cand
     raise ValueError(
         "no kvguard checkout with bench/ found: run from the repository, or pass --repo DIR "
@@ -84,4 +96,6 @@ def find_checkout(explicit: Path | None) -> Path:
 def cmd_bench(args: argparse.Namespace) -> int:
     repo = find_checkout(args.repo)
     script = repo / "bench" / f"{args.bench_command}.py"
-    return subprocess.call([sys.executable, str(script), *script_argv(args)], cwd=repo)
+    # the caller's cwd: the script finds the checkout from its own path, and relative paths
+    # given here (or its own defaults) must not land inside the checkout
+    return subprocess.call([sys.executable, str(script), *script_argv(args)])

@@ -73,7 +73,8 @@ def add_status_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "--token-file",
         type=Path,
         default=Path(os.environ.get("KVGUARD_ADMIN_TOKEN_FILE", "/etc/kvguard/admin.token")),
-        help="file holding the admin bearer token (default: %(default)s)",
+        help="file holding the admin bearer token (default: $KVGUARD_ADMIN_TOKEN_FILE or "
+        "%(default)s)",
     )
     p.add_argument("--json", action="store_true", help="print the raw JSON state")
     p.set_defaults(func=cmd_status)
@@ -112,6 +113,8 @@ def _print_state(s: dict) -> None:
     q = s["queues"]
     adm = s["admission"]
     print(f"model        {s['model']}  ready={s['ready']} draining={s['draining']}")
+    if s.get("dry_run"):  # the rules decide but change nothing: say so before what they show
+        print("dry run      on: rules record what they would do and change nothing")
     print(
         f"kv cache     {kv['dtype']}  {dev['blocks_used']}/{dev['blocks_total']} blocks "
         f"({dev['usage_ratio']:.1%})  host {kv['host']['blocks_used']}/{kv['host']['blocks_total']}"

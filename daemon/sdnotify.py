@@ -15,9 +15,20 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 log = logging.getLogger(__name__)
+
+# While the daemon starts (model fetch and load, remote ranks joining, the audit migration) it
+# asks systemd for EXTEND_BY_S more every EXTEND_EVERY_S, so a slow first start is not killed at
+# the unit's TimeoutStartSec=; past EXTEND_LIMIT_S (plus what the caller allows on top, e.g. the
+# remote ranks' join timeout) it stops asking, and a start that hangs is still ended by systemd.
+EXTEND_BY_S = 90.0
+EXTEND_EVERY_S = 30.0
+EXTEND_LIMIT_S = 3600.0
 
 
 def notify(state: str) -> bool:
@@ -70,6 +81,48 @@ def stopping() -> bool:
 def extend_timeout(seconds: float) -> bool:
     """Ask for more time in the current start/stop phase (a first start fetches the model)."""
     return notify(f"EXTEND_TIMEOUT_USEC={int(seconds * 1_000_000)}")
+
+
+@contextmanager
+def extending_timeout(
+    limit_s: float = EXTEND_LIMIT_S,
+    by_s: float = EXTEND_BY_S,
+    every_s: float = EXTEND_EVERY_S,
+) -> Iterator[None]:
+    """For the `with` block (a start), ask systemd for `by_s` more time now and then every
+    `every_s`, for `limit_s` at most; the asking stops when the block ends, however it ends, and
+    no request is sent after that. Outside systemd nothing is sent and no thread is started."""
+    if not os.environ.get("NOTIFY_SOCKET"):
+        yield
+        return
+    stop = threading.Event()
+    lock = threading.Lock()  # held while sending: once the block ends, nothing more goes out
+    deadline = time.monotonic() + limit_s
+
+    def keep_extending() -> None:
+        while not stop.wait(every_s):
+            with lock:
+                if stop.is_set():
+                    return
+                if time.monotonic() >= deadline:
+                    log.warning(
+                        "start-up has taken over %.0fs: no longer extending systemd's start "
+                        "timeout (it ends the start within %.0fs unless it finishes)",
+                        limit_s,
+                        by_s,
+                    )
+                    return
+                extend_timeout(by_s)
+
+    extend_timeout(by_s)  # at once: the first request is there before anything else is said
+    thread = threading.Thread(target=keep_extending, name="kvguard-start-timeout", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        with lock:
+            stop.set()
+        thread.join(5.0)
 
 
 def watchdog_interval() -> float | None:

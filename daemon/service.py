@@ -29,6 +29,7 @@ from kvguard.daemon.audit import AuditStore
 from kvguard.daemon.audit_migrate import shown
 from kvguard.daemon.config import (
     ENGINE_KNOBS,
+    INERT,
     ConfigFileError,
     DaemonConfig,
     apply_overrides,
@@ -126,6 +127,19 @@ class Service:
 
     # -- lifecycle --------------------------------------------------------------------------
     def load(self, progress: bool = True) -> None:
+        """Load the engine, migrate the audit database, start the control plane; then READY.
+        Meanwhile systemd is asked for more start time every 30 s (a first start fetches the
+        model; remote ranks may take up to their join timeout), within a bound: a hung start is
+        still ended by systemd."""
+        limit = sdnotify.EXTEND_LIMIT_S + self.cfg.serving.distributed.join_timeout
+        with sdnotify.extending_timeout(limit):
+            self._load(progress)
+        self._ready = True
+        threading.Thread(target=self._watchdog, name="kvguard-watchdog", daemon=True).start()
+        sdnotify.ready(self._status_line())
+        log.info("ready: %s", self._status_line())
+
+    def _load(self, progress: bool) -> None:
         sdnotify.status(f"loading model {self.engine_model}")
         config = self.cfg.to_engine_config()
         # built on the engine thread, where it steps (see EngineLoop.start)
@@ -168,10 +182,6 @@ class Service:
             ControlPlaneCollector(lambda: self.control, lambda: self.audit)
         )
         self.control.start()
-        self._ready = True
-        threading.Thread(target=self._watchdog, name="kvguard-watchdog", daemon=True).start()
-        sdnotify.ready(self._status_line())
-        log.info("ready: %s", self._status_line())
 
     def readiness(self) -> tuple[bool, str]:
         """Ready means requests are served. A degraded audit store does not change that (rows
@@ -439,12 +449,11 @@ class Service:
     def _reload(self) -> dict[str, Any]:
         sdnotify.reloading()
         try:
-            if self.config_path is None:
-                return {
-                    "reloaded": False,
-                    "reason": "no config file to reload (started without --config)",
-                }
+            # started without --config: the built-in defaults stand in for the file, so the
+            # rules file (the packaged default) and the flags are read again all the same
             new = apply_overrides(load_config(self.config_path), **self.overrides)
+            for line in inert_keys(new):  # as at start: a reload does not act on them either
+                log.warning("%s", line)
             conflicts = live_conflicts(self.cfg, new)
             if conflicts:  # nothing applied yet: the reload is refused whole
                 raise ConfigFileError(conflicts)
@@ -491,16 +500,16 @@ class Service:
             said = [str(changes)] if changes else []
             if rules.get("rules_changed"):
                 said.append("rules " + " ".join(rules["rules_changed"]))
-            log.info("reloaded %s: %s", self.config_path, "; ".join(said) or "no changes")
+            log.info("reloaded %s: %s", self._config_name, "; ".join(said) or "no changes")
             self.audit.record_event(
-                "reload", detail=f"{self.config_path}", data={"changes": changes, **rules}
+                "reload", detail=self._config_name, data={"changes": changes, **rules}
             )
             return {"reloaded": True, "changes": changes, "restart_needed": restart, **rules}
         except ConfigFileError as e:  # a KeysFileError too
             log.error("reload refused, keeping the running config: %s", e)
             self.audit.record_event(
                 "config_error",
-                detail=f"reload refused: {self.config_path}",
+                detail=f"reload refused: {self._config_name}",
                 data={"errors": e.errors},
             )
             return {"reloaded": False, "reason": str(e)}
@@ -508,12 +517,19 @@ class Service:
             log.exception("reload failed, keeping the running config and rules")
             self.audit.record_event(
                 "config_error",
-                detail=f"reload failed: {self.config_path}",
+                detail=f"reload failed: {self._config_name}",
                 data={"errors": [f"{type(e).__name__}: {e}"]},
             )
             return {"reloaded": False, "reason": f"{type(e).__name__}: {e}"}
         finally:
             sdnotify.ready(self._status_line())
+
+    @property
+    def _config_name(self) -> str:
+        """The config file a reload reads, as logs and the audit name it."""
+        if self.config_path is None:
+            return f"the built-in defaults (started without --config), rules {rules_file(None)}"
+        return str(self.config_path)
 
     def _apply_reloadable(self, new: DaemonConfig) -> tuple[dict[str, Any], list[str]]:
         """Take what can change without a restart: timeouts, rules, Prometheus, API keys and
@@ -530,7 +546,7 @@ class Service:
             values = {k.path: k.to_engine(new.knob_value(k)) for k in live}
             res = self.engine.reconfigure(values).result(timeout=RECONFIGURE_TIMEOUT_S)
             if not res.ok:  # the engine changed nothing
-                raise ConfigFileError([f"{self.config_path}: {res.detail}"])
+                raise ConfigFileError([f"{self._config_name}: {res.detail}"])
             changes |= {f"{k.knob.section}.{k.file_key}": new.knob_value(k) for k in live}
         cfg = self.cfg
         for k in live:
@@ -701,20 +717,22 @@ def live_conflicts(running: DaemonConfig, new: DaemonConfig) -> list[str]:
 def engine_changes(old: DaemonConfig, new: DaemonConfig) -> tuple[list[KnobField], list[str]]:
     """What differs between two config files: the engine knobs a reload applies (declared
     live), and the keys (`section.key`) of everything else that differs, which wait for a
-    restart. Rules, Prometheus, the drain timeout and the API keys file are the reload's own."""
+    restart. Rules, Prometheus, the drain timeout and the API keys file are the reload's own;
+    the keys of `INERT` are in neither list (nothing acts on them: they are logged as such)."""
     live, restart = [], []
     for k in ENGINE_KNOBS:
         if old.knob_value(k) != new.knob_value(k):
             (live if k.knob.live else restart).append(k)
     later = [f"{k.knob.section}.{k.file_key}" for k in restart]
     reloaded = {("api", "drain_timeout"), ("api", "api_keys_file")}
+    inert = {tuple(name.split(".")) for name in INERT}  # no restart applies them either
     knobs = {(k.knob.section, k.file_key) for k in ENGINE_KNOBS}
     for section in DaemonConfig.model_fields:
         if section in ("rules", "prometheus"):
             continue
         was, now = getattr(old, section).model_dump(), getattr(new, section).model_dump()
         for key in sorted(set(was) | set(now)):
-            if (section, key) in reloaded | knobs or was.get(key) == now.get(key):
+            if (section, key) in reloaded | knobs | inert or was.get(key) == now.get(key):
                 continue
             later.append(f"{section}.{key}")
     return live, later

@@ -150,7 +150,7 @@ def test_a_reload_changes_live_knobs_without_a_restart_and_names_the_rest(tmp_pa
                 serving,
                 "{model: tiny, kv_cache_bytes: 1MiB, max_model_len: 256, max_num_seqs: 8}",
             ).replace("{max_queue: 256}", "{max_queue: 9, max_queue_wait: 5s}")
-            + "monitoring: {snapshot_interval: 2s}\n"
+            + "monitoring: {nvml_poll_interval: 2s}\n"
         )
         r = d.admin("POST", "/admin/reload").json()
         assert r["reloaded"], r
@@ -160,13 +160,13 @@ def test_a_reload_changes_live_knobs_without_a_restart_and_names_the_rest(tmp_pa
             "admission_control.max_queue": 9,
             "admission_control.max_queue_wait": 5.0,
         }
-        assert r["restart_needed"] == ["serving.max_model_len", "monitoring.snapshot_interval"]
+        assert r["restart_needed"] == ["serving.max_model_len", "monitoring.nvml_poll_interval"]
         knobs = d.admin("GET", "/admin/state").json()["knobs"]
         assert knobs["max_num_seqs"] == 8 and knobs["kv_pool_blocks"] == full // 2
         assert d.proc.pid == pid and d.proc.poll() is None  # no restart
         log = Path(d.log.name)
         until(lambda: "take effect at the next restart" in log.read_text(), 10, "the warning")
-        assert "serving.max_model_len, monitoring.snapshot_interval changed in the file" in (
+        assert "serving.max_model_len, monitoring.nvml_poll_interval changed in the file" in (
             log.read_text()
         )
         # the same file again: nothing changes, the restart is still pending

@@ -22,18 +22,10 @@ import torch
 
 from kvguard.kernels import cpu_lowbit, cpu_ops
 from kvguard.kernels.fp8 import FP8_DTYPE, grow_scales, write_kv_fp8
+from tests.test_cpu_ops import _native_on  # noqa: F401 - every test with the kernels on
 
 pa = importlib.import_module("kvguard.kernels.paged_attention")
 NAN = float("nan")
-
-
-@pytest.fixture(autouse=True)
-def _native_on(monkeypatch: pytest.MonkeyPatch):
-    assert cpu_lowbit.available(), "the C kernels must build here (.ci/run installs gcc)"
-    monkeypatch.delenv(cpu_ops.ENV, raising=False)
-    cpu_ops.reset()
-    yield
-    cpu_ops.reset()
 
 
 def same_scales(a: torch.Tensor, b: torch.Tensor) -> bool:

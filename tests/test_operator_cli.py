@@ -24,11 +24,10 @@ from collections.abc import Iterator
 from contextlib import redirect_stdout
 from pathlib import Path
 
-import httpx
 import pytest
 
 from kvguard.daemon import sdnotify
-from tests.test_server import KVGUARD, TOKEN, free_port, until
+from tests.test_server import KVGUARD, TOKEN, Daemon, free_port, until
 
 REPO = Path(__file__).resolve().parents[1]
 EXTEND = "EXTEND_TIMEOUT_USEC=90000000"  # 90 s more, as the unit's comment and README say
@@ -160,11 +159,11 @@ def test_a_start_waiting_for_remote_ranks_asks_for_time_while_it_waits(tmp_path:
 
 
 # -- a daemon started without --config, dry run, under systemd ---------------------------------
-class Bare:
+class Bare(Daemon):
     """`kvguard serve --model tiny --port P --dry-run`: no config file. The admin token comes as
     systemd's credential, the audit database goes to $STATE_DIRECTORY."""
 
-    def __init__(self, tmp: Path, notify: Notify) -> None:
+    def __init__(self, tmp: Path, notify: Notify) -> None:  # Daemon's helpers, its own start
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.token = tmp / "admin.token"
@@ -179,30 +178,7 @@ class Bare:
         self.log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         argv = [KVGUARD, "serve", "--model", "tiny", "--port", str(self.port), "--dry-run"]
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=env)
-        until(self._ready, 120, "the daemon ready")
-
-    def _ready(self) -> bool:
-        if self.proc.poll() is not None:
-            pytest.fail(f"daemon exited {self.proc.returncode}: {self.log_path.read_text()}")
-        try:
-            return httpx.get(self.url + "/ready", timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    def admin(self, method: str, path: str) -> httpx.Response:
-        auth = {"Authorization": f"Bearer {TOKEN}"}
-        return httpx.request(method, self.url + path, headers=auth, timeout=60)
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-        return self.proc.returncode
+        self.wait_ready(120)
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import closing, redirect_stdout
+from contextlib import closing, contextmanager, redirect_stdout
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -177,9 +177,10 @@ class PgServer:
         return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/{db}"
 
 
-@pytest.fixture(scope="session")
-def pg() -> Iterator[PgServer]:
-    root = Path(tempfile.mkdtemp(prefix="kvguard-pg-"))
+@contextmanager
+def throwaway_server(prefix: str) -> Iterator[PgServer]:
+    """A PostgreSQL server of its own, initialised in a temp dir, stopped and removed after."""
+    root = Path(tempfile.mkdtemp(prefix=prefix))
     server = PgServer(root)
     try:
         server.init()
@@ -188,6 +189,12 @@ def pg() -> Iterator[PgServer]:
     finally:
         server.stop(immediate=True)
         shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def pg() -> Iterator[PgServer]:
+    with throwaway_server("kvguard-pg-") as server:
+        yield server
 
 
 @pytest.fixture

@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import signal
 import sqlite3
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -32,7 +30,7 @@ from alembic.runtime.migration import MigrationContext
 from kvguard.daemon import audit, audit_migrate, audit_spill
 from kvguard.daemon.audit import AuditStore
 from kvguard.daemon.audit_models import Base
-from tests.test_audit_postgres import PgServer, wait_for
+from tests.test_audit_postgres import PgServer, throwaway_server, wait_for
 
 NOW = datetime.now(UTC).replace(microsecond=0)
 START_BOUND_S = 15.0  # start() waits 5 s at most for its first migration attempt
@@ -40,15 +38,9 @@ START_BOUND_S = 15.0  # start() waits 5 s at most for its first migration attemp
 
 @pytest.fixture(scope="module")
 def pg() -> Iterator[PgServer]:
-    root = Path(tempfile.mkdtemp(prefix="kvguard-pg-robust-"))
-    server = PgServer(root)
-    try:
-        server.init()
-        server.start()
+    """A server of this module's own: its tests hang it (SIGSTOP) and hold its locks."""
+    with throwaway_server("kvguard-pg-robust-") as server:
         yield server
-    finally:
-        server.stop(immediate=True)
-        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture

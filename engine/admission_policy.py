@@ -240,7 +240,10 @@ class AdmissionPolicy:
             return
         ctl.release(self._leave(seq.request_id, t))
         d = t.decision
-        if d is not None and seq.finish_reason in ("stop", "length"):
+        # a live max-token cap that ended the output below its admitted max_tokens says
+        # nothing of how long it would have run either
+        capped = d is not None and seq.finish_reason == "length" and seq.max_tokens < d.max_tokens
+        if d is not None and seq.finish_reason in ("stop", "length") and not capped:
             # what the output really ran to teaches the estimator (aborts say nothing)
             ctl.estimator.observe(d.max_tokens, len(seq.output_token_ids), d.predicted_tokens)
 

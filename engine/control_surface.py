@@ -117,15 +117,19 @@ class ControlSurface:
         may cut the batch and restore it, but raising it past what the operator sized the
         server for would make things worse. Above that limit it raises ValueError, or with
         `clamp` (rules) sets the limit itself and says so in the result's detail."""
+        asked = n
         n, note = bounded_count(
             n, self.config.max_num_seqs, "the configured maximum serving.max_num_seqs", clamp
         )
 
         def apply() -> tuple[str, bool, dict]:
-            self.scheduler.max_num_seqs = n
-            moved = self.scheduler.shrink_running(n)
+            # the configured value (restore_batch) lifts the cut; a value clamped to it still
+            # holds what was asked, should a reload raise the configured one past it
+            lifted = asked == n and n >= self.config.max_num_seqs
+            limit = self._hold_batch(None if lifted else asked)
+            moved = self.scheduler.shrink_running(limit)
             return (
-                f"max_num_seqs={n}{note}; {len(moved)} running sequences preempted",
+                f"max_num_seqs={limit}{note}; {len(moved)} running sequences preempted",
                 True,
                 {"preempted": moved},
             )
@@ -147,7 +151,7 @@ class ControlSurface:
             current = self.scheduler.max_num_seqs
             base = min(current, max(len(self.scheduler.running), 1)) if from_running else current
             n = min(current, max(minimum, math.floor(base * factor)))
-            self.scheduler.max_num_seqs = n
+            self._hold_batch(n)
             moved = self.scheduler.shrink_running(n)
             why = ""
             if minimum > current:
@@ -161,6 +165,28 @@ class ControlSurface:
             )
 
         return self._act("reduce_max_num_seqs", apply)
+
+    def _hold_batch(self: LLMEngine, cut: int | None) -> int:
+        """Record the batch limit a remedy holds (None: none) and put the limit in force at
+        the configured one, or the remedy's where lower; returns it. The record, not the
+        value in force, says a cut holds: a reload that set the configured value at or below
+        the cut would otherwise make them equal and the next reload lift it."""
+        self.batch_cut = cut
+        limit = self.config.max_num_seqs if cut is None else min(self.config.max_num_seqs, cut)
+        self.scheduler.max_num_seqs = limit
+        return limit
+
+    def _hold_step_budget(self: LLMEngine, cut: int | None) -> int:
+        """Record the step budget an out-of-memory halving holds (None: none) and put the
+        budget in force at the configured one, or the halved one where lower; returns it.
+        Prefill goes in chunks while the budget in force is below the configured one (which
+        without chunking holds the longest prompt), and as configured once it is back."""
+        self.budget_cut = cut
+        configured = self.configured_batched_tokens
+        budget = configured if cut is None else min(configured, cut)
+        self.scheduler.max_num_batched_tokens = budget
+        self.scheduler.chunked = self.config.enable_chunked_prefill or budget < configured
+        return budget
 
     # -- eviction ---------------------------------------------------------------------------
     def evict(self: LLMEngine, count: int, max_priority: str = "low") -> Future:
@@ -375,8 +401,9 @@ class ControlSurface:
     # -- configuration ----------------------------------------------------------------------
     def reconfigure(self: LLMEngine, values: dict[KnobPath, Any]) -> Future:
         """Apply knobs a reload changed, those declared `live`, at the next step boundary.
-        The configured batch limit and step budget are what a remedy's undo restores; one a
-        remedy has lowered stays lowered unless the new value is lower still."""
+        The configured batch limit and step budget are what a remedy's undo restores; while a
+        remedy holds one lower (a batch cut, an out-of-memory halving) the lower of the two is
+        in force, whatever reloads come and go before the undo."""
         not_live = [".".join(p) for p in values if p not in LIVE_KNOBS]
         if not_live:
             raise ValueError(f"{', '.join(not_live)}: take effect at a restart, not a reload")
@@ -460,19 +487,16 @@ class ControlSurface:
 
     def _set_knob(self: LLMEngine, name: str, value: Any) -> tuple[str, bool]:
         """One serving knob of `reconfigure`, on the engine thread: (what was done, ok)."""
-        old = getattr(self.config, name)
         setattr(self.config, name, value)
         sch = self.scheduler
         if name == "max_num_seqs":
-            limit = value if sch.max_num_seqs == old else min(sch.max_num_seqs, value)
-            sch.max_num_seqs = limit
+            limit = self._hold_batch(self.batch_cut)
             moved = sch.shrink_running(limit)
             return f"max_num_seqs={value} (in force {limit}; {len(moved)} preempted)", True
         if name == "max_num_batched_tokens":
-            cur = sch.max_num_batched_tokens
             self.configured_batched_tokens = value
-            sch.max_num_batched_tokens = value if cur == old else min(cur, value)
-            return f"max_num_batched_tokens={value} (in force {sch.max_num_batched_tokens})", True
+            budget = self._hold_step_budget(self.budget_cut)
+            return f"max_num_batched_tokens={value} (in force {budget})", True
         if name == "prefill_while_decoding":
             from kvguard.engine.llm_engine import prefill_while_decoding  # it imports this module
 

@@ -144,6 +144,11 @@ class LLMEngine(ControlSurface):
         # the device KV pool held at this share of its configured bytes (set_kv_pool_share)
         self.kv_pool_share = 1.0
         self.configured_batched_tokens = config.max_num_batched_tokens
+        # what remedies hold lower than configured until their undo (None: nothing): the batch
+        # limit a cut asked for, the step budget an out-of-memory halving left; a reload puts
+        # the lower of it and the new configured value in force (`reconfigure`)
+        self.batch_cut: int | None = None
+        self.budget_cut: int | None = None
         self._seqs: dict[str, Sequence] = {}
         self._order = itertools.count()
         self._ids = itertools.count()
@@ -240,8 +245,6 @@ class LLMEngine(ControlSurface):
             seq.output_logprobs = []
         if params.prompt_logprobs is not None:
             seq.prompt_logprobs = []
-        if self.max_new_tokens_cap is not None:
-            seq.max_tokens = min(seq.max_tokens, self.max_new_tokens_cap)
         try:
             self.admission_policy.check(
                 seq,
@@ -258,6 +261,10 @@ class LLMEngine(ControlSurface):
         d = self.admission_policy.decision(seq)
         if d is not None:
             self._admission_event(seq, d.decision, d.reason)
+        # admission decided (and reserved) on the request's own max_tokens, so lifting a cap
+        # gives it back what the ladder allowed; the live cap applies on top of that
+        if self.max_new_tokens_cap is not None:
+            seq.max_tokens = min(seq.max_tokens, self.max_new_tokens_cap)
         self._seqs[rid] = seq
         self.scheduler.add(seq)
         if seq.grammar is not None:  # queued: a request admission refused is not counted
@@ -553,7 +560,7 @@ class LLMEngine(ControlSurface):
         before = self.scheduler.requeue_failed_step(batch)
         self._counters["oom"] += 1
         self._last_oom = time.monotonic()
-        after = self.scheduler.max_num_batched_tokens
+        after = self._hold_step_budget(self.scheduler.max_num_batched_tokens)
         log.warning(
             "out of memory in a step (%s): %d sequences requeued, batch budget %d -> %d",
             error,
@@ -570,15 +577,16 @@ class LLMEngine(ControlSurface):
         )
 
     def _maybe_restore_budget(self) -> None:
-        cur = self.scheduler.max_num_batched_tokens
-        if cur >= self.configured_batched_tokens or not self._last_oom:
+        """Double the halved step budget after every quiet period, until it is back at the
+        configured value of the time (which a reload may have set at or below it)."""
+        cut = self.budget_cut
+        if cut is None or time.monotonic() - self._last_oom < self.config.oom_quiet_period_s:
             return
-        if time.monotonic() - self._last_oom >= self.config.oom_quiet_period_s:
-            new = min(self.configured_batched_tokens, cur * 2)
-            self.scheduler.max_num_batched_tokens = new
-            self._last_oom = time.monotonic()
-            if new == self.configured_batched_tokens:
-                self.scheduler.chunked = self.config.enable_chunked_prefill
+        cur = self.scheduler.max_num_batched_tokens
+        cut *= 2
+        new = self._hold_step_budget(None if cut >= self.configured_batched_tokens else cut)
+        self._last_oom = time.monotonic()
+        if new != cur:
             self.events.emit(
                 "knob_changed",
                 knob="max_num_batched_tokens",

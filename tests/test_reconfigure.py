@@ -91,6 +91,42 @@ def test_without_chunking_the_step_budget_stays_at_least_the_running_max_model_l
     assert engine.scheduler.max_num_batched_tokens == 200 and engine.scheduler.chunked is False
 
 
+def test_a_reload_neither_lifts_an_oom_halved_step_budget_nor_leaves_chunking_on() -> None:
+    """An out-of-memory step halves the budget 1024 -> 512 and turns chunked prefill on
+    (configured off) until the budget is back. A reload to 512 puts the configured budget in
+    force, so chunking goes back off (before, it stayed on for good: only the doubling back
+    turned it off, and there was nothing left to double). A reload back up within the quiet
+    period keeps the halved 512 in force, chunked (before: the new value at once, the halving
+    forgotten); once quiet, the budget doubles back to the configured value of then."""
+    engine = make_engine(
+        max_model_len=256,
+        enable_chunked_prefill=False,
+        max_num_batched_tokens=1024,
+        oom_quiet_period_s=3600,
+    )
+    sch = engine.scheduler
+    rid = engine.add_request(PROMPTS[0], greedy(24))
+    engine.step()
+    engine.inject_oom(1)
+    engine.step()
+    assert (sch.max_num_batched_tokens, sch.chunked) == (512, True)
+    for configured, in_force, chunked in (
+        (512, 512, False),
+        (1024, 512, True),
+        (300, 300, False),
+        (2048, 512, True),
+    ):
+        res = apply(engine, engine.reconfigure({("max_num_batched_tokens",): configured}))
+        assert res.ok and res.after["max_num_batched_tokens"] == in_force, res.detail
+        assert sch.chunked is chunked, configured
+    engine.config.oom_quiet_period_s = 0.0  # every step is past it now: one doubling a step
+    engine.step()
+    assert (sch.max_num_batched_tokens, sch.chunked) == (1024, True)
+    engine.step()
+    assert (sch.max_num_batched_tokens, sch.chunked) == (2048, False)
+    assert len(finish(engine)[rid]) == 24 and engine._counters["oom"] == 1
+
+
 def test_a_reload_may_not_lower_the_step_budget_below_the_running_max_model_len(
     tmp_path: Path,
 ) -> None:

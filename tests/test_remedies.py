@@ -188,6 +188,50 @@ def test_a_cap_ending_a_request_inside_a_character_ends_its_text_as_max_tokens_d
     assert out.text == tok.decode(out.token_ids) == "\ufffd"
 
 
+def test_lifting_a_cap_gives_a_request_admitted_under_it_its_own_max_tokens_back() -> None:
+    """With admission on, a request that arrived under a cap of 5 was decided on the capped
+    max_tokens, and the uncap kept that decision's 5 as its limit: it ended at 5 of the 40 it
+    asked for while the one admitted before the cap got its 40. Admission decides (and
+    reserves) on the request's own max_tokens and the cap applies on top of that, so lifting
+    it gives both their 40, and their reservations all come back."""
+    engine = make_engine(admission=AdmissionConfig())
+    before = engine.add_request(PROMPTS[0], greedy(40))
+    engine.step()
+    cap = engine.set_max_new_tokens_cap(5)
+    engine.step()
+    assert cap.result(0).ok and engine.knobs()["max_new_tokens_cap"] == 5
+    during = engine.add_request(PROMPTS[1], greedy(40))
+    seq = engine._seqs[during]
+    assert seq.max_tokens == 5 and engine.admission_policy.decision(seq).max_tokens == 40
+    uncap = engine.set_max_new_tokens_cap(None)
+    outs = {o.request_id: o for o in engine.step() if o.finished}
+    assert uncap.result(0).data["adjusted"] == 2
+    while engine.has_unfinished():
+        outs.update({o.request_id: o for o in engine.step() if o.finished})
+        engine.audit_blocks()
+    for rid in (before, during):
+        assert len(outs[rid].token_ids) == 40 and not outs[rid].truncated, rid
+    assert engine.admission.committed_blocks == 0
+
+
+def test_an_output_a_cap_cut_short_teaches_the_length_estimator_nothing() -> None:
+    """A request admitted on its own max_tokens of 40 that a cap of 5 ended says nothing of
+    how long it would have run: were it learnt as 5 of 40, predicted admission would plan
+    the next such requests an eighth of their length. One that ends by itself is learnt."""
+    engine = make_engine(admission=AdmissionConfig())
+    learnt = engine.admission.estimator.error
+    cap = engine.set_max_new_tokens_cap(5)
+    engine.step()
+    assert cap.result(0).ok
+    (out,) = engine.generate([PROMPTS[0]], greedy(40))
+    assert len(out.token_ids) == 5 and out.truncated
+    assert learnt()["samples"] == 0
+    uncap = engine.set_max_new_tokens_cap(None)
+    (out,) = engine.generate([PROMPTS[1]], greedy(12))
+    assert uncap.result(0).ok and len(out.token_ids) == 12 and not out.truncated
+    assert learnt()["samples"] == 1
+
+
 def test_halt_and_resume_admission() -> None:
     engine = make_engine()
     engine.halt_admission("high")

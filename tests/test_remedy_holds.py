@@ -145,17 +145,19 @@ def test_a_larger_pool_share_never_grows_the_pool_a_smaller_one_holds() -> None:
     assert h.knob("kv_pool_blocks") == 128
 
 
+BATCH = (
+    "  - {name: batch, signal: kv, above: 0.92, action: reduce_batch, recover_below: 0.8,"
+    " recover_for: 10s, undo: restore_batch}\n"
+)
+
+
 def test_the_batch_limit_is_the_smallest_any_rule_in_force_asks_for() -> None:
     """The relative rung halves the batch (8 -> 4, the value it holds); a rule setting 6
     would raise it and is held; one setting 2 applies, and its undo goes back to the rung's
     4 (before: it stayed at 2), never to the configured 8 while the rung is in force."""
-    batch = (
-        "  - {name: batch, signal: kv, above: 0.92, action: reduce_batch, recover_below: 0.8,"
-        " recover_for: 10s, undo: restore_batch}\n"
-    )
     two = alert_rule("two", "set_max_num_seqs", "n: 2", "restore_batch")
     six = alert_rule("six", "set_max_num_seqs", "n: 6", "restore_batch")
-    h = Live(batch + two + six)
+    h = Live(BATCH + two + six)
     assert h.at(0, kv=0.95) == [("batch", "reduce_batch", "applied")]
     assert h.knob("max_num_seqs") == 4
     assert h.fire(1, "six") == [("six", "set_max_num_seqs", "held")]
@@ -169,6 +171,23 @@ def test_the_batch_limit_is_the_smallest_any_rule_in_force_asks_for() -> None:
     h.at(5, kv=0.5)
     assert h.at(15) == [("batch", "restore_batch", "applied")]
     assert h.knob("max_num_seqs") == 8
+
+
+def test_a_reload_never_lifts_a_batch_cut_its_rule_still_holds() -> None:
+    """The rung cut the batch 8 -> 4. A reload set the configured limit to 4, and another
+    back to 8: before, the first made the limit in force equal to the configured one, and
+    the second took that for 'no cut' and raised the batch to 8 while the rule still fired
+    and held 4. The cut holds until its undo, which goes to the configured value of then."""
+    h = Live(BATCH)
+    e = h.engine
+    assert h.at(0, kv=0.95) == [("batch", "reduce_batch", "applied")]
+    for configured, in_force in ((4, 4), (8, 4), (2, 2), (6, 4)):
+        res = settle(e, e.reconfigure({("max_num_seqs",): configured}))
+        assert res.ok and h.knob("max_num_seqs") == in_force, (configured, res.detail)
+    assert h.at(10, kv=0.95) == [] and h.knob("max_num_seqs") == 4
+    h.at(20, kv=0.5)
+    assert h.at(30) == [("batch", "restore_batch", "applied")]
+    assert h.knob("max_num_seqs") == 6
 
 
 def test_a_higher_token_cap_is_held_and_takes_over_when_the_lower_leaves() -> None:

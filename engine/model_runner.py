@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -45,22 +44,22 @@ from kvguard.engine.sampler import (
 from kvguard.engine.sequence import Sequence, TokenLogprob
 from kvguard.engine.speculative import accepted_prefix
 from kvguard.kernels.dispatch import use_triton
+from kvguard.kernels.env import env_flag
 from kvguard.kernels.paged_attention import decode_workspace_bytes
 
 log = logging.getLogger("kvguard.engine")
 HOST_GROW_BELOW = 0.90  # a KV pool grows back only while host memory stays under this
 HOST_START_BELOW = 0.95  # a CPU KV pool that would take host memory past this refuses to start
 CUDA_GROW_MARGIN = 0.05  # ... and on CUDA while this share of the device stays free
-CUDA_GRAPHS_ENV = "KVGUARD_CUDA_GRAPHS"  # "1" / "0" overrides the cuda_graphs knob (benchmarks)
-# "1": an FP8 pool's decode steps replay too (their scales grow in one kernel); opt-in until a
+CUDA_GRAPHS_ENV = "KVGUARD_CUDA_GRAPHS"  # on / off overrides the cuda_graphs knob (benchmarks)
+# on: an FP8 pool's decode steps replay too (their scales grow in one kernel); opt-in until a
 # device run has shown its tokens and speed-up
 FP8_GRAPHS_ENV = "KVGUARD_FP8_GRAPHS"
 
 
 def cuda_graphs_wanted(config: EngineConfig, device: torch.device, world_size: int) -> bool:
     """Graphs only on CUDA with one rank; the environment may override the knob either way."""
-    env = os.environ.get(CUDA_GRAPHS_ENV)
-    wanted = config.cuda_graphs if env is None else env == "1"
+    wanted = env_flag(CUDA_GRAPHS_ENV, config.cuda_graphs)
     return wanted and device.type == "cuda" and world_size == 1
 
 
@@ -430,7 +429,7 @@ class ModelRunner:
         kv = self.kv_cache
         if self.graphs is None:
             return None
-        if kv.dtype == "fp8_e4m3" and os.environ.get(FP8_GRAPHS_ENV) != "1":
+        if kv.dtype == "fp8_e4m3" and not env_flag(FP8_GRAPHS_ENV, False):
             return None
         if not use_triton(self.device, KV_TORCH_DTYPES[kv.dtype]):
             return None

@@ -41,6 +41,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from kvguard.kernels.env import env_flag
+
 log = logging.getLogger("kvguard.kernels")
 
 # One library: the low-bit GEMMs, the step kernels of `cpu_ops` (attention, norm, RoPE) and
@@ -140,7 +142,7 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.kvg_attn512.argtypes, lib.kvg_attn512.restype = [_INT], _INT
     lib.kvg_shared_prefix.argtypes, lib.kvg_shared_prefix.restype = [_INT], _INT
     lib.kvg_shared_prefix_calls.argtypes, lib.kvg_shared_prefix_calls.restype = [], _I64
-    if os.environ.get(SHARED_PREFIX_ENV, "1") == "0":
+    if not env_flag(SHARED_PREFIX_ENV, True):
         lib.kvg_shared_prefix(0)
     lib.kvg_quantize_rows.argtypes = [_PTR, _I64, _I64, _I64, _INT, _PTR, _PTR, _PTR]
     lib.kvg_quantize_rows.restype = ctypes.c_int

@@ -5,17 +5,16 @@ activations.
 
 They live in the library `cpu_lowbit` builds (one compile on first use). `enabled(x)` says
 whether a tensor takes them: fp32 on the CPU, the library built, and `KVGUARD_CPU_OPS` not
-"0" (the switch that keeps torch's ops, for comparison). Where they do not apply the callers
+off (0/false/off/no, `env.env_flag`: the switch that keeps torch's ops, for comparison). Where they do not apply the callers
 keep their torch code, which stays the reference the tests hold these kernels to.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from kvguard.kernels import cpu_lowbit
+from kvguard.kernels.env import env_flag
 from kvguard.kernels.fp8 import FP8_DTYPE
 
 ENV = "KVGUARD_CPU_OPS"
@@ -26,7 +25,7 @@ _state: dict[str, bool] = {}
 def _on() -> bool:
     on = _state.get("on")
     if on is None:
-        on = _state["on"] = os.environ.get(ENV, "1") != "0" and cpu_lowbit.available()
+        on = _state["on"] = env_flag(ENV, True) and cpu_lowbit.available()
     return on
 
 

@@ -3,7 +3,8 @@
 The torch path in `paged_attention` runs everywhere and stays the reference; Triton only takes
 over on CUDA, where the torch decode path pays for gathering every sequence's blocks into a
 contiguous workspace before attention. `KVGUARD_TRITON=0` turns the Triton path off (to compare
-the two, or to route around a kernel bug) without a code change.
+the two, or to route around a kernel bug) without a code change. Every switch here reads the
+environment as `env.env_flag` does (1/true/on/yes, 0/false/off/no; anything else warned about).
 
 The same rule picks the Triton W4A16 GEMM for 4-bit weight-only linears (`w4a16_matmul`), whose
 torch path is only a reference: on CPU the quantized layer serves with torch's int4pack kernels.
@@ -25,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from kvguard.kernels import cpu_ops
+from kvguard.kernels.env import env_flag, warn_unknown
 from kvguard.kernels.w4a16 import W4A16Weight, reference_matmul
 
 
@@ -50,7 +52,7 @@ def _fp8_capable(index: int | None) -> bool:
 def use_triton(device: torch.device | str, kv_dtype: torch.dtype | None = None) -> bool:
     """True when calls on `device` (with a KV cache of `kv_dtype`) should go to Triton.
 
-    Needs a CUDA device, an importable triton, and `KVGUARD_TRITON` not set to "0"; an FP8
+    Needs a CUDA device, an importable triton, and `KVGUARD_TRITON` not off; an FP8
     cache also needs a GPU whose Triton supports e4m3 (older GPUs keep the torch path for
     FP8 only). The environment is read on every call (it is cheap) so a benchmark can flip
     it between runs.
@@ -58,31 +60,31 @@ def use_triton(device: torch.device | str, kv_dtype: torch.dtype | None = None) 
     dev = torch.device(device)
     if dev.type != "cuda":
         return False
-    if os.environ.get("KVGUARD_TRITON", "1") == "0" or not triton_available():
+    if not env_flag("KVGUARD_TRITON", True) or not triton_available():
         return False
     return kv_dtype != torch.float8_e4m3fn or _fp8_capable(dev.index)
 
 
-TRITON_PREFILL_ENV = "KVGUARD_TRITON_PREFILL"  # "1": prefill chunks through the Triton kernel
+TRITON_PREFILL_ENV = "KVGUARD_TRITON_PREFILL"  # on: prefill chunks through the Triton kernel
 
 
 def use_triton_prefill(device: torch.device | str, kv_dtype: torch.dtype | None = None) -> bool:
     """Whether prefill chunks on `device` go to the Triton prefill kernel
     (`triton_attention.prefill_rows`) instead of torch's per-sequence SDPA: where `use_triton`
-    holds and `KVGUARD_TRITON_PREFILL` is "1". Off by default until a device run has shown it
+    holds and `KVGUARD_TRITON_PREFILL` is on. Off by default until a device run has shown it
     equal and faster (bench/gpu_kernels.py times both)."""
-    return os.environ.get(TRITON_PREFILL_ENV, "0") == "1" and use_triton(device, kv_dtype)
+    return env_flag(TRITON_PREFILL_ENV, False) and use_triton(device, kv_dtype)
 
 
-FUSED_OPS_ENV = "KVGUARD_FUSED_OPS"  # "1": a layer's small ops as Triton kernels (opt-in)
+FUSED_OPS_ENV = "KVGUARD_FUSED_OPS"  # on: a layer's small ops as Triton kernels (opt-in)
 
 
 def fused_ops(x: torch.Tensor) -> ModuleType | None:
     """The Triton per-layer ops (`triton_fused`: add + RMSNorm, RoPE, SiLU-and-multiply) where
-    they serve activation `x`: on CUDA as `use_triton` says, when `KVGUARD_FUSED_OPS` is "1";
+    they serve activation `x`: on CUDA as `use_triton` says, when `KVGUARD_FUSED_OPS` is on;
     None means the torch ops. Opt-in until a device run has shown them equal and faster
     (bench/gpu_e2e.py times decode with them on and off), as CUDA graphs were."""
-    if x.device.type != "cuda" or os.environ.get(FUSED_OPS_ENV, "0") != "1":
+    if x.device.type != "cuda" or not env_flag(FUSED_OPS_ENV, False):
         return None
     if not use_triton(x.device):
         return None
@@ -98,15 +100,15 @@ def layer_ops(x: torch.Tensor) -> ModuleType | None:
     return cpu_ops if cpu_ops.enabled(x) else fused_ops(x)
 
 
-FP8_EARLY_WIDEN_ENV = "KVGUARD_FP8_EARLY_WIDEN"  # "1": FP8 decode tiles widened as loaded
+FP8_EARLY_WIDEN_ENV = "KVGUARD_FP8_EARLY_WIDEN"  # on: FP8 decode tiles widened as loaded
 
 
 def fp8_early_widen() -> bool:
     """Whether the Triton decode kernel widens FP8 K/V tiles to fp16 as it loads them (in
     128-token tiles of 8 warps) rather than after staging them: `KVGUARD_FP8_EARLY_WIDEN`
-    "1" (read when a step is launched or captured). Opt-in until a device run has shown it
+    on (read when a step is launched or captured). Opt-in until a device run has shown it
     equal and faster (bench/gpu_kernels.py's `fp8e` rows)."""
-    return os.environ.get(FP8_EARLY_WIDEN_ENV, "0") == "1"
+    return env_flag(FP8_EARLY_WIDEN_ENV, False)
 
 
 def _interpreting() -> bool:
@@ -121,23 +123,24 @@ def use_triton_w4a16(device: torch.device | str) -> bool:
     `KVGUARD_TRITON=0` turns both off."""
     dev = torch.device(device)
     if dev.type == "cpu" and _interpreting():
-        return os.environ.get("KVGUARD_TRITON", "1") != "0" and triton_available()
+        return env_flag("KVGUARD_TRITON", True) and triton_available()
     return use_triton(dev)
 
 
-W4A16_PLANES_ENV = "KVGUARD_W4A16_PLANES"  # "1": the tiled W4A16 GEMM by nibble planes
+W4A16_PLANES_ENV = "KVGUARD_W4A16_PLANES"  # on: the tiled W4A16 GEMM by nibble planes
 
 
 def w4a16_planes() -> bool:
     """Whether the tiled W4A16 GEMM (9 to `LARGE_M` rows, and any rows the skinny GEMMs do
     not take) runs by nibble planes (`triton_w4a16._planes_kernel`, 16-bit activations, any
-    group): `KVGUARD_W4A16_PLANES` "1". Opt-in until a device run has shown it faster
+    group): `KVGUARD_W4A16_PLANES` on. Opt-in until a device run has shown it faster
     (bench/gpu_w4a16.py, gpu_e2e.py's packed section)."""
-    return os.environ.get(W4A16_PLANES_ENV, "0") == "1"
+    return env_flag(W4A16_PLANES_ENV, False)
 
 
 GEMV_ENV = "KVGUARD_TRITON_GEMV"  # projections of a few rows as Triton skinny GEMMs (opt-in)
-# its values: which weights take them (a device run may show one kind faster, not the other)
+# its values: which weights take them (a device run may show one kind faster, not the other);
+# "0" or unset: none, and anything else none too, warned about
 GEMV_WEIGHTS = {"1": ("dense", "4bit"), "dense": ("dense",), "4bit": ("4bit",)}
 GEMV_MAX_ROWS = 8  # rows up to which `triton_gemv` takes a projection (its MAX_ROWS)
 
@@ -151,9 +154,20 @@ def gemv_rows(x: torch.Tensor, weights: str = "dense") -> bool:
     gpu_e2e.py's decode)."""
     if x.dim() == 0 or not 0 < x.numel() <= GEMV_MAX_ROWS * x.shape[-1]:
         return False
-    if weights not in GEMV_WEIGHTS.get(os.environ.get(GEMV_ENV, "0"), ()):
+    if weights not in _gemv_weights():
         return False
     return use_triton_w4a16(x.device)
+
+
+def _gemv_weights() -> tuple[str, ...]:
+    """The weights `KVGUARD_TRITON_GEMV` gives the skinny GEMMs (GEMV_WEIGHTS); "0", empty or
+    unset: none, and a value it does not know none too, warned about (not a switch's word:
+    its own values say which weights)."""
+    raw = os.environ.get(GEMV_ENV, "0")
+    weights = GEMV_WEIGHTS.get(raw.strip())
+    if weights is None and raw.strip() not in ("0", ""):
+        warn_unknown(GEMV_ENV, raw, "1, dense, 4bit or 0", "off, its default")
+    return weights or ()
 
 
 def dense_linear(

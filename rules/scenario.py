@@ -4,8 +4,10 @@ test, in the spirit of `promtool test rules`).
 
 Scenario file:
 
-    duration: 300s            # how long to replay (ticks every rules `interval`)
-    series:                   # signal name -> steps; a value holds until the next step
+    duration: 300s            # how long to replay (ticks every rules `interval`, at most
+                              # MAX_TICKS of them)
+    series:                   # signal name -> steps, each at or before the last tick; a value
+                              # holds until the next step
       kv_usage: [{at: 0s, value: 0.50}, {at: 30s, value: 0.93}, {at: 120s, value: 0.70}]
       gpu_mem: []             # no data: the signal is unknown (rules on it never act)
     events:                   # optional: engine events and Alertmanager alerts, at or before
@@ -20,6 +22,8 @@ Scenario file:
 
 from __future__ import annotations
 
+import bisect
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +42,16 @@ from kvguard.rules.schema import (
     parse_duration,
 )
 from kvguard.rules.yaml_file import YamlFileError, line_for, load_yaml, read_source
+
+# The evaluations one scenario may replay: a replay runs the real evaluator every `interval`
+# of the rules (about 15 us a tick with the shipped rules, so 1.5 s at most); the longest
+# duration a file may give (a century) would never finish at any interval.
+MAX_TICKS = 100_000
+
+
+def ticks(duration: float, interval: float) -> int:
+    """How many evaluations a replay of `duration` runs: at 0, interval, ..., up to duration."""
+    return math.floor(duration / interval + 1e-9) + 1
 
 
 class _M(BaseModel):
@@ -100,8 +114,10 @@ class Outcome:
 def load_scenario(path: Path, rules: RuleSet | None = None) -> Scenario:
     """The scenario at `path`; RulesFileError lists every problem as `FILE:LINE: field:
     problem`, among them what the replay would skip, so that the test would pass untested: an
-    event past `duration`, and (given the `rules` it runs against) a series that names none of
-    their signals or an event no rule listens on (a misspelt one would feed nothing)."""
+    event or a series step past `duration`, and (given the `rules` it runs against) a series
+    step after the last evaluation, a series that names none of their signals or an event no
+    rule listens on (a misspelt one would feed nothing); and, given the rules, a duration of
+    more than MAX_TICKS evaluations (a replay that would not finish)."""
     name = str(path)
     try:
         data, lines = load_yaml(read_source(Path(path)), name)
@@ -126,6 +142,8 @@ def load_scenario(path: Path, rules: RuleSet | None = None) -> Scenario:
             if s not in rules.signals
         ]
     problems += _unreplayed_events(data or {}, lines, name, rules)
+    problems += _unreplayed_steps(data or {}, lines, name, rules)
+    problems += _too_long(data or {}, lines, name, rules)
     if problems or sc is None:
         raise RulesFileError(sorted(problems, key=line_key))
     return sc
@@ -172,6 +190,51 @@ def _unreplayed_events(data: dict, lines: dict, name: str, rules: RuleSet | None
     return out
 
 
+def _unreplayed_steps(data: dict, lines: dict, name: str, rules: RuleSet | None) -> list[str]:
+    """Series steps no evaluation would read, so that the scenario would pass without them: one
+    past `duration` (the replay stops there), and (given the `rules`, whose interval sets the
+    ticks) one after the last tick within it. Each is refused at its line."""
+    series, duration = data.get("series"), _duration_or_none(data.get("duration"))
+    if not isinstance(series, dict) or duration is None:
+        return []
+    every = rules.interval if rules is not None else None
+    last = None if every is None else round((ticks(duration, every) - 1) * every, 9)
+    out = []
+    for sig, steps in series.items():
+        for i, step in enumerate(steps if isinstance(steps, list) else []):
+            at = _duration_or_none(step.get("at")) if isinstance(step, dict) else None
+            if at is None:
+                continue
+            where = f"{name}:{line_for(lines, ('series', sig, i, 'at'))}: series.{sig}.{i}.at"
+            if at > duration + 1e-9:
+                out.append(
+                    f"{where}: {at:g}s is past the scenario's duration ({duration:g}s): it "
+                    "would never be replayed"
+                )
+            elif last is not None and at > last + 1e-9:
+                out.append(
+                    f"{where}: {at:g}s is after the last evaluation ({last:g}s, every "
+                    f"{every:g}s up to the duration {duration:g}s): no evaluation "
+                    "would read it"
+                )
+    return out
+
+
+def _too_long(data: dict, lines: dict, name: str, rules: RuleSet | None) -> list[str]:
+    """A duration of more than MAX_TICKS evaluations of the `rules`: a replay that would run for
+    minutes or years, refused at its line."""
+    duration = _duration_or_none(data.get("duration"))
+    if rules is None or duration is None or ticks(duration, rules.interval) <= MAX_TICKS:
+        return []
+    longest = (MAX_TICKS - 1) * rules.interval
+    given = data["duration"] if isinstance(data["duration"], str) else f"{duration:g}s"
+    return [
+        f"{name}:{line_for(lines, ('duration',))}: duration: {given} is "
+        f"{ticks(duration, rules.interval)} evaluations of the rules (every "
+        f"{rules.interval:g}s): at most {MAX_TICKS} ({longest:g}s at that interval)"
+    ]
+
+
 class _Clock:
     def __init__(self) -> None:
         self.t = 0.0
@@ -180,27 +243,38 @@ class _Clock:
         return self.t
 
 
-def _value_at(steps: list[Step], t: float) -> float | None:
-    current = None
-    for s in sorted(steps, key=lambda s: s.at):
-        if s.at <= t:
-            current = s.value
-    return current
+class _Series:
+    """A signal's steps, sorted once: the value at `t` is the latest step's at or before it
+    (of steps at the same time, the last given)."""
+
+    def __init__(self, steps: list[Step]) -> None:
+        ordered = sorted(steps, key=lambda s: s.at)
+        self.ats = [s.at for s in ordered]
+        self.values = [s.value for s in ordered]
+
+    def at(self, t: float) -> float | None:
+        i = bisect.bisect_right(self.ats, t)
+        return self.values[i - 1] if i else None
 
 
 def run_scenario(rules: RuleSet, sc: Scenario) -> Outcome:
+    n = ticks(sc.duration, rules.interval)
+    if n > MAX_TICKS:  # load_scenario refuses it given the rules: a replay that never ends
+        raise ValueError(f"duration {sc.duration:g}s is {n} evaluations: at most {MAX_TICKS}")
     clock = _Clock()
+    series = {name: _Series(steps) for name, steps in sc.series.items()}
 
     def read(name: str, _sig: Signal) -> float | None:
-        return _value_at(sc.series.get(name, []), clock.t)
+        s = series.get(name)
+        return None if s is None else s.at(clock.t)
 
     def execute(action: str, params: dict[str, Any]) -> ActionResult:
         return ActionResult(action, {}, {}, "simulated", True)
 
     ev = Evaluator(rules, read, execute, clock=clock, wall_clock=clock, dry_run=sc.dry_run)
     events = sorted(sc.events, key=lambda e: e.at)
-    t = 0.0
-    while t <= sc.duration + 1e-9:
+    for k in range(n):
+        t = round(k * rules.interval, 9)
         clock.t = t
         while events and events[0].at <= t:
             e = events.pop(0)
@@ -208,7 +282,6 @@ def run_scenario(rules: RuleSet, sc: Scenario) -> Outcome:
             ev.handle_event(e.kind, resolved=e.resolved)
             clock.t = t
         ev.tick()
-        t = round(t + rules.interval, 9)
     for e in events:  # after the last tick but within `duration`: still replayed, at its time
         if e.at <= sc.duration + 1e-9:
             clock.t = e.at

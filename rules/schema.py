@@ -71,6 +71,38 @@ def event_problem(kind: str) -> str | None:
     return f"{kind!r}: expected engine_oom, preemption_storm or alert:<AlertName>"
 
 
+_SIGNAL_ONLY = ("for", "recover_below", "recover_above")  # read only by a threshold rule
+_UNDO_ONLY = ("recover_below", "recover_above", "recover_for", "undo_params")  # only with undo
+
+
+def ignored_keys(rule: dict[str, Any]) -> list[tuple[str, str]]:
+    """The keys of a rule (as in the file, `for` not `for_`) that its shape never reads, each
+    with why, in the order given: an event rule acts on each event (no `for`, no recovery
+    threshold), an alert rule's undo runs when its alert resolves (no `recover_for`), and
+    without `undo` nothing is undone (a forgotten `undo:` would leave the batch cut for good
+    while `rules check` said OK). A key given as null counts as left out."""
+    on, undo, action = rule.get("on"), rule.get("undo"), rule.get("action")
+    out = []
+    for key, value in rule.items():
+        if value is None:
+            continue
+        if on is not None and key in _SIGNAL_ONLY:
+            out.append((key, "has no effect on an event rule (`on`): no signal to hold or recover"))
+        elif undo is None and key in _UNDO_ONLY:
+            spec = ACTIONS.get(action) if isinstance(action, str) else None
+            hint = (
+                f" (nothing is undone: add `undo: {spec.undo}`, or leave `{key}` out)"
+                if spec is not None and spec.undo
+                else f" (leave `{key}` out)"
+            )
+            out.append((key, "has no effect without undo" + hint))
+        elif key == "recover_for" and isinstance(on, str) and on.startswith("alert:"):
+            out.append(
+                (key, "has no effect on an alert rule: its undo runs when the alert resolves")
+            )
+    return out
+
+
 class Signal(_Model):
     local: str | None = None
     promql: str | None = None
@@ -145,12 +177,14 @@ class Rule(_Model):
             raise _At(("on",), f"on={problem}")
         if self.signal is not None or self.above is not None or self.below is not None:
             raise ValueError("an event rule (`on`) takes no signal, above or below")
+        self._no_ignored_keys()
 
     def _threshold_shape(self) -> None:
         if self.signal is None:
             raise ValueError("a rule needs `signal` with `above`/`below`, or `on` for an event")
         if (self.above is None) == (self.below is None):
             raise ValueError("a threshold rule needs exactly one of `above` or `below`")
+        self._no_ignored_keys()
         if self.recover_below is not None and self.recover_above is not None:
             raise ValueError("give at most one of recover_below / recover_above")
         if self.above is not None and self.recover_above is not None:
@@ -173,6 +207,18 @@ class Rule(_Model):
             raise ValueError(
                 f"recover_above={self.recover_above} must not be under below={self.below}"
             )
+
+    def _no_ignored_keys(self) -> None:
+        """The first key given that this rule's shape never reads (`ignored_keys`; the file's
+        cross-checks list every one)."""
+        given = {
+            ("for" if f == "for_" else f): getattr(self, f)
+            for f in type(self).model_fields
+            if f in self.model_fields_set
+        }
+        problems = ignored_keys(given)
+        if problems:
+            raise _At((problems[0][0],), problems[0][1])
 
     @staticmethod
     def _check_action(name: str, params: dict[str, Any], field: str, params_field: str) -> None:
@@ -303,7 +349,8 @@ def line_key(msg: str) -> int:
 
 
 def _cross_checks(data: dict, lines: dict, name: str) -> list[str]:
-    """Duplicate names and unknown signals, found even when other fields are broken."""
+    """Duplicate names, unknown signals and keys a rule's shape never reads, found even when
+    other fields are broken (and every ignored key, where the model reports a rule's first)."""
     out = []
     signals = data.get("signals") if isinstance(data.get("signals"), dict) else {}
     seen: set[str] = set()
@@ -321,6 +368,11 @@ def _cross_checks(data: dict, lines: dict, name: str) -> list[str]:
                 f"{name}:{line_for(lines, ('rules', i, 'signal'))}: rules.{i}.signal: unknown signal {sig!r} "
                 f"(defined: {', '.join(signals) or 'none'})"
             )
+        if r.get("on") is not None or sig is not None:
+            out += [
+                f"{name}:{line_for(lines, ('rules', i, key))}: rules.{i}.{key}: {why}"
+                for key, why in ignored_keys(r)
+            ]
     return out
 
 

@@ -452,6 +452,50 @@ def test_apscheduler_is_quiet_unless_debugging() -> None:
         aps.setLevel(saved[1])
 
 
+@pytest.mark.parametrize(
+    ("value", "level"),
+    [
+        ("DEBUG", 10),
+        ("debug", 10),
+        (" Warning ", 30),
+        ("warn", 30),
+        ("10", 10),
+        ("40", 40),
+        ("", 20),
+    ],
+)
+def test_the_log_level_takes_a_name_in_any_case_or_a_number(
+    value: str, level: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvguard.engine.log_level import log_level
+
+    monkeypatch.setenv("KVGUARD_LOG_LEVEL", value)
+    assert log_level() == level
+
+
+def test_a_log_level_no_one_knows_is_info_and_said() -> None:
+    """`KVGUARD_LOG_LEVEL=DEBGU` (or `verbose`) logged at INFO and nothing said why DEBUG
+    lines never came: the process says so on stderr (the journal) before its log starts."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "from kvguard.daemon.logging_setup import configure_logging\nprint(configure_logging())"
+    )
+    for value in ("DEBGU", "verbose", "-5"):
+        res = subprocess.run(
+            [sys.executable, "-c", script],
+            env={**os.environ, "KVGUARD_LOG_LEVEL": value},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert res.returncode == 0 and res.stdout.strip() == "20", res
+        assert f"KVGUARD_LOG_LEVEL={value!r} is not a level name" in res.stderr, res
+        assert "logging at INFO" in res.stderr, res
+
+
 # -- the net under it all: an unexpected exception is a JSON 500 and the connection lives --------
 def test_unexpected_exception_is_a_logged_json_500_on_a_live_connection(
     caplog: pytest.LogCaptureFixture,

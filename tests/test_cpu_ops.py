@@ -11,15 +11,16 @@ torch path back, and a whole model must produce the same tokens either way.
 from __future__ import annotations
 
 import importlib
+import logging
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kvguard.engine import EngineConfig, LLMEngine
+from kvguard.engine import EngineConfig, LLMEngine, model_runner
 from kvguard.engine.model import RMSNorm, apply_rope
 from kvguard.engine.sampling_params import SamplingParams
-from kvguard.kernels import cpu_lowbit, cpu_ops
+from kvguard.kernels import cpu_lowbit, cpu_ops, dispatch, env
 from kvguard.kernels.fp8 import FP8_DTYPE, write_kv_fp8
 from tests.test_cpu_lowbit import switch_follows_cpu
 from tests.test_paged_attention import (
@@ -64,6 +65,89 @@ def test_decode_rows_take_the_kernel_and_the_switch_brings_torch_back(
     _forbid(monkeypatch, "_decode_native")
     out, ref = run_batch(seqs, 9, 3, 64, 16, seed=11)
     assert_close(out, ref)
+
+
+@pytest.mark.parametrize(
+    ("value", "on"),
+    [
+        ("0", False),
+        ("off", False),
+        ("FALSE", False),
+        (" No ", False),
+        ("1", True),
+        ("on", True),
+        ("True", True),
+        ("yes", True),
+        ("", True),  # empty: unset, the default
+    ],
+)
+def test_the_switch_reads_every_switchs_words(
+    value: str, on: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`KVGUARD_CPU_OPS=off` (false, no) left the kernels on: only "0" was read as off."""
+    monkeypatch.setenv(cpu_ops.ENV, value)
+    cpu_ops.reset()
+    assert cpu_ops._on() is on
+
+
+def test_an_unknown_switch_value_is_its_default_and_said_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A value no switch takes fell back to the default silently; now a warning names the
+    variable, the value and the default taken, once (some switches are read on every call)."""
+    monkeypatch.setattr(env, "_warned", set())
+    monkeypatch.setattr(dispatch, "triton_available", lambda: True)  # read as on a GPU host
+    monkeypatch.setenv(cpu_ops.ENV, "of")
+    monkeypatch.setenv("KVGUARD_TRITON", "nope")
+    monkeypatch.setenv(dispatch.W4A16_PLANES_ENV, "yess")
+    monkeypatch.setenv(dispatch.GEMV_ENV, "dnse")
+    with caplog.at_level(logging.WARNING, logger="kvguard.env"):
+        for _ in range(2):
+            cpu_ops.reset()
+            assert cpu_ops._on() is True
+            assert dispatch.use_triton("cuda") is True
+            assert dispatch.w4a16_planes() is False
+            assert not dispatch.gemv_rows(torch.ones(1, 8), "dense")
+    assert [r.getMessage() for r in caplog.records if r.name == "kvguard.env"] == [
+        "KVGUARD_CPU_OPS='of' is not 1/true/on/yes or 0/false/off/no: on, its default",
+        "KVGUARD_TRITON='nope' is not 1/true/on/yes or 0/false/off/no: on, its default",
+        "KVGUARD_W4A16_PLANES='yess' is not 1/true/on/yes or 0/false/off/no: off, its default",
+        "KVGUARD_TRITON_GEMV='dnse' is not 1, dense, 4bit or 0: off, its default",
+    ]
+
+
+def test_the_triton_switches_read_the_same_words(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`KVGUARD_TRITON=off` kept Triton on, `KVGUARD_FP8_EARLY_WIDEN=on` left it off: each
+    compared its value with "0" or "1" alone. (Read as on a GPU host: no GPU needed.)"""
+    monkeypatch.setattr(dispatch, "triton_available", lambda: True)
+    for value, on in (("off", False), ("No", False), ("0", False), ("on", True), ("YES", True)):
+        monkeypatch.setenv("KVGUARD_TRITON", value)
+        assert dispatch.use_triton("cuda") is on, value
+    monkeypatch.setenv("KVGUARD_TRITON", "true")
+    for name, read in (
+        (dispatch.TRITON_PREFILL_ENV, lambda: dispatch.use_triton_prefill("cuda")),
+        (dispatch.FP8_EARLY_WIDEN_ENV, dispatch.fp8_early_widen),
+        (dispatch.W4A16_PLANES_ENV, dispatch.w4a16_planes),
+    ):
+        monkeypatch.delenv(name, raising=False)
+        assert read() is False, name  # opt-in
+        for value, on in (("on", True), ("true", True), ("off", False), ("1", True)):
+            monkeypatch.setenv(name, value)
+            assert read() is on, (name, value)
+
+
+def test_the_graph_switch_reads_the_same_words(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`KVGUARD_CUDA_GRAPHS=true` turned graphs off (only "1" was on); unset, the knob rules.
+    (Asked for a CUDA device by type only: no GPU needed.)"""
+    cuda = torch.device("cuda")
+    for knob in (True, False):
+        config = EngineConfig(model="tiny", cuda_graphs=knob)
+        monkeypatch.delenv(model_runner.CUDA_GRAPHS_ENV, raising=False)
+        assert model_runner.cuda_graphs_wanted(config, cuda, 1) is knob
+        for value, on in (("true", True), ("ON", True), ("1", True), ("off", False), ("no", False)):
+            monkeypatch.setenv(model_runner.CUDA_GRAPHS_ENV, value)
+            assert model_runner.cuda_graphs_wanted(config, cuda, 1) is on, (knob, value)
+            assert model_runner.cuda_graphs_wanted(config, torch.device("cpu"), 1) is False
 
 
 @pytest.mark.parametrize(

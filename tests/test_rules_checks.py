@@ -3,6 +3,8 @@ return the engine to its configured state (not to a fixed one)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -142,6 +144,133 @@ def test_every_action_accepts_its_own_undo_and_the_shipped_rules_load() -> None:
     load_rules(default_rules_path())
 
 
+# -- a key a rule's shape never reads is refused ----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("rule", "key", "said"),
+    [
+        (
+            "{name: r, on: engine_oom, action: halt_admission, for: 30s}",
+            "for",
+            "has no effect on an event rule",
+        ),
+        (
+            "{name: r, on: engine_oom, action: handle_oom, undo: recover_from_oom,"
+            " recover_below: 0.5}",
+            "recover_below",
+            "has no effect on an event rule",
+        ),
+        (
+            "{name: r, on: 'alert:GPUNearOOM', action: halt_admission, undo: resume_admission,"
+            " recover_above: 0.5}",
+            "recover_above",
+            "has no effect on an event rule",
+        ),
+        (
+            "{name: r, on: 'alert:GPUNearOOM', action: halt_admission, for: 10s}",
+            "for",
+            "has no effect on an event rule",
+        ),
+        (  # an alert rule's undo runs when its alert resolves, never after `recover_for`
+            "{name: r, on: 'alert:GPUNearOOM', action: halt_admission, undo: resume_admission,"
+            " recover_for: 60s}",
+            "recover_for",
+            "has no effect on an alert rule: its undo runs when the alert resolves",
+        ),
+        (
+            "{name: r, on: engine_oom, action: handle_oom, recover_for: 60s}",
+            "recover_for",
+            "has no effect without undo (nothing is undone: add `undo: recover_from_oom`",
+        ),
+        (
+            "{name: r, on: 'alert:X', action: halt_admission, undo_params: {}}",
+            "undo_params",
+            "has no effect without undo",
+        ),
+        (  # the likely mistake: a forgotten `undo:`, so the batch is never restored
+            "{name: r, signal: kv, above: 0.9, action: reduce_batch, recover_below: 0.8}",
+            "recover_below",
+            "has no effect without undo (nothing is undone: add `undo: restore_batch`",
+        ),
+        (
+            "{name: r, signal: kv, below: 0.1, action: halt_admission, recover_above: 0.2}",
+            "recover_above",
+            "has no effect without undo (nothing is undone: add `undo: resume_admission`",
+        ),
+        (
+            "{name: r, signal: kv, above: 0.9, action: enable_fp8_kv, recover_for: 60s}",
+            "recover_for",
+            "has no effect without undo",
+        ),
+        (
+            "{name: r, signal: kv, above: 0.9, action: reduce_batch, undo_params: {}}",
+            "undo_params",
+            "has no effect without undo",
+        ),
+        (  # an action without an undo: the key is all there is to drop
+            "{name: r, signal: kv, above: 0.95, action: evict_lowest_priority, recover_for: 5s}",
+            "recover_for",
+            "has no effect without undo (leave `recover_for` out)",
+        ),
+    ],
+)
+def test_a_key_the_rules_shape_never_reads_is_refused(rule: str, key: str, said: str) -> None:
+    """Accepted, these were read by nothing: `rules check` said OK while a rule lacking its
+    `undo` left the engine cut down for good, or an event rule's `for` held nothing."""
+    with pytest.raises(RulesFileError) as e:
+        load_rules_text(HEAD + f"  - {rule}\n", "r.yaml")
+    assert len(e.value.errors) == 1, e.value.errors
+    assert e.value.errors[0].startswith(f"r.yaml:5: rules.0.{key}: {said}"), e.value.errors
+
+
+def test_every_ignored_key_is_listed_by_line_and_the_cli_refuses_them(tmp_path: Path) -> None:
+    text = HEAD + (
+        "  - {name: ok, signal: kv, above: 0.9, action: halt_admission, undo: resume_admission,\n"
+        "     recover_below: 0.8, recover_for: 10s}\n"
+        "  - {name: ev, on: engine_oom, action: halt_admission, for: 30s, recover_below: 0.5}\n"
+        "  - name: th\n"
+        "    signal: kv\n"
+        "    above: 10\n"
+        "    action: reduce_batch\n"
+        "    recover_below: 2\n"
+        "    recover_for: 60s\n"
+        "    undo_params: {}\n"
+        "  - {name: broken, signal: kv, above: .nan, action: halt_admission, recover_for: 1s}\n"
+    )
+    with pytest.raises(RulesFileError) as e:
+        load_rules_text(text, "r.yaml")
+    got = [m.split(": ")[0:3] for m in e.value.errors]
+    assert got == [
+        ["r.yaml:7", "rules.1.for", "has no effect on an event rule (`on`)"],
+        ["r.yaml:7", "rules.1.recover_below", "has no effect on an event rule (`on`)"],
+        ["r.yaml:12", "rules.2.recover_below", "has no effect without undo (nothing is undone"],
+        ["r.yaml:13", "rules.2.recover_for", "has no effect without undo (nothing is undone"],
+        ["r.yaml:14", "rules.2.undo_params", "has no effect without undo (nothing is undone"],
+        ["r.yaml:15", "rules.3.above", "Input should be a finite number (got nan)"],
+        ["r.yaml:15", "rules.3.recover_for", "has no effect without undo (nothing is undone"],
+    ], e.value.errors
+    path = tmp_path / "r.yaml"
+    path.write_text(text)
+    kvguard = Path(sys.executable).parent / "kvguard"
+    res = subprocess.run(
+        [str(kvguard), "rules", "check", str(path)], capture_output=True, text=True, timeout=60
+    )
+    assert res.returncode == 1 and f"{path}:7: rules.1.for: has no effect" in res.stderr, res
+
+
+def test_the_rules_shown_in_the_readme_and_shipped_load() -> None:
+    """Every shape keeps the keys it reads: the shipped ladder (threshold rules with undo,
+    without, the OOM chain's `recover_for`, an alert rule) and the README's example."""
+    rules = load_rules(default_rules_path())
+    assert {r.name for r in rules.rules} >= {"reduce-batch", "evict-low", "oom-chain"}
+    readme = (REPO / "README.md").read_text()
+    examples = [b for b in readme.split("```yaml\n")[1:] if "\nrules:\n" in b.split("```")[0]]
+    assert examples
+    for block in examples:
+        load_rules_text(block.split("```")[0], "README.md")
+
+
 # -- a scenario's events must be replayed ----------------------------------------------------
 
 
@@ -180,6 +309,78 @@ def test_an_event_after_the_last_tick_within_duration_is_replayed(tmp_path: Path
     )
     out = run_scenario(rules, load_scenario(sc, rules))
     assert out.ok, out.failures
+
+
+def test_a_scenario_refuses_series_steps_no_evaluation_reads(tmp_path: Path) -> None:
+    """A step past `duration`, or after the last tick within it (the rules evaluate every 5s:
+    at 10s, not 12s), fed nothing: `expect: []` passed with the cache at 99% untested."""
+    rules = load_rules(default_rules_path())
+    sc = tmp_path / "s.yaml"
+    sc.write_text(
+        "duration: 12s\n"
+        "series:\n"
+        "  kv_usage:\n"
+        "    - {at: 0s, value: 0.5}\n"
+        "    - {at: 10s, value: 0.5}\n"
+        "    - {at: 11s, value: 0.99}\n"
+        "  gpu_mem: [{at: 20s, value: 0.99}]\n"
+        "expect: []\n"
+    )
+    with pytest.raises(RulesFileError) as e:
+        load_scenario(sc, rules)
+    assert e.value.errors == [
+        f"{sc}:6: series.kv_usage.2.at: 11s is after the last evaluation (10s, every 5s up to"
+        " the duration 12s): no evaluation would read it",
+        f"{sc}:7: series.gpu_mem.0.at: 20s is past the scenario's duration (12s): it would"
+        " never be replayed",
+    ], e.value.errors
+    with pytest.raises(RulesFileError) as e:  # past `duration`, whatever rules it runs against
+        load_scenario(sc)
+    assert [m.split(": ")[1] for m in e.value.errors] == ["series.gpu_mem.0.at"], e.value.errors
+    res = subprocess.run(
+        [str(Path(sys.executable).parent / "kvguard"), "rules", "test"]
+        + [str(default_rules_path()), str(sc)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode == 1 and "PASS" not in res.stdout, res
+    assert f"{sc}:7: series.gpu_mem.0.at: 20s is past" in res.stderr, res
+
+
+def test_a_scenario_of_more_evaluations_than_a_replay_runs_is_refused(tmp_path: Path) -> None:
+    """`duration: 36500d` (the longest duration the grammar takes) replayed every 5s never
+    finished; the longest a replay runs is MAX_TICKS evaluations of the rules' interval."""
+    rules = load_rules(default_rules_path())
+    assert rules.interval == 5.0
+    sc = tmp_path / "s.yaml"
+    sc.write_text("series:\n  kv_usage: [{at: 0s, value: 0.5}]\nduration: 36500d\n")
+    with pytest.raises(RulesFileError) as e:
+        load_scenario(sc, rules)
+    from kvguard.rules.scenario import MAX_TICKS, Scenario
+
+    longest = (MAX_TICKS - 1) * 5
+    assert e.value.errors == [
+        f"{sc}:3: duration: 36500d is 630720001 evaluations of the rules (every 5s): at most"
+        f" {MAX_TICKS} ({longest}s at that interval)"
+    ], e.value.errors
+    sc.write_text(f"duration: {longest + 5}s\n")
+    with pytest.raises(RulesFileError) as e:
+        load_scenario(sc, rules)
+    assert f"at most {MAX_TICKS}" in e.value.errors[0], e.value.errors
+    sc.write_text(f"duration: {longest}s\n")
+    assert load_scenario(sc, rules).duration == longest
+    with pytest.raises(ValueError, match=f"at most {MAX_TICKS}"):  # a scenario built in code
+        run_scenario(rules, Scenario(duration=36500 * 86400.0))
+    sc.write_text("duration: 36500d\n")
+    res = subprocess.run(
+        [str(Path(sys.executable).parent / "kvguard"), "rules", "test"]
+        + [str(default_rules_path()), str(sc)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode == 1 and f"{sc}:1: duration: 36500d is " in res.stderr, res
 
 
 def test_the_shipped_scenarios_pass() -> None:

@@ -98,7 +98,7 @@ RULES_CASES: list[tuple[str, str | bytes, int, str]] = [
     (
         "recover_above .inf",
         SIGNAL + "rules:\n  - {name: a, signal: kv, below: 0.1, action: halt_admission,\n"
-        "     recover_above: .inf}\n",
+        "     recover_above: .inf, undo: resume_admission}\n",
         4,
         "rules.0.recover_above: Input should be a finite number",
     ),

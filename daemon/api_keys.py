@@ -41,7 +41,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from kvguard.daemon.config import ConfigFileError, Where
+from kvguard.daemon.config import _EXPECTED_TYPE, ConfigFileError, Where, _shown
 from kvguard.rules.yaml_file import YamlFileError, load_yaml, read_source
 
 Priority = Literal["high", "normal", "low"]
@@ -62,7 +62,9 @@ def new_key() -> str:
 
 
 class _Entry(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict, as the config file's sections: `max_requests: true` or "5" is a typo to report,
+    # not a 1 or a 5 to enforce
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
@@ -90,7 +92,7 @@ class _Entry(BaseModel):
 
 
 class _File(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     keys: list[_Entry] = Field(default_factory=list, max_length=MAX_KEYS)
 
@@ -183,6 +185,8 @@ def _error(path: Path, lines: dict[tuple[Any, ...], int], err: Any) -> str:
         what = "missing (every key needs a name and a sha256)"
     elif kind == "value_error":
         what = str((err.get("ctx") or {}).get("error", err["msg"]))
+    elif kind in _EXPECTED_TYPE or kind == "list_type":  # as the config file words them
+        what = f"{_shown(value)} (expected {_EXPECTED_TYPE.get(kind, 'a list')})"
     else:
         what = f"{err['msg'].lower()} (got {value!r})"
     return f"{Where(str(path), lines)(loc)}: {dotted or '(top level)'}: {what}"

@@ -1081,9 +1081,19 @@ def _close_stale(conn: Connection, r: dict[str, Any]) -> None:
 
 
 def _purge(conn: Connection, before: datetime) -> None:
-    """Retention: drop rows older than `before`; incidents only once closed."""
+    """Retention: drop rows older than `before`; incidents only once closed. What it deleted,
+    if anything, is logged by table: a retention set too short (or a clock far ahead) shows
+    in the log instead of as history silently gone."""
+    deleted: dict[str, int] = {}
     for name in ("actions", "events"):
         t = TABLES[name]
-        conn.execute(delete(t).where(t.c.time < before))
+        deleted[name] = conn.execute(delete(t).where(t.c.time < before)).rowcount
     t = TABLES["incidents"]
-    conn.execute(delete(t).where(t.c.closed_at.is_not(None), t.c.closed_at < before))
+    closed = delete(t).where(t.c.closed_at.is_not(None), t.c.closed_at < before)
+    deleted["incidents"] = conn.execute(closed).rowcount
+    if any(n > 0 for n in deleted.values()):
+        log.info(
+            "audit: retention deleted the rows from before %s (audit.retention): %s",
+            before.isoformat(timespec="seconds") if isinstance(before, datetime) else before,
+            ", ".join(f"{n} {name}" for name, n in deleted.items()),
+        )

@@ -55,6 +55,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "tensor_parallel": args.tensor_parallel,
     }
     cfg = apply_overrides(load_config(args.config), **overrides)
+    cfg.check_start()  # what the engine cannot serve, files it cannot read: before the bind
     return run(cfg, args.config, overrides)  # a reload applies the flags again
 
 
@@ -66,8 +67,8 @@ def add_status_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     p.add_argument(
         "--url",
-        default=os.environ.get("KVGUARD_URL", "http://127.0.0.1:8000"),
-        help="daemon base URL (default: $KVGUARD_URL or %(default)s)",
+        default=None,
+        help="daemon base URL (default: $KVGUARD_URL or http://127.0.0.1:8000)",
     )
     p.add_argument(
         "--token-file",
@@ -89,22 +90,39 @@ def cmd_status(args: argparse.Namespace) -> int:
         raise ValueError(f"cannot read the admin token from {args.token_file}: {e.strerror}") from e
     if not token:
         raise ValueError(f"{args.token_file} is empty: expected the daemon's admin token")
+    url, source = _status_url(args.url)
     try:
         r = httpx.get(
-            args.url.rstrip("/") + "/admin/state",
+            url.rstrip("/") + "/admin/state",
             headers={"Authorization": f"Bearer {token}"},
             timeout=10,
         )
+    except (httpx.InvalidURL, httpx.UnsupportedProtocol) as e:
+        raise ValueError(
+            f"{source}: {url!r} is not a usable URL: {str(e).rstrip('.')} (expected e.g. "
+            "http://127.0.0.1:8000)"
+        ) from None
     except httpx.HTTPError as e:
-        raise ValueError(f"cannot reach kvguard at {args.url}: {e}") from e
+        raise ValueError(f"cannot reach kvguard at {url}: {e}") from e
     if r.status_code != 200:
-        raise ValueError(f"{args.url} answered {r.status_code}: {r.text[:200]}")
+        raise ValueError(f"{url} answered {r.status_code}: {r.text[:200]}")
     state = r.json()
     if args.json:
         print(json.dumps(state, indent=2))
         return 0
     _print_state(state)
     return 0
+
+
+def _status_url(given: str | None) -> tuple[str, str]:
+    """The daemon's URL and where it came from (`--url`, `$KVGUARD_URL` or the default), so
+    that an error names what the operator should fix."""
+    if given is not None:
+        return given, "--url"
+    env = os.environ.get("KVGUARD_URL")
+    if env:
+        return env, "$KVGUARD_URL"
+    return "http://127.0.0.1:8000", "the default URL"
 
 
 def _print_state(s: dict) -> None:

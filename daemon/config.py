@@ -112,6 +112,26 @@ Device = Annotated[str, BeforeValidator(_check_device)]
 Ratio = Annotated[float, Field(gt=0.0, le=1.0)]
 OptPath = Annotated[Path | None, Field(strict=False)]
 
+MIN_RETENTION_S = 3600.0  # audit.retention: shorter is a mistake (`90` meant as days), not a policy
+
+
+def _parse_retention(value: Any) -> float:
+    """`audit.retention`: a duration of at least an hour. A bare number is seconds, so
+    `retention: 90` (90 days meant) would have the sweep at start delete all but the last 90
+    seconds of the audit log."""
+    seconds = parse_duration(value)
+    if seconds < MIN_RETENTION_S:
+        shown = repr(value) if len(repr(value)) <= 40 else f"{repr(value)[:37]}..."
+        raise ValueError(
+            f"{shown} keeps {seconds:g} seconds of audit history, below the minimum of 1h "
+            "(a bare number is seconds: write e.g. '90d' for 90 days; expected a duration of "
+            "at least 1h)"
+        )
+    return seconds
+
+
+Retention = Annotated[float, BeforeValidator(_parse_retention)]
+
 
 class _Section(BaseModel):
     # strict: `port: "8000"` or `enable: "yes"` is a typo worth reporting, not coercing.
@@ -183,20 +203,32 @@ class ServingConfig(_knob_section("serving")):  # type: ignore[misc]
 
     distributed: DistributedSection = DistributedSection()
 
-    @field_validator("max_num_batched_tokens")
-    @classmethod
-    def _whole_prompt_fits(cls, v: int, info: ValidationInfo) -> int:
+    @model_validator(mode="after")
+    def _whole_prompt_fits(self) -> ServingConfig:
         """Without chunking a prompt is prefilled in one step, so a step must hold the longest.
-
-        EngineConfig declares enable_chunked_prefill and max_model_len before this field, so
-        both are already validated (in info.data) when this runs."""
-        limit = info.data.get("max_model_len")
-        if info.data.get("enable_chunked_prefill") is False and limit is not None and v < limit:
-            raise ValueError(
-                f"{v} < max_model_len {limit} with chunked prefill off "
+        Checked after the section, so that defaults count too (`enable_chunked_prefill: false`
+        alone leaves the default step budget below the default max_model_len): the error
+        points at max_num_batched_tokens when the file sets it, else at the line that turned
+        chunking off."""
+        budget, limit = self.max_num_batched_tokens, self.max_model_len
+        if self.enable_chunked_prefill or budget >= limit:
+            return self
+        if "max_num_batched_tokens" in self.model_fields_set:
+            key, value = "max_num_batched_tokens", budget
+            why = (
+                f"{budget} < max_model_len {limit} with chunked prefill off "
                 f"(expected >= {limit}, or enable_chunked_prefill: true)"
             )
-        return v
+        else:
+            key, value = "enable_chunked_prefill", False
+            why = (
+                f"false leaves max_num_batched_tokens at its default {budget}, below "
+                f"max_model_len {limit}: without chunked prefill a whole prompt must fit one "
+                f"step (expected max_num_batched_tokens: {limit} or more, or "
+                "enable_chunked_prefill: true)"
+            )
+        error = {"type": "value_error", "loc": (key,), "input": value, "ctx": {"error": why}}
+        raise ValidationError.from_exception_data(type(self).__name__, [error])  # type: ignore[list-item]
 
 
 class AdmissionControlConfig(_knob_section("admission_control")):  # type: ignore[misc]
@@ -304,7 +336,7 @@ class PrometheusConfig(_Section):
 
 class AuditConfig(_Section):
     url: str | None = Field(None, min_length=1)  # any SQLAlchemy URL; null: SQLite, see audit_url
-    retention: Annotated[Duration, Field(gt=0)] = 90 * 86400.0
+    retention: Retention = 90 * 86400.0
     # Tags this daemon's rows; daemons sharing one database (and perhaps a host) need distinct
     # names. null: the hostname.
     instance: str | None = Field(None, min_length=1, max_length=255)
@@ -344,6 +376,37 @@ class DaemonConfig(_Section):
         if isinstance(data, dict):
             return {k: v for k, v in data.items() if v is not None}
         return data
+
+    def check_start(self) -> EngineConfig:
+        """Everything a start refuses beyond the file's own checks, as `FILE:LINE: key:
+        problem` lines (ConfigFileError): what the engine cannot serve (`to_engine_config`)
+        and the files the daemon reads (`READ_FILES`) that it cannot read. A start runs it
+        before it binds the port, and a reload before it changes anything, so that a reload
+        never takes a file the next start would refuse."""
+        problems = self._unservable() + self._unreadable()
+        if problems:
+            raise ConfigFileError([self._line(loc, msg) for loc, msg in problems])
+        try:
+            return self.to_engine_config()
+        except ConfigError as e:  # the engine's own cross-checks: no line to point at
+            raise ConfigFileError([f"{self._where.name or '(built-in defaults)'}: {e}"]) from None
+
+    def _unreadable(self) -> list[tuple[Loc, str]]:
+        out: list[tuple[Loc, str]] = []
+        for loc in READ_FILES:
+            path = _value_at(self, loc)
+            if path is None:
+                continue
+            try:
+                regular = path.stat().st_mode & 0o170000 == 0o100000
+            except OSError as e:
+                out.append((loc, f"cannot read {path}: {e.strerror or e}"))
+                continue
+            if not regular:
+                out.append((loc, f"cannot read {path}: not a regular file"))
+            elif not os.access(path, os.R_OK):
+                out.append((loc, f"cannot read {path}: permission denied"))
+        return out
 
     def to_engine_config(self) -> EngineConfig:
         """The engine's config; refuses what the engine cannot serve, naming the key and line."""
@@ -433,6 +496,39 @@ class DaemonConfig(_Section):
         return self.prometheus.instance or f"{socket.gethostname()}:{port or self.api.port}"
 
 
+# Paths the file names: a relative one is relative to the config file's directory, not to the
+# daemon's working directory (the unit runs it in its state directory, /var/lib/kvguard).
+PATH_KEYS: tuple[Loc, ...] = (
+    ("api", "admin_token_file"),
+    ("api", "api_keys_file"),
+    ("rules", "path"),
+    ("serving", "distributed", "authkey_file"),
+)
+# Files a start (and a reload) refuses to go without: the rules and the API keys. An unusable
+# admin token turns the admin API off with a warning instead (Service.warn_admin_token); the
+# worker key is read when remote ranks join.
+READ_FILES: tuple[Loc, ...] = (("rules", "path"), ("api", "api_keys_file"))
+
+
+def _value_at(model: BaseModel, loc: Loc) -> Any:
+    for part in loc:
+        model = getattr(model, str(part))
+    return model
+
+
+def _rebased(model: Any, loc: Loc, base: Path) -> Any:
+    """`model` with the relative path at `loc` made absolute under `base`; unchanged if none."""
+    head, rest = str(loc[0]), loc[1:]
+    value = getattr(model, head)
+    if rest:
+        new = _rebased(value, rest, base)
+    elif isinstance(value, Path) and not value.is_absolute():
+        new = Path(os.path.normpath(base / value))  # `../x` shown as the file it names
+    else:
+        return model
+    return model if new is value else model.model_copy(update={head: new})
+
+
 def _uses_cuda(device: str) -> bool:
     """Whether the engine will run on CUDA; `auto` asks torch, as the engine itself will."""
     if device != "auto":
@@ -474,7 +570,11 @@ def load_config(path: Path | None) -> DaemonConfig:
         data, lines = load_yaml(source, str(path))  # the rules file's loader and grammar
     except YamlFileError as e:
         raise ConfigFileError(e.errors) from None
-    return _validate(data, Where(str(path), lines))
+    cfg = _validate(data, Where(str(path), lines))
+    base = Path(os.path.abspath(path)).parent  # relative paths in it are relative to it
+    for loc in PATH_KEYS:
+        cfg = _rebased(cfg, loc, base)
+    return cfg
 
 
 def apply_overrides(

@@ -452,6 +452,9 @@ class Service:
             # started without --config: the built-in defaults stand in for the file, so the
             # rules file (the packaged default) and the flags are read again all the same
             new = apply_overrides(load_config(self.config_path), **self.overrides)
+            # what a start refuses (the engine's cross-key checks, unreadable rules or keys
+            # file), a reload refuses, with the same lines: else the next restart would fail
+            new.check_start()
             for line in inert_keys(new):  # as at start: a reload does not act on them either
                 log.warning("%s", line)
             conflicts = live_conflicts(self.cfg, new)

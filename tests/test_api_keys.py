@@ -259,14 +259,14 @@ def test_sighup_applies_a_new_keys_file_and_refuses_a_broken_one(keyed, capsys) 
 
 
 def test_a_missing_or_broken_keys_file_stops_the_start(tmp_path: Path) -> None:
+    path = tmp_path / "keys.yaml"
+    cfg = tmp_path / "config.yaml"
     for body, said in (
-        (None, "API keys file not found"),
+        (None, f"{cfg}:2: api.api_keys_file: cannot read {path}: No such file or directory"),
         ("keys:\n  - name: a\n    sha256: abc\n", ":3: keys[0].sha256"),
     ):
-        path = tmp_path / "keys.yaml"
         if body is not None:
             path.write_text(body)
-        cfg = tmp_path / "config.yaml"
         cfg.write_text(f"serving: {{model: tiny}}\napi: {{port: 0, api_keys_file: {path}}}\n")
         proc = serve_refused(cfg)
         assert proc.returncode == 2 and said in proc.stderr, proc.stderr
@@ -301,6 +301,34 @@ def test_keys_file_problems_are_named_by_line(tmp_path: Path) -> None:
     path.write_text("- just a list\n")
     with pytest.raises(KeysFileError, match="expected a mapping with a `keys` list"):
         load_keys(path)
+
+
+def test_keys_file_values_are_not_coerced(tmp_path: Path) -> None:
+    """Strict, as the config file's sections: `max_requests: true` is not a limit of 1, nor
+    "5" or 5.0 one of 5, and a number is no name; each is named by line, for the daemon and
+    for `kvguard keys list` alike."""
+    path = tmp_path / "k.yaml"
+    ok = digest("a")
+    for value, said in (
+        ("true", "a boolean True"),
+        ('"5"', "a string '5'"),
+        ("5.0", "a number 5.0"),
+    ):
+        path.write_text(f"keys:\n  - name: a\n    sha256: {ok}\n    max_requests: {value}\n")
+        want = f"{path}:4: keys[0].max_requests: {said} (expected an integer)"
+        with pytest.raises(KeysFileError) as e:
+            load_keys(path)
+        assert e.value.errors == [want]
+        proc = subprocess.run(
+            [KVGUARD, "keys", "--file", str(path), "list"], capture_output=True, text=True
+        )
+        assert proc.returncode == 2 and proc.stderr == f"kvguard: error: {want}\n", proc.stderr
+    path.write_text(f"keys:\n  - {{name: 7, sha256: {ok}}}\n")
+    with pytest.raises(KeysFileError) as e:
+        load_keys(path)
+    assert e.value.errors == [f"{path}:2: keys[0].name: a number 7 (expected a string)"]
+    path.write_text(f"keys:\n  - {{name: a, sha256: {ok}, max_requests: 5}}\n")
+    assert load_keys(path).by_digest[ok].max_requests == 5
 
 
 def test_keys_commands_add_list_remove_and_hash(tmp_path: Path, capsys, monkeypatch) -> None:  # noqa: ANN001

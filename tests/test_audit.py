@@ -557,11 +557,13 @@ def test_installed_kvguard_command(filled: tuple[str, str]) -> None:
     assert bad.returncode == 2 and bad.stderr.startswith("kvguard: error: 'soon' is not a time")
 
 
-def test_retention_purges_old_rows_and_closed_incidents(tmp_path) -> None:
+def test_retention_purges_old_rows_and_closed_incidents(tmp_path, caplog) -> None:
+    """What a sweep deleted is logged by table; a sweep that deleted nothing says nothing."""
     from datetime import timedelta
 
     from kvguard.daemon.audit import AuditStore, utcnow
 
+    caplog.set_level(logging.INFO, logger="kvguard.daemon.audit")
     store = AuditStore(f"sqlite:///{tmp_path / 'r.db'}")
     store.start()
     old = utcnow() - timedelta(days=100)
@@ -577,6 +579,12 @@ def test_retention_purges_old_rows_and_closed_incidents(tmp_path) -> None:
     assert len(store.list_events(limit=None)) == 1
     assert [a["action"] for a in store.list_actions(limit=None)] == ["restore_batch"]
     assert [i["id"] for i in store.list_incidents(limit=None)] == [inc_open]
+    said = [r.getMessage() for r in caplog.records if "retention deleted" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("audit: retention deleted the rows from before ")
+    assert said[0].endswith(" (audit.retention): 1 actions, 1 events, 1 incidents"), said
+    store.purge_older_than(90)
+    assert store.flush(10)
+    assert len([r for r in caplog.records if "retention deleted" in r.getMessage()]) == 1
     store.stop()
 
 

@@ -222,6 +222,30 @@ BROKEN = [
         "(expected >= 4096, or enable_chunked_prefill: true)",
     ),
     (
+        "chunking off over the default step budget",  # defaults are checked too
+        "serving:\n  model: x\n  enable_chunked_prefill: false\n",
+        "3: serving.enable_chunked_prefill: false leaves max_num_batched_tokens at its default "
+        "2048, below max_model_len 4096: without chunked prefill a whole prompt must fit one "
+        "step (expected max_num_batched_tokens: 4096 or more, or enable_chunked_prefill: true)",
+    ),
+    (
+        "chunking off over a default max_model_len",
+        "serving:\n  enable_chunked_prefill: false\n  max_num_batched_tokens: 1024\n",
+        "3: serving.max_num_batched_tokens: 1024 < max_model_len 4096 with chunked prefill off",
+    ),
+    (
+        "retention as a bare number of days",  # 90 seconds: the start's sweep would empty it
+        "audit:\n  retention: 90\n",
+        "2: audit.retention: 90 keeps 90 seconds of audit history, below the minimum of 1h (a "
+        "bare number is seconds: write e.g. '90d' for 90 days; expected a duration of at least "
+        "1h)",
+    ),
+    (
+        "retention under an hour",
+        "audit: {retention: 59m}\n",
+        "1: audit.retention: '59m' keeps 3540 seconds of audit history, below the minimum of 1h",
+    ),
+    (
         "thresholds out of order",
         "recovery:\n  target_vram_usage: 0.9\n  throttle_threshold: 0.8\n",
         "3: recovery.throttle_threshold: 0.8 <= target_vram_usage 0.9 (expected a ratio above it)",
@@ -343,6 +367,70 @@ def test_an_audit_url_without_its_driver_is_refused_before_anything_starts(
         proc = serve_refused(path)
         assert proc.returncode == 2, proc.stderr
         assert f"{path}:2: audit.url: " in proc.stderr and "no-such-model" not in proc.stderr
+
+
+def test_a_start_refuses_cross_key_problems_before_it_binds_the_port(tmp_path: Path) -> None:
+    """What only shows across keys (or with a key left at its default) stops `kvguard serve`
+    with the file's line, before the port is bound and the model looked for: chunked prefill
+    off over the default step budget (the engine's own words after the bind, before), a CPU
+    headroom larger than the KV budget, pipeline_layers that do not split the model."""
+    from tests.test_server import serve_refused
+
+    head = "serving:\n  model: no-such-model\n  device: cpu\n"
+    for body, said in (
+        ("  enable_chunked_prefill: false\n", "4: serving.enable_chunked_prefill: false leaves"),
+        (
+            "admission_control:\n  reserved_headroom_mb: 1000\n",
+            "5: admission_control.reserved_headroom_mb: 1000 MiB leaves nothing of the 256 MiB",
+        ),
+        ("  pipeline_layers: [1, 1]\n", "4: serving.pipeline_layers: [1, 1] does not split"),
+    ):
+        path = write(tmp_path, head + body)
+        proc = serve_refused(path)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 2, out
+        assert f"kvguard: error: {path}:{said}" in proc.stderr, out
+        assert "API bound" not in out and "no-such-model" not in out, out
+
+
+def test_relative_paths_are_relative_to_the_config_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The unit runs the daemon in its state directory: a relative `rules.path` (or keys,
+    token, worker key file) is read beside the config file, whatever the working directory;
+    one that cannot be read stops the start with the key, its line and the absolute path."""
+    etc, state = tmp_path / "etc", tmp_path / "state"
+    etc.mkdir()
+    state.mkdir()
+    monkeypatch.chdir(state)
+    (etc / "rules.yaml").write_text((DAEMON.parent / "rules" / "default.yaml").read_text())
+    (etc / "keys").mkdir()
+    (etc / "keys" / "api.yaml").write_text("keys: []\n")
+    path = etc / "config.yaml"
+    path.write_text(
+        "rules:\n  path: rules.yaml\napi:\n  api_keys_file: keys/api.yaml\n"
+        "  admin_token_file: admin.token\n"
+        "serving:\n  model: no-such-model\n  distributed: {authkey_file: ../worker.key}\n"
+    )
+    cfg = load_config(Path("..") / "etc" / "config.yaml")  # itself relative to the cwd
+    assert cfg.rules.path == etc / "rules.yaml"
+    assert cfg.api.api_keys_file == etc / "keys" / "api.yaml"
+    assert cfg.api.admin_token_file == etc / "admin.token"
+    assert cfg.serving.distributed.authkey_file == tmp_path / "worker.key"
+    assert apply_overrides(cfg, port=1).rules.path == etc / "rules.yaml"
+    cfg.check_start()  # both files are there
+    absolute = write(tmp_path, f"rules: {{path: {etc / 'rules.yaml'}}}\n")
+    assert load_config(absolute).rules.path == etc / "rules.yaml"
+    from tests.test_server import serve_refused
+
+    (etc / "rules.yaml").unlink()
+    proc = serve_refused(path)
+    assert proc.returncode == 2, proc.stderr
+    assert (
+        f"kvguard: error: {path}:2: rules.path: cannot read {etc / 'rules.yaml'}: No such file "
+        "or directory"
+    ) in proc.stderr, proc.stderr
+    assert "API bound" not in proc.stderr and "no-such-model" not in proc.stderr
 
 
 def test_cpu_headroom_larger_than_the_budget_is_refused(tmp_path: Path) -> None:

@@ -216,6 +216,32 @@ def test_status_says_the_rules_run_dry(bare: tuple[Bare, Notify]) -> None:
     )
 
 
+def test_status_names_the_option_or_variable_of_a_malformed_url(tmp_path: Path) -> None:
+    """A URL httpx refuses to parse (a port that is no number, a bracket left open, no
+    scheme) is an error naming where it came from, not a traceback."""
+    token = tmp_path / "admin.token"
+    token.write_text("secret\n")
+    env = {k: v for k, v in os.environ.items() if k != "KVGUARD_URL"}
+    for url, via, extra, said in (
+        ("http://localhost:80a", "--url", {}, "Invalid port: '80a'"),
+        ("http://[::1", "--url", {}, "Invalid port"),
+        ("localhost:8000", "--url", {}, "missing an 'http://' or 'https://' protocol"),
+        ("http://localhost:port", "$KVGUARD_URL", {"KVGUARD_URL": "http://localhost:port"}, ""),
+    ):
+        argv = [KVGUARD, "status", "--token-file", str(token)]
+        out = subprocess.run(
+            argv + ([] if extra else ["--url", url]),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**env, **extra},
+        )
+        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+        head = f"kvguard: error: {via}: {url!r} is not a usable URL: "
+        assert out.stderr.startswith(head), out.stderr
+        assert said in out.stderr and "(expected e.g. http://127.0.0.1:8000)" in out.stderr
+
+
 def test_a_reload_without_a_config_file_reads_the_rules_again(bare: tuple[Bare, Notify]) -> None:
     """SIGHUP (and POST /admin/reload) of a daemon started without --config: the rules file,
     the packaged default, is read again and the flags (--dry-run) applied again; it says so."""

@@ -8,6 +8,9 @@ value changes nothing."""
 
 from __future__ import annotations
 
+import signal
+import sqlite3
+from contextlib import closing
 from pathlib import Path
 
 import httpx
@@ -236,3 +239,50 @@ def test_a_reload_changes_live_knobs_without_a_restart_and_names_the_rest(tmp_pa
         assert d.client().completions.create(model="tiny", prompt="x", max_tokens=2).usage
     finally:
         assert d.stop() == 0
+
+
+def test_a_reload_refuses_what_a_start_would_refuse(tmp_path: Path) -> None:
+    """A file the next start would refuse is refused by a reload, with the lines the start
+    prints, and changes nothing: a CPU headroom that leaves nothing of the KV budget (taken,
+    it had every request answer 400) and pipeline_layers that do not split the model (taken
+    "at the next restart", which then failed). HTTP answers 400, SIGHUP logs the refusal, as
+    for a syntax error; requests are served throughout."""
+    d = Daemon(tmp_path, serving="{model: tiny, device: cpu, kv_cache_bytes: 8MiB}")
+    log = Path(d.log.name)
+    try:
+        good = d.config.read_text()
+        d.config.write_text(good + "admission_control:\n  reserved_headroom_mb: 1000\n")
+        bad = d.admin("POST", "/admin/reload")
+        assert bad.status_code == 400, bad.text
+        headroom = (
+            f"{d.config}:5: admission_control.reserved_headroom_mb: 1000 MiB leaves nothing of "
+            "the 8 MiB CPU KV budget (serving.kv_cache_bytes), so every request would be refused"
+        )
+        assert bad.json()["error"]["message"].startswith(headroom), bad.text
+        knobs = d.admin("GET", "/admin/state").json()["knobs"]
+        r = d.client().completions.create(model="tiny", prompt="hi", max_tokens=2)
+        assert r.usage.completion_tokens == 2
+        d.proc.send_signal(signal.SIGHUP)
+        until(lambda: log.read_text().count(headroom) >= 2, 30, "the SIGHUP refusal logged")
+        assert f"reload refused, keeping the running config: {headroom}" in log.read_text()
+        serving = "{model: tiny, device: cpu, kv_cache_bytes: 8MiB, pipeline_layers: [1, 1]}"
+        d.config.write_text(
+            good.replace("{model: tiny, device: cpu, kv_cache_bytes: 8MiB}", serving)
+        )
+        bad = d.admin("POST", "/admin/reload")
+        assert bad.status_code == 400, bad.text
+        assert bad.json()["error"]["message"].startswith(
+            f"{d.config}:1: serving.pipeline_layers: [1, 1] does not split the layers into "
+            "pipeline_parallel=1 stages"
+        ), bad.text
+        assert "take effect at the next restart" not in log.read_text()
+        assert d.admin("GET", "/admin/state").json()["knobs"] == knobs
+        r = d.client().completions.create(model="tiny", prompt="hi", max_tokens=2)
+        assert r.usage.completion_tokens == 2
+        d.config.write_text(good)
+        assert d.admin("POST", "/admin/reload").json()["reloaded"]
+    finally:
+        assert d.stop() == 0
+    with closing(sqlite3.connect(tmp_path / "audit.db")) as db:
+        refused = db.execute("SELECT detail FROM events WHERE kind = 'config_error'").fetchall()
+    assert refused == [(f"reload refused: {d.config}",)] * 3

@@ -181,6 +181,38 @@ def test_a_reload_keeps_the_command_lines_flags(tmp_path: Path, rules: Path) -> 
     assert "at the next restart" not in text and "dry_run is now" not in text
 
 
+def test_relative_rules_and_keys_paths_are_read_beside_the_config_file(
+    tmp_path: Path, rules: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The unit runs the daemon in its state directory: `rules.path: rules.yaml` and
+    `api.api_keys_file: keys.yaml` are read beside the config file at start and at each
+    reload; a rules file gone refuses the reload naming the key, its line and the absolute
+    path, and the running rules stay."""
+    from kvguard.daemon.api_keys import add_key
+
+    state = tmp_path / "state"
+    state.mkdir()
+    monkeypatch.chdir(state)  # the daemon's working directory, as under the unit
+    add_key(tmp_path / "keys.yaml", "web", "high", None)
+    d = Daemon(tmp_path, extra="rules: {path: rules.yaml}\n", api="api_keys_file: keys.yaml")
+    try:
+        now = d.admin("GET", "/admin/state").json()
+        assert [r["name"] for r in now["rules"]] == ["first"]
+        assert now["api_keys"] == {"file": str(tmp_path / "keys.yaml"), "keys": 1}
+        rules.write_text(RULES.format(interval="5s", name="second"))
+        r = d.admin("POST", "/admin/reload").json()
+        assert r["reloaded"] and r["rules_changed"] == ["-first", "+second"], r
+        rules.rename(tmp_path / "moved.yaml")
+        bad = d.admin("POST", "/admin/reload")
+        assert bad.status_code == 400, bad.text
+        assert bad.json()["error"]["message"] == (
+            f"{d.config}:4: rules.path: cannot read {rules}: No such file or directory"
+        )
+        assert [r["name"] for r in d.admin("GET", "/admin/state").json()["rules"]] == ["second"]
+    finally:
+        assert d.stop() == 0
+
+
 def test_a_missing_or_broken_rules_file_stops_the_start_before_the_model_loads(
     tmp_path: Path,
 ) -> None:

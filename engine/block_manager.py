@@ -136,7 +136,10 @@ class BlockManager:
     # -- prefix cache ---------------------------------------------------------------------
     def _key(self, seq: Sequence, i: int, parent: int) -> BlockKey:
         bs = self.block_size
-        return parent, tuple(seq.token_slice(i * bs, (i + 1) * bs))
+        tokens = tuple(seq.token_slice(i * bs, (i + 1) * bs))
+        # a key is a whole block: one cut short (its tokens not all there yet) is never found
+        assert len(tokens) == bs, f"{seq.request_id}: block {i} keyed with {len(tokens)} tokens"
+        return parent, tokens
 
     def match(self, seq: Sequence) -> int:
         """Give a sequence with nothing computed the cached blocks its tokens begin with; its
@@ -177,11 +180,14 @@ class BlockManager:
 
     def commit(self, seq: Sequence) -> None:
         """Register the blocks of `seq` that are full and computed since the last call (none
-        of a sequence whose K/V a dtype switch converted)."""
+        of a sequence whose K/V a dtype switch converted). Only blocks whose tokens are all
+        there: a sequence that finished inside a step's accepted drafts counts K/V for drafts
+        it never appended."""
         if not self.caching or seq.kv_converted:
             return
         contents = seq.block_contents
-        for i in range(len(contents), seq.num_computed_tokens // self.block_size):
+        full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
+        for i in range(len(contents), full):
             key = self._key(seq, i, contents[-1] if contents else 0)
             b = self._cache.get(key)
             if b is None:  # new content: this sequence's block holds it from now on

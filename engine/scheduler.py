@@ -1,16 +1,18 @@
 """Continuous batching: which sequences run this step, and with how many tokens each.
 
 Each step: running sequences first (decodes, then unfinished prefill chunks), then swapped
-sequences brought back, then waiting ones admitted in (priority, arrival) order while the token
-budget, `max_num_seqs` and free blocks allow, and last the decodes' speculative drafts from the
-tokens and free blocks left (`_schedule_drafts`: a draft never holds a prompt back); a swapped
-sequence that cannot come back yet keeps its place in that order (the requests queued after it
-wait, as they wait behind a recomputed one, which is itself in the queue). When a running
-sequence needs a block and none is free, the lowest-priority, newest running sequence is
-preempted (even one already scheduled for this step, which then leaves it): swapped to the host
-pool when offload is on and it has room, recomputed later otherwise. Nothing is ever dropped.
-A waiting `high` request takes its blocks, and with every `max_num_seqs` slot taken its slot,
-from lower-priority running sequences the same way.
+sequences brought back (once their next token fits: one back mid-prompt runs the part of its
+chunk the free blocks hold, never preempting itself), then waiting ones admitted in (priority,
+arrival) order while the token budget, `max_num_seqs` and free blocks allow, and last the
+decodes' speculative drafts from the tokens and free blocks left (`_schedule_drafts`: a draft
+never holds a prompt back); a swapped sequence that cannot come back yet keeps its place in
+that order (the requests queued after it wait, as they wait behind a recomputed one, which is
+itself in the queue). When a running sequence needs a block and none is free, the
+lowest-priority, newest running sequence is preempted (even one already scheduled for this
+step, which then leaves it): swapped to the host pool when offload is on and it has room,
+recomputed later otherwise. Nothing is ever dropped. A waiting `high` request takes its blocks,
+and with every `max_num_seqs` slot taken its slot, from lower-priority running sequences the
+same way.
 
 The scheduler owns every sequence state change: admission into the batch (asking the admission
 policy), preemption, and `update`, which advances a step's sequences from the tokens the model
@@ -354,27 +356,42 @@ class Scheduler:
         n = min(seq.num_uncomputed, budget)
         return 0 if n < seq.num_uncomputed and not self.chunked else n
 
-    def _reserve(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
+    def _reserve(
+        self, seq: Sequence, n: int, batch: ScheduledBatch, keep: int | None = None
+    ) -> int:
         """Get blocks for `n` tokens of `seq`, preempting others (or `seq` itself) if needed:
         the lowest-priority, newest running sequence, even one already in this step's batch
         (a decode scheduled before this prompt chunk), which then leaves the batch before the
         forward (its tokens are not given back to this step's budget). Otherwise a prompt
         beside lower-priority decodes would be the only candidate outside the batch: it would
-        throw its own K/V away, come back next step and do it again."""
+        throw its own K/V away, come back next step and do it again. Returns the tokens it
+        got blocks for (0: none).
+
+        With `keep` (`seq` was just swapped back in, with room for its next token), `seq` is
+        never its own victim: once only sequences that outrank it are left, it runs the part
+        of its chunk the free blocks hold, leaving `keep` of them free. Preempting itself, it
+        went straight back out, and came back next step to do it again: a swap each way and
+        a preemption every step, and no progress."""
         need = self.bm.blocks_needed(seq, n)
         while not self.bm.can_allocate(need):
             victim = self.pick_victim()
             if victim is None:
-                return False
+                return 0
+            if victim is seq and keep is not None:
+                room = len(seq.block_table) + self.bm.num_free - keep
+                n = min(n, room * self.bm.block_size - seq.num_computed_tokens)
+                if n <= 0:
+                    return 0
+                break
             if victim in batch.seqs:
                 batch.drop(victim)
                 self.bm.trim(victim)  # the blocks taken for this step's tokens go back
             self.preempt(victim)
             batch.preempted.append(victim)
             if victim is seq:
-                return False
+                return 0
         self.bm.allocate(seq, n)
-        return True
+        return n
 
     def pick_victim(self, exclude: Iterable[Sequence] = (), max_rank: int = 0) -> Sequence | None:
         """Lowest priority, newest arrival among running sequences of rank >= `max_rank`."""
@@ -415,11 +432,15 @@ class Scheduler:
         self.emit("preempted", request_id=seq.request_id, mode="recompute", priority=seq.priority)
         return "recompute"
 
+    def _spare(self) -> int:
+        """Free blocks kept in hand when a sequence starts or comes back: one per running
+        sequence (at most 1% of the pool), so the next decode step does not preempt it."""
+        return min(len(self.running), self.bm.num_blocks // 100 + 1)
+
     def _room(self, n_blocks: int, seq: Sequence) -> bool:
-        # Keep a block per running sequence in hand so the next decode step does not preempt
-        # what was just admitted; evicted sequences wait until usage is below readmit_usage.
-        reserve = min(len(self.running), self.bm.num_blocks // 100 + 1)
-        if not self.bm.can_allocate(n_blocks, reserve):
+        # Keep blocks in hand (`_spare`); evicted sequences wait until usage is below
+        # readmit_usage.
+        if not self.bm.can_allocate(n_blocks, self._spare()):
             return False
         if seq.held:
             after = (self.bm.num_used + n_blocks) / self.bm.num_blocks
@@ -467,14 +488,20 @@ class Scheduler:
         return True
 
     def _schedule_swapped(self, batch: ScheduledBatch, budget: int) -> int:
+        """Bring swapped sequences back in queue order while their next tokens fit: room for
+        one token (a chunk the blocks cannot hold runs shrunk, `_reserve`'s `keep`), or for
+        the whole rest of a prompt that is not run in chunks."""
         while self.swapped and len(self.running) < self.max_num_seqs:
             seq = self.swapped[0]
-            if seq in batch.preempted or not self._room(self._swap_in_blocks(seq), seq):
+            n = self._chunk(seq, budget) if budget > 0 else 0
+            least = n if n and not self.chunked else 1
+            if seq in batch.preempted or not self._room(self._swap_in_blocks(seq, least), seq):
                 break
+            keep = self._spare()  # what `_room` kept in hand, before `seq` runs again
             self.swapped.pop(0)
             self._swap_in(seq)
-            n = self._chunk(seq, budget)
-            if n and budget > 0 and self._reserve(seq, n, batch):
+            n = self._reserve(seq, n, batch, keep) if n else 0
+            if n:
                 batch.add(seq, n)
                 budget -= n
         return budget
@@ -497,11 +524,11 @@ class Scheduler:
                 keys.append(self.policy.queue_key(seq))
         return min(keys, default=None)
 
-    def _swap_in_blocks(self, seq: Sequence) -> int:
-        """Device blocks a swapped `seq` needs to come back and compute its next token: its
-        host blocks, and one more only where that token starts a block (a sequence that filled
-        the whole pool must fit it again, not the pool and one block more)."""
-        return max(len(seq.host_block_table), self.bm.blocks_for(seq.num_computed_tokens + 1))
+    def _swap_in_blocks(self, seq: Sequence, n: int = 1) -> int:
+        """Device blocks a swapped `seq` needs to come back and compute its next `n` tokens:
+        its host blocks, and more only where those tokens pass its last block (a sequence that
+        filled the whole pool must fit it again, not the pool and one block more)."""
+        return max(len(seq.host_block_table), self.bm.blocks_for(seq.num_computed_tokens + n))
 
     def _swap_in(self, seq: Sequence) -> None:
         dev = self.bm.take(seq.request_id, len(seq.host_block_table))
@@ -638,7 +665,8 @@ class Scheduler:
         got = iter(tokens)
         done: list[tuple[Sequence, list[int]]] = []
         for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
-            if seq.num_computed_tokens + n >= seq.num_tokens:  # its last token ran: sampled
+            sampled = seq.num_computed_tokens + n >= seq.num_tokens  # its last token ran
+            if sampled:
                 emitted = next(got)
                 if seq.draft:  # the rejected drafts' K/V are not computed tokens
                     kept = len(emitted) - 1
@@ -650,13 +678,18 @@ class Scheduler:
                 done.append((seq, emitted))
             seq.num_computed_tokens += n
             self.bm.trim(seq)  # blocks that only rejected drafts needed
-            self.bm.commit(seq)
+            if not sampled:
+                self.bm.commit(seq)  # a prompt chunk: its tokens are all there
         for seq, emitted in done:
             for i, token in enumerate(emitted):
                 on_token(seq, token, i)
                 if seq.finish_reason is not None:
-                    self.finish(seq)
                     break
+            # only now are the accepted drafts its tokens: a block they filled is keyed by
+            # them (registered before, its key was cut short and no lookup ever found it)
+            self.bm.commit(seq)
+            if seq.finish_reason is not None:
+                self.finish(seq)  # its blocks stay cached for a follow-up turn
         return [seq for seq, _ in done]
 
     def run_ahead(self, batch: ScheduledBatch, most: int) -> int:

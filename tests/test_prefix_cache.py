@@ -11,6 +11,7 @@ import pytest
 from kvguard.engine import EngineConfig, LLMEngine, SamplingParams
 from kvguard.engine.block_manager import BlockManager
 from kvguard.engine.sequence import Sequence
+from kvguard.engine.speculative import Lookup
 from tests.test_admission_predicted import run_all
 
 
@@ -215,6 +216,34 @@ def test_a_preempted_request_recomputes_from_its_cached_blocks() -> None:
     # each recompute found at least the prompt's full blocks it had computed before
     assert snap.prefix_cache["hit_tokens"] >= 32 * snap.preemptions["recompute"]
     assert got == _run(_engine(enable_prefix_caching=False), prompts, params)
+
+
+def test_blocks_filled_by_accepted_drafts_serve_a_follow_up_turn(
+    uncached: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A verify step computes the K/V of the drafts it accepts before they are appended to
+    the request: the blocks they completed were registered then, keyed by the tokens that
+    were there (a block cut short), and neither they nor any later block of the request was
+    ever found again: the follow-up turn below found 16 cached tokens, not 48."""
+    prompt = [5 + (i * 11) % 200 for i in range(24)]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    answer = _run(uncached, [prompt], params)[0]
+
+    def propose(self: Lookup, seq: Sequence, most: int) -> list[int]:
+        done = len(seq.output_token_ids)  # the answer's next tokens: every draft is accepted
+        return answer[done : done + most]
+
+    monkeypatch.setattr(Lookup, "propose", propose)
+    engine = _engine(speculative_tokens=4, speculative_row_cost=0.0)
+    assert _run(engine, [prompt], params) == [answer]
+    sch = engine.scheduler
+    assert sch.accepted == sch.drafted > 16  # most of the answer came as accepted drafts
+    turn = [*prompt, *answer, 200, 201]
+    monkeypatch.undo()  # the follow-up drafts as usual
+    out = engine.generate([turn], [GREEDY])[0]
+    # every full block of the first turn's K/V: its prompt and answer but the last token
+    assert out.num_cached_tokens == (len(prompt) + len(answer) - 1) // 16 * 16 == 48
+    assert out.token_ids == uncached.generate([turn], [GREEDY])[0].token_ids
 
 
 def test_prompt_logprobs_compute_the_whole_prompt(uncached: LLMEngine) -> None:

@@ -5,13 +5,16 @@ queued behind it, left an idle engine with work it would never run, and one swap
 the host pool starved while a request a step started around it; a switch back from FP8
 after a pool-share cut left a pool smaller than one max_model_len request; and a prompt
 admitted beside lower-priority decodes preempted itself, and redid its prefill, every time a
-later chunk needed blocks, since the decodes (scheduled first) were never victims."""
+later chunk needed blocks, since the decodes (scheduled first) were never victims; and a
+prompt swapped out mid-prompt came back for a chunk whose blocks were not free, and swapped
+itself straight back out, every step."""
 
 from __future__ import annotations
 
 import pytest
 
 from kvguard.engine import LLMEngine, SamplingParams
+from kvguard.engine.events import EngineEvent
 from kvguard.engine.sequence import Status
 from tests.test_engine import make_engine
 from tests.test_kv_pool import apply
@@ -203,3 +206,52 @@ def test_a_prompt_preempts_the_lower_priority_decodes_in_its_step_not_itself(
     assert done[rid] == alone(NORMAL, 10, **want)
     for r, p in zip(lows, LOWS, strict=True):
         assert done[r] == alone(p, 120, **want)
+
+
+# -- 4: a sequence swapped back in mid-prompt runs what fits, never preempts itself ----------
+def test_a_prompt_swapped_back_in_runs_the_chunk_that_fits_not_swapped_straight_out() -> None:
+    # 32 blocks: a decoding request holds 17, a low prompt of 300 tokens (19 blocks) runs in
+    # chunks of 64 beside it until a cut of max_num_seqs swaps it out mid-prompt. It came back
+    # once the blocks for its next token were free, but the step gave it a whole chunk, the
+    # chunk's blocks were not there, and it was its own victim: swapped in and straight back
+    # out, every step until the decoding request ended (45 preemptions), with no progress.
+    cfg = {"kv_cache_bytes": "256KiB", "max_model_len": 512, **SWAP, "cpu_cache_ratio": 0.5}
+    cfg |= {"max_num_batched_tokens": 64, "enable_prefix_caching": False}
+    engine = make_engine(**cfg)
+    assert engine.block_manager.num_blocks == 32
+    decoding = [3 + i % 200 for i in range(256)]
+    prompt = [7 + (i * 5) % 240 for i in range(300)]
+    a = engine.add_request(decoding, greedy(100), priority="normal")
+    for _ in range(4):  # its prompt, in chunks of 64
+        engine.step()
+    low = engine.add_request(prompt, greedy(5), priority="low")
+    engine.step()
+    engine.step()
+    seq = engine._seqs[low]
+    apply(engine, engine.set_max_num_seqs(1))  # the low prompt is swapped out, mid-prompt
+    assert seq.status is Status.SWAPPED and 0 < seq.num_computed_tokens < len(prompt)
+    apply(engine, engine.set_max_num_seqs(2))
+    moves: list[str] = []  # its swaps in a step
+
+    def moved(ev: EngineEvent) -> None:
+        if ev.kind in ("swapped_in", "swapped_out") and ev.data["request_id"] == low:
+            moves.append(ev.kind)
+
+    engine.events.subscribe(moved)
+    done: dict[str, list[int]] = {}
+    for _ in range(400):
+        if not engine.has_unfinished():
+            break
+        moves.clear()
+        before = seq.num_computed_tokens
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o.token_ids
+        engine.audit_blocks()
+        assert not {"swapped_in", "swapped_out"} <= set(moves), "swapped in and back out"
+        if "swapped_in" in moves:  # it came back to run: its tokens ran in this step
+            assert seq.num_computed_tokens > before
+    assert sorted(done) == sorted([a, low])
+    assert seq.num_preemptions <= 3  # the cut's, and the real lack of room, not a step's each
+    assert done[low] == alone(prompt, 5, **cfg)
+    assert done[a] == alone(decoding, 100, **cfg)

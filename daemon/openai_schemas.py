@@ -19,6 +19,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchem
 from pydantic_core import PydanticCustomError
 
 from kvguard.daemon import tools
+from kvguard.engine.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
 
 Priority = Literal["high", "normal", "low"]
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # OpenAI's integer range; torch takes no more
@@ -125,14 +126,29 @@ def _token_ids(value: list[Any], where: str) -> None:
 
 
 def _stop(value: Any) -> str | list[str] | None:
+    """A stop string or a list of them: at most MAX_STOP_STRINGS, each non-empty and at most
+    MAX_STOP_CHARS characters (the engine checks every token of every choice against each of
+    them, on the thread every request waits for)."""
     if value is None:
         return None
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
         raise PydanticCustomError("stop", "expected a string or a list of strings")
+    if len(items) > MAX_STOP_STRINGS:
+        raise PydanticCustomError(
+            "stop",
+            "{n} stop strings: at most {most} are allowed",
+            {"n": len(items), "most": MAX_STOP_STRINGS},
+        )
     for i, s in enumerate(items):
         if not s:
             raise PydanticCustomError("stop", "element {i} is empty", {"i": i})
+        if len(s) > MAX_STOP_CHARS:
+            raise PydanticCustomError(
+                "stop",
+                "element {i} has {n} characters: a stop string may have at most {most}",
+                {"i": i, "n": len(s), "most": MAX_STOP_CHARS},
+            )
         if (problem := unicode_problem(s)) is not None:
             raise PydanticCustomError(
                 "unicode", "element {i}: {problem}", {"i": i, "problem": problem}
@@ -204,9 +220,21 @@ class _Sampling(_Body):
         Any,
         AfterValidator(_stop),
         WithJsonSchema(
-            {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]}
+            {
+                "anyOf": [
+                    {"type": "string", "maxLength": MAX_STOP_CHARS},
+                    {
+                        "type": "array",
+                        "items": {"type": "string", "maxLength": MAX_STOP_CHARS},
+                        "maxItems": MAX_STOP_STRINGS,
+                    },
+                ]
+            }
         ),
-    ] = None
+    ] = Field(
+        None,
+        description=f"at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters",
+    )
     seed: Int64 | None = None
     ignore_eos: bool = Field(False, description="kvguard extension: generate max_tokens tokens")
     priority: Priority | None = Field(

@@ -62,18 +62,21 @@ def _extend_text(tok: Tokenizer, seq: Sequence, end: int, final: bool = False) -
 
 
 def _apply_stop_strings(seq: Sequence) -> bool:
-    """Cut the text at the first stop string; only the newly added tail needs scanning."""
-    longest = max(len(s) for s in seq.params.stop)
-    start = max(0, seq.stop_checked_len - longest + 1)
+    """Cut the text at the first stop string. Text up to `stop_checked_len` held none, so a
+    stop string can only end in what was added since: each is looked for from len(stop) - 1
+    characters before that (one `find` in C over the new text and that overlap, whatever the
+    number of tokens so far). The first occurrence wins, and of two at the same place the
+    stop string listed first."""
+    text, checked = seq.text, seq.stop_checked_len
     best = -1
     hit = ""
     for s in seq.params.stop:
-        i = seq.text.find(s, start)
+        i = text.find(s, max(0, checked - len(s) + 1))
         if i != -1 and (best == -1 or i < best):
             best, hit = i, s
-    seq.stop_checked_len = len(seq.text)
+    seq.stop_checked_len = len(text)
     if best == -1:
         return False
     keep = best + len(hit) if seq.params.include_stop_str_in_output else best
-    seq.text = seq.text[:keep]
+    seq.text = text[:keep]
     return True

@@ -76,15 +76,51 @@ def adjust_logits(
         if masks[i] is not None:
             row.masked_fill_(~masks[i].to(row.device), float("-inf"))
         if p.logit_bias:
-            ids = torch.tensor(list(p.logit_bias), device=row.device)
-            bias = torch.tensor(list(p.logit_bias.values()), dtype=row.dtype, device=row.device)
-            row.index_add_(0, ids, bias)
+            bias_ids, bias = _bias_tensors(p, row)
+            if bias_ids is not None and bias is not None:
+                row.index_add_(0, bias_ids, bias)
+            elif bias is not None:
+                row.add_(bias)
         seen = outputs[i] if outputs is not None else []
         if seen and (p.presence_penalty or p.frequency_penalty):
             ids, counts = torch.tensor(seen, device=row.device).unique(return_counts=True)
             cut = counts.to(row.dtype) * p.frequency_penalty + p.presence_penalty
             row.index_add_(0, ids, -cut)
     return logits
+
+
+# A logit bias naming more than this share of the vocabulary is added as a whole row (a
+# vocabulary-long vector of the biases, zero elsewhere): 13 us a row over a 49k vocabulary,
+# against 170 us for an index_add_ of 49k entries.
+DENSE_BIAS_SHARE = 8
+
+
+def _bias_tensors(
+    p: SamplingParams, row: torch.Tensor
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """`p.logit_bias` as tensors on `row`'s device and dtype: the token ids and their biases
+    (zero biases left out) for an `index_add_`, or (None, a vocabulary-long row of biases)
+    where it names more than 1/DENSE_BIAS_SHARE of the vocabulary; (None, None) where every
+    bias is zero. Built once per params, device, dtype and vocabulary size and kept in
+    `p.bias_cache`: a request's choices share their params, and building them from the dict
+    took 12 ms a row for a whole-vocabulary bias, every step (392 ms a step for 32 choices).
+    The params are not to change once their request is added (`validate`, which
+    `add_request` runs, drops what was built; so does a new `logit_bias` dict)."""
+    key = (row.device, row.dtype, row.shape[0])
+    cache = p.bias_cache
+    if cache is None or cache.get("source") is not p.logit_bias:  # params changed: start over
+        cache = p.bias_cache = {"source": p.logit_bias}
+    built = cache.get(key)
+    if built is None:
+        kept = {t: b for t, b in p.logit_bias.items() if b}
+        built = (None, None)
+        if kept:
+            ids = torch.tensor(list(kept), dtype=torch.long, device=row.device)
+            bias = torch.tensor(list(kept.values()), dtype=row.dtype, device=row.device)
+            dense = len(kept) * DENSE_BIAS_SHARE > row.shape[0]
+            built = (None, torch.zeros_like(row).index_add_(0, ids, bias)) if dense else (ids, bias)
+        cache[key] = built
+    return built
 
 
 def _argmax(logits: torch.Tensor) -> list[int]:

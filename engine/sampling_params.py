@@ -14,6 +14,11 @@ GREEDY_BELOW_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20
 MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2], as OpenAI's do
 MAX_LOGIT_BIAS = 100.0  # a logit bias lies in [-100, 100]
+# Stop strings one request may give, and characters in each (OpenAI allows 4 strings). Every
+# output token of every choice is checked against each of them on the engine thread, so their
+# number and length bound work that every other request waits for.
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1024
 
 
 @dataclass(slots=True)
@@ -39,6 +44,9 @@ class SamplingParams:
     json_schema: dict[str, Any] | None = None
     # or a grammar the output must match: Lark text in llguidance's dialect (tool calls use it)
     grammar: str | None = None
+    # the sampler's tensors of `logit_bias`, built on its first use (`sampler._bias_tensors`)
+    # and shared by every row these params sample; `validate` drops them
+    bias_cache: dict[Any, Any] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -46,6 +54,7 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
+        self.bias_cache = None  # built again from what is validated now
         if (
             not isinstance(self.max_tokens, int)
             or isinstance(self.max_tokens, bool)
@@ -64,6 +73,18 @@ class SamplingParams:
             raise ValueError(f"top_k={self.top_k!r}: expected an integer >= 0 (0 disables)")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p={self.top_p!r}: expected a number in (0, 1]")
+        if not isinstance(self.stop, list | tuple):
+            raise ValueError(f"stop={self.stop!r}: expected a string or a list of strings")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(
+                f"stop=<{len(self.stop)} strings>: expected at most {MAX_STOP_STRINGS} stop strings"
+            )
+        for i, s in enumerate(self.stop):
+            if isinstance(s, str) and len(s) > MAX_STOP_CHARS:
+                raise ValueError(
+                    f"stop=<element {i} of {len(s)} characters>: expected stop strings of at "
+                    f"most {MAX_STOP_CHARS} characters"
+                )
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop={self.stop!r}: expected non-empty strings")
         for name in ("presence_penalty", "frequency_penalty"):

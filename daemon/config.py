@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+import stat
 import types
 import typing
 from collections.abc import Mapping
@@ -398,12 +399,12 @@ class DaemonConfig(_Section):
             if path is None:
                 continue
             try:
-                regular = path.stat().st_mode & 0o170000 == 0o100000
+                folder = stat.S_ISDIR(path.stat().st_mode)
             except OSError as e:
                 out.append((loc, f"cannot read {path}: {e.strerror or e}"))
                 continue
-            if not regular:
-                out.append((loc, f"cannot read {path}: not a regular file"))
+            if folder:  # a pipe or a device may hold a file's text; a folder never does
+                out.append((loc, f"cannot read {path}: a directory, not a file"))
             elif not os.access(path, os.R_OK):
                 out.append((loc, f"cannot read {path}: permission denied"))
         return out

@@ -5,6 +5,11 @@ which, rather than run open; the daemon logs a warning at start and at reload fo
 that is set but unusable.
 Invalid action or debug-hook parameters answer 400 with the field in `error.param`; the
 fault-injection hooks under /admin/debug exist only with `api.debug_hooks: true`.
+
+An action waits ACTION_TIMEOUT_S for the engine to take it at a step boundary. Not taken, it
+is withdrawn (it never runs) and answers 504 `action_withdrawn`; taken, it is waited for as long
+again and answers its result, or 504 `action_still_applying` if the engine is still inside it
+(it may yet apply). Either way the audit log and kvguard_actions_total get its true outcome.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import time
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import APIRouter, Body, Depends, Header
@@ -19,8 +25,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvguard.daemon.control_plane import AlertPayloadError
 from kvguard.daemon.openai_api import ApiError
+from kvguard.engine.control import ActionResult
 from kvguard.engine.distributed.errors import RankFailure
-from kvguard.rules.actions import ACTIONS, ActionError
+from kvguard.rules.actions import ACTIONS, ActionError, ActionWithdrawn
 
 if TYPE_CHECKING:
     from kvguard.daemon.service import Service
@@ -28,6 +35,7 @@ if TYPE_CHECKING:
 
 _B = TypeVar("_B", bound=BaseModel)
 ALERTMANAGER_MAX_BODY = 1 << 20  # 100 alerts with their labels and annotations fit many times
+ACTION_TIMEOUT_S = 60.0  # for the engine to take an action; one it took gets as long again
 
 
 def check_token(service: Service, authorization: str | None) -> None:
@@ -65,7 +73,7 @@ def router(service: Service) -> APIRouter:
             if action not in ACTIONS:
                 raise ApiError(404, str(e), "action") from e
             raise ApiError(400, str(e), e.param or "params", "invalid_action_params") from e
-        res = await asyncio.wait_for(asyncio.wrap_future(fut), timeout=60)
+        res = await _settled(fut, action, ACTION_TIMEOUT_S)
         return {
             "action": action,  # as asked: restore_batch, not the set_max_num_seqs it runs
             "ok": res.ok,
@@ -90,6 +98,30 @@ def router(service: Service) -> APIRouter:
         return res
 
     return r
+
+
+async def _settled(fut: Future, action: str, timeout_s: float) -> ActionResult:
+    """The action's result (as `await_action`, without a thread): withdrawn if the engine has
+    not taken it within `timeout_s` (504: it never runs), else waited for as long again (504
+    if the engine is still inside it). The caller leaving does not withdraw it: an action the
+    operator asked for is carried out, and audited, whether or not anyone reads the answer."""
+    waiting = asyncio.wrap_future(fut)
+    done, _ = await asyncio.wait({waiting}, timeout=timeout_s)
+    if not done:
+        if fut.cancel():
+            withdrawn = ActionWithdrawn(action, timeout_s)
+            raise ApiError(504, str(withdrawn), code="action_withdrawn", type_="server_error")
+        done, _ = await asyncio.wait({waiting}, timeout=timeout_s)
+    if not done:
+        raise ApiError(
+            504,
+            f"the engine took {action} but had not finished it {timeout_s:g}s later: it may "
+            "still apply; the audit log records its outcome when it does (GET /admin/state "
+            "shows the knobs)",
+            code="action_still_applying",
+            type_="server_error",
+        )
+    return waiting.result()
 
 
 class _StallBody(BaseModel):

@@ -27,7 +27,7 @@ from apscheduler.triggers.interval import IntervalTrigger
 from kvguard.daemon.openai_schemas import unicode_problem
 from kvguard.engine.control import ActionResult
 from kvguard.engine.events import EngineEvent
-from kvguard.rules.actions import run_action
+from kvguard.rules.actions import await_action, run_action
 from kvguard.rules.evaluator import Evaluator
 from kvguard.rules.schema import RuleSet, RulesFileError, load_rules, rules_file
 from kvguard.rules.signals import PromQL, SignalReader
@@ -47,6 +47,9 @@ AUDITED_EVENTS = (
 STORM_WINDOW_S = 10.0
 STORM_PREEMPTIONS = 32
 MAX_ALERTS_PER_REQUEST = 100  # Alertmanager's webhook_config max_alerts keeps a group under it
+# How long a rule's action may wait for the engine to take it at a step boundary before it is
+# withdrawn unapplied (recorded failed); one the engine has taken gets as long again to finish.
+ACTION_TIMEOUT_S = 120.0
 
 
 class ControlPlane:
@@ -86,6 +89,7 @@ class ControlPlane:
         # once: a mismatched prometheus.instance shows in the journal, not only as silence)
         self.alerts_ignored: dict[str, int] = {}
         self.on_tick = None  # set by metrics: observes tick duration
+        self.action_timeout_s = ACTION_TIMEOUT_S
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
@@ -135,8 +139,15 @@ class ControlPlane:
         """Post the action and wait for the engine to apply it at a step boundary. Called by the
         evaluator with no state lock held, so a slow engine delays only the next evaluation,
         never `/metrics` or `/admin/state`. A rule's parameter above the running config's limit
-        is held to that limit (`clamp`), and the recorded detail says so."""
-        return run_action(self.service.engine, action, params, clamp=True).result(timeout=120)
+        is held to that limit (`clamp`), and the recorded detail says so.
+
+        Not taken within `action_timeout_s`, the action is withdrawn and raises
+        ActionWithdrawn: it never runs, so the `failed` the evaluator records is the truth (it
+        used to stay in the mailbox and apply later, a remedy no rule held nor ever undid).
+        One the engine has taken is waited for as long again; an engine stuck inside it raises
+        ActionStillApplying, and the evaluator records its outcome when it comes."""
+        fut = run_action(self.service.engine, action, params, clamp=True)
+        return await_action(fut, action, self.action_timeout_s)
 
     def _poll_nvml(self) -> None:
         self._gpu_ratio = self.service.nvml.memory_used_ratio()

@@ -61,6 +61,11 @@ FATAL_EXIT_CODE = 1
 FATAL_EXIT_DEADLINE_S = 20.0
 ENGINE_SHUTDOWN_S = 15.0  # stopping the workers: the runner asks, waits, then kills
 RECONFIGURE_TIMEOUT_S = 30.0  # a reload waits this long for the engine to take new knobs
+# what an operator's action withdrawn unapplied (the admin API's wait ran out) is audited with
+MANUAL_WITHDRAWN = (
+    "withdrawn before it ran: the engine did not take it while the admin API waited (a long "
+    "step or a stalled engine thread); nothing changed"
+)
 
 
 class _Server(uvicorn.Server):
@@ -602,11 +607,15 @@ class Service:
             log.warning("admin API disabled (/admin/* answers 403): %s", why)
 
     def manual_action(self, name: str, params: dict[str, Any]) -> Future:
-        """An operator's remedy: same catalogue as the rules, audited with trigger `manual`."""
+        """An operator's remedy: same catalogue as the rules, audited with trigger `manual`.
+        Each outcome is audited and counted when the Future settles: one cancelled (withdrawn
+        before the engine took it, see `await_action`) is `failed`, saying it never ran."""
         fut = run_action(self.engine, name, params)
 
         def record(f: Future) -> None:
-            err = f.exception()
+            err: BaseException | None = (
+                RuntimeError(MANUAL_WITHDRAWN) if f.cancelled() else f.exception()
+            )
             res = None if err else f.result()
             outcome = "failed" if err else ("applied" if res.ok else "refused")
             if self.control is not None:  # kvguard_actions_total{rule="manual"}

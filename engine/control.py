@@ -9,7 +9,8 @@ time), reversible, and lose no request: evicted or cut sequences are swapped or 
 from __future__ import annotations
 
 import queue
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Collection
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,11 +31,19 @@ class ActionResult:
 
 
 class Mailbox:
-    """Commands from other threads, run by the engine thread in arrival order."""
+    """Commands from other threads, run by the engine thread in arrival order.
+
+    A caller that stops waiting for a command may withdraw it (`Future.cancel`, or `withdraw`
+    for several posted together): one withdrawn before the engine took it never runs; one the
+    engine has started cannot be withdrawn, and its result is the truth. `drain` skips the
+    withdrawn. The lock makes the engine's taking of a command and a withdrawal of several
+    exclusive, so that a group is withdrawn whole or not at all."""
 
     def __init__(self) -> None:
         self._q: queue.SimpleQueue[tuple[Callable[[], Any], Future]] = queue.SimpleQueue()
         self.notify: Callable[[], None] = lambda: None  # the engine loop wakes on a post
+        # reentrant: a withdrawn Future's done callbacks run under it, and one may post
+        self._lock = threading.RLock()
 
     def post(self, fn: Callable[[], Any]) -> Future:
         fut: Future = Future()
@@ -45,17 +54,33 @@ class Mailbox:
     def pending(self) -> bool:
         return not self._q.empty()
 
-    def refuse_pending(self, error: BaseException) -> int:
-        """Fail every waiting call with `error` without running it (the engine can no longer
-        act); returns how many callers were told."""
+    def withdraw(self, futures: Collection[Future]) -> bool:
+        """Withdraw commands posted to this mailbox, all or none: True when none had been
+        taken by the engine (each is cancelled and will never run), False when one has (or has
+        finished; nothing is withdrawn: the caller waits for their results)."""
+        with self._lock:
+            if any(f.running() or (f.done() and not f.cancelled()) for f in futures):
+                return False
+            for f in futures:
+                f.cancel()
+            return True
+
+    def _take(self, fut: Future) -> bool:
+        """The engine takes a command: False when it was withdrawn (it must not run)."""
+        with self._lock:
+            return fut.set_running_or_notify_cancel()
+
+    def refuse_pending(self, error: BaseException | Callable[[], BaseException]) -> int:
+        """Fail every waiting call with `error` (or a fresh one from it, each) without running
+        it (the engine can no longer act); returns how many callers were told."""
         n = 0
         while True:
             try:
                 _fn, fut = self._q.get_nowait()
             except queue.Empty:
                 return n
-            if fut.set_running_or_notify_cancel():  # False: its caller cancelled it
-                fut.set_exception(error)
+            if self._take(fut):  # False: its caller withdrew it
+                fut.set_exception(error if isinstance(error, BaseException) else error())
                 n += 1
 
     def drain(self) -> int:
@@ -66,7 +91,7 @@ class Mailbox:
             except queue.Empty:
                 return n
             n += 1
-            if not fut.set_running_or_notify_cancel():
+            if not self._take(fut):  # withdrawn by its caller: never run
                 continue
             try:
                 fut.set_result(fn())

@@ -5,6 +5,9 @@ A step that raises is survived (the engine ends that step's requests itself), ex
 failure such as a dead tensor-parallel rank: the engine cannot step again, so the loop stops
 stepping, ends every request it still streams with `finish_reason="error"`, refuses whatever is
 posted from then on, and tells its `on_fatal` hooks (the daemon exits for systemd to restart it).
+A stopped loop does the same without the hooks: what it still streams ends with an error, what
+waits in the mailbox and what is posted through it later is refused (EngineStopped), so that
+nothing waits for a step that will never come.
 """
 
 from __future__ import annotations
@@ -34,9 +37,18 @@ class EngineUnavailable(RuntimeError):
     """What the loop answers, after a fatal engine failure, to work posted to it: a request
     or an action that would otherwise wait forever for a step that will never come."""
 
-    def __init__(self, cause: BaseException) -> None:
-        super().__init__(f"the engine stopped after a fatal failure: {cause}")
+    def __init__(self, cause: BaseException, message: str | None = None) -> None:
+        super().__init__(message or f"the engine stopped after a fatal failure: {cause}")
         self.cause = cause
+
+
+class EngineStopped(EngineUnavailable):
+    """What a stopped loop answers to work posted to it, or still waiting in its mailbox at the
+    stop: no step will run it."""
+
+    def __init__(self) -> None:
+        cause = RuntimeError("the engine loop has stopped")
+        super().__init__(cause, str(cause))
 
 
 class OutputBuffer:
@@ -163,7 +175,8 @@ class EngineLoop:
         # A fatal failure (FATAL_ERRORS): set once, never cleared; the engine steps no more.
         self.fatal: BaseException | None = None
         self.on_fatal: list[Callable[[BaseException], None]] = []  # called on the engine thread
-        self._fatal_lock = threading.Lock()  # orders `call` against the fatal switch
+        self._fatal_lock = threading.Lock()  # orders `call` against the fatal switch and the stop
+        self._closed = False  # stopped: `call` refuses at once (set under _fatal_lock)
         self.paused = threading.Event()  # test hook: a set event stalls the loop (no heartbeat)
         if engine is not None:
             engine.mailbox.notify = self._wake.set
@@ -193,7 +206,10 @@ class EngineLoop:
                     return
                 self.engine.mailbox.notify = self._wake.set
             built.set()
-            self._run()
+            try:
+                self._run()
+            finally:
+                self._close()
 
         self._thread = threading.Thread(target=main, name="kvguard-engine", daemon=True)
         self._thread.start()
@@ -203,10 +219,46 @@ class EngineLoop:
         return self
 
     def stop(self, timeout: float = 10.0) -> None:
+        """Stop stepping (after the step under way, waiting up to `timeout` for it). From the
+        stop on, posts through the loop fail at once; the loop's thread, on its way out, ends
+        the requests it still streams with an error and refuses what waits in the mailbox. A
+        thread still in a step after `timeout` does that when the step returns; meanwhile
+        what waits in the mailbox is refused here (that much is safe from this thread)."""
+        with self._fatal_lock:
+            self._closed = True
         self._stop.set()
         self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        if self._thread is None:  # never started: nothing steps, nothing races this thread
+            self._close()
+            return
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            refused = self.engine.mailbox.refuse_pending(EngineStopped)
+            log.warning(
+                "engine loop still in a step %gs after the stop; refused %d posted calls, and "
+                "its in-flight requests end with an error when the step returns",
+                timeout,
+                refused,
+            )
+
+    def _close(self) -> None:
+        """The loop no longer steps: end every stream it still feeds with an error and refuse
+        what waits in the mailbox (posts through the loop are refused from now on: nothing can
+        slip in behind this). On the loop's thread, or with none left to race."""
+        with self._fatal_lock:
+            self._closed = True
+        error: BaseException | type[EngineStopped] = (
+            EngineStopped if self.fatal is None else EngineUnavailable(self.fatal)
+        )
+        ended = self._end_streams()
+        refused = self.engine.mailbox.refuse_pending(error) if self.engine is not None else 0
+        if ended or refused:
+            log.warning(
+                "engine loop stopped: ended %d in-flight requests with an error; refused %d "
+                "posted calls",
+                ended,
+                refused,
+            )
 
     @property
     def alive(self) -> bool:
@@ -217,6 +269,8 @@ class EngineLoop:
         while not self._stop.is_set():
             while self.paused.is_set() and not self._stop.is_set():
                 time.sleep(0.01)
+            if self._stop.is_set():  # stopped while held: no further step
+                break
             self.last_beat = time.monotonic()
             try:
                 if not (eng.has_unfinished() or eng.mailbox.pending()):
@@ -298,12 +352,15 @@ class EngineLoop:
     # -- from any thread --------------------------------------------------------------------
     def call(self, fn: Callable[[], object]) -> Future:
         """Run `fn` on the engine thread at the next step boundary. After a fatal failure the
-        Future fails at once with EngineUnavailable instead of waiting for a step."""
-        with self._fatal_lock:  # a post that wins the race is refused by _fail_fatally
-            if self.fatal is None:
+        Future fails at once with EngineUnavailable instead of waiting for a step, and after
+        a stop with EngineStopped."""
+        # a post that wins the race is refused by _fail_fatally, or by the stop's _close
+        with self._fatal_lock:
+            if self.fatal is None and not self._closed:
                 return self.engine.mailbox.post(fn)
+            fatal = self.fatal
         fut: Future = Future()
-        fut.set_exception(EngineUnavailable(self.fatal))
+        fut.set_exception(EngineStopped() if fatal is None else EngineUnavailable(fatal))
         return fut
 
     def submit(

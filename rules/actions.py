@@ -6,14 +6,14 @@ an `ActionResult`; `undo` names the action that reverses it.
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError, wait
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvguard.engine.config import MAX_NUM_SEQS
-from kvguard.engine.control import ActionResult
+from kvguard.engine.control import ActionResult, Mailbox
 
 if TYPE_CHECKING:  # the engine (and torch) only when an action runs, not to validate a file
     from kvguard.engine.llm_engine import LLMEngine
@@ -75,20 +75,62 @@ class ActionSpec:
     settings: frozenset[str] = frozenset()
 
 
-def _noted(fut: Future, note: Callable[[ActionResult], str | None]) -> Future:
-    """`fut` with its result's detail rewritten by `note` (None keeps it)."""
-    out: Future = Future()
+class _Derived(Future):
+    """The result of actions posted to the engine's mailbox, computed from theirs. Cancelling
+    it withdraws them, all or none (`Mailbox.withdraw`): refused once the engine has taken
+    one, so that a cancelled action never ran and one that could not be cancelled tells its
+    real result. Never set twice: a step withdrawn cancels it, and nothing sets it after."""
 
-    def done(f: Future) -> None:
-        try:
-            r = f.result()
-        except Exception as exc:  # noqa: BLE001
-            out.set_exception(exc)
+    def __init__(self, parts: list[Future], mailbox: Mailbox | None) -> None:
+        super().__init__()
+        self._parts = parts
+        # the mailbox they were posted to; None: one part is cancelled on its own, and several
+        # cannot be withdrawn all or none (the cancel is refused)
+        self._mailbox = mailbox
+
+    def cancel(self) -> bool:
+        if self.done():
+            return self.cancelled()
+        if self._mailbox is not None:
+            withdrawn = self._mailbox.withdraw(self._parts)
+        else:
+            withdrawn = len(self._parts) == 1 and self._parts[0].cancel()
+        # the parts' callbacks have cancelled this one already (`_settle`)
+        return withdrawn and (super().cancel() or self.cancelled())
+
+    def _settle(self, compute: Callable[[], ActionResult]) -> None:
+        """Its result from the parts, once all are done: cancelled where one was withdrawn."""
+        if any(f.cancelled() for f in self._parts):
+            Future.cancel(self)
             return
-        detail = note(r)
-        out.set_result(r if detail is None else replace(r, detail=detail))
+        try:
+            result = compute()
+        except Exception as exc:  # noqa: BLE001 - the caller gets it through the Future
+            self._set(exc)
+            return
+        self._set(result)
 
-    fut.add_done_callback(done)
+    def _set(self, value: ActionResult | Exception) -> None:
+        try:
+            if isinstance(value, Exception):
+                self.set_exception(value)
+            else:
+                self.set_result(value)
+        except InvalidStateError:  # cancelled meanwhile (its parts withdrawn): stays so
+            pass
+
+
+def _noted(fut: Future, note: Callable[[ActionResult], str | None]) -> Future:
+    """`fut` with its result's detail rewritten by `note` (None keeps it); cancelling it
+    cancels `fut` (or is refused, once the engine has taken it)."""
+    out = _Derived([fut], None)
+
+    def compute() -> ActionResult:
+        r = fut.result()
+        detail = note(r)
+        return r if detail is None else replace(r, detail=detail)
+
+    fut.add_done_callback(lambda _f: out._settle(compute))
     return out
 
 
@@ -283,41 +325,40 @@ def _handle_oom(e: LLMEngine, p: NoParams, clamp: bool) -> Future:
         steps.append(e.set_kv_cache_dtype("fp8_e4m3"))
     if snap.kv_cache_usage_ratio > 0.98:  # never loosening a stricter halt (allowed: none)
         steps.append(e.halt_admission("high", tighten_only=True))
-    return _chain("handle_oom", steps, in_force=any)
+    return _chain("handle_oom", steps, in_force=any, mailbox=e.mailbox)
 
 
-def _chain(name: str, futures: list[Future], in_force: Callable = all) -> Future:
+def _chain(
+    name: str, futures: list[Future], in_force: Callable = all, *, mailbox: Mailbox | None = None
+) -> Future:
     """One Future for several actions posted together (they apply in order at one boundary).
     Its result is ok when `in_force` of the steps' are: `all` for an undo (one refused step,
     e.g. FP8 that cannot switch back yet, is retried whole), `any` for the OOM chain, which is
     in force, and must be undone, once any step changed the engine. `data["applied"]` names
-    the steps that applied."""
-    out: Future = Future()
+    the steps that applied. Cancelling it withdraws every step from `mailbox`, the one they
+    were posted to, or none once the engine has taken the first."""
+    out = _Derived(futures, mailbox)
     left = [len(futures)]
 
-    def done(_f: Future) -> None:
-        left[0] -= 1
-        if left[0]:
-            return
-        try:
-            results = [f.result() for f in futures]
-        except Exception as exc:  # noqa: BLE001
-            out.set_exception(exc)
-            return
+    def compute() -> ActionResult:
+        results = [f.result() for f in futures]
         detail = "; ".join(f"{r.action}: {r.detail}" for r in results)
-        out.set_result(
-            ActionResult(
-                name,
-                results[0].before,
-                results[-1].after,
-                detail,
-                in_force(r.ok for r in results),
-                {
-                    "steps": [r.action for r in results],
-                    "applied": [r.action for r in results if r.ok],
-                },
-            )
+        return ActionResult(
+            name,
+            results[0].before,
+            results[-1].after,
+            detail,
+            in_force(r.ok for r in results),
+            {
+                "steps": [r.action for r in results],
+                "applied": [r.action for r in results if r.ok],
+            },
         )
+
+    def done(_f: Future) -> None:
+        left[0] -= 1  # the steps finish on the engine thread, or are withdrawn under one lock
+        if not left[0]:
+            out._settle(compute)
 
     for f in futures:
         f.add_done_callback(done)
@@ -335,6 +376,7 @@ def _recover_from_oom(e: LLMEngine, p: NoParams, clamp: bool) -> Future:
             e.set_offload(_offload_configured(e)),
             e.resume_admission(),
         ],
+        mailbox=e.mailbox,
     )
 
 
@@ -455,6 +497,47 @@ def asked(action: str, params: dict[str, Any] | None, result: ActionResult | Non
     if "offload" in held:
         out["offload"] = True
     return {s: v for s, v in out.items() if s in held}
+
+
+class ActionWithdrawn(RuntimeError):
+    """The engine did not take an action within the wait: it was withdrawn from the mailbox
+    before it ran, and changed nothing."""
+
+    def __init__(self, name: str, waited_s: float) -> None:
+        super().__init__(
+            f"withdrawn before it ran: the engine did not take {name} within {waited_s:g}s (a "
+            "long step or a stalled engine thread); nothing changed"
+        )
+
+
+class ActionStillApplying(RuntimeError):
+    """The engine took an action but had not finished it by the end of the wait: it may still
+    apply. `future` answers its result when it does."""
+
+    def __init__(self, message: str, future: Future) -> None:
+        super().__init__(message)
+        self.future = future
+
+
+def await_action(fut: Future, name: str, timeout_s: float) -> ActionResult:
+    """The result of posted action `name`, waiting `timeout_s` for the engine to take it.
+
+    Not taken by then, it is withdrawn (ActionWithdrawn): it never runs, so a caller that
+    records a failure tells the truth. Taken (the engine is applying it: it cannot be
+    withdrawn), its real result is waited for up to `timeout_s` more; an engine still inside
+    it then is stuck in the action itself (the engine loop's watchdog ends such a daemon), and
+    the caller gets ActionStillApplying with the Future, not a blocked thread."""
+    if wait([fut], timeout=timeout_s).done:
+        return fut.result()
+    if fut.cancel():
+        raise ActionWithdrawn(name, timeout_s)
+    if wait([fut], timeout=timeout_s).done:
+        return fut.result()
+    raise ActionStillApplying(
+        f"the engine took {name} but had not finished it {timeout_s:g}s later: it may still "
+        "apply; its outcome is recorded when it does",
+        fut,
+    )
 
 
 class ActionError(ValueError):

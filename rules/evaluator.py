@@ -22,6 +22,11 @@ Two locks, so that nobody who only reads waits on the engine:
   undo, mark that rule's action in flight) and to record the result (audit row, incident,
   state update), never while an action is awaited: the engine may take up to two minutes
   to apply one, and `/metrics` and `/admin/state` read the rule states meanwhile.
+
+An action the engine took but is still inside when the executor stops waiting
+(ActionStillApplying) does not hold the turn: its rule stays `in_flight` (nothing chooses it
+again, no incident closes) and the action is recorded, and its rule's state settled, when its
+result comes. One still unsettled when the daemon stops is recorded failed, saying so.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Collection
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Protocol
@@ -39,6 +45,7 @@ from kvguard.rules.actions import (
     ACTIONS,
     SET_TO,
     SETTINGS,
+    ActionStillApplying,
     asked,
     set_to,
     settings_set,
@@ -175,6 +182,9 @@ class Evaluator:
         self.decisions: list[Decision] = []  # the latest KEPT_DECISIONS
         self.decided = 0  # decisions ever made: what a call returns is counted by this
         self._lock = threading.RLock()  # state: held briefly, never across an action
+        # actions the engine took and had not finished when the executor stopped waiting:
+        # each is recorded, and its rule settled, when its result comes (`_settle_later`)
+        self.late: list[Attempt] = []
         self._turn = threading.Lock()  # one evaluation (tick or event) at a time
 
     # -- configuration ----------------------------------------------------------------------
@@ -608,28 +618,77 @@ class Evaluator:
 
     def _carry_out(self, a: Attempt, settle: Callable[[str, ActionResult | None], None]) -> str:
         """Await the action with no lock held, then record it and let `settle` move the state
-        machine, under the lock, in the order the old single-lock code did."""
+        machine, under the lock, in the order the old single-lock code did. An action the
+        engine is still inside when the executor gives up is settled when it finishes."""
         if not a.undo:  # before it runs, so that the events it causes are the incident's
             with self._lock:
                 self._open_incident(a.rule)
         a.decided_at = self._wall()
         try:
             res, outcome, error = self._run(a)
-        finally:
+        except ActionStillApplying as late:
+            self._settle_later(a, settle, late)
+            return "applying"
+        except BaseException:
             with self._lock:
                 a.st.in_flight = None
+            raise
         with self._lock:
-            self._record(a, res, outcome, error)
-            settle(outcome, res)
-            if self.incident is not None:  # its peak counts the rung that just acted
-                self.incident_peak = max(self.incident_peak, self.level())
-                if self.audit:
-                    self.audit.update_incident(
-                        self.incident,
-                        peak_level=self.incident_peak,
-                        actions_count=self.incident_actions,
-                    )
+            a.st.in_flight = None
+            self._settle(a, settle, res, outcome, error)
         return outcome
+
+    def _settle(
+        self,
+        a: Attempt,
+        settle: Callable[[str, ActionResult | None], None],
+        res: ActionResult | None,
+        outcome: str,
+        error: str | None,
+    ) -> None:
+        """Under the lock: record the attempt, move its rule's state, update the incident."""
+        self._record(a, res, outcome, error)
+        settle(outcome, res)
+        if self.incident is not None:  # its peak counts the rung that just acted
+            self.incident_peak = max(self.incident_peak, self.level())
+            if self.audit:
+                self.audit.update_incident(
+                    self.incident,
+                    peak_level=self.incident_peak,
+                    actions_count=self.incident_actions,
+                )
+
+    def _settle_later(
+        self,
+        a: Attempt,
+        settle: Callable[[str, ActionResult | None], None],
+        late: ActionStillApplying,
+    ) -> None:
+        """The engine took the action and is still inside it: its rule stays in flight, and the
+        result, when the engine finishes, is recorded and settles the rule (on the engine
+        thread: the state lock is never held across an action, so this waits on no one)."""
+        log.warning("rule %s: action %s: %s", a.rule.name, a.action, late)
+        with self._lock:
+            self.late.append(a)
+
+        def done(fut: Future) -> None:
+            res: ActionResult | None = None
+            try:
+                res = fut.result()
+                outcome = "applied" if res.ok else "refused"
+                error = None if res.ok else res.detail
+            except Exception as e:  # noqa: BLE001 - a failed action is recorded, not fatal
+                outcome, error = "failed", f"{type(e).__name__}: {e}"
+            with self._lock:
+                if a not in self.late:  # recorded at the stop already
+                    return
+                self.late.remove(a)
+                a.st.in_flight = None
+                note = "finished after the evaluation had stopped waiting for it"
+                a.note = f"{a.note}; {note}" if a.note else note
+                self._settle(a, settle, res, outcome, error)
+
+        late.future.add_done_callback(done)
 
     def _run(self, a: Attempt) -> tuple[ActionResult | None, str, str | None]:
         """Run the attempt's action. Settings other remedies in force hold (`held`) are never
@@ -657,6 +716,8 @@ class Evaluator:
                 res = self.execute(a.action, a.params)
             else:
                 res = self._restore(a.action, steps, a.kept)
+        except ActionStillApplying:
+            raise  # the engine is inside it: recorded when it finishes (`_settle_later`)
         except Exception as e:  # noqa: BLE001 - a failed action is recorded, not fatal
             error = f"{type(e).__name__}: {e}"
             log.error("rule %s: action %s failed: %s", a.rule.name, a.action, error)
@@ -667,13 +728,18 @@ class Evaluator:
         self, action: str, steps: list[tuple[str, dict[str, Any], str]], kept: str
     ) -> ActionResult:
         """Part of an undo: each setting it restores by its own action (back to its
-        configured state, or to the value the other remedies holding it ask for)."""
-        results = [(self.execute(name, params), why) for name, params, why in steps]
-        detail = "; ".join(f"{r.action}: {r.detail}{why}" for r, why in results)
-        if kept:
-            detail += f"; kept: {kept}"
-        ok = all(r.ok for r, _ in results)
-        return ActionResult(action, results[0][0].before, results[-1][0].after, detail, ok)
+        configured state, or to the value the other remedies holding it ask for). A step the
+        engine is still inside when the executor gives up leaves the later ones unrun: the
+        undo's late result says which, and fails (it is retried whole after the cooldown)."""
+        results: list[tuple[ActionResult, str]] = []
+        for i, (name, params, why) in enumerate(steps):
+            try:
+                results.append((self.execute(name, params), why))
+            except ActionStillApplying as late:
+                rest = [n for n, _, _ in steps[i + 1 :]]
+                out = _restored_late(late.future, action, results, why, rest, kept)
+                raise ActionStillApplying(str(late), out) from None
+        return _restored(action, results, kept)
 
     def _live(self, a: Attempt) -> bool:
         """False when a reload removed the rule while its action was awaited: the act is
@@ -728,14 +794,23 @@ class Evaluator:
             self.stats.actions[key] = self.stats.actions.get(key, 0) + 1
 
     def close_at_stop(self) -> None:
-        """The daemon stops: the open incident ends with it (the next start begins calm, its
-        remedies gone with the engine), so none stays open forever."""
+        """The daemon stops: an action the engine was still inside is recorded failed, saying
+        that whether it applied is not known; the open incident ends with it (the next start
+        begins calm, its remedies gone with the engine), so none stays open forever."""
         with self._lock:
+            for a in self.late:
+                a.st.in_flight = None
+                error = (
+                    "the daemon stopped while the engine was still applying it: whether it "
+                    "applied is not known (the engine's settings go with the daemon)"
+                )
+                self._record(a, None, "failed", error)
+            self.late.clear()
             if self.incident is not None:
                 self._close_incident("the daemon stops")
 
     def _maybe_close_incident(self) -> None:
-        if self.incident is None or self.applied or self.retiring:
+        if self.incident is None or self.applied or self.retiring or self.late:
             return
         if any(st.state != "inactive" for st in self.states.values()):
             return
@@ -825,6 +900,44 @@ class Evaluator:
 
 
 _UNKNOWN = object()  # a value a remedy asked that cannot be told (a dry run's reduce_batch)
+
+
+def _restored(action: str, results: list[tuple[ActionResult, str]], kept: str) -> ActionResult:
+    detail = "; ".join(f"{r.action}: {r.detail}{why}" for r, why in results)
+    if kept:
+        detail += f"; kept: {kept}"
+    ok = all(r.ok for r, _ in results)
+    return ActionResult(action, results[0][0].before, results[-1][0].after, detail, ok)
+
+
+def _restored_late(
+    step: Future,
+    action: str,
+    results: list[tuple[ActionResult, str]],
+    why: str,
+    rest: list[str],
+    kept: str,
+) -> Future:
+    """The result of an undo (`Evaluator._restore`) whose step `step` the engine finished
+    late: the steps before it and that one; where later steps were left unrun, a failure
+    naming them (the undo is retried)."""
+    out: Future = Future()
+
+    def done(f: Future) -> None:
+        try:
+            res = _restored(action, [*results, (f.result(), why)], kept)
+        except Exception as e:  # noqa: BLE001 - the step's failure is the undo's
+            out.set_exception(e)
+            return
+        if rest:
+            out.set_exception(
+                RuntimeError(f"{res.detail}; not run: {', '.join(rest)} (the undo is retried)")
+            )
+        else:
+            out.set_result(res)
+
+    step.add_done_callback(done)
+    return out
 
 
 def _shown(setting: str, value: Any) -> str:

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from kvguard.daemon.control_plane import ControlPlane
+from kvguard.daemon.control_plane import ACTION_TIMEOUT_S, ControlPlane
 from kvguard.engine import LLMEngine
 from kvguard.engine.control import ActionResult
 from kvguard.engine.engine_loop import EngineLoop
@@ -89,6 +89,20 @@ def test_handle_oom_halves_without_raising_a_lowered_limit(engine: LLMEngine) ->
     assert chain.result(0).after["max_num_seqs"] == 1 and seqs(engine) == 1
 
 
+def test_a_chain_withdrawn_before_the_engine_takes_it_runs_no_step(engine: LLMEngine) -> None:
+    """Cancelling an action of several posted steps (the OOM chain) withdraws every step, and
+    is refused once the engine has taken them. Before, only the wrapper was cancelled: every
+    step still ran, and the wrapper's callback raised setting a result on it."""
+    before = engine.knobs()
+    chain = run_action(engine, "handle_oom")
+    assert chain.cancel() and chain.cancelled()
+    engine.step()
+    assert engine.knobs() == before  # no step ran: batch, FP8, offload as they were
+    undo = run_action(engine, "recover_from_oom")  # a chain too: back to the configuration
+    engine.step()
+    assert not undo.cancel() and undo.result(0).ok
+
+
 # -- the configured limits: refused for operators, held for rules --------------------------------
 
 
@@ -127,7 +141,9 @@ def test_rules_act_with_clamping(engine: LLMEngine) -> None:
     settle(engine, engine.set_max_num_seqs(2))
     loop = EngineLoop(engine).start()
     try:
-        plane = SimpleNamespace(service=SimpleNamespace(engine=engine))
+        plane = SimpleNamespace(
+            service=SimpleNamespace(engine=engine), action_timeout_s=ACTION_TIMEOUT_S
+        )
         res = ControlPlane._execute(plane, "set_max_num_seqs", {"n": 64})  # type: ignore[arg-type]
     finally:
         loop.stop()

@@ -1,8 +1,11 @@
 """The control plane end to end: a real Prometheus scrapes a live `kvguard serve`, a PromQL rule
-acts on the engine under load and undoes when the load is gone, all of it in the audit log."""
+acts on the engine under load and undoes when the load is gone, all of it in the audit log.
+Also: an action (a rule's or an operator's) that a stalled engine does not take in time is
+withdrawn and never applies, and one the engine is stuck inside is recorded when it lands."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import signal
@@ -10,12 +13,30 @@ import sqlite3
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import httpx
 import pytest
 
-from tests.test_server import TOKEN, Daemon, free_port
+from kvguard.daemon import admin_api
+from kvguard.daemon.app import create_app
+from kvguard.daemon.config import load_config
+from kvguard.daemon.control_plane import ControlPlane
+from kvguard.daemon.service import Service
+from kvguard.engine import LLMEngine
+from kvguard.engine.control import ActionResult
+from kvguard.engine.engine_loop import EngineLoop
+from kvguard.engine.events import EngineEvent
+from kvguard.rules.actions import await_action, run_action
+from kvguard.rules.evaluator import Evaluator
+from kvguard.rules.schema import load_rules_text
+from tests.test_engine import make_engine
+from tests.test_remedy_holds import HEADER
+from tests.test_server import TOKEN, Daemon, free_port, until
 
 PROM_RULES = """version: 1
 interval: 1s
@@ -364,3 +385,211 @@ def test_metrics_and_state_answer_while_an_action_waits_on_a_stalled_engine(
     assert acts == [("am-gpu-near-oom", "halt_admission", "applied", "alert")]
     log = (tmp_path / "daemon.log").read_text()
     assert "rule tick skipped: awaiting am-gpu-near-oom: halt_admission" in log
+
+
+# -- an action the engine does not take, or takes and does not finish, in time -----------------
+# In process, with the waits shrunk: the daemon waits 120 s (a rule) or 60 s (an operator) for
+# the engine to take an action at a step boundary, and as long again for one it took.
+
+HALT_RULE = HEADER + (
+    "  - {name: halt, signal: kv, above: 0.99, action: halt_admission,"
+    " params: {allow_priority: high}, recover_below: 0.8, recover_for: 10s,"
+    " undo: resume_admission}\n"
+)
+WAIT_S = 0.2  # the waits, shrunk
+
+
+class HaltRule:
+    """The `halt` rule on a fake clock, acting through the control plane's executor (waiting
+    `timeout_s`) on a real engine stepped by its loop."""
+
+    def __init__(self, loop: EngineLoop, timeout_s: float) -> None:
+        self.t = 0.0
+        self.values = {"kv": 0.995}
+        plane = SimpleNamespace(service=SimpleNamespace(engine=loop.engine))
+        plane.action_timeout_s = timeout_s
+        self.ev = Evaluator(
+            load_rules_text(HALT_RULE, "rules.yaml"),
+            lambda name, _signal: self.values[name],
+            ControlPlane._execute.__get__(plane),
+            clock=lambda: self.t,
+            wall_clock=lambda: self.t,
+        )
+
+    def at(self, t: float, kv: float) -> list[tuple[str, str, str]]:
+        self.t, self.values["kv"] = t, kv
+        return [(d.action, d.outcome, d.detail) for d in self.ev.tick()]
+
+    def state(self) -> dict[str, Any]:
+        return self.ev.rule_states()[0]
+
+
+def allowed(engine: LLMEngine) -> str | None:
+    return engine.knobs()["admission_allow_priority"]  # type: ignore[return-value]
+
+
+def test_a_rule_action_the_engine_never_took_is_withdrawn_and_never_applies() -> None:
+    """Before, the executor gave up after 120 s (`failed`, detail `TimeoutError: `) and left
+    the command in the mailbox: the halt applied once the engine came back, with no rule in
+    force to undo it, so admission stayed halted for good."""
+    engine = make_engine(kv_cache_bytes="1MiB", num_threads=1)
+    loop = EngineLoop(engine)
+    loop.paused.set()  # the engine thread is held from the start (a hung step)
+    loop.start()
+    rule = HaltRule(loop, timeout_s=WAIT_S)
+    try:
+        [(action, outcome, detail)] = rule.at(0.0, kv=0.995)
+        assert (action, outcome) == ("halt_admission", "failed")
+        assert "withdrawn before it ran" in detail and "nothing changed" in detail, detail
+        loop.paused.clear()
+        loop.call(lambda: None).result(60)  # posted after it: the engine has passed it by
+        assert allowed(engine) is None  # never applied
+        assert rule.ev.applied == [] and rule.state()["in_flight"] is None
+        # the rule acts again after its cooldown, on an engine that steps
+        assert [a[:2] for a in rule.at(31.0, kv=0.995)] == [("halt_admission", "applied")]
+        assert allowed(engine) == "high" and rule.ev.applied == ["halt"]
+    finally:
+        loop.stop()
+
+
+def test_a_rule_action_the_engine_is_still_inside_is_recorded_when_it_finishes() -> None:
+    """The engine took the halt and is stuck in it (here a slow engine-thread subscriber):
+    the evaluation stops waiting without recording an outcome it does not know, the rule stays
+    in flight, and when the halt lands it is recorded `applied`, its rule in force, and undone
+    on recovery like any other."""
+    engine = make_engine(kv_cache_bytes="1MiB", num_threads=1)
+    inside, release = threading.Event(), threading.Event()
+
+    def slow(event: EngineEvent) -> None:  # runs on the engine thread, inside the action
+        if event.kind == "admission_halted":
+            inside.set()
+            release.wait(120)
+
+    engine.events.subscribe(slow)
+    loop = EngineLoop(engine).start()
+    rule = HaltRule(loop, timeout_s=WAIT_S)
+
+    def execute(action: str, params: dict[str, Any]) -> ActionResult:
+        """The control plane's executor, its wait started once the engine is inside the
+        action (so that a slow machine cannot make it a withdrawal instead)."""
+        fut = run_action(engine, action, params, clamp=True)
+        if action == "halt_admission":
+            until(inside.is_set, 60, "the engine inside the halt")
+        return await_action(fut, action, WAIT_S)
+
+    rule.ev.execute = execute
+    try:
+        assert rule.at(0.0, kv=0.995) == []  # nothing recorded: the outcome is not known yet
+        assert rule.state()["in_flight"] == "halt_admission"
+        assert rule.ev.incident is not None and rule.at(1.0, kv=0.995) == []  # still in flight
+        release.set()
+        until(lambda: rule.ev.decisions, 60, "the halt recorded once it finished")
+        [d] = rule.ev.decisions
+        assert (d.action, d.outcome) == ("halt_admission", "applied")
+        assert "finished after the evaluation had stopped waiting" in d.detail
+        assert rule.state()["state"] == "firing" and rule.state()["in_flight"] is None
+        assert rule.ev.applied == ["halt"] and allowed(engine) == "high"
+        rule.at(40.0, kv=0.1)  # recovering
+        assert [a[:2] for a in rule.at(60.0, kv=0.1)] == [("resume_admission", "applied")]
+        assert allowed(engine) is None and rule.ev.applied == [] and rule.ev.incident is None
+    finally:
+        release.set()
+        loop.stop()
+
+
+@pytest.fixture
+def service(tiny_dir: Path, tmp_path: Path) -> Iterator[Service]:
+    """The daemon in process (its admin API through ASGI), with an admin token."""
+    (tmp_path / "admin.token").write_text(TOKEN + "\n")
+    cfg_file = tmp_path / "config.yaml"
+    cfg_file.write_text(
+        f"serving: {{model: {tiny_dir}, kv_cache_bytes: 8MiB, max_model_len: 512}}\n"
+        f"api: {{admin_token_file: {tmp_path / 'admin.token'}}}\n"
+        f"audit: {{url: 'sqlite:///{tmp_path / 'audit.db'}'}}\n"
+    )
+    svc = Service(load_config(cfg_file), cfg_file)
+    svc.load(progress=False)
+    yield svc
+    svc.close()
+
+
+def admin_post(service: Service, path: str) -> httpx.Response:
+    async def post() -> httpx.Response:
+        transport = httpx.ASGITransport(app=create_app(service))
+        async with httpx.AsyncClient(transport=transport, base_url="http://kvguard") as c:
+            return await c.post(path, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=120)
+
+    return asyncio.run(post())
+
+
+def manual_rows(service: Service, tmp_path: Path) -> list[tuple]:
+    assert service.audit.flush(30)
+    sql = "SELECT rule, action, outcome, detail FROM actions WHERE rule = 'manual'"
+    return rows(tmp_path / "audit.db", sql)
+
+
+def test_an_operator_action_the_engine_never_took_is_withdrawn_audited_and_504(
+    service: Service, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before, the API gave up after 60 s with a bare 500, the OOM chain still applied once
+    the engine was back (batch halved, FP8 on), and nothing was audited nor counted (the
+    audit callback raised on the cancelled Future)."""
+    monkeypatch.setattr(admin_api, "ACTION_TIMEOUT_S", WAIT_S)
+    before = service.engine.knobs()
+    gate = threading.Event()
+    held = service.loop.call(lambda: gate.wait(120))  # the engine thread stalls in a step
+    until(held.running, 60, "the engine thread held")
+    try:
+        r = admin_post(service, "/admin/actions/handle_oom")
+    finally:
+        gate.set()
+    assert r.status_code == 504, r.text
+    err = r.json()["error"]
+    assert err["code"] == "action_withdrawn" and "nothing changed" in err["message"], err
+    service.loop.call(lambda: None).result(60)  # posted after the chain: it has been passed by
+    assert service.engine.knobs() == before  # no step of the chain ran
+    [(rule, action, outcome, detail)] = manual_rows(service, tmp_path)
+    assert (action, outcome) == ("handle_oom", "failed") and "withdrawn before it ran" in detail
+    assert service.control is not None
+    assert service.control.evaluator.stats.actions[("manual", "handle_oom", "failed")] == 1
+
+
+def test_an_operator_action_the_engine_is_still_inside_is_audited_when_it_lands(
+    service: Service, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine took the chain's first step and is stuck in it: the chain cannot be
+    withdrawn (its steps run, all of them), the API says it may still apply, and its outcome
+    is audited and counted when it does."""
+    monkeypatch.setattr(admin_api, "ACTION_TIMEOUT_S", WAIT_S)
+    inside, release = threading.Event(), threading.Event()
+
+    def slow(event: EngineEvent) -> None:  # the chain's first step, on the engine thread
+        if event.kind == "knob_changed" and event.data["action"] == "reduce_max_num_seqs":
+            inside.set()
+            release.wait(120)
+
+    service.engine.events.subscribe(slow)
+    posted = service.manual_action
+
+    def taken(name: str, params: dict[str, Any]) -> Future:
+        """The API's wait starts once the engine is inside the chain (however slow the
+        machine, it is not withdrawn before the engine takes it)."""
+        fut = posted(name, params)
+        until(inside.is_set, 60, "the engine inside the chain's first step")
+        return fut
+
+    monkeypatch.setattr(service, "manual_action", taken)
+    try:
+        r = admin_post(service, "/admin/actions/handle_oom")
+    finally:
+        release.set()
+    assert r.status_code == 504, r.text
+    err = r.json()["error"]
+    assert err["code"] == "action_still_applying" and "may still apply" in err["message"], err
+    until(lambda: manual_rows(service, tmp_path), 60, "the chain audited once it landed")
+    [(rule, action, outcome, detail)] = manual_rows(service, tmp_path)
+    assert (action, outcome) == ("handle_oom", "applied"), detail
+    knobs = service.engine.knobs()
+    assert knobs["max_num_seqs"] == 1 and knobs["kv_cache_dtype"] == "fp8_e4m3"
+    assert service.control is not None
+    assert service.control.evaluator.stats.actions[("manual", "handle_oom", "applied")] == 1

@@ -19,7 +19,7 @@ import weakref
 from collections.abc import Callable, Generator, Mapping
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import uvicorn
 
@@ -69,11 +69,35 @@ MANUAL_WITHDRAWN = (
 
 
 class _Server(uvicorn.Server):
-    """uvicorn without its own signal handlers: the service owns SIGTERM/SIGINT/SIGHUP."""
+    """uvicorn without its own signal handlers: the service owns SIGTERM/SIGINT/SIGHUP.
+    `on_listening` runs once its sockets accept connections (not if it is already told to
+    exit): the moment READY=1 may go out."""
+
+    def __init__(self, config: uvicorn.Config, on_listening: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._on_listening = on_listening
 
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
         yield
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started and not self.should_exit:
+            self._on_listening()
+
+
+class LoadInterrupted(BaseException):
+    """SIGINT or SIGTERM while the daemon starts, before serve() takes them over: raised in
+    the main thread (where Python runs signal handlers), wherever it is in the start."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signal.Signals(signum)
+
+
+def _interrupt_start(signum: int, frame: object) -> None:
+    raise LoadInterrupted(signum)
 
 
 class Service:
@@ -132,17 +156,48 @@ class Service:
 
     # -- lifecycle --------------------------------------------------------------------------
     def load(self, progress: bool = True) -> None:
-        """Load the engine, migrate the audit database, start the control plane; then READY.
-        Meanwhile systemd is asked for more start time every 30 s (a first start fetches the
-        model; remote ranks may take up to their join timeout), within a bound: a hung start is
-        still ended by systemd."""
+        """Load the engine, migrate the audit database, start the control plane; then ready to
+        answer (READY=1 waits for the API to listen: see `_listening`). Meanwhile systemd is
+        asked for more start time every 30 s (a first start fetches the model; remote ranks may
+        take up to their join timeout), within a bound: a hung start is still ended by systemd."""
         limit = sdnotify.EXTEND_LIMIT_S + self.cfg.serving.distributed.join_timeout
         with sdnotify.extending_timeout(limit):
             self._load(progress)
         self._ready = True
         threading.Thread(target=self._watchdog, name="kvguard-watchdog", daemon=True).start()
+
+    def _listening(self) -> None:
+        """The API accepts connections: READY=1 and the log's `ready` line now, not when the
+        model is loaded (serving starts a second later: a client sent at READY was refused).
+        Not after a fatal failure or a stop signal that came first."""
+        if self.draining or self.loop.fatal is not None:
+            return
         sdnotify.ready(self._status_line())
         log.info("ready: %s", self._status_line())
+
+    def leave_while_loading(self, sig: signal.Signals) -> NoReturn:
+        """SIGINT or SIGTERM before serving: nothing is served, so nothing drains. Say so,
+        audit the stop if the audit store is up, stop the engine if it is built, and die by the
+        signal itself: a shell reports 128 + it (130, 143) and systemd counts a stop during the
+        start as clean, as it did before the handler. Never through the interpreter's exit:
+        a thread still loading the model (torch, OpenMP) made that abort the process
+        ("terminate called without an active exception"). A second signal ends it at once."""
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, signal.SIG_DFL)
+        self._stop_watchdog.set()
+        log.warning("%s: interrupted while loading; exiting", sig.name)
+        sdnotify.stopping()
+        if self.audit is not None:
+            detail = f"exit {128 + sig}: interrupted by {sig.name} while loading"
+            self.audit.record_event("daemon_stop", detail=detail)
+            self.audit.stop(timeout=2)  # what it cannot write in time goes to its spill file
+        loop: EngineLoop | None = getattr(self, "loop", None)  # unset while the engine builds
+        if loop is not None:
+            loop.stop(timeout=2)
+        self.shutdown_engine(timeout=5)
+        logging.shutdown()  # flush the log lines above
+        os.kill(os.getpid(), sig)
+        os._exit(128 + sig)  # not reached: the signal's default action ends the process
 
     def _load(self, progress: bool) -> None:
         sdnotify.status(f"loading model {self.engine_model}")
@@ -295,19 +350,21 @@ class Service:
             create_app(self),
             host=self.cfg.api.host,
             port=self.cfg.api.port,
-            log_level="info",
+            # no logging set-up of uvicorn's own: its lines take kvguard's format and level
+            log_config=None,
+            log_level=None,
             lifespan="off",
             access_log=False,
             timeout_graceful_shutdown=CUT_GRACE_S,  # counted from the end of the drain
         )
-        server = _Server(config)
+        server = _Server(config, on_listening=self._listening)
         gc_policy.freeze_startup_heap()  # everything long-lived exists now (see gc_policy)
         aio = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             aio.add_signal_handler(sig, self._on_stop_signal, sig, server)
         aio.add_signal_handler(signal.SIGHUP, lambda: aio.run_in_executor(None, self.reload))
         self._aio, self._server = aio, server
-        if self.loop.fatal is not None:  # failed between READY and now: the hook found no server
+        if self.loop.fatal is not None:  # failed since loading: the hook found no server
             self._begin_exit(aio, server)
         try:
             await server.serve(sockets=None if sock is None else [sock])
@@ -811,8 +868,15 @@ def run(
     elif svc.api_keys is not None:
         log.info("API keys: %d from %s", len(svc.api_keys), svc.api_keys.path)
     try:
+        # Until serve() takes them over, SIGINT and SIGTERM end the start in order (nothing to
+        # drain yet), not by their default actions: the interpreter's exit aborted in the C++
+        # of the thread still loading the model, and SIGTERM ended it without a word.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, _interrupt_start)
         svc.load()
         return asyncio.run(svc.serve(sock))
+    except LoadInterrupted as e:
+        svc.leave_while_loading(e.signum)
     finally:
         sock.close()
         svc.shutdown_engine()  # also when loading or serving raised

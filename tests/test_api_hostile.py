@@ -483,6 +483,29 @@ def test_apscheduler_is_quiet_unless_debugging() -> None:
         aps.setLevel(saved[1])
 
 
+def test_alembics_routine_lines_are_dropped_unless_debugging() -> None:
+    """alembic names the audit database's dialect at INFO at every start (two lines); those
+    are dropped, its lines saying the schema changed are not, and at DEBUG nothing is."""
+    import logging
+
+    from kvguard.daemon.logging_setup import configure_logging
+
+    root, mig = logging.getLogger(), logging.getLogger("alembic.runtime.migration")
+
+    def passes(msg: str) -> bool:
+        return bool(mig.filter(mig.makeRecord(mig.name, logging.INFO, "x", 1, msg, ("a",), None)))
+
+    saved = root.level
+    try:
+        configure_logging("INFO")
+        assert not passes("Context impl %s.") and not passes("Will assume %s DDL.")
+        assert passes("Running upgrade %s")
+        configure_logging("DEBUG")
+        assert passes("Context impl %s.")
+    finally:
+        root.setLevel(saved)
+
+
 @pytest.mark.parametrize(
     ("value", "level"),
     [

@@ -1,6 +1,7 @@
 """What an operator meets around the daemon: systemd's start timeout while it loads, `kvguard
 bench`'s checkout and paths, `kvguard db downgrade` and upgrade's direction, a reload without a
-config file, inert keys on reload, `kvguard status` in dry-run mode, and the documented keys.
+config file, inert keys on reload, `kvguard status` in dry-run mode, and the documented keys;
+READY=1 once the API answers, a stop while the model loads, the log's one format.
 
 Real parts throughout: a real `kvguard serve` process under a datagram socket playing systemd,
 real SQLite files, a real fake checkout whose benchmark script records how it was run.
@@ -16,14 +17,16 @@ import re
 import shutil
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Iterator
-from contextlib import redirect_stdout
+from collections.abc import Callable, Iterator
+from contextlib import closing, redirect_stdout
 from pathlib import Path
 
+import httpx
 import pytest
 
 from kvguard.daemon import sdnotify
@@ -35,7 +38,9 @@ EXTEND = "EXTEND_TIMEOUT_USEC=90000000"  # 90 s more, as the unit's comment and 
 
 class Notify:
     """A datagram socket playing systemd's part, at a short path (sun_path holds 108 bytes);
-    every message it gets, in order."""
+    every message it gets, in order. `on_ready`, if set, runs as the first READY=1 arrives,
+    before the next message is read (as systemd starts what waits for the unit then); its
+    result goes to `at_ready`."""
 
     def __init__(self) -> None:
         self.folder = tempfile.mkdtemp(prefix="kvg-")
@@ -44,6 +49,8 @@ class Notify:
         self.sock.bind(self.path)
         self.sock.settimeout(0.2)
         self.msgs: list[str] = []
+        self.on_ready: Callable[[], object] | None = None
+        self.at_ready: list[object] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._recv, daemon=True)
         self._thread.start()
@@ -51,9 +58,12 @@ class Notify:
     def _recv(self) -> None:
         while not self._stop.is_set():
             try:
-                self.msgs.append(self.sock.recv(4096).decode())
+                msg = self.sock.recv(4096).decode()
             except TimeoutError:
                 continue
+            if msg.startswith("READY=1") and self.on_ready and not self.at_ready:
+                self.at_ready.append(self.on_ready())
+            self.msgs.append(msg)
 
     def first(self) -> list[str]:
         """Each message's first line."""
@@ -120,21 +130,28 @@ def test_the_units_start_timeout_comment_says_what_the_daemon_does() -> None:
     assert "asks for 90s more every 30s" in unit
 
 
-def test_a_start_waiting_for_remote_ranks_asks_for_time_while_it_waits(tmp_path: Path) -> None:
-    """The report's case: a remote rank that has not joined holds the start (up to
-    join_timeout, 10 min by default, past the unit's TimeoutStartSec=5min). The daemon asks
-    for more time while it waits, and the start that then fails says no READY."""
-    notify = Notify()
+def remote_rank_config(tmp_path: Path, join_timeout: str) -> Path:
+    """A config whose start waits up to `join_timeout` for a remote rank that never comes: a
+    start that stays in loading for as long as a test needs, without a guessed time."""
     key = tmp_path / "worker.key"
     key.write_text("a shared secret for the workers\n")
     key.chmod(0o600)
     config = tmp_path / "config.yaml"
     config.write_text(
         "serving:\n  model: tiny\n  pipeline_parallel: 2\n  distributed:\n"
-        f"    remote_ranks: [1]\n    join_timeout: 3s\n    authkey_file: {key}\n"
+        f"    remote_ranks: [1]\n    join_timeout: {join_timeout}\n    authkey_file: {key}\n"
         f"api:\n  port: {free_port()}\n"
         f"audit:\n  url: sqlite:///{tmp_path / 'audit.db'}\n"
     )
+    return config
+
+
+def test_a_start_waiting_for_remote_ranks_asks_for_time_while_it_waits(tmp_path: Path) -> None:
+    """The report's case: a remote rank that has not joined holds the start (up to
+    join_timeout, 10 min by default, past the unit's TimeoutStartSec=5min). The daemon asks
+    for more time while it waits, and the start that then fails says no READY."""
+    notify = Notify()
+    config = remote_rank_config(tmp_path, "3s")
     env = {**os.environ, "NOTIFY_SOCKET": notify.path, "STATE_DIRECTORY": str(tmp_path)}
     log = tmp_path / "daemon.log"
     try:
@@ -176,9 +193,17 @@ class Bare(Daemon):
         }
         self.log_path = tmp / "daemon.log"
         self.log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
+        notify.on_ready = self.ready_now
         argv = [KVGUARD, "serve", "--model", "tiny", "--port", str(self.port), "--dry-run"]
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         self.wait_ready(120)
+
+    def ready_now(self) -> object:
+        """What /ready answers a client sent the moment READY=1 arrives (or why none came)."""
+        try:
+            return httpx.get(self.url + "/ready", timeout=30).status_code
+        except httpx.HTTPError as e:
+            return repr(e)
 
 
 @pytest.fixture(scope="module")
@@ -200,6 +225,28 @@ def test_the_start_asks_systemd_for_time_before_ready_and_not_after(
     ready = first.index("READY=1")
     assert EXTEND in first[:ready], first
     assert EXTEND not in first[ready:], first
+
+
+def test_ready_goes_out_once_the_api_answers(bare: tuple[Bare, Notify]) -> None:
+    """READY=1 (and the log's `ready` line, said together) come once the API accepts
+    connections: what systemd starts after the unit, or a client sent then, is answered. They
+    went out when the model was loaded, up to a second before serving began: refused."""
+    _, notify = bare
+    until(lambda: notify.at_ready, 30, "READY=1")
+    assert notify.at_ready == [200]
+
+
+def test_the_log_has_one_format_and_no_routine_library_lines(bare: tuple[Bare, Notify]) -> None:
+    """uvicorn's lines in kvguard's format (they had their own, `INFO:     Started ...`);
+    alembic's two lines naming the audit database's dialect, at every start, left out, while
+    its lines saying the schema changed stay."""
+    d, _ = bare
+    log = d.log_path.read_text()
+    started = r"^\S+ \S+ INFO uvicorn\.error: Started server process \[\d+\]$"
+    assert re.search(started, log, re.M), log
+    assert not re.search(r"^(INFO|WARNING|ERROR):", log, re.M), log
+    assert "Context impl" not in log and "Will assume" not in log, log
+    assert "INFO alembic.runtime.migration: Running upgrade  -> 0001" in log, log
 
 
 def test_status_says_the_rules_run_dry(bare: tuple[Bare, Notify]) -> None:
@@ -261,6 +308,76 @@ def test_a_reload_without_a_config_file_reads_the_rules_again(bare: tuple[Bare, 
     said = "reloaded the built-in defaults (started without --config), rules "
     until(lambda: d.log_path.read_text().count(said) >= 2, 30, "both reloads logged")
     assert f"rules {default_rules_path()}: no changes" in d.log_path.read_text()
+
+
+# -- a stop while the daemon loads ---------------------------------------------------------------
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_stop_while_loading_says_so_and_ends_by_the_signal(
+    tmp_path: Path, sig: signal.Signals
+) -> None:
+    """Ctrl-C (or SIGTERM) while the start waits on its engine: one line saying so, and the
+    process ends by that signal (a shell reports 130 or 143). Ctrl-C left through the
+    interpreter's exit, which aborted in the C++ of the thread still loading (134), and
+    SIGTERM ended the start without a word."""
+    config = remote_rank_config(tmp_path, "10m")  # the wait holds the start: no guessed time
+    log = tmp_path / "daemon.log"
+    env = {**os.environ, "STATE_DIRECTORY": str(tmp_path)}
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [KVGUARD, "serve", "--config", str(config)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+        try:
+            until(lambda: "waiting up to 600s for remote ranks" in log.read_text(), 60, "wait")
+            proc.send_signal(sig)
+            code = proc.wait(60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    text = log.read_text()
+    assert code == -sig, (code, text)
+    assert f"WARNING kvguard.daemon: {sig.name}: interrupted while loading; exiting" in text
+    assert "Traceback" not in text, text
+
+
+# The start's last step (the model loaded, the audit store up) sends SIGTERM to the daemon itself:
+# the signal arrives at a known point of the start, and the handler runs in the main thread.
+SIGTERM_AS_THE_START_ENDS = """\
+import os, signal, sys
+from kvguard.daemon.cli import main
+from kvguard.daemon.control_plane import ControlPlane
+start = ControlPlane.start
+def start_then_sigterm(self):
+    start(self)
+    os.kill(os.getpid(), signal.SIGTERM)
+ControlPlane.start = start_then_sigterm
+sys.exit(main(["serve", "--config", sys.argv[1]]))
+"""
+
+
+def test_a_stop_while_loading_is_audited_once_the_audit_store_is_up(tmp_path: Path) -> None:
+    db = tmp_path / "audit.db"
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "serving: {model: tiny, kv_cache_bytes: 8MiB, max_model_len: 512}\n"
+        f"api: {{host: 127.0.0.1, port: {free_port()}}}\n"
+        f"audit: {{url: 'sqlite:///{db}'}}\n"
+    )
+    env = {**os.environ, "STATE_DIRECTORY": str(tmp_path)}
+    argv = [sys.executable, "-c", SIGTERM_AS_THE_START_ENDS, str(config)]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == -signal.SIGTERM, (out.returncode, out.stderr)
+    assert "SIGTERM: interrupted while loading; exiting" in out.stderr, out.stderr
+    assert "ready:" not in out.stderr, out.stderr
+    with closing(sqlite3.connect(db)) as c:
+        rows = c.execute("SELECT kind, detail FROM events ORDER BY id").fetchall()
+    assert rows == [
+        ("daemon_start", "model tiny"),
+        ("daemon_stop", "exit 143: interrupted by SIGTERM while loading"),
+    ]
 
 
 # -- inert keys on reload ------------------------------------------------------------------------

@@ -374,7 +374,10 @@ async def _serve(
     if params.json_schema is not None or params.grammar is not None or asks_logprobs:
         await asyncio.to_thread(_grammar_ready, service, params)
         _refuse_if_draining(service)  # the drain may have begun meanwhile: not admitted after
-    ctx = _Ctx(service, kind, body.model, priority, time.monotonic(), params)
+    # from its arrival (the HTTP middleware's time): TTFT and duration take in the body's
+    # parsing and the grammar prepared above, which can take seconds for a big schema
+    arrived = getattr(request.state, "arrived", None)
+    ctx = _Ctx(service, kind, body.model, priority, arrived or time.monotonic(), params)
     ctx.n = body.n or 1
     if key is not None:
         _within_limit(service, key, len(prompts) * ctx.n, "n" if ctx.n > 1 else "prompt")

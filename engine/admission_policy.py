@@ -102,6 +102,8 @@ class AdmissionPolicy:
         configured bytes, which a remedy (shrink_kv_pool) may hold smaller for a while: what
         only the smaller pool cannot hold waits instead of being refused."""
         if self.allow_rank is not None and seq.priority > self.allow_rank:
+            if self.controller is not None:  # a refusal like any other in the decision counts
+                self.controller.decisions["reject"] += 1
             raise AdmissionRejected(
                 AdmissionDecision(
                     "reject",

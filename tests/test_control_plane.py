@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kvguard.daemon import admin_api
+from kvguard.daemon import admin_api, openai_api
 from kvguard.daemon.app import create_app
 from kvguard.daemon.config import load_config
 from kvguard.daemon.control_plane import ControlPlane
@@ -593,3 +593,33 @@ def test_an_operator_action_the_engine_is_still_inside_is_audited_when_it_lands(
     assert knobs["max_num_seqs"] == 1 and knobs["kv_cache_dtype"] == "fp8_e4m3"
     assert service.control is not None
     assert service.control.evaluator.stats.actions[("manual", "handle_oom", "applied")] == 1
+
+
+def test_latency_histograms_count_from_the_requests_arrival(
+    service: Service, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TTFT and request duration ("request arrival to ...") started their clock after the
+    request's grammar (here: logprobs' tokenizer view) was prepared, which for a big schema
+    takes seconds: the slow requests were the ones the histograms under-reported. They count
+    from the HTTP middleware's arrival time now."""
+    slow = 0.5
+    prepare = openai_api._grammar_ready
+
+    def slower(svc: Service, params: Any) -> None:
+        time.sleep(slow)
+        prepare(svc, params)
+
+    monkeypatch.setattr(openai_api, "_grammar_ready", slower)
+    body = {"model": service.model_name, "prompt": "hi", "max_tokens": 1, "logprobs": 1}
+
+    async def post() -> httpx.Response:
+        transport = httpx.ASGITransport(app=create_app(service))
+        async with httpx.AsyncClient(transport=transport, base_url="http://kvguard") as c:
+            return await c.post("/v1/completions", json=body, timeout=120)
+
+    r = asyncio.run(post())
+    assert r.status_code == 200, r.text
+    reg = service.metrics.registry
+    for name in ("kvguard_time_to_first_token_seconds", "kvguard_request_duration_seconds"):
+        assert reg.get_sample_value(f"{name}_count", {"priority": "normal"}) == 1
+        assert reg.get_sample_value(f"{name}_sum", {"priority": "normal"}) >= slow, name

@@ -233,12 +233,16 @@ def test_an_output_a_cap_cut_short_teaches_the_length_estimator_nothing() -> Non
 
 
 def test_halt_and_resume_admission() -> None:
-    engine = make_engine()
+    engine = make_engine(admission=AdmissionConfig())
+    decisions = engine.admission.decisions
     engine.halt_admission("high")
     engine.step()
     with pytest.raises(AdmissionRejected, match="halted") as err:
         engine.add_request(PROMPTS[0], greedy(4), priority="normal")
     assert err.value.decision.kind == "halted"
+    # counted as refused (kvguard_admission_decisions_total, the reject-ratio recording rule):
+    # a halt's refusals went uncounted, so the reject rate read 0 exactly while it refused
+    assert decisions == {"admit": 0, "queue": 0, "reject": 1}
     assert "only high requests are admitted (this one is normal)" in err.value.decision.reason
     rid = engine.add_request(PROMPTS[0], greedy(4), priority="high")
     engine.resume_admission()

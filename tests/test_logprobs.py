@@ -4,6 +4,7 @@ log-softmax, aligned per request in a mixed batch, and served through the OpenAI
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -62,12 +63,8 @@ def test_each_sampled_token_gets_the_models_log_probability(smollm_engine: LLMEn
         if p.greedy:  # the drawn token is the most likely one
             assert all(lp.top[0] == (lp.token_id, lp.logprob) for lp in lps)
     # the sampled request's draws do not depend on whether it asked for log-probabilities
-    again = eng.generate([prompts[2]], [SamplingParams(**{**_fields(params[2]), "logprobs": None})])
+    again = eng.generate([prompts[2]], [dataclasses.replace(params[2], logprobs=None)])
     assert again[0].token_ids == outs[2].token_ids
-
-
-def _fields(p: SamplingParams) -> dict:
-    return {name: getattr(p, name) for name in p.__slots__}
 
 
 def test_streamed_deltas_carry_their_tokens_log_probabilities(smollm_engine: LLMEngine) -> None:

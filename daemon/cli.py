@@ -242,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     # worker: a served 82-token prompt took 0.39-0.74 s against 0.21-0.30 s. On cores shared
     # with other busy work, OMP_WAIT_POLICY=PASSIVE in the environment can serve better.
     handler: Handler = args.func
+    from kvguard.engine.distributed.errors import RankFailure
     from kvguard.engine.model_config import ModelLoadError  # after parsing: --help stays fast
 
     try:
@@ -250,7 +251,9 @@ def main(argv: list[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # no second error as Python flushes at exit
         return 128 + signal.SIGPIPE
-    except (ModelLoadError, ValueError, OSError) as e:  # ConfigError is a ValueError
+    # ConfigError is a ValueError; a RankFailure here is a start a rank failed (one while
+    # serving ends the daemon through the engine loop, with its own exit status)
+    except (ModelLoadError, ValueError, OSError, RankFailure) as e:
         print(f"kvguard: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:

@@ -3,8 +3,10 @@ real `kvguard serve` and `kvguard worker` processes on loopback (see tests/test_
 
 A rank that fails before it joins the process group, or that resolved another model than rank
 0's, must fail the start at once naming the rank and why, never leave rank 0 waiting out the
-group's start-up timeout or serving wrong tokens; a worker must read $KVGUARD_LOG_LEVEL as the
-daemon does; a second SIGTERM must not log the workers it stops as an engine failure."""
+group's start-up timeout or serving wrong tokens; so must a rank that fails after it said it is
+joining (forming the group, loading its shards, or killed), wherever rank 0 is then, and every
+other rank must be stopped; a worker must read $KVGUARD_LOG_LEVEL as the daemon does; a second
+SIGTERM must not log the workers it stops as an engine failure."""
 
 from __future__ import annotations
 
@@ -24,9 +26,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from kvguard.engine import EngineConfig, LLMEngine
+from kvguard.engine.config import DistributedConfig
+from kvguard.engine.distributed import driver
+from kvguard.engine.distributed.errors import RankFailure
+from kvguard.engine.model_runner import ModelRunner
 from kvguard.engine.tiny_model import tiny_weights
 from tests.test_multinode import Cluster
 from tests.test_server import KVGUARD, TOKEN, free_port, until
+from tests.test_tensor_parallel import _children
 from tests.test_tensor_parallel_serve import alive, ask, tensor_parallel
 
 TINY_CPU = "{model: tiny, device: cpu, kv_cache_bytes: 8MiB, max_model_len: %d%s}"
@@ -44,7 +52,7 @@ def odd_home(tmp: Path, tiny_dir: Path, model_home: Path) -> Path:
     return home / "models" / "tiny"
 
 
-def start_remote(c: Cluster, home: Path) -> subprocess.Popen:
+def start_remote(c: Cluster, home: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
     """`kvguard worker` as rank 1, resolving the model in `home` (its host's cache)."""
     with open(c.tmp / "worker.log", "w") as log:
         c.worker = subprocess.Popen(
@@ -52,7 +60,7 @@ def start_remote(c: Cluster, home: Path) -> subprocess.Popen:
             + ["--world-size", "2", "--authkey-file", str(c.key)],
             stdout=log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "KVGUARD_HOME": str(home)},
+            env={**os.environ, "KVGUARD_HOME": str(home), **(env or {})},
         )
     return c.worker
 
@@ -72,12 +80,18 @@ def exit_before_ready(c: Cluster, timeout: float) -> int:
     return rc
 
 
-def refused(tmp_path: Path, home: Path, timeout: float = REFUSED_WITHIN_S) -> tuple[str, float]:
-    """Start a cluster whose remote rank uses `home`; the daemon must exit non-zero before READY
-    within `timeout`. Its log, and seconds from the worker's start to the daemon's exit."""
+def refused(
+    tmp_path: Path,
+    home: Path,
+    timeout: float = REFUSED_WITHIN_S,
+    env: dict[str, str] | None = None,
+) -> tuple[str, float]:
+    """Start a cluster whose remote rank uses `home` (and `env` on its host); the daemon must
+    exit non-zero before READY within `timeout`. Its log, and seconds from the worker's start
+    to the daemon's exit."""
     c = Cluster(tmp_path)
     try:
-        worker = start_remote(c, home)
+        worker = start_remote(c, home, env)
         t0 = time.monotonic()
         assert exit_before_ready(c, timeout) != 0
         took = time.monotonic() - t0
@@ -136,7 +150,170 @@ def test_a_remote_rank_with_other_shapes_is_refused_before_ready(
     ), log
 
 
+# -- a rank that fails after it said it is joining -------------------------------------------
+def test_a_remote_rank_that_fails_to_form_the_group_fails_the_start_at_once(
+    tmp_path: Path, remote_tiny: Path
+) -> None:
+    """Rank 1 has said it is joining (with rank 0's model), then cannot open the group: its
+    host's GLOO_SOCKET_IFNAME names no interface. Rank 0 waited in the group's rendezvous for
+    the start-up timeout (ten minutes); it must fail at once with rank 1's own error."""
+    env = {"GLOO_SOCKET_IFNAME": "kvguard-none0"}
+    log, took = refused(tmp_path, remote_tiny.parents[1], env=env)
+    line = next(ln for ln in log.splitlines() if "tensor-parallel rank 1 failed to start" in ln)
+    assert "kvguard-none0" in line, log
+    assert took < REFUSED_WITHIN_S
+
+
+def tiny_engine(home: Path, tp: int = 1, pp: int = 2, **kw: object) -> LLMEngine:
+    """The tiny model from `home`'s cache, in-process, at tensor x pipeline parallel."""
+    config = EngineConfig(
+        model="tiny",
+        home=home,
+        device="cpu",
+        kv_cache_bytes="8MiB",
+        max_model_len=512,
+        tensor_parallel=tp,
+        pipeline_parallel=pp,
+        **kw,
+    )
+    return LLMEngine.from_config(config, progress=False)
+
+
+def test_a_remote_rank_that_fails_to_form_the_group_stops_its_healthy_remote_peer(
+    tmp_path: Path, model_home: Path, tiny_dir: Path
+) -> None:
+    """pp 2 x tp 2 with stage 1 (ranks 2 and 3) on "another host": rank 2 cannot open the group
+    (no such interface). The start fails naming it, and rank 3, waiting in the store for rank 2
+    (it reads nothing else until the group forms), must end too, not wait out the store."""
+    key = tmp_path / "worker.key"
+    key.write_text("a shared secret for this test\n")
+    port = free_port()
+    workers = []
+    for rank, env in ((2, {"GLOO_SOCKET_IFNAME": "kvguard-none0"}), (3, {})):
+        with open(tmp_path / f"worker-{rank}.log", "w") as log:
+            workers.append(
+                subprocess.Popen(
+                    [KVGUARD, "worker", "--master", f"127.0.0.1:{port}", "--rank", str(rank)]
+                    + ["--world-size", "4", "--authkey-file", str(key)],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env={**os.environ, **env},
+                )
+            )
+    remote = DistributedConfig(
+        remote_ranks=(2, 3), master_port=port, authkey_file=key, join_timeout_s=120.0
+    )
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(RankFailure) as err:
+            tiny_engine(model_home, tp=2, pp=2, distributed=remote)
+        assert time.monotonic() - t0 < REFUSED_WITHIN_S
+        assert err.value.rank == 2 and "kvguard-none0" in str(err.value), err.value
+        assert [w.wait(REFUSED_WITHIN_S) for w in workers] == [1, 1]
+    finally:
+        for w in workers:
+            if w.poll() is None:
+                w.kill()
+                w.wait(30)
+
+
 # -- local ranks ------------------------------------------------------------------------------
+@pytest.fixture
+def bad_stage_1(remote_tiny: Path) -> Path:
+    """A cache whose tiny model has a layer-1 tensor of the wrong shape: the ranks of pipeline
+    stage 1 fail loading their shards after they have joined; stage 0 (rank 0) loads fine."""
+    weights = load_file(str(remote_tiny / "model.safetensors"))
+    weights["model.layers.1.mlp.down_proj.weight"] = torch.zeros(64, 96)
+    save_file(weights, str(remote_tiny / "model.safetensors"), {"format": "pt"})
+    return remote_tiny.parents[1]
+
+
+BAD_SHAPE = (
+    "failed to start: ModelLoadError: tensor 'model.layers.1.mlp.down_proj.weight' has shape "
+    "(64, 96), expected size 128 along dim 1"
+)
+
+
+def test_ranks_that_cannot_load_their_shards_fail_the_start_naming_one_and_stop_every_rank(
+    bad_stage_1: Path,
+) -> None:
+    """pp 2 x tp 2: ranks 2 and 3 fail loading; rank 0 (in its load or in the KV agreement, a
+    collective whose gloo error named no rank) must raise the failed rank's own error, and rank
+    1, which loaded fine, must be stopped."""
+    before = set(_children())
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure) as err:
+        tiny_engine(bad_stage_1, tp=2, pp=2)
+    assert time.monotonic() - t0 < REFUSED_WITHIN_S
+    assert err.value.rank in (2, 3) and BAD_SHAPE in str(err.value), err.value
+    assert not set(_children()) - before
+
+
+def test_a_rank_failing_while_rank_0_loads_is_named_once_the_load_ends(
+    bad_stage_1: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A big model loads for minutes on rank 0 (here: a load held a few seconds). Rank 1
+    failing meanwhile is not interrupted into the load (an exception raised into a thread may
+    land inside an import and leave a module half-initialised: a later start in the process
+    then failed in torch's sympy); it is named, with its reason, as soon as the load ends,
+    instead of rank 0 then waiting in a start-up collective."""
+    load = ModelRunner.from_config
+    held_s = 3.0
+
+    def slow_load(cls: type[ModelRunner], *args: object, **kw: object) -> ModelRunner:
+        time.sleep(held_s)
+        return load(*args, **kw)
+
+    monkeypatch.setattr(ModelRunner, "from_config", classmethod(slow_load))
+    before = set(_children())
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure) as err:
+        tiny_engine(bad_stage_1)
+    assert held_s <= time.monotonic() - t0 < held_s + REFUSED_WITHIN_S
+    assert err.value.rank == 1 and BAD_SHAPE in str(err.value), err.value
+    assert not set(_children()) - before
+
+
+def exited(pid: int) -> bool:
+    """Whether the process `pid` has ended with every thread (its sockets closed): its main
+    thread turns zombie first, while the others may still be on their way out."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return True
+    return "State:\tZ" in status and "Threads:\t1\n" in status
+
+
+def test_a_rank_killed_after_it_said_joining_fails_the_start_at_once(
+    tiny_dir: Path, model_home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 1 dies (killed, as by the OOM killer) once it has said it is joining, before the
+    group has formed: rank 0 waited in the rendezvous, or retried connecting to the dead rank,
+    for the start-up timeout; it must fail at once naming rank 1 and how it died, and leave
+    nothing behind that stops the next start in this process from forming its group."""
+    join = driver.join_group
+    before = set(_children())
+    killed: list[int] = []
+
+    def kill_rank_1_then_join(rank: int, *args: object) -> object:
+        (pid,) = set(_children()) - before
+        os.kill(pid, signal.SIGKILL)
+        until(lambda: exited(pid), 30, "rank 1 to die")
+        killed.append(pid)
+        return join(rank, *args)
+
+    monkeypatch.setattr(driver, "join_group", kill_rank_1_then_join)
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure) as err:
+        tiny_engine(model_home)
+    assert time.monotonic() - t0 < REFUSED_WITHIN_S
+    assert err.value.rank == 1, err.value
+    assert f"(pid {killed[0]}) died: killed by signal 9 while starting" in str(err.value)
+    assert not set(_children()) - before
+    monkeypatch.undo()
+    tiny_engine(model_home).shutdown()
+
+
 class Serve:
     """`kvguard serve` of the tiny model on the CPU, killed at the end whatever happened."""
 

@@ -36,12 +36,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from kvguard.engine.config import EngineConfig
 from kvguard.engine.distributed.errors import RankFailure
 from kvguard.engine.distributed.fingerprint import differences, model_fingerprint
 from kvguard.engine.distributed.rendezvous import RendezvousServer, peer_closed
 from kvguard.engine.distributed.sharding import check_tensor_parallel, stage_layers
+from kvguard.engine.distributed.startup import (
+    StartupWatch,
+    WatchedStore,
+    failure_text,
+)
 from kvguard.engine.distributed.step_message import KVOp, StepEncoder
 from kvguard.engine.distributed.worker import (
     LOOPBACK,
@@ -88,33 +94,38 @@ class WorkerHandle:
         how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
         return f"(pid {self.process.pid}) died: {how}"
 
-    def wait_ready(self, deadline: float) -> None:
-        self.info = self.wait_for("ready", deadline)
-
-    def wait_for(self, want: str, deadline: float) -> Any:
-        """The data of this worker's next message, which must be `want`; RankFailure if it
-        reports a failure, dies, or says nothing before `deadline`."""
-        while True:
-            if (got := self.poll_for(want, 0.1)) is not None:
-                return got[0]
-            if time.monotonic() >= deadline:
-                raise RankFailure(self.rank, f"did not report {want} in time")
-
     def poll_for(self, want: str, timeout: float = 0.0) -> tuple[Any] | None:
         """(data,) if this worker's next message, `want`, has come within `timeout`; None if
         nothing has; RankFailure if it reported a failure or died."""
-        if self.conn.poll(timeout):
-            try:
-                kind, data = self.conn.recv()
-            except (EOFError, OSError):
-                why = self.death() or "closed its connection"
-                raise RankFailure(self.rank, f"{why} while starting") from None
-            if kind == want:
-                return (data,)
-            raise RankFailure(self.rank, f"failed to start: {data}")
-        if (why := self.death()) is not None:
-            raise RankFailure(self.rank, f"{why} while starting")
-        return None
+        if (got := self.next_message(timeout)) is None:
+            return None
+        kind, data = got
+        if kind == want:
+            return (data,)
+        if kind == "gone":
+            raise RankFailure(self.rank, f"{data} while starting")
+        raise RankFailure(self.rank, f"failed to start: {failure_text(data)}")
+
+    def next_message(self, timeout: float = 0.0) -> tuple[str, Any] | None:
+        """This worker's next message (kind, data) if one comes within `timeout`, else None;
+        ("gone", why) once it has died or hung up, after whatever it sent before."""
+        if not self.conn.poll(timeout):
+            if (why := self.death()) is None:
+                return None
+            if not self.conn.poll(0):  # else its last words came just before it died: read them
+                return ("gone", why)
+        try:
+            return self.conn.recv()
+        except (EOFError, OSError):
+            return ("gone", self.gone())
+
+    def gone(self) -> str:
+        """Why this worker, whose connection has closed, is gone: its exit status once it shows
+        (a process closes its sockets a moment before it can be reaped)."""
+        deadline = time.monotonic() + DEATH_GRACE_S
+        while (why := self.death()) is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return why or "closed its connection"
 
 
 @dataclass(slots=True)
@@ -157,7 +168,8 @@ class TensorParallelRunner(ModelRunner):
     def launch(cls, config: EngineConfig, path: Path, mcfg: ModelConfig) -> TensorParallelRunner:
         """Spawn the workers, form the group, load rank 0's shards; every rank is ready when
         this returns, or all are stopped and the reason raised. Rank 0 joins the group only
-        once every worker has said it is joining, with the same model (`_check_joining`)."""
+        once every worker has said it is joining, with the same model (`_check_joining`); a
+        worker that fails after that ends the start within seconds too (see startup.py)."""
 
         size = config.world_size
         check_tensor_parallel(mcfg, config.tensor_parallel)
@@ -168,6 +180,7 @@ class TensorParallelRunner(ModelRunner):
         _set_interface(config.distributed.interface if remote else LOOPBACK)
         workers: list[WorkerHandle] = []
         server = _open_rendezvous(config, str(rendezvous)) if remote else None
+        watch: StartupWatch | None = None
         try:
             for rank in range(1, size):
                 if rank not in remote:
@@ -178,14 +191,22 @@ class TensorParallelRunner(ModelRunner):
             torch.set_num_threads(config.num_threads or threads_per_rank(size))
             deadline = time.monotonic() + STARTUP_TIMEOUT_S
             _check_joining(workers, path, mcfg, deadline)
-            tp, stage = join_group(0, config, layers, str(rendezvous), backend)
+            # From here a worker that fails or dies ends rank 0's start within seconds while it
+            # forms the group or waits in a start-up collective, and is named once rank 0 has
+            # loaded its own shards (startup.py: why the load itself is not interrupted).
+            watch = StartupWatch(workers)
+            store = WatchedStore(dist.FileStore(str(rendezvous), size), watch)
+            tp, stage = join_group(0, config, layers, store, backend)
             runner = ModelRunner.from_config(config, path, mcfg, tp, stage)
-            deadline = time.monotonic() + STARTUP_TIMEOUT_S
-            for w in workers:
-                w.wait_ready(deadline)
-        except BaseException:
+            watch.wait_ready(time.monotonic() + STARTUP_TIMEOUT_S)
+        except BaseException as e:
+            failure = None if watch is None else watch.explain(e, DEATH_GRACE_S)
+            if server is not None:
+                server.hang_up()  # a remote rank waiting in the store: it reads no stop
             _stop(workers)
             _leave_group()
+            if failure is not None:  # the error rank 0 met, unless it was only the interruption
+                raise failure from e
             raise
         finally:
             if server is not None:
@@ -325,8 +346,6 @@ class TensorParallelRunner(ModelRunner):
         k+1 while the next stage computes k; then it takes the logits back in the same order.
         Every micro-batch's tokens return within this call: no sequence is scheduled again
         before its token is in, and the result is the one-batch result, row for row."""
-        import torch.distributed as dist
-
         sends, rows, outs = [], [], []
         dst = self.stage.world.rank + self.stage.tp_size
         try:
@@ -522,10 +541,22 @@ def _stop(workers: list[WorkerHandle]) -> None:
 
 
 def _leave_group() -> None:
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         try:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - a broken group may not tear down cleanly
             log.warning("process group did not tear down cleanly", exc_info=True)
+    else:
+        _forget_group_names()
+
+
+def _forget_group_names() -> None:
+    """After a start that failed while the group formed: torch numbers this process's groups,
+    and the failed default group kept its number (destroy_process_group, which resets the
+    count, needs a group that formed). The next start here would look for its peers' keys
+    under another number than fresh workers write them, and wait out the start-up timeout."""
+    from torch.distributed import distributed_c10d
+
+    world = getattr(distributed_c10d, "_world", None)
+    if world is not None and hasattr(world, "group_count"):  # torch 2.x; absent: nothing to do
+        world.group_count = 0

@@ -287,6 +287,14 @@ class RendezvousServer:
     def _complete(self) -> bool:
         return all(r in self.joined and r in self._stores for r in self.remote)
 
+    def hang_up(self) -> None:
+        """The start failed: end every remote rank's store channel, so that a rank waiting in
+        the store for the group to form gives up at once (it reads nothing else until then)."""
+        with self._cond:
+            stores = list(self._stores.values())
+        for conn in stores:
+            _hang_up(conn)
+
     def close(self) -> None:
         """Stop listening: once the group has formed nobody else may join."""
         self._closing = True

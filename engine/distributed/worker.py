@@ -150,8 +150,11 @@ def worker_main(args: WorkerArgs, conn: Connection, store: Any = None) -> bool:
         }
         conn.send(("ready", info))
     except Exception as e:  # noqa: BLE001 - tell rank 0 why, then exit non-zero
+        # when: a rank whose collective broke because another rank failed first fails too,
+        # later; rank 0 names the first (clocks of one host agree)
+        when = time.time()
         log.exception("rank %d failed to start", rank)
-        _send(conn, ("failed", f"{type(e).__name__}: {e}"))
+        _send(conn, ("failed", {"error": f"{type(e).__name__}: {e}", "at": when}))
         os._exit(1)
     return Worker(runner, conn).run()
 

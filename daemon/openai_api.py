@@ -503,6 +503,16 @@ def _utf8_decoder() -> codecs.IncrementalDecoder:
     return codecs.getincrementaldecoder("utf-8")(errors="replace")
 
 
+def _text_at(utf8: codecs.IncrementalDecoder, made: int, raw: bytes) -> tuple[int, int]:
+    """Where a token of bytes `raw` is in a text of which `utf8` has made `made` characters:
+    the character its first byte begins or continues (a byte that ends a character, or is
+    replaced, is in the last one it makes; one still pending begins the next), and how many
+    characters the text has with it."""
+    head = utf8.decode(raw[:1])
+    pending = bool(utf8.getstate()[0]) or not raw
+    return made + len(head) - (0 if pending else 1), made + len(head) + len(utf8.decode(raw[1:]))
+
+
 # tokenizer -> token id -> whether decoding leaves the token out of the text (event loop only)
 _SKIPPED: weakref.WeakKeyDictionary[Tokenizer, dict[int, bool]] = weakref.WeakKeyDictionary()
 
@@ -612,12 +622,8 @@ class _Ctx:
             if k >= shown and _skipped(tok, lp.token_id):
                 offsets.append(made)  # where the next character starts (or the one pending)
                 continue
-            # the character its first byte begins or continues: a byte that ends a character
-            # (or is replaced) is in the last one it makes, one still pending begins the next
-            head = utf8.decode(raw[:1])
-            pending = bool(utf8.getstate()[0]) or not raw
-            offsets.append(made + len(head) - (0 if pending else 1))
-            made += len(head) + len(utf8.decode(raw[1:]))
+            at, made = _text_at(utf8, made, raw)
+            offsets.append(at)
         self.text_offset[index] = (utf8, made)
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
                 "text_offset": offsets}  # fmt: skip
@@ -631,6 +637,21 @@ class _Ctx:
         if lps and self.kind == "chat.completion" and self.ended_by_eos(out):
             return lps[:-1]
         return lps
+
+    def kept_logprobs(self, out: RequestOutput) -> list[TokenLogprob] | None:
+        """A final output's answer log-probabilities (`answer_logprobs`) but those of the
+        tokens a stop string cut off (`_Places`), as a stream of it carries them."""
+        lps = self.answer_logprobs(out, out.final_logprobs)
+        if lps is None:
+            return None
+        places = _Places(self)
+        places.add(lps)
+        return places.take(len(out.text)) + places.rest(self.stop_cut(out))
+
+    def stop_cut(self, out: RequestOutput) -> bool:
+        """Whether a stop string may have cut a final output's text: tokens' text past its
+        end, if any, was cut off."""
+        return out.finish_reason == "stop" and bool(self.params.stop)
 
     def ended_by_eos(self, out: RequestOutput) -> bool:
         """Whether a final output's last token is the end-of-sequence token that ended it."""
@@ -647,10 +668,10 @@ class _Ctx:
         """A completion's logprobs with `echo`: the prompt's tokens first (the first has none,
         as OpenAI's answer has it), then the generated ones."""
         if out.final_prompt_logprobs is None:
-            return self.logprobs(out.final_logprobs, index)
+            return self.logprobs(self.kept_logprobs(out), index)
         first = TokenLogprob(out.prompt_token_ids[0], 0.0)
         prompt = [first, *out.final_prompt_logprobs]
-        lps = self.logprobs([*prompt, *out.final_logprobs], index, len(prompt))
+        lps = self.logprobs([*prompt, *(self.kept_logprobs(out) or ())], index, len(prompt))
         lps["token_logprobs"][0] = lps["top_logprobs"][0] = None
         return lps
 
@@ -980,6 +1001,47 @@ def _prompt_tokens(outs: dict[int, RequestOutput], n: int) -> int:
     return sum({i // n: o.num_prompt_tokens for i, o in outs.items()}.values())
 
 
+class _Places:
+    """A choice's generated tokens' log-probabilities, each with where its text begins in the
+    answer's text (as a completion's `text_offset` has it; None for a token the text leaves
+    out, `_skipped`), so that they go out with their text: a streamed chunk carries those of
+    the tokens whose text begins in the text it and the chunks before it carry, and where a
+    stop string cut the text, the tokens whose text begins at or past the cut have none (one
+    the cut splits keeps its entry, its text beginning before it). A streamed answer and a
+    whole one list the same entries."""
+
+    def __init__(self, ctx: _Ctx) -> None:
+        self.engine = ctx.service.engine
+        self.utf8, self.made = _utf8_decoder(), 0
+        self.waiting: list[tuple[TokenLogprob, int | None]] = []
+
+    def add(self, lps: Sequence[TokenLogprob] | None) -> None:
+        for lp in lps or ():
+            if _skipped(self.engine.tokenizer, lp.token_id):
+                self.waiting.append((lp, None))
+                continue
+            raw = self.engine.grammars.token_bytes(lp.token_id)
+            at, self.made = _text_at(self.utf8, self.made, raw)
+            self.waiting.append((lp, at))
+
+    def take(self, shown: int) -> list[TokenLogprob]:
+        """The waiting tokens whose text begins in the text's first `shown` characters, and
+        those the text leaves out among them, in order."""
+        n = 0
+        for _, at in self.waiting:
+            if at is not None and at >= shown:
+                break
+            n += 1
+        taken, self.waiting = self.waiting[:n], self.waiting[n:]
+        return [lp for lp, _ in taken]
+
+    def rest(self, cut: bool) -> list[TokenLogprob]:
+        """At the answer's end, after `take` of its whole text: the tokens still waiting, or
+        none where a stop string cut the text (they came after the cut)."""
+        rest, self.waiting = self.waiting, []
+        return [] if cut else [lp for lp, _ in rest]
+
+
 def _full_response(ctx: _Ctx, outs: Sequence[RequestOutput]) -> dict[str, Any]:
     choices = []
     for i, out in enumerate(outs):
@@ -992,7 +1054,7 @@ def _full_response(ctx: _Ctx, outs: Sequence[RequestOutput]) -> dict[str, Any]:
                 "index": i,
                 "message": message,
                 "finish_reason": out.finish_reason if calls is None else "tool_calls",
-                "logprobs": ctx.logprobs(ctx.answer_logprobs(out, out.final_logprobs), i),
+                "logprobs": ctx.logprobs(ctx.kept_logprobs(out), i),
             }
         else:
             choice = {
@@ -1079,24 +1141,25 @@ async def _sse(
     first = [True] * len(outs)
     held = [tools.CallStream() if ctx.tools else None for _ in outs]
     finals: dict[int, RequestOutput] = {}
-    # tokens' log-probabilities go out with the chunk that carries their text (text held back
-    # for a stop string or a split character waits, and so do they), the rest with the end
-    pending: list[list[TokenLogprob]] = [[] for _ in outs]
+    # tokens' log-probabilities go out with the chunk that carries the text they begin (text
+    # held back for a stop string or a split character waits, and so do they), the rest with
+    # the end, but those of tokens a stop string cut off (_Places)
+    places = [_Places(ctx) for _ in outs]
+    shown = [0] * len(outs)  # characters of each choice's text the engine has handed out
     try:
         async with contextlib.aclosing(_merged(outs)) as outputs:
             async for i, out in outputs:
-                pending[i].extend(ctx.answer_logprobs(out, out.new_logprobs) or ())
+                places[i].add(ctx.answer_logprobs(out, out.new_logprobs))
+                shown[i] += len(out.new_text)
                 text, deltas, hold = out.new_text, [], held[i]
                 if hold is not None:
                     text, deltas = hold.feed(text or "")
                     text += hold.flush() if out.finished else ""
                 carries = bool(text or deltas)  # a chunk without text carries no logprobs
                 if carries or first[i]:
-                    lps = pending[i] if carries else None
+                    lps = places[i].take(shown[i]) if carries else None
                     yield _sse_line(_chunk(ctx, text, None, first[i], lps, i, deltas))
                     first[i] = False
-                    if carries:
-                        pending[i] = []
                 if not out.finished:
                     continue
                 finals[i] = out
@@ -1106,7 +1169,8 @@ async def _sse(
                 finish = out.finish_reason
                 if hold is not None and hold.finish() is not None:
                     finish = "tool_calls"
-                end = _chunk(ctx, None, finish, False, pending[i], i)
+                lps = places[i].take(shown[i]) + places[i].rest(ctx.stop_cut(out))
+                end = _chunk(ctx, None, finish, False, lps, i)
                 end["kvguard"] = _kvguard_ext(ctx, [out])
                 yield _sse_line(end)
         if include_usage:

@@ -245,7 +245,9 @@ class CallStream:
     show now (nothing while the text may still be calls; all of it once it cannot) and the
     calls' stream deltas: a call's id and name once its head is complete, then its arguments'
     JSON text as it comes (the end of the arguments is found by scanning the JSON, strings
-    and escapes included, so a `</tool_call>` inside a string is an argument's text)."""
+    and escapes included, so a `</tool_call>` inside a string is an argument's text). One
+    feed's deltas hold at most one entry a call, as an OpenAI chunk does: a head read with
+    the first of its arguments carries them."""
 
     def __init__(self) -> None:
         self.text = ""
@@ -297,7 +299,9 @@ class CallStream:
                 continue
             if not self._closing:
                 piece, self._closing = self._scan()
-                if piece:
+                if piece and deltas and deltas[-1]["index"] == len(self.calls) - 1:
+                    deltas[-1]["function"]["arguments"] += piece  # one entry a call a feed
+                elif piece:
                     deltas.append(self._delta(piece))
                 if not self._closing:
                     return deltas

@@ -189,3 +189,84 @@ def test_streamed_completion_chunks_without_text_carry_no_logprobs(
     for ch in chunks:
         if not ch.choices[0].text and not ch.choices[0].finish_reason:
             assert ch.choices[0].logprobs is None or not ch.choices[0].logprobs.tokens, ch
+
+
+# -- a stop string: entries for the text it leaves, streamed and not ---------------------------
+@pytest.fixture(scope="module")
+def drafting_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    """smollm2 with drafts: an engine output often holds several tokens, so a chunk's text can
+    end inside what its tokens wrote (the tail held back as the start of a stop string)."""
+    d = Daemon(
+        tmp_path_factory.mktemp("drafting"),
+        debug_hooks=False,
+        serving=f"{{model: {SMOLLM}, kv_cache_bytes: 64MiB, max_model_len: 1024, "
+        "speculative_tokens: 4, speculative_row_cost: 0}",
+    )
+    yield d
+    assert d.stop() == 0
+
+
+COUNT = "1, 2, 3, 4, 5, 6,"  # greedy smollm2-135m continues it ' 7, 8, 9, 10, ...'
+REPEAT = [{"role": "user", "content": "Repeat this text exactly:\n\n1, 2, 3, 4, 5, 6, 7, 8, 9, 10"}]
+
+
+@pytest.mark.parametrize(
+    ("stop", "text", "tokens", "cut"),
+    [
+        (" 9", " 7, 8,", [" ", "7", ",", " ", "8", ","], 2),  # ' ' and '9' are cut off
+        ("ari", " P", [" Paris"], 0),  # the token the cut splits keeps its entry
+        (" P", "", [], 1),
+    ],
+    ids=["between-tokens", "inside-a-token", "at-the-start"],
+)
+def test_a_stop_string_cuts_a_completion_s_logprobs_with_its_text(
+    drafting_daemon: Daemon, stop: str, text: str, tokens: list[str], cut: int
+) -> None:
+    """The tokens whose text begins at or past the cut have no entry (usage counts them): the
+    offsets index the text, streamed and not, and a chunk carries the entries of the tokens
+    whose text begins in it."""
+    c = drafting_daemon.client()
+    prompt = COUNT if stop == " 9" else "The capital of France is"
+    ask = {"model": SMOLLM, "prompt": prompt, "max_tokens": 20, "temperature": 0, "logprobs": 0}
+    full = c.completions.create(**ask, stop=[stop])
+    choice = full.choices[0]
+    lp = choice.logprobs
+    assert (choice.text, choice.finish_reason, lp.tokens) == (text, "stop", tokens)
+    assert full.usage.completion_tokens == len(tokens) + cut  # the cut ones were generated
+    assert "".join(lp.tokens).startswith(text) and len(lp.text_offset) == len(tokens)
+    assert lp.text_offset == sorted(lp.text_offset) and all(o < len(text) for o in lp.text_offset)
+    chunks = [ch.choices[0] for ch in c.completions.create(**ask, stop=[stop], stream=True)
+              if ch.choices]  # fmt: skip
+    assert "".join(ch.text for ch in chunks) == text
+    streamed = [ch.logprobs for ch in chunks if ch.logprobs]
+    assert [t for s in streamed for t in s.tokens] == lp.tokens
+    assert [o for s in streamed for o in s.text_offset] == lp.text_offset
+    if stop == " 9":  # tokens of whole characters: a chunk's are its text
+        assert all("".join(ch.logprobs.tokens if ch.logprobs else ()) == ch.text for ch in chunks)
+
+
+@pytest.mark.parametrize(
+    ("stop", "content"),
+    [(" 9", "1, 2, 3, 4, 5, 6, 7, 8,"), ("6, 7", "1, 2, 3, 4, 5, ")],
+    ids=["space-then-digit", "several-tokens"],
+)
+def test_a_stop_string_cuts_a_chat_answer_s_logprobs_with_its_content(
+    drafting_daemon: Daemon, stop: str, content: str
+) -> None:
+    """A chat answer cut by a stop string: its entries' bytes add up to its content, streamed
+    and not, and each chunk's to the content it carries."""
+    c = drafting_daemon.client()
+    ask = {"model": SMOLLM, "messages": REPEAT, "max_tokens": 40, "temperature": 0,
+           "logprobs": True, "stop": [stop]}  # fmt: skip
+    full = c.chat.completions.create(**ask)
+    choice = full.choices[0]
+    assert (choice.message.content, choice.finish_reason) == (content, "stop")
+    entries = choice.logprobs.content
+    assert b"".join(bytes(e.bytes) for e in entries) == content.encode()
+    chunks = [ch.choices[0] for ch in c.chat.completions.create(**ask, stream=True) if ch.choices]
+    assert "".join(ch.delta.content or "" for ch in chunks) == content
+    for ch in chunks:
+        got = b"".join(bytes(e.bytes) for e in (ch.logprobs.content if ch.logprobs else ()))
+        assert got == (ch.delta.content or "").encode(), ch
+    streamed = [e for ch in chunks if ch.logprobs for e in ch.logprobs.content]
+    assert [(e.token, e.bytes) for e in streamed] == [(e.token, e.bytes) for e in entries]

@@ -137,6 +137,32 @@ def test_calls_stream_as_they_are_written() -> None:
     assert content == "" and deltas and stream.finish() is None
 
 
+def test_a_feed_gives_one_delta_a_call() -> None:
+    """Text that completes a call's head and begins its arguments in one feed (several tokens
+    in one engine output) gives one entry for that call, its head with those arguments, as an
+    OpenAI chunk has at most one entry a call; a later call in the same feed has its own."""
+    one = '<tool_call>{"name": "get_time", "arguments": {"city": "Oslo"}}</tool_call>'
+    two = one.replace("get_time", "get_weather").replace("Oslo", "Rome")
+    a, b = one.index("city") + 2, two.index("Rome") + 1  # into each call's arguments
+    stream = tools.CallStream()
+    shown, deltas = stream.feed(one[:a])  # the head and '{"ci'
+    assert shown == "" and len(deltas) == 1, deltas
+    (head,) = deltas
+    assert (head["index"], head["function"]) == (0, {"name": "get_time", "arguments": '{"ci'})
+    assert head["type"] == "function" and head["id"].startswith("call_")
+    shown, deltas = stream.feed(one[a:] + "\n" + two[:b])  # the first's end, the second's head
+    assert [d["index"] for d in deltas] == [0, 1], deltas
+    assert deltas[0] == {"index": 0, "function": {"arguments": 'ty": "Oslo"}'}}
+    assert deltas[1]["function"] == {"name": "get_weather", "arguments": '{"city": "R'}
+    shown, deltas = stream.feed(two[b:])
+    assert deltas == [{"index": 1, "function": {"arguments": 'ome"}'}}]
+    calls = stream.finish()
+    assert calls is not None and [(c.name, c.arguments) for c in calls] == [
+        ("get_time", '{"city": "Oslo"}'),
+        ("get_weather", '{"city": "Rome"}'),
+    ]
+
+
 def test_the_grammars_hold_answers_to_the_form() -> None:
     """Which texts each tool_choice's grammar accepts, walked token by token by llguidance
     over the tiny model's tokenizer."""
@@ -282,14 +308,21 @@ def test_required_and_named_choices_answer_with_valid_calls(daemon: Daemon) -> N
 
 
 def test_a_streamed_call_is_the_answer_s_call(daemon: Daemon) -> None:
+    """Streamed, the calls are the whole answer's; a chunk holds at most one entry a call (its
+    head carries the first of its arguments where they came with it), as OpenAI's do, so a
+    client reading one entry a chunk misses none of the arguments."""
     kw: dict[str, Any] = {"tool_choice": "required", "temperature": 0, "parallel_tool_calls": False}
     whole = _chat(daemon, **kw).choices[0]
     assert whole.finish_reason == "tool_calls"
     calls: dict[int, dict[str, str]] = {}
-    ends, content = [], ""
+    ends, content, first_entries = [], "", ""
     for chunk in _chat(daemon, stream=True, **kw):
         for c in chunk.choices:
             content += c.delta.content or ""
+            indexes = [tc.index for tc in c.delta.tool_calls or ()]
+            assert len(set(indexes)) == len(indexes), c.delta.tool_calls
+            if c.delta.tool_calls:
+                first_entries += c.delta.tool_calls[0].function.arguments or ""
             for tc in c.delta.tool_calls or ():
                 entry = calls.setdefault(tc.index, {"name": "", "arguments": ""})
                 entry["name"] += tc.function.name or ""
@@ -304,6 +337,7 @@ def test_a_streamed_call_is_the_answer_s_call(daemon: Daemon) -> None:
             for t in whole.message.tool_calls
         ]  # noqa: E501
         assert got == want and content == ""
+        assert first_entries == want[0]["arguments"]  # one call: one entry a chunk
     else:
         assert calls == {} and content == whole.message.content
 

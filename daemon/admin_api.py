@@ -89,8 +89,15 @@ def router(service: Service) -> APIRouter:
     @r.post("/reload")
     async def reload() -> dict[str, Any]:
         """What changed; a refused reload (bad config or rules file) is the caller's to fix, so
-        it answers 400 with the reason, and the running config and rules stay."""
+        it answers 400 with the reason, and the running config and rules stay. One whose engine
+        knobs the engine did not take in time answers 504 `reload_withdrawn` (nothing changed),
+        or 504 `reload_still_applying` if it took them and had not finished (they may yet
+        apply; the log and the audit log say when; nothing else of the file was applied)."""
         res = await asyncio.to_thread(service.reload)
+        if res.get("engine"):  # the engine's wait ran out: withdrawn, or still applying
+            raise ApiError(
+                504, str(res["reason"]), code=f"reload_{res['engine']}", type_="server_error"
+            )
         if not res.get("reloaded"):
             raise ApiError(
                 400, str(res.get("reason", "reload refused")), "config", "reload_refused"

@@ -41,12 +41,13 @@ from kvguard.daemon.control_plane import ControlPlane
 from kvguard.daemon.logging_setup import configure_logging
 from kvguard.daemon.metrics import ControlPlaneCollector, Metrics, TensorParallelCollector
 from kvguard.daemon.nvml import NvmlReader, engine_gpu_ids
+from kvguard.engine.control import ActionResult
 from kvguard.engine.engine_loop import EngineLoop, EngineUnavailable
 from kvguard.engine.host_memory import host_memory_used_ratio
-from kvguard.engine.knobs import KnobField
+from kvguard.engine.knobs import KnobField, KnobPath
 from kvguard.engine.llm_engine import LLMEngine
 from kvguard.engine.snapshot import EngineSnapshot
-from kvguard.rules.actions import run_action
+from kvguard.rules.actions import ActionStillApplying, ActionWithdrawn, await_action, run_action
 from kvguard.rules.schema import RuleSet, load_rules, rules_file
 
 log = logging.getLogger("kvguard.daemon")
@@ -60,7 +61,9 @@ CUT_GRACE_S = 5.0
 FATAL_EXIT_CODE = 1
 FATAL_EXIT_DEADLINE_S = 20.0
 ENGINE_SHUTDOWN_S = 15.0  # stopping the workers: the runner asks, waits, then kills
-RECONFIGURE_TIMEOUT_S = 30.0  # a reload waits this long for the engine to take new knobs
+# A reload waits this long for the engine to take its new knobs at a step boundary (not taken,
+# they are withdrawn: nothing changed), and as long again for it to finish applying them.
+RECONFIGURE_TIMEOUT_S = 30.0
 # what an operator's action withdrawn unapplied (the admin API's wait ran out) is audited with
 MANUAL_WITHDRAWN = (
     "withdrawn before it ran: the engine did not take it while the admin API waited (a long "
@@ -85,6 +88,16 @@ class _Server(uvicorn.Server):
         await super().startup(sockets=sockets)
         if self.started and not self.should_exit:
             self._on_listening()
+
+
+class KnobsNotApplied(RuntimeError):
+    """A reload's engine knobs not in force when the reload ends: `outcome` "withdrawn" (the
+    engine never took them: nothing changed) or "still_applying" (it took them and had not
+    finished: they may yet apply, and are settled when they do)."""
+
+    def __init__(self, message: str, outcome: str) -> None:
+        super().__init__(message)
+        self.outcome = outcome
 
 
 class LoadInterrupted(BaseException):
@@ -117,7 +130,11 @@ class Service:
         self.started = int(time.time())
         self.draining = False
         self._reload_lock = threading.Lock()
+        # set once the engine has settled knobs a reload stopped waiting for (`_knobs_late`):
+        # the next reload waits for it, so that it starts from the config really in force
+        self._knobs_settled: threading.Event | None = None
         self._ready = False
+        self._listening_now = False  # the API accepts connections: READY=1 may go out
         self.engine: LLMEngine
         self.loop: EngineLoop
         self.nvml = NvmlReader()
@@ -169,9 +186,11 @@ class Service:
     def _listening(self) -> None:
         """The API accepts connections: READY=1 and the log's `ready` line now, not when the
         model is loaded (serving starts a second later: a client sent at READY was refused).
-        Not after a fatal failure or a stop signal that came first."""
+        Not after a fatal failure or a stop signal that came first. A reload says READY=1 when
+        it ends only from now on (one that ended before said nothing: this is the first)."""
         if self.draining or self.loop.fatal is not None:
             return
+        self._listening_now = True
         sdnotify.ready(self._status_line())
         log.info("ready: %s", self._status_line())
 
@@ -490,7 +509,9 @@ class Service:
     # -- operations -------------------------------------------------------------------------
     def _sighup_before_serving(self, signum: int, frame: object) -> None:
         """SIGHUP before the event loop handles it: ignored while loading; in the moment
-        between READY and serving, reloaded on a thread (a signal handler must not block)."""
+        between the end of loading and serving, reloaded on a thread (a signal handler must not
+        block). That reload says neither RELOADING=1 nor READY=1 while the API does not listen
+        yet: READY=1 goes out once it does (`_listening`), never before."""
         if not self._ready:
             log.warning("reload ignored: not ready yet (SIGHUP during start-up)")
             return
@@ -509,8 +530,18 @@ class Service:
             return self._reload()
 
     def _reload(self) -> dict[str, Any]:
-        sdnotify.reloading()
+        # Before the API listens systemd has had no READY=1 yet, and the first one comes from
+        # `_listening`: a reload in that moment (SIGHUP) tells it nothing.
+        if self._listening_now:
+            sdnotify.reloading()
         try:
+            busy = self._knobs_settled  # an earlier reload's knobs, still being applied
+            if busy is not None and not busy.wait(RECONFIGURE_TIMEOUT_S):
+                raise KnobsNotApplied(
+                    "the engine is still applying the knobs of an earlier reload (the log says "
+                    "when it has finished): nothing of the file was applied; reload again then",
+                    "still_applying",
+                )
             # started without --config: the built-in defaults stand in for the file, so the
             # rules file (the packaged default) and the flags are read again all the same
             new = apply_overrides(load_config(self.config_path), **self.overrides)
@@ -570,6 +601,19 @@ class Service:
                 "reload", detail=self._config_name, data={"changes": changes, **rules}
             )
             return {"reloaded": True, "changes": changes, "restart_needed": restart, **rules}
+        except KnobsNotApplied as e:  # the engine did not take them, or has not finished
+            if e.outcome == "withdrawn":
+                log.error("reload failed, keeping the running config and rules: %s", e)
+            else:
+                log.error(
+                    "reload failed, keeping the running rules and the rest of the config: %s", e
+                )
+            self.audit.record_event(
+                "config_error",
+                detail=f"reload failed: {self._config_name}",
+                data={"errors": [str(e)], "engine": e.outcome},
+            )
+            return {"reloaded": False, "reason": str(e), "engine": e.outcome}
         except ConfigFileError as e:  # a KeysFileError too
             log.error("reload refused, keeping the running config: %s", e)
             self.audit.record_event(
@@ -587,7 +631,8 @@ class Service:
             )
             return {"reloaded": False, "reason": f"{type(e).__name__}: {e}"}
         finally:
-            sdnotify.ready(self._status_line())
+            if self._listening_now:
+                sdnotify.ready(self._status_line())
 
     @property
     def _config_name(self) -> str:
@@ -609,16 +654,11 @@ class Service:
         live, restart = engine_changes(self.cfg, new)
         if live:
             values = {k.path: k.to_engine(new.knob_value(k)) for k in live}
-            res = self.engine.reconfigure(values).result(timeout=RECONFIGURE_TIMEOUT_S)
+            res = self._reconfigure(values, new, live)
             if not res.ok:  # the engine changed nothing
                 raise ConfigFileError([f"{self._config_name}: {res.detail}"])
-            changes |= {f"{k.knob.section}.{k.file_key}": new.knob_value(k) for k in live}
-        cfg = self.cfg
-        for k in live:
-            section = getattr(cfg, k.knob.section)
-            value = getattr(getattr(new, k.knob.section), k.file_key)  # as the file gives it
-            moved = section.model_copy(update={k.file_key: value})
-            cfg = cfg.model_copy(update={k.knob.section: moved})
+            changes |= _knob_changes(new, live)
+        cfg = _with_knobs(self.cfg, new, live)
         api = cfg.api.model_copy(
             update={"drain_timeout": new.api.drain_timeout, "api_keys_file": new.api.api_keys_file}
         )
@@ -626,6 +666,75 @@ class Service:
             update={"api": api, "rules": new.rules, "prometheus": new.prometheus}
         )
         return changes, restart
+
+    def _reconfigure(
+        self, values: dict[KnobPath, Any], new: DaemonConfig, live: list[KnobField]
+    ) -> ActionResult:
+        """The engine's result of taking a reload's knobs, waited for as a rule's action is
+        (`await_action`): not taken within RECONFIGURE_TIMEOUT_S, they are withdrawn (they
+        never apply: keeping the running config is the truth); taken, their result is waited
+        for as long again. They used to stay in the mailbox after the wait ran out and apply
+        later, the daemon's config and answer saying otherwise. One the engine is still inside
+        then is settled when it finishes (`_knobs_late`); either way KnobsNotApplied says so."""
+        fut = self.engine.reconfigure(values)
+        names = ", ".join(_knob_changes(new, live))
+        try:
+            return await_action(fut, "reconfigure", RECONFIGURE_TIMEOUT_S)
+        except ActionWithdrawn as e:
+            raise KnobsNotApplied(
+                f"the engine did not take {names} within {RECONFIGURE_TIMEOUT_S:g}s (a long "
+                "step or a stalled engine thread): withdrawn, nothing changed",
+                "withdrawn",
+            ) from e
+        except ActionStillApplying as e:
+            self._knobs_late(e.future, new, live)
+            raise KnobsNotApplied(
+                f"the engine took {names} but had not finished applying them "
+                f"{RECONFIGURE_TIMEOUT_S:g}s later: they may still apply, and the log and the "
+                "audit log say so when they do; nothing else of the file was applied (rules, "
+                "keys, timeouts kept): reload again once they have",
+                "still_applying",
+            ) from e
+
+    def _knobs_late(self, fut: Future, new: DaemonConfig, live: list[KnobField]) -> None:
+        """Knobs a reload stopped waiting for, settled when the engine finishes them: the
+        config in force takes them if they applied (so that `self.cfg`, /admin/state and the
+        next reload's comparison say what the engine runs), and the log and the audit log
+        say how it ended. The next reload waits for this first."""
+        settled = self._knobs_settled = threading.Event()
+        knobs = _knob_changes(new, live)
+        names = ", ".join(f"{k}={v}" for k, v in knobs.items())
+
+        def done(f: Future) -> None:  # on the engine thread, as the command finishes
+            try:
+                err = None if f.cancelled() else f.exception()
+                if f.cancelled() or err is not None:
+                    why = "withdrawn" if f.cancelled() else f"{type(err).__name__}: {err}"
+                    log.error("reload: the knobs the engine was applying failed (%s)", why)
+                    self._audit_late("config_error", {"errors": [why]})
+                elif not f.result().ok:
+                    detail = f.result().detail
+                    log.error("reload: the engine refused %s late: %s", names, detail)
+                    self._audit_late("config_error", {"errors": [detail]})
+                else:
+                    self.cfg = _with_knobs(self.cfg, new, live)
+                    log.warning(
+                        "reload: the engine finished applying %s after the reload had stopped "
+                        "waiting; they are in force (nothing else of %s was applied: reload "
+                        "again to apply it)",
+                        names,
+                        self._config_name,
+                    )
+                    self._audit_late("reload", {"changes": knobs, "late": True})
+            finally:
+                settled.set()
+
+        fut.add_done_callback(done)
+
+    def _audit_late(self, kind: str, data: dict[str, Any]) -> None:
+        if self.audit is not None:
+            detail = f"reload's engine knobs settled late: {self._config_name}"
+            self.audit.record_event(kind, detail=detail, data=data)
 
     def read_rules(self) -> None:
         """Read the rules file now, before the port is bound and the model loaded, so that a
@@ -805,6 +914,22 @@ def engine_changes(old: DaemonConfig, new: DaemonConfig) -> tuple[list[KnobField
                 continue
             later.append(f"{section}.{key}")
     return live, later
+
+
+def _knob_changes(new: DaemonConfig, live: list[KnobField]) -> dict[str, Any]:
+    """The live knobs a reload applies, as its answer lists them: `section.key` -> value."""
+    return {f"{k.knob.section}.{k.file_key}": new.knob_value(k) for k in live}
+
+
+def _with_knobs(cfg: DaemonConfig, new: DaemonConfig, live: list[KnobField]) -> DaemonConfig:
+    """`cfg` with the live knobs `live` as `new` has them (as the file gives them)."""
+    for k in live:
+        section = getattr(cfg, k.knob.section)
+        moved = section.model_copy(
+            update={k.file_key: getattr(getattr(new, k.knob.section), k.file_key)}
+        )
+        cfg = cfg.model_copy(update={k.knob.section: moved})
+    return cfg
 
 
 def _loopback(host: str) -> bool:

@@ -36,6 +36,7 @@ from kvguard.engine.model import AttentionMetadata, LlamaForCausalLM, load_model
 from kvguard.engine.model_config import ModelConfig
 from kvguard.engine.sampler import (
     log_softmax_entries,
+    output_counts,
     rewind,
     run_draws,
     sample,
@@ -459,13 +460,11 @@ class ModelRunner:
         done = [s for s, n in zip(seqs, num_tokens, strict=True) if finishes_prompt(s, n)]
         params, gens, outputs, allowed = [], [], [], []
         for s in done:  # a row for the last token, and one after each draft
+            counts = output_counts(s)
             for j in range(len(s.draft) + 1):
                 params.append(s.params)
                 gens.append(s.generator)
-                penalised = j and (s.params.presence_penalty or s.params.frequency_penalty)
-                outputs.append(
-                    s.output_token_ids + s.draft[:j] if penalised else s.output_token_ids
-                )
+                outputs.append(counts.ahead(s.draft[:j]) if j and counts is not None else counts)
                 allowed.append(None if s.grammar is None else s.grammar.allowed())
         # a seeded sequence's generator before its rows drew: rows past the first rejected
         # draft give their draws back, so its stream is one draw a token, drafts or not

@@ -12,6 +12,7 @@ import torch
 from kvguard.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from kvguard.engine.sampler import OutputCounts
     from kvguard.engine.speculative import Lookup
     from kvguard.engine.structured import Grammar
 
@@ -66,6 +67,9 @@ class Sequence:
     generator: torch.Generator | None = None
     grammar: Grammar | None = None  # a structured-output request's place in its schema
     output_token_ids: list[int] = field(default_factory=list)
+    # the output's token counts for the presence and frequency penalties, kept by the sampler
+    # as the output grows (made on the first penalised draw; see `sampler.OutputCounts`)
+    output_counts: OutputCounts | None = None
     # one per output token where the request asked for log-probabilities (else None)
     output_logprobs: list[TokenLogprob] | None = None
     # one per prompt token after the first, collected as the prompt is computed, where asked

@@ -3,11 +3,15 @@
 The in-process tests drive the real ControlPlane, APScheduler and audit store with only the
 engine left out (a reload never touches it); the last test does the same through a live
 `kvguard serve`: /admin/reload answers 400 and SIGHUP logs the refusal, the rules keep ticking.
+Also, on the daemon in process: engine knobs a stalled engine does not take in time are
+withdrawn (never applied), ones it finishes late land in the config in force; a SIGHUP before
+the API listens never says READY=1.
 """
 
 from __future__ import annotations
 
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from datetime import timedelta
@@ -17,9 +21,15 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
+from kvguard.daemon import sdnotify
+from kvguard.daemon import service as service_module
 from kvguard.daemon.audit import AuditStore
 from kvguard.daemon.config import load_config
 from kvguard.daemon.control_plane import ControlPlane
+from kvguard.daemon.service import Service
+from kvguard.engine.events import EngineEvent
+from tests.test_control_plane import WAIT_S, admin_post, service  # noqa: F401 - a fixture
+from tests.test_operator_cli import Notify
 from tests.test_server import Daemon, until
 
 RULES = (
@@ -48,10 +58,10 @@ def plane(tmp_path: Path, rules: Path, audit: AuditStore) -> Iterator[ControlPla
     """A control plane whose rule job is scheduled (paused: no tick reaches for an engine)."""
     config = tmp_path / "config.yaml"
     config.write_text(f"rules: {{path: {rules}}}\n")
-    service = SimpleNamespace(
+    svc = SimpleNamespace(
         cfg=load_config(config), engine=None, audit=audit, rules_at_start=None, api_port=None
     )
-    cp = ControlPlane(service)  # type: ignore[arg-type]
+    cp = ControlPlane(svc)  # type: ignore[arg-type]
     cp.scheduler.start(paused=True)
     cp.scheduler.add_job(cp.evaluate, "interval", seconds=cp.ruleset.interval, id="rules")
     yield cp
@@ -333,3 +343,135 @@ def test_an_incident_an_oom_opens_begins_with_the_oom_and_ends_at_stop(
         ("event", "kv_dtype_switched"),
     ]
     assert audit.get_incident(incident)["closed_at"] is not None
+
+
+# -- engine knobs the engine does not take, or does not finish, in time -----------------------
+# On the daemon in process (test_control_plane's `service`), the reload's wait shrunk: it waits
+# RECONFIGURE_TIMEOUT_S (30 s) for the engine to take its knobs, and as long again for them.
+
+
+def _file_asks_for(svc: Service, max_num_seqs: int) -> None:
+    """The config file, with the live knob serving.max_num_seqs set to `max_num_seqs`."""
+    assert svc.config_path is not None
+    text = svc.config_path.read_text()
+    assert "max_model_len: 512}" in text
+    svc.config_path.write_text(
+        text.replace("max_model_len: 512}", f"max_model_len: 512, max_num_seqs: {max_num_seqs}}}")
+    )
+
+
+def _events(svc: Service, kind: str) -> list[dict]:
+    assert svc.audit is not None and svc.audit.flush(30)
+    return svc.audit.list_events(kind=kind)
+
+
+def test_knobs_the_engine_never_took_are_withdrawn_and_never_apply(
+    service: Service,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Before, the reload gave up (`TimeoutError`, 400) and said it kept the running config,
+    while its reconfigure stayed in the mailbox and applied once the engine stepped again: the
+    engine ran the file's batch limit, the daemon's config (/admin/state, the next reload's
+    comparison) the old one. Now the knobs are withdrawn: nothing changed, and it says so."""
+    monkeypatch.setattr(service_module, "RECONFIGURE_TIMEOUT_S", WAIT_S)
+    before = service.engine.config.max_num_seqs
+    assert before != 3 and service.cfg.serving.max_num_seqs == before
+    _file_asks_for(service, 3)
+    gate = threading.Event()
+    held = service.loop.call(lambda: gate.wait(120))  # the engine thread stalls in a step
+    until(held.running, 60, "the engine thread held")
+    try:
+        r = admin_post(service, "/admin/reload")
+    finally:
+        gate.set()
+    service.loop.call(lambda: None).result(60)  # posted after the knobs: they have been passed by
+    assert service.engine.config.max_num_seqs == before == service.cfg.serving.max_num_seqs
+    assert r.status_code == 504, r.text
+    err = r.json()["error"]
+    assert err["code"] == "reload_withdrawn" and "nothing changed" in err["message"], err
+    [event] = _events(service, "config_error")
+    assert event["data"]["engine"] == "withdrawn", event
+    # the engine steps again: the same file applies, in the engine and the config in force alike
+    res = service.reload()
+    assert res["reloaded"] and res["changes"] == {"serving.max_num_seqs": 3}, res
+    assert service.engine.config.max_num_seqs == 3 == service.cfg.serving.max_num_seqs
+
+
+def test_knobs_the_engine_finishes_late_are_in_the_config_in_force_when_they_land(
+    service: Service,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The engine took the knobs and is stuck inside them (a slow engine-thread subscriber):
+    the reload does not claim to keep the running config (504: they may still apply), and when
+    they land the config in force takes them, the audit log says so, and the next reload starts
+    from them (before, the daemon's config kept the old value for good)."""
+    monkeypatch.setattr(service_module, "RECONFIGURE_TIMEOUT_S", WAIT_S)
+    inside, release = threading.Event(), threading.Event()
+
+    def slow(event: EngineEvent) -> None:  # on the engine thread, inside the reconfigure
+        if event.kind == "knob_changed" and event.data["action"] == "reconfigure":
+            inside.set()
+            release.wait(120)
+
+    service.engine.events.subscribe(slow)
+    posted = service.engine.reconfigure
+
+    def taken(values: dict) -> object:
+        """The reload's wait starts once the engine is inside the knobs (however slow the
+        machine, they are not withdrawn before the engine takes them)."""
+        fut = posted(values)
+        until(inside.is_set, 60, "the engine inside the reconfigure")
+        return fut
+
+    monkeypatch.setattr(service.engine, "reconfigure", taken)
+    before = service.cfg.serving.max_num_seqs
+    _file_asks_for(service, 3)
+    try:
+        r = admin_post(service, "/admin/reload")
+        assert service.cfg.serving.max_num_seqs == before  # not in force yet
+    finally:
+        release.set()
+    until(lambda: service.engine.config.max_num_seqs == 3, 60, "the late knobs applied")
+    until(lambda: service.cfg.serving.max_num_seqs == 3, 60, "the late knobs in the config")
+    assert r.status_code == 504, r.text
+    err = r.json()["error"]
+    assert err["code"] == "reload_still_applying" and "may still apply" in err["message"], err
+    until(lambda: _events(service, "reload"), 60, "the late knobs audited")
+    [event] = _events(service, "reload")
+    assert event["data"] == {"changes": {"serving.max_num_seqs": 3}, "late": True}, event
+    res = service.reload()  # the file again: its knobs are the ones in force
+    assert res["reloaded"] and res["changes"] == {}, res
+
+
+def test_a_sighup_before_the_api_listens_never_says_ready(
+    service: Service,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """SIGHUP between the end of loading and the API listening (the start's own handler,
+    `_sighup_before_serving`) ran a reload that said READY=1 when it ended: systemd then
+    started what waits for the unit while connections were refused. READY=1 now goes out once
+    the API listens (`_listening`, which the server calls then), and only a reload from then on
+    says RELOADING=1 and READY=1 again. Driven in that order, in process."""
+    notify = Notify()
+    monkeypatch.setenv("NOTIFY_SOCKET", notify.path)
+
+    def said(mark: str) -> list[str]:
+        """READY=1 and RELOADING=1 received up to `mark` (sent last: datagrams keep order)."""
+        sdnotify.notify(mark)
+        until(lambda: mark in notify.first(), 30, mark)
+        first = notify.first()
+        return [m for m in first[: first.index(mark)] if m in ("READY=1", "RELOADING=1")]
+
+    try:
+        others = set(threading.enumerate())
+        service._sighup_before_serving(signal.SIGHUP, None)
+        [reload] = [t for t in threading.enumerate() if t not in others]
+        assert reload.name == "kvguard-reload"
+        reload.join(60)
+        assert not reload.is_alive()
+        assert said("X-KVGUARD-TEST=1") == []  # the API does not listen yet
+        service._listening()
+        assert service.reload()["reloaded"]
+        assert said("X-KVGUARD-TEST=2") == ["READY=1", "RELOADING=1", "READY=1"]
+    finally:
+        notify.close()

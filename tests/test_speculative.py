@@ -331,3 +331,53 @@ def test_the_daemon_drafts_over_http_and_counts_them(tmp_path: Path, plain: LLME
         assert metric(d, "kvguard_spec_row_cost_ratio") == 0.0  # the configured one
     finally:
         assert d.stop() == 0
+
+
+def test_penalised_requests_get_the_old_penalties_with_drafts_and_preemption(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Penalised requests sharing one params object (as a request's choices do) on a pool so
+    small that they preempt each other, with drafts accepted several at a time: every step's
+    adjusted logits are, bit for bit, what the old counting gave (a tensor of the whole output,
+    with the row's drafts, and its `unique`, every step), and so are the tokens. The engine
+    keeps running counts on each sequence instead."""
+    from kvguard.engine import sampler
+    from tests.test_sampling_controls import _penalised_the_old_way
+
+    small = {"num_gpu_blocks": 24, "max_num_batched_tokens": 256, "kv_cache_bytes": "64MiB"}
+    params = SamplingParams(max_tokens=40, ignore_eos=True, frequency_penalty=0.3,
+                            presence_penalty=0.1)  # fmt: skip
+    real = sampler.adjust_logits
+
+    def the_old_way(
+        logits: torch.Tensor, ps: list, outputs: list, allowed: list | None = None
+    ) -> torch.Tensor:
+        assert allowed is None or not any(a is not None for a in allowed)
+        lists = []
+        for o in outputs:  # what the runner gave it before: the output, plus the drafts
+            if isinstance(o, sampler.Ahead):
+                lists.append(list(o.counts.tokens) + o.drafts)
+            else:
+                lists.append(list(o.tokens))
+        return _penalised_the_old_way(logits, ps, lists)
+
+    def run(adjust: object) -> tuple[LLMEngine, list[list[int]], list[bytes]]:
+        eng = _engine(8, **small)
+        seen: list[bytes] = []
+
+        def recorded(*a: object, **k: object) -> torch.Tensor:
+            out = adjust(*a, **k)  # type: ignore[operator]
+            seen.append(out.numpy().tobytes())
+            return out
+
+        monkeypatch.setattr(sampler, "adjust_logits", recorded)
+        prompts = _prompts(eng) * 2
+        outs = _outputs(eng, prompts, [params] * len(prompts))
+        return eng, [o.token_ids for o in outs], seen
+
+    _, want_tokens, want = run(the_old_way)
+    eng, tokens, got = run(real)
+    assert tokens == want_tokens
+    assert len(got) == len(want) and all(g == w for g, w in zip(got, want, strict=True))
+    snap = eng.snapshot()
+    assert snap.num_preemptions > 0 and snap.speculative["accepted"] > 0

@@ -631,7 +631,9 @@ class Service:
             )
             return {"reloaded": False, "reason": f"{type(e).__name__}: {e}"}
         finally:
-            if self._listening_now:
+            # not once a stop began meanwhile (a reload may wait on the engine for a minute):
+            # READY=1 after STOPPING=1 would tell systemd the daemon serves again
+            if self._listening_now and not self.draining:
                 sdnotify.ready(self._status_line())
 
     @property

@@ -112,20 +112,24 @@ class ControlSurface:
         return self.mailbox.post(run)
 
     # -- batch size -------------------------------------------------------------------------
-    def set_max_num_seqs(self: LLMEngine, n: int, *, clamp: bool = False) -> Future:
+    def set_max_num_seqs(self: LLMEngine, n: int | None, *, clamp: bool = False) -> Future:
         """Set the batch limit, never above the configured one (serving.max_num_seqs): a remedy
         may cut the batch and restore it, but raising it past what the operator sized the
         server for would make things worse. Above that limit it raises ValueError, or with
-        `clamp` (rules) sets the limit itself and says so in the result's detail."""
+        `clamp` (rules) sets the limit itself and says so in the result's detail. None: back
+        to the configured limit as it is when the engine applies it (`restore_batch`), which
+        lifts the cut (a value read on the caller's thread could be a reload behind)."""
         asked = n
-        n, note = bounded_count(
-            n, self.config.max_num_seqs, "the configured maximum serving.max_num_seqs", clamp
-        )
+        note = ""
+        if n is not None:
+            n, note = bounded_count(
+                n, self.config.max_num_seqs, "the configured maximum serving.max_num_seqs", clamp
+            )
 
         def apply() -> tuple[str, bool, dict]:
-            # the configured value (restore_batch) lifts the cut; a value clamped to it still
-            # holds what was asked, should a reload raise the configured one past it
-            lifted = asked == n and n >= self.config.max_num_seqs
+            # None, or the configured value itself, lifts the cut; a value clamped to the
+            # configured limit holds what was asked, should a reload raise the limit past it
+            lifted = asked is None or (not note and asked >= self.config.max_num_seqs)
             limit = self._hold_batch(None if lifted else asked)
             moved = self.scheduler.shrink_running(limit)
             return (

@@ -203,7 +203,7 @@ _SPECS = [
     ActionSpec(
         "restore_batch",
         NoParams,
-        lambda e, p, clamp: e.set_max_num_seqs(e.config.max_num_seqs),
+        lambda e, p, clamp: e.set_max_num_seqs(None),
         None,
         "max_num_seqs back to its configured value",
         settings=frozenset({"batch"}),
@@ -371,7 +371,7 @@ def _recover_from_oom(e: LLMEngine, p: NoParams, clamp: bool) -> Future:
     return _chain(
         "recover_from_oom",
         [
-            e.set_max_num_seqs(e.config.max_num_seqs),
+            e.set_max_num_seqs(None),
             e.set_kv_cache_dtype(e.config.kv_cache_dtype),
             e.set_offload(_offload_configured(e)),
             e.resume_admission(),

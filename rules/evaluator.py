@@ -46,6 +46,7 @@ from kvguard.rules.actions import (
     SET_TO,
     SETTINGS,
     ActionStillApplying,
+    ActionWithdrawn,
     asked,
     set_to,
     settings_set,
@@ -739,6 +740,15 @@ class Evaluator:
                 rest = [n for n, _, _ in steps[i + 1 :]]
                 out = _restored_late(late.future, action, results, why, rest, kept)
                 raise ActionStillApplying(str(late), out) from None
+            except ActionWithdrawn as gone:
+                if not results:  # nothing ran: "nothing changed" is the truth
+                    raise
+                # the steps before it did change the engine: say which, and which did not run
+                rest = ", ".join([name] + [n for n, _, _ in steps[i + 1 :]])
+                done = _restored(action, results, kept).detail
+                raise RuntimeError(
+                    f"{done}; not run: {rest} ({name} {gone}; the undo is retried)"
+                ) from None
         return _restored(action, results, kept)
 
     def _live(self, a: Attempt) -> bool:

@@ -31,7 +31,7 @@ from kvguard.engine import LLMEngine
 from kvguard.engine.control import ActionResult
 from kvguard.engine.engine_loop import EngineLoop
 from kvguard.engine.events import EngineEvent
-from kvguard.rules.actions import await_action, run_action
+from kvguard.rules.actions import ActionWithdrawn, await_action, run_action
 from kvguard.rules.evaluator import Evaluator
 from kvguard.rules.schema import load_rules_text
 from tests.test_engine import make_engine
@@ -408,6 +408,7 @@ class HaltRule:
         self.values = {"kv": 0.995}
         plane = SimpleNamespace(service=SimpleNamespace(engine=loop.engine))
         plane.action_timeout_s = timeout_s
+        self.plane = plane  # a test gives the engine time again once it steps
         self.ev = Evaluator(
             load_rules_text(HALT_RULE, "rules.yaml"),
             lambda name, _signal: self.values[name],
@@ -445,7 +446,9 @@ def test_a_rule_action_the_engine_never_took_is_withdrawn_and_never_applies() ->
         loop.call(lambda: None).result(60)  # posted after it: the engine has passed it by
         assert allowed(engine) is None  # never applied
         assert rule.ev.applied == [] and rule.state()["in_flight"] is None
-        # the rule acts again after its cooldown, on an engine that steps
+        # the rule acts again after its cooldown, on an engine that steps (given time to take
+        # it: a loaded machine may take longer than the shrunk wait)
+        rule.plane.action_timeout_s = 60
         assert [a[:2] for a in rule.at(31.0, kv=0.995)] == [("halt_admission", "applied")]
         assert allowed(engine) == "high" and rule.ev.applied == ["halt"]
     finally:
@@ -473,8 +476,9 @@ def test_a_rule_action_the_engine_is_still_inside_is_recorded_when_it_finishes()
         """The control plane's executor, its wait started once the engine is inside the
         action (so that a slow machine cannot make it a withdrawal instead)."""
         fut = run_action(engine, action, params, clamp=True)
-        if action == "halt_admission":
-            until(inside.is_set, 60, "the engine inside the halt")
+        if action != "halt_admission":  # the undo, on an engine that steps: time to take it
+            return await_action(fut, action, 60)
+        until(inside.is_set, 60, "the engine inside the halt")
         return await_action(fut, action, WAIT_S)
 
     rule.ev.execute = execute
@@ -623,3 +627,40 @@ def test_latency_histograms_count_from_the_requests_arrival(
     for name in ("kvguard_time_to_first_token_seconds", "kvguard_request_duration_seconds"):
         assert reg.get_sample_value(f"{name}_count", {"priority": "normal"}) == 1
         assert reg.get_sample_value(f"{name}_sum", {"priority": "normal"}) >= slow, name
+
+
+def test_an_undo_withdrawn_after_some_steps_applied_names_them() -> None:
+    """An undo restores settings one action at a time. A later step withdrawn (the engine
+    stalled) after earlier ones applied was recorded `ActionWithdrawn: ... nothing changed`,
+    untrue: the earlier steps had changed the engine. The failure now names what applied and
+    what did not run; withdrawn at its first step, nothing changed, and it says so."""
+    calls: list[str] = []
+
+    def execute(action: str, _params: dict[str, Any]) -> ActionResult:
+        calls.append(action)
+        if action == "restore_batch":
+            return ActionResult(action, {}, {}, "max_num_seqs=8", True)
+        raise ActionWithdrawn(action, WAIT_S)
+
+    ev = Evaluator(
+        load_rules_text(HALT_RULE, "rules.yaml"),
+        lambda _name, _signal: 0.5,
+        execute,
+        clock=lambda: 0.0,
+        wall_clock=lambda: 0.0,
+    )
+    steps = [("restore_batch", {}, ""), ("resume_admission", {}, ""), ("restore_kv_pool", {}, "")]
+    with pytest.raises(RuntimeError) as err:
+        ev._restore("recover", steps, "")
+    assert not isinstance(err.value, ActionWithdrawn) and calls == steps_run(steps, 2)
+    said = str(err.value)
+    assert said.startswith("restore_batch: max_num_seqs=8; not run: resume_admission, "), said
+    assert "restore_kv_pool" in said and "the undo is retried" in said
+    calls.clear()
+    with pytest.raises(ActionWithdrawn, match="nothing changed"):
+        ev._restore("recover", steps[1:], "")
+    assert calls == ["resume_admission"]
+
+
+def steps_run(steps: list[tuple[str, dict[str, Any], str]], n: int) -> list[str]:
+    return [name for name, _, _ in steps[:n]]

@@ -392,6 +392,8 @@ def test_knobs_the_engine_never_took_are_withdrawn_and_never_apply(
     [event] = _events(service, "config_error")
     assert event["data"]["engine"] == "withdrawn", event
     # the engine steps again: the same file applies, in the engine and the config in force alike
+    # (given the time to take its knobs: a loaded machine may take longer than the shrunk wait)
+    monkeypatch.setattr(service_module, "RECONFIGURE_TIMEOUT_S", 30)
     res = service.reload()
     assert res["reloaded"] and res["changes"] == {"serving.max_num_seqs": 3}, res
     assert service.engine.config.max_num_seqs == 3 == service.cfg.serving.max_num_seqs
@@ -439,6 +441,7 @@ def test_knobs_the_engine_finishes_late_are_in_the_config_in_force_when_they_lan
     until(lambda: _events(service, "reload"), 60, "the late knobs audited")
     [event] = _events(service, "reload")
     assert event["data"] == {"changes": {"serving.max_num_seqs": 3}, "late": True}, event
+    monkeypatch.setattr(service_module, "RECONFIGURE_TIMEOUT_S", 30)
     res = service.reload()  # the file again: its knobs are the ones in force
     assert res["reloaded"] and res["changes"] == {}, res
 

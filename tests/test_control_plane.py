@@ -526,6 +526,17 @@ def admin_post(service: Service, path: str) -> httpx.Response:
     return asyncio.run(post())
 
 
+def admin_post_while_stalled(service: Service, path: str) -> httpx.Response:
+    """`admin_post` while the engine thread stalls in a step (released once it answers)."""
+    gate = threading.Event()
+    held = service.loop.call(lambda: gate.wait(120))
+    until(held.running, 60, "the engine thread held")
+    try:
+        return admin_post(service, path)
+    finally:
+        gate.set()
+
+
 def manual_rows(service: Service, tmp_path: Path) -> list[tuple]:
     assert service.audit.flush(30)
     sql = "SELECT rule, action, outcome, detail FROM actions WHERE rule = 'manual'"
@@ -540,13 +551,7 @@ def test_an_operator_action_the_engine_never_took_is_withdrawn_audited_and_504(
     audit callback raised on the cancelled Future)."""
     monkeypatch.setattr(admin_api, "ACTION_TIMEOUT_S", WAIT_S)
     before = service.engine.knobs()
-    gate = threading.Event()
-    held = service.loop.call(lambda: gate.wait(120))  # the engine thread stalls in a step
-    until(held.running, 60, "the engine thread held")
-    try:
-        r = admin_post(service, "/admin/actions/handle_oom")
-    finally:
-        gate.set()
+    r = admin_post_while_stalled(service, "/admin/actions/handle_oom")
     assert r.status_code == 504, r.text
     err = r.json()["error"]
     assert err["code"] == "action_withdrawn" and "nothing changed" in err["message"], err

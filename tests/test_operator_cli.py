@@ -23,7 +23,7 @@ import sys
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import closing, redirect_stdout
+from contextlib import closing, contextmanager, redirect_stdout
 from pathlib import Path
 
 import httpx
@@ -130,9 +130,14 @@ def test_the_units_start_timeout_comment_says_what_the_daemon_does() -> None:
     assert "asks for 90s more every 30s" in unit
 
 
-def remote_rank_config(tmp_path: Path, join_timeout: str) -> Path:
-    """A config whose start waits up to `join_timeout` for a remote rank that never comes: a
-    start that stays in loading for as long as a test needs, without a guessed time."""
+@contextmanager
+def waiting_for_a_remote_rank(
+    tmp_path: Path, join_timeout: str, waits: str, **env: str
+) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
+    """A real `kvguard serve` whose start waits up to `join_timeout` for a remote rank that
+    never comes (a start that stays in loading for as long as a test needs, without a guessed
+    time), once its log says it waits (`waiting up to {waits} for remote ranks`): the process
+    and its log; killed after if still running."""
     key = tmp_path / "worker.key"
     key.write_text("a shared secret for the workers\n")
     key.chmod(0o600)
@@ -143,7 +148,21 @@ def remote_rank_config(tmp_path: Path, join_timeout: str) -> Path:
         f"api:\n  port: {free_port()}\n"
         f"audit:\n  url: sqlite:///{tmp_path / 'audit.db'}\n"
     )
-    return config
+    log = tmp_path / "daemon.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [KVGUARD, "serve", "--config", str(config)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "STATE_DIRECTORY": str(tmp_path), **env},
+        )
+        try:
+            until(lambda: f"waiting up to {waits} for remote ranks" in log.read_text(), 60, "wait")
+            yield proc, log
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 def test_a_start_waiting_for_remote_ranks_asks_for_time_while_it_waits(tmp_path: Path) -> None:
@@ -151,25 +170,11 @@ def test_a_start_waiting_for_remote_ranks_asks_for_time_while_it_waits(tmp_path:
     join_timeout, 10 min by default, past the unit's TimeoutStartSec=5min). The daemon asks
     for more time while it waits, and the start that then fails says no READY."""
     notify = Notify()
-    config = remote_rank_config(tmp_path, "3s")
-    env = {**os.environ, "NOTIFY_SOCKET": notify.path, "STATE_DIRECTORY": str(tmp_path)}
-    log = tmp_path / "daemon.log"
     try:
-        with open(log, "w") as out:
-            proc = subprocess.Popen(
-                [KVGUARD, "serve", "--config", str(config)],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=env,
-            )
-            try:
-                until(lambda: "waiting up to 3s for remote ranks" in log.read_text(), 60, "wait")
-                until(lambda: EXTEND in notify.first(), 30, "a request for more time")
-                assert proc.wait(60) != 0  # the rank never came: the start fails
-            finally:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
+        waiting = waiting_for_a_remote_rank(tmp_path, "3s", "3s", NOTIFY_SOCKET=notify.path)
+        with waiting as (proc, _log):
+            until(lambda: EXTEND in notify.first(), 30, "a request for more time")
+            assert proc.wait(60) != 0  # the rank never came: the start fails
         assert "READY=1" not in notify.first(), notify.first()
     finally:
         notify.close()
@@ -319,24 +324,9 @@ def test_a_stop_while_loading_says_so_and_ends_by_the_signal(
     process ends by that signal (a shell reports 130 or 143). Ctrl-C left through the
     interpreter's exit, which aborted in the C++ of the thread still loading (134), and
     SIGTERM ended the start without a word."""
-    config = remote_rank_config(tmp_path, "10m")  # the wait holds the start: no guessed time
-    log = tmp_path / "daemon.log"
-    env = {**os.environ, "STATE_DIRECTORY": str(tmp_path)}
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [KVGUARD, "serve", "--config", str(config)],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-        try:
-            until(lambda: "waiting up to 600s for remote ranks" in log.read_text(), 60, "wait")
-            proc.send_signal(sig)
-            code = proc.wait(60)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    with waiting_for_a_remote_rank(tmp_path, "10m", "600s") as (proc, log):
+        proc.send_signal(sig)
+        code = proc.wait(60)
     text = log.read_text()
     assert code == -sig, (code, text)
     assert f"WARNING kvguard.daemon: {sig.name}: interrupted while loading; exiting" in text

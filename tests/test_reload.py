@@ -28,7 +28,12 @@ from kvguard.daemon.config import load_config
 from kvguard.daemon.control_plane import ControlPlane
 from kvguard.daemon.service import Service
 from kvguard.engine.events import EngineEvent
-from tests.test_control_plane import WAIT_S, admin_post, service  # noqa: F401 - a fixture
+from tests.test_control_plane import (  # noqa: F401 - service: a fixture
+    WAIT_S,
+    admin_post,
+    admin_post_while_stalled,
+    service,
+)
 from tests.test_operator_cli import Notify
 from tests.test_server import Daemon, until
 
@@ -377,13 +382,7 @@ def test_knobs_the_engine_never_took_are_withdrawn_and_never_apply(
     before = service.engine.config.max_num_seqs
     assert before != 3 and service.cfg.serving.max_num_seqs == before
     _file_asks_for(service, 3)
-    gate = threading.Event()
-    held = service.loop.call(lambda: gate.wait(120))  # the engine thread stalls in a step
-    until(held.running, 60, "the engine thread held")
-    try:
-        r = admin_post(service, "/admin/reload")
-    finally:
-        gate.set()
+    r = admin_post_while_stalled(service, "/admin/reload")
     service.loop.call(lambda: None).result(60)  # posted after the knobs: they have been passed by
     assert service.engine.config.max_num_seqs == before == service.cfg.serving.max_num_seqs
     assert r.status_code == 504, r.text

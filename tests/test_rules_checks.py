@@ -337,13 +337,7 @@ def test_a_scenario_refuses_series_steps_no_evaluation_reads(tmp_path: Path) -> 
     with pytest.raises(RulesFileError) as e:  # past `duration`, whatever rules it runs against
         load_scenario(sc)
     assert [m.split(": ")[1] for m in e.value.errors] == ["series.gpu_mem.0.at"], e.value.errors
-    res = subprocess.run(
-        [str(Path(sys.executable).parent / "kvguard"), "rules", "test"]
-        + [str(default_rules_path()), str(sc)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    res = rules_test(sc)
     assert res.returncode == 1 and "PASS" not in res.stdout, res
     assert f"{sc}:7: series.gpu_mem.0.at: 20s is past" in res.stderr, res
 
@@ -373,13 +367,7 @@ def test_a_scenario_of_more_evaluations_than_a_replay_runs_is_refused(tmp_path: 
     with pytest.raises(ValueError, match=f"at most {MAX_TICKS}"):  # a scenario built in code
         run_scenario(rules, Scenario(duration=36500 * 86400.0))
     sc.write_text("duration: 36500d\n")
-    res = subprocess.run(
-        [str(Path(sys.executable).parent / "kvguard"), "rules", "test"]
-        + [str(default_rules_path()), str(sc)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    res = rules_test(sc)
     assert res.returncode == 1 and f"{sc}:1: duration: 36500d is " in res.stderr, res
 
 
@@ -390,3 +378,14 @@ def test_the_shipped_scenarios_pass() -> None:
     for p in paths:
         out = run_scenario(rules, load_scenario(p, rules))
         assert out.ok, (p, out.failures)
+
+
+def rules_test(scenario: Path) -> subprocess.CompletedProcess[str]:
+    """`kvguard rules test` of `scenario` against the shipped rules."""
+    argv = [str(Path(sys.executable).parent / "kvguard"), "rules", "test"]
+    return subprocess.run(
+        [*argv, str(default_rules_path()), str(scenario)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )

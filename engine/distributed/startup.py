@@ -43,7 +43,7 @@ from kvguard.engine.distributed.errors import RankFailure
 if TYPE_CHECKING:
     from kvguard.engine.distributed.driver import WorkerHandle
 
-WATCH_POLL_S = 0.1  # how often the watching thread looks at a worker that says nothing
+WATCH_POLL_S = 0.1  # how often waiting for "ready" looks at a worker that says nothing
 STORE_POLL_S = 0.02  # how often a store wait looks for its keys (and at the workers)
 
 

@@ -63,7 +63,7 @@ from itertools import groupby
 from pathlib import Path
 from typing import Any, Literal, cast
 
-from sqlalchemy import Select, Table, delete, func, insert, or_, select, update
+from sqlalchemy import Select, Table, delete, exists, func, insert, or_, select, update
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DataError, DBAPIError, DisconnectionError, IntegrityError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
@@ -486,7 +486,10 @@ class AuditStore:
 
     def _announce_spills(self) -> None:
         for path in [*self.spill_paths, *self.refused_paths]:
-            if path.is_file():
+            # one of another database is not imported: the import says so when it skips it
+            if path.is_file() and not audit_spill.spilled_elsewhere(
+                audit_spill.headers(path), self.url
+            ):
                 log.warning(
                     "audit: %s holds %d rows an earlier run could not write; they are imported "
                     "once %s takes writes (or run `kvguard audit import %s`)",
@@ -823,16 +826,29 @@ class AuditStore:
 
         The database may be migrated and still refuse writes (a read-only file at head): then
         the import is tried once more after the first batch that lands. A file that still
-        cannot be loaded, or cannot be read at all, is left for `kvguard audit import`.
+        cannot be loaded, or cannot be read at all, is left for `kvguard audit import`; so is
+        one whose header names another database (daemons sharing a state directory).
         """
         self._spills_waiting = False
         for path in [*self.spill_paths, *self.refused_paths]:  # each file its own transaction
             if not path.is_file():
                 continue
             try:
-                audit_spill.read(path)
+                spill = audit_spill.read(path)
             except ValueError as e:
                 log.error("audit: cannot import %s: %s", path, e)
+                continue
+            others = audit_spill.spilled_elsewhere(spill.headers, self.url)
+            if others:  # another daemon's, sharing this state directory: never load it here
+                log.warning(
+                    "audit: not importing %s: it holds rows spilled from %s, not %s (another "
+                    "daemon's, sharing this directory?); left as it is: load it into its own "
+                    "database with `kvguard audit import --db URL %s`",
+                    path,
+                    ", ".join(others),
+                    shown(self.url),
+                    path,
+                )
                 continue
             try:
                 res = self.import_file(path)
@@ -1081,14 +1097,19 @@ def _close_stale(conn: Connection, r: dict[str, Any]) -> None:
 
 
 def _purge(conn: Connection, before: datetime) -> None:
-    """Retention: drop rows older than `before`; incidents only once closed. What it deleted,
-    if anything, is logged by table: a retention set too short (or a clock far ahead) shows
-    in the log instead of as history silently gone."""
+    """Retention: drop rows older than `before`; incidents only once closed. An incident kept
+    (still open, or closed after `before`) keeps every row of it, its early actions and events
+    too: its timeline stays whole. What it deleted, if anything, is logged by table: a
+    retention set too short (or a clock far ahead) shows in the log instead of as history
+    silently gone."""
+    t = TABLES["incidents"]
+    kept = or_(t.c.closed_at.is_(None), t.c.closed_at >= before)
     deleted: dict[str, int] = {}
     for name in ("actions", "events"):
-        t = TABLES[name]
-        deleted[name] = conn.execute(delete(t).where(t.c.time < before)).rowcount
-    t = TABLES["incidents"]
+        x = TABLES[name]
+        of_kept = exists().where(t.c.id == x.c.incident, kept)
+        old = delete(x).where(x.c.time < before, or_(x.c.incident.is_(None), ~of_kept))
+        deleted[name] = conn.execute(old).rowcount
     closed = delete(t).where(t.c.closed_at.is_not(None), t.c.closed_at < before)
     deleted["incidents"] = conn.execute(closed).rowcount
     if any(n > 0 for n in deleted.values()):

@@ -109,7 +109,8 @@ def _limit_option(p: argparse.ArgumentParser) -> None:
         metavar="N",
         type=int,
         default=100,
-        help="newest N rows; 0: all (default: %(default)s)",
+        help="newest N rows, saying on stderr when older ones were left out; 0: all "
+        "(default: %(default)s)",
     )
 
 
@@ -206,6 +207,7 @@ def _add_import(cmds: Any) -> None:
 
 def cmd_audit_list(args: argparse.Namespace) -> int:
     since, until = _window(args)
+    limit = _limit(args.limit)
     rows = _open_store(args).list_actions(
         since=since,
         until=until,
@@ -213,9 +215,10 @@ def cmd_audit_list(args: argparse.Namespace) -> int:
         action=args.action,
         outcome=args.outcome,
         incident=args.incident,
-        limit=_limit(args.limit),
+        limit=_one_more(limit),
         instance=args.instance,
     )
+    rows = _newest(rows, limit, "actions")
     if args.json:
         return _print_json(rows)
     headers = ("ID", "TIME", "RULE", "ACTION", "SIGNAL", "OUTCOME", "INCIDENT")
@@ -237,13 +240,15 @@ def cmd_audit_show(args: argparse.Namespace) -> int:
 def cmd_audit_incidents(args: argparse.Namespace) -> int:
     since, until = _window(args)
     store = _open_store(args)
+    limit = _limit(args.limit)
     rows = store.list_incidents(
         since=since,
         until=until,
         open_only=args.open,
-        limit=_limit(args.limit),
+        limit=_one_more(limit),
         instance=args.instance,
     )
+    rows = _newest(rows, limit, "incidents")
     if args.json:
         return _print_json(rows)
     headers = ("ID", "OPENED", "CLOSED", "PEAK", "ACTIONS", "INSTANCE", "SUMMARY")
@@ -290,8 +295,8 @@ def cmd_audit_export(args: argparse.Namespace) -> int:
 
 def cmd_audit_import(args: argparse.Namespace) -> int:
     from kvguard.daemon.audit import AuditStore
-    from kvguard.daemon.audit_migrate import require_database, shown, upgrade
-    from kvguard.daemon.audit_spill import mark_imported, read
+    from kvguard.daemon.audit_migrate import current, head, require_database, shown, upgrade
+    from kvguard.daemon.audit_spill import mark_imported, read, spilled_elsewhere
 
     url, default = _db_source(args)
     if not args.file.is_file():
@@ -305,8 +310,14 @@ def cmd_audit_import(args: argparse.Namespace) -> int:
             "or --config FILE to name the daemon's database (or set KVGUARD_STATE_DIR), or "
             "create this one with `kvguard db upgrade`"
         ) from None
-    spilled_from = sorted({str(h.get("db")) for h in read(args.file).headers})
-    spilled_from = [db for db in spilled_from if not _same_db(db, url)]
+    at = current(url)
+    if _newer(at):  # this kvguard's migration would fail on it: nothing loaded
+        raise ValueError(
+            f"{shown(url)} is at schema revision {at}, newer than this kvguard knows "
+            f"({head()}): a newer kvguard migrated it; load {args.file} with that kvguard's "
+            "`kvguard audit import` (not imported, the file left as it is)"
+        )
+    spilled_from = spilled_elsewhere(read(args.file).headers, url)
     if spilled_from and not args.force:
         raise ValueError(
             f"{args.file} holds rows spilled from {', '.join(spilled_from)}, not {shown(url)}: "
@@ -385,20 +396,25 @@ def add_db_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
 
 
 def cmd_db_upgrade(args: argparse.Namespace) -> int:
-    from kvguard.daemon.audit_migrate import current, shown, sqlite_path, upgrade
+    from kvguard.daemon.audit_migrate import current, head, shown, sqlite_path, upgrade
 
     url, default = _db_source(args)
     path = sqlite_path(url)
     created = path is not None and not path.exists()
     at = None if created else current(url)
+    if _newer(at):
+        raise ValueError(
+            f"{shown(url)} is at revision {at}, newer than this kvguard knows (its newest: "
+            f"{head()}): a newer kvguard migrated it, and there is nothing to upgrade it to; "
+            "use that kvguard (or upgrade this one)"
+        )
     order = _revisions()
-    if at is None or at in order:  # else a newer kvguard's: upgrade() says so
-        target = _revision_index(args.revision, at, order)
-        if target < _index(at, order):
-            raise ValueError(
-                f"{shown(url)} is at revision {at}, newer than {args.revision}: an upgrade "
-                f"does not take it back (`kvguard db downgrade --revision {args.revision}` does)"
-            )
+    target = _revision_index(args.revision, at, order)
+    if target < _index(at, order):
+        raise ValueError(
+            f"{shown(url)} is at revision {at}, newer than {args.revision}: an upgrade "
+            f"does not take it back (`kvguard db downgrade --revision {args.revision}` does)"
+        )
     made = _missing_dirs(path.parent) if created and path is not None else []
     try:
         upgrade(url, args.revision)
@@ -442,7 +458,12 @@ def cmd_db_current(args: argparse.Namespace) -> int:
     rev, newest = current(url), head()
     if args.json:
         return _print_json({"url": shown(url), "revision": rev, "head": newest})
-    state = "up to date" if rev == newest else f"behind {newest}: run `kvguard db upgrade`"
+    if rev == newest:
+        state = "up to date"
+    elif _newer(rev):  # an upgrade cannot take it anywhere: say what it is
+        state = f"newer than this kvguard's {newest}: a newer kvguard migrated it"
+    else:
+        state = f"behind {newest}: run `kvguard db upgrade`"
     print(f"{rev or 'none (empty database)'} ({state})")
     return 0
 
@@ -456,6 +477,12 @@ def _revisions() -> list[str]:
 
     script = ScriptDirectory.from_config(alembic_config())
     return [r.revision for r in reversed(list(script.walk_revisions()))]
+
+
+def _newer(rev: str | None) -> bool:
+    """Whether a database's revision is one this kvguard does not ship: a newer kvguard's
+    (during a fleet's rolling upgrade). No upgrade of this kvguard's can go anywhere from it."""
+    return rev is not None and rev not in _revisions()
 
 
 def _index(rev: str | None, order: list[str]) -> int:
@@ -524,20 +551,6 @@ def _db_source(args: argparse.Namespace) -> tuple[str, bool]:
     return cfg.audit_url(cli=True), cfg.audit.url is None
 
 
-def _same_db(spilled: str, url: str) -> bool:
-    """Whether a spill header's `db` (the URL as shown, without a password) names `url`'s
-    database: the same URL, or the same SQLite file however its path is spelt."""
-    from kvguard.daemon.audit_migrate import shown, sqlite_path
-
-    if spilled == shown(url):
-        return True
-    try:
-        a, b = sqlite_path(spilled), sqlite_path(url)
-    except ValueError:  # not a URL at all
-        return False
-    return a is not None and b is not None and a.resolve() == b.resolve()
-
-
 def _open_store(args: argparse.Namespace) -> AuditStore:
     """A store for reading only: the database must exist and be migrated."""
     from kvguard.daemon.audit import AuditStore
@@ -547,6 +560,11 @@ def _open_store(args: argparse.Namespace) -> AuditStore:
     at = current(url)
     if at is None:
         raise ValueError(f"{shown(url)} is not a kvguard audit database (run `kvguard db upgrade`)")
+    if _newer(at):
+        raise ValueError(
+            f"{shown(url)} is at schema revision {at}, newer than this kvguard reads ({head()}): "
+            "a newer kvguard migrated it; read it with that one (or upgrade this kvguard)"
+        )
     if at != head():
         raise ValueError(
             f"{shown(url)} is at schema revision {at} and this kvguard reads {head()}: run "
@@ -614,6 +632,25 @@ def _limit(n: int) -> int | None:
     if n < 0:
         raise ValueError(f"--limit {n}: expected 0 (no limit) or more")
     return n or None
+
+
+def _one_more(limit: int | None) -> int | None:
+    """The rows to ask for: one past --limit tells whether it left any out, without counting
+    the whole table."""
+    return None if limit is None else limit + 1
+
+
+def _newest(rows: list[dict[str, Any]], limit: int | None, what: str) -> list[dict[str, Any]]:
+    """The newest `limit` of `rows` (oldest first, one more than `limit` asked for); when that
+    leaves rows out, a note on stderr says so: a cut list must not read as the whole story."""
+    if limit is None or len(rows) <= limit:
+        return rows
+    print(
+        f"(the newest {limit} matching {what} shown, older ones left out: --limit 0 shows "
+        "them all, --since/--until narrow the window)",
+        file=sys.stderr,
+    )
+    return rows[len(rows) - limit :]
 
 
 def _time(t: datetime | None) -> str:
@@ -709,6 +746,7 @@ def _print_table(headers: Sequence[str], rows: Iterable[Sequence[str]], empty: s
     if sys.stdout.isatty():
         from rich.console import Console
         from rich.table import Table
+        from rich.text import Text
 
         table = Table(header_style="bold")
         for i, h in enumerate(headers):
@@ -716,8 +754,8 @@ def _print_table(headers: Sequence[str], rows: Iterable[Sequence[str]], empty: s
             # over lines on a narrow terminal rather than hide any of it behind an ellipsis.
             keep = max(len(h), *(len(r[i]) for r in rows)) if h in WHOLE_COLUMNS else None
             table.add_column(h, min_width=keep, no_wrap=keep is not None, overflow="fold")
-        for row in rows:
-            table.add_row(*row)
+        for row in rows:  # the database's text, never rich markup: "[/var/x]" is a path
+            table.add_row(*(Text(cell) for cell in row))
         Console().print(table)
         return
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]

@@ -37,7 +37,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from kvguard.daemon.audit_migrate import sqlite_path
+from kvguard.daemon.audit_migrate import shown, sqlite_path
 
 SUFFIX = ".spill.jsonl"
 REFUSED_SUFFIX = ".refused.jsonl"  # rows the database refused: imported apart from the spill
@@ -171,6 +171,40 @@ def _op(path: Path, n: int, obj: Any) -> tuple[str, dict[str, Any]]:
             except ValueError:
                 raise ValueError(f"{path}:{n}: {key} {row[key]!r} is not an ISO time") from None
     return kind, row
+
+
+def same_db(spilled: str, url: str) -> bool:
+    """Whether a header's `db` (the URL as shown, without a password) names `url`'s database:
+    the same URL, or the same SQLite file however its path is spelt."""
+    if spilled == shown(url):
+        return True
+    try:
+        a, b = sqlite_path(spilled), sqlite_path(url)
+    except ValueError:  # not a URL at all
+        return False
+    return a is not None and b is not None and a.resolve() == b.resolve()
+
+
+def spilled_elsewhere(headers: Iterable[dict[str, Any]], url: str) -> list[str]:
+    """The databases other than `url`'s that a spill file's headers name, sorted: its rows are
+    theirs (two daemons sharing a state directory), not to be loaded into `url` unasked."""
+    named = sorted({str(h.get("db")) for h in headers})
+    return [db for db in named if not same_db(db, url)]
+
+
+def headers(path: Path) -> list[dict[str, Any]]:
+    """A spill file's header lines only (cheap: its rows are not parsed); [] if unreadable."""
+    prefix = b'{"' + HEADER_KEY.encode()
+    found: list[dict[str, Any]] = []
+    try:
+        with path.open("rb") as f:
+            for line in f:
+                if line.startswith(prefix):
+                    with contextlib.suppress(ValueError):  # cut short by a crash
+                        found.append(json.loads(line))
+    except OSError:
+        return []
+    return found
 
 
 def count_lines(path: Path) -> int:

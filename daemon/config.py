@@ -575,7 +575,25 @@ def load_config(path: Path | None) -> DaemonConfig:
     base = Path(os.path.abspath(path)).parent  # relative paths in it are relative to it
     for loc in PATH_KEYS:
         cfg = _rebased(cfg, loc, base)
-    return cfg
+    return _rebased_audit_url(cfg, base)
+
+
+def _rebased_audit_url(cfg: DaemonConfig, base: Path) -> DaemonConfig:
+    """`audit.url` naming a SQLite file by a relative path (`sqlite:///audit.db`) made absolute
+    under `base`, as the paths in PATH_KEYS are: else the daemon (run in its state directory)
+    and `kvguard audit --config` (in an operator's shell) would open different files. An
+    in-memory database, an absolute path and other backends are left as they are."""
+    url = cfg.audit.url
+    if url is None:
+        return cfg
+    from kvguard.daemon.audit_migrate import parse_url, sqlite_path  # SQLAlchemy: only when set
+
+    path = sqlite_path(url)
+    if path is None or path.is_absolute():
+        return cfg
+    whole = parse_url(url).set(database=os.path.normpath(base / path))
+    audit = cfg.audit.model_copy(update={"url": whole.render_as_string(hide_password=False)})
+    return cfg.model_copy(update={"audit": audit})
 
 
 def apply_overrides(

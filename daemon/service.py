@@ -25,7 +25,7 @@ import uvicorn
 
 from kvguard.daemon import gc_policy, sdnotify
 from kvguard.daemon.api_keys import ApiKeys, load_keys
-from kvguard.daemon.audit import AuditStore
+from kvguard.daemon.audit import AuditStore, utcnow
 from kvguard.daemon.audit_migrate import shown
 from kvguard.daemon.config import (
     ENGINE_KNOBS,
@@ -337,7 +337,12 @@ class Service:
         self._silence_watchdog()
         sdnotify.status(f"engine failed: {error}")
         if self.audit is not None:
-            self.audit.record_event("engine_failure", detail=str(error), data=_failure_data(error))
+            self.audit.record_event(
+                "engine_failure",
+                detail=str(error),
+                data=_failure_data(error),
+                incident=self._incident,  # the failure ends it: its timeline says so
+            )
         aio, server = self._aio, self._server
         if aio is not None and server is not None:  # else serve() has yet to start: it checks
             self._begin_exit(aio, server)
@@ -417,7 +422,9 @@ class Service:
         if self.audit is not None:
             if self.control is not None:
                 self.control.record_pending()  # an OOM whose evaluation has not run yet
-            self.audit.record_event("daemon_stop", detail=f"exit {self.exit_code}: {why}")
+            self.audit.record_event(
+                "daemon_stop", detail=f"exit {self.exit_code}: {why}", incident=self._incident
+            )
             self.audit.stop(timeout=2)
         # no step may run against workers being stopped: it would fail as a dead rank would
         self.loop.stop(timeout=2)
@@ -481,12 +488,15 @@ class Service:
         self._stop_watchdog.set()
         self._unwatch_gc()
         gc_policy.unfreeze()
+        incident = self._incident  # the stop closes it: the stop's event is in its timeline
         if self.control is not None:
             self.control.stop()
         self.loop.stop()
         self.shutdown_engine()
         if self.audit is not None:
-            self.audit.record_event("daemon_stop", detail=f"exit {self.exit_code}")
+            self.audit.record_event(
+                "daemon_stop", detail=f"exit {self.exit_code}", incident=incident
+            )
             self.audit.stop(timeout=10)  # logs what it could not write and where it saved it
         if self.exit_code:
             log.error("exiting with status %d", self.exit_code)
@@ -598,7 +608,10 @@ class Service:
                 said.append("rules " + " ".join(rules["rules_changed"]))
             log.info("reloaded %s: %s", self._config_name, "; ".join(said) or "no changes")
             self.audit.record_event(
-                "reload", detail=self._config_name, data={"changes": changes, **rules}
+                "reload",
+                detail=self._config_name,
+                data={"changes": changes, **rules},
+                incident=self._incident,
             )
             return {"reloaded": True, "changes": changes, "restart_needed": restart, **rules}
         except KnobsNotApplied as e:  # the engine did not take them, or has not finished
@@ -612,6 +625,7 @@ class Service:
                 "config_error",
                 detail=f"reload failed: {self._config_name}",
                 data={"errors": [str(e)], "engine": e.outcome},
+                incident=self._incident,
             )
             return {"reloaded": False, "reason": str(e), "engine": e.outcome}
         except ConfigFileError as e:  # a KeysFileError too
@@ -620,6 +634,7 @@ class Service:
                 "config_error",
                 detail=f"reload refused: {self._config_name}",
                 data={"errors": e.errors},
+                incident=self._incident,
             )
             return {"reloaded": False, "reason": str(e)}
         except Exception as e:  # noqa: BLE001 - a reload must never take the daemon down
@@ -628,6 +643,7 @@ class Service:
                 "config_error",
                 detail=f"reload failed: {self._config_name}",
                 data={"errors": [f"{type(e).__name__}: {e}"]},
+                incident=self._incident,
             )
             return {"reloaded": False, "reason": f"{type(e).__name__}: {e}"}
         finally:
@@ -635,6 +651,13 @@ class Service:
             # READY=1 after STOPPING=1 would tell systemd the daemon serves again
             if self._listening_now and not self.draining:
                 sdnotify.ready(self._status_line())
+
+    @property
+    def _incident(self) -> str | None:
+        """The incident open now, if any: the daemon's own events during it (an engine failure,
+        a reload, its stop) are tagged with it, as the control plane tags the engine's, so that
+        `kvguard audit timeline` tells the whole of it."""
+        return self.control.evaluator.incident if self.control is not None else None
 
     @property
     def _config_name(self) -> str:
@@ -736,7 +759,7 @@ class Service:
     def _audit_late(self, kind: str, data: dict[str, Any]) -> None:
         if self.audit is not None:
             detail = f"reload's engine knobs settled late: {self._config_name}"
-            self.audit.record_event(kind, detail=detail, data=data)
+            self.audit.record_event(kind, detail=detail, data=data, incident=self._incident)
 
     def read_rules(self) -> None:
         """Read the rules file now, before the port is bound and the model loaded, so that a
@@ -777,7 +800,10 @@ class Service:
     def manual_action(self, name: str, params: dict[str, Any]) -> Future:
         """An operator's remedy: same catalogue as the rules, audited with trigger `manual`.
         Each outcome is audited and counted when the Future settles: one cancelled (withdrawn
-        before the engine took it, see `await_action`) is `failed`, saying it never ran."""
+        before the engine took it, see `await_action`) is `failed`, saying it never ran. Its
+        time is when it was asked for, as a rule's is its decision's: before the events it
+        causes, not after them (its Future settles once the engine has applied it)."""
+        decided = utcnow()
         fut = run_action(self.engine, name, params)
 
         def record(f: Future) -> None:
@@ -804,6 +830,7 @@ class Service:
                 incident=self.control.evaluator.count_outside_action() if self.control else None,
                 is_undo=False,
                 detail=res.detail if res else str(err),
+                time=decided,
             )
 
         fut.add_done_callback(record)

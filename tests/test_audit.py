@@ -464,6 +464,36 @@ def test_cli_reads_the_database_of_a_config(filled: tuple[str, str], tmp_path: P
     assert rc == 0 and len(json.loads(out)) == 3
 
 
+def test_a_relative_sqlite_path_in_a_config_is_relative_to_the_config_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`audit.url: sqlite:///audit.db` names one file, beside the config, for the daemon (the
+    unit runs it in /var/lib/kvguard) and for `kvguard audit --config` in an operator's shell;
+    an in-memory database and an absolute path stay as they are."""
+    from kvguard.daemon.config import load_config
+
+    etc, state, home = (tmp_path / d for d in ("etc", "state", "home"))
+    for d in (etc, state, home):
+        d.mkdir()
+    cfg = etc / "kvguard.yaml"
+    cfg.write_text("audit: {url: 'sqlite:///audit.db?timeout=5'}\n")
+    monkeypatch.chdir(state)  # the daemon's working directory
+    assert load_config(cfg).audit.url == f"sqlite:///{etc}/audit.db?timeout=5"
+    rc, out = kvguard("db", "upgrade", "--config", str(cfg))
+    assert rc == 0 and (etc / "audit.db").is_file(), capsys.readouterr().err
+    s = AuditStore(load_config(cfg).audit_url(), host="node-1")
+    s.start()
+    _act(s)
+    assert s.stop(timeout=10)
+    monkeypatch.chdir(home)  # an operator's shell
+    rc, out = kvguard("audit", "list", "--config", str(cfg), "--json")
+    assert rc == 0 and len(json.loads(out)) == 1, capsys.readouterr().err
+    assert not (state / "audit.db").exists() and not (home / "audit.db").exists()
+    for url in ("sqlite://", "sqlite:///:memory:", f"sqlite:///{tmp_path}/x/audit.db"):
+        cfg.write_text(f"audit: {{url: '{url}'}}\n")
+        assert load_config(cfg).audit.url == url
+
+
 def test_cli_db_upgrade_and_current(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'new' / 'audit.db'}"
     rc, out = kvguard("db", "upgrade", "--db", url)
@@ -586,6 +616,43 @@ def test_retention_purges_old_rows_and_closed_incidents(tmp_path, caplog) -> Non
     assert store.flush(10)
     assert len([r for r in caplog.records if "retention deleted" in r.getMessage()]) == 1
     store.stop()
+
+
+def test_retention_keeps_every_row_of_an_incident_it_keeps(tmp_path: Path) -> None:
+    """An incident still open, or closed after the cut, keeps its early actions and events:
+    its timeline stays whole. One closed before the cut goes with its rows, as do old rows of
+    no incident."""
+    store = AuditStore(f"sqlite:///{tmp_path / 'r.db'}", host="node-1")
+    store.start()
+    now = datetime.now(UTC)
+
+    def ago(**kw: float) -> datetime:
+        return now - timedelta(**kw)
+
+    def kinds(incident: str) -> list[str]:
+        return [r.get("action") or r["kind"] for r in store.timeline(incident)]
+
+    open_inc = store.open_incident(2, "long pressure", time=ago(hours=3))
+    _act(store, action="reduce_batch", incident=open_inc, time=ago(hours=3))
+    store.record_event("engine_oom", "oom", incident=open_inc, time=ago(hours=2))
+    _act(store, action="enable_fp8_kv", incident=open_inc, time=ago(minutes=10))
+    late = store.open_incident(1, "closed after the cut", time=ago(hours=2))
+    _act(store, action="halt_admission", incident=late, time=ago(hours=2))
+    store.update_incident(late, closed_at=ago(minutes=30))
+    gone = store.open_incident(1, "closed before the cut", time=ago(hours=4))
+    _act(store, action="cap_max_new_tokens", incident=gone, time=ago(hours=4))
+    store.record_event("admission_halted", incident=gone, time=ago(hours=4))
+    store.update_incident(gone, closed_at=ago(hours=3))
+    _act(store, action="restore_batch", time=ago(hours=2))  # no incident
+    store.record_event("daemon_start", time=ago(hours=2))
+    store.purge_older_than(1 / 24)  # retention 1h
+    assert store.flush(10)
+    assert kinds(open_inc) == ["reduce_batch", "engine_oom", "enable_fp8_kv"]
+    assert kinds(late) == ["halt_admission"]
+    assert kinds(gone) == [] and store.get_incident(gone) is None
+    assert [i["id"] for i in store.list_incidents(limit=None)] == [open_inc, late]
+    assert len(store.list_actions(limit=None)) == 3 and len(store.list_events(limit=None)) == 1
+    assert store.stop(timeout=10)
 
 
 # -- an unwritable database: degraded, never fatal; spill at exit, import later ---------------

@@ -1,7 +1,8 @@
 """Edges of the audit log's data and of `kvguard audit`: incidents a killed daemon left open,
-the retention sweep at start, manual actions in an incident's count, decision times, time
-windows, non-finite values in JSON, names and text PostgreSQL refuses, and `audit import`
-into a database that is not the daemon's.
+the retention sweep at start, manual actions in an incident's count, decision times, the
+daemon's own events in an incident's timeline, time windows, non-finite values in JSON, names
+and text PostgreSQL refuses, `audit import` (and the start's) into a database that is not the
+daemon's, a database a newer kvguard migrated, cut lists, and database text on a terminal.
 
 Real parts throughout: SQLite files, a throwaway PostgreSQL server (tests/test_audit_postgres),
 `kvguard serve` processes on loopback (tests/test_server), and the CLI's own entry point.
@@ -11,12 +12,17 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import pty
+import re
 import sqlite3
+import subprocess
 from contextlib import closing
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from kvguard.daemon import audit_migrate
@@ -27,7 +33,7 @@ from kvguard.rules.evaluator import Evaluator
 from kvguard.rules.schema import RulesFileError, load_rules_text
 from tests.test_audit import _act, kvguard
 from tests.test_audit_postgres import PgServer, pg, pg_db, pg_url  # noqa: F401 - fixtures
-from tests.test_server import Daemon, until
+from tests.test_server import KVGUARD, Daemon, until
 
 NOW = datetime.now(UTC).replace(microsecond=0)
 
@@ -152,8 +158,10 @@ def test_the_start_sweep_closes_only_this_instances_incidents_of_earlier_runs(
     assert restarted.stop(timeout=10)
 
 
-# -- manual actions count in their incident (#13) ----------------------------------------------
+# -- manual actions count in their incident (#13), at the time they were asked for --------------
 def test_a_manual_action_during_an_incident_counts_in_it(tmp_path: Path) -> None:
+    """An operator's action is in the incident open, counted, and recorded when it was asked
+    for (as a rule's at its decision): before the event it caused, not when it completed."""
     db = tmp_path / "audit.db"
     rules = tmp_path / "rules.yaml"
     rules.write_text(ALWAYS)
@@ -161,7 +169,7 @@ def test_a_manual_action_during_an_incident_counts_in_it(tmp_path: Path) -> None
     try:
         until(lambda: d.admin("GET", "/admin/state").json()["incident"], 60, "an incident")
         inc = d.admin("GET", "/admin/state").json()["incident"]
-        r = d.admin("POST", "/admin/actions/reduce_batch", json={"factor": 0.5})
+        r = d.admin("POST", "/admin/actions/halt_admission", json={"allow_priority": "high"})
         assert r.status_code == 200, r.text
         until(
             lambda: _rows(db, "SELECT id FROM actions WHERE rule = 'manual' AND incident = ?", inc),
@@ -175,6 +183,39 @@ def test_a_manual_action_during_an_incident_counts_in_it(tmp_path: Path) -> None
     actions = [r for r in shown["timeline"] if r["type"] == "action"]
     assert [a["trigger"] for a in actions] == ["signal", "manual"]
     assert shown["incident"]["actions_count"] == len(actions) == 2
+    order = [r.get("kind") or r["trigger"] for r in shown["timeline"]]
+    assert order.index("manual") < order.index("admission_halted"), order  # cause, then effect
+
+
+# -- the daemon's own events are in the incident they happen in ---------------------------------
+def test_an_engine_failure_and_reloads_during_an_incident_are_in_its_timeline(
+    tmp_path: Path,
+) -> None:
+    """A reload, a refused one, the engine failure that ends the daemon and its stop all
+    happen while an incident is open: `kvguard audit timeline` shows them, how it ended."""
+    db = tmp_path / "audit.db"
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(ALWAYS)
+    d = Daemon(tmp_path, extra=f"rules: {{path: {rules}}}\n")
+    try:
+        until(lambda: d.admin("GET", "/admin/state").json()["incident"], 60, "an incident")
+        inc = d.admin("GET", "/admin/state").json()["incident"]
+        assert d.admin("POST", "/admin/reload").json()["reloaded"] is True
+        good = d.config.read_text()
+        d.config.write_text(good + "no_such_section: 1\n")
+        assert d.admin("POST", "/admin/reload").status_code == 400  # refused: config_error
+        d.config.write_text(good)
+        assert d.admin("POST", "/admin/debug/fail_rank", json={"rank": 1}).status_code == 200
+        body = {"model": "tiny", "prompt": "hi", "max_tokens": 4}
+        assert httpx.post(d.url + "/v1/completions", json=body, timeout=60).status_code == 503
+        assert d.proc.wait(60) == 1  # the fatal path: exit 1, systemd restarts it
+    finally:
+        d.stop()
+    rc, out = kvguard("audit", "timeline", inc, "--db", f"sqlite:///{db}", "--json")
+    shown = json.loads(out)
+    events = [r["kind"] for r in shown["timeline"] if r["type"] == "event"]
+    assert events == ["reload", "config_error", "engine_failure", "daemon_stop"], events
+    assert shown["incident"]["closed_at"] is not None
 
 
 # -- an action's time is when it was decided (#8) -----------------------------------------------
@@ -374,3 +415,125 @@ def test_import_refuses_another_database_than_the_spills_unless_forced(
     audit_migrate.upgrade(origin)
     rc, out = kvguard("audit", "import", str(spill), "--db", f"sqlite:///{tmp_path}/./origin.db")
     assert rc == 0, capsys.readouterr().err
+
+
+def test_the_start_leaves_a_spill_file_of_another_database_where_it_is(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two daemons share a state directory, each with its own `audit.db`: the file one spilled
+    there names its database, and the other's start neither loads nor renames it; its own
+    database's start does."""
+    origin, spill = _spill_of(tmp_path, "audit.db")  # tmp_path/audit.db's, in tmp_path
+    other = tmp_path / "other" / "audit.db"
+    caplog.set_level("WARNING", logger="kvguard.daemon.audit")
+    b = AuditStore(f"sqlite:///{other}", host="h", spill_dir=tmp_path)
+    assert b.spill_paths[-1] == spill  # where it looks for its own
+    b.start()
+    assert b.flush(10) and b.stop(timeout=10)
+    assert spill.is_file() and not list(tmp_path.glob("*.imported-*"))
+    assert _rows(other, "SELECT detail FROM events") == []
+    said = [r.getMessage() for r in caplog.records if str(spill) in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith(f"audit: not importing {spill}: "), said
+    assert f"spilled from {origin}, not sqlite:///{other}" in said[0]
+    a = AuditStore(origin, host="h", spill_dir=tmp_path)
+    a.start()
+    assert a.flush(10) and a.stop(timeout=10)
+    assert _rows(tmp_path / "audit.db", "SELECT detail FROM events") == [("spilled",)]
+    assert not spill.exists()  # renamed once imported
+
+
+# -- a database a newer kvguard migrated ----------------------------------------------------------
+def test_a_database_a_newer_kvguard_migrated_is_called_newer_never_to_be_upgraded(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url, spill = _spill_of(tmp_path, "audit.db")
+    audit_migrate.upgrade(url)
+    with closing(sqlite3.connect(tmp_path / "audit.db")) as c:
+        c.execute("UPDATE alembic_version SET version_num = '9999'")
+        c.commit()
+    head = audit_migrate.head()
+    rc, out = kvguard("db", "current", "--db", url)
+    newer = f"9999 (newer than this kvguard's {head}: a newer kvguard migrated it)\n"
+    assert rc == 0 and out == newer
+    for argv in (
+        ("audit", "list", "--db", url),
+        ("db", "upgrade", "--db", url),
+        ("audit", "import", str(spill), "--db", url),
+    ):
+        rc, _ = kvguard(*argv)
+        err = capsys.readouterr().err
+        assert rc == 2 and err.startswith(f"kvguard: error: {url} is at "), (argv, err)
+        assert "9999, newer than this kvguard" in err and "a newer kvguard migrated it" in err
+        assert "db upgrade" not in err and "Can't locate" not in err and err.count("\n") == 1
+    assert spill.is_file()  # not imported, not renamed
+    rc, out = kvguard("db", "current", "--db", url, "--json")
+    assert json.loads(out)["revision"] == "9999"  # nothing changed it
+
+
+# -- a list cut at --limit says so ------------------------------------------------------------------
+def test_a_list_cut_at_its_limit_says_how_much_it_shows_and_how_to_see_all(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = f"sqlite:///{tmp_path / 'a.db'}"
+    s = AuditStore(url, host="h")
+    s.start()
+    for i in range(3):
+        _act(s, rule=f"r{i}", time=NOW - timedelta(minutes=10 - i))
+        inc = s.open_incident(1, f"i{i}", time=NOW - timedelta(minutes=10 - i))
+        s.update_incident(inc, closed_at=NOW - timedelta(minutes=9 - i))
+    assert s.stop(timeout=10)
+    for what, argv in (("actions", ("audit", "list")), ("incidents", ("audit", "incidents"))):
+        rc, out = kvguard(*argv, "--db", url, "--limit", "2", "--json")
+        assert rc == 0 and len(json.loads(out)) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"(the newest 2 matching {what} shown, older ones left out: "), err
+        assert "--limit 0 shows them all" in err
+        rc, out = kvguard(*argv, "--db", url, "--limit", "2")  # the table says so too
+        assert rc == 0 and len(out.splitlines()) == 3 and "newest 2" in capsys.readouterr().err
+        for limit in ("3", "0"):  # nothing left out: nothing said
+            rc, out = kvguard(*argv, "--db", url, "--limit", limit, "--json")
+            assert rc == 0 and len(json.loads(out)) == 3 and capsys.readouterr().err == ""
+    rc, out = kvguard("audit", "list", "--db", url, "--limit", "2", "--json")
+    assert [a["rule"] for a in json.loads(out)] == ["r1", "r2"]  # the newest two, oldest first
+
+
+# -- database text on a terminal ------------------------------------------------------------------
+def _on_a_terminal(*argv: str) -> tuple[int, str]:
+    """`kvguard ARGV` with its standard output on a real pseudo-terminal (rich tables), 200
+    columns wide; (exit status, what it printed there without colour codes)."""
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen(
+        [KVGUARD, *argv],
+        stdout=follower,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "COLUMNS": "200", "LINES": "50"},
+    )
+    os.close(follower)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # EIO: the command exited and closed the terminal
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(leader)
+    text = b"".join(chunks).decode(errors="replace").replace("\r\n", "\n")
+    return proc.wait(60), re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", text)
+
+
+def test_a_terminal_table_prints_database_text_as_it_is(tmp_path: Path) -> None:
+    """Alert names, error and engine texts are data: `[/var/lib/x]` or `[red]x[/red]` in them
+    is printed as written, not taken for rich markup (which crashed, or ate the brackets)."""
+    url = f"sqlite:///{tmp_path / 'a.db'}"
+    s = AuditStore(url, host="h")
+    s.start()
+    inc = s.open_incident(1, "kv [red]pressure[/red]", time=NOW - timedelta(minutes=5))
+    s.record_event("engine_failure", "cannot read [/var/lib/kvguard]", incident=inc, time=NOW)
+    _act(s, outcome="failed", error="[bold]boom[/bold]", incident=inc, time=NOW)
+    assert s.stop(timeout=10)
+    rc, out = _on_a_terminal("audit", "timeline", inc, "--db", url)
+    assert rc == 0, out
+    assert "cannot read [/var/lib/kvguard]" in out and "failed: [bold]boom[/bold]" in out, out
+    assert "│" in out or "┃" in out  # a rich table, not the plain columns of a pipe

@@ -447,11 +447,13 @@ def test_retention_purges_old_rows_and_closed_incidents(pg_url: str) -> None:
         store.update_incident(closed, closed_at=old + timedelta(minutes=5))
         still_open = store.open_incident(1, "still open", time=old)
         _act(store, time=old)
+        _act(store, action="enable_fp8_kv", incident=still_open, time=old)  # kept with it
         _act(store, action="restore_batch")
         store.purge_older_than(90)
         assert store.flush(30)
         assert len(store.list_events(limit=None)) == 1
-        assert [a["action"] for a in store.list_actions(limit=None)] == ["restore_batch"]
+        kept = [a["action"] for a in store.list_actions(limit=None)]
+        assert kept == ["enable_fp8_kv", "restore_batch"]
         assert [i["id"] for i in store.list_incidents(limit=None)] == [still_open]
     finally:
         store.stop()

@@ -205,7 +205,9 @@ class ControlPlane:
         if len(q) >= STORM_PREEMPTIONS and t > self._storm_until:
             self._storm_until = t + STORM_WINDOW_S
             self.service.audit.record_event(
-                "preemption_storm", detail=f"{len(q)} preemptions in {STORM_WINDOW_S:g}s"
+                "preemption_storm",
+                detail=f"{len(q)} preemptions in {STORM_WINDOW_S:g}s",
+                incident=self.evaluator.incident,
             )
             self._soon_off_engine("preemption_storm")
 
@@ -428,7 +430,10 @@ class ControlPlane:
 
     def _reload_refused(self, path: Path, errors: list[str]) -> dict[str, Any]:
         self.service.audit.record_event(
-            "config_error", detail=f"rules reload refused: {path}", data={"errors": errors}
+            "config_error",
+            detail=f"rules reload refused: {path}",
+            data={"errors": errors},
+            incident=self.evaluator.incident,
         )
         return {"rules_reloaded": False, "errors": errors}
 

@@ -191,8 +191,8 @@ def test_a_manual_action_during_an_incident_counts_in_it(tmp_path: Path) -> None
 def test_an_engine_failure_and_reloads_during_an_incident_are_in_its_timeline(
     tmp_path: Path,
 ) -> None:
-    """A reload, a refused one, the engine failure that ends the daemon and its stop all
-    happen while an incident is open: `kvguard audit timeline` shows them, how it ended."""
+    """A reload, a refused rules file, a refused config, the engine failure that ends the
+    daemon and its stop all happen while an incident is open: `kvguard audit timeline` shows them, how it ended."""
     db = tmp_path / "audit.db"
     rules = tmp_path / "rules.yaml"
     rules.write_text(ALWAYS)
@@ -201,6 +201,9 @@ def test_an_engine_failure_and_reloads_during_an_incident_are_in_its_timeline(
         until(lambda: d.admin("GET", "/admin/state").json()["incident"], 60, "an incident")
         inc = d.admin("GET", "/admin/state").json()["incident"]
         assert d.admin("POST", "/admin/reload").json()["reloaded"] is True
+        rules.write_text("version: 1\nrules: [{name: x}]\n")  # a rules file refused
+        assert d.admin("POST", "/admin/reload").status_code == 400
+        rules.write_text(ALWAYS)
         good = d.config.read_text()
         d.config.write_text(good + "no_such_section: 1\n")
         assert d.admin("POST", "/admin/reload").status_code == 400  # refused: config_error
@@ -214,7 +217,8 @@ def test_an_engine_failure_and_reloads_during_an_incident_are_in_its_timeline(
     rc, out = kvguard("audit", "timeline", inc, "--db", f"sqlite:///{db}", "--json")
     shown = json.loads(out)
     events = [r["kind"] for r in shown["timeline"] if r["type"] == "event"]
-    assert events == ["reload", "config_error", "engine_failure", "daemon_stop"], events
+    want = ["reload", "config_error", "config_error", "engine_failure", "daemon_stop"]
+    assert events == want, events
     assert shown["incident"]["closed_at"] is not None
 
 

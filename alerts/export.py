@@ -40,8 +40,9 @@ def export(dir: Path, runbook_base: str | None = None, force: bool = False) -> l
     A file that exists with other content is an error unless `force`: an operator's edited
     rules are not overwritten by accident. Nothing is written unless every file may be.
     """
-    if runbook_base is not None and (bad := [c for c in runbook_base if c in '"\\' or c <= " "]):
-        # it is pasted into double-quoted YAML and JSON strings: a URL holds none of these raw
+    if runbook_base is not None and (bad := [c for c in runbook_base if c in '"\\{}' or c <= " "]):
+        # it is pasted into double-quoted YAML and JSON strings, and into the rules' Go-templated
+        # annotations, where "{{" opens an action promtool refuses: a URL holds none of these raw
         raise ValueError(
             f"--runbook-base {runbook_base!r} holds {bad[0]!r}: percent-encode it "
             f"(%{ord(bad[0]):02X}) as a URL must"

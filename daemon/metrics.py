@@ -6,6 +6,7 @@ latency histograms observed by the HTTP layer. Names follow Prometheus conventio
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -17,8 +18,13 @@ from kvguard.engine.snapshot import EngineSnapshot
 from kvguard.rules.actions import ACTIONS
 from kvguard.rules.evaluator import MANUAL
 
+if TYPE_CHECKING:
+    from kvguard.daemon.api_keys import ApiKeys
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 KV_DTYPES = ("fp32", "fp16", "bf16", "fp8_e4m3")
+# why a request was refused for its API key (daemon/openai_api.py): kvguard_api_auth_failures_total
+AUTH_FAILURE_REASONS = ("missing", "unknown", "priority", "max_requests")
 
 
 def _gauge(name: str, doc: str, labels: list[str] | None = None) -> GaugeMetricFamily:
@@ -370,14 +376,23 @@ class ControlPlaneCollector(Collector):
         al = CounterMetricFamily(
             "kvguard_alerts_received", "Alertmanager alerts taken", labels=["alertname", "status"]
         )
-        for (name, status), n in dict(cp.alerts_received).items():
+        received = dict(cp.alerts_received)
+        ignored_by_name = dict(cp.alerts_ignored)
+        # every alert an `alert:NAME` rule acts on, firing and resolved, from 0 (as actions
+        # above): the first one it sends is a rise increase() sees
+        for r in list(ev.rules.rules):
+            if r.on and r.on.startswith("alert:"):
+                for status in ("firing", "resolved"):
+                    received.setdefault((r.on[6:], status), 0)
+                ignored_by_name.setdefault(r.on[6:], 0)
+        for (name, status), n in received.items():
             al.add_metric([name, status], n)
         ignored = CounterMetricFamily(
             "kvguard_alerts_ignored",
             "Alertmanager alerts not taken: their instance label names another daemon",
             labels=["alertname"],
         )
-        for name, n in dict(cp.alerts_ignored).items():
+        for name, n in ignored_by_name.items():
             ignored.add_metric([name], n)
         yield from (state, evals, efail, acts, level, pq, pq_empty, al, ignored)
 
@@ -405,7 +420,7 @@ class Metrics:
         )
         self.inter_token = Histogram(
             "kvguard_inter_token_latency_seconds",
-            "Gap between streamed tokens",
+            "Gap between a request's tokens, per token (k that come at once after g: k of g/k)",
             ["priority"],
             buckets=LATENCY_BUCKETS,
             registry=r,
@@ -419,7 +434,7 @@ class Metrics:
         )
         self.queue_time = Histogram(
             "kvguard_request_queue_time_seconds",
-            "Arrival until first scheduled",
+            "Arrival (posted to the engine) until first scheduled",
             ["priority"],
             buckets=LATENCY_BUCKETS,
             registry=r,
@@ -469,3 +484,19 @@ class Metrics:
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5),
             registry=r,
         )
+
+    def name_keys(self, keys: ApiKeys | None) -> None:
+        """Export every API key's series (and every refusal reason's) at 0 before its first
+        request, at the start and when a reload brings new keys: a series born at 1 is no
+        increase() in Prometheus, so a key's first request would be missing from its charge-back
+        and the first refusal from kvguard_api_auth_failures_total's alert. None: no keys file
+        (the endpoints are open, nothing is charged or refused). A revoked key's series stay,
+        with what it was charged."""
+        if keys is None:
+            return
+        for reason in AUTH_FAILURE_REASONS:
+            self.auth_failures.labels(reason)
+        for name in {k.name for k in keys.by_digest.values()}:
+            self.api_requests.labels(name)
+            for kind in ("prompt", "completion"):
+                self.api_tokens.labels(name, kind)

@@ -705,17 +705,24 @@ class _Ctx:
 
     def observe(self, out: RequestOutput, last: float | None) -> float | None:
         """Latency metrics, per engine output of one choice (engine thread): they measure the
-        engine, not how fast the client reads. `last` is when the choice's previous token
-        came (None: none yet); returns when this one did. An output without tokens (an abort
+        engine, not how fast the client reads. `last` is when the choice's previous tokens
+        came (None: none yet); returns when these did. An output without tokens (an abort
         of a queued request) is no token's latency. Finishes are counted by the engine
-        (kvguard_requests_finished_total), where aborts pass too."""
+        (kvguard_requests_finished_total), where aborts pass too.
+
+        The inter-token latency is per token: k tokens that come in one output after a gap g
+        (a run of serving.decode_steps, accepted speculative tokens) are k gaps of g/k, so its
+        count and mean are those of the tokens whatever the engine's steps bring at once. The
+        first output's tokens after its first came with it: TTFT is their latency, no gap."""
         m = self.service.metrics
         t = time.monotonic()
-        if out.new_token_ids:
+        if k := len(out.new_token_ids):
             if last is None:
                 m.ttft.labels(self.priority).observe(t - self.t0)
             else:
-                m.inter_token.labels(self.priority).observe(t - last)
+                gaps = m.inter_token.labels(self.priority)
+                for _ in range(k):
+                    gaps.observe((t - last) / k)
             last = t
         if out.finished:
             m.e2e.labels(self.priority).observe(t - self.t0)

@@ -236,6 +236,7 @@ class Service:
         self.metrics = Metrics(
             lambda: self.engine.latest_snapshot, lambda: self.readiness()[0], self.nvml
         )
+        self.metrics.name_keys(self.api_keys)  # each key's series from 0, before its first use
         self._unwatch_gc = gc_policy.watch_pauses(
             lambda gen, s: self.metrics.gc_pause.labels(gen).observe(s)
         )
@@ -594,6 +595,7 @@ class Service:
                     None if keys is None else f"{keys.path} ({len(keys)} keys)"
                 )
             self.api_keys = keys
+            self.metrics.name_keys(keys)  # a new key's series from 0, as at the start
             if "rules.dry_run" in changes:  # a daemon whose rules start (or stop) acting for real
                 log.warning(
                     "reload: rules.dry_run is now %s: %s",

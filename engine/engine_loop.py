@@ -31,6 +31,9 @@ log = logging.getLogger("kvguard.engine.loop")
 # Failures after which the engine cannot step again: retrying would only fail again (or hang on
 # a collective with a dead peer), so the loop stops instead of serving on.
 FATAL_ERRORS: tuple[type[BaseException], ...] = (RankFailure,)
+# An idle engine's snapshot is rebuilt this often, so that its rates decay to 0 (the steps
+# rebuild it while busy)
+IDLE_SNAPSHOT_S = 1.0
 
 
 class EngineUnavailable(RuntimeError):
@@ -178,6 +181,9 @@ class EngineLoop:
         self._fatal_lock = threading.Lock()  # orders `call` against the fatal switch and the stop
         self._closed = False  # stopped: `call` refuses at once (set under _fatal_lock)
         self.paused = threading.Event()  # test hook: a set event stalls the loop (no heartbeat)
+        # the snapshot an idle loop last saw, and when (see _refresh_idle_snapshot)
+        self._idle_snapshot: EngineSnapshot | None = None
+        self._idle_snapshot_at = 0.0
         if engine is not None:
             engine.mailbox.notify = self._wake.set
 
@@ -275,6 +281,7 @@ class EngineLoop:
             try:
                 if not (eng.has_unfinished() or eng.mailbox.pending()):
                     eng.check_ranks()  # a rank that dies while idle is noticed without traffic
+                    self._refresh_idle_snapshot()
                     self._wake.wait(self.idle_wait_s)
                     self._wake.clear()
                     continue
@@ -296,6 +303,19 @@ class EngineLoop:
                     fn(snap)
                 except Exception:  # noqa: BLE001
                     log.exception("on_step hook failed")
+
+    def _refresh_idle_snapshot(self) -> None:
+        """An idle engine does not step, and the snapshot is otherwise rebuilt only by a step:
+        what it says of the recent past (requests finished per second over the last 10 s)
+        would keep its last busy value for as long as the engine stays idle. Rebuilt here at
+        most once every IDLE_SNAPSHOT_S (a step's own snapshot counts)."""
+        eng = self.engine
+        now = time.monotonic()
+        if eng.latest_snapshot is not self._idle_snapshot:  # a step made a new one
+            self._idle_snapshot, self._idle_snapshot_at = eng.latest_snapshot, now
+        elif now - self._idle_snapshot_at >= IDLE_SNAPSHOT_S:
+            eng.latest_snapshot = eng.snapshot()
+            self._idle_snapshot, self._idle_snapshot_at = eng.latest_snapshot, now
 
     def _fail_fatally(self, error: BaseException) -> None:
         """Record the failure, end every stream so that no consumer waits forever, refuse what
@@ -392,9 +412,14 @@ class EngineLoop:
         stream then keeps only the final output instead of queueing the deltas too.
         """
         stream = RequestStream(listener)
+        # it arrives now, not when the engine thread takes it from the mailbox (after the step
+        # under way, or a stall): its queue time and TTFT count the wait for the thread too
+        arrival = time.monotonic()
 
         def add() -> str:
-            rid = self.engine.add_request(prompt, params, request_id, priority, add_special_tokens)
+            rid = self.engine.add_request(
+                prompt, params, request_id, priority, add_special_tokens, arrival_time=arrival
+            )
             stream.request_id = rid
             self._streams[rid] = stream
             return rid

@@ -218,9 +218,13 @@ class LLMEngine(ControlSurface):
         request_id: str | None = None,
         priority: str | int = "normal",
         add_special_tokens: bool = True,
+        arrival_time: float | None = None,
     ) -> str:
         """Queue a request. ValueError names what makes it unservable; AdmissionRejected
-        (a ValueError) carries the policy's decision and retry hint."""
+        (a ValueError) carries the policy's decision and retry hint. `arrival_time` (a
+        time.monotonic()) is when the request came, where that was before this call (posted
+        through the mailbox while a step ran): its queue time and TTFT count from there.
+        None: now."""
         params = params or SamplingParams()
         params.validate()
         vocab = self.model_config.vocab_size
@@ -239,6 +243,8 @@ class LLMEngine(ControlSurface):
         if params.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(params.seed)
         seq = Sequence(rid, ids, params, rank, next(self._order), limit, gen)
+        if arrival_time is not None:
+            seq.arrival_time = arrival_time
         if params.json_schema is not None or params.grammar is not None:
             seq.grammar = self.grammars.for_params(params)
         if params.logprobs is not None:

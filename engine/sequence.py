@@ -94,6 +94,8 @@ class Sequence:
     stop_checked_len: int = 0
     sent_tokens: int = 0  # output tokens already handed out in a RequestOutput
     sent_text_len: int = 0  # characters of `text` already handed out
+    # when the request came (time.monotonic()): posted through the engine loop, when it was
+    # posted (add_request's arrival_time), not when the engine thread took it in
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     first_scheduled_time: float | None = None

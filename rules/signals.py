@@ -1,14 +1,18 @@
 """Where rules read pressure: the engine snapshot and NVML (local), or a PromQL query.
 
 A value that cannot be read is None — the evaluator treats it as unknown and never acts on it.
-PromQL failures are counted and logged once per outage (not once per tick); so are answers that
-hold no number (an empty vector, NaN, a string), once per query until it answers one again.
+PromQL failures are counted and logged once per outage (not once per tick): Prometheus out of
+reach (no connection, no answer in time, a 502-504) once for the client, a query Prometheus
+refuses (a typo, a 422) once for that query until it answers again, however the others fare; so
+are answers that hold no number (an empty vector, NaN, a string), once per query until it
+answers one again.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import re
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -52,7 +56,8 @@ class PromQL:
         self.instance = instance
         self.failures = 0  # queries that failed (no answer, an error, past the deadline)
         self.empty = 0  # queries answered with no number (empty vector, NaN, a string)
-        self._down = False
+        self._down = False  # Prometheus out of reach now (logged once for every query)
+        self._failing: set[str] = set()  # queries Prometheus refuses now (logged once each)
         self._empty_exprs: set[str] = set()  # queries answering no number now (logged once)
         self._lock = threading.Lock()
         self._late: threading.Event | None = None  # set once the query past its deadline ends
@@ -85,13 +90,18 @@ class PromQL:
         try:
             result = self._within_deadline(q)
         except Exception as e:  # noqa: BLE001 - any failure is an unknown signal
-            self._fail(f"{type(e).__name__}: {e}")
+            if _out_of_reach(e):
+                self._fail(f"{type(e).__name__}: {e}")
+            else:  # Prometheus answered: it refuses this query, not every one
+                self._reached()
+                self._fail_query(q, f"{type(e).__name__}: {e}")
             return None
-        if self._down:
-            log.info("Prometheus at %s answers again", self.url)
-            self._down = False
+        self._reached()
         value = _value(result)
         with self._lock:
+            if q in self._failing:
+                self._failing.discard(q)
+                log.info("PromQL query %r answers again", q)
             if value is None:
                 self.empty += 1
                 if q not in self._empty_exprs:
@@ -135,6 +145,7 @@ class PromQL:
         return out["result"]
 
     def _fail(self, why: str) -> None:
+        """Prometheus out of reach (or none configured): every PromQL signal is unknown."""
         with self._lock:
             self.failures += 1
             if self._down:
@@ -144,6 +155,37 @@ class PromQL:
             "Prometheus query failing (%s); rules on PromQL signals are unknown until it recovers",
             why,
         )
+
+    def _fail_query(self, q: str, why: str) -> None:
+        """Prometheus answered this query with an error: the rules on it are unknown."""
+        with self._lock:
+            self.failures += 1
+            if q in self._failing:
+                return
+            self._failing.add(q)
+        log.warning(
+            "PromQL query %r failing (%s); rules on it are unknown until it answers", q, why
+        )
+
+    def _reached(self) -> None:
+        """Prometheus answered (a result, or an error of its own for one query)."""
+        with self._lock:
+            was_down, self._down = self._down, False
+        if was_down:
+            log.info("Prometheus at %s answers again", self.url)
+
+
+def _out_of_reach(e: BaseException) -> bool:
+    """Whether a failed query says nothing of the query itself: no connection, no (whole)
+    answer in time, an earlier query still running past its deadline, a proxy's or an
+    unready Prometheus' 502, 503 or 504. What Prometheus answered with another error status
+    (a query it cannot parse, 400, or run, 422) is the query's own."""
+    import requests  # prometheus-api-client's transport, imported with it
+
+    if isinstance(e, TimeoutError | requests.ConnectionError | requests.Timeout):
+        return True
+    status = re.match(r"HTTP Status Code (\d+)", str(e))  # PrometheusApiClientException's
+    return status is not None and status.group(1) in ("502", "503", "504")
 
 
 def _value(result: object) -> float | None:

@@ -309,3 +309,34 @@ def test_estimate_and_error_are_exported_and_shown() -> None:
     line = _estimate_line(adm)
     assert line.startswith("predicted") and "le128=0.25" in line and "error -0.75" in line
     assert "overcommit 1.00x" in line
+
+
+def test_the_finish_rate_falls_to_0_on_an_idle_engine() -> None:
+    """kvguard_admission_finish_rate is requests finished per second over the last 10 s. The
+    snapshot it is read from was rebuilt only by a step, so an engine that went idle reported
+    its last busy rate for ever; the idle loop now rebuilds it (at most once a second)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from kvguard.daemon.metrics import SnapshotCollector
+    from kvguard.engine.engine_loop import EngineLoop
+    from tests.test_server import until
+
+    engine = make_engine(admission=AdmissionConfig())
+    now = [1000.0]
+    engine.admission.clock = lambda: now[0]  # the admission window's clock: moved by hand
+    loop = EngineLoop(engine).start()
+
+    def rate() -> float:
+        return engine.latest_snapshot.admission["finish_rate"]
+
+    try:
+        for _ in range(3):
+            loop.submit([5, 6, 7, 8], SamplingParams(max_tokens=2)).result(60)
+        until(lambda: rate() == 0.3, 30, "3 finishes in the last 10 s")
+        now[0] += 11  # nothing finished in the last 10 s
+        until(lambda: rate() == 0.0, 30, "the idle engine's finish rate at 0")
+    finally:
+        loop.stop()
+    reg = CollectorRegistry()
+    reg.register(SnapshotCollector(lambda: engine.latest_snapshot, lambda: True))
+    assert "\nkvguard_admission_finish_rate 0.0\n" in generate_latest(reg).decode()

@@ -196,6 +196,29 @@ def test_dashboard_reads_its_datasource_from_a_variable() -> None:
     assert any("kvguard_actions_total" in a.get("expr", "") for a in d["annotations"]["list"])
 
 
+def test_every_metric_an_alert_reads_is_on_the_dashboard() -> None:
+    """What an alert fires on is what its operator looks for on the dashboard: before, the
+    "Dependencies failing" panel left out kvguard_prometheus_query_empty_total, on which
+    PrometheusQueriesFailing fires. A recording rule an alert reads stands for the metrics
+    its expression reads (the dashboard may show either)."""
+    recorded = {r["record"]: r["expr"] for r in all_rules() if "record" in r}
+
+    def read(name: str) -> set[str]:
+        if name not in recorded:
+            return {name}
+        return {n for m in metric_names(recorded[name]) for n in read(m)}
+
+    shown = {n for q in dashboard_queries().values() for n in metric_names(q)}
+    missing = {
+        (a["alert"], m)
+        for a in alerts()
+        for name in metric_names(a["expr"])
+        for m in ({name} if name in shown else read(name))
+        if m not in shown
+    }
+    assert missing == set(), "metrics alerts fire on that no dashboard query shows"
+
+
 # -- kvguard alerts export ---------------------------------------------------------------------
 def test_export_writes_files_that_pass_promtool(tmp_path: Path) -> None:
     from kvguard.alerts.export import RUNBOOK_BASE, export
@@ -218,6 +241,9 @@ def test_export_writes_files_that_pass_promtool(tmp_path: Path) -> None:
         ('https://x.org/a"b', "%22"),
         ("https://x.org/a\\b", "%5C"),
         ("https://x.org/a b", "%20"),
+        # and into Go-templated annotations: "{{" made rules promtool refused
+        ("https://x.org/a{{b", "%7B"),
+        ("https://x.org/a}}b", "%7D"),
     ):
         with pytest.raises(ValueError, match=shown):  # pasted into quoted YAML and JSON
             export(tmp_path / "other", runbook_base=bad)

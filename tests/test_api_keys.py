@@ -32,11 +32,17 @@ def add(path: Path, name: str, *flags: str, capsys: pytest.CaptureFixture[str]) 
 
 
 def metric(d: Daemon, name: str, **labels: str) -> float:
+    value = series(d, name, **labels)
+    return 0.0 if value is None else value
+
+
+def series(d: Daemon, name: str, **labels: str) -> float | None:
+    """The sample's value; None where /metrics has no such series."""
     text = httpx.get(d.url + "/metrics").text
     want = ",".join(f'{k}="{v}"' for k, v in labels.items())
     pat = rf"^{re.escape(name)}{re.escape('{' + want + '}') if want else ''} (\S+)$"
     m = re.search(pat, text, re.M)
-    return float(m.group(1)) if m else 0.0
+    return float(m.group(1)) if m else None
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +55,7 @@ def keyed(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201 - (Daemon, 
         ("batch", ["--max-priority", "low"]),
         ("mid", []),
         ("capped", ["--max-requests", "2"]),
+        ("idle", []),  # never used: its series must be there all the same
     ):
         proc = subprocess.run(
             [KVGUARD, "keys", "--file", str(path), "add", name, *flags],
@@ -65,6 +72,18 @@ def keyed(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201 - (Daemon, 
 
 def client(d: Daemon, key: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=d.url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def test_every_key_and_refusal_reason_is_exported_from_0(keyed) -> None:  # noqa: ANN001
+    """Before, a key's series (and a refusal reason's) were made by its first use, born at 1
+    and at its first request's tokens: Prometheus' increase() and rate() never count a series'
+    first sample, so each key's first request was missing from charge-back queries."""
+    d, _, _ = keyed
+    assert series(d, "kvguard_api_key_requests_total", key="idle") == 0
+    for kind in KINDS:
+        assert series(d, "kvguard_api_key_tokens_total", key="idle", kind=kind) == 0, kind
+    for reason in ("missing", "unknown", "priority", "max_requests"):
+        assert series(d, "kvguard_api_auth_failures_total", reason=reason) is not None, reason
 
 
 def test_no_key_or_a_wrong_key_is_refused_with_401(keyed) -> None:  # noqa: ANN001
@@ -244,7 +263,11 @@ def test_sighup_applies_a_new_keys_file_and_refuses_a_broken_one(keyed, capsys) 
         client(d, fresh).chat.completions.create(**CHAT)
     r = d.admin("POST", "/admin/reload").json()
     assert r["reloaded"] and "api.api_keys_file" in r["changes"]
+    # the new key's series from 0, before its first request (which increase() then counts)
+    assert series(d, "kvguard_api_key_requests_total", key="fresh") == 0
+    assert series(d, "kvguard_api_key_tokens_total", key="fresh", kind="prompt") == 0
     client(d, fresh).chat.completions.create(**CHAT)
+    assert series(d, "kvguard_api_key_requests_total", key="fresh") == 1
     path.write_text(good + "  - name: broken\n    sha256: nothex\n")
     d.proc.send_signal(signal.SIGHUP)
     log = Path(d.log.name)

@@ -327,7 +327,9 @@ def test_remedies_apply_between_runs_and_lose_nothing(tiny_dir: Path) -> None:
 def test_the_daemon_streams_every_token_of_a_run_in_order(tmp_path: Path) -> None:
     """`serving.decode_steps` from the config file, through `kvguard serve` and the real
     `openai` client: a streamed completion's pieces join to the non-streamed text of the
-    same greedy request, and the daemon's metrics count the steps run inside runs."""
+    same greedy request, and the daemon's metrics count the steps run inside runs. The
+    inter-token latency is observed per token, not per run: before, a run of 4 tokens was
+    one observation of 4 tokens' time (a quarter of the count, 4x the mean)."""
     import urllib.request
 
     from tests.test_server import Daemon
@@ -337,6 +339,12 @@ def test_the_daemon_streams_every_token_of_a_run_in_order(tmp_path: Path) -> Non
         debug_hooks=False,
         serving="{model: tiny, kv_cache_bytes: 8MiB, max_model_len: 512, decode_steps: 4}",
     )
+
+    def scrape() -> dict[str, float]:
+        with urllib.request.urlopen(d.url + "/metrics", timeout=10) as r:
+            lines = r.read().decode().splitlines()
+        return {x.rsplit(" ", 1)[0]: float(x.rsplit(" ", 1)[1]) for x in lines if x[:1] != "#"}
+
     try:
         client = d.client()
         ask = {"model": "tiny", "prompt": "abc", "max_tokens": 23, "temperature": 0}
@@ -344,10 +352,16 @@ def test_the_daemon_streams_every_token_of_a_run_in_order(tmp_path: Path) -> Non
         pieces = [c.choices[0].text for c in client.completions.create(**ask, stream=True)]
         assert whole.finish_reason == "length"
         assert "".join(pieces) == whole.text and len(pieces) > 1
-        with urllib.request.urlopen(d.url + "/metrics", timeout=10) as r:
-            metrics = r.read().decode()
-        line = next(x for x in metrics.splitlines() if x.startswith("kvguard_engine_steps_ahead"))
-        assert float(line.split()[-1]) > 0
+        metrics = scrape()
+        assert metrics["kvguard_engine_steps_ahead_total"] > 0
+        # two requests of 23 tokens: 22 gaps each, the first token's latency its TTFT
+        hist = 'kvguard_{}_seconds_{}{{priority="normal"}}'
+        itl, ttft, e2e = ("inter_token_latency", "time_to_first_token", "request_duration")
+        assert metrics[hist.format(ttft, "count")] == 2
+        assert metrics[hist.format(itl, "count")] == 2 * 22
+        # and the gaps add up to each request's time from its first token to its last
+        first_to_last = metrics[hist.format(e2e, "sum")] - metrics[hist.format(ttft, "sum")]
+        assert metrics[hist.format(itl, "sum")] == pytest.approx(first_to_last, abs=1e-6)
     finally:
         assert d.stop() == 0
 

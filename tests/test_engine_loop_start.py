@@ -10,6 +10,7 @@ ends the streams it fed with an error and refuses what waits for it and what com
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -80,3 +81,33 @@ def test_a_stop_ends_the_streams_and_refuses_what_waits_and_what_comes_after(
         loop.call(lambda: "ran").result(0)
     with pytest.raises(EngineUnavailable, match="the engine loop has stopped"):
         loop.submit([1, 2], SamplingParams(max_tokens=2), timeout=0)
+
+
+def test_queue_time_and_ttft_count_the_wait_for_the_engine_thread(tiny_dir: Path) -> None:
+    """A request posted while the engine thread is busy (a long step, a stall) waits in the
+    mailbox. Before, its arrival was stamped when the thread took it in, so that wait was in
+    neither its queue time nor its TTFT: a 10 s stall read as 0.0 s queue time."""
+    cfg = EngineConfig(model=str(tiny_dir), kv_cache_bytes="8MiB", max_model_len=512)
+    loop = EngineLoop(LLMEngine.from_config(cfg, progress=False)).start()
+    release = threading.Event()
+    try:
+        held = loop.call(lambda: release.wait(60))  # the engine thread is busy until released
+        stream, added = loop.submit_nowait([5, 6, 7, 8], SamplingParams(max_tokens=2))
+        posted = time.monotonic()  # the request was posted by now
+        until(lambda: time.monotonic() - posted >= 0.5, 10, "half a second in the mailbox")
+        release.set()
+        assert held.result(60) is True and added.result(60)
+        out = stream.result(60)
+    finally:
+        release.set()
+        loop.stop()
+    assert out.finished and out.queue_time_s is not None and out.ttft_s is not None
+    assert out.queue_time_s >= 0.5, out.queue_time_s
+    assert out.ttft_s >= out.queue_time_s
+    # the Python API's own add_request: it arrives when it is added
+    engine = loop.engine
+    rid = engine.add_request([5, 6, 7, 8], SamplingParams(max_tokens=1))
+    outs = []
+    while engine.has_unfinished():
+        outs += [o for o in engine.step() if o.request_id == rid]
+    assert 0.0 <= outs[-1].queue_time_s < 5.0  # from the add, not some other clock's 0

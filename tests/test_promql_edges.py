@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -18,6 +19,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
+from urllib.parse import parse_qs, urlsplit
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
@@ -51,10 +53,12 @@ ANSWERS: dict[str, dict[str, Any]] = {
 
 class FakePrometheus:
     """/api/v1/query on loopback answering `self.answer` (a key of ANSWERS), or trickling a
-    number's answer a byte every `trickle_s` (until `stop`), or a 500."""
+    number's answer a byte every `trickle_s` (until `stop`), or an HTTP error status ("500",
+    "503"; "400" with Prometheus' bad_data body). `by_query` answers some queries otherwise."""
 
     def __init__(self) -> None:
         self.answer = "number"
+        self.by_query: dict[str, str] = {}  # query -> its answer, in place of `answer`
         self.trickle_s = 0.0
         self.queries: list[str] = []
         self.stopping = threading.Event()
@@ -66,11 +70,20 @@ class FakePrometheus:
 
             def do_GET(self) -> None:  # noqa: N802 - http.server's name
                 fake.queries.append(self.path)
-                if fake.answer == "500":
-                    self.send_response(500)
+                query = parse_qs(urlsplit(self.path).query).get("query", [""])[0]
+                answer = fake.by_query.get(query, fake.answer)
+                if answer == "400":
+                    body = json.dumps({"status": "error", "errorType": "bad_data"}).encode()
+                    self.send_response(400)
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                    return
+                if answer in ("500", "503"):
+                    self.send_response(int(answer))
                     self.end_headers()
                     return
-                body = json.dumps({"status": "success", "data": ANSWERS[fake.answer]}).encode()
+                body = json.dumps({"status": "success", "data": ANSWERS[answer]}).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))
@@ -142,6 +155,46 @@ def test_failures_are_counted_apart_from_empty_answers(prom: FakePrometheus) -> 
     assert (q.failures, q.empty) == (1, 0)
     none = PromQL(None, 2.0, "me:1")
     assert none.query("x") is None and none.failures == 1
+
+
+def test_a_refused_query_is_logged_once_beside_a_good_one(
+    prom: FakePrometheus, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Before, one flag for the whole client: a query Prometheus refuses (a typo: 400) beside
+    one it answers logged "failing" and "answers again" on every tick. A query's own failure
+    is logged once for that query; Prometheus out of reach, once for the client."""
+    prom.by_query = {"sum(rate(x[5m])": "400"}
+    q = PromQL(prom.url, 2.0, "me:1")
+    with caplog.at_level(logging.INFO, logger="kvguard.rules.signals"):
+        for _ in range(3):  # three rule ticks
+            assert q.query("x") == 0.93
+            assert q.query("sum(rate(x[5m])") is None
+        prom.by_query = {}  # fixed
+        assert q.query("sum(rate(x[5m])") == 0.93
+        prom.answer = "503"  # Prometheus itself unavailable: every query, one outage
+        for _ in range(2):
+            assert q.query("x") is None and q.query("y") is None
+        prom.answer = "number"
+        assert q.query("x") == 0.93 and q.query("y") == 0.93
+    assert q.failures == 3 + 4
+    said = caplog.messages
+    assert sum("'sum(rate(x[5m])' failing (PrometheusApiClientException" in m for m in said) == 1
+    assert sum("'sum(rate(x[5m])' answers again" in m for m in said) == 1
+    assert sum(m.startswith("Prometheus query failing") for m in said) == 1
+    assert sum(m.startswith("Prometheus at") and "answers again" in m for m in said) == 1
+    assert len(said) == 4, said
+
+
+def test_no_connection_is_logged_once_for_every_query(caplog: pytest.LogCaptureFixture) -> None:
+    with socket.socket() as s:  # a loopback port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    q = PromQL(f"http://127.0.0.1:{port}", 2.0, "me:1")
+    with caplog.at_level(logging.INFO, logger="kvguard.rules.signals"):
+        for _ in range(2):
+            assert q.query("x") is None and q.query("y") is None
+    assert q.failures == 4
+    assert len(caplog.messages) == 1 and "ConnectionError" in caplog.messages[0]
 
 
 # -- a deadline for the whole query ------------------------------------------------------------
@@ -285,3 +338,27 @@ def test_every_finish_reason_kvguard_gives_starts_at_zero() -> None:
     for reason in ("stop", "length", "abort", "error"):
         for priority in ("high", "normal", "low"):
             assert got[(reason, priority)] == 0, (reason, priority)
+
+
+def test_every_alert_a_rule_acts_on_starts_at_zero(tmp_path: Path, plane: ControlPlane) -> None:
+    """Before, an alert's series were made by its first webhook, born at 1: increase() never
+    counted that first alert, so its dashboard panel missed it. Each alert an `alert:NAME`
+    rule names is exported at 0, firing and resolved (and not taken, for another daemon), from
+    the moment the rule is loaded; what is taken counts on from there."""
+    path = tmp_path / "alert-rules.yaml"
+    path.write_text(
+        RULES + '  - {name: am-halt, on: "alert:GPUNearOOM", action: halt_admission,'
+        " undo: resume_admission}\n"
+    )
+    assert plane.reload(path, dry_run=False)["rules_reloaded"]
+    got = scrape(plane)
+    received = "kvguard_alerts_received_total"
+    for status in ("firing", "resolved"):
+        assert got[(received, (("alertname", "GPUNearOOM"), ("status", status)))] == 0, status
+    assert got[("kvguard_alerts_ignored_total", (("alertname", "GPUNearOOM"),))] == 0
+    labels = {"alertname": "GPUNearOOM", "instance": "me:8000"}
+    alert = {"status": "firing", "labels": labels, "fingerprint": "a"}
+    assert plane.alertmanager({"version": "4", "alerts": [alert]})["accepted"] == 1
+    got = scrape(plane)
+    assert got[(received, (("alertname", "GPUNearOOM"), ("status", "firing")))] == 1
+    assert got[(received, (("alertname", "GPUNearOOM"), ("status", "resolved")))] == 0

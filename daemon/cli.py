@@ -123,7 +123,7 @@ def add_generate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]
         metavar="P",
         type=float,
         default=1.0,
-        help="nucleus sampling mass in (0, 1] (default: %(default)s)",
+        help="nucleus sampling mass in [0, 1], 0 greedy (default: %(default)s)",
     )
     gen.add_argument(
         "--top-k",

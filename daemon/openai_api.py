@@ -22,6 +22,7 @@ from fastapi.routing import APIRoute
 
 from kvguard.daemon import tools
 from kvguard.daemon.openai_schemas import (
+    DEFAULT_CHAT_MAX_TOKENS,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -43,7 +44,6 @@ if TYPE_CHECKING:
     from kvguard.engine.tokenizer import Tokenizer
 
 log = logging.getLogger("kvguard.daemon.api")
-DEFAULT_CHAT_MAX_TOKENS = 512
 MAX_SEQUENCES = 256  # prompts x n of one request: each is a sequence of its own
 # the engine says why it refused a request; the answer is the server's choice: the request
 # itself cannot be served (400), the server is busy (429), or it has stopped taking work (503)
@@ -384,6 +384,8 @@ async def _serve(
         ctx.key = key.name
     ctx.echo = prompts if getattr(body, "echo", False) else None
     ctx.tools = params.grammar is not None
+    if kind == "chat.completion" and not (body.max_tokens or body.max_completion_tokens):
+        ctx.max_tokens_default = DEFAULT_CHAT_MAX_TOKENS  # said with the answer
     aio = asyncio.get_running_loop()
     outs = [_Outputs(aio, ctx, i, bool(body.stream)) for i in range(len(prompts) * ctx.n)]
     streams, futs = [], []
@@ -553,6 +555,8 @@ class _Ctx:
         self.n = 1  # choices per prompt: choice i answers prompt i // n
         self.echo: list[str | list[int]] | None = None  # the prompts, for a completion with echo
         self.tools = False  # a chat answer that may be tool calls
+        # a chat answer's token limit where the request set none (DEFAULT_CHAT_MAX_TOKENS)
+        self.max_tokens_default: int | None = None
         self.key: str | None = None  # the API key's name, where the daemon checks keys
         # prompt index -> its tokens the key was charged for (engine thread)
         self._charged: dict[int, int] = {}
@@ -991,6 +995,9 @@ def _kvguard_ext(ctx: _Ctx, outs: Sequence[RequestOutput]) -> dict[str, Any]:
         "truncated": any(o.truncated for o in outs),
         "queue_time_s": max(waits) if waits else None,
         "preemptions": sum(o.num_preemptions for o in outs),
+        # a chat request that set no max_tokens: the default limit it ran under (an answer
+        # cut there ends with finish_reason length), else null
+        "max_tokens_default": ctx.max_tokens_default,
     }
 
 

@@ -25,6 +25,9 @@ Priority = Literal["high", "normal", "low"]
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # OpenAI's integer range; torch takes no more
 MAX_CHOICES = 32  # `n`: each choice is a sequence of its own, admitted like a request
 MAX_TOOLS = 128  # functions one request may offer (OpenAI's limit)
+# a chat answer's token limit where the request sets neither max_tokens nor
+# max_completion_tokens (OpenAI's runs to the context; this keeps a runaway answer short)
+DEFAULT_CHAT_MAX_TOKENS = 512
 
 
 def unicode_problem(text: str) -> str | None:
@@ -203,7 +206,9 @@ class _Sampling(_Body):
     model: Text
     # null (the openai client's pass-through of an unset setting) is the default
     temperature: Annotated[float | None, _null_is(1.0)] = Field(1.0, ge=0.0, le=2.0)
-    top_p: Annotated[float | None, _null_is(1.0)] = Field(1.0, gt=0.0, le=1.0)
+    top_p: Annotated[float | None, _null_is(1.0)] = Field(
+        1.0, ge=0.0, le=1.0, description="0 keeps only the most likely token (greedy)"
+    )
     top_k: int = Field(0, ge=0, le=INT64_MAX, description="kvguard extension: 0 disables")
     n: int | None = Field(
         1,
@@ -506,8 +511,19 @@ class ChatMessage(_Body):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(..., min_length=1)
-    max_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
-    max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
+    max_tokens: int | None = Field(
+        None,
+        ge=1,
+        le=INT64_MAX,
+        description=f"{DEFAULT_CHAT_MAX_TOKENS} where neither it nor max_completion_tokens is "
+        "set (an answer cut there ends with finish_reason length and kvguard.max_tokens_default)",
+    )
+    max_completion_tokens: int | None = Field(
+        None,
+        ge=1,
+        le=INT64_MAX,
+        description="OpenAI's newer name for max_tokens, which it overrides where both are set",
+    )
     logprobs: bool | None = Field(None, description="each generated token's log-probability")
     top_logprobs: int | None = Field(
         None, ge=0, le=20, description="with this many alternatives (needs logprobs: true)"

@@ -37,6 +37,7 @@ from kvguard.engine.model_runner import (
     pick_device,
     pick_dtype,
 )
+from kvguard.engine.sampler import spend_draws
 from kvguard.engine.sampling_params import SamplingParams
 from kvguard.engine.scheduler import ScheduledBatch, Scheduler, Speculation, awaits_first_text
 from kvguard.engine.sequence import (
@@ -534,14 +535,21 @@ class LLMEngine(ControlSurface):
         the next step computes them with it as one chunk. Not for a request that asks for
         log-probabilities (a forced token has none) or once it is finished. False where the
         request ended before the last of them (max_tokens, the length limit, a stop string):
-        the grammar has taken them all, so its `complete` no longer speaks for the text."""
+        the grammar has taken them all, so its `complete` no longer speaks for the text.
+
+        A seeded sampled request's generator spends the draw each forced token would have
+        taken drawn (one a token, as speculative rows keep it): its seed gives the same tokens
+        whether they are forced or drawn (log-probabilities asked, jump-forward off)."""
         if not self.config.grammar_jump_forward or seq.grammar is None:
             return True
         if seq.output_logprobs is not None or seq.prompt_logprobs is not None:
             return True
         forced = seq.grammar.forced()
+        draws = seq.generator is not None and not seq.params.greedy
         for i, token in enumerate(forced):
             self._counters["tokens_generated"] += 1
+            if draws:
+                spend_draws(seq.generator, 1)
             append_token(self.tokenizer, seq, token, self.eos_ids)
             if seq.finish_reason is not None:  # max_tokens, the length limit, a stop string
                 return i == len(forced) - 1

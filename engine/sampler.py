@@ -465,6 +465,13 @@ def _draw(probs: torch.Tensor, gen: torch.Generator | None) -> int:
 def rewind(gen: torch.Generator, state: torch.Tensor, draws: int) -> None:
     """Put `gen` where `draws` draws (`_draw`'s, one uniform each) from `state` leave it."""
     gen.set_state(state)
+    spend_draws(gen, draws)
+
+
+def spend_draws(gen: torch.Generator, draws: int) -> None:
+    """Move `gen` on by `draws` draws (one uniform each), as if it had drawn that many tokens:
+    for tokens a sequence gets without a draw (a grammar's forced tokens), so that a seed
+    keeps to one draw a token however its tokens came."""
     for _ in range(draws):
         _uniform(gen, gen.device)
 
@@ -487,15 +494,20 @@ def nucleus(
     whose set comes in id order); a flat distribution (an uncertain model, a high
     temperature) needs it for most draws: 399 of 512 in bench/choices.py, whose nuclei held
     267 to 13k tokens. `first`: the NUCLEUS_FIRST likeliest (values, ids), most likely
-    first, where the caller selected them already (for several rows at once)."""
+    first, where the caller selected them already (for several rows at once).
+
+    Tokens tied at the set's least probability, more than it keeps, are kept lowest ids
+    first, as the C draw keeps them (`cpu_ops.topp_draw`): a seed gives the same token
+    with a top-k that filters nothing as without one. `topk` orders ties as it likes, so
+    its set is taken only where the token after it is less likely than its last."""
     if probs.numel() > NUCLEUS_FIRST:
         top, ids = first if first is not None else torch.topk(probs, NUCLEUS_FIRST)
         keep = _reaching(top, top_p)
-        if keep < NUCLEUS_FIRST:  # the set closed inside them
+        if keep < NUCLEUS_FIRST and bool(top[keep] < top[keep - 1]):  # closed, no tie across
             return top[:keep], ids[:keep]
     if probs.device.type == "cpu":
         return _nucleus_by_threshold(probs, top_p)
-    top, ids = probs.sort(descending=True)
+    top, ids = probs.sort(descending=True, stable=True)  # ties in id order
     keep = _reaching(top, top_p)
     return top[:keep], ids[:keep]
 

@@ -26,7 +26,7 @@ class SamplingParams:
     max_tokens: int = 64
     temperature: float = 0.0  # 0 means greedy
     top_k: int = 0  # 0 disables
-    top_p: float = 1.0
+    top_p: float = 1.0  # 0 keeps the single most likely token: greedy, its limit
     seed: int | None = None  # per-request generator: same seed, same output
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -71,8 +71,8 @@ class SamplingParams:
             )
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k={self.top_k!r}: expected an integer >= 0 (0 disables)")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p={self.top_p!r}: expected a number in (0, 1]")
+        if not 0.0 <= self.top_p <= 1.0:
+            raise ValueError(f"top_p={self.top_p!r}: expected a number in [0, 1]")
         if not isinstance(self.stop, list | tuple):
             raise ValueError(f"stop={self.stop!r}: expected a string or a list of strings")
         if len(self.stop) > MAX_STOP_STRINGS:
@@ -126,7 +126,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature < GREEDY_BELOW_TEMPERATURE or self.top_k == 1
+        """The most likely token, no draw: a temperature too low to divide by, a top-k of 1,
+        or a top-p of 0 (the nucleus keeps at least its most likely token, so only it)."""
+        return self.temperature < GREEDY_BELOW_TEMPERATURE or self.top_k == 1 or self.top_p == 0
 
     @property
     def temperature_only(self) -> bool:

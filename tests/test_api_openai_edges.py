@@ -5,6 +5,7 @@ answer ends with, and the sampled token among a completion's alternatives."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,6 +16,7 @@ import pytest
 from kvguard.engine.random_model import byte_tokenizer
 from tests.test_logprob_bytes import token_bytes
 from tests.test_server import Daemon
+from tests.test_tools import daemon  # noqa: F401 - fixture: the tiny model, max_model_len 2048
 
 SMOLLM = "smollm2-135m"
 # the tiny model's special tokens (engine/tiny_model.py): <|endoftext|>, <|im_start|>, <|im_end|>
@@ -97,6 +99,67 @@ def test_null_sampling_fields_in_a_raw_body(tiny_daemon: Daemon) -> None:
         timeout=60,
     )
     assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
+
+
+# -- top_p 0 --------------------------------------------------------------------------------
+def test_top_p_0_keeps_the_most_likely_token(tiny_daemon: Daemon) -> None:
+    """OpenAI takes top_p in [0, 1]; 0 keeps the single most likely token: temperature 0's
+    answer, seeded or not, on both endpoints (sampled, the tiny model's answers differ)."""
+    c = tiny_daemon.client()
+    same = {"model": "tiny", "max_tokens": 12, "extra_body": {"ignore_eos": True}}
+    chat = {**same, "messages": [{"role": "user", "content": "Hi!"}]}
+    completion = {**same, "prompt": "Once upon"}
+
+    def chat_text(**kw: Any) -> str:
+        return c.chat.completions.create(**chat, **kw).choices[0].message.content
+
+    def completion_text(**kw: Any) -> str:
+        return c.completions.create(**completion, **kw).choices[0].text
+
+    for text in (chat_text, completion_text):
+        greedy = text(temperature=0)
+        assert text(temperature=1.0, top_p=1.0, seed=1) != greedy
+        for seed in (None, 1, 2):
+            assert text(temperature=1.0, top_p=0, seed=seed) == greedy
+            assert text(temperature=2.0, top_p=0.0, seed=seed) == greedy
+    r = httpx.post(  # a JSON integer 0 too
+        tiny_daemon.url + "/v1/completions",
+        json={"model": "tiny", "prompt": "Once upon", "max_tokens": 12, "ignore_eos": True,
+              "temperature": 1.0, "top_p": 0},
+        timeout=60,
+    )  # fmt: skip
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == completion_text(temperature=0)
+    for bad in (-0.01, 1.01):  # outside [0, 1]: still a 400 naming the field
+        with pytest.raises(openai.BadRequestError) as refused:
+            completion_text(top_p=bad)
+        assert refused.value.body["param"] == "top_p"
+
+
+# -- chat's default max_tokens ----------------------------------------------------------------
+def test_a_chat_without_max_tokens_ends_at_the_default_and_says_so(daemon: Daemon) -> None:  # noqa: F811
+    """A chat request that sets neither max_tokens nor max_completion_tokens answers at most
+    512 tokens (OpenAI's would run to the context: 2048 here), `length` where that cut it,
+    and says the default was in force: `kvguard.max_tokens_default`, streamed or not; null
+    where the request set a limit, and on completions (whose default is OpenAI's 16)."""
+    url = daemon.url
+    ask = {"model": "tiny", "messages": [{"role": "user", "content": "Hi!"}], "ignore_eos": True}
+    r = httpx.post(url + "/v1/chat/completions", json=ask, timeout=120).json()
+    assert r["usage"]["completion_tokens"] == 512
+    assert r["choices"][0]["finish_reason"] == "length"
+    assert r["kvguard"]["max_tokens_default"] == 512
+    q = str(byte_tokenizer().encode("q", add_special_tokens=False)[0])
+    short = {**ask, "logit_bias": {q: 100}, "stop": "q", "stream": True}  # ends at once
+    with httpx.stream("POST", url + "/v1/chat/completions", json=short, timeout=60) as s:
+        chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    end = chunks[-1]
+    assert end["choices"][0]["finish_reason"] == "stop"
+    assert end["kvguard"]["max_tokens_default"] == 512
+    for limit in ({"max_tokens": 3}, {"max_completion_tokens": 3}):
+        r = httpx.post(url + "/v1/chat/completions", json={**ask, **limit}, timeout=60).json()
+        assert r["usage"]["completion_tokens"] == 3
+        assert r["kvguard"]["max_tokens_default"] is None, limit
+    r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "Hi"}, timeout=60)
+    assert r.json()["kvguard"]["max_tokens_default"] is None
 
 
 # -- a prompt over the context --------------------------------------------------------------

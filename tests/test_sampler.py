@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvguard.engine.sampler import nucleus, sample
+from kvguard.engine.sampler import NUCLEUS_FIRST, nucleus, sample
 from kvguard.engine.sampling_params import SamplingParams
 
 LOGITS = torch.tensor([2.0, 1.0, 0.0, -1.0, -30.0])
@@ -186,6 +186,44 @@ def test_the_c_draw_gives_the_torch_paths_tokens(monkeypatch: pytest.MonkeyPatch
     cpu_ops.reset()
     try:
         assert draws() == fast
+    finally:
+        monkeypatch.undo()
+        cpu_ops.reset()
+
+
+def test_ties_at_the_nucleus_edge_keep_the_lowest_ids_on_every_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """200 tied tokens (ids 100-299 of 320) and a top-p that keeps some of them: the nucleus
+    holds the tie's lowest ids, as the C draw does, also where it closes inside the 256 most
+    likely (`topk` orders ties as it likes), so top_k 0 (the C draw) and top_k 320 (torch's
+    path, a filter that removes nothing) give a seed the same token."""
+    from kvguard.kernels import cpu_ops
+
+    vocab = 320
+    x = torch.full((1, vocab), -5.0)
+    x[0, 100:300] = 1.0
+    probs = torch.softmax(x[0], 0)
+    _, ids = nucleus(probs, 0.3)
+    lowest = list(range(100, 100 + len(ids)))
+    assert 1 < len(ids) < 200 and sorted(ids.tolist()) == lowest
+    first = torch.topk(probs, NUCLEUS_FIRST)  # selected by the caller, several rows at once
+    assert sorted(nucleus(probs, 0.3, first)[1].tolist()) == lowest
+    assert nucleus(probs, 1e-30)[1].tolist() == [100]  # one of the tie: the greedy token
+
+    def draws(top_k: int) -> list[int]:
+        params = [
+            SamplingParams(temperature=1.0, top_p=0.3, top_k=top_k, seed=s) for s in range(64)
+        ]
+        return [sample(x, [p], [torch.Generator().manual_seed(p.seed)])[0] for p in params]
+
+    c_draw = draws(0)
+    assert set(c_draw) <= set(lowest) and len(set(c_draw)) > 1
+    assert draws(vocab) == c_draw
+    monkeypatch.setenv(cpu_ops.ENV, "0")
+    cpu_ops.reset()
+    try:  # torch's path both ways
+        assert draws(0) == c_draw and draws(vocab) == c_draw
     finally:
         monkeypatch.undo()
         cpu_ops.reset()

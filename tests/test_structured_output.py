@@ -12,11 +12,13 @@ import pytest
 import torch
 from pydantic import BaseModel
 
-from kvguard.engine import LLMEngine, SamplingParams
+from kvguard.daemon import tools
+from kvguard.engine import EngineConfig, LLMEngine, SamplingParams
 from kvguard.engine.admission_policy import AdmissionRejected
 from kvguard.engine.sampler import adjust_logits
 from kvguard.engine.sequence import Status
 from tests.test_server import Daemon
+from tests.test_tools import FUNCS
 
 PERSON = {
     "type": "object",
@@ -334,6 +336,45 @@ def test_forced_tokens_cut_by_max_tokens_leave_the_answer_length(smollm_engine: 
     assert [(len(c.token_ids), c.finish_reason) for c in cuts] == [
         (m, "length") for m in range(1, n)
     ]
+
+
+BOUNDED = {  # a person of bounded values: the tiny model's sampled answers close
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+        "age": {"type": "integer", "minimum": 0, "maximum": 99},
+    },
+    "required": ["name", "unit", "age"],
+    "additionalProperties": False,
+}
+
+
+def test_a_seed_gives_the_same_tokens_forced_or_drawn() -> None:
+    """A seeded sampled answer spends one draw a token whether its grammar's forced tokens are
+    appended at once or drawn one a step (as for a request asking for log-probabilities, or
+    with jump-forward off): the same tokens every way, for a schema and for a tool call (a
+    forced token took no draw, so the tokens after it came from other draws)."""
+    eng = LLMEngine.from_config(
+        EngineConfig(model="tiny", kv_cache_bytes="16MiB", num_threads=1), progress=False
+    )
+    held = {"json_schema": BOUNDED, "grammar": tools.grammar(FUNCS, "required", False)}
+    for field, value in held.items():
+        texts = set()
+        for seed in range(3):
+            ask = {"max_tokens": 200, "temperature": 1.0, "seed": seed, field: value}
+            runs = {}
+            for way, jump, logprobs in (("forced", True, None), ("logprobs", True, 0),
+                                        ("drawn", False, None)):  # fmt: skip
+                eng.config.grammar_jump_forward = jump
+                params = SamplingParams(logprobs=logprobs, **ask)
+                runs[way] = eng.generate(["Person:"], [params])[0]
+            forced = runs["forced"]
+            assert forced.finish_reason == "stop", (field, seed)  # closed: drawn after forced
+            for way, out in runs.items():
+                assert out.token_ids == forced.token_ids, (field, seed, way)
+            texts.add(forced.text)
+        assert len(texts) == 3, field  # sampled: each seed its own answer
 
 
 def test_a_schema_past_the_grammar_librarys_limits_is_a_400_naming_it(tiny_daemon: Daemon) -> None:

@@ -263,6 +263,7 @@ class ControlSurface:
         except Exception as e:  # noqa: BLE001 - the pool is put back whatever failed
             return self._conversion_failed(kept, f"a {dtype} pool", e, cached=set())
         self.kv_cache.last_switch_peak_extra_bytes = extra
+        self._bound_lengths()
         if self.admission is not None:
             self.admission.bytes_per_block = self.kv_cache.bytes_per_block
         pause = time.perf_counter() - t0
@@ -352,7 +353,7 @@ class ControlSurface:
                 "tokens must still fit)"
             )
         if new_n == old_n:
-            self.kv_pool_share = new_n / full
+            self.kv_pool_share = share
             return f"KV pool already {old_n} blocks{note}", True, {"blocks": old_n}
         grow = (new_n - old_n) * self.kv_cache.bytes_per_block
         if grow > 0 and not (self.runner.can_grow(grow) and self.runner.can_convert(dtype, new_n)):
@@ -384,19 +385,22 @@ class ControlSurface:
             self.runner.convert_kv(dtype, {"device": (new_n, moves)})
         except Exception as e:  # noqa: BLE001 - the pool is put back whatever failed
             return self._conversion_failed(kept, f"a pool of {new_n} blocks", e, set(moves))
-        self.kv_pool_share = new_n / full
+        # the share asked for, not the one the floor made of it: a later dtype switch sizes
+        # its pool from it (`pool_blocks`), and a share floored once and again loses blocks
+        self.kv_pool_share = share
+        self._bound_lengths()
         pause = time.perf_counter() - t0
         data = {
             "blocks_before": old_n,
             "blocks_after": new_n,
-            "share": round(self.kv_pool_share, 4),
+            "share": round(new_n / full, 4),
             "bytes_after": new_n * self.kv_cache.bytes_per_block,
             "preempted": moved,
             "pause_s": pause,
         }
         self.events.emit("kv_pool_resized", **data)
         return (
-            f"KV pool {old_n} -> {new_n} blocks ({self.kv_pool_share:.0%} of configured){note}; "
+            f"KV pool {old_n} -> {new_n} blocks ({new_n / full:.0%} of configured){note}; "
             f"{len(moved)} running sequences preempted; {pause * 1e3:.1f} ms",
             True,
             data,
@@ -477,6 +481,18 @@ class ControlSurface:
             "with enable_chunked_prefill off: a longer prompt could never be scheduled "
             "(max_model_len and enable_chunked_prefill change only at a restart)"
         )
+
+    def _bound_lengths(self: LLMEngine) -> None:
+        """The pool just changed size (a dtype switch, a share, a reload's kv_cache_bytes),
+        and a smaller one was taken because every request in flight fits it within its
+        length limit and max_tokens as they are now: from here on the pool also bounds each
+        one's length limit, as it bounds a request admitted against it (`max_total_len`).
+        A cap lifted later gives a request its own max_tokens back, not a length the pool can
+        never hold: that one would fill the pool, preempt itself and never fit again, and
+        every request queued behind it would wait for ever."""
+        limit = self.max_total_len()
+        for s in self.scheduler.live():
+            s.max_total_len = min(s.max_total_len, limit)
 
     def _longest_need(self: LLMEngine) -> tuple[int, str | None]:
         """The most device blocks a request in flight may still need (its prompt and every

@@ -22,7 +22,7 @@ from kvguard.engine.block_manager import BlockManager
 from kvguard.engine.config import EngineConfig
 from kvguard.engine.control import Mailbox
 from kvguard.engine.control_surface import ControlSurface
-from kvguard.engine.detokenizer import append_token
+from kvguard.engine.detokenizer import append_token, finish_text
 from kvguard.engine.distributed.errors import PoolTorn, RankFailure
 from kvguard.engine.events import EventBus
 from kvguard.engine.kv_cache import OOM_ERRORS, KVCache
@@ -359,6 +359,15 @@ class LLMEngine(ControlSurface):
         self._count_finish(seq)
         return RequestOutput.take(seq)
 
+    def _outgrown(self, seq: Sequence) -> RequestOutput:
+        """A request the scheduler ended with `length` (it outgrew the whole pool,
+        `Scheduler._outgrown`): its text made whole and its stop strings applied, as at any
+        length limit, counted, and its output handed out."""
+        if finish_text(self.tokenizer, seq):
+            seq.finish_reason = "stop"
+        self._count_finish(seq)
+        return RequestOutput.take(seq)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or bool(self._pending)
 
@@ -378,6 +387,7 @@ class LLMEngine(ControlSurface):
         try:
             self._maybe_restore_budget()
             batch = self.scheduler.schedule()
+            outputs += [self._outgrown(seq) for seq in batch.ended]
             if not batch.empty:
                 steps = self._steps_ahead(batch)
                 outputs += self._run(batch, steps)

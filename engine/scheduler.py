@@ -10,9 +10,10 @@ that order (the requests queued after it wait, as they wait behind a recomputed 
 itself in the queue). When a running sequence needs a block and none is free, the
 lowest-priority, newest running sequence is preempted (even one already scheduled for this
 step, which then leaves it): swapped to the host pool when offload is on and it has room,
-recomputed later otherwise. Nothing is ever dropped. A waiting `high` request takes its blocks,
-and with every `max_num_seqs` slot taken its slot, from lower-priority running sequences the
-same way.
+recomputed later otherwise. Nothing is ever dropped (a sequence holding more tokens than the
+whole pool, which could never run again, ends with `length`: `_outgrown`). A waiting `high`
+request takes its blocks, and with every `max_num_seqs` slot taken its slot, from
+lower-priority running sequences the same way.
 
 The scheduler owns every sequence state change: admission into the batch (asking the admission
 policy), preemption, and `update`, which advances a step's sequences from the tokens the model
@@ -48,6 +49,7 @@ that is the remedy. The switch back waits until the live K/V fit the configured 
 from __future__ import annotations
 
 import bisect
+import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -68,6 +70,7 @@ from kvguard.engine.speculative import (
 if TYPE_CHECKING:
     from kvguard.engine.model_runner import RunTokens
 
+log = logging.getLogger("kvguard.engine")
 EventSink = Callable[..., None]
 MIN_BATCHED_TOKENS = 64
 # A high request keeps steps to high work until its first text is out, for at most this many
@@ -133,6 +136,8 @@ class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)  # tokens to compute per sequence
     preempted: list[Sequence] = field(default_factory=list)
+    # ended this step with `length` (`Scheduler._outgrown`): the engine hands out their output
+    ended: list[Sequence] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
@@ -290,6 +295,8 @@ class Scheduler:
         capped, taken = False, set(batch.seqs)  # each running sequence is visited once
         for seq in sorted(self.running, key=lambda s: (s.num_uncomputed > 1, s.sort_key)):
             if seq.status is not Status.RUNNING or budget <= 0 or seq in taken:
+                continue
+            if self._outgrown(seq, batch):
                 continue
             if urgent and not awaits_first_text(seq):
                 continue  # a step of the work that stands between high requests and text
@@ -493,6 +500,8 @@ class Scheduler:
         the whole rest of a prompt that is not run in chunks."""
         while self.swapped and len(self.running) < self.max_num_seqs:
             seq = self.swapped[0]
+            if self._outgrown(seq, batch):
+                continue
             n = self._chunk(seq, budget) if budget > 0 else 0
             least = n if n and not self.chunked else 1
             if seq in batch.preempted or not self._room(self._swap_in_blocks(seq, least), seq):
@@ -558,6 +567,8 @@ class Scheduler:
         i = deferred = 0
         while i < len(self.waiting) and budget > 0:
             seq = self.waiting[i]
+            if self._outgrown(seq, batch):
+                continue  # taken out of the queue: the next one is at `i` now
             if seq in batch.preempted or (urgent and seq.priority != HIGH):
                 break  # preempted this very step: let memory settle first
             if behind is not None and self.policy.queue_key(seq) > behind:
@@ -604,6 +615,29 @@ class Scheduler:
             budget -= n
             if self.bm.caching and seq.num_uncomputed > 1:
                 leaders.append(seq)
+
+    def _outgrown(self, seq: Sequence, batch: ScheduledBatch) -> bool:
+        """Whether `seq` holds more tokens than the whole pool does: its next token needs the
+        K/V of them all, so it could never run again, however free the pool were. It ends
+        here with `length`, its output kept (the engine hands it out, `batch.ended`), as a
+        request whose length limit is the pool's ends, instead of preempting itself for ever
+        at the head of the queue with every request behind it waiting too. A safety net: the
+        engine bounds each request's length by the pool, a prompt by refusing it when the
+        whole pool would not hold it with a token after it (`max_total_len`), a request in
+        flight when the pool shrinks under it (`_bound_lengths`)."""
+        if self.bm.blocks_for(seq.num_tokens) <= self.bm.num_blocks:
+            return False
+        log.warning(
+            "request %s holds %d tokens but the whole KV pool holds %d: it ends (length)",
+            seq.request_id,
+            seq.num_tokens,
+            self.bm.num_blocks * self.bm.block_size,
+        )
+        seq.draft = []
+        seq.finish_reason = "length"
+        self.finish(seq)
+        batch.ended.append(seq)
+        return True
 
     def _follows(self, seq: Sequence, leaders: list[Sequence]) -> bool:
         """Whether waiting `seq` should let a running prompt (one of `leaders`) compute blocks

@@ -5,15 +5,18 @@ Each case here once stranded a request on an idle engine or served wrong K/V: a 
 evicted while holding most of the pool, one swapped out while holding all of it, a dtype switch
 to a smaller pool under a request admitted against the larger one, a queued request whose
 admission projection was made against a pool since shrunk, blocks of a sequence converted by a
-dtype switch entering the prefix cache, an interrupted step keeping the blocks it took, and a
-fault while a step's tokens were taken losing the answers of the requests it had finished."""
+dtype switch entering the prefix cache, an interrupted step keeping the blocks it took, a
+fault while a step's tokens were taken losing the answers of the requests it had finished, a
+token cap lifted after the pool shrank under the request it had let in (it grew past the
+pool, preempted itself and blocked the queue for ever), and a pool share losing a block at
+each FP8 round trip."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvguard.engine import LLMEngine
+from kvguard.engine import LLMEngine, SamplingParams
 from kvguard.engine.admission import AdmissionConfig
 from kvguard.engine.control import ActionResult
 from kvguard.engine.distributed.errors import PoolTorn
@@ -193,6 +196,100 @@ def test_a_fault_taking_a_steps_tokens_ends_its_requests_and_keeps_the_finished_
     assert engine.block_manager.num_used == 0 and not engine.has_unfinished()
     after = engine.add_request([6, 7, 8], greedy(4))
     assert len(finish(engine)[after]) == 4
+
+
+@pytest.mark.parametrize("shrink", ["fp8-back-to-fp32", "smaller-kv_cache_bytes"])
+def test_lifting_a_cap_after_the_pool_shrank_ends_the_request_at_the_pool(shrink: str) -> None:
+    """A cap lets a smaller pool in (the request it caps fits it), and lifting the cap gives
+    the request its own max_tokens back: within the pool now in force, as for a request
+    admitted against it. It ends with `length` where the pool is full, with no preemption,
+    and a request queued after it runs. It once kept the length limit of the larger pool:
+    it filled the new one, preempted itself and waited at the head of the queue for ever,
+    every request behind it waiting too."""
+    engine = make_engine(kv_cache_bytes="256KiB", max_model_len=2048)  # fp32: 32 blocks
+    fp8 = shrink == "fp8-back-to-fp32"
+    if fp8:
+        assert apply(engine, engine.set_kv_cache_dtype("fp8_e4m3")).ok  # 126 blocks
+    rid = engine.add_request(LONG[: 420 if fp8 else 200], greedy(1500))
+    seq = engine._seqs[rid]
+    admitted = seq.max_total_len  # the larger pool's tokens (fp8: 2016, below max_model_len)
+    for _ in range(3):
+        engine.step()
+    assert apply(engine, engine.set_max_new_tokens_cap(50)).ok  # 470 or 250 tokens
+    if fp8:
+        res = apply(engine, engine.set_kv_cache_dtype("fp32"))
+    else:
+        res = apply(engine, engine.reconfigure({("kv_cache_bytes",): 128 * 1024}))
+    assert res.ok, res.detail  # the capped request fits it
+    pool = engine.block_manager.num_blocks * engine.config.block_size
+    assert pool == (512 if fp8 else 256) < admitted
+    assert apply(engine, engine.set_max_new_tokens_cap(None)).ok
+    assert seq.max_tokens == 1500 and seq.max_total_len == pool
+    later = engine.add_request([5, 6, 7, 8], greedy(4))
+    done = finish(engine)
+    assert seq.finish_reason == "length" and not seq.truncated
+    assert len(seq.prompt_token_ids) + len(done[rid]) == pool  # the pool's every token
+    assert len(done[later]) == 4
+    assert sum(engine.snapshot().preemptions.values()) == 0
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["recomputed", "swapped"])
+def test_a_sequence_longer_than_the_whole_pool_ends_and_the_queue_behind_it_runs(
+    monkeypatch: pytest.MonkeyPatch, offload: bool
+) -> None:
+    """The scheduler's safety net, should a length limit ever escape the pool again: with the
+    engine's own checks taken out, a switch back from FP8 shrinks the pool under an evicted
+    request that already holds more tokens than the new pool (recomputed or swapped out). It
+    could never run again: it ends with `length` and the output it made, and the request
+    queued behind it runs, instead of both waiting for ever."""
+    monkeypatch.setattr(LLMEngine, "_longest_need", lambda self: (0, None))
+    monkeypatch.setattr(LLMEngine, "_bound_lengths", lambda self: None, raising=False)
+    swap = {**SWAP, "cpu_cache_ratio": 0.6} if offload else {}  # a host pool that holds it
+    engine = make_engine(kv_cache_bytes="256KiB", max_model_len=2048, **swap)
+    assert apply(engine, engine.set_kv_cache_dtype("fp8_e4m3")).ok
+    rid = engine.add_request(LONG, greedy(1500))
+    seq = engine._seqs[rid]
+    while seq.num_tokens <= 520:  # 33 blocks of 16: more than the fp32 pool's 32
+        engine.step()
+    made = list(seq.output_token_ids)
+    evict, switch = engine.evict(1, "normal"), engine.set_kv_cache_dtype("fp32")
+    later = engine.add_request([5, 6, 7, 8], greedy(4))
+    outs = {o.request_id: o for o in engine.step()}  # both applied, then the step
+    assert evict.result(0).data["evicted"] == [(rid, "swap" if offload else "recompute")]
+    assert switch.result(0).ok and engine.block_manager.num_blocks == 32
+    assert outs[rid].finished and outs[rid].finish_reason == "length"
+    assert outs[rid].token_ids == made
+    assert len(finish(engine)[later]) == 4
+    assert engine.block_manager.num_used == 0 and engine.host_block_manager.num_used == 0
+
+
+def test_a_pool_share_keeps_its_blocks_through_fp8_round_trips() -> None:
+    """The pool share a remedy asked for is what sizes the pool in each dtype; the one it came
+    to (floored to whole blocks) is only reported. Kept as the blocks it came to, the share
+    was floored again at every switch and the pool lost a block: 15 of 22 blocks came back
+    as 14, half of the fp8 pool taken (157 of 315) as 39 fp32 blocks instead of 40."""
+    engine = make_engine(kv_cache_bytes=str(22 * 8192), max_model_len=64)
+    bm = engine.block_manager
+    res = apply(engine, engine.set_kv_pool_share(15.5 / 22))
+    assert res.data["blocks_after"] == 15 and res.data["share"] == round(15 / 22, 4)
+    assert "(68% of configured)" in res.detail
+    for _ in range(3):
+        assert apply(engine, engine.set_kv_cache_dtype("fp8_e4m3")).ok
+        assert bm.num_blocks == 60  # 15.5/22 of 86
+        assert apply(engine, engine.set_kv_cache_dtype("fp32")).ok
+        assert bm.num_blocks == 15
+    engine = make_engine(kv_cache_bytes=str(80 * 8192), max_model_len=64)
+    bm = engine.block_manager
+    assert apply(engine, engine.set_kv_cache_dtype("fp8_e4m3")).ok
+    res = apply(engine, engine.set_kv_pool_share(0.5))
+    assert res.data["blocks_after"] == 157 and res.data["share"] == round(157 / 315, 4)
+    for _ in range(3):
+        assert apply(engine, engine.set_kv_cache_dtype("fp32")).ok
+        assert bm.num_blocks == 40 == engine.pool_blocks("fp32")
+        assert apply(engine, engine.set_kv_cache_dtype("fp8_e4m3")).ok
+        assert bm.num_blocks == 157
+    rid = engine.add_request([3 + i % 200 for i in range(30)], SamplingParams(max_tokens=8))
+    assert len(finish(engine)[rid]) <= 8
 
 
 def _failing_layers(

@@ -19,7 +19,7 @@ from pathlib import Path
 BENCHMARKS = {
     "overload": "open-loop burst against kvguard, kvguard without its control plane, and "
     "max-length preallocation; table, JSON and PNG timeline",
-    "chaos": "faults during a loaded run: Prometheus down, audit DB locked, engine OOM, the KV "
+    "chaos": "faults during a loaded run: Prometheus down, audit DB unwritable, engine OOM, the KV "
     "pool shrunk and restored, SIGHUP with a broken and a good rules file, client disconnects, "
     "SIGTERM",
 }
@@ -35,7 +35,9 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     for name, help_text in BENCHMARKS.items():
         p = cmds.add_parser(name, help=help_text, description=help_text)
         _script_options(p, overload=name == "overload")
-        p.add_argument("--repo", type=Path, help="the kvguard checkout (default: found)")
+        p.add_argument(
+            "--repo", type=Path, metavar="DIR", help="the kvguard checkout (default: found)"
+        )
         p.set_defaults(func=cmd_bench)
 
 
@@ -44,11 +46,11 @@ def _script_options(p: argparse.ArgumentParser, overload: bool) -> None:
     p.add_argument("--quick", action="store_true", help="short smoke run")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     p.add_argument("--model", help="model name or directory (default smollm2-135m)")
-    p.add_argument("--threads", help="engine threads (default 2)")
+    p.add_argument("--threads", metavar="N", help="engine threads (default 2)")
     p.add_argument("--workdir", metavar="DIR", help="keep configs, logs and audit DBs here")
     if overload:
         p.add_argument("--png", metavar="FILE", help="timeline plot (default overload.png)")
-        p.add_argument("--seed", help="trace seed (default 0)")
+        p.add_argument("--seed", metavar="N", help="trace seed (default 0)")
         p.add_argument("--only", action="append", metavar="CONFIG", help="run only CONFIG")
         p.add_argument(
             "--trace",
@@ -70,22 +72,22 @@ def script_argv(args: argparse.Namespace) -> list[str]:
     return argv
 
 
-def find_checkout(explicit: Path | None) -> Path:
-    """The checkout holding bench/ (absolute): --repo, else $KVGUARD_REPO, else this file's
-    tree or the cwd. A checkout named by --repo or $KVGUARD_REPO is the one used or an error:
-    never another one found instead of it."""
+def find_checkout(explicit: Path | None, bench: str = "overload") -> Path:
+    """The checkout holding bench/<bench>.py (absolute): --repo, else $KVGUARD_REPO, else this
+    file's tree or the cwd. A checkout named by --repo or $KVGUARD_REPO is the one used or an
+    error naming the script it lacks: never another one found instead of it."""
+    script = Path("bench") / f"{bench}.py"
     env = os.environ.get("KVGUARD_REPO")
     named = ("--repo", explicit) if explicit is not None else ("$KVGUARD_REPO", env)
     if named[1]:
         repo = Path(named[1]).resolve()  # against the caller's cwd
-        if not (repo / "bench" / "overload.py").is_file():
+        if not (repo / script).is_file():
             raise ValueError(
-                f"{named[0]} {named[1]}: not a kvguard checkout ({repo / 'bench' / 'overload.py'} "
-                "not found)"
+                f"{named[0]} {named[1]}: not a kvguard checkout ({repo / script} not found)"
             )
         return repo
     for cand in (Path(__file__).resolve().parents[1], Path.cwd().resolve()):
-        if (cand / "bench" / "overload.py").is_file():
+        if (cand / script).is_file():
             return cand
     raise ValueError(
         "no kvguard checkout with bench/ found: run from the repository, or pass --repo DIR "
@@ -94,7 +96,7 @@ def find_checkout(explicit: Path | None) -> Path:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    repo = find_checkout(args.repo)
+    repo = find_checkout(args.repo, args.bench_command)
     script = repo / "bench" / f"{args.bench_command}.py"
     # the caller's cwd: the script finds the checkout from its own path, and relative paths
     # given here (or its own defaults) must not land inside the checkout

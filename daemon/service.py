@@ -52,9 +52,18 @@ from kvguard.rules.schema import RuleSet, load_rules, rules_file
 
 log = logging.getLogger("kvguard.daemon")
 STALL_AFTER_S = 30.0  # an engine loop without a heartbeat this long is not ready
-# After the drain deadline: how long the cut requests' 503s / SSE errors get to go out, and how
-# long the engine gets to apply the aborts, before the process exits regardless.
+# After the drain deadline: how long the engine gets to apply the aborts of the cut requests,
+# and then how long connections get to send their 503s / SSE errors, before the stop goes on.
 CUT_GRACE_S = 5.0
+# Then close() takes CLOSE_BUDGET_S at most: the engine loop, then its workers (at least
+# STUCK_ENGINE_WAIT_S), then the audit (at least AUDIT_STOP_MIN_S); an engine known stuck is
+# waited for STUCK_ENGINE_WAIT_S only. A whole stop thus takes at most api.drain_timeout +
+# STOP_AFTER_DRAIN_S: daemon/systemd/kvguard.service's TimeoutStopSec leaves room for that
+# with the default 30s (tests/test_drain.py checks the sum against the unit).
+CLOSE_BUDGET_S = 10.0
+STUCK_ENGINE_WAIT_S = 1.0
+AUDIT_STOP_MIN_S = 2.0
+STOP_AFTER_DRAIN_S = 2 * CUT_GRACE_S + CLOSE_BUDGET_S
 # After a fatal engine failure: the status to exit with (systemd's Restart=on-failure restarts
 # on any non-zero one), and how long the orderly exit (answers out, audit written, workers
 # stopped) may take before the process leaves regardless.
@@ -155,6 +164,7 @@ class Service:
         self._server: uvicorn.Server | None = None
         self._closed = threading.Event()  # close() finished: the forced exit is not needed
         self._engine_stopped = False
+        self._engine_stuck = False  # the drain's aborts timed out: close() waits no more for it
         self.worker_pids: list[int] = []
         self.kv_rank_bytes: list[int] = []  # refreshed on the engine thread when the pool changes
         self._kv_key: tuple[str, int] | None = None
@@ -380,7 +390,7 @@ class Service:
             log_level=None,
             lifespan="off",
             access_log=False,
-            timeout_graceful_shutdown=CUT_GRACE_S,  # counted from the end of the drain
+            timeout_graceful_shutdown=CUT_GRACE_S,  # counted from the end of the cut
         )
         server = _Server(config, on_listening=self._listening)
         gc_policy.freeze_startup_heap()  # everything long-lived exists now (see gc_policy)
@@ -456,7 +466,8 @@ class Service:
 
     async def _cut_all(self, left: int) -> None:
         """Answer every unfinished request now (HTTP side), then have the engine abort them and
-        free their blocks; a stalled engine delays the exit by CUT_GRACE_S at most."""
+        free their blocks; a stalled engine delays the exit by CUT_GRACE_S at most, and is
+        not waited for again (close)."""
         from kvguard.daemon.openai_api import DRAIN_CUT_MESSAGE
 
         log.warning(
@@ -466,15 +477,16 @@ class Service:
         )
         for req in list(self.requests):
             req.cut(DRAIN_CUT_MESSAGE)
+        deadline = time.monotonic() + CUT_GRACE_S  # for the aborts and their outputs together
         aborted = self.loop.call(self._abort_all)
         try:
             await asyncio.wait_for(asyncio.wrap_future(aborted), CUT_GRACE_S)
         except TimeoutError:
+            self._engine_stuck = True
             log.error("engine did not apply the aborts within %gs; exiting anyway", CUT_GRACE_S)
             return
         except EngineUnavailable:  # it failed meanwhile: it answered its requests already
             return
-        deadline = time.monotonic() + CUT_GRACE_S
         while self.loop.in_flight() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)  # the aborts' outputs reach their requests at the next step
 
@@ -490,15 +502,30 @@ class Service:
         self._unwatch_gc()
         gc_policy.unfreeze()
         incident = self._incident  # the stop closes it: the stop's event is in its timeline
+        deadline = time.monotonic() + CLOSE_BUDGET_S  # see STOP_AFTER_DRAIN_S
+        workers_by = deadline - AUDIT_STOP_MIN_S  # the audit's share is kept for it
+        loop_by = workers_by - STUCK_ENGINE_WAIT_S  # and the workers' least
+
+        def left(until: float, least: float) -> float:
+            return max(until - time.monotonic(), least)
+
+        # An engine known stuck (the drain's aborts timed out, or no heartbeat for CUT_GRACE_S)
+        # is not waited for again: its loop is stopped first, briefly, which also refuses what
+        # the rules posted to it, so that an evaluation waiting on that ends now
+        stuck = self._engine_stuck or time.monotonic() - self.loop.last_beat > CUT_GRACE_S
+        if stuck:
+            self.loop.stop(timeout=STUCK_ENGINE_WAIT_S)
         if self.control is not None:
             self.control.stop()
-        self.loop.stop()
-        self.shutdown_engine()
-        if self.audit is not None:
+        if self.audit is not None:  # queued before the engine waits: written meanwhile
             self.audit.record_event(
                 "daemon_stop", detail=f"exit {self.exit_code}", incident=incident
             )
-            self.audit.stop(timeout=10)  # logs what it could not write and where it saved it
+        if not stuck:
+            self.loop.stop(timeout=left(loop_by, STUCK_ENGINE_WAIT_S))
+        self.shutdown_engine(timeout=left(workers_by, STUCK_ENGINE_WAIT_S))
+        if self.audit is not None:  # logs what it could not write and where it saved it
+            self.audit.stop(timeout=left(deadline, AUDIT_STOP_MIN_S))
         if self.exit_code:
             log.error("exiting with status %d", self.exit_code)
         self._closed.set()

@@ -139,6 +139,14 @@ class LLMEngine(ControlSurface):
             row_cost_prior=ROW_COST_PRIOR.get(runner.device.type, ROW_COST_PRIOR["cuda"]),
         )
         self.max_model_len = min(config.max_model_len, model_config.max_position_embeddings)
+        if config.max_model_len > model_config.max_position_embeddings:
+            log.warning(
+                "serving.max_model_len %d is more than the model's max_position_embeddings %d: "
+                "prompt and output are held to %d tokens",
+                config.max_model_len,
+                model_config.max_position_embeddings,
+                self.max_model_len,
+            )
         self.eos_ids = set(tokenizer.eos_token_ids) | set(model_config.eos_token_ids)
         self.grammars = Grammars(tokenizer, model_config.vocab_size, self.eos_ids)
         self.max_new_tokens_cap: int | None = None

@@ -87,17 +87,19 @@ class Tokenizer:
         self, text: str, add_special_tokens: bool, limit: int
     ) -> tuple[list[int], bool]:
         """`encode(text)` and True, or, for a text that holds more than `limit` tokens, the ids
-        of a prefix already holding more and False: the cost is set by `limit`, not by the
-        text (a prompt of megabytes is refused after tokenizing a few times `limit` tokens'
-        worth of it). A prefix counts as over only with PREFIX_SLACK tokens to spare, more
-        than a cut through the text can add."""
+        of a prefix already holding more (the whole text, where it was short enough to be
+        tokenized whole) and False: the cost is set by `limit`, not by the text (a prompt of
+        megabytes is refused after tokenizing a few times `limit` tokens' worth of it). A
+        prefix counts as over only with PREFIX_SLACK tokens to spare, more than a cut through
+        the text can add; the whole text is counted exactly."""
         n = PREFIX_CHARS * (limit + PREFIX_SLACK)
         while n < len(text):
             ids = self.encode(text[:n], add_special_tokens)
             if len(ids) > limit + PREFIX_SLACK:
                 return ids, False
             n *= 4
-        return self.encode(text, add_special_tokens), True
+        ids = self.encode(text, add_special_tokens)
+        return ids, len(ids) <= limit
 
     def backend_json(self) -> str:
         """The tokenizer as tokenizer.json text (what a grammar library builds its view from)."""

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
+
 from kvguard.daemon.bench_cli import script_argv
 from kvguard.daemon.cli import build_parser
 
@@ -43,3 +47,20 @@ def test_the_transformers_peer_config_takes_either_page_field() -> None:
     old, new = cb_config(Older, 16, num_blocks=9), cb_config(Newer, 16, num_blocks=9)
     assert (old.block_size, old.num_blocks) == (16, 9)
     assert (new.page_size, new.num_blocks) == (16, 9)
+
+
+def test_a_checkout_without_the_benchmark_names_its_script(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`kvguard bench chaos --repo DIR` without bench/chaos.py there names chaos.py (it named
+    overload.py, the other benchmark), also where DIR holds the other one."""
+    from kvguard.daemon.cli import main
+
+    for holds in ((), ("overload.py",)):
+        repo = tmp_path / f"holds-{len(holds)}"
+        (repo / "bench").mkdir(parents=True)
+        for name in holds:
+            (repo / "bench" / name).write_text("raise SystemExit(0)\n")
+        assert main(["bench", "chaos", "--repo", str(repo)]) == 2
+        err = capsys.readouterr().err
+        assert f"not a kvguard checkout ({repo / 'bench' / 'chaos.py'} not found)" in err, err

@@ -8,8 +8,10 @@ import contextlib
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -184,6 +186,67 @@ def test_a_cut_answers_a_request_still_on_its_way_into_a_stalled_engine(tmp_path
         d.proc.kill()
         d.proc.wait(30)
         d.log.close()
+
+
+def test_a_stop_with_the_engine_stuck_exits_0_in_time_with_its_daemon_stop_row(
+    tmp_path: Path,
+) -> None:
+    """An engine stuck in a step (a stall longer than the whole stop) is waited for once, by
+    the cut (CUT_GRACE_S), not again by the close: the daemon exits 0 soon after, its
+    `daemon_stop` in the audit database (once it took 16 s more than the drain, with the 30 s
+    default past the unit's TimeoutStopSec)."""
+    from kvguard.daemon.service import CUT_GRACE_S, STUCK_ENGINE_WAIT_S
+
+    d = Daemon(tmp_path)
+    set_drain_timeout(d, "1s")
+    got: dict[str, httpx.Response] = {}
+
+    def post() -> None:
+        got["cut"] = httpx.post(d.url + "/v1/completions", json=LONG, timeout=60)
+
+    try:
+        # the stall is posted first: the request, and then the drain's aborts, wait behind it
+        assert d.admin("POST", "/admin/debug/stall", json={"seconds": 60}).status_code == 200
+        t = threading.Thread(target=post)
+        t.start()
+        until(lambda: d.admin("GET", "/admin/state").json()["in_flight"] == 1, 30, "posted")
+        t0 = time.monotonic()
+        d.proc.send_signal(signal.SIGTERM)
+        assert d.proc.wait(60) == 0
+        took = time.monotonic() - t0
+        t.join(30)
+    finally:
+        if d.proc.poll() is None:
+            d.proc.kill()
+        d.log.close()
+    log = Path(d.log.name).read_text()
+    assert "engine did not apply the aborts" in log, log
+    # the drain (1 s), the cut's wait for the aborts (CUT_GRACE_S), the close's brief one, and
+    # 7 s for the rest of the close and the interpreter's exit on a busy machine (the close's
+    # old 10 s wait for the stuck engine alone was past that)
+    assert took < 1 + CUT_GRACE_S + STUCK_ENGINE_WAIT_S + 7, (took, log)
+    assert got["cut"].status_code == 503, got["cut"].text
+    with contextlib.closing(sqlite3.connect(tmp_path / "audit.db")) as db:
+        kinds = [k for (k,) in db.execute("SELECT kind FROM events ORDER BY id")]
+    assert kinds[-1] == "daemon_stop", kinds
+
+
+def test_the_units_stop_timeout_holds_the_longest_stop() -> None:
+    """systemd SIGKILLs a daemon still stopping at TimeoutStopSec: the shipped unit's must hold
+    the default drain plus the longest rest of a stop (cut, connections, engine, audit), with
+    room for the interpreter's own exit; the unit and the shipped config say so."""
+    from kvguard.daemon.config import ApiConfig
+    from kvguard.daemon.service import STOP_AFTER_DRAIN_S
+
+    repo = Path(__file__).resolve().parents[1]
+    unit = (repo / "daemon" / "systemd" / "kvguard.service").read_text()
+    stop = next(line for line in unit.splitlines() if line.startswith("TimeoutStopSec="))
+    timeout_s = int(stop.removeprefix("TimeoutStopSec=").removesuffix("s"))
+    drain_s = ApiConfig().drain_timeout
+    assert drain_s + STOP_AFTER_DRAIN_S + 5 <= timeout_s, (drain_s, STOP_AFTER_DRAIN_S, stop)
+    assert f"api.drain_timeout + {STOP_AFTER_DRAIN_S:g}s" in unit
+    config = (repo / "daemon" / "systemd" / "etc" / "kvguard" / "config.yaml").read_text()
+    assert f"drain_timeout: {drain_s:g}s" in config and f"({timeout_s}s)" in config
 
 
 def post_and_lose(d: Daemon) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -268,3 +270,22 @@ def test_a_failing_step_ends_its_requests_and_the_engine_serves_on(
     after = tiny.generate([PROMPTS[1]], SamplingParams(max_tokens=5, ignore_eos=True))
     assert after[0].finish_reason == "length" and len(after[0].token_ids) == 5
     tiny.audit_blocks()
+
+
+def test_max_model_len_over_the_models_own_is_held_to_it_with_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """serving.max_model_len above the model's max_position_embeddings (the tiny model's 2048)
+    is served at the model's length: the start says so, naming both (it was silent)."""
+    with caplog.at_level(logging.WARNING, logger="kvguard.engine"):
+        engine = make_engine(max_model_len=4096, kv_cache_bytes="8MiB")
+    assert engine.max_model_len == 2048
+    said = [r.getMessage() for r in caplog.records if "max_position_embeddings" in r.getMessage()]
+    assert said == [
+        "serving.max_model_len 4096 is more than the model's max_position_embeddings 2048: "
+        "prompt and output are held to 2048 tokens"
+    ]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kvguard.engine"):
+        make_engine(max_model_len=2048, kv_cache_bytes="8MiB")
+    assert "max_position_embeddings" not in caplog.text

@@ -246,20 +246,18 @@ class ControlPlane:
         field), and bounded: at most MAX_ALERTS_PER_REQUEST alerts. The cost of a request is
         per alert name, not per alert: one audit row per (name, status) with the count, and one
         evaluation job for the whole request, in which each name is evaluated once: firing if
-        any of this daemon's alerts of that name still fires (a group's resolved alert does not
-        undo what its firing siblings keep needed), resolved once none does."""
+        a new alert of that name fires, resolved once none of this daemon's alerts of that name
+        fires (`firing`, across requests: a resolved alert does not undo what another of its
+        name still needs, a sibling in its group or one Alertmanager sends apart)."""
         alerts = parse_alerts(payload)
         mine = self.service.cfg.prometheus_instance(self.service.api_port)
         taken, dupes, other = 0, 0, 0
         new: dict[tuple[str, str], list[Alert]] = {}
-        firing: set[str] = set()
         for a in alerts:
             if a.instance is not None and a.instance != mine:
                 other += 1  # a fleet-wide receiver: another daemon's alert is not ours to act on
                 self._ignore(a, mine)
                 continue
-            if a.status == "firing":
-                firing.add(a.name)
             self._note_firing(a)
             if self._first_time(a):
                 taken += 1
@@ -279,6 +277,8 @@ class ControlPlane:
                 },
                 incident=self.evaluator.incident,
             )
+        with self._lock:  # each name with an alert that fired and has not resolved since
+            firing = set(self.firing)
         events: list[tuple[str, bool]] = []
         for name in dict.fromkeys(name for name, _ in new):
             if (name, "firing") in new:

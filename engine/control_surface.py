@@ -104,6 +104,10 @@ class ControlSurface:
                 self.torn = e
                 raise
             after = self.knobs()
+            # what it changed is published before its Future resolves (the step's own snapshot
+            # comes only after the step): a rule evaluation that follows the action at once,
+            # as the daemon's does after an event's, reads the engine with it applied
+            self.latest_snapshot = self.snapshot()
             if before != after:
                 changed = {k: (before[k], after[k]) for k in before if before[k] != after[k]}
                 self.events.emit("knob_changed", action=name, changes=changed)
@@ -591,14 +595,27 @@ class ControlSurface:
 
     # -- admission --------------------------------------------------------------------------
     def halt_admission(
-        self: LLMEngine, allow_priority: str | None = "high", *, tighten_only: bool = False
+        self: LLMEngine,
+        allow_priority: str | None = "high",
+        *,
+        tighten_only: bool = False,
+        only_above: float | None = None,
     ) -> Future:
         """Refuse new requests except those of `allow_priority` or better (None: refuse all).
-        With `tighten_only` (the OOM chain) a stricter halt in force is kept as it is."""
+        With `tighten_only` (the OOM chain) a stricter halt in force is kept as it is. With
+        `only_above` (the OOM chain's last step) only while the device KV cache's usage is
+        above it when the engine applies it, after the actions posted before it; otherwise
+        nothing changes and the result is not ok (not needed: nothing applied)."""
         rank = -1 if allow_priority is None else parse_priority(allow_priority)
 
         def apply():
             was = self.allow_rank
+            if only_above is not None:
+                blocks = self.block_manager.num_blocks
+                usage = self.block_manager.num_used / blocks if blocks else 0.0
+                if usage <= only_above:
+                    why = f"not needed: KV cache at {usage:.1%} (halts above {only_above:.0%})"
+                    return why, False, {}
             if tighten_only and was is not None and was <= rank:
                 return f"admission already halted (allowed: {allowed_name(was)}): kept", True, {}
             self.admission_policy.allow_rank = rank

@@ -25,6 +25,9 @@ if TYPE_CHECKING:  # the engine (and torch) only when an action runs, not to val
 # the running config (serving.max_num_seqs, max_model_len) are checked when the action applies.
 MAX_SEQS = MAX_NUM_SEQS
 MAX_TOKENS = 1 << 24
+# the OOM chain halts admission only while the device KV cache is still above this share once
+# its other steps applied (`rules test` simulates the chain by the scenario's KV usage)
+OOM_HALT_ABOVE = 0.98
 
 
 class _Params(BaseModel):
@@ -313,7 +316,9 @@ _SPECS = [
 def _handle_oom(e: LLMEngine, p: NoParams, clamp: bool) -> Future:
     """The brief's emergency chain after an OOM (seed §6.1), cheapest step first:
     1 halve the batch, 2 evict 4 lowest-priority, 3 swap to host if a pool exists,
-    4 FP8 KV, 5 halt admission when the cache is still above 98%."""
+    4 FP8 KV, 5 halt admission when the cache is still above 98%: decided by the engine
+    when it applies that step, after steps 1-4 (not needed: not applied, and the chain does
+    not hold admission)."""
     snap = e.latest_snapshot
     steps = [
         e.reduce_max_num_seqs(0.5, 1, from_running=True),
@@ -323,8 +328,8 @@ def _handle_oom(e: LLMEngine, p: NoParams, clamp: bool) -> Future:
         steps.append(e.set_offload(True))
     if snap.kv_cache_dtype != "fp8_e4m3":
         steps.append(e.set_kv_cache_dtype("fp8_e4m3"))
-    if snap.kv_cache_usage_ratio > 0.98:  # never loosening a stricter halt (allowed: none)
-        steps.append(e.halt_admission("high", tighten_only=True))
+    # never loosening a stricter halt (allowed: none)
+    steps.append(e.halt_admission("high", tighten_only=True, only_above=OOM_HALT_ABOVE))
     return _chain("handle_oom", steps, in_force=any, mailbox=e.mailbox)
 
 

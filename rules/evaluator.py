@@ -94,6 +94,9 @@ class RuleState:
     asked: dict[str, Any] = field(default_factory=dict)
     live: bool = False  # that remedy was applied for real, not in a dry run
     resolved: bool = False  # its alert resolved, and the undo is still to be done (retried)
+    # an event rule's last event, acted on or not (one inside the cooldown is skipped): its
+    # remedy is undone `recover_for` after this, not after its last action
+    last_event: float | None = None
 
     @property
     def shown(self) -> str:
@@ -190,14 +193,15 @@ class Evaluator:
 
     # -- configuration ----------------------------------------------------------------------
     def replace_rules(self, rules: RuleSet) -> list[str]:
-        """Swap in a reloaded rule set. A rule that keeps its name and its remedy (action,
-        undo and their params) keeps its state, thresholds and timings taken from the new
-        file. The remedy in force of a rule removed, or given another remedy, is undone at
-        the next evaluations with the undo it was applied with (`retiring`; a setting
-        another remedy in force holds stays), and the new rule starts afresh: it acts again
-        if its condition still holds. Returns the names of the rules that start afresh (new,
-        or given another remedy): an alert rule among them acts again only on its alert,
-        which the caller knows still fires (the control plane's `firing`)."""
+        """Swap in a reloaded rule set. A rule that keeps its name, its trigger (the event or
+        alert it is `on`, or a signal) and its remedy (action, undo and their params) keeps
+        its state, thresholds and timings taken from the new file. The remedy in force of a
+        rule removed, or given another trigger or remedy, is undone at the next evaluations
+        with the undo it was applied with (`retiring`; a setting another remedy in force
+        holds stays), and the new rule starts afresh: it acts again if its condition still
+        holds. Returns the names of the rules that start afresh (new, or given another
+        trigger or remedy): an alert rule among them acts again only on its alert, which the
+        caller knows still fires (the control plane's `firing`)."""
         with self._lock:
             after = {r.name: r for r in rules.rules}
             kept: dict[str, RuleState] = {}
@@ -206,10 +210,15 @@ class Evaluator:
                 new = after.get(old.name)
                 if st is None:
                     continue
-                if new is not None and _remedy(new) == _remedy(old):
+                if new is not None and _remedy(new) == _remedy(old) and new.on == old.on:
                     kept[old.name] = st
                 elif self._in_force(old, st):
-                    why = "removed" if new is None else "given another remedy"
+                    if new is None:
+                        why = "removed"
+                    elif new.on != old.on:  # another event or alert, or a signal for either
+                        why = "given another trigger"
+                    else:
+                        why = "given another remedy"
                     self._retire(old, st, f"rule {why} by a reload")
             self.rules = rules
             self.states = {r.name: kept.get(r.name) or RuleState() for r in rules.rules}
@@ -312,6 +321,8 @@ class Evaluator:
                     st.state = "inactive"
                 elif st.state == "recovering":
                     st.state = "firing"
+                elif st.state == "firing" and rule.undo is None:
+                    st.state = "inactive"  # nothing in force: calm, not degraded, while unseen
                 continue
             self._advance(rule, st, v, now)
             if chosen is None and self._should_act(rule, st, v, now):
@@ -402,7 +413,8 @@ class Evaluator:
         if st.in_flight is not None:
             return None
         if rule.is_event:  # e.g. the OOM chain: undone after `recover_for` without a new event
-            last = now if st.last_action is None else st.last_action
+            seen = [t for t in (st.last_action, st.last_event) if t is not None]
+            last = max(seen, default=now)
             if st.state != "firing" or now - last < rule.recover_for:
                 return None
         elif st.unknown or st.state != "recovering" or now - st.since < rule.recover_for:
@@ -564,6 +576,8 @@ class Evaluator:
         if rule is None:  # reloaded away while an earlier rule's action was awaited
             return None
         st = self.states[name]
+        if not resolved:
+            st.last_event = now  # the recovery timer restarts, whether it acts or not
         if st.in_flight is not None:
             return None
         if resolved:
@@ -572,6 +586,10 @@ class Evaluator:
             return self._undo_attempt(rule, st, trigger, None)
         if st.resolved:  # the alert is back before its refused undo was retried: still needed
             st.resolved, st.undo_refused_at = False, None
+            return None
+        if trigger == "alert" and self._in_force(rule, st):
+            # another alert of its name (another GPU's, say) while its remedy is in force:
+            # acting again would halt twice or halve the batch again; it holds until resolved
             return None
         # an alert that fires again after it resolved acts whatever the cooldown (it is one
         # firing, deduplicated upstream; skipped, nothing would act on it until it resolves)

@@ -18,6 +18,12 @@ Scenario file:
     expect:                   # every action the rules take, in order (nothing more, nothing less)
       - {at: 40s, rule: reduce-batch, action: reduce_batch}
       - {at: 215s, rule: reduce-batch, action: restore_batch, undo: true}
+
+As the daemon does, an evaluation follows each event at once: events at the same time share
+one, and an event at a tick's time is followed by that tick. Actions are simulated (applied,
+changing nothing); the OOM chain (`handle_oom`) halts admission, and so holds it, only where
+the scenario's KV usage (the series of the signal reading `kv_cache_usage_ratio`) is above
+0.98 when it runs, as the engine decides after the chain's other steps.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from kvguard.engine.control import ActionResult
+from kvguard.rules.actions import OOM_HALT_ABOVE
 from kvguard.rules.evaluator import Decision, Evaluator
 from kvguard.rules.schema import (
     RuleSet,
@@ -193,12 +200,19 @@ def _unreplayed_events(data: dict, lines: dict, name: str, rules: RuleSet | None
 def _unreplayed_steps(data: dict, lines: dict, name: str, rules: RuleSet | None) -> list[str]:
     """Series steps no evaluation would read, so that the scenario would pass without them: one
     past `duration` (the replay stops there), and (given the `rules`, whose interval sets the
-    ticks) one after the last tick within it. Each is refused at its line."""
+    ticks) one after the last evaluation within it: the last tick's, or the one that follows
+    a later event. Each is refused at its line."""
     series, duration = data.get("series"), _duration_or_none(data.get("duration"))
     if not isinstance(series, dict) or duration is None:
         return []
     every = rules.interval if rules is not None else None
     last = None if every is None else round((ticks(duration, every) - 1) * every, 9)
+    events = data.get("events") if isinstance(data.get("events"), list) else []
+    at_events = [_duration_or_none(e.get("at")) for e in events if isinstance(e, dict)]
+    after = max((t for t in at_events if t is not None and t <= duration + 1e-9), default=None)
+    why = "" if every is None else f"every {every:g}s up to the duration {duration:g}s"
+    if last is not None and after is not None and after > last + 1e-9:
+        last, why = after, "the one after the last event"
     out = []
     for sig, steps in series.items():
         for i, step in enumerate(steps if isinstance(steps, list) else []):
@@ -213,9 +227,8 @@ def _unreplayed_steps(data: dict, lines: dict, name: str, rules: RuleSet | None)
                 )
             elif last is not None and at > last + 1e-9:
                 out.append(
-                    f"{where}: {at:g}s is after the last evaluation ({last:g}s, every "
-                    f"{every:g}s up to the duration {duration:g}s): no evaluation "
-                    "would read it"
+                    f"{where}: {at:g}s is after the last evaluation ({last:g}s, {why}): no "
+                    "evaluation would read it"
                 )
     return out
 
@@ -257,36 +270,70 @@ class _Series:
         return self.values[i - 1] if i else None
 
 
+# the steps of a simulated OOM chain, as the engine names them in its result (the engine skips
+# offload without a host pool, and FP8 where it is on already: a replay cannot tell)
+_OOM_STEPS = ["reduce_max_num_seqs", "evict", "set_offload", "set_kv_cache_dtype"]
+
+
 def run_scenario(rules: RuleSet, sc: Scenario) -> Outcome:
     n = ticks(sc.duration, rules.interval)
     if n > MAX_TICKS:  # load_scenario refuses it given the rules: a replay that never ends
         raise ValueError(f"duration {sc.duration:g}s is {n} evaluations: at most {MAX_TICKS}")
     clock = _Clock()
     series = {name: _Series(steps) for name, steps in sc.series.items()}
+    kv_usage = next(
+        (
+            series[name]
+            for name, sig in rules.signals.items()
+            if sig.local == "kv_cache_usage_ratio" and name in series
+        ),
+        None,
+    )
 
     def read(name: str, _sig: Signal) -> float | None:
         s = series.get(name)
         return None if s is None else s.at(clock.t)
 
     def execute(action: str, params: dict[str, Any]) -> ActionResult:
+        if action == "handle_oom":
+            return _simulated_oom_chain(None if kv_usage is None else kv_usage.at(clock.t))
         return ActionResult(action, {}, {}, "simulated", True)
 
     ev = Evaluator(rules, read, execute, clock=clock, wall_clock=clock, dry_run=sc.dry_run)
     events = sorted(sc.events, key=lambda e: e.at)
-    for k in range(n):
-        t = round(k * rules.interval, 9)
+    times = [round(k * rules.interval, 9) for k in range(n)]
+    # events after the last tick but within `duration`: still replayed, at their times
+    times += sorted({e.at for e in events if times[-1] + 1e-9 < e.at <= sc.duration + 1e-9})
+    for t in times:
+        # events before this tick, each time's followed by an evaluation then (the daemon's),
+        # then those at this tick's time, which this tick follows
+        while events and events[0].at <= t + 1e-9:
+            at = events[0].at
+            while events and events[0].at <= at + 1e-9:
+                e = events.pop(0)
+                clock.t = e.at
+                ev.handle_event(e.kind, resolved=e.resolved)
+            if at < t - 1e-9:
+                clock.t = at
+                ev.tick()
         clock.t = t
-        while events and events[0].at <= t:
-            e = events.pop(0)
-            clock.t = e.at
-            ev.handle_event(e.kind, resolved=e.resolved)
-            clock.t = t
         ev.tick()
-    for e in events:  # after the last tick but within `duration`: still replayed, at its time
-        if e.at <= sc.duration + 1e-9:
-            clock.t = e.at
-            ev.handle_event(e.kind, resolved=e.resolved)
     return Outcome(ev.decisions, _compare(ev.decisions, sc.expect))
+
+
+def _simulated_oom_chain(kv_usage: float | None) -> ActionResult:
+    """`handle_oom` in a replay: every step applied but the halt, which applies (and holds
+    admission) only where the KV usage replayed at that time is above OOM_HALT_ABOVE."""
+    if kv_usage is not None and kv_usage > OOM_HALT_ABOVE:
+        applied = [*_OOM_STEPS, "halt_admission"]
+        detail = f"simulated; admission halted: KV cache at {kv_usage:.1%}"
+    else:
+        applied = list(_OOM_STEPS)
+        at = "unknown" if kv_usage is None else f"at {kv_usage:.1%}"
+        detail = (
+            f"simulated; admission not halted: KV cache {at} (halts above {OOM_HALT_ABOVE:.0%})"
+        )
+    return ActionResult("handle_oom", {}, {}, detail, True, {"steps": applied, "applied": applied})
 
 
 def _compare(got: list[Decision], want: list[Expect]) -> list[str]:

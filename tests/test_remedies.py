@@ -129,6 +129,32 @@ def test_set_max_num_seqs_preempts_excess_and_restores(calm: LLMEngine) -> None:
     run_all(engine)
 
 
+def test_an_action_publishes_what_it_changed_before_its_result() -> None:
+    """The daemon evaluates the rules as soon as an event's action returns, reading the
+    engine's latest snapshot. That was published only after the step whose start applied the
+    action: a rule reading it then saw the engine as it was before (after the OOM chain, the
+    cache still full), and acted on that."""
+    engine = make_engine()
+    for p in PROMPTS:
+        engine.add_request(p, greedy(30))
+    engine.step()
+    assert engine.latest_snapshot.num_running == 8
+    seen = {}
+
+    def when_done(name: str, fut) -> None:  # noqa: ANN001 - runs as the Future resolves
+        fut.add_done_callback(lambda _f: seen.setdefault(name, engine.latest_snapshot))
+
+    when_done("cut", engine.set_max_num_seqs(3))
+    when_done("halt", engine.halt_admission("high"))
+    engine.step()
+    assert seen["cut"].max_num_seqs == 3 and seen["cut"].num_running == 3
+    assert seen["cut"].num_waiting == 5 and seen["cut"].admission["halted"] is False
+    assert seen["halt"].admission["allow_priority"] == "high"
+    engine.set_max_num_seqs(None)
+    engine.resume_admission()
+    run_all(engine)
+
+
 def test_evict_lowest_priority_holds_until_pressure_eases() -> None:
     engine = make_engine(enable_cpu_offload=True)
     prios = ["high", "low", "normal", "low", "high", "low", "normal", "normal"]

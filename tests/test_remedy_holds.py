@@ -23,9 +23,9 @@ import httpx
 from kvguard.daemon.audit import AuditStore
 from kvguard.daemon.config import load_config
 from kvguard.daemon.control_plane import ControlPlane
-from kvguard.engine import LLMEngine
+from kvguard.engine import LLMEngine, SamplingParams
 from kvguard.engine.control import ActionResult
-from kvguard.rules.actions import run_action
+from kvguard.rules.actions import run_action, settings_set
 from kvguard.rules.evaluator import Evaluator
 from kvguard.rules.schema import load_rules_text
 from tests.test_engine import make_engine
@@ -225,6 +225,32 @@ def test_the_oom_chains_halt_never_loosens_a_halt_for_all() -> None:
     assert engine.knobs()["admission_allow_priority"] == "high"
 
 
+def test_the_oom_chain_halts_admission_only_if_the_cache_is_still_full_after_its_steps() -> None:
+    """The chain's last step halts admission if the cache is *still* above 98%: after it halved
+    the batch, evicted and switched to FP8. It was decided on the snapshot taken when the chain
+    was posted, before any step, so a chain that freed most of the cache halted admission all
+    the same, and held it until its undo 60s later."""
+    engine = make_engine(**{**ENGINE, "kv_cache_bytes": "2MiB", "max_num_seqs": 64})
+    for _ in range(64):
+        engine.add_request(list(range(1, 200)), SamplingParams(max_tokens=300, ignore_eos=True))
+    for _ in range(50):
+        engine.step()
+        if engine.latest_snapshot.kv_cache_usage_ratio > 0.98:
+            break
+    assert engine.latest_snapshot.kv_cache_usage_ratio > 0.98
+    # a halt `only_above` a share is decided by the engine when it applies it
+    res = settle(engine, engine.halt_admission("high", only_above=0.5))
+    assert res.ok and engine.knobs()["admission_allow_priority"] == "high", res.detail
+    settle(engine, engine.resume_admission())
+    assert engine.latest_snapshot.kv_cache_usage_ratio > 0.98  # when the chain is posted
+    res = settle(engine, run_action(engine, "handle_oom"))
+    assert res.ok and res.data["steps"][-1] == "halt_admission", res.detail
+    assert res.data["applied"] == ["reduce_max_num_seqs", "evict", "set_kv_cache_dtype"]
+    assert "halt_admission: not needed: KV cache at" in res.detail
+    assert engine.knobs()["admission_allow_priority"] is None
+    assert settings_set("handle_oom", res) == {"batch", "kv_dtype"}  # admission not held
+
+
 def test_the_offload_undo_returns_to_the_state_the_engine_started_in() -> None:
     """offloading.enable_cpu_offload with a device pool under min_gpu_blocks starts with
     offload off (recompute): disable_cpu_offload and recover_from_oom turned it on."""
@@ -292,36 +318,49 @@ def test_a_reload_that_changes_a_firing_alerts_rule_acts_again(tmp_path: Path) -
     assert "allowed: none" in again[0][3]
 
 
+class PausedPlane:
+    """A control plane with no engine, on the rules file `rules`: the evaluations it queues
+    wait until `run_jobs` runs them, and its actions are recorded in `calls`."""
+
+    def __init__(self, tmp_path: Path, rules: Path) -> None:
+        config = tmp_path / "config.yaml"
+        config.write_text(f"rules: {{path: {rules}}}\n")
+        self.audit = AuditStore(f"sqlite:///{tmp_path / 'audit.db'}")
+        self.audit.start()
+        cfg = load_config(config)
+        service = SimpleNamespace(
+            cfg=cfg, engine=None, audit=self.audit, rules_at_start=None, api_port=None
+        )
+        self.plane = ControlPlane(service)  # type: ignore[arg-type]
+        self.plane.scheduler.start(paused=True)
+        self.calls: list[tuple[str, dict]] = []
+
+        def execute(action: str, params: dict) -> ActionResult:
+            self.calls.append((action, params))
+            return ActionResult(action, {}, {}, "ok", True)
+
+        self.plane.evaluator.execute = execute
+
+    def run_jobs(self) -> int:
+        jobs = self.plane.scheduler.get_jobs()
+        for job in jobs:
+            job.func()
+            job.remove()
+        return len(jobs)
+
+    def stop(self) -> None:
+        self.plane.stop()
+        self.audit.stop(timeout=5)
+
+
 def test_only_alerts_still_firing_act_again_after_a_reload(tmp_path: Path) -> None:
     """The control plane knows which alerts fire now (each fingerprint, from firing until
     resolved): a reload queues an evaluation for the rules it starts afresh whose alert
     fires (a changed rule, or every rule at a dry-run switch), and for none other."""
     rules = tmp_path / "rules.yaml"
     rules.write_text(ALERT_RULES.format(allow="high"))
-    config = tmp_path / "config.yaml"
-    config.write_text(f"rules: {{path: {rules}}}\n")
-    audit = AuditStore(f"sqlite:///{tmp_path / 'audit.db'}")
-    audit.start()
-    service = SimpleNamespace(
-        cfg=load_config(config), engine=None, audit=audit, rules_at_start=None, api_port=None
-    )
-    plane = ControlPlane(service)  # type: ignore[arg-type]
-    plane.scheduler.start(paused=True)  # queued evaluations wait: run_jobs runs them
-    calls: list[tuple[str, dict]] = []
-
-    def execute(action: str, params: dict) -> ActionResult:
-        calls.append((action, params))
-        return ActionResult(action, {}, {}, "ok", True)
-
-    plane.evaluator.execute = execute
-
-    def run_jobs() -> int:
-        jobs = plane.scheduler.get_jobs()
-        for job in jobs:
-            job.func()
-            job.remove()
-        return len(jobs)
-
+    paused = PausedPlane(tmp_path, rules)
+    plane, calls, run_jobs = paused.plane, paused.calls, paused.run_jobs
     try:
         plane.alertmanager(alert("firing"))
         plane.alertmanager(alert("firing", "fp-hot-2"))  # a second alert of the name
@@ -363,8 +402,34 @@ def test_only_alerts_still_firing_act_again_after_a_reload(tmp_path: Path) -> No
         assert plane.reload(rules, dry_run=False)["rules_reloaded"]
         assert run_jobs() == 0
     finally:
-        plane.stop()
-        audit.stop(timeout=5)
+        paused.stop()
+
+
+def test_an_alert_resolving_while_another_of_its_name_fires_keeps_the_remedy(
+    tmp_path: Path,
+) -> None:
+    """Alertmanager sends alerts of one name apart where its route groups by a label that
+    tells them apart (GPU 0's Hot and GPU 1's): GPU 0's resolving lifted the halt while GPU
+    1's still fired, as only the alerts of that request were looked at. The remedy goes once
+    every alert of its name has resolved; another alert of the name meanwhile is taken once
+    (the rule, in force, does not act again)."""
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(ALERT_RULES.format(allow="high"))
+    p = PausedPlane(tmp_path, rules)
+    halt, resume = ("halt_admission", {"allow_priority": "high"}), ("resume_admission", {})
+    try:
+        for gpu in ("gpu0", "gpu1"):
+            assert p.plane.alertmanager(alert("firing", gpu))["accepted"] == 1
+            assert p.run_jobs() == 1
+        assert p.calls == [halt]
+        assert p.plane.alertmanager(alert("resolved", "gpu0"))["accepted"] == 1
+        assert p.run_jobs() == 0  # GPU 1's still fires: nothing to evaluate
+        assert p.calls == [halt] and p.plane.firing == {"Hot": {"gpu1"}}
+        assert p.plane.alertmanager(alert("resolved", "gpu1"))["accepted"] == 1
+        assert p.run_jobs() == 1
+        assert p.calls == [halt, resume] and p.plane.evaluator.incident is None
+    finally:
+        p.stop()
 
 
 # -- an operator's actions are counted -------------------------------------------------------

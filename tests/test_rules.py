@@ -137,6 +137,21 @@ def test_unknown_signal_never_acts_and_unseen_time_does_not_count() -> None:
     assert h.at(75, 0.5) == [("batch", "restore_batch", True)]
 
 
+def test_a_rule_without_an_undo_is_calm_while_its_signal_is_unknown() -> None:
+    """An eviction rule acted, then its signal could not be read (Prometheus down): it stayed
+    `firing`, so the degradation level stayed up and the incident open for as long as the
+    signal was gone, though nothing it did is in force. It goes inactive (shown unknown), and
+    acts again only once its condition holds again."""
+    h = Harness(HEADER + EVICT)
+    assert h.at(0, 0.99) == [("evict", "evict_lowest_priority", False)]
+    assert h.ev.level() == 1 and h.ev.incident is not None
+    assert h.at(5, None) == [] and h.state("evict") == "unknown"
+    assert h.ev.states["evict"].state == "inactive"
+    assert h.ev.level() == 0 and h.ev.incident is None
+    assert h.at(3600, None) == [] and h.ev.incident is None
+    assert h.at(3605, 0.99) == [("evict", "evict_lowest_priority", False)]
+
+
 def test_dry_run_records_and_changes_nothing() -> None:
     h = Harness(HEADER + BATCH.replace("for: 10s", "for: 0s"), dry_run=True)
     assert h.at(0, 0.95) == [("batch", "reduce_batch", False)]

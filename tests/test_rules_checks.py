@@ -311,6 +311,81 @@ def test_an_event_after_the_last_tick_within_duration_is_replayed(tmp_path: Path
     assert out.ok, out.failures
 
 
+OOM_RULES = """version: 1
+interval: 5s
+cooldown: 30s
+signals: {kv_usage: {local: kv_cache_usage_ratio}}
+rules:
+  - {name: halt, signal: kv_usage, above: 0.99, action: halt_admission, recover_below: 0.8,
+     recover_for: 10s, undo: resume_admission}
+  - {name: oom-chain, on: engine_oom, action: handle_oom, cooldown: 10s, undo: recover_from_oom,
+     recover_for: 60s}
+  - {name: am, on: "alert:GPUNearOOM", action: halt_admission, undo: resume_admission}
+"""
+
+
+def replay(tmp_path: Path, rules: str, scenario: str, details: list[str] | None = None) -> list:
+    """What `kvguard rules test` replays of `scenario` against `rules`, checked as it checks:
+    (time, rule, action, outcome) of each action; their details appended to `details`."""
+    rs = load_rules_text(rules, "rules.yaml")
+    sc = tmp_path / "scenario.yaml"
+    sc.write_text(scenario)
+    out = run_scenario(rs, load_scenario(sc, rs))
+    if details is not None:
+        details += [d.detail for d in out.decisions]
+    return [(d.time, d.rule, d.action, d.outcome) for d in out.decisions]
+
+
+def test_a_replay_evaluates_right_after_an_event_as_the_daemon_does(tmp_path: Path) -> None:
+    """The daemon evaluates the rules at once after an event; a replay waited for the next
+    tick, so `rules test` passed scenarios the daemon disagrees with (here: the halt at 10s,
+    where the daemon halts at 7s). An evaluation follows each event at its time, and reads a
+    step given after the last tick, so such a step is no longer refused."""
+    got = replay(
+        tmp_path,
+        OOM_RULES,
+        "duration: 20s\n"
+        "series:\n  kv_usage: [{at: 0s, value: 0.5}, {at: 6s, value: 0.995}]\n"
+        "events:\n  - {at: 7s, kind: engine_oom}\n",
+    )
+    assert got == [
+        (7.0, "oom-chain", "handle_oom", "applied"),
+        (7.0, "halt", "halt_admission", "applied"),
+    ]
+    got = replay(
+        tmp_path,
+        OOM_RULES,
+        "duration: 12s\n"
+        "series:\n  kv_usage: [{at: 0s, value: 0.5}, {at: 11s, value: 0.995}]\n"
+        "events:\n  - {at: 12s, kind: engine_oom}\n",
+    )
+    assert got == [
+        (12.0, "oom-chain", "handle_oom", "applied"),
+        (12.0, "halt", "halt_admission", "applied"),
+    ]
+
+
+def test_a_replayed_oom_chain_halts_admission_only_above_98_percent(tmp_path: Path) -> None:
+    """The engine's chain halts admission only if the cache is still above 98% after its other
+    steps; a replay's simulated chain always said it had, so it held admission and an alert
+    rule's undo was `held` where the daemon reopens. Simulated by the scenario's KV usage."""
+    scenario = (
+        "duration: 60s\n"
+        "series:\n  kv_usage: [{{at: 0s, value: {kv}}}]\n"
+        "events:\n"
+        "  - {{at: 0s, kind: engine_oom}}\n"
+        '  - {{at: 5s, kind: "alert:GPUNearOOM"}}\n'
+        '  - {{at: 10s, kind: "alert:GPUNearOOM", resolved: true}}\n'
+    )
+    details: list[str] = []
+    calm = replay(tmp_path, OOM_RULES, scenario.format(kv=0.5), details)
+    assert calm[0] == (0.0, "oom-chain", "handle_oom", "applied")
+    assert "admission not halted: KV cache at 50.0%" in details[0]
+    assert (10.0, "am", "resume_admission", "applied") in calm, calm
+    full = replay(tmp_path, OOM_RULES, scenario.format(kv=0.99))  # not above the halt's 0.99
+    assert (10.0, "am", "resume_admission", "held") in full, full  # the chain holds admission
+
+
 def test_a_scenario_refuses_series_steps_no_evaluation_reads(tmp_path: Path) -> None:
     """A step past `duration`, or after the last tick within it (the rules evaluate every 5s:
     at 10s, not 12s), fed nothing: `expect: []` passed with the cache at 99% untested."""

@@ -363,3 +363,56 @@ def test_the_oom_chain_acting_again_keeps_holding_what_its_first_run_set() -> No
     got = h.run(20, 40, kv=0.1)
     assert (30, "fp8", "disable_fp8_kv", "held") in got, got
     assert h.engine.k["kv_dtype"] == "fp8_e4m3"
+
+
+def test_a_reload_that_changes_a_rules_trigger_undoes_its_remedy() -> None:
+    """A reload keeps a rule's name and remedy but changes what it acts on: its state was kept,
+    and with it the remedy in force for good. A signal rule made an event rule is no longer
+    evaluated on its signal (it never recovered), and an alert rule listening on another
+    alert is never told that the old one resolved. The remedy is undone, the rule afresh."""
+    h = Harness(BATCH)
+    assert h.at(0, kv=0.95) == [("batch", "reduce_batch", "applied")]
+    h.at(5, kv=0.5)  # recovering
+    event = (
+        "  - {name: batch, on: engine_oom, action: reduce_batch, recover_for: 20s,"
+        " undo: restore_batch}\n"
+    )
+    assert h.ev.replace_rules(load_rules_text(HEADER + event, "reloaded.yaml")) == ["batch"]
+    assert h.at(10) == [("batch", "restore_batch", "applied")]
+    assert "rule given another trigger by a reload" in h.ev.decisions[-1].detail
+    assert h.engine.k == CONFIGURED and h.ev.incident is None and h.ev.level() == 0
+
+    h = Harness(ALERT)
+    assert h.event(0, "alert:GPUNearOOM") == [("am", "halt_admission", "applied")]
+    renamed = ALERT.replace("alert:GPUNearOOM", "alert:GPUMemoryNearOOM")
+    assert h.ev.replace_rules(load_rules_text(HEADER + renamed, "reloaded.yaml")) == ["am"]
+    assert h.event(5, "alert:GPUNearOOM", resolved=True) == []  # no rule listens on it now
+    assert h.at(10) == [("am", "resume_admission", "applied")]
+    assert h.engine.k["admission"] == "open" and h.ev.incident is None
+
+
+def test_the_oom_chain_is_undone_recover_for_after_the_last_oom_one_skipped_included() -> None:
+    """`recover_for` after the last OOM: one inside the chain's cooldown does not run it again,
+    but the engine ran out of memory then, and the 60s count from it (they counted from the
+    chain's last run, and undid it 52s after an OOM)."""
+    h = Harness(OOM)
+    assert h.event(0, "engine_oom") == [("oom", "handle_oom", "applied")]
+    assert h.event(8, "engine_oom") == []  # inside its 10s cooldown: not run again
+    assert h.run(5, 65) == []
+    assert h.at(70) == [("oom", "recover_from_oom", "applied")]  # 68s: 60s after the last OOM
+    assert h.engine.calls == ["handle_oom", "recover_from_oom"] and h.ev.incident is None
+
+
+def test_an_alert_rule_in_force_does_not_act_again_on_another_alert_of_its_name() -> None:
+    """GPU 1's GPUNearOOM while GPU 0's holds the rule's remedy (the webhook takes each alert
+    once, by fingerprint): the rule acted again past its cooldown, halving a halved batch (or
+    halting a second time). It holds until its alerts resolve."""
+    cut = "  - {name: am, on: 'alert:GPUNearOOM', action: reduce_batch, undo: restore_batch}\n"
+    h = Harness(cut)
+    assert h.event(0, "alert:GPUNearOOM") == [("am", "reduce_batch", "applied")]
+    assert h.event(40, "alert:GPUNearOOM") == []  # past the 30s cooldown: in force already
+    assert h.engine.k["batch"] == 16 and h.engine.calls == ["reduce_batch"]
+    assert h.event(50, "alert:GPUNearOOM", resolved=True) == [("am", "restore_batch", "applied")]
+    assert h.engine.k == CONFIGURED and h.ev.incident is None
+    # calm again, the next alert of its name acts
+    assert h.event(55, "alert:GPUNearOOM") == [("am", "reduce_batch", "applied")]

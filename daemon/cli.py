@@ -74,7 +74,8 @@ def cmd_model_list(args: argparse.Namespace) -> int:
         if packed is not None:  # the form `serve` uses by default (model_quantization: auto)
             size = f"{packed['size_bytes'] / 2**20:.1f}MiB" if packed["cached"] else "-"
             cached = "yes" if packed["cached"] else "no"
-            print(f"{'  packed':<16} {cached:<7} {size:>9}  served by default (4-bit kept packed)")
+            what = f"served by default ({packed['description']})"
+            print(f"{'  packed':<16} {cached:<7} {size:>9}  {what}")
     return 0
 
 

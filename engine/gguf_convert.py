@@ -29,11 +29,14 @@ from typing import Any
 
 import gguf
 import numpy as np
-import torch
 from safetensors.numpy import save_file
 from tqdm import tqdm
 
-from kvguard.engine.layers.quant_spec import QuantSpec
+from kvguard.engine.gguf_packed import (  # noqa: F401 - load_packed, unpack_nibbles: re-exported
+    PACKED_FORMAT_VERSION,
+    load_packed,
+    unpack_nibbles,
+)
 from kvguard.engine.model_config import ModelLoadError
 from kvguard.engine.tokenizer_build import (
     DIGITS_SPLIT,
@@ -41,7 +44,6 @@ from kvguard.engine.tokenizer_build import (
     BpeSpec,
     write_tokenizer_files,
 )
-from kvguard.engine.weights import Part, open_safetensors
 
 log = logging.getLogger("kvguard.engine")
 
@@ -74,7 +76,6 @@ _GLOBAL_TENSORS = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-PACKED_FORMAT_VERSION = 1
 PACKED_TYPES = (
     gguf.GGMLQuantizationType.Q4_0,
     gguf.GGMLQuantizationType.Q4_1,
@@ -373,17 +374,6 @@ def _min_to_zero(
     return q, scales, zeros
 
 
-def unpack_nibbles(packed: np.ndarray) -> np.ndarray:
-    """`[rows, cols // 2]` bytes to `[rows, cols]` codes, the even column from the low nibble.
-
-    numpy, not torch: one pass each, unaffected by torch's thread pool (which, on a loaded
-    two-core host, made the same torch ops 10x slower at load)."""
-    out = np.empty((*packed.shape, 2), dtype=np.uint8)
-    np.bitwise_and(packed, 15, out=out[..., 0])
-    np.right_shift(packed, 4, out=out[..., 1])
-    return out.reshape(packed.shape[0], -1)
-
-
 def _f16(two_bytes: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(two_bytes).view(np.float16)[..., 0].astype(np.float32)
 
@@ -468,41 +458,3 @@ def _token_text(src: GgufFile, tokens: list[str], role: str) -> str | None:
     if not 0 <= int(token_id) < len(tokens):
         raise ModelLoadError(f"{src.path}: {role} token id {token_id} is outside the vocabulary")
     return tokens[int(token_id)]
-
-
-def load_packed(
-    path: Path, dtype: torch.dtype
-) -> tuple[dict[str, QuantSpec], dict[str, torch.Tensor]]:
-    """A packed conversion's ({module: QuantSpec}, {tensor: plain tensor in `dtype`}).
-
-    Codes stay 8 or 4 bits (one byte a code once unpacked, until the layer packs them for its
-    kernel); no fp32 copy of a quantized weight is made."""
-    path = Path(path)
-    file = path / "config.json"
-    qc = json.loads(file.read_text()).get("quantization_config") or {}
-    if qc.get("format") != "kvguard-packed" or qc.get("version") != PACKED_FORMAT_VERSION:
-        raise ModelLoadError(
-            f"{file}: quantization_config is not kvguard's packed GGUF format version "
-            f"{PACKED_FORMAT_VERSION} (found {qc.get('format')!r} {qc.get('version')!r}); "
-            "delete the directory to have it converted again"
-        )
-    modules: dict[str, str] = qc["modules"]
-    specs: dict[str, QuantSpec] = {}
-    with open_safetensors(path, torch.float32) as source:
-        for module, kind in modules.items():
-            specs[module] = _read_spec(source, module, BITS[gguf.GGMLQuantizationType[kind]])
-        owned = {f"{m}.{p}" for m in modules for p in ("qweight", "scales", "zeros")}
-        plain = {n: source.read(Part(n)).to(dtype) for n in source.names if n not in owned}
-    return specs, plain
-
-
-def _read_spec(source: Any, module: str, bits: int) -> QuantSpec:
-    q = source.read(Part(f"{module}.qweight"))
-    if bits == 4:
-        q = torch.from_numpy(unpack_nibbles(q.numpy()))
-    scales = source.read(Part(f"{module}.scales"))
-    zeros = source.read(Part(f"{module}.zeros"))
-    try:
-        return QuantSpec(q, scales, zeros, q.shape[1] // scales.shape[1], bits)
-    except (ValueError, ZeroDivisionError) as e:
-        raise ModelLoadError(f"packed module {module!r}: inconsistent tensors ({e})") from e

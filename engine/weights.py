@@ -20,7 +20,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from kvguard.engine.config import QUANTIZATION_CHOICES
-from kvguard.engine.model_config import ModelConfig, ModelLoadError
+from kvguard.engine.model_config import ModelConfig, ModelLoadError, cache_remedy
 
 INDEX_FILE = "model.safetensors.index.json"
 _READ_ERRORS = (SafetensorError, OSError, RuntimeError, ValueError)
@@ -92,7 +92,9 @@ class SafetensorsSource:
         except ModelLoadError:
             raise
         except _READ_ERRORS as e:
-            raise ModelLoadError(f"{file}: cannot read tensor {part.name!r} ({e})") from e
+            raise ModelLoadError(
+                f"{file}: cannot read tensor {part.name!r} ({e}){cache_remedy(file)}"
+            ) from e
         return _cast(t, self.dtype, self.device)
 
     def check_has(self, path: Path, expected: Iterable[str]) -> None:
@@ -165,7 +167,9 @@ def _open(file: Path) -> Iterator[Any]:
     try:
         handle = safe_open(str(file), framework="pt", device="cpu")
     except _READ_ERRORS as e:
-        raise ModelLoadError(f"{file}: cannot read safetensors, truncated or corrupt ({e})") from e
+        raise ModelLoadError(
+            f"{file}: cannot read safetensors, truncated or corrupt ({e}){cache_remedy(file)}"
+        ) from e
     with handle:
         yield handle
 
@@ -246,9 +250,14 @@ def checkpoint_quantization(path: Path) -> str | None:
     (`awq`, `gptq`, `compressed-tensors`; it refuses other formats by name)."""
     file = Path(path) / "config.json"
     try:
-        qc = json.loads(file.read_text()).get("quantization_config")
+        config = json.loads(file.read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise ModelLoadError(f"{file}: cannot read ({e})") from e
+        raise ModelLoadError(f"{file}: cannot read ({e}){cache_remedy(file)}") from e
+    if not isinstance(config, dict):
+        raise ModelLoadError(
+            f"{file}: not a JSON object but {type(config).__name__}{cache_remedy(file)}"
+        )
+    qc = config.get("quantization_config")
     if qc is None:
         return None
     if isinstance(qc, dict) and qc.get("quant_method") == "gguf":

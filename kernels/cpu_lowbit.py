@@ -120,6 +120,11 @@ def _build(cc: str, out: Path) -> None:
             run([cc, *CFLAGS, "-c", str(src), "-o", str(obj)])
         link = [str(gomp), f"-Wl,-rpath,{gomp.parent}"] if gomp else ["-fopenmp"]
         run([cc, "-shared", *map(str, objs), "-o", str(lib), *link])
+        fd = os.open(lib, os.O_RDONLY)
+        try:  # its bytes on disk before its name: a crash must not leave an empty library
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(lib, out)  # atomic: a concurrent compile of the same key writes the same file
 
 
@@ -185,10 +190,19 @@ def library() -> ctypes.CDLL | None:
     if problem is None:
         path = cache_dir() / f"kvguard-cpu-{_key(cc)}.so"
         try:
-            if not path.exists():
+            cached = path.exists()
+            if not cached:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 _build(cc, path)
-            return _load(path)
+            try:
+                return _load(path)
+            except OSError as e:  # a cached library that is corrupt (empty, truncated)
+                if not cached:
+                    raise
+                log.warning("%s: cannot be loaded (%s); building it again", path, e)
+                path.unlink(missing_ok=True)
+                _build(cc, path)
+                return _load(path)
         except (OSError, subprocess.CalledProcessError) as e:
             detail = getattr(e, "stderr", "") or str(e)
             problem = f"building {path.name} failed: {detail.strip()[:500]}"

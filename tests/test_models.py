@@ -549,6 +549,8 @@ def test_list_models_names_a_gguf_conversions_form_and_a_stale_or_orphaned_one(
         path.mkdir(parents=True)
         marker = {"source": str(gguf.resolve()), "packed": packed}
         reg._write_marker(path, marker | {"revision": reg.CONVERTER_REVISION})
+        qc = {"modules": {"model.layers.0.mlp.up_proj": "Q4_1"}} if packed else None
+        (path / "config.json").write_text(json.dumps({"quantization_config": qc}))
         return path
 
     converted(False), converted(True)
@@ -558,7 +560,7 @@ def test_list_models_names_a_gguf_conversions_form_and_a_stale_or_orphaned_one(
         return sorted(r["description"] for r in rows if r["name"] == str(gguf.resolve()))
 
     assert described() == [
-        "converted from a GGUF file, 4-bit packed",
+        "converted from a GGUF file, 4-bit packed (Q4_1)",
         "converted from a GGUF file, full precision",
     ]
     st = gguf.stat()

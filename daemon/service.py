@@ -162,6 +162,8 @@ class Service:
         # Set while serve() runs, so that the engine thread can end it after a fatal failure.
         self._aio: asyncio.AbstractEventLoop | None = None
         self._server: uvicorn.Server | None = None
+        # HTTP answers begun before the drain and not yet sent whole (app.OpenAnswers.count)
+        self._answering: Callable[[], int] = lambda: 0
         self._closed = threading.Event()  # close() finished: the forced exit is not needed
         self._engine_stopped = False
         self._engine_stuck = False  # the drain's aborts timed out: close() waits no more for it
@@ -381,8 +383,11 @@ class Service:
         """Serve HTTP until stopped: on `sock` (bound by `bind_api`), or on api.host:port."""
         from kvguard.daemon.app import create_app
 
+        app = create_app(self)
+        answers = app.state.open_answers
+        self._answering = lambda: answers.count
         config = uvicorn.Config(
-            create_app(self),
+            app,
             host=self.cfg.api.host,
             port=self.cfg.api.port,
             # no logging set-up of uvicorn's own: its lines take kvguard's format and level
@@ -444,9 +449,11 @@ class Service:
         os._exit(self.exit_code)
 
     async def shutdown(self, server: uvicorn.Server) -> None:
-        """Stop admitting (503), let in-flight requests finish up to drain_timeout, then cut
-        the rest: each gets a 503 (or an SSE error event) saying the daemon is shutting down,
-        never a response that looks complete. Exits 0: the drain did what it promises."""
+        """Stop admitting (503), let in-flight requests finish, and their answers reach their
+        clients, up to drain_timeout, then cut the rest: each gets a 503 (or an SSE error
+        event) saying the daemon is shutting down, never a response that looks complete; an
+        answer still being sent then gets CUT_GRACE_S (uvicorn's graceful shutdown). Exits
+        0: the drain did what it promises."""
         if self.draining:
             return
         self.draining = True
@@ -457,11 +464,20 @@ class Service:
             self.loop.in_flight(),
             self.cfg.api.drain_timeout,
         )
-        while self.loop.in_flight() and time.monotonic() < deadline:
+        # the engine's requests, and the answers still being sent of those it has finished
+        # (a slow client reading a long one): both are in flight for the client
+        while (self.loop.in_flight() or self._answering()) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         left = self.loop.in_flight()
         if left:
             await self._cut_all(left)
+        elif sending := self._answering():
+            log.warning(
+                "drain timeout after %gs: %d answers still being sent get %gs more, then are cut",
+                self.cfg.api.drain_timeout,
+                sending,
+                CUT_GRACE_S,
+            )
         server.should_exit = True
 
     async def _cut_all(self, left: int) -> None:

@@ -16,7 +16,7 @@ import re
 import sqlite3
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -244,6 +244,14 @@ REFUSED = [
         completion(stream_options={"include_usage": True, "x": 1}),
         "stream_options",
     ),
+    # stream options without a stream: OpenAI refuses them too ("only allowed when stream")
+    ("/v1/completions", completion(stream_options={"include_usage": True}), "stream_options"),
+    (
+        "/v1/chat/completions",
+        chat(stream=False, stream_options={"include_usage": True}),
+        "stream_options",
+    ),
+    ("/v1/chat/completions", chat(stream=None, stream_options={}), "stream_options"),
     ("/v1/chat/completions", chat(n=33), "n"),
     ("/v1/chat/completions", chat(response_format={"type": "json_schema"}), "response_format"),
     (
@@ -289,6 +297,177 @@ def test_oversized_bodies_and_prompts_are_refused_without_reading_them_whole(
     r = raw(client, "POST", "/tokenize", dumps({"model": "tiny", "prompt": "hi " * 100}))
     assert r.status_code == 200 and r.json()["count"] >= 100
     assert_still_connected(client, r)
+
+
+def test_a_chunked_body_over_the_limit_is_refused_as_one_with_a_length(
+    client: httpx.Client,
+) -> None:
+    """A body sent in chunks (no Content-Length) that runs past api.max_request_bytes answers
+    kvguard's 413, as one whose Content-Length says so does, not Starlette's bare "Content
+    Too Large" with no code."""
+
+    def chunks() -> Iterator[bytes]:
+        for _ in range(17):
+            yield b"x" * (1 << 20)
+
+    r = client.post("/v1/completions", content=chunks(), headers=JSON_CT)
+    assert "content-length" not in r.request.headers
+    err = openai_error(r, 413, None)
+    assert err["code"] == "body_too_large", err
+    assert f"{16 << 20} bytes" in err["message"], err
+    assert_still_connected(client, r)
+
+
+HI = {"role": "user", "content": "hi"}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param", "code", "message"),
+    [
+        (  # more entries than the tiny model has tokens (320)
+            "/v1/completions",
+            completion(logit_bias={str(i): 1 for i in range(321)}),
+            "logit_bias",
+            None,
+            "logit_bias has 321 entries: at most 320, one per token id of the vocabulary",
+        ),
+        (  # each message renders to a token at least: 512 of them fill max_model_len
+            "/v1/chat/completions",
+            chat([HI] * 512),
+            "messages",
+            "context_length_exceeded",
+            "512 messages are a prompt of at least 512 tokens",
+        ),
+        (
+            "/tokenize",
+            dumps({"model": "tiny", "messages": [HI] * 4097}),
+            "messages",
+            None,
+            "more than 4096 tokens (8x max_model_len=512)",
+        ),
+        (
+            "/v1/completions",
+            completion(prompt=["hi"] * 257),
+            "prompt",
+            None,
+            "257 prompts x n=1 choices: at most 256 sequences per request",
+        ),
+        (
+            "/v1/completions",
+            completion(prompt=[5] * 512),
+            "prompt",
+            "context_length_exceeded",
+            "prompt of 512 tokens leaves no room to generate within max_model_len=512",
+        ),
+        (
+            "/v1/completions",
+            completion(prompt=[[5], [5] * 600]),
+            "prompt",
+            "context_length_exceeded",
+            "prompt of 600 tokens",
+        ),
+    ],
+)
+def test_too_many_elements_are_refused_by_their_count(
+    client: httpx.Client, path: str, body: str, param: str, code: str | None, message: str
+) -> None:
+    """What no request can be served with is refused by counting, before each element is
+    checked: a logit_bias with more entries than the vocabulary, more messages than a prompt
+    may have tokens, more prompts than a request's sequences, a token-id prompt too long."""
+    err = openai_error(raw(client, "POST", path, body), 400, param)
+    assert err["code"] == code and message in err["message"], err
+    if param == "logit_bias":  # a bias on every token of the vocabulary is served
+        every = completion(logit_bias={str(i): 0 for i in range(320)})
+        assert raw(client, "POST", path, every).status_code == 200
+
+
+def test_a_seeded_requests_choices_are_not_validated_again_on_the_event_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Choice i of a seeded request draws with seed + i: its parameters are a copy, which the
+    engine validates when it takes the choice in. Made with dataclasses.replace they were
+    validated on the event loop too, every logit_bias entry each time (0.7 s for 32 choices
+    biasing every token of a 49k vocabulary)."""
+    from kvguard.daemon.openai_api import _choice_params
+    from kvguard.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(seed=7, logit_bias={t: 1.0 for t in range(1000)})
+    checked: list[SamplingParams] = []
+
+    def validate(self: SamplingParams) -> None:
+        checked.append(self)
+
+    monkeypatch.setattr(SamplingParams, "validate", validate)
+    choices = [_choice_params(params, i) for i in range(32)]
+    assert [c.seed for c in choices] == list(range(7, 39)) and params.seed == 7
+    assert all(c.logit_bias is params.logit_bias for c in choices) and not checked
+
+
+def test_a_large_body_is_answered_as_a_small_one(client: httpx.Client) -> None:
+    """A body over LARGE_BODY_BYTES is parsed and checked off the event loop, with the same
+    answers: served, invalid JSON named by line and column, a bad field named."""
+    from kvguard.daemon.openai_api import LARGE_BODY_BYTES
+
+    metadata = {f"key{i:06d}": "v" for i in range(LARGE_BODY_BYTES // 10)}
+    body = completion(metadata=metadata)
+    assert len(body) > LARGE_BODY_BYTES
+    r = raw(client, "POST", "/v1/completions", body)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1, r.text
+    r = raw(client, "POST", "/v1/chat/completions", chat(metadata=metadata, stream=True))
+    assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n"), r.text
+    broken = body.replace('"prompt": "hi", ', '"prompt": "hi" ')
+    try:
+        json.loads(broken)
+    except json.JSONDecodeError as e:
+        where = f"line 1, column {e.colno}: Expecting ',' delimiter"
+    err = openai_error(raw(client, "POST", "/v1/completions", broken), 400, None)
+    assert err["message"] == f"invalid JSON at {where}", err
+    bad = completion(metadata={**metadata, "last": 7})
+    err = openai_error(raw(client, "POST", "/v1/completions", bad), 400, "metadata.last")
+    assert "valid string" in err["message"], err
+    assert_still_connected(client, r)
+
+
+def test_a_body_of_megabytes_does_not_stall_the_daemon(daemon: Daemon) -> None:
+    """Parsing and checking a request body ran on the event loop: a body of 450k chat messages
+    (15 MiB) held /health, and every stream being served, for 4 s and more before its 400
+    (two of them: twice that). Now the messages are counted before they are checked (a
+    prompt has at most max_model_len tokens, each message one at least), and a large body
+    is parsed off the event loop, one at a time: /health answers meanwhile within a tenth of
+    a second here, well inside the 2 s bound (the JSON decoder, which holds the interpreter
+    while it runs, takes a few tenths of a second for such a body on a busy machine)."""
+    body = chat([HI] * 450_000).encode()
+    assert 15 << 20 < len(body) < 16 << 20  # under api.max_request_bytes
+    waits: list[float] = []
+    posting = threading.Event()
+    answers: list[httpx.Response] = []
+
+    def health() -> None:
+        with httpx.Client(base_url=daemon.url, timeout=120) as c:
+            while posting.is_set():
+                t = time.monotonic()
+                c.get("/health").raise_for_status()
+                waits.append(time.monotonic() - t)
+
+    def post() -> None:
+        with httpx.Client(base_url=daemon.url, timeout=120) as c:
+            answers.append(c.post("/v1/chat/completions", content=body, headers=JSON_CT))
+
+    posting.set()
+    poller = threading.Thread(target=health)
+    poller.start()
+    posts = [threading.Thread(target=post) for _ in range(2)]
+    for t in posts:
+        t.start()
+    for t in posts:
+        t.join(120)
+    posting.clear()
+    poller.join(120)
+    for r in answers:
+        err = openai_error(r, 400, "messages")
+        assert err["code"] == "context_length_exceeded", err
+    assert len(answers) == 2 and waits, (answers, waits)
+    assert max(waits) < 2.0, max(waits)
 
 
 @pytest.mark.parametrize(("path", "body", "param"), REFUSED)
@@ -566,6 +745,7 @@ def test_unexpected_exception_is_a_logged_json_500_on_a_live_connection(
     service = SimpleNamespace(
         cfg=SimpleNamespace(api=SimpleNamespace(debug_hooks=False, max_request_bytes=1 << 20)),
         metrics=SimpleNamespace(http=Counter()),
+        draining=False,  # the answers the drain waits for are counted till it begins
     )
     app = create_app(service)  # type: ignore[arg-type]
 

@@ -7,7 +7,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
+import socket
 import sqlite3
 import subprocess
 import threading
@@ -100,6 +102,56 @@ def test_drain_deadline_cuts_with_503_and_an_sse_error_never_a_complete_answer(
     assert len(streamed) == 2 and cut_streams >= 1
     log = Path(d.log.name).read_text()
     assert "cutting" in log and "unfinished requests" in log
+
+
+def test_an_answer_being_sent_to_a_slow_client_is_drained_whole(tmp_path: Path) -> None:
+    """The drain waits for answers still being sent, not only for the engine's requests: a
+    client that reads a long answer (6.5 MiB: 64 choices with their prompts' log-probabilities)
+    slowly, here nothing for twice CUT_GRACE_S after the SIGTERM, still gets all of it within
+    the drain, and the daemon exits 0 once it has. The answer used to be cut CUT_GRACE_S after
+    the SIGTERM, the drain over as soon as the engine had finished (uvicorn's graceful
+    shutdown then cancelled the send), whatever api.drain_timeout was left."""
+    from kvguard.daemon.service import CUT_GRACE_S
+
+    d = Daemon(tmp_path)
+    set_drain_timeout(d, "60s")  # far more than the client takes: only a cut could end it
+    ids = [(i * 7) % 250 + 3 for i in range(500)]
+    body = json.dumps({"model": "tiny", "prompt": [ids, ids[::-1]], "n": 32, "max_tokens": 1,
+                       "echo": True, "logprobs": 5, "temperature": 0}).encode()  # fmt: skip
+    sock = socket.socket()
+    # small buffers on the client's side (a small window, and segments the server's send
+    # buffer is sized by): nearly all the answer waits in the daemon until it is read
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 1024)
+    sock.settimeout(120)
+    try:
+        sock.connect(("127.0.0.1", d.port))
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: kvguard\r\n"
+            b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+        )
+        got = bytearray()
+        while b"\r\n\r\n" not in got:  # the answer has begun: the engine is done with it
+            chunk = sock.recv(4096)
+            assert chunk, bytes(got)
+            got += chunk
+        d.proc.send_signal(signal.SIGTERM)
+        head, _, rest = bytes(got).partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200"), head
+        length = int(re.search(rb"(?i)content-length: *(\d+)", head)[1])
+        assert length > 6 << 20
+        time.sleep(2 * CUT_GRACE_S)  # the slow client: it reads nothing for a while
+        answer = bytearray(rest)
+        while len(answer) < length and (chunk := sock.recv(1 << 20)):
+            answer += chunk
+        assert len(answer) == length, (len(answer), length)
+        assert len(json.loads(answer)["choices"]) == 64
+        assert d.proc.wait(60) == 0
+    finally:
+        sock.close()
+        if d.proc.poll() is None:
+            d.proc.kill()
+        d.log.close()
 
 
 def test_second_sigterm_during_the_drain_exits_at_once_non_zero(tmp_path: Path) -> None:

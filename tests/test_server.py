@@ -462,7 +462,9 @@ def test_sigterm_under_load_drains_and_exits_zero(tmp_path: Path) -> None:
             r = httpx.post(
                 d.url + "/v1/completions",
                 timeout=60,
-                json={"model": "tiny", "prompt": "drain me", "max_tokens": 200, "ignore_eos": True},
+                # long enough to be in flight at the SIGTERM, short enough to finish within the
+                # drain on a loaded machine (a drain cuts what it cannot finish)
+                json={"model": "tiny", "prompt": "drain me", "max_tokens": 100, "ignore_eos": True},
             )
             results.append((r.status_code, r.json().get("usage", {}).get("completion_tokens")))
         except httpx.HTTPError as e:
@@ -489,7 +491,7 @@ def test_sigterm_under_load_drains_and_exits_zero(tmp_path: Path) -> None:
         t.join(60)
     assert d.proc.wait(60) == 0
     d.log.close()
-    assert results == [(200, 200)] * 6, results
+    assert results == [(200, 100)] * 6, results
 
 
 def test_sd_notify_lifecycle_and_watchdog(tmp_path: Path) -> None:

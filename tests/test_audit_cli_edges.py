@@ -158,17 +158,27 @@ def test_the_start_sweep_closes_only_this_instances_incidents_of_earlier_runs(
     assert restarted.stop(timeout=10)
 
 
-# -- manual actions count in their incident (#13), at the time they were asked for --------------
-def test_a_manual_action_during_an_incident_counts_in_it(tmp_path: Path) -> None:
-    """An operator's action is in the incident open, counted, and recorded when it was asked
-    for (as a rule's at its decision): before the event it caused, not when it completed."""
-    db = tmp_path / "audit.db"
+def _daemon_in_an_incident(tmp_path: Path) -> tuple[Daemon, Path, str]:
+    """A daemon whose rules file (ALWAYS) opens an incident at once: (the daemon, its rules
+    file, the incident's id), its audit database at tmp_path / "audit.db". The caller stops it."""
     rules = tmp_path / "rules.yaml"
     rules.write_text(ALWAYS)
     d = Daemon(tmp_path, extra=f"rules: {{path: {rules}}}\n")
     try:
         until(lambda: d.admin("GET", "/admin/state").json()["incident"], 60, "an incident")
-        inc = d.admin("GET", "/admin/state").json()["incident"]
+        return d, rules, d.admin("GET", "/admin/state").json()["incident"]
+    except BaseException:
+        d.stop()
+        raise
+
+
+# -- manual actions count in their incident (#13), at the time they were asked for --------------
+def test_a_manual_action_during_an_incident_counts_in_it(tmp_path: Path) -> None:
+    """An operator's action is in the incident open, counted, and recorded when it was asked
+    for (as a rule's at its decision): before the event it caused, not when it completed."""
+    db = tmp_path / "audit.db"
+    d, _, inc = _daemon_in_an_incident(tmp_path)
+    try:
         r = d.admin("POST", "/admin/actions/halt_admission", json={"allow_priority": "high"})
         assert r.status_code == 200, r.text
         until(
@@ -192,14 +202,11 @@ def test_an_engine_failure_and_reloads_during_an_incident_are_in_its_timeline(
     tmp_path: Path,
 ) -> None:
     """A reload, a refused rules file, a refused config, the engine failure that ends the
-    daemon and its stop all happen while an incident is open: `kvguard audit timeline` shows them, how it ended."""
+    daemon and its stop all happen while an incident is open: `kvguard audit timeline` shows
+    them, how it ended."""
     db = tmp_path / "audit.db"
-    rules = tmp_path / "rules.yaml"
-    rules.write_text(ALWAYS)
-    d = Daemon(tmp_path, extra=f"rules: {{path: {rules}}}\n")
+    d, rules, inc = _daemon_in_an_incident(tmp_path)
     try:
-        until(lambda: d.admin("GET", "/admin/state").json()["incident"], 60, "an incident")
-        inc = d.admin("GET", "/admin/state").json()["incident"]
         assert d.admin("POST", "/admin/reload").json()["reloaded"] is True
         rules.write_text("version: 1\nrules: [{name: x}]\n")  # a rules file refused
         assert d.admin("POST", "/admin/reload").status_code == 400
@@ -474,7 +481,7 @@ def test_a_database_a_newer_kvguard_migrated_is_called_newer_never_to_be_upgrade
     assert json.loads(out)["revision"] == "9999"  # nothing changed it
 
 
-# -- a list cut at --limit says so ------------------------------------------------------------------
+# -- a list cut at --limit says so -----------------------------------------------------------------
 def test_a_list_cut_at_its_limit_says_how_much_it_shows_and_how_to_see_all(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

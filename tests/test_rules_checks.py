@@ -341,28 +341,19 @@ def test_a_replay_evaluates_right_after_an_event_as_the_daemon_does(tmp_path: Pa
     tick, so `rules test` passed scenarios the daemon disagrees with (here: the halt at 10s,
     where the daemon halts at 7s). An evaluation follows each event at its time, and reads a
     step given after the last tick, so such a step is no longer refused."""
-    got = replay(
-        tmp_path,
-        OOM_RULES,
-        "duration: 20s\n"
-        "series:\n  kv_usage: [{at: 0s, value: 0.5}, {at: 6s, value: 0.995}]\n"
-        "events:\n  - {at: 7s, kind: engine_oom}\n",
-    )
-    assert got == [
-        (7.0, "oom-chain", "handle_oom", "applied"),
-        (7.0, "halt", "halt_admission", "applied"),
-    ]
-    got = replay(
-        tmp_path,
-        OOM_RULES,
-        "duration: 12s\n"
-        "series:\n  kv_usage: [{at: 0s, value: 0.5}, {at: 11s, value: 0.995}]\n"
-        "events:\n  - {at: 12s, kind: engine_oom}\n",
-    )
-    assert got == [
-        (12.0, "oom-chain", "handle_oom", "applied"),
-        (12.0, "halt", "halt_admission", "applied"),
-    ]
+    # (duration, the step to 0.995, the OOM): between ticks, and one after the last tick
+    for duration, full, oom in (("20s", "6s", 7.0), ("12s", "11s", 12.0)):
+        got = replay(
+            tmp_path,
+            OOM_RULES,
+            f"duration: {duration}\n"
+            f"series:\n  kv_usage: [{{at: 0s, value: 0.5}}, {{at: {full}, value: 0.995}}]\n"
+            f"events:\n  - {{at: {oom:g}s, kind: engine_oom}}\n",
+        )
+        assert got == [
+            (oom, "oom-chain", "handle_oom", "applied"),
+            (oom, "halt", "halt_admission", "applied"),
+        ]
 
 
 def test_a_replayed_oom_chain_halts_admission_only_above_98_percent(tmp_path: Path) -> None:

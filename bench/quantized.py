@@ -132,11 +132,16 @@ class Kvguard:
             return used
         dots = "AVX-512 VNNI" if cpu_lowbit.vnni() else "AVX2"
         rows = cpu_lowbit.panel_rows()
-        panels = "never" if rows == cpu_lowbit.PANELS_NEVER else f"from {rows} rows"
+        panels = (
+            "never"
+            if rows == cpu_lowbit.PANELS_NEVER
+            else f"prompt rows, decode rows from {rows} decoding sequences"
+        )
         tiles = ""
         if cpu_lowbit.amx():
             tiles = "; AMX integer tiles from 16 rows"
-            tiles += ", bf16 tiles from 128" if cpu_lowbit.amx_bf16() else ""
+            bf16 = ", bf16 tiles for prompt rows and decode rows from 128 decoding sequences"
+            tiles += bf16 if cpu_lowbit.amx_bf16() else ""
         return f"{used} ({dots} integer dots; 4-bit fp32 panels: {panels}{tiles})"
 
     def serve(self, reqs: Sequence[TraceRequest]) -> list[list[int]]:

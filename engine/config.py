@@ -343,8 +343,9 @@ class EngineConfig:
         section="quantization",
         choices=("int16", "int8"),
         doc="packed weights on CPU (kvguard's C kernels): activations quantised per block of "
-        "32 to int16, or from 16 rows not quantised at all (fp32 panels; the default model "
-        "agrees 100% top-1 with fp32, teacher-forced), or int8 at any batch (as OpenVINO and "
+        "32 to int16, or not quantised at all (fp32 panels) for prompt rows and for decode rows "
+        "from 16 decoding sequences (the default model agrees 100% top-1 with fp32, "
+        "teacher-forced), or int8 at any batch (as OpenVINO and "
         "llama.cpp do on AVX2: measured here, 1.2x the batch-32 decode and the mixed trace; "
         "97.6% teacher-forced top-1 agreement on the default model)",
     )

@@ -44,6 +44,7 @@ from kvguard.engine.sampler import (
 )
 from kvguard.engine.sequence import Sequence, TokenLogprob
 from kvguard.engine.speculative import accepted_prefix
+from kvguard.kernels.cpu_lowbit import StepRows, step_rows
 from kvguard.kernels.dispatch import use_triton
 from kvguard.kernels.env import env_flag
 from kvguard.kernels.paged_attention import decode_workspace_bytes
@@ -122,6 +123,9 @@ class StepInput:
     sample_rows: torch.Tensor  # rows of the hidden states whose next token is sampled
     # meta.seq_lens already on the device (int32), where the caller has it (decode_ahead)
     seq_lens_dev: torch.Tensor | None = None
+    # the rows' kinds (decode rows first), as the CPU GEMMs pick their kernels by them; None
+    # where the caller did not say (every GEMM then picks by the step's row count)
+    kinds: StepRows | None = None
 
 
 def build_step(
@@ -134,6 +138,7 @@ def build_step(
     device: torch.device,
     every_row: bool = False,
     as_decode: list[bool] | None = None,
+    decodes: list[bool] | None = None,
 ) -> StepInput:
     """The step's tensors from each sequence's block table, first uncomputed position, token
     count and how many of its last rows get logits (`logit_rows`: 1 where a token is sampled,
@@ -145,13 +150,30 @@ def build_step(
     request keeps its tokens but at a near tie), and a few queries no longer pay for a
     prompt tile (the CPU prefill kernel's sixteen: two queries over 512 cached tokens
     took 7.8 ms a step, 4.8 as decode rows). Every rank of a tensor-parallel engine calls
-    this with the same lists, so slots agree."""
-    pos, slots, rows = [], [], []
+    this with the same lists, so slots agree.
+
+    `decodes` marks the sequences whose rows are decode rows (`decode_rows`): their rows come
+    first in the step, the prompt chunks' after them (`kinds`), so that the CPU GEMMs can give
+    each kind its own kernel; the sampled rows stay in batch order. Without it the rows are
+    in batch order and the step says nothing of their kinds."""
+    order = range(len(tables))
+    kinds = None
+    if decodes is not None:
+        order = [i for i in order if decodes[i]] + [i for i in order if not decodes[i]]
+        decoding = sum(map(bool, decodes))
+        kinds = StepRows(sum(num_tokens), sum(num_tokens[i] for i in order[:decoding]), decoding)
+    at = [0] * len(tables)  # each sequence's first token id in `token_ids` (batch order)
+    for i in range(1, len(tables)):
+        at[i] = at[i - 1] + num_tokens[i - 1]
+    first = [0] * len(tables)  # ... and its first row in the step
+    pos, slots, ids = [], [], []
     entries, lens, qlens = [], [], []  # attention entries: a table, its length, its queries
-    for i, (table, start, n, k) in enumerate(zip(tables, starts, num_tokens, sampled, strict=True)):
+    for i in order:
+        table, start, n = tables[i], starts[i], num_tokens[i]
         span = range(start, start + n)
-        rows.extend(range(len(pos) + (0 if every_row else n - int(k)), len(pos) + n))
+        first[i] = len(pos)
         pos.extend(span)
+        ids.extend(token_ids[at[i] : at[i] + n])
         slots.extend(table[p // block_size] * block_size + p % block_size for p in span)
         if as_decode is not None and as_decode[i]:
             entries.extend([table] * n)
@@ -161,6 +183,9 @@ def build_step(
             entries.append(table)
             lens.append(start + n)
             qlens.append(n)
+    rows = []
+    for i, (n, k) in enumerate(zip(num_tokens, sampled, strict=True)):
+        rows.extend(range(first[i] + (0 if every_row else n - int(k)), first[i] + n))
     width = max(len(t) for t in tables)
     padded = [t + [0] * (width - len(t)) for t in entries]
     meta = AttentionMetadata(
@@ -170,10 +195,11 @@ def build_step(
         query_lens=qlens,
     )
     return StepInput(
-        torch.tensor(token_ids, device=device),
+        torch.tensor(ids, device=device),
         torch.tensor(pos, device=device),
         meta,
         torch.tensor(rows, dtype=torch.long, device=device),
+        kinds=kinds,
     )
 
 
@@ -184,6 +210,12 @@ def step_token_ids(seqs: list[Sequence], num_tokens: list[int]) -> list[int]:
         ids.extend(seq.token_slice(seq.num_computed_tokens, seq.num_computed_tokens + n))
         ids.extend(seq.draft[: n - seq.num_uncomputed])
     return ids
+
+
+def decode_rows(seq: Sequence) -> bool:
+    """Whether a step computes decode rows of `seq`: its last sampled token (with any drafts
+    after it), not a prompt chunk (nor a preempted sequence's recomputed text)."""
+    return seq.num_uncomputed == 1 and seq.num_computed_tokens >= len(seq.prompt_token_ids)
 
 
 def drafted(seqs: list[Sequence]) -> list[bool] | None:
@@ -344,6 +376,7 @@ class ModelRunner:
             self.device,
             every_row,
             drafted(seqs),
+            [decode_rows(s) for s in seqs],
         )
 
     def forward(self, inp: StepInput) -> torch.Tensor | None:
@@ -354,9 +387,12 @@ class ModelRunner:
             raise InjectedOOMError("injected out-of-memory fault (inject_oom test hook)")
         hidden = self._replay(inp)
         if hidden is None:
-            hidden = self.model(
-                inp.input_ids, inp.positions, self.kv_cache.layers, inp.meta, stop=self.step_stop
-            )
+            # the CPU GEMMs read the rows' kinds on this thread, for this forward only
+            with step_rows(inp.kinds):
+                hidden = self.model(
+                    inp.input_ids, inp.positions, self.kv_cache.layers, inp.meta,
+                    stop=self.step_stop,
+                )  # fmt: skip
         if not inp.sample_rows.numel():
             return None
         return self.model.compute_logits(hidden[inp.sample_rows])
@@ -395,6 +431,7 @@ class ModelRunner:
         lens_t = (host[0] + 1).to(torch.int32)  # tokens each row attends to, its own included
         ids = torch.tensor([s.token_slice(p, p + 1)[0] for s, p in zip(seqs, starts, strict=True)])
         ids, rows, run = ids.to(dev), torch.arange(b, device=dev), RunTokens()
+        kinds = StepRows(b, b, b)  # decode rows alone, as a single step of them
         # A sampled row draws from the global generator only at the steps single steps would
         # have run it: not past its last token (max_tokens, its length limit), so the rows
         # after it draw what they would have drawn. (One that ends early on EOS or a stop
@@ -415,7 +452,7 @@ class ModelRunner:
                     else None
                 )
             meta = AttentionMetadata(host[1, j], tables, [p + 1 for p in pos[j]], [1] * b)
-            logits = self.forward(StepInput(ids, host[0, j], meta, rows, lens_t[j]))
+            logits = self.forward(StepInput(ids, host[0, j], meta, rows, lens_t[j], kinds))
             if logits is None:
                 raise RuntimeError("decode_ahead: the forward sampled no row")
             ids = run_draws(logits, drawn)

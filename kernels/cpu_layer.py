@@ -42,6 +42,9 @@ class Step(ctypes.Structure):
         ("S", _I64), ("chunk_rows", _PTR), ("chunk_qlens", _PTR), ("chunk_lens", _PTR),
         ("chunk_tables", _PTR), ("chunk_ldt", _I64),
         ("work", _PTR), ("threads", _I64), ("kv_type", _I64),
+        # the rows' kinds (`cpu_lowbit.StepRows`), filled in by `run_layer`: 0 in `kinds`
+        # leaves every projection picking its kernel by T
+        ("kinds", _I64), ("decode_rows", _I64), ("decode_count", _I64),
     ]  # fmt: skip
 
 
@@ -120,7 +123,12 @@ def run_layer(
 ) -> None:
     """The layer on the stream `x` `[T, hidden]` (updated in place); its MLP output goes to
     `mlp_out`. The pools are of `step.kv_type` (`cpu_ops.KV_TYPES`); an fp8 pool comes with its
-    per-block scales, updated in place as the new tokens are written."""
+    per-block scales, updated in place as the new tokens are written. The projections pick
+    their kernels by the kinds of the step's rows where the runner gave them
+    (`cpu_lowbit.step_rows`), as the per-op layers do."""
+    kinds = cpu_lowbit.row_kinds(step.T)
+    step.kinds = int(kinds is not None)
+    step.decode_rows, step.decode_count = kinds or (step.T, step.T)
     rc = cpu_lowbit.library().kvg_decode_layer(
         ctypes.addressof(plan.struct), ctypes.addressof(step), x.data_ptr(), _ptr(pending),
         k_pool.data_ptr(), v_pool.data_ptr(), _ptr(k_scales), _ptr(v_scales),

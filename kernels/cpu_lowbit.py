@@ -7,7 +7,10 @@ torch's CPU weight-only kernels multiply in bf16 or fp32; on AVX2 the fast way i
 activations quantised to int8 per block of 32, each block a `vpmaddubsw` dot with the 4-bit or
 8-bit weight codes. With int16 activations and enough rows (`panel_rows()`, 16) FMAs win
 instead: the kernel dequantises sixteen weight columns at a time into an fp32 panel and
-multiplies the activations as they are. Where the CPU has AVX-512 VNNI the integer dots run
+multiplies the activations as they are. Which of them a row of a model step takes follows the
+row's kind (`step_rows`): prompt rows always the prompt kernel, decode rows by how many
+sequences decode, so a row's bits never depend on what else shares its step. Where the CPU has
+AVX-512 VNNI the integer dots run
 a VNNI copy compiled into the same library (`vnni()`; same bits); for 4-bit weights it leads
 or ties the panels at any batch, so they take the dots at every batch there. Where it has
 AMX (and Linux grants the tile state), 4-bit prompt rows go to the tile unit: integer tiles
@@ -27,6 +30,8 @@ spinning threads would fight torch's for the cores.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import ctypes
 import functools
 import hashlib
@@ -36,6 +41,8 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -64,6 +71,9 @@ TILE = 8  # output columns a kernel tile computes side by side
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _INT = ctypes.c_int
 _GEMM_ARGS = [_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _I64, _INT, _INT]
+# the kernels a row of a `fine` GEMM can take (`kvg_pick_kernel` in lowbit.c): the integer dots
+# (AVX2, VNNI, or the AMX integer tiles: the same bits), fp32 panels, AMX bf16 tiles
+KERNELS = ("dots", "panels", "bf16")
 
 
 def cache_dir() -> Path:
@@ -141,6 +151,11 @@ def _load(path: Path) -> ctypes.CDLL:
     for name in ("kvg_w4a8", "kvg_w8a8", "kvg_w8a8v"):
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = _GEMM_ARGS, ctypes.c_int
+    for name in ("kvg_w4a8_rows", "kvg_w8a8_rows"):
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = [*_GEMM_ARGS, _I64, _I64], ctypes.c_int
+    lib.kvg_pick_kernel.argtypes = [_INT, _INT, _I64, _INT, _INT, _INT]
+    lib.kvg_pick_kernel.restype = _INT
     lib.kvg_vnni.argtypes, lib.kvg_vnni.restype = [_INT], _INT
     lib.kvg_amx.argtypes, lib.kvg_amx.restype = [_INT], _INT
     lib.kvg_amx_bf16.argtypes, lib.kvg_amx_bf16.restype = [_INT], _INT
@@ -216,6 +231,63 @@ def available() -> bool:
     return library() is not None
 
 
+@dataclass(frozen=True, slots=True)
+class StepRows:
+    """A model step's rows as its projections see them: of `rows`, the first `decode` are
+    decode rows (each decoding sequence's last token, and the speculative drafts verified after
+    it) of `decoding` sequences, the rest prompt rows (prefill chunks). A `fine` GEMM over the
+    step's rows gives each kind its own kernel (`kvg_pick_kernel` in lowbit.c): prompt rows
+    the one a GEMM of unbounded rows takes (fp32 panels unless `panel_rows()` is
+    `PANELS_NEVER`; AMX bf16 tiles where those serve 4-bit weights), decode rows the one a
+    GEMM of `decoding` rows takes, so that verify rows take what plain decode takes."""
+
+    rows: int
+    decode: int
+    decoding: int
+
+
+# The step whose forward runs on this thread (`step_rows`). A context variable: each thread
+# (and asyncio task) sees its own, so a step on one thread cannot change another's kernels.
+_STEP_ROWS: contextvars.ContextVar[StepRows | None] = contextvars.ContextVar(
+    "kvguard_step_rows", default=None
+)
+
+
+@contextlib.contextmanager
+def step_rows(rows: StepRows | None) -> Iterator[None]:
+    """While the block runs, GEMMs on this thread over `rows.rows` activation rows (the
+    step's projections, per-op or in `cpu_layer`'s C call) pick each row's kernel by its kind;
+    None (and any GEMM of another row count: the lm_head over the sampled rows, a test's)
+    picks by the call's row count, as a GEMM that knows nothing of a step does."""
+    token = _STEP_ROWS.set(rows)
+    try:
+        yield
+    finally:
+        _STEP_ROWS.reset(token)
+
+
+def row_kinds(rows: int) -> tuple[int, int] | None:
+    """(decode rows first, the count they pick their kernel by) for a GEMM of `rows`
+    activation rows inside `step_rows`, or None where no step's layout applies."""
+    step = _STEP_ROWS.get()
+    if step is None or step.rows != rows:
+        return None
+    return step.decode, step.decoding
+
+
+def pick_kernel(
+    bits: int, fine: bool, count: int, prompt: bool, vnni: bool, bf16: bool = False
+) -> str:
+    """The kernel (`KERNELS`) the C GEMMs give rows of one kind: `prompt` rows, or decode
+    rows of a step with `count` decoding sequences (a GEMM outside a step: its rows), on a CPU
+    whose integer dots run their VNNI copy (`vnni`) and, for 4-bit weights, with the AMX bf16
+    tiles on (`bf16`) or not, at the current `panel_rows()`. The CPU is an argument so that
+    every path's rule can be asked anywhere; bits 9 is the vertical 8-bit layout."""
+    lib = library()
+    assert lib is not None, "cpu_lowbit.library() is None: check available() first"
+    return KERNELS[lib.kvg_pick_kernel(bits, int(fine), count, int(prompt), int(vnni), int(bf16))]
+
+
 def _gemm(
     fn: str,
     x: torch.Tensor,
@@ -236,10 +308,12 @@ def _gemm(
     if rows:
         mp = None if m is None else m.data_ptr()
         threads = torch.get_num_threads()
-        rc = getattr(lib, fn)(
+        args = (
             x.data_ptr(), rows, k, x.stride(0), codes.data_ptr(), d.data_ptr(), mp, n,
             group // BLOCK, out.data_ptr(), n, threads, int(fine),
         )  # fmt: skip
+        kinds = row_kinds(rows) if fine else None  # int8 rows take the dots at any batch
+        rc = getattr(lib, fn)(*args) if kinds is None else getattr(lib, f"{fn}_rows")(*args, *kinds)
         if rc == -1:
             raise MemoryError(f"{fn}: no memory for the {rows}x{k} activation workspace")
         if rc:
@@ -252,8 +326,10 @@ def panel_rows(rows: int | None = None, bits: int = 4) -> int:
     of the dequantised weight instead of int16 dots (`gemm_panels` in lowbit.c), on the dots
     this process runs: 16 (8-bit weights, and 4-bit ones on the AVX2 dots), never
     (`PANELS_NEVER`: 4-bit weights on the VNNI dots, which lead or tie the panels at every
-    batch). `rows` sets that threshold (tests, benchmarks: a huge value keeps the integer dots
-    at any batch, 1 puts every batch on panels). Returns the value before."""
+    batch). In a model step (`step_rows`) its decode rows count the step's decoding sequences
+    against it, and its prompt rows take panels at any length unless it is `PANELS_NEVER`.
+    `rows` sets that threshold (tests, benchmarks: `PANELS_NEVER` keeps the integer dots at any
+    batch, prompts included; 1 puts every batch on panels). Returns the value before."""
     lib = library()
     assert lib is not None, "cpu_lowbit.library() is None: check available() first"
     name = "kvg_panel_rows_vnni4" if bits == 4 and vnni() else "kvg_panel_rows"
@@ -343,7 +419,8 @@ def w4a8(
     """`x [M, K] @ W.T` (fp32) for `n` output columns of 4-bit codes (`pack4`)
     with `w = d * q + m` per group (`tile_columns`). Activations in int8 per block of 32, or
     `fine`: int16 (two integer dots, high and low signed bytes), and from `panel_rows()` rows
-    unquantised: fp32 FMAs over the weight dequantised sixteen columns at a time."""
+    unquantised: fp32 FMAs over the weight dequantised sixteen columns at a time (inside
+    `step_rows`, over the step's rows: each row by its kind)."""
     return _gemm("kvg_w4a8", x, n, codes, d, m, group, fine)
 
 

@@ -52,15 +52,20 @@ typedef struct {
     float *work;
     int64_t threads;
     int64_t kv_type; /* the pools' element type: cpu_ops.c's KV_F32 .. KV_FP8 */
+    /* The rows' kinds, as the projections pick their kernels (`kvg_pick_kernel`): with
+     * `kinds` 1, rows [0, decode_rows) are decode rows picking by `decode_count` (the step's
+     * decoding sequences) and the rest prompt rows; with 0, every projection picks by T. */
+    int64_t kinds, decode_rows, decode_count;
 } KvgStep;
 
-static int linear(const KvgLinear *w, const float *x, int64_t T, int64_t ldx, float *out,
-                  int threads) {
+static int linear(const KvgLinear *w, const KvgStep *s, const float *x, int64_t T, int64_t ldx,
+                  float *out, int threads) {
+    const int64_t dr = s->kinds ? s->decode_rows : T, dc = s->kinds ? s->decode_count : T;
     const int rc = w->bits == 4
-        ? kvg_w4a8(x, T, w->k, ldx, (const uint8_t *)w->codes, w->d, w->m, w->n, w->bpg, out,
-                   w->n, threads, (int)w->fine)
-        : kvg_w8a8(x, T, w->k, ldx, (const int8_t *)w->codes, w->d, w->m, w->n, w->bpg, out,
-                   w->n, threads, (int)w->fine);
+        ? kvg_w4a8_rows(x, T, w->k, ldx, (const uint8_t *)w->codes, w->d, w->m, w->n, w->bpg,
+                        out, w->n, threads, (int)w->fine, dr, dc)
+        : kvg_w8a8_rows(x, T, w->k, ldx, (const int8_t *)w->codes, w->d, w->m, w->n, w->bpg,
+                        out, w->n, threads, (int)w->fine, dr, dc);
     if (rc == 0 && w->bias)
         for (int64_t t = 0; t < T; ++t)
             for (int64_t i = 0; i < w->n; ++i)
@@ -86,7 +91,7 @@ int kvg_decode_layer(const KvgLayer *L, const KvgStep *s, float *x, const float 
         if (s->slots[t] < 0 || s->slots[t] >= s->num_slots)
             return -3; /* a slot outside the pool: refuse before writing anything */
     kvg_rmsnorm(x, H, pending, T, H, L->norm1, L->eps, h, threads);
-    if ((rc = linear(&L->qkv, h, T, H, qkv, threads)))
+    if ((rc = linear(&L->qkv, s, h, T, H, qkv, threads)))
         return rc;
     kvg_rope(qkv, nqkv, T, L->heads + L->kv_heads, d, s->cos, s->sin, threads);
     const int type = (int)s->kv_type;
@@ -104,11 +109,11 @@ int kvg_decode_layer(const KvgLayer *L, const KvgStep *s, float *x, const float 
                                         type, s->block_size, L->kv_heads, L->heads, d,
                                         s->chunk_tables, s->chunk_ldt, L->scale, threads)))
         return rc == 1 ? -2 : rc;
-    if ((rc = linear(&L->o, attn, T, nq, o, threads)))
+    if ((rc = linear(&L->o, s, attn, T, nq, o, threads)))
         return rc;
     kvg_rmsnorm(x, H, o, T, H, L->norm2, L->eps, h2, threads);
-    if ((rc = linear(&L->gate_up, h2, T, H, gu, threads)))
+    if ((rc = linear(&L->gate_up, s, h2, T, H, gu, threads)))
         return rc;
     kvg_silu_mul(gu, 2 * L->inter, T, L->inter, act, threads);
-    return linear(&L->down, act, T, L->inter, mlp_out, threads);
+    return linear(&L->down, s, act, T, L->inter, mlp_out, threads);
 }

@@ -34,7 +34,8 @@
  * With activation block x ~ e*p (p integer) the block's contribution is
  *   d*e*sum(q*p) + m*e*sum(p).
  *
- * From `kvg_panel_rows` rows a `fine` GEMM leaves the integers: see `gemm_panels`.
+ * From `kvg_panel_rows` rows a `fine` GEMM leaves the integers: see `gemm_panels`. Which
+ * kernel a row takes depends on its kind, not on what else the call holds: see `kvg_pick_kernel`.
  *
  * The integer dots (`lowbit_dots.h`) are compiled twice into this file: for AVX2, and for
  * AVX-512 VNNI under a function target attribute, picked per call (`kvg_vnni`: the CPU's
@@ -93,7 +94,9 @@ int kvg_lowbit_abi(void) { return 1; }
 
 /* From this many rows a `fine` GEMM multiplies fp32 panels (`gemm_panels`): below it the
  * int16 dots win, the dequantisation shared by too few rows (measured, SmolLM2's shapes).
- * For 8-bit codes, and for 4-bit ones on the AVX2 dots. */
+ * For 8-bit codes, and for 4-bit ones on the AVX2 dots. A step's decode rows count its
+ * decoding sequences against it; its prompt rows take panels at any length unless it is
+ * INT32_MAX (`kvg_pick_kernel`). */
 int kvg_panel_rows = 16;
 /* The same for 4-bit codes on the VNNI dots: measured, they lead or tie the panels at every
  * batch up to 2048 rows once their rows go in L2-sized stretches, so panels only when asked
@@ -865,19 +868,51 @@ static BF_FN int gemm_amx_bf16(const float *x, int64_t M, int64_t K, int64_t ldx
 }
 #undef BF_TILE
 
-/* out[M][ldo] (first N columns) = x[M][K] (row stride ldx) times W^T; returns 0, -1 when the
- * workspace could not be allocated, -2 on a shape the layout cannot hold. The codes and the
- * scales hold ceil(N/8)*8 columns (padding columns are zero). `fine`: int16 activations. */
-static int gemm(const int bits, const float *x, int64_t M, int64_t K, int64_t ldx,
-                const uint8_t *wc, const uint16_t *wd, const uint16_t *wm, int64_t N, int64_t bpg,
-                float *out, int64_t ldo, int threads, int fine) {
-    if (K % (2 * QK) || bpg < 1 || (K / QK) % bpg || (bits == BITS_8V && fine)) return -2;
-    if (threads < 1) threads = 1;
+/* ---- which kernel a row takes -------------------------------------------------------------
+ * The kernels differ in their bits: the integer dots (AVX2 or VNNI, and the AMX integer tiles,
+ * which give the VNNI dots' bits) quantise the activations, the fp32 panels do not, the bf16
+ * tiles round them otherwise again. Each computes a row alone (a row's bits do not depend on
+ * which rows share its call: tiles of rows, row groups and the panels' chunks never mix rows),
+ * so a row's result is fixed by the kernel it takes. That kernel follows the row's kind:
+ *   prompt rows (prefill chunks) take the kernel a GEMM of unbounded rows would: the panels
+ *     wherever panels serve at all (the panel threshold below `INT32_MAX`), else the bf16
+ *     tiles where they are on (4-bit codes), else the dots. How long the chunk is, whether
+ *     part of the prompt came from the prefix cache, or what decodes beside it never changes
+ *     them;
+ *   decode rows (a sequence's last token, and the speculative drafts verified after it) by the
+ *     count the caller gives: the step's decoding sequences, so that verify rows take what
+ *     plain decode of those sequences takes, and a prompt chunk joining the step changes
+ *     nothing for them.
+ * A call whose rows are all of one kind runs one kernel; a step with both, where the kinds pick
+ * different kernels, runs two (the decode rows first, then the prompt rows). int8 activations
+ * (not `fine`) have one kernel, the dots, at any batch. */
+enum { KVG_DOTS = 0, KVG_PANELS = 1, KVG_BF16 = 2 };
+
+/* The kernel for rows of one kind: `prompt` rows, or decode rows picking by `count`; `vnni`
+ * and `bf16` (AMX-BF16 tiles on) say which paths this process runs (arguments, so that a
+ * test can ask for CPUs it does not run on). Returns KVG_DOTS, KVG_PANELS or KVG_BF16. */
+int kvg_pick_kernel(int bits, int fine, int64_t count, int prompt, int vnni, int bf16) {
+    if (!fine || bits == BITS_8V)
+        return KVG_DOTS;
+    const int from = vnni && bits == 4 ? kvg_panel_rows_vnni4 : kvg_panel_rows;
+    if (from < INT32_MAX && (prompt || count >= from))
+        return KVG_PANELS;
+    if (bits == 4 && vnni && bf16 && (prompt || count >= BF_MIN_ROWS))
+        return KVG_BF16;
+    return KVG_DOTS;
+}
+
+/* out[M][ldo] (first N columns) = x[M][K] (row stride ldx) times W^T through `kernel` (the
+ * bf16 tiles falling back to the dots where their workspace cannot be had); returns 0, -1
+ * when the workspace could not be allocated. The codes and the scales hold ceil(N/8)*8
+ * columns (padding columns are zero). `fine`: int16 activations. */
+static int gemm_with(const int kernel, const int bits, const float *x, int64_t M, int64_t K,
+                     int64_t ldx, const uint8_t *wc, const uint16_t *wd, const uint16_t *wm,
+                     int64_t N, int64_t bpg, float *out, int64_t ldo, int threads, int fine) {
     const int vnni = kvg_vnni(-1) == 1, amx = vnni && kvg_amx(-1) == 1;
-    if (fine && M >= (vnni && bits == 4 ? kvg_panel_rows_vnni4 : kvg_panel_rows))
+    if (kernel == KVG_PANELS)
         return gemm_panels(bits, x, M, K, ldx, wc, wd, wm, N, bpg, out, ldo, threads);
-    if (fine && bits == 4 && M >= BF_MIN_ROWS && amx && kvg_amx_bf16(-1) == 1 &&
-        gemm_amx_bf16(x, M, K, ldx, wc, wd, wm, N, bpg, out, ldo, threads) == 0)
+    if (kernel == KVG_BF16 && gemm_amx_bf16(x, M, K, ldx, wc, wd, wm, N, bpg, out, ldo, threads) == 0)
         return 0;
     const int64_t nb = K / QK, tiles = (N + 7) / 8;
     const int mode = !fine ? Q_INT8 : bits == 4 ? Q_HILO : Q_INT16;
@@ -919,16 +954,57 @@ static int gemm(const int bits, const float *x, int64_t M, int64_t K, int64_t ld
     return 0;
 }
 
+/* out = x W^T for a step's rows: rows [0, decode) are decode rows, picking their kernel by
+ * `count`, the rest prompt rows (`kvg_pick_kernel`); a GEMM that knows nothing of a step
+ * passes decode = count = M (every row picks by the call's rows). Returns 0, -1 when a
+ * workspace could not be allocated, -2 on a shape the layout cannot hold. */
+static int gemm(const int bits, const float *x, int64_t M, int64_t K, int64_t ldx,
+                const uint8_t *wc, const uint16_t *wd, const uint16_t *wm, int64_t N, int64_t bpg,
+                float *out, int64_t ldo, int threads, int fine, int64_t decode, int64_t count) {
+    if (K % (2 * QK) || bpg < 1 || (K / QK) % bpg || (bits == BITS_8V && fine)) return -2;
+    if (threads < 1) threads = 1;
+    if (decode < 0) decode = 0;
+    if (decode > M) decode = M;
+    const int vnni = kvg_vnni(-1) == 1;
+    const int bf16 = fine && bits == 4 && vnni && kvg_amx(-1) == 1 && kvg_amx_bf16(-1) == 1;
+    const int kd = kvg_pick_kernel(bits, fine, count, 0, vnni, bf16);
+    const int kp = kvg_pick_kernel(bits, fine, M - decode, 1, vnni, bf16);
+    if (decode == M || decode == 0 || kd == kp)
+        return gemm_with(decode ? kd : kp, bits, x, M, K, ldx, wc, wd, wm, N, bpg, out, ldo,
+                         threads, fine);
+    const int rc = gemm_with(kd, bits, x, decode, K, ldx, wc, wd, wm, N, bpg, out, ldo, threads,
+                             fine);
+    if (rc) return rc;
+    return gemm_with(kp, bits, x + decode * ldx, M - decode, K, ldx, wc, wd, wm, N, bpg,
+                     out + decode * ldo, ldo, threads, fine);
+}
+
 int kvg_w4a8(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *codes,
              const uint16_t *d, const uint16_t *m, int64_t N, int64_t bpg, float *out,
              int64_t ldo, int threads, int fine) {
-    return gemm(4, x, M, K, ldx, codes, d, m, N, bpg, out, ldo, threads, fine);
+    return gemm(4, x, M, K, ldx, codes, d, m, N, bpg, out, ldo, threads, fine, M, M);
 }
 
 int kvg_w8a8(const float *x, int64_t M, int64_t K, int64_t ldx, const int8_t *codes,
              const uint16_t *d, const uint16_t *m, int64_t N, int64_t bpg, float *out,
              int64_t ldo, int threads, int fine) {
-    return gemm(8, x, M, K, ldx, (const uint8_t *)codes, d, m, N, bpg, out, ldo, threads, fine);
+    return gemm(8, x, M, K, ldx, (const uint8_t *)codes, d, m, N, bpg, out, ldo, threads, fine,
+                M, M);
+}
+
+/* `kvg_w4a8` and `kvg_w8a8` over a step's rows: the first `decode` are decode rows, picking
+ * their kernel by `count` (the step's decoding sequences), the rest prompt rows. */
+int kvg_w4a8_rows(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *codes,
+                  const uint16_t *d, const uint16_t *m, int64_t N, int64_t bpg, float *out,
+                  int64_t ldo, int threads, int fine, int64_t decode, int64_t count) {
+    return gemm(4, x, M, K, ldx, codes, d, m, N, bpg, out, ldo, threads, fine, decode, count);
+}
+
+int kvg_w8a8_rows(const float *x, int64_t M, int64_t K, int64_t ldx, const int8_t *codes,
+                  const uint16_t *d, const uint16_t *m, int64_t N, int64_t bpg, float *out,
+                  int64_t ldo, int threads, int fine, int64_t decode, int64_t count) {
+    return gemm(8, x, M, K, ldx, (const uint8_t *)codes, d, m, N, bpg, out, ldo, threads, fine,
+                decode, count);
 }
 
 /* 8-bit codes in the vertical layout (`pack8v`), int8 activations: the same bits as
@@ -936,7 +1012,7 @@ int kvg_w8a8(const float *x, int64_t M, int64_t K, int64_t ldx, const int8_t *co
 int kvg_w8a8v(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *codes,
               const uint16_t *d, const uint16_t *m, int64_t N, int64_t bpg, float *out,
               int64_t ldo, int threads, int fine) {
-    return gemm(BITS_8V, x, M, K, ldx, codes, d, m, N, bpg, out, ldo, threads, fine);
+    return gemm(BITS_8V, x, M, K, ldx, codes, d, m, N, bpg, out, ldo, threads, fine, M, M);
 }
 
 /* The exact logits of chosen columns of a vertical 8-bit weight (`pack8v`): for each row r

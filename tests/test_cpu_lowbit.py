@@ -484,3 +484,91 @@ def test_bf16_tiles_hold_long_chunks_to_the_unquantised_product(fmt: str) -> Non
         cpu_lowbit.amx_bf16(True)
         torch.set_num_threads(threads_before)
     assert cpu_lowbit.amx_bf16() is True
+
+
+def test_a_rows_kernel_follows_its_kind_on_every_cpu_path() -> None:
+    """The C GEMMs' rule (`pick_kernel`), asked for every CPU path: prompt rows take one kernel
+    whatever their count (fp32 panels on the AVX2 dots and for 8-bit weights, the dots for 4-bit
+    weights on VNNI, the bf16 tiles where AMX-BF16 is on), decode rows pick by the step's
+    decoding sequences (panels from `panel_rows()`, bf16 tiles from 128), int8 activations and
+    the vertical 8-bit head take the dots at any count. `PANELS_NEVER` keeps prompt rows off the
+    panels too, and 1 puts one decode row on them. (The CPU is an argument: the AMX and VNNI
+    rules are checked on any CPU.)"""
+    pick = cpu_lowbit.pick_kernel
+    counts = (1, 2, 15, 16, 17, 127, 128, 129, 2048)
+    paths = {"avx2": (False, False), "vnni": (True, False), "amx-bf16": (True, True)}
+    prompt4 = {"avx2": "panels", "vnni": "dots", "amx-bf16": "bf16"}
+    for path, (vnni, bf16) in paths.items():
+        for n in counts:
+            assert pick(4, True, n, True, vnni, bf16) == prompt4[path], (path, n)
+            decode4 = {"avx2": "panels" if n >= 16 else "dots", "vnni": "dots"}
+            decode4["amx-bf16"] = "bf16" if n >= 128 else "dots"
+            assert pick(4, True, n, False, vnni, bf16) == decode4[path], (path, n)
+            assert pick(8, True, n, True, vnni, bf16) == "panels", (path, n)
+            assert pick(8, True, n, False, vnni, bf16) == ("panels" if n >= 16 else "dots")
+            for bits, fine in ((4, False), (8, False), (9, False), (9, True)):
+                for prompt in (False, True):
+                    assert pick(bits, fine, n, prompt, vnni, bf16) == "dots", (path, bits, n)
+    before = cpu_lowbit.panel_rows(cpu_lowbit.PANELS_NEVER, bits=8)
+    try:
+        assert pick(8, True, 4096, True, False) == pick(4, True, 4096, True, False) == "dots"
+        assert pick(4, True, 4096, True, True, True) == "bf16"
+        cpu_lowbit.panel_rows(1, bits=8)
+        assert pick(8, True, 1, False, False) == pick(4, True, 1, False, False) == "panels"
+    finally:
+        cpu_lowbit.panel_rows(before, bits=8)
+
+
+def through(layer: QuantizedLinear, x: torch.Tensor, kernel: str) -> torch.Tensor:
+    """`layer(x)` outside a step with every row through `kernel` (a row's bits do not depend
+    on the rows beside it: padding rows bring a short call to the bf16 tiles' 128)."""
+    bits, rows = layer.bits, x.shape[0]
+    before = cpu_lowbit.panel_rows(1 if kernel == "panels" else cpu_lowbit.PANELS_NEVER, bits=bits)
+    bf16 = cpu_lowbit.amx_bf16(kernel == "bf16") if cpu_lowbit.amx() else False
+    try:
+        if kernel == "bf16":
+            x = torch.cat([x, x.new_zeros(max(0, 128 - rows), x.shape[1])])
+        return layer(x)[:rows]
+    finally:
+        cpu_lowbit.panel_rows(before, bits=bits)
+        if cpu_lowbit.amx():
+            cpu_lowbit.amx_bf16(bf16)
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_a_steps_rows_take_the_kernels_of_their_own_kinds(fmt: str) -> None:
+    """Inside `step_rows` a projection over a step's rows gives its decode rows the bits a GEMM
+    of the step's decoding sequences gives them (1, 4 or 20 sequences; 16 rows of 4 drafting
+    sequences as 4 plain decode rows would), and its prompt rows the prompt kernel's bits,
+    however many rows each kind has, threads one and two, as rows of one kind or both. The
+    refined head (int8 activations) and a GEMM of another row count keep their own rule.
+    Before, the whole call picked by its row count: a decode row beside a 16-row chunk took
+    panels, and a 5-row prompt tail the dots."""
+    spec = gguf_like(fmt, 75, 576, seed=6)
+    layer, head = QuantizedLinear(spec), QuantizedLinear(spec, approximate=True)
+    vnni = cpu_lowbit.vnni()
+    bf16 = cpu_lowbit.amx() and cpu_lowbit.amx_bf16()
+    threads_before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for decode, decoding, prompt in (
+                (1, 1, 20), (4, 4, 5), (16, 4, 3), (20, 20, 16), (0, 0, 7), (0, 0, 40), (3, 3, 0),
+            ):  # fmt: skip
+                rows = decode + prompt
+                x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows)) * 3
+                with cpu_lowbit.step_rows(cpu_lowbit.StepRows(rows, decode, decoding)):
+                    got, got_head = layer(x), head(x)
+                    other = layer(x[:-1]) if rows > 1 else None  # not the step's rows
+                kd = cpu_lowbit.pick_kernel(layer.bits, True, decoding, False, vnni, bf16)
+                kp = cpu_lowbit.pick_kernel(layer.bits, True, prompt, True, vnni, bf16)
+                case = (fmt, threads, decode, decoding, prompt)
+                assert torch.equal(got[:decode], through(layer, x[:decode], kd)), case
+                assert torch.equal(got[decode:], through(layer, x[decode:], kp)), case
+                assert torch.equal(got_head, head(x)), case
+                if other is not None:
+                    assert torch.equal(other, layer(x[:-1])), case
+                if not vnni:  # the AVX2 dots, and panels for prompt rows of any count
+                    assert kp == "panels" and kd == ("panels" if decoding >= 16 else "dots")
+    finally:
+        torch.set_num_threads(threads_before)

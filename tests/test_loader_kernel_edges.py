@@ -409,7 +409,7 @@ def test_a_model_producing_nan_ends_its_requests_with_an_error_packed_or_not(
     from kvguard.engine import EngineConfig, LLMEngine
 
     path = write_gguf(tmp_path / "nan.gguf", Q.Q4_0, nan_at=("blk.1.ffn_norm.weight", 5))
-    ids = list(range(10, 15))  # under `panel_rows()`: the prompt takes the integer dots too
+    ids = list(range(10, 15))  # prompt rows take the fp32 panels, decode rows the integer dots
     for knob in ("none", "auto"):
         cfg = EngineConfig(
             model=str(path),

@@ -401,3 +401,22 @@ def test_a_same_dtype_resize_keeps_what_fits_and_moves_into_uncached_ids_first()
     assert moves == {7: 7, 6: 6, 5: 5, 4: 4} and next(iter(bm._free)) == 8
     d = _seq("d", [*range(16), 9])
     assert bm.match(d) == 16
+
+
+def test_a_seeded_request_repeated_from_the_cache_answers_alike(smollm_engine: LLMEngine) -> None:
+    """The default model, packed: a seeded sampled request sent twice, the second computing
+    only the 6 prompt tokens past its cached blocks (after 64 and after 144), gives the same
+    tokens and the same log-probabilities. Prompt rows take the prompt kernel however many of
+    them a step computes; before, the first run's prompt took the fp32 panels and the repeat's
+    few uncached rows the integer dots, and the answers parted."""
+    tok = smollm_engine.tokenizer
+    params = SamplingParams(max_tokens=24, temperature=0.9, seed=1234, logprobs=2)
+    for n in (70, 150):
+        text = f"Logbook {n}: the lighthouse keeper and a cat named Tern watch the sea. " * 20
+        prompt = tok.encode(text)[:n]
+        assert len(prompt) == n
+        first, again = (smollm_engine.generate([prompt], [params])[0] for _ in range(2))
+        assert (first.num_cached_tokens, again.num_cached_tokens) == (0, n // 16 * 16)
+        assert again.token_ids == first.token_ids, n
+        lps = [[(e.logprob, e.top) for e in o.final_logprobs] for o in (first, again)]
+        assert lps[1] == lps[0], n

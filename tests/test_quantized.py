@@ -34,6 +34,7 @@ from kvguard.engine.layers.quantized_linear import (
 )
 from kvguard.engine.model import weight_bytes
 from kvguard.engine.model_registry import resolve_model
+from kvguard.engine.speculative import Lookup
 from kvguard.engine.weights import load_weights
 from kvguard.kernels import cpu_lowbit
 from tests.test_fp8_quality import TOPICS
@@ -340,11 +341,12 @@ def test_default_model_serves_packed_and_agrees_with_fp32(
     """Scoring a whole sequence is a prefill batch, which an int16 C-kernel projection serves
     with fp32 panels of its dequantised weight (`int16 default`: the activations unquantised,
     so only the weights' own rounding to fp16 scales and the int8 lm_head remain). With
-    `dots` the threshold is lifted so the integer kernels small decode batches run (int16
-    activations, or int8 with `cpu_activations: int8`) are what is measured."""
+    `dots` the panels are off (`PANELS_NEVER`, prompt rows included) so the integer kernels
+    small decode batches run (int16 activations, or int8 with `cpu_activations: int8`) are
+    what is measured."""
     from kvguard.kernels import cpu_lowbit
 
-    before = cpu_lowbit.panel_rows(1 << 30 if dots else None)
+    before = cpu_lowbit.panel_rows(cpu_lowbit.PANELS_NEVER if dots else None)
     try:
         _agreement(activations, "integer dots" if dots else "default kernels", floor)
     finally:
@@ -502,9 +504,142 @@ def test_packed_tiny_at_tp2_matches_tp1(tiny_packed: Path) -> None:
     assert agree >= 0.97
 
 
+def test_a_prompt_joining_a_tp2_step_leaves_a_seeded_requests_answer(tiny_packed: Path) -> None:
+    """At tensor_parallel 2 every rank picks each row's kernel by its kind, as one rank does:
+    a seeded request decoding alone, and again with a 40-token prompt prefilled in the step
+    beside its sixth token, gives the same tokens and log-probabilities on the packed tiny
+    model. Before, the workers were not told the rows' kinds and the 41-row step put the
+    decode row on the fp32 panels of every rank's shard."""
+    assert cpu_lowbit.available(), "the C low-bit kernels did not build (gcc: see .ci/run)"
+    eng = tp_engine(tiny_packed, 2)
+    try:
+        assert {m.kernel for m in eng.model.modules() if isinstance(m, QuantizedLinear)} >= {"w4a8"}
+        mine = eng.tokenizer.encode("The quick brown fox")
+        other = list(range(10, 50))
+        params = SamplingParams(max_tokens=16, temperature=1.0, seed=7, logprobs=1, ignore_eos=True)
+
+        def run(join: bool) -> Any:
+            rid, done, step = eng.add_request(mine, params), {}, 0
+            while eng.has_unfinished():
+                if join and step == 5:
+                    eng.add_request(other, SamplingParams(max_tokens=1))
+                done |= {o.request_id: o for o in eng.step() if o.finished}
+                step += 1
+            return done[rid]
+
+        alone, joined = run(False), run(True)
+    finally:
+        eng.shutdown()
+    assert joined.token_ids == alone.token_ids and len(alone.token_ids) == 16
+    assert _entries(joined) == _entries(alone)
+
+
 def test_a_split_off_the_group_grid_is_refused_naming_the_layer(tiny_packed: Path) -> None:
     """tiny at tp=4: o_proj's 16 input columns per rank cut its 32-column groups."""
     with pytest.raises(
         Exception, match=r"o_proj.*group size 32.*tensor_parallel values .*\[1, 2\]"
     ):
         tp_engine(tiny_packed, 4).shutdown()
+
+
+@pytest.fixture(scope="module")
+def drafting_engine() -> LLMEngine:
+    """The default model packed as served (two threads), no prefix cache (every run computes
+    its prompt), drafting as many as 15 tokens wherever a lookup proposes them."""
+    cfg = EngineConfig(
+        model="smollm2-135m",
+        kv_cache_bytes="64MiB",
+        num_threads=2,
+        enable_prefix_caching=False,
+        speculative_tokens=15,
+        speculative_row_cost=0.0,
+    )
+    return LLMEngine.from_config(cfg, progress=False)
+
+
+SEEDED = SamplingParams(max_tokens=24, temperature=1.0, seed=3, logprobs=1, ignore_eos=True)
+
+
+def _chat(engine: LLMEngine, text: str) -> list[int]:
+    tok = engine.tokenizer
+    return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
+
+
+def _entries(out: Any) -> list[tuple]:
+    return [(e.token_id, e.logprob, e.top) for e in out.final_logprobs]
+
+
+def _record_steps(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
+    """The tokens each later step computes per sequence (drafts included)."""
+    seen: list[list[int]] = []
+    schedule = engine.scheduler.schedule
+
+    def recording():  # noqa: ANN202
+        batch = schedule()
+        seen.append(list(batch.num_tokens))
+        return batch
+
+    monkeypatch.setattr(engine.scheduler, "schedule", recording)
+    return seen
+
+
+def test_a_prompt_joining_mid_decode_leaves_a_seeded_requests_answer(
+    drafting_engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A seeded request decoding alone, and again with a 40-token prompt prefilled in the
+    step beside its sixth token: the same tokens and log-probabilities. Its decode row takes
+    the kernel one decoding sequence picks (the integer dots), the chunk's rows theirs (fp32
+    panels); before, the whole 41-row step went to the panels and the answer changed."""
+    engine = drafting_engine
+    monkeypatch.setattr(Lookup, "propose", lambda self, seq, most: [])  # no drafts here
+    mine = _chat(engine, "Write a short poem about the sea.")
+    other = _chat(engine, "Explain photosynthesis, step by step. " * 2)[:40]
+    assert len(other) == 40
+    steps = _record_steps(engine, monkeypatch)
+
+    def run(join: bool) -> Any:
+        rid, done, step = engine.add_request(mine, SEEDED), {}, 0
+        while engine.has_unfinished():
+            if join and step == 5:
+                engine.add_request(other, SamplingParams(max_tokens=1))
+            done |= {o.request_id: o for o in engine.step() if o.finished}
+            step += 1
+        return done[rid]
+
+    alone = run(False)
+    joined = run(True)
+    assert [1, 40] in steps  # the chunk was computed beside a decode row
+    assert joined.token_ids == alone.token_ids and len(alone.token_ids) == 24
+    assert _entries(joined) == _entries(alone)
+
+
+def test_verify_rows_take_the_kernel_plain_decode_takes(
+    drafting_engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A seeded request whose every draft is its own answer's next tokens: each verify step
+    of one sequence runs 16 rows (its last token and 15 drafts), whose projections pick their
+    kernel as one decoding sequence does, so the answer, log-probabilities included, is the
+    one without drafts. Before, 16 rows took the fp32 panels where plain decode takes the
+    integer dots. (Decode attention reads blocks several rows share once for all of them by
+    default, a verify step's rows included, which is not plain decode's bits: off here, so
+    that only the projections are compared.)"""
+    engine = drafting_engine
+    prompt = _chat(engine, "Count from one to twenty in words.")
+    monkeypatch.setattr(Lookup, "propose", lambda self, seq, most: [])
+    shared = cpu_lowbit.shared_prefix(False)
+    try:
+        plain = engine.generate([prompt], [SEEDED])[0]
+        answer = plain.token_ids
+
+        def propose(self: Lookup, seq: Any, most: int) -> list[int]:
+            done = len(seq.output_token_ids)
+            return answer[done : done + most]
+
+        monkeypatch.setattr(Lookup, "propose", propose)
+        steps = _record_steps(engine, monkeypatch)
+        drafted = engine.generate([prompt], [SEEDED])[0]
+    finally:
+        cpu_lowbit.shared_prefix(shared)
+    assert [16] in steps  # a verify step of 16 rows
+    assert drafted.token_ids == answer
+    assert _entries(drafted) == _entries(plain)

@@ -62,12 +62,14 @@ from kvguard.engine.model_runner import (
     ModelRunner,
     StepInput,
     build_step,
+    decode_rows,
     drafted,
     logit_rows,
     pick_device,
     step_token_ids,
 )
 from kvguard.engine.sequence import Sequence
+from kvguard.kernels.cpu_lowbit import step_rows
 
 log = logging.getLogger("kvguard.engine.tp")
 DEATH_GRACE_S = 1.0  # after a failed collective: how long to wait for a dead rank to show
@@ -319,9 +321,10 @@ class TensorParallelRunner(ModelRunner):
         ids = step_token_ids(seqs, num_tokens)
         handles = [s.order for s in seqs]
         as_decode = drafted(seqs)
+        decodes = [decode_rows(s) for s in seqs]
         payload = self.encoder.encode(
             handles, tables, starts, num_tokens, sampled, ids, every_row, self._kv_ops, continues,
-            as_decode,
+            as_decode, decodes,
         )  # fmt: skip
         self._kv_ops = []
         self._send_all("step", payload)
@@ -329,12 +332,13 @@ class TensorParallelRunner(ModelRunner):
         self.stats.message_bytes += len(payload)
         return build_step(
             tables, starts, num_tokens, sampled, ids, self.block_size, self.device, every_row,
-            as_decode,
+            as_decode, decodes,
         )  # fmt: skip
 
     def _forward(self, inp: StepInput) -> torch.Tensor:
         t0 = time.perf_counter()
-        hidden = self.model(inp.input_ids, inp.positions, self.kv_cache.layers, inp.meta)
+        with step_rows(inp.kinds):  # every rank's CPU GEMMs pick by the same rows' kinds
+            hidden = self.model(inp.input_ids, inp.positions, self.kv_cache.layers, inp.meta)
         self.stats.busy_s += time.perf_counter() - t0
         return hidden
 

@@ -36,6 +36,7 @@ class StepMessage:
     kv_ops: list[KVOp] = field(default_factory=list)
     continues: bool = False  # another micro-batch of the previous message's step
     as_decode: list[bool] | None = None  # sequences with drafts: one decode row a position
+    decodes: list[bool] | None = None  # sequences whose rows are decode rows (`decode_rows`)
 
 
 class StepEncoder:
@@ -57,6 +58,7 @@ class StepEncoder:
         kv_ops: list[KVOp],
         continues: bool = False,
         as_decode: list[bool] | None = None,
+        decodes: list[bool] | None = None,
     ) -> bytes:
         if not continues:
             self._before, self._known = self._known, {}
@@ -71,7 +73,7 @@ class StepEncoder:
             self._known[h] = list(table)
         msg = StepMessage(
             handles, starts, num_tokens, sampled, deltas, token_ids, every_row, kv_ops, continues,
-            as_decode,
+            as_decode, decodes,
         )  # fmt: skip
         return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
 

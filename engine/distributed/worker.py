@@ -36,6 +36,7 @@ from kvguard.engine.model import weight_bytes
 from kvguard.engine.model_config import ModelConfig
 from kvguard.engine.model_registry import resolve_model
 from kvguard.engine.model_runner import ModelRunner, build_step
+from kvguard.kernels.cpu_lowbit import step_rows
 
 log = logging.getLogger("kvguard.engine.worker")
 PR_SET_PDEATHSIG = 1
@@ -198,6 +199,7 @@ class Worker:
             r.device,
             msg.every_row,
             msg.as_decode,
+            msg.decodes,
         )
         stage = r.stage
         received = None
@@ -207,7 +209,8 @@ class Worker:
                 torch.empty(len(inp.input_ids), width, dtype=r.dtype, device=r.device)
             )
         t0 = time.perf_counter()
-        hidden = r.model(inp.input_ids, inp.positions, r.kv_cache.layers, inp.meta, received)
+        with step_rows(inp.kinds):  # the kernels rank 0 picks for the same rows
+            hidden = r.model(inp.input_ids, inp.positions, r.kv_cache.layers, inp.meta, received)
         self.busy_s += time.perf_counter() - t0
         if not stage.is_last:
             stage.send_next(hidden)

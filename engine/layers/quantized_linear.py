@@ -17,9 +17,10 @@ Kernels, picked per layer at construction (`QuantizedLinear.kernel`):
   `approximate` lm_head, whose best candidates are recomputed exactly anyway, to int8.
   `cpu_activations: int8` (`use_int8_activations`) trades the other way: 1.6-2x faster
   GEMMs than int16 dots, 1.2-1.4x than the fp32 panels below (1.2x the batch-32 decode and
-  the trace) for 97.6% agreement. From `cpu_lowbit.panel_rows()` activation rows (prefill
-  chunks, big decode batches) a `fine` layer's kernel multiplies the activations
-  unquantised, with fp32 FMAs over the weight dequantised sixteen columns at a time: there
+  the trace) for 97.6% agreement. For prompt rows (prefill chunks, at any length) and for
+  decode rows from `cpu_lowbit.panel_rows()` decoding sequences (each row's kind picks its
+  kernel inside a model step: `cpu_lowbit.step_rows`; outside one, the call's row count) a
+  `fine` layer's kernel multiplies the activations unquantised, with fp32 FMAs over the weight dequantised sixteen columns at a time: there
   the int16 dots lose to FMAs (1.2-1.5x from 32 rows and up) and to a whole-matrix
   dequantise-and-sgemm (whose copy costs more than the panels below about a thousand rows).
   The weights keep their codes exactly and fp16 scales and mins (`w = d*q + m`) per group,

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.test_server import KVGUARD, Daemon, free_port, until
+from tests.test_server import KVGUARD, TEST_DAEMON_ENV, Daemon, free_port, until
 
 LONG = {"model": "tiny", "prompt": "drain", "max_tokens": 480, "ignore_eos": True}
 
@@ -247,7 +247,9 @@ def test_a_stop_with_the_engine_stuck_exits_0_in_time_with_its_daemon_stop_row(
     the cut (CUT_GRACE_S), not again by the close: the daemon exits 0 soon after, its
     `daemon_stop` in the audit database (once it took 16 s more than the drain, with the 30 s
     default past the unit's TimeoutStopSec)."""
-    from kvguard.daemon.service import CUT_GRACE_S, STUCK_ENGINE_WAIT_S
+    from datetime import UTC, datetime
+
+    from kvguard.daemon.service import CUT_GRACE_S, STOP_AFTER_DRAIN_S, STUCK_ENGINE_WAIT_S
 
     d = Daemon(tmp_path)
     set_drain_timeout(d, "1s")
@@ -262,7 +264,7 @@ def test_a_stop_with_the_engine_stuck_exits_0_in_time_with_its_daemon_stop_row(
         t = threading.Thread(target=post)
         t.start()
         until(lambda: d.admin("GET", "/admin/state").json()["in_flight"] == 1, 30, "posted")
-        t0 = time.monotonic()
+        t0, signalled = time.monotonic(), datetime.now(UTC)
         d.proc.send_signal(signal.SIGTERM)
         assert d.proc.wait(60) == 0
         took = time.monotonic() - t0
@@ -273,14 +275,19 @@ def test_a_stop_with_the_engine_stuck_exits_0_in_time_with_its_daemon_stop_row(
         d.log.close()
     log = Path(d.log.name).read_text()
     assert "engine did not apply the aborts" in log, log
-    # the drain (1 s), the cut's wait for the aborts (CUT_GRACE_S), the close's brief one, and
-    # 7 s for the rest of the close and the interpreter's exit on a busy machine (the close's
-    # old 10 s wait for the stuck engine alone was past that)
-    assert took < 1 + CUT_GRACE_S + STUCK_ENGINE_WAIT_S + 7, (took, log)
     assert got["cut"].status_code == 503, got["cut"].text
     with contextlib.closing(sqlite3.connect(tmp_path / "audit.db")) as db:
-        kinds = [k for (k,) in db.execute("SELECT kind FROM events ORDER BY id")]
-    assert kinds[-1] == "daemon_stop", kinds
+        rows = db.execute("SELECT kind, time FROM events ORDER BY id").fetchall()
+    assert rows[-1][0] == "daemon_stop", rows
+    # The stop's logic, timed by its own row (stamped as the close decides it, after the
+    # close's brief wait for the stuck engine): the drain (1 s), the cut's wait for the aborts
+    # (CUT_GRACE_S) and that brief wait, plus 3 s for a busy machine (the close's old 10 s wait
+    # for the stuck engine alone was past that). The process's exit (the rest of the close,
+    # the interpreter's and torch's teardown, slow on a loaded machine) within its promise.
+    stopped = datetime.fromisoformat(rows[-1][1]).replace(tzinfo=UTC)
+    logic = (stopped - signalled).total_seconds()
+    assert logic < 1 + CUT_GRACE_S + STUCK_ENGINE_WAIT_S + 3, (logic, log)
+    assert took < 1 + STOP_AFTER_DRAIN_S, (took, log)
 
 
 def test_the_units_stop_timeout_holds_the_longest_stop() -> None:
@@ -323,7 +330,7 @@ def start_serve(tmp_path: Path, extra: str = "") -> tuple[subprocess.Popen, int,
             [KVGUARD, "serve", "--config", str(config)],
             stdout=log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "STATE_DIRECTORY": str(tmp_path)},
+            env={**os.environ, **TEST_DAEMON_ENV, "STATE_DIRECTORY": str(tmp_path)},
         )
     return proc, port, log_path
 

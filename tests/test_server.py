@@ -20,6 +20,11 @@ import pytest
 
 KVGUARD = str(Path(sys.executable).parent / "kvguard")
 TOKEN = "s3cret-admin-token"
+# A test daemon shares the cores with the test itself, its clients and often another daemon:
+# libgomp's default wait policy spins a worker between parallel regions, and a step then waits
+# for a spinning worker the kernel has taken off its core (six 100-token answers took 16-46 s
+# instead of 0.2-3.5 s with two busy processes beside them). PASSIVE unless the caller chose.
+TEST_DAEMON_ENV = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
 
 
 def until(pred, timeout: float, what: str) -> None:  # noqa: ANN001 - a predicate
@@ -77,7 +82,7 @@ class Daemon:
             f"{', ' + api if api else ''}}}\n"
             f"audit: {{url: 'sqlite:///{tmp / 'audit.db'}'}}\n" + extra
         )
-        full_env = {**os.environ, "STATE_DIRECTORY": str(tmp), **(env or {})}
+        full_env = {**os.environ, **TEST_DAEMON_ENV, "STATE_DIRECTORY": str(tmp), **(env or {})}
         self.log = open(tmp / "daemon.log", "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             [KVGUARD, "serve", "--config", str(self.config), *args],

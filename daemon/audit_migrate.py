@@ -129,12 +129,12 @@ def make_engine(url: str, busy_timeout_ms: int = BUSY_TIMEOUT_MS) -> Engine:
     u = parse_url(url)
     kwargs: dict[str, Any] = {}
     sqlite = u.get_backend_name() == "sqlite"
-    if sqlite and u.database in (None, "", ":memory:"):
-        kwargs = {"poolclass": StaticPool, "connect_args": {"check_same_thread": False}}
-    elif not sqlite:
-        # pool_pre_ping: a server's idle timeout is not a failed write
-        kwargs = {"pool_pre_ping": True, "connect_args": _server_connect_args(u)}
-    try:
+    try:  # an unknown backend fails as early as the driver's name (`_server_connect_args`)
+        if sqlite and u.database in (None, "", ":memory:"):
+            kwargs = {"poolclass": StaticPool, "connect_args": {"check_same_thread": False}}
+        elif not sqlite:
+            # pool_pre_ping: a server's idle timeout is not a failed write
+            kwargs = {"pool_pre_ping": True, "connect_args": _server_connect_args(u)}
         engine = create_engine(u, **kwargs)
     except NoSuchModuleError:
         raise ValueError(_unknown_backend(u)) from None

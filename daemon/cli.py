@@ -15,13 +15,20 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from kvguard.daemon.alerts_cli import add_alerts_parser
-from kvguard.daemon.audit_cli import add_audit_parser, add_db_parser
-from kvguard.daemon.bench_cli import add_bench_parser
-from kvguard.daemon.cli_serve import add_serve_parser, add_status_parser
-from kvguard.daemon.cli_worker import add_worker_parser
-from kvguard.daemon.keys_cli import add_keys_parser
-from kvguard.daemon.rules_cli import add_rules_parser
+# `kvguard serve`: a reload (SIGHUP) before the daemon can take one is ignored from the first
+# line of kvguard that runs (the console script imports this module first), not from when the
+# subcommand's handler runs: SIGHUP's default action would end the process during the imports
+# and the parsing before it. The service's own handler, installed later, logs one.
+if sys.argv[1:2] == ["serve"]:
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+from kvguard.daemon.alerts_cli import add_alerts_parser  # noqa: E402
+from kvguard.daemon.audit_cli import add_audit_parser, add_db_parser  # noqa: E402
+from kvguard.daemon.bench_cli import add_bench_parser  # noqa: E402
+from kvguard.daemon.cli_serve import add_serve_parser, add_status_parser  # noqa: E402
+from kvguard.daemon.cli_worker import add_worker_parser  # noqa: E402
+from kvguard.daemon.keys_cli import add_keys_parser  # noqa: E402
+from kvguard.daemon.rules_cli import add_rules_parser  # noqa: E402
 
 EXIT_USAGE = 2  # bad arguments, bad config, a model that cannot be loaded
 Handler = Callable[[argparse.Namespace], int]

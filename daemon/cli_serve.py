@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 from pathlib import Path
@@ -106,12 +108,32 @@ def cmd_status(args: argparse.Namespace) -> int:
         raise ValueError(f"cannot reach kvguard at {url}: {e}") from e
     if r.status_code != 200:
         raise ValueError(f"{url} answered {r.status_code}: {r.text[:200]}")
-    state = r.json()
+    not_state = ValueError(
+        f"{url.rstrip('/')}/admin/state did not answer kvguard's state (is this a kvguard daemon?)"
+    )
+    try:
+        state = r.json()
+    except ValueError:  # HTML, or nothing: another server on the port
+        raise not_state from None
+    if not isinstance(state, dict) or not state.keys() >= STATE_KEYS:
+        raise not_state
     if args.json:
         print(json.dumps(state, indent=2))
         return 0
-    _print_state(state)
+    out = io.StringIO()
+    try:  # the whole table or none of it
+        with contextlib.redirect_stdout(out):
+            _print_state(state)
+    except (KeyError, TypeError, ValueError, AttributeError):
+        raise not_state from None
+    print(out.getvalue(), end="")
     return 0
+
+
+# What every kvguard daemon's /admin/state holds (newer fields are read with .get)
+STATE_KEYS = frozenset(
+    {"model", "ready", "draining", "kv", "queues", "admission", "knobs", "preemptions"}
+)
 
 
 def _status_url(given: str | None) -> tuple[str, str]:

@@ -378,13 +378,14 @@ class DaemonConfig(_Section):
             return {k: v for k, v in data.items() if v is not None}
         return data
 
-    def check_start(self) -> EngineConfig:
+    def check_start(self, running: str | None = None) -> EngineConfig:
         """Everything a start refuses beyond the file's own checks, as `FILE:LINE: key:
         problem` lines (ConfigFileError): what the engine cannot serve (`to_engine_config`)
         and the files the daemon reads (`READ_FILES`) that it cannot read. A start runs it
         before it binds the port, and a reload before it changes anything, so that a reload
-        never takes a file the next start would refuse."""
-        problems = self._unservable() + self._unreadable()
+        never takes a file the next start would refuse. `running`: on a reload, the device in
+        force (serving.device changes only at a restart), which the live knobs must suit too."""
+        problems = self._unservable(running) + self._unloadable() + self._unreadable()
         if problems:
             raise ConfigFileError([self._line(loc, msg) for loc, msg in problems])
         try:
@@ -409,6 +410,40 @@ class DaemonConfig(_Section):
                 out.append((loc, f"cannot read {path}: permission denied"))
         return out
 
+    def _unloadable(self) -> list[tuple[Loc, str]]:
+        """What the engine would refuse as it loads, found without loading anything: a model
+        that is no known name, model directory or .gguf file, and a CUDA device on a host
+        where torch finds none. (Whether the files of a model directory serve is the load's
+        to say.)"""
+        from kvguard.engine.model_registry import KNOWN_MODELS  # torch: serve has it already
+
+        out: list[tuple[Loc, str]] = []
+        model = self.serving.model
+        path = Path(model).expanduser()
+        if model not in KNOWN_MODELS and not _model_path(path):
+            what = "is not a model directory or a .gguf file" if path.exists() else "does not exist"
+            out.append(
+                (
+                    ("serving", "model"),
+                    f"{model!r} is not a known model ({', '.join(KNOWN_MODELS)}) and as a path "
+                    f"{what} (expected a known name, a model directory or a .gguf file)",
+                )
+            )
+        device = self.serving.device
+        if device.startswith("cuda"):
+            count = _cuda_devices()
+            index = int(device.partition(":")[2] or 0)
+            if index >= count:
+                found = f"{count} CUDA device{'s' if count != 1 else ''}" if count else "no CUDA"
+                out.append(
+                    (
+                        ("serving", "device"),
+                        f"{device!r}: torch finds {found} on this host (expected cpu or auto"
+                        + (f", or cuda:0..{count - 1})" if count else ")"),
+                    )
+                )
+        return out
+
     def to_engine_config(self) -> EngineConfig:
         """The engine's config; refuses what the engine cannot serve, naming the key and line."""
         problems = self._unservable()
@@ -419,20 +454,22 @@ class DaemonConfig(_Section):
         )
         return replace(engine, distributed=self.serving.distributed.to_engine())
 
-    def knob_value(self, k: KnobField) -> Any:
-        """An engine knob's value as the file gives it; a null meaning "auto" is resolved here."""
+    def knob_value(self, k: KnobField, device: str | None = None) -> Any:
+        """An engine knob's value as the file gives it; a null meaning "auto" is resolved here,
+        for `device` (on a reload, the one in force: serving.device waits for a restart) or
+        else the file's own."""
         if k.path == ("admission", "reserved_headroom_bytes"):
-            return self.reserved_headroom_mb()
+            return self.reserved_headroom_mb(device)
         return getattr(getattr(self, k.knob.section), k.file_key)
 
-    def reserved_headroom_mb(self) -> int:
-        """The configured headroom, or the auto value for the device the engine will use."""
+    def reserved_headroom_mb(self, device: str | None = None) -> int:
+        """The configured headroom, or the auto value for `device` (default: the file's)."""
         mb = self.admission_control.reserved_headroom_mb
         if mb is not None:
             return mb
-        return CUDA_HEADROOM_MB if _uses_cuda(self.serving.device) else 0
+        return CUDA_HEADROOM_MB if _uses_cuda(device or self.serving.device) else 0
 
-    def _unservable(self) -> list[tuple[Loc, str]]:
+    def _unservable(self, running: str | None = None) -> list[tuple[Loc, str]]:
         s = self.serving
         out: list[tuple[Loc, str]] = []
         layers = s.pipeline_layers
@@ -445,7 +482,7 @@ class DaemonConfig(_Section):
                     "each at least 1)",
                 )
             )
-        return out + self._network_problem() + self._headroom_problem()
+        return out + self._network_problem() + self._headroom_problem(running)
 
     def _network_problem(self) -> list[tuple[Loc, str]]:
         """Remote ranks need a key, and a network address needs the operator's yes."""
@@ -460,16 +497,23 @@ class DaemonConfig(_Section):
             return [(("serving", "distributed", key), why)]
         return []
 
-    def _headroom_problem(self) -> list[tuple[Loc, str]]:
-        """On CPU the pool is kv_cache_bytes; a headroom as large would refuse every request."""
+    def _headroom_problem(self, running: str | None = None) -> list[tuple[Loc, str]]:
+        """On CPU the pool is kv_cache_bytes; a headroom as large would refuse every request.
+        `running`: on a reload, the device in force, which the headroom applies to at once."""
         mb = self.admission_control.reserved_headroom_mb
         budget = self.serving.kv_cache_bytes
-        if mb is None or _uses_cuda(self.serving.device) or mb * MiB < budget:
+        if mb is None or mb * MiB < budget:
+            return []
+        if not _uses_cuda(self.serving.device):
+            why = ""
+        elif running is not None and not _uses_cuda(running):
+            why = f" of the engine in force ({running}: serving.device changes at a restart)"
+        else:
             return []
         return [
             (
                 ("admission_control", "reserved_headroom_mb"),
-                f"{mb} MiB leaves nothing of the {budget / MiB:g} MiB CPU KV budget "
+                f"{mb} MiB leaves nothing of the {budget / MiB:g} MiB CPU KV budget{why} "
                 "(serving.kv_cache_bytes), so every request would be refused "
                 "(expected well below it, e.g. 0..16 on CPU)",
             )
@@ -530,6 +574,38 @@ def _rebased(model: Any, loc: Loc, base: Path) -> Any:
     return model if new is value else model.model_copy(update={head: new})
 
 
+def _model_path(path: Path) -> bool:
+    """Whether `path` names what `serving.model` may name besides a known model: a model
+    directory or a .gguf file."""
+    return path.is_dir() or (path.suffix == ".gguf" and path.is_file())
+
+
+def _rebased_model(cfg: DaemonConfig, base: Path) -> DaemonConfig:
+    """`serving.model` as a relative path made absolute under `base` (the config file's
+    folder), as the paths in PATH_KEYS are, when it names a model directory or .gguf file
+    there; a known model's name, and a path found nowhere under `base`, are left as written."""
+    model = cfg.serving.model
+    path = Path(model)
+    if path.is_absolute() or model.startswith("~"):
+        return cfg
+    there = Path(os.path.normpath(base / path))
+    if not _model_path(there):
+        return cfg
+    from kvguard.engine.model_registry import KNOWN_MODELS  # torch: only for such a path
+
+    if model in KNOWN_MODELS:  # a known name wins, as it does on the command line
+        return cfg
+    serving = cfg.serving.model_copy(update={"model": str(there)})
+    return cfg.model_copy(update={"serving": serving})
+
+
+def _cuda_devices() -> int:
+    """How many CUDA devices torch can use on this host (0 without CUDA)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def _uses_cuda(device: str) -> bool:
     """Whether the engine will run on CUDA; `auto` asks torch, as the engine itself will."""
     if device != "auto":
@@ -575,6 +651,8 @@ def load_config(path: Path | None) -> DaemonConfig:
     base = Path(os.path.abspath(path)).parent  # relative paths in it are relative to it
     for loc in PATH_KEYS:
         cfg = _rebased(cfg, loc, base)
+    if "model" in cfg.serving.model_fields_set:
+        cfg = _rebased_model(cfg, base)
     return _rebased_audit_url(cfg, base)
 
 

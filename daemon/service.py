@@ -601,7 +601,7 @@ class Service:
             new = apply_overrides(load_config(self.config_path), **self.overrides)
             # what a start refuses (the engine's cross-key checks, unreadable rules or keys
             # file), a reload refuses, with the same lines: else the next restart would fail
-            new.check_start()
+            new.check_start(self._device_in_force)  # its live knobs apply to the running engine
             for line in inert_keys(new):  # as at start: a reload does not act on them either
                 log.warning("%s", line)
             conflicts = live_conflicts(self.cfg, new)
@@ -711,6 +711,14 @@ class Service:
             return f"the built-in defaults (started without --config), rules {rules_file(None)}"
         return str(self.config_path)
 
+    @property
+    def _device_in_force(self) -> str:
+        """The device the running engine uses (`auto` as it resolved at the start): a reload
+        resolves automatic values for it, as serving.device changes only at a restart."""
+        engine = getattr(self, "engine", None)  # set once the model is loaded
+        device = getattr(getattr(engine, "runner", None), "device", None)
+        return str(device) if device is not None else self.cfg.serving.device
+
     def _apply_reloadable(self, new: DaemonConfig) -> tuple[dict[str, Any], list[str]]:
         """Take what can change without a restart: timeouts, rules, Prometheus, API keys and
         the engine knobs declared live (batch limits, the step budget, admission control, the
@@ -721,13 +729,14 @@ class Service:
             changes["api.drain_timeout"] = new.api.drain_timeout
         if new.rules.dry_run != self.cfg.rules.dry_run:  # the control plane takes it with the rules
             changes["rules.dry_run"] = new.rules.dry_run
-        live, restart = engine_changes(self.cfg, new)
+        device = self._device_in_force  # a new serving.device waits for the restart
+        live, restart = engine_changes(self.cfg, new, device)
         if live:
-            values = {k.path: k.to_engine(new.knob_value(k)) for k in live}
+            values = {k.path: k.to_engine(new.knob_value(k, device)) for k in live}
             res = self._reconfigure(values, new, live)
             if not res.ok:  # the engine changed nothing
                 raise ConfigFileError([f"{self._config_name}: {res.detail}"])
-            changes |= _knob_changes(new, live)
+            changes |= _knob_changes(new, live, device)
         cfg = _with_knobs(self.cfg, new, live)
         api = cfg.api.model_copy(
             update={"drain_timeout": new.api.drain_timeout, "api_keys_file": new.api.api_keys_file}
@@ -747,7 +756,7 @@ class Service:
         later, the daemon's config and answer saying otherwise. One the engine is still inside
         then is settled when it finishes (`_knobs_late`); either way KnobsNotApplied says so."""
         fut = self.engine.reconfigure(values)
-        names = ", ".join(_knob_changes(new, live))
+        names = ", ".join(_knob_changes(new, live, self._device_in_force))
         try:
             return await_action(fut, "reconfigure", RECONFIGURE_TIMEOUT_S)
         except ActionWithdrawn as e:
@@ -772,7 +781,7 @@ class Service:
         next reload's comparison say what the engine runs), and the log and the audit log
         say how it ended. The next reload waits for this first."""
         settled = self._knobs_settled = threading.Event()
-        knobs = _knob_changes(new, live)
+        knobs = _knob_changes(new, live, self._device_in_force)
         names = ", ".join(f"{k}={v}" for k, v in knobs.items())
 
         def done(f: Future) -> None:  # on the engine thread, as the command finishes
@@ -966,14 +975,19 @@ def live_conflicts(running: DaemonConfig, new: DaemonConfig) -> list[str]:
     return out
 
 
-def engine_changes(old: DaemonConfig, new: DaemonConfig) -> tuple[list[KnobField], list[str]]:
+def engine_changes(
+    old: DaemonConfig, new: DaemonConfig, device: str | None = None
+) -> tuple[list[KnobField], list[str]]:
     """What differs between two config files: the engine knobs a reload applies (declared
     live), and the keys (`section.key`) of everything else that differs, which wait for a
     restart. Rules, Prometheus, the drain timeout and the API keys file are the reload's own;
-    the keys of `INERT` are in neither list (nothing acts on them: they are logged as such)."""
+    the keys of `INERT` are in neither list (nothing acts on them: they are logged as such).
+    Automatic values are resolved for `device`, the one in force (default: `old`'s): a file
+    that changes serving.device alone changes no live knob before the restart."""
     live, restart = [], []
+    device = device or old.serving.device
     for k in ENGINE_KNOBS:
-        if old.knob_value(k) != new.knob_value(k):
+        if old.knob_value(k, device) != new.knob_value(k, device):
             (live if k.knob.live else restart).append(k)
     later = [f"{k.knob.section}.{k.file_key}" for k in restart]
     reloaded = {("api", "drain_timeout"), ("api", "api_keys_file")}
@@ -990,13 +1004,15 @@ def engine_changes(old: DaemonConfig, new: DaemonConfig) -> tuple[list[KnobField
     return live, later
 
 
-def _knob_changes(new: DaemonConfig, live: list[KnobField]) -> dict[str, Any]:
-    """The live knobs a reload applies, as its answer lists them: `section.key` -> value."""
-    return {f"{k.knob.section}.{k.file_key}": new.knob_value(k) for k in live}
+def _knob_changes(new: DaemonConfig, live: list[KnobField], device: str) -> dict[str, Any]:
+    """The live knobs a reload applies, as its answer lists them: `section.key` -> value, an
+    automatic one resolved for `device`, the one in force."""
+    return {f"{k.knob.section}.{k.file_key}": new.knob_value(k, device) for k in live}
 
 
 def _with_knobs(cfg: DaemonConfig, new: DaemonConfig, live: list[KnobField]) -> DaemonConfig:
-    """`cfg` with the live knobs `live` as `new` has them (as the file gives them)."""
+    """`cfg` with the live knobs `live` as `new` has them (as the file gives them: an automatic
+    value stays null, resolved where it is read for the device in force)."""
     for k in live:
         section = getattr(cfg, k.knob.section)
         moved = section.model_copy(

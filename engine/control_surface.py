@@ -463,7 +463,12 @@ class ControlSurface:
         admitted against the pool it found)."""
         if self.runner.device.type != "cpu":
             return None
-        blocks = budget // self.kv_cache.bytes_per_block
+        per_block = self.kv_cache.bytes_per_block
+        blocks = budget // per_block
+        if blocks < 1:  # as a start says it: no request could ever run, whatever is in flight
+            return (
+                f"kv_cache_bytes={budget} holds no block of {per_block} bytes: raise kv_cache_bytes"
+            )
         need = max(self._longest_need()[0], 1)
         if blocks < need:
             return (

@@ -6,6 +6,8 @@ that is set but unusable.
 Invalid action or debug-hook parameters answer 400 with the field in `error.param`; the
 fault-injection hooks under /admin/debug exist only with `api.debug_hooks: true`.
 
+An action during which the engine fails for good (a tensor-parallel rank lost in its agreement)
+answers 503 `engine_unavailable`, as requests then do.
 An action waits ACTION_TIMEOUT_S for the engine to take it at a step boundary. Not taken, it
 is withdrawn (it never runs) and answers 504 `action_withdrawn`; taken, it is waited for as long
 again and answers its result, or 504 `action_still_applying` if the engine is still inside it
@@ -24,7 +26,7 @@ from fastapi import APIRouter, Body, Depends, Header
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvguard.daemon.control_plane import AlertPayloadError
-from kvguard.daemon.openai_api import ApiError
+from kvguard.daemon.openai_api import ApiError, engine_unavailable
 from kvguard.engine.control import ActionResult
 from kvguard.engine.distributed.errors import RankFailure
 from kvguard.rules.actions import ACTIONS, ActionError, ActionWithdrawn
@@ -73,7 +75,10 @@ def router(service: Service) -> APIRouter:
             if action not in ACTIONS:
                 raise ApiError(404, str(e), "action") from e
             raise ApiError(400, str(e), e.param or "params", "invalid_action_params") from e
-        res = await _settled(fut, action, ACTION_TIMEOUT_S)
+        try:
+            res = await _settled(fut, action, ACTION_TIMEOUT_S)
+        except RankFailure as e:  # a rank failed inside it: the engine is done, as for requests
+            raise engine_unavailable(e) from e
         return {
             "action": action,  # as asked: restore_batch, not the set_max_num_seqs it runs
             "ok": res.ok,

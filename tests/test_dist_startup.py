@@ -10,12 +10,14 @@ SIGTERM must not log the workers it stops as an engine failure."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -432,3 +434,51 @@ def test_a_second_sigterm_does_not_log_the_stopped_workers_as_an_engine_failure(
     errors = [ln for ln in log.splitlines() if re.search(r" (ERROR|CRITICAL) ", ln)]
     assert errors == [], log
     assert "engine failed" not in log, log
+
+
+# -- a daemon stopped while its workers start --------------------------------------------------
+SPAWNING_PARENT = """
+import sys
+from pathlib import Path
+from kvguard.engine import EngineConfig
+from kvguard.engine.distributed.driver import _spawn
+worker = _spawn(1, 2, "", "gloo", EngineConfig(model="tiny"), Path(sys.argv[1]))
+print(worker.process.pid, flush=True)
+sys.stdin.read()  # until killed
+"""
+
+
+def test_a_starting_worker_dies_with_its_parent_before_it_imports_torch(
+    tiny_dir: Path,
+) -> None:
+    """The kernel's kill on the parent's death (PR_SET_PDEATHSIG) is asked for before the
+    worker's imports (seconds), not after: a daemon stopped during the model load leaves no
+    worker behind. Caught in its torch import and stopped there, the worker can only end by
+    that kill once its parent is killed."""
+    parent = subprocess.Popen(
+        [sys.executable, "-c", SPAWNING_PARENT, str(tiny_dir)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    pid = 0
+    try:
+        pid = int(parent.stdout.readline())
+
+        def importing_torch() -> bool:
+            try:
+                return "/torch/lib/" in Path(f"/proc/{pid}/maps").read_text()
+            except OSError:
+                return False
+
+        until(importing_torch, 120, "the worker to import torch")
+        os.kill(pid, signal.SIGSTOP)  # from here only a SIGKILL ends it
+        parent.kill()
+        parent.wait(30)
+        until(lambda: not alive(pid), 30, f"worker {pid} to die with its parent")
+    finally:
+        parent.kill()
+        parent.wait(30)
+        if pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

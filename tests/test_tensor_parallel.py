@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -244,6 +245,57 @@ def test_a_hung_worker_fails_the_engine_within_the_timeout(tiny_dir) -> None:
                 eng.step()
         assert time.monotonic() - t0 < 3.0 + 10
         assert err.value.rank == 1 and "stopped" in str(err.value)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        eng.shutdown()
+    assert pid not in _children()
+
+
+def test_a_stalled_worker_fails_a_message_larger_than_its_socket_buffer(tiny_dir) -> None:
+    """A step message larger than the socket buffer, to a worker that reads nothing: rank 0
+    gives up within the timeout naming the rank, never blocks in the send for good. A healthy
+    worker takes as large a message whole."""
+    eng = engine("tiny", 2, tensor_parallel_timeout_s=2.0)
+    runner, pid = eng.runner, eng.runner.worker_pids()[0]
+    big = bytes(4 << 20)  # the socket pair buffers a few hundred KiB
+    failed: list[RankFailure] = []
+
+    def send() -> None:
+        with pytest.raises(RankFailure) as err:
+            runner._send_all("step", big)
+        failed.append(err.value)
+
+    try:
+        runner._send_all("ping", big)
+        assert runner.workers[0].conn.poll(60) and runner.workers[0].conn.recv()[0] == "pong"
+        os.kill(pid, signal.SIGSTOP)
+        sender = threading.Thread(target=send, daemon=True)
+        sender.start()
+        sender.join(2.0 + 30)  # generous: the fix answers in about 3s
+        assert not sender.is_alive(), "rank 0 is blocked sending to the stopped worker"
+        assert failed and failed[0].rank == 1 and "stopped" in str(failed[0])
+        with pytest.raises(RankFailure):
+            eng.check_ranks()
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        eng.shutdown()
+    assert pid not in _children()
+
+
+def test_a_worker_stalled_in_a_remedy_agreement_fails_the_engine(tiny_dir) -> None:
+    """A live FP8 switch's agreement (a collective over every rank) with a worker that does not
+    answer: the action fails with RankFailure naming the rank and the engine stays failed, as
+    after a step's collective, not a plain error that leaves the ranks out of step."""
+    eng = engine("tiny", 2, tensor_parallel_timeout_s=2.0)
+    pid = eng.runner.worker_pids()[0]
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        fut = eng.set_kv_cache_dtype("fp8_e4m3")
+        eng.step()  # takes the action at the step boundary
+        err = fut.exception(timeout=60)
+        assert isinstance(err, RankFailure) and err.rank == 1, repr(err)
+        with pytest.raises(RankFailure):
+            eng.check_ranks()
     finally:
         os.kill(pid, signal.SIGCONT)
         eng.shutdown()

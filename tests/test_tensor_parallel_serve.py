@@ -4,6 +4,7 @@ exits, and a killed worker makes it exit non-zero for systemd to restart it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -167,6 +168,29 @@ def test_a_worker_killed_while_idle_is_noticed_without_traffic(tmp_path: Path) -
         d.stop()
     log = Path(d.log.name).read_text()
     assert f"engine failed for good: tensor-parallel rank 1 (pid {pid}) died" in log
+
+
+def test_a_worker_stalled_in_a_live_remedy_answers_503_and_the_daemon_exits(
+    tmp_path: Path,
+) -> None:
+    """A worker that stops answering during a remedy's agreement across the ranks: the admin
+    action answers 503 engine_unavailable (not a 500), and the daemon fails for good naming
+    the rank, as it does for a step."""
+    serving = TINY_CPU[:-1] + ", tensor_parallel: 2, tensor_parallel_timeout: 2s}"
+    d = Daemon(tmp_path, serving=serving)
+    (pid,) = tensor_parallel(d.url)["worker_pids"]
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        r = d.admin("POST", "/admin/actions/enable_fp8_kv", json={})
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == "engine_unavailable"
+        assert d.proc.wait(60) == 1
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # gone with the daemon (its parent)
+            os.kill(pid, signal.SIGCONT)
+        d.stop()
+    log = Path(d.log.name).read_text()
+    assert f"engine failed for good: tensor-parallel rank 1 (pid {pid}) is stopped" in log
 
 
 def test_workers_die_with_a_daemon_killed_by_sigkill(tmp_path: Path) -> None:

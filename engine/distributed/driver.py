@@ -26,6 +26,7 @@ import logging
 import os
 import shutil
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -33,7 +34,7 @@ import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -228,7 +229,7 @@ class TensorParallelRunner(ModelRunner):
         return out
 
     def shutdown(self) -> None:
-        _stop(self.workers)
+        _stop(self.workers, failed=self._failed is not None)
         _leave_group()
 
     def worker_pids(self) -> list[int]:
@@ -256,12 +257,13 @@ class TensorParallelRunner(ModelRunner):
             if (why := w.death()) is not None:
                 self._fail(RankFailure(w.rank, why))
 
-    def _fail(self, failure: RankFailure) -> None:
+    def _fail(self, failure: RankFailure) -> NoReturn:
         self._failed = failure
         raise failure
 
-    def _after_error(self, error: BaseException) -> None:
-        """A collective or a send failed: name the dead rank if one shows up, else the group."""
+    def _after_error(self, error: BaseException, rank: int = -1) -> NoReturn:
+        """A collective or a send failed: name the dead rank if one shows up, else `rank` (the
+        worker a send to failed), else the group."""
         deadline = time.monotonic() + DEATH_GRACE_S
         while time.monotonic() < deadline:
             for w in self.workers:
@@ -276,14 +278,24 @@ class TensorParallelRunner(ModelRunner):
                         f"(pid {w.process.pid}) is stopped and did not answer within {self.timeout_s:g}s",
                     )
                 )
+        if rank >= 0 and isinstance(error, BlockingIOError | TimeoutError):  # SO_SNDTIMEO
+            self._fail(
+                RankFailure(rank, f"did not read rank 0's message within {self.timeout_s:g}s")
+            )
+        if rank >= 0:
+            self._fail(RankFailure(rank, f"could not be sent rank 0's message: {error}"))
         self._fail(RankFailure(-1, f"did not complete a step within {self.timeout_s:g}s: {error}"))
 
     def _send_all(self, kind: str, payload: object) -> None:
+        """Send every worker a message. A worker that reads nothing for `timeout_s` while its
+        socket buffer is full fails the send (SO_SNDTIMEO, `_send_timeout`) rather than block
+        rank 0 for good; a send cut off part way leaves that stream torn, and the group with it,
+        so it is a RankFailure like any other."""
         for w in self.workers:
             try:
                 w.conn.send((kind, payload))
             except OSError as e:
-                self._after_error(e)
+                self._after_error(e, w.rank)
 
     # -- one step -------------------------------------------------------------------------
     def logits(
@@ -365,6 +377,8 @@ class TensorParallelRunner(ModelRunner):
             for _, work in sends:
                 work.wait()
             self.stats.wait_s += time.perf_counter() - t0
+        except RankFailure:
+            raise  # a send to a worker failed (`_send_all`): named already
         except Exception as e:  # noqa: BLE001 - the group is out of step: no retry can fix it
             self._after_error(e)
         return torch.cat(outs) if outs else None
@@ -399,12 +413,18 @@ class TensorParallelRunner(ModelRunner):
     def can_convert(self, dtype: str, new_n: int) -> bool:
         self.check_alive()
         self._send_all("convert_check", (dtype, new_n))
-        return super().can_convert(dtype, new_n)
+        try:
+            return super().can_convert(dtype, new_n)
+        except Exception as e:  # noqa: BLE001 - the agreement broke: the ranks are out of step
+            self._after_error(e)
 
     def can_grow(self, extra_bytes: int) -> bool:
         self.check_alive()
         self._send_all("grow_check", extra_bytes)
-        return super().can_grow(extra_bytes)
+        try:
+            return super().can_grow(extra_bytes)
+        except Exception as e:  # noqa: BLE001 - the agreement broke: the ranks are out of step
+            self._after_error(e)
 
     def convert_kv(self, dtype: str, tiers: dict[str, tuple[int, dict[int, int]]]) -> int:
         self._send_all("convert", (dtype, tiers, self._kv_ops))
@@ -466,6 +486,7 @@ def _admit_remote(
     out = []
     for r in server.wait(config.distributed.join_timeout_s).values():
         r.control.send(WorkerArgs(r.rank, config.world_size, "", backend, config, None, 0))
+        _send_timeout(r.control, config.tensor_parallel_timeout_s)
         out.append(WorkerHandle(r.rank, None, r.control, host=r.host))
     return out
 
@@ -511,24 +532,44 @@ def _state(pid: int) -> str:
 def _spawn(
     rank: int, size: int, store: str, backend: str, config: EngineConfig, path: Path
 ) -> WorkerHandle:
-    """Start one worker as `python -m kvguard.engine.distributed.worker`, talking over a socket
-    pair it inherits. A fresh interpreter, not a multiprocessing child: it does not re-run the
-    caller's main module, whatever script started the engine."""
+    """Start one worker as `python -m kvguard.engine.distributed.worker_entry`, talking over a
+    socket pair it inherits. A fresh interpreter, not a multiprocessing child: it does not re-run
+    the caller's main module, whatever script started the engine. It is told this process's pid
+    on its command line, so that it dies with it from its first instant (worker_entry.py)."""
     ours, theirs = socket.socketpair()
+    entry = "kvguard.engine.distributed.worker_entry"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvguard.engine.distributed.worker", str(theirs.fileno())],
+        [sys.executable, "-m", entry, str(theirs.fileno()), str(os.getpid())],
         pass_fds=(theirs.fileno(),),
         stdin=subprocess.DEVNULL,
     )
     theirs.close()
     conn = Connection(ours.detach())
     conn.send(WorkerArgs(rank, size, store, backend, config, Path(path), os.getpid()))
+    _send_timeout(conn, config.tensor_parallel_timeout_s)
     return WorkerHandle(rank, proc, conn)
 
 
-def _stop(workers: list[WorkerHandle]) -> None:
-    """Ask each worker to stop, then make sure: no worker outlives the engine."""
+def _send_timeout(conn: Connection, seconds: float) -> None:
+    """Make a send on rank 0's end of a worker's connection fail (OSError) once it has gone
+    `seconds` without the worker taking a byte (SO_SNDTIMEO): a step message larger than the
+    socket buffer to a rank that stopped reading would otherwise block rank 0 for good, past
+    every collective's timeout. A busy rank that reads on is not cut off: the timeout counts
+    from the last byte that went through, and a send goes on where a partial write ended."""
+    micros = max(1, round(seconds * 1e6))  # 0 would mean no timeout at all
+    timeval = struct.pack("ll", micros // 1_000_000, micros % 1_000_000)
+    with socket.socket(fileno=os.dup(conn.fileno())) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+
+
+def _stop(workers: list[WorkerHandle], failed: bool = False) -> None:
+    """Ask each worker to stop, then make sure: no worker outlives the engine. A `failed`
+    group's workers are not asked (a stream may be torn part way through a message, or a
+    stopped worker's buffer full): rank 0 hangs up, which ends a worker's wait for a message."""
     for w in workers:
+        if failed:
+            w.conn.close()
+            continue
         with contextlib.suppress(OSError):
             w.conn.send(("stop", None))
     deadline = time.monotonic() + STOP_GRACE_S

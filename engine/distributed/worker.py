@@ -5,17 +5,16 @@ says it is joining (a remote rank with its model's fingerprint, see fingerprint.
 process group, loads its shards, reports ready, then runs whatever rank 0 sends, in
 order: a step (KV copies replayed first, then the forward; rank 0 alone samples), a KV dtype
 switch (checked, then applied), or stop. It never outlives rank 0: the kernel kills it when its
-parent dies (PR_SET_PDEATHSIG), and a closed pipe ends its loop.
+parent dies (PR_SET_PDEATHSIG, set by worker_entry.py before this module is imported), and a
+closed pipe ends its loop.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
 import pickle
-import signal
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -31,6 +30,7 @@ from kvguard.engine.distributed.fingerprint import model_fingerprint
 from kvguard.engine.distributed.parallel_state import PipelineStage, TPGroup
 from kvguard.engine.distributed.sharding import stage_layers
 from kvguard.engine.distributed.step_message import StepDecoder, StepMessage
+from kvguard.engine.distributed.worker_entry import die_with_parent
 from kvguard.engine.log_level import log_level
 from kvguard.engine.model import weight_bytes
 from kvguard.engine.model_config import ModelConfig
@@ -39,19 +39,8 @@ from kvguard.engine.model_runner import ModelRunner, build_step
 from kvguard.kernels.cpu_lowbit import step_rows
 
 log = logging.getLogger("kvguard.engine.worker")
-PR_SET_PDEATHSIG = 1
 LOOPBACK = "lo"  # gloo's interface: ranks of one host never need another
 STARTUP_TIMEOUT_S = 600.0  # joining the group and loading every rank's shards
-
-
-def die_with_parent(parent_pid: int) -> None:
-    """Ask the kernel to SIGKILL this process when its parent goes, however it goes (even by
-    SIGKILL, which leaves no chance to clean up); exit now if the parent is already gone."""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent_pid:
-        os._exit(1)
 
 
 def threads_per_rank(size: int) -> int:

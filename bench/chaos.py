@@ -18,8 +18,10 @@ matters. While an open-loop load runs (this process, over HTTP), the faults are:
   sigterm      arrivals stop, SIGTERM: in-flight requests drain, exit status 0
 
 For each: daemon up, requests lost (neither a response nor a 429/503 with Retry-After), and what
-the metrics and the log said. At the end: audit rows lost, comparing kvguard_actions_total (and
-the manual actions we took) with the rows in the audit DB.
+the metrics and the log said. At the end: audit rows lost, comparing the rules' part of
+kvguard_actions_total at the last scrape before SIGTERM with the rule rows decided up to that
+scrape (rules keep acting in the drain; their rows come later), and the manual actions we took
+with the manual rows.
 
     python bench/chaos.py [--quick] [--json FILE]
 """
@@ -40,6 +42,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +104,8 @@ class Timing:
     disconnects: int = 20
     longs: int = 8  # the kv-pool fault's long requests
 
+
+DRAIN_S = 300  # the daemon's drain_timeout; Daemon.stop waits it out, plus a margin
 
 FULL = Timing(prom_down_s=30, lock_s=10, settle_s=8, warmup_s=10, rps=0.7, longs=8)
 QUICK = Timing(prom_down_s=8, lock_s=4, settle_s=3, warmup_s=4, rps=0.5, longs=6)
@@ -404,7 +409,7 @@ def start(workdir: Path, model: str, threads: int) -> tuple[Daemon, Prometheus, 
         f"rules: {{path: {rules}}}\n"
         f"prometheus: {{url: '{prom.url}', timeout: 1s, instance: '127.0.0.1:{port}'}}\n"
     )
-    d = Daemon(workdir / "daemon", config, port=port, drain_s=300, debug_hooks=True)
+    d = Daemon(workdir / "daemon", config, port=port, drain_s=DRAIN_S, debug_hooks=True)
     d.wait_ready()
     return d, prom, rules, good
 
@@ -414,15 +419,46 @@ def lost_in(outcomes: Sequence[Outcome], rep: FaultReport) -> tuple[int, int]:
     return len(mine), sum(o.lost for o in mine)
 
 
-def audit_rows(db: Path) -> tuple[int, int]:
-    """(rule action rows, manual action rows) in the audit DB."""
+def audit_rows(db: Path, upto: datetime | None = None) -> tuple[int, int]:
+    """(rule action rows, manual action rows) in the audit DB; with `upto`, only rows whose
+    action was decided (`time`, UTC) at or before it."""
     con = sqlite3.connect(db)
     try:
-        total = con.execute("SELECT COUNT(*) FROM actions").fetchone()[0]
-        manual = con.execute("SELECT COUNT(*) FROM actions WHERE rule = 'manual'").fetchone()[0]
+        rows = con.execute("SELECT time, rule FROM actions").fetchall()
     finally:
         con.close()
-    return total - manual, manual
+    if upto is not None:
+        bound = upto.astimezone(UTC).replace(tzinfo=None)  # the DB holds naive UTC times
+        rows = [r for r in rows if datetime.fromisoformat(r[0]).replace(tzinfo=None) <= bound]
+    manual = sum(rule == "manual" for _, rule in rows)
+    return len(rows) - manual, manual
+
+
+def audit_accounting(
+    db: Path, final: dict[str, float], manual_actions: int, scraped_at: datetime | None
+) -> dict[str, Any]:
+    """Audit rows lost: the rules' actions counted by `final` (kvguard_actions_total without
+    its rule="manual" series, scraped at `scraped_at`) against the rule rows decided by then
+    (None: every row). An action is decided before it is counted; rules still act in the
+    drain after that scrape, and their rows are not in the count. Plus the manual actions
+    taken against the manual rows. Each side counts only what is missing, never a surplus:
+    rows of actions decided before the scrape and counted after it offset nothing."""
+    rule_rows, _ = audit_rows(db, upto=scraped_at)
+    all_rule_rows, manual_rows = audit_rows(db)
+    counted = metric_sum(final, "kvguard_actions_total")
+    counted_manual = metric_sum(final, "kvguard_actions_total", rule="manual")
+    counted_rules = counted - counted_manual
+    lost = max(0, int(counted_rules) - rule_rows) + max(0, manual_actions - manual_rows)
+    return {
+        "lost": lost,
+        "kvguard_actions_total": counted,
+        "rule_actions_counted": counted_rules,
+        "rule_action_rows_by_final_scrape": rule_rows,
+        "rule_action_rows": all_rule_rows,
+        "manual_actions_taken": manual_actions,
+        "manual_action_rows": manual_rows,
+        "dropped_total": metric_sum(final, "kvguard_audit_dropped_total"),
+    }
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -446,9 +482,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         chaos.fault("sighup-good", lambda: chaos.sighup(good.replace("fleet-kv,", "fleet-kv-v2,")))
         chaos.fault("disconnect", lambda: chaos.disconnect(load))
         final = d.metrics()
+        scraped_at = datetime.now(UTC)  # every action counted in `final` was decided by now
         rep = FaultReport("sigterm", chaos.now())
         load.halt.set()  # arrivals stop; what is in flight must drain across the SIGTERM
-        rc = d.stop(timeout=120)
+        rc = d.stop()  # waits out the drain (DRAIN_S) and a margin before a kill
         load.stop()
         rep.end_s, rep.up, rep.note = chaos.now(), False, f"exit status {rc}"
         chaos.reports.append(rep)
@@ -456,17 +493,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         prom.stop()
         if d.alive():
             d.stop()
-    return report(chaos, load, d, final, rc, workdir)
+    return report(chaos, load, d, final, rc, workdir, scraped_at)
 
 
 def report(
-    chaos: Chaos, load: Load, d: Daemon, final: dict[str, float], rc: int, workdir: Path
+    chaos: Chaos,
+    load: Load,
+    d: Daemon,
+    final: dict[str, float],
+    rc: int,
+    workdir: Path,
+    scraped_at: datetime | None = None,
 ) -> dict[str, Any]:
+    """The run's results; `scraped_at`: when `final` was scraped (see audit_accounting)."""
     for rep in chaos.reports:
         rep.sent, rep.lost = lost_in(load.outcomes, rep)
-    rule_rows, manual_rows = audit_rows(d.db)
-    metric_actions = metric_sum(final, "kvguard_actions_total")
-    lost_rows = int(metric_actions - rule_rows) + (chaos.manual_actions - manual_rows)
+    audit = audit_accounting(d.db, final, chaos.manual_actions, scraped_at)
     total_lost = sum(o.lost for o in load.outcomes)
     return {
         "survived": all(r.up for r in chaos.reports[:-1]),
@@ -476,14 +518,8 @@ def report(
         "lost_detail": [o.error or f"HTTP {o.status}" for o in load.outcomes if o.lost][:5],
         "hung_up": sum(o.error.startswith("client") for o in load.outcomes),
         "aborted": sum(o.finish_reason == "abort" for o in load.outcomes if o.completed),
-        "audit_rows_lost": lost_rows,
-        "audit": {
-            "kvguard_actions_total": metric_actions,
-            "rule_action_rows": rule_rows,
-            "manual_actions_taken": chaos.manual_actions,
-            "manual_action_rows": manual_rows,
-            "dropped_total": metric_sum(final, "kvguard_audit_dropped_total"),
-        },
+        "audit_rows_lost": audit.pop("lost"),
+        "audit": audit,
         "faults": [
             {
                 "name": r.name,
@@ -515,8 +551,10 @@ def print_report(res: dict[str, Any]) -> None:
     print(
         f"\nrequests {res['requests']}, lost {res['lost']}, hung up on purpose {res['hung_up']}, "
         f"answered but aborted {res['aborted']}; "
-        f"audit: kvguard_actions_total {a['kvguard_actions_total']:g} vs {a['rule_action_rows']} "
-        f"rule rows, {a['manual_actions_taken']} manual actions vs {a['manual_action_rows']} rows"
+        f"audit: {a['rule_actions_counted']:g} rule actions counted at the last scrape vs "
+        f"{a['rule_action_rows_by_final_scrape']} rule rows decided by then "
+        f"({a['rule_action_rows']} in all, the drain's included), "
+        f"{a['manual_actions_taken']} manual actions vs {a['manual_action_rows']} rows"
         f" -> {res['audit_rows_lost']} rows lost; exit status {res['exit_code']}"
     )
     ok = res["survived"] and res["lost"] == 0 and res["audit_rows_lost"] == 0

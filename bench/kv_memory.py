@@ -202,13 +202,18 @@ HEADERS = [
 
 
 def verdicts(ours: AllocStats, peers: Sequence[AllocStats]) -> list[str]:
+    """The stated goals: concurrency against the max-length reservation (`peers[0]`) and the
+    live share. The other peers' ratios are reported, not judged: no goal is stated for them."""
     lines = []
-    for peer in peers[:2]:
+    for i, peer in enumerate(peers[:2]):
         ratio = ours.peak_running / peer.peak_running
-        ok = "met" if ratio >= GOAL_CONCURRENCY else "NOT met"
-        lines.append(
-            f"goal >= {GOAL_CONCURRENCY:.0f}x concurrency vs {peer.name}: {ok} ({ratio:.1f}x)"
-        )
+        if i == 0:
+            ok = "met" if ratio >= GOAL_CONCURRENCY else "NOT met"
+            lines.append(
+                f"goal >= {GOAL_CONCURRENCY:.0f}x concurrency vs {peer.name}: {ok} ({ratio:.1f}x)"
+            )
+        else:
+            lines.append(f"concurrency vs {peer.name}: {ratio:.1f}x (reported, no goal stated)")
     ok = "met" if ours.mean_live_share >= GOAL_LIVE_SHARE else "NOT met"
     lines.append(
         f"goal >= {GOAL_LIVE_SHARE:.0%} of allocated slots live: {ok} ({ours.mean_live_share:.1%} mean)"

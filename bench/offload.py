@@ -17,6 +17,9 @@ Measured in one run:
    tokens/s, preemptions by mode, and whether every greedy output is identical to the
    reference (preemption must never change what a request gets).
 
+Both engines run with the prefix cache off: the recompute time and the trace are served more
+than once on one engine, and a cached prompt would not be computed again.
+
     python bench/offload.py [--quick] [--json FILE] [--threads N] [--rounds N]
 """
 
@@ -223,18 +226,39 @@ def demand_blocks(trace: list[TraceRequest]) -> int:
     return sum(-(-r.total_len // BLOCK_SIZE) for r in trace)
 
 
-def squeezed_runs(
-    args: argparse.Namespace, trace: list[TraceRequest], pool: int
-) -> tuple[TraceRun, TraceRun]:
-    """The same engine and pool, offload on then off (alternating for `--rounds`); best of each."""
-    engine = make_engine(
+def reference_engine(
+    args: argparse.Namespace, trace: list[TraceRequest], seq_blocks: int
+) -> LLMEngine:
+    """A pool that fits the whole trace (and the recompute sequence): the undisturbed run.
+    No prefix cache: the recompute reps prefill one prompt again and again."""
+    return make_engine(
+        args.model,
+        args.threads,
+        num_gpu_blocks=max(demand_blocks(trace), seq_blocks) + 8,
+        max_num_seqs=len(trace),
+        enable_prefix_caching=False,
+    )
+
+
+def squeezed_engine(args: argparse.Namespace, trace: list[TraceRequest], pool: int) -> LLMEngine:
+    """The `pool`-block engine with a host pool that serves the trace with swap and with
+    recompute in turn. No prefix cache: each pass serves the same prompts."""
+    return make_engine(
         args.model,
         args.threads,
         num_gpu_blocks=pool,
         enable_cpu_offload=True,
         cpu_cache_ratio=0.5,
         max_num_seqs=len(trace),
+        enable_prefix_caching=False,
     )
+
+
+def squeezed_runs(
+    args: argparse.Namespace, trace: list[TraceRequest], pool: int
+) -> tuple[TraceRun, TraceRun]:
+    """The same engine and pool, offload on then off (alternating for `--rounds`); best of each."""
+    engine = squeezed_engine(args, trace, pool)
     best: dict[bool, TraceRun] = {}
     for r in range(args.rounds):
         for offload in (True, False):
@@ -318,12 +342,7 @@ def main() -> None:
         f"model {args.model}, {args.threads} torch threads, KV device {kv_device()}; {load_line()}"
     )
 
-    ref_engine = make_engine(
-        args.model,
-        args.threads,
-        num_gpu_blocks=max(demand, seq_blocks) + 8,
-        max_num_seqs=len(trace),
-    )
+    ref_engine = reference_engine(args, trace, seq_blocks)
     full = ref_engine.kv_cache.dtype
     section(f"1. swap-out + swap-in, median of {args.reps}")
     copies = measure_copies(args.model, full, seq_blocks, args.reps, args.seed)

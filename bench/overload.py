@@ -230,6 +230,9 @@ def kv_bytes_per_token(model_dir: Path) -> int:
     return cfg["num_hidden_layers"] * 2 * heads * head_dim * 4
 
 
+STOP_MARGIN_S = 60  # Daemon.stop waits the drain plus this for the exit (audit flush, engine)
+
+
 class Daemon:
     """A `kvguard serve` subprocess with its own config, token, audit DB and log."""
 
@@ -244,6 +247,7 @@ class Daemon:
     ) -> None:
         workdir.mkdir(parents=True, exist_ok=True)
         self.dir = workdir
+        self.drain_s = drain_s
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.db = workdir / "audit.db"
@@ -292,8 +296,12 @@ class Daemon:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def stop(self, timeout: float = 90) -> int:
-        """SIGTERM, as systemd stops it; the exit status is part of what we measure."""
+    def stop(self, timeout: float | None = None) -> int:
+        """SIGTERM, as systemd stops it; the exit status is part of what we measure. Waits
+        `timeout` seconds (default: the drain it was configured with plus STOP_MARGIN_S) before
+        it kills: a kill inside the drain would be the harness's failure, not the daemon's."""
+        if timeout is None:
+            timeout = self.drain_s + STOP_MARGIN_S
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:

@@ -296,3 +296,30 @@ def test_nvml_verdict_needs_the_engines_gpu_found_by_pci_address() -> None:
     assert ": met" in line and "NOT" not in line, line
     assert "NOT met" in _line(goals({"device": "H200", "nvml": lost}), "NVML finds")
     assert not [s for s in goals({"device": "cpu", "nvml": {"available": False}}) if "NVML" in s]
+
+
+def test_a_rate_that_was_not_measured_reads_not_measured() -> None:
+    """A run cut short leaves NaN for a rate it never timed (decode_rate's median of no
+    samples): the verdicts that turn on it read `not measured`, as an absent figure does, not
+    `NOT met (nan%)`; a figure that was measured and fails still reads NOT met."""
+    nan = float("nan")
+    trace = {
+        "kvguard_tok_s": 800.0,
+        "kvguard_triton_prefill_tok_s": nan,
+        "triton_prefill_same_outputs": "32/32",
+    }
+    lines = goals(_run(nan, 201.0, trace, nan))
+    assert ": not measured (- of 314 tok/s)" in _line(lines, "of the bandwidth limit")
+    assert ": not measured (batch 1 - (64% of the limit)" in _line(lines, "per-layer Triton ops")
+    assert ": not measured (batch 1 -" in _line(lines, "skinny GEMMs faster in decode")
+    assert ": not measured (trace -, same outputs" in _line(lines, "Triton prefill kernel")
+    assert ": not measured (batch 16 -, same tokens" in _line(lines, "FP8 pool replayed")
+    assert not [x for x in lines if "nan" in x], lines
+    # measured and slower at one end: NOT met, though the other end was not measured
+    run = _run(nan, 201.0, trace, 4.5)
+    dec = run["decode"]["llama2-7b"]
+    dec["runs_on"] = [
+        {"batch": 1, "kvguard_tok_s": 160.0, "same_tokens": "1/1", "steps_ahead": 9},
+        {"batch": 64, "kvguard_tok_s": 5600.0, "same_tokens": "64/64", "steps_ahead": 9},
+    ]
+    assert ": NOT met (batch 1 -, batch 64 0.98x" in _line(goals(run), "runs of decode steps")

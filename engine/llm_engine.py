@@ -137,6 +137,7 @@ class LLMEngine(ControlSurface):
             prefill_while_decoding=prefill_while_decoding(config, runner.device),
             speculation=speculation(config),
             row_cost_prior=ROW_COST_PRIOR.get(runner.device.type, ROW_COST_PRIOR["cuda"]),
+            kv_quantized=lambda: self.kv_cache.dtype == "fp8_e4m3",  # no drafts on an FP8 pool
         )
         self.max_model_len = min(config.max_model_len, model_config.max_position_embeddings)
         if config.max_model_len > model_config.max_position_embeddings:

@@ -43,7 +43,11 @@ from the prefix cache, instead of computing them beside it in the same step (`_f
 
 A remedy that narrows the KV dtype (FP8) gives the scheduler the larger pool's every block:
 that is the remedy. The switch back waits until the live K/V fit the configured dtype's pool
-(the engine refuses it until then, and the rules retry it).
+(the engine refuses it until then, and the rules retry it). While the pool is FP8 (configured,
+or switched to by a remedy) no step drafts (`kv_quantized`): an FP8 block's scale only grows,
+requantising its bytes, so the K/V a verify step writes for drafts it then rejects would leave
+their sequence's last block coarser than plain decode leaves it, and a greedy answer would
+depend on drafts. Drafting resumes once the pool is back in an unquantised dtype.
 """
 
 from __future__ import annotations
@@ -173,6 +177,7 @@ class Scheduler:
         prefill_while_decoding: int | None = None,
         speculation: Speculation | None = None,
         row_cost_prior: float = ROW_COST_PRIOR["cpu"],
+        kv_quantized: Callable[[], bool] = lambda: False,
     ) -> None:
         self.bm = block_manager
         self.host_bm = host_block_manager
@@ -192,6 +197,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.preemptions = {"swap": 0, "recompute": 0}
         self.speculation = speculation
+        # whether the device KV pool is FP8 now: no drafts then (see the module's docstring)
+        self.kv_quantized = kv_quantized
         self.step_cost = StepCost(row_cost_prior)  # what a draft row costs, learnt
         self.drafting = False  # this step proposes drafts (few enough sequences decode)
         self._to_draft: list[Sequence] = []  # decodes that may draft, last in the step
@@ -243,7 +250,7 @@ class Scheduler:
         for seq in self.running:
             seq.draft = []  # a step interrupted before its update leaves its drafts
         decoding = sum(s.num_uncomputed == 1 for s in self.running) if spec else 0
-        self.drafting = spec is not None and decoding <= spec.max_batch
+        self.drafting = spec is not None and decoding <= spec.max_batch and not self.kv_quantized()
         if self.drafting:
             self.draft_threshold = draft_threshold(self.row_cost(), decoding)
         self._to_draft = []  # this step's decodes that may draft, once everyone has theirs
@@ -602,14 +609,16 @@ class Scheduler:
                     i += 1
                     continue
                 break
-            if self.bm.caching and seq.prompt_logprobs is None:
-                self.bm.record(seq.num_tokens, hit)
             self.waiting.pop(i)
             self.bm.allocate(seq, n)
             seq.status, seq.held = Status.RUNNING, False
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.monotonic()
                 seq.num_cached_tokens = hit
+                # the prefix cache's counters: prompt tokens, as a request starts (one back
+                # from a recompute looks again, its output too: that is no prompt lookup)
+                if self.bm.caching and seq.prompt_logprobs is None:
+                    self.bm.record(len(seq.prompt_token_ids), hit)
             self.running.append(seq)
             batch.add(seq, n)
             budget -= n
@@ -697,34 +706,39 @@ class Scheduler:
         holds the tokens of each sequence that reached its end, in batch order. Returns those
         sequences, in batch order."""
         got = iter(tokens)
-        done: list[tuple[Sequence, list[int]]] = []
+        done: list[tuple[Sequence, list[int], int]] = []  # with the drafts it verified
         for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
             sampled = seq.num_computed_tokens + n >= seq.num_tokens  # its last token ran
             if sampled:
-                emitted = next(got)
-                if seq.draft:  # the rejected drafts' K/V are not computed tokens
-                    kept = len(emitted) - 1
-                    n -= len(seq.draft) - kept
-                    self.drafted += len(seq.draft)
-                    self.accepted += kept
-                    seq.lookup.record(len(seq.draft), kept)
+                emitted, drafts = next(got), len(seq.draft)
+                if drafts:  # the rejected drafts' K/V are not computed tokens
+                    n -= drafts - (len(emitted) - 1)
                     seq.draft = []
-                done.append((seq, emitted))
+                done.append((seq, emitted, drafts))
             seq.num_computed_tokens += n
             self.bm.trim(seq)  # blocks that only rejected drafts needed
             if not sampled:
                 self.bm.commit(seq)  # a prompt chunk: its tokens are all there
-        for seq, emitted in done:
+        for seq, emitted, drafts in done:
+            taken = 0
             for i, token in enumerate(emitted):
                 on_token(seq, token, i)
+                taken = i + 1
                 if seq.finish_reason is not None:
                     break
+            if drafts:
+                # accepted: the drafts that became its tokens, none past the one that
+                # finished it (a stop inside the accepted drafts leaves the rest unused)
+                kept = min(len(emitted) - 1, taken)
+                self.drafted += drafts
+                self.accepted += kept
+                seq.lookup.record(drafts, kept)
             # only now are the accepted drafts its tokens: a block they filled is keyed by
             # them (registered before, its key was cut short and no lookup ever found it)
             self.bm.commit(seq)
             if seq.finish_reason is not None:
                 self.finish(seq)  # its blocks stay cached for a follow-up turn
-        return [seq for seq, _ in done]
+        return [seq for seq, _, _ in done]
 
     def run_ahead(self, batch: ScheduledBatch, most: int) -> int:
         """How many decode steps the decode-only `batch` runs back to back

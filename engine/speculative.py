@@ -21,7 +21,9 @@ distribution without the draft), so the output follows the model's distribution 
 drafts. A seeded request's generator gives back the draws of rows past a rejected draft, so
 it spends one draw a token either way: a seed gives the same tokens with drafts on or off.
 K/V computed for rejected drafts lie past the request's computed count: the next step
-overwrites them, and blocks only they needed go back to the pool at once.
+overwrites them, and blocks only they needed go back to the pool at once. Not on an FP8 pool,
+whose block scales only grow as K/V are written (rejected drafts' too): there no step drafts
+(`Scheduler.kv_quantized`).
 
 Drafts cost compute: a draft row makes its step longer (on 2 CPU cores about 0.85 ms a row
 for the default model against 2.5 ms of a step's fixed part; on a GPU next to nothing), and it

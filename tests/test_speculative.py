@@ -21,6 +21,7 @@ from kvguard.engine.speculative import (
     ngram_sizes,
 )
 from tests.test_admission_predicted import run_all
+from tests.test_engine import make_engine
 from tests.test_kv_pool import apply
 from tests.test_server import Daemon
 from tests.test_structured_output import metric
@@ -271,6 +272,85 @@ def test_a_reload_turns_drafts_on_and_off_live(plain: LLMEngine) -> None:
     drafted = plain.snapshot().speculative["drafted"]
     _outputs(plain, [prompt], [params])
     assert plain.snapshot().speculative["drafted"] == drafted
+
+
+def test_drafts_after_the_token_that_finished_a_request_are_not_counted_accepted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A stop inside a verify step's accepted drafts ends the request there: the drafts after
+    it never became its tokens, so neither kvguard_spec_accepted_tokens_total nor the
+    request's acceptance estimate counts them (both took every accepted draft: 58 for 56
+    that became tokens in a run with a stop string)."""
+    prompt = [3 + (i * 37) % 290 for i in range(24)]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    answer = make_engine().generate([prompt], [params])[0].token_ids
+
+    def propose(self: Lookup, seq: Sequence, most: int) -> list[int]:
+        done = len(seq.output_token_ids)  # the answer's next tokens: every draft is accepted
+        return answer[done : done + most]
+
+    monkeypatch.setattr(Lookup, "propose", propose)
+    # the prompt's step gives token 0, the first verify step drafts 1-4 and gives 1-5: stop
+    # at a token of its drafts that has not come before, with drafts after it
+    k = next(i for i in range(1, 4) if answer[i] not in answer[:i])
+    engine = make_engine(speculative_tokens=4, speculative_row_cost=0.0)
+    stop = SamplingParams(max_tokens=40, ignore_eos=True, stop_token_ids=[answer[k]])
+    rid = engine.add_request(prompt, stop)
+    seq = engine._seqs[rid]
+    out = run_all(engine)[rid]
+    assert out.token_ids == answer[: k + 1] and out.finish_reason == "stop"
+    spec = engine.snapshot().speculative
+    assert (spec["drafted"], spec["accepted"]) == (4, k)  # drafts 1..k became tokens
+    assert (seq.lookup.proposed, seq.lookup.accepted) == (4, k)
+
+
+# -- an FP8 pool ----------------------------------------------------------------------------
+
+SHARED = [3 + (i * 37) % 290 for i in range(40)]
+FP8_PROMPTS = [[5] * 17, [7] * 16, [9] * 15, list(range(3, 36)), SHARED + [5] * 20,
+               SHARED + [11, 12, 13] * 9]  # fmt: skip
+
+
+def _tiny(**kw: object) -> LLMEngine:
+    return make_engine(max_model_len=256, speculative_row_cost=0.0, **kw)
+
+
+def test_an_fp8_pool_drafts_nothing_and_greedy_tokens_are_those_without_drafts() -> None:
+    """An FP8 block's scale only grows, requantising its bytes: the K/V a verify step writes
+    for drafts it then rejects would leave the sequence's last block coarser than plain decode
+    leaves it, and greedy answers would depend on drafts (4 of these 6 parted within 120
+    tokens). On an FP8 pool no step drafts."""
+    params = [SamplingParams(max_tokens=120, ignore_eos=True)] * len(FP8_PROMPTS)
+    want = _tiny(kv_cache_dtype="fp8_e4m3").generate(FP8_PROMPTS, params)
+    engine = _tiny(kv_cache_dtype="fp8_e4m3", speculative_tokens=4)
+    got = _outputs(engine, FP8_PROMPTS, params)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert engine.snapshot().speculative["drafted"] == 0
+
+
+def test_a_live_switch_to_fp8_stops_drafts_and_the_switch_back_resumes_them() -> None:
+    engine = _tiny(speculative_tokens=4)
+    rid = engine.add_request(FP8_PROMPTS[4], SamplingParams(max_tokens=200, ignore_eos=True))
+    seq = engine._seqs[rid]
+
+    def drafted() -> int:
+        return engine.snapshot().speculative["drafted"]
+
+    def decode_to(n: int) -> None:
+        while len(seq.output_token_ids) < n:
+            engine.step()
+            engine.audit_blocks()
+
+    decode_to(40)
+    assert drafted() > 0  # the fp32 pool drafts
+    assert apply(engine, engine.set_kv_cache_dtype("fp8_e4m3")).ok
+    before = drafted()
+    decode_to(120)
+    assert drafted() == before  # 80 tokens on the FP8 pool, not one drafted
+    assert apply(engine, engine.set_kv_cache_dtype("auto")).ok
+    assert engine.kv_cache.dtype == "fp32"
+    assert rid in run_all(engine)
+    assert drafted() > before  # back in the compute dtype: drafts again
 
 
 def test_sampled_tokens_follow_the_models_distribution() -> None:

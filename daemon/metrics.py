@@ -130,7 +130,9 @@ class SnapshotCollector(Collector):
         queried.add_metric([], s.prefix_cache.get("queried_tokens", 0))
         structured = CounterMetricFamily(
             "kvguard_structured_requests",
-            "Requests answered to a JSON schema (response_format json_object or json_schema)",
+            "Requests held to a grammar as they are queued, each choice of n one: response_format "
+            "json_object or json_schema, and chat requests with tools (tool_choice other than "
+            "none: held to the call form)",
         )
         structured.add_metric([], s.structured.get("requests", 0))
         grammar = CounterMetricFamily(
@@ -145,7 +147,8 @@ class SnapshotCollector(Collector):
         drafted.add_metric([], s.speculative.get("drafted", 0))
         accepted = CounterMetricFamily(
             "kvguard_spec_accepted_tokens",
-            "Speculative draft tokens the model chose as its own (each one a step saved)",
+            "Speculative draft tokens the model chose as its own that became output tokens "
+            "(each one a step saved)",
         )
         accepted.add_metric([], s.speculative.get("accepted", 0))
         row_cost = _gauge(

@@ -165,9 +165,8 @@ def router(service: Service) -> APIRouter:
             raise ApiError(400, problem[1], problem[0])
         msgs, params = await _off_loop(request, _chat_input, body)
         mode = body.tool_mode()
-        if mode is not None:  # the tools described to the model, its answer held to the form
+        if mode is not None:  # the answer held to the call form (the tools are in `msgs`)
             fns, parallel = body.tool_functions(), body.parallel()
-            msgs = await _off_loop(request, tools.with_tools, msgs, fns, mode, parallel)
             # a response_format schema holds a text answer (`auto`) to JSON
             if params.json_schema is not None:  # checked on its own: a 400 names it
                 await asyncio.to_thread(_servable, params.json_schema, None)
@@ -186,7 +185,9 @@ def router(service: Service) -> APIRouter:
         _check_model(service, body.model)
         tok = service.engine.tokenizer
         if body.messages is not None:
-            msgs = await _off_loop(request, _for_template, body.messages)
+            if (problem := body.tool_problem()) is not None:
+                raise ApiError(400, problem[1], problem[0])
+            msgs = await _off_loop(request, _chat_messages, body)
             text = await _off_loop(request, _render_chat, service, msgs)
             special = bool(body.add_special_tokens)
         else:
@@ -362,7 +363,17 @@ def _chat_input(
 ) -> tuple[list[dict[str, str]], SamplingParams]:
     """A chat request's messages as its template takes them, and its sampling parameters."""
     limit = body.max_completion_tokens or body.max_tokens or DEFAULT_CHAT_MAX_TOKENS
-    return _for_template(body.messages), _params(body, limit)
+    return _chat_messages(body), _params(body, limit)
+
+
+def _chat_messages(body: ChatCompletionRequest | TokenizeRequest) -> list[dict[str, str]]:
+    """A chat request's messages as its template takes them, its tools described where any
+    are in play (/tokenize counts them so too)."""
+    msgs = _for_template(body.messages or ())
+    mode = body.tool_mode()
+    if mode is not None:
+        msgs = tools.with_tools(msgs, body.tool_functions(), mode, body.parallel())
+    return msgs
 
 
 def _for_template(messages: Sequence[Any]) -> list[dict[str, str]]:

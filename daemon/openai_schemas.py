@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
@@ -521,55 +521,28 @@ class ChatMessage(_Body):
         return out
 
 
-class ChatCompletionRequest(_Sampling):
-    messages: list[ChatMessage] = Field(..., min_length=1)
-    max_tokens: int | None = Field(
-        None,
-        ge=1,
-        le=INT64_MAX,
-        description=f"{DEFAULT_CHAT_MAX_TOKENS} where neither it nor max_completion_tokens is "
-        "set (an answer cut there ends with finish_reason length and kvguard.max_tokens_default)",
-    )
-    max_completion_tokens: int | None = Field(
-        None,
-        ge=1,
-        le=INT64_MAX,
-        description="OpenAI's newer name for max_tokens, which it overrides where both are set",
-    )
-    logprobs: bool | None = Field(None, description="each generated token's log-probability")
-    top_logprobs: int | None = Field(
-        None, ge=0, le=20, description="with this many alternatives (needs logprobs: true)"
-    )
-    response_format: ResponseFormat | None = Field(
-        None, description="text, json_object (any JSON object) or json_schema"
-    )
-    tools: Annotated[list[Tool] | None, AfterValidator(_unique_names)] = Field(
-        None, max_length=MAX_TOOLS
-    )
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
-        None, description='"auto" when tools are given: calls or a text answer'
-    )
-    parallel_tool_calls: bool | None = Field(
-        None, description="several calls in one answer (default true)"
-    )
-    functions: Annotated[Any, _refuse(OLD_FUNCTIONS, lambda v: v == [])] = None
-    function_call: Annotated[Any, _refuse(OLD_FUNCTIONS, lambda v: v in ("none", "auto"))] = None
-    modalities: Annotated[
-        Any,
-        _refuse('not served: kvguard answers text only; send ["text"]', lambda v: v == ["text"]),
-    ] = None
-    audio: Annotated[Any, _refuse("not served: kvguard has no audio output; send null")] = None
-    prediction: Annotated[
-        Any, _refuse("not served: kvguard has no predicted-output decoding; send null")
-    ] = None
-    reasoning_effort: Annotated[Any, _refuse("not served: the model has no reasoning mode")] = None
-    verbosity: Annotated[Any, _refuse("not served: send null")] = None
-    web_search_options: Annotated[Any, _refuse("not served: kvguard has no web search")] = None
-    store: Annotated[
-        Any, _refuse("not served: kvguard stores no completions; send false", lambda v: v is False)
-    ] = None
-    prompt_cache_key: Text | None = Field(None, description="accepted: a cache hint only")
-    safety_identifier: Text | None = None
+# a chat request's tools, declared alike on the requests that take them (chat completions, and
+# /tokenize counting messages as chat serves them): `_ToolsInPlay` reads them
+ToolList = Annotated[
+    Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None, AfterValidator(_unique_names)
+]
+ToolChoice = Annotated[
+    Literal["none", "auto", "required"] | NamedToolChoice | None,
+    Field(description='"auto" when tools are given: calls or a text answer'),
+]
+ParallelToolCalls = Annotated[
+    bool | None, Field(description="several calls in one answer (default true)")
+]
+
+
+class _ToolsInPlay:
+    """What a request's `tools`, `tool_choice` and `parallel_tool_calls` ask (a mixin of the
+    bodies that declare them, in their own field order: not as fields here)."""
+
+    if TYPE_CHECKING:
+        tools: list[Tool] | None
+        tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None
+        parallel_tool_calls: bool | None
 
     def tool_problem(self) -> tuple[str, str] | None:
         """(field, why) when the tools and tool_choice cannot be served together."""
@@ -604,8 +577,54 @@ class ChatCompletionRequest(_Sampling):
         return self.parallel_tool_calls is not False
 
 
-class TokenizeRequest(_Body):
-    """POST /tokenize: a prompt as completions tokenize it, or messages as chat renders them."""
+class ChatCompletionRequest(_Sampling, _ToolsInPlay):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_tokens: int | None = Field(
+        None,
+        ge=1,
+        le=INT64_MAX,
+        description=f"{DEFAULT_CHAT_MAX_TOKENS} where neither it nor max_completion_tokens is "
+        "set (an answer cut there ends with finish_reason length and kvguard.max_tokens_default)",
+    )
+    max_completion_tokens: int | None = Field(
+        None,
+        ge=1,
+        le=INT64_MAX,
+        description="OpenAI's newer name for max_tokens, which it overrides where both are set",
+    )
+    logprobs: bool | None = Field(None, description="each generated token's log-probability")
+    top_logprobs: int | None = Field(
+        None, ge=0, le=20, description="with this many alternatives (needs logprobs: true)"
+    )
+    response_format: ResponseFormat | None = Field(
+        None, description="text, json_object (any JSON object) or json_schema"
+    )
+    tools: ToolList = None
+    tool_choice: ToolChoice = None
+    parallel_tool_calls: ParallelToolCalls = None
+    functions: Annotated[Any, _refuse(OLD_FUNCTIONS, lambda v: v == [])] = None
+    function_call: Annotated[Any, _refuse(OLD_FUNCTIONS, lambda v: v in ("none", "auto"))] = None
+    modalities: Annotated[
+        Any,
+        _refuse('not served: kvguard answers text only; send ["text"]', lambda v: v == ["text"]),
+    ] = None
+    audio: Annotated[Any, _refuse("not served: kvguard has no audio output; send null")] = None
+    prediction: Annotated[
+        Any, _refuse("not served: kvguard has no predicted-output decoding; send null")
+    ] = None
+    reasoning_effort: Annotated[Any, _refuse("not served: the model has no reasoning mode")] = None
+    verbosity: Annotated[Any, _refuse("not served: send null")] = None
+    web_search_options: Annotated[Any, _refuse("not served: kvguard has no web search")] = None
+    store: Annotated[
+        Any, _refuse("not served: kvguard stores no completions; send false", lambda v: v is False)
+    ] = None
+    prompt_cache_key: Text | None = Field(None, description="accepted: a cache hint only")
+    safety_identifier: Text | None = None
+
+
+class TokenizeRequest(_Body, _ToolsInPlay):
+    """POST /tokenize: a prompt as completions tokenize it, or messages as chat renders them
+    (with the tools described, as chat serves a request with them)."""
 
     model: Text
     prompt: Text | None = Field(None, description="text, tokenized as /v1/completions does")
@@ -615,11 +634,17 @@ class TokenizeRequest(_Body):
     add_special_tokens: bool | None = Field(
         None, description="default: true for a prompt, false for messages (as served)"
     )
+    tools: ToolList = None
+    tool_choice: ToolChoice = None
+    parallel_tool_calls: ParallelToolCalls = None
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise PydanticCustomError("tokenize", "send exactly one of prompt and messages")
+        asked = (self.tools, self.tool_choice, self.parallel_tool_calls)
+        if self.prompt is not None and any(v is not None for v in asked):
+            raise PydanticCustomError("tools", "tools go with messages, not a prompt")
         return self
 
 

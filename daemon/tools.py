@@ -63,7 +63,7 @@ class Call:
 
 def call_schema(fn: Function) -> tuple[dict[str, Any], dict[str, Any]]:
     """The JSON a call of `fn` is: its name, and arguments matching its parameters (an object
-    where they name no type); and the definitions it needs at the root of the grammar's
+    where they name no type); and the definitions it needs at the root of its call's
     schema. Parameters that refer to themselves (`#`, `#/$defs/...`: pydantic's nested
     models) are such a definition, their references rebased onto it: in place, `#` would
     mean the call around them."""
@@ -125,22 +125,24 @@ def grammar(
     content_schema: dict[str, Any] | None = None,
 ) -> str:
     """The Lark grammar (llguidance's dialect) an answer with tools is held to. `choice`:
-    "auto", "required", or the one function to call."""
+    "auto", "required", or the one function to call. Each function's call is a JSON
+    document of its own (`args: args_0 | args_1 | ...`), so that the `$anchor`s and `$id`s
+    of one function's parameters name nothing in another's: in one document holding every
+    call, two functions' same-named anchors or ids would collide."""
     if isinstance(choice, Named):
         functions = [f for f in functions if f.name == choice.name]
         parallel = False
-    schemas, defs = [], {}
-    for f in functions:
+    documents = []
+    for i, f in enumerate(functions):
         schema, needs = call_schema(f)
-        schemas.append(schema)
-        defs.update(needs)
-    call = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-    if defs:
-        call = {**call, "$defs": defs}
+        if needs:
+            schema = {**schema, "$defs": needs}
+        documents.append(f"args_{i}: %json {json.dumps({**schema, 'x-guidance': LAYOUT})}")
     lines = [
         f"calls: call{' (NL call)*' if parallel else ''}",
         f'call: "{OPEN}" args "{CLOSE}"',
-        f"args: %json {json.dumps({**call, 'x-guidance': LAYOUT})}",
+        "args: " + " | ".join(f"args_{i}" for i in range(len(documents))),
+        *documents,
         'NL: "\\n"',
     ]
     if choice != "auto":

@@ -557,8 +557,10 @@ class LLMEngine(ControlSurface):
         the grammar has taken them all, so its `complete` no longer speaks for the text.
 
         A seeded sampled request's generator spends the draw each forced token would have
-        taken drawn (one a token, as speculative rows keep it): its seed gives the same tokens
-        whether they are forced or drawn (log-probabilities asked, jump-forward off)."""
+        taken drawn (one a token, as speculative rows keep it): its seed makes the same draws
+        whether they are forced or drawn (log-probabilities asked, jump-forward off), and so the
+        same tokens where the chunk's logits are those of one-token steps to the bit (packed CPU
+        kernels do not promise that: a chunk's rows are prompt rows to them)."""
         if not self.config.grammar_jump_forward or seq.grammar is None:
             return True
         if seq.output_logprobs is not None or seq.prompt_logprobs is not None:

@@ -30,6 +30,11 @@ a person, `", "age": ` after the name, a tool call's frame), those tokens are ap
 once after the drawn one (`forced`) and computed together in the next step as one chunk, as
 a prompt's are, instead of a step and a draw each (9 of 21 tokens of a person's JSON). A
 request asking for log-probabilities draws every token (a forced token has none to give).
+A seeded request spends a draw on each forced token too, so it makes the same draws either
+way; its tokens are the same where the chunk's logits are bit for bit a one-token step's,
+which packed and quantised CPU kernels do not promise (the chunk's tokens are prompt rows to
+the GEMMs and attention, a token decoded alone a decode row: see README, CPU GEMMs), so a
+sampled token at a draw's edge can turn.
 
 A grammar lives on its sequence in the engine process and moves only forward: a preempted
 request keeps its tokens (recomputed or swapped back), so its grammar stays where it was.

@@ -5,6 +5,7 @@ and bad tool requests refused naming their field; through the real `openai` clie
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any, Literal
 
 import httpx
@@ -15,6 +16,7 @@ from pydantic import BaseModel, Field
 from kvguard.daemon import tools
 from kvguard.engine import EngineConfig, LLMEngine, SamplingParams
 from kvguard.engine.structured import compile_grammar
+from tests.test_api_keys import metric
 from tests.test_server import Daemon
 
 WEATHER = {
@@ -204,12 +206,10 @@ def test_the_grammars_hold_answers_to_the_form() -> None:
     assert accepts(as_json, '{"a": 1}') and not accepts(as_json, "It is sunny.")
 
 
-def test_calls_are_held_to_named_functions_nested_and_recursive_parameters_and_objects() -> None:
-    """A function named like a mode (`auto`, `required`) named in tool_choice is called, not
-    read as the mode; parameters referring to their own definitions (pydantic's nested
-    models, `#` for recursion) are resolved against the parameters, not the call around them;
-    parameters naming no type still take an object; and parameters that cannot be an object
-    are refused."""
+def _call_acceptor() -> Callable[[str, str, str], bool]:
+    """`accepts(grammar, name, args)`: whether `grammar` takes a call of `name` with the
+    arguments `args` (JSON text), walked token by token by llguidance over the tiny model's
+    tokenizer."""
     import llguidance
 
     engine = LLMEngine.from_config(
@@ -221,6 +221,17 @@ def test_calls_are_held_to_named_functions_nested_and_recursive_parameters_and_o
         text = f'<tool_call>{{"name": "{name}", "arguments": {args}}}</tool_call>'
         m = llguidance.LLMatcher(view, compile_grammar(grammar), log_level=0)
         return all(m.consume_token(t) for t in tok.encode(text, False)) and m.is_accepting()
+
+    return accepts
+
+
+def test_calls_are_held_to_named_functions_nested_and_recursive_parameters_and_objects() -> None:
+    """A function named like a mode (`auto`, `required`) named in tool_choice is called, not
+    read as the mode; parameters referring to their own definitions (pydantic's nested
+    models, `#` for recursion) are resolved against the parameters, not the call around them;
+    parameters naming no type still take an object; and parameters that cannot be an object
+    are refused."""
+    accepts = _call_acceptor()
 
     class Address(BaseModel):
         city: str
@@ -255,6 +266,31 @@ def test_calls_are_held_to_named_functions_nested_and_recursive_parameters_and_o
         compile_grammar(
             tools.grammar([tools.Function("pick", None, {"enum": ["red"]})], "required", True)
         )
+
+
+def test_each_call_is_held_to_its_own_function_s_anchors_and_ids() -> None:
+    """Two functions whose parameters use the same `$anchor` (or the same `$id`) for
+    different schemas: each call's arguments are held to its own function's, not to the
+    other's (one JSON document holding every call would let the last definition win)."""
+    accepts = _call_acceptor()
+
+    def params(v: dict[str, Any], how: str) -> dict[str, Any]:
+        args: dict[str, Any] = {"type": "object", "required": ["v"], "additionalProperties": False}
+        if how == "$anchor":
+            return {**args, "properties": {"v": {"$ref": "#x"}},
+                    "$defs": {"X": {"$anchor": "x", **v}}}  # fmt: skip
+        return {**args, "$id": "urn:kvguard:args", "properties": {"v": {"$ref": "#/$defs/A"}},
+                "$defs": {"A": v}}  # fmt: skip
+
+    for how in ("$anchor", "$id"):
+        fns = [
+            tools.Function("f", None, params({"type": "integer"}, how)),
+            tools.Function("g", None, params({"type": "string"}, how)),
+        ]
+        for mode in ("required", "auto"):
+            g = tools.grammar(fns, mode, True)
+            assert accepts(g, "f", '{"v": 1}') and not accepts(g, "f", '{"v": "s"}'), (how, mode)
+            assert accepts(g, "g", '{"v": "s"}') and not accepts(g, "g", '{"v": 1}'), (how, mode)
 
 
 def test_the_real_model_calls_the_right_function_with_the_right_argument(
@@ -465,3 +501,39 @@ def test_bad_tool_requests_are_refused_naming_the_field(
     )
     assert r.status_code == 400, r.text
     assert param in (r.json()["error"]["param"] or "")
+
+
+def test_tool_requests_count_as_structured_requests_as_the_help_says(daemon: Daemon) -> None:
+    """kvguard_structured_requests_total counts each choice of a chat request with tools in
+    play (its answer held to the call form) as well as response_format's, and says so."""
+    before = metric(daemon, "kvguard_structured_requests_total")
+    r = _chat(daemon, tool_choice="required", parallel_tool_calls=False, n=2, seed=0)
+    assert [c.finish_reason for c in r.choices] == ["tool_calls", "tool_calls"]
+    _chat(daemon, tool_choice="none", max_tokens=2)  # no tools in play: nothing held
+    assert metric(daemon, "kvguard_structured_requests_total") - before == 2
+    text = httpx.get(daemon.url + "/metrics", timeout=10).text
+    (help_,) = [ln for ln in text.splitlines() if ln.startswith("# HELP kvguard_structured_req")]
+    assert "response_format" in help_ and "tools" in help_, help_
+
+
+def test_tokenize_counts_messages_with_their_tools_as_chat_serves_them(daemon: Daemon) -> None:
+    """/tokenize with messages and tools gives the ids the chat request is served with: its
+    tools described in a system message (what usage.prompt_tokens counts), for each choice."""
+
+    def tokenize(**body: Any) -> httpx.Response:
+        return httpx.post(daemon.url + "/tokenize", json={"model": "tiny", **body}, timeout=30)
+
+    plain = tokenize(messages=ASK).json()["count"]
+    named = {"type": "function", "function": {"name": "get_time"}}
+    for choice in ("auto", "required", named):
+        ask = {"messages": ASK, "tools": TOOLS, "tool_choice": choice, "parallel_tool_calls": False}
+        r = tokenize(**ask)
+        assert r.status_code == 200, r.text
+        served = _chat(daemon, **{**ask, "max_tokens": 1})
+        assert r.json()["count"] == served.usage.prompt_tokens > plain, choice
+    assert tokenize(messages=ASK, tools=TOOLS, tool_choice="none").json()["count"] == plain
+    assert tokenize(messages=ASK, tools=None, parallel_tool_calls=None).json()["count"] == plain
+    refused = tokenize(messages=ASK, tool_choice="required")
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "tool_choice"
+    refused = tokenize(prompt="Hi", tools=TOOLS)
+    assert refused.status_code == 400 and "tools go with messages" in refused.text

@@ -38,6 +38,7 @@ from kvguard.engine.speculative import Lookup
 from kvguard.engine.weights import load_weights
 from kvguard.kernels import cpu_lowbit
 from tests.test_fp8_quality import TOPICS
+from tests.test_prefix_cache import _step_tokens
 
 Q = gguf.GGMLQuantizationType
 
@@ -517,17 +518,7 @@ def test_a_prompt_joining_a_tp2_step_leaves_a_seeded_requests_answer(tiny_packed
         mine = eng.tokenizer.encode("The quick brown fox")
         other = list(range(10, 50))
         params = SamplingParams(max_tokens=16, temperature=1.0, seed=7, logprobs=1, ignore_eos=True)
-
-        def run(join: bool) -> Any:
-            rid, done, step = eng.add_request(mine, params), {}, 0
-            while eng.has_unfinished():
-                if join and step == 5:
-                    eng.add_request(other, SamplingParams(max_tokens=1))
-                done |= {o.request_id: o for o in eng.step() if o.finished}
-                step += 1
-            return done[rid]
-
-        alone, joined = run(False), run(True)
+        alone, joined = _alone_and_joined(eng, mine, other, params)
     finally:
         eng.shutdown()
     assert joined.token_ids == alone.token_ids and len(alone.token_ids) == 16
@@ -569,18 +560,22 @@ def _entries(out: Any) -> list[tuple]:
     return [(e.token_id, e.logprob, e.top) for e in out.final_logprobs]
 
 
-def _record_steps(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
-    """The tokens each later step computes per sequence (drafts included)."""
-    seen: list[list[int]] = []
-    schedule = engine.scheduler.schedule
+def _alone_and_joined(
+    engine: LLMEngine, mine: list[int], other: list[int], params: SamplingParams
+) -> tuple[Any, Any]:
+    """`mine`'s final output decoding alone, and again with `other` (one token asked) added
+    beside its sixth step."""
 
-    def recording():  # noqa: ANN202
-        batch = schedule()
-        seen.append(list(batch.num_tokens))
-        return batch
+    def run(join: bool) -> Any:
+        rid, done, step = engine.add_request(mine, params), {}, 0
+        while engine.has_unfinished():
+            if join and step == 5:
+                engine.add_request(other, SamplingParams(max_tokens=1))
+            done |= {o.request_id: o for o in engine.step() if o.finished}
+            step += 1
+        return done[rid]
 
-    monkeypatch.setattr(engine.scheduler, "schedule", recording)
-    return seen
+    return run(False), run(True)
 
 
 def test_a_prompt_joining_mid_decode_leaves_a_seeded_requests_answer(
@@ -595,19 +590,8 @@ def test_a_prompt_joining_mid_decode_leaves_a_seeded_requests_answer(
     mine = _chat(engine, "Write a short poem about the sea.")
     other = _chat(engine, "Explain photosynthesis, step by step. " * 2)[:40]
     assert len(other) == 40
-    steps = _record_steps(engine, monkeypatch)
-
-    def run(join: bool) -> Any:
-        rid, done, step = engine.add_request(mine, SEEDED), {}, 0
-        while engine.has_unfinished():
-            if join and step == 5:
-                engine.add_request(other, SamplingParams(max_tokens=1))
-            done |= {o.request_id: o for o in engine.step() if o.finished}
-            step += 1
-        return done[rid]
-
-    alone = run(False)
-    joined = run(True)
+    steps = _step_tokens(engine, monkeypatch)
+    alone, joined = _alone_and_joined(engine, mine, other, SEEDED)
     assert [1, 40] in steps  # the chunk was computed beside a decode row
     assert joined.token_ids == alone.token_ids and len(alone.token_ids) == 24
     assert _entries(joined) == _entries(alone)
@@ -636,7 +620,7 @@ def test_verify_rows_take_the_kernel_plain_decode_takes(
             return answer[done : done + most]
 
         monkeypatch.setattr(Lookup, "propose", propose)
-        steps = _record_steps(engine, monkeypatch)
+        steps = _step_tokens(engine, monkeypatch)
         drafted = engine.generate([prompt], [SEEDED])[0]
     finally:
         cpu_lowbit.shared_prefix(shared)

@@ -8,10 +8,12 @@ margins are far above that (the last logits are compared too, within 1e-4).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -234,8 +236,7 @@ def test_a_killed_worker_fails_the_engine_clearly_and_leaves_no_process(tiny_dir
 
 def test_a_hung_worker_fails_the_engine_within_the_timeout(tiny_dir) -> None:
     eng = engine("tiny", 2, tensor_parallel_timeout_s=3.0)
-    pid = eng.runner.worker_pids()[0]
-    try:
+    with _worker_held(eng) as pid:
         eng.add_request(PROMPTS[0], GREEDY)
         eng.step()
         os.kill(pid, signal.SIGSTOP)  # alive but answering nothing: a hang
@@ -245,10 +246,6 @@ def test_a_hung_worker_fails_the_engine_within_the_timeout(tiny_dir) -> None:
                 eng.step()
         assert time.monotonic() - t0 < 3.0 + 10
         assert err.value.rank == 1 and "stopped" in str(err.value)
-    finally:
-        os.kill(pid, signal.SIGCONT)
-        eng.shutdown()
-    assert pid not in _children()
 
 
 def test_a_stalled_worker_fails_a_message_larger_than_its_socket_buffer(tiny_dir) -> None:
@@ -256,7 +253,7 @@ def test_a_stalled_worker_fails_a_message_larger_than_its_socket_buffer(tiny_dir
     gives up within the timeout naming the rank, never blocks in the send for good. A healthy
     worker takes as large a message whole."""
     eng = engine("tiny", 2, tensor_parallel_timeout_s=2.0)
-    runner, pid = eng.runner, eng.runner.worker_pids()[0]
+    runner = eng.runner
     big = bytes(4 << 20)  # the socket pair buffers a few hundred KiB
     failed: list[RankFailure] = []
 
@@ -265,7 +262,7 @@ def test_a_stalled_worker_fails_a_message_larger_than_its_socket_buffer(tiny_dir
             runner._send_all("step", big)
         failed.append(err.value)
 
-    try:
+    with _worker_held(eng) as pid:
         runner._send_all("ping", big)
         assert runner.workers[0].conn.poll(60) and runner.workers[0].conn.recv()[0] == "pong"
         os.kill(pid, signal.SIGSTOP)
@@ -276,10 +273,6 @@ def test_a_stalled_worker_fails_a_message_larger_than_its_socket_buffer(tiny_dir
         assert failed and failed[0].rank == 1 and "stopped" in str(failed[0])
         with pytest.raises(RankFailure):
             eng.check_ranks()
-    finally:
-        os.kill(pid, signal.SIGCONT)
-        eng.shutdown()
-    assert pid not in _children()
 
 
 def test_a_worker_stalled_in_a_remedy_agreement_fails_the_engine(tiny_dir) -> None:
@@ -287,8 +280,7 @@ def test_a_worker_stalled_in_a_remedy_agreement_fails_the_engine(tiny_dir) -> No
     answer: the action fails with RankFailure naming the rank and the engine stays failed, as
     after a step's collective, not a plain error that leaves the ranks out of step."""
     eng = engine("tiny", 2, tensor_parallel_timeout_s=2.0)
-    pid = eng.runner.worker_pids()[0]
-    try:
+    with _worker_held(eng) as pid:
         os.kill(pid, signal.SIGSTOP)
         fut = eng.set_kv_cache_dtype("fp8_e4m3")
         eng.step()  # takes the action at the step boundary
@@ -296,10 +288,6 @@ def test_a_worker_stalled_in_a_remedy_agreement_fails_the_engine(tiny_dir) -> No
         assert isinstance(err, RankFailure) and err.rank == 1, repr(err)
         with pytest.raises(RankFailure):
             eng.check_ranks()
-    finally:
-        os.kill(pid, signal.SIGCONT)
-        eng.shutdown()
-    assert pid not in _children()
 
 
 def test_shutdown_stops_every_worker(tiny_dir) -> None:
@@ -308,6 +296,19 @@ def test_shutdown_stops_every_worker(tiny_dir) -> None:
     assert len(pids) == 3 and set(pids) <= set(_children())
     eng.shutdown()
     assert not set(pids) & set(_children())
+
+
+@contextlib.contextmanager
+def _worker_held(eng: LLMEngine) -> Iterator[int]:
+    """A tp=2 engine's worker pid, for the block to stop (SIGSTOP); after it the worker is let
+    go and the engine shut down, and the worker must be gone."""
+    pid = eng.runner.worker_pids()[0]
+    try:
+        yield pid
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        eng.shutdown()
+    assert pid not in _children()
 
 
 def _children() -> list[int]:

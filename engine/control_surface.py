@@ -11,6 +11,7 @@ import copy
 import dataclasses
 import math
 import time
+import typing
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
@@ -18,11 +19,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvguard.engine.admission import AdmissionConfig
-from kvguard.engine.config import LIVE_KNOBS
+from kvguard.engine.config import LIVE_KNOBS, EngineConfig, parse_bytes
 from kvguard.engine.control import ActionResult
 from kvguard.engine.detokenizer import finish_text
 from kvguard.engine.distributed.errors import PoolTorn
-from kvguard.engine.knobs import KnobPath
+from kvguard.engine.knobs import ConfigError, KnobField, KnobPath, knob_fields
 from kvguard.engine.kv_cache import KV_TORCH_DTYPES, OOM_ERRORS, kv_dtype_name
 from kvguard.engine.model_runner import CUDA_GROW_MARGIN, HOST_GROW_BELOW
 from kvguard.engine.sequence import PRIORITY_NAMES, Status, parse_priority
@@ -72,6 +73,40 @@ def check_ratio(param: str, value: Any) -> float:
     if not (math.isfinite(value) and 0 < value <= 1):
         raise ParamError(param, f"{param}={value}: expected a number in (0, 1]")
     return float(value)
+
+
+# the live knobs' declarations, by path: a reload's values are checked against them
+LIVE_FIELDS: dict[KnobPath, KnobField] = {
+    k.path: k for k in knob_fields(EngineConfig) if k.path in LIVE_KNOBS
+}
+
+
+def check_live_knob(field: KnobField, value: Any) -> Any:
+    """A reload's value for one live knob, checked against its declaration (type, bounds)
+    in the caller's thread, as a config file's values are: ConfigError (a ValueError) names
+    the knob and what it takes. A size may be written '256MiB'; it is returned in bytes."""
+    name = ".".join(field.path)
+    if field.knob.kind == "size" and value is not None:
+        value = parse_bytes(value, name)
+    types_ = set(typing.get_args(field.type)) or {field.type}
+    if value is None and type(None) in types_:
+        return value
+    if bool in types_:
+        ok, kind = isinstance(value, bool), "a bool"
+    elif int in types_ and float not in types_:
+        ok, kind = isinstance(value, int) and not isinstance(value, bool), "an integer"
+    else:
+        ok, kind = isinstance(value, int | float) and not isinstance(value, bool), "a number"
+    if ok and field.knob.accepts(value):
+        return value
+    expected = field.knob.expected()
+    if expected.startswith("a value "):
+        expected = f"{kind} {expected.removeprefix('a value ')}"
+    elif expected == "any value":
+        expected = kind
+    if type(None) in types_:
+        expected += ", or None"
+    raise ConfigError(f"{name}={value!r}: expected {expected}")
 
 
 def allowed_name(rank: int | None) -> str | None:
@@ -415,10 +450,15 @@ class ControlSurface:
         """Apply knobs a reload changed, those declared `live`, at the next step boundary.
         The configured batch limit and step budget are what a remedy's undo restores; while a
         remedy holds one lower (a batch cut, an out-of-memory halving) the lower of the two is
-        in force, whatever reloads come and go before the undo."""
+        in force, whatever reloads come and go before the undo. A knob that is not live (a
+        ValueError) or a value its declaration refuses (ConfigError, naming the knob and what
+        it takes) raises here, in the caller's thread, and nothing is posted."""
         not_live = [".".join(p) for p in values if p not in LIVE_KNOBS]
         if not_live:
             raise ValueError(f"{', '.join(not_live)}: take effect at a restart, not a reload")
+        # each value against its knob's declaration, before anything is posted: a batch limit
+        # of 0 or a step budget below 1 would leave every request waiting for ever
+        values = {p: check_live_knob(LIVE_FIELDS[p], v) for p, v in values.items()}
         inner = {p[1]: v for p, v in values.items() if p[0] == "admission"}
         # built (and so bounds-checked) now, in the caller's thread: AdmissionConfig's own check
         admission = (

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import operator
 import threading
 import time
 from collections import deque
@@ -58,6 +59,48 @@ log = logging.getLogger("kvguard.engine")
 
 
 CPU_PREFILL_WHILE_DECODING = 128  # prompt tokens beside the decodes: a forward of ~0.3 s on 2 cores
+
+
+class EngineShutDown(RankFailure):
+    """The engine was shut down (`LLMEngine.shutdown`): it takes no more requests or steps.
+    A RankFailure, as PoolTorn is, so that a loop still stepping stops as for a lost rank
+    rather than retrying a step that cannot run."""
+
+    def __init__(self) -> None:
+        RuntimeError.__init__(self, "engine is shut down: it takes no more requests or steps")
+        self.rank = -1
+        self.reason = "shut down"
+
+
+def as_token_ids(tokens: object, what: str, vocab: int, too_long: int | None = None) -> list[int]:
+    """`tokens` as a list of token ids: ints, or what stands for one (numpy or torch
+    integers), each in [0, vocab). Booleans, strings and bytes are not token ids: ValueError
+    naming `what`. A list of `too_long` or more is returned unchecked: its caller refuses it
+    for its length, without this scan."""
+    if isinstance(tokens, str | bytes | bytearray | memoryview):
+        raise ValueError(f"{what}: expected a list of int token ids, not {type(tokens).__name__}")
+    try:
+        items = list(tokens)  # type: ignore[call-overload]  # any iterable, checked below
+    except TypeError:
+        raise ValueError(
+            f"{what}={tokens!r:.60}: expected a string or a list of int token ids"
+        ) from None
+    if too_long is not None and len(items) >= too_long:
+        return items
+    ids, wrong = [], []
+    for t in items:
+        try:
+            if isinstance(t, bool):
+                raise TypeError
+            ids.append(operator.index(t))
+        except TypeError:
+            wrong.append(t)
+    if wrong:
+        raise ValueError(f"{what} holds {wrong[:5]!r:.80}: expected a list of int token ids")
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"{what} token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+    return ids
 
 
 def speculation(config: EngineConfig) -> Speculation | None:
@@ -164,6 +207,7 @@ class LLMEngine(ControlSurface):
         self._ids = itertools.count()
         self._pending: list[RequestOutput] = []  # aborted/finished outside a step
         self.torn: PoolTorn | None = None  # a pool conversion failed half way: no more steps
+        self.shut_down = False  # `shutdown()` ran: no more requests or steps
         self._step_no = 0
         self._counters = {
             "tokens_generated": 0,
@@ -234,18 +278,26 @@ class LLMEngine(ControlSurface):
         (a ValueError) carries the policy's decision and retry hint. `arrival_time` (a
         time.monotonic()) is when the request came, where that was before this call (posted
         through the mailbox while a step ran): its queue time and TTFT count from there.
-        None: now."""
+        None: now. After `shutdown()`: EngineShutDown (a RuntimeError)."""
+        if self.shut_down:
+            raise EngineShutDown()
         params = params or SamplingParams()
         params.validate()
         vocab = self.model_config.vocab_size
-        bad = sorted(t for t in params.logit_bias if t >= vocab)
-        if bad:
-            raise ValueError(
-                f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {vocab})"
-            )
+        for name, given in (
+            ("logit_bias", params.logit_bias),
+            ("stop_token_ids", params.stop_token_ids),
+        ):
+            bad = sorted(t for t in given if t >= vocab)
+            if bad:
+                raise ValueError(
+                    f"{name} token ids {bad[:5]} are outside the vocabulary [0, {vocab})"
+                )
         rank = parse_priority(priority)
         limit = self.max_total_len()
         ids = self._prompt_ids(prompt, add_special_tokens, limit)
+        if request_id is not None and not isinstance(request_id, str):
+            raise ValueError(f"request_id={request_id!r:.60}: expected a string")
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self._seqs:
             raise ValueError(f"request_id {rid!r} is already in use")
@@ -315,18 +367,8 @@ class LLMEngine(ControlSurface):
             ids, whole = self.tokenizer.encode_within(prompt, add_special_tokens, limit)
             if not whole:
                 raise ValueError(self._too_long(limit, limit, more=True))
-        else:
-            ids = list(prompt)
-            vocab = self.model_config.vocab_size
-            bad = [  # a list too long is refused below, without this scan
-                t
-                for t in (ids if len(ids) < limit else ())
-                if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab
-            ]
-            if bad:
-                raise ValueError(
-                    f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})"
-                )
+        else:  # a list too long is refused below, without scanning it
+            ids = as_token_ids(prompt, "prompt", self.model_config.vocab_size, too_long=limit)
         if not ids:
             raise ValueError("prompt is empty: expected at least one token")
         if len(ids) >= limit:
@@ -387,7 +429,10 @@ class LLMEngine(ControlSurface):
     def step(self) -> list[RequestOutput]:
         """Apply posted actions, run one batch; return outputs of requests that advanced.
 
-        Raises RankFailure (tensor parallel) when a rank died or hung: the engine is done."""
+        Raises RankFailure (tensor parallel) when a rank died or hung: the engine is done;
+        after `shutdown()`, EngineShutDown (one, a RuntimeError saying so)."""
+        if self.shut_down:
+            raise EngineShutDown()
         self.interrupt.clear()  # what is posted by now is in this step's drain
         self.mailbox.drain()
         if self.torn is not None:
@@ -638,22 +683,50 @@ class LLMEngine(ControlSurface):
         priority: str | int = "normal",
         add_special_tokens: bool = True,
     ) -> list[RequestOutput]:
-        """Run prompts to completion; outputs in prompt order."""
+        """Run prompts to completion; outputs in prompt order.
+
+        All or nothing: a prompt refused (ValueError), or any exception while they run, aborts
+        the requests this call added before it re-raises, so none is left queued for a caller
+        that never got its id. Requests added before with `add_request` keep running: their
+        outputs of the steps this call ran are returned by the next `step()`, in order."""
         if isinstance(prompts, str):
             prompts = [prompts]
         plist = list(params) if isinstance(params, list | tuple) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"{len(plist)} SamplingParams for {len(prompts)} prompts")
-        rids = [
-            self.add_request(p, sp, None, priority, add_special_tokens)
-            for p, sp in zip(prompts, plist, strict=True)
-        ]
+        rids: list[str] = []
         final: dict[str, RequestOutput] = {}
-        while self.has_unfinished():
-            for out in self.step():
-                if out.finished:
-                    final[out.request_id] = out
+        others: list[RequestOutput] = []  # other callers' outputs, kept for their next step()
+        try:
+            for p, sp in zip(prompts, plist, strict=True):
+                rids.append(self.add_request(p, sp, None, priority, add_special_tokens))
+            mine = set(rids)
+            while len(final) < len(rids):
+                if not self.has_unfinished():
+                    missing = [r for r in rids if r not in final]
+                    raise RuntimeError(f"generate: {missing} ended without a final output")
+                for out in self.step():
+                    if out.request_id not in mine:
+                        others.append(out)
+                    elif out.finished:
+                        final[out.request_id] = out
+        except BaseException:
+            self._abandon(rids)
+            raise
+        finally:
+            self._pending[:0] = others
         return [final[r] for r in rids]
+
+    def _abandon(self, rids: list[str]) -> None:
+        """Abort the requests a failed `generate` added, their outputs dropped: the caller
+        never got their ids. Best effort: the error that failed the call is the one raised."""
+        for rid in rids:
+            try:
+                self.abort(rid)
+            except Exception:
+                log.exception("generate: aborting %s after a failed call failed", rid)
+        dropped = set(rids)
+        self._pending = [o for o in self._pending if o.request_id not in dropped]
 
     @torch.inference_mode()
     def score(self, token_ids: list[int]) -> torch.Tensor:
@@ -661,15 +734,26 @@ class LLMEngine(ControlSurface):
 
         Teacher forcing for quality checks (e.g. FP8 KV against full precision): the tokens are
         prefilled chunk by chunk, exactly like a request, into blocks freed afterwards.
+        ValueError when `token_ids` is empty, holds ids outside the vocabulary or is longer
+        than max_model_len (the model has no positions past it).
         """
-        seq = Sequence("__score__", list(token_ids), SamplingParams(), 0, -1, len(token_ids) + 1)
+        if self.shut_down:
+            raise EngineShutDown()
+        ids = as_token_ids(token_ids, "score", self.model_config.vocab_size)
+        if not ids:
+            raise ValueError("score: token_ids is empty: expected at least one token")
+        if len(ids) > self.max_model_len:
+            raise ValueError(
+                f"score: {len(ids)} token ids are more than max_model_len={self.max_model_len}"
+            )
+        seq = Sequence("__score__", ids, SamplingParams(), 0, -1, len(ids) + 1)
         chunk = self.scheduler.max_num_batched_tokens
-        if not self.block_manager.can_allocate(self.block_manager.blocks_for(len(token_ids))):
+        if not self.block_manager.can_allocate(self.block_manager.blocks_for(len(ids))):
             raise RuntimeError("score: not enough free KV blocks; call it while the engine is idle")
         logits = []
         try:
-            while seq.num_computed_tokens < len(token_ids):
-                n = min(chunk, len(token_ids) - seq.num_computed_tokens)
+            while seq.num_computed_tokens < len(ids):
+                n = min(chunk, len(ids) - seq.num_computed_tokens)
                 self.block_manager.allocate(seq, n)
                 logits.append(self.runner.logits([seq], [n], every_row=True))
                 seq.num_computed_tokens += n
@@ -685,13 +769,17 @@ class LLMEngine(ControlSurface):
         self.scheduler.audit()
 
     def shutdown(self) -> None:
-        """Stop what the engine started outside this process (tensor-parallel workers)."""
+        """Stop what the engine started outside this process (tensor-parallel workers). The
+        engine takes no requests or steps after it (EngineShutDown)."""
+        self.shut_down = True
         self.runner.shutdown()
 
     def check_ranks(self) -> None:
         """RankFailure if a tensor-parallel rank has died (cheap; an idle loop calls it, so a
         dead rank is noticed without traffic), or PoolTorn once a pool conversion failed
-        half way."""
+        half way, or EngineShutDown after `shutdown()`."""
+        if self.shut_down:
+            raise EngineShutDown()
         if self.torn is not None:
             raise self.torn
         self.runner.check_alive()

@@ -21,6 +21,16 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 1024
 
 
+def is_int(v: Any) -> bool:
+    """An int, not a bool (Python counts True as 1; `top_k=True` is a typo, not 1)."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def is_number(v: Any) -> bool:
+    """An int or a float, not a bool."""
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
 @dataclass(slots=True)
 class SamplingParams:
     max_tokens: int = 64
@@ -61,18 +71,28 @@ class SamplingParams:
             or self.max_tokens <= 0
         ):
             raise ValueError(f"max_tokens={self.max_tokens!r}: expected an integer >= 1")
-        if not 0.0 <= self.temperature < math.inf:
+        # the type first: None or '0.9' would otherwise fail the comparison with a TypeError
+        if not is_number(self.temperature) or not 0.0 <= self.temperature < math.inf:
             raise ValueError(f"temperature={self.temperature!r}: expected a finite number >= 0")
-        if self.seed is not None and (
-            not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64
-        ):
+        if self.seed is not None and (not is_int(self.seed) or not -(2**63) <= self.seed < 2**64):
             raise ValueError(
                 f"seed={self.seed!r}: expected an integer in [-2**63, 2**64), as torch seeds"
             )
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k={self.top_k!r}: expected an integer >= 0 (0 disables)")
-        if not 0.0 <= self.top_p <= 1.0:
+        if not is_number(self.top_p) or not 0.0 <= self.top_p <= 1.0:
             raise ValueError(f"top_p={self.top_p!r}: expected a number in [0, 1]")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r}: expected a bool")
+        # read on every output token: a wrong type would end the request in the step instead
+        if not isinstance(self.stop_token_ids, list | tuple) or not all(
+            is_int(t) and t >= 0 for t in self.stop_token_ids
+        ):
+            raise ValueError(
+                f"stop_token_ids={self.stop_token_ids!r}: expected a list of token ids "
+                "(integers >= 0)"
+            )
         if not isinstance(self.stop, list | tuple):
             raise ValueError(f"stop={self.stop!r}: expected a string or a list of strings")
         if len(self.stop) > MAX_STOP_STRINGS:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -171,6 +172,108 @@ def test_bad_requests_are_rejected_and_others_unaffected(tiny: LLMEngine) -> Non
         for o in tiny.step():
             done[o.request_id] = o
     assert done[good].finish_reason == "length" and len(done[good].token_ids) == 8
+
+
+def test_generate_is_all_or_nothing_and_hands_other_requests_outputs_on(
+    tiny: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """generate() adds its prompts one by one: one refused, or any exception while they run,
+    aborts those it added (their ids never reached the caller: they used to stay queued and
+    come out of the caller's next step()). A request added before with add_request runs on
+    beside them, and its outputs of generate's steps come out of the next step(), in order
+    (it used to be run to completion and its outputs dropped)."""
+    with pytest.raises(ValueError, match="prompt is empty"):
+        tiny.generate([PROMPTS[0], PROMPTS[1], ""], SamplingParams(max_tokens=5))
+    assert not tiny.has_unfinished() and tiny.snapshot().blocks_used == 0
+    assert tiny.step() == []
+
+    mine = tiny.add_request(PROMPTS[2], SamplingParams(max_tokens=12, ignore_eos=True))
+    outs = tiny.step()
+    got = tiny.generate([PROMPTS[0]], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(got[0].token_ids) == 3
+    assert tiny.has_unfinished()  # mine: not run to its end by generate
+    while tiny.has_unfinished():
+        outs += tiny.step()
+    assert {o.request_id for o in outs} == {mine}
+    assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
+    whole = [t for o in outs for t in o.new_token_ids]
+    assert len(whole) == 12 and whole == outs[-1].token_ids
+
+    # a step that raises inside generate (here an interrupt): its requests are aborted too
+    schedule, calls = tiny.scheduler.schedule, []
+
+    def interrupted():  # noqa: ANN202 - a ScheduledBatch
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return schedule()
+
+    monkeypatch.setattr(tiny.scheduler, "schedule", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        tiny.generate(PROMPTS[:2], SamplingParams(max_tokens=8, ignore_eos=True))
+    monkeypatch.undo()
+    assert not tiny.has_unfinished() and tiny.snapshot().blocks_used == 0
+    assert tiny.step() == []
+    tiny.audit_blocks()
+
+
+def test_library_inputs_are_read_as_meant_or_refused_by_name(tiny: LLMEngine) -> None:
+    """Token ids as numpy or torch integers are token ids (they were refused as "outside the
+    vocabulary"); bytes (read as ids before), strings, floats and bools in a list are not.
+    Wrong types in SamplingParams, score()'s bad input and any use after shutdown() raise a
+    ValueError or RuntimeError naming the cause (before: TypeError, IndexError from torch, or
+    at tp > 1 a RankFailure blaming a rank)."""
+    greedy4 = SamplingParams(max_tokens=4, ignore_eos=True)
+    want = tiny.generate([[5, 6, 7]], greedy4)[0].token_ids
+    for ids in (numpy.array([5, 6, 7]), torch.tensor([5, 6, 7]), [numpy.int32(5), 6, 7]):
+        assert tiny.generate([ids], greedy4)[0].token_ids == want
+    for bad, said in (
+        (b"hi", "^prompt: expected a list of int token ids, not bytes"),
+        (["a", 5], r"^prompt holds \['a'\]: expected a list of int token ids"),
+        ([5, 6.0], r"^prompt holds \[6.0\]: expected a list of int token ids"),
+        ([5, True], r"^prompt holds \[True\]: expected a list of int token ids"),
+        (torch.tensor([1.5]), "^prompt holds .*: expected a list of int token ids"),
+        (None, "^prompt=None: expected a string or a list of int token ids"),
+        (5, "^prompt=5: expected a string or a list of int token ids"),
+    ):
+        with pytest.raises(ValueError, match=said):
+            tiny.add_request(bad)
+    with pytest.raises(ValueError, match="^request_id=5: expected a string"):
+        tiny.add_request("hi", request_id=5)
+    assert not tiny.has_unfinished()
+    for bad in (
+        {"temperature": None},
+        {"temperature": "0.5"},
+        {"temperature": True},
+        {"top_p": "0.9"},
+        {"top_p": None},
+        {"top_k": True},
+        {"top_k": 2.0},
+        {"seed": True},
+    ):
+        with pytest.raises(ValueError, match=f"^{next(iter(bad))}="):
+            SamplingParams(**bad)
+    vocab, limit = tiny.model_config.vocab_size, tiny.max_model_len
+    with pytest.raises(ValueError, match="^score: token_ids is empty"):
+        tiny.score([])
+    with pytest.raises(ValueError, match=rf"^score token ids \[{vocab}\] are outside the vocab"):
+        tiny.score([1, vocab])
+    with pytest.raises(ValueError, match=f"^score: {limit + 1} token ids are more than max_model"):
+        tiny.score([5] * (limit + 1))
+    assert tiny.score(numpy.array([5, 6, 7])).shape == (3, vocab)
+    assert tiny.snapshot().blocks_used == 0
+
+    done = make_engine()
+    done.shutdown()
+    for use in (
+        lambda: done.add_request("hi"),
+        done.step,
+        lambda: done.generate(["hi"]),
+        lambda: done.score([5]),
+        done.check_ranks,
+    ):
+        with pytest.raises(RuntimeError, match="^engine is shut down"):
+            use()
 
 
 def test_prompt_larger_than_pool_is_rejected_at_once() -> None:

@@ -69,6 +69,43 @@ def test_the_engine_takes_live_knobs_at_a_step_boundary() -> None:
         engine.reconfigure({("admission", "safety_factor"): 0.5})
 
 
+def test_a_value_out_of_a_live_knobs_bounds_raises_at_the_call_and_changes_nothing() -> None:
+    """Each value is checked against its knob's declaration in the caller's thread, as a
+    config file's is; before, only the knob's name was: a batch limit of 0 or a step budget of
+    -5 was taken and no request was ever scheduled again, and "x" made every step raise."""
+    engine = make_engine(kv_cache_bytes="1MiB", max_model_len=128, admission=AdmissionConfig())
+    before = engine.knobs()
+    for path, value, expected in (
+        (("max_num_seqs",), 0, r"max_num_seqs=0: expected an integer >= 1 and <= \d+"),
+        (("max_num_seqs",), "x", r"max_num_seqs='x': expected an integer >= 1"),
+        (("max_num_seqs",), 4.0, r"max_num_seqs=4.0: expected an integer"),
+        (("max_num_seqs",), True, r"max_num_seqs=True: expected an integer"),
+        (("max_num_batched_tokens",), -5, r"max_num_batched_tokens=-5: expected an integer >= 1"),
+        (("max_num_batched_tokens",), None, r"max_num_batched_tokens=None: expected an integer"),
+        (("decode_steps",), 100, r"decode_steps=100: expected an integer >= 1 and <= 16"),
+        (("speculative_tokens",), -1, r"speculative_tokens=-1: expected an integer >= 0"),
+        (("prefill_while_decoding",), 0, r"prefill_while_decoding=0: .*>= 1, or None"),
+        (("speculative_row_cost",), float("nan"), r"speculative_row_cost=nan: expected a number"),
+        (("interrupt_for_high",), "no", r"interrupt_for_high='no': expected a bool"),
+        (("oom_quiet_period_s",), 0, r"oom_quiet_period_s=0: expected a number > 0"),
+        (("kv_cache_bytes",), "lots", r"kv_cache_bytes='lots': cannot read as a size"),
+        (("kv_cache_bytes",), 0, r"kv_cache_bytes=0: expected an integer > 0"),
+        (("admission", "max_queue"), "9", r"admission.max_queue='9': expected an integer >= 0"),
+    ):
+        with pytest.raises(ConfigError, match=f"^{expected}"):
+            # with a good value beside it: a reload is all or nothing
+            engine.reconfigure({("admission", "max_queue"): 5, path: value})
+        assert not engine.mailbox.pending(), path  # nothing was posted
+    engine.step()
+    assert engine.knobs() == before and engine.admission.config.max_queue == 256
+    assert engine.config.max_num_seqs == before["max_num_seqs"] and engine.config.decode_steps == 1
+    assert [o.finish_reason for o in engine.generate(PROMPTS[:2], greedy(4))] == ["length"] * 2
+    # what a declaration takes is taken: a size as the config file writes it, in bytes
+    res = apply(engine, engine.reconfigure({("kv_cache_bytes",): "512KiB", ("decode_steps",): 16}))
+    assert res.ok and engine.config.kv_cache_bytes == 512 * 1024, res.detail
+    assert res.after["kv_pool_blocks"] == before["kv_pool_blocks"] // 2
+
+
 def test_without_chunking_the_step_budget_stays_at_least_the_running_max_model_len() -> None:
     """max_model_len and enable_chunked_prefill change only at a restart: a step budget below
     the running max_model_len would leave a longer prompt waiting at the queue's head for

@@ -11,6 +11,7 @@ import torch
 from kvguard.engine import LLMEngine, SamplingParams
 from kvguard.engine.random_model import byte_tokenizer
 from kvguard.engine.sampler import adjust_logits
+from tests.test_engine import make_engine
 from tests.test_server import Daemon
 
 
@@ -80,6 +81,37 @@ def test_sampling_controls_are_validated() -> None:
     ):
         with pytest.raises(ValueError, match=next(iter(bad))):
             SamplingParams(**bad)
+
+
+def test_stop_token_ids_and_the_stop_flags_are_validated() -> None:
+    """stop_token_ids is read on every output token: a wrong type (5, None, ["a"]) used to
+    pass and end the request inside its step with a TypeError, a negative id never to match.
+    An id past the vocabulary is refused by add_request, as logit_bias's are; ignore_eos and
+    include_stop_str_in_output are bools."""
+    for bad in (5, None, "7", ["a"], [-1], [True], [1.0]):
+        with pytest.raises(
+            ValueError, match=r"^stop_token_ids=.*: expected a list of token ids \(integers >= 0"
+        ):
+            SamplingParams(stop_token_ids=bad)
+    for name in ("ignore_eos", "include_stop_str_in_output"):
+        with pytest.raises(ValueError, match=f"^{name}=1: expected a bool"):
+            SamplingParams(**{name: 1})
+    engine = make_engine()
+    vocab = engine.model_config.vocab_size
+    with pytest.raises(
+        ValueError, match=rf"^stop_token_ids token ids \[{vocab}\] are outside the vocabulary"
+    ):
+        engine.add_request("hi", SamplingParams(stop_token_ids=[1, vocab]))
+    changed = SamplingParams(max_tokens=3)
+    changed.stop_token_ids = None  # set after it was built: add_request validates again
+    with pytest.raises(ValueError, match="^stop_token_ids=None"):
+        engine.add_request("hi", changed)
+    assert not engine.has_unfinished()
+    free = engine.generate(["hi"], SamplingParams(max_tokens=6, ignore_eos=True))[0]
+    tok = free.token_ids[2]
+    cut = engine.generate(["hi"], SamplingParams(max_tokens=6, stop_token_ids=(tok,)))[0]
+    assert cut.finish_reason == "stop"
+    assert cut.token_ids == free.token_ids[: free.token_ids.index(tok) + 1]
 
 
 def test_the_api_serves_penalties_and_logit_bias(tiny_daemon: Daemon) -> None:

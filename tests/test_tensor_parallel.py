@@ -296,6 +296,10 @@ def test_shutdown_stops_every_worker(tiny_dir) -> None:
     assert len(pids) == 3 and set(pids) <= set(_children())
     eng.shutdown()
     assert not set(pids) & set(_children())
+    # and says so, instead of blaming a rank for the workers it stopped itself
+    for use in (lambda: eng.add_request("hi"), eng.step, eng.check_ranks):
+        with pytest.raises(RuntimeError, match="^engine is shut down"):
+            use()
 
 
 @contextlib.contextmanager

@@ -64,6 +64,9 @@ class Where:
     name: str = ""  # the file; "" for built-in defaults
     lines: Mapping[Loc, int] = field(default_factory=dict)  # each key's line, 1-based
     flags: Mapping[Loc, str] = field(default_factory=dict)  # keys set from the command line
+    # serving.model as the file wrote it, where it was made absolute (`_rebased_model`): the
+    # name clients keep using unless api.served_model_name says another
+    model_as_written: str | None = None
 
     def __call__(self, loc: Loc) -> str:
         for n in range(len(loc), 0, -1):
@@ -532,7 +535,7 @@ class DaemonConfig(_Section):
 
     def served_model_name(self) -> str:
         """The name clients put in `model` and see in /v1/models."""
-        return self.api.served_model_name or self.serving.model
+        return self.api.served_model_name or self._where.model_as_written or self.serving.model
 
     def prometheus_instance(self, port: int | None = None) -> str:
         """The value substituted for `$instance` in PromQL signals (and an alert's `instance`
@@ -596,7 +599,9 @@ def _rebased_model(cfg: DaemonConfig, base: Path) -> DaemonConfig:
     if model in KNOWN_MODELS:  # a known name wins, as it does on the command line
         return cfg
     serving = cfg.serving.model_copy(update={"model": str(there)})
-    return cfg.model_copy(update={"serving": serving})
+    out = cfg.model_copy(update={"serving": serving})
+    out._where = replace(cfg._where, model_as_written=model)  # still served under that name
+    return out
 
 
 def _cuda_devices() -> int:
@@ -695,7 +700,10 @@ def apply_overrides(
         if value is not None:
             data.setdefault(section, {})[key] = value
     given = {loc: flag for loc, (flag, value) in flags.items() if value is not None}
-    return _validate(data, replace(cfg._where, flags={**cfg._where.flags, **given}))
+    where = replace(cfg._where, flags={**cfg._where.flags, **given})
+    if model is not None:  # --model names another model: served under its own name
+        where = replace(where, model_as_written=None)
+    return _validate(data, where)
 
 
 def _validate(data: Any, where: Where) -> DaemonConfig:

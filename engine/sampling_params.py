@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import numbers
+import operator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,8 +29,21 @@ def is_int(v: Any) -> bool:
 
 
 def is_number(v: Any) -> bool:
-    """An int or a float, not a bool."""
-    return isinstance(v, int | float) and not isinstance(v, bool)
+    """A real number (an int, a float, a numpy float), not a bool."""
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
+def token_ids(v: Any) -> list[int] | None:
+    """`v` as a list of token ids >= 0 (any iterable of ints, numpy or torch integers
+    included, but not a string, bytes or bools), or None where it is not one."""
+    if isinstance(v, str | bytes | bytearray):
+        return None
+    try:
+        items = list(v)
+        ids = [operator.index(t) for t in items if not isinstance(t, bool)]
+    except TypeError:
+        return None
+    return ids if len(ids) == len(items) and all(t >= 0 for t in ids) else None
 
 
 @dataclass(slots=True)
@@ -86,13 +101,13 @@ class SamplingParams:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected a bool")
         # read on every output token: a wrong type would end the request in the step instead
-        if not isinstance(self.stop_token_ids, list | tuple) or not all(
-            is_int(t) and t >= 0 for t in self.stop_token_ids
-        ):
+        ids = token_ids(self.stop_token_ids)
+        if ids is None:
             raise ValueError(
                 f"stop_token_ids={self.stop_token_ids!r}: expected a list of token ids "
                 "(integers >= 0)"
             )
+        self.stop_token_ids = ids  # a set or numpy ids, as the plain list the steps read
         if not isinstance(self.stop, list | tuple):
             raise ValueError(f"stop={self.stop!r}: expected a string or a list of strings")
         if len(self.stop) > MAX_STOP_STRINGS:

@@ -174,6 +174,13 @@ def test_a_relative_model_path_is_read_beside_the_config_file(
     assert cfg.serving.model == str(etc / "m")
     cfg.check_start()
     assert apply_overrides(cfg, model="./m").serving.model == "./m"
+    # clients keep the name the file wrote (they got 404 for it once it was made absolute),
+    # other flags keep it, a --model flag serves its own, api.served_model_name wins
+    assert cfg.served_model_name() == "./m"
+    assert apply_overrides(cfg, port=8123).served_model_name() == "./m"
+    assert apply_overrides(cfg, model="tiny").served_model_name() == "tiny"
+    f.write_text("serving: {model: ./m}\napi: {served_model_name: mine}\n")
+    assert load_config(f).served_model_name() == "mine"
     # a known name stays one, and a path found nowhere beside the file is left as written
     f.write_text("serving: {model: tiny}\n")
     assert load_config(f).serving.model == "tiny"

@@ -112,6 +112,15 @@ def test_stop_token_ids_and_the_stop_flags_are_validated() -> None:
     cut = engine.generate(["hi"], SamplingParams(max_tokens=6, stop_token_ids=(tok,)))[0]
     assert cut.finish_reason == "stop"
     assert cut.token_ids == free.token_ids[: free.token_ids.index(tok) + 1]
+    # what a library caller hands over as it is: a set of ids (the engine's eos_ids), numpy
+    # ids and numpy floats, all taken as before the checks (the ids as a plain list)
+    import numpy as np
+
+    for ids in ({tok}, [np.int64(tok)]):
+        params = SamplingParams(max_tokens=6, stop_token_ids=ids)
+        assert params.stop_token_ids == [tok]
+        assert engine.generate(["hi"], params)[0].token_ids == cut.token_ids
+    SamplingParams(temperature=np.float32(0.7), top_p=np.float32(0.9))
 
 
 def test_the_api_serves_penalties_and_logit_bias(tiny_daemon: Daemon) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-import operator
 import threading
 import time
 from collections import deque
@@ -39,7 +38,7 @@ from kvguard.engine.model_runner import (
     pick_dtype,
 )
 from kvguard.engine.sampler import spend_draws
-from kvguard.engine.sampling_params import SamplingParams
+from kvguard.engine.sampling_params import SamplingParams, split_ids
 from kvguard.engine.scheduler import ScheduledBatch, Scheduler, Speculation, awaits_first_text
 from kvguard.engine.sequence import (
     PRIORITY_NAMES,
@@ -87,14 +86,7 @@ def as_token_ids(tokens: object, what: str, vocab: int, too_long: int | None = N
         ) from None
     if too_long is not None and len(items) >= too_long:
         return items
-    ids, wrong = [], []
-    for t in items:
-        try:
-            if isinstance(t, bool):
-                raise TypeError
-            ids.append(operator.index(t))
-        except TypeError:
-            wrong.append(t)
+    ids, wrong = split_ids(items)
     if wrong:
         raise ValueError(f"{what} holds {wrong[:5]!r:.80}: expected a list of int token ids")
     bad = [t for t in ids if not 0 <= t < vocab]

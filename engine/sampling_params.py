@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import numbers
 import operator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,17 +34,30 @@ def is_number(v: Any) -> bool:
     return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
 
+def split_ids(items: Iterable[Any]) -> tuple[list[int], list[Any]]:
+    """The items that are token ids, as ints (ints, numpy or torch integers), and those that
+    are not (bools, floats, strings, anything else)."""
+    ids, wrong = [], []
+    for t in items:
+        try:
+            if isinstance(t, bool):
+                raise TypeError
+            ids.append(operator.index(t))
+        except TypeError:
+            wrong.append(t)
+    return ids, wrong
+
+
 def token_ids(v: Any) -> list[int] | None:
     """`v` as a list of token ids >= 0 (any iterable of ints, numpy or torch integers
     included, but not a string, bytes or bools), or None where it is not one."""
     if isinstance(v, str | bytes | bytearray):
         return None
     try:
-        items = list(v)
-        ids = [operator.index(t) for t in items if not isinstance(t, bool)]
-    except TypeError:
+        ids, wrong = split_ids(v)
+    except TypeError:  # not iterable
         return None
-    return ids if len(ids) == len(items) and all(t >= 0 for t in ids) else None
+    return ids if not wrong and all(t >= 0 for t in ids) else None
 
 
 @dataclass(slots=True)

@@ -248,6 +248,30 @@ def test_a_hung_worker_fails_the_engine_within_the_timeout(tiny_dir) -> None:
         assert err.value.rank == 1 and "stopped" in str(err.value)
 
 
+def test_a_hung_worker_fails_the_stage_time_query_within_the_timeout(tiny_dir) -> None:
+    """`worker_busy_s` (the pipeline benchmark's per-stage time) asks every worker between
+    steps: a worker that answers nothing fails it within the timeout, naming the rank, rather
+    than blocking the caller for good."""
+    eng = engine("tiny", 2, tensor_parallel_timeout_s=2.0)
+    with _worker_held(eng) as pid:
+        assert set(eng.runner.worker_busy_s()) == {1}
+        os.kill(pid, signal.SIGSTOP)
+        out: list[BaseException] = []
+
+        def ask() -> None:
+            try:
+                eng.runner.worker_busy_s()
+            except BaseException as e:  # noqa: BLE001 - handed to the test thread
+                out.append(e)
+
+        asker = threading.Thread(target=ask, daemon=True)
+        asker.start()
+        asker.join(2.0 + 30)  # generous: the answer comes in about 3s
+        assert not asker.is_alive(), "worker_busy_s is blocked on the stopped worker"
+        assert isinstance(out[0], RankFailure) and out[0].rank == 1, repr(out)
+        assert "stopped" in str(out[0])
+
+
 def test_a_stalled_worker_fails_a_message_larger_than_its_socket_buffer(tiny_dir) -> None:
     """A step message larger than the socket buffer, to a worker that reads nothing: rank 0
     gives up within the timeout naming the rank, never blocks in the send for good. A healthy

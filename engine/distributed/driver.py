@@ -385,11 +385,17 @@ class TensorParallelRunner(ModelRunner):
 
     def worker_busy_s(self) -> dict[int, float]:
         """Each worker's seconds of forward since start (rank -> seconds), asked over its pipe
-        between steps: the pipeline benchmark's time per stage and idle share."""
+        between steps: the pipeline benchmark's time per stage and idle share. A worker that
+        does not answer within `timeout_s`, or dies, fails the engine as a step would."""
         self._send_all("stats", None)
         out = {}
         for w in self.workers:
-            kind, data = w.conn.recv()
+            got = w.next_message(self.timeout_s)
+            if got is None:
+                self._after_error(TimeoutError("no answer to 'stats'"), w.rank)
+            kind, data = got
+            if kind == "gone":
+                self._fail(RankFailure(w.rank, data))
             out[w.rank] = data["busy_s"] if kind == "stats" else float("nan")
         return out
 

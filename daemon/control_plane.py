@@ -27,7 +27,7 @@ from apscheduler.triggers.interval import IntervalTrigger
 from kvguard.daemon.openai_schemas import unicode_problem
 from kvguard.engine.control import ActionResult
 from kvguard.engine.events import EngineEvent
-from kvguard.rules.actions import await_action, run_action
+from kvguard.rules.actions import StopSignal, await_action, run_action
 from kvguard.rules.evaluator import Evaluator
 from kvguard.rules.schema import RuleSet, RulesFileError, load_rules, rules_file
 from kvguard.rules.signals import PromQL, SignalReader
@@ -49,6 +49,7 @@ STORM_PREEMPTIONS = 32
 MAX_ALERTS_PER_REQUEST = 100  # Alertmanager's webhook_config max_alerts keeps a group under it
 # How long a rule's action may wait for the engine to take it at a step boundary before it is
 # withdrawn unapplied (recorded failed); one the engine has taken gets as long again to finish.
+# The stop ends either wait at once (`stop`): it never waits them out.
 ACTION_TIMEOUT_S = 120.0
 
 
@@ -90,6 +91,7 @@ class ControlPlane:
         self.alerts_ignored: dict[str, int] = {}
         self.on_tick = None  # set by metrics: observes tick duration
         self.action_timeout_s = ACTION_TIMEOUT_S
+        self.stopping = StopSignal()  # set by stop(): actions awaited on the engine give way
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
@@ -118,6 +120,11 @@ class ControlPlane:
         )
 
     def stop(self) -> None:
+        """Bounded however stuck the engine is: an evaluation waiting on it for an action stops
+        waiting at once (`stopping`), recording it failed, withdrawn if the engine had not taken
+        it, else in `close_at_stop` as not known to have applied; only then is the scheduler
+        waited for."""
+        self.stopping.set()
         if self.scheduler.running:
             self.scheduler.shutdown(wait=True)
         self.record_pending()
@@ -145,9 +152,10 @@ class ControlPlane:
         ActionWithdrawn: it never runs, so the `failed` the evaluator records is the truth (it
         used to stay in the mailbox and apply later, a remedy no rule held nor ever undid).
         One the engine has taken is waited for as long again; an engine stuck inside it raises
-        ActionStillApplying, and the evaluator records its outcome when it comes."""
+        ActionStillApplying, and the evaluator records its outcome when it comes. The stop
+        (`stopping`) ends either wait at once, the same way: it never waits them out."""
         fut = run_action(self.service.engine, action, params, clamp=True)
-        return await_action(fut, action, self.action_timeout_s)
+        return await_action(fut, action, self.action_timeout_s, self.stopping)
 
     def _poll_nvml(self) -> None:
         self._gpu_ratio = self.service.nvml.memory_used_ratio()

@@ -47,7 +47,14 @@ from kvguard.engine.host_memory import host_memory_used_ratio
 from kvguard.engine.knobs import KnobField, KnobPath
 from kvguard.engine.llm_engine import LLMEngine
 from kvguard.engine.snapshot import EngineSnapshot
-from kvguard.rules.actions import ActionStillApplying, ActionWithdrawn, await_action, run_action
+from kvguard.rules.actions import (
+    ActionStillApplying,
+    ActionWithdrawn,
+    StopSignal,
+    await_action,
+    run_action,
+    wait_or_stop,
+)
 from kvguard.rules.schema import RuleSet, load_rules, rules_file
 
 log = logging.getLogger("kvguard.daemon")
@@ -71,7 +78,8 @@ FATAL_EXIT_CODE = 1
 FATAL_EXIT_DEADLINE_S = 20.0
 ENGINE_SHUTDOWN_S = 15.0  # stopping the workers: the runner asks, waits, then kills
 # A reload waits this long for the engine to take its new knobs at a step boundary (not taken,
-# they are withdrawn: nothing changed), and as long again for it to finish applying them.
+# they are withdrawn: nothing changed), and as long again for it to finish applying them. A stop
+# never waits on a reload: one under way when the stop begins is abandoned at once (`stopping`).
 RECONFIGURE_TIMEOUT_S = 30.0
 # what an operator's action withdrawn unapplied (the admin API's wait ran out) is audited with
 MANUAL_WITHDRAWN = (
@@ -102,11 +110,13 @@ class _Server(uvicorn.Server):
 class KnobsNotApplied(RuntimeError):
     """A reload's engine knobs not in force when the reload ends: `outcome` "withdrawn" (the
     engine never took them: nothing changed) or "still_applying" (it took them and had not
-    finished: they may yet apply, and are settled when they do)."""
+    finished: they may yet apply, and are settled when they do). `abandoned`: the daemon began
+    to stop meanwhile, and the reload stopped waiting then."""
 
-    def __init__(self, message: str, outcome: str) -> None:
+    def __init__(self, message: str, outcome: str, abandoned: bool = False) -> None:
         super().__init__(message)
         self.outcome = outcome
+        self.abandoned = abandoned
 
 
 class LoadInterrupted(BaseException):
@@ -139,9 +149,11 @@ class Service:
         self.started = int(time.time())
         self.draining = False
         self._reload_lock = threading.Lock()
-        # set once the engine has settled knobs a reload stopped waiting for (`_knobs_late`):
+        # done once the engine has settled knobs a reload stopped waiting for (`_knobs_late`):
         # the next reload waits for it, so that it starts from the config really in force
-        self._knobs_settled: threading.Event | None = None
+        self._knobs_settled: Future | None = None
+        # set when the stop begins: a reload waiting on the engine gives way at once
+        self.stopping = StopSignal()
         self._ready = False
         self._listening_now = False  # the API accepts connections: READY=1 may go out
         self.engine: LLMEngine
@@ -402,7 +414,7 @@ class Service:
         aio = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             aio.add_signal_handler(sig, self._on_stop_signal, sig, server)
-        aio.add_signal_handler(signal.SIGHUP, lambda: aio.run_in_executor(None, self.reload))
+        aio.add_signal_handler(signal.SIGHUP, self._on_sighup, aio)
         self._aio, self._server = aio, server
         if self.loop.fatal is not None:  # failed since loading: the hook found no server
             self._begin_exit(aio, server)
@@ -411,6 +423,14 @@ class Service:
         finally:
             self.close()
         return self.exit_code
+
+    def _on_sighup(self, aio: asyncio.AbstractEventLoop) -> None:
+        """SIGHUP while serving: a reload on a worker thread; none once the stop has begun
+        (logged): the stop must not wait on a reload."""
+        if self.draining:
+            log.warning("SIGHUP ignored: the daemon is stopping (no reload once the stop began)")
+            return
+        aio.run_in_executor(None, self.reload)
 
     def _on_stop_signal(self, sig: signal.Signals, server: uvicorn.Server) -> None:
         """The first SIGTERM/SIGINT drains; a second one during the drain means the operator
@@ -434,6 +454,7 @@ class Service:
         """Leave without waiting for requests, the engine or connections: only the audit gets
         a short, bounded chance to write (or spill) what it holds."""
         self._stop_watchdog.set()
+        self.stopping.set()
         sdnotify.status(f"exiting: {why}")
         if self.audit is not None:
             if self.control is not None:
@@ -457,6 +478,7 @@ class Service:
         if self.draining:
             return
         self.draining = True
+        self.stopping.set()  # a reload under way is abandoned: it waits on the engine no more
         sdnotify.stopping()
         deadline = time.monotonic() + self.cfg.api.drain_timeout
         log.info(
@@ -513,7 +535,10 @@ class Service:
         return len(ids)
 
     def close(self) -> None:
+        if self._closed.is_set():  # closed already (serve() ended, then its caller's close)
+            return
         self.draining = True  # whatever ended serving: from here no reload, no new request
+        self.stopping.set()  # a reload still waiting on the engine gives way (see `_reload`)
         self._stop_watchdog.set()
         self._unwatch_gc()
         gc_policy.unfreeze()
@@ -525,6 +550,10 @@ class Service:
         def left(until: float, least: float) -> float:
             return max(until - time.monotonic(), least)
 
+        # a reload under way, abandoned (`stopping`), records why it ended: queued before the
+        # stop's own row and the audit's stop (it waits on nothing now: a moment, not more)
+        if self._reload_lock.acquire(timeout=STUCK_ENGINE_WAIT_S):
+            self._reload_lock.release()
         # An engine known stuck (the drain's aborts timed out, or no heartbeat for CUT_GRACE_S)
         # is not waited for again: its loop is stopped first, briefly, which also refuses what
         # the rules posted to it, so that an evaluation waiting on that ends now
@@ -576,7 +605,11 @@ class Service:
         time (SIGHUP and POST /admin/reload may come together: each compares the file with the
         config in force and must see the other's result), and none once the drain has begun
         (the engine is on its way out: a reload would wait on it, and say READY after
-        STOPPING)."""
+        STOPPING); a stop that begins during one ends its waits on the engine at once
+        (`stopping`): the reload is abandoned, and audited so."""
+        if self.draining:  # not even behind a reload under way (it is being abandoned)
+            log.warning("reload refused: shutting down")
+            return {"reloaded": False, "reason": "shutting down: reloads are refused"}
         with self._reload_lock:
             if self.draining:
                 log.warning("reload refused: shutting down")
@@ -590,11 +623,17 @@ class Service:
             sdnotify.reloading()
         try:
             busy = self._knobs_settled  # an earlier reload's knobs, still being applied
-            if busy is not None and not busy.wait(RECONFIGURE_TIMEOUT_S):
+            if busy is not None and not wait_or_stop(busy, RECONFIGURE_TIMEOUT_S, self.stopping):
+                stopped = self.stopping.is_set()
                 raise KnobsNotApplied(
-                    "the engine is still applying the knobs of an earlier reload (the log says "
-                    "when it has finished): nothing of the file was applied; reload again then",
+                    "the daemon began to stop while this reload waited for the engine to finish "
+                    "the knobs of an earlier reload: abandoned, nothing of the file was applied"
+                    if stopped
+                    else "the engine is still applying the knobs of an earlier reload (the log "
+                    "says when it has finished): nothing of the file was applied; reload again "
+                    "then",
                     "still_applying",
+                    abandoned=stopped,
                 )
             # started without --config: the built-in defaults stand in for the file, so the
             # rules file (the packaged default) and the flags are read again all the same
@@ -660,6 +699,15 @@ class Service:
             )
             return {"reloaded": True, "changes": changes, "restart_needed": restart, **rules}
         except KnobsNotApplied as e:  # the engine did not take them, or has not finished
+            if e.abandoned:  # the stop began: it must not wait on a reload
+                log.warning("reload abandoned: the daemon is stopping: %s", e)
+                self.audit.record_event(
+                    "config_error",
+                    detail=f"reload abandoned at the stop: {self._config_name}",
+                    data={"errors": [str(e)], "engine": e.outcome, "abandoned": True},
+                    incident=self._incident,
+                )
+                return {"reloaded": False, "reason": str(e), "engine": e.outcome}
             if e.outcome == "withdrawn":
                 log.error("reload failed, keeping the running config and rules: %s", e)
             else:
@@ -758,8 +806,15 @@ class Service:
         fut = self.engine.reconfigure(values)
         names = ", ".join(_knob_changes(new, live, self._device_in_force))
         try:
-            return await_action(fut, "reconfigure", RECONFIGURE_TIMEOUT_S)
+            return await_action(fut, "reconfigure", RECONFIGURE_TIMEOUT_S, self.stopping)
         except ActionWithdrawn as e:
+            if e.stopped:
+                raise KnobsNotApplied(
+                    f"the daemon began to stop before the engine took {names}: withdrawn, "
+                    "nothing changed",
+                    "withdrawn",
+                    abandoned=True,
+                ) from e
             raise KnobsNotApplied(
                 f"the engine did not take {names} within {RECONFIGURE_TIMEOUT_S:g}s (a long "
                 "step or a stalled engine thread): withdrawn, nothing changed",
@@ -767,6 +822,14 @@ class Service:
             ) from e
         except ActionStillApplying as e:
             self._knobs_late(e.future, new, live)
+            if e.stopped:
+                raise KnobsNotApplied(
+                    f"the daemon began to stop while the engine was applying {names}: not "
+                    "waited for (they may still apply: the log says so if they do); nothing "
+                    "else of the file was applied",
+                    "still_applying",
+                    abandoned=True,
+                ) from e
             raise KnobsNotApplied(
                 f"the engine took {names} but had not finished applying them "
                 f"{RECONFIGURE_TIMEOUT_S:g}s later: they may still apply, and the log and the "
@@ -780,7 +843,8 @@ class Service:
         config in force takes them if they applied (so that `self.cfg`, /admin/state and the
         next reload's comparison say what the engine runs), and the log and the audit log
         say how it ended. The next reload waits for this first."""
-        settled = self._knobs_settled = threading.Event()
+        settled: Future = Future()
+        self._knobs_settled = settled
         knobs = _knob_changes(new, live, self._device_in_force)
         names = ", ".join(f"{k}={v}" for k, v in knobs.items())
 
@@ -806,7 +870,7 @@ class Service:
                     )
                     self._audit_late("reload", {"changes": knobs, "late": True})
             finally:
-                settled.set()
+                settled.set_result(None)
 
         fut.add_done_callback(done)
 

@@ -5,7 +5,9 @@ an `ActionResult`; `undo` names the action that reverses it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, InvalidStateError, wait
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
@@ -505,39 +507,102 @@ def asked(action: str, params: dict[str, Any] | None, result: ActionResult | Non
 
 
 class ActionWithdrawn(RuntimeError):
-    """The engine did not take an action within the wait: it was withdrawn from the mailbox
-    before it ran, and changed nothing."""
+    """The engine did not take an action within the wait (or before the daemon began to
+    stop, `stopped`): it was withdrawn from the mailbox before it ran, and changed nothing."""
 
-    def __init__(self, name: str, waited_s: float) -> None:
-        super().__init__(
-            f"withdrawn before it ran: the engine did not take {name} within {waited_s:g}s (a "
-            "long step or a stalled engine thread); nothing changed"
+    def __init__(self, name: str, waited_s: float, stopped: bool = False) -> None:
+        why = (
+            f"the daemon began to stop while it waited for the engine to take {name}"
+            if stopped
+            else f"the engine did not take {name} within {waited_s:g}s (a long step or a "
+            "stalled engine thread)"
         )
+        super().__init__(f"withdrawn before it ran: {why}; nothing changed")
+        self.stopped = stopped
 
 
 class ActionStillApplying(RuntimeError):
-    """The engine took an action but had not finished it by the end of the wait: it may still
-    apply. `future` answers its result when it does."""
+    """The engine took an action but had not finished it by the end of the wait (or when the
+    daemon began to stop, `stopped`): it may still apply. `future` answers its result when it
+    does."""
 
-    def __init__(self, message: str, future: Future) -> None:
+    def __init__(self, message: str, future: Future, stopped: bool = False) -> None:
         super().__init__(message)
         self.future = future
+        self.stopped = stopped
 
 
-def await_action(fut: Future, name: str, timeout_s: float) -> ActionResult:
+class StopSignal:
+    """Set once when the daemon stops: every wait on the engine given it (`await_action`,
+    `wait_or_stop`) returns at once from then on, so that a stop never waits out an action
+    or a reload the engine is stuck on (up to twice their timeouts)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._set = False
+        self._wakes: set[threading.Event] = set()
+
+    def set(self) -> None:
+        with self._lock:
+            self._set = True
+            wakes = list(self._wakes)
+        for wake in wakes:
+            wake.set()
+
+    def is_set(self) -> bool:
+        return self._set
+
+    @contextlib.contextmanager
+    def waker(self) -> Iterator[threading.Event]:
+        """An event set at the stop (already set if the stop came first): a wait on it that
+        something else sets too gives way to the stop."""
+        wake = threading.Event()
+        with self._lock:
+            if self._set:
+                wake.set()
+            self._wakes.add(wake)
+        try:
+            yield wake
+        finally:
+            with self._lock:
+                self._wakes.discard(wake)
+
+
+def wait_or_stop(fut: Future, timeout_s: float, stop: StopSignal | None = None) -> bool:
+    """Wait up to `timeout_s` for `fut`, or until `stop` is set; True if `fut` is done."""
+    if stop is None:
+        return bool(wait([fut], timeout=timeout_s).done)
+    with stop.waker() as wake:
+        fut.add_done_callback(lambda _f: wake.set())
+        wake.wait(timeout_s)
+    return fut.done()
+
+
+def await_action(
+    fut: Future, name: str, timeout_s: float, stop: StopSignal | None = None
+) -> ActionResult:
     """The result of posted action `name`, waiting `timeout_s` for the engine to take it.
 
     Not taken by then, it is withdrawn (ActionWithdrawn): it never runs, so a caller that
     records a failure tells the truth. Taken (the engine is applying it: it cannot be
     withdrawn), its real result is waited for up to `timeout_s` more; an engine still inside
     it then is stuck in the action itself (the engine loop's watchdog ends such a daemon), and
-    the caller gets ActionStillApplying with the Future, not a blocked thread."""
-    if wait([fut], timeout=timeout_s).done:
+    the caller gets ActionStillApplying with the Future, not a blocked thread. `stop` set (the
+    daemon stops) ends either wait at once, the same way, the exception's `stopped` True."""
+    if wait_or_stop(fut, timeout_s, stop):
         return fut.result()
+    stopped = stop is not None and stop.is_set()
     if fut.cancel():
-        raise ActionWithdrawn(name, timeout_s)
-    if wait([fut], timeout=timeout_s).done:
+        raise ActionWithdrawn(name, timeout_s, stopped=stopped)
+    if wait_or_stop(fut, timeout_s, stop):  # at once where the stop came
         return fut.result()
+    if stop is not None and stop.is_set():
+        raise ActionStillApplying(
+            f"the daemon began to stop while the engine was still applying {name}: it may "
+            "still apply; not waited for",
+            fut,
+            stopped=True,
+        )
     raise ActionStillApplying(
         f"the engine took {name} but had not finished it {timeout_s:g}s later: it may still "
         "apply; its outcome is recorded when it does",

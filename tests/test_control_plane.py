@@ -31,7 +31,7 @@ from kvguard.engine import LLMEngine
 from kvguard.engine.control import ActionResult
 from kvguard.engine.engine_loop import EngineLoop
 from kvguard.engine.events import EngineEvent
-from kvguard.rules.actions import ActionWithdrawn, await_action, run_action
+from kvguard.rules.actions import ActionWithdrawn, StopSignal, await_action, run_action
 from kvguard.rules.evaluator import Evaluator
 from kvguard.rules.schema import load_rules_text
 from tests.test_engine import make_engine
@@ -408,6 +408,7 @@ class HaltRule:
         self.values = {"kv": 0.995}
         plane = SimpleNamespace(service=SimpleNamespace(engine=loop.engine))
         plane.action_timeout_s = timeout_s
+        plane.stopping = StopSignal()  # the daemon's stop: never set here
         self.plane = plane  # a test gives the engine time again once it steps
         self.ev = Evaluator(
             load_rules_text(HALT_RULE, "rules.yaml"),

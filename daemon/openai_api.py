@@ -296,9 +296,19 @@ def _bounded(service: Service, model: type[BaseModel], data: Any) -> None:
     served with: more logit_bias entries than the vocabulary has tokens; on completions more
     prompts than MAX_SEQUENCES or a token-id prompt too long for the context; on chat more
     messages than a prompt may have tokens (each renders to one at least), on /tokenize more
-    than it counts."""
+    than it counts, on /detokenize more ids than /tokenize gives back."""
     if not isinstance(data, dict):
         return
+    tokens = data.get("tokens")
+    if model is DetokenizeRequest and isinstance(tokens, list):
+        most = TOKENIZE_LIMITS * service.engine.max_model_len
+        if len(tokens) > most:
+            raise ApiError(
+                400,
+                f"{len(tokens)} token ids: /detokenize takes at most {most} ({TOKENIZE_LIMITS}x "
+                f"max_model_len={service.engine.max_model_len}, as many as /tokenize gives)",
+                "tokens",
+            )
     bias, vocab = data.get("logit_bias"), service.engine.model_config.vocab_size
     if isinstance(bias, dict) and len(bias) > vocab:
         raise ApiError(
@@ -667,8 +677,10 @@ async def _admission(futs: list[Future], outputs: _Outputs) -> None:
 def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
     """Choice `index`'s parameters: a seeded request's choices draw with seeds seed,
     seed + 1, ... (each reproducible, and not all the same sample). A copy, not validated
-    again here (`dataclasses.replace` would: 22 ms each for a logit_bias on every token of a
-    49k vocabulary, 0.7 s of the event loop for 32 choices); the engine validates each."""
+    again: its logit_bias, checked when the params were made, is shared read-only
+    (`CheckedBias`), so the engine's validation of each choice is O(1) in its size (it was
+    22 ms a choice for a bias on every token of a 49k vocabulary, 0.7 s of the engine thread
+    for 32 choices)."""
     if index == 0 or params.seed is None:
         return params
     choice = copy.copy(params)

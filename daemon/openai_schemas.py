@@ -33,6 +33,9 @@ Priority = Literal["high", "normal", "low"]
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # OpenAI's integer range; torch takes no more
 MAX_CHOICES = 32  # `n`: each choice is a sequence of its own, admitted like a request
 MAX_TOOLS = 128  # functions one request may offer (OpenAI's limit)
+# `metadata`, as OpenAI bounds it: at most 16 pairs, keys of at most 64 characters, string
+# values of at most 512 (unused by kvguard: it is accepted, not a store for megabytes)
+MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
 # a chat answer's token limit where the request sets neither max_tokens nor
 # max_completion_tokens (OpenAI's runs to the context; this keeps a runaway answer short)
 DEFAULT_CHAT_MAX_TOKENS = 512
@@ -167,6 +170,40 @@ def _stop(value: Any) -> str | list[str] | None:
     return value
 
 
+def _metadata(value: Any) -> dict[str, str] | None:
+    """OpenAI's metadata: at most MAX_METADATA_PAIRS string pairs, keys of at most
+    MAX_METADATA_KEY_CHARS characters and values of at most MAX_METADATA_VALUE_CHARS, counted
+    before any pair is checked (a body of 500k pairs was accepted, each pair checked)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise PydanticCustomError("metadata", "expected an object of string keys and values")
+    if len(value) > MAX_METADATA_PAIRS:
+        raise PydanticCustomError(
+            "metadata",
+            "{n} pairs: at most {most} are allowed",
+            {"n": len(value), "most": MAX_METADATA_PAIRS},
+        )
+    for key, v in value.items():
+        if not isinstance(key, str) or not isinstance(v, str):
+            raise PydanticCustomError("metadata", "expected string keys and values")
+        if len(key) > MAX_METADATA_KEY_CHARS:
+            raise PydanticCustomError(
+                "metadata",
+                "a key has {n} characters: a key may have at most {most}",
+                {"n": len(key), "most": MAX_METADATA_KEY_CHARS},
+            )
+        if len(v) > MAX_METADATA_VALUE_CHARS:
+            raise PydanticCustomError(
+                "metadata",
+                "a value has {n} characters: a value may have at most {most}",
+                {"n": len(v), "most": MAX_METADATA_VALUE_CHARS},
+            )
+        if (problem := unicode_problem(key) or unicode_problem(v)) is not None:
+            raise PydanticCustomError("unicode", "{problem}", {"problem": problem})
+    return value
+
+
 _STREAM_OPTIONS = {"include_usage", "include_obfuscation"}
 
 
@@ -259,7 +296,31 @@ class _Sampling(_Body):
     )
     # OpenAI fields that ask nothing of generation: accepted and not used
     user: Text | None = None
-    metadata: dict[str, Text] | None = None
+    metadata: Annotated[
+        Any,
+        AfterValidator(_metadata),
+        WithJsonSchema(
+            {
+                "anyOf": [
+                    {
+                        "type": "object",
+                        "maxProperties": MAX_METADATA_PAIRS,
+                        "propertyNames": {"maxLength": MAX_METADATA_KEY_CHARS},
+                        "additionalProperties": {
+                            "type": "string",
+                            "maxLength": MAX_METADATA_VALUE_CHARS,
+                        },
+                    },
+                    {"type": "null"},
+                ]
+            }
+        ),
+    ] = Field(
+        None,
+        description=f"at most {MAX_METADATA_PAIRS} pairs, keys of at most "
+        f"{MAX_METADATA_KEY_CHARS} characters, string values of at most "
+        f"{MAX_METADATA_VALUE_CHARS} (accepted, not used)",
+    )
     service_tier: Text | None = None
     frequency_penalty: float | None = Field(
         None, ge=-2.0, le=2.0, description="subtracted from a token's logit per time it was output"

@@ -282,8 +282,8 @@ def _bias_tensors(
     bias is zero. Built once per params, device, dtype and vocabulary size and kept in
     `p.bias_cache`: a request's choices share their params, and building them from the dict
     took 12 ms a row for a whole-vocabulary bias, every step (392 ms a step for 32 choices).
-    The params are not to change once their request is added (`validate`, which
-    `add_request` runs, drops what was built; so does a new `logit_bias` dict)."""
+    A validated `logit_bias` cannot change (a read-only CheckedBias); a new `logit_bias` dict
+    drops what was built, as does `validate` checking it."""
     key = (row.device, row.dtype, row.shape[0])
     cache = p.bias_cache
     if cache is None or cache.get("source") is not p.logit_bias:  # params changed: start over

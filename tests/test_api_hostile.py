@@ -408,12 +408,12 @@ def test_a_large_body_is_answered_as_a_small_one(client: httpx.Client) -> None:
     answers: served, invalid JSON named by line and column, a bad field named."""
     from kvguard.daemon.openai_api import LARGE_BODY_BYTES
 
-    metadata = {f"key{i:06d}": "v" for i in range(LARGE_BODY_BYTES // 10)}
-    body = completion(metadata=metadata)
+    user = "u" * LARGE_BODY_BYTES  # a free-form string: metadata is bounded (16 pairs)
+    body = completion(user=user)
     assert len(body) > LARGE_BODY_BYTES
     r = raw(client, "POST", "/v1/completions", body)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1, r.text
-    r = raw(client, "POST", "/v1/chat/completions", chat(metadata=metadata, stream=True))
+    r = raw(client, "POST", "/v1/chat/completions", chat(user=user, stream=True))
     assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n"), r.text
     broken = body.replace('"prompt": "hi", ', '"prompt": "hi" ')
     try:
@@ -422,10 +422,69 @@ def test_a_large_body_is_answered_as_a_small_one(client: httpx.Client) -> None:
         where = f"line 1, column {e.colno}: Expecting ',' delimiter"
     err = openai_error(raw(client, "POST", "/v1/completions", broken), 400, None)
     assert err["message"] == f"invalid JSON at {where}", err
-    bad = completion(metadata={**metadata, "last": 7})
-    err = openai_error(raw(client, "POST", "/v1/completions", bad), 400, "metadata.last")
-    assert "valid string" in err["message"], err
+    bad = completion(user=user, logit_bias={"5": "x"})
+    err = openai_error(raw(client, "POST", "/v1/completions", bad), 400, "logit_bias.5")
+    assert "valid number" in err["message"], err
     assert_still_connected(client, r)
+
+
+@pytest.mark.parametrize(
+    ("path", "metadata", "message"),
+    [
+        ("/v1/completions", {f"k{i}": "v" for i in range(17)}, "17 pairs: at most 16"),
+        ("/v1/chat/completions", {"k" * 65: "v"}, "a key has 65 characters: a key may have "
+         "at most 64"),
+        ("/v1/completions", {"k": "v" * 513}, "a value has 513 characters: a value may have "
+         "at most 512"),
+        ("/v1/chat/completions", {"k": 7}, "expected string keys and values"),
+        ("/v1/completions", {"k": "v" + S}, "unpaired UTF-16 surrogate"),
+        # a million pairs (13 MiB), counted before any is checked (made in the test)
+        ("/v1/completions", None, "1000000 pairs: at most 16"),
+    ],
+)  # fmt: skip
+def test_metadata_is_bounded_as_openai_bounds_it(
+    client: httpx.Client, path: str, metadata: dict[str, Any] | None, message: str
+) -> None:
+    """metadata is accepted and not used: at most 16 pairs, keys of at most 64 characters,
+    string values of at most 512 (OpenAI's limits), a 400 naming it otherwise. Any number of
+    pairs was accepted, each checked (500k pairs, 8 MB: 0.75 s of parsing for nothing). The
+    limits themselves pass, on both endpoints."""
+    make = completion if path == "/v1/completions" else chat
+    if metadata is None:
+        metadata = {f"{i}": "" for i in range(1_000_000)}
+    err = openai_error(raw(client, "POST", path, make(metadata=metadata)), 400, "metadata")
+    assert message in err["message"], err
+    full = {f"{i:02d}" + "k" * 62: "v" * 512 for i in range(16)}
+    for path, make in (("/v1/completions", completion), ("/v1/chat/completions", chat)):
+        r = raw(client, "POST", path, make(metadata=full))
+        assert r.status_code == 200, r.text
+    assert_still_connected(client, r)
+
+
+def test_detokenize_takes_as_many_ids_as_tokenize_gives(client: httpx.Client) -> None:
+    """/detokenize took any number of ids (5M, 3 s of decoding to answer); now at most 8x
+    max_model_len (512 here), as many as /tokenize counts, a 400 naming `tokens` beyond,
+    refused by counting them."""
+    for n in (4097, 5_000_000):
+        r = raw(client, "POST", "/detokenize", dumps({"model": "tiny", "tokens": [5] * n}))
+        message = openai_error(r, 400, "tokens")["message"]
+        assert f"{n} token ids: /detokenize takes at most 4096 (8x max_model_len=512" in message
+    r = raw(client, "POST", "/detokenize", dumps({"model": "tiny", "tokens": [5] * 4096}))
+    assert r.status_code == 200 and r.json()["prompt"], r.text
+    assert_still_connected(client, r)
+
+
+def test_n32_choices_biasing_every_token_are_served(client: httpx.Client) -> None:
+    """A seeded request of 32 choices with a logit_bias on every token of the vocabulary (its
+    choices share the checked, read-only bias): every choice is the one token biased up."""
+    ids = client.post("/tokenize", json={"model": "tiny", "prompt": "a",
+                                         "add_special_tokens": False}).json()["tokens"]  # fmt: skip
+    bias = {str(t): -100 for t in range(320)} | {str(ids[0]): 100}
+    body = completion(n=32, seed=5, temperature=1.0, ignore_eos=True, logit_bias=bias)
+    r = raw(client, "POST", "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    want = client.post("/detokenize", json={"model": "tiny", "tokens": [ids[0]] * 2}).json()
+    assert [c["text"] for c in r.json()["choices"]] == [want["prompt"]] * 32, r.text
 
 
 def test_a_body_of_megabytes_does_not_stall_the_daemon(daemon: Daemon) -> None:

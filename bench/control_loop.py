@@ -82,7 +82,7 @@ def reaction(engine, loop: EngineLoop, interval_s: float, trials: int) -> list[f
 
     The crossing is stamped by an on-step hook (the snapshot is published after every engine
     step); "applied" is the moment the control surface has answered the action, i.e. the knob
-    has changed at a step boundary. The rule's ticker runs on its own thread, like APScheduler.
+    has changed at a step boundary. The rule's ticker runs on its own thread, as the daemon's does.
     """
     marks: dict[str, float] = {}
 
@@ -105,7 +105,7 @@ def reaction(engine, loop: EngineLoop, interval_s: float, trials: int) -> list[f
     ev = Evaluator(load_rules_text(text, "bench"), reader, act)
     stop = threading.Event()
 
-    def ticker() -> None:  # what APScheduler's interval job does, on its own thread
+    def ticker() -> None:  # what the daemon's rule ticker does, on its own thread
         while not stop.wait(interval_s):
             ev.tick()
 

@@ -1,15 +1,19 @@
 """The control plane inside the daemon: rules evaluated on a schedule and on events, actions
 through the engine's control surface, every act and event in the audit log.
 
-APScheduler runs the periodic jobs (rule ticks, NVML polling, audit retention) with
-max_instances=1 and coalescing, so a slow tick never piles up. Engine events (an OOM, a
-preemption storm) and Alertmanager alerts trigger an immediate evaluation.
+The periodic jobs (rule ticks, NVML polling, audit retention) each run on a `Ticker`, a thread
+of its own paced by the monotonic clock: a step of the wall clock (chrony's makestep at boot, an
+operator's `date -s`) neither stops them nor makes them burst, and a slow tick never piles up
+(the ticks it overran are coalesced into one). Engine events (an OOM, a preemption storm) and
+Alertmanager alerts trigger an immediate evaluation, a one-off job on APScheduler's worker
+threads. Preemption storms are counted on the monotonic clock too (`EngineEvent.monotonic`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import socket
 import threading
 import time
@@ -22,7 +26,6 @@ from typing import TYPE_CHECKING, Any
 
 from apscheduler.schedulers import SchedulerNotRunningError
 from apscheduler.schedulers.background import BackgroundScheduler
-from apscheduler.triggers.interval import IntervalTrigger
 
 from kvguard.daemon.openai_schemas import unicode_problem
 from kvguard.engine.control import ActionResult
@@ -51,6 +54,8 @@ MAX_ALERTS_PER_REQUEST = 100  # Alertmanager's webhook_config max_alerts keeps a
 # withdrawn unapplied (recorded failed); one the engine has taken gets as long again to finish.
 # The stop ends either wait at once (`stop`): it never waits them out.
 ACTION_TIMEOUT_S = 120.0
+RETENTION_EVERY_S = 6 * 3600.0  # the audit retention's purge (and once at start)
+MAX_WAIT_S = 3600.0  # a ticker's longest single wait (it wakes and waits again: any interval)
 
 
 class ControlPlane:
@@ -76,7 +81,18 @@ class ControlPlane:
         # engine events that start an evaluation, recorded by it: in the incident it opens
         self._causes: deque[EngineEvent] = deque()
         self.evaluator.on_incident = self._record_causes
+        # one-off jobs only (the evaluations engine events and alerts start, on its threads);
+        # the periodic jobs are tickers on the monotonic clock (APScheduler's interval jobs
+        # are due by the wall clock: a step back of an hour stopped them for an hour)
         self.scheduler = BackgroundScheduler(job_defaults={"max_instances": 1, "coalesce": True})
+        self.stopping = StopSignal()  # set by stop(): actions awaited on the engine give way
+        self.rule_ticker = Ticker("rules", self.evaluate, self.ruleset.interval, self.stopping)
+        self.nvml_ticker = Ticker(
+            "nvml", self._poll_nvml, cfg.monitoring.nvml_poll_interval, self.stopping
+        )
+        self.retention_ticker = Ticker(
+            "audit-retention", self._retention, RETENTION_EVERY_S, self.stopping
+        )
         self._preempt_times: deque[float] = deque()
         self._storm_until = 0.0
         self._seen_alerts: dict[tuple[str, str, str], float] = {}
@@ -91,25 +107,21 @@ class ControlPlane:
         self.alerts_ignored: dict[str, int] = {}
         self.on_tick = None  # set by metrics: observes tick duration
         self.action_timeout_s = ACTION_TIMEOUT_S
-        self.stopping = StopSignal()  # set by stop(): actions awaited on the engine give way
 
     # -- lifecycle --------------------------------------------------------------------------
+    @property
+    def tickers(self) -> tuple[Ticker, ...]:
+        return (self.rule_ticker, self.nvml_ticker, self.retention_ticker)
+
     def start(self) -> None:
-        s = self.scheduler
-        s.add_job(self.evaluate, "interval", seconds=self.ruleset.interval, id="rules")
-        s.add_job(
-            self._poll_nvml,
-            "interval",
-            seconds=self.service.cfg.monitoring.nvml_poll_interval,
-            id="nvml",
-        )
-        s.add_job(self._retention, "interval", hours=6, id="audit-retention")
-        # and once now, on the audit writer (queued: READY does not wait for it), so that a
-        # daemon restarted more often than every 6 h still purges; it first closes the
+        # retention once now, on the audit writer (queued: READY does not wait for it), so that
+        # a daemon restarted more often than every 6 h still purges; it first closes the
         # incidents an earlier run of this daemon left open (killed before its orderly stop)
         self._retention(at_start=True)
-        s.start()
+        self.scheduler.start()
         self._poll_nvml()
+        for ticker in self.tickers:
+            ticker.start()
         self.service.engine.events.subscribe(self._on_engine_event)
         log.info(
             "rules: %s (%d rules every %gs%s)",
@@ -122,9 +134,11 @@ class ControlPlane:
     def stop(self) -> None:
         """Bounded however stuck the engine is: an evaluation waiting on it for an action stops
         waiting at once (`stopping`), recording it failed, withdrawn if the engine had not taken
-        it, else in `close_at_stop` as not known to have applied; only then is the scheduler
-        waited for."""
+        it, else in `close_at_stop` as not known to have applied; only then are the tickers
+        (woken at once from their waits by `stopping`) and the scheduler waited for."""
         self.stopping.set()
+        for ticker in self.tickers:
+            ticker.join()
         if self.scheduler.running:
             self.scheduler.shutdown(wait=True)
         self.record_pending()
@@ -175,7 +189,7 @@ class ControlPlane:
         elif event.kind in AUDITED_EVENTS:
             self._record(event, self.evaluator.incident)
         elif event.kind == "preempted":
-            self._count_preemption(event.time)
+            self._count_preemption(event.monotonic)
 
     def _record(self, event: EngineEvent, incident: str | None) -> None:
         self.service.audit.record_event(
@@ -206,6 +220,8 @@ class ControlPlane:
         ).start()
 
     def _count_preemption(self, t: float) -> None:
+        """`t`: the preemption's monotonic time. On the wall clock, a step back of an hour
+        kept every earlier preemption in the window and held off the next storm for the hour."""
         q = self._preempt_times
         q.append(t)
         while q and q[0] < t - STORM_WINDOW_S:
@@ -372,35 +388,30 @@ class ControlPlane:
     ) -> dict[str, Any]:
         """Load new rules; on any failure the running rules and their schedule stay as they were.
 
-        Everything that can fail runs before anything is swapped: the file is validated and the
-        new interval made into a trigger whose next fire time is computed, so an interval that
-        APScheduler cannot add to a date is refused here instead of killing the rule job after
-        the old rules are gone. If swapping still fails, the old schedule is put back.
-        `before_install` (the daemon's other reloadable settings) runs once the rules are
-        known good and before they are swapped; what it raises refuses the reload whole."""
+        Everything that can fail runs before anything is swapped: the file is validated first.
+        A new interval applies at once (the next tick is one new interval away, not at the end
+        of the old one); if swapping fails, the old interval is put back. `before_install`
+        (the daemon's other reloadable settings) runs once the rules are known good and before
+        they are swapped; what it raises refuses the reload whole."""
         path = rules_file(rules_path)
         try:
             new = load_rules(path)
-            trigger = self._interval_trigger(new.interval)
         except RulesFileError as e:
             return self._reload_refused(path, e.errors)
         except Exception as e:  # noqa: BLE001 - whatever it is, the running rules stay
             return self._reload_refused(path, [f"{path}: {type(e).__name__}: {e}"])
         if before_install is not None:
             before_install()
-        job = self.scheduler.get_job("rules")
-        old_trigger = job.trigger if job is not None else None
+        old_interval = self.rule_ticker.interval
         try:
-            if job is not None:  # none before start(), which schedules self.ruleset.interval
-                self.scheduler.reschedule_job("rules", trigger=trigger)
+            self.rule_ticker.set_interval(new.interval)
             fresh = self.evaluator.replace_rules(new)
         except Exception as e:  # noqa: BLE001
             log.exception("installing the reloaded rules failed; keeping the running ones")
-            if old_trigger is not None:
-                try:
-                    self.scheduler.reschedule_job("rules", trigger=old_trigger)
-                except Exception:  # noqa: BLE001 - already logged above; nothing else to try
-                    log.exception("could not restore the rule job's schedule")
+            try:
+                self.rule_ticker.set_interval(old_interval)
+            except Exception:  # noqa: BLE001 - already logged above; nothing else to try
+                log.exception("could not restore the rule job's schedule")
             return self._reload_refused(path, [f"{path}: not installed: {type(e).__name__}: {e}"])
         diff = rules_diff(self.ruleset, new)
         self.rules_path, self.ruleset = path, new
@@ -429,13 +440,6 @@ class ControlPlane:
             self.reader.promql = self.promql
         return changed
 
-    def _interval_trigger(self, seconds: float) -> IntervalTrigger:
-        """The rule job's trigger for `seconds`; raises (OverflowError) where APScheduler would
-        raise later, on the scheduler thread, with the job already half-replaced."""
-        trigger = IntervalTrigger(seconds=seconds, timezone=self.scheduler.timezone)
-        trigger.get_next_fire_time(None, datetime.now(self.scheduler.timezone))
-        return trigger
-
     def _reload_refused(self, path: Path, errors: list[str]) -> dict[str, Any]:
         self.service.audit.record_event(
             "config_error",
@@ -444,6 +448,92 @@ class ControlPlane:
             incident=self.evaluator.incident,
         )
         return {"rules_reloaded": False, "errors": errors}
+
+
+class Ticker:
+    """Calls `fn` every `interval` seconds of the monotonic clock, on a thread of its own, from
+    `start()` until `stop` is set (which wakes its wait at once).
+
+    The wall clock never enters: a step of it neither stops the ticks nor bursts them. Ticks
+    keep to a grid (start + k * interval), so delays in waking do not add up; ticks missed
+    while `fn` ran long are coalesced into the next grid point after it returned (never run
+    back to back). `set_interval` applies at once: the next tick is one new interval later.
+    A tick that raises is logged, and the ticks go on. (Its waits time out on the monotonic
+    clock too: Python 3.11's lock timeouts use it where glibc has sem_clockwait, 2.30 on.)"""
+
+    def __init__(
+        self,
+        name: str,
+        fn: Callable[[], object],
+        interval: float,
+        stop: StopSignal,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.name, self.fn, self.clock = name, fn, clock
+        self._interval = interval
+        self._stop = stop
+        self._lock = threading.Lock()
+        self._wake: threading.Event | None = None
+        self._reset = False  # the interval changed: the grid starts again from now
+        self._thread: threading.Thread | None = None
+        self.ticks = 0  # ticks run
+        self.coalesced = 0  # grid points passed over while a tick overran them
+
+    @property
+    def interval(self) -> float:
+        return self._interval
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name=f"kvguard-{self.name}", daemon=True)
+        self._thread.start()
+
+    def set_interval(self, seconds: float) -> None:
+        """Tick every `seconds` from now on (nothing changes if it is the interval already:
+        reloads that keep it must not push the next tick back)."""
+        with self._lock:
+            if seconds == self._interval:
+                return
+            self._interval, self._reset = seconds, True
+            wake = self._wake
+        if wake is not None:
+            wake.set()
+
+    def join(self, timeout: float | None = None) -> None:
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        with self._stop.waker() as wake:
+            with self._lock:
+                self._wake, self._reset = wake, False
+                interval = self._interval
+            due = self.clock() + interval
+            while not self._stop.is_set():
+                with self._lock:
+                    if self._reset:
+                        self._reset, interval = False, self._interval
+                        due = self.clock() + interval
+                left = due - self.clock()
+                if left > 0:
+                    wake.wait(min(left, MAX_WAIT_S))
+                    wake.clear()  # a stop or a new interval is seen at the top of the loop
+                    continue
+                self._tick()
+                due += interval
+                now = self.clock()
+                if due <= now:  # overran: the next grid point after now, not a burst
+                    missed = math.floor((now - due) / interval) + 1
+                    self.coalesced += missed
+                    due += missed * interval
+            with self._lock:
+                self._wake = None
+
+    def _tick(self) -> None:
+        self.ticks += 1
+        try:
+            self.fn()
+        except Exception:  # noqa: BLE001 - one failed tick must not end the schedule
+            log.exception("periodic job %s failed", self.name)
 
 
 def rules_diff(old: RuleSet, new: RuleSet) -> list[str]:

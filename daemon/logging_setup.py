@@ -7,8 +7,8 @@ import logging
 from kvguard.engine.log_level import log_level
 
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-# Libraries that log routine work at INFO: APScheduler writes two lines per job run (the rule
-# tick every few seconds), which buries kvguard's own lines in a journal. Their warnings and
+# Libraries that log routine work at INFO: APScheduler writes two lines per job run (each
+# evaluation an engine event or an alert starts), which buries kvguard's own lines in a journal. Their warnings and
 # errors still show; at DEBUG everything does.
 CHATTY = ("apscheduler",)
 # Lines a library writes at INFO on every start that say nothing an operator acts on, by logger

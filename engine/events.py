@@ -16,13 +16,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 log = logging.getLogger("kvguard.engine.events")
+_monotonic = time.monotonic
 
 
 @dataclass(slots=True, frozen=True)
 class EngineEvent:
+    """`time`: when it happened on the wall clock (the audit's timestamps); `monotonic`: the
+    same instant on the monotonic clock, for any arithmetic between events (a window, a
+    rate), which a step of the wall clock (NTP, `date -s`) must not bend."""
+
     kind: str
     data: dict[str, Any] = field(default_factory=dict)
     time: float = field(default_factory=time.time)
+    monotonic: float = field(default_factory=_monotonic)  # (the field `time` hides the module)
 
 
 class EventBus:

@@ -3,9 +3,8 @@
 Operators write Prometheus next to kvguard, so durations read the way Prometheus writes them:
 `500ms`, `30s`, `5m`, `1h30m`, `90d`, `1w`, largest unit first and each unit once, or a plain
 number of seconds. Every value must be finite, >= 0 and at most a century: a duration feeds
-APScheduler triggers and `datetime` arithmetic, where `.inf` or `1e300` raise OverflowError
-long after the file was accepted (a reload that installed such an interval used to kill the rule
-job and leave the daemon with no rules at all).
+timer waits and `datetime` arithmetic (audit retention, `--since`), where `.inf` or `1e300`
+raise OverflowError long after the file was accepted.
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ The clock is injected so all of this is testable offline.
 Two locks, so that nobody who only reads waits on the engine:
 
 - `_turn` serialises evaluations (ticks and events). It is held for a whole tick, actions
-  included, so two ticks (the scheduled one and one started by an event, on different
-  APScheduler threads) can never both fire a rule or escalate twice. A tick that finds it
+  included, so two ticks (the rule ticker's and one an event started, on a scheduler worker
+  thread) can never both fire a rule or escalate twice. A tick that finds it
   taken is skipped: the holder is evaluating already, and the next tick reads fresh values.
   An event waits for it instead: an alert or its resolution must never be dropped.
 - `_lock` guards the rule states, the applied stack, the incident and the decisions. It is
@@ -353,11 +353,24 @@ class Evaluator:
         elif st.state == "recovering" and not rule.recovered(v):
             st.state = "firing"
 
+    def _lasted(self, elapsed: float, duration: float) -> bool:
+        """Whether `elapsed`, between two clock readings taken at evaluations, counts as
+        `duration` (a rule's `for`, `recover_for`, a cooldown). Ticks are due every `interval`
+        but never run exactly on time: read bare, a `for: 10s` at a 5 s interval held from a
+        tick at 0.003 s fell short at the tick at 9.999 s, and acted a whole tick late. So a
+        duration counts as met less a slack below one tick: a tenth of the interval, and at
+        most half the duration, so that one shorter than the interval still takes two
+        readings (and a duration of 0 is met at once)."""
+        slack = min(0.1 * self.rules.interval, duration / 2) if duration > 0 else 0.0
+        return elapsed >= duration - slack
+
     def _cooled(self, rule: Rule, st: RuleState, now: float) -> bool:
-        return st.last_action is None or now - st.last_action >= self.rules.cooldown_of(rule)
+        return st.last_action is None or self._lasted(
+            now - st.last_action, self.rules.cooldown_of(rule)
+        )
 
     def _should_act(self, rule: Rule, st: RuleState, v: float, now: float) -> bool:
-        ready = st.state == "pending" and now - st.since >= rule.for_
+        ready = st.state == "pending" and self._lasted(now - st.since, rule.for_)
         repeat = st.state == "firing" and rule.undo is None and rule.triggered(v)
         return (ready or repeat) and st.in_flight is None and self._cooled(rule, st, now)
 
@@ -415,9 +428,13 @@ class Evaluator:
         if rule.is_event:  # e.g. the OOM chain: undone after `recover_for` without a new event
             seen = [t for t in (st.last_action, st.last_event) if t is not None]
             last = max(seen, default=now)
-            if st.state != "firing" or now - last < rule.recover_for:
+            if st.state != "firing" or not self._lasted(now - last, rule.recover_for):
                 return None
-        elif st.unknown or st.state != "recovering" or now - st.since < rule.recover_for:
+        elif (
+            st.unknown
+            or st.state != "recovering"
+            or not self._lasted(now - st.since, rule.recover_for)
+        ):
             return None
         if not self._undo_cooled(rule, st, now):
             return None  # e.g. fp32 KV cannot hold the live tokens yet: not a new try every tick
@@ -425,7 +442,7 @@ class Evaluator:
 
     def _undo_cooled(self, rule: Rule, st: RuleState, now: float) -> bool:
         refused = st.undo_refused_at
-        return refused is None or now - refused >= self.rules.cooldown_of(rule)
+        return refused is None or self._lasted(now - refused, self.rules.cooldown_of(rule))
 
     def _undo_attempt(
         self,

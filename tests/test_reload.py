@@ -1,6 +1,6 @@
 """A rules reload that fails, for whatever reason, keeps the running rules and their schedule.
 
-The in-process tests drive the real ControlPlane, APScheduler and audit store with only the
+The in-process tests drive the real ControlPlane, its rule ticker and audit store with only the
 engine left out (a reload never touches it); the last test does the same through a live
 `kvguard serve`: /admin/reload answers 400 and SIGHUP logs the refusal, the rules keep ticking.
 Also, on the daemon in process: engine knobs a stalled engine does not take in time are
@@ -14,7 +14,6 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
-from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -60,7 +59,8 @@ def audit(tmp_path: Path) -> Iterator[AuditStore]:
 
 @pytest.fixture
 def plane(tmp_path: Path, rules: Path, audit: AuditStore) -> Iterator[ControlPlane]:
-    """A control plane whose rule job is scheduled (paused: no tick reaches for an engine)."""
+    """A control plane whose rule ticker is not started and whose scheduler is paused: no
+    tick reaches for an engine."""
     config = tmp_path / "config.yaml"
     config.write_text(f"rules: {{path: {rules}}}\n")
     svc = SimpleNamespace(
@@ -68,13 +68,12 @@ def plane(tmp_path: Path, rules: Path, audit: AuditStore) -> Iterator[ControlPla
     )
     cp = ControlPlane(svc)  # type: ignore[arg-type]
     cp.scheduler.start(paused=True)
-    cp.scheduler.add_job(cp.evaluate, "interval", seconds=cp.ruleset.interval, id="rules")
     yield cp
     cp.stop()
 
 
-def _interval(cp: ControlPlane) -> timedelta:
-    return cp.scheduler.get_job("rules").trigger.interval
+def _interval(cp: ControlPlane) -> float:
+    return cp.rule_ticker.interval
 
 
 def _installed(cp: ControlPlane) -> list[str]:
@@ -85,7 +84,7 @@ def test_a_good_reload_swaps_rules_and_schedule(plane: ControlPlane, rules: Path
     rules.write_text(RULES.format(interval="7s", name="second"))
     res = plane.reload(rules, dry_run=False)
     assert res["rules_reloaded"] is True and res["rules_changed"][:2] == ["-first", "+second"]
-    assert _installed(plane) == ["second"] and _interval(plane) == timedelta(seconds=7)
+    assert _installed(plane) == ["second"] and _interval(plane) == 7.0
 
 
 def test_an_infinite_interval_keeps_rules_and_schedule(
@@ -97,7 +96,7 @@ def test_an_infinite_interval_keeps_rules_and_schedule(
     assert res["rules_reloaded"] is False
     assert res["errors"][0].startswith(f"{rules}:2: interval: inf is not finite")
     assert plane.ruleset is before and _installed(plane) == ["first"]
-    assert _interval(plane) == timedelta(seconds=5)
+    assert _interval(plane) == 5.0
     audit.flush(timeout=5)
     assert [e["detail"] for e in audit.list_events(kind="config_error")] == [
         f"rules reload refused: {rules}"
@@ -110,13 +109,13 @@ def test_a_failed_reschedule_keeps_the_old_rules(
     def refuse(*args: object, **kwargs: object) -> None:
         raise RuntimeError("scheduler is shutting down")
 
-    monkeypatch.setattr(plane.scheduler, "reschedule_job", refuse)
+    monkeypatch.setattr(plane.rule_ticker, "set_interval", refuse)
     rules.write_text(RULES.format(interval="7s", name="second"))
     res = plane.reload(rules, dry_run=False)
     assert res["rules_reloaded"] is False
     assert res["errors"] == [f"{rules}: not installed: RuntimeError: scheduler is shutting down"]
     assert _installed(plane) == ["first"] and [r.name for r in plane.ruleset.rules] == ["first"]
-    assert _interval(plane) == timedelta(seconds=5)
+    assert _interval(plane) == 5.0
 
 
 def test_rules_that_cannot_be_installed_put_the_schedule_back(
@@ -130,7 +129,7 @@ def test_rules_that_cannot_be_installed_put_the_schedule_back(
     res = plane.reload(rules, dry_run=False)
     assert res["rules_reloaded"] is False and "evaluator refused the rules" in res["errors"][0]
     assert [r.name for r in plane.ruleset.rules] == ["first"] and plane.rules_path == rules
-    assert _interval(plane) == timedelta(seconds=5)
+    assert _interval(plane) == 5.0
 
 
 def _evaluations(d: Daemon) -> float:

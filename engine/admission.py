@@ -271,6 +271,10 @@ class AdmissionDecision:
     # request itself is the problem), overloaded, queue_full, halted (retry later)
     kind: str = ""
     predicted_tokens: int = 0  # output tokens admission planned for (max_tokens: worst case)
+    # what it was decided from, for a pool grown for good to decide again (`regrown_max_tokens`):
+    # the request's max_tokens, and the KV usage the ladder cut it at (None: no ladder)
+    asked: int = 0
+    ladder_usage: float | None = None
 
 
 def dynamic_max_tokens(requested: int, usage: float, remaining: int) -> int:
@@ -423,14 +427,10 @@ class AdmissionController:
                 self.wait_s(1),
             )
         asked = max_tokens
-        # the model never produces past its length limit: plan (and learn) from what it can
-        max_tokens = max(1, min(max_tokens, max_total_len - prompt_len))
-        n = max_tokens
+        ladder = None
         if self.config.dynamic_max_tokens and (not self.predicted or usage >= PRESSED_USAGE):
-            n = dynamic_max_tokens(max_tokens, usage, max_total_len - prompt_len)
-        if self.projected_blocks(prompt_len + n) > ever:
-            # shorten to the longest answer that can ever fit rather than refuse
-            n = max(1, min(n, self.longest_within(ever) - prompt_len))
+            ladder = usage
+        max_tokens, n = self._shortened(prompt_len, asked, ladder, ever, max_total_len)
         if not self.config.dynamic_max_tokens and n < max_tokens:
             return _reject(
                 "never_fits",
@@ -445,7 +445,9 @@ class AdmissionController:
         else:
             room = self.committed_blocks + need <= limit
         if room and queued == 0 and not emergency:
-            return AdmissionDecision("admit", "", n, n < max_tokens, predicted_tokens=planned)
+            return AdmissionDecision(
+                "admit", "", n, n < max_tokens, 0, 0.0, "", planned, asked, ladder
+            )
         if queued >= self.config.max_queue:
             drain, bound = self.drain_s(queued), self.config.max_queue_wait_s
             if bound == 0 or drain > bound:
@@ -461,7 +463,43 @@ class AdmissionController:
         reason = "waiting for KV memory"
         if need > limit and limit < ever:
             reason += f" (the KV pool is held at {total_blocks} blocks for now)"
-        return AdmissionDecision("queue", reason, n, n < max_tokens, queued + 1, wait, "", planned)
+        return AdmissionDecision(
+            "queue", reason, n, n < max_tokens, queued + 1, wait, "", planned, asked, ladder
+        )
+
+    def _shortened(
+        self, prompt_len: int, asked: int, ladder: float | None, ever: int, max_total_len: int
+    ) -> tuple[int, int]:
+        """(max_tokens within the length limit, the output tokens given): the ladder's cut at
+        KV usage `ladder` (None: none), then the longest answer that can ever fit `ever`."""
+        # the model never produces past its length limit: plan (and learn) from what it can
+        max_tokens = max(1, min(asked, max_total_len - prompt_len))
+        n = max_tokens
+        if ladder is not None:
+            n = dynamic_max_tokens(max_tokens, ladder, max_total_len - prompt_len)
+        if self.projected_blocks(prompt_len + n) > ever:
+            # shorten to the longest answer that can ever fit rather than refuse
+            n = max(1, min(n, self.longest_within(ever) - prompt_len))
+        return max_tokens, n
+
+    def regrown_max_tokens(
+        self,
+        prompt_len: int,
+        decision: AdmissionDecision,
+        rank: int,
+        total_blocks: int,
+        configured_blocks: int,
+        max_total_len: int,
+    ) -> tuple[int, int]:
+        """(max_tokens within the length limit, the output tokens given) as `decide` gives
+        them to the request `decision` was made for against the pool as it is now (the
+        larger of the pool now and the configured one, as `decide` judges), at the KV usage
+        it was decided at. Used when the pool has grown for good, to give back what a
+        smaller pool's admission shortened."""
+        ever = self.limit_blocks(max(configured_blocks, total_blocks), rank)
+        return self._shortened(
+            prompt_len, decision.asked, decision.ladder_usage, ever, max_total_len
+        )
 
     def longest_within(self, blocks: int) -> int:
         """The most tokens whose projected peak (`projected_blocks`) stays within `blocks`."""

@@ -23,6 +23,8 @@ dropped by a dtype switch) only costs the preemption the plan did not foresee.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -31,6 +33,7 @@ from kvguard.engine.admission import (
     NORMAL,
     AdmissionController,
     AdmissionDecision,
+    overlap_peak,
     stretch,
 )
 from kvguard.engine.sequence import PRIORITY_NAMES, Sequence
@@ -234,6 +237,74 @@ class AdmissionPolicy:
         if self.controller is not None:
             self.controller.on_step(preempted, usage)
 
+    # -- a pool grown for good --------------------------------------------------------------
+    def regrow(self, seq: Sequence, capacity: int, configured: int) -> AdmissionDecision | None:
+        """The pool grew for good (`configured` blocks at its configured bytes, `capacity` in
+        force): give `seq` back what admission shortened its max_tokens by to fit the smaller
+        pool, up to what it would be given now (`regrown_max_tokens`), and re-reserve its
+        projected peak for the longer answer. An admitted request gets only as much more as
+        its commitment can grow by within the budget beside everything else admitted (a
+        queued one commits when it starts, against the budget then). Returns the new
+        decision, or None where nothing changed; never shortens."""
+        t = self._tickets.get(seq.request_id)
+        ctl = self.controller
+        if t is None or ctl is None or t.decision is None:
+            return None
+        d = t.decision
+        prompt = len(seq.prompt_token_ids)
+        whole, target = ctl.regrown_max_tokens(
+            prompt, d, seq.priority, capacity, configured, seq.max_total_len
+        )
+        if target <= d.max_tokens:
+            return None
+        own_prompt = prompt - (t.group[0] if t.group is not None else 0)
+        group = self._groups.get(t.group) if t.admitted and t.group is not None else None
+
+        def plan(n: int) -> int:  # never below the plan it has (the estimator moves on)
+            return max(ctl.plan_tokens(n), d.predicted_tokens)
+
+        def own(n: int) -> int:  # the ticket's blocks for an answer of up to n tokens
+            return ctl.projected_blocks(own_prompt + plan(n))
+
+        def shared(n: int) -> int:  # its group prefix's share of that peak, as `check` splits it
+            return ctl.projected_blocks(prompt + plan(n)) - own(n) if t.group is not None else 0
+
+        def more(n: int) -> tuple[int, int]:  # blocks its commitment and its group's grow by
+            return max(0, own(n) - t.projected_blocks), (
+                0 if group is None else max(0, shared(n) - group.blocks)
+            )
+
+        def fits(n: int) -> bool:
+            if not t.admitted:
+                return True
+            limit = ctl.limit_blocks(capacity, seq.priority)
+            if not ctl.predicted:
+                return ctl.committed_blocks + sum(more(n)) <= limit
+            made = len(seq.output_token_ids)
+            rest = max(plan(n) - made, self.block_size)
+            load = (seq.num_tokens, stretch(rest, n - made, ctl.config.safety_factor))
+            rank = HIGH if seq.priority == HIGH else None
+            loads = self._live_loads(rank, (t.group, load), skip=seq.request_id)
+            return overlap_peak(loads, self.block_size) <= math.floor(limit * ctl.overcommit)
+
+        lo, hi = d.max_tokens, target  # the largest n in [lo, hi] that fits (lo: as it is)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+        if lo == d.max_tokens:
+            return None
+        t.decision = dataclasses.replace(
+            d, max_tokens=lo, truncated=lo < whole, predicted_tokens=plan(lo)
+        )
+        grown, prefix = more(lo)
+        t.projected_blocks += grown
+        t.shared_blocks = max(t.shared_blocks, shared(lo))
+        if group is not None:
+            group.blocks += prefix
+        if t.admitted:
+            ctl.commit(grown + prefix)
+        return t.decision
+
     # -- finish -----------------------------------------------------------------------------
     def on_finish(self, seq: Sequence) -> None:
         t = self._tickets.pop(seq.request_id, None)
@@ -253,12 +324,14 @@ class AdmissionPolicy:
         self,
         max_rank: int | None = None,
         join: tuple[GroupKey | None, tuple[int, int]] | None = None,
+        skip: str | None = None,
     ) -> list[tuple[int, int]]:
         """(tokens held, tokens still expected) of every admitted, unfinished request of rank
         <= max_rank (None: all), the tokens to come stretched by the safety factor (never
         past what max_tokens leaves). A request past its prediction is expected to need at
         least another block (or what its max_tokens leaves), not to end this very step.
-        `join` (group, load) adds a new request's load. A group's shared prefix is counted
+        `join` (group, load) adds a new request's load (`skip`: in place of that request's
+        own, by id). A group's shared prefix is counted
         once: in full by the member expected to run longest (it is held while any member
         lives, and the prefix is whole blocks), the others hold only their own tokens."""
         out: list[tuple[int, int]] = []
@@ -266,7 +339,7 @@ class AdmissionPolicy:
         factor = self.controller.config.safety_factor if self.controller else 1.0
         for s in self._live():
             t = self._tickets.get(s.request_id)
-            if t is None or not t.admitted or t.decision is None:
+            if t is None or not t.admitted or t.decision is None or s.request_id == skip:
                 continue
             if max_rank is not None and s.priority > max_rank:
                 continue

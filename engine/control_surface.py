@@ -302,9 +302,9 @@ class ControlSurface:
         except Exception as e:  # noqa: BLE001 - the pool is put back whatever failed
             return self._conversion_failed(kept, f"a {dtype} pool", e, cached=set())
         self.kv_cache.last_switch_peak_extra_bytes = extra
-        self._bound_lengths()
-        if self.admission is not None:
+        if self.admission is not None:  # before the lengths: the budget's headroom in blocks
             self.admission.bytes_per_block = self.kv_cache.bytes_per_block
+        self._bound_lengths()
         pause = time.perf_counter() - t0
         data = {
             "from": old,
@@ -532,16 +532,30 @@ class ControlSurface:
         )
 
     def _bound_lengths(self: LLMEngine) -> None:
-        """The pool just changed size (a dtype switch, a share, a reload's kv_cache_bytes),
-        and a smaller one was taken because every request in flight fits it within its
-        length limit and max_tokens as they are now: from here on the pool also bounds each
-        one's length limit, as it bounds a request admitted against it (`max_total_len`).
-        A cap lifted later gives a request its own max_tokens back, not a length the pool can
-        never hold: that one would fill the pool, preempt itself and never fit again, and
-        every request queued behind it would wait for ever."""
+        """The pool just changed size (a dtype switch, a share, a reload's kv_cache_bytes).
+        A smaller one was taken because every request in flight fits it within its length
+        limit and max_tokens as they are now: from here on the pool also bounds each one's
+        length limit, as it bounds a request admitted against it (`max_total_len`). A cap
+        lifted later gives a request its own max_tokens back, not a length the pool can never
+        hold: that one would fill the pool, preempt itself and never fit again, and every
+        request queued behind it would wait for ever.
+
+        A larger pool gives back what a smaller one took: the length limit, as a request
+        admitted now gets it, and the max_tokens admission shortened to fit the smaller
+        configured pool, up to what admission would give now within the budget beside the
+        other commitments (`AdmissionPolicy.regrow`, which re-reserves the longer answer's
+        peak), a live cap still applying on top."""
         limit = self.max_total_len()
-        for s in self.scheduler.live():
-            s.max_total_len = min(s.max_total_len, limit)
+        configured = self.runner.blocks_for_budget(self.kv_cache.dtype)
+        capacity = self.block_manager.num_blocks
+        for s in sorted(self.scheduler.live(), key=lambda s: (s.priority, s.order)):
+            s.max_total_len = limit
+            d = self.admission_policy.regrow(s, capacity, configured)
+            if d is None:
+                continue
+            cap = self.max_new_tokens_cap
+            own = s.params.max_tokens if cap is None else min(s.params.max_tokens, cap)
+            s.max_tokens = max(s.max_tokens, min(own, d.max_tokens))
 
     def _longest_need(self: LLMEngine) -> tuple[int, str | None]:
         """The most device blocks a request in flight may still need (its prompt and every
@@ -579,6 +593,8 @@ class ControlSurface:
                 return "kv_cache_bytes: unused on this device (gpu_memory_utilization)", True
             self.kv_cache.budget_bytes = int(value)
             detail, done, _ = self._resize_pool(self.kv_pool_share)
+            if done:  # a remedy's share may hold the pool as it was, the configured one grew
+                self._bound_lengths()
             return f"kv_cache_bytes={value}: {detail}", done
         return f"{name}={value}", True
 

@@ -14,7 +14,14 @@ from kvguard.daemon.control_plane import ACTION_TIMEOUT_S, ControlPlane
 from kvguard.engine import LLMEngine
 from kvguard.engine.control import ActionResult
 from kvguard.engine.engine_loop import EngineLoop
-from kvguard.rules.actions import MAX_SEQS, MAX_TOKENS, ActionError, parse_params, run_action
+from kvguard.rules.actions import (
+    MAX_SEQS,
+    MAX_TOKENS,
+    ActionError,
+    StopSignal,
+    parse_params,
+    run_action,
+)
 from tests.test_engine import make_engine
 
 SEQS = 8  # serving.max_num_seqs of the engine under test
@@ -142,7 +149,9 @@ def test_rules_act_with_clamping(engine: LLMEngine) -> None:
     loop = EngineLoop(engine).start()
     try:
         plane = SimpleNamespace(
-            service=SimpleNamespace(engine=engine), action_timeout_s=ACTION_TIMEOUT_S
+            service=SimpleNamespace(engine=engine),
+            action_timeout_s=ACTION_TIMEOUT_S,
+            stopping=StopSignal(),  # the daemon's stop: never set here
         )
         res = ControlPlane._execute(plane, "set_max_num_seqs", {"n": 64})  # type: ignore[arg-type]
     finally:

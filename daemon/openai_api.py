@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
+import anyio
 from fastapi import APIRouter, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -615,7 +616,7 @@ async def _serve(
                 service.requests.discard(outputs)
     if body.stream:
         include_usage = bool((body.stream_options or {}).get("include_usage"))
-        return StreamingResponse(
+        return _ClosingStreamingResponse(
             _sse(ctx, streams, outs, watch, include_usage), media_type="text/event-stream"
         )
     finals = await _wait_final(service, streams, outs, watch)
@@ -1003,6 +1004,23 @@ class RequestCut(Exception):
     """The daemon cut the request off before it finished (the drain deadline passed)."""
 
 
+class _ClosingStreamingResponse(StreamingResponse):
+    """A stream that closes its body (`_sse`) however the response ends. Starlette cancels
+    the sending when the client hangs up and leaves the generator suspended at its `yield`:
+    its `finally` (the request's end, and `_merged`'s per-choice tasks, whose ClientGone then
+    went unretrieved and was logged as an ERROR traceback) ran only when the garbage collector
+    found it."""
+
+    async def stream_response(self, send: Callable[..., Awaitable[None]]) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                with anyio.CancelScope(shield=True):  # the hang-up cancelled us: close anyway
+                    await aclose()
+
+
 class _DisconnectWatch:
     """Aborts a request the moment its client hangs up, whatever the request is doing.
 
@@ -1067,7 +1085,13 @@ async def _merged(outs: Sequence[_Outputs]) -> AsyncIterator[tuple[int, RequestO
             yield 0, out
             if out.finished:
                 return
-    waits = {asyncio.ensure_future(o.get()): i for i, o in enumerate(outs)}
+
+    def wait_for(i: int) -> asyncio.Future[RequestOutput]:
+        task = asyncio.ensure_future(outs[i].get())
+        task.add_done_callback(_retrieved)  # a ClientGone nobody awaits is no logged error
+        return task
+
+    waits = {wait_for(i): i for i in range(len(outs))}
     try:
         while waits:
             done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
@@ -1076,10 +1100,16 @@ async def _merged(outs: Sequence[_Outputs]) -> AsyncIterator[tuple[int, RequestO
                 out = task.result()
                 yield i, out
                 if not out.finished:
-                    waits[asyncio.ensure_future(outs[i].get())] = i
+                    waits[wait_for(i)] = i
     finally:
         for task in waits:
             task.cancel()
+
+
+def _retrieved(task: asyncio.Future[Any]) -> None:
+    """Marks a finished task's exception as seen: asyncio logs one never retrieved."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _failure(service: Service, out: RequestOutput, outputs: _Outputs) -> ApiError | None:

@@ -592,6 +592,12 @@ async def _serve(
     except AdmissionRejected as e:
         d = e.decision
         status = ADMISSION_STATUS.get(d.kind, 503)
+        if d.kind == "never_fits" and d.about == "prompt":
+            # a prompt past the KV its priority may use: too long for the context, as a prompt
+            # past max_model_len is (the reason says which priority's share would hold it)
+            raise ApiError(
+                400, d.reason, "prompt" if completion else "messages", CONTEXT_LENGTH_EXCEEDED
+            ) from e
         typ = "invalid_request_error" if status == 400 else "overloaded_error"
         raise ApiError(
             status,

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     ValidationInfo,
@@ -29,7 +30,11 @@ from pydantic_core import PydanticCustomError
 from kvguard.daemon import tools
 from kvguard.engine.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
 
-Priority = Literal["high", "normal", "low"]
+# in any case, as the X-Priority header takes it ("High" is high)
+Priority = Annotated[
+    Literal["high", "normal", "low"],
+    BeforeValidator(lambda v: v.lower() if isinstance(v, str) else v),
+]
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # OpenAI's integer range; torch takes no more
 MAX_CHOICES = 32  # `n`: each choice is a sequence of its own, admitted like a request
 MAX_TOOLS = 128  # functions one request may offer (OpenAI's limit)

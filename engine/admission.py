@@ -1,6 +1,7 @@
 """Admission control (seed §5): admit, queue or reject a request from its projected KV peak.
 
-A request's peak is (prompt + max_new_tokens) × safety_factor tokens, in blocks. Requests are
+A request's peak is its prompt + max_new_tokens × safety_factor tokens, in blocks: the prompt
+is known to the token, the margin is on the answer still to come. Requests are
 admitted while the committed peaks of everything admitted stay within the budget (the pool
 minus the reserved headroom); the rest wait in the engine's bounded queue with a position and
 an estimated wait from the measured KV release rate. The queue is bounded by time more than by
@@ -53,6 +54,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvguard.engine.knobs import MiB, check_knobs, knob
+from kvguard.engine.sequence import PRIORITY_NAMES
 
 EMERGENCY_USAGE = 0.95
 # Predicted admission: from this device KV usage the max_tokens ladder cuts and a step counts
@@ -275,6 +277,9 @@ class AdmissionDecision:
     # the request's max_tokens, and the KV usage the ladder cut it at (None: no ladder)
     asked: int = 0
     ladder_usage: float | None = None
+    # what about the request a never_fits rejection is for: "prompt" (the prompt alone is past
+    # the KV this priority may use) or "max_tokens" (its answer is, with the ladder off)
+    about: str = ""
 
 
 def dynamic_max_tokens(requested: int, usage: float, remaining: int) -> int:
@@ -384,8 +389,17 @@ class AdmissionController:
             return budget
         return math.floor(budget * (1.0 - self.config.high_priority_reserve))
 
-    def projected_blocks(self, tokens: int) -> int:
-        return math.ceil(tokens * self.config.safety_factor / self.block_size)
+    def projected_blocks(self, prompt: int, output: int, cap: int | None = None) -> int:
+        """The blocks a request's peak is projected at: its `prompt` tokens, known to the token,
+        and `output` tokens to come with the safety factor's margin. Under predicted admission
+        the margin never goes past `cap` (what max_tokens leaves; None: `output`), which is
+        certain, as `fits` plans it; worst_case keeps the brief's margin on max_tokens."""
+        factor = self.config.safety_factor
+        if self.predicted:
+            rest = stretch(output, output if cap is None else cap, factor)
+        else:
+            rest = math.ceil(output * factor)
+        return math.ceil((prompt + rest) / self.block_size)
 
     @_counted
     def decide(
@@ -414,10 +428,9 @@ class AdmissionController:
         # what is known (the prompt, and the token it must at least produce) is known to the
         # token: no safety factor on it
         if math.ceil((prompt_len + 1) / self.block_size) > ever:
+            pool = max(configured, total_blocks)
             return _reject(
-                "never_fits",
-                f"prompt of {prompt_len} tokens can never fit the KV budget of {ever} blocks"
-                + ("" if rank == HIGH else " (what is left outside the high-priority reserve)"),
+                "never_fits", self._too_long(prompt_len, rank, ever, pool), about="prompt"
             )
         emergency = usage > EMERGENCY_USAGE and rank != HIGH
         if emergency and not self.predicted:
@@ -436,10 +449,11 @@ class AdmissionController:
                 "never_fits",
                 f"prompt of {prompt_len} tokens + max_tokens={asked} can never fit the KV "
                 f"budget of {ever} blocks (the most that fits: max_tokens="
-                f"{max(0, self.longest_within(ever) - prompt_len)})",
+                f"{self.longest_answer(prompt_len, ever)})",
+                about="max_tokens",
             )
         planned = self.plan_tokens(n)
-        need = self.projected_blocks(prompt_len - shared + planned)
+        need = self.projected_blocks(prompt_len - shared, planned, n)
         if self.predicted:
             room = self.fits(prompt_len, planned, limit, rank, n, group)
         else:
@@ -477,9 +491,10 @@ class AdmissionController:
         n = max_tokens
         if ladder is not None:
             n = dynamic_max_tokens(max_tokens, ladder, max_total_len - prompt_len)
-        if self.projected_blocks(prompt_len + n) > ever:
-            # shorten to the longest answer that can ever fit rather than refuse
-            n = max(1, min(n, self.longest_within(ever) - prompt_len))
+        if self.projected_blocks(prompt_len, n, n) > ever:
+            # shorten to the longest answer that can ever fit rather than refuse: the margin
+            # is on the answer only, the prompt is counted to the token
+            n = max(1, min(n, self.longest_answer(prompt_len, ever)))
         return max_tokens, n
 
     def regrown_max_tokens(
@@ -501,14 +516,33 @@ class AdmissionController:
             prompt_len, decision.asked, decision.ladder_usage, ever, max_total_len
         )
 
-    def longest_within(self, blocks: int) -> int:
-        """The most tokens whose projected peak (`projected_blocks`) stays within `blocks`."""
-        n = math.floor(blocks * self.block_size / self.config.safety_factor)
-        while n > 0 and self.projected_blocks(n) > blocks:  # float rounding, a step or two
+    def longest_answer(self, prompt: int, blocks: int) -> int:
+        """The longest answer (0: none) whose projected peak after a `prompt`-token prompt,
+        planned at its whole length (`projected_blocks`), stays within `blocks`."""
+        room = blocks * self.block_size - prompt
+        if room <= 0:
+            return 0
+        n = room if self.predicted else math.floor(room / self.config.safety_factor)
+        while n > 0 and self.projected_blocks(prompt, n, n) > blocks:  # float rounding
             n -= 1
-        while self.projected_blocks(n + 1) <= blocks:
+        while self.projected_blocks(prompt, n + 1, n + 1) <= blocks:
             n += 1
         return n
+
+    def _too_long(self, prompt_len: int, rank: int, ever: int, pool: int) -> str:
+        """Why a prompt of `prompt_len` tokens can never be served at priority `rank`: past
+        the `ever` blocks it may use of a `pool` of blocks (a share of it below high)."""
+        reason = f"prompt of {prompt_len} tokens can never fit the KV budget of {ever} blocks"
+        if rank == HIGH or self.config.high_priority_reserve == 0:
+            return reason
+        reason += (
+            f" that {PRIORITY_NAMES.get(rank, 'this')} priority may use (the budget less the "
+            f"{self.config.high_priority_reserve:.0%} high-priority reserve)"
+        )
+        high = self.limit_blocks(pool, HIGH)
+        if math.ceil((prompt_len + 1) / self.block_size) <= high:
+            reason += f"; high priority may use {high} blocks, which hold it"
+        return reason
 
     # -- commitments --------------------------------------------------------------------------
     def try_commit(
@@ -595,5 +629,5 @@ class AdmissionController:
         return min(30.0, blocks / rate) if rate > 0 else 1.0
 
 
-def _reject(kind: str, reason: str, wait: float = 0.0) -> AdmissionDecision:
-    return AdmissionDecision("reject", reason, 0, False, 0, wait, kind)
+def _reject(kind: str, reason: str, wait: float = 0.0, about: str = "") -> AdmissionDecision:
+    return AdmissionDecision("reject", reason, 0, False, 0, wait, kind, about=about)

@@ -144,8 +144,12 @@ class AdmissionPolicy:
         if d.decision == "reject":
             raise AdmissionRejected(d)
         seq.max_tokens = d.max_tokens
-        whole = ctl.projected_blocks(prompt + d.predicted_tokens)
-        own = whole if key is None else ctl.projected_blocks(prompt - key[0] + d.predicted_tokens)
+        whole = ctl.projected_blocks(prompt, d.predicted_tokens, d.max_tokens)
+        own = (
+            whole
+            if key is None
+            else ctl.projected_blocks(prompt - key[0], d.predicted_tokens, d.max_tokens)
+        )
         ticket = Ticket(d, own, d.decision == "admit", key, whole - own)
         self._tickets[seq.request_id] = ticket
         if ticket.admitted:
@@ -264,10 +268,10 @@ class AdmissionPolicy:
             return max(ctl.plan_tokens(n), d.predicted_tokens)
 
         def own(n: int) -> int:  # the ticket's blocks for an answer of up to n tokens
-            return ctl.projected_blocks(own_prompt + plan(n))
+            return ctl.projected_blocks(own_prompt, plan(n), n)
 
         def shared(n: int) -> int:  # its group prefix's share of that peak, as `check` splits it
-            return ctl.projected_blocks(prompt + plan(n)) - own(n) if t.group is not None else 0
+            return ctl.projected_blocks(prompt, plan(n), n) - own(n) if t.group is not None else 0
 
         def more(n: int) -> tuple[int, int]:  # blocks its commitment and its group's grow by
             return max(0, own(n) - t.projected_blocks), (

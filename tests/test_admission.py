@@ -58,7 +58,7 @@ def test_never_admits_past_budget_and_respects_the_queue_bound(cfg, trace) -> No
                 continue
             assert 1 <= d.max_tokens <= max_new
             assert d.truncated == (d.max_tokens < max_new)
-            need = ctl.projected_blocks(prompt + d.max_tokens)
+            need = ctl.projected_blocks(prompt, d.max_tokens)
             assert -(-(prompt + d.max_tokens) // BLOCK) <= limit, "admitted what can never fit"
             # shortened to the longest answer that fits with the margin (one token at least)
             assert need <= limit or d.max_tokens == 1
@@ -91,9 +91,10 @@ def test_high_priority_reserve_keeps_room_for_high() -> None:
     assert (ctl.limit_blocks(TOTAL, 0), ctl.limit_blocks(TOTAL, 1)) == (64, 48)
     admitted = 0
     while (d := ctl.decide(64, 64, 1, TOTAL, 0.0, 0, 4096)).decision == "admit":
-        ctl.committed_blocks += ctl.projected_blocks(64 + d.max_tokens)
+        ctl.committed_blocks += ctl.projected_blocks(64, d.max_tokens)
         admitted += 1
-    assert admitted == 4 and ctl.committed_blocks == 40  # 10 blocks each: a 5th would pass 48
+    # 64 + 64 × 1.15 tokens: 9 blocks each, a 6th would pass 48
+    assert admitted == 5 and ctl.committed_blocks == 45
     assert ctl.decide(64, 64, 2, TOTAL, 0.0, 0, 4096).decision == "queue"  # low: no reserve
     assert ctl.decide(64, 64, 0, TOTAL, 0.0, 0, 4096).decision == "admit"  # high: the reserve
     assert not ctl.try_commit(10, TOTAL, 1) and ctl.try_commit(10, TOTAL, 0)

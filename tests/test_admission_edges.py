@@ -91,14 +91,77 @@ def test_a_pool_held_smaller_queues_what_only_the_configured_pool_holds() -> Non
     assert "can never fit the KV budget of 28 blocks" in d.reason
 
 
-@pytest.mark.parametrize("estimate", ["worst_case", "predicted"])
-def test_an_answer_is_shortened_to_the_longest_that_fits_not_halved(estimate: str) -> None:
-    """300 prompt tokens and max_tokens 200 on a 28-block budget: (300 + 89) × 1.15 tokens fit
-    28 blocks, so the answer keeps 89 tokens (halving gave 50)."""
+@pytest.mark.parametrize(("estimate", "fits"), [("worst_case", 128), ("predicted", 148)])
+def test_an_answer_is_shortened_to_the_longest_that_fits_not_halved(
+    estimate: str, fits: int
+) -> None:
+    """300 prompt tokens and max_tokens 200 on a 28-block budget (448 tokens), the margin on the
+    answer only: 300 + 128 × 1.15 tokens fit in worst case, and 300 + 148 under predicted
+    admission, whose margin never passes the answer's max_tokens (halving gave 50)."""
     ctl = AdmissionController(AdmissionConfig(estimate=estimate), BLOCK, 1000)
     d = ctl.decide(300, 200, 1, 32, 0.0, 0, 512)
-    assert d.max_tokens == 89 and d.truncated
-    assert ctl.projected_blocks(300 + 89) == 28 < ctl.projected_blocks(300 + 90)
+    assert d.max_tokens == fits and d.truncated
+    assert ctl.projected_blocks(300, fits) == 28 < ctl.projected_blocks(300, fits + 1)
+
+
+# -- the margin is on the answer, never on the prompt ----------------------------------------------
+def prompt_of(n: int) -> list[int]:
+    return [3 + i % 300 for i in range(n)]
+
+
+def small_pool(estimate: str) -> LLMEngine:
+    """11 blocks of 16 tokens: 176 tokens for a high request (9 blocks below high)."""
+    adm = AdmissionConfig(estimate=estimate, reserved_headroom_bytes=0)
+    engine = make_engine(num_gpu_blocks=11, max_model_len=512, admission=adm)
+    assert engine.block_manager.num_blocks == 11 and engine.config.block_size == BLOCK
+    return engine
+
+
+@pytest.mark.parametrize("estimate", ["worst_case", "predicted"])
+def test_a_request_that_fits_an_idle_pool_keeps_its_max_tokens(estimate: str) -> None:
+    """150 prompt tokens and max_tokens 16 on an idle 11-block pool, high priority: 166 tokens
+    fit 176 (150 + 16 × 1.15 too), so the request gets its 16 tokens; the safety factor on
+    the prompt as well cut it to 3 (and every prompt of 153-175 tokens to 1)."""
+    engine = small_pool(estimate)
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    rid = engine.add_request(prompt_of(150), params, priority="high")
+    d = engine.admission_policy.decision(engine._seqs[rid])
+    assert d.decision == "admit" and d.max_tokens == 16 and not d.truncated, d
+    out = run_all(engine)[rid]
+    assert out.num_output_tokens == 16 and out.finish_reason == "length" and not out.truncated
+    assert engine.admission.committed_blocks == 0
+
+
+@pytest.mark.parametrize(("estimate", "fits"), [("worst_case", 12), ("predicted", 14)])
+def test_an_answer_that_cannot_fit_whole_is_still_shortened(estimate: str, fits: int) -> None:
+    """A normal request may use 9 of the 11 blocks (144 tokens): 130 prompt tokens leave 14,
+    which predicted admission gives (its margin never passes max_tokens), worst case the 12
+    whose 1.15 margin still fits; admitted at once and served to that length, truncated (the
+    margin on the prompt too cut it to 1)."""
+    engine = small_pool(estimate)
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    rid = engine.add_request(prompt_of(130), params, priority="normal")
+    d = engine.admission_policy.decision(engine._seqs[rid])
+    assert d.decision == "admit" and d.max_tokens == fits and d.truncated, d
+    out = run_all(engine)[rid]
+    assert out.num_output_tokens == fits and out.finish_reason == "length" and out.truncated
+    assert engine.admission.committed_blocks == 0
+
+
+@pytest.mark.parametrize("estimate", ["worst_case", "predicted"])
+def test_a_prompt_past_its_prioritys_share_is_refused_as_a_prompt(estimate: str) -> None:
+    """A normal 150-token prompt (10 blocks) fits the pool but not the 9 blocks outside the
+    high-priority reserve: refused as a prompt that never fits, saying high priority would
+    hold it; the same prompt at high priority is served."""
+    engine = small_pool(estimate)
+    with pytest.raises(AdmissionRejected) as e:
+        engine.add_request(prompt_of(150), SamplingParams(max_tokens=4), priority="normal")
+    d = e.value.decision
+    assert d.kind == "never_fits" and d.about == "prompt", d
+    assert "9 blocks that normal priority may use" in d.reason
+    assert "high priority may use 11 blocks, which hold it" in d.reason
+    rid = engine.add_request(prompt_of(150), SamplingParams(max_tokens=4), priority="high")
+    assert run_all(engine)[rid].num_output_tokens >= 1
 
 
 @pytest.mark.parametrize("served_before", [True, False])

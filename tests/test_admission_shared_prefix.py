@@ -51,13 +51,15 @@ def assert_released(engine: LLMEngine) -> None:
 @pytest.mark.parametrize("estimate", ["predicted", "worst_case"])
 def test_the_choices_of_one_prompt_are_admitted_together(estimate: str) -> None:
     """n=4 of a 400-token prompt with max_tokens 32: 24 shared blocks and about 3 of each choice
-    fit the 57 blocks at once; counting the prompt per choice admitted 2 (1 in worst case)."""
+    fit the 57 blocks at once; counting the prompt per choice admitted 2."""
     engine = make_engine(estimate)
     rids = [engine.add_request(PROMPT, params(32)) for _ in range(4)]
     assert admitted(engine, rids) == 4
     assert engine.admission.decisions == {"admit": 4, "queue": 0, "reject": 0}
-    # one prompt's peak (32 blocks) and each other choice's own tokens (4 blocks) once
-    assert engine.admission.committed_blocks == 32 + 3 * 4
+    # one prompt's peak and each other choice's own tokens once: 400 + 32 tokens (27 blocks)
+    # and 16 + 32 (3); worst case with the margin on the answer, 400 + 37 (28) and 16 + 37 (4)
+    whole, own = {"predicted": (27, 3), "worst_case": (28, 4)}[estimate]
+    assert engine.admission.committed_blocks == whole + 3 * own
     done = run_all(engine)
     assert sorted(done) == sorted(rids)
     assert all(o.num_output_tokens == 32 and o.finish_reason == "length" for o in done.values())
@@ -74,8 +76,10 @@ def test_the_prefix_stays_counted_after_the_member_that_brought_it_ends(estimate
     first = engine.add_request(PROMPT, params(2))
     second = engine.add_request(PROMPT, params(32))
     assert admitted(engine, [first, second]) == 2
-    whole_first = engine.admission.projected_blocks(400 + 2)
-    assert engine.admission.committed_blocks < whole_first + engine.admission.projected_blocks(432)
+    whole_first = engine.admission.projected_blocks(400, 2)
+    assert engine.admission.committed_blocks < whole_first + engine.admission.projected_blocks(
+        400, 32
+    )
     done = {}
     while first not in done:
         done.update({o.request_id: o for o in engine.step() if o.finished})
@@ -101,9 +105,10 @@ def test_the_prefix_stays_counted_after_the_member_that_brought_it_ends(estimate
 @pytest.mark.parametrize("estimate", ["predicted", "worst_case"])
 def test_with_the_cache_off_each_request_counts_its_whole_prompt(estimate: str) -> None:
     engine = make_engine(estimate, caching=False)
-    rids = [engine.add_request(PROMPT, params(32)) for _ in range(4)]
-    whole = engine.admission.projected_blocks(432)  # 32 blocks: 2 fit 57 by overlap, 1 by sum
-    want = 2 if estimate == "predicted" else 1
+    rids = [engine.add_request(PROMPT, params(48)) for _ in range(4)]
+    # 400 + 48 tokens: 28 blocks, 2 fit 57; worst case 400 + 48 x 1.15: 29 blocks, 1 fits
+    whole, want = {"predicted": (28, 2), "worst_case": (29, 1)}[estimate]
+    assert engine.admission.projected_blocks(400, 48) == whole
     assert admitted(engine, rids) == want
     assert engine.admission.committed_blocks == want * whole
     assert engine.admission_policy._groups == {}
@@ -115,9 +120,9 @@ def test_with_the_cache_off_each_request_counts_its_whole_prompt(estimate: str) 
 def test_a_request_for_its_prompt_logprobs_shares_nothing() -> None:
     """It computes its whole prompt itself (no cached blocks), so it counts it whole."""
     engine = make_engine("worst_case")
-    a = engine.add_request(PROMPT, params(32))
+    a = engine.add_request(PROMPT, params(48))  # 29 blocks (as above): 2 whole pass 57
     b = engine.add_request(
-        PROMPT, SamplingParams(max_tokens=32, ignore_eos=True, prompt_logprobs=1)
+        PROMPT, SamplingParams(max_tokens=48, ignore_eos=True, prompt_logprobs=1)
     )
     assert admitted(engine, [a, b]) == 1
     done = run_all(engine)

@@ -587,6 +587,77 @@ def test_denormal_temperature_and_top_p_are_served(client: httpx.Client) -> None
     )
 
 
+def test_the_body_priority_takes_any_case_as_the_header_does(client: httpx.Client) -> None:
+    """`X-Priority: LOW` was served as low while a body's `"priority": "High"` was a 400."""
+    for path, body in (
+        ("/v1/completions", completion(priority="High")),
+        ("/v1/chat/completions", chat(priority="HIGH")),
+    ):
+        r = raw(client, "POST", path, body)
+        assert r.status_code == 200, r.text
+        assert r.json()["kvguard"]["priority"] == "high"
+    r = raw(client, "POST", "/v1/completions", completion(priority="Low"))
+    assert r.status_code == 200 and r.json()["kvguard"]["priority"] == "low", r.text
+    openai_error(
+        raw(client, "POST", "/v1/completions", completion(priority="urgent")), 400, "priority"
+    )
+
+
+# -- a KV pool of 11 blocks: a prompt's length against its priority's share ---------------------
+@pytest.fixture(scope="module")
+def small_pool(tmp_path_factory: pytest.TempPathFactory):
+    """The tiny model with 88 KiB of KV: 11 blocks of 16 tokens (176 tokens), 9 blocks (144
+    tokens) outside the 10% high-priority reserve."""
+    d = Daemon(
+        tmp_path_factory.mktemp("small_pool"),
+        serving="{model: tiny, kv_cache_bytes: 88KiB, max_model_len: 512}",
+    )
+    with httpx.Client(base_url=d.url, timeout=60) as c:
+        r = c.post("/tokenize", json={"model": "tiny", "prompt": "x"})
+        assert r.json()["max_model_len"] == 176, r.text
+        yield c
+    assert d.stop() == 0
+
+
+def test_a_prompt_past_its_prioritys_share_is_too_long_for_the_context(
+    small_pool: httpx.Client,
+) -> None:
+    """A normal 150-token prompt fits the pool (a high one is served) but not the share outside
+    the high-priority reserve: 400 context_length_exceeded naming `prompt` (`messages` on chat),
+    as a longer prompt is, saying high priority would hold it, not a bare admission_rejected."""
+    c = small_pool
+    ids = [3 + i for i in range(150)]
+    body = {"model": "tiny", "prompt": ids, "max_tokens": 4}
+    err = openai_error(c.post("/v1/completions", json=body), 400, "prompt")
+    assert err["code"] == "context_length_exceeded", err
+    assert "9 blocks that normal priority may use" in err["message"], err
+    assert "high priority may use 11 blocks, which hold it" in err["message"], err
+    r = c.post("/v1/completions", json={**body, "priority": "high"})
+    assert r.status_code == 200, r.text
+
+    # chat: a message that renders to a prompt of 150 tokens (past 9 blocks, within 10)
+    def rendered(content: str) -> int:
+        msgs = [{"role": "user", "content": content}]
+        return c.post("/tokenize", json={"model": "tiny", "messages": msgs}).json()["count"]
+
+    msgs = [{"role": "user", "content": "a" * (150 - rendered(""))}]
+    count = rendered(msgs[0]["content"])
+    assert 144 < count < 160, count
+    r = c.post("/v1/chat/completions", json={"model": "tiny", "messages": msgs, "max_tokens": 4})
+    err = openai_error(r, 400, "messages")
+    assert err["code"] == "context_length_exceeded", err
+
+
+def test_a_request_that_fits_an_idle_pool_is_served_whole(small_pool: httpx.Client) -> None:
+    """High priority, 150 prompt tokens and max_tokens 16 on the idle 176-token pool: 16 tokens,
+    not truncated (the safety factor on the prompt too cut the answer to 3)."""
+    body = {"model": "tiny", "prompt": [3 + i for i in range(150)], "max_tokens": 16}
+    r = small_pool.post("/v1/completions", json={**body, "ignore_eos": True, "priority": "high"})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["usage"]["completion_tokens"] == 16 and out["kvguard"]["truncated"] is False, out
+
+
 def test_sampler_never_draws_from_nan() -> None:
     from kvguard.engine.sampler import sample
     from kvguard.engine.sampling_params import SamplingParams

@@ -17,7 +17,7 @@ from tests.test_kv_pool import apply
 from tests.test_remedies import greedy
 
 PROMPT = list(range(3, 22))  # 19 tokens
-ASKED = 400
+ASKED = 450
 LOW = 2
 KIB = 1024
 
@@ -75,7 +75,7 @@ def test_a_pool_grown_a_little_gives_back_only_what_fits_it() -> None:
     ctl = engine.admission
     res = apply(engine, engine.reconfigure({("kv_cache_bytes",): 264 * KIB}))  # 33 blocks
     assert res.ok and res.after["kv_pool_blocks"] == 33, res.detail
-    fits = ctl.longest_within(ctl.limit_blocks(33, LOW)) - len(PROMPT)
+    fits = ctl.longest_answer(len(PROMPT), ctl.limit_blocks(33, LOW))
     assert before < fits < ASKED
     assert engine._seqs[rid].max_tokens == fits
     assert ctl.committed_blocks == committed_fresh(264 * KIB)
@@ -97,16 +97,16 @@ def test_a_grown_pool_gives_back_no_more_than_the_commitments_beside_it_leave() 
     high = engine.add_request(list(range(40, 59)), greedy(20), priority="high")
     engine.step()
     assert engine.admission_policy.is_admitted(engine._seqs[high])
-    beside = ctl.projected_blocks(19 + 20)
-    assert ctl.committed_blocks == beside + ctl.projected_blocks(19 + engine._seqs[rid].max_tokens)
-    res = apply(engine, engine.reconfigure({("kv_cache_bytes",): 288 * KIB}))  # 36 blocks
-    assert res.ok and res.after["kv_pool_blocks"] == 36, res.detail
-    limit = ctl.limit_blocks(36, LOW)
+    beside = ctl.projected_blocks(19, 20)
+    assert ctl.committed_blocks == beside + ctl.projected_blocks(19, engine._seqs[rid].max_tokens)
+    res = apply(engine, engine.reconfigure({("kv_cache_bytes",): 304 * KIB}))  # 38 blocks
+    assert res.ok and res.after["kv_pool_blocks"] == 38, res.detail
+    limit = ctl.limit_blocks(38, LOW)
     # the larger pool alone would hold the whole answer; beside the high request it does not
-    assert ctl.longest_within(limit) - len(PROMPT) >= ASKED
+    assert ctl.longest_answer(len(PROMPT), limit) >= ASKED
     got = engine._seqs[rid].max_tokens
     assert got < ASKED
-    assert ctl.projected_blocks(len(PROMPT) + got) == limit - beside
+    assert ctl.projected_blocks(len(PROMPT), got) == limit - beside
     assert ctl.committed_blocks == limit
     done = run_out(engine)
     assert done[rid].num_output_tokens == got and done[rid].truncated

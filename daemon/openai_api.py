@@ -40,7 +40,7 @@ from kvguard.daemon.openai_schemas import (
     usage,
 )
 from kvguard.engine.admission_policy import AdmissionRejected
-from kvguard.engine.engine_loop import OutputBuffer, RequestStream
+from kvguard.engine.engine_loop import OutputBuffer, RequestStream, wake_after_delivery
 from kvguard.engine.sampling_params import SamplingParams
 from kvguard.engine.sequence import RequestOutput, TokenLogprob
 from kvguard.engine.structured import compile_grammar, compile_schema
@@ -975,9 +975,10 @@ class _Outputs:
         if not (self._keep_deltas or out.finished):
             return
         with self._lock:
+            pending = len(self._buffer)  # the wake that output asked for is still to come
             self._buffer.add(out)
-        with contextlib.suppress(RuntimeError):  # a closed event loop (shutdown): nobody waits
-            self._aio.call_soon_threadsafe(self._ready.set)
+        if not pending:  # one wake per step for all the streams (a closed loop: nobody waits)
+            wake_after_delivery(self._aio, self._ready.set)
 
     async def get(self) -> RequestOutput:
         """Everything new since the previous get, as one output; waits for something new.

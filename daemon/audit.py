@@ -47,6 +47,7 @@ dicts, with times as aware UTC datetimes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -56,14 +57,14 @@ import threading
 import time as _time
 import uuid
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from itertools import groupby
 from pathlib import Path
 from typing import Any, Literal, cast
 
-from sqlalchemy import Select, Table, delete, exists, func, insert, or_, select, update
+from sqlalchemy import Select, Table, and_, delete, exists, func, insert, or_, select, update
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DataError, DBAPIError, DisconnectionError, IntegrityError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
@@ -88,6 +89,8 @@ __all__ = ["AuditStore", "current", "downgrade", "new_incident_id", "upgrade"]
 log = logging.getLogger(__name__)
 
 BATCH = 256  # rows per transaction: one fsync for a burst of actions
+PURGE_CHUNK = 5000  # rows a retention sweep deletes per transaction (see _Sweep)
+CHECKPOINT_WAIT_MS = 200  # the longest a sweep's closing checkpoint waits for readers
 BACKOFF_START = 0.05  # seconds before the first retry
 BACKOFF_MAX = 1.0  # a database that comes back is used again within about a second
 START_WAIT_S = 5.0  # how long start() (before READY) waits for the first migration attempt
@@ -222,6 +225,9 @@ class AuditStore:
         self._pending: deque[_Op] = deque()
         self._batch: list[_Op] = []  # taken by the writer, not yet settled (shrinks as they are)
         self._inflight = 0  # rows taken by the writer, not yet committed
+        self._purging: _Op | None = None  # a retention sweep under way (see _Sweep)
+        self._sweep: _Sweep | None = None
+        self._held = 0  # rows written during a sweep, settled with it (flush() counts in order)
         self._accepted = 0  # rows ever queued; FIFO, so flush() waits for _settled to reach it
         self._settled = 0  # rows ever written or refused
         self._stopping = False
@@ -438,7 +444,8 @@ class AuditStore:
         with self._spill_lock:
             with self._lock:
                 queued = list(self._pending)
-                ops = [*self._batch, *queued]
+                purging = [self._purging] if self._purging is not None else []
+                ops = [*purging, *self._batch, *queued]
             if not ops:
                 return
             self._save(ops, self.last_error, "unwritten")
@@ -448,8 +455,9 @@ class AuditStore:
                 self._settled += len(self._pending) - len(left)
                 self._pending = deque(left)
                 if self._thread is None:
-                    self._settled += self._inflight
-                    self._batch, self._inflight = [], 0
+                    self._settled += self._inflight + self._held
+                    self._batch, self._inflight, self._held = [], 0, 0
+                    self._purging = self._sweep = None
                 self._progress.notify_all()
 
     def _save(self, ops: list[_Op], reason: str | None, what: str) -> Path | None:
@@ -487,7 +495,7 @@ class AuditStore:
     def _announce_spills(self) -> None:
         for path in [*self.spill_paths, *self.refused_paths]:
             # one of another database is not imported: the import says so when it skips it
-            if path.is_file() and not audit_spill.spilled_elsewhere(
+            if _nonempty(path) and not audit_spill.spilled_elsewhere(
                 audit_spill.headers(path), self.url
             ):
                 log.warning(
@@ -657,15 +665,23 @@ class AuditStore:
             try:
                 self._write_until_done(batch)
             except Exception:  # a bug here must not end auditing for the rest of the run
-                left = list(batch)
-                log.exception("audit writer: unexpected error; %d rows not written", len(left))
-                self.rejected += len(left)
-                self._done(len(left), written=False)
-                self._save(left, "unexpected error in the audit writer", "unwritten")
+                self._unexpected(batch)
             if self._abandon.is_set():
                 return
             if self._spills_waiting and self.last_error is None:
                 self._import_spills(again=True)
+
+    def _unexpected(self, batch: list[_Op]) -> None:
+        """Settle, count and save the rows of a batch the writer failed on by a bug."""
+        if batch and batch[0] is self._purging:
+            left = [batch[0]]
+            self._purge_settled(batch, written=False)
+        else:
+            left = list(batch)
+            self._done(len(left), written=False)
+        log.exception("audit writer: unexpected error; %d rows not written", len(left))
+        self.rejected += len(left)
+        self._save(left, "unexpected error in the audit writer", "unwritten")
 
     def _take(self) -> list[_Op]:
         with self._lock:
@@ -673,9 +689,27 @@ class AuditStore:
                 self._has_work.wait()
             if self._abandon.is_set():  # stop() gave up on this writer and spills the queue
                 return []
-            n = min(BATCH, len(self._pending))
+            sweep = bool(self._pending) and self._pending[0].kind == "purge"
+            n = 1 if sweep else self._ordinary()  # a sweep is a batch of its own (_write_purge)
             self._batch = [self._pending.popleft() for _ in range(n)]
-            self._inflight = n
+            self._inflight += n
+            return self._batch
+
+    def _ordinary(self) -> int:
+        """How many queued rows, up to BATCH, come before the next purge (under the lock)."""
+        n = 0
+        while n < min(BATCH, len(self._pending)) and self._pending[n].kind != "purge":
+            n += 1
+        return n
+
+    def _take_between(self) -> list[_Op]:
+        """Rows queued behind a sweep under way, up to BATCH: written between its chunks."""
+        with self._lock:
+            if self._abandon.is_set():
+                return []
+            n = self._ordinary()
+            self._batch = [self._pending.popleft() for _ in range(n)]
+            self._inflight += n
             return self._batch
 
     def _write_until_done(self, batch: list[_Op]) -> None:
@@ -683,6 +717,8 @@ class AuditStore:
         attempts = 0  # failed writes and migrations
         migrations = 0
         while batch:
+            if self._abandon.is_set():  # a sweep's chunks end here (stop() spills it)
+                return
             if self._migrated and self._replaced():
                 log.warning(
                     "audit: %s was deleted or replaced while the daemon ran: migrating it again "
@@ -724,6 +760,9 @@ class AuditStore:
 
     def _write(self, batch: list[_Op]) -> None:
         """Write the batch in one transaction; on a row's own fault, row by row."""
+        if batch[0].kind == "purge":  # alone in its batch (_take)
+            self._write_purge(batch)
+            return
         try:
             self._commit(batch)
         except Exception as e:
@@ -753,27 +792,95 @@ class AuditStore:
         except Exception as e:
             if _is_transient(e):
                 raise
-            self.failures += 1
-            self.rejected += 1
-            if _replayable(e):
-                kept.append(op)
-                log.error(
-                    "audit: %s refused a row (%s): kept in the refused rows' file, for an import once "
-                    "this kvguard is upgraded (a newer one changed the schema?): %r",
-                    shown(self.url),
-                    _reason(e, self.url),
-                    op,
-                )
-            else:
-                log.error(
-                    "audit: %s refused a row, which would be refused again: skipped, counted "
-                    "in rejected (%d so far): %s: %r",
-                    shown(self.url),
-                    self.rejected,
-                    _reason(e, self.url),
-                    op,
-                )
+            self._refused(op, e, kept)
             return False
+
+    def _refused(self, op: _Op, e: Exception, kept: list[_Op]) -> None:
+        """Count and log a row the database refused for its own sake (`kept` if a later
+        import may write it)."""
+        self.failures += 1
+        self.rejected += 1
+        if _replayable(e):
+            kept.append(op)
+            log.error(
+                "audit: %s refused a row (%s): kept in the refused rows' file, for an import once "
+                "this kvguard is upgraded (a newer one changed the schema?): %r",
+                shown(self.url),
+                _reason(e, self.url),
+                op,
+            )
+        else:
+            log.error(
+                "audit: %s refused a row, which would be refused again: skipped, counted "
+                "in rejected (%d so far): %s: %r",
+                shown(self.url),
+                self.rejected,
+                _reason(e, self.url),
+                op,
+            )
+
+    def _write_purge(self, batch: list[_Op]) -> None:
+        """One transaction of the retention sweep `batch[0]`, then the rows queued behind it
+        (a batch at most): a big backlog's sweep neither holds the writer nor needs WAL (or
+        disk) for the whole backlog at once. A transient failure raises, and the retry goes
+        on from the last chunk committed. The sweep is settled (flush() returns) after its
+        last chunk, with the rows written meanwhile."""
+        op = batch[0]
+        if self._purging is not op:
+            with self._lock:
+                self._purging, self._sweep = op, _Sweep(op.row)
+                self._batch = []  # the sweep is in _purging now (and still in _inflight)
+        sweep = self._sweep
+        assert sweep is not None
+        try:
+            finished = sweep.step(self._engine)
+        except Exception as e:
+            if _is_transient(e):
+                raise
+            kept: list[_Op] = []
+            self._refused(op, e, kept)
+            self._purge_settled(batch, written=False)
+            if kept:
+                self._save(kept, f"refused by {shown(self.url)}", "refused")
+            return
+        if finished:
+            sweep.report()
+            if any(sweep.deleted.values()):
+                self._checkpoint()
+            self._purge_settled(batch, written=True)
+            return
+        between = self._take_between()
+        if between:
+            try:
+                self._write_until_done(between)
+            except Exception:  # as in _run: a bug must not end auditing
+                self._unexpected(between)
+
+    def _checkpoint(self) -> None:
+        """Give a SQLite WAL back to the disk after a sweep (TRUNCATE). A reader holding an
+        old snapshot (an export under way) would make it wait: it waits CHECKPOINT_WAIT_MS
+        at most, and then the WAL is cut back at a later checkpoint (journal_size_limit)."""
+        if self._db_path is None:
+            return
+        try:
+            with self._engine.connect() as conn:
+                conn.exec_driver_sql(f"PRAGMA busy_timeout = {CHECKPOINT_WAIT_MS}")
+                try:
+                    conn.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)").all()
+                finally:
+                    conn.exec_driver_sql(f"PRAGMA busy_timeout = {int(self.busy_timeout_ms)}")
+        except Exception as e:  # noqa: BLE001 - the sweep is done; this only frees disk
+            log.debug("audit: checkpoint after the retention sweep failed: %s", e)
+
+    def _purge_settled(self, batch: list[_Op], written: bool) -> None:
+        with self._lock:
+            self._purging = self._sweep = None
+            self._inflight -= 1
+            self._settled += 1 + self._held
+            self._held = 0
+            self.written += 1 if written else 0
+            batch.clear()
+            self._progress.notify_all()
 
     def _commit(self, ops: list[_Op]) -> None:
         with self._engine.begin() as conn:
@@ -784,7 +891,10 @@ class AuditStore:
         with self._lock:
             del self._batch[:n]
             self._inflight -= n
-            self._settled += n
+            if self._purging is not None:  # rows behind a sweep under way: settled with it
+                self._held += n
+            else:
+                self._settled += n
             self.written += n if written else 0
             self._progress.notify_all()
 
@@ -832,6 +942,11 @@ class AuditStore:
         self._spills_waiting = False
         for path in [*self.spill_paths, *self.refused_paths]:  # each file its own transaction
             if not path.is_file():
+                continue
+            if not _nonempty(path):  # an older kvguard's spill that failed: it holds nothing
+                with contextlib.suppress(OSError):
+                    path.unlink()
+                    log.info("audit: removed %s, an empty spill file", path)
                 continue
             try:
                 spill = audit_spill.read(path)
@@ -898,6 +1013,29 @@ class AuditStore:
             q = q.where(t.c.incident == incident)
         return self._newest(q, t, t.c.time, limit)
 
+    def export(
+        self,
+        table: str,
+        since: datetime | None = None,
+        until: datetime | None = None,
+        instance: str | None = None,
+        chunk: int = 1000,
+    ) -> Iterator[dict[str, Any]]:
+        """Every row of `table` that `list_<table>(since, until, instance, limit=None)` would
+        return, in its order (oldest first), fetched `chunk` rows at a time: an export of a
+        whole table never holds it in memory (`kvguard audit export`)."""
+        t = TABLES[table]
+        if table == "incidents":
+            q, col = _open_between(select(t), since, until), t.c.opened_at
+        else:
+            q, col = _window(select(t), t.c.time, since, until), t.c.time
+        if instance is not None:
+            q = q.where(t.c.instance == instance)
+        q = q.order_by(col.asc(), t.c.id.asc())
+        with db_errors(self.url), self._engine.connect() as conn:
+            for r in conn.execution_options(yield_per=chunk).execute(q):
+                yield dict(r._mapping)
+
     def list_events(
         self,
         since: datetime | None = None,
@@ -929,11 +1067,7 @@ class AuditStore:
         """The newest `limit` incidents open at some time in the window (opened before its
         end, and still open or closed after its start), oldest first by opening."""
         t = TABLES["incidents"]
-        q = select(t)
-        if since is not None:
-            q = q.where(or_(t.c.closed_at.is_(None), t.c.closed_at >= _aware(since)))
-        if until is not None:
-            q = q.where(t.c.opened_at <= _aware(until))
+        q = _open_between(select(t), since, until)
         if open_only:
             q = q.where(t.c.closed_at.is_(None))
         if instance is not None:
@@ -972,6 +1106,13 @@ class AuditStore:
             return [dict(r._mapping) for r in conn.execute(q)]
 
 
+def _nonempty(path: Path) -> bool:
+    try:
+        return path.is_file() and path.stat().st_size > 0
+    except OSError:
+        return False
+
+
 def _tagged(kind: str, row: dict[str, Any]) -> dict[str, Any]:
     """A spilled row as it goes in now: one spilled before revision 0003 has no `instance`,
     and its writer was then the only daemon of its database, so its host names it."""
@@ -982,6 +1123,17 @@ def _tagged(kind: str, row: dict[str, Any]) -> dict[str, Any]:
 
 def _float(v: float | None) -> float | None:
     return None if v is None else float(v)
+
+
+def _open_between(q: Select[Any], since: datetime | None, until: datetime | None) -> Select:
+    """Incidents open at some time in the window: opened before its end, and still open or
+    closed after its start."""
+    t = TABLES["incidents"]
+    if since is not None:
+        q = q.where(or_(t.c.closed_at.is_(None), t.c.closed_at >= _aware(since)))
+    if until is not None:
+        q = q.where(t.c.opened_at <= _aware(until))
+    return q
 
 
 def _window(q: Select[Any], col: Any, since: datetime | None, until: datetime | None) -> Select:
@@ -1096,25 +1248,111 @@ def _close_stale(conn: Connection, r: dict[str, Any]) -> None:
         )
 
 
-def _purge(conn: Connection, before: datetime) -> None:
-    """Retention: drop rows older than `before`; incidents only once closed. An incident kept
-    (still open, or closed after `before`) keeps every row of it, its early actions and events
-    too: its timeline stays whole. What it deleted, if anything, is logged by table: a
-    retention set too short (or a clock far ahead) shows in the log instead of as history
-    silently gone."""
-    t = TABLES["incidents"]
+def _purgeable(name: str, before: datetime) -> Any:
+    """Rows of actions or events a sweep with cut `before` deletes: older, and of no incident
+    it keeps (one still open, or closed at or after the cut)."""
+    t, x = TABLES["incidents"], TABLES[name]
     kept = or_(t.c.closed_at.is_(None), t.c.closed_at >= before)
-    deleted: dict[str, int] = {}
-    for name in ("actions", "events"):
-        x = TABLES[name]
-        of_kept = exists().where(t.c.id == x.c.incident, kept)
-        old = delete(x).where(x.c.time < before, or_(x.c.incident.is_(None), ~of_kept))
-        deleted[name] = conn.execute(old).rowcount
-    closed = delete(t).where(t.c.closed_at.is_not(None), t.c.closed_at < before)
-    deleted["incidents"] = conn.execute(closed).rowcount
+    return and_(
+        x.c.time < before,
+        or_(x.c.incident.is_(None), ~exists().where(t.c.id == x.c.incident, kept)),
+    )
+
+
+def _expired(before: datetime) -> Any:
+    t = TABLES["incidents"]
+    return and_(t.c.closed_at.is_not(None), t.c.closed_at < before)
+
+
+def _log_purge(before: Any, deleted: dict[str, int]) -> None:
     if any(n > 0 for n in deleted.values()):
         log.info(
             "audit: retention deleted the rows from before %s (audit.retention): %s",
             before.isoformat(timespec="seconds") if isinstance(before, datetime) else before,
             ", ".join(f"{n} {name}" for name, n in deleted.items()),
         )
+
+
+def _purge(conn: Connection, before: datetime) -> None:
+    """Retention: drop rows older than `before`; incidents only once closed. An incident kept
+    (still open, or closed after `before`) keeps every row of it, its early actions and events
+    too: its timeline stays whole. What it deleted, if anything, is logged by table: a
+    retention set too short (or a clock far ahead) shows in the log instead of as history
+    silently gone. In one transaction (an import's); the writer's sweep is a `_Sweep`."""
+    deleted: dict[str, int] = {}
+    for name in ("actions", "events"):
+        deleted[name] = conn.execute(delete(TABLES[name]).where(_purgeable(name, before))).rowcount
+    closed = delete(TABLES["incidents"]).where(_expired(before))
+    deleted["incidents"] = conn.execute(closed).rowcount
+    _log_purge(before, deleted)
+
+
+class _Sweep:
+    """The writer's retention sweep: `_purge`'s rules, in transactions of PURGE_CHUNK rows.
+
+    One transaction for a whole backlog (months of rows after a retention cut) held the writer
+    for seconds while the queue grew, and needed a WAL (and free disk) as large as what it
+    deleted: on a nearly full disk it failed, was retried as transient, for ever, with every
+    row queued behind it. A chunk is small, and the rows queued meanwhile are written between
+    chunks (`AuditStore._write_purge`).
+
+    Its first step closes the stale incidents (`_close_stale`) and notes the rows there are
+    then: the last id of actions and events, the incidents closed before the cut. It deletes
+    only those, so the rows written between its chunks (after it in the queue) are left as
+    they would be by a sweep done at once. A failed step is retried from the last committed."""
+
+    def __init__(self, row: dict[str, Any]) -> None:
+        self.row = row
+        self.before = row["before"]
+        self.last_id: dict[str, int] | None = None
+        self.incidents: list[str] = []
+        self.left = ["actions", "events", "incidents"]
+        self.deleted = {name: 0 for name in self.left}
+
+    def step(self, engine: Any) -> bool:
+        """One transaction; True once the sweep is done (then `report()` logs it)."""
+        with engine.begin() as conn:
+            if self.last_id is None:
+                if self.row.get("stale_of"):
+                    _close_stale(conn, self.row)
+                last_id = {
+                    name: conn.scalar(select(func.max(TABLES[name].c.id))) or 0
+                    for name in ("actions", "events")
+                }
+                t = TABLES["incidents"]
+                incidents = list(conn.scalars(select(t.c.id).where(_expired(self.before))))
+                done, name = 0, None
+            else:
+                name = self.left[0]
+                done, deleted = self._chunk(conn, name)
+        if self.last_id is None:  # committed: note what it found
+            self.last_id, self.incidents = last_id, incidents
+        elif name is not None:
+            self.deleted[name] += deleted
+            if done < PURGE_CHUNK:
+                self.left.pop(0)
+        return not self.left
+
+    def _chunk(self, conn: Connection, name: str) -> tuple[int, int]:
+        """Delete up to PURGE_CHUNK rows of `name`: (rows chosen, rows deleted)."""
+        x = TABLES[name]
+        if name == "incidents":
+            ids, self.incidents = self.incidents[:PURGE_CHUNK], self.incidents[PURGE_CHUNK:]
+            where = _expired(self.before)
+        else:
+            assert self.last_id is not None
+            chosen = (
+                select(x.c.id)
+                .where(x.c.id <= self.last_id[name], _purgeable(name, self.before))
+                .order_by(x.c.time)
+                .limit(PURGE_CHUNK)
+            )
+            ids, where = list(conn.scalars(chosen)), None
+        deleted = 0
+        for i in range(0, len(ids), 500):  # under every backend's bound-parameter limit
+            q = delete(x).where(x.c.id.in_(ids[i : i + 500]))
+            deleted += conn.execute(q if where is None else q.where(where)).rowcount
+        return len(ids), deleted
+
+    def report(self) -> None:
+        _log_purge(self.before, self.deleted)

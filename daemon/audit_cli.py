@@ -274,19 +274,14 @@ def cmd_audit_timeline(args: argparse.Namespace) -> int:
 def cmd_audit_export(args: argparse.Namespace) -> int:
     since, until = _window(args)
     store = _open_store(args)
-    window = {"since": since, "until": until, "limit": None, "instance": args.instance}
-    if args.table == "actions":
-        rows = store.list_actions(**window)
-    elif args.table == "events":
-        rows = store.list_events(**window)
-    else:
-        rows = store.list_incidents(**window)
+    # streamed, a row at a time: a 90-day table does not fit in memory
+    rows = store.export(args.table, since, until, args.instance)
     out: IO[str] = open(args.output, "w", newline="") if args.output else sys.stdout  # noqa: SIM115
     try:
         if args.csv:
             _write_csv(out, _columns(args.table), rows)
         else:
-            out.write(_dumps(rows) + "\n")
+            _write_json(out, rows)
     finally:
         if args.output:
             out.close()
@@ -769,7 +764,16 @@ def _columns(table: str) -> list[str]:
     return list(TABLES[table].c.keys())
 
 
-def _write_csv(out: IO[str], columns: list[str], rows: list[dict[str, Any]]) -> None:
+def _write_json(out: IO[str], rows: Iterable[dict[str, Any]]) -> None:
+    """`_dumps(list(rows))` and a newline, byte for byte, written a row at a time."""
+    sep = "[\n"
+    for r in rows:
+        out.write(sep + "\n".join("  " + line for line in _dumps(r).split("\n")))
+        sep = ",\n"
+    out.write("[]\n" if sep == "[\n" else "\n]\n")
+
+
+def _write_csv(out: IO[str], columns: list[str], rows: Iterable[dict[str, Any]]) -> None:
     writer = csv.DictWriter(out, fieldnames=columns, lineterminator="\n")
     writer.writeheader()
     for r in rows:

@@ -50,6 +50,9 @@ import kvguard.migrations
 
 MIGRATIONS_DIR = Path(kvguard.migrations.__file__).resolve().parent
 BUSY_TIMEOUT_MS = 5000  # how long a SQLite writer waits for another's lock before failing
+# A SQLite WAL grows to hold what is written between two checkpoints and keeps that size; it is
+# cut back to this once checkpointed (a retention sweep, a burst of rows). See README (audit).
+WAL_LIMIT_BYTES = 64 * 2**20
 MIGRATION_WAIT_MS = 120_000  # how long a SQLite migrator waits for another's migration
 # Connections to a database server: a server that accepts TCP but never answers (hung, or
 # SIGSTOPped) fails the connect after this long, and keepalives find a host that is gone.
@@ -163,6 +166,7 @@ def _sqlite_pragmas(busy_timeout_ms: int) -> Any:
         try:
             cur.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")  # first: WAL may wait
             _journal_wal(cur, busy_timeout_ms)
+            cur.execute(f"PRAGMA journal_size_limit = {int(WAL_LIMIT_BYTES)}")
         finally:
             cur.close()
 

@@ -98,10 +98,10 @@ class Action(Base):
 
     __table_args__ = (
         Index("ix_actions_time", "time"),
-        Index("ix_actions_rule", "rule"),
+        Index("ix_actions_rule_time", "rule", "time"),  # the filtered lists: revision 0005
         Index("ix_actions_incident", "incident"),
         Index("ix_actions_uid", "uid", unique=True),
-        Index("ix_actions_instance", "instance"),
+        Index("ix_actions_instance_time", "instance", "time"),
     )
 
 
@@ -122,10 +122,10 @@ class Event(Base):
 
     __table_args__ = (
         Index("ix_events_time", "time"),
-        Index("ix_events_kind", "kind"),
+        Index("ix_events_kind_time", "kind", "time"),
         Index("ix_events_incident", "incident"),
         Index("ix_events_uid", "uid", unique=True),
-        Index("ix_events_instance", "instance"),
+        Index("ix_events_instance_time", "instance", "time"),
     )
 
 
@@ -145,5 +145,5 @@ class Incident(Base):
 
     __table_args__ = (
         Index("ix_incidents_opened_at", "opened_at"),
-        Index("ix_incidents_instance", "instance"),
+        Index("ix_incidents_instance_time", "instance", "opened_at", "id"),
     )

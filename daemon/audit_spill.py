@@ -96,7 +96,7 @@ def append(paths: Iterable[Path], lines: list[str]) -> tuple[Path | None, list[s
     for path in paths:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
+            fd, created = _open_append(path)
         except OSError as e:
             errors.append(f"{path}: {e.strerror or e}")
             continue
@@ -112,10 +112,22 @@ def append(paths: Iterable[Path], lines: list[str]) -> tuple[Path | None, list[s
         except OSError as e:
             errors.append(f"{path}: {e.strerror or e}")
             with contextlib.suppress(OSError):
-                os.ftruncate(fd, start)  # leave the lines before this spill intact
+                if created:  # an empty file left behind would be "imported" at every start
+                    os.unlink(path)
+                else:
+                    os.ftruncate(fd, start)  # leave the lines before this spill intact
         finally:
             os.close(fd)
     return None, errors
+
+
+def _open_append(path: Path) -> tuple[int, bool]:
+    """An fd appending to `path`, and whether this call created the file."""
+    flags = os.O_RDWR | os.O_APPEND
+    try:
+        return os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600), True
+    except FileExistsError:
+        return os.open(path, flags), False
 
 
 @dataclass(slots=True, frozen=True)
@@ -127,7 +139,8 @@ class SpillRead:
 
 def read(path: Path) -> SpillRead:
     """Parse a spill file. A line that is not JSON is skipped and reported (an interrupted
-    write); one that is JSON but not ours, or a file without a header, is a ValueError."""
+    write); one that is JSON but not ours, or a file with lines but no header, is a ValueError.
+    An empty file (an older kvguard's spill that failed on a full disk) holds nothing."""
     try:
         text = path.read_text(encoding="utf-8", errors="replace")
     except OSError as e:
@@ -147,7 +160,7 @@ def read(path: Path) -> SpillRead:
             headers.append(obj)
             continue
         ops.append(_op(path, n, obj))
-    if not headers:
+    if not headers and text.strip():  # an empty file holds nothing (see `append`)
         raise ValueError(f"{path} is not a kvguard audit spill file (no header line)")
     return SpillRead(ops, headers, unreadable)
 

@@ -82,7 +82,7 @@ def _act(store: AuditStore, **kw: Any) -> None:
 # -- migrations ----------------------------------------------------------------------------
 def test_upgrade_downgrade_upgrade(db_url: str, db_path: Path) -> None:
     audit_migrate.upgrade(db_url)
-    assert audit_migrate.current(db_url) == audit_migrate.head() == "0004"
+    assert audit_migrate.current(db_url) == audit_migrate.head() == "0005"
     assert _tables(db_path) >= TABLES
 
     audit_migrate.downgrade(db_url)
@@ -90,7 +90,7 @@ def test_upgrade_downgrade_upgrade(db_url: str, db_path: Path) -> None:
     assert not TABLES & _tables(db_path)
 
     audit_migrate.upgrade(db_url)
-    assert audit_migrate.current(db_url) == "0004"
+    assert audit_migrate.current(db_url) == "0005"
 
 
 def test_reading_an_older_database_says_to_upgrade_it(
@@ -112,7 +112,7 @@ def test_models_match_migrations(db_url: str, db_path: Path) -> None:
         assert compare_metadata(ctx, Base.metadata) == []
     # The comparison does see a difference when there is one.
     with closing(sqlite3.connect(db_path)) as c:
-        c.execute("DROP INDEX ix_actions_rule")
+        c.execute("DROP INDEX ix_actions_rule_time")
     with engine.connect() as conn:
         ctx = MigrationContext.configure(conn, opts={"compare_type": True})
         assert [d[0] for d in compare_metadata(ctx, Base.metadata)] == ["add_index"]
@@ -497,9 +497,9 @@ def test_a_relative_sqlite_path_in_a_config_is_relative_to_the_config_file(
 def test_cli_db_upgrade_and_current(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'new' / 'audit.db'}"
     rc, out = kvguard("db", "upgrade", "--db", url)
-    assert rc == 0 and "at revision 0004" in out
+    assert rc == 0 and "at revision 0005" in out
     rc, out = kvguard("db", "current", "--db", url, "--json")
-    assert json.loads(out)["revision"] == json.loads(out)["head"] == "0004"
+    assert json.loads(out)["revision"] == json.loads(out)["head"] == "0005"
 
 
 def test_cli_reads_the_systemd_daemons_database_from_a_shell(

@@ -237,7 +237,7 @@ def kvguard(*argv: str) -> tuple[int, str]:
 # -- migrations --------------------------------------------------------------------------------
 def test_migrations_from_empty_match_the_models_on_postgresql(pg_url: str) -> None:
     audit_migrate.upgrade(pg_url)
-    assert audit_migrate.current(pg_url) == audit_migrate.head() == "0004"
+    assert audit_migrate.current(pg_url) == audit_migrate.head() == "0005"
     engine = audit_migrate.make_engine(pg_url)
     try:
         with engine.connect() as conn:
@@ -252,12 +252,12 @@ def test_migrations_from_empty_match_the_models_on_postgresql(pg_url: str) -> No
     assert isinstance(cols["params"]["type"], sa.JSON)
     assert isinstance(cols["is_undo"]["type"], sa.Boolean)
     assert cols["instance"]["nullable"] is False
-    assert indexes["ix_actions_uid"]["unique"] and "ix_actions_instance" in indexes
+    assert indexes["ix_actions_uid"]["unique"] and "ix_actions_instance_time" in indexes
 
     audit_migrate.downgrade(pg_url)
     assert audit_migrate.current(pg_url) is None
     audit_migrate.upgrade(pg_url)
-    assert audit_migrate.current(pg_url) == "0004"
+    assert audit_migrate.current(pg_url) == "0005"
 
 
 @pytest.mark.parametrize("backend", ["postgresql", "sqlite"])
@@ -417,9 +417,9 @@ def test_cli_show_timeline_export_and_db_commands(
     rc, out = kvguard("audit", "export", "--json", "--table", "incidents", "--db", url)
     assert [r["id"] for r in json.loads(out)] == [incs["node-a"], incs["node-b"]]
     rc, out = kvguard("db", "current", "--db", url, "--json")
-    assert json.loads(out)["revision"] == json.loads(out)["head"] == "0004"
+    assert json.loads(out)["revision"] == json.loads(out)["head"] == "0005"
     rc, out = kvguard("db", "upgrade", "--db", url)
-    assert rc == 0 and "at revision 0004" in out and "postgresql+psycopg://" in out
+    assert rc == 0 and "at revision 0005" in out and "postgresql+psycopg://" in out
 
 
 def test_config_names_the_database_and_the_instance(
@@ -494,7 +494,7 @@ def test_server_down_at_start_is_degraded_until_it_comes_back(pg: PgServer, pg_d
         assert store.problem() is None
     finally:
         store.stop(timeout=10)
-    assert audit_migrate.current(url) == "0004"
+    assert audit_migrate.current(url) == "0005"
     assert _count(pg, pg_db, "SELECT kind, instance FROM events") == [("daemon_start", "node-y")]
 
 

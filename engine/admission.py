@@ -54,7 +54,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvguard.engine.knobs import MiB, check_knobs, knob
-from kvguard.engine.sequence import PRIORITY_NAMES
 
 EMERGENCY_USAGE = 0.95
 # Predicted admission: from this device KV usage the max_tokens ladder cuts and a step counts
@@ -532,6 +531,10 @@ class AdmissionController:
     def _too_long(self, prompt_len: int, rank: int, ever: int, pool: int) -> str:
         """Why a prompt of `prompt_len` tokens can never be served at priority `rank`: past
         the `ever` blocks it may use of a `pool` of blocks (a share of it below high)."""
+        # imported here: kvguard.engine.sequence imports torch, and the daemon's config (and
+        # with it `kvguard audit`) imports this module without needing torch
+        from kvguard.engine.sequence import PRIORITY_NAMES
+
         reason = f"prompt of {prompt_len} tokens can never fit the KV budget of {ever} blocks"
         if rank == HIGH or self.config.high_priority_reserve == 0:
             return reason

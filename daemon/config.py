@@ -285,13 +285,27 @@ class RecoveryConfig(_Section):
         return v
 
 
+MIN_NVML_POLL_INTERVAL = 0.05  # seconds, the rules file's shortest `interval` (MIN_INTERVAL)
+
+
 class MonitoringConfig(_Section):
     """How often NVML is sampled. `oom_alert_threshold` and `snapshot_interval` are the brief's,
     accepted and inert (`INERT`)."""
 
     oom_alert_threshold: Ratio = 0.90
-    nvml_poll_interval: Annotated[Duration, Field(gt=0)] = 5.0
+    nvml_poll_interval: Duration = 5.0
     snapshot_interval: Annotated[Duration, Field(gt=0)] = 1.0
+
+    @field_validator("nvml_poll_interval")
+    @classmethod
+    def _poll_bound(cls, v: float) -> float:
+        """At least MIN_NVML_POLL_INTERVAL: below it a typo ('5ms' for '5s'), and a busy loop
+        of NVML reads on the control plane's thread, as a rules file's interval would be."""
+        if v < MIN_NVML_POLL_INTERVAL:
+            raise ValueError(
+                f"{v:g}s is too short (expected at least {MIN_NVML_POLL_INTERVAL * 1e3:g}ms)"
+            )
+        return v
 
 
 class ApiConfig(_Section):

@@ -452,7 +452,9 @@ class ControlSurface:
         remedy holds one lower (a batch cut, an out-of-memory halving) the lower of the two is
         in force, whatever reloads come and go before the undo. A knob that is not live (a
         ValueError) or a value its declaration refuses (ConfigError, naming the knob and what
-        it takes) raises here, in the caller's thread, and nothing is posted."""
+        it takes) raises here, in the caller's thread, and nothing is posted. Refused at the
+        step boundary (a KV budget a request in flight could outgrow, or one the pool cannot
+        grow to), a reconfigure changes nothing: no knob, no admission setting, no budget."""
         not_live = [".".join(p) for p in values if p not in LIVE_KNOBS]
         if not_live:
             raise ValueError(f"{', '.join(not_live)}: take effect at a restart, not a reload")
@@ -476,32 +478,33 @@ class ControlSurface:
                 problem = self._step_budget_problem(int(tokens))
                 if problem:
                     return f"refused: {problem}", False, {}
-            said, ok = [], True
+            said, undo_admission = [], None
             if admission is not None:
-                self.config.admission = admission
-                if self.admission is not None:
-                    self.admission.config = admission
-                    self.admission.estimator.quantile = admission.estimate_quantile
-                    # a lower max_overcommit bounds the overcommit from this step on
-                    self.admission.overcommit = min(
-                        self.admission.overcommit, admission.max_overcommit
-                    )
+                undo_admission = self._take_admission(admission)
                 said += [f"admission_control.{k}={v}" for k, v in inner.items()]
+            if budget is not None:
+                # the one knob that may still be refused as it applies (no room to grow the
+                # pool, a pool that cannot be built): taken before every other, and on a
+                # refusal the admission config is put back, so a refused reload changes nothing
+                detail, done = self._set_kv_budget(budget)
+                if not done:
+                    if undo_admission is not None:
+                        undo_admission()
+                    return f"refused: {detail}; nothing of the reload applied", False, {}
+                said.append(detail)
             for path, value in values.items():
-                if path[0] != "admission":
-                    detail, done = self._set_knob(path[0], value)
-                    said.append(detail)
-                    ok = ok and done
+                if path[0] != "admission" and path != ("kv_cache_bytes",):
+                    said.append(self._set_knob(path[0], value))
             changed = {".".join(p): v for p, v in values.items()}
-            return "; ".join(said), ok, {"changed": changed}
+            return "; ".join(said), True, {"changed": changed}
 
         return self._act("reconfigure", apply)
 
     def _budget_problem(self: LLMEngine, budget: int) -> str | None:
         """Why a CPU KV budget of `budget` bytes cannot be taken now: it must hold a block,
         and every request in flight must still be able to grow to its length limit (it was
-        admitted against the pool it found)."""
-        if self.runner.device.type != "cpu":
+        admitted against the pool it found). Unused (CUDA, serving.num_gpu_blocks): none."""
+        if self.runner.device.type != "cpu" or self.config.num_gpu_blocks:
             return None
         per_block = self.kv_cache.bytes_per_block
         blocks = budget // per_block
@@ -568,18 +571,65 @@ class ControlSurface:
                 need, rid = n, s.request_id
         return need, rid
 
-    def _set_knob(self: LLMEngine, name: str, value: Any) -> tuple[str, bool]:
-        """One serving knob of `reconfigure`, on the engine thread: (what was done, ok)."""
+    def _take_admission(self: LLMEngine, admission: AdmissionConfig) -> Callable[[], None]:
+        """Put a reload's admission config in force, on the engine thread; the returned call
+        puts back what it replaced (a reload refused after it changes nothing)."""
+        ctl = self.admission
+        kept_config = self.config.admission
+        kept = None if ctl is None else (ctl.config, ctl.estimator.quantile, ctl.overcommit)
+        self.config.admission = admission
+        if ctl is not None:
+            ctl.config = admission
+            ctl.estimator.quantile = admission.estimate_quantile
+            # a lower max_overcommit bounds the overcommit from this step on
+            ctl.overcommit = min(ctl.overcommit, admission.max_overcommit)
+
+        def undo() -> None:
+            self.config.admission = kept_config
+            if ctl is not None and kept is not None:
+                ctl.config, ctl.estimator.quantile, ctl.overcommit = kept
+
+        return undo
+
+    def _set_kv_budget(self: LLMEngine, value: Any) -> tuple[str, bool]:
+        """A reload's kv_cache_bytes, on the engine thread: (what was done, ok). The pool is
+        resized to it in place on CPU; on CUDA (gpu_memory_utilization sizes the pool) and
+        with serving.num_gpu_blocks (which fixes it) the value is unused, as at a start.
+        Refused (no room to grow, a pool that cannot be built), the budget and the configured
+        value stay as they were, and the pool too (`_resize_pool`)."""
+        if self.runner.device.type != "cpu":
+            self.config.kv_cache_bytes = value
+            return "kv_cache_bytes: unused on this device (gpu_memory_utilization)", True
+        if self.config.num_gpu_blocks:
+            self.config.kv_cache_bytes = value
+            return (
+                f"kv_cache_bytes={value}: unused while serving.num_gpu_blocks="
+                f"{self.config.num_gpu_blocks} fixes the pool (as at a start)",
+                True,
+            )
+        kept = (self.config.kv_cache_bytes, self.kv_cache.budget_bytes)
+        self.config.kv_cache_bytes = value
+        self.kv_cache.budget_bytes = int(value)
+        detail, done, _ = self._resize_pool(self.kv_pool_share)
+        if not done:
+            self.config.kv_cache_bytes, self.kv_cache.budget_bytes = kept
+            return f"kv_cache_bytes={value}: {detail.removeprefix('refused: ')}", False
+        self._bound_lengths()  # a remedy's share may hold the pool as it was, the budget grew
+        return f"kv_cache_bytes={value}: {detail}", True
+
+    def _set_knob(self: LLMEngine, name: str, value: Any) -> str:
+        """One serving knob of `reconfigure` that cannot be refused (kv_cache_bytes and the
+        admission config have their own), on the engine thread: what was done."""
         setattr(self.config, name, value)
         sch = self.scheduler
         if name == "max_num_seqs":
             limit = self._hold_batch(self.batch_cut)
             moved = sch.shrink_running(limit)
-            return f"max_num_seqs={value} (in force {limit}; {len(moved)} preempted)", True
+            return f"max_num_seqs={value} (in force {limit}; {len(moved)} preempted)"
         if name == "max_num_batched_tokens":
             self.configured_batched_tokens = value
             budget = self._hold_step_budget(self.budget_cut)
-            return f"max_num_batched_tokens={value} (in force {budget})", True
+            return f"max_num_batched_tokens={value} (in force {budget})"
         if name == "prefill_while_decoding":
             from kvguard.engine.llm_engine import prefill_while_decoding  # it imports this module
 
@@ -588,15 +638,7 @@ class ControlSurface:
             from kvguard.engine.llm_engine import speculation
 
             sch.speculation = speculation(self.config)
-        if name == "kv_cache_bytes":
-            if self.runner.device.type != "cpu":
-                return "kv_cache_bytes: unused on this device (gpu_memory_utilization)", True
-            self.kv_cache.budget_bytes = int(value)
-            detail, done, _ = self._resize_pool(self.kv_pool_share)
-            if done:  # a remedy's share may hold the pool as it was, the configured one grew
-                self._bound_lengths()
-            return f"kv_cache_bytes={value}: {detail}", done
-        return f"{name}={value}", True
+        return f"{name}={value}"
 
     # -- offload ----------------------------------------------------------------------------
     def set_offload(self: LLMEngine, enabled: bool) -> Future:

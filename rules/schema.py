@@ -349,8 +349,9 @@ def line_key(msg: str) -> int:
 
 
 def _cross_checks(data: dict, lines: dict, name: str) -> list[str]:
-    """Duplicate names, unknown signals and keys a rule's shape never reads, found even when
-    other fields are broken (and every ignored key, where the model reports a rule's first)."""
+    """Duplicate names, unknown signals, keys a rule's shape never reads and bad action
+    params, found even when other fields are broken (and every ignored key, where the model
+    reports a rule's first)."""
     out = []
     signals = data.get("signals") if isinstance(data.get("signals"), dict) else {}
     seen: set[str] = set()
@@ -373,6 +374,26 @@ def _cross_checks(data: dict, lines: dict, name: str) -> list[str]:
                 f"{name}:{line_for(lines, ('rules', i, key))}: rules.{i}.{key}: {why}"
                 for key, why in ignored_keys(r)
             ]
+        out += _params_problems(r, i, lines, name)
+    return out
+
+
+def _params_problems(rule: dict, i: int, lines: dict, name: str) -> list[str]:
+    """Rule `i`'s params and undo_params against their actions, as `Rule._check_action`
+    words them: the model checks them only once every field of the rule is valid, and stops at
+    the rule's first problem, so a bad `for` beside bad params showed only the `for`."""
+    out = []
+    for field, params_field in (("action", "params"), ("undo", "undo_params")):
+        action, params = rule.get(field), rule.get(params_field)
+        if not isinstance(action, str) or action not in ACTIONS:
+            continue
+        if params is not None and not isinstance(params, dict):
+            continue  # the field's own type error says it
+        try:
+            parse_params(action, params)
+        except ActionError as e:
+            loc = ("rules", i, params_field)
+            out.append(f"{name}:{line_for(lines, loc)}: rules.{i}.{params_field}: {e}")
     return out
 
 

@@ -189,6 +189,16 @@ BROKEN = [
         "1: monitoring.nvml_poll_interval: -5 is negative (expected seconds",
     ),
     (
+        "NVML poll faster than a rules interval may be",  # '5ms' for '5s': a busy loop
+        "monitoring:\n  nvml_poll_interval: 5ms\n",
+        "2: monitoring.nvml_poll_interval: 0.005s is too short (expected at least 50ms)",
+    ),
+    (
+        "NVML poll of zero",
+        "monitoring: {nvml_poll_interval: 0}\n",
+        "1: monitoring.nvml_poll_interval: 0s is too short (expected at least 50ms)",
+    ),
+    (
         "bad size",
         "# budget\n\nserving:\n  kv_cache_bytes: 256 megs\n",
         "4: serving.kv_cache_bytes: '256 megs' is not a size (expected bytes as an integer or a "

@@ -132,6 +132,55 @@ def test_every_undo_problem_is_listed_by_line() -> None:
     ], got
 
 
+def test_bad_params_are_listed_beside_a_rules_other_errors(tmp_path: Path) -> None:
+    """A rule's params were checked only once every other field of it was valid: a bad `for`
+    (or a key its shape never reads) hid bad params until the first was fixed."""
+    text = HEAD + (
+        "  - {name: a, signal: kv, above: 0.9, for: 5x, action: reduce_batch, params: {factor: 2}}\n"
+        "  - {name: b, signal: kv, below: 0.1, recover_for: 5s, action: set_max_num_seqs,\n"
+        "     params: {n: 0}}\n"
+        "  - name: c\n"
+        "    signal: kv\n"
+        "    above: high\n"
+        "    action: reduce_batch\n"
+        "    undo: restore_batch\n"
+        "    undo_params: {factor: 0.5}\n"
+        "  - {name: d, signal: kv, above: 0.9, action: reduce_batch, params: {factor: 3}}\n"
+    )
+    with pytest.raises(RulesFileError) as e:
+        load_rules_text(text, "r.yaml")
+    got = [m.split(": ", 2) for m in e.value.errors]
+    assert [m[:2] for m in got] == [
+        ["r.yaml:5", "rules.0.for"],
+        ["r.yaml:5", "rules.0.params"],
+        ["r.yaml:6", "rules.1.recover_for"],
+        ["r.yaml:7", "rules.1.params"],
+        ["r.yaml:10", "rules.2.above"],
+        ["r.yaml:13", "rules.2.undo_params"],
+        ["r.yaml:14", "rules.3.params"],  # once, not twice
+    ], e.value.errors
+    said = [m[2] for m in got]
+    assert said[0].startswith("'5x' is not a duration"), said
+    assert said[1] == (
+        "action 'reduce_batch' params: factor: Input should be less than or equal to 1 (got 2)"
+    )
+    assert said[2].startswith("has no effect without undo"), said
+    assert said[3] == (
+        "action 'set_max_num_seqs' params: n: Input should be greater than or equal to 1 (got 0)"
+    )
+    assert said[4] == "Input should be a valid number (got 'high')", said
+    assert said[5].startswith("action 'restore_batch' params: factor: unknown parameter"), said
+    assert said[6].startswith("action 'reduce_batch' params: factor: Input should be less"), said
+    path = tmp_path / "r.yaml"
+    path.write_text(text)
+    kvguard = Path(sys.executable).parent / "kvguard"
+    res = subprocess.run(
+        [str(kvguard), "rules", "check", str(path)], capture_output=True, text=True, timeout=60
+    )
+    assert res.returncode == 1 and f"{path}:5: rules.0.params: action" in res.stderr, res
+    assert f"{path}:7: rules.1.params: action" in res.stderr, res
+
+
 def test_every_action_accepts_its_own_undo_and_the_shipped_rules_load() -> None:
     from kvguard.rules.actions import ACTIONS
 

@@ -1328,6 +1328,8 @@ class _Sweep:
         if self.last_id is None:  # committed: note what it found
             self.last_id, self.incidents = last_id, incidents
         elif name is not None:
+            if name == "incidents":  # committed: those ids are done (a failed try keeps them)
+                self.incidents = self.incidents[done:]
             self.deleted[name] += deleted
             if done < PURGE_CHUNK:
                 self.left.pop(0)
@@ -1337,7 +1339,7 @@ class _Sweep:
         """Delete up to PURGE_CHUNK rows of `name`: (rows chosen, rows deleted)."""
         x = TABLES[name]
         if name == "incidents":
-            ids, self.incidents = self.incidents[:PURGE_CHUNK], self.incidents[PURGE_CHUNK:]
+            ids = self.incidents[:PURGE_CHUNK]  # dropped from the list once committed (`step`)
             where = _expired(self.before)
         else:
             assert self.last_id is not None

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 from sqlalchemy import event
+from sqlalchemy.exc import OperationalError
 
 from kvguard.daemon import audit, audit_migrate, audit_spill
 from kvguard.daemon.audit import AuditStore
@@ -119,6 +120,45 @@ def test_a_sweep_deletes_in_chunks_and_writes_rows_queued_meanwhile_between_them
     assert [r[3] for r in during] == ["during the sweep", "old, during the sweep"]
     assert [r for r in swept["events"] if r not in during] == ref["events"]
     assert {r[0] for r in swept["incidents"]} == {incs["open"], incs["late"]}
+
+
+def test_a_sweep_step_that_fails_to_commit_is_retried_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A transient failure at a chunk's commit (a locked database, a dropped connection) is
+    retried from the last commit: an incidents chunk whose commit failed is deleted by the
+    retry, not skipped until the next sweep."""
+    monkeypatch.setattr(audit, "PURGE_CHUNK", 3)
+    now = datetime.now(UTC).replace(microsecond=0)
+    old = now - timedelta(days=100)
+    store = AuditStore(f"sqlite:///{tmp_path / 'a.db'}", host="n")
+    store.start()
+    try:
+        for i in range(7):
+            inc = store.open_incident(1, f"i{i}", time=old)
+            store.update_incident(inc, closed_at=old + timedelta(hours=1))
+        assert store.flush(30)
+        engine = store._engine
+        sweep = audit._Sweep({"before": now - timedelta(days=30)})
+        while sweep.left != ["incidents"]:
+            sweep.step(engine)
+        fail = [True]
+
+        @event.listens_for(engine, "commit")
+        def locked(_conn: Any) -> None:
+            if fail and fail.pop():
+                raise OperationalError("COMMIT", {}, Exception("database is locked"))
+
+        with pytest.raises(OperationalError) as err:
+            sweep.step(engine)
+        assert audit._is_transient(err.value)
+        while not sweep.step(engine):
+            pass
+        with closing(sqlite3.connect(tmp_path / "a.db")) as c:
+            assert c.execute("select count(*) from incidents").fetchone()[0] == 0
+        assert sweep.deleted["incidents"] == 7
+    finally:
+        store.stop(timeout=5)
 
 
 def test_a_sweep_gives_the_wal_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

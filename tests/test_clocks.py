@@ -209,11 +209,14 @@ def test_a_ticker_coalesces_the_ticks_it_overran() -> None:
     ticker.start()
     try:
         assert done.wait(WAIT_S), f"ticks at {[round(c - t0, 3) for c in calls]}"
-        assert ticker.coalesced == 3
         first, second, third = (c - t0 for c in calls)
-        assert first == pytest.approx(1.0, abs=0.5)
-        assert second >= 4.9, f"a burst after the overrun: ticks at {first}, {second}, {third}"
-        assert third - second == pytest.approx(1.0, abs=0.5)
+        # bounds that hold however late a loaded machine wakes the ticker: the first tick is
+        # not early, the overrun's missed grid points (3, or more where the first tick came
+        # late) are passed over, and the ticks after it keep an interval apart, no burst
+        assert first >= 0.99, f"ticks at {first}, {second}, {third}"
+        assert ticker.coalesced >= 3
+        assert second >= first + 3.5, f"a burst after the overrun: {first}, {second}, {third}"
+        assert third - second >= 0.5, f"a burst after the overrun: {first}, {second}, {third}"
     finally:
         stop.set()
         ticker.join(WAIT_S)

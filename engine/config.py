@@ -180,8 +180,10 @@ class EngineConfig:
         section="serving",
         live=True,
         ge=1,
-        doc="prompt tokens a step may run while other sequences decode (bounds their "
-        "inter-token latency and a new request's wait); unset: 128 on CPU, no extra bound on CUDA",
+        doc="prompt tokens a step may run while other sequences decode, times the prompts "
+        "that could start per decode, rounded up (bounds the decodes' inter-token latency and "
+        "a new request's wait; one decode does not hold a burst of queued prompts to it); "
+        "unset: 128 on CPU, no extra bound on CUDA",
     )
     grammar_jump_forward: bool = knob(
         True,

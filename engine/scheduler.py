@@ -21,9 +21,11 @@ runner sampled and finishes them. KV copies for swap go through the runner (`kv`
 tensor-parallel engine repeats them on every rank.
 
 Two rules keep a loaded engine responsive. While any sequence decodes, a step runs at most
-`prefill_while_decoding` prompt tokens besides the decodes (a high request's excepted): one
-long prompt no longer stalls every decoding sequence (and a newly arrived request waiting for
-the step) for a whole `max_num_batched_tokens` forward. And while a `high` priority request
+`prefill_while_decoding` prompt tokens besides the decodes (a high request's excepted), times
+the prompts that could start per decode (rounded up): one long prompt no longer stalls every
+decoding sequence (and a newly arrived request waiting for the step) for a whole
+`max_num_batched_tokens` forward, and one decode does not hold a burst of queued prompts (and
+every request behind them) to a bound's worth a step. And while a `high` priority request
 awaits its first text, lower-priority work waits, decodes included, so its first token comes
 from a step that holds only high-priority work: its time to first token under load is its
 unloaded one plus what is left of the step in flight when it arrived (on an engine that
@@ -294,8 +296,21 @@ class Scheduler:
         if urgent:
             return budget
         if batch.seqs and self.chunked and self.prefill_while_decoding is not None:
-            return min(budget, self.prefill_while_decoding)
+            return min(budget, self.prefill_while_decoding * self._prompts_per_decode(batch))
         return budget
+
+    def _prompts_per_decode(self, batch: ScheduledBatch) -> int:
+        """How many times `prefill_while_decoding` a step may run beside its decodes: the
+        prompts that could run now (running prompts, and waiting requests up to the free
+        `max_num_seqs` slots) per decode, rounded up, at least 1. The bound trades the
+        decodes' inter-token latency for the prompts' wait; one sequence decoding must not
+        hold a burst of thirty queued prompts to two a step (a burst over HTTP arrives a few
+        milliseconds apart: its first request decodes alone by the time the rest are in, and
+        the rest, and everything after them, waited 15 steps instead of one)."""
+        decodes = sum(s.num_uncomputed == 1 for s in batch.seqs)
+        prompts = sum(s.num_uncomputed > 1 for s in self.running if s.status is Status.RUNNING)
+        prompts += min(len(self.waiting), max(0, self.max_num_seqs - len(self.running)))
+        return max(1, -(-prompts // max(1, decodes)))
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int, urgent: bool) -> int:
         # Decodes (one token) before prefill chunks keep inter-token latency steady.

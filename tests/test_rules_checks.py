@@ -171,12 +171,7 @@ def test_bad_params_are_listed_beside_a_rules_other_errors(tmp_path: Path) -> No
     assert said[4] == "Input should be a valid number (got 'high')", said
     assert said[5].startswith("action 'restore_batch' params: factor: unknown parameter"), said
     assert said[6].startswith("action 'reduce_batch' params: factor: Input should be less"), said
-    path = tmp_path / "r.yaml"
-    path.write_text(text)
-    kvguard = Path(sys.executable).parent / "kvguard"
-    res = subprocess.run(
-        [str(kvguard), "rules", "check", str(path)], capture_output=True, text=True, timeout=60
-    )
+    path, res = _rules_check(tmp_path, text)
     assert res.returncode == 1 and f"{path}:5: rules.0.params: action" in res.stderr, res
     assert f"{path}:7: rules.1.params: action" in res.stderr, res
 
@@ -299,12 +294,7 @@ def test_every_ignored_key_is_listed_by_line_and_the_cli_refuses_them(tmp_path: 
         ["r.yaml:15", "rules.3.above", "Input should be a finite number (got nan)"],
         ["r.yaml:15", "rules.3.recover_for", "has no effect without undo (nothing is undone"],
     ], e.value.errors
-    path = tmp_path / "r.yaml"
-    path.write_text(text)
-    kvguard = Path(sys.executable).parent / "kvguard"
-    res = subprocess.run(
-        [str(kvguard), "rules", "check", str(path)], capture_output=True, text=True, timeout=60
-    )
+    path, res = _rules_check(tmp_path, text)
     assert res.returncode == 1 and f"{path}:7: rules.1.for: has no effect" in res.stderr, res
 
 
@@ -504,3 +494,14 @@ def rules_test(scenario: Path) -> subprocess.CompletedProcess[str]:
         text=True,
         timeout=60,
     )
+
+
+def _rules_check(tmp_path: Path, text: str) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    """`kvguard rules check` on `text` written to a file: (the file, what the command did)."""
+    path = tmp_path / "r.yaml"
+    path.write_text(text)
+    kvguard = Path(sys.executable).parent / "kvguard"
+    res = subprocess.run(
+        [str(kvguard), "rules", "check", str(path)], capture_output=True, text=True, timeout=60
+    )
+    return path, res

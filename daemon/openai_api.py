@@ -599,9 +599,14 @@ async def _serve(
                 400, d.reason, "prompt" if completion else "messages", CONTEXT_LENGTH_EXCEEDED
             ) from e
         typ = "invalid_request_error" if status == 400 else "overloaded_error"
+        param = None  # a max_tokens past the KV (dynamic_max_tokens off): the field that asked
+        if d.kind == "never_fits" and d.about == "max_tokens":
+            asked_by = getattr(body, "max_completion_tokens", None) is not None and not completion
+            param = "max_completion_tokens" if asked_by else "max_tokens"
         raise ApiError(
             status,
             d.reason,
+            param,
             code="admission_rejected",
             type_=typ,
             retry_after=None if status == 400 else d.estimated_wait_s,

@@ -648,6 +648,33 @@ def test_a_prompt_past_its_prioritys_share_is_too_long_for_the_context(
     assert err["code"] == "context_length_exceeded", err
 
 
+def test_a_max_tokens_past_the_kv_names_its_field_with_shortening_off(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """With admission_control.dynamic_max_tokens off, an answer that can never fit the KV its
+    priority may use is refused, not shortened: 400 admission_rejected naming the field that
+    asked for it (`max_tokens`, or chat's `max_completion_tokens`), not a bare null param."""
+    d = Daemon(
+        tmp_path_factory.mktemp("no_shortening"),
+        serving="{model: tiny, kv_cache_bytes: 88KiB, max_model_len: 512}",
+        extra="admission_control: {dynamic_max_tokens: false}\n",
+    )
+    try:
+        with httpx.Client(base_url=d.url, timeout=60) as c:
+            body = {"model": "tiny", "prompt": [3 + i for i in range(64)], "max_tokens": 100}
+            err = openai_error(c.post("/v1/completions", json=body), 400, "max_tokens")
+            assert err["code"] == "admission_rejected" and "max_tokens=" in err["message"], err
+            msgs = [{"role": "user", "content": "hello"}]
+            for field in ("max_tokens", "max_completion_tokens"):
+                chat = {"model": "tiny", "messages": msgs, field: 150}
+                err = openai_error(c.post("/v1/chat/completions", json=chat), 400, field)
+                assert err["code"] == "admission_rejected", err
+            ok = c.post("/v1/completions", json={**body, "max_tokens": 8})
+            assert ok.status_code == 200, ok.text
+    finally:
+        assert d.stop() == 0
+
+
 def test_a_request_that_fits_an_idle_pool_is_served_whole(small_pool: httpx.Client) -> None:
     """High priority, 150 prompt tokens and max_tokens 16 on the idle 176-token pool: 16 tokens,
     not truncated (the safety factor on the prompt too cut the answer to 3)."""

@@ -9,24 +9,16 @@ prompts, thirty decodes still bound one prompt."""
 
 from __future__ import annotations
 
-from kvguard.engine.config import EngineConfig
 from kvguard.engine.llm_engine import LLMEngine
 from kvguard.engine.sampling_params import SamplingParams
+from tests.test_engine import make_engine
 
 PLEN = 64
 BOUND = 128  # prefill_while_decoding, set (the CPU default, on any device)
 
 
-def make_engine() -> LLMEngine:
-    cfg = EngineConfig(
-        model="tiny",
-        kv_cache_bytes="32MiB",
-        num_threads=2,
-        max_num_seqs=32,
-        max_num_batched_tokens=2048,
-        prefill_while_decoding=BOUND,
-    )
-    return LLMEngine.from_config(cfg, progress=False)
+def engine() -> LLMEngine:
+    return make_engine(max_num_seqs=32, max_num_batched_tokens=2048, prefill_while_decoding=BOUND)
 
 
 def prompt(k: int, n: int = PLEN) -> list[int]:
@@ -48,7 +40,7 @@ def steps_to_first_token(eng: LLMEngine, rid: str, most: int = 64) -> int:
 
 
 def test_a_burst_behind_one_decode_starts_together_and_a_late_request_soon_after() -> None:
-    eng = make_engine()
+    eng = engine()
     first = eng.add_request(prompt(0), params())
     eng.step()  # the burst's first request, alone: it decodes from now on
     assert eng._seqs[first].output_token_ids
@@ -62,7 +54,7 @@ def test_a_burst_behind_one_decode_starts_together_and_a_late_request_soon_after
 
 
 def test_a_late_request_arriving_mid_burst_waits_a_step_or_two() -> None:
-    eng = make_engine()
+    eng = engine()
     eng.add_request(prompt(0), params())
     eng.step()
     for k in range(1, 31):
@@ -72,7 +64,7 @@ def test_a_late_request_arriving_mid_burst_waits_a_step_or_two() -> None:
 
 
 def test_many_decodes_still_bound_one_long_prompt() -> None:
-    eng = make_engine()
+    eng = engine()
     for k in range(31):
         eng.add_request(prompt(k), params())
     eng.step()  # 31 prompts, nothing decoding: one step

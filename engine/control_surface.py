@@ -151,13 +151,18 @@ class ControlSurface:
         return self.mailbox.post(run)
 
     # -- batch size -------------------------------------------------------------------------
-    def set_max_num_seqs(self: LLMEngine, n: int | None, *, clamp: bool = False) -> Future:
+    def set_max_num_seqs(
+        self: LLMEngine, n: int | None, *, clamp: bool = False, hold: bool = False
+    ) -> Future:
         """Set the batch limit, never above the configured one (serving.max_num_seqs): a remedy
         may cut the batch and restore it, but raising it past what the operator sized the
         server for would make things worse. Above that limit it raises ValueError, or with
         `clamp` (rules) sets the limit itself and says so in the result's detail. None: back
         to the configured limit as it is when the engine applies it (`restore_batch`), which
-        lifts the cut (a value read on the caller's thread could be a reload behind)."""
+        lifts the cut (a value read on the caller's thread could be a reload behind). `hold`
+        (what a rule in force asks for): `n` stays the cut until it is lifted, even equal to
+        the configured limit, so a reload raising that limit leaves the batch at `n`; without
+        it, the configured value itself lifts the cut (an operator's "back to configured")."""
         asked = n
         note = ""
         if n is not None:
@@ -166,9 +171,9 @@ class ControlSurface:
             )
 
         def apply() -> tuple[str, bool, dict]:
-            # None, or the configured value itself, lifts the cut; a value clamped to the
-            # configured limit holds what was asked, should a reload raise the limit past it
-            lifted = asked is None or (not note and asked >= self.config.max_num_seqs)
+            # None, or the configured value itself unless held, lifts the cut; a value clamped
+            # to the configured limit holds what was asked, should a reload raise the limit
+            lifted = asked is None or (not hold and not note and asked >= self.config.max_num_seqs)
             limit = self._hold_batch(None if lifted else asked)
             moved = self.scheduler.shrink_running(limit)
             return (

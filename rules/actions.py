@@ -216,7 +216,9 @@ _SPECS = [
     ActionSpec(
         "set_max_num_seqs",
         SetSeqs,
-        lambda e, p, clamp: e.set_max_num_seqs(p.n, clamp=clamp),
+        # a rule's value (`clamp`, see run_action) stays a cut until restore_batch lifts it,
+        # even at the configured limit
+        lambda e, p, clamp: e.set_max_num_seqs(p.n, clamp=clamp, hold=clamp),
         "restore_batch",
         "set max_num_seqs to `n` (1 <= n <= the configured serving.max_num_seqs)",
         settings=frozenset({"batch"}),
@@ -489,11 +491,14 @@ def asked(action: str, params: dict[str, Any] | None, result: ActionResult | Non
     """What a remedy in force asks of each setting it holds: the value it set (the engine's
     after its action, a relative reduction's included), or where it set none (a dry run, an
     action held back: `targets`) the value its params name. A setting whose value cannot be
-    told (a dry run's reduce_batch) is left out."""
+    told (a dry run's reduce_batch) is left out. The batch `set_max_num_seqs` asks for is its
+    `n` whatever was in force after it: a configured limit reloaded below `n` holds the batch
+    lower only until a reload raises it again, and another rule's undo that restores the batch
+    to what this one asks must not leave it at that lower value."""
     after = (result.after or {}) if result is not None else {}
     out: dict[str, Any] = dict(targets(action, params))
     held = settings_set(action, result)
-    if "batch" in held and isinstance(after.get("max_num_seqs"), int):
+    if "batch" in held and "batch" not in out and isinstance(after.get("max_num_seqs"), int):
         out["batch"] = after["max_num_seqs"]
     if "token_cap" in held and isinstance(after.get("max_new_tokens_cap"), int):
         out["token_cap"] = after["max_new_tokens_cap"]
@@ -664,7 +669,9 @@ def run_action(
     API) is refused with ActionError naming the parameter and the limit, so a 400 tells them at
     once; a rule's (`clamp` True) is held to the limit and the result's detail says so, because
     one rules file serves daemons of different sizes and a remedy held to the limit still
-    helps, where a refused one would leave the pressure in place.
+    helps, where a refused one would leave the pressure in place. A rule's batch limit stays
+    a cut until restore_batch, even at the configured value (a reload raising that must not
+    lift it); an operator's at the configured value puts the batch back to it.
     """
     parsed = parse_params(name, params)
     try:

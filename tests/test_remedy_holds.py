@@ -190,6 +190,62 @@ def test_a_reload_never_lifts_a_batch_cut_its_rule_still_holds() -> None:
     assert h.knob("max_num_seqs") == 6
 
 
+def test_a_cut_at_the_configured_limit_of_the_moment_holds_across_a_reload() -> None:
+    """A reload set the configured limit to 4; then a rule setting 4 fired, or another rule's
+    undo put the batch back to the 4 the rung still asks for. The engine took a value equal to
+    the configured limit for 'no cut': a reload back to 8 raised the batch to 8 while the rule
+    still fired and held 4. Only the undo of the last rule holding the batch lifts the cut (a
+    reload raises the batch after it); an operator's value at the configured limit lifts it."""
+    four = alert_rule("four", "set_max_num_seqs", "n: 4", "restore_batch")
+    two = alert_rule("two", "set_max_num_seqs", "n: 2", "restore_batch")
+    h = Live(BATCH + four + two)
+    e = h.engine
+    settle(e, e.reconfigure({("max_num_seqs",): 4}))
+    assert h.fire(0, "four") == [("four", "set_max_num_seqs", "applied")]
+    settle(e, e.reconfigure({("max_num_seqs",): 8}))
+    assert h.knob("max_num_seqs") == 4  # before: 8
+    assert h.fire(10, "four", resolved=True) == [("four", "restore_batch", "applied")]
+    assert h.knob("max_num_seqs") == 8
+    # the rung holds 4 (8 halved); a reload to 4; `two` comes and goes back to the rung's 4
+    assert h.at(20, kv=0.95) == [("batch", "reduce_batch", "applied")]
+    settle(e, e.reconfigure({("max_num_seqs",): 4}))
+    assert h.fire(21, "two") == [("two", "set_max_num_seqs", "applied")]
+    assert h.fire(22, "two", resolved=True) == [("two", "restore_batch", "applied")]
+    assert h.knob("max_num_seqs") == 4 and "what batch still holds" in h.detail()
+    settle(e, e.reconfigure({("max_num_seqs",): 8}))
+    assert h.knob("max_num_seqs") == 4  # before: 8, the rung still firing
+    h.at(30, kv=0.5)
+    assert h.at(40) == [("batch", "restore_batch", "applied")]
+    assert h.knob("max_num_seqs") == 8
+    settle(e, e.reconfigure({("max_num_seqs",): 6}))
+    assert h.knob("max_num_seqs") == 6
+    # an operator's batch limit at the configured value puts it back there: a reload raises it
+    assert settle(e, run_action(e, "set_max_num_seqs", {"n": 6})).ok
+    settle(e, e.reconfigure({("max_num_seqs",): 8}))
+    assert h.knob("max_num_seqs") == 8
+
+
+def test_another_rules_undo_restores_the_n_a_rule_asked_not_the_limit_it_was_held_to() -> None:
+    """A reload lowered the configured limit to 3 when a rule setting 6 fired: held to 3, and
+    6 once a reload raised the limit to 8. Another rule set 2 and left: before, its undo put
+    the batch at 3, the value in force when the first fired, not the 6 that rule asks for."""
+    six = alert_rule("six", "set_max_num_seqs", "n: 6", "restore_batch")
+    two = alert_rule("two", "set_max_num_seqs", "n: 2", "restore_batch")
+    h = Live(six + two)
+    e = h.engine
+    settle(e, e.reconfigure({("max_num_seqs",): 3}))
+    assert h.fire(0, "six") == [("six", "set_max_num_seqs", "applied")]
+    assert h.knob("max_num_seqs") == 3 and h.ev.states["six"].asked == {"batch": 6}
+    settle(e, e.reconfigure({("max_num_seqs",): 8}))
+    assert h.knob("max_num_seqs") == 6
+    assert h.fire(1, "two") == [("two", "set_max_num_seqs", "applied")]
+    assert h.knob("max_num_seqs") == 2
+    assert h.fire(2, "two", resolved=True) == [("two", "restore_batch", "applied")]
+    assert h.knob("max_num_seqs") == 6, h.detail()  # before: 3
+    assert h.fire(3, "six", resolved=True) == [("six", "restore_batch", "applied")]
+    assert h.knob("max_num_seqs") == 8
+
+
 def test_a_higher_token_cap_is_held_and_takes_over_when_the_lower_leaves() -> None:
     low = alert_rule("low", "cap_max_new_tokens", "n: 16", "uncap_max_new_tokens")
     high = alert_rule("high", "cap_max_new_tokens", "n: 200", "uncap_max_new_tokens")

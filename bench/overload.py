@@ -63,7 +63,7 @@ TOKEN = "overload-bench-token"
 PRIORITIES = ("high", "normal", "low")
 PRIORITY_WEIGHTS = (0.10, 0.70, 0.20)
 SAMPLE_S = 0.5
-BUSY_STATES = ("pending", "firing", "recovering")
+BUSY_STATES = ("pending", "firing", "recovering", "retiring")
 UNDO_DUE_S = 10.0  # an undo is late when applied this long after its recovery condition held
 
 

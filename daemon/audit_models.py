@@ -33,7 +33,7 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
-TRIGGERS = ("signal", "event", "alert", "manual")
+TRIGGERS = ("signal", "event", "alert", "manual", "reload")
 OUTCOMES = ("applied", "failed", "dry_run", "refused", "held")
 
 # Named constraints and indexes: migrations on every backend (and SQLite's batch mode, which

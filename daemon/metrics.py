@@ -16,7 +16,7 @@ from kvguard.daemon.nvml import NvmlReader
 from kvguard.engine.host_memory import host_memory_used_ratio
 from kvguard.engine.snapshot import EngineSnapshot
 from kvguard.rules.actions import ACTIONS
-from kvguard.rules.evaluator import MANUAL
+from kvguard.rules.evaluator import MANUAL, RETIRING, STATES
 
 if TYPE_CHECKING:
     from kvguard.daemon.api_keys import ApiKeys
@@ -334,10 +334,20 @@ class ControlPlaneCollector(Collector):
         if cp is None:
             return
         ev = cp.evaluator
-        state = _gauge("kvguard_rule_state", "1 for each rule's current state", ["rule", "state"])
+        state = _gauge(
+            "kvguard_rule_state",
+            "1 for each rule's current state; retiring: 1 while a remedy a reload took from the "
+            "rule is still in force (its undo not applied yet), beside the state of a rule of "
+            "that name still in the file",
+            ["rule", "state"],
+        )
+        # by name: a rule a reload changed is in the file and retiring at once (one series each)
+        shown: dict[str, set[str]] = {}
         for r in ev.rule_states():
-            for st in ("inactive", "pending", "firing", "recovering", "unknown"):
-                state.add_metric([r["name"], st], 1.0 if r["state"] == st else 0.0)
+            shown.setdefault(r["name"], set()).add(r["state"])
+        for name, states in shown.items():
+            for st in (*STATES, RETIRING):
+                state.add_metric([name, st], 1.0 if st in states else 0.0)
         evals = CounterMetricFamily("kvguard_rule_evaluations", "Rule evaluation ticks")
         evals.add_metric([], ev.stats.evaluations)
         efail = CounterMetricFamily("kvguard_rule_evaluation_failures", "Rule ticks that raised")

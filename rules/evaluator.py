@@ -5,9 +5,11 @@
 
 Principles: a condition must hold for its `for` before acting; recovery needs the lower
 threshold held for `recover_for` (hysteresis); at most one escalation per tick, in file order,
-so the cheapest remedy acts first and its effect is seen before the next; undo runs in reverse
-order of application, one per tick; a signal that cannot be read leaves the rule where it is,
-marked unknown, and never acts; dry-run records what would have happened and changes nothing.
+so the cheapest remedy acts first and its effect is seen before the next (one that changed
+nothing, refused or a one-off with nothing to do, leaves the tick to the next); undo runs in
+reverse order of application, one per tick; a signal that cannot be read leaves the rule
+where it is, marked unknown, and never acts; dry-run records what would have happened and
+changes nothing.
 The clock is injected so all of this is testable offline.
 
 Two locks, so that nobody who only reads waits on the engine:
@@ -48,6 +50,7 @@ from kvguard.rules.actions import (
     ActionStillApplying,
     ActionWithdrawn,
     asked,
+    parse_params,
     set_to,
     settings_set,
     strictness,
@@ -57,12 +60,16 @@ from kvguard.rules.schema import Rule, RuleSet, Signal
 
 log = logging.getLogger("kvguard.rules")
 STATES = ("inactive", "pending", "firing", "recovering", "unknown")
+RETIRING = "retiring"  # a remedy a reload took from its rule, in force until its undo applies
 
 SignalReader = Callable[[str, Signal], "float | None"]
 Executor = Callable[[str, dict[str, Any]], ActionResult]
 
 KEPT_DECISIONS = 10_000  # the latest decisions an evaluator keeps
 MANUAL = "manual"  # the rule an operator's action is counted and audited under
+# the trigger an undo a reload made is audited with (of a rule it removed or gave another
+# trigger or remedy, or of every rule at a dry-run switch): no operator asked for it
+RELOAD = "reload"
 
 
 class AuditSink(Protocol):
@@ -97,6 +104,9 @@ class RuleState:
     # an event rule's last event, acted on or not (one inside the cooldown is skipped): its
     # remedy is undone `recover_for` after this, not after its last action
     last_event: float | None = None
+    # where its rule stood in the rules file (from 1) when a reload or a dry-run switch set
+    # this state aside: a remedy of it still in force (retiring) counts there in the level
+    position: int = 0
 
     @property
     def shown(self) -> str:
@@ -194,25 +204,31 @@ class Evaluator:
     # -- configuration ----------------------------------------------------------------------
     def replace_rules(self, rules: RuleSet) -> list[str]:
         """Swap in a reloaded rule set. A rule that keeps its name, its trigger (the event or
-        alert it is `on`, or a signal) and its remedy (action, undo and their params) keeps
-        its state, thresholds and timings taken from the new file. The remedy in force of a
-        rule removed, or given another trigger or remedy, is undone at the next evaluations
-        with the undo it was applied with (`retiring`; a setting another remedy in force
-        holds stays), and the new rule starts afresh: it acts again if its condition still
-        holds. Returns the names of the rules that start afresh (new, or given another
-        trigger or remedy): an alert rule among them acts again only on its alert, which the
-        caller knows still fires (the control plane's `firing`)."""
+        alert it is `on`, or a signal) and its remedy (action, undo and their params, with
+        their defaults filled in: writing a default out or leaving it out changes nothing)
+        keeps its state, thresholds and timings taken from the new file. The remedy in force
+        of a rule removed, or given another trigger or remedy, is undone at the next
+        evaluations with the undo it was applied with (`retiring`; a setting another remedy
+        in force holds stays), and the new rule starts afresh: it acts again if its condition
+        still holds, after its `for` (a real change, a stricter one included, relaxes the old
+        remedy first). Until its undo applies, a retiring remedy is in force: it holds its
+        settings, counts in the level and is listed in `rule_states`. Returns the names of
+        the rules that start afresh (new, or given another trigger or remedy): an alert rule
+        among them acts again only on its alert, which the caller knows still fires (the
+        control plane's `firing`)."""
         with self._lock:
             after = {r.name: r for r in rules.rules}
             kept: dict[str, RuleState] = {}
-            for old in self.rules.rules:
+            for i, old in enumerate(self.rules.rules):
                 st = self.states.get(old.name)
                 new = after.get(old.name)
                 if st is None:
                     continue
                 if new is not None and _remedy(new) == _remedy(old) and new.on == old.on:
                     kept[old.name] = st
-                elif self._in_force(old, st):
+                    continue
+                st.position = i + 1  # set aside: a remedy of it in force counts there
+                if self._in_force(old, st):
                     if new is None:
                         why = "removed"
                     elif new.on != old.on:  # another event or alert, or a signal for either
@@ -233,8 +249,9 @@ class Evaluator:
         with self._lock:
             if dry_run == self.dry_run:
                 return False
-            for rule in self.rules.rules:
+            for i, rule in enumerate(self.rules.rules):
                 st = self.states[rule.name]
+                st.position = i + 1
                 if self._in_force(rule, st) and st.live:
                     self._retire(rule, st, f"dry run switched {'on' if dry_run else 'off'}")
             self.states = {r.name: RuleState() for r in self.rules.rules}
@@ -247,6 +264,8 @@ class Evaluator:
         return rule.undo is not None and st.state in ("firing", "recovering")
 
     def _retire(self, rule: Rule, st: RuleState, why: str) -> None:
+        if any(r[1] is st for r in self.retiring):  # retired by the reload already
+            return
         log.info("rule %s: %s: its remedy in force is undone (%s)", rule.name, why, rule.undo)
         st.undo_refused_at = None
         self.retiring.append((rule, st, why))
@@ -296,10 +315,20 @@ class Evaluator:
         with self._lock:
             now = self.clock()
             escalation = self._decide(values, now)
-        if escalation is not None:
+        passed: list[str] = []  # rules whose attempt this tick gave the escalation back
+        while escalation is not None:
+            given_back: list[bool] = []
             self._carry_out(
-                escalation, lambda outcome, res: self._escalated(escalation, now, outcome, res)
+                escalation,
+                lambda outcome, res, a=escalation, back=given_back: back.append(
+                    self._escalated(a, now, outcome, res)
+                ),
             )
+            if not any(given_back):  # it took the escalation (or is still applying)
+                break
+            passed.append(escalation.rule.name)
+            with self._lock:
+                escalation = self._ready(values, now, passed)
         with self._lock:
             undo = self._decide_undo(values, now)
         if undo is not None:
@@ -309,7 +338,6 @@ class Evaluator:
 
     def _decide(self, values: dict[str, float | None], now: float) -> Attempt | None:
         """Advance every rule's state machine; choose at most one escalation, in file order."""
-        chosen = None
         for rule in self.rules.rules:
             if rule.is_event:
                 continue
@@ -325,9 +353,21 @@ class Evaluator:
                     st.state = "inactive"  # nothing in force: calm, not degraded, while unseen
                 continue
             self._advance(rule, st, v, now)
-            if chosen is None and self._should_act(rule, st, v, now):
-                chosen = self._attempt(rule, st, rule.action, rule.params, "signal", v, undo=False)
-        return chosen
+        return self._ready(values, now, ())
+
+    def _ready(
+        self, values: dict[str, float | None], now: float, passed: Collection[str]
+    ) -> Attempt | None:
+        """The first rule in the file ready to act, but those in `passed` (their attempts this
+        tick gave the escalation back: see `_escalated`)."""
+        for rule in self.rules.rules:
+            if rule.is_event or rule.name in passed:
+                continue
+            st = self.states[rule.name]
+            v = values.get(rule.signal)
+            if v is not None and self._should_act(rule, st, v, now):
+                return self._attempt(rule, st, rule.action, rule.params, "signal", v, undo=False)
+        return None
 
     def _read_values(self) -> dict[str, float | None]:
         used = {r.signal for r in self.rules.rules if r.signal is not None}
@@ -374,11 +414,22 @@ class Evaluator:
         repeat = st.state == "firing" and rule.undo is None and rule.triggered(v)
         return (ready or repeat) and st.in_flight is None and self._cooled(rule, st, now)
 
-    def _escalated(self, a: Attempt, now: float, outcome: str, res: ActionResult | None) -> None:
-        """An attempt, even a refused one, was this tick's one escalation: the cooldown runs."""
+    def _escalated(self, a: Attempt, now: float, outcome: str, res: ActionResult | None) -> bool:
+        """An attempt, even a refused one, starts its rule's cooldown. True where it gives the
+        tick's one escalation back, having changed nothing (no effect to wait for): refused,
+        or a one-off (no undo: it repeats while its condition holds) whose action found
+        nothing to do (an eviction of 0 sequences, a batch already at its `min`) or left a
+        setting another remedy holds stricter (`held`). The next ready rule may then act in
+        the same tick: an eviction with nothing to evict, repeating every cooldown, must not
+        hold back the rungs below it for good. A rule with an undo that changed nothing is in
+        force all the same (its value is wanted): it keeps the escalation."""
         a.st.last_action = now
         if self._in_force_now(a, outcome, res) and a.rule.name not in self.applied:
             self.applied.append(a.rule.name)
+        if outcome == "refused":
+            return True
+        one_off = a.rule.undo is None
+        return one_off and (outcome == "held" or (outcome == "applied" and _no_change(res)))
 
     def _in_force_now(self, a: Attempt, outcome: str, res: ActionResult | None) -> bool:
         """Settle an action that applied (or was simulated, or held back: another remedy in
@@ -407,12 +458,12 @@ class Evaluator:
         return False
 
     def _decide_undo(self, values: dict[str, float | None], now: float) -> Attempt | None:
-        """At most one undo a tick: first a remedy a reload retired, then an alert's whose
-        undo was refused when it resolved, then the last remedy applied, once its rule has
-        recovered long enough."""
+        """At most one undo a tick: first a remedy a reload retired (trigger `reload`), then an
+        alert's whose undo was refused when it resolved, then the last remedy applied, once
+        its rule has recovered long enough."""
         for rule, st, why in self.retiring:
             if st.in_flight is None and self._undo_cooled(rule, st, now):
-                a = self._undo_attempt(rule, st, "manual", None, dry_run=not st.live)
+                a = self._undo_attempt(rule, st, RELOAD, None, dry_run=not st.live)
                 a.note = why
                 return a
         for rule in self.rules.rules:
@@ -457,49 +508,68 @@ class Evaluator:
         a = self._attempt(rule, st, rule.undo or "", rule.undo_params, trigger, value, True)
         if dry_run is not None:
             a.dry_run = dry_run
-        a.held = self._held_by_others(st, ACTIONS[a.action].settings, live=not a.dry_run)
-        a.restore = self._restore_to(st, a.held)
+        settings = ACTIONS[a.action].settings
+        holders = self._holders(st, settings, live=not a.dry_run, retiring=True)
+        a.held = {s: [n for n, _ in hs] for s, hs in holders.items()}
+        a.restore = self._restore_to(st, holders)
         a.kept = ", ".join(
             f"{s} (held by {', '.join(r)})" for s, r in sorted(a.held.items()) if s not in a.restore
         )
         return a
 
+    def _holders(
+        self, st: RuleState, settings: frozenset[str], live: bool, retiring: bool = False
+    ) -> dict[str, list[tuple[str, RuleState]]]:
+        """Which of `settings` the remedies in force of rules other than `st`'s hold, and by
+        whom (the rule's name and state, in file order): those applied for real where `live`,
+        else those only simulated (a dry run's remedies hold nothing real). With `retiring`
+        (an undo), the retiring remedies too, after them (`retiring NAME`: a reload took
+        them from their rule and their undo has not applied yet, e.g. refused while the live
+        tokens do not fit the full-precision pool): another rule's undo leaves what they set
+        to their own undo. A rule's act does not count them: the reload no longer wants
+        them, and a changed rule's looser remedy applies at once."""
+        others = [
+            (r.name, self.states[r.name])
+            for r in self.rules.rules
+            if self._in_force(r, self.states[r.name])
+        ]
+        if retiring:
+            others += [(f"retiring {r.name}", other) for r, other, _ in self.retiring]
+        held: dict[str, list[tuple[str, RuleState]]] = {}
+        for name, other in others:
+            if other is st or other.resolved or other.live != live:
+                continue
+            for setting in sorted(other.holds & settings):
+                held.setdefault(setting, []).append((name, other))
+        return held
+
     def _held_by_others(
         self, st: RuleState, settings: frozenset[str], live: bool
     ) -> dict[str, list[str]]:
-        """Which of `settings` the remedies in force of rules other than `st`'s hold, and by
-        which rules (in file order): those applied for real where `live`, else those only
-        simulated (a dry run's remedies hold nothing real)."""
-        held: dict[str, list[str]] = {}
-        for rule in self.rules.rules:
-            other = self.states[rule.name]
-            if other is st or not self._in_force(rule, other) or other.resolved:
-                continue
-            if other.live != live:
-                continue
-            for name in sorted(other.holds & settings):
-                held.setdefault(name, []).append(rule.name)
-        return held
-
-    def _asked_of(self, names: list[str], setting: str) -> list[Any] | None:
-        """What the rules `names` ask of `setting`; None where one's value is not known."""
-        values = [self.states[n].asked.get(setting, _UNKNOWN) for n in names]
-        return None if any(v is _UNKNOWN for v in values) else values
+        """`_holders` of an act, by name only."""
+        return {s: [n for n, _ in hs] for s, hs in self._holders(st, settings, live).items()}
 
     def _restore_to(
-        self, st: RuleState, held: dict[str, list[str]]
+        self, st: RuleState, holders: dict[str, list[tuple[str, RuleState]]]
     ) -> dict[str, tuple[Any, list[str]]]:
         """The held settings that `st`'s remedy, leaving, holds stricter than every other
         holder: each goes to the strictest value the others ask for (not to its configured
         value, nor stays at the leaving remedy's), with the rules that ask for it."""
         out: dict[str, tuple[Any, list[str]]] = {}
-        for setting, names in held.items():
-            values = self._asked_of(names, setting)
-            if setting not in SET_TO or setting not in st.asked or values is None:
+        for setting, hs in holders.items():
+            values = [other.asked.get(setting, _UNKNOWN) for _, other in hs]
+            if (
+                setting not in SET_TO
+                or setting not in st.asked
+                or any(v is _UNKNOWN for v in values)
+            ):
                 continue  # FP8 and offload: one value, in force while any remedy holds it
             best = min(values, key=lambda v: strictness(setting, v))
             if strictness(setting, st.asked[setting]) < strictness(setting, best):
-                out[setting] = (best, [n for n, v in zip(names, values, strict=True) if v == best])
+                out[setting] = (
+                    best,
+                    [n for (n, _), v in zip(hs, values, strict=True) if v == best],
+                )
         return out
 
     def _loosened(
@@ -516,8 +586,8 @@ class Evaluator:
             return held, kept
         held, said = {}, []
         for setting, value in targets(action, params).items():
-            names = self._held_by_others(st, frozenset({setting}), live).get(setting, [])
-            asks = [(n, self.states[n].asked.get(setting, _UNKNOWN)) for n in names]
+            hs = self._holders(st, frozenset({setting}), live).get(setting, [])
+            asks = [(n, other.asked.get(setting, _UNKNOWN)) for n, other in hs]
             stricter = [
                 (n, v)
                 for n, v in asks
@@ -797,13 +867,17 @@ class Evaluator:
     def level(self) -> int:
         """0 when calm, else 1 + the index in the file of the last rule in force: the ladder's
         rungs and the event and alert rules alike (the OOM chain and an Alertmanager halt are
-        degradation too, which an alert on the level must see)."""
+        degradation too, which an alert on the level must see). A retiring remedy (a reload
+        took it from its rule, and its undo has not applied yet) counts at the position its
+        rule had in the file it was applied under: it is in force until undone, however long
+        its undo is refused."""
         with self._lock:
             active = [
                 i + 1
                 for i, r in enumerate(self.rules.rules)
                 if self.states[r.name].state in ("firing", "recovering")
             ]
+            active += [st.position for _, st, _ in self.retiring]
             return max(active, default=0)
 
     def _open_incident(self, rule: Rule) -> None:
@@ -926,8 +1000,10 @@ class Evaluator:
 
     # -- views ------------------------------------------------------------------------------
     def rule_states(self) -> list[dict[str, Any]]:
+        """Each rule's state, in file order, then each retiring remedy (state `retiring`: a
+        reload took it from its rule, and its undo has not applied yet), with `why`."""
         with self._lock:
-            return [
+            rules = [
                 {
                     "name": r.name,
                     "state": self.states[r.name].shown,
@@ -941,6 +1017,21 @@ class Evaluator:
                     "holds": sorted(self.states[r.name].holds),
                 }
                 for r in self.rules.rules
+            ]
+            return rules + [
+                {
+                    "name": r.name,
+                    "state": RETIRING,
+                    "value": None,
+                    "signal": r.signal,
+                    "on": r.on,
+                    "action": r.action,
+                    "undo": r.undo,
+                    "in_flight": st.in_flight,
+                    "holds": sorted(st.holds),
+                    "why": why,
+                }
+                for r, st, why in self.retiring
             ]
 
 
@@ -992,6 +1083,21 @@ def _shown(setting: str, value: Any) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
+def _no_change(res: ActionResult | None) -> bool:
+    """Whether an applied action's result shows that it changed nothing: an eviction that
+    evicted no sequence (it changes no setting either way), or an action whose engine
+    settings are the same after it. A result that tells nothing (a replay's simulated one,
+    with no settings) counts as a change."""
+    if res is None:
+        return False
+    if "evicted" in res.data:
+        return not res.data["evicted"]
+    return bool(res.before) and res.before == res.after
+
+
 def _remedy(rule: Rule) -> tuple[Any, ...]:
-    """What a rule does to the engine: a reload that changes it retires the remedy in force."""
-    return (rule.action, rule.params, rule.undo, rule.undo_params)
+    """What a rule does to the engine, its params with their defaults filled in (the file
+    may write a default out or leave it out): a reload that changes it retires the remedy in
+    force."""
+    undo = parse_params(rule.undo, rule.undo_params).model_dump() if rule.undo else None
+    return (rule.action, parse_params(rule.action, rule.params).model_dump(), rule.undo, undo)

@@ -15,6 +15,7 @@ import contextlib
 import logging
 import math
 import socket
+import sys
 import threading
 import time
 from collections import deque
@@ -22,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from apscheduler.schedulers import SchedulerNotRunningError
@@ -56,6 +58,10 @@ MAX_ALERTS_PER_REQUEST = 100  # Alertmanager's webhook_config max_alerts keeps a
 ACTION_TIMEOUT_S = 120.0
 RETENTION_EVERY_S = 6 * 3600.0  # the audit retention's purge (and once at start)
 MAX_WAIT_S = 3600.0  # a ticker's longest single wait (it wakes and waits again: any interval)
+# The stop's wait for the ticks and the event evaluations under way, all together (its share of
+# service.CLOSE_BUDGET_S): one stuck past it (an NVML query on a wedged GPU, a rules evaluation
+# stuck elsewhere) is logged and left behind, and the process exits without it.
+STOP_WAIT_S = 3.0
 
 
 class ControlPlane:
@@ -107,6 +113,9 @@ class ControlPlane:
         self.alerts_ignored: dict[str, int] = {}
         self.on_tick = None  # set by metrics: observes tick duration
         self.action_timeout_s = ACTION_TIMEOUT_S
+        # the event evaluations running now, by their worker thread: what each is for, since
+        # when (named by the stop if it has to leave one behind)
+        self._jobs: dict[threading.Thread, tuple[str, float]] = {}
 
     # -- lifecycle --------------------------------------------------------------------------
     @property
@@ -131,18 +140,50 @@ class ControlPlane:
             ", dry run" if self.evaluator.dry_run else "",
         )
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = STOP_WAIT_S) -> list[str]:
         """Bounded however stuck the engine is: an evaluation waiting on it for an action stops
         waiting at once (`stopping`), recording it failed, withdrawn if the engine had not taken
         it, else in `close_at_stop` as not known to have applied; only then are the tickers
-        (woken at once from their waits by `stopping`) and the scheduler waited for."""
+        (woken at once from their waits by `stopping`) and the scheduler waited for, `timeout`
+        seconds in all. Bounded whatever else a tick or an evaluation is stuck in (an NVML
+        query on a wedged GPU): one still running then is logged (a WARNING naming its thread
+        and where it is) and not waited for. The engine events are recorded and the incident
+        closed either way. What was left running, one line each ([]: nothing)."""
         self.stopping.set()
+        deadline = time.monotonic() + timeout
         for ticker in self.tickers:
-            ticker.join()
+            ticker.join(max(deadline - time.monotonic(), 0.0))
         if self.scheduler.running:
-            self.scheduler.shutdown(wait=True)
+            # on a helper: its shutdown waits for every evaluation under way, with no bound;
+            # those queued behind them still run (and end at once: `stopping`)
+            down = threading.Thread(
+                target=self.scheduler.shutdown, name="kvguard-scheduler-stop", daemon=True
+            )
+            down.start()
+            down.join(max(deadline - time.monotonic(), 0.0))
+        left = self._still_running()
+        for line in left:
+            log.warning(
+                "stop: %s; not waited for past %gs: the daemon exits without it", line, timeout
+            )
         self.record_pending()
         self.evaluator.close_at_stop()
+        return left
+
+    def _still_running(self) -> list[str]:
+        """The ticks and the event evaluations under way, each with its thread, how long it
+        has run and where it is."""
+        now = time.monotonic()
+        out = []
+        for ticker in self.tickers:
+            thread, since = ticker.thread, ticker.tick_since
+            if thread is not None and thread.is_alive():
+                took = "" if since is None else f" for {now - since:.1f}s"
+                out.append(f"the {ticker.name} tick is running{took} ({_where(thread)})")
+        for thread, (what, since) in list(self._jobs.items()):
+            if thread.is_alive():
+                out.append(f"{what} is running for {now - since:.1f}s ({_where(thread)})")
+        return out
 
     def record_pending(self) -> None:
         """Record the engine events no evaluation took up yet, in the incident open now: at the
@@ -248,13 +289,20 @@ class ControlPlane:
         """One job that runs the event rules of each (kind, resolved) in order, then one tick
         (`only`, `note`: as Evaluator.handle_event's)."""
 
+        what = "the evaluation of " + ", ".join(kind for kind, _ in events)
+
         def run() -> None:
+            me = threading.current_thread()
+            self._jobs[me] = (what, time.monotonic())
             try:
-                for kind, resolved in events:
-                    self.evaluator.handle_event(kind, resolved=resolved, only=only, note=note)
-            finally:  # those no rule acted on, in the incident open now, if one is
-                self._record_causes(self.evaluator.incident)
-            self.evaluate()
+                try:
+                    for kind, resolved in events:
+                        self.evaluator.handle_event(kind, resolved=resolved, only=only, note=note)
+                finally:  # those no rule acted on, in the incident open now, if one is
+                    self._record_causes(self.evaluator.incident)
+                self.evaluate()
+            finally:
+                self._jobs.pop(me, None)
 
         with contextlib.suppress(SchedulerNotRunningError):  # stopping: nothing to evaluate
             # however late (misfire_grace_time None): an evaluation stuck on a slow engine may
@@ -476,12 +524,17 @@ class Ticker:
         self._wake: threading.Event | None = None
         self._reset = False  # the interval changed: the grid starts again from now
         self._thread: threading.Thread | None = None
+        self.tick_since: float | None = None  # when the tick under way began (time.monotonic)
         self.ticks = 0  # ticks run
         self.coalesced = 0  # grid points passed over while a tick overran them
 
     @property
     def interval(self) -> float:
         return self._interval
+
+    @property
+    def thread(self) -> threading.Thread | None:
+        return self._thread
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name=f"kvguard-{self.name}", daemon=True)
@@ -530,10 +583,30 @@ class Ticker:
 
     def _tick(self) -> None:
         self.ticks += 1
+        self.tick_since = time.monotonic()  # the real clock: how long a stuck tick has run
         try:
             self.fn()
         except Exception:  # noqa: BLE001 - one failed tick must not end the schedule
             log.exception("periodic job %s failed", self.name)
+        finally:
+            self.tick_since = None
+
+
+def _where(thread: threading.Thread) -> str:
+    """Where `thread` is now: its name, the function it is in, and kvguard's innermost one
+    (a library's call the thread is stuck in, and what of kvguard's made it)."""
+    frame = sys._current_frames().get(thread.ident) if thread.ident is not None else None
+    if frame is None:
+        return f"thread {thread.name}"
+    at = f"thread {thread.name}, in {_frame(frame)}"
+    ours: FrameType | None = frame
+    while ours is not None and not ours.f_globals.get("__name__", "").startswith("kvguard."):
+        ours = ours.f_back
+    return at if ours is None or ours is frame else f"{at}, called from {_frame(ours)}"
+
+
+def _frame(frame: FrameType) -> str:
+    return f"{frame.f_code.co_name} ({Path(frame.f_code.co_filename).name}:{frame.f_lineno})"
 
 
 def rules_diff(old: RuleSet, new: RuleSet) -> list[str]:

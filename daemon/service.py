@@ -62,7 +62,8 @@ STALL_AFTER_S = 30.0  # an engine loop without a heartbeat this long is not read
 # After the drain deadline: how long the engine gets to apply the aborts of the cut requests,
 # and then how long connections get to send their 503s / SSE errors, before the stop goes on.
 CUT_GRACE_S = 5.0
-# Then close() takes CLOSE_BUDGET_S at most: the engine loop, then its workers (at least
+# Then close() takes CLOSE_BUDGET_S at most: the control plane (control_plane.STOP_WAIT_S at
+# most: a tick stuck longer is left behind), the engine loop, then its workers (at least
 # STUCK_ENGINE_WAIT_S), then the audit (at least AUDIT_STOP_MIN_S); an engine known stuck is
 # waited for STUCK_ENGINE_WAIT_S only. A whole stop thus takes at most api.drain_timeout +
 # STOP_AFTER_DRAIN_S: daemon/systemd/kvguard.service's TimeoutStopSec leaves room for that
@@ -121,15 +122,12 @@ class KnobsNotApplied(RuntimeError):
 
 class LoadInterrupted(BaseException):
     """SIGINT or SIGTERM while the daemon starts, before serve() takes them over: raised in
-    the main thread (where Python runs signal handlers), wherever it is in the start."""
+    the main thread, by the handler while it waits for the engine to load, else at the start's
+    next check (`Service._on_start_signal`)."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(signal.Signals(signum).name)
         self.signum = signal.Signals(signum)
-
-
-def _interrupt_start(signum: int, frame: object) -> None:
-    raise LoadInterrupted(signum)
 
 
 class Service:
@@ -185,6 +183,12 @@ class Service:
         # None: the OpenAI endpoints are open (api.api_keys_file unset)
         self.api_keys: ApiKeys | None = self._load_keys(cfg)
         self.rules_at_start: RuleSet | None = None  # read_rules(): the control plane's first
+        # SIGINT/SIGTERM before serve() takes them over, kept until the start checks for it;
+        # raised by the handler itself only while the engine loads (`_on_start_signal`)
+        self._start_signal: signal.Signals | None = None
+        self._raise_start_signal = False
+        # what the control plane's stop left running (a stuck tick): the exit does not wait
+        self.left_running: list[str] = []
 
     # -- names ------------------------------------------------------------------------------
     @property
@@ -204,6 +208,7 @@ class Service:
         limit = sdnotify.EXTEND_LIMIT_S + self.cfg.serving.distributed.join_timeout
         with sdnotify.extending_timeout(limit):
             self._load(progress)
+        self._check_start_signal()  # the start's audit rows are queued: its stop row follows
         self._ready = True
         threading.Thread(target=self._watchdog, name="kvguard-watchdog", daemon=True).start()
 
@@ -242,6 +247,34 @@ class Service:
         os.kill(os.getpid(), sig)
         os._exit(128 + sig)  # not reached: the signal's default action ends the process
 
+    def _on_start_signal(self, signum: int, frame: object) -> None:
+        """SIGINT/SIGTERM before serve() takes them over. Python runs the handler in the main
+        thread wherever that is, and an exception raised there is not always seen: raised in
+        a gc callback (the collection of the startup freeze) it was printed and dropped, and
+        the daemon went on to serve; raised under pydantic-core (FastAPI's import) it became a
+        SchemaError, exit 1. So the signal is kept, and the start ends by it at its next
+        check (`_check_start_signal`); only while the main thread just waits for the engine
+        to load (minutes, on a first start) is it raised at once."""
+        self._start_signal = signal.Signals(signum)
+        if self._raise_start_signal:
+            raise LoadInterrupted(signum)
+
+    def _check_start_signal(self) -> None:
+        if self._start_signal is not None:
+            raise LoadInterrupted(self._start_signal)
+
+    @contextlib.contextmanager
+    def _interruptible(self) -> Generator[None, None, None]:
+        """A start signal ends the block at once (`_on_start_signal`): for a block in which
+        the main thread only waits on another one, where no callback can drop the exception
+        nor a library wrap it."""
+        self._raise_start_signal = True
+        try:
+            self._check_start_signal()  # after the flag: one that came just before is not missed
+            yield
+        finally:
+            self._raise_start_signal = False
+
     def _load(self, progress: bool) -> None:
         sdnotify.status(f"loading model {self.engine_model}")
         config = self.cfg.to_engine_config()
@@ -250,7 +283,8 @@ class Service:
         # before it starts: a rank lost at once (the idle loop checks them) must still make the
         # daemon exit non-zero, for systemd to restart it
         loop.on_fatal.append(self._on_engine_fatal)
-        self.loop = loop.start(lambda: LLMEngine.from_config(config, progress=progress))
+        with self._interruptible():  # built on the engine thread: this thread only waits
+            self.loop = loop.start(lambda: LLMEngine.from_config(config, progress=progress))
         self.engine = self.loop.engine
         # the GPUs the engine runs on: the GPU memory rule reads only these (NVML sees the host)
         self.nvml.use_gpus(engine_gpu_ids(self.engine))
@@ -415,6 +449,9 @@ class Service:
         for sig in (signal.SIGTERM, signal.SIGINT):
             aio.add_signal_handler(sig, self._on_stop_signal, sig, server)
         aio.add_signal_handler(signal.SIGHUP, self._on_sighup, aio)
+        # one that came before these handlers (during the app's import or the freeze) was kept
+        # by the start's: the start ends by it, as it would have while loading
+        self._check_start_signal()
         self._aio, self._server = aio, server
         if self.loop.fatal is not None:  # failed since loading: the hook found no server
             self._begin_exit(aio, server)
@@ -560,8 +597,8 @@ class Service:
         stuck = self._engine_stuck or time.monotonic() - self.loop.last_beat > CUT_GRACE_S
         if stuck:
             self.loop.stop(timeout=STUCK_ENGINE_WAIT_S)
-        if self.control is not None:
-            self.control.stop()
+        if self.control is not None:  # bounded: what it leaves running is logged, not waited for
+            self.left_running = self.control.stop()
         if self.audit is not None:  # queued before the engine waits: written meanwhile
             self.audit.record_event(
                 "daemon_stop", detail=f"exit {self.exit_code}", incident=incident
@@ -1151,14 +1188,26 @@ def run(
         # drain yet), not by their default actions: the interpreter's exit aborted in the C++
         # of the thread still loading the model, and SIGTERM ended it without a word.
         for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, _interrupt_start)
+            signal.signal(sig, svc._on_start_signal)
         svc.load()
-        return asyncio.run(svc.serve(sock))
+        code = asyncio.run(svc.serve(sock))
     except LoadInterrupted as e:
         svc.leave_while_loading(e.signum)
     finally:
         sock.close()
         svc.shutdown_engine()  # also when loading or serving raised
+    if svc.left_running:
+        # a thread the stop could not end (a tick stuck in NVML, an evaluation's worker) must
+        # not hold the exit: the interpreter's would wait for it, until systemd's SIGKILL
+        log.warning(
+            "exiting with status %d without waiting for %d stuck control-plane threads (the "
+            "warnings above name them)",
+            code,
+            len(svc.left_running),
+        )
+        logging.shutdown()
+        os._exit(code)
+    return code
 
 
 def _address(host: str, port: int) -> str:

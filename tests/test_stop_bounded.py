@@ -17,6 +17,8 @@ import json
 import logging
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -163,3 +165,125 @@ def test_a_reload_once_the_stop_began_is_refused_at_once(
         aio.close()
     assert reloads == []
     assert "SIGHUP ignored: the daemon is stopping" in caplog.text
+
+
+# -- a control-plane thread stuck elsewhere than on the engine -------------------------------------
+# The daemon's own ticks and event evaluations get stuck for good once a rule has opened an
+# incident: the NVML ticker's query (a wedged GPU's driver), the rules ticker's evaluation, and
+# an event's evaluation on the scheduler's worker (which the rules ticker starts as it sticks).
+# Each says so on stderr first. The daemon runs as a process of its own here: its exit is what
+# is checked (the interpreter's exit waits for the scheduler's worker threads).
+STUCK_CONTROL_PLANE = """\
+import sys, threading
+from kvguard.daemon.cli import main
+from kvguard.daemon.control_plane import ControlPlane
+from kvguard.daemon.nvml import NvmlReader
+from kvguard.rules.evaluator import Evaluator
+
+never = threading.Event()
+plane = []
+def stuck(what):
+    print(f"test: stuck in {what} on {threading.current_thread().name}", file=sys.stderr, flush=True)
+    never.wait()
+
+start = ControlPlane.start
+def start_polling_often(self):
+    start(self)
+    plane.append(self)
+    self.nvml_ticker.set_interval(0.1)
+ControlPlane.start = start_polling_often
+
+read = NvmlReader.memory_used_ratio
+def memory_used_ratio(self):
+    if threading.current_thread().name == "kvguard-nvml" and plane and plane[0].evaluator.incident:
+        stuck("an NVML query")
+    return read(self)
+NvmlReader.memory_used_ratio = memory_used_ratio
+
+tick = Evaluator.try_tick
+def try_tick(self):
+    if threading.current_thread() is not threading.main_thread() and self.incident:
+        if threading.current_thread().name == "kvguard-rules":
+            plane[0]._soon("preemption_storm")
+        stuck("a rules evaluation")
+    return tick(self)
+Evaluator.try_tick = try_tick
+
+sys.exit(main(["serve", "--config", sys.argv[1]]))
+"""
+HALT_ON_ANY_HOST_MEMORY = """\
+version: 1
+interval: 100ms
+signals:
+  host_mem: {local: host_memory_used_ratio}
+rules:
+  - {name: halt, signal: host_mem, above: 0.000001, action: halt_admission,
+     recover_below: 0.0000001, undo: resume_admission}
+"""
+
+
+def test_a_stop_does_not_wait_for_a_control_plane_thread_stuck_elsewhere(tmp_path: Path) -> None:
+    """A tick or an evaluation stuck outside the engine (an NVML query on a wedged GPU): the
+    stop joined them with no bound, before it queued `daemon_stop`, and the process then hung
+    silently until systemd's SIGKILL, losing the stop's rows and the incident's close. Now the
+    stop waits for them STOP_WAIT_S, names each (thread, where it is) in a WARNING, closes the
+    incident, queues `daemon_stop` and exits within api.drain_timeout + STOP_AFTER_DRAIN_S."""
+    from kvguard.daemon.service import STOP_AFTER_DRAIN_S
+
+    db, rules, config = tmp_path / "audit.db", tmp_path / "rules.yaml", tmp_path / "config.yaml"
+    rules.write_text(HALT_ON_ANY_HOST_MEMORY)
+    config.write_text(
+        "serving: {model: tiny, kv_cache_bytes: 8MiB, max_model_len: 512}\n"
+        "api: {host: 127.0.0.1, port: 0, drain_timeout: 1s}\n"
+        f"audit: {{url: 'sqlite:///{db}'}}\n"
+        f"rules: {{path: {rules}}}\n"
+    )
+    log = tmp_path / "daemon.log"
+    env = {**os.environ, "STATE_DIRECTORY": str(tmp_path)}
+    argv = [sys.executable, "-c", STUCK_CONTROL_PLANE, str(config)]
+    stuck = (
+        "test: stuck in an NVML query on kvguard-nvml",
+        "test: stuck in a rules evaluation on kvguard-rules",
+        "test: stuck in a rules evaluation on ThreadPoolExecutor",
+    )
+    bound = 1 + STOP_AFTER_DRAIN_S  # api.drain_timeout + the rest of the stop
+    with log.open("w") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+
+        def all_stuck() -> bool:
+            text = log.read_text()
+            return "ready:" in text and all(s in text for s in stuck)
+
+        until(lambda: proc.poll() is not None or all_stuck(), 120, "three threads stuck")
+        assert proc.poll() is None, log.read_text()
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        try:
+            code = proc.wait(bound)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"still running {bound:g}s after SIGTERM:\n{log.read_text()}")
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(60)
+    out = log.read_text()
+    assert code == 0 and took < bound, (code, took, out)
+    warnings = [line for line in out.splitlines() if "WARNING kvguard.control: stop: " in line]
+    assert len(warnings) == 3, out
+
+    def warning(saying: str) -> str:
+        [line] = [w for w in warnings if saying in w]
+        return line
+
+    nvml = warning("the nvml tick is running")
+    assert "thread kvguard-nvml, in wait (threading.py:" in nvml, nvml
+    assert "called from _poll_nvml (control_plane.py:" in nvml, nvml
+    assert "thread kvguard-rules" in warning("the rules tick is running"), warnings
+    assert "ThreadPoolExecutor" in warning("the evaluation of preemption_storm is running")
+    assert "exiting with status 0 without waiting for 3 stuck control-plane threads" in out, out
+    [(incident,)] = rows(db, "SELECT id FROM incidents WHERE closed_at IS NOT NULL")
+    assert rows(db, "SELECT count(*) FROM incidents WHERE closed_at IS NULL") == [(0,)]
+    [(detail, tagged)] = rows(db, "SELECT detail, incident FROM events WHERE kind='daemon_stop'")
+    assert (detail, tagged) == ("exit 0", incident)

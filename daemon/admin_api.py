@@ -12,12 +12,16 @@ An action waits ACTION_TIMEOUT_S for the engine to take it at a step boundary. N
 is withdrawn (it never runs) and answers 504 `action_withdrawn`; taken, it is waited for as long
 again and answers its result, or 504 `action_still_applying` if the engine is still inside it
 (it may yet apply). Either way the audit log and kvguard_actions_total get its true outcome.
+The stop cuts an action still waiting at the end of its drain period, as it cuts the requests
+in flight: 503, `action_withdrawn` (it never runs) or `action_still_applying`; one asked once
+the stop has begun is refused (503 `shutting_down`: nothing changed).
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 import time
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -29,15 +33,18 @@ from kvguard.daemon.control_plane import AlertPayloadError
 from kvguard.daemon.openai_api import ApiError, engine_unavailable
 from kvguard.engine.control import ActionResult
 from kvguard.engine.distributed.errors import RankFailure
+from kvguard.engine.engine_loop import EngineStopped
 from kvguard.rules.actions import ACTIONS, ActionError, ActionWithdrawn
 
 if TYPE_CHECKING:
     from kvguard.daemon.service import Service
     from kvguard.engine.llm_engine import LLMEngine
 
+log = logging.getLogger("kvguard.daemon.api")
 _B = TypeVar("_B", bound=BaseModel)
 ALERTMANAGER_MAX_BODY = 1 << 20  # 100 alerts with their labels and annotations fit many times
 ACTION_TIMEOUT_S = 60.0  # for the engine to take an action; one it took gets as long again
+STOP_POLL_S = 0.05  # how often an action's wait looks whether the stop has begun
 
 
 def check_token(service: Service, authorization: str | None) -> None:
@@ -69,14 +76,20 @@ def router(service: Service) -> APIRouter:
 
     @r.post("/actions/{action}")
     async def act(action: str, params: dict[str, Any] | None = Body(None)) -> dict[str, Any]:
+        if service.draining:  # the engine is on its way out: nothing is asked of it now
+            raise _stopping(
+                "admin actions are refused once the stop has begun; nothing changed",
+                "shutting_down",
+            )
         try:
             fut = service.manual_action(action, params or {})
         except ActionError as e:  # never acted on: 400 naming the parameter, nothing audited
             if action not in ACTIONS:
                 raise ApiError(404, str(e), "action") from e
             raise ApiError(400, str(e), e.param or "params", "invalid_action_params") from e
+        log.info("admin action %s asked: waiting for the engine to apply it", action)
         try:
-            res = await _settled(fut, action, ACTION_TIMEOUT_S)
+            res = await _settled(fut, action, ACTION_TIMEOUT_S, _DrainCut(service))
         except RankFailure as e:  # a rank failed inside it: the engine is done, as for requests
             raise engine_unavailable(e) from e
         return {
@@ -112,28 +125,90 @@ def router(service: Service) -> APIRouter:
     return r
 
 
-async def _settled(fut: Future, action: str, timeout_s: float) -> ActionResult:
+class _DrainCut:
+    """When the stop cuts an action still waiting: api.drain_timeout after the stop began (seen
+    within STOP_POLL_S), as the drain cuts the requests in flight. The drain waits for the
+    action's answer meanwhile, and uvicorn, once serving ends, for CUT_GRACE_S more: answered
+    here, the caller gets kvguard's JSON 503, not the server's bare 500 for a cancelled one."""
+
+    def __init__(self, service: Service) -> None:
+        self._service = service
+        self._at: float | None = None
+
+    @property
+    def reached(self) -> bool:
+        return self._at is not None and time.monotonic() >= self._at
+
+    async def wait(self, waiting: asyncio.Future, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` for `waiting`, or until the cut; True if it is done."""
+        until = time.monotonic() + timeout_s
+        while not waiting.done():
+            now = time.monotonic()
+            if self._at is None and self._service.draining:
+                self._at = now + self._service.cfg.api.drain_timeout
+            end = until if self._at is None else min(until, self._at)
+            if now >= end:
+                return False
+            await asyncio.wait({waiting}, timeout=min(end - now, STOP_POLL_S))
+        return True
+
+
+async def _settled(fut: Future, action: str, timeout_s: float, cut: _DrainCut) -> ActionResult:
     """The action's result (as `await_action`, without a thread): withdrawn if the engine has
     not taken it within `timeout_s` (504: it never runs), else waited for as long again (504
     if the engine is still inside it). The caller leaving does not withdraw it: an action the
-    operator asked for is carried out, and audited, whether or not anyone reads the answer."""
+    operator asked for is carried out, and audited, whether or not anyone reads the answer.
+    The stop's `cut` ends either wait the same way, with a 503 saying the daemon stops."""
     waiting = asyncio.wrap_future(fut)
-    done, _ = await asyncio.wait({waiting}, timeout=timeout_s)
-    if not done:
+    if not await cut.wait(waiting, timeout_s):
         if fut.cancel():
+            if cut.reached:
+                log.warning(
+                    "the stop withdrew admin action %s: the engine had not taken it", action
+                )
+                raise _stopping(
+                    f"the engine did not take {action} before the end of the drain period (a "
+                    "long step or a stalled engine thread): withdrawn before it ran; nothing "
+                    "changed",
+                    "action_withdrawn",
+                )
             withdrawn = ActionWithdrawn(action, timeout_s)
             raise ApiError(504, str(withdrawn), code="action_withdrawn", type_="server_error")
-        done, _ = await asyncio.wait({waiting}, timeout=timeout_s)
-    if not done:
-        raise ApiError(
-            504,
-            f"the engine took {action} but had not finished it {timeout_s:g}s later: it may "
-            "still apply; the audit log records its outcome when it does (GET /admin/state "
-            "shows the knobs)",
-            code="action_still_applying",
-            type_="server_error",
-        )
-    return waiting.result()
+        if not await cut.wait(waiting, timeout_s):
+            waiting.add_done_callback(_settles_unread)
+            if cut.reached:
+                log.warning("the stop cut admin action %s while the engine applied it", action)
+                raise _stopping(
+                    f"the engine was still applying {action} at the end of the drain period: "
+                    "it may still apply; the audit log records its outcome when it does",
+                    "action_still_applying",
+                )
+            raise ApiError(
+                504,
+                f"the engine took {action} but had not finished it {timeout_s:g}s later: it may "
+                "still apply; the audit log records its outcome when it does (GET /admin/state "
+                "shows the knobs)",
+                code="action_still_applying",
+                type_="server_error",
+            )
+    try:
+        return waiting.result()
+    except EngineStopped as e:  # the loop stopped before taking it: refused, never run
+        raise _stopping(
+            f"the engine stopped before it took {action}: it never ran; nothing changed",
+            "action_withdrawn",
+        ) from e
+
+
+def _stopping(why: str, code: str) -> ApiError:
+    return ApiError(503, f"kvguard is shutting down: {why}", code=code, type_="service_unavailable")
+
+
+def _settles_unread(fut: asyncio.Future) -> None:
+    """An action answered before it settled: its outcome goes to the audit log, and a failure
+    is not reported again as an exception nobody retrieved."""
+    if not fut.cancelled():
+        fut.exception()
 
 
 class _StallBody(BaseModel):

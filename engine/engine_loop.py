@@ -188,7 +188,7 @@ class EngineLoop:
         self._idle_snapshot: EngineSnapshot | None = None
         self._idle_snapshot_at = 0.0
         if engine is not None:
-            engine.mailbox.notify = self._wake.set
+            self._attach(engine)
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self, factory: Callable[[], LLMEngine] | None = None) -> EngineLoop:
@@ -213,7 +213,7 @@ class EngineLoop:
                     failure.append(e)
                     built.set()
                     return
-                self.engine.mailbox.notify = self._wake.set
+                self._attach(self.engine)
             built.set()
             try:
                 self._run()
@@ -269,6 +269,17 @@ class EngineLoop:
                 refused,
             )
 
+    def _attach(self, engine: LLMEngine) -> None:
+        """Be woken by posts to `engine`, and beat while it converts its KV pool: a dtype
+        switch or a resize runs layer by layer inside one step, a pause of seconds per GiB on
+        a CPU, and a conversion making progress is not a stalled loop (the heartbeat is what
+        the systemd watchdog and /ready follow)."""
+        engine.mailbox.notify = self._wake.set
+        engine.kv_cache.on_progress = self._beat
+
+    def _beat(self) -> None:
+        self.last_beat = time.monotonic()
+
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -280,7 +291,7 @@ class EngineLoop:
                 time.sleep(0.01)
             if self._stop.is_set():  # stopped while held: no further step
                 break
-            self.last_beat = time.monotonic()
+            self._beat()
             try:
                 if not (eng.has_unfinished() or eng.mailbox.pending()):
                     eng.check_ranks()  # a rank that dies while idle is noticed without traffic

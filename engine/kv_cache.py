@@ -8,6 +8,7 @@ the conversion runs layer by layer, so at any moment at most one layer exists tw
 from __future__ import annotations
 
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -140,6 +141,11 @@ class KVCache:
         self.budget_bytes = num_blocks * bytes_per_block(cfg, block_size, dtype)
         self.host_budget_bytes = num_host_blocks * bytes_per_block(cfg, block_size, dtype)
         self.last_switch_peak_extra_bytes = 0
+        # Called after each layer a conversion builds (or puts back), on the converting thread.
+        # A whole conversion is one engine pause that grows with the pool (seconds per GiB on
+        # a CPU): the engine loop beats its heartbeat here, so that a conversion making
+        # progress is not taken for a stalled engine (the systemd watchdog, /ready).
+        self.on_progress: Callable[[], None] = _nothing
 
     @property
     def layers(self) -> list[LayerKV]:
@@ -205,6 +211,7 @@ class KVCache:
             peak = max(peak, held)
             current += _layer_bytes(fresh) - _layer_bytes(layer)
             pool.layers[i] = fresh
+            self.on_progress()
         pool.dtype, pool.num_blocks = dtype, new_n
         return max(0, peak - max(start, current))
 
@@ -246,11 +253,16 @@ class KVCache:
         try:
             for j in range(done):
                 pool.layers[j], _ = self._converted(pool.layers[j], pool, dtype, n, src, dst, 0)
+                self.on_progress()
         except BaseException as e:
             raise PoolTorn(
                 f"the KV pool is half converted: layer {done} could not be built ({error}) and "
                 f"layer {j} could not be put back ({e})"
             ) from e
+
+
+def _nothing() -> None:
+    pass
 
 
 def _ids(ids: list[int], pool: Pool) -> torch.Tensor:

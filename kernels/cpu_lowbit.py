@@ -18,7 +18,9 @@ from 16 rows (`amx()`; the dots' bits) and bf16 tiles summed in fp32 from 128 (`
 two bf16 parts of each weight and activation, as close to the fp32 product). The C source
 ships with the package and is compiled once per source and flags into the kvguard cache
 (`$KVGUARD_HOME/kernels`, default `~/.cache/kvguard/kernels`), written under a temporary name
-and renamed, so two processes compiling at once both end with a whole library. ctypes drops the GIL for the call.
+and renamed, so two processes compiling at once both end with a whole library. The build
+directory is named for the process compiling (`.tmp-<pid>-...`): one left by a process that died
+mid-build (kill -9) is removed by the next load. ctypes drops the GIL for the call.
 
 Without a C compiler, without AVX2/FMA/F16C, or off x86-64 Linux, `library()` is None (one log
 line says why) and the quantized layer keeps torch's kernels.
@@ -67,6 +69,7 @@ BLOCK = 32  # activation and weight block: one scale per 32 values
 FINE_LEVELS = 32639
 PANELS_NEVER = 2**31 - 1  # a panel threshold no batch reaches (the C int's largest)
 TILE = 8  # output columns a kernel tile computes side by side
+BUILD_PREFIX = ".tmp-"  # a build directory in the cache: .tmp-<pid>-<library>-<random>
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _INT = ctypes.c_int
@@ -123,7 +126,8 @@ def torch_openmp() -> Path | None:
 def _build(cc: str, out: Path) -> None:
     """Compile then link against torch's libgomp (or the compiler's, when torch has none)."""
     gomp = torch_openmp()
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+    prefix = f"{BUILD_PREFIX}{os.getpid()}-{out.stem}-"  # the pid: see _remove_dead_builds
+    with tempfile.TemporaryDirectory(prefix=prefix, dir=out.parent) as tmp:
         objs, lib = [Path(tmp) / f"{src.stem}.o" for src in SOURCES], Path(tmp) / out.name
         run = functools.partial(subprocess.run, check=True, capture_output=True, text=True)
         for src, obj in zip(SOURCES, objs, strict=True):
@@ -136,6 +140,27 @@ def _build(cc: str, out: Path) -> None:
         finally:
             os.close(fd)
         os.replace(lib, out)  # atomic: a concurrent compile of the same key writes the same file
+
+
+def _remove_dead_builds(folder: Path) -> None:
+    """Delete the build directories of processes that died while compiling (a kill -9 skips
+    the temporary directory's own clean-up); a live process's build is left alone. Best
+    effort: a folder it cannot list keeps its leftovers, and the kernels still load."""
+    with contextlib.suppress(OSError):
+        for path in folder.glob(f"{BUILD_PREFIX}*"):
+            pid = path.name[len(BUILD_PREFIX) :].split("-", 1)[0]
+            if path.is_dir() and not _pid_alive(pid):
+                shutil.rmtree(path, ignore_errors=True)
+
+
+def _pid_alive(text: str) -> bool:
+    try:
+        os.kill(int(text), 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:  # alive, owned by another user
+        return True
+    return True
 
 
 def _key(cc: str) -> str:
@@ -205,6 +230,8 @@ def library() -> ctypes.CDLL | None:
     if problem is None:
         path = cache_dir() / f"kvguard-cpu-{_key(cc)}.so"
         try:
+            if path.parent.is_dir():  # at every load, not only a build: a crash's leftovers go
+                _remove_dead_builds(path.parent)
             cached = path.exists()
             if not cached:
                 path.parent.mkdir(parents=True, exist_ok=True)

@@ -31,9 +31,11 @@ keys:
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import os
+import re
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +50,13 @@ Priority = Literal["high", "normal", "low"]
 RANK = {"high": 0, "normal": 1, "low": 2}
 KEY_PREFIX = "kvg-"
 MAX_KEYS = 10_000
+# what a file error adds where the value looks like a key: the one mistake that would copy a
+# live key to every place the error goes
+RAW_KEY_HINT = (
+    "a raw API key? The file holds SHA-256 digests, never keys: `kvguard keys add NAME` makes "
+    "a key and writes its entry (`kvguard keys hash` prints the digest of a key made elsewhere)"
+)
+_HEX = re.compile(r"[0-9a-fA-F]+")
 HEADER = "# kvguard API keys (daemon/api_keys.py): digests only, never the keys\n"
 
 
@@ -169,27 +178,58 @@ def load_keys(path: Path) -> ApiKeys:
 
 
 def _error(path: Path, lines: dict[tuple[Any, ...], int], err: Any) -> str:
+    """One `FILE:LINE: field: problem` line. It quotes no string from the file, a mapping's
+    key included: a key pasted in by mistake (a list of keys, as other servers take them, or
+    one in a field) would go wherever the error goes (the journal, the audit database's
+    `config_error` rows, a reload's answer, `kvguard keys list`); the line and the field say
+    where to look. A value that looks like a key gets a hint about what the file holds."""
     loc = tuple(x for x in err["loc"] if x not in ("function-after[_default_within_max()]",))
-    dotted = "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in loc).lstrip(".")
     kind, value = err["type"], err.get("input")
-    if kind == "extra_forbidden":
-        known = ", ".join(_Entry.model_fields if len(loc) > 1 else _File.model_fields)
-        what = f"unknown key (expected one of: {known})"
+    at = Where(str(path), lines)(loc)
+    if kind == "extra_forbidden":  # its name is the file's text too (`- {kvg-...: web}`)
+        value = value if _looks_like_key(value) else loc[-1]  # `key: kvg-...`, or the name
+        loc = loc[:-1]
+        known = list(_Entry.model_fields if len(loc) > 1 else _File.model_fields)
+        what = f"unknown key{_did_you_mean(value, known)} (expected one of: {', '.join(known)})"
+    elif kind == "literal_error" and isinstance(value, str):
+        what = f"not allowed{_did_you_mean(value, list(RANK))} (expected high, normal or low)"
     elif kind == "literal_error":
-        what = f"{value!r} is not allowed (expected high, normal or low)"
+        what = f"{_shown(value)} (expected high, normal or low)"
     elif kind == "string_pattern_mismatch" and loc[-1:] == ("sha256",):
         what = "expected the key's SHA-256 as 64 lowercase hex digits (kvguard keys hash)"
     elif kind == "string_pattern_mismatch":
-        what = f"{value!r} is not allowed (expected letters, digits, '.', '_' or '-')"
+        what = "not allowed (expected letters, digits, '.', '_' or '-')"
     elif kind == "missing":
         what = "missing (every key needs a name and a sha256)"
     elif kind == "value_error":
         what = str((err.get("ctx") or {}).get("error", err["msg"]))
     elif kind in _EXPECTED_TYPE or kind == "list_type":  # as the config file words them
-        what = f"{_shown(value)} (expected {_EXPECTED_TYPE.get(kind, 'a list')})"
+        said = "a string" if isinstance(value, str) else _shown(value)
+        what = f"{said} (expected {_EXPECTED_TYPE.get(kind, 'a list')})"
+    elif isinstance(value, str) or value is None or isinstance(value, list | dict):
+        what = err["msg"].lower()  # pydantic's words for a string's length: no value in them
     else:
-        what = f"{err['msg'].lower()} (got {value!r})"
-    return f"{Where(str(path), lines)(loc)}: {dotted or '(top level)'}: {what}"
+        what = f"{err['msg'].lower()} (got {value!r})"  # a number out of range
+    if _looks_like_key(value):
+        what += f"; {RAW_KEY_HINT}"
+    dotted = "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in loc).lstrip(".")
+    return f"{at}: {dotted or '(top level)'}: {what}"
+
+
+def _looks_like_key(value: Any) -> bool:
+    """A string with a key's prefix, or one word as long as a key that is not hex (a digest
+    with a typo)."""
+    if not isinstance(value, str):
+        return False
+    word = len(value) >= 20 and not any(c.isspace() for c in value)
+    return value.startswith(KEY_PREFIX) or (word and not _HEX.fullmatch(value))
+
+
+def _did_you_mean(value: Any, known: list[str]) -> str:
+    """` (did you mean X?)` where `value` is close to one of `known`: it names the known
+    word, never the file's."""
+    close = difflib.get_close_matches(str(value), known, n=1) if isinstance(value, str) else []
+    return f" (did you mean {close[0]}?)" if close else ""
 
 
 def add_key(

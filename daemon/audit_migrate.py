@@ -30,6 +30,7 @@ that is not there, a database that refuses) becomes a one-line `ValueError`.
 
 from __future__ import annotations
 
+import re
 import sqlite3
 import time
 from collections.abc import Iterator
@@ -63,6 +64,9 @@ KEEPALIVES = {
     "keepalives_interval": 5,
     "keepalives_count": 3,
 }
+# Query parameters whose value `shown` hides: libpq's `password` and `sslpassword`, and what
+# other drivers call theirs (`passwd`, `pwd`, a token, a whole ODBC connection string)
+SECRET_PARAM = re.compile(r"pass|pwd|secret|token|credential|odbc_connect", re.IGNORECASE)
 LIBPQ_DRIVERS = ("psycopg", "psycopg2")  # the drivers that take libpq's connection parameters
 # The PostgreSQL advisory lock key of audit migrations: any constant shared by every kvguard
 # (advisory keys are per database, so other applications' databases are not affected).
@@ -73,10 +77,13 @@ def parse_url(url: str) -> URL:
     try:
         return make_url(url)
     except ArgumentError:
-        raise ValueError(
-            f"{url!r} is not a database URL (expected e.g. sqlite:////var/lib/kvguard/audit.db "
-            "or postgresql://user@host/kvguard)"
-        ) from None
+        why = ""
+    except ValueError:  # a port that is not a number (or a password whose `@` went missing)
+        why = ": its port is not a number"
+    raise ValueError(
+        f"{_masked(url)!r} is not a database URL{why} (expected e.g. "
+        "sqlite:////var/lib/kvguard/audit.db or postgresql://user@host/kvguard)"
+    )
 
 
 def check_url(url: str) -> URL:
@@ -104,12 +111,42 @@ def _driver_missing(u: URL, e: ImportError) -> str:
 
 
 def shown(url: str | URL) -> str:
-    """The URL as it may appear in a log or an error: without its password."""
-    try:
-        u = parse_url(url) if isinstance(url, str) else url
-    except ValueError:
-        return repr(url)
-    return u.render_as_string(hide_password=True)
+    """The URL as it may appear in a log, an error, `/ready` or a spill file's header: its
+    password hidden, in the user part or as a query parameter (`?password=`)."""
+    if isinstance(url, str):
+        try:
+            url = parse_url(url)
+        except ValueError:
+            return repr(_masked(url))
+    u = url
+    if u.host and "@" in u.host:  # a password with an `@` not written %40: its rest is here
+        u = u.set(host="***@" + u.host.rpartition("@")[2])
+    secret = sorted(k for k in u.query if SECRET_PARAM.search(k))
+    text = u.difference_update_query(secret).render_as_string(hide_password=True)
+    hidden = [f"{k}=***" for k in secret for _ in _values(u.query[k])]
+    return text + ("&" if "?" in text else "?") + "&".join(hidden) if hidden else text
+
+
+def _values(value: str | tuple[str, ...]) -> tuple[str, ...]:
+    return value if isinstance(value, tuple) else (value,)
+
+
+def _masked(url: str) -> str:
+    """A URL that does not parse, as an error may quote it: what could be a password is
+    replaced by `***`, being all between the scheme and the last `@`, a host's `:` followed by
+    something other than a port (an `@` left out), and every query value."""
+    base, mark, query = url.partition("?")
+    scheme = re.match(r"[A-Za-z][A-Za-z0-9+.-]*:/*", base)
+    start = scheme.end() if scheme else 0
+    if "@" in base:
+        base = base[:start] + "***" + base[base.rindex("@") :]
+    else:
+        netloc, slash, path = base[start:].partition("/")
+        if re.search(r":(?!\d*$)", netloc):
+            netloc = netloc.partition(":")[0] + ":***"
+        base = base[:start] + netloc + slash + path
+    pairs = [p.partition("=") for p in query.split("&")] if query else []
+    return base + mark + "&".join(f"{k}=***" if eq else "***" for k, eq, _ in pairs)
 
 
 def sqlite_path(url: str | URL) -> Path | None:

@@ -188,8 +188,9 @@ def _op(path: Path, n: int, obj: Any) -> tuple[str, dict[str, Any]]:
 
 def same_db(spilled: str, url: str) -> bool:
     """Whether a header's `db` (the URL as shown, without a password) names `url`'s database:
-    the same URL, or the same SQLite file however its path is spelt."""
-    if spilled == shown(url):
+    the same URL, or the same SQLite file however its path is spelt. Both are shown again: a
+    header written before `shown` masked a query password holds it in the clear."""
+    if spilled == shown(url) or shown(spilled) == shown(url):
         return True
     try:
         a, b = sqlite_path(spilled), sqlite_path(url)

@@ -90,8 +90,15 @@ def cmd_status(args: argparse.Namespace) -> int:
         token = args.token_file.read_text().strip()
     except OSError as e:
         raise ValueError(f"cannot read the admin token from {args.token_file}: {e.strerror}") from e
+    except UnicodeDecodeError:
+        raise ValueError(
+            f"{args.token_file} is not UTF-8 text: expected the daemon's admin token"
+        ) from None
     if not token:
         raise ValueError(f"{args.token_file} is empty: expected the daemon's admin token")
+    problem = token_problem(token)
+    if problem:
+        raise ValueError(f"{args.token_file} {problem}: expected the daemon's admin token alone")
     url, source = _status_url(args.url)
     try:
         r = httpx.get(
@@ -128,6 +135,21 @@ def cmd_status(args: argparse.Namespace) -> int:
         raise not_state from None
     print(out.getvalue(), end="")
     return 0
+
+
+def token_problem(token: str) -> str | None:
+    """Why an admin token (a token file's text less the whitespace around it: the newline an
+    editor or `base64` ends it with) is not one an HTTP client can send, or None. Said without
+    the token: the message goes to logs, cron mail, CI output and the 403 any client gets, and
+    a file with a second line may hold anything."""
+    if "\n" in token or "\r" in token:
+        return "holds more than one line"
+    bad = next((c for c in token if not " " <= c <= "~"), None)
+    if bad is None:
+        return None
+    if ord(bad) < 32 or ord(bad) == 127:
+        return f"holds a control character (U+{ord(bad):04X}), which a bearer token cannot hold"
+    return "holds a character outside ASCII, which a bearer token cannot hold"
 
 
 # What every kvguard daemon's /admin/state holds (newer fields are read with .get)

@@ -27,6 +27,7 @@ from kvguard.daemon import gc_policy, sdnotify
 from kvguard.daemon.api_keys import ApiKeys, load_keys
 from kvguard.daemon.audit import AuditStore, utcnow
 from kvguard.daemon.audit_migrate import shown
+from kvguard.daemon.cli_serve import token_problem
 from kvguard.daemon.config import (
     ENGINE_KNOBS,
     INERT,
@@ -931,18 +932,25 @@ class Service:
 
     def admin_token_status(self) -> tuple[str | None, str]:
         """(the admin token, "") or (None, why the admin API is off). Read at each request, so
-        a token file replaced in place takes effect at once."""
+        a token file replaced in place takes effect at once. A token no client can send (a
+        second line, a control character) turns it off too, saying so at start and reload,
+        rather than leaving /admin/* refusing every token; the reason never quotes the file,
+        as any client may read it in the 403."""
         path = self.cfg.api.admin_token_path()
         if path is None:
             return None, "no token configured (api.admin_token_file)"
         what = "api.admin_token_file" if self.cfg.api.admin_token_file else "the credential"
         try:
             token = Path(path).read_text().strip()
-        except (OSError, UnicodeDecodeError) as e:
-            why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-            return None, f"cannot read {what} {path}: {why}"
+        except OSError as e:
+            return None, f"cannot read {what} {path}: {e.strerror or e}"
+        except UnicodeDecodeError:  # its message quotes a byte of the file
+            return None, f"{what} {path} is not UTF-8 text"
         if not token:
             return None, f"{what} {path} is empty"
+        problem = token_problem(token)
+        if problem:
+            return None, f"{what} {path} {problem}"
         return token, ""
 
     def warn_admin_token(self) -> None:

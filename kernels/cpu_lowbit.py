@@ -20,7 +20,11 @@ ships with the package and is compiled once per source and flags into the kvguar
 (`$KVGUARD_HOME/kernels`, default `~/.cache/kvguard/kernels`), written under a temporary name
 and renamed, so two processes compiling at once both end with a whole library. The build
 directory is named for the process compiling (`.tmp-<pid>-...`): one left by a process that died
-mid-build (kill -9) is removed by the next load. ctypes drops the GIL for the call.
+mid-build (kill -9) is removed by the next load. The cache folders and the library are made
+writable by their owner only, whatever the umask, and a cached library another user could have
+written (theirs, writable by group or others, or in a folder others may write to) is never
+loaded: it is built again where the folder is this user's, else torch's kernels serve. ctypes
+drops the GIL for the call.
 
 Without a C compiler, without AVX2/FMA/F16C, or off x86-64 Linux, `library()` is None (one log
 line says why) and the quantized layer keeps torch's kernels.
@@ -41,6 +45,7 @@ import logging
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 from collections.abc import Iterator
@@ -69,6 +74,8 @@ BLOCK = 32  # activation and weight block: one scale per 32 values
 FINE_LEVELS = 32639
 PANELS_NEVER = 2**31 - 1  # a panel threshold no batch reaches (the C int's largest)
 TILE = 8  # output columns a kernel tile computes side by side
+# group and others' write bits: a library or cache folder with either is not trusted (`_unsafe`)
+OTHERS_WRITE = stat.S_IWGRP | stat.S_IWOTH
 BUILD_PREFIX = ".tmp-"  # a build directory in the cache: .tmp-<pid>-<library>-<random>
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
@@ -136,10 +143,58 @@ def _build(cc: str, out: Path) -> None:
         run([cc, "-shared", *map(str, objs), "-o", str(lib), *link])
         fd = os.open(lib, os.O_RDONLY)
         try:  # its bytes on disk before its name: a crash must not leave an empty library
+            os.fchmod(fd, stat.S_IMODE(os.fstat(fd).st_mode) & ~OTHERS_WRITE)  # see _unsafe
             os.fsync(fd)
         finally:
             os.close(fd)
         os.replace(lib, out)  # atomic: a concurrent compile of the same key writes the same file
+
+
+class _Unsafe(Exception):
+    """The cache folder is one another user can write to: nothing in it is loaded."""
+
+
+def _make_dirs(folder: Path) -> None:
+    """Create `folder` and its missing parents writable by this user only, whatever the umask
+    (`mkdir -p` under umask 000 makes them writable by all: see `_unsafe`)."""
+    missing = []
+    while not folder.exists():
+        missing.append(folder)
+        folder = folder.parent
+    for path in reversed(missing):
+        with contextlib.suppress(FileExistsError):  # another process's, made the same way
+            path.mkdir(mode=0o755)
+
+
+def _trusted(uid: int) -> bool:
+    return uid in (os.geteuid(), 0)  # root can replace any file anyway
+
+
+def _unsafe_dir(folder: Path) -> str | None:
+    """Why the libraries in `folder` may not be loaded: another user could put one there or
+    replace one (it is theirs, or writable by others without the sticky bit), or None. A
+    folder of this user's that others may write to is made writable by this user alone."""
+    st = folder.stat()
+    if st.st_uid == os.geteuid() and st.st_mode & OTHERS_WRITE:
+        folder.chmod(stat.S_IMODE(st.st_mode) & ~OTHERS_WRITE)
+        log.warning("%s: was writable by other users; made writable by its owner only", folder)
+        return None
+    if not _trusted(st.st_uid):
+        return f"{folder} belongs to uid {st.st_uid}, another user: its libraries are not loaded"
+    if st.st_mode & OTHERS_WRITE and not st.st_mode & stat.S_ISVTX:
+        return f"{folder} is writable by other users: its libraries are not loaded"
+    return None
+
+
+def _unsafe(path: Path) -> str | None:
+    """Why the cached library `path` may not be loaded (code another user could have written,
+    run in the daemon, which holds the admin token and sees every prompt), or None."""
+    st = path.stat()
+    if not _trusted(st.st_uid):
+        return f"belongs to uid {st.st_uid}, another user"
+    if st.st_mode & OTHERS_WRITE:
+        return f"is writable by other users (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
 
 
 def _remove_dead_builds(folder: Path) -> None:
@@ -230,11 +285,22 @@ def library() -> ctypes.CDLL | None:
     if problem is None:
         path = cache_dir() / f"kvguard-cpu-{_key(cc)}.so"
         try:
-            if path.parent.is_dir():  # at every load, not only a build: a crash's leftovers go
-                _remove_dead_builds(path.parent)
+            if not path.parent.is_dir():
+                _make_dirs(path.parent)
+            folder_problem = _unsafe_dir(path.parent)
+            if folder_problem is not None:
+                raise _Unsafe(folder_problem)
+            # at every load, not only a build: a crash's leftovers go
+            _remove_dead_builds(path.parent)
             cached = path.exists()
+            why = _unsafe(path) if cached else None
+            if why is not None and path.parent.stat().st_uid != os.geteuid():
+                raise _Unsafe(f"{path} {why}, and its folder is not this user's to build it in")
+            if why is not None:
+                log.warning("%s %s: not loaded; building it again", path, why)
+                path.unlink()
+                cached = False
             if not cached:
-                path.parent.mkdir(parents=True, exist_ok=True)
                 _build(cc, path)
             try:
                 return _load(path)
@@ -245,6 +311,8 @@ def library() -> ctypes.CDLL | None:
                 path.unlink(missing_ok=True)
                 _build(cc, path)
                 return _load(path)
+        except _Unsafe as e:
+            problem = str(e)
         except (OSError, subprocess.CalledProcessError) as e:
             detail = getattr(e, "stderr", "") or str(e)
             problem = f"building {path.name} failed: {detail.strip()[:500]}"

@@ -484,6 +484,9 @@ def test_sigterm_under_load_drains_and_exits_zero(tmp_path: Path) -> None:
         if sum(q["running"].values()) + sum(q["waiting"].values()) == 6:
             break
         time.sleep(0.05)
+    # the engine held for a while, so that the drain is still on when the late request comes (on
+    # a quick machine the six finished first, and the daemon had exited: connection refused)
+    d.admin("POST", "/admin/debug/stall", json={"seconds": 8})
     d.proc.send_signal(signal.SIGTERM)
     until(lambda: httpx.get(d.url + "/ready", timeout=5).status_code == 503, 30, "draining")
     late = httpx.post(

@@ -130,7 +130,8 @@ class Kvguard:
         used = ", ".join(f"{k} x{n}" for k, n in sorted(Counter(m.kernel for m in layers).items()))
         if not cpu_lowbit.available():
             return used
-        dots = "AVX-512 VNNI" if cpu_lowbit.vnni() else "AVX2"
+        vnni = cpu_lowbit.vnni()  # the tiles rest on it: off, neither tile path runs
+        dots = "AVX-512 VNNI" if vnni else "AVX2"
         rows = cpu_lowbit.panel_rows()
         panels = (
             "never"
@@ -138,7 +139,7 @@ class Kvguard:
             else f"prompt rows, decode rows from {rows} decoding sequences"
         )
         tiles = ""
-        if cpu_lowbit.amx():
+        if vnni and cpu_lowbit.amx():
             tiles = "; AMX integer tiles from 16 rows"
             bf16 = ", bf16 tiles for prompt rows and decode rows from 128 decoding sequences"
             tiles += bf16 if cpu_lowbit.amx_bf16() else ""

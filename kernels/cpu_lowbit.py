@@ -13,9 +13,12 @@ sequences decode, so a row's bits never depend on what else shares its step. Whe
 AVX-512 VNNI the integer dots run
 a VNNI copy compiled into the same library (`vnni()`; same bits); for 4-bit weights it leads
 or ties the panels at any batch, so they take the dots at every batch there. Where it has
-AMX (and Linux grants the tile state), 4-bit prompt rows go to the tile unit: integer tiles
-from 16 rows (`amx()`; the dots' bits) and bf16 tiles summed in fp32 from 128 (`amx_bf16()`;
-two bf16 parts of each weight and activation, as close to the fp32 product). The C source
+AMX (and Linux grants the tile state), 4-bit rows go to the tile unit: integer tiles from 16
+rows (`amx()`; the dots' bits), and bf16 tiles summed in fp32 (`amx_bf16()`; two bf16 parts
+of each weight and activation, as close to the fp32 product) for prompt rows at any count and
+decode rows from 128 decoding sequences. A bf16 call dequantises every weight it reads, so a
+step with a few prompt rows pays about what 32 rows cost on the dots (SmolLM2: some 40 ms of
+one core). The C source
 ships with the package and is compiled once per source and flags into the kvguard cache
 (`$KVGUARD_HOME/kernels`, default `~/.cache/kvguard/kernels`), written under a temporary name
 and renamed, so two processes compiling at once both end with a whole library. The build
@@ -457,20 +460,23 @@ def amx(on: bool | None = None) -> bool:
     """Whether `fine` 4-bit GEMMs of 16 rows or more (prompt chunks) run on the AMX tile unit:
     on by default where the CPU has AMX-INT8 (and AVX-512 VNNI) and Linux grants the tile
     state, same bits as the VNNI dots. `on` switches it (tests, benchmarks); True where AMX is
-    not available raises ValueError. Returns the state before."""
+    not available raises ValueError. Returns the state before: the switch's own, which runs
+    only with `vnni()` on."""
     return _switch(
         "kvg_amx", on, "no AMX here (the CPU lacks AMX-INT8 or Linux refused the tile state)"
     )
 
 
 def amx_bf16(on: bool | None = None) -> bool:
-    """Whether `fine` 4-bit GEMMs of 128 rows or more (long prompt chunks) run as bf16 tiles in
-    fp32 accumulators: weights dequantised sixteen columns at a time and, like the activations,
+    """Whether `fine` 4-bit GEMMs run prompt rows (at any count: a prompt's rows take one kernel
+    however it is chunked) and decode rows from 128 decoding sequences as bf16 tiles in fp32
+    accumulators: weights dequantised sixteen columns at a time and, like the activations,
     split into two bf16 parts (about 2^-16 of each value kept), no per-block scaling. On by
     default where the CPU has AMX-BF16 and Linux grants the tile state; not the integer dots'
     bits but as close to the unquantised product (about 1.5e-5 of the largest output against
     2e-5 for the int16 dots). `on` switches it; True where it is not available raises
-    ValueError. Returns the state before."""
+    ValueError. Returns the state before: the switch's own, which runs only with `amx()` and
+    `vnni()` on."""
     return _switch(
         "kvg_amx_bf16", on, "no AMX-BF16 here (the CPU lacks it or Linux refused the tile state)"
     )

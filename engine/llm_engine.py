@@ -39,7 +39,13 @@ from kvguard.engine.model_runner import (
 )
 from kvguard.engine.sampler import spend_draws
 from kvguard.engine.sampling_params import SamplingParams, split_ids
-from kvguard.engine.scheduler import ScheduledBatch, Scheduler, Speculation, awaits_first_text
+from kvguard.engine.scheduler import (
+    ScheduledBatch,
+    Scheduler,
+    Speculation,
+    awaits_first_text,
+    one_step,
+)
 from kvguard.engine.sequence import (
     PRIORITY_NAMES,
     RequestOutput,
@@ -458,8 +464,7 @@ class LLMEngine(ControlSurface):
         # a step that runs a high prompt, or the token a high request's first text waits
         # on, is the one the new arrival would interrupt for
         return not any(
-            s.priority == HIGH and (s.num_uncomputed > 1 or awaits_first_text(s))
-            for s in batch.seqs
+            s.priority == HIGH and (not one_step(s) or awaits_first_text(s)) for s in batch.seqs
         )
 
     def _steps_ahead(self, batch: ScheduledBatch) -> int:
@@ -563,6 +568,7 @@ class LLMEngine(ControlSurface):
     ) -> None:
         if seq.output_logprobs is not None and logprob is not None:
             seq.output_logprobs.append(logprob)
+        seq.forced = 0  # a drawn token: the tokens forced before it are computed
         if seq.first_token_time is None:
             seq.first_token_time = now
             self._ttft.append(now - seq.arrival_time)
@@ -587,16 +593,19 @@ class LLMEngine(ControlSurface):
 
     def _jump_forward(self, seq: Sequence) -> bool:
         """Append the tokens `seq`'s grammar forces after the one just drawn (structured.py);
-        the next step computes them with it as one chunk. Not for a request that asks for
-        log-probabilities (a forced token has none) or once it is finished. False where the
-        request ended before the last of them (max_tokens, the length limit, a stop string):
-        the grammar has taken them all, so its `complete` no longer speaks for the text.
+        the next step computes them with it, as the decode rows of one step (`seq.forced`,
+        `Sequence.decoding`). Not for a request that asks for log-probabilities (a forced
+        token has none) or once it is finished. False where the request ended before the last
+        of them (max_tokens, the length limit, a stop string): the grammar has taken them all,
+        so its `complete` no longer speaks for the text.
 
         A seeded sampled request's generator spends the draw each forced token would have
         taken drawn (one a token, as speculative rows keep it): its seed makes the same draws
         whether they are forced or drawn (log-probabilities asked, jump-forward off), and so the
-        same tokens where the chunk's logits are those of one-token steps to the bit (packed CPU
-        kernels do not promise that: a chunk's rows are prompt rows to them)."""
+        same tokens where the chunk's logits are those of one-token steps: its rows are decode
+        rows (their GEMM kernel, each attending alone), so they are to the bit but where decode
+        attention splits a long sequence over the threads or reads blocks several rows share
+        once otherwise than those steps did (structured.py)."""
         if not self.config.grammar_jump_forward or seq.grammar is None:
             return True
         if seq.output_logprobs is not None or seq.prompt_logprobs is not None:
@@ -608,6 +617,7 @@ class LLMEngine(ControlSurface):
             if draws:
                 spend_draws(seq.generator, 1)
             append_token(self.tokenizer, seq, token, self.eos_ids)
+            seq.forced += 1
             if seq.finish_reason is not None:  # max_tokens, the length limit, a stop string
                 return i == len(forced) - 1
         return True

@@ -143,11 +143,12 @@ def build_step(
     """The step's tensors from each sequence's block table, first uncomputed position, token
     count and how many of its last rows get logits (`logit_rows`: 1 where a token is sampled,
     all of a prompt chunk whose log-probabilities were asked; `every_row`: all rows, for
-    scoring). A sequence marked in `as_decode` (a last token with its speculative drafts)
-    attends as one decode row a position, each seeing the positions up to its own: the same
-    causal attention, by the decode kernels, so each row's logits are what a decode step of
-    its own would give (up to how a long sequence's rows are split over threads: a greedy
-    request keeps its tokens but at a near tie), and a few queries no longer pay for a
+    scoring). A sequence marked in `as_decode` (a last token with its speculative drafts, or
+    with the tokens its grammar forced after it) attends as one decode row a position, each
+    seeing the positions up to its own: the same causal attention, by the decode kernels, so
+    each row's logits are what a decode step of its own would give (up to how a long
+    sequence's rows are split over threads, and the blocks they share read once for them: a
+    greedy request keeps its tokens but at a near tie), and a few queries no longer pay for a
     prompt tile (the CPU prefill kernel's sixteen: two queries over 512 cached tokens
     took 7.8 ms a step, 4.8 as decode rows). Every rank of a tensor-parallel engine calls
     this with the same lists, so slots agree.
@@ -213,14 +214,17 @@ def step_token_ids(seqs: list[Sequence], num_tokens: list[int]) -> list[int]:
 
 
 def decode_rows(seq: Sequence) -> bool:
-    """Whether a step computes decode rows of `seq`: its last sampled token (with any drafts
-    after it), not a prompt chunk (nor a preempted sequence's recomputed text)."""
-    return seq.num_uncomputed == 1 and seq.num_computed_tokens >= len(seq.prompt_token_ids)
+    """Whether a step computes decode rows of `seq` (`Sequence.decoding`): its last drawn
+    token, with the tokens its grammar forced after it (jump-forward) or the drafts verified
+    after it; not a prompt chunk (nor a preempted sequence's recomputed text)."""
+    return seq.decoding
 
 
 def drafted(seqs: list[Sequence]) -> list[bool] | None:
-    """Which sequences compute speculative drafts this step (None when none does)."""
-    marks = [bool(s.draft) for s in seqs]
+    """Which sequences compute decode rows after their last drawn token this step, each
+    attending as a decode row of its own (`build_step`'s `as_decode`): speculative drafts,
+    or a grammar's forced tokens; None when none does."""
+    marks = [bool(s.draft) or (s.forced > 0 and s.decoding) for s in seqs]
     return marks if any(marks) else None
 
 

@@ -1,8 +1,9 @@
 """Continuous batching: which sequences run this step, and with how many tokens each.
 
-Each step: running sequences first (decodes, then unfinished prefill chunks), then swapped
-sequences brought back (once their next token fits: one back mid-prompt runs the part of its
-chunk the free blocks hold, never preempting itself), then waiting ones admitted in (priority,
+Each step: running sequences first (decodes, a grammar's forced tokens with theirs, then
+unfinished prefill chunks), then swapped sequences brought back (once their next token fits:
+one back mid-prompt runs the part of its chunk the free blocks hold, never preempting
+itself), then waiting ones admitted in (priority,
 arrival) order while the token budget, `max_num_seqs` and free blocks allow, and last the
 decodes' speculative drafts from the tokens and free blocks left (`_schedule_drafts`: a draft
 never holds a prompt back); a swapped sequence that cannot come back yet keeps its place in
@@ -102,6 +103,14 @@ def runs_ahead(seq: Sequence) -> bool:
     )
 
 
+def one_step(seq: Sequence) -> bool:
+    """Whether `seq`'s next step computes its last token (a decode's, or a prompt's last):
+    one token left, or the last drawn one with the tokens its grammar forced after it
+    (`Sequence.decoding`: those are no prompt chunk to the budget and the order of a step).
+    The rest are prompt chunks (a preempted sequence's recomputed text among them)."""
+    return seq.num_uncomputed == 1 or seq.decoding
+
+
 def awaits_first_text(seq: Sequence) -> bool:
     """Whether `seq` is a high request whose client has seen no text yet: its prompt still
     runs, or its first tokens' text is held back (it could begin a stop string)."""
@@ -151,8 +160,9 @@ class ScheduledBatch:
 
     @property
     def has_decode(self) -> bool:
-        """Whether a sequence computes its last token in this step (with any drafts)."""
-        return any(s.num_uncomputed == 1 for s in self.seqs)
+        """Whether a sequence computes its last token in this step (with any drafts, or the
+        tokens its grammar forced after it: `one_step`)."""
+        return any(one_step(s) for s in self.seqs)
 
     def add(self, seq: Sequence, n: int) -> None:
         self.seqs.append(seq)
@@ -251,7 +261,7 @@ class Scheduler:
         spec = self.speculation
         for seq in self.running:
             seq.draft = []  # a step interrupted before its update leaves its drafts
-        decoding = sum(s.num_uncomputed == 1 for s in self.running) if spec else 0
+        decoding = sum(one_step(s) for s in self.running) if spec else 0
         self.drafting = spec is not None and decoding <= spec.max_batch and not self.kv_quantized()
         if self.drafting:
             self.draft_threshold = draft_threshold(self.row_cost(), decoding)
@@ -281,7 +291,7 @@ class Scheduler:
         with everyone's decodes: in a full pool its blocks can only come from sequences
         outside the step. On an engine with nothing else decoding, prompts that arrived
         together start together."""
-        if not any(s.num_uncomputed == 1 and not awaits_first_text(s) for s in self.running):
+        if not any(one_step(s) and not awaits_first_text(s) for s in self.running):
             return False
         if any(awaits_first_text(s) and s.status is Status.RUNNING for s in self.running):
             return True
@@ -307,24 +317,26 @@ class Scheduler:
         hold a burst of thirty queued prompts to two a step (a burst over HTTP arrives a few
         milliseconds apart: its first request decodes alone by the time the rest are in, and
         the rest, and everything after them, waited 15 steps instead of one)."""
-        decodes = sum(s.num_uncomputed == 1 for s in batch.seqs)
-        prompts = sum(s.num_uncomputed > 1 for s in self.running if s.status is Status.RUNNING)
+        decodes = sum(one_step(s) for s in batch.seqs)
+        prompts = sum(not one_step(s) for s in self.running if s.status is Status.RUNNING)
         prompts += min(len(self.waiting), max(0, self.max_num_seqs - len(self.running)))
         return max(1, -(-prompts // max(1, decodes)))
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int, urgent: bool) -> int:
-        # Decodes (one token) before prefill chunks keep inter-token latency steady.
+        # Decodes (one token, or one and the tokens a grammar forced after it) before prefill
+        # chunks keep inter-token latency steady; a decode's forced tokens are no prompt
+        # tokens to `_prompt_budget`.
         capped, taken = False, set(batch.seqs)  # each running sequence is visited once
-        for seq in sorted(self.running, key=lambda s: (s.num_uncomputed > 1, s.sort_key)):
+        for seq in sorted(self.running, key=lambda s: (not one_step(s), s.sort_key)):
             if seq.status is not Status.RUNNING or budget <= 0 or seq in taken:
                 continue
             if self._outgrown(seq, batch):
                 continue
             if urgent and not awaits_first_text(seq):
                 continue  # a step of the work that stands between high requests and text
-            if urgent and seq.num_uncomputed > 1 and batch.has_decode:
+            if urgent and not one_step(seq) and batch.has_decode:
                 break  # a high request whose next token is its text goes first, alone
-            if seq.num_uncomputed > 1 and not capped:
+            if not one_step(seq) and not capped:
                 budget, capped = self._prompt_budget(batch, budget, urgent), True
             n = self._chunk(seq, budget)
             if n and self._reserve(seq, n, batch):
@@ -585,7 +597,7 @@ class Scheduler:
         sequence still swapped out, `_swapped_place`) wait for it to come back."""
         gated = False  # an uncommitted request ahead could not commit: later ones wait too
         # running prompts whose blocks waiting requests may take instead of computing them
-        leaders = [s for s in self.running if s.num_uncomputed > 1] if self.bm.caching else []
+        leaders = [s for s in self.running if not one_step(s)] if self.bm.caching else []
         i = deferred = 0
         while i < len(self.waiting) and budget > 0:
             seq = self.waiting[i]
@@ -637,7 +649,7 @@ class Scheduler:
             self.running.append(seq)
             batch.add(seq, n)
             budget -= n
-            if self.bm.caching and seq.num_uncomputed > 1:
+            if self.bm.caching and not one_step(seq):
                 leaders.append(seq)
 
     def _outgrown(self, seq: Sequence, batch: ScheduledBatch) -> bool:

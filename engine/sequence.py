@@ -106,6 +106,9 @@ class Sequence:
     # the scheduler, consumed by `Scheduler.update`), and the request's n-gram index
     draft: list[int] = field(default_factory=list)
     lookup: Lookup | None = None
+    # jump-forward: tokens its grammar forced after its last drawn one (set by the engine as it
+    # appends them, 0 again at the next draw); with that token they are its decode's (`decoding`)
+    forced: int = 0
     # per stop string, how many characters at the end of `text[:hold_checked_len]` are the
     # start of it (`releasable_text_len`); None until first asked
     stop_holds: list[int] | None = None
@@ -138,6 +141,16 @@ class Sequence:
     def num_uncomputed(self) -> int:
         """Tokens still to run through the model: a prompt remainder, or the last sampled token."""
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def decoding(self) -> bool:
+        """Whether what is left to compute is a decode's: its prompt computed, and nothing before
+        its last drawn token (that token, and any its grammar forced after it). Not a prompt
+        chunk, nor a preempted sequence's recomputed text past what the prefix cache gave back."""
+        left = self.num_uncomputed
+        return 1 <= left <= 1 + self.forced and self.num_computed_tokens >= len(
+            self.prompt_token_ids
+        )
 
     @property
     def is_finished(self) -> bool:

@@ -27,14 +27,19 @@ or `<tool_call>` blocks holding a function's name and arguments, see daemon/tool
 
 Jump-forward: where the grammar allows a single continuation (`{"name": "` at the start of
 a person, `", "age": ` after the name, a tool call's frame), those tokens are appended at
-once after the drawn one (`forced`) and computed together in the next step as one chunk, as
-a prompt's are, instead of a step and a draw each (9 of 21 tokens of a person's JSON). A
-request asking for log-probabilities draws every token (a forced token has none to give).
-A seeded request spends a draw on each forced token too, so it makes the same draws either
-way; its tokens are the same where the chunk's logits are bit for bit a one-token step's,
-which packed and quantised CPU kernels do not promise (the chunk's tokens are prompt rows to
-the GEMMs and attention, a token decoded alone a decode row: see README, CPU GEMMs), so a
-sampled token at a draw's edge can turn.
+once after the drawn one (`forced`) and computed together in the next step, instead of a
+step and a draw each (9 of 21 tokens of a person's JSON). They are that step's decode rows,
+not a prompt chunk (`Sequence.decoding`), as a verify step's drafts are: each attends as a
+decode row of its own and the CPU GEMMs give them the decode rows' kernel (README, CPU
+GEMMs). So a short chunk pays no prompt kernel's fixed cost (on an AMX-BF16 CPU, prompt rows
+however few convert every weight for the bf16 tiles), and its logits are one-token steps'
+bit for bit, except where decode attention's split of a long sequence over the threads, or
+its shared-prefix read, differs between the two: the rows of a chunk of three or more over
+two full blocks or more read those blocks once, together, which moved the default model's
+logits by up to 0.02 from its one-token steps alone. A request asking for log-probabilities
+draws every token (a forced token has none to give). A seeded request spends a draw on each
+forced token too, so it makes the same draws either way, and so the same tokens wherever
+those logits agree.
 
 A grammar lives on its sequence in the engine process and moves only forward: a preempted
 request keeps its tokens (recomputed or swapped back), so its grammar stays where it was.

@@ -15,8 +15,11 @@ from pydantic import BaseModel
 from kvguard.daemon import tools
 from kvguard.engine import EngineConfig, LLMEngine, SamplingParams
 from kvguard.engine.admission_policy import AdmissionRejected
+from kvguard.engine.model_runner import StepInput
 from kvguard.engine.sampler import adjust_logits
 from kvguard.engine.sequence import Status
+from kvguard.kernels import cpu_lowbit
+from kvguard.kernels.cpu_lowbit import StepRows
 from tests.test_server import Daemon
 from tests.test_tools import FUNCS
 
@@ -336,6 +339,68 @@ def test_forced_tokens_cut_by_max_tokens_leave_the_answer_length(smollm_engine: 
     assert [(len(c.token_ids), c.finish_reason) for c in cuts] == [
         (m, "length") for m in range(1, n)
     ]
+
+
+def test_a_forced_chunk_is_its_steps_decode_rows(
+    smollm_engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The drawn token and the tokens its grammar forced after it are that sequence's decode
+    rows, beside a prompt chunk as alone: first in the step, counted as decode rows for the
+    CPU GEMMs' kernel (`StepRows`), each attending as a decode row of its own. As prompt rows
+    they took the prompt kernel, on an AMX-BF16 CPU the bf16 tiles, whose weight conversion
+    costs a whole model's for one row."""
+    eng = smollm_engine
+    inputs: list[StepInput] = []
+    forward = eng.runner.forward
+    monkeypatch.setattr(eng.runner, "forward", lambda inp: inputs.append(inp) or forward(inp))
+    rid = eng.add_request(chat(eng, ASK), SamplingParams(max_tokens=64, json_schema=PERSON))
+    seq = eng._seqs[rid]
+    while not (seq.num_computed_tokens >= len(seq.prompt_token_ids) and seq.num_uncomputed > 1):
+        eng.step()  # until forced tokens wait after the drawn one
+    done, chunk = seq.num_computed_tokens, seq.num_uncomputed
+    eng.add_request(chat(eng, "Name three colours."), SamplingParams(max_tokens=4))
+    inputs.clear()
+    eng.step()
+    step = inputs[0]
+    prompt = step.meta.query_lens[-1]  # the new prompt's chunk (past its cached blocks)
+    assert prompt > 1 and step.kinds == StepRows(chunk + prompt, chunk, 1)
+    assert step.meta.query_lens == [1] * chunk + [prompt]
+    assert step.meta.seq_lens[:chunk] == list(range(done + 1, done + chunk + 1))
+    while eng.has_unfinished():
+        eng.step()
+    assert is_person(seq.text)
+
+
+def test_jump_forward_keeps_the_packed_models_tokens(
+    smollm_engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the packed default model a greedy answer and seeded sampled ones are the same tokens
+    with jump-forward on and off: a forced chunk's rows are decode rows, so its logits are
+    one-token steps' to the bit. As prompt rows they were not (on an AMX-BF16 CPU the bf16
+    tiles against the decode rows' int16 dots, prefill attention against decode attention:
+    logits apart by up to 0.07), and 2 of these 6 seeds answered otherwise.
+
+    Decode attention's shared-prefix read is off here: it reads the blocks a chunk's rows all
+    hold once for them (three rows or more over two full blocks, as for a verify step's
+    drafts), and its merged softmax moves this model's logits by up to 0.02 from one-token
+    steps', which can turn a draw at its edge."""
+    eng = smollm_engine
+    prompt = chat(eng, ASK)
+    asks = [SamplingParams(max_tokens=64, json_schema=PERSON)] + [
+        SamplingParams(max_tokens=64, json_schema=PERSON, temperature=0.9, seed=s) for s in range(6)
+    ]
+    was = cpu_lowbit.shared_prefix(False)
+    try:
+        runs = {}
+        for jump in (True, False):
+            monkeypatch.setattr(eng.config, "grammar_jump_forward", jump)
+            runs[jump] = eng.generate([prompt] * len(asks), asks)
+    finally:
+        cpu_lowbit.shared_prefix(was)
+    for i, (forced, drawn) in enumerate(zip(runs[True], runs[False], strict=True)):
+        assert is_person(forced.text), (i, forced.text)
+        assert forced.token_ids == drawn.token_ids, (i, forced.text, drawn.text)
+    assert len({o.text for o in runs[True]}) > 2  # sampled: the seeds answer otherwise
 
 
 BOUNDED = {  # a person of bounded values: the tiny model's sampled answers close

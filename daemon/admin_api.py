@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import threading
 import time
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -247,9 +248,21 @@ def _debug_routes(r: APIRouter, service: Service) -> None:
 
     @r.post("/debug/stall")
     async def stall(body: Any = Body(None)) -> dict[str, Any]:
-        """Block the engine thread for `seconds` (0..60), as a hung step would."""
+        """Block the engine thread for `seconds` (0..60), as a hung step would; answered once
+        the engine thread is blocked, so that what a test does next meets a stalled engine (a
+        stall still queued when the stop begins is withdrawn with the rest)."""
         seconds = _body(_StallBody, body).seconds
-        service.loop.call(lambda: time.sleep(seconds))
+        held = threading.Event()
+
+        def hold() -> None:
+            held.set()
+            time.sleep(seconds)
+
+        fut = service.loop.call(hold)
+        while not held.is_set():
+            if fut.done():  # withdrawn or refused before it ran: the engine is not stalled
+                raise ApiError(503, "the engine did not take the stall", code="not_stalled")
+            await asyncio.sleep(0.01)
         return {"stalled_s": seconds}
 
     @r.post("/debug/inject_oom")

@@ -36,6 +36,7 @@ from kvguard.engine.gguf_packed import PACKED_BITS
 from kvguard.engine.model_config import COMPLETE_MARKER, ModelLoadError
 from kvguard.engine.tiny_model import TINY_REVISION, build_tiny
 from kvguard.engine.weights import check_quantization, checkpoint_quantization
+from kvguard.kernels.cpu_lowbit import pid_alive
 
 # The GGUF converter's output revision: bump when engine/gguf_convert.py writes something
 # different, so cached conversions are redone. It lives here, not in the converter, because
@@ -454,7 +455,7 @@ def _remove_stale_temps(parent: Path) -> None:
     (their names carry the pid of the process that made them)."""
     for pattern in (".tmp-*", ".trash-*", ".download-*"):
         for path in parent.glob(pattern):
-            if path.is_dir() and not _pid_alive(path.name.split("-")[1]):
+            if path.is_dir() and not pid_alive(path.name.split("-")[1]):
                 shutil.rmtree(path, ignore_errors=True)
 
 
@@ -465,16 +466,6 @@ def _clean_leftovers(home: Path) -> None:
     for parent in (home / "models", home / "models" / "gguf", home / "gguf"):
         if parent.is_dir():
             _remove_stale_temps(parent)
-
-
-def _pid_alive(text: str) -> bool:
-    try:
-        os.kill(int(text), 0)
-    except (ValueError, ProcessLookupError):
-        return False
-    except PermissionError:  # alive, owned by another user
-        return True
-    return True
 
 
 def _row(name: str, description: str, path: Path, revision: int) -> dict[str, Any]:

@@ -207,11 +207,13 @@ def _remove_dead_builds(folder: Path) -> None:
     with contextlib.suppress(OSError):
         for path in folder.glob(f"{BUILD_PREFIX}*"):
             pid = path.name[len(BUILD_PREFIX) :].split("-", 1)[0]
-            if path.is_dir() and not _pid_alive(pid):
+            if path.is_dir() and not pid_alive(pid):
                 shutil.rmtree(path, ignore_errors=True)
 
 
-def _pid_alive(text: str) -> bool:
+def pid_alive(text: str) -> bool:
+    """Whether the process numbered `text` runs (False for text that is no number): the
+    owner of a build directory named for it (here, and the model cache's)."""
     try:
         os.kill(int(text), 0)
     except (ValueError, ProcessLookupError):

@@ -27,7 +27,7 @@ import torch
 
 from kvguard.engine.layers.quantized_linear import QuantizedLinear
 from kvguard.kernels import cpu_layer, cpu_ops
-from kvguard.kernels.paged_attention import decode_rows, prefill_chunks, row_starts
+from kvguard.kernels.paged_attention import decode_rows, prefill_chunks, row_starts, split_rows
 
 log = logging.getLogger("kvguard.engine")
 
@@ -110,8 +110,7 @@ class CpuDecode:
         t = x.shape[0]
         qlens = meta.query_lens
         starts = row_starts(qlens)
-        decode = [i for i, n in enumerate(qlens) if n == 1]
-        chunks = [i for i, n in enumerate(qlens) if n > 1]
+        decode, chunks = split_rows(qlens, meta.prompt_rows)
         rows, lens, tables = decode_rows(meta.block_tables, meta.seq_lens, starts, decode)
         c_rows, c_qlens, c_lens, c_tables = prefill_chunks(
             meta.block_tables, meta.seq_lens, qlens, starts, chunks

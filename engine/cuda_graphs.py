@@ -93,10 +93,13 @@ class DecodeInputs:
 
 def decode_inputs(step: StepInput) -> DecodeInputs | None:
     """The graph's view of a prepared step; None unless every row is one decode token whose
-    next token is sampled (prefill chunks and scoring run eagerly)."""
+    next token is sampled (prefill chunks, a prompt's one-token tail or last chunk, and scoring
+    run eagerly: a prompt's rows attend by the prefill kernel, `AttentionMetadata.prompt_rows`)."""
     meta = step.meta
     n = len(meta.query_lens)
     if any(q != 1 for q in meta.query_lens) or step.sample_rows.numel() != n:
+        return None
+    if meta.prompt_rows is not None and any(meta.prompt_rows):
         return None
     lens = step.seq_lens_dev
     if lens is None:

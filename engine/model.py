@@ -72,6 +72,11 @@ class AttentionMetadata:
     # row, lengths in this device tensor, the attention grid sized for graph_max_len.
     seq_lens_t: torch.Tensor | None = None
     graph_max_len: int = 0
+    # Per entry: a prompt's rows (a prefill chunk, a preempted sequence's recomputed text),
+    # which attend by the prefill kernels at any query count, one included, so a prompt's
+    # one-token last chunk or cached tail gets the bits its cold, unchunked run gets. None
+    # (or False): one query attends as a decode row, more as a prefill chunk.
+    prompt_rows: list[bool] | None = None
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -177,8 +182,9 @@ class Attention(nn.Module):
             lens, top = meta.seq_lens_t, meta.graph_max_len
             return decode_attention(q, kv[0], kv[1], tables, lens, top, self.scale, kv[2], kv[3])
         return paged_attention(
-            q, kv[0], kv[1], tables, meta.seq_lens, meta.query_lens, self.scale, kv[2], kv[3]
-        )
+            q, kv[0], kv[1], tables, meta.seq_lens, meta.query_lens, self.scale, kv[2], kv[3],
+            meta.prompt_rows,
+        )  # fmt: skip
 
 
 class MLP(nn.Module):

@@ -155,8 +155,11 @@ def build_step(
 
     `decodes` marks the sequences whose rows are decode rows (`decode_rows`): their rows come
     first in the step, the prompt chunks' after them (`kinds`), so that the CPU GEMMs can give
-    each kind its own kernel; the sampled rows stay in batch order. Without it the rows are
-    in batch order and the step says nothing of their kinds."""
+    each kind its own kernel; the sampled rows stay in batch order. It also marks the prompt
+    chunks for attention (`AttentionMetadata.prompt_rows`): a one-token chunk or cached tail
+    attends by the prefill kernel, as its prompt's other rows did. Without it the rows are
+    in batch order, the step says nothing of their kinds, and a one-row entry attends as a
+    decode row."""
     order = range(len(tables))
     kinds = None
     if decodes is not None:
@@ -169,6 +172,7 @@ def build_step(
     first = [0] * len(tables)  # ... and its first row in the step
     pos, slots, ids = [], [], []
     entries, lens, qlens = [], [], []  # attention entries: a table, its length, its queries
+    prompt = []  # ... and whether it is a prompt's (`decodes`)
     for i in order:
         table, start, n = tables[i], starts[i], num_tokens[i]
         span = range(start, start + n)
@@ -180,10 +184,12 @@ def build_step(
             entries.extend([table] * n)
             lens.extend(range(start + 1, start + n + 1))
             qlens.extend([1] * n)
+            prompt.extend([False] * n)
         else:
             entries.append(table)
             lens.append(start + n)
             qlens.append(n)
+            prompt.append(decodes is not None and not decodes[i])
     rows = []
     for i, (n, k) in enumerate(zip(num_tokens, sampled, strict=True)):
         rows.extend(range(first[i] + (0 if every_row else n - int(k)), first[i] + n))
@@ -194,6 +200,7 @@ def build_step(
         block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
         seq_lens=lens,
         query_lens=qlens,
+        prompt_rows=prompt if decodes is not None else None,
     )
     return StepInput(
         torch.tensor(ids, device=device),

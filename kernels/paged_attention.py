@@ -85,17 +85,20 @@ def paged_attention(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    prompt_rows: list[bool] | None = None,
 ) -> torch.Tensor:
     """Causal attention of a mixed prefill/decode batch over the paged cache.
 
     `seq_lens[i]` counts all of sequence i's tokens (this step's included, already written);
     its queries are the last `query_lens[i]` of them. Returns `[T, num_heads, head_dim]`.
     An fp8 cache is dequantised with its per-block, per-head `k_scale` / `v_scale`.
+    `prompt_rows` (`AttentionMetadata.prompt_rows`) marks the entries that attend as prefill
+    chunks at one query too (`split_rows`).
     """
     kv = (k_cache, v_cache, k_scale, v_scale)
     out = torch.empty_like(q)
     starts = row_starts(query_lens)
-    decode = [i for i, n in enumerate(query_lens) if n == 1]
+    decode, chunks = split_rows(query_lens, prompt_rows)
     if decode and use_triton(q.device, k_cache.dtype):
         from kvguard.kernels import triton_attention
 
@@ -106,7 +109,6 @@ def paged_attention(
         _decode_native(q, out, kv, block_tables, seq_lens, starts, decode, scale)
     elif decode:
         _decode(q, out, kv, block_tables, seq_lens, starts, decode, scale)
-    chunks = [i for i, n in enumerate(query_lens) if n > 1]
     if chunks and use_triton_prefill(q.device, k_cache.dtype):
         from kvguard.kernels import triton_attention
 
@@ -118,12 +120,9 @@ def paged_attention(
     if chunks and cpu_ops.enabled(q) and cpu_ops.decode_supported(q, k_cache):
         _prefill_native(q, out, kv, block_tables, seq_lens, query_lens, starts, chunks, scale)
         return out
-    for i, qlen in enumerate(query_lens):
-        if qlen > 1:
-            s = starts[i]
-            out[s : s + qlen] = _prefill_one(
-                q[s : s + qlen], kv, block_tables[i], seq_lens[i], scale
-            )
+    for i in chunks:
+        s, qlen = starts[i], query_lens[i]
+        out[s : s + qlen] = _prefill_one(q[s : s + qlen], kv, block_tables[i], seq_lens[i], scale)
     return out
 
 
@@ -152,6 +151,23 @@ def decode_attention(
     return triton_attention.paged_decode(
         q, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale, k_scale, v_scale
     )
+
+
+def split_rows(
+    query_lens: list[int], prompt_rows: list[bool] | None = None
+) -> tuple[list[int], list[int]]:
+    """A step's attention entries as (decode rows, prefill chunks): one query attends as a
+    decode row unless `prompt_rows` marks it a prompt's, more as a chunk. The decode kernels
+    never give the prefill kernels' bits (another summation order, a long sequence split over
+    the threads), so a prompt's one-token last chunk or cached tail attends as its other rows
+    do: its request gets the same log-probabilities however the prompt is chunked or cached."""
+    decode, chunks = [], []
+    for i, n in enumerate(query_lens):
+        if n == 1 and not (prompt_rows is not None and prompt_rows[i]):
+            decode.append(i)
+        elif n >= 1:
+            chunks.append(i)
+    return decode, chunks
 
 
 def row_starts(lens: list[int]) -> list[int]:

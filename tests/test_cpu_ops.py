@@ -471,6 +471,47 @@ def test_narrow_pools_in_prefill_read_like_torchs_dequantisation(dtype: torch.dt
         torch.testing.assert_close(got[s : s + n], want, atol=1e-5, rtol=1e-5)
 
 
+def test_a_one_query_prompt_chunk_takes_the_prefill_kernel_with_its_prompts_bits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A prompt's one-token last chunk (or cached tail), marked in `prompt_rows`, attends by
+    the prefill kernel: each sequence's last query alone gives the bits it gets as the last
+    row of the whole prompt's chunk (a one-token prompt, a block and one, eight blocks and
+    one, and past them), and the dense reference's values. Unmarked, one query is a decode
+    row."""
+    seqs, heads, kv_heads, dim, block = [1, 17, 129, 300], 9, 3, 64, 16
+    gen = torch.Generator().manual_seed(17)
+    batch = make_pool(seqs, kv_heads, dim, block, gen)
+    last, refs = [], []
+    for i, n in enumerate(seqs):
+        q, k, v = random_seq(n, heads, kv_heads, dim, gen)
+        pa.write_kv(batch.k_cache, batch.v_cache, k, v, slots(batch.tables[i], 0, n, block))
+        last.append(q)
+        refs.append(dense_reference(q[-1:], k, v, 0.125).float())
+    kv = (batch.k_cache, batch.v_cache, None, None)
+    whole = torch.cat(last)
+    full = torch.zeros_like(whole)
+    starts = pa.row_starts(seqs)
+    pa._prefill_native(whole, full, kv, batch.block_tables, seqs, seqs, starts, [0, 1, 2, 3], 0.125)
+    ones = torch.cat([q[-1:] for q in last])
+    _forbid(monkeypatch, "_decode_native")
+    _forbid(monkeypatch, "_decode")
+    # a fresh lengths list: the kernels' step inputs are kept per (tables, lengths) objects
+    got = pa.paged_attention(
+        ones, batch.k_cache, batch.v_cache, batch.block_tables, list(seqs), [1] * 4, 0.125,
+        prompt_rows=[True] * 4,
+    )  # fmt: skip
+    for i, n in enumerate(seqs):
+        assert torch.equal(got[i], full[starts[i] + n - 1]), n
+    assert_close(got, torch.cat(refs))
+    monkeypatch.undo()
+    _forbid(monkeypatch, "_prefill_native")
+    pa.paged_attention(
+        ones, batch.k_cache, batch.v_cache, batch.block_tables, list(seqs), [1] * 4, 0.125,
+        prompt_rows=[False] * 4,
+    )  # fmt: skip
+
+
 def test_a_chunk_longer_than_its_sequence_is_refused() -> None:
     k = torch.zeros(4, 16, 3, 64)
     q, out = torch.zeros(10, 9, 64), torch.zeros(10, 9, 64)

@@ -229,6 +229,18 @@ def test_only_all_decode_steps_are_eligible() -> None:
     assert decode_inputs(eng.runner.prepare(batch.seqs, batch.num_tokens)) is None
 
 
+def test_a_one_token_prompt_runs_eagerly() -> None:
+    """A prompt of one token (or a one-token cached tail or last chunk) is one query row whose
+    token is sampled, but a prompt's rows attend by the prefill kernel: no decode graph."""
+    eng = random_engine("tiny", EngineConfig(model="random:tiny", device="cpu", num_gpu_blocks=16))
+    eng.add_request([5], SamplingParams(max_tokens=4, ignore_eos=True))
+    batch = eng.scheduler.schedule()
+    assert batch.num_tokens == [1]
+    step = eng.runner.prepare(batch.seqs, batch.num_tokens)
+    assert step.meta.prompt_rows == [True]
+    assert decode_inputs(step) is None
+
+
 class _ReplayByRerun:
     """Stands in for a captured CUDA graph on CPU: `replay` reruns the captured forward on the
     same static buffers and writes the same output tensor, which is what a graph does."""

@@ -450,3 +450,50 @@ def test_a_seeded_request_repeated_from_the_cache_answers_alike(smollm_engine: L
         assert again.token_ids == first.token_ids, n
         lps = [[(e.logprob, e.top) for e in o.final_logprobs] for o in (first, again)]
         assert lps[1] == lps[0], n
+
+
+def _lps(out) -> list[tuple[float, object]]:  # noqa: ANN001 - a RequestOutput
+    return [(e.logprob, e.top) for e in out.final_logprobs]
+
+
+def test_a_one_token_cached_tail_answers_as_the_cold_run(smollm_engine: LLMEngine) -> None:
+    """The default model, packed: a prompt repeated from the cache with one uncached token
+    (after 1, 2 and 8 blocks of 16) gets the cold run's log-probabilities bit for bit. That
+    token attends by the prefill kernel, as the cold prompt's last row did; before, it
+    attended as a decode row, whose kernel sums in another order (up to 4e-3 apart)."""
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=2)
+    for n in (17, 33, 129):
+        prompt = [100 + (i * 7919 + n * 131) % 30000 for i in range(n)]  # no prefix shared
+        cold, again = (smollm_engine.generate([prompt], [params])[0] for _ in range(2))
+        assert (cold.num_cached_tokens, again.num_cached_tokens) == (0, n - 1), n
+        assert again.token_ids == cold.token_ids, n
+        assert _lps(again) == _lps(cold), n
+
+
+def test_a_one_token_last_chunk_answers_as_the_unchunked_prompt(
+    smollm_engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """129 prompt tokens in chunks of 64, 64 and 1 (`max_num_batched_tokens` 64) give the
+    unchunked run's prompt log-probabilities and first log-probabilities bit for bit: the
+    last chunk's one row attends by the prefill kernel, as in the 129-row chunk."""
+    params = SamplingParams(
+        max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=2, prompt_logprobs=1
+    )
+    prompt = [200 + (i * 4099) % 30000 for i in range(129)]
+    chunked = LLMEngine.from_config(
+        EngineConfig(
+            model="smollm2-135m", kv_cache_bytes="64MiB", num_threads=2, max_num_batched_tokens=64
+        ),
+        progress=False,
+    )
+    steps = _step_tokens(chunked, monkeypatch)
+    try:
+        got = chunked.generate([prompt], [params])[0]
+    finally:
+        chunked.shutdown()
+    assert steps[:3] == [[64], [64], [1]]
+    want = smollm_engine.generate([prompt], [params])[0]
+    assert want.num_cached_tokens == 0 and got.token_ids == want.token_ids
+    plp = [[(e.logprob, e.top) for e in o.final_prompt_logprobs] for o in (got, want)]
+    assert len(plp[0]) == 128 and plp[0] == plp[1]
+    assert _lps(got) == _lps(want)

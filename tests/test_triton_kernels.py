@@ -205,6 +205,27 @@ def test_prefill_matches_torch_path(kv: str, case: int) -> None:
     assert out[others].isnan().all()  # decode rows are not the kernel's
 
 
+@pytest.mark.parametrize("kv", ["fp32", "fp8"])
+def test_prefill_kernel_takes_a_one_query_prompt_chunk(kv: str) -> None:
+    """A prompt's one-token cached tail or last chunk is a prefill chunk of one query
+    (`AttentionMetadata.prompt_rows`): the kernel fills it as the torch path does."""
+    lens, qlens, bs, nh, hkv, d = [20, 37, 9], [20, 1, 1], 8, 4, 2, 16
+    nb = sum((n + bs - 1) // bs for n in lens) + 2
+    cache, tables = fill(lens, nb, bs, hkv, d, kv, seed=3)
+    q = torch.randn(sum(qlens), nh, d, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    prompt = [True, True, False]  # the last entry a decode row
+    ref = torch_path.paged_attention(
+        q, *cache[:2], tables, lens, qlens, d**-0.5, *cache[2:], prompt
+    )
+    starts = torch_path.row_starts(qlens)
+    decode, chunks = torch_path.split_rows(qlens, prompt)
+    assert (decode, chunks) == ([2], [0, 1])
+    out = torch.full_like(q, float("nan"))
+    ta.prefill_rows(q, out, *cache[:2], tables, lens, qlens, starts, chunks, d**-0.5, *cache[2:])
+    torch.testing.assert_close(out[:21], ref[:21], atol=1e-5, rtol=1e-5)
+    assert out[21:].isnan().all()
+
+
 def test_prefill_dispatch_is_opt_in(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(dispatch, "triton_available", lambda: True)
     monkeypatch.setenv("KVGUARD_TRITON", "1")  # the fixture's reference setting, undone here

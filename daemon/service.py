@@ -342,7 +342,8 @@ class Service:
 
     def _status_line(self) -> str:
         s = self.engine.latest_snapshot
-        adm = "halted" if s.admission["halted"] else "open"
+        # stopping: every new request gets 503 shutting_down, whatever the remedies say
+        adm = "closed" if self.draining else "halted" if s.admission["halted"] else "open"
         return (
             f"running={s.num_running} waiting={s.num_waiting} swapped={s.num_swapped} "
             f"kv={s.kv_cache_usage_ratio:.0%} dtype={s.kv_cache_dtype} admission={adm}"

@@ -131,6 +131,33 @@ def test_lifecycle_messages(receiver: socket.socket) -> None:
     assert recv(receiver) == "EXTEND_TIMEOUT_USEC=1500000"
 
 
+@pytest.mark.parametrize(
+    ("halted", "draining", "said"),
+    [
+        (False, False, "open"),
+        (True, False, "halted"),
+        (False, True, "closed"),
+        (True, True, "closed"),
+    ],
+)
+def test_status_line_says_admission_is_closed_once_stopping(
+    halted: bool, draining: bool, said: str
+) -> None:
+    """`systemctl status` shows the STATUS line: after STOPPING=1 every new request gets 503
+    shutting_down, so it must not say admission is open."""
+    from types import SimpleNamespace
+
+    from kvguard.daemon.service import Service
+
+    snap = SimpleNamespace(
+        num_running=2, num_waiting=1, num_swapped=0, kv_cache_usage_ratio=0.5,
+        kv_cache_dtype="fp32", admission={"halted": halted},
+    )  # fmt: skip
+    svc = SimpleNamespace(engine=SimpleNamespace(latest_snapshot=snap), draining=draining)
+    line = Service._status_line(svc)  # type: ignore[arg-type]
+    assert line.endswith(f"admission={said}") and "running=2 waiting=1" in line
+
+
 def test_reloading_carries_the_monotonic_clock(receiver: socket.socket) -> None:
     before = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
     assert sdnotify.reloading()

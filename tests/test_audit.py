@@ -13,6 +13,7 @@ import csv
 import io
 import json
 import logging
+import shutil
 import sqlite3
 import subprocess
 import sys
@@ -27,6 +28,7 @@ from typing import Any
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
 
 from kvguard.daemon import audit, audit_migrate
 from kvguard.daemon.audit import AuditStore
@@ -91,6 +93,25 @@ def test_upgrade_downgrade_upgrade(db_url: str, db_path: Path) -> None:
 
     audit_migrate.upgrade(db_url)
     assert audit_migrate.current(db_url) == "0005"
+
+
+def test_migrations_run_from_an_install_path_holding_a_percent_sign(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Alembic's options go through ConfigParser's `%` interpolation: a venv or site-packages
+    path with `%` in it must not fail every migration (the audit degraded for good)."""
+    moved = tmp_path / "100%dir" / "migrations"
+    shutil.copytree(
+        audit_migrate.MIGRATIONS_DIR, moved, ignore=shutil.ignore_patterns("__pycache__")
+    )
+    monkeypatch.setattr(audit_migrate, "MIGRATIONS_DIR", moved)
+    db_path = tmp_path / "100%dir" / "audit.db"
+    db_url = f"sqlite:///{db_path}"
+    audit_migrate.upgrade(db_url)
+    assert audit_migrate.current(db_url) == audit_migrate.head() == "0005"
+    assert _tables(db_path) >= TABLES
+    script = ScriptDirectory.from_config(audit_migrate.alembic_config())
+    assert script.dir == str(moved)  # the copy's scripts were the ones run
 
 
 def test_reading_an_older_database_says_to_upgrade_it(

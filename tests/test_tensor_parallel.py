@@ -86,6 +86,18 @@ def test_tiny_at_tp2_matches_tp1(tiny_dir) -> None:
     assert_parity("tiny", 2)
 
 
+def test_workers_import_the_kvguard_rank_0_runs_whatever_the_cwd(
+    tiny_dir, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A daemon started from a directory holding a `kvguard.py` (or a `kvguard/` checkout):
+    the workers import the same package as rank 0, not that file (the start used to fail)."""
+    (tmp_path / "kvguard.py").write_text(
+        'raise RuntimeError("the cwd\'s kvguard.py was imported by a worker")\n'
+    )
+    monkeypatch.chdir(tmp_path)
+    assert_parity("tiny", 2)
+
+
 def test_tiny_at_tp4_replicates_kv_heads_and_matches_tp1(tiny_dir) -> None:
     # tiny has 2 KV heads: at tp=4 ranks 0,1 hold KV head 0 and ranks 2,3 KV head 1
     assert_parity("tiny", 4)

@@ -541,11 +541,13 @@ def _spawn(
     """Start one worker as `python -m kvguard.engine.distributed.worker_entry`, talking over a
     socket pair it inherits. A fresh interpreter, not a multiprocessing child: it does not re-run
     the caller's main module, whatever script started the engine. It is told this process's pid
-    on its command line, so that it dies with it from its first instant (worker_entry.py)."""
+    on its command line, so that it dies with it from its first instant (worker_entry.py).
+    `-P`: `-m` would put the cwd first on sys.path, and a `kvguard/` checkout or a `kvguard.py`
+    there would be imported in place of the installed package rank 0 runs."""
     ours, theirs = socket.socketpair()
     entry = "kvguard.engine.distributed.worker_entry"
     proc = subprocess.Popen(
-        [sys.executable, "-m", entry, str(theirs.fileno()), str(os.getpid())],
+        [sys.executable, "-P", "-m", entry, str(theirs.fileno()), str(os.getpid())],
         pass_fds=(theirs.fileno(),),
         stdin=subprocess.DEVNULL,
     )

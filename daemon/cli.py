@@ -1,7 +1,7 @@
 """The `kvguard` command line: one entry point, one subcommand per job.
 
 Each subcommand is registered by a builder in SUBCOMMANDS, so later ones (serve, status, audit,
-rules, alerts, db, bench) plug in without touching the others. Handlers import the engine
+rules, alerts, systemd, db, bench) plug in without touching the others. Handlers import the engine
 lazily: `kvguard --help` and argument errors answer at once instead of after loading torch.
 """
 
@@ -29,6 +29,8 @@ from kvguard.daemon.cli_serve import add_serve_parser, add_status_parser  # noqa
 from kvguard.daemon.cli_worker import add_worker_parser  # noqa: E402
 from kvguard.daemon.keys_cli import add_keys_parser  # noqa: E402
 from kvguard.daemon.rules_cli import add_rules_parser  # noqa: E402
+from kvguard.daemon.systemd_cli import add_systemd_parser  # noqa: E402
+from kvguard.daemon.version import NOT_INSTALLED, kvguard_version  # noqa: E402
 
 EXIT_USAGE = 2  # bad arguments, bad config, a model that cannot be loaded
 Handler = Callable[[argparse.Namespace], int]
@@ -222,6 +224,7 @@ SUBCOMMANDS: dict[str, SubcommandBuilder] = {
     "audit": add_audit_parser,
     "db": add_db_parser,
     "alerts": add_alerts_parser,
+    "systemd": add_systemd_parser,
     "bench": add_bench_parser,
     "keys": add_keys_parser,
     "model": add_model_parser,
@@ -235,6 +238,15 @@ def build_parser() -> argparse.ArgumentParser:
         description="kvguard: an LLM inference daemon whose paged KV cache defends itself "
         "against running out of memory.",
         epilog="Set KVGUARD_HOME to move the model cache (default ~/.cache/kvguard).",
+    )
+    version = kvguard_version()
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"kvguard {version}"
+        if version != NOT_INSTALLED
+        else "kvguard (unknown version: not installed, run from a source tree)",
+        help="print the installed kvguard's version and exit",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for build in SUBCOMMANDS.values():

@@ -17,8 +17,11 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         description="Serve a model over an OpenAI-compatible HTTP API. Without --config the built-in "
         "defaults serve smollm2-135m on 127.0.0.1:8000. Flags override the file.",
     )
+    examples = str(Path(__file__).parent / "examples").replace("%", "%%")  # argparse's format
     p.add_argument(
-        "--config", type=Path, help="YAML config (see daemon/examples/); validated at start"
+        "--config",
+        type=Path,
+        help=f"YAML config (examples in {examples}); validated at start",
     )
     p.add_argument("--model", help="model name or directory (overrides serving.model)")
     p.add_argument("--host", help="bind address (overrides api.host; default 127.0.0.1)")

@@ -13,6 +13,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvguard.daemon.nvml import NvmlReader
+from kvguard.daemon.version import kvguard_version
 from kvguard.engine.host_memory import host_memory_used_ratio
 from kvguard.engine.snapshot import EngineSnapshot
 from kvguard.rules.actions import ACTIONS
@@ -465,6 +466,15 @@ class Metrics:
             registry=r,
         )
         host.set_function(lambda: _or_nan(host_memory_used_ratio()))
+        # the version as a label of a constant 1 (Prometheus' build-info form): a fleet's
+        # daemons are compared with `count by (version) (kvguard_build_info)`
+        build = Gauge(
+            "kvguard_build_info",
+            "Always 1; version: the kvguard serving (`kvguard --version`)",
+            ["version"],
+            registry=r,
+        )
+        build.labels(kvguard_version()).set(1)
         self.api_requests = Counter(
             "kvguard_api_key_requests",
             "Requests to the OpenAI endpoints by API key name (with api.api_keys_file set)",

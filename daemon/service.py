@@ -42,6 +42,7 @@ from kvguard.daemon.control_plane import ControlPlane
 from kvguard.daemon.logging_setup import configure_logging
 from kvguard.daemon.metrics import ControlPlaneCollector, Metrics, TensorParallelCollector
 from kvguard.daemon.nvml import NvmlReader, engine_gpu_ids
+from kvguard.daemon.version import kvguard_version
 from kvguard.engine.control import ActionResult
 from kvguard.engine.engine_loop import EngineLoop, EngineUnavailable
 from kvguard.engine.host_memory import host_memory_used_ratio
@@ -1171,7 +1172,11 @@ def run(
     # Until serve() takes SIGHUP over, a reload has nothing to act on, and SIGHUP's default
     # action would kill the process in the middle of loading the model or migrating the DB.
     signal.signal(signal.SIGHUP, svc._sighup_before_serving)
-    log.info("starting (pid %d); SIGHUP is ignored until ready", os.getpid())
+    log.info(
+        "kvguard %s starting (pid %d); SIGHUP is ignored until ready",
+        kvguard_version(),
+        os.getpid(),
+    )
     for line in inert_keys(cfg):
         log.warning("%s", line)
     svc.read_rules()

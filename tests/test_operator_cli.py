@@ -573,6 +573,32 @@ def test_status_help_names_the_token_file_variable() -> None:
     assert out.returncode == 0 and "$KVGUARD_ADMIN_TOKEN_FILE" in out.stdout, out.stdout
 
 
+def test_version_names_the_installed_distribution() -> None:
+    from importlib.metadata import version
+
+    out = subprocess.run([KVGUARD, "--version"], capture_output=True, text=True, timeout=60)
+    assert (out.returncode, out.stdout, out.stderr) == (0, f"kvguard {version('kvguard')}\n", "")
+
+
+def test_version_from_a_source_tree_that_is_not_installed(tmp_path: Path) -> None:
+    """kvguard on PYTHONPATH with no distribution metadata (no site-packages: -S): a plain
+    answer that says so, exit 0, no traceback."""
+    package = tmp_path / "kvguard"
+    package.mkdir()
+    for folder in ("daemon", "engine", "kernels", "migrations", "rules", "alerts"):
+        (package / folder).symlink_to(REPO / folder)
+    out = subprocess.run(
+        [sys.executable, "-S", "-m", "kvguard.daemon.cli", "--version"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+    )
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    assert out.stdout.startswith("kvguard (unknown version: not installed"), out.stdout
+
+
 def test_the_readme_documents_the_db_commands_that_exist() -> None:
     from kvguard.daemon.cli import build_parser
 

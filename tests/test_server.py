@@ -373,6 +373,19 @@ def test_the_daemon_logs_where_it_listens(daemon: Daemon) -> None:
     assert f"API bound to 127.0.0.1:{daemon.port}" in Path(daemon.log.name).read_text()
 
 
+def test_metrics_and_the_start_line_name_the_installed_version(daemon: Daemon) -> None:
+    """Every rank and every daemon sharing an audit database should run one kvguard version:
+    an operator reads it off /metrics and the log, not out of each host's venv."""
+    from importlib.metadata import version
+
+    installed = version("kvguard")
+    text = httpx.get(daemon.url + "/metrics").text
+    assert f'kvguard_build_info{{version="{installed}"}} 1.0' in text.splitlines()
+    assert (
+        f"kvguard {installed} starting (pid {daemon.proc.pid})" in Path(daemon.log.name).read_text()
+    )
+
+
 def test_port_0_logs_the_port_and_an_unusable_token_file_is_named(tmp_path: Path) -> None:
     """`api.port: 0` binds a port the kernel picks: the log names that port, not 0, and so does
     the daemon's own `instance` (the alerts it takes as its own). An

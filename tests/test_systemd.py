@@ -200,3 +200,115 @@ def test_watchdog_interval(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WATCHDOG_PID", str(os.getpid()))
     monkeypatch.setenv("WATCHDOG_USEC", "0")
     assert sdnotify.watchdog_interval() is None
+
+
+# -- kvguard systemd export ----------------------------------------------------------------------
+SYSTEMD_DIR = UNIT.parent
+SCRIPT = Path(sys.executable).parent / "kvguard"  # this venv's console script
+
+
+def hidden(path: Path) -> bool:
+    """Whether the units' ProtectHome= and PrivateTmp= hide `path` from the service (the export
+    warns: a venv under a home or temporary directory, a CI runner's)."""
+    return any(path.is_relative_to(d) for d in ("/home", "/root", "/run/user", "/tmp", "/var/tmp"))
+
+
+def export(*args: str) -> subprocess.CompletedProcess[str]:
+    cmd = [str(SCRIPT), "systemd", "export", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
+
+
+def test_exported_units_run_this_installation_and_verify(analyzer: str, tmp_path: Path) -> None:
+    """After `pip install kvguard` there is no daemon/systemd/ to copy from: the export writes
+    the shipped files, their ExecStart= naming the installed script in place of the
+    /usr/local/bin/kvguard the shipped units expect, and systemd takes them as they are."""
+    out = tmp_path / "out"
+    proc = export("--dir", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert ("hidden from the service" in proc.stderr) if hidden(SCRIPT) else proc.stderr == ""
+    written = ["kvguard.service", "kvguard-worker@.service", "etc/kvguard/config.yaml"]
+    assert proc.stdout.splitlines()[:3] == [str(out / rel) for rel in written]
+    for rel in written:
+        shipped = (SYSTEMD_DIR / rel).read_text()
+        want = shipped.replace(SHIPPED_EXEC, f"ExecStart={SCRIPT.resolve()} ")
+        assert (out / rel).read_text() == want, rel
+        assert rel.endswith(".yaml") or want != shipped, rel  # each unit's ExecStart= is replaced
+    worker = out / "kvguard-worker@3.service"  # verify takes an instance, not the template
+    shutil.copy(out / "kvguard-worker@.service", worker)
+    for unit in (out / "kvguard.service", worker):
+        proc = analyze("verify", str(unit))
+        assert (proc.returncode, proc.stderr, proc.stdout) == (0, "", ""), unit
+    # run through a link on the operator's PATH: the unit names the script the link leads to
+    link = tmp_path / "bin" / "kvguard"
+    link.parent.mkdir()
+    link.symlink_to(SCRIPT)
+    cmd = [str(link), "systemd", "export", "--dir", str(tmp_path / "l")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "l" / "kvguard.service").read_text() == (out / "kvguard.service").read_text()
+    # run as `python -m` (no script named kvguard ran): the script beside the interpreter
+    cmd = [sys.executable, "-m", "kvguard.daemon.cli", "systemd", "export", "--dir"]
+    proc = subprocess.run(cmd + [str(tmp_path / "m")], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "m" / "kvguard.service").read_text() == (out / "kvguard.service").read_text()
+
+
+def test_export_keeps_an_edited_file_unless_forced(tmp_path: Path) -> None:
+    assert export("--dir", str(tmp_path)).returncode == 0
+    assert export("--dir", str(tmp_path)).returncode == 0  # the same content again: no clash
+    unit = tmp_path / "kvguard.service"
+    unit.write_text(unit.read_text() + "# an operator's edit\n")
+    edited = unit.read_text()
+    proc = export("--dir", str(tmp_path))
+    assert proc.returncode == 2 and f"{unit} already exist(s)" in proc.stderr, proc.stderr
+    assert "--force" in proc.stderr and unit.read_text() == edited
+    assert export("--dir", str(tmp_path), "--force").returncode == 0
+    assert "# an operator's edit" not in unit.read_text()
+
+
+def test_export_escapes_an_odd_script_path_and_refuses_what_systemd_cannot_run(
+    analyzer: str, tmp_path: Path
+) -> None:
+    """A blank splits ExecStart= and % starts a specifier: quoted and doubled, the unit still
+    verifies; a quote or backslash systemd refuses in an executable's name outright, so the
+    export does too, naming the path, before writing anything."""
+    odd = tmp_path / "odd 100%dir"
+    odd.mkdir()
+    (odd / "kvguard").symlink_to(SCRIPT)
+    out = tmp_path / "out"
+    proc = export("--dir", str(out), "--kvguard", str(odd / "kvguard"))
+    assert proc.returncode == 0, proc.stderr
+    assert ("hidden from the service" in proc.stderr) == hidden(odd), proc.stderr
+    line = f'ExecStart="{str(odd).replace("%", "%%")}/kvguard" serve '
+    assert any(x.startswith(line) for x in (out / "kvguard.service").read_text().splitlines())
+    proc = analyze("verify", str(out / "kvguard.service"))
+    assert (proc.returncode, proc.stderr, proc.stdout) == (0, "", "")
+    quoted = tmp_path / 'say "hi"'
+    quoted.mkdir()
+    (quoted / "kvguard").symlink_to(SCRIPT)
+    proc = export("--dir", str(tmp_path / "none"), "--kvguard", str(quoted / "kvguard"))
+    assert proc.returncode == 2 and "systemd refuses an executable path holding '\"'" in proc.stderr
+    assert not (tmp_path / "none").exists()
+    proc = export("--dir", str(tmp_path / "none"), "--kvguard", str(tmp_path / "missing"))
+    assert proc.returncode == 2 and "not an executable file" in proc.stderr, proc.stderr
+
+
+def test_the_readmes_recipe_installs_what_the_export_writes(tmp_path: Path) -> None:
+    """The README's systemd steps work after `pip install kvguard`: every file they install
+    from the export's directory is one the export writes."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    found = re.search(r"^kvguard systemd export --dir (\S+)", readme, re.M)
+    assert found, "the README's systemd steps no longer export the units"
+    sources = re.findall(
+        rf"^sudo install -D -m 0644 ({re.escape(found.group(1))}/\S+) ", readme, re.M
+    )
+    assert len(sources) == 2, sources  # the unit and the config file
+    proc = subprocess.run(
+        [str(SCRIPT), "systemd", "export", "--dir", found.group(1)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert all((tmp_path / src).is_file() for src in sources), sources

@@ -1,0 +1,139 @@
+"""`kvguard systemd export`: the shipped systemd units and the config file kvguard.service starts
+with, written out of the installed package (a `pip install kvguard` has no daemon/systemd/ to copy
+from), with ExecStart= naming this installation's `kvguard` script."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import sysconfig
+from importlib.resources import files
+from pathlib import Path
+
+UNITS = ("kvguard.service", "kvguard-worker@.service")
+CONFIG = "etc/kvguard/config.yaml"
+# Where the shipped units expect the script (a root `pip install` with the system python, or
+# `pipx install --global`); the export puts this installation's in its place.
+SHIPPED_SCRIPT = "/usr/local/bin/kvguard"
+SHIPPED_EXEC = f"ExecStart={SHIPPED_SCRIPT} "
+# Both units set ProtectHome=yes and PrivateTmp=yes: the service cannot see a script under these.
+HIDDEN_FROM_SERVICE = ("/home", "/root", "/run/user", "/tmp", "/var/tmp")
+
+
+def add_systemd_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    systemd = sub.add_parser(
+        "systemd",
+        help="export the shipped systemd units and their config file",
+        description="kvguard.service (the daemon), kvguard-worker@.service (a remote rank) and "
+        "the config file kvguard.service starts with, as shipped in the package.",
+    )
+    cmds = systemd.add_subparsers(dest="systemd_command", metavar="{export}", required=True)
+    p = cmds.add_parser(
+        "export",
+        help="write the units and the config file to a directory",
+        description="Write kvguard.service, kvguard-worker@.service and etc/kvguard/config.yaml "
+        f"under DIR and print their paths. The shipped units run {SHIPPED_SCRIPT}; the written "
+        "ones run this installation's kvguard script (or --kvguard's) instead, and are "
+        "otherwise the shipped files.",
+        epilog="then: sudo install -D -m 0644 DIR/kvguard.service /etc/systemd/system/"
+        "kvguard.service, the same for DIR/etc/kvguard/config.yaml to /etc/kvguard/config.yaml",
+    )
+    p.add_argument(
+        "--dir",
+        type=Path,
+        default=Path("kvguard-systemd"),
+        help="target directory, created if missing (default: %(default)s)",
+    )
+    p.add_argument(
+        "--kvguard",
+        metavar="PATH",
+        help="the kvguard script ExecStart= runs (default: this installation's, "
+        "e.g. /opt/kvguard/bin/kvguard in a venv at /opt/kvguard)",
+    )
+    p.add_argument(
+        "--force", action="store_true", help="overwrite files that exist with other content"
+    )
+    p.set_defaults(func=cmd_systemd_export)
+
+
+def cmd_systemd_export(args: argparse.Namespace) -> int:
+    script = Path(os.path.abspath(args.kvguard)) if args.kvguard else installed_script()
+    if not (script.is_file() and os.access(script, os.X_OK)):
+        raise ValueError(f"--kvguard {script}: not an executable file")
+    if script.as_posix().startswith(tuple(d + "/" for d in HIDDEN_FROM_SERVICE)):
+        print(
+            f"kvguard: warning: {script} is hidden from the service (the units set "
+            "ProtectHome=yes and PrivateTmp=yes): install kvguard elsewhere, e.g. in a venv at "
+            "/opt/kvguard",
+            file=sys.stderr,
+        )
+    paths = export(args.dir, script, force=args.force)
+    for path in paths:
+        print(path)
+    unit, config = args.dir / UNITS[0], args.dir / CONFIG
+    print(
+        f"\ninstall: sudo install -D -m 0644 {unit} /etc/systemd/system/{UNITS[0]}"
+        f"\n         sudo install -D -m 0644 {config} /etc/kvguard/config.yaml"
+        f"\nstart:   sudo systemctl daemon-reload && sudo systemctl enable --now kvguard"
+    )
+    return 0
+
+
+def installed_script() -> Path:
+    """The `kvguard` console script of the installation this process runs from: the one that
+    was run, else the one beside the interpreter (a venv's bin/), else the interpreter's scripts
+    directory (/usr/local/bin for Debian's system python). Links are followed, so the unit does
+    not depend on a link made for the operator's PATH (/usr/local/bin/kvguard to a venv's)."""
+    run = Path(sys.argv[0])
+    if run.name == "kvguard" and run.is_file():
+        return run.resolve()
+    for folder in (Path(sys.executable).parent, Path(sysconfig.get_path("scripts"))):
+        script = folder / "kvguard"
+        if script.is_file() and os.access(script, os.X_OK):
+            return script.resolve()
+    raise FileNotFoundError(
+        f"no kvguard script beside {sys.executable} or in {sysconfig.get_path('scripts')} "
+        "(kvguard is not installed there?): name it with --kvguard PATH"
+    )
+
+
+def exec_path(script: Path) -> str:
+    """`script` as the first word of an ExecStart= line: systemd expands % specifiers in it and
+    splits the line at blanks, so % is doubled and a path with a blank quoted; it refuses an
+    executable whose name holds a quote, a backslash or a control character."""
+    text = str(script)
+    if bad := [c for c in text if c in "\"'\\" or not c.isprintable()]:
+        raise ValueError(
+            f"{text!r}: systemd refuses an executable path holding {bad[0]!r}; link the "
+            "script from a plainer path and name that with --kvguard"
+        )
+    word = text.replace("%", "%%")
+    return f'"{word}"' if any(c.isspace() for c in word) else word
+
+
+def export(dir: Path, script: Path, force: bool = False) -> list[Path]:
+    """Write the units and the config file under `dir` (the layout of daemon/systemd/) with
+    ExecStart= running `script`, and return their paths. A file that exists with other content
+    is an error unless `force`: an operator's edited unit is not overwritten by accident.
+    Nothing is written unless every file may be."""
+    root = files("kvguard.daemon").joinpath("systemd")
+    planned: list[tuple[Path, str]] = []
+    for name in UNITS:
+        text = root.joinpath(name).read_text(encoding="utf-8")
+        if text.count(SHIPPED_EXEC) != 1:  # the packaged unit is not the one this was written for
+            raise ValueError(f"packaged {name}: expected one line starting {SHIPPED_EXEC!r}")
+        planned.append((dir / name, text.replace(SHIPPED_EXEC, f"ExecStart={exec_path(script)} ")))
+    config = root.joinpath(*CONFIG.split("/")).read_text(encoding="utf-8")
+    planned.append((dir / CONFIG, config))
+    if not force:
+        clashes = [str(p) for p, text in planned if p.exists() and p.read_text() != text]
+        if clashes:
+            raise FileExistsError(
+                f"{', '.join(clashes)} already exist(s) with other content; "
+                "pass --force to overwrite"
+            )
+    for path, text in planned:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+    return [p for p, _ in planned]

@@ -315,7 +315,9 @@ class Service:
             instance=self.cfg.audit.instance,
         )
         self.audit.start()  # never raises for the database: a bad one leaves audit degraded
-        self.audit.record_event("daemon_start", detail=f"model {self.engine_model}")
+        # the version: daemons of several versions may share one audit database (an upgrade)
+        detail = f"kvguard {kvguard_version()}, model {self.engine_model}"
+        self.audit.record_event("daemon_start", detail=detail)
         self.control = ControlPlane(self)
         self.control.on_tick = self.metrics.rule_tick.observe
         self.metrics.registry.register(

@@ -30,6 +30,7 @@ import httpx
 import pytest
 
 from kvguard.daemon import sdnotify
+from kvguard.daemon.version import kvguard_version
 from tests.test_server import KVGUARD, TOKEN, Daemon, free_port, until
 
 REPO = Path(__file__).resolve().parents[1]
@@ -365,7 +366,7 @@ def test_a_stop_while_loading_is_audited_once_the_audit_store_is_up(tmp_path: Pa
     with closing(sqlite3.connect(db)) as c:
         rows = c.execute("SELECT kind, detail FROM events ORDER BY id").fetchall()
     assert rows == [
-        ("daemon_start", "model tiny"),
+        ("daemon_start", f"kvguard {kvguard_version()}, model tiny"),
         ("daemon_stop", "exit 143: interrupted by SIGTERM while loading"),
     ]
 

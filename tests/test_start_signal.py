@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from kvguard.daemon.version import kvguard_version
 from tests.test_server import until
 
 SERVE = """\
@@ -125,6 +126,6 @@ def test_a_stop_signal_late_in_the_start_ends_it_by_the_signal(
     with closing(sqlite3.connect(db)) as c:
         rows = c.execute("SELECT kind, detail FROM events ORDER BY id").fetchall()
     assert rows == [
-        ("daemon_start", "model tiny"),
+        ("daemon_start", f"kvguard {kvguard_version()}, model tiny"),
         ("daemon_stop", f"exit {128 + sig}: interrupted by {sig.name} while loading"),
     ]

@@ -497,8 +497,9 @@ def shared_prefix(on: bool | None = None) -> bool:
     hit) once for all of them, their queries taken together: on by default (every CPU), off
     where the environment says `KVGUARD_SHARED_PREFIX=0` when the library loads. Not the same
     bits as reading them per sequence (a sequence's softmax is merged from its shared and own
-    parts, as split-K merges). `on` switches it (tests, benchmarks). Returns the state
-    before."""
+    parts, as split-K merges); one sequence's several rows (a verify step's drafts, a
+    grammar's forced tokens) are never grouped, each keeping its one-token step's bits. `on`
+    switches it (tests, benchmarks). Returns the state before."""
     return _switch("kvg_shared_prefix", on, "")
 
 

@@ -328,35 +328,66 @@ static void merge_parts(const float *part, int64_t n, int64_t heads, int64_t d, 
     }
 }
 
-/* Decode attention with every sequence on its own: a work item is a sequence, or a run of its
+/* Whether decode row b continues row b - 1's sequence: a verify step's rows (a last token and
+ * its drafts) and a grammar's forced rows are one sequence's rows, laid out together, each
+ * with the sequence's block table and one token more than the row before. Two sequences'
+ * rows look so only where their tables hold the same ids up to the later row's last token,
+ * whose block is that sequence's own: only a padding id can make them meet, and then they
+ * merely attend alone. */
+static int continues(const Attn *a, const int32_t *lens, int64_t b) {
+    if (b < 1 || lens[b] != lens[b - 1] + 1)
+        return 0;
+    int64_t n = (lens[b] + a->bs - 1) / a->bs;
+    n = n < a->ldt ? n : a->ldt;
+    const int32_t *prev = a->tables + (b - 1) * a->ldt, *own = a->tables + b * a->ldt;
+    return memcmp(prev, own, sizeof(int32_t) * (size_t)n) == 0;
+}
+
+/* The runs a row of `len` tokens is split into (of at least 4 blocks) until the step's `nseq`
+ * sequences have work for every thread: from its own length and the sequence count (a
+ * sequence's several rows counting once) only, so each of a sequence's verify rows is split
+ * as a one-token step at its length is, the same bits (the step's longest row and row count
+ * decided it before). */
+static int64_t runs_of(int64_t len, int64_t nseq, int64_t bs, int threads) {
+    int64_t split = 1;
+    while (nseq * split < 4 * (int64_t)threads && len / (split * 2) >= 4 * bs)
+        split *= 2;
+    return split;
+}
+
+/* Decode attention with every sequence on its own: a work item is a row, or a run of its
  * tokens (split-K) where items would be too few for the threads. */
 static int decode_each(const Attn *ap, float *out, const int64_t *rows, const int32_t *lens,
-                       int64_t B, int threads) {
+                       int64_t B, int64_t nseq, int threads) {
     const Attn a = *ap;
     const float *q = a.q;
     const int64_t ldq = a.ldq, ldt = a.ldt, bs = a.bs, d = a.d, heads = a.hkv * a.g;
     const int32_t *tables = a.tables;
-    int64_t longest = 1;
-    for (int64_t b = 0; b < B; ++b)
-        longest = lens[b] > longest ? lens[b] : longest;
     if (threads < 1)
         threads = 1;
-    /* Split each sequence into runs of at least 4 blocks until there is work for every thread. */
-    int64_t split = 1;
-    while (B * split < 4 * (int64_t)threads && longest / (split * 2) >= 4 * bs)
-        split *= 2;
     const int64_t per = heads * d + 2 * heads; /* one run's partial: acc, then m, then l */
+    /* each row's first item (B + 1), then each item's row; rows of one run write no partial */
+    int64_t *first = malloc(sizeof(int64_t) * (size_t)(B + 1));
+    if (!first)
+        return -1;
+    first[0] = 0;
+    for (int64_t b = 0; b < B; ++b)
+        first[b + 1] = first[b] + runs_of(lens[b], nseq, bs, threads);
+    const int64_t items = first[B];
     /* per thread: the scaled queries, and the partial of a run that needs no merge */
     float *ws = malloc(sizeof(float) * (size_t)threads * (heads * d + per));
-    float *part = split > 1 ? malloc(sizeof(float) * B * split * per) : NULL;
-    if (!ws || (split > 1 && !part)) {
-        free(ws);
-        free(part);
+    int64_t *row_of = malloc(sizeof(int64_t) * (size_t)(items + 1));
+    float *part = items > B ? malloc(sizeof(float) * (size_t)(items * per)) : NULL;
+    if (!ws || !row_of || (items > B && !part)) {
+        free(first), free(ws), free(row_of), free(part);
         return -1;
     }
+    for (int64_t b = 0; b < B; ++b)
+        for (int64_t it = first[b]; it < first[b + 1]; ++it)
+            row_of[it] = b;
 #pragma omp parallel for num_threads(threads) if (threads > 1) schedule(dynamic, 1)
-    for (int64_t it = 0; it < B * split; ++it) {
-        const int64_t b = it / split, sp = it % split;
+    for (int64_t it = 0; it < items; ++it) {
+        const int64_t b = row_of[it], sp = it - first[b], split = first[b + 1] - first[b];
         const int64_t len = lens[b], chunk = (len + split - 1) / split;
         const int64_t t0 = sp * chunk < len ? sp * chunk : len;
         const int64_t t1 = t0 + chunk < len ? t0 + chunk : len;
@@ -365,10 +396,10 @@ static int decode_each(const Attn *ap, float *out, const int64_t *rows, const in
         self = omp_get_thread_num();
 #endif
         float *qs = ws + self * (heads * d + per);
-        float *acc = part ? part + it * per : qs + heads * d;
+        float *acc = split > 1 ? part + it * per : qs + heads * d;
         float *m = acc + heads * d, *l = m + heads;
         attend_run(&a, q + rows[b] * ldq, tables + b * ldt, t0, t1, m, l, acc, qs);
-        if (part)
+        if (split > 1)
             continue;
         float *o = out + rows[b] * heads * d;
         for (int64_t j = 0; j < heads; ++j) {
@@ -380,10 +411,11 @@ static int decode_each(const Attn *ap, float *out, const int64_t *rows, const in
     if (part) {
 #pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
         for (int64_t b = 0; b < B; ++b)
-            merge_parts(part + b * split * per, split, heads, d, out + rows[b] * heads * d);
+            if (first[b + 1] - first[b] > 1)
+                merge_parts(part + first[b] * per, first[b + 1] - first[b], heads, d,
+                            out + rows[b] * heads * d);
     }
-    free(part);
-    free(ws);
+    free(first), free(row_of), free(part), free(ws);
     return 0;
 }
 
@@ -677,11 +709,10 @@ static void group_pass(const Attn *a, const float *qg, int64_t gw, const int32_t
 /* ---- Decode attention over shared prefixes ----
  *
  * Sequences that share leading blocks (a prefix-cache hit: one system prompt before every
- * request, the n choices of one prompt; a verify step's draft rows, which share all their
- * sequence's blocks) would each read those blocks' K and V rows on their own. Here such a
- * group reads each shared block once: KV head h's query heads of every member are taken
- * together, sixteen to a set, and `group_pass` computes them as a prefill item
- * computes its query positions (transposed, a broadcast K or V element into two vectors of
+ * request, the n choices of one prompt) would each read those blocks' K and V rows on their
+ * own. Here such a group reads each shared block once: KV head h's query heads of every
+ * member are taken together, sixteen to a set, and `group_pass` computes them as a prefill
+ * item computes its query positions (transposed, a broadcast K or V element into two vectors of
  * eight queries), which also does the arithmetic in fewer instructions than one query's dot
  * products at a time. Each member then has a partial for its shared blocks and one for its own
  * tail (or several, where pieces are split for the threads), merged as split-K's are.
@@ -693,7 +724,10 @@ static void group_pass(const Attn *a, const float *qg, int64_t gw, const int32_t
  * is a group whose query heads would fill under half of a set of sixteen: a set's lanes cost
  * about half what one query's dot products do, so two members of three query heads each (six
  * lanes) ran slower together (18.7-19.9 against 16.7-17.2 ms for a layer's calls of 16 such
- * pairs, 2 Zen 4 cores) where four (twelve lanes) ran 9.9 against 14.9. */
+ * pairs, 2 Zen 4 cores) where four (twelve lanes) ran 9.9 against 14.9. A sequence's own
+ * several rows (a verify step's drafts, a grammar's forced tokens) hold all its blocks too,
+ * but join no group: each attends as that sequence's one-token step would, bit for bit, so a
+ * lone request answers alike with drafts or jump-forward and without. */
 #define PASS_FLOATS (1 << 16) /* a group pass's transposed queries and outputs: 256 KiB, in L2 */
 #define MIN_SHARED 2 /* blocks a group must share to read them once */
 
@@ -838,7 +872,10 @@ static int decode_shared(const Attn *ap, float *out, const int64_t *rows, const 
     for (int64_t b = 0; b < B; ++b) {
         full[b] = lens[b] / bs;
         tail[b] = 0;
-        if (full[b] >= MIN_SHARED)
+        /* a sequence with several rows (`continues`) attends alone, each row as its one-token
+         * step would: its rows grouped read their blocks in another order than one row does */
+        const int several = continues(&a, lens, b) || (b + 1 < B && continues(&a, lens, b + 1));
+        if (full[b] >= MIN_SHARED && !several)
             order[cand++] = b;
     }
     const Tables t = {a.tables, a.ldt, full};
@@ -951,7 +988,8 @@ done:
  * rows[b] of q ([rows][heads][d], row stride ldq floats) and its output row rows[b] of out
  * ([rows][heads][d], contiguous); it attends to lens[b] cached tokens through its block table
  * (tables + b * ldt). Sequences sharing blocks read them once (`kvg_shared_prefix`, on by
- * default). Returns 0, 1 on an unsupported shape, -1 without memory. */
+ * default); one sequence's several rows (`continues`) are each attended as its one-token step
+ * would be. Returns 0, 1 on an unsupported shape, -1 without memory. */
 int kvg_paged_decode(const float *q, int64_t ldq, float *out, const int64_t *rows,
                      const int32_t *lens, int64_t B, const void *k, const void *v,
                      const float *ks, const float *vs, int type, int64_t bs, int64_t hkv,
@@ -960,12 +998,15 @@ int kvg_paged_decode(const float *q, int64_t ldq, float *out, const int64_t *row
     if (heads % hkv || heads / hkv > MAX_GROUP || d % 8 || d > MAX_DIM || bs > MAX_BLOCK)
         return 1;
     const Attn a = {q, ldq, k, v, ks, vs, type, bs, hkv, d, heads / hkv, tables, ldt, scale};
-    if (B > 1 && kvg_shared_prefix(-1) == 1) {
+    int64_t nseq = 0; /* sequences: a sequence's several rows count once */
+    for (int64_t b = 0; b < B; ++b)
+        nseq += !continues(&a, lens, b);
+    if (nseq > 1 && kvg_shared_prefix(-1) == 1) {
         const int rc = decode_shared(&a, out, rows, lens, B, threads);
         if (rc != 2)
             return rc;
     }
-    return decode_each(&a, out, rows, lens, B, threads);
+    return decode_each(&a, out, rows, lens, B, nseq, threads);
 }
 
 /* ---- The same lanes in 512-bit vectors, where the CPU has AVX-512 --------------------------

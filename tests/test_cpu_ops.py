@@ -234,6 +234,103 @@ def test_strided_query_rows_and_rows_between_prefill_rows() -> None:
     assert_close(out, torch.cat(refs).float())
 
 
+def _decode_rows(q: torch.Tensor, kv: tuple, tables: torch.Tensor, lens: list[int]) -> torch.Tensor:
+    """`cpu_ops.paged_decode` with query row i of `q` over `tables[i]` at `lens[i]` tokens."""
+    out = torch.zeros_like(q)
+    rows = torch.arange(q.shape[0])
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    cpu_ops.paged_decode(q, out, rows, lens_t, *kv, tables.contiguous(), 0.125)
+    return out
+
+
+def _one_pool(gen: torch.Generator, blocks: int = 64):  # noqa: ANN202
+    """fp32 pools of `blocks` blocks of 16 tokens, 3 KV heads of 64, all random (garbage
+    beyond any table's tokens), and block tables of shuffled ids."""
+    k_cache = torch.randn(blocks, 16, 3, 64, generator=gen) * 3
+    v_cache = torch.randn(blocks, 16, 3, 64, generator=gen)
+    return (k_cache, v_cache), torch.randperm(blocks, generator=gen).to(torch.int32)
+
+
+@pytest.mark.parametrize("length", [16 * 3 + 7, 16 * 40 + 5])  # 3 blocks and part, 40 and part
+@pytest.mark.parametrize("shared", [True, False])
+def test_one_sequences_decode_rows_get_its_one_token_steps_bits(length: int, shared: bool) -> None:
+    """A verify step's rows (a last token and its drafts) or a grammar's forced rows are
+    several decode rows of one sequence: its block table each, lengths one apart. Each row
+    gets, bit for bit, what a step of that sequence alone at its length gets, with the
+    shared-prefix read on or off and either lane width, so a lone seeded request answers
+    alike with drafts or jump-forward and without. Before, three rows or more over two full
+    blocks were taken as sequences sharing a prefix (their blocks read once, the softmax
+    merged from parts: logits up to 0.024 apart in the default model), and a long sequence
+    was split over the threads by the step's row count, not its own length."""
+    gen = torch.Generator().manual_seed(41)
+    kv, ids = _one_pool(gen)
+    lens = [length - 3, length - 2, length - 1, length]
+    width = (length + 15) // 16
+    tables = ids[:width].repeat(4, 1)
+    q = torch.randn(4, 9, 64, generator=gen)
+    have = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpu_lowbit.cpu_flags()
+    threads, wide, before = torch.get_num_threads(), cpu_lowbit.attention512(), None
+    try:
+        torch.set_num_threads(4)  # a lone long row splits 16 ways, four rows 4 ways before
+        before = cpu_lowbit.shared_prefix(shared)
+        for lanes in [True, False] if have else [False]:
+            cpu_lowbit.attention512(lanes)
+            calls = cpu_lowbit.shared_prefix_calls()
+            together = _decode_rows(q, kv, tables, lens)
+            for i, n in enumerate(lens):
+                alone = _decode_rows(q[i : i + 1], kv, tables[i : i + 1], [n])
+                assert torch.equal(together[i], alone[0]), (lanes, n)
+            assert cpu_lowbit.shared_prefix_calls() == calls  # no group of one sequence
+            k = kv[0][ids[:width]].reshape(-1, 3, 64)
+            v = kv[1][ids[:width]].reshape(-1, 3, 64)
+            refs = [dense_reference(q[i : i + 1], k[:n], v[:n], 0.125) for i, n in enumerate(lens)]
+            assert_close(together, torch.cat(refs).float())
+    finally:
+        torch.set_num_threads(threads)
+        cpu_lowbit.attention512(wide)
+        if before is not None:
+            cpu_lowbit.shared_prefix(before)
+
+
+def test_sequences_sharing_a_prefix_still_read_it_once_beside_a_verify_step() -> None:
+    """Different sequences behind one prompt keep reading its blocks once, one sequence's
+    verify rows beside them included (those attend alone), and a group counts sequences,
+    not rows: two sequences and another's two rows are too few for this shape's group of
+    three (nine query heads, a set of sixteen half filled)."""
+    gen = torch.Generator().manual_seed(43)
+    kv, ids = _one_pool(gen, blocks=40)
+    prompt = ids[:4].tolist()  # 4 full blocks every sequence begins with
+    own = ids[4:].tolist()
+    seq_tables = [prompt + own[2 * i : 2 * i + 2] for i in range(5)]
+    q = torch.randn(7, 9, 64, generator=gen)
+    before = cpu_lowbit.shared_prefix(True)
+    try:
+        # three sequences one row each, then a fourth's three verify rows
+        tables = torch.tensor([seq_tables[i] for i in (0, 1, 2, 3, 3, 3)], dtype=torch.int32)
+        lens = [70, 75, 80, 90, 91, 92]
+        calls = cpu_lowbit.shared_prefix_calls()
+        got = _decode_rows(q[:6], kv, tables, lens)
+        assert cpu_lowbit.shared_prefix_calls() == calls + 1
+        refs = []
+        for i, n in enumerate(lens):
+            blocks = tables[i, : (n + 15) // 16]
+            k = kv[0][blocks].reshape(-1, 3, 64)[:n]
+            v = kv[1][blocks].reshape(-1, 3, 64)[:n]
+            refs.append(dense_reference(q[i : i + 1], k, v, 0.125))
+        assert_close(got, torch.cat(refs).float())
+        # two sequences and another's two rows: no group
+        tables = torch.tensor([seq_tables[i] for i in (0, 1, 3, 3)], dtype=torch.int32)
+        calls = cpu_lowbit.shared_prefix_calls()
+        _decode_rows(q[:4], kv, tables, [70, 75, 90, 91])
+        assert cpu_lowbit.shared_prefix_calls() == calls
+        # ... where three sequences make one
+        tables = torch.tensor([seq_tables[i] for i in (0, 1, 3, 4)], dtype=torch.int32)
+        _decode_rows(q[:4], kv, tables, [70, 75, 90, 91])
+        assert cpu_lowbit.shared_prefix_calls() == calls + 1
+    finally:
+        cpu_lowbit.shared_prefix(before)
+
+
 @pytest.mark.parametrize("rows", [1, 5, 300])
 def test_rmsnorm_matches_torch_and_adds_the_residual_in_place(rows: int) -> None:
     gen = torch.Generator().manual_seed(rows)

@@ -604,9 +604,8 @@ def test_verify_rows_take_the_kernel_plain_decode_takes(
     of one sequence runs 16 rows (its last token and 15 drafts), whose projections pick their
     kernel as one decoding sequence does, so the answer, log-probabilities included, is the
     one without drafts. Before, 16 rows took the fp32 panels where plain decode takes the
-    integer dots. (Decode attention reads blocks several rows share once for all of them by
-    default, a verify step's rows included, which is not plain decode's bits: off here, so
-    that only the projections are compared.)"""
+    integer dots. (Decode attention's shared-prefix read is off here, so that only the
+    projections are compared; with it on, see the test below.)"""
     engine = drafting_engine
     prompt = _chat(engine, "Count from one to twenty in words.")
     monkeypatch.setattr(Lookup, "propose", lambda self, seq, most: [])
@@ -627,3 +626,40 @@ def test_verify_rows_take_the_kernel_plain_decode_takes(
     assert [16] in steps  # a verify step of 16 rows
     assert drafted.token_ids == answer
     assert _entries(drafted) == _entries(plain)
+
+
+def test_a_seeded_request_answers_alike_with_drafts_and_the_shared_read_on(
+    drafting_engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same seeded request with drafts (every one accepted) and without, decode
+    attention's shared-prefix read on (the default), behind a prompt of over eight blocks: the
+    same tokens and log-probabilities. A verify step's rows are one sequence's, each attended
+    as that sequence's one-token step at its length. Before, three rows or more over two full
+    blocks were read as sequences sharing a prefix (logits up to 0.024 from one-token
+    steps'), and a long sequence's rows were split over the threads by how many rows the
+    step had."""
+    engine = drafting_engine
+    text = "Tell me about the history of the lighthouse, its keepers and its lamps. " * 8
+    prompt = _chat(engine, text)
+    assert len(prompt) > 8 * engine.config.block_size  # split over the threads when alone
+    monkeypatch.setattr(Lookup, "propose", lambda self, seq, most: [])
+    shared = cpu_lowbit.shared_prefix(True)
+    try:
+        plain = engine.generate([prompt], [SEEDED])[0]
+        answer = plain.token_ids
+
+        def propose(self: Lookup, seq: Any, most: int) -> list[int]:
+            done = len(seq.output_token_ids)
+            return answer[done : done + most]
+
+        monkeypatch.setattr(Lookup, "propose", propose)
+        steps = _step_tokens(engine, monkeypatch)
+        calls = cpu_lowbit.shared_prefix_calls()
+        drafted = engine.generate([prompt], [SEEDED])[0]
+        grouped = cpu_lowbit.shared_prefix_calls() - calls
+    finally:
+        cpu_lowbit.shared_prefix(shared)
+    assert [16] in steps  # a verify step of 16 rows
+    assert drafted.token_ids == answer
+    assert _entries(drafted) == _entries(plain)
+    assert grouped == 0  # a lone sequence's rows: nothing read once for several

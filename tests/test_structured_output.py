@@ -380,10 +380,11 @@ def test_jump_forward_keeps_the_packed_models_tokens(
     tiles against the decode rows' int16 dots, prefill attention against decode attention:
     logits apart by up to 0.07), and 2 of these 6 seeds answered otherwise.
 
-    Decode attention's shared-prefix read is off here: it reads the blocks a chunk's rows all
-    hold once for them (three rows or more over two full blocks, as for a verify step's
-    drafts), and its merged softmax moves this model's logits by up to 0.02 from one-token
-    steps', which can turn a draw at its edge."""
+    Decode attention's shared-prefix read is off here: a sequence's own forced rows never
+    take it (each attends as its one-token step would), but these seven requests share their
+    prompt's blocks, and which of them decode together (with forced rows or without) decides
+    the groups that read those blocks once, whose merged softmax moves this model's logits by
+    up to 0.02, which can turn a draw at its edge."""
     eng = smollm_engine
     prompt = chat(eng, ASK)
     asks = [SamplingParams(max_tokens=64, json_schema=PERSON)] + [

@@ -668,11 +668,54 @@ def load_config(path: Path | None) -> DaemonConfig:
         raise ConfigFileError(e.errors) from None
     cfg = _validate(data, Where(str(path), lines))
     base = Path(os.path.abspath(path)).parent  # relative paths in it are relative to it
+    moved = _left_in_the_cwd(cfg, base)
+    if moved:
+        raise ConfigFileError(moved)
     for loc in PATH_KEYS:
         cfg = _rebased(cfg, loc, base)
     if "model" in cfg.serving.model_fields_set:
         cfg = _rebased_model(cfg, base)
     return _rebased_audit_url(cfg, base)
+
+
+def _left_in_the_cwd(cfg: DaemonConfig, base: Path) -> list[str]:
+    """An error for each relative file path (PATH_KEYS, a SQLite `audit.url`) that names
+    nothing under `base` while a file of that name is in the working directory. Older kvguard
+    read such paths from the working directory: a config kept across the upgrade would else
+    quietly name other files, a new, empty audit database and a token file that is not there
+    (the admin API off). `serving.model` has no such trap: one not found under `base` is still
+    read from the working directory (`_rebased_model`)."""
+    found: list[tuple[Loc, str, Path]] = []
+    for loc in PATH_KEYS:
+        value = _value_at(cfg, loc)
+        if isinstance(value, Path) and not value.is_absolute():
+            found.append((loc, str(value), value))
+    url = cfg.audit.url
+    if url is not None:
+        from kvguard.daemon.audit_migrate import parse_url, sqlite_path
+
+        path = sqlite_path(url)
+        if path is not None and not path.is_absolute():
+            found.append((("audit", "url"), url, path))
+    errors = []
+    for loc, written, path in found:
+        there, here = Path(os.path.normpath(base / path)), Path(os.path.abspath(path))
+        if there == here or there.exists() or not here.is_file():
+            continue
+        if loc == ("audit", "url"):
+            fix = parse_url(written).set(database=str(here)).render_as_string(hide_password=False)
+        else:
+            fix = str(here)
+        errors.append(
+            cfg._line(
+                loc,
+                f"{written} names {there}, which does not exist, but {here} does: relative "
+                "paths in the config are read from the config file's folder (older kvguard "
+                "read them from the working directory); to keep that file, write its path "
+                f"absolute ({fix}), or move it to {there}",
+            )
+        )
+    return errors
 
 
 def _rebased_audit_url(cfg: DaemonConfig, base: Path) -> DaemonConfig:

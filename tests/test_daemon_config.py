@@ -444,6 +444,71 @@ def test_relative_paths_are_relative_to_the_config_file(
     assert "API bound" not in proc.stderr and "loaded" not in proc.stderr
 
 
+def test_a_relative_path_an_older_kvguard_read_from_the_working_directory_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Older kvguard read relative paths from the working directory. A config kept across the
+    upgrade, whose `audit.url: sqlite:///audit.db` and `admin_token_file` name nothing beside
+    it while those files are in the working directory, would start a new, empty audit database
+    and turn the admin API off: it is refused, both paths and the fix named, at the load every
+    consumer uses (start, reload, `kvguard audit --config`). With the files beside the config
+    too, those are the ones; with neither, a new database is made beside the config."""
+    from tests.test_audit import kvguard
+    from tests.test_server import serve_refused
+
+    etc, run = tmp_path / "etc", tmp_path / "run"
+    etc.mkdir()
+    run.mkdir()
+    monkeypatch.chdir(run)  # the old daemon's working directory, and its files
+    rc, _ = kvguard("db", "upgrade", "--db", f"sqlite:///{run / 'audit.db'}")
+    assert rc == 0 and (run / "audit.db").is_file(), capsys.readouterr().err
+    (run / "admin.token").write_text("secret\n")
+    path = etc / "config.yaml"
+    path.write_text(
+        "serving: {model: tiny}\napi: {admin_token_file: admin.token}\n"
+        "audit:\n  url: 'sqlite:///audit.db?timeout=5'\n"
+    )
+    why = (
+        "relative paths in the config are read from the config file's folder (older kvguard "
+        "read them from the working directory); to keep that file, write its path absolute"
+    )
+    assert errors_of(path) == [
+        f"{path}:2: api.admin_token_file: admin.token names {etc / 'admin.token'}, which does "
+        f"not exist, but {run / 'admin.token'} does: {why} ({run / 'admin.token'}), or move it "
+        f"to {etc / 'admin.token'}",
+        f"{path}:4: audit.url: sqlite:///audit.db?timeout=5 names {etc / 'audit.db'}, which "
+        f"does not exist, but {run / 'audit.db'} does: {why} "
+        f"(sqlite:///{run / 'audit.db'}?timeout=5), or move it to {etc / 'audit.db'}",
+    ]
+    proc = serve_refused(path)
+    assert proc.returncode == 2, proc.stderr
+    assert f"kvguard: error: {path}:2: api.admin_token_file: admin.token names" in proc.stderr
+    assert f"\n{path}:4: audit.url: sqlite:///audit.db?timeout=5 names" in proc.stderr
+    assert "API bound" not in proc.stderr
+    capsys.readouterr()
+    rc, out = kvguard("audit", "list", "--config", str(path))
+    assert rc == 2 and f"{path}:2: api.admin_token_file: admin.token names" in (
+        capsys.readouterr().err
+    )
+    assert not (etc / "audit.db").exists()  # no second, empty database
+
+    # beside the config too: those are read, as they were before this check
+    rc, _ = kvguard("db", "upgrade", "--db", f"sqlite:///{etc / 'audit.db'}")
+    assert rc == 0
+    (etc / "admin.token").write_text("secret\n")
+    cfg = load_config(path)
+    assert cfg.audit.url == f"sqlite:///{etc / 'audit.db'}?timeout=5"
+    assert cfg.api.admin_token_file == etc / "admin.token"
+
+    # in neither place: a first start, whose database is made beside the config
+    for d in (etc, run):
+        (d / "audit.db").unlink()
+        (d / "admin.token").unlink()
+    assert load_config(path).audit.url == f"sqlite:///{etc / 'audit.db'}?timeout=5"
+    rc, _ = kvguard("db", "upgrade", "--config", str(path))
+    assert rc == 0 and (etc / "audit.db").is_file() and not (run / "audit.db").exists()
+
+
 def test_cpu_headroom_larger_than_the_budget_is_refused(tmp_path: Path) -> None:
     path = write(
         tmp_path,

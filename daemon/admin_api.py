@@ -245,6 +245,7 @@ def _debug_routes(r: APIRouter, service: Service) -> None:
     """Fault injection for tests and benchmarks, mounted only with `api.debug_hooks: true`
     (default off): a stalled engine or a fake OOM is an outage on a production daemon, and
     the admin token alone should not be able to cause one. Off, the paths answer 404."""
+    stalls: set[threading.Event] = set()  # the stalls holding the engine now: /debug/release
 
     @r.post("/debug/stall")
     async def stall(body: Any = Body(None)) -> dict[str, Any]:
@@ -252,11 +253,15 @@ def _debug_routes(r: APIRouter, service: Service) -> None:
         the engine thread is blocked, so that what a test does next meets a stalled engine (a
         stall still queued when the stop begins is withdrawn with the rest)."""
         seconds = _body(_StallBody, body).seconds
-        held = threading.Event()
+        held, release = threading.Event(), threading.Event()
 
         def hold() -> None:
+            stalls.add(release)
             held.set()
-            time.sleep(seconds)
+            try:
+                release.wait(seconds)
+            finally:
+                stalls.discard(release)
 
         fut = service.loop.call(hold)
         while not held.is_set():
@@ -264,6 +269,15 @@ def _debug_routes(r: APIRouter, service: Service) -> None:
                 raise ApiError(503, "the engine did not take the stall", code="not_stalled")
             await asyncio.sleep(0.01)
         return {"stalled_s": seconds}
+
+    @r.post("/debug/release")
+    async def release() -> dict[str, Any]:
+        """End the stall holding the engine now, before its `seconds`: a test holds the engine
+        for as long as it needs, not for a guess at how long a loaded machine takes."""
+        held = list(stalls)
+        for event in held:
+            event.set()
+        return {"released": len(held)}
 
     @r.post("/debug/inject_oom")
     async def inject_oom(body: Any = Body(None)) -> dict[str, Any]:

@@ -5,6 +5,7 @@ it (never 500, never applied), and the fault-injection hooks exist only when con
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -137,12 +138,25 @@ def test_debug_hook_params_answer_400_naming_the_field(
 def test_debug_hooks_work_when_configured(daemon: Daemon) -> None:
     r = daemon.admin("POST", "/admin/debug/stall", json={"seconds": 0})
     assert r.status_code == 200 and r.json() == {"stalled_s": 0.0}
+    assert daemon.admin("POST", "/admin/debug/release").json() == {"released": 0}
+    # a stall of a minute released at once: the engine answers again within seconds
+    assert daemon.admin("POST", "/admin/debug/stall", json={"seconds": 60}).status_code == 200
+    t0 = time.monotonic()
+    assert daemon.admin("POST", "/admin/debug/release").json() == {"released": 1}
+    c = daemon.client()
+    assert c.completions.create(model="tiny", prompt="x", max_tokens=2).usage.completion_tokens
+    assert time.monotonic() - t0 < 30
 
 
 def test_debug_hooks_are_absent_by_default(tmp_path: Path) -> None:
     d = Daemon(tmp_path, debug_hooks=False)
     try:
-        hooks = (("stall", {"seconds": 1}), ("inject_oom", {"times": 1}), ("fail_rank", {}))
+        hooks = (
+            ("stall", {"seconds": 1}),
+            ("release", {}),
+            ("inject_oom", {"times": 1}),
+            ("fail_rank", {}),
+        )
         for hook, body in hooks:
             assert d.admin("POST", f"/admin/debug/{hook}", json=body).status_code == 404
             assert httpx.post(f"{d.url}/admin/debug/{hook}", json=body).status_code == 404

@@ -1061,6 +1061,7 @@ ROUTES = [
     ("POST", "/admin/actions/{action}", 40),
     ("POST", "/admin/reload", 10),
     ("POST", "/admin/debug/stall", 15),
+    ("POST", "/admin/debug/release", 5),
     ("POST", "/admin/debug/inject_oom", 15),
     ("POST", "/admin/debug/fail_rank", 15),
     ("DELETE", "/v1/completions", 5),

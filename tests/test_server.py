@@ -480,26 +480,24 @@ def test_sigterm_under_load_drains_and_exits_zero(tmp_path: Path) -> None:
             r = httpx.post(
                 d.url + "/v1/completions",
                 timeout=60,
-                # long enough to be in flight at the SIGTERM, short enough to finish within the
-                # drain on a loaded machine (a drain cuts what it cannot finish)
+                # short enough to finish within the drain on a loaded machine once the engine
+                # is released (a drain cuts what it cannot finish)
                 json={"model": "tiny", "prompt": "drain me", "max_tokens": 100, "ignore_eos": True},
             )
             results.append((r.status_code, r.json().get("usage", {}).get("completion_tokens")))
         except httpx.HTTPError as e:
             results.append(e)
 
+    # the engine held from before the six come until the late request has had its answer: the
+    # six are in flight at the SIGTERM and the drain is still on when the late one comes (else
+    # on a loaded machine the first ones finished before the last came, and on a quick one all
+    # six before the late one, the daemon gone: connection refused)
+    assert d.admin("POST", "/admin/debug/stall", json={"seconds": 60}).status_code == 200
     threads = [threading.Thread(target=one) for _ in range(6)]
     for t in threads:
         t.start()
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:  # SIGTERM only once all six are inside the engine
-        q = d.admin("GET", "/admin/state").json()["queues"]
-        if sum(q["running"].values()) + sum(q["waiting"].values()) == 6:
-            break
-        time.sleep(0.05)
-    # the engine held for a while, so that the drain is still on when the late request comes (on
-    # a quick machine the six finished first, and the daemon had exited: connection refused)
-    d.admin("POST", "/admin/debug/stall", json={"seconds": 8})
+    in_flight = lambda: d.admin("GET", "/admin/state").json()["in_flight"]  # noqa: E731
+    until(lambda: in_flight() == 6, 60, "all six in flight")  # SIGTERM only then
     d.proc.send_signal(signal.SIGTERM)
     until(lambda: httpx.get(d.url + "/ready", timeout=5).status_code == 503, 30, "draining")
     late = httpx.post(
@@ -508,6 +506,7 @@ def test_sigterm_under_load_drains_and_exits_zero(tmp_path: Path) -> None:
         timeout=10,
     )
     assert late.status_code == 503
+    assert d.admin("POST", "/admin/debug/release").json() == {"released": 1}
     for t in threads:
         t.join(60)
     assert d.proc.wait(60) == 0

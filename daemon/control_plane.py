@@ -33,7 +33,7 @@ from kvguard.daemon.openai_schemas import unicode_problem
 from kvguard.engine.control import ActionResult
 from kvguard.engine.events import EngineEvent
 from kvguard.rules.actions import StopSignal, await_action, run_action
-from kvguard.rules.evaluator import Evaluator
+from kvguard.rules.evaluator import Evaluator, same_rule
 from kvguard.rules.schema import RuleSet, RulesFileError, load_rules, rules_file
 from kvguard.rules.signals import PromQL, SignalReader
 
@@ -610,11 +610,12 @@ def _frame(frame: FrameType) -> str:
 
 
 def rules_diff(old: RuleSet, new: RuleSet) -> list[str]:
-    """What a reload changed, rule by rule: `+name` added, `-name` removed, `~name` edited."""
+    """What a reload changed, rule by rule: `+name` added, `-name` removed, `~name` edited (a
+    default param written out or left out is no edit: the rule keeps its state)."""
     before, after = {r.name: r for r in old.rules}, {r.name: r for r in new.rules}
     out = [f"-{n}" for n in before if n not in after]
     out += [f"+{n}" for n in after if n not in before]
-    out += [f"~{n}" for n in after if n in before and after[n] != before[n]]
+    out += [f"~{n}" for n in after if n in before and not same_rule(after[n], before[n])]
     if old.signals != new.signals:
         out.append("~signals")
     if old.interval != new.interval:

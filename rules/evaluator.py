@@ -1095,6 +1095,15 @@ def _no_change(res: ActionResult | None) -> bool:
     return bool(res.before) and res.before == res.after
 
 
+def same_rule(a: Rule, b: Rule) -> bool:
+    """Whether two rules (of two loads of a file) are the same rule: equal, or equal but for
+    params written out at their defaults in one and left out in the other."""
+    if a == b:
+        return True
+    bare = {"params": {}, "undo_params": {}}
+    return a.model_copy(update=bare) == b.model_copy(update=bare) and _remedy(a) == _remedy(b)
+
+
 def _remedy(rule: Rule) -> tuple[Any, ...]:
     """What a rule does to the engine, its params with their defaults filled in (the file
     may write a default out or leave it out): a reload that changes it retires the remedy in

@@ -670,3 +670,18 @@ def test_an_undo_withdrawn_after_some_steps_applied_names_them() -> None:
 
 def steps_run(steps: list[tuple[str, dict[str, Any], str]], n: int) -> list[str]:
     return [name for name, _, _ in steps[:n]]
+
+
+def test_a_default_written_out_is_no_edit_in_a_reloads_answer() -> None:
+    """`rules_changed` lists `~rule` only for a rule that changed: one whose params only wrote
+    a default out (or left it out) keeps its state, so the reload's answer must not say edited."""
+    from kvguard.daemon.control_plane import rules_diff
+    from kvguard.rules.schema import load_rules_text
+
+    head = "version: 1\nrules:\n"
+    halt = "  - {name: hot, on: 'alert:Hot', action: halt_admission, undo: resume_admission%s}\n"
+    bare = load_rules_text(head + halt % "", "a.yaml")
+    spelt = load_rules_text(head + halt % ", params: {allow_priority: high}", "b.yaml")
+    other = load_rules_text(head + halt % ", params: {allow_priority: null}", "c.yaml")
+    assert rules_diff(bare, spelt) == [] and rules_diff(spelt, bare) == []
+    assert rules_diff(bare, other) == ["~hot"]

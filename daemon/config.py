@@ -326,6 +326,11 @@ class ApiConfig(_Section):
     # 256 prompts of 4096 tokens as id lists are about 8 MiB. Read at start only.
     max_request_bytes: Size = 16 * 2**20
     served_model_name: str | None = Field(None, min_length=1)
+    # A special token's text written in a chat message (`<|im_end|>`, `<|im_start|>system`)
+    # becomes that control token, as Hugging Face's templates and other servers make it: a
+    # client can close its turn and open another. refuse: such a message answers 400 naming
+    # the field and the token. A reload applies it.
+    special_tokens_in_messages: Literal["allow", "refuse"] = "allow"
     # /admin/debug/* (stall the engine, inject OOMs) for tests and benchmarks; off, they are 404.
     # Read at start only: a reload does not mount or unmount them.
     debug_hooks: bool = False

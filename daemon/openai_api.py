@@ -11,10 +11,11 @@ import dataclasses
 import email.message
 import json
 import logging
+import re
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Container, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +32,7 @@ from kvguard.daemon import tools
 from kvguard.daemon.openai_schemas import (
     DEFAULT_CHAT_MAX_TOKENS,
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
@@ -153,7 +155,7 @@ def router(service: Service) -> APIRouter:
         prompts = _prompts(body.prompt)
         if len(prompts) * (body.n or 1) > MAX_SEQUENCES:
             raise _too_many_prompts(len(prompts), body.n)
-        params = await _off_loop(request, _params, body, body.max_tokens or 16)
+        params = await _off_loop(request, _params, service, body, body.max_tokens or 16)
         return await _serve(
             service, request, "text_completion", prompts, params, body, x_priority, True
         )
@@ -164,7 +166,8 @@ def router(service: Service) -> APIRouter:
     ) -> Any:
         if (problem := body.tool_problem()) is not None:
             raise ApiError(400, problem[1], problem[0])
-        msgs, params = await _off_loop(request, _chat_input, body)
+        await _off_loop(request, _special_in_messages, service, body.messages)
+        msgs, params = await _off_loop(request, _chat_input, service, body)
         mode = body.tool_mode()
         if mode is not None:  # the answer held to the call form (the tools are in `msgs`)
             fns, parallel = body.tool_functions(), body.parallel()
@@ -188,6 +191,7 @@ def router(service: Service) -> APIRouter:
         if body.messages is not None:
             if (problem := body.tool_problem()) is not None:
                 raise ApiError(400, problem[1], problem[0])
+            await _off_loop(request, _special_in_messages, service, body.messages)
             msgs = await _off_loop(request, _chat_messages, body)
             text = await _off_loop(request, _render_chat, service, msgs)
             special = bool(body.add_special_tokens)
@@ -370,11 +374,11 @@ async def _off_loop(request: Request, fn: Callable[..., Any], *args: Any) -> Any
 
 
 def _chat_input(
-    body: ChatCompletionRequest,
+    service: Service, body: ChatCompletionRequest
 ) -> tuple[list[dict[str, str]], SamplingParams]:
     """A chat request's messages as its template takes them, and its sampling parameters."""
     limit = body.max_completion_tokens or body.max_tokens or DEFAULT_CHAT_MAX_TOKENS
-    return _chat_messages(body), _params(body, limit)
+    return _chat_messages(body), _params(service, body, limit)
 
 
 def _chat_messages(body: ChatCompletionRequest | TokenizeRequest) -> list[dict[str, str]]:
@@ -389,6 +393,43 @@ def _chat_messages(body: ChatCompletionRequest | TokenizeRequest) -> list[dict[s
 
 def _for_template(messages: Sequence[Any]) -> list[dict[str, str]]:
     return [m.for_template() for m in messages]
+
+
+def _special_in_messages(service: Service, messages: Sequence[ChatMessage] | None) -> None:
+    """With `api.special_tokens_in_messages: refuse`, a 400 for a message whose text holds a
+    special token's text: the rendered prompt is encoded with special tokens matched (as the
+    chat template's own markers must be), so a user's `<|im_end|>` would close its turn and
+    a `<|im_start|>system` open a forged one. Every text of a message the template renders is
+    checked, whatever its role: content (or its text parts), name, tool calls' arguments."""
+    if service.cfg.api.special_tokens_in_messages != "refuse" or not messages:
+        return
+    found = _special_tokens(service.engine.tokenizer)[1]
+    if found is None:  # the tokenizer has none
+        return
+    for i, m in enumerate(messages):
+        texts: list[tuple[str, str | None]] = [(f"messages[{i}].name", m.name)]
+        if isinstance(m.content, list):
+            texts += [
+                (f"messages[{i}].content[{j}].text", p["text"]) for j, p in enumerate(m.content)
+            ]
+        else:
+            texts.append((f"messages[{i}].content", m.content))
+        for j, call in enumerate(m.tool_calls or ()):
+            texts.append(
+                (f"messages[{i}].tool_calls[{j}].function.arguments", call.function.arguments)
+            )
+        for param, text in texts:
+            hit = found.search(text) if text else None
+            if hit is not None:
+                raise ApiError(
+                    400,
+                    f"{param} holds the special token {hit.group()!r} (at character "
+                    f"{hit.start()}): this server refuses control tokens written in messages "
+                    "(api.special_tokens_in_messages: refuse); the chat template would read it "
+                    "as one",
+                    param,
+                    "special_token_in_message",
+                )
 
 
 def _outside(tokens: list[int], vocab: int) -> list[int]:
@@ -429,8 +470,12 @@ def _logprobs(body: CompletionRequest | ChatCompletionRequest) -> int | None:
     return body.logprobs
 
 
-def _params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> SamplingParams:
+def _params(
+    service: Service, body: CompletionRequest | ChatCompletionRequest, max_tokens: int
+) -> SamplingParams:
     logprobs = _logprobs(body)
+    tok = service.engine.tokenizer
+    stop, stop_ids = _stops(tok, body.stop_list(), body.stop_token_ids or [])
     try:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -438,7 +483,8 @@ def _params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int) ->
             top_p=body.top_p,
             top_k=body.top_k,
             seed=body.seed,
-            stop=body.stop_list(),
+            stop=stop,
+            stop_token_ids=stop_ids,
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
             prompt_logprobs=logprobs if getattr(body, "echo", False) else None,
@@ -452,6 +498,44 @@ def _params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int) ->
     except ValueError as e:  # "stop=['']: ..." names its field first
         field = str(e).split("=", 1)[0]
         raise ApiError(400, str(e), field if field.isidentifier() else None) from e
+
+
+def _stops(tok: Tokenizer, stop: list[str], ids: list[int]) -> tuple[list[str], list[int]]:
+    """A request's stop strings and stop token ids, where a stop string that is exactly a
+    special token's text (`<|endoftext|>`) becomes that token's id: an answer's text leaves
+    special tokens out, so no string could ever match one. The answer ends at the token as at
+    a stop string, `stop`, its text not in the answer."""
+    if not stop:
+        return stop, ids
+    special = _special_tokens(tok)[0]
+    mapped = [special[s] for s in stop if s in special]
+    if not mapped:
+        return stop, ids
+    return [s for s in stop if s not in special], list(dict.fromkeys([*ids, *mapped]))
+
+
+# tokenizer -> its special tokens (text -> id) and a pattern finding any of their texts
+_SPECIAL: weakref.WeakKeyDictionary[Tokenizer, tuple[dict[str, int], re.Pattern[str] | None]] = (
+    weakref.WeakKeyDictionary()
+)
+_SPECIAL_LOCK = threading.Lock()  # the event loop and off-loop workers both read it
+
+
+def _special_tokens(tok: Tokenizer) -> tuple[dict[str, int], re.Pattern[str] | None]:
+    """The tokenizer's special tokens, text -> id (its added tokens marked special: those an
+    answer's text leaves out, and which encoding a text makes of their text wherever it is
+    written), and a pattern finding the first of their texts, longest first (None: it has
+    none). Worked out once per tokenizer, from its backend's added tokens (microseconds;
+    parsing its JSON took 0.14 s of the event loop for SmolLM2's)."""
+    with _SPECIAL_LOCK:
+        known = _SPECIAL.get(tok)
+        if known is None:
+            added = tok._tok.get_added_tokens_decoder()
+            texts = {t.content: i for i, t in sorted(added.items()) if t.special and t.content}
+            ordered = sorted(texts, key=len, reverse=True)
+            pattern = re.compile("|".join(map(re.escape, ordered))) if texts else None
+            known = _SPECIAL[tok] = (texts, pattern)
+    return known
 
 
 def authorize(service: Service, request: Request) -> Response | None:
@@ -714,6 +798,29 @@ def _text_at(utf8: codecs.IncrementalDecoder, made: int, raw: bytes) -> tuple[in
     return made + len(head) - (0 if pending else 1), made + len(head) + len(utf8.decode(raw[1:]))
 
 
+# tokenizer -> the ids its post-processor adds before a text's and after them
+_ADDED: weakref.WeakKeyDictionary[Tokenizer, tuple[list[int], list[int]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _added_around(tok: Tokenizer) -> tuple[list[int], list[int]]:
+    """The ids a tokenizer adds before a text's own and after them (a BOS; an end token), as
+    the engine encodes a completion's prompt (add_special_tokens): found by encoding a probe
+    text with and without them, the same for every text (a post-processor's template)."""
+    known = _ADDED.get(tok)
+    if known is None:
+        probe = "a"
+        own, full = tok.encode(probe, False), tok.encode(probe, True)
+        known = ([], [])
+        for i in range(len(full) - len(own) + 1):
+            if full[i : i + len(own)] == own:
+                known = (full[:i], full[i + len(own) :])
+                break
+        _ADDED[tok] = known
+    return known
+
+
 # tokenizer -> token id -> whether decoding leaves the token out of the text (event loop only)
 _SKIPPED: weakref.WeakKeyDictionary[Tokenizer, dict[int, bool]] = weakref.WeakKeyDictionary()
 
@@ -766,7 +873,11 @@ class _Ctx:
         self.text_offset: dict[int, tuple[codecs.IncrementalDecoder, int]] = {}
 
     def logprobs(
-        self, lps: list[TokenLogprob] | None, index: int = 0, shown: int = 0
+        self,
+        lps: list[TokenLogprob] | None,
+        index: int = 0,
+        shown: int = 0,
+        added: Container[int] = (),
     ) -> dict[str, Any] | None:
         """`lps` in OpenAI's shape: chat `{"content": [...], "refusal": null}`, a completion
         `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}` (offsets continue from
@@ -781,7 +892,9 @@ class _Ctx:
         character at that character's. A generated token the text leaves out (a special
         token: `_skipped`) takes no room in it: a completion's next token has its offset,
         and a chat entry's `bytes` are none, so that they add up to the content. The first
-        `shown` tokens (an echoed prompt, whose text shows its special tokens) are all text.
+        `shown` tokens (an echoed prompt, whose text shows its special tokens) are all text,
+        but those whose indices are in `added`: what the tokenizer added to a prompt sent as
+        text (a BOS), which its echo, the text as sent, does not hold, take no room either.
 
         A completion's `top_logprobs` hold the sampled token's too, as OpenAI's do (so up to
         `logprobs` + 1 of them); chat's are the `top_logprobs` likeliest, as OpenAI's are."""
@@ -822,7 +935,7 @@ class _Ctx:
             for i, v in alternatives:
                 top.setdefault(text(token_bytes(i)), v)
             tops.append(top)
-            if k >= shown and _skipped(tok, lp.token_id):
+            if (k >= shown and _skipped(tok, lp.token_id)) or k in added:
                 offsets.append(made)  # where the next character starts (or the one pending)
                 continue
             at, made = _text_at(utf8, made, raw)
@@ -835,8 +948,8 @@ class _Ctx:
         self, out: RequestOutput, lps: list[TokenLogprob] | None
     ) -> list[TokenLogprob] | None:
         """A chat answer's token log-probabilities `lps` (all of them, or the last output's)
-        but the end-of-turn token that ended it, which OpenAI does not list: its content has
-        no text of it. A completion lists every token generated."""
+        but the end-of-turn token (or stop token) that ended it, which OpenAI does not list:
+        its content has no text of it. A completion lists every token generated."""
         if lps and self.kind == "chat.completion" and self.ended_by_eos(out):
             return lps[:-1]
         return lps
@@ -857,15 +970,14 @@ class _Ctx:
         return out.finish_reason == "stop" and bool(self.params.stop)
 
     def ended_by_eos(self, out: RequestOutput) -> bool:
-        """Whether a final output's last token is the end-of-sequence token that ended it."""
+        """Whether a final output's last token is the end-of-sequence token, or one of its
+        `stop_token_ids`, that ended it (the engine stops at such a token before a stop
+        string is looked for: a last token among them ended the answer)."""
         ids = out.final_token_ids
-        return (
-            out.finished
-            and out.finish_reason == "stop"
-            and not self.params.ignore_eos
-            and bool(ids)
-            and ids[-1] in self.service.engine.eos_ids
-        )
+        if not (out.finished and out.finish_reason == "stop" and ids):
+            return False
+        eos = not self.params.ignore_eos and ids[-1] in self.service.engine.eos_ids
+        return eos or ids[-1] in self.params.stop_token_ids
 
     def echo_logprobs(self, out: RequestOutput, index: int) -> dict[str, Any] | None:
         """A completion's logprobs with `echo`: the prompt's tokens first (the first has none,
@@ -874,9 +986,25 @@ class _Ctx:
             return self.logprobs(self.kept_logprobs(out), index)
         first = TokenLogprob(out.prompt_token_ids[0], 0.0)
         prompt = [first, *out.final_prompt_logprobs]
-        lps = self.logprobs([*prompt, *(self.kept_logprobs(out) or ())], index, len(prompt))
+        added = self.added_to_prompt(index, out.prompt_token_ids)
+        answer = self.kept_logprobs(out) or ()
+        lps = self.logprobs([*prompt, *answer], index, len(prompt), added)
         lps["token_logprobs"][0] = lps["top_logprobs"][0] = None
         return lps
+
+    def added_to_prompt(self, index: int, ids: Sequence[int]) -> set[int]:
+        """The indices in choice `index`'s prompt ids of the tokens the tokenizer added to it
+        (`_added_around`: a BOS before it, an end token after it) where it was sent as text:
+        its echo is the text as sent, which does not hold theirs; none for token ids, whose echo
+        is their text, the added tokens' included."""
+        if self.echo is None or not isinstance(self.echo[index // self.n], str):
+            return set()
+        before, after = _added_around(self.service.engine.tokenizer)
+        lead = len(before) if list(ids[: len(before)]) == before else 0
+        trail = len(after) if after and list(ids[len(ids) - len(after) :]) == after else 0
+        if lead + trail > len(ids):
+            return set()
+        return {*range(lead), *range(len(ids) - trail, len(ids))}
 
     def echo_text(self, index: int) -> str:
         """What `echo` puts before choice `index`: its prompt as sent, or its token ids as

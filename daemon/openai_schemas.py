@@ -38,6 +38,7 @@ Priority = Annotated[
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # OpenAI's integer range; torch takes no more
 MAX_CHOICES = 32  # `n`: each choice is a sequence of its own, admitted like a request
 MAX_TOOLS = 128  # functions one request may offer (OpenAI's limit)
+MAX_STOP_TOKEN_IDS = MAX_STOP_STRINGS  # `stop_token_ids`, bounded as stop strings are
 # `metadata`, as OpenAI bounds it: at most 16 pairs, keys of at most 64 characters, string
 # values of at most 512 (unused by kvguard: it is accepted, not a store for megabytes)
 MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
@@ -175,6 +176,28 @@ def _stop(value: Any) -> str | list[str] | None:
     return value
 
 
+def _stop_token_ids(value: Any) -> list[int] | None:
+    """kvguard's stop token ids: at most MAX_STOP_TOKEN_IDS token ids (integers >= 0), counted
+    before any is checked; the engine refuses one outside the vocabulary (a 400 naming the
+    field). Read on every output token of every choice, as stop strings are."""
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise PydanticCustomError("stop_token_ids", "expected a list of token ids")
+    if len(value) > MAX_STOP_TOKEN_IDS:
+        raise PydanticCustomError(
+            "stop_token_ids",
+            "{n} token ids: at most {most} are allowed",
+            {"n": len(value), "most": MAX_STOP_TOKEN_IDS},
+        )
+    for i, t in enumerate(value):
+        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t <= INT64_MAX:
+            raise PydanticCustomError(
+                "stop_token_ids", "element {i}: expected a token id (an integer >= 0)", {"i": i}
+            )
+    return value
+
+
 def _metadata(value: Any) -> dict[str, str] | None:
     """OpenAI's metadata: at most MAX_METADATA_PAIRS string pairs, keys of at most
     MAX_METADATA_KEY_CHARS characters and values of at most MAX_METADATA_VALUE_CHARS, counted
@@ -293,6 +316,21 @@ class _Sampling(_Body):
     ] = Field(
         None,
         description=f"at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters",
+    )
+    stop_token_ids: Annotated[
+        Any,
+        AfterValidator(_stop_token_ids),
+        WithJsonSchema(
+            {
+                "type": "array",
+                "items": {"type": "integer", "minimum": 0},
+                "maxItems": MAX_STOP_TOKEN_IDS,
+            }
+        ),
+    ] = Field(
+        None,
+        description=f"kvguard extension: at most {MAX_STOP_TOKEN_IDS} token ids of the "
+        "vocabulary; the answer ends at the first it generates, whose text it leaves out",
     )
     seed: Int64 | None = None
     ignore_eos: bool = Field(False, description="kvguard extension: generate max_tokens tokens")

@@ -810,13 +810,16 @@ class Service:
         return str(device) if device is not None else self.cfg.serving.device
 
     def _apply_reloadable(self, new: DaemonConfig) -> tuple[dict[str, Any], list[str]]:
-        """Take what can change without a restart: timeouts, rules, Prometheus, API keys and
+        """Take what can change without a restart: timeouts, rules, Prometheus, API keys, the
+        chat API's special-token policy and
         the engine knobs declared live (batch limits, the step budget, admission control, the
         CPU KV budget), applied to the running engine; (what changed, what changed in the file
         but waits for a restart). `self.cfg` stays what is in force."""
         changes: dict[str, Any] = {}
         if new.api.drain_timeout != self.cfg.api.drain_timeout:
             changes["api.drain_timeout"] = new.api.drain_timeout
+        if new.api.special_tokens_in_messages != self.cfg.api.special_tokens_in_messages:
+            changes["api.special_tokens_in_messages"] = new.api.special_tokens_in_messages
         if new.rules.dry_run != self.cfg.rules.dry_run:  # the control plane takes it with the rules
             changes["rules.dry_run"] = new.rules.dry_run
         device = self._device_in_force  # a new serving.device waits for the restart
@@ -829,7 +832,11 @@ class Service:
             changes |= _knob_changes(new, live, device)
         cfg = _with_knobs(self.cfg, new, live)
         api = cfg.api.model_copy(
-            update={"drain_timeout": new.api.drain_timeout, "api_keys_file": new.api.api_keys_file}
+            update={
+                "drain_timeout": new.api.drain_timeout,
+                "api_keys_file": new.api.api_keys_file,
+                "special_tokens_in_messages": new.api.special_tokens_in_messages,
+            }
         )
         self.cfg = cfg.model_copy(
             update={"api": api, "rules": new.rules, "prometheus": new.prometheus}
@@ -1103,7 +1110,11 @@ def engine_changes(
         if old.knob_value(k, device) != new.knob_value(k, device):
             (live if k.knob.live else restart).append(k)
     later = [f"{k.knob.section}.{k.file_key}" for k in restart]
-    reloaded = {("api", "drain_timeout"), ("api", "api_keys_file")}
+    reloaded = {
+        ("api", "drain_timeout"),
+        ("api", "api_keys_file"),
+        ("api", "special_tokens_in_messages"),
+    }
     inert = {tuple(name.split(".")) for name in INERT}  # no restart applies them either
     knobs = {(k.knob.section, k.file_key) for k in ENGINE_KNOBS}
     for section in DaemonConfig.model_fields:

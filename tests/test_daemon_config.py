@@ -810,3 +810,21 @@ def test_the_briefs_inert_keys_load_and_are_named(tmp_path: Path) -> None:
         "monitoring.oom_alert_threshold",
     ]
     assert all("has no effect in kvguard" in line for line in said)
+
+
+def test_special_tokens_in_messages_is_allow_or_refuse_and_a_reload_applies_it(
+    tmp_path: Path,
+) -> None:
+    """`api.special_tokens_in_messages`: allow (the default, as Hugging Face's templates and
+    other servers serve such text) or refuse; anything else names the key and the choices. The
+    chat API reads it from the config in force per request, and a reload applies it."""
+    from kvguard.daemon.service import engine_changes
+
+    assert load_config(None).api.special_tokens_in_messages == "allow"
+    refuse = load_config(write(tmp_path, "api: {special_tokens_in_messages: refuse}\n"))
+    assert refuse.api.special_tokens_in_messages == "refuse"
+    errors = errors_of(write(tmp_path, "api: {special_tokens_in_messages: escape}\n"))
+    assert len(errors) == 1 and "1: api.special_tokens_in_messages: " in errors[0], errors
+    assert "'allow'" in errors[0] and "'refuse'" in errors[0], errors
+    live, restart = engine_changes(load_config(None), refuse)
+    assert live == [] and restart == []

@@ -10,6 +10,7 @@ goes through here, so a distributed runner can repeat it on every rank.
 from __future__ import annotations
 
 import ctypes
+import enum
 import logging
 import threading
 import time
@@ -44,7 +45,7 @@ from kvguard.engine.sampler import (
 )
 from kvguard.engine.sequence import Sequence, TokenLogprob
 from kvguard.engine.speculative import accepted_prefix
-from kvguard.kernels.cpu_lowbit import StepRows, step_rows
+from kvguard.kernels.cpu_lowbit import StepRows, bf16_min_prompt, step_rows
 from kvguard.kernels.dispatch import use_triton
 from kvguard.kernels.env import env_flag
 from kvguard.kernels.paged_attention import decode_workspace_bytes
@@ -113,6 +114,16 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     return KV_TORCH_DTYPES[name]
 
 
+class RowKind(enum.IntEnum):
+    """How a step computes a sequence's rows (`decode_rows`, `build_step`'s `decodes`), in the
+    order the step lays them out: a decode's, then a short prompt's, then a prompt's. PROMPT
+    and DECODE equal False and True, what `decodes` held before short prompts had a kind."""
+
+    PROMPT = 0  # prompt rows of a prompt of `cpu_lowbit.bf16_min_prompt()` tokens or more
+    DECODE = 1
+    SHORT_PROMPT = 2  # prompt rows of a shorter prompt (the AMX bf16 tiles do not pay there)
+
+
 @dataclass(slots=True)
 class StepInput:
     """One step's tensors, built the same way on every rank from the scheduled batch."""
@@ -138,7 +149,7 @@ def build_step(
     device: torch.device,
     every_row: bool = False,
     as_decode: list[bool] | None = None,
-    decodes: list[bool] | None = None,
+    decodes: list[RowKind] | list[bool] | None = None,
 ) -> StepInput:
     """The step's tensors from each sequence's block table, first uncomputed position, token
     count and how many of its last rows get logits (`logit_rows`: 1 where a token is sampled,
@@ -153,19 +164,25 @@ def build_step(
     took 7.8 ms a step, 4.8 as decode rows). Every rank of a tensor-parallel engine calls
     this with the same lists, so slots agree.
 
-    `decodes` marks the sequences whose rows are decode rows (`decode_rows`): their rows come
-    first in the step, the prompt chunks' after them (`kinds`), so that the CPU GEMMs can give
-    each kind its own kernel; the sampled rows stay in batch order. It also marks the prompt
-    chunks for attention (`AttentionMetadata.prompt_rows`): a one-token chunk or cached tail
-    attends by the prefill kernel, as its prompt's other rows did. Without it the rows are
-    in batch order, the step says nothing of their kinds, and a one-row entry attends as a
-    decode row."""
+    `decodes` gives each sequence's rows their kind (`decode_rows`: a `RowKind`, or a bool:
+    decode rows or a prompt's): decode rows come first in the step, then short prompts'
+    chunks, then the other prompt chunks (`kinds`), so that the CPU GEMMs can give each kind
+    its own kernel; the sampled rows stay in batch order. It also marks the prompt chunks for
+    attention (`AttentionMetadata.prompt_rows`): a one-token chunk or cached tail attends by
+    the prefill kernel, as its prompt's other rows did. Without it the rows are in batch
+    order, the step says nothing of their kinds, and a one-row entry attends as a decode
+    row."""
     order = range(len(tables))
     kinds = None
     if decodes is not None:
-        order = [i for i in order if decodes[i]] + [i for i in order if not decodes[i]]
-        decoding = sum(map(bool, decodes))
-        kinds = StepRows(sum(num_tokens), sum(num_tokens[i] for i in order[:decoding]), decoding)
+        layout = (RowKind.DECODE, RowKind.SHORT_PROMPT, RowKind.PROMPT)
+        order = [i for kind in layout for i in order if decodes[i] == kind]
+        decoding = sum(kind == RowKind.DECODE for kind in decodes)
+        short = sum(
+            n for n, k in zip(num_tokens, decodes, strict=True) if k == RowKind.SHORT_PROMPT
+        )
+        decode = sum(num_tokens[i] for i in order[:decoding])
+        kinds = StepRows(sum(num_tokens), decode, decoding, short)
     at = [0] * len(tables)  # each sequence's first token id in `token_ids` (batch order)
     for i in range(1, len(tables)):
         at[i] = at[i - 1] + num_tokens[i - 1]
@@ -189,7 +206,7 @@ def build_step(
             entries.append(table)
             lens.append(start + n)
             qlens.append(n)
-            prompt.append(decodes is not None and not decodes[i])
+            prompt.append(decodes is not None and decodes[i] != RowKind.DECODE)
     rows = []
     for i, (n, k) in enumerate(zip(num_tokens, sampled, strict=True)):
         rows.extend(range(first[i] + (0 if every_row else n - int(k)), first[i] + n))
@@ -220,11 +237,17 @@ def step_token_ids(seqs: list[Sequence], num_tokens: list[int]) -> list[int]:
     return ids
 
 
-def decode_rows(seq: Sequence) -> bool:
-    """Whether a step computes decode rows of `seq` (`Sequence.decoding`): its last drawn
-    token, with the tokens its grammar forced after it (jump-forward) or the drafts verified
-    after it; not a prompt chunk (nor a preempted sequence's recomputed text)."""
-    return seq.decoding
+def decode_rows(seq: Sequence) -> RowKind:
+    """Whether a step computes decode rows of `seq` (`Sequence.decoding`, `RowKind.DECODE`): its
+    last drawn token, with the tokens its grammar forced after it (jump-forward) or the drafts
+    verified after it; not a prompt chunk (nor a preempted sequence's recomputed text). A
+    prompt's rows are SHORT_PROMPT where the whole text it prefills is shorter than
+    `cpu_lowbit.bf16_min_prompt()` (a request's prompt; a preempted sequence's prompt and
+    output so far, all it recomputes), never by the chunk: the same kind however the prompt is
+    chunked or the prefix cache serves it."""
+    if seq.decoding:
+        return RowKind.DECODE
+    return RowKind.SHORT_PROMPT if seq.num_tokens < bf16_min_prompt() else RowKind.PROMPT
 
 
 def drafted(seqs: list[Sequence]) -> list[bool] | None:

@@ -44,7 +44,7 @@ class Step(ctypes.Structure):
         ("work", _PTR), ("threads", _I64), ("kv_type", _I64),
         # the rows' kinds (`cpu_lowbit.StepRows`), filled in by `run_layer`: 0 in `kinds`
         # leaves every projection picking its kernel by T
-        ("kinds", _I64), ("decode_rows", _I64), ("decode_count", _I64),
+        ("kinds", _I64), ("decode_rows", _I64), ("decode_count", _I64), ("short_rows", _I64),
     ]  # fmt: skip
 
 
@@ -128,7 +128,7 @@ def run_layer(
     (`cpu_lowbit.step_rows`), as the per-op layers do."""
     kinds = cpu_lowbit.row_kinds(step.T)
     step.kinds = int(kinds is not None)
-    step.decode_rows, step.decode_count = kinds or (step.T, step.T)
+    step.decode_rows, step.decode_count, step.short_rows = kinds or (step.T, step.T, 0)
     rc = cpu_lowbit.library().kvg_decode_layer(
         ctypes.addressof(plan.struct), ctypes.addressof(step), x.data_ptr(), _ptr(pending),
         k_pool.data_ptr(), v_pool.data_ptr(), _ptr(k_scales), _ptr(v_scales),

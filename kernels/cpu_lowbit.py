@@ -15,10 +15,10 @@ a VNNI copy compiled into the same library (`vnni()`; same bits); for 4-bit weig
 or ties the panels at any batch, so they take the dots at every batch there. Where it has
 AMX (and Linux grants the tile state), 4-bit rows go to the tile unit: integer tiles from 16
 rows (`amx()`; the dots' bits), and bf16 tiles summed in fp32 (`amx_bf16()`; two bf16 parts
-of each weight and activation, as close to the fp32 product) for prompt rows at any count and
-decode rows from 128 decoding sequences. A bf16 call dequantises every weight it reads, so a
-step with a few prompt rows pays about what 32 rows cost on the dots (SmolLM2: some 40 ms of
-one core). The C source
+of each weight and activation, as close to the fp32 product) for the rows of prompts of
+`bf16_min_prompt()` tokens or more, at any count, and decode rows from 128 decoding sequences.
+A bf16 call dequantises every weight it reads, so a few rows pay about what 32 cost on the dots
+(SmolLM2: some 40 ms of one core): a shorter prompt's rows take the integer dots. The C source
 ships with the package and is compiled once per source and flags into the kvguard cache
 (`$KVGUARD_HOME/kernels`, default `~/.cache/kvguard/kernels`), written under a temporary name
 and renamed, so two processes compiling at once both end with a whole library. The build
@@ -58,7 +58,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kvguard.kernels.env import env_flag
+from kvguard.kernels.env import env_flag, warn_unknown
 
 log = logging.getLogger("kvguard.kernels")
 
@@ -71,6 +71,11 @@ CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-fopenmp", "-std=c11")
 CPU_FLAGS = ("avx2", "fma", "f16c")
 # "0": decode attention reads blocks shared by several sequences per sequence (`shared_prefix`)
 SHARED_PREFIX_ENV = "KVGUARD_SHARED_PREFIX"
+# a whole number: the prompt length from which a prompt's rows take the bf16 tiles
+BF16_MIN_PROMPT_ENV = "KVGUARD_BF16_MIN_PROMPT"
+# SmolLM2 on a 2-core AMX Xeon: the tiles' prefill of a lone prompt ties the integer tiles'
+# at 56-60 tokens and wins from 64 (README, "Where the CPU has AMX")
+BF16_MIN_PROMPT = 64
 BLOCK = 32  # activation and weight block: one scale per 32 values
 # the largest `fine` (int16) activation code: 127 * 256 + 127, so each is 256 h + l with both
 # h and l signed bytes (lowbit.c's FINE_LEVELS); int8 activations go to 127
@@ -238,7 +243,7 @@ def _load(path: Path) -> ctypes.CDLL:
         fn.argtypes, fn.restype = _GEMM_ARGS, ctypes.c_int
     for name in ("kvg_w4a8_rows", "kvg_w8a8_rows"):
         fn = getattr(lib, name)
-        fn.argtypes, fn.restype = [*_GEMM_ARGS, _I64, _I64], ctypes.c_int
+        fn.argtypes, fn.restype = [*_GEMM_ARGS, _I64, _I64, _I64], ctypes.c_int
     lib.kvg_pick_kernel.argtypes = [_INT, _INT, _I64, _INT, _INT, _INT]
     lib.kvg_pick_kernel.restype = _INT
     lib.kvg_vnni.argtypes, lib.kvg_vnni.restype = [_INT], _INT
@@ -335,15 +340,18 @@ def available() -> bool:
 class StepRows:
     """A model step's rows as its projections see them: of `rows`, the first `decode` are
     decode rows (each decoding sequence's last token, and the speculative drafts verified after
-    it) of `decoding` sequences, the rest prompt rows (prefill chunks). A `fine` GEMM over the
-    step's rows gives each kind its own kernel (`kvg_pick_kernel` in lowbit.c): prompt rows
-    the one a GEMM of unbounded rows takes (fp32 panels unless `panel_rows()` is
-    `PANELS_NEVER`; AMX bf16 tiles where those serve 4-bit weights), decode rows the one a
-    GEMM of `decoding` rows takes, so that verify rows take what plain decode takes."""
+    it) of `decoding` sequences, the next `short` the rows of prompts shorter than
+    `bf16_min_prompt()`, the rest prompt rows (prefill chunks of longer prompts). A `fine` GEMM
+    over the step's rows gives each kind its own kernel (`kvg_pick_kernel` in lowbit.c):
+    prompt rows the one a GEMM of unbounded rows takes (fp32 panels unless `panel_rows()` is
+    `PANELS_NEVER`; AMX bf16 tiles where those serve 4-bit weights), short prompts' rows the
+    same with the bf16 tiles off, decode rows the one a GEMM of `decoding` rows takes, so that
+    verify rows take what plain decode takes."""
 
     rows: int
     decode: int
     decoding: int
+    short: int = 0
 
 
 # The step whose forward runs on this thread (`step_rows`). A context variable: each thread
@@ -366,26 +374,68 @@ def step_rows(rows: StepRows | None) -> Iterator[None]:
         _STEP_ROWS.reset(token)
 
 
-def row_kinds(rows: int) -> tuple[int, int] | None:
-    """(decode rows first, the count they pick their kernel by) for a GEMM of `rows`
-    activation rows inside `step_rows`, or None where no step's layout applies."""
+def row_kinds(rows: int) -> tuple[int, int, int] | None:
+    """(decode rows first, the count they pick their kernel by, the short prompts' rows after
+    them) for a GEMM of `rows` activation rows inside `step_rows`, or None where no step's
+    layout applies."""
     step = _STEP_ROWS.get()
     if step is None or step.rows != rows:
         return None
-    return step.decode, step.decoding
+    return step.decode, step.decoding, step.short
 
 
 def pick_kernel(
-    bits: int, fine: bool, count: int, prompt: bool, vnni: bool, bf16: bool = False
+    bits: int,
+    fine: bool,
+    count: int,
+    prompt: bool,
+    vnni: bool,
+    bf16: bool = False,
+    short: bool = False,
 ) -> str:
-    """The kernel (`KERNELS`) the C GEMMs give rows of one kind: `prompt` rows, or decode
-    rows of a step with `count` decoding sequences (a GEMM outside a step: its rows), on a CPU
-    whose integer dots run their VNNI copy (`vnni`) and, for 4-bit weights, with the AMX bf16
-    tiles on (`bf16`) or not, at the current `panel_rows()`. The CPU is an argument so that
-    every path's rule can be asked anywhere; bits 9 is the vertical 8-bit layout."""
+    """The kernel (`KERNELS`) the C GEMMs give rows of one kind: `prompt` rows (a prompt
+    shorter than `bf16_min_prompt()`: `short`), or decode rows of a step with `count` decoding
+    sequences (a GEMM outside a step: its rows), on a CPU whose integer dots run their VNNI
+    copy (`vnni`) and, for 4-bit weights, with the AMX bf16 tiles on (`bf16`) or not, at the
+    current `panel_rows()`. The CPU is an argument so that every path's rule can be asked
+    anywhere; bits 9 is the vertical 8-bit layout."""
     lib = library()
     assert lib is not None, "cpu_lowbit.library() is None: check available() first"
-    return KERNELS[lib.kvg_pick_kernel(bits, int(fine), count, int(prompt), int(vnni), int(bf16))]
+    kind = (2 if short else 1) if prompt else 0  # lowbit.c's KVG_DECODE_ROWS .. SHORT_PROMPT
+    return KERNELS[lib.kvg_pick_kernel(bits, int(fine), count, kind, int(vnni), int(bf16))]
+
+
+_bf16_min_prompt: int | None = None  # `bf16_min_prompt`'s value once read or set
+
+
+def bf16_min_prompt(n: int | None = None) -> int:
+    """From how many tokens a prompt's rows take the AMX bf16 tiles (where `amx_bf16()` is on;
+    a shorter prompt's rows take what they take with it off: the integer dots, or the integer
+    tiles from 16 rows, the same bits). The length is the whole text a sequence prefills (a
+    request's prompt; a preempted sequence's prompt and output so far, recomputed), never a
+    chunk's, so a prompt gets the same bits however it is chunked, whether the prefix cache
+    gave part of it, whatever is prefilled beside it. `BF16_MIN_PROMPT` (64) unless
+    `KVGUARD_BF16_MIN_PROMPT` says otherwise when first asked (a whole number, 0 or more; 0:
+    every prompt on the tiles, as before). `n` sets it (tests, benchmarks); the model runner
+    reads it as it lays out each step (rank 0's, sent to every rank with the step). Needs no
+    library. Returns the value before."""
+    global _bf16_min_prompt
+    if _bf16_min_prompt is None:
+        _bf16_min_prompt = BF16_MIN_PROMPT
+        raw = os.environ.get(BF16_MIN_PROMPT_ENV, "").strip()
+        if raw:
+            if raw.isdigit():
+                _bf16_min_prompt = int(raw)
+            else:
+                warn_unknown(
+                    BF16_MIN_PROMPT_ENV, raw, "a whole number", f"{BF16_MIN_PROMPT}, its default"
+                )
+    before = _bf16_min_prompt
+    if n is not None:
+        if n < 0:
+            raise ValueError(f"bf16_min_prompt({n}): a prompt length is 0 or more")
+        _bf16_min_prompt = n
+    return before
 
 
 def _gemm(
@@ -470,8 +520,9 @@ def amx(on: bool | None = None) -> bool:
 
 
 def amx_bf16(on: bool | None = None) -> bool:
-    """Whether `fine` 4-bit GEMMs run prompt rows (at any count: a prompt's rows take one kernel
-    however it is chunked) and decode rows from 128 decoding sequences as bf16 tiles in fp32
+    """Whether `fine` 4-bit GEMMs run prompt rows of prompts of `bf16_min_prompt()` tokens or
+    more (at any count: a prompt's rows take one kernel however it is chunked) and decode rows
+    from 128 decoding sequences as bf16 tiles in fp32
     accumulators: weights dequantised sixteen columns at a time and, like the activations,
     split into two bf16 parts (about 2^-16 of each value kept), no per-block scaling. On by
     default where the CPU has AMX-BF16 and Linux grants the tile state; not the integer dots'

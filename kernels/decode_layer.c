@@ -54,18 +54,20 @@ typedef struct {
     int64_t kv_type; /* the pools' element type: cpu_ops.c's KV_F32 .. KV_FP8 */
     /* The rows' kinds, as the projections pick their kernels (`kvg_pick_kernel`): with
      * `kinds` 1, rows [0, decode_rows) are decode rows picking by `decode_count` (the step's
-     * decoding sequences) and the rest prompt rows; with 0, every projection picks by T. */
-    int64_t kinds, decode_rows, decode_count;
+     * decoding sequences), the next `short_rows` short prompts' rows and the rest prompt
+     * rows; with 0, every projection picks by T. */
+    int64_t kinds, decode_rows, decode_count, short_rows;
 } KvgStep;
 
 static int linear(const KvgLinear *w, const KvgStep *s, const float *x, int64_t T, int64_t ldx,
                   float *out, int threads) {
     const int64_t dr = s->kinds ? s->decode_rows : T, dc = s->kinds ? s->decode_count : T;
+    const int64_t sr = s->kinds ? s->short_rows : 0;
     const int rc = w->bits == 4
         ? kvg_w4a8_rows(x, T, w->k, ldx, (const uint8_t *)w->codes, w->d, w->m, w->n, w->bpg,
-                        out, w->n, threads, (int)w->fine, dr, dc)
+                        out, w->n, threads, (int)w->fine, dr, dc, sr)
         : kvg_w8a8_rows(x, T, w->k, ldx, (const int8_t *)w->codes, w->d, w->m, w->n, w->bpg,
-                        out, w->n, threads, (int)w->fine, dr, dc);
+                        out, w->n, threads, (int)w->fine, dr, dc, sr);
     if (rc == 0 && w->bias)
         for (int64_t t = 0; t < T; ++t)
             for (int64_t i = 0; i < w->n; ++i)

@@ -879,21 +879,33 @@ static BF_FN int gemm_amx_bf16(const float *x, int64_t M, int64_t K, int64_t ldx
  *     tiles where they are on (4-bit codes), else the dots. How long the chunk is, whether
  *     part of the prompt came from the prefix cache, or what decodes beside it never changes
  *     them;
+ *   short-prompt rows (prefill chunks of a prompt shorter than the runner's threshold,
+ *     `cpu_lowbit.bf16_min_prompt()`: the runner decides by the whole prompt, never the chunk)
+ *     take the prompt kernel with the bf16 tiles off: a bf16 call dequantises every weight it
+ *     reads whatever its row count, which a few rows never earn back;
  *   decode rows (a sequence's last token, and the speculative drafts verified after it) by the
  *     count the caller gives: the step's decoding sequences, so that verify rows take what
  *     plain decode of those sequences takes, and a prompt chunk joining the step changes
  *     nothing for them.
- * A call whose rows are all of one kind runs one kernel; a step with both, where the kinds pick
- * different kernels, runs two (the decode rows first, then the prompt rows). int8 activations
- * (not `fine`) have one kernel, the dots, at any batch. */
+ * A step lays its rows out as decode rows, short-prompt rows, then prompt rows; each run of
+ * adjacent kinds that pick the same kernel is one call (one call where no kinds differ, as on
+ * CPUs without AMX-BF16, where short and long prompts pick alike). int8 activations (not
+ * `fine`) have one kernel, the dots, at any batch. */
 enum { KVG_DOTS = 0, KVG_PANELS = 1, KVG_BF16 = 2 };
+/* `kvg_pick_kernel`'s kinds of rows */
+enum { KVG_DECODE_ROWS = 0, KVG_PROMPT_ROWS = 1, KVG_SHORT_PROMPT_ROWS = 2 };
 
-/* The kernel for rows of one kind: `prompt` rows, or decode rows picking by `count`; `vnni`
- * and `bf16` (AMX-BF16 tiles on) say which paths this process runs (arguments, so that a
- * test can ask for CPUs it does not run on). Returns KVG_DOTS, KVG_PANELS or KVG_BF16. */
+/* The kernel for rows of one kind (`prompt`: KVG_PROMPT_ROWS, KVG_SHORT_PROMPT_ROWS, or
+ * KVG_DECODE_ROWS picking by `count`); `vnni` and `bf16` (AMX-BF16 tiles on) say which paths
+ * this process runs (arguments, so that a test can ask for CPUs it does not run on). Returns
+ * KVG_DOTS, KVG_PANELS or KVG_BF16. */
 int kvg_pick_kernel(int bits, int fine, int64_t count, int prompt, int vnni, int bf16) {
     if (!fine || bits == BITS_8V)
         return KVG_DOTS;
+    if (prompt == KVG_SHORT_PROMPT_ROWS) {
+        prompt = KVG_PROMPT_ROWS;
+        bf16 = 0;
+    }
     const int from = vnni && bits == 4 ? kvg_panel_rows_vnni4 : kvg_panel_rows;
     if (from < INT32_MAX && (prompt || count >= from))
         return KVG_PANELS;
@@ -955,56 +967,77 @@ static int gemm_with(const int kernel, const int bits, const float *x, int64_t M
 }
 
 /* out = x W^T for a step's rows: rows [0, decode) are decode rows, picking their kernel by
- * `count`, the rest prompt rows (`kvg_pick_kernel`); a GEMM that knows nothing of a step
- * passes decode = count = M (every row picks by the call's rows). Returns 0, -1 when a
- * workspace could not be allocated, -2 on a shape the layout cannot hold. */
+ * `count`, the next `short_rows` short-prompt rows, the rest prompt rows (`kvg_pick_kernel`);
+ * a GEMM that knows nothing of a step passes decode = count = M, short_rows = 0 (every row
+ * picks by the call's rows). Adjacent kinds that pick the same kernel share one call.
+ * Returns 0, -1 when a workspace could not be allocated, -2 on a shape the layout cannot
+ * hold. */
 static int gemm(const int bits, const float *x, int64_t M, int64_t K, int64_t ldx,
                 const uint8_t *wc, const uint16_t *wd, const uint16_t *wm, int64_t N, int64_t bpg,
-                float *out, int64_t ldo, int threads, int fine, int64_t decode, int64_t count) {
+                float *out, int64_t ldo, int threads, int fine, int64_t decode, int64_t count,
+                int64_t short_rows) {
     if (K % (2 * QK) || bpg < 1 || (K / QK) % bpg || (bits == BITS_8V && fine)) return -2;
     if (threads < 1) threads = 1;
     if (decode < 0) decode = 0;
     if (decode > M) decode = M;
+    if (short_rows < 0) short_rows = 0;
+    if (short_rows > M - decode) short_rows = M - decode;
     const int vnni = kvg_vnni(-1) == 1;
     const int bf16 = fine && bits == 4 && vnni && kvg_amx(-1) == 1 && kvg_amx_bf16(-1) == 1;
-    const int kd = kvg_pick_kernel(bits, fine, count, 0, vnni, bf16);
-    const int kp = kvg_pick_kernel(bits, fine, M - decode, 1, vnni, bf16);
-    if (decode == M || decode == 0 || kd == kp)
-        return gemm_with(decode ? kd : kp, bits, x, M, K, ldx, wc, wd, wm, N, bpg, out, ldo,
-                         threads, fine);
-    const int rc = gemm_with(kd, bits, x, decode, K, ldx, wc, wd, wm, N, bpg, out, ldo, threads,
-                             fine);
-    if (rc) return rc;
-    return gemm_with(kp, bits, x + decode * ldx, M - decode, K, ldx, wc, wd, wm, N, bpg,
-                     out + decode * ldo, ldo, threads, fine);
+    /* the three runs of rows, in the step's order: [end of the previous run, end[i]) */
+    const int64_t end[3] = {decode, decode + short_rows, M};
+    const int kernel[3] = {
+        kvg_pick_kernel(bits, fine, count, KVG_DECODE_ROWS, vnni, bf16),
+        kvg_pick_kernel(bits, fine, short_rows, KVG_SHORT_PROMPT_ROWS, vnni, bf16),
+        kvg_pick_kernel(bits, fine, M - decode - short_rows, KVG_PROMPT_ROWS, vnni, bf16),
+    };
+    int64_t r0 = 0; /* the first row not yet computed */
+    for (int i = 0; i < 3; ++i) {
+        if (end[i] == (i ? end[i - 1] : 0))
+            continue; /* no rows of this kind */
+        /* one call goes on while the next kind that has rows picks the same kernel */
+        int next = i + 1;
+        while (next < 3 && end[next] == end[next - 1]) ++next;
+        if (next < 3 && kernel[next] == kernel[i])
+            continue;
+        const int rc = gemm_with(kernel[i], bits, x + r0 * ldx, end[i] - r0, K, ldx, wc, wd, wm,
+                                 N, bpg, out + r0 * ldo, ldo, threads, fine);
+        if (rc) return rc;
+        r0 = end[i];
+    }
+    return 0;
 }
 
 int kvg_w4a8(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *codes,
              const uint16_t *d, const uint16_t *m, int64_t N, int64_t bpg, float *out,
              int64_t ldo, int threads, int fine) {
-    return gemm(4, x, M, K, ldx, codes, d, m, N, bpg, out, ldo, threads, fine, M, M);
+    return gemm(4, x, M, K, ldx, codes, d, m, N, bpg, out, ldo, threads, fine, M, M, 0);
 }
 
 int kvg_w8a8(const float *x, int64_t M, int64_t K, int64_t ldx, const int8_t *codes,
              const uint16_t *d, const uint16_t *m, int64_t N, int64_t bpg, float *out,
              int64_t ldo, int threads, int fine) {
     return gemm(8, x, M, K, ldx, (const uint8_t *)codes, d, m, N, bpg, out, ldo, threads, fine,
-                M, M);
+                M, M, 0);
 }
 
 /* `kvg_w4a8` and `kvg_w8a8` over a step's rows: the first `decode` are decode rows, picking
- * their kernel by `count` (the step's decoding sequences), the rest prompt rows. */
+ * their kernel by `count` (the step's decoding sequences), the next `short_rows` short-prompt
+ * rows, the rest prompt rows. */
 int kvg_w4a8_rows(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *codes,
                   const uint16_t *d, const uint16_t *m, int64_t N, int64_t bpg, float *out,
-                  int64_t ldo, int threads, int fine, int64_t decode, int64_t count) {
-    return gemm(4, x, M, K, ldx, codes, d, m, N, bpg, out, ldo, threads, fine, decode, count);
+                  int64_t ldo, int threads, int fine, int64_t decode, int64_t count,
+                  int64_t short_rows) {
+    return gemm(4, x, M, K, ldx, codes, d, m, N, bpg, out, ldo, threads, fine, decode, count,
+                short_rows);
 }
 
 int kvg_w8a8_rows(const float *x, int64_t M, int64_t K, int64_t ldx, const int8_t *codes,
                   const uint16_t *d, const uint16_t *m, int64_t N, int64_t bpg, float *out,
-                  int64_t ldo, int threads, int fine, int64_t decode, int64_t count) {
+                  int64_t ldo, int threads, int fine, int64_t decode, int64_t count,
+                  int64_t short_rows) {
     return gemm(8, x, M, K, ldx, (const uint8_t *)codes, d, m, N, bpg, out, ldo, threads, fine,
-                decode, count);
+                decode, count, short_rows);
 }
 
 /* 8-bit codes in the vertical layout (`pack8v`), int8 activations: the same bits as
@@ -1012,7 +1045,7 @@ int kvg_w8a8_rows(const float *x, int64_t M, int64_t K, int64_t ldx, const int8_
 int kvg_w8a8v(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *codes,
               const uint16_t *d, const uint16_t *m, int64_t N, int64_t bpg, float *out,
               int64_t ldo, int threads, int fine) {
-    return gemm(BITS_8V, x, M, K, ldx, codes, d, m, N, bpg, out, ldo, threads, fine, M, M);
+    return gemm(BITS_8V, x, M, K, ldx, codes, d, m, N, bpg, out, ldo, threads, fine, M, M, 0);
 }
 
 /* The exact logits of chosen columns of a vertical 8-bit weight (`pack8v`): for each row r

@@ -572,3 +572,120 @@ def test_a_steps_rows_take_the_kernels_of_their_own_kinds(fmt: str) -> None:
                     assert kp == "panels" and kd == ("panels" if decoding >= 16 else "dots")
     finally:
         torch.set_num_threads(threads_before)
+
+
+def test_a_short_prompts_rows_never_take_the_bf16_tiles() -> None:
+    """`pick_kernel` for the rows of a prompt shorter than `bf16_min_prompt()`: on every CPU
+    path the kernel prompt rows take with the bf16 tiles off (the VNNI dots where AMX-BF16 is
+    on, whatever the count), never the tiles a bf16 call dequantises the whole weight for; a
+    longer prompt's rows keep the tiles. Where no AMX-BF16 runs, short and long prompts pick
+    alike, as before. (The CPU is an argument: every path is asked on any CPU.)"""
+    pick = cpu_lowbit.pick_kernel
+    paths = {"avx2": (False, False), "vnni": (True, False), "amx-bf16": (True, True)}
+    prompt4 = {"avx2": "panels", "vnni": "dots", "amx-bf16": "bf16"}
+    for path, (vnni, bf16) in paths.items():
+        for n in (1, 2, 15, 16, 63, 64, 128, 4096):
+            short4 = pick(4, True, n, True, vnni, bf16, short=True)
+            assert short4 == ("dots" if vnni else "panels"), (path, n)
+            assert pick(4, True, n, True, vnni, bf16) == prompt4[path], (path, n)
+            assert pick(8, True, n, True, vnni, bf16, short=True) == "panels", (path, n)
+            assert pick(4, False, n, True, vnni, bf16, short=True) == "dots", (path, n)
+    assert cpu_lowbit.bf16_min_prompt() == cpu_lowbit.BF16_MIN_PROMPT == 64
+
+
+def _cpu_paths() -> list[tuple[bool, bool]]:
+    """(vnni, amx_bf16) for every path this CPU runs: AVX2 always, VNNI and AMX-BF16 where
+    it has them."""
+    paths = [(False, False)]
+    if cpu_lowbit.vnni():
+        paths.append((True, False))
+        if cpu_lowbit.amx() and cpu_lowbit.amx_bf16():
+            paths.append((True, True))
+    return paths
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_decode_short_and_long_prompt_rows_in_one_step_each_take_their_kernel(fmt: str) -> None:
+    """A step's decode rows, a short prompt's rows and a long prompt's rows (`StepRows` with
+    `short`), in one projection on every CPU path this machine runs, threads one and two:
+    each row has the bits its kind's kernel gives it alone (adjacent kinds that pick one
+    kernel share a call: a row's bits do not depend on its call's other rows). On AMX-BF16
+    the short prompt's rows take the dots as the decode rows do, the long prompt's the bf16
+    tiles; before, every prompt row took the tiles."""
+    spec = gguf_like(fmt, 75, 576, seed=8)
+    layer = QuantizedLinear(spec)
+    vnni_before = cpu_lowbit.vnni()
+    bf16_before = cpu_lowbit.amx_bf16() if cpu_lowbit.amx() else None
+    threads_before = torch.get_num_threads()
+    seen = set()
+    try:
+        for vnni, bf16 in _cpu_paths():
+            cpu_lowbit.vnni(vnni)
+            if bf16_before is not None:
+                cpu_lowbit.amx_bf16(bf16)
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                for decode, decoding, short, long in (
+                    (4, 4, 20, 40), (16, 4, 5, 3), (1, 1, 7, 0), (0, 0, 7, 30), (3, 3, 0, 10),
+                    (20, 20, 16, 0), (0, 0, 0, 25), (0, 0, 12, 0),
+                ):  # fmt: skip
+                    rows = decode + short + long
+                    g = torch.Generator().manual_seed(rows)
+                    x = torch.randn(rows, 576, generator=g) * 3
+                    step = cpu_lowbit.StepRows(rows, decode, decoding, short)
+                    with cpu_lowbit.step_rows(step):
+                        got = layer(x)
+                    kd = cpu_lowbit.pick_kernel(layer.bits, True, decoding, False, vnni, bf16)
+                    ks = cpu_lowbit.pick_kernel(layer.bits, True, short, True, vnni, bf16, True)
+                    kl = cpu_lowbit.pick_kernel(layer.bits, True, long, True, vnni, bf16)
+                    case = (fmt, vnni, bf16, threads, decode, decoding, short, long)
+                    parts = (
+                        (0, decode, kd),
+                        (decode, decode + short, ks),
+                        (decode + short, rows, kl),
+                    )
+                    for r0, r1, kernel in parts:
+                        if r1 > r0:
+                            want = through(layer, x[r0:r1], kernel)
+                            assert torch.equal(got[r0:r1], want), (case, r0, kernel)
+                            seen.add((vnni, bf16, kernel))
+                    if bf16 and layer.bits == 4:
+                        assert (ks, kl) == ("dots", "bf16"), case
+                    else:
+                        assert ks == kl, case  # short and long prompts alike: one call
+    finally:
+        torch.set_num_threads(threads_before)
+        cpu_lowbit.vnni(vnni_before)
+        if bf16_before is not None:
+            cpu_lowbit.amx_bf16(bf16_before)
+    if fmt == "q4_1" and (True, True) in _cpu_paths():
+        assert {(True, True, "dots"), (True, True, "bf16")} <= seen
+
+
+@pytest.mark.parametrize(
+    ("env", "value", "warned"),
+    [(None, 64, False), ("128", 128, False), (" 0 ", 0, False), ("many", 64, True)],
+)
+def test_the_environment_sets_the_bf16_prompt_threshold(
+    env: str | None, value: int, warned: bool
+) -> None:
+    """`KVGUARD_BF16_MIN_PROMPT` sets `bf16_min_prompt()` when first asked; a value that is no
+    whole number leaves the default, saying so; `n` sets it, and a negative one is refused."""
+    environ = {k: v for k, v in os.environ.items() if k != cpu_lowbit.BF16_MIN_PROMPT_ENV}
+    if env is not None:
+        environ[cpu_lowbit.BF16_MIN_PROMPT_ENV] = env
+    code = (
+        "import logging; logging.basicConfig()\n"
+        "from kvguard.kernels import cpu_lowbit\n"
+        "print(cpu_lowbit.bf16_min_prompt(), cpu_lowbit.bf16_min_prompt(5),"
+        " cpu_lowbit.bf16_min_prompt())\n"
+        "try:\n    cpu_lowbit.bf16_min_prompt(-1)\n"
+        "except ValueError as e:\n    print(e)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=environ, capture_output=True, text=True, check=True
+    )
+    lines = out.stdout.splitlines()
+    assert lines[0] == f"{value} {value} 5"
+    assert lines[1] == "bf16_min_prompt(-1): a prompt length is 0 or more"
+    assert ("KVGUARD_BF16_MIN_PROMPT='many' is not a whole number" in out.stderr) == warned

@@ -663,3 +663,106 @@ def test_a_seeded_request_answers_alike_with_drafts_and_the_shared_read_on(
     assert drafted.token_ids == answer
     assert _entries(drafted) == _entries(plain)
     assert grouped == 0  # a lone sequence's rows: nothing read once for several
+
+
+def test_a_step_lays_out_decode_rows_then_short_then_long_prompts() -> None:
+    """`build_step` with each sequence's `RowKind`: the decode rows first, then the short
+    prompts' chunks, then the long prompts', and `StepRows` counting each; attention's
+    entries, positions, slots and token ids follow that order, the prompt chunks are marked
+    as such (`prompt_rows`), and the sampled rows stay in batch order. Plain bools (decode
+    or not) still mean what they meant: every prompt a long one."""
+    from kvguard.engine.model_runner import RowKind, build_step
+
+    tables = [[0, 1], [2], [3, 4], [5], [6]]
+    starts, num_tokens = [0, 9, 16, 0, 3], [20, 1, 4, 5, 2]
+    kinds = [RowKind.PROMPT, RowKind.DECODE, RowKind.PROMPT, RowKind.SHORT_PROMPT, 2]
+    ids = list(range(100, 132))  # batch order: 20, 1, 4, 5 and 2 tokens
+    step = build_step(tables, starts, num_tokens, [1, 1, 0, 1, 1], ids, 16, torch.device("cpu"),
+                      decodes=[RowKind(k) for k in kinds])  # fmt: skip
+    assert step.kinds == cpu_lowbit.StepRows(32, 1, 1, 7)
+    assert step.meta.query_lens == [1, 5, 2, 20, 4]
+    assert step.meta.seq_lens == [10, 5, 5, 20, 20]
+    assert step.meta.prompt_rows == [False, True, True, True, True]
+    want_pos = [9, *range(5), 3, 4, *range(20), *range(16, 20)]
+    assert step.positions.tolist() == want_pos
+    assert step.input_ids.tolist() == [120, *range(125, 130), 130, 131, *range(100, 120),
+                                       *range(121, 125)]  # fmt: skip
+    assert step.meta.slot_mapping.tolist()[:8] == [2 * 16 + 9, *range(80, 85), 99, 100]
+    # the sampled rows, batch order: the long prompt's last, the decode, the two short ones
+    assert step.sample_rows.tolist() == [27, 0, 5, 7]
+    old = build_step(tables, starts, num_tokens, [1, 1, 0, 1, 1], ids, 16, torch.device("cpu"),
+                     decodes=[False, True, False, False, False])  # fmt: skip
+    assert old.kinds == cpu_lowbit.StepRows(32, 1, 1, 0)
+    assert old.meta.query_lens == [1, 20, 4, 5, 2]
+
+
+def test_a_prompts_kernel_follows_its_whole_length_however_it_is_computed(
+    smollm_engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default model, packed, AMX-BF16 on where the CPU has it: a 40-token prompt (shorter
+    than `bf16_min_prompt()`) and a 100-token one, each computed whole, chunked by 16 and by 7
+    (`max_num_batched_tokens`), and repeated from the prefix cache (its uncached tail alone):
+    the same prompt log-probabilities and first log-probabilities bit for bit. The short
+    prompt's rows are a step's short-prompt rows however they are chunked, and on AMX-BF16
+    they are the bits the bf16 tiles off give (the integer dots), the long prompt's not (the
+    tiles). Before, a prompt's rows took the tiles at any length: a one-token prompt step
+    cost 45 ms of one core against 10."""
+    params = SamplingParams(
+        max_tokens=2, temperature=0.0, ignore_eos=True, logprobs=2, prompt_logprobs=1
+    )
+    first = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, logprobs=2)
+    short = [300 + (i * 4099) % 30000 for i in range(40)]
+    long = [300 + (i * 4111 + 7) % 30000 for i in range(100)]
+    assert len(short) < cpu_lowbit.bf16_min_prompt() <= len(long)
+    bf16 = cpu_lowbit.amx() and cpu_lowbit.amx_bf16()
+    engines = {
+        n: LLMEngine.from_config(
+            EngineConfig(
+                model="smollm2-135m", kv_cache_bytes="64MiB", num_threads=2,
+                max_num_batched_tokens=n, enable_prefix_caching=False,
+            ),
+            progress=False,
+        )
+        for n in (16, 7)
+    }  # fmt: skip
+    kinds: list[cpu_lowbit.StepRows] = []
+    forward = engines[16].runner.forward
+    monkeypatch.setattr(
+        engines[16].runner, "forward", lambda inp: kinds.append(inp.kinds) or forward(inp)
+    )
+    steps = _step_tokens(engines[7], monkeypatch)
+
+    def plp(out: Any) -> list[tuple]:
+        return [(e.logprob, e.top) for e in out.final_prompt_logprobs]
+
+    try:
+        for prompt in (short, long):
+            n = len(prompt)
+            # prompt log-probabilities are computed, never taken from the cache: the first
+            # log-probabilities compare the cache's tail with the whole prompt
+            whole, tail = (smollm_engine.generate([prompt], [first])[0] for _ in range(2))
+            assert (whole.num_cached_tokens, tail.num_cached_tokens) == (0, n // 16 * 16)
+            assert tail.token_ids == whole.token_ids and _entries(tail) == _entries(whole), n
+            cold = smollm_engine.generate([prompt], [params])[0]
+            assert _entries(cold) == _entries(whole), n
+            kinds.clear()
+            steps.clear()
+            runs = [e.generate([prompt], [params])[0] for e in engines.values()]
+            assert steps[: -(-n // 7)] == [[7]] * (n // 7) + [[n % 7]]
+            for run in runs:
+                assert run.token_ids == cold.token_ids, n
+                assert plp(run) == plp(cold) and len(plp(run)) == n - 1, n
+                assert _entries(run)[0] == _entries(cold)[0], n
+            if bf16:
+                cpu_lowbit.amx_bf16(False)
+                try:
+                    off = engines[7].generate([prompt], [params])[0]
+                finally:
+                    cpu_lowbit.amx_bf16(True)
+                assert (plp(off) == plp(cold)) == (n < 64), n
+            prefill = kinds[: -(-n // 16)]
+            assert [k.rows for k in prefill] == [16] * (n // 16) + [n % 16]
+            assert all(k.short == (k.rows if n < 64 else 0) for k in prefill), prefill
+    finally:
+        for engine in engines.values():
+            engine.shutdown()

@@ -36,7 +36,8 @@ class StepMessage:
     kv_ops: list[KVOp] = field(default_factory=list)
     continues: bool = False  # another micro-batch of the previous message's step
     as_decode: list[bool] | None = None  # sequences with drafts: one decode row a position
-    decodes: list[bool] | None = None  # sequences whose rows are decode rows (`decode_rows`)
+    # each sequence's rows' kind (`decode_rows`: a RowKind, an int)
+    decodes: list[int] | None = None
 
 
 class StepEncoder:
@@ -58,7 +59,7 @@ class StepEncoder:
         kv_ops: list[KVOp],
         continues: bool = False,
         as_decode: list[bool] | None = None,
-        decodes: list[bool] | None = None,
+        decodes: list[int] | None = None,
     ) -> bytes:
         if not continues:
             self._before, self._known = self._known, {}

@@ -24,6 +24,18 @@ A pool rebuild in another dtype (the live KV dtype switch) drops the cache: conv
 not what a request computes in the new dtype, and the sequences live across it never register
 a block (`Sequence.kv_converted`): even the blocks they fill later hold K/V computed from
 converted ones. A resize in the same dtype keeps what fits.
+
+A cached block is exact when prompt rows wrote it and every block before it: then it holds the
+bits a cold prompt of its length class computes (a prompt shorter than
+`cpu_lowbit.bf16_min_prompt()` takes other kernels than a longer one on AMX CPUs: the class is
+kept with the block). A block a request's output filled was written by decode rows (other
+kernels, another summation order: log-probabilities ~1e-3 apart), and a block computed on top
+of such K/V inherits the difference. Those are reused too by default (a follow-up chat turn
+starts past the previous answer); with `exact` on a lookup stops at the first block that is not
+exact for the looking sequence's class, so every hit is what the request computes cold. An
+exact copy of an inexact block's content, once computed, takes over its key (the inexact one
+is forgotten, or unfindable while in use), so a prefix recomputed once is found exact from
+then on.
 """
 
 from __future__ import annotations
@@ -31,16 +43,29 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from kvguard.engine.sequence import Sequence
+from kvguard.kernels.cpu_lowbit import bf16_min_prompt
+
+SHORT_ROOT = 1 << 62  # a short prompt's chain root with `exact` on (content ids count from 1)
+
+
+def short_prompt(seq: Sequence) -> bool:
+    """Whether `seq`'s prompt rows are a short prompt's (`cpu_lowbit.bf16_min_prompt()`, by the
+    whole text it prefills): on AMX CPUs they take other kernels than a longer prompt's."""
+    return seq.prefill_tokens < bf16_min_prompt()
+
 
 # (content id of the block before, 0 for a first block; the block's token ids)
 BlockKey = tuple[int, tuple[int, ...]]
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, caching: bool = False) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, caching: bool = False, exact: bool = False
+    ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.caching = caching
+        self.exact = exact  # lookups find only blocks exact for the sequence (`_exact`)
         # free blocks, least recently released first (a dict keeps order and removes in O(1))
         self._free: dict[int, None] = dict.fromkeys(range(num_blocks))
         self._holders: dict[int, set[str]] = {}  # block in use -> request ids holding it
@@ -49,6 +74,9 @@ class BlockManager:
         self._key_of: dict[int, BlockKey] = {}
         self._content_of: dict[int, int] = {}
         self._next_content = 1
+        # content ids of exact blocks (prompt-written chains) -> whether a short prompt wrote
+        # them (`short_prompt`)
+        self._exact: dict[int, bool] = {}
         self._retired = 0  # entries resize() kept for blocks in use: shared, never looked up
         self.hit_tokens = 0  # prompt tokens served from the cache
         self.queried_tokens = 0  # prompt tokens of admissions that looked
@@ -79,7 +107,7 @@ class BlockManager:
         key = self._key_of.pop(b, None)
         if key is not None:  # its cached content is overwritten from now on
             del self._cache[key]
-            del self._content_of[b]
+            self._exact.pop(self._content_of.pop(b), None)
             self._retired -= key[0] < 0
         return b
 
@@ -134,6 +162,12 @@ class BlockManager:
         )
 
     # -- prefix cache ---------------------------------------------------------------------
+    def _root(self, short: bool) -> int:
+        """The parent of a sequence's first block: with `exact` on, short and longer prompts
+        keep chains of their own (their K/V differ where their kernels do), so neither takes
+        the other's key; else one chain for all."""
+        return SHORT_ROOT if self.exact and short else 0
+
     def _key(self, seq: Sequence, i: int, parent: int) -> BlockKey:
         bs = self.block_size
         tokens = tuple(seq.token_slice(i * bs, (i + 1) * bs))
@@ -155,14 +189,21 @@ class BlockManager:
             self._holders[b].add(seq.request_id)
         seq.block_table, seq.block_contents = table, [self._content_of[b] for b in table]
         seq.num_computed_tokens = len(table) * self.block_size
+        short = short_prompt(seq)
+        exact = next(
+            (i for i, c in enumerate(seq.block_contents) if self._exact.get(c) is not short), None
+        )
+        seq.prompt_written = seq.num_computed_tokens if exact is None else exact * self.block_size
         return seq.num_computed_tokens
 
     def _lookup(self, seq: Sequence) -> list[int]:
-        """The cached blocks `seq`'s tokens begin with, its last token's block excluded."""
-        parent, found = 0, []
+        """The cached blocks `seq`'s tokens begin with, its last token's block excluded (and
+        with `exact` on, up to the first block not exact for its length class)."""
+        short = short_prompt(seq)
+        parent, found = self._root(short), []
         for i in range((seq.num_tokens - 1) // self.block_size):
             b = self._cache.get(self._key(seq, i, parent))
-            if b is None:
+            if b is None or (self.exact and self._exact.get(self._content_of[b]) is not short):
                 break
             parent = self._content_of[b]
             found.append(b)
@@ -172,6 +213,7 @@ class BlockManager:
         """Undo `match` for a sequence that could not start after all."""
         self.free(seq)
         seq.num_computed_tokens = 0
+        seq.prompt_written = 0
         seq.block_contents = []
 
     def record(self, queried: int, hit: int) -> None:
@@ -182,20 +224,40 @@ class BlockManager:
         """Register the blocks of `seq` that are full and computed since the last call (none
         of a sequence whose K/V a dtype switch converted). Only blocks whose tokens are all
         there: a sequence that finished inside a step's accepted drafts counts K/V for drafts
-        it never appended."""
+        it never appended. A block is exact where `seq.prompt_written` covers it; an exact one
+        replaces an inexact block cached under its key."""
         if not self.caching or seq.kv_converted:
             return
         contents = seq.block_contents
         full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
         for i in range(len(contents), full):
-            key = self._key(seq, i, contents[-1] if contents else 0)
+            key = self._key(seq, i, contents[-1] if contents else self._root(short_prompt(seq)))
+            exact = (i + 1) * self.block_size <= seq.prompt_written
             b = self._cache.get(key)
+            if b is not None and exact and self._content_of[b] not in self._exact:
+                self._retire(key, b)  # its blocks after it are no longer found either
+                b = None
             if b is None:  # new content: this sequence's block holds it from now on
                 b = seq.block_table[i]
                 self._cache[key], self._key_of[b] = b, key
                 self._content_of[b] = self._next_content
+                if exact:
+                    self._exact[self._next_content] = short_prompt(seq)
                 self._next_content += 1
             contents.append(self._content_of[b])
+
+    def _retire(self, key: BlockKey, b: int) -> None:
+        """Make cached block `b` (under `key`) unfindable: in use, it keeps a key no lookup
+        can form, so the sequences sharing it go on sharing it read-only; free, it is
+        forgotten."""
+        del self._cache[key]
+        if b in self._holders:
+            retired: BlockKey = (-self._content_of[b], ())
+            self._cache[retired], self._key_of[b] = b, retired
+            self._retired += 1
+        else:
+            del self._key_of[b]
+            self._exact.pop(self._content_of.pop(b), None)
 
     # -- pool rebuild ---------------------------------------------------------------------
     def resize(self, new_n: int, keep_cache: bool = False) -> dict[int, int]:
@@ -233,6 +295,8 @@ class BlockManager:
             if b not in used:
                 moves[b] = nb  # the new pool must hold its K/V too
         self._cache, self._key_of, self._content_of = cache, key_of, content_of
+        kept = set(content_of.values())
+        self._exact = {c: s for c, s in self._exact.items() if c in kept}
         self._retired = sum(key[0] < 0 for key in cache)
         self._holders = {moves[b]: h for b, h in self._holders.items()}
         fresh = range(self.num_blocks, new_n)  # a grown pool's new blocks hold nothing: first
@@ -247,19 +311,14 @@ class BlockManager:
         for key, b in list(self._cache.items()):
             if b in keep or key[0] < 0:
                 continue
-            del self._cache[key]
-            if b in self._holders:
-                retired: BlockKey = (-self._content_of[b], ())
-                self._cache[retired], self._key_of[b] = b, retired
-            else:
-                del self._key_of[b], self._content_of[b]
-        self._retired = sum(key[0] < 0 for key in self._cache)
+            self._retire(key, b)
 
     def _rebuild(self, new_n: int) -> dict[int, int]:
         kept = {b: self._content_of[b] for b in self._holders if b in self._content_of}
         self._cache.clear()
         self._key_of.clear()
         self._content_of.clear()
+        self._exact.clear()  # the blocks kept are never found again
         used = set(self._holders)
         spare = iter(b for b in range(new_n) if b not in used)
         moves = {b: (b if b < new_n else next(spare)) for b in sorted(used)}
@@ -295,3 +354,4 @@ class BlockManager:
         for key, b in self._cache.items():
             assert self._key_of.get(b) == key and b in self._content_of, f"cache entry {b} torn"
         assert len(self._key_of) == len(self._cache) == len(self._content_of), "cache torn"
+        assert set(self._exact) <= set(self._content_of.values()), "exact flag of lost content"

@@ -168,6 +168,16 @@ class EngineConfig:
         "same full blocks (a shared system prompt, an earlier turn) skips computing them; "
         "cached blocks count as free and are overwritten least recently used first",
     )
+    prefix_cache_exact: bool = knob(
+        False,
+        section="serving",
+        doc="serve from the prefix cache only blocks holding the bits the request computes "
+        "cold (blocks prompts of its length class computed), so a seeded request gets the same "
+        "log-probabilities however its prefix got into the cache; false (default) also serves "
+        "blocks an earlier request wrote as it decoded (a follow-up chat turn skips the "
+        "previous answer too) or, on AMX CPUs, a prompt of the other length class computed: "
+        "log-probabilities ~1e-3 from a cold run's, a sampled token rarely",
+    )
     max_num_batched_tokens: int = knob(
         2048,
         section="serving",

@@ -148,7 +148,10 @@ class LLMEngine(ControlSurface):
         self.mailbox = Mailbox()
         kv = runner.kv_cache
         self.block_manager = BlockManager(
-            kv.num_blocks, config.block_size, caching=config.enable_prefix_caching
+            kv.num_blocks,
+            config.block_size,
+            caching=config.enable_prefix_caching,
+            exact=config.prefix_cache_exact,
         )
         self.host_block_manager = BlockManager(kv.num_host_blocks, config.block_size)
         controller = None

@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from kvguard.engine.block_manager import short_prompt
 from kvguard.engine.config import ConfigError, EngineConfig
 from kvguard.engine.cuda_graphs import (
     DecodeGraphs,
@@ -45,7 +46,7 @@ from kvguard.engine.sampler import (
 )
 from kvguard.engine.sequence import Sequence, TokenLogprob
 from kvguard.engine.speculative import accepted_prefix
-from kvguard.kernels.cpu_lowbit import StepRows, bf16_min_prompt, step_rows
+from kvguard.kernels.cpu_lowbit import StepRows, step_rows
 from kvguard.kernels.dispatch import use_triton
 from kvguard.kernels.env import env_flag
 from kvguard.kernels.paged_attention import decode_workspace_bytes
@@ -247,7 +248,7 @@ def decode_rows(seq: Sequence) -> RowKind:
     chunked or the prefix cache serves it."""
     if seq.decoding:
         return RowKind.DECODE
-    return RowKind.SHORT_PROMPT if seq.num_tokens < bf16_min_prompt() else RowKind.PROMPT
+    return RowKind.SHORT_PROMPT if short_prompt(seq) else RowKind.PROMPT
 
 
 def drafted(seqs: list[Sequence]) -> list[bool] | None:

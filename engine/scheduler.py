@@ -466,6 +466,8 @@ class Scheduler:
         seq.draft = []
         self.bm.free(seq)
         seq.num_computed_tokens = 0
+        seq.prompt_written = 0  # its whole text is computed again, as prompt rows
+        seq.prefill_tokens = seq.num_tokens  # ... of that length (its prompt rows' kernel kind)
         seq.block_contents = []
         seq.kv_converted = False  # its K/V are computed afresh
         self.add(seq)
@@ -742,6 +744,8 @@ class Scheduler:
                     n -= drafts - (len(emitted) - 1)
                     seq.draft = []
                 done.append((seq, emitted, drafts))
+            if not seq.decoding and seq.prompt_written == seq.num_computed_tokens:
+                seq.prompt_written += n  # prompt rows (`model_runner.decode_rows`), exact K/V
             seq.num_computed_tokens += n
             self.bm.trim(seq)  # blocks that only rejected drafts needed
             if not sampled:

@@ -80,6 +80,16 @@ class Sequence:
     host_block_table: list[int] = field(default_factory=list)  # while swapped out
     # prefix-cache content id of each full computed block (BlockManager.commit), in order
     block_contents: list[int] = field(default_factory=list)
+    # leading tokens whose K/V prompt rows computed (a prompt, a recomputed text, cached blocks
+    # so written), each on the K/V of those before it: the K/V a cold prompt computes. Decode
+    # rows (a decode, its drafts or forced tokens) compute other bits, and every token after
+    # one of them inherits that, so the count stops there until a recompute. The prefix cache
+    # flags a block by it (`BlockManager.commit`)
+    prompt_written: int = 0
+    # the whole text its prompt rows compute: its prompt, or at a recompute its prompt and
+    # output so far (0: not set yet, the prompt). A prompt's kernel kind follows it, never a
+    # chunk (`model_runner.decode_rows`), and so does an exact cached block's (`BlockManager`)
+    prefill_tokens: int = 0
     # K/V converted by a live dtype switch: none of its blocks may enter the prefix cache (a
     # later block's K/V depend on the earlier, converted ones); cleared by a recompute
     kv_converted: bool = False
@@ -117,6 +127,8 @@ class Sequence:
     def __post_init__(self) -> None:
         if not self.max_tokens:
             self.max_tokens = self.params.max_tokens
+        if not self.prefill_tokens:
+            self.prefill_tokens = len(self.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:

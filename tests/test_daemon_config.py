@@ -21,6 +21,7 @@ from kvguard.daemon.config import (
 )
 from kvguard.engine.admission import AdmissionConfig
 from kvguard.engine.config import DistributedConfig, EngineConfig
+from kvguard.engine.llm_engine import LLMEngine
 
 DAEMON = Path(__file__).resolve().parents[1] / "daemon"
 EXAMPLES = DAEMON / "examples"
@@ -630,6 +631,7 @@ KNOB_SAMPLES: dict[tuple[str, ...], tuple[dict[str, dict[str, object]], object]]
     ("num_threads",): ({"serving": {"num_threads": 3}}, 3),
     ("cuda_graphs",): ({"serving": {"cuda_graphs": True}}, True),
     ("enable_prefix_caching",): ({"serving": {"enable_prefix_caching": False}}, False),
+    ("prefix_cache_exact",): ({"serving": {"prefix_cache_exact": True}}, True),
     ("num_gpu_blocks",): ({"serving": {"num_gpu_blocks": 100}}, 100),
     ("oom_quiet_period_s",): ({"serving": {"oom_quiet_period": "2m"}}, 120.0),
     ("tensor_parallel",): ({"serving": {"tensor_parallel": 2}}, 2),
@@ -828,3 +830,26 @@ def test_special_tokens_in_messages_is_allow_or_refuse_and_a_reload_applies_it(
     assert "'allow'" in errors[0] and "'refuse'" in errors[0], errors
     live, restart = engine_changes(load_config(None), refuse)
     assert live == [] and restart == []
+
+
+def test_prefix_cache_exact_is_off_by_default_a_bool_and_waits_for_a_restart(
+    tmp_path: Path,
+) -> None:
+    """`serving.prefix_cache_exact`: false by default (a follow-up turn reuses the blocks the
+    previous answer filled), true makes every prefix-cache hit exact and reaches the engine's
+    block manager; a value that is no boolean names the key; a reload lists a change as
+    waiting for a restart."""
+    from kvguard.daemon.service import engine_changes
+
+    assert EngineConfig().prefix_cache_exact is False
+    assert load_config(None).to_engine_config().prefix_cache_exact is False
+    on = load_config(write(tmp_path, "serving: {prefix_cache_exact: true}\n"))
+    assert on.to_engine_config().prefix_cache_exact is True
+    engine = LLMEngine.from_config(
+        EngineConfig(model="tiny", kv_cache_bytes="4MiB", prefix_cache_exact=True), progress=False
+    )
+    assert engine.block_manager.exact is True
+    errors = errors_of(write(tmp_path, "serving: {prefix_cache_exact: sometimes}\n"))
+    assert len(errors) == 1 and "1: serving.prefix_cache_exact: " in errors[0], errors
+    live, restart = engine_changes(load_config(None), on)
+    assert live == [] and restart == ["serving.prefix_cache_exact"]

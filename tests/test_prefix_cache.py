@@ -4,6 +4,8 @@ free and yield to any request that needs them; keys are exact; a KV dtype switch
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import httpx
 import openai
 import pytest
@@ -12,6 +14,7 @@ from kvguard.engine import EngineConfig, LLMEngine, SamplingParams
 from kvguard.engine.block_manager import BlockManager
 from kvguard.engine.sequence import Sequence
 from kvguard.engine.speculative import Lookup
+from kvguard.kernels import cpu_lowbit
 from tests.test_admission_predicted import run_all
 
 
@@ -497,3 +500,172 @@ def test_a_one_token_last_chunk_answers_as_the_unchunked_prompt(
     plp = [[(e.logprob, e.top) for e in o.final_prompt_logprobs] for o in (got, want)]
     assert len(plp[0]) == 128 and plp[0] == plp[1]
     assert _lps(got) == _lps(want)
+
+
+# -- blocks an answer filled: reused by default, exact hits only with prefix_cache_exact -------
+
+
+@pytest.fixture
+def one_class() -> Iterator[None]:
+    """Every prompt in one length class (`cpu_lowbit.bf16_min_prompt(0)`): these tests switch
+    `exact` on a live manager, which keeps a chain per class only while it is on."""
+    was = cpu_lowbit.bf16_min_prompt(0)
+    yield
+    cpu_lowbit.bf16_min_prompt(was)
+
+
+def test_exact_hits_keep_short_and_longer_prompts_chains_apart() -> None:
+    """On AMX CPUs a prompt shorter than `bf16_min_prompt()` takes other kernels than a longer
+    one, so its blocks hold other bits: with `exact` on each class has its own chain (neither
+    finds nor takes the other's key); by default one chain serves both."""
+    was = cpu_lowbit.bf16_min_prompt(12)
+    try:
+        for exact in (True, False):
+            bm = BlockManager(32, 4, caching=True, exact=exact)
+            short = _seq("s", range(9))  # 9 tokens: a short prompt
+            short.prompt_written = 9
+            _compute(bm, short, 9)
+            long = _seq("l", [*range(9), *range(100, 110)])  # 19: the same prefix, longer
+            assert bm.match(long) == (0 if exact else 8)
+            long.prompt_written = long.num_computed_tokens if exact else 0
+            _compute(bm, long, 19 - long.num_computed_tokens)
+            again = _seq("s2", [*range(9), 42])
+            assert bm.match(again) == 8  # its own class's blocks, still there
+            bm.audit([(s.request_id, s.block_table) for s in (short, long, again)])
+    finally:
+        cpu_lowbit.bf16_min_prompt(was)
+
+
+@pytest.mark.usefixtures("one_class")
+def test_blocks_decode_rows_wrote_are_flagged_and_an_exact_copy_replaces_them() -> None:
+    """A block is exact while prompt rows wrote it and every block before it. With exact hits a lookup stops at the first other one; an exact copy computed later takes over
+    its key (the decode-written block, still in use, stays shared but is never found again),
+    and a same-dtype resize keeps the flags."""
+    bm = BlockManager(16, 4, caching=True, exact=True)
+    a = _seq("a", range(6))
+    a.prompt_written = 6  # what the scheduler counts as its prompt rows run
+    _compute(bm, a, 6)
+    a.output_token_ids += [6, 7, 8, 9, 10]  # then decoded: positions 6-9 are decode rows
+    _compute(bm, a, 4)
+    assert bm.num_cached == 2  # the prompt's block, exact; 4-7, half written by decode rows
+    b = _seq("b", [*range(10), 50])
+    assert bm.match(b) == 4 and b.prompt_written == 4
+    bm.unmatch(b)
+    bm.exact = False  # the default: the decoded block is found too, and b knows it
+    assert bm.match(b) == 8 and b.prompt_written == 4
+    bm.unmatch(b)
+    bm.exact = True
+    assert bm.match(b) == 4
+    b.prompt_written = 11  # its prompt rows from 4 on: blocks 4-7 and 8-11 exact
+    _compute(bm, b, 7)
+    bm.audit([("a", a.block_table), ("b", b.block_table)])
+    c = _seq("c", [*range(10), 60, 61, 62])
+    assert bm.match(c) == 8 and c.block_table == b.block_table[:2] and c.prompt_written == 8
+    a.output_token_ids += [11, 12]  # a decodes on past its retired block: still shared by none
+    _compute(bm, a, 2)
+    bm.audit([("a", a.block_table), ("b", b.block_table), ("c", c.block_table)])
+    moves = bm.resize(16, keep_cache=True)
+    for s in (a, b, c):
+        s.block_table = [moves[x] for x in s.block_table]
+    for s in (a, b, c):
+        bm.free(s)
+    bm.audit([])
+    d = _seq("d", [*range(10), 70, 71, 72])
+    assert bm.match(d) == 8 and d.prompt_written == 8
+
+
+@pytest.mark.usefixtures("one_class")
+def test_a_recomputed_text_is_prompt_written() -> None:
+    """A sequence preempted to recompute computes its prompt and output so far as prompt
+    rows: with exact hits its readmission finds only its prompt's exact block, and
+    the blocks it recomputes are exact from then on (a lookup with exact hits finds
+    them), where its first run's decode rows had written them."""
+    engine = _engine()
+    bm = engine.block_manager
+    prompt = [5 + (i * 11) % 200 for i in range(24)]
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=40, ignore_eos=True))
+    seq = engine._seqs[rid]
+    while len(seq.output_token_ids) < 30:
+        engine.step()
+    assert seq.prompt_written == 24 and seq.num_computed_tokens == 53
+    text = prompt + seq.output_token_ids  # 54 tokens, the last one not computed yet
+    bm.exact = True
+    probe = _seq("probe", [*text[:48], 1])
+    assert bm.match(probe) == 16  # blocks 16-47 hold K/V decode rows wrote
+    bm.unmatch(probe)
+    assert engine.scheduler.preempt(seq) == "recompute"
+    engine.step()  # readmitted: block 0 from the cache, then the rest of its text as a prompt
+    assert seq.num_cached_tokens == 0 and seq.num_computed_tokens == 54
+    assert seq.prompt_written == 54
+    done = run_all(engine)
+    assert done[rid].num_preemptions == 1 and done[rid].token_ids[:30] == text[24:]
+    out = engine.generate([[*text[:48], 1]], [GREEDY])[0]
+    assert out.num_cached_tokens == 48
+
+
+@pytest.mark.usefixtures("one_class")
+def test_a_follow_up_turn_reuses_the_blocks_its_answer_filled_by_default() -> None:
+    """By default a follow-up turn (the first turn's prompt and answer, then a new message)
+    starts past every full block of the first turn's K/V, answer included; with decoded
+    blocks off it starts past the blocks its prompt filled alone."""
+    engine = _engine()
+    bm = engine.block_manager
+    assert bm.exact is False
+    prompt = [9 + (i * 17) % 200 for i in range(40)]
+    answer = engine.generate([prompt], [SamplingParams(max_tokens=40, ignore_eos=True)])[0]
+    turn = [*prompt, *answer.token_ids, 201, 202, 203]
+    reused = engine.generate([turn], [GREEDY])[0].num_cached_tokens
+    assert reused == (len(prompt) + len(answer.token_ids) - 1) // 16 * 16 == 64
+    bm.exact = True
+    exact = engine.generate([turn], [GREEDY])[0].num_cached_tokens
+    assert exact == len(prompt) // 16 * 16 == 32 < reused
+
+
+@pytest.fixture(scope="module")
+def smollm_uncached() -> LLMEngine:
+    return LLMEngine.from_config(
+        EngineConfig(
+            model="smollm2-135m", kv_cache_bytes="64MiB", num_threads=2, enable_prefix_caching=False
+        ),
+        progress=False,
+    )
+
+
+def test_with_exact_hits_a_follow_up_turn_answers_as_the_cold_run(
+    smollm_engine: LLMEngine, smollm_uncached: LLMEngine
+) -> None:
+    """The default model, packed: a seeded follow-up chat turn (turn 1's prompt and answer,
+    then a new message) with exact hits gets the tokens and log-probabilities of an
+    engine without the cache, bit for bit, starting past turn 1's prompt blocks; the blocks
+    it then computed replace the ones turn 1's answer wrote, so the same turn again starts
+    past them too, still exact. Reusing the decode-written blocks (the default), the same
+    turn's log-probabilities were up to 4e-3 apart from the cold run's, and a sampled token
+    could turn."""
+    tok = smollm_engine.tokenizer
+    system = (
+        "You are a patient science teacher. Explain things to a curious twelve year old in "
+        "plain words, with one everyday example from the kitchen or the garden, and never "
+        "use more than three short sentences or any word a child would not know."
+    )
+    question = "Explain why the sky is blue in a few sentences."
+    chat = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+    first = tok.encode(tok.apply_chat_template(chat))
+    # 64 tokens or more, as turn 2: with AMX-BF16 a prompt's rows take the bf16 tiles from
+    # `cpu_lowbit.bf16_min_prompt()` (64) tokens, so turn 1 wrote the bits turn 2 computes cold
+    assert len(first) >= 64
+    params = SamplingParams(max_tokens=40, temperature=0.8, seed=1, ignore_eos=True, logprobs=2)
+    answer = smollm_engine.generate([first], [params])[0].token_ids
+    more = "<|im_end|>\n<|im_start|>user\nShorter please.<|im_end|>\n<|im_start|>assistant\n"
+    turn = [*first, *answer, *tok.encode(more)]
+    params = SamplingParams(max_tokens=12, temperature=0.8, seed=1, logprobs=2)
+    cold = smollm_uncached.generate([turn], [params])[0]
+    bm = smollm_engine.block_manager
+    bm.exact = True
+    try:
+        warm, again = (smollm_engine.generate([turn], [params])[0] for _ in range(2))
+    finally:
+        bm.exact = False
+    assert warm.token_ids == cold.token_ids and _lps(warm) == _lps(cold)
+    assert again.token_ids == cold.token_ids and _lps(again) == _lps(cold)
+    assert warm.num_cached_tokens == len(first) // 16 * 16 > 0
+    assert again.num_cached_tokens == (len(turn) - 1) // 16 * 16 > warm.num_cached_tokens

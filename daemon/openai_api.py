@@ -530,8 +530,7 @@ def _special_tokens(tok: Tokenizer) -> tuple[dict[str, int], re.Pattern[str] | N
     with _SPECIAL_LOCK:
         known = _SPECIAL.get(tok)
         if known is None:
-            added = tok._tok.get_added_tokens_decoder()
-            texts = {t.content: i for i, t in sorted(added.items()) if t.special and t.content}
+            texts = tok.special_token_ids()
             ordered = sorted(texts, key=len, reverse=True)
             pattern = re.compile("|".join(map(re.escape, ordered))) if texts else None
             known = _SPECIAL[tok] = (texts, pattern)
@@ -924,6 +923,8 @@ class _Ctx:
         tokens, offsets, values, tops = [], [], [], []
         utf8, made = self.text_offset.get(index) or (_utf8_decoder(), 0)
         for k, lp in enumerate(lps):
+            if k == shown > 0:  # the echoed prompt's text ends here: its bytes that never made
+                made += len(utf8.decode(b"", final=True))  # a character are its own U+FFFD
             raw = token_bytes(lp.token_id)
             tokens.append(text(raw))
             values.append(lp.logprob)
@@ -940,6 +941,8 @@ class _Ctx:
                 continue
             at, made = _text_at(utf8, made, raw)
             offsets.append(at)
+        if 0 < shown == len(lps):  # an echoed prompt alone: the answer's text starts afresh
+            made += len(utf8.decode(b"", final=True))
         self.text_offset[index] = (utf8, made)
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
                 "text_offset": offsets}  # fmt: skip

@@ -1,17 +1,27 @@
 """Incremental detokenisation and stop handling for one sequence per call.
 
-Text grows by decoding a short window of recent tokens; a window that ends inside a
-multi-byte character (U+FFFD) waits for the next token, so streamed text never shows garbage.
+An answer's text is its tokens' bytes read as UTF-8, each byte that is no part of a whole
+character a U+FFFD (as Python's errors="replace" and byte-level decoding read them, and as
+completions' logprobs place their text). A token whose text is whole characters gets it by
+decoding a short window of recent tokens (a decoder may read a token by the one before it: a
+leading space); tokens of raw bytes (`Tokenizer.raw_bytes`) are read as UTF-8 here, from the
+answer's first byte on, so a prompt ending inside a character does not take the answer's
+first bytes, and one stray byte is one U+FFFD, not a whole run of them (as byte-fallback
+decoding gives). Bytes that may still become a character wait for the next token, so streamed
+text never shows garbage.
 """
 
 from __future__ import annotations
 
+import codecs
 from typing import TYPE_CHECKING
 
 from kvguard.engine.sequence import Sequence
 
 if TYPE_CHECKING:
     from kvguard.engine.tokenizer import Tokenizer
+
+_UTF8 = codecs.getincrementaldecoder("utf-8")
 
 
 def append_token(tok: Tokenizer, seq: Sequence, token: int, eos_ids: set[int]) -> None:
@@ -44,21 +54,63 @@ def finish_text(tok: Tokenizer, seq: Sequence) -> bool:
 
 
 def _extend_text(tok: Tokenizer, seq: Sequence, end: int, final: bool = False) -> None:
-    """Add the text of the tokens up to `end` the window has not shown yet. A window ending
-    inside a multi-byte character waits for the next token, unless `final` (the request ends
-    here): then the bytes that never completed a character are shown as U+FFFD, as decoding
-    the whole output does, so that the text is the tokens' and a stream's chunks add up to it."""
+    """Add the text of the tokens up to `end` not shown yet. Bytes that may still become a
+    character wait for the next token, unless `final` (the request ends here): then those that
+    never completed a character are shown as U+FFFD, so that the text is the tokens' and a
+    stream's chunks add up to it.
+
+    Tokens before `read_offset` are in the text; the window from `prefix_offset` to it is the
+    last group shown, what a token of whole characters is decoded after (the prompt's last
+    tokens before the first). From `read_offset` on are the tokens holding bytes that wait for
+    the rest of their character, read again each time (a few: UTF-8 decides within 4 bytes)."""
     if seq.read_offset == 0 and seq.prefix_offset == 0:
         seq.prefix_offset = max(0, len(seq.prompt_token_ids) - 5)
         seq.read_offset = len(seq.prompt_token_ids)
     if end <= seq.read_offset:
         return
-    prefix = tok.decode(seq.token_slice(seq.prefix_offset, seq.read_offset))
-    full = tok.decode(seq.token_slice(seq.prefix_offset, end))
-    if len(full) > len(prefix) and (final or not full.endswith("\ufffd")):
-        seq.text += full[len(prefix) :]
-        seq.prefix_offset = seq.read_offset
-        seq.read_offset = end
+    waiting = ""  # text of the bytes read since read_offset
+    run: list[tuple[int, int]] = []  # the tokens of those still waiting: index, bytes
+    utf8 = _UTF8(errors="replace")  # reads them (flushed, it is fresh again)
+    for k, token in enumerate(seq.token_slice(seq.read_offset, end), seq.read_offset):
+        raw = tok.raw_bytes(token)
+        if raw is None:  # whole characters: the bytes before it end here, whatever they made
+            if run:
+                waiting += utf8.decode(b"", final=True)
+                run = []
+            prefix = tok.decode(seq.token_slice(seq.prefix_offset, k))
+            full = tok.decode(seq.token_slice(seq.prefix_offset, k + 1))
+            waiting += full[len(prefix) :]
+            done = k + 1
+        elif not raw and not run:  # a special token: no text, the window stays the next's
+            seq.read_offset = k + 1
+            continue
+        else:
+            waiting += utf8.decode(raw)
+            run.append((k, len(raw)))
+            pending = len(utf8.getstate()[0])
+            if not pending:
+                done, run = k + 1, []
+            else:
+                done = _pending_start(run, pending)
+                if done is None or done == seq.read_offset:
+                    continue
+                run = [r for r in run if r[0] >= done]
+        seq.text += waiting
+        waiting = ""
+        seq.prefix_offset, seq.read_offset = seq.read_offset, done
+    if final and seq.read_offset < end:
+        seq.text += waiting + (utf8.decode(b"", final=True) if run else "")
+        seq.prefix_offset, seq.read_offset = seq.read_offset, end
+
+
+def _pending_start(run: list[tuple[int, int]], pending: int) -> int | None:
+    """The token of `run` (index, bytes) where its last `pending` bytes begin, or None where
+    they begin inside one: the text before that token is whole, and goes out."""
+    for k, size in reversed(run):
+        pending -= size
+        if pending <= 0:
+            return k if pending == 0 else None
+    return None
 
 
 def _apply_stop_strings(seq: Sequence) -> bool:

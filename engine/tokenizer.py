@@ -9,6 +9,7 @@ conventions transformers uses (trim_blocks, lstrip_blocks, loop controls, `raise
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
@@ -27,6 +28,21 @@ PREFIX_CHARS = 16
 PREFIX_SLACK = 64
 
 _SPECIAL_ROLES = ("bos_token", "eos_token", "pad_token", "unk_token")
+
+# a byte-fallback vocabulary's token for one byte (SentencePiece's spelling: <0xE4>)
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's character for each byte, inverted: printable Latin-1 bytes stand for
+    themselves, the others (controls, space, 0x7F-0xA0, 0xAD) for U+0100 on, in byte order."""
+    shown = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    hidden = [b for b in range(256) if b not in shown]
+    return {chr(b): b for b in shown} | {chr(0x100 + k): b for k, b in enumerate(hidden)}
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
+_UNKNOWN = object()
 
 
 class Tokenizer:
@@ -55,6 +71,7 @@ class Tokenizer:
         if self.bos_token_id is None:
             self.bos_token_id = model_bos_id
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        self._raw: dict[int, bytes | None] = {}  # token id -> raw_bytes, worked out once
 
     @classmethod
     def from_dir(cls, path: Path) -> Tokenizer:
@@ -107,6 +124,33 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def raw_bytes(self, token_id: int) -> bytes | None:
+        """The bytes an answer's token adds where its text alone is not whole characters: a
+        byte-fallback token (`<0xE4>`, even an ASCII one: decoding reads a run of them as one
+        string) or a byte-level BPE token holding part of a character or an invalid byte.
+        b"" for a special token (decoding an answer leaves it out); None for a token whose
+        text is whole characters, or whose bytes this tokenizer does not spell."""
+        raw = self._raw.get(token_id, _UNKNOWN)
+        if raw is not _UNKNOWN:
+            return raw  # type: ignore[return-value]
+        piece = self._tok.id_to_token(token_id)
+        text = self.decode([token_id], skip_special_tokens=False)
+        raw = None
+        if piece is None or text != self.decode([token_id]):  # past the vocabulary, special
+            raw = b""
+        elif (byte := _BYTE_PIECE.fullmatch(piece)) and text != piece:
+            raw = bytes([int(byte[1], 16)])
+        elif "\ufffd" in text and all(ch in _BYTE_LEVEL for ch in piece):
+            raw = bytes(_BYTE_LEVEL[ch] for ch in piece)
+        self._raw[token_id] = raw
+        return raw
+
+    def special_token_ids(self) -> dict[str, int]:
+        """Its special tokens, text -> id: the added tokens marked special, which an answer's
+        text leaves out and which encoding a text makes of their text wherever it is written."""
+        added = self._tok.get_added_tokens_decoder()
+        return {t.content: i for i, t in sorted(added.items()) if t.special and t.content}
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)

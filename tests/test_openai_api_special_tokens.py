@@ -280,3 +280,30 @@ def test_a_reload_applies_special_tokens_in_messages(bos_daemon: Daemon) -> None
         bos_daemon.config.write_text(text)
         assert bos_daemon.admin("POST", "/admin/reload").json()["reloaded"]
     assert tokenize(bos_daemon, "tinybos", messages).status_code == 400
+
+
+def test_an_echoed_token_id_prompt_ending_inside_a_character_keeps_its_offsets(
+    tiny_daemon: Daemon, tiny_dir: Path
+) -> None:
+    """A token-id prompt cut inside a character (a client continuing a truncated text) echoes
+    as its own text, the cut character one U+FFFD, and its answer's text is the answer's own
+    bytes: every offset indexes that text, the answer's starting after the prompt's U+FFFD."""
+    from kvguard.engine.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(tiny_dir)
+    smile = tok.encode("Smile 😀", False)
+    prompt, last = smile[:-1], smile[-1]
+    assert tok.decode(prompt).endswith("\ufffd") and tok.decode(smile).endswith("😀")
+    c = tiny_daemon.client()
+    out = c.completions.create(
+        model="tiny", prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=0,
+        logit_bias={str(last): 100},
+    )  # fmt: skip
+    text, lp = out.choices[0].text, out.choices[0].logprobs
+    shown = tok.decode(prompt, skip_special_tokens=False)
+    assert text.startswith(shown) and len(lp.tokens) == len(prompt) + 3
+    offsets = lp.text_offset
+    assert offsets == sorted(offsets) and all(0 <= o < len(text) for o in offsets), offsets
+    # the answer's three tokens are the emoji's last byte, each a U+FFFD of its own
+    assert text[len(shown) :] == "\ufffd" * 3
+    assert offsets[len(prompt) :] == [len(shown), len(shown) + 1, len(shown) + 2]

@@ -4,9 +4,11 @@ it yet stays one coalesced output, linear in its length, however slow the consum
 from __future__ import annotations
 
 import asyncio
+import codecs
 import collections
 import gc
 import json
+import random
 import threading
 import types
 from collections.abc import Callable, Iterable
@@ -14,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tokenizers import AddedToken, decoders, models, normalizers
+from tokenizers import Tokenizer as HFTokenizer
 
 from kvguard.engine import EngineConfig, LLMEngine, SamplingParams
 from kvguard.engine.detokenizer import _apply_stop_strings, append_token
@@ -154,12 +158,18 @@ def test_slow_reader_gets_deltas_that_add_up(tiny_dir: Path) -> None:
 # -- deltas at the engine: multi-byte characters and stop strings -----------------------------
 
 
-def _run_tokens(tok: Tokenizer, ids: list[int], params: SamplingParams) -> list[RequestOutput]:
+def _run_tokens(
+    tok: Tokenizer,
+    ids: list[int],
+    params: SamplingParams,
+    prompt: list[int] | None = None,
+    eos: frozenset[int] = frozenset(),
+) -> list[RequestOutput]:
     """Feed `ids` as if sampled, taking an output after each, as the engine does."""
-    seq = Sequence("r", tok.encode("x"), params, 1, 0, 10_000)
+    seq = Sequence("r", tok.encode("x") if prompt is None else prompt, params, 1, 0, 10_000)
     outs = []
     for t in ids:
-        append_token(tok, seq, t, set())
+        append_token(tok, seq, t, set(eos))
         if seq.finish_reason is not None:
             seq.status = Status.FINISHED
         outs.append(RequestOutput.take(seq))
@@ -202,6 +212,152 @@ def test_a_request_ending_inside_a_character_shows_its_bytes_as_the_tokens_decod
         want = tok.decode(cut)
         assert want.endswith("\ufffd") and outs[-1].finished
         assert outs[-1].text == want and "".join(o.new_text for o in outs) == want
+
+
+def _byte_fallback_tokenizer() -> Tokenizer:
+    """A tokenizer shaped as Llama 2's and Mistral's are: BPE that spells a character outside
+    its vocabulary as byte tokens (<0xE4>), decoded by Replace("▁", " "), ByteFallback, Fuse
+    and Strip (one leading space); ids 0-2 special, byte b is id 3 + b."""
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"<0x{b:02X}>": 3 + b for b in range(256)}
+    merges = [("▁", "t"), ("h", "e"), ("▁t", "he"), ("▁", "w"), ("o", "r")]
+    for piece in ["▁", *"abcdehlnortwxé", *(a + b for a, b in merges)]:
+        vocab.setdefault(piece, len(vocab))
+    backend = HFTokenizer(
+        models.BPE(vocab, merges, byte_fallback=True, unk_token="<unk>", fuse_unk=True)
+    )
+    backend.normalizer = normalizers.Sequence(
+        [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
+    )
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )  # fmt: skip
+    backend.add_special_tokens([AddedToken(t, special=True) for t in ("<unk>", "<s>", "</s>")])
+    return Tokenizer(backend, {"bos_token": "<s>", "eos_token": "</s>"})
+
+
+def _utf8_shown(data: bytes, final: bool) -> str:
+    """`data` read as UTF-8 with U+FFFD for each byte that is no part of a character (Python's
+    errors="replace", as completions' logprobs place text), an unfinished last character left
+    out unless `final`."""
+    return codecs.getincrementaldecoder("utf-8")(errors="replace").decode(data, final)
+
+
+def test_an_answer_after_a_prompt_ending_inside_a_character_is_its_own_bytes(
+    tiny_dir: Path,
+) -> None:
+    """A token-id prompt may end part way through a character (a client continuing a text cut
+    at a token). The answer's text is its own tokens' bytes, not the character its first
+    bytes complete with the prompt's: the echoed prompt shows its partial bytes (decoded
+    alone, U+FFFD) and the answer its own, so no byte is lost or shown twice."""
+    tok = Tokenizer.from_dir(tiny_dir)
+    smile = tok.encode("Smile 😀")  # the tiny tokenizer is byte level: the emoji is 4 tokens
+    prompt, rest = smile[:-2], smile[-2:]
+    answer = [*rest, *tok.encode(" ok done")]
+    assert tok.decode(prompt + answer) == "Smile 😀 ok done"
+    assert tok.decode(prompt, skip_special_tokens=False) == "Smile \ufffd"  # as echo shows it
+    want = tok.decode(answer)
+    assert want == "\ufffd\ufffd ok done"
+    for params, feed in (
+        (SamplingParams(max_tokens=len(answer), ignore_eos=True), answer),
+        (SamplingParams(max_tokens=100), [*answer, 2]),  # ended by its EOS
+    ):
+        outs = _run_tokens(tok, feed, params, prompt, eos=frozenset({2}))
+        assert outs[-1].finished and outs[-1].text == want
+        assert [o.new_text for o in outs][:3] == ["\ufffd", "\ufffd", " "]  # each at once
+        assert "".join(o.new_text for o in outs) == want
+
+
+def test_a_stray_byte_in_a_byte_fallback_run_is_one_replacement_character() -> None:
+    """Llama 2 and Mistral spell CJK and emoji as byte tokens. One byte that begins no
+    character is one U+FFFD, and each character after it goes out with the token that
+    completes it (decoding the tokens whole turns the rest of the byte run into U+FFFD,
+    one per token)."""
+    tok = _byte_fallback_tokenizer()
+    (the,) = tok.encode("the")
+    assert tok.decode([the]) == "the"  # Strip: decoded alone, the leading space goes
+
+    def spelled(data: bytes) -> list[int]:
+        return [3 + b for b in data]
+
+    answer = [*spelled("你".encode()), *spelled(b"\xe4"), *spelled("好世界\n再见".encode()), the]
+    assert tok.decode(answer).count("\ufffd") > 10  # the whole run, as the decoder reads it
+    outs = _run_tokens(tok, answer, SamplingParams(max_tokens=len(answer)), tok.encode("hello"))
+    want = "你\ufffd好世界\n再见 the"
+    assert outs[-1].finished and outs[-1].text == want
+    deltas = [o.new_text for o in outs]
+    assert "".join(deltas) == want
+    assert deltas[:7] == ["", "", "你", "", "\ufffd", "", "好"]  # E4 is known stray at E5
+    assert deltas[-1] == " the"
+
+
+@pytest.mark.parametrize("kind", ["byte level", "byte fallback"])
+def test_deltas_add_up_to_the_answer_bytes_read_as_utf8(tiny_dir: Path, kind: str) -> None:
+    """Seeded random answers of byte fragments (characters of 1-4 bytes, some cut, stray or
+    out of order), whole-text tokens and special tokens, after prompts that end on a
+    character, inside one, or on a stray byte: after every token the text shown is the
+    answer's bytes so far read as UTF-8 (an unfinished last character waiting), and at the
+    end the deltas add up to the final text, which is all of them read so."""
+    if kind == "byte level":
+        tok = Tokenizer.from_dir(tiny_dir)
+        whole = {i: tok.decode([i]).encode() for i in tok.encode("ab the, x")}
+    else:
+        tok = _byte_fallback_tokenizer()
+        pieces = [tok.id_to_token(i) or "" for i in tok.encode("the w or é x")]
+        whole = {tok.token_to_id(p): p.replace("▁", " ").encode() for p in [*pieces, "▁"]}
+    chars = ["a", " ", "\n", "é", "ß", "你", "見", "✓", "😀", "🙂"]
+    byte_id: dict[int, int] = {}
+    for ch in chars:  # each byte of these is one token of both tokenizers
+        ids = tok.encode(ch) if kind == "byte level" else [3 + b for b in ch.encode()]
+        assert len(ids) == len(ch.encode()) and tok.decode([*tok.encode("x"), *ids]) == "x" + ch
+        byte_id |= dict(zip(ch.encode(), ids, strict=True))
+    rnd = random.Random(20250613)
+
+    def fragment() -> bytes:
+        data = rnd.choice(chars).encode()
+        cut = rnd.random()
+        if cut < 0.2:
+            return data[: rnd.randrange(len(data))] or data[-1:]  # the start of a character
+        if cut < 0.3:
+            return data[rnd.randrange(1, len(data)) :] if len(data) > 1 else data  # its end
+        return data
+
+    prompts = [
+        tok.encode("hello there"),
+        tok.encode("hello") + [byte_id[b] for b in "😀".encode()[:3]],  # inside a character
+        tok.encode("hello") + [byte_id["你".encode()[0]]],
+        tok.encode("hello") + [byte_id["é".encode()[1]]],  # a stray byte
+    ]
+    for _ in range(400):
+        answer: list[tuple[int, bytes]] = []  # token, its bytes
+        while len(answer) < rnd.randint(1, 16):
+            pick = rnd.random()
+            if pick < 0.15:
+                token = rnd.choice(list(whole))
+                answer.append((token, whole[token]))
+            elif pick < 0.2:
+                answer.append((rnd.choice([0, 1]), b""))  # special, not the EOS (2)
+            else:
+                answer += [(byte_id[b], bytes([b])) for b in fragment()]
+        ids = [t for t, _ in answer]
+        prompt = rnd.choice(prompts)
+        if rnd.random() < 0.3:  # ended by its EOS rather than its limit
+            params = SamplingParams(max_tokens=100)
+            outs = _run_tokens(tok, [*ids, 2], params, prompt, eos=frozenset({2}))
+        else:
+            outs = _run_tokens(tok, ids, SamplingParams(max_tokens=len(ids)), prompt)
+        want = _utf8_shown(b"".join(raw for _, raw in answer), final=True)
+        if kind == "byte level":
+            assert want == tok.decode(ids)  # byte-level decoding reads the bytes so too
+        shown = ""
+        for k, out in enumerate(outs[: len(ids)]):
+            shown += out.new_text
+            if not out.finished:
+                assert shown == _utf8_shown(b"".join(r for _, r in answer[: k + 1]), False), (
+                    prompt,
+                    ids[: k + 1],
+                )
+        shown += "".join(o.new_text for o in outs[len(ids) :])
+        assert outs[-1].finished and outs[-1].text == want == shown, (prompt, ids)
 
 
 @pytest.mark.parametrize("include", [False, True])

@@ -35,7 +35,7 @@ from kvguard.engine.events import EngineEvent
 from kvguard.rules.actions import StopSignal, await_action, run_action
 from kvguard.rules.evaluator import Evaluator, same_rule
 from kvguard.rules.schema import RuleSet, RulesFileError, load_rules, rules_file
-from kvguard.rules.signals import PromQL, SignalReader
+from kvguard.rules.signals import PromQL, SignalReader, url_shown
 
 if TYPE_CHECKING:
     from kvguard.daemon.config import Config
@@ -52,6 +52,10 @@ AUDITED_EVENTS = (
 STORM_WINDOW_S = 10.0
 STORM_PREEMPTIONS = 32
 MAX_ALERTS_PER_REQUEST = 100  # Alertmanager's webhook_config max_alerts keeps a group under it
+# An alert name becomes a metric label (and an audit detail, a log line): a longer one (a
+# template gone wrong, or a sender making labels up) is refused, not exported.
+MAX_ALERT_NAME_CHARS = 256
+LOGGED_CHARS = 120  # the most of a client's string (an instance label) a log line quotes
 # How long a rule's action may wait for the engine to take it at a step boundary before it is
 # withdrawn unapplied (recorded failed); one the engine has taken gets as long again to finish.
 # The stop ends either wait at once (`stop`): it never waits them out.
@@ -368,16 +372,15 @@ class ControlPlane:
         with self._lock:
             first = a.name not in self.alerts_ignored
             self.alerts_ignored[a.name] = self.alerts_ignored.get(a.name, 0) + 1
-        if first:
+        if first:  # the sender's strings quoted, escaped and cut: they cannot forge a line
             log.warning(
-                "Alertmanager alert %s names instance %r, and this daemon is %r: not taken "
+                "Alertmanager alert %s names instance %s, and this daemon is %r: not taken "
                 "(another daemon's alert; if it is this daemon's, set prometheus.instance to the "
-                "instance label Prometheus gives it). Further %s alerts for other instances are "
-                "counted in kvguard_alerts_ignored_total, not logged",
-                a.name,
-                a.instance,
+                "instance label Prometheus gives it). Further alerts of that name for other "
+                "instances are counted in kvguard_alerts_ignored_total, not logged",
+                a.name if a.name.isprintable() else quoted(a.name),  # at most 256 characters
+                quoted(a.instance),
                 mine,
-                a.name,
             )
 
     def _note_firing(self, a: Alert) -> None:
@@ -477,7 +480,7 @@ class ControlPlane:
         now = _prometheus_of(self.service.cfg, self.service.api_port)
         p = self.promql
         changed = {
-            f"prometheus.{key}": new
+            f"prometheus.{key}": url_shown(new) if key == "url" else new
             for key, old, new in zip(
                 ("url", "timeout", "instance"), (p.url, p.timeout_s, p.instance), now, strict=True
             )
@@ -709,6 +712,11 @@ def _parse_alert(a: Any, where: str) -> Alert:
     name = labels.get("alertname")
     if not name:
         raise AlertPayloadError("missing: every alert has a name", f"{where}.labels.alertname")
+    if len(name) > MAX_ALERT_NAME_CHARS:
+        raise AlertPayloadError(
+            f"{len(name)} characters; an alert name has at most {MAX_ALERT_NAME_CHARS}",
+            f"{where}.labels.alertname",
+        )
     status = a.get("status", "firing")
     if status not in ("firing", "resolved"):
         raise AlertPayloadError("expected firing or resolved", f"{where}.status")
@@ -721,6 +729,14 @@ def _parse_alert(a: Any, where: str) -> Alert:
             _check_text(value, f"{where}.{field}")
         fields[field] = value
     return Alert(name, status, labels, fields["startsAt"], fields["fingerprint"])
+
+
+def quoted(text: str | None, limit: int = LOGGED_CHARS) -> str:
+    """A client's string as a log line quotes it: repr (a newline or an escape sequence shown
+    as `\\n`, not written), cut to `limit` characters with the length said."""
+    if text is None or len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}... ({len(text)} characters)"
 
 
 def _check_text(text: str, where: str) -> None:

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import logging
+import os
+import sys
+import threading
+import time
 
 from kvguard.engine.log_level import log_level
 
@@ -14,7 +18,22 @@ CHATTY = ("apscheduler",)
 # Lines a library writes at INFO on every start that say nothing an operator acts on, by logger
 # and message: alembic names the audit database's dialect each time it opens it. Its lines that
 # say the schema changed ("Running upgrade ...") stay; at DEBUG everything does.
-ROUTINE = {"alembic.runtime.migration": ("Context impl ", "Will assume ")}
+# uvicorn names every request with an `Upgrade:` header it does not serve, and tells the
+# operator to install a websocket library: kvguard serves no websockets (it answers such a
+# request as plain HTTP), so neither line says anything to act on, and any client could write
+# them at will.
+ROUTINE = {
+    "alembic.runtime.migration": ("Context impl ", "Will assume "),
+    "uvicorn.error": ("Unsupported upgrade request.", "No supported WebSocket library detected"),
+}
+# Lines uvicorn writes once per connection, before the app (and its API key check) runs: bytes
+# that are not HTTP (a TLS hello from a client set to https://, a port scanner). Any client could
+# write thousands a second and use up journald's rate limit, which then drops kvguard's own
+# errors too: the first is logged, the rest counted in one line per BOUNDED_INTERVAL_S.
+BOUNDED = {"uvicorn.error": {"Invalid HTTP request received.": "invalid HTTP requests"}}
+BOUNDED_INTERVAL_S = 60.0
+# The syslog priority journald reads from a line's `<N>` prefix (SyslogLevelPrefix).
+PRIORITY = ((logging.CRITICAL, 2), (logging.ERROR, 3), (logging.WARNING, 4), (logging.INFO, 6))
 
 
 class _DropRoutine(logging.Filter):
@@ -28,15 +47,112 @@ class _DropRoutine(logging.Filter):
         return not (isinstance(record.msg, str) and record.msg.startswith(self.prefixes))
 
 
+class _Bounded(logging.Filter):
+    """Lets the first record with one of `what`'s messages through, then counts the next ones
+    and logs their number in one line at the end of each `interval_s` (a timer thread: a
+    burst that stops is still counted). Each line names the client it came from where the
+    connection that logged it can be found."""
+
+    def __init__(
+        self, logger: logging.Logger, what: dict[str, str], interval_s: float = BOUNDED_INTERVAL_S
+    ) -> None:
+        super().__init__()
+        self.logger, self.what, self.interval_s = logger, what, interval_s
+        self._lock = threading.Lock()
+        self._quiet_until: dict[str, float] = {}  # by message: counted, not logged, until then
+        self._counted: dict[str, tuple[int, str | None]] = {}  # by message: count, latest peer
+        self._timer: dict[str, threading.Timer] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.msg
+        if not isinstance(msg, str) or msg not in self.what:
+            return True
+        peer = _peer()
+        now = time.monotonic()
+        with self._lock:
+            if now >= self._quiet_until.get(msg, 0.0) and msg not in self._timer:
+                self._quiet_until[msg] = now + self.interval_s
+                if peer is not None:
+                    record.msg = f"{msg.rstrip('.')} from {peer}."
+                return True
+            n, _ = self._counted.get(msg, (0, None))
+            self._counted[msg] = (n + 1, peer)
+            if msg not in self._timer:
+                timer = threading.Timer(self._quiet_until[msg] - now, self._flush, (msg,))
+                timer.daemon = True
+                self._timer[msg] = timer
+                timer.start()
+        return False
+
+    def _flush(self, msg: str) -> None:
+        with self._lock:
+            n, peer = self._counted.pop(msg, (0, None))
+            self._timer.pop(msg, None)
+            self._quiet_until[msg] = time.monotonic() + self.interval_s
+        if n:
+            self.logger.warning(
+                "%d more %s in the last %gs%s (not logged one by one)",
+                n,
+                self.what[msg],
+                self.interval_s,
+                f", the latest from {peer}" if peer else "",
+            )
+
+
+def _peer() -> str | None:
+    """The client address of the uvicorn connection whose code is logging, found on the stack
+    (uvicorn's record carries none): `host:port`, or None where it cannot be found."""
+    frame = sys._getframe(1)
+    for _ in range(16):  # the logging module's own frames, then uvicorn's protocol
+        if frame is None:
+            return None
+        obj = frame.f_locals.get("self")
+        if type(obj).__module__.startswith("uvicorn.protocols."):
+            client = getattr(obj, "client", None)
+            if isinstance(client, tuple) and len(client) == 2:
+                return f"{client[0]}:{client[1]}"
+            return None
+        frame = frame.f_back
+    return None
+
+
+class _JournalFormatter(logging.Formatter):
+    """FORMAT, each line of a record (a traceback's, a multi-line message's) prefixed with the
+    record's syslog priority `<N>`: journald stores each line as an entry at that priority."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        n = next((p for level, p in PRIORITY if record.levelno >= level), 7)
+        return "\n".join(f"<{n}>{line}" for line in super().format(record).split("\n"))
+
+
+def under_journald() -> bool:
+    """Whether stderr is the journal's stream: systemd sets $JOURNAL_STREAM to its
+    `device:inode` (a stderr redirected elsewhere since then is not)."""
+    dev, _, ino = os.environ.get("JOURNAL_STREAM", "").partition(":")
+    try:
+        st = os.fstat(2)
+        return (st.st_dev, st.st_ino) == (int(dev), int(ino))
+    except (OSError, ValueError):
+        return False
+
+
 def configure_logging(level: int | str | None = None) -> int:
     """Set up the root logger at `level` (default $KVGUARD_LOG_LEVEL, else INFO), quiet the
     CHATTY libraries to WARNING and drop the ROUTINE lines unless the level is DEBUG. Returns
     the level in force. Other libraries' loggers (uvicorn's among them: the daemon gives it
-    no logging config of its own) go through the root logger: one format, one level."""
+    no logging config of its own) go through the root logger: one format, one level. The
+    BOUNDED lines are logged once, then counted (at DEBUG too: that is their volume). Under
+    journald each line starts with its syslog priority."""
     numeric = log_level(level)
     debug = numeric <= logging.DEBUG
-    logging.basicConfig(level=numeric, format=FORMAT)
-    logging.getLogger().setLevel(numeric)
+    root = logging.getLogger()
+    if not root.handlers:  # as logging.basicConfig, with the journal's priorities there
+        handler = logging.StreamHandler()
+        handler.setFormatter(
+            _JournalFormatter(FORMAT) if under_journald() else logging.Formatter(FORMAT)
+        )
+        root.addHandler(handler)
+    root.setLevel(numeric)
     for name in CHATTY:
         logging.getLogger(name).setLevel(logging.NOTSET if debug else logging.WARNING)
     for name, prefixes in ROUTINE.items():
@@ -45,4 +161,8 @@ def configure_logging(level: int | str | None = None) -> int:
             logger.removeFilter(f)  # called again (tests): one filter, or none at DEBUG
         if not debug:
             logger.addFilter(_DropRoutine(prefixes))
+    for name, what in BOUNDED.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _Bounded) for f in logger.filters):  # one, kept across calls
+            logger.addFilter(_Bounded(logger, what))
     return numeric

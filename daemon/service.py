@@ -445,6 +445,9 @@ class Service:
             log_config=None,
             log_level=None,
             lifespan="off",
+            # kvguard serves no websockets: a request asking to upgrade is answered as plain
+            # HTTP, whatever websocket library happens to be installed
+            ws="none",
             access_log=False,
             timeout_graceful_shutdown=CUT_GRACE_S,  # counted from the end of the cut
         )

@@ -59,6 +59,7 @@ from kvguard.rules.actions import (
 from kvguard.rules.schema import Rule, RuleSet, Signal
 
 log = logging.getLogger("kvguard.rules")
+SKIP_LOG_S = 60.0  # a skipped tick is logged at most this often (each is counted)
 STATES = ("inactive", "pending", "firing", "recovering", "unknown")
 RETIRING = "retiring"  # a remedy a reload took from its rule, in force until its undo applies
 
@@ -193,6 +194,8 @@ class Evaluator:
         self.incident_actions = 0
         self.incident_peak = 0
         self.stats = Stats()
+        # the last skipped tick logged: when, the skips counted then, why
+        self._skip_logged: tuple[float, int, str] | None = None
         self.decisions: list[Decision] = []  # the latest KEPT_DECISIONS
         self.decided = 0  # decisions ever made: what a call returns is counted by this
         self._lock = threading.RLock()  # state: held briefly, never across an action
@@ -283,8 +286,7 @@ class Evaluator:
         scheduler's tick and an event's tick may meet; only one of them acts). Signals are
         read outside the state lock: a slow Prometheus must not block readers either."""
         if not self._turn.acquire(blocking=False):
-            self.stats.skipped += 1
-            log.info("rule tick skipped: %s", self._busy_why())
+            self._skipped()
             return None
         try:
             t0 = time.perf_counter()
@@ -305,6 +307,24 @@ class Evaluator:
                 return self._since(start)
         finally:
             self._turn.release()
+
+    def _skipped(self) -> None:
+        """Count a skipped tick; log it where its reason is new, else at most every SKIP_LOG_S,
+        with the number skipped since the last such line: a burst of alerts or engine events
+        meets a running evaluation many times a second, and each line would say the same."""
+        now, why = self.clock(), self._busy_why()
+        with self._lock:
+            self.stats.skipped += 1
+            last = self._skip_logged
+            if last is not None and last[2] == why and now - last[0] < SKIP_LOG_S:
+                return
+            more = self.stats.skipped - 1 - (last[1] if last else 0)
+            self._skip_logged = (now, self.stats.skipped, why)
+        log.info(
+            "rule tick skipped: %s%s",
+            why,
+            f" ({more} more since the last such line)" if more else "",
+        )
 
     def _busy_why(self) -> str:
         with self._lock:

@@ -172,7 +172,36 @@ class PromQL:
         with self._lock:
             was_down, self._down = self._down, False
         if was_down:
-            log.info("Prometheus at %s answers again", self.url)
+            log.info("Prometheus at %s answers again", url_shown(self.url))
+
+
+# query parameters whose values are hidden, as the audit database URL's are
+SECRET_PARAM = re.compile(r"pass|pwd|secret|token|credential", re.IGNORECASE)
+
+
+def url_shown(url: str | None) -> str | None:
+    """The Prometheus URL as the log, the reload answer and the audit show it: the password of
+    its user part (`user:***@host`, up to the last `@`) and the values of query parameters
+    that name a secret (`?token=***`) hidden. Text only: a URL that does not parse is masked
+    the same way."""
+    if not url:
+        return url
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "", url
+    end = min([i for i in (rest.find(c) for c in "/?#") if i >= 0], default=len(rest))
+    netloc, tail = rest[:end], rest[end:]
+    user, at, host = netloc.rpartition("@")
+    if at and ":" in user:
+        netloc = f"{user.partition(':')[0]}:***@{host}"
+    tail, hash_, fragment = tail.partition("#")
+    path, q, query = tail.partition("?")
+    if query:
+        query = "&".join(
+            f"{p.partition('=')[0]}=***" if SECRET_PARAM.search(p.partition("=")[0]) else p
+            for p in query.split("&")
+        )
+    return f"{scheme}{sep}{netloc}{path}{q}{query}{hash_}{fragment}"
 
 
 def _out_of_reach(e: BaseException) -> bool:

@@ -17,7 +17,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import closing, contextmanager
+from contextlib import closing, contextmanager, suppress
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -71,12 +71,14 @@ def hung(pg: PgServer) -> Iterator[None]:
     assert pg.proc is not None
     pids = [pg.proc.pid, *_children(pg.proc.pid)]
     for p in pids:
-        os.kill(p, signal.SIGSTOP)
+        with suppress(ProcessLookupError):  # a backend that ended since it was listed
+            os.kill(p, signal.SIGSTOP)
     try:
         yield
     finally:
         for p in pids:
-            os.kill(p, signal.SIGCONT)
+            with suppress(ProcessLookupError):  # ended meanwhile (one already exiting)
+                os.kill(p, signal.SIGCONT)
 
 
 def _start_bounded(store: AuditStore) -> float | None:

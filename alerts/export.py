@@ -53,6 +53,13 @@ def export(dir: Path, runbook_base: str | None = None, force: bool = False) -> l
         if runbook_base:
             text = text.replace(RUNBOOK_BASE, runbook_base.rstrip("/"))
         planned.append((Path(dir) / rel, text))
+    return write_planned(planned, force)
+
+
+def write_planned(planned: list[tuple[Path, str]], force: bool) -> list[Path]:
+    """Write each (path, text), folders made as needed, and return the paths. A file that
+    exists with other content is an error unless `force` (an operator's edit is not
+    overwritten by accident), and then nothing is written."""
     if not force:
         clashes = [str(p) for p, text in planned if p.exists() and p.read_text() != text]
         if clashes:

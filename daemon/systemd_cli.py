@@ -11,6 +11,8 @@ import sysconfig
 from importlib.resources import files
 from pathlib import Path
 
+from kvguard.alerts.export import write_planned
+
 UNITS = ("kvguard.service", "kvguard-worker@.service")
 CONFIG = "etc/kvguard/config.yaml"
 # Where the shipped units expect the script (a root `pip install` with the system python, or
@@ -126,14 +128,4 @@ def export(dir: Path, script: Path, force: bool = False) -> list[Path]:
         planned.append((dir / name, text.replace(SHIPPED_EXEC, f"ExecStart={exec_path(script)} ")))
     config = root.joinpath(*CONFIG.split("/")).read_text(encoding="utf-8")
     planned.append((dir / CONFIG, config))
-    if not force:
-        clashes = [str(p) for p, text in planned if p.exists() and p.read_text() != text]
-        if clashes:
-            raise FileExistsError(
-                f"{', '.join(clashes)} already exist(s) with other content; "
-                "pass --force to overwrite"
-            )
-    for path, text in planned:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text, encoding="utf-8")
-    return [p for p, _ in planned]
+    return write_planned(planned, force)

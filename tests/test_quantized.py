@@ -597,19 +597,14 @@ def test_a_prompt_joining_mid_decode_leaves_a_seeded_requests_answer(
     assert _entries(joined) == _entries(alone)
 
 
-def test_verify_rows_take_the_kernel_plain_decode_takes(
-    drafting_engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A seeded request whose every draft is its own answer's next tokens: each verify step
-    of one sequence runs 16 rows (its last token and 15 drafts), whose projections pick their
-    kernel as one decoding sequence does, so the answer, log-probabilities included, is the
-    one without drafts. Before, 16 rows took the fp32 panels where plain decode takes the
-    integer dots. (Decode attention's shared-prefix read is off here, so that only the
-    projections are compared; with it on, see the test below.)"""
-    engine = drafting_engine
-    prompt = _chat(engine, "Count from one to twenty in words.")
+def _with_and_without_drafts(
+    engine: LLMEngine, monkeypatch: pytest.MonkeyPatch, prompt: list[int], shared: bool
+) -> tuple[Any, Any, list[list[int]], int]:
+    """The seeded request without drafts, then with every draft its own answer's next tokens
+    (so each verify step runs 16 rows: its last token and 15 drafts), decode attention's
+    shared-prefix read `shared`: (plain, drafted, each step's rows, shared reads taken)."""
     monkeypatch.setattr(Lookup, "propose", lambda self, seq, most: [])
-    shared = cpu_lowbit.shared_prefix(False)
+    was = cpu_lowbit.shared_prefix(shared)
     try:
         plain = engine.generate([prompt], [SEEDED])[0]
         answer = plain.token_ids
@@ -620,11 +615,27 @@ def test_verify_rows_take_the_kernel_plain_decode_takes(
 
         monkeypatch.setattr(Lookup, "propose", propose)
         steps = _step_tokens(engine, monkeypatch)
+        calls = cpu_lowbit.shared_prefix_calls()
         drafted = engine.generate([prompt], [SEEDED])[0]
+        grouped = cpu_lowbit.shared_prefix_calls() - calls
     finally:
-        cpu_lowbit.shared_prefix(shared)
+        cpu_lowbit.shared_prefix(was)
     assert [16] in steps  # a verify step of 16 rows
-    assert drafted.token_ids == answer
+    return plain, drafted, steps, grouped
+
+
+def test_verify_rows_take_the_kernel_plain_decode_takes(
+    drafting_engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A seeded request whose every draft is its own answer's next tokens: each verify step
+    of one sequence runs 16 rows (its last token and 15 drafts), whose projections pick their
+    kernel as one decoding sequence does, so the answer, log-probabilities included, is the
+    one without drafts. Before, 16 rows took the fp32 panels where plain decode takes the
+    integer dots. (Decode attention's shared-prefix read is off here, so that only the
+    projections are compared; with it on, see the test below.)"""
+    prompt = _chat(drafting_engine, "Count from one to twenty in words.")
+    plain, drafted, _, _ = _with_and_without_drafts(drafting_engine, monkeypatch, prompt, False)
+    assert drafted.token_ids == plain.token_ids
     assert _entries(drafted) == _entries(plain)
 
 
@@ -642,25 +653,8 @@ def test_a_seeded_request_answers_alike_with_drafts_and_the_shared_read_on(
     text = "Tell me about the history of the lighthouse, its keepers and its lamps. " * 8
     prompt = _chat(engine, text)
     assert len(prompt) > 8 * engine.config.block_size  # split over the threads when alone
-    monkeypatch.setattr(Lookup, "propose", lambda self, seq, most: [])
-    shared = cpu_lowbit.shared_prefix(True)
-    try:
-        plain = engine.generate([prompt], [SEEDED])[0]
-        answer = plain.token_ids
-
-        def propose(self: Lookup, seq: Any, most: int) -> list[int]:
-            done = len(seq.output_token_ids)
-            return answer[done : done + most]
-
-        monkeypatch.setattr(Lookup, "propose", propose)
-        steps = _step_tokens(engine, monkeypatch)
-        calls = cpu_lowbit.shared_prefix_calls()
-        drafted = engine.generate([prompt], [SEEDED])[0]
-        grouped = cpu_lowbit.shared_prefix_calls() - calls
-    finally:
-        cpu_lowbit.shared_prefix(shared)
-    assert [16] in steps  # a verify step of 16 rows
-    assert drafted.token_ids == answer
+    plain, drafted, _, grouped = _with_and_without_drafts(engine, monkeypatch, prompt, True)
+    assert drafted.token_ids == plain.token_ids
     assert _entries(drafted) == _entries(plain)
     assert grouped == 0  # a lone sequence's rows: nothing read once for several
 

@@ -141,7 +141,10 @@ class Kvguard:
         tiles = ""
         if vnni and cpu_lowbit.amx():
             tiles = "; AMX integer tiles from 16 rows"
-            bf16 = ", bf16 tiles for prompt rows and decode rows from 128 decoding sequences"
+            bf16 = (
+                f", bf16 tiles for the rows of prompts of {cpu_lowbit.bf16_min_prompt()} tokens "
+                "or more and decode rows from 128 decoding sequences"
+            )
             tiles += bf16 if cpu_lowbit.amx_bf16() else ""
         return f"{used} ({dots} integer dots; 4-bit fp32 panels: {panels}{tiles})"
 

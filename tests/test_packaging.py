@@ -35,6 +35,7 @@ REQUIRED = {
     "Alembic env": "kvguard/migrations/env.py",
     "Alembic template": "kvguard/migrations/script.py.mako",
     "migrations": "kvguard/migrations/versions/*.py",
+    "license": "kvguard-*.dist-info/licenses/LICENSE",
 }
 # pip runs with PYTHONDONTWRITEBYTECODE=1 in some environments; distutils then says so. That is
 # the environment talking, not a problem in our packaging configuration.
@@ -45,7 +46,7 @@ def tracked_files() -> list[str]:
     """The tracked files of the folders that go into the wheel, plus what the build reads."""
     try:
         out = subprocess.run(
-            ["git", "ls-files", "-z", "--", "pyproject.toml", "README.md", *CODE_FOLDERS],
+            ["git", "ls-files", "-z", "--", "pyproject.toml", "README.md", "LICENSE", *CODE_FOLDERS],
             cwd=REPO,
             capture_output=True,
             check=True,

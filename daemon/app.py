@@ -159,16 +159,19 @@ class OpenAnswers:
 
 
 def _health_routes(app: FastAPI, service: Service) -> None:
-    @app.get("/health")
+    # HEAD too (RFC 9110 asks it wherever GET is served): probes such as `wget --spider`, a
+    # container's usual health check, and uptime monitors ask with HEAD; the server sends
+    # the same status and headers, without the body
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> dict[str, Any]:
         return {"status": "alive"}
 
-    @app.get("/ready")
+    @app.api_route("/ready", methods=["GET", "HEAD"])
     async def ready() -> Any:
         ok, why = service.readiness()
         return JSONResponse({"ready": ok, "reason": why}, status_code=200 if ok else 503)
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def metrics() -> Response:
         return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 

@@ -97,6 +97,8 @@ class ApiError(Exception):
             headers["Retry-After"] = str(max(1, round(self.retry_after)))
         if self.status == 401:  # RFC 9110: say which scheme would do
             headers["WWW-Authenticate"] = "Bearer"
+        if self.status == 415 and self.param == "Content-Encoding":  # RFC 9110: what is served
+            headers["Accept-Encoding"] = "identity"
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
@@ -139,11 +141,11 @@ def router(service: Service) -> APIRouter:
             "owned_by": "kvguard",
         }
 
-    @r.get("/v1/models")
+    @r.api_route("/v1/models", methods=["GET", "HEAD"])  # HEAD: probes such as wget --spider
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [served()]}
 
-    @r.get("/v1/models/{model:path}")  # ids may hold slashes (org/name)
+    @r.api_route("/v1/models/{model:path}", methods=["GET", "HEAD"])  # ids may hold slashes
     async def model(model: str) -> dict[str, Any]:
         _check_model(service, model)
         return served()
@@ -244,7 +246,17 @@ async def _parse_body(
     entries, 500k messages, 5M token ids) held every other request, /health included, for
     seconds. The model is left where FastAPI's handler takes it (the request's parsed JSON:
     an instance of the model passes its validation as it is). A body that is not JSON, or
-    empty, is left to FastAPI (a 415, or a 400 saying it is missing)."""
+    empty, is left to FastAPI (a 415, or a 400 saying it is missing). A compressed body is
+    refused before it is read (415): parsed as it is, gzip's bytes read as "not UTF-8 text",
+    and another coding's as whatever they happened to spell."""
+    coding = request.headers.get("content-encoding", "").strip().lower()
+    if coding not in ("", "identity"):
+        raise ApiError(
+            415,
+            f"Content-Encoding {coding[:40]!r} is not served: send the body uncompressed",
+            "Content-Encoding",
+            "unsupported_content_encoding",
+        )
     try:
         body = await request.body()
     except ClientDisconnect as e:  # as FastAPI answers it (nobody reads it)

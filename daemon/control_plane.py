@@ -48,6 +48,7 @@ AUDITED_EVENTS = (
     "admission_resumed",
     "kv_dtype_switched",
     "kv_pool_resized",
+    "step_budget_restored",
 )
 STORM_WINDOW_S = 10.0
 STORM_PREEMPTIONS = 32
@@ -639,6 +640,12 @@ def _summary(event: EngineEvent) -> str:
         return (
             f"OOM in a step: {len(d.get('requeued', []))} requeued, batch budget "
             f"{d.get('max_num_batched_tokens_before')} -> {d.get('max_num_batched_tokens_after')}"
+        )
+    if event.kind == "step_budget_restored":
+        return (
+            f"batch budget {d.get('max_num_batched_tokens_before')} -> "
+            f"{d.get('max_num_batched_tokens_after')} (configured {d.get('configured')}) after "
+            f"a quiet {d.get('quiet_period_s', 0):g}s"
         )
     if event.kind == "kv_dtype_switched":
         return f"KV {d.get('from')} -> {d.get('to')} in {d.get('pause_s', 0) * 1e3:.0f} ms"

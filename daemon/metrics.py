@@ -104,7 +104,9 @@ class SnapshotCollector(Collector):
         oom.add_metric([], s.counters["oom"])
         gen = CounterMetricFamily("kvguard_generated_tokens", "Output tokens generated")
         gen.add_metric([], s.counters["tokens_generated"])
-        prompt = CounterMetricFamily("kvguard_prompt_tokens", "Prompt tokens accepted")
+        prompt = CounterMetricFamily(
+            "kvguard_prompt_tokens", "Prompt tokens accepted, each prompt once however many choices"
+        )
         prompt.add_metric([], s.counters["prompt_tokens"])
         steps = CounterMetricFamily("kvguard_engine_steps", "Engine steps run")
         steps.add_metric([], s.step)

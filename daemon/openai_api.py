@@ -673,6 +673,7 @@ async def _serve(
             priority,
             add_special_tokens=completion,
             listener=outputs.push,
+            count_prompt=i % ctx.n == 0,  # a prompt counted once, as usage has it
         )
         streams.append(stream)
         futs.append(fut)

@@ -295,8 +295,10 @@ class EngineLoop:
             try:
                 if not (eng.has_unfinished() or eng.mailbox.pending()):
                     eng.check_ranks()  # a rank that dies while idle is noticed without traffic
+                    # no step runs while idle: the halved step budget comes back here on time
+                    eng.restore_budget_when_due()
                     self._refresh_idle_snapshot()
-                    self._wake.wait(self.idle_wait_s)
+                    self._wake.wait(self._idle_wait())
                     self._wake.clear()
                     continue
                 outputs = eng.step()
@@ -318,6 +320,12 @@ class EngineLoop:
                     fn(snap)
                 except Exception:  # noqa: BLE001
                     log.exception("on_step hook failed")
+
+    def _idle_wait(self) -> float:
+        """How long an idle loop waits for a post: `idle_wait_s`, or less where the step
+        budget an out-of-memory fault halved is due back sooner (the engine's deadline)."""
+        due = self.engine.budget_restore_in()
+        return self.idle_wait_s if due is None else min(self.idle_wait_s, due)
 
     def _refresh_idle_snapshot(self) -> None:
         """An idle engine does not step, and the snapshot is otherwise rebuilt only by a step:
@@ -420,11 +428,14 @@ class EngineLoop:
         request_id: str | None = None,
         add_special_tokens: bool = True,
         listener: Callable[[RequestOutput], None] | None = None,
+        *,
+        count_prompt: bool = True,
     ) -> tuple[RequestStream, Future]:
         """Post a request; the Future resolves to its id (or the add_request error).
 
         A `listener` gets every output (a delta) on the engine thread and must not block; the
         stream then keeps only the final output instead of queueing the deltas too.
+        `count_prompt`: as `LLMEngine.add_request`'s (False for a choice after the first).
         """
         stream = RequestStream(listener)
         # it arrives now, not when the engine thread takes it from the mailbox (after the step
@@ -433,7 +444,13 @@ class EngineLoop:
 
         def add() -> str:
             rid = self.engine.add_request(
-                prompt, params, request_id, priority, add_special_tokens, arrival_time=arrival
+                prompt,
+                params,
+                request_id,
+                priority,
+                add_special_tokens,
+                arrival_time=arrival,
+                count_prompt=count_prompt,
             )
             stream.request_id = rid
             self._streams[rid] = stream

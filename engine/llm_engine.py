@@ -274,12 +274,17 @@ class LLMEngine(ControlSurface):
         priority: str | int = "normal",
         add_special_tokens: bool = True,
         arrival_time: float | None = None,
+        *,
+        count_prompt: bool = True,
     ) -> str:
         """Queue a request. ValueError names what makes it unservable; AdmissionRejected
         (a ValueError) carries the policy's decision and retry hint. `arrival_time` (a
         time.monotonic()) is when the request came, where that was before this call (posted
         through the mailbox while a step ran): its queue time and TTFT count from there.
-        None: now. After `shutdown()`: EngineShutDown (a RuntimeError)."""
+        None: now. `count_prompt` False: the prompt is another choice's (an API request's
+        n > 1 choices are one engine request each), counted with that one's, so that the
+        prompt-tokens counter takes each prompt once, as usage does. After `shutdown()`:
+        EngineShutDown (a RuntimeError)."""
         if self.shut_down:
             raise EngineShutDown()
         params = params or SamplingParams()
@@ -337,7 +342,8 @@ class LLMEngine(ControlSurface):
         self.scheduler.add(seq)
         if seq.grammar is not None:  # queued: a request admission refused is not counted
             self.grammars.requests += 1
-        self._counters["prompt_tokens"] += len(ids)
+        if count_prompt:
+            self._counters["prompt_tokens"] += len(ids)
         return rid
 
     def _admission_event(self, seq: Sequence, decision: str, reason: str) -> None:
@@ -660,24 +666,47 @@ class LLMEngine(ControlSurface):
             max_num_batched_tokens_after=after,
         )
 
-    def _maybe_restore_budget(self) -> None:
+    def _maybe_restore_budget(self) -> bool:
         """Double the halved step budget after every quiet period, until it is back at the
-        configured value of the time (which a reload may have set at or below it)."""
+        configured value of the time (which a reload may have set at or below it). Emits
+        `step_budget_restored` (audited: the incident's timeline shows the budget coming back);
+        returns whether the budget in force changed."""
         cut = self.budget_cut
-        if cut is None or time.monotonic() - self._last_oom < self.config.oom_quiet_period_s:
-            return
+        quiet = self.config.oom_quiet_period_s
+        if cut is None or time.monotonic() - self._last_oom < quiet:
+            return False
         cur = self.scheduler.max_num_batched_tokens
         cut *= 2
         new = self._hold_step_budget(None if cut >= self.configured_batched_tokens else cut)
         self._last_oom = time.monotonic()
-        if new != cur:
-            self.events.emit(
-                "knob_changed",
-                knob="max_num_batched_tokens",
-                before=cur,
-                after=new,
-                reason="recovered after out-of-memory",
-            )
+        if new == cur:
+            return False
+        self.events.emit(
+            "step_budget_restored",
+            max_num_batched_tokens_before=cur,
+            max_num_batched_tokens_after=new,
+            quiet_period_s=quiet,
+            configured=self.configured_batched_tokens,
+        )
+        return True
+
+    def budget_restore_in(self) -> float | None:
+        """Seconds until the halved step budget is due to double back (0: due now), None
+        while no out-of-memory halving holds it. An idle engine runs no step: its loop waits
+        no longer than this, so that the budget comes back on time without traffic."""
+        if self.budget_cut is None:
+            return None
+        due = self._last_oom + self.config.oom_quiet_period_s
+        return max(0.0, due - time.monotonic())
+
+    def restore_budget_when_due(self) -> bool:
+        """The budget's doubling of a step (`_maybe_restore_budget`) for an idle engine, on
+        the engine thread; what it changed is published in the snapshot at once (the metrics
+        and the rules read that, and an idle engine rebuilds it only now and then)."""
+        if not self._maybe_restore_budget():
+            return False
+        self.latest_snapshot = self.snapshot()
+        return True
 
     # -- convenience ----------------------------------------------------------------------
     def generate(

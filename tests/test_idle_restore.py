@@ -1,0 +1,154 @@
+"""An idle engine gets its halved step budget back on time, and the audit says so; a prompt is
+counted once per API request, however many choices it asks for.
+
+The budget an out-of-memory fault halved doubled back only inside a step: with no traffic it
+stayed halved (on the `kvguard_max_num_batched_tokens` gauge too) until the next request, and
+the doubling was never audited, so an incident's timeline ended on the halved value. With n > 1
+every choice is an engine request of its own, and each added the prompt to
+`kvguard_prompt_tokens_total`, while `usage.prompt_tokens` counts it once.
+"""
+
+from __future__ import annotations
+
+import re
+import sqlite3
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvguard.engine.engine_loop import EngineLoop
+from kvguard.engine.events import EngineEvent
+from tests.test_engine import PROMPTS, make_engine
+from tests.test_remedies import greedy
+from tests.test_server import Daemon
+
+QUIET_S = 1.0  # oom_quiet_period: a request of a few tokens ends well inside it
+WAIT_S = 60.0  # generous: what the tests wait for comes after a quiet period or two
+
+
+def wait_for(what: str, check: Callable[[], object], timeout: float = WAIT_S) -> object:
+    """`check()`'s first true value, looked at every 50 ms until `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = check()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout:g}s: {what}")
+        time.sleep(0.05)
+
+
+def test_idle_engine_doubles_the_budget_back_on_its_deadline() -> None:
+    """Two OOMs quarter the budget; with the engine idle from then on, it doubles back after
+    each quiet period, on the engine's deadline: the loop's idle wait (an hour here) is cut
+    short for it, and every doubling is an event and in the snapshot."""
+    engine = make_engine(oom_quiet_period_s=QUIET_S, max_num_batched_tokens=512)
+    restored: list[EngineEvent] = []
+    back = threading.Event()
+
+    def on_event(event: EngineEvent) -> None:
+        if event.kind == "step_budget_restored":
+            restored.append(event)
+            if event.data["max_num_batched_tokens_after"] == 512:
+                back.set()
+
+    engine.events.subscribe(on_event)
+    # served on this thread, before the loop starts: no step runs after the request ends
+    engine.inject_oom(2)
+    rid = engine.add_request(PROMPTS[0], greedy(2))
+    done = []
+    while engine.has_unfinished():
+        done += [o for o in engine.step() if o.finished]
+    assert [o.request_id for o in done] == [rid] and done[0].finish_reason == "length"
+    oom = engine.events.recent("engine_oom")
+    assert [e.data["max_num_batched_tokens_after"] for e in oom] == [256, 128]
+    assert engine.latest_snapshot.max_num_batched_tokens == 128, "restored before going idle"
+    loop = EngineLoop(engine, idle_wait_s=3600.0).start()
+    try:
+        assert back.wait(WAIT_S), f"budget not back: {engine.latest_snapshot.knobs}"
+        budgets = [
+            (e.data["max_num_batched_tokens_before"], e.data["max_num_batched_tokens_after"])
+            for e in restored
+        ]
+        assert budgets == [(128, 256), (256, 512)]
+        # each a whole quiet period after the OOM, or after the doubling before it
+        assert restored[0].monotonic - oom[-1].monotonic >= QUIET_S
+        assert restored[1].monotonic - restored[0].monotonic >= QUIET_S
+        assert all(e.data["configured"] == 512 for e in restored)
+        assert wait_for(
+            "the snapshot shows the budget back",
+            lambda: engine.latest_snapshot.max_num_batched_tokens == 512,
+        )
+        assert engine.budget_cut is None and engine.budget_restore_in() is None
+        assert not engine.scheduler.chunked or engine.config.enable_chunked_prefill
+    finally:
+        loop.stop()
+
+
+# -- through the daemon ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201 - (Daemon, audit.db)
+    tmp = tmp_path_factory.mktemp("idle_restore")
+    d = Daemon(
+        tmp,
+        serving="{model: tiny, kv_cache_bytes: 8MiB, max_model_len: 512, "
+        f"oom_quiet_period: {QUIET_S:g}s}}",
+    )
+    yield d, tmp / "audit.db"
+    assert d.stop() == 0
+
+
+def gauge(d: Daemon, name: str) -> float:
+    text = httpx.get(d.url + "/metrics", timeout=30).text
+    m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    assert m, f"{name} not exported"
+    return float(m.group(1))
+
+
+def events(db: Path, kind: str) -> list[tuple[str | None, str]]:
+    """(incident, detail) of every `kind` event row, in order."""
+    with sqlite3.connect(db) as c:
+        q = "select incident, detail from events where kind = ? order by id"
+        return c.execute(q, (kind,)).fetchall()
+
+
+def test_prompt_tokens_counted_once_per_prompt_with_n_choices(served) -> None:  # noqa: ANN001
+    d, _ = served
+    c = d.client()
+    before = gauge(d, "kvguard_prompt_tokens_total")
+    one = c.completions.create(model="tiny", prompt="Hello there", max_tokens=2, n=3)
+    assert len(one.choices) == 3 and one.usage.prompt_tokens == len(b"Hello there")
+    two = c.completions.create(model="tiny", prompt=["Hi you", "Good day"], max_tokens=2, n=2)
+    assert len(two.choices) == 4 and two.usage.prompt_tokens == len(b"Hi you" + b"Good day")
+    counted = gauge(d, "kvguard_prompt_tokens_total") - before
+    assert counted == one.usage.prompt_tokens + two.usage.prompt_tokens
+
+
+def test_idle_daemon_restores_the_budget_and_audits_it(served) -> None:  # noqa: ANN001
+    d, db = served
+    configured = gauge(d, "kvguard_max_num_batched_tokens")
+    assert d.admin("POST", "/admin/debug/inject_oom", json={"times": 1}).status_code == 200
+    r = d.client().completions.create(model="tiny", prompt="out of memory", max_tokens=2)
+    assert r.choices[0].finish_reason == "length"
+    (oom_incident, detail), *_ = wait_for("the OOM in the audit", lambda: events(db, "engine_oom"))
+    assert f"batch budget {configured:g} -> {configured / 2:g}" in detail
+    assert oom_incident is not None  # the oom-chain rule acted: its incident stays open 60s
+    # no request from here on: the budget comes back all the same
+    wait_for(
+        f"kvguard_max_num_batched_tokens back at {configured:g}",
+        lambda: gauge(d, "kvguard_max_num_batched_tokens") == configured,
+    )
+    rows = wait_for("the restore in the audit", lambda: events(db, "step_budget_restored"))
+    assert rows == [
+        (
+            oom_incident,
+            f"batch budget {configured / 2:g} -> {configured:g} (configured {configured:g}) "
+            f"after a quiet {QUIET_S:g}s",
+        )
+    ]

@@ -376,7 +376,9 @@ class ControlPlaneCollector(Collector):
             acts.add_metric([rule, action, outcome], n)
         level = _gauge(
             "kvguard_degradation_level",
-            "0 calm; else 1 + ladder index of the highest rule in force",
+            "0 calm; else 1 + ladder index of the highest rule in force (in a dry run, of "
+            "the simulated remedies: what the rules would hold; a rule an operator's action "
+            "took every held setting from does not count)",
         )
         level.add_metric([], ev.level())
         pq = CounterMetricFamily(

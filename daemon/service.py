@@ -18,6 +18,7 @@ import time
 import weakref
 from collections.abc import Callable, Generator, Mapping
 from concurrent.futures import Future
+from datetime import datetime
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -609,7 +610,10 @@ class Service:
             self.left_running = self.control.stop()
         if self.audit is not None:  # queued before the engine waits: written meanwhile
             self.audit.record_event(
-                "daemon_stop", detail=f"exit {self.exit_code}", incident=incident
+                "daemon_stop",
+                detail=f"exit {self.exit_code}",
+                incident=incident,
+                time=self._stop_time(incident),
             )
         if not stuck:
             self.loop.stop(timeout=left(loop_by, STUCK_ENGINE_WAIT_S))
@@ -796,6 +800,16 @@ class Service:
         a reload, its stop) are tagged with it, as the control plane tags the engine's, so that
         `kvguard audit timeline` tells the whole of it."""
         return self.control.evaluator.incident if self.control is not None else None
+
+    def _stop_time(self, incident: str | None) -> datetime:
+        """The time of the stop's `daemon_stop` row: now, or, where the stop (or an undo just
+        before it) closed `incident`, which the row carries, that incident's closing time, so
+        that the row lies inside it (after its other rows, at its end), not just after."""
+        now = utcnow()
+        closed = self.control.evaluator.last_closed if self.control is not None else None
+        if incident is not None and closed is not None and closed[0] == incident:
+            return min(now, closed[1])
+        return now
 
     @property
     def _config_name(self) -> str:
@@ -989,8 +1003,19 @@ class Service:
             )
             res = None if err else f.result()
             outcome = "failed" if err else ("applied" if res.ok else "refused")
+            detail = res.detail if res else str(err)
             if self.control is not None:  # kvguard_actions_total{rule="manual"}
                 self.control.evaluator.count_manual(name, outcome)
+            if self.control is not None and res is not None and res.ok:
+                # applied: the operator's word on what it set, which the rules now respect
+                # (held only from here: one refused or withdrawn set nothing)
+                try:
+                    overrode = self.control.evaluator.manual_applied(name, params, res)
+                except Exception:  # noqa: BLE001 - the action is recorded all the same
+                    log.exception("admin action %s: its settings could not be held", name)
+                    overrode = ""
+                if overrode:
+                    detail = f"{detail}; {overrode}"
             self.audit.record_action(
                 rule="manual",
                 action=name,
@@ -1006,7 +1031,7 @@ class Service:
                 # counted in the incident's actions_count, as its timeline lists it
                 incident=self.control.evaluator.count_outside_action() if self.control else None,
                 is_undo=False,
-                detail=res.detail if res else str(err),
+                detail=detail,
                 time=decided,
             )
 
@@ -1050,6 +1075,10 @@ class Service:
                 "own_gpus": self.nvml.own_gpus,  # NVML indices of the engine's GPUs
             },
             "rules": self.control.evaluator.rule_states() if self.control else [],
+            # what the operator's actions hold (the rules' acts and undos leave them as asked)
+            "manual": self.control.evaluator.manual_holds()
+            if self.control
+            else {"holds": [], "asked": {}},
             "degradation_level": self.control.evaluator.level() if self.control else 0,
             "incident": self.control.evaluator.incident if self.control else None,
             "dry_run": self.control.evaluator.dry_run if self.control else False,

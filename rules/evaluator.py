@@ -108,6 +108,15 @@ class RuleState:
     # where its rule stood in the rules file (from 1) when a reload or a dry-run switch set
     # this state aside: a remedy of it still in force (retiring) counts there in the level
     position: int = 0
+    # the settings an operator's action took from its remedy in force (setting -> that
+    # action): it holds them no more, and its undo leaves them as the operator set them
+    overridden: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def holds_nothing_left(self) -> bool:
+        """Its remedy is in force, but an operator's action took every setting it held:
+        nothing of it is in force, so it does not count in the level."""
+        return bool(self.overridden) and not self.holds
 
     @property
     def shown(self) -> str:
@@ -140,7 +149,8 @@ class Attempt:
     value: float | None
     undo: bool
     dry_run: bool
-    # an undo's settings other remedies in force still hold, or an act's that it would
+    # an undo's settings other remedies in force (or the operator, `manual`) still hold, or
+    # that an operator's action took from its remedy (no rules: []), or an act's that it would
     # loosen (another remedy in force asks for a stricter value): setting -> those rules
     held: dict[str, list[str]] = field(default_factory=dict)
     # an undo's held settings its remedy holds stricter than every other holder: each goes to
@@ -203,6 +213,13 @@ class Evaluator:
         # each is recorded, and its rule settled, when its result comes (`_settle_later`)
         self.late: list[Attempt] = []
         self._turn = threading.Lock()  # one evaluation (tick or event) at a time
+        # the operator's settings: what the admin API's actions that applied set, held as a
+        # rule's remedy in force holds its own (`manual_applied`), so that no rule loosens
+        # them and a rule's undo puts them back to what the operator asked. Real whatever the
+        # mode: a dry run's simulated remedies meet them as real ones would
+        self.manual = RuleState(live=True)
+        # the incident closed last, and when: the daemon's stop event is timed by it
+        self.last_closed: tuple[str, datetime] | None = None
 
     # -- configuration ----------------------------------------------------------------------
     def replace_rules(self, rules: RuleSet) -> list[str]:
@@ -472,6 +489,10 @@ class Evaluator:
         st.holds = before | settings_set(a.action, done)
         st.asked = {**(st.asked if again else {}), **asked(a.action, a.params, done)}
         st.live = not a.dry_run
+        # what it set again is its own again, whatever an operator did to its earlier act
+        st.overridden = {
+            s: how for s, how in (st.overridden if again else {}).items() if s not in st.holds
+        }
         if self._live(a):
             return True
         self._retire(a.rule, st, "rule reloaded away while its action ran")
@@ -532,8 +553,15 @@ class Evaluator:
         holders = self._holders(st, settings, live=not a.dry_run, retiring=True)
         a.held = {s: [n for n, _ in hs] for s, hs in holders.items()}
         a.restore = self._restore_to(st, holders)
+        # an operator's action took these from the remedy: they stay as the operator set them
+        for s in settings & st.overridden.keys():
+            a.held.setdefault(s, [])
         a.kept = ", ".join(
-            f"{s} (held by {', '.join(r)})" for s, r in sorted(a.held.items()) if s not in a.restore
+            f"{s} (held by {', '.join(r)})"
+            if r
+            else f"{s} (overridden by {MANUAL} {st.overridden[s]})"
+            for s, r in sorted(a.held.items())
+            if s not in a.restore
         )
         return a
 
@@ -547,7 +575,8 @@ class Evaluator:
         them from their rule and their undo has not applied yet, e.g. refused while the live
         tokens do not fit the full-precision pool): another rule's undo leaves what they set
         to their own undo. A rule's act does not count them: the reload no longer wants
-        them, and a changed rule's looser remedy applies at once."""
+        them, and a changed rule's looser remedy applies at once. The operator's settings
+        (`manual`, see `manual_applied`) count last, live or not: they are real either way."""
         others = [
             (r.name, self.states[r.name])
             for r in self.rules.rules
@@ -561,6 +590,8 @@ class Evaluator:
                 continue
             for setting in sorted(other.holds & settings):
                 held.setdefault(setting, []).append((name, other))
+        for setting in sorted(self.manual.holds & settings):
+            held.setdefault(setting, []).append((MANUAL, self.manual))
         return held
 
     def _held_by_others(
@@ -631,7 +662,7 @@ class Evaluator:
         self.retiring = [r for r in self.retiring if r[1] is not a.st]
         a.st.state, a.st.last_action, a.st.undo_refused_at = "inactive", now, None
         a.st.holds, a.st.live, a.st.resolved = frozenset(), False, False
-        a.st.asked = {}
+        a.st.asked, a.st.overridden = {}, {}
 
     # -- events -----------------------------------------------------------------------------
     def handle_event(
@@ -890,14 +921,17 @@ class Evaluator:
         degradation too, which an alert on the level must see). A retiring remedy (a reload
         took it from its rule, and its undo has not applied yet) counts at the position its
         rule had in the file it was applied under: it is in force until undone, however long
-        its undo is refused."""
+        its undo is refused. A dry run's simulated remedies count as real ones would. A rule
+        whose every held setting an operator's action took over (`manual_applied`) does not
+        count: nothing of it is in force, though it stays firing until its undo."""
         with self._lock:
             active = [
                 i + 1
                 for i, r in enumerate(self.rules.rules)
                 if self.states[r.name].state in ("firing", "recovering")
+                and not self.states[r.name].holds_nothing_left
             ]
-            active += [st.position for _, st, _ in self.retiring]
+            active += [st.position for _, st, _ in self.retiring if not st.holds_nothing_left]
             return max(active, default=0)
 
     def _open_incident(self, rule: Rule) -> None:
@@ -932,6 +966,60 @@ class Evaluator:
             key = (MANUAL, action, outcome)
             self.stats.actions[key] = self.stats.actions.get(key, 0) + 1
 
+    def manual_applied(self, action: str, params: dict[str, Any], res: ActionResult) -> str:
+        """An operator's action (the admin API's) applied, with result `res`: the operator's
+        word on the settings it set. An action with an undo (a halt, a cap, a batch cut,
+        FP8...) holds them, as `manual`, at the values it set, as a rule's remedy in force
+        does: a rule's act that would loosen one is `held`, and a rule's undo puts it back
+        to the operator's value, not to the configured one. An undo (resume_admission,
+        uncap_max_new_tokens, restore_batch...) lets go of the operator's hold on them. Either
+        way a rule in force that held one of them stricter than the operator now has it
+        (every one an undo resets) holds it no more: its `holds` drop it, and its own undo
+        leaves it as the operator set it (it acts again only after that undo, as it would
+        have). Returns what the action's audit detail adds: those rules ('' where none)."""
+        done = settings_set(action, res)
+        if not done:
+            return ""
+        release = ACTIONS[action].undo is None  # back to the configured state
+        values = {} if release else asked(action, params, res)
+        overrode: list[str] = []
+        with self._lock:
+            m = self.manual
+            m.asked = {s: v for s, v in m.asked.items() if s not in done}
+            if release:
+                m.holds -= done
+            else:
+                m.holds |= done
+                m.asked.update(values)
+            for name, st in self._remedies_in_force():
+                taken = sorted(
+                    s
+                    for s in st.holds & done
+                    if release or _looser(s, values.get(s, _UNKNOWN), st.asked.get(s, _UNKNOWN))
+                )
+                if not taken:
+                    continue
+                st.holds -= frozenset(taken)
+                st.asked = {s: v for s, v in st.asked.items() if s not in taken}
+                st.overridden.update(dict.fromkeys(taken, action))
+                overrode.append(f"{name} ({', '.join(taken)})")
+                log.info("rule %s: %s by the operator's %s", name, ", ".join(taken), action)
+        return f"overrode what rules held: {'; '.join(overrode)}" if overrode else ""
+
+    def _remedies_in_force(self) -> list[tuple[str, RuleState]]:
+        """The rules' remedies in force, retiring ones included (`retiring NAME`)."""
+        out = [
+            (r.name, self.states[r.name])
+            for r in self.rules.rules
+            if self._in_force(r, self.states[r.name])
+        ]
+        return out + [(f"retiring {r.name}", st) for r, st, _ in self.retiring]
+
+    def manual_holds(self) -> dict[str, Any]:
+        """The settings the operator's actions hold, and the value asked of each."""
+        with self._lock:
+            return {"holds": sorted(self.manual.holds), "asked": dict(self.manual.asked)}
+
     def close_at_stop(self) -> None:
         """The daemon stops: an action the engine was still inside is recorded failed, saying
         that whether it applied is not known; the open incident ends with it (the next start
@@ -957,14 +1045,16 @@ class Evaluator:
 
     def _close_incident(self, why: str) -> None:
         assert self.incident is not None
+        closed = self._wall()
         if self.audit:
             self.audit.update_incident(
                 self.incident,
                 peak_level=self.incident_peak,
                 actions_count=self.incident_actions,
-                closed_at=self._wall(),
+                closed_at=closed,
             )
         log.info("incident %s closed %s", self.incident, why)
+        self.last_closed = (self.incident, closed)
         self.incident = None
 
     def _record(
@@ -1035,6 +1125,10 @@ class Evaluator:
                     "in_flight": self.states[r.name].in_flight,
                     # the engine settings its remedy in force holds (others' undos leave them)
                     "holds": sorted(self.states[r.name].holds),
+                    # false where that remedy is only simulated (a dry run): it holds nothing real
+                    "live": self.states[r.name].live,
+                    # those an operator's action took from it (its undo leaves them alone)
+                    "overridden": sorted(self.states[r.name].overridden),
                 }
                 for r in self.rules.rules
             ]
@@ -1049,6 +1143,8 @@ class Evaluator:
                     "undo": r.undo,
                     "in_flight": st.in_flight,
                     "holds": sorted(st.holds),
+                    "live": st.live,
+                    "overridden": sorted(st.overridden),
                     "why": why,
                 }
                 for r, st, why in self.retiring
@@ -1101,6 +1197,14 @@ def _shown(setting: str, value: Any) -> str:
     if setting == "admission":
         return value or "none"  # the best priority admitted
     return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _looser(setting: str, value: Any, than: Any) -> bool:
+    """Whether `value` of `setting` is looser than `than` (both known, of a setting with an
+    order: FP8 and offload have one value)."""
+    if setting not in SET_TO or value is _UNKNOWN or than is _UNKNOWN:
+        return False
+    return strictness(setting, value) > strictness(setting, than)
 
 
 def _no_change(res: ActionResult | None) -> bool:

@@ -189,7 +189,9 @@ def _print_state(s: dict) -> None:
         print(f"{state:<12} {row}")
     halted = f"halted (allowed: {adm['allow_priority']})" if adm["halted"] else "open"
     holders = [r["name"] for r in s.get("rules", []) if "admission" in r.get("holds", ())]
-    if adm["halted"] and holders:  # the rules whose remedy in force halted it
+    if "admission" in (s.get("manual") or {}).get("holds", ()):  # an operator's admin action
+        holders.append("manual")
+    if adm["halted"] and holders:  # the rules whose remedy in force halted it, the operator
         halted += " by " + ", ".join(holders)
     print(f"admission    {halted}")
     if adm.get("estimate"):  # absent from older daemons

@@ -349,6 +349,10 @@ def test_kvguard_status_names_the_rules_that_halted_admission(capsys) -> None:  
     _print_state(state)
     out = capsys.readouterr().out
     assert "admission    halted (allowed: high) by halt, gpu-halt\n" in out
+    # an operator's admin action holding it too is named (`manual` in /admin/state)
+    _print_state({**state, "manual": {"holds": ["admission"], "asked": {"admission": "high"}}})
+    out = capsys.readouterr().out
+    assert "admission    halted (allowed: high) by halt, gpu-halt, manual\n" in out
 
 
 def test_the_oom_chain_acting_again_keeps_holding_what_its_first_run_set() -> None:

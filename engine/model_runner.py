@@ -33,7 +33,7 @@ from kvguard.engine.distributed.parallel_state import PipelineStage, TPGroup
 from kvguard.engine.distributed.sharding import shard_config
 from kvguard.engine.host_memory import room_bytes
 from kvguard.engine.kv_cache import KV_TORCH_DTYPES, KVCache, bytes_per_block, kv_dtype_name
-from kvguard.engine.layers.quantized_linear import use_int8_activations
+from kvguard.engine.layers.quantized_linear import QuantizedLMHead, use_int8_activations
 from kvguard.engine.model import AttentionMetadata, LlamaForCausalLM, load_model
 from kvguard.engine.model_config import ModelConfig
 from kvguard.engine.sampler import (
@@ -272,6 +272,28 @@ def wants_prompt_logprobs(seq: Sequence) -> bool:
     return got is not None and len(got) < len(seq.prompt_token_ids) - 1
 
 
+def prompt_rows_wanted(seq: Sequence, k: int) -> list[int]:
+    """Which of the `k` logit rows of `seq`'s step (`logit_rows`, all of its chunk while it
+    collects its prompt's log-probabilities) give a prompt position it still lacks: row j
+    predicts the token at `num_computed_tokens + j + 1`."""
+    if not wants_prompt_logprobs(seq):
+        return []
+    start, have = seq.num_computed_tokens, len(seq.prompt_logprobs)  # held: positions 1..have
+    return [j for j in range(k) if have < start + j + 1 < len(seq.prompt_token_ids)]
+
+
+class ExactRows:
+    """Some of a step's logit rows computed exactly (`ModelRunner.exact_logits`), found by
+    their row in the step's logits."""
+
+    def __init__(self, rows: list[int], logits: torch.Tensor) -> None:
+        self.logits, self.place = logits, {r: i for i, r in enumerate(rows)}
+
+    def take(self, rows: list[int]) -> torch.Tensor:
+        index = torch.tensor([self.place[r] for r in rows], device=self.logits.device)
+        return self.logits[index]
+
+
 def logit_rows(seq: Sequence, n: int) -> int:
     """How many of the last of `n` rows computed for `seq` this step get logits: all of them
     while its prompt's log-probabilities are being collected, else 1 where a token is sampled
@@ -341,6 +363,8 @@ class ModelRunner:
         # lacked, in order)
         self.logprobs: list[list[TokenLogprob | None]] = []
         self.prompt_logprobs: list[tuple[Sequence, list[TokenLogprob]]] = []
+        # the last forward's hidden states of the rows it gave logits for (`exact_logits`)
+        self.logit_hidden: torch.Tensor | None = None
 
     # whether a step can stop between layers (one process; ranks of a distributed runner would
     # be left half way through a collective)
@@ -429,8 +453,10 @@ class ModelRunner:
                     stop=self.step_stop,
                 )  # fmt: skip
         if not inp.sample_rows.numel():
+            self.logit_hidden = None
             return None
-        return self.model.compute_logits(hidden[inp.sample_rows])
+        self.logit_hidden = hidden[inp.sample_rows]
+        return self.model.compute_logits(self.logit_hidden)
 
     def decode_ahead(self, seqs: list[Sequence], steps: int) -> RunTokens:
         """Launch `steps` decode steps of `seqs` back to back, each step's tokens fed to the
@@ -513,8 +539,46 @@ class ModelRunner:
         self, seqs: list[Sequence], num_tokens: list[int], every_row: bool = False
     ) -> torch.Tensor | None:
         """Compute `num_tokens` of each sequence into the KV cache; the logits of the rows
-        that are sampled (`every_row`: of every computed row)."""
-        return self.forward(self.prepare(seqs, num_tokens, every_row))
+        that are sampled (`every_row`: of every computed row, exact where the lm_head's are
+        not (`exact_logits`), as scoring a text teacher-forced gives the log-probabilities a
+        request gets back)."""
+        logits = self.forward(self.prepare(seqs, num_tokens, every_row))
+        if every_row and logits is not None:
+            exact = self.exact_logits(list(range(len(logits))))
+            return logits if exact is None else exact
+        return logits
+
+    def exact_logits(self, rows: list[int]) -> torch.Tensor | None:
+        """Rows `rows` of the last forward's logits computed exactly
+        (`QuantizedLMHead.exact_logits`: the packed model's int8 lm_head is exact only at each
+        row's best, and a log-softmax over the rest is off by up to 0.036): what returned
+        log-probabilities are taken from, never what is sampled from. None where the lm_head's
+        logits are exact already, or where this process does not hold all of it (a tensor or
+        pipeline parallel engine keeps its head's logits)."""
+        head = getattr(self.model, "lm_head", None)
+        hidden = self.logit_hidden
+        if hidden is None or not isinstance(head, QuantizedLMHead) or not head.approximate:
+            return None
+        if head.tp.size > 1:
+            return None
+        index = torch.tensor(rows, dtype=torch.long, device=hidden.device)
+        with torch.inference_mode():
+            return head.exact_logits(hidden[index])
+
+    def _exact_for_logprobs(self, seqs: list[Sequence], num_tokens: list[int]) -> ExactRows | None:
+        """The step's logit rows whose log-probabilities go back to a request (its prompt's
+        positions it lacks, the sampled rows of a sequence that asked for its tokens'),
+        computed exactly; None where no row is, or the logits are exact already."""
+        rows, at = [], 0
+        for seq, n in zip(seqs, num_tokens, strict=True):
+            k = logit_rows(seq, n)
+            rows.extend(at + j for j in prompt_rows_wanted(seq, k))
+            if finishes_prompt(seq, n) and seq.params.logprobs is not None:
+                rows.extend(range(at + k - 1 - len(seq.draft), at + k))
+            at += k
+        rows = list(dict.fromkeys(rows))
+        exact = self.exact_logits(rows) if rows else None
+        return None if exact is None else ExactRows(rows, exact)
 
     def execute(self, seqs: list[Sequence], num_tokens: list[int]) -> list[list[int]]:
         """Compute `num_tokens` of each sequence; for every sequence whose tokens are now all
@@ -524,11 +588,16 @@ class ModelRunner:
         scheduler advances them from what this returns (and, where asked, from the tokens'
         log-probabilities left in `self.logprobs`, one list a returned sequence)."""
         self.logprobs, self.prompt_logprobs = [], []
+        self.logit_hidden = None
         logits = self.logits(seqs, num_tokens)
         if logits is None:
             return []
+        # what is sampled is `logits`, asked for log-probabilities or not: the exact rows
+        # only give the log-probabilities returned
+        exact = self._exact_for_logprobs(seqs, num_tokens)
+        origin = list(range(len(logits)))  # each sampled row's row in the step's logits
         if any(wants_prompt_logprobs(s) for s in seqs):
-            logits = self._take_prompt_logprobs(seqs, num_tokens, logits)
+            logits, origin = self._take_prompt_logprobs(seqs, num_tokens, logits, exact)
         done = [s for s, n in zip(seqs, num_tokens, strict=True) if finishes_prompt(s, n)]
         params, gens, outputs, allowed = [], [], [], []
         for s in done:  # a row for the last token, and one after each draft
@@ -544,7 +613,9 @@ class ModelRunner:
         chosen = sample(logits, params, gens, outputs, allowed)
         lps = None
         if any(p.logprobs is not None for p in params):
-            lps = token_logprobs(logits, params, chosen)
+            asked = [origin[i] for i, p in enumerate(params) if p.logprobs is not None]
+            exact_asked = None if exact is None else exact.take(asked)
+            lps = token_logprobs(logits, params, chosen, exact_asked)
         tokens, at = [], 0
         for s in done:
             rows = len(s.draft) + 1
@@ -558,29 +629,37 @@ class ModelRunner:
         return tokens
 
     def _take_prompt_logprobs(
-        self, seqs: list[Sequence], num_tokens: list[int], logits: torch.Tensor
-    ) -> torch.Tensor:
+        self,
+        seqs: list[Sequence],
+        num_tokens: list[int],
+        logits: torch.Tensor,
+        exact: ExactRows | None = None,
+    ) -> tuple[torch.Tensor, list[int]]:
         """Collect the prompt log-probabilities the step's extra logit rows hold into
         `self.prompt_logprobs` ((sequence, entries) for the positions it still lacked, in
-        order); the rows that are sampled, one a finishing sequence, in batch order."""
+        order; from `exact`'s rows where given); the rows that are sampled, one a finishing
+        sequence, in batch order, with their rows in `logits`."""
         sample_rows, at = [], 0
         for seq, n in zip(seqs, num_tokens, strict=True):
             k = logit_rows(seq, n)
-            if wants_prompt_logprobs(seq):  # then all its k = n rows have logits
+            want = prompt_rows_wanted(seq, k)  # all its k = n rows have logits where asked
+            if want:
                 start, prompt = seq.num_computed_tokens, seq.prompt_token_ids
-                have = len(seq.prompt_logprobs)  # held: positions 1..have
-                # row j predicts the token at start + j + 1; of the prompt's, those not held
-                want = [j for j in range(k) if have < start + j + 1 < len(prompt)]
-                if want:
-                    targets = [prompt[start + j + 1] for j in want]
-                    rows = logits[torch.tensor([at + j for j in want], device=logits.device)]
-                    self.prompt_logprobs.append(
-                        (seq, log_softmax_entries(rows, targets, seq.params.prompt_logprobs))
-                    )
+                targets = [prompt[start + j + 1] for j in want]
+                picked = [at + j for j in want]
+                rows = (
+                    exact.take(picked)
+                    if exact is not None
+                    else logits[torch.tensor(picked, device=logits.device)]
+                )
+                self.prompt_logprobs.append(
+                    (seq, log_softmax_entries(rows, targets, seq.params.prompt_logprobs))
+                )
             if finishes_prompt(seq, n):  # with drafts, every row
                 sample_rows.extend(range(at + k - 1 - len(seq.draft), at + k))
             at += k
-        return logits[torch.tensor(sample_rows, dtype=torch.long, device=logits.device)]
+        index = torch.tensor(sample_rows, dtype=torch.long, device=logits.device)
+        return logits[index], sample_rows
 
     def inject_oom(self, times: int = 1) -> None:
         """Test hook: the next `times` forward passes fail as if the device ran out of memory."""

@@ -534,19 +534,25 @@ def _reaching(top: torch.Tensor, top_p: float) -> int:
 
 
 def token_logprobs(
-    logits: torch.Tensor, params: list[SamplingParams], tokens: list[int]
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    tokens: list[int],
+    asked: torch.Tensor | None = None,
 ) -> list[TokenLogprob | None]:
     """Each row's sampled token's log-probability under the model (the log-softmax of the raw
     logits, before penalties, bias, temperature, top-k and top-p: what the model thinks of the
     token, not how it was drawn) with its `params.logprobs` most likely tokens'; None for rows
-    that did not ask. One log-softmax over the rows that asked, not over the batch."""
+    that did not ask. One log-softmax over the rows that asked, not over the batch: their rows
+    of `logits`, or `asked` (those rows, in order, computed apart: exactly, where the logits
+    drawn from are exact only at each row's best)."""
     out: list[TokenLogprob | None] = [None] * len(params)
     rows = [i for i, p in enumerate(params) if p.logprobs is not None]
     if not rows:
         return out
-    index = torch.tensor(rows, device=logits.device)
+    if asked is None:
+        asked = logits[torch.tensor(rows, device=logits.device)]
     k = max(params[i].logprobs for i in rows)
-    entries = log_softmax_entries(logits[index], [tokens[i] for i in rows], k)
+    entries = log_softmax_entries(asked, [tokens[i] for i in rows], k)
     for i, e in zip(rows, entries, strict=True):
         out[i] = TokenLogprob(e.token_id, e.logprob, e.top[: params[i].logprobs])
     return out

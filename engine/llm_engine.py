@@ -763,7 +763,9 @@ class LLMEngine(ControlSurface):
 
     @torch.inference_mode()
     def score(self, token_ids: list[int]) -> torch.Tensor:
-        """Logits `[len, vocab]` at every position of `token_ids`, run through the paged cache.
+        """Logits `[len, vocab]` at every position of `token_ids`, run through the paged cache
+        (exact over the whole vocabulary where the lm_head's are exact only at each row's best,
+        as returned log-probabilities are: `ModelRunner.exact_logits`).
 
         Teacher forcing for quality checks (e.g. FP8 KV against full precision): the tokens are
         prefilled chunk by chunk, exactly like a request, into blocks freed afterwards.

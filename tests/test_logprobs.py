@@ -19,9 +19,9 @@ from tests.test_server import Daemon
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4, 5,"]
 
 
-# The packed lm_head computes the 16 best logits of a row exactly and the rest to the int8
-# ranking's three significant digits: the log-softmax's normaliser carries that, and a prefill
-# and a decode step round the tail's activations apart (about 1e-3 here).
+# Returned log-probabilities and `score` are the exact head's (tests/test_logprob_exact.py), but
+# a prefill and a decode step of the packed model round the activations that reach the head
+# apart: the hidden states differ a little, and so do their log-probabilities.
 TOL = 5e-3
 
 

@@ -282,6 +282,9 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.kvg_refine8v.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64]
     lib.kvg_refine8v.argtypes += [_PTR, _PTR, _PTR, _I64, _INT]
     lib.kvg_refine8v.restype = None
+    lib.kvg_exact8v.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _I64, _I64]
+    lib.kvg_exact8v.argtypes += [_PTR, _PTR, _PTR, _I64, _INT]
+    lib.kvg_exact8v.restype = None
     return lib
 
 
@@ -637,6 +640,29 @@ def refine8v(
             None if m is None else m.data_ptr(), group // BLOCK, torch.get_num_threads(),
         )  # fmt: skip
     return logits
+
+
+def exact8v(
+    hidden: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, group: int
+) -> torch.Tensor:
+    """`hidden @ W.T` in fp32 `[M, N]` over every column of vertical 8-bit codes (`pack8v`, N
+    their padded column count): each logit the very bits `refine8v` gives it, whatever M or
+    the thread count (the exact head a request's log-probabilities come from)."""
+    lib = library()
+    assert lib is not None, "cpu_lowbit.library() is None: check available() first"
+    hidden = hidden.float()
+    if hidden.stride(1) != 1:
+        hidden = hidden.contiguous()
+    rows, n = hidden.shape[0], codes.shape[0] * TILE
+    assert hidden.shape[1] == codes.shape[1] * BLOCK
+    out = torch.empty(rows, n)
+    if rows:
+        lib.kvg_exact8v(
+            out.data_ptr(), rows, n, hidden.data_ptr(), hidden.shape[1], hidden.stride(0), n,
+            codes.data_ptr(), d.data_ptr(), None if m is None else m.data_ptr(), group // BLOCK,
+            torch.get_num_threads(),
+        )  # fmt: skip
+    return out
 
 
 def pack8v(q: torch.Tensor) -> torch.Tensor:

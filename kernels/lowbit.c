@@ -1088,6 +1088,75 @@ void kvg_refine8v(float *logits, int64_t M, int64_t ldl, const float *h, int64_t
     }
 }
 
+/* Every column of vertical 8-bit codes dotted exactly with each of M fp32 rows: out[r][c] for
+ * c < N (N a multiple of the 8-column tile), each column's sum taken in the very order
+ * `kvg_refine8v` takes it, so a logit is the same bits from either, whatever M or the thread
+ * count (threads split the tiles, never a column). A tile's block is read once, as 256
+ * contiguous bytes, and transposed four bytes at a time into its eight columns' 32 codes (where
+ * `kvg_refine8v` gathers one column's), and each column is dequantised once for up to eight
+ * rows: the whole exact head of the returned log-probabilities. */
+#define EXACT_ROWS 8
+void kvg_exact8v(float *out, int64_t M, int64_t ldo, const float *h, int64_t K, int64_t ldh,
+                 int64_t N, const uint8_t *codes, const uint16_t *d, const uint16_t *m,
+                 int64_t bpg, int threads) {
+    const int64_t nb = K / QK, groups = nb / bpg, tiles = N / 8;
+    const __m256i flip = _mm256_set1_epi8((char)0x80);
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+    for (int64_t t = 0; t < tiles; ++t) {
+        for (int64_t r0 = 0; r0 < M; r0 += EXACT_ROWS) {
+            const int64_t rows = M - r0 < EXACT_ROWS ? M - r0 : EXACT_ROWS;
+            __m256 acc[8][EXACT_ROWS][4];
+            for (int c = 0; c < 8; ++c)
+                for (int64_t r = 0; r < rows; ++r)
+                    for (int i = 0; i < 4; ++i)
+                        acc[c][r][i] = _mm256_setzero_ps();
+            for (int64_t b = 0; b < nb; ++b) {
+                const __m256i *blk = (const __m256i *)(codes + (t * nb + b) * 8 * QK);
+                __m256i v[8]; /* v[j] dword c: weights 4j..4j+3 of column c */
+                for (int j = 0; j < 8; ++j)
+                    v[j] = _mm256_loadu_si256(blk + j);
+                /* 8x8 transpose of dwords: v[c] dword j = weights 4j..4j+3 of column c */
+                __m256i a0 = _mm256_unpacklo_epi32(v[0], v[1]), a1 = _mm256_unpackhi_epi32(v[0], v[1]);
+                __m256i a2 = _mm256_unpacklo_epi32(v[2], v[3]), a3 = _mm256_unpackhi_epi32(v[2], v[3]);
+                __m256i a4 = _mm256_unpacklo_epi32(v[4], v[5]), a5 = _mm256_unpackhi_epi32(v[4], v[5]);
+                __m256i a6 = _mm256_unpacklo_epi32(v[6], v[7]), a7 = _mm256_unpackhi_epi32(v[6], v[7]);
+                __m256i b0 = _mm256_unpacklo_epi64(a0, a2), b1 = _mm256_unpackhi_epi64(a0, a2);
+                __m256i b2 = _mm256_unpacklo_epi64(a1, a3), b3 = _mm256_unpackhi_epi64(a1, a3);
+                __m256i b4 = _mm256_unpacklo_epi64(a4, a6), b5 = _mm256_unpackhi_epi64(a4, a6);
+                __m256i b6 = _mm256_unpacklo_epi64(a5, a7), b7 = _mm256_unpackhi_epi64(a5, a7);
+                v[0] = _mm256_permute2x128_si256(b0, b4, 0x20);
+                v[1] = _mm256_permute2x128_si256(b1, b5, 0x20);
+                v[2] = _mm256_permute2x128_si256(b2, b6, 0x20);
+                v[3] = _mm256_permute2x128_si256(b3, b7, 0x20);
+                v[4] = _mm256_permute2x128_si256(b0, b4, 0x31);
+                v[5] = _mm256_permute2x128_si256(b1, b5, 0x31);
+                v[6] = _mm256_permute2x128_si256(b2, b6, 0x31);
+                v[7] = _mm256_permute2x128_si256(b3, b7, 0x31);
+                for (int c = 0; c < 8; ++c) {
+                    const int64_t g = t * groups * 8 + (b / bpg) * 8 + c;
+                    const __m256 dv = _mm256_set1_ps(_cvtsh_ss(d[g]));
+                    const __m256 mv = _mm256_set1_ps(m ? _cvtsh_ss(m[g]) : 0.0f);
+                    const __m256i q = _mm256_xor_si256(v[c], flip);
+                    const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+                    const __m128i part[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+                    __m256 w[4];
+                    for (int i = 0; i < 4; ++i)
+                        w[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(part[i])), dv, mv);
+                    for (int64_t r = 0; r < rows; ++r) {
+                        const float *x = h + (r0 + r) * ldh + b * QK;
+                        for (int i = 0; i < 4; ++i)
+                            acc[c][r][i] = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(x + 8 * i), acc[c][r][i]);
+                    }
+                }
+            }
+            for (int64_t r = 0; r < rows; ++r)
+                for (int c = 0; c < 8; ++c)
+                    out[(r0 + r) * ldo + t * 8 + c] = hsum(_mm256_add_ps(
+                        _mm256_add_ps(acc[c][r][0], acc[c][r][1]), _mm256_add_ps(acc[c][r][2], acc[c][r][3])));
+        }
+    }
+}
+
 /* The activation quantisation alone, for tests: codes [M][K] (int8, or int16 in natural order
  * when `fine`: 256 h + l of the 4-bit kernels' bytes), e and es [M][K/32] as the GEMMs use them. */
 int kvg_quantize_rows(const float *x, int64_t M, int64_t K, int64_t ldx, int fine, void *q,

@@ -230,6 +230,29 @@ def test_the_c_refinement_dots_the_exact_rows_where_they_lie(
     assert calls == [1]
 
 
+def test_the_whole_exact_head_is_the_refined_bits_at_any_rows_and_threads() -> None:
+    """`exact8v` (every column, a tile's codes read once for up to eight rows: what returned
+    log-probabilities come from) gives each logit the very bits `refine8v` gives it, at every
+    column of a partly filled last tile, for one row or many (past one group of eight), on
+    one thread or two: a row's log-probabilities never depend on what else the step holds."""
+    spec = random_spec(100, 256, 64, 8, seed=5)
+    spec.scales = spec.scales.half().float()
+    lin = QuantizedLinear(spec, approximate=True, kernel="w8a8v")
+    threads = torch.get_num_threads()
+    x = torch.randn(11, 256, generator=torch.Generator().manual_seed(2))
+    ids = torch.arange(100).expand(11, -1).contiguous()
+    ref = cpu_lowbit.refine8v(torch.zeros(11, 100), x, ids, *_head_args(lin))
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            for rows in (1, 3, 9, 11):
+                got = cpu_lowbit.exact8v(x[:rows], *_head_args(lin))
+                assert got.shape == (rows, 104)  # 13 tiles of eight columns
+                assert torch.equal(got[:, :100], ref[:rows]), (n, rows)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _head_args(lin: QuantizedLinear) -> tuple:
     return lin.lowbit_codes, lin.lowbit_scales, lin.lowbit_mins, lin.group_size
 

@@ -995,7 +995,16 @@ class Service:
         time is when it was asked for, as a rule's is its decision's: before the events it
         causes, not after them (its Future settles once the engine has applied it)."""
         decided = utcnow()
-        fut = run_action(self.engine, name, params)
+        # held from now, not from when it applies: a rule deciding while this waits behind a
+        # long step runs after it, and must not loosen or undo it (`manual_requested`)
+        ev = self.control.evaluator if self.control is not None else None
+        pending = ev.manual_requested(name, params) if ev is not None else None
+        try:
+            fut = run_action(self.engine, name, params)
+        except BaseException:
+            if ev is not None:
+                ev.manual_settled(pending)
+            raise
 
         def record(f: Future) -> None:
             err: BaseException | None = (
@@ -1016,6 +1025,8 @@ class Service:
                     overrode = ""
                 if overrode:
                     detail = f"{detail}; {overrode}"
+            if ev is not None:  # after manual_applied: no moment holds neither
+                ev.manual_settled(pending)
             self.audit.record_action(
                 rule="manual",
                 action=name,

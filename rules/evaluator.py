@@ -218,6 +218,11 @@ class Evaluator:
         # them and a rule's undo puts them back to what the operator asked. Real whatever the
         # mode: a dry run's simulated remedies meet them as real ones would
         self.manual = RuleState(live=True)
+        # the operator's actions asked for and not yet applied (`manual_requested`): they hold
+        # what they will set from the moment they are asked for, as a rule's decision taken
+        # meanwhile runs after them on the engine and must not loosen or undo them
+        self.manual_pending: dict[int, RuleState] = {}
+        self._pending_seq = 0
         # the incident closed last, and when: the daemon's stop event is timed by it
         self.last_closed: tuple[str, datetime] | None = None
 
@@ -590,8 +595,9 @@ class Evaluator:
                 continue
             for setting in sorted(other.holds & settings):
                 held.setdefault(setting, []).append((name, other))
-        for setting in sorted(self.manual.holds & settings):
-            held.setdefault(setting, []).append((MANUAL, self.manual))
+        for m in (self.manual, *self.manual_pending.values()):
+            for setting in sorted(m.holds & settings):
+                held.setdefault(setting, []).append((MANUAL, m))
         return held
 
     def _held_by_others(
@@ -965,6 +971,36 @@ class Evaluator:
         with self._lock:
             key = (MANUAL, action, outcome)
             self.stats.actions[key] = self.stats.actions.get(key, 0) + 1
+
+    def manual_requested(self, action: str, params: dict[str, Any]) -> int | None:
+        """An operator's action with an undo (a halt, a cap, a batch cut, FP8...) is asked for:
+        until it settles (`manual_settled`), what it will set counts as the operator's hold,
+        at the values its params name. A rule's act or undo decided meanwhile queues behind it
+        on the engine: counted so, it is `held` rather than loosening or undoing the
+        operator's setting just after it applied. Returns the token `manual_settled` takes
+        (None: nothing held, e.g. an undo, which lets go only once it has applied)."""
+        spec = ACTIONS.get(action)
+        if spec is None or spec.undo is None:
+            return None
+        try:
+            values = asked(action, params, None)
+        except Exception:  # noqa: BLE001 - invalid params: the action itself says so
+            return None
+        with self._lock:
+            self._pending_seq += 1
+            self.manual_pending[self._pending_seq] = RuleState(
+                live=True, holds=settings_set(action, None), asked=values
+            )
+            return self._pending_seq
+
+    def manual_settled(self, token: int | None) -> None:
+        """The operator's action `token` names settled (applied, refused, failed or
+        withdrawn): its hold while it waited ends (`manual_applied` takes over where it
+        applied)."""
+        if token is None:
+            return
+        with self._lock:
+            self.manual_pending.pop(token, None)
 
     def manual_applied(self, action: str, params: dict[str, Any], res: ActionResult) -> str:
         """An operator's action (the admin API's) applied, with result `res`: the operator's

@@ -308,3 +308,35 @@ def test_an_undo_leaves_what_an_operators_reset_took_and_restores_the_rest() -> 
     assert "kv_dtype (overridden by manual disable_fp8_kv)" in h.detail()
     assert "disable_fp8_kv" not in h.detail().split("; kept")[0]
     assert h.knob("max_num_seqs") == 8
+
+
+def test_an_operators_action_waiting_on_the_engine_already_holds_its_settings() -> None:
+    """The operator's halt for all is asked for while the engine is inside a long step; a
+    rule deciding meanwhile queues behind it. Counted only once applied, the operator's halt
+    was then loosened by the rule's halt for all but `high` (recorded `applied`), or reopened
+    by the undo of a rule whose alert resolved meanwhile. Held from the request on, both are
+    `held`, and the halt for all stays once everything has run."""
+    h = Live(HALT)
+    params = {"allow_priority": None}
+    pending = h.ev.manual_requested("halt_admission", params)
+    assert h.fire(0, "halt") == [("halt", "halt_admission", "held")]
+    assert "held by manual" in h.detail()
+    res = settle(h.engine, run_action(h.engine, "halt_admission", params))  # its turn comes
+    assert res.ok and h.ev.manual_applied("halt_admission", params, res) == ""
+    h.ev.manual_settled(pending)
+    assert h.ev.manual_pending == {} and h.knob("admission_allow_priority") == "none"
+
+    h = Live(HALT)  # the rule's halt in force first; its alert resolves while the operator's waits
+    assert h.fire(0, "halt") == [("halt", "halt_admission", "applied")]
+    pending = h.ev.manual_requested("halt_admission", params)
+    assert h.fire(10, "halt", resolved=True) == [("halt", "resume_admission", "held")]
+    res = settle(h.engine, run_action(h.engine, "halt_admission", params))
+    assert res.ok
+    h.ev.manual_applied("halt_admission", params, res)
+    h.ev.manual_settled(pending)
+    assert h.knob("admission_allow_priority") == "none"
+    # an action that settles without applying (refused, withdrawn) holds nothing afterwards
+    pending = h.ev.manual_requested("cap_max_new_tokens", {"n": 3})
+    assert h.ev.manual_pending
+    h.ev.manual_settled(pending)
+    assert h.ev.manual_pending == {} and "token_cap" not in h.ev.manual_holds()["holds"]

@@ -46,7 +46,16 @@ def tracked_files() -> list[str]:
     """The tracked files of the folders that go into the wheel, plus what the build reads."""
     try:
         out = subprocess.run(
-            ["git", "ls-files", "-z", "--", "pyproject.toml", "README.md", "LICENSE", *CODE_FOLDERS],
+            [
+                "git",
+                "ls-files",
+                "-z",
+                "--",
+                "pyproject.toml",
+                "README.md",
+                "LICENSE",
+                *CODE_FOLDERS,
+            ],
             cwd=REPO,
             capture_output=True,
             check=True,

@@ -185,3 +185,27 @@ def test_every_refined_head_layout_gives_exact_logits(bits: int, kernel: str) ->
     # the forward's logits are not all exact: what this path is for
     rough = (head(x).double() - want).abs().max().item()
     assert rough > 10 * (got.double() - want).abs().max().item()
+
+
+def test_the_torch_fallbacks_exact_head_dequantises_its_rows_once() -> None:
+    """Without the C kernels (no compiler: the torch fallback) the exact rows were dequantised
+    again at every call, the whole vocabulary for each decode step of a request with logprobs
+    (0.4 s a step on the default model); on the CPU they are kept from the first call, the
+    logits unchanged."""
+    vocab = 300
+    spec = random_spec(vocab, 128, 64, 8, seed=7)
+    spec.scales = spec.scales.half().float()  # as the table holds them
+    spec.zeros = torch.full_like(spec.zeros, 128.0)
+    emb = QuantizedEmbedding(spec, torch.float32)
+    head = QuantizedLMHead(
+        QuantizedLinear(spec, approximate=True, kernel="int8pack"), vocab, exact=emb.table
+    )
+    calls: list[int] = []
+    head.exact.register_forward_hook(lambda _m, args, _out: calls.append(len(args[0])))
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(4))
+    first = head.exact_logits(x)
+    assert sum(calls) == vocab
+    again = head.exact_logits(x)
+    assert sum(calls) == vocab, "the rows were dequantised again"
+    assert torch.equal(first, again)
+    assert torch.allclose(first.double(), x.double() @ spec.dequantize().double().T, atol=1e-4)

@@ -249,8 +249,11 @@ async def _parse_body(
     empty, is left to FastAPI (a 415, or a 400 saying it is missing). A compressed body is
     refused before it is read (415): parsed as it is, gzip's bytes read as "not UTF-8 text",
     and another coding's as whatever they happened to spell."""
-    coding = request.headers.get("content-encoding", "").strip().lower()
-    if coding not in ("", "identity"):
+    # every Content-Encoding line, as one list (a proxy may have split it over lines)
+    codings = [c.strip().lower() for v in request.headers.getlist("content-encoding")
+               for c in v.split(",")]  # fmt: skip
+    coding = ", ".join(c for c in codings if c not in ("", "identity"))
+    if coding:
         raise ApiError(
             415,
             f"Content-Encoding {coding[:40]!r} is not served: send the body uncompressed",

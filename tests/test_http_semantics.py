@@ -89,6 +89,11 @@ def test_compressed_body_refused_by_its_coding(tiny_daemon: Daemon) -> None:
         assert coding in err["message"] and err["code"] == "unsupported_content_encoding"
         assert err["param"] == "Content-Encoding"
         assert r.headers["accept-encoding"] == "identity"
+    # a coding on a second header line counts as on the first (one list, RFC 9110)
+    split = [("Content-Type", "application/json"), ("Content-Encoding", "identity")]
+    split.append(("Content-Encoding", "gzip"))
+    r = httpx.post(url, content=gzip.compress(raw), headers=split, timeout=60)
+    assert r.status_code == 415 and "'gzip'" in r.json()["error"]["message"], r.text
     headers = {"Content-Type": "application/json", "Content-Encoding": "identity"}
     r = httpx.post(url, content=raw, headers=headers, timeout=60)
     assert r.status_code == 200, r.text

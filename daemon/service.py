@@ -1013,20 +1013,17 @@ class Service:
             res = None if err else f.result()
             outcome = "failed" if err else ("applied" if res.ok else "refused")
             detail = res.detail if res else str(err)
-            if self.control is not None:  # kvguard_actions_total{rule="manual"}
-                self.control.evaluator.count_manual(name, outcome)
-            if self.control is not None and res is not None and res.ok:
-                # applied: the operator's word on what it set, which the rules now respect
-                # (held only from here: one refused or withdrawn set nothing)
-                try:
-                    overrode = self.control.evaluator.manual_applied(name, params, res)
-                except Exception:  # noqa: BLE001 - the action is recorded all the same
-                    log.exception("admin action %s: its settings could not be held", name)
-                    overrode = ""
-                if overrode:
-                    detail = f"{detail}; {overrode}"
-            if ev is not None:  # after manual_applied: no moment holds neither
-                ev.manual_settled(pending)
+            if ev is not None:
+                ev.count_manual(name, outcome)  # kvguard_actions_total{rule="manual"}
+                if res is not None and res.ok:  # applied: the values it set are held from now
+                    try:
+                        overrode = ev.manual_applied(name, params, res)
+                    except Exception:  # noqa: BLE001 - the action is recorded all the same
+                        log.exception("admin action %s: its settings could not be held", name)
+                        overrode = ""
+                    if overrode:
+                        detail = f"{detail}; {overrode}"
+                ev.manual_settled(pending)  # after manual_applied: no moment holds neither
             self.audit.record_action(
                 rule="manual",
                 action=name,
@@ -1040,7 +1037,7 @@ class Service:
                 outcome=outcome,
                 error=str(err) if err else (None if res.ok else res.detail),
                 # counted in the incident's actions_count, as its timeline lists it
-                incident=self.control.evaluator.count_outside_action() if self.control else None,
+                incident=ev.count_outside_action() if ev is not None else None,
                 is_undo=False,
                 detail=detail,
                 time=decided,

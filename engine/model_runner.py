@@ -555,20 +555,32 @@ class ModelRunner:
         log-probabilities are taken from, never what is sampled from. None where the lm_head's
         logits are exact already, or where this process does not hold all of it (a tensor or
         pipeline parallel engine keeps its head's logits)."""
-        head = getattr(self.model, "lm_head", None)
-        hidden = self.logit_hidden
-        if hidden is None or not isinstance(head, QuantizedLMHead) or not head.approximate:
-            return None
-        if head.tp.size > 1:
+        head, hidden = self._exact_head(), self.logit_hidden
+        if head is None or hidden is None:
             return None
         index = torch.tensor(rows, dtype=torch.long, device=hidden.device)
         with torch.inference_mode():
             return head.exact_logits(hidden[index])
 
+    def _exact_head(self) -> QuantizedLMHead | None:
+        """The lm_head where its logits are exact only at each row's best and this process
+        holds all of it; None where `exact_logits` has nothing to do."""
+        head = getattr(self.model, "lm_head", None)
+        if not isinstance(head, QuantizedLMHead) or not head.approximate or head.tp.size > 1:
+            return None
+        return head
+
     def _exact_for_logprobs(self, seqs: list[Sequence], num_tokens: list[int]) -> ExactRows | None:
         """The step's logit rows whose log-probabilities go back to a request (its prompt's
         positions it lacks, the sampled rows of a sequence that asked for its tokens'),
-        computed exactly; None where no row is, or the logits are exact already."""
+        computed exactly; None where no row is, or the logits are exact already (checked
+        first: a step of requests asking for none pays one pass over its sequences)."""
+        if (
+            not any(s.params.logprobs is not None or s.params.prompt_logprobs is not None
+                    for s in seqs)
+            or self._exact_head() is None
+        ):  # fmt: skip
+            return None
         rows, at = [], 0
         for seq, n in zip(seqs, num_tokens, strict=True):
             k = logit_rows(seq, n)
@@ -588,14 +600,13 @@ class ModelRunner:
         scheduler advances them from what this returns (and, where asked, from the tokens'
         log-probabilities left in `self.logprobs`, one list a returned sequence)."""
         self.logprobs, self.prompt_logprobs = [], []
-        self.logit_hidden = None
         logits = self.logits(seqs, num_tokens)
         if logits is None:
             return []
         # what is sampled is `logits`, asked for log-probabilities or not: the exact rows
         # only give the log-probabilities returned
         exact = self._exact_for_logprobs(seqs, num_tokens)
-        origin = list(range(len(logits)))  # each sampled row's row in the step's logits
+        origin: list[int] | None = None  # each sampled row's row in the logits, where it differs
         if any(wants_prompt_logprobs(s) for s in seqs):
             logits, origin = self._take_prompt_logprobs(seqs, num_tokens, logits, exact)
         done = [s for s, n in zip(seqs, num_tokens, strict=True) if finishes_prompt(s, n)]
@@ -613,7 +624,8 @@ class ModelRunner:
         chosen = sample(logits, params, gens, outputs, allowed)
         lps = None
         if any(p.logprobs is not None for p in params):
-            asked = [origin[i] for i, p in enumerate(params) if p.logprobs is not None]
+            asked = [i if origin is None else origin[i]
+                     for i, p in enumerate(params) if p.logprobs is not None]  # fmt: skip
             exact_asked = None if exact is None else exact.take(asked)
             lps = token_logprobs(logits, params, chosen, exact_asked)
         tokens, at = [], 0

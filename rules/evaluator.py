@@ -582,13 +582,7 @@ class Evaluator:
         to their own undo. A rule's act does not count them: the reload no longer wants
         them, and a changed rule's looser remedy applies at once. The operator's settings
         (`manual`, see `manual_applied`) count last, live or not: they are real either way."""
-        others = [
-            (r.name, self.states[r.name])
-            for r in self.rules.rules
-            if self._in_force(r, self.states[r.name])
-        ]
-        if retiring:
-            others += [(f"retiring {r.name}", other) for r, other, _ in self.retiring]
+        others = self._remedies_in_force(retiring)
         held: dict[str, list[tuple[str, RuleState]]] = {}
         for name, other in others:
             if other is st or other.resolved or other.live != live:
@@ -1042,14 +1036,17 @@ class Evaluator:
                 log.info("rule %s: %s by the operator's %s", name, ", ".join(taken), action)
         return f"overrode what rules held: {'; '.join(overrode)}" if overrode else ""
 
-    def _remedies_in_force(self) -> list[tuple[str, RuleState]]:
-        """The rules' remedies in force, retiring ones included (`retiring NAME`)."""
+    def _remedies_in_force(self, retiring: bool = True) -> list[tuple[str, RuleState]]:
+        """The rules' remedies in force, in file order, then (`retiring`) those a reload took
+        from their rule whose undo has not applied yet (`retiring NAME`)."""
         out = [
             (r.name, self.states[r.name])
             for r in self.rules.rules
             if self._in_force(r, self.states[r.name])
         ]
-        return out + [(f"retiring {r.name}", st) for r, st, _ in self.retiring]
+        if retiring:
+            out += [(f"retiring {r.name}", st) for r, st, _ in self.retiring]
+        return out
 
     def manual_holds(self) -> dict[str, Any]:
         """The settings the operator's actions hold, and the value asked of each."""

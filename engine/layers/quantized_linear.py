@@ -522,12 +522,17 @@ class QuantizedLMHead(nn.Module):
                 f"exact_logits needs a refined head on one rank (refined: {self.approximate}, "
                 f"tensor_parallel {self.tp.size})"
             )
-        lin = self.linear
-        if lin.kernel == "w8a8v" and getattr(self.exact, "read", None) == lin.rows:
+        if self._reads_own_codes():
             out = self._exact8v(hidden.float())
         else:
             out = self._exact_chunks(hidden.float())
         return out[:, : self.vocab_size]
+
+    def _reads_own_codes(self) -> bool:
+        """Whether the exact rows are this head's own vertical 8-bit codes (`w8a8v`), which
+        the C kernels dot where they lie (`refine8v`, `exact8v`)."""
+        lin = self.linear
+        return lin.kernel == "w8a8v" and getattr(self.exact, "read", None) == lin.rows
 
     def _exact8v(self, hidden: torch.Tensor) -> torch.Tensor:
         """Every column in C (`cpu_lowbit.exact8v`: each dot in `refine8v`'s order, so the
@@ -545,8 +550,8 @@ class QuantizedLMHead(nn.Module):
         """The exact rows dequantised 16 MiB at a time, each hidden row's products with them
         one matrix-vector product (a GEMM's sums would follow the row count). On the CPU (no
         C kernels here: the torch fallback) the dequantised matrix is kept from the first
-        call: dequantising the vocabulary took ~0.4 s a call on the default model, against
-        ~10 ms a row for the products (its fp32 bytes, 113 MB there, are held from then on)."""
+        call: dequantising the vocabulary took 0.42 s a call on the default model, far more
+        than the products (its fp32 bytes, 113 MB there, are held from then on)."""
         vocab = self.linear.out_features
         out = torch.empty(hidden.shape[0], vocab, device=hidden.device)
         if hidden.device.type == "cpu":
@@ -573,8 +578,7 @@ class QuantizedLMHead(nn.Module):
         if top is None:
             top = logits.topk(k, dim=-1).indices  # [n, k]
         lin = self.linear
-        if lin.kernel == "w8a8v" and getattr(self.exact, "read", None) == lin.rows:
-            # the exact rows are this head's own codes: dotted where they lie, in C
+        if self._reads_own_codes():
             args = (lin.lowbit_codes, lin.lowbit_scales, lin.lowbit_mins, lin.group_size)
             return cpu_lowbit.refine8v(logits, hidden.float(), top, *args)
         rows = self.exact(top).float()  # [n, k, hidden]

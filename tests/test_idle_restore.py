@@ -13,8 +13,6 @@ from __future__ import annotations
 import re
 import sqlite3
 import threading
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -24,22 +22,10 @@ from kvguard.engine.engine_loop import EngineLoop
 from kvguard.engine.events import EngineEvent
 from tests.test_engine import PROMPTS, make_engine
 from tests.test_remedies import greedy
-from tests.test_server import Daemon
+from tests.test_server import Daemon, until
 
 QUIET_S = 1.0  # oom_quiet_period: a request of a few tokens ends well inside it
 WAIT_S = 60.0  # generous: what the tests wait for comes after a quiet period or two
-
-
-def wait_for(what: str, check: Callable[[], object], timeout: float = WAIT_S) -> object:
-    """`check()`'s first true value, looked at every 50 ms until `timeout`."""
-    deadline = time.monotonic() + timeout
-    while True:
-        got = check()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout:g}s: {what}")
-        time.sleep(0.05)
 
 
 def test_idle_engine_doubles_the_budget_back_on_its_deadline() -> None:
@@ -79,12 +65,12 @@ def test_idle_engine_doubles_the_budget_back_on_its_deadline() -> None:
         assert restored[0].monotonic - oom[-1].monotonic >= QUIET_S
         assert restored[1].monotonic - restored[0].monotonic >= QUIET_S
         assert all(e.data["configured"] == 512 for e in restored)
-        assert wait_for(
-            "the snapshot shows the budget back",
+        until(
             lambda: engine.latest_snapshot.max_num_batched_tokens == 512,
+            WAIT_S,
+            "the snapshot to show the budget back",
         )
         assert engine.budget_cut is None and engine.budget_restore_in() is None
-        assert not engine.scheduler.chunked or engine.config.enable_chunked_prefill
     finally:
         loop.stop()
 
@@ -136,15 +122,16 @@ def test_idle_daemon_restores_the_budget_and_audits_it(served) -> None:  # noqa:
     assert d.admin("POST", "/admin/debug/inject_oom", json={"times": 1}).status_code == 200
     r = d.client().completions.create(model="tiny", prompt="out of memory", max_tokens=2)
     assert r.choices[0].finish_reason == "length"
-    (oom_incident, detail), *_ = wait_for("the OOM in the audit", lambda: events(db, "engine_oom"))
+    (oom_incident, detail), *_ = until(lambda: events(db, "engine_oom"), WAIT_S, "the OOM row")
     assert f"batch budget {configured:g} -> {configured / 2:g}" in detail
     assert oom_incident is not None  # the oom-chain rule acted: its incident stays open 60s
     # no request from here on: the budget comes back all the same
-    wait_for(
-        f"kvguard_max_num_batched_tokens back at {configured:g}",
+    until(
         lambda: gauge(d, "kvguard_max_num_batched_tokens") == configured,
+        WAIT_S,
+        f"kvguard_max_num_batched_tokens back at {configured:g}",
     )
-    rows = wait_for("the restore in the audit", lambda: events(db, "step_budget_restored"))
+    rows = until(lambda: events(db, "step_budget_restored"), WAIT_S, "the restore row")
     assert rows == [
         (
             oom_incident,

@@ -27,13 +27,15 @@ TOKEN = "s3cret-admin-token"
 TEST_DAEMON_ENV = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
 
 
-def until(pred, timeout: float, what: str) -> None:  # noqa: ANN001 - a predicate
-    """Wait for a condition, never for a guessed time; the bound is generous, not a goal."""
+def until(pred, timeout: float, what: str):  # noqa: ANN001, ANN201 - a predicate, its value
+    """Wait for a condition, never for a guessed time; the bound is generous, not a goal.
+    Returns the predicate's first true value."""
     deadline = time.monotonic() + timeout
-    while not pred():
+    while not (value := pred()):
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout:g}s waiting for {what}")
         time.sleep(0.05)
+    return value
 
 
 def serve_refused(config: Path) -> subprocess.CompletedProcess[str]:

@@ -1,7 +1,8 @@
 """What an operator meets around the daemon: systemd's start timeout while it loads, `kvguard
 bench`'s checkout and paths, `kvguard db downgrade` and upgrade's direction, a reload without a
 config file, inert keys on reload, `kvguard status` in dry-run mode, and the documented keys;
-READY=1 once the API answers, a stop while the model loads, the log's one format.
+READY=1 once the API answers, a stop while the model loads, the log's one format; `python -m
+kvguard.daemon` as the command.
 
 Real parts throughout: a real `kvguard serve` process under a datagram socket playing systemd,
 real SQLite files, a real fake checkout whose benchmark script records how it was run.
@@ -611,3 +612,19 @@ def test_the_readme_documents_the_db_commands_that_exist() -> None:
         with pytest.raises(SystemExit) as e, redirect_stdout(io.StringIO()):
             parser.parse_args(["db", command, "--help"])
         assert e.value.code == 0, command  # 2: argparse's "invalid choice"
+
+
+def test_python_dash_m_runs_the_kvguard_command(tmp_path: Path) -> None:
+    """`python -m kvguard.daemon` is the `kvguard` command for a Python whose scripts folder is
+    not on PATH: same usage line, same version, same exit status for a bad command."""
+    run = [sys.executable, "-m", "kvguard.daemon"]
+    env = {**os.environ, "KVGUARD_HOME": str(tmp_path)}
+    helped = subprocess.run([*run, "--help"], capture_output=True, text=True, env=env, timeout=60)
+    assert helped.returncode == 0, helped.stderr
+    assert helped.stdout.startswith("usage: kvguard "), helped.stdout[:200]
+    assert "serve" in helped.stdout and "audit" in helped.stdout
+    version = subprocess.run([*run, "--version"], capture_output=True, text=True, timeout=60)
+    script = subprocess.run([KVGUARD, "--version"], capture_output=True, text=True, timeout=60)
+    assert version.returncode == 0 and version.stdout == script.stdout
+    bad = subprocess.run([*run, "no-such-command"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "invalid choice: 'no-such-command'" in bad.stderr

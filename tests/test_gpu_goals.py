@@ -323,3 +323,48 @@ def test_a_rate_that_was_not_measured_reads_not_measured() -> None:
         {"batch": 64, "kvguard_tok_s": 5600.0, "same_tokens": "64/64", "steps_ahead": 9},
     ]
     assert ": NOT met (batch 1 -, batch 64 0.98x" in _line(goals(run), "runs of decode steps")
+
+
+def test_a_run_past_its_deadline_lists_what_it_did_not_run(tmp_path) -> None:  # noqa: ANN001
+    """`gpu_e2e.py --deadline S` starts no section after S seconds: the sections left are
+    listed as not run (not failed), the verdicts printed, the JSON written, exit 0."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "gpu_e2e.json"
+    script = Path(__file__).resolve().parents[1] / "bench" / "gpu_e2e.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--cpu-smoke", "--deadline", "0"]
+        + ["--sections", "nvml,decode,oom", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    saved = json.loads(out.read_text())
+    assert saved["not_run"] == ["decode/tiny", "oom"]
+    assert "decode" not in saved and "oom" not in saved and "errors" not in saved
+    assert "not run (deadline reached): decode/tiny, oom" in proc.stdout.splitlines()
+
+
+def test_gpu_check_step_limits_fit_its_deadline_in_the_wanted_order() -> None:
+    """bench/gpu_check.sh: the time limits of the steps a one-GPU run takes add up to no more
+    than its deadline (so no step is starved by those before it using their limits), and the
+    kernel benchmark, which judges decode attention, runs right after the end-to-end step."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "bench" / "gpu_check.sh").read_text()
+    main = text[text.index('local steps="') :]
+    deadline = int(re.search(r"DEADLINE_S=\$\{DEADLINE_S:-(\d+)\}", text).group(1))
+    blocks = re.split(r'\n  if \[\[ \$steps [!=]= \*" (\w+) "\* \]\]; then', main)
+    order = blocks[1::2]
+    assert order == ["tests", "e2e", "kernels", "gemv", "tp", "w4a16"]
+    limits = {
+        step: sum(int(n) for n in re.findall(r"left (\d+)\)", body))
+        for step, body in zip(order, blocks[2::2], strict=True)
+    }
+    one_gpu = sum(n for step, n in limits.items() if step != "tp")
+    assert one_gpu <= deadline, limits

@@ -376,9 +376,10 @@ class ControlPlaneCollector(Collector):
             acts.add_metric([rule, action, outcome], n)
         level = _gauge(
             "kvguard_degradation_level",
-            "0 calm; else 1 + ladder index of the highest rule in force (in a dry run, of "
-            "the simulated remedies: what the rules would hold; a rule an operator's action "
-            "took every held setting from does not count)",
+            "0 calm; else the position in the rules file (the first rule 1) of the last rule "
+            "in force, event and alert rules included (in a dry run, of the simulated "
+            "remedies: what the rules would hold; a rule an operator's action took every held "
+            "setting from does not count)",
         )
         level.add_metric([], ev.level())
         pq = CounterMetricFamily(

@@ -13,9 +13,11 @@ import json
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +34,13 @@ RULES = ALERTS / "kvguard.rules.yml"
 UNIT_TESTS = sorted((ALERTS / "tests").glob("*.yml"))
 DASHBOARD = ALERTS / "grafana" / "kvguard.json"
 RUNBOOKS = REPO / "docs" / "runbooks.md"
-# Grafana's variables, as a query with "All" selected would read them.
-GRAFANA_VARS = {"job": ".*", "instance": ".*", "__rate_interval": "1m", "__interval": "1m"}
+# Grafana's variables, as a query with "All" selected (the default) reads them: each one its
+# allValue, what Grafana puts in the query for "All".
+GRAFANA_VARS = {
+    v["name"]: v["allValue"]
+    for v in json.loads(DASHBOARD.read_text())["templating"]["list"]
+    if v.get("includeAll")
+} | {"__rate_interval": "1m", "__interval": "1m"}
 # Series that Prometheus itself makes, not the daemon.
 NOT_FROM_KVGUARD = {"up"}
 
@@ -86,9 +93,11 @@ def metric_names(expr: str) -> set[str]:
     return names
 
 
-def grafana(expr: str) -> str:
-    """A panel query as Grafana would send it to Prometheus."""
-    return re.sub(r"\$\{?(\w+)\}?", lambda m: GRAFANA_VARS[m.group(1)], expr)
+def grafana(expr: str, **chosen: str) -> str:
+    """A panel query as Grafana would send it to Prometheus: the variables `chosen` as given,
+    the others on "All"."""
+    values = GRAFANA_VARS | chosen
+    return re.sub(r"\$\{?(\w+)\}?", lambda m: values[m.group(1)], expr)
 
 
 def dashboard_queries() -> dict[str, str]:
@@ -321,18 +330,28 @@ def test_every_metric_in_rules_and_dashboard_is_exported(live_daemon: Daemon) ->
 def prometheus(live_daemon: Daemon, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A Prometheus that scrapes the live daemon every second and evaluates the shipped rules."""
     tmp = tmp_path_factory.mktemp("prometheus")
-    config = {
+    jobs = {"kvguard": [live_daemon.url.removeprefix("http://")]}
+    with running_prometheus(tmp, jobs, rules=True) as (url, proc):
+        wait_for(lambda: query(url, 'up{job="kvguard"} == 1') != [], proc, tmp)
+        yield url
+
+
+@contextmanager
+def running_prometheus(
+    tmp: Path, jobs: dict[str, list[str]], rules: bool = False, port: int | None = None
+) -> Iterator[tuple[str, subprocess.Popen]]:
+    """A Prometheus scraping each job's targets every second (and evaluating the shipped rules
+    if `rules`), ready to answer queries."""
+    config: dict[str, Any] = {
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-        "rule_files": [str(RULES)],
+        "rule_files": [str(RULES)] if rules else [],
         "scrape_configs": [
-            {
-                "job_name": "kvguard",
-                "static_configs": [{"targets": [live_daemon.url.removeprefix("http://")]}],
-            }
+            {"job_name": job, "static_configs": [{"targets": targets}]}
+            for job, targets in jobs.items()
         ],
     }
     (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
-    port = free_port()
+    port = port or free_port()
     url = f"http://127.0.0.1:{port}"
     log = open(tmp / "prometheus.log", "w")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(
@@ -347,8 +366,7 @@ def prometheus(live_daemon: Daemon, tmp_path_factory: pytest.TempPathFactory) ->
     )
     try:
         wait_for(lambda: httpx.get(url + "/-/ready", timeout=1).status_code == 200, proc, tmp)
-        wait_for(lambda: query(url, 'up{job="kvguard"} == 1') != [], proc, tmp)
-        yield url
+        yield url, proc
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -416,3 +434,108 @@ def test_rules_evaluate_on_the_live_series_and_stay_quiet(
     ]
     firing = query(prometheus, 'ALERTS{alertstate="firing"}')
     assert firing == [], "an idle, healthy daemon fires alerts"
+
+
+# -- the overview tiles in a Prometheus that scrapes more than kvguard ------------------------
+@pytest.fixture(scope="module")
+def shared_prometheus(
+    live_daemon: Daemon, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, str]]:
+    """A Prometheus as an operator already runs one, scraping more than kvguard: the live
+    daemon as job kvguard, and again as job llm-serving (kvguard under a job not named so); a
+    kvguard target that is down (its port bound but refusing connections, as while a daemon
+    loads its model); and Prometheus itself as job prometheus. Yields its URL and the live
+    daemon's instance."""
+    tmp = tmp_path_factory.mktemp("shared-prometheus")
+    live = live_daemon.url.removeprefix("http://")
+    with socket.socket() as down:
+        down.bind(("127.0.0.1", 0))  # never listens: every scrape is refused
+        port = free_port()
+        jobs = {
+            "kvguard": [live, f"127.0.0.1:{down.getsockname()[1]}"],
+            "llm-serving": [live],
+            "prometheus": [f"127.0.0.1:{port}"],
+        }
+        with running_prometheus(tmp, jobs, port=port) as (url, proc):
+            # every target scraped once: the down one's up 0, both jobs' kvguard_ready in
+            wait_for(lambda: len(query(url, "up")) == 4, proc, tmp)
+            wait_for(lambda: len(query(url, "kvguard_ready")) == 2, proc, tmp)
+            yield url, live
+
+
+def panel(title: str) -> dict[str, Any]:
+    (p,) = [p for p in dashboard()["panels"] if p["title"] == title]
+    return p
+
+
+def tile(url: str, target: dict[str, Any], **chosen: str) -> list[tuple[dict[str, str], float]]:
+    """The series a stat tile shows for one query, each with its value, as Grafana asks for
+    them: an instant query at now, or a range query (here the last 10 minutes) of which each
+    series that has a point shows its last one (the tiles' `lastNotNull`)."""
+    expr = grafana(target["expr"], **chosen)
+    if target.get("instant"):
+        return [(s["metric"], float(s["value"][1])) for s in query(url, expr)]
+    now = time.time()
+    r = httpx.post(
+        url + "/api/v1/query_range",
+        data={"query": expr, "start": now - 600, "end": now, "step": 1},
+        timeout=10,
+    )
+    body = r.json()
+    assert r.status_code == 200 and body["status"] == "success", f"{expr}\n{r.text}"
+    return [(s["metric"], float(s["values"][-1][1])) for s in body["data"]["result"]]
+
+
+def one_value(url: str, title: str, ref: str = "A", **chosen: str) -> float:
+    (target,) = [t for t in panel(title)["targets"] if t["refId"] == ref]
+    got = tile(url, target, **chosen)
+    assert len(got) == 1, f"{title} {ref}: {got}"
+    return got[0][1]
+
+
+def test_scrape_targets_tile_counts_kvguard_targets_only(
+    shared_prometheus: tuple[str, str],
+) -> None:
+    """Before, "Scrape targets up" counted every target of the Prometheus with "All" selected
+    (`up{job=~".*"}`): here 3 up of 4, Prometheus itself among them. kvguard's are the two
+    jobs' live daemon (up) and the down target."""
+    url, live = shared_prometheus
+    assert len(query(url, 'up{job="prometheus"} == 1')) == 1  # another job is there, and up
+    tiles = ("Scrape targets up", "A"), ("Scrape targets up", "B")
+    assert [one_value(url, *t) for t in tiles] == [2, 3]  # up / targets
+    assert [one_value(url, *t, job="kvguard") for t in tiles] == [1, 2]
+    assert [one_value(url, *t, instance=live) for t in tiles] == [2, 2]
+
+
+def test_ready_tile_reads_not_ready_while_a_kvguard_target_is_down(
+    shared_prometheus: tuple[str, str],
+) -> None:
+    """A down daemon exports no kvguard_ready: before, `min(kvguard_ready)` ran over the daemons
+    that answered and the tile stayed READY (or, with only that daemon, showed no data)."""
+    url, live = shared_prometheus
+    assert one_value(url, "Ready") == 0
+    assert one_value(url, "Ready", job="kvguard") == 0
+    assert one_value(url, "Ready", instance=live) == 1  # the live daemon alone: ready
+
+
+def test_kv_dtype_tile_shows_the_dtype_in_force_now(
+    shared_prometheus: tuple[str, str], live_daemon: Daemon
+) -> None:
+    """Before, the tile was a range query: after a switch to FP8 it showed fp32 as well, which
+    had been 1 earlier in the time range, each tile reading the value 1."""
+    url, live = shared_prometheus
+    kv = panel("KV dtype")
+    assert kv["options"]["textMode"] == "name" and "{{dtype}}" in kv["targets"][0]["legendFormat"]
+    r = live_daemon.admin("POST", "/admin/actions/enable_fp8_kv", json={})
+    assert r.status_code == 200, r.text
+    try:
+        scraped = 'kvguard_kv_cache_dtype_info{job="kvguard", dtype="fp8_e4m3"} == 1'
+        deadline = time.monotonic() + 60
+        while not query(url, scraped):
+            assert time.monotonic() < deadline, "the switch to FP8 not scraped within 60s"
+            time.sleep(0.3)
+        got = tile(url, kv["targets"][0], job="kvguard", instance=live)
+        assert [(m["dtype"], v) for m, v in got] == [("fp8_e4m3", 1)]
+    finally:
+        r = live_daemon.admin("POST", "/admin/actions/disable_fp8_kv", json={})
+        assert r.status_code == 200, r.text

@@ -79,6 +79,31 @@ def check_ratio(param: str, value: Any) -> float:
 LIVE_FIELDS: dict[KnobPath, KnobField] = {
     k.path: k for k in knob_fields(EngineConfig) if k.path in LIVE_KNOBS
 }
+# every knob by its engine path and by its config-file name (section, key): what
+# `reconfigure` may be handed, by a Python caller who read either the engine or the file
+ENGINE_FIELDS: dict[KnobPath, KnobField] = {k.path: k for k in knob_fields(EngineConfig)}
+FILE_FIELDS: dict[KnobPath, KnobField] = {
+    (k.knob.section, k.file_key): k for k in knob_fields(EngineConfig)
+}
+
+
+def live_knob(key: KnobPath | str, value: Any) -> tuple[KnobPath, Any]:
+    """A `reconfigure` key as the engine path of a live knob, and its value in the engine's
+    unit. The key is the engine's path (("admission", "safety_factor")) or the config file's
+    (("admission_control", "safety_factor")), as a tuple or written with dots; a file key in
+    another unit than the engine's (reserved_headroom_mb) takes the file's unit. ValueError
+    names a knob that changes only at a restart, and one that does not exist."""
+    path = tuple(key.split(".")) if isinstance(key, str) else tuple(key)
+    field = ENGINE_FIELDS.get(path)
+    if field is None and (field := FILE_FIELDS.get(path)) is not None:
+        value = field.to_engine(value) if isinstance(value, int | float) else value
+    name = ".".join(map(str, path))
+    if field is None:
+        live = ", ".join(sorted(".".join(p) for p in LIVE_KNOBS))
+        raise ValueError(f"{name}: no such knob (the live ones: {live})")
+    if field.path not in LIVE_KNOBS:
+        raise ValueError(f"{name}: takes effect at a restart, not a reload")
+    return field.path, value
 
 
 def check_live_knob(field: KnobField, value: Any) -> Any:
@@ -451,21 +476,23 @@ class ControlSurface:
         )
 
     # -- configuration ----------------------------------------------------------------------
-    def reconfigure(self: LLMEngine, values: dict[KnobPath, Any]) -> Future:
+    def reconfigure(self: LLMEngine, values: dict[KnobPath | str, Any]) -> Future:
         """Apply knobs a reload changed, those declared `live`, at the next step boundary.
-        The configured batch limit and step budget are what a remedy's undo restores; while a
+        A knob is named by its engine path or its config file's name (`live_knob`). The
+        configured batch limit and step budget are what a remedy's undo restores; while a
         remedy holds one lower (a batch cut, an out-of-memory halving) the lower of the two is
-        in force, whatever reloads come and go before the undo. A knob that is not live (a
-        ValueError) or a value its declaration refuses (ConfigError, naming the knob and what
-        it takes) raises here, in the caller's thread, and nothing is posted. Refused at the
+        in force, whatever reloads come and go before the undo. A knob that is not live or
+        does not exist (a ValueError) or a value its declaration refuses (ConfigError, naming
+        the knob and what it takes) raises here, in the caller's thread, and nothing is
+        posted. Refused at the
         step boundary (a KV budget a request in flight could outgrow, or one the pool cannot
         grow to), a reconfigure changes nothing: no knob, no admission setting, no budget."""
-        not_live = [".".join(p) for p in values if p not in LIVE_KNOBS]
-        if not_live:
-            raise ValueError(f"{', '.join(not_live)}: take effect at a restart, not a reload")
+        given = [live_knob(k, v) for k, v in values.items()]
+        if len({p for p, _ in given}) < len(given):  # e.g. "max_num_seqs" and its file name
+            raise ValueError(f"a knob given twice: {', '.join(map(str, values))}")
         # each value against its knob's declaration, before anything is posted: a batch limit
         # of 0 or a step budget below 1 would leave every request waiting for ever
-        values = {p: check_live_knob(LIVE_FIELDS[p], v) for p, v in values.items()}
+        values = {p: check_live_knob(LIVE_FIELDS[p], v) for p, v in given}
         inner = {p[1]: v for p, v in values.items() if p[0] == "admission"}
         # built (and so bounds-checked) now, in the caller's thread: AdmissionConfig's own check
         admission = (

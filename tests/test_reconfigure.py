@@ -63,7 +63,7 @@ def test_the_engine_takes_live_knobs_at_a_step_boundary() -> None:
     assert not no.ok and "requests in flight may grow to 8" in no.detail, no.detail
     assert no.after == no.before and engine.config.max_num_seqs == 6
     assert len(finish(engine)[rid]) == 24
-    with pytest.raises(ValueError, match="max_model_len: take effect at a restart"):
+    with pytest.raises(ValueError, match="max_model_len: takes effect at a restart"):
         engine.reconfigure({("max_model_len",): 64})
     with pytest.raises(ConfigError, match="safety_factor"):
         engine.reconfigure({("admission", "safety_factor"): 0.5})
@@ -323,3 +323,36 @@ def test_a_reload_refuses_what_a_start_would_refuse(tmp_path: Path) -> None:
     with closing(sqlite3.connect(tmp_path / "audit.db")) as db:
         refused = db.execute("SELECT detail FROM events WHERE kind = 'config_error'").fetchall()
     assert refused == [(f"reload refused: {d.config}",)] * 3
+
+
+def test_a_knob_is_named_by_its_engine_path_or_its_config_file_name() -> None:
+    """README's Python API names a knob as the config file does ("serving.max_num_seqs") or
+    as the engine does (("max_num_seqs",)); before, a string key was split into its letters
+    ("m.a.x._.n.u.m...") and any key not an engine path, a live file name or a typo alike, was
+    called restart-only."""
+    engine = make_engine(kv_cache_bytes="1MiB", max_model_len=128, admission=AdmissionConfig())
+    for knobs, n in (
+        ({"max_num_seqs": 5}, 5),
+        ({"serving.max_num_seqs": 6}, 6),
+        ({("serving", "max_num_seqs"): 7}, 7),
+    ):
+        res = apply(engine, engine.reconfigure(knobs))
+        assert res.ok and engine.config.max_num_seqs == n, res.detail
+    res = apply(
+        engine,
+        engine.reconfigure(
+            {"admission_control.safety_factor": 1.5, "admission_control.reserved_headroom_mb": 2}
+        ),
+    )
+    assert res.ok, res.detail
+    assert engine.admission.config.safety_factor == 1.5
+    assert engine.admission.config.reserved_headroom_bytes == 2 * 2**20  # the file's unit
+    with pytest.raises(ValueError, match=r"^serving\.max_model_len: takes effect at a restart"):
+        engine.reconfigure({"serving.max_model_len": 64})
+    with pytest.raises(ValueError, match=r"^serving\.max_num_seq: no such knob \(the live ones: "):
+        engine.reconfigure({"serving.max_num_seq": 4})
+    with pytest.raises(ValueError, match="a knob given twice"):
+        engine.reconfigure({"max_num_seqs": 4, "serving.max_num_seqs": 5})
+    with pytest.raises(ConfigError, match=r"^max_num_seqs=0: expected an integer >= 1"):
+        engine.reconfigure({"serving.max_num_seqs": 0})
+    assert not engine.mailbox.pending() and engine.config.max_num_seqs == 7

@@ -13,13 +13,15 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence as Seq
+from dataclasses import replace
+from pathlib import Path
 
 import torch
 
 from kvguard.engine.admission import HIGH, AdmissionController
 from kvguard.engine.admission_policy import AdmissionPolicy, AdmissionRejected
 from kvguard.engine.block_manager import BlockManager
-from kvguard.engine.config import EngineConfig
+from kvguard.engine.config import ConfigError, EngineConfig
 from kvguard.engine.control import Mailbox
 from kvguard.engine.control_surface import ControlSurface
 from kvguard.engine.detokenizer import append_token, finish_text
@@ -61,6 +63,31 @@ from kvguard.engine.tokenizer import Tokenizer
 __all__ = ["AdmissionRejected", "InjectedOOMError", "LLMEngine", "pick_device", "pick_dtype"]
 
 log = logging.getLogger("kvguard.engine")
+
+
+def within_window(config: EngineConfig, mcfg: ModelConfig, source: Path) -> EngineConfig:
+    """`config` with max_model_len held to the model's sliding window, if it has one.
+
+    kvguard has no sliding-window attention; over no more tokens than the window, such a model
+    attends to every token, as kvguard computes. So a longer max_model_len left at its default
+    is held to the window (with a warning naming it) and one set longer is refused."""
+    window = mcfg.sliding_window
+    if window is None or min(config.max_model_len, mcfg.max_position_embeddings) <= window:
+        return config
+    if config.max_model_len != EngineConfig.__dataclass_fields__["max_model_len"].default:
+        raise ConfigError(
+            f"serving.max_model_len {config.max_model_len} is more than {source}'s "
+            f"sliding_window {window}: kvguard has no sliding-window attention, and serves "
+            f"such a model only within its window; set max_model_len to {window} or less"
+        )
+    log.warning(
+        "%s has sliding_window %d: serving.max_model_len is held to %d tokens "
+        "(kvguard has no sliding-window attention; within the window it is the same)",
+        source,
+        window,
+        window,
+    )
+    return replace(config, max_model_len=window)
 
 
 CPU_PREFILL_WHILE_DECODING = 128  # prompt tokens beside the decodes: a forward of ~0.3 s on 2 cores
@@ -235,6 +262,7 @@ class LLMEngine(ControlSurface):
             torch.set_num_threads(config.num_threads)
         path = resolve_model(config.model, config.home, progress, config.model_quantization)
         mcfg = ModelConfig.from_dir(path)
+        config = within_window(config, mcfg, path / "config.json")
         tokenizer = Tokenizer.from_dir(path)
         if config.world_size > 1:
             from kvguard.engine.distributed.driver import TensorParallelRunner

@@ -46,6 +46,7 @@ from kvguard.engine.weights import (
     Part,
     WeightSource,
     check_quantization,
+    check_unused_biases,
     checkpoint_quantization,
     expected_tensor_names,
     open_safetensors,
@@ -148,7 +149,7 @@ class Attention(nn.Module):
         self.nh, self.nkv, self.hd = local.num_heads, local.num_kv_heads, cfg.head_dim
         q, kv = self.nh * self.hd, self.nkv * self.hd
         self.qkv_proj = Linear(cfg.hidden_size, q + 2 * kv, bias=cfg.attention_bias)
-        self.o_proj = RowParallelLinear(q, cfg.hidden_size, tp)
+        self.o_proj = RowParallelLinear(q, cfg.hidden_size, tp, bias=cfg.o_proj_bias)
         self.scale = self.hd**-0.5
 
     def forward(
@@ -191,8 +192,8 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
         super().__init__()
         self.inter = cfg.intermediate_size // tp.size
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.inter, bias=False)
-        self.down_proj = RowParallelLinear(self.inter, cfg.hidden_size, tp)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.inter, bias=cfg.mlp_bias)
+        self.down_proj = RowParallelLinear(self.inter, cfg.hidden_size, tp, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gu = self.gate_up_proj(x)
@@ -368,7 +369,8 @@ def hf_parts(key: str, cfg: ModelConfig, shard: Shard) -> list[Part]:
     """The Hugging Face tensor parts that make up our parameter `key` on one rank.
 
     Fused projections are the concatenation of their parts' rows: q, k, v heads for qkv_proj,
-    the gate and up columns for gate_up_proj. Row-parallel weights take a column range."""
+    the gate and up columns for gate_up_proj. Row-parallel weights take a column range; their
+    biases are whole on every rank (added once, after the all-reduce)."""
     hd, prefix = cfg.head_dim, ("" if key.startswith("lm_head") else "model.")
     name = prefix + key
     q = range(shard.q_heads.start * hd, shard.q_heads.stop * hd)
@@ -382,6 +384,8 @@ def hf_parts(key: str, cfg: ModelConfig, shard: Shard) -> list[Part]:
             Part(name.replace("gate_up_proj", p), shard.mlp, 0, cfg.intermediate_size)
             for p in ("gate_proj", "up_proj")
         ]
+    if key.endswith((".o_proj.bias", ".down_proj.bias")):
+        return [Part(name)]
     if ".o_proj." in key:
         return [Part(name, q, 1, cfg.num_heads * hd)]
     if ".down_proj." in key:
@@ -449,6 +453,7 @@ def load_model(
     check_quantization(path / "config.json", fmt, quantization)
     if fmt is not None:
         specs, plain = read_quantized(path, cfg, fmt, dtype)
+        check_unused_biases(path, plain, expected_tensor_names(cfg), plain.__getitem__)
         return build_quantized_model(cfg, specs, plain, max_positions, dtype, device, tp, stage)
     model = _materialise(cfg, max_positions, dtype, device, tp, (), stage)
     with open_safetensors(path, dtype, device) as source:
@@ -543,9 +548,11 @@ def _install_quantized(
             continue
         spec = _rank_spec(name, cfg, shard, specs)
         bias = _rank_bias(name, cfg, shard, plain)
-        layer = QuantizedLinear(spec, bias, dtype, device)
-        if tp.size > 1 and name.endswith(_ROW_PARALLEL):
-            layer = RowParallelQuantized(layer, tp, None)
+        if tp.size > 1 and name.endswith(_ROW_PARALLEL):  # the bias once, after the sum
+            bias = None if bias is None else bias.to(device)
+            layer = RowParallelQuantized(QuantizedLinear(spec, None, dtype, device), tp, bias)
+        else:
+            layer = QuantizedLinear(spec, bias, dtype, device)
         model.set_submodule(name, layer)
     if "embed_tokens" in names or "lm_head" in names:
         _install_vocab(model, names, specs, dtype, device)
@@ -608,8 +615,15 @@ def _split_advice(problem: str, cfg: ModelConfig, spec: QuantSpec) -> str:
 def _rank_bias(
     name: str, cfg: ModelConfig, shard: Shard, plain: dict[str, torch.Tensor]
 ) -> torch.Tensor | None:
-    """qkv's bias (Qwen2), this rank's rows; the model has no other projection bias."""
-    if not (cfg.attention_bias and name.endswith("qkv_proj")):
+    """Module `name`'s bias on this rank (None where the model has none): its rows of qkv's
+    and gate_up's, the whole of a row-parallel projection's."""
+    has = {
+        "qkv_proj": cfg.attention_bias,
+        "o_proj": cfg.o_proj_bias,
+        "gate_up_proj": cfg.mlp_bias,
+        "down_proj": cfg.mlp_bias,
+    }
+    if not has[name.rsplit(".", 1)[-1]]:
         return None
     parts = hf_parts(name + ".bias", cfg, shard)
     source = DictSource(plain)

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 SUPPORTED_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+ROPE_TYPES = ("default", "linear", "llama3")  # what `model.rope_inv_freq` computes
+# transformers' defaults where config.json leaves these out (MistralConfig, Qwen2Config)
+DEFAULT_SLIDING_WINDOW = 4096
+DEFAULT_MAX_WINDOW_LAYERS = 28
 
+log = logging.getLogger("kvguard.engine")
 
 COMPLETE_MARKER = ".kvguard-complete"  # written last into a directory kvguard made
 
@@ -50,9 +56,14 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool  # Qwen2 has q/k/v biases
+    attention_bias: bool  # q/k/v biases: Qwen2's always, Llama's with attention_bias
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    o_proj_bias: bool = False  # Llama's attention_bias gives o_proj one too
+    mlp_bias: bool = False  # Llama's mlp_bias: gate, up and down
+    # tokens a sliding-window layer attends to (None: every layer attends to the whole
+    # context); kvguard has no windowed attention, so it serves such a model within it
+    sliding_window: int | None = None
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], source: str = "config.json") -> ModelConfig:
@@ -92,30 +103,41 @@ class ModelConfig:
             eos_ids = tuple(int(i) for i in eos) if isinstance(eos, list) else ()
             eos_ids = eos_ids or (() if eos is None or isinstance(eos, list) else (int(eos),))
             rms_norm_eps = float(d.get("rms_norm_eps", 1e-6))
-            rope_theta = float(
-                d.get("rope_theta", (d.get("rope_parameters") or {}).get("rope_theta", 10000.0))
-            )
         except (ValueError, TypeError, AttributeError) as e:
             raise ModelLoadError(
-                f"{source}: eos_token_id, rms_norm_eps or rope_theta is malformed ({e})"
+                f"{source}: eos_token_id or rms_norm_eps is malformed ({e})"
             ) from e
+        act = d.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):  # one function under two names
+            raise ModelLoadError(
+                f"{source}: hidden_act {act!r} is not supported: kvguard's MLP is SiLU-gated"
+            )
+        max_positions = count("max_position_embeddings", 2048)
+        rope_theta, rope_scaling = _rope(d, max_positions, source)
+        layers = count("num_hidden_layers")
+        # the biases transformers builds for each architecture, whatever else config.json says
+        llama = arch == "LlamaForCausalLM"
+        llama_attention_bias = llama and bool(d.get("attention_bias", False))
         return cls(
             architecture=arch,
             vocab_size=count("vocab_size"),
             hidden_size=hidden,
             intermediate_size=count("intermediate_size"),
-            num_layers=count("num_hidden_layers"),
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=count("head_dim", max(hidden // heads, 1)),
             rms_norm_eps=rms_norm_eps,
             rope_theta=rope_theta,
-            rope_scaling=d.get("rope_scaling"),
-            max_position_embeddings=count("max_position_embeddings", 2048),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=max_positions,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias=bool(d.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            attention_bias=llama_attention_bias or arch == "Qwen2ForCausalLM",
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            o_proj_bias=llama_attention_bias,
+            mlp_bias=llama and bool(d.get("mlp_bias", False)),
+            sliding_window=_sliding_window(d, arch, layers, source),
         )
 
     @classmethod
@@ -135,3 +157,79 @@ class ModelConfig:
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """K and V for every layer (seed §1.2): 2 × layers × kv_heads × head_dim × bytes."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
+def _rope(d: dict[str, Any], max_positions: int, source: str) -> tuple[float, dict | None]:
+    """(rope_theta, the scaling `model.rope_inv_freq` applies or None), as transformers reads
+    them: from `rope_scaling` (Hub-style, `rope_theta` beside it) or else `rope_parameters`
+    (what transformers 5 writes, theta inside); a scaling type kvguard cannot compute is
+    refused here, naming the field, rather than served as plain RoPE."""
+    scaling, params = d.get("rope_scaling"), d.get("rope_parameters")
+    for key, value in (("rope_scaling", scaling), ("rope_parameters", params)):
+        if value is not None and not isinstance(value, dict):
+            raise ModelLoadError(f"{source}: {key} is {value!r}, expected an object")
+    # transformers takes rope_scaling over rope_parameters when it has anything in it
+    key, rope = ("rope_scaling", scaling) if scaling else ("rope_parameters", params or {})
+    if scaling and params and _scaling_of(scaling) != _scaling_of(params):
+        log.warning(
+            "%s: rope_scaling %s and rope_parameters %s differ: serving rope_scaling's, "
+            "which transformers reads first",
+            source,
+            scaling,
+            params,
+        )
+    try:
+        theta = float(rope.get("rope_theta", d.get("rope_theta", 10000.0)))
+    except (ValueError, TypeError) as e:
+        raise ModelLoadError(f"{source}: rope_theta is malformed ({e})") from e
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise ModelLoadError(
+            f"{source}: {key} type {kind!r} is not supported ({', '.join(ROPE_TYPES)})"
+        )
+    if kind == "default":
+        return theta, None
+    out = {**rope, "rope_type": kind}
+    if kind == "llama3":  # transformers' default for a config that leaves it out
+        out.setdefault("original_max_position_embeddings", max_positions)
+    needs = ("factor",) if kind == "linear" else ("factor", "low_freq_factor", "high_freq_factor")
+    for field in needs:
+        value = out.get(field)
+        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+            raise ModelLoadError(
+                f"{source}: {key} {field} is {value!r}; {kind} scaling needs a positive number"
+            )
+    return theta, out
+
+
+def _scaling_of(rope: dict[str, Any]) -> dict[str, Any]:
+    """A RoPE dict's scaling alone: its type (under either name) and parameters, not theta."""
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return {}
+    rest = {k: v for k, v in rope.items() if k not in ("rope_type", "type", "rope_theta")}
+    return {"rope_type": kind, **rest}
+
+
+def _sliding_window(d: dict[str, Any], arch: str, layers: int, source: str) -> int | None:
+    """The window of a model with sliding-window layers, as transformers reads config.json:
+    Qwen2's only with `use_sliding_window` and on the layers `layer_types` (else
+    `max_window_layers`) says; any other's `sliding_window` (Mistral's is 4096 where the field
+    is left out; a Llama config that sets one gets transformers' sliding-window KV cache when
+    it generates). None: every layer attends to the whole context."""
+    if arch == "Qwen2ForCausalLM":
+        if not d.get("use_sliding_window"):
+            return None
+        types = d.get("layer_types")
+        if types is None:
+            first = d.get("max_window_layers", DEFAULT_MAX_WINDOW_LAYERS)
+            types = ["sliding_attention" if i >= first else "full" for i in range(layers)]
+        if "sliding_attention" not in types:
+            return None
+    default = DEFAULT_SLIDING_WINDOW if arch != "LlamaForCausalLM" else None
+    window = d.get("sliding_window", default)
+    if window is None:
+        return None
+    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+        raise ModelLoadError(f"{source}: sliding_window is {window!r}, expected a positive integer")
+    return window

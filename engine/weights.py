@@ -98,7 +98,10 @@ class SafetensorsSource:
         return _cast(t, self.dtype, self.device)
 
     def check_has(self, path: Path, expected: Iterable[str]) -> None:
+        """Every tensor in `expected` is here, and no bias that it leaves out."""
+        expected = set(expected)
         _check_expected(path, self.handles, expected)
+        check_unused_biases(path, self.handles, expected, lambda n: self.read(Part(n)))
 
 
 @contextmanager
@@ -218,8 +221,28 @@ def _check_expected(path: Path, held: dict[str, Any], expected: Iterable[str]) -
         raise ModelLoadError(f"{path}: weights lack tensors {missing[:5]} ({len(missing)} in all)")
 
 
+def check_unused_biases(
+    path: Path,
+    held: Iterable[str],
+    expected: Iterable[str],
+    read: Callable[[str], torch.Tensor],
+) -> None:
+    """Refuse a checkpoint with a bias the model would not apply (say an `o_proj.bias` that
+    its config.json does not declare): served without it, it would be another model. A bias
+    of zeros changes nothing (some quantisers write one for every projection): it passes."""
+    extra = sorted(
+        n for n in set(held) - set(expected) if n.endswith(".bias") and bool(read(n).any())
+    )
+    if extra:
+        raise ModelLoadError(
+            f"{path}: holds tensor {extra[0]!r} ({len(extra)} such in all), a bias that a model "
+            "of this config.json does not have; refusing rather than serving it without"
+        )
+
+
 def expected_tensor_names(cfg: ModelConfig) -> list[str]:
-    """The Hugging Face tensor names a Llama-family model of this shape needs."""
+    """The Hugging Face tensor names a Llama-family model of this shape needs (its biases as
+    transformers builds them for the architecture: see `ModelConfig.from_hf_dict`)."""
     names = ["model.embed_tokens.weight", "model.norm.weight"]
     if not cfg.tie_word_embeddings:
         names.append("lm_head.weight")
@@ -230,6 +253,10 @@ def expected_tensor_names(cfg: ModelConfig) -> list[str]:
         names += [f"model.layers.{i}.{p}.weight" for p in projections + norms]
         if cfg.attention_bias:
             names += [f"model.layers.{i}.self_attn.{p}_proj.bias" for p in "qkv"]
+        if cfg.o_proj_bias:
+            names.append(f"model.layers.{i}.self_attn.o_proj.bias")
+        if cfg.mlp_bias:
+            names += [f"model.layers.{i}.mlp.{p}_proj.bias" for p in ("gate", "up", "down")]
     return names
 
 

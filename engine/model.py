@@ -565,22 +565,26 @@ def _install_vocab(
     dtype: torch.dtype,
     device: torch.device,
 ) -> None:
-    """The quantized embedding and lm_head.
+    """The quantized embedding and lm_head, or either alone where they are not tied.
 
     Tied, the embedding keeps the exact rows (8-bit codes, fp16 scales) and the lm_head a
     kernel copy, which for group-wise 8-bit is per-row int8 (`approximate`): fast, and its top
     candidates are recomputed from the exact rows. A 4-bit vocabulary is served exactly."""
     cfg, shard, tp = model.cfg, model.shard, model.tp
-    embed = _rank_spec("embed_tokens", cfg, shard, specs)
-    head_spec = embed if cfg.tie_word_embeddings else _rank_spec("lm_head", cfg, shard, specs)
-    # a pipeline stage builds only the ends it holds (a tied last stage keeps the exact rows)
-    table = QuantizedEmbedding(embed, dtype, device, None, shard.vocab.start, tp)
+    tied = cfg.tie_word_embeddings
+    # a pipeline stage builds only the ends it holds (a tied last stage keeps the exact rows);
+    # untied, either end may be quantized alone (GPTQModel's `lm_head: true` packs the head
+    # and leaves the embedding plain)
+    table = embed = None
+    if "embed_tokens" in names or tied:
+        embed = _rank_spec("embed_tokens", cfg, shard, specs)
+        table = QuantizedEmbedding(embed, dtype, device, None, shard.vocab.start, tp)
     if "embed_tokens" in names:
         model.embed_tokens = table
     if "lm_head" in names:
-        head = QuantizedLinear(head_spec, None, dtype, device, approximate=cfg.tie_word_embeddings)
-        exact = table.table if cfg.tie_word_embeddings else None
-        model.lm_head = QuantizedLMHead(head, cfg.vocab_size, tp, exact)
+        head_spec = embed if tied else _rank_spec("lm_head", cfg, shard, specs)
+        head = QuantizedLinear(head_spec, None, dtype, device, approximate=tied)
+        model.lm_head = QuantizedLMHead(head, cfg.vocab_size, tp, table.table if tied else None)
 
 
 def _rank_spec(name: str, cfg: ModelConfig, shard: Shard, specs: dict[str, QuantSpec]) -> QuantSpec:
@@ -592,8 +596,19 @@ def _rank_spec(name: str, cfg: ModelConfig, shard: Shard, specs: dict[str, Quant
             raise ModelLoadError(
                 f"quantized {p.name!r} has shape {spec.shape}, expected {p.full} along dim {p.dim}"
             )
+        # a span over the whole dimension (one rank) is no slice: the weight is taken whole,
+        # as a desc_act one must be
+        if p.span is None or (p.span.start == 0 and len(p.span) == spec.shape[p.dim]):
+            parts.append(spec)
+            continue
+        if p.dim == 1 and spec.perm is not None:  # act-order groups span every input column
+            raise ModelLoadError(
+                f"{p.name}: a desc_act (g_idx) weight cannot be split by input columns; it is "
+                "served at tensor_parallel 1 only (with any pipeline_parallel: a stage holds "
+                "whole layers)"
+            )
         try:
-            parts.append(spec if p.span is None else slice_spec(spec, p.span, p.dim, p.name))
+            parts.append(slice_spec(spec, p.span, p.dim, p.name))
         except ValueError as e:
             raise ModelLoadError(_split_advice(str(e), cfg, spec)) from e
     return cat_rows(parts)

@@ -26,6 +26,8 @@ from kvguard.engine.loader.packing import (
     NIBBLES_PER_WORD,
     check_group_size,
     check_shape,
+    config_bool,
+    config_int,
     required,
     unpack_nibbles,
 )
@@ -51,14 +53,15 @@ def check_config(qc: dict[str, Any], file: Path) -> AwqSettings:
         raise ModelLoadError(
             f"{file}: AWQ version {found!r} is not supported; only AWQ 'gemm' checkpoints load"
         )
-    bits = int(qc.get("bits", qc.get("w_bit", 4)))
+    bits = config_int(qc, ("bits", "w_bit"), 4, file)
     if bits != 4:
         raise ModelLoadError(f"{file}: {bits}-bit AWQ is not supported; only 4-bit AWQ loads")
-    if not qc.get("zero_point", True):
+    if not config_bool(qc, "zero_point", True, file):
         raise ModelLoadError(
             f"{file}: AWQ with zero_point false is not supported; only zero-point AWQ loads"
         )
-    return AwqSettings(group_size=int(qc.get("group_size", qc.get("q_group_size", 128))))
+    group_size = config_int(qc, ("group_size", "q_group_size"), 128, file, group_size=True)
+    return AwqSettings(group_size=group_size)
 
 
 def unpack_awq(packed: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,9 @@ import torch
 from kvguard.engine.layers.quant_spec import QuantSpec
 from kvguard.engine.loader.packing import (
     NIBBLES_PER_WORD,
+    REQUIRED,
     check_shape,
+    config_int,
     perm_from_g_idx,
     required,
     unpack_nibbles,
@@ -80,7 +82,8 @@ def _check_group(name: str, group: dict[str, Any], top: str, file: Path) -> int:
     if fmt != "pack-quantized":
         raise ModelLoadError(f"{where}: format {fmt!r} is not supported; only 'pack-quantized'")
     w = group.get("weights") or {}
-    bits, kind = int(w.get("num_bits", 8)), str(w.get("type", "int"))
+    fields = f"quantization_config.config_groups.{name}.weights"
+    bits, kind = config_int(w, ("num_bits",), 8, file, fields), str(w.get("type", "int"))
     if (bits, kind) != (4, "int"):
         raise ModelLoadError(f"{where}: {bits}-bit {kind} weights are not supported; only int4")
     if group.get("input_activations") or group.get("output_activations"):
@@ -92,7 +95,9 @@ def _check_group(name: str, group: dict[str, Any], top: str, file: Path) -> int:
         raise ModelLoadError(
             f"{where}: weight strategy {strategy!r} is not supported; only {STRATEGIES}"
         )
-    return int(w["group_size"]) if strategy == "group" else -1
+    if strategy != "group":
+        return -1
+    return config_int(w, ("group_size",), REQUIRED, file, fields, group_size=True)
 
 
 def ct_spec(

@@ -33,6 +33,8 @@ from kvguard.engine.loader.packing import (
     NIBBLES_PER_WORD,
     check_group_size,
     check_shape,
+    config_bool,
+    config_int,
     perm_from_g_idx,
     required,
     unpack_nibbles,
@@ -60,7 +62,7 @@ def check_config(qc: dict[str, Any], file: Path) -> GptqSettings:
             f"{file}: GPTQ checkpoint_format {fmt!r} is not supported; "
             f"only {sorted(ZERO_OFFSET)} load"
         )
-    bits = int(qc.get("bits", 4))
+    bits = config_int(qc, ("bits",), 4, file)
     if bits != 4:
         raise ModelLoadError(f"{file}: {bits}-bit GPTQ is not supported; only 4-bit GPTQ loads")
     pack_dtype = str(qc.get("pack_dtype", "int32")).removeprefix("torch.")
@@ -68,7 +70,12 @@ def check_config(qc: dict[str, Any], file: Path) -> GptqSettings:
         raise ModelLoadError(
             f"{file}: GPTQ pack_dtype {pack_dtype!r} is not supported; only int32 packing loads"
         )
-    return GptqSettings(group_size=int(qc.get("group_size", 128)), zero_offset=ZERO_OFFSET[fmt])
+    # sym and desc_act change nothing here (the zeros and g_idx say it), but are checked:
+    # a malformed value is a broken config, not one to guess at
+    config_bool(qc, "sym", True, file)
+    config_bool(qc, "desc_act", False, file)
+    group_size = config_int(qc, ("group_size",), 128, file, group_size=True)
+    return GptqSettings(group_size=group_size, zero_offset=ZERO_OFFSET[fmt])
 
 
 def gptq_spec(

@@ -4,12 +4,17 @@ Every format here stores eight 4-bit codes per int32 word with code `k` of a wor
 `4k .. 4k+3` (low nibble first); they differ only in which weight each nibble holds (along
 the input or the output dimension, AWQ's interleaved order) and in what a stored code or zero
 means. So one unpacker of words into nibbles serves all of them; the format modules reorder.
+Their `quantization_config` fields are read here too, each refused by name when malformed.
 """
 
 from __future__ import annotations
 
+import json
+import re
 import sys
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -81,3 +86,49 @@ def check_group_size(name: str, group_size: int, cols: int, configured: int) -> 
             f"module {name!r}: its scales give group size {group_size}, "
             f"quantization_config says {configured}"
         )
+
+
+REQUIRED = object()  # `config_int`'s default for a field that has none
+
+
+def config_int(
+    qc: dict[str, Any],
+    keys: tuple[str, ...],
+    default: Any,
+    file: Path,
+    where: str = "quantization_config",
+    group_size: bool = False,
+) -> int:
+    """The first of `keys` that the config sets (its aliases follow it), as an int: a whole
+    number, or one written as a string, as some exporters do. Anything else (null, true, 4.5,
+    "x") is refused naming the file and the field, not turned into a TypeError or a wrong
+    number. `group_size`: the field takes a positive integer or -1 (one group)."""
+    key = next((k for k in keys if k in qc), keys[0])
+    value = qc.get(key, default)
+    if value is REQUIRED:
+        raise ModelLoadError(f"{file}: {where}.{key} is missing")
+    whole = (
+        (isinstance(value, int) and not isinstance(value, bool))
+        or (isinstance(value, float) and value.is_integer())
+        or (isinstance(value, str) and re.fullmatch(r"\s*-?[0-9]+\s*", value) is not None)
+    )
+    number = int(value) if whole else None
+    if number is None or (group_size and number != -1 and number < 1):
+        takes = "a positive integer or -1 (one group)" if group_size else "an integer"
+        raise ModelLoadError(f"{file}: {where}.{key} is {_json(value)}; it takes {takes}")
+    return number
+
+
+def config_bool(qc: dict[str, Any], key: str, default: bool, file: Path) -> bool:
+    """`quantization_config[key]` as JSON true or false; anything else is refused by name."""
+    value = qc.get(key, default)
+    if not isinstance(value, bool):
+        raise ModelLoadError(
+            f"{file}: quantization_config.{key} is {_json(value)}; it takes true or false"
+        )
+    return value
+
+
+def _json(value: Any) -> str:
+    """A config value as config.json spells it (null, "x", 4.5)."""
+    return json.dumps(value, default=repr)

@@ -8,7 +8,9 @@ converted once into safetensors + tokenizer files, which then load in about a se
   `<name>.qweight` (uint8 codes; two 4-bit codes a byte, even column in the low nibble),
   `<name>.scales` and `<name>.zeros` (float32, one per 32-column group); config.json says so in
   `quantization_config` (`quant_method: gguf`). Unquantised tensors (F32, F16, BF16: the
-  norms, and any weight a file keeps at full precision) are stored as fp32. A tensor of any
+  norms, and any weight a file keeps at full precision) are stored as fp32, and so are the
+  parts of a fused projection (q/k/v, gate/up: one kernel serves each) whose types differ in
+  bit width or packing (an F16 or Q8_0 `attn_v` beside Q4_1 q/k), with a warning. A tensor of any
   other quantised type (Q4_K, Q5_0, Q6_K, ...) is refused, naming the file, the tensor and its
   type: dequantised it would silently serve the model at several times the file's size (a 4.5
   bit weight as 32 bits), which `model_quantization: none` does on purpose.
@@ -16,7 +18,7 @@ converted once into safetensors + tokenizer files, which then load in about a se
   the packed model is compared with.
 
 Only the `llama` architecture with a byte-level BPE (`gpt2`) tokenizer is handled: that covers
-SmolLM2, the default model.
+SmolLM2, the default model. RoPE scaling is read as llama.cpp reads it (`_rope_scaling`).
 """
 
 from __future__ import annotations
@@ -155,7 +157,6 @@ def hf_config(src: GgufFile) -> dict[str, Any]:
     hidden = int(src.arch_get("embedding_length"))
     heads = int(src.arch_get("attention.head_count"))
     names = src.tensor_names()
-    _reject_rope_scaling(src, names)
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -168,7 +169,7 @@ def hf_config(src: GgufFile) -> dict[str, Any]:
         "head_dim": int(src.arch_get("attention.key_length", hidden // heads)),
         "rms_norm_eps": float(src.arch_get("attention.layer_norm_rms_epsilon")),
         "rope_theta": float(src.arch_get("rope.freq_base", 10000.0)),
-        "rope_scaling": None,
+        "rope_scaling": _rope_scaling(src, names),
         "max_position_embeddings": int(src.arch_get("context_length")),
         "vocab_size": _vocab_rows(src),
         "tie_word_embeddings": "output.weight" not in names,
@@ -181,11 +182,31 @@ def hf_config(src: GgufFile) -> dict[str, Any]:
     }
 
 
-def _reject_rope_scaling(src: GgufFile, names: set[str]) -> None:
-    """Refuse rather than silently run a long-context model with the wrong positions."""
-    kind = src.arch_get("rope.scaling.type", "none")
-    if kind != "none" or "rope_freqs.weight" in names:
-        raise ModelLoadError(f"{src.path}: RoPE scaling ({kind}) in GGUF files is not supported")
+def _rope_scaling(src: GgufFile, names: set[str]) -> dict[str, Any] | None:
+    """The file's RoPE scaling as llama.cpp reads it: the type defaults to `linear` and the
+    factor comes from `rope.scaling.factor`, or else the old converters' `rope.scale_linear`
+    (a factor of 0 or 1 scales nothing, nor does type `none`). Linear scaling is served; any
+    other type (`yarn`, ...) and Llama 3.1's `rope_freqs` tensor are refused rather than run
+    with the wrong positions."""
+    kind = str(src.arch_get("rope.scaling.type", "linear"))
+    key = f"{src.arch}.rope.scaling.factor"
+    if src.get(key, None) is None:
+        key = f"{src.arch}.rope.scale_linear"
+    factor = src.get(key, 0.0)
+    if kind not in ("none", "linear") or "rope_freqs.weight" in names:
+        what = kind if "rope_freqs.weight" not in names else "a rope_freqs.weight tensor"
+        raise ModelLoadError(
+            f"{src.path}: RoPE scaling ({what}) in GGUF files is not supported (none, linear)"
+        )
+    try:
+        factor = float(factor)
+    except (TypeError, ValueError) as e:
+        raise ModelLoadError(f"{src.path}: GGUF metadata {key} is malformed ({e})") from e
+    if not factor >= 0:  # NaN too
+        raise ModelLoadError(f"{src.path}: GGUF metadata {key} is {factor}, expected >= 0")
+    if kind == "none" or factor in (0.0, 1.0):
+        return None
+    return {"rope_type": "linear", "factor": factor}
 
 
 def _vocab_rows(src: GgufFile) -> int:
@@ -244,17 +265,21 @@ def convert_tensors(
     src: GgufFile, config: dict[str, Any], progress: bool, packed: bool = False
 ) -> dict[str, np.ndarray]:
     """Every tensor under its Hugging Face name: fp32, or (packed) Q4_0/Q4_1/Q8_0 ones as
-    `.qweight/.scales/.zeros` and other quantised types refused (`_refuse_unpackable`)."""
+    `.qweight/.scales/.zeros` (`kept_packed`) and other quantised types refused
+    (`_refuse_unpackable`)."""
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    keep: set[str] = set()
     if packed:
         _refuse_unpackable(src)
+        _warn_unfusable(src)
+        keep = kept_packed(src)
     out: dict[str, np.ndarray] = {}
     bar = tqdm(
         src.reader.tensors, desc=f"converting {src.path.name}", unit="tensor", disable=not progress
     )
     for t in bar:
         name = hf_tensor_name(src, t.name)
-        if packed and t.tensor_type in PACKED_TYPES:
+        if t.name in keep:
             out.update(_packed(src, t, heads, name.removesuffix(".weight")))
         else:
             out[name] = _dequantise(src, t, heads)
@@ -301,12 +326,64 @@ def _refuse_unpackable(src: GgufFile) -> None:
         )
 
 
+# the projections kvguard serves fused, one kernel over their rows: a layer's parts must share
+# one packed bit width, or all be dequantised
+FUSED_GROUPS = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))
+
+
+def _unfusable(src: GgufFile) -> list[list[Any]]:
+    """The fused groups (`FUSED_GROUPS`, per layer) whose parts are not all packed at one bit
+    width: F16 `attn_v` beside Q4_1 q/k, or a Q8_0 `attn_k` beside Q4_1 ones, as
+    `llama-quantize --tensor-type` writes. Q4_0 beside Q4_1 fuses (both 4-bit)."""
+    by_name = {t.name: t for t in src.reader.tensors}
+    layers = sorted({int(m.group(1)) for n in by_name if (m := _LAYER_NAME.fullmatch(n))})
+    out = []
+    for i in layers:
+        for group in FUSED_GROUPS:
+            parts = [by_name[n] for k in group if (n := f"blk.{i}.{k}.weight") in by_name]
+            bits = {BITS.get(t.tensor_type) for t in parts}
+            if len(bits) > 1 and bits != {None}:
+                out.append(parts)
+    return out
+
+
+def kept_packed(src: GgufFile) -> set[str]:
+    """The GGUF tensors a packed conversion keeps packed: the Q4_0/Q4_1/Q8_0 ones, less those
+    of a fused group it has to dequantise (`_unfusable`)."""
+    mixed = {t.name for parts in _unfusable(src) for t in parts}
+    return {t.name for t in src.reader.tensors if t.tensor_type in PACKED_TYPES} - mixed
+
+
+def _warn_unfusable(src: GgufFile) -> None:
+    """One warning naming every layer whose fused group is served dequantised, and the cost."""
+    groups = _unfusable(src)
+    if not groups:
+        return
+    said = [
+        f"layer {parts[0].name.split('.')[1]}: "
+        + ", ".join(f"{t.name.split('.')[2]} {t.tensor_type.name}" for t in parts)
+        for parts in groups
+    ]
+    more = f"; {len(said) - 4} more" if len(said) > 4 else ""
+    mib = sum(int(np.prod(t.shape)) for parts in groups for t in parts) * 4 / 2**20
+    log.warning(
+        "%s: %d fused projection group(s) mix tensor types (%s%s); kvguard serves a fused "
+        "group with one kernel, so these are served dequantised to fp32 (%.0f MiB)",
+        src.path,
+        len(groups),
+        "; ".join(said[:4]),
+        more,
+        mib,
+    )
+
+
 def packed_config(src: GgufFile) -> dict[str, Any]:
     """The `quantization_config` of a packed conversion: which modules are packed, as what."""
+    keep = kept_packed(src)
     modules = {
         hf_tensor_name(src, t.name).removesuffix(".weight"): t.tensor_type.name
         for t in src.reader.tensors
-        if t.tensor_type in PACKED_TYPES
+        if t.name in keep
     }
     return {
         "quant_method": "gguf",

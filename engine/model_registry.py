@@ -43,7 +43,11 @@ from kvguard.kernels.cpu_lowbit import pid_alive
 # different, so cached conversions are redone. It lives here, not in the converter, because
 # the converter needs the `gguf` package and only converting should: serving an already
 # converted or a non-GGUF model (the GPU image has no gguf) must not import it.
-CONVERTER_REVISION = 2  # 2: packed conversions refuse Q4_K and other unpacked quantised types
+# 2: packed conversions refuse Q4_K and other unpacked quantised types; 3: RoPE scaling read as
+# llama.cpp reads it (linear from `rope.scaling.factor` / `rope.scale_linear`, where it had been
+# dropped), and a fused q/k/v or gate/up group of mixed types dequantised (it had converted, then
+# been refused at every load)
+CONVERTER_REVISION = 3
 
 DEFAULT_MODEL = "smollm2-135m"
 REQUIRED_FILES = ("config.json", "tokenizer.json")

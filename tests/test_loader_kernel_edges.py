@@ -211,7 +211,8 @@ def test_a_vocabulary_tensor_of_another_type_is_served_in_full_precision_with_a_
 
 def test_unquantised_tensors_stay_allowed_beside_packed_ones(tmp_path: Path) -> None:
     """F16 and F32 weights are not quantised: a file mixing them with Q4_0/Q8_0 converts
-    packed, the packed types packed and the others as fp32."""
+    packed, the packed types packed and the others as fp32; a fused group (q/k/v, gate/up)
+    with an unquantised part is stored dequantised whole, as the loader can serve it."""
     types = {"blk.0.ffn_up.weight": Q.F16, "blk.1.attn_v.weight": Q.F32, "output.weight": Q.F16}
     path = write_gguf(tmp_path / "mixed.gguf", Q.Q4_0, types=types)
     convert_gguf(path, tmp_path / "packed", progress=False, packed=True)
@@ -219,8 +220,10 @@ def test_unquantised_tensors_stay_allowed_beside_packed_ones(tmp_path: Path) -> 
 
     modules = json.loads((tmp_path / "packed" / "config.json").read_text())
     modules = modules["quantization_config"]["modules"]
-    assert modules["model.layers.0.mlp.gate_proj"] == "Q4_0"
-    assert "model.layers.0.mlp.up_proj" not in modules and "lm_head" not in modules
+    assert modules["model.layers.0.mlp.down_proj"] == "Q4_0"
+    assert "model.layers.0.mlp.gate_proj" not in modules
+    assert "model.layers.0.mlp.up_proj" not in modules
+    assert "model.layers.1.self_attn.q_proj" not in modules and "lm_head" not in modules
     all_f16 = write_gguf(tmp_path / "f16.gguf", Q.F16)
     convert_gguf(all_f16, tmp_path / "packed16", progress=False, packed=True)
 

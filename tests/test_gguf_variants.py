@@ -1,0 +1,271 @@
+"""GGUF files a user brings that differ from the default one the way llama.cpp's tools make them:
+
+- RoPE scaling as llama.cpp reads it: the type defaults to `linear`, the factor comes from
+  `rope.scaling.factor` or the old converters' `rope.scale_linear`. Such a file had been
+  converted with no scaling and served with the wrong positions; it is served with linear
+  scaling (the reference: transformers on the same weights with that scaling). Types other
+  than none/linear are refused as before.
+- a fused projection group (q/k/v, gate/up) whose parts differ in type (`llama-quantize
+  --tensor-type attn_v=f16`): it had converted, then been refused at every load; it is served
+  dequantised, with a warning, and gives the tokens `model_quantization: none` gives. A copy
+  converted before that fix is converted again.
+
+The variants are the default SmolLM2 Q4_1 file rewritten with the `gguf` package (a few tensors
+re-typed or a metadata key added); the rest of its bytes are copied as they are.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from kvguard.engine import EngineConfig, LLMEngine
+from kvguard.engine import model_registry as reg
+from kvguard.engine.gguf_convert import GgufFile, hf_config
+from kvguard.engine.model_config import ModelLoadError
+from kvguard.engine.sampling_params import SamplingParams
+from tests.test_loader_kernel_edges import write_gguf
+
+Q = gguf.GGMLQuantizationType
+V = gguf.GGUFValueType
+STEPS = 12
+
+
+def rewrite(
+    src: Path,
+    dst: Path,
+    types: dict[str, Q] | None = None,
+    meta: dict[str, tuple[Any, V]] | None = None,
+    extra: tuple[tuple[str, np.ndarray], ...] = (),
+) -> Path:
+    """`src` copied to `dst` with the tensors in `types` re-typed (dequantised, then stored in
+    the new type), the metadata in `meta` added or replaced and the `extra` F32 tensors added."""
+    types, meta = types or {}, meta or {}
+    r = gguf.GGUFReader(src)
+    w = gguf.GGUFWriter(str(dst), str(r.fields["general.architecture"].contents()))
+    for key, field in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture" or key in meta:
+            continue
+        sub = field.types[-1] if field.types[0] == V.ARRAY else None
+        w.add_key_value(key, field.contents(), field.types[0], sub)
+    for key, (value, vtype) in meta.items():
+        w.add_key_value(key, value, vtype)
+    for t in r.tensors:
+        want = types.get(t.name, t.tensor_type)
+        if want == t.tensor_type:
+            w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+            continue
+        f = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).astype(np.float32)
+        if want == Q.F16:
+            w.add_tensor(t.name, f.astype(np.float16))
+        else:
+            w.add_tensor(t.name, gguf.quants.quantize(f, want), raw_dtype=want)
+    for name, arr in extra:
+        w.add_tensor(name, arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+def engine(path: Path, home: Path, knob: str) -> LLMEngine:
+    cfg = EngineConfig(
+        model=str(path), home=home, kv_cache_bytes="16MiB", num_threads=1,
+        model_quantization=knob,
+    )  # fmt: skip
+    return LLMEngine.from_config(cfg, progress=False)
+
+
+def greedy(eng: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
+    outs = eng.generate(prompts, SamplingParams(max_tokens=STEPS, ignore_eos=True))
+    return [list(o.token_ids) for o in outs]
+
+
+def prompt_ids(eng: LLMEngine, texts: list[str]) -> list[list[int]]:
+    outs = eng.generate(texts, SamplingParams(max_tokens=1))
+    return [list(o.prompt_token_ids) for o in outs]
+
+
+PROMPTS = [
+    "The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is",
+    "def fibonacci(n):\n    # returns the n-th Fibonacci number, counting from zero\n",
+]
+
+
+# -- RoPE scaling ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_gguf(tmp_path_factory.mktemp("tiny") / "tiny.gguf")
+
+
+def with_keys(tiny: Path, tmp: Path, **keys: Any) -> Path:
+    """The tiny GGUF with `llama.<key>` metadata added (strings as strings, numbers as f32)."""
+    meta = {
+        "llama." + k.replace("__", "."): (v, V.STRING if isinstance(v, str) else V.FLOAT32)
+        for k, v in keys.items()
+    }
+    return rewrite(tiny, tmp / "keys.gguf", meta=meta)
+
+
+@pytest.mark.parametrize(
+    ("keys", "want"),
+    [
+        ({"rope__scale_linear": 4.0}, 4.0),  # the old converters' key: type linear by default
+        ({"rope__scaling__factor": 2.5}, 2.5),  # no type key: linear too
+        ({"rope__scaling__type": "linear", "rope__scaling__factor": 8.0}, 8.0),
+        ({"rope__scaling__factor": 2.0, "rope__scale_linear": 8.0}, 2.0),  # the new key wins
+        ({"rope__scaling__type": "none", "rope__scaling__factor": 4.0}, None),  # never scaled
+        ({"rope__scaling__factor": 1.0}, None),
+        ({"rope__scale_linear": 0.0}, None),  # llama.cpp's "unset"
+        ({}, None),
+    ],
+)
+def test_gguf_rope_scaling_is_read_as_llama_cpp_reads_it(
+    tiny_gguf: Path, tmp_path: Path, keys: dict[str, Any], want: float | None
+) -> None:
+    """A factor with no type key (or type `linear`) is linear scaling in llama.cpp; kvguard
+    had converted it with none (and refused an explicit `linear`)."""
+    config = hf_config(GgufFile(with_keys(tiny_gguf, tmp_path, **keys)))
+    expected = None if want is None else {"rope_type": "linear", "factor": want}
+    assert config["rope_scaling"] == expected
+
+
+@pytest.mark.parametrize(
+    ("keys", "rope_freqs", "message"),
+    [
+        ({"rope__scaling__type": "yarn", "rope__scaling__factor": 4.0}, False, r"\(yarn\)"),
+        ({"rope__scaling__type": "longrope"}, False, r"\(longrope\)"),
+        ({}, True, "rope_freqs.weight"),  # Llama 3.1's scaling comes as this tensor
+        ({"rope__scale_linear": -2.0}, False, "llama.rope.scale_linear is -2.0"),
+    ],
+)
+def test_gguf_rope_scaling_kvguard_cannot_compute_is_refused(
+    tiny_gguf: Path, tmp_path: Path, keys: dict[str, Any], rope_freqs: bool, message: str
+) -> None:
+    extra = (("rope_freqs.weight", np.ones(8, np.float32)),) if rope_freqs else ()
+    meta = {
+        "llama." + k.replace("__", "."): (v, V.STRING if isinstance(v, str) else V.FLOAT32)
+        for k, v in keys.items()
+    }
+    path = rewrite(tiny_gguf, tmp_path / "scaled.gguf", meta=meta, extra=extra)
+    with pytest.raises(ModelLoadError, match=rf"scaled\.gguf: .*{message}"):
+        hf_config(GgufFile(path))
+
+
+def _transformers_greedy(model_dir: Path, tmp: Path, rope_scaling: Any, prompts: Any) -> Any:
+    """transformers' greedy tokens for the fp32 model in `model_dir` with its config.json's
+    `rope_scaling` replaced (the weights linked, not copied)."""
+    from transformers import AutoModelForCausalLM
+
+    ref = tmp / f"hf-{rope_scaling and rope_scaling['factor']}"
+    ref.mkdir()
+    for f in model_dir.iterdir():
+        if f.name != "config.json":
+            (ref / f.name).symlink_to(f)
+    config = json.loads((model_dir / "config.json").read_text())
+    (ref / "config.json").write_text(json.dumps(config | {"rope_scaling": rope_scaling}))
+    model = AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for ids in prompts:
+            gen = model.generate(
+                torch.tensor([ids]), max_new_tokens=STEPS, do_sample=False,
+                eos_token_id=None, pad_token_id=0,
+            )  # fmt: skip
+            out.append(gen[0, len(ids) :].tolist())
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("key", "knob"), [("llama.rope.scale_linear", "none"), ("llama.rope.scaling.factor", "auto")]
+)
+def test_a_gguf_with_legacy_linear_rope_scaling_is_served_with_it(
+    smollm2_gguf: Path, smollm2_dir: Path, tmp_path: Path, key: str, knob: str
+) -> None:
+    """The default model with a linear factor of 4 in either key llama.cpp reads gives
+    transformers' tokens for those weights with linear scaling 4, not the unscaled ones."""
+    path = rewrite(smollm2_gguf, tmp_path / "scaled.gguf", meta={key: (4.0, V.FLOAT32)})
+    eng = engine(path, tmp_path / "home", knob)
+    ids = prompt_ids(eng, PROMPTS)
+    served = greedy(eng, ids)
+    scaling = {"rope_type": "linear", "factor": 4.0}
+    assert eng.model_config.rope_scaling == scaling
+    want = _transformers_greedy(smollm2_dir, tmp_path, scaling, ids)
+    unscaled = _transformers_greedy(smollm2_dir, tmp_path, None, ids)
+    assert want != unscaled  # the scaling shows in these prompts' tokens
+    assert served == want
+
+
+# -- mixed types in a fused group --------------------------------------------------------------
+MIXED = {
+    "blk.0.attn_v.weight": Q.F16,  # F16 beside Q4_1 q/k
+    "blk.1.attn_k.weight": Q.Q8_0,  # two packed widths in one group
+    "blk.2.ffn_up.weight": Q.Q8_0,
+    "blk.3.ffn_gate.weight": Q.F16,
+    "blk.4.attn_q.weight": Q.Q4_0,  # Q4_0 beside Q4_1: both 4-bit, fused packed
+    "blk.5.ffn_down.weight": Q.Q8_0,  # not fused: packed as it is
+}
+
+
+@pytest.fixture(scope="module")
+def mixed_gguf(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return rewrite(smollm2_gguf, tmp_path_factory.mktemp("mixed") / "mixed.gguf", types=MIXED)
+
+
+@pytest.mark.slow
+def test_a_fused_group_of_mixed_types_is_served_dequantised(
+    mixed_gguf: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Converted packed, such a file had been refused at load ("only some are quantized", or
+    a bare "cannot fuse 4-bit/group 32/in 576 with 8-bit ...") and left its copy behind. Its
+    mixed groups are now stored dequantised, said once, and the model gives the tokens
+    `model_quantization: none` gives."""
+    home = tmp_path / "home"
+    with caplog.at_level(logging.WARNING, logger="kvguard.engine"):
+        packed = engine(mixed_gguf, home, "auto")
+    said = [r.getMessage() for r in caplog.records if "fused projection" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "mixed.gguf: 4 fused projection group(s) mix tensor types" in said[0]
+    for part in (
+        "layer 0: attn_q Q4_1, attn_k Q4_1, attn_v F16",
+        "layer 1: attn_q Q4_1, attn_k Q8_0, attn_v Q4_1",
+        "layer 2: ffn_gate Q4_1, ffn_up Q8_0",
+        "layer 3: ffn_gate F16, ffn_up Q4_1",
+    ):
+        assert part in said[0]
+    assert "dequantised to fp32" in said[0]
+    (copy,) = (home / "models" / "gguf").glob("mixed-*.packed")
+    modules = json.loads((copy / "config.json").read_text())["quantization_config"]["modules"]
+    for i, proj in ((0, "self_attn.q_proj"), (1, "self_attn.v_proj"), (2, "mlp.gate_proj")):
+        assert f"model.layers.{i}.{proj}" not in modules
+    assert modules["model.layers.0.self_attn.o_proj"] == "Q4_1"
+    assert modules["model.layers.4.self_attn.q_proj"] == "Q4_0"
+    assert modules["model.layers.4.self_attn.k_proj"] == "Q4_1"
+    assert modules["model.layers.5.mlp.down_proj"] == "Q8_0"
+    ids = prompt_ids(packed, PROMPTS)
+    assert greedy(packed, ids) == greedy(engine(mixed_gguf, home, "none"), ids)
+
+
+@pytest.mark.slow
+def test_a_copy_converted_before_the_mixed_group_fix_is_converted_again(
+    mixed_gguf: Path, tmp_path: Path
+) -> None:
+    """Converter revision 2 wrote a mixed group packed, a copy no load could take: a copy it
+    left is not reused."""
+    home = tmp_path / "home"
+    first = reg.resolve_model(str(mixed_gguf), home, progress=False, quantization="auto")
+    marker = reg._read_marker(first)
+    reg._write_marker(first, marker | {"revision": 2})
+    (first / "left-by-revision-2").write_text("")
+    again = reg.resolve_model(str(mixed_gguf), home, progress=False, quantization="auto")
+    assert again == first and not (again / "left-by-revision-2").exists()
+    assert reg._read_marker(again)["revision"] == reg.CONVERTER_REVISION

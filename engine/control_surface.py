@@ -95,9 +95,12 @@ def live_knob(key: KnobPath | str, value: Any) -> tuple[KnobPath, Any]:
     names a knob that changes only at a restart, and one that does not exist."""
     path = tuple(key.split(".")) if isinstance(key, str) else tuple(key)
     field = ENGINE_FIELDS.get(path)
-    if field is None and (field := FILE_FIELDS.get(path)) is not None:
-        value = field.to_engine(value) if isinstance(value, int | float) else value
     name = ".".join(map(str, path))
+    if field is None and (field := FILE_FIELDS.get(path)) is not None:
+        if field.knob.kind == "duration" and isinstance(value, str):  # the daemon parses those
+            raise ConfigError(f"{name}={value!r}: expected a number of seconds")
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            value = field.to_engine(value)  # a bool stays one, for the declaration to refuse
     if field is None:
         live = ", ".join(sorted(".".join(p) for p in LIVE_KNOBS))
         raise ValueError(f"{name}: no such knob (the live ones: {live})")

@@ -11,6 +11,7 @@ vocabulary. With one rank the model runs the very calls it always ran.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 from collections.abc import Iterable
@@ -453,13 +454,29 @@ def load_model(
     check_quantization(path / "config.json", fmt, quantization)
     if fmt is not None:
         specs, plain = read_quantized(path, cfg, fmt, dtype)
+        cfg = biases_held(cfg, plain)
         check_unused_biases(path, plain, expected_tensor_names(cfg), plain.__getitem__)
         return build_quantized_model(cfg, specs, plain, max_positions, dtype, device, tp, stage)
-    model = _materialise(cfg, max_positions, dtype, device, tp, (), stage)
     with open_safetensors(path, dtype, device) as source:
+        cfg = biases_held(cfg, source.names)
+        model = _materialise(cfg, max_positions, dtype, device, tp, (), stage)
         source.check_has(path, expected_tensor_names(cfg))
         model.load_from(source)
     return model.eval()
+
+
+def biases_held(cfg: ModelConfig, names: Iterable[str]) -> ModelConfig:
+    """`cfg` without the o_proj (or MLP) biases Llama's `attention_bias` (`mlp_bias`) declares
+    where the checkpoint holds none of them (converters that write only q/k/v's): transformers
+    serves those as zeros, which leaving them out is. Some layers holding one and others not
+    stays an error (a tensor missing)."""
+    names = list(names)
+    if cfg.o_proj_bias and not any(n.endswith(".self_attn.o_proj.bias") for n in names):
+        cfg = dataclasses.replace(cfg, o_proj_bias=False)
+    mlp = tuple(f".mlp.{p}_proj.bias" for p in ("gate", "up", "down"))
+    if cfg.mlp_bias and not any(n.endswith(mlp) for n in names):
+        cfg = dataclasses.replace(cfg, mlp_bias=False)
+    return cfg
 
 
 def read_quantized(

@@ -273,6 +273,32 @@ def test_biases_are_applied_as_transformers_builds_them(
         engine.shutdown()
 
 
+@pytest.mark.parametrize(
+    ("fields", "dropped"),
+    [
+        ({"attention_bias": True}, ("o_proj.bias",)),
+        ({"mlp_bias": True}, ("gate_proj.bias", "up_proj.bias", "down_proj.bias")),
+    ],
+    ids=["o_proj", "mlp"],
+)
+def test_declared_biases_a_checkpoint_leaves_out_are_zero_as_in_transformers(
+    tmp_path: Path, tiny_dir: Path, fields: dict, dropped: tuple[str, ...]
+) -> None:
+    """A Llama `attention_bias` checkpoint holding only q/k/v's biases (what converters from
+    Qwen-style models write), or an `mlp_bias` one holding none: transformers serves the
+    missing ones as zeros, and so does kvguard (it refused the first: a tensor missing)."""
+    path = hf_dir(tmp_path, tiny_dir, "llama", **fields)
+    weights = load_file(path / "model.safetensors")
+    kept = {k: v for k, v in weights.items() if not k.endswith(dropped)}
+    assert len(kept) < len(weights)
+    save_file(kept, path / "model.safetensors", metadata={"format": "pt"})
+    engine = serve(path)
+    try:
+        assert_served_as_transformers(path, engine, 12, 40)
+    finally:
+        engine.shutdown()
+
+
 def test_a_bias_the_config_does_not_declare_is_refused_by_name(
     tmp_path: Path, tiny_dir: Path
 ) -> None:

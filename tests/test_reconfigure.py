@@ -355,4 +355,8 @@ def test_a_knob_is_named_by_its_engine_path_or_its_config_file_name() -> None:
         engine.reconfigure({"max_num_seqs": 4, "serving.max_num_seqs": 5})
     with pytest.raises(ConfigError, match=r"^max_num_seqs=0: expected an integer >= 1"):
         engine.reconfigure({"serving.max_num_seqs": 0})
+    with pytest.raises(ConfigError, match=r"reserved_headroom_bytes=True: expected an integer"):
+        engine.reconfigure({"admission_control.reserved_headroom_mb": True})  # not 1 MiB
+    with pytest.raises(ConfigError, match=r"^serving\.oom_quiet_period='5s': expected a number"):
+        engine.reconfigure({"serving.oom_quiet_period": "5s"})
     assert not engine.mailbox.pending() and engine.config.max_num_seqs == 7

@@ -75,16 +75,14 @@ def check_ratio(param: str, value: Any) -> float:
     return float(value)
 
 
-# the live knobs' declarations, by path: a reload's values are checked against them
-LIVE_FIELDS: dict[KnobPath, KnobField] = {
-    k.path: k for k in knob_fields(EngineConfig) if k.path in LIVE_KNOBS
-}
 # every knob by its engine path and by its config-file name (section, key): what
-# `reconfigure` may be handed, by a Python caller who read either the engine or the file
+# `reconfigure` may be handed, by a Python caller who read either the engine or the file; the
+# live knobs' declarations, by path, check a reload's values
 ENGINE_FIELDS: dict[KnobPath, KnobField] = {k.path: k for k in knob_fields(EngineConfig)}
 FILE_FIELDS: dict[KnobPath, KnobField] = {
-    (k.knob.section, k.file_key): k for k in knob_fields(EngineConfig)
+    (k.knob.section, k.file_key): k for k in ENGINE_FIELDS.values()
 }
+LIVE_FIELDS: dict[KnobPath, KnobField] = {p: k for p, k in ENGINE_FIELDS.items() if p in LIVE_KNOBS}
 
 
 def live_knob(key: KnobPath | str, value: Any) -> tuple[KnobPath, Any]:

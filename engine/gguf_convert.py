@@ -271,8 +271,7 @@ def convert_tensors(
     keep: set[str] = set()
     if packed:
         _refuse_unpackable(src)
-        _warn_unfusable(src)
-        keep = kept_packed(src)
+        keep = kept_packed(src, warn=True)
     out: dict[str, np.ndarray] = {}
     bar = tqdm(
         src.reader.tensors, desc=f"converting {src.path.name}", unit="tensor", disable=not progress
@@ -347,18 +346,18 @@ def _unfusable(src: GgufFile) -> list[list[Any]]:
     return out
 
 
-def kept_packed(src: GgufFile) -> set[str]:
+def kept_packed(src: GgufFile, warn: bool = False) -> set[str]:
     """The GGUF tensors a packed conversion keeps packed: the Q4_0/Q4_1/Q8_0 ones, less those
-    of a fused group it has to dequantise (`_unfusable`)."""
-    mixed = {t.name for parts in _unfusable(src) for t in parts}
+    of a fused group it has to dequantise (`_unfusable`; `warn`: say which, once)."""
+    groups = _unfusable(src)
+    if warn and groups:
+        _warn_unfusable(src, groups)
+    mixed = {t.name for parts in groups for t in parts}
     return {t.name for t in src.reader.tensors if t.tensor_type in PACKED_TYPES} - mixed
 
 
-def _warn_unfusable(src: GgufFile) -> None:
+def _warn_unfusable(src: GgufFile, groups: list[list[Any]]) -> None:
     """One warning naming every layer whose fused group is served dequantised, and the cost."""
-    groups = _unfusable(src)
-    if not groups:
-        return
     said = [
         f"layer {parts[0].name.split('.')[1]}: "
         + ", ".join(f"{t.name.split('.')[2]} {t.tensor_type.name}" for t in parts)

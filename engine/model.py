@@ -613,21 +613,11 @@ def _rank_spec(name: str, cfg: ModelConfig, shard: Shard, specs: dict[str, Quant
             raise ModelLoadError(
                 f"quantized {p.name!r} has shape {spec.shape}, expected {p.full} along dim {p.dim}"
             )
-        # a span over the whole dimension (one rank) is no slice: the weight is taken whole,
-        # as a desc_act one must be
-        if p.span is None or (p.span.start == 0 and len(p.span) == spec.shape[p.dim]):
-            parts.append(spec)
-            continue
-        if p.dim == 1 and spec.perm is not None:  # act-order groups span every input column
-            raise ModelLoadError(
-                f"{p.name}: a desc_act (g_idx) weight cannot be split by input columns; it is "
-                "served at tensor_parallel 1 only (with any pipeline_parallel: a stage holds "
-                "whole layers)"
-            )
         try:
-            parts.append(slice_spec(spec, p.span, p.dim, p.name))
+            parts.append(spec if p.span is None else slice_spec(spec, p.span, p.dim, p.name))
         except ValueError as e:
-            raise ModelLoadError(_split_advice(str(e), cfg, spec)) from e
+            advice = str(e) if spec.perm is not None else _split_advice(str(e), cfg, spec)
+            raise ModelLoadError(advice) from e
     return cat_rows(parts)
 
 

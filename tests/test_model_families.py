@@ -27,8 +27,6 @@ from kvguard.engine.model import load_model
 from kvguard.engine.model_config import ModelConfig, ModelLoadError
 from kvguard.engine.sampling_params import SamplingParams
 
-transformers = pytest.importorskip("transformers")
-
 ATOL = 1e-4  # fp32 logits against transformers, as in test_models.py
 STEPS = 4
 SHAPE = {
@@ -326,7 +324,6 @@ PACKED_ATOL = 5e-2
 
 def compressed(path: Path) -> Path:
     """`path`'s projections W4A16-compressed by compressed-tensors (biases stay plain)."""
-    pytest.importorskip("compressed_tensors")
     from tests.test_quant_loaders import _args, write_ct_checkpoint
 
     return write_ct_checkpoint(path, path.parent / f"{path.name}-w4a16", _args("group", True, 32))

@@ -548,10 +548,13 @@ class QuantizedLMHead(nn.Module):
 
     def _exact_chunks(self, hidden: torch.Tensor) -> torch.Tensor:
         """The exact rows dequantised 16 MiB at a time, each hidden row's products with them
-        one matrix-vector product (a GEMM's sums would follow the row count). On the CPU (no
-        C kernels here: the torch fallback) the dequantised matrix is kept from the first
-        call: dequantising the vocabulary took 0.42 s a call on the default model, far more
-        than the products (its fp32 bytes, 113 MB there, are held from then on)."""
+        one matrix-vector product (a GEMM's sums would follow the row count). On the CPU
+        (every head whose exact rows the C kernels do not dot where they lie: torch's int4 and
+        int8 fallbacks, a 4-bit or a dense head) the dequantised matrix is kept from the first
+        call that asks for log-probabilities: dequantising the vocabulary took 0.42 s a call
+        on the default model's size, far more than the products; its fp32 bytes (113 MB
+        there, eight times a 4-bit head's) are held from then on, outside the memory
+        accounting."""
         vocab = self.linear.out_features
         out = torch.empty(hidden.shape[0], vocab, device=hidden.device)
         if hidden.device.type == "cpu":
@@ -628,17 +631,23 @@ def cat_rows(specs: list[QuantSpec]) -> QuantSpec:
 
 def slice_spec(spec: QuantSpec, span: range, dim: int, name: str) -> QuantSpec:
     """One rank's part of a spec: output rows (`dim` 0; rows past the end read as zeros, the
-    padded vocabulary) or input columns (`dim` 1, whole groups only)."""
+    padded vocabulary) or input columns (`dim` 1, whole groups only). A span over the whole
+    dimension (one rank) is the spec itself, a desc_act one included."""
+    if span.start == 0 and len(span) == spec.shape[dim]:
+        return spec
     if dim == 0:
         return _slice_rows(spec, span)
+    if spec.perm is not None:
+        raise ValueError(  # act-order groups span every input column
+            f"{name}: a desc_act (g_idx) weight cannot be split by input columns; it is served "
+            "at tensor_parallel 1 only (with any pipeline_parallel: a stage holds whole layers)"
+        )
     g = spec.group_size
     if span.start % g or len(span) % g:
         raise ValueError(
             f"{name}: input columns [{span.start}, {span.stop}) do not fall on its "
             f"group boundaries (group size {g})"
         )
-    if spec.perm is not None:
-        raise ValueError(f"{name}: a desc_act (g_idx) weight cannot be split by input columns")
     cols, groups = slice(span.start, span.stop), slice(span.start // g, span.stop // g)
     return QuantSpec(
         spec.q[:, cols], spec.scales[:, groups], spec.zeros[:, groups], g, spec.bits, None

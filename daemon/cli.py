@@ -100,6 +100,16 @@ def cmd_model_fetch(args: argparse.Namespace) -> int:
 
 
 # -- kvguard generate --------------------------------------------------------------------------
+# what `generate` samples with where a flag is left out and the model's generation_config.json
+# sets nothing (greedy: an offline run is repeatable)
+GENERATE_DEFAULTS: dict[str, int | float] = {
+    "max_tokens": 64,
+    "temperature": 0.0,
+    "top_p": 1.0,
+    "top_k": 0,
+}
+
+
 def add_generate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     gen = sub.add_parser(
         "generate",
@@ -114,33 +124,47 @@ def add_generate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]
         help="prompt text; several prompts run as one batch; '-' reads a prompt from stdin",
     )
     gen.add_argument("--model", metavar="NAME|PATH", default="smollm2-135m", help=MODEL_HELP)
+    # each of these left out: the model's generation_config.json value (--generation-config
+    # auto), else the default named
+    model_default = "the model's generation_config.json value, else "
     gen.add_argument(
         "--max-tokens",
         metavar="N",
         type=int,
-        default=64,
-        help="tokens to generate per prompt (default: %(default)s)",
+        default=None,
+        help="tokens to generate per prompt "
+        f"(default: {model_default}{GENERATE_DEFAULTS['max_tokens']})",
     )
     gen.add_argument(
         "--temperature",
         metavar="T",
         type=float,
-        default=0.0,
-        help="0 is greedy (default: %(default)s)",
+        default=None,
+        help=f"0 is greedy (default: {model_default}{GENERATE_DEFAULTS['temperature']}, greedy)",
     )
     gen.add_argument(
         "--top-p",
         metavar="P",
         type=float,
-        default=1.0,
-        help="nucleus sampling mass in [0, 1], 0 greedy (default: %(default)s)",
+        default=None,
+        help="nucleus sampling mass in [0, 1], 0 greedy "
+        f"(default: {model_default}{GENERATE_DEFAULTS['top_p']})",
     )
     gen.add_argument(
         "--top-k",
         metavar="K",
         type=int,
-        default=0,
-        help="sample from the k most likely tokens; 0 disables (default: %(default)s)",
+        default=None,
+        help="sample from the k most likely tokens; 0 disables "
+        f"(default: {model_default}{GENERATE_DEFAULTS['top_k']})",
+    )
+    gen.add_argument(
+        "--generation-config",
+        choices=("auto", "none"),
+        default="auto",
+        help="auto takes what a flag above leaves out from the model's generation_config.json "
+        "(temperature, top_p, top_k, max_new_tokens), as transformers' generate() does; none "
+        "ignores that file (default: %(default)s)",
     )
     gen.add_argument(
         "--seed", metavar="S", type=int, default=None, help="sampling seed: same seed, same output"
@@ -174,14 +198,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     config: dict[str, Any] = {"model": args.model, "device": args.device}
     if args.kv_cache_bytes is not None:
         config["kv_cache_bytes"] = args.kv_cache_bytes
+    engine = LLMEngine.from_config(EngineConfig(**config))
+    model = engine.sampling_defaults if args.generation_config == "auto" else {}
+    given = {name: getattr(args, name) for name in GENERATE_DEFAULTS}
     params = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
+        **{
+            name: model.get(name, default) if given[name] is None else given[name]
+            for name, default in GENERATE_DEFAULTS.items()
+        },
         seed=args.seed,
     )
-    engine = LLMEngine.from_config(EngineConfig(**config))
     prompts = [sys.stdin.read() if p == "-" else p for p in args.prompts]
     if args.chat:
         prompts = [_chat_prompt(engine.tokenizer, p) for p in prompts]

@@ -331,6 +331,11 @@ class ApiConfig(_Section):
     # client can close its turn and open another. refuse: such a message answers 400 naming
     # the field and the token. A reload applies it.
     special_tokens_in_messages: Literal["allow", "refuse"] = "allow"
+    # auto: a request that leaves temperature, top_p, top_k or max_tokens out gets the model's
+    # own default from its generation_config.json, as transformers' generate() and vLLM take
+    # them (the model's makers tuned them); none: OpenAI's defaults, whatever the model's files
+    # say. Read at start only.
+    generation_config: Literal["auto", "none"] = "auto"
     # /admin/debug/* (stall the engine, inject OOMs) for tests and benchmarks; off, they are 404.
     # Read at start only: a reload does not mount or unmount them.
     debug_hooks: bool = False

@@ -15,7 +15,7 @@ import re
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable, Container, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Container, Mapping, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +31,7 @@ from starlette.requests import ClientDisconnect
 from kvguard.daemon import tools
 from kvguard.daemon.openai_schemas import (
     DEFAULT_CHAT_MAX_TOKENS,
+    DEFAULT_COMPLETION_MAX_TOKENS,
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
@@ -43,6 +44,7 @@ from kvguard.daemon.openai_schemas import (
 )
 from kvguard.engine.admission_policy import AdmissionRejected
 from kvguard.engine.engine_loop import OutputBuffer, RequestStream, wake_after_delivery
+from kvguard.engine.model_config import ModelLoadError
 from kvguard.engine.sampling_params import SamplingParams
 from kvguard.engine.sequence import RequestOutput, TokenLogprob
 from kvguard.engine.structured import compile_grammar, compile_schema
@@ -157,7 +159,8 @@ def router(service: Service) -> APIRouter:
         prompts = _prompts(body.prompt)
         if len(prompts) * (body.n or 1) > MAX_SEQUENCES:
             raise _too_many_prompts(len(prompts), body.n)
-        params = await _off_loop(request, _params, service, body, body.max_tokens or 16)
+        limit = body.max_tokens or _default_max_tokens(service, DEFAULT_COMPLETION_MAX_TOKENS)
+        params = await _off_loop(request, _params, service, body, limit)
         return await _serve(
             service, request, "text_completion", prompts, params, body, x_priority, True
         )
@@ -392,8 +395,24 @@ def _chat_input(
     service: Service, body: ChatCompletionRequest
 ) -> tuple[list[dict[str, str]], SamplingParams]:
     """A chat request's messages as its template takes them, and its sampling parameters."""
-    limit = body.max_completion_tokens or body.max_tokens or DEFAULT_CHAT_MAX_TOKENS
+    limit = body.max_completion_tokens or body.max_tokens
+    limit = limit or _default_max_tokens(service, DEFAULT_CHAT_MAX_TOKENS)
     return _chat_messages(body), _params(service, body, limit)
+
+
+def _sampling_defaults(service: Service) -> Mapping[str, float]:
+    """The model's generation_config.json defaults for what a request leaves out (temperature,
+    top_p, top_k, max_tokens: `LLMEngine.sampling_defaults`); none with
+    `api.generation_config: none`."""
+    if service.cfg.api.generation_config == "none":
+        return {}
+    return service.engine.sampling_defaults
+
+
+def _default_max_tokens(service: Service, default: int) -> int:
+    """A request's token limit where it sets none: the model's (its generation_config.json
+    max_new_tokens, held to max_model_len), else `default`."""
+    return int(_sampling_defaults(service).get("max_tokens", default))
 
 
 def _chat_messages(body: ChatCompletionRequest | TokenizeRequest) -> list[dict[str, str]]:
@@ -454,6 +473,14 @@ def _outside(tokens: list[int], vocab: int) -> list[int]:
 def _render_chat(service: Service, msgs: list[dict[str, str]]) -> str:
     try:
         return service.engine.tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
+    except ModelLoadError as e:  # the model's template does not compile: the server's fault
+        raise ApiError(
+            500,
+            f"this server's chat template is broken, whatever the messages: {e}; the daemon "
+            "log said so at start",
+            code="chat_template_error",
+            type_="server_error",
+        ) from e
     except Exception as e:  # noqa: BLE001 - a template error is the request's fault
         raise ApiError(
             400, f"messages cannot be rendered by the chat template: {e}", "messages"
@@ -494,9 +521,7 @@ def _params(
     try:
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=body.temperature,
-            top_p=body.top_p,
-            top_k=body.top_k,
+            **body.sampling(_sampling_defaults(service)),
             seed=body.seed,
             stop=stop,
             stop_token_ids=stop_ids,
@@ -665,7 +690,7 @@ async def _serve(
     ctx.echo = prompts if getattr(body, "echo", False) else None
     ctx.tools = params.grammar is not None
     if kind == "chat.completion" and not (body.max_tokens or body.max_completion_tokens):
-        ctx.max_tokens_default = DEFAULT_CHAT_MAX_TOKENS  # said with the answer
+        ctx.max_tokens_default = params.max_tokens  # said with the answer
     aio = asyncio.get_running_loop()
     outs = [_Outputs(aio, ctx, i, bool(body.stream)) for i in range(len(prompts) * ctx.n)]
     streams, futs = [], []

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import (
@@ -43,8 +43,12 @@ MAX_STOP_TOKEN_IDS = MAX_STOP_STRINGS  # `stop_token_ids`, bounded as stop strin
 # values of at most 512 (unused by kvguard: it is accepted, not a store for megabytes)
 MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
 # a chat answer's token limit where the request sets neither max_tokens nor
-# max_completion_tokens (OpenAI's runs to the context; this keeps a runaway answer short)
+# max_completion_tokens (OpenAI's runs to the context; this keeps a runaway answer short),
+# and a completion's (OpenAI's), where the model's generation_config.json sets none
 DEFAULT_CHAT_MAX_TOKENS = 512
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+# OpenAI's temperature and top_p where a request leaves them out and the model sets none
+DEFAULT_TEMPERATURE = DEFAULT_TOP_P = 1.0
 
 
 def unicode_problem(text: str) -> str | None:
@@ -281,12 +285,28 @@ def _null_is(default: Any) -> AfterValidator:
 
 class _Sampling(_Body):
     model: Text
-    # null (the openai client's pass-through of an unset setting) is the default
-    temperature: Annotated[float | None, _null_is(1.0)] = Field(1.0, ge=0.0, le=2.0)
-    top_p: Annotated[float | None, _null_is(1.0)] = Field(
-        1.0, ge=0.0, le=1.0, description="0 keeps only the most likely token (greedy)"
+    # null (the openai client's pass-through of an unset setting) is the field left out: the
+    # model's default where its generation_config.json sets one, else OpenAI's (`sampling`)
+    temperature: float | None = Field(
+        None,
+        ge=0.0,
+        le=2.0,
+        description="left out or null: the model's generation_config.json temperature, else 1",
     )
-    top_k: int = Field(0, ge=0, le=INT64_MAX, description="kvguard extension: 0 disables")
+    top_p: float | None = Field(
+        None,
+        ge=0.0,
+        le=1.0,
+        description="0 keeps only the most likely token (greedy); left out or null: the "
+        "model's generation_config.json top_p, else 1",
+    )
+    top_k: int = Field(
+        0,
+        ge=0,
+        le=INT64_MAX,
+        description="kvguard extension: 0 disables; left out: the model's "
+        "generation_config.json top_k, else 0",
+    )
     n: int | None = Field(
         1,
         ge=1,
@@ -382,6 +402,19 @@ class _Sampling(_Body):
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
+    def sampling(self, defaults: Mapping[str, float]) -> dict[str, Any]:
+        """temperature, top_p and top_k as the request sets them; where it leaves one out
+        (or sends null), `defaults`' (the model's generation_config.json, as the engine read
+        it: `LLMEngine.sampling_defaults`), else OpenAI's."""
+        temperature, top_p = self.temperature, self.top_p
+        return {
+            "temperature": defaults.get("temperature", DEFAULT_TEMPERATURE)
+            if temperature is None
+            else temperature,
+            "top_p": defaults.get("top_p", DEFAULT_TOP_P) if top_p is None else top_p,
+            "top_k": self.top_k if "top_k" in self.model_fields_set else defaults.get("top_k", 0),
+        }
+
 
 class JsonSchemaFormat(_Body):
     """OpenAI's `response_format.json_schema`: the schema the answer's JSON must match."""
@@ -446,7 +479,13 @@ class CompletionRequest(_Sampling):
         description="a string or a list of token ids; several prompts as a list of strings "
         "or of token-id lists (n choices each)",
     )
-    max_tokens: int | None = Field(16, ge=1, le=INT64_MAX)
+    max_tokens: int | None = Field(
+        None,
+        ge=1,
+        le=INT64_MAX,
+        description=f"left out or null: the model's generation_config.json max_new_tokens, "
+        f"else {DEFAULT_COMPLETION_MAX_TOKENS}",
+    )
     response_format: ResponseFormat | None = Field(
         None, description="kvguard extension, as chat's: text, json_object or json_schema"
     )
@@ -687,8 +726,9 @@ class ChatCompletionRequest(_Sampling, _ToolsInPlay):
         None,
         ge=1,
         le=INT64_MAX,
-        description=f"{DEFAULT_CHAT_MAX_TOKENS} where neither it nor max_completion_tokens is "
-        "set (an answer cut there ends with finish_reason length and kvguard.max_tokens_default)",
+        description="where neither it nor max_completion_tokens is set: the model's "
+        f"generation_config.json max_new_tokens, else {DEFAULT_CHAT_MAX_TOKENS} (an answer cut "
+        "there ends with finish_reason length and kvguard.max_tokens_default)",
     )
     max_completion_tokens: int | None = Field(
         None,

@@ -7,6 +7,7 @@ start of the next step) and read `latest_snapshot`, which is replaced after ever
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import math
 import threading
@@ -29,7 +30,7 @@ from kvguard.engine.distributed.errors import PoolTorn, RankFailure
 from kvguard.engine.events import EventBus
 from kvguard.engine.kv_cache import OOM_ERRORS, KVCache
 from kvguard.engine.model import StepInterrupted
-from kvguard.engine.model_config import ModelConfig
+from kvguard.engine.model_config import ModelConfig, ModelLoadError
 from kvguard.engine.model_registry import resolve_model
 from kvguard.engine.model_runner import (
     InjectedOOMError,
@@ -40,7 +41,7 @@ from kvguard.engine.model_runner import (
     pick_dtype,
 )
 from kvguard.engine.sampler import spend_draws
-from kvguard.engine.sampling_params import SamplingParams, split_ids
+from kvguard.engine.sampling_params import SamplingParams, is_int, is_number, split_ids
 from kvguard.engine.scheduler import (
     ScheduledBatch,
     Scheduler,
@@ -88,6 +89,88 @@ def within_window(config: EngineConfig, mcfg: ModelConfig, source: Path) -> Engi
         window,
     )
     return replace(config, max_model_len=window)
+
+
+# generation_config.json's sampling fields that stand for a request's own where it leaves them
+# out (the OpenAI API, `kvguard generate`), as transformers' generate() and vLLM take them:
+# the file's name -> SamplingParams'
+GENERATION_DEFAULTS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "max_new_tokens": "max_tokens",
+}
+# its fields that change what transformers samples but that kvguard has no control for, with
+# the values that change nothing
+GENERATION_UNSERVED: dict[str, tuple[object, ...]] = {
+    "repetition_penalty": (None, 1.0),
+    "encoder_repetition_penalty": (None, 1.0),
+    "min_p": (None, 0.0),
+    "typical_p": (None, 1.0),
+    "epsilon_cutoff": (None, 0.0),
+    "eta_cutoff": (None, 0.0),
+    "no_repeat_ngram_size": (None, 0),
+    "num_beams": (None, 1),
+    "penalty_alpha": (None, 0.0),
+    "min_new_tokens": (None, 0),
+    "min_length": (None, 0),
+    "bad_words_ids": (None, []),
+    "suppress_tokens": (None, []),
+    "begin_suppress_tokens": (None, []),
+    "sequence_bias": (None, {}),
+    "forced_bos_token_id": (None,),
+    "forced_eos_token_id": (None,),
+}
+
+
+def generation_defaults(path: Path, max_model_len: int) -> dict[str, int | float]:
+    """The sampling defaults of the model directory's generation_config.json, SamplingParams'
+    names -> values ({} without the file): temperature, top_p, top_k and max_tokens (its
+    max_new_tokens, held to `max_model_len`, the most an answer can run to). One warning names
+    what is not taken: a field kvguard has no control for (repetition_penalty, ...) and a
+    value that is no valid setting. `do_sample` is not read, as vLLM does not read it: a
+    temperature the file sets is one the model's makers meant to be sampled at."""
+    file = path / "generation_config.json"
+    if not file.is_file():
+        return {}
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{file}: not valid JSON ({e})") from e
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{file}: expected a JSON object")
+    out: dict[str, int | float] = {}
+    skipped = [
+        f"{name}={config[name]!r} (kvguard has no such control)"
+        for name, neutral in GENERATION_UNSERVED.items()
+        if name in config and config[name] not in neutral
+    ]
+    for name, param in GENERATION_DEFAULTS.items():
+        value = config.get(name)
+        if value is None:
+            continue
+        if _usable_default(param, value):
+            out[param] = min(value, max_model_len) if param == "max_tokens" else value
+        else:
+            skipped.append(f"{name}={value!r} (not a valid setting)")
+    if out:
+        log.info(
+            "%s: sampling defaults %s, for requests that leave them out",
+            file,
+            ", ".join(f"{k}={v}" for k, v in out.items()),
+        )
+    if skipped:
+        log.warning("%s: not applied: %s", file, "; ".join(skipped))
+    return out
+
+
+def _usable_default(param: str, value: object) -> bool:
+    """Whether `value` is a setting SamplingParams takes for `param`."""
+    if param == "temperature":
+        return is_number(value) and 0.0 <= value < math.inf  # type: ignore[operator]
+    if param == "top_p":
+        return is_number(value) and 0.0 <= value <= 1.0  # type: ignore[operator]
+    return is_int(value) and value >= (0 if param == "top_k" else 1)  # type: ignore[operator]
 
 
 CPU_PREFILL_WHILE_DECODING = 128  # prompt tokens beside the decodes: a forward of ~0.3 s on 2 cores
@@ -220,6 +303,19 @@ class LLMEngine(ControlSurface):
                 self.max_model_len,
             )
         self.eos_ids = set(tokenizer.eos_token_ids) | set(model_config.eos_token_ids)
+        if tokenizer.vocab_size > model_config.vocab_size:
+            vocab, extra = model_config.vocab_size, tokenizer.vocab_size - model_config.vocab_size
+            past = [tokenizer.id_to_token(vocab + i) for i in range(min(extra, 5))]
+            log.warning(
+                "the tokenizer has %d tokens but the model's vocabulary (config.json vocab_size) "
+                "is %d: a prompt holding the tokenizer's %s is refused",
+                tokenizer.vocab_size,
+                vocab,
+                ", ".join(map(repr, past)) + (f" and {extra - 5} more" if extra > 5 else ""),
+            )
+        # generation_config.json's sampling defaults (`generation_defaults`), which a server or
+        # the CLI applies where a request leaves a field out; the engine's own requests do not
+        self.sampling_defaults: dict[str, int | float] = {}
         self.grammars = Grammars(tokenizer, model_config.vocab_size, self.eos_ids)
         self.max_new_tokens_cap: int | None = None
         # the device KV pool held at this share of its configured bytes (set_kv_pool_share)
@@ -270,7 +366,9 @@ class LLMEngine(ControlSurface):
             runner = TensorParallelRunner.launch(config, path, mcfg)
         else:
             runner = ModelRunner.from_config(config, path, mcfg)
-        return cls(config, runner, mcfg, tokenizer)
+        engine = cls(config, runner, mcfg, tokenizer)
+        engine.sampling_defaults = generation_defaults(path, engine.max_model_len)
+        return engine
 
     # the runner's parts, as callers (tests, benchmarks, the snapshot) know them
     @property
@@ -401,6 +499,8 @@ class LLMEngine(ControlSurface):
             ids, whole = self.tokenizer.encode_within(prompt, add_special_tokens, limit)
             if not whole:
                 raise ValueError(self._too_long(limit, limit, more=True))
+            if self.tokenizer.vocab_size > self.model_config.vocab_size:
+                self._within_model_vocab(ids)
         else:  # a list too long is refused below, without scanning it
             ids = as_token_ids(prompt, "prompt", self.model_config.vocab_size, too_long=limit)
         if not ids:
@@ -408,6 +508,20 @@ class LLMEngine(ControlSurface):
         if len(ids) >= limit:
             raise ValueError(self._too_long(len(ids), limit))
         return ids
+
+    def _within_model_vocab(self, ids: list[int]) -> None:
+        """A ValueError naming the tokens of a text prompt past the model's vocabulary: tokens
+        the tokenizer has added beyond the embedding (found at load, and warned about), which
+        the model cannot read."""
+        vocab = self.model_config.vocab_size
+        bad = list(dict.fromkeys(t for t in ids if t >= vocab))
+        if bad:
+            shown = ", ".join(f"{self.tokenizer.id_to_token(t)!r} (id {t})" for t in bad[:5])
+            raise ValueError(
+                f"prompt holds the tokenizer's {shown}, outside the model's vocabulary "
+                f"[0, {vocab}): the tokenizer has {self.tokenizer.vocab_size} tokens, the model "
+                f"{vocab}; leave such tokens out of the text"
+            )
 
     def max_total_len(self) -> int:
         """Prompt plus output tokens may not exceed this (max_model_len, or the pool's tokens

@@ -3,12 +3,14 @@
 Built on the `tokenizers` library and jinja2 directly: transformers takes seconds to import and
 is only a test dependency. Chat templates render in a sandbox with the same environment
 conventions transformers uses (trim_blocks, lstrip_blocks, loop controls, `raise_exception`,
-`tojson`, `strftime_now`), so a model's template produces the prompt it was trained on.
+`tojson`, `strftime_now`, the `{% generation %}` block), so a model's template produces the
+prompt it was trained on.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 from datetime import datetime
 from functools import cached_property
@@ -17,6 +19,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -26,6 +29,8 @@ from kvguard.engine.model_config import ModelLoadError
 # tokens are longer), and a prefix is over the limit only by more than PREFIX_SLACK tokens
 PREFIX_CHARS = 16
 PREFIX_SLACK = 64
+
+log = logging.getLogger("kvguard.engine")
 
 _SPECIAL_ROLES = ("bos_token", "eos_token", "pad_token", "unk_token")
 
@@ -55,10 +60,12 @@ class Tokenizer:
         chat_template: str | None = None,
         model_eos_ids: tuple[int, ...] = (),
         model_bos_id: int | None = None,
+        template_source: str = "the chat template",
     ) -> None:
         self._tok = backend
         self._config = config
         self.chat_template = chat_template
+        self.template_source = template_source  # the file it came from, for its errors
         self.special_tokens = {role: _token_text(config.get(role)) for role in _SPECIAL_ROLES}
         self.eos_token_id = self._id_of(self.special_tokens["eos_token"])
         if self.eos_token_id is None and model_eos_ids:
@@ -75,8 +82,11 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, path: Path) -> Tokenizer:
-        """Read tokenizer.json, tokenizer_config.json and the eos ids of config.json and
-        generation_config.json (a chat model often ends turns with an id only those list)."""
+        """Read tokenizer.json, tokenizer_config.json (with special_tokens_map.json's roles,
+        `_special_tokens_map`), the chat template (`_chat_template`) and the eos ids of
+        config.json and generation_config.json (a chat model often ends turns with an id only
+        those list). The template is compiled now: one that does not compile is a warning at
+        load, naming its file, and each chat request's error (`apply_chat_template`)."""
         path = Path(path)
         file = path / "tokenizer.json"
         if not file.is_file():
@@ -85,12 +95,26 @@ class Tokenizer:
             backend = HFTokenizer.from_file(str(file))
         except Exception as e:  # the Rust parser raises plain Exception on bad JSON
             raise ModelLoadError(f"{file}: not a valid tokenizer.json ({e})") from e
-        config = _read_json(path / "tokenizer_config.json")
+        config = _special_tokens_map(path, _read_json(path / "tokenizer_config.json"))
         model = _read_json(path / "config.json")
         generation = _read_json(path / "generation_config.json")
         eos = (*_ids(model.get("eos_token_id")), *_ids(generation.get("eos_token_id")))
-        template = _chat_template(path, config)
-        return cls(backend, config, template, tuple(dict.fromkeys(eos)), model.get("bos_token_id"))
+        template, source = _chat_template(path, config)
+        tok = cls(
+            backend,
+            config,
+            template,
+            tuple(dict.fromkeys(eos)),
+            model.get("bos_token_id"),
+            template_source=source,
+        )
+        if isinstance(tok._compiled, str):
+            log.warning(
+                "%s; chat requests are answered with this error until the template is fixed "
+                "(plain prompts are served)",
+                tok._compiled,
+            )
+        return tok
 
     # -- ids <-> text ----------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
@@ -180,13 +204,24 @@ class Tokenizer:
         except jinja2.TemplateError as e:  # raise_exception() in the template, or a bad message
             raise ValueError(f"chat template rejected the messages: {e}") from e
 
-    @cached_property
+    @property
     def _template(self) -> jinja2.Template | None:
-        """Compiled once, on first use, so that loading a tokenizer stays cheap."""
+        """The compiled template (None: the model has none); ModelLoadError naming its file
+        where it does not compile: the server's fault, not the messages'."""
+        compiled = self._compiled
+        if isinstance(compiled, str):
+            raise ModelLoadError(compiled)
+        return compiled
+
+    @cached_property
+    def _compiled(self) -> jinja2.Template | str | None:
+        """Compiled once (`from_dir` does it at load), or why it does not compile."""
         if self.chat_template is None:
             return None
         env = ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+            trim_blocks=True,
+            lstrip_blocks=True,
+            extensions=[jinja2.ext.loopcontrols, _GenerationBlock],
         )
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
@@ -194,7 +229,21 @@ class Tokenizer:
         try:
             return env.from_string(self.chat_template)
         except jinja2.TemplateSyntaxError as e:
-            raise ModelLoadError(f"chat template does not compile: {e} (line {e.lineno})") from e
+            where = self.template_source
+            return f"the chat template in {where} does not compile: {e} (line {e.lineno})"
+
+
+class _GenerationBlock(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}`, which transformers' templates use to mark the
+    assistant's tokens for training (TRL's assistant-only loss): serving has nothing to mark,
+    so its body renders as it is, in a scope of its own as a block's body has."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body, lineno=lineno)
 
 
 def _read_json(file: Path) -> dict[str, Any]:
@@ -225,16 +274,62 @@ def _token_text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _chat_template(path: Path, config: dict[str, Any]) -> str | None:
-    """The template from tokenizer_config.json (string, or a list of named templates), or from
-    chat_template.jinja, where newer transformers versions save it."""
+def _special_tokens_map(path: Path, config: dict[str, Any]) -> dict[str, Any]:
+    """`config` (tokenizer_config.json) with the special-token roles of special_tokens_map.json,
+    as transformers reads them: older checkpoints keep bos/eos/unk/pad there alone, and without
+    them a template's `{{ bos_token }}` renders empty. transformers reads the map only for a
+    config without `added_tokens_decoder` (one saved before that key existed), and there the
+    map's role wins over the config's."""
+    file = path / "special_tokens_map.json"
+    if "added_tokens_decoder" in config or not file.is_file():
+        return config
+    roles = _read_json(file)
+    return config | {role: roles[role] for role in _SPECIAL_ROLES if role in roles}
+
+
+def _chat_template(path: Path, config: dict[str, Any]) -> tuple[str | None, str]:
+    """The default chat template and the file it came from, found as transformers finds it:
+    chat_template.jinja (and additional_chat_templates/NAME.jinja), where a directory has such
+    files, take priority over tokenizer_config.json's `chat_template` (a string, or a list of
+    named templates). Of named templates the one named `default` is rendered (kvguard describes
+    tools in the messages, not by a `tool_use` template); without one there is none, as
+    transformers then has no template to pick."""
+    files = {}
+    if (path / "chat_template.jinja").is_file():
+        files["default"] = path / "chat_template.jinja"
+    extra = path / "additional_chat_templates"
+    if extra.is_dir():
+        files |= {f.name.removesuffix(".jinja"): f for f in sorted(extra.glob("*.jinja"))}
+    config_file = path / "tokenizer_config.json"
+    if files:
+        file = files.get("default")
+        if file is None:
+            log.warning(
+                "%s holds chat templates %s but none named default (chat_template.jinja): "
+                "this model has no chat template to serve, as transformers has none to pick",
+                extra,
+                sorted(files),
+            )
+            return None, str(extra)
+        try:
+            template = file.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ModelLoadError(f"{file}: not UTF-8 text ({e})") from e
+        beside = ""
+        if "chat_template" in config:
+            beside = " (tokenizer_config.json's chat_template is not used: the file comes first)"
+        log.info("chat template: %s%s", file, beside)
+        return template, str(file)
     template = config.get("chat_template")
+    source = f"{config_file} (chat_template)"
     if isinstance(template, list):
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default")
-    if template is None and (path / "chat_template.jinja").is_file():
-        template = (path / "chat_template.jinja").read_text(encoding="utf-8")
-    return template if isinstance(template, str) else None
+        source = f"{config_file} (chat_template named default)"
+    if not isinstance(template, str):
+        return None, source
+    log.info("chat template: %s", source)
+    return template, source
 
 
 def _tojson(

@@ -1,0 +1,446 @@
+"""A user's own Hugging Face model directory: the tokenizer and generation files read as
+transformers reads them, checked against transformers itself and through `kvguard serve` with
+the real openai client. special_tokens_map.json's roles, chat_template.jinja before
+tokenizer_config.json's template, the `{% generation %}` block, a template that does not
+compile (a warning at load, a server error at chat time), tokens the tokenizer added past the
+model's vocabulary (a 400 naming them), and generation_config.json's sampling defaults
+(`api.generation_config`, `kvguard generate --generation-config`).
+
+The model is a random-weight LlamaForCausalLM (vocabulary 472) with a Llama-2-style tokenizer
+written by transformers' LlamaTokenizer: BPE with byte fallback and a BOS post-processor."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from tokenizers import AddedToken, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer as RustTokenizer
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, LlamaTokenizer
+
+from kvguard.daemon.cli import main
+from kvguard.engine.model_config import ModelLoadError
+from kvguard.engine.tokenizer import Tokenizer
+from tests.test_server import Daemon
+
+VOCAB = 472  # the model's: <unk>, <s>, </s>, 256 byte tokens, the trained pieces
+ROLES = ("bos_token", "eos_token", "unk_token")
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }}"
+    " [/INST]{% else %} {{ m['content'] }} {{ eos_token }}{% endif %}{% endfor %}"
+)
+# TRL's assistant-only-loss style: the assistant's turns marked with {% generation %}
+GENERATION_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}"
+    "{% set x = 'inner' %} {{ m.content }} {{ eos_token }}{% endgeneration %}{% else %}"
+    "[INST] {{ m.content }} [/INST]{% endif %}{% endfor %}{{ x | default('outer') }}"
+)
+MESSAGES = [
+    {"role": "user", "content": "Hello world"},
+    {"role": "assistant", "content": "The quick fox."},
+    {"role": "user", "content": "Héllo wörld 😀"},
+]
+# the served model's sampling defaults; repetition_penalty is one kvguard cannot apply
+GENERATION = {
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "do_sample": True,
+    "temperature": 0.5,
+    "top_p": 0.7,
+    "top_k": 3,
+    "max_new_tokens": 5,
+    "repetition_penalty": 1.3,
+}
+ADDED = ("<tool>", "<think>", "<|im_end|>")  # ids 472, 473, 474: past the model's vocabulary
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The Llama-2-style model directory, saved by transformers."""
+    out = tmp_path_factory.mktemp("llama2")
+    corpus = [
+        "Hello world, this is a test of the tokenizer.",
+        "The quick brown fox jumps over the lazy dog.",
+        "def main():\n    print('hi')\n    return 0\n",
+        "Once upon a time there was a little model.",
+    ] * 50
+    bpe = RustTokenizer(models.BPE(byte_fallback=True))
+    bpe.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="▁", prepend_scheme="first", split=False
+    )
+    alphabet = list("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,:()'▁")
+    trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=alphabet, show_progress=False)
+    bpe.train_from_iterator(corpus, trainer)
+    spec = json.loads(bpe.to_str())["model"]
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"<0x{b:02X}>": 3 + b for b in range(256)}
+    for piece, _ in sorted(spec["vocab"].items(), key=lambda kv: kv[1]):
+        vocab.setdefault(piece, len(vocab))
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in spec["merges"]]
+    tok = LlamaTokenizer(vocab=vocab, merges=merges, add_bos_token=True, legacy=False)
+    tok.chat_template = TEMPLATE
+    tok.save_pretrained(out)
+    assert len(vocab) == VOCAB
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+    )
+    import torch
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(out)
+    return out
+
+
+def variant(
+    base: Path,
+    folder: Path,
+    config: dict[str, Any] | None = None,
+    drop: tuple[str, ...] = (),
+    files: dict[str, str] | None = None,
+) -> Path:
+    """A copy of `base` with tokenizer_config.json updated by `config` less the keys `drop`
+    (a transformers class of no defaults of its own: what the files say is what it reads),
+    and `files` written (relative path -> text)."""
+    shutil.rmtree(folder, ignore_errors=True)
+    shutil.copytree(base, folder)
+    path = folder / "tokenizer_config.json"
+    cfg = json.loads(path.read_text()) | {"tokenizer_class": "PreTrainedTokenizerFast"}
+    cfg |= config or {}
+    for key in drop:
+        cfg.pop(key, None)
+    path.write_text(json.dumps(cfg))
+    for name, text in (files or {}).items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text(text)
+    return folder
+
+
+def reference(folder: Path, messages: list[dict[str, str]]) -> tuple[str, list[int]]:
+    """transformers' chat prompt and its token ids for `messages`."""
+    hf = AutoTokenizer.from_pretrained(folder)
+    text = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = hf.apply_chat_template(
+        messages, tokenize=True, add_generation_prompt=True, return_dict=False
+    )
+    return text, ids
+
+
+def ours(folder: Path, messages: list[dict[str, str]]) -> tuple[str, list[int]]:
+    """kvguard's chat prompt and ids (a rendered prompt is encoded without special tokens
+    added: the template writes them)."""
+    tok = Tokenizer.from_dir(folder)
+    text = tok.apply_chat_template(messages, add_generation_prompt=True)
+    return text, tok.encode(text, add_special_tokens=False)
+
+
+# -- special_tokens_map.json ----------------------------------------------------------------------
+MAP_CASES = {
+    # an older checkpoint: the roles only in the map, as strings
+    "strings": ({}, {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}),
+    # as AddedToken objects, and a pad token
+    "objects": (
+        {},
+        {
+            "bos_token": {"content": "<s>", "lstrip": False, "normalized": False},
+            "eos_token": {"content": "</s>", "rstrip": False, "single_word": False},
+            "pad_token": "</s>",
+        },
+    ),
+    # a config saved with added_tokens_decoder: transformers does not read the map at all
+    "decoder": (
+        {"added_tokens_decoder": {"1": {"content": "<s>", "special": True}}},
+        {"bos_token": "<s>", "eos_token": "</s>"},
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(MAP_CASES))
+def test_special_tokens_map_roles_render_and_encode_as_transformers(
+    base_dir: Path, tmp_path: Path, case: str
+) -> None:
+    """Roles only special_tokens_map.json names fill `{{ bos_token }}`/`{{ eos_token }}` (and
+    the eos id) as transformers fills them: the chat prompt and its ids are transformers'."""
+    config, roles = MAP_CASES[case]
+    files = {"special_tokens_map.json": json.dumps(roles)}
+    folder = variant(base_dir, tmp_path / case, config, drop=ROLES, files=files)
+    assert ours(folder, MESSAGES) == reference(folder, MESSAGES)
+    hf = AutoTokenizer.from_pretrained(folder)
+    tok = Tokenizer.from_dir(folder)
+    assert tok.special_tokens == {
+        role: getattr(hf, role) for role in ("bos_token", "eos_token", "pad_token", "unk_token")
+    }
+    if case != "decoder":
+        assert tok.special_tokens["bos_token"] == "<s>" and tok.eos_token_id == 2
+
+
+def test_special_tokens_map_wins_over_the_config_as_in_transformers(
+    base_dir: Path, tmp_path: Path
+) -> None:
+    """A config without added_tokens_decoder (saved before it existed): the map's role wins."""
+    files = {"special_tokens_map.json": json.dumps({"eos_token": "<unk>"})}
+    folder = variant(base_dir, tmp_path / "both", files=files)
+    assert AutoTokenizer.from_pretrained(folder).eos_token == "<unk>"
+    assert ours(folder, MESSAGES) == reference(folder, MESSAGES)
+    assert Tokenizer.from_dir(folder).eos_token_id == 0
+
+
+# -- which chat template --------------------------------------------------------------------------
+def test_chat_template_file_comes_before_tokenizer_config(
+    base_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """chat_template.jinja beside a stale `chat_template` in tokenizer_config.json is the one
+    rendered, as transformers renders it (a `tool_use` template beside it changes nothing:
+    kvguard renders the default); the log says which file served."""
+    files = {
+        "chat_template.jinja": "NEW {{ messages[0].content }}",
+        "additional_chat_templates/tool_use.jinja": "TOOL {{ messages[0].content }}",
+    }
+    config = {"chat_template": "OLD {{ messages[0].content }}"}
+    folder = variant(base_dir, tmp_path / "both", config, files=files)
+    with caplog.at_level(logging.INFO, logger="kvguard.engine"):
+        got = ours(folder, MESSAGES)
+    assert got == reference(folder, MESSAGES)
+    assert got[0] == "NEW Hello world"
+    served = [r.getMessage() for r in caplog.records if r.getMessage().startswith("chat template")]
+    assert served == [
+        f"chat template: {folder / 'chat_template.jinja'} (tokenizer_config.json's "
+        "chat_template is not used: the file comes first)"
+    ]
+
+
+def test_named_templates_without_a_default_leave_no_template(
+    base_dir: Path, tmp_path: Path
+) -> None:
+    """additional_chat_templates/ with no default: transformers has no template to pick (the
+    config's is not used either), and neither has kvguard."""
+    files = {"additional_chat_templates/tool_use.jinja": "TOOL"}
+    config = {"chat_template": "OLD {{ messages[0].content }}"}
+    folder = variant(base_dir, tmp_path / "named", config, files=files)
+    (folder / "chat_template.jinja").unlink()
+    with pytest.raises(ValueError, match="no default"):
+        reference(folder, MESSAGES)
+    with pytest.raises(ValueError, match="no chat template"):
+        ours(folder, MESSAGES)
+
+
+# -- {% generation %} and a template that does not compile ---------------------------------------
+def test_generation_block_renders_its_body_as_transformers(base_dir: Path, tmp_path: Path) -> None:
+    """transformers' `{% generation %}` (TRL's assistant masks): its body as it is, its own
+    scope (a `set` inside does not leak out), equal to transformers' prompt and ids."""
+    files = {"chat_template.jinja": GENERATION_TEMPLATE}
+    folder = variant(base_dir, tmp_path / "gen", files=files)
+    text, ids = ours(folder, MESSAGES)
+    assert (text, ids) == reference(folder, MESSAGES)
+    assert " The quick fox. </s>[INST]" in text and text.endswith("outer")
+
+
+def test_a_template_that_cannot_compile_warns_at_load(
+    base_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Compiled at load: a WARNING naming the file; each chat render then raises the same
+    ModelLoadError (the server's fault), and plain text still encodes."""
+    files = {"chat_template.jinja": "{% for m in messages %}{% unknowntag %}{% endfor %}"}
+    folder = variant(base_dir, tmp_path / "broken", files=files)
+    with caplog.at_level(logging.WARNING, logger="kvguard.engine"):
+        tok = Tokenizer.from_dir(folder)
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1
+    assert f"the chat template in {folder / 'chat_template.jinja'} does not compile" in warned[0]
+    assert "unknowntag" in warned[0]
+    with pytest.raises(ModelLoadError, match="chat_template.jinja does not compile"):
+        tok.apply_chat_template(MESSAGES)
+    assert tok.encode("Hello world")
+
+
+# -- served: one daemon with the model's defaults, one without --------------------------------------
+@pytest.fixture(scope="module")
+def served_dir(base_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The model with three tokens added past its vocabulary, its special roles only in
+    special_tokens_map.json, a `{% generation %}` template and sampling defaults."""
+    folder = tmp_path_factory.mktemp("served")
+    shutil.rmtree(folder)
+    shutil.copytree(base_dir, folder)
+    hf = AutoTokenizer.from_pretrained(folder)
+    hf.add_tokens([AddedToken(ADDED[0], lstrip=True, rstrip=True), AddedToken(ADDED[1])])
+    hf.add_special_tokens({"additional_special_tokens": [AddedToken(ADDED[2], special=True)]})
+    hf.save_pretrained(folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    roles = {role: config.pop(role) for role in ROLES}
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    (folder / "special_tokens_map.json").write_text(json.dumps(roles))
+    (folder / "chat_template.jinja").write_text(GENERATION_TEMPLATE)
+    (folder / "generation_config.json").write_text(json.dumps(GENERATION))
+    assert [hf.convert_tokens_to_ids(t) for t in ADDED] == [VOCAB, VOCAB + 1, VOCAB + 2]
+    return folder
+
+
+@pytest.fixture(scope="module")
+def auto_daemon(served_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    d = Daemon(
+        tmp_path_factory.mktemp("auto"),
+        debug_hooks=False,
+        serving=f"{{model: '{served_dir}', kv_cache_bytes: 8MiB, max_model_len: 512}}",
+        api="served_model_name: auto",
+    )
+    yield d
+    assert d.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def none_daemon(served_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    """The same model with generation_config.json not applied and a template that does not
+    compile."""
+    folder = tmp_path_factory.mktemp("broken")
+    shutil.rmtree(folder)
+    shutil.copytree(served_dir, folder)
+    (folder / "chat_template.jinja").write_text("{% generation %}{{ messages }}")  # no end
+    d = Daemon(
+        tmp_path_factory.mktemp("none"),
+        debug_hooks=False,
+        serving=f"{{model: '{folder}', kv_cache_bytes: 8MiB, max_model_len: 512}}",
+        api="served_model_name: none, generation_config: none",
+    )
+    d.folder = folder  # type: ignore[attr-defined]
+    yield d
+    assert d.stop() == 0
+
+
+def test_served_chat_prompt_is_transformers(auto_daemon: Daemon, served_dir: Path) -> None:
+    """/tokenize of chat messages (the ids a chat request is served with): transformers' ids,
+    BOS from special_tokens_map.json, the `{% generation %}` body rendered."""
+    r = httpx.post(
+        auto_daemon.url + "/tokenize", json={"model": "auto", "messages": MESSAGES}, timeout=60
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["tokens"] == reference(served_dir, MESSAGES)[1]
+
+
+def test_text_past_the_model_vocabulary_is_a_400_naming_the_tokens(
+    auto_daemon: Daemon,
+) -> None:
+    """A text prompt holding a token the tokenizer added past the model's vocabulary: a 400
+    naming it (completions: `prompt`; chat: `messages`), as a token-id prompt past it gets;
+    the engine never sees it. The load warned once, naming both sizes."""
+    c = auto_daemon.client()
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model="auto", prompt="a <tool> b", max_tokens=2)
+    assert e.value.body["param"] == "prompt"  # type: ignore[index]
+    assert "'<tool>' (id 472)" in e.value.message and "[0, 472)" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(
+            model="auto", messages=[{"role": "user", "content": "x <think> y"}], max_tokens=2
+        )
+    assert e.value.body["param"] == "messages"  # type: ignore[index]
+    assert "'<think>' (id 473)" in e.value.message
+    with pytest.raises(openai.BadRequestError, match=r"outside the vocabulary \[0, 472\)"):
+        c.completions.create(model="auto", prompt=[1, 474], max_tokens=2)
+    ok = c.completions.create(model="auto", prompt="Hello world", max_tokens=2)
+    assert ok.choices[0].finish_reason in ("length", "stop")
+    log = Path(auto_daemon.log.name).read_text()
+    assert "engine step failed" not in log
+    warned = [line for line in log.splitlines() if "the tokenizer has 475 tokens" in line]
+    assert len(warned) == 1 and "WARNING" in warned[0], log
+    assert "vocab_size) is 472" in warned[0] and "'<tool>', '<think>', '<|im_end|>'" in warned[0]
+
+
+# what a completion request left at OpenAI's defaults asks for, written out
+OPENAI_VALUES = {"temperature": 1.0, "top_p": 1.0, "max_tokens": 16, "extra": {"top_k": 0}}
+
+
+def _completion(d: Daemon, model: str, **kw: Any) -> tuple[str, int]:
+    r = d.client().completions.create(
+        model=model,
+        prompt="Hello world",
+        seed=7,
+        extra_body={"ignore_eos": True, **kw.pop("extra", {})},
+        **kw,
+    )
+    return r.choices[0].text, r.usage.completion_tokens  # type: ignore[union-attr]
+
+
+def test_generation_config_defaults_what_a_request_leaves_out(auto_daemon: Daemon) -> None:
+    """api.generation_config auto (the default): a request leaving temperature, top_p, top_k
+    and max_tokens out (or null) samples as one sending the model's generation_config.json
+    values; one that sends its own gets them. A chat request's default limit is the model's
+    max_new_tokens. The load said what it took, and warned about repetition_penalty, which
+    kvguard cannot apply."""
+    model_values = {"temperature": 0.5, "top_p": 0.7, "max_tokens": 5, "extra": {"top_k": 3}}
+    explicit = _completion(auto_daemon, "auto", **model_values)
+    assert explicit[1] == 5
+    assert _completion(auto_daemon, "auto") == explicit
+    left_null = {"temperature": None, "top_p": None, "max_tokens": None}
+    assert _completion(auto_daemon, "auto", **left_null) == explicit
+    own = _completion(auto_daemon, "auto", **OPENAI_VALUES)
+    assert own[1] == 16 and own != explicit
+
+    chat = httpx.post(
+        auto_daemon.url + "/v1/chat/completions",
+        json={"model": "auto", "messages": MESSAGES[:1], "seed": 1},
+        timeout=60,
+    ).json()
+    assert chat["kvguard"]["max_tokens_default"] == 5, chat
+    assert chat["usage"]["completion_tokens"] <= 5
+    log = Path(auto_daemon.log.name).read_text()
+    assert "not applied: repetition_penalty=1.3 (kvguard has no such control)" in log
+    assert "sampling defaults temperature=0.5, top_p=0.7, top_k=3, max_tokens=5" in log
+
+
+def test_generation_config_none_keeps_openais_defaults(
+    auto_daemon: Daemon, none_daemon: Daemon
+) -> None:
+    """api.generation_config none: a request leaving the fields out samples as one sending
+    OpenAI's defaults (temperature 1, top_p 1, top_k off, 16 tokens) to the same model."""
+    assert _completion(none_daemon, "none") == _completion(auto_daemon, "auto", **OPENAI_VALUES)
+
+
+def test_a_broken_template_is_the_servers_error_not_the_messages(none_daemon: Daemon) -> None:
+    """A template that does not compile: a WARNING at load naming the file, then every chat
+    request a 500 saying the server's template is broken (not a 400 blaming `messages`);
+    completions are served."""
+    c = none_daemon.client()
+    with pytest.raises(openai.InternalServerError) as e:
+        c.chat.completions.create(model="none", messages=MESSAGES[:1], max_tokens=2)
+    assert e.value.status_code == 500
+    assert e.value.body["type"] == "server_error"  # type: ignore[index]
+    assert "this server's chat template is broken" in e.value.message
+    assert str(none_daemon.folder / "chat_template.jinja") in e.value.message  # type: ignore[attr-defined]
+    assert c.completions.create(model="none", prompt="Hello", max_tokens=2).choices
+    log = Path(none_daemon.log.name).read_text()
+    warned = [line for line in log.splitlines() if "does not compile" in line]
+    assert warned and "WARNING" in warned[0], log
+
+
+# -- kvguard generate ------------------------------------------------------------------------------
+def _generate(capsys: pytest.CaptureFixture[str], *args: str) -> list[int]:
+    assert main(["generate", "--json", "--seed", "3", *args, "Hello world"]) == 0
+    return json.loads(capsys.readouterr().out)[0]["token_ids"]
+
+
+def test_generate_takes_generation_config_defaults(
+    served_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`kvguard generate` fills what its flags leave out from generation_config.json, as
+    transformers' generate() does; --generation-config none keeps its own (greedy, 64)."""
+    model = ["--model", str(served_dir), "--kv-cache-bytes", "8MiB"]
+    flags = ["--temperature", "0.5", "--top-p", "0.7", "--top-k", "3", "--max-tokens", "5"]
+    assert _generate(capsys, *model) == _generate(capsys, *model, *flags)
+    greedy = ["--temperature", "0", "--max-tokens", "64"]
+    assert _generate(capsys, *model, "--generation-config", "none") == _generate(
+        capsys, *model, *greedy
+    )

@@ -3,22 +3,33 @@
 Reading a GGUF is slow (the tokenizer arrays alone take seconds to parse), so the model is
 converted once into safetensors + tokenizer files, which then load in about a second. Two forms:
 
-- packed (`packed=True`, what `model_quantization: auto | gguf` serves): Q4_0, Q4_1 and Q8_0
-  tensors stay quantized, unpacked to `QuantSpec`'s convention and stored per module as
-  `<name>.qweight` (uint8 codes; two 4-bit codes a byte, even column in the low nibble),
-  `<name>.scales` and `<name>.zeros` (float32, one per 32-column group); config.json says so in
-  `quantization_config` (`quant_method: gguf`). Unquantised tensors (F32, F16, BF16: the
-  norms, and any weight a file keeps at full precision) are stored as fp32, and so are the
-  parts of a fused projection (q/k/v, gate/up: one kernel serves each) whose types differ in
-  bit width or packing (an F16 or Q8_0 `attn_v` beside Q4_1 q/k), with a warning. A tensor of any
-  other quantised type (Q4_K, Q5_0, Q6_K, ...) is refused, naming the file, the tensor and its
-  type: dequantised it would silently serve the model at several times the file's size (a 4.5
-  bit weight as 32 bits), which `model_quantization: none` does on purpose.
+- packed (`packed=True`, what `model_quantization: auto | gguf` serves): Q4_0, Q4_1, Q4_K,
+  Q5_0, Q5_1, Q5_K, Q6_K and Q8_0 tensors stay quantized, unpacked to `QuantSpec`'s convention
+  and stored per module as `<name>.qweight` (uint8 codes; two 4-bit codes a byte, even column
+  in the low nibble), `<name>.scales` and `<name>.zeros` (float32, one per 32-column group);
+  config.json says so in `quantization_config` (`quant_method: gguf`: each module's GGUF type
+  and its codes' width). The 4-bit types become 4-bit codes, the 5-bit ones 8-bit codes (the
+  code value itself), all exact; Q6_K, which scales every 16 weights, is requantised to 8-bit
+  codes per 32 (`_unpack_q6_k`: exact where one scale holds both halves, else off by at most
+  an eighth of its step), with a warning giving the error measured. Unquantised tensors (F32,
+  F16, BF16: the norms, and any weight a file keeps at full precision) are stored as fp32. A
+  fused projection (q/k/v, gate/up: one kernel serves each) needs one code width: one with an
+  unquantised part (an F16 `attn_v` beside Q4_1 q/k) is stored as fp32, with a warning; one
+  mixing 4-bit and 8-bit codes (Q4_K q/k beside a Q6_K `attn_v`, as in a Q4_K_M file) at 8
+  bits, its 4-bit codes one a byte. A tensor of any other quantised type (Q2_K, Q3_K, IQ*,
+  ...) is refused, naming the file, the tensor and its type: dequantised it would silently
+  serve the model at several times the file's size (a 3 bit weight as 32 bits), which
+  `model_quantization: none` does on purpose.
 - fp32 (`packed=False`, `model_quantization: none`): every tensor dequantised, the reference
   the packed model is compared with.
 
-Only the `llama` architecture with a byte-level BPE (`gpt2`) tokenizer is handled: that covers
-SmolLM2, the default model. RoPE scaling is read as llama.cpp reads it (`_rope_scaling`).
+The `llama` architecture (`ARCHITECTURES`): SmolLM2 (the default model), Llama 2 and Mistral
+(SentencePiece tokenizer, `tokenizer.ggml.model` `llama`), Llama 3 and others with a byte-level
+BPE (`gpt2`) tokenizer whose `tokenizer.ggml.pre` split is known (`PRE_SPLITS`); and `qwen2`
+(Qwen2, Qwen2.5: q/k/v biases, served as transformers' `Qwen2ForCausalLM`). llama.cpp's
+converter reorders the q/k rows of `llama` files only (`unpermute_rows` puts them back); a
+`qwen2` file's are in Hugging Face's order already. RoPE scaling is read as llama.cpp reads it
+(`_rope_scaling`).
 """
 
 from __future__ import annotations
@@ -43,7 +54,11 @@ from kvguard.engine.model_config import ModelLoadError
 from kvguard.engine.tokenizer_build import (
     DIGITS_SPLIT,
     GPT2_SPLIT,
+    LLAMA3_SPLIT,
+    QWEN2_SPLIT,
+    TEKKEN_SPLIT,
     BpeSpec,
+    SentencePieceSpec,
     write_tokenizer_files,
 )
 
@@ -60,7 +75,27 @@ PRE_SPLITS = {
     "smollm": DIGITS_SPLIT,
     "starcoder": DIGITS_SPLIT,
     "refact": DIGITS_SPLIT,
+    "llama-bpe": LLAMA3_SPLIT,  # Llama 3 (and the distills built on it)
+    "llama3": LLAMA3_SPLIT,
+    "llama-v3": LLAMA3_SPLIT,
+    "falcon3": LLAMA3_SPLIT,
+    "smaug-bpe": LLAMA3_SPLIT,
+    "qwen2": QWEN2_SPLIT,
+    "deepseek-r1-qwen": QWEN2_SPLIT,
+    "tekken": TEKKEN_SPLIT,  # Mistral Nemo, Mistral Small 3
 }
+# As llama.cpp reads them: these vocabularies take a pre-token that is a whole token as that
+# token (whatever the merges make of it), and add BOS where the file does not say
+LLAMA3_PRES = {"llama-bpe", "llama3", "llama-v3", "falcon3"}
+
+# general.architecture -> config.json's `architectures` entry, for the architectures served
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# the layer tensors that have a bias in each architecture (llama.cpp requires Qwen2's)
+_LAYER_BIASES = {"llama": (), "qwen2": ("attn_q", "attn_k", "attn_v")}
+# the architectures whose q/k rows llama.cpp's converter reorders for its rope of adjacent
+# pairs (`unpermute_rows`); qwen2's rope rotates halves there, as Hugging Face's does, so
+# its rows (and biases) are stored in Hugging Face's order
+_PERMUTED = {"llama"}
 
 _LAYER_TENSORS = {
     "attn_norm": "input_layernorm",
@@ -78,23 +113,23 @@ _GLOBAL_TENSORS = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-PACKED_TYPES = (
-    gguf.GGMLQuantizationType.Q4_0,
-    gguf.GGMLQuantizationType.Q4_1,
-    gguf.GGMLQuantizationType.Q8_0,
-)
+# the quantised types a packed conversion serves packed -> the bits of the codes they become:
+# 4-bit types as 4-bit codes, 5-bit ones as 8-bit codes (the code value itself), Q6_K
+# requantised to 8-bit codes (`_unpack_q6_k`)
 BITS = {
     gguf.GGMLQuantizationType.Q4_0: 4,
     gguf.GGMLQuantizationType.Q4_1: 4,
+    gguf.GGMLQuantizationType.Q4_K: 4,
+    gguf.GGMLQuantizationType.Q5_0: 8,
+    gguf.GGMLQuantizationType.Q5_1: 8,
+    gguf.GGMLQuantizationType.Q5_K: 8,
+    gguf.GGMLQuantizationType.Q6_K: 8,
     gguf.GGMLQuantizationType.Q8_0: 8,
 }
-BLOCK_BYTES = {
-    gguf.GGMLQuantizationType.Q4_0: 18,
-    gguf.GGMLQuantizationType.Q4_1: 20,
-    gguf.GGMLQuantizationType.Q8_0: 34,
-}
-GROUP = 32  # weights per block in all three
-_LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+PACKED_TYPES = tuple(BITS)
+GROUP = 32  # weights per scale in every packed type (a K-quant's super-block holds 8 or 16)
+K_SUPER = 256  # weights per K-quant super-block
+_LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _MISSING = object()
 
 
@@ -135,10 +170,6 @@ def convert_gguf(
     """Write config.json, model.safetensors (packed, or all fp32) and tokenizer files for a
     GGUF into out_dir."""
     src = GgufFile(gguf_path)
-    if src.arch != "llama":
-        raise ModelLoadError(
-            f"{src.path}: GGUF architecture {src.arch!r} is not supported (only 'llama')"
-        )
     config = hf_config(src)
     tensors = convert_tensors(src, config, progress, packed)
     if packed:
@@ -152,18 +183,28 @@ def convert_gguf(
     (out_dir / "config.json").write_text(text + "\n", encoding="utf-8")
 
 
+def _check_architecture(src: GgufFile) -> None:
+    if src.arch not in ARCHITECTURES:
+        raise ModelLoadError(
+            f"{src.path}: GGUF architecture {src.arch!r} is not supported "
+            f"(only {', '.join(map(repr, ARCHITECTURES))})"
+        )
+
+
 def hf_config(src: GgufFile) -> dict[str, Any]:
-    """config.json for LlamaForCausalLM, from the GGUF hyper-parameters."""
+    """config.json for LlamaForCausalLM or Qwen2ForCausalLM, from the GGUF hyper-parameters."""
+    _check_architecture(src)
     hidden = int(src.arch_get("embedding_length"))
     heads = int(src.arch_get("attention.head_count"))
+    layers = int(src.arch_get("block_count"))
     names = src.tensor_names()
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+    config = {
+        "architectures": [ARCHITECTURES[src.arch]],
+        "model_type": src.arch,
         "hidden_act": "silu",
         "hidden_size": hidden,
         "intermediate_size": int(src.arch_get("feed_forward_length")),
-        "num_hidden_layers": int(src.arch_get("block_count")),
+        "num_hidden_layers": layers,
         "num_attention_heads": heads,
         "num_key_value_heads": int(src.arch_get("attention.head_count_kv", heads)),
         "head_dim": int(src.arch_get("attention.key_length", hidden // heads)),
@@ -173,31 +214,39 @@ def hf_config(src: GgufFile) -> dict[str, Any]:
         "max_position_embeddings": int(src.arch_get("context_length")),
         "vocab_size": _vocab_rows(src),
         "tie_word_embeddings": "output.weight" not in names,
-        "attention_bias": False,
-        "mlp_bias": False,
         "bos_token_id": _optional_int(src.get("tokenizer.ggml.bos_token_id", None)),
         "eos_token_id": _eos_ids(src),
         "pad_token_id": _optional_int(src.get("tokenizer.ggml.padding_token_id", None)),
         "torch_dtype": "float32",
     }
+    if src.arch == "qwen2":  # every layer attends to the whole context, as llama.cpp runs it
+        return config | {"use_sliding_window": False, "max_window_layers": layers}
+    return config | {"attention_bias": False, "mlp_bias": False}
 
 
 def _rope_scaling(src: GgufFile, names: set[str]) -> dict[str, Any] | None:
     """The file's RoPE scaling as llama.cpp reads it: the type defaults to `linear` and the
     factor comes from `rope.scaling.factor`, or else the old converters' `rope.scale_linear`
-    (a factor of 0 or 1 scales nothing, nor does type `none`). Linear scaling is served; any
-    other type (`yarn`, ...) and Llama 3.1's `rope_freqs` tensor are refused rather than run
-    with the wrong positions."""
+    (a factor of 0 or 1 scales nothing, nor does type `none`). Linear scaling is served, and a
+    `rope_freqs` tensor (Llama 3.1 and later) as the llama3 scaling it was computed from
+    (`_llama3_of`); any other type (`yarn`, ...) is refused rather than run with the wrong
+    positions."""
     kind = str(src.arch_get("rope.scaling.type", "linear"))
     key = f"{src.arch}.rope.scaling.factor"
     if src.get(key, None) is None:
         key = f"{src.arch}.rope.scale_linear"
     factor = src.get(key, 0.0)
-    if kind not in ("none", "linear") or "rope_freqs.weight" in names:
-        what = kind if "rope_freqs.weight" not in names else "a rope_freqs.weight tensor"
+    if kind not in ("none", "linear"):
         raise ModelLoadError(
-            f"{src.path}: RoPE scaling ({what}) in GGUF files is not supported (none, linear)"
+            f"{src.path}: RoPE scaling ({kind}) in GGUF files is not supported (none, linear)"
         )
+    if ROPE_FREQS in names:
+        if src.get(key, None) is not None and float(factor) not in (0.0, 1.0):
+            raise ModelLoadError(
+                f"{src.path}: RoPE scaling: both a {ROPE_FREQS} tensor and {key}={factor} "
+                "(llama.cpp would apply both; kvguard serves one or the other)"
+            )
+        return _llama3_of(src)
     try:
         factor = float(factor)
     except (TypeError, ValueError) as e:
@@ -207,6 +256,79 @@ def _rope_scaling(src: GgufFile, names: set[str]) -> dict[str, Any] | None:
     if kind == "none" or factor in (0.0, 1.0):
         return None
     return {"rope_type": "linear", "factor": factor}
+
+
+# Llama 3.1 and later: each rotary frequency's divisor, llama.cpp's form of llama3 scaling
+ROPE_FREQS = "rope_freqs.weight"
+# Meta's llama3 scaling parameters (Llama 3.1, 3.2, 3.3), less the factor
+_META_LLAMA3 = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original": 8192.0}
+
+
+def _llama3_of(src: GgufFile) -> dict[str, Any] | None:
+    """The llama3 RoPE scaling a `rope_freqs` tensor was computed from. llama.cpp's converter
+    writes, per rotary frequency, the divisor transformers' llama3 scaling applies: 1 for
+    short wavelengths, `factor` for long ones, a smooth band between, whose inverse is linear
+    in the frequency. kvguard computes frequencies from the parameters (as for a directory's
+    config.json), so the tensor is read back as them: Meta's (low 1, high 4, original 8192,
+    the factor the largest divisor) where they give the tensor, else a line fitted through
+    the band (the original length held at 8192: only the band's line matters; 6 digits, as
+    many as the float32 divisors hold). Parameters
+    that do not give every divisor within 1e-4 are refused, naming the worst frequency."""
+    t = next(t for t in src.reader.tensors if t.name == ROPE_FREQS)
+    try:
+        held = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float64).reshape(-1)
+    except Exception as e:  # a short buffer or an odd type
+        raise ModelLoadError(f"{src.path}: cannot read tensor {ROPE_FREQS!r} ({e})") from e
+    heads = int(src.arch_get("attention.head_count"))
+    dim = int(src.arch_get("rope.dimension_count", 0)) or int(
+        src.arch_get("attention.key_length", int(src.arch_get("embedding_length")) // heads)
+    )
+    base = float(src.arch_get("rope.freq_base", 10000.0))
+    inv = base ** (-np.arange(0, dim, 2, dtype=np.float64) / dim)
+    if held.shape != inv.shape or not np.isfinite(held).all() or (held <= 0).any():
+        raise ModelLoadError(
+            f"{src.path}: tensor {ROPE_FREQS!r} holds {held.size} values, expected "
+            f"{inv.size} positive ones (one per rotary frequency)"
+        )
+    if np.allclose(held, 1.0, rtol=0, atol=1e-6):
+        return None
+    factor = float(held.max())
+    tries = [(_META_LLAMA3["low_freq_factor"], _META_LLAMA3["high_freq_factor"])]
+    band = (held > 1 + 1e-6) & (held < factor * (1 - 1e-6))
+    if band.sum() >= 2 and factor > 1:  # smooth = (1/r - 1/f) / (1 - 1/f) = a * inv + b
+        smooth = (1 / held[band] - 1 / factor) / (1 - 1 / factor)
+        a, b = np.polyfit(inv[band], smooth, 1)
+        width = _META_LLAMA3["original"] / (2 * np.pi * a) if a > 0 else -1.0
+        if width > 0 and -b * width > 0:  # the tensor is float32: 6 digits are all it holds
+            tries.append((float(f"{-b * width:.6g}"), float(f"{-b * width + width:.6g}")))
+    worst = (np.inf, 0)
+    for low, high in tries:
+        got = _llama3_divisors(inv, factor, low, high, _META_LLAMA3["original"])
+        miss = np.abs(got - held) / held
+        if miss.max() <= 1e-4:
+            return {
+                "rope_type": "llama3",
+                "factor": factor,
+                "low_freq_factor": float(low),
+                "high_freq_factor": float(high),
+                "original_max_position_embeddings": int(_META_LLAMA3["original"]),
+            }
+        worst = min(worst, (float(miss.max()), int(miss.argmax())))
+    raise ModelLoadError(
+        f"{src.path}: tensor {ROPE_FREQS!r} is not llama3 RoPE scaling (the nearest llama3 "
+        f"parameters miss frequency {worst[1]}'s divisor by {worst[0]:.2g}); kvguard serves "
+        "llama3 and linear scaling only"
+    )
+
+
+def _llama3_divisors(
+    inv: np.ndarray, factor: float, low: float, high: float, original: float
+) -> np.ndarray:
+    """Each frequency's divisor under llama3 scaling (as `model._llama3_scale` applies it)."""
+    wavelen = 2 * np.pi / inv
+    smooth = (original / wavelen - low) / (high - low)
+    mid = 1 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < original / high, 1.0, np.where(wavelen > original / low, factor, mid))
 
 
 def _vocab_rows(src: GgufFile) -> int:
@@ -243,9 +365,13 @@ def hf_tensor_name(src: GgufFile, name: str) -> str:
     if name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[name]
     m = _LAYER_NAME.fullmatch(name)
-    if m is None or m.group(2) not in _LAYER_TENSORS:
-        raise ModelLoadError(f"{src.path}: tensor {name!r} is not a known llama tensor")
-    return f"model.layers.{m.group(1)}.{_LAYER_TENSORS[m.group(2)]}.weight"
+    if (
+        m is None
+        or m.group(2) not in _LAYER_TENSORS
+        or (m.group(3) == "bias" and m.group(2) not in _LAYER_BIASES.get(src.arch, ()))
+    ):
+        raise ModelLoadError(f"{src.path}: tensor {name!r} is not a known {src.arch} tensor")
+    return f"model.layers.{m.group(1)}.{_LAYER_TENSORS[m.group(2)]}.{m.group(3)}"
 
 
 def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -264,40 +390,65 @@ def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 def convert_tensors(
     src: GgufFile, config: dict[str, Any], progress: bool, packed: bool = False
 ) -> dict[str, np.ndarray]:
-    """Every tensor under its Hugging Face name: fp32, or (packed) Q4_0/Q4_1/Q8_0 ones as
+    """Every tensor under its Hugging Face name: fp32, or (packed) those of `BITS`' types as
     `.qweight/.scales/.zeros` (`kept_packed`) and other quantised types refused
     (`_refuse_unpackable`)."""
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
-    keep: set[str] = set()
+    if src.arch not in _PERMUTED:
+        heads = {}  # no rows to put back in order (`_PERMUTED`)
+    keep: dict[str, int] = {}
     if packed:
         _refuse_unpackable(src)
         keep = kept_packed(src, warn=True)
     out: dict[str, np.ndarray] = {}
+    errors: dict[str, float] = {}
     bar = tqdm(
         src.reader.tensors, desc=f"converting {src.path.name}", unit="tensor", disable=not progress
     )
     for t in bar:
+        if t.name == ROPE_FREQS:  # config.json's rope_scaling (`_llama3_of`), not a weight
+            continue
         name = hf_tensor_name(src, t.name)
         if t.name in keep:
-            out.update(_packed(src, t, heads, name.removesuffix(".weight")))
+            base = name.removesuffix(".weight")
+            out.update(_packed(src, t, heads, base, keep[t.name], errors))
         else:
             out[name] = _dequantise(src, t, heads)
     _check_complete(src, out, config)
+    if errors:
+        _warn_requantised(src, errors)
     return out
 
 
-# A file's vocabulary-sized tensors, which llama.cpp's quantiser keeps in a finer type than
-# the layers by default (a Q4_0 file's `output.weight` is Q6_K): dequantised, they cost one
-# matrix, not the model, and are served in full precision with a warning
+def _warn_requantised(src: GgufFile, errors: dict[str, float]) -> None:
+    """One warning for the Q6_K tensors served requantised (`_unpack_q6_k`): how many, and
+    the worst error measured."""
+    worst = max(errors, key=errors.__getitem__)
+    log.warning(
+        "%s: %d Q6_K tensor(s) are served requantised to 8-bit codes per 32 weights (Q6_K "
+        "scales every 16, which one scale per 32 holds exactly only sometimes): the worst "
+        "error is %.3f of a Q6_K step (of the coarser of a pair of 16; in %s; Q6_K's own "
+        "rounding is up to 0.5 of its step); "
+        "`model_quantization: none` serves them exactly, dequantised to fp32",
+        src.path,
+        len(errors),
+        errors[worst],
+        worst,
+    )
+
+
+# A file's vocabulary-sized tensors, which llama.cpp's quantiser may keep in another type than
+# the layers (`--output-tensor-type`, `--token-embedding-type`): one of a type not packed costs
+# one matrix dequantised, not the model, and is served in full precision with a warning
 VOCAB_TENSORS = ("token_embd.weight", "output.weight")
 
 
 def _refuse_unpackable(src: GgufFile) -> None:
-    """A packed conversion serves Q4_0/Q4_1/Q8_0 tensors packed and unquantised ones as they
-    are. A layer's tensor quantised otherwise (blocks of more than one value: Q4_K, Q5_0,
-    Q6_K, IQ*, ...) is refused before anything is converted, naming the file, the tensor and
-    its type: dequantised, the model would take several times the file's size. The embedding
-    and the lm_head (`VOCAB_TENSORS`) are dequantised to fp32 instead, with a warning."""
+    """A packed conversion serves `BITS`' types packed and unquantised ones as they are. A
+    layer's tensor quantised otherwise (blocks of more than one value: Q2_K, Q3_K, IQ*, TQ*,
+    ...) is refused before anything is converted, naming the file, the tensor and its type:
+    dequantised, the model would take several times the file's size. The embedding and the
+    lm_head (`VOCAB_TENSORS`) are dequantised to fp32 instead, with a warning."""
     odd = [
         t
         for t in src.reader.tensors
@@ -330,80 +481,123 @@ def _refuse_unpackable(src: GgufFile) -> None:
 FUSED_GROUPS = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))
 
 
-def _unfusable(src: GgufFile) -> list[list[Any]]:
-    """The fused groups (`FUSED_GROUPS`, per layer) whose parts are not all packed at one bit
-    width: F16 `attn_v` beside Q4_1 q/k, or a Q8_0 `attn_k` beside Q4_1 ones, as
-    `llama-quantize --tensor-type` writes. Q4_0 beside Q4_1 fuses (both 4-bit)."""
+def _mixed_groups(src: GgufFile) -> tuple[list[list[Any]], list[list[Any]]]:
+    """The fused groups (`FUSED_GROUPS`, per layer) whose parts' codes differ in width, as
+    (those with an unquantised part, those of 4-bit and 8-bit codes). `llama-quantize` writes
+    both: an F16 `attn_v` beside Q4_1 q/k (`--tensor-type`), and Q4_K q/k beside a Q6_K
+    `attn_v` (every other layer of a Q4_K_M file). Q4_0 beside Q4_K fuses (both 4-bit)."""
     by_name = {t.name: t for t in src.reader.tensors}
     layers = sorted({int(m.group(1)) for n in by_name if (m := _LAYER_NAME.fullmatch(n))})
-    out = []
+    floats, widths = [], []
     for i in layers:
         for group in FUSED_GROUPS:
             parts = [by_name[n] for k in group if (n := f"blk.{i}.{k}.weight") in by_name]
             bits = {BITS.get(t.tensor_type) for t in parts}
-            if len(bits) > 1 and bits != {None}:
-                out.append(parts)
-    return out
+            if len(bits) > 1:
+                (floats if None in bits else widths).append(parts)
+    return floats, widths
 
 
-def kept_packed(src: GgufFile, warn: bool = False) -> set[str]:
-    """The GGUF tensors a packed conversion keeps packed: the Q4_0/Q4_1/Q8_0 ones, less those
-    of a fused group it has to dequantise (`_unfusable`; `warn`: say which, once)."""
-    groups = _unfusable(src)
-    if warn and groups:
-        _warn_unfusable(src, groups)
-    mixed = {t.name for parts in groups for t in parts}
-    return {t.name for t in src.reader.tensors if t.tensor_type in PACKED_TYPES} - mixed
+def kept_packed(src: GgufFile, warn: bool = False) -> dict[str, int]:
+    """The GGUF tensors a packed conversion keeps packed (`BITS`' types), each with the width
+    its codes are stored at. A fused group with an unquantised part is dequantised whole (a
+    float weight has no exact codes); one mixing 4-bit and 8-bit codes is served at 8 bits,
+    its 4-bit parts' codes one a byte (`warn`: say which groups, once)."""
+    floats, widths = _mixed_groups(src)
+    if warn and floats:
+        _warn_unfusable(src, floats)
+    if warn and widths:
+        _say_widened(src, widths)
+    keep = {t.name: BITS[t.tensor_type] for t in src.reader.tensors if t.tensor_type in BITS}
+    for t in (t for parts in floats for t in parts):
+        keep.pop(t.name, None)
+    for t in (t for parts in widths for t in parts):
+        keep[t.name] = 8
+    return keep
 
 
-def _warn_unfusable(src: GgufFile, groups: list[list[Any]]) -> None:
-    """One warning naming every layer whose fused group is served dequantised, and the cost."""
+def _groups_named(groups: list[list[Any]]) -> str:
+    """`layer 0: attn_q Q4_1, attn_k Q4_1, attn_v F16; ...`, the first four groups."""
     said = [
         f"layer {parts[0].name.split('.')[1]}: "
         + ", ".join(f"{t.name.split('.')[2]} {t.tensor_type.name}" for t in parts)
         for parts in groups
     ]
     more = f"; {len(said) - 4} more" if len(said) > 4 else ""
+    return "; ".join(said[:4]) + more
+
+
+def _warn_unfusable(src: GgufFile, groups: list[list[Any]]) -> None:
+    """One warning naming every layer whose fused group is served dequantised, and the cost."""
     mib = sum(int(np.prod(t.shape)) for parts in groups for t in parts) * 4 / 2**20
     log.warning(
-        "%s: %d fused projection group(s) mix tensor types (%s%s); kvguard serves a fused "
-        "group with one kernel, so these are served dequantised to fp32 (%.0f MiB)",
+        "%s: %d fused projection group(s) mix tensor types (%s); kvguard serves a fused "
+        "group with one kernel, and an unquantised part has no codes, so these are served "
+        "dequantised to fp32 (%.0f MiB)",
         src.path,
         len(groups),
-        "; ".join(said[:4]),
-        more,
+        _groups_named(groups),
         mib,
+    )
+
+
+def _say_widened(src: GgufFile, groups: list[list[Any]]) -> None:
+    """One line naming the groups whose 4-bit parts are stored at 8 bits, and the cost."""
+    four = [t for parts in groups for t in parts if BITS[t.tensor_type] == 4]
+    log.info(
+        "%s: %d fused projection group(s) mix 4-bit and 8-bit codes (%s); kvguard serves a "
+        "fused group with one kernel, so their 4-bit parts are served as 8-bit codes, the "
+        "same values (%.1f MiB more)",
+        src.path,
+        len(groups),
+        _groups_named(groups),
+        sum(int(np.prod(t.shape)) for t in four) / 2 / 2**20,
     )
 
 
 def packed_config(src: GgufFile) -> dict[str, Any]:
     """The `quantization_config` of a packed conversion: which modules are packed, as what."""
     keep = kept_packed(src)
-    modules = {
-        hf_tensor_name(src, t.name).removesuffix(".weight"): t.tensor_type.name
-        for t in src.reader.tensors
-        if t.name in keep
-    }
+    modules, bits = {}, {}
+    for t in src.reader.tensors:
+        if t.name in keep:
+            module = hf_tensor_name(src, t.name).removesuffix(".weight")
+            modules[module], bits[module] = t.tensor_type.name, keep[t.name]
     return {
         "quant_method": "gguf",
         "format": "kvguard-packed",
         "version": PACKED_FORMAT_VERSION,
         "source": src.path.name,
-        "modules": modules,
+        "modules": modules,  # the GGUF type each module came in
+        "bits": bits,  # the width its codes are stored at
     }
 
 
-def _packed(src: GgufFile, t: Any, heads: dict[str, int], base: str) -> dict[str, np.ndarray]:
-    """One quantized tensor as codes + scales + zeros, rows un-permuted like the fp32 path."""
+def _packed(
+    src: GgufFile,
+    t: Any,
+    heads: dict[str, int],
+    base: str,
+    bits: int | None = None,
+    errors: dict[str, float] | None = None,
+) -> dict[str, np.ndarray]:
+    """One quantized tensor as codes + scales + zeros, rows un-permuted like the fp32 path;
+    `bits`: the codes' stored width (`kept_packed`: 8 for a 4-bit type fused with an 8-bit
+    one, the same code values a byte each); `errors`: a requantised (Q6_K) tensor's worst
+    error is put there, in Q6_K steps."""
     try:
-        q, scales, zeros = unpack_blocks(np.asarray(t.data), t.tensor_type)
+        q, scales, zeros, err = _unpack(np.asarray(t.data), t.tensor_type)
     except ValueError as e:
         raise ModelLoadError(f"{src.path}: cannot unpack tensor {t.name!r} ({e})") from e
+    if errors is not None and t.tensor_type == gguf.GGMLQuantizationType.Q6_K:
+        errors[t.name] = err
     kind = t.name.split(".")[-2]
     if kind in heads:  # the rope permutation moves whole output rows: codes and their scales
         q, scales, zeros = (unpermute_rows(a, heads[kind]) for a in (q, scales, zeros))
-    if BITS[t.tensor_type] == 4:
+    if (bits or BITS[t.tensor_type]) == 4:
         q = q[:, 0::2] | (q[:, 1::2] << 4)
+    elif BITS[t.tensor_type] == 4:  # fused with 8-bit codes
+        q, zeros = _centred(q, zeros, 4)
     return {
         f"{base}.qweight": np.ascontiguousarray(q),
         f"{base}.scales": np.ascontiguousarray(scales),
@@ -414,32 +608,157 @@ def _packed(src: GgufFile, t: Any, heads: dict[str, int], base: str) -> dict[str
 def unpack_blocks(
     data: np.ndarray, qtype: gguf.GGMLQuantizationType
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A Q4_0 / Q4_1 / Q8_0 tensor's raw blocks (`[rows, bytes]`) as (uint8 codes `[rows, cols]`,
+    """A packed type's raw blocks (`[rows, bytes]`, see `BITS`) as (uint8 codes `[rows, cols]`,
     float32 scales and zeros `[rows, cols // 32]`) with `w = (code - zero) * scale`.
 
     Blocks of 32 weights: Q4_0 is fp16 `d` + 16 bytes (`w = d * (nibble - 8)`), Q4_1 fp16 `d`,
     fp16 `m` + 16 bytes (`w = d * nibble + m`), Q8_0 fp16 `d` + 32 int8 (`w = d * q`). In the
-    4-bit types byte j holds weight j in its low nibble and weight j + 16 in its high one."""
-    size = BLOCK_BYTES[qtype]
-    if data.ndim != 2 or data.shape[1] % size:
+    4-bit types byte j holds weight j in its low nibble and weight j + 16 in its high one; Q5_0
+    and Q5_1 put four bytes of fifth bits (bit j for weight j) before those 16 bytes, and their
+    codes are 5 bits (`w = d * (q - 16)`, `w = d * q + m`). The K-quants are `_unpack_k` and
+    `_unpack_q6_k` (the one not exact: requantised)."""
+    return _unpack(data, qtype)[:3]
+
+
+def _unpack(
+    data: np.ndarray, qtype: gguf.GGMLQuantizationType
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+    """`unpack_blocks`, and the worst error its codes make, in Q6_K steps (0: exact)."""
+    size = gguf.GGML_QUANT_SIZES[qtype][1]
+    if qtype not in BITS or data.ndim != 2 or data.shape[1] % size:
         raise ValueError(f"{qtype.name} data of shape {data.shape} is not whole {size}-byte blocks")
-    blocks = data.reshape(data.shape[0], -1, size)
+    rows = data.shape[0]
+    blocks = data.reshape(rows, -1, size)
+    if qtype == gguf.GGMLQuantizationType.Q6_K:
+        return _unpack_q6_k(blocks)
+    if qtype in (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q5_K):
+        q, scales, zeros = _unpack_k(blocks, qtype == gguf.GGMLQuantizationType.Q5_K)
+    else:
+        q, scales, zeros = _unpack_32(blocks, qtype)
+    if qtype.name.startswith("Q5_"):
+        q, zeros = _centred(q, zeros, 5)
+    return q.reshape(rows, -1), scales.reshape(rows, -1), zeros.reshape(rows, -1), 0.0
+
+
+def _centred(q: np.ndarray, zeros: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """`bits`-bit codes as 8-bit ones about 128 (codes and zeros moved up alike: the same
+    weights). The 8-bit kernels take a weight as `scale * (code - 128) + (128 - zero) * scale`
+    with that second term in fp16: codes 0..31 at zero 16 would make it `112 * scale`, whose
+    fp16 rounding is 0.05 of a step in every weight; about 128 it is near 0 (Q5_0's exactly)."""
+    up = 128 - 2 ** (bits - 1)
+    return q + np.uint8(up), zeros + np.float32(up)
+
+
+def _unpack_32(
+    blocks: np.ndarray, qtype: gguf.GGMLQuantizationType
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Blocks of 32 weights (`unpack_blocks`): codes `[rows, blocks, 32]`, one scale a block."""
+    kind = gguf.GGMLQuantizationType
     d = _f16(blocks[..., 0:2])
-    if qtype == gguf.GGMLQuantizationType.Q8_0:
+    if qtype == kind.Q8_0:
         q = (blocks[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
-        return q.reshape(data.shape[0], -1), d, np.full_like(d, 128.0)
-    qs = blocks[..., 4:] if qtype == gguf.GGMLQuantizationType.Q4_1 else blocks[..., 2:]
-    q = np.concatenate([qs & 15, qs >> 4], axis=-1).reshape(data.shape[0], -1)
-    if qtype == gguf.GGMLQuantizationType.Q4_0:
-        return q, d, np.full_like(d, 8.0)
+        return q, d, np.full_like(d, 128.0)
+    at = 4 if qtype in (kind.Q4_1, kind.Q5_1) else 2  # an fp16 minimum follows d
+    fifth = qtype in (kind.Q5_0, kind.Q5_1)
+    qs = blocks[..., at + 4 * fifth :]
+    q = np.concatenate([qs & 15, qs >> 4], axis=-1)
+    if fifth:  # bit j of the little-endian 32-bit word is weight j's
+        q |= np.unpackbits(blocks[..., at : at + 4], axis=-1, bitorder="little") << 4
+    if qtype in (kind.Q4_0, kind.Q5_0):
+        return q, d, np.full_like(d, 8.0 if qtype == kind.Q4_0 else 16.0)
     return _min_to_zero(q, d, _f16(blocks[..., 2:4]))
+
+
+def _unpack_k(blocks: np.ndarray, fifth: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K super-blocks of 256 weights as 8 groups of 32, exact in fp32.
+
+    A super-block is fp16 `d`, fp16 `dmin`, 12 bytes of 6-bit scales `sc` and minimums `m` for
+    its 8 sub-blocks of 32 (bytes 0-3: the low 6 bits of sc 0-3, their top bits the high bits
+    of sc 4-7; bytes 4-7 the same for m; bytes 8-11: the low 4 bits of sc 4-7 in the low
+    nibble, of m 4-7 in the high one), Q5_K's 32 bytes of fifth bits (bit j of byte i: weight
+    i of sub-block j), then 128 bytes of nibbles: bytes 32k..32k+31 hold sub-block 2k in their
+    low nibble and 2k + 1 in the high one. `w = d * sc * q - dmin * m`, as `_min_to_zero`."""
+    n = blocks.shape[:2]
+    d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
+    low, high, nib = blocks[..., 4:8], blocks[..., 8:12], blocks[..., 12:16]
+    sc = np.concatenate([low & 63, (nib & 15) | ((low >> 6) << 4)], axis=-1)
+    mins = np.concatenate([high & 63, (nib >> 4) | ((high >> 6) << 4)], axis=-1)
+    qs = blocks[..., 48 if fifth else 16 :].reshape(*n, 4, 1, 32)
+    q = np.concatenate([qs & 15, qs >> 4], axis=-2).reshape(*n, 8, 32)
+    if fifth:
+        bits = blocks[..., 16:48].reshape(*n, 1, 32) >> np.arange(8, dtype=np.uint8)[:, None]
+        q |= (bits & 1) << 4
+    scale = d[..., None] * sc.astype(np.float32)
+    return _min_to_zero(q, scale, -(dmin[..., None] * mins.astype(np.float32)))
+
+
+def _unpack_q6_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+    """Q6_K super-blocks of 256 weights as 8-bit codes per 32, and the worst error they make.
+
+    A super-block is 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales `s` (one
+    per 16 weights) and fp16 `d`: `w = d * s * (q - 32)`, q in 0..63. Weight 128h + 32k + i
+    (h < 2, k < 4) has its low bits in byte 64h + 32(k % 2) + i (nibble k // 2) and its high
+    bits in byte 128 + 32h + i (bits 2k, 2k + 1). One scale per 32 weights holds such a pair of
+    sub-blocks exactly where a common step does: `d * gcd(s_a, s_b)`, when the pair's codes on
+    it span at most 256 values. Other pairs are requantised to 256 levels between their least
+    and greatest weight, off by at most 1/510 of that span: 64/510 (0.125) of the coarser
+    sub-block's step `d * max(|s_a|, |s_b|)` at worst (64 steps: -32 of one sub-block's and +32
+    of the other's when their scales differ in sign; Q6_K's own rounding is off by up to 0.5).
+    The error is measured, as the largest fraction of that step; rows are done a slice at a
+    time to bound the temporary arrays."""
+    rows, per_row = blocks.shape[:2]
+    q = np.empty((rows, per_row, 8, 32), np.uint8)
+    scales = np.empty((rows, per_row, 8), np.float32)
+    zeros = np.empty((rows, per_row, 8), np.float32)
+    worst = 0.0
+    step = max(1, 2**14 // per_row)
+    for r in range(0, rows, step):
+        part = slice(r, r + step)
+        q[part], scales[part], zeros[part], err = _requantise_q6_k(blocks[part])
+        worst = max(worst, err)
+    return q.reshape(rows, -1), scales.reshape(rows, -1), zeros.reshape(rows, -1), worst
+
+
+def _requantise_q6_k(
+    blocks: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+    """`_unpack_q6_k` on a slice of rows: codes `[rows, blocks, 8, 32]`, scales and zeros
+    `[rows, blocks, 8]`, the worst error in steps."""
+    n = blocks.shape[:2]
+    ql = blocks[..., :128].reshape(*n, 2, 1, 64)
+    low = np.concatenate([ql & 15, ql >> 4], axis=-2).reshape(*n, 8, 32)
+    qh = blocks[..., 128:192].reshape(*n, 2, 1, 32) >> np.arange(0, 8, 2, dtype=np.uint8)[:, None]
+    k = (low | ((qh & 3).reshape(*n, 8, 32) << 4)).astype(np.int16) - 32
+    s = blocks[..., 192:208].view(np.int8).astype(np.int16).reshape(*n, 8, 2)
+    d = _f16(blocks[..., 208:210])[..., None, None]
+    s_w = np.repeat(s, 16, axis=-1)  # each weight's sub-block scale
+    w = (d * s_w.astype(np.float32)) * k.astype(np.float32)  # the exact weights, as gguf
+    # a common step: codes k * s / g, shifted to start at 0
+    g = np.gcd(s[..., 0], s[..., 1])
+    ints = k * (s_w // np.maximum(g, 1)[..., None])
+    lo_i, hi_i = ints.min(axis=-1), ints.max(axis=-1)
+    exact = hi_i - lo_i <= 255
+    # else 256 levels from the least weight to the greatest
+    lo, hi = w.min(axis=-1), w.max(axis=-1)
+    level = (hi - lo) / np.float32(255)
+    safe = np.where(level == 0, np.float32(1), level)
+    zero = -lo / safe
+    codes = np.clip(np.rint(w / safe[..., None] + zero[..., None]), 0, 255)
+    q = np.where(exact[..., None], ints - lo_i[..., None], codes).astype(np.uint8)
+    scales = np.where(exact, d[..., 0] * g.astype(np.float32), level).astype(np.float32)
+    zeros = np.where(exact, -lo_i.astype(np.float32), zero).astype(np.float32)
+    err = np.abs((q.astype(np.float32) - zeros[..., None]) * scales[..., None] - w).max(axis=-1)
+    coarse = np.abs(d[..., 0]) * np.abs(s).max(axis=-1).astype(np.float32)
+    held = coarse > 0  # a pair with no step holds zeros, exactly
+    return q, scales, zeros, float((err[held] / coarse[held]).max(initial=0.0))
 
 
 def _min_to_zero(
     q: np.ndarray, d: np.ndarray, m: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Q4_1's `d * q + m` as `(q - z) * s`: `z = -m / d`. A group with `d == 0` holds `m` in
-    every weight; it becomes codes 0, scale `m`, zero -1."""
+    """Q4_1's `d * q + m` (Q5_1's, and a K-quant sub-block's with `d * sc` and `-dmin * m`) as
+    `(q - z) * s`: `z = -m / d`. A group with `d == 0` holds `m` in every weight; it becomes
+    codes 0, scale `m`, zero -1."""
     flat = d == 0
     safe = np.where(flat, 1.0, d).astype(np.float32)
     zeros = np.where(flat, -1.0, -m / safe).astype(np.float32)
@@ -466,31 +785,43 @@ def _dequantise(src: GgufFile, t: Any, heads: dict[str, int]) -> np.ndarray:
 
 
 def _check_complete(src: GgufFile, out: dict[str, np.ndarray], config: dict[str, Any]) -> None:
-    """Every layer must have all nine tensors; a file missing one is truncated or foreign."""
+    """Every layer must have all nine tensors (and its architecture's biases); a file missing
+    one is truncated or foreign."""
     expected = {"model.embed_tokens.weight", "model.norm.weight"}
+    biases = [_LAYER_TENSORS[k] for k in _LAYER_BIASES[src.arch]]
     for i in range(config["num_hidden_layers"]):
         expected |= {f"model.layers.{i}.{hf}.weight" for hf in _LAYER_TENSORS.values()}
+        expected |= {f"model.layers.{i}.{hf}.bias" for hf in biases}
     held = {n.replace(".qweight", ".weight") for n in out}
     missing = sorted(expected - held)
     if missing:
         raise ModelLoadError(f"{src.path}: missing tensors {missing[:5]} ({len(missing)} in all)")
 
 
-def tokenizer_spec(src: GgufFile, config: dict[str, Any]) -> BpeSpec:
-    """The GGUF's embedded byte-level BPE tokenizer, described for tokenizer_build."""
+def tokenizer_spec(src: GgufFile, config: dict[str, Any]) -> BpeSpec | SentencePieceSpec:
+    """The GGUF's embedded tokenizer, described for tokenizer_build: SentencePiece BPE
+    (`llama`: Llama 2, Mistral) or byte-level BPE (`gpt2`) with the split its
+    `tokenizer.ggml.pre` names (`PRE_SPLITS`)."""
     kind = src.get("tokenizer.ggml.model")
-    if kind != "gpt2":
+    if kind not in ("llama", "gpt2"):
         raise ModelLoadError(
-            f"{src.path}: tokenizer model {kind!r} is not supported (only byte-level BPE 'gpt2')"
+            f"{src.path}: tokenizer model {kind!r} is not supported "
+            "(only SentencePiece 'llama' and byte-level BPE 'gpt2')"
         )
+    tokens = [str(t) for t in src.get("tokenizer.ggml.tokens")]
+    types = [int(t) for t in src.get("tokenizer.ggml.token_type", [1] * len(tokens))]
+    if len(types) != len(tokens):
+        raise ModelLoadError(
+            f"{src.path}: {len(types)} token types for {len(tokens)} tokens in the GGUF"
+        )
+    if kind == "llama":
+        return _sentencepiece_spec(src, config, tokens, types)
     pre = str(src.get("tokenizer.ggml.pre", "default"))
     if pre not in PRE_SPLITS:
         raise ModelLoadError(
             f"{src.path}: tokenizer.ggml.pre={pre!r} is not supported: "
             f"expected one of {sorted(PRE_SPLITS)}"
         )
-    tokens = [str(t) for t in src.get("tokenizer.ggml.tokens")]
-    types = [int(t) for t in src.get("tokenizer.ggml.token_type", [1] * len(tokens))]
     return BpeSpec(
         vocab=tokens,
         merges=_merges(src),
@@ -500,7 +831,36 @@ def tokenizer_spec(src: GgufFile, config: dict[str, Any]) -> BpeSpec:
         eos_token=_token_text(src, tokens, "eos"),
         pad_token=_token_text(src, tokens, "padding"),
         unk_token=_token_text(src, tokens, "unknown"),
-        add_bos_token=bool(src.get("tokenizer.ggml.add_bos_token", False)),
+        add_bos_token=bool(src.get("tokenizer.ggml.add_bos_token", pre in LLAMA3_PRES)),
+        add_eos_token=bool(src.get("tokenizer.ggml.add_eos_token", False)),
+        ignore_merges=pre in LLAMA3_PRES,
+        chat_template=src.get("tokenizer.chat_template", None),
+        model_max_length=config["max_position_embeddings"],
+    )
+
+
+def _sentencepiece_spec(
+    src: GgufFile, config: dict[str, Any], tokens: list[str], types: list[int]
+) -> SentencePieceSpec:
+    """A SentencePiece vocabulary: its merges follow from the pieces' scores (llama.cpp keeps
+    no merge list for it). BOS is added unless the file says not to, and a `▁` before the
+    text unless `add_space_prefix` is false, as llama.cpp does."""
+    scores = [float(s) for s in src.get("tokenizer.ggml.scores")]
+    if len(scores) != len(tokens):
+        raise ModelLoadError(f"{src.path}: {len(scores)} token scores for {len(tokens)} tokens")
+    if not all(np.isfinite(scores)):
+        raise ModelLoadError(f"{src.path}: the GGUF's token scores hold a NaN or infinity")
+    return SentencePieceSpec(
+        vocab=tokens,
+        scores=scores,
+        special=_added_tokens(types),
+        bos_token=_token_text(src, tokens, "bos"),
+        eos_token=_token_text(src, tokens, "eos"),
+        pad_token=_token_text(src, tokens, "padding"),
+        unk_token=_token_text(src, tokens, "unknown"),
+        add_bos_token=bool(src.get("tokenizer.ggml.add_bos_token", True)),
+        add_eos_token=bool(src.get("tokenizer.ggml.add_eos_token", False)),
+        add_space_prefix=bool(src.get("tokenizer.ggml.add_space_prefix", True)),
         chat_template=src.get("tokenizer.chat_template", None),
         model_max_length=config["max_position_embeddings"],
     )

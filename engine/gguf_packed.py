@@ -17,19 +17,32 @@ from kvguard.engine.layers.quant_spec import QuantSpec
 from kvguard.engine.model_config import ModelLoadError, cache_remedy
 from kvguard.engine.weights import Part, open_safetensors
 
-# Bump with gguf_convert's output format (and model_registry.CONVERTER_REVISION).
+# Bump with gguf_convert's output format (and model_registry.CONVERTER_REVISION). The K-quant
+# and 5-bit type names and the optional `bits` (a module's code width where not its type's)
+# came without a bump: a directory without them reads as before.
 PACKED_FORMAT_VERSION = 1
-# the GGUF types a packed conversion keeps packed, by name -> bits per code
-PACKED_BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}
+# the GGUF types a packed conversion keeps packed, by name -> bits per code (gguf_convert.BITS)
+PACKED_BITS = {
+    "Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 8, "Q5_1": 8, "Q5_K": 8, "Q6_K": 8, "Q8_0": 8,
+}  # fmt: skip
 
 
-def _bits(file: Path, module: str, kind: str) -> int:
+def _bits(file: Path, module: str, kind: str, stored: Any) -> int:
+    """The width `module`'s codes are stored at (`stored`, None: its type's): its type's, or 8
+    for a 4-bit type fused with an 8-bit one."""
     if kind not in PACKED_BITS:
         raise ModelLoadError(
             f"{file}: module {module!r} is packed as {kind!r}, expected one of "
             f"{', '.join(PACKED_BITS)}"
         )
-    return PACKED_BITS[kind]
+    if stored is None:
+        return PACKED_BITS[kind]
+    if stored not in (PACKED_BITS[kind], 8):
+        raise ModelLoadError(
+            f"{file}: module {module!r} ({kind}) has its codes stored at {stored!r} bits, "
+            f"expected {PACKED_BITS[kind]} or 8"
+        )
+    return stored
 
 
 def unpack_nibbles(packed: np.ndarray) -> np.ndarray:
@@ -60,10 +73,11 @@ def load_packed(
             f"{cache_remedy(file) or '; delete the directory to have it converted again'}"
         )
     modules: dict[str, str] = qc["modules"]
+    bits: dict[str, Any] = qc.get("bits") or {}
     specs: dict[str, QuantSpec] = {}
     with open_safetensors(path, torch.float32) as source:
         for module, kind in modules.items():
-            specs[module] = _read_spec(source, module, _bits(file, module, kind))
+            specs[module] = _read_spec(source, module, _bits(file, module, kind, bits.get(module)))
         owned = {f"{m}.{p}" for m in modules for p in ("qweight", "scales", "zeros")}
         plain = {n: source.read(Part(n)).to(dtype) for n in source.names if n not in owned}
     return specs, plain

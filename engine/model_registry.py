@@ -47,7 +47,7 @@ from kvguard.kernels.cpu_lowbit import pid_alive
 # llama.cpp reads it (linear from `rope.scaling.factor` / `rope.scale_linear`, where it had been
 # dropped), and a fused q/k/v or gate/up group of mixed types dequantised (it had converted, then
 # been refused at every load)
-CONVERTER_REVISION = 3
+CONVERTER_REVISION = 4  # 4: Q4_K, Q5_0, Q5_1, Q5_K, Q6_K packed; 4+8-bit fused groups at 8
 
 DEFAULT_MODEL = "smollm2-135m"
 REQUIRED_FILES = ("config.json", "tokenizer.json")

@@ -6,9 +6,11 @@
   scaling (the reference: transformers on the same weights with that scaling). Types other
   than none/linear are refused as before.
 - a fused projection group (q/k/v, gate/up) whose parts differ in type (`llama-quantize
-  --tensor-type attn_v=f16`): it had converted, then been refused at every load; it is served
-  dequantised, with a warning, and gives the tokens `model_quantization: none` gives. A copy
-  converted before that fix is converted again.
+  --tensor-type attn_v=f16`): it had converted, then been refused at every load. One with an
+  unquantised part is served dequantised, with a warning; one mixing 4-bit and 8-bit codes
+  (a Q8_0 `attn_k` beside Q4_1 ones) at 8 bits, its 4-bit codes one a byte, said once; both
+  give the tokens `model_quantization: none` gives. A copy converted before is converted
+  again.
 
 The variants are the default SmolLM2 Q4_1 file rewritten with the `gguf` package (a few tensors
 re-typed or a metadata key added); the rest of its bytes are copied as they are.
@@ -143,14 +145,19 @@ def test_gguf_rope_scaling_is_read_as_llama_cpp_reads_it(
     [
         ({"rope__scaling__type": "yarn", "rope__scaling__factor": 4.0}, False, r"\(yarn\)"),
         ({"rope__scaling__type": "longrope"}, False, r"\(longrope\)"),
-        ({}, True, "rope_freqs.weight"),  # Llama 3.1's scaling comes as this tensor
         ({"rope__scale_linear": -2.0}, False, "llama.rope.scale_linear is -2.0"),
+        # divisors no llama3 scaling gives (not monotonic), or not one per frequency
+        ({}, [1, 3, 1, 3, 1, 3, 1, 3], "is not llama3 RoPE scaling .*frequency"),
+        ({}, [1, 1, 8], "holds 3 values, expected 8 positive ones"),
+        ({}, [1, 1, 1, 1, 1, 1, 0, 0], "expected 8 positive ones"),
+        # llama.cpp would divide by both: kvguard serves one
+        ({"rope__scaling__factor": 2.0}, [1, 1, 1, 1, 1, 1, 8, 8], "both a rope_freqs"),
     ],
 )
 def test_gguf_rope_scaling_kvguard_cannot_compute_is_refused(
-    tiny_gguf: Path, tmp_path: Path, keys: dict[str, Any], rope_freqs: bool, message: str
+    tiny_gguf: Path, tmp_path: Path, keys: dict[str, Any], rope_freqs: Any, message: str
 ) -> None:
-    extra = (("rope_freqs.weight", np.ones(8, np.float32)),) if rope_freqs else ()
+    extra = (("rope_freqs.weight", np.array(rope_freqs, np.float32)),) if rope_freqs else ()
     meta = {
         "llama." + k.replace("__", "."): (v, V.STRING if isinstance(v, str) else V.FLOAT32)
         for k, v in keys.items()
@@ -158,6 +165,67 @@ def test_gguf_rope_scaling_kvguard_cannot_compute_is_refused(
     path = rewrite(tiny_gguf, tmp_path / "scaled.gguf", meta=meta, extra=extra)
     with pytest.raises(ModelLoadError, match=rf"scaled\.gguf: .*{message}"):
         hf_config(GgufFile(path))
+
+
+def llama3_divisors(params: dict[str, float], dim: int, base: float) -> np.ndarray:
+    """Each rotary frequency's divisor under llama3 scaling, as llama.cpp's converter writes
+    them into `rope_freqs.weight` (computed here from transformers' formula, in float64)."""
+    inv = base ** (-np.arange(0, dim, 2, dtype=np.float64) / dim)
+    factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+    original = params["original_max_position_embeddings"]
+    out = []
+    for wavelen in 2 * np.pi / inv:
+        if wavelen < original / high:
+            out.append(1.0)
+        elif wavelen > original / low:
+            out.append(factor)
+        else:
+            smooth = (original / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, np.float32)
+
+
+META_31 = {
+    "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("params", "served"),
+    [
+        (META_31, META_31),  # Llama 3.1's own: read back as they are
+        (META_31 | {"factor": 32.0}, META_31 | {"factor": 32.0}),  # Llama 3.2's
+        # another original length: the same divisors come from low 1, high 16 at 8192
+        (
+            {"factor": 4.0, "low_freq_factor": 2.0, "high_freq_factor": 32.0,
+             "original_max_position_embeddings": 16384},
+            {"factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 16.0,
+             "original_max_position_embeddings": 8192},
+        ),
+        ({"factor": 1.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 8192}, None),  # all ones: no scaling
+    ],
+)  # fmt: skip
+def test_a_rope_freqs_tensor_is_served_as_its_llama3_scaling(
+    tiny_gguf: Path, tmp_path: Path, params: dict[str, float], served: Any
+) -> None:
+    """Llama 3.1 and later GGUFs hold their llama3 RoPE scaling as a `rope_freqs` tensor (the
+    divisor of each frequency); kvguard refused every such file. Now it reads the parameters
+    back, and the frequencies they give are the tensor's (tiny: head dim 16, base 10000)."""
+    from kvguard.engine.model import rope_inv_freq
+    from kvguard.engine.model_config import ModelConfig
+
+    divisors = llama3_divisors(params, 16, 10000.0)
+    path = rewrite(tiny_gguf, tmp_path / "l31.gguf", extra=(("rope_freqs.weight", divisors),))
+    config = hf_config(GgufFile(path))
+    if served is None:
+        assert config["rope_scaling"] is None
+        return
+    assert config["rope_scaling"] == {"rope_type": "llama3", **served}
+    inv = rope_inv_freq(ModelConfig.from_hf_dict(config)).double().numpy()
+    plain = 10000.0 ** (-np.arange(0, 16, 2, dtype=np.float64) / 16)
+    np.testing.assert_allclose(inv, plain / divisors, rtol=1e-6)
 
 
 def _transformers_greedy(model_dir: Path, tmp: Path, rope_scaling: Any, prompts: Any) -> Any:
@@ -205,6 +273,31 @@ def test_a_gguf_with_legacy_linear_rope_scaling_is_served_with_it(
     assert served == want
 
 
+@pytest.mark.slow
+def test_a_llama_3_1_style_gguf_is_served_with_its_rope_freqs(
+    smollm2_gguf: Path, smollm2_dir: Path, tmp_path: Path
+) -> None:
+    """The default model with a `rope_freqs` tensor added, as llama.cpp writes Llama 3.1's,
+    gives transformers' tokens for those weights with that llama3 scaling, not the unscaled
+    ones. (Llama 3.1's own band, wavelengths of 2048-8192 positions, barely turns in prompts
+    this short: an original length of 64 puts it where these prompts show it.)"""
+    config = json.loads((smollm2_dir / "config.json").read_text())
+    dim = config["hidden_size"] // config["num_attention_heads"]
+    params = META_31 | {"original_max_position_embeddings": 64}
+    divisors = llama3_divisors(params, dim, config["rope_theta"])
+    extra = (("rope_freqs.weight", divisors),)
+    path = rewrite(smollm2_gguf, tmp_path / "l31.gguf", extra=extra)
+    eng = engine(path, tmp_path / "home", "auto")
+    ids = prompt_ids(eng, PROMPTS)
+    served = greedy(eng, ids)
+    assert eng.model_config.rope_scaling["rope_type"] == "llama3"
+    scaling = {"rope_type": "llama3", **params}
+    want = _transformers_greedy(smollm2_dir, tmp_path, scaling, ids)
+    unscaled = _transformers_greedy(smollm2_dir, tmp_path, None, ids)
+    assert want != unscaled  # the scaling shows in these prompts' tokens
+    assert served == want
+
+
 # -- mixed types in a fused group --------------------------------------------------------------
 MIXED = {
     "blk.0.attn_v.weight": Q.F16,  # F16 beside Q4_1 q/k
@@ -222,33 +315,43 @@ def mixed_gguf(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 
 @pytest.mark.slow
-def test_a_fused_group_of_mixed_types_is_served_dequantised(
+def test_a_fused_group_of_mixed_types_is_served_at_one_width(
     mixed_gguf: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Converted packed, such a file had been refused at load ("only some are quantized", or
-    a bare "cannot fuse 4-bit/group 32/in 576 with 8-bit ...") and left its copy behind. Its
-    mixed groups are now stored dequantised, said once, and the model gives the tokens
-    `model_quantization: none` gives."""
+    a bare "cannot fuse 4-bit/group 32/in 576 with 8-bit ...") and left its copy behind. A
+    group with an F16 part is stored dequantised (a float weight has no exact codes), one of
+    4-bit and 8-bit codes at 8 bits (it had been dequantised too), each kind said once, and the
+    model gives the tokens `model_quantization: none` gives."""
     home = tmp_path / "home"
-    with caplog.at_level(logging.WARNING, logger="kvguard.engine"):
+    with caplog.at_level(logging.INFO, logger="kvguard.engine"):
         packed = engine(mixed_gguf, home, "auto")
     said = [r.getMessage() for r in caplog.records if "fused projection" in r.getMessage()]
-    assert len(said) == 1, said
-    assert "mixed.gguf: 4 fused projection group(s) mix tensor types" in said[0]
-    for part in (
-        "layer 0: attn_q Q4_1, attn_k Q4_1, attn_v F16",
-        "layer 1: attn_q Q4_1, attn_k Q8_0, attn_v Q4_1",
-        "layer 2: ffn_gate Q4_1, ffn_up Q8_0",
-        "layer 3: ffn_gate F16, ffn_up Q4_1",
-    ):
-        assert part in said[0]
-    assert "dequantised to fp32" in said[0]
+    assert len(said) == 2, said
+    floats, widths = sorted(said, key=lambda m: "4-bit and 8-bit" in m)
+    assert "mixed.gguf: 2 fused projection group(s) mix tensor types" in floats
+    assert "layer 0: attn_q Q4_1, attn_k Q4_1, attn_v F16" in floats
+    assert "layer 3: ffn_gate F16, ffn_up Q4_1" in floats
+    assert "dequantised to fp32" in floats
+    assert "mixed.gguf: 2 fused projection group(s) mix 4-bit and 8-bit codes" in widths
+    assert "layer 1: attn_q Q4_1, attn_k Q8_0, attn_v Q4_1" in widths
+    assert "layer 2: ffn_gate Q4_1, ffn_up Q8_0" in widths
     (copy,) = (home / "models" / "gguf").glob("mixed-*.packed")
-    modules = json.loads((copy / "config.json").read_text())["quantization_config"]["modules"]
-    for i, proj in ((0, "self_attn.q_proj"), (1, "self_attn.v_proj"), (2, "mlp.gate_proj")):
+    qc = json.loads((copy / "config.json").read_text())["quantization_config"]
+    modules, bits = qc["modules"], qc["bits"]
+    for i, proj in ((0, "self_attn.q_proj"), (0, "self_attn.v_proj"), (3, "mlp.up_proj")):
         assert f"model.layers.{i}.{proj}" not in modules
+    for proj, kind in (("self_attn.q_proj", "Q4_1"), ("self_attn.k_proj", "Q8_0")):
+        assert (modules[f"model.layers.1.{proj}"], bits[f"model.layers.1.{proj}"]) == (kind, 8)
+    assert bits["model.layers.2.mlp.gate_proj"] == bits["model.layers.2.mlp.up_proj"] == 8
     assert modules["model.layers.0.self_attn.o_proj"] == "Q4_1"
-    assert modules["model.layers.4.self_attn.q_proj"] == "Q4_0"
+    assert (
+        modules["model.layers.4.self_attn.q_proj"],
+        bits["model.layers.4.self_attn.q_proj"],
+    ) == (
+        "Q4_0",
+        4,
+    )
     assert modules["model.layers.4.self_attn.k_proj"] == "Q4_1"
     assert modules["model.layers.5.mlp.down_proj"] == "Q8_0"
     ids = prompt_ids(packed, PROMPTS)

@@ -1,7 +1,7 @@
 """Edges of the GGUF loader, the CPU low-bit kernels' activation quantisation and the greedy
 sampler that a reviewer found misbehaving:
 
-- a GGUF quantised in a type kvguard does not serve packed (Q4_K, Q5_0, Q6_K, ...) is refused
+- a GGUF quantised in a type kvguard does not serve packed (Q2_K, Q3_K, IQ4_NL, ...) is refused
   by the packed conversion (`model_quantization: auto | gguf`) naming the file, the tensor and
   its type, instead of being silently dequantised to fp32; `none` still dequantises it;
 - a block of activations holding a NaN or an infinity makes every output of its row NaN on
@@ -35,6 +35,7 @@ from kvguard.kernels import cpu_lowbit, cpu_ops
 
 Q = gguf.GGMLQuantizationType
 VOCAB = 300
+RANDOM_BLOCKS = (Q.Q2_K, Q.Q3_K, Q.IQ4_NL)
 
 
 # -- tiny GGUF files -------------------------------------------------------------------------
@@ -44,16 +45,16 @@ def _add(writer: gguf.GGUFWriter, name: str, w: np.ndarray, qtype: Q, seed: int)
         writer.add_tensor(name, w)
     elif qtype == Q.F16:
         writer.add_tensor(name, w.astype(np.float16))
-    elif qtype in (Q.Q4_K, Q.Q6_K):  # the gguf package cannot quantise k-quants: random blocks
+    elif qtype in RANDOM_BLOCKS:  # the gguf package cannot quantise these: random blocks
         size, nbytes = gguf.GGML_QUANT_SIZES[qtype]
         rows, cols = w.shape
         rng = np.random.default_rng(seed)
         data = rng.integers(0, 256, (rows, cols // size, nbytes), dtype=np.uint8)
         scale = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
-        if qtype == Q.Q4_K:  # d and dmin lead the block
-            data[..., 0:2] = data[..., 2:4] = scale
-        else:  # d ends the block
-            data[..., -2:] = scale
+        if qtype == Q.IQ4_NL:  # d leads the block
+            data[..., 0:2] = scale
+        else:  # d (and Q2_K's dmin) end the block
+            data[..., -4:-2] = data[..., -2:] = scale
         writer.add_tensor(name, data.reshape(rows, -1), raw_dtype=qtype)
     else:
         writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
@@ -136,19 +137,19 @@ def write_gguf(
 @pytest.mark.parametrize(
     ("qtype", "types", "tensor", "kind"),
     [
-        (Q.Q4_K, {"token_embd.weight": Q.Q8_0}, "blk.0.attn_q.weight", "Q4_K"),  # Q4_K_M-like
-        (Q.Q5_0, {}, "blk.0.attn_q.weight", "Q5_0"),
-        (Q.Q4_0, {"blk.1.ffn_down.weight": Q.Q5_0}, "blk.1.ffn_down.weight", "Q5_0"),
+        (Q.Q3_K, {"token_embd.weight": Q.Q8_0}, "blk.0.attn_q.weight", "Q3_K"),  # Q3_K_M-like
+        (Q.IQ4_NL, {}, "blk.0.attn_q.weight", "IQ4_NL"),
+        (Q.Q4_0, {"blk.1.ffn_down.weight": Q.Q2_K}, "blk.1.ffn_down.weight", "Q2_K"),
     ],
 )
 def test_packed_conversion_refuses_types_it_does_not_serve_packed(
     tmp_path: Path, qtype: Q, types: dict[str, Q], tensor: str, kind: str
 ) -> None:
-    """Dequantised, a Q4_K file became about six times its size in fp32 under `auto`; the
+    """Dequantised, a Q3_K file became about ten times its size in fp32 under `auto`; the
     error names the file, the first such tensor and its type, and points to `none`. `none`
     still converts the file (dequantised on purpose), every weight as the gguf package
     dequantises it."""
-    k_quant = {qtype, *types.values()} & {Q.Q4_K, Q.Q6_K}  # blocks of 256 values
+    k_quant = {qtype, *types.values()} & {Q.Q2_K, Q.Q3_K}  # blocks of 256 values
     hidden, inter = (256, 512) if k_quant else (64, 128)
     path = write_gguf(tmp_path / "odd.gguf", qtype, hidden, inter, types=types)
     pattern = rf"odd\.gguf: tensor '{tensor}' is {kind} .*model_quantization: none"
@@ -183,14 +184,15 @@ def test_a_vocabulary_tensor_of_another_type_is_served_in_full_precision_with_a_
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """llama.cpp's quantiser keeps `output.weight` (and `token_embd.weight`) in a finer type
-    than the layers by default (Q6_K in a Q4_0 file): those two are one matrix each, not the
-    model, so such a file still converts packed, them dequantised to fp32, with a warning."""
-    types = {"output.weight": Q.Q6_K, "token_embd.weight": Q.Q6_K}
+    than the layers (`--output-tensor-type`): of a type not served packed (Q3_K here), those two
+    are one matrix each, not the model, so such a file still converts packed, them dequantised
+    to fp32, with a warning."""
+    types = {"output.weight": Q.Q3_K, "token_embd.weight": Q.Q3_K}
     path = write_gguf(tmp_path / "llama.gguf", Q.Q4_0, 256, 512, types=types)
     with caplog.at_level("WARNING", logger="kvguard.engine"):
         convert_gguf(path, tmp_path / "packed", progress=False, packed=True)
     said = caplog.text
-    assert "output.weight is Q6_K" in said and "token_embd.weight is Q6_K" in said
+    assert "output.weight is Q3_K" in said and "token_embd.weight is Q3_K" in said
     assert "dequantised to fp32" in said
     import json
 

@@ -1,0 +1,475 @@
+"""GGUF files in the types llama.cpp's users mostly have (`Q4_K_M`, `Q5_K_M`, `Q5_0`, ...)
+served packed by the `auto` conversion, where every layer tensor of those types was refused:
+
+- Q4_K becomes 4-bit codes per 32 weights, Q5_0 / Q5_1 / Q5_K 8-bit codes (the code value
+  itself), all as the `gguf` package dequantises them; Q6_K (a scale per 16 weights) is
+  requantised to 8-bit codes per 32, within an eighth of its step, with one warning;
+- a fused q/k/v or gate/up group mixing 4-bit and 8-bit codes (Q4_K q/k beside a Q6_K
+  `attn_v`: a Q4_K_M file's every other layer) is served at 8 bits, where it was dequantised;
+- the packed model gives the tokens the fp32 one (`model_quantization: none`) gives, and that
+  one transformers' logits on the same file;
+- other quantised types (IQ*, Q2_K, Q3_K) are still refused, by name.
+
+The files are small llama models (hidden 256, two layers: K-quants need rows of 256) with the
+default model's tokenizer. The gguf package cannot quantise K-quants, so their blocks are
+written here, byte by byte, from float weights (`encode`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import load_file
+
+from kvguard.engine import EngineConfig, LLMEngine, gguf_convert
+from kvguard.engine import model_registry as reg
+from kvguard.engine.gguf_convert import convert_gguf, unpack_blocks
+from kvguard.engine.layers.quant_spec import QuantSpec
+from kvguard.engine.model import weight_bytes
+from kvguard.engine.model_config import ModelLoadError
+from kvguard.engine.sampling_params import SamplingParams
+
+Q = gguf.GGMLQuantizationType
+V = gguf.GGUFValueType
+HIDDEN, INTER, LAYERS, HEADS, KV_HEADS = 256, 512, 2, 4, 2
+STEPS = 8
+# Q6_K requantised: at most 1/510 of a pair's span, which is at most 64 of its coarser step
+Q6_K_BOUND = 64 / 510
+EXACT = (Q.Q4_0, Q.Q5_0, Q.Q8_0)
+REFUSED = (
+    Q.IQ4_NL,
+    Q.IQ4_XS,
+    Q.Q2_K,
+    Q.Q3_K,
+)  # quantised types with no packed form  # w = d * (q - z): the same fp32 products as gguf's
+
+
+# -- blocks written from float weights --------------------------------------------------------
+def _f16(x: np.ndarray) -> np.ndarray:
+    """fp16 values as their two bytes, `[..., 2]`."""
+    return np.ascontiguousarray(x.astype(np.float16)).reshape(*x.shape, 1).view(np.uint8)
+
+
+def _safe(x: np.ndarray) -> np.ndarray:
+    return np.where(x == 0, 1, x)
+
+
+def encode(w: np.ndarray, qtype: Q) -> np.ndarray:
+    """`w [rows, cols]` in `qtype`'s raw blocks `[rows, bytes]` (round to nearest, no search)."""
+    if qtype in (Q.Q4_K, Q.Q5_K):
+        return _encode_k(w, qtype == Q.Q5_K)
+    if qtype == Q.Q6_K:
+        return _encode_q6_k(w)
+    if qtype in REFUSED:  # zero blocks: valid, every weight 0 (they are refused unread)
+        per, size = gguf.GGML_QUANT_SIZES[qtype]
+        return np.zeros((w.shape[0], w.shape[1] // per * size), np.uint8)
+    return gguf.quants.quantize(w, qtype)
+
+
+def _encode_k(w: np.ndarray, fifth: bool) -> np.ndarray:
+    """Q4_K / Q5_K: per 32 weights a 6-bit scale and minimum of fp16 `d` and `dmin`."""
+    levels = 31 if fifth else 15
+    rows, cols = w.shape
+    x = w.reshape(rows, cols // 256, 8, 32)
+    lo = np.minimum(x.min(-1), 0)
+    scale, low = (x.max(-1) - lo) / levels, -lo
+    d = scale.max(-1).astype(np.float16).astype(np.float32) / 63
+    dmin = low.max(-1).astype(np.float16).astype(np.float32) / 63
+    d, dmin = d.astype(np.float16), dmin.astype(np.float16)
+    sc = np.clip(np.rint(scale / _safe(d.astype(np.float32))[..., None]), 0, 63).astype(np.uint8)
+    mn = np.clip(np.rint(low / _safe(dmin.astype(np.float32))[..., None]), 0, 63).astype(np.uint8)
+    step = d.astype(np.float32)[..., None] * sc
+    shift = (dmin.astype(np.float32)[..., None] * mn)[..., None]
+    q = np.clip(np.rint((x + shift) / _safe(step)[..., None]), 0, levels).astype(np.uint8)
+    scales = np.concatenate(
+        [
+            (sc[..., :4] & 63) | ((sc[..., 4:] >> 4) << 6),
+            (mn[..., :4] & 63) | ((mn[..., 4:] >> 4) << 6),
+            (sc[..., 4:] & 15) | ((mn[..., 4:] & 15) << 4),
+        ],
+        axis=-1,
+    )
+    pairs = q.reshape(rows, cols // 256, 4, 2, 32) & 15  # sub-blocks 2k and 2k + 1
+    qs = (pairs[..., 0, :] | (pairs[..., 1, :] << 4)).reshape(rows, cols // 256, 128)
+    parts = [_f16(d), _f16(dmin), scales]
+    if fifth:  # bit j of byte i: weight i of sub-block j
+        hi = ((q >> 4) & 1).astype(np.uint8) << np.arange(8, dtype=np.uint8)[:, None]
+        parts.append(np.bitwise_or.reduce(hi, axis=-2))
+    parts.append(qs)
+    return np.concatenate(parts, axis=-1).reshape(rows, -1)
+
+
+def _encode_q6_k(w: np.ndarray) -> np.ndarray:
+    """Q6_K: an int8 scale per 16 weights of an fp16 `d`, negative in every other super-block
+    (llama.cpp's quantiser writes a negative `d`)."""
+    rows, cols = w.shape
+    x = w.reshape(rows, cols // 256, 16, 16)
+    sub = np.abs(x).max(-1) / 31
+    sign = np.where(np.arange(cols // 256) % 2, -1, 1).astype(np.float32)
+    d = (sub.max(-1) / 127 * sign).astype(np.float16)
+    s = np.clip(np.rint(sub / _safe(d.astype(np.float32))[..., None]), -128, 127)
+    step = (d.astype(np.float32)[..., None] * s.astype(np.float32))[..., None]
+    q = (np.clip(np.rint(x / _safe(step)), -32, 31) + 32).astype(np.uint8)
+    q = q.reshape(rows, cols // 256, 2, 4, 32)  # weight 128h + 32k + i
+    low = q & 15
+    ql = low[..., :2, :] | (low[..., 2:, :] << 4)  # byte 64h + 32(k % 2) + i
+    hi = ((q >> 4) & 3) << np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]
+    qh = np.bitwise_or.reduce(hi, axis=-2)  # byte 32h + i
+    parts = [
+        ql.reshape(rows, -1, 128),
+        qh.reshape(rows, -1, 64),
+        s.astype(np.int8).view(np.uint8),
+        _f16(d),
+    ]
+    return np.concatenate(parts, axis=-1).reshape(rows, -1)
+
+
+def random_blocks(qtype: Q, rows: int, cols: int, seed: int) -> np.ndarray:
+    """Blocks of random bytes (every code, 6-bit scale and minimum, int8 Q6_K scale, zeros
+    among them), their fp16 `d`/`dmin`/`m` set to finite values of a weight's magnitude, a
+    few of them zero."""
+    per, size = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    data = rng.integers(0, 256, (rows, cols // per, size), dtype=np.uint8)
+    shape = data.shape[:2]
+
+    def value(scale: float) -> np.ndarray:
+        v = rng.normal(0, scale, shape)
+        return _f16(np.where(rng.random(shape) < 0.02, 0, v))
+
+    if qtype == Q.Q6_K:
+        data[..., 208:210] = value(0.02 / 32 / 64)
+    elif qtype in (Q.Q4_K, Q.Q5_K):
+        data[..., 0:2], data[..., 2:4] = np.abs(value(0.02 / 63 / 8)), np.abs(value(0.02 / 63))
+    else:
+        data[..., 0:2] = value(0.02 / 8)
+        if qtype in (Q.Q4_1, Q.Q5_1):
+            data[..., 2:4] = value(0.02)
+    return data.reshape(rows, -1)
+
+
+# -- (a) every type unpacks to what the gguf package dequantises ----------------------------
+def _spec(data: np.ndarray, qtype: Q) -> QuantSpec:
+    q, scales, zeros = unpack_blocks(data, qtype)
+    return QuantSpec(*(torch.from_numpy(a) for a in (q, scales, zeros)), 32, 8)
+
+
+def _reference(data: np.ndarray, qtype: Q) -> torch.Tensor:
+    return torch.from_numpy(np.asarray(gguf.quants.dequantize(data, qtype), dtype=np.float32))
+
+
+@pytest.mark.parametrize("source", ["random", "encoded"])
+@pytest.mark.parametrize(
+    "qtype", [Q.Q4_K, Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda q: q.name
+)
+def test_each_type_unpacks_to_the_gguf_packages_weights(qtype: Q, source: str) -> None:
+    """Exact: the types of `w = d * (q - z)` to the bit, those with a minimum (Q4_1, Q5_1, the
+    K-quants, through `z = m / d`) up to fp32 rounding of `(q - z) * d`; the codes fit their
+    bits (4-bit types under 16, 5-bit ones 32 values about 128)."""
+    if source == "random":
+        data = random_blocks(qtype, 64, 1024, seed=int(qtype))
+    else:
+        w = np.random.default_rng(1).normal(0, 0.02, (64, 1024)).astype(np.float32)
+        data = encode(w, qtype)
+    spec, want = _spec(data, qtype), _reference(data, qtype)
+    got = spec.dequantize()
+    if qtype in EXACT:
+        assert torch.equal(got, want)
+    else:
+        assert (got - want).abs().max().item() <= 1e-6 * want.abs().max().item()
+    low, high = {Q.Q4_K: (0, 16), Q.Q4_0: (0, 16), Q.Q4_1: (0, 16), Q.Q8_0: (0, 256)}.get(
+        qtype, (112, 144)
+    )  # 5-bit codes about 128 (`_centred`)
+    assert low <= int(spec.q.min()) and int(spec.q.max()) < high
+
+
+def _q6_k_steps(data: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each weight's Q6_K step (`d * s`), and the coarser of its 32-weight pair's."""
+    blocks = data.reshape(data.shape[0], -1, 210)
+    d = torch.from_numpy(blocks[..., 208:210].copy().view(np.float16).astype(np.float32))
+    s = torch.from_numpy(blocks[..., 192:208].copy().view(np.int8).astype(np.float32))
+    own = (d * s).abs().repeat_interleave(16, dim=-1).reshape(data.shape[0], -1)
+    pair = (d * s).abs().reshape(*s.shape[:2], 8, 2).amax(-1)
+    return own, pair.repeat_interleave(32, dim=-1).reshape(data.shape[0], -1)
+
+
+@pytest.mark.parametrize("source", ["random", "encoded"])
+def test_q6_k_is_requantised_within_an_eighth_of_its_step(source: str) -> None:
+    """Q6_K scales every 16 weights; one 8-bit scale per 32 holds a pair exactly where a
+    common step does, else 256 levels over the pair's span: off by at most 64/510 of the
+    pair's coarser step. The error `_unpack` reports is the one measured here. Random scales
+    (any sign, any ratio) reach that bound; weights quantised as llama.cpp does (neighbouring
+    scales alike) stay far under it."""
+    if source == "random":
+        data = random_blocks(Q.Q6_K, 64, 1024, seed=6)
+    else:
+        data = encode(
+            np.random.default_rng(1).normal(0, 0.02, (64, 1024)).astype(np.float32), Q.Q6_K
+        )
+    q, scales, zeros, reported = gguf_convert._unpack(data, Q.Q6_K)
+    got = QuantSpec(*(torch.from_numpy(a) for a in (q, scales, zeros)), 32, 8).dequantize()
+    want = _reference(data, Q.Q6_K)
+    own, pair = _q6_k_steps(data)
+    err = (got - want).abs()
+    held = pair > 0
+    worst = (err[held] / pair[held]).max().item()
+    assert worst == pytest.approx(reported, rel=1e-6)
+    assert worst <= Q6_K_BOUND * (1 + 1e-5)
+    assert torch.equal(got[~held], want[~held])  # a pair of zero scales is zeros
+    same = (own == pair).reshape(-1, 32).all(-1).reshape(err.shape[0], -1)  # equal halves
+    assert torch.equal(
+        err.reshape(err.shape[0], -1, 32)[same],
+        torch.zeros_like(err.reshape(err.shape[0], -1, 32)[same]),
+    )
+    print(
+        f"\nQ6_K {source}: worst {worst:.4f} of the pair's coarser step, "
+        f"{(err[own > 0] / own[own > 0]).max().item():.4f} of the weight's own step"
+    )
+
+
+# -- small llama files with the default model's tokenizer ------------------------------------
+@pytest.fixture(scope="module")
+def tokenizer_fields(model_home: Path) -> list[tuple[str, Any, V, V | None]]:
+    """The default GGUF's `tokenizer.*` metadata, to write into each file."""
+    r = gguf.GGUFReader(reg.smollm2_gguf(model_home, progress=False))
+    out = []
+    for key, field in r.fields.items():
+        if key.startswith("tokenizer."):
+            sub = field.types[-1] if field.types[0] == V.ARRAY else None
+            out.append((key, field.contents(), field.types[0], sub))
+    return out
+
+
+def weights(seed: int = 0) -> dict[str, np.ndarray]:
+    """A llama model's float weights by GGUF name (the q/k rows in llama.cpp's rope order,
+    as its converter writes them: only the files differ, not the model)."""
+    rng = np.random.default_rng(seed)
+
+    def lin(rows: int, cols: int) -> np.ndarray:
+        return (rng.standard_normal((rows, cols)) * cols**-0.5).astype(np.float32)
+
+    hd = HIDDEN // HEADS
+    out = {"token_embd.weight": rng.standard_normal((49152, HIDDEN)).astype(np.float32)}
+    for i in range(LAYERS):
+        p = f"blk.{i}."
+        out |= {
+            p + "attn_norm.weight": (0.5 + rng.random(HIDDEN)).astype(np.float32),
+            p + "attn_q.weight": lin(HEADS * hd, HIDDEN),
+            p + "attn_k.weight": lin(KV_HEADS * hd, HIDDEN),
+            p + "attn_v.weight": lin(KV_HEADS * hd, HIDDEN),
+            p + "attn_output.weight": lin(HIDDEN, HEADS * hd),
+            p + "ffn_norm.weight": (0.5 + rng.random(HIDDEN)).astype(np.float32),
+            p + "ffn_gate.weight": lin(INTER, HIDDEN),
+            p + "ffn_up.weight": lin(INTER, HIDDEN),
+            p + "ffn_down.weight": lin(HIDDEN, INTER),
+        }
+    out["output_norm.weight"] = (0.5 + rng.random(HIDDEN)).astype(np.float32)
+    out["output.weight"] = lin(49152, HIDDEN)
+    return out
+
+
+def write_model(path: Path, fields: list[Any], types: dict[str, Q], tied: bool = False) -> Path:
+    """The `weights()` model as a GGUF, each tensor in `types[name]` (by name, or by its kind:
+    `attn_q`, `token_embd`, ...; F32 if none), the lm_head left out when `tied`."""
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_context_length(512)
+    w.add_embedding_length(HIDDEN)
+    w.add_block_count(LAYERS)
+    w.add_feed_forward_length(INTER)
+    w.add_rope_dimension_count(HIDDEN // HEADS)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV_HEADS)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    for key, value, vtype, sub in fields:
+        w.add_key_value(key, value, vtype, sub)
+    for name, arr in weights().items():
+        if tied and name == "output.weight":
+            continue
+        kind = name.split(".")[-2]
+        qtype = types.get(name, types.get(kind, Q.F32))
+        if qtype == Q.F32:
+            w.add_tensor(name, arr)
+        else:
+            w.add_tensor(name, encode(arr, qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+# Q4_K_M as llama-quantize writes it: Q4_K, with Q6_K for attn_v and ffn_down in some layers
+# (here layer 0) and for the lm_head
+Q4_K_M = {
+    "token_embd": Q.Q4_K, "output": Q.Q6_K, "attn_q": Q.Q4_K, "attn_k": Q.Q4_K,
+    "attn_v": Q.Q4_K, "attn_output": Q.Q4_K, "ffn_gate": Q.Q4_K, "ffn_up": Q.Q4_K,
+    "ffn_down": Q.Q4_K, "blk.0.attn_v.weight": Q.Q6_K, "blk.0.ffn_down.weight": Q.Q6_K,
+}  # fmt: skip
+# the 5-bit types, one per projection, and a Q6_K beside them (all 8-bit: fused as they are);
+# the lm_head tied to a Q5_K embedding
+FIVE_BIT = {
+    "token_embd": Q.Q5_K, "attn_q": Q.Q5_0, "attn_k": Q.Q5_1, "attn_v": Q.Q5_K,
+    "attn_output": Q.Q5_0, "ffn_gate": Q.Q5_K, "ffn_up": Q.Q6_K, "ffn_down": Q.Q5_1,
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def q4_k_m(tokenizer_fields: list[Any], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_model(tmp_path_factory.mktemp("q4km") / "q4km.gguf", tokenizer_fields, Q4_K_M)
+
+
+@pytest.fixture(scope="module")
+def five_bit(tokenizer_fields: list[Any], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("five") / "five.gguf"
+    return write_model(path, tokenizer_fields, FIVE_BIT, tied=True)
+
+
+def engine(path: Path, home: Path, knob: str) -> LLMEngine:
+    cfg = EngineConfig(
+        model=str(path), home=home, kv_cache_bytes="16MiB", num_threads=1,
+        model_quantization=knob,
+    )  # fmt: skip
+    return LLMEngine.from_config(cfg, progress=False)
+
+
+TEXTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there was a"]
+
+
+@pytest.fixture(scope="module")
+def served(
+    q4_k_m: Path, five_bit: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, tuple[LLMEngine, LLMEngine]]:
+    """Each file served packed (`auto`) and in fp32 (`none`)."""
+    home = tmp_path_factory.mktemp("home")
+    return {p.stem: (engine(p, home, "auto"), engine(p, home, "none")) for p in (q4_k_m, five_bit)}
+
+
+def prompt_ids(eng: LLMEngine) -> list[list[int]]:
+    return [list(o.prompt_token_ids) for o in eng.generate(TEXTS, SamplingParams(max_tokens=1))]
+
+
+def greedy(eng: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
+    outs = eng.generate(prompts, SamplingParams(max_tokens=STEPS, ignore_eos=True))
+    return [list(o.token_ids) for o in outs]
+
+
+@pytest.mark.parametrize("name", ["q4km", "five"])
+def test_a_packed_k_quant_model_gives_the_fp32_models_tokens(
+    served: dict[str, tuple[LLMEngine, LLMEngine]], name: str
+) -> None:
+    """Greedy tokens as `model_quantization: none` gives them, and every logit along them
+    within 5% of the logits' spread (1% on average): the packed model's only differences are
+    Q6_K's requantisation (an eighth of a Q6_K step at most, some 0.3% of a weight), the
+    kernels' fp16 group scales and their quantised activations. A code in the wrong place, or
+    q/k rows in the wrong order, moves logits by their whole spread."""
+    packed, fp32 = served[name]
+    ids = prompt_ids(fp32)
+    want = greedy(fp32, ids)
+    assert greedy(packed, ids) == want
+    for prompt, out in zip(ids, want, strict=True):
+        seq = prompt + out
+        ref = fp32.score(seq)
+        diff = (packed.score(seq) - ref).abs()
+        spread = ref.std().item()
+        assert diff.max().item() <= 0.05 * spread
+        assert diff.mean().item() <= 0.01 * spread
+
+
+@pytest.mark.parametrize("name", ["q4km", "five"])
+def test_transformers_reads_the_file_as_kvguards_fp32_model_does(
+    served: dict[str, tuple[LLMEngine, LLMEngine]], q4_k_m: Path, five_bit: Path, name: str
+) -> None:
+    """transformers' GGUF loader (the gguf package's dequantisers, its own q/k row order) on
+    the same file: the same logits to fp32 rounding, the same greedy tokens."""
+    from transformers import AutoModelForCausalLM
+
+    path = {"q4km": q4_k_m, "five": five_bit}[name]
+    model = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    fp32 = served[name][1]
+    ids = prompt_ids(fp32)
+    for prompt, out in zip(ids, greedy(fp32, ids), strict=True):
+        with torch.no_grad():
+            gen = model.generate(
+                torch.tensor([prompt]), max_new_tokens=STEPS, do_sample=False,
+                eos_token_id=None, pad_token_id=0,
+            )  # fmt: skip
+            assert gen[0, len(prompt) :].tolist() == out
+            want = model(torch.tensor([prompt + out])).logits[0]
+        got = fp32.score(prompt + out)
+        assert (got - want).abs().max().item() <= 1e-4 * want.abs().max().item()
+
+
+def test_a_q4_k_m_file_is_served_with_no_fp32_weight(
+    q4_k_m: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Q4_K q/k beside a Q6_K `attn_v` (layer 0) had been dequantised to fp32, and every Q4_K
+    or Q6_K tensor refused: now every weight is codes (the mixed group's at 8 bits, the rest
+    as their types), the norms alone are fp32, and the model takes about its file's size
+    (Q6_K at 8 bits, 4.5-bit Q4_K as 4-bit codes with fp16 scale and minimum per 32). One
+    warning gives the Q6_K tensors' error; the widened group is said once."""
+    with caplog.at_level(logging.INFO, logger="kvguard.engine"):
+        convert_gguf(q4_k_m, tmp_path / "packed", progress=False, packed=True)
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(said) == 1, said
+    assert "q4km.gguf: 3 Q6_K tensor(s) are served requantised to 8-bit codes" in said[0]
+    widened = [r.getMessage() for r in caplog.records if "4-bit and 8-bit" in r.getMessage()]
+    assert len(widened) == 1
+    assert "1 fused projection group(s)" in widened[0]
+    assert "layer 0: attn_q Q4_K, attn_k Q4_K, attn_v Q6_K" in widened[0]
+    qc = json.loads((tmp_path / "packed" / "config.json").read_text())["quantization_config"]
+    layers = [f"model.layers.{i}.{p}" for i in range(LAYERS) for p in _PROJECTIONS]
+    assert set(qc["modules"]) == {*layers, "model.embed_tokens", "lm_head"}
+    for p in ("q_proj", "k_proj", "v_proj"):
+        assert qc["bits"][f"model.layers.0.self_attn.{p}"] == 8
+        assert qc["bits"][f"model.layers.1.self_attn.{p}"] == 4
+    assert qc["modules"]["model.layers.0.self_attn.v_proj"] == "Q6_K"
+    assert qc["bits"]["model.layers.0.mlp.down_proj"] == 8
+    assert qc["bits"]["model.layers.0.mlp.gate_proj"] == 4
+    held = load_file(str(tmp_path / "packed" / "model.safetensors"))
+    plain = sorted(n for n in held if n.endswith(".weight"))
+    assert plain == sorted(
+        [f"model.layers.{i}.{n}_layernorm.weight" for i in range(LAYERS)
+         for n in ("input", "post_attention")] + ["model.norm.weight"]
+    )  # fmt: skip
+    eng = engine(q4_k_m, tmp_path / "home", "auto")
+    resident = weight_bytes(eng.model)
+    file = sum(int(t.n_bytes) for t in gguf.GGUFReader(q4_k_m).tensors)
+    print(
+        f"\nQ4_K_M-shaped file: tensors {file / 2**20:.2f} MiB, served {resident / 2**20:.2f} MiB"
+    )
+    assert file <= resident <= 1.4 * file
+
+
+_PROJECTIONS = (
+    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("qtype", REFUSED, ids=lambda q: q.name)
+def test_other_quantised_types_are_still_refused_by_name(
+    tokenizer_fields: list[Any], tmp_path: Path, qtype: Q
+) -> None:
+    """A layer tensor of a type with no packed form is refused before anything is written,
+    naming the file, the tensor and the type; `none` still serves it."""
+    path = write_model(tmp_path / "odd.gguf", tokenizer_fields, {**Q4_K_M, "ffn_up": qtype})
+    pattern = (
+        rf"odd\.gguf: tensor 'blk\.0\.ffn_up\.weight' is {qtype.name} \(2 tensors.*"
+        "model_quantization: none"
+    )
+    with pytest.raises(ModelLoadError, match=pattern):
+        convert_gguf(path, tmp_path / "packed", progress=False, packed=True)
+    assert not (tmp_path / "packed").exists()
+    out = reg.resolve_model(str(path), tmp_path / "home", progress=False, quantization="none")
+    held = load_file(str(out / "model.safetensors"))
+    assert not held["model.layers.1.mlp.up_proj.weight"].any()

@@ -4,7 +4,7 @@ Reading a GGUF is slow (the tokenizer arrays alone take seconds to parse), so th
 converted once into safetensors + tokenizer files, which then load in about a second. Two forms:
 
 - packed (`packed=True`, what `model_quantization: auto | gguf` serves): Q4_0, Q4_1, Q4_K,
-  Q5_0, Q5_1, Q5_K, Q6_K and Q8_0 tensors stay quantized, unpacked to `QuantSpec`'s convention
+  Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, IQ4_NL and IQ4_XS tensors stay quantized, unpacked to `QuantSpec`'s convention
   and stored per module as `<name>.qweight` (uint8 codes; two 4-bit codes a byte, even column
   in the low nibble), `<name>.scales` and `<name>.zeros` (float32, one per 32-column group);
   config.json says so in `quantization_config` (`quant_method: gguf`: each module's GGUF type
@@ -16,9 +16,10 @@ converted once into safetensors + tokenizer files, which then load in about a se
   fused projection (q/k/v, gate/up: one kernel serves each) needs one code width: one with an
   unquantised part (an F16 `attn_v` beside Q4_1 q/k) is stored as fp32, with a warning; one
   mixing 4-bit and 8-bit codes (Q4_K q/k beside a Q6_K `attn_v`, as in a Q4_K_M file) at 8
-  bits, its 4-bit codes one a byte. A tensor of any other quantised type (Q2_K, Q3_K, IQ*,
-  ...) is refused, naming the file, the tensor and its type: dequantised it would silently
-  serve the model at several times the file's size (a 3 bit weight as 32 bits), which
+  bits, its 4-bit codes one a byte. IQ4_NL and IQ4_XS, whose 16 values are not evenly spaced,
+  become 8-bit codes (exact, twice their size). A tensor of any other quantised type (Q2_K,
+  Q3_K, IQ1-3, ...) is refused, naming the file, the tensor and its type: dequantised it
+  would silently serve the model at several times the file's size (a 3 bit weight as 32), which
   `model_quantization: none` does on purpose.
 - fp32 (`packed=False`, `model_quantization: none`): every tensor dequantised, the reference
   the packed model is compared with.
@@ -125,7 +126,12 @@ BITS = {
     gguf.GGMLQuantizationType.Q5_K: 8,
     gguf.GGMLQuantizationType.Q6_K: 8,
     gguf.GGMLQuantizationType.Q8_0: 8,
+    gguf.GGMLQuantizationType.IQ4_NL: 8,
+    gguf.GGMLQuantizationType.IQ4_XS: 8,
 }
+# IQ4_NL's and IQ4_XS's 16 weight values (times a scale): not evenly spaced, so no 4-bit code
+# with a scale and minimum holds them, and 8-bit codes `value + 128` do, exactly
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113])
 PACKED_TYPES = tuple(BITS)
 GROUP = 32  # weights per scale in every packed type (a K-quant's super-block holds 8 or 16)
 K_SUPER = 256  # weights per K-quant super-block
@@ -445,7 +451,7 @@ VOCAB_TENSORS = ("token_embd.weight", "output.weight")
 
 def _refuse_unpackable(src: GgufFile) -> None:
     """A packed conversion serves `BITS`' types packed and unquantised ones as they are. A
-    layer's tensor quantised otherwise (blocks of more than one value: Q2_K, Q3_K, IQ*, TQ*,
+    layer's tensor quantised otherwise (blocks of more than one value: Q2_K, Q3_K, IQ1-3, TQ*,
     ...) is refused before anything is converted, naming the file, the tensor and its type:
     dequantised, the model would take several times the file's size. The embedding and the
     lm_head (`VOCAB_TENSORS`) are dequantised to fp32 instead, with a warning."""
@@ -509,6 +515,17 @@ def kept_packed(src: GgufFile, warn: bool = False) -> dict[str, int]:
     if warn and widths:
         _say_widened(src, widths)
     keep = {t.name: BITS[t.tensor_type] for t in src.reader.tensors if t.tensor_type in BITS}
+    iq4 = [t for t in src.reader.tensors if t.tensor_type.name.startswith("IQ4_")]
+    if warn and iq4:
+        log.warning(
+            "%s: %d IQ4_NL/IQ4_XS tensor(s) are served as 8-bit codes, exactly (their 16 "
+            "values are not evenly spaced, which 4-bit codes with a scale need): %.0f MiB "
+            "against %.0f MiB in the file",
+            src.path,
+            len(iq4),
+            sum(int(np.prod(t.shape)) * 9 / 8 for t in iq4) / 2**20,
+            sum(int(t.n_bytes) for t in iq4) / 2**20,
+        )
     for t in (t for parts in floats for t in parts):
         keep.pop(t.name, None)
     for t in (t for parts in widths for t in parts):
@@ -631,6 +648,9 @@ def _unpack(
     blocks = data.reshape(rows, -1, size)
     if qtype == gguf.GGMLQuantizationType.Q6_K:
         return _unpack_q6_k(blocks)
+    if qtype.name.startswith("IQ4_"):
+        q, scales, zeros = _unpack_iq4(blocks, qtype == gguf.GGMLQuantizationType.IQ4_XS)
+        return q.reshape(rows, -1), scales.reshape(rows, -1), zeros.reshape(rows, -1), 0.0
     if qtype in (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q5_K):
         q, scales, zeros = _unpack_k(blocks, qtype == gguf.GGMLQuantizationType.Q5_K)
     else:
@@ -647,6 +667,30 @@ def _centred(q: np.ndarray, zeros: np.ndarray, bits: int) -> tuple[np.ndarray, n
     fp16 rounding is 0.05 of a step in every weight; about 128 it is near 0 (Q5_0's exactly)."""
     up = 128 - 2 ** (bits - 1)
     return q + np.uint8(up), zeros + np.float32(up)
+
+
+def _unpack_iq4(blocks: np.ndarray, xs: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """IQ4_NL and IQ4_XS as 8-bit codes `IQ4_VALUES[nibble] + 128`, zero 128, exact.
+
+    IQ4_NL is blocks of 32: fp16 `d` and 16 bytes of nibbles laid out as Q4_0's, `w = d *
+    IQ4_VALUES[nibble]`. IQ4_XS is super-blocks of 256: fp16 `d`, a little-endian uint16 whose
+    bits 2j, 2j + 1 are sub-block j's scale's top two, 4 bytes of the scales' low four (sub-block
+    j in byte j // 2, the low nibble for even j), then 16 bytes of nibbles per sub-block of 32;
+    `w = d * (scale - 32) * IQ4_VALUES[nibble]`."""
+    n = blocks.shape[:2]
+    d = _f16(blocks[..., 0:2])[..., None]
+    if xs:
+        j = np.arange(8)
+        top = np.ascontiguousarray(blocks[..., 2:4]).view(np.uint16)  # [..., 1]
+        low = (blocks[..., 4 + j // 2] >> (4 * (j % 2)).astype(np.uint8)) & 15
+        level = low.astype(np.int16) | (((top >> (2 * j).astype(np.uint16)) & 3) << 4)
+        scales = d * (level.astype(np.float32) - 32)
+        qs = blocks[..., 8:].reshape(*n, 8, 16)
+    else:
+        scales, qs = d, blocks[..., 2:].reshape(*n, 1, 16)
+    codes = np.concatenate([qs & 15, qs >> 4], axis=-1)
+    q = (IQ4_VALUES[codes] + 128).astype(np.uint8)
+    return q, scales.astype(np.float32), np.full_like(scales, 128.0, dtype=np.float32)
 
 
 def _unpack_32(

@@ -42,13 +42,10 @@ HIDDEN, INTER, LAYERS, HEADS, KV_HEADS = 256, 512, 2, 4, 2
 STEPS = 8
 # Q6_K requantised: at most 1/510 of a pair's span, which is at most 64 of its coarser step
 Q6_K_BOUND = 64 / 510
-EXACT = (Q.Q4_0, Q.Q5_0, Q.Q8_0)
-REFUSED = (
-    Q.IQ4_NL,
-    Q.IQ4_XS,
-    Q.Q2_K,
-    Q.Q3_K,
-)  # quantised types with no packed form  # w = d * (q - z): the same fp32 products as gguf's
+# w = d * (q - z): the same fp32 products as gguf's
+EXACT = (Q.Q4_0, Q.Q5_0, Q.Q8_0, Q.IQ4_NL, Q.IQ4_XS)
+REFUSED = (Q.Q2_K, Q.Q3_K, Q.IQ3_S, Q.IQ2_XS)  # quantised types with no packed form
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113])
 
 
 # -- blocks written from float weights --------------------------------------------------------
@@ -67,6 +64,8 @@ def encode(w: np.ndarray, qtype: Q) -> np.ndarray:
         return _encode_k(w, qtype == Q.Q5_K)
     if qtype == Q.Q6_K:
         return _encode_q6_k(w)
+    if qtype in (Q.IQ4_NL, Q.IQ4_XS):
+        return _encode_iq4(w, qtype == Q.IQ4_XS)
     if qtype in REFUSED:  # zero blocks: valid, every weight 0 (they are refused unread)
         per, size = gguf.GGML_QUANT_SIZES[qtype]
         return np.zeros((w.shape[0], w.shape[1] // per * size), np.uint8)
@@ -131,6 +130,30 @@ def _encode_q6_k(w: np.ndarray) -> np.ndarray:
     return np.concatenate(parts, axis=-1).reshape(rows, -1)
 
 
+def _encode_iq4(w: np.ndarray, xs: bool) -> np.ndarray:
+    """IQ4_NL (an fp16 `d` per 32 weights) / IQ4_XS (an fp16 `d` per 256 and a 6-bit level per
+    32, scale `d * (level - 32)`): each weight the nearest of the scale times `IQ4_VALUES`."""
+    rows, cols = w.shape
+    x = w.reshape(rows, cols // 256, 8, 32) if xs else w.reshape(rows, cols // 32, 1, 32)
+    want = np.abs(x).max(-1) / 127  # each 32's scale
+    if xs:
+        d = (want.max(-1) / 31).astype(np.float16)
+        level = np.clip(np.rint(want / _safe(d.astype(np.float32))[..., None]), 0, 31) + 32
+        scale = d.astype(np.float32)[..., None] * (level - 32)
+    else:
+        d = want[..., 0].astype(np.float16)
+        scale = d.astype(np.float32)[..., None]
+    near = np.abs(x[..., None] / _safe(scale)[..., None, None] - IQ4_VALUES).argmin(-1)
+    qs = (near[..., :16] | (near[..., 16:] << 4)).astype(np.uint8).reshape(*x.shape[:2], -1)
+    if not xs:
+        return np.concatenate([_f16(d), qs], axis=-1).reshape(rows, -1)
+    level = level.astype(np.uint16)
+    top = np.bitwise_or.reduce((level >> 4) << (2 * np.arange(8, dtype=np.uint16)), axis=-1)
+    low = (level[..., 0::2] & 15) | ((level[..., 1::2] & 15) << 4)
+    parts = [_f16(d), top.reshape(*top.shape, 1).view(np.uint8), low.astype(np.uint8), qs]
+    return np.concatenate(parts, axis=-1).reshape(rows, -1)
+
+
 def random_blocks(qtype: Q, rows: int, cols: int, seed: int) -> np.ndarray:
     """Blocks of random bytes (every code, 6-bit scale and minimum, int8 Q6_K scale, zeros
     among them), their fp16 `d`/`dmin`/`m` set to finite values of a weight's magnitude, a
@@ -167,7 +190,9 @@ def _reference(data: np.ndarray, qtype: Q) -> torch.Tensor:
 
 @pytest.mark.parametrize("source", ["random", "encoded"])
 @pytest.mark.parametrize(
-    "qtype", [Q.Q4_K, Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda q: q.name
+    "qtype",
+    [Q.Q4_K, Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.IQ4_NL, Q.IQ4_XS],
+    ids=lambda q: q.name,
 )
 def test_each_type_unpacks_to_the_gguf_packages_weights(qtype: Q, source: str) -> None:
     """Exact: the types of `w = d * (q - z)` to the bit, those with a minimum (Q4_1, Q5_1, the
@@ -184,9 +209,10 @@ def test_each_type_unpacks_to_the_gguf_packages_weights(qtype: Q, source: str) -
         assert torch.equal(got, want)
     else:
         assert (got - want).abs().max().item() <= 1e-6 * want.abs().max().item()
-    low, high = {Q.Q4_K: (0, 16), Q.Q4_0: (0, 16), Q.Q4_1: (0, 16), Q.Q8_0: (0, 256)}.get(
-        qtype, (112, 144)
-    )  # 5-bit codes about 128 (`_centred`)
+    low, high = {
+        Q.Q4_K: (0, 16), Q.Q4_0: (0, 16), Q.Q4_1: (0, 16), Q.Q8_0: (0, 256),
+        Q.IQ4_NL: (1, 242), Q.IQ4_XS: (1, 242),  # IQ4_VALUES + 128
+    }.get(qtype, (112, 144))  # fmt: skip  # 5-bit codes about 128 (`_centred`)
     assert low <= int(spec.q.min()) and int(spec.q.max()) < high
 
 
@@ -321,6 +347,14 @@ FIVE_BIT = {
 }  # fmt: skip
 
 
+# IQ4_NL and IQ4_XS (8-bit codes: every projection fuses as it is), the lm_head IQ4_XS
+IQ4 = {
+    "token_embd": Q.IQ4_NL, "output": Q.IQ4_XS, "attn_q": Q.IQ4_XS, "attn_k": Q.IQ4_NL,
+    "attn_v": Q.IQ4_XS, "attn_output": Q.IQ4_NL, "ffn_gate": Q.IQ4_XS, "ffn_up": Q.IQ4_NL,
+    "ffn_down": Q.IQ4_XS,
+}  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def q4_k_m(tokenizer_fields: list[Any], tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_model(tmp_path_factory.mktemp("q4km") / "q4km.gguf", tokenizer_fields, Q4_K_M)
@@ -330,6 +364,11 @@ def q4_k_m(tokenizer_fields: list[Any], tmp_path_factory: pytest.TempPathFactory
 def five_bit(tokenizer_fields: list[Any], tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("five") / "five.gguf"
     return write_model(path, tokenizer_fields, FIVE_BIT, tied=True)
+
+
+@pytest.fixture(scope="module")
+def iq4(tokenizer_fields: list[Any], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_model(tmp_path_factory.mktemp("iq4") / "iq4.gguf", tokenizer_fields, IQ4)
 
 
 def engine(path: Path, home: Path, knob: str) -> LLMEngine:
@@ -345,11 +384,12 @@ TEXTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, the
 
 @pytest.fixture(scope="module")
 def served(
-    q4_k_m: Path, five_bit: Path, tmp_path_factory: pytest.TempPathFactory
+    q4_k_m: Path, five_bit: Path, iq4: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, tuple[LLMEngine, LLMEngine]]:
     """Each file served packed (`auto`) and in fp32 (`none`)."""
     home = tmp_path_factory.mktemp("home")
-    return {p.stem: (engine(p, home, "auto"), engine(p, home, "none")) for p in (q4_k_m, five_bit)}
+    files = (q4_k_m, five_bit, iq4)
+    return {p.stem: (engine(p, home, "auto"), engine(p, home, "none")) for p in files}
 
 
 def prompt_ids(eng: LLMEngine) -> list[list[int]]:
@@ -361,7 +401,7 @@ def greedy(eng: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
     return [list(o.token_ids) for o in outs]
 
 
-@pytest.mark.parametrize("name", ["q4km", "five"])
+@pytest.mark.parametrize("name", ["q4km", "five", "iq4"])
 def test_a_packed_k_quant_model_gives_the_fp32_models_tokens(
     served: dict[str, tuple[LLMEngine, LLMEngine]], name: str
 ) -> None:
@@ -383,15 +423,19 @@ def test_a_packed_k_quant_model_gives_the_fp32_models_tokens(
         assert diff.mean().item() <= 0.01 * spread
 
 
-@pytest.mark.parametrize("name", ["q4km", "five"])
+@pytest.mark.parametrize("name", ["q4km", "five", "iq4"])
 def test_transformers_reads_the_file_as_kvguards_fp32_model_does(
-    served: dict[str, tuple[LLMEngine, LLMEngine]], q4_k_m: Path, five_bit: Path, name: str
+    served: dict[str, tuple[LLMEngine, LLMEngine]],
+    q4_k_m: Path,
+    five_bit: Path,
+    iq4: Path,
+    name: str,
 ) -> None:
     """transformers' GGUF loader (the gguf package's dequantisers, its own q/k row order) on
     the same file: the same logits to fp32 rounding, the same greedy tokens."""
     from transformers import AutoModelForCausalLM
 
-    path = {"q4km": q4_k_m, "five": five_bit}[name]
+    path = {"q4km": q4_k_m, "five": five_bit, "iq4": iq4}[name]
     model = AutoModelForCausalLM.from_pretrained(
         path.parent, gguf_file=path.name, dtype=torch.float32
     ).eval()

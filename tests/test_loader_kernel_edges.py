@@ -1,7 +1,7 @@
 """Edges of the GGUF loader, the CPU low-bit kernels' activation quantisation and the greedy
 sampler that a reviewer found misbehaving:
 
-- a GGUF quantised in a type kvguard does not serve packed (Q2_K, Q3_K, IQ4_NL, ...) is refused
+- a GGUF quantised in a type kvguard does not serve packed (Q2_K, Q3_K, IQ3_S, ...) is refused
   by the packed conversion (`model_quantization: auto | gguf`) naming the file, the tensor and
   its type, instead of being silently dequantised to fp32; `none` still dequantises it;
 - a block of activations holding a NaN or an infinity makes every output of its row NaN on
@@ -35,7 +35,7 @@ from kvguard.kernels import cpu_lowbit, cpu_ops
 
 Q = gguf.GGMLQuantizationType
 VOCAB = 300
-RANDOM_BLOCKS = (Q.Q2_K, Q.Q3_K, Q.IQ4_NL)
+RANDOM_BLOCKS = (Q.Q2_K, Q.Q3_K, Q.IQ3_S)
 
 
 # -- tiny GGUF files -------------------------------------------------------------------------
@@ -51,7 +51,7 @@ def _add(writer: gguf.GGUFWriter, name: str, w: np.ndarray, qtype: Q, seed: int)
         rng = np.random.default_rng(seed)
         data = rng.integers(0, 256, (rows, cols // size, nbytes), dtype=np.uint8)
         scale = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
-        if qtype == Q.IQ4_NL:  # d leads the block
+        if qtype == Q.IQ3_S:  # d leads the block
             data[..., 0:2] = scale
         else:  # d (and Q2_K's dmin) end the block
             data[..., -4:-2] = data[..., -2:] = scale
@@ -138,7 +138,7 @@ def write_gguf(
     ("qtype", "types", "tensor", "kind"),
     [
         (Q.Q3_K, {"token_embd.weight": Q.Q8_0}, "blk.0.attn_q.weight", "Q3_K"),  # Q3_K_M-like
-        (Q.IQ4_NL, {}, "blk.0.attn_q.weight", "IQ4_NL"),
+        (Q.IQ3_S, {}, "blk.0.attn_q.weight", "IQ3_S"),
         (Q.Q4_0, {"blk.1.ffn_down.weight": Q.Q2_K}, "blk.1.ffn_down.weight", "Q2_K"),
     ],
 )
@@ -149,7 +149,7 @@ def test_packed_conversion_refuses_types_it_does_not_serve_packed(
     error names the file, the first such tensor and its type, and points to `none`. `none`
     still converts the file (dequantised on purpose), every weight as the gguf package
     dequantises it."""
-    k_quant = {qtype, *types.values()} & {Q.Q2_K, Q.Q3_K}  # blocks of 256 values
+    k_quant = {qtype, *types.values()} & {Q.Q2_K, Q.Q3_K, Q.IQ3_S}  # blocks of 256 values
     hidden, inter = (256, 512) if k_quant else (64, 128)
     path = write_gguf(tmp_path / "odd.gguf", qtype, hidden, inter, types=types)
     pattern = rf"odd\.gguf: tensor '{tensor}' is {kind} .*model_quantization: none"

@@ -300,11 +300,11 @@ class _Sampling(_Body):
         description="0 keeps only the most likely token (greedy); left out or null: the "
         "model's generation_config.json top_p, else 1",
     )
-    top_k: int = Field(
-        0,
+    top_k: int | None = Field(
+        None,
         ge=0,
         le=INT64_MAX,
-        description="kvguard extension: 0 disables; left out: the model's "
+        description="kvguard extension: 0 disables; left out or null: the model's "
         "generation_config.json top_k, else 0",
     )
     n: int | None = Field(
@@ -412,7 +412,7 @@ class _Sampling(_Body):
             if temperature is None
             else temperature,
             "top_p": defaults.get("top_p", DEFAULT_TOP_P) if top_p is None else top_p,
-            "top_k": self.top_k if "top_k" in self.model_fields_set else defaults.get("top_k", 0),
+            "top_k": defaults.get("top_k", 0) if self.top_k is None else self.top_k,
         }
 
 

@@ -744,12 +744,13 @@ def _unpack_q6_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray
     (h < 2, k < 4) has its low bits in byte 64h + 32(k % 2) + i (nibble k // 2) and its high
     bits in byte 128 + 32h + i (bits 2k, 2k + 1). One scale per 32 weights holds such a pair of
     sub-blocks exactly where a common step does: `d * gcd(s_a, s_b)`, when the pair's codes on
-    it span at most 256 values. Other pairs are requantised to 256 levels between their least
-    and greatest weight, off by at most 1/510 of that span: 64/510 (0.125) of the coarser
-    sub-block's step `d * max(|s_a|, |s_b|)` at worst (64 steps: -32 of one sub-block's and +32
-    of the other's when their scales differ in sign; Q6_K's own rounding is off by up to 0.5).
-    The error is measured, as the largest fraction of that step; rows are done a slice at a
-    time to bound the temporary arrays."""
+    it span at most 256 values. Other pairs are requantised to 256 levels about zero, a level
+    the largest weight over 127 (or the most negative one over 128), off by at most half a
+    level: 32/254 (0.126, an eighth) of the coarser sub-block's step `d * max(|s_a|, |s_b|)`
+    (a weight is at most 32 such steps from zero; Q6_K's own rounding is off by up to 0.5). Codes sit about 128
+    (zero 128 where the pair's codes allow it, as `_centred`): the 8-bit kernels keep
+    `(128 - zero) * scale` in fp16, exact only at 0. The error is measured, as the largest
+    fraction of that step; rows are done a slice at a time to bound the temporary arrays."""
     rows, per_row = blocks.shape[:2]
     q = np.empty((rows, per_row, 8, 32), np.uint8)
     scales = np.empty((rows, per_row, 8), np.float32)
@@ -777,20 +778,20 @@ def _requantise_q6_k(
     d = _f16(blocks[..., 208:210])[..., None, None]
     s_w = np.repeat(s, 16, axis=-1)  # each weight's sub-block scale
     w = (d * s_w.astype(np.float32)) * k.astype(np.float32)  # the exact weights, as gguf
-    # a common step: codes k * s / g, shifted to start at 0
+    # a common step: codes k * s / g, moved up by the shift nearest 128 that keeps them in a byte
     g = np.gcd(s[..., 0], s[..., 1])
     ints = k * (s_w // np.maximum(g, 1)[..., None])
     lo_i, hi_i = ints.min(axis=-1), ints.max(axis=-1)
     exact = hi_i - lo_i <= 255
-    # else 256 levels from the least weight to the greatest
+    shift = np.clip(128, -lo_i, 255 - hi_i)
+    # else 256 levels about zero
     lo, hi = w.min(axis=-1), w.max(axis=-1)
-    level = (hi - lo) / np.float32(255)
-    safe = np.where(level == 0, np.float32(1), level)
-    zero = -lo / safe
-    codes = np.clip(np.rint(w / safe[..., None] + zero[..., None]), 0, 255)
-    q = np.where(exact[..., None], ints - lo_i[..., None], codes).astype(np.uint8)
+    level = np.maximum(-lo / np.float32(128), hi / np.float32(127))
+    safe = np.where(level > 0, level, np.float32(1))
+    codes = np.clip(np.rint(w / safe[..., None]) + 128, 0, 255)
+    q = np.where(exact[..., None], ints + shift[..., None], codes).astype(np.uint8)
     scales = np.where(exact, d[..., 0] * g.astype(np.float32), level).astype(np.float32)
-    zeros = np.where(exact, -lo_i.astype(np.float32), zero).astype(np.float32)
+    zeros = np.where(exact, shift.astype(np.float32), np.float32(128)).astype(np.float32)
     err = np.abs((q.astype(np.float32) - zeros[..., None]) * scales[..., None] - w).max(axis=-1)
     coarse = np.abs(d[..., 0]) * np.abs(s).max(axis=-1).astype(np.float32)
     held = coarse > 0  # a pair with no step holds zeros, exactly

@@ -32,7 +32,11 @@ PREFIX_SLACK = 64
 
 log = logging.getLogger("kvguard.engine")
 
-_SPECIAL_ROLES = ("bos_token", "eos_token", "pad_token", "unk_token")
+# the special-token roles transformers gives a chat template as variables (and reads from
+# special_tokens_map.json)
+_SPECIAL_ROLES = (
+    "bos_token", "eos_token", "pad_token", "unk_token", "sep_token", "cls_token", "mask_token",
+)  # fmt: skip
 
 # a byte-fallback vocabulary's token for one byte (SentencePiece's spelling: <0xE4>)
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")

@@ -181,11 +181,34 @@ def test_special_tokens_map_roles_render_and_encode_as_transformers(
     assert ours(folder, MESSAGES) == reference(folder, MESSAGES)
     hf = AutoTokenizer.from_pretrained(folder)
     tok = Tokenizer.from_dir(folder)
-    assert tok.special_tokens == {
-        role: getattr(hf, role) for role in ("bos_token", "eos_token", "pad_token", "unk_token")
-    }
+    assert tok.special_tokens == {role: getattr(hf, role) for role in ALL_ROLES}
     if case != "decoder":
         assert tok.special_tokens["bos_token"] == "<s>" and tok.eos_token_id == 2
+
+
+ALL_ROLES = (
+    "bos_token", "eos_token", "pad_token", "unk_token", "sep_token", "cls_token", "mask_token",
+)  # fmt: skip
+
+
+def test_every_special_token_role_is_a_template_variable_as_in_transformers(
+    base_dir: Path, tmp_path: Path
+) -> None:
+    """sep/cls/mask fill a template as transformers fills them (they had rendered empty), from
+    tokenizer_config.json or special_tokens_map.json."""
+    template = (
+        "{{ cls_token }}{% for m in messages %}{{ m['content'] }}{{ sep_token }}{% endfor %}"
+        "{{ mask_token }}"
+    )
+    roles = {"sep_token": "</s>", "cls_token": "<s>", "mask_token": "<unk>"}
+    jinja = {"chat_template.jinja": template}
+    folder = variant(base_dir, tmp_path / "config", roles, files=jinja)
+    text, ids = ours(folder, MESSAGES)
+    assert (text, ids) == reference(folder, MESSAGES)
+    assert text.startswith("<s>") and text.endswith("</s><unk>")
+    files = jinja | {"special_tokens_map.json": json.dumps(roles)}
+    folder = variant(base_dir, tmp_path / "map", files=files)
+    assert ours(folder, MESSAGES) == (text, ids) == reference(folder, MESSAGES)
 
 
 def test_special_tokens_map_wins_over_the_config_as_in_transformers(
@@ -384,7 +407,7 @@ def test_generation_config_defaults_what_a_request_leaves_out(auto_daemon: Daemo
     explicit = _completion(auto_daemon, "auto", **model_values)
     assert explicit[1] == 5
     assert _completion(auto_daemon, "auto") == explicit
-    left_null = {"temperature": None, "top_p": None, "max_tokens": None}
+    left_null = {"temperature": None, "top_p": None, "max_tokens": None, "extra": {"top_k": None}}
     assert _completion(auto_daemon, "auto", **left_null) == explicit
     own = _completion(auto_daemon, "auto", **OPENAI_VALUES)
     assert own[1] == 16 and own != explicit

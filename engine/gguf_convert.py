@@ -888,8 +888,9 @@ def _sentencepiece_spec(
     src: GgufFile, config: dict[str, Any], tokens: list[str], types: list[int]
 ) -> SentencePieceSpec:
     """A SentencePiece vocabulary: its merges follow from the pieces' scores (llama.cpp keeps
-    no merge list for it). BOS is added unless the file says not to, and a `▁` before the
-    text unless `add_space_prefix` is false, as llama.cpp does."""
+    no merge list for it). BOS is added unless the file says not to, and a `▁` before each
+    piece of text between added tokens (the first, and each after one) unless
+    `add_space_prefix` is false, as llama.cpp does."""
     scores = [float(s) for s in src.get("tokenizer.ggml.scores")]
     if len(scores) != len(tokens):
         raise ModelLoadError(f"{src.path}: {len(scores)} token scores for {len(tokens)} tokens")

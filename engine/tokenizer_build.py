@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
 # GPT-2-style splitting: contractions, letter runs, digit runs, other runs, whitespace.
@@ -81,7 +81,7 @@ class SentencePieceSpec:
     unk_token: str | None = None
     add_bos_token: bool = True
     add_eos_token: bool = False
-    add_space_prefix: bool = True  # text starts with a `▁`, which decoding takes off again
+    add_space_prefix: bool = True  # a `▁` before each piece of text; decoding takes one off
     chat_template: str | None = None
     model_max_length: int = 2048
 
@@ -158,9 +158,17 @@ def build_tokenizer(spec: BpeSpec | SentencePieceSpec) -> HFTokenizer:
 
 
 def _build_sentencepiece(spec: SentencePieceSpec) -> HFTokenizer:
-    """SentencePiece BPE: spaces become `▁` and (add_space_prefix) one goes before the text,
-    which is then one piece to merge (no pre-splitting); a character no piece holds is spelled
-    by its UTF-8 bytes' `<0xNN>` pieces. Decoding undoes each, and takes the prefix off."""
+    """SentencePiece BPE as llama.cpp runs it: the text is cut at the added tokens, and each
+    piece of text between them (or before the first) gets its spaces as `▁` and, with
+    add_space_prefix, one `▁` before it, whatever it starts with, after a special token too
+    (sentencepiece's dummy prefix, per piece). Each is then one piece to merge (no
+    pre-splitting); a character no piece holds is spelled by its UTF-8 bytes' `<0xNN>`
+    pieces. Decoding undoes each, and takes one space off the start of the text.
+
+    A normalizer, not a pre-tokenizer, adds the `▁`: the `tokenizers` library normalizes
+    each piece between added tokens on its own, so every piece gets one (a Metaspace
+    pre-tokenizer prepends only at the start of the whole text, and not where a space is
+    there already: transformers' reading of a GGUF, not what the model was trained on)."""
     vocab = {text: i for i, text in enumerate(spec.vocab)}
     model = models.BPE(
         vocab=vocab,
@@ -169,10 +177,11 @@ def _build_sentencepiece(spec: SentencePieceSpec) -> HFTokenizer:
         byte_fallback=True,
     )
     tok = HFTokenizer(model)
-    prepend = "first" if spec.add_space_prefix else "never"
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(
-        replacement=SPACE_MARK, prepend_scheme=prepend, split=False
-    )
+    spaces = normalizers.Replace(" ", SPACE_MARK)
+    if spec.add_space_prefix:
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend(SPACE_MARK), spaces])
+    else:
+        tok.normalizer = spaces
     steps = [decoders.Replace(SPACE_MARK, " "), decoders.ByteFallback(), decoders.Fuse()]
     if spec.add_space_prefix:
         steps.append(decoders.Strip(content=" ", left=1, right=0))

@@ -2,15 +2,27 @@
 Mistral) and byte-level BPE with the splits of Llama 3 (`llama-bpe`), Qwen2 and Mistral's
 Tekken. kvguard had refused them all.
 
-The reference is transformers, which builds its own tokenizer from the same GGUF
-(`AutoTokenizer.from_pretrained(dir, gguf_file=...)`): the converted directory must encode and
-decode as it does, and kvguard's incremental detokenisation must give the text a full decode
-gives. Two settings llama.cpp reads and transformers ignores are checked against llama.cpp's
-rule instead: `add_space_prefix` false, and the Llama 3 vocabularies taking a whole-token word
-as that token (`ignore_merges`).
+A GGUF is llama.cpp's file, and its models were trained with the tokenizer llama.cpp copies, so
+a SentencePiece vocabulary encodes as llama.cpp encodes it, proven against the `sentencepiece`
+package itself: a BPE model trained here on CORPUS (byte fallback, control and user-defined
+symbols), its pieces, scores and types copied into a GGUF as llama.cpp's converter copies them,
+and every text encoded as llama.cpp does (`llama_cpp_ids`): cut at the added tokens, each piece
+of text between them encoded by sentencepiece, with its dummy prefix. That is where kvguard
+parts from transformers 5, which reads the same GGUF with a `▁` only at the start of the whole
+text, and none where the text starts with a space: for a Llama 2 chat prompt `<s>[INST] Hi` it
+gives `[` after BOS where Meta's tokenizer and llama.cpp give `▁[`, and one `▁` for " Hello"
+where they give two. Transformers stays the reference where the two agree: decoding, the merges
+read off the scores (ties included, on a vocabulary built here), and text with no added token
+that starts with no space.
 
-The files are written here: a tiny random-weight llama with a SentencePiece vocabulary trained
-on CORPUS (byte pieces, control tokens, a chat template), or with the default model's
+Byte-level BPE has no such prefix; there the reference is transformers' tokenizer for the same
+GGUF (`AutoTokenizer.from_pretrained(dir, gguf_file=...)`). kvguard's incremental
+detokenisation must give the text a full decode gives. Two settings llama.cpp reads and
+transformers ignores are checked against llama.cpp's rule: `add_space_prefix` false, and the
+Llama 3 vocabularies taking a whole-token word as that token (`ignore_merges`).
+
+The files are written here: a tiny random-weight llama with a SentencePiece vocabulary (the
+trained one, or one built from CORPUS with tied scores), or with the default model's
 byte-level vocabulary under another `tokenizer.ggml.pre`.
 """
 
@@ -25,6 +37,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+import sentencepiece as spm
 from tokenizers import Tokenizer as HFTokenizer
 from transformers import AutoTokenizer
 
@@ -39,6 +52,7 @@ from kvguard.engine.tokenizer_build import byte_alphabet
 
 T = gguf.TokenType
 SPACE = "\u2581"
+ADDED = (T.CONTROL, T.UNKNOWN, T.USER_DEFINED)  # the types llama.cpp cuts the text at
 
 CORPUS = """The quick brown fox jumps over the lazy dog. Hello world, hello there!
 It's a test of the tokenizer: numbers 12345 and 2024, spaces   and tabs\tand new lines.
@@ -70,6 +84,20 @@ TRICKY = [
     "I'm here, they'LL go; CamelCaseWord HTTPServer",
     'def f(x):\n    return x**2  # "ok"\r\n',
     "",
+]
+# where llama.cpp puts a `▁` that transformers does not: after a special or user-defined token
+# (the text's first, a chat prompt's), before text that is only spaces, next to other tokens
+EDGES = [
+    "<s>[INST] Hi [/INST]",
+    "<s> a",
+    "<s>  ",
+    " <s> ",
+    "</s>",
+    "a</s>",
+    "<|user|>\n<|assistant|>",
+    "<|assistant|><|assistant|>x",
+    "<|assistant|>  two",
+    "x<unk>y<|user|>",
 ]
 TEMPLATE = (
     "{% for m in messages %}<|user|>{{ m['content'] }}</s>{% endfor %}"
@@ -167,10 +195,12 @@ def write_tiny(path: Path, vocab: int, tokenizer: Callable[[gguf.GGUFWriter], No
     return path
 
 
-def spm_gguf(path: Path, **flags: bool) -> Path:
-    """The SentencePiece model; `flags`: add_bos_token, add_eos_token, add_space_prefix
-    (absent: not written, as old files do)."""
-    tokens, scores, types = spm_vocab()
+def spm_gguf(
+    path: Path, vocab: tuple[list[str], list[float], list[int]] | None = None, **flags: bool
+) -> Path:
+    """The SentencePiece model (`vocab`, else `spm_vocab()`'s); `flags`: add_bos_token,
+    add_eos_token, add_space_prefix (absent: not written, as old files do)."""
+    tokens, scores, types = vocab or spm_vocab()
 
     def tokenizer(w: gguf.GGUFWriter) -> None:
         w.add_tokenizer_model("llama")
@@ -185,6 +215,71 @@ def spm_gguf(path: Path, **flags: bool) -> Path:
         w.add_chat_template(TEMPLATE)
 
     return write_tiny(path, len(tokens), tokenizer)
+
+
+# -- the sentencepiece reference -------------------------------------------------------------
+USER_DEFINED = ["<|assistant|>"]
+
+
+@pytest.fixture(scope="module")
+def sp_model(tmp_path_factory: pytest.TempPathFactory) -> spm.SentencePieceProcessor:
+    """A BPE model trained by sentencepiece on CORPUS as Llama 2's was: byte fallback, text
+    taken as it is (no normalization, spaces kept), a dummy prefix, digits apart; `<s>`,
+    `</s>`, the control `<|user|>` and the user-defined `<|assistant|>`. One thread and a
+    fixed seed: the same pieces every run."""
+    d = tmp_path_factory.mktemp("sp")
+    (d / "corpus.txt").write_text(CORPUS, encoding="utf-8")
+    spm.set_random_generator_seed(0)
+    spm.SentencePieceTrainer.train(
+        input=str(d / "corpus.txt"), model_prefix=str(d / "sp"), model_type="bpe",
+        vocab_size=500, byte_fallback=True, control_symbols=["<|user|>"],
+        user_defined_symbols=USER_DEFINED, normalization_rule_name="identity",
+        remove_extra_whitespaces=False, add_dummy_prefix=True, split_digits=True,
+        allow_whitespace_only_pieces=True, character_coverage=1.0, num_threads=1,
+        minloglevel=2,
+    )  # fmt: skip
+    return spm.SentencePieceProcessor(model_file=str(d / "sp.model"))
+
+
+def sp_vocab(sp: spm.SentencePieceProcessor) -> tuple[list[str], list[float], list[int]]:
+    """The model's pieces, scores and types as llama.cpp's converter writes them into a GGUF:
+    unknown, control and byte pieces so typed, a user-defined one USER_DEFINED (the converter
+    reads that from the added tokens transformers lists beside the model), the rest NORMAL."""
+    tokens, scores, types = [], [], []
+    for i in range(sp.vocab_size()):
+        piece = sp.id_to_piece(i)
+        kind = T.NORMAL
+        if sp.is_unknown(i):
+            kind = T.UNKNOWN
+        elif sp.is_control(i):
+            kind = T.CONTROL
+        elif sp.is_byte(i):
+            kind = T.BYTE
+        elif piece in USER_DEFINED:
+            kind = T.USER_DEFINED
+        tokens.append(piece)
+        scores.append(sp.get_score(i))
+        types.append(int(kind))
+    return tokens, scores, types
+
+
+def llama_cpp_ids(
+    sp: spm.SentencePieceProcessor, added: dict[str, int], text: str, *ends: int | None
+) -> list[int]:
+    """llama.cpp's encoding of a SentencePiece vocabulary, sentencepiece encoding the text: cut
+    at the added tokens (control, unknown and user-defined; the longest first where they
+    overlap), and each piece of text between them encoded on its own, which puts
+    sentencepiece's dummy prefix, a `▁`, before each. `ends`: BOS before and EOS after, where
+    not None."""
+    bos, eos = ends or (None, None)
+    ids = [] if bos is None else [bos]
+    cut = "|".join(re.escape(t) for t in sorted(added, key=len, reverse=True))
+    for part in re.split(f"({cut})", text):
+        if part in added:
+            ids.append(added[part])
+        elif part:
+            ids += sp.encode(part)
+    return ids + ([] if eos is None else [eos])
 
 
 def converted(gguf_path: Path) -> tuple[Tokenizer, object]:
@@ -220,7 +315,7 @@ def run_tokens(tok: Tokenizer, prompt: list[int], ids: list[int]) -> tuple[str, 
 
 
 # -- SentencePiece ---------------------------------------------------------------------------
-@pytest.mark.parametrize(
+SPM_FLAGS = pytest.mark.parametrize(
     "flags",
     [
         {"add_bos_token": True, "add_eos_token": False, "add_space_prefix": True},
@@ -229,11 +324,54 @@ def run_tokens(tok: Tokenizer, prompt: list[int], ids: list[int]) -> tuple[str, 
     ],
     ids=["llama2", "eos-no-bos", "no-flags"],
 )
-def test_sentencepiece_gguf_encodes_and_decodes_as_transformers(
-    tmp_path: Path, flags: dict[str, bool]
+
+
+@SPM_FLAGS
+def test_sentencepiece_gguf_encodes_as_llama_cpp(
+    tmp_path: Path, sp_model: spm.SentencePieceProcessor, flags: dict[str, bool]
 ) -> None:
+    """A vocabulary sentencepiece trained, in a GGUF: every text (special and user-defined
+    token text in it, at its start too) encodes as llama.cpp encodes it with sentencepiece
+    doing each piece of text, BOS/EOS as the file asks; the ids decode, whole and token by
+    token after a prompt, as sentencepiece decodes them; text without added tokens comes back
+    exactly, leading spaces included."""
+    tokens, scores, types = sp_vocab(sp_model)
+    path = spm_gguf(tmp_path / "sp.gguf", (tokens, scores, types), **flags)
+    convert_gguf(path, tmp_path / "out", progress=False)
+    ours = Tokenizer.from_dir(tmp_path / "out")
+    added = {t: i for i, (t, k) in enumerate(zip(tokens, types, strict=True)) if k in ADDED}
+    assert set(added) == {"<unk>", "<s>", "</s>", "<|user|>", "<|assistant|>"}
+    bos = 1 if flags.get("add_bos_token", True) else None
+    eos = 2 if flags.get("add_eos_token", False) else None
+    prompt = [1, *ours.encode("The answer is")]
+    for text in [*EDGES, *TRICKY, CORPUS, CORPUS.upper()]:
+        ids, full = ours.encode(text), ours.encode(text, True)
+        assert ids == llama_cpp_ids(sp_model, added, text), text
+        assert full == llama_cpp_ids(sp_model, added, text, bos, eos), text
+        if 0 in full:  # sentencepiece spells <unk> " ⁇ "; kvguard, a special token, leaves it out
+            continue
+        assert ours.decode(full) == sp_model.decode(full), text
+        got, _ = run_tokens(ours, prompt, ids)
+        assert got == sp_model.decode(prompt + ids)[len(sp_model.decode(prompt)) :], text
+        if not added.keys() & set(re.findall("<[^>]*>", text)):
+            assert ours.decode(ids) == text
+    # Meta's chat prompt: a `▁` after BOS, two for a text starting with a space
+    assert ours.id_to_token(ours.encode("<s>[INST] Hi [/INST]")[1]) == SPACE
+    assert ours.id_to_token(ours.encode(" Hello")[0]) == SPACE * 2
+
+
+@SPM_FLAGS
+def test_sentencepiece_gguf_decodes_as_transformers(tmp_path: Path, flags: dict[str, bool]) -> None:
+    """Decoding is transformers' for the same GGUF; so is encoding, for text with no added
+    token that starts with no space (elsewhere transformers puts no `▁`: the test above)."""
     ours, ref = converted(spm_gguf(tmp_path / "spm.gguf", **flags))
-    assert_parity(ours, ref, TRICKY)
+    plain = [t for t in TRICKY if "<" not in t and not t[:1].isspace()]
+    assert len(plain) > 8
+    assert_parity(ours, ref, plain)
+    for text in TRICKY:
+        ids = ours.encode(text, True)
+        for skip in (True, False):
+            assert ours.decode(ids, skip) == ref.decode(ids, skip_special_tokens=skip), text
     bos, eos = flags.get("add_bos_token", True), flags.get("add_eos_token", False)
     assert ours.encode("", True) == [1] * bos + [2] * eos
     # a character no piece holds is spelled in bytes, and decodes back whole
@@ -289,6 +427,11 @@ def test_sentencepiece_without_space_prefix_as_llama_cpp(tmp_path: Path) -> None
     with_prefix, _ = converted(spm_gguf(tmp_path / "p" / "spm.gguf"))
     assert ours.encode("the", False) != with_prefix.encode("the", False)
     assert ours.encode(" the", False) == with_prefix.encode("the", False)
+    # none after a special token either; with the prefix, one there too
+    user = ours.token_to_id("<|user|>")
+    assert ours.encode("<|user|>the") == [user, *ours.encode("the")]
+    assert with_prefix.encode("<|user|>the") == [user, *with_prefix.encode("the")]
+    assert with_prefix.encode("<|user|>the") != ours.encode("<|user|>the")
     assert ours.decode(ours.encode(" the", True)) == " the"
     for text in TRICKY:
         if "<" in text:
@@ -395,34 +538,41 @@ def test_sentencepiece_without_scores_is_refused(tmp_path: Path) -> None:
 # -- served ------------------------------------------------------------------------------------
 def token_bytes(tokens: list[str], types: list[int], ids: list[int]) -> bytes:
     """A SentencePiece answer's bytes, read off the vocabulary: a byte piece its byte, a
-    control token nothing, a piece its text with `▁` as a space."""
+    control or unknown token (special) nothing, a piece its text with `▁` as a space."""
     out = b""
     for i in ids:
         if types[i] == T.BYTE:
             out += bytes([int(tokens[i][3:5], 16)])
-        elif types[i] != T.CONTROL:
+        elif types[i] not in (T.CONTROL, T.UNKNOWN):
             out += tokens[i].replace(SPACE, " ").encode()
     return out
 
 
 @pytest.mark.parametrize("knob", ["auto", "none"])
-def test_sentencepiece_model_served_end_to_end(tmp_path: Path, knob: str) -> None:
-    """LLMEngine over the GGUF itself: converted on first use, the prompt tokenized as
-    transformers tokenizes it (BOS first), and the answer's text the answer's bytes read as
-    UTF-8 (the random model emits byte pieces freely; a stray one reads as U+FFFD)."""
-    path = spm_gguf(tmp_path / "spm.gguf", add_bos_token=True)
-    tokens, _, types = spm_vocab()
-    ref = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+def test_sentencepiece_model_served_end_to_end(
+    tmp_path: Path, sp_model: spm.SentencePieceProcessor, knob: str
+) -> None:
+    """LLMEngine over the GGUF itself (sentencepiece's vocabulary): converted on first use,
+    the prompt tokenized as llama.cpp tokenizes it (BOS first, a `▁` before each piece of
+    text), and the answer's text the answer's bytes read as UTF-8 (the random model emits
+    byte pieces freely; a stray one reads as U+FFFD)."""
+    tokens, scores, types = sp_vocab(sp_model)
+    path = spm_gguf(tmp_path / "spm.gguf", (tokens, scores, types), add_bos_token=True)
+    added = {t: i for i, (t, k) in enumerate(zip(tokens, types, strict=True)) if k in ADDED}
     cfg = EngineConfig(
         model=str(path), home=tmp_path / "home", kv_cache_bytes="16MiB", num_threads=1,
         model_quantization=knob,
     )  # fmt: skip
     eng = LLMEngine.from_config(cfg, progress=False)
-    prompts = ["The quick brown fox", " hello   world\n\t12345 \U0001f999"]
+    prompts = [
+        "The quick brown fox",
+        " hello   world\n\t12345 \U0001f999",
+        "<|user|> hi</s><|assistant|>",
+    ]
     params = SamplingParams(max_tokens=40, ignore_eos=True, temperature=1.0, seed=0)
     outs = eng.generate(prompts, params)
     for prompt, out in zip(prompts, outs, strict=True):
-        assert list(out.prompt_token_ids) == ref.encode(prompt, add_special_tokens=True)
+        assert list(out.prompt_token_ids) == llama_cpp_ids(sp_model, added, prompt, 1, None)
         ids = list(out.token_ids)
         assert len(ids) == 40
         assert out.text == token_bytes(tokens, types, ids).decode("utf-8", "replace")

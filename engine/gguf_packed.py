@@ -7,11 +7,13 @@ this module is what loading a packed directory imports, and it imports no `gguf`
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from kvguard.engine.layers.quant_spec import QuantSpec
 from kvguard.engine.model_config import ModelLoadError, cache_remedy
@@ -57,13 +59,15 @@ def unpack_nibbles(packed: np.ndarray) -> np.ndarray:
     return out.reshape(packed.shape[0], -1)
 
 
-def load_packed(
-    path: Path, dtype: torch.dtype
-) -> tuple[dict[str, QuantSpec], dict[str, torch.Tensor]]:
+def load_packed(path: Path, dtype: torch.dtype) -> tuple[PackedSpecs, dict[str, torch.Tensor]]:
     """A packed conversion's ({module: QuantSpec}, {tensor: plain tensor in `dtype`}).
 
-    Codes stay 8 or 4 bits (one byte a code once unpacked, until the layer packs them for its
-    kernel); no fp32 copy of a quantized weight is made."""
+    The specs are read from the file one module at a time, as the model's layers ask for them
+    (`PackedSpecs`), so a load holds the layers built so far plus one module's codes unpacked
+    (one byte a code, until the layer packs them for its kernel), never the whole model's; no
+    fp32 copy of a quantized weight is made. Every tensor returned is a copy: safetensors'
+    tensors are views onto its mapping of the file, and one kept would keep the whole file
+    mapped (and resident) for the life of the process."""
     path = Path(path)
     file = path / "config.json"
     qc = json.loads(file.read_text()).get("quantization_config") or {}
@@ -75,21 +79,65 @@ def load_packed(
         )
     modules: dict[str, str] = qc["modules"]
     bits: dict[str, Any] = qc.get("bits") or {}
-    specs: dict[str, QuantSpec] = {}
+    widths = {m: _bits(file, m, kind, bits.get(m)) for m, kind in modules.items()}
     with open_safetensors(path, torch.float32) as source:
-        for module, kind in modules.items():
-            specs[module] = _read_spec(source, module, _bits(file, module, kind, bits.get(module)))
         owned = {f"{m}.{p}" for m in modules for p in ("qweight", "scales", "zeros")}
-        plain = {n: source.read(Part(n)).to(dtype) for n in source.names if n not in owned}
-    return specs, plain
+        missing = sorted(owned - set(source.names))
+        if missing:
+            raise ModelLoadError(
+                f"{path}: weights lack tensors {missing[:5]} ({len(missing)} in all)"
+                f"{cache_remedy(file)}"
+            )
+        plain = {
+            n: source.read(Part(n)).to(dtype, copy=True) for n in source.names if n not in owned
+        }
+    return PackedSpecs(path, widths), plain
+
+
+class PackedSpecs(Mapping[str, QuantSpec]):
+    """A packed conversion's modules by name, each read from the file when looked up (and not
+    kept: a layer packs it for its kernel and drops it). The file is opened for each read and
+    closed after, so nothing stays mapped between reads; a long load shows a progress bar
+    (on a terminal, after two seconds)."""
+
+    def __init__(self, path: Path, bits: dict[str, int]) -> None:
+        self.path, self.bits = Path(path), bits
+        self._bar = tqdm(
+            total=len(bits),
+            desc=f"loading {self.path.name}",
+            unit="module",
+            delay=2,
+            leave=False,
+            disable=None,  # a terminal's only: not a service's journal
+        )
+
+    def __getitem__(self, module: str) -> QuantSpec:
+        if module not in self.bits:
+            raise KeyError(module)
+        with open_safetensors(self.path, torch.float32) as source:
+            spec = _read_spec(source, module, self.bits[module])
+        self._bar.update()
+        if self._bar.n >= len(self.bits):
+            self._bar.close()
+        return spec
+
+    def __contains__(self, module: object) -> bool:
+        return module in self.bits
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.bits)
+
+    def __len__(self) -> int:
+        return len(self.bits)
 
 
 def _read_spec(source: Any, module: str, bits: int) -> QuantSpec:
+    """One module's spec, its tensors copied out of the file (4-bit codes unpacked into a new
+    array; the rest cloned)."""
     q = source.read(Part(f"{module}.qweight"))
-    if bits == 4:
-        q = torch.from_numpy(unpack_nibbles(q.numpy()))
-    scales = source.read(Part(f"{module}.scales"))
-    zeros = source.read(Part(f"{module}.zeros"))
+    q = torch.from_numpy(unpack_nibbles(q.numpy())) if bits == 4 else q.clone()
+    scales = source.read(Part(f"{module}.scales")).clone()
+    zeros = source.read(Part(f"{module}.zeros")).clone()
     try:
         return QuantSpec(q, scales, zeros, q.shape[1] // scales.shape[1], bits)
     except (ValueError, ZeroDivisionError) as e:

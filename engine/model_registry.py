@@ -19,6 +19,7 @@ import errno
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -60,6 +61,7 @@ SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db
 # (out_dir, home, progress, force, packed)
 Builder = Callable[[Path, Path, bool, bool, bool], None]
 PACKED_SUFFIX = ".packed"
+log = logging.getLogger("kvguard.engine")
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +77,11 @@ def convert_gguf(path: Path, out_dir: Path, progress: bool, packed: bool) -> Non
     """The GGUF converter, imported on first use (it needs `gguf`; see CONVERTER_REVISION)."""
     from kvguard.engine.gguf_convert import convert_gguf as convert
 
+    t0 = time.perf_counter()
+    log.info("converting %s (%.2f GiB), once, into %s", path, path.stat().st_size / 2**30, out_dir)
     convert(path, out_dir, progress, packed)
+    size = sum(f.stat().st_size for f in Path(out_dir).iterdir() if f.is_file())
+    log.info("converted %s in %.1fs (%.2f GiB)", path.name, time.perf_counter() - t0, size / 2**30)
 
 
 def _build_smollm2(out_dir: Path, home: Path, progress: bool, force: bool, packed: bool) -> None:

@@ -15,6 +15,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 
@@ -34,7 +35,7 @@ from kvguard.engine.distributed.sharding import shard_config
 from kvguard.engine.host_memory import room_bytes
 from kvguard.engine.kv_cache import KV_TORCH_DTYPES, KVCache, bytes_per_block, kv_dtype_name
 from kvguard.engine.layers.quantized_linear import QuantizedLMHead, use_int8_activations
-from kvguard.engine.model import AttentionMetadata, LlamaForCausalLM, load_model
+from kvguard.engine.model import AttentionMetadata, LlamaForCausalLM, load_model, weight_bytes
 from kvguard.engine.model_config import ModelConfig
 from kvguard.engine.sampler import (
     log_softmax_entries,
@@ -390,10 +391,24 @@ class ModelRunner:
         dtype = pick_dtype(config.dtype, device)
         max_len = min(config.max_model_len, mcfg.max_position_embeddings)
         t0 = time.perf_counter()
+        size = sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
+        log.info(
+            "rank %d loading %s (%.2f GiB of safetensors)", stage.world.rank, path, size / 2**30
+        )
         model = load_model(path, mcfg, max_len, dtype, device, tp, config.model_quantization, stage)
+        # the load's temporaries (a module's unpacked codes at a time; a conversion's arrays
+        # where this process converted the model first) go back to the system, not to a heap
+        # that serving never fills again
+        release_freed_memory(torch.device("cpu"))
         if config.cpu_activations == "int8" and use_int8_activations(model):
             log.info("packed projections quantise activations to int8 (cpu_activations: int8)")
-        log.info("rank %d loaded %s in %.2fs", stage.world.rank, path, time.perf_counter() - t0)
+        log.info(
+            "rank %d loaded %s in %.2fs (%.2f GiB of weights)",
+            stage.world.rank,
+            path,
+            time.perf_counter() - t0,
+            weight_bytes(model) / 2**30,
+        )
         local = replace(shard_config(mcfg, tp.size), num_layers=len(stage.layers))
         kv_dtype = kv_dtype_name(config.kv_cache_dtype, dtype)
         num_blocks = config.num_gpu_blocks

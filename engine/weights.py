@@ -65,8 +65,13 @@ class DictSource:
 
 
 class SafetensorsSource:
-    """Parts read straight from the files: only the requested slice is copied out of the mmap,
-    so a rank's weight memory is its share, not the whole model."""
+    """Parts read straight from the files: only the requested slice is read out of the mmap,
+    so a rank's weight memory is its share, not the whole model.
+
+    A tensor read in the file's dtype is a view onto safetensors' mapping of the file, and
+    keeps the whole file mapped while it lives (its pages stay resident, counted in the
+    process's RSS): what must outlive the load is copied (`load_from` copies into the
+    parameters; `gguf_packed.load_packed` clones)."""
 
     def __init__(
         self, handles: dict[str, tuple[Path, Any]], dtype: torch.dtype, device: torch.device | str

@@ -828,6 +828,33 @@ def _utf8_decoder() -> codecs.IncrementalDecoder:
     return codecs.getincrementaldecoder("utf-8")(errors="replace")
 
 
+def _echo_offsets(text: str, tokens: list[bytes], added: Container[int]) -> list[int]:
+    """Each of an echoed prompt's tokens' offset in its `text` (the prompt as sent, or a token
+    prompt's decoding): its bytes found where the text has got to, the character its first
+    byte begins or continues. A token whose bytes are a space and then the text's there holds
+    a space its tokenizer put before a piece of text (SentencePiece's, before each piece: at
+    the start, after a special token), which the text does not: it starts at the text's next
+    character. The tokens in `added` (a BOS the tokenizer added) take no room; a token the
+    text does not hold where expected (it should not happen) takes its bytes' room."""
+    data = text.encode()
+    utf8, chars, seen, at = _utf8_decoder(), 0, 0, 0
+    out = []
+    for k, raw in enumerate(tokens):
+        here = at
+        if k in added:
+            pass
+        elif data.startswith(raw, at):
+            at += len(raw)
+        elif raw[:1] == b" " and data.startswith(raw[1:], at):
+            at += len(raw) - 1
+        else:
+            at += len(raw)
+        chars += len(utf8.decode(data[seen:here]))  # whole characters before the token
+        seen = max(seen, here)
+        out.append(chars)
+    return out
+
+
 def _text_at(utf8: codecs.IncrementalDecoder, made: int, raw: bytes) -> tuple[int, int]:
     """Where a token of bytes `raw` is in a text of which `utf8` has made `made` characters:
     the character its first byte begins or continues (a byte that ends a character, or is
@@ -918,6 +945,7 @@ class _Ctx:
         index: int = 0,
         shown: int = 0,
         added: Container[int] = (),
+        echo: str | None = None,
     ) -> dict[str, Any] | None:
         """`lps` in OpenAI's shape: chat `{"content": [...], "refusal": null}`, a completion
         `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}` (offsets continue from
@@ -935,6 +963,9 @@ class _Ctx:
         `shown` tokens (an echoed prompt, whose text shows its special tokens) are all text,
         but those whose indices are in `added`: what the tokenizer added to a prompt sent as
         text (a BOS), which its echo, the text as sent, does not hold, take no room either.
+        With `echo` (the echoed prompt's text) their offsets are found in it (`_echo_offsets`):
+        a SentencePiece vocabulary's tokens carry a space its tokenizer put before each piece
+        of text, which the text as sent does not hold.
 
         A completion's `top_logprobs` hold the sampled token's too, as OpenAI's do (so up to
         `logprobs` + 1 of them); chat's are the `top_logprobs` likeliest, as OpenAI's are."""
@@ -963,9 +994,14 @@ class _Ctx:
             return {"content": content, "refusal": None}
         tokens, offsets, values, tops = [], [], [], []
         utf8, made = self.text_offset.get(index) or (_utf8_decoder(), 0)
+        if echo is not None:
+            shown_ids = [lp.token_id for lp in lps[:shown]]
+            prompt_offsets = _echo_offsets(echo, [token_bytes(i) for i in shown_ids], added)
         for k, lp in enumerate(lps):
             if k == shown > 0:  # the echoed prompt's text ends here: its bytes that never made
                 made += len(utf8.decode(b"", final=True))  # a character are its own U+FFFD
+                if echo is not None:  # the text as sent, whole
+                    utf8, made = _utf8_decoder(), len(echo)
             raw = token_bytes(lp.token_id)
             tokens.append(text(raw))
             values.append(lp.logprob)
@@ -977,6 +1013,9 @@ class _Ctx:
             for i, v in alternatives:
                 top.setdefault(text(token_bytes(i)), v)
             tops.append(top)
+            if k < shown and echo is not None:
+                offsets.append(prompt_offsets[k])
+                continue
             if (k >= shown and _skipped(tok, lp.token_id)) or k in added:
                 offsets.append(made)  # where the next character starts (or the one pending)
                 continue
@@ -984,6 +1023,8 @@ class _Ctx:
             offsets.append(at)
         if 0 < shown == len(lps):  # an echoed prompt alone: the answer's text starts afresh
             made += len(utf8.decode(b"", final=True))
+            if echo is not None:
+                utf8, made = _utf8_decoder(), len(echo)
         self.text_offset[index] = (utf8, made)
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
                 "text_offset": offsets}  # fmt: skip
@@ -1032,7 +1073,7 @@ class _Ctx:
         prompt = [first, *out.final_prompt_logprobs]
         added = self.added_to_prompt(index, out.prompt_token_ids)
         answer = self.kept_logprobs(out) or ()
-        lps = self.logprobs([*prompt, *answer], index, len(prompt), added)
+        lps = self.logprobs([*prompt, *answer], index, len(prompt), added, self.echo_text(index))
         lps["token_logprobs"][0] = lps["top_logprobs"][0] = None
         return lps
 

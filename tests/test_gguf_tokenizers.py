@@ -578,3 +578,17 @@ def test_sentencepiece_model_served_end_to_end(
         assert out.text == token_bytes(tokens, types, ids).decode("utf-8", "replace")
     chat = eng.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
     assert chat == "<|user|>hi</s><|assistant|>"
+    # a completion's echoed prompt: each token's offset is where its text starts in the prompt
+    # as sent (the `▁` llama.cpp puts before each piece of text is not in it; the offsets had
+    # counted it, one more after each special token, running past the text's end)
+    from kvguard.daemon.openai_api import _echo_offsets
+
+    for prompt in ("Hello world", "a<|user|>b c", "<|user|> hi</s><|assistant|>x"):
+        ids = eng.tokenizer.encode(prompt, add_special_tokens=True)
+        raw = [eng.grammars.token_bytes(i) for i in ids]
+        offsets = _echo_offsets(prompt, raw, {0})
+        assert offsets[0] == 0 and offsets == sorted(offsets) and offsets[-1] < len(prompt)
+        for at, piece in zip(offsets[1:], raw[1:], strict=True):
+            text = piece.decode()
+            assert prompt.startswith(text, at) or prompt.startswith(text[1:], at), (prompt, at)
+    assert _echo_offsets("a<|user|>b c", [b" a", b"<|user|>", b" b", b" c"], ()) == [0, 1, 9, 10]

@@ -6,6 +6,8 @@ the scripts' functions on small inputs and the tiny model, never a whole benchma
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import json
 import subprocess
 import sys
 from datetime import UTC, datetime, timedelta
@@ -267,6 +269,54 @@ def test_throughput_verdicts_leave_the_packed_row_out() -> None:
     rows = report_rows([ours, static, packed], 100, 4)
     assert rows[2][0] == PACKED_NAME and rows[2][4] == "-"  # no speed-up over kvguard itself
     assert rows[1][4] == "1.50x"
+
+
+# ----------------------------------------------------------------------------- gguf_kquants.py
+
+
+def test_gguf_kquants_quick_run_serves_each_layout_from_the_same_file(
+    smollm2_gguf: Path, tmp_path: Path
+) -> None:
+    """`bench/gguf_kquants.py --quick` as a user runs it, on the default GGUF cut to 2 layers:
+    the file and the Q4_K_M, Q5_K_M and IQ4_XS files written from it in llama-quantize's types,
+    each served by kvguard packed and fp32 and offered to OpenVINO GenAI, whose row holds its
+    figures, or its refusal and which of the file's types it refuses, each tried alone."""
+    out = tmp_path / "kquants.json"
+    res = subprocess.run(
+        [sys.executable, "bench/gguf_kquants.py", "--quick", "--gguf", str(smollm2_gguf)]
+        + ["--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(out.read_text())
+    layouts = {lay["layout"]: lay for lay in got["layouts"]}
+    assert list(layouts) == ["Q4_1", "Q4_K_M", "Q5_K_M", "IQ4_XS"]
+    # 576-wide rows take the 32-weight fallbacks, ffn_down (1536) the K-quants; of 2 layers,
+    # layer 1 is the one whose attn_v and ffn_down get 6 bits (Q6_K, Q8_0 where 576 wide), as
+    # does the tied embedding (Q8_0); the norms stay F32
+    assert layouts["Q4_1"]["types"] == {"Q4_1": 14, "Q8_0": 1, "F32": 5}
+    assert layouts["Q4_K_M"]["types"] == {"Q5_0": 11, "Q8_0": 2, "Q4_K": 1, "Q6_K": 1, "F32": 5}
+    assert layouts["Q5_K_M"]["types"] == {"Q5_1": 11, "Q8_0": 2, "Q5_K": 1, "Q6_K": 1, "F32": 5}
+    assert layouts["IQ4_XS"]["types"] == {"IQ4_NL": 12, "IQ4_XS": 2, "Q8_0": 1, "F32": 5}
+    peer_installed = importlib.util.find_spec("openvino_genai") is not None
+    for lay in got["layouts"]:
+        rows = {r["engine"]: r for r in lay["engines"]}
+        assert list(rows) == ["kvguard packed", "OpenVINO GenAI", "kvguard fp32"]
+        packed, fp32, peer = rows["kvguard packed"], rows["kvguard fp32"], rows["OpenVINO GenAI"]
+        for r in (packed, fp32):
+            assert min(r["bs1_tok_s"], r["bs32_tok_s"], r["trace_tok_s"]) > 0, r
+        assert packed["weight_bytes"] < 0.3 * fp32["weight_bytes"]  # codes, not floats
+        assert fp32["same_outputs"] == got["requests"] and fp32["same_tokens"] == 1.0
+        assert ("peer_missing" in lay) is not peer_installed
+        if "peer_refused" in lay:  # the refusal explained: a type of this file it cannot read
+            refused = lay["peer_refused"]["types_refused"]
+            assert refused and set(refused) <= set(lay["types"])
+        elif peer_installed:
+            assert min(peer["bs1_tok_s"], peer["bs32_tok_s"], peer["trace_tok_s"]) > 0, peer
+    assert "peer_refused" not in layouts["Q4_1"]  # OpenVINO GenAI reads the default GGUF
 
 
 # ----------------------------------------------------------------------------- offload.py

@@ -12,7 +12,7 @@ served packed by the `auto` conversion, where every layer tensor of those types 
 
 The files are small llama models (hidden 256, two layers: K-quants need rows of 256) with the
 default model's tokenizer. The gguf package cannot quantise K-quants, so their blocks are
-written here, byte by byte, from float weights (`encode`).
+written byte by byte from float weights (bench/gguf_encode.py's `encode`).
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ import pytest
 import torch
 from safetensors.numpy import load_file
 
+from bench import gguf_encode
+from bench.gguf_encode import f16_bytes
 from kvguard.engine import EngineConfig, LLMEngine, gguf_convert
 from kvguard.engine import model_registry as reg
 from kvguard.engine.gguf_convert import convert_gguf, unpack_blocks
@@ -45,113 +47,15 @@ Q6_K_BOUND = 32 / 254
 # w = d * (q - z): the same fp32 products as gguf's
 EXACT = (Q.Q4_0, Q.Q5_0, Q.Q8_0, Q.IQ4_NL, Q.IQ4_XS)
 REFUSED = (Q.Q2_K, Q.Q3_K, Q.IQ3_S, Q.IQ2_XS)  # quantised types with no packed form
-IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113])
 
 
-# -- blocks written from float weights --------------------------------------------------------
-def _f16(x: np.ndarray) -> np.ndarray:
-    """fp16 values as their two bytes, `[..., 2]`."""
-    return np.ascontiguousarray(x.astype(np.float16)).reshape(*x.shape, 1).view(np.uint8)
-
-
-def _safe(x: np.ndarray) -> np.ndarray:
-    return np.where(x == 0, 1, x)
-
-
+# -- blocks written from float weights (bench/gguf_encode.py's encoders) ---------------------
 def encode(w: np.ndarray, qtype: Q) -> np.ndarray:
-    """`w [rows, cols]` in `qtype`'s raw blocks `[rows, bytes]` (round to nearest, no search)."""
-    if qtype in (Q.Q4_K, Q.Q5_K):
-        return _encode_k(w, qtype == Q.Q5_K)
-    if qtype == Q.Q6_K:
-        return _encode_q6_k(w)
-    if qtype in (Q.IQ4_NL, Q.IQ4_XS):
-        return _encode_iq4(w, qtype == Q.IQ4_XS)
+    """`w [rows, cols]` in `qtype`'s raw blocks `[rows, bytes]`; a refused type as zero blocks."""
     if qtype in REFUSED:  # zero blocks: valid, every weight 0 (they are refused unread)
         per, size = gguf.GGML_QUANT_SIZES[qtype]
         return np.zeros((w.shape[0], w.shape[1] // per * size), np.uint8)
-    return gguf.quants.quantize(w, qtype)
-
-
-def _encode_k(w: np.ndarray, fifth: bool) -> np.ndarray:
-    """Q4_K / Q5_K: per 32 weights a 6-bit scale and minimum of fp16 `d` and `dmin`."""
-    levels = 31 if fifth else 15
-    rows, cols = w.shape
-    x = w.reshape(rows, cols // 256, 8, 32)
-    lo = np.minimum(x.min(-1), 0)
-    scale, low = (x.max(-1) - lo) / levels, -lo
-    d = scale.max(-1).astype(np.float16).astype(np.float32) / 63
-    dmin = low.max(-1).astype(np.float16).astype(np.float32) / 63
-    d, dmin = d.astype(np.float16), dmin.astype(np.float16)
-    sc = np.clip(np.rint(scale / _safe(d.astype(np.float32))[..., None]), 0, 63).astype(np.uint8)
-    mn = np.clip(np.rint(low / _safe(dmin.astype(np.float32))[..., None]), 0, 63).astype(np.uint8)
-    step = d.astype(np.float32)[..., None] * sc
-    shift = (dmin.astype(np.float32)[..., None] * mn)[..., None]
-    q = np.clip(np.rint((x + shift) / _safe(step)[..., None]), 0, levels).astype(np.uint8)
-    scales = np.concatenate(
-        [
-            (sc[..., :4] & 63) | ((sc[..., 4:] >> 4) << 6),
-            (mn[..., :4] & 63) | ((mn[..., 4:] >> 4) << 6),
-            (sc[..., 4:] & 15) | ((mn[..., 4:] & 15) << 4),
-        ],
-        axis=-1,
-    )
-    pairs = q.reshape(rows, cols // 256, 4, 2, 32) & 15  # sub-blocks 2k and 2k + 1
-    qs = (pairs[..., 0, :] | (pairs[..., 1, :] << 4)).reshape(rows, cols // 256, 128)
-    parts = [_f16(d), _f16(dmin), scales]
-    if fifth:  # bit j of byte i: weight i of sub-block j
-        hi = ((q >> 4) & 1).astype(np.uint8) << np.arange(8, dtype=np.uint8)[:, None]
-        parts.append(np.bitwise_or.reduce(hi, axis=-2))
-    parts.append(qs)
-    return np.concatenate(parts, axis=-1).reshape(rows, -1)
-
-
-def _encode_q6_k(w: np.ndarray) -> np.ndarray:
-    """Q6_K: an int8 scale per 16 weights of an fp16 `d`, negative in every other super-block
-    (llama.cpp's quantiser writes a negative `d`)."""
-    rows, cols = w.shape
-    x = w.reshape(rows, cols // 256, 16, 16)
-    sub = np.abs(x).max(-1) / 31
-    sign = np.where(np.arange(cols // 256) % 2, -1, 1).astype(np.float32)
-    d = (sub.max(-1) / 127 * sign).astype(np.float16)
-    s = np.clip(np.rint(sub / _safe(d.astype(np.float32))[..., None]), -128, 127)
-    step = (d.astype(np.float32)[..., None] * s.astype(np.float32))[..., None]
-    q = (np.clip(np.rint(x / _safe(step)), -32, 31) + 32).astype(np.uint8)
-    q = q.reshape(rows, cols // 256, 2, 4, 32)  # weight 128h + 32k + i
-    low = q & 15
-    ql = low[..., :2, :] | (low[..., 2:, :] << 4)  # byte 64h + 32(k % 2) + i
-    hi = ((q >> 4) & 3) << np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]
-    qh = np.bitwise_or.reduce(hi, axis=-2)  # byte 32h + i
-    parts = [
-        ql.reshape(rows, -1, 128),
-        qh.reshape(rows, -1, 64),
-        s.astype(np.int8).view(np.uint8),
-        _f16(d),
-    ]
-    return np.concatenate(parts, axis=-1).reshape(rows, -1)
-
-
-def _encode_iq4(w: np.ndarray, xs: bool) -> np.ndarray:
-    """IQ4_NL (an fp16 `d` per 32 weights) / IQ4_XS (an fp16 `d` per 256 and a 6-bit level per
-    32, scale `d * (level - 32)`): each weight the nearest of the scale times `IQ4_VALUES`."""
-    rows, cols = w.shape
-    x = w.reshape(rows, cols // 256, 8, 32) if xs else w.reshape(rows, cols // 32, 1, 32)
-    want = np.abs(x).max(-1) / 127  # each 32's scale
-    if xs:
-        d = (want.max(-1) / 31).astype(np.float16)
-        level = np.clip(np.rint(want / _safe(d.astype(np.float32))[..., None]), 0, 31) + 32
-        scale = d.astype(np.float32)[..., None] * (level - 32)
-    else:
-        d = want[..., 0].astype(np.float16)
-        scale = d.astype(np.float32)[..., None]
-    near = np.abs(x[..., None] / _safe(scale)[..., None, None] - IQ4_VALUES).argmin(-1)
-    qs = (near[..., :16] | (near[..., 16:] << 4)).astype(np.uint8).reshape(*x.shape[:2], -1)
-    if not xs:
-        return np.concatenate([_f16(d), qs], axis=-1).reshape(rows, -1)
-    level = level.astype(np.uint16)
-    top = np.bitwise_or.reduce((level >> 4) << (2 * np.arange(8, dtype=np.uint16)), axis=-1)
-    low = (level[..., 0::2] & 15) | ((level[..., 1::2] & 15) << 4)
-    parts = [_f16(d), top.reshape(*top.shape, 1).view(np.uint8), low.astype(np.uint8), qs]
-    return np.concatenate(parts, axis=-1).reshape(rows, -1)
+    return gguf_encode.encode(w, qtype)
 
 
 def random_blocks(qtype: Q, rows: int, cols: int, seed: int) -> np.ndarray:
@@ -165,7 +69,7 @@ def random_blocks(qtype: Q, rows: int, cols: int, seed: int) -> np.ndarray:
 
     def value(scale: float) -> np.ndarray:
         v = rng.normal(0, scale, shape)
-        return _f16(np.where(rng.random(shape) < 0.02, 0, v))
+        return f16_bytes(np.where(rng.random(shape) < 0.02, 0, v))
 
     if qtype == Q.Q6_K:
         data[..., 208:210] = value(0.02 / 32 / 64)
@@ -211,7 +115,7 @@ def test_each_type_unpacks_to_the_gguf_packages_weights(qtype: Q, source: str) -
         assert (got - want).abs().max().item() <= 1e-6 * want.abs().max().item()
     low, high = {
         Q.Q4_K: (0, 16), Q.Q4_0: (0, 16), Q.Q4_1: (0, 16), Q.Q8_0: (0, 256),
-        Q.IQ4_NL: (1, 242), Q.IQ4_XS: (1, 242),  # IQ4_VALUES + 128
+        Q.IQ4_NL: (1, 242), Q.IQ4_XS: (1, 242),  # gguf_encode.IQ4_VALUES + 128
     }.get(qtype, (112, 144))  # fmt: skip  # 5-bit codes about 128 (`_centred`)
     assert low <= int(spec.q.min()) and int(spec.q.max()) < high
 

@@ -7,7 +7,6 @@ start of the next step) and read `latest_snapshot`, which is replaced after ever
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import math
 import threading
@@ -30,7 +29,7 @@ from kvguard.engine.distributed.errors import PoolTorn, RankFailure
 from kvguard.engine.events import EventBus
 from kvguard.engine.kv_cache import OOM_ERRORS, KVCache
 from kvguard.engine.model import StepInterrupted
-from kvguard.engine.model_config import ModelConfig, ModelLoadError
+from kvguard.engine.model_config import ModelConfig
 from kvguard.engine.model_registry import resolve_model
 from kvguard.engine.model_runner import (
     InjectedOOMError,
@@ -59,7 +58,7 @@ from kvguard.engine.sequence import (
 from kvguard.engine.snapshot import EngineSnapshot, build_snapshot
 from kvguard.engine.speculative import ROW_COST_PRIOR
 from kvguard.engine.structured import Grammars
-from kvguard.engine.tokenizer import Tokenizer
+from kvguard.engine.tokenizer import Tokenizer, read_json
 
 __all__ = ["AdmissionRejected", "InjectedOOMError", "LLMEngine", "pick_device", "pick_dtype"]
 
@@ -131,14 +130,7 @@ def generation_defaults(path: Path, max_model_len: int) -> dict[str, int | float
     value that is no valid setting. `do_sample` is not read, as vLLM does not read it: a
     temperature the file sets is one the model's makers meant to be sampled at."""
     file = path / "generation_config.json"
-    if not file.is_file():
-        return {}
-    try:
-        config = json.loads(file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ModelLoadError(f"{file}: not valid JSON ({e})") from e
-    if not isinstance(config, dict):
-        raise ModelLoadError(f"{file}: expected a JSON object")
+    config = read_json(file)
     out: dict[str, int | float] = {}
     skipped = [
         f"{name}={config[name]!r} (kvguard has no such control)"

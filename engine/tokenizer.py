@@ -99,9 +99,9 @@ class Tokenizer:
             backend = HFTokenizer.from_file(str(file))
         except Exception as e:  # the Rust parser raises plain Exception on bad JSON
             raise ModelLoadError(f"{file}: not a valid tokenizer.json ({e})") from e
-        config = _special_tokens_map(path, _read_json(path / "tokenizer_config.json"))
-        model = _read_json(path / "config.json")
-        generation = _read_json(path / "generation_config.json")
+        config = _special_tokens_map(path, read_json(path / "tokenizer_config.json"))
+        model = read_json(path / "config.json")
+        generation = read_json(path / "generation_config.json")
         eos = (*_ids(model.get("eos_token_id")), *_ids(generation.get("eos_token_id")))
         template, source = _chat_template(path, config)
         tok = cls(
@@ -250,8 +250,9 @@ class _GenerationBlock(jinja2.ext.Extension):
         return jinja2.nodes.Scope(body, lineno=lineno)
 
 
-def _read_json(file: Path) -> dict[str, Any]:
-    """An optional JSON file: absent means empty, unreadable is an error naming it."""
+def read_json(file: Path) -> dict[str, Any]:
+    """An optional JSON object file of a model directory: absent means empty, unreadable or
+    not an object is an error naming it."""
     if not file.is_file():
         return {}
     try:
@@ -287,7 +288,7 @@ def _special_tokens_map(path: Path, config: dict[str, Any]) -> dict[str, Any]:
     file = path / "special_tokens_map.json"
     if "added_tokens_decoder" in config or not file.is_file():
         return config
-    roles = _read_json(file)
+    roles = read_json(file)
     return config | {role: roles[role] for role in _SPECIAL_ROLES if role in roles}
 
 

@@ -30,13 +30,14 @@ from safetensors.numpy import load_file
 
 from bench import gguf_encode
 from bench.gguf_encode import f16_bytes
-from kvguard.engine import EngineConfig, LLMEngine, gguf_convert
+from kvguard.engine import LLMEngine, gguf_convert
 from kvguard.engine import model_registry as reg
 from kvguard.engine.gguf_convert import convert_gguf, unpack_blocks
 from kvguard.engine.layers.quant_spec import QuantSpec
 from kvguard.engine.model import weight_bytes
 from kvguard.engine.model_config import ModelLoadError
 from kvguard.engine.sampling_params import SamplingParams
+from tests.test_gguf_variants import engine
 
 Q = gguf.GGMLQuantizationType
 V = gguf.GGUFValueType
@@ -282,14 +283,6 @@ def iq4(tokenizer_fields: list[Any], tmp_path_factory: pytest.TempPathFactory) -
     return write_model(tmp_path_factory.mktemp("iq4") / "iq4.gguf", tokenizer_fields, IQ4)
 
 
-def engine(path: Path, home: Path, knob: str) -> LLMEngine:
-    cfg = EngineConfig(
-        model=str(path), home=home, kv_cache_bytes="16MiB", num_threads=1,
-        model_quantization=knob,
-    )  # fmt: skip
-    return LLMEngine.from_config(cfg, progress=False)
-
-
 TEXTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there was a"]
 
 
@@ -344,13 +337,18 @@ def test_transformers_reads_the_file_as_kvguards_fp32_model_does(
 ) -> None:
     """transformers' GGUF loader (the gguf package's dequantisers, its own q/k row order) on
     the same file: the same logits to fp32 rounding, the same greedy tokens."""
+    path = {"q4km": q4_k_m, "five": five_bit, "iq4": iq4}[name]
+    assert_transformers_agrees(path, served[name][1])
+
+
+def assert_transformers_agrees(path: Path, fp32: LLMEngine) -> Any:
+    """transformers loading the GGUF at `path` gives `fp32`'s greedy tokens for TEXTS, and its
+    logits along them to fp32 rounding; the model, for what else a caller checks."""
     from transformers import AutoModelForCausalLM
 
-    path = {"q4km": q4_k_m, "five": five_bit, "iq4": iq4}[name]
     model = AutoModelForCausalLM.from_pretrained(
         path.parent, gguf_file=path.name, dtype=torch.float32
     ).eval()
-    fp32 = served[name][1]
     ids = prompt_ids(fp32)
     for prompt, out in zip(ids, greedy(fp32, ids), strict=True):
         with torch.no_grad():
@@ -362,6 +360,7 @@ def test_transformers_reads_the_file_as_kvguards_fp32_model_does(
             want = model(torch.tensor([prompt + out])).logits[0]
         got = fp32.score(prompt + out)
         assert (got - want).abs().max().item() <= 1e-4 * want.abs().max().item()
+    return model
 
 
 def test_a_q4_k_m_file_is_served_with_no_fp32_weight(

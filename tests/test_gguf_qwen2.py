@@ -21,14 +21,14 @@ from typing import Any
 import gguf
 import numpy as np
 import pytest
-import torch
 from safetensors.numpy import load_file
 
-from kvguard.engine import EngineConfig, LLMEngine
+from kvguard.engine import LLMEngine
 from kvguard.engine import model_registry as reg
 from kvguard.engine.gguf_convert import convert_gguf
 from kvguard.engine.model_config import ModelConfig, ModelLoadError
-from kvguard.engine.sampling_params import SamplingParams
+from tests.test_gguf_kquants import assert_transformers_agrees, greedy, prompt_ids
+from tests.test_gguf_variants import engine
 
 Q = gguf.GGMLQuantizationType
 V = gguf.GGUFValueType
@@ -36,8 +36,6 @@ HIDDEN, INTER, LAYERS, HEADS, KV_HEADS = 128, 256, 2, 4, 2
 HEAD_DIM = HIDDEN // HEADS
 VOCAB = 49152  # the default model's
 ROPE_BASE = 1e6
-STEPS = 8
-TEXTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there was a"]
 
 # q/k at 4 bits beside an 8-bit v (one fused group at 8 bits), gate/up at 8, o/down at 4
 MIXED = {
@@ -141,14 +139,6 @@ def files(tokenizer_fields: list[Any], tmp_path_factory: pytest.TempPathFactory)
     }
 
 
-def engine(path: Path, home: Path, knob: str) -> LLMEngine:
-    cfg = EngineConfig(
-        model=str(path), home=home, kv_cache_bytes="16MiB", num_threads=1,
-        model_quantization=knob,
-    )  # fmt: skip
-    return LLMEngine.from_config(cfg, progress=False)
-
-
 @pytest.fixture(scope="module")
 def served(
     files: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
@@ -158,15 +148,6 @@ def served(
     return {k: (engine(p, home, "auto"), engine(p, home, "none")) for k, p in files.items()}
 
 
-def prompt_ids(eng: LLMEngine) -> list[list[int]]:
-    return [list(o.prompt_token_ids) for o in eng.generate(TEXTS, SamplingParams(max_tokens=1))]
-
-
-def greedy(eng: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
-    outs = eng.generate(prompts, SamplingParams(max_tokens=STEPS, ignore_eos=True))
-    return [list(o.token_ids) for o in outs]
-
-
 @pytest.mark.parametrize("name", ["mixed", "tied"])
 def test_transformers_reads_a_qwen2_file_as_kvguards_fp32_model_does(
     served: dict[str, tuple[LLMEngine, LLMEngine]], files: dict[str, Path], name: str
@@ -174,25 +155,8 @@ def test_transformers_reads_a_qwen2_file_as_kvguards_fp32_model_does(
     """transformers' GGUF loader on the same file (no q/k reordering for qwen2, the biases
     added): the same greedy tokens and logits to fp32 rounding. q/k rows or biases put in
     llama's order, a bias dropped or the wrong rope base move logits by their whole spread."""
-    from transformers import AutoModelForCausalLM
-
-    path = files[name]
-    model = AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
-    ).eval()
+    model = assert_transformers_agrees(files[name], served[name][1])
     assert type(model).__name__ == "Qwen2ForCausalLM"
-    fp32 = served[name][1]
-    ids = prompt_ids(fp32)
-    for prompt, out in zip(ids, greedy(fp32, ids), strict=True):
-        with torch.no_grad():
-            gen = model.generate(
-                torch.tensor([prompt]), max_new_tokens=STEPS, do_sample=False,
-                eos_token_id=None, pad_token_id=0,
-            )  # fmt: skip
-            assert gen[0, len(prompt) :].tolist() == out
-            want = model(torch.tensor([prompt + out])).logits[0]
-        got = fp32.score(prompt + out)
-        assert (got - want).abs().max().item() <= 1e-4 * want.abs().max().item()
 
 
 @pytest.mark.parametrize("name", ["mixed", "tied"])

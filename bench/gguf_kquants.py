@@ -48,7 +48,7 @@ if not __package__:  # run as a file: import siblings as bench.*, never shadow t
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 from bench import gguf_encode  # noqa: E402
 from bench.common import MiB, load_line, section, token_prompts  # noqa: E402
-from bench.quantized import Kvguard, OpenVINO, gguf_path, run_trace  # noqa: E402
+from bench.quantized import Kvguard, OpenVINO, gguf_path, measure  # noqa: E402
 from bench.trace import (  # noqa: E402
     LengthDist,
     TraceSpec,
@@ -196,19 +196,7 @@ def measure_layout(
         if isinstance(eng, Kvguard):
             r["weight_bytes"] = eng.weight_bytes()
         eng.decode_tok_s(token_prompts(args.vocab_model, 2, 32, 7), 8)  # warm-up, untimed
-    samples: list[dict[str, list[float]]] = [{} for _ in engines]
-    outputs: list[list[list[int]]] = [[] for _ in engines]
-    for rnd in range(args.rounds):
-        for i in [(rnd + j) % len(engines) for j in range(len(engines))]:
-            eng, got = engines[i], samples[i]
-            for batch in (1, 32):
-                prompts = token_prompts(args.vocab_model, batch, 32, batch)
-                got.setdefault(f"bs{batch}_tok_s", []).append(
-                    eng.decode_tok_s(prompts, args.tokens)
-                )
-            tok_s, _, outs = run_trace(eng, trace)
-            got.setdefault("trace_tok_s", []).append(tok_s)
-            outputs[i] = outs
+    samples, outputs = measure(engines, args.rounds, args.vocab_model, args.tokens, trace)
     ref = outputs[-1]  # kvguard fp32
     for r, got, outs in zip(rows, samples, outputs, strict=True):
         r |= {k: statistics.median(v) for k, v in got.items()}

@@ -258,6 +258,29 @@ def run_trace(engine: Any, trace: list[TraceRequest]) -> tuple[float, float, lis
     return sum(want) / wall, wall, outs
 
 
+def measure(
+    engines: list[Any], rounds: int, model: str, tokens: int, trace: Any
+) -> tuple[list[dict[str, list[float]]], list[list[list[int]]]]:
+    """Each engine's figures over `rounds` (batch-1 and batch-32 decode of `tokens` tokens on
+    `model`'s vocabulary, the trace's tok/s and seconds), the engines taken in a rotated order
+    each round so that none always runs first; and each one's trace outputs."""
+    samples: list[dict[str, list[float]]] = [{} for _ in engines]
+    outputs: list[list[list[int]]] = [[] for _ in engines]
+    for rnd in range(rounds):
+        for i in [(rnd + j) % len(engines) for j in range(len(engines))]:
+            eng, got = engines[i], samples[i]
+            for batch in (1, 32):
+                prompts = token_prompts(model, batch, 32, batch)
+                got.setdefault(f"bs{batch}_tok_s", []).append(eng.decode_tok_s(prompts, tokens))
+            tok_s, wall, outs = run_trace(eng, trace)
+            got.setdefault("trace_tok_s", []).append(tok_s)
+            got.setdefault("trace_s", []).append(wall)
+            if outputs[i] and outs != outputs[i]:
+                print(f"note: {eng.name}'s trace outputs differ between rounds")
+            outputs[i] = outs
+    return samples, outputs
+
+
 def built(makers: list[tuple[str, Any, Any]], notes: list[str]) -> Any:
     """(name, tag, engine) for each (name, tag, maker) whose engine builds; a peer that is
     not installed is skipped with a note saying how to install it."""
@@ -308,20 +331,7 @@ def main() -> None:
             r["weight_bytes"] = eng.weight_bytes()
             r["kernels"] = eng.kernels()
         eng.decode_tok_s(token_prompts(args.model, 2, 32, 7), 8)  # warm-up, untimed
-    samples: list[dict[str, list[float]]] = [{} for _ in engines]
-    outputs: list[list[list[int]]] = [[] for _ in engines]
-    for rnd in range(args.rounds):
-        for i in [(rnd + j) % len(engines) for j in range(len(engines))]:
-            eng, got = engines[i], samples[i]
-            for batch in (1, 32):
-                prompts = token_prompts(args.model, batch, 32, batch)
-                got.setdefault(f"bs{batch}_tok_s", []).append(eng.decode_tok_s(prompts, tokens))
-            tok_s, wall, outs = run_trace(eng, trace)
-            got.setdefault("trace_tok_s", []).append(tok_s)
-            got.setdefault("trace_s", []).append(wall)
-            if outputs[i] and outs != outputs[i]:
-                print(f"note: {eng.name}'s trace outputs differ between rounds")
-            outputs[i] = outs
+    samples, outputs = measure(engines, args.rounds, args.model, tokens, trace)
     for r, got in zip(results, samples, strict=True):
         r |= {k: statistics.median(v) for k, v in got.items()}
         r["rounds"] = got

@@ -315,6 +315,12 @@ def test_a_packed_k_quant_model_gives_the_fp32_models_tokens(
     kernels' fp16 group scales and their quantised activations. A code in the wrong place, or
     q/k rows in the wrong order, moves logits by their whole spread."""
     packed, fp32 = served[name]
+    assert_packed_agrees(packed, fp32)
+
+
+def assert_packed_agrees(packed: LLMEngine, fp32: LLMEngine) -> None:
+    """`packed` gives `fp32`'s greedy tokens for TEXTS, every logit along them within 5% of
+    the logits' spread and 1% on average."""
     ids = prompt_ids(fp32)
     want = greedy(fp32, ids)
     assert greedy(packed, ids) == want

@@ -139,7 +139,6 @@ BITS = {
 IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113])
 PACKED_TYPES = tuple(BITS)
 GROUP = 32  # weights per scale in every packed type (a K-quant's super-block holds 8 or 16)
-K_SUPER = 256  # weights per K-quant super-block
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _MISSING = object()
 

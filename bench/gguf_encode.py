@@ -45,6 +45,10 @@ def encode(w: np.ndarray, qtype: Q) -> np.ndarray:
         return _encode_k(w, qtype == Q.Q5_K)
     if qtype == Q.Q6_K:
         return _encode_q6_k(w)
+    if qtype == Q.Q3_K:
+        return _encode_q3_k(w)
+    if qtype == Q.Q2_K:
+        return _encode_q2_k(w)
     if qtype in (Q.IQ4_NL, Q.IQ4_XS):
         return _encode_iq4(w, qtype == Q.IQ4_XS)
     return gguf.quants.quantize(w, qtype)
@@ -105,6 +109,54 @@ def _encode_q6_k(w: np.ndarray) -> np.ndarray:
         s.astype(np.int8).view(np.uint8),
         f16_bytes(d),
     ]
+    return np.concatenate(parts, axis=-1).reshape(rows, -1)
+
+
+def _bits_by_weight(q: np.ndarray, rows: int, blocks: int) -> np.ndarray:
+    """2-bit codes `[rows, blocks, 256]` as Q2_K and Q3_K lay them out: weight 128h + 32j + i
+    in byte 32h + i, bits 2j and 2j + 1."""
+    q = q.reshape(rows, blocks, 2, 4, 32) << np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]
+    return np.bitwise_or.reduce(q, axis=-2).reshape(rows, blocks, 64)
+
+
+def _encode_q3_k(w: np.ndarray) -> np.ndarray:
+    """Q3_K: a 6-bit scale (stored + 32) per 16 weights of an fp16 `d`, 3-bit codes about 4."""
+    rows, cols = w.shape
+    blocks = cols // 256
+    x = w.reshape(rows, blocks, 16, 16)
+    sub = np.abs(x).max(-1) / 4
+    d = (sub.max(-1) / 31).astype(np.float16)
+    s = np.clip(np.rint(sub / _safe(d.astype(np.float32))[..., None]), -32, 31)
+    step = (d.astype(np.float32)[..., None] * s)[..., None]
+    q = (np.clip(np.rint(x / _safe(step)), -4, 3) + 4).astype(np.uint8).reshape(rows, blocks, 256)
+    sc = (s + 32).astype(np.uint8)
+    high = ((q >> 2) & 1).reshape(rows, blocks, 8, 32) << np.arange(8, dtype=np.uint8)[:, None]
+    top = ((sc >> 4) & 3).reshape(rows, blocks, 4, 4) << np.arange(0, 8, 2, dtype=np.uint8)[:, None]
+    parts = [
+        np.bitwise_or.reduce(high, axis=-2),  # bit j of byte i: weight 32j + i
+        _bits_by_weight(q & 3, rows, blocks),
+        (sc[..., :8] & 15) | ((sc[..., 8:] & 15) << 4),
+        np.bitwise_or.reduce(top, axis=-2),  # byte 8 + i, bits 2j: sub-block 4j + i
+        f16_bytes(d),
+    ]
+    return np.concatenate(parts, axis=-1).reshape(rows, -1)
+
+
+def _encode_q2_k(w: np.ndarray) -> np.ndarray:
+    """Q2_K: a 4-bit scale and minimum per 16 weights of fp16 `d` and `dmin`, 2-bit codes."""
+    rows, cols = w.shape
+    blocks = cols // 256
+    x = w.reshape(rows, blocks, 16, 16)
+    low = -np.minimum(x.min(-1), 0)
+    scale = (x.max(-1) + low) / 3
+    d = (scale.max(-1) / 15).astype(np.float16)
+    dmin = (low.max(-1) / 15).astype(np.float16)
+    sc = np.clip(np.rint(scale / _safe(d.astype(np.float32))[..., None]), 0, 15).astype(np.uint8)
+    mn = np.clip(np.rint(low / _safe(dmin.astype(np.float32))[..., None]), 0, 15).astype(np.uint8)
+    step = (d.astype(np.float32)[..., None] * sc)[..., None]
+    shift = (dmin.astype(np.float32)[..., None] * mn)[..., None]
+    q = np.clip(np.rint((x + shift) / _safe(step)), 0, 3).astype(np.uint8)
+    parts = [sc | (mn << 4), _bits_by_weight(q, rows, blocks), f16_bytes(d), f16_bytes(dmin)]
     return np.concatenate(parts, axis=-1).reshape(rows, -1)
 
 

@@ -8,9 +8,9 @@ kernels (a progress bar on a terminal; an INFO line with the size and time). The
 written one tensor at a time (`SafetensorsWriter`), so converting holds one tensor's arrays,
 not the model's. Two forms:
 
-- packed (`packed=True`, what `model_quantization: auto | gguf` serves): Q4_0, Q4_1, Q4_K,
-  Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, IQ4_NL and IQ4_XS tensors stay quantized, unpacked to `QuantSpec`'s convention
-  and stored per module as `<name>.qweight` (uint8 codes; two 4-bit codes a byte, even column
+- packed (`packed=True`, what `model_quantization: auto | gguf` serves): Q2_K, Q3_K, Q4_0,
+  Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, IQ4_NL and IQ4_XS tensors stay quantized, unpacked
+  to `QuantSpec`'s convention and stored per module as `<name>.qweight` (uint8 codes; two 4-bit codes a byte, even column
   in the low nibble), `<name>.scales` and `<name>.zeros` (float32, one per 32-column group);
   config.json says so in `quantization_config` (`quant_method: gguf`: each module's GGUF type
   and its codes' width). The 4-bit types become 4-bit codes, the 5-bit ones 8-bit codes (the
@@ -22,9 +22,12 @@ not the model's. Two forms:
   unquantised part (an F16 `attn_v` beside Q4_1 q/k) is stored as fp32, with a warning; one
   mixing 4-bit and 8-bit codes (Q4_K q/k beside a Q6_K `attn_v`, as in a Q4_K_M file) at 8
   bits, its 4-bit codes one a byte. IQ4_NL and IQ4_XS, whose 16 values are not evenly spaced,
-  become 8-bit codes (exact, twice their size). A tensor of any other quantised type (Q2_K,
-  Q3_K, IQ1-3, ...) is refused, naming the file, the tensor and its type: dequantised it
-  would silently serve the model at several times the file's size (a 3 bit weight as 32), which
+  become 8-bit codes (exact, twice their size). Q3_K and Q2_K (scaled every 16 weights, like
+  Q6_K) become 8-bit codes per 32: Q3_K exactly, Q2_K requantised where a pair of 16 has two
+  minimums (`_unpack_q2_k`), both with a warning of their size. A tensor of any other
+  quantised type (IQ1-3, TQ*, ...) is refused, naming the file, the tensor and its type:
+  dequantised it would silently serve the model at many times the file's size (an IQ2 weight
+  as 32 bits), which
   `model_quantization: none` does on purpose.
 - fp32 (`packed=False`, `model_quantization: none`): every tensor dequantised, the reference
   the packed model is compared with.
@@ -44,6 +47,7 @@ import json
 import logging
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -120,9 +124,12 @@ _GLOBAL_TENSORS = {
     "output.weight": "lm_head.weight",
 }
 # the quantised types a packed conversion serves packed -> the bits of the codes they become:
-# 4-bit types as 4-bit codes, 5-bit ones as 8-bit codes (the code value itself), Q6_K
-# requantised to 8-bit codes (`_unpack_q6_k`)
+# 4-bit types as 4-bit codes, 5-bit ones as 8-bit codes (the code value itself), the K-quants
+# that scale every 16 weights as 8-bit codes per 32: Q3_K exactly (`_unpack_q3_k`), Q6_K and
+# Q2_K requantised where one scale cannot hold a pair (`_unpack_q6_k`, `_unpack_q2_k`)
 BITS = {
+    gguf.GGMLQuantizationType.Q2_K: 8,
+    gguf.GGMLQuantizationType.Q3_K: 8,
     gguf.GGMLQuantizationType.Q4_0: 4,
     gguf.GGMLQuantizationType.Q4_1: 4,
     gguf.GGMLQuantizationType.Q4_K: 4,
@@ -138,6 +145,8 @@ BITS = {
 # with a scale and minimum holds them, and 8-bit codes `value + 128` do, exactly
 IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113])
 PACKED_TYPES = tuple(BITS)
+# the types served requantised (not exactly in every pair of 16): the worst error is warned
+REQUANTISED = (gguf.GGMLQuantizationType.Q6_K, gguf.GGMLQuantizationType.Q2_K)
 GROUP = 32  # weights per scale in every packed type (a K-quant's super-block holds 8 or 16)
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _MISSING = object()
@@ -420,7 +429,7 @@ def convert_tensors(
         parts = ("qweight", "scales", "zeros")
         written += [f"{base}.{p}" for p in parts] if gguf_name in keep else [name]
     _check_complete(src, written, config)
-    errors: dict[str, float] = {}
+    errors: dict[str, tuple[str, float]] = {}
     bar = tqdm(
         src.reader.tensors, desc=f"converting {src.path.name}", unit="tensor", disable=not progress
     )
@@ -513,21 +522,27 @@ class SafetensorsWriter:
             self.file.unlink(missing_ok=True)
 
 
-def _warn_requantised(src: GgufFile, errors: dict[str, float]) -> None:
-    """One warning for the Q6_K tensors served requantised (`_unpack_q6_k`): how many, and
-    the worst error measured."""
-    worst = max(errors, key=errors.__getitem__)
-    log.warning(
-        "%s: %d Q6_K tensor(s) are served requantised to 8-bit codes per 32 weights (Q6_K "
-        "scales every 16, which one scale per 32 holds exactly only sometimes): the worst "
-        "error is %.3f of a Q6_K step (of the coarser of a pair of 16; in %s; Q6_K's own "
-        "rounding is up to 0.5 of its step); "
-        "`model_quantization: none` serves them exactly, dequantised to fp32",
-        src.path,
-        len(errors),
-        errors[worst],
-        worst,
-    )
+def _warn_requantised(src: GgufFile, errors: dict[str, tuple[str, float]]) -> None:
+    """One warning per type served requantised (Q6_K `_unpack_q6_k`, Q2_K `_unpack_q2_k`):
+    how many tensors, and the worst error measured. `errors`: tensor -> (type, error)."""
+    for qtype in sorted({kind for kind, _ in errors.values()}):
+        mine = {name: err for name, (kind, err) in errors.items() if kind == qtype}
+        worst = max(mine, key=mine.__getitem__)
+        log.warning(
+            "%s: %d %s tensor(s) are served requantised to 8-bit codes per 32 weights (%s "
+            "scales every 16, which one scale per 32 holds exactly only sometimes): the worst "
+            "error is %.3f of a %s step (of the coarser of a pair of 16; in %s; %s's own "
+            "rounding is up to 0.5 of its step); "
+            "`model_quantization: none` serves them exactly, dequantised to fp32",
+            src.path,
+            len(mine),
+            qtype,
+            qtype,
+            mine[worst],
+            qtype,
+            worst,
+            qtype,
+        )
 
 
 # A file's vocabulary-sized tensors, which llama.cpp's quantiser may keep in another type than
@@ -538,7 +553,7 @@ VOCAB_TENSORS = ("token_embd.weight", "output.weight")
 
 def _refuse_unpackable(src: GgufFile) -> None:
     """A packed conversion serves `BITS`' types packed and unquantised ones as they are. A
-    layer's tensor quantised otherwise (blocks of more than one value: Q2_K, Q3_K, IQ1-3, TQ*,
+    layer's tensor quantised otherwise (blocks of more than one value: IQ1-3, TQ*,
     ...) is refused before anything is converted, naming the file, the tensor and its type:
     dequantised, the model would take several times the file's size. The embedding and the
     lm_head (`VOCAB_TENSORS`) are dequantised to fp32 instead, with a warning."""
@@ -602,22 +617,33 @@ def kept_packed(src: GgufFile, warn: bool = False) -> dict[str, int]:
     if warn and widths:
         _say_widened(src, widths)
     keep = {t.name: BITS[t.tensor_type] for t in src.reader.tensors if t.tensor_type in BITS}
-    iq4 = [t for t in src.reader.tensors if t.tensor_type.name.startswith("IQ4_")]
-    if warn and iq4:
-        log.warning(
-            "%s: %d IQ4_NL/IQ4_XS tensor(s) are served as 8-bit codes, exactly (their 16 "
-            "values are not evenly spaced, which 4-bit codes with a scale need): %.0f MiB "
-            "against %.0f MiB in the file",
-            src.path,
-            len(iq4),
-            sum(int(np.prod(t.shape)) * 9 / 8 for t in iq4) / 2**20,
-            sum(int(t.n_bytes) for t in iq4) / 2**20,
-        )
+    if warn:
+        uneven = "exactly (their 16 values are not evenly spaced, as 4-bit codes with a scale are)"
+        _say_wider(src, ("IQ4_NL", "IQ4_XS"), uneven)
+        by_16 = "per 32 (they scale every 16 weights; Q2_K requantised, Q3_K exactly)"
+        _say_wider(src, ("Q3_K", "Q2_K"), by_16)
     for t in (t for parts in floats for t in parts):
         keep.pop(t.name, None)
     for t in (t for parts in widths for t in parts):
         keep[t.name] = 8
     return keep
+
+
+def _say_wider(src: GgufFile, types: tuple[str, ...], how: str) -> None:
+    """One warning for the file's tensors of `types` (served as 8-bit codes, `how`): how many,
+    and their size served against their size in the file."""
+    wide = [t for t in src.reader.tensors if t.tensor_type.name in types]
+    if wide:
+        log.warning(
+            "%s: %d %s tensor(s) are served as 8-bit codes, %s: %.0f MiB against %.0f MiB in "
+            "the file",
+            src.path,
+            len(wide),
+            "/".join(sorted({t.tensor_type.name for t in wide})),
+            how,
+            sum(int(np.prod(t.shape)) * 9 / 8 for t in wide) / 2**20,
+            sum(int(t.n_bytes) for t in wide) / 2**20,
+        )
 
 
 def _groups_named(groups: list[list[Any]]) -> str:
@@ -683,18 +709,18 @@ def _packed(
     heads: dict[str, int],
     base: str,
     bits: int | None = None,
-    errors: dict[str, float] | None = None,
+    errors: dict[str, tuple[str, float]] | None = None,
 ) -> dict[str, np.ndarray]:
     """One quantized tensor as codes + scales + zeros, rows un-permuted like the fp32 path;
     `bits`: the codes' stored width (`kept_packed`: 8 for a 4-bit type fused with an 8-bit
-    one, the same code values a byte each); `errors`: a requantised (Q6_K) tensor's worst
-    error is put there, in Q6_K steps."""
+    one, the same code values a byte each); `errors`: a requantised (`REQUANTISED`) tensor's
+    type and worst error are put there, the error in its type's steps."""
     try:
         q, scales, zeros, err = _unpack(np.asarray(t.data), t.tensor_type)
     except ValueError as e:
         raise ModelLoadError(f"{src.path}: cannot unpack tensor {t.name!r} ({e})") from e
-    if errors is not None and t.tensor_type == gguf.GGMLQuantizationType.Q6_K:
-        errors[t.name] = err
+    if errors is not None and t.tensor_type in REQUANTISED:
+        errors[t.name] = (t.tensor_type.name, err)
     kind = t.name.split(".")[-2]
     if kind in heads:  # the rope permutation moves whole output rows: codes and their scales
         q, scales, zeros = (unpermute_rows(a, heads[kind]) for a in (q, scales, zeros))
@@ -733,8 +759,8 @@ def _unpack(
         raise ValueError(f"{qtype.name} data of shape {data.shape} is not whole {size}-byte blocks")
     rows = data.shape[0]
     blocks = data.reshape(rows, -1, size)
-    if qtype == gguf.GGMLQuantizationType.Q6_K:
-        return _unpack_q6_k(blocks)
+    if qtype in _PAIRED:
+        return _by_rows(_PAIRED[qtype], blocks)
     if qtype.name.startswith("IQ4_"):
         q, scales, zeros = _unpack_iq4(blocks, qtype == gguf.GGMLQuantizationType.IQ4_XS)
         return q.reshape(rows, -1), scales.reshape(rows, -1), zeros.reshape(rows, -1), 0.0
@@ -823,21 +849,13 @@ def _unpack_k(blocks: np.ndarray, fifth: bool) -> tuple[np.ndarray, np.ndarray, 
     return _min_to_zero(q, scale, -(dmin[..., None] * mins.astype(np.float32)))
 
 
-def _unpack_q6_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
-    """Q6_K super-blocks of 256 weights as 8-bit codes per 32, and the worst error they make.
-
-    A super-block is 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales `s` (one
-    per 16 weights) and fp16 `d`: `w = d * s * (q - 32)`, q in 0..63. Weight 128h + 32k + i
-    (h < 2, k < 4) has its low bits in byte 64h + 32(k % 2) + i (nibble k // 2) and its high
-    bits in byte 128 + 32h + i (bits 2k, 2k + 1). One scale per 32 weights holds such a pair of
-    sub-blocks exactly where a common step does: `d * gcd(s_a, s_b)`, when the pair's codes on
-    it span at most 256 values. Other pairs are requantised to 256 levels about zero, a level
-    the largest weight over 127 (or the most negative one over 128), off by at most half a
-    level: 32/254 (0.126, an eighth) of the coarser sub-block's step `d * max(|s_a|, |s_b|)`
-    (a weight is at most 32 such steps from zero; Q6_K's own rounding is off by up to 0.5). Codes sit about 128
-    (zero 128 where the pair's codes allow it, as `_centred`): the 8-bit kernels keep
-    `(128 - zero) * scale` in fp16, exact only at 0. The error is measured, as the largest
-    fraction of that step; rows are done a slice at a time to bound the temporary arrays."""
+def _by_rows(
+    fn: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray, float]],
+    blocks: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+    """A type of 256-weight super-blocks scaled every 16 weights (`_PAIRED`) as 8-bit codes per
+    32, `fn` run on a slice of rows at a time to bound the temporary arrays: codes, scales and
+    zeros `[rows, cols // 32]`, and the worst error `fn` measured (in its type's steps)."""
     rows, per_row = blocks.shape[:2]
     q = np.empty((rows, per_row, 8, 32), np.uint8)
     scales = np.empty((rows, per_row, 8), np.float32)
@@ -846,32 +864,72 @@ def _unpack_q6_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray
     step = max(1, 2**14 // per_row)
     for r in range(0, rows, step):
         part = slice(r, r + step)
-        q[part], scales[part], zeros[part], err = _requantise_q6_k(blocks[part])
+        q[part], scales[part], zeros[part], err = fn(blocks[part])
         worst = max(worst, err)
     return q.reshape(rows, -1), scales.reshape(rows, -1), zeros.reshape(rows, -1), worst
 
 
-def _requantise_q6_k(
-    blocks: np.ndarray,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
-    """`_unpack_q6_k` on a slice of rows: codes `[rows, blocks, 8, 32]`, scales and zeros
-    `[rows, blocks, 8]`, the worst error in steps."""
+def _unpack_q6_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+    """Q6_K super-blocks (a slice of rows: `[rows, blocks, 210]`) as 8-bit codes per 32, and
+    the worst error they make.
+
+    A super-block is 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales `s` (one
+    per 16 weights) and fp16 `d`: `w = d * s * (q - 32)`, q in 0..63. Weight 128h + 32k + i
+    (h < 2, k < 4) has its low bits in byte 64h + 32(k % 2) + i (nibble k // 2) and its high
+    bits in byte 128 + 32h + i (bits 2k, 2k + 1). A pair of sub-blocks is exact where a common
+    step holds it (`_pair_codes`); other pairs are requantised to 256 levels about zero, a level
+    the largest weight over 127 (or the most negative one over 128), off by at most half a
+    level: 32/254 (0.126, an eighth) of the coarser sub-block's step `d * max(|s_a|, |s_b|)`
+    (a weight is at most 32 such steps from zero; Q6_K's own rounding is off by up to 0.5)."""
     n = blocks.shape[:2]
     ql = blocks[..., :128].reshape(*n, 2, 1, 64)
     low = np.concatenate([ql & 15, ql >> 4], axis=-2).reshape(*n, 8, 32)
     qh = blocks[..., 128:192].reshape(*n, 2, 1, 32) >> np.arange(0, 8, 2, dtype=np.uint8)[:, None]
     k = (low | ((qh & 3).reshape(*n, 8, 32) << 4)).astype(np.int16) - 32
     s = blocks[..., 192:208].view(np.int8).astype(np.int16).reshape(*n, 8, 2)
-    d = _f16(blocks[..., 208:210])[..., None, None]
+    return _pair_codes(k, s, _f16(blocks[..., 208:210]))
+
+
+def _unpack_q3_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+    """Q3_K super-blocks (`[rows, blocks, 110]`) as 8-bit codes per 32, exactly.
+
+    A super-block is 32 bytes of high bits (bit j of byte i: weight 32j + i), 64 bytes of low
+    2-bit pairs (weight 128h + 32j + i in byte 32h + i, bits 2j, 2j + 1), 12 bytes of 6-bit
+    scales (sub-block i < 8: the low nibble of byte i, 8 + i its high one; their top two bits
+    in bytes 8-11: sub-block 4j + i in byte 8 + i, bits 2j, 2j + 1) and fp16 `d`:
+    `w = d * (sc - 32) * (q - 4)` with q the 3-bit code (a clear high bit takes 4 off). Both
+    sub-blocks' `(sc - 32) * (q - 4)` lie in -124..128, so a pair's codes on the step `d` (or a
+    coarser common one) always fit a byte: no error."""
+    n = blocks.shape[:2]
+    hbit = blocks[..., :32].reshape(*n, 1, 32) >> np.arange(8, dtype=np.uint8)[:, None]
+    qs = blocks[..., 32:96].reshape(*n, 2, 1, 32) >> np.arange(0, 8, 2, dtype=np.uint8)[:, None]
+    k = ((qs & 3).reshape(*n, 8, 32) | ((hbit & 1) << 2)).astype(np.int16) - 4
+    low = blocks[..., 96:104].reshape(*n, 1, 8) >> np.array([0, 4], dtype=np.uint8)[:, None]
+    high = blocks[..., 104:108].reshape(*n, 1, 4) >> np.arange(0, 8, 2, dtype=np.uint8)[:, None]
+    sc = (low.reshape(*n, 16) & 15) | ((high.reshape(*n, 16) & 3) << 4)
+    s = (sc.astype(np.int16) - 32).reshape(*n, 8, 2)
+    return _pair_codes(k, s, _f16(blocks[..., 108:110]))
+
+
+def _pair_codes(
+    k: np.ndarray, s: np.ndarray, d: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+    """Weights `w = d * s * k` (codes `k` `[rows, blocks, 8, 32]` about zero, an integer scale
+    `s` `[rows, blocks, 8, 2]` per 16 of them, fp16 `d` `[rows, blocks]` per 256) as 8-bit codes
+    per 32: codes, scales and zeros `[rows, blocks, 8, ...]` and the worst error, in steps of
+    each pair's coarser sub-block (`d * max(|s|)`). One scale per 32 holds a pair exactly where
+    a common step does: `d * gcd(s_a, s_b)`, when the pair's codes on it span at most 256
+    values, moved up by the shift nearest 128 that keeps them in a byte (the 8-bit kernels keep
+    `(128 - zero) * scale` in fp16, exact at 0 and at small multiples of the step). Other pairs
+    are requantised to 256 levels about zero (`_unpack_q6_k`)."""
+    d = d[..., None, None]
     s_w = np.repeat(s, 16, axis=-1)  # each weight's sub-block scale
     w = (d * s_w.astype(np.float32)) * k.astype(np.float32)  # the exact weights, as gguf
-    # a common step: codes k * s / g, moved up by the shift nearest 128 that keeps them in a byte
     g = np.gcd(s[..., 0], s[..., 1])
     ints = k * (s_w // np.maximum(g, 1)[..., None])
     lo_i, hi_i = ints.min(axis=-1), ints.max(axis=-1)
     exact = hi_i - lo_i <= 255
     shift = np.clip(128, -lo_i, 255 - hi_i)
-    # else 256 levels about zero
     lo, hi = w.min(axis=-1), w.max(axis=-1)
     level = np.maximum(-lo / np.float32(128), hi / np.float32(127))
     safe = np.where(level > 0, level, np.float32(1))
@@ -883,6 +941,55 @@ def _requantise_q6_k(
     coarse = np.abs(d[..., 0]) * np.abs(s).max(axis=-1).astype(np.float32)
     held = coarse > 0  # a pair with no step holds zeros, exactly
     return q, scales, zeros, float((err[held] / coarse[held]).max(initial=0.0))
+
+
+def _unpack_q2_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+    """Q2_K super-blocks (`[rows, blocks, 84]`) as 8-bit codes per 32, and the worst error.
+
+    A super-block is 16 bytes of 4-bit scale `sc` (low nibble) and minimum `m` (high nibble),
+    one per 16 weights, 64 bytes of 2-bit codes (weight 128h + 32j + i in byte 32h + i, bits
+    2j, 2j + 1), fp16 `d` and `dmin`: `w = d * sc * q - dmin * m`. A pair of sub-blocks with one
+    minimum is held exactly (up to fp32 rounding, as `_min_to_zero`) on the step
+    `d * gcd(sc_a, sc_b)`: its codes span at most 46 values. A pair whose minimums differ is
+    requantised to 256 levels from its least weight to its greatest, off by at most half a
+    level: 1/510 of the pair's range, which is a few of its coarser step `d * max(sc)` (and
+    `dmin` times the minimums' difference). The error is measured in that step."""
+    n = blocks.shape[:2]
+    sc = (blocks[..., :16] & 15).astype(np.int16).reshape(*n, 8, 2)
+    mn = (blocks[..., :16] >> 4).reshape(*n, 8, 2)
+    qs = blocks[..., 16:80].reshape(*n, 2, 1, 32) >> np.arange(0, 8, 2, dtype=np.uint8)[:, None]
+    k = (qs & 3).reshape(*n, 8, 32).astype(np.int16)
+    d = _f16(blocks[..., 80:82])[..., None, None]
+    dmin = _f16(blocks[..., 82:84])[..., None, None]
+    sc_w = np.repeat(sc, 16, axis=-1)
+    low_w = dmin * np.repeat(mn, 16, axis=-1).astype(np.float32)
+    w = (d * sc_w.astype(np.float32)) * k.astype(np.float32) - low_w  # as gguf
+    g = np.gcd(sc[..., 0], sc[..., 1])
+    unit = d[..., 0] * g.astype(np.float32)
+    one_min = (mn[..., 0] == mn[..., 1]) & (unit != 0)
+    ints = k * (sc_w // np.maximum(g, 1)[..., None])  # 0..45
+    shift = np.float32(128) - np.rint(ints.max(axis=-1) / 2).astype(np.float32)
+    lo, hi = w.min(axis=-1), w.max(axis=-1)
+    level = (hi - lo) / np.float32(255)
+    flat = level == 0  # one value: codes 0, that value as the scale, zero -1
+    safe = np.where(flat, np.float32(1), level)
+    codes = np.clip(np.rint((w - lo[..., None]) / safe[..., None]), 0, 255)
+    q = np.where(one_min[..., None], ints + shift[..., None], codes).astype(np.uint8)
+    safe_unit = np.where(one_min, unit, np.float32(1))
+    exact_zero = shift + low_w[..., 0] / safe_unit
+    scales = np.where(one_min, unit, np.where(flat, lo, level)).astype(np.float32)
+    zeros = np.where(one_min, exact_zero, np.where(flat, -1, -lo / safe)).astype(np.float32)
+    err = np.abs((q.astype(np.float32) - zeros[..., None]) * scales[..., None] - w).max(axis=-1)
+    coarse = np.abs(d[..., 0]) * sc.max(axis=-1).astype(np.float32)
+    held = coarse > 0
+    return q, scales, zeros, float((err[held] / coarse[held]).max(initial=0.0))
+
+
+_PAIRED = {
+    gguf.GGMLQuantizationType.Q2_K: _unpack_q2_k,
+    gguf.GGMLQuantizationType.Q3_K: _unpack_q3_k,
+    gguf.GGMLQuantizationType.Q6_K: _unpack_q6_k,
+}
 
 
 def _min_to_zero(

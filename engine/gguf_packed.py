@@ -26,7 +26,7 @@ PACKED_FORMAT_VERSION = 1
 # the GGUF types a packed conversion keeps packed, by name -> bits per code (gguf_convert.BITS)
 PACKED_BITS = {
     "Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 8, "Q5_1": 8, "Q5_K": 8, "Q6_K": 8, "Q8_0": 8,
-    "IQ4_NL": 8, "IQ4_XS": 8,
+    "IQ4_NL": 8, "IQ4_XS": 8, "Q2_K": 8, "Q3_K": 8,
 }  # fmt: skip
 
 

@@ -2,13 +2,15 @@
 served packed by the `auto` conversion, where every layer tensor of those types was refused:
 
 - Q4_K becomes 4-bit codes per 32 weights, Q5_0 / Q5_1 / Q5_K 8-bit codes (the code value
-  itself), all as the `gguf` package dequantises them; Q6_K (a scale per 16 weights) is
-  requantised to 8-bit codes per 32, within an eighth of its step, with one warning;
+  itself), all as the `gguf` package dequantises them; of the types with a scale per 16
+  weights, Q3_K becomes 8-bit codes per 32 exactly, Q6_K is requantised to them within an
+  eighth of its step and Q2_K within half a level of 256 over its pair's range, with one
+  warning per type;
 - a fused q/k/v or gate/up group mixing 4-bit and 8-bit codes (Q4_K q/k beside a Q6_K
   `attn_v`: a Q4_K_M file's every other layer) is served at 8 bits, where it was dequantised;
 - the packed model gives the tokens the fp32 one (`model_quantization: none`) gives, and that
   one transformers' logits on the same file;
-- other quantised types (IQ*, Q2_K, Q3_K) are still refused, by name.
+- other quantised types (IQ1-IQ3, TQ*) are still refused, by name.
 
 The files are small llama models (hidden 256, two layers: K-quants need rows of 256) with the
 default model's tokenizer. The gguf package cannot quantise K-quants, so their blocks are
@@ -30,7 +32,7 @@ from safetensors.numpy import load_file
 
 from bench import gguf_encode
 from bench.gguf_encode import f16_bytes
-from kvguard.engine import LLMEngine, gguf_convert
+from kvguard.engine import LLMEngine, gguf_convert, gguf_packed
 from kvguard.engine import model_registry as reg
 from kvguard.engine.gguf_convert import convert_gguf, unpack_blocks
 from kvguard.engine.layers.quant_spec import QuantSpec
@@ -46,8 +48,8 @@ STEPS = 8
 # Q6_K requantised about zero: half a level, a level at most 32 of the pair's coarser steps / 127
 Q6_K_BOUND = 32 / 254
 # w = d * (q - z): the same fp32 products as gguf's
-EXACT = (Q.Q4_0, Q.Q5_0, Q.Q8_0, Q.IQ4_NL, Q.IQ4_XS)
-REFUSED = (Q.Q2_K, Q.Q3_K, Q.IQ3_S, Q.IQ2_XS)  # quantised types with no packed form
+EXACT = (Q.Q4_0, Q.Q5_0, Q.Q8_0, Q.IQ4_NL, Q.IQ4_XS, Q.Q3_K)
+REFUSED = (Q.IQ3_S, Q.IQ2_XS, Q.TQ1_0)  # quantised types with no packed form
 
 
 # -- blocks written from float weights (bench/gguf_encode.py's encoders) ---------------------
@@ -74,6 +76,10 @@ def random_blocks(qtype: Q, rows: int, cols: int, seed: int) -> np.ndarray:
 
     if qtype == Q.Q6_K:
         data[..., 208:210] = value(0.02 / 32 / 64)
+    elif qtype == Q.Q3_K:
+        data[..., 108:110] = value(0.02 / 32 / 4)
+    elif qtype == Q.Q2_K:
+        data[..., 80:82], data[..., 82:84] = np.abs(value(0.02 / 15 / 3)), np.abs(value(0.02 / 15))
     elif qtype in (Q.Q4_K, Q.Q5_K):
         data[..., 0:2], data[..., 2:4] = np.abs(value(0.02 / 63 / 8)), np.abs(value(0.02 / 63))
     else:
@@ -96,13 +102,15 @@ def _reference(data: np.ndarray, qtype: Q) -> torch.Tensor:
 @pytest.mark.parametrize("source", ["random", "encoded"])
 @pytest.mark.parametrize(
     "qtype",
-    [Q.Q4_K, Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.IQ4_NL, Q.IQ4_XS],
+    [Q.Q4_K, Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.IQ4_NL, Q.IQ4_XS, Q.Q3_K],
     ids=lambda q: q.name,
 )
 def test_each_type_unpacks_to_the_gguf_packages_weights(qtype: Q, source: str) -> None:
     """Exact: the types of `w = d * (q - z)` to the bit, those with a minimum (Q4_1, Q5_1, the
     K-quants, through `z = m / d`) up to fp32 rounding of `(q - z) * d`; the codes fit their
-    bits (4-bit types under 16, 5-bit ones 32 values about 128)."""
+    bits (4-bit types under 16, 5-bit ones 32 values about 128). Q3_K (a 6-bit scale per 16
+    weights, 3-bit codes) is exact on one step per 32: each pair's `(sc - 32) * (q - 4)` span
+    at most 253 values."""
     if source == "random":
         data = random_blocks(qtype, 64, 1024, seed=int(qtype))
     else:
@@ -117,6 +125,7 @@ def test_each_type_unpacks_to_the_gguf_packages_weights(qtype: Q, source: str) -
     low, high = {
         Q.Q4_K: (0, 16), Q.Q4_0: (0, 16), Q.Q4_1: (0, 16), Q.Q8_0: (0, 256),
         Q.IQ4_NL: (1, 242), Q.IQ4_XS: (1, 242),  # gguf_encode.IQ4_VALUES + 128
+        Q.Q3_K: (0, 256),
     }.get(qtype, (112, 144))  # fmt: skip  # 5-bit codes about 128 (`_centred`)
     assert low <= int(spec.q.min()) and int(spec.q.max()) < high
 
@@ -170,6 +179,46 @@ def test_q6_k_is_requantised_within_an_eighth_of_its_step(source: str) -> None:
         f"\nQ6_K {source}: worst {worst:.4f} of the pair's coarser step, "
         f"{(err[own > 0] / own[own > 0]).max().item():.4f} of the weight's own step"
     )
+
+
+def _q2_k_pairs(data: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per 32-weight pair of a Q2_K tensor: its coarser step (`d * max(sc)`), whether its two
+    minimums are one, and its range (greatest weight less least)."""
+    blocks = data.reshape(data.shape[0], -1, 84)
+    d = torch.from_numpy(blocks[..., 80:82].copy().view(np.float16).astype(np.float32))
+    sc = torch.from_numpy((blocks[..., :16] & 15).astype(np.float32)).reshape(*d.shape, 8, 2)
+    mn = torch.from_numpy((blocks[..., :16] >> 4).astype(np.int16)).reshape(*d.shape, 8, 2)
+    want = _reference(data, Q.Q2_K).reshape(*d.shape, 8, 32)
+    coarse = (d[..., None] * sc.amax(-1)).abs()
+    return coarse, mn[..., 0] == mn[..., 1], want.amax(-1) - want.amin(-1)
+
+
+@pytest.mark.parametrize("source", ["random", "encoded"])
+def test_q2_k_is_requantised_within_half_a_level_of_its_pair(source: str) -> None:
+    """Q2_K (`d * sc * q - dmin * m`, scale and minimum per 16 weights): a pair of 16 with one
+    minimum is held on one step, exactly (fp32 rounding of `(q - z) * s`); a pair whose
+    minimums differ is requantised to 256 levels over its range, off by at most half a level.
+    The error `_unpack` reports (in the pair's coarser step) is the one measured here: random
+    blocks (a minimum's difference many steps wide) reach whole steps, weights quantised as
+    llama.cpp does stay under a hundredth of one."""
+    if source == "random":
+        data = random_blocks(Q.Q2_K, 64, 1024, seed=2)
+    else:
+        w = np.random.default_rng(1).normal(0, 0.02, (64, 1024)).astype(np.float32)
+        data = encode(w, Q.Q2_K)
+    q, scales, zeros, reported = gguf_convert._unpack(data, Q.Q2_K)
+    got = QuantSpec(*(torch.from_numpy(a) for a in (q, scales, zeros)), 32, 8).dequantize()
+    want = _reference(data, Q.Q2_K)
+    coarse, one_min, span = _q2_k_pairs(data)
+    err = (got - want).abs().reshape(span.shape + (32,)).amax(-1)
+    held = coarse > 0
+    assert (err[held] / coarse[held]).max().item() == pytest.approx(reported, rel=1e-5)
+    top = want.abs().max().item()
+    assert bool((err <= span / 510 + 1e-6 * top).all())
+    assert bool((err[one_min] <= 1e-6 * top).all()) and one_min.any()
+    if source == "encoded":
+        assert reported < 0.01
+    print(f"\nQ2_K {source}: worst {reported:.4f} of the pair's coarser step")
 
 
 # -- small llama files with the default model's tokenizer ------------------------------------
@@ -267,6 +316,21 @@ IQ4 = {
 }  # fmt: skip
 
 
+# Q3_K_M and Q2_K as llama-quantize writes them, in one file: Q3_K and Q2_K projections (all
+# 8-bit codes, fused as they are), a 4-bit Q4_K `attn_output`, a Q5_K `ffn_down`, a Q3_K
+# embedding and a Q6_K lm_head
+LOW_BIT = {
+    "token_embd": Q.Q3_K, "output": Q.Q6_K, "attn_q": Q.Q2_K, "attn_k": Q.Q3_K,
+    "attn_v": Q.Q3_K, "attn_output": Q.Q4_K, "ffn_gate": Q.Q3_K, "ffn_up": Q.Q2_K,
+    "ffn_down": Q.Q5_K,
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def low_bit(tokenizer_fields: list[Any], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_model(tmp_path_factory.mktemp("low") / "low.gguf", tokenizer_fields, LOW_BIT)
+
+
 @pytest.fixture(scope="module")
 def q4_k_m(tokenizer_fields: list[Any], tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_model(tmp_path_factory.mktemp("q4km") / "q4km.gguf", tokenizer_fields, Q4_K_M)
@@ -288,11 +352,15 @@ TEXTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, the
 
 @pytest.fixture(scope="module")
 def served(
-    q4_k_m: Path, five_bit: Path, iq4: Path, tmp_path_factory: pytest.TempPathFactory
+    q4_k_m: Path,
+    five_bit: Path,
+    iq4: Path,
+    low_bit: Path,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> dict[str, tuple[LLMEngine, LLMEngine]]:
     """Each file served packed (`auto`) and in fp32 (`none`)."""
     home = tmp_path_factory.mktemp("home")
-    files = (q4_k_m, five_bit, iq4)
+    files = (q4_k_m, five_bit, iq4, low_bit)
     return {p.stem: (engine(p, home, "auto"), engine(p, home, "none")) for p in files}
 
 
@@ -305,13 +373,14 @@ def greedy(eng: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
     return [list(o.token_ids) for o in outs]
 
 
-@pytest.mark.parametrize("name", ["q4km", "five", "iq4"])
+@pytest.mark.parametrize("name", ["q4km", "five", "iq4", "low"])
 def test_a_packed_k_quant_model_gives_the_fp32_models_tokens(
     served: dict[str, tuple[LLMEngine, LLMEngine]], name: str
 ) -> None:
     """Greedy tokens as `model_quantization: none` gives them, and every logit along them
     within 5% of the logits' spread (1% on average): the packed model's only differences are
-    Q6_K's requantisation (an eighth of a Q6_K step at most, some 0.3% of a weight), the
+    Q6_K's and Q2_K's requantisation (an eighth of a Q6_K step at most, some 0.3% of a
+    weight; half a level of 256 over a Q2_K pair's range), the
     kernels' fp16 group scales and their quantised activations. A code in the wrong place, or
     q/k rows in the wrong order, moves logits by their whole spread."""
     packed, fp32 = served[name]
@@ -333,17 +402,18 @@ def assert_packed_agrees(packed: LLMEngine, fp32: LLMEngine) -> None:
         assert diff.mean().item() <= 0.01 * spread
 
 
-@pytest.mark.parametrize("name", ["q4km", "five", "iq4"])
+@pytest.mark.parametrize("name", ["q4km", "five", "iq4", "low"])
 def test_transformers_reads_the_file_as_kvguards_fp32_model_does(
     served: dict[str, tuple[LLMEngine, LLMEngine]],
     q4_k_m: Path,
     five_bit: Path,
     iq4: Path,
+    low_bit: Path,
     name: str,
 ) -> None:
     """transformers' GGUF loader (the gguf package's dequantisers, its own q/k row order) on
     the same file: the same logits to fp32 rounding, the same greedy tokens."""
-    path = {"q4km": q4_k_m, "five": five_bit, "iq4": iq4}[name]
+    path = {"q4km": q4_k_m, "five": five_bit, "iq4": iq4, "low": low_bit}[name]
     assert_transformers_agrees(path, served[name][1])
 
 
@@ -433,3 +503,33 @@ def test_other_quantised_types_are_still_refused_by_name(
     out = reg.resolve_model(str(path), tmp_path / "home", progress=False, quantization="none")
     held = load_file(str(out / "model.safetensors"))
     assert not held["model.layers.1.mlp.up_proj.weight"].any()
+
+
+def test_a_q2_k_q3_k_file_is_served_as_8_bit_codes_with_its_size_said(
+    low_bit: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Q2_K and Q3_K layer tensors had been refused: now they are 8-bit codes (no fp32 layer
+    weight), with one warning giving their size served against their size in the file, and
+    one giving the Q2_K tensors' requantisation error (beside the Q6_K lm_head's). The loader
+    reads what the converter writes (its table of types is the converter's)."""
+    assert {t.name: b for t, b in gguf_convert.BITS.items()} == gguf_packed.PACKED_BITS
+    with caplog.at_level(logging.WARNING, logger="kvguard.engine"):
+        convert_gguf(low_bit, tmp_path / "packed", progress=False, packed=True)
+    said = [r.getMessage() for r in caplog.records]
+    sizes = [m for m in said if "Q2_K/Q3_K tensor(s) are served as 8-bit codes, per 32" in m]
+    reader = gguf.GGUFReader(low_bit)
+    low = [t for t in reader.tensors if t.tensor_type in (Q.Q2_K, Q.Q3_K)]
+    assert len(sizes) == 1 and f": {len(low)} Q2_K/Q3_K tensor(s)" in sizes[0]
+    served = sum(int(np.prod(t.shape)) * 9 / 8 for t in low) / 2**20
+    assert (
+        f"{served:.0f} MiB against {sum(int(t.n_bytes) for t in low) / 2**20:.0f} MiB" in sizes[0]
+    )
+    q2 = [m for m in said if "Q2_K tensor(s) are served requantised" in m]
+    assert len(q2) == 1 and ": 4 Q2_K tensor(s)" in q2[0]
+    assert sum("Q6_K tensor(s) are served requantised" in m for m in said) == 1
+    qc = json.loads((tmp_path / "packed" / "config.json").read_text())["quantization_config"]
+    assert qc["modules"]["model.layers.0.self_attn.q_proj"] == "Q2_K"
+    assert qc["modules"]["model.embed_tokens"] == "Q3_K"
+    assert qc["bits"]["model.layers.0.self_attn.q_proj"] == 8
+    held = load_file(str(tmp_path / "packed" / "model.safetensors"))
+    assert not [n for n in held if n.endswith("proj.weight")]

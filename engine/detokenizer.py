@@ -4,7 +4,10 @@ An answer's text is its tokens' bytes read as UTF-8, each byte that is no part o
 character a U+FFFD (as Python's errors="replace" and byte-level decoding read them, and as
 completions' logprobs place their text). A token whose text is whole characters gets it by
 decoding a short window of recent tokens (a decoder may read a token by the one before it: a
-leading space); tokens of raw bytes (`Tokenizer.raw_bytes`) are read as UTF-8 here, from the
+leading space). A window with no text (a prompt of special tokens only) is decoded after a
+token of plain text (`Tokenizer.text_guard`): a decoder that takes a text's first space off
+(SentencePiece's) takes the guard's, so an answer's first space stays, as after any other
+prompt. Tokens of raw bytes (`Tokenizer.raw_bytes`) are read as UTF-8 here, from the
 answer's first byte on, so a prompt ending inside a character does not take the answer's
 first bytes, and one stray byte is one U+FFFD, not a whole run of them (as byte-fallback
 decoding gives). Bytes that may still become a character wait for the next token, so streamed
@@ -77,8 +80,12 @@ def _extend_text(tok: Tokenizer, seq: Sequence, end: int, final: bool = False) -
             if run:
                 waiting += utf8.decode(b"", final=True)
                 run = []
-            prefix = tok.decode(seq.token_slice(seq.prefix_offset, k))
-            full = tok.decode(seq.token_slice(seq.prefix_offset, k + 1))
+            window = seq.token_slice(seq.prefix_offset, k)
+            prefix = tok.decode(window)
+            if not prefix:  # no text before it: decoded after a guard, its first space stays
+                window = tok.text_guard + list(window)
+                prefix = tok.decode(window)
+            full = tok.decode([*window, token])
             waiting += full[len(prefix) :]
             done = k + 1
         elif not raw and not run:  # a special token: no text, the window stays the next's

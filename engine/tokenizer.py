@@ -153,6 +153,15 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    @cached_property
+    def text_guard(self) -> list[int]:
+        """Tokens of plain text (`a`) that decoding a window with no text of its own starts
+        with, then leaves out: a decoder that takes the first space off a text (SentencePiece's
+        `Strip`, after its dummy prefix) takes the guard's, not an answer token's (`▁The`
+        after a prompt of special tokens only is ` The`, as after any other prompt)."""
+        ids = self.encode("a")
+        return ids if self.decode(ids) else []
+
     def raw_bytes(self, token_id: int) -> bytes | None:
         """The bytes an answer's token adds where its text alone is not whole characters: a
         byte-fallback token (`<0xE4>`, even an ASCII one: decoding reads a run of them as one

@@ -401,22 +401,27 @@ def test_sentencepiece_merges_rank_as_transformers(tmp_path: Path) -> None:
 def test_sentencepiece_incremental_text_is_the_full_decode(tmp_path: Path) -> None:
     """The answer's text, token by token (byte pieces of one character waiting for the rest),
     is what decoding the whole prompt and answer adds to the prompt's own text: a leading
-    space is kept after a prompt, and taken off (the text's first `▁`) after BOS alone."""
+    space is kept. After a prompt of special tokens only (BOS alone, `<|user|>`) it is the
+    same text: decoding takes the first space off a text, which had taken the answer's (`The
+    The` after BOS, ` The The` after text, while the completion's `text_offset` and the
+    tokens' own text counted the space)."""
     ours, ref = converted(spm_gguf(tmp_path / "spm.gguf"))
     prompt = ours.encode("The answer is", True)
+    user = ours.token_to_id("<|user|>")
     for text in TRICKY:
         ids = ours.encode(text, False)
-        for before in (prompt, [1]):
-            got, deltas = run_tokens(ours, before, ids)
-            head = ref.decode(before, skip_special_tokens=True)
-            full = ref.decode(before + ids, skip_special_tokens=True)
-            assert full.startswith(head)
-            assert got == full[len(head) :], (text, before)
-            assert "".join(deltas) == got
-            assert all("\ufffd" not in d for d in deltas), (text, deltas)
+        got, deltas = run_tokens(ours, prompt, ids)
+        head = ref.decode(prompt, skip_special_tokens=True)
+        full = ref.decode(prompt + ids, skip_special_tokens=True)
+        assert full.startswith(head)
+        assert got == full[len(head) :], text
+        assert "".join(deltas) == got
+        assert all("\ufffd" not in d for d in deltas), (text, deltas)
+        for before in ([1], [1, user], [user]):
+            assert run_tokens(ours, before, ids) == (got, deltas), (text, before)
     word = ours.encode("world", False)
     assert run_tokens(ours, prompt, word)[0] == " world"
-    assert run_tokens(ours, [1], word)[0] == "world"
+    assert run_tokens(ours, [1], word)[0] == " world"
 
 
 def test_sentencepiece_without_space_prefix_as_llama_cpp(tmp_path: Path) -> None:

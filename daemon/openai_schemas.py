@@ -92,12 +92,19 @@ def _logit_bias(value: dict[str, float] | None) -> dict[int, float] | None:
     """OpenAI's logit bias: token ids as decimal strings, each mapped to -100..100."""
     if value is None:
         return None
-    out = {}
+    out: dict[int, float] = {}
+    keys: dict[int, str] = {}
     for key, bias in value.items():
         if not key.isascii() or not key.isdigit():
             raise PydanticCustomError(
                 "logit_bias", "key {key} is not a token id (a decimal integer)", {"key": repr(key)}
             )
+        if int(key) in keys:  # "506" and "0506": one would silently undo the other's ban
+            raise PydanticCustomError(
+                "logit_bias", "keys {first} and {key} are the same token {id}: one entry a token",
+                {"first": repr(keys[int(key)]), "key": repr(key), "id": int(key)},
+            )  # fmt: skip
+        keys[int(key)] = key
         if not -100.0 <= bias <= 100.0:
             raise PydanticCustomError(
                 "logit_bias", "bias {bias} for token {key} is outside [-100, 100]",
@@ -302,10 +309,10 @@ class _Sampling(_Body):
     )
     top_k: int | None = Field(
         None,
-        ge=0,
+        ge=-1,
         le=INT64_MAX,
-        description="kvguard extension: 0 disables; left out or null: the model's "
-        "generation_config.json top_k, else 0",
+        description="kvguard extension: 0 (or -1, as vLLM's clients send it) disables; left "
+        "out or null: the model's generation_config.json top_k, else 0",
     )
     n: int | None = Field(
         1,
@@ -412,7 +419,7 @@ class _Sampling(_Body):
             if temperature is None
             else temperature,
             "top_p": defaults.get("top_p", DEFAULT_TOP_P) if top_p is None else top_p,
-            "top_k": defaults.get("top_k", 0) if self.top_k is None else self.top_k,
+            "top_k": defaults.get("top_k", 0) if self.top_k is None else max(self.top_k, 0),
         }
 
 

@@ -16,6 +16,7 @@ import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -38,6 +39,7 @@ from kvguard.engine.layers.quantized_linear import QuantizedLMHead, use_int8_act
 from kvguard.engine.model import AttentionMetadata, LlamaForCausalLM, load_model, weight_bytes
 from kvguard.engine.model_config import ModelConfig
 from kvguard.engine.sampler import (
+    adjust_logits,
     log_softmax_entries,
     output_counts,
     rewind,
@@ -45,6 +47,7 @@ from kvguard.engine.sampler import (
     sample,
     token_logprobs,
 )
+from kvguard.engine.sampling_params import SamplingParams
 from kvguard.engine.sequence import Sequence, TokenLogprob
 from kvguard.engine.speculative import accepted_prefix
 from kvguard.kernels.cpu_lowbit import StepRows, step_rows
@@ -636,6 +639,7 @@ class ModelRunner:
         # a seeded sequence's generator before its rows drew: rows past the first rejected
         # draft give their draws back, so its stream is one draw a token, drafts or not
         seeded = {id(s): s.generator.get_state() for s in done if s.draft and s.generator}
+        logits = self._refine_adjusted(logits, params, outputs, allowed, origin)
         chosen = sample(logits, params, gens, outputs, allowed)
         lps = None
         if any(p.logprobs is not None for p in params):
@@ -654,6 +658,49 @@ class ModelRunner:
                 self.logprobs.append(lps[at : at + len(emitted)])
             at += rows
         return tokens
+
+    def _refine_adjusted(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        outputs: list[Any],
+        allowed: list[torch.Tensor | None],
+        origin: list[int] | None,
+    ) -> torch.Tensor:
+        """The sampled rows whose logits the sampler moves (a logit bias, penalties, a
+        grammar's mask) with their new best candidates exact too. The lm_head makes exact only
+        each row's best by its own ranking (`QuantizedLMHead.REFINED`); a bias that lifts
+        tokens ranked below them, or a ban of the best, left the pick to the int8 kernel's
+        logits, which blur near ties: a greedy answer could take a token the model ranks
+        lower. The rows' candidates after the sampler's changes (`adjust_logits`, whose
+        changes the sampler then makes again, to these exact logits) are recomputed from the
+        hidden states. Rows that ask nothing of the kind, and heads exact already, cost
+        nothing."""
+        rows = [i for i, p in enumerate(params) if p.adjusts_logits or allowed[i] is not None]
+        if not rows:
+            return logits
+        head, hidden = self._exact_head(), self.logit_hidden
+        if head is None or hidden is None:
+            return logits
+        index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+        moved = adjust_logits(
+            logits.index_select(0, index),
+            [params[i] for i in rows],
+            [outputs[i] for i in rows],
+            [allowed[i] for i in rows],
+        )
+        at = torch.tensor(
+            rows if origin is None else [origin[i] for i in rows],
+            dtype=torch.long,
+            device=hidden.device,
+        )
+        with torch.inference_mode():
+            exact = head.refine_at(
+                hidden.index_select(0, at), logits.index_select(0, index), head.best(moved)
+            )
+        logits = logits.clone()
+        logits[index] = exact
+        return logits
 
     def _take_prompt_logprobs(
         self,

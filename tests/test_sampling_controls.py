@@ -49,6 +49,39 @@ def test_logit_bias_steers_greedy_and_sampled_draws(smollm_engine: LLMEngine) ->
         eng.add_request(prompt, SamplingParams(logit_bias={49152: 1.0}))
 
 
+def test_a_bias_or_a_ban_picks_by_the_models_exact_logits(smollm_engine: LLMEngine) -> None:
+    """The packed lm_head makes exact only each row's 16 best by its own int8 ranking; a bias
+    lifting tokens ranked below them, or a ban of the best, had left a greedy pick to the int8
+    logits (14 of 99 near-tied pairs biased +100 took the token the model ranks lower). Now
+    the candidates after the bias are recomputed too: the pick is the exact argmax of the
+    biased logits, as `model_quantization: none` gives it."""
+    eng = smollm_engine
+    prompts = ["The capital of France is", "hi", "Give me a number", "What is 2+2?", "Once"]
+    wrong = []
+    checked = 0
+    for text in prompts:
+        ids = eng.tokenizer.encode(text)
+        exact = eng.score(ids)[-1]
+        order = exact.argsort(descending=True).tolist()
+        # near-tied pairs below the 16 best, both lifted by +100: the higher one must win
+        pairs = [(a, b) for a, b in zip(order[16:60], order[17:61], strict=True)
+                 if exact[a] - exact[b] < 0.05][:12]  # fmt: skip
+        # the best 16 (and 17, 18) banned: the next one must win
+        bans = [order[:n] for n in (16, 17, 18)]
+        params = [SamplingParams(max_tokens=1, logit_bias={a: 100.0, b: 100.0}) for a, b in pairs]
+        params += [
+            SamplingParams(max_tokens=1, logit_bias=dict.fromkeys(ban, -100.0)) for ban in bans
+        ]
+        want = [a for a, _ in pairs] + [order[len(ban)] for ban in bans]
+        outs = eng.generate([ids] * len(params), params)
+        for out, w, p in zip(outs, want, params, strict=True):
+            checked += 1
+            if out.token_ids[0] != w:
+                wrong.append((text, w, out.token_ids[0], sorted(p.logit_bias)[:3]))
+    assert checked > 40
+    assert not wrong, wrong
+
+
 def test_frequency_penalty_breaks_a_repetition_and_ignores_the_prompt(
     smollm_engine: LLMEngine,
 ) -> None:
@@ -145,6 +178,16 @@ def test_the_api_serves_penalties_and_logit_bias(tiny_daemon: Daemon) -> None:
     text = penalised.choices[0].text
     assert penalised.usage.completion_tokens == 6
     assert max(Counter(text).values()) <= max(Counter(plain.choices[0].text).values())
+    # one entry a token: "0113" is the same token as "113" (the last had silently won, a ban
+    # undone); top_k -1 is vLLM's clients' "no top-k", as 0 is
+    import openai
+
+    with pytest.raises(openai.BadRequestError, match=r"keys '113' and '0113' are the same token"):
+        c.completions.create(**ask, logit_bias={"113": -100, "0113": 0})
+    unfiltered = c.completions.create(**ask, extra_body={"top_k": -1, "ignore_eos": True})
+    assert unfiltered.choices[0].text == plain.choices[0].text
+    with pytest.raises(openai.BadRequestError, match="top_k"):
+        c.completions.create(**ask, extra_body={"top_k": -2})
 
 
 def test_stop_strings_are_bounded() -> None:

@@ -20,6 +20,13 @@ PostgreSQL bounded lock waits: `audit_migrate`), so the retries go on. After a f
 writer also drops its pooled connections: SQLite opens an immutable file read-only, and a
 connection opened then would refuse writes even after the file became writable again.
 
+A write to a running database may also block: a table lock held by someone's open transaction,
+or a server that hangs (the kernel still acknowledges its packets, so neither keepalives nor a
+timeout of the client's end it). On PostgreSQL a write waits WRITE_LOCK_WAIT_S at most for a
+lock, then fails and is retried like any failed write; and whatever blocks it, a write not
+done after WRITE_STALL_S makes the store degraded (`problem()`) and is logged once, until it
+ends. Its rows stay queued meanwhile, and are spilled at stop as any others.
+
 The database may also vanish under a running daemon: a SQLite file deleted or replaced (its
 device and inode change) is noticed before the next batch, and a write that finds no table
 (`no such table`, UndefinedTable) makes the writer migrate again, then write: the rows land in
@@ -77,6 +84,7 @@ from kvguard.daemon.audit_migrate import (
     downgrade,
     head,
     make_engine,
+    pg_lock_timeout,
     shown,
     sqlite_path,
     sqlstate,
@@ -95,7 +103,11 @@ BACKOFF_START = 0.05  # seconds before the first retry
 BACKOFF_MAX = 1.0  # a database that comes back is used again within about a second
 START_WAIT_S = 5.0  # how long start() (before READY) waits for the first migration attempt
 MIGRATION_WAIT_S = 3.0  # a migration's longest wait for a lock (PostgreSQL), then a retry
+WRITE_LOCK_WAIT_S = 3.0  # a write's longest wait for a table lock (PostgreSQL), then a retry
+WRITE_STALL_S = 5.0  # a write not done after this long (a server that hangs): degraded
 JOIN_MIN_S = 0.1  # stop() past its deadline still lets a writer that is done exit
+
+STALLED = "a server that does not answer, or a lock held"
 
 OpKind = Literal["actions", "events", "incidents", "incident_update", "purge"]
 TABLES: dict[str, Table] = {
@@ -143,10 +155,14 @@ def _aware(t: datetime | None) -> datetime:
 
 def _jsonable(value: Mapping[str, Any] | None) -> dict[str, Any] | None:
     """A JSON-safe deep copy: the row records the state at the call, whatever the caller
-    mutates later, and an odd value (an enum, a Path) is stored as text instead of failing."""
+    mutates later, and an odd value (an enum, a Path) is stored as text instead of failing.
+
+    A float that is not finite (NaN, an infinity) is stored as null on every backend: JSON
+    has no such numbers, PostgreSQL refused the whole row for one while SQLite kept it, and
+    `kvguard audit --json` prints one as null all the same."""
     if value is None:
         return None
-    return json.loads(json.dumps(dict(value), default=str))
+    return json.loads(json.dumps(dict(value), default=str), parse_constant=lambda _: None)
 
 
 def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> str:
@@ -235,11 +251,20 @@ class AuditStore:
         self._thread: threading.Thread | None = None
         self._migrated = False
         self._migrating_since: float | None = None  # monotonic start of the attempt under way
+        self._writing_since: float | None = None  # monotonic start of the write under way
+        self._stall_logged = False  # that write was logged as not done after WRITE_STALL_S
         self._db_path = sqlite_path(url)
         self._db_file: tuple[int, int] | None = None  # (st_dev, st_ino) of the file migrated
         self._spills_waiting = False  # a spill file's import failed on the database: retry
         self.spill_paths = audit_spill.spill_paths(url, spill_dir)
         self.refused_paths = audit_spill.spill_paths(url, spill_dir, audit_spill.REFUSED_SUFFIX)
+        # the files a start imports, in order: an older kvguard's name first (its rows are older)
+        self._spills_to_import = [
+            *audit_spill.legacy_paths(url, spill_dir),
+            *self.spill_paths,
+            *audit_spill.legacy_paths(url, spill_dir, audit_spill.REFUSED_SUFFIX),
+            *self.refused_paths,
+        ]
         self._spill_lock = threading.Lock()  # one spill at a time (a forced exit's stop too)
         self.spill_file: Path | None = None  # where stop() saved unwritten rows, if it had to
         self.failures = 0
@@ -286,7 +311,9 @@ class AuditStore:
     def problem(self) -> str | None:
         """Why rows are not reaching the database now (one line), or None while they are."""
         err = self.last_error
-        if self._migrated and err is None:
+        writing = self._writing_since  # read once: the writer may end it meanwhile
+        stalled = 0.0 if writing is None else _time.monotonic() - writing
+        if self._migrated and err is None and stalled < WRITE_STALL_S:
             return None
         what = "cannot write to" if self._migrated else "cannot migrate"
         since = self._migrating_since
@@ -295,6 +322,8 @@ class AuditStore:
                 f"migration still running after {_time.monotonic() - since:.0f}s (a long "
                 "one, a server that does not answer, or a lock held)"
             )
+        elif err is None and stalled >= WRITE_STALL_S:
+            err = f"a write has not finished after {stalled:.0f}s ({STALLED})"
         return f"{what} {shown(self.url)}: {err or 'not started'}; {self.depth()} rows queued"
 
     def _try_migrate(self, attempt: int) -> bool:
@@ -493,7 +522,7 @@ class AuditStore:
         return None
 
     def _announce_spills(self) -> None:
-        for path in [*self.spill_paths, *self.refused_paths]:
+        for path in self._spills_to_import:
             # one of another database is not imported: the import says so when it skips it
             if _nonempty(path) and not audit_spill.spilled_elsewhere(
                 audit_spill.headers(path), self.url
@@ -833,7 +862,8 @@ class AuditStore:
         sweep = self._sweep
         assert sweep is not None
         try:
-            finished = sweep.step(self._engine)
+            with self._writing():
+                finished = sweep.step(self._engine)
         except Exception as e:
             if _is_transient(e):
                 raise
@@ -883,8 +913,50 @@ class AuditStore:
             self._progress.notify_all()
 
     def _commit(self, ops: list[_Op]) -> None:
-        with self._engine.begin() as conn:
+        with self._writing(), self._engine.begin() as conn:
+            pg_lock_timeout(conn, WRITE_LOCK_WAIT_S)
             _apply(conn, ops)
+
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[None]:
+        """Mark a write under way, for `problem()`. One not done after WRITE_STALL_S is logged
+        once, by a timer: the writer is the thread stuck in it."""
+        started = _time.monotonic()
+        with self._lock:
+            self._writing_since, self._stall_logged = started, False
+        timer = threading.Timer(WRITE_STALL_S, self._stalled, args=(started,))
+        timer.daemon = True
+        timer.start()
+        try:
+            yield
+        finally:
+            timer.cancel()
+            with self._lock:
+                since, logged = self._writing_since, self._stall_logged
+                self._writing_since, self._stall_logged = None, False
+            if logged and since is not None:
+                log.warning(
+                    "audit: a write to %s finished after %.0fs",
+                    shown(self.url),
+                    _time.monotonic() - since,
+                )
+
+    def _stalled(self, started: float) -> None:
+        with self._lock:
+            if self._writing_since != started:  # done meanwhile
+                return
+            self._stall_logged = True
+            depth = self._depth()
+        log.warning(
+            "audit degraded: a write to %s has not finished after %gs (%s); serving goes on, "
+            "%d rows queued (up to %d) until it does, saved to %s if still queued at exit",
+            shown(self.url),
+            WRITE_STALL_S,
+            STALLED,
+            depth,
+            self.max_queue,
+            self.spill_paths[0] if self.spill_paths else "the log",
+        )
 
     def _done(self, n: int, written: bool = True) -> None:
         """Settle the first `n` rows of the batch (under the lock: stop() may be reading it)."""
@@ -896,11 +968,18 @@ class AuditStore:
             else:
                 self._settled += n
             self.written += n if written else 0
+            if written:  # before flush() returns: a caller then sees the store healthy
+                self.last_error = None
             self._progress.notify_all()
 
     def _failed(self, e: Exception, attempts: int) -> None:
         self.failures += 1
         self.last_error = str(getattr(e, "orig", None) or e).splitlines()[0]
+        if sqlstate(e) == "55P03":  # lock_not_available: pg_lock_timeout's bound reached
+            self.last_error = (
+                f"a write waited over {WRITE_LOCK_WAIT_S:g}s for a table lock that another "
+                "session holds (an open transaction? see pg_stat_activity); retrying"
+            )
         if attempts == 1 or attempts % 60 == 0:  # about once a minute during an outage
             log.warning(
                 "audit degraded: cannot write to %s (attempt %d, %d rows waiting, retrying): %s",
@@ -911,16 +990,19 @@ class AuditStore:
             )
 
     # -- spill files ---------------------------------------------------------------------------
-    def import_file(self, path: Path) -> ImportResult:
+    def import_file(self, path: Path, lock_wait_s: float | None = None) -> ImportResult:
         """Load a spill file in one transaction, skipping rows already in the database.
 
         Actions and events are matched by `uid`, incidents by id; incident updates and purges
         are applied again, which changes nothing the second time (an update sets the totals
         the evaluator had then, and no later run touches an incident of an earlier one).
+        `lock_wait_s` (the writer's) bounds each wait for a table lock on PostgreSQL; an
+        operator's `kvguard audit import` waits as long as it takes.
         """
         spill = audit_spill.read(path)
         ops = [_Op(cast(OpKind, kind), _tagged(kind, row)) for kind, row in spill.ops]
         with db_errors(self.url), self._engine.begin() as conn:
+            pg_lock_timeout(conn, lock_wait_s)
             fresh, skipped = _absent(conn, ops)
             _apply(conn, fresh)
         result = ImportResult(skipped=skipped, unreadable=spill.unreadable)
@@ -940,7 +1022,7 @@ class AuditStore:
         one whose header names another database (daemons sharing a state directory).
         """
         self._spills_waiting = False
-        for path in [*self.spill_paths, *self.refused_paths]:  # each file its own transaction
+        for path in self._spills_to_import:  # each file its own transaction
             if not path.is_file():
                 continue
             if not _nonempty(path):  # an older kvguard's spill that failed: it holds nothing
@@ -966,7 +1048,8 @@ class AuditStore:
                 )
                 continue
             try:
-                res = self.import_file(path)
+                with self._writing():
+                    res = self.import_file(path, WRITE_LOCK_WAIT_S)
                 done = audit_spill.mark_imported(path)
             except Exception as e:  # noqa: BLE001 - a failed import must not end the writer
                 self._spills_waiting = not again
@@ -1312,6 +1395,7 @@ class _Sweep:
     def step(self, engine: Any) -> bool:
         """One transaction; True once the sweep is done (then `report()` logs it)."""
         with engine.begin() as conn:
+            pg_lock_timeout(conn, WRITE_LOCK_WAIT_S)
             if self.last_id is None:
                 if self.row.get("stale_of"):
                     _close_stale(conn, self.row)

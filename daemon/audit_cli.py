@@ -48,7 +48,8 @@ def add_audit_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         "'audit degraded', kvguard_audit_up is 0): rows queue in memory and land once it can; "
         "rows still queued at exit are saved to a spill file next to a SQLite database "
         "(audit.db.spill.jsonl; in the state directory if that one refuses it; "
-        "audit.spill.jsonl in the state directory for a server database), which "
+        "audit-NAME-HASH.spill.jsonl in the state directory for a server database, named "
+        "after it), which "
         "`kvguard audit import` loads and the next start imports by itself.",
     )
     cmds = audit.add_subparsers(

@@ -9,7 +9,11 @@ refused, for the import of an upgraded daemon, to a file of their own (`audit.db
 its import may keep failing until then, and must not hold back the rows of the spill file.
 
 Where: next to a SQLite database (`audit.db` -> `audit.db.spill.jsonl`), else in the state
-directory (`$STATE_DIRECTORY` or `./var/`), which is also where a non-SQLite database's rows go.
+directory (`$STATE_DIRECTORY` or `./var/`), which is also where a server database's rows go, in
+a file named after that database (`audit-kvguard-1f2e3d4c5b.spill.jsonl`: its name and a hash
+of what identifies it, `identity`), so that daemons of different databases sharing a state
+directory never write one file. Older kvguard named it `audit.spill.jsonl` for every server
+database: that name is still read (`legacy_paths`), never written.
 The first place that takes the whole write wins; a failed append is cut back to the file's
 old length, so a half-written tail never corrupts the lines before it. A line cut short anyway
 (the process killed while writing it) is skipped on import and reported by line number: it
@@ -29,15 +33,17 @@ This module only reads and writes files; loading rows into a database is
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from kvguard.daemon.audit_migrate import shown, sqlite_path
+from kvguard.daemon.audit_migrate import parse_url, shown, sqlite_path
 
 SUFFIX = ".spill.jsonl"
 REFUSED_SUFFIX = ".refused.jsonl"  # rows the database refused: imported apart from the spill
@@ -45,6 +51,8 @@ FORMAT = 1
 HEADER_KEY = "kvguard_audit_spill"
 KINDS = ("actions", "events", "incidents", "incident_update", "purge")
 TIME_KEYS = ("time", "opened_at", "closed_at", "before")  # the row fields that are datetimes
+DEFAULT_PORTS = {"postgresql": 5432, "mysql": 3306, "mariadb": 3306, "mssql": 1433}
+LEGACY_NAME = "audit"  # every server database's spill file, before names per database
 
 
 def spill_paths(url: str, state_dir: Path | None, suffix: str = SUFFIX) -> list[Path]:
@@ -55,12 +63,65 @@ def spill_paths(url: str, state_dir: Path | None, suffix: str = SUFFIX) -> list[
     if db is not None:
         paths.append(db.with_name(db.name + suffix))
     if state_dir is not None:
-        paths.append(state_dir / ((db.name if db is not None else "audit") + suffix))
+        paths.append(state_dir / ((db.name if db is not None else _server_name(url)) + suffix))
     unique: list[Path] = []
     for p in paths:
         if all(os.path.abspath(p) != os.path.abspath(q) for q in unique):
             unique.append(p)
     return unique
+
+
+def legacy_paths(url: str, state_dir: Path | None, suffix: str = SUFFIX) -> list[Path]:
+    """Where an older kvguard put a server database's spill file (one name for all): read at
+    start like this database's own, and left where it is if its header names another."""
+    if state_dir is None or identity(url) is None:
+        return []
+    return [state_dir / (LEGACY_NAME + suffix)]
+
+
+def identity(url: str) -> tuple[str, str | None, int | None, str | None, str | None] | None:
+    """What names a server database in a URL: its backend, host as written, port (the
+    backend's default if none), database and user, from the URL or its libpq-style query
+    (`?host=/run/postgresql`). Not its password (moved to ~/.pgpass between runs), its driver
+    (psycopg or psycopg2 reach the same database) or its other query parameters (a
+    `connect_timeout`). None for SQLite, or for text that is not a URL."""
+    try:
+        u = parse_url(url)
+    except ValueError:
+        return None
+    backend = u.get_backend_name()
+    if backend == "sqlite":
+        return None
+
+    def query(key: str) -> str | None:
+        value = u.query.get(key)
+        return value[-1] if isinstance(value, tuple) else value
+
+    host = u.host or query("host")
+    if host and "@" in host:  # a password with an `@` not written %40: its rest is here
+        host = host.rpartition("@")[2]
+    port_text = query("port")
+    port = u.port or (int(port_text) if port_text and port_text.isdigit() else None)
+    database = u.database or query("dbname") or query("database")
+    user = u.username or query("user")
+    return (
+        backend,
+        host.lower() if host else None,
+        port or DEFAULT_PORTS.get(backend),
+        database,
+        user,
+    )
+
+
+def _server_name(url: str) -> str:
+    """A server database's spill file name, without suffix: readable, and one per database
+    (`identity`), whatever its URL's password or options."""
+    ident = identity(url)
+    if ident is None:  # an in-memory SQLite database: one per process, none to share a file
+        return LEGACY_NAME
+    digest = hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:10]
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", ident[3] or "db").strip("._")[:40] or "db"
+    return f"{LEGACY_NAME}-{name}-{digest}"
 
 
 def _default(value: Any) -> Any:
@@ -188,15 +249,20 @@ def _op(path: Path, n: int, obj: Any) -> tuple[str, dict[str, Any]]:
 
 def same_db(spilled: str, url: str) -> bool:
     """Whether a header's `db` (the URL as shown, without a password) names `url`'s database:
-    the same URL, or the same SQLite file however its path is spelt. Both are shown again: a
-    header written before `shown` masked a query password holds it in the clear."""
+    the same URL, the same SQLite file however its path is spelt, or the same server
+    database however its URL is written (`identity`: a password moved to ~/.pgpass, a
+    `?connect_timeout=` added). Both are shown again: a header written before `shown` masked a
+    query password holds it in the clear."""
     if spilled == shown(url) or shown(spilled) == shown(url):
         return True
     try:
         a, b = sqlite_path(spilled), sqlite_path(url)
     except ValueError:  # not a URL at all
         return False
-    return a is not None and b is not None and a.resolve() == b.resolve()
+    if a is not None or b is not None:
+        return a is not None and b is not None and a.resolve() == b.resolve()
+    mine = identity(url)
+    return mine is not None and identity(spilled) == mine
 
 
 def spilled_elsewhere(headers: Iterable[dict[str, Any]], url: str) -> list[str]:

@@ -24,6 +24,7 @@ import socket
 import stat
 import types
 import typing
+import unicodedata
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -368,6 +369,18 @@ class AuditConfig(_Section):
     # Tags this daemon's rows; daemons sharing one database (and perhaps a host) need distinct
     # names. null: the hostname.
     instance: str | None = Field(None, min_length=1, max_length=255)
+
+    @field_validator("instance")
+    @classmethod
+    def _printable_instance(cls, v: str | None) -> str | None:
+        """A control character (a NUL, which PostgreSQL's text columns refuse; a newline, which
+        would split log lines and tables) is refused: every row and filter carries this name."""
+        if v is not None and (bad := [c for c in v if unicodedata.category(c) == "Cc"]):
+            raise ValueError(
+                f"{v!r} contains the control character {bad[0]!r} (expected a name of "
+                "printable characters)"
+            )
+        return v
 
     @field_validator("url")
     @classmethod

@@ -515,6 +515,27 @@ def test_a_relative_sqlite_path_in_a_config_is_relative_to_the_config_file(
         assert load_config(cfg).audit.url == url
 
 
+def test_a_control_character_in_audit_instance_is_refused_naming_the_key(
+    tmp_path: Path,
+) -> None:
+    """Every row and the start's close of a killed run's incidents carry `audit.instance`:
+    PostgreSQL refuses a NUL in text (the start's sweep failed at every start), and a newline
+    would split log lines and tables. A name with other characters still loads."""
+    from kvguard.daemon.config import ConfigFileError, load_config
+
+    cfg = tmp_path / "kvguard.yaml"
+    for text, char in (("node\\0A", "\\x00"), ("node\\nA", "\\n"), ("node\\tA", "\\t")):
+        cfg.write_text(f'audit:\n  instance: "{text}"\n')
+        with pytest.raises(ConfigFileError) as e:
+            load_config(cfg)
+        assert str(e.value) == (
+            f"{cfg}:2: audit.instance: 'node{char}A' contains the control character "
+            f"'{char}' (expected a name of printable characters)"
+        )
+    cfg.write_text('audit:\n  instance: "gpu-0 \\u00e9 node"\n')
+    assert load_config(cfg).audit.instance == "gpu-0 \u00e9 node"
+
+
 def test_cli_db_upgrade_and_current(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'new' / 'audit.db'}"
     rc, out = kvguard("db", "upgrade", "--db", url)

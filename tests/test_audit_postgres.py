@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 import pwd
 import shutil
@@ -37,7 +38,7 @@ import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 
-from kvguard.daemon import audit_migrate
+from kvguard.daemon import audit, audit_migrate, audit_spill
 from kvguard.daemon.audit import AuditStore
 from kvguard.daemon.audit_models import Base
 
@@ -510,7 +511,8 @@ def test_rows_left_at_exit_spill_and_kvguard_audit_import_loads_them_once(
         _act(store, incident=inc, detail=f"unwritten {i}")
     store.record_event("daemon_stop", incident=inc)
     assert store.stop(timeout=1) is False  # cannot flush: the rows go to the spill file
-    spill = tmp_path / "audit.spill.jsonl"
+    spill = store.spill_paths[-1]
+    assert spill.parent == tmp_path and spill.name.startswith(f"audit-{pg_db}-")
     assert store.spill_file == spill and store.spilled == 5
     pg.start()
     rc, out = kvguard("audit", "import", str(spill), "--db", url, "--keep", "--json")
@@ -523,6 +525,141 @@ def test_rows_left_at_exit_spill_and_kvguard_audit_import_loads_them_once(
         pg, pg_db, "SELECT DISTINCT instance FROM actions UNION SELECT instance FROM incidents"
     )
     assert tags == [("node-z",)]
+
+
+def test_a_write_held_by_a_table_lock_is_reported_within_seconds_and_lands_once(
+    pg: PgServer, pg_db: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An analyst's transaction holds `actions` (LOCK TABLE, or a CREATE INDEX without
+    CONCURRENTLY) while the daemon runs: the write waits a bounded time for the lock, fails
+    and is retried; meanwhile the store says it is degraded (readiness, kvguard_audit_up) and
+    logs it once, and the row lands once the lock is gone, once."""
+    url = pg.url(pg_db)
+    store = AuditStore(url, instance="node-k")
+    store.start()
+    analyst = pg.connect(pg_db)
+    try:
+        _act(store, detail="before the lock")
+        assert store.flush(30)
+        analyst.execute("LOCK TABLE actions IN ACCESS EXCLUSIVE MODE")  # left open
+        with caplog.at_level(logging.WARNING, logger=audit.__name__):
+            _act(store, detail="while locked")
+            problem = wait_for(store.problem, 20, "the store to say it is degraded")
+            assert problem.startswith(f"cannot write to {url}: a write waited over 3s for a ")
+            assert "table lock" in problem and problem.endswith("; 1 rows queued"), problem
+            analyst.rollback()
+            assert store.flush(30), store.problem()
+        assert store.problem() is None
+    finally:
+        analyst.close()
+        store.stop(timeout=10)
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("audit degraded")]
+    assert len(said) == 1 and "table lock" in said[0], said
+    got = _count(pg, pg_db, "SELECT detail FROM actions ORDER BY id")
+    assert got == [("before the lock",), ("while locked",)]
+
+
+def _spill_while_down(url: str, instance: str, spill_dir: Path, detail: str) -> Path:
+    """A daemon's run while its database server is down: its row is spilled at stop."""
+    store = AuditStore(url, instance=instance, spill_dir=spill_dir)
+    store.start()
+    store.record_event("tick", detail)
+    assert store.stop(timeout=1) is False
+    assert store.spill_file is not None
+    return store.spill_file
+
+
+def _start_and_stop(url: str, instance: str, spill_dir: Path) -> None:
+    """A daemon's next start: its writer imports the spill files it finds before its first
+    batch, so once this row is flushed the import is done."""
+    store = AuditStore(url, instance=instance, spill_dir=spill_dir)
+    store.start()
+    try:
+        store.record_event("daemon_start")
+        assert store.flush(30), store.problem()
+    finally:
+        store.stop(timeout=10)
+
+
+def test_daemons_of_two_databases_sharing_a_state_directory_import_their_own_spills(
+    pg: PgServer, pg_db: str, tmp_path: Path
+) -> None:
+    """Two daemons on one host, each with its own database on one server, one state directory:
+    the server goes down, each spills its row at stop, and each next start loads its own."""
+    other_db = pg.create_database()
+    urls = {"node-x": pg.url(pg_db), "node-y": pg.url(other_db)}
+    for url in urls.values():
+        audit_migrate.upgrade(url)
+    pg.stop()
+    spills = {
+        name: _spill_while_down(url, name, tmp_path, f"from {name}") for name, url in urls.items()
+    }
+    pg.start()
+    for name, url in urls.items():
+        _start_and_stop(url, name, tmp_path)
+    for db, name in ((pg_db, "node-x"), (other_db, "node-y")):
+        got = _count(pg, db, "SELECT detail, instance FROM events ORDER BY id")
+        assert got == [(f"from {name}", name), ("", name)]
+    assert not any(p.exists() for p in spills.values())  # both renamed once imported
+
+
+def test_a_spill_file_is_its_databases_however_the_url_names_it(
+    pg: PgServer, pg_db: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Between two runs the password moved to ~/.pgpass and a connect timeout was added: the
+    same database, whose spill file the start and `kvguard audit import` take. Another
+    database is still refused."""
+    first = f"postgresql+psycopg://postgres:secret@127.0.0.1:{pg.port}/{pg_db}"  # trust: unchecked
+    later = f"postgresql+psycopg://postgres@127.0.0.1:{pg.port}/{pg_db}?connect_timeout=10"
+    audit_migrate.upgrade(first)
+    other = pg.url(pg.create_database())
+    audit_migrate.upgrade(other)
+    pg.stop()
+    spill = _spill_while_down(first, "node-p", tmp_path, "spilled")
+    assert audit_spill.read(spill).headers[0]["db"].startswith("postgresql+psycopg://postgres:***@")
+    pg.start()
+    rc, _ = kvguard("audit", "import", str(spill), "--db", other)
+    err = capsys.readouterr().err
+    assert rc == 2 and "holds rows spilled from postgresql+psycopg://postgres:***@" in err
+    assert spill.is_file()
+    plain = f"postgresql+psycopg://postgres@127.0.0.1:{pg.port}/{pg_db}"
+    rc, out = kvguard("audit", "import", str(spill), "--db", plain, "--keep", "--json")
+    assert rc == 0 and json.loads(out)["added"] == {"events": 1}, capsys.readouterr().err
+    assert AuditStore(later, spill_dir=tmp_path).spill_paths == [spill]
+    _start_and_stop(later, "node-p", tmp_path)
+    assert not spill.exists()  # the start took it as its own (its row was there already)
+    got = _count(pg, pg_db, "SELECT detail FROM events ORDER BY id")
+    assert got == [("spilled",), ("",)]
+    assert _count(pg, other.rsplit("/", 1)[1], "SELECT count(*) FROM events") == [(0,)]
+
+
+@pytest.mark.parametrize("backend", ["postgresql", "sqlite"])
+def test_non_finite_floats_in_params_and_data_are_stored_alike_on_both_backends(
+    backend: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """JSON has no NaN or Infinity: PostgreSQL refused (and lost) a row holding one, SQLite
+    kept it. Both now store null, which `kvguard audit --json` printed for it anyway."""
+    url = (
+        request.getfixturevalue("pg_url")
+        if backend == "postgresql"
+        else f"sqlite:///{tmp_path}/a.db"
+    )
+    store = AuditStore(url, instance="node-f")
+    store.start()
+    try:
+        inf = float("inf")
+        _act(store, params={"factor": float("nan"), "limits": [inf, -inf, 0.5]})
+        _act(store, state_before={"usage": {"peak": inf}}, state_after={"usage": 0.25})
+        store.record_event("tick", data={"n": float("nan")})
+        assert store.flush(30), store.problem()
+        assert store.rejected == 0 and store.written == 3
+        acts = store.list_actions()
+        assert acts[0]["params"] == {"factor": None, "limits": [None, None, 0.5]}
+        assert acts[1]["state_before"] == {"usage": {"peak": None}}
+        assert acts[1]["state_after"] == {"usage": 0.25}
+        assert store.list_events()[0]["data"] == {"n": None}
+    finally:
+        store.stop(timeout=10)
 
 
 # -- several daemons migrating at the same moment ----------------------------------------------

@@ -349,7 +349,8 @@ def test_rows_refused_for_a_newer_schema_are_kept_in_a_file_of_their_own(
         assert store.rejected == 3 and store.written == 1
     finally:
         store.stop(timeout=10)
-    refused = tmp_path / "audit.refused.jsonl"
+    refused = store.refused_paths[-1]
+    assert refused.parent == tmp_path and refused.name.startswith(f"audit-{pg_db}-")
     assert store.spill_file == refused
     kept = audit_spill.read(refused)
     assert [(k, r["detail"]) for k, r in kept.ops] == [
@@ -361,7 +362,8 @@ def test_rows_refused_for_a_newer_schema_are_kept_in_a_file_of_their_own(
     assert "would be refused again" in caplog.text
 
     # Rows an earlier stop left unwritten (an incident, which the newer schema still takes)
-    # land at the next start although the refused rows still cannot.
+    # land at the next start although the refused rows still cannot. That stop was an older
+    # kvguard's, which named every server database's spill file `audit.spill.jsonl`.
     spill = tmp_path / "audit.spill.jsonl"
     opened = datetime(2026, 12, 5, 9, 0, tzinfo=UTC)
     row = {"id": "inc-unwritten", "opened_at": opened, "closed_at": None, "peak_level": 1}
@@ -441,7 +443,39 @@ def test_lost_tables_are_migrated_again_on_postgresql(pg: PgServer, pg_db: str) 
     assert _rows(pg, pg_db, "SELECT detail FROM events") == [("after",)]
 
 
-# -- 4. stop keeps to its timeout with a hung server -------------------------------------------
+# -- 4. a write to a running server that hangs --------------------------------------------------
+def test_a_write_to_a_server_that_hangs_is_reported_within_seconds_and_lands_once(
+    pg: PgServer, pg_db: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The server hangs after the daemon migrated: no timeout of the client's ends the write
+    (the kernel acknowledges every packet), but the store says it is degraded (readiness,
+    kvguard_audit_up) within seconds and logs it once; the row lands once the server answers."""
+    url = pg.url(pg_db)
+    store = AuditStore(url, instance="node-w", spill_dir=tmp_path)
+    store.start()
+    try:
+        store.record_event("tick", "before")
+        assert store.flush(30)
+        with caplog.at_level(logging.WARNING, logger=audit.__name__):
+            with hung(pg):
+                store.record_event("tick", "while the server hangs")
+                problem = wait_for(store.problem, 20, "the store to say it is degraded")
+                assert problem.startswith(f"cannot write to {url}: a write has not finished")
+                assert problem.endswith("; 1 rows queued"), problem
+                wait_for(lambda: "audit degraded: a write to" in caplog.text, 20, "the warning")
+            assert store.flush(60), store.problem()
+        assert store.problem() is None
+    finally:
+        store.stop(timeout=10)
+    said = [r.getMessage() for r in caplog.records]
+    degraded = [m for m in said if m.startswith("audit degraded")]
+    assert len(degraded) == 1 and "has not finished after 5s" in degraded[0], degraded
+    assert any(m.startswith(f"audit: a write to {url} finished after ") for m in said), said
+    got = _rows(pg, pg_db, "SELECT detail FROM events ORDER BY id")
+    assert got == [("before",), ("while the server hangs",)]
+
+
+# -- 5. stop keeps to its timeout with a hung server -------------------------------------------
 def test_stop_with_a_hung_server_keeps_to_its_timeout_and_spills(
     pg: PgServer, pg_db: str, tmp_path: Path
 ) -> None:
@@ -460,7 +494,7 @@ def test_stop_with_a_hung_server_keeps_to_its_timeout_and_spills(
         took = time.monotonic() - t0
     assert ok is False
     assert took < 3.0, f"stop(timeout=2) took {took:.1f}s"
-    spill = tmp_path / "audit.spill.jsonl"
+    spill = store.spill_paths[-1]
     assert store.spill_file == spill
     assert [r["detail"] for _, r in audit_spill.read(spill).ops] == [
         f"unwritten {i}" for i in range(5)

@@ -254,6 +254,7 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.kvg_shared_prefix_calls.argtypes, lib.kvg_shared_prefix_calls.restype = [], _I64
     if not env_flag(SHARED_PREFIX_ENV, True):
         lib.kvg_shared_prefix(0)
+    lib.kvg_pack4.argtypes, lib.kvg_pack4.restype = [_PTR, _I64, _I64, _PTR, _INT], None
     lib.kvg_quantize_rows.argtypes = [_PTR, _I64, _I64, _I64, _INT, _PTR, _PTR, _PTR]
     lib.kvg_quantize_rows.restype = ctypes.c_int
     _F = ctypes.c_float
@@ -692,6 +693,18 @@ def pack4(q: torch.Tensor) -> torch.Tensor:
     byte `32j + 4c + i` holds weight `32b + 8j + i` of column `8t + c` in its low nibble and
     weight `32b + 8j + 4 + i` in its high one. K % 32 == 0."""
     n, k = q.shape
+    lib = library()
+    if lib is not None and q.device.type == "cpu" and k % BLOCK == 0:  # one pass in C
+        q = q.to(torch.uint8).contiguous()
+        out = torch.empty(-(-n // TILE), k // BLOCK, TILE * BLOCK // 2, dtype=torch.uint8)
+        lib.kvg_pack4(q.data_ptr(), n, k, out.data_ptr(), torch.get_num_threads())
+        return out
+    return pack4_reference(q)
+
+
+def pack4_reference(q: torch.Tensor) -> torch.Tensor:
+    """`pack4` in tensor operations (no C library; the tests' reference)."""
+    n, k = q.shape
     q = pad_columns(q.to(torch.uint8))
     v = q.reshape(-1, TILE, k // BLOCK, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)  # t b j c i lo/hi
     return (v[..., 0] | (v[..., 1] << 4)).reshape(-1, k // BLOCK, TILE * BLOCK // 2).contiguous()
@@ -721,7 +734,11 @@ def untile_columns(t: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def pad_columns(codes: torch.Tensor) -> torch.Tensor:
-    """Codes `[N, ...]` padded with zero rows to a multiple of the eight-column tile."""
+    """Codes `[N, ...]` padded with zero rows to a multiple of the eight-column tile (as they
+    are where N is one already: no copy of a matrix, which loading a large model paid for
+    every projection)."""
+    if codes.shape[0] % TILE == 0:
+        return codes.contiguous()
     return F.pad(codes, (0, 0, 0, -codes.shape[0] % TILE)).contiguous()
 
 

@@ -32,6 +32,7 @@ int kvg_w8a8_rows(const float *x, int64_t M, int64_t K, int64_t ldx, const int8_
                   int64_t ldo, int threads, int fine, int64_t decode, int64_t count,
                   int64_t short_rows);
 int kvg_pick_kernel(int bits, int fine, int64_t count, int prompt, int vnni, int bf16);
+void kvg_pack4(const uint8_t *q, int64_t n, int64_t k, uint8_t *out, int threads);
 void kvg_refine8v(float *logits, int64_t M, int64_t ldl, const float *h, int64_t K, int64_t ldh,
                   const int64_t *idx, int64_t k, const uint8_t *codes, const uint16_t *d,
                   const uint16_t *m, int64_t bpg, int threads);

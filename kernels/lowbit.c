@@ -1179,3 +1179,26 @@ int kvg_quantize_rows(const float *x, int64_t M, int64_t K, int64_t ldx, int fin
     free(lo);
     return 0;
 }
+
+/* Load-time layout: 4-bit codes q [n][k] (one a byte, 0..15) as the 4-bit kernels read them,
+ * out [ceil(n/8)][k/32][128] (`cpu_lowbit.pack4`, the same bytes): for tile t and block b,
+ * byte 32j + 4c + i holds weight 32b + 8j + i of column 8t + c in its low nibble and weight
+ * 32b + 8j + 4 + i in its high one; the columns past n are zero. A 7B model's projections
+ * took about 30 s in tensor reshapes (two cores); this writes each byte once. */
+void kvg_pack4(const uint8_t *q, int64_t n, int64_t k, uint8_t *out, int threads) {
+    const int64_t tiles = (n + 7) / 8, nb = k / QK;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int64_t t = 0; t < tiles; ++t) {
+        uint8_t *o = out + t * nb * (QK * 4);
+        for (int c = 0; c < 8; ++c) {
+            const int64_t row = t * 8 + c;
+            const uint8_t *src = q + (row < n ? row : 0) * k;
+            for (int64_t b = 0; b < nb; ++b)
+                for (int j = 0; j < 4; ++j)
+                    for (int i = 0; i < 4; ++i) {
+                        const uint8_t *w = src + b * QK + j * 8 + i;
+                        o[b * 128 + j * 32 + c * 4 + i] = row < n ? (uint8_t)(w[0] | (w[4] << 4)) : 0;
+                    }
+        }
+    }
+}

@@ -212,6 +212,15 @@ def test_the_4bit_layout_holds_each_code_where_the_kernels_read_it() -> None:
     assert torch.equal(cpu_lowbit.unpack4(packed)[:11], q)
     rows = torch.tensor([10, 3, 0, 3])
     assert torch.equal(cpu_lowbit.unpack4(packed, rows), q[rows])
+    # the C packer (a load's) and the tensor one write the same bytes, a tile's worth of
+    # columns or not, a strided view too
+    assert torch.equal(packed, cpu_lowbit.pack4_reference(q))
+    for n, k in ((8, 32), (1, 64), (27, 96), (300, 1536)):
+        codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+        assert torch.equal(cpu_lowbit.pack4(codes), cpu_lowbit.pack4_reference(codes)), (n, k)
+    wide = torch.randint(0, 16, (20, 256), dtype=torch.uint8)
+    view = wide[:, 64:192]
+    assert torch.equal(cpu_lowbit.pack4(view), cpu_lowbit.pack4_reference(view))
 
 
 def test_the_vertical_8bit_layout_holds_each_code_where_the_kernels_read_it() -> None:

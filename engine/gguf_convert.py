@@ -3,8 +3,8 @@
 Reading a GGUF is slow (the tokenizer arrays alone take seconds to parse), so the model is
 converted once into safetensors + tokenizer files, which then load with no parsing or
 unpacking of blocks: the default model in about a second, a Llama-2-7B Q4_K_M (a 5.5 GiB copy
-of its 3.8 GiB) in about 40 s on two CPU cores, most of it the layers packing codes for their
-kernels (a progress bar on a terminal; an INFO line with the size and time). The file is
+of its 3.8 GiB) in some 30 s on two CPU cores, much of it the layers laying codes out for
+their kernels (a progress bar on a terminal; an INFO line with the size and time). The file is
 written one tensor at a time (`SafetensorsWriter`), so converting holds one tensor's arrays,
 not the model's. Two forms:
 

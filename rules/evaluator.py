@@ -6,8 +6,9 @@
 Principles: a condition must hold for its `for` before acting; recovery needs the lower
 threshold held for `recover_for` (hysteresis); at most one escalation per tick, in file order,
 so the cheapest remedy acts first and its effect is seen before the next (one that changed
-nothing, refused or a one-off with nothing to do, leaves the tick to the next); undo runs in
-reverse order of application, one per tick; a signal that cannot be read leaves the rule
+nothing, refused or a one-off with nothing to do, leaves the tick to the next); undo runs
+down each signal's ladder, the remedy in force of the rule last in the file first, one per
+tick (`_stack_undo`); a signal that cannot be read leaves the rule
 where it is, marked unknown, and never acts; dry-run records what would have happened and
 changes nothing.
 The clock is injected so all of this is testable offline.
@@ -506,7 +507,7 @@ class Evaluator:
     def _decide_undo(self, values: dict[str, float | None], now: float) -> Attempt | None:
         """At most one undo a tick: first a remedy a reload retired (trigger `reload`), then an
         alert's whose undo was refused when it resolved, then the last remedy applied, once
-        its rule has recovered long enough."""
+        its rule has recovered long enough (`_stack_undo`)."""
         for rule, st, why in self.retiring:
             if st.in_flight is None and self._undo_cooled(rule, st, now):
                 a = self._undo_attempt(rule, st, RELOAD, None, dry_run=not st.live)
@@ -516,12 +517,52 @@ class Evaluator:
             st = self.states[rule.name]
             if st.resolved and st.in_flight is None and self._undo_cooled(rule, st, now):
                 return self._undo_attempt(rule, st, "alert", None)
-        if not self.applied:
-            return None
-        rule = self._rule(self.applied[-1])
+        return self._stack_undo(values, now)
+
+    def _stack_undo(self, values: dict[str, float | None], now: float) -> Attempt | None:
+        """Undo runs down each ladder: of the remedies in force of rules on one signal (or
+        one event), the one whose rule comes last in the rules file (the highest rung, the
+        most drastic) is undone first, once its rule has recovered long enough; the rungs
+        below it wait. Not the last applied: on a sudden spike the admission halt (0.99, no
+        `for`) is applied before the batch cut (0.92, `for: 10s`), and undone after it had kept
+        admission closed for the cut's minute of recovery after usage fell, refusing requests
+        on an idle server. In a ladder climbed rung by rung the two orders are one. Across
+        ladders the order of application holds where remedies share a setting (the OOM chain
+        applied after a batch cut is undone before it: each restores what the one before it
+        set); a KV rung does not wait for a GPU rule of other settings (one both hold stays
+        held: `_undo_attempt`). Of several ready, the newest applied goes first."""
+        if any(self.states[name].in_flight is not None for name in self.applied):
+            return None  # one still settling: its result first
+        place = {r.name: i for i, r in enumerate(self.rules.rules)}
+        rules = {name: self._rule(name) for name in self.applied}
+
+        def ladder(rule: Rule) -> tuple[str, str | None]:
+            return ("signal", rule.signal) if rule.signal is not None else ("on", rule.on)
+
+        def settings(rule: Rule) -> frozenset[str]:
+            spec = ACTIONS.get(rule.action)
+            return spec.settings if spec is not None else frozenset()
+
+        for at in range(len(self.applied) - 1, -1, -1):
+            name = self.applied[at]
+            rule = rules[name]
+            same = ladder(rule)
+            if any(
+                ladder(rules[o]) == same and place[o] > place[name] for o in self.applied
+            ) or any(
+                ladder(rules[o]) != same and settings(rules[o]) & settings(rule)
+                for o in self.applied[at + 1 :]
+            ):
+                continue
+            attempt = self._undo_if_recovered(rule, values, now)
+            if attempt is not None:
+                return attempt
+        return None
+
+    def _undo_if_recovered(
+        self, rule: Rule, values: dict[str, float | None], now: float
+    ) -> Attempt | None:
         st = self.states[rule.name]
-        if st.in_flight is not None:
-            return None
         if rule.is_event:  # e.g. the OOM chain: undone after `recover_for` without a new event
             seen = [t for t in (st.last_action, st.last_event) if t is not None]
             last = max(seen, default=now)
@@ -747,8 +788,8 @@ class Evaluator:
     def _event_acted(self, a: Attempt, now: float, outcome: str, res: ActionResult | None) -> None:
         a.st.last_action = now
         if self._in_force_now(a, outcome, res) and a.trigger == "event":
-            # undone after `recover_for` without another event, in stack order: an event that
-            # acts again puts its rule back on top (its remedy is the newest)
+            # in force until `recover_for` passes without another event (then undone down the
+            # ladder, `_stack_undo`); `applied` keeps the order of application, newest last
             if a.rule.name in self.applied:
                 self.applied.remove(a.rule.name)
             self.applied.append(a.rule.name)

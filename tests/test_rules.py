@@ -118,6 +118,37 @@ def test_undo_in_reverse_order_of_application() -> None:
     assert h.ev.incident is None
 
 
+def test_undo_runs_down_the_ladder_whatever_order_a_spike_applied_it_in() -> None:
+    """On a sudden spike the halt (0.99, no `for`) acts before the batch cut (`for: 10s`):
+    undone in order of application, the halt waited for the cut's recovery (the shipped
+    rules: a minute of 503s on an idle server, where the halt's own is 10 s). The rung last in
+    the file is undone first, as it is when the ladder is climbed rung by rung."""
+    halt = (
+        "  - {name: halt, signal: kv, above: 0.99, action: halt_admission,"
+        " params: {allow_priority: high}, recover_below: 0.8, recover_for: 10s,"
+        " undo: resume_admission}\n"
+    )
+    h = Harness(HEADER + BATCH + halt)
+    assert h.at(0, 0.995) == [("halt", "halt_admission", False)]
+    assert h.at(10, 0.995) == [("batch", "reduce_batch", False)]
+    assert h.ev.applied == ["halt", "batch"]
+    h.at(15, 0.5)  # both recovering from here: halt for 10s, batch for 20s
+    assert h.at(20, 0.5) == []
+    assert h.at(25, 0.5) == [("halt", "resume_admission", True)]  # not at 35, after the batch
+    assert h.at(30, 0.5) == []
+    assert h.at(35, 0.5) == [("batch", "restore_batch", True)]
+    # climbed rung by rung, the highest rung (applied last) is undone first, and a lower rung
+    # that recovered before it waits for it
+    slow_halt = halt.replace("recover_for: 10s", "recover_for: 30s")
+    h = Harness(HEADER + BATCH.replace("for: 10s", "for: 0s") + slow_halt)
+    assert h.at(0, 0.95) == [("batch", "reduce_batch", False)]
+    assert h.at(5, 0.995) == [("halt", "halt_admission", False)]
+    h.at(10, 0.5)  # both recovering from here: batch for 20s, halt for 30s
+    assert h.at(30, 0.5) == [] and h.state("batch") == "recovering"  # ready, below the halt
+    assert h.at(40, 0.5) == [("halt", "resume_admission", True)]
+    assert h.at(45, 0.5) == [("batch", "restore_batch", True)]
+
+
 def test_unknown_signal_never_acts_and_unseen_time_does_not_count() -> None:
     """Time the signal could not be read does not count towards `for` (as a Prometheus
     alert's pending state ends when its expression returns nothing): two readings over the

@@ -971,14 +971,18 @@ def _unpack_q2_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray
     shift = np.float32(128) - np.rint(ints.max(axis=-1) / 2).astype(np.float32)
     lo, hi = w.min(axis=-1), w.max(axis=-1)
     level = (hi - lo) / np.float32(255)
-    flat = level == 0  # one value: codes 0, that value as the scale, zero -1
+    # one value: codes 129 at zero 128, that value as the scale (the 8-bit kernels' fp16
+    # `(128 - zero) * scale` is then 0; at codes 0, zero -1 it was `129 * lo`, rounded)
+    flat = level == 0
     safe = np.where(flat, np.float32(1), level)
-    codes = np.clip(np.rint((w - lo[..., None]) / safe[..., None]), 0, 255)
+    codes = np.where(
+        flat[..., None], 129, np.clip(np.rint((w - lo[..., None]) / safe[..., None]), 0, 255)
+    )
     q = np.where(one_min[..., None], ints + shift[..., None], codes).astype(np.uint8)
     safe_unit = np.where(one_min, unit, np.float32(1))
     exact_zero = shift + low_w[..., 0] / safe_unit
     scales = np.where(one_min, unit, np.where(flat, lo, level)).astype(np.float32)
-    zeros = np.where(one_min, exact_zero, np.where(flat, -1, -lo / safe)).astype(np.float32)
+    zeros = np.where(one_min, exact_zero, np.where(flat, 128, -lo / safe)).astype(np.float32)
     err = np.abs((q.astype(np.float32) - zeros[..., None]) * scales[..., None] - w).max(axis=-1)
     coarse = np.abs(d[..., 0]) * sc.max(axis=-1).astype(np.float32)
     held = coarse > 0
@@ -997,14 +1001,16 @@ def _min_to_zero(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Q4_1's `d * q + m` (Q5_1's, and a K-quant sub-block's with `d * sc` and `-dmin * m`) as
     `(q - z) * s`: `z = -m / d`. A group with `d == 0` holds `m` in every weight; it becomes
-    codes 0, scale `m`, zero -1."""
+    codes 1, scale `m`, zero 0 (codes 0 at zero -1 are the same weights, but the 8-bit
+    kernels' fp16 `(128 - zero) * scale` rounds `17 m` once centred, off by 0.4% of `m`; at
+    zero 0 it is `16 m`, exact)."""
     flat = d == 0
     safe = np.where(flat, 1.0, d).astype(np.float32)
-    zeros = np.where(flat, -1.0, -m / safe).astype(np.float32)
+    zeros = np.where(flat, 0.0, -m / safe).astype(np.float32)
     scales = np.where(flat, m, d).astype(np.float32)
     if flat.any():
         q = q.copy()
-        q.reshape(*d.shape, -1)[flat] = 0
+        q.reshape(*d.shape, -1)[flat] = 1
     return q, scales, zeros
 
 

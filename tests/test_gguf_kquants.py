@@ -533,3 +533,33 @@ def test_a_q2_k_q3_k_file_is_served_as_8_bit_codes_with_its_size_said(
     assert qc["bits"]["model.layers.0.self_attn.q_proj"] == 8
     held = load_file(str(tmp_path / "packed" / "model.safetensors"))
     assert not [n for n in held if n.endswith("proj.weight")]
+
+
+@pytest.mark.parametrize("qtype", [Q.Q2_K, Q.Q5_1, Q.Q4_1], ids=lambda q: q.name)
+def test_groups_of_one_value_are_served_exactly_by_the_kernels(qtype: Q) -> None:
+    """A group whose weights are all one value (Q2_K: a pair of 16 with both scales 0 and one
+    minimum; Q4_1/Q5_1: `d == 0`) had been coded 0 at zero -1: the same weights in fp32, but the
+    8-bit kernels keep `(128 - zero) * scale` in fp16, so Q2_K's were served 2.5-11% off (`129 *
+    m` rounded) and a centred Q5_1's 0.4% (`17 m`). Served through the C kernels, every row's
+    output is the dense product's to the kernels' activation rounding."""
+    from kvguard.engine.layers.quantized_linear import QuantizedLinear
+
+    data = random_blocks(qtype, 64, 1024, seed=9).reshape(
+        64, 1024 // 256 if qtype == Q.Q2_K else 32, -1
+    )
+    rng = np.random.default_rng(3)
+    if qtype == Q.Q2_K:  # every scale 0, each pair's two minimums alike
+        mins = rng.integers(1, 16, data.shape[:2] + (8,), dtype=np.uint8)
+        data[..., :16] = np.repeat(mins, 2, axis=-1) << 4
+    else:  # d == 0 in every other block, a minimum of a weight's size
+        data[:, ::2, 0:2] = 0
+        data[:, ::2, 2:4] = f16_bytes(
+            rng.normal(0, 0.02, data[:, ::2].shape[:2]).astype(np.float32)
+        )
+    data = data.reshape(64, -1)
+    spec, want = _spec(data, qtype), _reference(data, qtype)
+    layer = QuantizedLinear(spec)
+    assert layer.kernel in ("w8a8", "w4a8")
+    x = torch.from_numpy(rng.normal(0, 1, (4, 1024)).astype(np.float32))
+    got, ref = layer(x), x @ want.T
+    assert (got - ref).abs().max().item() <= 2e-3 * ref.abs().max().item()

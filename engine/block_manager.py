@@ -209,6 +209,31 @@ class BlockManager:
             found.append(b)
         return found
 
+    def rematch(self, seq: Sequence, limit: int) -> list[int]:
+        """The device blocks that still hold, under its keys, the content a swapped-out `seq`
+        registered in its leading blocks (`seq.block_contents`): coming back, it shares them
+        instead of copying its own host copies in beside them. A prefix that several
+        sequences shared stays shared across their eviction (each had come back with a
+        private copy: an eviction meant to free memory left them holding more). Content ids
+        are never reused, and a pool rebuild in another dtype leaves none findable, so a block
+        found holds the very K/V the sequence's copy does. The blocks are held for `seq` (a
+        cached free one leaves the free list): give them back with `give`. At most `limit`."""
+        if not self.caching or seq.kv_converted or not seq.block_contents:
+            return []
+        parent, found = self._root(short_prompt(seq)), []
+        for i, content in enumerate(seq.block_contents[:limit]):
+            b = self._cache.get(self._key(seq, i, parent))
+            if b is None or self._content_of.get(b) != content:
+                break
+            parent = content
+            found.append(b)
+        for b in found:
+            if b in self._free:
+                del self._free[b]
+                self._holders[b] = set()
+            self._holders[b].add(seq.request_id)
+        return found
+
     def unmatch(self, seq: Sequence) -> None:
         """Undo `match` for a sequence that could not start after all."""
         self.free(seq)

@@ -576,10 +576,15 @@ class Scheduler:
         return max(len(seq.host_block_table), self.bm.blocks_for(seq.num_computed_tokens + n))
 
     def _swap_in(self, seq: Sequence) -> None:
-        dev = self.bm.take(seq.request_id, len(seq.host_block_table))
-        self.kv.swap_in(seq.host_block_table, dev)
-        self.host_bm.give(seq.request_id, seq.host_block_table)
-        seq.host_block_table, seq.block_table = [], dev
+        """Back on the device: its leading blocks whose content the prefix cache still holds
+        there are shared (`BlockManager.rematch`), the rest copied in from the host."""
+        host = seq.host_block_table
+        shared = self.bm.rematch(seq, len(host))
+        dev = self.bm.take(seq.request_id, len(host) - len(shared))
+        if dev:
+            self.kv.swap_in(host[len(shared) :], dev)
+        self.host_bm.give(seq.request_id, host)
+        seq.host_block_table, seq.block_table = [], shared + dev
         seq.status, seq.held = Status.RUNNING, False
         self.running.append(seq)
         self.emit("swapped_in", request_id=seq.request_id, blocks=len(dev))

@@ -669,3 +669,39 @@ def test_with_exact_hits_a_follow_up_turn_answers_as_the_cold_run(
     assert again.token_ids == cold.token_ids and _lps(again) == _lps(cold)
     assert warm.num_cached_tokens == len(first) // 16 * 16 > 0
     assert again.num_cached_tokens == (len(turn) - 1) // 16 * 16 > warm.num_cached_tokens
+
+
+def test_sequences_swapped_out_share_their_cached_prefix_again_when_they_come_back() -> None:
+    """Four requests share a 64-token prompt (four full blocks, one copy on the device). Swapped
+    out and back (an eviction with offload on), each had come back with a private copy of the
+    shared blocks (the swap-in took fresh device blocks for all its host ones): the eviction
+    meant to relieve memory left them holding the prefix four times (39 -> 99 blocks in a
+    daemon). Now the blocks whose content the cache still holds are shared again: the
+    device holds what it held before, and the answers are the uninterrupted run's."""
+    prompts = [SYSTEM + [200 + k, 201 + k, 202 + k] for k in range(4)]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    want = _run(_engine(enable_prefix_caching=False), prompts, params)
+    engine = _engine(num_gpu_blocks=64, enable_cpu_offload=True, cpu_cache_ratio=0.5)
+    bm, sched = engine.block_manager, engine.scheduler
+    rids = [engine.add_request(p, params) for p in prompts]
+    while len(sched.running) < 4 or any(s.num_computed_tokens < 70 for s in sched.running):
+        engine.step()
+    before = bm.num_used
+    assert before < 4 * 5  # the prompt's four blocks once, a block or two of each's own
+    for seq in list(sched.running):
+        assert sched.preempt(seq) == "swap"
+    assert len(sched.swapped) == 4
+    outs: dict[str, list[int]] = {}
+    while len(sched.running) < 4:
+        for out in engine.step():
+            if out.finished:
+                outs[out.request_id] = out.token_ids
+    assert bm.num_used <= before + 4  # not 4 x the shared prompt again
+    shared = set.intersection(*(set(s.block_table[:4]) for s in sched.running))
+    assert len(shared) == 4
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                outs[out.request_id] = out.token_ids
+    assert [outs[r] for r in rids] == want
+    bm.audit([])

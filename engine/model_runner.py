@@ -675,31 +675,32 @@ class ModelRunner:
         lower. The rows' candidates after the sampler's changes (`adjust_logits`, whose
         changes the sampler then makes again, to these exact logits) are recomputed from the
         hidden states. Rows that ask nothing of the kind, and heads exact already, cost
-        nothing."""
+        nothing. The logits are refined in place (the sampled rows' own: more of them exact).
+        """
         rows = [i for i, p in enumerate(params) if p.adjusts_logits or allowed[i] is not None]
         if not rows:
             return logits
         head, hidden = self._exact_head(), self.logit_hidden
         if head is None or hidden is None:
             return logits
-        index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+        every = len(rows) == logits.shape[0]  # a batch of biased rows: no copies of its rows
+        index = None if every else torch.tensor(rows, dtype=torch.long, device=logits.device)
+        sub = logits if index is None else logits.index_select(0, index)
         moved = adjust_logits(
-            logits.index_select(0, index),
+            sub,
             [params[i] for i in rows],
             [outputs[i] for i in rows],
             [allowed[i] for i in rows],
-        )
-        at = torch.tensor(
-            rows if origin is None else [origin[i] for i in rows],
-            dtype=torch.long,
-            device=hidden.device,
-        )
-        with torch.inference_mode():
-            exact = head.refine_at(
-                hidden.index_select(0, at), logits.index_select(0, index), head.best(moved)
+        )  # a copy: the sampler adjusts the refined logits again
+        at = rows if origin is None else [origin[i] for i in rows]
+        if at != list(range(hidden.shape[0])):
+            hidden = hidden.index_select(
+                0, torch.tensor(at, dtype=torch.long, device=hidden.device)
             )
-        logits = logits.clone()
-        logits[index] = exact
+        with torch.inference_mode():
+            head.refine_at(hidden, sub, head.best(moved))  # in place
+            if index is not None:
+                logits.index_copy_(0, index, sub)
         return logits
 
     def _take_prompt_logprobs(

@@ -7,8 +7,8 @@ Principles: a condition must hold for its `for` before acting; recovery needs th
 threshold held for `recover_for` (hysteresis); at most one escalation per tick, in file order,
 so the cheapest remedy acts first and its effect is seen before the next (one that changed
 nothing, refused or a one-off with nothing to do, leaves the tick to the next); undo runs
-down each signal's ladder, the remedy in force of the rule last in the file first, one per
-tick (`_stack_undo`); a signal that cannot be read leaves the rule
+in reverse order of application, one per tick, a signal's higher rung before its lower ones
+whatever order a spike applied them in (`_stack_undo`); a signal that cannot be read leaves the rule
 where it is, marked unknown, and never acts; dry-run records what would have happened and
 changes nothing.
 The clock is injected so all of this is testable offline.
@@ -520,44 +520,35 @@ class Evaluator:
         return self._stack_undo(values, now)
 
     def _stack_undo(self, values: dict[str, float | None], now: float) -> Attempt | None:
-        """Undo runs down each ladder: of the remedies in force of rules on one signal (or
-        one event), the one whose rule comes last in the rules file (the highest rung, the
-        most drastic) is undone first, once its rule has recovered long enough; the rungs
-        below it wait. Not the last applied: on a sudden spike the admission halt (0.99, no
-        `for`) is applied before the batch cut (0.92, `for: 10s`), and undone after it had kept
+        """One remedy in force is next to be undone, once its rule has recovered long enough;
+        the rest wait for it (as a stack: one order, so nothing waits on itself). Mostly the
+        last applied, but a rung of a signal's ladder (the rules on one signal, or on one
+        event) counts as applied when any rung below it in the rules file was, the higher
+        rung going first on a tie: on a sudden spike the admission halt (0.99, no `for`) is
+        applied before the batch cut (0.92, `for: 10s`), and had been undone after it, keeping
         admission closed for the cut's minute of recovery after usage fell, refusing requests
-        on an idle server. In a ladder climbed rung by rung the two orders are one. Across
-        ladders the order of application holds where remedies share a setting (the OOM chain
-        applied after a batch cut is undone before it: each restores what the one before it
-        set); a KV rung does not wait for a GPU rule of other settings (one both hold stays
-        held: `_undo_attempt`). Of several ready, the newest applied goes first."""
-        if any(self.states[name].in_flight is not None for name in self.applied):
-            return None  # one still settling: its result first
+        on an idle server. In a ladder climbed rung by rung that is the order of application
+        reversed, and across ladders it still is (the OOM chain that acted after a batch cut is
+        undone before it: each restores what the one before it set)."""
+        if not self.applied:
+            return None
         place = {r.name: i for i, r in enumerate(self.rules.rules)}
         rules = {name: self._rule(name) for name in self.applied}
 
         def ladder(rule: Rule) -> tuple[str, str | None]:
             return ("signal", rule.signal) if rule.signal is not None else ("on", rule.on)
 
-        def settings(rule: Rule) -> frozenset[str]:
-            spec = ACTIONS.get(rule.action)
-            return spec.settings if spec is not None else frozenset()
+        def applied_at(name: str) -> int:  # the latest application of it or a rung below it
+            return max(
+                at
+                for at, other in enumerate(self.applied)
+                if ladder(rules[other]) == ladder(rules[name]) and place[other] <= place[name]
+            )
 
-        for at in range(len(self.applied) - 1, -1, -1):
-            name = self.applied[at]
-            rule = rules[name]
-            same = ladder(rule)
-            if any(
-                ladder(rules[o]) == same and place[o] > place[name] for o in self.applied
-            ) or any(
-                ladder(rules[o]) != same and settings(rules[o]) & settings(rule)
-                for o in self.applied[at + 1 :]
-            ):
-                continue
-            attempt = self._undo_if_recovered(rule, values, now)
-            if attempt is not None:
-                return attempt
-        return None
+        name = max(self.applied, key=lambda n: (applied_at(n), place[n]))
+        if self.states[name].in_flight is not None:
+            return None
+        return self._undo_if_recovered(rules[name], values, now)
 
     def _undo_if_recovered(
         self, rule: Rule, values: dict[str, float | None], now: float
@@ -788,8 +779,8 @@ class Evaluator:
     def _event_acted(self, a: Attempt, now: float, outcome: str, res: ActionResult | None) -> None:
         a.st.last_action = now
         if self._in_force_now(a, outcome, res) and a.trigger == "event":
-            # in force until `recover_for` passes without another event (then undone down the
-            # ladder, `_stack_undo`); `applied` keeps the order of application, newest last
+            # in force until `recover_for` passes without another event (then undone in stack
+            # order, `_stack_undo`): an event that acts again puts its rule back on top
             if a.rule.name in self.applied:
                 self.applied.remove(a.rule.name)
             self.applied.append(a.rule.name)

@@ -79,12 +79,25 @@ def legacy_paths(url: str, state_dir: Path | None, suffix: str = SUFFIX) -> list
     return [state_dir / (LEGACY_NAME + suffix)]
 
 
-def identity(url: str) -> tuple[str, str | None, int | None, str | None, str | None] | None:
+# query parameters that say how to connect, not to which database: left out of `identity`
+CONNECTION_OPTIONS = frozenset(
+    {
+        "password", "connect_timeout", "application_name", "fallback_application_name",
+        "client_encoding", "options", "keepalives", "keepalives_idle", "keepalives_interval",
+        "keepalives_count", "tcp_user_timeout", "target_session_attrs", "load_balance_hosts",
+        "sslmode", "sslcert", "sslkey", "sslrootcert", "sslcrl", "sslpassword", "sslcompression",
+        "gssencmode", "channel_binding", "charset", "read_timeout", "write_timeout",
+    }
+)  # fmt: skip
+
+
+def identity(url: str) -> tuple[Any, ...] | None:
     """What names a server database in a URL: its backend, host as written, port (the
     backend's default if none), database and user, from the URL or its libpq-style query
-    (`?host=/run/postgresql`). Not its password (moved to ~/.pgpass between runs), its driver
-    (psycopg or psycopg2 reach the same database) or its other query parameters (a
-    `connect_timeout`). None for SQLite, or for text that is not a URL."""
+    (`?host=/run/postgresql`), and every other query parameter but those that only say how to
+    connect (`CONNECTION_OPTIONS`): a libpq `service=` or MySQL's `unix_socket=` name the
+    database too. Not its password (moved to ~/.pgpass between runs) or its driver (psycopg or
+    psycopg2 reach the same database). None for SQLite, or for text that is not a URL."""
     try:
         u = parse_url(url)
     except ValueError:
@@ -104,12 +117,19 @@ def identity(url: str) -> tuple[str, str | None, int | None, str | None, str | N
     port = u.port or (int(port_text) if port_text and port_text.isdigit() else None)
     database = u.database or query("dbname") or query("database")
     user = u.username or query("user")
+    used = {"host", "port", "dbname", "database", "user"}
+    rest = sorted(
+        (key, str(query(key)))
+        for key in u.query
+        if key not in used and key.lower() not in CONNECTION_OPTIONS
+    )
     return (
         backend,
         host.lower() if host else None,
         port or DEFAULT_PORTS.get(backend),
         database,
         user,
+        *([rest] if rest else []),
     )
 
 

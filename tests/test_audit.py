@@ -908,3 +908,29 @@ def test_a_spill_cut_short_by_a_crash_keeps_every_whole_line(tmp_path: Path) -> 
     (tmp_path / "other.jsonl").write_text('{"a": 1}\n')
     with pytest.raises(ValueError, match="not a kvguard audit spill"):
         audit_spill.read(tmp_path / "other.jsonl")
+
+
+def test_a_server_databases_identity_keeps_the_query_parameters_that_name_it() -> None:
+    """A spill file is matched to a server database by what names it, not by its URL's text:
+    a password moved out or a connection option added is the same database; a libpq
+    `service=` or a MySQL `unix_socket=` names another one (they had been left out, so two
+    daemons of two databases sharing a state directory wrote one spill file, each to import
+    the other's rows)."""
+    from kvguard.daemon import audit_spill
+
+    base = "postgresql+psycopg://kv:pw@db.example:5433/audit"
+    assert audit_spill.same_db(
+        base, "postgresql+psycopg://kv@DB.example:5433/audit?connect_timeout=3"
+    )
+    assert audit_spill.same_db(base, base.replace("psycopg", "psycopg2") + "?sslmode=require")
+    assert not audit_spill.same_db(base, base.replace("/audit", "/other"))
+    prod = "postgresql+psycopg://kv@/audit?service=prod_audit"
+    assert not audit_spill.same_db(prod, prod.replace("prod", "staging"))
+    assert audit_spill.same_db(prod, prod + "&application_name=kvguard")
+    sock = "mysql+pymysql://kv@localhost/audit?unix_socket=/run/mysqld-a.sock"
+    assert not audit_spill.same_db(sock, sock.replace("-a.", "-b."))
+    spills = {
+        audit_spill.spill_paths(u, Path("/state"))[0]
+        for u in (prod, prod.replace("prod", "staging"))
+    }
+    assert len(spills) == 2

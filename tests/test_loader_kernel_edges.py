@@ -35,7 +35,7 @@ from kvguard.kernels import cpu_lowbit, cpu_ops
 
 Q = gguf.GGMLQuantizationType
 VOCAB = 300
-RANDOM_BLOCKS = (Q.Q2_K, Q.Q3_K, Q.IQ3_S)
+RANDOM_BLOCKS = (Q.Q2_K, Q.Q3_K, Q.IQ3_S, Q.IQ2_XS)
 
 
 # -- tiny GGUF files -------------------------------------------------------------------------
@@ -51,7 +51,7 @@ def _add(writer: gguf.GGUFWriter, name: str, w: np.ndarray, qtype: Q, seed: int)
         rng = np.random.default_rng(seed)
         data = rng.integers(0, 256, (rows, cols // size, nbytes), dtype=np.uint8)
         scale = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
-        if qtype == Q.IQ3_S:  # d leads the block
+        if qtype in (Q.IQ3_S, Q.IQ2_XS):  # d leads the block
             data[..., 0:2] = scale
         else:  # d (and Q2_K's dmin) end the block
             data[..., -4:-2] = data[..., -2:] = scale
@@ -137,19 +137,19 @@ def write_gguf(
 @pytest.mark.parametrize(
     ("qtype", "types", "tensor", "kind"),
     [
-        (Q.Q3_K, {"token_embd.weight": Q.Q8_0}, "blk.0.attn_q.weight", "Q3_K"),  # Q3_K_M-like
+        (Q.IQ2_XS, {"token_embd.weight": Q.Q8_0}, "blk.0.attn_q.weight", "IQ2_XS"),
         (Q.IQ3_S, {}, "blk.0.attn_q.weight", "IQ3_S"),
-        (Q.Q4_0, {"blk.1.ffn_down.weight": Q.Q2_K}, "blk.1.ffn_down.weight", "Q2_K"),
+        (Q.Q4_0, {"blk.1.ffn_down.weight": Q.IQ3_S}, "blk.1.ffn_down.weight", "IQ3_S"),
     ],
 )
 def test_packed_conversion_refuses_types_it_does_not_serve_packed(
     tmp_path: Path, qtype: Q, types: dict[str, Q], tensor: str, kind: str
 ) -> None:
-    """Dequantised, a Q3_K file became about ten times its size in fp32 under `auto`; the
+    """Dequantised, an IQ2_XS file became over ten times its size in fp32 under `auto`; the
     error names the file, the first such tensor and its type, and points to `none`. `none`
     still converts the file (dequantised on purpose), every weight as the gguf package
     dequantises it."""
-    k_quant = {qtype, *types.values()} & {Q.Q2_K, Q.Q3_K, Q.IQ3_S}  # blocks of 256 values
+    k_quant = {qtype, *types.values()} & {Q.Q2_K, Q.Q3_K, Q.IQ3_S, Q.IQ2_XS}  # blocks of 256
     hidden, inter = (256, 512) if k_quant else (64, 128)
     path = write_gguf(tmp_path / "odd.gguf", qtype, hidden, inter, types=types)
     pattern = rf"odd\.gguf: tensor '{tensor}' is {kind} .*model_quantization: none"
@@ -184,15 +184,15 @@ def test_a_vocabulary_tensor_of_another_type_is_served_in_full_precision_with_a_
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """llama.cpp's quantiser keeps `output.weight` (and `token_embd.weight`) in a finer type
-    than the layers (`--output-tensor-type`): of a type not served packed (Q3_K here), those two
+    than the layers (`--output-tensor-type`): of a type not served packed (IQ3_S here), those two
     are one matrix each, not the model, so such a file still converts packed, them dequantised
     to fp32, with a warning."""
-    types = {"output.weight": Q.Q3_K, "token_embd.weight": Q.Q3_K}
+    types = {"output.weight": Q.IQ3_S, "token_embd.weight": Q.IQ3_S}
     path = write_gguf(tmp_path / "llama.gguf", Q.Q4_0, 256, 512, types=types)
     with caplog.at_level("WARNING", logger="kvguard.engine"):
         convert_gguf(path, tmp_path / "packed", progress=False, packed=True)
     said = caplog.text
-    assert "output.weight is Q3_K" in said and "token_embd.weight is Q3_K" in said
+    assert "output.weight is IQ3_S" in said and "token_embd.weight is IQ3_S" in said
     assert "dequantised to fp32" in said
     import json
 

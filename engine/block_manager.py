@@ -182,11 +182,7 @@ class BlockManager:
         if not self.caching or seq.block_table or seq.num_computed_tokens:
             return 0
         table = self._lookup(seq)
-        for b in table:
-            if b in self._free:
-                del self._free[b]
-                self._holders[b] = set()
-            self._holders[b].add(seq.request_id)
+        self._hold(seq.request_id, table)
         seq.block_table, seq.block_contents = table, [self._content_of[b] for b in table]
         seq.num_computed_tokens = len(table) * self.block_size
         short = short_prompt(seq)
@@ -227,12 +223,16 @@ class BlockManager:
                 break
             parent = content
             found.append(b)
-        for b in found:
+        self._hold(seq.request_id, found)
+        return found
+
+    def _hold(self, owner: str, blocks: list[int]) -> None:
+        """`owner` shares cached `blocks` (one that was free leaves the free list)."""
+        for b in blocks:
             if b in self._free:
                 del self._free[b]
                 self._holders[b] = set()
-            self._holders[b].add(seq.request_id)
-        return found
+            self._holders[b].add(owner)
 
     def unmatch(self, seq: Sequence) -> None:
         """Undo `match` for a sequence that could not start after all."""

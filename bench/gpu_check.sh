@@ -52,6 +52,7 @@ install_wheels() {  # the prepared wheels, offline, into a private directory on 
   local wheels=${GPU_WHEELS:-.gpu_wheels} site
   compgen -G "$wheels/*.whl" >/dev/null || return 0
   site=$(mktemp -d "${TMPDIR:-/tmp}/kvguard-site.XXXXXX")
+  TEMP_DIRS+=("$site")
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" \
     "$wheels"/*.whl
   export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
@@ -62,6 +63,7 @@ kvguard_on_path() {  # kvguard.<folder> -> ./<folder>, as pyproject maps them, w
   "$PY" -c "import kvguard.engine, kvguard.kernels" 2>/dev/null && return 0
   local shim
   shim=$(mktemp -d "${TMPDIR:-/tmp}/kvguard-shim.XXXXXX")
+  TEMP_DIRS+=("$shim")
   "$PY" - "$shim" <<'PYEOF'
 import sys
 import tomllib
@@ -76,7 +78,10 @@ PYEOF
   export PYTHONPATH="$shim${PYTHONPATH:+:$PYTHONPATH}"
 }
 
+TEMP_DIRS=()  # removed when main ends, however it ends
+
 main() {
+  trap 'rm -rf "${TEMP_DIRS[@]}"' EXIT
   install_wheels
   kvguard_on_path
   "$PY" -c "import kvguard.engine.llm_engine, kvguard.kernels.dispatch, kvguard.daemon.nvml"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -31,7 +33,7 @@ def _service(tmp: Path) -> Service:
     return svc
 
 
-_TMP = Path(__import__("tempfile").mkdtemp(prefix="kvguard-fuzz-"))
+_TMP = Path(tempfile.mkdtemp(prefix="kvguard-fuzz-"))  # the schema is read at import
 SERVICE = None
 
 
@@ -53,6 +55,7 @@ schema.config.generation.update(modes=list(GenerationMode))
 def _stop_engine():
     yield
     SERVICE.close()
+    shutil.rmtree(_TMP, ignore_errors=True)
     assert CALLS[0] >= 200, f"only {CALLS[0]} fuzz cases ran"
 
 

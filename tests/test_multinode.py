@@ -45,7 +45,9 @@ class Cluster:
                 [KVGUARD, "serve", "--config", str(config)],
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, "STATE_DIRECTORY": str(tmp)},
+                # TMPDIR: a daemon killed while it waits for a rank cannot remove its
+                # rendezvous folder (under systemd, PrivateTmp= does)
+                env={**os.environ, "STATE_DIRECTORY": str(tmp), "TMPDIR": str(tmp)},
             )
         self.worker: subprocess.Popen | None = None
 

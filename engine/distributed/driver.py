@@ -182,9 +182,10 @@ class TensorParallelRunner(ModelRunner):
         remote = set(config.distributed.remote_ranks)
         _set_interface(config.distributed.interface if remote else LOOPBACK)
         workers: list[WorkerHandle] = []
-        server = _open_rendezvous(config, str(rendezvous)) if remote else None
+        server: RendezvousServer | None = None
         watch: StartupWatch | None = None
         try:
+            server = _open_rendezvous(config, str(rendezvous)) if remote else None
             for rank in range(1, size):
                 if rank not in remote:
                     workers.append(_spawn(rank, size, str(rendezvous), backend, config, path))

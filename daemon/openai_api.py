@@ -332,7 +332,7 @@ def _bounded(service: Service, model: type[BaseModel], data: Any) -> None:
                 f"max_model_len={service.engine.max_model_len}, as many as /tokenize gives)",
                 "tokens",
             )
-    bias, vocab = data.get("logit_bias"), service.engine.model_config.vocab_size
+    bias, vocab = data.get("logit_bias"), service.engine.biasable_ids()
     if isinstance(bias, dict) and len(bias) > vocab:
         raise ApiError(
             400,

@@ -416,6 +416,7 @@ class LLMEngine(ControlSurface):
                 raise ValueError(
                     f"{name} token ids {bad[:5]} are outside the vocabulary [0, {vocab})"
                 )
+        self._bias_names_tokens(params)
         rank = parse_priority(priority)
         limit = self.max_total_len()
         ids = self._prompt_ids(prompt, add_special_tokens, limit)
@@ -500,6 +501,24 @@ class LLMEngine(ControlSurface):
         if len(ids) >= limit:
             raise ValueError(self._too_long(len(ids), limit))
         return ids
+
+    def biasable_ids(self) -> int:
+        """How many token ids a `logit_bias` may name: [0, this)."""
+        return min(self.tokenizer.vocab_size, self.model_config.vocab_size)
+
+    def _bias_names_tokens(self, params: SamplingParams) -> None:
+        """A ValueError for a `logit_bias` on ids the model has rows for but the tokenizer no
+        token: the padding rows of an embedding rounded up (Qwen2: 151936 rows, 151665
+        tokens). Raised, such an id would be generated with no text."""
+        tokens = self.tokenizer.vocab_size
+        if tokens >= self.model_config.vocab_size:
+            return
+        if bad := params.bias_ids_from(tokens):
+            raise ValueError(
+                f"logit_bias token ids {bad[:5]} name no token: the tokenizer has {tokens} "
+                f"(ids [0, {tokens})), the ids from {tokens} to {self.model_config.vocab_size - 1}"
+                " are the model's padding rows"
+            )
 
     def _within_model_vocab(self, ids: list[int]) -> None:
         """A ValueError naming the tokens of a text prompt past the model's vocabulary: tokens

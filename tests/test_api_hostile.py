@@ -324,12 +324,12 @@ HI = {"role": "user", "content": "hi"}
 @pytest.mark.parametrize(
     ("path", "body", "param", "code", "message"),
     [
-        (  # more entries than the tiny model has tokens (320)
+        (  # more entries than the tiny model's tokenizer has tokens (259; the model 320 rows)
             "/v1/completions",
-            completion(logit_bias={str(i): 1 for i in range(321)}),
+            completion(logit_bias={str(i): 1 for i in range(260)}),
             "logit_bias",
             None,
-            "logit_bias has 321 entries: at most 320, one per token id of the vocabulary",
+            "logit_bias has 260 entries: at most 259, one per token id of the vocabulary",
         ),
         (  # each message renders to a token at least: 512 of them fill max_model_len
             "/v1/chat/completions",
@@ -377,7 +377,7 @@ def test_too_many_elements_are_refused_by_their_count(
     err = openai_error(raw(client, "POST", path, body), 400, param)
     assert err["code"] == code and message in err["message"], err
     if param == "logit_bias":  # a bias on every token of the vocabulary is served
-        every = completion(logit_bias={str(i): 0 for i in range(320)})
+        every = completion(logit_bias={str(i): 0 for i in range(259)})
         assert raw(client, "POST", path, every).status_code == 200
 
 
@@ -475,11 +475,11 @@ def test_detokenize_takes_as_many_ids_as_tokenize_gives(client: httpx.Client) ->
 
 
 def test_n32_choices_biasing_every_token_are_served(client: httpx.Client) -> None:
-    """A seeded request of 32 choices with a logit_bias on every token of the vocabulary (its
+    """A seeded request of 32 choices with a logit_bias on every token of the tokenizer (its
     choices share the checked, read-only bias): every choice is the one token biased up."""
     ids = client.post("/tokenize", json={"model": "tiny", "prompt": "a",
                                          "add_special_tokens": False}).json()["tokens"]  # fmt: skip
-    bias = {str(t): -100 for t in range(320)} | {str(ids[0]): 100}
+    bias = {str(t): -100 for t in range(259)} | {str(ids[0]): 100}
     body = completion(n=32, seed=5, temperature=1.0, ignore_eos=True, logit_bias=bias)
     r = raw(client, "POST", "/v1/completions", body)
     assert r.status_code == 200, r.text

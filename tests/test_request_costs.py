@@ -77,7 +77,7 @@ def test_the_choices_of_a_request_do_not_check_its_logit_bias_again(
     as 32 choices biasing one token: the bias is checked where the params are made (off the
     engine thread), not once more per choice. Before, the difference was two passes over the
     vocabulary per choice (the check, then the vocabulary range), 64 in all."""
-    vocab = engine.model_config.vocab_size
+    vocab = engine.biasable_ids()  # the tokenizer's tokens (the model has padding rows too)
 
     def params(bias: dict[int, float]) -> SamplingParams:
         return SamplingParams(max_tokens=1, temperature=1.0, seed=seed, logit_bias=bias)

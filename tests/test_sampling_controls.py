@@ -49,6 +49,23 @@ def test_logit_bias_steers_greedy_and_sampled_draws(smollm_engine: LLMEngine) ->
         eng.add_request(prompt, SamplingParams(logit_bias={49152: 1.0}))
 
 
+def test_a_bias_on_a_padding_row_of_the_model_is_refused() -> None:
+    """The tiny model has 320 embedding rows and its tokenizer 259 tokens: a bias on an id
+    between them was taken, and +100 made the engine generate ids that have no text."""
+    engine = make_engine()
+    tokens, rows = engine.tokenizer.vocab_size, engine.model_config.vocab_size
+    assert tokens < rows
+    with pytest.raises(
+        ValueError,
+        match=rf"^logit_bias token ids \[{tokens}, {rows - 1}\] name no token: the tokenizer "
+        rf"has {tokens} \(ids \[0, {tokens}\)\), the ids from {tokens} to {rows - 1} are",
+    ):
+        engine.add_request("hi", SamplingParams(logit_bias={rows - 1: 100.0, tokens: 5.0}))
+    assert not engine.has_unfinished()
+    last = engine.generate(["hi"], SamplingParams(max_tokens=2, logit_bias={tokens - 1: 100.0}))
+    assert last[0].token_ids == [tokens - 1] * 2
+
+
 def test_a_bias_or_a_ban_picks_by_the_models_exact_logits(smollm_engine: LLMEngine) -> None:
     """The packed lm_head makes exact only each row's 16 best by its own int8 ranking; a bias
     lifting tokens ranked below them, or a ban of the best, had left a greedy pick to the int8

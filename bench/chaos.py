@@ -57,11 +57,13 @@ from bench.overload import (  # noqa: E402
     Arrival,
     Daemon,
     Outcome,
+    StartError,
     fast_rules,
     free_port,
     kv_bytes_per_token,
     metric_sum,
     one_request,
+    start_failure,
 )
 from bench.trace import (  # noqa: E402
     DEFAULT_MODEL,
@@ -147,7 +149,8 @@ class Prometheus:
                     return
             except httpx.HTTPError:
                 time.sleep(0.3)
-        raise TimeoutError("prometheus not ready")
+        self.stop()
+        raise StartError(f"prometheus not ready within 60 s on 127.0.0.1:{self.port}")
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -396,21 +399,30 @@ def rules_text(workdir: Path) -> str:
 
 
 def start(workdir: Path, model: str, threads: int) -> tuple[Daemon, Prometheus, Path, str]:
+    """The daemon and its Prometheus, both up; neither left running if the other fails to
+    start (a Prometheus started before a daemon that exits at once was left orphaned)."""
+    kv = 1024 * kv_bytes_per_token(resolve_model_dir(model))  # an unknown model: nothing started
     port = free_port()
     prom = Prometheus(workdir, port)
     prom.start()
-    rules = workdir / "rules.yaml"
-    good = rules_text(workdir)
-    rules.write_text(good)
-    kv = 1024 * kv_bytes_per_token(resolve_model_dir(model))
-    config = (
-        f"serving: {{model: {model}, kv_cache_bytes: {kv}, max_model_len: 512, "
-        f"num_threads: {threads}}}\n"
-        f"rules: {{path: {rules}}}\n"
-        f"prometheus: {{url: '{prom.url}', timeout: 1s, instance: '127.0.0.1:{port}'}}\n"
-    )
-    d = Daemon(workdir / "daemon", config, port=port, drain_s=DRAIN_S, debug_hooks=True)
-    d.wait_ready()
+    d = None
+    try:
+        rules = workdir / "rules.yaml"
+        good = rules_text(workdir)
+        rules.write_text(good)
+        config = (
+            f"serving: {{model: {model}, kv_cache_bytes: {kv}, max_model_len: 512, "
+            f"num_threads: {threads}}}\n"
+            f"rules: {{path: {rules}}}\n"
+            f"prometheus: {{url: '{prom.url}', timeout: 1s, instance: '127.0.0.1:{port}'}}\n"
+        )
+        d = Daemon(workdir / "daemon", config, port=port, drain_s=DRAIN_S, debug_hooks=True)
+        d.wait_ready()
+    except BaseException:
+        if d is not None:
+            d.stop(timeout=10)
+        prom.stop()
+        raise
     return d, prom, rules, good
 
 
@@ -577,9 +589,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from kvguard.engine.model_config import ModelLoadError
+
     args = parse_args(argv)
     print(f"load average {os.getloadavg()[0]:.2f}", flush=True)
-    res = run(args)
+    try:
+        res = run(args)
+    except (StartError, ModelLoadError) as e:
+        return start_failure("chaos", e)
     print_report(res)
     write_json(args.json, res)
     ok = res["survived"] and res["lost"] == 0 and res["audit_rows_lost"] == 0

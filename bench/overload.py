@@ -233,6 +233,18 @@ def kv_bytes_per_token(model_dir: Path) -> int:
 STOP_MARGIN_S = 60  # Daemon.stop waits the drain plus this for the exit (audit flush, engine)
 
 
+class StartError(RuntimeError):
+    """A daemon (or the model it would serve) that could not be started: the run measures
+    nothing, and says why in one line (`main`), not in a traceback."""
+
+
+def start_failure(prog: str, e: Exception) -> int:
+    """The one line a run that could not start prints, and its exit status (2, as a usage
+    error: what it was given cannot be run)."""
+    print(f"{prog}: error: {e}", file=sys.stderr)
+    return 2
+
+
 class Daemon:
     """A `kvguard serve` subprocess with its own config, token, audit DB and log."""
 
@@ -274,14 +286,16 @@ class Daemon:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"daemon exited {self.proc.returncode}: see {self.log_path}")
+                lines = self.log_path.read_text(errors="replace").strip().splitlines()
+                last = f" ({lines[-1]})" if lines else ""
+                raise StartError(f"daemon exited {self.proc.returncode}{last}: see {self.log_path}")
             try:
                 if httpx.get(self.url + "/ready", timeout=1).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(0.3)
-        raise TimeoutError(f"daemon not ready after {timeout}s: see {self.log_path}")
+        raise StartError(f"daemon not ready after {timeout}s: see {self.log_path}")
 
     def admin(self, method: str, path: str, **kw: Any) -> httpx.Response:
         headers = {"Authorization": f"Bearer {TOKEN}"}
@@ -1028,7 +1042,16 @@ def prepare(args: argparse.Namespace) -> tuple[LoadSpec, list[Arrival], Path]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from kvguard.engine.model_config import ModelLoadError
+
     args = parse_args(argv)
+    try:
+        return measure(args)
+    except (StartError, ModelLoadError) as e:
+        return start_failure("overload", e)
+
+
+def measure(args: argparse.Namespace) -> int:
     spec, arrivals, model_dir = prepare(args)
     budget = budget_tokens(spec, arrivals)
     kv_bytes = budget * kv_bytes_per_token(model_dir)

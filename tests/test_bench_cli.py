@@ -64,3 +64,36 @@ def test_a_checkout_without_the_benchmark_names_its_script(
         assert main(["bench", "chaos", "--repo", str(repo)]) == 2
         err = capsys.readouterr().err
         assert f"not a kvguard checkout ({repo / 'bench' / 'chaos.py'} not found)" in err, err
+
+
+@pytest.mark.parametrize(
+    ("bench", "args", "says"),
+    [
+        ("chaos", ["--model", "tiny", "--threads", "0"], "chaos: error: daemon exited 2 ("),
+        ("chaos", ["--model", "/nonexist"], "chaos: error: unknown model '/nonexist'"),
+        ("overload", ["--model", "tiny", "--threads", "0"], "overload: error: daemon exited 2 ("),
+        ("overload", ["--model", "/nonexist"], "overload: error: unknown model '/nonexist'"),
+    ],
+)
+def test_a_benchmark_that_cannot_start_says_why_and_leaves_nothing_running(
+    tmp_path: Path, bench: str, args: list[str], says: str
+) -> None:
+    """A model that does not resolve, or a daemon that exits at once, ended a benchmark in a
+    traceback, and the chaos run's Prometheus, started first, was left running orphaned."""
+    import subprocess
+    import sys
+
+    workdir = tmp_path / "work"
+    cli = Path(sys.executable).with_name("kvguard")
+    run = subprocess.run(
+        [str(cli), "bench", bench, "--quick", "--workdir", str(workdir), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 2, run.stderr
+    assert says in run.stderr and "Traceback" not in run.stderr, run.stderr
+    if "threads" in args:
+        assert "serving.num_threads: 0 is out of range" in run.stderr, run.stderr
+    left = subprocess.run(["pgrep", "-f", str(workdir)], capture_output=True, text=True)
+    assert left.stdout == "", f"still running: {left.stdout}"

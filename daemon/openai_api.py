@@ -830,28 +830,30 @@ def _utf8_decoder() -> codecs.IncrementalDecoder:
 
 def _echo_offsets(text: str, tokens: list[bytes], added: Container[int]) -> list[int]:
     """Each of an echoed prompt's tokens' offset in its `text` (the prompt as sent, or a token
-    prompt's decoding): its bytes found where the text has got to, the character its first
-    byte begins or continues. A token whose bytes are a space and then the text's there holds
-    a space its tokenizer put before a piece of text (SentencePiece's, before each piece: at
-    the start, after a special token), which the text does not: it starts at the text's next
-    character. The tokens in `added` (a BOS the tokenizer added) take no room; a token the
-    text does not hold where expected (it should not happen) takes its bytes' room."""
-    data = text.encode()
-    utf8, chars, seen, at = _utf8_decoder(), 0, 0, 0
+    prompt's decoding): the character its first byte begins or continues, as `_text_at` finds
+    it for an answer's tokens, counted where the text has got to. The tokens' bytes are
+    decoded as the text was, so bytes that make no whole character (a token prompt cut
+    inside one, a stray byte) are the text's U+FFFD. A token whose characters are a space and
+    then the text's there holds a space its tokenizer put before a piece of text
+    (SentencePiece's, before each piece: at the start, after a special token), which the text
+    does not: it starts at the text's next character. The tokens in `added` (a BOS the
+    tokenizer added) take no room; a token the text does not hold where expected (it should
+    not happen) takes its characters' room."""
+    utf8, made, at = _utf8_decoder(), 0, 0
+    chars = _utf8_decoder()  # the same decoding, for the characters each token completes
     out = []
     for k, raw in enumerate(tokens):
-        here = at
         if k in added:
-            pass
-        elif data.startswith(raw, at):
-            at += len(raw)
-        elif raw[:1] == b" " and data.startswith(raw[1:], at):
-            at += len(raw) - 1
-        else:
-            at += len(raw)
-        chars += len(utf8.decode(data[seen:here]))  # whole characters before the token
-        seen = max(seen, here)
-        out.append(chars)
+            out.append(at)
+            continue
+        place, made_now = _text_at(utf8, made, raw)
+        own, into = chars.decode(raw), place - made  # its characters, and its own among them
+        made = made_now
+        spaced = own[:1] == " " and into == 0 and not text.startswith(own, at)
+        if spaced and text.startswith(own[1:], at):
+            own = own[1:]  # a space the text does not hold: it starts at the next one
+        out.append(at + into)
+        at += len(own)
     return out
 
 

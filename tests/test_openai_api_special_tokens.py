@@ -307,3 +307,34 @@ def test_an_echoed_token_id_prompt_ending_inside_a_character_keeps_its_offsets(
     # the answer's three tokens are the emoji's last byte, each a U+FFFD of its own
     assert text[len(shown) :] == "\ufffd" * 3
     assert offsets[len(prompt) :] == [len(shown), len(shown) + 1, len(shown) + 2]
+
+
+def test_an_echoed_token_id_prompt_with_bytes_of_no_whole_character_keeps_its_offsets(
+    tiny_daemon: Daemon, tiny_dir: Path
+) -> None:
+    """Token-id prompts whose bytes are not all whole characters (a window that starts inside
+    an emoji, a stray continuation byte, a character cut in the middle of the text) echo as
+    their decoding, those bytes U+FFFD: each token's offset is the character its first byte
+    begins or continues in that text, and the tokens after them stay in step with it."""
+    from kvguard.engine.tokenizer import Tokenizer as Tok
+
+    tok = Tok.from_dir(tiny_dir)
+    cases = [  # the prompt's bytes (a token each), its echo, each token's offset
+        (b"\xa9abcdef", "\ufffdabcdef", [0, 1, 2, 3, 4, 5, 6]),
+        ("a😀b日本c".encode()[2:], "\ufffd" * 3 + "b日本c", [0, 1, 2, 3, 4, 4, 4, 5, 5, 5, 6]),
+        (b"ab\xe6\x97cd\x80e", "ab\ufffdcd\ufffde", [0, 1, 2, 2, 3, 4, 5, 6]),
+    ]
+    prompts = [[b + 3 for b in raw] for raw, _, _ in cases]  # the tiny model's byte tokens
+    d = plain_token(tiny_dir)
+    out = tiny_daemon.client().completions.create(
+        model="tiny", prompt=prompts, max_tokens=1, temperature=0, echo=True, logprobs=0,
+        logit_bias={str(d): 100},  # the new token a whole character
+    )  # fmt: skip
+    for (raw, shown, offsets), ids, choice in zip(cases, prompts, out.choices, strict=True):
+        assert tok.decode(ids, skip_special_tokens=False) == shown
+        text, lp = choice.text, choice.logprobs
+        assert text == shown + "d" and len(lp.tokens) == len(raw) + 1
+        assert lp.text_offset == [*offsets, len(shown)], (shown, lp.text_offset)
+        for token, offset in zip(lp.tokens, lp.text_offset, strict=True):
+            if not token.startswith("bytes:"):  # a whole character is where its offset is
+                assert text[offset] == token, (token, offset, text)

@@ -207,6 +207,9 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # sorted by (priority, order)
         self.swapped: list[Sequence] = []  # sorted by (priority, order)
         self.running: list[Sequence] = []
+        # put back by an out-of-memory step and not run since: the OOM chain's batch cut
+        # counts them as running (`running_counting_oom`)
+        self.oom_requeued: set[Sequence] = set()
         self.preemptions = {"swap": 0, "recompute": 0}
         self.speculation = speculation
         # whether the device KV pool is FP8 now: no drafts then (see the module's docstring)
@@ -252,6 +255,8 @@ class Scheduler:
     # -- one step ---------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         batch = self._schedule()
+        if self.oom_requeued:  # those taken back (or ended) are no longer waiting on it
+            self.oom_requeued = {s for s in self.oom_requeued if s.status is Status.WAITING}
         if not batch.empty:
             self.policy.on_step(len(batch.preempted), self.bm.num_used / self.bm.num_blocks)
         return batch
@@ -861,10 +866,17 @@ class Scheduler:
                 self.running.remove(seq)
                 seq.num_preemptions += 1
                 self._recompute(seq)
+                self.oom_requeued.add(seq)
         before = self.max_num_batched_tokens
         self.max_num_batched_tokens = max(MIN_BATCHED_TOKENS, before // 2)
         self.chunked = True  # a halved budget must still fit every prompt
         return before
+
+    def running_counting_oom(self) -> int:
+        """The sequences running, counting as running those an out-of-memory step put back
+        that have not run since: the same count however many of them the scheduler has taken
+        back by now (right after the step failed, none are running)."""
+        return len(self.running) + sum(s.status is Status.WAITING for s in self.oom_requeued)
 
     def remap(self, moves: dict[int, int], host: bool = False) -> None:
         """Renumber every live sequence's blocks on one tier after the pool was rebuilt."""

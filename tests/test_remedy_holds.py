@@ -19,6 +19,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import httpx
+import pytest
 
 from kvguard.daemon.audit import AuditStore
 from kvguard.daemon.config import load_config
@@ -305,6 +306,45 @@ def test_the_oom_chain_halts_admission_only_if_the_cache_is_still_full_after_its
     assert "halt_admission: not needed: KV cache at" in res.detail
     assert engine.knobs()["admission_allow_priority"] is None
     assert settings_set("handle_oom", res) == {"batch", "kv_dtype"}  # admission not held
+
+
+def oom_cut(res: ActionResult) -> str:
+    return res.detail.split("reduce_max_num_seqs: ")[1].split(";")[0]
+
+
+@pytest.mark.parametrize(("times", "steps"), [(1, 0), (1, 1), (2, 0)])
+def test_the_oom_chains_batch_cut_halves_the_batch_that_failed(times: int, steps: int) -> None:
+    """The chain's batch cut is of the sequences running when the step ran out of memory:
+    that step put them all back to recompute, and the chain applied a few steps later, when
+    the scheduler had taken back none or some of them. It counted only those taken back,
+    so 8 running sequences left a batch of 1 to 4, at random. `times` 2: the retried step
+    failed as well (its sequences were put back again)."""
+    # no prefix cache: the sequences put back compute their prompts again, a few a step
+    cfg = {**ENGINE, "kv_cache_bytes": "4MiB", "max_num_seqs": 16, "enable_prefix_caching": False}
+    engine = make_engine(**cfg, max_num_batched_tokens=256)  # halved by the OOM: 128 a step
+    for i in range(8):
+        engine.add_request([5 + i] * 30, SamplingParams(max_tokens=200, ignore_eos=True))
+    while len(engine.scheduler.running) < 8 or any(
+        s.num_computed_tokens < 32 for s in engine.scheduler.running
+    ):
+        engine.step()
+    engine.inject_oom(times)
+    for _ in range(times + steps):  # `times` steps that fail, then `steps` that take back
+        engine.step()
+    assert engine.snapshot().counters["oom"] == times
+    taken_back = len(engine.scheduler.running)
+    assert taken_back == 0 if not steps else 0 < taken_back < 8, taken_back
+    res = settle(engine, run_action(engine, "handle_oom"))
+    assert oom_cut(res) == "max_num_seqs 16 -> 4", res.detail
+    assert engine.knobs()["max_num_seqs"] == 4
+    # a later OOM's cut is of the 4 that step ran
+    while len(engine.scheduler.running) < 4:
+        engine.step()
+    engine.inject_oom(1)
+    engine.step()
+    assert not engine.scheduler.running and len(engine.scheduler.waiting) == 8
+    res = settle(engine, run_action(engine, "handle_oom"))
+    assert oom_cut(res) == "max_num_seqs 4 -> 2", res.detail
 
 
 def test_the_offload_undo_returns_to_the_state_the_engine_started_in() -> None:

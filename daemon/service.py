@@ -699,12 +699,17 @@ class Service:
             # the engine takes new knobs once the rules file is known good, and its change is
             # all or nothing, so a refused reload has changed nothing
             applied: list[tuple[dict[str, Any], list[str]]] = []
+            # the reload's audit row is timed when the rules are swapped in: the actions the
+            # swap causes (an alert rule acting again, an undo by trigger `reload`) come after
+            # it in the timeline, though recorded before the reload has finished
+            installed: list[datetime] = []
+
+            def before_install() -> None:
+                applied.append(self._apply_reloadable(new))
+                installed.append(utcnow())
+
             rules = (
-                self.control.reload(
-                    new.rules.path,
-                    new.rules.dry_run,
-                    before_install=lambda: applied.append(self._apply_reloadable(new)),
-                )
+                self.control.reload(new.rules.path, new.rules.dry_run, before_install)
                 if self.control
                 else {}
             )
@@ -745,6 +750,7 @@ class Service:
                 detail=self._config_name,
                 data={"changes": changes, **rules},
                 incident=self._incident,
+                time=installed[0] if installed else None,
             )
             return {"reloaded": True, "changes": changes, "restart_needed": restart, **rules}
         except KnobsNotApplied as e:  # the engine did not take them, or has not finished

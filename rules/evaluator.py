@@ -499,10 +499,30 @@ class Evaluator:
         st.overridden = {
             s: how for s, how in (st.overridden if again else {}).items() if s not in st.holds
         }
+        if outcome != "held":
+            self._take_from_retiring(st)
         if self._live(a):
             return True
         self._retire(a.rule, st, "rule reloaded away while its action ran")
         return False
+
+    def _take_from_retiring(self, st: RuleState) -> None:
+        """An act that set a setting looser than a retiring remedy holds it (an act does not
+        count those: `_holders`) took that setting from it: the retiring remedy holds it no
+        more, so its undo leaves it to the act (`held`, `nothing restored`) rather than set
+        the value the act already set and count that as applied (a reload giving an alert
+        rule's cap of 5 a cap of 10: the new act sets 10, and the old undo changes nothing)."""
+        for _, other, _ in self.retiring:
+            if other is st or other.live != st.live:
+                continue
+            taken = {
+                s
+                for s in other.holds & st.holds
+                if _looser(s, st.asked.get(s, _UNKNOWN), other.asked.get(s, _UNKNOWN))
+            }
+            if taken:
+                other.holds -= taken
+                other.asked = {s: v for s, v in other.asked.items() if s not in taken}
 
     def _decide_undo(self, values: dict[str, float | None], now: float) -> Attempt | None:
         """At most one undo a tick: first a remedy a reload retired (trigger `reload`), then an
@@ -567,6 +587,8 @@ class Evaluator:
             return None
         if not self._undo_cooled(rule, st, now):
             return None  # e.g. fp32 KV cannot hold the live tokens yet: not a new try every tick
+        if rule.is_event:  # audited as its act was (an alert rule's undo is `alert`)
+            return self._undo_attempt(rule, st, "event", None)
         return self._undo_attempt(rule, st, "signal", values.get(rule.signal))
 
     def _undo_cooled(self, rule: Rule, st: RuleState, now: float) -> bool:

@@ -444,6 +444,58 @@ def test_knobs_the_engine_finishes_late_are_in_the_config_in_force_when_they_lan
     assert res["reloaded"] and res["changes"] == {}, res
 
 
+HOT_RULES = """version: 1
+interval: 1s
+cooldown: 1s
+rules:
+  - {{name: hot, on: "alert:Hot", action: halt_admission, params: {{allow_priority: {allow}}},
+     undo: resume_admission}}
+"""
+
+
+def test_a_reload_is_in_the_timeline_before_the_actions_it_causes(
+    service: Service,  # noqa: F811
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A reload that gives a firing alert's rule another remedy: the changed rule acts at once
+    and the old remedy is undone (trigger `reload`), in an evaluation the reload queues, which
+    may run before the reload has finished (here it always does). The reload's row was timed
+    when it finished, so `kvguard audit timeline` listed both actions before their cause."""
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(HOT_RULES.format(allow="high"))
+    assert service.config_path is not None
+    service.config_path.write_text(service.config_path.read_text() + f"rules: {{path: {rules}}}\n")
+    assert service.reload()["reloaded"]
+    plane, ev = service.control, service.control.evaluator
+    alert = {"status": "firing", "labels": {"alertname": "Hot"}, "fingerprint": "fp-hot"}
+    assert plane.alertmanager({"version": "4", "status": "firing", "alerts": [alert]})
+    until(lambda: ev.level() == 1, 60, "the alert's halt")
+    incident, seen = ev.incident, ev.decided
+    reload = plane.reload
+
+    def slow(*args: object, **kwargs: object) -> dict:
+        """Returns once the evaluation the reload queued has acted and undone."""
+        out = reload(*args, **kwargs)
+        until(lambda: ev.decided == seen + 2 and not ev.retiring, 60, "the act and the undo")
+        return out
+
+    monkeypatch.setattr(plane, "reload", slow)
+    rules.write_text(HOT_RULES.format(allow="normal"))
+    assert service.reload()["reloaded"]
+    assert incident is not None and service.audit.flush(30)
+    steps = [
+        (r["type"], r.get("kind") or r["action"], r.get("trigger"), r.get("outcome"))
+        for r in service.audit.timeline(incident)
+        if r["type"] == "action" or r["kind"] == "reload"  # not the engine's admission_halted
+    ]
+    assert steps[-3:] == [
+        ("event", "reload", None, None),
+        ("action", "halt_admission", "alert", "applied"),  # its alert still fires
+        ("action", "resume_admission", "reload", "held"),  # admission stays at `normal`
+    ], steps
+
+
 def test_a_sighup_before_the_api_listens_never_says_ready(
     service: Service,  # noqa: F811
     monkeypatch: pytest.MonkeyPatch,

@@ -473,16 +473,17 @@ def test_only_alerts_still_firing_act_again_after_a_reload(tmp_path: Path) -> No
         assert plane.reload(rules, dry_run=False)["rules_reloaded"]
         assert run_jobs() == 1  # before: none, and the changed rule never acted
         assert plane.firing == {"Hot": {"fp-hot"}}
-        assert ("halt_admission", {"allow_priority": "normal"}) in calls
         # the new rule's halt, then the old one's undo, which leaves admission at what the
-        # new rule asks (not open: it is still in force)
+        # new rule set (not open: it is still in force); it changes nothing, so it is `held`
+        # (it was `applied`, setting admission to `normal` a second time)
+        assert calls == [("halt_admission", {"allow_priority": "normal"})]
         acted = plane.evaluator.decisions[-2:]
         assert [(d.action, d.outcome) for d in acted] == [
             ("halt_admission", "applied"),
-            ("resume_admission", "applied"),
+            ("resume_admission", "held"),
         ]
         assert acted[0].detail.startswith("its alert still fires after a reload")
-        assert calls[-1] == ("halt_admission", {"allow_priority": "normal"})
+        assert "nothing restored: admission (held by hot)" in acted[1].detail
         # a dry-run switch starts every rule afresh: the alert rule acts again, simulated
         calls.clear()
         assert plane.reload(rules, dry_run=True)["rules_reloaded"]

@@ -275,6 +275,34 @@ def test_a_reload_undoes_the_remedies_of_rules_it_removes_or_changes() -> None:
     assert h.engine.k == CONFIGURED and h.ev.incident is None
 
 
+def test_a_reload_loosening_a_firing_alert_rules_remedy_leaves_the_old_undo_held() -> None:
+    """The alert fires, its rule sets the batch to 8; a reload gives it 16 instead. The new
+    act (its alert still fires) applies 16 at once; the old remedy's undo then has nothing to
+    do: `held`, not an `applied` one that sets the 16 already in force (it was counted as a
+    change in the audit and kvguard_actions_total)."""
+    rule = (
+        "  - {name: am, on: 'alert:GPUNearOOM', action: set_max_num_seqs, params: {n: 8},"
+        " undo: restore_batch}\n"
+    )
+    h = Harness(rule)
+    assert h.event(0, "alert:GPUNearOOM") == [("am", "set_max_num_seqs", "applied")]
+    assert h.engine.k["batch"] == 8
+    fresh = h.ev.replace_rules(load_rules_text(HEADER + rule.replace("n: 8", "n: 16"), "r.yaml"))
+    assert fresh == ["am"]
+    # what the control plane does for an alert rule a reload started afresh while it fires
+    acted = h.ev.handle_event("alert:GPUNearOOM", only=fresh, note="its alert still fires")
+    assert [(d.action, d.outcome) for d in acted] == [("set_max_num_seqs", "applied")]
+    assert h.engine.k["batch"] == 16
+    assert h.at(5) == [("am", "restore_batch", "held")]
+    undo = h.ev.decisions[-1]
+    assert undo.trigger == "reload" and "nothing restored: batch (held by am)" in undo.detail
+    assert h.engine.calls == ["set_max_num_seqs", "set_max_num_seqs"]  # nothing set twice
+    assert h.ev.retiring == [] and h.engine.k["batch"] == 16
+    # the new remedy is the one in force: its undo, when the alert resolves, puts 32 back
+    assert h.event(9, "alert:GPUNearOOM", resolved=True) == [("am", "restore_batch", "applied")]
+    assert h.engine.k == CONFIGURED and h.ev.incident is None
+
+
 def test_switching_dry_run_on_undoes_real_remedies_and_off_forgets_simulated_ones() -> None:
     h = Harness(BATCH)
     assert h.at(0, kv=0.95) == [("batch", "reduce_batch", "applied")]
@@ -405,6 +433,28 @@ def test_the_oom_chain_is_undone_recover_for_after_the_last_oom_one_skipped_incl
     assert h.run(5, 65) == []
     assert h.at(70) == [("oom", "recover_from_oom", "applied")]  # 68s: 60s after the last OOM
     assert h.engine.calls == ["handle_oom", "recover_from_oom"] and h.ev.incident is None
+
+
+def test_an_undo_is_audited_with_its_rules_trigger() -> None:
+    """The OOM chain's undo (an event rule's, `on: engine_oom`, no signal) is trigger `event`,
+    as its act is; it was `signal`, misfiling every recovery in a report by trigger. A
+    signal rule's undo stays `signal` (with its value), an alert rule's `alert`."""
+    h = Harness(BATCH + OOM + ALERT)
+    h.event(0, "engine_oom")
+    h.at(5, kv=0.95)
+    h.event(6, "alert:GPUNearOOM")
+    h.event(8, "alert:GPUNearOOM", resolved=True)
+    h.run(10, 30, kv=0.5)
+    h.run(35, 70)
+    rows = [(d.rule, d.action, d.trigger, d.value) for d in h.ev.decisions]
+    assert rows == [
+        ("oom", "handle_oom", "event", None),
+        ("batch", "reduce_batch", "signal", 0.95),
+        ("am", "halt_admission", "alert", None),
+        ("am", "resume_admission", "alert", None),
+        ("batch", "restore_batch", "signal", 0.5),
+        ("oom", "recover_from_oom", "event", None),
+    ]
 
 
 def test_an_alert_rule_in_force_does_not_act_again_on_another_alert_of_its_name() -> None:

@@ -32,6 +32,7 @@ keys:
 from __future__ import annotations
 
 import difflib
+import errno
 import hashlib
 import json
 import os
@@ -245,9 +246,6 @@ def add_key(
         raise KeysFileError(
             [f"--default-priority {default_priority} is above --max-priority {max_priority}"]
         )
-    entries, _ = read_entries(path)
-    if any(e.name == name for e in entries):
-        raise KeysFileError([f"{path}: a key named {name!r} is already there"])
     key = new_key()
     try:  # the same checks a daemon applies when it reads the file
         entry = _Entry(
@@ -259,6 +257,10 @@ def add_key(
         )
     except ValidationError as e:
         raise KeysFileError([_error(path, {}, err) for err in e.errors()]) from None
+    _make_directory(path)
+    entries, _ = read_entries(path)
+    if any(e.name == name for e in entries):
+        raise KeysFileError([f"{path}: a key named {name!r} is already there"])
     text = path.read_text() if path.exists() else ""
     if not text.strip():
         text = f"{HEADER}keys:\n"
@@ -280,6 +282,22 @@ def _block(entry: _Entry) -> str:
     if entry.max_requests is not None:
         block += f"    max_requests: {entry.max_requests}\n"
     return block
+
+
+def _make_directory(path: Path) -> None:
+    """README's first `keys add` runs before /etc/kvguard exists on a fresh host: make the
+    file's missing directories, as `db upgrade` makes its database's (the file stays 0644)."""
+    parent = path.parent
+    if parent.is_dir():
+        return
+    try:
+        if parent.exists():
+            raise NotADirectoryError(errno.ENOTDIR, "not a directory")
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise KeysFileError(
+            [f"cannot create {path}: cannot make its directory {parent}: {e.strerror or e}"]
+        ) from None
 
 
 def remove_key(path: Path, name: str) -> str:
@@ -319,6 +337,10 @@ def _write(path: Path, text: str, want: list[_Entry]) -> str:
                 raise KeysFileError([f"{path}: the edited keys did not read back; left as it was"])
         os.chmod(tmp, 0o644)
         tmp.replace(path)
+    except OSError as e:  # the hidden temporary file is ours: name the file and its directory
+        raise KeysFileError(
+            [f"cannot write {path} (in {path.parent}): {e.strerror or e}"]
+        ) from None
     finally:
         tmp.unlink(missing_ok=True)
     return note

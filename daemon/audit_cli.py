@@ -120,7 +120,9 @@ def _add_list(cmds: Any) -> None:
     p = cmds.add_parser("list", parents=[_db_options()], help="list actions, oldest first")
     _window_options(p)
     p.add_argument("--rule", help="only this rule")
-    p.add_argument("--action", help="only this action (e.g. reduce_batch)")
+    p.add_argument(
+        "--action", metavar="NAME", type=_action_name, help="only this action (e.g. reduce_batch)"
+    )
     p.add_argument("--outcome", choices=OUTCOMES, help="only this outcome")
     p.add_argument("--incident", metavar="ID", help="only actions of this incident")
     _instance_option(p)
@@ -314,7 +316,13 @@ def cmd_audit_import(args: argparse.Namespace) -> int:
             f"({head()}): a newer kvguard migrated it; load {args.file} with that kvguard's "
             "`kvguard audit import` (not imported, the file left as it is)"
         )
-    spilled_from = spilled_elsewhere(read(args.file).headers, url)
+    headers = read(args.file).headers  # a file with lines but no header is refused there
+    if not headers:  # an empty one has none either: whatever it is, it is not one to rename
+        raise ValueError(
+            f"{args.file} is not a kvguard audit spill file (no header line: it is empty); "
+            "nothing imported, the file left as it is"
+        )
+    spilled_from = spilled_elsewhere(headers, url)
     if spilled_from and not args.force:
         raise ValueError(
             f"{args.file} holds rows spilled from {', '.join(spilled_from)}, not {shown(url)}: "
@@ -570,6 +578,18 @@ def _open_store(args: argparse.Namespace) -> AuditStore:
     return AuditStore(url, host="-")
 
 
+def _action_name(text: str) -> str:
+    """An --action value: an action kvguard records (a rule's, its undo or an admin's), so that
+    a typo (a rule's name, `reduce-batch`) is an error rather than an empty list."""
+    from kvguard.rules.actions import ACTIONS  # only when given: --help stays fast
+
+    if text not in ACTIONS:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is no action: expected one of {', '.join(sorted(ACTIONS))}"
+        )
+    return text
+
+
 def _row_id(text: str) -> int:
     """An action id: a positive integer SQLite can hold (larger ones name no row)."""
     try:
@@ -581,9 +601,10 @@ def _row_id(text: str) -> int:
     return n
 
 
-def parse_when(text: str, now: datetime | None = None) -> datetime:
+def parse_when(text: str, now: datetime | None = None, option: str = "--since") -> datetime:
     """A --since/--until value: a duration ago ('2h', '1h30m', '90s') or an ISO time (UTC if
-    it has no offset, matching how times are stored and printed)."""
+    it has no offset, matching how times are stored and printed); `option` names it in an
+    error."""
     value = text.strip()
     if re.fullmatch(rf"(?:{_PART})+", value):
         seconds = sum(float(n) * _UNITS[u] for n, u in re.findall(_PART, value))
@@ -598,7 +619,12 @@ def parse_when(text: str, now: datetime | None = None) -> datetime:
             f"{text!r} is not a time: expected a duration ago like 2h, 30m, 1d "
             "or an ISO time like 2025-01-31T12:00:00"
         ) from None
-    return t.replace(tzinfo=UTC) if t.tzinfo is None else t.astimezone(UTC)
+    try:
+        return t.replace(tzinfo=UTC) if t.tzinfo is None else t.astimezone(UTC)
+    except OverflowError:  # 0001-01-01T00:00+05:00 is before the year 1 in UTC
+        raise ValueError(
+            f"{option} {text}: out of range: in UTC it falls before 0001-01-01 or after 9999-12-31"
+        ) from None
 
 
 def parse_until(text: str, now: datetime | None = None) -> datetime:
@@ -606,7 +632,7 @@ def parse_until(text: str, now: datetime | None = None) -> datetime:
     tables print times) means the whole of that second: rows keep microseconds, and the row
     printed at 12:00:00 may have been written at 12:00:00.73; a date alone means the whole of
     that day."""
-    t = parse_when(text, now)
+    t = parse_when(text, now, "--until")
     value = text.strip()
     if re.fullmatch(rf"(?:{_PART})+", value) or re.search(r":\d\d[.,]\d", value):
         return t

@@ -33,6 +33,7 @@ from kvguard.daemon.systemd_cli import add_systemd_parser  # noqa: E402
 from kvguard.daemon.version import NOT_INSTALLED, kvguard_version  # noqa: E402
 
 EXIT_USAGE = 2  # bad arguments, bad config, a model that cannot be loaded
+EXIT_FAILURE = 1  # the command ran but failed (generate: an engine step ended a request)
 Handler = Callable[[argparse.Namespace], int]
 SubcommandBuilder = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], None]
 
@@ -214,6 +215,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     # A rendered chat prompt already holds every special token the model expects.
     outs = engine.generate(prompts, params, add_special_tokens=not args.chat)
     _print_outputs(prompts, outs, args.json)
+    # The answers are printed all the same (the JSON says which failed); the status tells a
+    # script that checks $? that an output is no answer.
+    failed = sum(out.finish_reason == "error" for out in outs)
+    if failed:
+        print(
+            f"kvguard: error: {failed} of {len(outs)} outputs failed "
+            "(finish_reason error: an engine step running them failed)",
+            file=sys.stderr,
+        )
+        return EXIT_FAILURE
     return 0
 
 

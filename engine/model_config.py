@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -182,6 +183,10 @@ def _rope(d: dict[str, Any], max_positions: int, source: str) -> tuple[float, di
         theta = float(rope.get("rope_theta", d.get("rope_theta", 10000.0)))
     except (ValueError, TypeError) as e:
         raise ModelLoadError(f"{source}: rope_theta is malformed ({e})") from e
+    # RoPE divides by theta's powers: 0, a negative or a non-finite base turns every step's
+    # attention into NaN, so it is refused here rather than served as garbage
+    if not math.isfinite(theta) or theta <= 0:
+        raise ModelLoadError(f"{source}: rope_theta is {theta!r}, expected a positive number")
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind not in ROPE_TYPES:
         raise ModelLoadError(

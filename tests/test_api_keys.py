@@ -436,3 +436,31 @@ def test_keys_edits_keep_every_layout_loadable_and_exact(tmp_path: Path, capsys)
         assert [x.name for x in read_entries(path)[0]] == ["a", "b", "c"], layout
         assert load_keys(path).find(new).name == "c"
     assert not list(tmp_path.glob(".*.tmp"))  # no temporary file left behind
+
+
+def test_keys_add_makes_the_missing_directories(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """README's `kvguard keys add` runs on a fresh host before /etc/kvguard exists: the
+    directories are made (the file 0644 as ever); a directory that cannot be made is one line
+    naming it, not the hidden temporary file."""
+    path = tmp_path / "etc" / "kvguard" / "api_keys.yaml"
+    key = add(path, "web-frontend", "--max-priority", "high", capsys=capsys)
+    assert load_keys(path).find(key).max_priority == "high"
+    assert oct(path.stat().st_mode & 0o777) == "0o644"
+    blocker = tmp_path / "afile"
+    blocker.write_text("not a directory\n")
+    for bad, parent in (
+        (blocker / "k.yaml", blocker),
+        (blocker / "sub" / "k.yaml", blocker / "sub"),
+    ):
+        assert main(["keys", "--file", str(bad), "add", "eve"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(
+            f"kvguard: error: cannot create {bad}: cannot make its directory {parent}: "
+        )
+        assert len(err.splitlines()) == 1 and ".tmp" not in err, err
+    # a refused add (a bad name) makes nothing
+    assert main(["keys", "--file", str(tmp_path / "new" / "k.yaml"), "add", "bad name"]) == 2
+    capsys.readouterr()
+    assert not (tmp_path / "new").exists()

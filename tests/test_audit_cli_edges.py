@@ -548,3 +548,65 @@ def test_a_terminal_table_prints_database_text_as_it_is(tmp_path: Path) -> None:
     assert rc == 0, out
     assert "cannot read [/var/lib/kvguard]" in out and "failed: [bold]boom[/bold]" in out, out
     assert "│" in out or "┃" in out  # a rich table, not the plain columns of a pipe
+
+
+# -- option values out of range, typos, a file that is no spill (operator CLI hunt) ---------------
+def test_a_since_or_until_with_an_offset_past_year_1_or_9999_is_one_line_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An ISO time whose offset takes it before 0001-01-01 or after 9999-12-31 in UTC was an
+    OverflowError traceback (the forms without an offset and the durations were fine)."""
+    url = f"sqlite:///{tmp_path / 'a.db'}"
+    audit_migrate.upgrade(url)
+    for command in ("list", "incidents", "export"):
+        for option in ("--since", "--until"):
+            for when in ("0001-01-01T00:00:00+05:00", "9999-12-31T23:59:59-05:00"):
+                rc, _ = kvguard("audit", command, "--db", url, "--json", option, when)
+                err = capsys.readouterr().err
+                assert rc == 2, (command, option, when, err)
+                assert err.startswith(f"kvguard: error: {option} {when}: out of range"), err
+                assert len(err.strip().splitlines()) == 1
+    rc, _ = kvguard("audit", "list", "--db", url, "--until", "9999-12-31T23:59:59+05:00")
+    assert rc == 0  # in range once in UTC
+    capsys.readouterr()
+
+
+def test_list_refuses_an_unknown_action_naming_the_known_ones(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--action reduce-batch` (a rule's name) printed "(no actions)" as if none had run."""
+    from kvguard.rules.actions import ACTIONS
+
+    url = f"sqlite:///{tmp_path / 'a.db'}"
+    s = AuditStore(url, host="h")
+    s.start()
+    _act(s, rule="reduce-batch", action="reduce_batch")
+    assert s.stop(timeout=10)
+    for typo in ("reduce-batch", "nosuch"):
+        with pytest.raises(SystemExit) as e:  # argparse's usage line and its error, as --outcome
+            kvguard("audit", "list", "--db", url, "--action", typo)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and f"argument --action: {typo!r} is no action" in err
+        assert all(name in err for name in ACTIONS)
+    rc, out = kvguard("audit", "list", "--db", url, "--action", "reduce_batch", "--json")
+    assert rc == 0 and [r["action"] for r in json.loads(out)] == ["reduce_batch"]
+
+
+def test_import_refuses_an_empty_file_and_leaves_it_where_it_is(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An empty file has no header line either: it was "imported" (0 rows) and renamed."""
+    url = f"sqlite:///{tmp_path / 'a.db'}"
+    audit_migrate.upgrade(url)
+    for text in ("", "\n\n"):
+        empty = tmp_path / "empty.yaml"
+        empty.write_text(text)
+        rc, _ = kvguard("audit", "import", str(empty), "--db", url)
+        err = capsys.readouterr().err
+        assert rc == 2 and err.startswith(
+            f"kvguard: error: {empty} is not a kvguard audit spill file (no header line"
+        )
+        assert len(err.strip().splitlines()) == 1
+        assert empty.read_text() == text and [p.name for p in tmp_path.glob("empty*")] == [
+            "empty.yaml"
+        ]

@@ -653,3 +653,45 @@ def test_cli_generate_tiny_matches_transformers(
         # The text is the tokens' decoding, a trailing incomplete UTF-8 sequence included as
         # U+FFFD (tiny: 1 byte/token): the request ended there.
         assert row["text"] == tok.decode(greedy)
+
+
+def test_cli_generate_exits_1_when_an_output_failed(tmp_path: Path, tiny_dir: Path) -> None:
+    """An engine step that fails ends its requests with finish_reason "error": the answers
+    (empty) and the JSON are printed all the same, and the exit status says it failed (a
+    script checking $? sees it), with one `kvguard: error:` line counting the failed outputs."""
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_dir, model)
+    weights = load_file(model / "model.safetensors")
+    # one inf weight: every logit is NaN, so no token can be drawn and the step fails
+    weights["model.layers.1.mlp.down_proj.weight"][0, 0] = float("inf")
+    save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
+    argv = [*_kvguard_command(), "generate", "--model", str(model), "--max-tokens", "2"]
+    env = {**os.environ, "KVGUARD_HOME": str(tmp_path / "home")}
+    for extra in ([], ["--json"]):
+        proc = subprocess.run(
+            [*argv, *extra, "hi", "ho"], capture_output=True, text=True, env=env, timeout=300
+        )
+        assert proc.returncode == 1, proc.stderr
+        last = proc.stderr.strip().splitlines()[-1]
+        assert last.startswith("kvguard: error: 2 of 2 outputs failed"), proc.stderr
+    rows = json.loads(proc.stdout)
+    assert [(r["finish_reason"], r["token_ids"]) for r in rows] == [("error", [])] * 2
+
+
+@pytest.mark.parametrize("theta", [-1, 0, "Infinity"])
+def test_rope_theta_not_positive_is_refused_at_load(
+    tmp_path: Path, tiny_dir: Path, capsys: Any, theta: Any
+) -> None:
+    """A rope_theta of 0, below 0 or not finite made every step NaN with no word at load."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    config["rope_theta"] = float(theta) if isinstance(theta, str) else theta
+    (model / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="rope_theta is .*expected a positive number"):
+        ModelConfig.from_dir(model)
+    assert main(["generate", "--model", str(model), "--max-tokens", "2", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvguard: error: ") and "rope_theta" in err and "Traceback" not in err

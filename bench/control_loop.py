@@ -44,8 +44,10 @@ def rules_text(
     ]
     for i in range(n):
         sig = "kv" if i % 2 == 0 else "waiting"
+        # a ratio's threshold stays in 0..1 (the rules file refuses others): above 1, never
+        at = min(above + i * 1e-6, 1.0) if sig == "kv" else above + i * 1e-6
         lines.append(
-            f"  - {{name: r{i}, signal: {sig}, above: {above + i * 1e-6}, action: {action},"
+            f"  - {{name: r{i}, signal: {sig}, above: {at}, action: {action},"
             f" recover_below: 0.0, undo: resume_admission}}"
         )
     return "\n".join(lines) + "\n"

@@ -36,6 +36,12 @@ LOCAL_SIGNALS = {
 }
 
 
+# local signals that are ratios: a threshold outside [0, 1] on one never fires (or always
+# does), as a percent written for a ratio (`above: 92` for 0.92) would
+RATIO_SIGNALS = frozenset(n for n in LOCAL_SIGNALS if n.endswith("_ratio"))
+THRESHOLDS = ("above", "below", "recover_below", "recover_above")
+
+
 class RulesFileError(ValueError):
     def __init__(self, errors: list[str]) -> None:
         super().__init__("\n".join(errors))
@@ -111,6 +117,8 @@ class Signal(_Model):
     def _one_source(self) -> Signal:
         if (self.local is None) == (self.promql is None):
             raise ValueError("a signal needs exactly one of `local` or `promql`")
+        if self.promql is not None and not self.promql.strip():
+            raise ValueError("promql is empty: expected a PromQL expression")
         if self.local is not None and self.local not in LOCAL_SIGNALS:
             raise ValueError(
                 f"unknown local signal {self.local!r} (expected one of {', '.join(LOCAL_SIGNALS)})"
@@ -304,6 +312,16 @@ class RuleSet(_Model):
                     ("rules", i, "signal"),
                     f"unknown signal {r.signal!r} (defined: {', '.join(self.signals) or 'none'})",
                 )
+            local = self.signals[r.signal].local if r.signal is not None else None
+            if local in RATIO_SIGNALS:
+                for key in THRESHOLDS:
+                    value = getattr(r, key)
+                    if value is not None and not 0 <= value <= 1:
+                        raise _At(
+                            ("rules", i, key),
+                            f"{value:g} is outside 0..1: signal {r.signal!r} is {local}, a "
+                            f"ratio (not a percent: {value / 100:g} for {value:g}%)",
+                        )
         return self
 
     def cooldown_of(self, rule: Rule) -> float:
@@ -327,8 +345,12 @@ def load_rules_text(text: str | bytes, name: str) -> RuleSet:
         data, lines = load_yaml(text, name)
     except YamlFileError as e:
         raise RulesFileError(e.errors) from None
-    if data is None:
-        data = {}
+    if data is None:  # a file emptied by mistake would take every remedy away
+        raise RulesFileError(
+            [
+                f"{name}:1: the rules file is empty (for no rules, write `version: 1` and `rules: []`)"
+            ]
+        )
     if not isinstance(data, dict):
         raise RulesFileError(
             [f"{name}:1: the rules file must be a mapping (version, interval, signals, rules)"]

@@ -43,7 +43,7 @@ ALWAYS = """version: 1
 interval: 1s
 signals: {kv: {local: kv_cache_usage_ratio}}
 rules:
-  - {name: always, signal: kv, below: 2.0, recover_above: 3.0, action: reduce_batch,
+  - {name: always, signal: kv, below: 1.0, recover_above: 1.0, action: reduce_batch,
      params: {factor: 0.5, min: 1}, undo: restore_batch}
 """
 

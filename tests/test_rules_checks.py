@@ -505,3 +505,49 @@ def _rules_check(tmp_path: Path, text: str) -> tuple[Path, subprocess.CompletedP
         [str(kvguard), "rules", "check", str(path)], capture_output=True, text=True, timeout=60
     )
     return path, res
+
+
+@pytest.mark.parametrize(
+    ("text", "said"),
+    [
+        (
+            "",
+            "r.yaml:1: the rules file is empty (for no rules, write `version: 1` and `rules: []`)",
+        ),
+        ("# every rule was here\n", "r.yaml:1: the rules file is empty"),
+        (
+            HEAD + "  - {name: pct, signal: kv, above: 92, action: reduce_batch,\n"
+            "     recover_below: 0.8, undo: restore_batch}\n",
+            "r.yaml:5: rules.0.above: 92 is outside 0..1: signal 'kv' is kv_cache_usage_ratio, a "
+            "ratio (not a percent: 0.92 for 92%)",
+        ),
+        (
+            "version: 1\nsignals:\n  g: {local: gpu_memory_used_ratio}\nrules:\n"
+            "  - {name: g, signal: g, above: 90, action: halt_admission,\n"
+            "     recover_below: 0.5, undo: resume_admission}\n",
+            "rules.0.above: 90 is outside 0..1: signal 'g' is gpu_memory_used_ratio",
+        ),
+        (
+            "version: 1\nsignals:\n  q: {promql: ''}\nrules:\n"
+            "  - {name: q, signal: q, above: 1, action: halt_admission}\n",
+            "r.yaml:3: signals.q: promql is empty: expected a PromQL expression",
+        ),
+    ],
+)
+def test_a_rules_file_that_could_never_act_is_refused(tmp_path: Path, text: str, said: str) -> None:
+    """An emptied file took every remedy away on a reload (OK: 0 rules), and a percent on a
+    ratio signal (`above: 92`) or an empty PromQL gave a rule that never fires, all checked
+    OK; the CLI's check now fails on each, as the daemon's start and reload do."""
+    with pytest.raises(RulesFileError) as e:
+        load_rules_text(text, "r.yaml")
+    assert any(said in err for err in e.value.errors), e.value.errors
+    f = tmp_path / "r.yaml"
+    f.write_text(text)
+    run = subprocess.run(
+        [sys.executable, "-m", "kvguard.daemon", "rules", "check", str(f)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
+    load_rules_text("version: 1\nrules: []\n", "r.yaml")  # no rules, said so: fine

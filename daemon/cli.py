@@ -199,9 +199,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     config: dict[str, Any] = {"model": args.model, "device": args.device}
     if args.kv_cache_bytes is not None:
         config["kv_cache_bytes"] = args.kv_cache_bytes
+    given = {name: getattr(args, name) for name in GENERATE_DEFAULTS}
+    # the flags given are checked before the model loads (seconds, minutes for a large one)
+    SamplingParams(**{k: v for k, v in given.items() if v is not None}, seed=args.seed)
     engine = LLMEngine.from_config(EngineConfig(**config))
     model = engine.sampling_defaults if args.generation_config == "auto" else {}
-    given = {name: getattr(args, name) for name in GENERATE_DEFAULTS}
     params = SamplingParams(
         **{
             name: model.get(name, default) if given[name] is None else given[name]

@@ -655,6 +655,24 @@ def test_cli_generate_tiny_matches_transformers(
         assert row["text"] == tok.decode(greedy)
 
 
+def test_cli_generate_checks_its_sampling_flags_before_loading_the_model(tmp_path: Path) -> None:
+    """A bad flag was found only after the model had loaded (seconds; minutes for a large
+    one): named first now, so a model that does not exist is not even looked for."""
+    missing = str(tmp_path / "no-such-model")
+    for flag, said in (
+        (["--temperature", "-1"], "temperature=-1.0: expected a finite number >= 0"),
+        (["--top-p", "2"], "top_p=2.0"),
+    ):
+        run = subprocess.run(
+            [*_kvguard_command(), "generate", "--model", missing, *flag, "hi"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert run.returncode == 2 and f"kvguard: error: {said}" in run.stderr, run.stderr
+        assert "no-such-model" not in run.stderr, run.stderr
+
+
 def test_cli_generate_exits_1_when_an_output_failed(tmp_path: Path, tiny_dir: Path) -> None:
     """An engine step that fails ends its requests with finish_reason "error": the answers
     (empty) and the JSON are printed all the same, and the exit status says it failed (a

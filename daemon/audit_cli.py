@@ -298,6 +298,8 @@ def cmd_audit_import(args: argparse.Namespace) -> int:
     from kvguard.daemon.audit_spill import mark_imported, read, spilled_elsewhere
 
     url, default = _db_source(args)
+    if args.file.is_dir():
+        raise ValueError(f"{args.file} is a directory: name the spill file in it")
     if not args.file.is_file():
         raise ValueError(f"no spill file at {args.file}")
     try:  # never create a database: rows loaded into a stray one are rows lost from sight

@@ -610,3 +610,15 @@ def test_import_refuses_an_empty_file_and_leaves_it_where_it_is(
         assert empty.read_text() == text and [p.name for p in tmp_path.glob("empty*")] == [
             "empty.yaml"
         ]
+
+
+def test_import_of_a_directory_says_it_is_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A directory was reported as "no spill file at DIR", as if nothing were there."""
+    url = f"sqlite:///{tmp_path / 'a.db'}"
+    audit_migrate.upgrade(url)
+    rc, _ = kvguard("audit", "import", str(tmp_path), "--db", url)
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert err == f"kvguard: error: {tmp_path} is a directory: name the spill file in it\n"

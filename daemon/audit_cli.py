@@ -319,11 +319,9 @@ def cmd_audit_import(args: argparse.Namespace) -> int:
             "`kvguard audit import` (not imported, the file left as it is)"
         )
     headers = read(args.file).headers  # a file with lines but no header is refused there
-    if not headers:  # an empty one has none either: whatever it is, it is not one to rename
-        raise ValueError(
-            f"{args.file} is not a kvguard audit spill file (no header line: it is empty); "
-            "nothing imported, the file left as it is"
-        )
+    if not headers:  # empty (an older kvguard left such spills): nothing to load, nor to rename
+        print(f"{args.file} is empty: nothing to import; the file left as it is")
+        return 0
     spilled_from = spilled_elsewhere(headers, url)
     if spilled_from and not args.force:
         raise ValueError(

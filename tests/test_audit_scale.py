@@ -250,7 +250,8 @@ def test_a_spill_on_a_full_disk_leaves_no_empty_file(
     assert not spill.exists()
     spill.write_bytes(b"")
     rc, out = kvguard("audit", "import", "--db", f"sqlite:///{db}", str(spill))
-    assert rc == 0 and "added 0 rows" in out
+    assert rc == 0 and out == f"{spill} is empty: nothing to import; the file left as it is\n"
+    assert spill.read_bytes() == b""  # not renamed as imported: it held nothing
 
 
 # -- 2. kvguard audit export streams ---------------------------------------------------------------

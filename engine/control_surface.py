@@ -656,7 +656,47 @@ class ControlSurface:
             self.config.kv_cache_bytes, self.kv_cache.budget_bytes = kept
             return f"kv_cache_bytes={value}: {detail.removeprefix('refused: ')}", False
         self._bound_lengths()  # a remedy's share may hold the pool as it was, the budget grew
-        return f"kv_cache_bytes={value}: {detail}", True
+        return f"kv_cache_bytes={value}: {detail}{self._resize_host_pool()}", True
+
+    def _resize_host_pool(self: LLMEngine) -> str:
+        """After a reload's kv_cache_bytes resized the device pool: the swap pool sized as a
+        start sizes it, cpu_cache_ratio of all KV (ratio / (1 - ratio) times the device blocks
+        of the whole budget, whatever share a remedy holds the device pool at); it kept its
+        start size, so a grown budget fell back to recompute once the small swap pool filled,
+        and a shrunk one kept its memory. Never below the blocks swapped sequences hold now;
+        a growth the host has no room for, or a pool that cannot be built, keeps the size it
+        had (said in the detail: the device pool's resize stands). What it adds to the
+        detail."""
+        cfg, hbm = self.config, self.host_block_manager
+        if not cfg.enable_cpu_offload:
+            return ""
+        dtype, ratio = self.kv_cache.dtype, cfg.cpu_cache_ratio
+        want = int(self.runner.blocks_for_budget(dtype) * ratio / (1.0 - ratio))
+        new_n, old_n = max(want, hbm.num_used), hbm.num_blocks
+        per_block = self.kv_cache.bytes_per_block
+        if new_n == old_n:
+            self.kv_cache.host_budget_bytes = want * per_block
+            return ""
+        grow = (new_n - old_n) * per_block
+        if grow > 0 and not self.runner.can_grow(grow):
+            return (
+                f"; swap pool kept at {old_n} blocks (no room for {grow / 2**20:.0f} MiB more "
+                f"host memory below {HOST_GROW_BELOW:.0%})"
+            )
+        kept = self._bookkeeping()
+        moves = hbm.resize(new_n)
+        self.scheduler.remap(moves, host=True)
+        try:
+            self.runner.convert_kv(dtype, {"host": (new_n, moves)})
+        except Exception as e:  # noqa: BLE001 - the pool is put back whatever failed
+            if isinstance(e, PoolTorn) or cfg.world_size > 1:  # as a device pool's (it raises)
+                self._conversion_failed(kept, f"a swap pool of {new_n} blocks", e, set())
+            kept()  # the device pool was not touched: its prefix cache stays
+            hbm.retire_cache(set())
+            return f"; swap pool kept at {old_n} blocks (it could not be rebuilt: {e})"
+        self.kv_cache.host_budget_bytes = want * per_block
+        held = f" (held at {new_n}: swapped sequences hold them)" if new_n > want else ""
+        return f"; swap pool {old_n} -> {new_n} blocks{held}"
 
     def _set_knob(self: LLMEngine, name: str, value: Any) -> str:
         """One serving knob of `reconfigure` that cannot be refused (kv_cache_bytes and the

@@ -25,6 +25,47 @@ from tests.test_remedies import greedy
 from tests.test_server import Daemon, until
 
 
+def test_a_reload_of_kv_cache_bytes_sizes_the_swap_pool_as_a_start_does() -> None:
+    """With enable_cpu_offload the swap pool kept its start size through a reload of the KV
+    budget: grown 8x, preemptions fell back to recompute once the small swap pool filled;
+    shrunk, it kept its memory. It follows the budget now (cpu_cache_ratio of all KV, as at a
+    start), never below the blocks swapped sequences hold, and their tokens are unchanged."""
+    offload = {"enable_cpu_offload": True, "cpu_cache_ratio": 0.4, "min_gpu_blocks": 0}
+    calm = make_engine(max_model_len=128)
+    want = [o.token_ids for o in calm.generate(PROMPTS, greedy(40))]
+    engine = make_engine(kv_cache_bytes="1MiB", max_model_len=128, **offload)
+    eight = make_engine(kv_cache_bytes="8MiB", max_model_len=128, **offload)
+    device, host = eight.block_manager.num_blocks, eight.host_block_manager.num_blocks
+    start_host = engine.host_block_manager.num_blocks
+    rids = [engine.add_request(p, greedy(40)) for p in PROMPTS]
+    for _ in range(6):
+        engine.step()
+    moved = apply(engine, engine.set_max_num_seqs(1)).data["preempted"]
+    assert {how for _, how in moved} == {"swap"}, moved  # some sequences wait on the host
+    swapped = engine.host_block_manager.num_used
+    assert swapped > 0
+    res = apply(engine, engine.reconfigure({("kv_cache_bytes",): 8 * 2**20}))
+    assert res.ok, res.detail
+    assert engine.block_manager.num_blocks == device
+    assert engine.host_block_manager.num_blocks == host > start_host, res.detail
+    assert f"swap pool {start_host} -> {host} blocks" in res.detail, res.detail
+    assert engine.host_block_manager.num_used == swapped  # moved, not lost
+    # shrunk below what the swapped sequences hold: held there, and said so
+    res = apply(engine, engine.reconfigure({("kv_cache_bytes",): 300 * 1024}))
+    assert res.ok, res.detail
+    assert engine.host_block_manager.num_blocks == max(
+        swapped, int(engine.block_manager.num_blocks * 0.4 / 0.6)
+    )
+    apply(engine, engine.reconfigure({("kv_cache_bytes",): 2**20}))
+    assert engine.host_block_manager.num_blocks >= start_host
+    apply(engine, engine.set_max_num_seqs(32))
+    done = finish(engine)
+    assert [done[r] for r in rids] == want
+    assert engine.host_block_manager.num_used == 0
+    res = apply(engine, engine.reconfigure({("kv_cache_bytes",): 2**20 + 1}))
+    assert engine.host_block_manager.num_blocks == start_host, res.detail  # as at a start
+
+
 def test_the_engine_takes_live_knobs_at_a_step_boundary() -> None:
     engine = make_engine(kv_cache_bytes="1MiB", max_model_len=128, admission=AdmissionConfig())
     full = engine.block_manager.num_blocks

@@ -485,6 +485,10 @@ class Service:
         if not self.draining:
             self._drain = asyncio.get_running_loop().create_task(self.shutdown(server))
             return
+        if self._closed.is_set():  # the stop is done (its row written, the audit stopped):
+            # one that came while close() ran is seen only now, as the loop winds down
+            log.info("%s after the stop finished: nothing left to cut", signal.Signals(sig).name)
+            return
         code = 128 + int(sig)
         cut = self.loop.in_flight()
         log.warning(

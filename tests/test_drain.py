@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.test_server import KVGUARD, TEST_DAEMON_ENV, Daemon, free_port, until
 
@@ -402,3 +403,32 @@ def test_sighup_during_the_first_imports_is_ignored(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
+
+
+def test_a_second_signal_after_the_stop_finished_changes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """serve() closes the service in its `finally`, synchronously: a second SIGTERM that came
+    meanwhile (or just after, before the process is gone) runs as the event loop winds down.
+    It was taken for one during the drain: the stop already recorded ("exit 0") and its audit
+    stopped, it recorded a second stop ("exit 143"), waited 2 s for the stopped writer, logged
+    it as too slow, spilled the row and exited 143 though nothing was cut."""
+    from kvguard.daemon.config import load_config
+    from kvguard.daemon.service import Service
+
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(
+        "serving: {model: tiny, kv_cache_bytes: 4MiB, max_model_len: 256}\n"
+        f"audit: {{url: 'sqlite:///{tmp_path / 'audit.db'}'}}\n"
+    )
+    svc = Service(load_config(cfg), cfg)
+    svc.load(progress=False)
+    svc.close()
+    forced: list[str] = []
+    monkeypatch.setattr(svc, "_exit_now", forced.append)
+    svc._on_stop_signal(signal.SIGTERM, None)  # type: ignore[arg-type]
+    assert forced == [] and svc.exit_code == 0
+    with contextlib.closing(sqlite3.connect(tmp_path / "audit.db")) as db:
+        stops = db.execute("SELECT detail FROM events WHERE kind = 'daemon_stop'").fetchall()
+    assert stops == [("exit 0",)]
+    assert not list(tmp_path.glob("*.spill.jsonl"))

@@ -119,6 +119,10 @@ GENERATION_UNSERVED: dict[str, tuple[object, ...]] = {
     "sequence_bias": (None, {}),
     "forced_bos_token_id": (None,),
     "forced_eos_token_id": (None,),
+    # a limit on prompt and answer together, which transformers applies where max_new_tokens
+    # is left out; kvguard limits only the answer (max_new_tokens, a request's max_tokens)
+    "max_length": (None,),
+    "stop_strings": (None, [], ""),
 }
 
 

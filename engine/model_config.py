@@ -10,6 +10,13 @@ from pathlib import Path
 from typing import Any
 
 SUPPORTED_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# config.json's model_type -> the class transformers' AutoModelForCausalLM builds for it, read
+# where `architectures` is left out
+MODEL_TYPES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
 ROPE_TYPES = ("default", "linear", "llama3")  # what `model.rope_inv_freq` computes
 # transformers' defaults where config.json leaves these out (MistralConfig, Qwen2Config)
 DEFAULT_SLIDING_WINDOW = 4096
@@ -71,7 +78,7 @@ class ModelConfig:
         """The hyper-parameters of a config.json's contents; `source` names it in errors."""
         if not isinstance(d, dict):
             raise ModelLoadError(f"{source}: not a JSON object but {type(d).__name__}")
-        arch = (d.get("architectures") or ["LlamaForCausalLM"])[0]
+        arch = _architecture(d, source)
         if arch not in SUPPORTED_ARCHS:
             raise ModelLoadError(
                 f"{source}: architecture {arch!r} is not supported: expected one of {SUPPORTED_ARCHS}"
@@ -158,6 +165,27 @@ class ModelConfig:
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """K and V for every layer (seed §1.2): 2 × layers × kv_heads × head_dim × bytes."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
+def _architecture(d: dict[str, Any], source: str) -> str:
+    """config.json's `architectures`, or without it the class its `model_type` stands for, as
+    transformers' AutoModelForCausalLM picks it: a Granite config served as a Llama would
+    ignore its multipliers, and a Qwen2 one would lose its q/k/v biases."""
+    archs = d.get("architectures")
+    if archs:
+        return archs[0] if isinstance(archs, list) else archs
+    model_type = d.get("model_type")
+    if model_type is None:
+        raise ModelLoadError(
+            f"{source}: neither 'architectures' nor 'model_type' is given, so the model's "
+            f"architecture is unknown: expected one of {SUPPORTED_ARCHS}"
+        )
+    if not isinstance(model_type, str) or model_type not in MODEL_TYPES:
+        raise ModelLoadError(
+            f"{source}: model_type {model_type!r} (without 'architectures') is not supported: "
+            f"expected one of {tuple(MODEL_TYPES)}"
+        )
+    return MODEL_TYPES[model_type]
 
 
 def _rope(d: dict[str, Any], max_positions: int, source: str) -> tuple[float, dict | None]:

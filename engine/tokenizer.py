@@ -102,7 +102,10 @@ class Tokenizer:
         config = _special_tokens_map(path, read_json(path / "tokenizer_config.json"))
         model = read_json(path / "config.json")
         generation = read_json(path / "generation_config.json")
-        eos = (*_ids(model.get("eos_token_id")), *_ids(generation.get("eos_token_id")))
+        eos = (
+            *_ids(model.get("eos_token_id"), path / "config.json"),
+            *_ids(generation.get("eos_token_id"), path / "generation_config.json"),
+        )
         template, source = _chat_template(path, config)
         tok = cls(
             backend,
@@ -273,12 +276,20 @@ def read_json(file: Path) -> dict[str, Any]:
     return data
 
 
-def _ids(value: Any) -> tuple[int, ...]:
+def _ids(value: Any, file: Path) -> tuple[int, ...]:
+    """A file's `eos_token_id`: null, an id or a list of ids, as transformers takes it. An id
+    is a whole number (2.0 is 2); true or 2.7 is refused rather than read as id 1 or 2."""
     if value is None:
         return ()
-    if isinstance(value, list):
-        return tuple(int(v) for v in value)
-    return (int(value),)
+    ids = value if isinstance(value, list) else [value]
+    for v in ids:
+        if isinstance(v, bool) or not (
+            isinstance(v, int) or (isinstance(v, float) and v.is_integer())
+        ):
+            raise ModelLoadError(
+                f"{file}: eos_token_id is {value!r}, expected a token id or a list of them"
+            )
+    return tuple(int(v) for v in ids)
 
 
 def _token_text(value: Any) -> str | None:

@@ -10,6 +10,7 @@ one tensor-parallel rank reads straight from the files) go through the same chec
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -24,6 +25,8 @@ from kvguard.engine.model_config import ModelConfig, ModelLoadError, cache_remed
 
 INDEX_FILE = "model.safetensors.index.json"
 _READ_ERRORS = (SafetensorError, OSError, RuntimeError, ValueError)
+
+log = logging.getLogger("kvguard.engine")
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +157,13 @@ def safetensors_files(path: Path) -> list[Path]:
     for shard in sorted(set(index.values())):
         if not (path / shard).is_file():
             raise ModelLoadError(f"{path / shard}: missing; {INDEX_FILE} names it as a shard")
+    if index:
+        # only the shards the index names, as transformers reads them: a whole-model file left
+        # beside them (or Mistral's consolidated.safetensors) would hold every tensor again
+        shards = {path / shard for shard in index.values()}
+        if stray := [f.name for f in files if f not in shards]:
+            log.warning("%s: not read, as %s does not name them: %s", path, INDEX_FILE, stray)
+        files = sorted(shards)
     if not files:
         raise ModelLoadError(f"{path}: no *.safetensors weight file")
     return files

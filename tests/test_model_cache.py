@@ -96,6 +96,24 @@ def test_full_disk_while_building_is_one_line_naming_the_directory(
         resolve_model("tiny", tmp_path, progress=False)
 
 
+def test_a_home_kvguard_cannot_write_says_so_and_names_kvguard_home(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    """A KVGUARD_HOME that cannot be written (read-only; here a file, as root ignores a
+    read-only mode) gave a bare errno: now one line saying kvguard writes its converted copy
+    there and that KVGUARD_HOME can point elsewhere, as a full disk's error does."""
+    home = tmp_path / "home"
+    home.write_text("not a directory")
+    monkeypatch.setenv("KVGUARD_HOME", str(home))
+    assert main(["model", "fetch", "tiny"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("kvguard: error: ") and str(home / "models") in err, err
+    assert "kvguard writes its converted copy" in err and "KVGUARD_HOME" in err, err
+    with pytest.raises(ModelLoadError, match="set KVGUARD_HOME to a directory"):
+        resolve_model("tiny", home, progress=False)
+
+
 # -- 3. `model fetch --force` of a GGUF-born model reuses a good GGUF ------------------------
 @pytest.fixture
 def offline_home(

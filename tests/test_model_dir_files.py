@@ -467,3 +467,26 @@ def test_generate_takes_generation_config_defaults(
     assert _generate(capsys, *model, "--generation-config", "none") == _generate(
         capsys, *model, *greedy
     )
+
+
+def test_max_length_and_stop_strings_are_named_not_applied(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """generation_config.json's max_length (prompt and answer together, transformers' limit
+    where max_new_tokens is left out) and stop_strings were ignored without the one warning
+    the README promises for what kvguard cannot apply; neutral values still say nothing."""
+    from kvguard.engine.llm_engine import generation_defaults
+
+    file = tmp_path / "generation_config.json"
+    file.write_text(json.dumps({"max_length": 5, "stop_strings": ["\n\n"], "top_k": 3}))
+    with caplog.at_level(logging.INFO, logger="kvguard.engine"):
+        assert generation_defaults(tmp_path, 512) == {"top_k": 3}
+    warned = [r for r in caplog.records if "not applied" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].levelno == logging.WARNING
+    assert "max_length=5 (kvguard has no such control)" in warned[0].getMessage()
+    assert "stop_strings=['\\n\\n'] (kvguard has no such control)" in warned[0].getMessage()
+    caplog.clear()
+    file.write_text(json.dumps({"max_length": None, "stop_strings": [], "top_k": 3}))
+    with caplog.at_level(logging.INFO, logger="kvguard.engine"):
+        generation_defaults(tmp_path, 512)
+    assert "not applied" not in caplog.text

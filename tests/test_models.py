@@ -713,3 +713,115 @@ def test_rope_theta_not_positive_is_refused_at_load(
     assert main(["generate", "--model", str(model), "--max-tokens", "2", "hi"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kvguard: error: ") and "rope_theta" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("eos", [[None], [[2]], {"a": 2}, "abc", [2, "x"], True, 2.7])
+def test_malformed_generation_config_eos_is_one_line_naming_the_file(
+    tmp_path: Path, tiny_dir: Path, capsys: Any, eos: Any
+) -> None:
+    """generation_config.json's eos_token_id was read with int() unchecked: [null] ended
+    `generate` (and `serve`) with a traceback, "abc" with int()'s bare message, and true or 2.7
+    were taken as ids 1 and 2. Now refused as config.json's field is, naming the file."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_dir, model)
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    with pytest.raises(ModelLoadError, match="generation_config.json: eos_token_id is"):
+        Tokenizer.from_dir(model)
+    assert main(["generate", "--model", str(model), "--max-tokens", "2", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvguard: error: ") and len(err.strip().splitlines()) == 1, err
+    assert "generation_config.json: eos_token_id" in err
+
+
+def test_generation_config_eos_ids_as_transformers_takes_them(
+    tmp_path: Path, tiny_dir: Path
+) -> None:
+    model = tmp_path / "model"
+    shutil.copytree(tiny_dir, model)
+    for eos, ids in ((None, set()), (5, {5}), (5.0, {5}), ([5, 114], {5, 114}), ([], set())):
+        (model / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+        assert ids <= Tokenizer.from_dir(model).eos_token_ids
+
+
+def _model_without_architectures(folder: Path, tiny_dir: Path, model_type: str) -> Path:
+    """A random Qwen2 (q/k/v biases) or Llama saved by transformers, less `architectures`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        model_type,
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for p in model.parameters():  # weights large enough that the biases change the tokens
+            p.normal_(0, 0.5 if p.dim() > 1 else 0.2)
+    model.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_dir / name, folder / name)
+    saved = json.loads((folder / "config.json").read_text())
+    saved.pop("architectures")
+    (folder / "config.json").write_text(json.dumps(saved))
+    return folder
+
+
+def test_model_type_stands_for_a_missing_architectures_as_in_transformers(
+    tmp_path: Path, tiny_dir: Path, capsys: Any
+) -> None:
+    """Without `architectures`, every config.json was read as a Llama: a Qwen2 one was refused
+    for its q/k/v biases, a Granite one served as a Llama with wrong output. Now model_type
+    picks the architecture, as AutoModelForCausalLM does, and one kvguard lacks is refused."""
+    from transformers import AutoModelForCausalLM
+
+    model = _model_without_architectures(tmp_path / "qwen2", tiny_dir, "qwen2")
+    config = ModelConfig.from_dir(model)
+    assert config.architecture == "Qwen2ForCausalLM" and config.attention_bias
+    argv = ["generate", "--model", str(model), "--json", "--temperature", "0"]
+    assert main([*argv, "--max-tokens", "6", "--kv-cache-bytes", "4MiB", "hello"]) == 0
+    row = json.loads(capsys.readouterr().out)[0]
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    _, greedy = _greedy(hf, row["prompt_token_ids"], 6)
+    assert row["token_ids"] == greedy[: len(row["token_ids"])] and row["token_ids"]
+
+    config_file = model / "config.json"
+    saved = json.loads(config_file.read_text())
+    config_file.write_text(json.dumps(saved | {"model_type": "granite"}))
+    with pytest.raises(ModelLoadError, match="model_type 'granite' .*is not supported"):
+        ModelConfig.from_dir(model)
+    saved.pop("model_type")
+    config_file.write_text(json.dumps(saved))
+    with pytest.raises(ModelLoadError, match="neither 'architectures' nor 'model_type'"):
+        ModelConfig.from_dir(model)
+
+
+def test_a_whole_model_file_beside_an_index_is_not_read(
+    tmp_path: Path, tiny_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A leftover model.safetensors beside model.safetensors.index.json and its shards was
+    read too, and refused for holding every tensor again; transformers reads only the files
+    the index names. Now so does kvguard, with a warning naming the file it left."""
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_dir, model)
+    weights = load_file(model / "model.safetensors")
+    names = sorted(weights)
+    halves = {"model-00001-of-00002.safetensors": names[::2]}
+    halves["model-00002-of-00002.safetensors"] = names[1::2]
+    for shard, part in halves.items():
+        save_file({n: weights[n] for n in part}, model / shard, metadata={"format": "pt"})
+    index = {"weight_map": {n: shard for shard, part in halves.items() for n in part}}
+    (model / "model.safetensors.index.json").write_text(json.dumps(index))
+    with caplog.at_level("WARNING", logger="kvguard.engine"):
+        loaded = load_weights(model, torch.float32, "cpu")
+    assert sorted(loaded) == names
+    assert all(torch.equal(loaded[n], weights[n].float()) for n in names)
+    assert "does not name them: ['model.safetensors']" in caplog.text

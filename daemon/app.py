@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import time
@@ -17,7 +18,7 @@ from starlette.middleware.body_limit import MAX_BODY_SIZE_SCOPE_KEY
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvguard.daemon import admin_api, openai_api
-from kvguard.daemon.openai_api import ApiError, engine_unavailable
+from kvguard.daemon.openai_api import DRAIN_CUT_MESSAGE, ApiError, _cut_error, engine_unavailable
 from kvguard.daemon.openai_schemas import error_body
 from kvguard.engine.engine_loop import EngineUnavailable
 
@@ -41,8 +42,14 @@ def create_app(service: Service) -> FastAPI:
 
     app.add_middleware(CountedRequests, service=service)
 
+    def cut_answer(scope: Scope) -> Response:
+        _count(service, scope, 503)
+        response = _cut_error(service, None, DRAIN_CUT_MESSAGE).response()
+        response.headers["Connection"] = "close"  # the rest of its body is not read
+        return response
+
     # outside the other middleware: the messages it sees are those the server sends
-    answers = OpenAnswers(lambda: service.draining)
+    answers = OpenAnswers(lambda: service.draining, cut_answer)
     app.add_middleware(answers.middleware)
     app.state.open_answers = answers
     return app
@@ -99,8 +106,12 @@ class CountedRequests:
             await _crashed(Request(scope))(scope, receive, send)
 
     def _count(self, scope: Scope, status: int) -> None:
-        path = getattr(scope.get("route"), "path", "unmatched")
-        self._service.metrics.http.labels(path, str(status)).inc()
+        _count(self._service, scope, status)
+
+
+def _count(service: Service, scope: Scope, status: int) -> None:
+    path = getattr(scope.get("route"), "path", "unmatched")
+    service.metrics.http.labels(path, str(status)).inc()
 
 
 def _content_type(start: Message) -> bytes:
@@ -114,48 +125,125 @@ class OpenAnswers:
     """The HTTP exchanges that began before the drain and whose answer the server has not yet
     taken whole: the drain waits for them as for the engine's requests (service.shutdown), so
     that an answer the engine has finished still reaches a client that reads it slowly,
-    within api.drain_timeout. Counted from the request's arrival (an answer is built, and a
-    large one serialized, after the engine let go of its request), until its final body
-    message has been sent or the exchange ended otherwise (the client hung up, an error).
+    within api.drain_timeout. Counted once the request's body has arrived whole (an answer
+    is built, and a large one serialized, after the engine let go of its request), until
+    its final body message has been sent or the exchange ended otherwise (the client hung
+    up, an error).
+
+    An exchange whose body is still arriving is not an answer being sent: the drain does not
+    wait for it (a client that sends its headers and stalls would hold every stop for the
+    whole drain_timeout), and one that has not sent all of it when the drain ends, begun
+    before the drain or during it, is cut (`cut_uploads`): answered `cut_answer` (the drain's
+    503 `request_cut`) at once, rather than cancelled by uvicorn at the end of its graceful
+    shutdown, which answers a bare 500 and logs a traceback.
 
     The server sends a message only once its write buffer has drained (uvicorn waits before
     writing when the buffer is over its high-water mark), so a final body is sent as the
     body and then an empty final message: the exchange ends once the client has read all
     but what the buffers hold, not when the body was queued."""
 
-    def __init__(self, draining: Callable[[], bool]) -> None:
+    def __init__(
+        self, draining: Callable[[], bool], cut_answer: Callable[[Scope], ASGIApp]
+    ) -> None:
         self._draining = draining
-        self.count = 0
+        self._cut_answer = cut_answer
+        self.count = 0  # of those begun before the drain: what it waits for
+        self._answers: set[_Exchange] = set()  # body whole (or answered), answer not sent
+        self._uploads: set[_Exchange] = set()  # body still arriving, no answer begun
+        self._cutting = False  # the drain is over: a body still awaited is not waited for
+
+    def cut_uploads(self) -> int:
+        """End of the drain: cut the exchanges still waiting for their request's body (a
+        client that stalled, or is slow, sending it); how many. One that arrives from now on
+        is cut when it would wait for its body."""
+        self._cutting = True
+        cut = list(self._uploads)
+        for ex in cut:
+            ex.cut = True
+            ex.task.cancel()  # it waits for the body (uvicorn's receive): it stops waiting
+        return len(cut)
 
     def middleware(self, app: ASGIApp) -> ASGIApp:
         async def tracked(scope: Scope, receive: Receive, send: Send) -> None:
-            if scope["type"] != "http" or self._draining():  # one arriving now: not waited for
+            if scope["type"] != "http":
                 await app(scope, receive, send)
                 return
-            self.count += 1
-            open_ = True
+            task = asyncio.current_task()
+            assert task is not None
+            ex = _Exchange(task, waited=not self._draining())  # one arriving now: not waited for
+            if _has_body(scope):
+                self._uploads.add(ex)
+            else:
+                self._answering(ex)
 
-            def answered() -> None:
-                nonlocal open_
-                if open_:
-                    open_ = False
-                    self.count -= 1
+            async def receiving() -> Message:
+                if ex in self._uploads and self._cutting:  # arrived as the drain ended
+                    ex.cut = True
+                    raise asyncio.CancelledError
+                message = await receive()
+                if ex in self._uploads and not message.get("more_body"):
+                    self._uploads.discard(ex)  # the body is whole, or the client has left
+                    if message["type"] == "http.request":
+                        self._answering(ex)
+                return message
 
             async def sending(message: Message) -> None:
+                if message["type"] == "http.response.start" and ex in self._uploads:
+                    self._uploads.discard(ex)  # answered before its body was read (a 413)
+                    self._answering(ex)
                 final = message["type"] == "http.response.body" and not message.get("more_body")
                 if final and message.get("body"):
                     await send({**message, "more_body": True})
                     message = {"type": "http.response.body", "body": b"", "more_body": False}
                 await send(message)
                 if final:
-                    answered()
+                    self._answered(ex)
 
             try:
-                await app(scope, receive, sending)
+                await app(scope, receiving, sending)
+            except asyncio.CancelledError:
+                if not ex.cut or ex in self._answers:  # not the drain's cut of its upload
+                    raise
+                if task.cancelling():  # cut_uploads' cancel, taken back: the answer goes out
+                    task.uncancel()
+                self._uploads.discard(ex)
+                await self._cut_answer(scope)(scope, receive, send)
             finally:
-                answered()
+                self._uploads.discard(ex)
+                self._answered(ex)
 
         return tracked
+
+    def _answering(self, ex: _Exchange) -> None:
+        self._answers.add(ex)
+        if ex.waited:
+            self.count += 1
+
+    def _answered(self, ex: _Exchange) -> None:
+        if ex in self._answers:
+            self._answers.discard(ex)
+            if ex.waited:
+                self.count -= 1
+
+
+class _Exchange:
+    """One HTTP exchange, as OpenAnswers follows it."""
+
+    __slots__ = ("task", "waited", "cut")
+
+    def __init__(self, task: asyncio.Task[Any], waited: bool) -> None:
+        self.task, self.waited, self.cut = task, waited, False
+
+
+def _has_body(scope: Scope) -> bool:
+    """Whether the request has a body to wait for (RFC 9112: a Content-Length above 0, or
+    chunked); an unreadable length is left to the server, which refuses it."""
+    for name, value in scope.get("headers") or ():
+        if name == b"transfer-encoding":
+            return True
+        if name == b"content-length":
+            return value.strip() not in (b"0", b"")
+    return False
 
 
 def _health_routes(app: FastAPI, service: Service) -> None:

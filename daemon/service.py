@@ -75,6 +75,9 @@ CLOSE_BUDGET_S = 10.0
 STUCK_ENGINE_WAIT_S = 1.0
 AUDIT_STOP_MIN_S = 2.0
 STOP_AFTER_DRAIN_S = 2 * CUT_GRACE_S + CLOSE_BUDGET_S
+# The connections whose answer is still unread are closed this long before the end of the
+# CUT_GRACE_S for sending answers: their tasks end before uvicorn's timeout cancels them.
+UNREAD_CLOSE_EARLY_S = 0.5
 # After a fatal engine failure: the status to exit with (systemd's Restart=on-failure restarts
 # on any non-zero one), and how long the orderly exit (answers out, audit written, workers
 # stopped) may take before the process leaves regardless.
@@ -109,6 +112,39 @@ class _Server(uvicorn.Server):
         await super().startup(sockets=sockets)
         if self.started and not self.should_exit:
             self._on_listening()
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's graceful shutdown: the answers still being sent get CUT_GRACE_S (its
+        timeout_graceful_shutdown). A client that still has not read its answer by then has
+        its connection closed, with a warning, just before uvicorn's timeout would cancel the
+        task sending it: that logs an error and a traceback per connection, for an end the
+        drain expects (the client stopped reading)."""
+        aio = asyncio.get_running_loop()
+        closing = aio.call_later(CUT_GRACE_S - UNREAD_CLOSE_EARLY_S, self._close_unread)
+        try:
+            await super().shutdown(sockets=sockets)
+        finally:
+            closing.cancel()
+
+    def _close_unread(self) -> None:
+        """Abort (not close: that would wait for the client to read the buffers) the
+        connections whose answer has begun and not been sent whole."""
+        unread = [
+            conn
+            for conn in self.server_state.connections
+            if (cycle := getattr(conn, "cycle", None)) is not None
+            and cycle.response_started
+            and not cycle.response_complete
+        ]
+        if unread:
+            log.warning(
+                "%d answers still not read by their clients at the end of the %gs grace: "
+                "their connections are closed",
+                len(unread),
+                CUT_GRACE_S,
+            )
+        for conn in unread:
+            conn.transport.abort()
 
 
 class KnobsNotApplied(RuntimeError):
@@ -175,8 +211,10 @@ class Service:
         # Set while serve() runs, so that the engine thread can end it after a fatal failure.
         self._aio: asyncio.AbstractEventLoop | None = None
         self._server: uvicorn.Server | None = None
-        # HTTP answers begun before the drain and not yet sent whole (app.OpenAnswers.count)
+        # HTTP answers begun before the drain and not yet sent whole (app.OpenAnswers.count),
+        # and the cut of the requests whose body has not arrived whole (OpenAnswers.cut_uploads)
         self._answering: Callable[[], int] = lambda: 0
+        self._cut_uploads: Callable[[], int] = lambda: 0
         self._closed = threading.Event()  # close() finished: the forced exit is not needed
         self._engine_stopped = False
         self._engine_stuck = False  # the drain's aborts timed out: close() waits no more for it
@@ -438,6 +476,7 @@ class Service:
         app = create_app(self)
         answers = app.state.open_answers
         self._answering = lambda: answers.count
+        self._cut_uploads = answers.cut_uploads
         config = uvicorn.Config(
             app,
             host=self.cfg.api.host,
@@ -537,9 +576,17 @@ class Service:
             self.cfg.api.drain_timeout,
         )
         # the engine's requests, and the answers still being sent of those it has finished
-        # (a slow client reading a long one): both are in flight for the client
+        # (a slow client reading a long one): both are in flight for the client. A request
+        # whose body is still arriving is not waited for: it cannot be admitted once the body
+        # is whole (the drain refuses new work), and a client that stalls sending it would
+        # hold the stop until the deadline; it is cut with the rest
         while (self.loop.in_flight() or self._answering()) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        if uploading := self._cut_uploads():
+            log.warning(
+                "drain: cutting %d requests whose body had not arrived whole (clients get 503)",
+                uploading,
+            )
         left = self.loop.in_flight()
         if left:
             await self._cut_all(left)

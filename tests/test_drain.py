@@ -155,6 +155,102 @@ def test_an_answer_being_sent_to_a_slow_client_is_drained_whole(tmp_path: Path) 
         d.log.close()
 
 
+def server_has_read(port: int, client: socket.socket) -> bool:
+    """Whether the daemon has read all that `client` sent it: the receive queue of the
+    daemon's end of that loopback connection (/proc/net/tcp) is empty."""
+    local = f"{port:04X}"
+    remote = f"{client.getsockname()[1]:04X}"
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if fields[1].endswith(":" + local) and fields[2].endswith(":" + remote):
+            return int(fields[4].split(":")[1], 16) == 0
+    return False  # not accepted yet
+
+
+def read_all(sock: socket.socket) -> bytes:
+    got = bytearray()
+    while chunk := sock.recv(1 << 16):
+        got += chunk
+    return bytes(got)
+
+
+def test_a_request_whose_body_stalls_is_cut_with_503_and_holds_no_drain(tmp_path: Path) -> None:
+    """A client that sent its headers before the SIGTERM, and only part of its body, is not
+    an answer being sent: the drain, with nothing else in flight, ends at once and cuts it
+    with the drain's 503 `request_cut`. It used to hold the stop for the whole drain_timeout
+    and CUT_GRACE_S more, logged as an answer being sent, and then got uvicorn's bare 500
+    with an ERROR traceback in the log."""
+    d = Daemon(tmp_path)
+    set_drain_timeout(d, "60s")  # the stop ends long before: nothing holds it
+    sock = socket.create_connection(("127.0.0.1", d.port))
+    sock.settimeout(40)
+    try:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: kvguard\r\n"
+            b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+            b'{"model": "tiny", '
+        )
+        until(lambda: server_has_read(d.port, sock), 30, "the daemon to read the headers")
+        d.proc.send_signal(signal.SIGTERM)
+        answer = read_all(sock)
+        assert d.proc.wait(30) == 0
+    finally:
+        sock.close()
+        if d.proc.poll() is None:
+            d.proc.kill()
+        d.log.close()
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 503 "), answer
+    assert re.search(rb"(?im)^retry-after: *[1-9]", head), head
+    err = json.loads(body)["error"]
+    assert err["type"] == "service_unavailable" and err["code"] == "request_cut", err
+    assert "shutting down" in err["message"] and "retry" in err["message"]
+    log = Path(d.log.name).read_text()
+    assert "drain: cutting 1 requests whose body had not arrived whole" in log, log
+    assert "answers still being sent" not in log, log
+    assert "Traceback" not in log and " ERROR " not in log, log
+
+
+def test_an_answer_its_client_does_not_read_is_closed_without_a_traceback(
+    tmp_path: Path,
+) -> None:
+    """An answer (6.5 MiB) whose client reads none of it gets the drain and CUT_GRACE_S;
+    then its connection is closed, with one warning. uvicorn's graceful-shutdown timeout
+    used to cancel the task sending it, logging an ERROR and a traceback for this end that
+    the drain expects."""
+    d = Daemon(tmp_path)
+    set_drain_timeout(d, "1s")
+    ids = [(i * 7) % 250 + 3 for i in range(500)]
+    body = json.dumps({"model": "tiny", "prompt": [ids, ids[::-1]], "n": 32, "max_tokens": 1,
+                       "echo": True, "logprobs": 5, "temperature": 0}).encode()  # fmt: skip
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 1024)
+    sock.settimeout(120)
+    try:
+        sock.connect(("127.0.0.1", d.port))
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: kvguard\r\n"
+            b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+        )
+        got = bytearray()
+        while b"\r\n\r\n" not in got:  # the answer has begun: the engine is done with it
+            chunk = sock.recv(4096)
+            assert chunk, bytes(got)
+            got += chunk
+        assert got.startswith(b"HTTP/1.1 200"), bytes(got[:200])
+        d.proc.send_signal(signal.SIGTERM)
+        assert d.proc.wait(60) == 0  # the client reads nothing more
+    finally:
+        sock.close()
+        if d.proc.poll() is None:
+            d.proc.kill()
+        d.log.close()
+    log = Path(d.log.name).read_text()
+    assert "1 answers still not read by their clients" in log, log
+    assert "Traceback" not in log and " ERROR " not in log, log
+
+
 def test_second_sigterm_during_the_drain_exits_at_once_non_zero(tmp_path: Path) -> None:
     d = Daemon(tmp_path)  # drain_timeout 20s
     d.admin("POST", "/admin/actions/set_max_num_seqs", json={"n": 1})

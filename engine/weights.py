@@ -110,6 +110,30 @@ class SafetensorsSource:
         expected = set(expected)
         _check_expected(path, self.handles, expected)
         check_unused_biases(path, self.handles, expected, lambda n: self.read(Part(n)))
+        warn_untied_head(path, self.handles, expected, lambda n: self.read(Part(n)))
+
+
+def warn_untied_head(
+    path: Path,
+    held: Iterable[str],
+    expected: Iterable[str],
+    read: Callable[[str], torch.Tensor],
+) -> None:
+    """config.json ties the lm_head to the embedding (`expected` leaves it out) but the
+    checkpoint holds an `lm_head.weight` of other values: kvguard ties, as config.json says
+    (and vLLM and transformers 4 do); transformers 5 keeps the checkpoint's head instead, so
+    their answers differ. Said once, at load: the values are read only in that case."""
+    head = "lm_head.weight"
+    if head in expected or head not in set(held):
+        return
+    if not torch.equal(read(head), read("model.embed_tokens.weight")):
+        log.warning(
+            "%s: config.json sets tie_word_embeddings, so the lm_head is the embedding, but the "
+            "checkpoint's %s differs from it and is not served (transformers 5 would serve it: "
+            "set tie_word_embeddings: false in config.json for that)",
+            path,
+            head,
+        )
 
 
 @contextmanager

@@ -825,3 +825,27 @@ def test_a_whole_model_file_beside_an_index_is_not_read(
     assert sorted(loaded) == names
     assert all(torch.equal(loaded[n], weights[n].float()) for n in names)
     assert "does not name them: ['model.safetensors']" in caplog.text
+
+
+def test_a_tied_config_with_another_lm_head_in_the_checkpoint_is_warned_about(
+    tmp_path: Path, tiny_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """config.json ties the head (the tiny model does) but the checkpoint holds an
+    lm_head.weight of its own: kvguard ties, as config.json says, and said nothing, while
+    transformers 5 serves the checkpoint's head, so the two answered differently. A head equal
+    to the embedding is no difference: no warning."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.test_engine import make_engine
+
+    weights = load_file(tiny_dir / "model.safetensors")
+    embed = weights["model.embed_tokens.weight"]
+    for head, warned in ((embed * 2, True), (embed.clone(), False)):
+        model = tmp_path / f"model-{warned}"
+        shutil.copytree(tiny_dir, model)
+        save_file({**weights, "lm_head.weight": head}, model / "model.safetensors")
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="kvguard.engine"):
+            make_engine(model=str(model), max_model_len=64)
+        said = "config.json sets tie_word_embeddings, so the lm_head is the embedding, but the"
+        assert (said in caplog.text) is warned, caplog.text

@@ -617,7 +617,7 @@ def _rebased(model: Any, loc: Loc, base: Path) -> Any:
 def _model_path(path: Path) -> bool:
     """Whether `path` names what `serving.model` may name besides a known model: a model
     directory or a .gguf file."""
-    return path.is_dir() or (path.suffix == ".gguf" and path.is_file())
+    return path.is_dir() or (path.suffix.lower() == ".gguf" and path.is_file())
 
 
 def _rebased_model(cfg: DaemonConfig, base: Path) -> DaemonConfig:

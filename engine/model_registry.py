@@ -135,7 +135,7 @@ def resolve_model(
         validate_model_dir(path)
         check_quantization(path / "config.json", checkpoint_quantization(path), quantization)
         return path
-    if path.is_file() and path.suffix == ".gguf":
+    if path.is_file() and path.suffix.lower() == ".gguf":  # a NAME.GGUF too
         if quantization != "none":  # `none`: dequantised to fp32
             check_quantization(path, "gguf", quantization)
         return _converted_gguf(path, Path(home), progress, packed=quantization != "none")

@@ -140,6 +140,18 @@ def test_gguf_rope_scaling_is_read_as_llama_cpp_reads_it(
     assert config["rope_scaling"] == expected
 
 
+def test_an_upper_case_gguf_name_is_served_as_a_gguf(tiny_gguf: Path, tmp_path: Path) -> None:
+    """`Model.Q4_K_M.GGUF` was refused as "neither a model directory nor a .gguf file" (by
+    the engine, and by the daemon config's check of serving.model)."""
+    from kvguard.daemon.config import _model_path
+
+    upper = tmp_path / "TINY.GGUF"
+    upper.write_bytes(tiny_gguf.read_bytes())
+    assert _model_path(upper)
+    served = greedy(engine(upper, tmp_path / "home", "none"), [[5, 6, 7]])
+    assert served == greedy(engine(tiny_gguf, tmp_path / "home2", "none"), [[5, 6, 7]])
+
+
 @pytest.mark.parametrize(
     ("keys", "rope_freqs", "message"),
     [

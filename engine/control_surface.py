@@ -214,13 +214,13 @@ class ControlSurface:
         self: LLMEngine, factor: float, minimum: int = 1, *, from_running: bool = False
     ) -> Future:
         """Cut the batch limit to min(current, max(minimum, floor(base * factor))), where base
-        is the current limit, or (`from_running`, the OOM chain) the sequences running now when
-        fewer, those an out-of-memory step put back after the last such cut and that have not
-        run since counted as running: the chain applies a few steps after the failure, and
-        however many of them the scheduler has taken back by then, the cut is of the batch
-        that failed. Computed on the engine thread when applied, from the live value, so a
-        reduction never raises the limit: not with a large `minimum`, nor after another action
-        lowered it while this one waited in the mailbox."""
+        is the current limit, or (`from_running`, the OOM chain) the batch an out-of-memory
+        step ran since the last such cut (else the sequences running now) when fewer: the
+        chain applies a few steps after the failure, and however many of them the scheduler
+        has taken back by then, or admitted since, the cut is of the batch that failed.
+        Computed on the engine thread when applied, from the live value, so a reduction never
+        raises the limit: not with a large `minimum`, nor after another action lowered it
+        while this one waited in the mailbox."""
         factor = check_ratio("factor", factor)
         minimum = check_count("min", minimum, 1, None)
 
@@ -229,9 +229,7 @@ class ControlSurface:
             base = current
             if from_running:
                 base = min(current, max(self.scheduler.running_counting_oom(), 1))
-                # those left waiting now wait on the cut, not on their recompute: a later
-                # out-of-memory step's cut is of the batch that step ran
-                self.scheduler.oom_requeued.clear()
+                self.scheduler.oom_batch = 0  # a later out-of-memory step's cut: its own batch
             n = min(current, max(minimum, math.floor(base * factor)))
             self._hold_batch(n)
             moved = self.scheduler.shrink_running(n)

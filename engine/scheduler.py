@@ -207,9 +207,9 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # sorted by (priority, order)
         self.swapped: list[Sequence] = []  # sorted by (priority, order)
         self.running: list[Sequence] = []
-        # put back by an out-of-memory step and not run since: the OOM chain's batch cut
-        # counts them as running (`running_counting_oom`)
-        self.oom_requeued: set[Sequence] = set()
+        # the most sequences an out-of-memory step ran since the OOM chain's last cut: the
+        # batch that failed, which the chain's cut halves (`running_counting_oom`)
+        self.oom_batch = 0
         self.preemptions = {"swap": 0, "recompute": 0}
         self.speculation = speculation
         # whether the device KV pool is FP8 now: no drafts then (see the module's docstring)
@@ -255,8 +255,6 @@ class Scheduler:
     # -- one step ---------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         batch = self._schedule()
-        if self.oom_requeued:  # those taken back (or ended) are no longer waiting on it
-            self.oom_requeued = {s for s in self.oom_requeued if s.status is Status.WAITING}
         if not batch.empty:
             self.policy.on_step(len(batch.preempted), self.bm.num_used / self.bm.num_blocks)
         return batch
@@ -861,22 +859,23 @@ class Scheduler:
     def requeue_failed_step(self, batch: ScheduledBatch) -> int:
         """A step ran out of memory: its running sequences go back to recompute (their KV
         may be half written) and the step budget halves. Returns the budget before."""
-        for seq in batch.seqs:
-            if seq.status is Status.RUNNING:
-                self.running.remove(seq)
-                seq.num_preemptions += 1
-                self._recompute(seq)
-                self.oom_requeued.add(seq)
+        failed = [seq for seq in batch.seqs if seq.status is Status.RUNNING]
+        self.oom_batch = max(self.oom_batch, len(failed))
+        for seq in failed:
+            self.running.remove(seq)
+            seq.num_preemptions += 1
+            self._recompute(seq)
         before = self.max_num_batched_tokens
         self.max_num_batched_tokens = max(MIN_BATCHED_TOKENS, before // 2)
         self.chunked = True  # a halved budget must still fit every prompt
         return before
 
     def running_counting_oom(self) -> int:
-        """The sequences running, counting as running those an out-of-memory step put back
-        that have not run since: the same count however many of them the scheduler has taken
-        back by now (right after the step failed, none are running)."""
-        return len(self.running) + sum(s.status is Status.WAITING for s in self.oom_requeued)
+        """The batch an out-of-memory step ran (the most since the OOM chain's last cut, so a
+        retried step that failed too counts the first), else the sequences running: the same
+        count however many of them the scheduler has taken back by the time the chain applies
+        (right after the step failed, none are running), and whatever it admitted since."""
+        return self.oom_batch or len(self.running)
 
     def remap(self, moves: dict[int, int], host: bool = False) -> None:
         """Renumber every live sequence's blocks on one tier after the pool was rebuilt."""

@@ -312,13 +312,16 @@ def oom_cut(res: ActionResult) -> str:
     return res.detail.split("reduce_max_num_seqs: ")[1].split(";")[0]
 
 
-@pytest.mark.parametrize(("times", "steps"), [(1, 0), (1, 1), (2, 0)])
-def test_the_oom_chains_batch_cut_halves_the_batch_that_failed(times: int, steps: int) -> None:
+@pytest.mark.parametrize(("times", "steps", "more"), [(1, 0, 0), (1, 1, 0), (2, 0, 0), (1, 1, 8)])
+def test_the_oom_chains_batch_cut_halves_the_batch_that_failed(
+    times: int, steps: int, more: int
+) -> None:
     """The chain's batch cut is of the sequences running when the step ran out of memory:
     that step put them all back to recompute, and the chain applied a few steps later, when
     the scheduler had taken back none or some of them. It counted only those taken back,
     so 8 running sequences left a batch of 1 to 4, at random. `times` 2: the retried step
-    failed as well (its sequences were put back again)."""
+    failed as well (its sequences were put back again). `more`: requests that came after
+    the OOM, some admitted before the chain applied, are not of the batch that failed."""
     # no prefix cache: the sequences put back compute their prompts again, a few a step
     cfg = {**ENGINE, "kv_cache_bytes": "4MiB", "max_num_seqs": 16, "enable_prefix_caching": False}
     engine = make_engine(**cfg, max_num_batched_tokens=256)  # halved by the OOM: 128 a step
@@ -329,11 +332,20 @@ def test_the_oom_chains_batch_cut_halves_the_batch_that_failed(times: int, steps
     ):
         engine.step()
     engine.inject_oom(times)
-    for _ in range(times + steps):  # `times` steps that fail, then `steps` that take back
+    for _ in range(times):  # the steps that fail
+        engine.step()
+    for i in range(more):
+        engine.add_request([50 + i] * 3, SamplingParams(max_tokens=200, ignore_eos=True))
+    for _ in range(steps):  # those that take back (or admit the new ones)
         engine.step()
     assert engine.snapshot().counters["oom"] == times
     taken_back = len(engine.scheduler.running)
-    assert taken_back == 0 if not steps else 0 < taken_back < 8, taken_back
+    assert taken_back == 0 if not steps else taken_back > 0, taken_back
+    for _ in range(60 if more else 0):  # until more run than the 8 that failed
+        if len(engine.scheduler.running) > 8:
+            break
+        engine.step()
+    assert not more or len(engine.scheduler.running) > 8
     res = settle(engine, run_action(engine, "handle_oom"))
     assert oom_cut(res) == "max_num_seqs 16 -> 4", res.detail
     assert engine.knobs()["max_num_seqs"] == 4
@@ -342,7 +354,7 @@ def test_the_oom_chains_batch_cut_halves_the_batch_that_failed(times: int, steps
         engine.step()
     engine.inject_oom(1)
     engine.step()
-    assert not engine.scheduler.running and len(engine.scheduler.waiting) == 8
+    assert not engine.scheduler.running and len(engine.scheduler.waiting) == 8 + more
     res = settle(engine, run_action(engine, "handle_oom"))
     assert oom_cut(res) == "max_num_seqs 4 -> 2", res.detail
 

@@ -18,7 +18,13 @@ from starlette.middleware.body_limit import MAX_BODY_SIZE_SCOPE_KEY
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvguard.daemon import admin_api, openai_api
-from kvguard.daemon.openai_api import DRAIN_CUT_MESSAGE, ApiError, _cut_error, engine_unavailable
+from kvguard.daemon.openai_api import (
+    DRAIN_CUT_MESSAGE,
+    SHUTTING_DOWN,
+    ApiError,
+    _cut_error,
+    engine_unavailable,
+)
 from kvguard.daemon.openai_schemas import error_body
 from kvguard.engine.engine_loop import EngineUnavailable
 
@@ -42,9 +48,16 @@ def create_app(service: Service) -> FastAPI:
 
     app.add_middleware(CountedRequests, service=service)
 
-    def cut_answer(scope: Scope) -> Response:
+    def cut_answer(scope: Scope, begun: bool) -> Response:
+        """A request begun before the drain is cut (`request_cut`); one that came during it
+        is refused as every request the drain sees is (`shutting down`)."""
         _count(service, scope, 503)
-        response = _cut_error(service, None, DRAIN_CUT_MESSAGE).response()
+        error = (
+            _cut_error(service, None, DRAIN_CUT_MESSAGE)
+            if begun
+            else ApiError(503, SHUTTING_DOWN, type_="service_unavailable", retry_after=5)
+        )
+        response = error.response()
         response.headers["Connection"] = "close"  # the rest of its body is not read
         return response
 
@@ -143,7 +156,7 @@ class OpenAnswers:
     but what the buffers hold, not when the body was queued."""
 
     def __init__(
-        self, draining: Callable[[], bool], cut_answer: Callable[[Scope], ASGIApp]
+        self, draining: Callable[[], bool], cut_answer: Callable[[Scope, bool], ASGIApp]
     ) -> None:
         self._draining = draining
         self._cut_answer = cut_answer
@@ -207,7 +220,7 @@ class OpenAnswers:
                 if task.cancelling():  # cut_uploads' cancel, taken back: the answer goes out
                     task.uncancel()
                 self._uploads.discard(ex)
-                await self._cut_answer(scope)(scope, receive, send)
+                await self._cut_answer(scope, ex.waited)(scope, receive, send)
             finally:
                 self._uploads.discard(ex)
                 self._answered(ex)
@@ -238,12 +251,12 @@ class _Exchange:
 def _has_body(scope: Scope) -> bool:
     """Whether the request has a body to wait for (RFC 9112: a Content-Length above 0, or
     chunked); an unreadable length is left to the server, which refuses it."""
-    for name, value in scope.get("headers") or ():
-        if name == b"transfer-encoding":
-            return True
-        if name == b"content-length":
-            return value.strip() not in (b"0", b"")
-    return False
+    headers = scope.get("headers") or ()
+    if any(name == b"transfer-encoding" for name, _ in headers):  # wherever it comes
+        return True
+    return any(
+        name == b"content-length" and value.strip() not in (b"0", b"") for name, value in headers
+    )
 
 
 def _health_routes(app: FastAPI, service: Service) -> None:

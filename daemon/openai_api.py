@@ -68,6 +68,7 @@ TOKENIZE_LIMITS = 8  # /tokenize counts texts up to this many times max_model_le
 # one took, so that the engine and the event loop have the interpreter half the time at least.
 LARGE_BODY_BYTES = 64 << 10
 RETRY_ELSEWHERE_S = 5  # Retry-After on a request cut off by the drain
+SHUTTING_DOWN = "server is shutting down"  # what a request that came during the drain gets
 DRAIN_CUT_MESSAGE = (
     "kvguard is shutting down and cut this request off at the end of its drain period "
     "before it finished; retry it on another instance"
@@ -790,7 +791,7 @@ def _servable(schema: dict[str, Any] | None, grammar: str | None) -> None:
 
 def _refuse_if_draining(service: Service) -> None:
     if service.draining:
-        raise ApiError(503, "server is shutting down", type_="service_unavailable", retry_after=5)
+        raise ApiError(503, SHUTTING_DOWN, type_="service_unavailable", retry_after=5)
 
 
 async def _admission(futs: list[Future], outputs: _Outputs) -> None:

@@ -174,7 +174,18 @@ def read_all(sock: socket.socket) -> bytes:
     return bytes(got)
 
 
-def test_a_request_whose_body_stalls_is_cut_with_503_and_holds_no_drain(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "framing",
+    [
+        b"Content-Length: 100\r\n\r\n" + b'{"model": "tiny", ',
+        # a zero length before a chunked encoding was taken for no body (review of the fix)
+        b"Content-Length: 0\r\nTransfer-Encoding: chunked\r\n\r\n" + b'20\r\n{"model": "tiny", ',
+    ],
+    ids=["content-length", "length-0-then-chunked"],
+)
+def test_a_request_whose_body_stalls_is_cut_with_503_and_holds_no_drain(
+    tmp_path: Path, framing: bytes
+) -> None:
     """A client that sent its headers before the SIGTERM, and only part of its body, is not
     an answer being sent: the drain, with nothing else in flight, ends at once and cuts it
     with the drain's 503 `request_cut`. It used to hold the stop for the whole drain_timeout
@@ -187,8 +198,7 @@ def test_a_request_whose_body_stalls_is_cut_with_503_and_holds_no_drain(tmp_path
     try:
         sock.sendall(
             b"POST /v1/completions HTTP/1.1\r\nHost: kvguard\r\n"
-            b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n"
-            b'{"model": "tiny", '
+            b"Content-Type: application/json\r\n" + framing
         )
         until(lambda: server_has_read(d.port, sock), 30, "the daemon to read the headers")
         d.proc.send_signal(signal.SIGTERM)
@@ -528,3 +538,45 @@ def test_a_second_signal_after_the_stop_finished_changes_nothing(
         stops = db.execute("SELECT detail FROM events WHERE kind = 'daemon_stop'").fetchall()
     assert stops == [("exit 0",)]
     assert not list(tmp_path.glob("*.spill.jsonl"))
+
+
+def test_a_request_that_comes_after_the_cut_is_refused_as_shutting_down() -> None:
+    """Once the drain has cut the uploads still under way, a request with a body that comes
+    after (a keep-alive client's next one) is answered at once, as every request the drain
+    sees is: 503 "server is shutting down", not the `request_cut` of one begun before it."""
+    import asyncio
+
+    from kvguard.daemon.app import OpenAnswers
+
+    answered: list[bool] = []
+
+    def cut_answer(scope: dict, begun: bool):  # noqa: ANN202 - an ASGI app
+        async def app(scope: dict, receive: object, send: object) -> None:
+            answered.append(begun)
+
+        return app
+
+    async def handler(scope: dict, receive, send) -> None:  # noqa: ANN001
+        await receive()  # waits for the body: the cut ends the wait
+        raise AssertionError("the body was never sent")
+
+    async def never() -> dict:
+        await asyncio.sleep(3600)
+        return {}
+
+    async def one_request(answers: OpenAnswers) -> None:
+        scope = {"type": "http", "headers": [(b"content-length", b"9")]}
+        await answers.middleware(handler)(scope, never, None)
+
+    async def run() -> None:
+        draining = [False]
+        answers = OpenAnswers(lambda: draining[0], cut_answer)
+        before = asyncio.create_task(one_request(answers))  # begun before the drain
+        await asyncio.sleep(0)
+        draining[0] = True
+        assert answers.cut_uploads() == 1
+        await asyncio.wait_for(before, 5)
+        await asyncio.wait_for(one_request(answers), 5)  # comes after the cut
+
+    asyncio.run(run())
+    assert answered == [True, False]

@@ -348,7 +348,7 @@ def load_rules_text(text: str | bytes, name: str) -> RuleSet:
     if data is None:  # a file emptied by mistake would take every remedy away
         raise RulesFileError(
             [
-                f"{name}:1: the rules file is empty (for no rules, write `version: 1` and `rules: []`)"
+                f"{name}:1: the rules file holds nothing, or only comments (for no rules, write `version: 1` and `rules: []`)"
             ]
         )
     if not isinstance(data, dict):

@@ -512,9 +512,9 @@ def _rules_check(tmp_path: Path, text: str) -> tuple[Path, subprocess.CompletedP
     [
         (
             "",
-            "r.yaml:1: the rules file is empty (for no rules, write `version: 1` and `rules: []`)",
+            "r.yaml:1: the rules file holds nothing, or only comments (for no rules, write `version: 1` and `rules: []`)",
         ),
-        ("# every rule was here\n", "r.yaml:1: the rules file is empty"),
+        ("# every rule was here\n", "r.yaml:1: the rules file holds nothing, or only comments"),
         (
             HEAD + "  - {name: pct, signal: kv, above: 92, action: reduce_batch,\n"
             "     recover_below: 0.8, undo: restore_batch}\n",

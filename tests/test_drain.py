@@ -105,6 +105,35 @@ def test_drain_deadline_cuts_with_503_and_an_sse_error_never_a_complete_answer(
     assert "cutting" in log and "unfinished requests" in log
 
 
+def slow_reader(d: Daemon) -> tuple[socket.socket, bytearray]:
+    """A client of a 6.5 MiB answer (64 choices with their prompts' log-probabilities) whose
+    buffers are small (a small window, and segments the server's send buffer is sized by),
+    so nearly all the answer waits in the daemon until it is read: the socket and what it
+    has read once the answer has begun (the engine is done with the request)."""
+    ids = [(i * 7) % 250 + 3 for i in range(500)]
+    body = json.dumps({"model": "tiny", "prompt": [ids, ids[::-1]], "n": 32, "max_tokens": 1,
+                       "echo": True, "logprobs": 5, "temperature": 0}).encode()  # fmt: skip
+    sock = socket.socket()
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 1024)
+        sock.settimeout(120)
+        sock.connect(("127.0.0.1", d.port))
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: kvguard\r\n"
+            b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+        )
+        got = bytearray()
+        while b"\r\n\r\n" not in got:
+            chunk = sock.recv(4096)
+            assert chunk, bytes(got)
+            got += chunk
+    except BaseException:
+        sock.close()
+        raise
+    return sock, got
+
+
 def test_an_answer_being_sent_to_a_slow_client_is_drained_whole(tmp_path: Path) -> None:
     """The drain waits for answers still being sent, not only for the engine's requests: a
     client that reads a long answer (6.5 MiB: 64 choices with their prompts' log-probabilities)
@@ -116,26 +145,9 @@ def test_an_answer_being_sent_to_a_slow_client_is_drained_whole(tmp_path: Path) 
 
     d = Daemon(tmp_path)
     set_drain_timeout(d, "60s")  # far more than the client takes: only a cut could end it
-    ids = [(i * 7) % 250 + 3 for i in range(500)]
-    body = json.dumps({"model": "tiny", "prompt": [ids, ids[::-1]], "n": 32, "max_tokens": 1,
-                       "echo": True, "logprobs": 5, "temperature": 0}).encode()  # fmt: skip
-    sock = socket.socket()
-    # small buffers on the client's side (a small window, and segments the server's send
-    # buffer is sized by): nearly all the answer waits in the daemon until it is read
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 1024)
-    sock.settimeout(120)
+    sock = None
     try:
-        sock.connect(("127.0.0.1", d.port))
-        sock.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nHost: kvguard\r\n"
-            b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body
-        )
-        got = bytearray()
-        while b"\r\n\r\n" not in got:  # the answer has begun: the engine is done with it
-            chunk = sock.recv(4096)
-            assert chunk, bytes(got)
-            got += chunk
+        sock, got = slow_reader(d)
         d.proc.send_signal(signal.SIGTERM)
         head, _, rest = bytes(got).partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 200"), head
@@ -149,7 +161,8 @@ def test_an_answer_being_sent_to_a_slow_client_is_drained_whole(tmp_path: Path) 
         assert len(json.loads(answer)["choices"]) == 64
         assert d.proc.wait(60) == 0
     finally:
-        sock.close()
+        if sock is not None:
+            sock.close()
         if d.proc.poll() is None:
             d.proc.kill()
         d.log.close()
@@ -205,7 +218,8 @@ def test_a_request_whose_body_stalls_is_cut_with_503_and_holds_no_drain(
         answer = read_all(sock)
         assert d.proc.wait(30) == 0
     finally:
-        sock.close()
+        if sock is not None:
+            sock.close()
         if d.proc.poll() is None:
             d.proc.kill()
         d.log.close()
@@ -230,29 +244,15 @@ def test_an_answer_its_client_does_not_read_is_closed_without_a_traceback(
     the drain expects."""
     d = Daemon(tmp_path)
     set_drain_timeout(d, "1s")
-    ids = [(i * 7) % 250 + 3 for i in range(500)]
-    body = json.dumps({"model": "tiny", "prompt": [ids, ids[::-1]], "n": 32, "max_tokens": 1,
-                       "echo": True, "logprobs": 5, "temperature": 0}).encode()  # fmt: skip
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 1024)
-    sock.settimeout(120)
+    sock = None
     try:
-        sock.connect(("127.0.0.1", d.port))
-        sock.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nHost: kvguard\r\n"
-            b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body
-        )
-        got = bytearray()
-        while b"\r\n\r\n" not in got:  # the answer has begun: the engine is done with it
-            chunk = sock.recv(4096)
-            assert chunk, bytes(got)
-            got += chunk
+        sock, got = slow_reader(d)
         assert got.startswith(b"HTTP/1.1 200"), bytes(got[:200])
         d.proc.send_signal(signal.SIGTERM)
         assert d.proc.wait(60) == 0  # the client reads nothing more
     finally:
-        sock.close()
+        if sock is not None:
+            sock.close()
         if d.proc.poll() is None:
             d.proc.kill()
         d.log.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import shutil
 import tempfile
 from pathlib import Path
@@ -34,6 +35,7 @@ def _service(tmp: Path) -> Service:
 
 
 _TMP = Path(tempfile.mkdtemp(prefix="kvguard-fuzz-"))  # the schema is read at import
+atexit.register(shutil.rmtree, _TMP, True)  # also when only collected (no teardown runs)
 SERVICE = None
 
 

@@ -164,6 +164,9 @@ class TensorParallelRunner(ModelRunner):
         self._faults: list[int] = []  # ranks of injected faults still to fire, in order
         self._failed: RankFailure | None = None
         self._split: list[int] | None = None  # pipeline_layers as configured (None: even)
+        # the rendezvous folder, removed at launch and again at shutdown: a worker's store
+        # could write its file back while launch removed it, leaving the folder behind
+        self._rendezvous: Path | None = None
         self.micro_batches = 1  # pipeline: micro-batches a step's batch is split into
 
     # -- start and stop -------------------------------------------------------------------
@@ -227,11 +230,14 @@ class TensorParallelRunner(ModelRunner):
         out = cls(runner, workers, config.tensor_parallel_timeout_s)
         out._split = config.pipeline_layers
         out.micro_batches = config.pipeline_micro_batches or config.pipeline_parallel
+        out._rendezvous = rendezvous.parent
         return out
 
     def shutdown(self) -> None:
         _stop(self.workers, failed=self._failed is not None)
         _leave_group()
+        if self._rendezvous is not None:  # every worker has stopped: nothing writes it now
+            shutil.rmtree(self._rendezvous, ignore_errors=True)
 
     def worker_pids(self) -> list[int]:
         """The local worker processes (remote ranks run on other hosts)."""

@@ -228,7 +228,7 @@ class ControlSurface:
             current = self.scheduler.max_num_seqs
             base = current
             if from_running:
-                base = min(current, max(self.scheduler.running_counting_oom(), 1))
+                base = min(current, max(self.scheduler.oom_cut_base(), 1))
                 self.scheduler.oom_batch = 0  # a later out-of-memory step's cut: its own batch
             n = min(current, max(minimum, math.floor(base * factor)))
             self._hold_batch(n)

@@ -514,7 +514,7 @@ class LLMEngine(ControlSurface):
         """A ValueError for a `logit_bias` on ids the model has rows for but the tokenizer no
         token: the padding rows of an embedding rounded up (Qwen2: 151936 rows, 151665
         tokens). Raised, such an id would be generated with no text."""
-        tokens = self.tokenizer.vocab_size
+        tokens = self.biasable_ids()
         if tokens >= self.model_config.vocab_size:
             return
         if bad := params.bias_ids_from(tokens):

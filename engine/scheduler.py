@@ -208,7 +208,7 @@ class Scheduler:
         self.swapped: list[Sequence] = []  # sorted by (priority, order)
         self.running: list[Sequence] = []
         # the most sequences an out-of-memory step ran since the OOM chain's last cut: the
-        # batch that failed, which the chain's cut halves (`running_counting_oom`)
+        # batch that failed, which the chain's cut halves (`oom_cut_base`)
         self.oom_batch = 0
         self.preemptions = {"swap": 0, "recompute": 0}
         self.speculation = speculation
@@ -870,7 +870,7 @@ class Scheduler:
         self.chunked = True  # a halved budget must still fit every prompt
         return before
 
-    def running_counting_oom(self) -> int:
+    def oom_cut_base(self) -> int:
         """The batch an out-of-memory step ran (the most since the OOM chain's last cut, so a
         retried step that failed too counts the first), else the sequences running: the same
         count however many of them the scheduler has taken back by the time the chain applies

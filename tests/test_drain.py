@@ -42,6 +42,16 @@ def set_drain_timeout(d: Daemon, value: str) -> None:
     assert r.status_code == 200 and "api.drain_timeout" in r.json()["changes"], r.text
 
 
+def reap(d: Daemon, sock: socket.socket | None = None) -> None:
+    """A test's cleanup, whatever it got to: its raw client closed, the daemon killed if it
+    still runs, its log closed (the test reads the file after)."""
+    if sock is not None:
+        sock.close()
+    if d.proc.poll() is None:
+        d.proc.kill()
+    d.log.close()
+
+
 def hold_in_engine(d: Daemon, n: int) -> None:
     """Wait until `n` requests are inside the engine, then freeze it (one sequence at a time,
     engine stalled), so that none of them can finish before the drain deadline."""
@@ -161,11 +171,7 @@ def test_an_answer_being_sent_to_a_slow_client_is_drained_whole(tmp_path: Path) 
         assert len(json.loads(answer)["choices"]) == 64
         assert d.proc.wait(60) == 0
     finally:
-        if sock is not None:
-            sock.close()
-        if d.proc.poll() is None:
-            d.proc.kill()
-        d.log.close()
+        reap(d, sock)
 
 
 def server_has_read(port: int, client: socket.socket) -> bool:
@@ -218,11 +224,7 @@ def test_a_request_whose_body_stalls_is_cut_with_503_and_holds_no_drain(
         answer = read_all(sock)
         assert d.proc.wait(30) == 0
     finally:
-        if sock is not None:
-            sock.close()
-        if d.proc.poll() is None:
-            d.proc.kill()
-        d.log.close()
+        reap(d, sock)
     head, _, body = answer.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 503 "), answer
     assert re.search(rb"(?im)^retry-after: *[1-9]", head), head
@@ -251,11 +253,7 @@ def test_an_answer_its_client_does_not_read_is_closed_without_a_traceback(
         d.proc.send_signal(signal.SIGTERM)
         assert d.proc.wait(60) == 0  # the client reads nothing more
     finally:
-        if sock is not None:
-            sock.close()
-        if d.proc.poll() is None:
-            d.proc.kill()
-        d.log.close()
+        reap(d, sock)
     log = Path(d.log.name).read_text()
     assert "1 answers still not read by their clients" in log, log
     assert "Traceback" not in log and " ERROR " not in log, log
@@ -282,9 +280,7 @@ def test_second_sigterm_during_the_drain_exits_at_once_non_zero(tmp_path: Path) 
         # Well inside both the 20 s drain and the 60 s stall that a first SIGTERM waits out.
         assert d.proc.wait(15) == 128 + signal.SIGTERM
     finally:
-        if d.proc.poll() is None:
-            d.proc.kill()
-        d.log.close()
+        reap(d)
     log = Path(d.log.name).read_text()
     assert "second SIGTERM during the drain: exiting now with status 143" in log
     assert "cutting 3 in-flight requests" in log
@@ -316,9 +312,7 @@ def test_a_request_the_engine_has_not_taken_in_yet_is_drained_not_lost(tmp_path:
         assert got["drained"].json()["usage"]["completion_tokens"] == 4
         assert d.proc.wait(30) == 0
     finally:
-        if d.proc.poll() is None:
-            d.proc.kill()
-        d.log.close()
+        reap(d)
     assert "draining 1 in-flight requests" in Path(d.log.name).read_text()
 
 
@@ -377,9 +371,7 @@ def test_a_stop_with_the_engine_stuck_exits_0_in_time_with_its_daemon_stop_row(
         took = time.monotonic() - t0
         t.join(30)
     finally:
-        if d.proc.poll() is None:
-            d.proc.kill()
-        d.log.close()
+        reap(d)
     log = Path(d.log.name).read_text()
     assert "engine did not apply the aborts" in log, log
     assert got["cut"].status_code == 503, got["cut"].text

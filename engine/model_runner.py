@@ -50,6 +50,7 @@ from kvguard.engine.sampler import (
 from kvguard.engine.sampling_params import SamplingParams
 from kvguard.engine.sequence import Sequence, TokenLogprob
 from kvguard.engine.speculative import accepted_prefix
+from kvguard.engine.weights import safetensors_bytes
 from kvguard.kernels.cpu_lowbit import StepRows, step_rows
 from kvguard.kernels.dispatch import use_triton
 from kvguard.kernels.env import env_flag
@@ -394,7 +395,7 @@ class ModelRunner:
         dtype = pick_dtype(config.dtype, device)
         max_len = min(config.max_model_len, mcfg.max_position_embeddings)
         t0 = time.perf_counter()
-        size = sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
+        size = safetensors_bytes(Path(path))
         log.info(
             "rank %d loading %s (%.2f GiB of safetensors)", stage.world.rank, path, size / 2**30
         )

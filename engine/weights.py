@@ -193,6 +193,16 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
+def safetensors_bytes(path: Path) -> int:
+    """The bytes of the shards a load reads: those the index names where the directory has
+    one (a whole-model file left beside them is not read, so not counted), else every
+    *.safetensors. For the load's log line: files that are missing count nothing here, the
+    load names them."""
+    index = _read_index(path)
+    files = {path / shard for shard in index.values()} or set(path.glob("*.safetensors"))
+    return sum(f.stat().st_size for f in files if f.is_file())
+
+
 def _read_index(path: Path) -> dict[str, str]:
     index = path / INDEX_FILE
     if not index.is_file():

@@ -41,7 +41,7 @@ from kvguard.engine.model_registry import (
 from kvguard.engine.tiny_model import build_tiny
 from kvguard.engine.tokenizer import Tokenizer
 from kvguard.engine.tokenizer_build import byte_alphabet
-from kvguard.engine.weights import expected_tensor_names, load_weights
+from kvguard.engine.weights import expected_tensor_names, load_weights, safetensors_bytes
 
 transformers = pytest.importorskip("transformers")
 
@@ -825,6 +825,8 @@ def test_a_whole_model_file_beside_an_index_is_not_read(
     assert sorted(loaded) == names
     assert all(torch.equal(loaded[n], weights[n].float()) for n in names)
     assert "does not name them: ['model.safetensors']" in caplog.text
+    # the load's "GiB of safetensors" line counts what it reads: the shards, not the leftover
+    assert safetensors_bytes(model) == sum((model / shard).stat().st_size for shard in halves)
 
 
 def test_a_tied_config_with_another_lm_head_in_the_checkpoint_is_warned_about(

@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 import weakref
@@ -284,6 +285,10 @@ class Service:
         if loop is not None:
             loop.stop(timeout=2)
         self.shutdown_engine(timeout=5)
+        # a multi-rank start still under way leaves its rendezvous folder (its `finally` will
+        # not run); the driver is not imported for that: a start that did not import it has none
+        if driver := sys.modules.get("kvguard.engine.distributed.driver"):
+            driver.remove_starting_rendezvous()
         logging.shutdown()  # flush the log lines above
         os.kill(os.getpid(), sig)
         os._exit(128 + sig)  # not reached: the signal's default action ends the process

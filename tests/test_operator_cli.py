@@ -326,13 +326,17 @@ def test_a_stop_while_loading_says_so_and_ends_by_the_signal(
     process ends by that signal (a shell reports 130 or 143). Ctrl-C left through the
     interpreter's exit, which aborted in the C++ of the thread still loading (134), and
     SIGTERM ended the start without a word."""
-    with waiting_for_a_remote_rank(tmp_path, "10m", "600s") as (proc, log):
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    with waiting_for_a_remote_rank(tmp_path, "10m", "600s", TMPDIR=str(tmp)) as (proc, log):
+        assert [p.name[:11] for p in tmp.iterdir()] == ["kvguard-tp-"]  # the rendezvous
         proc.send_signal(sig)
         code = proc.wait(60)
     text = log.read_text()
     assert code == -sig, (code, text)
     assert f"WARNING kvguard.daemon: {sig.name}: interrupted while loading; exiting" in text
     assert "Traceback" not in text, text
+    assert list(tmp.iterdir()) == []  # it stayed in /tmp
 
 
 # The start's last step (the model loaded, the audit store up) sends SIGTERM to the daemon itself:

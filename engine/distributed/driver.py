@@ -143,6 +143,18 @@ class StepStats:
     wait_s: float = 0.0  # pipeline: waiting for the last stage's logits
 
 
+# The rendezvous folders of starts under way. A stop signal during a start ends the daemon by
+# the signal itself (no `finally` runs: see the daemon's `leave_while_loading`), which removes
+# them with `remove_starting_rendezvous`; they stayed in /tmp.
+_STARTING: set[Path] = set()
+
+
+def remove_starting_rendezvous() -> None:
+    """Remove the rendezvous folders of starts still under way (the process is about to die)."""
+    for folder in list(_STARTING):
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 class TensorParallelRunner(ModelRunner):
     can_interrupt = False  # the ranks run each step to its end together
     can_run_ahead = False  # every step is one the other ranks are sent
@@ -182,6 +194,7 @@ class TensorParallelRunner(ModelRunner):
         layers = stage_layers(mcfg.num_layers, config.pipeline_parallel, config.pipeline_layers)
         backend = "nccl" if pick_device(config.device).type == "cuda" else "gloo"
         rendezvous = Path(tempfile.mkdtemp(prefix="kvguard-tp-")) / "store"
+        _STARTING.add(rendezvous.parent)
         remote = set(config.distributed.remote_ranks)
         _set_interface(config.distributed.interface if remote else LOOPBACK)
         workers: list[WorkerHandle] = []
@@ -219,6 +232,7 @@ class TensorParallelRunner(ModelRunner):
             if server is not None:
                 server.close()
             shutil.rmtree(rendezvous.parent, ignore_errors=True)  # every rank has joined
+            _STARTING.discard(rendezvous.parent)
         log.info(
             "tensor parallel %d x pipeline %d (layers %s): workers %s on %s",
             config.tensor_parallel,

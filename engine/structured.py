@@ -151,11 +151,15 @@ class Grammars:
     def token_bytes(self, token_id: int) -> bytes:
         """A token's raw bytes, as the view has them (a token holding part of a character
         has its bytes, not a replacement character); the view is built on the first call. An
-        id past the tokenizer's vocabulary (the model's padding rows) is no text: no bytes."""
+        id past the tokenizer's vocabulary (the model's padding rows) is no text: no bytes.
+        Where the tokenizer spells a token's bytes itself (a byte token), they come first: the
+        view marks special tokens with byte 0xFF, so the token that is that byte (`<0xFF>`,
+        byte-level `ÿ`) read as none, and every logprob offset after it was one short."""
         raw = self._token_bytes.get(token_id)
         if raw is None:
             known = token_id < self._tokenizer.vocab_size
-            raw = bytes(self.view().decode_bytes([token_id])) if known else b""
+            own = self._tokenizer.raw_bytes(token_id) if known else None
+            raw = own or (bytes(self.view().decode_bytes([token_id])) if known else b"")
             self._token_bytes[token_id] = raw
         return raw
 

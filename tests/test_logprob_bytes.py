@@ -97,6 +97,31 @@ def test_echoed_prompt_offsets_index_the_text_and_partial_tokens_stay_apart(
     assert all(5 <= len(top) <= 6 and top[t] == v for t, v, top in entries), lp.top_logprobs
 
 
+def test_the_token_of_byte_0xff_has_its_byte(tiny_daemon: Daemon) -> None:
+    """The token that is byte 0xFF (byte-level `ÿ` here; `<0xFF>` in a SentencePiece
+    vocabulary) read as no bytes, as the grammar library marks special tokens with that byte:
+    its entry was `""` with `bytes: []` and every completion offset after it one short."""
+    c = tiny_daemon.client()
+    ff = byte_tokenizer().token_to_id("ÿ")  # the byte-level alphabet's name for byte 0xFF
+    bias = {str(ff): 100}
+    chat = c.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=2,
+        temperature=0,
+        logprobs=True,
+        logit_bias=bias,
+    )
+    entries = chat.choices[0].logprobs.content
+    assert [(e.token, e.bytes) for e in entries] == [("bytes:\\xff", [255])] * 2
+    out = c.completions.create(
+        model="tiny", prompt="ab", max_tokens=3, temperature=0, logprobs=1, logit_bias=bias
+    )
+    lp = out.choices[0].logprobs
+    assert lp.tokens == ["bytes:\\xff"] * 3
+    assert lp.text_offset == [0, 1, 2]
+
+
 def test_completion_offsets_of_split_characters_streamed_and_not(smollm_daemon: Daemon) -> None:
     """smollm2 continues a row of emojis, each three tokens: the offsets index the text, with
     `echo` (the prompt's tokens first, from 0) and streamed (counting on across chunks)."""

@@ -490,9 +490,7 @@ class LLMEngine(ControlSurface):
         not shorter than `limit`. The work is bounded by `limit`, not by the prompt: this runs
         on the engine thread, and a text of megabytes tokenized whole would stall every
         request for seconds."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty: expected at least one token")
+        if isinstance(prompt, str):  # "" is one token where the tokenizer adds a BOS
             ids, whole = self.tokenizer.encode_within(prompt, add_special_tokens, limit)
             if not whole:
                 raise ValueError(self._too_long(limit, limit, more=True))

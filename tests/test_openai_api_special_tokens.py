@@ -105,6 +105,24 @@ def test_echo_offsets_of_a_text_prompt_leave_the_added_bos_out(
     assert by_ids.choices[0].logprobs.text_offset[:2] == [0, len(BOS)]
 
 
+def test_an_empty_text_prompt_is_the_bos_where_the_tokenizer_adds_one(
+    bos_daemon: Daemon, tiny_daemon: Daemon
+) -> None:
+    """An empty text encodes to [BOS] with a tokenizer that adds one (Llama's, Mistral's):
+    /tokenize counted it as one token, the same prompt sent as [1] was served, but the text
+    was refused as "prompt is empty: expected at least one token". Without a BOS it is still
+    refused."""
+    c = bos_daemon.client()
+    counted = httpx.post(bos_daemon.url + "/tokenize", json={"model": "tinybos", "prompt": ""})
+    assert counted.json()["tokens"] == [1]
+    out = c.completions.create(model="tinybos", prompt="", max_tokens=2, temperature=0)
+    assert out.usage.prompt_tokens == 1 and out.usage.completion_tokens == 2
+    same = c.completions.create(model="tinybos", prompt=[1], max_tokens=2, temperature=0)
+    assert out.choices[0].text == same.choices[0].text
+    with pytest.raises(openai.BadRequestError, match="prompt is empty"):
+        tiny_daemon.client().completions.create(model="tiny", prompt="", max_tokens=2)
+
+
 def plain_token(tiny_dir: Path, text: str = "d") -> int:
     """The tiny model's token of a one-byte text."""
     return Tokenizer.from_file(str(tiny_dir / "tokenizer.json")).encode(text).ids[0]

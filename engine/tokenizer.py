@@ -38,6 +38,14 @@ _SPECIAL_ROLES = (
     "bos_token", "eos_token", "pad_token", "unk_token", "sep_token", "cls_token", "mask_token",
 )  # fmt: skip
 
+# the roles transformers' LlamaTokenizer and CodeLlamaTokenizer (also named ...Fast) take where
+# no file names them: their __init__ defaults
+_LLAMA_CLASS_ROLES = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+_LLAMA_CLASSES = ("LlamaTokenizer", "CodeLlamaTokenizer")
+# config.json model types (of those kvguard serves) that transformers loads with a tokenizer
+# class of their own whatever tokenizer_class says: mistral's plain tokenizer.json, Qwen2's
+_OWN_TOKENIZER_TYPES = ("mistral", "qwen2")
+
 # a byte-fallback vocabulary's token for one byte (SentencePiece's spelling: <0xE4>)
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
@@ -87,10 +95,11 @@ class Tokenizer:
     @classmethod
     def from_dir(cls, path: Path) -> Tokenizer:
         """Read tokenizer.json, tokenizer_config.json (with special_tokens_map.json's roles,
-        `_special_tokens_map`), the chat template (`_chat_template`) and the eos ids of
-        config.json and generation_config.json (a chat model often ends turns with an id only
-        those list). The template is compiled now: one that does not compile is a warning at
-        load, naming its file, and each chat request's error (`apply_chat_template`)."""
+        `_special_tokens_map`, and a Llama class's default roles, `_llama_class_roles`), the
+        chat template (`_chat_template`) and the eos ids of config.json and
+        generation_config.json (a chat model often ends turns with an id only those list). The
+        template is compiled now: one that does not compile is a warning at load, naming its
+        file, and each chat request's error (`apply_chat_template`)."""
         path = Path(path)
         file = path / "tokenizer.json"
         if not file.is_file():
@@ -101,6 +110,7 @@ class Tokenizer:
             raise ModelLoadError(f"{file}: not a valid tokenizer.json ({e})") from e
         config = _special_tokens_map(path, read_json(path / "tokenizer_config.json"))
         model = read_json(path / "config.json")
+        config = _llama_class_roles(path, config, model, backend)
         generation = read_json(path / "generation_config.json")
         eos = (
             *_ids(model.get("eos_token_id"), path / "config.json"),
@@ -310,6 +320,49 @@ def _special_tokens_map(path: Path, config: dict[str, Any]) -> dict[str, Any]:
         return config
     roles = read_json(file)
     return config | {role: roles[role] for role in _SPECIAL_ROLES if role in roles}
+
+
+def _llama_class_roles(
+    path: Path, config: dict[str, Any], model: dict[str, Any], backend: HFTokenizer
+) -> dict[str, Any]:
+    """`config` with the roles no file names filled from the Llama class's defaults, where
+    transformers loads the directory with that class: older or hand-made Llama-2 directories
+    name no roles, and without them Llama-2's template fails on `bos_token` and a Mistral
+    template's prompt loses its BOS. A role a file names, even as null, is kept; a default
+    the vocabulary lacks is left unset (transformers would add it as a new token, past the
+    model's embeddings)."""
+    missing = [role for role in _LLAMA_CLASS_ROLES if role not in config]
+    cls = _llama_class(path, config, model) if missing else None
+    if cls is None:
+        return config
+    defaults = {role: _LLAMA_CLASS_ROLES[role] for role in missing}
+    filled = {role: t for role, t in defaults.items() if backend.token_to_id(t) is not None}
+    if filled:
+        log.info(
+            "%s: the tokenizer files name no %s; %s's defaults filled in, as transformers "
+            "fills them: %s",
+            path,
+            ", ".join(filled),
+            cls,
+            ", ".join(f"{role}={token!r}" for role, token in filled.items()),
+        )
+    return config | filled
+
+
+def _llama_class(path: Path, config: dict[str, Any], model: dict[str, Any]) -> str | None:
+    """The Llama tokenizer class transformers 5's AutoTokenizer loads this directory with, or
+    None: tokenizer_config.json's `tokenizer_class` (else config.json's), unless the model
+    type has a tokenizer of its own; a `LlamaTokenizer` whose tokenizer.json is byte-level
+    (Llama 3's, often so labelled) is loaded as it is written, with no class defaults."""
+    declared = config.get("tokenizer_class") or model.get("tokenizer_class")
+    if not isinstance(declared, str) or model.get("model_type") in _OWN_TOKENIZER_TYPES:
+        return None
+    cls = declared.removesuffix("Fast")
+    if cls not in _LLAMA_CLASSES:
+        return None
+    if cls == "LlamaTokenizer" and '"ByteLevel"' in (path / "tokenizer.json").read_text("utf-8"):
+        return None
+    return cls
 
 
 def _chat_template(path: Path, config: dict[str, Any]) -> tuple[str | None, str]:

@@ -222,6 +222,158 @@ def test_special_tokens_map_wins_over_the_config_as_in_transformers(
     assert Tokenizer.from_dir(folder).eos_token_id == 0
 
 
+# -- a Llama class's default roles ---------------------------------------------------------------
+# Meta's Llama-2 template adds bos_token to a string: with no role it is undefined and fails
+LLAMA2_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'user' %}"
+    "{{ bos_token + '[INST] ' + m['content'] + ' [/INST]' }}"
+    "{% else %}{{ ' ' + m['content'] + ' ' + eos_token }}{% endif %}{% endfor %}"
+)
+
+
+def class_variant(
+    base: Path,
+    folder: Path,
+    config: dict[str, Any],
+    drop: tuple[str, ...] = ROLES,
+    model: dict[str, Any] | None = None,
+    byte_level: bool = False,
+    template: str = TEMPLATE,
+) -> Path:
+    """`variant` with config.json updated by `model`, tokenizer.json's decoder made byte-level
+    (Llama 3's, which transformers reads off the file's text) where `byte_level`, and
+    `template` as chat_template.jinja."""
+    files = {"chat_template.jinja": template}
+    if model:
+        files["config.json"] = json.dumps(json.loads((base / "config.json").read_text()) | model)
+    if byte_level:
+        tokenizer = json.loads((base / "tokenizer.json").read_text())
+        tokenizer["decoder"] = {
+            "type": "ByteLevel",
+            "add_prefix_space": False,
+            "trim_offsets": True,
+        }
+        files["tokenizer.json"] = json.dumps(tokenizer)
+    return variant(base, folder, config, drop=drop, files=files)
+
+
+def filled_roles(caplog: pytest.LogCaptureFixture) -> list[str]:
+    """The load's log lines saying which class defaults it filled in."""
+    return [r.getMessage() for r in caplog.records if "defaults filled in" in r.getMessage()]
+
+
+# how transformers 5 comes to load a directory naming no roles as a Llama class, and which
+FILLED_CASES = {
+    "llama": ({"tokenizer_class": "LlamaTokenizer"}, (), None, "LlamaTokenizer"),
+    "llama_fast": ({"tokenizer_class": "LlamaTokenizerFast"}, (), None, "LlamaTokenizer"),
+    "code_llama": ({"tokenizer_class": "CodeLlamaTokenizerFast"}, (), None, "CodeLlamaTokenizer"),
+    # tokenizer_config.json names no class: config.json's tokenizer_class is read
+    "config_json": (
+        {},
+        ("tokenizer_class",),
+        {"tokenizer_class": "LlamaTokenizer"},
+        "LlamaTokenizer",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(FILLED_CASES))
+def test_a_llama_class_fills_the_roles_no_file_names_as_transformers(
+    base_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, case: str
+) -> None:
+    """An older or hand-made Llama-2 directory naming no bos/eos/unk (nor a
+    special_tokens_map.json): transformers takes the class's defaults <s>, </s>, <unk>, so
+    Llama-2's template renders (it had failed: 'bos_token' is undefined) and the prompt
+    starts with BOS, as transformers' does; one INFO line names what was filled and why."""
+    config, drop, model, cls = FILLED_CASES[case]
+    folder = class_variant(
+        base_dir, tmp_path / case, config, ROLES + drop, model, template=LLAMA2_TEMPLATE
+    )
+    with caplog.at_level(logging.INFO, logger="kvguard.engine"):
+        text, ids = ours(folder, MESSAGES)
+    assert (text, ids) == reference(folder, MESSAGES)
+    assert text.startswith("<s>[INST] Hello world [/INST] The quick fox. </s><s>[INST]")
+    assert ids[0] == 1
+    hf = AutoTokenizer.from_pretrained(folder)
+    tok = Tokenizer.from_dir(folder)
+    assert tok.special_tokens == {role: getattr(hf, role) for role in ALL_ROLES}
+    assert (tok.bos_token_id, tok.eos_token_id) == (1, 2)
+    assert filled_roles(caplog) == [
+        f"{folder}: the tokenizer files name no bos_token, eos_token, unk_token; {cls}'s "
+        "defaults filled in, as transformers fills them: bos_token='<s>', eos_token='</s>', "
+        "unk_token='<unk>'"
+    ]
+
+
+# no roles named, and transformers 5 loads the directory as it is written: no class defaults
+UNFILLED_CASES = {
+    "plain": ({}, None, False),  # PreTrainedTokenizerFast
+    # a mistral model: transformers loads TokenizersBackend whatever tokenizer_class says
+    "mistral_model": ({"tokenizer_class": "LlamaTokenizer"}, {"model_type": "mistral"}, False),
+    # a byte-level tokenizer.json labelled LlamaTokenizer (as Llama 3 repos often are)
+    "byte_level": ({"tokenizer_class": "LlamaTokenizer"}, None, True),
+}
+
+
+@pytest.mark.parametrize("case", list(UNFILLED_CASES))
+def test_no_class_defaults_where_transformers_loads_the_files_as_written(
+    base_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, case: str
+) -> None:
+    """Where transformers does not load a Llama class, no roles are made up: `{{ bos_token }}`
+    renders empty in both, and nothing is logged as filled."""
+    config, model, byte_level = UNFILLED_CASES[case]
+    folder = class_variant(base_dir, tmp_path / case, config, model=model, byte_level=byte_level)
+    with caplog.at_level(logging.INFO, logger="kvguard.engine"):
+        assert ours(folder, MESSAGES) == reference(folder, MESSAGES)
+        tok = Tokenizer.from_dir(folder)
+    assert tok.special_tokens == dict.fromkeys(ALL_ROLES)
+    assert filled_roles(caplog) == []
+
+
+def test_roles_a_file_names_are_kept_under_a_llama_class(
+    base_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A LlamaTokenizer directory naming its roles is read as before; one naming some (even
+    as null) gets the class default for the others only, as in transformers."""
+    llama = {"tokenizer_class": "LlamaTokenizer"}
+    named = class_variant(base_dir, tmp_path / "named", llama, drop=())
+    plain = class_variant(base_dir, tmp_path / "plain", {}, drop=())
+    with caplog.at_level(logging.INFO, logger="kvguard.engine"):
+        assert ours(named, MESSAGES) == ours(plain, MESSAGES) == reference(named, MESSAGES)
+        assert Tokenizer.from_dir(named).special_tokens == Tokenizer.from_dir(plain).special_tokens
+        assert filled_roles(caplog) == []
+        some = llama | {"bos_token": None, "eos_token": "<unk>"}
+        folder = class_variant(base_dir, tmp_path / "some", some, drop=("unk_token",))
+        assert ours(folder, MESSAGES) == reference(folder, MESSAGES)
+        tok = Tokenizer.from_dir(folder)
+    hf = AutoTokenizer.from_pretrained(folder)
+    assert tok.special_tokens == {role: getattr(hf, role) for role in ALL_ROLES}
+    assert tok.special_tokens["bos_token"] is None and tok.special_tokens["unk_token"] == "<unk>"
+    assert tok.eos_token_id == 0
+    assert filled_roles(caplog) == 2 * [
+        f"{folder}: the tokenizer files name no unk_token; LlamaTokenizer's defaults filled in, "
+        "as transformers fills them: unk_token='<unk>'"
+    ]
+
+
+def test_a_class_default_missing_from_the_vocabulary_is_left_unset(
+    base_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A vocabulary without <s>: transformers would add it as a new token, an id past the
+    model's embeddings; kvguard leaves bos_token unset and fills the others."""
+    folder = class_variant(base_dir, tmp_path / "no_s", {"tokenizer_class": "LlamaTokenizer"})
+    file = folder / "tokenizer.json"
+    file.write_text(file.read_text().replace('"<s>"', '"<S>"'))
+    with caplog.at_level(logging.INFO, logger="kvguard.engine"):
+        tok = Tokenizer.from_dir(folder)
+    assert tok.special_tokens["bos_token"] is None
+    assert (tok.special_tokens["eos_token"], tok.special_tokens["unk_token"]) == ("</s>", "<unk>")
+    assert filled_roles(caplog) == [
+        f"{folder}: the tokenizer files name no eos_token, unk_token; LlamaTokenizer's "
+        "defaults filled in, as transformers fills them: eos_token='</s>', unk_token='<unk>'"
+    ]
+
+
 # -- which chat template --------------------------------------------------------------------------
 def test_chat_template_file_comes_before_tokenizer_config(
     base_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture

@@ -89,6 +89,9 @@ ENGINE_SHUTDOWN_S = 15.0  # stopping the workers: the runner asks, waits, then k
 # they are withdrawn: nothing changed), and as long again for it to finish applying them. A stop
 # never waits on a reload: one under way when the stop begins is abandoned at once (`stopping`).
 RECONFIGURE_TIMEOUT_S = 30.0
+# A reload that applied nothing shows in the STATUS= line until the next good reload: its first
+# problem, cut to this many characters (the log has them all), so `systemctl status` stays legible.
+RELOAD_PROBLEM_CHARS = 200
 # what an operator's action withdrawn unapplied (the admin API's wait ran out) is audited with
 MANUAL_WITHDRAWN = (
     "withdrawn before it ran: the engine did not take it while the admin API waited (a long "
@@ -192,6 +195,10 @@ class Service:
         self._knobs_settled: Future | None = None
         # set when the stop begins: a reload waiting on the engine gives way at once
         self.stopping = StopSignal()
+        # the last reload's refusal (`_reload_problem`), shown in the STATUS= line: `systemctl
+        # reload` only sends SIGHUP and succeeds whatever the file holds, so `systemctl status`
+        # is where an operator sees the file was not applied; None after a good reload
+        self._reload_refused: str | None = None
         self._ready = False
         self._listening_now = False  # the API accepts connections: READY=1 may go out
         self.engine: LLMEngine
@@ -262,7 +269,7 @@ class Service:
         if self.draining or self.loop.fatal is not None:
             return
         self._listening_now = True
-        sdnotify.ready(self._status_line())
+        sdnotify.ready(self._systemd_status())
         log.info("ready: %s", self._status_line())
 
     def leave_while_loading(self, sig: signal.Signals) -> NoReturn:
@@ -396,6 +403,12 @@ class Service:
             f"kv={s.kv_cache_usage_ratio:.0%} dtype={s.kv_cache_dtype} admission={adm}"
         )
 
+    def _systemd_status(self) -> str:
+        """The STATUS= line: `_status_line`, after the last reload's refusal while it stands
+        (a refused reload still ends in READY=1, so nothing else tells systemd of it)."""
+        refused = self._reload_refused
+        return f"{refused}; {self._status_line()}" if refused else self._status_line()
+
     def _watchdog(self) -> None:
         """Ping systemd only while the engine loop beats: a stalled loop stops the pings."""
         interval = sdnotify.watchdog_interval()
@@ -408,7 +421,7 @@ class Service:
                 if interval and beat_age < interval / 2:
                     sdnotify.watchdog()
                 sdnotify.status(
-                    self._status_line()
+                    self._systemd_status()
                     if beat_age < period * 2
                     else f"engine loop stalled {beat_age:.0f}s"
                 )
@@ -773,6 +786,7 @@ class Service:
                 log.error(
                     "reload refused, keeping the running rules: %s", "; ".join(rules["errors"])
                 )
+                self._reload_refused = _reload_problem("refused", rules["errors"])
                 return {"reloaded": False, "reason": "\n".join(rules["errors"])}
             changes, restart = applied[0] if applied else self._apply_reloadable(new)
             changes.update(rules.pop("prometheus_changed", {}))  # PromQL signals' new client
@@ -804,10 +818,13 @@ class Service:
             self.audit.record_event(
                 "reload",
                 detail=self._config_name,
-                data={"changes": changes, **rules},
+                # the keys waiting for a restart too: until then the daemon runs what the file
+                # no longer says (another audit.url: `kvguard audit --config` reads elsewhere)
+                data={"changes": changes, "restart_needed": restart, **rules},
                 incident=self._incident,
                 time=installed[0] if installed else None,
             )
+            self._reload_refused = None
             return {"reloaded": True, "changes": changes, "restart_needed": restart, **rules}
         except KnobsNotApplied as e:  # the engine did not take them, or has not finished
             if e.abandoned:  # the stop began: it must not wait on a reload
@@ -831,6 +848,7 @@ class Service:
                 data={"errors": [str(e)], "engine": e.outcome},
                 incident=self._incident,
             )
+            self._reload_refused = _reload_problem("failed", [str(e)])
             return {"reloaded": False, "reason": str(e), "engine": e.outcome}
         except ConfigFileError as e:  # a KeysFileError too
             log.error("reload refused, keeping the running config: %s", e)
@@ -840,6 +858,7 @@ class Service:
                 data={"errors": e.errors},
                 incident=self._incident,
             )
+            self._reload_refused = _reload_problem("refused", e.errors)
             return {"reloaded": False, "reason": str(e)}
         except Exception as e:  # noqa: BLE001 - a reload must never take the daemon down
             log.exception("reload failed, keeping the running config and rules")
@@ -849,12 +868,13 @@ class Service:
                 data={"errors": [f"{type(e).__name__}: {e}"]},
                 incident=self._incident,
             )
+            self._reload_refused = _reload_problem("failed", [f"{type(e).__name__}: {e}"])
             return {"reloaded": False, "reason": f"{type(e).__name__}: {e}"}
         finally:
             # not once a stop began meanwhile (a reload may wait on the engine for a minute):
             # READY=1 after STOPPING=1 would tell systemd the daemon serves again
             if self._listening_now and not self.draining:
-                sdnotify.ready(self._status_line())
+                sdnotify.ready(self._systemd_status())
 
     @property
     def _incident(self) -> str | None:
@@ -1173,6 +1193,18 @@ class Service:
             "dropped": a.dropped,
             "written": a.written,
         }
+
+
+def _reload_problem(verb: str, errors: list[str]) -> str:
+    """A reload that applied nothing, for the STATUS= line: `reload refused at TIME: FILE:LINE:
+    key: problem (+N more in the journal)`. The first problem only, on one line and cut, since
+    `systemctl status` shows it whole; the time (UTC, as `kvguard audit` prints it) finds the
+    log's lines and the `config_error` audit event."""
+    first = " ".join((errors[0] if errors else "see the journal").split())
+    if len(first) > RELOAD_PROBLEM_CHARS:
+        first = first[: RELOAD_PROBLEM_CHARS - 3] + "..."
+    more = f" (+{len(errors) - 1} more in the journal)" if len(errors) > 1 else ""
+    return f"reload {verb} at {utcnow():%Y-%m-%dT%H:%M:%SZ}: {first}{more}"
 
 
 def live_conflicts(running: DaemonConfig, new: DaemonConfig) -> list[str]:

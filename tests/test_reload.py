@@ -5,11 +5,13 @@ engine left out (a reload never touches it); the last test does the same through
 `kvguard serve`: /admin/reload answers 400 and SIGHUP logs the refusal, the rules keep ticking.
 Also, on the daemon in process: engine knobs a stalled engine does not take in time are
 withdrawn (never applied), ones it finishes late land in the config in force; a SIGHUP before
-the API listens never says READY=1.
+the API listens never says READY=1; a refused one is in the STATUS= line until a good one, and
+a good one's audit event names the keys waiting for a restart.
 """
 
 from __future__ import annotations
 
+import re
 import signal
 import threading
 import time
@@ -538,3 +540,78 @@ def test_a_sighup_before_the_api_listens_never_says_ready(
         assert said("X-KVGUARD-TEST=2") == ["READY=1", "RELOADING=1", "READY=1"]
     finally:
         notify.close()
+
+
+# -- what a reload leaves for systemd and the audit log -----------------------------------------
+
+
+def test_a_refused_reload_leads_the_status_line_until_a_reload_applies(
+    service: Service,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`systemctl reload` only sends SIGHUP, so it succeeds whatever the file holds, and a
+    refused reload ended in READY=1 with the usual STATUS= line: `systemctl status` said
+    nothing of it, only the log did. The refusal now leads the STATUS= line (its time and first
+    `FILE:LINE` problem) until a reload applies."""
+    notify = Notify()
+    monkeypatch.setenv("NOTIFY_SOCKET", notify.path)
+
+    def status_at_ready(mark: str) -> str:
+        """The STATUS= of the last READY=1 received before `mark` (sent last: datagrams keep
+        order; the watchdog's own STATUS= lines come between)."""
+        sdnotify.notify(mark)
+        until(lambda: mark in notify.first(), 30, mark)
+        msgs = list(notify.msgs)
+        before = msgs[: [m.split("\n")[0] for m in msgs].index(mark)]
+        return [m for m in before if m.startswith("READY=1\n")][-1].split("\n")[1]
+
+    assert service.config_path is not None
+    good = service.config_path.read_text()
+    try:
+        service._listening()
+        assert status_at_ready("X-KVGUARD-TEST=1").startswith("STATUS=running=0 ")
+        service.config_path.write_text(good.replace("max_model_len: 512}", "max_num_seq: 3}"))
+        assert not service.reload()["reloaded"]
+        refused = status_at_ready("X-KVGUARD-TEST=2")
+        when = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ"
+        where = re.escape(f"{service.config_path}:1: serving.max_num_seq: unknown key")
+        assert re.fullmatch(
+            rf"STATUS=reload refused at {when}: {where} .{{1,200}}; running=0 .* admission=open",
+            refused,
+        ), refused
+        assert service._systemd_status() == refused.removeprefix("STATUS=")  # the watchdog's too
+        service.config_path.write_text(good)
+        assert service.reload()["reloaded"]
+        assert status_at_ready("X-KVGUARD-TEST=3").startswith("STATUS=running=0 ")
+    finally:
+        notify.close()
+
+
+def test_a_refusals_status_is_its_first_problem_cut_short() -> None:
+    """Every problem of a file would make a STATUS= line of pages: the first, cut, and a count."""
+    line = service_module._reload_problem("refused", ["f.yaml:1: k: " + "x" * 500, "f.yaml:2: j"])
+    assert line.startswith("reload refused at ") and "f.yaml:1: k: xxx" in line
+    assert line.endswith("x... (+1 more in the journal)") and len(line) < 300, line
+    assert "\n" not in service_module._reload_problem("failed", ["two\nlines"])
+
+
+def test_a_reloads_audit_event_names_the_keys_waiting_for_a_restart(
+    service: Service,  # noqa: F811
+) -> None:
+    """A reload that changes `audit.instance` (or any key only a restart applies) was audited
+    with `changes: {}` and nothing else, while its answer and the log said `restart_needed`:
+    the audit log did not show that the daemon runs what the file no longer says."""
+    assert service.config_path is not None
+    text = service.config_path.read_text()
+    assert "audit: {url: " in text and "max_model_len: 512}" in text
+    service.config_path.write_text(
+        text.replace("audit: {url: ", "audit: {instance: node-2, url: ").replace(
+            "max_model_len: 512}", "max_model_len: 256}"
+        )
+    )
+    r = service.reload()
+    assert r["reloaded"] and r["changes"] == {}, r
+    assert r["restart_needed"] == ["serving.max_model_len", "audit.instance"], r
+    [event] = _events(service, "reload")
+    assert event["data"]["restart_needed"] == r["restart_needed"], event
+    assert event["data"]["changes"] == {}, event

@@ -20,7 +20,7 @@ that could use it, and kept with the model.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -103,8 +103,10 @@ class CpuDecode:
         kv_caches: Sequence[Any],
         meta: Any,
         stop: Any = None,
+        on_layer: Callable[[], None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(stream, last layer's MLP output still to add), as the layer loop returns them."""
+        """(stream, last layer's MLP output still to add), as the layer loop returns them;
+        `on_layer` called after each layer, as the layer loop calls it."""
         from kvguard.engine.model import StepInterrupted
 
         t = x.shape[0]
@@ -137,4 +139,6 @@ class CpuDecode:
             out = outs[i % 2]
             cpu_layer.run_layer(plan, step, x, pending, kv[0], kv[1], kv[2], kv[3], out)
             pending = out
+            if on_layer is not None:
+                on_layer()
         return x, pending

@@ -270,12 +270,15 @@ class EngineLoop:
             )
 
     def _attach(self, engine: LLMEngine) -> None:
-        """Be woken by posts to `engine`, and beat while it converts its KV pool: a dtype
-        switch or a resize runs layer by layer inside one step, a pause of seconds per GiB on
-        a CPU, and a conversion making progress is not a stalled loop (the heartbeat is what
-        the systemd watchdog and /ready follow)."""
+        """Be woken by posts to `engine`, and beat while it converts its KV pool or runs a
+        step's forward: a dtype switch or a resize runs layer by layer inside one step, a
+        pause of seconds per GiB on a CPU, and a long prompt step takes as long (a full
+        step's tokens through a 7B model on a CPU: minutes); a step making progress layer by
+        layer is not a stalled loop (the heartbeat is what the systemd watchdog and /ready
+        follow), while a layer that never returns stops the beats."""
         engine.mailbox.notify = self._wake.set
         engine.kv_cache.on_progress = self._beat
+        engine.runner.on_layer = self._beat
 
     def _beat(self) -> None:
         self.last_beat = time.monotonic()

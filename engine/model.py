@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -298,12 +298,15 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         hidden: torch.Tensor | None = None,
         stop: threading.Event | None = None,
+        on_layer: Callable[[], None] | None = None,
     ) -> torch.Tensor:
         """Hidden states `[T, hidden]` after the final norm; on a pipeline stage before the
         last, the residual stream after its layers (what the next stage's `hidden` is: each
         layer adds its output to the stream it was given, so one tensor carries both).
         `kv_caches` are this stage's layers' pools, in order. A set `stop` raises
-        StepInterrupted before the next layer."""
+        StepInterrupted before the next layer. `on_layer` is called after each layer: a long
+        prompt step takes seconds to minutes on a CPU, and the engine loop's heartbeat moves
+        with its layers, so that a step computing is not taken for a stalled engine."""
         # the layers may update the stream in place: a stage's input is copied, never changed
         x = self.embed_tokens(input_ids) if self.stage.is_first else hidden.clone()
         cos = self.cos_cache.index_select(0, positions).unsqueeze(1)
@@ -313,12 +316,14 @@ class LlamaForCausalLM(nn.Module):
         pending = None  # the last layer's MLP output, added to the stream by the next norm
         fused = self._cpu_decode(own)
         if fused is not None and fused.takes(x, kv_caches, meta):
-            x, pending = fused.run(x, cos, sin, kv_caches, meta, stop)
+            x, pending = fused.run(x, cos, sin, kv_caches, meta, stop, on_layer)
         else:
             for layer, kv in zip(own, kv_caches, strict=True):
                 if stop is not None and stop.is_set():
                     raise StepInterrupted("interrupted between layers")
                 x, pending = layer(x, cos, sin, kv, meta, pending)
+                if on_layer is not None:
+                    on_layer()
         if pending is None:
             return self.norm(x)
         if isinstance(self.norm, RMSNorm):

@@ -14,6 +14,7 @@ import enum
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -362,6 +363,11 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         # set for one step by the engine: the forward stops between layers once it is set
         self.step_stop: threading.Event | None = None
+        # called after each decoder layer this rank's forward runs (a CUDA-graph replay
+        # calls none: a decode step is short): a prompt step of thousands of tokens takes
+        # seconds to minutes on a CPU, and the engine loop beats its heartbeat here, so that
+        # a step computing is not taken for a stalled engine while a layer that hangs still is
+        self.on_layer: Callable[[], None] | None = None
         # the last `execute`'s tokens' log-probabilities, a list for each sequence it returned
         # tokens for, aligned with them (entries None where a request did not ask; no lists
         # when none did), and its prompts' (sequence, entries for the prompt positions it
@@ -469,7 +475,7 @@ class ModelRunner:
             with step_rows(inp.kinds):
                 hidden = self.model(
                     inp.input_ids, inp.positions, self.kv_cache.layers, inp.meta,
-                    stop=self.step_stop,
+                    stop=self.step_stop, on_layer=self.on_layer,
                 )  # fmt: skip
         if not inp.sample_rows.numel():
             self.logit_hidden = None

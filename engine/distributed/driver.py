@@ -371,7 +371,10 @@ class TensorParallelRunner(ModelRunner):
     def _forward(self, inp: StepInput) -> torch.Tensor:
         t0 = time.perf_counter()
         with step_rows(inp.kinds):  # every rank's CPU GEMMs pick by the same rows' kinds
-            hidden = self.model(inp.input_ids, inp.positions, self.kv_cache.layers, inp.meta)
+            hidden = self.model(
+                inp.input_ids, inp.positions, self.kv_cache.layers, inp.meta,
+                on_layer=self.on_layer,
+            )  # fmt: skip
         self.stats.busy_s += time.perf_counter() - t0
         return hidden
 

@@ -44,6 +44,7 @@ from pydantic import (
 )
 from pydantic_core import ErrorDetails
 
+from kvguard.daemon.cli_worker import KEY_CREDENTIAL as WORKER_KEY_CREDENTIAL
 from kvguard.engine.config import ConfigError, DistributedConfig, EngineConfig, parse_bytes
 from kvguard.engine.knobs import DEVICE_EXPECTED, DEVICE_PATTERN, KnobField, MiB, build, knob_fields
 from kvguard.rules.durations import parse_duration
@@ -194,12 +195,22 @@ class DistributedSection(_Section):
     interface: str = "lo"
     allow_network: bool = False
     join_timeout: Duration = Field(600.0, gt=0.0)
+    # null: the systemd credential $CREDENTIALS_DIRECTORY/worker.key if present, where
+    # `kvguard worker` looks too. The unit's DynamicUser cannot read a root-only key under
+    # /etc; systemd's LoadCredential= hands it a copy only the service can read.
     authkey_file: OptPath = None
+
+    def authkey_path(self) -> Path | None:
+        """The worker key the daemon reads when remote ranks join, or None when there is none."""
+        if self.authkey_file is not None:
+            return self.authkey_file
+        return _credential(WORKER_KEY_CREDENTIAL)
 
     def to_engine(self) -> DistributedConfig:
         d = self.model_dump()
         d["remote_ranks"] = tuple(d["remote_ranks"])
         d["join_timeout_s"] = d.pop("join_timeout")
+        d["authkey_file"] = self.authkey_path()
         return DistributedConfig(**d)
 
 
@@ -314,9 +325,10 @@ class ApiConfig(_Section):
 
     host: str = Field("127.0.0.1", min_length=1)
     port: int = Field(8000, ge=0, le=65535)  # 0: any free port (tests)
-    # null: the systemd credential $CREDENTIALS_DIRECTORY/admin.token if present and non-empty,
-    # else /admin/* is disabled. A default path under /etc would not be readable by the
-    # DynamicUser the unit runs as; systemd's LoadCredential= hands it over safely.
+    # null: the systemd credential $CREDENTIALS_DIRECTORY/admin.token if present (an empty one
+    # turns /admin/* off with a warning, as an empty file does), else /admin/* is disabled. A
+    # default path under /etc would not be readable by the DynamicUser the unit runs as;
+    # systemd's LoadCredential= hands it over safely.
     admin_token_file: OptPath = None
     # null: the OpenAI endpoints are open and a client may ask for any priority. Set it (a
     # YAML file of key digests, daemon/api_keys.py; `kvguard keys add`) on any network where
@@ -345,11 +357,7 @@ class ApiConfig(_Section):
         """The token file to read, or None when the admin API is off."""
         if self.admin_token_file is not None:
             return self.admin_token_file
-        creds = os.environ.get("CREDENTIALS_DIRECTORY")
-        if not creds:
-            return None
-        path = Path(creds) / ADMIN_TOKEN_CREDENTIAL
-        return path if path.is_file() and path.stat().st_size > 0 else None
+        return _credential(ADMIN_TOKEN_CREDENTIAL)
 
 
 class RulesConfig(_Section):
@@ -437,24 +445,35 @@ class DaemonConfig(_Section):
         out: list[tuple[Loc, str]] = []
         for loc in READ_FILES:
             path = _value_at(self, loc)
-            if path is None:
-                continue
-            try:
-                folder = stat.S_ISDIR(path.stat().st_mode)
-            except OSError as e:
-                out.append((loc, f"cannot read {path}: {e.strerror or e}"))
-                continue
-            if folder:  # a pipe or a device may hold a file's text; a folder never does
-                out.append((loc, f"cannot read {path}: a directory, not a file"))
-            elif not os.access(path, os.R_OK):
-                out.append((loc, f"cannot read {path}: permission denied"))
-        return out
+            why = None if path is None else _cannot_read(path)
+            if why is not None:
+                out.append((loc, why))
+        return out + self._unusable_authkey()
+
+    def _unusable_authkey(self) -> list[tuple[Loc, str]]:
+        """The worker key, where remote ranks must prove they hold it: one the daemon cannot
+        read would fail the start only after the bind and the model's load, and an empty one
+        is no secret (anyone passes the rendezvous's HMAC challenge with an empty key), so it
+        is refused as `kvguard worker` refuses one. No key at all is `_network_problem`'s."""
+        d = self.serving.distributed
+        path = d.authkey_path()
+        if not d.remote_ranks or path is None:
+            return []
+        why = _cannot_read(path) or _empty_key(path)
+        if why is None:
+            return []
+        if d.authkey_file is not None and os.path.exists(path) and not os.access(path, os.R_OK):
+            why += (
+                " (under systemd the service's dynamic user cannot read a root-only file: leave "
+                f"authkey_file unset and load it with LoadCredential={WORKER_KEY_CREDENTIAL}:{path})"
+            )
+        return [(AUTHKEY, why)]
 
     def _unloadable(self) -> list[tuple[Loc, str]]:
         """What the engine would refuse as it loads, found without loading anything: a model
         that is no known name, model directory or .gguf file, and a CUDA device on a host
-        where torch finds none. (Whether the files of a model directory serve is the load's
-        to say.)"""
+        where torch finds none, or fewer GPUs than the ranks it runs here. (Whether the files
+        of a model directory serve is the load's to say.)"""
         from kvguard.engine.model_registry import KNOWN_MODELS  # torch: serve has it already
 
         out: list[tuple[Loc, str]] = []
@@ -469,20 +488,56 @@ class DaemonConfig(_Section):
                     f"{what} (expected a known name, a model directory or a .gguf file)",
                 )
             )
+        return out + self._gpu_problem()
+
+    def _gpu_problem(self) -> list[tuple[Loc, str]]:
+        """A `cuda:N` torch does not see, and on CUDA fewer GPUs than the ranks this host runs:
+        each takes one of its own (`rank_device`), so fewer would fail the start after the
+        bind, or stack ranks on one card, each sizing its KV pool as if the card were its own."""
         device = self.serving.device
-        if device.startswith("cuda"):
-            count = _cuda_devices()
-            index = int(device.partition(":")[2] or 0)
-            if index >= count:
-                found = f"{count} CUDA device{'s' if count != 1 else ''}" if count else "no CUDA"
-                out.append(
-                    (
-                        ("serving", "device"),
-                        f"{device!r}: torch finds {found} on this host (expected cpu or auto"
-                        + (f", or cuda:0..{count - 1})" if count else ")"),
-                    )
+        if not _uses_cuda(device):
+            return []
+        count = _cuda_devices()
+        out: list[tuple[Loc, str]] = []
+        index = int(device.partition(":")[2] or 0)
+        if index >= count:
+            found = _gpus(count, "CUDA device") if count else "no CUDA"
+            out.append(
+                (
+                    ("serving", "device"),
+                    f"{device!r}: torch finds {found} on this host, where {self._gpus_needed()} "
+                    "(expected cpu or auto" + (f", or cuda:0..{count - 1})" if count else ")"),
                 )
+            )
+        if 0 < count < self._local_ranks():
+            key = "tensor_parallel" if self.serving.tensor_parallel > 1 else "pipeline_parallel"
+            out.append(
+                (
+                    ("serving", key),
+                    f"{self._gpus_needed()}, and torch sees {count} (expected at most "
+                    f"{_gpus(count, 'rank')} on this host: lower tensor_parallel or "
+                    "pipeline_parallel, list the ranks other hosts run in "
+                    "serving.distributed.remote_ranks, or make more GPUs visible)",
+                )
+            )
         return out
+
+    def _local_ranks(self) -> int:
+        """The ranks this host runs: the tensor x pipeline world less the remote ranks."""
+        s = self.serving
+        return s.tensor_parallel * s.pipeline_parallel - len(s.distributed.remote_ranks)
+
+    def _gpus_needed(self) -> str:
+        """How many GPUs the config needs on this host, and why, in the file's keys."""
+        local = self._local_ranks()
+        if local == 1:
+            return "this config needs 1 GPU"
+        s = self.serving
+        said = f"tensor_parallel {s.tensor_parallel} x pipeline_parallel {s.pipeline_parallel}"
+        remote = len(s.distributed.remote_ranks)
+        if remote:
+            said += f" less {remote} in serving.distributed.remote_ranks"
+        return f"this config needs {_gpus(local)}, one per rank it runs here ({said})"
 
     def to_engine_config(self) -> EngineConfig:
         """The engine's config; refuses what the engine cannot serve, naming the key and line."""
@@ -534,6 +589,11 @@ class DaemonConfig(_Section):
             key = "master_addr" if "master_addr" in str(e) else "remote_ranks"
             key = "authkey_file" if "authkey_file" in str(e) else key
             why = str(e).removeprefix(f"distributed.{key}").lstrip("= ")
+            if key == "authkey_file":  # `kvguard worker`'s default place serves here too
+                why += (
+                    f" (or, under systemd, the credential {WORKER_KEY_CREDENTIAL}: "
+                    f"LoadCredential={WORKER_KEY_CREDENTIAL}:/etc/kvguard/{WORKER_KEY_CREDENTIAL})"
+                )
             return [(("serving", "distributed", key), why)]
         return []
 
@@ -581,18 +641,57 @@ class DaemonConfig(_Section):
         return self.prometheus.instance or f"{socket.gethostname()}:{port or self.api.port}"
 
 
+AUTHKEY: Loc = ("serving", "distributed", "authkey_file")
 # Paths the file names: a relative one is relative to the config file's directory, not to the
 # daemon's working directory (the unit runs it in its state directory, /var/lib/kvguard).
 PATH_KEYS: tuple[Loc, ...] = (
     ("api", "admin_token_file"),
     ("api", "api_keys_file"),
     ("rules", "path"),
-    ("serving", "distributed", "authkey_file"),
+    AUTHKEY,
 )
-# Files a start (and a reload) refuses to go without: the rules and the API keys. An unusable
-# admin token turns the admin API off with a warning instead (Service.warn_admin_token); the
-# worker key is read when remote ranks join.
+# Files a start (and a reload) refuses to go without: the rules and the API keys, and the
+# worker key where remote ranks are listed (`_unusable_authkey`: it may be a credential). An
+# unusable admin token turns the admin API off with a warning instead (Service.warn_admin_token).
 READ_FILES: tuple[Loc, ...] = (("rules", "path"), ("api", "api_keys_file"))
+
+
+def _credential(name: str) -> Path | None:
+    """systemd's credential `name` (LoadCredential=) where the unit loaded one, else None. An
+    empty one counts: it is then reported as empty, not taken for no credential at all."""
+    creds = os.environ.get("CREDENTIALS_DIRECTORY")
+    if not creds:
+        return None
+    path = Path(creds) / name
+    return path if os.path.exists(path) else None
+
+
+def _cannot_read(path: Path) -> str | None:
+    """Why the daemon cannot read the file at `path`, or None; found without reading it."""
+    try:
+        folder = stat.S_ISDIR(path.stat().st_mode)
+    except OSError as e:
+        return f"cannot read {path}: {e.strerror or e}"
+    if folder:  # a pipe or a device may hold a file's text; a folder never does
+        return f"cannot read {path}: a directory, not a file"
+    if not os.access(path, os.R_OK):
+        return f"cannot read {path}: permission denied"
+    return None
+
+
+def _empty_key(path: Path) -> str | None:
+    """Why the worker key at `path` is no secret (nothing but whitespace), or None."""
+    try:
+        empty = not path.read_bytes().strip()  # as the rendezvous reads it
+    except OSError as e:
+        return f"cannot read {path}: {e.strerror or e}"
+    if not empty:
+        return None
+    return (
+        f"{path} is empty: any client would pass the rendezvous's challenge with an empty key "
+        "(expected the secret shared with every kvguard worker, e.g. written with "
+        "`head -c 32 /dev/urandom | base64`)"
+    )
 
 
 def _value_at(model: BaseModel, loc: Loc) -> Any:
@@ -646,6 +745,10 @@ def _cuda_devices() -> int:
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _gpus(n: int, what: str = "GPU") -> str:
+    return f"{n} {what}{'s' if n != 1 else ''}"
 
 
 def _uses_cuda(device: str) -> bool:

@@ -153,7 +153,8 @@ def test_a_cuda_device_on_a_host_without_one_is_refused_with_its_line(
     with pytest.raises(ConfigFileError) as e:
         load_config(f).check_start()
     assert e.value.errors == [
-        f"{f}:2: serving.device: 'cuda': torch finds no CUDA on this host (expected cpu or auto)"
+        f"{f}:2: serving.device: 'cuda': torch finds no CUDA on this host, where this config "
+        "needs 1 GPU (expected cpu or auto)"
     ]
 
 

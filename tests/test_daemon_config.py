@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import re
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -134,6 +135,100 @@ def test_large_baseline_is_accepted_as_written() -> None:
     assert (engine.tensor_parallel, engine.pipeline_parallel, engine.world_size) == (8, 2, 16)
     assert engine.model_quantization == "awq_4bit" and engine.pipeline_layers is None
     assert "cannot be served" not in path.read_text()
+
+
+@pytest.fixture
+def visible_gpus(monkeypatch: pytest.MonkeyPatch) -> Callable[[int], None]:
+    """Sets how many CUDA devices torch reports (0: no CUDA), as on a host with that many."""
+    import torch
+
+    def visible(n: int) -> None:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+
+    return visible
+
+
+def start_refusals(cfg: DaemonConfig) -> list[str]:
+    """What `check_start` (run before the port is bound) refuses in `cfg`; [] if nothing."""
+    try:
+        cfg.check_start()
+    except ConfigFileError as e:
+        return e.errors
+    return []
+
+
+def test_a_host_with_fewer_gpus_than_its_ranks_is_refused_before_the_bind(
+    tmp_path: Path, visible_gpus: Callable[[int], None]
+) -> None:
+    """Each rank takes a GPU of its own on CUDA. The 70B example (16 ranks) on an 8-GPU host
+    stacked two ranks on every card, each sizing its KV pool as if the card were its own, and
+    a 1-GPU host learnt that tensor_parallel 2 needs 2 GPUs only after the bind."""
+    example = EXAMPLES / "multi-gpu-70b.yaml"
+    large = apply_overrides(load_config(example), model=str(tmp_path))  # a model directory
+    line = example.read_text().splitlines().index("  tensor_parallel: 8") + 1
+    visible_gpus(8)
+    assert start_refusals(large) == [
+        f"{example}:{line}: serving.tensor_parallel: this config needs 16 GPUs, one per rank it "
+        "runs here (tensor_parallel 8 x pipeline_parallel 2), and torch sees 8 (expected at most "
+        "8 ranks on this host: lower tensor_parallel or pipeline_parallel, list the ranks other "
+        "hosts run in serving.distributed.remote_ranks, or make more GPUs visible)"
+    ]
+    visible_gpus(16)
+    assert start_refusals(large) == []
+    # stage 1 on another host: this one runs 8 ranks
+    (tmp_path / "worker.key").write_text("a shared secret for this test\n")
+    path = write(
+        tmp_path,
+        f"""
+        serving:
+          model: {tmp_path}
+          device: cuda
+          tensor_parallel: 8
+          pipeline_parallel: 2
+          distributed: {{remote_ranks: [8, 9, 10, 11, 12, 13, 14, 15], authkey_file: worker.key}}
+        """,
+    )
+    visible_gpus(8)
+    assert start_refusals(load_config(path)) == []
+    visible_gpus(7)
+    [refused] = start_refusals(load_config(path))
+    assert refused.startswith(
+        f"{path}:4: serving.tensor_parallel: this config needs 8 GPUs, one per rank it runs here "
+        "(tensor_parallel 8 x pipeline_parallel 2 less 8 in serving.distributed.remote_ranks), "
+        "and torch sees 7 (expected at most 7 ranks on this host"
+    ), refused
+    # device auto takes CUDA where torch finds it: two stages on one GPU
+    path = write(tmp_path, f"serving: {{model: {tmp_path}, pipeline_parallel: 2}}\n")
+    visible_gpus(1)
+    [refused] = start_refusals(load_config(path))
+    assert refused.startswith(
+        f"{path}:1: serving.pipeline_parallel: this config needs 2 GPUs, one per rank it runs "
+        "here (tensor_parallel 1 x pipeline_parallel 2), and torch sees 1 (expected at most 1 "
+        "rank on this host"
+    ), refused
+
+
+def test_a_gpu_example_on_a_host_without_enough_cuda_says_how_many_gpus_it_needs(
+    tmp_path: Path, visible_gpus: Callable[[int], None]
+) -> None:
+    example = EXAMPLES / "dual-gpu-13b.yaml"
+    dual = apply_overrides(load_config(example), model=str(tmp_path))
+    device = example.read_text().splitlines().index("  device: cuda") + 1
+    visible_gpus(0)
+    assert start_refusals(dual) == [
+        f"{example}:{device}: serving.device: 'cuda': torch finds no CUDA on this host, where this "
+        "config needs 2 GPUs, one per rank it runs here (tensor_parallel 2 x pipeline_parallel "
+        "1) (expected cpu or auto)"
+    ]
+    visible_gpus(1)
+    [refused] = start_refusals(dual)
+    assert refused.startswith(
+        f"{example}:{device + 1}: serving.tensor_parallel: this config needs 2 GPUs, one per "
+        "rank it runs here (tensor_parallel 2 x pipeline_parallel 1), and torch sees 1 "
+    ), refused
+    visible_gpus(2)
+    assert start_refusals(dual) == []
 
 
 def test_pipeline_layers_that_miss_the_stages_name_the_line(tmp_path: Path) -> None:

@@ -29,7 +29,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kvguard.engine import EngineConfig, LLMEngine
-from kvguard.engine.config import DistributedConfig
+from kvguard.engine.config import ConfigError, DistributedConfig
 from kvguard.engine.distributed import driver
 from kvguard.engine.distributed.errors import RankFailure
 from kvguard.engine.model_runner import ModelRunner
@@ -179,6 +179,20 @@ def tiny_engine(home: Path, tp: int = 1, pp: int = 2, **kw: object) -> LLMEngine
         **kw,
     )
     return LLMEngine.from_config(config, progress=False)
+
+
+def test_the_engine_refuses_an_empty_worker_key_before_it_listens(
+    tmp_path: Path, model_home: Path
+) -> None:
+    """The Python API has no config check before it: an empty key (a failed copy, `install -m
+    0600 /dev/null`) was taken, and the rendezvous then let in anyone, an empty key answering
+    its HMAC challenge. Refused, naming the file, before anything listens."""
+    key = tmp_path / "worker.key"
+    key.write_bytes(b" \n")
+    remote = DistributedConfig(remote_ranks=(1,), authkey_file=key, join_timeout_s=5.0)
+    with pytest.raises(ConfigError) as err:
+        tiny_engine(model_home, distributed=remote)
+    assert str(err.value).startswith(f"distributed.authkey_file: {key} is empty: "), err.value
 
 
 def test_a_remote_rank_that_fails_to_form_the_group_stops_its_healthy_remote_peer(

@@ -120,7 +120,8 @@ def test_a_remote_worker_killed_mid_run_makes_the_daemon_exit_non_zero(cluster: 
 def test_the_daemon_fails_naming_a_remote_rank_that_never_joins(tmp_path: Path, tiny_dir) -> None:  # noqa: ANN001
     c = Cluster(tmp_path, join_timeout="2s")
     try:
-        assert c.daemon.wait(120) != 0
+        # 1, not 2 (a config error: RestartPreventExitStatus=2): the rank's host may be booting
+        assert c.daemon.wait(120) == 1
         log = c.log()
         assert "rank 1 did not join within 2s" in log
         assert "kvguard worker --master 127.0.0.1:" in log
@@ -191,3 +192,72 @@ def test_the_daemon_config_names_the_line_of_a_network_master(tmp_path: Path) ->
     )
     path.write_text(path.read_text() + "    allow_network: true\n")
     assert load_config(path).to_engine_config().distributed.allow_network
+
+
+# -- the daemon's worker key: checked before the bind, a systemd credential under the unit ------
+REMOTE_RANK_1 = "serving:\n  model: tiny\n  device: cpu\n  pipeline_parallel: 2\n  distributed: "
+
+
+def test_a_worker_key_the_daemon_cannot_use_stops_the_start_before_the_bind(
+    tmp_path: Path,
+) -> None:
+    """A missing key failed the start only after the API port was bound and the model loaded,
+    with a bare `[Errno 2]`; an empty one was taken, and anyone passes the rendezvous's HMAC
+    challenge with an empty key. Both are refused with the key's line before the bind (exit 2),
+    an empty key as `kvguard worker` refuses one."""
+    from tests.test_server import serve_refused
+
+    key, config = tmp_path / "worker.key", tmp_path / "config.yaml"
+    config.write_text(
+        REMOTE_RANK_1 + "{remote_ranks: [1], authkey_file: worker.key, join_timeout: 5s}\n"
+        "api: {port: 0}\n"
+    )
+    for content, said in (
+        (None, f"cannot read {key}: No such file or directory"),
+        (b" \n", f"{key} is empty: any client would pass the rendezvous's challenge with an"),
+    ):
+        if content is not None:
+            key.write_bytes(content)
+        proc = serve_refused(config)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 2, out
+        assert proc.stderr.startswith(
+            f"kvguard: error: {config}:5: serving.distributed.authkey_file: {said}"
+        ), out
+        assert "API bound" not in out, out
+
+
+def test_the_daemon_reads_the_worker_key_credential_as_kvguard_worker_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under the shipped unit the daemon's dynamic user cannot read a root-only key under /etc:
+    with authkey_file unset it reads systemd's credential worker.key, where `kvguard worker`
+    looks. A key that is a folder, or an empty credential, is refused with the line."""
+    from kvguard.daemon.config import ConfigFileError, load_config
+
+    creds = tmp_path / "creds"
+    creds.mkdir()
+    monkeypatch.setenv("CREDENTIALS_DIRECTORY", str(creds))
+    config = tmp_path / "config.yaml"
+    config.write_text(REMOTE_RANK_1 + "{remote_ranks: [1]}\n")
+
+    def refused() -> list[str]:
+        with pytest.raises(ConfigFileError) as info:
+            load_config(config).check_start()
+        return info.value.errors
+
+    credential = creds / "worker.key"
+    credential.write_text("a shared secret for this test\n")
+    assert load_config(config).check_start().distributed.authkey_file == credential
+    prefix = f"{config}:5: serving.distributed.authkey_file: "
+    credential.write_bytes(b"")
+    [line] = refused()
+    assert line.startswith(prefix + f"{credential} is empty: "), line
+    credential.unlink()
+    assert refused() == [
+        prefix + "is required with remote ranks: each must prove it holds that secret before "
+        "the daemon reads a byte from it (or, under systemd, the credential worker.key: "
+        "LoadCredential=worker.key:/etc/kvguard/worker.key)"
+    ]
+    config.write_text(REMOTE_RANK_1 + f"{{remote_ranks: [1], authkey_file: {creds}}}\n")
+    assert refused() == [prefix + f"cannot read {creds}: a directory, not a file"]

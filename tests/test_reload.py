@@ -615,3 +615,30 @@ def test_a_reloads_audit_event_names_the_keys_waiting_for_a_restart(
     [event] = _events(service, "reload")
     assert event["data"]["restart_needed"] == r["restart_needed"], event
     assert event["data"]["changes"] == {}, event
+
+
+def test_a_reload_refuses_a_worker_key_the_next_start_would_refuse(
+    service: Service,  # noqa: F811
+) -> None:
+    """Remote ranks whose key is missing or empty: a start refuses them before the bind, so a
+    reload refuses them too (it took them, and the restart they wait for then failed)."""
+    path = service.config_path
+    assert path is not None
+    key = path.parent / "worker.key"
+    path.write_text(
+        path.read_text().replace(
+            "max_model_len: 512}",
+            "max_model_len: 512, pipeline_parallel: 2,\n"
+            "  distributed: {remote_ranks: [1], authkey_file: worker.key}}",
+        )
+    )
+    prefix = f"{path}:2: serving.distributed.authkey_file: "
+    for content, said in (
+        (None, f"cannot read {key}: No such file or directory"),
+        (b"", f"{key} is empty: "),
+    ):
+        if content is not None:
+            key.write_bytes(content)
+        res = service.reload()
+        assert not res["reloaded"] and res["reason"].startswith(prefix + said), res
+    assert service.cfg.serving.pipeline_parallel == 1  # the running config stays

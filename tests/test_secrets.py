@@ -316,6 +316,33 @@ def test_the_daemon_turns_the_admin_api_off_for_such_a_token_file(
     assert "SECRET" not in why + caplog.text
 
 
+@pytest.mark.parametrize("content", [b"", b"\n"], ids=["0 bytes", "a newline"])
+def test_an_empty_admin_credential_turns_the_admin_api_off_saying_so(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    content: bytes,
+) -> None:
+    """systemd's credential admin.token (api.admin_token_file unset), empty: the admin API is
+    off, with the start's warning and a 403 naming the credential. A 0-byte one counted as no
+    credential at all: no warning, and a 403 blaming api.admin_token_file."""
+    creds = tmp_path / "creds"
+    creds.mkdir()
+    (creds / "admin.token").write_bytes(content)
+    monkeypatch.setenv("CREDENTIALS_DIRECTORY", str(creds))
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("serving: {model: tiny}\n")
+    svc = Service(load_config(cfg), cfg)
+    why = f"the credential {creds / 'admin.token'} is empty"
+    assert svc.admin_token_status() == (None, why)
+    with caplog.at_level(logging.WARNING, logger="kvguard.daemon"):
+        svc.warn_admin_token()
+    assert f"admin API disabled (/admin/* answers 403): {why}" in caplog.text
+    with pytest.raises(ApiError) as e:
+        check_token(svc, f"Bearer {TOKEN}")
+    assert e.value.status == 403 and str(e.value) == f"admin API disabled: {why}"
+
+
 def test_a_token_file_as_written_by_hand_or_base64_still_works(tmp_path: Path) -> None:
     """The whitespace around the token is not part of it: a trailing newline (or CRLF), an
     indent; a space inside is sent and compared as it is."""

@@ -82,6 +82,24 @@ def test_the_readmes_admin_drop_in_verifies_and_hands_over_the_token(
     assert "NoSuchKey" in analyze("verify", str(unit_copy)).stderr
 
 
+def test_the_units_worker_key_credential_verifies_and_is_where_the_daemon_looks(
+    analyzer: str, unit_copy: Path
+) -> None:
+    """The daemon's dynamic user cannot read a root-only /etc/kvguard/worker.key: the unit ships
+    LoadCredential= for it commented (a missing key would stop every start, remote ranks or
+    not), and uncommented it verifies and names the credential the daemon reads when
+    serving.distributed.authkey_file is unset, as `kvguard worker` does."""
+    from kvguard.daemon.cli_worker import KEY_CREDENTIAL
+    from kvguard.daemon.config import WORKER_KEY_CREDENTIAL
+
+    line = f"LoadCredential={KEY_CREDENTIAL}:/etc/kvguard/worker.key"
+    text = unit_copy.read_text()
+    assert f"#{line}" in text.splitlines() and WORKER_KEY_CREDENTIAL == KEY_CREDENTIAL
+    unit_copy.write_text(text.replace(f"#{line}", line))
+    proc = analyze("verify", str(unit_copy))
+    assert (proc.returncode, proc.stderr, proc.stdout) == (0, "", "")
+
+
 def test_unit_exposure_is_low(analyzer: str, unit_copy: Path) -> None:
     proc = analyze("security", "--offline=yes", "--no-pager", str(unit_copy))
     assert proc.returncode == 0, proc.stderr

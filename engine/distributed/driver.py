@@ -39,7 +39,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from kvguard.engine.config import EngineConfig
+from kvguard.engine.config import ConfigError, EngineConfig
 from kvguard.engine.distributed.errors import RankFailure
 from kvguard.engine.distributed.fingerprint import differences, model_fingerprint
 from kvguard.engine.distributed.rendezvous import RendezvousServer, peer_closed
@@ -492,7 +492,7 @@ def _open_rendezvous(config: EngineConfig, store: str) -> RendezvousServer:
     d = config.distributed
     if d.authkey_file is None:  # validated with the config; kept for type checkers
         raise RankFailure(-1, "has remote ranks but no distributed.authkey_file")
-    key = Path(d.authkey_file).read_bytes().strip()
+    key = _read_authkey(Path(d.authkey_file))
     size = config.world_size
     server = RendezvousServer(d.master_addr, d.master_port, key, size, list(d.remote_ranks), store)
     host, port = server.address
@@ -506,6 +506,24 @@ def _open_rendezvous(config: EngineConfig, store: str) -> RendezvousServer:
         size,
     )
     return server
+
+
+def _read_authkey(path: Path) -> bytes:
+    """The secret each remote rank must prove it holds. An empty one is no secret (anyone
+    answers an HMAC challenge of an empty key), so it is refused, as `kvguard worker` and the
+    daemon's config check refuse it; this covers the Python API, which has no such check."""
+    try:
+        key = path.read_bytes().strip()
+    except OSError as e:
+        raise ConfigError(
+            f"distributed.authkey_file: cannot read {path}: {e.strerror or e}"
+        ) from None
+    if not key:
+        raise ConfigError(
+            f"distributed.authkey_file: {path} is empty: any client would pass the rendezvous's "
+            "challenge with an empty key (expected the secret shared with every kvguard worker)"
+        )
+    return key
 
 
 def _admit_remote(

@@ -8,6 +8,7 @@ the exported copy as it does in the repository.
 
 from __future__ import annotations
 
+import os
 from importlib.resources import files
 from importlib.resources.abc import Traversable
 from pathlib import Path
@@ -17,6 +18,11 @@ TESTS = "tests"
 DASHBOARD = "grafana/kvguard.json"
 # The form every runbook_url takes in the shipped files; anchors are lower-cased alert names.
 RUNBOOK_BASE = "https://github.com/kvguard/kvguard/blob/main/docs/runbooks.md"
+# What the written files and the folders made for them are read by (Prometheus' user, Grafana's,
+# the kvguard service's dynamic user) is never the user who ran the export: readable by all,
+# whatever the umask (sudo keeps an operator's 077).
+FILE_MODE = 0o644
+FOLDER_MODE = 0o755
 
 
 def packaged_files() -> list[tuple[str, Traversable]]:
@@ -68,6 +74,27 @@ def write_planned(planned: list[tuple[Path, str]], force: bool) -> list[Path]:
                 "pass --force to overwrite"
             )
     for path, text in planned:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        make_folders(path.parent)
+        is_new = not path.exists()
         path.write_text(text, encoding="utf-8")
+        if is_new:  # one that was there keeps the mode its owner gave it
+            os.chmod(path, FILE_MODE)
     return [p for p, _ in planned]
+
+
+def make_folders(folder: Path) -> None:
+    """Make `folder` and its missing parents, each FOLDER_MODE whatever the umask: under a
+    umask of 077 `mkdir -p` leaves 0700 folders that hide what they hold from the user who
+    reads it (a 0700 /etc/kvguard hides config.yaml and api_keys.yaml from the service, and
+    systemd does not change an existing ConfigurationDirectory=). A folder that exists keeps
+    its mode: its owner chose it."""
+    missing = []
+    while not folder.exists():
+        missing.append(folder)
+        folder = folder.parent
+    for level in reversed(missing):
+        try:
+            level.mkdir()
+        except FileExistsError:  # made meanwhile, by someone else: theirs
+            continue
+        os.chmod(level, FOLDER_MODE)

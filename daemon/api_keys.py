@@ -44,6 +44,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from kvguard.alerts.export import make_folders
 from kvguard.daemon.config import _EXPECTED_TYPE, ConfigFileError, Where, _shown
 from kvguard.rules.yaml_file import YamlFileError, load_yaml, read_source
 
@@ -286,14 +287,15 @@ def _block(entry: _Entry) -> str:
 
 def _make_directory(path: Path) -> None:
     """README's first `keys add` runs before /etc/kvguard exists on a fresh host: make the
-    file's missing directories, as `db upgrade` makes its database's (the file stays 0644)."""
+    file's missing directories, as `db upgrade` makes its database's, 0755 as the file is 0644
+    whatever the umask (`sudo` keeps an operator's 077)."""
     parent = path.parent
     if parent.is_dir():
         return
     try:
         if parent.exists():
             raise NotADirectoryError(errno.ENOTDIR, "not a directory")
-        parent.mkdir(parents=True, exist_ok=True)
+        make_folders(parent)  # 0755: the service's user reads the file in it
     except OSError as e:
         raise KeysFileError(
             [f"cannot create {path}: cannot make its directory {parent}: {e.strerror or e}"]

@@ -8,6 +8,7 @@ lazily: `kvguard --help` and argument errors answer at once instead of after loa
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import signal
@@ -25,22 +26,35 @@ if sys.argv[1:2] == ["serve"]:
 from kvguard.daemon.alerts_cli import add_alerts_parser  # noqa: E402
 from kvguard.daemon.audit_cli import add_audit_parser, add_db_parser  # noqa: E402
 from kvguard.daemon.bench_cli import add_bench_parser  # noqa: E402
-from kvguard.daemon.cli_serve import add_serve_parser, add_status_parser  # noqa: E402
+from kvguard.daemon.cli_serve import MODEL_FORMS, add_serve_parser, add_status_parser  # noqa: E402
 from kvguard.daemon.cli_worker import add_worker_parser  # noqa: E402
 from kvguard.daemon.keys_cli import add_keys_parser  # noqa: E402
 from kvguard.daemon.rules_cli import add_rules_parser  # noqa: E402
 from kvguard.daemon.systemd_cli import add_systemd_parser  # noqa: E402
 from kvguard.daemon.version import NOT_INSTALLED, kvguard_version  # noqa: E402
 
-EXIT_USAGE = 2  # bad arguments, bad config, a model that cannot be loaded
-EXIT_FAILURE = 1  # the command ran but failed (generate: an engine step ended a request)
+# Bad arguments, bad config, a key or model that cannot be used: what a new start would only
+# repeat, so the systemd units set RestartPreventExitStatus=2 and stop there.
+EXIT_USAGE = 2
+# The command ran but failed (generate: an engine step ended a request), or failed on what may
+# pass by itself (below): systemd starts the unit again.
+EXIT_FAILURE = 1
+# What may pass by itself: a peer not listening yet or gone (a daemon restarting, a host still
+# booting), a network not up yet, a port still held.
+TRANSIENT_ERRORS = (
+    ConnectionRefusedError,
+    ConnectionResetError,
+    ConnectionAbortedError,
+    TimeoutError,
+    EOFError,
+)
+TRANSIENT_ERRNOS = frozenset(
+    {errno.ENETUNREACH, errno.EHOSTUNREACH, errno.ENETDOWN, errno.EHOSTDOWN, errno.EADDRINUSE}
+)
 Handler = Callable[[argparse.Namespace], int]
 SubcommandBuilder = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], None]
 
-MODEL_HELP = (
-    "a known model name (see `kvguard model list`), a Hugging Face-format model directory "
-    "or a .gguf file (default: %(default)s)"
-)
+MODEL_HELP = f"{MODEL_FORMS} (default: %(default)s)"
 
 
 # -- kvguard model -----------------------------------------------------------------------------
@@ -294,7 +308,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one subcommand; expected failures print one line, not a traceback, and exit 2."""
+    """Run one subcommand; expected failures print one line, not a traceback, and exit 2, or 1
+    where a new start may get past them (systemd's RestartPreventExitStatus=2 tells them apart)."""
     args = build_parser().parse_args(argv)
     # OpenMP keeps libgomp's default wait policy (a worker spins briefly between parallel
     # regions, then sleeps). Forcing PASSIVE made every short region of a step wake a sleeping
@@ -311,12 +326,25 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(devnull, sys.stdout.fileno())  # no second error as Python flushes at exit
         return 128 + signal.SIGPIPE
     # ConfigError is a ValueError; a RankFailure here is a start a rank failed (one while
-    # serving ends the daemon through the engine loop, with its own exit status)
+    # serving ends the daemon through the engine loop, with its own exit status): the rank's
+    # host may be booting, its worker was killed, so a new start is worth it (exit 1)
     except (ModelLoadError, ValueError, OSError, RankFailure) as e:
         print(f"kvguard: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        return EXIT_FAILURE if isinstance(e, RankFailure) or transient(e) else EXIT_USAGE
     except KeyboardInterrupt:
         return 130
+
+
+def transient(error: BaseException) -> bool:
+    """Whether `error` may pass without an operator: exit 1, so that systemd starts the unit
+    again where RestartPreventExitStatus=2 would stop it. An error raised from another is also
+    judged by that cause: `kvguard worker`'s "no kvguard master at HOST:PORT within Ns" is a
+    ConnectionError raised from the last refused connection (transient), a wrong key's one
+    raised from the key's rejection (not)."""
+    return any(
+        isinstance(e, TRANSIENT_ERRORS) or (isinstance(e, OSError) and e.errno in TRANSIENT_ERRNOS)
+        for e in (error, error.__cause__)
+    )
 
 
 if __name__ == "__main__":

@@ -9,6 +9,12 @@ import json
 import os
 from pathlib import Path
 
+# What --model takes (`serve`, `generate`): everything serving.model does, said alike in both.
+MODEL_FORMS = (
+    "a known model name (see `kvguard model list`), a Hugging Face-format model directory "
+    "or a .gguf file"
+)
+
 
 def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
@@ -23,7 +29,7 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         type=Path,
         help=f"YAML config (examples in {examples}); validated at start",
     )
-    p.add_argument("--model", help="model name or directory (overrides serving.model)")
+    p.add_argument("--model", metavar="NAME|PATH", help=f"{MODEL_FORMS} (overrides serving.model)")
     p.add_argument("--host", help="bind address (overrides api.host; default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port (overrides api.port; default 8000)")
     p.add_argument(

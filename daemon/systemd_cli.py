@@ -19,8 +19,24 @@ CONFIG = "etc/kvguard/config.yaml"
 # `pipx install --global`); the export puts this installation's in its place.
 SHIPPED_SCRIPT = "/usr/local/bin/kvguard"
 SHIPPED_EXEC = f"ExecStart={SHIPPED_SCRIPT} "
-# Both units set ProtectHome=yes and PrivateTmp=yes: the service cannot see a script under these.
-HIDDEN_FROM_SERVICE = ("/home", "/root", "/run/user", "/tmp", "/var/tmp")
+# Both units set ProtectHome=yes and PrivateTmp=yes: the service cannot see a file under these.
+HIDDEN_FROM_SERVICE = {
+    "/home": "ProtectHome=yes",
+    "/root": "ProtectHome=yes",
+    "/run/user": "ProtectHome=yes",
+    "/tmp": "PrivateTmp=yes",
+    "/var/tmp": "PrivateTmp=yes",
+}
+# What to do about each file the service runs that it cannot see.
+MOVE_SCRIPT = "install kvguard elsewhere, e.g. in a venv at /opt/kvguard"
+MOVE_PYTHON = (
+    "make the venv from a Python the service can see (e.g. `sudo /usr/bin/python3 -m venv "
+    "/opt/kvguard`) and install kvguard there"
+)
+MOVE_PACKAGE = (
+    "install kvguard where the service can see it, e.g. in a venv at /opt/kvguard, as a copy "
+    "(`pip install .`, not an editable `pip install -e` of a checkout in a home directory)"
+)
 
 
 def add_systemd_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -63,13 +79,8 @@ def cmd_systemd_export(args: argparse.Namespace) -> int:
     script = Path(os.path.abspath(args.kvguard)) if args.kvguard else installed_script()
     if not (script.is_file() and os.access(script, os.X_OK)):
         raise ValueError(f"--kvguard {script}: not an executable file")
-    if script.as_posix().startswith(tuple(d + "/" for d in HIDDEN_FROM_SERVICE)):
-        print(
-            f"kvguard: warning: {script} is hidden from the service (the units set "
-            "ProtectHome=yes and PrivateTmp=yes): install kvguard elsewhere, e.g. in a venv at "
-            "/opt/kvguard",
-            file=sys.stderr,
-        )
+    for warning in hidden_from_service(script, ours=args.kvguard is None):
+        print(f"kvguard: warning: {warning}", file=sys.stderr)
     paths = export(args.dir, script, force=args.force)
     for path in paths:
         print(path)
@@ -97,6 +108,73 @@ def installed_script() -> Path:
     raise FileNotFoundError(
         f"no kvguard script beside {sys.executable} or in {sysconfig.get_path('scripts')} "
         "(kvguard is not installed there?): name it with --kvguard PATH"
+    )
+
+
+def hidden_from_service(script: Path, ours: bool) -> list[str]:
+    """One line for each file the service needs to run `script` that the units hide from it,
+    naming the file and the setting that hides it. The script is not the only one: a venv's
+    bin/python is a link to the Python it was made from (pyenv's, under /root or /home), and
+    an editable install imports kvguard from its checkout; under the unit either fails every
+    start (203/EXEC, or an ImportError) after an export that said nothing. A file inside one
+    already named, or holding it, is not named again."""
+    named: list[Path] = []
+    lines = []
+    for what, path, fix in service_needs(script, ours):
+        setting = hiding_setting(path)
+        if setting is None or any(path.is_relative_to(p) or p.is_relative_to(path) for p in named):
+            continue
+        named.append(path)
+        lines.append(f"{path} ({what}) is hidden from the service (the units set {setting}): {fix}")
+    return lines
+
+
+def service_needs(script: Path, ours: bool) -> list[tuple[str, Path, str]]:
+    """(what, path, how to fix it if hidden) for the files `script` runs on: the script, the
+    Python its first line names (links followed: the file that is run) and, where the script
+    belongs to this process's installation, that Python's installation and the kvguard
+    package this process imported. `ours`: it does (no --kvguard), whatever its first line
+    says; else it does where that line names a Python of this installation (sys.prefix: the
+    venv). Another installation's package is not known here."""
+    needs = [("the kvguard script", script, MOVE_SCRIPT)]
+    python = script_interpreter(script)
+    ours = ours or (python is not None and python.is_relative_to(sys.prefix))
+    if python is None and ours:
+        python = Path(sys.executable)
+    if python is None:
+        return needs
+    needs.append(("the Python the script runs", python.resolve(), MOVE_PYTHON))
+    if ours:
+        needs.append(("that Python's installation", Path(sys.base_prefix).resolve(), MOVE_PYTHON))
+        package = Path(__file__).resolve().parents[1]  # kvguard/, or an editable install's checkout
+        needs.append(("the kvguard package it imports", package, MOVE_PACKAGE))
+    return needs
+
+
+def script_interpreter(script: Path) -> Path | None:
+    """The Python a console script runs: its `#!` line, or the path pip writes on the second
+    line when the first is `#!/bin/sh` (an interpreter path too long for `#!`, or with a
+    blank in it); None for `#!/usr/bin/env python3` or anything else that names no file."""
+    try:
+        with script.open("rb") as f:
+            head = f.read(4096).decode("utf-8", "replace").splitlines()
+    except OSError:
+        return None
+    trampoline = "'''exec' \""
+    if head[:1] == ["#!/bin/sh"] and len(head) > 1 and head[1].startswith(trampoline):
+        word = head[1].removeprefix(trampoline).partition('"')[0]
+    elif head and head[0].startswith("#!"):
+        word = head[0].removeprefix("#!").strip().partition(" ")[0]
+    else:
+        return None
+    return Path(word) if word.startswith("/") and Path(word).name != "env" else None
+
+
+def hiding_setting(path: Path) -> str | None:
+    """The unit setting that hides `path` from the service, or None where the service sees it."""
+    return next(
+        (setting for top, setting in HIDDEN_FROM_SERVICE.items() if path.is_relative_to(top)),
+        None,
     )
 
 

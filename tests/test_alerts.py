@@ -26,7 +26,7 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from test_server import Daemon, free_port
+from test_server import KVGUARD, Daemon, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 ALERTS = REPO / "alerts"
@@ -262,6 +262,29 @@ def test_export_writes_files_that_pass_promtool(tmp_path: Path) -> None:
         export(tmp_path)
     assert export(tmp_path, force=True)[0] == rules
     assert rules.read_text() == RULES.read_text()
+
+
+def test_export_writes_files_prometheus_can_read_whatever_the_umask(tmp_path: Path) -> None:
+    """`sudo kvguard alerts export --dir /etc/prometheus/kvguard` under an operator's umask of
+    077 (sudo keeps it): Prometheus runs as its own user, so the files are 0644 and the folders
+    made for them 0755 all the same. A folder or file that was there keeps its mode."""
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    kept.chmod(0o700)
+    out = kept / "prometheus" / "kvguard"
+    cmd = [KVGUARD, "alerts", "export", "--dir", str(out), "--json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, umask=0o077)
+    assert proc.returncode == 0, proc.stderr
+    files = [Path(p) for p in json.loads(proc.stdout)]
+    made = [kept / "prometheus", out, out / "tests", out / "grafana"]
+    modes = {p: oct(p.stat().st_mode & 0o777) for p in (kept, *made, *files)}
+    assert modes == {kept: "0o700"} | dict.fromkeys(made, "0o755") | dict.fromkeys(files, "0o644")
+    files[0].chmod(0o640)  # an operator's choice (group prometheus, say): kept
+    proc = subprocess.run(
+        [*cmd, "--force"], capture_output=True, text=True, timeout=60, umask=0o077
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert oct(files[0].stat().st_mode & 0o777) == "0o640"
 
 
 # -- a live daemon and a real Prometheus -------------------------------------------------------

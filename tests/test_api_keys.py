@@ -464,3 +464,26 @@ def test_keys_add_makes_the_missing_directories(
     assert main(["keys", "--file", str(tmp_path / "new" / "k.yaml"), "add", "bad name"]) == 2
     capsys.readouterr()
     assert not (tmp_path / "new").exists()
+
+
+def test_keys_add_makes_directories_the_service_can_read_whatever_the_umask(
+    tmp_path: Path,
+) -> None:
+    """`sudo` keeps an operator's umask of 077: the directories `keys add` makes are 0755 all
+    the same (a 0700 /etc/kvguard would hide the keys file and config.yaml from the service's
+    dynamic user), the file 0644; a directory that was there keeps the mode it had."""
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    kept.chmod(0o700)
+    path = kept / "etc" / "kvguard" / "api_keys.yaml"
+    proc = subprocess.run(
+        [KVGUARD, "keys", "--file", str(path), "add", "web"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        umask=0o077,
+    )
+    assert proc.returncode == 0, proc.stderr
+    made = [kept / "etc", kept / "etc" / "kvguard"]
+    modes = {p: oct(p.stat().st_mode & 0o777) for p in (kept, *made, path)}
+    assert modes == {kept: "0o700", made[0]: "0o755", made[1]: "0o755", path: "0o644"}

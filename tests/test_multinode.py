@@ -143,6 +143,24 @@ def test_a_wrong_key_is_refused_before_anything_is_read(cluster: Cluster) -> Non
     until(lambda: "refused a connection to the rendezvous" in cluster.log(), 30, "the refusal")
 
 
+def test_a_worker_that_finds_no_master_exits_1_to_be_started_again(tmp_path: Path) -> None:
+    """kvguard-worker@.service stops for good on exit 2 (RestartPreventExitStatus=2: a bad
+    flag or key). No daemon listening within --connect-timeout is not that: the daemon may be
+    restarting or its host booting, so the worker exits 1 and systemd starts it again."""
+    key = tmp_path / "worker.key"
+    key.write_text("a shared secret for this test\n")
+    master = f"127.0.0.1:{free_port()}"  # nothing listens there
+    alone = subprocess.run(
+        [KVGUARD, "worker", "--master", master, "--rank", "1", "--world-size", "2"]
+        + ["--authkey-file", str(key), "--connect-timeout", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert alone.returncode == 1, alone.stderr
+    assert f"kvguard: error: no kvguard master at {master} within 0s" in alone.stderr
+
+
 def test_a_network_address_is_refused_without_allow_network() -> None:
     with pytest.raises(ConfigError, match=r"'10\.1\.2\.3' is not a loopback address"):
         DistributedConfig(

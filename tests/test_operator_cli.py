@@ -579,6 +579,25 @@ def test_status_help_names_the_token_file_variable() -> None:
     assert out.returncode == 0 and "$KVGUARD_ADMIN_TOKEN_FILE" in out.stdout, out.stdout
 
 
+def test_serve_and_generate_help_name_every_form_of_model() -> None:
+    """`serve --model` takes what `generate --model` and serving.model take, a .gguf file too
+    (the README serves one): both help texts say so alike."""
+    for command in ("serve", "generate"):
+        out = subprocess.run(
+            [KVGUARD, command, "--help"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "COLUMNS": "1000"},  # no line wrapped, at a hyphen neither
+        )
+        assert out.returncode == 0, out.stderr
+        text = " ".join(out.stdout.split())
+        assert (
+            "--model NAME|PATH a known model name (see `kvguard model list`), a Hugging "
+            "Face-format model directory or a .gguf file"
+        ) in text, (command, text)
+
+
 def test_version_names_the_installed_distribution() -> None:
     from importlib.metadata import version
 

@@ -22,7 +22,9 @@ from pathlib import Path
 
 import pytest
 
+import kvguard.daemon
 from kvguard.daemon import sdnotify
+from kvguard.daemon.cli import EXIT_USAGE
 
 UNIT = Path(__file__).resolve().parents[1] / "daemon" / "systemd" / "kvguard.service"
 SHIPPED_EXEC = "ExecStart=/usr/local/bin/kvguard "
@@ -110,6 +112,16 @@ def test_unit_exposure_is_low(analyzer: str, unit_copy: Path) -> None:
     print(f"systemd-analyze security: overall exposure {exposure}")
     failed = [line for line in proc.stdout.splitlines() if line.startswith("✗")]
     assert exposure <= MAX_EXPOSURE, "\n".join(failed)
+
+
+def test_units_stop_on_a_config_error_instead_of_restarting_into_it() -> None:
+    """Exit 2 (EXIT_USAGE) is a bad config, flag, key or model: with Restart= alone and
+    RestartSec=5s, systemd would start the unit into the same error every 5 s forever (the
+    default start limit, 5 starts in 10 s, is never reached). Both units say so."""
+    for unit in (UNIT, UNIT.parent / "kvguard-worker@.service"):
+        settings = [line.strip() for line in unit.read_text().splitlines()]
+        assert f"RestartPreventExitStatus={EXIT_USAGE}" in settings, unit.name
+        assert any(line.startswith("Restart=") for line in settings), unit.name
 
 
 def test_unit_does_not_forbid_writable_executable_memory() -> None:
@@ -223,6 +235,7 @@ def test_watchdog_interval(monkeypatch: pytest.MonkeyPatch) -> None:
 # -- kvguard systemd export ----------------------------------------------------------------------
 SYSTEMD_DIR = UNIT.parent
 SCRIPT = Path(sys.executable).parent / "kvguard"  # this venv's console script
+PACKAGE = Path(kvguard.daemon.__file__).resolve().parents[1]  # kvguard/, or the checkout
 
 
 def hidden(path: Path) -> bool:
@@ -243,7 +256,10 @@ def test_exported_units_run_this_installation_and_verify(analyzer: str, tmp_path
     out = tmp_path / "out"
     proc = export("--dir", str(out))
     assert proc.returncode == 0, proc.stderr
-    assert ("hidden from the service" in proc.stderr) if hidden(SCRIPT) else proc.stderr == ""
+    python = Path(sys.executable).resolve()  # the script's: this venv's python, links followed
+    runs_on = (SCRIPT.resolve(), python, Path(sys.base_prefix).resolve(), PACKAGE)
+    assert ("hidden from the service" in proc.stderr) == any(hidden(p) for p in runs_on)
+    assert (f"{python} (the Python the script runs) is hidden" in proc.stderr) == hidden(python)
     written = ["kvguard.service", "kvguard-worker@.service", "etc/kvguard/config.yaml"]
     assert proc.stdout.splitlines()[:3] == [str(out / rel) for rel in written]
     for rel in written:
@@ -296,7 +312,8 @@ def test_export_escapes_an_odd_script_path_and_refuses_what_systemd_cannot_run(
     out = tmp_path / "out"
     proc = export("--dir", str(out), "--kvguard", str(odd / "kvguard"))
     assert proc.returncode == 0, proc.stderr
-    assert ("hidden from the service" in proc.stderr) == hidden(odd), proc.stderr
+    said = f"{odd / 'kvguard'} (the kvguard script) is hidden from the service"
+    assert (said in proc.stderr) == hidden(odd), proc.stderr
     line = f'ExecStart="{str(odd).replace("%", "%%")}/kvguard" serve '
     assert any(x.startswith(line) for x in (out / "kvguard.service").read_text().splitlines())
     proc = analyze("verify", str(out / "kvguard.service"))
@@ -309,6 +326,61 @@ def test_export_escapes_an_odd_script_path_and_refuses_what_systemd_cannot_run(
     assert not (tmp_path / "none").exists()
     proc = export("--dir", str(tmp_path / "none"), "--kvguard", str(tmp_path / "missing"))
     assert proc.returncode == 2 and "not an executable file" in proc.stderr, proc.stderr
+
+
+def test_export_warns_of_a_python_the_service_cannot_see(tmp_path: Path) -> None:
+    """A venv made from pyenv's Python (under /root or /home) has a script the service can
+    see and a bin/python linking to one it cannot: every start fails (203/EXEC). The export
+    names that Python, from the script's first line in either form pip writes, and the
+    setting that hides it; an `env` line names no file, so nothing is said of it."""
+    pyenv = "/home/op/.pyenv/versions/3.11.7/bin/python3.11"
+    spaced = "/root/my venvs/base/bin/python3"
+    trampoline = f"#!/bin/sh\n'''exec' \"{spaced}\" \"$0\" \"$@\"\n' '''\n"  # pip's, for a blank
+    for first_lines, warned in (
+        (f"#!{pyenv}\n", pyenv),
+        (trampoline, spaced),
+        ("#!/usr/bin/env python3\n", None),
+    ):
+        script = tmp_path / "bin" / "kvguard"
+        script.parent.mkdir(exist_ok=True)
+        script.write_text(first_lines + "from kvguard.daemon.cli import main\nmain()\n")
+        script.chmod(0o755)
+        proc = export("--dir", str(tmp_path / "out"), "--kvguard", str(script), "--force")
+        assert proc.returncode == 0, proc.stderr
+        said = [line for line in proc.stderr.splitlines() if "(the Python the script runs)" in line]
+        assert said == (
+            []
+            if warned is None
+            else [
+                f"kvguard: warning: {warned} (the Python the script runs) is hidden from the "
+                "service (the units set ProtectHome=yes): make the venv from a Python the "
+                "service can see (e.g. `sudo /usr/bin/python3 -m venv /opt/kvguard`) and install "
+                "kvguard there"
+            ]
+        ), proc.stderr
+
+
+def test_export_warns_of_a_kvguard_package_the_service_cannot_see() -> None:
+    """An editable install imports kvguard from its checkout, which may lie in a home or
+    temporary directory the units hide: the export names where this kvguard was imported
+    from. Here a copy of the package under /tmp (PrivateTmp=yes) is imported first."""
+    with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
+        package = Path(tmp).resolve() / "src" / "kvguard"
+        for sub in ("daemon", "alerts"):  # what `systemd export` imports of kvguard's own
+            shutil.copytree(PACKAGE / sub, package / sub, ignore=shutil.ignore_patterns("__py*"))
+        proc = subprocess.run(
+            [sys.executable, "-m", "kvguard.daemon.cli", "systemd", "export", "--dir", "out"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=tmp,
+            env={**os.environ, "PYTHONPATH": str(package.parent)},
+        )
+        assert proc.returncode == 0, proc.stderr
+        assert (
+            f"kvguard: warning: {package} (the kvguard package it imports) is hidden from the "
+            "service (the units set PrivateTmp=yes): install kvguard where the service can see it"
+        ) in proc.stderr, proc.stderr
 
 
 def test_the_readmes_recipe_installs_what_the_export_writes(tmp_path: Path) -> None:

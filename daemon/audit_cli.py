@@ -18,7 +18,7 @@ import math
 import re
 import sys
 from collections.abc import Iterable, Sequence
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
@@ -92,7 +92,8 @@ def _window_options(p: argparse.ArgumentParser) -> None:
         "--until",
         metavar="WHEN",
         help="up to this time: a duration ago or ISO (one without fractional seconds, as "
-        "printed, takes in the whole of its second)",
+        "printed, takes in the whole of its second; a date alone, the whole day; a week "
+        "alone, 2026-W50, the whole week)",
     )
 
 
@@ -225,7 +226,9 @@ def cmd_audit_list(args: argparse.Namespace) -> int:
     rows = _newest(rows, limit, "actions")
     if args.json:
         return _print_json(rows)
-    headers = ("ID", "TIME", "RULE", "ACTION", "SIGNAL", "OUTCOME", "INCIDENT")
+    # INSTANCE last, whether or not --instance is given, as `incidents` has it: on a fleet's
+    # database, two daemons' rows told apart; the columns before it where they were
+    headers = ("ID", "TIME", "RULE", "ACTION", "SIGNAL", "OUTCOME", "INCIDENT", "INSTANCE")
     _print_table(headers, [_action_cells(r) for r in rows], empty="no actions")
     return 0
 
@@ -631,16 +634,27 @@ def parse_until(text: str, now: datetime | None = None) -> datetime:
     """An --until value: as `parse_when`, but an ISO time without fractional seconds (as the
     tables print times) means the whole of that second: rows keep microseconds, and the row
     printed at 12:00:00 may have been written at 12:00:00.73; a date alone means the whole of
-    that day."""
+    that day, and a week alone the whole of that week (`_named_span`)."""
     t = parse_when(text, now, "--until")
     value = text.strip()
     if re.fullmatch(rf"(?:{_PART})+", value) or re.search(r":\d\d[.,]\d", value):
         return t
-    whole = timedelta(days=1) if re.fullmatch(r"\d{4}-?\d\d-?\d\d", value) else timedelta(seconds=1)
     try:
-        return t + whole - timedelta(microseconds=1)  # rows end in microseconds
-    except OverflowError:  # the last second (or day) there is: every row is older
+        return t + _named_span(value) - timedelta(microseconds=1)  # rows end in microseconds
+    except OverflowError:  # the last second (or day, week) there is: every row is older
         return datetime.max.replace(tzinfo=UTC)
+
+
+def _named_span(value: str) -> timedelta:
+    """The stretch of time an ISO time without fractional seconds names: a week (2026-W50), a
+    day (any date alone `fromisoformat` takes: 2026-12-07, 20261207, the week date 2026-W50-1),
+    else a second. Matching only YYYY-MM-DD took a week date for its midnight, leaving out
+    the rest of the day."""
+    try:
+        date.fromisoformat(value)
+    except ValueError:
+        return timedelta(seconds=1)
+    return timedelta(weeks=1) if re.fullmatch(r"\d{4}-?W\d\d", value) else timedelta(days=1)
 
 
 def _window(args: argparse.Namespace) -> tuple[datetime | None, datetime | None]:
@@ -693,8 +707,9 @@ def _signal(r: dict[str, Any]) -> str:
 
 def _action_cells(r: dict[str, Any]) -> tuple[str, ...]:
     action = r["action"] + (" (undo)" if r["is_undo"] else "")
-    rule, incident = r["rule"] or "-", r["incident"] or "-"
-    return (str(r["id"]), _time(r["time"]), rule, action, _signal(r), r["outcome"], incident)
+    rule, incident, instance = r["rule"] or "-", r["incident"] or "-", r["instance"] or "-"
+    cells = (str(r["id"]), _time(r["time"]), rule, action, _signal(r), r["outcome"], incident)
+    return (*cells, instance)
 
 
 def _closed(r: dict[str, Any]) -> str:

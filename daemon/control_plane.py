@@ -6,12 +6,15 @@ of its own paced by the monotonic clock: a step of the wall clock (chrony's make
 operator's `date -s`) neither stops them nor makes them burst, and a slow tick never piles up
 (the ticks it overran are coalesced into one). Engine events (an OOM, a preemption storm) and
 Alertmanager alerts trigger an immediate evaluation, a one-off job on APScheduler's worker
-threads. Preemption storms are counted on the monotonic clock too (`EngineEvent.monotonic`).
+threads; where it opens an incident, the event (its audit row) is that incident's cause, the
+first row of its timeline. Preemption storms are counted on the monotonic clock too
+(`EngineEvent.monotonic`).
 """
 
 from __future__ import annotations
 
-import contextlib
+import functools
+import itertools
 import logging
 import math
 import socket
@@ -19,7 +22,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -42,6 +45,8 @@ if TYPE_CHECKING:
     from kvguard.daemon.service import Service
 
 log = logging.getLogger("kvguard.control")
+# Records one event in the incident given (None: none is open).
+Recorder = Callable[[str | None], None]
 AUDITED_EVENTS = (
     "engine_oom",
     "admission_halted",
@@ -89,9 +94,15 @@ class ControlPlane:
             dry_run=cfg.rules.dry_run,
             host=socket.gethostname(),
         )
-        # engine events that start an evaluation, recorded by it: in the incident it opens
-        self._causes: deque[EngineEvent] = deque()
-        self.evaluator.on_incident = self._record_causes
+        # the events that start an evaluation (an OOM, a storm, a firing alert) a rule acts on,
+        # not recorded yet, by number: each by its own evaluation, in the incident it opens (the
+        # first row of its timeline), else after it in the incident open then (`_cause`)
+        self._causes: dict[int, Recorder] = {}
+        self._cause_numbers = itertools.count()
+        self._causes_lock = threading.Lock()
+        # the causes of the event evaluation each worker thread runs now
+        self._job_causes: dict[threading.Thread, Sequence[int]] = {}
+        self.evaluator.on_incident = self._on_incident
         # one-off jobs only (the evaluations engine events and alerts start, on its threads);
         # the periodic jobs are tickers on the monotonic clock (APScheduler's interval jobs
         # are due by the wall clock: a step back of an hour stopped them for an hour)
@@ -191,9 +202,9 @@ class ControlPlane:
         return out
 
     def record_pending(self) -> None:
-        """Record the engine events no evaluation took up yet, in the incident open now: at the
-        stop, and at a forced exit, which waits for no evaluation (they would be lost)."""
-        self._record_causes(self.evaluator.incident)
+        """Record the causes no evaluation recorded yet, in the incident open now: at the stop,
+        and at a forced exit, which waits for no evaluation (they would be lost)."""
+        self._record_causes(None, self.evaluator.incident)
 
     def evaluate(self) -> None:
         """One tick; a tick skipped because another evaluation holds the turn (e.g. awaiting a
@@ -229,13 +240,13 @@ class ControlPlane:
     # -- events -----------------------------------------------------------------------------
     def _on_engine_event(self, event: EngineEvent) -> None:
         """On the engine thread: only record and schedule, never act here."""
-        if event.kind == "engine_oom":  # its rules' evaluation records it (_record_causes)
-            self._causes.append(event)
-            self._soon_off_engine("engine_oom")
+        if event.kind == "engine_oom":  # its rules' evaluation records it (`_cause`)
+            causes = self._cause("engine_oom", functools.partial(self._record, event))
+            self._soon_off_engine("engine_oom", causes)
         elif event.kind in AUDITED_EVENTS:
             self._record(event, self.evaluator.incident)
         elif event.kind == "preempted":
-            self._count_preemption(event.monotonic)
+            self._count_preemption(event)
 
     def _record(self, event: EngineEvent, incident: str | None) -> None:
         self.service.audit.record_event(
@@ -246,74 +257,105 @@ class ControlPlane:
             time=datetime.fromtimestamp(event.time, UTC),
         )
 
-    def _record_causes(self, incident: str | None) -> None:
-        """Record the engine events that started evaluations and are not recorded yet: as the
-        incident one opens opens (the event is that incident's cause, first in its timeline),
-        or after the evaluation in whatever incident is open (none acted on it)."""
-        while True:
-            try:
-                event = self._causes.popleft()
-            except IndexError:
-                return
-            self._record(event, incident)
+    def _cause(self, on: str, record: Recorder) -> list[int]:
+        """An event that starts the evaluation of the rules `on` it: its row is held until that
+        evaluation opens an incident, to be its cause, the first row of its timeline
+        (`_on_incident`), or ends without one, to be in the incident open then. (Written at
+        once, an alert's or a storm's row was in no incident: the timeline showed the alert
+        resolving, never firing.) One no rule acts on opens nothing: recorded at once. Returns
+        the numbers of the rows held, for the evaluation to take (`_soon_all`)."""
+        if not any(r.on == on for r in self.evaluator.rules.rules):
+            record(self.evaluator.incident)
+            return []
+        with self._causes_lock:
+            number = next(self._cause_numbers)
+            self._causes[number] = record
+        return [number]
 
-    def _soon_off_engine(self, kind: str) -> None:
+    def _on_incident(self, incident: str) -> None:
+        """An evaluation opened `incident`: the events that started it are its cause. Those of
+        the event evaluation on this thread only (a tick has none): another's, queued behind it,
+        may open an incident of its own."""
+        self._record_causes(self._job_causes.get(threading.current_thread(), ()), incident)
+
+    def _record_causes(self, numbers: Iterable[int] | None, incident: str | None) -> None:
+        """Record the causes `numbers` (None: all) still held, in `incident`: each once,
+        whoever comes first (its evaluation, or the stop)."""
+        with self._causes_lock:
+            wanted = list(self._causes) if numbers is None else numbers
+            taken = [self._causes.pop(n) for n in wanted if n in self._causes]
+        for record in taken:
+            record(incident)
+
+    def _soon_off_engine(self, kind: str, causes: Sequence[int] = ()) -> None:
         """`_soon` from another thread: the engine thread must never wait on the scheduler's
         lock, which `stop()` holds while it waits for a running evaluation, and that may be
         waiting for the engine to apply its action (a deadlock of up to 120 s at shutdown)."""
         threading.Thread(
-            target=self._soon, args=(kind,), name="kvguard-rule-event", daemon=True
+            target=self._soon,
+            args=(kind,),
+            kwargs={"causes": causes},
+            name="kvguard-rule-event",
+            daemon=True,
         ).start()
 
-    def _count_preemption(self, t: float) -> None:
-        """`t`: the preemption's monotonic time. On the wall clock, a step back of an hour
-        kept every earlier preemption in the window and held off the next storm for the hour."""
-        q = self._preempt_times
+    def _count_preemption(self, event: EngineEvent) -> None:
+        """Counted on the event's monotonic time: on the wall clock, a step back of an hour kept
+        every earlier preemption in the window and held off the next storm for the hour."""
+        q, t = self._preempt_times, event.monotonic
         q.append(t)
         while q and q[0] < t - STORM_WINDOW_S:
             q.popleft()
         if len(q) >= STORM_PREEMPTIONS and t > self._storm_until:
             self._storm_until = t + STORM_WINDOW_S
-            self.service.audit.record_event(
+            record = functools.partial(
+                self.service.audit.record_event,
                 "preemption_storm",
                 detail=f"{len(q)} preemptions in {STORM_WINDOW_S:g}s",
-                incident=self.evaluator.incident,
+                time=datetime.fromtimestamp(event.time, UTC),
             )
-            self._soon_off_engine("preemption_storm")
+            causes = self._cause("preemption_storm", lambda incident: record(incident=incident))
+            self._soon_off_engine("preemption_storm", causes)
 
-    def _soon(self, kind: str, resolved: bool = False) -> None:
+    def _soon(self, kind: str, resolved: bool = False, causes: Sequence[int] = ()) -> None:
         """Evaluate right away on the scheduler's worker threads (not the caller's)."""
-        self._soon_all([(kind, resolved)])
+        self._soon_all([(kind, resolved)], causes=causes)
 
     def _soon_all(
         self,
         events: list[tuple[str, bool]],
         only: set[str] | None = None,
         note: str = "",
+        causes: Sequence[int] = (),
     ) -> None:
         """One job that runs the event rules of each (kind, resolved) in order, then one tick
-        (`only`, `note`: as Evaluator.handle_event's)."""
+        (`only`, `note`: as Evaluator.handle_event's). `causes`: the events it is for (`_cause`),
+        recorded by it."""
 
         what = "the evaluation of " + ", ".join(kind for kind, _ in events)
 
         def run() -> None:
             me = threading.current_thread()
             self._jobs[me] = (what, time.monotonic())
+            self._job_causes[me] = causes
             try:
                 try:
                     for kind, resolved in events:
                         self.evaluator.handle_event(kind, resolved=resolved, only=only, note=note)
-                finally:  # those no rule acted on, in the incident open now, if one is
-                    self._record_causes(self.evaluator.incident)
+                finally:  # those that opened no incident, in the one open now, if one is
+                    self._job_causes.pop(me, None)
+                    self._record_causes(causes, self.evaluator.incident)
                 self.evaluate()
             finally:
                 self._jobs.pop(me, None)
 
-        with contextlib.suppress(SchedulerNotRunningError):  # stopping: nothing to evaluate
+        try:
             # however late (misfire_grace_time None): an evaluation stuck on a slow engine may
             # hold the pool's threads, and an event skipped as misfired would be lost (its
             # alert already marked as seen)
             self.scheduler.add_job(run, id=None, misfire_grace_time=None)
+        except SchedulerNotRunningError:  # stopping: nothing to evaluate; its causes now
+            self._record_causes(causes, self.evaluator.incident)
 
     # -- Alertmanager -----------------------------------------------------------------------
     def alertmanager(self, payload: dict[str, Any]) -> dict[str, Any]:
@@ -341,19 +383,7 @@ class ControlPlane:
                 new.setdefault((a.name, a.status), []).append(a)
             else:
                 dupes += 1
-        for (name, status), group in new.items():
-            self.service.audit.record_event(
-                "alert_resolved" if status == "resolved" else "alert_received",
-                detail=name if len(group) == 1 else f"{name} (x{len(group)})",
-                data={
-                    "count": len(group),
-                    "labels": group[0].labels,
-                    "startsAt": group[0].starts_at,
-                    "fingerprint": group[0].fingerprint,
-                    "fingerprints": [a.fingerprint for a in group],
-                },
-                incident=self.evaluator.incident,
-            )
+        causes = [n for group in new.values() for n in self._alerts_row(group)]
         with self._lock:  # each name with an alert that fired and has not resolved since
             firing = set(self.firing)
         events: list[tuple[str, bool]] = []
@@ -363,8 +393,31 @@ class ControlPlane:
             elif name not in firing:
                 events.append((f"alert:{name}", True))
         if events:
-            self._soon_all(events)
+            self._soon_all(events, causes=causes)
         return {"accepted": taken, "duplicates": dupes, "other_instance": other}
+
+    def _alerts_row(self, group: list[Alert]) -> list[int]:
+        """The audit row of the alerts of one name and status a request brought, timed now. A
+        resolution is recorded at once, in the incident open now (its evaluation may close
+        it); a firing is a cause (`_cause`): the first row of the incident it opens."""
+        name, status = group[0].name, group[0].status
+        record = functools.partial(
+            self.service.audit.record_event,
+            "alert_resolved" if status == "resolved" else "alert_received",
+            detail=name if len(group) == 1 else f"{name} (x{len(group)})",
+            data={
+                "count": len(group),
+                "labels": group[0].labels,
+                "startsAt": group[0].starts_at,
+                "fingerprint": group[0].fingerprint,
+                "fingerprints": [a.fingerprint for a in group],
+            },
+            time=datetime.now(UTC),
+        )
+        if status == "resolved":
+            record(incident=self.evaluator.incident)
+            return []
+        return self._cause(f"alert:{name}", lambda incident: record(incident=incident))
 
     def _ignore(self, a: Alert, mine: str) -> None:
         """Count an alert for another instance; the first of each name is logged, with the

@@ -444,6 +444,7 @@ def test_cli_list_filters_and_json(filled: tuple[str, str]) -> None:
         "SIGNAL",
         "OUTCOME",
         "INCIDENT",
+        "INSTANCE",
     ]
     assert "kv_usage=0.951 (threshold 0.92)" in out and len(out.splitlines()) == 3
 

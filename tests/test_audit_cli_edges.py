@@ -1,6 +1,7 @@
 """Edges of the audit log's data and of `kvguard audit`: incidents a killed daemon left open,
 the retention sweep at start, manual actions in an incident's count, decision times, the
-daemon's own events in an incident's timeline, time windows, non-finite values in JSON, names
+daemon's own events in an incident's timeline, the alert or storm that opens an incident first
+in it, `list` on a fleet's database, time windows, non-finite values in JSON, names
 and text PostgreSQL refuses, `audit import` (and the start's) into a database that is not the
 daemon's, a database a newer kvguard migrated, cut lists, and database text on a terminal.
 
@@ -17,9 +18,11 @@ import pty
 import re
 import sqlite3
 import subprocess
-from contextlib import closing
+from collections.abc import Iterator
+from contextlib import closing, contextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -27,8 +30,16 @@ import pytest
 
 from kvguard.daemon import audit_migrate
 from kvguard.daemon.audit import AuditStore, utcnow
-from kvguard.daemon.control_plane import AlertPayloadError, parse_alerts
+from kvguard.daemon.config import load_config
+from kvguard.daemon.control_plane import (
+    STORM_PREEMPTIONS,
+    STORM_WINDOW_S,
+    AlertPayloadError,
+    ControlPlane,
+    parse_alerts,
+)
 from kvguard.engine.control import ActionResult
+from kvguard.engine.events import EngineEvent
 from kvguard.rules.evaluator import Evaluator
 from kvguard.rules.schema import RulesFileError, load_rules_text
 from tests.test_audit import _act, kvguard
@@ -260,6 +271,130 @@ def test_an_action_is_recorded_at_its_decision_before_the_events_it_causes(
     assert store.stop(timeout=10)
 
 
+# -- the alert or storm that opens an incident is the first row of its timeline ---------------
+@contextmanager
+def _plane_on(tmp_path: Path, on: str) -> Iterator[ControlPlane]:
+    """The real ControlPlane and audit store (tmp_path / "audit.db"), the engine left out (as
+    test_reload's `plane`), with one rule halting admission `on` the event, resumed when it
+    resolves (an hour after, for an engine event), the engine's switch answered here. Its
+    scheduler is paused: the test runs each evaluation job itself, in the order queued."""
+    audit = AuditStore(f"sqlite:///{tmp_path / 'audit.db'}")
+    audit.start()
+    rules = tmp_path / "rules.yaml"
+    recover = "" if on.startswith("alert:") else ", recover_for: 1h"
+    rules.write_text(
+        "version: 1\ninterval: 5s\nrules:\n"
+        f"  - {{name: h, on: '{on}', action: halt_admission, undo: resume_admission{recover}}}\n"
+    )
+    config = tmp_path / "config.yaml"
+    config.write_text(f"rules: {{path: {rules}}}\n")
+    svc = SimpleNamespace(
+        cfg=load_config(config), engine=None, audit=audit, rules_at_start=None, api_port=None
+    )
+    plane = ControlPlane(svc)  # type: ignore[arg-type]
+    plane.evaluator.execute = lambda action, params: ActionResult(action, {}, {}, "done", True)
+    plane.scheduler.start(paused=True)
+    try:
+        yield plane
+    finally:
+        plane.stop()
+        audit.stop(timeout=5)
+
+
+def _queued_job(plane: ControlPlane, seen: set[str]) -> Any:
+    """The one evaluation job queued since the jobs `seen` (an engine event's is queued from a
+    thread of its own), its id added to `seen`."""
+    [job] = until(
+        lambda: [j for j in plane.scheduler.get_jobs() if j.id not in seen], 10, "the job"
+    )
+    seen.add(job.id)
+    return job
+
+
+def _timeline(plane: ControlPlane, incident: str) -> list[dict[str, Any]]:
+    """The incident's timeline as `kvguard audit timeline --json` prints it, after the stop."""
+    plane.stop()
+    audit = plane.service.audit
+    assert audit.flush(10)
+    rc, out = kvguard("audit", "timeline", incident, "--db", audit.url, "--json")
+    assert rc == 0, out
+    return json.loads(out)["timeline"]
+
+
+def _alert(name: str, status: str = "firing") -> dict[str, Any]:
+    """A webhook payload of one alert `name`, on GPU 0."""
+    labels = {"alertname": name, "gpu": "0"}
+    alert = {"status": status, "labels": labels, "startsAt": "2026-12-07T01:57:30Z"}
+    return {"version": "4", "alerts": [alert | {"fingerprint": f"fp-{name}"}]}
+
+
+def test_an_incident_an_alert_opens_begins_with_the_alert(tmp_path: Path) -> None:
+    """Before, the alert's row was written before its evaluation opened the incident, in none:
+    the timeline showed the alert resolving but never firing, and lost its labels."""
+    with _plane_on(tmp_path, "alert:GPUNearOOM") as plane:
+        seen: set[str] = set()
+        plane.alertmanager(_alert("GPUNearOOM"))
+        _queued_job(plane, seen).func()
+        incident = plane.evaluator.incident
+        assert incident is not None
+        plane.alertmanager(_alert("GPUNearOOM", "resolved"))
+        _queued_job(plane, seen).func()
+        timeline = _timeline(plane, incident)
+    steps = [(r["type"], r.get("kind") or r["action"], r.get("detail")) for r in timeline]
+    assert steps == [
+        ("event", "alert_received", "GPUNearOOM"),
+        ("action", "halt_admission", "done"),
+        ("event", "alert_resolved", "GPUNearOOM"),
+        ("action", "resume_admission", "done"),
+    ], steps
+    first = timeline[0]  # with what the alert said: which GPU, which alerts
+    assert first["data"]["labels"] == {"alertname": "GPUNearOOM", "gpu": "0"}
+    assert first["data"]["fingerprints"] == ["fp-GPUNearOOM"]
+
+
+def test_an_alert_queued_behind_another_evaluation_is_still_its_incidents_cause(
+    tmp_path: Path,
+) -> None:
+    """An alert no rule acts on is recorded at once, in no incident; its evaluation, run first
+    (as on busy worker threads), must not take the row of the alert queued behind it, which
+    opens an incident, and record it in none."""
+    with _plane_on(tmp_path, "alert:GPUNearOOM") as plane:
+        seen: set[str] = set()
+        plane.alertmanager(_alert("Unwatched"))
+        ahead = _queued_job(plane, seen)
+        plane.alertmanager(_alert("GPUNearOOM"))
+        behind = _queued_job(plane, seen)
+        ahead.func()
+        assert plane.evaluator.incident is None  # no rule acts on Unwatched
+        behind.func()
+        incident = plane.evaluator.incident
+        assert incident is not None
+        timeline = _timeline(plane, incident)
+        received = plane.service.audit.list_events(kind="alert_received")
+    assert [(r["type"], r.get("detail")) for r in timeline][0] == ("event", "GPUNearOOM")
+    assert {e["detail"]: e["incident"] for e in received} == {
+        "Unwatched": None,
+        "GPUNearOOM": incident,
+    }
+
+
+def test_an_incident_a_preemption_storm_opens_begins_with_the_storm(tmp_path: Path) -> None:
+    with _plane_on(tmp_path, "preemption_storm") as plane:
+        mono0 = 1_000.0
+        assert STORM_PREEMPTIONS * 0.01 < STORM_WINDOW_S  # all in one window: a storm
+        for i in range(STORM_PREEMPTIONS):
+            plane._on_engine_event(EngineEvent("preempted", {}, monotonic=mono0 + i * 0.01))
+        _queued_job(plane, set()).func()
+        incident = plane.evaluator.incident
+        assert incident is not None
+        timeline = _timeline(plane, incident)
+    assert [(r["type"], r.get("kind") or r["action"]) for r in timeline] == [
+        ("event", "preemption_storm"),
+        ("action", "halt_admission"),
+    ], timeline
+    assert timeline[0]["detail"] == f"{STORM_PREEMPTIONS} preemptions in {STORM_WINDOW_S:g}s"
+
+
 # -- time windows (#9, #10) ----------------------------------------------------------------------
 def test_until_a_printed_time_takes_in_that_whole_second(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'a.db'}"
@@ -287,6 +422,57 @@ def test_until_a_printed_time_takes_in_that_whole_second(tmp_path: Path) -> None
     assert parse_until("2026-01-05") == day + timedelta(days=1, microseconds=-1)  # the whole day
     assert parse_until("9999-12-31T23:59:59") == datetime.max.replace(tzinfo=UTC)  # no overflow
     assert parse_until("9999-12-31") == datetime.max.replace(tzinfo=UTC)
+    # every date alone fromisoformat takes is the whole day: a week date was its midnight
+    monday = datetime(2026, 12, 7, tzinfo=UTC)
+    for text in ("2026-12-07", "20261207", "2026-W50-1", "2026W501"):
+        assert parse_until(text) == monday + timedelta(days=1, microseconds=-1), text
+    for text in ("2026-W50", "2026W50"):  # a week alone: the whole week
+        assert parse_until(text) == monday + timedelta(weeks=1, microseconds=-1), text
+    assert parse_until("9999-W52") == datetime.max.replace(tzinfo=UTC)
+    assert parse_until("2026-W50-1T10:00:00") == monday.replace(hour=10, microsecond=999999)
+    ten = tmp_path / "week.db"  # through the CLI: a row at 10:00 on that Monday
+    w = AuditStore(f"sqlite:///{ten}", host="h")
+    w.start()
+    _act(w, rule="monday", time=monday.replace(hour=10))
+    assert w.stop(timeout=10)
+    for text in ("2026-12-07", "2026-W50-1", "2026W501", "2026-W50"):
+        rc, out = kvguard("audit", "list", "--db", f"sqlite:///{ten}", "--until", text, "--json")
+        assert rc == 0 and [r["rule"] for r in json.loads(out)] == ["monday"], text
+
+
+# -- a fleet's database: `list` names each row's daemon --------------------------------------------
+def test_list_names_each_rows_instance_on_a_shared_database(tmp_path: Path) -> None:
+    """Two daemons writing one database (as on PostgreSQL): their rows in `kvguard audit list`
+    read alike (the same rule, action, signal, no incident) but for the INSTANCE column, last,
+    which `incidents` has too; the columns before it are where they were, and --json holds the
+    same rows as before (each with its `instance`)."""
+    url = f"sqlite:///{tmp_path / 'fleet.db'}"
+    for k, instance in enumerate(("gpu-node-1", "gpu-node-2")):
+        s = AuditStore(url, host="h", instance=instance)
+        s.start()
+        _act(s, rule="halt", action="halt_admission", time=NOW + timedelta(seconds=k))
+        assert s.stop(timeout=10)
+    rc, out = kvguard("audit", "list", "--db", url)  # a pipe: plain columns
+    lines = out.splitlines()
+    assert rc == 0 and lines[0].split() == [
+        "ID",
+        "TIME",
+        "RULE",
+        "ACTION",
+        "SIGNAL",
+        "OUTCOME",
+        "INCIDENT",
+        "INSTANCE",
+    ]
+    assert [ln.split()[-1] for ln in lines[1:]] == ["gpu-node-1", "gpu-node-2"]
+    assert len({tuple(ln.split()[2:-1]) for ln in lines[1:]}) == 1  # alike but for INSTANCE
+    rc, out = kvguard("audit", "list", "--db", url, "--instance", "gpu-node-2")
+    assert [ln.split()[-1] for ln in out.splitlines()] == ["INSTANCE", "gpu-node-2"]
+    rc, out = kvguard("audit", "list", "--db", url, "--json")
+    assert [(r["id"], r["instance"]) for r in json.loads(out)] == [
+        (1, "gpu-node-1"),
+        (2, "gpu-node-2"),
+    ]
 
 
 def test_incidents_in_a_window_are_those_open_at_some_time_in_it(tmp_path: Path) -> None:

@@ -286,18 +286,32 @@ class ControlSurface:
         return self._act("evict", apply)
 
     # -- KV dtype ---------------------------------------------------------------------------
-    def set_kv_cache_dtype(self: LLMEngine, dtype: str) -> Future:
+    def set_kv_cache_dtype(
+        self: LLMEngine, dtype: str, *, only_below: float | None = None
+    ) -> Future:
+        """Switch the live KV cache to `dtype`; refused while the live K/V would not fit its
+        pool. With `only_below` (the OOM chain's undo) only while the device KV cache's usage
+        is below it when the engine applies the switch, else refused too: a switch back from
+        FP8 that merely fits can leave the full-precision pool full (measured: all of it), so
+        the next steps preempt and a rule on KV usage switches FP8 straight back on, the live
+        K/V converted twice more."""
         if dtype not in (*KV_TORCH_DTYPES, "auto"):
             raise ValueError(
                 f"kv_cache_dtype={dtype!r}: expected one of auto, {', '.join(KV_TORCH_DTYPES)}"
             )
-        return self._act("set_kv_cache_dtype", lambda: self._switch_kv_dtype(dtype))
+        if only_below is not None:
+            only_below = check_ratio("only_below", only_below)
+        return self._act("set_kv_cache_dtype", lambda: self._switch_kv_dtype(dtype, only_below))
 
-    def _switch_kv_dtype(self: LLMEngine, dtype: str) -> tuple[str, bool, dict]:
+    def _switch_kv_dtype(
+        self: LLMEngine, dtype: str, only_below: float | None = None
+    ) -> tuple[str, bool, dict]:
         dtype = kv_dtype_name(dtype, self.runner.dtype)
         old = self.kv_cache.dtype
         if dtype == old:
             return f"KV cache already {dtype}", True, {}
+        if only_below is not None and (crowded := self._too_full_to_switch(dtype, only_below)):
+            return crowded, False, {}
         new_n = self.pool_blocks(dtype)
         new_host = self.runner.blocks_for_budget(dtype, host=True)
         bm, hbm = self.block_manager, self.host_block_manager
@@ -357,6 +371,21 @@ class ControlSurface:
             f"KV cache {old} -> {dtype}: {old_n} -> {new_n} blocks in {pause * 1e3:.1f} ms",
             True,
             data,
+        )
+
+    def _too_full_to_switch(self: LLMEngine, dtype: str, only_below: float) -> str | None:
+        """Why a switch to `dtype` allowed only below a usage of `only_below` must wait (None:
+        it need not): the live device blocks fill that much of the pool in force or more."""
+        bm = self.block_manager
+        usage = bm.num_used / bm.num_blocks if bm.num_blocks else 0.0
+        if usage < only_below:
+            return None
+        after = bm.num_used / max(self.pool_blocks(dtype), 1)
+        return (
+            f"refused: the live KV fills {usage:.0%} of the {self.kv_cache.dtype} pool "
+            f"({bm.num_used} of {bm.num_blocks} blocks), and this switch waits for under "
+            f"{only_below:.0%} (it would fill {after:.0%} of a {dtype} pool); retry when usage "
+            "is lower"
         )
 
     def _bookkeeping(self: LLMEngine) -> Callable[[], None]:

@@ -11,7 +11,8 @@ that order (the requests queued after it wait, as they wait behind a recomputed 
 itself in the queue). When a running sequence needs a block and none is free, the
 lowest-priority, newest running sequence is preempted (even one already scheduled for this
 step, which then leaves it): swapped to the host pool when offload is on and it has room,
-recomputed later otherwise. Nothing is ever dropped (a sequence holding more tokens than the
+recomputed later otherwise (on an FP8 pool swapped where only cost chose recompute:
+`_swaps`). Nothing is ever dropped (a sequence holding more tokens than the
 whole pool, which could never run again, ends with `length`: `_outgrown`). A waiting `high`
 request takes its blocks, and with every `max_num_seqs` slot taken its slot, from
 lower-priority running sequences the same way.
@@ -202,6 +203,11 @@ class Scheduler:
         # prompt tokens a step may run beside decodes (None: max_num_batched_tokens)
         self.prefill_while_decoding = prefill_while_decoding
         self.offload = offload
+        # offload off at the start though a host pool exists: the engine judged swapping not
+        # worth it on a device pool this small (offloading.min_gpu_blocks), a choice of cost
+        # an FP8 pool overrides (`_swaps`); offload turned off later, on an engine that
+        # started swapping, is the operator's choice and stands
+        self.recompute_for_cost = not offload and host_block_manager.num_blocks > 0
         self.readmit_usage = 0.80  # evicted sequences return only below this usage
         self.emit: EventSink = emit or (lambda kind, **data: None)
         self.waiting: list[Sequence] = []  # sorted by (priority, order)
@@ -449,7 +455,7 @@ class Scheduler:
         seq.draft = []
         seq.num_preemptions += 1
         n = len(seq.block_table)
-        if self.offload and n and self.host_bm.can_allocate(n):
+        if self._swaps(n):
             host = self.host_bm.take(seq.request_id, n)
             self.kv.swap_out(seq.block_table, host)
             self.bm.free(seq)
@@ -464,6 +470,18 @@ class Scheduler:
             self.preemptions[mode] += 1
             self.emit("preempted", request_id=seq.request_id, mode=mode, priority=seq.priority)
         return mode
+
+    def _swaps(self, n_blocks: int) -> bool:
+        """Whether a preempted sequence holding `n_blocks` goes to the host pool: while it
+        has room, with offload on, or on an FP8 pool where offload is off only for cost
+        (`recompute_for_cost`). There a recompute would change a greedy answer: its one
+        prefill quantises each block once, where the decode steps that wrote the block grew
+        its scale and requantised it each time, so the K/V the rest of the answer attends to
+        differ by up to an FP8 step (5 of 5 greedy SmolLM2 answers changed within 27
+        tokens). A swap copies the blocks' bytes and scales as they are."""
+        if not n_blocks or not self.host_bm.can_allocate(n_blocks):
+            return False
+        return self.offload or (self.recompute_for_cost and self.kv_quantized())
 
     def _recompute(self, seq: Sequence) -> str:
         seq.draft = []

@@ -30,6 +30,10 @@ MAX_TOKENS = 1 << 24
 # the OOM chain halts admission only while the device KV cache is still above this share once
 # its other steps applied (`rules test` simulates the chain by the scenario's KV usage)
 OOM_HALT_ABOVE = 0.98
+# the OOM chain's undo switches the KV cache back from FP8 only while usage is below this share
+# of the FP8 pool, the margin the default ladder's fp8-kv rung undoes at (its recover_below):
+# the live K/V then fill at most 0.4 of a 16-bit pool and 0.8 of an fp32 one
+OOM_UNDO_FP8_BELOW = 0.20
 
 
 class _Params(BaseModel):
@@ -191,7 +195,8 @@ def _offload_note(e: LLMEngine) -> str | None:
         return None
     return (
         f"the device pool started under offloading.min_gpu_blocks={e.config.min_gpu_blocks} "
-        "blocks, so offload stays off (its configured state: preempted sequences recompute)"
+        "blocks, so offload stays off (its configured state: preempted sequences recompute, "
+        "but swap while the KV cache is FP8 and the host pool has room)"
     )
 
 
@@ -376,12 +381,16 @@ def _chain(
 
 def _recover_from_oom(e: LLMEngine, p: NoParams, clamp: bool) -> Future:
     """Undo the emergency chain once the engine has been quiet: configured batch size, KV
-    dtype, offload setting and open admission (the batch token budget restores itself)."""
+    dtype, offload setting and open admission (the batch token budget restores itself). The
+    KV dtype goes back only under `OOM_UNDO_FP8_BELOW` of the FP8 pool, as the fp8-kv rung's
+    undo does: switched back whenever the live K/V merely fit, it left the configured pool
+    full, and that rung switched FP8 straight back on. Refused, the undo is retried whole
+    after the rule's cooldown."""
     return _chain(
         "recover_from_oom",
         [
             e.set_max_num_seqs(None),
-            e.set_kv_cache_dtype(e.config.kv_cache_dtype),
+            e.set_kv_cache_dtype(e.config.kv_cache_dtype, only_below=OOM_UNDO_FP8_BELOW),
             e.set_offload(_offload_configured(e)),
             e.resume_admission(),
         ],

@@ -9,8 +9,10 @@ import pytest
 
 from kvguard.engine import LLMEngine, SamplingParams
 from kvguard.engine.admission import AdmissionConfig
+from kvguard.engine.control import ActionResult
 from kvguard.engine.engine_loop import EngineLoop
 from kvguard.engine.llm_engine import AdmissionRejected
+from kvguard.rules.actions import OOM_UNDO_FP8_BELOW, run_action
 from tests.test_engine import PROMPTS, make_engine
 
 
@@ -175,6 +177,113 @@ def test_evict_lowest_priority_holds_until_pressure_eases() -> None:
     engine.step()
     run_all(engine)
     assert engine.snapshot().num_preemptions >= 2
+
+
+# an FP8 pool under offloading.min_gpu_blocks: a host pool exists, but the engine starts with
+# offload off (swapping not worth it on so small a device pool), recomputing for cost
+SMALL_FP8 = {
+    "kv_cache_bytes": "4MiB",
+    "kv_cache_dtype": "fp8_e4m3",
+    "enable_cpu_offload": True,
+    "min_gpu_blocks": 1 << 20,
+}
+
+
+def low_greedy_answers(engine: LLMEngine, evict_at: int | None = None) -> list[list[int]]:
+    """Greedy answers to PROMPTS, all `low`; with `evict_at`, every one evicted before that
+    step (after the prompts, mid-answer)."""
+    rids = [engine.add_request(p, greedy(40), priority="low") for p in PROMPTS]
+    done: dict[str, list[int]] = {}
+    for step in range(1000):
+        if not engine.has_unfinished():
+            break
+        if step == evict_at:
+            engine.evict(len(PROMPTS), "low")
+        done.update((o.request_id, o.token_ids) for o in engine.step() if o.finished)
+        engine.audit_blocks()
+    return [done[r] for r in rids]
+
+
+def test_an_evicted_greedy_request_on_an_fp8_pool_keeps_its_answer() -> None:
+    """An FP8 pool's recompute changes a greedy answer: its one prefill quantises each block
+    once, where the decode steps that wrote the block requantised it as its scale grew. So
+    there a preempted sequence swaps wherever the host pool has room, also where offload is
+    off for cost alone (offloading.min_gpu_blocks). It recomputed, and 7 of these 8 answers
+    changed."""
+    want = low_greedy_answers(make_engine(**SMALL_FP8))
+    engine = make_engine(**SMALL_FP8)
+    assert not engine.knobs()["offload"]  # the engine recomputes an fp32 pool's evictions
+    got = low_greedy_answers(engine, evict_at=3)
+    assert got == want
+    snap = engine.snapshot()
+    assert snap.preemptions == {"swap": len(PROMPTS), "recompute": 0}
+    assert snap.host.blocks_used == 0
+
+
+@pytest.mark.parametrize("case", ["fp32 pool", "offload turned off"])
+def test_other_pools_preempt_as_before(case: str) -> None:
+    """Only an FP8 pool's choice of cost gives way: an unquantised pool under min_gpu_blocks
+    still recomputes (a greedy answer keeps itself there), and on an engine that started
+    swapping, offload turned off stays off."""
+    if case == "fp32 pool":
+        engine = make_engine(**{**SMALL_FP8, "kv_cache_dtype": "auto"})
+    else:
+        engine = make_engine(**{**SMALL_FP8, "min_gpu_blocks": 0})
+        assert engine.knobs()["offload"]  # it started swapping
+        off = engine.set_offload(False)
+        engine.step()  # an idle engine's step applies it
+        assert off.result(0).ok and not engine.knobs()["offload"]
+    for p in PROMPTS:
+        engine.add_request(p, greedy(8), priority="low")
+    engine.step()
+    fut = engine.evict(len(PROMPTS), "low")
+    engine.step()
+    assert {mode for _rid, mode in fut.result(0).data["evicted"]} == {"recompute"}
+    run_all(engine)
+
+
+def rule_action(engine: LLMEngine, name: str) -> ActionResult:
+    """Run `name` as a rule runs it, at the next step boundary."""
+    fut = run_action(engine, name, clamp=True)
+    engine.step()
+    return fut.result(0)
+
+
+def test_the_oom_chains_undo_keeps_fp8_while_the_live_kv_would_fill_the_pool() -> None:
+    """The OOM chain's undo switches the KV cache back from FP8 only under the margin the
+    fp8-kv rung's undo has (0.20 of the FP8 pool). It switched back whenever the live K/V
+    fit: here they filled the fp32 pool to the last block, with requests waiting, so the
+    next steps preempted and the fp8-kv rung (above 0.97) switched FP8 straight back on.
+    Refused, the undo is retried after its cooldown, and applies once usage is lower."""
+    engine = make_engine(kv_cache_bytes="1MiB", enable_cpu_offload=False, max_model_len=256)
+    fp32_blocks = engine.snapshot().blocks_total
+    rids = [
+        engine.add_request([3 + i] + [7 + (i * 13 + k) % 200 for k in range(99)], greedy(150))
+        for i in range(16)
+    ]
+    for _ in range(3):
+        engine.step()
+    engine.inject_oom()
+    engine.step()
+    assert rule_action(engine, "handle_oom").ok
+    fp8_blocks = engine.snapshot().blocks_total
+    while engine.snapshot().blocks_used < fp32_blocks - 4:  # the load grows into FP8's blocks
+        engine.step()
+    used = engine.snapshot().blocks_used
+    # they fit the fp32 pool (a switch back is possible), but above the margin
+    assert OOM_UNDO_FP8_BELOW * fp8_blocks < used <= fp32_blocks
+    res = rule_action(engine, "recover_from_oom")
+    snap = engine.snapshot()
+    assert not res.ok and "retry when usage is lower" in res.detail, res.detail
+    assert "set_kv_cache_dtype" not in res.data["applied"]
+    assert (snap.kv_cache_dtype, snap.blocks_total) == ("fp8_e4m3", fp8_blocks)
+    for rid in rids:  # the load goes: a calm engine's undo applies
+        engine.abort(rid)
+    again = rule_action(engine, "recover_from_oom")
+    snap = engine.snapshot()
+    assert again.ok, again.detail
+    assert (snap.kv_cache_dtype, snap.blocks_total) == ("fp32", fp32_blocks)
+    engine.audit_blocks()
 
 
 def test_max_new_tokens_cap_truncates_and_says_so() -> None:

@@ -26,6 +26,7 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 KV_DTYPES = ("fp32", "fp16", "bf16", "fp8_e4m3")
 # why a request was refused for its API key (daemon/openai_api.py): kvguard_api_auth_failures_total
 AUTH_FAILURE_REASONS = ("missing", "unknown", "priority", "max_requests")
+PRIORITIES = ("high", "normal", "low")
 
 
 def _gauge(name: str, doc: str, labels: list[str] | None = None) -> GaugeMetricFamily:
@@ -174,7 +175,7 @@ class SnapshotCollector(Collector):
         )
         for reason in sorted({"stop", "length", "abort", "error", *s.finished}):
             by_priority = s.finished.get(reason, {})
-            for prio in ("high", "normal", "low"):
+            for prio in PRIORITIES:
                 fam.add_metric([reason, prio], by_priority.get(prio, 0))
         return fam
 
@@ -453,11 +454,23 @@ class Metrics:
         )
         self.queue_time = Histogram(
             "kvguard_request_queue_time_seconds",
-            "Arrival (posted to the engine) until first scheduled",
+            "Arrival (posted to the engine) until first scheduled, observed as the wait ends: a "
+            "request that ended never scheduled (its client gave up, a drain cut it) with the "
+            "time it waited until then (_count less kvguard_requests_started_total: those)",
             ["priority"],
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.started = Counter(
+            "kvguard_requests_started",
+            "Requests the engine started (first scheduled), each choice of n one, queued "
+            "first or not, with admission control on or off: what PreemptionStorm counts "
+            "preemptions per",
+            ["priority"],
+            registry=r,
+        )
+        for priority in PRIORITIES:  # from 0: a series born at 1 is no increase()
+            self.started.labels(priority)
         self.http = Counter(
             "kvguard_http_requests",
             "HTTP answers by route and status",

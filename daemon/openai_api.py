@@ -695,6 +695,7 @@ async def _serve(
     aio = asyncio.get_running_loop()
     outs = [_Outputs(aio, ctx, i, bool(body.stream)) for i in range(len(prompts) * ctx.n)]
     streams, futs = [], []
+    ctx.posted = time.monotonic()  # its queue time runs from here (the engine's arrival_time)
     for i, outputs in enumerate(outs):  # one engine request per choice, in order
         stream, fut = service.loop.submit_nowait(
             prompts[i // ctx.n],
@@ -934,6 +935,7 @@ class _Ctx:
         # a chat answer's token limit where the request set none (DEFAULT_CHAT_MAX_TOKENS)
         self.max_tokens_default: int | None = None
         self.key: str | None = None  # the API key's name, where the daemon checks keys
+        self.posted = t0  # when its choices were posted to the engine (set as they are)
         # prompt index -> its tokens the key was charged for (engine thread)
         self._charged: dict[int, int] = {}
         self.id = new_id("chatcmpl" if kind == "chat.completion" else "cmpl")
@@ -1127,7 +1129,8 @@ class _Ctx:
         engine, not how fast the client reads. `last` is when the choice's previous tokens
         came (None: none yet); returns when these did. An output without tokens (an abort
         of a queued request) is no token's latency. Finishes are counted by the engine
-        (kvguard_requests_finished_total), where aborts pass too.
+        (kvguard_requests_finished_total), where aborts pass too; the queue time by
+        `observe_wait`.
 
         The inter-token latency is per token: k tokens that come in one output after a gap g
         (a run of serving.decode_steps, accepted speculative tokens) are k gaps of g/k, so its
@@ -1145,9 +1148,26 @@ class _Ctx:
             last = t
         if out.finished:
             m.e2e.labels(self.priority).observe(t - self.t0)
-            if out.queue_time_s is not None:
-                m.queue_time.labels(self.priority).observe(out.queue_time_s)
         return last
+
+    def observe_wait(self, out: RequestOutput) -> bool:
+        """One choice's queue time, at the first output that shows its wait is over (engine
+        thread); whether it did. An output with a queue time is of a started choice, which is
+        also counted in kvguard_requests_started_total, the requests PreemptionStorm counts
+        preemptions per: admission's `admit` decisions leave out every request it queued
+        first, and with admission control off there are none. A choice that ended without
+        ever being scheduled (its client gave up, a drain cut it) waited until then: left
+        out, the queue-time p99 showed only the requests that got in, and an overload whose
+        clients give up while queued looked healthy."""
+        m = self.service.metrics
+        if out.queue_time_s is not None:
+            m.queue_time.labels(self.priority).observe(out.queue_time_s)
+            m.started.labels(self.priority).inc()
+            return True
+        if out.finished:
+            m.queue_time.labels(self.priority).observe(time.monotonic() - self.posted)
+            return True
+        return False
 
 
 class _Outputs:
@@ -1171,6 +1191,7 @@ class _Outputs:
         self.cut_message: str | None = None  # the server cut the request off (event loop only)
         self.was_cut = asyncio.Event()  # ... and when, for a coroutine awaiting admission
         self._last: float | None = None  # when the previous token came (engine thread only)
+        self._waited = False  # its queue time has been observed (engine thread only)
 
     def hang_up(self) -> None:
         """The client left: wake the waiting coroutine, which gives up (event loop only)."""
@@ -1188,6 +1209,8 @@ class _Outputs:
     def push(self, out: RequestOutput) -> None:
         """The stream's listener, on the engine thread: must not block."""
         self._last = self.ctx.observe(out, self._last)
+        if not self._waited:
+            self._waited = self.ctx.observe_wait(out)
         if out.finished:
             try:
                 self.ctx.charge(self._index, out)

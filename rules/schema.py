@@ -49,6 +49,10 @@ class RulesFileError(ValueError):
 
 
 MIN_INTERVAL = 0.05  # seconds between evaluations: below it a typo, and a busy loop
+# The longest: memory pressure builds in seconds, and the shipped RuleEvaluationStalled alert
+# (alerts/kvguard.rules.yml) takes 5 minutes without an evaluation for a stalled evaluator:
+# at 2 minutes every 5-minute window of a scrape a minute apart sees the counter rise.
+MAX_INTERVAL = 120.0
 # The longest rule name, signal name and `on` value: the audit log's rule and signal columns
 # (String(128)) hold no more, and PostgreSQL refuses a longer value (SQLite would keep it).
 MAX_NAME = 128
@@ -282,6 +286,12 @@ class RuleSet(_Model):
     def _interval(cls, v: float) -> float:
         if v < MIN_INTERVAL:
             raise ValueError(f"interval {v:g}s is too short: at least {MIN_INTERVAL * 1e3:g}ms")
+        if v > MAX_INTERVAL:
+            raise ValueError(
+                f"interval {v:g}s is too long: at most {MAX_INTERVAL:g}s (the rules must see "
+                "memory pressure within seconds, and the shipped RuleEvaluationStalled alert "
+                "reads 5 minutes without an evaluation as a stalled daemon)"
+            )
         return v
 
     @field_validator("signals", mode="after")

@@ -163,10 +163,11 @@ def test_a_forward_wall_clock_step_does_not_burst_the_schedule(
 
 
 def test_a_reloaded_interval_applies_at_once(running: Callable[[str], Running]) -> None:
-    """Reloading an hourly rule set to 200ms ticks within a second, not at the end of the hour;
-    a reload that keeps the interval does not push the next tick back."""
-    r = running("1h")
-    r.rules.write_text(r.rules.read_text().replace("interval: 1h", "interval: 200ms"))
+    """Reloading a rule set of the longest interval (2m) to 200ms ticks within a second, not
+    at the end of the 2 minutes; a reload that keeps the interval does not push the next tick
+    back."""
+    r = running("2m")
+    r.rules.write_text(r.rules.read_text().replace("interval: 2m", "interval: 200ms"))
     assert r.plane.reload(r.rules, dry_run=False)["rules_reloaded"]
     until(lambda: r.evaluations >= 2, "2 rule ticks at the reloaded interval")
     stop = threading.Event()

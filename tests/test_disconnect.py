@@ -113,6 +113,55 @@ def test_queued_requests_whose_clients_leave_are_removed_from_the_queue(daemon: 
     until(lambda: idle(state(daemon)), 30, "the holders aborted too")
 
 
+def by_priority(d: Daemon, sample: str, priority: str) -> float:
+    """A sample of the daemon's /metrics with only a `priority` label (0 where it is absent)."""
+    text = d.admin("GET", "/metrics").text
+    m = re.search(rf'^{sample}\{{priority="{priority}"\}} (\S+)$', text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_a_request_whose_client_left_it_queued_is_in_the_queue_time(daemon: Daemon) -> None:
+    """kvguard_request_queue_time_seconds was observed only for requests that got scheduled: a
+    client that gave up while its request queued was left out, and in an overload the
+    queue-time p99 showed only the requests that got in. Now each wait is observed as it ends,
+    and one that ends never scheduled with the time it waited until then. Such a request is
+    not counted as started (kvguard_requests_started_total); the holder that runs is, once."""
+    hist = "kvguard_request_queue_time_seconds"
+    started = "kvguard_requests_started_total"
+    normal_starts = by_priority(daemon, started, "normal")
+    daemon.admin("POST", "/admin/actions/set_max_num_seqs", json={"n": 1})
+    holder = send(daemon, {"prompt": "hold", "max_tokens": LONG})
+    try:
+        until(lambda: count(state(daemon), "running") == 1, 60, "the holder running")
+        until(
+            lambda: by_priority(daemon, started, "normal") == normal_starts + 1,
+            30,
+            "the holder counted as started (with its first token)",
+        )
+        waits = by_priority(daemon, f"{hist}_count", "low")
+        waited = by_priority(daemon, f"{hist}_sum", "low")
+        low_starts, aborts = by_priority(daemon, started, "low"), finished(daemon, "abort", "low")
+        leaver = send(daemon, {"prompt": "leave", "max_tokens": 4, "priority": "low"})
+        until(lambda: count(state(daemon), "waiting", "low") == 1, 60, "the low request queued")
+        queued = time.monotonic()  # it was posted to the engine before this
+        leaver.close()
+        left = time.monotonic()  # its wait ended after this
+        until(
+            lambda: by_priority(daemon, f"{hist}_count", "low") == waits + 1,
+            10,
+            "the leaver's wait in the queue-time histogram",
+        )
+        assert by_priority(daemon, f"{hist}_sum", "low") - waited >= left - queued
+        assert finished(daemon, "abort", "low") - aborts == 1
+        assert by_priority(daemon, started, "low") == low_starts  # it never started
+        assert count(state(daemon), "running", "normal") == 1, "the holder ended meanwhile"
+        assert by_priority(daemon, started, "normal") == normal_starts + 1
+    finally:
+        holder.close()
+        daemon.admin("POST", "/admin/actions/restore_batch")
+    until(lambda: idle(state(daemon)), 30, "the holder aborted too")
+
+
 def test_the_engine_counts_every_finish_aborts_included() -> None:
     """Finishes are counted where all of them pass, by reason and priority: an abort never
     reaches the HTTP success path, so a count kept there missed every one."""

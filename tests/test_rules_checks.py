@@ -551,3 +551,23 @@ def test_a_rules_file_that_could_never_act_is_refused(tmp_path: Path, text: str,
     )
     assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
     load_rules_text("version: 1\nrules: []\n", "r.yaml")  # no rules, said so: fine
+
+
+def test_an_interval_the_stall_alert_would_read_as_a_stall_is_refused(tmp_path: Path) -> None:
+    """`interval: 10m` checked OK, and the shipped RuleEvaluationStalled alert, which reads 5
+    minutes without an evaluation as a stalled evaluator, then went off on a healthy daemon
+    (a ladder that looks every 10 minutes is blind to memory pressure anyway). The longest
+    interval, 2m, gives a healthy daemon two evaluations in any 5 minutes."""
+    text = HEAD.replace("version: 1\n", "version: 1\ninterval: 10m\n") + (
+        "  - {name: oom, on: engine_oom, action: handle_oom}\n"
+    )
+    with pytest.raises(RulesFileError) as e:
+        load_rules_text(text, "r.yaml")
+    assert e.value.errors == [
+        "r.yaml:2: interval: interval 600s is too long: at most 120s (the rules must see memory "
+        "pressure within seconds, and the shipped RuleEvaluationStalled alert reads 5 minutes "
+        "without an evaluation as a stalled daemon)"
+    ], e.value.errors
+    path, res = _rules_check(tmp_path, text)
+    assert res.returncode == 1 and f"{path}:2: interval: interval 600s is too long" in res.stderr
+    assert load_rules_text(text.replace("10m", "2m"), "r.yaml").interval == 120.0

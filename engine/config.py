@@ -340,7 +340,9 @@ class EngineConfig:
         # Serving baselines keep 512 hot blocks on the GPU (seed §7.2); library callers that
         # enable offload on a small test pool expect it to swap.
         file_default=512,
-        doc="below this device pool size preemption recomputes instead of swapping",
+        doc="below this device pool size preemption recomputes instead of swapping (an FP8 "
+        "pool still swaps while the host pool has room: a recompute there can change a greedy "
+        "answer)",
     )
     model_quantization: str = knob(
         "auto",

@@ -9,7 +9,7 @@ import contextlib
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, InvalidStateError, wait
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -72,6 +72,12 @@ class PoolShare(_Params):
     share: float = Field(0.5, gt=0.0, le=1.0)
 
 
+class SwitchBack(_Params):
+    # switch back only while the device KV usage of the FP8 pool is below this share (None:
+    # whenever the live K/V fit): the OOM chain's undo passes its margin when it is split up
+    only_below: float | None = Field(None, gt=0.0, le=1.0)
+
+
 @dataclass(frozen=True, slots=True)
 class ActionSpec:
     name: str
@@ -82,6 +88,9 @@ class ActionSpec:
     doc: str
     # the engine settings it sets (a remedy in force holds them: see SETTINGS below)
     settings: frozenset[str] = frozenset()
+    # an undo's params for a setting's own action (SETTINGS) when the evaluator restores that
+    # setting alone, because other remedies in force hold some of its settings: `restore_alone`
+    alone: dict[str, dict[str, Any]] = field(default_factory=dict, hash=False)
 
 
 class _Derived(Future):
@@ -143,12 +152,13 @@ def _noted(fut: Future, note: Callable[[ActionResult], str | None]) -> Future:
     return out
 
 
-def _configured_kv_dtype(e: LLMEngine, p: NoParams, clamp: bool) -> Future:
+def _configured_kv_dtype(e: LLMEngine, p: SwitchBack, clamp: bool) -> Future:
     """disable_fp8_kv: the KV cache back to serving.kv_cache_dtype, the dtype the operator
     sized the pool for. Where that is fp8_e4m3 there is no full-precision cache to return to
-    (a switch to `auto` would leave a quarter of the configured pool's blocks): FP8 stays."""
+    (a switch to `auto` would leave a quarter of the configured pool's blocks): FP8 stays.
+    With `only_below`, the engine refuses it while usage is not below that share."""
     configured = e.config.kv_cache_dtype
-    fut = e.set_kv_cache_dtype(configured)
+    fut = e.set_kv_cache_dtype(configured, only_below=p.only_below)
     if configured != "fp8_e4m3":
         return fut
     return _noted(
@@ -245,11 +255,12 @@ _SPECS = [
     ),
     ActionSpec(
         "disable_fp8_kv",
-        NoParams,
+        SwitchBack,
         _configured_kv_dtype,
         None,
         "switch the KV cache back to its configured serving.kv_cache_dtype: full precision,"
-        " or FP8 still where that is fp8_e4m3 (refused while live tokens would not fit)",
+        " or FP8 still where that is fp8_e4m3 (refused while live tokens would not fit, and"
+        " with `only_below` while the KV usage of the FP8 pool is not below that share)",
         settings=frozenset({"kv_dtype"}),
     ),
     ActionSpec(
@@ -416,6 +427,8 @@ _SPECS.append(
         None,
         "undo handle_oom: configured batch, KV dtype and offload; admission open",
         settings=frozenset({"batch", "offload", "kv_dtype", "admission"}),
+        # split up (a rung in force holds the batch), the KV dtype keeps the chain's margin
+        alone={"kv_dtype": {"only_below": OOM_UNDO_FP8_BELOW}},
     )
 )
 ACTIONS: dict[str, ActionSpec] = {s.name: s for s in _SPECS}
@@ -440,6 +453,15 @@ _STEP_SETTINGS = {
     "halt_admission": "admission",
     "resume_admission": "admission",
 }
+
+
+def restore_alone(action: str, setting: str) -> tuple[str, dict[str, Any]]:
+    """The action (and params) by which `action`, an undo that other remedies in force split
+    up, puts `setting` back to its configured state: the setting's own action, with the params
+    `action` gives it. The OOM chain's undo switches back from FP8 only under its margin
+    whether it runs whole or split; `disable_fp8_kv` run alone (an operator's, a rule's) has
+    none."""
+    return SETTINGS[setting], dict(ACTIONS[action].alone.get(setting, {}))
 
 
 def settings_set(action: str, result: ActionResult | None) -> frozenset[str]:

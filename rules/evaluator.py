@@ -47,11 +47,11 @@ from kvguard.engine.control import ActionResult
 from kvguard.rules.actions import (
     ACTIONS,
     SET_TO,
-    SETTINGS,
     ActionStillApplying,
     ActionWithdrawn,
     asked,
     parse_params,
+    restore_alone,
     set_to,
     settings_set,
     strictness,
@@ -907,13 +907,14 @@ class Evaluator:
         strictest value they ask for (`restore`) and leaves the others alone; an act leaves
         alone those it would loosen. Where nothing is left to do it changes nothing (`held`);
         where an undo or a reset sets others too (the OOM chain's) it restores just those to
-        their configured state, each by its own action."""
+        their configured state, each by its own action with the params the undo gives it
+        (`restore_alone`: the OOM chain's undo keeps its FP8 margin)."""
         spec = ACTIONS[a.action]
         steps: list[tuple[str, dict[str, Any], str]] | None = None
         if a.held:
             resets = a.undo or spec.undo is None  # to the configured state: the free ones too
             free = sorted(spec.settings - set(a.held)) if resets else []
-            steps = [(SETTINGS[s], {}, "") for s in free]
+            steps = [(*restore_alone(a.action, s), "") for s in free]
             for s, (value, names) in sorted(a.restore.items()):
                 holds = "holds" if len(names) == 1 else "hold"
                 steps.append((*set_to(s, value), f", what {', '.join(names)} still {holds}"))

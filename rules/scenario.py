@@ -23,7 +23,10 @@ As the daemon does, an evaluation follows each event at once: events at the same
 one, and an event at a tick's time is followed by that tick. Actions are simulated (applied,
 changing nothing); the OOM chain (`handle_oom`) halts admission, and so holds it, only where
 the scenario's KV usage (the series of the signal reading `kv_cache_usage_ratio`) is above
-0.98 when it runs, as the engine decides after the chain's other steps.
+0.98 when it runs, as the engine decides after the chain's other steps. Its undo
+(`recover_from_oom`, whole or split up by other remedies' holds) switches the KV cache back
+from FP8 only where that usage is below 0.20, and `disable_fp8_kv` given `only_below` only
+below that: otherwise it is refused, as the engine refuses it, and retried after the cooldown.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from kvguard.engine.control import ActionResult
-from kvguard.rules.actions import OOM_HALT_ABOVE
+from kvguard.rules.actions import OOM_HALT_ABOVE, OOM_UNDO_FP8_BELOW
 from kvguard.rules.evaluator import Decision, Evaluator
 from kvguard.rules.schema import (
     RuleSet,
@@ -295,8 +298,12 @@ def run_scenario(rules: RuleSet, sc: Scenario) -> Outcome:
         return None if s is None else s.at(clock.t)
 
     def execute(action: str, params: dict[str, Any]) -> ActionResult:
+        usage = None if kv_usage is None else kv_usage.at(clock.t)
         if action == "handle_oom":
-            return _simulated_oom_chain(None if kv_usage is None else kv_usage.at(clock.t))
+            return _simulated_oom_chain(usage)
+        margin = _fp8_margin(action, params)
+        if margin is not None:
+            return _simulated_switch_back(action, usage, margin)
         return ActionResult(action, {}, {}, "simulated", True)
 
     ev = Evaluator(rules, read, execute, clock=clock, wall_clock=clock, dry_run=sc.dry_run)
@@ -334,6 +341,33 @@ def _simulated_oom_chain(kv_usage: float | None) -> ActionResult:
             f"simulated; admission not halted: KV cache {at} (halts above {OOM_HALT_ABOVE:.0%})"
         )
     return ActionResult("handle_oom", {}, {}, detail, True, {"steps": applied, "applied": applied})
+
+
+def _fp8_margin(action: str, params: dict[str, Any]) -> float | None:
+    """The usage below which `action` switches the KV cache back from FP8 (None: no margin,
+    or no switch back): the OOM chain's undo has OOM_UNDO_FP8_BELOW, and `disable_fp8_kv` the
+    `only_below` it is given (the chain's undo split up passes that margin)."""
+    if action == "recover_from_oom":
+        return OOM_UNDO_FP8_BELOW
+    if action == "disable_fp8_kv":
+        return params.get("only_below")
+    return None
+
+
+def _simulated_switch_back(action: str, kv_usage: float | None, margin: float) -> ActionResult:
+    """A switch back from FP8 with a margin in a replay: refused (the rule retries it after its
+    cooldown) where the KV usage replayed at that time is not below `margin`, as the engine
+    refuses it; applied where it is, or where the scenario gives no KV usage (unknown)."""
+    if kv_usage is None:
+        return ActionResult(action, {}, {}, "simulated; KV usage unknown", True)
+    if kv_usage < margin:
+        detail = f"simulated; KV cache at {kv_usage:.1%}, under {margin:.0%}: switched back"
+        return ActionResult(action, {}, {}, detail, True)
+    detail = (
+        f"simulated; refused: KV cache at {kv_usage:.1%}, and the switch back from FP8 waits "
+        f"for under {margin:.0%}; retried after the rule's cooldown"
+    )
+    return ActionResult(action, {}, {}, detail, False)
 
 
 def _compare(got: list[Decision], want: list[Expect]) -> list[str]:

@@ -26,7 +26,7 @@ from kvguard.daemon.config import load_config
 from kvguard.daemon.control_plane import ControlPlane
 from kvguard.engine import LLMEngine, SamplingParams
 from kvguard.engine.control import ActionResult
-from kvguard.rules.actions import run_action, settings_set
+from kvguard.rules.actions import OOM_UNDO_FP8_BELOW, run_action, settings_set
 from kvguard.rules.evaluator import Evaluator
 from kvguard.rules.schema import load_rules_text
 from tests.test_engine import make_engine
@@ -370,6 +370,84 @@ def test_the_offload_undo_returns_to_the_state_the_engine_started_in() -> None:
     assert settle(engine, run_action(engine, "enable_cpu_offload")).ok and engine.scheduler.offload
     assert settle(engine, run_action(engine, "recover_from_oom")).ok
     assert not engine.scheduler.offload and engine.configured_offload is False
+
+
+# the default rules' OOM chain (rules/default.yaml)
+OOM_CHAIN = (
+    "  - {name: oom-chain, on: engine_oom, action: handle_oom, cooldown: 10s,"
+    " undo: recover_from_oom, recover_for: 60s}\n"
+)
+
+
+def test_the_oom_chains_split_undo_keeps_fp8_while_the_kv_would_fill_the_pool() -> None:
+    """The chain's undo switches the KV cache back from FP8 only under OOM_UNDO_FP8_BELOW of
+    the FP8 pool. With the batch rung in force (it holds the batch size) the evaluator splits
+    that undo, restoring each setting no other remedy holds by that setting's own action: the
+    KV dtype's, `disable_fp8_kv`, has no margin, so the switch back was applied with the live
+    K/V filling the fp32 pool to the last block and requests waiting, the high load the
+    margin is for. Refused, the undo is retried after the chain's cooldown, as its own is."""
+    h = Live(BATCH + OOM_CHAIN, max_num_seqs=32, max_model_len=256, enable_cpu_offload=False)
+    engine = h.engine
+    fp32_blocks = engine.snapshot().blocks_total
+    rids = [
+        engine.add_request(
+            [3 + i] + [7 + (i * 13 + k) % 200 for k in range(99)],
+            SamplingParams(max_tokens=150, ignore_eos=True),
+        )
+        for i in range(16)
+    ]
+    for _ in range(3):
+        engine.step()
+    assert h.at(0, kv=0.95) == [("batch", "reduce_batch", "applied")]
+    assert h.knob("max_num_seqs") == 16
+    engine.inject_oom()
+    engine.step()
+    h.t = 5.0
+    chain = [(d.rule, d.action, d.outcome) for d in h.ev.handle_event("engine_oom")]
+    assert chain == [("oom-chain", "handle_oom", "applied")]
+    assert h.knob("max_num_seqs") == 8 and engine.snapshot().kv_cache_dtype == "fp8_e4m3"
+    fp8_blocks = engine.snapshot().blocks_total
+    while engine.snapshot().blocks_used < fp32_blocks - 4:  # the load grows into FP8's blocks
+        engine.step()
+    # they fit the fp32 pool (a switch back is possible), but above the margin
+    assert OOM_UNDO_FP8_BELOW * fp8_blocks < engine.snapshot().blocks_used <= fp32_blocks
+    usage = engine.snapshot().kv_cache_usage_ratio  # of the FP8 pool: under 0.8
+    got = h.at(65, kv=usage)
+    assert got == [("oom-chain", "recover_from_oom", "refused")], h.detail()
+    assert "retry when usage is lower" in h.detail(), h.detail()
+    assert "set_max_num_seqs: " in h.detail() and "what batch still holds" in h.detail()
+    snap = engine.snapshot()
+    assert (snap.kv_cache_dtype, snap.blocks_total) == ("fp8_e4m3", fp8_blocks)
+    for rid in rids:  # the load goes: the undo applies once the cooldown has passed
+        engine.abort(rid)
+    while engine.has_unfinished():
+        engine.step()
+    assert h.at(70, kv=0.0) == []
+    assert h.at(75) == [("oom-chain", "recover_from_oom", "applied")]
+    snap = engine.snapshot()
+    assert (snap.kv_cache_dtype, snap.blocks_total) == ("fp32", fp32_blocks)
+    assert h.knob("max_num_seqs") == 16  # the batch rung still holds its cut
+    engine.audit_blocks()
+
+
+def test_disable_fp8_kv_waits_for_a_margin_only_where_it_is_given_one() -> None:
+    """The margin the OOM chain's split undo passes (`only_below`) is not disable_fp8_kv's
+    own: an operator's switch back, or a custom FP8 rule's undo, still applies whenever the
+    live K/V fit the configured pool, as before."""
+    engine = make_engine(**{**ENGINE, "max_model_len": 256})
+    fp32_blocks = engine.snapshot().blocks_total
+    for i in range(8):
+        engine.add_request([3 + i] * 100, SamplingParams(max_tokens=150, ignore_eos=True))
+    assert settle(engine, run_action(engine, "enable_fp8_kv")).ok
+    while engine.snapshot().blocks_used < fp32_blocks - 8:
+        engine.step()
+    margin = {"only_below": OOM_UNDO_FP8_BELOW}
+    res = settle(engine, run_action(engine, "disable_fp8_kv", margin))
+    assert not res.ok and "retry when usage is lower" in res.detail, res.detail
+    assert engine.snapshot().kv_cache_dtype == "fp8_e4m3"
+    res = settle(engine, run_action(engine, "disable_fp8_kv"))
+    assert res.ok and engine.snapshot().kv_cache_dtype == "fp32", res.detail
+    engine.audit_blocks()
 
 
 # -- a reload while the alert fires ------------------------------------------------------------

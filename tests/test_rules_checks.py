@@ -416,6 +416,41 @@ def test_a_replayed_oom_chain_halts_admission_only_above_98_percent(tmp_path: Pa
     assert (10.0, "am", "resume_admission", "held") in full, full  # the chain holds admission
 
 
+def test_a_replayed_oom_chain_undo_switches_back_from_fp8_only_under_its_margin(
+    tmp_path: Path,
+) -> None:
+    """The chain's undo switches back from FP8 only under 0.20 of the FP8 pool, whole or split
+    up by a batch rung in force (which holds the batch: the KV dtype is then restored by
+    `disable_fp8_kv` with that margin). A replay applied it at any usage, so `rules test`
+    passed scenarios in which the daemon refuses the undo and retries it after the cooldown."""
+    batch = (
+        "  - {name: batch, signal: kv_usage, above: 0.92, action: reduce_batch,"
+        " recover_below: 0.8, recover_for: 60s, undo: restore_batch}\n"
+    )
+    scenario = (
+        "duration: 90s\n"
+        "series:\n  kv_usage: [{at: 0s, value: 0.95}, {at: 10s, value: 0.5},"
+        " {at: 75s, value: 0.1}]\n"
+        "events:\n  - {at: 5s, kind: engine_oom}\n"
+    )
+    undo = [
+        (5.0, "oom-chain", "handle_oom", "applied"),
+        (65.0, "oom-chain", "recover_from_oom", "refused"),  # 60s after the OOM, at 0.5
+        (75.0, "oom-chain", "recover_from_oom", "applied"),  # after its 10s cooldown, at 0.1
+    ]
+    cut = (0.0, "batch", "reduce_batch", "applied")
+    restored = (80.0, "batch", "restore_batch", "applied")
+    for rules, split in ((OOM_RULES, False), (OOM_RULES + batch, True)):
+        details: list[str] = []
+        got = replay(tmp_path, rules, scenario, details)
+        assert got == ([cut, *undo, restored] if split else undo), got
+        refused = details[got.index(undo[1])]
+        said = "refused: KV cache at 50.0%, and the switch back from FP8 waits for under 20%"
+        assert said in refused, refused
+        assert ("disable_fp8_kv: simulated; refused" in refused) == split, refused
+        assert ("kept: batch (held by batch)" in refused) == split, refused
+
+
 def test_a_scenario_refuses_series_steps_no_evaluation_reads(tmp_path: Path) -> None:
     """A step past `duration`, or after the last tick within it (the rules evaluate every 5s:
     at 10s, not 12s), fed nothing: `expect: []` passed with the cache at 99% untested."""

@@ -563,8 +563,11 @@ class AuditStore:
         is_undo: bool = False,
         detail: str = "",
         time: datetime | None = None,
+        data: Mapping[str, Any] | None = None,
     ) -> None:
         """Queue one remedy. `time` defaults to now: the decision's time, not the write's.
+        `data`: the action result's (`ActionResult.data`, e.g. the requests an eviction
+        preempted), which the settings before and after do not show; empty is stored as none.
 
         A bad trigger or outcome is a caller's bug and raises ValueError at once, here, rather
         than becoming a row the database refuses later.
@@ -588,6 +591,7 @@ class AuditStore:
             "is_undo": bool(is_undo),
             "detail": detail,
             "uid": _new_uid(),
+            "data": _jsonable(data) or None,
         }
         self._enqueue(_Op("actions", row))
 
@@ -1199,7 +1203,11 @@ def _nonempty(path: Path) -> bool:
 
 def _tagged(kind: str, row: dict[str, Any]) -> dict[str, Any]:
     """A spilled row as it goes in now: one spilled before revision 0003 has no `instance`,
-    and its writer was then the only daemon of its database, so its host names it."""
+    and its writer was then the only daemon of its database, so its host names it. An action
+    spilled before revision 0006 has no `data`: none, given explicitly, because the rows of
+    one insert must all name the same columns."""
+    if kind == "actions" and "data" not in row:
+        row = {**row, "data": None}
     if kind in TABLES and not row.get("instance"):
         return {**row, "instance": row.get("host") or "-"}
     return row

@@ -16,6 +16,12 @@ before revision 0002 have none.
 (`audit.instance`, the hostname by default), because a fleet's daemons share one database and
 two of them may share a host. `kvguard audit ... --instance NAME` filters by it.
 
+An action's `data` is what the engine said it did beyond the settings in `state_before` and
+`state_after`: the requests an eviction preempted (`{"evicted": [[request id, "swap" or
+"recompute"], ...]}`, the ids the daemon gave them, `<response id>-<choice index>`), the steps
+of a chain that applied. Rows written before revision 0006, and actions that report nothing
+more, have none.
+
 Times are stored in UTC. SQLite keeps no offset, so `UTCDateTime` hands back aware UTC
 datetimes on every backend and turns any aware datetime into UTC before it is stored.
 
@@ -95,6 +101,7 @@ class Action(Base):
     detail: Mapped[str] = mapped_column(Text)
     uid: Mapped[str | None] = mapped_column(String(32))  # made at enqueue: see the module docstring
     instance: Mapped[str] = mapped_column(String(255))  # the daemon: see the module docstring
+    data: Mapped[dict[str, Any] | None]  # what it did beyond its knobs: see the module docstring
 
     __table_args__ = (
         Index("ix_actions_time", "time"),

@@ -701,6 +701,7 @@ async def _serve(
             prompts[i // ctx.n],
             _choice_params(params, i % ctx.n),
             priority,
+            request_id=engine_request_id(ctx.id, i),
             add_special_tokens=completion,
             listener=outputs.push,
             count_prompt=i % ctx.n == 0,  # a prompt counted once, as usage has it
@@ -810,6 +811,14 @@ async def _admission(futs: list[Future], outputs: _Outputs) -> None:
             added.result()
     finally:
         cut.cancel()
+
+
+def engine_request_id(response_id: str, index: int) -> str:
+    """The engine's id for choice `index` of the response `response_id`: the ids in engine
+    events, logs and the audit log (an OOM's requeued requests, an eviction's) are then ones
+    the client holds, not a counter that starts again at every start. Unique: the response id
+    is random and the daemon takes no request id from the client."""
+    return f"{response_id}-{index}"
 
 
 def _choice_params(params: SamplingParams, index: int) -> SamplingParams:

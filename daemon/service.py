@@ -1123,6 +1123,7 @@ class Service:
                 is_undo=False,
                 detail=detail,
                 time=decided,
+                data=res.data if res else None,  # e.g. the requests it evicted, as answered
             )
 
         fut.add_done_callback(record)

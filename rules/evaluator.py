@@ -1191,6 +1191,7 @@ class Evaluator:
             incident=self.incident,
             is_undo=undo,
             detail=detail,
+            data=res.data if res else None,  # e.g. the requests an eviction preempted
         )
 
     def _wall(self) -> datetime:

@@ -84,7 +84,7 @@ def _act(store: AuditStore, **kw: Any) -> None:
 # -- migrations ----------------------------------------------------------------------------
 def test_upgrade_downgrade_upgrade(db_url: str, db_path: Path) -> None:
     audit_migrate.upgrade(db_url)
-    assert audit_migrate.current(db_url) == audit_migrate.head() == "0005"
+    assert audit_migrate.current(db_url) == audit_migrate.head() == "0006"
     assert _tables(db_path) >= TABLES
 
     audit_migrate.downgrade(db_url)
@@ -92,7 +92,7 @@ def test_upgrade_downgrade_upgrade(db_url: str, db_path: Path) -> None:
     assert not TABLES & _tables(db_path)
 
     audit_migrate.upgrade(db_url)
-    assert audit_migrate.current(db_url) == "0005"
+    assert audit_migrate.current(db_url) == "0006"
 
 
 def test_migrations_run_from_an_install_path_holding_a_percent_sign(
@@ -108,7 +108,7 @@ def test_migrations_run_from_an_install_path_holding_a_percent_sign(
     db_path = tmp_path / "100%dir" / "audit.db"
     db_url = f"sqlite:///{db_path}"
     audit_migrate.upgrade(db_url)
-    assert audit_migrate.current(db_url) == audit_migrate.head() == "0005"
+    assert audit_migrate.current(db_url) == audit_migrate.head() == "0006"
     assert _tables(db_path) >= TABLES
     script = ScriptDirectory.from_config(audit_migrate.alembic_config())
     assert script.dir == str(moved)  # the copy's scripts were the ones run
@@ -540,9 +540,9 @@ def test_a_control_character_in_audit_instance_is_refused_naming_the_key(
 def test_cli_db_upgrade_and_current(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'new' / 'audit.db'}"
     rc, out = kvguard("db", "upgrade", "--db", url)
-    assert rc == 0 and "at revision 0005" in out
+    assert rc == 0 and "at revision 0006" in out
     rc, out = kvguard("db", "current", "--db", url, "--json")
-    assert json.loads(out)["revision"] == json.loads(out)["head"] == "0005"
+    assert json.loads(out)["revision"] == json.loads(out)["head"] == "0006"
 
 
 def test_cli_reads_the_systemd_daemons_database_from_a_shell(

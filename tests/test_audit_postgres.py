@@ -238,7 +238,7 @@ def kvguard(*argv: str) -> tuple[int, str]:
 # -- migrations --------------------------------------------------------------------------------
 def test_migrations_from_empty_match_the_models_on_postgresql(pg_url: str) -> None:
     audit_migrate.upgrade(pg_url)
-    assert audit_migrate.current(pg_url) == audit_migrate.head() == "0005"
+    assert audit_migrate.current(pg_url) == audit_migrate.head() == "0006"
     engine = audit_migrate.make_engine(pg_url)
     try:
         with engine.connect() as conn:
@@ -252,13 +252,14 @@ def test_migrations_from_empty_match_the_models_on_postgresql(pg_url: str) -> No
     assert isinstance(cols["time"]["type"], sa.DateTime) and cols["time"]["type"].timezone
     assert isinstance(cols["params"]["type"], sa.JSON)
     assert isinstance(cols["is_undo"]["type"], sa.Boolean)
+    assert isinstance(cols["data"]["type"], sa.JSON) and cols["data"]["nullable"]  # 0006
     assert cols["instance"]["nullable"] is False
     assert indexes["ix_actions_uid"]["unique"] and "ix_actions_instance_time" in indexes
 
     audit_migrate.downgrade(pg_url)
     assert audit_migrate.current(pg_url) is None
     audit_migrate.upgrade(pg_url)
-    assert audit_migrate.current(pg_url) == "0005"
+    assert audit_migrate.current(pg_url) == "0006"
 
 
 @pytest.mark.parametrize("backend", ["postgresql", "sqlite"])
@@ -418,9 +419,9 @@ def test_cli_show_timeline_export_and_db_commands(
     rc, out = kvguard("audit", "export", "--json", "--table", "incidents", "--db", url)
     assert [r["id"] for r in json.loads(out)] == [incs["node-a"], incs["node-b"]]
     rc, out = kvguard("db", "current", "--db", url, "--json")
-    assert json.loads(out)["revision"] == json.loads(out)["head"] == "0005"
+    assert json.loads(out)["revision"] == json.loads(out)["head"] == "0006"
     rc, out = kvguard("db", "upgrade", "--db", url)
-    assert rc == 0 and "at revision 0005" in out and "postgresql+psycopg://" in out
+    assert rc == 0 and "at revision 0006" in out and "postgresql+psycopg://" in out
 
 
 def test_config_names_the_database_and_the_instance(
@@ -495,7 +496,7 @@ def test_server_down_at_start_is_degraded_until_it_comes_back(pg: PgServer, pg_d
         assert store.problem() is None
     finally:
         store.stop(timeout=10)
-    assert audit_migrate.current(url) == "0005"
+    assert audit_migrate.current(url) == "0006"
     assert _count(pg, pg_db, "SELECT kind, instance FROM events") == [("daemon_start", "node-y")]
 
 

@@ -380,13 +380,13 @@ def test_0005_swaps_the_filter_indexes_up_and_down_keeping_the_rows(
         url = request.getfixturevalue("pg_url")
     else:
         url = f"sqlite:///{tmp_path / 'audit.db'}"
-    audit_migrate.upgrade(url, "0004")
     store = AuditStore(url, host="node-1")
-    store.start(migrate=False)  # 0005 changes no column: today's writer writes at 0004 too
+    store.start()  # today's writer writes at head (0006 adds a column): taken down to 0004 after
     _act(store, rule="fp8-kv")
     store.record_event("reload")
     store.open_incident(1, "p")
     assert store.stop(timeout=10)
+    audit_migrate.downgrade(url, "0004")
 
     def indexes() -> dict[str, list[str]]:
         engine = audit_migrate.make_engine(url)
@@ -410,7 +410,7 @@ def test_0005_swaps_the_filter_indexes_up_and_down_keeping_the_rows(
         "ix_incidents_instance": ["instance"],
     }
     assert indexes() == single
-    audit_migrate.upgrade(url)
+    audit_migrate.upgrade(url, "0005")
     assert audit_migrate.current(url) == "0005"
     assert indexes() == {
         "ix_actions_rule_time": ["rule", "time"],
@@ -419,11 +419,12 @@ def test_0005_swaps_the_filter_indexes_up_and_down_keeping_the_rows(
         "ix_events_instance_time": ["instance", "time"],
         "ix_incidents_instance_time": ["instance", "opened_at", "id"],
     }
+    audit_migrate.upgrade(url)  # today's reader reads at head
     reader = AuditStore(url, host="-")
     assert [a["rule"] for a in reader.list_actions(rule="fp8-kv")] == ["fp8-kv"]
     assert len(reader.list_events(kind="reload")) == len(reader.list_incidents()) == 1
     reader._engine.dispose()
     audit_migrate.downgrade(url, "0004")
     assert audit_migrate.current(url) == "0004" and indexes() == single
-    audit_migrate.upgrade(url)
+    audit_migrate.upgrade(url, "0005")
     assert audit_migrate.current(url) == "0005"

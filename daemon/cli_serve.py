@@ -226,10 +226,14 @@ def _print_state(s: dict) -> None:
 def _ranks_line(tp: dict) -> str:
     """Tensor parallelism at a glance: the ranks, the worker processes, a failure if any."""
     pids = ", ".join(str(p) for p in tp["worker_pids"])
-    per_rank = tp["kv_cache_rank_bytes"][0] / 2**20 if tp["kv_cache_rank_bytes"] else 0.0
+    sizes = [b / 2**20 for b in tp["kv_cache_rank_bytes"]] or [0.0]
+    # uneven pipeline stages (pipeline_layers) hold pools of different sizes: the range, not
+    # rank 0's alone (18 MiB said for a stage holding 256)
+    lo, hi = f"{min(sizes):.0f}", f"{max(sizes):.0f}"
+    per_rank = lo if lo == hi else f"{lo}-{hi}"
     stages = tp.get("pipeline_stages", 1)  # absent from older daemons
     split = f"{tp['size']} tensor-parallel" + (f" x {stages} pipeline stages" if stages > 1 else "")
-    line = f"{split}  workers pid {pids}  KV {per_rank:.0f} MiB per rank"
+    line = f"{split}  workers pid {pids}  KV {per_rank} MiB per rank"
     return line + (f"  FAILED: {tp['failure']}" if tp["failure"] else "")
 
 

@@ -651,3 +651,15 @@ def test_python_dash_m_runs_the_kvguard_command(tmp_path: Path) -> None:
     assert version.returncode == 0 and version.stdout == script.stdout
     bad = subprocess.run([*run, "no-such-command"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "invalid choice: 'no-such-command'" in bad.stderr
+
+
+def test_status_gives_the_range_of_kv_pool_sizes_of_uneven_stages() -> None:
+    """`pipeline_layers: [2, 28]`: rank 0's pool is a fourteenth of rank 1's, and the status
+    line said rank 0's size alone, "per rank"."""
+    from kvguard.daemon.cli_serve import _ranks_line
+
+    tp = {"size": 1, "pipeline_stages": 2, "worker_pids": [7], "failure": None}
+    uneven = _ranks_line({**tp, "kv_cache_rank_bytes": [18 * 2**20, 256 * 2**20]})
+    assert "KV 18-256 MiB per rank" in uneven
+    even = _ranks_line({**tp, "kv_cache_rank_bytes": [64 * 2**20, 64 * 2**20]})
+    assert "KV 64 MiB per rank" in even

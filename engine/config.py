@@ -138,7 +138,10 @@ class EngineConfig:
         live=True,
         kind="size",
         gt=0,
-        doc="the KV budget on CPU (CUDA sizes the pool from gpu_memory_utilization)",
+        doc=(
+            "the KV budget on CPU, of each rank (several ranks hold up to world size times it; "
+            "CUDA sizes the pool from gpu_memory_utilization)"
+        ),
     )
     gpu_memory_utilization: float = knob(
         0.85,

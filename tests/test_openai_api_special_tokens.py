@@ -356,3 +356,22 @@ def test_an_echoed_token_id_prompt_with_bytes_of_no_whole_character_keeps_its_of
         for token, offset in zip(lp.tokens, lp.text_offset, strict=True):
             if not token.startswith("bytes:"):  # a whole character is where its offset is
                 assert text[offset] == token, (token, offset, text)
+
+
+def test_the_readmes_python_chat_example_has_one_bos(bos_dir: Path) -> None:
+    """README's Python API example, run as written on a tokenizer that adds a BOS (Llama 3's,
+    Mistral's layout): it encoded the rendered chat with special tokens, so its prompt began
+    with two BOS, unlike the same chat over HTTP or `kvguard generate --chat`."""
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    block = readme.split("## Python API", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    example = block.split("# streaming level", 1)[0]  # the chat example, before the streaming one
+    assert "apply_chat_template" in example and "print(out.text" in example
+    example = example.replace('model="smollm2-135m"', f"model={str(bos_dir)!r}")
+    example = example.replace('kv_cache_bytes="256MiB"', 'kv_cache_bytes="8MiB"')
+    example = example.replace("max_tokens=32", "max_tokens=2")
+    scope: dict[str, Any] = {}
+    exec(example, scope)  # noqa: S102 - the README's own code
+    engine, out = scope["engine"], scope["out"]
+    chat = engine.tokenizer.apply_chat_template([{"role": "user", "content": "Hi!"}])
+    assert out.prompt_token_ids[:2] != [1, 1]  # the template's own BOS only
+    assert out.prompt_token_ids == engine.tokenizer.encode(chat, add_special_tokens=False)

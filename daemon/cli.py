@@ -229,7 +229,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.chat:
         prompts = [_chat_prompt(engine.tokenizer, p) for p in prompts]
     # A rendered chat prompt already holds every special token the model expects.
-    outs = engine.generate(prompts, params, add_special_tokens=not args.chat)
+    outs = _generate(engine, prompts, params, add_special_tokens=not args.chat)
     _print_outputs(prompts, outs, args.json)
     # The answers are printed all the same (the JSON says which failed); the status tells a
     # script that checks $? that an output is no answer.
@@ -242,6 +242,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
         )
         return EXIT_FAILURE
     return 0
+
+
+def _generate(engine: Any, prompts: list[str], params: Any, add_special_tokens: bool) -> list[Any]:
+    """`engine.generate`, a refused prompt named as the command line counts its arguments
+    (from 1, "prompt 2 of 3"), not by the list index the library's message gives."""
+    try:
+        return engine.generate(prompts, params, add_special_tokens=add_special_tokens)
+    except ValueError as e:
+        i = getattr(e, "prompt_index", None)
+        if i is None:
+            raise
+        reason = str(e).removeprefix(f"prompts[{i}]: ")
+        raise ValueError(f"prompt {i + 1} of {len(prompts)}: {reason}") from e
 
 
 def _chat_prompt(tokenizer: Any, prompt: str) -> str:

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import functools
 import ipaddress
+import numbers
 import os
 import re
 import socket
+import types
+import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from kvguard.engine.admission import AdmissionConfig
 from kvguard.engine.knobs import ConfigError, MiB, check_knobs, knob, knob_fields
@@ -43,6 +49,58 @@ def parse_bytes(value: int | str, name: str = "size") -> int:
             f"{name}={value!r}: cannot read as a size, expected e.g. 268435456, '256MiB', '2GiB'"
         )
     return int(float(m.group(1)) * _SIZE_UNITS[m.group(2) or ""])
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
+# A field's annotated type -> (the values it takes, how an error message names them). A bool
+# is an int in Python, so True is no count; and "false" would be a truthy string.
+_TYPE_CHECKS: dict[type, tuple[Callable[[Any], bool], str]] = {
+    bool: (lambda v: isinstance(v, bool), "a bool (True or False)"),
+    int: (_is_int, "an int"),
+    float: (_is_number, "a number"),
+    str: (lambda v: isinstance(v, str), "a string"),
+}
+
+
+@functools.cache
+def _typed_fields(cls: type) -> tuple[tuple[str, type, bool], ...]:
+    """(name, type, None allowed) for each top-level field of `cls` annotated `T` or
+    `T | None` with T one of `_TYPE_CHECKS`; other fields (sizes, nested configs, lists)
+    have their own checks."""
+    out = []
+    for name, hint in typing.get_type_hints(cls).items():
+        args = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+        kinds = [a for a in args if a is not type(None)]
+        if len(kinds) == 1 and kinds[0] in _TYPE_CHECKS:
+            out.append((name, kinds[0], len(kinds) < len(args)))
+    return tuple(out)
+
+
+def check_types(config: Any) -> None:
+    """Refuse the first field whose value is not of its annotated type, naming the field and
+    the type: a config built in Python is not typed by the file loader, and a wrong type
+    otherwise fails later with a TypeError naming no field, or passes quietly (4.5 sequences,
+    `enable_prefix_caching="false"` keeping the cache on). Integers of other libraries
+    (numpy) become ints."""
+    for name, kind, optional in _typed_fields(type(config)):
+        value = getattr(config, name)
+        if value is None and optional:
+            continue
+        ok, expected = _TYPE_CHECKS[kind]
+        if not ok(value):
+            allowed = " or None" if optional else ""
+            raise ConfigError(
+                f"{name}={value!r:.60}: expected {expected}{allowed}, got {type(value).__name__}"
+            )
+        if kind is int and type(value) is not int:
+            setattr(config, name, int(value))
 
 
 def is_loopback(host: str) -> bool:
@@ -371,12 +429,16 @@ class EngineConfig:
     home: Path = field(default_factory=kvguard_home)  # $KVGUARD_HOME: the unit file sets it
 
     def __post_init__(self) -> None:
+        if isinstance(self.model, os.PathLike):  # a model directory as a Path: its text
+            self.model = os.fspath(self.model)
         self.kv_cache_bytes = parse_bytes(self.kv_cache_bytes, "kv_cache_bytes")
         self.home = Path(self.home)
         self.validate()
 
     def validate(self) -> None:
-        """Each knob against its declaration, then the rules that tie knobs together."""
+        """Each field against its type and its knob's declaration, then the rules that tie
+        knobs together."""
+        check_types(self)
         check_knobs(self)
         self._check_pipeline_layers()
         self.distributed.validate(self.world_size, self.tensor_parallel)

@@ -409,7 +409,7 @@ class LLMEngine(ControlSurface):
         EngineShutDown (a RuntimeError)."""
         if self.shut_down:
             raise EngineShutDown()
-        params = params or SamplingParams()
+        params = self._checked_params(params)
         params.validate()  # O(1) in the bias's size once validated (CheckedBias): n=32 shares it
         vocab = self.model_config.vocab_size
         for name, bad in (
@@ -508,6 +508,20 @@ class LLMEngine(ControlSurface):
         """How many token ids a `logit_bias` may name: [0, this)."""
         return min(self.tokenizer.vocab_size, self.model_config.vocab_size)
 
+    @staticmethod
+    def _checked_params(params: SamplingParams | None) -> SamplingParams:
+        """`params`, or the defaults for None. Anything else (a dict of its fields is the
+        likely one) is a TypeError that says what to pass, not an AttributeError from deep
+        inside the checks."""
+        if params is None:
+            return SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(
+                f"params={params!r:.60}: expected a SamplingParams (or None for the defaults), "
+                f"got {type(params).__name__}; build one with SamplingParams(**fields)"
+            )
+        return params
+
     def _bias_names_tokens(self, params: SamplingParams) -> None:
         """A ValueError for a `logit_bias` on ids the model has rows for but the tokenizer no
         token: the padding rows of an embedding rounded up (Qwen2: 151936 rows, 151665
@@ -598,21 +612,20 @@ class LLMEngine(ControlSurface):
         self.mailbox.drain()
         if self.torn is not None:
             raise self.torn
-        outputs, self._pending = self._pending, []
-        try:
-            self._maybe_restore_budget()
-            batch = self.scheduler.schedule()
-            outputs += [self._outgrown(seq) for seq in batch.ended]
-            if not batch.empty:
-                steps = self._steps_ahead(batch)
-                outputs += self._run(batch, steps)
-                self._step_no += steps
-        except BaseException:
-            # requests already ended (aborts, caps) are answered by the next step, not lost
-            # with this one (their clients would wait for an answer that never comes)
-            self._pending[:0] = [o for o in outputs if o.finished]
-            raise
+        # The step's outputs gather in `_pending` and leave it only in the return statement:
+        # whatever interrupts the step (an exception, Ctrl-C while the snapshot is built),
+        # the next step hands them out. Each was taken (`RequestOutput.take` moved its
+        # request's cursor on), so one dropped would be an answer never given, or a running
+        # request's tokens missing from its stream though its final output has them.
+        self._maybe_restore_budget()
+        batch = self.scheduler.schedule()
+        self._pending += [self._outgrown(seq) for seq in batch.ended]
+        if not batch.empty:
+            steps = self._steps_ahead(batch)
+            self._pending += self._run(batch, steps)
+            self._step_no += steps
         self.latest_snapshot = self.snapshot()
+        outputs, self._pending = self._pending, []
         return outputs
 
     def interrupt_step(self) -> None:
@@ -884,26 +897,48 @@ class LLMEngine(ControlSurface):
             raise ValueError(f"{len(plist)} SamplingParams for {len(prompts)} prompts")
         rids: list[str] = []
         final: dict[str, RequestOutput] = {}
-        others: list[RequestOutput] = []  # other callers' outputs, kept for their next step()
+        # every output of the steps this call ran, in order, kept whole (one statement adds a
+        # step's list) so that an interrupt while they are sorted loses none of the outputs
+        # that other callers' next step() hands out
+        outs: list[RequestOutput] = []
         try:
-            for p, sp in zip(prompts, plist, strict=True):
-                rids.append(self.add_request(p, sp, None, priority, add_special_tokens))
+            for i, (p, sp) in enumerate(zip(prompts, plist, strict=True)):
+                rids.append(self._add_prompt(i, p, sp, priority, add_special_tokens))
             mine = set(rids)
             while len(final) < len(rids):
                 if not self.has_unfinished():
                     missing = [r for r in rids if r not in final]
                     raise RuntimeError(f"generate: {missing} ended without a final output")
-                for out in self.step():
-                    if out.request_id not in mine:
-                        others.append(out)
-                    elif out.finished:
-                        final[out.request_id] = out
+                seen = len(outs)
+                outs += self.step()
+                final.update(
+                    (o.request_id, o) for o in outs[seen:] if o.request_id in mine and o.finished
+                )
         except BaseException:
             self._abandon(rids)
             raise
         finally:
-            self._pending[:0] = others
+            added = set(rids)
+            self._pending[:0] = [o for o in outs if o.request_id not in added]
         return [final[r] for r in rids]
+
+    def _add_prompt(
+        self,
+        index: int,
+        prompt: str | list[int],
+        params: SamplingParams | None,
+        priority: str | int,
+        add_special_tokens: bool,
+    ) -> str:
+        """`add_request` for `generate`'s prompt `index`: a refusal names the prompt (in a
+        batch of hundreds, "prompt is empty" alone does not say which), keeping its type and
+        attributes (AdmissionRejected's `decision`); `prompt_index` carries the index."""
+        try:
+            return self.add_request(prompt, params, None, priority, add_special_tokens)
+        except ValueError as e:
+            e.args = (f"prompts[{index}]: {e}", *e.args[1:])
+            e.prompt_index = index  # type: ignore[attr-defined]
+            raise
 
     def _abandon(self, rids: list[str]) -> None:
         """Abort the requests a failed `generate` added, their outputs dropped: the caller

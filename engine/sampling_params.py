@@ -157,6 +157,7 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
+        self._plain_ints()
         if (
             not isinstance(self.max_tokens, int)
             or isinstance(self.max_tokens, bool)
@@ -221,6 +222,14 @@ class SamplingParams:
                 not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_LOGPROBS
             ):
                 raise ValueError(f"{name}={v!r}: expected None or an integer 0..{MAX_LOGPROBS}")
+
+    def _plain_ints(self) -> None:
+        """Numpy integers in the count fields become ints, as they do among prompt ids: the
+        checks below and the steps read Python ints (a bool stays, to be refused)."""
+        for name in ("max_tokens", "top_k", "seed", "logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if isinstance(v, numbers.Integral) and not isinstance(v, int):
+                setattr(self, name, int(v))
 
     def bias_ids_from(self, vocab: int) -> list[int]:
         """The validated `logit_bias`'s token ids >= `vocab`, in order: O(1) where there are

@@ -336,7 +336,8 @@ class EngineConfig:
         kind="duration",
         gt=0.0,
         doc="a rank that does not answer a step within this is declared failed (keep it below "
-        "WatchdogSec); start-up has its own 10-minute limit",
+        "WatchdogSec); start-up has its own 10-minute limit. Between pipeline stages on the "
+        "CPU it bounds how long no stage shows it is computing, not how long a step takes",
     )
     pipeline_parallel: int = knob(
         1,

@@ -10,10 +10,20 @@ within 1e-4.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
 
 from kvguard.engine import EngineConfig, LLMEngine
 from kvguard.engine.config import ConfigError
+from kvguard.engine.distributed.errors import RankFailure
+from kvguard.engine.distributed.worker import SLOW_FIRST_STEP_ENV
 from tests.test_tensor_parallel import GREEDY, PROMPTS, _children, last_logits, run
 
 
@@ -168,3 +178,118 @@ def test_micro_batches_of_a_decode_step_send_block_table_deltas(tiny_dir) -> Non
         assert per_decode < 900, f"{per_decode:.0f} bytes per decode step"
     finally:
         eng.shutdown()
+
+
+@pytest.mark.parametrize("slow_rank", [0, 1], ids=["first-stage", "last-stage"])
+def test_a_stage_computing_longer_than_the_timeout_is_not_a_failed_rank(
+    want, monkeypatch: pytest.MonkeyPatch, slow_rank: int
+) -> None:  # noqa: ANN001
+    """One stage takes 4x `tensor_parallel_timeout` over its first step (a long prompt's
+    prefill on a slow stage): the transfers wait for it, and the tokens are the one-process
+    tokens with every worker still alive. Before, the wait for its output gave up after the
+    timeout and the engine failed for good: rank 0's wait for the logits when the last stage
+    was slow, the worker's wait for the hidden states (exit 1) when rank 0 was. While rank 0
+    waits it passes the stage's heartbeats on as its own: the engine loop is not stalled."""
+    monkeypatch.setenv(SLOW_FIRST_STEP_ENV, f"{slow_rank}:4")
+    eng = engine(pp=2, tensor_parallel_timeout_s=1.0)
+    pids = eng.runner.worker_pids()
+    if slow_rank == 0:  # rank 0 is this process: its first forward, four seconds longer
+        forward = eng.runner._forward
+
+        def slow_once(inp):  # noqa: ANN001, ANN202 - StepInput -> Tensor
+            eng.runner._forward = forward
+            time.sleep(4)
+            return forward(inp)
+
+        eng.runner._forward = slow_once
+    beats: list[float] = []  # rank 0's heartbeat (the engine loop's, for the watchdog)
+    eng.runner.on_layer = lambda: beats.append(time.monotonic())
+    try:
+        assert run(eng) == want[0]
+        eng.check_ranks()
+        assert set(pids) <= set(_children())
+        if slow_rank == 1:  # rank 0 waits 4 s, hearing stage 1 compute: it beats on meanwhile
+            assert max(b - a for a, b in zip(beats, beats[1:], strict=False)) < 2.0
+    finally:
+        eng.shutdown()
+
+
+@contextlib.contextmanager
+def _stage_mid_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rank: int) -> Iterator[tuple]:
+    """A pp=2 engine (1 s timeout) whose worker `rank` computes a 60 s first step, started in a
+    thread: yields (its pid, the step's outcome list, the stepping thread) once the worker is
+    inside that step. The worker is let go and the engine shut down after."""
+    mark = tmp_path / "computing"
+    monkeypatch.setenv(SLOW_FIRST_STEP_ENV, f"{rank}:60:{mark}")
+    eng = engine(pp=2, tensor_parallel_timeout_s=1.0)
+    pid = eng.runner.worker_pids()[rank - 1]
+    outcome: list[BaseException] = []
+
+    def step() -> None:
+        try:
+            eng.add_request(PROMPTS[0], GREEDY)
+            eng.step()
+        except BaseException as e:  # noqa: BLE001 - handed to the test thread
+            outcome.append(e)
+
+    stepper = threading.Thread(target=step, daemon=True)
+    try:
+        stepper.start()
+        while not mark.exists():  # the worker is in its step's compute
+            assert stepper.is_alive(), f"the step ended first: {outcome!r}"
+            time.sleep(0.01)
+        yield pid, outcome, stepper
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+        eng.shutdown()
+    assert pid not in _children()
+
+
+def _named_within_the_timeout(
+    pid: int, sig: int, outcome: list, stepper: threading.Thread
+) -> RankFailure:
+    """Send the worker `sig`; the step's RankFailure once it comes within the timeout (1 s)
+    and the death grace, long before the worker's 60 s step would end."""
+    t0 = time.monotonic()
+    os.kill(pid, sig)
+    stepper.join(30)
+    assert not stepper.is_alive(), "rank 0 is still waiting for the stage"
+    assert time.monotonic() - t0 < 1.0 + 10
+    assert outcome and isinstance(outcome[0], RankFailure), repr(outcome)
+    return outcome[0]
+
+
+@pytest.mark.parametrize(
+    ("sig", "named"),
+    [(signal.SIGKILL, "killed by signal 9"), (signal.SIGSTOP, "is stopped")],
+    ids=["killed", "stopped"],
+)
+def test_a_stage_killed_or_stopped_mid_step_is_named_within_the_timeout(
+    tiny_dir, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sig: int, named: str
+) -> None:  # noqa: ANN001
+    """Waiting as long as a stage computes does not wait for a dead or stopped one: a stage
+    killed or stopped in the middle of its step fails the step within the timeout, naming it."""
+    with _stage_mid_step(tmp_path, monkeypatch, rank=1) as (pid, outcome, stepper):
+        err = _named_within_the_timeout(pid, sig, outcome, stepper)
+        assert err.rank == 1 and named in str(err), str(err)
+
+
+def test_the_stopped_rank_is_named_not_the_one_whose_collective_timed_out(tiny_dir) -> None:  # noqa: ANN001
+    """tp 2 x pp 2 with rank 3 stopped: its stage peer, rank 2, waits for it in an all-reduce
+    that times out there, and exits 1 reporting it. The failure names rank 3, the cause, within
+    the timeout: before, rank 0 named rank 2 as "died: exit code 1"."""
+    eng = engine(tp=2, pp=2, tensor_parallel_timeout_s=1.0)
+    pid = eng.runner.worker_pids()[2]  # rank 3
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        eng.add_request(PROMPTS[0], GREEDY)
+        t0 = time.monotonic()
+        with pytest.raises(RankFailure) as err:
+            eng.step()
+        assert time.monotonic() - t0 < 1.0 + 10
+        assert err.value.rank == 3 and "is stopped" in str(err.value), str(err.value)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        eng.shutdown()
+    assert pid not in _children()

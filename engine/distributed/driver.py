@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
@@ -77,6 +78,11 @@ DEATH_GRACE_S = 1.0  # after a failed collective: how long to wait for a dead ra
 STOP_GRACE_S = 5.0
 
 
+def failed_step(death: str | None, error: str) -> str:
+    """A worker's failure that it reported itself (`Worker.run`), and how it ended if it has."""
+    return f"{death} after failing a step: {error}" if death else f"failed a step: {error}"
+
+
 @dataclass(slots=True)
 class WorkerHandle:
     rank: int
@@ -84,6 +90,7 @@ class WorkerHandle:
     conn: Connection
     info: dict = field(default_factory=dict)
     host: str = ""  # a remote rank's address
+    reported: str | None = None  # the error of the step it said it failed (`Worker.run`)
 
     def death(self) -> str | None:
         """Why this worker is gone, or None while it runs."""
@@ -112,15 +119,46 @@ class WorkerHandle:
     def next_message(self, timeout: float = 0.0) -> tuple[str, Any] | None:
         """This worker's next message (kind, data) if one comes within `timeout`, else None;
         ("gone", why) once it has died or hung up, after whatever it sent before."""
-        if not self.conn.poll(timeout):
-            if (why := self.death()) is None:
-                return None
-            if not self.conn.poll(0):  # else its last words came just before it died: read them
-                return ("gone", why)
+        deadline = time.monotonic() + timeout
+        while True:
+            if not self.conn.poll(max(0.0, deadline - time.monotonic())):
+                if (why := self.death()) is None:
+                    return None
+                if not self.conn.poll(0):  # else its last words came just before it died
+                    return ("gone", why)
+            try:
+                got = self.conn.recv()
+            except (EOFError, OSError):
+                return ("gone", self.gone())
+            if got[0] != "beat":  # a pipeline step's heartbeat: read by `heartbeats` only
+                return got
+
+    def heartbeats(self) -> int:
+        """Read what this worker has sent during a pipeline step, without blocking: how many
+        heartbeats; a "failed" message's error goes to `reported`."""
+        beats = 0
         try:
-            return self.conn.recv()
+            while self.conn.poll(0):
+                kind, data = self.conn.recv()
+                if kind == "failed":
+                    self.reported = failure_text(data)
+                beats += kind == "beat"
         except (EOFError, OSError):
-            return ("gone", self.gone())
+            pass  # its death says why
+        return beats
+
+    def failure(self) -> str | None:
+        """Why this worker failed, or None while it runs: how it died, and the error it
+        reported first if it did (a collective or transfer that broke or timed out there).
+        Reads what it sent first: a remote rank's closed connection shows (`peer_closed`) only
+        once no heartbeat is left unread before the end."""
+        self.heartbeats()
+        why = self.death()
+        if why is not None:
+            self.heartbeats()  # its last words, if they came just before it died
+        if self.reported is not None:
+            return failed_step(why, self.reported)
+        return why
 
     def gone(self) -> str:
         """Why this worker, whose connection has closed, is gone: its exit status once it shows
@@ -275,7 +313,7 @@ class TensorParallelRunner(ModelRunner):
         if self._failed is not None:
             raise self._failed
         for w in self.workers:
-            if (why := w.death()) is not None:
+            if (why := w.failure()) is not None:
                 self._fail(RankFailure(w.rank, why))
 
     def _fail(self, failure: RankFailure) -> NoReturn:
@@ -283,14 +321,36 @@ class TensorParallelRunner(ModelRunner):
         raise failure
 
     def _after_error(self, error: BaseException, rank: int = -1) -> NoReturn:
-        """A collective or a send failed: name the dead rank if one shows up, else `rank` (the
-        worker a send to failed), else the group."""
+        """A collective or a send failed: name the stopped or dead rank if one shows up, else
+        `rank` (the worker a send to failed), else the group. A rank stopped, or dead without a
+        word, is named before one that reported a failed step: a collective or transfer with
+        a stopped or dead peer breaks or times out there too, as a consequence."""
         deadline = time.monotonic() + DEATH_GRACE_S
-        while time.monotonic() < deadline:
+        reported: list[tuple[int, str]] = []
+        while True:
+            self._fail_stopped()
+            reported = []
             for w in self.workers:
-                if (why := w.death()) is not None:
+                if (why := w.failure()) is None:
+                    continue
+                if w.reported is None:
                     self._fail(RankFailure(w.rank, why))
+                reported.append((w.rank, why))
+            if time.monotonic() >= deadline:
+                break
             time.sleep(0.02)
+        if reported:
+            self._fail(RankFailure(*reported[0]))
+        if rank >= 0 and isinstance(error, BlockingIOError | TimeoutError):  # SO_SNDTIMEO
+            self._fail(
+                RankFailure(rank, f"did not read rank 0's message within {self.timeout_s:g}s")
+            )
+        if rank >= 0:
+            self._fail(RankFailure(rank, f"could not be sent rank 0's message: {error}"))
+        self._fail(RankFailure(-1, f"did not complete a step within {self.timeout_s:g}s: {error}"))
+
+    def _fail_stopped(self) -> None:
+        """RankFailure naming a local worker that is stopped (SIGSTOP, a debugger)."""
         for w in self.workers:
             if w.process is not None and _state(w.process.pid) == "T":
                 self._fail(
@@ -299,13 +359,6 @@ class TensorParallelRunner(ModelRunner):
                         f"(pid {w.process.pid}) is stopped and did not answer within {self.timeout_s:g}s",
                     )
                 )
-        if rank >= 0 and isinstance(error, BlockingIOError | TimeoutError):  # SO_SNDTIMEO
-            self._fail(
-                RankFailure(rank, f"did not read rank 0's message within {self.timeout_s:g}s")
-            )
-        if rank >= 0:
-            self._fail(RankFailure(rank, f"could not be sent rank 0's message: {error}"))
-        self._fail(RankFailure(-1, f"did not complete a step within {self.timeout_s:g}s: {error}"))
 
     def _send_all(self, kind: str, payload: object) -> None:
         """Send every worker a message. A worker that reads nothing for `timeout_s` while its
@@ -387,25 +440,50 @@ class TensorParallelRunner(ModelRunner):
         Every micro-batch's tokens return within this call: no sequence is scheduled again
         before its token is in, and the result is the one-batch result, row for row."""
         sends, rows, outs = [], [], []
-        dst = self.stage.world.rank + self.stage.tp_size
+        stage = self.stage
         try:
             for i, part in enumerate(micro_batches(num_tokens, self.micro_batches)):
                 span = slice(part.start, part.stop)
                 inp = self._start(seqs[span], num_tokens[span], every_row, i > 0)
                 hidden = self._forward(inp).contiguous()
-                sends.append((hidden, dist.isend(hidden, dst, group=self.stage.world.group)))
+                sends.append((hidden, stage.start_send_next(hidden)))
                 rows.append(len(inp.sample_rows))
             t0 = time.perf_counter()
             vocab = self.model_config.vocab_size
-            outs = [self.stage.recv_logits(n, vocab, self.device) for n in rows if n]
+            watch = self._watch_stages()
+            outs = [stage.recv_logits(n, vocab, self.device, watch) for n in rows if n]
             for _, work in sends:
-                work.wait()
+                stage.finish(work, watch)
             self.stats.wait_s += time.perf_counter() - t0
         except RankFailure:
             raise  # a send to a worker failed (`_send_all`): named already
         except Exception as e:  # noqa: BLE001 - the group is out of step: no retry can fix it
             self._after_error(e)
         return torch.cat(outs) if outs else None
+
+    def _watch_stages(self) -> Callable[[], None]:
+        """What rank 0 checks while it waits for the later stages (parallel_state.wait_watched):
+        a worker that died or reported a failed step fails the engine at once, naming it; and
+        once no worker has sent a heartbeat (sent only while computing) for `timeout_s`, no
+        stage is computing, so one is dead, stopped or unreachable: named as after a
+        collective that timed out. A stage computing a long step is never a timeout, and its
+        heartbeats are rank 0's (`on_layer`: the engine loop's, which the watchdog follows)."""
+        heard = time.monotonic()
+
+        def watch() -> None:
+            nonlocal heard
+            for w in self.workers:
+                if w.heartbeats():
+                    heard = time.monotonic()
+                    if self.on_layer is not None:
+                        self.on_layer()
+                if w.reported is not None or w.death() is not None:
+                    self._after_error(RuntimeError(f"rank {w.rank} failed"))
+            if time.monotonic() - heard >= self.timeout_s:
+                silence = f"no stage reported computing for {self.timeout_s:g}s"
+                self._after_error(TimeoutError(silence))
+
+        return watch
 
     def worker_busy_s(self) -> dict[int, float]:
         """Each worker's seconds of forward since start (rank -> seconds), asked over its pipe

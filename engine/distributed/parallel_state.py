@@ -7,13 +7,52 @@ parallelism existed.
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
 
 # gloo (the CPU backend) cannot sum half-precision tensors; those are reduced in fp32 instead.
 _GLOO_UNSUMMABLE = (torch.float16, torch.bfloat16)
+
+# How long a gloo transfer between stages waits by itself. Not the step timeout: a stage may
+# compute a long step for longer than that, and the wait for its output must not give up on
+# it. What ends a wait on a dead or silent stage is the caller's watch (the driver), or the
+# peer's connection closing when it dies or the group is torn down (a worker).
+TRANSFER_WAIT = timedelta(days=1)
+WATCH_EVERY_S = 0.05  # how often a watched transfer looks at the other ranks
+
+Watch = Callable[[], None]  # raises once the transfer being waited for can no longer come
+
+
+def wait_watched(work: Any, watch: Watch | None) -> None:
+    """Wait for a gloo transfer however long the other stages compute, calling `watch` every
+    WATCH_EVERY_S meanwhile: it raises (and this with it) once a rank is dead or silent. gloo's
+    own timeout cannot tell the two apart, and a wait that times out closes the connection to
+    that peer for good, so a wait cannot be cut into slices either: the one wait runs in a
+    thread (it releases the GIL) while this thread watches."""
+    if watch is None:
+        work.wait(TRANSFER_WAIT)
+        return
+    done = threading.Event()
+    failed: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            work.wait(TRANSFER_WAIT)
+        except BaseException as e:  # noqa: BLE001 - raised in the watching thread
+            failed.append(e)
+        finally:
+            done.set()
+
+    threading.Thread(target=wait, name="kvguard-stage-transfer", daemon=True).start()
+    while not done.wait(WATCH_EVERY_S):
+        watch()
+    if failed:
+        raise failed[0]
 
 
 @dataclass(slots=True, frozen=True)
@@ -70,7 +109,9 @@ class PipelineStage:
     group's all-reduce) and the last stage's tp rank 0 sends the logits to rank 0, the driver.
 
     `world` spans every rank of every stage (step timeout): the point-to-point transfers and
-    the agreements that must hold everywhere (one KV block count, one FP8 switch) use it. One
+    the agreements that must hold everywhere (one KV block count, one FP8 switch) use it. On
+    gloo a transfer waits as long as the stages compute, not the step timeout: rank 0 watches
+    the ranks meanwhile (`wait_watched`); on NCCL the step timeout bounds it. One
     stage (`single`) is plain data and never touches torch.distributed."""
 
     index: int
@@ -99,25 +140,48 @@ class PipelineStage:
         """The global rank that holds the gathered logits: the last stage's tp rank 0."""
         return (self.count - 1) * self.tp_size
 
-    def send_next(self, hidden: torch.Tensor) -> None:
-        import torch.distributed as dist
+    def send_next(self, hidden: torch.Tensor, watch: Watch | None = None) -> None:
+        self.transfer("send", hidden.contiguous(), self.world.rank + self.tp_size, watch)
 
-        dist.send(hidden.contiguous(), self.world.rank + self.tp_size, group=self.world.group)
-
-    def recv_prev(self, like: torch.Tensor) -> torch.Tensor:
-        import torch.distributed as dist
-
-        dist.recv(like, self.world.rank - self.tp_size, group=self.world.group)
+    def recv_prev(self, like: torch.Tensor, watch: Watch | None = None) -> torch.Tensor:
+        self.transfer("recv", like, self.world.rank - self.tp_size, watch)
         return like
 
-    def send_logits(self, logits: torch.Tensor) -> None:
-        import torch.distributed as dist
+    def send_logits(self, logits: torch.Tensor, watch: Watch | None = None) -> None:
+        self.transfer("send", logits.contiguous(), 0, watch)
 
-        dist.send(logits.contiguous(), 0, group=self.world.group)
-
-    def recv_logits(self, rows: int, vocab: int, device: torch.device) -> torch.Tensor:
-        import torch.distributed as dist
-
+    def recv_logits(
+        self, rows: int, vocab: int, device: torch.device, watch: Watch | None = None
+    ) -> torch.Tensor:
         out = torch.empty(rows, vocab, dtype=torch.float32, device=device)
-        dist.recv(out, self.last_driver_rank, group=self.world.group)
+        self.transfer("recv", out, self.last_driver_rank, watch)
         return out
+
+    def start_send_next(self, hidden: torch.Tensor) -> Any:
+        """Post the send of `hidden` to the next stage; finish it with `finish`."""
+        import torch.distributed as dist
+
+        return dist.isend(hidden, self.world.rank + self.tp_size, group=self.world.group)
+
+    def finish(self, work: Any, watch: Watch | None = None) -> None:
+        """Wait for a posted transfer: on gloo as long as the stages compute, with `watch`
+        looking at the ranks; on NCCL within the group's step timeout, as before."""
+        if self._on_gloo():
+            wait_watched(work, watch)
+        else:
+            work.wait()
+
+    def transfer(self, op: str, tensor: torch.Tensor, peer: int, watch: Watch | None) -> None:
+        """Send `tensor` to, or receive it from, global rank `peer` (see `finish`)."""
+        import torch.distributed as dist
+
+        if not self._on_gloo():  # NCCL: the group's step timeout bounds it, as before
+            (dist.send if op == "send" else dist.recv)(tensor, peer, group=self.world.group)
+            return
+        start = dist.isend if op == "send" else dist.irecv
+        wait_watched(start(tensor, peer, group=self.world.group), watch)
+
+    def _on_gloo(self) -> bool:
+        import torch.distributed as dist
+
+        return dist.get_backend(self.world.group) == "gloo"

@@ -16,7 +16,9 @@ import logging
 import os
 import pickle
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from multiprocessing.connection import Connection
@@ -41,6 +43,12 @@ from kvguard.kernels.cpu_lowbit import step_rows
 log = logging.getLogger("kvguard.engine.worker")
 LOOPBACK = "lo"  # gloo's interface: ranks of one host never need another
 STARTUP_TIMEOUT_S = 600.0  # joining the group and loading every rank's shards
+BEATS_PER_TIMEOUT = 4  # a computing stage's heartbeats within one tensor_parallel_timeout
+BEAT_EVERY_S = 1.0  # and at least this often: rank 0 passes them on to the engine loop's
+# heartbeat, which the systemd watchdog follows (rank 0 itself computes nothing meanwhile)
+# Test hook: "RANK:SECONDS[:PATH]" makes rank RANK's first step take SECONDS longer, inside its
+# compute (heartbeats go on), after creating PATH: a stage computing a long step, on demand.
+SLOW_FIRST_STEP_ENV = "KVGUARD_TEST_SLOW_FIRST_STEP"
 
 
 def threads_per_rank(size: int) -> int:
@@ -66,7 +74,9 @@ def join_group(
     and agreeing on the KV block count after every rank has loaded its shards, which for a
     large model takes minutes) waits up to STARTUP_TIMEOUT_S; the step groups give up after
     `tensor_parallel_timeout_s`, so a hung rank is named well before systemd's watchdog gives
-    up on the whole daemon."""
+    up on the whole daemon. The transfers between stages on gloo are the exception: they wait
+    as long as the stages compute (parallel_state.wait_watched), and rank 0 tells a computing
+    stage from a dead or silent one by its heartbeats (`Worker.beating`)."""
     import torch.distributed as dist
 
     tp_size, pp_size = config.tensor_parallel, config.pipeline_parallel
@@ -146,7 +156,8 @@ def worker_main(args: WorkerArgs, conn: Connection, store: Any = None) -> bool:
         log.exception("rank %d failed to start", rank)
         _send(conn, ("failed", {"error": f"{type(e).__name__}: {e}", "at": when}))
         os._exit(1)
-    return Worker(runner, conn).run()
+    beat_s = min(BEAT_EVERY_S, config.tensor_parallel_timeout_s / BEATS_PER_TIMEOUT)
+    return Worker(runner, conn, beat_s).run()
 
 
 def _send(conn: Connection, msg: object) -> None:
@@ -154,15 +165,32 @@ def _send(conn: Connection, msg: object) -> None:
         conn.send(msg)
 
 
+def _slow_first_step(rank: int) -> tuple[float, Path | None]:
+    """The test hook's (seconds, path to create) for `rank` from SLOW_FIRST_STEP_ENV; (0, None)
+    when it is unset or names another rank."""
+    value = os.environ.get(SLOW_FIRST_STEP_ENV, "")
+    who, _, rest = value.partition(":")
+    if not value or int(who) != rank:
+        return 0.0, None
+    seconds, _, path = rest.partition(":")
+    return float(seconds), Path(path) if path else None
+
+
 class Worker:
-    def __init__(self, runner: ModelRunner, conn: Connection) -> None:
+    def __init__(self, runner: ModelRunner, conn: Connection, beat_s: float = BEAT_EVERY_S) -> None:
         self.runner = runner
         self.conn = conn
         self.decoder = StepDecoder()
         self.busy_s = 0.0  # seconds in this rank's forward (the pipeline benchmark reads it)
+        self.beat_s = beat_s  # seconds between heartbeats while computing a pipeline step
+        self._last_beat = 0.0
+        self._slow_s, self._slow_mark = _slow_first_step(runner.stage.world.rank)
 
     def run(self) -> bool:
-        """Serve rank 0's messages: True when told to stop, False when rank 0 is gone."""
+        """Serve rank 0's messages: True when told to stop, False when rank 0 is gone. A
+        message this rank fails to carry out (a collective or transfer that broke or timed out)
+        is reported to rank 0 as this rank's failure, with its error, before the error ends
+        the process: rank 0 names the rank and what it met, not only its exit status."""
         while True:
             try:
                 kind, payload = self.conn.recv()
@@ -170,7 +198,55 @@ class Worker:
                 return False
             if kind == "stop":
                 return True
-            getattr(self, f"on_{kind}")(payload)
+            try:
+                getattr(self, f"on_{kind}")(payload)
+            except Exception as e:
+                when = time.time()
+                log.exception("rank %d: %r failed", self.runner.stage.world.rank, kind)
+                _send(self.conn, ("failed", {"error": f"{type(e).__name__}: {e}", "at": when}))
+                raise
+
+    @contextlib.contextmanager
+    def beating(self) -> Iterator[None]:
+        """While this rank computes a pipeline step, tell rank 0 every `beat_s` that it is
+        alive: rank 0, waiting for the later stages, tells a stage computing a long step from a
+        dead, stopped or unreachable one by these, not by how long the step takes. Sent only
+        while computing (a stage waiting for another is not progress) and only at pp > 1 (a
+        tensor-parallel step meets rank 0 in its collectives)."""
+        if self.runner.stage.count == 1:
+            yield
+            return
+        stop = threading.Event()
+
+        def due() -> float:  # counted across steps: many short ones still beat
+            return max(0.0, self._last_beat + self.beat_s - time.monotonic())
+
+        def beat() -> None:
+            while not stop.wait(due()):
+                self._beat()
+
+        if due() == 0.0:
+            self._beat()
+
+        beater = threading.Thread(target=beat, name="kvguard-heartbeat", daemon=True)
+        beater.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            beater.join()
+
+    def _beat(self) -> None:
+        self._last_beat = time.monotonic()
+        _send(self.conn, ("beat", None))
+
+    def _test_slow_step(self) -> None:
+        """The SLOW_FIRST_STEP_ENV hook: the first step only."""
+        seconds, mark = self._slow_s, self._slow_mark
+        self._slow_s, self._slow_mark = 0.0, None
+        if mark is not None:
+            mark.touch()
+        time.sleep(seconds)
 
     @torch.inference_mode()
     def on_step(self, payload: bytes) -> None:
@@ -197,16 +273,22 @@ class Worker:
             received = stage.recv_prev(
                 torch.empty(len(inp.input_ids), width, dtype=r.dtype, device=r.device)
             )
-        t0 = time.perf_counter()
-        with step_rows(inp.kinds):  # the kernels rank 0 picks for the same rows
-            hidden = r.model(inp.input_ids, inp.positions, r.kv_cache.layers, inp.meta, received)
-        self.busy_s += time.perf_counter() - t0
+        logits = None
+        with self.beating():
+            if self._slow_s or self._slow_mark is not None:
+                self._test_slow_step()
+            t0 = time.perf_counter()
+            with step_rows(inp.kinds):  # the kernels rank 0 picks for the same rows
+                hidden = r.model(
+                    inp.input_ids, inp.positions, r.kv_cache.layers, inp.meta, received
+                )
+            self.busy_s += time.perf_counter() - t0
+            if stage.is_last and inp.sample_rows.numel():
+                logits = r.model.compute_logits(hidden[inp.sample_rows])  # gathered to tp rank 0
         if not stage.is_last:
             stage.send_next(hidden)
-        elif inp.sample_rows.numel():
-            logits = r.model.compute_logits(hidden[inp.sample_rows])  # gathered to tp rank 0
-            if logits is not None and stage.count > 1:
-                stage.send_logits(logits)  # the driver samples
+        elif logits is not None and stage.count > 1:
+            stage.send_logits(logits)  # the driver samples
 
     def on_kv_ops(self, ops: list) -> None:  # noqa: ANN001 - list of KVOp
         for kind, src, dst in ops:

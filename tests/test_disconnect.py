@@ -155,7 +155,7 @@ def test_a_request_whose_client_left_it_queued_is_in_the_queue_time(daemon: Daem
         # the finish counters are rebuilt from the engine's snapshot at most every second
         until(lambda: finished(daemon, "abort", "low") - aborts == 1, 10, "its abort counted")
         assert by_priority(daemon, started, "low") == low_starts  # it never started
-        assert count(state(daemon), "running", "normal") == 1, "the holder ended meanwhile"
+        # the holder counted once (it may have finished meanwhile: 480 tiny tokens take ~1 s)
         assert by_priority(daemon, started, "normal") == normal_starts + 1
     finally:
         holder.close()

@@ -332,7 +332,7 @@ def _llama_class_roles(
     the vocabulary lacks is left unset (transformers would add it as a new token, past the
     model's embeddings)."""
     missing = [role for role in _LLAMA_CLASS_ROLES if role not in config]
-    cls = _llama_class(path, config, model) if missing else None
+    cls = _llama_class(config, model, backend) if missing else None
     if cls is None:
         return config
     defaults = {role: _LLAMA_CLASS_ROLES[role] for role in missing}
@@ -349,7 +349,7 @@ def _llama_class_roles(
     return config | filled
 
 
-def _llama_class(path: Path, config: dict[str, Any], model: dict[str, Any]) -> str | None:
+def _llama_class(config: dict[str, Any], model: dict[str, Any], backend: HFTokenizer) -> str | None:
     """The Llama tokenizer class transformers 5's AutoTokenizer loads this directory with, or
     None: tokenizer_config.json's `tokenizer_class` (else config.json's), unless the model
     type has a tokenizer of its own; a `LlamaTokenizer` whose tokenizer.json is byte-level
@@ -360,9 +360,33 @@ def _llama_class(path: Path, config: dict[str, Any], model: dict[str, Any]) -> s
     cls = declared.removesuffix("Fast")
     if cls not in _LLAMA_CLASSES:
         return None
-    if cls == "LlamaTokenizer" and '"ByteLevel"' in (path / "tokenizer.json").read_text("utf-8"):
+    if cls == "LlamaTokenizer" and _is_byte_level(backend):
         return None
     return cls
+
+
+def _is_byte_level(backend: HFTokenizer) -> bool:
+    """Whether the tokenizer's pre-tokenizer or decoder is ByteLevel (alone or in a Sequence,
+    as Llama 3's pre-tokenizer is): what makes a tokenizer.json byte-level, as transformers
+    means it. Only those two parts are looked at, already parsed: the text "ByteLevel" in a
+    SentencePiece vocabulary, added token or normalizer says nothing of the kind. (transformers
+    5 searches the file's text, so for such a rare SentencePiece file it leaves the roles
+    unset where kvguard fills `<s>`, `</s>`, `<unk>`: a chat template then renders here.)"""
+    parts = (backend.pre_tokenizer, backend.decoder)
+    return any(
+        part is not None and _has_type(json.loads(part.__getstate__()), "ByteLevel")
+        for part in parts
+    )
+
+
+def _has_type(spec: Any, name: str) -> bool:
+    """Whether a serialized tokenizer part, or any part nested in it (a Sequence's), is of
+    type `name`."""
+    if isinstance(spec, list):
+        return any(_has_type(item, name) for item in spec)
+    if not isinstance(spec, dict):
+        return False
+    return spec.get("type") == name or any(_has_type(value, name) for value in spec.values())
 
 
 def _chat_template(path: Path, config: dict[str, Any]) -> tuple[str | None, str]:

@@ -20,12 +20,15 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers
+from tokenizers import Tokenizer as RustTokenizer
 
 from kvguard.engine.config import ConfigError, EngineConfig
 from kvguard.engine.llm_engine import LLMEngine
 from kvguard.engine.model import load_model
 from kvguard.engine.model_config import ModelConfig, ModelLoadError
 from kvguard.engine.sampling_params import SamplingParams
+from kvguard.engine.tokenizer import Tokenizer
 
 ATOL = 1e-4  # fp32 logits against transformers, as in test_models.py
 STEPS = 4
@@ -374,3 +377,66 @@ def test_a_packed_checkpoints_undeclared_bias_is_refused_by_name(
     cfg = ModelConfig.from_dir(path)
     with pytest.raises(ModelLoadError, match=r"'model\.layers\.0\.mlp\.down_proj\.bias'"):
         load_model(path, cfg, 64, torch.float32, torch.device("cpu"))
+
+
+# -- which tokenizer class a directory labelled LlamaTokenizer is loaded with ---------------
+LLAMA_ROLES = ("bos_token", "eos_token", "unk_token")
+
+
+def llama_labelled_dir(folder: Path, byte_level: bool, marked: bool) -> Path:
+    """A tokenizer.json with <unk>, <s> and </s> in its vocabulary, labelled LlamaTokenizer and
+    naming no roles: SentencePiece-style (byte fallback, a Metaspace-like normalizer and
+    decoder) or Llama-3-style byte-level (ByteLevel inside a Sequence pre-tokenizer, and the
+    decoder); `marked` puts the text "ByteLevel" in it as a vocabulary entry and, quoted, as
+    an added token."""
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"<0x{b:02X}>": 3 + b for b in range(256)}
+    for piece in ["▁", *"abcdefghijklmnopqrstuvwxyz", *(["ByteLevel"] if marked else [])]:
+        vocab.setdefault(piece, len(vocab))
+    tok = RustTokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    if byte_level:
+        split = pre_tokenizers.Split(Regex(r"\s+|\w+"), "isolated")
+        byte = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.pre_tokenizer = pre_tokenizers.Sequence([split, byte])
+        tok.decoder = decoders.ByteLevel()
+    else:
+        tok.normalizer = normalizers.Sequence(
+            [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
+        )
+        tok.decoder = decoders.Sequence(
+            [
+                decoders.Replace("▁", " "),
+                decoders.ByteFallback(),
+                decoders.Fuse(),
+                decoders.Strip(" ", 1, 0),
+            ]
+        )
+    if marked:
+        tok.add_tokens(['"ByteLevel"'])
+    folder.mkdir(parents=True)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer"}))
+    return folder
+
+
+@pytest.mark.parametrize("byte_level", [False, True], ids=["sentencepiece", "byte_level"])
+def test_a_llama_labelled_tokenizer_is_byte_level_by_its_parts_not_its_text(
+    tmp_path: Path, byte_level: bool
+) -> None:
+    """A LlamaTokenizer-labelled directory naming no roles gets the class defaults <s>, </s>,
+    <unk> unless its pre-tokenizer or decoder is ByteLevel. The text "ByteLevel" in its
+    vocabulary or added tokens changes nothing: the roles are those transformers gives the
+    same files without that text. (transformers 5.25 itself searches the file's text for
+    '"ByteLevel"' and is fooled by such a vocabulary; kvguard follows what that check means,
+    a ByteLevel pre-tokenizer or decoder, not its text search.)"""
+    from transformers import AutoTokenizer
+
+    plain = llama_labelled_dir(tmp_path / "plain", byte_level, marked=False)
+    marked = llama_labelled_dir(tmp_path / "marked", byte_level, marked=True)
+    assert '"ByteLevel"' in (marked / "tokenizer.json").read_text()
+    hf = AutoTokenizer.from_pretrained(plain)
+    expected = {role: getattr(hf, role) for role in LLAMA_ROLES}
+    filled = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+    assert expected == (dict.fromkeys(LLAMA_ROLES) if byte_level else filled)
+    for folder in (plain, marked):
+        tok = Tokenizer.from_dir(folder)
+        assert {role: tok.special_tokens[role] for role in LLAMA_ROLES} == expected, folder.name

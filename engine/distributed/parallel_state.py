@@ -7,9 +7,10 @@ parallelism existed.
 
 from __future__ import annotations
 
+import queue
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -32,27 +33,90 @@ def wait_watched(work: Any, watch: Watch | None) -> None:
     """Wait for a gloo transfer however long the other stages compute, calling `watch` every
     WATCH_EVERY_S meanwhile: it raises (and this with it) once a rank is dead or silent. gloo's
     own timeout cannot tell the two apart, and a wait that times out closes the connection to
-    that peer for good, so a wait cannot be cut into slices either: the one wait runs in a
-    thread (it releases the GIL) while this thread watches."""
+    that peer for good, so a wait cannot be cut into slices either: the one wait runs in the
+    process's waiter thread (`_Waiter`: it releases the GIL) while this thread watches.
+
+    A watch that raises leaves the wait running: it cannot be cut short without closing the
+    connection, and the teardown after such a failure (workers stopped, the group destroyed)
+    closes it, which ends the wait. That waiter is retired (`_retire`): it ends once its wait
+    does, and the next transfer (a group formed again) gets a fresh one rather than queueing
+    behind a wait that may not end; at worst one idle daemon thread stays blocked."""
     if watch is None:
         work.wait(TRANSFER_WAIT)
         return
-    done = threading.Event()
-    failed: list[BaseException] = []
+    waiter = _current_waiter()
+    job = waiter.submit(work)
+    try:
+        while not job.done.wait(WATCH_EVERY_S):
+            watch()
+    except BaseException:
+        _retire(waiter)
+        raise
+    if job.error is not None:
+        raise job.error
 
-    def wait() -> None:
-        try:
-            work.wait(TRANSFER_WAIT)
-        except BaseException as e:  # noqa: BLE001 - raised in the watching thread
-            failed.append(e)
-        finally:
-            done.set()
 
-    threading.Thread(target=wait, name="kvguard-stage-transfer", daemon=True).start()
-    while not done.wait(WATCH_EVERY_S):
-        watch()
-    if failed:
-        raise failed[0]
+@dataclass(slots=True)
+class _Transfer:
+    """One transfer handed to the waiter thread, and how its wait ended."""
+
+    work: Any
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+
+
+class _Waiter:
+    """The one thread that waits out this process's watched transfers, in the order they are
+    handed to it: a pipeline run waits for a transfer at every step, and a thread started per
+    transfer cost a thread start per step. Rank 0's engine thread is its one caller (callers
+    in several threads would have their transfers waited for in turn)."""
+
+    def __init__(self) -> None:
+        self._transfers: queue.SimpleQueue[_Transfer | None] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name="kvguard-stage-transfer", daemon=True)
+        self.thread.start()
+
+    def submit(self, work: Any) -> _Transfer:
+        transfer = _Transfer(work)
+        self._transfers.put(transfer)
+        return transfer
+
+    def retire(self) -> None:
+        """End the thread once the wait it is in has ended (however long that takes)."""
+        self._transfers.put(None)
+
+    def _run(self) -> None:
+        while (transfer := self._transfers.get()) is not None:
+            try:
+                transfer.work.wait(TRANSFER_WAIT)
+            except BaseException as e:  # noqa: BLE001 - raised in the watching thread
+                transfer.error = e
+            finally:
+                transfer.done.set()
+
+
+_waiter: _Waiter | None = None
+_waiter_lock = threading.Lock()
+
+
+def _current_waiter() -> _Waiter:
+    """The process's waiter, started on first use; a new one where the last was retired, or
+    where this process was forked from one that had it (the thread is not in the child)."""
+    global _waiter
+    with _waiter_lock:
+        if _waiter is None or not _waiter.thread.is_alive():
+            _waiter = _Waiter()
+        return _waiter
+
+
+def _retire(waiter: _Waiter) -> None:
+    """Stop handing transfers to `waiter`, whose wait a caller gave up on: it may be blocked
+    until the group is torn down, and a transfer queued behind it would be too."""
+    global _waiter
+    with _waiter_lock:
+        if _waiter is waiter:
+            _waiter = None
+    waiter.retire()
 
 
 @dataclass(slots=True, frozen=True)

@@ -71,7 +71,7 @@ from itertools import groupby
 from pathlib import Path
 from typing import Any, Literal, cast
 
-from sqlalchemy import Select, Table, and_, delete, exists, func, insert, or_, select, update
+from sqlalchemy import Select, Table, Text, and_, delete, exists, func, insert, or_, select, update
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DataError, DBAPIError, DisconnectionError, IntegrityError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
@@ -1089,8 +1089,10 @@ class AuditStore:
         incident: str | None = None,
         limit: int | None = 100,
         instance: str | None = None,
+        request: str | None = None,
     ) -> list[dict[str, Any]]:
-        """The newest `limit` matching actions, oldest first (read like a log)."""
+        """The newest `limit` matching actions, oldest first (read like a log); with `request`,
+        those whose data names it (`names_request`: an eviction that preempted it)."""
         t = TABLES["actions"]
         q = _window(select(t), t.c.time, since, until)
         filters = (("rule", rule), ("action", action), ("outcome", outcome), ("instance", instance))
@@ -1099,7 +1101,7 @@ class AuditStore:
                 q = q.where(t.c[col] == want)
         if incident is not None:
             q = q.where(t.c.incident == incident)
-        return self._newest(q, t, t.c.time, limit)
+        return self._newest(q, t, t.c.time, limit, request)
 
     def export(
         self,
@@ -1132,8 +1134,10 @@ class AuditStore:
         incident: str | None = None,
         limit: int | None = 100,
         instance: str | None = None,
+        request: str | None = None,
     ) -> list[dict[str, Any]]:
-        """The newest `limit` matching events, oldest first."""
+        """The newest `limit` matching events, oldest first; with `request`, those whose data
+        names it (`names_request`: an `engine_oom` that requeued it)."""
         t = TABLES["events"]
         q = _window(select(t), t.c.time, since, until)
         if kind is not None:
@@ -1142,7 +1146,7 @@ class AuditStore:
             q = q.where(t.c.instance == instance)
         if incident is not None:
             q = q.where(t.c.incident == incident)
-        return self._newest(q, t, t.c.time, limit)
+        return self._newest(q, t, t.c.time, limit, request)
 
     def list_incidents(
         self,
@@ -1174,24 +1178,91 @@ class AuditStore:
 
     def timeline(self, incident_id: str) -> list[dict[str, Any]]:
         """The incident's actions and events merged in time order, each with `type`."""
-        acts = [
-            {"type": "action", **r} for r in self.list_actions(incident=incident_id, limit=None)
-        ]
-        evs = [{"type": "event", **r} for r in self.list_events(incident=incident_id, limit=None)]
-        # An event that caused an action shares its timestamp at most; show it first.
-        return sorted(acts + evs, key=lambda r: (r["time"], r["type"] == "action", r["id"]))
+        acts = self.list_actions(incident=incident_id, limit=None)
+        return in_time_order(acts, self.list_events(incident=incident_id, limit=None))
 
     def _newest(
-        self, q: Select[Any], t: Table, time_col: Any, limit: int | None
+        self,
+        q: Select[Any],
+        t: Table,
+        time_col: Any,
+        limit: int | None,
+        request: str | None = None,
     ) -> list[dict[str, Any]]:
         q = q.order_by(time_col.desc(), t.c.id.desc())
+        if request is not None:
+            return self._naming(q.where(_may_name(t, request)), request, limit)
         if limit is not None:
             q = q.limit(limit)
         return self._rows(q)[::-1]
 
+    def _naming(self, q: Select[Any], request: str, limit: int | None) -> list[dict[str, Any]]:
+        """The first `limit` rows of `q` (newest first) whose data names `request`, oldest
+        first. SQL has narrowed them to those whose JSON text holds the id (`_may_name`); which
+        of those name it as a request, not inside a longer id, is told here, in Python, the
+        same on every backend (SQLite's and PostgreSQL's JSON functions differ). The rows
+        holding request ids are the few that preempted or requeued requests, so fetching
+        them is cheap; they are streamed, and the fetch ends at `limit`."""
+        out: list[dict[str, Any]] = []
+        with db_errors(self.url), self._engine.connect() as conn:
+            for r in conn.execution_options(yield_per=500).execute(q):
+                row = dict(r._mapping)
+                if names_request(row["data"], request):
+                    out.append(row)
+                    if limit is not None and len(out) >= limit:
+                        break
+        return out[::-1]
+
     def _rows(self, q: Select[Any]) -> list[dict[str, Any]]:
         with db_errors(self.url), self._engine.connect() as conn:
             return [dict(r._mapping) for r in conn.execute(q)]
+
+
+def in_time_order(
+    actions: list[dict[str, Any]], events: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Actions and events merged in time order, each with `type`. An event that caused an
+    action shares its timestamp at most: it comes first."""
+    rows = [{"type": "action", **r} for r in actions] + [{"type": "event", **r} for r in events]
+    return sorted(rows, key=lambda r: (r["time"], r["type"] == "action", r["id"]))
+
+
+def names_request(data: Any, request: str) -> bool:
+    """Whether a row's `data` names the request `request` anywhere in it (an eviction's
+    `evicted`, an `engine_oom`'s `requeued`, a pool resize's `preempted`): a request id
+    (`cmpl-...-0`) itself, or a response id, whose requests are named by it, `-` and a
+    choice's index.
+    Not a longer id that merely begins with it (`cmpl-ab` names neither `cmpl-abc-0` nor,
+    for `cmpl-abc-1`, `cmpl-abc-10`)."""
+    return any(_is_request(s, request) for s in _strings(data))
+
+
+def _is_request(text: str, request: str) -> bool:
+    """`text` is `request`, or `request`, `-`, a choice's index."""
+    if text == request:
+        return True
+    index = text[len(request) + 1 :]
+    return text.startswith(f"{request}-") and index.isascii() and index.isdigit()
+
+
+def _strings(value: Any) -> Iterator[str]:
+    """Every string among the values of a JSON document (not its keys)."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _strings(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _strings(v)
+
+
+def _may_name(t: Table, request: str) -> Any:
+    """Rows whose JSON `data`, as text, holds `request` as the JSON writer spells it (both
+    backends store what `json.dumps` wrote): SQL both take, narrowing the rows `_naming`
+    fetches to those that may name it."""
+    spelled = json.dumps(request)[1:-1]
+    return t.c.data.is_not(None) & t.c.data.cast(Text).contains(spelled, autoescape=True)
 
 
 def _nonempty(path: Path) -> bool:

@@ -118,7 +118,14 @@ def _limit_option(p: argparse.ArgumentParser) -> None:
 
 
 def _add_list(cmds: Any) -> None:
-    p = cmds.add_parser("list", parents=[_db_options()], help="list actions, oldest first")
+    p = cmds.add_parser(
+        "list",
+        parents=[_db_options()],
+        help="list actions, oldest first",
+        description="List actions, oldest first. With --request, what happened to one request: "
+        "the actions and events that name it (an eviction that preempted it, an OOM that "
+        "requeued it), each with its TYPE; --rule, --action and --outcome leave the events out.",
+    )
     _window_options(p)
     p.add_argument("--rule", help="only this rule")
     p.add_argument(
@@ -126,6 +133,14 @@ def _add_list(cmds: Any) -> None:
     )
     p.add_argument("--outcome", choices=OUTCOMES, help="only this outcome")
     p.add_argument("--incident", metavar="ID", help="only actions of this incident")
+    p.add_argument(
+        "--request",
+        metavar="ID",
+        type=_request_id,
+        help="only the actions and events naming this request: a request id as the audit "
+        "names it (cmpl-3fa2...-0: the response's id, -, the choice's index) or a response "
+        "id, for all its choices",
+    )
     _instance_option(p)
     _limit_option(p)
     _json_option(p)
@@ -213,7 +228,8 @@ def _add_import(cmds: Any) -> None:
 def cmd_audit_list(args: argparse.Namespace) -> int:
     since, until = _window(args)
     limit = _limit(args.limit)
-    rows = _open_store(args).list_actions(
+    store = _open_store(args)
+    rows = store.list_actions(
         since=since,
         until=until,
         rule=args.rule,
@@ -222,7 +238,11 @@ def cmd_audit_list(args: argparse.Namespace) -> int:
         incident=args.incident,
         limit=_one_more(limit),
         instance=args.instance,
+        request=args.request,
     )
+    if args.request is not None:
+        events = _request_events(args, store, since, until, limit)
+        return _print_request_rows(args, rows, events, limit)
     rows = _newest(rows, limit, "actions")
     if args.json:
         return _print_json(rows)
@@ -230,6 +250,50 @@ def cmd_audit_list(args: argparse.Namespace) -> int:
     # database, two daemons' rows told apart; the columns before it where they were
     headers = ("ID", "TIME", "RULE", "ACTION", "SIGNAL", "OUTCOME", "INCIDENT", "INSTANCE")
     _print_table(headers, [_action_cells(r) for r in rows], empty="no actions")
+    return 0
+
+
+def _request_events(
+    args: argparse.Namespace,
+    store: AuditStore,
+    since: datetime | None,
+    until: datetime | None,
+    limit: int | None,
+) -> list[dict[str, Any]]:
+    """The events `list --request` shows beside the actions (an OOM that requeued the
+    request): none where --rule, --action or --outcome is given, since no event has those."""
+    if args.rule is not None or args.action is not None or args.outcome is not None:
+        return []
+    return store.list_events(
+        since=since,
+        until=until,
+        incident=args.incident,
+        limit=_one_more(limit),
+        instance=args.instance,
+        request=args.request,
+    )
+
+
+def _print_request_rows(
+    args: argparse.Namespace,
+    actions: list[dict[str, Any]],
+    events: list[dict[str, Any]],
+    limit: int | None,
+) -> int:
+    """`list --request`: the request's story, the actions and events naming it in time order,
+    as a timeline shows them, with each row's id (`show ID` takes an action's), incident and
+    daemon."""
+    from kvguard.daemon.audit import in_time_order
+
+    rows = _newest(in_time_order(actions, events), limit, "actions and events")
+    if args.json:
+        return _print_json(rows)
+    headers = ("ID", "TIME", "TYPE", "WHAT", "SIGNAL", "RESULT", "INCIDENT", "INSTANCE")
+    cells = [
+        (str(r["id"]), *_timeline_cells(r), r["incident"] or "-", r["instance"] or "-")
+        for r in rows
+    ]
+    _print_table(headers, cells, empty=f"no actions or events name {args.request}")
     return 0
 
 
@@ -591,6 +655,17 @@ def _action_name(text: str) -> str:
             f"{text!r} is no action: expected one of {', '.join(sorted(ACTIONS))}"
         )
     return text
+
+
+def _request_id(text: str) -> str:
+    """A --request value: an id as `kvguard audit` names requests, so that an empty one (a
+    shell variable unset) is an error rather than every request."""
+    value = text.strip()
+    if not value:
+        raise argparse.ArgumentTypeError(
+            "expected a request id (cmpl-3fa2...-0) or a response id (cmpl-3fa2...), not ''"
+        )
+    return value
 
 
 def _row_id(text: str) -> int:

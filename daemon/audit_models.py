@@ -18,9 +18,10 @@ two of them may share a host. `kvguard audit ... --instance NAME` filters by it.
 
 An action's `data` is what the engine said it did beyond the settings in `state_before` and
 `state_after`: the requests an eviction preempted (`{"evicted": [[request id, "swap" or
-"recompute"], ...]}`, the ids the daemon gave them, `<response id>-<choice index>`), the steps
-of a chain that applied. Rows written before revision 0006, and actions that report nothing
-more, have none.
+"recompute"], ...]}`, the ids the daemon gave them, `<response id>-<choice index>`; a batch
+cut's `preempted` alike), the steps of a chain that applied and the requests its steps took off
+the device, under those same keys: `kvguard audit list --request ID` finds a request's rows by
+them. Rows written before revision 0006, and actions that report nothing more, have none.
 
 Times are stored in UTC. SQLite keeps no offset, so `UTCDateTime` hands back aware UTC
 datetimes on every backend and turns any aware datetime into UTC before it is stored.

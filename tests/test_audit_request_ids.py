@@ -5,7 +5,10 @@ The engine named the daemon's requests `req-N`, a counter that began again at 0 
 and that no response or log line showed: an `engine_oom` row's `requeued: ['req-0']` could not
 be matched to a client's report, and meant another request in each run. An eviction's row (a
 rule's or an operator's) dropped the engine's answer, the evicted requests, which the admin
-API returned: the audit could not tell whose requests an incident slowed.
+API returned: the audit could not tell whose requests an incident slowed. The OOM chain's row
+named its steps but not the requests its batch cut and eviction took off the device. And an
+operator asked about one request grepped an export: `kvguard audit list --request ID` lists
+what names it.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import threading
 import uuid
 from collections.abc import Iterator
 from contextlib import closing
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +39,7 @@ from tests.test_audit import kvguard
 from tests.test_audit_postgres import PgServer, pg, pg_db, pg_url  # noqa: F401 - fixtures
 from tests.test_engine import make_engine
 from tests.test_remedies import greedy
-from tests.test_remedy_holds import ENGINE, HEADER, settle
+from tests.test_remedy_holds import ENGINE, HEADER, OOM_CHAIN, settle
 from tests.test_server import Daemon, until
 
 WAIT_S = 60.0  # generous: a bound, not a goal
@@ -174,6 +177,147 @@ def test_a_rules_eviction_row_holds_the_requests_it_evicted(tmp_path: Path) -> N
     rc, out = kvguard("audit", "export", "--db", store.url, "--csv")
     assert rc == 0 and out.splitlines()[0].split(",")[-1] == "data", out
     assert '"{""evicted"": [[""cmpl-' in out.splitlines()[1]
+
+
+def test_the_oom_chains_row_names_the_requests_its_steps_took_off_the_device(
+    tmp_path: Path,
+) -> None:
+    """Two low-priority requests decode; a step runs out of memory and requeues them; they
+    run again when the chain applies, a few steps later, as in the daemon. Its batch cut
+    (to half the failed batch: 1) preempts one, its eviction the other: the chain's row names
+    each under the key that step's own row would (`preempted`, `evicted`), and
+    `list --request` finds the row by either id."""
+    engine = make_engine(**ENGINE)
+    rids = [
+        engine.add_request("Hello there", greedy(50), request_id=f"cmpl-{i}-0", priority="low")
+        for i in range(2)
+    ]
+    engine.step()  # both prefilled: running
+    engine.inject_oom()
+    engine.step()  # the decode step fails: both go back to be computed again
+    assert not engine.scheduler.running
+    for _ in range(20):  # prefilled again, in chunks of the halved step budget
+        if len(engine.scheduler.running) == 2:
+            break
+        engine.step()
+    assert sorted(s.request_id for s in engine.scheduler.running) == rids
+    store = AuditStore(f"sqlite:///{tmp_path / 'audit.db'}", host="h")
+    store.start()
+    try:
+        ev = Evaluator(
+            load_rules_text(HEADER + OOM_CHAIN, "test.yaml"),
+            lambda name, signal: None,
+            lambda action, params: settle(engine, run_action(engine, action, params)),
+            audit=store,
+        )
+        assert [d.outcome for d in ev.handle_event("engine_oom")] == ["applied"]
+        assert store.flush(10)
+        [row] = store.list_actions()
+    finally:
+        assert store.stop(timeout=10)
+    data = row["data"]
+    assert row["action"] == "handle_oom" and data["applied"][:2] == ["reduce_max_num_seqs", "evict"]
+    [(cut, _)], [(evicted, _)] = data["preempted"], data["evicted"]
+    assert sorted([cut, evicted]) == rids, data
+    assert "evict: evicted 1 sequences" in row["detail"], row["detail"]
+    for rid in rids:
+        rc, out = kvguard("audit", "list", "--db", store.url, "--request", rid, "--json")
+        assert rc == 0 and [r["id"] for r in json.loads(out)] == [row["id"]], out
+
+
+# -- kvguard audit list --request ---------------------------------------------------------------
+def _write_story(store: AuditStore) -> None:
+    """What an incident leaves about the choices of `cmpl-abc`, and rows that must not match:
+    another response's ids, one beginning with `cmpl-abc` (`cmpl-abcd-0`), choice 10 beside
+    choice 1, an id inside a longer string, an id in a detail (not data)."""
+    at = iter(NOW + timedelta(seconds=i) for i in range(100))
+    store.record_event(
+        "engine_oom", data={"requeued": ["cmpl-abc-1", "cmpl-other-0"]}, time=next(at)
+    )
+    store.record_action(
+        action="handle_oom",
+        outcome="applied",
+        rule="oom-chain",
+        trigger="event",
+        data={"steps": ["evict"], "applied": ["evict"], "evicted": [["cmpl-abc-0", "swap"]]},
+        time=next(at),
+    )
+    store.record_action(
+        action="evict_lowest_priority",
+        outcome="applied",
+        trigger="manual",
+        data={"evicted": [["cmpl-abcd-0", "recompute"]]},
+        time=next(at),
+    )
+    store.record_action(
+        action="reduce_batch", outcome="applied", detail="after cmpl-abc-0 was slow", time=next(at)
+    )
+    store.record_event("alert_received", data={"summary": "cmpl-abc-0 is slow"}, time=next(at))
+    store.record_event(
+        "kv_pool_resized", data={"preempted": [["cmpl-abc-10", "swap"]]}, time=next(at)
+    )
+
+
+def _story(url: str, request: str, *argv: str) -> list[tuple[str, str]]:
+    """`kvguard audit list --request REQUEST ARGV --json`: each row's type and what it was."""
+    rc, out = kvguard("audit", "list", "--db", url, "--request", request, "--json", *argv)
+    assert rc == 0, out
+    return [
+        (r["type"], r["action"] if r["type"] == "action" else r["kind"]) for r in json.loads(out)
+    ]
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_list_request_shows_the_actions_and_events_naming_a_request_or_its_response(
+    backend: str, request: pytest.FixtureRequest, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A request id finds the rows naming it; a response id, those naming any of its choices;
+    a longer id beginning with it, an id inside other text or in a detail, nothing. The action
+    filters leave the events out (they have no rule, action or outcome); --limit keeps the
+    newest, saying so."""
+    if backend == "postgresql":
+        url = request.getfixturevalue("pg_url")
+    else:
+        url = f"sqlite:///{tmp_path / 'audit.db'}"
+    store = AuditStore(url, host="h")
+    store.start()
+    try:
+        _write_story(store)
+        assert store.flush(10)
+    finally:
+        assert store.stop(timeout=10)
+    oom, chain, resized = (
+        ("event", "engine_oom"),
+        ("action", "handle_oom"),
+        ("event", "kv_pool_resized"),
+    )
+    assert _story(url, "cmpl-abc") == [oom, chain, resized]
+    assert _story(url, "cmpl-abc-0") == [chain]
+    assert _story(url, "cmpl-abc-1") == [oom]
+    assert _story(url, "cmpl-abcd") == [("action", "evict_lowest_priority")]
+    for nothing in ("cmpl-ab", "cmpl-a_c", "cmpl-abc%", "abc-0"):
+        assert _story(url, nothing) == [], nothing
+    assert _story(url, "cmpl-abc", "--action", "handle_oom") == [chain]
+    assert _story(url, "cmpl-abc", "--outcome", "applied") == [chain]
+    capsys.readouterr()
+    assert _story(url, "cmpl-abc", "--limit", "2") == [chain, resized]
+    assert "the newest 2 matching actions and events shown" in capsys.readouterr().err
+    rc, out = kvguard("audit", "list", "--db", url, "--request", "cmpl-abc-1")
+    assert rc == 0 and out.split()[:3] == ["ID", "TIME", "TYPE"], out
+    [line] = out.splitlines()[1:]
+    assert " event " in line and "engine_oom" in line, out
+
+
+def test_list_request_refuses_an_empty_id(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An unset shell variable (`--request "$RID"`) is an error, not every request."""
+    url = f"sqlite:///{tmp_path / 'audit.db'}"
+    audit_migrate.upgrade(url)
+    with pytest.raises(SystemExit) as exc:
+        kvguard("audit", "list", "--db", url, "--request", " ")
+    assert exc.value.code == 2
+    assert "expected a request id" in capsys.readouterr().err
 
 
 # -- revision 0006 ------------------------------------------------------------------------------

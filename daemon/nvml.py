@@ -194,19 +194,19 @@ def engine_gpu_ids(engine: Any) -> list[str] | None:
     """The GPUs the engine's ranks on this host run on, as NVML can look them up: [] on the
     CPU; None where they cannot be told (the daemon's GPU signal then stays unknown).
 
-    Rank 0 is this process's device; a local worker of rank r runs on cuda:(r mod the GPUs
-    visible) (`rank_device`), with this process's CUDA_VISIBLE_DEVICES; remote ranks' GPUs are
-    another host's."""
+    Rank 0 is this process's device. With local workers, this host's ranks (rank 0 and the
+    workers with a process here) take cuda:0, cuda:1, ... in rank order (`rank_device`), with
+    this process's CUDA_VISIBLE_DEVICES; remote ranks' GPUs are another host's."""
     device = engine.device
     if device.type != "cuda":
         return []
     import torch
 
-    count = torch.cuda.device_count()
-    indices = {device.index if device.index is not None else torch.cuda.current_device()}
-    for w in getattr(engine.runner, "workers", ()):
-        if w.process is not None:
-            indices.add(w.rank % count)
+    local = [w.rank for w in getattr(engine.runner, "workers", ()) if w.process is not None]
+    if local:  # rank 0 and its local workers: one GPU each, by their order among them
+        indices = set(range(1 + len(local)))
+    else:  # one rank here: the device as named
+        indices = {device.index if device.index is not None else torch.cuda.current_device()}
     try:
         return [gpu_id(torch.cuda.get_device_properties(i)) for i in sorted(indices)]
     except Exception as e:  # noqa: BLE001

@@ -14,7 +14,7 @@ import enum
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -99,20 +99,53 @@ def pick_device(name: str) -> torch.device:
     return dev
 
 
-def rank_device(name: str, tp: TPGroup, rank: int | None = None) -> torch.device:
-    """This rank's device: one GPU per rank on CUDA, the CPU otherwise. Global rank r takes
-    cuda:(r mod the GPUs visible), so the ranks of one host (one stage's tensor-parallel group
-    and any further stages placed there) take its GPUs in order."""
+def rank_device(
+    name: str, tp: TPGroup, world: TPGroup | None = None, remote_ranks: Collection[int] = ()
+) -> torch.device:
+    """This rank's device: one GPU per rank on CUDA, the CPU otherwise. A host's ranks take
+    its GPUs by their index among the ranks it runs (`host_ranks`), not by world rank: with
+    ranks of other hosts between them (ranks 0 and 2 here, 1 and 3 elsewhere) two of them
+    would share a GPU while another sat idle. `world`: this rank in the tensor x pipeline
+    world (None: `tp` is the world); `remote_ranks`: those `kvguard worker` runs elsewhere.
+    The daemon's host running one rank keeps the device as named (`cuda:1`), as one process
+    does."""
     dev = pick_device(name)
-    rank = tp.rank if rank is None else rank
-    if dev.type == "cuda" and (tp.size > 1 or rank > 0):
-        if torch.cuda.device_count() < tp.size:
+    world = world or tp
+    remote = world.rank in remote_ranks
+    ranks = host_ranks(world.rank, world.size, remote_ranks)
+    if dev.type != "cuda" or (len(ranks) == 1 and not remote):
+        return dev
+    gpus = torch.cuda.device_count()
+    if remote:  # its host's other ranks are not known here: wrapped at its GPUs
+        if gpus < tp.size:
             raise ConfigError(
-                f"tensor_parallel={tp.size} needs {tp.size} GPUs, {torch.cuda.device_count()} visible"
+                f"rank {world.rank}: its tensor-parallel group of {tp.size} ranks runs on this "
+                f"host, one GPU each, and torch sees {gpus} (expected at least {tp.size}: make "
+                "more GPUs visible to kvguard worker, or lower tensor_parallel)"
             )
-        dev = torch.device("cuda", rank % torch.cuda.device_count())
-        torch.cuda.set_device(dev)
+        index = ranks.index(world.rank) % gpus
+    else:
+        if gpus < len(ranks):
+            raise ConfigError(
+                f"this host runs {len(ranks)} ranks (tensor_parallel x pipeline_parallel less "
+                f"distributed.remote_ranks), one GPU each, and torch sees {gpus} (expected at "
+                f"most {gpus} ranks here: lower tensor_parallel or pipeline_parallel, list the "
+                "ranks other hosts run in distributed.remote_ranks, or make more GPUs visible)"
+            )
+        index = ranks.index(world.rank)
+    dev = torch.device("cuda", index)
+    torch.cuda.set_device(dev)
     return dev
+
+
+def host_ranks(rank: int, world_size: int, remote_ranks: Collection[int]) -> list[int]:
+    """The world ranks that share `rank`'s host's GPUs, in rank order. The daemon's host runs
+    every rank not in `remote_ranks`. A remote rank (`kvguard worker`) is told only its own
+    rank, not which other remote ranks its host runs: it counts all the remote ranks, which
+    gives each host's ranks GPUs of their own wherever a host runs a consecutive run of them
+    (whole pipeline stages, the multi-node layout README shows)."""
+    elsewhere = rank in remote_ranks
+    return [r for r in range(world_size) if (r in remote_ranks) == elsewhere]
 
 
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -397,7 +430,7 @@ class ModelRunner:
         blocks, the fewest any rank can afford, so block ids mean the same KV slots everywhere."""
         tp = tp or TPGroup.single()
         stage = stage or PipelineStage.single(mcfg.num_layers, tp)
-        device = rank_device(config.device, tp, stage.world.rank)
+        device = rank_device(config.device, tp, stage.world, config.distributed.remote_ranks)
         dtype = pick_dtype(config.dtype, device)
         max_len = min(config.max_model_len, mcfg.max_position_embeddings)
         t0 = time.perf_counter()

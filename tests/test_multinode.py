@@ -11,8 +11,13 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
-from kvguard.engine.config import ConfigError, DistributedConfig
+from kvguard.engine import model_runner
+from kvguard.engine.config import ConfigError, DistributedConfig, EngineConfig
+from kvguard.engine.distributed.parallel_state import PipelineStage, TPGroup
+from kvguard.engine.model_config import ModelConfig
+from kvguard.engine.model_runner import ModelRunner
 from tests.test_server import KVGUARD, TOKEN, free_port, until
 from tests.test_tensor_parallel_serve import ask, ready
 
@@ -279,3 +284,65 @@ def test_the_daemon_reads_the_worker_key_credential_as_kvguard_worker_does(
     ]
     config.write_text(REMOTE_RANK_1 + f"{{remote_ranks: [1], authkey_file: {creds}}}\n")
     assert refused() == [prefix + f"cannot read {creds}: a directory, not a file"]
+
+
+# -- which GPU each of a host's ranks takes ----------------------------------------------------
+class _Loading(Exception):
+    """Ends `ModelRunner.from_config` where it loads the weights: the rank's device is known."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(str(device))
+        self.device = device
+
+
+@pytest.fixture
+def gpu_host(monkeypatch: pytest.MonkeyPatch) -> list[torch.device]:
+    """A host where torch sees 2 GPUs (no GPU here: torch.cuda is the boundary faked), whose
+    ranks load no weights: `from_config` raises `_Loading` with the device it got. Returns
+    the devices `set_device` was given."""
+    chosen: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+
+    def load(path, mcfg, max_len, dtype, device, *rest):  # noqa: ANN001, ANN202
+        raise _Loading(device)
+
+    monkeypatch.setattr(model_runner, "load_model", load)
+    return chosen
+
+
+def placed(tiny_dir: Path, rank: int, world: int, remote: tuple[int, ...]) -> torch.device:
+    """The device `ModelRunner.from_config` gives world rank `rank` of `world` (pipeline
+    stages of one rank each) with `remote` run by `kvguard worker` elsewhere."""
+    key = Path("worker.key")  # not read: the rank does not reach the rendezvous
+    config = EngineConfig(
+        model=str(tiny_dir),
+        device="cuda",
+        pipeline_parallel=world,
+        distributed=DistributedConfig(remote_ranks=remote, authkey_file=key),
+    )
+    stage = PipelineStage(rank, world, range(1), 1, TPGroup(rank, world))
+    with pytest.raises(_Loading) as loading:
+        ModelRunner.from_config(
+            config, tiny_dir, ModelConfig.from_dir(tiny_dir), TPGroup(0, 1), stage
+        )
+    return loading.value.device
+
+
+def test_a_hosts_ranks_take_its_gpus_in_order_whatever_ranks_run_elsewhere(
+    tiny_dir: Path, gpu_host: list[torch.device]
+) -> None:
+    """A host's ranks take its GPUs by their index among the ranks it runs. Placed by world
+    rank (r mod the GPUs), a 2-GPU host running ranks 0 and 2 (1 and 3 on another host) put
+    both on cuda:0 while cuda:1 sat idle, and that other host put 1 and 3 both on cuda:1."""
+    cuda = [torch.device("cuda", i) for i in range(2)]
+    assert placed(tiny_dir, 2, 4, (1, 3)) == cuda[1]  # by world rank: cuda:0, rank 0's
+    assert placed(tiny_dir, 0, 4, (1, 3)) == cuda[0]
+    assert [placed(tiny_dir, r, 4, (1, 3)) for r in (1, 3)] == cuda  # the workers' host
+    assert gpu_host == [cuda[1], cuda[0], *cuda]
+    # every rank here: rank r on cuda:r, as before
+    assert [placed(tiny_dir, r, 2, ()) for r in (0, 1)] == cuda
+    # a third rank here would share a card, each sizing its KV pool as if it were its own
+    with pytest.raises(ConfigError, match=r"this host runs 3 ranks .* torch sees 2"):
+        placed(tiny_dir, 2, 4, (3,))

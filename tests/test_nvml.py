@@ -291,7 +291,8 @@ def test_gpu_id_is_the_pci_address_nvml_looks_up() -> None:
 def test_engine_gpu_ids_are_this_hosts_ranks_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu = SimpleNamespace(device=torch.device("cpu"), runner=SimpleNamespace())
     assert nvml.engine_gpu_ids(cpu) == []
-    # rank 0 on cuda:1; local workers of ranks 1 and 3 on cuda:(rank mod 2); rank 2 remote
+    # rank 0 alone here on cuda:1; or rank 0 and a local worker of rank 2 on cuda:0 and
+    # cuda:1 (their order among this host's ranks), ranks 1 and 3 remote
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(
         torch.cuda,
@@ -299,9 +300,9 @@ def test_engine_gpu_ids_are_this_hosts_ranks_gpus(monkeypatch: pytest.MonkeyPatc
         lambda i: SimpleNamespace(pci_domain_id=0, pci_bus_id=0x3B + i, pci_device_id=0),
     )
     workers = [
-        SimpleNamespace(rank=1, process=object()),
-        SimpleNamespace(rank=2, process=None),
-        SimpleNamespace(rank=3, process=object()),
+        SimpleNamespace(rank=1, process=None),
+        SimpleNamespace(rank=2, process=object()),
+        SimpleNamespace(rank=3, process=None),
     ]
     one = SimpleNamespace(device=torch.device("cuda", 1), runner=SimpleNamespace())
     assert nvml.engine_gpu_ids(one) == ["0000:3c:00.0"]

@@ -9,6 +9,7 @@ ends every choice."""
 from __future__ import annotations
 
 import re
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -108,8 +109,8 @@ def test_a_choice_count_out_of_range_is_refused_naming_n(tiny_daemon: Daemon, n:
 @pytest.fixture(scope="module")
 def queue_daemon(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201 - a Daemon
     """A pool of 64 blocks, admission by worst case, a queue of at most one: while a request
-    of 480 tokens runs, a request's first choice waits in the queue and the next is refused
-    (max_queue a hard limit)."""
+    of 480 tokens holds its KV, a request's first choice waits in the queue and the next is
+    refused (max_queue a hard limit)."""
     d = Daemon(
         tmp_path_factory.mktemp("choices"),
         extra="admission_control: {enable: true, estimate: worst_case, max_queue: 1, "
@@ -121,23 +122,45 @@ def queue_daemon(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201 - a 
 
 
 def test_a_refused_choice_refuses_the_request_and_ends_the_others(queue_daemon: Daemon) -> None:
+    """The holder's worst case leaves no room for a choice of 400 tokens: the first choice
+    waits, the second finds the queue full, which refuses the request and ends the first; the
+    holder runs on to its own end. The engine is stalled while the holder and the three
+    choices are posted, so it takes all four in one drain, in order: the holder's KV is
+    committed when the choices are decided however fast the machine (an idle one finished a
+    running holder's 480 tokens before the choices came, and admitted the first)."""
     d = queue_daemon
-    aborts = finished(d, "abort")
-    holder = send(d, {"prompt": "hold", "max_tokens": 480})
-    try:
-        until(lambda: count(state(d), "running") == 1, 60, "one request generating")
+    aborts, lengths = finished(d, "abort"), finished(d, "length")
+    client = d.client()
+    with ThreadPoolExecutor(2) as pool:
+        assert d.admin("POST", "/admin/debug/stall", json={"seconds": 60}).status_code == 200
+        try:
+            holder = pool.submit(
+                client.completions.create,
+                model="tiny",
+                prompt="hold",
+                max_tokens=480,
+                extra_body={"ignore_eos": True},
+            )
+            until(lambda: state(d)["in_flight"] == 1, 30, "the holder posted")
+            three = pool.submit(
+                client.completions.create, model="tiny", prompt="three", max_tokens=400, n=3
+            )
+            until(lambda: state(d)["in_flight"] == 4, 30, "its three choices posted")
+        finally:
+            d.admin("POST", "/admin/debug/release")
         with pytest.raises(openai.APIStatusError) as e:
-            d.client().completions.create(model="tiny", prompt="three", max_tokens=400, n=3)
+            three.result(60)
         assert e.value.status_code == 429
         assert e.value.message.endswith("queue full (1 waiting)")  # the first choice waited
-        # and was ended with the request: only the holder is left
+        # and was ended with the request
         until(lambda: count(state(d), "waiting") == 0, 10, "the queued choice ended")
-        # the metrics are rebuilt from the engine's snapshot at most every second
-        until(lambda: finished(d, "abort") - aborts == 1, 10, "its abort counted")
-        assert count(state(d), "running") == 1 and finished(d, "abort") - aborts == 1
-    finally:
-        holder.close()
-    until(lambda: idle(state(d)), 30, "the holder aborted")
+        held = holder.result(120)
+    # the holder was left alone: its whole answer
+    assert held.choices[0].finish_reason == "length" and held.usage.completion_tokens == 480
+    # the metrics are rebuilt from the engine's snapshot at most every second
+    until(lambda: finished(d, "length") - lengths == 1, 10, "the holder's end counted")
+    assert finished(d, "abort") - aborts == 1  # the queued choice's, and no other
+    until(lambda: idle(state(d)), 30, "every block freed")
 
 
 def test_a_client_that_hangs_up_ends_every_choice(tiny_daemon: Daemon) -> None:

@@ -136,7 +136,7 @@ def add_generate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]
         "prompts",
         nargs="+",
         metavar="PROMPT",
-        help="prompt text; several prompts run as one batch; '-' reads a prompt from stdin",
+        help="prompt text; several prompts run as one batch; '-' (once) reads a prompt from stdin",
     )
     gen.add_argument("--model", metavar="NAME|PATH", default="smollm2-135m", help=MODEL_HELP)
     # each of these left out: the model's generation_config.json value (--generation-config
@@ -210,6 +210,7 @@ def add_generate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]
 def cmd_generate(args: argparse.Namespace) -> int:
     from kvguard.engine import EngineConfig, LLMEngine, SamplingParams
 
+    _stdin_once(args.prompts)
     config: dict[str, Any] = {"model": args.model, "device": args.device}
     if args.kv_cache_bytes is not None:
         config["kv_cache_bytes"] = args.kv_cache_bytes
@@ -242,6 +243,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
         )
         return EXIT_FAILURE
     return 0
+
+
+def _stdin_once(prompts: list[str]) -> None:
+    """ValueError where '-' is given more than once: stdin reads to its end for the first,
+    and each later one got an empty prompt, silently. Checked before the model loads."""
+    n = prompts.count("-")
+    if n > 1:
+        raise ValueError(
+            f"'-' (stdin) is given as {n} prompts, but stdin (-) can be read once: pass '-' "
+            "for one prompt and the others as arguments"
+        )
 
 
 def _generate(engine: Any, prompts: list[str], params: Any, add_special_tokens: bool) -> list[Any]:

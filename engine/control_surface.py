@@ -3,6 +3,7 @@
 Public methods validate their arguments at once (ValueError in the caller's thread), then post
 the work to the mailbox and return a Future of `ActionResult`; the engine thread applies it at
 the next step boundary. Calling `step()` (or running an `EngineLoop`) is what applies them.
+After `shutdown()` no step comes: the Future has already failed with EngineShutDown.
 """
 
 from __future__ import annotations
@@ -174,7 +175,7 @@ class ControlSurface:
                 self.events.emit("knob_changed", action=name, changes=changed)
             return ActionResult(name, before, after, detail, ok, data)
 
-        return self.mailbox.post(run)
+        return self._post(run)
 
     # -- batch size -------------------------------------------------------------------------
     def set_max_num_seqs(

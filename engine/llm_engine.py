@@ -12,9 +12,13 @@ import math
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
+from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -328,6 +332,9 @@ class LLMEngine(ControlSurface):
         self._pending: list[RequestOutput] = []  # aborted/finished outside a step
         self.torn: PoolTorn | None = None  # a pool conversion failed half way: no more steps
         self.shut_down = False  # `shutdown()` ran: no more requests or steps
+        # the thread in step(), generate() or score(), and which of them it is in (`_driving`)
+        self._drive_lock = threading.Lock()
+        self._driver: tuple[threading.Thread, str] | None = None
         self._step_no = 0
         self._counters = {
             "tokens_generated": 0,
@@ -605,7 +612,47 @@ class LLMEngine(ControlSurface):
         """Apply posted actions, run one batch; return outputs of requests that advanced.
 
         Raises RankFailure (tensor parallel) when a rank died or hung: the engine is done;
-        after `shutdown()`, EngineShutDown (one, a RuntimeError saying so)."""
+        after `shutdown()`, EngineShutDown (one, a RuntimeError saying so); RuntimeError
+        while another thread is in a step (`_driving`)."""
+        with self._driving("step"):
+            return self._step()
+
+    @contextmanager
+    def _driving(self, what: str) -> Iterator[None]:
+        """Hold the engine for the calling thread while it runs `what` (step, generate,
+        score). One thread drives an engine: a second one stepping at the same time would
+        schedule and run the same sequences twice, and every request of both steps ended with
+        an error. So the second call raises RuntimeError at once, touching nothing, and the
+        running step carries on. The thread that holds it may enter again (generate's steps)."""
+        me = threading.current_thread()
+        held = self._driver
+        if held is not None and held[0] is me:
+            yield
+            return
+        if not self._drive_lock.acquire(blocking=False):
+            raise RuntimeError(self._busy(what, self._driver))
+        try:
+            self._driver = (me, what)
+            yield
+        finally:
+            self._driver = None
+            self._drive_lock.release()
+
+    @staticmethod
+    def _busy(what: str, held: tuple[threading.Thread, str] | None) -> str:
+        """Why `what` cannot run now: another thread is in a step (`held`: which, in what;
+        None where it has taken the engine and not yet said so)."""
+        running = "step() is already running in another thread"
+        if held is not None:
+            running = f"{held[1]}() is already running in thread {held[0].name!r}"
+        return (
+            f"{what}() called while {running}; "
+            "one thread drives an engine: call step(), generate() and score() from that "
+            "thread only (other threads post to engine.mailbox, or serve through an EngineLoop)"
+        )
+
+    def _step(self) -> list[RequestOutput]:
+        """`step()`, in the thread that holds the engine."""
         if self.shut_down:
             raise EngineShutDown()
         self.interrupt.clear()  # what is posted by now is in this step's drain
@@ -889,7 +936,19 @@ class LLMEngine(ControlSurface):
         All or nothing: a prompt refused (ValueError), or any exception while they run, aborts
         the requests this call added before it re-raises, so none is left queued for a caller
         that never got its id. Requests added before with `add_request` keep running: their
-        outputs of the steps this call ran are returned by the next `step()`, in order."""
+        outputs of the steps this call ran are returned by the next `step()`, in order.
+        RuntimeError, adding nothing, while another thread is in a step (`_driving`)."""
+        with self._driving("generate"):
+            return self._generate(prompts, params, priority, add_special_tokens)
+
+    def _generate(
+        self,
+        prompts: Seq[str] | Seq[list[int]],
+        params: SamplingParams | Seq[SamplingParams] | None,
+        priority: str | int,
+        add_special_tokens: bool,
+    ) -> list[RequestOutput]:
+        """`generate()`, in the thread that holds the engine."""
         if isinstance(prompts, str):
             prompts = [prompts]
         plist = list(params) if isinstance(params, list | tuple) else [params] * len(prompts)
@@ -960,8 +1019,14 @@ class LLMEngine(ControlSurface):
         Teacher forcing for quality checks (e.g. FP8 KV against full precision): the tokens are
         prefilled chunk by chunk, exactly like a request, into blocks freed afterwards.
         ValueError when `token_ids` is empty, holds ids outside the vocabulary or is longer
-        than max_model_len (the model has no positions past it).
+        than max_model_len (the model has no positions past it); RuntimeError while another
+        thread is in a step (`_driving`).
         """
+        with self._driving("score"):
+            return self._score(token_ids)
+
+    def _score(self, token_ids: list[int]) -> torch.Tensor:
+        """`score()`, in the thread that holds the engine."""
         if self.shut_down:
             raise EngineShutDown()
         ids = as_token_ids(token_ids, "score", self.model_config.vocab_size)
@@ -995,9 +1060,21 @@ class LLMEngine(ControlSurface):
 
     def shutdown(self) -> None:
         """Stop what the engine started outside this process (tensor-parallel workers). The
-        engine takes no requests or steps after it (EngineShutDown)."""
+        engine takes no requests or steps after it (EngineShutDown), and no step will run
+        what waits in its mailbox: those calls' Futures fail with it now (`_post`)."""
         self.shut_down = True
+        self.mailbox.refuse_pending(EngineShutDown)
         self.runner.shutdown()
+
+    def _post(self, fn: Callable[[], Any]) -> Future:
+        """Post `fn` for the engine thread's next step. After `shutdown()` no step comes, and
+        a Future that never resolved would hang its caller: it fails at once with
+        EngineShutDown. Checked after the post, as shutdown() sets its flag before it refuses
+        what waits, so that a post racing it is refused by one or the other."""
+        fut = self.mailbox.post(fn)
+        if self.shut_down:
+            self.mailbox.refuse_pending(EngineShutDown)
+        return fut
 
     def check_ranks(self) -> None:
         """RankFailure if a tensor-parallel rank has died (cheap; an idle loop calls it, so a

@@ -1,8 +1,15 @@
 """kvguard as a Python library: what a step interrupted at any point hands on, how a config
-and a request built in Python code are typed, and how a refused prompt of a batch is named."""
+and a request built in Python code are typed, how a refused prompt of a batch is named, and
+how misuse is refused: two threads driving one engine, control calls after shutdown."""
 
 from __future__ import annotations
 
+import io
+import json
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +19,7 @@ import pytest
 from kvguard.daemon.cli import main
 from kvguard.engine import EngineConfig, LLMEngine, SamplingParams
 from kvguard.engine.config import ConfigError
+from kvguard.engine.sequence import RequestOutput
 
 GREEDY10 = SamplingParams(max_tokens=10, ignore_eos=True)
 
@@ -150,3 +158,101 @@ def test_sampling_params_of_the_wrong_type_or_numpy_counts(tiny: LLMEngine) -> N
     assert type(params.max_tokens) is int and type(params.logprobs) is int
     out = tiny.generate(["hi"], params)[0]
     assert len(out.token_ids) == 3 and len(out.final_logprobs) == 3
+
+
+@contextmanager
+def first_forward_held(engine: LLMEngine) -> Iterator[threading.Event]:
+    """Hold the engine's first forward pass until the block ends: yields an Event set once a
+    thread is inside it (a step under way, its batch scheduled). Later forwards run freely."""
+    real, inside, release = engine.runner.execute, threading.Event(), threading.Event()
+
+    def execute(*args: Any) -> list[list[int]]:
+        if not inside.is_set():
+            inside.set()
+            assert release.wait(60), "the test never let the held forward go"
+        return real(*args)
+
+    engine.runner.execute = execute  # type: ignore[method-assign]
+    try:
+        yield inside
+    finally:
+        release.set()
+        engine.runner.execute = real  # type: ignore[method-assign]
+
+
+def test_a_second_thread_driving_the_engine_is_refused_and_the_step_goes_on() -> None:
+    """Two threads stepping one engine at once got no error: the second step ran the same
+    sequences again and every request ended with finish_reason `error`. The second call now
+    raises at once, naming the thread in the step, and touches nothing."""
+    engine = make_engine()
+    done: list[list[RequestOutput]] = []
+    driver = threading.Thread(
+        target=lambda: done.append(engine.generate(["hello world", "Once upon"], GREEDY10)),
+        name="notebook-driver",
+    )
+    with first_forward_held(engine) as inside:
+        driver.start()
+        assert inside.wait(60), "the driving thread never reached its forward pass"
+        busy = r"^{}\(\) called while generate\(\) is already running in thread 'notebook-driver'; "
+        for call, name in ((engine.step, "step"), (lambda: engine.generate(["x"]), "generate")):
+            with pytest.raises(RuntimeError, match=busy.format(name) + "one thread drives"):
+                call()
+        with pytest.raises(RuntimeError, match=busy.format("score")):
+            engine.score([1, 2, 3])
+        queues = engine.snapshot().queues  # the refused generate added nothing
+        assert sum(queues["waiting"].values()) == 0 and sum(queues["running"].values()) == 2
+    driver.join(60)
+    assert not driver.is_alive() and len(done) == 1
+    assert [(o.finish_reason, len(o.token_ids)) for o in done[0]] == [("length", 10)] * 2
+    engine.audit_blocks()
+    assert len(engine.generate(["free again"], GREEDY10)[0].token_ids) == 10
+
+
+CONTROL_CALLS: dict[str, Callable[[LLMEngine], Future]] = {
+    "set_kv_cache_dtype": lambda e: e.set_kv_cache_dtype("fp8_e4m3"),
+    "set_max_num_seqs": lambda e: e.set_max_num_seqs(2),
+    "reduce_max_num_seqs": lambda e: e.reduce_max_num_seqs(0.5),
+    "evict": lambda e: e.evict(1),
+    "set_kv_pool_share": lambda e: e.set_kv_pool_share(0.5),
+    "reconfigure": lambda e: e.reconfigure({"serving.max_num_seqs": 8}),
+    "set_offload": lambda e: e.set_offload(False),
+    "set_max_new_tokens_cap": lambda e: e.set_max_new_tokens_cap(5),
+    "halt_admission": lambda e: e.halt_admission(),
+    "resume_admission": lambda e: e.resume_admission(),
+}
+
+
+def test_control_calls_after_shutdown_fail_at_once() -> None:
+    """A control call after shutdown() returned a Future that never resolved (no step would
+    come to apply it), so a caller waiting on it hung; one posted before shutdown() too. Each
+    Future now fails with EngineShutDown, a RuntimeError saying the engine is shut down."""
+    engine = make_engine()
+    before = engine.set_max_num_seqs(3)
+    engine.shutdown()
+    futures = {"posted before shutdown": before}
+    futures |= {name: call(engine) for name, call in CONTROL_CALLS.items()}
+    for name, fut in futures.items():
+        with pytest.raises(RuntimeError, match="^engine is shut down: it takes no more"):
+            fut.result(timeout=10)  # generous: it has already failed
+        assert fut.done(), name
+
+
+def test_kvguard_generate_reads_stdin_once(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`kvguard generate - -` read stdin to its end for the first '-' and gave the second an
+    empty prompt (refused as "prompt 3 of 3: prompt is empty", naming no stdin; where the
+    tokenizer adds a BOS, served as that alone, silently); it is refused before the model
+    loads, naming the problem. One '-' reads stdin."""
+    monkeypatch.setattr("sys.stdin", io.StringIO("Once upon a time"))
+    assert main(["generate", "--model", "tiny", "--max-tokens", "2", "-", "ok", "-"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "kvguard: error: '-' (stdin) is given as 2 prompts, but stdin (-) can be read once: pass"
+        in err
+    ), err
+    assert main(["generate", "--model", "tiny", "--max-tokens", "2", "--json", "-", "ok"]) == 0
+    assert [row["prompt"] for row in json.loads(capsys.readouterr().out)] == [
+        "Once upon a time",
+        "ok",
+    ]

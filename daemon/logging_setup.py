@@ -7,6 +7,9 @@ import os
 import sys
 import threading
 import time
+from types import TracebackType
+
+import h11
 
 from kvguard.engine.log_level import log_level
 
@@ -32,6 +35,14 @@ ROUTINE = {
 # errors too: the first is logged, the rest counted in one line per BOUNDED_INTERVAL_S.
 BOUNDED = {"uvicorn.error": {"Invalid HTTP request received.": "invalid HTTP requests"}}
 BOUNDED_INTERVAL_S = 60.0
+# uvicorn's logger, where it writes `Exception in ASGI application` with the traceback. When the
+# headers were HTTP but the body was not (a chunk size that is not a number), the headers have
+# started the app, and uvicorn answers 400 and counts the request as above before the app
+# answers; h11 then refuses the app's answer, and uvicorn logs that refusal with an 87-line
+# traceback, once per request, for any client, on any route, whatever its API key.
+# Those records are dropped (the request is already in the line or count above); every other
+# exception in the app keeps its traceback.
+REFUSED_ANSWERS = ("uvicorn.error",)
 # The syslog priority journald reads from a line's `<N>` prefix (SyslogLevelPrefix).
 PRIORITY = ((logging.CRITICAL, 2), (logging.ERROR, 3), (logging.WARNING, 4), (logging.INFO, 6))
 
@@ -99,6 +110,32 @@ class _Bounded(logging.Filter):
             )
 
 
+class _DropRefusedAnswer(logging.Filter):
+    """Drops the records of an app's answer that h11 refused because uvicorn had already
+    answered the connection's invalid request (see REFUSED_ANSWERS)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.exc_info:
+            return True
+        _, exc, tb = record.exc_info
+        return not _refused_after_invalid(exc, tb)
+
+
+def _refused_after_invalid(exc: BaseException | None, tb: TracebackType | None) -> bool:
+    """Whether `exc` is h11 refusing to send on a connection whose client side is in h11's
+    ERROR state: the request was not HTTP. Only that state tells this refusal from one our own
+    code caused (an answer h11 cannot write, on a sound connection), which is a bug to show.
+    The connection is that of the uvicorn request cycle that caught `exc`: the traceback's
+    first frame is its run_asgi."""
+    if not isinstance(exc, h11.LocalProtocolError) or tb is None:
+        return False
+    cycle = tb.tb_frame.f_locals.get("self")
+    if not type(cycle).__module__.startswith("uvicorn.protocols."):
+        return False
+    conn = getattr(cycle, "conn", None)
+    return isinstance(conn, h11.Connection) and conn.their_state is h11.ERROR
+
+
 def _peer() -> str | None:
     """The client address of the uvicorn connection whose code is logging, found on the stack
     (uvicorn's record carries none): `host:port`, or None where it cannot be found."""
@@ -141,8 +178,8 @@ def configure_logging(level: int | str | None = None) -> int:
     CHATTY libraries to WARNING and drop the ROUTINE lines unless the level is DEBUG. Returns
     the level in force. Other libraries' loggers (uvicorn's among them: the daemon gives it
     no logging config of its own) go through the root logger: one format, one level. The
-    BOUNDED lines are logged once, then counted (at DEBUG too: that is their volume). Under
-    journald each line starts with its syslog priority."""
+    BOUNDED lines are logged once, then counted, and the REFUSED_ANSWERS dropped (at DEBUG
+    too: that is their volume). Under journald each line starts with its syslog priority."""
     numeric = log_level(level)
     debug = numeric <= logging.DEBUG
     root = logging.getLogger()
@@ -165,4 +202,8 @@ def configure_logging(level: int | str | None = None) -> int:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _Bounded) for f in logger.filters):  # one, kept across calls
             logger.addFilter(_Bounded(logger, what))
+    for name in REFUSED_ANSWERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropRefusedAnswer) for f in logger.filters):
+            logger.addFilter(_DropRefusedAnswer())
     return numeric

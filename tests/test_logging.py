@@ -20,19 +20,23 @@ from typing import Any
 
 import httpx
 import pytest
+import uvicorn
 
 from kvguard.daemon.control_plane import MAX_ALERT_NAME_CHARS, AlertPayloadError, ControlPlane
-from kvguard.daemon.logging_setup import _Bounded
+from kvguard.daemon.logging_setup import _Bounded, configure_logging
 from kvguard.engine.control import ActionResult
 from kvguard.rules.evaluator import Evaluator
 from kvguard.rules.schema import load_rules_text
 from kvguard.rules.signals import PromQL, url_shown
 from tests.test_promql_edges import FakePrometheus, audit, config, plane, prom, scrape  # noqa: F401
-from tests.test_server import Daemon, free_port
+from tests.test_server import Daemon, free_port, until
 
 # bytes that are not HTTP: the start of a TLS ClientHello, as a client set to https:// sends
 NOT_HTTP = b"\x16\x03\x01\x00\xc4\x01\r\n\r\n"
 BAD_CONNECTIONS = 200
+# headers that are HTTP, then a body that is not: `ZZZ` is no chunk size
+BAD_CHUNK = "GET {} HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nZZZ\r\n"
+BAD_BODIES = 20
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +74,26 @@ def test_invalid_http_requests_are_logged_once_then_counted(served: Daemon) -> N
     assert "Invalid HTTP request received from 127.0.0.1:" in invalid[0]
     uvicorn_lines = [line for line in log.splitlines() if "uvicorn" in line]
     assert len(uvicorn_lines) <= 2, uvicorn_lines  # the first, and a count if 60 s went by
+
+
+def test_a_body_that_is_not_http_is_counted_with_no_traceback(served: Daemon) -> None:
+    """Before, each request with a malformed chunked body logged, besides the bounded
+    `Invalid HTTP request` line, `Exception in ASGI application` at ERROR with an 87-line
+    traceback (h11 refusing the app's answer: uvicorn had answered 400 already): about 6 KB
+    per request, from any client, on any route, without an API key."""
+    log_file = served.tmp / "daemon.log"  # type: ignore[attr-defined]
+    before = len(log_file.read_text().splitlines())
+    for path in ("/health", "/v1/models", "/nowhere"):
+        for _ in range(BAD_BODIES):
+            answer = _send_raw(served.port, BAD_CHUNK.format(path).encode())
+            assert answer.startswith(b"HTTP/1.1 400 "), answer
+    # the daemon still serves; uvicorn logs the refusal before it closes the connection
+    assert httpx.get(served.url + "/ready", timeout=30).status_code == 200
+    new = log_file.read_text().splitlines()[before:]
+    assert not [line for line in new if "Traceback" in line or "ASGI" in line], new[:20]
+    # the module's first invalid request, and a count if 60 s went by
+    assert len([line for line in new if "uvicorn" in line]) <= 2, new
+    assert len(new) <= 5, new
 
 
 def test_a_websocket_upgrade_is_plain_http_with_no_line(served: Daemon) -> None:
@@ -303,3 +327,60 @@ def test_skipped_rule_ticks_are_logged_once_a_minute_with_a_count(
         "rule tick skipped: another evaluation is running",
         "rule tick skipped: another evaluation is running (68 more since the last such line)",
     ]
+
+
+async def _app_with_bugs(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """/bug raises before answering; /bad-header answers with a header h11 cannot write (a
+    newline in its value): both are bugs in the app, on connections whose requests were HTTP."""
+    if scope["path"] == "/bug":
+        raise RuntimeError("a bug in the app")
+    headers = [(b"x-forged", b"a\nb")] if scope["path"] == "/bad-header" else []
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+
+def _get(path: str) -> bytes:
+    """A request that is HTTP, on a connection the server closes after answering."""
+    return f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode()
+
+
+def test_an_exception_in_the_app_keeps_its_traceback(caplog: pytest.LogCaptureFixture) -> None:
+    """The records dropped for the bodies that are not HTTP are only those of h11 refusing an
+    answer to a request uvicorn had refused: an exception in the app still logs its traceback,
+    h11's own LocalProtocolError among them when the app wrote an answer h11 cannot send."""
+    root = logging.getLogger()
+    saved = root.level
+    port = free_port()
+    config = uvicorn.Config(
+        _app_with_bugs,
+        host="127.0.0.1",
+        port=port,
+        log_config=None,
+        log_level=None,
+        ws="none",
+        access_log=False,
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    try:
+        configure_logging("INFO")
+        thread.start()
+        until(lambda: server.started, 30, "the test server")
+        assert _send_raw(port, _get("/ok")).startswith(b"HTTP/1.1 200 ")
+        for _ in range(BAD_BODIES):
+            assert _send_raw(port, BAD_CHUNK.format("/ok").encode()).startswith(b"HTTP/1.1 400 ")
+        assert _send_raw(port, _get("/bug")).startswith(b"HTTP/1.1 500 ")
+        assert _send_raw(port, _get("/bad-header")) == b""  # closed: no answer could go out
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        root.setLevel(saved)
+    failed = [r for r in caplog.records if r.name == "uvicorn.error" and r.exc_info]
+    assert [type(r.exc_info[1]).__name__ for r in failed if r.exc_info] == [
+        "RuntimeError",
+        "LocalProtocolError",
+    ], [r.exc_text for r in failed]
+    assert all(r.getMessage().startswith("Exception in ASGI application") for r in failed)
+    assert "a bug in the app" in caplog.text and "Illegal header value" in caplog.text
+    invalid = [r for r in caplog.records if r.getMessage().startswith("Invalid HTTP request")]
+    assert len(invalid) <= 1  # the first of the process's, unless an earlier test had one

@@ -366,9 +366,24 @@ class RulesConfig(_Section):
 
 
 class PrometheusConfig(_Section):
-    url: str | None = Field(None, pattern=r"^https?://")  # null: PromQL signals are unknown
+    # null: PromQL signals are unknown. A path and query parameters (a proxy's ?token=) are
+    # kept: /api/v1/query goes after the path, the parameters with every query.
+    url: str | None = None
     timeout: Annotated[Duration, Field(gt=0)] = 2.0
     instance: str | None = Field(None, min_length=1)  # null: "<hostname>:<api.port>"
+
+    @field_validator("url")
+    @classmethod
+    def _queryable_url(cls, v: str | None) -> str | None:
+        """A URL no query could reach (not http(s), a #fragment that cuts a token, a parameter
+        that would override kvguard's own) is refused with the file's line now, not found out
+        rule tick by rule tick; the message masks the URL's secrets, as the log does."""
+        if v is not None:
+            from kvguard.rules.signals import url_problem
+
+            if (problem := url_problem(v)) is not None:
+                raise ValueError(problem)
+        return v
 
 
 class AuditConfig(_Section):
@@ -965,7 +980,7 @@ def _describe(err: ErrorDetails) -> str:
 
 def _string_rule(ctx: dict[str, Any]) -> str:
     if "pattern" in ctx:
-        return f"a value matching {ctx['pattern']}, e.g. http://127.0.0.1:9090"
+        return f"a value matching {ctx['pattern']}"
     return "a non-empty string"
 
 

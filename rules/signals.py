@@ -6,6 +6,10 @@ reach (no connection, no answer in time, a 502-504) once for the client, a query
 refuses (a typo, a 422) once for that query until it answers again, however the others fare; so
 are answers that hold no number (an empty vector, NaN, a string), once per query until it
 answers one again.
+
+`prometheus.url` may carry a path (a Prometheus behind a proxy, or under --web.route-prefix) and
+query parameters (a proxy's `?token=`): the API path goes after the path, the parameters with
+every query. Its password and secret-named parameters never reach a log line in clear.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import re
 import threading
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import parse_qs, quote, quote_plus, unquote_plus, urlsplit, urlunsplit
 
 from kvguard.engine.host_memory import host_memory_used_ratio
 from kvguard.engine.snapshot import EngineSnapshot
@@ -62,14 +67,19 @@ class PromQL:
         self._lock = threading.Lock()
         self._late: threading.Event | None = None  # set once the query past its deadline ends
         self._client = None
+        self._params: dict[str, list[str]] = {}  # the URL's query parameters, sent every time
+        self._secrets = _secret_values(url) if url else []
         if url:
             from prometheus_api_client import PrometheusConnect
             from urllib3.util.retry import Retry
 
+            base, self._params = _api_base(url)
+            if self._params:
+                _mask_request_lines()
             # No retries: a down Prometheus must answer "unknown" within the timeout, not
             # after a backoff loop that outlives the evaluation interval.
             self._client = PrometheusConnect(
-                url=url,
+                url=base,
                 disable_ssl=True,
                 timeout=timeout_s,
                 retry=Retry(total=0, connect=0, read=0),
@@ -90,11 +100,12 @@ class PromQL:
         try:
             result = self._within_deadline(q)
         except Exception as e:  # noqa: BLE001 - any failure is an unknown signal
+            why = self._masked(f"{type(e).__name__}: {e}")
             if _out_of_reach(e):
-                self._fail(f"{type(e).__name__}: {e}")
+                self._fail(why)
             else:  # Prometheus answered: it refuses this query, not every one
                 self._reached()
-                self._fail_query(q, f"{type(e).__name__}: {e}")
+                self._fail_query(q, why)
             return None
         self._reached()
         value = _value(result)
@@ -125,11 +136,11 @@ class PromQL:
                     f"an earlier query is still running past its {self.timeout_s:g}s deadline"
                 )
             self._late = None
-        client, done, out = self._client, threading.Event(), {}
+        client, params, done, out = self._client, self._params, threading.Event(), {}
 
         def run() -> None:
             try:
-                out["result"] = client.custom_query(q, timeout=self.timeout_s)
+                out["result"] = client.custom_query(q, params=params, timeout=self.timeout_s)
             except BaseException as e:  # noqa: BLE001 - handed to the caller
                 out["error"] = e
             finally:
@@ -143,6 +154,13 @@ class PromQL:
         if "error" in out:
             raise out["error"]
         return out["result"]
+
+    def _masked(self, text: str) -> str:
+        """A failure's text with the URL's secrets hidden: requests names the URL it could not
+        reach (its query string and all), and a proxy may echo the token it refused."""
+        for secret in self._secrets:
+            text = text.replace(secret, "***")
+        return text
 
     def _fail(self, why: str) -> None:
         """Prometheus out of reach (or none configured): every PromQL signal is unknown."""
@@ -202,6 +220,102 @@ def url_shown(url: str | None) -> str | None:
             for p in query.split("&")
         )
     return f"{scheme}{sep}{netloc}{path}{q}{query}{hash_}{fragment}"
+
+
+# query parameters that would override what kvguard asks of Prometheus, and what each would do
+RESERVED_PARAMS = {
+    "query": "would replace the PromQL expression of every query",
+    "time": "would evaluate every query at that one instant instead of now",
+}
+
+
+def url_problem(url: str) -> str | None:
+    """Why `url` cannot serve as `prometheus.url` (None: it can), for the config's
+    `FILE:LINE: prometheus.url:` error. The text never holds the URL's secrets: it goes to the
+    terminal, the reload answer and the log."""
+    try:
+        parts = urlsplit(url)
+    except ValueError as e:  # an unclosed [IPv6 address
+        return f"{url_shown(url)!r} is not a URL: {e} (expected e.g. http://127.0.0.1:9090)"
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        return (
+            f"{url_shown(url)!r} is not an http:// or https:// URL with a host "
+            "(expected e.g. http://127.0.0.1:9090)"
+        )
+    if "#" in url:  # not url_shown: a token's tail after a `#` is not masked as a parameter
+        return (
+            "a '#' ends the URL, and nothing after it would reach Prometheus (expected no "
+            "#fragment; write a '#' inside a parameter's value as %23)"
+        )
+    for name in parse_qs(parts.query, keep_blank_values=True):
+        if name in RESERVED_PARAMS:
+            return (
+                f"the query parameter {name!r} {RESERVED_PARAMS[name]} (expected only the "
+                "parameters a proxy in front of Prometheus needs, such as token=...)"
+            )
+    return None
+
+
+def _api_base(url: str) -> tuple[str, dict[str, list[str]]]:
+    """The URL the client puts `/api/v1/query` after (scheme, user, host and path, no trailing
+    `/`), and the query parameters that go with every query. The client only appends: a query
+    string left in the URL would come before the API path and break every query."""
+    parts = urlsplit(url)
+    base = urlunsplit((parts.scheme, parts.netloc, parts.path.rstrip("/"), "", ""))
+    return base, parse_qs(parts.query, keep_blank_values=True)
+
+
+def _secret_values(url: str) -> list[str]:
+    """What a failure's text must not show of `url`: its password and the values of its
+    secret-named parameters, as written, decoded and percent-encoded (requests sends them
+    encoded), longest first so that no part of one is left once a shorter one is hidden."""
+    parts = urlsplit(url)
+    written = [parts.password or ""] + [
+        p.partition("=")[2]
+        for p in parts.query.split("&")
+        if SECRET_PARAM.search(p.partition("=")[0])
+    ]
+    forms = {
+        form
+        for text in written
+        for value in (text, unquote_plus(text))
+        for form in (value, quote(value, safe=""), quote_plus(value, safe=""))
+    }
+    return sorted((f for f in forms if f), key=len, reverse=True)
+
+
+# a secret-named parameter's value in a request line: `?token=abc` or `&token=abc`
+_SECRET_IN_REQUEST = re.compile(
+    rf"([?&][^=&\s]*(?:{SECRET_PARAM.pattern})[^=&\s]*=)[^&\s'\"]*", re.IGNORECASE
+)
+
+
+# urllib3's loggers that name a request's path and query string (a request, a retry, a redirect)
+URLLIB3_URL_LOGGERS = ("urllib3.connectionpool", "urllib3.util.retry", "urllib3.poolmanager")
+
+
+class _SecretParamsMasked(logging.Filter):
+    """urllib3 names each request's path and query string (at DEBUG, and in its warnings on
+    retries): a `?token=` among them would reach the log in clear."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        masked = _SECRET_IN_REQUEST.sub(r"\1***", text)
+        if masked != text:
+            record.msg, record.args = masked, ()
+        return True
+
+
+_REQUEST_LINES_MASKED = _SecretParamsMasked()
+
+
+def _mask_request_lines() -> None:
+    """Hide secret parameters in urllib3's request lines (once for the process). A logger's
+    filter sees only its own records, not its children's: each logger gets it."""
+    for name in URLLIB3_URL_LOGGERS:
+        logger = logging.getLogger(name)
+        if _REQUEST_LINES_MASKED not in logger.filters:
+            logger.addFilter(_REQUEST_LINES_MASKED)
 
 
 def _out_of_reach(e: BaseException) -> bool:

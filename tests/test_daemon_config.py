@@ -475,6 +475,37 @@ def test_an_audit_url_without_its_driver_is_refused_before_anything_starts(
         assert f"{path}:2: audit.url: " in proc.stderr and "no-such-model" not in proc.stderr
 
 
+def test_a_prometheus_url_with_a_path_and_a_token_loads_and_what_no_query_reaches_is_refused(
+    tmp_path: Path,
+) -> None:
+    """A Prometheus behind a proxy that wants `?token=` is served (rules/signals.py sends the
+    parameters with every query). What no query could reach is refused with the file's line,
+    and no refusal shows the URL's secrets: before, a `#` (which cuts a token short) and a
+    `query=` parameter (which replaces every PromQL expression) loaded, and a URL without
+    its scheme was echoed with its token in clear."""
+    good = "http://promuser:PW@127.0.0.1:9090/prom/?token=QSECRET&org=a%2Fb"
+    path = write(tmp_path, f"prometheus:\n  timeout: 1s\n  url: '{good}'\n")
+    assert load_config(path).prometheus.url == good
+    refused = {
+        "http://127.0.0.1:9090/prom?token=QSE#CRET": "a '#' ends the URL, and nothing after it "
+        "would reach Prometheus (expected no #fragment; write a '#' inside a parameter's value "
+        "as %23)",
+        "http://127.0.0.1:9090/?token=QSECRET&query=up": "the query parameter 'query' would "
+        "replace the PromQL expression of every query (expected only the parameters a proxy in "
+        "front of Prometheus needs, such as token=...)",
+        "http://127.0.0.1:9090/?time=1700000000": "the query parameter 'time' would evaluate "
+        "every query at that one instant instead of now (expected only the parameters a proxy "
+        "in front of Prometheus needs, such as token=...)",
+        "127.0.0.1:9090/prom?token=QSECRET": "'127.0.0.1:9090/prom?token=***' is not an "
+        "http:// or https:// URL with a host (expected e.g. http://127.0.0.1:9090)",
+        "ftp://u:PW@h/?token=QSECRET": "'ftp://u:***@h/?token=***' is not an http:// or "
+        "https:// URL with a host (expected e.g. http://127.0.0.1:9090)",
+    }
+    for url, problem in refused.items():
+        path.write_text(f"prometheus:\n  timeout: 1s\n  url: '{url}'\n")
+        assert errors_of(path) == [f"{path}:3: prometheus.url: {problem}"]
+
+
 def test_a_start_refuses_cross_key_problems_before_it_binds_the_port(tmp_path: Path) -> None:
     """What only shows across keys (or with a key left at its default) stops `kvguard serve`
     with the file's line, before the port is bound and the model looked for: chunked prefill

@@ -54,11 +54,14 @@ ANSWERS: dict[str, dict[str, Any]] = {
 class FakePrometheus:
     """/api/v1/query on loopback answering `self.answer` (a key of ANSWERS), or trickling a
     number's answer a byte every `trickle_s` (until `stop`), or an HTTP error status ("500",
-    "503"; "400" with Prometheus' bad_data body). `by_query` answers some queries otherwise."""
+    "503"; "400" with Prometheus' bad_data body; "403" with the request line, as a proxy that
+    names what it refused). `by_query` answers some queries otherwise. Any path but
+    `prefix + "/api/v1/query"` is 404, as under Prometheus' --web.route-prefix."""
 
     def __init__(self) -> None:
         self.answer = "number"
         self.by_query: dict[str, str] = {}  # query -> its answer, in place of `answer`
+        self.prefix = ""
         self.trickle_s = 0.0
         self.queries: list[str] = []
         self.stopping = threading.Event()
@@ -70,8 +73,18 @@ class FakePrometheus:
 
             def do_GET(self) -> None:  # noqa: N802 - http.server's name
                 fake.queries.append(self.path)
+                if urlsplit(self.path).path != fake.prefix + "/api/v1/query":
+                    self.send_error(404)
+                    return
                 query = parse_qs(urlsplit(self.path).query).get("query", [""])[0]
                 answer = fake.by_query.get(query, fake.answer)
+                if answer == "403":
+                    body = f"refused: GET {self.path}".encode()
+                    self.send_response(403)
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                    return
                 if answer == "400":
                     body = json.dumps({"status": "error", "errorType": "bad_data"}).encode()
                     self.send_response(400)
@@ -195,6 +208,59 @@ def test_no_connection_is_logged_once_for_every_query(caplog: pytest.LogCaptureF
             assert q.query("x") is None and q.query("y") is None
     assert q.failures == 4
     assert len(caplog.messages) == 1 and "ConnectionError" in caplog.messages[0]
+
+
+# -- a URL with a path and a token -------------------------------------------------------------
+@pytest.mark.parametrize("path", ["/prom", "/prom/"])
+def test_a_url_with_a_path_and_a_token_queries_the_api_under_that_path(
+    prom: FakePrometheus, path: str
+) -> None:
+    """A Prometheus behind a proxy that wants `?token=`. Before, the client put the API path
+    after the whole URL, query string and all: every query asked for
+    `/prom?token=T/api/v1/query&query=...` (404 under the prefix), and each was logged as a
+    failing PromQL expression."""
+    prom.prefix = "/prom"
+    q = PromQL(f"{prom.url}{path}?token=QSECRET&org=a%2Fb&org=c", 2.0, "me:1")
+    assert q.query('up{instance="$instance"}') == 0.93 and q.failures == 0
+    sent = urlsplit(prom.queries[-1])
+    assert sent.path == "/prom/api/v1/query"
+    assert parse_qs(sent.query) == {
+        "query": ['up{instance="me:1"}'],
+        "token": ["QSECRET"],
+        "org": ["a/b", "c"],
+    }
+
+
+def test_a_failing_prometheus_logs_no_secret_of_its_url(
+    prom: FakePrometheus, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Before, `Prometheus query failing (ConnectionError: ... Max retries exceeded with url:
+    /prom?token=QSECRET/api/v1/query&query=up ...)`: the token in clear in the journal. Now
+    every line that names the URL hides the password and the token, as written or encoded:
+    the failure lines, urllib3's own request lines at DEBUG, and a proxy's answer that echoes
+    the request it refused."""
+    with socket.socket() as s:  # a loopback port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    down = PromQL(f"http://promuser:PROMPW@127.0.0.1:{port}/prom?token=QSE%2FCRET", 1.0, "i")
+    prom.prefix = "/prom"
+    refusing = PromQL(f"{prom.url}/prom?token=QSE%2FCRET&client_secret=QS2", 1.0, "i")
+    with caplog.at_level(logging.DEBUG):
+        answers = [down.query("up"), refusing.query("up")]  # the 2nd: a request line at DEBUG
+        prom.answer = "403"
+        answers.append(refusing.query("up"))
+    said = caplog.text
+    for secret in ("PROMPW", "QSE", "QS2"):
+        assert secret not in said, (secret, said)
+    assert answers == [None, 0.93, None]
+    assert "Prometheus query failing (ConnectionError" in said
+    assert "/prom/api/v1/query?query=up&token=***" in said  # where it went, less the token
+    masked = "/prom/api/v1/query?query=up&token=***&client_secret=***"
+    assert f'"GET {masked} HTTP/1.1" 200' in said  # urllib3's request line
+    assert (
+        "PromQL query 'up' failing (PrometheusApiClientException: HTTP Status Code 403 "
+        f"(b'refused: GET {masked}'))" in said
+    )
 
 
 # -- a deadline for the whole query ------------------------------------------------------------

@@ -42,7 +42,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from kvguard.alerts.export import make_folders
 from kvguard.daemon.config import _EXPECTED_TYPE, ConfigFileError, Where, _shown
@@ -58,6 +65,15 @@ RAW_KEY_HINT = (
     "a raw API key? The file holds SHA-256 digests, never keys: `kvguard keys add NAME` makes "
     "a key and writes its entry (`kvguard keys hash` prints the digest of a key made elsewhere)"
 )
+# a name is published (the `key` label on the open /metrics, `kvguard keys list`, 403 answers):
+# one that is a key, in full, would hand it to anyone
+NAME_IS_A_KEY = (
+    "looks like an API key, and a key's name is shown to anyone (the `key` label on /metrics, "
+    "`kvguard keys list`): name the key for its client instead (web-frontend)"
+)
+# a random key made elsewhere (`sk-...`, base64) is a long word of letters of both cases and
+# digits; a name a person writes this long and this mixed is rare
+KEY_SHAPED_NAME_LEN = 32
 _HEX = re.compile(r"[0-9a-fA-F]+")
 HEADER = "# kvguard API keys (daemon/api_keys.py): digests only, never the keys\n"
 
@@ -83,6 +99,13 @@ class _Entry(BaseModel):
     default_priority: Priority | None = None  # None: normal, or max_priority if lower
     # sequences (each of a request's `n` choices is one) it may have queued or running at once
     max_requests: int | None = Field(None, ge=1, le=1_000_000)
+
+    @field_validator("name", mode="after")
+    @classmethod
+    def _not_a_key(cls, name: str) -> str:
+        if _name_looks_like_key(name):
+            raise ValueError(NAME_IS_A_KEY)
+        return name
 
     @property
     def default(self) -> str:
@@ -225,6 +248,17 @@ def _looks_like_key(value: Any) -> bool:
         return False
     word = len(value) >= 20 and not any(c.isspace() for c in value)
     return value.startswith(KEY_PREFIX) or (word and not _HEX.fullmatch(value))
+
+
+def _name_looks_like_key(name: str) -> bool:
+    """The prefix every key `keys add` makes carries, or a long word mixing both cases and
+    digits, as random keys made elsewhere do. Stricter than `_looks_like_key`, which only adds a
+    hint to an error already there: this refuses a name, and a long name a person wrote
+    (`nightly-batch-eu-west-1`) must keep loading."""
+    if name.startswith(KEY_PREFIX):
+        return True
+    mixed = all(any(test(c) for c in name) for test in (str.isupper, str.islower, str.isdigit))
+    return len(name) >= KEY_SHAPED_NAME_LEN and mixed and _looks_like_key(name)
 
 
 def _did_you_mean(value: Any, known: list[str]) -> str:

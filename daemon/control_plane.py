@@ -668,7 +668,9 @@ def _frame(frame: FrameType) -> str:
 
 def rules_diff(old: RuleSet, new: RuleSet) -> list[str]:
     """What a reload changed, rule by rule: `+name` added, `-name` removed, `~name` edited (a
-    default param written out or left out is no edit: the rule keeps its state)."""
+    default param written out or left out is no edit: the rule keeps its state); then the
+    file's top-level settings, each of which changes how every rule acts (a new `cooldown`
+    paces the remedies at once, so a reload that only changed it must not read "no changes")."""
     before, after = {r.name: r for r in old.rules}, {r.name: r for r in new.rules}
     out = [f"-{n}" for n in before if n not in after]
     out += [f"+{n}" for n in after if n not in before]
@@ -677,6 +679,8 @@ def rules_diff(old: RuleSet, new: RuleSet) -> list[str]:
         out.append("~signals")
     if old.interval != new.interval:
         out.append(f"interval {old.interval:g}s -> {new.interval:g}s")
+    if old.cooldown != new.cooldown:
+        out.append(f"cooldown {old.cooldown:g}s -> {new.cooldown:g}s")
     return out
 
 

@@ -1122,7 +1122,7 @@ class Evaluator:
                 self._record(a, None, "failed", error)
             self.late.clear()
             if self.incident is not None:
-                self._close_incident("the daemon stops")
+                self._close_incident("as the daemon stops")
 
     def _maybe_close_incident(self) -> None:
         if self.incident is None or self.applied or self.retiring or self.late:

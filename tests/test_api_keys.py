@@ -326,6 +326,42 @@ def test_keys_file_problems_are_named_by_line(tmp_path: Path) -> None:
         load_keys(path)
 
 
+def test_a_key_given_as_a_name_is_refused_and_never_published(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A key's name is published (the `key` label on the open /metrics, `kvguard keys list`):
+    a key pasted into `name:`, or given to `kvguard keys add` as its name, loaded and was shown
+    to anyone. Refused by line and field as a key in any other field is, never quoted; a long
+    name a person writes still loads."""
+    key = add(tmp_path / "made.yaml", "web", capsys=capsys)  # a key as `keys add` prints it
+    other = "sk-SECRETfromAnotherServer0123456789"  # one made elsewhere (`keys hash`)
+    path = tmp_path / "k.yaml"
+    hint = (
+        "looks like an API key, and a key's name is shown to anyone (the `key` label on "
+        "/metrics, `kvguard keys list`): name the key for its client instead (web-frontend); "
+        "a raw API key? The file holds SHA-256 digests, never keys"
+    )
+    for name in (key, other):
+        path.write_text(f"keys:\n  - name: web\n    sha256: {digest('a')}\n")
+        path.write_text(path.read_text() + f"  - name: {name}\n    sha256: {digest(name)}\n")
+        with pytest.raises(KeysFileError) as e:
+            load_keys(path)
+        [error] = e.value.errors
+        assert error.startswith(f"{path}:4: keys[1].name: {hint}"), error
+        assert name not in error
+        assert main(["keys", "--file", str(path), "list"]) == 2
+        err = capsys.readouterr().err
+        assert f"{path}:4: keys[1].name: {hint}" in err and name not in err, err
+    fresh = tmp_path / "new.yaml"
+    assert main(["keys", "--file", str(fresh), "add", key]) == 2
+    err = capsys.readouterr().err
+    assert f"{fresh}: name: {hint}" in err and key not in err, err
+    assert not fresh.exists()
+    long_name = "nightly-batch-eu-west-1-reporting"
+    assert add(fresh, long_name, capsys=capsys).startswith("kvg-")
+    assert [e.name for e in read_entries(fresh)[0]] == [long_name]
+
+
 def test_keys_file_values_are_not_coerced(tmp_path: Path) -> None:
     """Strict, as the config file's sections: `max_requests: true` is not a limit of 1, nor
     "5" or 5.0 one of 5, and a number is no name; each is named by line, for the daemon and

@@ -617,6 +617,34 @@ def test_a_reloads_audit_event_names_the_keys_waiting_for_a_restart(
     assert event["data"]["changes"] == {}, event
 
 
+def test_a_reload_that_only_changes_the_cooldown_says_so(
+    service: Service,  # noqa: F811
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The rules file's top-level `cooldown` paces every rule's remedies from the reload on,
+    yet a reload that changed only it logged `no changes` and audited `rules_changed: []`:
+    the log and the audit log did not show why remedies began to fire six times as often."""
+    from kvguard.rules.schema import default_rules_path
+
+    assert service.config_path is not None
+    rules = service.config_path.parent / "rules.yaml"
+    text = default_rules_path().read_text()
+    assert "\ncooldown: 30s " in text
+    rules.write_text(text)
+    with service.config_path.open("a") as f:
+        f.write(f"rules: {{path: {rules}}}\n")
+    assert service.reload()["reloaded"]
+    rules.write_text(text.replace("\ncooldown: 30s ", "\ncooldown: 5s "))
+    caplog.set_level("INFO", logger="kvguard.daemon")
+    r = service.reload()
+    assert r["reloaded"] and r["rules_changed"] == ["cooldown 30s -> 5s"], r
+    assert f"reloaded {service.config_path}: rules cooldown 30s -> 5s" in caplog.messages
+    assert [e["data"]["rules_changed"] for e in _events(service, "reload")][-1] == [
+        "cooldown 30s -> 5s"
+    ]
+    assert service.control is not None and service.control.ruleset.cooldown == 5.0
+
+
 def test_a_reload_refuses_a_worker_key_the_next_start_would_refuse(
     service: Service,  # noqa: F811
 ) -> None:

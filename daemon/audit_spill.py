@@ -20,11 +20,18 @@ old length, so a half-written tail never corrupts the lines before it. A line cu
 can only be the row being written at that moment.
 
 Format, one JSON object per line, appended per spill so earlier unimported spills are kept:
-a header `{"kvguard_audit_spill": 1, "db": ..., "host": ..., "written_at": ..., "rows": N,
+a header `{"kvguard_audit_spill_format": 2, "db": ..., "host": ..., "written_at": ..., "rows": N,
 "reason": ...}` that says what happened, then `{"op": KIND, "row": {...}}` per queued operation
 in queue order (KIND is a table name, `incident_update` or `purge`), times as ISO 8601 strings.
 Actions and events carry the `uid` they got when queued; that is what makes a second import
 of the same rows add nothing.
+
+Format 1 (`{"kvguard_audit_spill": 1, ...}`, written before actions carried `data`) is still
+read. Its readers took any line with that key for a header, whatever its number, and loaded
+what they knew of each row: the release before format 2 imported a newer spill at start and
+silently dropped the actions' `data`. So format 2 has a key of its own, which those readers
+refuse (`not a kvguard audit spill line`, the file left where it is, for a newer kvguard's
+import), and a format newer than `FORMAT` under it is refused here the same way.
 
 This module only reads and writes files; loading rows into a database is
 `AuditStore.import_file`, next to the writer whose SQL it reuses.
@@ -47,8 +54,11 @@ from kvguard.daemon.audit_migrate import parse_url, shown, sqlite_path
 
 SUFFIX = ".spill.jsonl"
 REFUSED_SUFFIX = ".refused.jsonl"  # rows the database refused: imported apart from the spill
-FORMAT = 1
-HEADER_KEY = "kvguard_audit_spill"
+FORMAT = 2  # written; read: 1 and 2
+HEADER_KEY = "kvguard_audit_spill_format"  # format 2 on: a key format 1's readers refuse
+V1_HEADER_KEY = "kvguard_audit_spill"  # format 1's (its value always 1)
+# a header line starts so, whichever format (both keys begin with format 1's)
+HEADER_PREFIX = b'{"' + V1_HEADER_KEY.encode()
 KINDS = ("actions", "events", "incidents", "incident_update", "purge")
 TIME_KEYS = ("time", "opened_at", "closed_at", "before")  # the row fields that are datetimes
 DEFAULT_PORTS = {"postgresql": 5432, "mysql": 3306, "mariadb": 3306, "mssql": 1433}
@@ -237,13 +247,30 @@ def read(path: Path) -> SpillRead:
         except json.JSONDecodeError:
             unreadable.append(n)
             continue
-        if isinstance(obj, dict) and HEADER_KEY in obj:
-            headers.append(obj)
+        if _is_header(obj):
+            headers.append(_readable_header(path, n, obj))
             continue
         ops.append(_op(path, n, obj))
     if not headers and text.strip():  # an empty file holds nothing (see `append`)
         raise ValueError(f"{path} is not a kvguard audit spill file (no header line)")
     return SpillRead(ops, headers, unreadable)
+
+
+def _is_header(obj: Any) -> bool:
+    return isinstance(obj, dict) and (HEADER_KEY in obj or V1_HEADER_KEY in obj)
+
+
+def _readable_header(path: Path, n: int, header: dict[str, Any]) -> dict[str, Any]:
+    """`header`, if this kvguard reads its format: one of a newer format may carry fields this
+    one would drop, as format 1's readers dropped the actions' `data` of format 2."""
+    format_ = header.get(HEADER_KEY, 1)
+    if not isinstance(format_, int) or isinstance(format_, bool) or format_ > FORMAT:
+        raise ValueError(
+            f"{path}:{n}: spill format {format_!r}, written by a newer kvguard (this one reads "
+            f"formats 1 to {FORMAT}): import it with that kvguard's `kvguard audit import` (not "
+            "imported, the file left as it is)"
+        )
+    return header
 
 
 _REQUIRED = {"incident_update": ("id",), "purge": ("before",), "incidents": ("id",)}
@@ -294,12 +321,11 @@ def spilled_elsewhere(headers: Iterable[dict[str, Any]], url: str) -> list[str]:
 
 def headers(path: Path) -> list[dict[str, Any]]:
     """A spill file's header lines only (cheap: its rows are not parsed); [] if unreadable."""
-    prefix = b'{"' + HEADER_KEY.encode()
     found: list[dict[str, Any]] = []
     try:
         with path.open("rb") as f:
             for line in f:
-                if line.startswith(prefix):
+                if line.startswith(HEADER_PREFIX):
                     with contextlib.suppress(ValueError):  # cut short by a crash
                         found.append(json.loads(line))
     except OSError:
@@ -311,8 +337,7 @@ def count_lines(path: Path) -> int:
     """Operations in a spill file, for the start-up notice; -1 if it cannot be read."""
     try:
         with path.open("rb") as f:
-            header = b'{"' + HEADER_KEY.encode()
-            return sum(1 for line in f if line.strip() and not line.startswith(header))
+            return sum(1 for line in f if line.strip() and not line.startswith(HEADER_PREFIX))
     except OSError:
         return -1
 

@@ -33,18 +33,19 @@ def add_rules_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     tst.set_defaults(func=cmd_test)
 
 
-def _load(path: Path | None):  # noqa: ANN202
+def _load(path: Path | None, warnings: list[str] | None = None):  # noqa: ANN202
     from kvguard.rules.schema import default_rules_path, load_rules
 
-    return load_rules(path or default_rules_path())
+    return load_rules(path or default_rules_path(), warnings)
 
 
 def cmd_check(args: argparse.Namespace) -> int:
     from kvguard.rules.schema import RulesFileError, default_rules_path
 
     path = args.file or default_rules_path()
+    warnings: list[str] = []
     try:
-        rs = _load(args.file)
+        rs = _load(args.file, warnings)
     except RulesFileError as e:
         if args.json:
             print(json.dumps({"file": str(path), "ok": False, "errors": e.errors}, indent=2))
@@ -54,14 +55,14 @@ def cmd_check(args: argparse.Namespace) -> int:
             print(f"{path}: {len(e.errors)} error(s)", file=sys.stderr)
         return 1
     if args.json:
-        print(
-            json.dumps(
-                {"file": str(path), "ok": True, "rules": [r.name for r in rs.rules]}, indent=2
-            )
-        )
+        result = {"file": str(path), "ok": True, "rules": [r.name for r in rs.rules]}
+        print(json.dumps({**result, "warnings": warnings}, indent=2))
     else:
+        for line in warnings:  # legal (exit 0), but likely a mistake: said beside the OK
+            print(line, file=sys.stderr)
         print(
             f"{path}: OK ({len(rs.rules)} rules, {len(rs.signals)} signals, every {rs.interval:g}s)"
+            + (f", {len(warnings)} warning(s)" if warnings else "")
         )
     return 0
 
@@ -70,11 +71,14 @@ def cmd_test(args: argparse.Namespace) -> int:
     from kvguard.rules.scenario import load_scenario, run_scenario
     from kvguard.rules.schema import RulesFileError
 
+    warnings: list[str] = []
     try:
-        rs = _load(args.file)
+        rs = _load(args.file, warnings)
     except RulesFileError as e:
         print("\n".join(e.errors), file=sys.stderr)
         return 1
+    for line in warnings:
+        print(line, file=sys.stderr)
     failed = 0
     report = []
     try:

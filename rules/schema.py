@@ -6,6 +6,7 @@ of them at once, so `kvguard rules check` can list everything wrong in one run.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,8 @@ from pydantic import (
 from kvguard.rules.actions import ACTIONS, ActionError, parse_params
 from kvguard.rules.durations import parse_duration
 from kvguard.rules.yaml_file import YamlFileError, line_for, load_yaml, read_source
+
+log = logging.getLogger("kvguard.rules")
 
 LOCAL_SIGNALS = {
     "kv_cache_usage_ratio": "device KV blocks in use / total",
@@ -350,7 +353,11 @@ def _alias(loc: tuple) -> tuple:
     return tuple("for" if p == "for_" else p for p in loc)
 
 
-def load_rules_text(text: str | bytes, name: str) -> RuleSet:
+def load_rules_text(text: str | bytes, name: str, warnings: list[str] | None = None) -> RuleSet:
+    """The rules in `text` (`name` is the file named in messages), or RulesFileError listing
+    every problem. What is legal but likely a mistake (`missing_undos`) is appended to
+    `warnings`, or, without that list, logged: the daemon's start and its reloads load through
+    here, so its log says it where `kvguard rules check` prints it."""
     try:
         data, lines = load_yaml(text, name)
     except YamlFileError as e:
@@ -371,7 +378,46 @@ def load_rules_text(text: str | bytes, name: str) -> RuleSet:
         errors = [format_error(err, lines, name) for err in e.errors()]
         errors += [m for m in _cross_checks(data, lines, name) if m not in errors]
         raise RulesFileError(sorted(errors, key=line_key)) from e
+    found = missing_undos(rs, lines, name)
+    if warnings is None:
+        for line in found:
+            log.warning("%s", line)
+    else:
+        warnings.extend(found)
     return rs
+
+
+# what each engine setting a remedy sets is called in a warning
+SETTING_WORDS = {
+    "batch": "batch limit",
+    "kv_dtype": "KV cache dtype",
+    "kv_pool": "KV pool share",
+    "offload": "offload",
+    "token_cap": "max-token cap",
+    "admission": "admission halt",
+}
+
+
+def missing_undos(rs: RuleSet, lines: dict, name: str) -> list[str]:
+    """A warning, as `FILE:LINE: warning: ...`, for each rule whose action has an undo that the
+    rule does not give: what it sets then stays in force for good (the README's first rules
+    example ran the OOM chain so, and one engine OOM left the batch halved and the KV cache FP8
+    until a restart while `rules check` said OK). Legal, for a deliberate one-way rule, so
+    never an error."""
+    out = []
+    for i, rule in enumerate(rs.rules):
+        inverse = ACTIONS[rule.action].undo
+        if rule.undo is not None or inverse is None:
+            continue
+        settings = ACTIONS[rule.action].settings
+        what = ", ".join(words for key, words in SETTING_WORDS.items() if key in settings)
+        out.append(
+            f"{name}:{line_for(lines, ('rules', i, 'action'))}: warning: rules.{i}.action: "
+            f"rule {rule.name!r} runs {rule.action} without an undo, so what it sets ({what}) "
+            "stays in force until an operator puts it back or the daemon restarts: add "
+            f"`undo: {inverse}`, or leave it out if the rule is meant to be one-way"
+        )
+    return out
 
 
 def line_key(msg: str) -> int:
@@ -446,12 +492,13 @@ def format_error(err: dict, lines: dict, name: str) -> str:
     return f"{name}:{line_for(lines, loc)}: {field}: {msg}"
 
 
-def load_rules(path: Path) -> RuleSet:
+def load_rules(path: Path, warnings: list[str] | None = None) -> RuleSet:
+    """The rules file at `path` (`warnings`: as `load_rules_text`)."""
     try:
         source = read_source(Path(path))
     except OSError as e:
         raise RulesFileError([f"{path}: cannot read: {e.strerror}"]) from e
-    return load_rules_text(source, str(path))
+    return load_rules_text(source, str(path), warnings)
 
 
 def default_rules_path() -> Path:

@@ -911,6 +911,70 @@ def test_a_spill_cut_short_by_a_crash_keeps_every_whole_line(tmp_path: Path) -> 
         audit_spill.read(tmp_path / "other.jsonl")
 
 
+# A spill file as the release before spill format 2 wrote it (format 1's header key): an action
+# without `data`, which that release did not have.
+V1_SPILL = (
+    '{{"kvguard_audit_spill": 1, "db": "{url}", "host": "oldhost", '
+    '"written_at": "2026-12-06T20:00:00+00:00", "rows": 1, "reason": "database is locked"}}\n'
+    '{{"op": "actions", "row": {{"time": "2026-12-06T19:59:59+00:00", "host": "oldhost", '
+    '"instance": "oldhost", "rule": "reduce-batch", "action": "reduce_batch", '
+    '"trigger": "signal", "signal": "kv_usage", "value": 0.93, "threshold": 0.92, '
+    '"params": {{"factor": 0.5}}, "state_before": null, "state_after": null, '
+    '"outcome": "applied", "error": null, "incident": null, "is_undo": false, '
+    '"detail": "format 1", "uid": "0f1e2d3c4b5a69788796a5b4c3d2e1f0"}}}}\n'
+)
+
+
+def test_a_spill_starts_with_a_format_older_kvguard_refuse_and_both_formats_load(
+    tmp_path: Path, db_path: Path, db_url: str
+) -> None:
+    """The release before spill format 2 took any line with format 1's key for a header,
+    whatever its number, and its start imported a newer daemon's spill dropping the actions'
+    `data` (which requests an eviction preempted). A spill written now starts with format 2's
+    own key, which that reader refuses as `not a kvguard audit spill line`, leaving the file for
+    a newer kvguard; this one loads both formats at start, `data` kept, and refuses a format
+    newer than its own the same way."""
+    from kvguard.daemon import audit_spill
+
+    db_path.parent.mkdir(parents=True)
+    db_path.write_text("not a database\n")  # the migration fails: rows queue, then spill
+    store = AuditStore(db_url)
+    store.start()
+    evicted = [["cmpl-abc-0", "swap"], ["cmpl-def-0", "recompute"]]
+    _act(store, action="evict_lowest_priority", detail="format 2", data={"evicted": evicted})
+    assert store.stop(timeout=0.5) is False
+    new = db_path.with_name("audit.db.spill.jsonl")
+    assert store.spill_file == new
+    header = json.loads(new.read_text().splitlines()[0])
+    assert next(iter(header.items())) == ("kvguard_audit_spill_format", 2), header
+    assert "kvguard_audit_spill" not in header  # format 1's key: its readers take the file
+
+    db_path.unlink()
+    audit_migrate.upgrade(db_url)
+    old = tmp_path / "spills" / "audit.db.spill.jsonl"  # the state directory's spill file
+    old.parent.mkdir()
+    old.write_text(V1_SPILL.format(url=db_url))
+    later = AuditStore(db_url, spill_dir=old.parent)
+    later.start()
+    assert _wait_for(lambda: not new.exists() and not old.exists())  # imported, then renamed
+    rows = {a["detail"]: a for a in later.list_actions()}
+    assert rows["format 2"]["data"] == {"evicted": evicted}
+    assert (rows["format 1"]["instance"], rows["format 1"]["data"]) == ("oldhost", None)
+    later.stop(timeout=5)
+
+    newer = tmp_path / "newer.spill.jsonl"
+    newer.write_text(
+        json.dumps({**header, "kvguard_audit_spill_format": 3})
+        + "\n"
+        + audit_spill.encode("events", {"time": NOW, "kind": "tick", "uid": "u3"})
+        + "\n"
+    )
+    with pytest.raises(ValueError, match="spill format 3, written by a newer kvguard"):
+        audit_spill.read(newer)
+    rc, _ = kvguard("audit", "import", str(newer), "--db", db_url)
+    assert rc == 2 and newer.exists()
+
+
 def test_a_server_databases_identity_keeps_the_query_parameters_that_name_it() -> None:
     """A spill file is matched to a server database by what names it, not by its URL's text:
     a password moved out or a connection option added is the same database; a libpq

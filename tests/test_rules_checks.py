@@ -300,14 +300,44 @@ def test_every_ignored_key_is_listed_by_line_and_the_cli_refuses_them(tmp_path: 
 
 def test_the_rules_shown_in_the_readme_and_shipped_load() -> None:
     """Every shape keeps the keys it reads: the shipped ladder (threshold rules with undo,
-    without, the OOM chain's `recover_for`, an alert rule) and the README's example."""
-    rules = load_rules(default_rules_path())
+    without, the OOM chain's `recover_for`, an alert rule) and the README's example, and
+    neither leaves a remedy in force for good (the README's OOM chain had no undo: copied,
+    one engine OOM kept the batch halved and the KV cache FP8 until a restart)."""
+    warnings: list[str] = []
+    rules = load_rules(default_rules_path(), warnings)
     assert {r.name for r in rules.rules} >= {"reduce-batch", "evict-low", "oom-chain"}
     readme = (REPO / "README.md").read_text()
     examples = [b for b in readme.split("```yaml\n")[1:] if "\nrules:\n" in b.split("```")[0]]
     assert examples
     for block in examples:
-        load_rules_text(block.split("```")[0], "README.md")
+        rs = load_rules_text(block.split("```")[0], "README.md", warnings)
+        assert any(r.action == "handle_oom" for r in rs.rules)
+    assert warnings == []
+
+
+def test_a_rule_without_its_actions_undo_is_warned_about(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The OOM chain as the README once showed it: legal (a one-way rule may be meant), so
+    `rules check` still exits 0, but says where, which rule, and the undo to add; the daemon's
+    load (start and reload: `load_rules` without a list) logs the same line. A one-off action
+    (an eviction) has no undo to forget."""
+    text = (
+        HEAD + "  - {name: evict, signal: kv, above: 0.95, action: evict_lowest_priority}\n"
+        "  - {name: oom-chain, on: engine_oom, action: handle_oom}\n"
+    )
+    path, res = _rules_check(tmp_path, text)
+    want = (
+        f"{path}:6: warning: rules.1.action: rule 'oom-chain' runs handle_oom without an undo, "
+        "so what it sets (batch limit, KV cache dtype, offload, admission halt) stays in force "
+        "until an operator puts it back or the daemon restarts: add `undo: recover_from_oom`"
+    )
+    assert res.returncode == 0 and res.stderr.startswith(want), res
+    assert len(res.stderr.splitlines()) == 1 and "OK (2 rules" in res.stdout, res
+    assert "1 warning(s)" in res.stdout, res
+    with caplog.at_level("WARNING", logger="kvguard.rules"):
+        load_rules(path)
+    assert [r.getMessage() for r in caplog.records] == [res.stderr.strip()]
 
 
 # -- a scenario's events must be replayed ----------------------------------------------------

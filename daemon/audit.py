@@ -665,22 +665,46 @@ class AuditStore:
         self._enqueue(_Op("purge", row))
 
     def _enqueue(self, op: _Op) -> None:
+        """Queue `op`; on a full queue drop a row: the newest queued event, to make room for
+        anything else (an action, an incident's open or close, a sweep), else `op` itself.
+        What the remedies did is what an operator reads an incident's timeline for: a storm
+        of events (thousands of OOM rows while the database was down) must not push it out."""
         with self._lock:
-            if self._depth() < self.max_queue:
+            full = self._depth() >= self.max_queue
+            if full and (op.kind == "events" or not self._drop_newest_event()):
+                self.dropped += 1  # `op` itself
+            else:
                 self._pending.append(op)
                 self._accepted += 1
                 self._has_work.notify()
-                return
-            self.dropped += 1
+                if not full:
+                    return
+                self.dropped += 1  # the event dropped for it
             dropped = self.dropped
         if dropped & (dropped - 1) == 0:  # 1, 2, 4, 8...: loud, but not a log flood
             log.error(
-                "audit queue full (%d rows, %s not accepting writes: %s): dropped %d rows so far",
+                "audit queue full (%d rows, %s not accepting writes: %s): dropped %d rows so "
+                "far (events first: actions and incidents are kept while events are queued)",
                 self.max_queue,
                 shown(self.url),
                 self.last_error or "too slow",
                 dropped,
             )
+
+    def _drop_newest_event(self) -> bool:
+        """Take the newest queued event off the queue, settled (under the lock); False where
+        none is queued (the batch the writer has taken is not touched)."""
+        for i in range(len(self._pending) - 1, -1, -1):
+            if self._pending[i].kind == "events":
+                del self._pending[i]
+                # flush() waits for it no more: settled as a written row is (`_done`)
+                if self._purging is not None:
+                    self._held += 1
+                else:
+                    self._settled += 1
+                self._progress.notify_all()
+                return True
+        return False
 
     # -- the writer thread ---------------------------------------------------------------------
     def _run(self, first_try: threading.Event) -> None:

@@ -49,6 +49,8 @@ log = logging.getLogger("kvguard.control")
 Recorder = Callable[[str | None], None]
 AUDITED_EVENTS = (
     "engine_oom",
+    "engine_oom_repeated",
+    "engine_step_failed",
     "admission_halted",
     "admission_resumed",
     "kv_dtype_switched",
@@ -240,7 +242,9 @@ class ControlPlane:
     # -- events -----------------------------------------------------------------------------
     def _on_engine_event(self, event: EngineEvent) -> None:
         """On the engine thread: only record and schedule, never act here."""
-        if event.kind == "engine_oom":  # its rules' evaluation records it (`_cause`)
+        # its rules' evaluation records it (`_cause`); the count of a burst's repeated faults
+        # starts one too, so that a remedy whose cooldown has passed acts again while it lasts
+        if event.kind in ("engine_oom", "engine_oom_repeated"):
             causes = self._cause("engine_oom", functools.partial(self._record, event))
             self._soon_off_engine("engine_oom", causes)
         elif event.kind in AUDITED_EVENTS:
@@ -698,6 +702,14 @@ def _summary(event: EngineEvent) -> str:
             f"OOM in a step: {len(d.get('requeued', []))} requeued, batch budget "
             f"{d.get('max_num_batched_tokens_before')} -> {d.get('max_num_batched_tokens_after')}"
         )
+    if event.kind == "engine_oom_repeated":
+        return (
+            f"OOM in {d.get('count')} more steps in {d.get('window_s', 0):.0f}s: "
+            f"{d.get('requeues')} requeued, batch budget held at {d.get('max_num_batched_tokens')}"
+        )
+    if event.kind == "engine_step_failed":
+        why = str(d.get("error"))[:LOGGED_CHARS]
+        return f"engine step failed ({why}): {len(d.get('failed', []))} requests ended"
     if event.kind == "step_budget_restored":
         return (
             f"batch budget {d.get('max_num_batched_tokens_before')} -> "

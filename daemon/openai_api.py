@@ -1452,13 +1452,17 @@ def engine_unavailable(error: BaseException, out: RequestOutput | None = None) -
 def _engine_error(service: Service, out: RequestOutput) -> ApiError:
     """The engine step running this request failed (a bug, not the input: inputs are checked
     before they reach it); the engine ended only that step's requests and serves on. Unless
-    the engine failed for good, which ended every request: then it is a 503."""
+    the engine failed for good, which ended every request: then it is a 503. The answer names
+    the choice as the daemon log's error line and the `engine_step_failed` audit event do
+    (`<response id>-<index>`), streamed or not: a non-streamed 500 carries no other id, and
+    without it an operator could not find the traceback of a client's failed request."""
     if service.loop.fatal is not None:
         return engine_unavailable(service.loop.fatal, out)
     return ApiError(
         500,
-        "the engine failed while generating this request and stopped it "
-        f"({out.num_output_tokens} tokens had been generated; the daemon log has the cause)",
+        f"the engine failed while generating this request ({out.request_id}) and stopped it "
+        f"({out.num_output_tokens} tokens had been generated; the daemon log has the cause "
+        "under that id)",
         code="engine_error",
         type_="server_error",
     )

@@ -1,6 +1,6 @@
-"""Engine events (preempted, swapped_out/in, engine_oom, admission_halted/resumed,
-kv_dtype_switched, kv_pool_resized, knob_changed, step_budget_restored): kept in a bounded
-ring and handed to subscribers.
+"""Engine events (preempted, swapped_out/in, engine_oom, engine_oom_repeated,
+engine_step_failed, admission_halted/resumed, kv_dtype_switched, kv_pool_resized, knob_changed,
+step_budget_restored): kept in a bounded ring and handed to subscribers.
 
 Subscribers run on the engine thread, so they must only enqueue (the daemon's audit writer and
 rule evaluator do exactly that); a subscriber that raises is logged and kept away from the loop.

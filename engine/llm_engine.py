@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
 from concurrent.futures import Future
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -174,6 +174,76 @@ def _usable_default(param: str, value: object) -> bool:
 
 
 CPU_PREFILL_WHILE_DECODING = 128  # prompt tokens beside the decodes: a forward of ~0.3 s on 2 cores
+SHOWN_IDS = 20  # the request ids a log line names; the rest are counted
+# A step that keeps running out of memory once its budget can halve no further fails as often as
+# the engine can run it: its faults are reported (a warning, an `engine_oom_repeated` event) once
+# per this many seconds, as the preemption storm is counted, not once per step
+OOM_REPORT_EVERY_S = 5.0
+# ... and each such step runs again only after a pause, doubled after every failure up to the
+# most, so that a device another tenant holds does not keep a core spinning on retries
+OOM_BACKOFF_START_S = 0.01
+OOM_BACKOFF_MAX_S = 0.5
+
+
+def listed(ids: Seq[str]) -> str:
+    """`ids` for a log line: the first SHOWN_IDS and a count of the rest (a step of hundreds
+    of requests must not make a line of kilobytes)."""
+    shown = ", ".join(ids[:SHOWN_IDS])
+    return shown if len(ids) <= SHOWN_IDS else f"{shown} +{len(ids) - SHOWN_IDS} more"
+
+
+@dataclass(slots=True)
+class OomRepeats:
+    """The out-of-memory faults of a burst that left the step budget as it was (at its floor:
+    nothing left to halve), since the burst's last report. Each was a warning and an audit
+    row of its own: hundreds a second while the device stays short. Now the first of a burst is
+    reported as any fault is and the rest once per OOM_REPORT_EVERY_S (`LLMEngine._on_oom`).
+    Times are the engine's `oom_clock`."""
+
+    reported: float | None = None  # the burst's last report (None: no burst yet)
+    last: float = 0.0  # the burst's latest fault: it ends OOM_REPORT_EVERY_S after it
+    count: int = 0  # faults since the report
+    requeues: int = 0  # the sequences they requeued, counted each time
+    requeued: dict[str, None] = field(default_factory=dict)  # the first SHOWN_IDS of them
+    unlisted: bool = False  # ... and others were requeued too
+    error: str = ""  # the latest fault's
+    budget: int = 0  # the step budget they failed at
+    backoff: float = 0.0  # the pause before the next retry at the floor (0: none yet)
+
+    def in_burst(self, now: float) -> bool:
+        return self.reported is not None and now - self.last < OOM_REPORT_EVERY_S
+
+    def opened(self, now: float) -> None:
+        """A fault was reported on its own: the burst runs (again) from it."""
+        self.reported = self.last = now
+
+    def add(self, now: float, error: str, ids: list[str], budget: int) -> None:
+        self.last = now
+        self.count += 1
+        self.requeues += len(ids)
+        for rid in ids:
+            if rid in self.requeued:
+                continue
+            if len(self.requeued) < SHOWN_IDS:
+                self.requeued[rid] = None
+            else:
+                self.unlisted = True
+        self.error, self.budget = error, budget
+
+    def due(self, now: float) -> bool:
+        return self.count > 0 and now - (self.reported or now) >= OOM_REPORT_EVERY_S
+
+    def taken(self, now: float) -> None:
+        """Reported: the next window counts afresh."""
+        self.reported = now
+        self.count = self.requeues = 0
+        self.requeued, self.unlisted = {}, False
+
+    def next_backoff(self) -> float:
+        """The pause before this retry; the next one's is twice it, up to OOM_BACKOFF_MAX_S."""
+        pause = self.backoff or OOM_BACKOFF_START_S
+        self.backoff = min(pause * 2, OOM_BACKOFF_MAX_S)
+        return pause
 
 
 class EngineShutDown(RankFailure):
@@ -350,6 +420,11 @@ class LLMEngine(ControlSurface):
         # aborts (client gone, drain cut) included, so this is the one place that counts them.
         self._finished: dict[str, dict[str, int]] = {}
         self._last_oom = 0.0
+        # the repeated faults of an out-of-memory burst (`_on_oom`), on a clock and with a
+        # pause that a test may replace (the backoff is real seconds otherwise)
+        self._oom = OomRepeats()
+        self.oom_clock: Callable[[], float] = time.monotonic
+        self.oom_sleep: Callable[[float], object] = time.sleep
         self._ttft: deque[float] = deque(maxlen=256)
         self._tpot: deque[float] = deque(maxlen=256)
         self.latest_snapshot: EngineSnapshot = self.snapshot()
@@ -664,6 +739,7 @@ class LLMEngine(ControlSurface):
         # the next step hands them out. Each was taken (`RequestOutput.take` moved its
         # request's cursor on), so one dropped would be an answer never given, or a running
         # request's tokens missing from its stream though its final output has them.
+        self._report_oom_repeats()
         self._maybe_restore_budget()
         batch = self.scheduler.schedule()
         self._pending += [self._outgrown(seq) for seq in batch.ended]
@@ -723,9 +799,9 @@ class LLMEngine(ControlSurface):
             return []
         except RankFailure:
             raise  # the engine is done: the daemon restarts it, no request is retried here
-        except Exception:  # noqa: BLE001 - a bug or a poisoned input: stop this step's requests
-            log.exception("engine step failed; its %d requests end with an error", len(batch.seqs))
-            return self._fail(batch)
+        except Exception as e:  # noqa: BLE001 - a bug or a poisoned input: stop this step's requests
+            return self._fail(batch, e)
+        self._oom.backoff = 0.0  # a step ran: the next fault at the floor pauses briefly again
         if steps > 1:
             return self._run_tokens(batch, tokens)
         if self.scheduler.speculation is not None and decode_only(batch):  # a draft row's cost
@@ -743,11 +819,8 @@ class LLMEngine(ControlSurface):
 
         try:
             done = self.scheduler.update(batch, tokens, on_token)
-        except Exception:  # noqa: BLE001 - a fault taking the tokens: these requests, not the engine
-            log.exception(
-                "taking a step's tokens failed; its unfinished requests end with an error"
-            )
-            return self._salvage(batch)
+        except Exception as e:  # noqa: BLE001 - a fault taking the tokens: these requests, not the engine
+            return self._salvage(batch, "taking a step's tokens failed", e)
         return [RequestOutput.take(seq) for seq in done]
 
     def _run_tokens(self, batch: ScheduledBatch, run: RunTokens) -> list[RequestOutput]:
@@ -757,20 +830,24 @@ class LLMEngine(ControlSurface):
         self._counters["steps_ahead"] += len(run) - 1
         try:
             done = self.scheduler.update_ahead(batch, run, self._on_token)
-        except Exception:  # noqa: BLE001 - as in a single step: these requests, not the engine
-            log.exception("a run of decode steps failed; its unfinished requests end with an error")
-            return self._salvage(batch)
+        except Exception as e:  # noqa: BLE001 - as in a single step: these requests, not the engine
+            return self._salvage(batch, "a run of decode steps failed", e)
         return [RequestOutput.take(seq) for seq in done]
 
-    def _salvage(self, batch: ScheduledBatch) -> list[RequestOutput]:
-        """After a fault while a step's tokens were taken: the requests that finished keep
-        their answers, the others end with an error (their state may be half advanced), so
+    def _salvage(self, batch: ScheduledBatch, what: str, error: Exception) -> list[RequestOutput]:
+        """After a fault while a step's tokens were taken (`what`): the requests that finished
+        keep their answers, the others end with an error (their state may be half advanced), so
         that every client of the step hears the end of its request."""
-        outs = []
+        outs, failed = [], []
         for s in batch.seqs:
             if not s.is_finished and s.finish_reason is not None:  # its answer was complete
                 self.scheduler.finish(s)
-            outs.append(RequestOutput.take(s) if s.is_finished else self._end(s, "error"))
+            if s.is_finished:
+                outs.append(RequestOutput.take(s))
+            else:
+                outs.append(self._end(s, "error"))
+                failed.append(s.request_id)
+        self._step_failed(f"{what}; its {len(failed)} unfinished requests", error, failed)
         return outs
 
     @staticmethod
@@ -780,12 +857,24 @@ class LLMEngine(ControlSurface):
             s for s, n in zip(batch.seqs, batch.num_tokens, strict=True) if finishes_prompt(s, n)
         ]
 
-    def _fail(self, batch: ScheduledBatch) -> list[RequestOutput]:
+    def _fail(self, batch: ScheduledBatch, error: Exception) -> list[RequestOutput]:
         """End a failed step's requests with finish_reason `error` and free their blocks.
 
         Retrying the same batch would fail the same way, step after step, and stall every
         request behind it; ending these few keeps the engine serving everyone else."""
-        return [self._end(seq, "error") for seq in batch.seqs if not seq.is_finished]
+        outs = [self._end(seq, "error") for seq in batch.seqs if not seq.is_finished]
+        failed = [o.request_id for o in outs]
+        self._step_failed(f"engine step failed; its {len(failed)} requests", error, failed)
+        return outs
+
+    def _step_failed(self, what: str, error: Exception, failed: list[str]) -> None:
+        """Log the fault with the ids of the requests it ended (the daemon's are those its
+        clients hold: `<response id>-<choice>`), so that a client's 500 can be matched to its
+        traceback, and emit `engine_step_failed` (audited) naming them all."""
+        log.error("%s end with an error: %s", what, listed(failed) or "none", exc_info=error)
+        self.events.emit(
+            "engine_step_failed", error=f"{type(error).__name__}: {error}", failed=failed
+        )
 
     def _on_token(
         self, seq: Sequence, token: int, now: float, logprob: TokenLogprob | None = None
@@ -859,27 +948,76 @@ class LLMEngine(ControlSurface):
         self.runner.inject_oom(times)
 
     def _on_oom(self, batch: ScheduledBatch, error: BaseException) -> None:
-        """Put the step's sequences back to recompute, halve the batch budget, tell listeners."""
+        """Put the step's sequences back to recompute, halve the batch budget, tell listeners.
+
+        A fault that halves the budget is reported on its own (a warning, `engine_oom`), and so
+        is the first of a burst. One that finds the budget at its floor, nothing left to halve,
+        is retried after a pause (`OomRepeats.next_backoff`); those of a burst that follow are
+        counted and reported once per OOM_REPORT_EVERY_S (`_report_oom_repeats`)."""
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         before = self.scheduler.requeue_failed_step(batch)
         self._counters["oom"] += 1
         self._last_oom = time.monotonic()
         after = self._hold_step_budget(self.scheduler.max_num_batched_tokens)
+        ids = [s.request_id for s in batch.seqs]
+        now = self.oom_clock()
+        at_floor = after >= before
+        if at_floor and self._oom.in_burst(now):
+            self._oom.add(now, str(error), ids, after)
+        else:
+            self._report_oom_repeats(force=True)  # those before it come first
+            self._oom.opened(now)
+            log.warning(
+                "out of memory in a step (%s): %d sequences requeued, batch budget %d -> %d",
+                error,
+                len(ids),
+                before,
+                after,
+            )
+            self.events.emit(
+                "engine_oom",
+                error=str(error),
+                requeued=ids,
+                max_num_batched_tokens_before=before,
+                max_num_batched_tokens_after=after,
+            )
+        if at_floor:
+            self.oom_sleep(self._oom.next_backoff())
+
+    def _report_oom_repeats(self, force: bool = False) -> None:
+        """Report the faults at the floor budget counted since the burst's last report, once
+        OOM_REPORT_EVERY_S has passed (`force`: now, before a fault reported on its own): one
+        warning and one `engine_oom_repeated` event (audited, and the OOM rules evaluated on it,
+        as on `engine_oom`) with the count and the first SHOWN_IDS requests requeued."""
+        now = self.oom_clock()
+        rep = self._oom
+        if not (rep.count and (force or rep.due(now))):
+            return
+        window = now - (rep.reported or now)
+        requeued = list(rep.requeued)
         log.warning(
-            "out of memory in a step (%s): %d sequences requeued, batch budget %d -> %d",
-            error,
-            len(batch.seqs),
-            before,
-            after,
+            "out of memory in %d more steps in the last %.0fs (%s): %d sequence requeues "
+            "(%s), batch budget held at %d; each step retried after a pause of up to %gs",
+            rep.count,
+            window,
+            rep.error,
+            rep.requeues,
+            ", ".join(requeued) + (" and others" if rep.unlisted else ""),
+            rep.budget,
+            OOM_BACKOFF_MAX_S,
         )
         self.events.emit(
-            "engine_oom",
-            error=str(error),
-            requeued=[s.request_id for s in batch.seqs],
-            max_num_batched_tokens_before=before,
-            max_num_batched_tokens_after=after,
+            "engine_oom_repeated",
+            error=rep.error,
+            count=rep.count,
+            window_s=round(window, 3),
+            requeues=rep.requeues,
+            requeued=requeued,
+            requeued_unlisted=rep.unlisted,
+            max_num_batched_tokens=rep.budget,
         )
+        rep.taken(now)
 
     def _maybe_restore_budget(self) -> bool:
         """Double the halved step budget after every quiet period, until it is back at the
@@ -917,7 +1055,9 @@ class LLMEngine(ControlSurface):
     def restore_budget_when_due(self) -> bool:
         """The budget's doubling of a step (`_maybe_restore_budget`) for an idle engine, on
         the engine thread; what it changed is published in the snapshot at once (the metrics
-        and the rules read that, and an idle engine rebuilds it only now and then)."""
+        and the rules read that, and an idle engine rebuilds it only now and then). The last
+        out-of-memory faults counted are reported here too when due: no step comes to."""
+        self._report_oom_repeats()
         if not self._maybe_restore_budget():
             return False
         self.latest_snapshot = self.snapshot()

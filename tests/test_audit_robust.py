@@ -533,3 +533,36 @@ def test_a_writer_that_finishes_migrating_during_stops_spill_takes_nothing(
     assert not writer.is_alive() and store.written == 0 and store.depth() == 0
     spilled = audit_spill.read(tmp_path / "audit.db.spill.jsonl")
     assert [r["detail"] for _, r in spilled.ops] == [f"row {i}" for i in range(300)]
+
+
+def test_a_full_queue_drops_events_before_actions_and_incidents(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A database that takes no writes (its file is a directory) and a storm of events fill
+    the queue; the remedy and the incident's open and close that come after are what an
+    operator reads the timeline for: each takes the place of the newest queued event, and the
+    stop spills them. (They were dropped, and the spill held only the storm's rows.)"""
+    db = tmp_path / "audit.db"
+    db.mkdir()
+    store = AuditStore(f"sqlite:///{db}", host="h", max_queue=50, spill_dir=tmp_path)
+    store.start(wait=5)
+    assert store.problem() is not None  # degraded: the rows queue
+    for i in range(100):
+        store.record_event("engine_oom", f"storm {i}")
+    incident = store.open_incident(2, "OOM")
+    store.record_action(action="handle_oom", outcome="applied", trigger="event", incident=incident)
+    store.update_incident(incident, actions_count=1, closed_at=datetime.now(UTC))
+    store.record_event("engine_oom", "after the action")  # no room, and no room made for it
+    assert (store.depth(), store.dropped) == (50, 54)
+    with caplog.at_level(logging.ERROR, logger=audit.__name__):
+        assert store.stop(timeout=0.5) is False
+    ops = audit_spill.read(store.spill_file).ops
+    assert [kind for kind, _ in ops if kind != "events"] == [
+        "incidents",
+        "actions",
+        "incident_update",
+    ]
+    assert [row["detail"] for kind, row in ops if kind == "events"] == [
+        f"storm {i}" for i in range(47)
+    ]
+    assert "audit queue full" in caplog.text

@@ -1,12 +1,18 @@
 """A failing engine step over HTTP: its requests get a clear server error, everyone else is served.
 
 Inputs are validated before they reach the engine, so a step that raises is a kvguard bug or a
-fault below it; retrying that step forever used to stall every request behind it."""
+fault below it; retrying that step forever used to stall every request behind it.
+
+The error answer, the log's error line and the audit name the failed request alike: the 500 said
+"the daemon log has the cause", but the log line gave only a count of requests and nothing was
+audited, so an operator handed a client's failed request could not find its traceback."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -34,7 +40,7 @@ def service(tiny_dir: Path, tmp_path: Path) -> Iterator[Service]:
 
 
 def test_failed_step_answers_500_then_serves_on(
-    service: Service, monkeypatch: pytest.MonkeyPatch
+    service: Service, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     body: dict[str, Any] = {
         "model": service.model_name,
@@ -58,7 +64,8 @@ def test_failed_step_answers_500_then_serves_on(
             after = await c.post("/v1/completions", json=body, timeout=60)
         return plain, streamed.text, after
 
-    plain, sse, after = asyncio.run(run())
+    with caplog.at_level(logging.ERROR, logger="kvguard.engine"):
+        plain, sse, after = asyncio.run(run())
     assert plain.status_code == 500, plain.text
     assert plain.json()["error"]["code"] == "engine_error"
     events = [json.loads(x[6:]) for x in sse.split("\n\n") if x.startswith("data: ")]
@@ -67,6 +74,28 @@ def test_failed_step_answers_500_then_serves_on(
     assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 6
     snap = service.engine.latest_snapshot
     assert snap.blocks_used == 0 and snap.finished["error"]["normal"] == 2
+    # each failed choice by the id the daemon gave it: `<response id>-<index>`; the streamed
+    # one's response id is in its chunks, the plain 500's only in its message
+    plain_id = re.search(r"\((cmpl-[0-9a-f]+-0)\)", plain.json()["error"]["message"])
+    assert plain_id, plain.json()["error"]["message"]
+    streamed_id = f"{events[0]['id']}-0"
+    assert f"({streamed_id})" in events[-1]["error"]["message"]
+    failed_lines = [r for r in caplog.records if "end with an error" in r.getMessage()]
+    assert [r.exc_info is not None for r in failed_lines] == [True, True]  # with the traceback
+    assert service.audit.flush(10)
+    for rid, line in zip((plain_id[1], streamed_id), failed_lines, strict=True):
+        assert line.getMessage().endswith(f"end with an error: {rid}"), line.getMessage()
+        [row] = service.audit.list_events(kind="engine_step_failed", request=rid)
+        assert row["data"] == {"error": "RuntimeError: poisoned step", "failed": [rid]}
+
+
+def test_the_error_line_names_the_first_20_failed_requests_and_counts_the_rest() -> None:
+    """A step of hundreds of requests must not make a log line of kilobytes."""
+    from kvguard.engine.llm_engine import listed
+
+    ids = [f"cmpl-{i}-0" for i in range(25)]
+    assert listed(ids[:20]) == ", ".join(ids[:20])
+    assert listed(ids) == ", ".join(ids[:20]) + " +5 more"
 
 
 def test_a_rank_lost_right_after_loading_exits_non_zero(

@@ -3,8 +3,11 @@
 A request's peak is its prompt + max_new_tokens × safety_factor tokens, in blocks: the prompt
 is known to the token, the margin is on the answer still to come. Requests are
 admitted while the committed peaks of everything admitted stay within the budget (the pool
-minus the reserved headroom); the rest wait in the engine's bounded queue with a position and
-an estimated wait from the measured KV release rate. The queue is bounded by time more than by
+minus the reserved headroom) and a `max_num_seqs` batch slot is free for them; the rest wait in
+the engine's bounded queue with a position and an estimated wait from the measured KV release
+rate (or, waiting for a slot only, the finish rate). The queue counts every request not yet
+started, whether it waits for KV or for a slot: one admitted on KV room behind a full batch
+waited uncounted, however long. The queue is bounded by time more than by
 count: past `max_queue` a request still waits while the requests ahead of it would start within
 `max_queue_wait` at the rate requests have been finishing (an open-loop burst that the engine
 works off in half a minute is served, not refused, and a client that would wait for minutes
@@ -102,7 +105,8 @@ class AdmissionConfig:
         section="admission_control",
         live=True,
         ge=0,
-        doc="requests that may wait however slowly the queue moves (see max_queue_wait)",
+        doc="requests that may wait (for KV or a batch slot) however slowly the queue moves "
+        "(see max_queue_wait)",
     )
     max_queue_wait_s: float = knob(
         60.0,
@@ -413,8 +417,13 @@ class AdmissionController:
         configured_blocks: int | None = None,
         shared: int = 0,
         group: object = None,
+        slot: bool = True,
     ) -> AdmissionDecision:
         """Admit, queue or reject a request against a pool of `total_blocks` now.
+        `queued` requests have not started ahead of it (waiting for KV or for a batch slot),
+        and `slot` says whether one of the batch's `max_num_seqs` slots is free for it: a
+        request is admitted only where it could start at once, and otherwise joins the queue
+        that `max_queue` and `max_queue_wait` bound.
         `configured_blocks` is the pool the engine is configured with (None: `total_blocks`),
         which a remedy may hold smaller for a while: what is too large only for the smaller
         pool waits (alone on an idle engine it starts, `try_commit`), not refused.
@@ -457,7 +466,7 @@ class AdmissionController:
             room = self.fits(prompt_len, planned, limit, rank, n, group)
         else:
             room = self.committed_blocks + need <= limit
-        if room and queued == 0 and not emergency:
+        if room and slot and queued == 0 and not emergency:
             return AdmissionDecision(
                 "admit", "", n, n < max_tokens, 0, 0.0, "", planned, asked, ladder
             )
@@ -472,8 +481,11 @@ class AdmissionController:
                     # when the queue ahead would drain within max_queue_wait again
                     drain - bound if known else self.wait_s(need),
                 )
-        wait = self.wait_s(max(need, self.committed_blocks + need - limit))
-        reason = "waiting for KV memory"
+        if room and not slot and not emergency:  # KV would hold it: the batch is full
+            wait, reason = self._slot_wait_s(queued + 1), "waiting for a batch slot"
+        else:
+            wait = self.wait_s(max(need, self.committed_blocks + need - limit))
+            reason = "waiting for KV memory"
         if need > limit and limit < ever:
             reason += f" (the KV pool is held at {total_blocks} blocks for now)"
         return AdmissionDecision(
@@ -619,6 +631,13 @@ class AdmissionController:
         it is: the estimate errs towards refusing."""
         rate = self.finish_rate()
         return queued / rate if rate > 0 else math.inf
+
+    def _slot_wait_s(self, ahead: int) -> float:
+        """A request's estimated wait for a batch slot, `ahead` starts from now (itself
+        included): one finish each, at the recent finish rate (`drain_s`); as `wait_s`, at
+        most 30 s and 1 s when nothing finished lately."""
+        drain = self.drain_s(ahead)
+        return min(30.0, drain) if math.isfinite(drain) else 1.0
 
     def release_rate(self) -> float:
         """Blocks released per second over the recent window (0 when unknown)."""

@@ -36,7 +36,7 @@ from kvguard.engine.admission import (
     overlap_peak,
     stretch,
 )
-from kvguard.engine.sequence import PRIORITY_NAMES, Sequence
+from kvguard.engine.sequence import PRIORITY_NAMES, Sequence, Status
 
 HALT_RETRY_S = 5.0
 
@@ -84,12 +84,21 @@ class AdmissionPolicy:
         self._tickets: dict[str, Ticket] = {}
         self._groups: dict[GroupKey, Group] = {}  # groups with an admitted member
         self._live: Callable[[], Iterable[Sequence]] = tuple
+        # the batch's slots (`max_num_seqs`, which a remedy may change live; None: unbounded)
+        self._slots: Callable[[], int | None] = lambda: None
         if controller is not None:
             controller.live = self._live_loads
 
-    def watch(self, live: Callable[[], Iterable[Sequence]]) -> None:
-        """The unfinished sequences, for predicted admission's overlap peak (the scheduler's)."""
+    def watch(
+        self,
+        live: Callable[[], Iterable[Sequence]],
+        slots: Callable[[], int | None] = lambda: None,
+    ) -> None:
+        """The unfinished sequences, for predicted admission's overlap peak, and the batch's
+        slots, for the queue: a request waits for a free slot as it waits for KV (the
+        scheduler's)."""
         self._live = live
+        self._slots = slots
 
     # -- arrival ----------------------------------------------------------------------------
     def check(
@@ -120,12 +129,7 @@ class AdmissionPolicy:
         if ctl is None:
             self._tickets[seq.request_id] = Ticket(None, admitted=True)
             return
-        # high priority sorts ahead of queued lower ones (`queue_key`), in either estimate: only
-        # high waiters are ahead of it
-        ahead = HIGH if seq.priority == HIGH else None
-        queued = sum(
-            1 for s in waiting if not self.is_admitted(s) and (ahead is None or s.priority == ahead)
-        )
+        queued, slot = self._queue_ahead(seq, waiting)
         key = self._group_key(seq)
         shared = key[0] if key is not None and key in self._groups else 0
         prompt = len(seq.prompt_token_ids)
@@ -140,6 +144,7 @@ class AdmissionPolicy:
             capacity if configured is None else configured,
             shared,
             key,
+            slot,
         )
         if d.decision == "reject":
             raise AdmissionRejected(d)
@@ -155,6 +160,35 @@ class AdmissionPolicy:
         if ticket.admitted:
             ctl.commit(self._commitment(ticket))
             self._join(seq.request_id, ticket)
+
+    def _queue_ahead(self, seq: Sequence, waiting: Iterable[Sequence]) -> tuple[int, bool]:
+        """(the requests queued ahead of `seq`, whether a batch slot is free for it). Every
+        request not started counts, whether it waits for its KV commitment or for one of the
+        `max_num_seqs` slots: a request admitted on KV room behind a full batch waits as long
+        as one queued for KV, and `max_queue` / `max_queue_wait` bound that wait. Admitted
+        requests take the free slots first (they start at the next step); only those past
+        them count. High priority sorts ahead of queued lower ones (`queue_key`) and takes
+        the slots of lower-priority work: only high requests are ahead of it, and only high
+        work holds its slots."""
+        rank = HIGH if seq.priority == HIGH else None
+        ahead = [s for s in waiting if rank is None or s.priority == rank]
+        admitted = sum(1 for s in ahead if self.is_admitted(s))
+        free = self._free_slots(rank)
+        queued = len(ahead) - admitted + max(0, admitted - free)
+        return queued, admitted < free
+
+    def _free_slots(self, rank: int | None) -> int | float:
+        """Batch slots no running or swapped-out sequence of rank <= `rank` (None: any) holds
+        (inf: `max_num_seqs` unknown, a policy no scheduler watches)."""
+        slots = self._slots()
+        if slots is None:
+            return math.inf
+        held = sum(
+            1
+            for s in self._live()
+            if s.status in (Status.RUNNING, Status.SWAPPED) and (rank is None or s.priority <= rank)
+        )
+        return max(0, slots - held)
 
     def _group_key(self, seq: Sequence) -> GroupKey | None:
         """The prompt prefix the prefix cache can give `seq` from a request with the same one:

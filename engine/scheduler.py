@@ -196,7 +196,7 @@ class Scheduler:
         self.host_bm = host_block_manager
         self.kv = kv
         self.policy = policy
-        policy.watch(self.live)
+        policy.watch(self.live, lambda: self.max_num_seqs)  # a full batch queues arrivals
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunked = enable_chunked_prefill

@@ -1,9 +1,14 @@
 """Admission at its edges: max_tokens past what the model can produce, prompts that fit only
 the configured pool while a remedy holds it smaller, answers shortened to what fits, high
-priority behind a full queue of normal work, and a reload lowering max_overcommit."""
+priority behind a full queue of normal work, a reload lowering max_overcommit, and the queue
+bound counting requests that wait for a batch slot."""
 
 from __future__ import annotations
 
+import re
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
 import pytest
 
 from kvguard.engine.admission import AdmissionConfig, AdmissionController
@@ -12,6 +17,8 @@ from kvguard.engine.config import EngineConfig
 from kvguard.engine.llm_engine import LLMEngine
 from kvguard.engine.sampling_params import SamplingParams
 from tests.test_admission_predicted import run_all
+from tests.test_disconnect import state
+from tests.test_server import Daemon, until
 
 BLOCK = 16
 
@@ -255,3 +262,118 @@ def test_a_key_pays_for_the_prompt_tokens_a_request_got_through_before_it_was_ab
     assert (paid("prompt"), paid("completion")) == (96, 4)
     ctx.charge(1, aborted)
     assert paid("prompt") == 96
+
+
+# -- C1: the queue bound counts requests waiting for a batch slot --------------------------------
+def _arrive(engine: LLMEngine, n: int) -> list[str]:
+    """Add `n` requests of 8 tokens each with no step between them (they arrive at once):
+    each one's decision, `reject` for a refusal, which must be for a full queue."""
+    got = []
+    for _ in range(n):
+        try:
+            rid = engine.add_request(PROMPT, SamplingParams(max_tokens=8, ignore_eos=True))
+        except AdmissionRejected as e:
+            assert e.decision.kind == "queue_full", e.decision.reason
+            assert e.decision.reason.startswith("queue full (2 waiting"), e.decision.reason
+            got.append("reject")
+        else:
+            got.append(engine.admission_policy.decision(engine._seqs[rid]).decision)
+    return got
+
+
+@pytest.mark.parametrize("estimate", ["worst_case", "predicted"])
+def test_max_queue_counts_the_requests_waiting_for_a_batch_slot(estimate: str) -> None:
+    """The pool holds all ten requests, but max_num_seqs 1 runs one at a time: the first is
+    admitted, two wait (max_queue 2, a hard limit with max_queue_wait 0) and seven are
+    refused. The queue used to count only requests waiting for KV: all ten were admitted and
+    nine waited for the slot, however many max_queue allowed."""
+    adm = AdmissionConfig(estimate=estimate, max_queue=2, max_queue_wait_s=0.0)
+    engine = make_engine(num_gpu_blocks=256, max_num_seqs=1, admission=adm)
+    assert _arrive(engine, 10) == ["admit", "queue", "queue"] + ["reject"] * 7
+    assert engine.admission.decisions == {"admit": 1, "queue": 2, "reject": 7}
+    waiting = [engine.admission_policy.decision(s) for s in engine.scheduler.waiting[1:]]
+    assert [(d.reason, d.queue_position) for d in waiting] == [
+        ("waiting for a batch slot", 1),
+        ("waiting for a batch slot", 2),
+    ]
+    engine.step()  # the first runs, two wait for its slot: a third is refused
+    assert (len(engine.scheduler.running), len(engine.scheduler.waiting)) == (1, 2)
+    assert _arrive(engine, 1) == ["reject"]
+    done = run_all(engine)  # the queued ones start as the slot frees, and finish whole
+    assert len(done) == 3 and all(o.num_output_tokens == 8 for o in done.values())
+
+
+def test_a_burst_within_the_free_slots_is_admitted_and_the_next_one_queues() -> None:
+    """Requests that arrive together start together while slots are free (admitted, not
+    queued): only the one past max_num_seqs waits for a slot, which max_queue 0 refuses."""
+    adm = AdmissionConfig(max_queue=0, max_queue_wait_s=0.0)
+    engine = make_engine(num_gpu_blocks=256, max_num_seqs=4, admission=adm)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    rids = [engine.add_request(PROMPT, params) for _ in range(4)]
+    assert {engine.admission_policy.decision(engine._seqs[r]).decision for r in rids} == {"admit"}
+    with pytest.raises(AdmissionRejected) as e:
+        engine.add_request(PROMPT, params)
+    assert e.value.decision.kind == "queue_full"
+    engine.step()
+    assert len(engine.scheduler.running) == 4
+
+
+@pytest.fixture(scope="module")
+def one_slot_daemon(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201 - a Daemon
+    """One batch slot and a queue of at most two (a hard limit); KV holds far more."""
+    d = Daemon(
+        tmp_path_factory.mktemp("one_slot"),
+        extra="admission_control: {enable: true, max_queue: 2, max_queue_wait: 0s}\n",
+        serving="{model: tiny, kv_cache_bytes: 8MiB, max_model_len: 512, max_num_seqs: 1}",
+    )
+    yield d
+    assert d.stop() == 0
+
+
+def _decisions(d: Daemon) -> dict[str, float]:
+    text = d.admin("GET", "/metrics").text
+    found = re.findall(r'^kvguard_admission_decisions_total\{decision="(\w+)"\} (\S+)$', text, re.M)
+    return {k: float(v) for k, v in found}
+
+
+def test_ten_requests_at_once_on_one_slot_queue_two_and_get_seven_429s(
+    one_slot_daemon: Daemon,
+) -> None:
+    """Ten requests posted while the engine is stalled reach it in one drain, with no step
+    between them: one starts, two wait, and seven answer 429 with a Retry-After at once (they
+    used to be admitted, nine waiting for the slot however long). The metrics count them
+    as `admit`, `queue` and `reject`."""
+    d = one_slot_daemon
+    before = _decisions(d)
+    client = d.client()
+    with ThreadPoolExecutor(10) as pool:
+        assert d.admin("POST", "/admin/debug/stall", json={"seconds": 60}).status_code == 200
+        try:
+            futures = [
+                pool.submit(
+                    client.completions.create,
+                    model="tiny",
+                    prompt=f"request {i}",
+                    max_tokens=4,
+                    extra_body={"ignore_eos": True},
+                )
+                for i in range(10)
+            ]
+            until(lambda: state(d)["in_flight"] == 10, 30, "the ten requests posted")
+        finally:
+            d.admin("POST", "/admin/debug/release")
+        served, refused = [], []
+        for f in futures:
+            try:
+                served.append(f.result(120))
+            except openai.APIStatusError as e:
+                refused.append(e)
+    assert [r.usage.completion_tokens for r in served] == [4, 4, 4]
+    assert [e.status_code for e in refused] == [429] * 7
+    assert all("queue full (2 waiting" in e.message for e in refused)
+    assert all(float(e.response.headers["retry-after"]) > 0 for e in refused)
+
+    def counted() -> dict[str, float]:  # the metrics are rebuilt from a snapshot each second
+        return {k: v - before.get(k, 0.0) for k, v in _decisions(d).items()}
+
+    until(lambda: counted() == {"admit": 1, "queue": 2, "reject": 7}, 10, "the decisions counted")

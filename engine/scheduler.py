@@ -24,10 +24,12 @@ tensor-parallel engine repeats them on every rank.
 
 Two rules keep a loaded engine responsive. While any sequence decodes, a step runs at most
 `prefill_while_decoding` prompt tokens besides the decodes (a high request's excepted), times
-the prompts that could start per decode (rounded up): one long prompt no longer stalls every
+the prompts that could start per decode (rounded up; a request admission holds back for KV
+cannot), and each prompt at most one bound's worth: one long prompt no longer stalls every
 decoding sequence (and a newly arrived request waiting for the step) for a whole
-`max_num_batched_tokens` forward, and one decode does not hold a burst of queued prompts (and
-every request behind them) to a bound's worth a step. And while a `high` priority request
+`max_num_batched_tokens` forward, nor for the widened budget meant for the prompts beside it,
+and one decode does not hold a burst of queued prompts (and every request behind them) to a
+bound's worth a step. And while a `high` priority request
 awaits its first text, lower-priority work waits, decodes included, so its first token comes
 from a step that holds only high-priority work: its time to first token under load is its
 unloaded one plus what is left of the step in flight when it arrived (on an engine that
@@ -320,22 +322,56 @@ class Scheduler:
 
     def _prompts_per_decode(self, batch: ScheduledBatch) -> int:
         """How many times `prefill_while_decoding` a step may run beside its decodes: the
-        prompts that could run now (running prompts, and waiting requests up to the free
-        `max_num_seqs` slots) per decode, rounded up, at least 1. The bound trades the
+        prompts that could run now (running prompts, and waiting requests that could start,
+        `_startable`) per decode, rounded up, at least 1. The bound trades the
         decodes' inter-token latency for the prompts' wait; one sequence decoding must not
         hold a burst of thirty queued prompts to two a step (a burst over HTTP arrives a few
         milliseconds apart: its first request decodes alone by the time the rest are in, and
         the rest, and everything after them, waited 15 steps instead of one)."""
         decodes = sum(one_step(s) for s in batch.seqs)
         prompts = sum(not one_step(s) for s in self.running if s.status is Status.RUNNING)
-        prompts += min(len(self.waiting), max(0, self.max_num_seqs - len(self.running)))
+        prompts += self._startable()
         return max(1, -(-prompts // max(1, decodes)))
+
+    def _startable(self) -> int:
+        """The waiting requests that could start now, in queue order up to the free
+        `max_num_seqs` slots: admitted ones, and queued ones whose commitment fits beside
+        those ahead (tried as `_schedule_waiting` tries them, and given back: it commits for
+        real). A request admission holds back for KV widens nothing: eight such let the one
+        prompt that could run take nine bounds' worth a step while a decode waited for it."""
+        free = max(0, self.max_num_seqs - len(self.running))
+        tried: list[Sequence] = []
+        count, gated = 0, False
+        for seq in self.waiting:
+            if count >= free:
+                break
+            if not self.policy.is_admitted(seq):
+                if gated or not self.policy.try_start(seq, self.bm.num_blocks):
+                    gated = True  # later uncommitted requests wait behind it
+                    continue
+                tried.append(seq)
+            count += 1
+        for seq in reversed(tried):
+            self.policy.cancel_start(seq)
+        return count
+
+    def _prompt_share(self, batch: ScheduledBatch, urgent: bool) -> int:
+        """The most prompt tokens one prompt may run this step: `prefill_while_decoding`
+        while sequences decode. `_prompts_per_decode` widens the step's prompt budget so that
+        several prompts start together; without this share the first prompt in line (a long
+        one) would take all of it, none of the others would start, and every decode would
+        wait for that whole widened chunk."""
+        bound = self.prefill_while_decoding
+        if urgent or not self.chunked or bound is None or not batch.has_decode:
+            return self.max_num_batched_tokens
+        return bound
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int, urgent: bool) -> int:
         # Decodes (one token, or one and the tokens a grammar forced after it) before prefill
         # chunks keep inter-token latency steady; a decode's forced tokens are no prompt
         # tokens to `_prompt_budget`.
         capped, taken = False, set(batch.seqs)  # each running sequence is visited once
+        share = self.max_num_batched_tokens  # what one prompt may take (`_prompt_share`)
         for seq in sorted(self.running, key=lambda s: (not one_step(s), s.sort_key)):
             if seq.status is not Status.RUNNING or budget <= 0 or seq in taken:
                 continue
@@ -347,7 +383,8 @@ class Scheduler:
                 break  # a high request whose next token is its text goes first, alone
             if not one_step(seq) and not capped:
                 budget, capped = self._prompt_budget(batch, budget, urgent), True
-            n = self._chunk(seq, budget)
+                share = self._prompt_share(batch, urgent)
+            n = self._chunk(seq, min(budget, share))
             if n and self._reserve(seq, n, batch):
                 if n == seq.num_uncomputed == 1 and self.drafting:
                     self._to_draft.append(seq)  # its drafts come last (`_schedule_drafts`)
@@ -559,7 +596,8 @@ class Scheduler:
             seq = self.swapped[0]
             if self._outgrown(seq, batch):
                 continue
-            n = self._chunk(seq, budget) if budget > 0 else 0
+            share = self._prompt_share(batch, False)
+            n = self._chunk(seq, min(budget, share)) if budget > 0 else 0
             least = n if n and not self.chunked else 1
             if seq in batch.preempted or not self._room(self._swap_in_blocks(seq, least), seq):
                 break
@@ -624,6 +662,7 @@ class Scheduler:
         prompt runs, only high requests start. Requests queued after `behind` (the place of a
         sequence still swapped out, `_swapped_place`) wait for it to come back."""
         gated = False  # an uncommitted request ahead could not commit: later ones wait too
+        share = self._prompt_share(batch, urgent)  # what one prompt may take of `budget`
         # running prompts whose blocks waiting requests may take instead of computing them
         leaders = [s for s in self.running if not one_step(s)] if self.bm.caching else []
         i = deferred = 0
@@ -649,7 +688,7 @@ class Scheduler:
                     break  # no more could start this step: the rest of the queue waits too
                 continue
             hit = self._match(seq)
-            n = self._chunk(seq, budget)
+            n = self._chunk(seq, min(budget, share))
             if not n or not self._slot_for(seq, batch) or not self._room_for(seq, n, batch):
                 if hit:
                     self.bm.unmatch(seq)

@@ -78,6 +78,91 @@ def test_without_chunked_prefill_a_prompt_is_not_cut_by_the_bound() -> None:
     assert computed(eng, b) == 200  # whole, or it could never start while a decodes
 
 
+def chunk_of_next_step(eng: LLMEngine, rid: str) -> int:
+    """The tokens `rid` computes in the next step."""
+    before = computed(eng, rid)
+    eng.step()
+    return computed(eng, rid) - before
+
+
+def prompt_chunks(eng: LLMEngine, rid: str) -> list[int]:
+    """The prompt tokens `rid` computes in each step until its prompt is in."""
+    chunks, prompt_len = [], len(eng._seqs[rid].prompt_token_ids)
+    while computed(eng, rid) < prompt_len:
+        chunks.append(chunk_of_next_step(eng, rid))
+    return chunks
+
+
+def test_the_prompts_that_widen_the_budget_start_and_one_long_prompt_keeps_one_bound() -> None:
+    """Eight short prompts widen the budget beside one decode so that they start together;
+    the long prompt first in line must not take all of it (it took 1,152 tokens, none of the
+    eight started, and the decode waited for that whole chunk)."""
+    eng = make_engine(max_num_batched_tokens=2048, prefill_while_decoding=128)
+    a = eng.add_request(prompt(10), long_params())
+    eng.step()  # a decodes from now on
+    long = eng.add_request(prompt(1900, 7), long_params())
+    shorts = [eng.add_request(prompt(20, 50 + 13 * k), long_params()) for k in range(8)]
+    eng.step()
+    assert computed(eng, long) == 128
+    assert [computed(eng, r) for r in shorts] == [20] * 8  # all eight started in that step
+    chunks = prompt_chunks(eng, long)
+    assert max(chunks) <= 128 and sum(chunks) == 1900 - 128
+    assert computed(eng, a) == 11 + len(chunks)  # a decoded in every one of those steps
+
+
+def worst_case_engine() -> LLMEngine:
+    """A 256-block pool under worst-case admission: a request queues while its whole
+    `max_tokens` does not fit beside the commitments in flight."""
+    admission = AdmissionConfig(
+        estimate="worst_case", reserved_headroom_bytes=0, dynamic_max_tokens=False
+    )
+    return make_engine(
+        kv_cache_bytes="2MiB",
+        max_num_batched_tokens=2048,
+        prefill_while_decoding=128,
+        admission=admission,
+    )
+
+
+def test_requests_admission_holds_back_do_not_widen_the_prompt_budget() -> None:
+    """Eight requests queued for KV (their worst case does not fit) cannot start: they widen
+    nothing. Two prompts beside two decodes share one bound a step, as without them."""
+    eng = worst_case_engine()
+    for k in range(2):
+        eng.add_request(prompt(10, 3 + k), long_params())
+    eng.step()  # two decodes from now on
+    longs = [eng.add_request(prompt(1000, 7 + k), long_params()) for k in range(2)]
+    big = SamplingParams(max_tokens=2000, ignore_eos=True)
+    queued = [eng.add_request(prompt(20, 50 + 13 * k), big) for k in range(8)]
+    policy = eng.scheduler.policy
+    assert all(policy.is_admitted(eng._seqs[r]) for r in longs)
+    assert not any(policy.is_admitted(eng._seqs[r]) for r in queued)  # held back for KV
+    for _ in range(3):
+        before = sum(computed(eng, r) for r in longs)
+        eng.step()
+        assert sum(computed(eng, r) for r in longs) - before == 128  # was 640: 10 per 2 decodes
+    assert not any(computed(eng, r) for r in queued)
+
+
+def test_queued_requests_whose_commitment_fits_now_widen_the_budget() -> None:
+    """Requests queued for KV that fit once it is given back can start, and they start
+    together beside a decode, as admitted ones do."""
+    eng = worst_case_engine()
+    a = eng.add_request(prompt(10, 9), long_params())
+    hogs = [eng.add_request(prompt(10, 3 + k), SamplingParams(max_tokens=1900)) for k in range(2)]
+    eng.step()
+    assert eng._seqs[a].output_token_ids  # a decodes from now on
+    params = SamplingParams(max_tokens=200, ignore_eos=True)
+    queued = [eng.add_request(prompt(20, 50 + 13 * k), params) for k in range(8)]
+    policy = eng.scheduler.policy
+    assert not any(policy.is_admitted(eng._seqs[r]) for r in queued)  # the hogs hold the KV
+    for rid in hogs:
+        eng.abort(rid)
+    eng.step()
+    assert [computed(eng, r) for r in queued] == [20] * 8  # 160 tokens beside one decode
+    assert computed(eng, a) == 11
+
+
 # -- a high request's prompt --------------------------------------------------------------------
 def test_high_prompt_runs_in_a_step_of_its_own() -> None:
     eng = make_engine(max_num_batched_tokens=512, prefill_while_decoding=32)

@@ -33,11 +33,15 @@ from __future__ import annotations
 
 import difflib
 import errno
+import fcntl
 import hashlib
 import json
 import os
 import re
 import secrets
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -235,10 +239,19 @@ def _error(path: Path, lines: dict[tuple[Any, ...], int], err: Any) -> str:
         what = err["msg"].lower()  # pydantic's words for a string's length: no value in them
     else:
         what = f"{err['msg'].lower()} (got {value!r})"  # a number out of range
-    if _looks_like_key(value):
+    if _may_be_a_key(loc, value):
         what += f"; {RAW_KEY_HINT}"
     dotted = "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in loc).lstrip(".")
     return f"{at}: {dotted or '(top level)'}: {what}"
+
+
+def _may_be_a_key(loc: tuple[Any, ...], value: Any) -> bool:
+    """Whether an error gets RAW_KEY_HINT. A `name` is held to `_name_looks_like_key`: a name
+    refused only for its length or a `/` (`team-a/nightly-batch`) is a name, and asking it
+    "a raw API key?" would send its writer to the command that refused it."""
+    if loc[-1:] == ("name",):
+        return isinstance(value, str) and _name_looks_like_key(value)
+    return _looks_like_key(value)
 
 
 def _looks_like_key(value: Any) -> bool:
@@ -293,9 +306,16 @@ def add_key(
     except ValidationError as e:
         raise KeysFileError([_error(path, {}, err) for err in e.errors()]) from None
     _make_directory(path)
+    with _editing(path):
+        note = _append(path, entry)
+    return key, note
+
+
+def _append(path: Path, entry: _Entry) -> str:
+    """Append `entry` to the file (made if absent or empty); the caller holds `_editing`."""
     entries, _ = read_entries(path)
-    if any(e.name == name for e in entries):
-        raise KeysFileError([f"{path}: a key named {name!r} is already there"])
+    if any(e.name == entry.name for e in entries):
+        raise KeysFileError([f"{path}: a key named {entry.name!r} is already there"])
     text = path.read_text() if path.exists() else ""
     if not text.strip():
         text = f"{HEADER}keys:\n"
@@ -303,8 +323,40 @@ def add_key(
         text = text.replace("keys: []", "keys:")
     if not text.endswith("\n"):
         text += "\n"
-    note = _write(path, text + _block(entry), [*entries, entry])
-    return key, note
+    return _write(path, text + _block(entry), [*entries, entry])
+
+
+@contextmanager
+def _editing(path: Path) -> Iterator[None]:
+    """Hold the keys file's edit lock: `keys add` and `keys remove` each read the whole file,
+    edit it and replace it, so two at once (two operators, config management adding tenants
+    in parallel) would each write the file without the other's edit: a printed key missing
+    from it, a revoked key back in it. An exclusive `flock` on a sibling `.NAME.lock` (not on
+    the file, which `_write` replaces) makes them take turns; the daemon only reads, and the
+    atomic replace keeps it safe. The lock file stays: removing it would let a waiter hold a
+    lock on a file a newcomer no longer sees."""
+    lock = path.with_name(f".{path.name}.lock")
+    try:
+        fd = _open_lock(lock)
+    except OSError as e:
+        raise KeysFileError([f"cannot lock {path} (in {path.parent}): {e.strerror or e}"]) from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # released when fd closes, or the process dies
+        yield
+    finally:
+        os.close(fd)
+
+
+def _open_lock(lock: Path) -> int:
+    """The lock file, opened for reading (`flock` needs no more, and another operator who may
+    replace the keys file may lack write access to a lock someone else made); made 0644
+    whatever the umask where absent, as every file `keys add` makes."""
+    try:
+        fd = os.open(lock, os.O_RDONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        return os.open(lock, os.O_RDONLY)
+    os.fchmod(fd, 0o644)
+    return fd
 
 
 def _block(entry: _Entry) -> str:
@@ -338,6 +390,12 @@ def _make_directory(path: Path) -> None:
 
 def remove_key(path: Path, name: str) -> str:
     """Drop the entry named `name` (and its lines) from the file; returns what `_write` says."""
+    with _editing(path):
+        return _drop(path, name)
+
+
+def _drop(path: Path, name: str) -> str:
+    """Drop the entry named `name` and its lines; the caller holds `_editing`."""
     entries, lines = read_entries(path)
     idx = next((i for i, e in enumerate(entries) if e.name == name), None)
     if idx is None:
@@ -360,25 +418,39 @@ def _write(path: Path, text: str, want: list[_Entry]) -> str:
     `want`; a layout the line edit does not know (flow style, other indents) is written whole
     instead, comments dropped: returns a note saying so, else "". The file is never replaced
     by one that would not load."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    note = ""
+    try:  # a name of its own: a writer's file is never another's (or renamed by another)
+        fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as e:
+        raise _cannot_write(path, e) from None
+    os.close(fd)
+    tmp = Path(name)
     try:
-        tmp.write_text(text)
-        if _entries_of(tmp) != want:
-            tmp.write_text(HEADER + "keys:\n" + "".join(_block(e) for e in want))
-            note = f"{path}: its layout is not the one `keys add` writes: rewritten whole"
-            if any("#" in line for line in text.splitlines(keepends=True) if line != HEADER):
-                note += " (its comments are gone)"
-            if _entries_of(tmp) != want:  # never: the canonical layout reads back
-                raise KeysFileError([f"{path}: the edited keys did not read back; left as it was"])
-        os.chmod(tmp, 0o644)
-        tmp.replace(path)
-    except OSError as e:  # the hidden temporary file is ours: name the file and its directory
-        raise KeysFileError(
-            [f"cannot write {path} (in {path.parent}): {e.strerror or e}"]
-        ) from None
+        return _fill_and_replace(path, tmp, text, want)
+    except OSError as e:
+        raise _cannot_write(path, e) from None
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _cannot_write(path: Path, e: OSError) -> KeysFileError:
+    """The hidden temporary file is ours, not the operator's: name the file and its directory."""
+    return KeysFileError([f"cannot write {path} (in {path.parent}): {e.strerror or e}"])
+
+
+def _fill_and_replace(path: Path, tmp: Path, text: str, want: list[_Entry]) -> str:
+    """Write `text` (or, where it does not read back as `want`, the canonical layout) to
+    `tmp`, then put it in `path`'s place; returns `_write`'s note."""
+    note = ""
+    tmp.write_text(text)
+    if _entries_of(tmp) != want:
+        tmp.write_text(HEADER + "keys:\n" + "".join(_block(e) for e in want))
+        note = f"{path}: its layout is not the one `keys add` writes: rewritten whole"
+        if any("#" in line for line in text.splitlines(keepends=True) if line != HEADER):
+            note += " (its comments are gone)"
+        if _entries_of(tmp) != want:  # never: the canonical layout reads back
+            raise KeysFileError([f"{path}: the edited keys did not read back; left as it was"])
+    os.chmod(tmp, 0o644)
+    tmp.replace(path)
     return note
 
 

@@ -58,8 +58,8 @@ def add_keys_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         type=_at_least_one,
         default=None,
         metavar="N",
-        help="requests (each choice of n counts) the key may have queued or running at once; "
-        "more answer 429 (default: no limit)",
+        help="sequences the key may have queued or running at once (a request with n choices "
+        "is n); more answer 429 (default: no limit)",
     )
     add.set_defaults(func=cmd_keys_add)
     lst = actions.add_parser("list", parents=[after], help="show each key's name and priorities")

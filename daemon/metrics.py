@@ -26,6 +26,8 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 KV_DTYPES = ("fp32", "fp16", "bf16", "fp8_e4m3")
 # why a request was refused for its API key (daemon/openai_api.py): kvguard_api_auth_failures_total
 AUTH_FAILURE_REASONS = ("missing", "unknown", "priority", "max_requests")
+# the refusals of a known key, by key as well: kvguard_api_key_refusals_total
+KEY_REFUSAL_REASONS = ("priority", "max_requests")
 PRIORITIES = ("high", "normal", "low")
 
 
@@ -493,9 +495,12 @@ class Metrics:
             registry=r,
         )
         build.labels(kvguard_version()).set(1)
+        # served, not sent: the charge-back panel's requests are those the engine took in; one
+        # refused for its key is in api_key_refusals instead (by admission: http_requests)
         self.api_requests = Counter(
             "kvguard_api_key_requests",
-            "Requests to the OpenAI endpoints by API key name (with api.api_keys_file set)",
+            "Completion and chat requests served (taken in by the engine) by API key name "
+            "(with api.api_keys_file set)",
             ["key"],
             registry=r,
         )
@@ -510,6 +515,16 @@ class Metrics:
             "Requests refused for their API key: missing, unknown, asking for a priority "
             "above the key's max_priority, or past its max_requests",
             ["reason"],
+            registry=r,
+        )
+        # which key a tenant's 403s and 429s were for: the key is known there, and its names
+        # are the keys file's (bounded, MAX_KEYS), never a client's guess (a missing or unknown
+        # key stays in auth_failures alone)
+        self.api_key_refusals = Counter(
+            "kvguard_api_key_refusals",
+            "Requests of a known API key refused for it: a priority above its max_priority, "
+            "or past its max_requests (429, or 400 for a request that could never pass)",
+            ["key", "reason"],
             registry=r,
         )
         self.gc_pause = Histogram(
@@ -539,5 +554,7 @@ class Metrics:
             self.auth_failures.labels(reason)
         for name in {k.name for k in keys.by_digest.values()}:
             self.api_requests.labels(name)
+            for reason in KEY_REFUSAL_REASONS:
+                self.api_key_refusals.labels(name, reason)
             for kind in ("prompt", "completion"):
                 self.api_tokens.labels(name, kind)

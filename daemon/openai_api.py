@@ -601,13 +601,20 @@ def _api_key(service: Service, authorization: str | None) -> ApiKey | None:
     key = keys.find(given.strip())
     if key is None:
         raise _unauthorized(service, "unknown", "incorrect API key provided")
-    service.metrics.api_requests.labels(key.name).inc()
     return key
 
 
 def _unauthorized(service: Service, reason: str, message: str) -> ApiError:
     service.metrics.auth_failures.labels(reason).inc()
     return ApiError(401, message, code="invalid_api_key", type_="authentication_error")
+
+
+def _refused_for_key(service: Service, key: ApiKey, reason: str) -> None:
+    """Count a known key's refusal, by reason and by key: "which tenant gets the 429s" is in
+    /metrics. Not logged: the counter answers it, and a line per refusal would let any key
+    holder write to the log as fast as it can send."""
+    service.metrics.auth_failures.labels(reason).inc()
+    service.metrics.api_key_refusals.labels(key.name, reason).inc()
 
 
 def _within_limit(service: Service, key: ApiKey, asked: int, param: str) -> None:
@@ -619,7 +626,7 @@ def _within_limit(service: Service, key: ApiKey, asked: int, param: str) -> None
     if key.max_requests is None:
         return
     if asked > key.max_requests:
-        service.metrics.auth_failures.labels("max_requests").inc()
+        _refused_for_key(service, key, "max_requests")
         raise ApiError(
             400,
             f"this request asks for {asked} sequences and API key {key.name!r} may have "
@@ -630,11 +637,11 @@ def _within_limit(service: Service, key: ApiKey, asked: int, param: str) -> None
         )
     live = sum(1 for o in list(service.requests) if o.ctx.key == key.name)
     if live + asked > key.max_requests:
-        service.metrics.auth_failures.labels("max_requests").inc()
+        _refused_for_key(service, key, "max_requests")
         raise ApiError(
             429,
-            f"API key {key.name!r} has {live} requests queued or running and may have "
-            f"{key.max_requests} at once (max_requests); this one asks for {asked}",
+            f"API key {key.name!r} has {live} sequences (choices) queued or running and may "
+            f"have {key.max_requests} at once (max_requests); this one asks for {asked}",
             code="key_request_limit",
             type_="rate_limit_error",
             retry_after=1,
@@ -647,7 +654,7 @@ def _priority(service: Service, body: Any, header: str | None, key: ApiKey | Non
     if p not in ("high", "normal", "low"):
         raise ApiError(400, f"priority {p!r}: expected high, normal or low", "priority")
     if key is not None and not key.allows(p):
-        service.metrics.auth_failures.labels("priority").inc()
+        _refused_for_key(service, key, "priority")
         raise ApiError(
             403,
             f"priority {p}: API key {key.name!r} may ask for {key.max_priority} priority at most",
@@ -752,6 +759,8 @@ async def _serve(
             for stream, outputs in zip(streams, outs, strict=True):
                 service.loop.abort_stream(stream)
                 service.requests.discard(outputs)
+    if key is not None:  # taken in: a request served, for its key's charge-back
+        service.metrics.api_requests.labels(key.name).inc()
     if body.stream:
         include_usage = bool((body.stream_options or {}).get("include_usage"))
         return _ClosingStreamingResponse(

@@ -23,6 +23,7 @@ from tests.test_disconnect import count, idle, send, state
 from tests.test_server import KVGUARD, Daemon, serve_refused, until
 
 KINDS = ("prompt", "completion")
+REFUSALS = "kvguard_api_key_refusals_total"
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
 
@@ -84,6 +85,8 @@ def test_every_key_and_refusal_reason_is_exported_from_0(keyed) -> None:  # noqa
         assert series(d, "kvguard_api_key_tokens_total", key="idle", kind=kind) == 0, kind
     for reason in ("missing", "unknown", "priority", "max_requests"):
         assert series(d, "kvguard_api_auth_failures_total", reason=reason) is not None, reason
+    for reason in ("priority", "max_requests"):  # and which key was refused, from 0 too
+        assert series(d, REFUSALS, key="idle", reason=reason) == 0, reason
 
 
 def test_no_key_or_a_wrong_key_is_refused_with_401(keyed) -> None:  # noqa: ANN001
@@ -163,13 +166,17 @@ def test_a_key_is_held_to_its_max_priority_and_runs_at_its_default(keyed) -> Non
     mid.chat.completions.create(**CHAT, extra_body={"priority": "low"})
     after = {p: metric(d, "kvguard_request_duration_seconds_count", priority=p) for p in served}
     assert {p: after[p] - served[p] for p in served} == {"high": 1, "normal": 1, "low": 2}
-    assert metric(d, "kvguard_api_key_requests_total", key="batch") == 2
+    # served, for charge-back: batch's 403 is a refusal (by key too), not a request served
+    assert metric(d, "kvguard_api_key_requests_total", key="batch") == 1
     assert metric(d, "kvguard_api_auth_failures_total", reason="priority") == 2
+    assert metric(d, REFUSALS, key="batch", reason="priority") == 1
+    assert metric(d, REFUSALS, key="mid", reason="priority") == 1
 
 
 def test_a_key_is_held_to_its_max_requests_and_others_are_not(keyed) -> None:  # noqa: ANN001
     d, keys, _ = keyed
     capped = client(d, keys["capped"])
+    served = metric(d, "kvguard_api_key_requests_total", key="capped")
     # 3 choices: past the limit of 2 at once however long it waits, so not a 429 to retry
     with pytest.raises(openai.BadRequestError) as e:
         capped.completions.create(model="tiny", prompt="x", max_tokens=2, n=3)
@@ -185,15 +192,34 @@ def test_a_key_is_held_to_its_max_requests_and_others_are_not(keyed) -> None:  #
         until(lambda: count(state(d), "running") == 2, 60, "two requests of the key running")
         with pytest.raises(openai.RateLimitError) as e:
             capped.chat.completions.create(**CHAT)
-        assert "has 2 requests queued or running and may have 2 at once" in e.value.message
+        assert "has 2 sequences (choices) queued or running and may have 2 at once" in (
+            e.value.message
+        )
         assert e.value.body["code"] == "key_request_limit"
         client(d, keys["mid"]).chat.completions.create(**CHAT)  # another key is not held back
+        # the two held were served; the two 400s and the 429 were not, and are by key instead
+        assert metric(d, "kvguard_api_key_requests_total", key="capped") - served == 2
+        assert metric(d, REFUSALS, key="capped", reason="max_requests") == 3
+        assert metric(d, REFUSALS, key="mid", reason="max_requests") == 0
     finally:
         for sock in held:
             sock.close()
     until(lambda: idle(state(d)), 30, "the held requests aborted")
     until(lambda: _answers(capped), 30, "the key served again")
     assert metric(d, "kvguard_api_auth_failures_total", reason="max_requests") >= 3
+    # one request of n=2 holds both slots: the 429 counts sequences, not requests
+    held = [send(d, {"prompt": "hold", "max_tokens": 400, "stream": True, "n": 2}, keys["capped"])]
+    try:
+        until(lambda: count(state(d), "running") == 2, 60, "the n=2 request's choices running")
+        with pytest.raises(openai.RateLimitError) as e:
+            capped.chat.completions.create(**CHAT)
+        assert (
+            "API key 'capped' has 2 sequences (choices) queued or running and may have 2 at "
+            "once (max_requests); this one asks for 1"
+        ) in e.value.message
+    finally:
+        held[0].close()
+    until(lambda: idle(state(d)), 30, "the held request aborted")
 
 
 def _answers(c: openai.OpenAI) -> bool:
@@ -362,6 +388,28 @@ def test_a_key_given_as_a_name_is_refused_and_never_published(
     assert [e.name for e in read_entries(fresh)[0]] == [long_name]
 
 
+def test_a_name_refused_for_its_length_or_characters_is_not_called_a_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A long name, or one with a `/`, is refused for that alone: asking "a raw API key?"
+    would send its writer to `kvguard keys add NAME`, the command that refused it."""
+    path = tmp_path / "k.yaml"
+    for name, problem in (
+        ("nightly-batch-reporting-pipeline-europe-west-1-production-cluster", "at most 64"),
+        ("team-a/nightly-batch-prod", "not allowed (expected letters, digits"),
+    ):
+        assert main(["keys", "--file", str(path), "add", name]) == 2
+        err = capsys.readouterr().err
+        assert f"{path}: name: " in err and problem in err, err
+        assert "raw API key" not in err, err
+        path.write_text(f"keys:\n  - name: {name}\n    sha256: {digest('a')}\n")
+        with pytest.raises(KeysFileError) as e:
+            load_keys(path)
+        [error] = e.value.errors
+        assert error.startswith(f"{path}:2: keys[0].name: ") and "raw API key" not in error
+        path.unlink()
+
+
 def test_keys_file_values_are_not_coerced(tmp_path: Path) -> None:
     """Strict, as the config file's sections: `max_requests: true` is not a limit of 1, nor
     "5" or 5.0 one of 5, and a number is no name; each is named by line, for the daemon and
@@ -521,5 +569,12 @@ def test_keys_add_makes_directories_the_service_can_read_whatever_the_umask(
     )
     assert proc.returncode == 0, proc.stderr
     made = [kept / "etc", kept / "etc" / "kvguard"]
-    modes = {p: oct(p.stat().st_mode & 0o777) for p in (kept, *made, path)}
-    assert modes == {kept: "0o700", made[0]: "0o755", made[1]: "0o755", path: "0o644"}
+    lock = path.with_name(".api_keys.yaml.lock")  # `keys add`/`remove` take turns on it
+    modes = {p: oct(p.stat().st_mode & 0o777) for p in (kept, *made, path, lock)}
+    assert modes == {
+        kept: "0o700",
+        made[0]: "0o755",
+        made[1]: "0o755",
+        path: "0o644",
+        lock: "0o644",
+    }

@@ -345,16 +345,17 @@ def _bounded(service: Service, model: type[BaseModel], data: Any) -> None:
     prompt, messages = data.get("prompt"), data.get("messages")
     if model is CompletionRequest and isinstance(prompt, list) and prompt:
         if not isinstance(prompt[0], str | list):  # token ids: the engine's refusal, sooner
-            several = [prompt]
+            several: list[tuple[int | None, list]] = [(None, prompt)]
         elif len(prompt) > MAX_SEQUENCES:
             n = data.get("n", 1)
             raise _too_many_prompts(len(prompt), n if type(n) is int or n is None else 1)
         else:
-            several = [p for p in prompt if isinstance(p, list)]
-        for ids in several:
+            several = [(k, p) for k, p in enumerate(prompt) if isinstance(p, list)]
+        for k, ids in several:
             if len(ids) >= limit:
-                too_long = service.engine._too_long(len(ids), limit)
-                raise ApiError(400, too_long, "prompt", CONTEXT_LENGTH_EXCEEDED)
+                name = "prompt" if k is None else f"prompt[{k}]"
+                too_long = _named(service.engine._too_long(len(ids), limit), name)
+                raise ApiError(400, too_long, name, CONTEXT_LENGTH_EXCEEDED)
     if not isinstance(messages, list):
         return
     if model is ChatCompletionRequest and len(messages) >= limit:
@@ -373,6 +374,31 @@ def _bounded(service: Service, model: type[BaseModel], data: Any) -> None:
             f"max_model_len={limit}): /tokenize counts texts up to that",
             "messages",
         )
+
+
+def _named(message: str, name: str) -> str:
+    """An engine's refusal of "prompt ..." naming the prompt of a list as the client wrote it
+    (`prompt[2]`, `name`): in a batch of prompts, which one to shorten."""
+    if name.startswith("prompt[") and message.startswith("prompt "):
+        return name + message.removeprefix("prompt")
+    return message
+
+
+def _refused_prompt(
+    body: Any, futs: list[Future], error: BaseException, n: int, completion: bool
+) -> str:
+    """The field of the prompt the engine refused with `error`, as the client wrote it:
+    `prompt[i]` for the i-th of a list of prompts (`n` choices each, one engine request per
+    choice in `futs`), else `prompt`, or `messages` on chat."""
+    if not completion:
+        return "messages"
+    if not _is_prompt_list(body.prompt):
+        return "prompt"
+    refused = (
+        k for k, f in enumerate(futs) if f.done() and not f.cancelled() and f.exception() is error
+    )
+    k = next(refused, None)
+    return "prompt" if k is None else f"prompt[{k // n}]"
 
 
 def _too_many_prompts(count: int, n: int | None) -> ApiError:
@@ -492,9 +518,17 @@ def _prompts(prompt: Any) -> list[str | list[int]]:
     """A completions request's prompts: one string or token-id list, or a list of them."""
     if isinstance(prompt, str):
         return [prompt]
-    if prompt and all(isinstance(p, str | list) for p in prompt):
+    if _is_prompt_list(prompt):
         return list(prompt)
     return [list(prompt)]
+
+
+def _is_prompt_list(prompt: Any) -> bool:
+    """Whether a completions request's `prompt` is a list of prompts (strings or token-id
+    lists), not one prompt."""
+    return (
+        isinstance(prompt, list) and bool(prompt) and all(isinstance(p, str | list) for p in prompt)
+    )
 
 
 def _logprobs(body: CompletionRequest | ChatCompletionRequest) -> int | None:
@@ -729,9 +763,8 @@ async def _serve(
         if d.kind == "never_fits" and d.about == "prompt":
             # a prompt past the KV its priority may use: too long for the context, as a prompt
             # past max_model_len is (the reason says which priority's share would hold it)
-            raise ApiError(
-                400, d.reason, "prompt" if completion else "messages", CONTEXT_LENGTH_EXCEEDED
-            ) from e
+            name = _refused_prompt(body, futs, e, ctx.n, completion)
+            raise ApiError(400, _named(d.reason, name), name, CONTEXT_LENGTH_EXCEEDED) from e
         typ = "invalid_request_error" if status == 400 else "overloaded_error"
         param = None  # a max_tokens past the KV (dynamic_max_tokens off): the field that asked
         if d.kind == "never_fits" and d.about == "max_tokens":
@@ -752,7 +785,9 @@ async def _serve(
             name = "prompt" if completion else "messages"
         # a prompt too long for the context (engine._too_long): OpenAI's code for it
         code = CONTEXT_LENGTH_EXCEEDED if str(e).startswith("prompt of ") else None
-        raise ApiError(400, str(e), name, code) from e
+        if code is not None:  # which of a list of prompts is too long
+            name = _refused_prompt(body, futs, e, ctx.n, completion)
+        raise ApiError(400, _named(str(e), name), name, code) from e
     finally:
         if not admitted:  # every choice or none: those admitted before the refusal end too
             watch.stop()

@@ -433,13 +433,11 @@ class AdmissionController:
         configured = total_blocks if configured_blocks is None else configured_blocks
         limit = self.limit_blocks(total_blocks, rank)
         ever = self.limit_blocks(max(configured, total_blocks), rank)
-        # what is known (the prompt, and the token it must at least produce) is known to the
-        # token: no safety factor on it
-        if math.ceil((prompt_len + 1) / self.block_size) > ever:
-            pool = max(configured, total_blocks)
-            return _reject(
-                "never_fits", self._too_long(prompt_len, rank, ever, pool), about="prompt"
-            )
+        never = self.never_fits(
+            prompt_len, max_tokens, rank, total_blocks, max_total_len, configured
+        )
+        if never is not None:
+            return never
         emergency = usage > EMERGENCY_USAGE and rank != HIGH
         if emergency and not self.predicted:
             return _reject(
@@ -452,14 +450,6 @@ class AdmissionController:
         if self.config.dynamic_max_tokens and (not self.predicted or usage >= PRESSED_USAGE):
             ladder = usage
         max_tokens, n = self._shortened(prompt_len, asked, ladder, ever, max_total_len)
-        if not self.config.dynamic_max_tokens and n < max_tokens:
-            return _reject(
-                "never_fits",
-                f"prompt of {prompt_len} tokens + max_tokens={asked} can never fit the KV "
-                f"budget of {ever} blocks (the most that fits: max_tokens="
-                f"{self.longest_answer(prompt_len, ever)})",
-                about="max_tokens",
-            )
         planned = self.plan_tokens(n)
         need = self.projected_blocks(prompt_len - shared, planned, n)
         if self.predicted:
@@ -490,6 +480,43 @@ class AdmissionController:
             reason += f" (the KV pool is held at {total_blocks} blocks for now)"
         return AdmissionDecision(
             "queue", reason, n, n < max_tokens, queued + 1, wait, "", planned, asked, ladder
+        )
+
+    def never_fits(
+        self,
+        prompt_len: int,
+        max_tokens: int,
+        rank: int,
+        total_blocks: int,
+        max_total_len: int,
+        configured_blocks: int | None = None,
+    ) -> AdmissionDecision | None:
+        """The never_fits rejection of a request no pool this engine may hold serves at
+        priority `rank` (None: one could), judged as `decide` judges it: its prompt past the
+        KV that priority may ever use, or, without the ladder (`dynamic_max_tokens: false`),
+        its whole max_tokens. Apart from `decide` so that an admission halt asks it first: a
+        503 that tells the client to retry a request that can only ever get this 400 hides
+        the cause and invites a retry loop."""
+        configured = total_blocks if configured_blocks is None else configured_blocks
+        pool = max(configured, total_blocks)
+        ever = self.limit_blocks(pool, rank)
+        # what is known (the prompt, and the token it must at least produce) is known to the
+        # token: no safety factor on it
+        if math.ceil((prompt_len + 1) / self.block_size) > ever:
+            return _reject(
+                "never_fits", self._too_long(prompt_len, rank, ever, pool), about="prompt"
+            )
+        if self.config.dynamic_max_tokens:
+            return None  # an answer too long for the budget is shortened to fit, not refused
+        whole, n = self._shortened(prompt_len, max_tokens, None, ever, max_total_len)
+        if n >= whole:
+            return None
+        return _reject(
+            "never_fits",
+            f"prompt of {prompt_len} tokens + max_tokens={max_tokens} can never fit the KV "
+            f"budget of {ever} blocks (the most that fits: max_tokens="
+            f"{self.longest_answer(prompt_len, ever)})",
+            about="max_tokens",
         )
 
     def _shortened(

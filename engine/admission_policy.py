@@ -27,6 +27,7 @@ import dataclasses
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 from kvguard.engine.admission import (
     HIGH,
@@ -114,17 +115,7 @@ class AdmissionPolicy:
         configured bytes, which a remedy (shrink_kv_pool) may hold smaller for a while: what
         only the smaller pool cannot hold waits instead of being refused."""
         if self.allow_rank is not None and seq.priority > self.allow_rank:
-            if self.controller is not None:  # a refusal like any other in the decision counts
-                self.controller.decisions["reject"] += 1
-            raise AdmissionRejected(
-                AdmissionDecision(
-                    "reject",
-                    f"admission is halted: {_allowed(self.allow_rank)} "
-                    f"(this one is {PRIORITY_NAMES[seq.priority]})",
-                    estimated_wait_s=HALT_RETRY_S,
-                    kind="halted",
-                )
-            )
+            self._refuse_halted(seq, self.allow_rank, capacity, configured)
         ctl = self.controller
         if ctl is None:
             self._tickets[seq.request_id] = Ticket(None, admitted=True)
@@ -160,6 +151,38 @@ class AdmissionPolicy:
         if ticket.admitted:
             ctl.commit(self._commitment(ticket))
             self._join(seq.request_id, ticket)
+
+    def _refuse_halted(
+        self, seq: Sequence, allow_rank: int, capacity: int, configured: int | None
+    ) -> NoReturn:
+        """Refuse `seq` while admission is halted: as never_fits where no pool could ever serve
+        it (the 400 it gets with admission open), else as halted (retry later): only
+        priorities <= `allow_rank` get in. A halt comes
+        when the pool is pressed; a retryable refusal there would send the client back for
+        the same 400 once the halt lifts, and hide why."""
+        ctl = self.controller
+        if ctl is None:
+            never = None
+        else:  # a refusal like any other in the decision counts
+            ctl.decisions["reject"] += 1
+            never = ctl.never_fits(
+                len(seq.prompt_token_ids),
+                seq.max_tokens,
+                seq.priority,
+                capacity,
+                seq.max_total_len,
+                configured,
+            )
+        raise AdmissionRejected(
+            never
+            or AdmissionDecision(
+                "reject",
+                f"admission is halted: {_allowed(allow_rank)} "
+                f"(this one is {PRIORITY_NAMES[seq.priority]})",
+                estimated_wait_s=HALT_RETRY_S,
+                kind="halted",
+            )
+        )
 
     def _queue_ahead(self, seq: Sequence, waiting: Iterable[Sequence]) -> tuple[int, bool]:
         """(the requests queued ahead of `seq`, whether a batch slot is free for it). Every

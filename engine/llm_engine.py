@@ -62,7 +62,7 @@ from kvguard.engine.sequence import (
 from kvguard.engine.snapshot import EngineSnapshot, build_snapshot
 from kvguard.engine.speculative import ROW_COST_PRIOR
 from kvguard.engine.structured import Grammars
-from kvguard.engine.tokenizer import Tokenizer, read_json
+from kvguard.engine.tokenizer import PREFIX_CHARS, PREFIX_SLACK, Tokenizer, read_json
 
 __all__ = ["AdmissionRejected", "InjectedOOMError", "LLMEngine", "pick_device", "pick_dtype"]
 
@@ -279,6 +279,14 @@ def as_token_ids(tokens: object, what: str, vocab: int, too_long: int | None = N
     if bad:
         raise ValueError(f"{what} token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
     return ids
+
+
+def _encoded_whole(text: str, ids: list[int], limit: int) -> bool:
+    """Whether `Tokenizer.encode_within(text, ..., limit)` returned `ids` for all of `text`, so
+    that their count is the prompt's: it cuts only a text longer than PREFIX_CHARS x (limit +
+    PREFIX_SLACK) characters, and a prefix it returns holds more than limit + PREFIX_SLACK
+    tokens."""
+    return len(text) <= PREFIX_CHARS * (limit + PREFIX_SLACK) or len(ids) <= limit + PREFIX_SLACK
 
 
 def speculation(config: EngineConfig) -> Speculation | None:
@@ -575,7 +583,11 @@ class LLMEngine(ControlSurface):
         if isinstance(prompt, str):  # "" is one token where the tokenizer adds a BOS
             ids, whole = self.tokenizer.encode_within(prompt, add_special_tokens, limit)
             if not whole:
-                raise ValueError(self._too_long(limit, limit, more=True))
+                # the count where the whole text was tokenized (as OpenAI's message names it: a
+                # client trimming a conversation learns how far over it is), else a lower bound
+                exact = _encoded_whole(prompt, ids, limit)
+                n, more = (len(ids), False) if exact else (limit, True)
+                raise ValueError(self._too_long(n, limit, more=more))
             if self.tokenizer.vocab_size > self.model_config.vocab_size:
                 self._within_model_vocab(ids)
         else:  # a list too long is refused below, without scanning it
@@ -648,7 +660,10 @@ class LLMEngine(ControlSurface):
                 f"whole pool has {self.block_manager.num_blocks} ({pool} tokens): raise "
                 "kv_cache_bytes"
             )
-        return f"prompt of {size} tokens leaves no room to generate within max_model_len={limit}"
+        return (
+            f"prompt of {size} tokens leaves no room to generate within max_model_len={limit}: "
+            f"shorten it to at most {limit - 1} tokens"
+        )
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its blocks; False if it is unknown or already finished.

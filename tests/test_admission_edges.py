@@ -171,6 +171,67 @@ def test_a_prompt_past_its_prioritys_share_is_refused_as_a_prompt(estimate: str)
     assert run_all(engine)[rid].num_output_tokens >= 1
 
 
+@pytest.mark.parametrize("estimate", ["worst_case", "predicted"])
+def test_a_halt_refuses_what_can_never_fit_as_never_fits_not_as_retry_later(estimate: str) -> None:
+    """While admission is halted for all but high, a normal request that no pool could ever
+    serve is refused as it is with admission open (never_fits: a 400), not as halted (a
+    retryable 503 that would send it back only to get the 400 later): its prompt past
+    normal's 9 blocks, or, without the ladder, its answer. One that could fit is halted."""
+    adm = AdmissionConfig(estimate=estimate, reserved_headroom_bytes=0, dynamic_max_tokens=False)
+    engine = make_engine(num_gpu_blocks=11, max_model_len=512, admission=adm)
+    fut = engine.halt_admission("high")
+    engine.step()
+    assert fut.result(0).ok
+    for prompt, max_tokens, about in ((150, 4, "prompt"), (100, 70, "max_tokens")):
+        with pytest.raises(AdmissionRejected) as e:
+            engine.add_request(prompt_of(prompt), SamplingParams(max_tokens=max_tokens))
+        d = e.value.decision
+        assert (d.kind, d.about, d.estimated_wait_s) == ("never_fits", about, 0.0), d
+    with pytest.raises(AdmissionRejected) as e:
+        engine.add_request(prompt_of(8), SamplingParams(max_tokens=4))
+    assert e.value.decision.kind == "halted", e.value.decision
+    assert engine.admission.decisions["reject"] == 3
+
+
+@pytest.fixture(scope="module")
+def halted_small_pool_daemon(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201 - a Daemon
+    """8 blocks of 16 tokens (normal priority may use 7: 112 tokens), admission halted for
+    all but high."""
+    d = Daemon(
+        tmp_path_factory.mktemp("halted_small_pool"),
+        extra="admission_control: {enable: true}\n",
+        serving="{model: tiny, num_gpu_blocks: 8, max_model_len: 160}",
+    )
+    r = d.admin("POST", "/admin/actions/halt_admission", json={"allow_priority": "high"})
+    assert r.status_code == 200, r.text
+    yield d
+    assert d.stop() == 0
+
+
+def test_a_halted_daemon_answers_400_for_a_prompt_that_can_never_fit(
+    halted_small_pool_daemon: Daemon,
+) -> None:
+    """Over HTTP with the openai client (no retries): during the halt a 120-token prompt past
+    normal's share gets 400 context_length_exceeded saying high would hold it, as it does
+    with admission open, not 503 "admission is halted" with a Retry-After; a short prompt
+    gets the 503."""
+    client = halted_small_pool_daemon.client()
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt=prompt_of(120), max_tokens=4)
+    body = e.value.body
+    assert (body["code"], body["param"]) == ("context_length_exceeded", "prompt"), body
+    assert "prompt of 120 tokens can never fit the KV budget of 7 blocks" in body["message"]
+    assert "high priority may use 8 blocks, which hold it" in body["message"]
+    assert "retry-after" not in e.value.response.headers
+    with pytest.raises(openai.BadRequestError) as e:  # in a list, named by its index
+        client.completions.create(model="tiny", prompt=[prompt_of(120), [5]], max_tokens=4)
+    assert e.value.body["param"] == "prompt[0]", e.value.body
+    assert e.value.body["message"].startswith("prompt[0] of 120 tokens can never fit")
+    with pytest.raises(openai.InternalServerError) as e:
+        client.completions.create(model="tiny", prompt=prompt_of(8), max_tokens=4)
+    assert e.value.status_code == 503 and "admission is halted" in e.value.message
+
+
 @pytest.mark.parametrize("served_before", [True, False])
 def test_a_prompt_for_the_configured_pool_is_served_while_a_remedy_holds_it_smaller(
     served_before: bool,

@@ -362,9 +362,9 @@ HI = {"role": "user", "content": "hi"}
         (
             "/v1/completions",
             completion(prompt=[[5], [5] * 600]),
-            "prompt",
+            "prompt[1]",
             "context_length_exceeded",
-            "prompt of 600 tokens",
+            "prompt[1] of 600 tokens",
         ),
     ],
 )

@@ -187,6 +187,50 @@ def test_prompt_over_the_context_names_its_field_and_code(tiny_daemon: Daemon, s
     assert empty.value.body["param"] == "prompt" and empty.value.body["code"] is None
 
 
+def test_a_text_prompt_over_the_context_is_refused_with_its_count(tiny_daemon: Daemon) -> None:
+    """A text a few tokens over the context is tokenized whole: its refusal names its count
+    (the count /tokenize gives) beside max_model_len, as OpenAI's does, and the most it may
+    have, not "more than 512 tokens": a client trimming it learns by how much."""
+    c = tiny_daemon.client()
+    chat = [{"role": "user", "content": "a" * 520}]
+    for create, ask in (
+        (c.completions.create, {"prompt": "a" * 515}),
+        (c.chat.completions.create, {"messages": chat}),
+    ):
+        r = httpx.post(tiny_daemon.url + "/tokenize", json={"model": "tiny", **ask}, timeout=60)
+        count = r.json()["count"]
+        assert 512 < count < 600, r.json()
+        with pytest.raises(openai.BadRequestError) as e:
+            create(model="tiny", max_tokens=2, **ask)
+        assert e.value.body["message"] == (
+            f"prompt of {count} tokens leaves no room to generate within max_model_len=512: "
+            "shorten it to at most 511 tokens"
+        ), e.value.body
+
+
+@pytest.mark.parametrize(
+    ("prompt", "n", "name"),
+    [
+        (["a" * 10, "a" * 600], 1, "prompt[1]"),
+        (["a" * 10, "b" * 10, "a" * 600], 2, "prompt[2]"),
+        ([[5] * 10, [5] * 600], 1, "prompt[1]"),
+        (["a" * 600], 1, "prompt[0]"),
+    ],
+    ids=["texts", "texts-n2", "token-ids", "one-in-a-list"],
+)
+def test_a_prompt_over_the_context_in_a_list_is_named_by_its_index(
+    tiny_daemon: Daemon, prompt: list, n: int, name: str
+) -> None:
+    """In a list of prompts the one too long for the context is named as the client wrote it,
+    `prompt[i]`, in `param` and in the message: a client batching many prompts learns which
+    one to shorten (choices, `n` per prompt, do not shift the index)."""
+    with pytest.raises(openai.BadRequestError) as e:
+        tiny_daemon.client().completions.create(model="tiny", prompt=prompt, n=n, max_tokens=2)
+    body = e.value.body
+    assert (body["param"], body["code"]) == (name, "context_length_exceeded"), body
+    assert body["message"].startswith(f"{name} of 600 tokens leaves no room"), body
+
+
 # -- special tokens: the text leaves them out ------------------------------------------------
 def test_a_generated_special_token_takes_no_room_in_a_completions_text(
     tiny_daemon: Daemon,

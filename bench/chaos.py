@@ -37,7 +37,6 @@ import signal
 import sqlite3
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -58,6 +57,7 @@ from bench.overload import (  # noqa: E402
     Daemon,
     Outcome,
     StartError,
+    bench_workdir,
     fast_rules,
     free_port,
     kv_bytes_per_token,
@@ -475,8 +475,7 @@ def audit_accounting(
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     timing = QUICK if args.quick else FULL
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="kvguard-chaos-"))
-    workdir.mkdir(parents=True, exist_ok=True)
+    workdir = bench_workdir(args.workdir, "kvguard-chaos-")
     d, prom, rules, good = start(workdir, args.model, args.threads)
     t0 = time.monotonic()
     vocab = ordinary_token_ids(resolve_model_dir(args.model))

@@ -245,6 +245,29 @@ def start_failure(prog: str, e: Exception) -> int:
     return 2
 
 
+def bench_workdir(given: Path | None, prefix: str) -> Path:
+    """The run's folder, absolute and made: the configs written into its subfolders name
+    files in it, and the daemon reads a relative path in a config from the config file's
+    folder, so a relative `--workdir` (the caller's, as the docs say) would name files that
+    do not exist and the daemon would refuse to start."""
+    workdir = (given or Path(tempfile.mkdtemp(prefix=prefix))).resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    return workdir
+
+
+def daemon_config(
+    workdir: Path, config_body: str, port: int, drain_s: int, debug_hooks: bool
+) -> str:
+    """A bench daemon's config: the setup's body plus its port, token, drain and audit DB,
+    all in `workdir` (which `bench_workdir` made absolute)."""
+    return config_body + (
+        f"api: {{host: 127.0.0.1, port: {port}, admin_token_file: "
+        f"{workdir / 'admin.token'}, drain_timeout: {drain_s}s, "
+        f"debug_hooks: {str(debug_hooks).lower()}}}\n"
+        f"audit: {{url: 'sqlite:///{workdir / 'audit.db'}'}}\n"
+    )
+
+
 class Daemon:
     """A `kvguard serve` subprocess with its own config, token, audit DB and log."""
 
@@ -265,12 +288,7 @@ class Daemon:
         self.db = workdir / "audit.db"
         (workdir / "admin.token").write_text(TOKEN + "\n")
         self.config = workdir / "config.yaml"
-        self.config.write_text(
-            config_body + f"api: {{host: 127.0.0.1, port: {self.port}, admin_token_file: "
-            f"{workdir / 'admin.token'}, drain_timeout: {drain_s}s, "
-            f"debug_hooks: {str(debug_hooks).lower()}}}\n"
-            f"audit: {{url: 'sqlite:///{self.db}'}}\n"
-        )
+        self.config.write_text(daemon_config(workdir, config_body, self.port, drain_s, debug_hooks))
         self.log_path = workdir / "daemon.log"
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         env = {**os.environ, "STATE_DIRECTORY": str(workdir)}
@@ -1061,8 +1079,7 @@ def measure(args: argparse.Namespace) -> int:
         f"{spec.burst_start_s:.0f}-{spec.burst_end_s:.0f}s asks {burst} KV tokens; budget "
         f"{budget} tokens ({kv_bytes / 2**20:.1f} MiB); load average {os.getloadavg()[0]:.2f}"
     )
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="kvguard-overload-"))
-    workdir.mkdir(parents=True, exist_ok=True)
+    workdir = bench_workdir(args.workdir, "kvguard-overload-")
     results = []
     for s in setups(workdir, args.model, kv_bytes, budget, spec, args.threads, args.trace):
         if args.only and s.name not in args.only:

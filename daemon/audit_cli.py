@@ -623,12 +623,34 @@ def _db_source(args: argparse.Namespace) -> tuple[str, bool]:
     return cfg.audit_url(cli=True), cfg.audit.url is None
 
 
+def _require_configs_database(args: argparse.Namespace, url: str, default: bool) -> None:
+    """`--config` names the daemon's database only through its audit.url: a config without one
+    leaves the default, in the state directory of the daemon's environment (./var/ of its
+    working directory at worst), which this shell may not share. Where that database is not
+    here, say so, rather than the usual hint to pass the --config just given."""
+    from kvguard.daemon.audit_migrate import require_database, sqlite_path
+
+    if args.db or args.config is None or not default:
+        return
+    try:
+        require_database(url)
+    except ValueError:
+        raise ValueError(
+            f"no audit database at {sqlite_path(url)}: {args.config} sets no audit.url, so --config "
+            "cannot say where the daemon keeps it (audit.db in the daemon's $STATE_DIRECTORY, "
+            "else $KVGUARD_STATE_DIR, else ./var/ of the daemon's working directory); pass --db "
+            "sqlite:///PATH/audit.db or set KVGUARD_STATE_DIR to that directory, or set "
+            "audit.url in the config"
+        ) from None
+
+
 def _open_store(args: argparse.Namespace) -> AuditStore:
     """A store for reading only: the database must exist and be migrated."""
     from kvguard.daemon.audit import AuditStore
     from kvguard.daemon.audit_migrate import current, head, shown
 
-    url = _db_url(args)
+    url, default = _db_source(args)
+    _require_configs_database(args, url, default)
     at = current(url)
     if at is None:
         raise ValueError(f"{shown(url)} is not a kvguard audit database (run `kvguard db upgrade`)")

@@ -95,6 +95,10 @@ def add_status_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
 def cmd_status(args: argparse.Namespace) -> int:
     import httpx
 
+    # the URL first: a malformed one is an error of its own, which a token file that cannot be
+    # read (no /etc/kvguard/admin.token on this host) hid behind the token's error
+    url, source = _status_url(args.url)
+    _check_url(url, source)
     try:
         token = args.token_file.read_text().strip()
     except OSError as e:
@@ -108,18 +112,14 @@ def cmd_status(args: argparse.Namespace) -> int:
     problem = token_problem(token)
     if problem:
         raise ValueError(f"{args.token_file} {problem}: expected the daemon's admin token alone")
-    url, source = _status_url(args.url)
     try:
         r = httpx.get(
             url.rstrip("/") + "/admin/state",
             headers={"Authorization": f"Bearer {token}"},
             timeout=10,
         )
-    except (httpx.InvalidURL, httpx.UnsupportedProtocol) as e:
-        raise ValueError(
-            f"{source}: {url!r} is not a usable URL: {str(e).rstrip('.')} (expected e.g. "
-            "http://127.0.0.1:8000)"
-        ) from None
+    except (httpx.InvalidURL, httpx.UnsupportedProtocol) as e:  # what _check_url let through
+        raise _unusable_url(url, source, str(e)) from None
     except httpx.HTTPError as e:
         raise ValueError(f"cannot reach kvguard at {url}: {e}") from e
     if r.status_code != 200:
@@ -176,6 +176,34 @@ def _status_url(given: str | None) -> tuple[str, str]:
     if env:
         return env, "$KVGUARD_URL"
     return "http://127.0.0.1:8000", "the default URL"
+
+
+def _check_url(url: str, source: str) -> None:
+    """Refuse a URL httpx cannot send a request to, as httpx and httpcore word it, before
+    anything else is read or sent."""
+    import httpx
+
+    try:
+        parsed = httpx.URL(url)
+    except httpx.InvalidURL as e:
+        raise _unusable_url(url, source, str(e)) from None
+    if parsed.scheme in ("http", "https") and parsed.host:
+        return
+    if parsed.scheme in ("http", "https"):
+        problem = "Request URL has no host"
+    elif "://" in url:
+        problem = f"Request URL has an unsupported protocol '{parsed.scheme}://'"
+    else:
+        problem = "Request URL is missing an 'http://' or 'https://' protocol"
+    raise _unusable_url(url, source, problem)
+
+
+def _unusable_url(url: str, source: str, problem: str) -> ValueError:
+    """The error of a malformed URL: what is wrong, and the option or variable it came from."""
+    return ValueError(
+        f"{source}: {url!r} is not a usable URL: {problem.rstrip('.')} (expected e.g. "
+        "http://127.0.0.1:8000)"
+    )
 
 
 def _print_state(s: dict) -> None:

@@ -213,6 +213,33 @@ def test_a_bench_daemon_is_given_its_drain_before_a_kill(tmp_path: Path) -> None
     assert chaos.DRAIN_S == 300  # what chaos configures, and stop() now derives from
 
 
+@pytest.mark.parametrize("trace", ["realistic", "adversarial"])
+def test_a_relative_overload_workdir_gives_configs_the_daemon_loads(
+    trace: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`kvguard bench overload --workdir bench/w` (relative, the caller's, as docs/overload.md
+    says) wrote `rules.path: bench/w/rules-fast.yaml` into bench/w/kvguard/config.yaml; the
+    daemon reads that from the config's folder and refused to start. Each setup's config, as
+    the run writes it, now loads and names files that exist. chaos.py takes the same folder."""
+    from bench import chaos, overload
+    from kvguard.daemon.config import load_config
+
+    monkeypatch.chdir(tmp_path)
+    workdir = overload.bench_workdir(Path("bench/w"), "unused-")
+    assert workdir == tmp_path / "bench" / "w" and workdir.is_dir()
+    assert chaos.bench_workdir is overload.bench_workdir
+    setups = overload.setups(workdir, "tiny", 2**20, 1024, overload.QUICK, 1, trace)
+    for s in setups:
+        d = workdir / s.name
+        d.mkdir()
+        (d / "admin.token").write_text("t\n")  # as Daemon writes it
+        (d / "config.yaml").write_text(overload.daemon_config(d, s.config, 8000, 60, False))
+        cfg = load_config(d / "config.yaml")
+        assert cfg.rules.path is not None and cfg.rules.path.is_file(), s.name
+        assert cfg.api.admin_token_file == d / "admin.token", s.name
+        assert cfg.audit.url == f"sqlite:///{d / 'audit.db'}", s.name
+
+
 # ----------------------------------------------------------------------------- throughput.py
 
 

@@ -296,6 +296,51 @@ def test_status_names_the_option_or_variable_of_a_malformed_url(tmp_path: Path) 
         assert said in out.stderr and "(expected e.g. http://127.0.0.1:8000)" in out.stderr
 
 
+def test_status_names_a_malformed_url_before_a_missing_token_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """On a host with no /etc/kvguard/admin.token, `kvguard status --url http://localhost:80a`
+    said only that the token could not be read, and the README's promised URL error came once
+    that was fixed: the URL is checked first, as is a scheme httpx would refuse to send to."""
+    from kvguard.daemon.cli import main
+
+    missing = tmp_path / "admin.token"
+    for url, said in (
+        ("http://localhost:80a", "Invalid port: '80a'"),
+        ("ftp://127.0.0.1:8000", "unsupported protocol 'ftp://'"),
+        ("http://", "no host"),
+    ):
+        assert main(["status", "--url", url, "--token-file", str(missing)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"kvguard: error: --url: {url!r} is not a usable URL: "), err
+        assert said in err and str(missing) not in err, err
+
+
+def test_audit_of_a_config_without_audit_url_does_not_ask_for_that_config(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`kvguard audit list --config FILE` from another directory than the daemon's, FILE
+    setting no audit.url: the error told the user to "pass --db URL or --config FILE", the
+    --config they had passed and that cannot name the daemon's ./var/. It now says why FILE
+    does not help and what does."""
+    from kvguard.daemon import config
+    from kvguard.daemon.cli import main
+
+    monkeypatch.setattr(config, "SYSTEMD_STATE_DIR", tmp_path / "no-var-lib")
+    monkeypatch.delenv("STATE_DIRECTORY", raising=False)
+    monkeypatch.delenv("KVGUARD_STATE_DIR", raising=False)
+    (tmp_path / "daemon").mkdir()
+    cfg = tmp_path / "daemon" / "config.yaml"
+    cfg.write_text("serving: {model: tiny}\n")
+    monkeypatch.chdir(tmp_path)
+    assert main(["audit", "list", "--config", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvguard: error: no audit database at {tmp_path}/var/audit.db: "), err
+    assert f"{cfg} sets no audit.url" in err and "--config FILE" not in err, err
+    assert "--db sqlite:///PATH/audit.db" in err and "KVGUARD_STATE_DIR" in err, err
+    assert not (tmp_path / "var").exists()  # nothing created where the daemon does not look
+
+
 def test_a_reload_without_a_config_file_reads_the_rules_again(bare: tuple[Bare, Notify]) -> None:
     """SIGHUP (and POST /admin/reload) of a daemon started without --config: the rules file,
     the packaged default, is read again and the flags (--dry-run) applied again; it says so."""

@@ -287,6 +287,49 @@ def test_exported_units_run_this_installation_and_verify(analyzer: str, tmp_path
     assert (tmp_path / "m" / "kvguard.service").read_text() == (out / "kvguard.service").read_text()
 
 
+def test_the_shipped_config_starts_without_a_warning(smollm2_dir: Path, tmp_path: Path) -> None:
+    """A fresh install following the README starts kvguard.service on the shipped
+    /etc/kvguard/config.yaml, and the README has operators read `journalctl -u kvguard -p
+    warning`: the shipped file set the brief's inert recovery and oom_alert_threshold keys, and
+    every start logged three warnings that they change nothing. The daemon started on it (only
+    the port moved, to a free one) logs no WARNING or ERROR line up to ready and through a stop."""
+    from tests.test_server import TEST_DAEMON_ENV, free_port, until
+
+    port = free_port()
+    config = SYSTEMD_DIR / "etc" / "kvguard" / "config.yaml"
+    env = {**os.environ, **TEST_DAEMON_ENV, "STATE_DIRECTORY": str(tmp_path)}
+    env.pop("CREDENTIALS_DIRECTORY", None)  # as a unit without the admin.token credential
+    log_path = tmp_path / "daemon.log"
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(
+            [str(SCRIPT), "serve", "--config", str(config), "--port", str(port)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=tmp_path,
+        )
+        try:
+            until(lambda: _ready(proc, port), 120, "the daemon ready")
+        finally:
+            proc.terminate()
+            rc = proc.wait(60)
+    text = log_path.read_text()
+    assert rc == 0 and " ready: " in text, text
+    warned = [line for line in text.splitlines() if " WARNING " in line or " ERROR " in line]
+    assert warned == [], text
+
+
+def _ready(proc: subprocess.Popen, port: int) -> bool:
+    """Whether the daemon answers /ready; one that exited is a failure, not a wait."""
+    import httpx
+
+    assert proc.poll() is None, f"the daemon exited {proc.returncode}"
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def test_export_keeps_an_edited_file_unless_forced(tmp_path: Path) -> None:
     assert export("--dir", str(tmp_path)).returncode == 0
     assert export("--dir", str(tmp_path)).returncode == 0  # the same content again: no clash

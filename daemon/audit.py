@@ -25,7 +25,8 @@ or a server that hangs (the kernel still acknowledges its packets, so neither ke
 timeout of the client's end it). On PostgreSQL a write waits WRITE_LOCK_WAIT_S at most for a
 lock, then fails and is retried like any failed write; and whatever blocks it, a write not
 done after WRITE_STALL_S makes the store degraded (`problem()`) and is logged once, until it
-ends. Its rows stay queued meanwhile, and are spilled at stop as any others.
+ends. Its rows stay queued meanwhile, and are spilled at stop as any others. A read
+(`kvguard audit`) waits READ_LOCK_WAIT_S at most for a lock, then fails naming it.
 
 The database may also vanish under a running daemon: a SQLite file deleted or replaced (its
 device and inode change) is noticed before the next batch, and a write that finds no table
@@ -104,6 +105,7 @@ BACKOFF_MAX = 1.0  # a database that comes back is used again within about a sec
 START_WAIT_S = 5.0  # how long start() (before READY) waits for the first migration attempt
 MIGRATION_WAIT_S = 3.0  # a migration's longest wait for a lock (PostgreSQL), then a retry
 WRITE_LOCK_WAIT_S = 3.0  # a write's longest wait for a table lock (PostgreSQL), then a retry
+READ_LOCK_WAIT_S = WRITE_LOCK_WAIT_S  # a read's (`kvguard audit`): then an error naming the lock
 WRITE_STALL_S = 5.0  # a write not done after this long (a server that hangs): degraded
 JOIN_MIN_S = 0.1  # stop() past its deadline still lets a writer that is done exit
 
@@ -522,7 +524,7 @@ class AuditStore:
         return None
 
     def _announce_spills(self) -> None:
-        for path in self._spills_to_import:
+        for path in self._pending_spills():
             # one of another database is not imported: the import says so when it skips it
             if _nonempty(path) and not audit_spill.spilled_elsewhere(
                 audit_spill.headers(path), self.url
@@ -1050,13 +1052,8 @@ class AuditStore:
         one whose header names another database (daemons sharing a state directory).
         """
         self._spills_waiting = False
-        for path in self._spills_to_import:  # each file its own transaction
+        for path in self._pending_spills():  # each file its own transaction
             if not path.is_file():
-                continue
-            if not _nonempty(path):  # an older kvguard's spill that failed: it holds nothing
-                with contextlib.suppress(OSError):
-                    path.unlink()
-                    log.info("audit: removed %s, an empty spill file", path)
                 continue
             try:
                 spill = audit_spill.read(path)
@@ -1075,22 +1072,21 @@ class AuditStore:
                     path,
                 )
                 continue
-            try:
-                # not under the stall timer: a spill of 150k rows takes its seconds on a healthy
-                # database (one transaction), which reported it degraded; its lock waits are bounded
-                res = self.import_file(path, WRITE_LOCK_WAIT_S)
-                done = audit_spill.mark_imported(path)
-            except Exception as e:  # noqa: BLE001 - a failed import must not end the writer
-                self._spills_waiting = not again
-                log.error(
-                    "audit: could not import %s: %s; %s",
-                    path,
-                    e,
-                    "trying again once rows land"
-                    if not again
-                    else f"run `kvguard audit import {path}` once fixed",
-                )
-                continue
+            with audit_spill.claimed(path) as claim:
+                if claim is None:  # another import (a daemon sharing this directory) has it
+                    continue
+                if not _nonempty(claim):  # an older kvguard's spill that failed: holds nothing
+                    _remove_empty(claim)
+                    continue
+                try:
+                    # not under the stall timer: a spill of 150k rows takes its seconds on a
+                    # healthy database (one transaction), which reported it degraded; its lock
+                    # waits are bounded
+                    res = self.import_file(claim, WRITE_LOCK_WAIT_S)
+                    done = audit_spill.mark_imported(claim)
+                except Exception as e:  # noqa: BLE001 - a failed import must not end the writer
+                    self._import_failed(audit_spill.unclaim(claim), e, again)
+                    continue
             log.warning(
                 "audit: imported %d rows from %s into %s (%d already there%s); the file is now "
                 "%s and can be deleted",
@@ -1101,6 +1097,22 @@ class AuditStore:
                 f"; skipped unreadable lines {res.unreadable}" if res.unreadable else "",
                 done,
             )
+
+    def _pending_spills(self) -> list[Path]:
+        """The files a start imports: each spill file after the claims an import that died
+        left of it (older rows first)."""
+        return [p for path in self._spills_to_import for p in (*audit_spill.leftovers(path), path)]
+
+    def _import_failed(self, path: Path, e: Exception, again: bool) -> None:
+        self._spills_waiting = not again
+        log.error(
+            "audit: could not import %s: %s; %s",
+            path,
+            e,
+            "trying again once rows land"
+            if not again
+            else f"run `kvguard audit import {path}` once fixed",
+        )
 
     # -- reading -------------------------------------------------------------------------------
     def list_actions(
@@ -1146,7 +1158,7 @@ class AuditStore:
         if instance is not None:
             q = q.where(t.c.instance == instance)
         q = q.order_by(col.asc(), t.c.id.asc())
-        with db_errors(self.url), self._engine.connect() as conn:
+        with self._reading() as conn:
             for r in conn.execution_options(yield_per=chunk).execute(q):
                 yield dict(r._mapping)
 
@@ -1228,7 +1240,7 @@ class AuditStore:
         holding request ids are the few that preempted or requeued requests, so fetching
         them is cheap; they are streamed, and the fetch ends at `limit`."""
         out: list[dict[str, Any]] = []
-        with db_errors(self.url), self._engine.connect() as conn:
+        with self._reading() as conn:
             for r in conn.execution_options(yield_per=500).execute(q):
                 row = dict(r._mapping)
                 if names_request(row["data"], request):
@@ -1237,8 +1249,29 @@ class AuditStore:
                         break
         return out[::-1]
 
+    @contextlib.contextmanager
+    def _reading(self) -> Iterator[Connection]:
+        """A connection for `kvguard audit`'s reads. On PostgreSQL its waits for a table lock
+        are bounded as the writer's are: an analyst's open transaction, a VACUUM FULL or a
+        CREATE INDEX holding a table would otherwise hang the operator's terminal without a
+        word, just when a lock is what the operator is looking into."""
+        with db_errors(self.url):
+            try:
+                with self._engine.connect() as conn:
+                    pg_lock_timeout(conn, READ_LOCK_WAIT_S)
+                    yield conn
+            except DBAPIError as e:
+                if sqlstate(e) != "55P03":  # lock_not_available: pg_lock_timeout's bound
+                    raise
+                raise ValueError(
+                    f"{shown(self.url)}: the audit table is locked by another session (a read "
+                    f"waited over {READ_LOCK_WAIT_S:g}s for a table lock that another session "
+                    "holds: an open transaction? see pg_stat_activity); try again once it is "
+                    "released"
+                ) from None
+
     def _rows(self, q: Select[Any]) -> list[dict[str, Any]]:
-        with db_errors(self.url), self._engine.connect() as conn:
+        with self._reading() as conn:
             return [dict(r._mapping) for r in conn.execute(q)]
 
 
@@ -1287,6 +1320,12 @@ def _may_name(t: Table, request: str) -> Any:
     fetches to those that may name it."""
     spelled = json.dumps(request)[1:-1]
     return t.c.data.is_not(None) & t.c.data.cast(Text).contains(spelled, autoescape=True)
+
+
+def _remove_empty(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        path.unlink()
+        log.info("audit: removed %s, an empty spill file", path)
 
 
 def _nonempty(path: Path) -> bool:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvguard.daemon.audit import AuditStore
+    from kvguard.daemon.audit import AuditStore, ImportResult
 
 OUTCOMES = ("applied", "failed", "dry_run", "refused", "held")  # as kvguard.daemon.audit_models
 EXPORT_TABLES = ("actions", "events", "incidents")
@@ -362,7 +362,7 @@ def cmd_audit_export(args: argparse.Namespace) -> int:
 def cmd_audit_import(args: argparse.Namespace) -> int:
     from kvguard.daemon.audit import AuditStore
     from kvguard.daemon.audit_migrate import current, head, require_database, shown, upgrade
-    from kvguard.daemon.audit_spill import mark_imported, read, spilled_elsewhere
+    from kvguard.daemon.audit_spill import read, spilled_elsewhere
 
     url, default = _db_source(args)
     if args.file.is_dir():
@@ -399,10 +399,9 @@ def cmd_audit_import(args: argparse.Namespace) -> int:
     upgrade(url)  # the daemon may never have managed to migrate it
     store = AuditStore(url, host="-")
     try:
-        res = store.import_file(args.file)
+        res, renamed = _import_spill(store, args.file, args.keep)
     finally:
         store.stop()
-    renamed = None if args.keep else mark_imported(args.file)
     if args.json:
         return _print_json(
             {
@@ -426,6 +425,35 @@ def cmd_audit_import(args: argparse.Namespace) -> int:
     if renamed is not None:
         print(f"renamed to {renamed}; delete it when you no longer need it")
     return 0
+
+
+def _import_spill(store: AuditStore, path: Path, keep: bool) -> tuple[ImportResult, Path | None]:
+    """Import `path`, and rename it out of the way unless `keep`. Claimed first
+    (`audit_spill.claimed`): rows a daemon spills into it meanwhile go to a new file at its
+    name, not into the one renamed `.imported-…` as done. `--keep` renames nothing, so rows
+    appended meanwhile stay in the file, for its next import."""
+    from kvguard.daemon import audit_spill
+
+    if keep:
+        return store.import_file(path), None
+    with audit_spill.claimed(path) as claim:
+        if claim is None:
+            raise ValueError(
+                f"{path} is being imported by another process (a daemon's start?): not "
+                "imported; run this again once it is done, if the file is still there"
+            )
+        try:
+            res = store.import_file(claim)
+        except BaseException:
+            left = audit_spill.unclaim(claim)
+            if left != path:
+                print(
+                    f"kvguard: {path}'s rows are now in {left} ({path} holds rows spilled "
+                    "since): import both once the error below is fixed",
+                    file=sys.stderr,
+                )
+            raise
+        return res, audit_spill.mark_imported(claim)
 
 
 # -- kvguard db --------------------------------------------------------------------------------

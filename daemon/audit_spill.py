@@ -40,11 +40,13 @@ This module only reads and writes files; loading rows into a database is
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import hashlib
 import json
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -181,13 +183,14 @@ def encode_header(db: str, host: str, rows: int, reason: str | None) -> str:
 
 def append(paths: Iterable[Path], lines: list[str]) -> tuple[Path | None, list[str]]:
     """Append `lines` to the first path that takes them all, fsynced; that path (None if none
-    did) and why each earlier one failed."""
+    did) and why each earlier one failed. Each append opens, locks and closes the file: see
+    `claimed` for why an import then never misses its rows."""
     data = ("\n".join(lines) + "\n").encode()
     errors: list[str] = []
     for path in paths:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            fd, created = _open_append(path)
+            fd, created = _open_locked(path)
         except OSError as e:
             errors.append(f"{path}: {e.strerror or e}")
             continue
@@ -203,13 +206,29 @@ def append(paths: Iterable[Path], lines: list[str]) -> tuple[Path | None, list[s
         except OSError as e:
             errors.append(f"{path}: {e.strerror or e}")
             with contextlib.suppress(OSError):
-                if created:  # an empty file left behind would be "imported" at every start
+                if created and _names(path, fd):  # an empty file would be "imported" at every start
                     os.unlink(path)
                 else:
                     os.ftruncate(fd, start)  # leave the lines before this spill intact
         finally:
             os.close(fd)
     return None, errors
+
+
+def _open_locked(path: Path) -> tuple[int, bool]:
+    """An fd appending to `path` under an exclusive lock, and whether this call created the
+    file. An import may claim (rename) the file between the open and the lock: then the fd is
+    the claimed file's, and it is opened again, so no row lands in a file already read."""
+    while True:
+        fd, created = _open_append(path)
+        try:
+            _lock(fd)
+            if _names(path, fd):
+                return fd, created
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
 
 
 def _open_append(path: Path) -> tuple[int, bool]:
@@ -219,6 +238,29 @@ def _open_append(path: Path) -> tuple[int, bool]:
         return os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600), True
     except FileExistsError:
         return os.open(path, flags), False
+
+
+def _lock(fd: int, wait: bool = True) -> bool:
+    """Take `fd`'s file's exclusive lock (held until the fd is closed): False if `wait` is
+    False and another process holds it. A file system without locks (ENOLCK) is taken as
+    locked: spilling rows matters more than the race that the lock closes."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+    except BlockingIOError:
+        return False
+    except OSError as e:
+        if e.errno != errno.ENOLCK:
+            raise
+    return True
+
+
+def _names(path: Path, fd: int) -> bool:
+    """Whether `path` still names the file open as `fd` (not renamed by an import since)."""
+    try:
+        st, mine = os.stat(path), os.fstat(fd)
+    except FileNotFoundError:
+        return False
+    return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
 
 
 @dataclass(slots=True, frozen=True)
@@ -342,13 +384,74 @@ def count_lines(path: Path) -> int:
         return -1
 
 
+CLAIM_TAG = ".importing-"  # `audit.db.spill.jsonl.importing-PID-STAMP`: an import's claim
+
+
+@contextlib.contextmanager
+def claimed(path: Path) -> Iterator[Path | None]:
+    """`path` claimed for an import: renamed to a name of its own (`CLAIM_TAG`) and locked
+    until the block ends; None if another import took it first.
+
+    Spill writers append by path, a lock taken and the file closed per spill (`append`), so
+    once the file is renamed a writer opens a new one at `path`, which the next import loads.
+    A writer that opened the old file just before the rename either holds its lock, which the
+    claim waits for, or finds on taking it that `path` names another file and reopens: the
+    claimed file grows no more once the claim holds its lock. A claim left by an import that
+    died (its lock gone with its process) is claimed as it is, by its own name: `leftovers`.
+    """
+    target = path
+    if CLAIM_TAG not in path.name:
+        stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S%fZ")
+        target = path.with_name(f"{path.name}{CLAIM_TAG}{os.getpid()}-{stamp}")
+        try:
+            path.rename(target)
+        except FileNotFoundError:  # another import renamed it first
+            yield None
+            return
+    try:
+        fd = os.open(target, os.O_RDONLY)
+    except FileNotFoundError:  # a leftover another import has finished with
+        yield None
+        return
+    try:
+        # a fresh claim waits out a writer's append; a leftover another import holds is its
+        ours = _lock(fd, wait=target is not path) and _names(target, fd)
+        yield target if ours else None
+    finally:
+        os.close(fd)
+
+
+def leftovers(path: Path) -> list[Path]:
+    """Claims of `path` left by imports that did not finish (a crash), oldest first: their
+    rows may not be in the database yet."""
+    prefix = path.name + CLAIM_TAG
+    try:
+        return sorted(p for p in path.parent.iterdir() if p.name.startswith(prefix))
+    except OSError:
+        return []
+
+
+def unclaim(claim: Path) -> Path:
+    """Give a claimed file its name back after a failed import, unless a writer has started a
+    new file there since: then it keeps its claim's name (a later start imports it)."""
+    original = claim.with_name(claim.name.partition(CLAIM_TAG)[0])
+    try:
+        os.link(claim, original)  # never replaces a file at `original`, unlike a rename
+    except OSError:
+        return claim
+    claim.unlink()
+    return original
+
+
 def mark_imported(path: Path) -> Path:
-    """Rename an imported spill file out of the way (never delete audit data unasked)."""
+    """Rename an imported spill file (or its claim) out of the way (never delete audit data
+    unasked)."""
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
-    target = path.with_name(f"{path.name}.imported-{stamp}")
+    path_name = path.name.partition(CLAIM_TAG)[0]
+    target = path.with_name(f"{path_name}.imported-{stamp}")
     n = 1
     while target.exists():
         n += 1
-        target = path.with_name(f"{path.name}.imported-{stamp}-{n}")
+        target = path.with_name(f"{path_name}.imported-{stamp}-{n}")
     path.rename(target)
     return target

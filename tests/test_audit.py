@@ -769,6 +769,12 @@ def test_daemon_serves_with_an_unwritable_audit_db_and_writes_once_it_can(tmp_pa
     assert not db.with_name("audit.db.spill.jsonl").exists()  # nothing was left to spill
 
 
+def _imported(spill: Path) -> bool:
+    """Whether `spill` was imported: renamed `.imported-…` (it is renamed `.importing-…`, a
+    claim, while its import runs)."""
+    return not spill.exists() and any(spill.parent.glob(spill.name + ".imported-*"))
+
+
 def test_database_unwritable_from_the_start_is_degraded_until_it_is_writable(
     db_url: str, db_path: Path
 ) -> None:
@@ -794,7 +800,7 @@ def test_database_unwritable_from_the_start_is_degraded_until_it_is_writable(
     # The writer reconnects: a connection SQLite opened read-only would refuse writes forever.
     assert store.flush(timeout=30)
     assert store.problem() is None
-    assert _wait_for(lambda: not spill.exists())  # tried again once a batch landed
+    assert _wait_for(lambda: _imported(spill))  # tried again once a batch landed
     assert _details(db_path, "events") == ["while read-only", "earlier run"]
     assert store.stop(timeout=5)
 
@@ -878,7 +884,7 @@ def test_unwritable_directory_spills_to_the_state_dir_and_the_next_start_imports
     with caplog.at_level(logging.WARNING, logger=audit.__name__):
         nxt.start()
         assert f"{spill} holds 1 rows an earlier run could not write" in caplog.text
-        assert _wait_for(lambda: not spill.exists())  # imported, then renamed
+        assert _wait_for(lambda: _imported(spill))
         nxt.record_event("tick", detail="after restart")
         assert nxt.flush(10)
     assert _details(db_dir / "audit.db", "events") == ["queued while unwritable", "after restart"]
@@ -956,7 +962,7 @@ def test_a_spill_starts_with_a_format_older_kvguard_refuse_and_both_formats_load
     old.write_text(V1_SPILL.format(url=db_url))
     later = AuditStore(db_url, spill_dir=old.parent)
     later.start()
-    assert _wait_for(lambda: not new.exists() and not old.exists())  # imported, then renamed
+    assert _wait_for(lambda: _imported(new) and _imported(old))
     rows = {a["detail"]: a for a in later.list_actions()}
     assert rows["format 2"]["data"] == {"evicted": evicted}
     assert (rows["format 1"]["instance"], rows["format 1"]["data"]) == ("oldhost", None)

@@ -560,6 +560,33 @@ def test_a_write_held_by_a_table_lock_is_reported_within_seconds_and_lands_once(
     assert got == [("before the lock",), ("while locked",)]
 
 
+def test_a_read_held_by_a_table_lock_fails_within_seconds_naming_the_lock(
+    pg: PgServer, pg_db: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`kvguard audit list` while an analyst's transaction holds `actions`: the read waits as
+    long as a write would (READ_LOCK_WAIT_S), then exits 2 saying what holds it, instead of
+    hanging the terminal for as long as the transaction stays open."""
+    url = pg.url(pg_db)
+    audit_migrate.upgrade(url)
+    analyst = pg.connect(pg_db)
+    result: list[tuple[int, str]] = []
+    try:
+        analyst.execute("LOCK TABLE actions IN ACCESS EXCLUSIVE MODE")  # left open
+        reader = threading.Thread(
+            target=lambda: result.append(kvguard("audit", "list", "--db", url))
+        )
+        reader.start()
+        reader.join(timeout=60)  # the lock is held all along: only the read's bound ends it
+        assert not reader.is_alive(), "kvguard audit list still waits for the lock"
+    finally:
+        analyst.rollback()
+        analyst.close()
+    assert result and result[0][0] == 2
+    err = capsys.readouterr().err
+    assert "the audit table is locked by another session (a read waited over 3s" in err, err
+    assert "see pg_stat_activity" in err
+
+
 def _spill_while_down(url: str, instance: str, spill_dir: Path, detail: str) -> Path:
     """A daemon's run while its database server is down: its row is spilled at stop."""
     store = AuditStore(url, instance=instance, spill_dir=spill_dir)

@@ -16,6 +16,7 @@ import signal
 import sqlite3
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from contextlib import closing, contextmanager, suppress
 from datetime import UTC, datetime
@@ -566,3 +567,101 @@ def test_a_full_queue_drops_events_before_actions_and_incidents(
         f"storm {i}" for i in range(47)
     ]
     assert "audit queue full" in caplog.text
+
+
+# -- spill files written while they are imported -----------------------------------------------
+def _spill(path: Path, url: str, details: list[str]) -> None:
+    """What a stopping daemon's `_save` does: one spill of events appended to `path`."""
+    rows = [
+        audit_spill.encode(
+            "events",
+            {"time": NOW, "host": "vm", "instance": "node-b", "kind": "tick", "detail": d,
+             "data": None, "incident": None, "uid": uuid.uuid4().hex},
+        )
+        for d in details
+    ]  # fmt: skip
+    header = audit_spill.encode_header(audit_migrate.shown(url), "vm", len(rows), "stopped")
+    assert audit_spill.append([path], [header, *rows]) == (path, [])
+
+
+def _spill_during_import(monkeypatch: pytest.MonkeyPatch, path: Path, url: str) -> None:
+    """A second daemon of the database, sharing the directory, stops right after the import
+    read `path` (its second read of it, or of this process's claim of it: the first only
+    checks the headers)."""
+    real, reads = audit_spill.read, []
+
+    def read_then_spill(p: Path) -> audit_spill.SpillRead:
+        spill = real(p)
+        if p == path or p.name.startswith(f"{path.name}.importing-{os.getpid()}-"):
+            reads.append(p)
+            if len(reads) == 2:
+                _spill(path, url, ["spilled during the import"])
+        return spill
+
+    monkeypatch.setattr(audit_spill, "read", read_then_spill)
+
+
+def test_rows_spilled_while_the_import_command_runs_stay_for_the_next_import(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The import claims the file (renames it) before reading it: rows appended meanwhile go
+    to a new file at the spill file's name, never into the one renamed `.imported-…`."""
+    from tests.test_audit_postgres import kvguard
+
+    db = tmp_path / "audit.db"
+    url = f"sqlite:///{db}"
+    audit_migrate.upgrade(url)
+    spill = tmp_path / "audit.db.spill.jsonl"
+    _spill(spill, url, ["a", "b"])
+    _spill_during_import(monkeypatch, spill, url)
+    rc, out = kvguard("audit", "import", str(spill), "--db", url)
+    assert rc == 0 and "added 2 rows" in out
+    (done,) = tmp_path.glob("audit.db.spill.jsonl.imported-*")
+    assert [r["detail"] for _, r in audit_spill.read(done).ops] == ["a", "b"]
+    rc, out = kvguard("audit", "import", str(spill), "--db", url)
+    assert rc == 0 and "added 1 rows" in out
+    assert _details(db) == ["a", "b", "spilled during the import"]
+    assert not list(tmp_path.glob("*.importing-*"))
+
+
+def test_a_start_imports_a_claim_left_by_a_crash_and_keeps_rows_spilled_meanwhile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A claim (`.importing-…`) whose import died is loaded at the next start, before the spill
+    file; rows spilled during that start's import are loaded by the start after."""
+    db = tmp_path / "audit.db"
+    url = f"sqlite:///{db}"
+    spill = tmp_path / "audit.db.spill.jsonl"
+    _spill(tmp_path / "audit.db.spill.jsonl.importing-1-20260101T000000000000Z", url, ["crash"])
+    _spill(spill, url, ["stop"])
+    _spill_during_import(monkeypatch, spill, url)
+    for imported in (2, 3):
+        store = AuditStore(url, host="h")
+        store.start()
+        wait_for(lambda n=imported: len(list(tmp_path.glob("*.imported-*"))) == n, 30, "import")
+        assert store.stop(timeout=10)
+    assert _details(db) == ["crash", "stop", "spilled during the import"]
+    assert not spill.exists() and not list(tmp_path.glob("*.importing-*"))
+    assert len(list(tmp_path.glob("*.imported-*"))) == 3
+
+
+def test_a_spill_appended_as_an_import_claims_the_file_goes_to_a_new_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A writer that opened the spill file just before an import renamed it finds so once it
+    holds the lock, and appends to a new file instead of the one being imported."""
+    url = f"sqlite:///{tmp_path / 'audit.db'}"
+    spill = tmp_path / "audit.db.spill.jsonl"
+    claim = spill.with_name(spill.name + audit_spill.CLAIM_TAG + "1-x")
+    _spill(spill, url, ["read by the import"])
+    real_lock = audit_spill._lock  # noqa: SLF001
+
+    def claim_first(fd: int, wait: bool = True) -> bool:
+        if not claim.exists():
+            spill.rename(claim)  # the import's claim, between the writer's open and lock
+        return real_lock(fd, wait)
+
+    monkeypatch.setattr(audit_spill, "_lock", claim_first)
+    _spill(spill, url, ["after the claim"])
+    assert [r["detail"] for _, r in audit_spill.read(claim).ops] == ["read by the import"]
+    assert [r["detail"] for _, r in audit_spill.read(spill).ops] == ["after the claim"]

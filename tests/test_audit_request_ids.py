@@ -32,6 +32,7 @@ from alembic.runtime.migration import MigrationContext
 from kvguard.daemon import audit_migrate, audit_spill
 from kvguard.daemon.audit import TABLES, AuditStore
 from kvguard.daemon.audit_models import Base
+from kvguard.engine.llm_engine import LLMEngine
 from kvguard.rules.actions import run_action
 from kvguard.rules.evaluator import Evaluator
 from kvguard.rules.schema import load_rules_text
@@ -147,6 +148,29 @@ def test_a_manual_evictions_audit_row_holds_the_requests_the_admin_answer_named(
 
 
 # -- a rule's eviction --------------------------------------------------------------------------
+def applied_row(
+    engine: LLMEngine, rule: str, event: str, tmp_path: Path
+) -> tuple[dict[str, Any], AuditStore]:
+    """The audit row of `rule` (a rules-file line) applied on `engine` by the evaluator when
+    `event` comes, written by a real store into a SQLite file under `tmp_path` (stopped
+    after: the store is returned for its url)."""
+    store = AuditStore(f"sqlite:///{tmp_path / 'audit.db'}", host="h")
+    store.start()
+    try:
+        ev = Evaluator(
+            load_rules_text(HEADER + rule, "test.yaml"),
+            lambda name, signal: None,
+            lambda action, params: settle(engine, run_action(engine, action, params)),
+            audit=store,
+        )
+        assert [d.outcome for d in ev.handle_event(event)] == ["applied"]
+        assert store.flush(10)
+        [row] = store.list_actions()
+    finally:
+        assert store.stop(timeout=10)
+    return row, store
+
+
 def test_a_rules_eviction_row_holds_the_requests_it_evicted(tmp_path: Path) -> None:
     """The evaluator records the engine's answer beside the settings before and after."""
     engine = make_engine(**ENGINE)
@@ -155,24 +179,11 @@ def test_a_rules_eviction_row_holds_the_requests_it_evicted(tmp_path: Path) -> N
         for i in range(2)
     ]
     engine.step()  # both prefilled: running
-    store = AuditStore(f"sqlite:///{tmp_path / 'audit.db'}", host="h")
-    store.start()
-    try:
-        rule = (
-            "  - {name: evict, on: 'alert:Full', action: evict_lowest_priority,"
-            " params: {count: 2, max_priority: low}}\n"
-        )
-        ev = Evaluator(
-            load_rules_text(HEADER + rule, "test.yaml"),
-            lambda name, signal: None,
-            lambda action, params: settle(engine, run_action(engine, action, params)),
-            audit=store,
-        )
-        assert [d.outcome for d in ev.handle_event("alert:Full")] == ["applied"]
-        assert store.flush(10)
-        [row] = store.list_actions()
-    finally:
-        assert store.stop(timeout=10)
+    rule = (
+        "  - {name: evict, on: 'alert:Full', action: evict_lowest_priority,"
+        " params: {count: 2, max_priority: low}}\n"
+    )
+    row, store = applied_row(engine, rule, "alert:Full", tmp_path)
     assert row["rule"] == "evict" and sorted(rid for rid, _ in row["data"]["evicted"]) == rids
     rc, out = kvguard("audit", "export", "--db", store.url, "--csv")
     assert rc == 0 and out.splitlines()[0].split(",")[-1] == "data", out
@@ -201,20 +212,7 @@ def test_the_oom_chains_row_names_the_requests_its_steps_took_off_the_device(
             break
         engine.step()
     assert sorted(s.request_id for s in engine.scheduler.running) == rids
-    store = AuditStore(f"sqlite:///{tmp_path / 'audit.db'}", host="h")
-    store.start()
-    try:
-        ev = Evaluator(
-            load_rules_text(HEADER + OOM_CHAIN, "test.yaml"),
-            lambda name, signal: None,
-            lambda action, params: settle(engine, run_action(engine, action, params)),
-            audit=store,
-        )
-        assert [d.outcome for d in ev.handle_event("engine_oom")] == ["applied"]
-        assert store.flush(10)
-        [row] = store.list_actions()
-    finally:
-        assert store.stop(timeout=10)
+    row, store = applied_row(engine, OOM_CHAIN, "engine_oom", tmp_path)
     data = row["data"]
     assert row["action"] == "handle_oom" and data["applied"][:2] == ["reduce_max_num_seqs", "evict"]
     [(cut, _)], [(evicted, _)] = data["preempted"], data["evicted"]

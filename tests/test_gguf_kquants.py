@@ -262,19 +262,28 @@ def weights(seed: int = 0) -> dict[str, np.ndarray]:
     return out
 
 
+def llama_writer(
+    path: Path, layers: int, hidden: int, inter: int, heads: int, kv_heads: int
+) -> gguf.GGUFWriter:
+    """A GGUF writer for a small llama of these shapes, its hyperparameters written (context
+    512, RMSNorm eps 1e-5, RoPE base 10000): the tokenizer and tensors are the caller's."""
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_context_length(512)
+    w.add_embedding_length(hidden)
+    w.add_block_count(layers)
+    w.add_feed_forward_length(inter)
+    w.add_rope_dimension_count(hidden // heads)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    return w
+
+
 def write_model(path: Path, fields: list[Any], types: dict[str, Q], tied: bool = False) -> Path:
     """The `weights()` model as a GGUF, each tensor in `types[name]` (by name, or by its kind:
     `attn_q`, `token_embd`, ...; F32 if none), the lm_head left out when `tied`."""
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_context_length(512)
-    w.add_embedding_length(HIDDEN)
-    w.add_block_count(LAYERS)
-    w.add_feed_forward_length(INTER)
-    w.add_rope_dimension_count(HIDDEN // HEADS)
-    w.add_head_count(HEADS)
-    w.add_head_count_kv(KV_HEADS)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_freq_base(10000.0)
+    w = llama_writer(path, LAYERS, HIDDEN, INTER, HEADS, KV_HEADS)
     for key, value, vtype, sub in fields:
         w.add_key_value(key, value, vtype, sub)
     for name, arr in weights().items():

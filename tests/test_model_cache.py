@@ -22,6 +22,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from test_gguf_kquants import llama_writer
 from tokenizers import Tokenizer as RustTokenizer
 
 from kvguard.daemon.cli import main
@@ -502,16 +503,7 @@ def _add_spm_tokenizer(w: gguf.GGUFWriter) -> None:
 def write_pinned_gguf(path: Path) -> Path:
     """A two-layer llama GGUF (`LAYER_TYPES`, `_add_spm_tokenizer`) whose every byte is fixed:
     its conversion is what `CONVERTED_DIGESTS` pins."""
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_context_length(512)
-    w.add_embedding_length(HIDDEN)
-    w.add_block_count(len(LAYER_TYPES))
-    w.add_feed_forward_length(INTER)
-    w.add_rope_dimension_count(HIDDEN // HEADS)
-    w.add_head_count(HEADS)
-    w.add_head_count_kv(KV_HEADS)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_freq_base(10000.0)
+    w = llama_writer(path, len(LAYER_TYPES), HIDDEN, INTER, HEADS, KV_HEADS)
     _add_spm_tokenizer(w)
     norm = (1 + np.arange(HIDDEN) / 256).astype(np.float32)
     w.add_tensor("token_embd.weight", _halves("token_embd", (len(VOCAB), HIDDEN)))

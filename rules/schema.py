@@ -7,6 +7,7 @@ of them at once, so `kvguard rules check` can list everything wrong in one run.
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,34 @@ LOCAL_SIGNALS = {
 # does), as a percent written for a ratio (`above: 92` for 0.92) would
 RATIO_SIGNALS = frozenset(n for n in LOCAL_SIGNALS if n.endswith("_ratio"))
 THRESHOLDS = ("above", "below", "recover_below", "recover_above")
+
+
+def off_ratio_thresholds(
+    rule: dict[str, Any], signal: str | None, local: str | None
+) -> list[tuple[str, str]]:
+    """Each threshold key of `rule` outside 0..1 on a ratio signal (`local`), with why: such a
+    rule never fires, or always does, as a percent written for a ratio (`above: 92`) would.
+    A value that is no finite number is skipped: its own field error says so."""
+    if local not in RATIO_SIGNALS:
+        return []
+    out = []
+    for key in THRESHOLDS:
+        value = rule.get(key)
+        if not _is_number(value) or 0 <= value <= 1:
+            continue
+        out.append(
+            (
+                key,
+                f"{value:g} is outside 0..1: signal {signal!r} is {local}, a "
+                f"ratio (not a percent: {value / 100:g} for {value:g}%)",
+            )
+        )
+    return out
+
+
+def _is_number(value: Any) -> bool:
+    """Whether `value` is a threshold the (strict, finite) model would accept."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 class RulesFileError(ValueError):
@@ -326,15 +355,10 @@ class RuleSet(_Model):
                     f"unknown signal {r.signal!r} (defined: {', '.join(self.signals) or 'none'})",
                 )
             local = self.signals[r.signal].local if r.signal is not None else None
-            if local in RATIO_SIGNALS:
-                for key in THRESHOLDS:
-                    value = getattr(r, key)
-                    if value is not None and not 0 <= value <= 1:
-                        raise _At(
-                            ("rules", i, key),
-                            f"{value:g} is outside 0..1: signal {r.signal!r} is {local}, a "
-                            f"ratio (not a percent: {value / 100:g} for {value:g}%)",
-                        )
+            given = {key: getattr(r, key) for key in THRESHOLDS}
+            problems = off_ratio_thresholds(given, r.signal, local)
+            if problems:
+                raise _At(("rules", i, problems[0][0]), problems[0][1])
         return self
 
     def cooldown_of(self, rule: Rule) -> float:
@@ -427,26 +451,35 @@ def line_key(msg: str) -> int:
 
 
 def _cross_checks(data: dict, lines: dict, name: str) -> list[str]:
-    """Duplicate names, unknown signals, keys a rule's shape never reads and bad action
-    params, found even when other fields are broken (and every ignored key, where the model
-    reports a rule's first)."""
+    """Duplicate names, unknown signals, thresholds off a ratio signal's 0..1, keys a rule's
+    shape never reads and bad action params, found even when other fields are broken (and
+    every one of each, where the model reports a rule's or the file's first)."""
     out = []
     signals = data.get("signals") if isinstance(data.get("signals"), dict) else {}
+    rules = data.get("rules") if isinstance(data.get("rules"), list) else []
     seen: set[str] = set()
-    for i, r in enumerate(data.get("rules") or []):
+    for i, r in enumerate(rules):
         if not isinstance(r, dict):
             continue
-        if r.get("name") in seen:
-            out.append(
-                f"{name}:{line_for(lines, ('rules', i, 'name'))}: rules.{i}.name: duplicate rule name {r['name']!r}"
-            )
-        seen.add(r.get("name"))
+        # a name or signal of another type (`signal: [kv]`) is no key to look up, and its own
+        # type error says what is wrong with it: looked up, it stopped `rules check` with a
+        # traceback instead
+        if isinstance(r.get("name"), str):
+            if r["name"] in seen:
+                out.append(
+                    f"{name}:{line_for(lines, ('rules', i, 'name'))}: rules.{i}.name: duplicate rule name {r['name']!r}"
+                )
+            seen.add(r["name"])
         sig = r.get("signal")
-        if sig is not None and sig not in signals:
+        if isinstance(sig, str) and sig not in signals:
             out.append(
                 f"{name}:{line_for(lines, ('rules', i, 'signal'))}: rules.{i}.signal: unknown signal {sig!r} "
-                f"(defined: {', '.join(signals) or 'none'})"
+                f"(defined: {', '.join(map(str, signals)) or 'none'})"
             )
+        out += [
+            f"{name}:{line_for(lines, ('rules', i, key))}: rules.{i}.{key}: {why}"
+            for key, why in off_ratio_thresholds(r, sig, _local_of(signals, sig))
+        ]
         if r.get("on") is not None or sig is not None:
             out += [
                 f"{name}:{line_for(lines, ('rules', i, key))}: rules.{i}.{key}: {why}"
@@ -454,6 +487,16 @@ def _cross_checks(data: dict, lines: dict, name: str) -> list[str]:
             ]
         out += _params_problems(r, i, lines, name)
     return out
+
+
+def _local_of(signals: dict, sig: Any) -> str | None:
+    """The local signal that signal `sig` of the file's raw `signals` reads (None: none, or it
+    is PromQL, or not a signal of the file)."""
+    spec = signals.get(sig) if isinstance(sig, str) else None
+    if not isinstance(spec, dict) or spec.get("promql") is not None:
+        return None
+    local = spec.get("local")
+    return local if isinstance(local, str) else None
 
 
 def _params_problems(rule: dict, i: int, lines: dict, name: str) -> list[str]:

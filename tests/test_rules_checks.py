@@ -288,7 +288,9 @@ def test_every_ignored_key_is_listed_by_line_and_the_cli_refuses_them(tmp_path: 
     assert got == [
         ["r.yaml:7", "rules.1.for", "has no effect on an event rule (`on`)"],
         ["r.yaml:7", "rules.1.recover_below", "has no effect on an event rule (`on`)"],
+        ["r.yaml:10", "rules.2.above", "10 is outside 0..1"],
         ["r.yaml:12", "rules.2.recover_below", "has no effect without undo (nothing is undone"],
+        ["r.yaml:12", "rules.2.recover_below", "2 is outside 0..1"],
         ["r.yaml:13", "rules.2.recover_for", "has no effect without undo (nothing is undone"],
         ["r.yaml:14", "rules.2.undo_params", "has no effect without undo (nothing is undone"],
         ["r.yaml:15", "rules.3.above", "Input should be a finite number (got nan)"],
@@ -616,6 +618,59 @@ def test_a_rules_file_that_could_never_act_is_refused(tmp_path: Path, text: str,
     )
     assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
     load_rules_text("version: 1\nrules: []\n", "r.yaml")  # no rules, said so: fine
+
+
+def test_a_percent_threshold_is_listed_beside_another_rules_schema_error(tmp_path: Path) -> None:
+    """The percent check ran only once every field of the file was valid: an unknown action in
+    one rule hid `above: 92` in another until the first was fixed, so `rules check` took two
+    runs to list what one should."""
+    text = HEAD + (
+        "  - {name: c, signal: kv, above: 0.5, action: bogus_action}\n"
+        "  - {name: a, signal: kv, above: 92, action: halt_admission, undo: resume_admission,\n"
+        "     recover_below: 80}\n"
+        "  - {name: p, signal: kv, above: 90, for: 5x, action: halt_admission}\n"
+    )
+    percent = (
+        "92 is outside 0..1: signal 'kv' is kv_cache_usage_ratio, a ratio (not a percent: "
+        "0.92 for 92%)"
+    )
+    with pytest.raises(RulesFileError) as e:
+        load_rules_text(text, "r.yaml")
+    got = [m.split(": ", 2) for m in e.value.errors]
+    assert [m[:2] for m in got] == [
+        ["r.yaml:5", "rules.0.action"],
+        ["r.yaml:6", "rules.1.above"],
+        ["r.yaml:7", "rules.1.recover_below"],  # every threshold, where the model says the first
+        ["r.yaml:8", "rules.2.for"],
+        ["r.yaml:8", "rules.2.above"],  # beside the rule's own broken `for`
+    ], e.value.errors
+    assert got[0][2].startswith("unknown action 'bogus_action'"), got
+    assert got[1][2] == percent, got
+    assert got[2][2].startswith("80 is outside 0..1"), got
+    path, res = _rules_check(tmp_path, text)
+    assert res.returncode == 1, res
+    assert f"{path}:5: rules.0.action: unknown action 'bogus_action'" in res.stderr, res.stderr
+    assert f"{path}:6: rules.1.above: {percent}" in res.stderr, res.stderr
+
+
+def test_a_rule_name_or_signal_of_the_wrong_type_is_listed_not_a_traceback(
+    tmp_path: Path,
+) -> None:
+    """The checks that list every error looked a list-valued name or signal up in a set:
+    `rules check` stopped with a TypeError traceback instead of naming the line."""
+    text = HEAD + (
+        "  - {name: [a], signal: kv, above: 0.9, action: halt_admission}\n"
+        "  - {name: b, signal: [kv], above: 0.9, action: halt_admission}\n"
+    )
+    with pytest.raises(RulesFileError) as e:
+        load_rules_text(text, "r.yaml")
+    assert e.value.errors == [
+        "r.yaml:5: rules.0.name: Input should be a valid string (got ['a'])",
+        "r.yaml:6: rules.1.signal: Input should be a valid string (got ['kv'])",
+    ], e.value.errors
+    path, res = _rules_check(tmp_path, text)
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
+    assert f"{path}:5: rules.0.name: Input should be a valid string" in res.stderr, res.stderr
 
 
 def test_an_interval_the_stall_alert_would_read_as_a_stall_is_refused(tmp_path: Path) -> None:

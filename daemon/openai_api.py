@@ -757,6 +757,8 @@ async def _serve(
         admitted = True
     except RequestCut as e:  # the drain ran out while the engine had not yet taken it in
         raise _cut_error(service, None, str(e)) from None
+    except ClientGone:  # it hung up before the engine took it in: nobody reads this answer
+        raise ApiError(499, "client disconnected") from None
     except AdmissionRejected as e:
         d = e.decision
         status = ADMISSION_STATUS.get(d.kind, 503)
@@ -842,19 +844,27 @@ def _refuse_if_draining(service: Service) -> None:
 
 async def _admission(futs: list[Future], outputs: _Outputs) -> None:
     """Wait until the engine has taken in every choice (raising what `add_request` raised), or
-    raise RequestCut once the drain cuts the request: the engine may be stalled, and the cut
-    answers at once whether or not it has seen the request (every choice is cut together)."""
+    raise RequestCut once the drain cuts the request, ClientGone once its client hangs up: the
+    engine may be stalled (a long step, a KV pool resize), and neither a cut nor a client gone
+    should wait for it. The caller's finally then gives the API key's slots back at once,
+    instead of refusing the key's next requests until the engine takes and aborts this one."""
     cut = asyncio.ensure_future(outputs.was_cut.wait())
+    left = asyncio.ensure_future(outputs.left.wait())
     try:
         for fut in futs:
             added = asyncio.wrap_future(fut)
-            await asyncio.wait({added, cut}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({added, cut, left}, return_when=asyncio.FIRST_COMPLETED)
             if not added.done():
-                added.cancel()  # nobody will read it: the abort in the caller's finally ends it
-                raise RequestCut(outputs.cut_message or "")
+                # withdrawn if the engine has not taken it yet (never started); if it has, the
+                # abort in the caller's finally (and the watch's) ends it
+                added.cancel()
+                if outputs.cut_message is not None:
+                    raise RequestCut(outputs.cut_message)
+                raise ClientGone
             added.result()
     finally:
         cut.cancel()
+        left.cancel()
 
 
 def engine_request_id(response_id: str, index: int) -> str:
@@ -1241,6 +1251,7 @@ class _Outputs:
         self._buffer = OutputBuffer()
         self._ready = asyncio.Event()
         self.gone = False  # the client hung up (event loop only)
+        self.left = asyncio.Event()  # ... and when, for a coroutine awaiting admission
         self.cut_message: str | None = None  # the server cut the request off (event loop only)
         self.was_cut = asyncio.Event()  # ... and when, for a coroutine awaiting admission
         self._last: float | None = None  # when the previous token came (engine thread only)
@@ -1250,6 +1261,7 @@ class _Outputs:
         """The client left: wake the waiting coroutine, which gives up (event loop only)."""
         self.gone = True
         self._ready.set()
+        self.left.set()
 
     def cut(self, message: str) -> None:
         """The daemon gives up on the request (drain deadline): the waiting coroutine answers

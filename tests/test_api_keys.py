@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import signal
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -19,7 +20,7 @@ import pytest
 
 from kvguard.daemon.api_keys import KeysFileError, digest, load_keys, read_entries
 from kvguard.daemon.cli import main
-from tests.test_disconnect import count, idle, send, state
+from tests.test_disconnect import count, finished, idle, send, state
 from tests.test_server import KVGUARD, Daemon, serve_refused, until
 
 KINDS = ("prompt", "completion")
@@ -229,6 +230,39 @@ def _answers(c: openai.OpenAI) -> bool:
     except openai.RateLimitError:
         return False
     return True
+
+
+def test_a_client_gone_before_a_stalled_engine_took_its_request_frees_its_key_slot(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A client that hung up while its request waited for the engine thread (a long step, here
+    the debug stall) kept its key's max_requests slot until the engine took the request and
+    aborted it: its tenant was refused 429 meanwhile, for no one. Now the request is withdrawn
+    (never started) and the slot comes back at once, while the engine is still stalled."""
+    path = tmp_path / "api_keys.yaml"
+    key = add(path, "one", "--max-requests", "1", capsys=capsys)
+    d = Daemon(tmp_path, api=f"api_keys_file: {path}")
+    pool = ThreadPoolExecutor(1)
+    try:
+        one = client(d, key)
+        aborted = finished(d, "abort")
+        assert d.admin("POST", "/admin/debug/stall", json={"seconds": 60}).status_code == 200
+        sock = send(d, {"prompt": "hold", "max_tokens": 4}, key)
+        until(lambda: state(d)["in_flight"] == 1, 30, "the request posted to the stalled engine")
+        with pytest.raises(openai.RateLimitError):  # it holds the key's one slot
+            one.chat.completions.create(**CHAT)
+        sock.close()
+        until(lambda: state(d)["in_flight"] == 0, 30, "the request withdrawn, engine stalled")
+        probe = pool.submit(one.chat.completions.create, **CHAT)  # the slot is free: not a 429
+        until(lambda: probe.done() or state(d)["in_flight"] == 1, 30, "the next request posted")
+        assert d.admin("POST", "/admin/debug/release").json() == {"released": 1}  # still held
+        assert probe.result().choices[0].message.content is not None
+        until(lambda: idle(state(d)), 30, "the engine idle")
+        assert metric(d, "kvguard_api_key_requests_total", key="one") == 1  # the probe only
+        assert finished(d, "abort") == aborted  # the withdrawn request never reached the engine
+    finally:
+        pool.shutdown(cancel_futures=True)
+        assert d.stop() == 0
 
 
 def test_each_key_is_charged_the_tokens_its_requests_were_served(keyed) -> None:  # noqa: ANN001

@@ -202,9 +202,9 @@ def engine_gpu_ids(engine: Any) -> list[str] | None:
         return []
     import torch
 
-    local = [w.rank for w in getattr(engine.runner, "workers", ()) if w.process is not None]
+    local = sum(w.process is not None for w in getattr(engine.runner, "workers", ()))
     if local:  # rank 0 and its local workers: one GPU each, by their order among them
-        indices = set(range(1 + len(local)))
+        indices = set(range(1 + local))
     else:  # one rank here: the device as named
         indices = {device.index if device.index is not None else torch.cuda.current_device()}
     try:

@@ -40,6 +40,7 @@ from kvguard.engine.model import weight_bytes
 from kvguard.engine.model_config import ModelLoadError
 from kvguard.engine.sampling_params import SamplingParams
 from tests.test_gguf_variants import engine
+from tests.test_loader_kernel_edges import llama_writer
 
 Q = gguf.GGMLQuantizationType
 V = gguf.GGUFValueType
@@ -260,24 +261,6 @@ def weights(seed: int = 0) -> dict[str, np.ndarray]:
     out["output_norm.weight"] = (0.5 + rng.random(HIDDEN)).astype(np.float32)
     out["output.weight"] = lin(49152, HIDDEN)
     return out
-
-
-def llama_writer(
-    path: Path, layers: int, hidden: int, inter: int, heads: int, kv_heads: int
-) -> gguf.GGUFWriter:
-    """A GGUF writer for a small llama of these shapes, its hyperparameters written (context
-    512, RMSNorm eps 1e-5, RoPE base 10000): the tokenizer and tensors are the caller's."""
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_context_length(512)
-    w.add_embedding_length(hidden)
-    w.add_block_count(layers)
-    w.add_feed_forward_length(inter)
-    w.add_rope_dimension_count(hidden // heads)
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_freq_base(10000.0)
-    return w
 
 
 def write_model(path: Path, fields: list[Any], types: dict[str, Q], tied: bool = False) -> Path:

@@ -60,6 +60,24 @@ def _add(writer: gguf.GGUFWriter, name: str, w: np.ndarray, qtype: Q, seed: int)
         writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
 
 
+def llama_writer(
+    path: Path, layers: int, hidden: int, inter: int, heads: int, kv_heads: int, context: int = 512
+) -> gguf.GGUFWriter:
+    """A GGUF writer for a small llama of these shapes, its hyperparameters written (RMSNorm
+    eps 1e-5, RoPE base 10000): the tokenizer and tensors are the caller's."""
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_context_length(context)
+    w.add_embedding_length(hidden)
+    w.add_block_count(layers)
+    w.add_feed_forward_length(inter)
+    w.add_rope_dimension_count(hidden // heads)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    return w
+
+
 def write_gguf(
     path: Path,
     qtype: Q = Q.Q4_0,
@@ -75,16 +93,7 @@ def write_gguf(
     rng = np.random.default_rng(0)
     types = types or {}
     heads, kv_heads = 4, 2
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_context_length(256)
-    w.add_embedding_length(hidden)
-    w.add_block_count(layers)
-    w.add_feed_forward_length(inter)
-    w.add_rope_dimension_count(hidden // heads)
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_freq_base(10000.0)
+    w = llama_writer(path, layers, hidden, inter, heads, kv_heads, context=256)
     tokens = [*byte_alphabet(), "Ġt"]  # the bytes and the one merge's result
     tokens += [f"<pad{i}>" for i in range(VOCAB - len(tokens))]
     w.add_tokenizer_model("gpt2")

@@ -22,7 +22,6 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from test_gguf_kquants import llama_writer
 from tokenizers import Tokenizer as RustTokenizer
 
 from kvguard.daemon.cli import main
@@ -31,6 +30,7 @@ from kvguard.engine.gguf_convert import convert_gguf
 from kvguard.engine.model_config import COMPLETE_MARKER, ModelConfig, ModelLoadError
 from kvguard.engine.model_registry import fetch_model, list_models, resolve_model
 from kvguard.engine.weights import load_weights
+from tests.test_loader_kernel_edges import llama_writer
 
 # -- 1. `fetch --force` while another process loads ------------------------------------------
 FORCE_LOOP = """

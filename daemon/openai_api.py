@@ -42,11 +42,13 @@ from kvguard.daemon.openai_schemas import (
     now,
     usage,
 )
+from kvguard.engine.admission import AdmissionDecision
 from kvguard.engine.admission_policy import AdmissionRejected
 from kvguard.engine.engine_loop import OutputBuffer, RequestStream, wake_after_delivery
+from kvguard.engine.llm_engine import NewRequest, refused_request
 from kvguard.engine.model_config import ModelLoadError
 from kvguard.engine.sampling_params import SamplingParams
-from kvguard.engine.sequence import RequestOutput, TokenLogprob
+from kvguard.engine.sequence import RequestOutput, TokenLogprob, parse_priority
 from kvguard.engine.structured import compile_grammar, compile_schema
 
 if TYPE_CHECKING:
@@ -384,21 +386,15 @@ def _named(message: str, name: str) -> str:
     return message
 
 
-def _refused_prompt(
-    body: Any, futs: list[Future], error: BaseException, n: int, completion: bool
-) -> str:
+def _refused_prompt(body: Any, error: BaseException, n: int, completion: bool) -> str:
     """The field of the prompt the engine refused with `error`, as the client wrote it:
     `prompt[i]` for the i-th of a list of prompts (`n` choices each, one engine request per
-    choice in `futs`), else `prompt`, or `messages` on chat."""
+    choice: `refused_request` names the choice), else `prompt`, or `messages` on chat."""
     if not completion:
         return "messages"
     if not _is_prompt_list(body.prompt):
         return "prompt"
-    refused = (
-        k for k, f in enumerate(futs) if f.done() and not f.cancelled() and f.exception() is error
-    )
-    k = next(refused, None)
-    return "prompt" if k is None else f"prompt[{k // n}]"
+    return f"prompt[{refused_request(error) // n}]"
 
 
 def _too_many_prompts(count: int, n: int | None) -> ApiError:
@@ -651,12 +647,15 @@ def _refused_for_key(service: Service, key: ApiKey, reason: str) -> None:
     service.metrics.api_key_refusals.labels(key.name, reason).inc()
 
 
-def _within_limit(service: Service, key: ApiKey, asked: int, param: str) -> None:
+def _within_limit(service: Service, key: ApiKey, asked: int, param: str, priority: str) -> None:
     """429 when `asked` more sequences would take `key` past its max_requests. What it has
     in flight is what the daemon still answers for it (the drain's set, which a finished or
     refused request leaves at once and a forgotten one when it is collected). A request
     asking for more sequences than the key may ever have at once is the request's own fault,
-    not a passing one: 400 naming `param`, with no Retry-After (a retry could never pass)."""
+    not a passing one: 400 naming `param`, with no Retry-After (a retry could never pass).
+    While admission is halted for `priority`, what fills the key's slots may be requests
+    waiting for the engine to refuse them too: a request past the limit then gets the halt's
+    503 and Retry-After, not a 429 blaming its key (`_refuse_if_halted`)."""
     if key.max_requests is None:
         return
     if asked > key.max_requests:
@@ -671,6 +670,7 @@ def _within_limit(service: Service, key: ApiKey, asked: int, param: str) -> None
         )
     live = sum(1 for o in list(service.requests) if o.ctx.key == key.name)
     if live + asked > key.max_requests:
+        _refuse_if_halted(service, priority, asked)
         _refused_for_key(service, key, "max_requests")
         raise ApiError(
             429,
@@ -680,6 +680,31 @@ def _within_limit(service: Service, key: ApiKey, asked: int, param: str) -> None
             type_="rate_limit_error",
             retry_after=1,
         )
+
+
+def _refuse_if_halted(service: Service, priority: str, asked: int) -> None:
+    """The halt's 503 (as the engine gives it, counted as its `asked` rejects) where admission
+    is halted for `priority`, before the request reaches the engine."""
+    policy = service.engine.admission_policy
+    halted = policy.halted(parse_priority(priority))
+    if halted is None:
+        return
+    service.loop.call(lambda: policy.count_refused(asked))  # the engine thread's counter
+    raise _admission_error(halted, None)
+
+
+def _admission_error(d: AdmissionDecision, param: str | None) -> ApiError:
+    """Admission's refusal `d` as the API answers it: 400 for what can never be served
+    (`param` the field that asked), else retry later with its Retry-After."""
+    status = ADMISSION_STATUS.get(d.kind, 503)
+    return ApiError(
+        status,
+        d.reason,
+        param,
+        code="admission_rejected",
+        type_="invalid_request_error" if status == 400 else "overloaded_error",
+        retry_after=None if status == 400 else d.estimated_wait_s,
+    )
 
 
 def _priority(service: Service, body: Any, header: str | None, key: ApiKey | None) -> str:
@@ -727,7 +752,7 @@ async def _serve(
     ctx = _Ctx(service, kind, body.model, priority, arrived or time.monotonic(), params)
     ctx.n = body.n or 1
     if key is not None:
-        _within_limit(service, key, len(prompts) * ctx.n, "n" if ctx.n > 1 else "prompt")
+        _within_limit(service, key, len(prompts) * ctx.n, _size_param(ctx), priority)
         ctx.key = key.name
     ctx.echo = prompts if getattr(body, "echo", False) else None
     ctx.tools = params.grammar is not None
@@ -735,25 +760,24 @@ async def _serve(
         ctx.max_tokens_default = params.max_tokens  # said with the answer
     aio = asyncio.get_running_loop()
     outs = [_Outputs(aio, ctx, i, bool(body.stream)) for i in range(len(prompts) * ctx.n)]
-    streams, futs = [], []
-    ctx.posted = time.monotonic()  # its queue time runs from here (the engine's arrival_time)
-    for i, outputs in enumerate(outs):  # one engine request per choice, in order
-        stream, fut = service.loop.submit_nowait(
+    choices = [  # one engine request per choice, in order, taken in as one
+        NewRequest(
             prompts[i // ctx.n],
             _choice_params(params, i % ctx.n),
-            priority,
-            request_id=engine_request_id(ctx.id, i),
-            add_special_tokens=completion,
-            listener=outputs.push,
+            engine_request_id(ctx.id, i),
             count_prompt=i % ctx.n == 0,  # a prompt counted once, as usage has it
         )
-        streams.append(stream)
-        futs.append(fut)
-        service.requests.add(outputs)  # a drain that runs out of time cuts it through this set
+        for i in range(len(outs))
+    ]
+    ctx.posted = time.monotonic()  # its queue time runs from here (the engine's arrival_time)
+    streams, added = service.loop.submit_all_nowait(
+        choices, [o.push for o in outs], priority, add_special_tokens=completion
+    )
+    service.requests.update(outs)  # a drain that runs out of time cuts it through this set
     watch = _DisconnectWatch(request, service, streams, outs)  # from now, not once admitted
     admitted = False
     try:
-        await _admission(futs, outs[0])
+        await _admission(added, outs[0])
         admitted = True
     except RequestCut as e:  # the drain ran out while the engine had not yet taken it in
         raise _cut_error(service, None, str(e)) from None
@@ -761,25 +785,18 @@ async def _serve(
         raise ApiError(499, "client disconnected") from None
     except AdmissionRejected as e:
         d = e.decision
-        status = ADMISSION_STATUS.get(d.kind, 503)
         if d.kind == "never_fits" and d.about == "prompt":
             # a prompt past the KV its priority may use: too long for the context, as a prompt
             # past max_model_len is (the reason says which priority's share would hold it)
-            name = _refused_prompt(body, futs, e, ctx.n, completion)
+            name = _refused_prompt(body, e, ctx.n, completion)
             raise ApiError(400, _named(d.reason, name), name, CONTEXT_LENGTH_EXCEEDED) from e
-        typ = "invalid_request_error" if status == 400 else "overloaded_error"
         param = None  # a max_tokens past the KV (dynamic_max_tokens off): the field that asked
         if d.kind == "never_fits" and d.about == "max_tokens":
             asked_by = getattr(body, "max_completion_tokens", None) is not None and not completion
             param = "max_completion_tokens" if asked_by else "max_tokens"
-        raise ApiError(
-            status,
-            d.reason,
-            param,
-            code="admission_rejected",
-            type_=typ,
-            retry_after=None if status == 400 else d.estimated_wait_s,
-        ) from e
+        elif d.kind == "never_fits" and d.about == "n":  # more sequences than can ever queue
+            param = _size_param(ctx)
+        raise _admission_error(d, param) from e
     except ValueError as e:  # the engine's reason names its field first ("logit_bias token ...")
         name = str(e).split(" ", 1)[0].split("=", 1)[0].rstrip(":")
         name = "response_format" if name == "json_schema" else name
@@ -788,10 +805,12 @@ async def _serve(
         # a prompt too long for the context (engine._too_long): OpenAI's code for it
         code = CONTEXT_LENGTH_EXCEEDED if str(e).startswith("prompt of ") else None
         if code is not None:  # which of a list of prompts is too long
-            name = _refused_prompt(body, futs, e, ctx.n, completion)
+            name = _refused_prompt(body, e, ctx.n, completion)
         raise ApiError(400, _named(str(e), name), name, code) from e
     finally:
-        if not admitted:  # every choice or none: those admitted before the refusal end too
+        # not answered from here: one taken in meanwhile (its client gone, cut) ends; one refused
+        # held nothing
+        if not admitted:
             watch.stop()
             for stream, outputs in zip(streams, outs, strict=True):
                 service.loop.abort_stream(stream)
@@ -842,26 +861,26 @@ def _refuse_if_draining(service: Service) -> None:
         raise ApiError(503, SHUTTING_DOWN, type_="service_unavailable", retry_after=5)
 
 
-async def _admission(futs: list[Future], outputs: _Outputs) -> None:
-    """Wait until the engine has taken in every choice (raising what `add_request` raised), or
-    raise RequestCut once the drain cuts the request, ClientGone once its client hangs up: the
-    engine may be stalled (a long step, a KV pool resize), and neither a cut nor a client gone
-    should wait for it. The caller's finally then gives the API key's slots back at once,
-    instead of refusing the key's next requests until the engine takes and aborts this one."""
+async def _admission(fut: Future, outputs: _Outputs) -> None:
+    """Wait until the engine has taken in the request's choices, all of them as one (raising
+    what `add_requests` raised), or raise RequestCut once the drain cuts the request,
+    ClientGone once its client hangs up: the engine may be stalled (a long step, a KV pool
+    resize), and neither a cut nor a client gone should wait for it. The caller's finally
+    then gives the API key's slots back at once, instead of refusing the key's next requests
+    until the engine takes and aborts this one."""
     cut = asyncio.ensure_future(outputs.was_cut.wait())
     left = asyncio.ensure_future(outputs.left.wait())
     try:
-        for fut in futs:
-            added = asyncio.wrap_future(fut)
-            await asyncio.wait({added, cut, left}, return_when=asyncio.FIRST_COMPLETED)
-            if not added.done():
-                # withdrawn if the engine has not taken it yet (never started); if it has, the
-                # abort in the caller's finally (and the watch's) ends it
-                added.cancel()
-                if outputs.cut_message is not None:
-                    raise RequestCut(outputs.cut_message)
-                raise ClientGone
-            added.result()
+        added = asyncio.wrap_future(fut)
+        await asyncio.wait({added, cut, left}, return_when=asyncio.FIRST_COMPLETED)
+        if not added.done():
+            # withdrawn if the engine has not taken it yet (never started); if it has, the
+            # abort in the caller's finally (and the watch's) ends it
+            added.cancel()
+            if outputs.cut_message is not None:
+                raise RequestCut(outputs.cut_message)
+            raise ClientGone
+        added.result()
     finally:
         cut.cancel()
         left.cancel()
@@ -887,6 +906,11 @@ def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
     choice = copy.copy(params)
     choice.seed = params.seed + index
     return choice
+
+
+def _size_param(ctx: _Ctx) -> str:
+    """The field that asked for a request's sequences: `n`, or `prompt` (a list of prompts)."""
+    return "n" if ctx.n > 1 else "prompt"
 
 
 def _utf8_decoder() -> codecs.IncrementalDecoder:

@@ -48,13 +48,11 @@ tokens.
 
 from __future__ import annotations
 
-import functools
 import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
 
 from kvguard.engine.knobs import MiB, check_knobs, knob
 
@@ -298,20 +296,6 @@ def dynamic_max_tokens(requested: int, usage: float, remaining: int) -> int:
     return max(1, min(n, remaining))
 
 
-def _counted(
-    decide: Callable[..., AdmissionDecision],
-) -> Callable[..., AdmissionDecision]:
-    """`AdmissionController.decide`, each decision counted by kind (`decisions`)."""
-
-    @functools.wraps(decide)
-    def counted(self: AdmissionController, *args: Any, **kwargs: Any) -> AdmissionDecision:
-        d = decide(self, *args, **kwargs)
-        self.decisions[d.decision] += 1
-        return d
-
-    return counted
-
-
 class AdmissionController:
     def __init__(self, config: AdmissionConfig, block_size: int, bytes_per_block: int) -> None:
         self.config = config
@@ -321,6 +305,8 @@ class AdmissionController:
         self._releases: deque[tuple[float, int]] = deque(maxlen=256)
         self._finished: deque[float] = deque()  # finish times within FINISH_WINDOW_S
         self.clock: Callable[[], float] = time.monotonic
+        # by kind, counted by the policy once a request's decision is final: a request's
+        # sequences are taken in or refused as one (`AdmissionPolicy.count`)
         self.decisions = {"admit": 0, "queue": 0, "reject": 0}
         self.estimator = OutputLengthEstimator(quantile=config.estimate_quantile)
         self.overcommit = 1.0  # predicted admission plans up to budget x this (see the module)
@@ -404,7 +390,6 @@ class AdmissionController:
             rest = math.ceil(output * factor)
         return math.ceil((prompt + rest) / self.block_size)
 
-    @_counted
     def decide(
         self,
         prompt_len: int,
@@ -481,6 +466,24 @@ class AdmissionController:
         return AdmissionDecision(
             "queue", reason, n, n < max_tokens, queued + 1, wait, "", planned, asked, ladder
         )
+
+    def queue_full_for(
+        self, ahead: int, size: int, refused: AdmissionDecision
+    ) -> AdmissionDecision:
+        """`refused`, the queue_full refusal of one of a request's `size` sequences, said of
+        the whole request: the queue it counted held the request's own sequences decided
+        before it, so only the `ahead` requests of others are named as waiting, and the
+        request's own size as what does not fit (a client told "queue full (4 waiting)" of an
+        empty queue waits for a queue that is not there). Its wait, when the queue would hold
+        the sequence again, is kept."""
+        bound = self.config.max_queue_wait_s
+        reason = (
+            f"queue full ({ahead} waiting ahead of this request): its {size} sequences (choices "
+            f"or prompts) do not all fit in the queue beside them (max_queue {self.config.max_queue}"
+            + (f", max_queue_wait {bound:g}s" if bound else "")
+            + "); retry later, or ask for fewer"
+        )
+        return replace(refused, reason=reason)
 
     def never_fits(
         self,

@@ -2,7 +2,9 @@
 
 The policy keeps its own ticket per request (the decision that let it in, its projected peak,
 whether it has committed that peak); `Sequence` carries no admission state. The engine asks
-`check` when a request arrives (admit, queue or raise AdmissionRejected), the scheduler asks
+`check` when a request arrives (admit, queue or raise AdmissionRejected; the sequences of one
+request of several, its choices, one by one, each behind those before it, and `refuse` withdraws
+them all when one is refused), the scheduler asks
 `try_start` before a queued request takes KV and `cancel_start` when it could not start after
 all, and `on_finish` gives a finished request's commitment back and teaches the output-length
 estimator what the output really ran to.
@@ -161,10 +163,8 @@ class AdmissionPolicy:
         when the pool is pressed; a retryable refusal there would send the client back for
         the same 400 once the halt lifts, and hide why."""
         ctl = self.controller
-        if ctl is None:
-            never = None
-        else:  # a refusal like any other in the decision counts
-            ctl.decisions["reject"] += 1
+        never = None
+        if ctl is not None:
             never = ctl.never_fits(
                 len(seq.prompt_token_ids),
                 seq.max_tokens,
@@ -173,16 +173,78 @@ class AdmissionPolicy:
                 seq.max_total_len,
                 configured,
             )
-        raise AdmissionRejected(
-            never
-            or AdmissionDecision(
-                "reject",
-                f"admission is halted: {_allowed(allow_rank)} "
-                f"(this one is {PRIORITY_NAMES[seq.priority]})",
-                estimated_wait_s=HALT_RETRY_S,
-                kind="halted",
-            )
+        raise AdmissionRejected(never or _halted(allow_rank, seq.priority))
+
+    def halted(self, rank: int) -> AdmissionDecision | None:
+        """The halt's refusal of a request of priority `rank` (None: the halt lets it in, or
+        admission is not halted). For a server that refuses such a request before it reaches
+        the engine (its API key's limit is full of requests the halt refuses too): the
+        refusal the engine would give it, without the never_fits judgement, which needs the
+        request's tokens. Any thread: it only reads the halt."""
+        allow_rank = self.allow_rank
+        if allow_rank is None or rank <= allow_rank:
+            return None
+        return _halted(allow_rank, rank)
+
+    # -- a request of several sequences, taken in or refused as one ---------------------------
+    def never_fits_all(self, size: int) -> AdmissionDecision | None:
+        """The never_fits refusal of a request of `size` sequences (its choices, its prompts)
+        that a hard queue bound could never take in whole (None: an idle engine would): at
+        most `max_num_seqs` start at once and `max_queue` wait, and with `max_queue_wait: 0s`
+        nothing waits past that. A 429 would send the client back for the same refusal for
+        ever."""
+        ctl, slots = self.controller, self._slots()
+        if ctl is None or slots is None or ctl.config.max_queue_wait_s > 0:
+            return None
+        room = slots + ctl.config.max_queue
+        if size <= room:
+            return None
+        return AdmissionDecision(
+            "reject",
+            f"{size} sequences (choices or prompts) can never all be taken in: at most {slots} "
+            f"start at once (max_num_seqs) and {ctl.config.max_queue} wait (max_queue, a hard "
+            f"limit with max_queue_wait 0s); ask for at most {room}",
+            kind="never_fits",
+            about="n",
         )
+
+    def count(self, seqs: Iterable[Sequence]) -> None:
+        """Count the decisions of a request's sequences, all taken in (`admit` or `queue`)."""
+        ctl = self.controller
+        if ctl is None:
+            return
+        for seq in seqs:
+            t = self._tickets.get(seq.request_id)
+            if t is not None and t.decision is not None:
+                ctl.decisions[t.decision.decision] += 1
+
+    def count_refused(self, size: int) -> None:
+        """Count a refused request's `size` sequences, each a `reject`: none was taken in."""
+        if self.controller is not None:
+            self.controller.decisions["reject"] += size
+
+    def refuse(
+        self,
+        seqs: list[Sequence],
+        taken: list[Sequence],
+        refused: AdmissionDecision,
+        waiting: Iterable[Sequence],
+    ) -> AdmissionDecision:
+        """A request's sequence `seqs[len(taken)]` was refused: the whole request is. The
+        sequences decided before it (`taken`, out of the scheduler's `waiting` already, never
+        started) are withdrawn: their tickets dropped, the peaks admitted ones committed given
+        back without a finish (the finish rate the queue's drain estimate reads is of requests
+        that ran), every sequence counted a `reject`. Returns the refusal to give the request
+        (`queue_full_for`: its own sequences are not the queue it is told of)."""
+        ctl = self.controller
+        for seq in taken:
+            t = self._tickets.pop(seq.request_id)
+            if ctl is not None and t.admitted:
+                ctl.uncommit(self._leave(seq.request_id, t))
+        self.count_refused(len(seqs))
+        if ctl is None or not taken or refused.kind != "queue_full":
+            return refused
+        return ctl.queue_full_for(self._queue_ahead(seqs[0], waiting)[0], len(seqs), refused)
 
     def _queue_ahead(self, seq: Sequence, waiting: Iterable[Sequence]) -> tuple[int, bool]:
         """(the requests queued ahead of `seq`, whether a batch slot is free for it). Every
@@ -415,6 +477,17 @@ class AdmissionPolicy:
             longest = max(range(len(loads)), key=lambda i: loads[i][1])
             out.extend((h if i == longest else h - key[0], r) for i, (h, r) in enumerate(loads))
         return out
+
+
+def _halted(allow_rank: int, rank: int) -> AdmissionDecision:
+    """The halt's refusal (retry later) of a request of priority `rank`: only priorities
+    <= `allow_rank` get in."""
+    return AdmissionDecision(
+        "reject",
+        f"admission is halted: {_allowed(allow_rank)} (this one is {PRIORITY_NAMES[rank]})",
+        estimated_wait_s=HALT_RETRY_S,
+        kind="halted",
+    )
 
 
 def _allowed(rank: int) -> str:

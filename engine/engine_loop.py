@@ -25,7 +25,7 @@ from typing import Protocol
 from kvguard.engine.admission import HIGH
 from kvguard.engine.control import Mailbox
 from kvguard.engine.distributed.errors import RankFailure
-from kvguard.engine.llm_engine import LLMEngine
+from kvguard.engine.llm_engine import LLMEngine, NewRequest
 from kvguard.engine.sampling_params import SamplingParams
 from kvguard.engine.sequence import RequestOutput, TokenLogprob, parse_priority
 from kvguard.engine.snapshot import EngineSnapshot
@@ -455,21 +455,52 @@ class EngineLoop:
                 arrival_time=arrival,
                 count_prompt=count_prompt,
             )
-            stream.request_id = rid
-            self._streams[rid] = stream
+            self._stream(stream, rid)
             return rid
 
+        return stream, self._post_add(add, 1, priority)
+
+    def submit_all_nowait(
+        self,
+        requests: list[NewRequest],
+        listeners: list[Callable[[RequestOutput], None] | None],
+        priority: str | int = "normal",
+        add_special_tokens: bool = True,
+    ) -> tuple[list[RequestStream], Future]:
+        """Post the requests of one client's request (its choices, its prompts), one stream
+        each (`listeners`: as `submit_nowait`'s listener), to be taken in as one: the engine
+        admits or queues all of them or, refusing one, none (`LLMEngine.add_requests`), so a
+        refusal leaves nothing to abort. The Future resolves to their ids, or fails with the
+        refusal (`refused_request` says which request it is about)."""
+        streams = [RequestStream(listener) for listener in listeners]
+        arrival = time.monotonic()  # as submit_nowait's
+
+        def add() -> list[str]:
+            rids = self.engine.add_requests(requests, priority, add_special_tokens, arrival)
+            for stream, rid in zip(streams, rids, strict=True):
+                self._stream(stream, rid)
+            return rids
+
+        return streams, self._post_add(add, len(requests), priority)
+
+    def _stream(self, stream: RequestStream, rid: str) -> None:
+        """`stream` carries the outputs of the request `rid` the engine took in."""
+        stream.request_id = rid
+        self._streams[rid] = stream
+
+    def _post_add(self, add: Callable[[], object], count: int, priority: str | int) -> Future:
+        """Post `add`, which adds `count` requests: in flight from now until it has run."""
         with self._adding_lock:
-            self._adding += 1
+            self._adding += count
         posted = self.call(add)
-        posted.add_done_callback(self._added)  # run, refused, or failed with the engine
+        posted.add_done_callback(functools.partial(self._added, count))  # run, refused, failed
         if _is_high(priority):
             self.engine.interrupt_step()  # after posting: the next drain takes it
-        return stream, posted
+        return posted
 
-    def _added(self, _: Future) -> None:
+    def _added(self, count: int, _: Future) -> None:
         with self._adding_lock:
-            self._adding -= 1
+            self._adding -= count
 
     def in_flight(self) -> int:
         """Requests not finished: those the engine holds and those whose add is still on its

@@ -64,7 +64,15 @@ from kvguard.engine.speculative import ROW_COST_PRIOR
 from kvguard.engine.structured import Grammars
 from kvguard.engine.tokenizer import PREFIX_CHARS, PREFIX_SLACK, Tokenizer, read_json
 
-__all__ = ["AdmissionRejected", "InjectedOOMError", "LLMEngine", "pick_device", "pick_dtype"]
+__all__ = [
+    "AdmissionRejected",
+    "InjectedOOMError",
+    "LLMEngine",
+    "NewRequest",
+    "pick_device",
+    "pick_dtype",
+    "refused_request",
+]
 
 log = logging.getLogger("kvguard.engine")
 
@@ -244,6 +252,25 @@ class OomRepeats:
         pause = self.backoff or OOM_BACKOFF_START_S
         self.backoff = min(pause * 2, OOM_BACKOFF_MAX_S)
         return pause
+
+
+@dataclass(slots=True)
+class NewRequest:
+    """One engine request of several that `LLMEngine.add_requests` takes in as one (an API
+    request's `n` choices, its prompts). `count_prompt` False: the prompt is another one's of
+    the same request (each choice is an engine request), counted with that one, so that the
+    prompt-tokens counter takes each prompt once, as usage does."""
+
+    prompt: str | list[int]
+    params: SamplingParams | None = None
+    request_id: str | None = None
+    count_prompt: bool = True
+
+
+def refused_request(error: BaseException) -> int:
+    """Which of the requests given to `add_requests` its refusal `error` is about (the prompt
+    too long, the prompt past the KV it may use): 0 when it is about all of them."""
+    return getattr(error, "request_index", 0)
 
 
 class EngineShutDown(RankFailure):
@@ -493,13 +520,66 @@ class LLMEngine(ControlSurface):
         (a ValueError) carries the policy's decision and retry hint. `arrival_time` (a
         time.monotonic()) is when the request came, where that was before this call (posted
         through the mailbox while a step ran): its queue time and TTFT count from there.
-        None: now. `count_prompt` False: the prompt is another choice's (an API request's
-        n > 1 choices are one engine request each), counted with that one's, so that the
-        prompt-tokens counter takes each prompt once, as usage does. After `shutdown()`:
-        EngineShutDown (a RuntimeError)."""
+        None: now. `count_prompt`: as `NewRequest`'s. After `shutdown()`: EngineShutDown (a
+        RuntimeError)."""
+        new = NewRequest(prompt, params, request_id, count_prompt)
+        return self.add_requests([new], priority, add_special_tokens, arrival_time)[0]
+
+    def add_requests(
+        self,
+        requests: Seq[NewRequest],
+        priority: str | int = "normal",
+        add_special_tokens: bool = True,
+        arrival_time: float | None = None,
+    ) -> list[str]:
+        """Queue the requests of one client's request (its choices, its prompts) as one: all
+        of them or, where one is refused, none. Taken in one by one, a refusal of the k-th
+        left the k before it admitted or queued, and aborting them counted as work its
+        client gave up on (`abort` finishes, queue waits, its prompt's tokens). Raises as
+        `add_request` does; `refused_request(error)` says which request the error is about.
+        Returns their ids, in order."""
         if self.shut_down:
             raise EngineShutDown()
-        params = self._checked_params(params)
+        rank = parse_priority(priority)
+        seqs = self._new_sequences(requests, rank, add_special_tokens, arrival_time)
+        self._admit_all(seqs)
+        for seq, new in zip(seqs, requests, strict=True):
+            self._taken_in(seq, new.count_prompt)
+        return [seq.request_id for seq in seqs]
+
+    def _new_sequences(
+        self,
+        requests: Seq[NewRequest],
+        rank: int,
+        add_special_tokens: bool,
+        arrival_time: float | None,
+    ) -> list[Sequence]:
+        """Every request checked and made a Sequence before admission decides any: one that
+        cannot be served refuses them all with nothing decided (ValueError, its
+        `request_index` set)."""
+        seqs: list[Sequence] = []
+        ids: set[str] = set()
+        for i, new in enumerate(requests):
+            try:
+                seq = self._new_sequence(new, rank, add_special_tokens, arrival_time, ids)
+            except ValueError as e:
+                e.request_index = i  # type: ignore[attr-defined]
+                raise
+            ids.add(seq.request_id)
+            seqs.append(seq)
+        return seqs
+
+    def _new_sequence(
+        self,
+        new: NewRequest,
+        rank: int,
+        add_special_tokens: bool,
+        arrival_time: float | None,
+        taken_ids: set[str],
+    ) -> Sequence:
+        """`new` as a Sequence, or the ValueError naming what makes it unservable (an id
+        already in use, by the engine or by another of `taken_ids`)."""
+        params = self._checked_params(new.params)
         params.validate()  # O(1) in the bias's size once validated (CheckedBias): n=32 shares it
         vocab = self.model_config.vocab_size
         for name, bad in (
@@ -511,13 +591,13 @@ class LLMEngine(ControlSurface):
                     f"{name} token ids {bad[:5]} are outside the vocabulary [0, {vocab})"
                 )
         self._bias_names_tokens(params)
-        rank = parse_priority(priority)
         limit = self.max_total_len()
-        ids = self._prompt_ids(prompt, add_special_tokens, limit)
+        ids = self._prompt_ids(new.prompt, add_special_tokens, limit)
+        request_id = new.request_id
         if request_id is not None and not isinstance(request_id, str):
             raise ValueError(f"request_id={request_id!r:.60}: expected a string")
         rid = request_id or f"req-{next(self._ids)}"
-        if rid in self._seqs:
+        if rid in self._seqs or rid in taken_ids:
             raise ValueError(f"request_id {rid!r} is already in use")
         gen = None
         if params.seed is not None:
@@ -531,33 +611,61 @@ class LLMEngine(ControlSurface):
             seq.output_logprobs = []
         if params.prompt_logprobs is not None:
             seq.prompt_logprobs = []
+        return seq
+
+    def _admit_all(self, seqs: list[Sequence]) -> None:
+        """Admission decides `seqs` one by one, each queued behind those before it (one
+        admitted takes a batch slot and KV, one queued a place in the queue), and where it
+        refuses one, every one is withdrawn before any step could start it: AdmissionRejected
+        with the request's refusal (`AdmissionPolicy.refuse`), its `request_index` the
+        refused one. A request too large for a hard queue bound is refused first, as one
+        whose prompt can never fit is, halted or not."""
+        policy = self.admission_policy
+        taken: list[Sequence] = []
         try:
-            self.admission_policy.check(
-                seq,
-                self.block_manager.num_blocks,
-                self.block_manager.num_used,
-                self.scheduler.waiting,
-                # the pool at its configured bytes, in the dtype in force (a remedy may hold
-                # it at a share of them for a while)
-                self.runner.blocks_for_budget(self.kv_cache.dtype),
-            )
+            if (never := policy.never_fits_all(len(seqs))) is not None:
+                raise AdmissionRejected(never)
+            for seq in seqs:
+                self._check_admission(seq)
+                # admission decided (and reserved) on the request's own max_tokens, so lifting
+                # a cap gives it back what the ladder allowed; the live cap applies on top
+                if self.max_new_tokens_cap is not None:
+                    seq.max_tokens = min(seq.max_tokens, self.max_new_tokens_cap)
+                self.scheduler.add(seq)  # the next one's decision counts it
+                taken.append(seq)
         except AdmissionRejected as e:
-            self._admission_event(seq, e.decision.decision, e.decision.reason)
-            raise
+            for seq in taken:
+                self.scheduler.remove(seq)
+            d = policy.refuse(seqs, taken, e.decision, self.scheduler.waiting)
+            for seq in seqs:
+                self._admission_event(seq, d.decision, d.reason)
+            refusal = AdmissionRejected(d)
+            refusal.request_index = len(taken)  # type: ignore[attr-defined]
+            raise refusal from None
+        policy.count(seqs)
+
+    def _check_admission(self, seq: Sequence) -> None:
+        """Admit or queue `seq` (its ticket), or raise AdmissionRejected."""
+        self.admission_policy.check(
+            seq,
+            self.block_manager.num_blocks,
+            self.block_manager.num_used,
+            self.scheduler.waiting,
+            # the pool at its configured bytes, in the dtype in force (a remedy may hold it
+            # at a share of them for a while)
+            self.runner.blocks_for_budget(self.kv_cache.dtype),
+        )
+
+    def _taken_in(self, seq: Sequence, count_prompt: bool) -> None:
+        """`seq`, queued, is the engine's from now on: known by its id, and counted."""
+        self._seqs[seq.request_id] = seq
         d = self.admission_policy.decision(seq)
         if d is not None:
             self._admission_event(seq, d.decision, d.reason)
-        # admission decided (and reserved) on the request's own max_tokens, so lifting a cap
-        # gives it back what the ladder allowed; the live cap applies on top of that
-        if self.max_new_tokens_cap is not None:
-            seq.max_tokens = min(seq.max_tokens, self.max_new_tokens_cap)
-        self._seqs[rid] = seq
-        self.scheduler.add(seq)
         if seq.grammar is not None:  # queued: a request admission refused is not counted
             self.grammars.requests += 1
         if count_prompt:
-            self._counters["prompt_tokens"] += len(ids)
-        return rid
+            self._counters["prompt_tokens"] += len(seq.prompt_token_ids)
 
     def _admission_event(self, seq: Sequence, decision: str, reason: str) -> None:
         self.events.emit("admission", decision=decision, reason=reason, priority=seq.priority)

@@ -17,7 +17,7 @@ from kvguard.engine.config import EngineConfig
 from kvguard.engine.llm_engine import LLMEngine
 from kvguard.engine.sampling_params import SamplingParams
 from tests.test_admission_predicted import run_all
-from tests.test_disconnect import state
+from tests.test_disconnect import idle, state
 from tests.test_server import Daemon, until
 
 BLOCK = 16
@@ -438,3 +438,92 @@ def test_ten_requests_at_once_on_one_slot_queue_two_and_get_seven_429s(
         return {k: v - before.get(k, 0.0) for k, v in _decisions(d).items()}
 
     until(lambda: counted() == {"admit": 1, "queue": 2, "reject": 7}, 10, "the decisions counted")
+
+
+# -- a request's choices are taken in or refused as one ------------------------------------------
+def _sample(d: Daemon, name: str) -> float:
+    """A sample of /metrics by its name and labels as written there (0: not there yet)."""
+    text = d.admin("GET", "/metrics").text
+    m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+LENGTH = 'kvguard_requests_finished_total{finish_reason="length",priority="normal"}'
+ABORT = 'kvguard_requests_finished_total{finish_reason="abort",priority="normal"}'
+WAITS = 'kvguard_request_queue_time_seconds_count{priority="normal"}'
+PROMPT_TOKENS = "kvguard_prompt_tokens_total"
+
+
+def test_a_request_whose_last_choice_finds_the_queue_full_is_refused_whole(
+    one_slot_daemon: Daemon,
+) -> None:
+    """One request takes the slot; an n=3 request behind it finds room in the queue (max_queue
+    2) for two of its choices, not the third. It used to be taken in choice by choice: two
+    queued, the third refused, the two aborted, so a request answered 429 counted two `queue`
+    decisions, two `abort` finishes (clients that gave up), two queue waits and its prompt's
+    tokens as work done, and its 429 said "queue full (2 waiting)" of an empty queue: its
+    own choices. Now none of it is taken in: its three choices count `reject`, nothing else
+    moves, and the 429 counts only what waits ahead of it and says its size is the problem."""
+    d = one_slot_daemon
+    until(lambda: idle(state(d)), 30, "the engine idle")
+    client = d.client()
+    names = (LENGTH, ABORT, WAITS, PROMPT_TOKENS)
+    before, decided = {n: _sample(d, n) for n in names}, _decisions(d)
+    ask = {"model": "tiny", "max_tokens": 4, "extra_body": {"ignore_eos": True}}
+    with ThreadPoolExecutor(2) as pool:
+        assert d.admin("POST", "/admin/debug/stall", json={"seconds": 60}).status_code == 200
+        try:  # both reach the engine in one drain, the first ahead
+            first = pool.submit(client.completions.create, prompt="the first", **ask)
+            until(lambda: state(d)["in_flight"] == 1, 30, "the first request posted")
+            second = pool.submit(client.completions.create, prompt="the second", n=3, **ask)
+            until(lambda: state(d)["in_flight"] == 4, 30, "the n=3 request posted")
+        finally:
+            d.admin("POST", "/admin/debug/release")
+        served = first.result(120)
+        with pytest.raises(openai.RateLimitError) as e:
+            second.result(120)
+    until(lambda: _sample(d, LENGTH) == before[LENGTH] + 1, 30, "the first request counted")
+    moved = {n: _sample(d, n) - before[n] for n in names}
+    assert moved == {
+        LENGTH: 1,
+        ABORT: 0,
+        WAITS: 1,  # the first request's wait only
+        PROMPT_TOKENS: served.usage.prompt_tokens,
+    }
+    counted = {k: v - decided.get(k, 0.0) for k, v in _decisions(d).items()}
+    assert counted == {"admit": 1, "queue": 0, "reject": 3}
+    message = e.value.message
+    assert "queue full (0 waiting ahead of this request): its 3 sequences" in message, message
+    assert "ask for fewer" in message and "2 waiting" not in message
+    assert float(e.value.response.headers["retry-after"]) > 0
+
+
+def test_more_choices_than_a_hard_queue_bound_ever_takes_in_are_a_400_naming_n(
+    one_slot_daemon: Daemon,
+) -> None:
+    """max_num_seqs 1 and max_queue 2 under max_queue_wait 0s take in at most three sequences
+    at once, on an idle engine too: n=4 (or four prompts) can never be served. It used to
+    answer 429 with a Retry-After, for a client to retry for ever; now a 400 naming `n` (or
+    `prompt`) and the most it may ask for. n=3 is served whole."""
+    d = one_slot_daemon
+    until(lambda: idle(state(d)), 30, "the engine idle")
+    client = d.client()
+    decided = _decisions(d)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt="x", max_tokens=2, n=4)
+    body = e.value.body
+    assert (body["code"], body["param"]) == ("admission_rejected", "n"), body
+    assert body["message"].startswith("4 sequences (choices or prompts) can never all be taken")
+    assert body["message"].endswith("ask for at most 3"), body["message"]
+    assert "retry-after" not in e.value.response.headers
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt=["a", "b", "c", "d"], max_tokens=2)
+    assert e.value.body["param"] == "prompt", e.value.body
+    served = client.completions.create(model="tiny", prompt="x", max_tokens=2, n=3)
+    assert len(served.choices) == 3
+
+    def counted() -> dict[str, float]:
+        return {k: v - decided.get(k, 0.0) for k, v in _decisions(d).items()}
+
+    want = {"admit": 1, "queue": 2, "reject": 8}
+    until(lambda: counted() == want, 10, "the decisions counted")

@@ -265,6 +265,53 @@ def test_a_client_gone_before_a_stalled_engine_took_its_request_frees_its_key_sl
         assert d.stop() == 0
 
 
+def test_while_admission_is_halted_requests_past_a_keys_limit_get_the_halts_503(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Six requests of a key that may have two at once, while admission is halted for normal
+    and the engine is stalled (the debug hook): two wait for the engine to decide, and fill
+    the key's slots. The four others used to get 429 key_request_limit ("has 2 sequences
+    queued or running") with Retry-After 1, counted as the key's refusals, though the halt
+    refuses all six and nothing of the key's was queued or running: the tenant was blamed
+    and told to come back five times sooner than the halt asks. Now all six get the halt's
+    503 and Retry-After, and no refusal is counted against the key."""
+    path = tmp_path / "api_keys.yaml"
+    key = add(path, "two", "--max-requests", "2", capsys=capsys)
+    d = Daemon(tmp_path, api=f"api_keys_file: {path}")
+    pool = ThreadPoolExecutor(6)
+    try:
+        two = client(d, key)
+        halt = d.admin("POST", "/admin/actions/halt_admission", json={"allow_priority": "high"})
+        assert halt.status_code == 200, halt.text
+        assert d.admin("POST", "/admin/debug/stall", json={"seconds": 60}).status_code == 200
+        try:
+            asked = [
+                pool.submit(two.completions.create, model="tiny", prompt=f"r{i}", max_tokens=2)
+                for i in range(6)
+            ]
+            until(
+                lambda: state(d)["in_flight"] == 2 and sum(f.done() for f in asked) == 4,
+                30,
+                "two requests posted to the stalled engine, four answered",
+            )
+        finally:
+            d.admin("POST", "/admin/debug/release")
+        refused = []
+        for f in asked:
+            with pytest.raises(openai.APIStatusError) as e:
+                f.result(60)
+            refused.append(e.value)
+        assert [e.status_code for e in refused] == [503] * 6, [e.message for e in refused]
+        for e in refused:
+            assert "admission is halted: only high requests" in e.message, e.message
+            assert e.response.headers["retry-after"] == "5"
+        assert metric(d, REFUSALS, key="two", reason="max_requests") == 0
+        assert metric(d, "kvguard_api_auth_failures_total", reason="max_requests") == 0
+    finally:
+        pool.shutdown(cancel_futures=True)
+        assert d.stop() == 0
+
+
 def test_each_key_is_charged_the_tokens_its_requests_were_served(keyed) -> None:  # noqa: ANN001
     d, keys, _ = keyed
 

@@ -49,11 +49,14 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
+from urllib.parse import unquote
 
 import numpy as np
 import torch
@@ -95,17 +98,25 @@ def compile_schema(schema: dict[str, Any]) -> str:
 
 @functools.lru_cache(maxsize=COMPILED_SCHEMAS)
 def compile_grammar(lark: str) -> str:
-    """The grammar llguidance runs for Lark text; ValueError naming what is wrong with it."""
-    return _checked("grammar: not a grammar", lambda llg: llg.LLMatcher.grammar_from_lark(lark))
+    """The grammar llguidance runs for Lark text; ValueError naming what is wrong with it. The
+    schemas it embeds (`%json {...}`: a tool's call, its arguments) are checked as
+    `compile_schema` checks one."""
+    what = "grammar: not a grammar"
+    grammar = _checked(what, lambda llg: llg.LLMatcher.grammar_from_lark(lark))
+    for schema in _embedded_schemas(lark):
+        _refuse_empty_cycles(what, schema)
+    return grammar
 
 
 @functools.lru_cache(maxsize=COMPILED_SCHEMAS)
 def _compile(text: str) -> str:
     """`compile_schema` of a schema's JSON text (a refusal raises, and is not cached)."""
-    return _checked(
-        "json_schema: not a JSON schema",
-        lambda llg: llg.LLMatcher.grammar_from_json_schema(text, defaults=LAYOUT),
+    what = "json_schema: not a JSON schema"
+    grammar = _checked(
+        what, lambda llg: llg.LLMatcher.grammar_from_json_schema(text, defaults=LAYOUT)
     )
+    _refuse_empty_cycles(what, json.loads(text))
+    return grammar
 
 
 def _checked(what: str, build: Callable[[Any], str]) -> str:
@@ -120,6 +131,255 @@ def _checked(what: str, build: Callable[[Any], str]) -> str:
     if problem:
         raise ValueError(f"{what} kvguard can serve: {problem}")
     return grammar
+
+
+# -- cycles of references that match no value ---------------------------------------------
+# llguidance compiles a schema whose `$ref`s only lead back to one another (`A -> B -> A`, `#`
+# alone, an object requiring a property that is the object again) without a word; its matcher
+# then allows nothing but the answer's end where such a value would begin: an empty answer, or
+# a tool call cut off at its arguments, each with `stop`. Refused here instead, naming the cycle.
+
+_DATA = frozenset({"const", "enum", "default", "examples"})  # JSON data, not schemas
+_NAMED = frozenset({"properties", "patternProperties", "dependentSchemas"})  # name -> schema
+_DEFS = frozenset({"$defs", "definitions"})  # schemas that apply only where a $ref names them
+_EMBEDDED = re.compile(r"%json\s*(?=\{)")  # a schema in Lark text (llguidance's dialect)
+_MISSING = object()
+
+Key = tuple[int, str]  # a local reference: its resource (the schema's id()), the pointer in it
+
+
+def _embedded_schemas(lark: str) -> Iterator[Any]:
+    """The JSON schemas Lark text embeds (`%json {...}`); text there that is not JSON is the
+    grammar library's to refuse."""
+    decoder = json.JSONDecoder()
+    for found in _EMBEDDED.finditer(lark):
+        try:
+            yield decoder.raw_decode(lark, found.end())[0]
+        except ValueError:
+            continue
+
+
+def _refuse_empty_cycles(what: str, schema: Any) -> None:
+    """ValueError naming a cycle of `$ref`s that `schema` reaches and that no JSON value
+    closes: the model could only begin such a value, never end it."""
+    try:
+        cycle = _References(schema).empty_cycle()
+    except RecursionError:  # deeper than this walk follows: the library's own checks stand
+        return
+    if len(cycle) > 8:  # a long one named by its start
+        cycle = [*cycle[:3], f"({len(cycle) - 4} more)", cycle[-1]]
+    if cycle:
+        raise ValueError(
+            f"{what} kvguard can serve: $ref cycle {' -> '.join(cycle)} matches no JSON "
+            "value: each of its schemas needs a value of the next, so none can end (make the "
+            "property or items holding one optional, or give it an alternative such as null)"
+        )
+
+
+@dataclass(slots=True)
+class _Target:
+    """A schema a `$ref` names, the resource its own references resolve in, and the
+    reference as first written (what a refusal shows)."""
+
+    node: Any
+    resource: Any
+    shown: str
+
+
+class _References:
+    """The local references (`#`, `#/...`) a schema reaches, and which of them no value
+    matches: a least fixpoint, as a grammar's productive symbols are found. A reference it
+    does not follow (an anchor, another document, a pointer through another `$id`'s resource)
+    counts as matching: only an empty cycle it sees is refused, never a schema that serves."""
+
+    def __init__(self, root: Any) -> None:
+        self._targets: dict[Key, _Target] = {}  # in the order they are reached
+        self._reach(root)
+
+    def empty_cycle(self) -> list[str]:
+        """The first cycle (references as written, the first again at the end) among the
+        references no value matches; [] when there is none."""
+        blocked = self._blocked()
+        ends_empty: set[Key] = set()  # leads to a schema empty on its own (`false`), not a cycle
+        for key in self._targets:
+            cycle = _cycle_from(key, blocked, ends_empty)
+            if cycle:
+                return [self._targets[k].shown for k in cycle]
+        return []
+
+    def _reach(self, root: Any) -> None:
+        stack = [(root, root)]
+        seen: set[int] = set()
+        while stack:
+            node, resource = stack.pop()
+            if not isinstance(node, dict) or id(node) in seen:
+                continue
+            seen.add(id(node))
+            resource = node if _own_id(node) else resource
+            target = self._follow(node.get("$ref"), resource)
+            if target is not None:
+                stack.append((target.node, target.resource))
+            stack.extend((part, resource) for part in _subschemas(node))
+
+    def _follow(self, ref: Any, resource: Any) -> _Target | None:
+        key = _key(ref, resource)
+        if key is None:
+            return None
+        if key not in self._targets:
+            node, within = _resolve(resource, key[1])
+            if node is _MISSING:
+                return None
+            self._targets[key] = _Target(node, within, ref)
+        return self._targets[key]
+
+    def _blocked(self) -> dict[Key, list[Key]]:
+        """Each reference no value matches, with those it waits on (first the one its first
+        failing part names; none when it is empty on its own, as `false` is)."""
+        matching: set[Key] = set()
+        blocked: dict[Key, list[Key]] = {}
+        waiting: dict[Key, list[Key]] = {}  # reference -> those to look at again once it matches
+        pending = list(reversed(self._targets))
+        while pending:
+            key = pending.pop()
+            if key in matching:
+                continue
+            target = self._targets[key]
+            needs = self._needs(target.node, target.resource, matching)
+            if needs is None:
+                matching.add(key)
+                blocked.pop(key, None)
+                pending.extend(waiting.pop(key, []))
+                continue
+            blocked[key] = needs
+            for other in needs:
+                waiting.setdefault(other, []).append(key)
+        return blocked
+
+    def _needs(self, node: Any, resource: Any, matching: set[Key]) -> list[Key] | None:
+        """None when some value matches `node`, the references in `matching` known to; else
+        the references it waits on ([]: it matches nothing whatever they match)."""
+        if node is False:
+            return []
+        if not isinstance(node, dict):
+            return None
+        resource = node if _own_id(node) else resource
+        key = _key(node.get("$ref"), resource)
+        if key in self._targets and key not in matching:
+            return [key]
+        for part in _conjuncts(node):
+            needs = self._needs(part, resource, matching)
+            if needs is not None:
+                return needs
+        for keyword in ("anyOf", "oneOf"):
+            needs = self._needs_any(node.get(keyword), resource, matching)
+            if needs is not None:
+                return needs
+        return None
+
+    def _needs_any(self, branches: Any, resource: Any, matching: set[Key]) -> list[Key] | None:
+        """`_needs` of alternatives: None when one matches, else what they all wait on."""
+        if not isinstance(branches, list):
+            return None
+        waits: list[Key] = []
+        for branch in branches:
+            needs = self._needs(branch, resource, matching)
+            if needs is None:
+                return None
+            waits += needs
+        return waits
+
+
+def _cycle_from(key: Key, blocked: dict[Key, list[Key]], ends_empty: set[Key]) -> list[Key]:
+    """The cycle reached from `key` by following, from each reference no value matches, the
+    first one it waits on; [] where that ends at a matching one or one empty on its own
+    (whose path is added to `ends_empty`, so no path is followed twice)."""
+    path: dict[Key, int] = {}  # reference -> its place on the path
+    while key not in path:
+        if not blocked.get(key) or key in ends_empty:
+            ends_empty.update(path)
+            return []
+        path[key] = len(path)
+        key = blocked[key][0]
+    return [*list(path)[path[key] :], key]
+
+
+def _key(ref: Any, resource: Any) -> Key | None:
+    """A local reference's key; None for one not followed (an anchor, another document)."""
+    if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
+        return None
+    return id(resource), unquote(ref[1:])
+
+
+def _own_id(node: dict[str, Any]) -> bool:
+    """Whether `node` is a resource of its own: its references resolve against it."""
+    own = node.get("$id")
+    return isinstance(own, str) and not own.startswith("#")  # draft 7's `#name` is an anchor
+
+
+def _resolve(resource: Any, pointer: str) -> tuple[Any, Any]:
+    """The schema at a JSON pointer ("/$defs/A") in `resource`, and the resource its own
+    references resolve in; _MISSING where there is none or the path passes through another
+    resource (an `$id` of its own) on the way."""
+    node = resource
+    for token in pointer.split("/")[1:]:
+        if node is not resource and isinstance(node, dict) and _own_id(node):
+            return _MISSING, None
+        token = token.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and token in node:
+            node = node[token]
+        elif isinstance(node, list) and token.isdigit() and int(token) < len(node):
+            node = node[int(token)]
+        else:
+            return _MISSING, None
+    return node, node if isinstance(node, dict) and _own_id(node) else resource
+
+
+def _subschemas(node: dict[str, Any]) -> Iterator[Any]:
+    """The schemas in `node` that apply to it or to its values; not its definitions, which
+    apply only where a reference names them."""
+    for keyword, value in node.items():
+        if keyword in _DATA or keyword in _DEFS:
+            continue
+        if keyword in _NAMED and isinstance(value, dict):
+            yield from value.values()
+        elif isinstance(value, list):
+            yield from value
+        elif isinstance(value, dict):
+            yield value
+
+
+def _conjuncts(node: dict[str, Any]) -> Iterator[Any]:
+    """The schemas every value matching `node` holds a match of: `allOf`'s, the required
+    properties', the items `minItems` asks for, and `contains`'."""
+    all_of = node.get("allOf")
+    if isinstance(all_of, list):
+        yield from all_of
+    properties, required = node.get("properties"), node.get("required")
+    if isinstance(properties, dict) and isinstance(required, list):
+        yield from (properties[n] for n in required if isinstance(n, str) and n in properties)
+    yield from _required_items(node)
+    if "contains" in node and _count(node.get("minContains", 1)) >= 1:
+        yield node["contains"]
+
+
+def _required_items(node: dict[str, Any]) -> Iterator[Any]:
+    """The item schemas an array matching `node` must hold a value of (`minItems`)."""
+    least = _count(node.get("minItems", 0))
+    if least <= 0:
+        return
+    prefix, rest = node.get("prefixItems"), node.get("items")
+    if not isinstance(prefix, list):  # before 2020-12, a list of `items` is the prefix
+        prefix, rest = (rest, node.get("additionalItems")) if isinstance(rest, list) else ([], rest)
+    yield from prefix[:least]
+    if least > len(prefix) and rest is not None:
+        yield rest
+
+
+def _count(value: Any) -> int:
+    """A keyword's count (`minItems`); 0 where it is not a number of at least 1."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 1:
+        return 0  # (NaN too)
+    return int(min(value, 2**31))
 
 
 class Grammars:
@@ -188,12 +448,27 @@ class Grammars:
         matcher = _llguidance().LLMatcher(self.view(), grammar, log_level=0)
         if matcher.is_error():
             raise ValueError(f"{field}: not one kvguard can serve: {matcher.get_error()}")
+        if self._only_ends(matcher):
+            raise ValueError(
+                f"{field}: not one kvguard can serve: it matches no text, so every answer "
+                "would end at once, empty (look for rules or definitions that only name "
+                "one another)"
+            )
         with self._templates_lock:
             self._templates[grammar] = matcher
             self._templates.move_to_end(grammar)
             while len(self._templates) > MATCHER_TEMPLATES:
                 self._templates.popitem(last=False)
         return matcher
+
+    def _only_ends(self, matcher: Any) -> bool:
+        """Whether a fresh matcher allows nothing but an end-of-sequence token: the grammar
+        matches no text (llguidance builds one whose rules only name one another, `a: b`,
+        `b: a`, without an error, and says so only at its first mask). Asked of a copy: the
+        mask puts the matcher in error."""
+        words = np.frombuffer(matcher.deep_copy().compute_bitmask(), dtype=np.uint8)
+        allowed = np.flatnonzero(np.unpackbits(words, bitorder="little")[: self._vocab])
+        return allowed.size > 0 and set(allowed.tolist()) <= set(self._eos)
 
 
 def _compiled(params: SamplingParams) -> tuple[str, str]:

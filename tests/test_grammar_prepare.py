@@ -1,6 +1,7 @@
 """A grammar's matcher is built once, off the engine thread, and each request (each choice of
-`n`) gets an independent copy; and tool parameters holding anchors (`#foo`) or resources of
-their own (`$id`) are served as `response_format` serves them. On the tiny model, in process."""
+`n`) gets an independent copy; a grammar that matches no text is refused where it is built;
+and tool parameters holding anchors (`#foo`) or resources of their own (`$id`) are served as
+`response_format` serves them. On the tiny model, in process."""
 
 from __future__ import annotations
 
@@ -166,6 +167,23 @@ def test_kept_matchers_are_bounded_least_recently_used_dropped(
     assert len(stub.builds) == len(asks)  # kept
     engine.grammars.prepare(asks[0])
     assert len(stub.builds) == len(asks) + 1  # the least recently used, dropped
+
+
+def test_a_grammar_that_matches_no_text_is_refused_where_its_matcher_is_built(
+    engine: LLMEngine,
+) -> None:
+    """Rules that only name one another compile without an error, and a fresh matcher of
+    them allows only the answer's end: refused when prepared and when added (nothing queued),
+    not answered empty with `stop`. One way out is enough to serve it."""
+    empty = SamplingParams(max_tokens=4, grammar="start: a\na: b\nb: a")
+    with pytest.raises(ValueError, match="grammar: .*matches no text"):
+        engine.grammars.prepare(empty)
+    with pytest.raises(ValueError, match="grammar: .*matches no text"):
+        engine.add_request("Hi", empty)
+    assert not engine.has_unfinished()
+    way_out = dataclasses.replace(empty, grammar='start: "x" | a\na: b\nb: a')
+    (out,) = engine.generate(["Hi"], [way_out])
+    assert (out.text, out.finish_reason) == ("x", "stop")
 
 
 def test_copies_of_a_matcher_do_not_share_their_place(engine: LLMEngine) -> None:

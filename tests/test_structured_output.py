@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import httpx
@@ -18,6 +19,7 @@ from kvguard.engine.admission_policy import AdmissionRejected
 from kvguard.engine.model_runner import StepInput
 from kvguard.engine.sampler import adjust_logits
 from kvguard.engine.sequence import Status
+from kvguard.engine.structured import compile_schema
 from kvguard.kernels import cpu_lowbit
 from kvguard.kernels.cpu_lowbit import StepRows
 from tests.test_server import Daemon
@@ -161,6 +163,121 @@ def nested(depth: int) -> dict[str, Any]:
     return schema
 
 
+# A's value is B's, and B's is A's: a schema the grammar library compiles without a word,
+# whose matcher then allows only the answer's end (an empty answer, with `stop`)
+CYCLE = {"$defs": {"A": {"$ref": "#/$defs/B"}, "B": {"$ref": "#/$defs/A"}}, "$ref": "#/$defs/A"}
+TREE = {
+    "type": "object",
+    "properties": {"children": {"type": "array", "items": {"$ref": "#"}, "maxItems": 2}},
+    "additionalProperties": False,
+}
+LIST = {
+    "$defs": {
+        "Node": {
+            "type": "object",
+            "properties": {
+                "v": {"type": "integer", "minimum": 0, "maximum": 9},
+                "next": {"anyOf": [{"$ref": "#/$defs/Node"}, {"type": "null"}]},
+            },
+            "required": ["v", "next"],
+            "additionalProperties": False,
+        }
+    },
+    "$ref": "#/$defs/Node",
+}
+
+
+@pytest.mark.parametrize(
+    ("schema", "cycle"),
+    [
+        (CYCLE, "#/$defs/A -> #/$defs/B -> #/$defs/A"),
+        ({"allOf": [{"$ref": "#"}]}, "# -> #"),
+        # an object that requires itself, an array that needs an item that is the array
+        ({"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}, "# -> #"),
+        ({"type": "array", "items": {"$ref": "#"}, "minItems": 1}, "# -> #"),
+        ({"type": "array", "prefixItems": [{"type": "integer"}, {"$ref": "#"}], "minItems": 2},
+         "# -> #"),
+        ({"$defs": {"P": {"type": "object", "properties": {"q": {"$ref": "#/$defs/Q"}},
+                          "required": ["q"]},
+                    "Q": {"type": "object", "properties": {"p": {"$ref": "#/$defs/P"}},
+                          "required": ["p"]}},
+          "$ref": "#/$defs/P"}, "#/$defs/P -> #/$defs/Q -> #/$defs/P"),
+        # a long cycle is named by its start
+        ({"$defs": {f"D{i}": {"$ref": f"#/$defs/D{(i + 1) % 20}"} for i in range(20)},
+          "$ref": "#/$defs/D0"}, "#/$defs/D0 -> #/$defs/D1 -> #/$defs/D2 -> (17 more) -> #/$defs/D0"),
+        # where a value could be begun: an optional property, one alternative of two
+        ({"type": "object", "properties": {"x": {"$ref": "#/$defs/A"}}, "$defs": CYCLE["$defs"]},
+         "#/$defs/A -> #/$defs/B -> #/$defs/A"),
+        ({"anyOf": [{"type": "integer"}, {"$ref": "#/$defs/A"}], "$defs": CYCLE["$defs"]},
+         "#/$defs/A -> #/$defs/B -> #/$defs/A"),
+        # inside a resource of its own: its references resolve there
+        ({"type": "object", "required": ["r"], "properties": {"r": {
+            "$id": "urn:kvguard:r", "$ref": "#/$defs/A", "$defs": CYCLE["$defs"]}}},
+         "#/$defs/A -> #/$defs/B -> #/$defs/A"),
+    ],
+)  # fmt: skip
+def test_a_cycle_of_references_no_value_matches_is_refused(
+    schema: dict[str, Any], cycle: str
+) -> None:
+    """Refused with the cycle named, before any matcher is built (the grammar library
+    compiles each of these without a word)."""
+    says = f"json_schema: .*\\$ref cycle {re.escape(cycle)} matches no JSON value"
+    with pytest.raises(ValueError, match=says):
+        compile_schema(schema)
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        TREE,
+        LIST,
+        {"type": "array", "items": {"$ref": "#"}},  # [] ends it
+        {"anyOf": [{"$ref": "#"}, {"type": "integer"}]},
+        {"type": "object", "properties": {"a": {"$ref": "#"}}},  # {} ends it
+        {"type": "integer", "$defs": CYCLE["$defs"]},  # a cycle nothing refers to
+        {"type": "object", "properties": {"x": False}},  # x may not be there
+        {"$ref": "#/$defs/A", "$defs": {"A": {"$anchor": "a", "$ref": "#b"},
+                                        "B": {"$anchor": "b", "type": "null"}}},
+    ],
+)  # fmt: skip
+def test_recursive_schemas_with_a_way_out_are_served(schema: dict[str, Any]) -> None:
+    assert compile_schema(schema)
+
+
+def is_tree(value: Any) -> bool:
+    children = value.get("children", []) if isinstance(value, dict) else None
+    return (
+        isinstance(children, list)
+        and set(value) <= {"children"}
+        and len(children) <= 2
+        and all(is_tree(c) for c in children)
+    )
+
+
+def is_list(value: Any) -> bool:
+    return (
+        isinstance(value, dict)
+        and set(value) == {"v", "next"}
+        and type(value["v"]) is int
+        and 0 <= value["v"] <= 9
+        and (value["next"] is None or is_list(value["next"]))
+    )
+
+
+def test_the_api_serves_recursive_schemas(tiny_daemon: Daemon) -> None:
+    """A tree, a linked list: answered 200 with JSON that matches, closed by the grammar."""
+    c = tiny_daemon.client()
+    for name, schema, valid in (("tree", TREE, is_tree), ("list", LIST, is_list)):
+        fmt = {"type": "json_schema", "json_schema": {"name": name, "schema": schema}}
+        for seed in range(3):
+            r = c.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=200,
+                temperature=1.0, seed=seed, response_format=fmt,
+            )  # fmt: skip
+            text = r.choices[0].message.content
+            assert r.choices[0].finish_reason == "stop" and valid(json.loads(text)), text
+
+
 class Answer(BaseModel):
     ok: bool
     n: int
@@ -232,6 +349,21 @@ def test_the_api_serves_response_format(tiny_daemon: Daemon) -> None:
         ({"type": "json_schema", "json_schema": {"name": "bad name", "schema": {}}}, "name"),
         ({"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "extra": 1}},
          "extra"),
+        # definitions that only refer to one another: no JSON value is one (it compiles)
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": CYCLE}},
+         "$ref cycle #/$defs/A -> #/$defs/B -> #/$defs/A matches no JSON value"),
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}},
+         "$ref cycle # -> # matches no JSON value"),
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "object", "properties": {"x": {"$ref": "#/$defs/A"}},
+            "$defs": CYCLE["$defs"]}}}, "$ref cycle #/$defs/A -> #/$defs/B"),
+        # unsatisfiable in other ways: refused by the grammar library, in its words
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}}, "not"),
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "allOf": [{"type": "string"}, {"type": "integer"}]}}}, "incompatible types"),
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "object", "properties": {"x": {"anyOf": []}}, "required": ["x"]}}},
+         "required property 'x' is unsatisfiable"),
     ],
 )  # fmt: skip
 def test_the_api_refuses_a_bad_response_format(

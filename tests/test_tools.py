@@ -343,6 +343,59 @@ def test_required_and_named_choices_answer_with_valid_calls(daemon: Daemon) -> N
     _valid(call.function.name, call.function.arguments)
 
 
+# parameters whose definitions only refer to one another: no arguments are a value of them
+CYCLIC = {
+    "type": "object",
+    "properties": {"x": {"$ref": "#/$defs/A"}},
+    "required": ["x"],
+    "$defs": {"A": {"$ref": "#/$defs/B"}, "B": {"$ref": "#/$defs/A"}},
+}
+# parameters holding themselves, each level optional: a tree of any depth
+TREE = {
+    "type": "object",
+    "properties": {"v": {"type": "integer", "minimum": 0, "maximum": 9}, "child": {"$ref": "#"}},
+    "required": ["v"],
+    "additionalProperties": False,
+}
+
+
+def _tool(name: str, parameters: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
+def _is_tree(value: Any) -> bool:
+    return (
+        isinstance(value, dict)
+        and set(value) in ({"v"}, {"v", "child"})
+        and type(value["v"]) is int
+        and 0 <= value["v"] <= 9
+        and ("child" not in value or _is_tree(value["child"]))
+    )
+
+
+@pytest.mark.parametrize("mode", ["required", "auto"])
+def test_parameters_no_arguments_match_are_a_400_naming_tools(daemon: Daemon, mode: str) -> None:
+    """A cycle of references in a tool's parameters (it compiles) is refused before anything
+    is queued, not answered with a call cut off at its arguments and `stop`."""
+    fns = [WEATHER, _tool("f", CYCLIC)]
+    with pytest.raises(openai.BadRequestError) as e:
+        _chat(daemon, tools=fns, tool_choice=mode)
+    assert e.value.body["param"] == "tools", e.value.body
+    assert "$defs/A -> " in e.value.message and "matches no JSON value" in e.value.message
+
+
+def test_recursive_parameters_are_served(daemon: Daemon) -> None:
+    """Parameters that hold themselves where a value may end are called with arguments that
+    parse and match them."""
+    r = _chat(
+        daemon, tools=[_tool("tree", TREE)], tool_choice="required", parallel_tool_calls=False,
+        temperature=1.0, seed=0,
+    )  # fmt: skip
+    assert r.choices[0].finish_reason == "tool_calls", r.choices[0].message.content
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "tree" and _is_tree(json.loads(call.function.arguments))
+
+
 def test_a_streamed_call_is_the_answer_s_call(daemon: Daemon) -> None:
     """Streamed, the calls are the whole answer's; a chunk holds at most one entry a call (its
     head carries the first of its arguments where they came with it), as OpenAI's do, so a

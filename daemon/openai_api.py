@@ -33,7 +33,6 @@ from kvguard.daemon.openai_schemas import (
     DEFAULT_CHAT_MAX_TOKENS,
     DEFAULT_COMPLETION_MAX_TOKENS,
     ChatCompletionRequest,
-    ChatMessage,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
@@ -174,7 +173,7 @@ def router(service: Service) -> APIRouter:
     ) -> Any:
         if (problem := body.tool_problem()) is not None:
             raise ApiError(400, problem[1], problem[0])
-        await _off_loop(request, _special_in_messages, service, body.messages)
+        await _off_loop(request, _special_in_messages, service, body)
         msgs, params = await _off_loop(request, _chat_input, service, body)
         mode = body.tool_mode()
         if mode is not None:  # the answer held to the call form (the tools are in `msgs`)
@@ -199,7 +198,7 @@ def router(service: Service) -> APIRouter:
         if body.messages is not None:
             if (problem := body.tool_problem()) is not None:
                 raise ApiError(400, problem[1], problem[0])
-            await _off_loop(request, _special_in_messages, service, body.messages)
+            await _off_loop(request, _special_in_messages, service, body)
             msgs = await _off_loop(request, _chat_messages, body)
             text = await _off_loop(request, _render_chat, service, msgs)
             special = bool(body.add_special_tokens)
@@ -452,41 +451,92 @@ def _for_template(messages: Sequence[Any]) -> list[dict[str, str]]:
     return [m.for_template() for m in messages]
 
 
-def _special_in_messages(service: Service, messages: Sequence[ChatMessage] | None) -> None:
-    """With `api.special_tokens_in_messages: refuse`, a 400 for a message whose text holds a
-    special token's text: the rendered prompt is encoded with special tokens matched (as the
-    chat template's own markers must be), so a user's `<|im_end|>` would close its turn and
-    a `<|im_start|>system` open a forged one. Every text of a message the template renders is
-    checked, whatever its role: content (or its text parts), name, tool calls' arguments."""
-    if service.cfg.api.special_tokens_in_messages != "refuse" or not messages:
+def _special_in_messages(service: Service, body: ChatCompletionRequest | TokenizeRequest) -> None:
+    """With `api.special_tokens_in_messages: refuse`, a 400 for a request whose messages or
+    tools write a special token's text into the prompt: the rendered prompt is encoded with
+    special tokens matched (as the chat template's own markers must be), so a user's
+    `<|im_end|>` would close its turn and a `<|im_start|>system` open a forged one. The texts
+    are checked as the template is given them, whatever the role: content with its text parts
+    joined (a token split over two parts is whole there), name, tool calls with their
+    arguments written anew (`\\u003c` is `<` there), and the tools described in the system
+    message. A hit that touches no field is kvguard's own (`<tool_call>` is a special token
+    of some tokenizers); the template's own text around the messages is not checked."""
+    if service.cfg.api.special_tokens_in_messages != "refuse" or not body.messages:
         return
     found = _special_tokens(service.engine.tokenizer)[1]
     if found is None:  # the tokenizer has none
         return
-    for i, m in enumerate(messages):
-        texts: list[tuple[str, str | None]] = [(f"messages[{i}].name", m.name)]
-        if isinstance(m.content, list):
-            texts += [
-                (f"messages[{i}].content[{j}].text", p["text"]) for j, p in enumerate(m.content)
-            ]
-        else:
-            texts.append((f"messages[{i}].content", m.content))
-        for j, call in enumerate(m.tool_calls or ()):
-            texts.append(
-                (f"messages[{i}].tool_calls[{j}].function.arguments", call.function.arguments)
-            )
-        for param, text in texts:
-            hit = found.search(text) if text else None
+    for message in _template_pieces(body):
+        for key in ("name", "content"):
+            hit = _field_hit(found, message.get(key, ()))
             if hit is not None:
-                raise ApiError(
-                    400,
-                    f"{param} holds the special token {hit.group()!r} (at character "
-                    f"{hit.start()}): this server refuses control tokens written in messages "
-                    "(api.special_tokens_in_messages: refuse); the chat template would read it "
-                    "as one",
-                    param,
-                    "special_token_in_message",
-                )
+                raise _special_in_message(*hit)
+
+
+def _template_pieces(body: ChatCompletionRequest | TokenizeRequest) -> list[dict[str, Any]]:
+    """`_chat_messages` with the texts as pieces marked with their fields."""
+    msgs = [m.template_pieces(f"messages[{i}]") for i, m in enumerate(body.messages or ())]
+    mode = body.tool_mode()
+    if mode is not None:
+        msgs = tools.with_tools_pieces(msgs, body.tool_functions(), mode, body.parallel())
+    return msgs
+
+
+def _field_hit(
+    found: re.Pattern[str], pieces: Sequence[tools.Piece]
+) -> tuple[re.Match[str], list[tuple[tools.Piece, int]]] | None:
+    """The first special token's text in the joined pieces that a request field is part of,
+    and the field pieces it spans, each with where it starts in the text. The hits come in
+    order, so the pieces are walked once, however many hits are kvguard's own."""
+    k = start = 0  # the piece the walk is at, and where it starts
+    for hit in found.finditer(tools.joined(pieces)):
+        while start + len(pieces[k].text) <= hit.start():
+            start += len(pieces[k].text)
+            k += 1
+        spanned, j, at = [], k, start
+        while at < hit.end():
+            if pieces[j].field is not None and pieces[j].text:
+                spanned.append((pieces[j], at))
+            at += len(pieces[j].text)
+            j += 1
+        if spanned:
+            return hit, spanned
+    return None
+
+
+def _special_in_message(hit: re.Match[str], spanned: list[tuple[tools.Piece, int]]) -> ApiError:
+    """The 400 for a special token's text that touches the fields `spanned`: it names the one
+    field holding them all (`messages[0].content` for two of its text parts)."""
+    fields = list(dict.fromkeys(str(p.field) for p, _ in spanned))
+    piece, at = spanned[0]
+    if len(spanned) > 1:
+        where = f"across {' and '.join(fields)}, as the prompt joins them"
+    elif not at <= hit.start() <= hit.end() <= at + len(piece.text):
+        where = "where the prompt writes it next to kvguard's own text"
+    elif not piece.as_sent:
+        where = "in the JSON the prompt writes of it (its escapes read: \\u003c is <)"
+    else:
+        where = f"(at character {hit.start() - at})"
+    param = _enclosing(fields)
+    return ApiError(
+        400,
+        f"{param} holds the special token {hit.group()!r} {where}: this server refuses control "
+        "tokens written in messages and tools (api.special_tokens_in_messages: refuse); the "
+        "chat template would read it as one: leave it out",
+        param,
+        "special_token_in_message",
+    )
+
+
+def _enclosing(fields: list[str]) -> str:
+    """The field holding all of `fields`: their longest common path."""
+    paths = [re.findall(r"\[\d+\]|[^.[]+", f) for f in fields]
+    common = paths[0]
+    for path in paths[1:]:
+        same = [a == b for a, b in zip(common, path, strict=False)]
+        common = common[: same.index(False) if False in same else len(same)]
+    dotted = "".join(c if c.startswith("[") else "." + c for c in common)
+    return dotted.removeprefix(".") or "messages"
 
 
 def _outside(tokens: list[int], vocab: int) -> list[int]:

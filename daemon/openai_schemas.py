@@ -648,27 +648,41 @@ class ChatMessage(_Body):
             )
         return self
 
-    def text(self) -> str:
-        if self.content is None or isinstance(self.content, str):
-            return self.content or ""
-        return "".join(part["text"] for part in self.content)
-
     def for_template(self) -> dict[str, str]:
         """What the chat template sees: role, text, and the participant's name if given. An
         assistant turn's tool calls are written as the model writes them, and a tool turn is a
         user turn holding its result (see daemon/tools.py)."""
-        role, content = self.role, self.text()
+        pieces = self.template_pieces("message")
+        return {k: v if isinstance(v, str) else tools.joined(v) for k, v in pieces.items()}
+
+    def template_pieces(self, field: str) -> dict[str, Any]:
+        """`for_template` with its texts (content, name) as pieces, each marked with the field
+        of the request it holds (this message's is `field`): a check of the joined text names
+        the field a hit touches, a text part's or a call's arguments'."""
+        role, content = self.role, self._content_pieces(field)
         if self.tool_calls:
-            calls = [(c.function.name, c.function.arguments) for c in self.tool_calls]
+            calls = [
+                (c.function.name, c.function.arguments, f"{field}.tool_calls[{j}].function")
+                for j, c in enumerate(self.tool_calls)
+            ]
             content = tools.render_calls(content, calls)
         if role == "tool":
             role, content = "user", tools.render_result(content)
         elif role == "developer":  # OpenAI's successor to system, which templates know
             role = "system"
-        out = {"role": role, "content": content}
+        out: dict[str, Any] = {"role": role, "content": content}
         if self.name is not None:
-            out["name"] = self.name
+            out["name"] = [tools.Piece(self.name, f"{field}.name")]
         return out
+
+    def _content_pieces(self, field: str) -> list[tools.Piece]:
+        """The message's text: its text parts joined as they come (a template reads one text)."""
+        if self.content is None or isinstance(self.content, str):
+            return [tools.Piece(self.content or "", f"{field}.content")]
+        return [
+            tools.Piece(part["text"], f"{field}.content[{j}].text")
+            for j, part in enumerate(self.content)
+        ]
 
 
 # a chat request's tools, declared alike on the requests that take them (chat completions, and

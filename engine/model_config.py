@@ -154,7 +154,9 @@ class ModelConfig:
         try:
             data = json.loads(cfg.read_text())
         except FileNotFoundError as e:
-            raise ModelLoadError(f"{cfg}: missing; a model directory needs config.json") from e
+            raise ModelLoadError(
+                f"{cfg}: missing; a model directory needs config.json{cache_remedy(cfg)}"
+            ) from e
         except json.JSONDecodeError as e:
             raise ModelLoadError(f"{cfg}: not valid JSON ({e}){cache_remedy(cfg)}") from e
         try:

@@ -23,7 +23,7 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
-from kvguard.engine.model_config import ModelLoadError
+from kvguard.engine.model_config import ModelLoadError, cache_remedy
 
 # encode_within: the first prefix tried holds this many characters a token of the limit (few
 # tokens are longer), and a prefix is over the limit only by more than PREFIX_SLACK tokens
@@ -103,11 +103,15 @@ class Tokenizer:
         path = Path(path)
         file = path / "tokenizer.json"
         if not file.is_file():
-            raise ModelLoadError(f"{file}: missing; a model directory needs tokenizer.json")
+            raise ModelLoadError(
+                f"{file}: missing; a model directory needs tokenizer.json{cache_remedy(file)}"
+            )
         try:
             backend = HFTokenizer.from_file(str(file))
         except Exception as e:  # the Rust parser raises plain Exception on bad JSON
-            raise ModelLoadError(f"{file}: not a valid tokenizer.json ({e})") from e
+            raise ModelLoadError(
+                f"{file}: not a valid tokenizer.json ({e}){cache_remedy(file)}"
+            ) from e
         config = _special_tokens_map(path, read_json(path / "tokenizer_config.json"))
         model = read_json(path / "config.json")
         config = _llama_class_roles(path, config, model, backend)
@@ -280,9 +284,9 @@ def read_json(file: Path) -> dict[str, Any]:
     try:
         data = json.loads(file.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ModelLoadError(f"{file}: not valid JSON ({e})") from e
+        raise ModelLoadError(f"{file}: not valid JSON ({e}){cache_remedy(file)}") from e
     if not isinstance(data, dict):
-        raise ModelLoadError(f"{file}: expected a JSON object")
+        raise ModelLoadError(f"{file}: expected a JSON object{cache_remedy(file)}")
     return data
 
 

@@ -241,7 +241,13 @@ def tokenizer_config(spec: BpeSpec | SentencePieceSpec) -> dict[str, Any]:
 
 
 def write_tokenizer_files(spec: BpeSpec | SentencePieceSpec, out_dir: Path) -> None:
-    """Write tokenizer.json and tokenizer_config.json into out_dir (deterministic bytes)."""
-    build_tokenizer(spec).save(str(out_dir / "tokenizer.json"), pretty=False)
-    text = json.dumps(tokenizer_config(spec), indent=2, sort_keys=True, ensure_ascii=False)
-    (out_dir / "tokenizer_config.json").write_text(text + "\n", encoding="utf-8")
+    """Write tokenizer.json and tokenizer_config.json into out_dir (deterministic bytes).
+
+    Python writes tokenizer.json (the same bytes as `Tokenizer.save`, which writes `to_str`):
+    the Rust writer reports a full disk as a plain Exception, not an OSError, which the
+    conversion's callers let through as a traceback and exit 1, and a service manager then
+    restarted into the same failing conversion."""
+    tokenizer = build_tokenizer(spec).to_str(pretty=False)
+    (out_dir / "tokenizer.json").write_bytes(tokenizer.encode("utf-8"))
+    config = json.dumps(tokenizer_config(spec), indent=2, sort_keys=True, ensure_ascii=False)
+    (out_dir / "tokenizer_config.json").write_text(config + "\n", encoding="utf-8")

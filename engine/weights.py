@@ -189,7 +189,7 @@ def safetensors_files(path: Path) -> list[Path]:
             log.warning("%s: not read, as %s does not name them: %s", path, INDEX_FILE, stray)
         files = sorted(shards)
     if not files:
-        raise ModelLoadError(f"{path}: no *.safetensors weight file")
+        raise ModelLoadError(f"{path}: no *.safetensors weight file{cache_remedy(path)}")
     return files
 
 

@@ -320,6 +320,9 @@ class MonitoringConfig(_Section):
         return v
 
 
+MIN_REQUEST_READ_TIMEOUT = 1.0  # seconds: below it a typo ('20ms' for '20s') cuts slow links
+
+
 class ApiConfig(_Section):
     """The HTTP listener. Loopback by default: exposing a model server is a deliberate act."""
 
@@ -338,11 +341,18 @@ class ApiConfig(_Section):
     # The largest body /v1/*, /tokenize and /detokenize take (413 above it, read no further):
     # 256 prompts of 4096 tokens as id lists are about 8 MiB. Read at start only.
     max_request_bytes: Size = 16 * 2**20
+    # How long a client may take to send a request: its request line and headers whole (from
+    # its first byte; a new connection's first request from the connect), and each pause in
+    # its body. Past it the connection is closed: one that never finishes its request would
+    # hold a file descriptor for ever, and a thousand of them leave the daemon none to accept
+    # with. Idle keep-alive connections close after 5 s, as before. Read at start only.
+    request_read_timeout: Duration = 20.0
     served_model_name: str | None = Field(None, min_length=1)
     # A special token's text written in a chat message (`<|im_end|>`, `<|im_start|>system`)
     # becomes that control token, as Hugging Face's templates and other servers make it: a
-    # client can close its turn and open another. refuse: such a message answers 400 naming
-    # the field and the token. A reload applies it.
+    # client can close its turn and open another. refuse: a request whose messages or tools
+    # write one into the prompt (checked as the template is given them) answers 400 naming the
+    # field and the token. A reload applies it.
     special_tokens_in_messages: Literal["allow", "refuse"] = "allow"
     # auto: a request that leaves temperature, top_p, top_k or max_tokens out gets the model's
     # own default from its generation_config.json, as transformers' generate() and vLLM take
@@ -352,6 +362,17 @@ class ApiConfig(_Section):
     # /admin/debug/* (stall the engine, inject OOMs) for tests and benchmarks; off, they are 404.
     # Read at start only: a reload does not mount or unmount them.
     debug_hooks: bool = False
+
+    @field_validator("request_read_timeout")
+    @classmethod
+    def _read_timeout_bound(cls, v: float) -> float:
+        """At least MIN_REQUEST_READ_TIMEOUT: a client on a slow or busy link needs time to
+        send its headers, and a unit typo would close every connection that does."""
+        if v < MIN_REQUEST_READ_TIMEOUT:
+            raise ValueError(
+                f"{v:g}s is too short (expected at least {MIN_REQUEST_READ_TIMEOUT:g}s)"
+            )
+        return v
 
     def admin_token_path(self) -> Path | None:
         """The token file to read, or None when the admin API is off."""

@@ -33,7 +33,17 @@ ROUTINE = {
 # that are not HTTP (a TLS hello from a client set to https://, a port scanner). Any client could
 # write thousands a second and use up journald's rate limit, which then drops kvguard's own
 # errors too: the first is logged, the rest counted in one line per BOUNDED_INTERVAL_S.
-BOUNDED = {"uvicorn.error": {"Invalid HTTP request received.": "invalid HTTP requests"}}
+# So is the daemon's line for a connection it cannot accept for want of a file descriptor
+# (service._report_accept_errors): asyncio retries each one, thousands of times a second.
+NOT_ACCEPTING = (
+    "the API cannot accept connections: %s (%d HTTP connections open, open files limit %d); "
+    "clients get no answer until some close: find the client holding them (ss -tn), or raise "
+    "LimitNOFILE= (systemctl edit kvguard)"
+)
+BOUNDED = {
+    "uvicorn.error": {"Invalid HTTP request received.": "invalid HTTP requests"},
+    "kvguard.daemon": {NOT_ACCEPTING: "failed accepts for want of a file descriptor"},
+}
 BOUNDED_INTERVAL_S = 60.0
 # uvicorn's logger, where it writes `Exception in ASGI application` with the traceback. When the
 # headers were HTTP but the body was not (a chunk size that is not a number), the headers have
@@ -144,13 +154,19 @@ def _peer() -> str | None:
         if frame is None:
             return None
         obj = frame.f_locals.get("self")
-        if type(obj).__module__.startswith("uvicorn.protocols."):
+        if _uvicorn_protocol(obj):
             client = getattr(obj, "client", None)
             if isinstance(client, tuple) and len(client) == 2:
                 return f"{client[0]}:{client[1]}"
             return None
         frame = frame.f_back
     return None
+
+
+def _uvicorn_protocol(obj: object) -> bool:
+    """Whether `obj` is a uvicorn connection: of its classes, or of a subclass (the daemon's
+    own, which adds read timeouts)."""
+    return any(c.__module__.startswith("uvicorn.protocols.") for c in type(obj).__mro__)
 
 
 class _JournalFormatter(logging.Formatter):

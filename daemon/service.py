@@ -11,6 +11,7 @@ import contextlib
 import ipaddress
 import logging
 import os
+import resource
 import signal
 import socket
 import sys
@@ -23,7 +24,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, NoReturn
 
+import h11
 import uvicorn
+from uvicorn.protocols.http.h11_impl import STATUS_PHRASES, H11Protocol
 
 from kvguard.daemon import gc_policy, sdnotify
 from kvguard.daemon.api_keys import ApiKeys, load_keys
@@ -41,7 +44,7 @@ from kvguard.daemon.config import (
     state_dir,
 )
 from kvguard.daemon.control_plane import ControlPlane
-from kvguard.daemon.logging_setup import configure_logging
+from kvguard.daemon.logging_setup import NOT_ACCEPTING, configure_logging
 from kvguard.daemon.metrics import ControlPlaneCollector, Metrics, TensorParallelCollector
 from kvguard.daemon.nvml import NvmlReader, engine_gpu_ids
 from kvguard.daemon.version import kvguard_version
@@ -92,6 +95,10 @@ RECONFIGURE_TIMEOUT_S = 30.0
 # A reload that applied nothing shows in the STATUS= line until the next good reload: its first
 # problem, cut to this many characters (the log has them all), so `systemctl status` stays legible.
 RELOAD_PROBLEM_CHARS = 200
+# A request's line and headers, at most (h11's default, said here so that the 431 can name it).
+MAX_HEADER_BYTES = 16 * 1024
+# asyncio's message when accept() fails for want of a file descriptor (or of memory)
+ACCEPT_OUT_OF_RESOURCE = "socket.accept() out of system resource"
 # what an operator's action withdrawn unapplied (the admin API's wait ran out) is audited with
 MANUAL_WITHDRAWN = (
     "withdrawn before it ran: the engine did not take it while the admin API waited (a long "
@@ -149,6 +156,161 @@ class _Server(uvicorn.Server):
             )
         for conn in unread:
             conn.transport.abort()
+
+
+class _TimedH11(H11Protocol):
+    """uvicorn's h11 protocol with the read timeouts of a server facing clients it cannot
+    trust. uvicorn times a connection only once idle after an answer (timeout_keep_alive, kept
+    as it is): one that never finished its request stayed open for ever, and a thousand of
+    them took every file descriptor the daemon had. Here a request's line and headers must
+    arrive whole within `read_timeout` of their first byte (of the connect, for a connection's
+    first request), else the client gets 408 (nothing, if it sent nothing) and the connection
+    is closed; and its body may pause no longer than that, else the connection is closed and
+    the app sees the client gone. Headers over MAX_HEADER_BYTES answer 431, and what the client
+    still sends is read before the close: closed with its bytes unread, the connection was
+    reset, and the client saw no answer at all."""
+
+    read_timeout = 20.0  # api.request_read_timeout: `timed_h11` sets it
+    # what the client owes while the timer runs (`_awaiting`), as the DEBUG line says it
+    OWED = {"headers": "its request", "body": "more of its body", "close": "it to hang up"}
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._read_timer: asyncio.TimerHandle | None = None
+        self._awaiting: str | None = None  # what the timer waits for: a key of OWED
+        self._refused = False  # answered 431: what the client still sends is dropped
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm("headers")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
+        super().data_received(data)
+        self._follow_request()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._follow_request()  # a request the client sent before the answer ended
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to what h11 could not parse: 431 where it is headers too long."""
+        if len(self.conn.trailing_data[0]) <= MAX_HEADER_BYTES:
+            super().send_400_response(msg)
+            return
+        self._answer(
+            431,
+            f"Request header fields too large: the request line and headers may take at most "
+            f"{MAX_HEADER_BYTES // 1024} KiB\n",
+        )
+        self._refused = True
+        self.transport.write_eof()  # the client's close then ends the connection
+        self._arm("close")
+
+    def _follow_request(self) -> None:
+        """Time what the client owes now: its request's headers (once they have begun), or its
+        body's next bytes; nothing while it waits for its answer or idles between requests
+        (uvicorn's keep-alive timeout)."""
+        if self._refused:
+            return
+        state = self.conn.their_state
+        if state is h11.SEND_BODY:
+            self._arm("body")  # each read: the body may pause, not stop
+        elif state is h11.IDLE:
+            begun = self._awaiting is not None or bool(self.conn.trailing_data[0])
+            if begun and self._awaiting != "headers":
+                self._arm("headers")
+        else:
+            self._disarm()
+
+    def _arm(self, awaiting: str) -> None:
+        self._disarm()
+        self._awaiting = awaiting
+        self._read_timer = self.loop.call_later(self.read_timeout, self._timed_out)
+
+    def _disarm(self) -> None:
+        if self._read_timer is not None:
+            self._read_timer.cancel()
+        self._read_timer, self._awaiting = None, None
+
+    def _timed_out(self) -> None:
+        """`read_timeout` passed with the client still owing what `_awaiting` says: close (not
+        logged above DEBUG: any client could write a line each)."""
+        awaiting, self._read_timer = self._awaiting, None
+        if self.transport.is_closing():
+            return
+        if awaiting == "body" and self._not_the_clients_pause():
+            self._arm("body")
+            return
+        if awaiting == "headers" and self.conn.trailing_data[0]:
+            self._answer(408, f"Request timeout: no whole request within {self.read_timeout:g}s\n")
+        owed = self.OWED.get(awaiting or "", awaiting)
+        log.debug(
+            "closing %s's connection: waited %gs for %s", self.client, self.read_timeout, owed
+        )
+        self.transport.close()
+
+    def _not_the_clients_pause(self) -> bool:
+        """Whether the body stopped because of the daemon: it holds as much unread as uvicorn
+        buffers (the app has not asked for more), or the client waits for its 100 Continue."""
+        cycle = self.cycle
+        return self.flow.read_paused or (cycle is not None and cycle.waiting_for_100_continue)
+
+    def _answer(self, status: int, text: str) -> None:
+        """A plain-text answer that closes the connection, written before any request is whole."""
+        body = text.encode()
+        headers = [
+            (b"content-type", b"text/plain; charset=utf-8"),
+            (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close"),
+        ]
+        head = h11.Response(status_code=status, headers=headers, reason=STATUS_PHRASES[status])
+        for event in (head, h11.Data(data=body), h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event) or b"")
+
+
+def timed_h11(read_timeout: float) -> type[H11Protocol]:
+    """The protocol class uvicorn builds each connection with, timing reads at `read_timeout`."""
+    return type("TimedH11", (_TimedH11,), {"read_timeout": read_timeout})
+
+
+def _report_accept_errors(
+    server: uvicorn.Server,
+) -> Callable[[asyncio.AbstractEventLoop, dict[str, Any]], None]:
+    """The event loop's exception handler. With no file descriptor left, asyncio's accept loop
+    logs each failed accept() with a traceback, retrying until the backlog is empty: some
+    10,000 records a second, which buried the journal. One line says so instead, naming the
+    fix, and the next are counted once a minute (logging_setup.BOUNDED); every other error
+    goes to asyncio's own handler."""
+
+    def handle(aio: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        exc = context.get("exception")
+        if context.get("message") != ACCEPT_OUT_OF_RESOURCE or not isinstance(exc, OSError):
+            aio.default_exception_handler(context)
+            return
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        log.error(NOT_ACCEPTING, exc.strerror or exc, len(server.server_state.connections), soft)
+
+    return handle
+
+
+def raise_open_files_limit() -> None:
+    """The soft limit on open files raised to the hard one: each connection holds a
+    descriptor, and the soft default (1024, under systemd too) is kept low for programs that
+    still call select(), which kvguard does not (asyncio waits on epoll)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError) as e:
+            log.debug("open files limit: %d, not raised to %d: %s", soft, hard, e)
+            return
+    log.debug("open files limit: %d (was %d)", hard, soft)
 
 
 class KnobsNotApplied(RuntimeError):
@@ -508,10 +670,13 @@ class Service:
             ws="none",
             access_log=False,
             timeout_graceful_shutdown=CUT_GRACE_S,  # counted from the end of the cut
+            http=timed_h11(self.cfg.api.request_read_timeout),
+            h11_max_incomplete_event_size=MAX_HEADER_BYTES,
         )
         server = _Server(config, on_listening=self._listening)
         gc_policy.freeze_startup_heap()  # everything long-lived exists now (see gc_policy)
         aio = asyncio.get_running_loop()
+        aio.set_exception_handler(_report_accept_errors(server))
         for sig in (signal.SIGTERM, signal.SIGINT):
             aio.add_signal_handler(sig, self._on_stop_signal, sig, server)
         aio.add_signal_handler(signal.SIGHUP, self._on_sighup, aio)
@@ -1319,6 +1484,7 @@ def run(
     """Serve `cfg` (the file at `config_path` with the command line's `overrides` applied,
     which every reload applies again)."""
     configure_logging()
+    raise_open_files_limit()
     svc = Service(cfg, config_path, overrides)
     # Until serve() takes SIGHUP over, a reload has nothing to act on, and SIGHUP's default
     # action would kill the process in the middle of loading the model or migrating the DB.

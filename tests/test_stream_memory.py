@@ -236,9 +236,9 @@ def _byte_fallback_tokenizer() -> Tokenizer:
 
 
 def _utf8_shown(data: bytes, final: bool) -> str:
-    """`data` read as UTF-8 with U+FFFD for each byte that is no part of a character (Python's
-    errors="replace", as completions' logprobs place text), an unfinished last character left
-    out unless `final`."""
+    """`data` read as UTF-8 as Python's errors="replace" reads it (as completions' logprobs
+    place text): one U+FFFD for the bytes of a character that never completes, one for each
+    stray byte, an unfinished last character left out unless `final`."""
     return codecs.getincrementaldecoder("utf-8")(errors="replace").decode(data, final)
 
 

@@ -124,6 +124,16 @@ def test_units_stop_on_a_config_error_instead_of_restarting_into_it() -> None:
         assert any(line.startswith("Restart=") for line in settings), unit.name
 
 
+def test_unit_gives_the_daemon_descriptors_for_many_connections() -> None:
+    """Each HTTP connection holds a file descriptor: under systemd's default (1024 soft) a
+    thousand of them left the daemon unable to accept /health, the API or /admin."""
+    settings = [line.strip() for line in UNIT.read_text().splitlines()]
+    limits = [
+        line.removeprefix("LimitNOFILE=") for line in settings if line.startswith("LimitNOFILE=")
+    ]
+    assert limits and limits[-1].isdigit() and int(limits[-1]) >= 65536, limits
+
+
 def test_unit_does_not_forbid_writable_executable_memory() -> None:
     """PyTorch's CPU kernels are JIT-compiled; see the unit's comment on MemoryDenyWriteExecute."""
     settings = [line.strip() for line in UNIT.read_text().splitlines()]

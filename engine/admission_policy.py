@@ -19,8 +19,11 @@ its admitted requests lives: each request's ticket holds only its own part, the 
 prefix (a projected peak's share, worst case) and the overlap peak counts it with the member
 that runs longest. The prefix is found by equal prompts up to that block, not by longest
 common prefix: prompts that share only some leading blocks are each counted whole (a
-conservative plan). A member that does not share after all (swapped, recomputed, a cache
-dropped by a dtype switch) only costs the preemption the plan did not foresee.
+conservative plan). A live KV dtype switch drops the cache, and the sequences it converts never
+lend a block again (`Sequence.kv_converted`): their groups are sealed, held once by those members
+till the last ends but joined by no new request, which commits its prompt whole and starts a
+fresh group (`seal_converted_groups`). Any other member that does not share after all (swapped,
+recomputed) only costs the preemption the plan did not foresee.
 """
 
 from __future__ import annotations
@@ -63,9 +66,11 @@ class Ticket:
     shared_blocks: int = 0
 
 
-# a shared prompt prefix: its length in tokens and the hash of its tokens (two prefixes that
+# a shared prompt prefix: its length in tokens, the hash of its tokens (two prefixes that
 # collide would only be planned as one: admission's estimate, never what a request computes)
-GroupKey = tuple[int, int]
+# and its seal: 0 for the group new requests join, else the serial of a group a KV dtype
+# switch sealed (its members' blocks are never found again)
+GroupKey = tuple[int, int, int]
 
 
 @dataclass(slots=True)
@@ -86,6 +91,7 @@ class AdmissionPolicy:
         self.allow_rank: int | None = None  # halted: only priorities <= this get in
         self._tickets: dict[str, Ticket] = {}
         self._groups: dict[GroupKey, Group] = {}  # groups with an admitted member
+        self._seals = 0  # groups sealed so far: each sealed group's own key
         self._live: Callable[[], Iterable[Sequence]] = tuple
         # the batch's slots (`max_num_seqs`, which a remedy may change live; None: unbounded)
         self._slots: Callable[[], int | None] = lambda: None
@@ -282,9 +288,9 @@ class AdmissionPolicy:
         if not self.caching or seq.prompt_logprobs is not None:
             return None
         n = (len(seq.prompt_token_ids) - 1) // self.block_size * self.block_size
-        # (its length, its hash): hashed once here, not at every admission check, which
+        # (its length, its hash, joinable): hashed once here, not at every admission check, which
         # groups every live request (a long prompt's tokens are thousands)
-        return (n, hash(tuple(seq.prompt_token_ids[:n]))) if n > 0 else None
+        return (n, hash(tuple(seq.prompt_token_ids[:n])), 0) if n > 0 else None
 
     def _commitment(self, t: Ticket) -> int:
         """The blocks admitting `t` commits: its own, and its group's prefix if no admitted
@@ -309,6 +315,36 @@ class AdmissionPolicy:
             return t.projected_blocks
         del self._groups[t.group]
         return t.projected_blocks + g.blocks
+
+    def seal_converted_groups(self) -> None:
+        """The pool's KV dtype was switched: the cache is dropped and the live sequences that
+        had computed K/V (`kv_converted`) never register a block again, so a new request with
+        their prompt finds none of their blocks and computes its own copy. Left joinable, their
+        group would have it commit only its own tokens beside that copy (over-admission and
+        preemption, in the very pressure episode the switch is a remedy for). Each such group
+        is sealed under a key of its own: its members keep the prefix they committed once,
+        given back with the last of them, and no new request joins it. Its admitted members
+        yet to compute their prompt (not started, or recomputed) will compute the prefix
+        again beside it: they stay in the joinable group, whose prefix is committed anew."""
+        converted = {s.request_id for s in self._live() if s.kv_converted}
+        for key, group in list(self._groups.items()):
+            holders = group.members & converted
+            if key[2] == 0 and holders:
+                self._seal(key, group, holders)
+
+    def _seal(self, key: GroupKey, group: Group, holders: set[str]) -> None:
+        """Move `holders` (members of the joinable group `key`) to a sealed group holding the
+        committed prefix; members left behind commit the prefix again for their own copy."""
+        self._seals += 1
+        sealed = (key[0], key[1], self._seals)
+        self._groups[sealed] = Group(group.blocks, holders)
+        for rid in holders:
+            self._tickets[rid].group = sealed
+        group.members -= holders
+        if not group.members:
+            del self._groups[key]
+        elif self.controller is not None:
+            self.controller.commit(group.blocks)
 
     def queue_key(self, seq: Sequence) -> tuple[int, float, int]:
         """Where `seq` waits in line. Without a controller: strict priority, then arrival.

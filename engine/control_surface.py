@@ -345,6 +345,7 @@ class ControlSurface:
         moves, host_moves = bm.resize(new_n), hbm.resize(new_host)
         for seq in self.scheduler.live():
             seq.kv_converted = seq.kv_converted or seq.num_computed_tokens > 0
+        self.admission_policy.seal_converted_groups()  # their blocks are shared no more
         self.scheduler.remap(moves)
         self.scheduler.remap(host_moves, host=True)
         try:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvguard.engine.admission import AdmissionConfig
+from kvguard.engine.admission import NORMAL, AdmissionConfig
 from kvguard.engine.config import EngineConfig
 from kvguard.engine.llm_engine import LLMEngine
 from kvguard.engine.sampling_params import SamplingParams
@@ -127,4 +127,72 @@ def test_a_request_for_its_prompt_logprobs_shares_nothing() -> None:
     assert admitted(engine, [a, b]) == 1
     done = run_all(engine)
     assert sorted(done) == sorted([a, b])
+    assert_released(engine)
+
+
+def start_decoding(engine: LLMEngine, max_tokens: int) -> str:
+    """A request of PROMPT, run until it decodes: its prompt's full blocks are computed."""
+    rid = engine.add_request(PROMPT, params(max_tokens))
+    while engine._seqs[rid].num_computed_tokens <= len(PROMPT):
+        engine.step()
+    return rid
+
+
+def switch_to_fp8_and_back(engine: LLMEngine) -> None:
+    """FP8 KV on and off again (a pressure remedy and its undo): every live sequence that has
+    computed K/V is converted, and the prefix cache gives none of its blocks again."""
+    for dtype in ("fp8_e4m3", "auto"):
+        done = engine.set_kv_cache_dtype(dtype)
+        engine.step()
+        assert done.result(1).ok
+    assert engine.block_manager.num_blocks == 64
+
+
+@pytest.mark.parametrize("estimate", ["predicted", "worst_case"])
+def test_a_prompt_converted_by_a_dtype_switch_is_not_shared_with_new_requests(
+    estimate: str,
+) -> None:
+    """The first request's blocks are unfindable after the switch, so the identical requests
+    that come next compute the prompt again: the first of them commits it whole and waits for
+    room (counting only its own tokens admitted all three at once: 63 of 64 blocks used, past
+    the 57 of the budget, and a preemption)."""
+    engine = make_engine(estimate)
+    first = start_decoding(engine, 100)
+    switch_to_fp8_and_back(engine)
+    rids = [engine.add_request(PROMPT, params(48)) for _ in range(3)]
+    peak = 0
+
+    def track(engine: LLMEngine) -> None:
+        nonlocal peak
+        peak = max(peak, engine.block_manager.num_used)
+
+    done = run_all(engine, track)
+    assert sorted(done) == sorted([first, *rids])
+    assert all(done[r].num_output_tokens == 48 for r in rids)
+    assert engine.scheduler.num_preemptions == 0
+    assert peak <= engine.admission.limit_blocks(64, NORMAL)
+    assert_released(engine)
+
+
+def test_a_member_yet_to_start_commits_the_prefix_it_will_compute_again() -> None:
+    """A group member admitted but not started when the pool is converted finds no block of
+    the member that is decoding, and computes the prompt again: its commitment grows by the
+    prefix, and what the requests hold stays within what admission committed. Every
+    commitment is given back once."""
+    engine = make_engine("worst_case")
+    first = start_decoding(engine, 100)
+    second = engine.add_request(PROMPT, params(48))
+    assert admitted(engine, [second]) == 1 and engine._seqs[second].num_computed_tokens == 0
+    before = engine.admission.committed_blocks
+    switch_to_fp8_and_back(engine)
+    shared = engine.admission.projected_blocks(400, 48) - engine.admission.projected_blocks(16, 48)
+    assert engine.admission.committed_blocks == before + shared
+
+    def within_commitments(engine: LLMEngine) -> None:
+        assert engine.block_manager.num_used <= engine.admission.committed_blocks
+
+    within_commitments(engine)
+    done = run_all(engine, within_commitments)
+    assert sorted(done) == sorted([first, second])
+    assert engine.scheduler.num_preemptions == 0
     assert_released(engine)

@@ -78,6 +78,20 @@ def stopping() -> bool:
     return notify("STOPPING=1")
 
 
+def stopping_within(seconds: float) -> bool:
+    """STOPPING=1, then a request for `seconds` from now to finish (EXTEND_TIMEOUT_USEC).
+
+    The daemon bounds its own stop (the drain, then the cut and the close); the unit's
+    TimeoutStopSec= is a guess made when the unit was written, and a copy of an older unit or
+    a drain_timeout raised since makes it too short: systemd would SIGKILL a stop that keeps
+    its promise. systemd (236+) honours the request during a stop and never shortens its own
+    timeout for it, so the SIGKILL comes only for a stop that outlasts what it said. Two
+    datagrams, in that order: the extension is read once the unit is in its stop, whatever
+    order systemd reads the fields of one datagram in."""
+    told = stopping()
+    return extend_timeout(seconds) and told
+
+
 def extend_timeout(seconds: float) -> bool:
     """Ask for more time in the current start/stop phase (a first start fetches the model)."""
     return notify(f"EXTEND_TIMEOUT_USEC={int(seconds * 1_000_000)}")

@@ -79,6 +79,14 @@ CLOSE_BUDGET_S = 10.0
 STUCK_ENGINE_WAIT_S = 1.0
 AUDIT_STOP_MIN_S = 2.0
 STOP_AFTER_DRAIN_S = 2 * CUT_GRACE_S + CLOSE_BUDGET_S
+# The process's own exit once the close is done (the interpreter's teardown: with the startup
+# heap left frozen, a fraction of a second; see Service.keep_heap_frozen) is given this much on
+# top: `stop_budget_s`, which the stop asks systemd for as it begins (EXTEND_TIMEOUT_USEC), so
+# that a raised api.drain_timeout or an older copy of the unit does not SIGKILL a stop keeping
+# to its bound. The shipped unit's TimeoutStopSec holds the budget of the default drain
+# (tests/test_stop_budget.py checks both); a longer one is named at start and reload.
+STOP_EXIT_MARGIN_S = 10.0
+UNIT_TIMEOUT_STOP_S = 60.0
 # The connections whose answer is still unread are closed this long before the end of the
 # CUT_GRACE_S for sending answers: their tasks end before uvicorn's timeout cancels them.
 UNREAD_CLOSE_EARLY_S = 0.5
@@ -400,6 +408,12 @@ class Service:
         self._raise_start_signal = False
         # what the control plane's stop left running (a stuck tick): the exit does not wait
         self.left_running: list[str] = []
+        # True where the process exits right after close() (`kvguard serve`, see `run`): the
+        # startup heap stays frozen (gc_policy). Given back, it only made the interpreter's
+        # final collections walk it all: 0.8 s of CPU after the stop with smollm2, 2-3 s of
+        # wall time on a busy host, outside every bound the stop keeps. Tests that run several
+        # daemons in one process keep the default: each close gives its heap back.
+        self.keep_heap_frozen = False
 
     # -- names ------------------------------------------------------------------------------
     @property
@@ -751,7 +765,7 @@ class Service:
             return
         self.draining = True
         self.stopping.set()  # a reload under way is abandoned: it waits on the engine no more
-        sdnotify.stopping()
+        sdnotify.stopping_within(stop_budget_s(self.cfg.api.drain_timeout))
         deadline = time.monotonic() + self.cfg.api.drain_timeout
         log.info(
             "draining %d in-flight requests (up to %.0fs)",
@@ -821,7 +835,8 @@ class Service:
         self.stopping.set()  # a reload still waiting on the engine gives way (see `_reload`)
         self._stop_watchdog.set()
         self._unwatch_gc()
-        gc_policy.unfreeze()
+        if not self.keep_heap_frozen:
+            gc_policy.unfreeze()
         incident = self._incident  # the stop closes it: the stop's event is in its timeline
         deadline = time.monotonic() + CLOSE_BUDGET_S  # see STOP_AFTER_DRAIN_S
         workers_by = deadline - AUDIT_STOP_MIN_S  # the audit's share is kept for it
@@ -926,6 +941,7 @@ class Service:
             new.check_start(self._device_in_force)  # its live knobs apply to the running engine
             for line in inert_keys(new):  # as at start: a reload does not act on them either
                 log.warning("%s", line)
+            warn_stop_budget(new)
             conflicts = live_conflicts(self.cfg, new)
             if conflicts:  # nothing applied yet: the reload is refused whole
                 raise ConfigFileError(conflicts)
@@ -1446,6 +1462,33 @@ def _with_knobs(cfg: DaemonConfig, new: DaemonConfig, live: list[KnobField]) -> 
     return cfg
 
 
+def stop_budget_s(drain_timeout: float) -> float:
+    """How long a stop may take, from SIGTERM to the process's end: the drain, the cut and the
+    close (STOP_AFTER_DRAIN_S), and the process's own exit (STOP_EXIT_MARGIN_S)."""
+    return drain_timeout + STOP_AFTER_DRAIN_S + STOP_EXIT_MARGIN_S
+
+
+def warn_stop_budget(cfg: DaemonConfig) -> None:
+    """Name a drain_timeout whose stop outlasts the shipped unit's TimeoutStopSec=. systemd is
+    asked for the time when the stop begins (EXTEND_TIMEOUT_USEC); a supervisor that does not
+    honour that kills the daemon at its own timeout, mid-drain or before the audit is written,
+    and nothing would have said why."""
+    budget = stop_budget_s(cfg.api.drain_timeout)
+    if budget <= UNIT_TIMEOUT_STOP_S:
+        return
+    log.warning(
+        "api.drain_timeout is %gs: a stop may take %gs, more than the %gs TimeoutStopSec= of "
+        "kvguard's systemd unit. systemd is asked for that time as the stop begins "
+        "(EXTEND_TIMEOUT_USEC); another supervisor must give the daemon %gs after its SIGTERM, "
+        "or set api.drain_timeout to %gs or less",
+        cfg.api.drain_timeout,
+        budget,
+        UNIT_TIMEOUT_STOP_S,
+        budget,
+        UNIT_TIMEOUT_STOP_S - STOP_AFTER_DRAIN_S - STOP_EXIT_MARGIN_S,
+    )
+
+
 def _loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(host).is_loopback
@@ -1453,11 +1496,20 @@ def _loopback(host: str) -> bool:
         return host == "localhost"
 
 
+# How many connections the kernel holds for the API before the daemon takes them (while the
+# model loads): uvicorn's default backlog, which its listen() sets again as serving begins.
+API_BACKLOG = 2048
+
+
 def bind_api(host: str, port: int) -> socket.socket:
-    """The API's socket, bound (not listening: a client gets a refusal, not a wait, until
-    the daemon serves). Bound before the model loads, so a taken port fails the start at once
-    rather than after minutes of loading, and no connection the daemon itself opens meanwhile
-    (tensor-parallel workers, the audit database) can take the port as its own local one."""
+    """The API's socket, bound and listening before the model loads, so that a taken port fails
+    the start at once rather than after minutes of loading, and no connection the daemon itself
+    opens meanwhile (tensor-parallel workers, the audit database) can take the port as its own
+    local one. Listening, not only bound: SO_REUSEADDR (a restart must not wait out the last
+    run's connections in TIME_WAIT) lets any number of sockets bind one port while none of them
+    listens, and two daemons started together both bound it, both loaded their model, and the
+    later one to serve died of EADDRINUSE. So the kernel completes the connections that come
+    while the model loads, and holds them (API_BACKLOG at most) until the daemon serves them."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # IPPROTO_TCP said, not left 0: asyncio turns TCP_NODELAY on for the connections it
     # accepts only on a socket that says it; without it every answer on a kept-alive
@@ -1466,6 +1518,7 @@ def bind_api(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
+        sock.listen(API_BACKLOG)
     except OSError as e:
         sock.close()
         raise ApiBindError(f"cannot bind the API to {host}:{port}: {e.strerror or e}") from e
@@ -1486,6 +1539,7 @@ def run(
     configure_logging()
     raise_open_files_limit()
     svc = Service(cfg, config_path, overrides)
+    svc.keep_heap_frozen = True  # the process ends right after the stop
     # Until serve() takes SIGHUP over, a reload has nothing to act on, and SIGHUP's default
     # action would kill the process in the middle of loading the model or migrating the DB.
     signal.signal(signal.SIGHUP, svc._sighup_before_serving)
@@ -1496,6 +1550,7 @@ def run(
     )
     for line in inert_keys(cfg):
         log.warning("%s", line)
+    warn_stop_budget(cfg)
     svc.read_rules()
     try:
         sock = bind_api(cfg.api.host, cfg.api.port)

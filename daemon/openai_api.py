@@ -5,18 +5,20 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import collections
 import contextlib
 import copy
 import dataclasses
 import email.message
 import json
 import logging
+import os
 import re
 import threading
 import time
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Container, Mapping, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -135,6 +137,7 @@ def router(service: Service) -> APIRouter:
             return keyed
 
     one_large = asyncio.Semaphore(1)  # large bodies parsed at once (LARGE_BODY_BYTES)
+    compiles = _Compiles()
     r = APIRouter(max_body_size=limit, route_class=KeyedRoute)
 
     def served() -> dict[str, Any]:
@@ -164,7 +167,7 @@ def router(service: Service) -> APIRouter:
         limit = body.max_tokens or _default_max_tokens(service, DEFAULT_COMPLETION_MAX_TOKENS)
         params = await _off_loop(request, _params, service, body, limit)
         return await _serve(
-            service, request, "text_completion", prompts, params, body, x_priority, True
+            service, compiles, request, "text_completion", prompts, params, body, x_priority, True
         )
 
     @r.post("/v1/chat/completions")
@@ -176,17 +179,25 @@ def router(service: Service) -> APIRouter:
         await _off_loop(request, _special_in_messages, service, body)
         msgs, params = await _off_loop(request, _chat_input, service, body)
         mode = body.tool_mode()
+        schema = None  # a response_format schema under tools: checked on its own (a 400 names it)
         if mode is not None:  # the answer held to the call form (the tools are in `msgs`)
             fns, parallel = body.tool_functions(), body.parallel()
             # a response_format schema holds a text answer (`auto`) to JSON
-            if params.json_schema is not None:  # checked on its own: a 400 names it
-                await asyncio.to_thread(_servable, params.json_schema, None)
             schema = params.json_schema
             grammar = await _off_loop(request, tools.grammar, fns, mode, parallel, schema)
             params = dataclasses.replace(params, json_schema=None, grammar=grammar)
         prompt = await _off_loop(request, _render_chat, service, msgs)
         return await _serve(
-            service, request, "chat.completion", [prompt], params, body, x_priority, False
+            service,
+            compiles,
+            request,
+            "chat.completion",
+            [prompt],
+            params,
+            body,
+            x_priority,
+            False,
+            content_schema=schema,
         )
 
     @r.post("/tokenize")
@@ -697,10 +708,13 @@ def _refused_for_key(service: Service, key: ApiKey, reason: str) -> None:
     service.metrics.api_key_refusals.labels(key.name, reason).inc()
 
 
-def _within_limit(service: Service, key: ApiKey, asked: int, param: str, priority: str) -> None:
+def _within_limit(
+    service: Service, key: ApiKey, asked: int, param: str, priority: str, preparing: int
+) -> None:
     """429 when `asked` more sequences would take `key` past its max_requests. What it has
     in flight is what the daemon still answers for it (the drain's set, which a finished or
-    refused request leaves at once and a forgotten one when it is collected). A request
+    refused request leaves at once and a forgotten one when it is collected), and the
+    `preparing` sequences whose grammar is being compiled (`_Compiles`). A request
     asking for more sequences than the key may ever have at once is the request's own fault,
     not a passing one: 400 naming `param`, with no Retry-After (a retry could never pass).
     While admission is halted for `priority`, what fills the key's slots may be requests
@@ -718,7 +732,7 @@ def _within_limit(service: Service, key: ApiKey, asked: int, param: str, priorit
             param,
             code="key_request_limit",
         )
-    live = sum(1 for o in list(service.requests) if o.ctx.key == key.name)
+    live = sum(1 for o in list(service.requests) if o.ctx.key == key.name) + preparing
     if live + asked > key.max_requests:
         _refuse_if_halted(service, priority, asked)
         _refused_for_key(service, key, "max_requests")
@@ -776,6 +790,7 @@ def _priority(service: Service, body: Any, header: str | None, key: ApiKey | Non
 
 async def _serve(
     service: Service,
+    compiles: _Compiles,
     request: Request,
     kind: str,
     prompts: list[str | list[int]],
@@ -783,6 +798,7 @@ async def _serve(
     body: Any,
     x_priority: str | None,
     completion: bool,
+    content_schema: dict[str, Any] | None = None,
 ) -> Any:
     _check_model(service, body.model)
     key = getattr(request.state, "api_key", None)
@@ -790,20 +806,23 @@ async def _serve(
     if service.loop.fatal is not None:
         raise engine_unavailable(service.loop.fatal)
     _refuse_if_draining(service)
-    asks_logprobs = params.logprobs is not None or params.prompt_logprobs is not None
-    # the grammar library's tokenizer view (a grammar's, and logprobs' tokens' bytes), built
-    # once, neither on the engine's thread nor on the event loop
-    if params.json_schema is not None or params.grammar is not None or asks_logprobs:
-        await asyncio.to_thread(_grammar_ready, service, params)
-        _refuse_if_draining(service)  # the drain may have begun meanwhile: not admitted after
     # from its arrival (the HTTP middleware's time): TTFT and duration take in the body's
-    # parsing and the grammar prepared above, which can take seconds for a big schema
+    # parsing and the grammar prepared below, which can take seconds for a big schema
     arrived = getattr(request.state, "arrived", None)
     ctx = _Ctx(service, kind, body.model, priority, arrived or time.monotonic(), params)
     ctx.n = body.n or 1
-    if key is not None:
-        _within_limit(service, key, len(prompts) * ctx.n, _size_param(ctx), priority)
+    asked = len(prompts) * ctx.n
+    if key is not None:  # before the grammar: a key's flood is refused at once, not compiled
+        _within_limit(service, key, asked, _size_param(ctx), priority, compiles.waiting(key.name))
         ctx.key = key.name
+    if params.json_schema is not None or params.grammar is not None:
+        await compiles.ready(service, params, ctx.key, asked, content_schema)
+        _refuse_if_draining(service)  # the drain may have begun meanwhile: not admitted after
+    elif params.logprobs is not None or params.prompt_logprobs is not None:
+        # the grammar library's tokenizer view (logprobs' tokens' bytes), built once, neither
+        # on the engine's thread nor on the event loop
+        await asyncio.to_thread(service.engine.grammars.view)
+        _refuse_if_draining(service)
     ctx.echo = prompts if getattr(body, "echo", False) else None
     ctx.tools = params.grammar is not None
     if kind == "chat.completion" and not (body.max_tokens or body.max_completion_tokens):
@@ -874,6 +893,66 @@ async def _serve(
         )
     finals = await _wait_final(service, streams, outs, watch)
     return _full_response(ctx, finals)
+
+
+def grammar_workers() -> int:
+    """Grammar compiles run at once: half the CPUs this process may use, at least one; the
+    rest are the engine's and the event loop's (six compiles at once on a 2-CPU host took a
+    2-token completion from 0.2 s to 20 s)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cpus or 1) // 2)
+
+
+class _Compiles:
+    """Grammar preparation (`_grammar_ready`) on worker threads of its own, `grammar_workers()`
+    at once, a request past them waiting its turn. On asyncio's default executor, one client's
+    slow schemas (a nested `anyOf` the library gives up on after seconds of CPU) held every
+    thread that a reload, /tokenize and large bodies wait for: a reload took 8.6 s. Also the
+    sequences each API key has waiting here: they count against its max_requests as those the
+    engine holds do, the key checked before the compile, so a key's flood is refused at once
+    instead of compiled first."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(grammar_workers(), thread_name_prefix="kvguard-grammar")
+        self._waiting: collections.Counter[str] = collections.Counter()  # the event loop's
+
+    def waiting(self, key: str) -> int:
+        """The sequences of `key`'s requests whose grammar is being prepared."""
+        return self._waiting[key]
+
+    async def ready(
+        self,
+        service: Service,
+        params: SamplingParams,
+        key: str | None,
+        asked: int,
+        content_schema: dict[str, Any] | None,
+    ) -> None:
+        """`_grammar_job` on a worker, the `asked` sequences counted against `key` meanwhile
+        (given back however it ends: a 400, a client gone)."""
+        if key is not None:
+            self._waiting[key] += asked
+        try:
+            aio = asyncio.get_running_loop()
+            await aio.run_in_executor(self._pool, _grammar_job, service, params, content_schema)
+        finally:
+            if key is not None:
+                self._waiting[key] -= asked
+                if not self._waiting[key]:
+                    del self._waiting[key]
+
+
+def _grammar_job(
+    service: Service, params: SamplingParams, content_schema: dict[str, Any] | None
+) -> None:
+    """`_grammar_ready`, unless the drain began while the request waited for a worker (one
+    it refuses anyway costs no compile, and a queue of slow schemas does not hold the exit).
+    A chat request's response_format schema under tools is checked first, on its own, so that
+    a 400 names it rather than `tools`."""
+    _refuse_if_draining(service)
+    if content_schema is not None:
+        _servable(content_schema, None)
+    _grammar_ready(service, params)
 
 
 def _grammar_ready(service: Service, params: SamplingParams) -> None:

@@ -48,6 +48,7 @@ request keeps its tokens (recomputed or swapped back), so its grammar stays wher
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import re
 import threading
@@ -55,7 +56,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import unquote
 
 import numpy as np
@@ -70,6 +71,12 @@ COMPILED_SCHEMAS = 256  # schemas whose grammars are kept, least recently used d
 # grammars whose fresh matchers an engine keeps to copy, least recently used dropped (a
 # 5000-field schema's is about 16 MB, a few fields' next to nothing)
 MATCHER_TEMPLATES = 16
+# refused schemas and grammars remembered (each kind apart), least recently used dropped, and
+# the bytes their reasons may take together (the texts are kept as 32-byte digests)
+REFUSALS_KEPT = 256
+REFUSALS_BYTES = 256 << 10
+
+T = TypeVar("T")
 
 
 def _llguidance() -> Any:
@@ -80,11 +87,58 @@ def _llguidance() -> Any:
     return llguidance
 
 
+class Refusals:
+    """Texts the grammar library refused, with the reason, so that one sent again is refused
+    at once: a schema it gives up on only after seconds of CPU (a nested `anyOf` whose
+    matcher runs out of fuel) cost that again on every send, and a client could keep sending
+    it. Keyed by the text's SHA-256 (a refused 2 MB schema takes 32 bytes to remember);
+    bounded by count and by the bytes of the reasons, the least recently used dropped. A
+    refusal is the library's verdict on the text: it stands as long as the process does."""
+
+    def __init__(self, kept: int = REFUSALS_KEPT, size: int = REFUSALS_BYTES) -> None:
+        self._kept, self._size = kept, size
+        self._reasons: OrderedDict[bytes, str] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()  # any thread compiles (the daemon's workers, the engine)
+
+    def call(self, text: str, build: Callable[[str], T]) -> T:
+        """`build(text)`, or at once the ValueError it raised for the same text before."""
+        digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
+        with self._lock:
+            reason = self._reasons.get(digest)
+            if reason is not None:
+                self._reasons.move_to_end(digest)
+        if reason is not None:
+            raise ValueError(reason)
+        try:
+            return build(text)
+        except ValueError as e:
+            self._remember(digest, str(e))
+            raise
+
+    def _remember(self, digest: bytes, reason: str) -> None:
+        size = len(digest) + len(reason.encode("utf-8", "surrogatepass"))
+        if size > self._size:  # alone past the bound: asked again, refused again in full
+            return
+        with self._lock:
+            if digest in self._reasons:
+                return
+            self._reasons[digest] = reason
+            self._bytes += size
+            while len(self._reasons) > self._kept or self._bytes > self._size:
+                old, gone = self._reasons.popitem(last=False)
+                self._bytes -= len(old) + len(gone.encode("utf-8", "surrogatepass"))
+
+
+_REFUSED_SCHEMAS = Refusals()  # schema texts (`compile_schema`)
+_REFUSED_GRAMMARS = Refusals()  # Lark texts (`compile_grammar`)
+
+
 def compile_schema(schema: dict[str, Any]) -> str:
     """The grammar llguidance runs for `schema`; ValueError naming what is wrong with it (a
     schema is checked here, without a tokenizer, so an API can refuse it before queueing).
     Compiled once per schema text: the API's check and the engine's request share it, and an
-    application sends the same schema again and again."""
+    application sends the same schema again and again; refused once per text too."""
     if not isinstance(schema, dict):
         raise ValueError(f"json_schema={schema!r}: expected a JSON schema object")
     try:
@@ -93,14 +147,20 @@ def compile_schema(schema: dict[str, Any]) -> str:
         raise ValueError(
             "json_schema: not a JSON schema kvguard can serve: nested too deeply"
         ) from e
-    return _compile(text)
+    return _REFUSED_SCHEMAS.call(text, _compile)
 
 
-@functools.lru_cache(maxsize=COMPILED_SCHEMAS)
 def compile_grammar(lark: str) -> str:
     """The grammar llguidance runs for Lark text; ValueError naming what is wrong with it. The
     schemas it embeds (`%json {...}`: a tool's call, its arguments) are checked as
-    `compile_schema` checks one."""
+    `compile_schema` checks one. Compiled once per text, and refused once per text."""
+    return _REFUSED_GRAMMARS.call(lark, _compile_grammar)
+
+
+@functools.lru_cache(maxsize=COMPILED_SCHEMAS)
+def _compile_grammar(lark: str) -> str:
+    """`compile_grammar` of a text not refused before (a refusal raises, and is not cached
+    here but in `_REFUSED_GRAMMARS`)."""
     what = "grammar: not a grammar"
     grammar = _checked(what, lambda llg: llg.LLMatcher.grammar_from_lark(lark))
     for schema in _embedded_schemas(lark):
@@ -110,7 +170,8 @@ def compile_grammar(lark: str) -> str:
 
 @functools.lru_cache(maxsize=COMPILED_SCHEMAS)
 def _compile(text: str) -> str:
-    """`compile_schema` of a schema's JSON text (a refusal raises, and is not cached)."""
+    """`compile_schema` of a schema's JSON text not refused before (a refusal raises, and is
+    not cached here but in `_REFUSED_SCHEMAS`)."""
     what = "json_schema: not a JSON schema"
     grammar = _checked(
         what, lambda llg: llg.LLMatcher.grammar_from_json_schema(text, defaults=LAYOUT)
@@ -397,6 +458,7 @@ class Grammars:
         # compiled grammar -> a matcher at its start, never advanced: what requests copy
         self._templates: OrderedDict[str, Any] = OrderedDict()
         self._templates_lock = threading.Lock()  # held only to look up and store, never to build
+        self._refused = Refusals()  # grammars no matcher of this tokenizer's serves
 
     def view(self) -> Any:
         """The library's view of the tokenizer, built on the first call (any thread: the
@@ -445,20 +507,28 @@ class Grammars:
                 self._templates.move_to_end(grammar)
                 return matcher
         # built without the lock: the engine thread copying another grammar's never waits
-        matcher = _llguidance().LLMatcher(self.view(), grammar, log_level=0)
-        if matcher.is_error():
-            raise ValueError(f"{field}: not one kvguard can serve: {matcher.get_error()}")
-        if self._only_ends(matcher):
-            raise ValueError(
-                f"{field}: not one kvguard can serve: it matches no text, so every answer "
-                "would end at once, empty (look for rules or definitions that only name "
-                "one another)"
-            )
+        try:
+            matcher = self._refused.call(grammar, self._new_matcher)
+        except ValueError as e:
+            raise ValueError(f"{field}: {e}") from e
         with self._templates_lock:
             self._templates[grammar] = matcher
             self._templates.move_to_end(grammar)
             while len(self._templates) > MATCHER_TEMPLATES:
                 self._templates.popitem(last=False)
+        return matcher
+
+    def _new_matcher(self, grammar: str) -> Any:
+        """A matcher at `grammar`'s start; ValueError saying why when the library cannot serve
+        it (a large schema's can take seconds to fail: its fuel runs out)."""
+        matcher = _llguidance().LLMatcher(self.view(), grammar, log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"not one kvguard can serve: {matcher.get_error()}")
+        if self._only_ends(matcher):
+            raise ValueError(
+                "not one kvguard can serve: it matches no text, so every answer would end at "
+                "once, empty (look for rules or definitions that only name one another)"
+            )
         return matcher
 
     def _only_ends(self, matcher: Any) -> bool:

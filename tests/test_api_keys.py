@@ -21,6 +21,7 @@ import pytest
 from kvguard.daemon.api_keys import KeysFileError, digest, load_keys, read_entries
 from kvguard.daemon.cli import main
 from tests.test_disconnect import count, finished, idle, send, state
+from tests.test_grammar_prepare import HeldPrepare, loaded, schema_chat, serving
 from tests.test_server import KVGUARD, Daemon, serve_refused, until
 
 KINDS = ("prompt", "completion")
@@ -310,6 +311,54 @@ def test_while_admission_is_halted_requests_past_a_keys_limit_get_the_halts_503(
     finally:
         pool.shutdown(cancel_futures=True)
         assert d.stop() == 0
+
+
+def test_a_keys_schema_requests_past_its_limit_are_refused_before_any_is_compiled(
+    tiny_dir: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A key's max_requests was checked only after the request's grammar was compiled: a key
+    that may have 2 at once sending 6 slow schemas had all 6 compiled (14-18 s of CPU each)
+    before any was refused. Now the key is checked first, and a request whose grammar is being
+    compiled counts against it: with the first request's compile held, the second is a 429 at
+    once and never compiled. The slot comes back however the compile ends (served, refused)."""
+    path = tmp_path / "api_keys.yaml"
+    key = add(path, "one", "--max-requests", "1", capsys=capsys)
+    svc = loaded(tmp_path, api=f"api_keys_file: {path}")
+    held = HeldPrepare(monkeypatch)
+    pool = ThreadPoolExecutor(2)
+    try:
+        with serving(svc) as url:
+            one = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=60)
+            first = pool.submit(one.chat.completions.create, **schema_chat("key first"))
+            until(lambda: held.entered or first.done(), 60, "the first request compiling")
+            second = pool.submit(one.chat.completions.create, **schema_chat("key second"))
+            until(lambda: second.done() or len(held.entered) > 1, 60, "the second answered")
+            assert len(held.entered) == 1  # the second was not compiled
+            with pytest.raises(openai.RateLimitError) as e:
+                second.result()
+            assert (
+                "API key 'one' has 1 sequences (choices) queued or running and may have 1 at "
+                "once (max_requests); this one asks for 1"
+            ) in e.value.message
+            assert e.value.body["code"] == "key_request_limit"
+            assert not first.done()
+            held.release.set()
+            assert first.result(60).choices[0].finish_reason in ("stop", "length")
+            refused = schema_chat("key refused")  # under tools: refused on its own, named
+            refused["response_format"]["json_schema"]["schema"] = {"enum": []}
+            refused["tools"] = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+            with pytest.raises(openai.BadRequestError) as e:
+                one.chat.completions.create(**refused)
+            assert e.value.body["param"] == "response_format", e.value.message
+            assert "anyOf is empty" in e.value.message
+            assert one.chat.completions.create(**schema_chat("key again")).choices
+    finally:
+        held.release.set()
+        pool.shutdown(cancel_futures=True)
+        svc.close()
 
 
 def test_each_key_is_charged_the_tokens_its_requests_were_served(keyed) -> None:  # noqa: ANN001

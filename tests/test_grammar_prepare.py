@@ -1,23 +1,43 @@
 """A grammar's matcher is built once, off the engine thread, and each request (each choice of
 `n`) gets an independent copy; a grammar that matches no text is refused where it is built;
-and tool parameters holding anchors (`#foo`) or resources of their own (`$id`) are served as
-`response_format` serves them. On the tiny model, in process."""
+a refused one is refused again without compiling or building anything; grammars are prepared
+on workers of their own, so that compiles in flight hold neither a reload nor /tokenize; and
+tool parameters holding anchors (`#foo`) or resources of their own (`$id`) are served as
+`response_format` serves them. On the tiny model, in process (the daemon's API served on
+loopback in a thread of its own, where `Grammars.prepare` is held)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import json
 import threading
 import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import httpx
+import openai
 import pytest
 import torch
+import uvicorn
 
 from kvguard.daemon import openai_api, tools
+from kvguard.daemon.app import create_app
+from kvguard.daemon.config import load_config
+from kvguard.daemon.service import Service, bind_api
 from kvguard.engine import EngineConfig, LLMEngine, SamplingParams, structured
-from kvguard.engine.structured import compile_grammar
+from kvguard.engine.structured import Grammars, compile_grammar
+from tests.test_server import until
+
+TOKEN = "grammar-admin-token"
+# asyncio's default executor as the finding's 2-CPU host had it (min(32, CPUs + 4)): the threads
+# a reload, /tokenize and large bodies run on
+DEFAULT_EXECUTOR = 6
 
 BOUNDED = {  # every value bounded: a random-weight model's answer closes within its tokens
     "type": "object",
@@ -52,17 +72,27 @@ def is_bounded(text: str) -> bool:
 
 class Counted:
     """llguidance with its matcher's constructor counted (the threads that ran it) and, like
-    a 5000-field schema's, slow; `broken` makes every matcher one in error."""
+    a 5000-field schema's, slow; `broken` makes every matcher one in error. Its compiles are
+    counted too (`compiles`: "schema" or "lark" each)."""
 
     def __init__(self, real: Any, delay: float, broken: bool = False) -> None:
         self.LLTokenizer = real.LLTokenizer
         self.builds: list[int] = []
+        self.compiles: list[str] = []
         outer = self
 
         class LLMatcher:
-            grammar_from_json_schema = staticmethod(real.LLMatcher.grammar_from_json_schema)
-            grammar_from_lark = staticmethod(real.LLMatcher.grammar_from_lark)
             validate_grammar = staticmethod(real.LLMatcher.validate_grammar)
+
+            @staticmethod
+            def grammar_from_json_schema(*args: Any, **kwargs: Any) -> str:
+                outer.compiles.append("schema")
+                return real.LLMatcher.grammar_from_json_schema(*args, **kwargs)
+
+            @staticmethod
+            def grammar_from_lark(*args: Any, **kwargs: Any) -> str:
+                outer.compiles.append("lark")
+                return real.LLMatcher.grammar_from_lark(*args, **kwargs)
 
             def __new__(cls, *args: Any, **kwargs: Any) -> Any:
                 outer.builds.append(threading.get_ident())
@@ -153,6 +183,73 @@ def test_an_unprepared_grammar_is_built_once_for_all_its_requests(
     assert refused.value.status == 400 and refused.value.param == "tools"
 
 
+def refusal(engine: LLMEngine, params: SamplingParams) -> tuple[int, str | None, str]:
+    """The daemon's refusal of `params` (`_grammar_ready`, as on a compile worker)."""
+    with pytest.raises(openai_api.ApiError) as refused:
+        openai_api._grammar_ready(SimpleNamespace(engine=engine), params)
+    return refused.value.status, refused.value.param, str(refused.value)
+
+
+def test_a_refused_grammar_is_refused_again_without_compiling_or_building_it(
+    engine: LLMEngine, counted: Any
+) -> None:
+    """A schema the grammar library refuses was compiled again in full each time it was sent
+    (a refusal raised, and only successes were cached): one whose matcher runs out of fuel
+    after seconds of CPU cost those seconds on every send. Now its refusal is remembered: the
+    same 400 again, nothing compiled or built. So for a schema refused as it compiles, one
+    whose matcher the library cannot build, and a tools grammar."""
+    stub = counted()
+    empty = SamplingParams(json_schema={"title": "refused twice", "enum": []})
+    first = refusal(engine, empty)
+    assert first[:2] == (400, "response_format") and "anyOf is empty" in first[2], first
+    assert stub.compiles == ["schema"]
+    assert refusal(engine, empty) == first
+    assert stub.compiles == ["schema"]  # not compiled again
+
+    lark = tools.grammar([tools.Function("f", None, {"enum": []})], "required", False)
+    first = refusal(engine, SamplingParams(grammar=lark))
+    assert first[:2] == (400, "tools"), first
+    assert refusal(engine, SamplingParams(grammar=lark)) == first
+    assert stub.compiles == ["schema", "lark"]
+
+    stub = counted(broken=True)
+    unbuilt = SamplingParams(json_schema=bounded("no matcher twice"))
+    first = refusal(engine, unbuilt)
+    assert first == (400, "response_format", "response_format: not one kvguard can serve: too big")
+    assert refusal(engine, unbuilt) == first
+    with pytest.raises(ValueError, match="json_schema: not one kvguard can serve: too big"):
+        engine.grammars.for_params(unbuilt)  # the engine's own copy of it, refused so too
+    assert stub.compiles == ["schema"] and len(stub.builds) == 1  # built once
+
+
+def test_refusals_kept_are_bounded_by_count_and_bytes() -> None:
+    """A client sending refused schemas without end takes a bounded memory: the least recently
+    used refusal is dropped past the count or the bytes (kept as digests and reasons)."""
+    built: list[str] = []
+
+    def refuse(text: str) -> str:
+        built.append(text)
+        raise ValueError(f"no: {text}")
+
+    def ask(refusals: structured.Refusals, text: str) -> None:
+        with pytest.raises(ValueError, match=f"^no: {text}$"):
+            refusals.call(text, refuse)
+
+    kept = structured.Refusals(kept=2, size=1 << 20)
+    for text in ("a", "b", "a", "c", "a", "b"):  # c pushes out b, the least recently asked
+        ask(kept, text)
+    assert built == ["a", "b", "c", "b"]
+    small = structured.Refusals(kept=100, size=2 * (32 + len("no: x")))  # two reasons' bytes
+    for text in ("x", "y", "z", "x", "z"):
+        ask(small, text)
+    assert built[4:] == ["x", "y", "z", "x"]
+    huge = "h" * 100
+    for _ in range(2):  # past the bytes alone: not kept
+        ask(small, huge)
+    assert built[8:] == [huge, huge]
+    assert kept.call("served", str.upper) == "SERVED"  # what builds is returned, not kept
+
+
 def test_kept_matchers_are_bounded_least_recently_used_dropped(
     engine: LLMEngine, counted: Any
 ) -> None:
@@ -204,6 +301,134 @@ def test_copies_of_a_matcher_do_not_share_their_place(engine: LLMEngine) -> None
     assert torch.equal(third.allowed(), start)  # nor has the matcher the copies come from
     assert not third.advance(engine.tokenizer.encode("[", False)[0])  # its own error only
     assert torch.equal(engine.grammars.for_params(params).allowed(), start)
+
+
+def loaded(tmp: Path, api: str = "") -> Service:
+    """The daemon's service on the tiny model (the `tiny_dir` fixture fetches it), loaded in
+    process; `api`: more keys of its `api` section."""
+    (tmp / "admin.token").write_text(TOKEN + "\n")
+    cfg_file = tmp / "config.yaml"
+    cfg_file.write_text(
+        "serving: {model: tiny, kv_cache_bytes: 8MiB, max_model_len: 512}\n"
+        f"api: {{admin_token_file: {tmp / 'admin.token'}{', ' + api if api else ''}}}\n"
+        f"audit: {{url: 'sqlite:///{tmp / 'audit.db'}'}}\n"
+    )
+    svc = Service(load_config(cfg_file), cfg_file)
+    svc.load(progress=False)
+    return svc
+
+
+@contextlib.contextmanager
+def serving(svc: Service) -> Iterator[str]:
+    """`svc`'s API on loopback (its URL), served by uvicorn on an event loop of its own, in a
+    thread, with asyncio's default executor at DEFAULT_EXECUTOR threads."""
+    sock = bind_api("127.0.0.1", 0)
+    config = uvicorn.Config(
+        create_app(svc), log_config=None, log_level=None, lifespan="off", ws="none"
+    )
+    server = uvicorn.Server(config)
+
+    def run() -> None:
+        with asyncio.Runner() as runner:
+            runner.get_loop().set_default_executor(ThreadPoolExecutor(DEFAULT_EXECUTOR))
+            runner.run(server.serve(sockets=[sock]))
+
+    thread = threading.Thread(target=run, name="test-api", daemon=True)
+    thread.start()
+    try:
+        until(lambda: server.started, 60, "the API listening")
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(60)
+        sock.close()
+
+
+class HeldPrepare:
+    """`Grammars.prepare` held until `release` is set: a slow schema's compile in flight. The
+    requests that reached `_serve`'s grammar step are counted (`arrived`: they asked for their
+    priority, on the event loop, in the same step as their grammar was handed to a thread)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.release = threading.Event()
+        self.entered: list[SamplingParams] = []
+        self.arrived: list[str] = []
+        prepare, priority = Grammars.prepare, openai_api._priority
+
+        def held(grammars: Grammars, params: SamplingParams) -> None:
+            self.entered.append(params)
+            self.release.wait(120)
+            prepare(grammars, params)
+
+        def counted(*args: Any) -> str:
+            self.arrived.append(priority(*args))
+            return self.arrived[-1]
+
+        monkeypatch.setattr(Grammars, "prepare", held)
+        monkeypatch.setattr(openai_api, "_priority", counted)
+
+
+def schema_chat(tag: str) -> dict[str, Any]:
+    """A chat request held to a schema of its own (`tag`), for the `openai` client."""
+    schema = {"name": "thing", "schema": bounded(tag)}
+    return {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Describe a thing as JSON."}],
+        "max_tokens": 4,
+        "response_format": {"type": "json_schema", "json_schema": schema},
+    }
+
+
+def test_grammars_compiling_hold_neither_a_reload_nor_tokenize(
+    tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Grammar preparation ran on asyncio's default executor, which also runs POST
+    /admin/reload, /tokenize, large bodies' parsing and SIGHUP's reload: one client's slow
+    schemas in flight (8 here, its threads 6) held the operator's reload (8.6 s measured) and
+    every /tokenize until they were done. Now grammars are prepared on workers of their own,
+    `grammar_workers()` of them at once: while 8 are held in their compile, a reload and a
+    /tokenize are answered, and no more than that many compiles run."""
+    svc = loaded(tmp_path)
+    held = HeldPrepare(monkeypatch)
+    compiling = DEFAULT_EXECUTOR + 2  # past the default executor's threads
+    pool = ThreadPoolExecutor(compiling)
+    try:
+        with serving(svc) as url:
+            client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0, timeout=120)
+            asked = [
+                pool.submit(client.chat.completions.create, **schema_chat(f"held {i}"))
+                for i in range(compiling)
+            ]
+            # each handed its grammar to a thread as it arrived: a reload asked now comes after
+            # all of them (an executor takes its work in order)
+            until(
+                lambda: (
+                    any(f.done() for f in asked)
+                    or (len(held.arrived) == compiling and len(held.entered) > 0)
+                ),
+                60,
+                f"{compiling} requests at their grammar, one compiling",
+            )
+            assert [f.exception() for f in asked if f.done()] == []
+            admin = {"Authorization": f"Bearer {TOKEN}"}
+            reload = httpx.post(url + "/admin/reload", headers=admin, timeout=30)
+            assert reload.status_code == 200, reload.text
+            tokenize = httpx.post(
+                url + "/tokenize", json={"model": "tiny", "prompt": "hello"}, timeout=30
+            )
+            assert tokenize.status_code == 200 and tokenize.json()["count"] > 0, tokenize.text
+            assert not any(f.done() for f in asked)  # all still held in (or waiting for) a compile
+            at_once = min(compiling, openai_api.grammar_workers())
+            until(lambda: len(held.entered) >= at_once, 60, f"{at_once} compiling")
+            assert len(held.entered) == at_once  # the rest wait for a worker
+            held.release.set()
+            for f in asked:
+                assert f.result(120).choices[0].finish_reason in ("stop", "length")
+            assert len(held.entered) == compiling
+    finally:
+        held.release.set()
+        pool.shutdown(cancel_futures=True)
+        svc.close()
 
 
 ANCHORED = {

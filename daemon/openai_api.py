@@ -930,6 +930,10 @@ class _Compiles:
     ) -> None:
         """`_grammar_job` on a worker, the `asked` sequences counted against `key` meanwhile
         (given back however it ends: a 400, a client gone)."""
+        if content_schema is None and await asyncio.to_thread(
+            service.engine.grammars.prepared, params
+        ):
+            return  # its matcher is kept: no compile, no turn behind other clients' schemas
         if key is not None:
             self._waiting[key] += asked
         try:

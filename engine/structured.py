@@ -459,6 +459,9 @@ class Grammars:
         self._templates: OrderedDict[str, Any] = OrderedDict()
         self._templates_lock = threading.Lock()  # held only to look up and store, never to build
         self._refused = Refusals()  # grammars no matcher of this tokenizer's serves
+        # a request's schema or Lark text -> its compiled grammar, as `prepare` met it: what
+        # `prepared` looks a kept matcher up by without compiling anything
+        self._sources: OrderedDict[str, str] = OrderedDict()
 
     def view(self) -> Any:
         """The library's view of the tokenizer, built on the first call (any thread: the
@@ -490,7 +493,27 @@ class Grammars:
         `grammar` (any thread: the daemon builds it off the engine thread, as it does the
         view, so no step waits the half second a large schema's takes); ValueError naming
         the field when the grammar library cannot serve it."""
-        self._template(*_compiled(params))
+        field, grammar = _compiled(params)
+        self._template(field, grammar)
+        source = _source(params)
+        if source is None:
+            return
+        with self._templates_lock:
+            self._sources[source] = grammar
+            self._sources.move_to_end(source)
+            while len(self._sources) > MATCHER_TEMPLATES:
+                self._sources.popitem(last=False)
+
+    def prepared(self, params: SamplingParams) -> bool:
+        """Whether `prepare` has nothing left to do for `params`: the matcher of its schema or
+        grammar is kept (a json_object answer's, a schema an application sends again). It
+        compiles and builds nothing, so a server can ask it before queueing a request for a
+        compile worker, and a request whose matcher is ready never waits behind another
+        client's slow schemas."""
+        source = _source(params)
+        with self._templates_lock:
+            grammar = self._sources.get(source) if source is not None else None
+            return grammar is not None and grammar in self._templates
 
     def for_params(self, params: SamplingParams) -> Grammar:
         """A fresh grammar for one request's `json_schema` or `grammar`: a copy of its
@@ -539,6 +562,18 @@ class Grammars:
         words = np.frombuffer(matcher.deep_copy().compute_bitmask(), dtype=np.uint8)
         allowed = np.flatnonzero(np.unpackbits(words, bitorder="little")[: self._vocab])
         return allowed.size > 0 and set(allowed.tolist()) <= set(self._eos)
+
+
+def _source(params: SamplingParams) -> str | None:
+    """What a request's grammar is compiled from, as one text (its Lark grammar, or its schema's
+    JSON in the key order `compile_schema` writes it); None where that cannot be written (a
+    schema nested past what the JSON encoder follows: `compile_schema` refuses it)."""
+    if params.grammar is not None:
+        return "lark:" + params.grammar
+    try:
+        return "json:" + json.dumps(params.json_schema or {})
+    except (RecursionError, TypeError, ValueError):
+        return None
 
 
 def _compiled(params: SamplingParams) -> tuple[str, str]:

@@ -512,3 +512,40 @@ def test_tool_parameters_with_anchors_and_their_own_ids_are_served(
         calls = tools.parse(out.text)
         assert calls is not None and len(calls) == 1, out.text
         assert calls[0].name == "f" and valid(json.loads(calls[0].arguments)), out.text
+
+
+def test_a_request_whose_matcher_is_kept_does_not_wait_behind_compiles(
+    tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Compiles wait their turn for a worker in arrival order: a json_object answer, whose
+    matcher is built once and kept, waited behind another client's slow schemas (12.8 s
+    measured) for no compile at all. Now a request whose matcher is kept skips the workers:
+    with every worker held in a compile and more waiting, it is answered."""
+    svc = loaded(tmp_path)
+    pool = ThreadPoolExecutor(openai_api.grammar_workers() + 2)
+    json_object = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "A thing as JSON."}],
+        "max_tokens": 4,
+        "response_format": {"type": "json_object"},
+    }
+    try:
+        with serving(svc) as url:
+            client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0, timeout=120)
+            client.chat.completions.create(**json_object)  # its matcher built and kept
+            held = HeldPrepare(monkeypatch)
+            asked = [
+                pool.submit(client.chat.completions.create, **schema_chat(f"slow {i}"))
+                for i in range(openai_api.grammar_workers() + 1)
+            ]
+            workers = openai_api.grammar_workers()
+            until(lambda: len(held.entered) >= workers, 60, f"{workers} compiling")
+            answer = pool.submit(client.chat.completions.create, **json_object).result(60)
+            assert answer.choices[0].finish_reason in ("stop", "length")
+            assert not any(f.done() for f in asked)  # the slow ones still held
+            held.release.set()
+            for f in asked:
+                assert f.result(120).choices[0].finish_reason in ("stop", "length")
+    finally:
+        pool.shutdown(cancel_futures=True)
+        svc.close()

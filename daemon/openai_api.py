@@ -37,6 +37,7 @@ from kvguard.daemon.openai_schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    NameRendered,
     TokenizeRequest,
     error_body,
     new_id,
@@ -210,7 +211,7 @@ def router(service: Service) -> APIRouter:
             if (problem := body.tool_problem()) is not None:
                 raise ApiError(400, problem[1], problem[0])
             await _off_loop(request, _special_in_messages, service, body)
-            msgs = await _off_loop(request, _chat_messages, body)
+            msgs = await _off_loop(request, _chat_messages, body, tok.renders_name)
             text = await _off_loop(request, _render_chat, service, msgs)
             special = bool(body.add_special_tokens)
         else:
@@ -430,7 +431,8 @@ def _chat_input(
     """A chat request's messages as its template takes them, and its sampling parameters."""
     limit = body.max_completion_tokens or body.max_tokens
     limit = limit or _default_max_tokens(service, DEFAULT_CHAT_MAX_TOKENS)
-    return _chat_messages(body), _params(service, body, limit)
+    msgs = _chat_messages(body, service.engine.tokenizer.renders_name)
+    return msgs, _params(service, body, limit)
 
 
 def _sampling_defaults(service: Service) -> Mapping[str, float]:
@@ -448,18 +450,21 @@ def _default_max_tokens(service: Service, default: int) -> int:
     return int(_sampling_defaults(service).get("max_tokens", default))
 
 
-def _chat_messages(body: ChatCompletionRequest | TokenizeRequest) -> list[dict[str, str]]:
-    """A chat request's messages as its template takes them, its tools described where any
-    are in play (/tokenize counts them so too)."""
-    msgs = _for_template(body.messages or ())
+def _chat_messages(
+    body: ChatCompletionRequest | TokenizeRequest, renders_name: NameRendered
+) -> list[dict[str, str]]:
+    """A chat request's messages as its template takes them (a name it would not write in
+    the message's text: `ChatMessage.for_template`), its tools described where any are in
+    play (/tokenize counts them so too)."""
+    msgs = _for_template(body.messages or (), renders_name)
     mode = body.tool_mode()
     if mode is not None:
         msgs = tools.with_tools(msgs, body.tool_functions(), mode, body.parallel())
     return msgs
 
 
-def _for_template(messages: Sequence[Any]) -> list[dict[str, str]]:
-    return [m.for_template() for m in messages]
+def _for_template(messages: Sequence[Any], renders_name: NameRendered) -> list[dict[str, str]]:
+    return [m.for_template(renders_name) for m in messages]
 
 
 def _special_in_messages(service: Service, body: ChatCompletionRequest | TokenizeRequest) -> None:
@@ -474,19 +479,24 @@ def _special_in_messages(service: Service, body: ChatCompletionRequest | Tokeniz
     of some tokenizers); the template's own text around the messages is not checked."""
     if service.cfg.api.special_tokens_in_messages != "refuse" or not body.messages:
         return
-    found = _special_tokens(service.engine.tokenizer)[1]
+    tok = service.engine.tokenizer
+    found = _special_tokens(tok)[1]
     if found is None:  # the tokenizer has none
         return
-    for message in _template_pieces(body):
+    for message in _template_pieces(body, tok.renders_name):
         for key in ("name", "content"):
             hit = _field_hit(found, message.get(key, ()))
             if hit is not None:
                 raise _special_in_message(*hit)
 
 
-def _template_pieces(body: ChatCompletionRequest | TokenizeRequest) -> list[dict[str, Any]]:
+def _template_pieces(
+    body: ChatCompletionRequest | TokenizeRequest, renders_name: NameRendered
+) -> list[dict[str, Any]]:
     """`_chat_messages` with the texts as pieces marked with their fields."""
-    msgs = [m.template_pieces(f"messages[{i}]") for i, m in enumerate(body.messages or ())]
+    msgs = [
+        m.template_pieces(f"messages[{i}]", renders_name) for i, m in enumerate(body.messages or ())
+    ]
     mode = body.tool_mode()
     if mode is not None:
         msgs = tools.with_tools_pieces(msgs, body.tool_functions(), mode, body.parallel())
@@ -873,7 +883,7 @@ async def _serve(
             name = "prompt" if completion else "messages"
         # a prompt too long for the context (engine._too_long): OpenAI's code for it
         code = CONTEXT_LENGTH_EXCEEDED if str(e).startswith("prompt of ") else None
-        if code is not None:  # which of a list of prompts is too long
+        if name in ("prompt", "messages"):  # which of a list of prompts: too long, empty, ...
             name = _refused_prompt(body, e, ctx.n, completion)
         raise ApiError(400, _named(str(e), name), name, code) from e
     finally:
@@ -1826,6 +1836,13 @@ def _sse_line(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
+def _choice_line(chunk: dict[str, Any], include_usage: bool) -> str:
+    """A choice's chunk as an SSE line. With `stream_options.include_usage` it carries
+    `"usage": null`, as OpenAI's chunks before the usage chunk do: a client reading
+    `chunk["usage"]` off every chunk finds the key (only the last chunk's holds counts)."""
+    return _sse_line({**chunk, "usage": None} if include_usage else chunk)
+
+
 async def _sse(
     ctx: _Ctx,
     streams: Sequence[RequestStream],
@@ -1866,7 +1883,8 @@ async def _sse(
                 carries = bool(text or deltas)  # a chunk without text carries no logprobs
                 if carries or first[i]:
                     lps = places[i].take(shown[i]) if carries else None
-                    yield _sse_line(_chunk(ctx, text, None, first[i], lps, i, deltas))
+                    chunk = _chunk(ctx, text, None, first[i], lps, i, deltas)
+                    yield _choice_line(chunk, include_usage)
                     first[i] = False
                 if not out.finished:
                     continue
@@ -1880,7 +1898,7 @@ async def _sse(
                 lps = places[i].take(shown[i]) + places[i].rest(ctx.stop_cut(out))
                 end = _chunk(ctx, None, finish, False, lps, i)
                 end["kvguard"] = _kvguard_ext(ctx, [out])
-                yield _sse_line(end)
+                yield _choice_line(end, include_usage)
         if include_usage:
             u = _chunk(ctx, None, None, False)
             u["choices"] = []

@@ -391,7 +391,9 @@ class _Sampling(_Body):
         f"{MAX_METADATA_KEY_CHARS} characters, string values of at most "
         f"{MAX_METADATA_VALUE_CHARS} (accepted, not used)",
     )
-    service_tier: Text | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = Field(
+        None, description="OpenAI's tiers (accepted, not used: kvguard has one)"
+    )
     frequency_penalty: float | None = Field(
         None, ge=-2.0, le=2.0, description="subtracted from a token's logit per time it was output"
     )
@@ -619,10 +621,22 @@ class ToolCall(_Body):
     function: FunctionCall
 
 
+# the role the chat template is given a message of: a tool turn is a user turn holding its
+# result, a developer turn (OpenAI's successor to system) a system turn, which templates know
+_TEMPLATE_ROLES = {"tool": "user", "developer": "system"}
+# whether the chat template writes a message's `name`, by the role it is given
+# (`Tokenizer.renders_name`)
+NameRendered = Callable[[str], bool]
+
+
 class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Content = None
-    name: Text | None = Field(None, description="passed to the chat template")
+    name: Text | None = Field(
+        None,
+        description="passed to the chat template; one that writes no names gets the text as "
+        "'{name}: {content}'",
+    )
     refusal: Annotated[Any, _refuse("not served: send the refusal text as content")] = None
     annotations: Annotated[Any, _refuse("not served: send null", lambda v: v == [])] = None
     tool_calls: list[ToolCall] | None = Field(None, description="an assistant turn's calls")
@@ -648,31 +662,35 @@ class ChatMessage(_Body):
             )
         return self
 
-    def for_template(self) -> dict[str, str]:
+    def for_template(self, renders_name: NameRendered) -> dict[str, str]:
         """What the chat template sees: role, text, and the participant's name if given. An
         assistant turn's tool calls are written as the model writes them, and a tool turn is a
-        user turn holding its result (see daemon/tools.py)."""
-        pieces = self.template_pieces("message")
+        user turn holding its result (see daemon/tools.py). A name the template would not
+        write (`renders_name(role)` false: SmolLM2's never reads one) starts the text instead,
+        `Alice: ...`: passed on, it would be dropped without a word."""
+        pieces = self.template_pieces("message", renders_name)
         return {k: v if isinstance(v, str) else tools.joined(v) for k, v in pieces.items()}
 
-    def template_pieces(self, field: str) -> dict[str, Any]:
+    def template_pieces(self, field: str, renders_name: NameRendered) -> dict[str, Any]:
         """`for_template` with its texts (content, name) as pieces, each marked with the field
         of the request it holds (this message's is `field`): a check of the joined text names
-        the field a hit touches, a text part's or a call's arguments'."""
-        role, content = self.role, self._content_pieces(field)
+        the field a hit touches, a text part's, a call's arguments' or a name written into
+        the text."""
+        role, content = _TEMPLATE_ROLES.get(self.role, self.role), self._content_pieces(field)
+        name = None if self.name is None else [tools.Piece(self.name, f"{field}.name")]
         if self.tool_calls:
             calls = [
                 (c.function.name, c.function.arguments, f"{field}.tool_calls[{j}].function")
                 for j, c in enumerate(self.tool_calls)
             ]
             content = tools.render_calls(content, calls)
-        if role == "tool":
-            role, content = "user", tools.render_result(content)
-        elif role == "developer":  # OpenAI's successor to system, which templates know
-            role = "system"
+        if name is not None and not renders_name(role):  # a tool's inside its <tool_response>
+            content, name = [*name, tools.Piece(": "), *content], None
+        if self.role == "tool":
+            content = tools.render_result(content)
         out: dict[str, Any] = {"role": role, "content": content}
-        if self.name is not None:
-            out["name"] = [tools.Piece(self.name, f"{field}.name")]
+        if name is not None:
+            out["name"] = name
         return out
 
     def _content_pieces(self, field: str) -> list[tools.Piece]:
@@ -714,6 +732,12 @@ class _ToolsInPlay:
         choice = self.tool_choice
         if choice not in (None, "none") and not names:
             return "tool_choice", "tool_choice needs tools"
+        if self.parallel_tool_calls is not None and self.tools is None:  # as OpenAI answers
+            return (
+                "parallel_tool_calls",
+                "parallel_tool_calls is only allowed when tools are given: send tools, or "
+                "leave it out",
+            )
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
             return (
                 "tool_choice",
@@ -777,8 +801,20 @@ class ChatCompletionRequest(_Sampling, _ToolsInPlay):
     prediction: Annotated[
         Any, _refuse("not served: kvguard has no predicted-output decoding; send null")
     ] = None
-    reasoning_effort: Annotated[Any, _refuse("not served: the model has no reasoning mode")] = None
-    verbosity: Annotated[Any, _refuse("not served: send null")] = None
+    reasoning_effort: Annotated[
+        Any,
+        _refuse(
+            'not served: the model has no reasoning mode; send "none" or null',
+            lambda v: v == "none",
+        ),
+    ] = None
+    verbosity: Annotated[
+        Any,
+        _refuse(
+            'not served: kvguard does not steer answer length; send "medium" (the default) or null',
+            lambda v: v == "medium",
+        ),
+    ] = None
     web_search_options: Annotated[Any, _refuse("not served: kvguard has no web search")] = None
     store: Annotated[
         Any, _refuse("not served: kvguard stores no completions; send false", lambda v: v is False)

@@ -373,3 +373,104 @@ def test_completion_top_logprobs_hold_the_sampled_token(tiny_daemon: Daemon) -> 
     entries = chat.choices[0].logprobs.content
     assert [e.token for e in entries] == ["q"] * 3
     assert all(len(e.top_logprobs) == 2 for e in entries)
+
+
+# -- values that ask for nothing, values OpenAI refuses ------------------------------------------
+HI = [{"role": "user", "content": "Hi!"}]
+
+
+def test_reasoning_effort_none_and_verbosity_medium_ask_for_nothing(tiny_daemon: Daemon) -> None:
+    """`reasoning_effort: "none"` asks for no reasoning and `verbosity: "medium"` is OpenAI's
+    default: both are what the model does, so both are served (they were refused as "not
+    served"); a value that asks for more is still refused, naming the field."""
+    c = tiny_daemon.client()
+    ask = {"model": "tiny", "messages": HI, "max_tokens": 2}
+    for field, quiet, more in (("reasoning_effort", "none", "low"), ("verbosity", "medium", "low")):
+        out = c.chat.completions.create(**ask, **{field: quiet})
+        assert out.choices[0].finish_reason in ("stop", "length")
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(**ask, **{field: more})
+        assert e.value.body["param"] == field and f'"{quiet}"' in e.value.body["message"]
+
+
+def test_a_service_tier_outside_openai_s_is_refused(tiny_daemon: Daemon) -> None:
+    """OpenAI's tiers are accepted (kvguard has one: they change nothing); another value is
+    a 400 naming `service_tier`, as OpenAI answers it, on both endpoints."""
+    c = tiny_daemon.client()
+    chat = {"model": "tiny", "messages": HI, "max_tokens": 2}
+    completion = {"model": "tiny", "prompt": "Hi", "max_tokens": 2}
+    for tier in ("auto", "default", "flex", "scale", "priority"):
+        assert c.chat.completions.create(**chat, service_tier=tier).choices
+        assert c.completions.create(**completion, extra_body={"service_tier": tier}).choices
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(**chat, service_tier="bogus")
+    assert e.value.body["param"] == "service_tier" and "flex" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(**completion, extra_body={"service_tier": "bogus"})
+    assert e.value.body["param"] == "service_tier"
+
+
+def test_parallel_tool_calls_without_tools_is_refused(tiny_daemon: Daemon) -> None:
+    """OpenAI answers `parallel_tool_calls` without `tools` 400 ("only allowed when tools are
+    specified"): kvguard did serve it, as if it asked something. /tokenize counts messages as
+    chat serves them, and refuses it alike."""
+    c = tiny_daemon.client()
+    for parallel in (False, True):
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(
+                model="tiny", messages=HI, max_tokens=2, parallel_tool_calls=parallel
+            )
+        assert e.value.body["param"] == "parallel_tool_calls", e.value.body
+        assert "tools" in e.value.body["message"]
+    r = httpx.post(
+        tiny_daemon.url + "/tokenize",
+        json={"model": "tiny", "messages": HI, "parallel_tool_calls": False},
+        timeout=60,
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "parallel_tool_calls", r.text
+
+
+# -- an empty prompt of a list is named by its index --------------------------------------------
+@pytest.mark.parametrize(
+    ("prompt", "n", "name"),
+    [(["a", ""], 1, "prompt[1]"), ([[1, 2], []], 1, "prompt[1]"), (["a", "b", ""], 2, "prompt[2]"),
+     (["", "a"], 1, "prompt[0]")],
+    ids=["texts", "token-ids", "texts-n2", "first"],
+)  # fmt: skip
+def test_an_empty_prompt_in_a_list_is_named_by_its_index(
+    tiny_daemon: Daemon, prompt: list, n: int, name: str
+) -> None:
+    """An empty prompt in a batch of up to 256 was refused naming `prompt`, which does not say
+    which: it is named `prompt[i]`, in `param` and in the message, as a prompt too long is."""
+    with pytest.raises(openai.BadRequestError) as e:
+        tiny_daemon.client().completions.create(model="tiny", prompt=prompt, n=n, max_tokens=2)
+    body = e.value.body
+    assert body["param"] == name and body["message"].startswith(f"{name} is empty"), body
+
+
+# -- usage: null on every chunk before the usage chunk ------------------------------------------
+@pytest.mark.parametrize("n", [1, 2])
+def test_include_usage_puts_a_null_usage_on_every_chunk_before_the_last(
+    tiny_daemon: Daemon, n: int
+) -> None:
+    """OpenAI's reference: with `stream_options.include_usage`, "all other chunks will also
+    include a usage field, but with a null value". A client reading `chunk["usage"]` off the
+    raw JSON got a KeyError on each. Without the option no chunk has the key. Chat and
+    completions, read as the openai client streams them."""
+    c = tiny_daemon.client()
+    same = {"model": "tiny", "max_tokens": 4, "n": n, "stream": True}
+    for create, ask in (
+        (c.chat.completions.with_streaming_response.create, {**same, "messages": HI}),
+        (c.completions.with_streaming_response.create, {**same, "prompt": "Hi"}),
+    ):
+        for include in (True, False):
+            with create(**ask, stream_options={"include_usage": include}) as response:
+                lines = [line for line in response.iter_lines() if line.startswith("data: {")]
+            chunks = [json.loads(line.removeprefix("data: ")) for line in lines]
+            assert len(chunks) >= 2 * n + include, chunks  # each choice's first and last
+            if not include:
+                assert not any("usage" in chunk for chunk in chunks), chunks
+                continue
+            *answer, last = chunks
+            assert all("usage" in chunk and chunk["usage"] is None for chunk in answer), answer
+            assert last["choices"] == [] and last["usage"]["completion_tokens"] >= n, last

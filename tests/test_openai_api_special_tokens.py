@@ -262,6 +262,15 @@ def test_special_token_text_in_messages_is_refused_when_configured(bos_daemon: D
             BOS,
         ),
         ([{"role": "system", "content": "x", "name": f"a{BOS}"}, ok], "messages[0].name", BOS),
+        (  # a name the template does not write, written into the tool result's text
+            [
+                ok,
+                {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+                {"role": "tool", "tool_call_id": "c1", "name": f"f{BOS}", "content": "result"},
+            ],
+            "messages[2].name",
+            BOS,
+        ),
     ]  # fmt: skip
     for messages, param, token in cases:
         with pytest.raises(openai.BadRequestError) as refused:

@@ -36,6 +36,12 @@ exact for the looking sequence's class, so every hit is what the request compute
 exact copy of an inexact block's content, once computed, takes over its key (the inexact one
 is forgotten, or unfindable while in use), so a prefix recomputed once is found exact from
 then on.
+
+A block made unfindable (its content overwritten, replaced by an exact copy, retired, or left
+outside a shrunk pool) takes the blocks cached after it along: their keys chain from a content
+id no lookup reaches any more. A parent -> children index finds them in O(their number), so
+the cached blocks counted (`num_cached`, the `kvguard_prefix_cache_blocks` gauge) are only
+those a lookup can reach.
 """
 
 from __future__ import annotations
@@ -58,6 +64,11 @@ def short_prompt(seq: Sequence) -> bool:
 BlockKey = tuple[int, tuple[int, ...]]
 
 
+def _roots() -> dict[int, dict[int, None]]:
+    """The children index of an empty cache: the chain roots, always reachable."""
+    return {0: {}, SHORT_ROOT: {}}
+
+
 class BlockManager:
     def __init__(
         self, num_blocks: int, block_size: int, caching: bool = False, exact: bool = False
@@ -77,7 +88,10 @@ class BlockManager:
         # content ids of exact blocks (prompt-written chains) -> whether a short prompt wrote
         # them (`short_prompt`)
         self._exact: dict[int, bool] = {}
-        self._retired = 0  # entries resize() kept for blocks in use: shared, never looked up
+        # content ids a lookup can reach (the roots, and those of blocks under a findable key)
+        # -> the blocks cached under a key chained from them; one missing is unreachable
+        self._children: dict[int, dict[int, None]] = _roots()
+        self._retired = 0  # entries kept for blocks in use under a key no lookup forms
         self.hit_tokens = 0  # prompt tokens served from the cache
         self.queried_tokens = 0  # prompt tokens of admissions that looked
 
@@ -91,7 +105,8 @@ class BlockManager:
 
     @property
     def num_cached(self) -> int:
-        """Blocks holding reusable K/V (in use or free); free ones are handed out last."""
+        """Blocks holding K/V a lookup can reach (in use or free); free ones are handed out
+        last."""
         return len(self._cache) - self._retired
 
     def blocks_for(self, num_tokens: int) -> int:
@@ -104,11 +119,8 @@ class BlockManager:
     def _pop_free(self) -> int:
         b = next(iter(self._free))
         del self._free[b]
-        key = self._key_of.pop(b, None)
-        if key is not None:  # its cached content is overwritten from now on
-            del self._cache[key]
-            self._exact.pop(self._content_of.pop(b), None)
-            self._retired -= key[0] < 0
+        if b in self._key_of:  # its cached content is overwritten from now on
+            self._retire(b)
         return b
 
     def take(self, owner: str, n: int) -> list[int]:
@@ -260,29 +272,54 @@ class BlockManager:
             exact = (i + 1) * self.block_size <= seq.prompt_written
             b = self._cache.get(key)
             if b is not None and exact and self._content_of[b] not in self._exact:
-                self._retire(key, b)  # its blocks after it are no longer found either
+                self._retire(b)  # and the blocks after it: no lookup reaches them now
                 b = None
             if b is None:  # new content: this sequence's block holds it from now on
                 b = seq.block_table[i]
-                self._cache[key], self._key_of[b] = b, key
-                self._content_of[b] = self._next_content
+                self._register(b, key)
                 if exact:
-                    self._exact[self._next_content] = short_prompt(seq)
-                self._next_content += 1
+                    self._exact[self._content_of[b]] = short_prompt(seq)
             contents.append(self._content_of[b])
 
-    def _retire(self, key: BlockKey, b: int) -> None:
-        """Make cached block `b` (under `key`) unfindable: in use, it keeps a key no lookup
-        can form, so the sequences sharing it go on sharing it read-only; free, it is
-        forgotten."""
+    def _register(self, b: int, key: BlockKey) -> None:
+        """Cache block `b`'s new content under `key`. Chained from content no lookup reaches
+        (a block before it retired while its sequence ran), it takes a key no lookup forms:
+        shared read-only like a retired block, and not counted as reusable."""
+        content, self._next_content = self._next_content, self._next_content + 1
+        if key[0] in self._children:
+            self._children[key[0]][b] = None
+            self._children[content] = {}
+        else:
+            key = (-content, ())
+            self._retired += 1
+        self._cache[key], self._key_of[b], self._content_of[b] = b, key, content
+
+    def _retire(self, b: int) -> None:
+        """Make cached block `b` unfindable, and every block cached after it (their keys chain
+        from content no lookup reaches any more): one in use keeps a key no lookup can form,
+        so the sequences sharing it go on sharing it read-only; a free one is forgotten.
+        O(the blocks retired), through the parent -> children index."""
+        parent = self._key_of[b][0]
+        if parent >= 0:
+            del self._children[parent][b]
+        doomed = [b]
+        while doomed:
+            b = doomed.pop()
+            doomed.extend(self._children.pop(self._content_of[b], ()))
+            self._unfind(b)
+
+    def _unfind(self, b: int) -> None:
+        """Take cached block `b` out of the lookups (its children are the caller's)."""
+        key, content = self._key_of[b], self._content_of[b]
         del self._cache[key]
+        self._retired -= key[0] < 0
         if b in self._holders:
-            retired: BlockKey = (-self._content_of[b], ())
+            retired: BlockKey = (-content, ())
             self._cache[retired], self._key_of[b] = b, retired
             self._retired += 1
         else:
-            del self._key_of[b]
-            self._exact.pop(self._content_of.pop(b), None)
+            del self._key_of[b], self._content_of[b]
+            self._exact.pop(content, None)
 
     # -- pool rebuild ---------------------------------------------------------------------
     def resize(self, new_n: int, keep_cache: bool = False) -> dict[int, int]:
@@ -312,14 +349,24 @@ class BlockManager:
         cache: dict[BlockKey, int] = {}
         key_of: dict[int, BlockKey] = {}
         content_of: dict[int, int] = {}
-        for key, b in self._cache.items():
+        children = _roots()  # new dicts: a failed conversion puts the old ones back
+        for key, b in self._cache.items():  # a block's parent was registered before it
             nb = moves[b] if b in used else (b if b < new_n and b not in taken else None)
             if nb is None:  # outside the new pool, or overwritten by a moved block
                 continue
-            cache[key], key_of[nb], content_of[nb] = nb, key, self._content_of[b]
+            content = self._content_of[b]
+            if key[0] >= 0 and key[0] not in children:  # the block before it was dropped
+                if b not in used:
+                    continue
+                key = (-content, ())
+            cache[key], key_of[nb], content_of[nb] = nb, key, content
+            if key[0] >= 0:
+                children[key[0]][nb] = None
+                children[content] = {}
             if b not in used:
                 moves[b] = nb  # the new pool must hold its K/V too
         self._cache, self._key_of, self._content_of = cache, key_of, content_of
+        self._children = children
         kept = set(content_of.values())
         self._exact = {c: s for c, s in self._exact.items() if c in kept}
         self._retired = sum(key[0] < 0 for key in cache)
@@ -331,12 +378,13 @@ class BlockManager:
 
     def retire_cache(self, keep: set[int]) -> None:
         """Make the cached content of every block outside `keep` unfindable (their K/V are no
-        longer what their keys say): a block in use keeps a key no lookup can form, so the
-        sequences sharing it go on sharing it read-only; a free one is forgotten."""
+        longer what their keys say), and so the blocks cached after it, kept or not: a block
+        in use keeps a key no lookup can form, so the sequences sharing it go on sharing it
+        read-only; a free one is forgotten."""
         for key, b in list(self._cache.items()):
-            if b in keep or key[0] < 0:
+            if b in keep or key[0] < 0 or self._key_of.get(b) != key:  # gone with its parent
                 continue
-            self._retire(key, b)
+            self._retire(b)
 
     def _rebuild(self, new_n: int) -> dict[int, int]:
         kept = {b: self._content_of[b] for b in self._holders if b in self._content_of}
@@ -344,6 +392,7 @@ class BlockManager:
         self._key_of.clear()
         self._content_of.clear()
         self._exact.clear()  # the blocks kept are never found again
+        self._children = _roots()
         used = set(self._holders)
         spare = iter(b for b in range(new_n) if b not in used)
         moves = {b: (b if b < new_n else next(spare)) for b in sorted(used)}
@@ -380,3 +429,20 @@ class BlockManager:
             assert self._key_of.get(b) == key and b in self._content_of, f"cache entry {b} torn"
         assert len(self._key_of) == len(self._cache) == len(self._content_of), "cache torn"
         assert set(self._exact) <= set(self._content_of.values()), "exact flag of lost content"
+        self._audit_reachable()
+
+    def _audit_reachable(self) -> None:
+        """Raise AssertionError unless the blocks under a findable key are exactly those a
+        walk from the roots reaches, as the children index and `num_cached` say."""
+        findable = {b: key for key, b in self._cache.items() if key[0] >= 0}
+        assert len(findable) == self.num_cached, f"{self._retired} retired entries miscounted"
+        reached, todo = 0, list(_roots())
+        while todo:
+            parent = todo.pop()
+            kids = self._children.get(parent, {})
+            assert all(findable.get(b, (None,))[0] == parent for b in kids), "children index torn"
+            reached += len(kids)
+            todo.extend(self._content_of[b] for b in kids)
+        assert reached == len(findable) == len(self._children) - len(_roots()), (
+            f"{len(findable) - reached} cached blocks counted that no lookup reaches"
+        )

@@ -234,7 +234,10 @@ class EngineConfig:
         section="serving",
         doc="serve from the prefix cache only blocks holding the bits the request computes "
         "cold (blocks prompts of its length class computed), so a seeded request gets the same "
-        "log-probabilities however its prefix got into the cache; false (default) also serves "
+        "log-probabilities however its prefix got into the cache (packed weights; with weights "
+        "torch's GEMM multiplies, tiny or model_quantization none, the few tokens computed "
+        "after a hit take other GEMM kernels than the cold prompt's: up to ~2e-5 apart, and "
+        "a sampled token can turn); false (default) also serves "
         "blocks an earlier request wrote as it decoded (a follow-up chat turn skips the "
         "previous answer too) or, on AMX CPUs, a prompt of the other length class computed: "
         "log-probabilities ~1e-3 from a cold run's, a sampled token rarely",

@@ -627,6 +627,11 @@ _TEMPLATE_ROLES = {"tool": "user", "developer": "system"}
 # whether the chat template writes a message's `name`, by the role it is given
 # (`Tokenizer.renders_name`)
 NameRendered = Callable[[str], bool]
+# the roles whose name starts the message's text where the template writes none: who speaks
+# to the model. An assistant turn's text is left as sent: a history of the model's own turns
+# each starting `planner: ` would teach it to start its answers so, breaking clients that
+# parse them
+_NAMES_IN_TEXT = frozenset({"system", "developer", "user", "tool"})
 
 
 class ChatMessage(_Body):
@@ -634,8 +639,9 @@ class ChatMessage(_Body):
     content: Content = None
     name: Text | None = Field(
         None,
-        description="passed to the chat template; one that writes no names gets the text as "
-        "'{name}: {content}'",
+        description="passed to the chat template; where it writes none for the role, a "
+        "system, developer, user or tool message's text is sent as '{name}: {content}' (an "
+        "assistant message's text is left as sent)",
     )
     refusal: Annotated[Any, _refuse("not served: send the refusal text as content")] = None
     annotations: Annotated[Any, _refuse("not served: send null", lambda v: v == [])] = None
@@ -665,9 +671,10 @@ class ChatMessage(_Body):
     def for_template(self, renders_name: NameRendered) -> dict[str, str]:
         """What the chat template sees: role, text, and the participant's name if given. An
         assistant turn's tool calls are written as the model writes them, and a tool turn is a
-        user turn holding its result (see daemon/tools.py). A name the template would not
-        write (`renders_name(role)` false: SmolLM2's never reads one) starts the text instead,
-        `Alice: ...`: passed on, it would be dropped without a word."""
+        user turn holding its result (see daemon/tools.py). A speaker's name the template
+        would not write (`renders_name(role)` false: SmolLM2's never reads one) starts the
+        text instead, `Alice: ...`: passed on, it would be dropped without a word. An
+        assistant's is passed on and its text left as sent (`_NAMES_IN_TEXT`)."""
         pieces = self.template_pieces("message", renders_name)
         return {k: v if isinstance(v, str) else tools.joined(v) for k, v in pieces.items()}
 
@@ -684,14 +691,19 @@ class ChatMessage(_Body):
                 for j, c in enumerate(self.tool_calls)
             ]
             content = tools.render_calls(content, calls)
-        if name is not None and not renders_name(role):  # a tool's inside its <tool_response>
-            content, name = [*name, tools.Piece(": "), *content], None
+        if name is not None and self._name_in_text(role, renders_name):
+            content, name = [*name, tools.Piece(": "), *content], None  # a tool's: in its result
         if self.role == "tool":
             content = tools.render_result(content)
         out: dict[str, Any] = {"role": role, "content": content}
         if name is not None:
             out["name"] = name
         return out
+
+    def _name_in_text(self, role: str, renders_name: NameRendered) -> bool:
+        """Whether this message's name starts its text: a speaker's (not the assistant's,
+        `_NAMES_IN_TEXT`) where the template, given the message as `role`, writes none."""
+        return self.role in _NAMES_IN_TEXT and not renders_name(role)
 
     def _content_pieces(self, field: str) -> list[tools.Piece]:
         """The message's text: its text parts joined as they come (a template reads one text)."""

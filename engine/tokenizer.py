@@ -247,8 +247,8 @@ class Tokenizer:
     def renders_name(self, role: str) -> bool:
         """Whether the chat template writes a `role` message's `name` into the prompt. Many
         (SmolLM2's, Qwen's, Llama's) never read it: passed on, a participant's name would be
-        dropped without a word, so the API writes it into the message's text instead
-        (`ChatMessage.template_pieces`)."""
+        dropped without a word, so the API writes it into the message's text instead, save an
+        assistant's (`ChatMessage.template_pieces`)."""
         return role in self._name_roles
 
     @cached_property

@@ -1,8 +1,10 @@
 """A chat message's `name` reaches the model. The default model's chat template (SmolLM2's)
 never reads `name`: passed on, two participants rendered as one and the field was dropped
 without a word. Where a template does not write a role's names (found once, by a probe
-render), kvguard writes the name at the start of the message's text, `Alice: ...`; where it
-does, the name goes to the template as it is. /tokenize shows the prompt chat serves."""
+render), kvguard writes a speaker's (system, developer, user, tool) name at the start of the
+message's text, `Alice: ...`; where it does, the name goes to the template as it is. An
+assistant's text is left as sent, whatever the template: the model's own turns each starting
+with a name taught it to start its answers so. /tokenize shows the prompt chat serves."""
 
 from __future__ import annotations
 
@@ -25,6 +27,12 @@ NAMED = [
 ]
 CALL = {"id": "c1", "type": "function",
         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}  # fmt: skip
+# an AutoGen-style conversation: every message names its agent, the model's own turns too
+AGENTS = [
+    {"role": "user", "name": "user_proxy", "content": "Plan a trip."},
+    {"role": "assistant", "name": "planner", "content": "Sure, here is a plan."},
+    {"role": "user", "name": "user_proxy", "content": "Shorter."},
+]
 # every role, named: a developer turn is a system turn, a tool turn a user turn
 EVERY_ROLE = [
     {"role": "developer", "name": "ops", "content": "Be brief."},
@@ -109,17 +117,17 @@ def test_names_the_default_model_s_template_ignores_are_written_into_the_text(
 def test_every_role_s_name_is_written_where_the_template_would_drop_it(
     smollm_daemon: Daemon,
 ) -> None:
-    """A system (developer) or assistant turn's name starts its text, before an assistant's
-    tool calls too; a tool's is inside the `<tool_response>` its result is given in. A
-    message without a name is rendered as before."""
+    """A system (developer) turn's name starts its text; a tool's is inside the
+    `<tool_response>` its result is given in. An assistant's turns, its tool calls and its
+    text, are rendered as sent. A message without a name is rendered as before."""
     prompt = prompt_of(smollm_daemon, SMOLLM, EVERY_ROLE)
     call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
     for turn in (
         "<|im_start|>system\nops: Be brief.<|im_end|>\n",
         "<|im_start|>user\nAlice: Weather?<|im_end|>\n",
-        f"<|im_start|>assistant\nbot: {call}<|im_end|>\n",
+        f"<|im_start|>assistant\n{call}<|im_end|>\n",
         "<|im_start|>user\n<tool_response>\nget_weather: sunny\n</tool_response><|im_end|>\n",
-        "<|im_start|>assistant\nbot: It is sunny.<|im_end|>\n",
+        "<|im_start|>assistant\nIt is sunny.<|im_end|>\n",
     ):
         assert turn in prompt, (turn, prompt)
     plain = prompt_of(smollm_daemon, SMOLLM, unnamed(EVERY_ROLE))
@@ -137,16 +145,38 @@ def test_every_role_s_name_is_written_where_the_template_would_drop_it(
 
 def test_a_template_that_writes_names_gets_them_as_sent(user_names_daemon: Daemon) -> None:
     """A template that writes user names gets a user's as it is, where it puts it (no
-    `Alice: ` in the text); the assistant's, which it does not write, starts its text."""
+    `Alice: ` in the text); the assistant's, which it does not write, is dropped by it, and
+    the assistant's text is left as sent."""
     messages = [*NAMED, {"role": "assistant", "name": "bot", "content": "Red."}]
     prompt = prompt_of(user_names_daemon, "tinynames", messages)
     assert "<|im_start|>user (Alice)\nMy favourite colour is red.<|im_end|>\n" in prompt, prompt
     assert "<|im_start|>user (Bob)\nWhat is my favourite colour?<|im_end|>\n" in prompt, prompt
-    assert "<|im_start|>assistant\nbot: Red.<|im_end|>\n" in prompt, prompt
+    assert "<|im_start|>assistant\nRed.<|im_end|>\n" in prompt, prompt
     out = user_names_daemon.client().chat.completions.create(
         model="tinynames", messages=messages, max_tokens=1
     )
     assert out.usage.prompt_tokens == len(tokenize(user_names_daemon, "tinynames", messages))
+
+
+def test_an_assistant_s_name_leaves_its_text_as_sent(smollm_daemon: Daemon) -> None:
+    """An AutoGen-style conversation names every agent. The assistant's name was written into
+    its text too, so the history showed the model its own answers starting `planner: `, and
+    it would start the next one so, which breaks clients that parse answers (JSON, tool-call
+    text). The user's name starts its text, the assistant's turn is its content as sent, and
+    chat is served the prompt /tokenize shows."""
+    prompt = prompt_of(smollm_daemon, SMOLLM, AGENTS)
+    assert (
+        "<|im_start|>user\nuser_proxy: Plan a trip.<|im_end|>\n"
+        "<|im_start|>assistant\nSure, here is a plan.<|im_end|>\n"
+        "<|im_start|>user\nuser_proxy: Shorter.<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    ) in prompt, prompt
+    assert "planner" not in prompt, prompt
+    counted = tokenize(smollm_daemon, SMOLLM, AGENTS)
+    out = smollm_daemon.client().chat.completions.create(
+        model=SMOLLM, messages=AGENTS, max_tokens=1, temperature=0
+    )
+    assert out.usage.prompt_tokens == len(counted)
 
 
 @pytest.mark.parametrize(

@@ -240,9 +240,9 @@ def test_special_token_text_in_messages_is_served_as_before_by_default(
 
 
 def test_special_token_text_in_messages_is_refused_when_configured(bos_daemon: Daemon) -> None:
-    """`api.special_tokens_in_messages: refuse`: a message whose text holds a special token's
-    text answers 400 naming the field and the token, whatever its role; other requests, and
-    a completion's prompt, are served as before."""
+    """`api.special_tokens_in_messages: refuse`: a message whose text or name holds a special
+    token's text answers 400 naming the field and the token, whatever its role; other
+    requests, and a completion's prompt, are served as before."""
     c = bos_daemon.client()
     ok = {"role": "user", "content": "hi"}
     cases = [
@@ -271,6 +271,9 @@ def test_special_token_text_in_messages_is_refused_when_configured(bos_daemon: D
             "messages[2].name",
             BOS,
         ),
+        # an assistant's name is passed to the template, not written into its text: checked
+        # as the template is given it, whether or not this template writes it
+        ([ok, {"role": "assistant", "name": f"planner{BOS}", "content": "sure"}, ok], "messages[1].name", BOS),
     ]  # fmt: skip
     for messages, param, token in cases:
         with pytest.raises(openai.BadRequestError) as refused:

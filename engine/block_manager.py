@@ -429,9 +429,9 @@ class BlockManager:
             assert self._key_of.get(b) == key and b in self._content_of, f"cache entry {b} torn"
         assert len(self._key_of) == len(self._cache) == len(self._content_of), "cache torn"
         assert set(self._exact) <= set(self._content_of.values()), "exact flag of lost content"
-        self._audit_reachable()
+        self._check_reachable()
 
-    def _audit_reachable(self) -> None:
+    def _check_reachable(self) -> None:
         """Raise AssertionError unless the blocks under a findable key are exactly those a
         walk from the roots reaches, as the children index and `num_cached` say."""
         findable = {b: key for key, b in self._cache.items() if key[0] >= 0}

@@ -637,8 +637,7 @@ class LLMEngine(ControlSurface):
             for seq in taken:
                 self.scheduler.remove(seq)
             d = policy.refuse(seqs, taken, e.decision, self.scheduler.waiting)
-            for seq in seqs:
-                self._admission_event(seq, d.decision, d.reason)
+            self._admission_event(seqs[0], d.decision, d.reason, sequences=len(seqs))
             refusal = AdmissionRejected(d)
             refusal.request_index = len(taken)  # type: ignore[attr-defined]
             raise refusal from None
@@ -667,8 +666,20 @@ class LLMEngine(ControlSurface):
         if count_prompt:
             self._counters["prompt_tokens"] += len(seq.prompt_token_ids)
 
-    def _admission_event(self, seq: Sequence, decision: str, reason: str) -> None:
-        self.events.emit("admission", decision=decision, reason=reason, priority=seq.priority)
+    def _admission_event(
+        self, seq: Sequence, decision: str, reason: str, sequences: int = 1
+    ) -> None:
+        """One event per decision made: each sequence taken in has its own (`admit` or `queue`),
+        a refused request one for all its `sequences` (they are refused as one), so that a
+        client looping on n=128 requests does not flood the event ring and its readers with
+        128 copies of one refusal. The decision counter still counts every sequence."""
+        self.events.emit(
+            "admission",
+            decision=decision,
+            reason=reason,
+            priority=seq.priority,
+            sequences=sequences,
+        )
 
     def pool_blocks(self, dtype: str) -> int:
         """Device blocks a pool of `dtype` has in the bytes the engine holds now: the

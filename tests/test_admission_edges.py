@@ -14,7 +14,7 @@ import pytest
 from kvguard.engine.admission import AdmissionConfig, AdmissionController
 from kvguard.engine.admission_policy import AdmissionRejected
 from kvguard.engine.config import EngineConfig
-from kvguard.engine.llm_engine import LLMEngine
+from kvguard.engine.llm_engine import LLMEngine, NewRequest
 from kvguard.engine.sampling_params import SamplingParams
 from tests.test_admission_predicted import run_all
 from tests.test_disconnect import idle, state
@@ -446,6 +446,28 @@ def _sample(d: Daemon, name: str) -> float:
     text = d.admin("GET", "/metrics").text
     m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
     return float(m.group(1)) if m else 0.0
+
+
+def test_a_refused_request_of_eight_choices_is_one_admission_event_naming_eight() -> None:
+    """Four slots and a queue of four (a hard limit) hold eight sequences; one request holds a
+    slot, so an n=8 request behind it finds the queue full at its eighth choice and is
+    refused whole. Its refusal is one `admission` event with `sequences: 8`: it used to be
+    eight events, one per choice, so a client looping on n=128 refusals filled the event ring
+    (and pushed out what else it holds) with 128 copies of each. The decision counter still
+    counts each choice a `reject`."""
+    adm = AdmissionConfig(max_queue=4, max_queue_wait_s=0.0)
+    engine = make_engine(num_gpu_blocks=256, max_num_seqs=4, admission=adm)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    engine.add_request(PROMPT, params)
+    choices = [NewRequest(PROMPT, params, count_prompt=i == 0) for i in range(8)]
+    with pytest.raises(AdmissionRejected) as e:
+        engine.add_requests(choices)
+    assert e.value.decision.kind == "queue_full", e.value.decision.reason
+    events = [ev.data for ev in engine.events.recent("admission")]
+    assert [(d["decision"], d.get("sequences")) for d in events] == [("admit", 1), ("reject", 8)]
+    assert events[-1]["reason"] == e.value.decision.reason
+    assert events[-1]["priority"] == events[0]["priority"]  # both normal
+    assert engine.admission.decisions == {"admit": 1, "queue": 0, "reject": 8}
 
 
 LENGTH = 'kvguard_requests_finished_total{finish_reason="length",priority="normal"}'

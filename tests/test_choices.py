@@ -217,11 +217,11 @@ def test_token_id_prompts_and_their_limits(tiny_daemon: Daemon) -> None:
     assert [c.text for c in got.choices] == [a.choices[0].text for a in alone]
     assert got.usage.prompt_tokens == 7
     url = tiny_daemon.url + "/v1/completions"
-    for body, why in (
-        ({"prompt": ["x"] * 9, "n": 32}, "at most 256 sequences"),
-        ({"prompt": [[1, 2], 3]}, "element"),
-        ({"prompt": [[1, 2], []]}, "empty"),
+    for body, param, why in (
+        ({"prompt": ["x"] * 9, "n": 32}, "prompt", "at most 256 sequences"),
+        ({"prompt": [[1, 2], 3]}, "prompt", "element"),
+        ({"prompt": [[1, 2], []]}, "prompt[1]", "empty"),  # which prompt of the list
     ):
         r = httpx.post(url, json={"model": "tiny", "max_tokens": 2, **body})
-        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
         assert why in r.json()["error"]["message"], r.text

@@ -410,17 +410,38 @@ def _subschemas(node: dict[str, Any]) -> Iterator[Any]:
 
 
 def _conjuncts(node: dict[str, Any]) -> Iterator[Any]:
-    """The schemas every value matching `node` holds a match of: `allOf`'s, the required
-    properties', the items `minItems` asks for, and `contains`'."""
+    """The schemas every value matching `node` holds a match of: `allOf`'s, and where its
+    `type` admits objects alone the required properties', where it admits arrays alone the
+    items `minItems` asks for and `contains`'. A keyword about an object's or an array's
+    contents binds no other value: `{"type": ["object", "null"], "required": ["next"]}` (or
+    no `type` at all) is matched by null, so a `next` that is the node again ends there."""
     all_of = node.get("allOf")
     if isinstance(all_of, list):
         yield from all_of
+    if _admits_only(node, "object"):
+        yield from _required_properties(node)
+    if _admits_only(node, "array"):
+        yield from _required_items(node)
+        if "contains" in node and _count(node.get("minContains", 1)) >= 1:
+            yield node["contains"]
+
+
+def _admits_only(node: dict[str, Any], kind: str) -> bool:
+    """Whether `node`'s own `type` admits values of `kind` alone (`"object"`, `["object"]`).
+    A narrower kind set elsewhere (an `allOf`, a `oneOf` of objects, an `enum`) is not looked
+    for: such a node then counts as matching a value it does not, which can only serve a
+    schema with an empty cycle, never refuse one that has a value."""
+    declared = node.get("type")
+    if isinstance(declared, list):
+        return bool(declared) and all(each == kind for each in declared)
+    return declared == kind
+
+
+def _required_properties(node: dict[str, Any]) -> Iterator[Any]:
+    """The property schemas an object matching `node` must hold a value of (`required`)."""
     properties, required = node.get("properties"), node.get("required")
     if isinstance(properties, dict) and isinstance(required, list):
         yield from (properties[n] for n in required if isinstance(n, str) and n in properties)
-    yield from _required_items(node)
-    if "contains" in node and _count(node.get("minContains", 1)) >= 1:
-        yield node["contains"]
 
 
 def _required_items(node: dict[str, Any]) -> Iterator[Any]:

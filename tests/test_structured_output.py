@@ -171,6 +171,38 @@ TREE = {
     "properties": {"children": {"type": "array", "items": {"$ref": "#"}, "maxItems": 2}},
     "additionalProperties": False,
 }
+# self-references that null ends, or any value not of the kind `required` (`minItems`) binds:
+# a type list with null in it (how a linked list's `next`, a tree's `parent`, is often written
+# instead of `anyOf`), or no type at all
+NULLABLE_NEXT = {
+    "type": ["object", "null"],
+    "properties": {"next": {"$ref": "#"}},
+    "required": ["next"],
+}
+NULLABLE_NODE = {
+    "$defs": {
+        "N": {
+            "type": ["object", "null"],
+            "required": ["v", "next"],
+            "properties": {"v": {"type": "integer"}, "next": {"$ref": "#/$defs/N"}},
+        }
+    },
+    "type": "object",
+    "properties": {"head": {"$ref": "#/$defs/N"}},
+    "required": ["head"],
+}
+NULLABLE_ARRAY = {
+    "$defs": {"T": {"type": ["array", "null"], "items": {"$ref": "#/$defs/T"}, "minItems": 1}},
+    "type": "object",
+    "properties": {"t": {"$ref": "#/$defs/T"}},
+    "required": ["t"],
+}
+UNTYPED_NEXT = {
+    "$defs": {"N": {"properties": {"next": {"$ref": "#/$defs/N"}}, "required": ["next"]}},
+    "type": "object",
+    "properties": {"n": {"$ref": "#/$defs/N"}},
+    "required": ["n"],
+}
 LIST = {
     "$defs": {
         "Node": {
@@ -214,6 +246,14 @@ LIST = {
         ({"type": "object", "required": ["r"], "properties": {"r": {
             "$id": "urn:kvguard:r", "$ref": "#/$defs/A", "$defs": CYCLE["$defs"]}}},
          "#/$defs/A -> #/$defs/B -> #/$defs/A"),
+        # a type list of one kind is that kind
+        ({"type": ["object"], "properties": {"a": {"$ref": "#"}}, "required": ["a"]}, "# -> #"),
+        ({"type": ["array"], "items": {"$ref": "#"}, "minItems": 1}, "# -> #"),
+        # null ends the nullable node, not the object-only one it holds
+        ({"$defs": {"O": {"type": "object", "properties": {"o": {"$ref": "#/$defs/O"}},
+                          "required": ["o"]}},
+          "type": ["object", "null"], "properties": {"o": {"$ref": "#/$defs/O"}}},
+         "#/$defs/O -> #/$defs/O"),
     ],
 )  # fmt: skip
 def test_a_cycle_of_references_no_value_matches_is_refused(
@@ -238,10 +278,36 @@ def test_a_cycle_of_references_no_value_matches_is_refused(
         {"type": "object", "properties": {"x": False}},  # x may not be there
         {"$ref": "#/$defs/A", "$defs": {"A": {"$anchor": "a", "$ref": "#b"},
                                         "B": {"$anchor": "b", "type": "null"}}},
+        # `required` binds objects only, `minItems` arrays only: null, a string, ... end these
+        NULLABLE_NEXT,
+        NULLABLE_NODE,
+        NULLABLE_ARRAY,
+        UNTYPED_NEXT,
+        {"items": {"$ref": "#"}, "minItems": 1},
+        {"type": "string", "properties": {"a": {"$ref": "#"}}, "required": ["a"]},
+        # kinds a oneOf narrows to are not the node's type: its null branch ends it
+        {"oneOf": [{"type": "object"}, {"type": "null"}], "properties": {"a": {"$ref": "#"}},
+         "required": ["a"]},
     ],
 )  # fmt: skip
 def test_recursive_schemas_with_a_way_out_are_served(schema: dict[str, Any]) -> None:
     assert compile_schema(schema)
+
+
+def test_nullable_self_references_take_the_values_that_end_them() -> None:
+    """The grammar kvguard builds for each, walked token by token over the tiny model's
+    tokenizer, takes a value that matches it and closes there."""
+    eng = LLMEngine.from_config(
+        EngineConfig(model="tiny", kv_cache_bytes="4MiB", num_threads=1), progress=False
+    )
+    for schema, value in (
+        (NULLABLE_NEXT, {"next": None}),
+        (NULLABLE_NODE, {"head": {"v": 1, "next": {"v": 2, "next": None}}}),
+        (NULLABLE_ARRAY, {"t": [[None], None]}),
+    ):
+        grammar = eng.grammars.for_params(SamplingParams(json_schema=schema))
+        ids = eng.tokenizer.encode(json.dumps(value), False)
+        assert all(grammar.advance(t) for t in ids) and grammar.complete, (value, grammar.error)
 
 
 def is_tree(value: Any) -> bool:
@@ -276,6 +342,25 @@ def test_the_api_serves_recursive_schemas(tiny_daemon: Daemon) -> None:
             )  # fmt: skip
             text = r.choices[0].message.content
             assert r.choices[0].finish_reason == "stop" and valid(json.loads(text)), text
+
+
+def is_chain(value: Any) -> bool:
+    """Whether `value` matches NULLABLE_NEXT: null, or an object whose `next` is one."""
+    return value is None or (
+        isinstance(value, dict) and "next" in value and is_chain(value["next"])
+    )
+
+
+def test_the_api_serves_a_nullable_self_reference(tiny_daemon: Daemon) -> None:
+    """A type list with null in it ends the cycle: answered 200 with JSON that matches, not
+    refused as a cycle no value matches."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "chain", "schema": NULLABLE_NEXT}}
+    r = tiny_daemon.client().chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=200,
+        temperature=0, response_format=fmt,
+    )  # fmt: skip
+    text = r.choices[0].message.content
+    assert r.choices[0].finish_reason == "stop" and is_chain(json.loads(text)), text
 
 
 class Answer(BaseModel):

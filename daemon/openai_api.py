@@ -37,7 +37,6 @@ from kvguard.daemon.openai_schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    NameRendered,
     TokenizeRequest,
     error_body,
     new_id,
@@ -211,7 +210,7 @@ def router(service: Service) -> APIRouter:
             if (problem := body.tool_problem()) is not None:
                 raise ApiError(400, problem[1], problem[0])
             await _off_loop(request, _special_in_messages, service, body)
-            msgs = await _off_loop(request, _chat_messages, body, tok.renders_name)
+            msgs = await _off_loop(request, _chat_messages, body)
             text = await _off_loop(request, _render_chat, service, msgs)
             special = bool(body.add_special_tokens)
         else:
@@ -431,8 +430,7 @@ def _chat_input(
     """A chat request's messages as its template takes them, and its sampling parameters."""
     limit = body.max_completion_tokens or body.max_tokens
     limit = limit or _default_max_tokens(service, DEFAULT_CHAT_MAX_TOKENS)
-    msgs = _chat_messages(body, service.engine.tokenizer.renders_name)
-    return msgs, _params(service, body, limit)
+    return _chat_messages(body), _params(service, body, limit)
 
 
 def _sampling_defaults(service: Service) -> Mapping[str, float]:
@@ -450,21 +448,18 @@ def _default_max_tokens(service: Service, default: int) -> int:
     return int(_sampling_defaults(service).get("max_tokens", default))
 
 
-def _chat_messages(
-    body: ChatCompletionRequest | TokenizeRequest, renders_name: NameRendered
-) -> list[dict[str, str]]:
-    """A chat request's messages as its template takes them (a name it would not write in
-    the message's text: `ChatMessage.for_template`), its tools described where any are in
-    play (/tokenize counts them so too)."""
-    msgs = _for_template(body.messages or (), renders_name)
+def _chat_messages(body: ChatCompletionRequest | TokenizeRequest) -> list[dict[str, str]]:
+    """A chat request's messages as its template takes them, its tools described where any
+    are in play (/tokenize counts them so too)."""
+    msgs = _for_template(body.messages or ())
     mode = body.tool_mode()
     if mode is not None:
         msgs = tools.with_tools(msgs, body.tool_functions(), mode, body.parallel())
     return msgs
 
 
-def _for_template(messages: Sequence[Any], renders_name: NameRendered) -> list[dict[str, str]]:
-    return [m.for_template(renders_name) for m in messages]
+def _for_template(messages: Sequence[Any]) -> list[dict[str, str]]:
+    return [m.for_template() for m in messages]
 
 
 def _special_in_messages(service: Service, body: ChatCompletionRequest | TokenizeRequest) -> None:
@@ -479,24 +474,19 @@ def _special_in_messages(service: Service, body: ChatCompletionRequest | Tokeniz
     of some tokenizers); the template's own text around the messages is not checked."""
     if service.cfg.api.special_tokens_in_messages != "refuse" or not body.messages:
         return
-    tok = service.engine.tokenizer
-    found = _special_tokens(tok)[1]
+    found = _special_tokens(service.engine.tokenizer)[1]
     if found is None:  # the tokenizer has none
         return
-    for message in _template_pieces(body, tok.renders_name):
+    for message in _template_pieces(body):
         for key in ("name", "content"):
             hit = _field_hit(found, message.get(key, ()))
             if hit is not None:
                 raise _special_in_message(*hit)
 
 
-def _template_pieces(
-    body: ChatCompletionRequest | TokenizeRequest, renders_name: NameRendered
-) -> list[dict[str, Any]]:
+def _template_pieces(body: ChatCompletionRequest | TokenizeRequest) -> list[dict[str, Any]]:
     """`_chat_messages` with the texts as pieces marked with their fields."""
-    msgs = [
-        m.template_pieces(f"messages[{i}]", renders_name) for i, m in enumerate(body.messages or ())
-    ]
+    msgs = [m.template_pieces(f"messages[{i}]") for i, m in enumerate(body.messages or ())]
     mode = body.tool_mode()
     if mode is not None:
         msgs = tools.with_tools_pieces(msgs, body.tool_functions(), mode, body.parallel())

@@ -621,27 +621,13 @@ class ToolCall(_Body):
     function: FunctionCall
 
 
-# the role the chat template is given a message of: a tool turn is a user turn holding its
-# result, a developer turn (OpenAI's successor to system) a system turn, which templates know
-_TEMPLATE_ROLES = {"tool": "user", "developer": "system"}
-# whether the chat template writes a message's `name`, by the role it is given
-# (`Tokenizer.renders_name`)
-NameRendered = Callable[[str], bool]
-# the roles whose name starts the message's text where the template writes none: who speaks
-# to the model. An assistant turn's text is left as sent: a history of the model's own turns
-# each starting `planner: ` would teach it to start its answers so, breaking clients that
-# parse them
-_NAMES_IN_TEXT = frozenset({"system", "developer", "user", "tool"})
-
-
 class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Content = None
     name: Text | None = Field(
         None,
-        description="passed to the chat template; where it writes none for the role, a "
-        "system, developer, user or tool message's text is sent as '{name}: {content}' (an "
-        "assistant message's text is left as sent)",
+        description="passed to the chat template as sent; one that reads no names (SmolLM2's) "
+        "leaves it out of the prompt",
     )
     refusal: Annotated[Any, _refuse("not served: send the refusal text as content")] = None
     annotations: Annotated[Any, _refuse("not served: send null", lambda v: v == [])] = None
@@ -668,42 +654,35 @@ class ChatMessage(_Body):
             )
         return self
 
-    def for_template(self, renders_name: NameRendered) -> dict[str, str]:
+    def for_template(self) -> dict[str, str]:
         """What the chat template sees: role, text, and the participant's name if given. An
         assistant turn's tool calls are written as the model writes them, and a tool turn is a
-        user turn holding its result (see daemon/tools.py). A speaker's name the template
-        would not write (`renders_name(role)` false: SmolLM2's never reads one) starts the
-        text instead, `Alice: ...`: passed on, it would be dropped without a word. An
-        assistant's is passed on and its text left as sent (`_NAMES_IN_TEXT`)."""
-        pieces = self.template_pieces("message", renders_name)
+        user turn holding its result (see daemon/tools.py)."""
+        pieces = self.template_pieces("message")
         return {k: v if isinstance(v, str) else tools.joined(v) for k, v in pieces.items()}
 
-    def template_pieces(self, field: str, renders_name: NameRendered) -> dict[str, Any]:
+    def template_pieces(self, field: str) -> dict[str, Any]:
         """`for_template` with its texts (content, name) as pieces, each marked with the field
         of the request it holds (this message's is `field`): a check of the joined text names
-        the field a hit touches, a text part's, a call's arguments' or a name written into
-        the text."""
-        role, content = _TEMPLATE_ROLES.get(self.role, self.role), self._content_pieces(field)
-        name = None if self.name is None else [tools.Piece(self.name, f"{field}.name")]
+        the field a hit touches, a text part's, a call's arguments' or the name's. The name is
+        the template's as sent, never written into the text: the prompt stays the one the
+        model's template renders (transformers' `apply_chat_template`), which a speaker prefix
+        would change (`user_42: What's 2+2?` answered 42)."""
+        role, content = self.role, self._content_pieces(field)
         if self.tool_calls:
             calls = [
                 (c.function.name, c.function.arguments, f"{field}.tool_calls[{j}].function")
                 for j, c in enumerate(self.tool_calls)
             ]
             content = tools.render_calls(content, calls)
-        if name is not None and self._name_in_text(role, renders_name):
-            content, name = [*name, tools.Piece(": "), *content], None  # a tool's: in its result
-        if self.role == "tool":
-            content = tools.render_result(content)
+        if role == "tool":
+            role, content = "user", tools.render_result(content)
+        elif role == "developer":  # OpenAI's successor to system, which templates know
+            role = "system"
         out: dict[str, Any] = {"role": role, "content": content}
-        if name is not None:
-            out["name"] = name
+        if self.name is not None:
+            out["name"] = [tools.Piece(self.name, f"{field}.name")]
         return out
-
-    def _name_in_text(self, role: str, renders_name: NameRendered) -> bool:
-        """Whether this message's name starts its text: a speaker's (not the assistant's,
-        `_NAMES_IN_TEXT`) where the template, given the message as `role`, writes none."""
-        return self.role in _NAMES_IN_TEXT and not renders_name(role)
 
     def _content_pieces(self, field: str) -> list[tools.Piece]:
         """The message's text: its text parts joined as they come (a template reads one text)."""

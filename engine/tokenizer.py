@@ -61,16 +61,6 @@ def _byte_level_alphabet() -> dict[str, int]:
 _BYTE_LEVEL = _byte_level_alphabet()
 _UNKNOWN = object()
 
-# `renders_name`: a participant's name no template writes of its own, and the conversation that
-# shows a template's handling of each role's name (the roles a template is given: kvguard
-# hands it tool and developer turns as user and system turns)
-_NAME_PROBE = "kvguard_name_probe"
-_NAME_PROBE_TURNS = {
-    "system": ("system", "user"),
-    "user": ("user",),
-    "assistant": ("user", "assistant"),
-}
-
 
 class Tokenizer:
     """A model's tokenizer: encode, decode, chat template, and its special token ids."""
@@ -243,38 +233,6 @@ class Tokenizer:
             )
         except jinja2.TemplateError as e:  # raise_exception() in the template, or a bad message
             raise ValueError(f"chat template rejected the messages: {e}") from e
-
-    def renders_name(self, role: str) -> bool:
-        """Whether the chat template writes a `role` message's `name` into the prompt. Many
-        (SmolLM2's, Qwen's, Llama's) never read it: passed on, a participant's name would be
-        dropped without a word, so the API writes it into the message's text instead, save an
-        assistant's (`ChatMessage.template_pieces`)."""
-        return role in self._name_roles
-
-    @cached_property
-    def _name_roles(self) -> frozenset[str]:
-        """The roles whose name the template writes, found once by rendering a short
-        conversation for each with a probe name on that role's message. A role whose probe the
-        template refuses (Gemma's has no system role) counts as written, the name passed on as
-        sent: such a request fails on the template whatever its name. No template, or one that
-        does not compile: every role (nothing is rewritten; the request fails on it)."""
-        if not isinstance(self._compiled, jinja2.Template):
-            return frozenset(_NAME_PROBE_TURNS)
-        return frozenset(role for role in _NAME_PROBE_TURNS if self._probe_writes_name(role))
-
-    def _probe_writes_name(self, role: str) -> bool:
-        """Whether the probe name shows in the prompt of `role`'s probe conversation: looking
-        for the name, rather than comparing with a render without it, is not misled by a
-        template that writes the time (`strftime_now`)."""
-        messages = [
-            {"role": r, "content": "Hi"} | ({"name": _NAME_PROBE} if r == role else {})
-            for r in _NAME_PROBE_TURNS[role]
-        ]
-        try:
-            prompt = self.apply_chat_template(messages, add_generation_prompt=role != "assistant")
-        except Exception:  # noqa: BLE001 - a template may fail any way on a conversation
-            return True
-        return _NAME_PROBE in prompt
 
     @property
     def _template(self) -> jinja2.Template | None:

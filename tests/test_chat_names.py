@@ -1,10 +1,10 @@
-"""A chat message's `name` reaches the model. The default model's chat template (SmolLM2's)
-never reads `name`: passed on, two participants rendered as one and the field was dropped
-without a word. Where a template does not write a role's names (found once, by a probe
-render), kvguard writes a speaker's (system, developer, user, tool) name at the start of the
-message's text, `Alice: ...`; where it does, the name goes to the template as it is. An
-assistant's text is left as sent, whatever the template: the model's own turns each starting
-with a name taught it to start its answers so. /tokenize shows the prompt chat serves."""
+"""A chat message's `name` goes to the chat template as sent, and kvguard writes nothing else:
+the prompt chat serves is the one the model's own template renders (transformers'
+`apply_chat_template` on the same files). Writing a name into the text where the template
+writes none (`Alice: Hi`) changed what small models answer: `user_42: What's 2+2?` was answered
+42, a tool's JSON result stopped being JSON (`get_weather: {...}`). The default model's template
+(SmolLM2's) writes no names, so there a name does not reach the model; a template that writes
+them gets them, where it puts them. /tokenize shows the prompt chat serves."""
 
 from __future__ import annotations
 
@@ -15,30 +15,30 @@ from typing import Any
 
 import httpx
 import pytest
-from tokenizers import Tokenizer as HFTokenizer
+from transformers import AutoTokenizer
 
-from kvguard.engine.tokenizer import Tokenizer
 from tests.test_server import Daemon
 
 SMOLLM = "smollm2-135m"
 NAMED = [
-    {"role": "user", "name": "Alice", "content": "My favourite colour is red."},
-    {"role": "user", "name": "Bob", "content": "What is my favourite colour?"},
+    {"role": "user", "name": "user_42", "content": "What's 2+2?"},
 ]
-CALL = {"id": "c1", "type": "function",
-        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}  # fmt: skip
 # an AutoGen-style conversation: every message names its agent, the model's own turns too
 AGENTS = [
+    {"role": "system", "name": "ops", "content": "Be brief."},
     {"role": "user", "name": "user_proxy", "content": "Plan a trip."},
     {"role": "assistant", "name": "planner", "content": "Sure, here is a plan."},
     {"role": "user", "name": "user_proxy", "content": "Shorter."},
 ]
-# every role, named: a developer turn is a system turn, a tool turn a user turn
+CALL = {"id": "c1", "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}  # fmt: skip
+RESULT = '{"sky": "sunny", "celsius": 21}'
+# every role, named: a developer turn is a system turn, a tool turn a user turn holding its result
 EVERY_ROLE = [
     {"role": "developer", "name": "ops", "content": "Be brief."},
     {"role": "user", "name": "Alice", "content": "Weather?"},
     {"role": "assistant", "name": "bot", "tool_calls": [CALL]},
-    {"role": "tool", "name": "get_weather", "tool_call_id": "c1", "content": "sunny"},
+    {"role": "tool", "name": "get_weather", "tool_call_id": "c1", "content": RESULT},
     {"role": "assistant", "name": "bot", "content": "It is sunny."},
 ]
 # a template that writes a user's name in its turn's header, and no other role's
@@ -62,17 +62,30 @@ def smollm_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
 
 
 @pytest.fixture(scope="module")
-def user_names_daemon(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+def smollm_reference(smollm2_gguf: Path) -> Any:
+    """transformers' tokenizer, with its chat template, read from the GGUF kvguard serves."""
+    return AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
+
+
+@pytest.fixture(scope="module")
+def user_names_dir(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model with a chat template that writes user names (USER_NAMES)."""
     folder = tmp_path_factory.mktemp("tinynames")
     for f in tiny_dir.iterdir():
         if f.is_file():
             shutil.copy(f, folder / f.name)
     (folder / "chat_template.jinja").write_text(USER_NAMES, encoding="utf-8")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def user_names_daemon(
+    user_names_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Daemon]:
     d = Daemon(
         tmp_path_factory.mktemp("daemon"),
         debug_hooks=False,
-        serving=f"{{model: '{folder}', kv_cache_bytes: 8MiB, max_model_len: 512}}",
+        serving=f"{{model: '{user_names_dir}', kv_cache_bytes: 8MiB, max_model_len: 512}}",
         api="served_model_name: tinynames",
     )
     yield d
@@ -93,113 +106,85 @@ def prompt_of(d: Daemon, model: str, messages: list[dict[str, Any]]) -> str:
     return r.json()["prompt"]
 
 
+def rendered(reference: Any, messages: list[dict[str, Any]]) -> str:
+    """The prompt transformers renders from `messages` with the model's chat template."""
+    return reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
 def unnamed(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{k: v for k, v in m.items() if k != "name"} for m in messages]
 
 
-def test_names_the_default_model_s_template_ignores_are_written_into_the_text(
-    smollm_daemon: Daemon,
-) -> None:
-    """SmolLM2's template never reads `name`: Alice's and Bob's turns rendered as two
-    anonymous user turns, the same prompt as without names. Each now starts with its
-    speaker's name, and chat is served the prompt /tokenize shows (its usage counts it)."""
-    prompt = prompt_of(smollm_daemon, SMOLLM, NAMED)
-    assert "<|im_start|>user\nAlice: My favourite colour is red.<|im_end|>\n" in prompt, prompt
-    assert "<|im_start|>user\nBob: What is my favourite colour?<|im_end|>\n" in prompt, prompt
-    counted = tokenize(smollm_daemon, SMOLLM, NAMED)
-    assert counted != tokenize(smollm_daemon, SMOLLM, unnamed(NAMED))
-    out = smollm_daemon.client().chat.completions.create(
-        model=SMOLLM, messages=NAMED, max_tokens=1, temperature=0
+def served_prompt_tokens(d: Daemon, model: str, messages: list[dict[str, Any]]) -> int:
+    """The prompt tokens chat counts for `messages` (the real openai client)."""
+    out = d.client().chat.completions.create(
+        model=model, messages=messages, max_tokens=1, temperature=0
     )
-    assert out.usage.prompt_tokens == len(counted)
+    return out.usage.prompt_tokens
 
 
-def test_every_role_s_name_is_written_where_the_template_would_drop_it(
-    smollm_daemon: Daemon,
+@pytest.mark.parametrize("messages", [NAMED, AGENTS], ids=["user-id", "agents"])
+def test_the_default_model_s_prompt_is_its_chat_template_s(
+    smollm_daemon: Daemon, smollm_reference: Any, messages: list[dict[str, Any]]
 ) -> None:
-    """A system (developer) turn's name starts its text; a tool's is inside the
-    `<tool_response>` its result is given in. An assistant's turns, its tool calls and its
-    text, are rendered as sent. A message without a name is rendered as before."""
+    """SmolLM2's template writes no names: the prompt with names is transformers' render of
+    the messages, token for token the prompt without them, with no `user_42: ` or `planner: `
+    in any turn's text; chat is served the prompt /tokenize shows."""
+    prompt = prompt_of(smollm_daemon, SMOLLM, messages)
+    assert prompt == rendered(smollm_reference, messages)
+    counted = tokenize(smollm_daemon, SMOLLM, messages)
+    assert counted == tokenize(smollm_daemon, SMOLLM, unnamed(messages))
+    for m in messages:
+        assert f"{m['name']}:" not in prompt, prompt
+    assert served_prompt_tokens(smollm_daemon, SMOLLM, messages) == len(counted)
+
+
+def test_names_leave_every_role_s_text_as_sent(smollm_daemon: Daemon) -> None:
+    """A developer's, user's, assistant's and tool's name change no text: a tool's JSON result
+    is the JSON sent inside its `<tool_response>`, and the assistant's call turn starts with the
+    `<tool_call>` the tools grammar lets an answer start with. The prompt is the one without
+    names."""
     prompt = prompt_of(smollm_daemon, SMOLLM, EVERY_ROLE)
     call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
     for turn in (
-        "<|im_start|>system\nops: Be brief.<|im_end|>\n",
-        "<|im_start|>user\nAlice: Weather?<|im_end|>\n",
+        "<|im_start|>system\nBe brief.<|im_end|>\n",
+        "<|im_start|>user\nWeather?<|im_end|>\n",
         f"<|im_start|>assistant\n{call}<|im_end|>\n",
-        "<|im_start|>user\n<tool_response>\nget_weather: sunny\n</tool_response><|im_end|>\n",
+        f"<|im_start|>user\n<tool_response>\n{RESULT}\n</tool_response><|im_end|>\n",
         "<|im_start|>assistant\nIt is sunny.<|im_end|>\n",
     ):
         assert turn in prompt, (turn, prompt)
-    plain = prompt_of(smollm_daemon, SMOLLM, unnamed(EVERY_ROLE))
-    for turn in (
-        "<|im_start|>system\nBe brief.<|im_end|>\n",
-        f"<|im_start|>assistant\n{call}<|im_end|>\n",
-        "<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>\n",
-    ):
-        assert turn in plain, (turn, plain)
-    out = smollm_daemon.client().chat.completions.create(
-        model=SMOLLM, messages=EVERY_ROLE, max_tokens=1, temperature=0
-    )
-    assert out.usage.prompt_tokens == len(tokenize(smollm_daemon, SMOLLM, EVERY_ROLE))
+    counted = tokenize(smollm_daemon, SMOLLM, EVERY_ROLE)
+    assert counted == tokenize(smollm_daemon, SMOLLM, unnamed(EVERY_ROLE))
+    assert served_prompt_tokens(smollm_daemon, SMOLLM, EVERY_ROLE) == len(counted)
 
 
-def test_a_template_that_writes_names_gets_them_as_sent(user_names_daemon: Daemon) -> None:
-    """A template that writes user names gets a user's as it is, where it puts it (no
-    `Alice: ` in the text); the assistant's, which it does not write, is dropped by it, and
-    the assistant's text is left as sent."""
-    messages = [*NAMED, {"role": "assistant", "name": "bot", "content": "Red."}]
-    prompt = prompt_of(user_names_daemon, "tinynames", messages)
-    assert "<|im_start|>user (Alice)\nMy favourite colour is red.<|im_end|>\n" in prompt, prompt
-    assert "<|im_start|>user (Bob)\nWhat is my favourite colour?<|im_end|>\n" in prompt, prompt
-    assert "<|im_start|>assistant\nRed.<|im_end|>\n" in prompt, prompt
-    out = user_names_daemon.client().chat.completions.create(
-        model="tinynames", messages=messages, max_tokens=1
-    )
-    assert out.usage.prompt_tokens == len(tokenize(user_names_daemon, "tinynames", messages))
-
-
-def test_an_assistant_s_name_leaves_its_text_as_sent(smollm_daemon: Daemon) -> None:
-    """An AutoGen-style conversation names every agent. The assistant's name was written into
-    its text too, so the history showed the model its own answers starting `planner: `, and
-    it would start the next one so, which breaks clients that parse answers (JSON, tool-call
-    text). The user's name starts its text, the assistant's turn is its content as sent, and
-    chat is served the prompt /tokenize shows."""
-    prompt = prompt_of(smollm_daemon, SMOLLM, AGENTS)
-    assert (
-        "<|im_start|>user\nuser_proxy: Plan a trip.<|im_end|>\n"
-        "<|im_start|>assistant\nSure, here is a plan.<|im_end|>\n"
-        "<|im_start|>user\nuser_proxy: Shorter.<|im_end|>\n"
-        "<|im_start|>assistant\n"
-    ) in prompt, prompt
-    assert "planner" not in prompt, prompt
-    counted = tokenize(smollm_daemon, SMOLLM, AGENTS)
-    out = smollm_daemon.client().chat.completions.create(
-        model=SMOLLM, messages=AGENTS, max_tokens=1, temperature=0
-    )
-    assert out.usage.prompt_tokens == len(counted)
-
-
-@pytest.mark.parametrize(
-    ("template", "written"),
-    [
-        ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}", set()),
-        ("{% for m in messages %}{{ m.name or m.role }}: {{ m.content }}\n{% endfor %}",
-         {"system", "user", "assistant"}),
-        (USER_NAMES, {"user"}),
-        # Gemma's: no system role. Its name is passed on: such a request fails on the template
-        ("{% if messages[0].role == 'system' %}{{ raise_exception('no system role') }}{% endif %}"
-         "{% for m in messages %}{{ m.name }}{{ m.content }}{% endfor %}",
-         {"system", "user", "assistant"}),
-        ('{{ strftime_now("%H:%M:%S.%f") }}{% for m in messages %}{{ m.content }}{% endfor %}',
-         set()),
-    ],
-    ids=["none", "every-role", "user-only", "refuses-system", "writes-the-time"],
-)  # fmt: skip
-def test_which_roles_names_a_template_writes(
-    tiny_dir: Path, template: str, written: set[str]
+def test_a_template_that_writes_names_gets_them_as_sent(
+    user_names_daemon: Daemon, user_names_dir: Path
 ) -> None:
-    """The probe: a role's name is written where the template puts the probe name in the
-    prompt; a template that writes the time does not pass for one that writes names."""
-    backend = HFTokenizer.from_file(str(tiny_dir / "tokenizer.json"))
-    tok = Tokenizer(backend, {}, template)
-    assert {r for r in ("system", "user", "assistant") if tok.renders_name(r)} == written
+    """A template that writes user names gets each message's name and writes it where it
+    puts it; the system's and the assistant's, which it does not write, it drops, and their
+    texts are left as sent. The prompt is transformers' render of the same template."""
+    reference = AutoTokenizer.from_pretrained(str(user_names_dir))
+    messages = [*AGENTS[:2], {"role": "user", "name": "Bob", "content": "Why?"}, AGENTS[2]]
+    prompt = prompt_of(user_names_daemon, "tinynames", messages)
+    assert prompt == rendered(reference, messages)
+    assert prompt == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n"
+        "<|im_start|>user (user_proxy)\nPlan a trip.<|im_end|>\n"
+        "<|im_start|>user (Bob)\nWhy?<|im_end|>\n"
+        "<|im_start|>assistant\nSure, here is a plan.<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    counted = tokenize(user_names_daemon, "tinynames", messages)
+    assert served_prompt_tokens(user_names_daemon, "tinynames", messages) == len(counted)
+
+
+def test_a_tool_s_name_goes_to_the_template_with_its_result(user_names_daemon: Daemon) -> None:
+    """A tool turn is given to the template as a user turn holding its result, its name passed
+    on: a template that writes user names writes the tool's in the header, the result stays
+    the JSON sent."""
+    prompt = prompt_of(user_names_daemon, "tinynames", EVERY_ROLE[1:4])
+    assert (
+        f"<|im_start|>user (get_weather)\n<tool_response>\n{RESULT}\n</tool_response><|im_end|>\n"
+    ) in prompt, prompt

@@ -262,7 +262,7 @@ def test_special_token_text_in_messages_is_refused_when_configured(bos_daemon: D
             BOS,
         ),
         ([{"role": "system", "content": "x", "name": f"a{BOS}"}, ok], "messages[0].name", BOS),
-        (  # a name the template does not write, written into the tool result's text
+        (  # a tool's name: passed to the template as sent, whether or not it writes it
             [
                 ok,
                 {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
@@ -271,8 +271,8 @@ def test_special_token_text_in_messages_is_refused_when_configured(bos_daemon: D
             "messages[2].name",
             BOS,
         ),
-        # an assistant's name is passed to the template, not written into its text: checked
-        # as the template is given it, whether or not this template writes it
+        # an assistant's name: checked as the template is given it, whether or not this
+        # template writes it
         ([ok, {"role": "assistant", "name": f"planner{BOS}", "content": "sure"}, ok], "messages[1].name", BOS),
     ]  # fmt: skip
     for messages, param, token in cases:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import ipaddress
 import logging
 import os
@@ -941,7 +942,7 @@ class Service:
             new.check_start(self._device_in_force)  # its live knobs apply to the running engine
             for line in inert_keys(new):  # as at start: a reload does not act on them either
                 log.warning("%s", line)
-            warn_stop_budget(new)
+            log_stop_budget(new)
             conflicts = live_conflicts(self.cfg, new)
             if conflicts:  # nothing applied yet: the reload is refused whole
                 raise ConfigFileError(conflicts)
@@ -1468,18 +1469,30 @@ def stop_budget_s(drain_timeout: float) -> float:
     return drain_timeout + STOP_AFTER_DRAIN_S + STOP_EXIT_MARGIN_S
 
 
-def warn_stop_budget(cfg: DaemonConfig) -> None:
-    """Name a drain_timeout whose stop outlasts the shipped unit's TimeoutStopSec=. systemd is
-    asked for the time when the stop begins (EXTEND_TIMEOUT_USEC); a supervisor that does not
-    honour that kills the daemon at its own timeout, mid-drain or before the audit is written,
-    and nothing would have said why."""
+def log_stop_budget(cfg: DaemonConfig) -> None:
+    """Name a drain_timeout whose stop outlasts the shipped unit's TimeoutStopSec=. Under
+    systemd ($NOTIFY_SOCKET set) the stop asks for that time as it begins (EXTEND_TIMEOUT_USEC):
+    an INFO line says so, as a warning at every start and reload would be one nobody can act
+    on. Without it nothing asks: a supervisor that gives less kills the daemon at its own
+    timeout, mid-drain or before the audit is written, and nothing would have said why."""
     budget = stop_budget_s(cfg.api.drain_timeout)
     if budget <= UNIT_TIMEOUT_STOP_S:
         return
+    if os.environ.get("NOTIFY_SOCKET"):
+        log.info(
+            "api.drain_timeout is %gs: a stop may take %gs, more than the %gs TimeoutStopSec= "
+            "of kvguard's systemd unit; the stop asks systemd for %gs as it begins "
+            "(EXTEND_TIMEOUT_USEC)",
+            cfg.api.drain_timeout,
+            budget,
+            UNIT_TIMEOUT_STOP_S,
+            budget,
+        )
+        return
     log.warning(
         "api.drain_timeout is %gs: a stop may take %gs, more than the %gs TimeoutStopSec= of "
-        "kvguard's systemd unit. systemd is asked for that time as the stop begins "
-        "(EXTEND_TIMEOUT_USEC); another supervisor must give the daemon %gs after its SIGTERM, "
+        "kvguard's systemd unit, and with no NOTIFY_SOCKET (not a Type=notify systemd unit) "
+        "the stop asks no supervisor for that time: give the daemon %gs after its SIGTERM, "
         "or set api.drain_timeout to %gs or less",
         cfg.api.drain_timeout,
         budget,
@@ -1496,33 +1509,131 @@ def _loopback(host: str) -> bool:
         return host == "localhost"
 
 
-# How many connections the kernel holds for the API before the daemon takes them (while the
-# model loads): uvicorn's default backlog, which its listen() sets again as serving begins.
-API_BACKLOG = 2048
+# The abstract unix socket names (Linux) by which each kvguard claims its API's address while
+# its API socket is open: `_claim_port`.
+PORT_CLAIM_PREFIX = "kvguard-api:"
 
 
 def bind_api(host: str, port: int) -> socket.socket:
-    """The API's socket, bound and listening before the model loads, so that a taken port fails
-    the start at once rather than after minutes of loading, and no connection the daemon itself
-    opens meanwhile (tensor-parallel workers, the audit database) can take the port as its own
-    local one. Listening, not only bound: SO_REUSEADDR (a restart must not wait out the last
-    run's connections in TIME_WAIT) lets any number of sockets bind one port while none of them
-    listens, and two daemons started together both bound it, both loaded their model, and the
-    later one to serve died of EADDRINUSE. So the kernel completes the connections that come
-    while the model loads, and holds them (API_BACKLOG at most) until the daemon serves them."""
+    """The API's socket, bound before the model loads, so that a taken port fails the start at
+    once rather than after minutes of loading, and no connection the daemon itself opens
+    meanwhile (tensor-parallel workers, the audit database) can take the port as its own local
+    one. Bound, not listening: until the daemon serves, a client is refused at once (a TCP
+    health check fails, `kvguard status` says so) rather than held unanswered through the load
+    and let in all together as serving begins. SO_REUSEADDR (a restart must not wait out the
+    last run's connections in TIME_WAIT) lets any number of sockets bind one port while none
+    listens, so the bind does not see another kvguard still loading on it: its claim does."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # IPPROTO_TCP said, not left 0: asyncio turns TCP_NODELAY on for the connections it
     # accepts only on a socket that says it; without it every answer on a kept-alive
     # connection waited ~40 ms (its body held back until the client's delayed ACK)
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock = _ClaimingSocket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
-        sock.listen(API_BACKLOG)
+        sock.claim = _claim_port(*sock.getsockname()[:2])
     except OSError as e:
         sock.close()
-        raise ApiBindError(f"cannot bind the API to {host}:{port}: {e.strerror or e}") from e
+        address = _address(host, port)
+        raise ApiBindError(f"cannot bind the API to {address}: {e.strerror or e}") from e
     return sock
+
+
+class _ClaimingSocket(socket.socket):
+    """The API's socket, holding its address's claim (`_claim_port`) until it is closed: by
+    uvicorn as serving ends, by `run` after a start that failed, by a test."""
+
+    claim: socket.socket | None = None
+
+    def close(self) -> None:
+        super().close()
+        if self.claim is not None:
+            self.claim.close()
+
+
+def _claim_port(host: str, port: int) -> socket.socket | None:
+    """Claim the bound `host`:`port` among the kvguards of this network namespace, or raise
+    OSError naming the one that holds it or an address overlapping it (`_overlaps`). The claim
+    is an abstract unix socket's name, bound and never listened on: the kernel refuses a
+    second bind of a name, frees it as its process ends however it ends (no stale lock), and
+    keeps its names per network namespace, as it keeps ports. The other claims are read after
+    this one is made: of two overlapping starts, at least the later sees the other. None off
+    Linux (no abstract names): the bind is the only check there."""
+    if sys.platform != "linux":
+        return None
+    mine = PORT_CLAIM_PREFIX + _address(host, port)
+    claim = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    try:
+        claim.bind("\0" + mine)
+    except OSError as e:
+        claim.close()
+        if e.errno == errno.EADDRINUSE:
+            raise _claimed(_address(host, port)) from e
+        log.warning(
+            "cannot claim the API's address among kvguards (%s): a second kvguard on it is "
+            "found only as one of them begins to serve",
+            e,
+        )
+        return None
+    others = [name for name, held in _claims(port) if name != mine and _overlaps(held, host)]
+    if others:
+        claim.close()
+        raise _claimed(others[0].removeprefix(PORT_CLAIM_PREFIX))
+    return claim
+
+
+def _claimed(address: str) -> OSError:
+    """EADDRINUSE, as the listen() would have given once the model was loaded, naming the
+    kvguard that holds `address`: its own errno would only say the port is taken."""
+    return OSError(
+        errno.EADDRINUSE,
+        f"another kvguard on this host has its API on {address} (loading or serving): stop "
+        "it, or give this one another api.port",
+    )
+
+
+def _claims(port: int) -> list[tuple[str, str]]:
+    """The kvguard claims on `port` in this network namespace, as (name, host)."""
+    found = []
+    for name in _abstract_names():
+        host, _, claimed = name.removeprefix(PORT_CLAIM_PREFIX).rpartition(":")
+        if name.startswith(PORT_CLAIM_PREFIX) and claimed == str(port):
+            found.append((name, host.removeprefix("[").removesuffix("]")))
+    return found
+
+
+def _abstract_names() -> list[str]:
+    """The bound abstract unix socket names of this network namespace: /proc/net/unix lists
+    every unix socket, a bound one's name as its last field, an abstract one's after an @."""
+    try:
+        lines = Path("/proc/net/unix").read_text(errors="replace").splitlines()[1:]
+    except OSError:  # no /proc: the claim's own bind (one address) is the check left
+        return []
+    fields = (line.split(None, 7) for line in lines)
+    return [f[7][1:] for f in fields if len(f) == 8 and f[7].startswith("@")]
+
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+
+def _overlaps(a: str, b: str) -> bool:
+    """Whether TCP sockets bound to addresses `a` and `b` on one port could not both listen:
+    one address (an IPv4-mapped IPv6 one is its IPv4 one), or a wildcard that covers the
+    other: 0.0.0.0 every IPv4 address, :: every address (bind_api leaves IPV6_V6ONLY off, so
+    an IPv6 socket takes IPv4 too). An address that does not parse overlaps nothing."""
+    try:
+        x, y = (_unmapped(ipaddress.ip_address(h)) for h in (a, b))
+    except ValueError:
+        return False
+    if x == y:
+        return True
+    return any(w.is_unspecified and (w.version == 6 or o.version == 4) for w, o in ((x, y), (y, x)))
+
+
+def _unmapped(ip: IPAddress) -> IPAddress:
+    """An IPv4-mapped IPv6 address (::ffff:127.0.0.1) as the IPv4 address it stands for."""
+    mapped = ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) else None
+    return ip if mapped is None else mapped
 
 
 class ApiBindError(RuntimeError):
@@ -1550,7 +1661,7 @@ def run(
     )
     for line in inert_keys(cfg):
         log.warning("%s", line)
-    warn_stop_budget(cfg)
+    log_stop_budget(cfg)
     svc.read_rules()
     try:
         sock = bind_api(cfg.api.host, cfg.api.port)

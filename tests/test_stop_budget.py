@@ -107,13 +107,62 @@ def notify_socket() -> Iterator[Notifications]:
 
 # -- the API's port ---------------------------------------------------------------------------
 def test_a_second_bind_of_the_api_port_fails_at_once() -> None:
-    """Both sockets set SO_REUSEADDR: while neither listened, the second bind succeeded, and
-    only the listen() once the model was loaded failed, minutes later."""
+    """Both sockets set SO_REUSEADDR, and neither listens before its model is loaded: the
+    kernel lets both bind, and only the listen() once the model was loaded would have failed,
+    minutes later. The port's claim fails the second bind, naming the first kvguard."""
     first = bind_api("127.0.0.1", 0)
     try:
         port = first.getsockname()[1]
-        with pytest.raises(ApiBindError, match=f"cannot bind the API to 127.0.0.1:{port}: "):
+        with pytest.raises(
+            ApiBindError,
+            match=f"cannot bind the API to 127.0.0.1:{port}: another kvguard on this host has "
+            f"its API on 127.0.0.1:{port} ",
+        ):
             bind_api("127.0.0.1", port)
+    finally:
+        first.close()
+    assert first.claim.fileno() == -1  # the claim goes with its socket: the port is free again
+
+
+# `::` with IPv4 too (IPV6_V6ONLY off), 127.0.0.2 another address of loopback; no specific IPv6
+# address: a host with IPv6 turned off has none
+ADDRESSES = ["0.0.0.0", "127.0.0.1", "127.0.0.2", "::"]
+
+
+def kernel_refuses_both_listening(a: str, b: str) -> bool:
+    """Whether the kernel lets TCP sockets on addresses `a` and `b` of one port both listen
+    (both with SO_REUSEADDR, as the API's): the conflicts the claim must find before either
+    listens."""
+    first, second = (socket.socket(socket.AF_INET6 if ":" in h else socket.AF_INET) for h in (a, b))
+    with first, second:
+        for s in (first, second):
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        first.bind((a, 0))
+        try:
+            second.bind((b, first.getsockname()[1]))
+            first.listen()
+            second.listen()
+        except OSError:
+            return True
+        return False
+
+
+@pytest.mark.parametrize("first_host", ADDRESSES)
+@pytest.mark.parametrize("second_host", ADDRESSES)
+def test_the_claim_finds_the_addresses_the_kernel_would_refuse(
+    first_host: str, second_host: str
+) -> None:
+    """A wildcard covers the specific addresses on its port (0.0.0.0 the IPv4 ones, :: all),
+    two specific addresses share it: a second kvguard's bind fails exactly where its listen()
+    would, once its model was loaded."""
+    first = bind_api(first_host, 0)
+    try:
+        port = first.getsockname()[1]
+        if kernel_refuses_both_listening(first_host, second_host):
+            with pytest.raises(ApiBindError, match="another kvguard on this host has its API"):
+                bind_api(second_host, port)
+        else:
+            bind_api(second_host, port).close()
     finally:
         first.close()
 
@@ -124,9 +173,10 @@ def test_a_daemon_started_on_a_port_another_is_loading_on_fails_its_start_at_onc
     """Two starts that overlap (systemd restarting during a slow load, an operator's manual run
     beside the service): the first is held right after its bind (its admin token file is a
     FIFO, first read then), and the second exits 1 at once naming the address, having loaded
-    nothing. It used to bind the same port, load its model and serve, the first one dying of
-    EADDRINUSE after its own load. A client that connects meanwhile is held, not refused, and
-    answered once the first daemon serves."""
+    nothing. A client that connects meanwhile is refused, at once, as `kvguard status` says:
+    the socket is bound and does not listen until the daemon serves. A listening one held the
+    connections unanswered through the load, passed TCP health checks and let `kvguard status`
+    time out after 10 s."""
     first, second = tmp_path / "first", tmp_path / "second"
     first.mkdir()
     second.mkdir()
@@ -135,7 +185,6 @@ def test_a_daemon_started_on_a_port_another_is_loading_on_fails_its_start_at_onc
     os.mkfifo(fifo)
     proc, log = serve(first, write_config(first, port, fifo))
     other = None
-    client = None
     try:
         bound = f"API bound to 127.0.0.1:{port}"
         until(lambda: proc.poll() is not None or bound in log.read_text(), 90, "the first bind")
@@ -149,22 +198,40 @@ def test_a_daemon_started_on_a_port_another_is_loading_on_fails_its_start_at_onc
         )
         said = other_log.read_text()
         assert other.poll() == 1, f"the second daemon serves on the first one's port:\n{said}"
-        assert f"cannot bind the API to 127.0.0.1:{port}" in said and "nothing loaded" in said
-        assert not (second / "audit.db").exists(), said
+        assert (
+            f"cannot bind the API to 127.0.0.1:{port}: another kvguard on this host has its API "
+            f"on 127.0.0.1:{port}" in said
+        ), said
+        assert "nothing loaded" in said and not (second / "audit.db").exists(), said
 
-        client = socket.create_connection(("127.0.0.1", port), timeout=90)  # held, not refused
-        client.sendall(b"GET /health HTTP/1.1\r\nHost: kvguard\r\nConnection: close\r\n\r\n")
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=90).close()
+        status = subprocess.run(
+            [KVGUARD, "status", "--url", f"http://127.0.0.1:{port}"]
+            + ["--token-file", str(second / "admin.token")],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert status.returncode != 0, status.stdout
+        assert f"cannot reach kvguard at http://127.0.0.1:{port}: " in status.stderr
+        assert "Connection refused" in status.stderr, status.stderr
+
         with fifo.open("w") as token:  # the first daemon goes on: it loads, then serves
             token.write(TOKEN + "\n")
-        answer = b""
-        while chunk := client.recv(4096):
-            answer += chunk
-        assert answer.startswith(b"HTTP/1.1 200 "), (answer, log.read_text())
+
+        def health() -> int | None:
+            assert proc.poll() is None, log.read_text()
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code
+            except httpx.ConnectError:  # refused: still loading
+                return None
+
+        until(lambda: health() is not None, 90, "the first daemon to serve")
+        assert health() == 200
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0, log.read_text()
     finally:
-        if client is not None:
-            client.close()
         if other is not None:
             ended(other)
         ended(proc)
@@ -190,20 +257,42 @@ def test_the_units_stop_timeout_is_the_one_said_and_holds_the_default_stop() -> 
 
 
 def test_a_drain_timeout_whose_stop_outlasts_the_unit_is_named(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from kvguard.daemon.service import warn_stop_budget
+    """Without $NOTIFY_SOCKET the stop asks no supervisor for its time: a warning."""
+    from kvguard.daemon.service import log_stop_budget
 
-    caplog.set_level(logging.WARNING, logger="kvguard.daemon")
-    warn_stop_budget(DaemonConfig.model_validate({"api": {"drain_timeout": 30}}))
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    caplog.set_level(logging.INFO, logger="kvguard.daemon")
+    log_stop_budget(DaemonConfig.model_validate({"api": {"drain_timeout": 30}}))
     assert caplog.records == []  # the default fits the unit
-    warn_stop_budget(DaemonConfig.model_validate({"api": {"drain_timeout": 45}}))
+    log_stop_budget(DaemonConfig.model_validate({"api": {"drain_timeout": 45}}))
     [record] = caplog.records
-    assert record.getMessage().startswith(
+    assert record.levelno == logging.WARNING
+    assert record.getMessage() == (
         "api.drain_timeout is 45s: a stop may take 75s, more than the 60s TimeoutStopSec= of "
-        "kvguard's systemd unit. systemd is asked for that time as the stop begins "
-        "(EXTEND_TIMEOUT_USEC); another supervisor must give the daemon 75s after its SIGTERM, "
+        "kvguard's systemd unit, and with no NOTIFY_SOCKET (not a Type=notify systemd unit) "
+        "the stop asks no supervisor for that time: give the daemon 75s after its SIGTERM, "
         "or set api.drain_timeout to 30s or less"
+    )
+
+
+def test_under_systemd_a_long_drain_is_said_at_info_not_warned_of(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under systemd the stop asks for its time (EXTEND_TIMEOUT_USEC): nothing to act on, so
+    no warning at every start and reload, only a line saying what the stop will ask for."""
+    from kvguard.daemon.service import log_stop_budget
+
+    monkeypatch.setenv("NOTIFY_SOCKET", "@kvguard-test-never-sent-to")  # read, not sent to
+    caplog.set_level(logging.INFO, logger="kvguard.daemon")
+    log_stop_budget(DaemonConfig.model_validate({"api": {"drain_timeout": 45}}))
+    [record] = caplog.records
+    assert record.levelno == logging.INFO
+    assert record.getMessage() == (
+        "api.drain_timeout is 45s: a stop may take 75s, more than the 60s TimeoutStopSec= of "
+        "kvguard's systemd unit; the stop asks systemd for 75s as it begins "
+        "(EXTEND_TIMEOUT_USEC)"
     )
 
 
@@ -235,7 +324,8 @@ def test_the_stop_asks_systemd_for_the_time_it_may_take(
     assert "reloaded" in said and "'api.drain_timeout': 45.0" in said, said
     stopping = told.index("STOPPING=1")
     assert told[stopping + 1 : stopping + 2] == ["EXTEND_TIMEOUT_USEC=75000000"], told
-    assert "api.drain_timeout is 45s: a stop may take 75s" in said, said
+    line = " INFO kvguard.daemon: api.drain_timeout is 45s: a stop may take 75s"
+    assert line in said, said  # systemd is asked: no warning
 
 
 def test_the_process_exits_with_the_startup_heap_still_frozen(tmp_path: Path) -> None:

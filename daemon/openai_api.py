@@ -17,7 +17,15 @@ import re
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable, Container, Mapping, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Container,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -138,6 +146,7 @@ def router(service: Service) -> APIRouter:
 
     one_large = asyncio.Semaphore(1)  # large bodies parsed at once (LARGE_BODY_BYTES)
     compiles = _Compiles()
+    slots = _KeySlots()
     r = APIRouter(max_body_size=limit, route_class=KeyedRoute)
 
     def served() -> dict[str, Any]:
@@ -167,7 +176,16 @@ def router(service: Service) -> APIRouter:
         limit = body.max_tokens or _default_max_tokens(service, DEFAULT_COMPLETION_MAX_TOKENS)
         params = await _off_loop(request, _params, service, body, limit)
         return await _serve(
-            service, compiles, request, "text_completion", prompts, params, body, x_priority, True
+            service,
+            compiles,
+            slots,
+            request,
+            "text_completion",
+            prompts,
+            params,
+            body,
+            x_priority,
+            True,
         )
 
     @r.post("/v1/chat/completions")
@@ -190,6 +208,7 @@ def router(service: Service) -> APIRouter:
         return await _serve(
             service,
             compiles,
+            slots,
             request,
             "chat.completion",
             [prompt],
@@ -402,8 +421,8 @@ def _refused_prompt(body: Any, error: BaseException, n: int, completion: bool) -
     choice: `refused_request` names the choice), else `prompt`, or `messages` on chat."""
     if not completion:
         return "messages"
-    if not _is_prompt_list(body.prompt):
-        return "prompt"
+    if not _is_prompt_list(body.prompt) or not hasattr(error, "request_index"):
+        return "prompt"  # a refusal that names none of the list's prompts: the field
     return f"prompt[{refused_request(error) // n}]"
 
 
@@ -709,12 +728,13 @@ def _refused_for_key(service: Service, key: ApiKey, reason: str) -> None:
 
 
 def _within_limit(
-    service: Service, key: ApiKey, asked: int, param: str, priority: str, preparing: int
+    service: Service, key: ApiKey, asked: int, param: str, priority: str, held: int
 ) -> None:
     """429 when `asked` more sequences would take `key` past its max_requests. What it has
     in flight is what the daemon still answers for it (the drain's set, which a finished or
-    refused request leaves at once and a forgotten one when it is collected), and the
-    `preparing` sequences whose grammar is being compiled (`_Compiles`). A request
+    refused request leaves at once and a forgotten one when it is collected), and the `held`
+    sequences of its requests checked but not yet in that set (`_KeySlots`: their grammar
+    being compiled, the tokenizer view built for their log-probabilities). A request
     asking for more sequences than the key may ever have at once is the request's own fault,
     not a passing one: 400 naming `param`, with no Retry-After (a retry could never pass).
     While admission is halted for `priority`, what fills the key's slots may be requests
@@ -732,7 +752,7 @@ def _within_limit(
             param,
             code="key_request_limit",
         )
-    live = sum(1 for o in list(service.requests) if o.ctx.key == key.name) + preparing
+    live = sum(1 for o in list(service.requests) if o.ctx.key == key.name) + held
     if live + asked > key.max_requests:
         _refuse_if_halted(service, priority, asked)
         _refused_for_key(service, key, "max_requests")
@@ -791,6 +811,7 @@ def _priority(service: Service, body: Any, header: str | None, key: ApiKey | Non
 async def _serve(
     service: Service,
     compiles: _Compiles,
+    slots: _KeySlots,
     request: Request,
     kind: str,
     prompts: list[str | list[int]],
@@ -813,36 +834,31 @@ async def _serve(
     ctx.n = body.n or 1
     asked = len(prompts) * ctx.n
     if key is not None:  # before the grammar: a key's flood is refused at once, not compiled
-        _within_limit(service, key, asked, _size_param(ctx), priority, compiles.waiting(key.name))
+        _within_limit(service, key, asked, _size_param(ctx), priority, slots.held(key.name))
         ctx.key = key.name
-    if params.json_schema is not None or params.grammar is not None:
-        await compiles.ready(service, params, ctx.key, asked, content_schema)
-        _refuse_if_draining(service)  # the drain may have begun meanwhile: not admitted after
-    elif params.logprobs is not None or params.prompt_logprobs is not None:
-        # the grammar library's tokenizer view (logprobs' tokens' bytes), built once, neither
-        # on the engine's thread nor on the event loop
-        await asyncio.to_thread(service.engine.grammars.view)
-        _refuse_if_draining(service)
-    ctx.echo = prompts if getattr(body, "echo", False) else None
-    ctx.tools = params.grammar is not None
-    if kind == "chat.completion" and not (body.max_tokens or body.max_completion_tokens):
-        ctx.max_tokens_default = params.max_tokens  # said with the answer
-    aio = asyncio.get_running_loop()
-    outs = [_Outputs(aio, ctx, i, bool(body.stream)) for i in range(len(prompts) * ctx.n)]
-    choices = [  # one engine request per choice, in order, taken in as one
-        NewRequest(
-            prompts[i // ctx.n],
-            _choice_params(params, i % ctx.n),
-            engine_request_id(ctx.id, i),
-            count_prompt=i % ctx.n == 0,  # a prompt counted once, as usage has it
+    # the key's slots taken in the step that checked them, until `service.requests` counts it
+    with slots.holding(ctx.key, asked):
+        await _prepared(service, compiles, request, params, content_schema)
+        ctx.echo = prompts if getattr(body, "echo", False) else None
+        ctx.tools = params.grammar is not None
+        if kind == "chat.completion" and not (body.max_tokens or body.max_completion_tokens):
+            ctx.max_tokens_default = params.max_tokens  # said with the answer
+        aio = asyncio.get_running_loop()
+        outs = [_Outputs(aio, ctx, i, bool(body.stream)) for i in range(asked)]
+        choices = [  # one engine request per choice, in order, taken in as one
+            NewRequest(
+                prompts[i // ctx.n],
+                _choice_params(params, i % ctx.n),
+                engine_request_id(ctx.id, i),
+                count_prompt=i % ctx.n == 0,  # a prompt counted once, as usage has it
+            )
+            for i in range(len(outs))
+        ]
+        ctx.posted = time.monotonic()  # its queue time runs from here (the engine's arrival)
+        streams, added = service.loop.submit_all_nowait(
+            choices, [o.push for o in outs], priority, add_special_tokens=completion
         )
-        for i in range(len(outs))
-    ]
-    ctx.posted = time.monotonic()  # its queue time runs from here (the engine's arrival_time)
-    streams, added = service.loop.submit_all_nowait(
-        choices, [o.push for o in outs], priority, add_special_tokens=completion
-    )
-    service.requests.update(outs)  # a drain that runs out of time cuts it through this set
+        service.requests.update(outs)  # a drain that runs out of time cuts it through this set
     watch = _DisconnectWatch(request, service, streams, outs)  # from now, not once admitted
     admitted = False
     try:
@@ -903,54 +919,137 @@ def grammar_workers() -> int:
     return max(1, (cpus or 1) // 2)
 
 
+class _KeySlots:
+    """The sequences of each API key's requests that passed its max_requests check and are not
+    yet in `service.requests`, where the check counts them: they await their grammar's compile
+    or the tokenizer view first. Taken in the event-loop step that checked them and held across
+    those awaits, they count against the key as the engine's do: counted only once the request
+    was in that set, 6 requests of a key that may have 1 at once were all checked meanwhile,
+    and all 6 served."""
+
+    def __init__(self) -> None:
+        self._held: collections.Counter[str] = collections.Counter()  # the event loop's
+
+    def held(self, key: str) -> int:
+        """The sequences of `key`'s requests checked and not yet in `service.requests`."""
+        return self._held[key]
+
+    @contextlib.contextmanager
+    def holding(self, key: str | None, asked: int) -> Iterator[None]:
+        """`asked` sequences held for `key` (None: no key, nothing held) until the block ends,
+        however it ends: in `service.requests`, a 400, a client gone, the drain, a cancel."""
+        if key is None:
+            yield
+            return
+        self._held[key] += asked
+        try:
+            yield
+        finally:
+            self._held[key] -= asked
+            if not self._held[key]:
+                del self._held[key]
+
+
+async def _prepared(
+    service: Service,
+    compiles: _Compiles,
+    request: Request,
+    params: SamplingParams,
+    content_schema: dict[str, Any] | None,
+) -> None:
+    """What the engine thread should not build for the request, built before it is posted:
+    its schema or tools grammar (`_Compiles`), or for log-probabilities alone the grammar
+    library's tokenizer view (their tokens' bytes), built once, neither on the engine's thread
+    nor on the event loop. Refused if the drain began meanwhile: not admitted after it."""
+    if params.json_schema is not None or params.grammar is not None:
+        await compiles.ready(service, request, params, content_schema)
+    elif params.logprobs is not None or params.prompt_logprobs is not None:
+        await asyncio.to_thread(service.engine.grammars.view)
+    else:
+        return
+    _refuse_if_draining(service)
+
+
 class _Compiles:
     """Grammar preparation (`_grammar_ready`) on worker threads of its own, `grammar_workers()`
     at once, a request past them waiting its turn. On asyncio's default executor, one client's
     slow schemas (a nested `anyOf` the library gives up on after seconds of CPU) held every
-    thread that a reload, /tokenize and large bodies wait for: a reload took 8.6 s. Also the
-    sequences each API key has waiting here: they count against its max_requests as those the
-    engine holds do, the key checked before the compile, so a key's flood is refused at once
-    instead of compiled first."""
+    thread that a reload, /tokenize and large bodies wait for: a reload took 8.6 s."""
 
     def __init__(self) -> None:
-        self._pool = ThreadPoolExecutor(grammar_workers(), thread_name_prefix="kvguard-grammar")
-        self._waiting: collections.Counter[str] = collections.Counter()  # the event loop's
+        self._pool: ThreadPoolExecutor | None = None  # made by the first compile
 
-    def waiting(self, key: str) -> int:
-        """The sequences of `key`'s requests whose grammar is being prepared."""
-        return self._waiting[key]
+    def _workers(self, service: Service) -> ThreadPoolExecutor:
+        """The pool, made by the first compile and shut down as `service` closes."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(grammar_workers(), thread_name_prefix="kvguard-grammar")
+            service.at_close(self.close)
+        return self._pool
+
+    def close(self) -> None:
+        """With the service: the compiles still queued never run, and the workers end once the
+        compiles running (which nothing can interrupt) are done. Left open, the interpreter's
+        exit waited for every worker, and a stop that had used its drain time could be killed."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
 
     async def ready(
         self,
         service: Service,
+        request: Request,
         params: SamplingParams,
-        key: str | None,
-        asked: int,
         content_schema: dict[str, Any] | None,
     ) -> None:
-        """`_grammar_job` on a worker, the `asked` sequences counted against `key` meanwhile
-        (given back however it ends: a 400, a client gone)."""
-        if content_schema is None and await asyncio.to_thread(
-            service.engine.grammars.prepared, params
-        ):
+        """`_grammar_job` on a worker, unless the matcher is kept already. That probe (a dict
+        lookup and the schema's json.dumps) runs on the event loop, or for a large body on a
+        thread (`_off_loop`): a hop to the default executor for every schema waited behind
+        the reloads and large bodies this pool keeps off it."""
+        kept = content_schema is None and await _off_loop(
+            request, service.engine.grammars.prepared, params
+        )
+        if kept:
             return  # its matcher is kept: no compile, no turn behind other clients' schemas
-        if key is not None:
-            self._waiting[key] += asked
-        try:
-            aio = asyncio.get_running_loop()
-            await aio.run_in_executor(self._pool, _grammar_job, service, params, content_schema)
-        finally:
-            if key is not None:
-                self._waiting[key] -= asked
-                if not self._waiting[key]:
-                    del self._waiting[key]
+        _refuse_if_draining(service)  # the pool is shut down with the service
+        pool = self._workers(service)
+        await _compiled(request, pool.submit(_grammar_job, service, params, content_schema))
+
+
+async def _compiled(request: Request, job: Future) -> None:
+    """Wait for the grammar's `job` or for the client to hang up (a 499: nobody reads the
+    answer). A job still waiting for a worker is then withdrawn: a client that gave up on its
+    slow schema had it compiled all the same, in front of every other client's schemas, one
+    worker on a 2-CPU host. One already running finishes (nothing can interrupt it)."""
+    compiled = asyncio.wrap_future(job)
+    compiled.add_done_callback(_retrieved)  # a 400 of a job whose client left: read by no one
+    left = asyncio.ensure_future(_hung_up(request))
+    try:
+        await asyncio.wait({compiled, left}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        left.cancel()
+        job.cancel()  # not started yet (its client gone, this handler cancelled): never runs
+    if not compiled.done():
+        raise ApiError(499, "client disconnected")
+    if compiled.cancelled():  # withdrawn by the pool's shutdown: the service has closed
+        raise ApiError(503, SHUTTING_DOWN, type_="service_unavailable", retry_after=5)
+    compiled.result()
+
+
+async def _hung_up(request: Request) -> None:
+    """Returns once the client of `request`, whose body has been read, hangs up: nothing but a
+    disconnect should come on its receive channel, and one that fails has lost its client."""
+    try:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+    except Exception:  # noqa: BLE001 - see above
+        log.debug("receive failed; taking the client as gone")
 
 
 def _grammar_job(
     service: Service, params: SamplingParams, content_schema: dict[str, Any] | None
 ) -> None:
     """`_grammar_ready`, unless the drain began while the request waited for a worker (one
-    it refuses anyway costs no compile, and a queue of slow schemas does not hold the exit).
+    it refuses anyway costs no compile, and a queue of slow schemas does not hold the exit;
+    one whose client left meanwhile is withdrawn before it starts: `_compiled`).
     A chat request's response_format schema under tools is checked first, on its own, so that
     a 400 names it rather than `tools`."""
     _refuse_if_draining(service)

@@ -415,6 +415,8 @@ class Service:
         # wall time on a busy host, outside every bound the stop keeps. Tests that run several
         # daemons in one process keep the default: each close gives its heap back.
         self.keep_heap_frozen = False
+        # what the HTTP app made for itself and ends with the service (`at_close`)
+        self._at_close: list[Callable[[], None]] = []
 
     # -- names ------------------------------------------------------------------------------
     @property
@@ -829,10 +831,17 @@ class Service:
             self.engine.abort(rid)
         return len(ids)
 
+    def at_close(self, release: Callable[[], None]) -> None:
+        """`release` runs as the service closes: the workers the HTTP app made for itself (the
+        grammar compiles) end with the service, not at the interpreter's exit."""
+        self._at_close.append(release)
+
     def close(self) -> None:
         if self._closed.is_set():  # closed already (serve() ended, then its caller's close)
             return
         self.draining = True  # whatever ended serving: from here no reload, no new request
+        for release in self._at_close:  # the compiles still queued never run
+            release()
         self.stopping.set()  # a reload still waiting on the engine gives way (see `_reload`)
         self._stop_watchdog.set()
         self._unwatch_gc()

@@ -8,20 +8,24 @@ keeping the keys in force. The `kvguard keys` commands make, list, revoke and ha
 
 from __future__ import annotations
 
+import asyncio
 import re
 import signal
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
 import pytest
 
+from kvguard.daemon import openai_api
 from kvguard.daemon.api_keys import KeysFileError, digest, load_keys, read_entries
 from kvguard.daemon.cli import main
+from kvguard.daemon.openai_schemas import CompletionRequest
 from tests.test_disconnect import count, finished, idle, send, state
-from tests.test_grammar_prepare import HeldPrepare, loaded, schema_chat, serving
+from tests.test_grammar_prepare import TOKEN, HeldPrepare, loaded, schema_chat, serving
 from tests.test_server import KVGUARD, Daemon, serve_refused, until
 
 KINDS = ("prompt", "completion")
@@ -359,6 +363,95 @@ def test_a_keys_schema_requests_past_its_limit_are_refused_before_any_is_compile
         held.release.set()
         pool.shutdown(cancel_futures=True)
         svc.close()
+
+
+def let_in_together(monkeypatch: pytest.MonkeyPatch, count: int) -> None:
+    """Requests held once their body is parsed until `count` have arrived, then let go in one
+    event-loop step: sent at once from threads, they reach the server some milliseconds apart,
+    and whether one is checked while another awaits would be a matter of luck."""
+    parse = openai_api._parse_body
+    arrived: list[Any] = []  # their requests
+    gate: list[asyncio.Event] = []  # made on the server's event loop
+
+    async def held(*args: Any) -> None:
+        await parse(*args)
+        if not gate:
+            gate.append(asyncio.Event())
+        arrived.append(args[1])
+        if len(arrived) == count:
+            gate[0].set()
+        await gate[0].wait()
+
+    monkeypatch.setattr(openai_api, "_parse_body", held)
+
+
+def _asked(one: openai.OpenAI, kind: str, i: int) -> object:
+    """Request `i` of a key's flood: a completion with log-probabilities (the tokenizer view
+    awaited before it is posted) or a chat answer held to a schema of its own (its compile)."""
+    if kind == "logprobs":
+        return one.completions.create(model="tiny", prompt=f"p{i}", max_tokens=2, logprobs=1)
+    return one.chat.completions.create(**schema_chat(f"flood {i}"))
+
+
+@pytest.mark.parametrize("kind", ["logprobs", "schema"])
+def test_concurrent_requests_of_a_key_are_held_to_its_max_requests(
+    kind: str,
+    tiny_dir: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A key's max_requests was checked before the request awaited its grammar's compile (or
+    the tokenizer view its log-probabilities need), and the request counted only once posted
+    to the engine: every request of the key checked meanwhile passed (6 of 6 served for a key
+    that may have 1 at once). Now its slots are taken in the step that checks them: with the
+    engine stalled (the debug hook), so that none finishes, 6 requests let in together give 1
+    posted to the engine and 5 429s."""
+    path = tmp_path / "api_keys.yaml"
+    key = add(path, "one", "--max-requests", "1", capsys=capsys)
+    svc = loaded(tmp_path, api=f"api_keys_file: {path}, debug_hooks: true")
+    pool = ThreadPoolExecutor(6)
+    let_in_together(monkeypatch, 6)
+    try:
+        with serving(svc) as url:
+            admin = {"Authorization": f"Bearer {TOKEN}"}
+            stall = httpx.post(url + "/admin/debug/stall", json={"seconds": 60}, headers=admin)
+            assert stall.status_code == 200, stall.text
+            one = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=60)
+            try:
+                asked = [pool.submit(_asked, one, kind, i) for i in range(6)]
+                until(
+                    lambda: svc.loop.in_flight() + sum(f.done() for f in asked) == 6,
+                    60,
+                    "each request posted to the stalled engine or answered",
+                )
+            finally:
+                httpx.post(url + "/admin/debug/release", headers=admin)
+            refused = []
+            for f in asked:
+                try:
+                    f.result(60)
+                except openai.RateLimitError as e:
+                    refused.append(e)
+            assert len(refused) == 5, f"{6 - len(refused)} of 6 served, max_requests 1"
+            for e in refused:
+                assert e.body["code"] == "key_request_limit", e.message
+                assert "API key 'one' has 1 sequences (choices) queued or running" in e.message
+    finally:
+        pool.shutdown(cancel_futures=True)
+        svc.close()
+
+
+def test_a_refusal_naming_no_prompt_of_a_list_names_the_field() -> None:
+    """A prompt's refusal of a list of prompts names the one refused (`prompt[1]`: the engine
+    says which, `request_index`); one the engine raised without saying which was named
+    `prompt[0]`, blaming a prompt that may be fine: it names the field, `prompt`."""
+    body = CompletionRequest(model="tiny", prompt=["fine", "refused"])
+    which = ValueError("prompt is empty")
+    which.request_index = 2  # type: ignore[attr-defined] - the third choice: n=2, prompt 1
+    assert openai_api._refused_prompt(body, which, 2, True) == "prompt[1]"
+    unnamed = ValueError("prompt is not one kvguard can serve")
+    assert openai_api._refused_prompt(body, unnamed, 2, True) == "prompt"
 
 
 def test_each_key_is_charged_the_tokens_its_requests_were_served(keyed) -> None:  # noqa: ANN001

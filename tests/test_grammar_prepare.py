@@ -1,8 +1,9 @@
 """A grammar's matcher is built once, off the engine thread, and each request (each choice of
 `n`) gets an independent copy; a grammar that matches no text is refused where it is built;
 a refused one is refused again without compiling or building anything; grammars are prepared
-on workers of their own, so that compiles in flight hold neither a reload nor /tokenize; and
-tool parameters holding anchors (`#foo`) or resources of their own (`$id`) are served as
+on workers of their own, so that compiles in flight hold neither a reload nor /tokenize, and a
+compile not yet started when its client hangs up or the service closes never runs; and tool
+parameters holding anchors (`#foo`) or resources of their own (`$id`) are served as
 `response_format` serves them. On the tiny model, in process (the daemon's API served on
 loopback in a thread of its own, where `Grammars.prepare` is held)."""
 
@@ -12,6 +13,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -345,17 +347,20 @@ def serving(svc: Service) -> Iterator[str]:
 
 
 class HeldPrepare:
-    """`Grammars.prepare` held until `release` is set: a slow schema's compile in flight. The
-    requests that reached `_serve`'s grammar step are counted (`arrived`: they asked for their
-    priority, on the event loop, in the same step as their grammar was handed to a thread)."""
+    """`Grammars.prepare` held until `release` is set: a slow schema's compile in flight (the
+    threads that ran it: `threads`). The requests that reached `_serve`'s grammar step are
+    counted (`arrived`: they asked for their priority, on the event loop, in the same step as
+    their grammar was handed to a thread)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.release = threading.Event()
         self.entered: list[SamplingParams] = []
+        self.threads: list[threading.Thread] = []
         self.arrived: list[str] = []
         prepare, priority = Grammars.prepare, openai_api._priority
 
         def held(grammars: Grammars, params: SamplingParams) -> None:
+            self.threads.append(threading.current_thread())
             self.entered.append(params)
             self.release.wait(120)
             prepare(grammars, params)
@@ -377,6 +382,98 @@ def schema_chat(tag: str) -> dict[str, Any]:
         "max_tokens": 4,
         "response_format": {"type": "json_schema", "json_schema": schema},
     }
+
+
+def hanging_up(url: str, body: dict[str, Any]) -> socket.socket:
+    """POST /v1/chat/completions on a raw socket, its answer left unread: the caller hangs up
+    by closing it, as a client that gave up does."""
+    data = json.dumps(body).encode()
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)))
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+    )
+    sock.sendall(head.encode() + data)
+    return sock
+
+
+def answered(svc: Service, status: int) -> float:
+    """The chat requests answered with `status` (kvguard_http_requests)."""
+    labels = {"route": "/v1/chat/completions", "status": str(status)}
+    return svc.metrics.registry.get_sample_value("kvguard_http_requests_total", labels) or 0.0
+
+
+def test_a_client_gone_while_its_schema_waits_for_a_worker_is_not_compiled(
+    tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client that hung up while its schema waited for a compile worker (one on a 2-CPU
+    host) still had it compiled, in front of every other client's schemas: N slow schemas
+    posted and their sockets closed queued N compiles of seconds each. Now the request ends
+    (499) as its client hangs up, and its compile, not started, never runs."""
+    svc = loaded(tmp_path)
+    held = HeldPrepare(monkeypatch)
+    workers = openai_api.grammar_workers()
+    pool = ThreadPoolExecutor(workers)
+    try:
+        with serving(svc) as url:
+            client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0, timeout=120)
+            busy = [
+                pool.submit(client.chat.completions.create, **schema_chat(f"busy {i}"))
+                for i in range(workers)
+            ]
+            until(lambda: len(held.entered) == workers, 60, "every compile worker busy")
+            sock = hanging_up(url, schema_chat("gone"))
+            # it asked for its priority in the step that queued its compile (`HeldPrepare`)
+            until(lambda: len(held.arrived) == workers + 1, 60, "the last one queued")
+            sock.close()
+            until(lambda: answered(svc, 499) == 1, 30, "the request of the client gone ended")
+            held.release.set()
+            for f in busy:
+                assert f.result(120).choices[0].finish_reason in ("stop", "length")
+            assert len(held.entered) == workers  # the gone client's schema was not compiled
+    finally:
+        held.release.set()
+        pool.shutdown(cancel_futures=True)
+        svc.close()
+
+
+def test_the_compile_workers_end_with_the_service(
+    tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The compile workers outlived the service that made them (one pool per app, never shut
+    down): the interpreter's exit waited for them. Now the service's close shuts them down:
+    with every worker held in a compile and one more waiting, the one waiting never runs
+    (503), and the workers end once the compiles they hold are done (503: the service closed
+    meanwhile)."""
+    svc = loaded(tmp_path)
+    held = HeldPrepare(monkeypatch)
+    workers = openai_api.grammar_workers()
+    pool = ThreadPoolExecutor(workers + 1)
+    try:
+        with serving(svc) as url:
+            client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0, timeout=120)
+            asked = [
+                pool.submit(client.chat.completions.create, **schema_chat(f"closing {i}"))
+                for i in range(workers + 1)
+            ]
+            until(
+                lambda: len(held.entered) == workers and len(held.arrived) == workers + 1,
+                60,
+                "every worker compiling, one more queued",
+            )
+            svc.close()
+            held.release.set()
+            for f in asked:
+                with pytest.raises(openai.APIStatusError) as e:
+                    f.result(120)
+                assert e.value.status_code == 503, e.value.message
+            until(lambda: not any(t.is_alive() for t in held.threads), 30, "the workers ended")
+            assert len(held.entered) == workers  # the one queued never compiled
+    finally:
+        held.release.set()
+        pool.shutdown(cancel_futures=True)
+        svc.close()
 
 
 def test_grammars_compiling_hold_neither_a_reload_nor_tokenize(
@@ -514,6 +611,14 @@ def test_tool_parameters_with_anchors_and_their_own_ids_are_served(
         assert calls[0].name == "f" and valid(json.loads(calls[0].arguments)), out.text
 
 
+JSON_OBJECT = {  # a chat answer whose matcher is built once and kept
+    "model": "tiny",
+    "messages": [{"role": "user", "content": "A thing as JSON."}],
+    "max_tokens": 4,
+    "response_format": {"type": "json_object"},
+}
+
+
 def test_a_request_whose_matcher_is_kept_does_not_wait_behind_compiles(
     tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -523,16 +628,10 @@ def test_a_request_whose_matcher_is_kept_does_not_wait_behind_compiles(
     with every worker held in a compile and more waiting, it is answered."""
     svc = loaded(tmp_path)
     pool = ThreadPoolExecutor(openai_api.grammar_workers() + 2)
-    json_object = {
-        "model": "tiny",
-        "messages": [{"role": "user", "content": "A thing as JSON."}],
-        "max_tokens": 4,
-        "response_format": {"type": "json_object"},
-    }
     try:
         with serving(svc) as url:
             client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0, timeout=120)
-            client.chat.completions.create(**json_object)  # its matcher built and kept
+            client.chat.completions.create(**JSON_OBJECT)  # its matcher built and kept
             held = HeldPrepare(monkeypatch)
             asked = [
                 pool.submit(client.chat.completions.create, **schema_chat(f"slow {i}"))
@@ -540,12 +639,56 @@ def test_a_request_whose_matcher_is_kept_does_not_wait_behind_compiles(
             ]
             workers = openai_api.grammar_workers()
             until(lambda: len(held.entered) >= workers, 60, f"{workers} compiling")
-            answer = pool.submit(client.chat.completions.create, **json_object).result(60)
+            answer = pool.submit(client.chat.completions.create, **JSON_OBJECT).result(60)
             assert answer.choices[0].finish_reason in ("stop", "length")
             assert not any(f.done() for f in asked)  # the slow ones still held
             held.release.set()
             for f in asked:
                 assert f.result(120).choices[0].finish_reason in ("stop", "length")
     finally:
+        pool.shutdown(cancel_futures=True)
+        svc.close()
+
+
+def test_a_kept_matcher_is_found_without_a_thread_of_the_default_executor(
+    tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whether a request's matcher is kept (`Grammars.prepared`: a dict lookup and the schema's
+    json.dumps) was asked on asyncio's default executor, the threads the compile workers keep
+    free for reloads, /tokenize and large bodies: every schema request waited for one. Now it
+    is asked on the event loop (for a body under LARGE_BODY_BYTES): with every thread of the
+    default executor held (log-probability requests, in their tokenizer view), a json_object
+    request is answered."""
+    svc = loaded(tmp_path)
+    release = threading.Event()
+    holding: list[threading.Thread] = []
+    view = Grammars.view
+
+    def held_view(grammars: Grammars) -> Any:
+        holding.append(threading.current_thread())
+        release.wait(120)
+        return view(grammars)
+
+    pool = ThreadPoolExecutor(DEFAULT_EXECUTOR + 1)
+    try:
+        with serving(svc) as url:
+            client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0, timeout=120)
+            client.chat.completions.create(**JSON_OBJECT)  # its matcher built and kept
+            monkeypatch.setattr(Grammars, "view", held_view)
+            busy = [
+                pool.submit(
+                    client.completions.create, model="tiny", prompt="x", max_tokens=2, logprobs=1
+                )
+                for _ in range(DEFAULT_EXECUTOR)
+            ]
+            until(lambda: len(holding) == DEFAULT_EXECUTOR, 60, "the default executor held")
+            answer = pool.submit(client.chat.completions.create, **JSON_OBJECT).result(30)
+            assert answer.choices[0].finish_reason in ("stop", "length")
+            assert not any(f.done() for f in busy)  # still held
+            release.set()
+            for f in busy:
+                assert f.result(60).choices[0].logprobs is not None
+    finally:
+        release.set()
         pool.shutdown(cancel_futures=True)
         svc.close()

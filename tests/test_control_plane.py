@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kvguard.daemon import admin_api, openai_api
+from kvguard.daemon import admin_api
 from kvguard.daemon.app import create_app
 from kvguard.daemon.config import load_config
 from kvguard.daemon.control_plane import ControlPlane
@@ -31,6 +31,7 @@ from kvguard.engine import LLMEngine
 from kvguard.engine.control import ActionResult
 from kvguard.engine.engine_loop import EngineLoop
 from kvguard.engine.events import EngineEvent
+from kvguard.engine.structured import Grammars
 from kvguard.rules.actions import ActionWithdrawn, StopSignal, await_action, run_action
 from kvguard.rules.evaluator import Evaluator
 from kvguard.rules.schema import load_rules_text
@@ -613,13 +614,13 @@ def test_latency_histograms_count_from_the_requests_arrival(
     takes seconds: the slow requests were the ones the histograms under-reported. They count
     from the HTTP middleware's arrival time now."""
     slow = 0.5
-    prepare = openai_api._grammar_ready
+    view = Grammars.view  # what a logprobs request has built before it is posted
 
-    def slower(svc: Service, params: Any) -> None:
+    def slower(grammars: Grammars) -> Any:
         time.sleep(slow)
-        prepare(svc, params)
+        return view(grammars)
 
-    monkeypatch.setattr(openai_api, "_grammar_ready", slower)
+    monkeypatch.setattr(Grammars, "view", slower)
     body = {"model": service.model_name, "prompt": "hi", "max_tokens": 1, "logprobs": 1}
 
     async def post() -> httpx.Response:

@@ -17,9 +17,9 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
+from tests.test_api_openai_edges import SMOLLM, smollm_daemon  # noqa: F401 - a fixture
 from tests.test_server import Daemon
 
-SMOLLM = "smollm2-135m"
 NAMED = [
     {"role": "user", "name": "user_42", "content": "What's 2+2?"},
 ]
@@ -48,17 +48,6 @@ USER_NAMES = (
     "{{ '\\n' + m.content }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-
-
-@pytest.fixture(scope="module")
-def smollm_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    d = Daemon(
-        tmp_path_factory.mktemp("daemon"),
-        debug_hooks=False,
-        serving=f"{{model: {SMOLLM}, kv_cache_bytes: 64MiB, max_model_len: 512}}",
-    )
-    yield d
-    assert d.stop() == 0
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +114,9 @@ def served_prompt_tokens(d: Daemon, model: str, messages: list[dict[str, Any]]) 
 
 @pytest.mark.parametrize("messages", [NAMED, AGENTS], ids=["user-id", "agents"])
 def test_the_default_model_s_prompt_is_its_chat_template_s(
-    smollm_daemon: Daemon, smollm_reference: Any, messages: list[dict[str, Any]]
+    smollm_daemon: Daemon,  # noqa: F811 - the fixture
+    smollm_reference: Any,
+    messages: list[dict[str, Any]],
 ) -> None:
     """SmolLM2's template writes no names: the prompt with names is transformers' render of
     the messages, token for token the prompt without them, with no `user_42: ` or `planner: `
@@ -139,7 +130,7 @@ def test_the_default_model_s_prompt_is_its_chat_template_s(
     assert served_prompt_tokens(smollm_daemon, SMOLLM, messages) == len(counted)
 
 
-def test_names_leave_every_role_s_text_as_sent(smollm_daemon: Daemon) -> None:
+def test_names_leave_every_role_s_text_as_sent(smollm_daemon: Daemon) -> None:  # noqa: F811
     """A developer's, user's, assistant's and tool's name change no text: a tool's JSON result
     is the JSON sent inside its `<tool_response>`, and the assistant's call turn starts with the
     `<tool_call>` the tools grammar lets an answer start with. The prompt is the one without

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,16 +28,55 @@ from kvguard.rules.yaml_file import YamlFileError, line_for, load_yaml, read_sou
 
 log = logging.getLogger("kvguard.rules")
 
+PREEMPTION_WINDOW_S = 60.0  # what `preemptions_1m` counts back over
+
+
+@dataclass(frozen=True, slots=True)
+class LocalSignal:
+    """What a local signal reads, in what unit, and, for a running total that never falls,
+    the signal of its recent rise: a rule above a running total can never recover (it fired
+    on an idle daemon once the lifetime count passed its threshold and capped every request
+    until a restart), so a rule that undoes reads the recent one instead."""
+
+    meaning: str
+    unit: str
+    recent: str | None = None
+
+    @property
+    def can_fall(self) -> bool:
+        return self.recent is None
+
+
+RATIO = "ratio, 0..1"
 LOCAL_SIGNALS = {
-    "kv_cache_usage_ratio": "device KV blocks in use / total",
-    "host_kv_cache_usage_ratio": "host (swap) KV blocks in use / total",
-    "num_waiting": "requests waiting for admission to the batch",
-    "num_running": "requests in the running batch",
-    "num_swapped": "requests swapped out to the host pool",
-    "preemptions_total": "preemptions since start",
-    "gpu_memory_used_ratio": "highest GPU memory used / total over GPUs (NVML; unknown without one)",
-    "host_memory_used_ratio": "host memory in use / total, or the service cgroup's working set / "
-    "its limit (MemoryMax=), the higher (engine/host_memory.py)",
+    "kv_cache_usage_ratio": LocalSignal("device KV blocks in use / total", RATIO),
+    "host_kv_cache_usage_ratio": LocalSignal(
+        "host (swap) KV blocks in use / total; unknown without a host pool", RATIO
+    ),
+    "num_waiting": LocalSignal("requests waiting for admission to the batch", "requests"),
+    "num_running": LocalSignal("requests in the running batch", "requests"),
+    "num_swapped": LocalSignal("requests swapped out to the host pool", "requests"),
+    "preemptions_1m": LocalSignal(
+        f"sequences preempted (swapped out or put back to be computed again) in the last "
+        f"{PREEMPTION_WINDOW_S:g} s, as the evaluations read the engine's total (at an "
+        f"`interval` over {PREEMPTION_WINDOW_S:g} s: since the evaluation before)",
+        "preemptions",
+    ),
+    "preemptions_total": LocalSignal(
+        "sequences preempted since the engine started: a running total",
+        "preemptions",
+        recent="preemptions_1m",
+    ),
+    "gpu_memory_used_ratio": LocalSignal(
+        "GPU memory used / total, the fullest of the engine's GPUs on this host (NVML; "
+        "unknown without one)",
+        RATIO,
+    ),
+    "host_memory_used_ratio": LocalSignal(
+        "host memory in use / total, or the service cgroup's working set / its limit "
+        "(`MemoryMax=`), the higher",
+        RATIO,
+    ),
 }
 
 
@@ -67,6 +107,27 @@ def off_ratio_thresholds(
             )
         )
     return out
+
+
+def undo_never_due(
+    rule: dict[str, Any], signal: str | None, local: str | None
+) -> list[tuple[str, str]]:
+    """The rule's `undo`, with why, where it waits for a running total (`local`) to fall: it
+    never does, so a rule above one fired on an idle daemon once the lifetime count passed
+    its threshold and held its remedy until a restart while `rules check` said OK. A rule
+    firing `below` one recovers as it rises, and one without an undo is one-way on purpose."""
+    spec = LOCAL_SIGNALS.get(local) if isinstance(local, str) else None
+    if spec is None or spec.can_fall or rule.get("above") is None or rule.get("undo") is None:
+        return []
+    why = (
+        f"rule {rule.get('name')!r} would never be undone: signal {signal!r} is {local}, a "
+        "running total that never falls, so its recovery never comes and what "
+        f"{rule.get('action')} sets would stay in force until a restart (for a rule that "
+        f"undoes, read `local: {spec.recent}`, the {spec.unit} of the last "
+        f"{PREEMPTION_WINDOW_S:g} s, which falls once they stop; a one-way rule leaves out "
+        "`undo` and its recovery keys)"
+    )
+    return [("undo", why)]
 
 
 def _is_number(value: Any) -> bool:
@@ -356,7 +417,9 @@ class RuleSet(_Model):
                 )
             local = self.signals[r.signal].local if r.signal is not None else None
             given = {key: getattr(r, key) for key in THRESHOLDS}
+            given |= {"name": r.name, "action": r.action, "undo": r.undo}
             problems = off_ratio_thresholds(given, r.signal, local)
+            problems += undo_never_due(given, r.signal, local)
             if problems:
                 raise _At(("rules", i, problems[0][0]), problems[0][1])
         return self
@@ -451,9 +514,10 @@ def line_key(msg: str) -> int:
 
 
 def _cross_checks(data: dict, lines: dict, name: str) -> list[str]:
-    """Duplicate names, unknown signals, thresholds off a ratio signal's 0..1, keys a rule's
-    shape never reads and bad action params, found even when other fields are broken (and
-    every one of each, where the model reports a rule's or the file's first)."""
+    """Duplicate names, unknown signals, thresholds off a ratio signal's 0..1, undos waiting
+    for a running total to fall, keys a rule's shape never reads and bad action params, found
+    even when other fields are broken (and every one of each, where the model reports a
+    rule's or the file's first)."""
     out = []
     signals = data.get("signals") if isinstance(data.get("signals"), dict) else {}
     rules = data.get("rules") if isinstance(data.get("rules"), list) else []
@@ -479,6 +543,7 @@ def _cross_checks(data: dict, lines: dict, name: str) -> list[str]:
         out += [
             f"{name}:{line_for(lines, ('rules', i, key))}: rules.{i}.{key}: {why}"
             for key, why in off_ratio_thresholds(r, sig, _local_of(signals, sig))
+            + undo_never_due(r, sig, _local_of(signals, sig))
         ]
         if r.get("on") is not None or sig is not None:
             out += [

@@ -18,19 +18,25 @@ import logging
 import math
 import re
 import threading
+import time
+from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs, quote, quote_plus, unquote_plus, urlsplit, urlunsplit
 
 from kvguard.engine.host_memory import host_memory_used_ratio
 from kvguard.engine.snapshot import EngineSnapshot
-from kvguard.rules.schema import Signal
+from kvguard.rules.schema import PREEMPTION_WINDOW_S, Signal
 
 log = logging.getLogger("kvguard.rules.signals")
 
 
 def local_value(
-    name: str, snap: EngineSnapshot, gpu_used_ratio: Callable[[], float | None]
+    name: str,
+    snap: EngineSnapshot,
+    gpu_used_ratio: Callable[[], float | None],
+    preemptions_recent: float,
 ) -> float | None:
     table: dict[str, Callable[[], float | None]] = {
         "kv_cache_usage_ratio": lambda: snap.kv_cache_usage_ratio,
@@ -40,11 +46,37 @@ def local_value(
         "num_waiting": lambda: float(snap.num_waiting),
         "num_running": lambda: float(snap.num_running),
         "num_swapped": lambda: float(snap.num_swapped),
+        "preemptions_1m": lambda: preemptions_recent,
         "preemptions_total": lambda: float(snap.num_preemptions),
         "gpu_memory_used_ratio": gpu_used_ratio,
         "host_memory_used_ratio": host_memory_used_ratio,
     }
     return table[name]()
+
+
+@dataclass(slots=True)
+class RecentRise:
+    """How much a running total rose over the last `window_s` seconds, from the totals the
+    evaluations read: a rule on the total itself can never see it fall, so it could never be
+    undone. Each preemption counts from the first reading that sees it (at most an
+    evaluation interval after it happened) until `window_s` after that reading. Only the
+    readings where the total changed are kept (between two, it was the earlier one's), with
+    the newest at or before the window's start as the baseline."""
+
+    window_s: float
+    changes: deque[tuple[float, int]] = field(default_factory=deque)  # (time, total)
+
+    def rise(self, now: float, total: int) -> float:
+        """The rise up to `total`, read at `now`, since the window's start (0 at the first
+        reading: what came before it is not known to be recent)."""
+        if self.changes and total < self.changes[-1][1]:
+            # the count started over (a new engine): all of it came since the last reading
+            self.changes = deque([(self.changes[-1][0], 0)])
+        if not self.changes or total != self.changes[-1][1]:
+            self.changes.append((now, total))
+        while len(self.changes) > 1 and self.changes[1][0] <= now - self.window_s:
+            self.changes.popleft()
+        return float(total - self.changes[0][1])
 
 
 class PromQL:
@@ -366,19 +398,28 @@ def _describe(result: object) -> str:
 
 
 class SignalReader:
-    """The evaluator's `read_signal`: local names from the snapshot, PromQL through Prometheus."""
+    """The evaluator's `read_signal`: local names from the snapshot, PromQL through Prometheus.
+
+    Every local reading also notes the engine's preemption total (`clock`: monotonic time),
+    so that `preemptions_1m` counts the whole window as soon as a reload adds a rule on it,
+    wherever the running rules read another local signal."""
 
     def __init__(
         self,
         snapshot: Callable[[], EngineSnapshot],
         gpu_used_ratio: Callable[[], float | None],
         promql: PromQL,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.snapshot = snapshot
         self.gpu_used_ratio = gpu_used_ratio
         self.promql = promql
+        self.clock = clock
+        self.preemptions = RecentRise(PREEMPTION_WINDOW_S)
 
     def __call__(self, name: str, signal: Signal) -> float | None:
         if signal.local is not None:
-            return local_value(signal.local, self.snapshot(), self.gpu_used_ratio)
+            snap = self.snapshot()
+            recent = self.preemptions.rise(self.clock(), snap.num_preemptions)
+            return local_value(signal.local, snap, self.gpu_used_ratio, recent)
         return self.promql.query(signal.promql or "")

@@ -18,6 +18,8 @@ MODEL_TYPES = {
     "qwen2": "Qwen2ForCausalLM",
 }
 ROPE_TYPES = ("default", "linear", "llama3")  # what `model.rope_inv_freq` computes
+# the pretraining context length llama3 scaling works from (top level or in the RoPE dict)
+ORIGINAL_POSITIONS = "original_max_position_embeddings"
 # transformers' defaults where config.json leaves these out (MistralConfig, Qwen2Config)
 DEFAULT_SLIDING_WINDOW = 4096
 DEFAULT_MAX_WINDOW_LAYERS = 28
@@ -172,11 +174,13 @@ class ModelConfig:
 def _architecture(d: dict[str, Any], source: str) -> str:
     """config.json's `architectures`, or without it the class its `model_type` stands for, as
     transformers' AutoModelForCausalLM picks it: a Granite config served as a Llama would
-    ignore its multipliers, and a Qwen2 one would lose its q/k/v biases."""
-    archs = d.get("architectures")
+    ignore its multipliers, and a Qwen2 one would lose its q/k/v biases. With both, they must
+    name the same model: transformers and vLLM would each build another."""
+    archs, model_type = d.get("architectures"), d.get("model_type")
     if archs:
-        return archs[0] if isinstance(archs, list) else archs
-    model_type = d.get("model_type")
+        arch = archs[0] if isinstance(archs, list) else archs
+        _check_model_type_agrees(arch, model_type, source)
+        return arch
     if model_type is None:
         raise ModelLoadError(
             f"{source}: neither 'architectures' nor 'model_type' is given, so the model's "
@@ -188,6 +192,21 @@ def _architecture(d: dict[str, Any], source: str) -> str:
             f"expected one of {tuple(MODEL_TYPES)}"
         )
     return MODEL_TYPES[model_type]
+
+
+def _check_model_type_agrees(arch: Any, model_type: Any, source: str) -> None:
+    """Refuse `architectures` and `model_type` naming two different supported models:
+    transformers' AutoModelForCausalLM builds model_type's class (it ignores `architectures`),
+    vLLM builds architectures', and the two differ in biases and sliding windows, so serving
+    either one could drop the weights or attention the checkpoint was made for."""
+    named = MODEL_TYPES.get(model_type) if isinstance(model_type, str) else None
+    if named is None or arch not in SUPPORTED_ARCHS or named == arch:
+        return
+    raise ModelLoadError(
+        f"{source}: architectures names {arch} but model_type {model_type!r} names {named}, "
+        f"different models (transformers builds model_type's {named}, vLLM architectures' "
+        f"{arch}); set architectures and model_type to the same model"
+    )
 
 
 def _rope(d: dict[str, Any], max_positions: int, source: str) -> tuple[float, dict | None]:
@@ -225,9 +244,10 @@ def _rope(d: dict[str, Any], max_positions: int, source: str) -> tuple[float, di
     if kind == "default":
         return theta, None
     out = {**rope, "rope_type": kind}
-    if kind == "llama3":  # transformers' default for a config that leaves it out
-        out.setdefault("original_max_position_embeddings", max_positions)
+    if kind == "llama3":
+        out[ORIGINAL_POSITIONS] = _original_positions(d, rope, max_positions, source)
     needs = ("factor",) if kind == "linear" else ("factor", "low_freq_factor", "high_freq_factor")
+    needs += (ORIGINAL_POSITIONS,) if kind == "llama3" else ()
     for field in needs:
         value = out.get(field)
         if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
@@ -235,6 +255,33 @@ def _rope(d: dict[str, Any], max_positions: int, source: str) -> tuple[float, di
                 f"{source}: {key} {field} is {value!r}; {kind} scaling needs a positive number"
             )
     return theta, out
+
+
+def _original_positions(
+    d: dict[str, Any], rope: dict[str, Any], max_positions: int, source: str
+) -> Any:
+    """The pretraining length llama3 scaling divides by, where transformers takes it: a
+    top-level `original_max_position_embeddings` (Phi-3 style) over the RoPE dict's own, which
+    transformers' `standardize_rope_params` overwrites with it when the rotary embedding is
+    built; else the dict's; else max_position_embeddings."""
+    if ORIGINAL_POSITIONS not in d:
+        return rope.get(ORIGINAL_POSITIONS, max_positions)
+    top = d[ORIGINAL_POSITIONS]
+    if isinstance(top, bool) or not isinstance(top, int | float) or top <= 0:
+        raise ModelLoadError(
+            f"{source}: {ORIGINAL_POSITIONS} is {top!r}; llama3 scaling needs a positive number"
+        )
+    inner = rope.get(ORIGINAL_POSITIONS)
+    if inner is not None and inner != top:
+        log.warning(
+            "%s: %s is %s at the top level and %s in the RoPE parameters: serving the "
+            "top-level one, which transformers reads first",
+            source,
+            ORIGINAL_POSITIONS,
+            top,
+            inner,
+        )
+    return top
 
 
 def _scaling_of(rope: dict[str, Any]) -> dict[str, Any]:

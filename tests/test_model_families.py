@@ -55,6 +55,7 @@ LLAMA3 = {
     "original_max_position_embeddings": 32,
     "rope_theta": 500000.0,
 }
+ORIGINAL = "original_max_position_embeddings"
 
 
 def hf_dir(root: Path, tiny_dir: Path, family: str, **overrides: Any) -> Path:
@@ -168,6 +169,63 @@ def test_rope_parameters_kvguard_cannot_compute_are_refused(tmp_path: Path, kind
     AutoConfig.for_model("llama", rope_parameters=rope, **SHAPE).save_pretrained(tmp_path)
     with pytest.raises(
         ModelLoadError, match=rf"rope_parameters type '{kind}' is not supported \(default, linear"
+    ):
+        ModelConfig.from_dir(tmp_path)
+
+
+# a Phi-3-style top-level original_max_position_embeddings: transformers' rotary embedding
+# takes it over the RoPE dict's own (standardize_rope_params' "Phi3 exception")
+TOP_LEVEL_ORIGINAL = {
+    "over-rope_parameters": ("llama", {"original_max_position_embeddings": 128}),
+    "rope_parameters-without-one": (
+        "llama",
+        {
+            "rope_parameters": {k: v for k, v in LLAMA3.items() if k != ORIGINAL},
+            "original_max_position_embeddings": 64,
+        },
+    ),
+    "over-rope_scaling": (  # the Hub's transformers 4 form
+        "llama",
+        {
+            "rope_parameters": None,
+            "rope_scaling": {k: v for k, v in LLAMA3.items() if k != "rope_theta"},
+            "rope_theta": LLAMA3["rope_theta"],
+            "original_max_position_embeddings": 128,
+        },
+    ),
+    "qwen2": ("qwen2", {"original_max_position_embeddings": 128}),
+}
+
+
+@pytest.mark.parametrize("case", list(TOP_LEVEL_ORIGINAL))
+def test_top_level_original_max_position_embeddings_is_served_as_transformers(
+    tmp_path: Path, tiny_dir: Path, case: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    family, fields = TOP_LEVEL_ORIGINAL[case]
+    path = hf_dir(tmp_path, tiny_dir, family, rope_parameters=LLAMA3)
+    edit_config(path, **fields)
+    with caplog.at_level(logging.WARNING, logger="kvguard.engine"):
+        engine = serve(path)
+    try:
+        assert engine.model_config.rope_scaling[ORIGINAL] == fields[ORIGINAL]
+        if case != "rope_parameters-without-one":  # 32 inside: the two named
+            assert f"{ORIGINAL} is {fields[ORIGINAL]} at the top level and 32" in caplog.text
+        assert_served_as_transformers(path, engine, 12, 40)
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("value", [None, 0, "128"])
+def test_a_malformed_top_level_original_max_position_embeddings_is_refused(
+    tmp_path: Path, value: Any
+) -> None:
+    """transformers puts it into llama3's arithmetic as it is (and fails there)."""
+    from transformers import AutoConfig
+
+    AutoConfig.for_model("llama", rope_parameters=LLAMA3, **SHAPE).save_pretrained(tmp_path)
+    edit_config(tmp_path, original_max_position_embeddings=value)
+    with pytest.raises(
+        ModelLoadError, match=rf"{ORIGINAL} is {value!r}; llama3 scaling needs a positive number"
     ):
         ModelConfig.from_dir(tmp_path)
 
@@ -316,6 +374,35 @@ def test_a_bias_the_config_does_not_declare_is_refused_by_name(
     zeros = {k: (v.zero_() if k.endswith(".bias") else v) for k, v in kept.items()}
     save_file(zeros, path / "model.safetensors", metadata={"format": "pt"})
     serve(path)
+
+
+@pytest.mark.parametrize(
+    ("family", "fields", "built"),
+    [
+        ("qwen2", {"architectures": ["LlamaForCausalLM"]}, "Qwen2ForCausalLM"),
+        (
+            "llama",
+            {"architectures": ["Qwen2ForCausalLM"], "attention_bias": True},
+            "LlamaForCausalLM",
+        ),
+    ],
+    ids=["qwen2-labelled-llama", "llama-labelled-qwen2"],
+)
+def test_architectures_and_model_type_naming_different_models_are_refused(
+    tmp_path: Path, tiny_dir: Path, family: str, fields: dict[str, Any], built: str
+) -> None:
+    """transformers builds model_type's class, vLLM architectures': refused naming both,
+    rather than blaming a bias that model_type's model has."""
+    path = hf_dir(tmp_path, tiny_dir, family, **fields)
+    edit_config(path, architectures=fields["architectures"])  # save_pretrained writes its own
+    assert type(reference(path)).__name__ == built
+    label = fields["architectures"][0]
+    with pytest.raises(
+        ModelLoadError,
+        match=rf"architectures names {label} but model_type '{family}' names {built}, "
+        rf"different models \(transformers builds model_type's {built}",
+    ):
+        serve(path)
 
 
 # -- projection biases on the packed (quantized) path and under tensor parallelism -------------

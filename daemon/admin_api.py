@@ -14,7 +14,8 @@ again and answers its result, or 504 `action_still_applying` if the engine is st
 (it may yet apply). Either way the audit log and kvguard_actions_total get its true outcome.
 The stop cuts an action still waiting at the end of its drain period, as it cuts the requests
 in flight: 503, `action_withdrawn` (it never runs) or `action_still_applying`; one asked once
-the stop has begun is refused (503 `shutting_down`: nothing changed).
+the stop has begun is refused (503 `shutting_down`: nothing changed), and so is a reload
+(with Retry-After: nothing is wrong with the config, the daemon is on its way out).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from fastapi import APIRouter, Body, Depends, Header
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvguard.daemon.control_plane import AlertPayloadError
-from kvguard.daemon.openai_api import ApiError, engine_unavailable
+from kvguard.daemon.openai_api import RETRY_ELSEWHERE_S, ApiError, engine_unavailable
 from kvguard.engine.control import ActionResult
 from kvguard.engine.distributed.errors import RankFailure
 from kvguard.engine.engine_loop import EngineStopped
@@ -108,10 +109,17 @@ def router(service: Service) -> APIRouter:
     @r.post("/reload")
     async def reload() -> dict[str, Any]:
         """What changed; a refused reload (bad config or rules file) is the caller's to fix, so
-        it answers 400 with the reason, and the running config and rules stay. One whose engine
+        it answers 400 with the reason, and the running config and rules stay. One asked once
+        the stop has begun answers 503 `shutting_down`, as an admin action does. One whose engine
         knobs the engine did not take in time answers 504 `reload_withdrawn` (nothing changed),
         or 504 `reload_still_applying` if it took them and had not finished (they may yet
         apply; the log and the audit log say when; nothing else of the file was applied)."""
+        if service.draining:  # nothing is wrong with the file: the daemon is on its way out
+            raise _stopping(
+                "reloads are refused once the stop has begun; nothing changed",
+                "shutting_down",
+                retry_after=RETRY_ELSEWHERE_S,
+            )
         res = await asyncio.to_thread(service.reload)
         if res.get("engine"):  # the engine's wait ran out: withdrawn, or still applying
             raise ApiError(
@@ -201,8 +209,14 @@ async def _settled(fut: Future, action: str, timeout_s: float, cut: _DrainCut) -
         ) from e
 
 
-def _stopping(why: str, code: str) -> ApiError:
-    return ApiError(503, f"kvguard is shutting down: {why}", code=code, type_="service_unavailable")
+def _stopping(why: str, code: str, retry_after: float | None = None) -> ApiError:
+    return ApiError(
+        503,
+        f"kvguard is shutting down: {why}",
+        code=code,
+        type_="service_unavailable",
+        retry_after=retry_after,
+    )
 
 
 def _settles_unread(fut: asyncio.Future) -> None:

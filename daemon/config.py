@@ -2,7 +2,10 @@
 
 The file mirrors the seed's sections (`serving`, `admission_control`, `offloading`,
 `quantization`, `recovery`, `monitoring`) plus the daemon's own (`api`, `rules`, `prometheus`,
-`audit`). An empty file, or none at all, serves the default model on 127.0.0.1:8000.
+`audit`). No file at all, or one that says `{}`, serves the default model on 127.0.0.1:8000;
+a file that holds nothing (empty, or only comments) is refused, as an empty rules file is: a
+truncated write read at a reload would else turn API-key auth off and swap the operator's rules
+for the packaged ones.
 
 An operator edits this file by hand, usually on a server and under pressure, so a bad file is
 answered once with *every* problem as `FILE:LINE: section.field: problem (expected ...)` rather
@@ -18,6 +21,7 @@ resolved, naming the file).
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import socket
@@ -321,6 +325,27 @@ class MonitoringConfig(_Section):
 
 
 MIN_REQUEST_READ_TIMEOUT = 1.0  # seconds: below it a typo ('20ms' for '20s') cuts slow links
+MIN_REQUEST_BYTES = 4 * 2**10  # below it a unit typo (16 meant as MiB) refuses every request
+# A host name: dot-separated labels of letters, digits, '-' and '_' (not at a label's ends).
+_HOST_NAME = re.compile(r"(?!-)[A-Za-z0-9_-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9_-]{1,63}(?<!-))*\.?")
+
+
+def _host_problem(host: str) -> str | None:
+    """Why `host` is not an address or host name the API can bind (None: it is one). A
+    scheme, a port or a comment written inside quotes would only fail at the bind, after the
+    start said nothing of the file, and under systemd as a failure worth restarting."""
+    try:
+        ipaddress.ip_address(host)
+        return None
+    except ValueError:
+        pass
+    if len(host) <= 253 and _HOST_NAME.fullmatch(host):
+        return None
+    shown = repr(host) if len(repr(host)) <= 60 else f"{repr(host)[:57]}..."
+    return (
+        f"{shown} is not an address or host name (expected e.g. 127.0.0.1, 0.0.0.0, ::, "
+        "localhost; the port is api.port)"
+    )
 
 
 class ApiConfig(_Section):
@@ -362,6 +387,26 @@ class ApiConfig(_Section):
     # /admin/debug/* (stall the engine, inject OOMs) for tests and benchmarks; off, they are 404.
     # Read at start only: a reload does not mount or unmount them.
     debug_hooks: bool = False
+
+    @field_validator("host")
+    @classmethod
+    def _bindable_host(cls, v: str) -> str:
+        """An IP literal or a host name: anything else fails the bind, not the file's check."""
+        if (problem := _host_problem(v)) is not None:
+            raise ValueError(problem)
+        return v
+
+    @field_validator("max_request_bytes")
+    @classmethod
+    def _request_bytes_floor(cls, v: int) -> int:
+        """At least MIN_REQUEST_BYTES: a bare number is bytes, so `16` meant as MiB would
+        answer every request 413."""
+        if v < MIN_REQUEST_BYTES:
+            raise ValueError(
+                f"{v} bytes is too small: no request fits (a bare number is bytes: write e.g. "
+                f"'16MiB'; expected at least {MIN_REQUEST_BYTES // 2**10}KiB)"
+            )
+        return v
 
     @field_validator("request_read_timeout")
     @classmethod
@@ -815,6 +860,9 @@ def state_dir(cli: bool = False) -> Path:
 
 
 # -- loading -------------------------------------------------------------------------------------
+EMPTY_FILE = "the config file holds nothing, or only comments (for the built-in defaults, write {})"
+
+
 def load_config(path: Path | None) -> DaemonConfig:
     """Read and validate a config file; None (no --config) gives the defaults."""
     if path is None:
@@ -828,6 +876,8 @@ def load_config(path: Path | None) -> DaemonConfig:
         data, lines = load_yaml(source, str(path))  # the rules file's loader and grammar
     except YamlFileError as e:
         raise ConfigFileError(e.errors) from None
+    if data is None:  # a file emptied by mistake would read as every default: auth off
+        raise ConfigFileError([f"{path}:1: {EMPTY_FILE}"])
     cfg = _validate(data, Where(str(path), lines))
     base = Path(os.path.abspath(path)).parent  # relative paths in it are relative to it
     moved = _left_in_the_cwd(cfg, base)
@@ -926,8 +976,6 @@ def apply_overrides(
 
 
 def _validate(data: Any, where: Where) -> DaemonConfig:
-    if data is None:
-        data = {}
     if not isinstance(data, dict):
         raise ConfigFileError([_top_level_error(data, where)])
     try:

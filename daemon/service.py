@@ -39,6 +39,7 @@ from kvguard.daemon.config import (
     INERT,
     ConfigFileError,
     DaemonConfig,
+    Loc,
     apply_overrides,
     inert_keys,
     load_config,
@@ -49,11 +50,14 @@ from kvguard.daemon.logging_setup import NOT_ACCEPTING, configure_logging
 from kvguard.daemon.metrics import ControlPlaneCollector, Metrics, TensorParallelCollector
 from kvguard.daemon.nvml import NvmlReader, engine_gpu_ids
 from kvguard.daemon.version import kvguard_version
+from kvguard.engine.config import ConfigError
 from kvguard.engine.control import ActionResult
+from kvguard.engine.distributed.sharding import check_tensor_parallel, stage_layers
 from kvguard.engine.engine_loop import EngineLoop, EngineUnavailable
 from kvguard.engine.host_memory import host_memory_used_ratio
 from kvguard.engine.knobs import KnobField, KnobPath
 from kvguard.engine.llm_engine import LLMEngine
+from kvguard.engine.model_config import ModelConfig, ModelLoadError
 from kvguard.engine.snapshot import EngineSnapshot
 from kvguard.rules.actions import (
     ActionStillApplying,
@@ -952,7 +956,7 @@ class Service:
             for line in inert_keys(new):  # as at start: a reload does not act on them either
                 log.warning("%s", line)
             log_stop_budget(new)
-            conflicts = live_conflicts(self.cfg, new)
+            conflicts = live_conflicts(self.cfg, new) + model_conflicts(self.cfg, new, self.engine)
             if conflicts:  # nothing applied yet: the reload is refused whole
                 raise ConfigFileError(conflicts)
             keys = self._load_keys(new)  # a bad keys file refuses the reload like a bad config
@@ -1002,6 +1006,7 @@ class Service:
                     else "rules act for real",
                 )
             self.warn_admin_token()
+            self.warn_open_api()
             said = [str(changes)] if changes else []
             if rules.get("rules_changed"):
                 said.append("rules " + " ".join(rules["rules_changed"]))
@@ -1261,6 +1266,18 @@ class Service:
         if token is None and self.cfg.api.admin_token_path() is not None:
             log.warning("admin API disabled (/admin/* answers 403): %s", why)
 
+    def warn_open_api(self) -> None:
+        """At start and at each reload: an API on a non-loopback address with no keys file lets
+        any client that reaches it ask for high priority. A reload that drops the keys file
+        (api.host changes only at a restart) must say so as loudly as a start would."""
+        host = self.cfg.api.host
+        if self.api_keys is None and not _loopback(host):
+            log.warning(
+                "the API listens on %s with no api.api_keys_file: any client that reaches it "
+                "may ask for high priority (kvguard keys add; docs in README, 'API keys')",
+                host,
+            )
+
     def manual_action(self, name: str, params: dict[str, Any]) -> Future:
         """An operator's remedy: same catalogue as the rules, audited with trigger `manual`.
         Each outcome is audited and counted when the Future settles: one cancelled (withdrawn
@@ -1419,6 +1436,83 @@ def live_conflicts(running: DaemonConfig, new: DaemonConfig) -> list[str]:
             )
         )
     return out
+
+
+# Restart-only keys whose values the model itself must suit: the shape keys are checked on its
+# config (heads, MLP width, layers), model_quantization on the format its checkpoint holds.
+SHAPE_KEYS: tuple[Loc, ...] = (
+    ("serving", "tensor_parallel"),
+    ("serving", "pipeline_parallel"),
+    ("serving", "pipeline_layers"),
+)
+CHECKPOINT_KEY: Loc = ("quantization", "model_quantization")
+
+
+def model_conflicts(running: DaemonConfig, new: DaemonConfig, engine: LLMEngine) -> list[str]:
+    """What the next start's load would refuse of the model-dependent keys a reload changes
+    (`SHAPE_KEYS`, `CHECKPOINT_KEY`), one `FILE:LINE: key: problem` line each; [] when none.
+
+    They wait for a restart, so the reload used to say `reloaded: true`, and the restart (a
+    reboot at night) then failed. They are checked on the model served now, which is cheap:
+    its config is in memory and its checkpoint in the cache. A file that also names another
+    serving.model leaves them to the start (that model's files may not be fetched yet)."""
+    if new.serving.model != running.serving.model:
+        return []
+    changed = {
+        loc for loc in (*SHAPE_KEYS, CHECKPOINT_KEY) if _value(new, loc) != _value(running, loc)
+    }
+    out: list[tuple[Loc, str]] = []
+    if changed & set(SHAPE_KEYS):
+        out += _shape_problems(new, engine.model_config)
+    if CHECKPOINT_KEY in changed:
+        out += _checkpoint_problem(
+            new.serving.model, engine.config.home, new.quantization.model_quantization
+        )
+    return [new._line(loc, msg) for loc, msg in out]
+
+
+def _value(cfg: DaemonConfig, loc: Loc) -> Any:
+    section, key = loc
+    return getattr(getattr(cfg, str(section)), str(key))
+
+
+def _shape_problems(new: DaemonConfig, mcfg: ModelConfig) -> list[tuple[Loc, str]]:
+    """The engine's own start checks of the parallel sizes, on the model's config."""
+    s = new.serving
+    out: list[tuple[Loc, str]] = []
+    try:
+        check_tensor_parallel(mcfg, s.tensor_parallel)
+    except ConfigError as e:
+        out.append((("serving", "tensor_parallel"), str(e)))
+    try:
+        stage_layers(mcfg.num_layers, s.pipeline_parallel, s.pipeline_layers)
+    except ConfigError as e:
+        key = "pipeline_layers" if str(e).startswith("pipeline_layers") else "pipeline_parallel"
+        out.append((("serving", key), str(e)))
+    return out
+
+
+def _checkpoint_problem(model: str, home: Path, knob: str) -> list[tuple[Loc, str]]:
+    """The start's check of model_quantization against the checkpoint (`resolve_model`), but
+    without converting a GGUF: for a GGUF source (a known GGUF-born model, a .gguf file)
+    `none` is its fp32 form and any other value must accept `gguf`; any other model is
+    resolved as the start resolves it, from the cache, where the model served now is."""
+    from kvguard.engine.model_registry import KNOWN_MODELS, resolve_model
+    from kvguard.engine.weights import check_quantization
+
+    known = KNOWN_MODELS.get(model)
+    path = Path(model).expanduser()
+    gguf = known.gguf(home) if known is not None and known.gguf is not None else None
+    if known is None and path.is_file():
+        gguf = path
+    try:
+        if gguf is None:
+            resolve_model(model, home, progress=False, quantization=knob)
+        elif knob != "none":
+            check_quantization(gguf, "gguf", knob)
+    except ModelLoadError as e:
+        return [(CHECKPOINT_KEY, str(e))]
+    return []
 
 
 def engine_changes(
@@ -1681,13 +1775,8 @@ def run(
     svc.api_port = port
     log.info("API bound to %s; it answers once the model is loaded", _address(host, port))
     svc.warn_admin_token()
-    if svc.api_keys is None and not _loopback(cfg.api.host):
-        log.warning(
-            "the API listens on %s with no api.api_keys_file: any client that reaches it may "
-            "ask for high priority (kvguard keys add; docs in README, 'API keys')",
-            cfg.api.host,
-        )
-    elif svc.api_keys is not None:
+    svc.warn_open_api()
+    if svc.api_keys is not None:
         log.info("API keys: %d from %s", len(svc.api_keys), svc.api_keys.path)
     try:
         # Until serve() takes them over, SIGINT and SIGTERM end the start in order (nothing to

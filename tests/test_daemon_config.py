@@ -63,9 +63,23 @@ def test_headroom_is_auto_per_device() -> None:
     assert cuda.to_engine_config().admission.reserved_headroom_bytes == 2048 * MiB
 
 
-@pytest.mark.parametrize("text", ["", "# only a comment\n", "---\n", "serving:\napi: ~\n"])
+@pytest.mark.parametrize(
+    "text", ["{}", "{}  # the built-in defaults\n", "---\n{}\n", "serving:\napi: ~\n"]
+)
 def test_empty_file_or_sections_mean_defaults(tmp_path: Path, text: str) -> None:
     assert load_config(write(tmp_path, text)).model_dump() == DaemonConfig().model_dump()
+
+
+@pytest.mark.parametrize("text", ["", "# only a comment\n", "---\n", "\n\n# truncated\n"])
+def test_a_file_that_holds_nothing_is_refused(tmp_path: Path, text: str) -> None:
+    """An empty file used to mean every default: an editor's truncated write read by a reload
+    turned API-key auth off and swapped the operator's rules for the packaged ones. It is
+    refused, as an empty rules file is, naming the way to ask for the defaults."""
+    path = write(tmp_path, text)
+    assert errors_of(path) == [
+        f"{path}:1: the config file holds nothing, or only comments (for the built-in "
+        "defaults, write {})"
+    ]
 
 
 def test_etc_config_documents_the_defaults() -> None:
@@ -392,6 +406,28 @@ BROKEN = [
         "1: (top level): a string 'serving' (expected a mapping of sections:",
     ),
     (
+        "host with its port",  # the bind used to fail (exit 1, restarted for ever) naming no key
+        "api:\n  host: localhost:8000\n",
+        "2: api.host: 'localhost:8000' is not an address or host name (expected e.g. 127.0.0.1, "
+        "0.0.0.0, ::, localhost; the port is api.port)",
+    ),
+    (
+        "host as a URL",
+        "api: {host: 'http://0.0.0.0'}\n",
+        "1: api.host: 'http://0.0.0.0' is not an address or host name",
+    ),
+    (
+        "host with a comment inside its quotes",
+        "api:\n  port: 1\n  host: '0.0.0.0 # all'\n",
+        "3: api.host: '0.0.0.0 # all' is not an address or host name",
+    ),
+    (
+        "request size as a bare number of MiB",  # 16 bytes: every request answered 413
+        "api:\n  max_request_bytes: 16\n",
+        "2: api.max_request_bytes: 16 bytes is too small: no request fits (a bare number is "
+        "bytes: write e.g. '16MiB'; expected at least 4KiB)",
+    ),
+    (
         "audit url that is no URL",
         "api: {port: 1}\naudit:\n  url: notaurl\n",
         "3: audit.url: 'notaurl' is not a database URL (expected e.g. sqlite:////",
@@ -529,6 +565,23 @@ def test_a_start_refuses_cross_key_problems_before_it_binds_the_port(tmp_path: P
         assert f"kvguard: error: {path}:{said}" in proc.stderr, out
         # nothing loaded: the unknown model is at most one more line of the file's problems
         assert "API bound" not in out and "unknown model" not in out, out
+
+
+def test_a_host_that_is_no_address_stops_the_start_with_its_line(tmp_path: Path) -> None:
+    """`kvguard serve` refuses it as a bad file (exit 2: systemd does not restart what would
+    fail again), before the bind; it used to fail at the bind with exit 1, naming no key."""
+    from tests.test_server import serve_refused
+
+    path = write(tmp_path, "serving: {model: tiny, device: cpu}\napi: {host: 'localhost:8000'}\n")
+    proc = serve_refused(path)
+    assert proc.returncode == 2, proc.stderr
+    assert f"kvguard: error: {path}:2: api.host: 'localhost:8000' is not an" in proc.stderr
+    assert "API bound" not in proc.stderr + proc.stdout and "cannot bind" not in proc.stderr
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "0.0.0.0", "::", "::1", "localhost", "gpu-3.lan"])
+def test_addresses_and_host_names_are_hosts(tmp_path: Path, host: str) -> None:
+    assert load_config(write(tmp_path, f"api: {{host: '{host}'}}\n")).api.host == host
 
 
 def test_relative_paths_are_relative_to_the_config_file(

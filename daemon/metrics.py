@@ -481,8 +481,8 @@ class Metrics:
         )
         host = Gauge(
             "kvguard_host_memory_used_ratio",
-            "Host memory in use / total, or the daemon's cgroup working set / its limit, the "
-            "higher (NaN where neither can be read)",
+            "Host memory in use / total, or a memory cgroup's working set / its limit (the "
+            "daemon's group's or a parent's), the highest (NaN where none can be read)",
             registry=r,
         )
         host.set_function(lambda: _or_nan(host_memory_used_ratio()))

@@ -10,7 +10,10 @@ The ratio is the higher of
   kernel can drop, so a warm file cache is not pressure), and
 - the memory cgroup's, where it has a limit (cgroup v2 `memory.max`, v1
   `memory.limit_in_bytes`): its working set (usage less the inactive file pages of
-  memory.stat, the reading container runtimes evict on) / the limit.
+  memory.stat, the reading container runtimes evict on) / the limit. Every ancestor with a
+  limit counts too (a slice's `MemoryMax=`, a pod's limit above its container), each with its
+  own usage, and the group is found through /proc/self/mountinfo's mount root, so a container
+  that sees the host's cgroup paths reads the group mounted for it.
 None when neither can be read (not Linux): an unknown signal never acts.
 
 `room_bytes` is what the process may still take before either reading passes a share: a KV
@@ -45,7 +48,8 @@ def room_bytes(
 
 
 def _usages(proc: Path, root: Path) -> list[Usage]:
-    return [u for u in (_host(proc), _cgroup(proc, root)) if u is not None]
+    host = _host(proc)
+    return ([host] if host is not None else []) + _cgroups(proc, root)
 
 
 def _host(proc: Path) -> Usage | None:
@@ -65,25 +69,92 @@ def _host(proc: Path) -> Usage | None:
     return total - available, total
 
 
-def _cgroup(proc: Path, root: Path) -> Usage | None:
-    """The working set of this process's memory cgroup and its limit; None without one."""
+_V2 = ("memory.max", "memory.current", "inactive_file")
+_V1 = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+
+
+def _cgroups(proc: Path, root: Path) -> list[Usage]:
+    """Every memory cgroup limit that binds this process: its own group's and each ancestor's.
+
+    A limit set on a parent (a systemd slice's `MemoryMax=`, a Kubernetes pod above its
+    container) ends the daemon as surely as its own, so every level with a limit is a reading;
+    the callers take the fullest. Empty without a limit anywhere (or without cgroups)."""
     try:
         lines = (proc / "self" / "cgroup").read_text().splitlines()
     except OSError:
-        return None
+        return []
+    mounts = _cgroup_mount_roots(proc)
+    usages: list[Usage] = []
     for line in lines:
         _, controllers, path = line.split(":", 2)
         if controllers == "":  # v2: one unified hierarchy
-            files = ("memory.max", "memory.current", "inactive_file")
-            found = _read(root / path.lstrip("/"), *files)
+            base, files, fs = root, _V2, "cgroup2"
         elif "memory" in controllers.split(","):  # v1: the memory controller's own tree
-            files = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
-            found = _read(root / "memory" / path.lstrip("/"), *files)
+            base, files, fs = root / "memory", _V1, "memory"
         else:
             continue
-        if found is not None:
-            return found
-    return None
+        group = _group_dir(base, path, mounts.get(fs))
+        for level in _up_to(group, base):
+            found = _read(level, *files)
+            if found is not None:
+                usages.append(found)
+    return usages
+
+
+def _cgroup_mount_roots(proc: Path) -> dict[str, str]:
+    """The hierarchy path each cgroup mount shows at its mount point, from mountinfo's root
+    field: "cgroup2" for the unified tree, "memory" for v1's memory controller.
+
+    A container that shares the host's cgroup namespace (Docker on a cgroup v1 host,
+    Kubernetes on v1 nodes) reads `/docker/<id>` in /proc/self/cgroup, but its own group is
+    mounted at /sys/fs/cgroup/memory itself; the root field (`/docker/<id>`) maps one onto the
+    other."""
+    try:
+        lines = (proc / "self" / "mountinfo").read_text().splitlines()
+    except OSError:
+        return {}
+    roots: dict[str, str] = {}
+    for line in lines:
+        fields, _, tail = line.partition(" - ")
+        parts, extra = fields.split(), tail.split()
+        if len(parts) < 5 or len(extra) < 3:
+            continue
+        mount_root = _unescape(parts[3])
+        if extra[0] == "cgroup2":
+            roots.setdefault("cgroup2", mount_root)
+        elif extra[0] == "cgroup" and "memory" in extra[2].split(","):
+            roots.setdefault("memory", mount_root)
+    return roots
+
+
+def _unescape(field: str) -> str:
+    """mountinfo writes space, tab, newline and backslash as octal escapes (\\040)."""
+    for code in ("\\040", "\\011", "\\012", "\\134"):
+        field = field.replace(code, chr(int(code[1:], 8)))
+    return field
+
+
+def _group_dir(base: Path, path: str, mount_root: str | None) -> Path:
+    """Where the group `path` (as /proc/self/cgroup names it) is under the mount at `base`.
+
+    The mount's root is cut off the front of the path; a path that still is not there (no
+    mountinfo, or a namespace that hides the host side) is this process's group mounted at the
+    mount root itself, which is what a container runtime mounts."""
+    parts = [p for p in path.split("/") if p]
+    if mount_root is not None:
+        prefix = [p for p in mount_root.split("/") if p]
+        if parts[: len(prefix)] == prefix:
+            parts = parts[len(prefix) :]
+    group = base.joinpath(*parts)
+    return group if group.is_dir() else base
+
+
+def _up_to(group: Path, base: Path) -> list[Path]:
+    """`group` and each of its parents up to and including `base`."""
+    levels = [group]
+    while levels[-1] != base and base in levels[-1].parents:
+        levels.append(levels[-1].parent)
+    return levels
 
 
 def _read(group: Path, limit_file: str, usage_file: str, inactive_key: str) -> Usage | None:

@@ -27,6 +27,21 @@ KV_TORCH_DTYPES = {
 SCALE_BYTES = 4
 # what running out of device memory raises (a step, a pool conversion)
 OOM_ERRORS: tuple[type[BaseException], ...] = (torch.OutOfMemoryError,)
+# torch's CPU allocator reports a failed allocation (ENOMEM under `LimitAS=`/`prlimit --as`,
+# strict overcommit) as a plain RuntimeError carrying this text
+CPU_ALLOC_FAILED = "DefaultCPUAllocator: can't allocate memory"
+
+
+def is_oom(error: BaseException) -> bool:
+    """Whether `error` is running out of memory, on the device or on the host.
+
+    A CPU step that cannot allocate its workspace is the same fault as a GPU one that cannot:
+    a smaller step fits, so it is requeued and the budget halved rather than failing the
+    step's requests. Only the allocator's own message counts: any other RuntimeError is a bug."""
+    if isinstance(error, OOM_ERRORS):
+        return True
+    return isinstance(error, RuntimeError) and CPU_ALLOC_FAILED in str(error)
+
 
 LayerKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 

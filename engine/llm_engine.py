@@ -31,7 +31,7 @@ from kvguard.engine.control_surface import ControlSurface
 from kvguard.engine.detokenizer import append_token, finish_text
 from kvguard.engine.distributed.errors import PoolTorn, RankFailure
 from kvguard.engine.events import EventBus
-from kvguard.engine.kv_cache import OOM_ERRORS, KVCache
+from kvguard.engine.kv_cache import KVCache, is_oom
 from kvguard.engine.model import StepInterrupted
 from kvguard.engine.model_config import ModelConfig
 from kvguard.engine.model_registry import resolve_model
@@ -928,12 +928,12 @@ class LLMEngine(ControlSurface):
             for seq in batch.seqs:
                 self.scheduler.bm.trim(seq)
             return []
-        except OOM_ERRORS + (InjectedOOMError,) as e:
-            self._on_oom(batch, e)
-            return []
         except RankFailure:
             raise  # the engine is done: the daemon restarts it, no request is retried here
         except Exception as e:  # noqa: BLE001 - a bug or a poisoned input: stop this step's requests
+            if isinstance(e, InjectedOOMError) or is_oom(e):
+                self._on_oom(batch, e)
+                return []
             return self._fail(batch, e)
         self._oom.backoff = 0.0  # a step ran: the next fault at the floor pauses briefly again
         if steps > 1:

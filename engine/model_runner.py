@@ -35,7 +35,13 @@ from kvguard.engine.distributed.errors import PoolTorn
 from kvguard.engine.distributed.parallel_state import PipelineStage, TPGroup
 from kvguard.engine.distributed.sharding import shard_config
 from kvguard.engine.host_memory import room_bytes
-from kvguard.engine.kv_cache import KV_TORCH_DTYPES, KVCache, bytes_per_block, kv_dtype_name
+from kvguard.engine.kv_cache import (
+    KV_TORCH_DTYPES,
+    KVCache,
+    bytes_per_block,
+    is_oom,
+    kv_dtype_name,
+)
 from kvguard.engine.layers.quantized_linear import QuantizedLMHead, use_int8_activations
 from kvguard.engine.model import AttentionMetadata, LlamaForCausalLM, load_model, weight_bytes
 from kvguard.engine.model_config import ModelConfig
@@ -462,7 +468,8 @@ class ModelRunner:
         if config.enable_cpu_offload:
             host_blocks = int(num_blocks * config.cpu_cache_ratio / (1.0 - config.cpu_cache_ratio))
             check_host_pool(config, local, kv_dtype, device, num_blocks, host_blocks)
-        kv = KVCache(local, num_blocks, config.block_size, kv_dtype, device, host_blocks)
+        kv = build_kv_cache(config, local, kv_dtype, device, num_blocks, host_blocks)
+        log_kv_pools(kv, stage.world.rank)
         runner = cls(model, mcfg, kv, tp, stage)
         if cuda_graphs_wanted(config, device, stage.world.size):
             runner.enable_cuda_graphs(config.max_num_seqs, max_len)
@@ -882,6 +889,76 @@ def check_host_pool(
             f"{HOST_START_BELOW:.0%} of its memory (or of the service's MemoryMax=); lower "
             "cpu_cache_ratio"
         )
+
+
+def build_kv_cache(
+    config: EngineConfig,
+    cfg: ModelConfig,
+    kv_dtype: str,
+    device: torch.device,
+    num_blocks: int,
+    host_blocks: int,
+) -> KVCache:
+    """The KV pools, or ConfigError when the process cannot allocate them.
+
+    The checks before compare with the memory that is free; a limit on the address space
+    (`LimitAS=`, `prlimit --as`) or strict overcommit (`vm.overcommit_memory=2`) can still
+    refuse the allocation itself. The next start would fail the same way, so it is a refusal
+    (exit 2, which systemd does not restart), not a traceback restarted for ever."""
+    try:
+        return KVCache(cfg, num_blocks, config.block_size, kv_dtype, device, host_blocks)
+    except Exception as e:
+        if not is_oom(e):
+            raise
+        why = pool_not_allocated(config, cfg, kv_dtype, device, num_blocks, host_blocks)
+        raise ConfigError(why) from e
+
+
+def pool_not_allocated(
+    config: EngineConfig,
+    cfg: ModelConfig,
+    kv_dtype: str,
+    device: torch.device,
+    num_blocks: int,
+    host_blocks: int,
+) -> str:
+    """The refusal for pools the allocator would not give: what was asked and what to lower."""
+    per_block = bytes_per_block(cfg, config.block_size, kv_dtype)
+    pool = num_blocks * per_block
+    if device.type == "cpu":
+        budget = int(config.kv_cache_bytes)
+        what, lower = f"kv_cache_bytes={budget} ({budget / 2**20:.0f} MiB)", "kv_cache_bytes"
+    else:
+        what, lower = f"the KV pool on {device} ({pool / 2**20:.0f} MiB)", "gpu_memory_utilization"
+    pools = f"the KV pool's {num_blocks} blocks"
+    if host_blocks:
+        pools += f" and the swap pool's {host_blocks}"
+        lower += " or cpu_cache_ratio"
+    asked = (num_blocks + host_blocks) * per_block
+    return (
+        f"{what} could not be allocated: the allocator refused {pools} ({asked} bytes in all; "
+        "an address-space limit such as LimitAS= or prlimit --as, or strict overcommit); "
+        f"lower {lower}, or raise that limit"
+    )
+
+
+def log_kv_pools(kv: KVCache, rank: int) -> None:
+    """One line for sizing the memory the daemon needs: the pools are most of it on a CPU host,
+    and the swap pool's share of host memory is otherwise found only by arithmetic."""
+    per_block = kv.bytes_per_block
+    swap = kv.host_pool.num_blocks
+    log.info(
+        "rank %d KV pool: %d blocks of %d bytes (%.1f MiB, %d tokens), %s; swap pool: %d blocks "
+        "(%.1f MiB of host memory)",
+        rank,
+        kv.num_blocks,
+        per_block,
+        kv.num_blocks * per_block / 2**20,
+        kv.num_blocks * kv.block_size,
+        kv.dtype,
+        swap,
+        swap * per_block / 2**20,
+    )
 
 
 def num_kv_blocks(

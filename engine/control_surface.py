@@ -25,7 +25,7 @@ from kvguard.engine.control import ActionResult
 from kvguard.engine.detokenizer import finish_text
 from kvguard.engine.distributed.errors import PoolTorn
 from kvguard.engine.knobs import ConfigError, KnobField, KnobPath, knob_fields
-from kvguard.engine.kv_cache import KV_TORCH_DTYPES, OOM_ERRORS, kv_dtype_name
+from kvguard.engine.kv_cache import KV_TORCH_DTYPES, is_oom, kv_dtype_name
 from kvguard.engine.model_runner import CUDA_GROW_MARGIN, HOST_GROW_BELOW
 from kvguard.engine.sequence import PRIORITY_NAMES, Status, parse_priority
 
@@ -428,7 +428,7 @@ class ControlSurface:
         self.host_block_manager.retire_cache(set())
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        kind = "out of memory" if isinstance(error, OOM_ERRORS) else type(error).__name__
+        kind = "out of memory" if is_oom(error) else type(error).__name__
         return (
             f"refused: {what} could not be built ({kind}: {error}); the pool is as it was",
             False,

@@ -73,8 +73,9 @@ LOCAL_SIGNALS = {
         RATIO,
     ),
     "host_memory_used_ratio": LocalSignal(
-        "host memory in use / total, or the service cgroup's working set / its limit "
-        "(`MemoryMax=`), the higher",
+        "host memory in use / total, or a memory cgroup's working set / its limit (the "
+        "daemon's group's or any parent's with a limit: `MemoryMax=`, a slice's, a "
+        "container's), the highest",
         RATIO,
     ),
 }

@@ -9,9 +9,10 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.body_limit import MAX_BODY_SIZE_SCOPE_KEY
@@ -25,7 +26,7 @@ from kvguard.daemon.openai_api import (
     _cut_error,
     engine_unavailable,
 )
-from kvguard.daemon.openai_schemas import error_body
+from kvguard.daemon.openai_schemas import error_body, new_id
 from kvguard.engine.engine_loop import EngineUnavailable
 
 if TYPE_CHECKING:
@@ -40,11 +41,12 @@ def create_app(service: Service) -> FastAPI:
         version="0.1.0",
         description="LLM inference that keeps serving under memory pressure",
     )
-    app.include_router(openai_api.router(service))
+    openai_routes = openai_api.router(service)
+    app.include_router(openai_routes)
     app.include_router(admin_api.router(service))
     app.include_router(admin_api.alertmanager_router(service))
     _health_routes(app, service)
-    _error_handlers(app)
+    _error_handlers(app, _served(openai_routes))
 
     app.add_middleware(CountedRequests, service=service)
 
@@ -65,7 +67,55 @@ def create_app(service: Service) -> FastAPI:
     answers = OpenAnswers(lambda: service.draining, cut_answer)
     app.add_middleware(answers.middleware)
     app.state.open_answers = answers
+    app.add_middleware(RequestIds)  # outermost: the drain's answers get their id too
     return app
+
+
+# the id at the start of a completion's JSON body (`{"id":"chatcmpl-...`, as JSONResponse
+# writes it; json.dumps puts a space after the colon)
+_COMPLETION_ID = re.compile(rb'\{"id": ?"((?:chat)?cmpl-[A-Za-z0-9_-]{1,64})"')
+
+
+class RequestIds:
+    """Gives every answer an `x-request-id` header (the openai client's `_request_id`, what
+    `with_raw_response` and its errors quote): a completion's id (`chatcmpl-...`, which the
+    daemon's log lines about it name) where the answer is a whole completion, else a fresh
+    `req-...` (an error, a stream, whose headers go out before any of its chunks, /health).
+    Without one, a client with a failed request had nothing to quote.
+
+    A JSON answer's start is held until its body, which JSONResponse sends right after it,
+    to read the id there; no other answer is held. Plain ASGI, as CountedRequests."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        fresh = new_id("req")
+        scope.setdefault("state", {})["request_id"] = fresh  # for the log of a crash
+        held: Message | None = None
+
+        async def sending(message: Message) -> None:
+            nonlocal held
+            if message["type"] == "http.response.start":
+                if b"json" in _content_type(message):  # its body follows: the id may be there
+                    held = message
+                    return
+                message = _with_request_id(message, fresh)
+            elif held is not None and message["type"] == "http.response.body":
+                found = _COMPLETION_ID.match(message.get("body", b"")[:200])
+                start, held = held, None
+                await send(_with_request_id(start, found.group(1).decode() if found else fresh))
+            await send(message)
+
+        await self.app(scope, receive, sending)
+
+
+def _with_request_id(start: Message, request_id: str) -> Message:
+    headers = [*start.get("headers", ()), (b"x-request-id", request_id.encode())]
+    return {**start, "headers": headers}
 
 
 class CountedRequests:
@@ -284,7 +334,10 @@ def _crashed(request: Request) -> Response:
     its outermost middleware and then re-raises, and uvicorn, seeing the exception after the
     answer started, closes the connection, so a keep-alive client's next request is reset.
     No input should get here (they are all answered 4xx); this is the net under that rule."""
-    log.exception("unhandled error in %s %s", request.method, request.url.path)
+    request_id = getattr(request.state, "request_id", None)  # the answer's x-request-id
+    log.exception(
+        "unhandled error in %s %s (request %s)", request.method, request.url.path, request_id
+    )
     body = error_body(
         "internal error: kvguard failed on this request; the daemon log has the traceback",
         "server_error",
@@ -315,7 +368,17 @@ def _param(loc: tuple[Any, ...]) -> str | None:
 _UNION_TAG = re.compile(r"[a-z][a-z-]*\[.*\]")
 
 
+def _error_param(err: dict[str, Any]) -> str | None:
+    """The field a validation error names: the one its check says (a check of the whole
+    `messages` list naming `messages[3].tool_call_id`: `openai_schemas._refusal`), else
+    where it was raised."""
+    named = (err.get("ctx") or {}).get("param")
+    return named if isinstance(named, str) else _param(tuple(err.get("loc", ())))
+
+
 def _validation_message(err: dict[str, Any]) -> str:
+    if isinstance((err.get("ctx") or {}).get("param"), str):  # its message names it already
+        return str(err.get("msg"))
     param = _param(tuple(err.get("loc", ())))
     kind = err.get("type")
     if kind == "extra_forbidden":
@@ -338,7 +401,9 @@ def _json_error(err: dict[str, Any], doc: Any) -> str:
     return f"invalid JSON at line {line}, column {column}: {why}"
 
 
-def _error_handlers(app: FastAPI) -> None:
+def _error_handlers(app: FastAPI, served: str) -> None:
+    """`served`: the OpenAI API's routes, which a request for an unknown path is told of."""
+
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> Response:
         return exc.response()
@@ -364,13 +429,15 @@ def _error_handlers(app: FastAPI) -> None:
                 status_code=415,
             )
         msgs = "; ".join(dict.fromkeys(_validation_message(e) for e in errs[:5]))
-        param = _param(tuple(first.get("loc", ())))
+        param = _error_param(first)
         return JSONResponse(error_body(msgs or "invalid request", param=param), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         if exc.status_code == 413:  # a body sent in chunks (no Content-Length) past the limit
             return _too_large(request.scope.get(MAX_BODY_SIZE_SCOPE_KEY))
+        if exc.status_code in (404, 405):  # the router's: no route, or not with this method
+            return _invalid_url(request, exc, served)
         message = str(exc.detail)
         cause = exc.__cause__
         if isinstance(cause, RecursionError):
@@ -384,3 +451,24 @@ def _error_handlers(app: FastAPI) -> None:
             status_code=exc.status_code,
             headers=getattr(exc, "headers", None),
         )
+
+
+def _invalid_url(request: Request, exc: StarletteHTTPException, served: str) -> Response:
+    """A path kvguard does not serve (404), or one it serves with other methods (405), as
+    OpenAI words it (`Invalid URL (POST /v1/responses)`) and with what is served: a client
+    whose framework asks the Responses API or embeddings learns which request was not
+    served, and what to ask instead (Starlette's words were `Not Found`)."""
+    asked = f"{request.method} {request.url.path}"
+    headers = getattr(exc, "headers", None)
+    if exc.status_code == 405:
+        allowed = (headers or {}).get("Allow") or "other methods"
+        message = f"Invalid method for URL ({asked}): it takes {allowed}"
+    else:
+        message = f"Invalid URL ({asked}): kvguard serves {served}"
+    return JSONResponse(error_body(message), status_code=exc.status_code, headers=headers)
+
+
+def _served(router: APIRouter) -> str:
+    """The routes' methods and paths, `POST /v1/completions, GET /v1/models, ...`."""
+    routes = [r for r in router.routes if isinstance(r, APIRoute)]
+    return ", ".join(f"{'/'.join(sorted(r.methods - {'HEAD'}))} {r.path_format}" for r in routes)

@@ -21,6 +21,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    PrivateAttr,
     ValidationInfo,
     WithJsonSchema,
     model_validator,
@@ -610,15 +611,24 @@ class NamedToolChoice(_Body):
     function: NamedFunction
 
 
+# what the openai client adds to the assistant message it hands back (`parse()`, the stream
+# helper's `get_final_completion()`) and writes out again when that message is sent back as
+# the next turn's history: accepted so that its own agent loop works, and ignored (the answer
+# was already given; a call's arguments are `arguments`, whatever `parsed_arguments` says)
+CLIENT_ADDED = "accepted and ignored: the openai client adds it to the messages it hands back"
+
+
 class FunctionCall(_Body):
     name: ToolName
     arguments: Text = Field(..., description="the arguments as JSON text")
+    parsed_arguments: Any = Field(None, description=CLIENT_ADDED)
 
 
 class ToolCall(_Body):
     id: Text
     type: Literal["function"]
     function: FunctionCall
+    index: int | None = Field(None, ge=0, description=CLIENT_ADDED + " (a streamed call's)")
 
 
 class ChatMessage(_Body):
@@ -635,11 +645,18 @@ class ChatMessage(_Body):
     tool_call_id: Text | None = Field(None, description="a tool turn: the call it answers")
     function_call: Annotated[Any, _refuse(OLD_FUNCTIONS)] = None
     audio: Annotated[Any, _refuse("not served: kvguard has no audio; send null")] = None
+    parsed: Any = Field(None, description=CLIENT_ADDED + " (an assistant message's)")
+    # where the request sent this message, when its tool results were put in call order
+    _sent_at: int | None = PrivateAttr(None)
 
     @model_validator(mode="after")
     def _tool_fields(self) -> ChatMessage:
         if self.tool_calls and self.role != "assistant":
             raise PydanticCustomError("tool_calls", "only an assistant message has tool_calls")
+        if self.parsed is not None and self.role != "assistant":
+            raise PydanticCustomError(
+                "parsed", "only an assistant message has parsed (the openai client adds it)"
+            )
         if self.tool_call_id is not None and self.role != "tool":
             raise PydanticCustomError("tool_call_id", "only a tool message has a tool_call_id")
         if self.role == "tool" and self.tool_call_id is None:
@@ -667,7 +684,10 @@ class ChatMessage(_Body):
         the field a hit touches, a text part's, a call's arguments' or the name's. The name is
         the template's as sent, never written into the text: the prompt stays the one the
         model's template renders (transformers' `apply_chat_template`), which a speaker prefix
-        would change (`user_42: What's 2+2?` answered 42)."""
+        would change (`user_42: What's 2+2?` answered 42). A tool result put in its call's
+        place is named where it was sent (`_tool_results`)."""
+        if self._sent_at is not None:
+            field = f"messages[{self._sent_at}]"
         role, content = self.role, self._content_pieces(field)
         if self.tool_calls:
             calls = [
@@ -692,6 +712,92 @@ class ChatMessage(_Body):
             tools.Piece(part["text"], f"{field}.content[{j}].text")
             for j, part in enumerate(self.content)
         ]
+
+
+def _tool_results(messages: list[ChatMessage]) -> list[ChatMessage]:
+    """The messages with each assistant turn's tool calls answered as OpenAI requires: by the
+    tool messages right after it, one for each of its calls' ids; those results put in its
+    calls' order. A result reaches the model by its place (the `<tool_response>` it is
+    rendered as names no call), so results sent as they finished (`asyncio.as_completed`)
+    were read as the wrong calls' results; an id that answered nothing, a call left without
+    a result, were served as if the conversation made sense."""
+    out: list[ChatMessage] = []
+    i = 0
+    while i < len(messages):
+        message = messages[i]
+        if message.role == "tool":  # after no assistant turn with calls
+            raise _tool_result_error(
+                i, f"{_quoted(message.tool_call_id)} answers no call: a tool message must "
+                "follow the assistant message with tool_calls whose call it answers"
+            )  # fmt: skip
+        out.append(message)
+        i += 1
+        if message.tool_calls:
+            end = i
+            while end < len(messages) and messages[end].role == "tool":
+                end += 1
+            out += _in_call_order(messages, i - 1, range(i, end))
+            i = end
+    return out
+
+
+def _in_call_order(messages: list[ChatMessage], at: int, run: range) -> list[ChatMessage]:
+    """The tool messages `run` answering messages[at]'s calls, in its calls' order; each
+    remembers where it was sent (`ChatMessage._sent_at`), for a refusal that names it."""
+    ids = [call.id for call in messages[at].tool_calls or ()]
+    for j, call_id in enumerate(ids):
+        if call_id in ids[:j]:
+            raise _refusal(
+                f"messages[{at}].tool_calls[{j}].id",
+                f"{_quoted(call_id)} is also the id of tool_calls[{ids.index(call_id)}]: each "
+                "call needs an id of its own (a tool message names the call it answers by it)",
+            )
+    answered: dict[str, int] = {}
+    for k in run:
+        call_id = messages[k].tool_call_id or ""
+        if call_id in answered:
+            raise _tool_result_error(
+                k, f"{_quoted(call_id)} is answered already by messages[{answered[call_id]}]: "
+                "send one tool message for each call"
+            )  # fmt: skip
+        if call_id not in ids:
+            raise _tool_result_error(
+                k, f"{_quoted(call_id)} is not the id of a call in messages[{at}].tool_calls "
+                f"({', '.join(_quoted(c) for c in ids)}): a tool message answers a call of the "
+                "assistant message before it"
+            )  # fmt: skip
+        answered[call_id] = k
+    missing = [c for c in ids if c not in answered]
+    if missing:  # OpenAI's words
+        raise _refusal(
+            f"messages[{at}].tool_calls",
+            "An assistant message with 'tool_calls' must be followed by tool messages "
+            "responding to each 'tool_call_id'. The following tool_call_ids did not have "
+            f"response messages: {', '.join(printable(c) for c in missing)}",
+        )
+    results = [messages[answered[c]] for c in ids]
+    for call_id, result in zip(ids, results, strict=True):
+        if result._sent_at is None:  # (a model validated again keeps its messages)
+            result._sent_at = answered[call_id]
+    return results
+
+
+def _quoted(text: str | None) -> str:
+    return repr(printable(text or ""))
+
+
+def _tool_result_error(index: int, why: str) -> PydanticCustomError:
+    return _refusal(f"messages[{index}].tool_call_id", why)
+
+
+def _refusal(param: str, why: str) -> PydanticCustomError:
+    """A request-level check's 400, naming the field inside `messages` that it is about (the
+    error handler takes `param` from the context: the validator sits on the whole list)."""
+    return PydanticCustomError("messages", "{param}: {why}", {"param": param, "why": why})
+
+
+# a chat request's messages, as the requests that render them take them
+Messages = Annotated[list[ChatMessage], AfterValidator(_tool_results)]
 
 
 # a chat request's tools, declared alike on the requests that take them (chat completions, and
@@ -757,7 +863,7 @@ class _ToolsInPlay:
 
 
 class ChatCompletionRequest(_Sampling, _ToolsInPlay):
-    messages: list[ChatMessage] = Field(..., min_length=1)
+    messages: Messages = Field(..., min_length=1)
     max_tokens: int | None = Field(
         None,
         ge=1,
@@ -820,7 +926,7 @@ class TokenizeRequest(_Body, _ToolsInPlay):
 
     model: Text
     prompt: Text | None = Field(None, description="text, tokenized as /v1/completions does")
-    messages: list[ChatMessage] | None = Field(
+    messages: Messages | None = Field(
         None, min_length=1, description="rendered by the chat template, as /v1/chat/completions"
     )
     add_special_tokens: bool | None = Field(

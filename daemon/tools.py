@@ -16,7 +16,10 @@ was (most tool-trained models write `<tool_call>` blocks) needs no parser of its
 
 The conversation comes back the same way: an assistant message's `tool_calls` are rendered as
 the blocks the model wrote, and a `tool` message as a user turn holding
-`<tool_response>...</tool_response>` (a chat template without a tool role renders it too).
+`<tool_response>...</tool_response>` (a chat template without a tool role renders it too),
+whatever the model's own template would do with a tool role. A result names no call, so the
+model tells results apart by their places: they are rendered in the order of the calls they
+answer, whatever order they were sent in (`openai_schemas._tool_results`).
 
 The texts handed to the chat template are built as `Piece`s, each marked with the request field
 it holds: the prompt is encoded with special tokens matched across the whole text, so a check of
@@ -290,7 +293,8 @@ def _block(name: str, arguments: str, field: str) -> list[Piece]:
 
 
 def render_result(content: Sequence[Piece]) -> list[Piece]:
-    """A tool message's text as the user turn that carries it."""
+    """A tool message's text as the user turn that carries it (in its call's place among
+    the results: the block does not say which call it answers)."""
     return [Piece("<tool_response>\n"), *content, Piece("\n</tool_response>")]
 
 

@@ -408,6 +408,7 @@ def called(arguments: str) -> list[dict[str, Any]]:
     return [
         OK,
         {"role": "assistant", "tool_calls": calls},
+        {"role": "tool", "tool_call_id": "c0", "content": "ok"},
         {"role": "tool", "tool_call_id": "c1", "content": "ok"},
     ]
 

@@ -14,6 +14,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from kvguard.daemon import tools
+from kvguard.daemon.openai_schemas import ChatCompletionRequest
 from kvguard.engine import EngineConfig, LLMEngine, SamplingParams
 from kvguard.engine.structured import compile_grammar
 from tests.test_api_keys import metric
@@ -510,6 +511,105 @@ def test_a_conversation_with_calls_and_results_is_rendered_back(daemon: Daemon) 
     assert "<tool_response>\n14:02\n</tool_response>" in text
     answer = _chat(daemon, messages=msgs, max_tokens=8, temperature=0)
     assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def _time_call(call_id: str, city: str) -> dict[str, Any]:
+    arguments = json.dumps({"city": city})
+    return {"id": call_id, "type": "function",
+            "function": {"name": "get_time", "arguments": arguments}}  # fmt: skip
+
+
+TWO_CALLS = [*ASK, {"role": "assistant", "content": None,
+                    "tool_calls": [_time_call("call_1", "Oslo"), _time_call("call_2", "Rome")]}]  # fmt: skip
+
+
+def _result(call_id: str, content: str) -> dict[str, Any]:
+    return {"role": "tool", "tool_call_id": call_id, "content": content}
+
+
+def _prompt_text(d: Daemon, messages: list[dict[str, Any]]) -> str:
+    ids = httpx.post(d.url + "/tokenize", json={"model": "tiny", "messages": messages}).json()
+    body = {"model": "tiny", "tokens": ids["tokens"]}
+    return httpx.post(d.url + "/detokenize", json=body).json()["prompt"]
+
+
+def test_results_sent_out_of_order_reach_the_model_in_their_calls_order(daemon: Daemon) -> None:
+    """A result's `<tool_response>` names no call, so the model reads results by their
+    places: answered as they finished (Rome's first), Rome's result sat in Oslo's place and
+    was read as Oslo's. They are rendered in the calls' order, whatever order they came in."""
+    in_order = _prompt_text(
+        daemon, [*TWO_CALLS, _result("call_1", "Oslo 14:02"), _result("call_2", "Rome 15:02")]
+    )
+    swapped = [*TWO_CALLS, _result("call_2", "Rome 15:02"), _result("call_1", "Oslo 14:02")]
+    assert _prompt_text(daemon, swapped) == in_order
+    assert in_order.index("Oslo 14:02") < in_order.index("Rome 15:02")
+    answer = _chat(daemon, messages=swapped, max_tokens=4, temperature=0)
+    assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_a_result_moved_to_its_call_s_place_is_named_where_it_was_sent() -> None:
+    """The results are rendered in their calls' order, and a refusal of a result's text
+    (`api.special_tokens_in_messages: refuse`) names the message as the request sent it,
+    not the place it is rendered in."""
+    swapped = [*TWO_CALLS, _result("call_2", "Rome"), _result("call_1", "Oslo")]
+    body = ChatCompletionRequest.model_validate({"model": "tiny", "messages": swapped})
+    assert [m.tool_call_id for m in body.messages[2:]] == ["call_1", "call_2"]
+    fields = {}
+    for i, m in enumerate(body.messages):
+        pieces = m.template_pieces(f"messages[{i}]")["content"]
+        fields.update({p.text: p.field for p in pieces if p.field is not None})
+    assert fields["Oslo"] == "messages[3].content" and fields["Rome"] == "messages[2].content"
+
+
+@pytest.mark.parametrize(
+    ("messages", "param", "says"),
+    [
+        (  # an id no call of the assistant message before it has
+            [*TWO_CALLS, _result("call_1", "a"), _result("call_9", "b")],
+            "messages[3].tool_call_id",
+            "'call_9' is not the id of a call in messages[1].tool_calls",
+        ),
+        (  # one call answered twice
+            [*TWO_CALLS, _result("call_1", "a"), _result("call_2", "b"), _result("call_1", "c")],
+            "messages[4].tool_call_id",
+            "'call_1' is answered already by messages[2]",
+        ),
+        (  # a call left without its result
+            [*TWO_CALLS, _result("call_2", "b"), {"role": "user", "content": "And?"}],
+            "messages[1].tool_calls",
+            "The following tool_call_ids did not have response messages: call_1",
+        ),
+        (  # no result at all: the conversation ends on the calls
+            TWO_CALLS,
+            "messages[1].tool_calls",
+            "did not have response messages: call_1, call_2",
+        ),
+        (  # a result after no calls
+            [*ASK, _result("call_1", "a")],
+            "messages[1].tool_call_id",
+            "'call_1' answers no call",
+        ),
+        (  # two calls of one message with one id: a result could not say which it answers
+            [*ASK, {"role": "assistant", "tool_calls": [CALL, CALL]}, _result("c", "a")],
+            "messages[1].tool_calls[1].id",
+            "'c' is also the id of tool_calls[0]",
+        ),
+    ],
+    ids=["unknown-id", "answered-twice", "missing", "none", "no-calls", "same-id"],
+)
+def test_results_that_answer_no_call_or_leave_one_unanswered_are_refused(
+    daemon: Daemon, messages: list[dict[str, Any]], param: str, says: str
+) -> None:
+    """As OpenAI: each call of an assistant message is answered by one of the tool messages
+    right after it. A result answering no call, or none for a call, was served as if the
+    conversation made sense; it is a 400 naming the field, on chat and on /tokenize."""
+    with pytest.raises(openai.BadRequestError) as refused:
+        daemon.client().chat.completions.create(model="tiny", messages=messages, max_tokens=2)
+    assert refused.value.body["param"] == param, refused.value.body
+    assert says in refused.value.body["message"], refused.value.body
+    assert refused.value.body["message"].startswith(param + ": "), refused.value.body
+    counted = httpx.post(daemon.url + "/tokenize", json={"model": "tiny", "messages": messages})
+    assert counted.status_code == 400 and counted.json()["error"]["param"] == param
 
 
 @pytest.mark.parametrize(

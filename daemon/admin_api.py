@@ -1,8 +1,12 @@
 """/admin: state, manual remedies and reload, behind a bearer token read from a file.
 
-No token file (or an unreadable or empty one) disables the admin API: it answers 403, saying
-which, rather than run open; the daemon logs a warning at start and at reload for a token file
-that is set but unusable.
+No token file (or an unreadable or empty one) disables the admin API: it answers 403 rather
+than run open; the daemon logs a warning naming the file and its problem at start, at reload,
+and when a request first meets a new problem (the 403, which any client reads, names neither).
+A missing or wrong bearer token answers 401 with `WWW-Authenticate: Bearer` (RFC 6750: a
+credential to send again, not a permission the caller lacks).
+An action the engine refuses (its `ok` false, the reason in `detail`) answers 409, one that
+failed 500, with the body a success has.
 Invalid action or debug-hook parameters answer 400 with the field in `error.param`; the
 fault-injection hooks under /admin/debug exist only with `api.debug_hooks: true`.
 
@@ -29,13 +33,14 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import APIRouter, Body, Depends, Header
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvguard.daemon.control_plane import AlertPayloadError
 from kvguard.daemon.openai_api import RETRY_ELSEWHERE_S, ApiError, engine_unavailable
 from kvguard.engine.control import ActionResult
 from kvguard.engine.distributed.errors import RankFailure
-from kvguard.engine.engine_loop import EngineStopped
+from kvguard.engine.engine_loop import EngineStopped, EngineUnavailable
 from kvguard.rules.actions import ACTIONS, ActionError, ActionWithdrawn
 
 if TYPE_CHECKING:
@@ -52,11 +57,11 @@ STOP_POLL_S = 0.05  # how often an action's wait looks whether the stop has begu
 def check_token(service: Service, authorization: str | None) -> None:
     token, why = service.admin_token_status()
     if not token:  # none configured, or a token file that cannot be read or is empty
-        raise ApiError(403, f"admin API disabled: {why}", type_="permission_error")
+        raise ApiError(403, service.admin_disabled(why), type_="permission_error")
     if not authorization or not authorization.lower().startswith("bearer "):
         raise ApiError(401, "missing bearer token", type_="authentication_error")
     if not hmac.compare_digest(authorization[7:].strip().encode(), token.encode()):
-        raise ApiError(403, "wrong bearer token", type_="permission_error")
+        raise ApiError(401, "wrong bearer token", type_="authentication_error")
 
 
 def router(service: Service) -> APIRouter:
@@ -77,7 +82,7 @@ def router(service: Service) -> APIRouter:
         }
 
     @r.post("/actions/{action}")
-    async def act(action: str, params: dict[str, Any] | None = Body(None)) -> dict[str, Any]:
+    async def act(action: str, params: dict[str, Any] | None = Body(None)) -> Any:
         if service.draining:  # the engine is on its way out: nothing is asked of it now
             raise _stopping(
                 "admin actions are refused once the stop has begun; nothing changed",
@@ -94,14 +99,18 @@ def router(service: Service) -> APIRouter:
             res = await _settled(fut, action, ACTION_TIMEOUT_S, _DrainCut(service))
         except RankFailure as e:  # a rank failed inside it: the engine is done, as for requests
             raise engine_unavailable(e) from e
-        return {
-            "action": action,  # as asked: restore_batch, not the set_max_num_seqs it runs
-            "ok": res.ok,
-            "detail": res.detail,
-            "before": res.before,
-            "after": res.after,
-            "data": _jsonable(res.data),
-        }
+        except EngineUnavailable as e:  # it had failed before it took the action
+            raise engine_unavailable(e.cause) from e
+        except ApiError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the action failed: audited `failed`, said so
+            log.error("admin action %s failed: %s", action, e)
+            failed = _action_body(action, False, f"failed: {e}", None, None, {})
+            return JSONResponse(failed, status_code=500)
+        body = _action_body(action, res.ok, res.detail, res.before, res.after, res.data)
+        # refused (`ok` false, why in `detail`): 409, so that `curl -f ... && echo applied`
+        # does not say applied of what the engine would not do
+        return body if res.ok else JSONResponse(body, status_code=409)
 
     if service.cfg.api.debug_hooks:
         _debug_routes(r, service)
@@ -207,6 +216,26 @@ async def _settled(fut: Future, action: str, timeout_s: float, cut: _DrainCut) -
             f"the engine stopped before it took {action}: it never ran; nothing changed",
             "action_withdrawn",
         ) from e
+
+
+def _action_body(
+    action: str,
+    ok: bool,
+    detail: str,
+    before: dict[str, Any] | None,
+    after: dict[str, Any] | None,
+    data: dict[str, Any],
+) -> dict[str, Any]:
+    """An action's answer, one shape whether it applied (200), was refused (409) or failed
+    (500, `before` and `after` unknown)."""
+    return {
+        "action": action,  # as asked: restore_batch, not the set_max_num_seqs it runs
+        "ok": ok,
+        "detail": detail,
+        "before": before,
+        "after": after,
+        "data": _jsonable(data),
+    }
 
 
 def _stopping(why: str, code: str, retry_after: float | None = None) -> ApiError:

@@ -21,7 +21,6 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from kvguard.daemon import admin_api, openai_api
 from kvguard.daemon.openai_api import (
     DRAIN_CUT_MESSAGE,
-    SHUTTING_DOWN,
     ApiError,
     _cut_error,
     engine_unavailable,
@@ -55,9 +54,7 @@ def create_app(service: Service) -> FastAPI:
         is refused as every request the drain sees is (`shutting down`)."""
         _count(service, scope, 503)
         error = (
-            _cut_error(service, None, DRAIN_CUT_MESSAGE)
-            if begun
-            else ApiError(503, SHUTTING_DOWN, type_="service_unavailable", retry_after=5)
+            _cut_error(service, None, DRAIN_CUT_MESSAGE) if begun else openai_api.shutting_down()
         )
         response = error.response()
         response.headers["Connection"] = "close"  # the rest of its body is not read

@@ -211,7 +211,9 @@ def _print_state(s: dict) -> None:
     dev = kv["device"]
     q = s["queues"]
     adm = s["admission"]
-    print(f"model        {s['model']}  ready={s['ready']} draining={s['draining']}")
+    # why it is not ready ("engine loop stalled", "draining", ...; absent from older daemons)
+    why = f" ({s['ready_reason']})" if not s["ready"] and s.get("ready_reason") else ""
+    print(f"model        {s['model']}  ready={s['ready']}{why} draining={s['draining']}")
     if s.get("dry_run"):  # the rules decide but change nothing: say so before what they show
         print("dry run      on: rules record what they would do and change nothing")
     print(
@@ -221,6 +223,8 @@ def _print_state(s: dict) -> None:
     for state in ("running", "waiting", "swapped"):
         row = "  ".join(f"{p}={n}" for p, n in q[state].items())
         print(f"{state:<12} {row}")
+    if "in_flight" in s:  # requests not finished, those a stalled engine has not taken in too
+        print(f"in flight    {s['in_flight']}")
     halted = f"halted (allowed: {adm['allow_priority']})" if adm["halted"] else "open"
     holders = [r["name"] for r in s.get("rules", []) if "admission" in r.get("holds", ())]
     if "admission" in (s.get("manual") or {}).get("holds", ()):  # an operator's admin action

@@ -12,6 +12,7 @@ import dataclasses
 import email.message
 import json
 import logging
+import math
 import os
 import re
 import threading
@@ -80,6 +81,7 @@ TOKENIZE_LIMITS = 8  # /tokenize counts texts up to this many times max_model_le
 LARGE_BODY_BYTES = 64 << 10
 RETRY_ELSEWHERE_S = 5  # Retry-After on a request cut off by the drain
 SHUTTING_DOWN = "server is shutting down"  # what a request that came during the drain gets
+STALLED_RETRY_S = 5.0  # Retry-After of a request refused while the engine loop is stalled
 DRAIN_CUT_MESSAGE = (
     "kvguard is shutting down and cut this request off at the end of its drain period "
     "before it finished; retry it on another instance"
@@ -827,6 +829,7 @@ async def _serve(
     if service.loop.fatal is not None:
         raise engine_unavailable(service.loop.fatal)
     _refuse_if_draining(service)
+    _refuse_if_stalled(service)
     # from its arrival (the HTTP middleware's time): TTFT and duration take in the body's
     # parsing and the grammar prepared below, which can take seconds for a big schema
     arrived = getattr(request.state, "arrived", None)
@@ -854,6 +857,8 @@ async def _serve(
             )
             for i in range(len(outs))
         ]
+        _refuse_if_stalled(service)  # it may have stalled while the grammar compiled
+        _refuse_past_queue(service, asked, priority)  # in the event-loop step that posts it
         ctx.posted = time.monotonic()  # its queue time runs from here (the engine's arrival)
         streams, added = service.loop.submit_all_nowait(
             choices, [o.push for o in outs], priority, add_special_tokens=completion
@@ -1030,7 +1035,7 @@ async def _compiled(request: Request, job: Future) -> None:
     if not compiled.done():
         raise ApiError(499, "client disconnected")
     if compiled.cancelled():  # withdrawn by the pool's shutdown: the service has closed
-        raise ApiError(503, SHUTTING_DOWN, type_="service_unavailable", retry_after=5)
+        raise shutting_down()
     compiled.result()
 
 
@@ -1088,9 +1093,58 @@ def _servable(schema: dict[str, Any] | None, grammar: str | None) -> None:
         raise ApiError(400, f"{field}: {str(e).split(': ', 1)[-1]}", field) from e
 
 
+def shutting_down() -> ApiError:
+    """The answer to a request that came once the stop began: 503 `shutting_down`, as the
+    admin API's, a code a client can branch on (retry on another replica)."""
+    return ApiError(
+        503, SHUTTING_DOWN, code="shutting_down", type_="service_unavailable", retry_after=5
+    )
+
+
 def _refuse_if_draining(service: Service) -> None:
     if service.draining:
-        raise ApiError(503, SHUTTING_DOWN, type_="service_unavailable", retry_after=5)
+        raise shutting_down()
+
+
+def _refuse_if_stalled(service: Service) -> None:
+    """503 `engine_stalled` while the engine loop has not beaten for the stall threshold (as
+    `/ready` says): posted, the request would wait for a step that may never come, and a
+    stalled engine refused nothing, so its connections piled up without bound."""
+    stalled = service.stalled_s()
+    if stalled is not None:
+        raise ApiError(
+            503,
+            f"the engine loop has not made progress for {stalled:.0f}s (stalled): new requests "
+            "are refused until it does; retry later or on another replica",
+            code="engine_stalled",
+            type_="service_unavailable",
+            retry_after=STALLED_RETRY_S,
+        )
+
+
+def _refuse_past_queue(service: Service, asked: int, priority: str) -> None:
+    """429 at once, as admission would answer it, for a request that a hard queue bound
+    (`max_queue_wait: 0s`) could not take in behind the requests posted before it and not yet
+    taken by the engine thread: at most `max_num_seqs` start and `max_queue` wait. The engine
+    decides only as it takes them in, so a stalled engine thread took in every request
+    without limit and refused none; what this counts is what the engine would have refused
+    had it taken them. A request alone past that bound is left to the engine's 400."""
+    ctl = service.engine.admission
+    if ctl is None or ctl.config.max_queue_wait_s > 0:
+        return
+    ahead = service.loop.posted(high=priority == "high")
+    room = service.engine.latest_snapshot.max_num_seqs + ctl.config.max_queue
+    if ahead and ahead + asked > room:
+        drain = ctl.drain_s(ahead)
+        raise ApiError(
+            429,
+            f"queue full ({ahead} sequences on their way into the engine ahead of this "
+            f"request's {asked}, which takes in at most {room}: max_num_seqs and max_queue, a "
+            "hard limit with max_queue_wait 0s); retry later",
+            code="admission_rejected",
+            type_="overloaded_error",
+            retry_after=min(30.0, drain) if math.isfinite(drain) else 1.0,
+        )
 
 
 async def _admission(fut: Future, outputs: _Outputs) -> None:

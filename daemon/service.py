@@ -45,13 +45,14 @@ from kvguard.daemon.config import (
     load_config,
     state_dir,
 )
-from kvguard.daemon.control_plane import ControlPlane
+from kvguard.daemon.control_plane import ControlPlane, _where
 from kvguard.daemon.logging_setup import NOT_ACCEPTING, configure_logging
 from kvguard.daemon.metrics import ControlPlaneCollector, Metrics, TensorParallelCollector
 from kvguard.daemon.nvml import NvmlReader, engine_gpu_ids
 from kvguard.daemon.version import kvguard_version
 from kvguard.engine.config import ConfigError
 from kvguard.engine.control import ActionResult
+from kvguard.engine.control_surface import allowed_name
 from kvguard.engine.distributed.sharding import check_tensor_parallel, stage_layers
 from kvguard.engine.engine_loop import EngineLoop, EngineUnavailable
 from kvguard.engine.host_memory import host_memory_used_ratio
@@ -70,7 +71,8 @@ from kvguard.rules.actions import (
 from kvguard.rules.schema import RuleSet, load_rules, rules_file
 
 log = logging.getLogger("kvguard.daemon")
-STALL_AFTER_S = 30.0  # an engine loop without a heartbeat this long is not ready
+# an engine loop without a heartbeat this long is stalled: not ready, new requests refused (503)
+STALL_AFTER_S = 30.0
 # After the drain deadline: how long the engine gets to apply the aborts of the cut requests,
 # and then how long connections get to send their 503s / SSE errors, before the stop goes on.
 CUT_GRACE_S = 5.0
@@ -381,6 +383,11 @@ class Service:
         self.nvml = NvmlReader()
         self.metrics: Metrics
         self._stop_watchdog = threading.Event()
+        # an engine loop that has not beaten for this long is stalled (`stalled_s`): a test
+        # shortens it rather than wait 30 s
+        self.stall_after_s = STALL_AFTER_S
+        self._stall_logged_at: float | None = None  # the watchdog logged the stall seen then
+        self._token_problem_logged = ""  # the admin token problem last logged (`admin_disabled`)
         self._unwatch_gc: Callable[[], None] = lambda: None
         self._watchdog_lock = threading.Lock()
         self.audit: AuditStore | None = None
@@ -572,10 +579,23 @@ class Service:
             return False, "draining"
         if not self.loop.alive:
             return False, "engine loop stopped"
-        if time.monotonic() - self.loop.last_beat > STALL_AFTER_S:
+        if self.stalled_s() is not None:
             return False, "engine loop stalled"
+        # the engine's own, not its snapshot's: an idle engine's lags an action by a second
+        allowed = allowed_name(self.engine.allow_rank)
+        if allowed == "none":  # every request answers 503: a load balancer should look elsewhere
+            return False, "admission halted for every priority"
+        notes = [f"admission halted (allowed: {allowed})"] if allowed else []
         problem = self.audit.problem() if self.audit is not None else None
-        return True, f"audit degraded: {problem}" if problem else "ok"
+        notes += [f"audit degraded: {problem}"] if problem else []
+        return True, "; ".join(notes) or "ok"
+
+    def stalled_s(self) -> float | None:
+        """How long the engine loop has not beaten, once that is past `stall_after_s` (None
+        before): the loop is stalled (a step stuck in a kernel, a collective, a lock), and a
+        request posted now would wait for it without bound."""
+        age = time.monotonic() - self.loop.last_beat
+        return age if age > self.stall_after_s else None
 
     def _status_line(self) -> str:
         s = self.engine.latest_snapshot
@@ -601,6 +621,7 @@ class Service:
                 if self._stop_watchdog.is_set():
                     return
                 beat_age = time.monotonic() - self.loop.last_beat
+                self._log_stall(self.stalled_s())
                 if interval and beat_age < interval / 2:
                     sdnotify.watchdog()
                 sdnotify.status(
@@ -608,6 +629,29 @@ class Service:
                     if beat_age < period * 2
                     else f"engine loop stalled {beat_age:.0f}s"
                 )
+
+    def _log_stall(self, stalled: float | None) -> None:
+        """One WARNING when the engine loop is first seen stalled, naming where its thread is,
+        and one INFO when it beats again: without them a stall left nothing in the journal
+        (systemd's STATUS= line is not kept), where the runbook sends on-call for the step that
+        hung. The watchdog thread's, every period."""
+        now = time.monotonic()
+        if stalled is not None and self._stall_logged_at is None:
+            self._stall_logged_at = now - stalled
+            thread = self.loop.thread
+            log.warning(
+                "engine loop has not beaten for %.0fs (%s): not ready, new requests answer 503 "
+                "engine_stalled until it beats again (under systemd, its watchdog restarts a "
+                "loop that stays stalled)",
+                stalled,
+                _where(thread) if thread is not None else "no engine thread",
+            )
+        elif stalled is None and self._stall_logged_at is not None:
+            log.info(
+                "engine loop beats again after a stall of about %.0fs: ready, taking requests",
+                now - self._stall_logged_at,
+            )
+            self._stall_logged_at = None
 
     def _silence_watchdog(self) -> None:
         """Stop the pings for good; once this returns, none is sent, not even one the watchdog
@@ -1265,6 +1309,22 @@ class Service:
         token, why = self.admin_token_status()
         if token is None and self.cfg.api.admin_token_path() is not None:
             log.warning("admin API disabled (/admin/* answers 403): %s", why)
+            self._token_problem_logged = why
+
+    def admin_disabled(self, why: str) -> str:
+        """The 403's message for an admin API that is off (`why`, from `admin_token_status`).
+        A token file that is set but unusable is named only in the log, once for each problem
+        (start, reload, or the first request to meet a file changed since): the answer goes to
+        any client, which need not learn the host's paths or what is wrong with the file."""
+        if self.cfg.api.admin_token_path() is None:
+            return f"admin API disabled: {why}"
+        if why != self._token_problem_logged:
+            log.warning("admin API disabled (/admin/* answers 403): %s", why)
+            self._token_problem_logged = why
+        return (
+            "admin API disabled: the admin token file cannot be used; the daemon's log names "
+            "the problem (fix the file: it is read again at each request)"
+        )
 
     def warn_open_api(self) -> None:
         """At start and at each reload: an API on a non-loopback address with no keys file lets
@@ -1339,9 +1399,11 @@ class Service:
 
     def state(self) -> dict[str, Any]:
         s = self.engine.latest_snapshot
+        ready, reason = self.readiness()
         return {
             "model": self.model_name,
-            "ready": self.readiness()[0],
+            "ready": ready,
+            "ready_reason": reason,  # what /ready says: why not, or what a ready daemon notes
             "draining": self.draining,
             # requests not finished, those still on their way into the engine included (what
             # a drain waits for)

@@ -171,6 +171,7 @@ class EngineLoop:
         # requests posted whose add has not resolved yet (it waits in the mailbox behind a long
         # step, or a stalled engine): in flight, though the engine does not know them yet
         self._adding = 0
+        self._adding_high = 0  # of them, the high-priority ones (`posted`)
         self._adding_lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -286,6 +287,11 @@ class EngineLoop:
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def thread(self) -> threading.Thread | None:
+        """The engine thread (None before `start`): where a stalled loop is stuck."""
+        return self._thread
 
     def _run(self) -> None:
         eng = self.engine
@@ -490,17 +496,28 @@ class EngineLoop:
 
     def _post_add(self, add: Callable[[], object], count: int, priority: str | int) -> Future:
         """Post `add`, which adds `count` requests: in flight from now until it has run."""
+        high = _is_high(priority)
         with self._adding_lock:
             self._adding += count
+            self._adding_high += count if high else 0
         posted = self.call(add)
-        posted.add_done_callback(functools.partial(self._added, count))  # run, refused, failed
-        if _is_high(priority):
+        # run, refused or failed: taken off the count
+        posted.add_done_callback(functools.partial(self._added, count, high))
+        if high:
             self.engine.interrupt_step()  # after posting: the next drain takes it
         return posted
 
-    def _added(self, count: int, _: Future) -> None:
+    def _added(self, count: int, high: bool, _: Future) -> None:
         with self._adding_lock:
             self._adding -= count
+            self._adding_high -= count if high else 0
+
+    def posted(self, high: bool = False) -> int:
+        """Requests posted whose add the engine thread has not run yet, those a new request
+        would queue behind once taken in: every one, or for a `high` request only the high
+        ones (admission's queue puts high ahead of the rest). A stalled thread takes none, so
+        this is how far a stall has piled them up."""
+        return self._adding_high if high else self._adding
 
     def in_flight(self) -> int:
         """Requests not finished: those the engine holds and those whose add is still on its

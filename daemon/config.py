@@ -372,6 +372,11 @@ class ApiConfig(_Section):
     # hold a file descriptor for ever, and a thousand of them leave the daemon none to accept
     # with. Idle keep-alive connections close after 5 s, as before. Read at start only.
     request_read_timeout: Duration = 20.0
+    # How long the daemon may be unable to send any of an answer because its client reads
+    # none (the socket's buffers full). Past it the connection is closed and a request still
+    # running for it aborted, as a hang-up is: a client that stopped reading held its answer's
+    # memory, a file descriptor and its API key's slots for ever. Read at start only.
+    response_write_timeout: Duration = 60.0
     served_model_name: str | None = Field(None, min_length=1)
     # A special token's text written in a chat message (`<|im_end|>`, `<|im_start|>system`)
     # becomes that control token, as Hugging Face's templates and other servers make it: a
@@ -408,11 +413,12 @@ class ApiConfig(_Section):
             )
         return v
 
-    @field_validator("request_read_timeout")
+    @field_validator("request_read_timeout", "response_write_timeout")
     @classmethod
     def _read_timeout_bound(cls, v: float) -> float:
         """At least MIN_REQUEST_READ_TIMEOUT: a client on a slow or busy link needs time to
-        send its headers, and a unit typo would close every connection that does."""
+        send its headers, or to read its answer, and a unit typo would close every connection
+        that does."""
         if v < MIN_REQUEST_READ_TIMEOUT:
             raise ValueError(
                 f"{v:g}s is too short (expected at least {MIN_REQUEST_READ_TIMEOUT:g}s)"

@@ -734,7 +734,10 @@ def _within_limit(
 ) -> None:
     """429 when `asked` more sequences would take `key` past its max_requests. What it has
     in flight is what the daemon still answers for it (the drain's set, which a finished or
-    refused request leaves at once and a forgotten one when it is collected), and the `held`
+    refused request leaves at once and a forgotten one when it is collected) less the choices
+    the engine has finished (`_Outputs.engine_done`: a streamed answer stays in that set until
+    its client has read it, and a client that stopped reading locked its key out with nothing
+    queued or running), and the `held`
     sequences of its requests checked but not yet in that set (`_KeySlots`: their grammar
     being compiled, the tokenizer view built for their log-probabilities). A request
     asking for more sequences than the key may ever have at once is the request's own fault,
@@ -754,7 +757,8 @@ def _within_limit(
             param,
             code="key_request_limit",
         )
-    live = sum(1 for o in list(service.requests) if o.ctx.key == key.name) + held
+    live = sum(1 for o in list(service.requests) if o.ctx.key == key.name and not o.engine_done)
+    live += held
     if live + asked > key.max_requests:
         _refuse_if_halted(service, priority, asked)
         _refused_for_key(service, key, "max_requests")
@@ -1566,6 +1570,8 @@ class _Outputs:
         self.was_cut = asyncio.Event()  # ... and when, for a coroutine awaiting admission
         self._last: float | None = None  # when the previous token came (engine thread only)
         self._waited = False  # its queue time has been observed (engine thread only)
+        # its final output came: it no longer counts against its API key (engine thread sets)
+        self.engine_done = False
 
     def hang_up(self) -> None:
         """The client left: wake the waiting coroutine, which gives up (event loop only)."""
@@ -1587,6 +1593,7 @@ class _Outputs:
         if not self._waited:
             self._waited = self.ctx.observe_wait(out)
         if out.finished:
+            self.engine_done = True
             try:
                 self.ctx.charge(self._index, out)
             except Exception:  # noqa: BLE001 - a metrics fault must not lose the answer

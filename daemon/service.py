@@ -15,6 +15,7 @@ import os
 import resource
 import signal
 import socket
+import struct
 import sys
 import threading
 import time
@@ -46,7 +47,7 @@ from kvguard.daemon.config import (
     state_dir,
 )
 from kvguard.daemon.control_plane import ControlPlane, _where
-from kvguard.daemon.logging_setup import NOT_ACCEPTING, configure_logging
+from kvguard.daemon.logging_setup import NOT_ACCEPTING, NOT_READ, configure_logging
 from kvguard.daemon.metrics import ControlPlaneCollector, Metrics, TensorParallelCollector
 from kvguard.daemon.nvml import NvmlReader, engine_gpu_ids
 from kvguard.daemon.version import kvguard_version
@@ -183,9 +184,15 @@ class _TimedH11(H11Protocol):
     is closed; and its body may pause no longer than that, else the connection is closed and
     the app sees the client gone. Headers over MAX_HEADER_BYTES answer 431, and what the client
     still sends is read before the close: closed with its bytes unread, the connection was
-    reset, and the client saw no answer at all."""
+    reset, and the client saw no answer at all.
+
+    The answer's side is timed too: while the daemon cannot send (the client reads nothing,
+    the socket's buffers are full) for `write_timeout`, the connection is reset, which the
+    app sees as the client gone (its request, if still running, is aborted). A client that
+    stopped reading held its answer's memory and the connection for ever."""
 
     read_timeout = 20.0  # api.request_read_timeout: `timed_h11` sets it
+    write_timeout = 60.0  # api.response_write_timeout: `timed_h11` sets it
     # what the client owes while the timer runs (`_awaiting`), as the DEBUG line says it
     OWED = {"headers": "its request", "body": "more of its body", "close": "it to hang up"}
 
@@ -194,6 +201,7 @@ class _TimedH11(H11Protocol):
         self._read_timer: asyncio.TimerHandle | None = None
         self._awaiting: str | None = None  # what the timer waits for: a key of OWED
         self._refused = False  # answered 431: what the client still sends is dropped
+        self._write_timer: asyncio.TimerHandle | None = None  # while writing is paused
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -201,7 +209,37 @@ class _TimedH11(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self._stop_write_timer()
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        """The transport holds more than it may of what the client has not read: from now the
+        client has `write_timeout` to read some of it."""
+        super().pause_writing()
+        if self._write_timer is None:
+            self._write_timer = self.loop.call_later(self.write_timeout, self._write_timed_out)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._stop_write_timer()  # the client read: a slow reader is not a stopped one
+
+    def _stop_write_timer(self) -> None:
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
+
+    def _write_timed_out(self) -> None:
+        """The client read nothing for `write_timeout`: reset the connection. Not a close,
+        which waits for the client to read what is buffered; nor a bare abort, whose socket
+        the kernel still keeps, sending to a client that reads nothing, which never sees the
+        end. Logged once, then counted a minute at a time (logging_setup.BOUNDED): each
+        stalled client would write a line."""
+        self._write_timer = None
+        log.warning(NOT_READ, self.write_timeout)
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:  # linger 0: the close drops what is unsent and sends a reset
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.transport.abort()
 
     def data_received(self, data: bytes) -> None:
         if self._refused:
@@ -289,9 +327,11 @@ class _TimedH11(H11Protocol):
             self.transport.write(self.conn.send(event) or b"")
 
 
-def timed_h11(read_timeout: float) -> type[H11Protocol]:
-    """The protocol class uvicorn builds each connection with, timing reads at `read_timeout`."""
-    return type("TimedH11", (_TimedH11,), {"read_timeout": read_timeout})
+def timed_h11(read_timeout: float, write_timeout: float) -> type[H11Protocol]:
+    """The protocol class uvicorn builds each connection with, timing reads at `read_timeout`
+    and paused writes at `write_timeout`."""
+    timeouts = {"read_timeout": read_timeout, "write_timeout": write_timeout}
+    return type("TimedH11", (_TimedH11,), timeouts)
 
 
 def _report_accept_errors(
@@ -735,7 +775,7 @@ class Service:
             ws="none",
             access_log=False,
             timeout_graceful_shutdown=CUT_GRACE_S,  # counted from the end of the cut
-            http=timed_h11(self.cfg.api.request_read_timeout),
+            http=timed_h11(self.cfg.api.request_read_timeout, self.cfg.api.response_write_timeout),
             h11_max_incomplete_event_size=MAX_HEADER_BYTES,
         )
         server = _Server(config, on_listening=self._listening)
@@ -818,9 +858,10 @@ class Service:
         self.stopping.set()  # a reload under way is abandoned: it waits on the engine no more
         sdnotify.stopping_within(stop_budget_s(self.cfg.api.drain_timeout))
         deadline = time.monotonic() + self.cfg.api.drain_timeout
-        log.info(
-            "draining %d in-flight requests (up to %.0fs)",
+        log.info(  # both: the drain waits for each, and a stalled reader holds it to the end
+            "draining %d in-flight requests and %d answers being sent (up to %.0fs)",
             self.loop.in_flight(),
+            self._answering(),
             self.cfg.api.drain_timeout,
         )
         # the engine's requests, and the answers still being sent of those it has finished

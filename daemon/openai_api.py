@@ -60,6 +60,7 @@ from kvguard.engine.model_config import ModelLoadError
 from kvguard.engine.sampling_params import SamplingParams
 from kvguard.engine.sequence import RequestOutput, TokenLogprob, parse_priority
 from kvguard.engine.structured import compile_grammar, compile_schema
+from kvguard.engine.tokenizer import ChatTemplateError
 
 if TYPE_CHECKING:
     from kvguard.daemon.api_keys import ApiKey
@@ -204,7 +205,8 @@ def router(service: Service) -> APIRouter:
             fns, parallel = body.tool_functions(), body.parallel()
             # a response_format schema holds a text answer (`auto`) to JSON
             schema = params.json_schema
-            grammar = await _off_loop(request, tools.grammar, fns, mode, parallel, schema)
+            tags = service.engine.tokenizer.text_tokens  # taken by id: tools._literal
+            grammar = await _off_loop(request, tools.grammar, fns, mode, parallel, schema, tags)
             params = dataclasses.replace(params, json_schema=None, grammar=grammar)
         prompt = await _off_loop(request, _render_chat, service, msgs)
         return await _serve(
@@ -578,6 +580,14 @@ def _outside(tokens: list[int], vocab: int) -> list[int]:
 def _render_chat(service: Service, msgs: list[dict[str, str]]) -> str:
     try:
         return service.engine.tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
+    except ChatTemplateError as e:  # the template fails on its own bug: the server's fault
+        raise ApiError(
+            500,
+            f"this server's chat template is broken: {e}; its operator must fix the template "
+            "(a template refuses messages with raise_exception, answered 400)",
+            code="chat_template_error",
+            type_="server_error",
+        ) from e
     except ModelLoadError as e:  # the model's template does not compile: the server's fault
         raise ApiError(
             500,

@@ -32,7 +32,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -156,12 +156,16 @@ def grammar(
     choice: Choice,
     parallel: bool,
     content_schema: dict[str, Any] | None = None,
+    text_tokens: Mapping[str, int] | None = None,
 ) -> str:
     """The Lark grammar (llguidance's dialect) an answer with tools is held to. `choice`:
     "auto", "required", or the one function to call. Each function's call is a JSON
     document of its own (`args: args_0 | args_1 | ...`), so that the `$anchor`s and `$id`s
     of one function's parameters name nothing in another's: in one document holding every
-    call, two functions' same-named anchors or ids would collide."""
+    call, two functions' same-named anchors or ids would collide. `text_tokens`: the
+    tokenizer's added tokens that are text (`Tokenizer.text_tokens`), which a literal of
+    their whole text takes by id (`_literal`)."""
+    tokens = text_tokens or {}
     if isinstance(choice, Named):
         functions = [f for f in functions if f.name == choice.name]
         parallel = False
@@ -172,11 +176,11 @@ def grammar(
             schema = {**schema, "$defs": needs}
         documents.append(f"args_{i}: %json {json.dumps({**schema, 'x-guidance': LAYOUT})}")
     lines = [
-        f"calls: call{' (NL call)*' if parallel else ''}",
-        f'call: "{OPEN}" args "{CLOSE}"',
+        f"calls: call{' (nl call)*' if parallel else ''}",
+        f"call: {_literal(OPEN, tokens)} args {_literal(CLOSE, tokens)}",
         "args: " + " | ".join(f"args_{i}" for i in range(len(documents))),
         *documents,
-        'NL: "\\n"',
+        f"nl: {_literal(chr(10), tokens)}",
     ]
     if choice != "auto":
         return "\n".join(["start: calls", *lines])
@@ -185,6 +189,17 @@ def grammar(
     else:
         content = f"content: %json {json.dumps({**content_schema, 'x-guidance': LAYOUT})}"
     return "\n".join(["start: content | calls", content, *lines])
+
+
+def _literal(text: str, tokens: Mapping[str, int]) -> str:
+    """`text` as a grammar literal; where it is the whole text of an added token that is text
+    (Qwen2.5's `<tool_call>`), that token by id as well. The grammar library counts every
+    added token as special: it offers the token for the literal's text, then refuses it when
+    drawn, so the answer failed at its first token and the model could never write the token
+    it was trained to call with. (A token marked special is left to the text: an answer
+    leaves its text out, so a call written with it would not parse.)"""
+    quoted = json.dumps(text)
+    return f"(<[{tokens[text]}]> | {quoted})" if text in tokens else quoted
 
 
 def _not_a_call() -> str:

@@ -206,6 +206,15 @@ class Tokenizer:
         added = self._tok.get_added_tokens_decoder()
         return {t.content: i for i, t in sorted(added.items()) if t.special and t.content}
 
+    @cached_property
+    def text_tokens(self) -> dict[str, int]:
+        """Its added tokens that are text, not special (Qwen2.5's `<tool_call>`), text -> id:
+        an answer keeps their text, yet the grammar library's view of the tokenizer counts
+        every added token as special, so a grammar's literal of that text must name the token
+        by id for the model to write it (daemon/tools.py `grammar`)."""
+        added = self._tok.get_added_tokens_decoder()
+        return {t.content: i for i, t in sorted(added.items()) if not t.special and t.content}
+
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
@@ -221,18 +230,27 @@ class Tokenizer:
     ) -> str:
         """Render messages into the prompt text the model was fine-tuned on.
 
-        Extra keyword arguments (e.g. tools) are passed to the template as variables.
+        Extra keyword arguments (e.g. tools) are passed to the template as variables. `tools`
+        and `documents` are None unless given, as transformers and vLLM pass them: a template
+        testing `tools is not none` renders their prompt, not a tools prompt or an error.
+        ValueError where the template refuses the messages (`raise_exception`), ChatTemplateError
+        where it fails on its own (the server's fault, whatever the client sent).
         """
         if self._template is None:
             raise ValueError("this model has no chat template: send a plain prompt instead")
-        variables = {k: v for k, v in self.special_tokens.items() if v is not None}
+        variables: dict[str, Any] = {"tools": None, "documents": None}
+        variables |= {k: v for k, v in self.special_tokens.items() if v is not None}
         variables.update(kwargs)
         try:
             return self._template.render(
                 messages=messages, add_generation_prompt=add_generation_prompt, **variables
             )
-        except jinja2.TemplateError as e:  # raise_exception() in the template, or a bad message
+        except TemplateRefusal as e:
             raise ValueError(f"chat template rejected the messages: {e}") from e
+        except Exception as e:  # noqa: BLE001 - any other error is the template's own bug
+            raise ChatTemplateError(
+                f"the chat template in {self.template_source} fails: {type(e).__name__}: {e}"
+            ) from e
 
     @property
     def _template(self) -> jinja2.Template | None:
@@ -261,6 +279,17 @@ class Tokenizer:
         except jinja2.TemplateSyntaxError as e:
             where = self.template_source
             return f"the chat template in {where} does not compile: {e} (line {e.lineno})"
+
+
+class TemplateRefusal(jinja2.TemplateError):
+    """`raise_exception(message)` in a chat template: the template refusing these messages
+    (roles that do not alternate, a role it has no turn for), the client's to change."""
+
+
+class ChatTemplateError(ModelLoadError):
+    """A chat template that fails on its own while rendering (a TypeError, a name it never
+    defined), not by `raise_exception`: like one that does not compile, the server's fault,
+    which no change to the messages is known to cure."""
 
 
 class _GenerationBlock(jinja2.ext.Extension):
@@ -452,7 +481,7 @@ def _tojson(
 
 
 def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
+    raise TemplateRefusal(message)
 
 
 def _strftime_now(fmt: str) -> str:

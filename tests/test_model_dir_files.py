@@ -27,7 +27,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, LlamaToke
 
 from kvguard.daemon.cli import main
 from kvguard.engine.model_config import ModelLoadError
-from kvguard.engine.tokenizer import Tokenizer
+from kvguard.engine.tokenizer import ChatTemplateError, Tokenizer
 from tests.test_server import Daemon
 
 VOCAB = 472  # the model's: <unk>, <s>, </s>, 256 byte tokens, the trained pieces
@@ -442,6 +442,49 @@ def test_a_template_that_cannot_compile_warns_at_load(
     assert tok.encode("Hello world")
 
 
+# without an `is defined` guard, as some published templates are written
+NONE_TEMPLATES = {
+    "guard": "{% if tools is not none %}T{% endif %}{% if documents is not none %}D{% endif %}"
+    "{{ messages[0]['content'] }}",
+    "tojson": "{% if tools is not none %}{{ tools | tojson }}{% endif %}{{ messages[0]['content'] }}",
+}
+# refuses one message by raise_exception, and fails on its own bug (str + int) for another
+BUGGY_TEMPLATE = (
+    "{% if messages[0]['content'] == 'refuse' %}{{ raise_exception('no refusals here') }}"
+    "{% elif messages[0]['content'] == 'bug' %}{{ messages | length + 'x' }}{% endif %}"
+    "[INST] {{ messages[0]['content'] }} [/INST]"
+)
+
+
+@pytest.mark.parametrize("case", list(NONE_TEMPLATES))
+def test_tools_and_documents_are_none_as_in_transformers(
+    base_dir: Path, tmp_path: Path, case: str
+) -> None:
+    """`tools` and `documents` are None without tools, as transformers and vLLM pass them: a
+    template testing `tools is not none` renders transformers' prompt (they were undefined:
+    the tools branch rendered into every chat prompt, or `tojson` failed on every one)."""
+    folder = variant(base_dir, tmp_path / case, files={"chat_template.jinja": NONE_TEMPLATES[case]})
+    assert ours(folder, MESSAGES) == reference(folder, MESSAGES)
+    assert ours(folder, MESSAGES)[0] == "Hello world"
+
+
+def test_a_template_s_own_bug_is_the_servers_error_a_refusal_the_messages(
+    base_dir: Path, tmp_path: Path
+) -> None:
+    """A template failing on its own (a TypeError) raises ChatTemplateError naming its file
+    and the error (a ModelLoadError: the server's fault); `raise_exception` stays a
+    ValueError quoting the template's message."""
+    folder = variant(base_dir, tmp_path / "buggy", files={"chat_template.jinja": BUGGY_TEMPLATE})
+    tok = Tokenizer.from_dir(folder)
+    with pytest.raises(ChatTemplateError) as e:
+        tok.apply_chat_template([{"role": "user", "content": "bug"}])
+    assert isinstance(e.value, ModelLoadError)
+    assert f"the chat template in {folder / 'chat_template.jinja'} fails: TypeError" in str(e.value)
+    with pytest.raises(ValueError, match="rejected the messages: no refusals here"):
+        tok.apply_chat_template([{"role": "user", "content": "refuse"}])
+    assert tok.apply_chat_template([{"role": "user", "content": "Hi"}]) == "[INST] Hi [/INST]"
+
+
 # -- served: one daemon with the model's defaults, one without --------------------------------------
 @pytest.fixture(scope="module")
 def served_dir(base_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -601,7 +644,63 @@ def test_a_broken_template_is_the_servers_error_not_the_messages(none_daemon: Da
     assert warned and "WARNING" in warned[0], log
 
 
+@pytest.fixture(scope="module")
+def buggy_daemon(served_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    """The model with BUGGY_TEMPLATE."""
+    folder = tmp_path_factory.mktemp("buggy")
+    shutil.rmtree(folder)
+    shutil.copytree(served_dir, folder)
+    (folder / "chat_template.jinja").write_text(BUGGY_TEMPLATE)
+    d = Daemon(
+        tmp_path_factory.mktemp("buggyd"),
+        debug_hooks=False,
+        serving=f"{{model: '{folder}', kv_cache_bytes: 8MiB, max_model_len: 512}}",
+        api="served_model_name: buggy",
+    )
+    d.folder = folder  # type: ignore[attr-defined]
+    yield d
+    assert d.stop() == 0
+
+
+def test_a_template_failing_on_its_own_is_a_500_a_refusal_a_400(buggy_daemon: Daemon) -> None:
+    """A template that fails on its own bug for some messages: a 500 `chat_template_error`
+    naming the file and the error (it was a 400 blaming `messages`, which the client cannot
+    fix); its `raise_exception` is a 400 naming `messages` and quoting it; other messages
+    are served."""
+    c = buggy_daemon.client()
+    with pytest.raises(openai.InternalServerError) as e:
+        c.chat.completions.create(
+            model="buggy", messages=[{"role": "user", "content": "bug"}], max_tokens=2
+        )
+    assert e.value.body["type"] == "server_error"  # type: ignore[index]
+    assert e.value.body["code"] == "chat_template_error"  # type: ignore[index]
+    assert "this server's chat template is broken" in e.value.message
+    assert str(buggy_daemon.folder / "chat_template.jinja") in e.value.message  # type: ignore[attr-defined]
+    assert "TypeError" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(
+            model="buggy", messages=[{"role": "user", "content": "refuse"}], max_tokens=2
+        )
+    assert e.value.body["param"] == "messages"  # type: ignore[index]
+    assert "no refusals here" in e.value.message
+    messages: Any = [{"role": "user", "content": "Hi"}]
+    assert c.chat.completions.create(model="buggy", messages=messages, max_tokens=2).choices
+
+
 # -- kvguard generate ------------------------------------------------------------------------------
+def test_generate_chat_says_a_template_s_bug_in_one_line(
+    base_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`kvguard generate --chat` on a template failing on its own: the one-line error naming
+    the template and exit 2, not a Python traceback."""
+    folder = variant(base_dir, tmp_path / "buggy", files={"chat_template.jinja": BUGGY_TEMPLATE})
+    model = ["--model", str(folder), "--kv-cache-bytes", "8MiB"]
+    assert main(["generate", "--chat", *model, "bug"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvguard: error: the chat template in ") and "TypeError" in err
+    assert len(err.strip().splitlines()) == 1
+
+
 def _generate(capsys: pytest.CaptureFixture[str], *args: str) -> list[int]:
     assert main(["generate", "--json", "--seed", "3", *args, "Hello world"]) == 0
     return json.loads(capsys.readouterr().out)[0]["token_ids"]

@@ -76,9 +76,11 @@ _COMPLETION_ID = re.compile(rb'\{"id": ?"((?:chat)?cmpl-[A-Za-z0-9_-]{1,64})"')
 class RequestIds:
     """Gives every answer an `x-request-id` header (the openai client's `_request_id`, what
     `with_raw_response` and its errors quote): a completion's id (`chatcmpl-...`, which the
-    daemon's log lines about it name) where the answer is a whole completion, else a fresh
+    daemon's log lines about it name) where the answer is a whole completion, else
+    `_answer_id`: an error's is its completion id once the route made one, else a fresh
     `req-...` (an error, a stream, whose headers go out before any of its chunks, /health).
-    Without one, a client with a failed request had nothing to quote.
+    Without one, a client with a failed request had nothing to quote; the log lines about an
+    error name the same id, so that what a client quotes is found.
 
     A JSON answer's start is held until its body, which JSONResponse sends right after it,
     to read the id there; no other answer is held. Plain ASGI, as CountedRequests."""
@@ -90,8 +92,8 @@ class RequestIds:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        fresh = new_id("req")
-        scope.setdefault("state", {})["request_id"] = fresh  # for the log of a crash
+        state = scope.setdefault("state", {})
+        state["request_id"] = new_id("req")  # for the log lines about its answer
         held: Message | None = None
 
         async def sending(message: Message) -> None:
@@ -100,14 +102,26 @@ class RequestIds:
                 if b"json" in _content_type(message):  # its body follows: the id may be there
                     held = message
                     return
-                message = _with_request_id(message, fresh)
+                message = _with_request_id(message, _answer_id(state, message["status"]))
             elif held is not None and message["type"] == "http.response.body":
                 found = _COMPLETION_ID.match(message.get("body", b"")[:200])
                 start, held = held, None
-                await send(_with_request_id(start, found.group(1).decode() if found else fresh))
+                answer_id = _answer_id(state, start["status"])
+                request_id = found.group(1).decode() if found else answer_id
+                await send(_with_request_id(start, request_id))
             await send(message)
 
         await self.app(scope, receive, sending)
+
+
+def _answer_id(state: dict[str, Any], status: int) -> str:
+    """The x-request-id of an answer that is not a whole completion: an error's is the
+    completion id its route made (`request.state.completion_id`: the engine's log lines name
+    the request's choices `<id>-<index>`, a failed step's traceback among them), else the
+    request's fresh one."""
+    if status >= 400 and state.get("completion_id"):
+        return str(state["completion_id"])
+    return str(state.get("request_id", ""))
 
 
 def _with_request_id(start: Message, request_id: str) -> Message:
@@ -331,7 +345,7 @@ def _crashed(request: Request) -> Response:
     its outermost middleware and then re-raises, and uvicorn, seeing the exception after the
     answer started, closes the connection, so a keep-alive client's next request is reset.
     No input should get here (they are all answered 4xx); this is the net under that rule."""
-    request_id = getattr(request.state, "request_id", None)  # the answer's x-request-id
+    request_id = _answer_id(request.scope.get("state") or {}, 500)  # the answer's x-request-id
     log.exception(
         "unhandled error in %s %s (request %s)", request.method, request.url.path, request_id
     )

@@ -5,7 +5,7 @@ latency histograms observed by the HTTP layer. Names follow Prometheus conventio
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -29,6 +29,12 @@ AUTH_FAILURE_REASONS = ("missing", "unknown", "priority", "max_requests")
 # the refusals of a known key, by key as well: kvguard_api_key_refusals_total
 KEY_REFUSAL_REASONS = ("priority", "max_requests")
 PRIORITIES = ("high", "normal", "low")
+# requests the API refused before the engine could decide (daemon/openai_api.py), in
+# kvguard_admission_decisions_total{decision="reject"} beside the engine's refusals with a
+# `reason`: the reject-ratio rule and the dashboards count them. `queue_full`: past what a hard
+# queue bound takes in, counting those posted and not yet taken; `engine_stalled`: a 503 while
+# the engine loop is stalled
+API_REJECT_REASONS = ("queue_full", "engine_stalled")
 
 
 def _gauge(name: str, doc: str, labels: list[str] | None = None) -> GaugeMetricFamily:
@@ -38,9 +44,16 @@ def _gauge(name: str, doc: str, labels: list[str] | None = None) -> GaugeMetricF
 class SnapshotCollector(Collector):
     """Engine state as of the last step: nothing is computed or locked at scrape time."""
 
-    def __init__(self, snapshot: Callable[[], EngineSnapshot], ready: Callable[[], bool]) -> None:
+    def __init__(
+        self,
+        snapshot: Callable[[], EngineSnapshot],
+        ready: Callable[[], bool],
+        api_rejects: Mapping[str, int] | None = None,
+    ) -> None:
         self.snapshot = snapshot
         self.ready = ready
+        # the API's own refusals (API_REJECT_REASONS), counted on the event loop
+        self.api_rejects = api_rejects if api_rejects is not None else {}
 
     def collect(self):  # noqa: ANN201 - generator of metric families
         s = self.snapshot()
@@ -101,6 +114,8 @@ class SnapshotCollector(Collector):
         )
         for decision in ("admit", "queue", "reject"):
             adm.add_metric([decision], s.admission_decisions.get(decision, 0))
+        for reason, n in self.api_rejects.items():  # the series without `reason`: the engine's
+            adm.add_sample(adm.name + "_total", {"decision": "reject", "reason": reason}, n)
         oom = CounterMetricFamily(
             "kvguard_engine_oom_events", "Out-of-memory faults survived by the engine"
         )
@@ -430,7 +445,10 @@ class Metrics:
         self, snapshot: Callable[[], EngineSnapshot], ready: Callable[[], bool], nvml: NvmlReader
     ) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(SnapshotCollector(snapshot, ready))
+        # each choice of a request the API refused before the engine could decide, by reason
+        # (from 0: a series born at 1 is no increase()); written on the event loop only
+        self.api_rejects = dict.fromkeys(API_REJECT_REASONS, 0)
+        self.registry.register(SnapshotCollector(snapshot, ready, self.api_rejects))
         self.registry.register(NvmlCollector(nvml))
         r = self.registry
         self.ttft = Histogram(

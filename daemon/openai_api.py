@@ -12,7 +12,6 @@ import dataclasses
 import email.message
 import json
 import logging
-import math
 import os
 import re
 import threading
@@ -100,10 +99,14 @@ class ApiError(Exception):
         code: str | None = None,
         type_: str = "invalid_request_error",
         retry_after: float | None = None,
+        should_retry: bool | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.param, self.code, self.type_ = status, param, code, type_
         self.retry_after = retry_after
+        # `x-should-retry`, which the openai clients obey over the status: False for a 5xx
+        # that the same request meets every time (they retry any 500 twice, with backoff)
+        self.should_retry = should_retry
 
     def body(self) -> dict[str, Any]:
         return error_body(str(self), self.type_, self.param, self.code)
@@ -112,6 +115,8 @@ class ApiError(Exception):
         headers = {}
         if self.retry_after is not None:
             headers["Retry-After"] = str(max(1, round(self.retry_after)))
+        if self.should_retry is not None:
+            headers["x-should-retry"] = "true" if self.should_retry else "false"
         if self.status == 401:  # RFC 9110: say which scheme would do
             headers["WWW-Authenticate"] = "Bearer"
         if self.status == 415 and self.param == "Content-Encoding":  # RFC 9110: what is served
@@ -208,7 +213,7 @@ def router(service: Service) -> APIRouter:
             tags = service.engine.tokenizer.text_tokens  # taken by id: tools._literal
             grammar = await _off_loop(request, tools.grammar, fns, mode, parallel, schema, tags)
             params = dataclasses.replace(params, json_schema=None, grammar=grammar)
-        prompt = await _off_loop(request, _render_chat, service, msgs)
+        prompt = await _off_loop(request, _render_chat, service, msgs, _request_id(request))
         return await _serve(
             service,
             compiles,
@@ -234,7 +239,7 @@ def router(service: Service) -> APIRouter:
                 raise ApiError(400, problem[1], problem[0])
             await _off_loop(request, _special_in_messages, service, body)
             msgs = await _off_loop(request, _chat_messages, body)
-            text = await _off_loop(request, _render_chat, service, msgs)
+            text = await _off_loop(request, _render_chat, service, msgs, _request_id(request))
             special = bool(body.add_special_tokens)
         else:
             text, special = body.prompt or "", body.add_special_tokens is not False
@@ -577,29 +582,86 @@ def _outside(tokens: list[int], vocab: int) -> list[int]:
     return [t for t in tokens if t >= vocab]
 
 
-def _render_chat(service: Service, msgs: list[dict[str, str]]) -> str:
+def _request_id(request: Request) -> str | None:
+    """The request's `x-request-id` (app.RequestIds), for the log lines about its answer."""
+    return getattr(request.state, "request_id", None)
+
+
+def _render_chat(service: Service, msgs: list[dict[str, str]], request_id: str | None) -> str:
+    tok = service.engine.tokenizer
     try:
-        return service.engine.tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
+        return tok.apply_chat_template(msgs, add_generation_prompt=True)
     except ChatTemplateError as e:  # the template fails on its own bug: the server's fault
-        raise ApiError(
-            500,
-            f"this server's chat template is broken: {e}; its operator must fix the template "
-            "(a template refuses messages with raise_exception, answered 400)",
-            code="chat_template_error",
-            type_="server_error",
+        raise _template_broken(
+            tok,
+            e,
+            request_id,
+            "its operator must fix the template (a template refuses "
+            "messages with raise_exception, answered 400)",
         ) from e
     except ModelLoadError as e:  # the model's template does not compile: the server's fault
-        raise ApiError(
-            500,
-            f"this server's chat template is broken, whatever the messages: {e}; the daemon "
-            "log said so at start",
-            code="chat_template_error",
-            type_="server_error",
+        raise _template_broken(
+            tok, e, request_id, "whatever the messages; the daemon log said so at start"
         ) from e
     except Exception as e:  # noqa: BLE001 - a template error is the request's fault
         raise ApiError(
             400, f"messages cannot be rendered by the chat template: {e}", "messages"
         ) from e
+
+
+# distinct chat template failures logged, per tokenizer (a reload's model starts afresh): each
+# once, as the same failure comes back with every request that meets it; at most this many
+TEMPLATE_FAILURES_LOGGED = 32
+_template_failures: weakref.WeakKeyDictionary[Tokenizer, set[str]] = weakref.WeakKeyDictionary()
+_template_failures_lock = threading.Lock()  # rendered on worker threads too (_off_loop)
+
+
+def _template_broken(
+    tok: Tokenizer, error: ModelLoadError, request_id: str | None, remedy: str
+) -> ApiError:
+    """The 500 of a chat template failing on its own, the same for every request that meets
+    it: logged once per distinct failure (the template's file and the error, and the first
+    request's x-request-id, so a client quoting it is found), answered with `x-should-retry:
+    false` (the openai client would send it twice more, for the same 500) and without the
+    host's paths (the log has them)."""
+    if _first_template_failure(tok, str(error)):
+        log.error(
+            "request %s answered 500 chat_template_error: %s (logged once per distinct failure)",
+            request_id,
+            error,
+        )
+    return ApiError(
+        500,
+        f"this server's chat template is broken: {_without_paths(str(error), tok)}; {remedy}",
+        code="chat_template_error",
+        type_="server_error",
+        should_retry=False,
+    )
+
+
+def _first_template_failure(tok: Tokenizer, message: str) -> bool:
+    """Whether `message` is new for `tok` (then remembered), up to TEMPLATE_FAILURES_LOGGED."""
+    with _template_failures_lock:
+        seen = _template_failures.setdefault(tok, set())
+        if message in seen or len(seen) > TEMPLATE_FAILURES_LOGGED:
+            return False
+        seen.add(message)
+        if len(seen) <= TEMPLATE_FAILURES_LOGGED:
+            return True
+    log.error(
+        "more than %d distinct chat template failures: the next are not logged (their "
+        "answers are still 500 chat_template_error); fix the template in %s and reload",
+        TEMPLATE_FAILURES_LOGGED,
+        tok.template_source,
+    )
+    return False
+
+
+def _without_paths(message: str, tok: Tokenizer) -> str:
+    """`message` with the template's folder left out (`chat_template.jinja`, not where the
+    host keeps the model): a client is told what is broken, the log where."""
+    folder = os.path.dirname(tok.template_source.split(" (", 1)[0])
+    return message.replace(folder + os.sep, "") if folder else message
 
 
 def _prompts(prompt: Any) -> list[str | list[int]]:
@@ -843,11 +905,14 @@ async def _serve(
     if service.loop.fatal is not None:
         raise engine_unavailable(service.loop.fatal)
     _refuse_if_draining(service)
-    _refuse_if_stalled(service)
+    _refuse_if_stalled(service, len(prompts) * (body.n or 1))
     # from its arrival (the HTTP middleware's time): TTFT and duration take in the body's
     # parsing and the grammar prepared below, which can take seconds for a big schema
     arrived = getattr(request.state, "arrived", None)
     ctx = _Ctx(service, kind, body.model, priority, arrived or time.monotonic(), params)
+    # an error answer's x-request-id from now (app.RequestIds): the id the engine's log lines
+    # name its choices by (`<id>-<index>`), a failed step's traceback among them
+    request.state.completion_id = ctx.id
     ctx.n = body.n or 1
     asked = len(prompts) * ctx.n
     if key is not None:  # before the grammar: a key's flood is refused at once, not compiled
@@ -871,7 +936,7 @@ async def _serve(
             )
             for i in range(len(outs))
         ]
-        _refuse_if_stalled(service)  # it may have stalled while the grammar compiled
+        _refuse_if_stalled(service, asked)  # it may have stalled while the grammar compiled
         _refuse_past_queue(service, asked, priority)  # in the event-loop step that posts it
         ctx.posted = time.monotonic()  # its queue time runs from here (the engine's arrival)
         streams, added = service.loop.submit_all_nowait(
@@ -1120,12 +1185,14 @@ def _refuse_if_draining(service: Service) -> None:
         raise shutting_down()
 
 
-def _refuse_if_stalled(service: Service) -> None:
+def _refuse_if_stalled(service: Service, asked: int) -> None:
     """503 `engine_stalled` while the engine loop has not beaten for the stall threshold (as
     `/ready` says): posted, the request would wait for a step that may never come, and a
-    stalled engine refused nothing, so its connections piled up without bound."""
+    stalled engine refused nothing, so its connections piled up without bound. Its `asked`
+    choices count as admission's rejects (`engine_stalled`)."""
     stalled = service.stalled_s()
     if stalled is not None:
+        service.metrics.api_rejects["engine_stalled"] += asked
         raise ApiError(
             503,
             f"the engine loop has not made progress for {stalled:.0f}s (stalled): new requests "
@@ -1142,14 +1209,16 @@ def _refuse_past_queue(service: Service, asked: int, priority: str) -> None:
     taken by the engine thread: at most `max_num_seqs` start and `max_queue` wait. The engine
     decides only as it takes them in, so a stalled engine thread took in every request
     without limit and refused none; what this counts is what the engine would have refused
-    had it taken them. A request alone past that bound is left to the engine's 400."""
+    had it taken them. A request alone past that bound is left to the engine's 400. Its
+    `asked` choices count as admission's rejects (`queue_full`), and its Retry-After is
+    admission's slot wait, read without changing the engine thread's finish record."""
     ctl = service.engine.admission
     if ctl is None or ctl.config.max_queue_wait_s > 0:
         return
     ahead = service.loop.posted(high=priority == "high")
     room = service.engine.latest_snapshot.max_num_seqs + ctl.config.max_queue
     if ahead and ahead + asked > room:
-        drain = ctl.drain_s(ahead)
+        service.metrics.api_rejects["queue_full"] += asked
         raise ApiError(
             429,
             f"queue full ({ahead} sequences on their way into the engine ahead of this "
@@ -1157,7 +1226,7 @@ def _refuse_past_queue(service: Service, asked: int, priority: str) -> None:
             "hard limit with max_queue_wait 0s); retry later",
             code="admission_rejected",
             type_="overloaded_error",
-            retry_after=min(30.0, drain) if math.isfinite(drain) else 1.0,
+            retry_after=ctl.slot_wait_s(ahead),
         )
 
 

@@ -48,6 +48,7 @@ tokens.
 
 from __future__ import annotations
 
+import bisect
 import math
 import time
 from collections import deque
@@ -664,10 +665,25 @@ class AdmissionController:
 
     def _slot_wait_s(self, ahead: int) -> float:
         """A request's estimated wait for a batch slot, `ahead` starts from now (itself
-        included): one finish each, at the recent finish rate (`drain_s`); as `wait_s`, at
-        most 30 s and 1 s when nothing finished lately."""
-        drain = self.drain_s(ahead)
-        return min(30.0, drain) if math.isfinite(drain) else 1.0
+        included): one finish each, at the recent finish rate (`finish_rate`, engine thread
+        only: it forgets stale finishes); as `wait_s`, at most 30 s and 1 s when nothing
+        finished lately."""
+        return _slot_wait(ahead, self.finish_rate())
+
+    def recent_finish_rate(self) -> float:
+        """`finish_rate` read-only, for a thread other than the engine's (the event loop's
+        API-side 429): counted on a copy of the finish times, forgetting none. The engine
+        thread appends and pops that deque, and a second popper could drop the record it
+        has just appended (finishes lost, every Retry-After skewed); the stale ones are
+        forgotten at its next release."""
+        finished = tuple(self._finished)  # one C-level copy, under the GIL
+        cutoff = self.clock() - FINISH_WINDOW_S
+        return (len(finished) - bisect.bisect_left(finished, cutoff)) / FINISH_WINDOW_S
+
+    def slot_wait_s(self, ahead: int) -> float:
+        """`_slot_wait_s` read-only (`recent_finish_rate`): the Retry-After of a request the
+        event loop refuses for the requests posted ahead of it, estimated as admission's."""
+        return _slot_wait(ahead, self.recent_finish_rate())
 
     def release_rate(self) -> float:
         """Blocks released per second over the recent window (0 when unknown)."""
@@ -679,6 +695,12 @@ class AdmissionController:
     def wait_s(self, blocks: int) -> float:
         rate = self.release_rate()
         return min(30.0, blocks / rate) if rate > 0 else 1.0
+
+
+def _slot_wait(ahead: int, rate: float) -> float:
+    """`ahead` starts, one finish each at `rate` finishes a second: at most 30 s, and 1 s when
+    nothing finished lately (no rate to estimate from)."""
+    return min(30.0, ahead / rate) if rate > 0 else 1.0
 
 
 def _reject(kind: str, reason: str, wait: float = 0.0, about: str = "") -> AdmissionDecision:

@@ -392,18 +392,23 @@ def one_slot_daemon(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201 -
 
 
 def _decisions(d: Daemon) -> dict[str, float]:
+    """Admission's decisions by kind, the engine's and the API's refusals (`reason`) summed."""
     text = d.admin("GET", "/metrics").text
-    found = re.findall(r'^kvguard_admission_decisions_total\{decision="(\w+)"\} (\S+)$', text, re.M)
-    return {k: float(v) for k, v in found}
+    pattern = r'^kvguard_admission_decisions_total\{decision="(\w+)"(?:,reason="\w+")?\} (\S+)$'
+    out: dict[str, float] = {}
+    for k, v in re.findall(pattern, text, re.M):
+        out[k] = out.get(k, 0.0) + float(v)
+    return out
 
 
 def test_ten_requests_at_once_on_one_slot_queue_two_and_get_seven_429s(
     one_slot_daemon: Daemon,
 ) -> None:
-    """Ten requests posted while the engine is stalled reach it in one drain, with no step
-    between them: one starts, two wait, and seven answer 429 with a Retry-After at once (they
-    used to be admitted, nine waiting for the slot however long). The metrics count them
-    as `admit`, `queue` and `reject`."""
+    """Ten requests sent while the engine is stalled: the three the hard queue bound takes in
+    (one slot, two waiting) are posted, the seven past it answer 429 with a Retry-After at
+    once, before the engine takes any (they used to be admitted, nine waiting for the slot
+    however long; then, all ten posted, refused only once the engine took them in). The
+    metrics count them as `admit`, `queue` and `reject`."""
     d = one_slot_daemon
     before = _decisions(d)
     client = d.client()
@@ -420,7 +425,9 @@ def test_ten_requests_at_once_on_one_slot_queue_two_and_get_seven_429s(
                 )
                 for i in range(10)
             ]
-            until(lambda: state(d)["in_flight"] == 10, 30, "the ten requests posted")
+            refused_at_once = lambda: sum(f.done() for f in futures)  # noqa: E731
+            until(lambda: refused_at_once() == 7, 30, "seven requests refused at once")
+            assert state(d)["in_flight"] == 3
         finally:
             d.admin("POST", "/admin/debug/release")
         served, refused = [], []
@@ -431,7 +438,7 @@ def test_ten_requests_at_once_on_one_slot_queue_two_and_get_seven_429s(
                 refused.append(e)
     assert [r.usage.completion_tokens for r in served] == [4, 4, 4]
     assert [e.status_code for e in refused] == [429] * 7
-    assert all("queue full (2 waiting" in e.message for e in refused)
+    assert all("queue full (3 sequences on their way" in e.message for e in refused)
     assert all(float(e.response.headers["retry-after"]) > 0 for e in refused)
 
     def counted() -> dict[str, float]:  # the metrics are rebuilt from a snapshot each second
@@ -484,8 +491,9 @@ def test_a_request_whose_last_choice_finds_the_queue_full_is_refused_whole(
     queued, the third refused, the two aborted, so a request answered 429 counted two `queue`
     decisions, two `abort` finishes (clients that gave up), two queue waits and its prompt's
     tokens as work done, and its 429 said "queue full (2 waiting)" of an empty queue: its
-    own choices. Now none of it is taken in: its three choices count `reject`, nothing else
-    moves, and the 429 counts only what waits ahead of it and says its size is the problem."""
+    own choices. Now none of it is taken in: refused at once behind the request posted ahead
+    of it (the engine is stalled), its three choices count `reject`, nothing else moves, and
+    the 429 counts only what is ahead of it and names its size."""
     d = one_slot_daemon
     until(lambda: idle(state(d)), 30, "the engine idle")
     client = d.client()
@@ -498,7 +506,8 @@ def test_a_request_whose_last_choice_finds_the_queue_full_is_refused_whole(
             first = pool.submit(client.completions.create, prompt="the first", **ask)
             until(lambda: state(d)["in_flight"] == 1, 30, "the first request posted")
             second = pool.submit(client.completions.create, prompt="the second", n=3, **ask)
-            until(lambda: state(d)["in_flight"] == 4, 30, "the n=3 request posted")
+            until(second.done, 30, "the n=3 request refused at once")
+            assert state(d)["in_flight"] == 1
         finally:
             d.admin("POST", "/admin/debug/release")
         served = first.result(120)
@@ -515,8 +524,10 @@ def test_a_request_whose_last_choice_finds_the_queue_full_is_refused_whole(
     counted = {k: v - decided.get(k, 0.0) for k, v in _decisions(d).items()}
     assert counted == {"admit": 1, "queue": 0, "reject": 3}
     message = e.value.message
-    assert "queue full (0 waiting ahead of this request): its 3 sequences" in message, message
-    assert "ask for fewer" in message and "2 waiting" not in message
+    assert "queue full (1 sequences on their way into the engine ahead of this request's 3" in (
+        message
+    ), message
+    assert "2 waiting" not in message
     assert float(e.value.response.headers["retry-after"]) > 0
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -629,15 +630,18 @@ def test_generation_config_none_keeps_openais_defaults(
 
 def test_a_broken_template_is_the_servers_error_not_the_messages(none_daemon: Daemon) -> None:
     """A template that does not compile: a WARNING at load naming the file, then every chat
-    request a 500 saying the server's template is broken (not a 400 blaming `messages`);
-    completions are served."""
+    request a 500 saying the server's template is broken (not a 400 blaming `messages`),
+    naming the file but not where the host keeps it, not to be retried; completions are
+    served."""
     c = none_daemon.client()
     with pytest.raises(openai.InternalServerError) as e:
         c.chat.completions.create(model="none", messages=MESSAGES[:1], max_tokens=2)
     assert e.value.status_code == 500
     assert e.value.body["type"] == "server_error"  # type: ignore[index]
+    assert e.value.response.headers["x-should-retry"] == "false"
     assert "this server's chat template is broken" in e.value.message
-    assert str(none_daemon.folder / "chat_template.jinja") in e.value.message  # type: ignore[attr-defined]
+    assert "chat_template.jinja does not compile" in e.value.message
+    assert str(none_daemon.folder) not in e.value.message  # type: ignore[attr-defined]
     assert c.completions.create(model="none", prompt="Hello", max_tokens=2).choices
     log = Path(none_daemon.log.name).read_text()
     warned = [line for line in log.splitlines() if "does not compile" in line]
@@ -662,21 +666,45 @@ def buggy_daemon(served_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     assert d.stop() == 0
 
 
+def _served_500s(d: Daemon) -> float:
+    """The 500s the daemon answered on /v1/chat/completions (kvguard_http_requests_total)."""
+    text = httpx.get(d.url + "/metrics", timeout=60).text
+    pattern = r'^kvguard_http_requests_total\{route="/v1/chat/completions",status="500"\} (\S+)$'
+    found = re.search(pattern, text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
 def test_a_template_failing_on_its_own_is_a_500_a_refusal_a_400(buggy_daemon: Daemon) -> None:
     """A template that fails on its own bug for some messages: a 500 `chat_template_error`
-    naming the file and the error (it was a 400 blaming `messages`, which the client cannot
-    fix); its `raise_exception` is a 400 naming `messages` and quoting it; other messages
-    are served."""
-    c = buggy_daemon.client()
-    with pytest.raises(openai.InternalServerError) as e:
-        c.chat.completions.create(
-            model="buggy", messages=[{"role": "user", "content": "bug"}], max_tokens=2
-        )
-    assert e.value.body["type"] == "server_error"  # type: ignore[index]
-    assert e.value.body["code"] == "chat_template_error"  # type: ignore[index]
-    assert "this server's chat template is broken" in e.value.message
-    assert str(buggy_daemon.folder / "chat_template.jinja") in e.value.message  # type: ignore[attr-defined]
-    assert "TypeError" in e.value.message
+    naming the file (not where the host keeps it) and the error (it was a 400 blaming
+    `messages`, which the client cannot fix), with `x-should-retry: false`: the openai client,
+    at its default of two retries, sends it once (it sent it three times, with backoff). The
+    log has one ERROR line however often it comes, with the file's path, the error and the
+    first answer's x-request-id. Its `raise_exception` is a 400 naming `messages` and quoting
+    it; other messages are served."""
+    c = openai.OpenAI(base_url=buggy_daemon.url + "/v1", api_key="unused", timeout=60)
+    assert c.max_retries == 2  # the client's default
+    bug: Any = [{"role": "user", "content": "bug"}]
+    before = _served_500s(buggy_daemon)
+    errors = []
+    for _ in range(2):
+        with pytest.raises(openai.InternalServerError) as e:
+            c.chat.completions.create(model="buggy", messages=bug, max_tokens=2)
+        errors.append(e.value)
+    assert _served_500s(buggy_daemon) == before + 2  # one each, none retried
+    first = errors[0]
+    assert first.response.headers["x-should-retry"] == "false"
+    assert first.body["type"] == "server_error"  # type: ignore[index]
+    assert first.body["code"] == "chat_template_error"  # type: ignore[index]
+    assert "this server's chat template is broken" in first.message
+    assert "chat_template.jinja fails: TypeError" in first.message
+    template = buggy_daemon.folder / "chat_template.jinja"  # type: ignore[attr-defined]
+    assert str(buggy_daemon.folder) not in first.message  # type: ignore[attr-defined]
+    log = Path(buggy_daemon.log.name).read_text().splitlines()
+    logged = [line for line in log if "chat_template_error" in line]
+    assert len(logged) == 1 and " ERROR " in logged[0], logged
+    assert f"the chat template in {template} fails: TypeError" in logged[0]
+    assert first.request_id and f"request {first.request_id} " in logged[0]
     with pytest.raises(openai.BadRequestError) as e:
         c.chat.completions.create(
             model="buggy", messages=[{"role": "user", "content": "refuse"}], max_tokens=2

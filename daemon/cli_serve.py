@@ -48,9 +48,22 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     p.set_defaults(func=cmd_serve)
 
 
+def _stacks_on_fatal_signals() -> None:
+    """systemd's watchdog ends a daemon whose engine loop stopped beating with SIGABRT (the
+    unit's WatchdogSignal=, unset: the default), which killed it without a word: every
+    thread's stack now goes to stderr (the journal) first, so that the step that hung is named
+    even where the stall WARNING, which names it too, did not get out (a crash in a native
+    library, SIGSEGV, is named alike). Not where stderr has no file descriptor to write to."""
+    import faulthandler
+
+    with contextlib.suppress(RuntimeError, OSError, ValueError):
+        faulthandler.enable(all_threads=True)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import signal
 
+    _stacks_on_fatal_signals()
     # A reload (SIGHUP) before the daemon can take one is ignored, from the first moment: its
     # default action would kill the process during the imports below (seconds: torch), before
     # the service installs its own handler (which logs that it is not ready yet).

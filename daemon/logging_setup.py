@@ -40,13 +40,13 @@ NOT_ACCEPTING = (
     "clients get no answer until some close: find the client holding them (ss -tn), or raise "
     "LimitNOFILE= (systemctl edit kvguard)"
 )
-# And the daemon's line for a connection reset because its client read none of its answer
-# for api.response_write_timeout (service._TimedH11): one per stalled client ("from <peer>."
-# is added to the first).
+# And the daemon's line for a connection reset because its client read nothing more of its
+# answer for a whole api.response_write_timeout (service._TimedH11): one per stalled client
+# ("from <peer>." is added to the first).
 NOT_READ = (
-    "a client read none of its answer for %gs (api.response_write_timeout; raise it if clients "
-    "pause reading that long on purpose), and any request still running for it is aborted: "
-    "resetting the connection"
+    "a client read nothing more of its answer for %gs (api.response_write_timeout; raise it if "
+    "clients pause reading that long on purpose), and any request still running for it is "
+    "aborted: resetting the connection"
 )
 BOUNDED = {
     "uvicorn.error": {"Invalid HTTP request received.": "invalid HTTP requests"},

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import fcntl
 import ipaddress
 import logging
 import os
@@ -17,6 +18,7 @@ import signal
 import socket
 import struct
 import sys
+import termios
 import threading
 import time
 import weakref
@@ -186,10 +188,13 @@ class _TimedH11(H11Protocol):
     still sends is read before the close: closed with its bytes unread, the connection was
     reset, and the client saw no answer at all.
 
-    The answer's side is timed too: while the daemon cannot send (the client reads nothing,
-    the socket's buffers are full) for `write_timeout`, the connection is reset, which the
-    app sees as the client gone (its request, if still running, is aborted). A client that
-    stopped reading held its answer's memory and the connection for ever."""
+    The answer's side is timed too: while the daemon cannot send (the socket's buffers are
+    full), a client that reads nothing more of its answer for a whole `write_timeout` has its
+    connection reset, which the app sees as the client gone (its request, if still running, is
+    aborted). A client that stopped reading held its answer's memory and the connection for
+    ever. What is timed is the lack of progress, not the pause: a large answer written at once
+    (a non-streamed one, logprobs JSON of MBs) stays paused until nearly all of it is sent, and
+    a client reading it steadily for longer than `write_timeout` was reset mid-answer."""
 
     read_timeout = 20.0  # api.request_read_timeout: `timed_h11` sets it
     write_timeout = 60.0  # api.response_write_timeout: `timed_h11` sets it
@@ -202,6 +207,7 @@ class _TimedH11(H11Protocol):
         self._awaiting: str | None = None  # what the timer waits for: a key of OWED
         self._refused = False  # answered 431: what the client still sends is dropped
         self._write_timer: asyncio.TimerHandle | None = None  # while writing is paused
+        self._unsent_then = 0  # `_unsent()` as the timer's current period began
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -217,7 +223,26 @@ class _TimedH11(H11Protocol):
         client has `write_timeout` to read some of it."""
         super().pause_writing()
         if self._write_timer is None:
-            self._write_timer = self.loop.call_later(self.write_timeout, self._write_timed_out)
+            self._start_write_period()
+
+    def _start_write_period(self) -> None:
+        """A new `write_timeout` within which the client must take some of what is unsent."""
+        self._unsent_then = self._unsent()
+        self._write_timer = self.loop.call_later(self.write_timeout, self._write_timed_out)
+
+    def _unsent(self) -> int:
+        """Bytes of the answer the client has not taken yet: the transport's buffer and the
+        socket's send queue (SIOCOUTQ: sent but unacknowledged, or not sent at all; 0 where
+        the kernel cannot tell). Reading moves the kernel's queue first: the transport's buffer
+        shrinks only once a third of the socket's send buffer is free again, megabytes with
+        autotuned buffers, which a slow but steady reader may take longer than a period for."""
+        unsent = self.transport.get_write_buffer_size()
+        sock = self.transport.get_extra_info("socket")
+        outq = getattr(termios, "TIOCOUTQ", None)
+        if sock is not None and outq is not None:
+            with contextlib.suppress(OSError, ValueError):
+                unsent += struct.unpack("i", fcntl.ioctl(sock.fileno(), outq, bytes(4)))[0]
+        return unsent
 
     def resume_writing(self) -> None:
         super().resume_writing()
@@ -229,12 +254,16 @@ class _TimedH11(H11Protocol):
             self._write_timer = None
 
     def _write_timed_out(self) -> None:
-        """The client read nothing for `write_timeout`: reset the connection. Not a close,
-        which waits for the client to read what is buffered; nor a bare abort, whose socket
-        the kernel still keeps, sending to a client that reads nothing, which never sees the
-        end. Logged once, then counted a minute at a time (logging_setup.BOUNDED): each
-        stalled client would write a line."""
+        """A period of `write_timeout` has passed with writing paused. If the client took some
+        of its answer meanwhile, it is slow, not stopped: a new period begins. If it took
+        nothing, reset the connection. Not a close, which waits for the client to read what
+        is buffered; nor a bare abort, whose socket the kernel still keeps, sending to a client
+        that reads nothing, which never sees the end. Logged once, then counted a minute at a
+        time (logging_setup.BOUNDED): each stalled client would write a line."""
         self._write_timer = None
+        if self._unsent() < self._unsent_then:
+            self._start_write_period()
+            return
         log.warning(NOT_READ, self.write_timeout)
         sock = self.transport.get_extra_info("socket")
         if sock is not None:  # linger 0: the close drops what is unsent and sends a reset
@@ -653,45 +682,83 @@ class Service:
         return f"{refused}; {self._status_line()}" if refused else self._status_line()
 
     def _watchdog(self) -> None:
-        """Ping systemd only while the engine loop beats: a stalled loop stops the pings."""
+        """Ping systemd only while the engine loop beats: a stalled loop stops the pings, and
+        systemd aborts the daemon (SIGABRT) one watchdog interval after the last one."""
         interval = sdnotify.watchdog_interval()
         period = interval / 3 if interval else 2.0
+        last_ping = time.monotonic()
         while not self._stop_watchdog.wait(period):
             with self._watchdog_lock:  # see _silence_watchdog
                 if self._stop_watchdog.is_set():
                     return
-                beat_age = time.monotonic() - self.loop.last_beat
-                self._log_stall(self.stalled_s())
+                now = time.monotonic()
+                beat_age = now - self.loop.last_beat
                 if interval and beat_age < interval / 2:
                     sdnotify.watchdog()
+                    last_ping = now
+                kill_in = last_ping + interval - now if interval else None
+                self._log_stall(beat_age, interval, kill_in)
                 sdnotify.status(
                     self._systemd_status()
                     if beat_age < period * 2
                     else f"engine loop stalled {beat_age:.0f}s"
                 )
 
-    def _log_stall(self, stalled: float | None) -> None:
-        """One WARNING when the engine loop is first seen stalled, naming where its thread is,
-        and one INFO when it beats again: without them a stall left nothing in the journal
-        (systemd's STATUS= line is not kept), where the runbook sends on-call for the step that
-        hung. The watchdog thread's, every period."""
+    def _stalled_for_the_log(self, beat_age: float, interval: float | None) -> bool:
+        """Whether the stall WARNING is due: past `stall_after_s` (the 503s' threshold), or
+        under systemd's watchdog as soon as the pings stop (half its `interval`), if that comes
+        first. At the shipped WatchdogSec=30s, equal to the 30 s threshold, the WARNING was
+        often due at the very tick systemd's SIGABRT came, and the journal never named the
+        stuck step; now it comes at the first tick without a ping, 2/3 of an interval before
+        the abort."""
+        if beat_age > self.stall_after_s:
+            return True
+        return interval is not None and beat_age >= interval / 2  # the pings have stopped
+
+    def _log_stall(self, beat_age: float, interval: float | None, kill_in: float | None) -> None:
+        """One WARNING when the engine loop is first seen stalled (`_stalled_for_the_log`),
+        naming where its thread is, and one INFO when it beats again: without them a stall left
+        nothing in the journal (systemd's STATUS= line is not kept), where the runbook sends
+        on-call for the step that hung. The watchdog thread's, every period; `interval`:
+        systemd's watchdog interval and `kill_in` how long it still waits for a ping (None
+        without one)."""
         now = time.monotonic()
-        if stalled is not None and self._stall_logged_at is None:
-            self._stall_logged_at = now - stalled
+        stalled = self._stalled_for_the_log(beat_age, interval)
+        if stalled and self._stall_logged_at is None:
+            self._stall_logged_at = now - beat_age
             thread = self.loop.thread
             log.warning(
-                "engine loop has not beaten for %.0fs (%s): not ready, new requests answer 503 "
-                "engine_stalled until it beats again (under systemd, its watchdog restarts a "
-                "loop that stays stalled)",
-                stalled,
+                "engine loop has not beaten for %.0fs (%s): %s",
+                beat_age,
                 _where(thread) if thread is not None else "no engine thread",
+                self._stall_outcome(beat_age, interval, kill_in),
             )
-        elif stalled is None and self._stall_logged_at is not None:
+        elif not stalled and self._stall_logged_at is not None:
             log.info(
                 "engine loop beats again after a stall of about %.0fs: ready, taking requests",
                 now - self._stall_logged_at,
             )
             self._stall_logged_at = None
+
+    def _stall_outcome(self, beat_age: float, interval: float | None, kill_in: float | None) -> str:
+        """What the stall WARNING says follows: the 503s (now, or from `stall_after_s`), and
+        systemd's restart while the loop stays stalled."""
+        if beat_age > self.stall_after_s:
+            refusing = "not ready, new requests answer 503 engine_stalled until it beats again"
+        else:
+            refusing = (
+                f"new requests answer 503 engine_stalled once it has not beaten for "
+                f"{self.stall_after_s:g}s"
+            )
+        if not interval or kill_in is None:
+            return f"{refusing} (no systemd watchdog: nothing restarts a loop that stays stalled)"
+        if beat_age < interval / 2:  # still pinging: a stall threshold below the pings' own
+            return f"{refusing}; systemd's watchdog restarts the daemon if it stays stalled"
+        return (
+            f"{refusing}; watchdog pings stopped: unless it beats again, systemd aborts the "
+            f"daemon in about {max(kill_in, 0.0):.0f}s, writing every thread's stack to stderr "
+            f"(the journal), and restarts it"
+        )
 
     def _silence_watchdog(self) -> None:
         """Stop the pings for good; once this returns, none is sent, not even one the watchdog

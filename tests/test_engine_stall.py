@@ -13,8 +13,12 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import re
+import resource
+import signal
 import subprocess
 import threading
+import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,9 +27,11 @@ import httpx
 import openai
 import pytest
 
+from kvguard.daemon import sdnotify
+from kvguard.daemon import service as service_module
 from kvguard.daemon.app import create_app
 from kvguard.daemon.config import load_config
-from kvguard.daemon.service import Service
+from kvguard.daemon.service import STALL_AFTER_S, Service
 from tests.test_server import KVGUARD, Daemon, until
 
 QUEUE = 4  # admission_control.max_queue, a hard limit (max_queue_wait 0s)
@@ -65,8 +71,14 @@ def test_a_stalled_engine_takes_in_what_the_queue_holds_and_refuses_the_rest_at_
     try:
         futures = [pool.submit(complete, d) for _ in range(20)]
         refused = lambda: [f.result() for f in futures if f.done()]  # noqa: E731
-        # every request either answered or on its way into the engine: nothing else comes
-        until(lambda: len(refused()) + in_flight() == 20, 60, "all 20 answered or in flight")
+        # every request either answered or on its way into the engine: nothing else comes.
+        # Bounded well inside the daemon's 30 s stall threshold, past which a late request
+        # gets 503 engine_stalled: this says the requests were slow, not that 429s were wrong
+        until(
+            lambda: len(refused()) + in_flight() == 20,
+            STALL_AFTER_S - 10,
+            "all 20 answered or in flight, before the stall threshold",
+        )
         assert in_flight() == QUEUE + SEQS
         assert len(refused()) == 20 - QUEUE - SEQS
         for status, code, retry_after in refused():
@@ -187,9 +199,10 @@ def test_past_the_stall_threshold_new_requests_get_503_and_the_stall_is_logged(
         while "engine loop has not beaten" not in caplog.text:  # the watchdog's next look
             await asyncio.sleep(0.05)
         state = service.state()
+        # no second stall on a busy host's slow step: from before the loop beats again
+        service.stall_after_s = 3600.0
         release.set()
         first = await asyncio.wait_for(held, 120)  # served: the loop beats again
-        service.stall_after_s = 3600.0  # no second stall on a busy host's slow step
         while "engine loop beats again" not in caplog.text:
             await asyncio.sleep(0.05)
         after = await c.completions.create(model="tiny", prompt="y", max_tokens=3)
@@ -221,3 +234,128 @@ def test_a_request_during_the_stop_gets_503_shutting_down(service: Service) -> N
         service.draining = False
     assert e.status_code == 503 and e.body["code"] == "shutting_down", e.body
     assert e.body["type"] == "service_unavailable"
+
+
+# -- the stall WARNING against systemd's watchdog ----------------------------------------------
+
+
+class WatchdogRun:
+    """The real `Service._watchdog` on a fake clock that each of its waits moves on by the
+    period it asks for, over an engine loop that beats until `stall_at`, then never again;
+    `sdnotify` faked as systemd sees it: its pings' times, and the stall WARNING's."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, interval: float | None, stall_at: float):
+        self.now, self.stall_at = 0.0, stall_at
+        self.end = stall_at + 3 * (interval or STALL_AFTER_S)
+        self.pings: list[float] = []
+        self.warnings: list[tuple[float, str]] = []
+        monkeypatch.setattr(service_module, "time", types.SimpleNamespace(monotonic=self.clock))
+        monkeypatch.setattr(sdnotify, "watchdog_interval", lambda: interval)
+        monkeypatch.setattr(sdnotify, "watchdog", lambda: self.pings.append(self.now) or True)
+        monkeypatch.setattr(sdnotify, "status", lambda *_: True)
+        svc = Service.__new__(Service)  # no engine: the watchdog reads the loop's beat alone
+        svc.loop = types.SimpleNamespace(last_beat=0.0, thread=threading.current_thread())
+        svc._stop_watchdog = self  # type: ignore[assignment]  # `wait` and `is_set` below
+        svc._watchdog_lock, svc._stall_logged_at = threading.Lock(), None
+        svc.stall_after_s = STALL_AFTER_S
+        svc._systemd_status = lambda: "ok"  # type: ignore[method-assign]
+        self.svc = svc
+
+    def clock(self) -> float:
+        return self.now
+
+    def wait(self, period: float) -> bool:
+        self.now += period
+        self.svc.loop.last_beat = min(self.now, self.stall_at)  # the loop beats until the stall
+        return self.now > self.end
+
+    def is_set(self) -> bool:
+        return False
+
+    def run(self, caplog: pytest.LogCaptureFixture) -> None:
+        caplog.clear()
+        handler = AtFakeTime(self)
+        logger = logging.getLogger("kvguard.daemon")
+        logger.addHandler(handler)
+        try:
+            with caplog.at_level(logging.INFO, logger="kvguard.daemon"):
+                self.svc._watchdog()
+        finally:
+            logger.removeHandler(handler)
+        self.warnings = [(t, m) for t, m in self.warnings if "has not beaten" in m]
+
+
+class AtFakeTime(logging.Handler):
+    """Each record's message, with the fake time it was logged at, into `run.warnings`."""
+
+    def __init__(self, run: WatchdogRun) -> None:
+        super().__init__()
+        self.run = run
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.run.warnings.append((self.run.now, record.getMessage()))
+
+
+@pytest.mark.parametrize("phase", [0.01, 1.0, 3.0, 5.0, 7.5, 9.99])
+def test_the_stall_warning_comes_before_systemds_watchdog_aborts_the_daemon(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, phase: float
+) -> None:
+    """The shipped unit's WatchdogSec=30s equals the 30 s stall threshold: the pings stop at a
+    beat age of 15 s, systemd aborts the daemon 30 s after the last one, and the WARNING that
+    names where the engine thread is stuck came at the first 10 s tick past 30 s, for half the
+    stalls at the very tick systemd's SIGABRT came: the journal then never named the step.
+    It now comes once the pings stop, a tick (or more) ahead of the abort, whatever the stall's
+    phase against the ticks; the 503s keep their own 30 s threshold."""
+    run = WatchdogRun(monkeypatch, interval=30.0, stall_at=100.0 + phase)
+    run.run(caplog)
+    kill = max(run.pings) + 30.0  # no ping after it: systemd's SIGABRT
+    assert len(run.warnings) == 1, run.warnings
+    at, message = run.warnings[0]
+    assert at <= kill - 10.0, (at - run.stall_at, kill - run.stall_at)
+    assert f"systemd aborts the daemon in about {kill - at:.0f}s" in message, message
+    assert "new requests answer 503 engine_stalled once it has not beaten for 30s" in message
+    assert "(thread MainThread, in " in message  # where the (here: test's) engine thread is
+
+
+def test_without_systemds_watchdog_the_stall_warning_keeps_the_stall_threshold(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    run = WatchdogRun(monkeypatch, interval=None, stall_at=100.0)
+    run.run(caplog)
+    assert not run.pings and len(run.warnings) == 1, run.warnings
+    at, message = run.warnings[0]
+    assert STALL_AFTER_S <= at - run.stall_at <= STALL_AFTER_S + 2.0  # its 2 s ticks
+    assert "not ready, new requests answer 503 engine_stalled until it beats again" in message
+    assert "no systemd watchdog: nothing restarts a loop that stays stalled" in message
+
+
+def test_systemds_watchdog_abort_writes_every_threads_stack_after_the_stall_warning(
+    tmp_path: Path,
+) -> None:
+    """systemd's watchdog ends a stalled daemon with SIGABRT (WatchdogSignal's default), which
+    killed `kvguard serve` without a word: when the stall WARNING had not got out first, the
+    journal never said where the engine thread hung. `kvguard serve` now enables faulthandler:
+    the abort writes every thread's stack to stderr, the engine thread's stuck step in it. Here
+    the test is systemd, with a 4 s watchdog interval (the WARNING once the pings stop, at 2 s)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_CORE)
+    resource.setrlimit(resource.RLIMIT_CORE, (0, hard))  # the daemon inherits it: no core file
+    try:
+        d = Daemon(tmp_path, env={"WATCHDOG_USEC": "4000000"})
+    finally:
+        resource.setrlimit(resource.RLIMIT_CORE, (soft, hard))
+    log = Path(d.log.name)
+    try:
+        assert d.admin("POST", "/admin/debug/stall", json={"seconds": 60}).status_code == 200
+        until(lambda: "engine loop has not beaten" in log.read_text(), 60, "the stall WARNING")
+        d.proc.send_signal(signal.SIGABRT)
+        assert d.proc.wait(60) == -signal.SIGABRT
+    finally:
+        d.stop()
+    text = log.read_text()
+    assert "Fatal Python error: Aborted" in text, text[-2000:]
+    dump = text.index("Fatal Python error: Aborted")
+    # the engine thread's stack, stuck in the stall's hold (admin_api.py's debug hook)
+    assert re.search(r'File ".*admin_api\.py", line \d+ in hold', text[dump:]), text[dump:]
+    warning = text.index("engine loop has not beaten for")
+    assert warning < dump
+    assert "watchdog pings stopped: unless it beats again, systemd aborts the daemon" in text

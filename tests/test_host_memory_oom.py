@@ -87,8 +87,10 @@ def test_any_other_runtime_error_in_a_step_still_fails_its_requests(
 
 # `kvguard serve`, with the address space limited (RLIMIT_AS, as `prlimit --as` or systemd's
 # `LimitAS=` set it) to what the process holds when its KV pool is about to be allocated plus
-# a margin far below the pool. Set at that moment, not at exec: what the interpreter, torch and
-# its threads reserve before then differs between machines, the pool's bytes do not.
+# a margin far below the pool (256 MiB of its 1 GiB: room for a thread's new glibc arena, a
+# 64 MiB reservation, whose refusal would be a MemoryError elsewhere, not the pool's). Set at
+# that moment, not at exec: what the interpreter, torch and its threads reserve before then
+# differs between machines, the pool's bytes do not.
 SERVE_UNDER_RLIMIT_AS = """
 import resource, sys
 import kvguard.engine.model_runner as runner
@@ -100,7 +102,7 @@ real = runner.KVCache
 def limited(*args, **kw):
     status = open("/proc/self/status").read().split("VmSize:")[1]
     held = int(status.split()[0]) * 1024
-    resource.setrlimit(resource.RLIMIT_AS, (held + (64 << 20), resource.RLIM_INFINITY))
+    resource.setrlimit(resource.RLIMIT_AS, (held + (256 << 20), resource.RLIM_INFINITY))
     return real(*args, **kw)
 
 

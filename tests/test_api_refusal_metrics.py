@@ -15,7 +15,6 @@ import collections
 import concurrent.futures
 import logging
 import re
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -30,6 +29,7 @@ from kvguard.daemon.config import load_config
 from kvguard.daemon.service import Service
 from kvguard.engine.admission import AdmissionController
 from kvguard.engine.config import AdmissionConfig
+from tests.test_engine_stall import stall
 from tests.test_grammar_prepare import serving
 from tests.test_server import until
 
@@ -79,19 +79,6 @@ def service(tiny_dir: Path, tmp_path: Path) -> Iterator[Service]:
     svc.stall_after_s = 3600.0  # stalled only when the test says so
     yield svc
     svc.close()
-
-
-def stall(service: Service) -> threading.Event:
-    """Hold the engine thread until the returned event is set (as /admin/debug/stall does)."""
-    held, release = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        held.set()
-        release.wait(300)
-
-    service.loop.call(hold)
-    until(held.is_set, 60, "the engine thread held")
-    return release
 
 
 def rejects(url: str) -> dict[str, float]:

@@ -59,7 +59,7 @@ from kvguard.engine.model_config import ModelLoadError
 from kvguard.engine.sampling_params import SamplingParams
 from kvguard.engine.sequence import RequestOutput, TokenLogprob, parse_priority
 from kvguard.engine.structured import compile_grammar, compile_schema
-from kvguard.engine.tokenizer import ChatTemplateError
+from kvguard.engine.tokenizer import ChatTemplateError, TemplateLayout
 
 if TYPE_CHECKING:
     from kvguard.daemon.api_keys import ApiKey
@@ -238,7 +238,7 @@ def router(service: Service) -> APIRouter:
             if (problem := body.tool_problem()) is not None:
                 raise ApiError(400, problem[1], problem[0])
             await _off_loop(request, _special_in_messages, service, body)
-            msgs = await _off_loop(request, _chat_messages, body)
+            msgs = await _off_loop(request, _chat_messages, body, tok.template_layout)
             text = await _off_loop(request, _render_chat, service, msgs, _request_id(request))
             special = bool(body.add_special_tokens)
         else:
@@ -458,7 +458,8 @@ def _chat_input(
     """A chat request's messages as its template takes them, and its sampling parameters."""
     limit = body.max_completion_tokens or body.max_tokens
     limit = limit or _default_max_tokens(service, DEFAULT_CHAT_MAX_TOKENS)
-    return _chat_messages(body), _params(service, body, limit)
+    layout = service.engine.tokenizer.template_layout
+    return _chat_messages(body, layout), _params(service, body, limit)
 
 
 def _sampling_defaults(service: Service) -> Mapping[str, float]:
@@ -476,14 +477,24 @@ def _default_max_tokens(service: Service, default: int) -> int:
     return int(_sampling_defaults(service).get("max_tokens", default))
 
 
-def _chat_messages(body: ChatCompletionRequest | TokenizeRequest) -> list[dict[str, str]]:
-    """A chat request's messages as its template takes them, its tools described where any
+def _chat_messages(
+    body: ChatCompletionRequest | TokenizeRequest, layout: TemplateLayout
+) -> list[dict[str, str]]:
+    """A chat request's messages as its template takes them (`layout`: where the tools are
+    described, whether tool results in a row are one turn), its tools described where any
     are in play (/tokenize counts them so too)."""
     msgs = _for_template(body.messages or ())
+    if not layout.user_after_user:
+        msgs = tools.results_in_one_turn(msgs, _results(body), "\n")
     mode = body.tool_mode()
     if mode is not None:
-        msgs = tools.with_tools(msgs, body.tool_functions(), mode, body.parallel())
+        msgs = tools.with_tools(msgs, body.tool_functions(), mode, body.parallel(), layout)
     return msgs
+
+
+def _results(body: ChatCompletionRequest | TokenizeRequest) -> list[bool]:
+    """Whether each of the request's messages is a tool result."""
+    return [m.role == "tool" for m in body.messages or ()]
 
 
 def _for_template(messages: Sequence[Any]) -> list[dict[str, str]]:
@@ -505,19 +516,24 @@ def _special_in_messages(service: Service, body: ChatCompletionRequest | Tokeniz
     found = _special_tokens(service.engine.tokenizer)[1]
     if found is None:  # the tokenizer has none
         return
-    for message in _template_pieces(body):
+    for message in _template_pieces(body, service.engine.tokenizer.template_layout):
         for key in ("name", "content"):
             hit = _field_hit(found, message.get(key, ()))
             if hit is not None:
                 raise _special_in_message(*hit)
 
 
-def _template_pieces(body: ChatCompletionRequest | TokenizeRequest) -> list[dict[str, Any]]:
+def _template_pieces(
+    body: ChatCompletionRequest | TokenizeRequest, layout: TemplateLayout
+) -> list[dict[str, Any]]:
     """`_chat_messages` with the texts as pieces marked with their fields."""
     msgs = [m.template_pieces(f"messages[{i}]") for i, m in enumerate(body.messages or ())]
+    if not layout.user_after_user:
+        msgs = tools.results_in_one_turn(msgs, _results(body), [tools.Piece("\n")])
     mode = body.tool_mode()
     if mode is not None:
-        msgs = tools.with_tools_pieces(msgs, body.tool_functions(), mode, body.parallel())
+        fns, parallel = body.tool_functions(), body.parallel()
+        msgs = tools.with_tools_pieces(msgs, fns, mode, parallel, layout)
     return msgs
 
 

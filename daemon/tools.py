@@ -19,7 +19,11 @@ the blocks the model wrote, and a `tool` message as a user turn holding
 `<tool_response>...</tool_response>` (a chat template without a tool role renders it too),
 whatever the model's own template would do with a tool role. A result names no call, so the
 model tells results apart by their places: they are rendered in the order of the calls they
-answer, whatever order they were sent in (`openai_schemas._tool_results`).
+answer, whatever order they were sent in (`openai_schemas._tool_results`). Where the chat
+template takes no system message or no two user turns in a row (`Tokenizer.template_layout`:
+Gemma's, Mistral v0.1's, Llama 2's), the tools are described before the first user turn's text
+and one assistant turn's results are one user turn; a template that takes both renders the
+conversation laid out as above.
 
 The texts handed to the chat template are built as `Piece`s, each marked with the request field
 it holds: the prompt is encoded with special tokens matched across the whole text, so a check of
@@ -37,8 +41,10 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from kvguard.engine.structured import LAYOUT
+from kvguard.engine.tokenizer import TemplateLayout
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+TAKES_ALL = TemplateLayout()  # a chat template that takes a system message and user turns in a row
 # a call's start up to its arguments, in the one layout the grammar writes
 _HEAD = re.compile(re.escape(OPEN) + r'\{"name": "([A-Za-z0-9_-]{1,64})", "arguments": ')
 _NAME = re.compile(r"[A-Za-z0-9_-]{0,64}")
@@ -261,26 +267,86 @@ def _listed(f: Function, field: str) -> list[Piece]:
 
 
 def with_tools(
-    messages: list[dict[str, str]], functions: Sequence[Function], choice: Choice, parallel: bool
+    messages: list[dict[str, str]],
+    functions: Sequence[Function],
+    choice: Choice,
+    parallel: bool,
+    layout: TemplateLayout = TAKES_ALL,
 ) -> list[dict[str, str]]:
     """`messages` with the tools described: after the first system message's text, or in a
-    system message of their own before the others."""
-    return _described(messages, system_text(functions, choice, parallel), "\n\n")
+    system message of their own before the others; for a chat template that takes no system
+    message (`layout`), before the first user turn's text (`_folded`)."""
+    text = system_text(functions, choice, parallel)
+    return _described(messages, text, "\n\n", layout.system)
 
 
 def with_tools_pieces(
-    messages: list[dict[str, Any]], functions: Sequence[Function], choice: Choice, parallel: bool
+    messages: list[dict[str, Any]],
+    functions: Sequence[Function],
+    choice: Choice,
+    parallel: bool,
+    layout: TemplateLayout = TAKES_ALL,
 ) -> list[dict[str, Any]]:
     """`with_tools` on messages whose texts are pieces (`ChatMessage.template_pieces`)."""
-    return _described(messages, system_pieces(functions, choice, parallel), [Piece("\n\n")])
+    text = system_pieces(functions, choice, parallel)
+    return _described(messages, text, [Piece("\n\n")], layout.system)
 
 
-def _described(messages: list[dict[str, Any]], text: Any, gap: Any) -> list[dict[str, Any]]:
+def _described(
+    messages: list[dict[str, Any]], text: Any, gap: Any, system: bool
+) -> list[dict[str, Any]]:
     """`with_tools` for texts of either kind (strings, or lists of pieces: `+` joins both)."""
+    if not system:
+        return _folded(messages, text, gap)
     if messages and messages[0]["role"] in ("system", "developer"):
         first = {**messages[0], "content": messages[0]["content"] + gap + text}
         return [first, *messages[1:]]
     return [{"role": "system", "content": text}, *messages]
+
+
+def _folded(messages: list[dict[str, Any]], text: Any, gap: Any) -> list[dict[str, Any]]:
+    """`messages` with the tools described for a template that takes no system message, as
+    such templates' own families fold one (Gemma's, Llama 2's): the first system message's
+    text (the client's), then the tools, put before the first user turn's text; in a user
+    turn of their own where the conversation does not begin with one (a template that
+    insists on alternation wants a user turn first). No other message moves."""
+    if messages and messages[0]["role"] in ("system", "developer"):
+        text, messages = messages[0]["content"] + gap + text, messages[1:]
+    if messages and messages[0]["role"] == "user":
+        first = {**messages[0], "content": text + gap + messages[0]["content"]}
+        return [first, *messages[1:]]
+    return [{"role": "user", "content": text}, *messages]
+
+
+def results_in_one_turn(
+    messages: list[dict[str, Any]], results: Sequence[bool], gap: Any
+) -> list[dict[str, Any]]:
+    """`messages` (texts of either kind) with each run of tool results (`results[i]`: whether
+    messages[i] is one; a run answers one assistant turn's calls) made one user turn, their
+    blocks in order, `gap` between two: for a chat template that insists that user and
+    assistant alternate (`TemplateLayout.user_after_user`), which refuses a result turn
+    after a result turn. The turn keeps a name the results all have (a tool's name)."""
+    out: list[dict[str, Any]] = []
+    for k, message in enumerate(messages):
+        if k and results[k] and results[k - 1]:
+            out[-1] = _joined_turns(out[-1], message, gap)
+        else:
+            out.append(message)
+    return out
+
+
+def _joined_turns(turn: dict[str, Any], result: dict[str, Any], gap: Any) -> dict[str, Any]:
+    """The user turn `turn` with the result turn `result` after its text; a name both do not
+    have is left out (the one turn is no one tool's)."""
+    joined_turn = {**turn, "content": turn["content"] + gap + result["content"]}
+    if _text(turn.get("name")) != _text(result.get("name")):
+        joined_turn.pop("name", None)
+    return joined_turn
+
+
+def _text(value: str | Sequence[Piece] | None) -> str | None:
+    """A text of either kind (a string, or pieces) as a string."""
+    return value if value is None or isinstance(value, str) else joined(value)
 
 
 def render_calls(content: Sequence[Piece], calls: Sequence[tuple[str, str, str]]) -> list[Piece]:

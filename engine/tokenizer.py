@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from dataclasses import dataclass
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
@@ -60,6 +61,24 @@ def _byte_level_alphabet() -> dict[str, int]:
 
 _BYTE_LEVEL = _byte_level_alphabet()
 _UNKNOWN = object()
+
+# the texts of the conversations `Tokenizer.template_layout` renders to learn what its chat
+# template takes: words no template writes of its own, so finding one in the prompt means the
+# message was rendered
+_PROBE_SYSTEM = "kvguard-probe-system"
+_PROBE_USERS = ("kvguard-probe-first", "kvguard-probe-second")
+
+
+@dataclass(frozen=True, slots=True)
+class TemplateLayout:
+    """What a chat template takes of the turns kvguard writes into a conversation: a system
+    message (kvguard's description of a request's tools), and user turns one after another
+    (tool results are user turns, `daemon/tools.py`). Templates of Gemma and Mistral v0.1
+    refuse a system message; those of Mistral v0.1 and Llama 2 insist that user and
+    assistant alternate."""
+
+    system: bool = True  # renders a system message's text
+    user_after_user: bool = True  # renders two user turns in a row
 
 
 class Tokenizer:
@@ -252,6 +271,45 @@ class Tokenizer:
                 f"the chat template in {self.template_source} fails: {type(e).__name__}: {e}"
             ) from e
 
+    @cached_property
+    def template_layout(self) -> TemplateLayout:
+        """What the chat template takes (`TemplateLayout`), found once by rendering two tiny
+        conversations, [system, user] and [user, user]: it takes a turn where it renders
+        each message's text without refusing. Asked of the template itself, not guessed from
+        a request's refusal: the layout is known before a request is rendered (the special-
+        token check reads the texts as they will be laid out), every request of a
+        conversation is laid out alike (its prompt prefixes stay cached), and a template
+        that leaves a system message out silently is caught too. A template that fails on
+        its own, or none, is taken to take both: each request meets its error as before."""
+        layout = TemplateLayout(
+            system=self._renders([("system", _PROBE_SYSTEM), ("user", _PROBE_USERS[0])]),
+            user_after_user=self._renders([("user", text) for text in _PROBE_USERS]),
+        )
+        if layout != TemplateLayout():
+            log.info(
+                "the chat template in %s takes %s: tools are described %s, and the tool "
+                "results of one assistant turn are %s",
+                self.template_source,
+                _layout_words(layout),
+                "in a system message" if layout.system else "before the first user turn's text",
+                "user turns of their own" if layout.user_after_user else "one user turn",
+            )
+        return layout
+
+    def _renders(self, turns: list[tuple[str, str]]) -> bool:
+        """Whether the chat template renders the text of each of `turns` (role, text), neither
+        refusing them (`raise_exception`) nor leaving one out. True where there is no compiled
+        template or it fails on its own: nothing is known to be refused."""
+        if not isinstance(self._compiled, jinja2.Template):
+            return True
+        try:
+            text = self.apply_chat_template([{"role": r, "content": c} for r, c in turns])
+        except ChatTemplateError:
+            return True
+        except ValueError:
+            return False
+        return all(content in text for _, content in turns)
+
     @property
     def _template(self) -> jinja2.Template | None:
         """The compiled template (None: the model has none); ModelLoadError naming its file
@@ -279,6 +337,15 @@ class Tokenizer:
         except jinja2.TemplateSyntaxError as e:
             where = self.template_source
             return f"the chat template in {where} does not compile: {e} (line {e.lineno})"
+
+
+def _layout_words(layout: TemplateLayout) -> str:
+    """What a template that does not take everything refuses, for the log."""
+    refused = [
+        *([] if layout.system else ["no system message"]),
+        *([] if layout.user_after_user else ["no two user turns in a row"]),
+    ]
+    return " and ".join(refused)
 
 
 class TemplateRefusal(jinja2.TemplateError):

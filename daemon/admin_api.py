@@ -6,7 +6,9 @@ and when a request first meets a new problem (the 403, which any client reads, n
 A missing or wrong bearer token answers 401 with `WWW-Authenticate: Bearer` (RFC 6750: a
 credential to send again, not a permission the caller lacks).
 An action the engine refuses (its `ok` false, the reason in `detail`) answers 409, one that
-failed 500, with the body a success has.
+failed 500, with the body a success has. One that applied and changed nothing (FP8 on an FP8
+pool, a halt as strict as the one in force) answers 200 with `changed` false, its `detail`
+saying so, and is audited and counted `held`, not `applied`.
 Invalid action or debug-hook parameters answer 400 with the field in `error.param`; the
 fault-injection hooks under /admin/debug exist only with `api.debug_hooks: true`.
 
@@ -36,7 +38,7 @@ from fastapi import APIRouter, Body, Depends, Header
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from kvguard.daemon.control_plane import AlertPayloadError
+from kvguard.daemon.control_plane import AlertPayloadError, changed_nothing, manual_detail
 from kvguard.daemon.openai_api import RETRY_ELSEWHERE_S, ApiError, engine_unavailable
 from kvguard.engine.control import ActionResult
 from kvguard.engine.distributed.errors import RankFailure
@@ -105,9 +107,12 @@ def router(service: Service) -> APIRouter:
             raise
         except Exception as e:  # noqa: BLE001 - the action failed: audited `failed`, said so
             log.error("admin action %s failed: %s", action, e)
-            failed = _action_body(action, False, f"failed: {e}", None, None, {})
+            failed = _action_body(action, False, f"failed: {e}", None, None, {}, None)
             return JSONResponse(failed, status_code=500)
-        body = _action_body(action, res.ok, res.detail, res.before, res.after, res.data)
+        changed = res.ok and not changed_nothing(res)
+        body = _action_body(
+            action, res.ok, manual_detail(res), res.before, res.after, res.data, changed
+        )
         # refused (`ok` false, why in `detail`): 409, so that `curl -f ... && echo applied`
         # does not say applied of what the engine would not do
         return body if res.ok else JSONResponse(body, status_code=409)
@@ -225,12 +230,16 @@ def _action_body(
     before: dict[str, Any] | None,
     after: dict[str, Any] | None,
     data: dict[str, Any],
+    changed: bool | None,
 ) -> dict[str, Any]:
     """An action's answer, one shape whether it applied (200), was refused (409) or failed
-    (500, `before` and `after` unknown)."""
+    (500, `before`, `after` and `changed` unknown). `changed` false with `ok` true: it applied
+    and changed nothing (the engine was already so), so that a script reads that from the
+    answer, not from comparing `before` and `after` itself."""
     return {
         "action": action,  # as asked: restore_batch, not the set_max_num_seqs it runs
         "ok": ok,
+        "changed": changed,
         "detail": detail,
         "before": before,
         "after": after,

@@ -48,7 +48,7 @@ from kvguard.daemon.config import (
     load_config,
     state_dir,
 )
-from kvguard.daemon.control_plane import ControlPlane, _where
+from kvguard.daemon.control_plane import ControlPlane, _where, manual_detail, manual_outcome
 from kvguard.daemon.logging_setup import NOT_ACCEPTING, NOT_READ, configure_logging
 from kvguard.daemon.metrics import ControlPlaneCollector, Metrics, TensorParallelCollector
 from kvguard.daemon.nvml import NvmlReader, engine_gpu_ids
@@ -1469,11 +1469,12 @@ class Service:
                 RuntimeError(MANUAL_WITHDRAWN) if f.cancelled() else f.exception()
             )
             res = None if err else f.result()
-            outcome = "failed" if err else ("applied" if res.ok else "refused")
-            detail = res.detail if res else str(err)
+            # one that changed nothing (FP8 on an FP8 pool) is `held`, not `applied`
+            outcome = "failed" if err else manual_outcome(res)
+            detail = manual_detail(res) if res else str(err)
             if ev is not None:
                 ev.count_manual(name, outcome)  # kvguard_actions_total{rule="manual"}
-                if res is not None and res.ok:  # applied: the values it set are held from now
+                if res is not None and res.ok:  # applied, or already so: held from now
                     try:
                         overrode = ev.manual_applied(name, params, res)
                     except Exception:  # noqa: BLE001 - the action is recorded all the same

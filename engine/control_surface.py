@@ -201,10 +201,12 @@ class ControlSurface:
             # None, or the configured value itself unless held, lifts the cut; a value clamped
             # to the configured limit holds what was asked, should a reload raise the limit
             lifted = asked is None or (not hold and not note and asked >= self.config.max_num_seqs)
+            was = self.scheduler.max_num_seqs
             limit = self._hold_batch(None if lifted else asked)
             moved = self.scheduler.shrink_running(limit)
+            same = " (unchanged)" if limit == was else ""
             return (
-                f"max_num_seqs={limit}{note}; {len(moved)} running sequences preempted",
+                f"max_num_seqs={limit}{same}{note}; {len(moved)} running sequences preempted",
                 True,
                 {"preempted": moved},
             )
@@ -759,10 +761,11 @@ class ControlSurface:
                     False,
                     {},
                 )
+            already = " already" if self.scheduler.offload == bool(enabled) else ""
             self.scheduler.offload = bool(enabled)
             swapped = len(self.scheduler.swapped)
             return (
-                f"offload {'on' if enabled else 'off'}; {swapped} sequences still swapped",
+                f"offload{already} {'on' if enabled else 'off'}; {swapped} sequences still swapped",
                 True,
                 {},
             )
@@ -779,6 +782,7 @@ class ControlSurface:
             n, note = bounded_count(n, self.max_model_len, "max_model_len", clamp)
 
         def apply():
+            same = " (unchanged)" if self.max_new_tokens_cap == n else ""
             self.max_new_tokens_cap = n
             touched = 0
             for seq in self.scheduler.live():
@@ -791,7 +795,7 @@ class ControlSurface:
                     touched += 1
                     self._finish_if_capped(seq)
             return (
-                f"max_new_tokens cap {n}{note}; {touched} live requests adjusted",
+                f"max_new_tokens cap {n}{same}{note}; {touched} live requests adjusted",
                 True,
                 {"adjusted": touched},
             )
@@ -831,6 +835,8 @@ class ControlSurface:
                     return why, False, {}
             if tighten_only and was is not None and was <= rank:
                 return f"admission already halted (allowed: {allowed_name(was)}): kept", True, {}
+            if was == rank:  # no admission_halted event either: nothing was halted now
+                return f"admission already halted (allowed: {allowed_name(was)})", True, {}
             self.admission_policy.allow_rank = rank
             self.events.emit("admission_halted", allow_priority=allow_priority)
             return f"admission halted (allowed: {allow_priority or 'none'})", True, {}
@@ -841,8 +847,9 @@ class ControlSurface:
         def apply():
             was = self.allow_rank
             self.admission_policy.allow_rank = None
-            if was is not None:
-                self.events.emit("admission_resumed")
+            if was is None:
+                return "admission already open", True, {}
+            self.events.emit("admission_resumed")
             return "admission open", True, {}
 
         return self._act("resume_admission", apply)

@@ -1808,9 +1808,58 @@ def bind_api(host: str, port: int) -> socket.socket:
         sock.claim = _claim_port(*sock.getsockname()[:2])
     except OSError as e:
         sock.close()
-        address = _address(host, port)
-        raise ApiBindError(f"cannot bind the API to {address}: {e.strerror or e}") from e
+        raise bind_error(host, port, e) from e
     return sock
+
+
+def bind_error(host: str, port: int, e: OSError) -> ApiBindError:
+    """The API's bind failed with `e`: why, naming the key to fix. No right to the port
+    (EACCES, EPERM) is `lasting`: a new start has none either, and systemd restarting it every
+    5 s for ever fixes nothing. A port another process holds, an address or a host name the
+    network has not brought up yet (at boot, before network-online) may pass: a restart tries
+    again."""
+    said = f"cannot bind the API to {_address(host, port)}: {e.strerror or e}"
+    if isinstance(e, socket.gaierror):
+        return ApiBindError(
+            f"{said}: api.host {host!r} does not resolve (its name service may not be up yet: "
+            "a restart tries again; if the name is wrong, fix api.host)"
+        )
+    if e.errno in (errno.EACCES, errno.EPERM):
+        return ApiBindError(f"{said}: {_no_right_to(port)}", lasting=True)
+    if e.errno == errno.EADDRINUSE:
+        said += (
+            f": api.port {port} is taken by another process (stop it, or set api.port to a "
+            "free port; a restart tries again)"
+        )
+    elif e.errno == errno.EADDRNOTAVAIL:
+        said += (
+            f": api.host {host} is no address of this host (one the network brings up later "
+            "is bound by a restart; if it is wrong, fix api.host)"
+        )
+    return ApiBindError(said)
+
+
+def _no_right_to(port: int) -> str:
+    """Why this process may not bind `port`, and the fix: a port under the kernel's
+    net.ipv4.ip_unprivileged_port_start takes CAP_NET_BIND_SERVICE; above it, a security
+    policy (SELinux, AppArmor, a cgroup's BPF program) refuses it."""
+    try:
+        start = int(Path("/proc/sys/net/ipv4/ip_unprivileged_port_start").read_text())
+    except (OSError, ValueError):
+        start = 1024
+    if port < start:
+        return (
+            f"api.port {port} is under {start} (net.ipv4.ip_unprivileged_port_start), which "
+            f"takes CAP_NET_BIND_SERVICE: set api.port to {start} or above (e.g. 8000), or give "
+            "the service the capability (a drop-in for its unit setting both "
+            "AmbientCapabilities=CAP_NET_BIND_SERVICE and "
+            "CapabilityBoundingSet=CAP_NET_BIND_SERVICE); a restart alone would meet it again"
+        )
+    return (
+        "this host's security policy (SELinux, AppArmor, a cgroup's BPF program) refuses "
+        "api.host:api.port to this service: allow it there, or set api.host and api.port to "
+        "an address and port it may bind; a restart alone would meet it again"
+    )
 
 
 class _ClaimingSocket(socket.socket):
@@ -1911,7 +1960,17 @@ def _unmapped(ip: IPAddress) -> IPAddress:
 
 
 class ApiBindError(RuntimeError):
-    """api.host:api.port cannot be bound (taken, or not an address of this host)."""
+    """api.host:api.port cannot be bound (taken, not an address of this host, or not this
+    service's to bind). `lasting`: a new start would meet it again, so the daemon exits 2 as
+    for a config error (the unit's RestartPreventExitStatus=2); otherwise 1, and restarted."""
+
+    def __init__(self, message: str, lasting: bool = False) -> None:
+        super().__init__(message)
+        self.lasting = lasting
+
+
+# `kvguard serve`'s exit status for a start a new one would repeat (a config error's)
+EXIT_CONFIG = 2
 
 
 def run(
@@ -1941,7 +2000,7 @@ def run(
         sock = bind_api(cfg.api.host, cfg.api.port)
     except ApiBindError as e:
         log.error("%s; nothing loaded", e)
-        return 1
+        return EXIT_CONFIG if e.lasting else 1  # 1: systemd starts it again
     host, port = sock.getsockname()[:2]  # api.port 0: the port the kernel picked
     svc.api_port = port
     log.info("API bound to %s; it answers once the model is loaded", _address(host, port))

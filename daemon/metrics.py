@@ -73,6 +73,12 @@ class SnapshotCollector(Collector):
             usage.add_metric([tier], t.usage_ratio)
             blocks.add_metric([tier, "used"], t.blocks_used)
             blocks.add_metric([tier, "free"], t.blocks_free)
+        demand = _gauge(
+            "kvguard_kv_cache_demand_ratio",
+            "Device KV blocks the engine would hold at its configured max_num_seqs / total "
+            "(its swapped and waiting sequences too; over 1 where that batch would not fit)",
+        )
+        demand.add_metric([], s.kv_cache_demand_ratio)
         live = _gauge(
             "kvguard_kv_cache_live_tokens",
             "Tokens the running sequences hold on the device (a shared prefix counts for each)",
@@ -90,7 +96,7 @@ class SnapshotCollector(Collector):
             "Device KV blocks holding reusable prompt K/V (shared in use, or free until reused)",
         )
         cached.add_metric([], s.prefix_cache.get("blocks", 0))
-        yield from (usage, blocks, live, dtype, cached)
+        yield from (usage, blocks, demand, live, dtype, cached)
 
     def _queues(self, s: EngineSnapshot):  # noqa: ANN202
         req = _gauge(

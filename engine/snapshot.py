@@ -9,6 +9,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass, field
+from itertools import chain, islice
 from typing import TYPE_CHECKING
 
 from kvguard.engine.control_surface import allowed_name
@@ -59,6 +60,9 @@ class EngineSnapshot:
     # speculative decoding: draft tokens verified, and of them accepted, since the start; and
     # row_cost, a draft row's cost over a decode step's fixed part (learnt, or the knob's)
     speculative: dict[str, float] = field(default_factory=dict)
+    # device blocks the engine would hold at its configured batch limit: those in use and
+    # those of the sequences a restored batch would run next (`demand_blocks`)
+    kv_demand_blocks: int = 0
 
     # -- shorthands used by benchmarks, rules and metrics ---------------------------------
     @property
@@ -76,6 +80,14 @@ class EngineSnapshot:
     @property
     def kv_cache_usage_ratio(self) -> float:
         return self.device.usage_ratio
+
+    @property
+    def kv_cache_demand_ratio(self) -> float:
+        """KV usage at the configured batch limit, over 1 where that batch would not fit: what
+        a batch cut's undo must read, as usage falls by what the cut itself moved off the
+        device (swapped or waiting), not by any change in the load."""
+        total = self.device.blocks_total
+        return self.kv_demand_blocks / total if total else 0.0
 
     @property
     def num_running(self) -> int:
@@ -116,6 +128,19 @@ def _by_priority(seqs: list) -> dict[str, int]:
 def _median(values) -> float | None:
     vals = list(values)
     return statistics.median(vals) if vals else None
+
+
+def demand_blocks(engine: LLMEngine) -> int:
+    """Device blocks in use plus those the sequences the scheduler would run next at the
+    configured `max_num_seqs` would take, in its order (swapped ones first, their host
+    blocks; then the waiting queue, preempted-for-recompute ones among them, each its tokens'
+    blocks), as many as that limit leaves slots beside the running ones. Built with every
+    snapshot, once a step: at most `max_num_seqs` sequences are looked at, each in O(1)."""
+    sch, bm = engine.scheduler, engine.block_manager
+    slots = max(0, engine.config.max_num_seqs - len(sch.running))
+    swapped = (len(s.host_block_table) for s in sch.swapped)
+    waiting = (bm.blocks_for(s.num_tokens) for s in sch.waiting)
+    return bm.num_used + sum(islice(chain(swapped, waiting), slots))
 
 
 def build_snapshot(engine: LLMEngine) -> EngineSnapshot:
@@ -171,4 +196,5 @@ def build_snapshot(engine: LLMEngine) -> EngineSnapshot:
             "accepted": sch.accepted,
             "row_cost": round(sch.row_cost(), 4),
         },
+        kv_demand_blocks=demand_blocks(engine),
     )

@@ -542,12 +542,13 @@ class Evaluator:
     def _stack_undo(self, values: dict[str, float | None], now: float) -> Attempt | None:
         """One remedy in force is next to be undone, once its rule has recovered long enough;
         the rest wait for it (as a stack: one order, so nothing waits on itself). Mostly the
-        last applied, but a rung of a signal's ladder (the rules on one signal, or on one
-        event) counts as applied when any rung below it in the rules file was, the higher
-        rung going first on a tie: on a sudden spike the admission halt (0.99, no `for`) is
-        applied before the batch cut (0.92, `for: 10s`), and had been undone after it, keeping
-        admission closed for the cut's minute of recovery after usage fell, refusing requests
-        on an idle server. In a ladder climbed rung by rung that is the order of application
+        last applied, but a rung of a signal's ladder (the rules on one signal, or on signals
+        of one pool, `RuleSet.ladder_of`: the batch cut on KV demand is a rung of the KV
+        usage ladder; or on one event) counts as applied when any rung below it in the rules
+        file was, the higher rung going first on a tie: on a sudden spike the admission halt
+        (0.99, no `for`) is applied before the batch cut (0.92, `for: 10s`), and had been
+        undone after it, keeping admission closed for the cut's minute of recovery after usage
+        fell, refusing requests on an idle server. In a ladder climbed rung by rung that is the order of application
         reversed, and across ladders it still is (the OOM chain that acted after a batch cut is
         undone before it: each restores what the one before it set)."""
         if not self.applied:
@@ -556,7 +557,9 @@ class Evaluator:
         rules = {name: self._rule(name) for name in self.applied}
 
         def ladder(rule: Rule) -> tuple[str, str | None]:
-            return ("signal", rule.signal) if rule.signal is not None else ("on", rule.on)
+            if rule.signal is not None:
+                return ("signal", self.rules.ladder_of(rule.signal))
+            return ("on", rule.on)
 
         def applied_at(name: str) -> int:  # the latest application of it or a rung below it
             return max(

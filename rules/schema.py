@@ -41,6 +41,9 @@ class LocalSignal:
     meaning: str
     unit: str
     recent: str | None = None
+    # what it measures, where another signal measures it too: rules on such signals are one
+    # ladder (`ladder_of`), undone from the top rung down as the rules on one signal are
+    pool: str | None = None
 
     @property
     def can_fall(self) -> bool:
@@ -49,7 +52,15 @@ class LocalSignal:
 
 RATIO = "ratio, 0..1"
 LOCAL_SIGNALS = {
-    "kv_cache_usage_ratio": LocalSignal("device KV blocks in use / total", RATIO),
+    "kv_cache_usage_ratio": LocalSignal("device KV blocks in use / total", RATIO, pool="device KV"),
+    "kv_cache_demand_ratio": LocalSignal(
+        "device KV blocks the engine would hold at its configured `max_num_seqs` / total: "
+        "those in use, and those of the swapped and waiting sequences it would run next in "
+        "the free slots (a swapped one's blocks, a waiting one's tokens' blocks), over 1 "
+        "where that batch would not fit; `kv_cache_usage_ratio` when nothing waits",
+        "ratio, 0 up (thresholds 0..1)",
+        pool="device KV",
+    ),
     "host_kv_cache_usage_ratio": LocalSignal(
         "host (swap) KV blocks in use / total; unknown without a host pool", RATIO
     ),
@@ -82,7 +93,9 @@ LOCAL_SIGNALS = {
 
 
 # local signals that are ratios: a threshold outside [0, 1] on one never fires (or always
-# does), as a percent written for a ratio (`above: 92` for 0.92) would
+# does), as a percent written for a ratio (`above: 92` for 0.92) would. The KV demand may
+# pass 1, but a threshold over 1 is refused too: 1 already says "more than the pool holds",
+# and `above: 92` is a percent far more often than 92 pools' worth of batch.
 RATIO_SIGNALS = frozenset(n for n in LOCAL_SIGNALS if n.endswith("_ratio"))
 THRESHOLDS = ("above", "below", "recover_below", "recover_above")
 
@@ -403,6 +416,15 @@ class RuleSet(_Model):
         if v != 1:
             raise ValueError(f"version {v} is not supported (expected 1)")
         return v
+
+    def ladder_of(self, signal: str) -> str:
+        """The ladder the rules on `signal` are rungs of: what its local measure measures,
+        where other signals measure it too (the batch cut reads the KV demand and the halt
+        the KV usage, both of the device pool: on a spike the halt still comes off first),
+        else the signal itself."""
+        sig = self.signals.get(signal)
+        spec = LOCAL_SIGNALS.get(sig.local) if sig is not None and sig.local else None
+        return f"pool:{spec.pool}" if spec is not None and spec.pool else f"signal:{signal}"
 
     @model_validator(mode="after")
     def _references(self) -> RuleSet:

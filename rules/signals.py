@@ -40,6 +40,7 @@ def local_value(
 ) -> float | None:
     table: dict[str, Callable[[], float | None]] = {
         "kv_cache_usage_ratio": lambda: snap.kv_cache_usage_ratio,
+        "kv_cache_demand_ratio": lambda: snap.kv_cache_demand_ratio,
         "host_kv_cache_usage_ratio": lambda: (
             snap.host.usage_ratio if snap.host.blocks_total else None
         ),

@@ -305,12 +305,15 @@ def test_every_error_is_listed_at_once() -> None:
 
 def test_default_rules_ship_the_ladder() -> None:
     rs = load_rules(default_rules_path())
-    ladder = [(r.above, r.action) for r in rs.rules if r.signal == "kv_usage"]
+    kv = rs.ladder_of("kv_usage")  # the device KV pool: the batch cut reads its demand
+    ladder = [
+        (r.signal, r.above, r.action) for r in rs.rules if r.signal and rs.ladder_of(r.signal) == kv
+    ]
     assert ladder == [
-        (0.92, "reduce_batch"),
-        (0.95, "evict_lowest_priority"),
-        (0.97, "enable_fp8_kv"),
-        (0.99, "halt_admission"),
+        ("kv_demand", 0.92, "reduce_batch"),
+        ("kv_usage", 0.95, "evict_lowest_priority"),
+        ("kv_usage", 0.97, "enable_fp8_kv"),
+        ("kv_usage", 0.99, "halt_admission"),
     ]
     assert any(r.on == "engine_oom" and r.action == "handle_oom" for r in rs.rules)
 

@@ -496,6 +496,8 @@ class Metrics:
             registry=r,
         )
         for priority in PRIORITIES:  # from 0: a series born at 1 is no increase()
+            for per_priority in (self.ttft, self.inter_token, self.e2e, self.queue_time):
+                per_priority.labels(priority)
             self.started.labels(priority)
         self.http = Counter(
             "kvguard_http_requests",

@@ -480,21 +480,24 @@ def _default_max_tokens(service: Service, default: int) -> int:
 def _chat_messages(
     body: ChatCompletionRequest | TokenizeRequest, layout: TemplateLayout
 ) -> list[dict[str, str]]:
-    """A chat request's messages as its template takes them (`layout`: where the tools are
-    described, whether tool results in a row are one turn), its tools described where any
-    are in play (/tokenize counts them so too)."""
+    """A chat request's messages as its template takes them (`layout`: where a system
+    message's text and the tools go, whether tool results and the user message after them
+    are one turn), its tools described where any are in play (/tokenize counts them so too).
+    The system message is placed alike with tools and without (`tools.system_folded`)."""
     msgs = _for_template(body.messages or ())
     if not layout.user_after_user:
-        msgs = tools.results_in_one_turn(msgs, _results(body), "\n")
+        msgs = tools.user_turns_joined(msgs, _sent_roles(body))
     mode = body.tool_mode()
     if mode is not None:
         msgs = tools.with_tools(msgs, body.tool_functions(), mode, body.parallel(), layout)
+    elif not layout.system:
+        msgs = tools.system_folded(msgs)
     return msgs
 
 
-def _results(body: ChatCompletionRequest | TokenizeRequest) -> list[bool]:
-    """Whether each of the request's messages is a tool result."""
-    return [m.role == "tool" for m in body.messages or ()]
+def _sent_roles(body: ChatCompletionRequest | TokenizeRequest) -> list[str]:
+    """The role each of the request's messages was sent with (a tool result's is "tool")."""
+    return [m.role for m in body.messages or ()]
 
 
 def _for_template(messages: Sequence[Any]) -> list[dict[str, str]]:
@@ -529,11 +532,13 @@ def _template_pieces(
     """`_chat_messages` with the texts as pieces marked with their fields."""
     msgs = [m.template_pieces(f"messages[{i}]") for i, m in enumerate(body.messages or ())]
     if not layout.user_after_user:
-        msgs = tools.results_in_one_turn(msgs, _results(body), [tools.Piece("\n")])
+        msgs = tools.user_turns_joined(msgs, _sent_roles(body))
     mode = body.tool_mode()
     if mode is not None:
         fns, parallel = body.tool_functions(), body.parallel()
         msgs = tools.with_tools_pieces(msgs, fns, mode, parallel, layout)
+    elif not layout.system:
+        msgs = tools.system_folded(msgs)
     return msgs
 
 

@@ -21,9 +21,10 @@ whatever the model's own template would do with a tool role. A result names no c
 model tells results apart by their places: they are rendered in the order of the calls they
 answer, whatever order they were sent in (`openai_schemas._tool_results`). Where the chat
 template takes no system message or no two user turns in a row (`Tokenizer.template_layout`:
-Gemma's, Mistral v0.1's, Llama 2's), the tools are described before the first user turn's text
-and one assistant turn's results are one user turn; a template that takes both renders the
-conversation laid out as above.
+Gemma's, Mistral v0.1's, Llama 2's), the request's own system message and the tools (where any
+are in play: with or without, a conversation is laid out alike) go before the first user turn's
+text, and one assistant turn's results, with a user message sent right after them, are one
+user turn; a template that takes both renders the conversation laid out as above.
 
 The texts handed to the chat template are built as `Piece`s, each marked with the request field
 it holds: the prompt is encoded with special tokens matched across the whole text, so a check of
@@ -304,42 +305,67 @@ def _described(
     return [{"role": "system", "content": text}, *messages]
 
 
+def system_folded(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`messages` (texts of either kind) with no tools in play, for a chat template that takes
+    no system message (`TemplateLayout.system`): the first system message's text put before
+    the first user turn's text, as with tools (`_folded`), so that a conversation is served
+    alike whether a request offers tools or not (an agent's last turn sends `tool_choice:
+    "none"` or no tools) and its prompt prefixes stay cached. Gemma 3's own template folds a
+    system message so; Gemma 1's and 2's and Mistral v0.1's refuse it, which would refuse
+    without tools a conversation served the turn before with them."""
+    if not messages or messages[0]["role"] not in ("system", "developer"):
+        return messages
+    return _folded(messages, None, _like(messages[0]["content"], "\n\n"))
+
+
 def _folded(messages: list[dict[str, Any]], text: Any, gap: Any) -> list[dict[str, Any]]:
-    """`messages` with the tools described for a template that takes no system message, as
-    such templates' own families fold one (Gemma's, Llama 2's): the first system message's
-    text (the client's), then the tools, put before the first user turn's text; in a user
-    turn of their own where the conversation does not begin with one (a template that
-    insists on alternation wants a user turn first). No other message moves."""
+    """`messages` with the tools described (`text`; None: no tools) for a template that takes
+    no system message, as such templates' own families fold one (Gemma 3's, Llama 2's): the
+    first system message's text (the client's), then the tools, put before the first user
+    turn's text; in a user turn of their own where the conversation does not begin with one
+    (a template that insists on alternation wants a user turn first). No other message
+    moves."""
     if messages and messages[0]["role"] in ("system", "developer"):
-        text, messages = messages[0]["content"] + gap + text, messages[1:]
+        own, messages = messages[0]["content"], messages[1:]
+        text = own if text is None else own + gap + text
+    if text is None:
+        return messages
     if messages and messages[0]["role"] == "user":
         first = {**messages[0], "content": text + gap + messages[0]["content"]}
         return [first, *messages[1:]]
     return [{"role": "user", "content": text}, *messages]
 
 
-def results_in_one_turn(
-    messages: list[dict[str, Any]], results: Sequence[bool], gap: Any
-) -> list[dict[str, Any]]:
-    """`messages` (texts of either kind) with each run of tool results (`results[i]`: whether
-    messages[i] is one; a run answers one assistant turn's calls) made one user turn, their
-    blocks in order, `gap` between two: for a chat template that insists that user and
-    assistant alternate (`TemplateLayout.user_after_user`), which refuses a result turn
-    after a result turn. The turn keeps a name the results all have (a tool's name)."""
+def user_turns_joined(messages: list[dict[str, Any]], sent: Sequence[str]) -> list[dict[str, Any]]:
+    """`messages` (texts of either kind; `sent[i]`: the role messages[i] was sent with) for a
+    chat template that insists that user and assistant alternate
+    (`TemplateLayout.user_after_user`), without the user turns in a row that kvguard's own
+    rendering makes (a tool result is a user turn): each run of tool results (one assistant
+    turn's calls answered) is one user turn, their blocks in order, a newline between two,
+    and a user message sent right after the results (an agent loop's next question) ends
+    that turn after a blank line, as it would follow them in a template with a tool role.
+    Two user messages in a row as the client sent them stay two turns: the template's
+    refusal of them is the client's to read. The turn keeps a name its parts all have."""
     out: list[dict[str, Any]] = []
     for k, message in enumerate(messages):
-        if k and results[k] and results[k - 1]:
+        if k and sent[k - 1] == "tool" and sent[k] in ("tool", "user"):
+            gap = _like(message["content"], "\n" if sent[k] == "tool" else "\n\n")
             out[-1] = _joined_turns(out[-1], message, gap)
         else:
             out.append(message)
     return out
 
 
-def _joined_turns(turn: dict[str, Any], result: dict[str, Any], gap: Any) -> dict[str, Any]:
-    """The user turn `turn` with the result turn `result` after its text; a name both do not
-    have is left out (the one turn is no one tool's)."""
-    joined_turn = {**turn, "content": turn["content"] + gap + result["content"]}
-    if _text(turn.get("name")) != _text(result.get("name")):
+def _like(content: str | Sequence[Piece], text: str) -> str | list[Piece]:
+    """kvguard's own words `text` in the kind of `content`: a string, or pieces."""
+    return text if isinstance(content, str) else [Piece(text)]
+
+
+def _joined_turns(turn: dict[str, Any], after: dict[str, Any], gap: Any) -> dict[str, Any]:
+    """The user turn `turn` with the user turn `after` after its text; a name both do not
+    have is left out (the one turn is no one tool's or speaker's)."""
+    joined_turn = {**turn, "content": turn["content"] + gap + after["content"]}
+    if _text(turn.get("name")) != _text(after.get("name")):
         joined_turn.pop("name", None)
     return joined_turn
 

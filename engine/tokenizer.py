@@ -72,10 +72,10 @@ _PROBE_USERS = ("kvguard-probe-first", "kvguard-probe-second")
 @dataclass(frozen=True, slots=True)
 class TemplateLayout:
     """What a chat template takes of the turns kvguard writes into a conversation: a system
-    message (kvguard's description of a request's tools), and user turns one after another
-    (tool results are user turns, `daemon/tools.py`). Templates of Gemma and Mistral v0.1
-    refuse a system message; those of Mistral v0.1 and Llama 2 insist that user and
-    assistant alternate."""
+    message (the client's, and kvguard's description of a request's tools), and user turns one
+    after another (tool results are user turns, `daemon/tools.py`). Templates of Gemma and
+    Mistral v0.1 refuse a system message; those of Mistral v0.1 and Llama 2 insist that user
+    and assistant alternate."""
 
     system: bool = True  # renders a system message's text
     user_after_user: bool = True  # renders two user turns in a row
@@ -154,6 +154,7 @@ class Tokenizer:
                 "(plain prompts are served)",
                 tok._compiled,
             )
+        tok.template_layout  # noqa: B018 - probed at load: its log line comes at start
         return tok
 
     # -- ids <-> text ----------------------------------------------------------------------
@@ -273,26 +274,33 @@ class Tokenizer:
 
     @cached_property
     def template_layout(self) -> TemplateLayout:
-        """What the chat template takes (`TemplateLayout`), found once by rendering two tiny
-        conversations, [system, user] and [user, user]: it takes a turn where it renders
-        each message's text without refusing. Asked of the template itself, not guessed from
-        a request's refusal: the layout is known before a request is rendered (the special-
-        token check reads the texts as they will be laid out), every request of a
-        conversation is laid out alike (its prompt prefixes stay cached), and a template
-        that leaves a system message out silently is caught too. A template that fails on
-        its own, or none, is taken to take both: each request meets its error as before."""
+        """What the chat template takes (`TemplateLayout`), found once (`from_dir` asks at
+        load, so the log says it at start) by rendering two tiny conversations: [system, user],
+        then two user turns in a row, after a system message where it takes one (as chat
+        lays a conversation out for it then: a template that wants a system message first
+        would refuse them alone). It takes a turn where it renders each message's text without
+        refusing. Asked of the template itself, not guessed from a request's refusal: the
+        layout is known before a request is rendered (the special-token check reads the texts
+        as they will be laid out), every request of a conversation is laid out alike (its
+        prompt prefixes stay cached), and a template that leaves a system message out silently
+        is caught too. A template that fails on its own, or none, is taken to take both: each
+        request meets its error as before."""
+        system = self._renders([("system", _PROBE_SYSTEM), ("user", _PROBE_USERS[0])])
+        users = [("user", text) for text in _PROBE_USERS]
         layout = TemplateLayout(
-            system=self._renders([("system", _PROBE_SYSTEM), ("user", _PROBE_USERS[0])]),
-            user_after_user=self._renders([("user", text) for text in _PROBE_USERS]),
+            system=system,
+            user_after_user=self._renders([("system", _PROBE_SYSTEM), *users] if system else users),
         )
         if layout != TemplateLayout():
             log.info(
-                "the chat template in %s takes %s: tools are described %s, and the tool "
-                "results of one assistant turn are %s",
+                "the chat template in %s takes %s: a system message's text and the tools go %s, "
+                "and the tool results of one assistant turn %s",
                 self.template_source,
                 _layout_words(layout),
                 "in a system message" if layout.system else "before the first user turn's text",
-                "user turns of their own" if layout.user_after_user else "one user turn",
+                "are user turns of their own"
+                if layout.user_after_user
+                else "and a user message right after them are one user turn",
             )
         return layout
 

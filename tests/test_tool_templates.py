@@ -4,13 +4,16 @@ in a system message of its own and renders each tool result as a user turn: such
 refused every request with `tools` (no place for the system message), or a conversation with
 two results in a row, with a 400 blaming messages the client sent right. The tools are now
 described before the first user turn's text where the template takes no system message, and
-one assistant turn's results are one user turn where it wants alternation; a template that
-takes both (the tiny model's ChatML) renders what it rendered before. Through `kvguard serve`
+one assistant turn's results (with a user message sent right after them) are one user turn
+where it wants alternation; the request's own system message is placed alike with tools and
+without, and the template is probed when the model loads; a template that takes both (the tiny
+model's ChatML) renders what it rendered before. Through `kvguard serve`
 and the real openai client, the prompts checked against transformers' render of the
 conversation laid out by hand."""
 
 from __future__ import annotations
 
+import logging
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -69,10 +72,19 @@ PROBED = {
     "{% endif %}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}",
     # one that fails on its own whatever the messages (a TypeError)
     "broken": "{% for m in messages %}{{ m.content + 1 }}{% endfor %}",
+    # one that wants a system message first, and takes user turns in a row after it
+    "needs-system": "{% if messages[0].role != 'system' %}"
+    "{{ raise_exception('a system prompt is required') }}{% endif %}"
+    "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}",
 }
 # what each template takes: a system message, two user turns in a row
 TAKES = {"chatml": (True, True), "gemma": (False, True), "mistral": (False, False),
-         "llama2": (True, False), "silent": (False, True), "broken": (True, True)}  # fmt: skip
+         "llama2": (True, False), "silent": (False, True), "broken": (True, True),
+         "needs-system": (True, True)}  # fmt: skip
+# the INFO line at load naming what a template does not take (chatml's takes both: none)
+REFUSED = {"gemma": "takes no system message:", "mistral": "takes no system message and no two "
+           "user turns in a row:", "llama2": "takes no two user turns in a row:"}  # fmt: skip
 
 WEATHER = {
     "type": "function",
@@ -110,13 +122,17 @@ CALLS = (
     '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>'
 )
 PARIS, ROME = "<tool_response>\n18C\n</tool_response>", "<tool_response>\n25C\n</tool_response>"
+NEXT = "And in Oslo?"  # the user's next question, sent right after the results
 
 
-def laid_out(family: str, system: str | None, described: bool = True) -> list[dict[str, str]]:
+def laid_out(
+    family: str, system: str | None, described: bool = True, after: str | None = None
+) -> list[dict[str, str]]:
     """LOOP (less its system message where `system` is None, less its tools where not
-    `described`) as the family's template is to be given it, written out by hand: the user's
-    system text then the tools in a system message where the template takes one, else before
-    the question; the two results one user turn where it wants roles to alternate."""
+    `described`, with the user message `after` after the results) as the family's template
+    is to be given it, written out by hand: the user's system text then the tools in a system
+    message where the template takes one, else before the question; the two results, and a
+    blank line then `after`, one user turn where it wants roles to alternate."""
     takes_system, takes_runs = TAKES[family]
     texts = [system, tools.system_text(FUNCS, "auto", True) if described else None]
     before = "\n\n".join(t for t in texts if t is not None)
@@ -127,6 +143,10 @@ def laid_out(family: str, system: str | None, described: bool = True) -> list[di
     else:
         head = [{"role": "user", "content": before + "\n\n" + QUESTION}]
     results = [PARIS, ROME] if takes_runs else [PARIS + "\n" + ROME]
+    if after is not None and takes_runs:
+        results.append(after)
+    elif after is not None:
+        results[-1] += "\n\n" + after
     return [
         *head,
         {"role": "assistant", "content": CALLS},
@@ -149,6 +169,9 @@ def family_dirs(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
     return out
 
 
+LOG_AT_START: dict[str, str] = {}  # each family's daemon log once ready, before any request
+
+
 @pytest.fixture(scope="module", params=list(TEMPLATES))
 def served(
     request: pytest.FixtureRequest,
@@ -164,6 +187,7 @@ def served(
         serving=f"{{model: '{family_dirs[family]}', kv_cache_bytes: 32MiB, max_model_len: 2048}}",
         api=f"served_model_name: {family}, special_tokens_in_messages: refuse",
     )
+    LOG_AT_START[family] = Path(d.log.name).read_text(encoding="utf-8")
     yield family, d
     assert d.stop() == 0
 
@@ -259,6 +283,73 @@ def test_results_without_tools_offered_are_one_turn_where_turns_must_alternate(
 
 
 @pytest.mark.parametrize(
+    "offered",
+    [{"tools": [WEATHER], "tool_choice": "none"}, {}],
+    ids=["tool-choice-none", "no-tools"],
+)
+def test_a_conversation_is_laid_out_alike_with_tools_and_without(
+    served: tuple[str, Daemon], family_dirs: dict[str, Path], offered: dict[str, Any]
+) -> None:
+    """An agent's last turn: the loop's messages, with the user's system message, sent with
+    `tool_choice: "none"` or with no tools. Its system text goes where it went the turns before
+    with tools (before the question where the template takes no system message), nothing
+    described: Gemma's and Mistral's templates answered this turn with a 400 (the system role)
+    after serving the same messages with tools."""
+    family, d = served
+    counted = tokenize(d, family, messages=LOOP, **offered)
+    assert counted.status_code == 200, counted.text
+    hand = laid_out(family, "Be brief.", described=False)
+    assert counted.json()["tokens"] == reference(family_dirs[family], hand)
+    answer = d.client().chat.completions.create(
+        model=family, messages=LOOP, max_tokens=4, temperature=0, **offered
+    )
+    assert answer.choices[0].finish_reason in ("stop", "length")
+    assert not answer.choices[0].message.tool_calls
+
+
+def test_a_user_message_after_the_results_ends_their_turn(
+    served: tuple[str, Daemon], family_dirs: dict[str, Path]
+) -> None:
+    """The user's next question sent right after the results (valid OpenAI input, common in
+    agent loops), tools offered: where the template wants roles to alternate it ends the
+    results' turn after a blank line (Mistral's and Llama 2's templates refused it as a second
+    user turn in a row), elsewhere it is a turn of its own. Two user messages in a row that the
+    client sent itself are not joined: such a template still refuses them, naming why."""
+    family, d = served
+    conversation = [*LOOP, {"role": "user", "content": NEXT}]
+    counted = tokenize(d, family, messages=conversation, tools=[WEATHER])
+    assert counted.status_code == 200, counted.text
+    hand = laid_out(family, "Be brief.", after=NEXT)
+    assert counted.json()["tokens"] == reference(family_dirs[family], hand)
+    if family == "mistral":
+        text = Tokenizer.from_dir(family_dirs[family]).decode(counted.json()["tokens"])
+        assert text.endswith(f"[INST] {PARIS}\n{ROME}\n\n{NEXT} [/INST]")
+    answer = d.client().chat.completions.create(
+        model=family, messages=conversation, tools=[WEATHER], max_tokens=4, temperature=0
+    )
+    assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    twice = [{"role": "user", "content": QUESTION}, {"role": "user", "content": NEXT}]
+    sent_twice = tokenize(d, family, messages=twice)
+    if TAKES[family][1]:
+        assert sent_twice.status_code == 200, sent_twice.text
+    else:
+        assert sent_twice.status_code == 400
+        assert "Conversation roles must alternate" in sent_twice.text
+
+
+def test_the_daemon_logs_what_its_template_takes_at_start(served: tuple[str, Daemon]) -> None:
+    """The template is probed when the model loads: the daemon's log says what it does not
+    take, naming its file, before any chat request (it said so at the first chat request); a
+    template that takes both (chatml) is not mentioned."""
+    family, _ = served
+    started = LOG_AT_START[family]
+    if family in REFUSED:
+        assert "chat_template.jinja" in started and REFUSED[family] in started, started
+    else:
+        assert "the chat template in" not in started, started
+
+
+@pytest.mark.parametrize(
     ("at", "param"),
     [(0, "messages[0].content"), (4, "messages[4].content")],
     ids=["folded-system", "second-result"],
@@ -285,16 +376,17 @@ LAYOUT_CASES = [(True, True), (False, True), (True, False), (False, False)]
 
 @pytest.mark.parametrize(("system", "runs"), LAYOUT_CASES)
 @pytest.mark.parametrize("with_system", [True, False])
+@pytest.mark.parametrize("with_tools", [True, False])
 def test_the_checked_pieces_are_the_rendered_texts(
-    system: bool, runs: bool, with_system: bool
+    system: bool, runs: bool, with_system: bool, with_tools: bool
 ) -> None:
     """The special-token check reads pieces (`_template_pieces`), the template is given texts
-    (`_chat_messages`): for every layout, the pieces joined are the texts, message for
-    message, and a template that takes both is given the messages as before the layouts."""
-    sent = LOOP if with_system else LOOP[1:]
-    body = ChatCompletionRequest.model_validate(
-        {"model": "m", "messages": sent, "tools": [WEATHER]}
-    )
+    (`_chat_messages`): for every layout, with tools and without, the results followed by a
+    user message, the pieces joined are the texts, message for message, and a template that
+    takes both is given the messages as before the layouts."""
+    sent = [*(LOOP if with_system else LOOP[1:]), {"role": "user", "content": NEXT}]
+    offered = {"tools": [WEATHER]} if with_tools else {}
+    body = ChatCompletionRequest.model_validate({"model": "m", "messages": sent, **offered})
     layout = TemplateLayout(system, runs)
     texts = _chat_messages(body, layout)
     pieces = _template_pieces(body, layout)
@@ -302,7 +394,34 @@ def test_the_checked_pieces_are_the_rendered_texts(
     assert joined == texts
     if layout == TemplateLayout():  # what with_tools gave before there were layouts
         before = [m.for_template() for m in body.messages]
-        assert texts == tools.with_tools(before, FUNCS, "auto", True)
+        assert texts == (tools.with_tools(before, FUNCS, "auto", True) if with_tools else before)
+
+
+def test_a_template_that_wants_a_system_message_first_keeps_results_apart(
+    family_dirs: dict[str, Path],
+) -> None:
+    """The user-turns probe puts a system message first where the template takes one: a
+    template that requires one refused the probe's bare [user, user] and was taken to want
+    alternation, so its results were joined though it renders them as turns of their own."""
+    tok = Tokenizer.from_dir(family_dirs["needs-system"])
+    assert tok.template_layout == TemplateLayout(system=True, user_after_user=True)
+    body = ChatCompletionRequest.model_validate({"model": "m", "messages": LOOP})
+    prompt = tok.apply_chat_template(_chat_messages(body, tok.template_layout))
+    assert f"<user>{PARIS}\n<user>{ROME}\n<assistant>" in prompt
+
+
+def test_the_layout_is_probed_once_when_the_tokenizer_loads(
+    family_dirs: dict[str, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    """`Tokenizer.from_dir` probes the template, so its INFO line comes at load (the daemon's
+    start), and a chat request asks nothing more of it."""
+    with caplog.at_level(logging.INFO, logger="kvguard.engine"):
+        tok = Tokenizer.from_dir(family_dirs["mistral"])
+        at_load = [r.getMessage() for r in caplog.records if " takes " in r.getMessage()]
+        caplog.clear()
+        assert tok.template_layout == TemplateLayout(system=False, user_after_user=False)
+    assert len(at_load) == 1 and REFUSED["mistral"] in at_load[0], at_load
+    assert not caplog.records
 
 
 def test_the_default_model_s_template_takes_both(smollm2_dir: Path) -> None:

@@ -38,7 +38,7 @@ from fastapi import APIRouter, Body, Depends, Header
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from kvguard.daemon.control_plane import AlertPayloadError, changed_nothing, manual_detail
+from kvguard.daemon.control_plane import AlertPayloadError, manual_detail
 from kvguard.daemon.openai_api import RETRY_ELSEWHERE_S, ApiError, engine_unavailable
 from kvguard.engine.control import ActionResult
 from kvguard.engine.distributed.errors import RankFailure
@@ -109,7 +109,7 @@ def router(service: Service) -> APIRouter:
             log.error("admin action %s failed: %s", action, e)
             failed = _action_body(action, False, f"failed: {e}", None, None, {}, None)
             return JSONResponse(failed, status_code=500)
-        changed = res.ok and not changed_nothing(res)
+        changed = res.ok and not res.changed_nothing()  # as the audit's `held` says it
         body = _action_body(
             action, res.ok, manual_detail(res), res.before, res.after, res.data, changed
         )

@@ -33,8 +33,9 @@ from kvguard.daemon.rules_cli import add_rules_parser  # noqa: E402
 from kvguard.daemon.systemd_cli import add_systemd_parser  # noqa: E402
 from kvguard.daemon.version import NOT_INSTALLED, kvguard_version  # noqa: E402
 
-# Bad arguments, bad config, a key or model that cannot be used: what a new start would only
-# repeat, so the systemd units set RestartPreventExitStatus=2 and stop there.
+# Bad arguments, bad config, a key or model that cannot be used, an API address or port the
+# service may not bind (`service.run`): what a new start would only repeat, so the systemd
+# units set RestartPreventExitStatus=2 and stop there.
 EXIT_USAGE = 2
 # The command ran but failed (generate: an engine step ended a request), or failed on what may
 # pass by itself (below): systemd starts the unit again.

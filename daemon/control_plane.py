@@ -78,8 +78,6 @@ STOP_WAIT_S = 3.0
 # changed nothing, the engine already being so: the rules' word for an action that changed
 # nothing (`held`), so that `applied` counts only what changed the engine.
 UNCHANGED = "held"
-# what an action's result names the requests it touched by: a change even where no knob moved
-_REQUESTS_TOUCHED = ("preempted", "evicted", "adjusted")
 
 
 class ControlPlane:
@@ -813,31 +811,23 @@ def _parse_alert(a: Any, where: str) -> Alert:
     return Alert(name, status, labels, fields["startsAt"], fields["fingerprint"])
 
 
-def changed_nothing(res: ActionResult) -> bool:
-    """Whether an action that applied left the engine as it found it: the same knobs after it
-    and no request preempted, evicted or given another length limit (FP8 on an FP8 pool, a
-    halt as strict as the one in force, a batch limit or cap equal to the one in force, an
-    undo with nothing to undo, an eviction that found nothing to evict). An operator's
-    script that repeats a remedy must not read in the audit log that it changed the engine
-    each time. A result with no knobs (one that tells nothing) counts as a change."""
-    if not res.ok or not res.before:
-        return False
-    touched = any(res.data.get(key) for key in _REQUESTS_TOUCHED)
-    return res.before == res.after and not touched
-
-
 def manual_outcome(res: ActionResult) -> str:
     """The outcome an operator's action that settled with `res` is audited and counted by:
-    `refused` (the engine would not), UNCHANGED (it was already so), else `applied`."""
+    `refused` (the engine would not), UNCHANGED (it was already so: an operator's script that
+    repeats a remedy must not read in the audit log that it changed the engine each time),
+    else `applied`. A rule's action that found the engine already so stays `applied`: a
+    rule's `held` says another remedy holds the setting, its remedy with an undo is in force
+    all the same (its undo comes as its rule recovers), and its one-off gives the tick's
+    escalation back (`Evaluator._escalated`), on the same `ActionResult.changed_nothing`."""
     if not res.ok:
         return "refused"
-    return UNCHANGED if changed_nothing(res) else "applied"
+    return UNCHANGED if res.changed_nothing() else "applied"
 
 
 def manual_detail(res: ActionResult) -> str:
     """An operator's action's detail as its answer and audit row say it: one that changed
     nothing says so first, as a rule's `held` action does."""
-    return f"nothing changed: {res.detail}" if changed_nothing(res) else res.detail
+    return f"nothing changed: {res.detail}" if res.changed_nothing() else res.detail
 
 
 def quoted(text: str | None, limit: int = LOGGED_CHARS) -> str:

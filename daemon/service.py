@@ -36,6 +36,7 @@ from kvguard.daemon import gc_policy, sdnotify
 from kvguard.daemon.api_keys import ApiKeys, load_keys
 from kvguard.daemon.audit import AuditStore, utcnow
 from kvguard.daemon.audit_migrate import shown
+from kvguard.daemon.cli import EXIT_FAILURE, EXIT_USAGE
 from kvguard.daemon.cli_serve import token_problem
 from kvguard.daemon.config import (
     ENGINE_KNOBS,
@@ -1797,14 +1798,17 @@ def bind_api(host: str, port: int) -> socket.socket:
     and let in all together as serving begins. SO_REUSEADDR (a restart must not wait out the
     last run's connections in TIME_WAIT) lets any number of sockets bind one port while none
     listens, so the bind does not see another kvguard still loading on it: its claim does."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    # IPPROTO_TCP said, not left 0: asyncio turns TCP_NODELAY on for the connections it
-    # accepts only on a socket that says it; without it every answer on a kept-alive
-    # connection waited ~40 ms (its body held back until the client's delayed ACK)
-    sock = _ClaimingSocket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((host, port))
+        family, address = _bind_address(host, port)
+        # IPPROTO_TCP said, not left 0: asyncio turns TCP_NODELAY on for the connections it
+        # accepts only on a socket that says it; without it every answer on a kept-alive
+        # connection waited ~40 ms (its body held back until the client's delayed ACK)
+        sock = _ClaimingSocket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    except OSError as e:  # a name that does not resolve; IPv6 turned off on this host
+        raise bind_error(host, port, e) from e
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
         sock.claim = _claim_port(*sock.getsockname()[:2])
     except OSError as e:
         sock.close()
@@ -1812,12 +1816,26 @@ def bind_api(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _bind_address(host: str, port: int) -> tuple[socket.AddressFamily, tuple]:
+    """The family and socket address the API binds `host` by: a literal's own, and a host
+    name's IPv4 address where it has one (`localhost` stays 127.0.0.1 where it names ::1
+    too), else its IPv6 one. The family was chosen by a ':' in the text alone, so a name that
+    resolves only to IPv6 (ip6-localhost) was looked up as IPv4 and said not to resolve.
+    socket.gaierror where it resolves to neither."""
+    found = socket.getaddrinfo(
+        host, port, socket.AF_UNSPEC, socket.SOCK_STREAM, socket.IPPROTO_TCP, socket.AI_PASSIVE
+    )
+    ipv4 = [f for f in found if f[0] == socket.AF_INET]
+    family, _type, _proto, _name, address = (ipv4 or found)[0]
+    return family, address
+
+
 def bind_error(host: str, port: int, e: OSError) -> ApiBindError:
     """The API's bind failed with `e`: why, naming the key to fix. No right to the port
-    (EACCES, EPERM) is `lasting`: a new start has none either, and systemd restarting it every
-    5 s for ever fixes nothing. A port another process holds, an address or a host name the
-    network has not brought up yet (at boot, before network-online) may pass: a restart tries
-    again."""
+    (EACCES, EPERM) and an address no host binds as written (EINVAL, EAFNOSUPPORT) are
+    `lasting`: a new start meets them again, and systemd restarting it every 5 s for ever
+    fixes nothing. A port another process holds, an address or a host name the network has
+    not brought up yet (at boot, before network-online) may pass: a restart tries again."""
     said = f"cannot bind the API to {_address(host, port)}: {e.strerror or e}"
     if isinstance(e, socket.gaierror):
         return ApiBindError(
@@ -1826,6 +1844,10 @@ def bind_error(host: str, port: int, e: OSError) -> ApiBindError:
         )
     if e.errno in (errno.EACCES, errno.EPERM):
         return ApiBindError(f"{said}: {_no_right_to(port)}", lasting=True)
+    if e.errno in (errno.EINVAL, errno.EAFNOSUPPORT):
+        return ApiBindError(f"{said}: {_unbindable(host, e.errno)}", lasting=True)
+    if isinstance(e, PortClaimed):  # names the kvguard that holds it, and the fix: said once
+        return ApiBindError(said)
     if e.errno == errno.EADDRINUSE:
         said += (
             f": api.port {port} is taken by another process (stop it, or set api.port to a "
@@ -1837,6 +1859,33 @@ def bind_error(host: str, port: int, e: OSError) -> ApiBindError:
             "is bound by a restart; if it is wrong, fix api.host)"
         )
     return ApiBindError(said)
+
+
+def _unbindable(host: str, code: int) -> str:
+    """Why `host` is no address this host binds at all (EINVAL: an IPv6 link-local address
+    without its interface; EAFNOSUPPORT: an IPv6 one on a host booted with IPv6 turned off),
+    and the fix. The kernel says only "Invalid argument", and a restart every 5 s for ever
+    would meet it again."""
+    if code == errno.EAFNOSUPPORT:
+        return (
+            f"api.host {host} is an IPv6 address and this host has IPv6 turned off: set "
+            "api.host to an IPv4 address (0.0.0.0 for all of them); a restart alone would "
+            "meet it again"
+        )
+    try:
+        link_local = ipaddress.ip_address(host).is_link_local
+    except ValueError:  # a host name: what it resolves to
+        link_local = False
+    if link_local:
+        return (
+            f"api.host {host} is an IPv6 link-local address, which is bound on one interface: "
+            f"name it (e.g. {host}%eth0), or set api.host to another address; a restart alone "
+            "would meet it again"
+        )
+    return (
+        f"api.host {host} is no address the API can bind: fix api.host; a restart alone would "
+        "meet it again"
+    )
 
 
 def _no_right_to(port: int) -> str:
@@ -1905,10 +1954,15 @@ def _claim_port(host: str, port: int) -> socket.socket | None:
     return claim
 
 
-def _claimed(address: str) -> OSError:
-    """EADDRINUSE, as the listen() would have given once the model was loaded, naming the
-    kvguard that holds `address`: its own errno would only say the port is taken."""
-    return OSError(
+class PortClaimed(OSError):
+    """Another kvguard holds the API's address (`_claim_port`): EADDRINUSE, as the listen()
+    would have given once the model was loaded, its message naming that kvguard and the fix
+    (`bind_error` adds none of its own)."""
+
+
+def _claimed(address: str) -> PortClaimed:
+    """The kvguard that holds `address`: its own errno would only say the port is taken."""
+    return PortClaimed(
         errno.EADDRINUSE,
         f"another kvguard on this host has its API on {address} (loading or serving): stop "
         "it, or give this one another api.port",
@@ -1960,17 +2014,13 @@ def _unmapped(ip: IPAddress) -> IPAddress:
 
 
 class ApiBindError(RuntimeError):
-    """api.host:api.port cannot be bound (taken, not an address of this host, or not this
-    service's to bind). `lasting`: a new start would meet it again, so the daemon exits 2 as
+    """api.host:api.port cannot be bound (taken, not an address of this host, one no host
+    binds as written, or not this service's to bind). `lasting`: a new start would meet it again, so the daemon exits 2 as
     for a config error (the unit's RestartPreventExitStatus=2); otherwise 1, and restarted."""
 
     def __init__(self, message: str, lasting: bool = False) -> None:
         super().__init__(message)
         self.lasting = lasting
-
-
-# `kvguard serve`'s exit status for a start a new one would repeat (a config error's)
-EXIT_CONFIG = 2
 
 
 def run(
@@ -2000,7 +2050,7 @@ def run(
         sock = bind_api(cfg.api.host, cfg.api.port)
     except ApiBindError as e:
         log.error("%s; nothing loaded", e)
-        return EXIT_CONFIG if e.lasting else 1  # 1: systemd starts it again
+        return EXIT_USAGE if e.lasting else EXIT_FAILURE  # 1: systemd starts it again
     host, port = sock.getsockname()[:2]  # api.port 0: the port the kernel picked
     svc.api_port = port
     log.info("API bound to %s; it answers once the model is loaded", _address(host, port))

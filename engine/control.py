@@ -15,6 +15,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+# What an action's result names the requests it touched by, in its data: those it took off the
+# device, [[request id, "swap" or "recompute"], ...] (a batch cut's, a pool shrink's, an
+# eviction's), and the count of live requests a cap gave another length limit. A change even
+# where no knob moved.
+REQUESTS_MOVED = ("preempted", "evicted")
+REQUESTS_ADJUSTED = "adjusted"
+
 
 @dataclass(slots=True, frozen=True)
 class ActionResult:
@@ -24,10 +31,25 @@ class ActionResult:
     detail: str = ""
     ok: bool = True  # False: refused, with the reason in `detail`
     data: dict[str, Any] = field(default_factory=dict)
+    # The engine changed what its knobs do not show: what a remedy holds (a batch cut lifted
+    # at the limit in force, which a reload raising the configured limit would have kept; the
+    # pool share the next dtype switch sizes its pool by). Said by the engine, which alone
+    # sees it: `before` and `after` are the knobs an operator reads.
+    changed_beyond_knobs: bool = False
 
-    @property
-    def changed(self) -> bool:
-        return self.before != self.after
+    def changed_nothing(self) -> bool:
+        """Whether an action that applied left the engine as it found it: the same knobs and
+        records of what remedies hold after it, and no request preempted, evicted or given another length
+        limit (FP8 on an FP8 pool, a halt as strict as the one in force, a batch limit or cap
+        equal to the one in force, an undo with nothing to undo, an eviction that found
+        nothing to evict). The one test of it: an operator's such action is audited and
+        counted `held` and answers `changed` false, and a rule's one-off gives the tick's
+        escalation back (no effect to wait for). A result with no knobs (one that tells
+        nothing: a replay's simulated one) counts as a change."""
+        if not self.ok or not self.before or self.changed_beyond_knobs:
+            return False
+        touched = any(self.data.get(key) for key in (*REQUESTS_MOVED, REQUESTS_ADJUSTED))
+        return self.before == self.after and not touched
 
 
 class Mailbox:

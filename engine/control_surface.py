@@ -157,9 +157,18 @@ class ControlSurface:
             "admission_allow_priority": allowed_name(self.allow_rank),
         }
 
+    def _remedy_records(self: LLMEngine) -> tuple[object, ...]:
+        """What remedies hold that the knobs do not show, for an action's result to say it
+        changed (`ActionResult.changed_beyond_knobs`): the batch limit and step budget a cut
+        holds, which a reload's configured value does not lift, and the pool share the next
+        dtype switch sizes its pool by. A `restore_batch` at a limit a reload had lowered to
+        the cut lifts the cut with every knob as it was, and is no action that changed
+        nothing."""
+        return (self.batch_cut, self.budget_cut, self.kv_pool_share)
+
     def _act(self: LLMEngine, name: str, fn) -> Future:  # noqa: ANN001 - () -> (detail, ok, data)
         def run() -> ActionResult:
-            before = self.knobs()
+            before, records = self.knobs(), self._remedy_records()
             try:
                 detail, ok, data = fn()
             except PoolTorn as e:  # the engine cannot go on: its next step says so (fatal)
@@ -173,7 +182,8 @@ class ControlSurface:
             if before != after:
                 changed = {k: (before[k], after[k]) for k in before if before[k] != after[k]}
                 self.events.emit("knob_changed", action=name, changes=changed)
-            return ActionResult(name, before, after, detail, ok, data)
+            beyond = self._remedy_records() != records
+            return ActionResult(name, before, after, detail, ok, data, beyond)
 
         return self._post(run)
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvguard.engine.config import MAX_NUM_SEQS
-from kvguard.engine.control import ActionResult, Mailbox
+from kvguard.engine.control import REQUESTS_MOVED, ActionResult, Mailbox
 
 if TYPE_CHECKING:  # the engine (and torch) only when an action runs, not to validate a file
     from kvguard.engine.llm_engine import LLMEngine
@@ -353,11 +353,6 @@ def _handle_oom(e: LLMEngine, p: NoParams, clamp: bool) -> Future:
     return _chain("handle_oom", steps, in_force=any, mailbox=e.mailbox)
 
 
-# what the engine's actions name the requests they took off the device by, in their results'
-# data: [[request id, "swap" or "recompute"], ...] (a batch cut's, an eviction's)
-_REQUESTS_MOVED = ("preempted", "evicted")
-
-
 def _chain(
     name: str, futures: list[Future], in_force: Callable = all, *, mailbox: Mailbox | None = None
 ) -> Future:
@@ -366,11 +361,12 @@ def _chain(
     e.g. FP8 that cannot switch back yet, is retried whole), `any` for the OOM chain, which is
     in force, and must be undone, once any step changed the engine. `data["applied"]` names
     the steps that applied; the requests its steps took off the device are under the keys
-    their own results name them by (`_REQUESTS_MOVED`), so the audit row of the OOM chain
+    their own results name them by (`REQUESTS_MOVED`), so the audit row of the OOM chain
     names them as an eviction's or a batch cut's does. Each is left out where its steps moved
-    none: an empty `evicted` tells the evaluator that nothing changed (`_no_change`), and the
-    chain's other steps may have. Cancelling it withdraws every step from `mailbox`, the one
-    they were posted to, or none once the engine has taken the first."""
+    none. Whether the chain changed nothing is told as any action's is
+    (`ActionResult.changed_nothing`): a step's change the knobs do not show is the chain's.
+    Cancelling it withdraws every step from `mailbox`, the one they were posted to, or none
+    once the engine has taken the first."""
     out = _Derived(futures, mailbox)
     left = [len(futures)]
 
@@ -381,12 +377,13 @@ def _chain(
             "steps": [r.action for r in results],
             "applied": [r.action for r in results if r.ok],
         }
-        for key in _REQUESTS_MOVED:
+        for key in REQUESTS_MOVED:
             moved = [pair for r in results for pair in r.data.get(key, ())]
             if moved:
                 data[key] = moved
         ok = in_force(r.ok for r in results)
-        return ActionResult(name, results[0].before, results[-1].after, detail, ok, data)
+        beyond = any(r.changed_beyond_knobs for r in results)
+        return ActionResult(name, results[0].before, results[-1].after, detail, ok, data, beyond)
 
     def done(_f: Future) -> None:
         left[0] -= 1  # the steps finish on the engine thread, or are withdrawn under one lock

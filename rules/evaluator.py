@@ -472,7 +472,8 @@ class Evaluator:
         if outcome == "refused":
             return True
         one_off = a.rule.undo is None
-        return one_off and (outcome == "held" or (outcome == "applied" and _no_change(res)))
+        changed_nothing = res is not None and res.changed_nothing()
+        return one_off and (outcome == "held" or (outcome == "applied" and changed_nothing))
 
     def _in_force_now(self, a: Attempt, outcome: str, res: ActionResult | None) -> bool:
         """Settle an action that applied (or was simulated, or held back: another remedy in
@@ -1297,18 +1298,6 @@ def _looser(setting: str, value: Any, than: Any) -> bool:
     if setting not in SET_TO or value is _UNKNOWN or than is _UNKNOWN:
         return False
     return strictness(setting, value) > strictness(setting, than)
-
-
-def _no_change(res: ActionResult | None) -> bool:
-    """Whether an applied action's result shows that it changed nothing: an eviction that
-    evicted no sequence (it changes no setting either way), or an action whose engine
-    settings are the same after it. A result that tells nothing (a replay's simulated one,
-    with no settings) counts as a change."""
-    if res is None:
-        return False
-    if "evicted" in res.data:
-        return not res.data["evicted"]
-    return bool(res.before) and res.before == res.after
 
 
 def same_rule(a: Rule, b: Rule) -> bool:

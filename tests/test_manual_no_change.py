@@ -6,8 +6,14 @@ counts it under `held`. Before, every such call was audited and counted `applied
 manual `enable_fp8_kv` calls on an FP8 pool in one hunt), and a second halt wrote a second
 `admission_halted` event although nothing was halted then.
 
-One `kvguard serve` of the tiny model on loopback: the actions through the admin API over real
-HTTP, the audit in a real SQLite file, the counters from /metrics."""
+An action that changes only what the knobs do not show changed the engine all the same: a
+`restore_batch` that lifts a cut a reload had lowered the configured limit to (a later reload
+raising the limit raises the batch), a `shrink_kv_pool` on a pool already at its floor (the
+share sizes the next dtype switch's pool). Both were audited `held`, "nothing changed".
+
+`kvguard serve` of the tiny model on loopback, with no rules (a rule acting on a loaded
+machine would change the engine between two actions): the actions through the admin API over
+real HTTP, the audit in a real SQLite file, the counters from /metrics."""
 
 from __future__ import annotations
 
@@ -38,32 +44,57 @@ TWICE: list[tuple[str, dict[str, Any]]] = [
 ONCE: list[tuple[str, dict[str, Any]]] = [("evict_lowest_priority", {"count": 1})]
 
 
+NO_RULES = "version: 1\nrules: []\n"
+SERVING = "{model: tiny, kv_cache_bytes: 8MiB, max_model_len: 512, max_num_seqs: %d}"
+
+
+def no_rules_daemon(tmp: Path, max_num_seqs: int = 8) -> Daemon:
+    """A daemon with an empty rules file: only the test's actions change its engine."""
+    rules = tmp / "rules.yaml"
+    rules.write_text(NO_RULES)
+    return Daemon(
+        tmp, debug_hooks=False, serving=SERVING % max_num_seqs, extra=f"rules: {{path: {rules}}}\n"
+    )
+
+
+def rows(db: Path, sql: str) -> list[tuple]:
+    con = sqlite3.connect(db)
+    try:
+        return con.execute(sql).fetchall()
+    except sqlite3.OperationalError:  # the writer has not made its tables yet
+        return []
+    finally:
+        con.close()
+
+
+def action_rows(db: Path, n: int) -> list[tuple[str, str, str]]:
+    """The manual actions' audit rows, once `n` are written: (action, outcome, detail)."""
+    sql = "SELECT action, outcome, detail FROM actions WHERE rule = 'manual' ORDER BY id"
+    until(lambda: len(rows(db, sql)) >= n, 30, "every manual action's row")
+    return rows(db, sql)
+
+
+def act(d: Daemon, action: str, **params: Any) -> dict[str, Any]:
+    r = d.admin("POST", f"/admin/actions/{action}", json=params)
+    assert r.status_code == 200, (action, r.text)
+    return r.json()
+
+
 class Acted:
     """The daemon and the answers to every action of TWICE (twice each) and ONCE, in order."""
 
     def __init__(self, tmp: Path) -> None:
         self.db = tmp / "audit.db"
-        self.d = Daemon(tmp, debug_hooks=False)
+        self.d = no_rules_daemon(tmp)
         self.answers: list[tuple[str, dict[str, Any]]] = []
         for action, params in [p for pair in TWICE for p in (pair, pair)] + ONCE:
-            r = self.d.admin("POST", f"/admin/actions/{action}", json=params)
-            assert r.status_code == 200, (action, r.text)
-            self.answers.append((action, r.json()))
+            self.answers.append((action, act(self.d, action, **params)))
 
     def rows(self, sql: str) -> list[tuple]:
-        con = sqlite3.connect(self.db)
-        try:
-            return con.execute(sql).fetchall()
-        except sqlite3.OperationalError:  # the writer has not made its tables yet
-            return []
-        finally:
-            con.close()
+        return rows(self.db, sql)
 
     def action_rows(self) -> list[tuple[str, str, str]]:
-        """The manual actions' audit rows, once all are written: (action, outcome, detail)."""
-        sql = "SELECT action, outcome, detail FROM actions WHERE rule = 'manual' ORDER BY id"
-        until(lambda: len(self.rows(sql)) >= len(self.answers), 30, "every manual action's row")
-        return self.rows(sql)
+        return action_rows(self.db, len(self.answers))
 
     def counted(self, action: str, outcome: str) -> float:
         text = httpx.get(self.d.url + "/metrics", timeout=10).text
@@ -128,3 +159,41 @@ def test_a_second_halt_writes_no_second_halted_event(acted: Acted) -> None:
     sql = "SELECT kind FROM events WHERE kind LIKE 'admission_%' ORDER BY id"
     kinds = until(lambda: acted.rows(sql) if len(acted.rows(sql)) >= 2 else None, 30, "events")
     assert [k for (k,) in kinds] == ["admission_halted", "admission_resumed"]
+
+
+def test_an_action_that_changed_only_what_the_knobs_do_not_show_is_applied(
+    tmp_path: Path,
+) -> None:
+    """A cut of 2, then a reload lowering serving.max_num_seqs to 2: `restore_batch` leaves
+    the limit at 2 but lifts the cut, so the next reload raising the limit raises the batch.
+    A pool held at its floor (one max_model_len request) by a share of 0.03: a share of 0.01
+    leaves the pool as it is, but the next FP8 switch sizes its pool by it."""
+    d = no_rules_daemon(tmp_path, max_num_seqs=4)
+    try:
+        assert act(d, "set_max_num_seqs", n=2)["changed"] is True
+        d.config.write_text(d.config.read_text().replace("max_num_seqs: 4", "max_num_seqs: 2"))
+        assert d.admin("POST", "/admin/reload").status_code == 200
+        restored = act(d, "restore_batch")
+        assert restored["before"] == restored["after"] and restored["after"]["max_num_seqs"] == 2
+        assert restored["changed"] is True, restored
+        assert not restored["detail"].startswith("nothing changed"), restored["detail"]
+        d.config.write_text(d.config.read_text().replace("max_num_seqs: 2", "max_num_seqs: 4"))
+        assert d.admin("POST", "/admin/reload").status_code == 200
+        assert d.admin("GET", "/admin/state").json()["knobs"]["max_num_seqs"] == 4  # no cut
+
+        floor = act(d, "shrink_kv_pool", share=0.03)["after"]["kv_pool_blocks"]
+        shrunk = act(d, "shrink_kv_pool", share=0.01)
+        assert shrunk["detail"].startswith(f"KV pool already {floor} blocks (held at "), shrunk
+        assert shrunk["changed"] is True, shrunk
+        again = act(d, "shrink_kv_pool", share=0.01)  # this one changes nothing at all
+        assert again["changed"] is False, again
+    finally:
+        assert d.stop() == 0
+    got = [(a, outcome) for a, outcome, _ in action_rows(tmp_path / "audit.db", 5)]
+    assert got == [
+        ("set_max_num_seqs", "applied"),
+        ("restore_batch", "applied"),
+        ("shrink_kv_pool", "applied"),
+        ("shrink_kv_pool", "applied"),
+        ("shrink_kv_pool", "held"),
+    ]

@@ -126,7 +126,7 @@ def test_set_max_num_seqs_preempts_excess_and_restores(calm: LLMEngine) -> None:
     assert snap.num_running == 3 and snap.queues["running"]["high"] == 3
     again = engine.set_max_num_seqs(3)
     engine.step()
-    assert not again.result(0).changed  # idempotent
+    assert again.result(0).changed_nothing()  # idempotent
     engine.set_max_num_seqs(32)
     run_all(engine)
 

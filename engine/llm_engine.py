@@ -421,7 +421,8 @@ class LLMEngine(ControlSurface):
         # generation_config.json's sampling defaults (`generation_defaults`), which a server or
         # the CLI applies where a request leaves a field out; the engine's own requests do not
         self.sampling_defaults: dict[str, int | float] = {}
-        self.grammars = Grammars(tokenizer, model_config.vocab_size, self.eos_ids)
+        # a mask a column of the logits: the token ids the lm_head computes (`runner.vocab`)
+        self.grammars = Grammars(tokenizer, runner.vocab, self.eos_ids)
         self.max_new_tokens_cap: int | None = None
         # the device KV pool held at this share of its configured bytes (set_kv_pool_share)
         self.kv_pool_share = 1.0
@@ -593,6 +594,8 @@ class LLMEngine(ControlSurface):
         self._bias_names_tokens(params)
         limit = self.max_total_len()
         ids = self._prompt_ids(new.prompt, add_special_tokens, limit)
+        if params.prompt_logprobs is not None:
+            self._prompt_has_logprobs(ids)
         request_id = new.request_id
         if request_id is not None and not isinstance(request_id, str):
             raise ValueError(f"request_id={request_id!r:.60}: expected a string")
@@ -747,6 +750,21 @@ class LLMEngine(ControlSurface):
                 f"logit_bias token ids {bad[:5]} name no token: the tokenizer has {tokens} "
                 f"(ids [0, {tokens})), the ids from {tokens} to {self.model_config.vocab_size - 1}"
                 " are the model's padding rows"
+            )
+
+    def _prompt_has_logprobs(self, ids: list[int]) -> None:
+        """A ValueError for prompt log-probabilities of a prompt whose token ids (after the
+        first, which has none) hold a padded embedding's rows past the tokenizer's tokens: the
+        lm_head computes no logit for them (`runner.vocab`), so they have no log-probability
+        to give. Such a prompt is served as ever without them."""
+        vocab = self.runner.vocab
+        bad = list(dict.fromkeys(t for t in ids[1:] if t >= vocab))
+        if bad:
+            raise ValueError(
+                f"prompt_logprobs: prompt token ids {bad[:5]} name no token (the ids from "
+                f"{vocab} to {self.model_config.vocab_size - 1} are the model's padding rows, "
+                "which have no log-probability); leave them out of the prompt, or ask for no "
+                "prompt log-probabilities"
             )
 
     def _within_model_vocab(self, ids: list[int]) -> None:
@@ -1286,7 +1304,8 @@ class LLMEngine(ControlSurface):
 
     @torch.inference_mode()
     def score(self, token_ids: list[int]) -> torch.Tensor:
-        """Logits `[len, vocab]` at every position of `token_ids`, run through the paged cache
+        """Logits `[len, vocab]` at every position of `token_ids` (the tokenizer's ids where a
+        padded embedding has more rows: `runner.vocab`), run through the paged cache
         (exact over the whole vocabulary where the lm_head's are exact only at each row's best,
         as returned log-probabilities are: `ModelRunner.exact_logits`).
 
@@ -1319,7 +1338,8 @@ class LLMEngine(ControlSurface):
             while seq.num_computed_tokens < len(ids):
                 n = min(chunk, len(ids) - seq.num_computed_tokens)
                 self.block_manager.allocate(seq, n)
-                logits.append(self.runner.logits([seq], [n], every_row=True))
+                rows = self.runner.logits([seq], [n], every_row=True)
+                logits.append(self.runner.token_columns(rows))
                 seq.num_computed_tokens += n
         finally:
             self.block_manager.free(seq)

@@ -45,6 +45,7 @@ from kvguard.engine.model_config import ModelConfig, ModelLoadError
 from kvguard.engine.weights import (
     DictSource,
     Part,
+    SafetensorsSource,
     WeightSource,
     check_quantization,
     check_unused_biases,
@@ -233,16 +234,20 @@ class LlamaForCausalLM(nn.Module):
         max_positions: int,
         tp: TPGroup | None = None,
         stage: PipelineStage | None = None,
+        vocab: int | None = None,
     ) -> None:
+        """`vocab`: the token ids the logits cover, [0, vocab) (`token_vocab`: the tokenizer's
+        where a padded embedding has more rows); the config's `vocab_size` where None."""
         super().__init__()
         self.cfg, self.tp = cfg, tp or TPGroup.single()
         self.stage = stage or PipelineStage.single(cfg.num_layers)
         self.shard = shard_of(cfg, self.tp)
+        self.vocab = min(vocab or cfg.vocab_size, cfg.vocab_size)
         rows, h = len(self.shard.vocab), cfg.hidden_size
         self.embed_tokens = VocabParallelEmbedding(rows, h, self.shard.vocab.start, self.tp)
         self.layers = nn.ModuleList(DecoderLayer(cfg, self.tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = ParallelLMHead(rows, h, cfg.vocab_size, self.tp)
+        self.lm_head = ParallelLMHead(rows, h, self.head_columns(), self.tp)
         self._keep_stage_only()
         self.tie_weights()
         # CPU steps in one C call per layer (kvguard.engine.cpu_decode); tests turn it
@@ -269,6 +274,12 @@ class LlamaForCausalLM(nn.Module):
         if not st.is_last:
             self.norm = nn.Identity()
             self.lm_head = nn.Identity()
+
+    def head_columns(self) -> int:
+        """The columns the lm_head's logits have: `vocab`, but for a pipeline's last stage
+        the config's `vocab_size` (rank 0 receives rows of that width from it, and keeps
+        the first `vocab` columns: `ModelRunner.token_columns`)."""
+        return self.vocab if self.stage.count == 1 else self.cfg.vocab_size
 
     def tie_weights(self) -> None:
         """Tied embeddings: the lm_head is the embedding's own parameter, one copy in memory.
@@ -341,7 +352,7 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """Full fp32 logits `[n, vocab_size]` on rank 0; None on the other ranks."""
+        """fp32 logits `[n, head_columns()]` on rank 0; None on the other ranks."""
         return self.lm_head(hidden)
 
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
@@ -411,13 +422,14 @@ def _materialise(
     tp: TPGroup | None,
     quantized: Iterable[str] = (),
     stage: PipelineStage | None = None,
+    vocab: int | None = None,
 ) -> LlamaForCausalLM:
     """Build on the meta device (no random init), then allocate uninitialised real tensors.
 
     Modules named in `quantized` are left as placeholders, so no full-precision copy of a
     quantized weight is ever allocated; `_install_quantized` puts the real layers in."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, max_positions, tp, stage)
+        model = LlamaForCausalLM(cfg, max_positions, tp, stage, vocab)
     for name in quantized:
         model.set_submodule(name, nn.Identity())
     model = model.to_empty(device=device).to(dtype)
@@ -448,12 +460,14 @@ def load_model(
     tp: TPGroup | None = None,
     quantization: str = "auto",
     stage: PipelineStage | None = None,
+    vocab: int | None = None,
 ) -> LlamaForCausalLM:
     """The model of one rank, reading only that rank's slices from the safetensors files, so a
     rank's weight memory is its share of the sharded tensors (plus the replicated norms).
 
     A quantized checkpoint (config.json `quantization_config`) is served packed;
-    `quantization` (the `model_quantization` knob) must agree with what the directory holds."""
+    `quantization` (the `model_quantization` knob) must agree with what the directory holds.
+    `vocab`: the ids the logits cover (`LlamaForCausalLM`)."""
     path = Path(path)
     fmt = checkpoint_quantization(path)
     check_quantization(path / "config.json", fmt, quantization)
@@ -461,13 +475,53 @@ def load_model(
         specs, plain = read_quantized(path, cfg, fmt, dtype)
         cfg = biases_held(cfg, plain)
         check_unused_biases(path, plain, expected_tensor_names(cfg), plain.__getitem__)
-        return build_quantized_model(cfg, specs, plain, max_positions, dtype, device, tp, stage)
-    with open_safetensors(path, dtype, device) as source:
+        return build_quantized_model(
+            cfg, specs, plain, max_positions, dtype, device, tp, stage, vocab
+        )
+    with open_safetensors(path, dtype, device) as opened:
+        source = head_as_embedding(opened, cfg)
         cfg = biases_held(cfg, source.names)
-        model = _materialise(cfg, max_positions, dtype, device, tp, (), stage)
+        model = _materialise(cfg, max_positions, dtype, device, tp, (), stage, vocab)
         source.check_has(path, expected_tensor_names(cfg))
         model.load_from(source)
     return model.eval()
+
+
+EMBEDDING, HEAD = "model.embed_tokens.weight", "lm_head.weight"
+
+
+def head_as_embedding(
+    source: SafetensorsSource, cfg: ModelConfig
+) -> SafetensorsSource | HeadAsEmbedding:
+    """`source`, or where config.json ties the embeddings and the checkpoint holds the tied
+    matrix as `lm_head.weight` alone (no `model.embed_tokens.weight`: some exporters keep
+    only the head's name for it, and transformers serves such a file, the head's tensor
+    being the embedding) the source that reads that tensor for both."""
+    names = set(source.names)
+    if cfg.tie_word_embeddings and EMBEDDING not in names and HEAD in names:
+        return HeadAsEmbedding(source)
+    return source
+
+
+class HeadAsEmbedding:
+    """A tied checkpoint's `lm_head.weight` read as the embedding too (`head_as_embedding`)."""
+
+    def __init__(self, source: SafetensorsSource) -> None:
+        self.source = source
+
+    @property
+    def names(self) -> list[str]:
+        return [EMBEDDING if n == HEAD else n for n in self.source.names]
+
+    def read(self, part: Part) -> torch.Tensor:
+        if part.name == EMBEDDING:
+            part = dataclasses.replace(part, name=HEAD)
+        return self.source.read(part)
+
+    def check_has(self, path: Path, expected: Iterable[str]) -> None:
+        """The source's checks, with the head's tensor standing for the embedding (so it is
+        neither missing nor an unexpected untied head)."""
+        self.source.check_has(path, [HEAD if n == EMBEDDING else n for n in expected])
 
 
 def biases_held(cfg: ModelConfig, names: Iterable[str]) -> ModelConfig:
@@ -511,6 +565,7 @@ def build_quantized_model(
     device: torch.device,
     tp: TPGroup | None = None,
     stage: PipelineStage | None = None,
+    vocab: int | None = None,
 ) -> LlamaForCausalLM:
     """A model whose projections (and embedding / lm_head, where the checkpoint quantized
     them) are `QuantizedLinear`s over this rank's slices of `specs`; the rest from `plain`."""
@@ -518,7 +573,7 @@ def build_quantized_model(
     stage = stage or PipelineStage.single(cfg.num_layers)
     shard = shard_of(cfg, tp)
     names = _stage_modules(_quantized_modules(cfg, specs, shard), stage)
-    model = _materialise(cfg, max_positions, dtype, device, tp, names, stage)
+    model = _materialise(cfg, max_positions, dtype, device, tp, names, stage, vocab)
     model.load_from(DictSource(plain))
     _install_quantized(model, names, specs, plain, dtype, device)
     return model.eval()
@@ -606,7 +661,8 @@ def _install_vocab(
     if "lm_head" in names:
         head_spec = embed if tied else _rank_spec("lm_head", cfg, shard, specs)
         head = QuantizedLinear(head_spec, None, dtype, device, approximate=tied)
-        model.lm_head = QuantizedLMHead(head, cfg.vocab_size, tp, table.table if tied else None)
+        exact = table.table if tied else None
+        model.lm_head = QuantizedLMHead(head, model.head_columns(), tp, exact)
 
 
 def _rank_spec(name: str, cfg: ModelConfig, shard: Shard, specs: dict[str, QuantSpec]) -> QuantSpec:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tokenizers import Tokenizer as HFTokenizer
 
 from kvguard.engine.block_manager import short_prompt
 from kvguard.engine.config import ConfigError, EngineConfig
@@ -44,7 +45,7 @@ from kvguard.engine.kv_cache import (
 )
 from kvguard.engine.layers.quantized_linear import QuantizedLMHead, use_int8_activations
 from kvguard.engine.model import AttentionMetadata, LlamaForCausalLM, load_model, weight_bytes
-from kvguard.engine.model_config import ModelConfig
+from kvguard.engine.model_config import ModelConfig, ModelLoadError
 from kvguard.engine.sampler import (
     adjust_logits,
     log_softmax_entries,
@@ -94,6 +95,23 @@ def release_freed_memory(device: torch.device) -> None:
     except OSError:  # not glibc: its allocator returns large blocks itself
         return
     libc.malloc_trim(0)
+
+
+def token_vocab(path: Path, mcfg: ModelConfig) -> int:
+    """The token ids a model's logits cover, [0, this): the tokenizer's where the embedding
+    has more rows (a padded vocabulary: Qwen2's 151936 rows for 151665 tokens, the tiny
+    model's 320 for 259). The rows past it name no token: no text could be written for one,
+    so the lm_head neither computes nor draws them. Read by every rank from its own model
+    directory, so that each builds the same head; one without tokenizer.json (which no
+    engine serves: `Tokenizer.from_dir` refuses it first) keeps every row."""
+    file = Path(path) / "tokenizer.json"
+    if not file.is_file():
+        return mcfg.vocab_size
+    try:
+        tokens = HFTokenizer.from_file(str(file)).get_vocab_size(with_added_tokens=True)
+    except Exception as e:  # the Rust parser raises plain Exception on bad JSON
+        raise ModelLoadError(f"{file}: not a valid tokenizer.json ({e})") from e
+    return min(tokens, mcfg.vocab_size)
 
 
 def pick_device(name: str) -> torch.device:
@@ -444,7 +462,17 @@ class ModelRunner:
         log.info(
             "rank %d loading %s (%.2f GiB of safetensors)", stage.world.rank, path, size / 2**30
         )
-        model = load_model(path, mcfg, max_len, dtype, device, tp, config.model_quantization, stage)
+        vocab = token_vocab(path, mcfg)
+        if vocab < mcfg.vocab_size and stage.world.rank == 0:
+            log.info(
+                "the lm_head computes the tokenizer's %d tokens of the embedding's %d rows (the "
+                "rows past them are padding, which no text could be written for)",
+                vocab,
+                mcfg.vocab_size,
+            )
+        model = load_model(
+            path, mcfg, max_len, dtype, device, tp, config.model_quantization, stage, vocab
+        )
         # the load's temporaries (a module's unpacked codes at a time; a conversion's arrays
         # where this process converted the model first) go back to the system, not to a heap
         # that serving never fills again
@@ -485,6 +513,21 @@ class ModelRunner:
     def dtype(self) -> torch.dtype:
         """The model's compute dtype (what `kv_cache_dtype: auto` resolves to)."""
         return next(self.model.parameters()).dtype
+
+    @property
+    def vocab(self) -> int:
+        """The token ids the logits it returns cover, [0, vocab) (`token_vocab`): what a
+        grammar's mask and every id a step samples or scores are held to."""
+        return self.model.vocab
+
+    def token_columns(self, logits: torch.Tensor | None) -> torch.Tensor | None:
+        """`logits` with only the columns of `vocab`: a pipeline's last stage sends rows of
+        the config's `vocab_size` (`LlamaForCausalLM.head_columns`), cut here in one copy (a
+        view would leave the sampler's kernels strided rows); every other head computes
+        only those columns, and its logits come back as they are."""
+        if logits is None or logits.shape[-1] == self.vocab:
+            return logits
+        return logits[:, : self.vocab].contiguous()
 
     # -- one step -------------------------------------------------------------------------
     def prepare(
@@ -665,7 +708,7 @@ class ModelRunner:
         scheduler advances them from what this returns (and, where asked, from the tokens'
         log-probabilities left in `self.logprobs`, one list a returned sequence)."""
         self.logprobs, self.prompt_logprobs = [], []
-        logits = self.logits(seqs, num_tokens)
+        logits = self.token_columns(self.logits(seqs, num_tokens))
         if logits is None:
             return []
         # what is sampled is `logits`, asked for log-probabilities or not: the exact rows

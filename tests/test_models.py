@@ -112,14 +112,20 @@ def _config_summary(config: Any) -> dict[str, Any]:
     return out
 
 
-def _greedy(model: Any, ids: list[int], steps: int) -> tuple[torch.Tensor, list[int]]:
-    """Last-position logits of the prompt and the greedy continuation (EOS does not stop it)."""
+def _greedy(
+    model: Any, ids: list[int], steps: int, tokens: int | None = None
+) -> tuple[torch.Tensor, list[int]]:
+    """Last-position logits of the prompt and the greedy continuation (EOS does not stop it);
+    with `tokens`, drawn among the ids below it, as kvguard draws a model whose embedding has
+    more rows than its tokenizer has tokens (tests/test_head_rows.py)."""
     prompt = torch.tensor([ids])
+    padding = [] if tokens is None else list(range(tokens, model.config.vocab_size))
     with torch.no_grad():
         last = model(prompt).logits[0, -1]
         out = model.generate(
-            prompt, max_new_tokens=steps, do_sample=False, eos_token_id=None, pad_token_id=0
-        )
+            prompt, max_new_tokens=steps, do_sample=False, eos_token_id=None, pad_token_id=0,
+            suppress_tokens=padding or None,
+        )  # fmt: skip
     return last, out[0, len(ids) :].tolist()
 
 
@@ -788,7 +794,7 @@ def test_model_type_stands_for_a_missing_architectures_as_in_transformers(
     assert main([*argv, "--max-tokens", "6", "--kv-cache-bytes", "4MiB", "hello"]) == 0
     row = json.loads(capsys.readouterr().out)[0]
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-    _, greedy = _greedy(hf, row["prompt_token_ids"], 6)
+    _, greedy = _greedy(hf, row["prompt_token_ids"], 6, tokens=259)  # 320 rows, 259 tokens
     assert row["token_ids"] == greedy[: len(row["token_ids"])] and row["token_ids"]
 
     config_file = model / "config.json"

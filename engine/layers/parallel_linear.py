@@ -57,10 +57,17 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(nn.Module):
-    """The lm_head over this rank's vocabulary rows; rank 0 gathers the full fp32 logits.
+    """The lm_head over this rank's vocabulary rows; rank 0 gathers the fp32 logits of the
+    first `vocab_size` ids.
 
     Its weight may be the embedding's own parameter (tied embeddings): both hold the same
-    vocabulary rows on every rank, so tying survives sharding."""
+    vocabulary rows on every rank, so tying survives sharding. `vocab_size` may be less than
+    the rows (a padded embedding: Qwen2's 151936 rows for 151665 tokens): the rows past it
+    name no token, so one rank computes only the rows before it (a prefix of a contiguous
+    weight is a contiguous view: no copy, fewer products) and the logits are as wide as the
+    tokenizer, whatever reads them. The weight keeps every row for a tied embedding's prompt
+    ids; split over ranks each rank computes its whole share (the gather wants equal parts)
+    and rank 0 keeps the first `vocab_size` columns."""
 
     def __init__(self, rows: int, dim: int, vocab_size: int, tp: TPGroup) -> None:
         super().__init__()
@@ -69,10 +76,9 @@ class ParallelLMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """`[n, vocab_size]` fp32 logits on rank 0, None on the others."""
-        logits = dense_linear(hidden, self.weight).float()
         if self.tp.size == 1:
-            return logits
-        full = self.tp.gather_to_first(logits)
+            return dense_linear(hidden, self.weight[: self.vocab_size]).float()
+        full = self.tp.gather_to_first(dense_linear(hidden, self.weight).float())
         if full is None or full.shape[-1] == self.vocab_size:
             return full
         return full[..., : self.vocab_size].contiguous()

@@ -226,22 +226,30 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("weight", w.to(self.dtype))
 
     # -- the hot path ---------------------------------------------------------------------
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, n: int | None = None) -> torch.Tensor:
+        """`x @ W.T (+ bias)`, or only its first `n` outputs (the lm_head's rows that are
+        tokens, `QuantizedLMHead`): the C kernels, the int8 and the dense weights compute
+        only those; torch's int4 kernels and the Triton one compute every row, and the
+        outputs past `n` are dropped (a copy, where there are any)."""
+        n = self.out_features if n is None else min(n, self.out_features)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         if self.perm is not None:
             x2 = x2.index_select(-1, self.perm)
-        y = getattr(self, f"_mm_{self.kernel}")(x2)
+        y = getattr(self, f"_mm_{self.kernel}")(x2, n)
+        if y.shape[-1] != n:
+            y = y[:, :n].contiguous()
         if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(*lead, self.out_features)
+            y = y + self.bias[:n]
+        return y.reshape(*lead, n)
 
-    def _mm_lowbit(self, x: torch.Tensor) -> torch.Tensor:
+    # Each `_mm_` gives at least the first `n` outputs of `x @ W.T` (more are cut by `forward`)
+    def _mm_lowbit(self, x: torch.Tensor, n: int) -> torch.Tensor:
         """`w4a8` and `w8a8`: the C kernels (which pick integer dots or fp32 panels by rows)."""
         gemm = cpu_lowbit.w4a8 if self.bits == 4 else cpu_lowbit.w8a8
         return gemm(
             x,
-            self.out_features,
+            n,
             self.lowbit_codes,
             self.lowbit_scales,
             self.lowbit_mins,
@@ -251,48 +259,48 @@ class QuantizedLinear(nn.Module):
 
     _mm_w4a8 = _mm_w8a8 = _mm_lowbit
 
-    def _mm_w8a8v(self, x: torch.Tensor) -> torch.Tensor:
+    def _mm_w8a8v(self, x: torch.Tensor, n: int) -> torch.Tensor:
         """`w8a8` over the vertical 8-bit layout, int8 activations (the refined lm_head)."""
         args = (self.lowbit_codes, self.lowbit_scales, self.lowbit_mins, self.group_size)
-        return cpu_lowbit.w8a8v(x, self.out_features, *args).to(x.dtype)
+        return cpu_lowbit.w8a8v(x, n, *args).to(x.dtype)
 
-    def _mm_int4pack(self, x: torch.Tensor) -> torch.Tensor:
+    def _mm_int4pack(self, x: torch.Tensor, n: int) -> torch.Tensor:
         if not x.shape[0]:
-            return x.new_empty(0, self.out_features)
+            return x.new_empty(0, n)
         xb = x.to(torch.bfloat16).contiguous()
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
             xb, self.packed, self.int4_group, self.scale_zero
         )
-        return y[:, : self.out_features].to(x.dtype)
+        return y[:, :n].to(x.dtype)
 
-    def _mm_int4x2(self, x: torch.Tensor) -> torch.Tensor:
+    def _mm_int4x2(self, x: torch.Tensor, n: int) -> torch.Tensor:
         if not x.shape[0]:
-            return x.new_empty(0, self.out_features)
+            return x.new_empty(0, n)
         xb = x.to(torch.bfloat16).contiguous()
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
             xb, self.packed, self.int4_group, self.scale_zero
         ).float()
-        n = self.out_features
-        return (y[:, :n] + y[:, n : 2 * n]).to(x.dtype)
+        rows = self.out_features  # the high planes' rows, then the low planes'
+        return (y[:, :n] + y[:, rows : rows + n]).to(x.dtype)
 
-    def _mm_int8pack(self, x: torch.Tensor) -> torch.Tensor:
+    def _mm_int8pack(self, x: torch.Tensor, n: int) -> torch.Tensor:
         if not x.shape[0]:
-            return x.new_empty(0, self.out_features)
+            return x.new_empty(0, n)
         xb = x.to(torch.bfloat16).contiguous()
-        y = torch.ops.aten._weight_int8pack_mm(xb, self.w8, self.scale8).to(x.dtype)
+        y = torch.ops.aten._weight_int8pack_mm(xb, self.w8[:n], self.scale8[:n]).to(x.dtype)
         if self.offset8 is not None:
-            y = y + x.sum(-1, keepdim=True) * self.offset8
+            y = y + x.sum(-1, keepdim=True) * self.offset8[:n]
         return y
 
-    def _mm_w4a16(self, x: torch.Tensor) -> torch.Tensor:
+    def _mm_w4a16(self, x: torch.Tensor, n: int) -> torch.Tensor:
         from kvguard.kernels.dispatch import w4a16_matmul
 
         return w4a16_matmul(x.contiguous(), self.w4a16)
 
-    def _mm_dense(self, x: torch.Tensor) -> torch.Tensor:
+    def _mm_dense(self, x: torch.Tensor, n: int) -> torch.Tensor:
         from kvguard.kernels.dispatch import dense_linear
 
-        return dense_linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
+        return dense_linear(x.to(self.weight.dtype), self.weight[:n]).to(x.dtype)
 
     # -- rows, for a (tied) embedding -------------------------------------------------------
     def can_read_rows(self) -> bool:
@@ -474,7 +482,10 @@ class QuantizedLMHead(nn.Module):
     a per-row int8 requantisation would blur a near tie, at the cost of a top-k and a few
     hundred dot products a token. The other logits keep the kernel's error, which a
     log-softmax's normaliser sums over the whole vocabulary: log-probabilities are taken from
-    `exact_logits` instead."""
+    `exact_logits` instead.
+
+    As `ParallelLMHead`, only the first `vocab_size` rows (the tokens of a padded vocabulary)
+    are computed on one rank, and rank 0 keeps the first `vocab_size` columns of a split one."""
 
     REFINED = 16
 
@@ -494,15 +505,26 @@ class QuantizedLMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Each rank refines its own best candidates, so the global best are among them."""
-        logits = self.linear(hidden).float()
+        tokens = self._token_rows()
+        if self.tp.size == 1:
+            logits = self.linear(hidden, tokens).float()
+        else:  # the gather takes every rank's whole share; its padding takes no refined slot
+            logits = self.linear(hidden).float()
+            logits[:, tokens:] = float("-inf")
         if self.exact is not None:
             logits = self._refine(hidden, logits)
         if self.tp.size == 1:
-            return logits[..., : self.vocab_size]
+            return logits
         full = self.tp.gather_to_first(logits)
         if full is None or full.shape[-1] == self.vocab_size:
             return full
         return full[..., : self.vocab_size].contiguous()
+
+    def _token_rows(self) -> int:
+        """How many of this rank's rows are among the first `vocab_size` (the ranks' shares
+        are equal and in rank order; past the tokens: a padded vocabulary's rows)."""
+        rows = self.linear.out_features
+        return max(0, min(rows, self.vocab_size - self.tp.rank * rows))
 
     @property
     def approximate(self) -> bool:
@@ -556,7 +578,7 @@ class QuantizedLMHead(nn.Module):
         on the default model's size, far more than the products; its fp32 bytes (113 MB
         there, eight times a 4-bit head's) are held from then on, outside the memory
         accounting."""
-        vocab = self.linear.out_features
+        vocab = min(self.vocab_size, self.linear.out_features)
         out = torch.empty(hidden.shape[0], vocab, device=hidden.device)
         if hidden.device.type == "cpu":
             if self._dense is None:

@@ -68,22 +68,18 @@ def create_app(service: Service) -> FastAPI:
     return app
 
 
-# the id at the start of a completion's JSON body (`{"id":"chatcmpl-...`, as JSONResponse
-# writes it; json.dumps puts a space after the colon)
-_COMPLETION_ID = re.compile(rb'\{"id": ?"((?:chat)?cmpl-[A-Za-z0-9_-]{1,64})"')
-
-
 class RequestIds:
     """Gives every answer an `x-request-id` header (the openai client's `_request_id`, what
-    `with_raw_response` and its errors quote): a completion's id (`chatcmpl-...`, which the
-    daemon's log lines about it name) where the answer is a whole completion, else
-    `_answer_id`: an error's is its completion id once the route made one, else a fresh
-    `req-...` (an error, a stream, whose headers go out before any of its chunks, /health).
+    `with_raw_response` and its errors quote): once the route has named the request's
+    completion (`request.state.completion_id`, set before anything is answered), that id
+    (`chatcmpl-...`: a whole completion's, a stream's, whose chunks carry it, an error's after
+    it), under which the daemon's log lines name the request's choices (`<id>-<index>`, a
+    failed step's traceback among them); else a fresh `req-...` (an error before it, /health).
     Without one, a client with a failed request had nothing to quote; the log lines about an
     error name the same id, so that what a client quotes is found.
 
-    A JSON answer's start is held until its body, which JSONResponse sends right after it,
-    to read the id there; no other answer is held. Plain ASGI, as CountedRequests."""
+    The id is read when the answer starts: nothing is held or parsed. Plain ASGI, as
+    CountedRequests."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -94,34 +90,18 @@ class RequestIds:
             return
         state = scope.setdefault("state", {})
         state["request_id"] = new_id("req")  # for the log lines about its answer
-        held: Message | None = None
 
         async def sending(message: Message) -> None:
-            nonlocal held
             if message["type"] == "http.response.start":
-                if b"json" in _content_type(message):  # its body follows: the id may be there
-                    held = message
-                    return
-                message = _with_request_id(message, _answer_id(state, message["status"]))
-            elif held is not None and message["type"] == "http.response.body":
-                found = _COMPLETION_ID.match(message.get("body", b"")[:200])
-                start, held = held, None
-                answer_id = _answer_id(state, start["status"])
-                request_id = found.group(1).decode() if found else answer_id
-                await send(_with_request_id(start, request_id))
+                message = _with_request_id(message, _answer_id(state))
             await send(message)
 
         await self.app(scope, receive, sending)
 
 
-def _answer_id(state: dict[str, Any], status: int) -> str:
-    """The x-request-id of an answer that is not a whole completion: an error's is the
-    completion id its route made (`request.state.completion_id`: the engine's log lines name
-    the request's choices `<id>-<index>`, a failed step's traceback among them), else the
-    request's fresh one."""
-    if status >= 400 and state.get("completion_id"):
-        return str(state["completion_id"])
-    return str(state.get("request_id", ""))
+def _answer_id(state: dict[str, Any]) -> str:
+    """The completion id its route made, else the request's fresh one."""
+    return str(state.get("completion_id") or state.get("request_id", ""))
 
 
 def _with_request_id(start: Message, request_id: str) -> Message:

@@ -931,8 +931,8 @@ async def _serve(
     # parsing and the grammar prepared below, which can take seconds for a big schema
     arrived = getattr(request.state, "arrived", None)
     ctx = _Ctx(service, kind, body.model, priority, arrived or time.monotonic(), params)
-    # an error answer's x-request-id from now (app.RequestIds): the id the engine's log lines
-    # name its choices by (`<id>-<index>`), a failed step's traceback among them
+    # the answer's x-request-id from now (app.RequestIds), a stream's and an error's too: the
+    # id the engine's log lines name its choices by (`<id>-<index>`), a failed step's traceback
     request.state.completion_id = ctx.id
     ctx.n = body.n or 1
     asked = len(prompts) * ctx.n

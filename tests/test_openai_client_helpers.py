@@ -137,8 +137,9 @@ def test_a_route_kvguard_does_not_serve_is_named_with_what_it_serves(daemon: Dae
 
 def test_every_answer_carries_a_request_id(daemon: Daemon) -> None:
     """The client's `request_id` (the `x-request-id` header) was None everywhere, so a client
-    whose request failed had no id to quote. A whole completion's is its id; an error's, a
-    stream's, any other answer's a fresh one of its own."""
+    whose request failed had no id to quote. A whole completion's is its id, and a stream's
+    the id its chunks carry (it was a fresh `req-...` that no log line names); an error before
+    a completion is named, any other answer's a fresh one of its own."""
     c = daemon.client()
     raw = c.chat.completions.with_raw_response.create(model="tiny", messages=ASK, max_tokens=2)
     assert raw.request_id == raw.parse().id and raw.request_id.startswith("chatcmpl-")
@@ -151,7 +152,9 @@ def test_every_answer_carries_a_request_id(daemon: Daemon) -> None:
     with c.chat.completions.with_streaming_response.create(
         model="tiny", messages=ASK, max_tokens=2, stream=True
     ) as streamed:
-        assert streamed.request_id is not None and streamed.request_id.startswith("req-")
+        chunks = [line for line in streamed.iter_lines() if line.startswith("data: {")]
+    assert chunks and streamed.request_id.startswith("chatcmpl-"), streamed.request_id
+    assert {json.loads(c[len("data: ") :])["id"] for c in chunks} == {streamed.request_id}
     ids = {httpx.get(daemon.url + path, timeout=30).headers["x-request-id"]
            for path in ("/health", "/v1/models", "/v1/nope", "/health")}  # fmt: skip
     assert len(ids) == 4, ids

@@ -304,7 +304,8 @@ class AdmissionController:
         self.bytes_per_block = bytes_per_block
         self.committed_blocks = 0
         self._releases: deque[tuple[float, int]] = deque(maxlen=256)
-        self._finished: deque[float] = deque()  # finish times within FINISH_WINDOW_S
+        # finish times, in order, within FINISH_WINDOW_S of the latest (`_record_finish`)
+        self._finished: deque[float] = deque()
         self.clock: Callable[[], float] = time.monotonic
         # by kind, counted by the policy once a request's decision is final: a request's
         # sequences are taken in or refused as one (`AdmissionPolicy.count`)
@@ -458,7 +459,7 @@ class AdmissionController:
                     drain - bound if known else self.wait_s(need),
                 )
         if room and not slot and not emergency:  # KV would hold it: the batch is full
-            wait, reason = self._slot_wait_s(queued + 1), "waiting for a batch slot"
+            wait, reason = self.slot_wait_s(queued + 1), "waiting for a batch slot"
         else:
             wait = self.wait_s(max(need, self.committed_blocks + need - limit))
             reason = "waiting for KV memory"
@@ -643,17 +644,28 @@ class AdmissionController:
         self.committed_blocks = max(0, self.committed_blocks - blocks)
         now = self.clock()
         self._releases.append((now, blocks))
-        self._finished.append(now)
-        self._forget_finishes(now)
+        self._record_finish(now)
 
-    def _forget_finishes(self, now: float) -> None:
-        while self._finished and self._finished[0] < now - FINISH_WINDOW_S:
+    def _record_finish(self, now: float) -> None:
+        """Keeps the finish times of the last FINISH_WINDOW_S, forgetting the older ones as
+        each is added: only here, on the engine thread, is the record changed, so that no
+        reader pops a record another thread has just appended (finishes lost, every
+        Retry-After skewed). Bounded by the window, not by a maxlen, which would drop
+        finishes still inside the window on a busy engine and understate the rate."""
+        self._finished.append(now)
+        while self._finished[0] < now - FINISH_WINDOW_S:
             self._finished.popleft()
 
     def finish_rate(self) -> float:
-        """Requests finished per second over the last FINISH_WINDOW_S (0 when none did)."""
-        self._forget_finishes(self.clock())
-        return len(self._finished) / FINISH_WINDOW_S
+        """Requests finished per second over the last FINISH_WINDOW_S (0 when none did).
+        Read-only, from any thread (the engine's admission, the event loop's 429): counted on
+        a copy of the record, one C-level `tuple()` under the GIL, so it sees the deque
+        between two of the engine thread's appends or pops, never during one. Finishes older
+        than the window stay until the next release forgets them (an idle engine has none):
+        they are skipped by time, the record being in finish order."""
+        finished = tuple(self._finished)
+        cutoff = self.clock() - FINISH_WINDOW_S
+        return (len(finished) - bisect.bisect_left(finished, cutoff)) / FINISH_WINDOW_S
 
     def drain_s(self, queued: int) -> float:
         """Seconds until `queued` requests ahead have started, at the recent finish rate (each
@@ -663,27 +675,12 @@ class AdmissionController:
         rate = self.finish_rate()
         return queued / rate if rate > 0 else math.inf
 
-    def _slot_wait_s(self, ahead: int) -> float:
-        """A request's estimated wait for a batch slot, `ahead` starts from now (itself
-        included): one finish each, at the recent finish rate (`finish_rate`, engine thread
-        only: it forgets stale finishes); as `wait_s`, at most 30 s and 1 s when nothing
-        finished lately."""
-        return _slot_wait(ahead, self.finish_rate())
-
-    def recent_finish_rate(self) -> float:
-        """`finish_rate` read-only, for a thread other than the engine's (the event loop's
-        API-side 429): counted on a copy of the finish times, forgetting none. The engine
-        thread appends and pops that deque, and a second popper could drop the record it
-        has just appended (finishes lost, every Retry-After skewed); the stale ones are
-        forgotten at its next release."""
-        finished = tuple(self._finished)  # one C-level copy, under the GIL
-        cutoff = self.clock() - FINISH_WINDOW_S
-        return (len(finished) - bisect.bisect_left(finished, cutoff)) / FINISH_WINDOW_S
-
     def slot_wait_s(self, ahead: int) -> float:
-        """`_slot_wait_s` read-only (`recent_finish_rate`): the Retry-After of a request the
-        event loop refuses for the requests posted ahead of it, estimated as admission's."""
-        return _slot_wait(ahead, self.recent_finish_rate())
+        """A request's estimated wait for a batch slot, `ahead` starts from now (itself
+        included): one finish each, at the recent finish rate; as `wait_s`, at most 30 s and
+        1 s when nothing finished lately (no rate to estimate from)."""
+        rate = self.finish_rate()
+        return min(30.0, ahead / rate) if rate > 0 else 1.0
 
     def release_rate(self) -> float:
         """Blocks released per second over the recent window (0 when unknown)."""
@@ -695,12 +692,6 @@ class AdmissionController:
     def wait_s(self, blocks: int) -> float:
         rate = self.release_rate()
         return min(30.0, blocks / rate) if rate > 0 else 1.0
-
-
-def _slot_wait(ahead: int, rate: float) -> float:
-    """`ahead` starts, one finish each at `rate` finishes a second: at most 30 s, and 1 s when
-    nothing finished lately (no rate to estimate from)."""
-    return min(30.0, ahead / rate) if rate > 0 else 1.0
 
 
 def _reject(kind: str, reason: str, wait: float = 0.0, about: str = "") -> AdmissionDecision:

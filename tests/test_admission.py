@@ -176,6 +176,25 @@ def test_past_max_queue_a_request_waits_while_the_queue_drains_in_time() -> None
     assert hard.decide(16, 16, 1, TOTAL, 0.0, 4, 4096).kind == "queue_full"  # 0: a hard limit
 
 
+def test_the_finish_rate_is_read_without_changing_the_record() -> None:
+    """The event loop's 429 reads the finish rate while the engine thread records finishes:
+    the engine thread's reading forgot the stale ones, so two rates were computed, one
+    read-only for the event loop. Reading changes nothing now, from either thread; the engine
+    thread forgets the stale finishes at its next one."""
+    ctl = AdmissionController(AdmissionConfig(), BLOCK, 1000)
+    ctl.clock = clock = Clock()
+    for at in (1000.0, 1000.0, 1008.0):
+        clock.now = at
+        ctl.release(1)
+    clock.now = 1012.0  # the first two are past the 10 s window
+    assert ctl.finish_rate() == pytest.approx(0.1)
+    assert ctl.slot_wait_s(2) == pytest.approx(20.0)  # two starts, one finish each
+    assert list(ctl._finished) == [1000.0, 1000.0, 1008.0]  # read, not forgotten
+    ctl.release(1)
+    assert list(ctl._finished) == [1008.0, 1012.0]
+    assert ctl.finish_rate() == pytest.approx(0.2)
+
+
 def test_estimated_wait_uses_measured_release_rate() -> None:
     ctl = AdmissionController(AdmissionConfig(), BLOCK, 1000)
     assert ctl.wait_s(10) == 1.0  # unknown rate: a short default hint

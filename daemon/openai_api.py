@@ -1225,30 +1225,18 @@ def _refuse_if_stalled(service: Service, asked: int) -> None:
 
 
 def _refuse_past_queue(service: Service, asked: int, priority: str) -> None:
-    """429 at once, as admission would answer it, for a request that a hard queue bound
-    (`max_queue_wait: 0s`) could not take in behind the requests posted before it and not yet
-    taken by the engine thread: at most `max_num_seqs` start and `max_queue` wait. The engine
-    decides only as it takes them in, so a stalled engine thread took in every request
-    without limit and refused none; what this counts is what the engine would have refused
-    had it taken them. A request alone past that bound is left to the engine's 400. Its
-    `asked` choices count as admission's rejects (`queue_full`), and its Retry-After is
-    admission's slot wait, read without changing the engine thread's finish record."""
-    ctl = service.engine.admission
-    if ctl is None or ctl.config.max_queue_wait_s > 0:
-        return
-    ahead = service.loop.posted(high=priority == "high")
-    room = service.engine.latest_snapshot.max_num_seqs + ctl.config.max_queue
-    if ahead and ahead + asked > room:
+    """Admission's 429 at once, in the event-loop step that would post the request, where
+    its queue bound would refuse it behind the queue the engine last published and the
+    requests posted before it but not yet taken in (`AdmissionPolicy.refuse_posted`): the
+    engine decides only as it takes requests in, so a stalled engine thread held every
+    request posted to it and refused none. Its `asked` choices count as admission's rejects
+    (`queue_full`)."""
+    d = service.engine.admission_policy.refuse_posted(
+        parse_priority(priority), service.loop.posted(high=priority == "high"), asked
+    )
+    if d is not None:
         service.metrics.api_rejects["queue_full"] += asked
-        raise ApiError(
-            429,
-            f"queue full ({ahead} sequences on their way into the engine ahead of this "
-            f"request's {asked}, which takes in at most {room}: max_num_seqs and max_queue, a "
-            "hard limit with max_queue_wait 0s); retry later",
-            code="admission_rejected",
-            type_="overloaded_error",
-            retry_after=ctl.slot_wait_s(ahead),
-        )
+        raise _admission_error(d, None)
 
 
 async def _admission(fut: Future, outputs: _Outputs) -> None:

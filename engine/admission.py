@@ -447,17 +447,8 @@ class AdmissionController:
             return AdmissionDecision(
                 "admit", "", n, n < max_tokens, 0, 0.0, "", planned, asked, ladder
             )
-        if queued >= self.config.max_queue:
-            drain, bound = self.drain_s(queued), self.config.max_queue_wait_s
-            if bound == 0 or drain > bound:
-                known = math.isfinite(drain)
-                return _reject(
-                    "queue_full",
-                    f"queue full ({queued} waiting"
-                    + (f", about {drain:.0f}s to drain)" if known else ")"),
-                    # when the queue ahead would drain within max_queue_wait again
-                    drain - bound if known else self.wait_s(need),
-                )
+        if (full := self.queue_full(queued, need)) is not None:
+            return full
         if room and not slot and not emergency:  # KV would hold it: the batch is full
             wait, reason = self.slot_wait_s(queued + 1), "waiting for a batch slot"
         else:
@@ -467,6 +458,25 @@ class AdmissionController:
             reason += f" (the KV pool is held at {total_blocks} blocks for now)"
         return AdmissionDecision(
             "queue", reason, n, n < max_tokens, queued + 1, wait, "", planned, asked, ladder
+        )
+
+    def queue_full(self, queued: int, need: int = 1) -> AdmissionDecision | None:
+        """The queue_full refusal of a request that cannot start at once behind `queued`
+        requests (None: it may wait): past `max_queue` it waits only while they would drain
+        within `max_queue_wait` at the recent finish rate. Read-only (`finish_rate`): the
+        engine thread decides with it as it takes a request in, the event loop as a request
+        is posted (`AdmissionPolicy.refuse_posted`). Its wait is when the queue would drain
+        within the bound again, else the KV wait of `need` blocks."""
+        if queued < self.config.max_queue:
+            return None
+        drain, bound = self.drain_s(queued), self.config.max_queue_wait_s
+        if bound and drain <= bound:
+            return None
+        known = math.isfinite(drain)
+        return _reject(
+            "queue_full",
+            f"queue full ({queued} waiting" + (f", about {drain:.0f}s to drain)" if known else ")"),
+            drain - bound if known else self.wait_s(need),
         )
 
     def queue_full_for(

@@ -95,6 +95,12 @@ class AdmissionPolicy:
         self._live: Callable[[], Iterable[Sequence]] = tuple
         # the batch's slots (`max_num_seqs`, which a remedy may change live; None: unbounded)
         self._slots: Callable[[], int | None] = lambda: None
+        # (requests queued, batch slots still open) a request posted now would find, for high
+        # and for every other priority (`publish_queue`); none published: an idle engine's
+        self._published: dict[int, tuple[int, int | float]] = {
+            HIGH: (0, math.inf),
+            NORMAL: (0, math.inf),
+        }
         if controller is not None:
             controller.live = self._live_loads
 
@@ -252,21 +258,60 @@ class AdmissionPolicy:
             return refused
         return ctl.queue_full_for(self._queue_ahead(seqs[0], waiting)[0], len(seqs), refused)
 
+    # -- a request posted from another thread, before the engine takes it in ----------------
+    def publish_queue(self, waiting: Iterable[Sequence]) -> None:
+        """Publish the queue a request posted now would join (`queue_ahead`, for high and for
+        every other priority), for `refuse_posted` on the event loop. On the engine thread,
+        with each snapshot (after the step that changed the queue): one dict swapped in
+        whole, so a reader sees one publication or the next, never a mix. A request taken in
+        since is in neither this nor the loop's posted count until the next one: the event
+        loop then counts too few, and the engine decides as it takes the request in."""
+        waiting = list(waiting)
+        self._published = {rank: self.queue_ahead(rank, waiting) for rank in (HIGH, NORMAL)}
+
+    def refuse_posted(self, rank: int, posted: int, size: int) -> AdmissionDecision | None:
+        """The queue_full refusal the engine would give a request of `size` sequences of
+        priority `rank` (its choices, its prompts) as it takes it in, decided as it is
+        posted (None: the engine decides): behind the queue last published and the `posted`
+        sequences of its priority class on their way in, each taking an open batch slot first
+        as admitted requests do, its own sequences each behind those before it
+        (`_admit_all`). The engine decides only as it takes requests in, so without this a
+        stalled engine thread held every request posted to it. A sequence a slot may start at
+        once is the engine's to judge (KV room), and so is a request that could never be
+        taken in whole (`never_fits_all`, a 400)."""
+        ctl = self.controller
+        if ctl is None or self.never_fits_all(size) is not None:
+            return None
+        queued, open_slots = self._published[HIGH if rank == HIGH else NORMAL]
+        first = queued + max(0, posted - open_slots)
+        for i in range(size):
+            behind = posted + i  # ahead of this sequence and not in the published queue
+            if queued == 0 and behind < open_slots:
+                continue  # a slot is open to it: admitted if KV holds it
+            refused = ctl.queue_full(queued + max(0, behind - open_slots))
+            if refused is not None:
+                return refused if i == 0 else ctl.queue_full_for(first, size, refused)
+        return None
+
     def _queue_ahead(self, seq: Sequence, waiting: Iterable[Sequence]) -> tuple[int, bool]:
-        """(the requests queued ahead of `seq`, whether a batch slot is free for it). Every
-        request not started counts, whether it waits for its KV commitment or for one of the
-        `max_num_seqs` slots: a request admitted on KV room behind a full batch waits as long
-        as one queued for KV, and `max_queue` / `max_queue_wait` bound that wait. Admitted
-        requests take the free slots first (they start at the next step); only those past
-        them count. High priority sorts ahead of queued lower ones (`queue_key`) and takes
-        the slots of lower-priority work: only high requests are ahead of it, and only high
-        work holds its slots."""
-        rank = HIGH if seq.priority == HIGH else None
-        ahead = [s for s in waiting if rank is None or s.priority == rank]
+        """(the requests queued ahead of `seq`, whether a batch slot is free for it)."""
+        queued, open_slots = self.queue_ahead(seq.priority, waiting)
+        return queued, open_slots > 0
+
+    def queue_ahead(self, rank: int, waiting: Iterable[Sequence]) -> tuple[int, int | float]:
+        """(the requests queued ahead of a new request of priority `rank`, the batch slots
+        still open to it). Every request not started counts, whether it waits for its KV
+        commitment or for one of the `max_num_seqs` slots: a request admitted on KV room
+        behind a full batch waits as long as one queued for KV, and `max_queue` /
+        `max_queue_wait` bound that wait. Admitted requests take the free slots first (they
+        start at the next step); only those past them count. High priority sorts ahead of
+        queued lower ones (`queue_key`) and takes the slots of lower-priority work: only high
+        requests are ahead of it, and only high work holds its slots."""
+        high = HIGH if rank == HIGH else None
+        ahead = [s for s in waiting if high is None or s.priority == high]
         admitted = sum(1 for s in ahead if self.is_admitted(s))
-        free = self._free_slots(rank)
-        queued = len(ahead) - admitted + max(0, admitted - free)
-        return queued, admitted < free
+        free = self._free_slots(high)
+        return len(ahead) - admitted + max(0, admitted - free), max(0, free - admitted)
 
     def _free_slots(self, rank: int | None) -> int | float:
         """Batch slots no running or swapped-out sequence of rank <= `rank` (None: any) holds

@@ -1346,6 +1346,10 @@ class LLMEngine(ControlSurface):
         return torch.cat(logits)
 
     def snapshot(self) -> EngineSnapshot:
+        """What other threads read of the engine, made on the engine thread after what
+        changed it; admission's queue, which a request posted now would join, is published
+        with it (`AdmissionPolicy.publish_queue`)."""
+        self.admission_policy.publish_queue(self.scheduler.waiting)
         return build_snapshot(self)
 
     def audit_blocks(self) -> None:

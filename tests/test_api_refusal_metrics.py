@@ -27,8 +27,11 @@ import torch
 from kvguard.daemon import openai_api
 from kvguard.daemon.config import load_config
 from kvguard.daemon.service import Service
-from kvguard.engine.admission import AdmissionController
+from kvguard.engine.admission_policy import AdmissionRejected
 from kvguard.engine.config import AdmissionConfig
+from kvguard.engine.llm_engine import LLMEngine
+from kvguard.engine.sampling_params import SamplingParams
+from tests.test_admission_edges import PROMPT, make_engine
 from tests.test_engine_stall import stall
 from tests.test_grammar_prepare import serving
 from tests.test_server import until
@@ -38,31 +41,62 @@ SEQS = 2  # serving.max_num_seqs: at most QUEUE + SEQS requests are taken in at 
 SENT = 20
 
 
+def _posting(engine: LLMEngine, posted: int) -> SimpleNamespace:
+    """The parts of a Service the API-side 429 reads: the engine, `posted` sequences on their
+    way into it, the API's reject counter."""
+    return SimpleNamespace(
+        engine=engine,
+        loop=SimpleNamespace(posted=lambda high=False: posted),
+        metrics=SimpleNamespace(api_rejects=collections.Counter()),
+    )
+
+
 def test_the_api_side_429_reads_the_finish_record_without_changing_it() -> None:
-    """The event loop's 429 estimates its Retry-After as admission's slot wait from the
-    finishes of the last 10 s, and leaves the engine thread's record as it was: the stale
-    finishes are the engine thread's to forget (the event loop popped them, racing the
-    engine thread's own pops)."""
-    ctl = AdmissionController(AdmissionConfig(max_queue=QUEUE, max_queue_wait_s=0.0), 16, 1024)
+    """The event loop's 429 is admission's queue_full, its Retry-After when the queue would
+    drain from the finishes of the last 10 s, and leaves the engine thread's record as it
+    was: the stale finishes are the engine thread's to forget (the event loop popped them,
+    racing the engine thread's own pops)."""
+    adm = AdmissionConfig(max_queue=QUEUE, max_queue_wait_s=0.0)
+    engine = make_engine(num_gpu_blocks=256, max_num_seqs=SEQS, admission=adm)
+    ctl = engine.admission
     now = [0.0]
     ctl.clock = lambda: now[0]
     for at in (0.0, 0.0, 0.0, 8.0, 8.0, 8.0, 8.0):  # 3 finishes, then 4 more 8 s later
         now[0] = at
         ctl.release(0)
     now[0] = 12.0  # the first three are past the 10 s window now
-    service = SimpleNamespace(
-        engine=SimpleNamespace(admission=ctl, latest_snapshot=SimpleNamespace(max_num_seqs=SEQS)),
-        loop=SimpleNamespace(posted=lambda high=False: QUEUE + SEQS),
-        metrics=SimpleNamespace(api_rejects=collections.Counter()),
-    )
+    service = _posting(engine, QUEUE + SEQS)
     record = list(ctl._finished)
     with pytest.raises(openai_api.ApiError) as refused:
         openai_api._refuse_past_queue(service, 1, "normal")  # type: ignore[arg-type]
     assert (refused.value.status, refused.value.code) == (429, "admission_rejected")
     assert list(ctl._finished) == record  # nothing forgotten from the event loop
-    # 6 ahead at the 4 finishes of the last 10 s (0.4/s): 15 s, as the engine estimates it
-    assert refused.value.retry_after == pytest.approx(15.0)
-    assert ctl.finish_rate() == pytest.approx(0.4)
+    # SEQS of those posted take the slots, QUEUE wait: at the 4 finishes of the last 10 s
+    # (0.4/s) they start in 10 s, past the hard bound's 0 s
+    assert str(refused.value) == "queue full (4 waiting, about 10s to drain)"
+    assert refused.value.retry_after == pytest.approx(10.0)
+    assert service.metrics.api_rejects == {"queue_full": 1}
+
+
+def test_a_request_the_engine_s_full_queue_refuses_is_refused_as_it_is_posted() -> None:
+    """The engine holds a full queue (one running, two waiting, a hard bound of two) and
+    nothing is on its way in: the request posted now is refused at once with the 429 the
+    engine gives it on taking it in, its message and Retry-After. The API's check counted
+    only the requests posted and not yet taken in, so it was posted, and waited for an engine
+    thread that may be stalled to refuse it."""
+    adm = AdmissionConfig(max_queue=2, max_queue_wait_s=0.0)
+    engine = make_engine(num_gpu_blocks=256, max_num_seqs=1, admission=adm)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    for _ in range(3):
+        engine.add_request(PROMPT, params)
+    engine.step()  # one runs, two wait: published with the step's snapshot
+    with pytest.raises(openai_api.ApiError) as refused:
+        openai_api._refuse_past_queue(_posting(engine, 0), 1, "normal")  # type: ignore[arg-type]
+    with pytest.raises(AdmissionRejected) as taken_in:
+        engine.add_request(PROMPT, params)
+    assert (refused.value.status, refused.value.code) == (429, "admission_rejected")
+    assert str(refused.value) == taken_in.value.decision.reason == "queue full (2 waiting)"
+    assert refused.value.retry_after == taken_in.value.decision.estimated_wait_s
 
 
 @pytest.fixture

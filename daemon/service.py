@@ -1665,23 +1665,13 @@ def _shape_problems(new: DaemonConfig, mcfg: ModelConfig) -> list[tuple[Loc, str
 
 
 def _checkpoint_problem(model: str, home: Path, knob: str) -> list[tuple[Loc, str]]:
-    """The start's check of model_quantization against the checkpoint (`resolve_model`), but
-    without converting a GGUF: for a GGUF source (a known GGUF-born model, a .gguf file)
-    `none` is its fp32 form and any other value must accept `gguf`; any other model is
+    """The start's check of model_quantization against the checkpoint (`resolve_model`),
+    with a GGUF source left unconverted (a reload must not take minutes); any other model is
     resolved as the start resolves it, from the cache, where the model served now is."""
-    from kvguard.engine.model_registry import KNOWN_MODELS, resolve_model
-    from kvguard.engine.weights import check_quantization
+    from kvguard.engine.model_registry import resolve_model
 
-    known = KNOWN_MODELS.get(model)
-    path = Path(model).expanduser()
-    gguf = known.gguf(home) if known is not None and known.gguf is not None else None
-    if known is None and path.is_file():
-        gguf = path
     try:
-        if gguf is None:
-            resolve_model(model, home, progress=False, quantization=knob)
-        elif knob != "none":
-            check_quantization(gguf, "gguf", knob)
+        resolve_model(model, home, progress=False, quantization=knob, convert=False)
     except ModelLoadError as e:
         return [(CHECKPOINT_KEY, str(e))]
     return []

@@ -147,33 +147,42 @@ KNOWN_MODELS: dict[str, KnownModel] = {
 
 # -- public API ------------------------------------------------------------------------------
 def resolve_model(
-    name_or_path: str, home: Path, progress: bool = True, quantization: str = "none"
+    name_or_path: str,
+    home: Path,
+    progress: bool = True,
+    quantization: str = "none",
+    convert: bool = True,
 ) -> Path:
     """A local model directory for a known name, a model directory path, or a .gguf file path.
 
     `quantization` is the `model_quantization` knob: for a GGUF source it picks the packed
     (`auto`, `gguf`) or the fp32 form (`none`); a value the checkpoint does not hold is refused
     naming the file. The default, `none`, is the fp32 reference (tests, tokenizer look-ups);
-    the engine passes its knob, `auto` by default.
+    the engine passes its knob, `auto` by default. `convert=False` judges the knob as the
+    start does but leaves a GGUF source unconverted, returning its .gguf file: a reload's
+    check of the knob, which must not take the minutes a conversion takes.
 
     Known names win over same-named directories in the working directory; write ./tiny for those.
     """
     with _readable_cache(Path(home)):
-        return _resolve(name_or_path, Path(home), progress, quantization)
+        return _resolve(name_or_path, Path(home), progress, quantization, convert)
 
 
-def _resolve(name_or_path: str, home: Path, progress: bool, quantization: str) -> Path:
+def _resolve(
+    name_or_path: str, home: Path, progress: bool, quantization: str, convert: bool
+) -> Path:
     _clean_leftovers(home)
     if name_or_path in KNOWN_MODELS:
-        return _known(KNOWN_MODELS[name_or_path], home, progress, quantization)
+        return _known(KNOWN_MODELS[name_or_path], home, progress, quantization, convert)
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         validate_model_dir(path)
         check_quantization(path / "config.json", checkpoint_quantization(path), quantization)
         return path
     if path.is_file() and path.suffix.lower() == ".gguf":  # a NAME.GGUF too
-        if quantization != "none":  # `none`: dequantised to fp32
-            check_quantization(path, "gguf", quantization)
+        _check_gguf_form(path, quantization)
+        if not convert:
+            return path
         return _converted_gguf(path, home, progress, packed=quantization != "none")
     if path.exists():
         raise ModelLoadError(f"{path}: neither a model directory nor a .gguf file")
@@ -183,15 +192,24 @@ def _resolve(name_or_path: str, home: Path, progress: bool, quantization: str) -
     )
 
 
-def _known(model: KnownModel, home: Path, progress: bool, quantization: str) -> Path:
+def _known(model: KnownModel, home: Path, progress: bool, quantization: str, convert: bool) -> Path:
     """A known model in the form `quantization` asks for; GGUF-born models have two."""
-    if model.gguf is not None:  # `none` is its fp32 dequantised form
-        if quantization != "none":
-            check_quantization(model.gguf(home), "gguf", quantization)
+    if model.gguf is not None:
+        gguf = model.gguf(home)
+        _check_gguf_form(gguf, quantization)
+        if not convert:
+            return gguf
         return fetch_model(model.name, home, progress=progress, packed=quantization != "none")
     path = fetch_model(model.name, home, progress=progress)
     check_quantization(path / "config.json", checkpoint_quantization(path), quantization)
     return path
+
+
+def _check_gguf_form(gguf: Path, quantization: str) -> None:
+    """A GGUF source serves `none` as its fp32 dequantised form, any other value from its
+    packed form, which holds `gguf` weights: a value that does not take those is refused."""
+    if quantization != "none":
+        check_quantization(gguf, "gguf", quantization)
 
 
 def fetch_model(

@@ -152,6 +152,26 @@ def test_an_upper_case_gguf_name_is_served_as_a_gguf(tiny_gguf: Path, tmp_path: 
     assert served == greedy(engine(tiny_gguf, tmp_path / "home2", "none"), [[5, 6, 7]])
 
 
+def test_a_reload_judges_model_quantization_on_a_gguf_as_the_start_without_converting(
+    tiny_gguf: Path, tmp_path: Path
+) -> None:
+    """A reload's check of quantization.model_quantization on a GGUF source is the start's
+    rule (`none` its fp32 form, any other value taking `gguf` weights), refusing with the
+    start's message, but without the conversion the start makes (minutes for a real model):
+    nothing is converted into the cache."""
+    from kvguard.daemon.service import CHECKPOINT_KEY, _checkpoint_problem
+
+    home = tmp_path / "home"
+    for knob in ("awq_4bit", "gptq_4bit"):
+        with pytest.raises(ModelLoadError) as start:
+            reg.resolve_model(str(tiny_gguf), home, progress=False, quantization=knob)
+        said = [(CHECKPOINT_KEY, str(start.value))]
+        assert _checkpoint_problem(str(tiny_gguf), home, knob) == said
+    for knob in ("auto", "none", "gguf"):
+        assert _checkpoint_problem(str(tiny_gguf), home, knob) == []
+    assert not home.exists()  # the cache untouched: nothing converted, fetched or cleaned
+
+
 @pytest.mark.parametrize(
     ("keys", "rope_freqs", "message"),
     [

@@ -16,8 +16,8 @@ from kvguard.engine.admission_policy import AdmissionRejected
 from kvguard.engine.config import EngineConfig
 from kvguard.engine.llm_engine import LLMEngine, NewRequest
 from kvguard.engine.sampling_params import SamplingParams
-from tests.test_admission_predicted import run_all
 from tests.test_disconnect import idle, state
+from tests.test_remedies import run_all
 from tests.test_server import Daemon, until
 
 BLOCK = 16

@@ -18,6 +18,7 @@ from kvguard.engine.config import EngineConfig
 from kvguard.engine.knobs import ConfigError
 from kvguard.engine.llm_engine import LLMEngine
 from kvguard.engine.sampling_params import SamplingParams
+from tests.test_remedies import run_all
 
 BLOCK = 16
 
@@ -160,18 +161,6 @@ def make_engine(**kw: object) -> LLMEngine:
     kw.setdefault("kv_cache_bytes", "32MiB")
     kw.setdefault("num_threads", 2)
     return LLMEngine.from_config(EngineConfig(model="tiny", **kw), progress=False)
-
-
-def run_all(engine: LLMEngine, check: object = None) -> dict[str, object]:
-    done = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-        engine.audit_blocks()
-        if check is not None:
-            check(engine)
-    return done
 
 
 def test_undershooting_predictions_lose_nothing() -> None:

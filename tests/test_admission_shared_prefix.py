@@ -11,7 +11,7 @@ from kvguard.engine.admission import NORMAL, AdmissionConfig
 from kvguard.engine.config import EngineConfig
 from kvguard.engine.llm_engine import LLMEngine
 from kvguard.engine.sampling_params import SamplingParams
-from tests.test_admission_predicted import run_all
+from tests.test_remedies import run_all
 
 PROMPT = [65 + (i * 7) % 50 for i in range(400)]  # 25 blocks of 16; 24 shareable
 LONG = [3 + (i * 11) % 60 for i in range(470)]  # another prompt, 30 blocks

@@ -19,6 +19,7 @@ import pytest
 
 from kvguard.engine import LLMEngine, SamplingParams
 from tests.test_engine import PROMPTS, make_engine
+from tests.test_remedies import run_all
 from tests.test_server import TEST_DAEMON_ENV, free_port
 
 # what torch's CPU allocator raises on ENOMEM, word for word
@@ -60,14 +61,9 @@ def test_a_cpu_allocation_failure_in_a_step_is_requeued_not_failed(
     oom = engine.events.recent("engine_oom")
     assert len(oom) == 1 and "DefaultCPUAllocator" in oom[0].data["error"]
     assert not engine.events.recent("engine_step_failed")
-    done = {}
-    while engine.has_unfinished():
-        for o in engine.step():
-            if o.finished:
-                done[o.request_id] = o
+    done = run_all(engine)
     assert set(done) == set(rids)
     assert all(o.finish_reason == "length" and len(o.token_ids) == 6 for o in done.values())
-    engine.audit_blocks()
 
 
 def test_any_other_runtime_error_in_a_step_still_fails_its_requests(

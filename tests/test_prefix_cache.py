@@ -15,7 +15,7 @@ from kvguard.engine.block_manager import BlockManager
 from kvguard.engine.sequence import Sequence
 from kvguard.engine.speculative import Lookup
 from kvguard.kernels import cpu_lowbit
-from tests.test_admission_predicted import run_all
+from tests.test_remedies import run_all
 
 
 def _seq(rid: str, tokens) -> Sequence:  # noqa: ANN001 - any int iterable

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -12,14 +13,25 @@ from kvguard.engine.admission import AdmissionConfig
 from kvguard.engine.control import ActionResult
 from kvguard.engine.engine_loop import EngineLoop
 from kvguard.engine.llm_engine import AdmissionRejected
+from kvguard.engine.sequence import RequestOutput
 from kvguard.rules.actions import OOM_UNDO_FP8_BELOW, run_action
 from tests.test_engine import PROMPTS, make_engine
 
 
-def run_all(engine: LLMEngine) -> None:
+def run_all(
+    engine: LLMEngine, check: Callable[[LLMEngine], None] | None = None
+) -> dict[str, RequestOutput]:
+    """Step until every request has finished, the block accounting audited after each step
+    (and `check`, where given): the final output of each, by request id."""
+    done = {}
     while engine.has_unfinished():
-        engine.step()
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
         engine.audit_blocks()
+        if check is not None:
+            check(engine)
+    return done
 
 
 def greedy(n: int) -> SamplingParams:

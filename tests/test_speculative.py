@@ -21,9 +21,9 @@ from kvguard.engine.speculative import (
     draft_threshold,
     ngram_sizes,
 )
-from tests.test_admission_predicted import run_all
 from tests.test_engine import make_engine
 from tests.test_kv_pool import apply
+from tests.test_remedies import run_all
 from tests.test_server import Daemon
 from tests.test_structured_output import metric
 

@@ -10,7 +10,7 @@ import resource
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -55,26 +55,53 @@ def connect(d: Daemon, sent: bytes) -> socket.socket:
     return sock
 
 
+def read_raw(
+    sock: socket.socket,
+    done: Callable[[bytearray], bool] = lambda got: False,
+    size: int = 1 << 16,
+    after_read: Callable[[], None] = lambda: None,
+    on_timeout: Callable[[], None] | None = None,
+) -> tuple[bytes, str | None]:
+    """What a raw client read of its connection, `size` bytes at most a read, until `done`
+    says it has enough or the server ends the connection, and how it ended: "closed",
+    "reset", or None (still open). `after_read` runs after each read (the client's pace);
+    `on_timeout`, where given, when a read times out (the socket's timeout), and reading
+    goes on; without it the timeout is raised."""
+    got = bytearray()
+    while not done(got):
+        try:
+            part = sock.recv(size)
+        except TimeoutError:
+            if on_timeout is None:
+                raise
+            on_timeout()
+            continue
+        except ConnectionResetError:
+            return bytes(got), "reset"
+        if not part:
+            return bytes(got), "closed"
+        got += part
+        after_read()
+    return bytes(got), None
+
+
 def until_closed(sock: socket.socket, trickle: bytes = b"") -> tuple[bytes, float]:
     """What the daemon sent before it closed `sock`, and how long that took; each `trickle`
     byte is sent 0.2 s apart meanwhile (a client that keeps its request coming, too slowly).
-    A connection still open after CLOSE_BOUND_S fails the test."""
+    A connection still open after CLOSE_BOUND_S, or reset, fails the test."""
     t0 = time.monotonic()
-    got = bytearray()
     sock.settimeout(0.2 if trickle else CLOSE_BOUND_S)
-    while time.monotonic() - t0 < CLOSE_BOUND_S:
-        try:
-            chunk = sock.recv(1 << 16)
-        except TimeoutError:
-            with contextlib.suppress(OSError):
-                sock.sendall(trickle)
-            continue
-        except ConnectionResetError:
-            break
-        if not chunk:
-            return bytes(got), time.monotonic() - t0
-        got += chunk
-    pytest.fail(f"the daemon had not closed the connection after {CLOSE_BOUND_S:g}s: {got!r}")
+
+    def send_trickle() -> None:
+        with contextlib.suppress(OSError):
+            sock.sendall(trickle)
+
+    got, ended = read_raw(
+        sock, lambda _: time.monotonic() - t0 >= CLOSE_BOUND_S, on_timeout=send_trickle
+    )
+    if ended != "closed":
+        pytest.fail(f"the daemon had not closed the connection after {CLOSE_BOUND_S:g}s: {got!r}")
+    return got, time.monotonic() - t0
 
 
 @pytest.mark.parametrize(

@@ -39,6 +39,7 @@ from kvguard.daemon.logging_setup import NOT_READ
 from kvguard.daemon.service import Service, bind_api, timed_h11
 from tests.test_grammar_prepare import loaded
 from tests.test_server import until
+from tests.test_slow_clients import read_raw
 
 SMALL_BUFFER = 4096  # bytes asked for each socket's buffer (Linux doubles it)
 # 4 choices of 64 tokens with their 20 most likely alternatives each: about 400 KB of SSE,
@@ -143,12 +144,9 @@ def engine_done(svc: Service, url: str, before: float) -> None:
 def read_to_the_end(sock: socket.socket) -> bytes:
     """What the client had left unread, read now, up to its chunked stream's last chunk."""
     sock.settimeout(60)
-    got = bytearray()
-    while not got.endswith(b"\r\n0\r\n\r\n"):
-        part = sock.recv(65536)
-        assert part, f"the connection closed after {len(got)} bytes: {bytes(got[-200:])!r}"
-        got += part
-    return bytes(got)
+    got, ended = read_raw(sock, lambda got: got.endswith(b"\r\n0\r\n\r\n"))
+    assert ended is None, f"the connection {ended} after {len(got)} bytes: {got[-200:]!r}"
+    return got
 
 
 def tcp_state(sock: socket.socket) -> int:
@@ -299,16 +297,15 @@ def ask_big(port: int) -> socket.socket:
 
 def read_steadily(sock: socket.socket) -> bytes:
     """Read the big answer at READ every READ_EVERY_S at most, never pausing longer (but for
-    the host's own delays), up to its end or the connection's."""
-    got = bytearray()
-    with contextlib.suppress(ConnectionResetError):  # the old code's cut: `got` says when
-        while len(got) < BIG or len(got) < got.index(b"\r\n\r\n") + 4 + BIG:
-            part = sock.recv(READ)
-            if not part:
-                break
-            got += part
-            time.sleep(READ_EVERY_S)  # the client's pace, not a wait for something
-    return bytes(got)
+    the host's own delays), up to its end or the connection's (the old code's cut: what was
+    read says when)."""
+    got, _ = read_raw(
+        sock,
+        lambda got: len(got) >= BIG and len(got) >= got.index(b"\r\n\r\n") + 4 + BIG,
+        READ,
+        lambda: time.sleep(READ_EVERY_S),  # the client's pace, not a wait for something
+    )
+    return got
 
 
 def test_a_client_reading_a_large_answer_steadily_is_not_cut_off_but_one_that_stops_is() -> None:

@@ -14,6 +14,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from tests.test_server import Daemon
+from tests.test_tools import ASK, daemon  # noqa: F401 - daemon: the tiny model, 2048 tokens
 
 
 class GetWeather(BaseModel):
@@ -23,22 +24,9 @@ class GetWeather(BaseModel):
 
 
 TOOLS = [openai.pydantic_function_tool(GetWeather)]
-ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 # one call, forced: 20 characters of any script (a few byte tokens each) and the call's frame
 FIRST_TURN = {"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False,
               "max_tokens": 240, "temperature": 0}  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201 - a Daemon
-    """The tiny model with room for a system message describing a tool."""
-    d = Daemon(
-        tmp_path_factory.mktemp("helpers"),
-        debug_hooks=False,
-        serving="{model: tiny, kv_cache_bytes: 32MiB, max_model_len: 2048}",
-    )
-    yield d
-    assert d.stop() == 0
 
 
 def _client(d: Daemon, sent: list[dict[str, Any]]) -> openai.OpenAI:
@@ -62,7 +50,7 @@ def _second_turn(c: openai.OpenAI, message: Any) -> Any:
     )
 
 
-def test_a_parsed_message_is_taken_back_as_the_next_turn_s_history(daemon: Daemon) -> None:
+def test_a_parsed_message_is_taken_back_as_the_next_turn_s_history(daemon: Daemon) -> None:  # noqa: F811
     """`parse()` hands back a message with `parsed` and each call's
     `function.parsed_arguments`, which the client writes out again when the message is sent
     back: each was refused as an unknown field, so every agent built on `parse()` failed on
@@ -79,7 +67,7 @@ def test_a_parsed_message_is_taken_back_as_the_next_turn_s_history(daemon: Daemo
     assert "parsed" in replayed and "parsed_arguments" in replayed["tool_calls"][0]["function"]
 
 
-def test_a_streamed_message_is_taken_back_as_the_next_turn_s_history(daemon: Daemon) -> None:
+def test_a_streamed_message_is_taken_back_as_the_next_turn_s_history(daemon: Daemon) -> None:  # noqa: F811
     """The stream helper's `get_final_completion()` message carries each call's `index` (as
     code that builds calls from stream deltas keeps it) besides `parsed` and
     `parsed_arguments`: its second turn was refused for all three."""
@@ -97,7 +85,7 @@ def test_a_streamed_message_is_taken_back_as_the_next_turn_s_history(daemon: Dae
     assert replayed["index"] == 0 and "parsed_arguments" in replayed["function"]
 
 
-def test_client_added_fields_are_taken_on_assistant_messages_only(daemon: Daemon) -> None:
+def test_client_added_fields_are_taken_on_assistant_messages_only(daemon: Daemon) -> None:  # noqa: F811
     """Only what the client adds is accepted, where it adds it: any other unknown field is
     still refused, and `parsed` on another role's message too."""
     call = {"id": "c1", "type": "function", "index": 0,
@@ -115,7 +103,7 @@ def test_client_added_fields_are_taken_on_assistant_messages_only(daemon: Daemon
         assert refused.value.body["param"] == param, refused.value.body
 
 
-def test_a_route_kvguard_does_not_serve_is_named_with_what_it_serves(daemon: Daemon) -> None:
+def test_a_route_kvguard_does_not_serve_is_named_with_what_it_serves(daemon: Daemon) -> None:  # noqa: F811
     """The Responses API, embeddings, ...: a 404 said only `Not Found`, and a served path
     asked with the wrong method `Method Not Allowed`. As OpenAI words it, the answer names the
     request (`Invalid URL (POST /v1/responses)`), and says what kvguard serves instead."""
@@ -135,7 +123,7 @@ def test_a_route_kvguard_does_not_serve_is_named_with_what_it_serves(daemon: Dae
     assert "takes POST" in error["message"] and error["type"] == "invalid_request_error"
 
 
-def test_every_answer_carries_a_request_id(daemon: Daemon) -> None:
+def test_every_answer_carries_a_request_id(daemon: Daemon) -> None:  # noqa: F811
     """The client's `request_id` (the `x-request-id` header) was None everywhere, so a client
     whose request failed had no id to quote. A whole completion's is its id, and a stream's
     the id its chunks carry (it was a fresh `req-...` that no log line names); an error before

@@ -325,7 +325,21 @@ def run_scenario(rules: RuleSet, sc: Scenario) -> Outcome:
                 ev.tick()
         clock.t = t
         ev.tick()
-    return Outcome(ev.decisions, _compare(ev.decisions, sc.expect))
+    failures = _compare(ev.decisions, sc.expect)
+    return Outcome(ev.decisions, failures + (_unfed(rules, sc) if failures else []))
+
+
+def _unfed(rules: RuleSet, sc: Scenario) -> list[str]:
+    """For a failed replay: each rule whose signal the scenario gives no series, which never
+    acts (its value unknown, as an unread signal's is in the daemon). Said because a rules
+    file whose rule moved to another signal (the default batch cut reads `kv_demand` since it
+    read `kv_usage`) fails an older scenario with expectations that only shifted."""
+    return [
+        f"note: rule {r.name} reads signal {r.signal}, for which the scenario has no series: "
+        "it never acted (add a series for it)"
+        for r in rules.rules
+        if r.signal is not None and r.signal not in sc.series
+    ]
 
 
 def _simulated_oom_chain(kv_usage: float | None) -> ActionResult:

@@ -691,3 +691,36 @@ def test_an_interval_the_stall_alert_would_read_as_a_stall_is_refused(tmp_path: 
     path, res = _rules_check(tmp_path, text)
     assert res.returncode == 1 and f"{path}:2: interval: interval 600s is too long" in res.stderr
     assert load_rules_text(text.replace("10m", "2m"), "r.yaml").interval == 120.0
+
+
+OLD_BURST = """
+duration: 60s
+series:
+  kv_usage:
+    - {at: 0s, value: 0.50}
+    - {at: 30s, value: 0.93}
+  gpu_mem: []
+expect:
+  - {at: 40s, rule: reduce-batch, action: reduce_batch}
+"""
+
+
+def test_a_failed_replay_names_the_rules_its_series_do_not_feed(tmp_path: Path) -> None:
+    """A scenario written when the default batch cut read `kv_usage` gives no `kv_demand`
+    series: the cut never acts and the replay fails. Its failures name the rule and the signal
+    the scenario does not feed, not only the expectations that moved; a replay that passes
+    says nothing of the signals it leaves out (an unknown GPU is a scenario's own choice)."""
+    rules = load_rules(default_rules_path())
+    path = tmp_path / "old-burst.yaml"
+    path.write_text(OLD_BURST)
+    out = run_scenario(rules, load_scenario(path, rules))
+    assert not out.ok
+    notes = [f for f in out.failures if f.startswith("note: ")]
+    assert any("rule reduce-batch reads signal kv_demand" in n for n in notes), out.failures
+    assert not any("gpu_mem" in n for n in notes)  # a series given, if empty, is fed
+    # the cut's own signal fed, as the usage was: the same expectations pass
+    usage = OLD_BURST.split("series:\n")[1].split("  gpu_mem")[0]
+    path.write_text(
+        OLD_BURST.replace("  gpu_mem: []", usage.replace("kv_usage", "kv_demand") + "  gpu_mem: []")
+    )
+    assert run_scenario(rules, load_scenario(path, rules)).ok

@@ -90,6 +90,7 @@ class AdmissionPolicy:
         self.caching = caching  # the prefix cache is on: shared prompt prefixes count once
         self.allow_rank: int | None = None  # halted: only priorities <= this get in
         self._tickets: dict[str, Ticket] = {}
+        self._admitted = 0  # tickets that hold their commitment (`admitted_waiting`)
         self._groups: dict[GroupKey, Group] = {}  # groups with an admitted member
         self._seals = 0  # groups sealed so far: each sealed group's own key
         self._live: Callable[[], Iterable[Sequence]] = tuple
@@ -132,7 +133,7 @@ class AdmissionPolicy:
             self._refuse_halted(seq, self.allow_rank, capacity, configured)
         ctl = self.controller
         if ctl is None:
-            self._tickets[seq.request_id] = Ticket(None, admitted=True)
+            self._issue(seq.request_id, Ticket(None, admitted=True))
             return
         queued, slot = self._queue_ahead(seq, waiting)
         key = self._group_key(seq)
@@ -161,7 +162,7 @@ class AdmissionPolicy:
             else ctl.projected_blocks(prompt - key[0], d.predicted_tokens, d.max_tokens)
         )
         ticket = Ticket(d, own, d.decision == "admit", key, whole - own)
-        self._tickets[seq.request_id] = ticket
+        self._issue(seq.request_id, ticket)
         if ticket.admitted:
             ctl.commit(self._commitment(ticket))
             self._join(seq.request_id, ticket)
@@ -250,8 +251,8 @@ class AdmissionPolicy:
         (`queue_full_for`: its own sequences are not the queue it is told of)."""
         ctl = self.controller
         for seq in taken:
-            t = self._tickets.pop(seq.request_id)
-            if ctl is not None and t.admitted:
+            t = self._drop(seq.request_id)
+            if ctl is not None and t is not None and t.admitted:
                 ctl.uncommit(self._leave(seq.request_id, t))
         self.count_refused(len(seqs))
         if ctl is None or not taken or refused.kind != "queue_full":
@@ -265,9 +266,11 @@ class AdmissionPolicy:
         with each snapshot (after the step that changed the queue): one dict swapped in
         whole, so a reader sees one publication or the next, never a mix. A request taken in
         since is in neither this nor the loop's posted count until the next one: the event
-        loop then counts too few, and the engine decides as it takes the request in."""
-        waiting = list(waiting)
-        self._published = {rank: self.queue_ahead(rank, waiting) for rank in (HIGH, NORMAL)}
+        loop then counts too few, and the engine decides as it takes the request in. Once a
+        step: one pass over the queue and one over the live sequences count both views
+        (`_tally`, `_held`), not two of each."""
+        queued, held = self._tally(waiting), self._held()
+        self._published = {rank: _ahead(queued[rank], held[rank], self._slots()) for rank in queued}
 
     def refuse_posted(self, rank: int, posted: int, size: int) -> AdmissionDecision | None:
         """The queue_full refusal the engine would give a request of `size` sequences of
@@ -307,24 +310,33 @@ class AdmissionPolicy:
         start at the next step); only those past them count. High priority sorts ahead of
         queued lower ones (`queue_key`) and takes the slots of lower-priority work: only high
         requests are ahead of it, and only high work holds its slots."""
-        high = HIGH if rank == HIGH else None
-        ahead = [s for s in waiting if high is None or s.priority == high]
-        admitted = sum(1 for s in ahead if self.is_admitted(s))
-        free = self._free_slots(high)
-        return len(ahead) - admitted + max(0, admitted - free), max(0, free - admitted)
+        view = HIGH if rank == HIGH else NORMAL
+        return _ahead(self._tally(waiting)[view], self._held()[view], self._slots())
 
-    def _free_slots(self, rank: int | None) -> int | float:
-        """Batch slots no running or swapped-out sequence of rank <= `rank` (None: any) holds
-        (inf: `max_num_seqs` unknown, a policy no scheduler watches)."""
-        slots = self._slots()
-        if slots is None:
-            return math.inf
-        held = sum(
-            1
-            for s in self._live()
-            if s.status in (Status.RUNNING, Status.SWAPPED) and (rank is None or s.priority <= rank)
-        )
-        return max(0, slots - held)
+    def _tally(self, waiting: Iterable[Sequence]) -> dict[int, tuple[int, int]]:
+        """(requests waiting, admitted ones among them) as a high request sees the queue
+        (high ones only) and as any other does (all), in one pass."""
+        tickets = self._tickets
+        high = high_admitted = count = admitted = 0
+        for s in waiting:
+            t = tickets.get(s.request_id)
+            ok = t is not None and t.admitted
+            count += 1
+            admitted += ok
+            if s.priority == HIGH:
+                high += 1
+                high_admitted += ok
+        return {HIGH: (high, high_admitted), NORMAL: (count, admitted)}
+
+    def _held(self) -> dict[int, int]:
+        """Batch slots the running and swapped-out sequences hold: of high work (what a high
+        request cannot take) and of any, in one pass."""
+        high = held = 0
+        for s in self._live():
+            if s.status in (Status.RUNNING, Status.SWAPPED):
+                held += 1
+                high += s.priority == HIGH
+        return {HIGH: high, NORMAL: held}
 
     def _group_key(self, seq: Sequence) -> GroupKey | None:
         """The prompt prefix the prefix cache can give `seq` from a request with the same one:
@@ -410,6 +422,25 @@ class AdmissionPolicy:
         t = self._tickets.get(seq.request_id)
         return t is not None and t.admitted
 
+    def admitted_waiting(self, started: Iterable[Sequence]) -> int:
+        """The admitted requests not among `started` (the running and swapped-out sequences):
+        those in the queue, as every ticket is a live sequence's. A walk of the queue for the
+        admitted ones (`Scheduler.startable`) stops once it has seen them all, instead of
+        walking thousands of requests admission holds back for KV each step. O(`started`)."""
+        return self._admitted - sum(map(self.is_admitted, started))
+
+    def _issue(self, rid: str, ticket: Ticket) -> None:
+        """Keep `ticket` for request `rid`, and the count of admitted ones with it."""
+        self._drop(rid)
+        self._tickets[rid] = ticket
+        self._admitted += ticket.admitted
+
+    def _drop(self, rid: str) -> Ticket | None:
+        """Forget request `rid`'s ticket (None: it had none), and the count with it."""
+        t = self._tickets.pop(rid, None)
+        self._admitted -= t is not None and t.admitted
+        return t
+
     # -- start ------------------------------------------------------------------------------
     def try_start(self, seq: Sequence, capacity: int) -> bool:
         """Commit a queued request's peak as it is about to start; False: it waits."""
@@ -425,6 +456,7 @@ class AdmissionPolicy:
         ):
             return False
         t.admitted = True
+        self._admitted += 1
         self._join(seq.request_id, t)
         return True
 
@@ -434,6 +466,7 @@ class AdmissionPolicy:
         if t is not None and t.admitted and self.controller is not None:
             self.controller.uncommit(self._leave(seq.request_id, t))
             t.admitted = False
+            self._admitted -= 1
 
     def on_step(self, preempted: int, usage: float) -> None:
         """A step was scheduled, with `preempted` sequences taken off the device for it and
@@ -511,7 +544,7 @@ class AdmissionPolicy:
 
     # -- finish -----------------------------------------------------------------------------
     def on_finish(self, seq: Sequence) -> None:
-        t = self._tickets.pop(seq.request_id, None)
+        t = self._drop(seq.request_id)
         ctl = self.controller
         if t is None or ctl is None or not t.admitted:
             return
@@ -558,6 +591,14 @@ class AdmissionPolicy:
             longest = max(range(len(loads)), key=lambda i: loads[i][1])
             out.extend((h if i == longest else h - key[0], r) for i, (h, r) in enumerate(loads))
         return out
+
+
+def _ahead(waiting: tuple[int, int], held: int, slots: int | None) -> tuple[int, int | float]:
+    """`queue_ahead` of one view: `waiting` (requests, admitted ones) and the slots `held` of
+    `slots` (None: `max_num_seqs` unknown, a policy no scheduler watches: unbounded)."""
+    count, admitted = waiting
+    free = math.inf if slots is None else max(0, slots - held)
+    return count - admitted + max(0, admitted - free), max(0, free - admitted)
 
 
 def _halted(allow_rank: int, rank: int) -> AdmissionDecision:

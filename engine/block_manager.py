@@ -226,6 +226,12 @@ class BlockManager:
         are never reused, and a pool rebuild in another dtype leaves none findable, so a block
         found holds the very K/V the sequence's copy does. The blocks are held for `seq` (a
         cached free one leaves the free list): give them back with `give`. At most `limit`."""
+        found = self._rematched(seq, limit)
+        self._hold(seq.request_id, found)
+        return found
+
+    def _rematched(self, seq: Sequence, limit: int) -> list[int]:
+        """The blocks `rematch` would share, none held."""
         if not self.caching or seq.kv_converted or not seq.block_contents:
             return []
         parent, found = self._root(short_prompt(seq)), []
@@ -235,8 +241,22 @@ class BlockManager:
                 break
             parent = content
             found.append(b)
-        self._hold(seq.request_id, found)
         return found
+
+    def shareable(self, seq: Sequence) -> list[int]:
+        """The cached device blocks `seq` would start from (`match`: waiting, nothing
+        computed) or come back to (`rematch`: swapped out) now, found without holding any:
+        the KV demand (`snapshot.demand_blocks`) charges a sequence only the blocks it would
+        not share. One key lookup per block found, and one more."""
+        if seq.host_block_table:
+            return self._rematched(seq, len(seq.host_block_table))
+        if not self.caching or seq.block_table or seq.num_computed_tokens:
+            return []
+        return self._lookup(seq)
+
+    def in_use(self, block: int) -> bool:
+        """Whether a sequence holds `block` (else it is free, cached or not)."""
+        return block in self._holders
 
     def _hold(self, owner: str, blocks: list[int]) -> None:
         """`owner` shares cached `blocks` (one that was free leaves the free list)."""

@@ -334,26 +334,39 @@ class Scheduler:
         return max(1, -(-prompts // max(1, decodes)))
 
     def _startable(self) -> int:
-        """The waiting requests that could start now, in queue order up to the free
-        `max_num_seqs` slots: admitted ones, and queued ones whose commitment fits beside
-        those ahead (tried as `_schedule_waiting` tries them, and given back: it commits for
-        real). A request admission holds back for KV widens nothing: eight such let the one
-        prompt that could run take nine bounds' worth a step while a decode waited for it."""
-        free = max(0, self.max_num_seqs - len(self.running))
+        """The waiting requests that could start now, up to the free `max_num_seqs` slots
+        (`startable`). A request admission holds back for KV widens nothing: eight such let
+        the one prompt that could run take nine bounds' worth a step while a decode waited
+        for it."""
+        return len(self.startable(max(0, self.max_num_seqs - len(self.running))))
+
+    def startable(self, slots: int) -> list[Sequence]:
+        """The waiting requests that would start next, in queue order, at most `slots` of
+        them: admitted ones, and queued ones whose commitment fits beside those ahead (tried
+        as `_schedule_waiting` tries them, and given back: nothing stays committed). One rule
+        for who starts next, read at the batch limit in force (`_startable`, the step's
+        prompt budget) and at the configured one (`snapshot.demand_blocks`, the KV a
+        restored batch would hold): a request admission holds back for KV is in neither.
+        Past the first such request only admitted ones start: the walk ends with the last of
+        them (`admitted_waiting`), not at the end of a queue thousands long."""
         tried: list[Sequence] = []
-        count, gated = 0, False
+        out: list[Sequence] = []
+        gated = False
+        admitted = self.policy.admitted_waiting(self.running + self.swapped)  # still to see
         for seq in self.waiting:
-            if count >= free:
+            if len(out) >= slots or (gated and admitted <= 0):
                 break
-            if not self.policy.is_admitted(seq):
-                if gated or not self.policy.try_start(seq, self.bm.num_blocks):
-                    gated = True  # later uncommitted requests wait behind it
-                    continue
+            if self.policy.is_admitted(seq):
+                admitted -= 1
+            elif gated or not self.policy.try_start(seq, self.bm.num_blocks):
+                gated = True  # later uncommitted requests wait behind it
+                continue
+            else:
                 tried.append(seq)
-            count += 1
+            out.append(seq)
         for seq in reversed(tried):
             self.policy.cancel_start(seq)
-        return count
+        return out
 
     def _prompt_share(self, batch: ScheduledBatch, urgent: bool) -> int:
         """The most prompt tokens one prompt may run this step: `prefill_while_decoding`

@@ -9,14 +9,15 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass, field
-from itertools import chain, islice
 from typing import TYPE_CHECKING
 
 from kvguard.engine.control_surface import allowed_name
 from kvguard.engine.sequence import PRIORITY_NAMES
 
 if TYPE_CHECKING:
+    from kvguard.engine.block_manager import BlockManager
     from kvguard.engine.llm_engine import LLMEngine
+    from kvguard.engine.sequence import Sequence
 
 
 @dataclass(slots=True, frozen=True)
@@ -131,16 +132,40 @@ def _median(values) -> float | None:
 
 
 def demand_blocks(engine: LLMEngine) -> int:
-    """Device blocks in use plus those the sequences the scheduler would run next at the
-    configured `max_num_seqs` would take, in its order (swapped ones first, their host
-    blocks; then the waiting queue, preempted-for-recompute ones among them, each its tokens'
-    blocks), as many as that limit leaves slots beside the running ones. Built with every
-    snapshot, once a step: at most `max_num_seqs` sequences are looked at, each in O(1)."""
+    """Device blocks in use plus those the sequences a batch restored to the configured
+    `max_num_seqs` would start next would take, in the scheduler's order: swapped ones first
+    (their host blocks), then the waiting requests that would start (`Scheduler.startable`:
+    admitted ones, and queued ones admission would commit; one it holds back for KV would not
+    start, so it adds nothing), as many as that limit leaves slots beside the running ones.
+    Each is charged only the blocks it would not share through the prefix cache
+    (`_unshared`). Built with every snapshot, once a step: at most `max_num_seqs` sequences
+    are charged, each one key lookup per cached block it begins with (and the queue walk
+    `startable` shares with the step's prompt budget)."""
     sch, bm = engine.scheduler, engine.block_manager
     slots = max(0, engine.config.max_num_seqs - len(sch.running))
-    swapped = (len(s.host_block_table) for s in sch.swapped)
-    waiting = (bm.blocks_for(s.num_tokens) for s in sch.waiting)
-    return bm.num_used + sum(islice(chain(swapped, waiting), slots))
+    swapped = sch.swapped[:slots]
+    waiting = sch.startable(slots - len(swapped))
+    charged: set[int] = set()
+    back = sum(_unshared(bm, s, len(s.host_block_table), charged) for s in swapped)
+    start = sum(_unshared(bm, s, bm.blocks_for(s.num_tokens), charged) for s in waiting)
+    return bm.num_used + back + start
+
+
+def _unshared(bm: BlockManager, seq: Sequence, blocks: int, charged: set[int]) -> int:
+    """Of the `blocks` `seq` would hold on the device, those it would take: a cached block
+    it begins with that a running sequence holds (a shared system prompt, its other
+    choices) is in use already, and one a sequence counted before it was charged for (a
+    free cached block, taken once) is shared. A request for its prompt's log-probabilities
+    computes every position itself (`Scheduler._match`)."""
+    if seq.prompt_logprobs is not None and not seq.host_block_table:
+        return blocks
+    shared = 0
+    for b in bm.shareable(seq):
+        if bm.in_use(b) or b in charged:
+            shared += 1
+        else:
+            charged.add(b)
+    return blocks - shared
 
 
 def build_snapshot(engine: LLMEngine) -> EngineSnapshot:

@@ -55,9 +55,10 @@ LOCAL_SIGNALS = {
     "kv_cache_usage_ratio": LocalSignal("device KV blocks in use / total", RATIO, pool="device KV"),
     "kv_cache_demand_ratio": LocalSignal(
         "device KV blocks the engine would hold at its configured `max_num_seqs` / total: "
-        "those in use, and those of the swapped and waiting sequences it would run next in "
-        "the free slots (a swapped one's blocks, a waiting one's tokens' blocks), over 1 "
-        "where that batch would not fit; `kv_cache_usage_ratio` when nothing waits",
+        "those in use, and those the swapped and waiting sequences it would start next in "
+        "the free slots would add (not one admission holds back; a block it would share "
+        "with a running sequence or the prefix cache counted once), over 1 where that batch "
+        "would not fit; `kv_cache_usage_ratio` when nothing waits",
         "ratio, 0 up (thresholds 0..1)",
         pool="device KV",
     ),

@@ -1,9 +1,11 @@
 """`kv_cache_demand_ratio` on a real engine: the device KV blocks the engine would hold at its
 configured `max_num_seqs` (those in use, and the blocks of the sequences a restored batch would
-run next, in the scheduler's order: swapped ones first, their host blocks, then the waiting
-queue, each its tokens' blocks) over the pool. A batch cut moves sequences off the device, so
-KV usage falls by the cut's own doing; the demand does not, and the default batch cut's undo
-reads it (tests/test_default_rules_flap.py runs the rules against it).
+start next, in the scheduler's order: swapped ones first, their host blocks, then the waiting
+requests that would start, each its tokens' blocks) over the pool. A batch cut moves sequences
+off the device, so KV usage falls by the cut's own doing; the demand does not, and the default
+batch cut's undo reads it (tests/test_default_rules_flap.py runs the rules against it). A
+request admission holds back for KV would not start, so it adds nothing, and a sequence is
+charged only the blocks it would not share through the prefix cache.
 
 The tiny model on a 128-block pool of 16-token blocks; the numbers below are computed by hand
 from the prompts' lengths, not read back from the scheduler."""
@@ -17,7 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvguard.daemon.metrics import SnapshotCollector
 from kvguard.engine import LLMEngine, SamplingParams
-from kvguard.engine.snapshot import EngineSnapshot
+from kvguard.engine.admission import AdmissionConfig
+from kvguard.engine.snapshot import EngineSnapshot, build_snapshot
 from kvguard.rules.signals import local_value
 from tests.test_engine import make_engine
 
@@ -27,13 +30,18 @@ PROMPTS = [37, 20, 51, 70, 18, 33]  # tokens of requests r0..r5, each with block
 PARAMS = SamplingParams(max_tokens=40, ignore_eos=True)
 
 
-def engine_with(configured: int, offload: bool) -> LLMEngine:
+# a system prompt of 4 full blocks every request of the shared-prefix tests begins with
+SHARED = [9] + [200 + k % 50 for k in range(63)]
+
+
+def engine_with(configured: int, offload: bool, **kw: object) -> LLMEngine:
     return make_engine(
         kv_cache_bytes="1MiB",
         num_threads=1,
         max_num_seqs=configured,
         max_model_len=512,
         enable_cpu_offload=offload,
+        **kw,
     )
 
 
@@ -126,3 +134,104 @@ def test_the_demand_is_exported_as_a_gauge() -> None:
     ]
     assert [s.value for s in fam.samples] == [demand(snap)]
     assert fam.type == "gauge"
+
+
+def test_a_queue_admission_holds_back_for_kv_adds_nothing_to_the_demand() -> None:
+    """No cut in force, configured for 8: worst-case admission commits 300 prompt tokens and
+    150 of output for each of twelve requests and holds nine back for KV, so three run and
+    five slots stand open. A restored batch is the batch in force: it starts none of the
+    nine, and the demand is the usage (it read 1.19 at usage 0.45, and the default rule
+    halved the batch of a half-empty pool for as long as the backlog lasted). Reading it
+    commits nothing."""
+    engine = engine_with(
+        configured=8,
+        offload=False,
+        admission=AdmissionConfig(estimate="worst_case", reserved_headroom_bytes=0),
+    )
+    params = SamplingParams(max_tokens=150, ignore_eos=True)
+    for i in range(12):
+        engine.add_request([5 + i] + [10 + k % 240 for k in range(299)], params, request_id=f"g{i}")
+    engine.step()
+    snap = engine.latest_snapshot
+    assert (snap.num_running, snap.num_waiting, snap.max_num_seqs) == (3, 9, 8), snap.queues
+    assert snap.blocks_used == 3 * ceil(300 / BLOCK)
+    assert snap.kv_demand_blocks == snap.blocks_used
+    assert demand(snap) == snap.kv_cache_usage_ratio
+    committed = engine.admission.committed_blocks
+    assert build_snapshot(engine).kv_demand_blocks == snap.blocks_used
+    assert engine.admission.committed_blocks == committed
+
+
+def test_an_admitted_request_queued_behind_ones_held_back_for_kv_is_charged() -> None:
+    """A short `low` request arrives first and is admitted (nothing committed yet), then the
+    twelve long ones, of which admission holds nine back for KV; at a batch limit of 3 the
+    three admitted long ones run. The low request waits behind the nine (it is served as if
+    it had come `low_priority_delay_s` later), admitted: a batch restored to 8 would start
+    it, so the demand charges its prompt's 2 blocks. The walk for who starts next stops past
+    the last admitted request, not at the end of the queue: this one is the last."""
+    engine = engine_with(
+        configured=8,
+        offload=False,
+        admission=AdmissionConfig(estimate="worst_case", reserved_headroom_bytes=0),
+    )
+    cut = engine.set_max_num_seqs(3, hold=True)
+    low = SamplingParams(max_tokens=12, ignore_eos=True)
+    engine.add_request([4] + [7] * 19, low, request_id="low", priority="low")
+    params = SamplingParams(max_tokens=150, ignore_eos=True)
+    for i in range(12):
+        engine.add_request([5 + i] + [10 + k % 240 for k in range(299)], params, request_id=f"g{i}")
+    engine.step()
+    assert cut.result(0).ok
+    snap = engine.latest_snapshot
+    assert (snap.num_running, snap.num_waiting) == (3, 10), snap.queues
+    policy, waiting = engine.admission_policy, engine.scheduler.waiting
+    assert [s.request_id for s in waiting if policy.is_admitted(s)] == ["low"]
+    assert waiting[-1].request_id == "low"
+    assert snap.kv_demand_blocks == 3 * ceil(300 / BLOCK) + ceil(20 / BLOCK)
+    assert policy.admitted_waiting(engine.scheduler.running + engine.scheduler.swapped) == 1
+
+
+def shared_prompt(i: int) -> list[int]:
+    """84 tokens: `SHARED` (4 blocks), then a block and 4 tokens of request i's own."""
+    return SHARED + [5 + i] + [250 + k % 9 for k in range(19)]
+
+
+def shared_cut(offload: bool) -> EngineSnapshot:
+    """Configured for 4: r0 computes the system prompt (the cache registers its blocks),
+    r1..r3 start from those blocks and compute their own 20 tokens, r4 and r5 wait; then the
+    batch is cut to 1. r0 runs on, holding the shared blocks; r1..r3 are taken off."""
+    engine = engine_with(configured=4, offload=offload)
+    engine.add_request(shared_prompt(0), PARAMS, request_id="r0")
+    engine.step()
+    for i in range(1, 6):
+        engine.add_request(shared_prompt(i), PARAMS, request_id=f"r{i}")
+    engine.step()
+    snap = engine.latest_snapshot
+    assert (snap.num_running, snap.num_waiting) == (4, 2), snap.queues
+    assert snap.prefix_cache["hit_tokens"] == 3 * len(SHARED)
+    return cut_batch(engine, 1)
+
+
+def test_a_waiting_request_is_not_charged_the_system_prompt_blocks_a_running_one_holds() -> None:
+    """Offload off: r1..r3 go back to the queue to be computed again (prompt and the token
+    each drew: 85 tokens, 6 blocks). Starting, each finds the 4 system-prompt blocks r0 holds
+    and its own first block still cached (free: it takes that one): 2 blocks each, not 6.
+    Charged whole, the three read as 18 blocks where a restored batch takes 6, and a cut
+    made in a spike was never undone while a queue lasted."""
+    snap = shared_cut(offload=False)
+    assert (snap.num_running, snap.num_swapped, snap.num_waiting) == (1, 0, 5), snap.queues
+    own = ceil((len(shared_prompt(1)) + 1) / BLOCK) - len(SHARED) // BLOCK
+    assert own == 2
+    assert snap.kv_demand_blocks == snap.blocks_used + 3 * own
+
+
+def test_a_swapped_sequence_is_not_charged_the_shared_blocks_it_comes_back_to() -> None:
+    """Offload on: r1..r3 are swapped out, each with host copies of its 6 computed blocks
+    (84 prompt tokens), the 4 system-prompt ones among them. Coming back, each shares the 4
+    r0 still holds on the device (`BlockManager.rematch`): it takes 2 blocks, not 6, and the
+    prefix its swapped siblings share is not charged three times."""
+    snap = shared_cut(offload=True)
+    assert (snap.num_running, snap.num_swapped, snap.num_waiting) == (1, 3, 2), snap.queues
+    assert snap.host.blocks_used == 3 * ceil(len(shared_prompt(1)) / BLOCK)
+    own = ceil(len(shared_prompt(1)) / BLOCK) - len(SHARED) // BLOCK
+    assert snap.kv_demand_blocks == snap.blocks_used + 3 * own

@@ -1853,14 +1853,14 @@ def bind_error(host: str, port: int, e: OSError) -> ApiBindError:
 
 def _unbindable(host: str, code: int) -> str:
     """Why `host` is no address this host binds at all (EINVAL: an IPv6 link-local address
-    without its interface; EAFNOSUPPORT: an IPv6 one on a host booted with IPv6 turned off),
-    and the fix. The kernel says only "Invalid argument", and a restart every 5 s for ever
-    would meet it again."""
+    without its interface; EAFNOSUPPORT: an IPv6 one, or a name with only IPv6 ones, on a host
+    booted with IPv6 turned off), and the fix. The kernel says only "Invalid argument", and a
+    restart every 5 s for ever would meet it again."""
     if code == errno.EAFNOSUPPORT:
         return (
-            f"api.host {host} is an IPv6 address and this host has IPv6 turned off: set "
-            "api.host to an IPv4 address (0.0.0.0 for all of them); a restart alone would "
-            "meet it again"
+            f"api.host {host} {_ipv6_only(host)} and this host has IPv6 turned off: set "
+            "api.host to an IPv4 address (0.0.0.0 for all of them) or a name that has one; a "
+            "restart alone would meet it again"
         )
     try:
         link_local = ipaddress.ip_address(host).is_link_local
@@ -1876,6 +1876,17 @@ def _unbindable(host: str, code: int) -> str:
         f"api.host {host} is no address the API can bind: fix api.host; a restart alone would "
         "meet it again"
     )
+
+
+def _ipv6_only(host: str) -> str:
+    """What `host` is, for the EAFNOSUPPORT message: an IPv6 address as written, or a host
+    name that `bind_api` found only IPv6 addresses for (calling the name an address misleads
+    whoever reads /etc/hosts or DNS for the fix)."""
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return "resolves only to IPv6 addresses"
+    return "is an IPv6 address"
 
 
 def _no_right_to(port: int) -> str:

@@ -669,11 +669,14 @@ class AdmissionController:
     def finish_rate(self) -> float:
         """Requests finished per second over the last FINISH_WINDOW_S (0 when none did).
         Read-only, from any thread (the engine's admission, the event loop's 429): counted on
-        a copy of the record, one C-level `tuple()` under the GIL, so it sees the deque
-        between two of the engine thread's appends or pops, never during one. Finishes older
-        than the window stay until the next release forgets them (an idle engine has none):
-        they are skipped by time, the record being in finish order."""
-        finished = tuple(self._finished)
+        a copy of the record, `deque.copy()`: it allocates before it starts iterating and then
+        only copies pointers (no Python code, no collection, so no thread switch), so it sees
+        the deque between two of the engine thread's appends or pops, never during one.
+        `tuple(deque)` allocated its tuple after starting, where a collection's finaliser
+        could let the engine thread append: "deque mutated during iteration", a 500.
+        Finishes older than the window stay until the next release forgets them (an idle
+        engine has none): they are skipped by time, the record being in finish order."""
+        finished = self._finished.copy()
         cutoff = self.clock() - FINISH_WINDOW_S
         return (len(finished) - bisect.bisect_left(finished, cutoff)) / FINISH_WINDOW_S
 

@@ -231,6 +231,21 @@ def test_an_ipv6_address_on_a_host_without_ipv6_is_lasting() -> None:
     assert "api.host :: is an IPv6 address and this host has IPv6 turned off" in str(said)
 
 
+def test_a_name_with_only_ipv6_addresses_where_ipv6_is_off_is_not_called_an_address() -> None:
+    """A host name `bind_api` found only IPv6 addresses for meets the same EAFNOSUPPORT: the
+    message called the name "an IPv6 address", sending whoever fixes it to the wrong place;
+    it says the name resolves only to IPv6 addresses, and that a name with an IPv4 one does."""
+    refused = OSError(errno.EAFNOSUPPORT, os.strerror(errno.EAFNOSUPPORT))
+    said = bind_error("only-ipv6.kvguard.test", 8000, refused)
+    assert said.lasting
+    assert (
+        "api.host only-ipv6.kvguard.test resolves only to IPv6 addresses and this host has "
+        "IPv6 turned off: set api.host to an IPv4 address (0.0.0.0 for all of them) or a name "
+        "that has one"
+    ) in str(said)
+    assert "is an IPv6 address" not in str(said)
+
+
 @pytest.fixture
 def no_free_descriptor() -> Iterator[None]:
     """Every file descriptor this process may open is open: the next socket() gets EMFILE."""

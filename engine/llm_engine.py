@@ -33,7 +33,7 @@ from kvguard.engine.distributed.errors import PoolTorn, RankFailure
 from kvguard.engine.events import EventBus
 from kvguard.engine.kv_cache import KVCache, is_oom
 from kvguard.engine.model import StepInterrupted
-from kvguard.engine.model_config import ModelConfig
+from kvguard.engine.model_config import ModelConfig, ModelLoadError
 from kvguard.engine.model_registry import resolve_model
 from kvguard.engine.model_runner import (
     InjectedOOMError,
@@ -343,6 +343,24 @@ def prefill_while_decoding(config: EngineConfig, device: torch.device) -> int | 
     return CPU_PREFILL_WHILE_DECODING if device.type == "cpu" else None
 
 
+def check_eos_ids(tokenizer: Tokenizer, mcfg: ModelConfig, path: Path) -> None:
+    """A ModelLoadError, before the weights load, for an eos id past the lm_head's columns
+    (`token_vocab`: the tokenizer's highest id + 1, at most config.json's vocab_size): no
+    answer could end with it, silently, and the grammar library refuses a tokenizer whose eos
+    id it does not hold. Refused rather than the head widened to it: an id past the
+    tokenizer's is no token the model writes, so its file names the wrong id."""
+    head = min(tokenizer.vocab_size, mcfg.vocab_size)
+    outside = sorted(i for i in {*tokenizer.eos_token_ids, *mcfg.eos_token_ids} if i >= head)
+    if outside:
+        raise ModelLoadError(
+            f"{path}: eos token ids {outside[:5]} are past the ids the model can write, "
+            f"[0, {head}) (the tokenizer's ids end at {tokenizer.vocab_size - 1}, config.json's "
+            f"vocab_size is {mcfg.vocab_size}), so no answer could end with them; correct "
+            "eos_token_id in config.json and generation_config.json (or eos_token in "
+            "tokenizer_config.json) to the model's end-of-text token"
+        )
+
+
 class LLMEngine(ControlSurface):
     """Requests in, outputs out. `step()` = drain the mailbox -> `scheduler.schedule()` ->
     `runner.execute()` -> `scheduler.update()` -> outputs. The engine validates requests,
@@ -421,8 +439,7 @@ class LLMEngine(ControlSurface):
         # generation_config.json's sampling defaults (`generation_defaults`), which a server or
         # the CLI applies where a request leaves a field out; the engine's own requests do not
         self.sampling_defaults: dict[str, int | float] = {}
-        # a mask a column of the logits: the token ids the lm_head computes (`runner.vocab`)
-        self.grammars = Grammars(tokenizer, runner.vocab, self.eos_ids)
+        self.grammars = Grammars(tokenizer, model_config.vocab_size, self.eos_ids)
         self.max_new_tokens_cap: int | None = None
         # the device KV pool held at this share of its configured bytes (set_kv_pool_share)
         self.kv_pool_share = 1.0
@@ -474,6 +491,7 @@ class LLMEngine(ControlSurface):
         mcfg = ModelConfig.from_dir(path)
         config = within_window(config, mcfg, path / "config.json")
         tokenizer = Tokenizer.from_dir(path)
+        check_eos_ids(tokenizer, mcfg, path)
         if config.world_size > 1:
             from kvguard.engine.distributed.driver import TensorParallelRunner
 
@@ -754,9 +772,9 @@ class LLMEngine(ControlSurface):
 
     def _prompt_has_logprobs(self, ids: list[int]) -> None:
         """A ValueError for prompt log-probabilities of a prompt whose token ids (after the
-        first, which has none) hold a padded embedding's rows past the tokenizer's tokens: the
-        lm_head computes no logit for them (`runner.vocab`), so they have no log-probability
-        to give. Such a prompt is served as ever without them."""
+        first, which has none) hold a padded embedding's rows past the tokenizer's tokens: their
+        logits are -inf (`runner.vocab`), so their log-probability would be -inf, which a JSON
+        answer cannot carry. Such a prompt is served as ever without them."""
         vocab = self.runner.vocab
         bad = list(dict.fromkeys(t for t in ids[1:] if t >= vocab))
         if bad:
@@ -1304,8 +1322,10 @@ class LLMEngine(ControlSurface):
 
     @torch.inference_mode()
     def score(self, token_ids: list[int]) -> torch.Tensor:
-        """Logits `[len, vocab]` at every position of `token_ids` (the tokenizer's ids where a
-        padded embedding has more rows: `runner.vocab`), run through the paged cache
+        """Logits `[len, vocab]` at every position of `token_ids`: the tokenizer's ids
+        (`runner.vocab`; the step's logits have a padded embedding's rows past them too, at
+        -inf, which name no token and would only hand a caller -inf columns), run through the
+        paged cache
         (exact over the whole vocabulary where the lm_head's are exact only at each row's best,
         as returned log-probabilities are: `ModelRunner.exact_logits`).
 
@@ -1338,12 +1358,11 @@ class LLMEngine(ControlSurface):
             while seq.num_computed_tokens < len(ids):
                 n = min(chunk, len(ids) - seq.num_computed_tokens)
                 self.block_manager.allocate(seq, n)
-                rows = self.runner.logits([seq], [n], every_row=True)
-                logits.append(self.runner.token_columns(rows))
+                logits.append(self.runner.logits([seq], [n], every_row=True))
                 seq.num_computed_tokens += n
         finally:
             self.block_manager.free(seq)
-        return torch.cat(logits)
+        return torch.cat(logits)[:, : self.runner.vocab].contiguous()
 
     def snapshot(self) -> EngineSnapshot:
         """What other threads read of the engine, made on the engine thread after what

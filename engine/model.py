@@ -31,6 +31,7 @@ from kvguard.engine.layers.parallel_linear import (
     ParallelLMHead,
     RowParallelLinear,
     VocabParallelEmbedding,
+    mask_padding,
 )
 from kvguard.engine.layers.quant_spec import QuantSpec
 from kvguard.engine.layers.quantized_linear import (
@@ -236,8 +237,9 @@ class LlamaForCausalLM(nn.Module):
         stage: PipelineStage | None = None,
         vocab: int | None = None,
     ) -> None:
-        """`vocab`: the token ids the logits cover, [0, vocab) (`token_vocab`: the tokenizer's
-        where a padded embedding has more rows); the config's `vocab_size` where None."""
+        """`vocab`: the token ids, [0, vocab) (`token_vocab`: the tokenizer's where a padded
+        embedding has more rows); the config's `vocab_size` where None. The logits have every
+        row's column, those past `vocab` at -inf (`compute_logits`)."""
         super().__init__()
         self.cfg, self.tp = cfg, tp or TPGroup.single()
         self.stage = stage or PipelineStage.single(cfg.num_layers)
@@ -247,7 +249,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(rows, h, self.shard.vocab.start, self.tp)
         self.layers = nn.ModuleList(DecoderLayer(cfg, self.tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = ParallelLMHead(rows, h, self.head_columns(), self.tp)
+        self.lm_head = ParallelLMHead(rows, h, cfg.vocab_size, self.tp)
         self._keep_stage_only()
         self.tie_weights()
         # CPU steps in one C call per layer (kvguard.engine.cpu_decode); tests turn it
@@ -274,12 +276,6 @@ class LlamaForCausalLM(nn.Module):
         if not st.is_last:
             self.norm = nn.Identity()
             self.lm_head = nn.Identity()
-
-    def head_columns(self) -> int:
-        """The columns the lm_head's logits have: `vocab`, but for a pipeline's last stage
-        the config's `vocab_size` (rank 0 receives rows of that width from it, and keeps
-        the first `vocab` columns: `ModelRunner.token_columns`)."""
-        return self.vocab if self.stage.count == 1 else self.cfg.vocab_size
 
     def tie_weights(self) -> None:
         """Tied embeddings: the lm_head is the embedding's own parameter, one copy in memory.
@@ -352,8 +348,12 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """fp32 logits `[n, head_columns()]` on rank 0; None on the other ranks."""
-        return self.lm_head(hidden)
+        """Full fp32 logits `[n, vocab_size]` on rank 0 (a pipeline's last stage: the ones it
+        sends rank 0); None on the other ranks. The columns past `vocab` (a padded
+        vocabulary's rows, which name no token) are -inf: no path draws them, and a
+        log-softmax over the row is the one over the tokens (`mask_padding`)."""
+        logits = self.lm_head(hidden)
+        return None if logits is None else mask_padding(logits, self.vocab)
 
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up into single matmuls."""
@@ -662,7 +662,7 @@ def _install_vocab(
         head_spec = embed if tied else _rank_spec("lm_head", cfg, shard, specs)
         head = QuantizedLinear(head_spec, None, dtype, device, approximate=tied)
         exact = table.table if tied else None
-        model.lm_head = QuantizedLMHead(head, model.head_columns(), tp, exact)
+        model.lm_head = QuantizedLMHead(head, cfg.vocab_size, tp, exact, model.vocab)
 
 
 def _rank_spec(name: str, cfg: ModelConfig, shard: Shard, specs: dict[str, QuantSpec]) -> QuantSpec:

@@ -58,6 +58,7 @@ from kvguard.engine.sampler import (
 from kvguard.engine.sampling_params import SamplingParams
 from kvguard.engine.sequence import Sequence, TokenLogprob
 from kvguard.engine.speculative import accepted_prefix
+from kvguard.engine.tokenizer import id_end
 from kvguard.engine.weights import safetensors_bytes
 from kvguard.kernels.cpu_lowbit import StepRows, step_rows
 from kvguard.kernels.dispatch import use_triton
@@ -101,14 +102,17 @@ def token_vocab(path: Path, mcfg: ModelConfig) -> int:
     """The token ids a model's logits cover, [0, this): the tokenizer's where the embedding
     has more rows (a padded vocabulary: Qwen2's 151936 rows for 151665 tokens, the tiny
     model's 320 for 259). The rows past it name no token: no text could be written for one,
-    so the lm_head neither computes nor draws them. Read by every rank from its own model
-    directory, so that each builds the same head; one without tokenizer.json (which no
-    engine serves: `Tokenizer.from_dir` refuses it first) keeps every row."""
+    so their logits are -inf (`LlamaForCausalLM.compute_logits`) and none is drawn. The
+    tokenizer's highest id + 1, not its count of tokens (`id_end`: ids may have gaps, and
+    the top ones must stay drawable), as `Tokenizer.vocab_size`, which the engine holds its
+    eos ids to at load. Read by every rank from its own model directory, so that each builds
+    the same head; one without tokenizer.json (which no engine serves: `Tokenizer.from_dir`
+    refuses it first) keeps every row."""
     file = Path(path) / "tokenizer.json"
     if not file.is_file():
         return mcfg.vocab_size
     try:
-        tokens = HFTokenizer.from_file(str(file)).get_vocab_size(with_added_tokens=True)
+        tokens = id_end(HFTokenizer.from_file(str(file)))
     except Exception as e:  # the Rust parser raises plain Exception on bad JSON
         raise ModelLoadError(f"{file}: not a valid tokenizer.json ({e})") from e
     return min(tokens, mcfg.vocab_size)
@@ -465,8 +469,8 @@ class ModelRunner:
         vocab = token_vocab(path, mcfg)
         if vocab < mcfg.vocab_size and stage.world.rank == 0:
             log.info(
-                "the lm_head computes the tokenizer's %d tokens of the embedding's %d rows (the "
-                "rows past them are padding, which no text could be written for)",
+                "the lm_head's logits past the tokenizer's %d tokens of the embedding's %d rows "
+                "are -inf (the rows past them are padding, which no text could be written for)",
                 vocab,
                 mcfg.vocab_size,
             )
@@ -516,18 +520,9 @@ class ModelRunner:
 
     @property
     def vocab(self) -> int:
-        """The token ids the logits it returns cover, [0, vocab) (`token_vocab`): what a
-        grammar's mask and every id a step samples or scores are held to."""
+        """The token ids, [0, vocab) (`token_vocab`): the logits it returns are as wide as
+        the config's `vocab_size`, their columns from `vocab` on at -inf."""
         return self.model.vocab
-
-    def token_columns(self, logits: torch.Tensor | None) -> torch.Tensor | None:
-        """`logits` with only the columns of `vocab`: a pipeline's last stage sends rows of
-        the config's `vocab_size` (`LlamaForCausalLM.head_columns`), cut here in one copy (a
-        view would leave the sampler's kernels strided rows); every other head computes
-        only those columns, and its logits come back as they are."""
-        if logits is None or logits.shape[-1] == self.vocab:
-            return logits
-        return logits[:, : self.vocab].contiguous()
 
     # -- one step -------------------------------------------------------------------------
     def prepare(
@@ -708,7 +703,7 @@ class ModelRunner:
         scheduler advances them from what this returns (and, where asked, from the tokens'
         log-probabilities left in `self.logprobs`, one list a returned sequence)."""
         self.logprobs, self.prompt_logprobs = [], []
-        logits = self.token_columns(self.logits(seqs, num_tokens))
+        logits = self.logits(seqs, num_tokens)
         if logits is None:
             return []
         # what is sampled is `logits`, asked for log-probabilities or not: the exact rows

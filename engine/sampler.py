@@ -220,19 +220,14 @@ class Ahead:
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """As `OutputCounts.penalties`, counting the drafts too: the output's entries with
         the drafts' tokens added (those already output with their counts raised, the others
-        after them), in new tensors. A draft past the row's columns (a prompt's id of a padded
-        embedding's rows, which the lm_head does not compute) adds none: it has no logit to
-        move, and its row is rejected anyway, as no row can choose it."""
+        after them), in new tensors."""
         base = self.counts
         ids, minus = base.penalties(row, p)
         if not self.drafts:
             return ids, minus
         extra: dict[int, int] = {}
         for token in self.drafts:
-            if token < row.shape[0]:
-                extra[token] = extra.get(token, 0) + 1
-        if not extra:
-            return ids, minus
+            extra[token] = extra.get(token, 0) + 1
         old = [t for t in extra if t in base.place]
         new = [t for t in extra if t not in base.place]
         n = len(base.counts)

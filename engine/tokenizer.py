@@ -108,7 +108,9 @@ class Tokenizer:
         self.bos_token_id = self._id_of(self.special_tokens["bos_token"])
         if self.bos_token_id is None:
             self.bos_token_id = model_bos_id
-        self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        # every token id is below it (`id_end`): what the lm_head's width, a logit_bias and
+        # the bytes of an id are held to
+        self.vocab_size = id_end(backend)
         self._raw: dict[int, bytes | None] = {}  # token id -> raw_bytes, worked out once
 
     @classmethod
@@ -378,6 +380,13 @@ class _GenerationBlock(jinja2.ext.Extension):
         lineno = next(parser.stream).lineno
         body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
         return jinja2.nodes.Scope(body, lineno=lineno)
+
+
+def id_end(backend: HFTokenizer) -> int:
+    """The tokenizer's highest token id + 1 (added tokens included), not its count of tokens:
+    ids may have gaps (a vocabulary with ids 0, 2, 3 and 6 has 4 tokens but writes id 6), and
+    a width of the count would leave the top ids, perhaps the eos id, out of the lm_head."""
+    return max(backend.get_vocab(with_added_tokens=True).values(), default=-1) + 1
 
 
 def read_json(file: Path) -> dict[str, Any]:

@@ -68,7 +68,7 @@ def compare_with_hf(engine: LLMEngine, model_name: str, prompts: list[str], n: i
         assert out.token_ids == hf_greedy(hf, prompt_ids, n), f"diverged on {prompt_ids[:8]}..."
         assert out.finish_reason == "length"
         with torch.no_grad():
-            # the tokens' columns: the lm_head computes no padding row (tests/test_head_rows.py)
+            # the tokens' columns, as `score` gives them (tests/test_head_rows.py)
             ref = hf(torch.tensor([prompt_ids])).logits[0, -1, : engine.runner.vocab]
         ours = engine.score(prompt_ids)[-1]
         assert (ours - ref).abs().max().item() <= 1e-3

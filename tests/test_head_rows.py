@@ -1,13 +1,14 @@
-"""The lm_head computes only the tokenizer's rows of a padded embedding.
+"""The logits of a padded embedding's rows past the tokenizer are -inf.
 
 A model's embedding may have more rows than its tokenizer has tokens (Qwen2: 151936 rows for
 151665 tokens; the tiny model: 320 for 259, its padding rows zero). The rows past the
-tokenizer name no token: no text can be written for one. The head computed them too, and the
-sampler could draw them: with every real token banned by `logit_bias: -100`, the tiny model
-answered 4 tokens of empty text (ids 259, logit 0 against the banned tokens' -100). Now the
-head computes the first `runner.vocab` rows only (the tokenizer's), so the logits are as wide
-as the tokenizer and no path can draw past it; prompt ids in the padding range are still read
-(the embedding keeps every row).
+tokenizer name no token: no text can be written for one. The sampler could draw them: with
+every real token banned by `logit_bias: -100`, the tiny model answered 4 tokens of empty text
+(ids 259, logit 0 against the banned tokens' -100). The head computes every row (the whole
+matrix's width is the fast one for the GEMM) and the columns from `runner.vocab` on (the
+tokenizer's) are set to -inf where the logits are produced, so no path can draw them and a
+log-softmax's normaliser holds none; prompt ids in the padding range are still read (the
+embedding keeps every row).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import torch
 
 from kvguard.engine.config import EngineConfig
 from kvguard.engine.distributed.parallel_state import TPGroup
-from kvguard.engine.layers.parallel_linear import ParallelLMHead
 from kvguard.engine.layers.quant_spec import QuantSpec
 from kvguard.engine.layers.quantized_linear import QuantizedLinear, QuantizedLMHead, RowTable
 from kvguard.engine.llm_engine import LLMEngine
@@ -71,7 +71,7 @@ def hf_logits(tiny_dir: Path, ids: list[int]) -> torch.Tensor:
 
 
 def test_the_logits_are_the_tokenizers_columns(tiny: LLMEngine, tiny_dir: Path) -> None:
-    """The head's logits are `[n, 259]`, contiguous, transformers' first 259 columns; the
+    """`score` gives the tokens' columns `[n, 259]`, contiguous, transformers' first 259; the
     embedding keeps its 320 rows (a prompt's padding ids are read as before)."""
     assert token_vocab(tiny_dir, tiny.model_config) == TOKENS == tiny.tokenizer.vocab_size
     assert (tiny.runner.vocab, tiny.model_config.vocab_size) == (TOKENS, ROWS)
@@ -80,6 +80,20 @@ def test_the_logits_are_the_tokenizers_columns(tiny: LLMEngine, tiny_dir: Path) 
     got = tiny.score(ids)
     assert got.shape == (len(ids), TOKENS) and got.is_contiguous()
     torch.testing.assert_close(got, hf_logits(tiny_dir, ids)[:, :TOKENS], atol=1e-4, rtol=0)
+
+
+def test_the_head_computes_every_row_and_the_padding_is_minus_inf(tiny: LLMEngine) -> None:
+    """`compute_logits` (what a step samples from, on every path: eager, CUDA graphs, the
+    ranks): `[n, 320]`, contiguous, every row's product with the hidden state but the padding
+    rows', which are -inf."""
+    hidden = torch.randn(
+        3, tiny.model_config.hidden_size, generator=torch.Generator().manual_seed(1)
+    )
+    got = tiny.model.compute_logits(hidden)
+    assert got.shape == (3, ROWS) and got.is_contiguous()
+    assert bool((got[:, TOKENS:] == float("-inf")).all())
+    want = hidden @ tiny.model.lm_head.weight[:TOKENS].T
+    torch.testing.assert_close(got[:, :TOKENS], want, atol=1e-4, rtol=1e-4)
 
 
 def test_no_sampling_path_draws_a_padding_row(tiny: LLMEngine) -> None:
@@ -114,9 +128,10 @@ def test_a_tensor_parallel_head_draws_no_padding_row(tiny: LLMEngine) -> None:
         eng.shutdown()
 
 
-def test_a_pipelines_last_stage_rows_are_cut_to_the_tokens(tiny: LLMEngine) -> None:
+def test_a_pipelines_last_stage_draws_no_padding_row(tiny: LLMEngine) -> None:
     """pp=2: the last stage sends rank 0 rows of the config's 320 columns (what the driver
-    receives); rank 0 samples and scores the tokens' 259 (`ModelRunner.token_columns`)."""
+    receives), the padding's at -inf from its `compute_logits`; rank 0 samples among the
+    tokens and scores their 259."""
     params = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0, logit_bias=BAN)
     ids = tiny.tokenizer.encode(PROMPT)
     eng = tiny_engine(pipeline_parallel=2, tensor_parallel_timeout_s=60.0)
@@ -184,9 +199,9 @@ def padding_draft_prompt(engine: LLMEngine, params: SamplingParams) -> list[int]
 
 def test_a_draft_of_padding_ids_under_penalties_is_rejected(tiny: LLMEngine) -> None:
     """Prompt lookup drafts a prompt's padding ids (they follow an earlier occurrence of the
-    last tokens); a penalised row counts the drafts before it, and a padding id has no
-    column to move: it is left out there, and the draft is rejected like any other that no
-    row chose. The tokens are those of the same request without drafts."""
+    last tokens); a penalised row counts the drafts before it, a padding id's column too,
+    which stays -inf, and the draft is rejected like any other that no row chose. The tokens
+    are those of the same request without drafts."""
     params = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0, frequency_penalty=1.0)
     prompt = padding_draft_prompt(tiny, params)
     drafted = tiny_engine(speculative_tokens=4, speculative_ngram=2, speculative_row_cost=0.0)
@@ -219,47 +234,53 @@ def _cpu_kernels() -> list[tuple[int, int, str]]:
 
 
 @pytest.mark.parametrize(("bits", "group", "kernel"), _cpu_kernels())
-def test_a_quantized_layers_first_outputs_are_its_outputs(
-    bits: int, group: int, kernel: str
-) -> None:
-    """`QuantizedLinear.forward(x, n)`: the first `n` of its outputs, contiguous, from each
-    kernel (the lm_head of a packed model computes its token rows only)."""
+def test_a_quantized_heads_padding_is_minus_inf(bits: int, group: int, kernel: str) -> None:
+    """A packed head over 80 rows of which 61 are tokens, from each kernel: `[n, 80]`,
+    contiguous, the kernel's own outputs but the padding's, which are -inf."""
     layer = QuantizedLinear(_spec(80, 128, bits, group, 1), approximate=kernel == "w8a8v",
                             kernel=kernel)  # fmt: skip
     x = torch.randn(3, 128, generator=torch.Generator().manual_seed(2))
-    whole = layer(x)
-    for n in (80, 59, 8, 1):
-        part = layer(x, n)
-        assert part.shape == (3, n) and part.is_contiguous(), (kernel, n)
-        torch.testing.assert_close(part, whole[:, :n], atol=1e-5, rtol=1e-5)
+    got = QuantizedLMHead(layer, 80, tokens=61)(x)
+    assert got.shape == (3, 80) and got.is_contiguous(), kernel
+    assert bool((got[:, 61:] == float("-inf")).all()), kernel
+    torch.testing.assert_close(got[:, :61], layer(x)[:, :61], atol=1e-5, rtol=1e-5)
 
 
-def test_a_refined_quantized_head_cut_to_the_tokens() -> None:
-    """A tied 8-bit head (int8 logits, its best recomputed exactly) over 61 tokens of 80
-    rows: `[n, 61]` logits whose best is the exact best among the tokens, and exact logits
-    the uncut head's first 61 columns."""
+def refined_head(spec: QuantSpec, tokens: int) -> QuantizedLMHead:
+    """A tied 8-bit head (int8 logits, its best recomputed exactly) of `tokens` tokens."""
+    table = RowTable(spec, torch.float32, torch.device("cpu"))
+    linear = QuantizedLinear(spec, approximate=True)
+    return QuantizedLMHead(linear, spec.q.shape[0], exact=table, tokens=tokens)
+
+
+def test_a_refined_quantized_heads_padding_is_minus_inf() -> None:
+    """A tied 8-bit head over 61 tokens of 80 rows: `[n, 80]` logits whose padding is -inf
+    and whose best is the exact best among the tokens, and exact logits the unpadded head's
+    first 61 columns, the padding's -inf."""
     spec = _spec(80, 128, 8, 32, 3)
     x = torch.randn(4, 128, generator=torch.Generator().manual_seed(4))
-
-    def head(vocab: int) -> QuantizedLMHead:
-        table = RowTable(spec, torch.float32, torch.device("cpu"))
-        return QuantizedLMHead(QuantizedLinear(spec, approximate=True), vocab, exact=table)
-
-    cut, whole = head(61), head(80)
-    logits, exact = cut(x), whole.exact_logits(x)
-    assert logits.shape == (4, 61) and logits.is_contiguous()
-    torch.testing.assert_close(cut.exact_logits(x), exact[:, :61], atol=1e-5, rtol=0)
+    padded, whole = refined_head(spec, 61), refined_head(spec, 80)
+    logits, exact, got = padded(x), whole.exact_logits(x), padded.exact_logits(x)
+    assert logits.shape == got.shape == (4, 80) and logits.is_contiguous()
+    assert bool((logits[:, 61:] == float("-inf")).all() and (got[:, 61:] == float("-inf")).all())
+    torch.testing.assert_close(got[:, :61], exact[:, :61], atol=1e-5, rtol=0)
     assert logits.argmax(-1).tolist() == exact[:, :61].argmax(-1).tolist()
 
 
-def test_a_plain_head_computes_the_first_rows() -> None:
-    """One rank: `[n, vocab]` from a prefix view of the weight, as the whole weight's."""
-    head = ParallelLMHead(80, 16, 61, TPGroup.single())
-    torch.nn.init.normal_(head.weight)
-    x = torch.randn(3, 16)
-    got = head(x)
-    assert got.shape == (3, 61) and got.is_contiguous()
-    torch.testing.assert_close(got, (x @ head.weight.T)[:, :61])
+def test_a_refine_among_few_tokens_leaves_the_padding_minus_inf() -> None:
+    """A row whose grammar allows fewer tokens than the head refines (16) ties the rest of
+    its candidates at -inf, and a top-k may take padding columns among them
+    (`QuantizedLMHead.best` of the masked row): the refine recomputes them, and they are -inf
+    again after it (else a log-probability's normaliser would hold them), the allowed tokens
+    exact."""
+    spec = _spec(80, 128, 8, 32, 7)
+    x = torch.randn(2, 128, generator=torch.Generator().manual_seed(8))
+    head = refined_head(spec, 61)
+    logits = head(x)
+    top = torch.tensor([[0, 1, 2, *range(61, 74)]] * 2)  # three tokens allowed, then padding
+    got = head.refine_at(x, logits, top)
+    assert bool((got[:, 61:] == float("-inf")).all())
+    torch.testing.assert_close(got[:, :3], head.exact_logits(x)[:, :3], atol=1e-5, rtol=0)
 
 
 def test_a_request_banning_every_token_gets_the_models_tokens(tiny_daemon: Daemon) -> None:
@@ -304,13 +325,13 @@ class _OwnRowsGroup(TPGroup):
 
 def test_a_split_refined_heads_padding_takes_no_refined_slot() -> None:
     """tp=2 over 80 rows, 61 tokens: rank 1 holds rows 40-79, of which 21 are tokens. Its
-    share goes to the gather whole (equal parts), its padding rows at -inf, so that none of
-    them is among the best its refine recomputes."""
+    share goes to the gather with its padding rows at -inf, so that none of them is among
+    the best its refine recomputes."""
     spec = _spec(40, 128, 8, 32, 5)
     x = torch.randn(2, 128, generator=torch.Generator().manual_seed(6))
     table = RowTable(spec, torch.float32, torch.device("cpu"))
     linear = QuantizedLinear(spec, approximate=True)
-    head = QuantizedLMHead(linear, 61, _OwnRowsGroup(rank=1, size=2), exact=table)
+    head = QuantizedLMHead(linear, 80, _OwnRowsGroup(rank=1, size=2), exact=table, tokens=61)
     share = head(x)
     assert share.shape == (2, 40)
     assert bool((share[:, 21:] == float("-inf")).all()) and bool(share[:, :21].isfinite().all())

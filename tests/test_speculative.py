@@ -6,7 +6,6 @@ take a block from anyone, and their rejected K/V never reach the prefix cache.""
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -365,8 +364,6 @@ def test_sampled_tokens_follow_the_models_distribution() -> None:
     logits = torch.stack([p0, p1, p2]).log()
     runner = ModelRunner.__new__(ModelRunner)  # only its sampling: a forward is replaced
     runner.logits = lambda seqs, num_tokens: logits  # noqa: ARG005
-    # the ids its logits cover (`ModelRunner.vocab`): execute keeps only those columns
-    runner.model = SimpleNamespace(vocab=4)
     counts = torch.zeros(4, 4)
     second = torch.zeros(4)
     n = 4000

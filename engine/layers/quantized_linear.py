@@ -66,6 +66,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvguard.engine.distributed.parallel_state import TPGroup
+from kvguard.engine.layers.parallel_linear import mask_padding
 from kvguard.engine.layers.quant_spec import QuantSpec
 from kvguard.kernels import cpu_lowbit, cpu_ops
 
@@ -226,30 +227,22 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("weight", w.to(self.dtype))
 
     # -- the hot path ---------------------------------------------------------------------
-    def forward(self, x: torch.Tensor, n: int | None = None) -> torch.Tensor:
-        """`x @ W.T (+ bias)`, or only its first `n` outputs (the lm_head's rows that are
-        tokens, `QuantizedLMHead`): the C kernels, the int8 and the dense weights compute
-        only those; torch's int4 kernels and the Triton one compute every row, and the
-        outputs past `n` are dropped (a copy, where there are any)."""
-        n = self.out_features if n is None else min(n, self.out_features)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         if self.perm is not None:
             x2 = x2.index_select(-1, self.perm)
-        y = getattr(self, f"_mm_{self.kernel}")(x2, n)
-        if y.shape[-1] != n:
-            y = y[:, :n].contiguous()
+        y = getattr(self, f"_mm_{self.kernel}")(x2)
         if self.bias is not None:
-            y = y + self.bias[:n]
-        return y.reshape(*lead, n)
+            y = y + self.bias
+        return y.reshape(*lead, self.out_features)
 
-    # Each `_mm_` gives at least the first `n` outputs of `x @ W.T` (more are cut by `forward`)
-    def _mm_lowbit(self, x: torch.Tensor, n: int) -> torch.Tensor:
+    def _mm_lowbit(self, x: torch.Tensor) -> torch.Tensor:
         """`w4a8` and `w8a8`: the C kernels (which pick integer dots or fp32 panels by rows)."""
         gemm = cpu_lowbit.w4a8 if self.bits == 4 else cpu_lowbit.w8a8
         return gemm(
             x,
-            n,
+            self.out_features,
             self.lowbit_codes,
             self.lowbit_scales,
             self.lowbit_mins,
@@ -259,48 +252,48 @@ class QuantizedLinear(nn.Module):
 
     _mm_w4a8 = _mm_w8a8 = _mm_lowbit
 
-    def _mm_w8a8v(self, x: torch.Tensor, n: int) -> torch.Tensor:
+    def _mm_w8a8v(self, x: torch.Tensor) -> torch.Tensor:
         """`w8a8` over the vertical 8-bit layout, int8 activations (the refined lm_head)."""
         args = (self.lowbit_codes, self.lowbit_scales, self.lowbit_mins, self.group_size)
-        return cpu_lowbit.w8a8v(x, n, *args).to(x.dtype)
+        return cpu_lowbit.w8a8v(x, self.out_features, *args).to(x.dtype)
 
-    def _mm_int4pack(self, x: torch.Tensor, n: int) -> torch.Tensor:
+    def _mm_int4pack(self, x: torch.Tensor) -> torch.Tensor:
         if not x.shape[0]:
-            return x.new_empty(0, n)
+            return x.new_empty(0, self.out_features)
         xb = x.to(torch.bfloat16).contiguous()
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
             xb, self.packed, self.int4_group, self.scale_zero
         )
-        return y[:, :n].to(x.dtype)
+        return y[:, : self.out_features].to(x.dtype)
 
-    def _mm_int4x2(self, x: torch.Tensor, n: int) -> torch.Tensor:
+    def _mm_int4x2(self, x: torch.Tensor) -> torch.Tensor:
         if not x.shape[0]:
-            return x.new_empty(0, n)
+            return x.new_empty(0, self.out_features)
         xb = x.to(torch.bfloat16).contiguous()
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
             xb, self.packed, self.int4_group, self.scale_zero
         ).float()
-        rows = self.out_features  # the high planes' rows, then the low planes'
-        return (y[:, :n] + y[:, rows : rows + n]).to(x.dtype)
+        n = self.out_features
+        return (y[:, :n] + y[:, n : 2 * n]).to(x.dtype)
 
-    def _mm_int8pack(self, x: torch.Tensor, n: int) -> torch.Tensor:
+    def _mm_int8pack(self, x: torch.Tensor) -> torch.Tensor:
         if not x.shape[0]:
-            return x.new_empty(0, n)
+            return x.new_empty(0, self.out_features)
         xb = x.to(torch.bfloat16).contiguous()
-        y = torch.ops.aten._weight_int8pack_mm(xb, self.w8[:n], self.scale8[:n]).to(x.dtype)
+        y = torch.ops.aten._weight_int8pack_mm(xb, self.w8, self.scale8).to(x.dtype)
         if self.offset8 is not None:
-            y = y + x.sum(-1, keepdim=True) * self.offset8[:n]
+            y = y + x.sum(-1, keepdim=True) * self.offset8
         return y
 
-    def _mm_w4a16(self, x: torch.Tensor, n: int) -> torch.Tensor:
+    def _mm_w4a16(self, x: torch.Tensor) -> torch.Tensor:
         from kvguard.kernels.dispatch import w4a16_matmul
 
         return w4a16_matmul(x.contiguous(), self.w4a16)
 
-    def _mm_dense(self, x: torch.Tensor, n: int) -> torch.Tensor:
+    def _mm_dense(self, x: torch.Tensor) -> torch.Tensor:
         from kvguard.kernels.dispatch import dense_linear
 
-        return dense_linear(x.to(self.weight.dtype), self.weight[:n]).to(x.dtype)
+        return dense_linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
 
     # -- rows, for a (tied) embedding -------------------------------------------------------
     def can_read_rows(self) -> bool:
@@ -484,8 +477,10 @@ class QuantizedLMHead(nn.Module):
     log-softmax's normaliser sums over the whole vocabulary: log-probabilities are taken from
     `exact_logits` instead.
 
-    As `ParallelLMHead`, only the first `vocab_size` rows (the tokens of a padded vocabulary)
-    are computed on one rank, and rank 0 keeps the first `vocab_size` columns of a split one."""
+    `tokens` (`token_vocab`: the tokenizer's ids of a padded vocabulary; `vocab_size` where
+    None): the rows past them are at -inf from the kernel's output on (`mask_padding`), on
+    each rank's share, so that none takes one of a row's refined slots, and in the exact
+    logits too."""
 
     REFINED = 16
 
@@ -495,9 +490,11 @@ class QuantizedLMHead(nn.Module):
         vocab_size: int,
         tp: TPGroup | None = None,
         exact: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        tokens: int | None = None,
     ) -> None:
         super().__init__()
         self.linear, self.vocab_size, self.tp = linear, vocab_size, tp or TPGroup.single()
+        self.tokens = vocab_size if tokens is None else min(tokens, vocab_size)
         if isinstance(exact, RowTable) and exact.read is None and linear.can_read_rows():
             exact.read_from(linear)
         self.exact = exact
@@ -505,26 +502,21 @@ class QuantizedLMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Each rank refines its own best candidates, so the global best are among them."""
-        tokens = self._token_rows()
-        if self.tp.size == 1:
-            logits = self.linear(hidden, tokens).float()
-        else:  # the gather takes every rank's whole share; its padding takes no refined slot
-            logits = self.linear(hidden).float()
-            logits[:, tokens:] = float("-inf")
+        logits = mask_padding(self.linear(hidden).float(), self._token_rows())
         if self.exact is not None:
             logits = self._refine(hidden, logits)
         if self.tp.size == 1:
-            return logits
+            return logits[..., : self.vocab_size]
         full = self.tp.gather_to_first(logits)
         if full is None or full.shape[-1] == self.vocab_size:
             return full
         return full[..., : self.vocab_size].contiguous()
 
     def _token_rows(self) -> int:
-        """How many of this rank's rows are among the first `vocab_size` (the ranks' shares
-        are equal and in rank order; past the tokens: a padded vocabulary's rows)."""
+        """How many of this rank's rows are among the first `tokens` (the ranks' shares are
+        equal and in rank order; past the tokens: a padded vocabulary's rows)."""
         rows = self.linear.out_features
-        return max(0, min(rows, self.vocab_size - self.tp.rank * rows))
+        return max(0, min(rows, self.tokens - self.tp.rank * rows))
 
     @property
     def approximate(self) -> bool:
@@ -549,7 +541,7 @@ class QuantizedLMHead(nn.Module):
             out = self._exact8v(hidden.float())
         else:
             out = self._exact_chunks(hidden.float())
-        return out[:, : self.vocab_size]
+        return mask_padding(out[:, : self.vocab_size], self.tokens)
 
     def _reads_own_codes(self) -> bool:
         """Whether the exact rows are this head's own vertical 8-bit codes (`w8a8v`), which
@@ -578,7 +570,7 @@ class QuantizedLMHead(nn.Module):
         on the default model's size, far more than the products; its fp32 bytes (113 MB
         there, eight times a 4-bit head's) are held from then on, outside the memory
         accounting."""
-        vocab = min(self.vocab_size, self.linear.out_features)
+        vocab = self.linear.out_features
         out = torch.empty(hidden.shape[0], vocab, device=hidden.device)
         if hidden.device.type == "cpu":
             if self._dense is None:
@@ -618,10 +610,13 @@ class QuantizedLMHead(nn.Module):
         lin = self.linear
         if self._reads_own_codes():
             args = (lin.lowbit_codes, lin.lowbit_scales, lin.lowbit_mins, lin.group_size)
-            return cpu_lowbit.refine8v(logits, hidden.float(), top, *args)
-        rows = self.exact(top).float()  # [n, k, hidden]
-        exact = torch.einsum("nkh,nh->nk", rows, hidden.float())
-        return logits.scatter_(-1, top, exact)
+            refined = cpu_lowbit.refine8v(logits, hidden.float(), top, *args)
+        else:
+            rows = self.exact(top).float()  # [n, k, hidden]
+            refined = logits.scatter_(-1, top, torch.einsum("nkh,nh->nk", rows, hidden.float()))
+        # a row with fewer finite candidates than `k` (a grammar allowing a few tokens) has
+        # padding among them: recomputed, it would be finite again
+        return mask_padding(refined, self._token_rows())
 
 
 class RowParallelQuantized(nn.Module):

@@ -32,9 +32,9 @@ def test_blocks_after_one_an_exact_copy_replaced_are_not_counted() -> None:
         progress=False,
     )
     bm = engine.block_manager
-    prompt = [5 + (i * 37) % 300 for i in range(20)]
+    prompt = [5 + (i * 37) % 250 for i in range(20)]  # tokens: no padding row's logprobs
     answer = engine.generate([prompt], [SamplingParams(max_tokens=60, ignore_eos=True)])[0]
-    turn = [*prompt, *answer.token_ids, *(7 + (i * 11) % 300 for i in range(100))]
+    turn = [*prompt, *answer.token_ids, *(7 + (i * 11) % 250 for i in range(100))]
     params = SamplingParams(max_tokens=4, ignore_eos=True)
     assert engine.generate([turn], [params])[0].num_cached_tokens == 64
     assert bm.num_cached == _reachable(bm) == 11

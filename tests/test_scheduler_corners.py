@@ -160,8 +160,9 @@ def test_switching_back_from_fp8_after_a_pool_cut_keeps_one_max_model_len_reques
 
 
 # -- 3: a prompt beside lower-priority decodes preempts them, not itself ---------------------
-LOWS = [[3 + (j * 13 + i) % 300 for i in range(100)] for j in range(2)]
-NORMAL = [7 + i % 290 for i in range(300)]  # 19 blocks: 32 hold it or the two lows, not all
+# ids below the tokenizer's 259: prompt log-probabilities of the padding rows are refused
+LOWS = [[3 + (j * 13 + i) % 250 for i in range(100)] for j in range(2)]
+NORMAL = [7 + i % 250 for i in range(300)]  # 19 blocks: 32 hold it or the two lows, not all
 
 
 @pytest.mark.parametrize(

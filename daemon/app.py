@@ -325,7 +325,7 @@ def _crashed(request: Request) -> Response:
     its outermost middleware and then re-raises, and uvicorn, seeing the exception after the
     answer started, closes the connection, so a keep-alive client's next request is reset.
     No input should get here (they are all answered 4xx); this is the net under that rule."""
-    request_id = _answer_id(request.scope.get("state") or {}, 500)  # the answer's x-request-id
+    request_id = _answer_id(request.scope.get("state") or {})  # the answer's x-request-id
     log.exception(
         "unhandled error in %s %s (request %s)", request.method, request.url.path, request_id
     )

@@ -33,6 +33,7 @@ ALERTS = REPO / "alerts"
 RULES = ALERTS / "kvguard.rules.yml"
 UNIT_TESTS = sorted((ALERTS / "tests").glob("*.yml"))
 DASHBOARD = ALERTS / "grafana" / "kvguard.json"
+DEFAULT_RULES = REPO / "rules" / "default.yaml"
 RUNBOOKS = REPO / "docs" / "runbooks.md"
 # Grafana's variables, as a query with "All" selected (the default) reads them: each one its
 # allValue, what Grafana puts in the query for "All".
@@ -226,6 +227,34 @@ def test_every_metric_an_alert_reads_is_on_the_dashboard() -> None:
         if m not in shown
     }
     assert missing == set(), "metrics alerts fire on that no dashboard query shows"
+
+
+# The gauge the dashboard shows for each local signal (rules/schema.py LOCAL_SIGNALS) that the
+# default rules read: GPU memory is the ratio of two byte gauges, the others a gauge of their name.
+SIGNAL_METRICS = {
+    "kv_cache_usage_ratio": "kvguard_kv_cache_usage_ratio",
+    "kv_cache_demand_ratio": "kvguard_kv_cache_demand_ratio",
+    "gpu_memory_used_ratio": "kvguard_gpu_memory_used_bytes",
+    "host_memory_used_ratio": "kvguard_host_memory_used_ratio",
+}
+
+
+def test_every_signal_the_default_rules_read_is_on_the_dashboard() -> None:
+    """What a remedy acts on is what its operator looks for when it acts: before, the dashboard
+    had no panel for kvguard_kv_cache_demand_ratio, on which the default reduce-batch rule
+    halves the batch, and the usage panel (whose description named 0.92 as the batch cut) could
+    sit well below 0.92 while the batch was cut. The demand's panel draws that rule's lines."""
+    default = yaml.safe_load(DEFAULT_RULES.read_text())
+    local = {name: s["local"] for name, s in default["signals"].items() if "local" in s}
+    read = {local[r["signal"]] for r in default["rules"] if r.get("signal") in local}
+    unknown = read - SIGNAL_METRICS.keys()
+    assert not unknown, f"add the gauge the dashboard shows for {unknown} to SIGNAL_METRICS"
+    shown = {n for q in dashboard_queries().values() for n in metric_names(q)}
+    assert {s: SIGNAL_METRICS[s] for s in read if SIGNAL_METRICS[s] not in shown} == {}
+    (demand,) = [p for p in dashboard()["panels"] if "demand" in p["title"].lower()]
+    lines = {s["value"] for s in demand["fieldConfig"]["defaults"]["thresholds"]["steps"]}
+    cut = [r for r in default["rules"] if local.get(r.get("signal")) == "kv_cache_demand_ratio"]
+    assert cut and all({r["above"], r["recover_below"]} <= lines for r in cut), lines
 
 
 # -- kvguard alerts export ---------------------------------------------------------------------

@@ -484,14 +484,26 @@ def _chat_messages(
     message's text and the tools go, whether tool results and the user message after them
     are one turn), its tools described where any are in play (/tokenize counts them so too).
     The system message is placed alike with tools and without (`tools.system_folded`)."""
-    msgs = _for_template(body.messages or ())
+    return _laid_out(body, layout, _for_template(body.messages or ()), tools.with_tools)
+
+
+def _laid_out(
+    body: ChatCompletionRequest | TokenizeRequest,
+    layout: TemplateLayout,
+    msgs: list[dict[str, Any]],
+    described: Callable[..., list[dict[str, Any]]],
+) -> list[dict[str, Any]]:
+    """The request's messages `msgs` (texts as strings or as pieces) put as `layout` takes
+    them, the tools described by `described` (`tools.with_tools` or `with_tools_pieces`):
+    one walk for the prompt's texts and the special-token check's pieces, so that the check
+    reads the prompt as the template is given it."""
     if not layout.user_after_user:
         msgs = tools.user_turns_joined(msgs, _sent_roles(body))
     mode = body.tool_mode()
     if mode is not None:
-        msgs = tools.with_tools(msgs, body.tool_functions(), mode, body.parallel(), layout)
-    elif not layout.system:
-        msgs = tools.system_folded(msgs)
+        return described(msgs, body.tool_functions(), mode, body.parallel(), layout)
+    if not layout.system:
+        return tools.system_folded(msgs)
     return msgs
 
 
@@ -531,15 +543,7 @@ def _template_pieces(
 ) -> list[dict[str, Any]]:
     """`_chat_messages` with the texts as pieces marked with their fields."""
     msgs = [m.template_pieces(f"messages[{i}]") for i, m in enumerate(body.messages or ())]
-    if not layout.user_after_user:
-        msgs = tools.user_turns_joined(msgs, _sent_roles(body))
-    mode = body.tool_mode()
-    if mode is not None:
-        fns, parallel = body.tool_functions(), body.parallel()
-        msgs = tools.with_tools_pieces(msgs, fns, mode, parallel, layout)
-    elif not layout.system:
-        msgs = tools.system_folded(msgs)
-    return msgs
+    return _laid_out(body, layout, msgs, tools.with_tools_pieces)
 
 
 def _field_hit(

@@ -235,16 +235,12 @@ class LlamaForCausalLM(nn.Module):
         max_positions: int,
         tp: TPGroup | None = None,
         stage: PipelineStage | None = None,
-        vocab: int | None = None,
     ) -> None:
-        """`vocab`: the token ids, [0, vocab) (`token_vocab`: the tokenizer's where a padded
-        embedding has more rows); the config's `vocab_size` where None. The logits have every
-        row's column, those past `vocab` at -inf (`compute_logits`)."""
         super().__init__()
         self.cfg, self.tp = cfg, tp or TPGroup.single()
         self.stage = stage or PipelineStage.single(cfg.num_layers)
         self.shard = shard_of(cfg, self.tp)
-        self.vocab = min(vocab or cfg.vocab_size, cfg.vocab_size)
+        self.vocab = cfg.vocab_size  # the token ids, [0, vocab): `set_token_vocab`
         rows, h = len(self.shard.vocab), cfg.hidden_size
         self.embed_tokens = VocabParallelEmbedding(rows, h, self.shard.vocab.start, self.tp)
         self.layers = nn.ModuleList(DecoderLayer(cfg, self.tp) for _ in range(cfg.num_layers))
@@ -355,6 +351,16 @@ class LlamaForCausalLM(nn.Module):
         logits = self.lm_head(hidden)
         return None if logits is None else mask_padding(logits, self.vocab)
 
+    def set_token_vocab(self, tokens: int) -> None:
+        """The token ids the logits cover from now on, [0, tokens) (`token_vocab`: the
+        tokenizer's, where a padded embedding has more rows): set on the built model, whichever
+        head (dense or quantized) the checkpoint gave it. The logits keep every row's column,
+        those past the tokens at -inf (`compute_logits`; a quantized head's refined
+        candidates and exact logits too, `QuantizedLMHead.tokens`)."""
+        self.vocab = min(tokens, self.cfg.vocab_size)
+        if isinstance(self.lm_head, QuantizedLMHead):
+            self.lm_head.tokens = self.vocab
+
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up into single matmuls."""
         self.load_from(DictSource(weights))
@@ -422,14 +428,13 @@ def _materialise(
     tp: TPGroup | None,
     quantized: Iterable[str] = (),
     stage: PipelineStage | None = None,
-    vocab: int | None = None,
 ) -> LlamaForCausalLM:
     """Build on the meta device (no random init), then allocate uninitialised real tensors.
 
     Modules named in `quantized` are left as placeholders, so no full-precision copy of a
     quantized weight is ever allocated; `_install_quantized` puts the real layers in."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, max_positions, tp, stage, vocab)
+        model = LlamaForCausalLM(cfg, max_positions, tp, stage)
     for name in quantized:
         model.set_submodule(name, nn.Identity())
     model = model.to_empty(device=device).to(dtype)
@@ -460,14 +465,13 @@ def load_model(
     tp: TPGroup | None = None,
     quantization: str = "auto",
     stage: PipelineStage | None = None,
-    vocab: int | None = None,
 ) -> LlamaForCausalLM:
     """The model of one rank, reading only that rank's slices from the safetensors files, so a
     rank's weight memory is its share of the sharded tensors (plus the replicated norms).
 
     A quantized checkpoint (config.json `quantization_config`) is served packed;
     `quantization` (the `model_quantization` knob) must agree with what the directory holds.
-    `vocab`: the ids the logits cover (`LlamaForCausalLM`)."""
+    The logits cover every row of the embedding until `set_token_vocab` says otherwise."""
     path = Path(path)
     fmt = checkpoint_quantization(path)
     check_quantization(path / "config.json", fmt, quantization)
@@ -475,13 +479,11 @@ def load_model(
         specs, plain = read_quantized(path, cfg, fmt, dtype)
         cfg = biases_held(cfg, plain)
         check_unused_biases(path, plain, expected_tensor_names(cfg), plain.__getitem__)
-        return build_quantized_model(
-            cfg, specs, plain, max_positions, dtype, device, tp, stage, vocab
-        )
+        return build_quantized_model(cfg, specs, plain, max_positions, dtype, device, tp, stage)
     with open_safetensors(path, dtype, device) as opened:
         source = head_as_embedding(opened, cfg)
         cfg = biases_held(cfg, source.names)
-        model = _materialise(cfg, max_positions, dtype, device, tp, (), stage, vocab)
+        model = _materialise(cfg, max_positions, dtype, device, tp, (), stage)
         source.check_has(path, expected_tensor_names(cfg))
         model.load_from(source)
     return model.eval()
@@ -565,7 +567,6 @@ def build_quantized_model(
     device: torch.device,
     tp: TPGroup | None = None,
     stage: PipelineStage | None = None,
-    vocab: int | None = None,
 ) -> LlamaForCausalLM:
     """A model whose projections (and embedding / lm_head, where the checkpoint quantized
     them) are `QuantizedLinear`s over this rank's slices of `specs`; the rest from `plain`."""
@@ -573,7 +574,7 @@ def build_quantized_model(
     stage = stage or PipelineStage.single(cfg.num_layers)
     shard = shard_of(cfg, tp)
     names = _stage_modules(_quantized_modules(cfg, specs, shard), stage)
-    model = _materialise(cfg, max_positions, dtype, device, tp, names, stage, vocab)
+    model = _materialise(cfg, max_positions, dtype, device, tp, names, stage)
     model.load_from(DictSource(plain))
     _install_quantized(model, names, specs, plain, dtype, device)
     return model.eval()
@@ -662,7 +663,7 @@ def _install_vocab(
         head_spec = embed if tied else _rank_spec("lm_head", cfg, shard, specs)
         head = QuantizedLinear(head_spec, None, dtype, device, approximate=tied)
         exact = table.table if tied else None
-        model.lm_head = QuantizedLMHead(head, cfg.vocab_size, tp, exact, model.vocab)
+        model.lm_head = QuantizedLMHead(head, cfg.vocab_size, tp, exact)
 
 
 def _rank_spec(name: str, cfg: ModelConfig, shard: Shard, specs: dict[str, QuantSpec]) -> QuantSpec:

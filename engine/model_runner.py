@@ -474,9 +474,8 @@ class ModelRunner:
                 vocab,
                 mcfg.vocab_size,
             )
-        model = load_model(
-            path, mcfg, max_len, dtype, device, tp, config.model_quantization, stage, vocab
-        )
+        model = load_model(path, mcfg, max_len, dtype, device, tp, config.model_quantization, stage)
+        model.set_token_vocab(vocab)
         # the load's temporaries (a module's unpacked codes at a time; a conversion's arrays
         # where this process converted the model first) go back to the system, not to a heap
         # that serving never fills again

@@ -499,6 +499,27 @@ def tp_engine(path: Path, tp: int) -> LLMEngine:
     return LLMEngine.from_config(cfg, progress=False)
 
 
+def test_the_packed_tiny_heads_padding_rows_are_minus_inf(tiny_packed: Path) -> None:
+    """The tiny model's 320 embedding rows hold 259 tokens: the engine sets the token ids on
+    the model it loaded (`set_token_vocab`), and its quantized head takes them too, so the
+    padding rows are -inf in the head's own logits (before its refined candidates are picked)
+    and in the exact logits that log-probabilities are taken from."""
+    eng = tp_engine(tiny_packed, 1)
+    try:
+        head, tokens = eng.model.lm_head, eng.runner.vocab
+        assert isinstance(head, QuantizedLMHead) and head.approximate
+        assert (head.tokens, tokens, eng.model_config.vocab_size) == (259, 259, 320)
+        hidden = torch.randn(
+            3, eng.model_config.hidden_size, generator=torch.Generator().manual_seed(1)
+        )
+        for logits in (head(hidden), head.exact_logits(hidden)):
+            assert logits.shape == (3, 320)
+            assert bool((logits[:, tokens:] == float("-inf")).all())
+            assert bool(logits[:, :tokens].isfinite().all())
+    finally:
+        eng.shutdown()
+
+
 def test_packed_tiny_at_tp2_matches_tp1(tiny_packed: Path) -> None:
     """Column shards split output rows, row shards whole groups; each rank refines its own
     vocabulary's best logits. The row-parallel partial sums are rounded to bf16 by the kernel

@@ -18,20 +18,12 @@ from safetensors.torch import load_file, save_file
 from kvguard.engine.config import EngineConfig
 from kvguard.engine.llm_engine import LLMEngine
 from kvguard.engine.sampling_params import SamplingParams
+from tests.test_model_families import SHAPE as FAMILY_SHAPE
 
 STEPS = 6
 SHAPE = {
+    **FAMILY_SHAPE,
     "vocab_size": 259,  # the tiny model's tokenizer's tokens: no padding rows here
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 256,
-    "rms_norm_eps": 1e-5,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "pad_token_id": 0,
     "tie_word_embeddings": True,
     "initializer_range": 0.5,  # logits far apart: greedy is not tie-prone
 }

@@ -270,7 +270,7 @@ def ticks(rule: str, readings: list[tuple[float, float]]) -> list[tuple[float, s
 
 
 def test_a_value_exactly_at_a_threshold_neither_triggers_nor_recovers() -> None:
-    """`above`, `below`, `recover_below` and `recover_above` are strict (README: "KV usage over
+    """`above`, `below`, `recover_below` and `recover_above` are strict (README: "KV demand over
     0.92 for 10s halves the batch"; docs/runbooks.md: "under 0.80 for 60s" restores it). KV
     usage is a ratio of blocks, so exact values such as 23/25 = 0.92 happen: held there, the
     rung never acts; held at 0.80 once it has, it never recovers; a rule with no recovery

@@ -377,6 +377,13 @@ class ApiConfig(_Section):
     # running for it aborted, as a hang-up is: a client that stopped reading held its answer's
     # memory, a file descriptor and its API key's slots for ever. Read at start only.
     response_write_timeout: Duration = 60.0
+    # The most HTTP connections served at once. Past it a new connection is answered 503 with
+    # Retry-After (naming this key) and closed; those open are served as before. Each holds a
+    # file descriptor, and past the open files limit the daemon could accept no one and its
+    # audit database, model files and workers could open nothing. null: sized at start from
+    # that limit, less the descriptors held then and a reserve (service.connection_cap).
+    # Read at start only.
+    max_connections: int | None = Field(None, ge=1)
     served_model_name: str | None = Field(None, min_length=1)
     # A special token's text written in a chat message (`<|im_end|>`, `<|im_start|>system`)
     # becomes that control token, as Hugging Face's templates and other servers make it: a

@@ -37,8 +37,16 @@ ROUTINE = {
 # (service._report_accept_errors): asyncio retries each one, thousands of times a second.
 NOT_ACCEPTING = (
     "the API cannot accept connections: %s (%d HTTP connections open, open files limit %d); "
-    "clients get no answer until some close: find the client holding them (ss -tn), or raise "
-    "LimitNOFILE= (systemctl edit kvguard)"
+    "clients get no answer until some close: find the client holding them (ss -tn), lower "
+    "api.max_connections below what the limit leaves, or raise LimitNOFILE= (systemctl edit "
+    "kvguard)"
+)
+# And the daemon's line for a connection refused as it connected, as many being served as
+# api.max_connections allows (service._TimedH11): any client could write one a connection.
+PAST_MAX_CONNECTIONS = (
+    "%d HTTP connections are served, the most api.max_connections allows (find the clients "
+    "holding them: ss -tn; or raise it where the open files limit leaves room): answered 503 "
+    "to a connection"
 )
 # And the daemon's line for a connection reset because its client read nothing more of its
 # answer for a whole api.response_write_timeout (service._TimedH11): one per stalled client
@@ -53,6 +61,7 @@ BOUNDED = {
     "kvguard.daemon": {
         NOT_ACCEPTING: "failed accepts for want of a file descriptor",
         NOT_READ: "connections closed for answers their clients did not read",
+        PAST_MAX_CONNECTIONS: "connections refused past api.max_connections",
     },
 }
 BOUNDED_INTERVAL_S = 60.0

@@ -505,6 +505,32 @@ class Metrics:
             ["route", "status"],
             registry=r,
         )
+        # the API's connections (service._TimedH11): each holds a file descriptor, and past the
+        # open files limit accept() fails and clients get no answer at all; the gauge is read
+        # from the server once it serves (0 before)
+        self.http_connections = Gauge(
+            "kvguard_http_connections",
+            "HTTP connections open and served now (those api.max_connections counts)",
+            registry=r,
+        )
+        self.http_connections_max = Gauge(
+            "kvguard_http_connections_max",
+            "api.max_connections in force: the most HTTP connections served at once (sized "
+            "from the open files limit where the key is unset; +Inf: no cap)",
+            registry=r,
+        )
+        self.http_connections_refused = Counter(
+            "kvguard_http_connections_refused",
+            "HTTP connections answered 503 and closed as they connected: as many were served "
+            "as api.max_connections allows",
+            registry=r,
+        )
+        self.http_accept_failures = Counter(
+            "kvguard_http_accept_failures",
+            "accept() calls on the API's socket that failed for want of a file descriptor (or "
+            "of memory): each client waiting then got no answer until some connection closed",
+            registry=r,
+        )
         host = Gauge(
             "kvguard_host_memory_used_ratio",
             "Host memory in use / total, or a memory cgroup's working set / its limit (the "

@@ -11,6 +11,7 @@ import contextlib
 import errno
 import fcntl
 import ipaddress
+import json
 import logging
 import os
 import resource
@@ -24,6 +25,7 @@ import time
 import weakref
 from collections.abc import Callable, Generator, Mapping
 from concurrent.futures import Future
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any, NoReturn
@@ -50,9 +52,15 @@ from kvguard.daemon.config import (
     state_dir,
 )
 from kvguard.daemon.control_plane import ControlPlane, _where, manual_detail, manual_outcome
-from kvguard.daemon.logging_setup import NOT_ACCEPTING, NOT_READ, configure_logging
+from kvguard.daemon.logging_setup import (
+    NOT_ACCEPTING,
+    NOT_READ,
+    PAST_MAX_CONNECTIONS,
+    configure_logging,
+)
 from kvguard.daemon.metrics import ControlPlaneCollector, Metrics, TensorParallelCollector
 from kvguard.daemon.nvml import NvmlReader, engine_gpu_ids
+from kvguard.daemon.openai_schemas import error_body, new_id
 from kvguard.daemon.version import kvguard_version
 from kvguard.engine.config import ConfigError
 from kvguard.engine.control import ActionResult
@@ -118,6 +126,20 @@ RELOAD_PROBLEM_CHARS = 200
 MAX_HEADER_BYTES = 16 * 1024
 # asyncio's message when accept() fails for want of a file descriptor (or of memory)
 ACCEPT_OUT_OF_RESOURCE = "socket.accept() out of system resource"
+# What api.max_connections left null keeps of the open files limit from the API's connections,
+# beyond the descriptors held as the API starts: the audit database's files and spill file,
+# the model and tokenizer files a reload reads, the workers' pipes, and the connections refused
+# past the cap (each held until its client hangs up, REFUSED_LINGER_S at most). A quarter of
+# what is left where that is less (a limit of a few hundred).
+FD_RESERVE = 256
+# A connection refused past api.max_connections is closed once its client hangs up, or after
+# this: the client's request, sent as it connected, is read first (closed with it unread, the
+# connection would be reset, and the 503 lost), and a client that neither reads its answer nor
+# hangs up holds a descriptor the cap keeps for others no longer than this.
+REFUSED_LINGER_S = 1.0
+# Retry-After of a connection refused past api.max_connections: a keep-alive connection left
+# idle closes after uvicorn's 5 s, so one is free by then unless every one is busy.
+CONNECTIONS_RETRY_S = 5
 # what an operator's action withdrawn unapplied (the admin API's wait ran out) is audited with
 MANUAL_WITHDRAWN = (
     "withdrawn before it ran: the engine did not take it while the admin API waited (a long "
@@ -177,6 +199,19 @@ class _Server(uvicorn.Server):
             conn.transport.abort()
 
 
+def _nothing() -> None:
+    return None
+
+
+@dataclass(slots=True)
+class ConnectionCap:
+    """api.max_connections as the API applies it: `limit` connections served at once (None:
+    no cap), and `on_refused`, run for each connection refused past it (the metric)."""
+
+    limit: int | None = None
+    on_refused: Callable[[], None] = _nothing
+
+
 class _TimedH11(H11Protocol):
     """uvicorn's h11 protocol with the read timeouts of a server facing clients it cannot
     trust. uvicorn times a connection only once idle after an answer (timeout_keep_alive, kept
@@ -195,10 +230,17 @@ class _TimedH11(H11Protocol):
     aborted). A client that stopped reading held its answer's memory and the connection for
     ever. What is timed is the lack of progress, not the pause: a large answer written at once
     (a non-streamed one, logprobs JSON of MBs) stays paused until nearly all of it is sent, and
-    a client reading it steadily for longer than `write_timeout` was reset mid-answer."""
+    a client reading it steadily for longer than `write_timeout` was reset mid-answer.
+
+    Past `cap.limit` connections served (api.max_connections), a new one is answered 503 as it
+    connects, unread, and closed (`_refuse_past_cap`): the daemon keeps accepting, and the
+    connections open are served as before. uvicorn's limit_concurrency does not fit: it checks
+    each request, not each connection, so at the cap a request on a connection already open
+    was refused too, and it counts running tasks as well, answering plain text."""
 
     read_timeout = 20.0  # api.request_read_timeout: `timed_h11` sets it
     write_timeout = 60.0  # api.response_write_timeout: `timed_h11` sets it
+    cap = ConnectionCap()  # api.max_connections: `timed_h11` sets it
     # what the client owes while the timer runs (`_awaiting`), as the DEBUG line says it
     OWED = {"headers": "its request", "body": "more of its body", "close": "it to hang up"}
 
@@ -206,13 +248,46 @@ class _TimedH11(H11Protocol):
         super().__init__(*args, **kwargs)
         self._read_timer: asyncio.TimerHandle | None = None
         self._awaiting: str | None = None  # what the timer waits for: a key of OWED
-        self._refused = False  # answered 431: what the client still sends is dropped
+        self._waited = self.read_timeout  # how long the timer waits
+        self._refused = False  # answered 431 or 503: what the client still sends is dropped
         self._write_timer: asyncio.TimerHandle | None = None  # while writing is paused
         self._unsent_then = 0  # `_unsent()` as the timer's current period began
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        limit = self.cap.limit
+        if limit is not None and len(self.connections) > limit:  # this one among them
+            self._refuse_past_cap(limit)
+            return
         self._arm("headers")
+
+    def _refuse_past_cap(self, limit: int) -> None:
+        """`limit` connections are served already: answer 503 at once, with Retry-After, and
+        end the connection. It is no longer among the connections served, which the cap and the
+        gauge count. What the client sends is read and dropped until it hangs up (its request
+        left unread would reset the connection, and the client never see the 503), for
+        REFUSED_LINGER_S at most."""
+        self.connections.discard(self)
+        message = (
+            f"kvguard is serving {limit} connections, the most api.max_connections allows: "
+            f"this one is closed unserved; retry after {CONNECTIONS_RETRY_S}s or on another "
+            "replica"
+        )
+        body = error_body(message, "service_unavailable", code="too_many_connections")
+        self._send_closing(
+            503,
+            json.dumps(body).encode(),
+            b"application/json",
+            [
+                (b"retry-after", str(CONNECTIONS_RETRY_S).encode()),
+                (b"x-request-id", new_id("req").encode()),
+            ],
+        )
+        self._refused = True
+        self.transport.write_eof()  # the client's close then ends the connection
+        self._arm("close", REFUSED_LINGER_S)
+        self.cap.on_refused()
+        log.warning(PAST_MAX_CONNECTIONS, limit)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
@@ -311,10 +386,13 @@ class _TimedH11(H11Protocol):
         else:
             self._disarm()
 
-    def _arm(self, awaiting: str) -> None:
+    def _arm(self, awaiting: str, timeout: float | None = None) -> None:
+        """Close the connection unless the client sends what `awaiting` says within `timeout`
+        (default: `read_timeout`)."""
         self._disarm()
         self._awaiting = awaiting
-        self._read_timer = self.loop.call_later(self.read_timeout, self._timed_out)
+        self._waited = self.read_timeout if timeout is None else timeout
+        self._read_timer = self.loop.call_later(self._waited, self._timed_out)
 
     def _disarm(self) -> None:
         if self._read_timer is not None:
@@ -322,8 +400,9 @@ class _TimedH11(H11Protocol):
         self._read_timer, self._awaiting = None, None
 
     def _timed_out(self) -> None:
-        """`read_timeout` passed with the client still owing what `_awaiting` says: close (not
-        logged above DEBUG: any client could write a line each)."""
+        """The timer ran out (`read_timeout`, or a refused connection's REFUSED_LINGER_S) with
+        the client still owing what `_awaiting` says: close (not logged above DEBUG: any client
+        could write a line each)."""
         awaiting, self._read_timer = self._awaiting, None
         if self.transport.is_closing():
             return
@@ -333,9 +412,7 @@ class _TimedH11(H11Protocol):
         if awaiting == "headers" and self.conn.trailing_data[0]:
             self._answer(408, f"Request timeout: no whole request within {self.read_timeout:g}s\n")
         owed = self.OWED.get(awaiting or "", awaiting)
-        log.debug(
-            "closing %s's connection: waited %gs for %s", self.client, self.read_timeout, owed
-        )
+        log.debug("closing %s's connection: waited %gs for %s", self.client, self._waited, owed)
         self.transport.close()
 
     def _not_the_clients_pause(self) -> bool:
@@ -346,10 +423,20 @@ class _TimedH11(H11Protocol):
 
     def _answer(self, status: int, text: str) -> None:
         """A plain-text answer that closes the connection, written before any request is whole."""
-        body = text.encode()
+        self._send_closing(status, text.encode(), b"text/plain; charset=utf-8")
+
+    def _send_closing(
+        self,
+        status: int,
+        body: bytes,
+        content_type: bytes,
+        extra: list[tuple[bytes, bytes]] | None = None,
+    ) -> None:
+        """An answer that closes the connection, written before any request is whole."""
         headers = [
-            (b"content-type", b"text/plain; charset=utf-8"),
+            (b"content-type", content_type),
             (b"content-length", str(len(body)).encode()),
+            *(extra or []),
             (b"connection", b"close"),
         ]
         head = h11.Response(status_code=status, headers=headers, reason=STATUS_PHRASES[status])
@@ -357,31 +444,85 @@ class _TimedH11(H11Protocol):
             self.transport.write(self.conn.send(event) or b"")
 
 
-def timed_h11(read_timeout: float, write_timeout: float) -> type[H11Protocol]:
+def timed_h11(
+    read_timeout: float, write_timeout: float, cap: ConnectionCap | None = None
+) -> type[H11Protocol]:
     """The protocol class uvicorn builds each connection with, timing reads at `read_timeout`
-    and paused writes at `write_timeout`."""
-    timeouts = {"read_timeout": read_timeout, "write_timeout": write_timeout}
-    return type("TimedH11", (_TimedH11,), timeouts)
+    and paused writes at `write_timeout`, and serving `cap.limit` connections at most."""
+    settings = {
+        "read_timeout": read_timeout,
+        "write_timeout": write_timeout,
+        "cap": cap or ConnectionCap(),
+    }
+    return type("TimedH11", (_TimedH11,), settings)
 
 
 def _report_accept_errors(
-    server: uvicorn.Server,
+    server: uvicorn.Server, on_failure: Callable[[], None] = _nothing
 ) -> Callable[[asyncio.AbstractEventLoop, dict[str, Any]], None]:
     """The event loop's exception handler. With no file descriptor left, asyncio's accept loop
     logs each failed accept() with a traceback, retrying until the backlog is empty: some
     10,000 records a second, which buried the journal. One line says so instead, naming the
-    fix, and the next are counted once a minute (logging_setup.BOUNDED); every other error
-    goes to asyncio's own handler."""
+    fix, and the next are counted once a minute (logging_setup.BOUNDED); each failed accept()
+    runs `on_failure` (the metric: the log line alone said nothing to a dashboard or an alert).
+    Every other error goes to asyncio's own handler."""
 
     def handle(aio: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
         exc = context.get("exception")
         if context.get("message") != ACCEPT_OUT_OF_RESOURCE or not isinstance(exc, OSError):
             aio.default_exception_handler(context)
             return
+        on_failure()
         soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
         log.error(NOT_ACCEPTING, exc.strerror or exc, len(server.server_state.connections), soft)
 
     return handle
+
+
+def _descriptors_held() -> int:
+    """The file descriptors this process holds now (0 where /proc cannot tell)."""
+    try:
+        return len(os.listdir("/proc/self/fd")) - 1  # less the listing's own
+    except OSError:
+        return 0
+
+
+def connection_cap(configured: int | None) -> int | None:
+    """The most HTTP connections to serve at once: api.max_connections, or where it is null the
+    open files limit less the descriptors held now (the API is about to listen: the model, the
+    audit database and the workers are open) and a reserve for what opens later (FD_RESERVE; a
+    quarter of what is left where that is less). None where the limit is unbounded. Said in
+    the log either way, with a warning for a cap the limit would not let the daemon reach:
+    accepts would fail for want of a descriptor first, each client left unanswered."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return configured
+    held = _descriptors_held()
+    room = soft - held
+    if configured is None:
+        cap = max(1, room - min(FD_RESERVE, room // 4))
+        log.info(
+            "HTTP connections served at once: at most %d (api.max_connections unset: the open "
+            "files limit %d less the %d descriptors held now and %d kept in reserve)",
+            cap,
+            soft,
+            held,
+            room - cap,
+        )
+        return cap
+    if configured > room:
+        log.warning(
+            "api.max_connections is %d, more than the open files limit %d leaves for connections "
+            "(%d, with %d descriptors held now): past that, accepts fail and clients get no "
+            "answer rather than a 503; lower api.max_connections, or raise LimitNOFILE= "
+            "(systemctl edit kvguard)",
+            configured,
+            soft,
+            max(room, 0),
+            held,
+        )
+    log.info("HTTP connections served at once: at most %d (api.max_connections)", configured)
+    return configured
 
 
 def raise_open_files_limit() -> None:
@@ -843,13 +984,20 @@ class Service:
             ws="none",
             access_log=False,
             timeout_graceful_shutdown=CUT_GRACE_S,  # counted from the end of the cut
-            http=timed_h11(self.cfg.api.request_read_timeout, self.cfg.api.response_write_timeout),
+            http=timed_h11(
+                self.cfg.api.request_read_timeout,
+                self.cfg.api.response_write_timeout,
+                self._connection_cap(),
+            ),
             h11_max_incomplete_event_size=MAX_HEADER_BYTES,
         )
         server = _Server(config, on_listening=self._listening)
+        self.metrics.http_connections.set_function(lambda: len(server.server_state.connections))
         gc_policy.freeze_startup_heap()  # everything long-lived exists now (see gc_policy)
         aio = asyncio.get_running_loop()
-        aio.set_exception_handler(_report_accept_errors(server))
+        aio.set_exception_handler(
+            _report_accept_errors(server, self.metrics.http_accept_failures.inc)
+        )
         for sig in (signal.SIGTERM, signal.SIGINT):
             aio.add_signal_handler(sig, self._on_stop_signal, sig, server)
         aio.add_signal_handler(signal.SIGHUP, self._on_sighup, aio)
@@ -864,6 +1012,13 @@ class Service:
         finally:
             self.close()
         return self.exit_code
+
+    def _connection_cap(self) -> ConnectionCap:
+        """api.max_connections as the API applies it (read at start only), its refusals
+        counted and the cap exported."""
+        limit = connection_cap(self.cfg.api.max_connections)
+        self.metrics.http_connections_max.set(float("inf") if limit is None else limit)
+        return ConnectionCap(limit, self.metrics.http_connections_refused.inc)
 
     def _on_sighup(self, aio: asyncio.AbstractEventLoop) -> None:
         """SIGHUP while serving: a reload on a worker thread; none once the stop has begun

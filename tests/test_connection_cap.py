@@ -1,0 +1,230 @@
+"""api.max_connections and the API's connection metrics: a real `kvguard serve` of the tiny
+model on loopback, real sockets and the real `openai` client. Past the cap a new connection is
+answered 503 as it connects and closed, while those open are served; with no descriptor left,
+the failed accepts are counted."""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import logging
+import os
+import re
+import resource
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from kvguard.daemon import service
+from kvguard.daemon.config import ApiConfig, DaemonConfig
+from tests.test_server import Daemon, until
+from tests.test_slow_clients import open_files_limit
+
+CAP = 3
+WAIT_S = 60.0  # generous bound on waiting for a condition, not a goal
+GET_HEALTH = b"GET /health HTTP/1.1\r\nHost: kvguard\r\n\r\n"
+COMPLETION = json.dumps({"model": "tiny", "prompt": "Hi", "max_tokens": 2}).encode()
+POST_COMPLETION = (  # the last on its connection: the daemon closes it once answered
+    b"POST /v1/completions HTTP/1.1\r\nHost: kvguard\r\nContent-Type: application/json\r\n"
+    b"Connection: close\r\nContent-Length: "
+    + str(len(COMPLETION)).encode()
+    + b"\r\n\r\n"
+    + COMPLETION
+)
+OPEN_FILES = (256, 256)  # soft, hard: the daemon holds well under it as it starts
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    """Connections that send nothing stay open for the whole test (request_read_timeout)."""
+    d = Daemon(
+        tmp_path_factory.mktemp("cap"),
+        debug_hooks=False,
+        api=f"max_connections: {CAP}, request_read_timeout: 10m",
+    )
+    yield d
+    assert d.stop() == 0
+
+
+def metric(scrape: str, name: str) -> float:
+    """The value of the sample `name` (no labels) in a /metrics text."""
+    found = re.search(rf"^{name} (\S+)$", scrape, re.M)
+    assert found, f"{name} not in the scrape"
+    return float(found.group(1))
+
+
+class Observer:
+    """A kept-alive HTTP connection that reads /metrics: itself one of the connections served,
+    the one the test asks on while the others are held."""
+
+    def __init__(self, d: Daemon) -> None:
+        self.conn = http.client.HTTPConnection("127.0.0.1", d.port, timeout=WAIT_S)
+
+    def scrape(self) -> str:
+        """/metrics, asked again on a new connection where the daemon closed this one for
+        idling past uvicorn's keep-alive (5 s: a slow step of the test's)."""
+        try:
+            return self._scrape()
+        except (http.client.RemoteDisconnected, ConnectionError):
+            self.conn.close()
+            return self._scrape()
+
+    def _scrape(self) -> str:
+        self.conn.request("GET", "/metrics")
+        r = self.conn.getresponse()
+        assert r.status == 200, r.status
+        return r.read().decode()
+
+    def served_now(self) -> float:
+        return metric(self.scrape(), "kvguard_http_connections")
+
+    def wait_served(self, n: int, what: str) -> None:
+        until(lambda: self.served_now() == n, WAIT_S, what)
+
+
+def held(d: Daemon) -> socket.socket:
+    """A connection that has sent nothing yet: served, and open until its client closes it."""
+    return socket.create_connection(("127.0.0.1", d.port), timeout=WAIT_S)
+
+
+def read_all(sock: socket.socket) -> bytes:
+    """What the daemon sent until it closed the connection (a reset fails the test)."""
+    got = bytearray()
+    while part := sock.recv(1 << 16):
+        got += part
+    return bytes(got)
+
+
+def head_and_body(raw: bytes) -> tuple[str, dict[str, str], bytes]:
+    """An HTTP answer's status line, headers (lower-case names) and body."""
+    head, _, body = raw.partition(b"\r\n\r\n")
+    status, *lines = head.decode().split("\r\n")
+    headers = {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines)}
+    return status, headers, body
+
+
+def test_past_max_connections_a_new_connection_gets_503_and_the_open_ones_are_served(
+    daemon: Daemon,
+) -> None:
+    """The API took connections until the process ran out of file descriptors, and then
+    answered no one. With api.max_connections, a connection past the cap is answered 503 as
+    it connects (Retry-After, the API's JSON error naming the key) and closed; those open are
+    served as before, and once one closes a new one is."""
+    observer = Observer(daemon)
+    observer.wait_served(1, "the daemon's start-up checks to hang up: only the observer open")
+    with contextlib.ExitStack() as stack:
+        kept = [stack.enter_context(held(daemon)) for _ in range(CAP - 1)]
+        observer.wait_served(CAP, f"{CAP} connections served")
+        with held(daemon) as past:
+            past.sendall(GET_HEALTH)
+            status, headers, body = head_and_body(read_all(past))  # then closed by the daemon
+        assert status == "HTTP/1.1 503 Service Unavailable", status
+        assert headers["retry-after"] == "5" and headers["connection"] == "close", headers
+        assert headers["content-type"] == "application/json" and "x-request-id" in headers
+        error = json.loads(body)["error"]
+        assert error["code"] == "too_many_connections", error
+        assert error["type"] == "service_unavailable", error
+        assert "api.max_connections" in error["message"] and f"serving {CAP} " in error["message"]
+        with pytest.raises(openai.InternalServerError) as refused:  # what an SDK client sees
+            daemon.client().models.list()
+        assert refused.value.status_code == 503
+        assert "api.max_connections" in refused.value.message, refused.value.message
+        scrape = observer.scrape()  # at the cap: a request on a connection open is served
+        assert metric(scrape, "kvguard_http_connections") == CAP
+        assert metric(scrape, "kvguard_http_connections_max") == CAP
+        assert metric(scrape, "kvguard_http_connections_refused_total") == 2
+
+        kept[0].sendall(POST_COMPLETION)  # the API's too, on a connection open before
+        status, _, body = head_and_body(read_all(kept[0]))
+        assert status == "HTTP/1.1 200 OK" and b'"text_completion"' in body, (status, body)
+        kept[1].close()
+        observer.wait_served(1, "the daemon to see both connections closed")
+        assert [m.id for m in daemon.client().models.list().data] == ["tiny"]
+        assert metric(observer.scrape(), "kvguard_http_connections_refused_total") == 2
+    log = Path(daemon.log.name).read_text()
+    assert log.count("answered 503 to a connection from 127.0.0.1:") == 1, log[-4000:]
+    assert "Traceback" not in log, log[-4000:]
+
+
+@pytest.fixture(scope="module")
+def starved(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    """A daemon whose cap the open files limit cannot reach: accept() runs out of
+    descriptors first."""
+    with open_files_limit(OPEN_FILES):
+        d = Daemon(
+            tmp_path_factory.mktemp("starved"),
+            debug_hooks=False,
+            api="max_connections: 100000, request_read_timeout: 10m",
+        )
+    yield d
+    assert d.stop() == 0
+
+
+def test_accepts_that_fail_for_want_of_a_descriptor_are_counted(starved: Daemon) -> None:
+    """With no file descriptor left, accept() fails and the waiting clients get no answer:
+    the log said so once a minute, and no metric did. Now
+    kvguard_http_accept_failures_total counts them, and the start warned that the cap is out
+    of the limit's reach."""
+    log_path = Path(starved.log.name)
+    assert "api.max_connections is 100000, more than the open files limit 256" in (
+        log_path.read_text()
+    )
+    with contextlib.ExitStack() as stack:
+        for _ in range(OPEN_FILES[1] + 64):
+            stack.enter_context(held(starved))
+        until(
+            lambda: (
+                "the API cannot accept connections: Too many open files" in log_path.read_text()
+            ),
+            WAIT_S,
+            "an accept() to fail for want of a descriptor",
+        )
+    scrape = httpx.get(starved.url + "/metrics", timeout=WAIT_S).text  # once some have closed
+    assert metric(scrape, "kvguard_http_accept_failures_total") >= 1
+    assert metric(scrape, "kvguard_http_connections_refused_total") == 0
+    assert metric(scrape, "kvguard_http_connections_max") == 100000
+
+
+@contextlib.contextmanager
+def soft_open_files(above_held: int) -> Iterator[int]:
+    """This process's soft open files limit set `above_held` descriptors above those it holds
+    now; yields that limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    limit = len(os.listdir("/proc/self/fd")) - 1 + above_held
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
+    try:
+        yield limit
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_an_unset_max_connections_leaves_descriptors_in_reserve(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Unset, the cap is what the open files limit leaves less a reserve: FD_RESERVE, or a
+    quarter of the room where the limit is small; a cap set above what the limit leaves is
+    kept, with a warning naming the fix."""
+    with soft_open_files(100), caplog.at_level(logging.INFO, "kvguard.daemon"):
+        assert service.connection_cap(None) == 75  # a quarter of 100 kept
+        assert service.connection_cap(50) == 50
+        assert service.connection_cap(101) == 101
+    with soft_open_files(10 * service.FD_RESERVE):
+        assert service.connection_cap(None) == 9 * service.FD_RESERVE
+    assert "at most 75 (api.max_connections unset" in caplog.text
+    (warning,) = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert "api.max_connections is 101, more than the open files limit" in warning.message
+    assert "raise LimitNOFILE=" in warning.message
+
+
+def test_max_connections_changes_at_a_restart() -> None:
+    """As the other keys the API's server is built with (request_read_timeout and the rest):
+    a reload that changes it names it among the keys that wait for a restart."""
+    old = DaemonConfig()
+    new = DaemonConfig(api=ApiConfig(max_connections=CAP))
+    assert old.api.max_connections is None
+    assert service.engine_changes(old, new) == ([], ["api.max_connections"])

@@ -90,7 +90,10 @@ class AdmissionPolicy:
         self.caching = caching  # the prefix cache is on: shared prompt prefixes count once
         self.allow_rank: int | None = None  # halted: only priorities <= this get in
         self._tickets: dict[str, Ticket] = {}
-        self._admitted = 0  # tickets that hold their commitment (`admitted_waiting`)
+        # the sequences whose tickets hold their commitment: the admitted requests, running,
+        # swapped out or queued, that the overlap peak counts (`_live_loads`), without a walk
+        # of every live request (thousands queued under overload) at every arrival
+        self._admitted: dict[str, Sequence] = {}
         self._groups: dict[GroupKey, Group] = {}  # groups with an admitted member
         self._seals = 0  # groups sealed so far: each sealed group's own key
         self._live: Callable[[], Iterable[Sequence]] = tuple
@@ -110,9 +113,8 @@ class AdmissionPolicy:
         live: Callable[[], Iterable[Sequence]],
         slots: Callable[[], int | None] = lambda: None,
     ) -> None:
-        """The unfinished sequences, for predicted admission's overlap peak, and the batch's
-        slots, for the queue: a request waits for a free slot as it waits for KV (the
-        scheduler's)."""
+        """The unfinished sequences, for the batch slots they hold, and the batch's slots, for
+        the queue: a request waits for a free slot as it waits for KV (the scheduler's)."""
         self._live = live
         self._slots = slots
 
@@ -133,7 +135,7 @@ class AdmissionPolicy:
             self._refuse_halted(seq, self.allow_rank, capacity, configured)
         ctl = self.controller
         if ctl is None:
-            self._issue(seq.request_id, Ticket(None, admitted=True))
+            self._issue(seq, Ticket(None, admitted=True))
             return
         queued, slot = self._queue_ahead(seq, waiting)
         key = self._group_key(seq)
@@ -162,7 +164,7 @@ class AdmissionPolicy:
             else ctl.projected_blocks(prompt - key[0], d.predicted_tokens, d.max_tokens)
         )
         ticket = Ticket(d, own, d.decision == "admit", key, whole - own)
-        self._issue(seq.request_id, ticket)
+        self._issue(seq, ticket)
         if ticket.admitted:
             ctl.commit(self._commitment(ticket))
             self._join(seq.request_id, ticket)
@@ -383,7 +385,7 @@ class AdmissionPolicy:
         given back with the last of them, and no new request joins it. Its admitted members
         yet to compute their prompt (not started, or recomputed) will compute the prefix
         again beside it: they stay in the joinable group, whose prefix is committed anew."""
-        converted = {s.request_id for s in self._live() if s.kv_converted}
+        converted = {rid for rid, s in self._admitted.items() if s.kv_converted}
         for key, group in list(self._groups.items()):
             holders = group.members & converted
             if key[2] == 0 and holders:
@@ -427,19 +429,19 @@ class AdmissionPolicy:
         those in the queue, as every ticket is a live sequence's. A walk of the queue for the
         admitted ones (`Scheduler.startable`) stops once it has seen them all, instead of
         walking thousands of requests admission holds back for KV each step. O(`started`)."""
-        return self._admitted - sum(map(self.is_admitted, started))
+        return len(self._admitted) - sum(map(self.is_admitted, started))
 
-    def _issue(self, rid: str, ticket: Ticket) -> None:
-        """Keep `ticket` for request `rid`, and the count of admitted ones with it."""
-        self._drop(rid)
-        self._tickets[rid] = ticket
-        self._admitted += ticket.admitted
+    def _issue(self, seq: Sequence, ticket: Ticket) -> None:
+        """Keep `ticket` for `seq`, and `seq` among the admitted ones if it is."""
+        self._drop(seq.request_id)
+        self._tickets[seq.request_id] = ticket
+        if ticket.admitted:
+            self._admitted[seq.request_id] = seq
 
     def _drop(self, rid: str) -> Ticket | None:
-        """Forget request `rid`'s ticket (None: it had none), and the count with it."""
-        t = self._tickets.pop(rid, None)
-        self._admitted -= t is not None and t.admitted
-        return t
+        """Forget request `rid`'s ticket (None: it had none), and its sequence with it."""
+        self._admitted.pop(rid, None)
+        return self._tickets.pop(rid, None)
 
     # -- start ------------------------------------------------------------------------------
     def try_start(self, seq: Sequence, capacity: int) -> bool:
@@ -456,7 +458,7 @@ class AdmissionPolicy:
         ):
             return False
         t.admitted = True
-        self._admitted += 1
+        self._admitted[seq.request_id] = seq
         self._join(seq.request_id, t)
         return True
 
@@ -466,7 +468,7 @@ class AdmissionPolicy:
         if t is not None and t.admitted and self.controller is not None:
             self.controller.uncommit(self._leave(seq.request_id, t))
             t.admitted = False
-            self._admitted -= 1
+            del self._admitted[seq.request_id]
 
     def on_step(self, preempted: int, usage: float) -> None:
         """A step was scheduled, with `preempted` sequences taken off the device for it and
@@ -574,9 +576,9 @@ class AdmissionPolicy:
         out: list[tuple[int, int]] = []
         groups: dict[GroupKey, list[tuple[int, int]]] = {}
         factor = self.controller.config.safety_factor if self.controller else 1.0
-        for s in self._live():
-            t = self._tickets.get(s.request_id)
-            if t is None or not t.admitted or t.decision is None or s.request_id == skip:
+        for rid, s in self._admitted.items():
+            t = self._tickets[rid]
+            if t.decision is None or rid == skip:
                 continue
             if max_rank is not None and s.priority > max_rank:
                 continue

@@ -73,6 +73,60 @@ class Ticket:
 GroupKey = tuple[int, int, int]
 
 
+QUEUES = (Status.WAITING, Status.RUNNING, Status.SWAPPED)
+
+
+@dataclass(slots=True)
+class QueueCounts:
+    """The scheduler's queues counted by priority, kept as each sequence moves (`move`), and
+    the waiting requests whose ticket holds its commitment (`admit`). Admission reads the
+    queue a request joins at every arrival (`AdmissionPolicy.queue_ahead`) and the snapshot
+    the queues' sizes at every step: counted there, each was a walk of the waiting queue in
+    Python on the engine thread, thousands long under overload (a burst of n arrivals cost
+    O(n²)), time the batch did not decode. `Scheduler.audit` holds them to a recount."""
+
+    queued: dict[Status, dict[int, int]] = field(
+        default_factory=lambda: {q: dict.fromkeys(PRIORITY_NAMES, 0) for q in QUEUES}
+    )
+    admitted: dict[int, int] = field(default_factory=lambda: dict.fromkeys(PRIORITY_NAMES, 0))
+
+    def move(self, seq: Sequence, src: Status | None, dst: Status | None, admitted: bool) -> None:
+        """`seq` left the queue `src` for `dst` (None: no queue, as it arrives or leaves for
+        good); `admitted`: its ticket holds its commitment."""
+        for queue, step in ((src, -1), (dst, 1)):
+            if queue is not None:
+                self.queued[queue][seq.priority] += step
+                if queue is Status.WAITING and admitted:
+                    self.admitted[seq.priority] += step
+
+    def admit(self, seq: Sequence, step: int) -> None:
+        """Waiting `seq`'s ticket committed its peak (1) or gave it back (-1)."""
+        self.admitted[seq.priority] += step
+
+    def waiting(self, rank: int) -> tuple[int, int]:
+        """(requests waiting, admitted ones among them) as a request of priority `rank` sees
+        the queue: high ones only for a high request (they alone sort ahead of it), all for
+        any other."""
+        if rank == HIGH:
+            return self.queued[Status.WAITING][HIGH], self.admitted[HIGH]
+        return sum(self.queued[Status.WAITING].values()), self.admitted_waiting()
+
+    def held(self, rank: int) -> int:
+        """Batch slots the running and swapped-out sequences hold as a request of priority
+        `rank` sees them: those of high work for a high request (it takes the others'), all
+        for any other."""
+        ranks = (HIGH,) if rank == HIGH else tuple(PRIORITY_NAMES)
+        return sum(self.queued[q][r] for q in (Status.RUNNING, Status.SWAPPED) for r in ranks)
+
+    def admitted_waiting(self) -> int:
+        """The waiting requests whose ticket holds its commitment."""
+        return sum(self.admitted.values())
+
+    def by_priority(self, queue: Status) -> dict[str, int]:
+        """`queue`'s sequences by priority name (the snapshot's)."""
+        return {PRIORITY_NAMES[rank]: n for rank, n in self.queued[queue].items()}
+
+
 @dataclass(slots=True)
 class Group:
     """The admitted requests of one shared prompt prefix, and the peak it committed for it."""
@@ -96,7 +150,7 @@ class AdmissionPolicy:
         self._admitted: dict[str, Sequence] = {}
         self._groups: dict[GroupKey, Group] = {}  # groups with an admitted member
         self._seals = 0  # groups sealed so far: each sealed group's own key
-        self._live: Callable[[], Iterable[Sequence]] = tuple
+        self._queues = QueueCounts()  # the scheduler's, once it watches (`watch`)
         # the batch's slots (`max_num_seqs`, which a remedy may change live; None: unbounded)
         self._slots: Callable[[], int | None] = lambda: None
         # (requests queued, batch slots still open) a request posted now would find, for high
@@ -108,25 +162,15 @@ class AdmissionPolicy:
         if controller is not None:
             controller.live = self._live_loads
 
-    def watch(
-        self,
-        live: Callable[[], Iterable[Sequence]],
-        slots: Callable[[], int | None] = lambda: None,
-    ) -> None:
-        """The unfinished sequences, for the batch slots they hold, and the batch's slots, for
-        the queue: a request waits for a free slot as it waits for KV (the scheduler's)."""
-        self._live = live
+    def watch(self, queues: QueueCounts, slots: Callable[[], int | None]) -> None:
+        """The scheduler's queue counts, kept as its sequences move and as `try_start` and
+        `cancel_start` change a waiting request's ticket, and the batch's slots: a request
+        waits for a free slot as it waits for KV."""
+        self._queues = queues
         self._slots = slots
 
     # -- arrival ----------------------------------------------------------------------------
-    def check(
-        self,
-        seq: Sequence,
-        capacity: int,
-        used: int,
-        waiting: Iterable[Sequence],
-        configured: int | None = None,
-    ) -> None:
+    def check(self, seq: Sequence, capacity: int, used: int, configured: int | None = None) -> None:
         """Admit `seq` now, queue it, or raise AdmissionRejected; may lower seq.max_tokens.
         `capacity` is the pool's blocks now, `configured` (None: the same) its blocks at the
         configured bytes, which a remedy (shrink_kv_pool) may hold smaller for a while: what
@@ -137,7 +181,7 @@ class AdmissionPolicy:
         if ctl is None:
             self._issue(seq, Ticket(None, admitted=True))
             return
-        queued, slot = self._queue_ahead(seq, waiting)
+        queued, slot = self._queue_ahead(seq)
         key = self._group_key(seq)
         shared = key[0] if key is not None and key in self._groups else 0
         prompt = len(seq.prompt_token_ids)
@@ -243,7 +287,6 @@ class AdmissionPolicy:
         seqs: list[Sequence],
         taken: list[Sequence],
         refused: AdmissionDecision,
-        waiting: Iterable[Sequence],
     ) -> AdmissionDecision:
         """A request's sequence `seqs[len(taken)]` was refused: the whole request is. The
         sequences decided before it (`taken`, out of the scheduler's `waiting` already, never
@@ -259,20 +302,17 @@ class AdmissionPolicy:
         self.count_refused(len(seqs))
         if ctl is None or not taken or refused.kind != "queue_full":
             return refused
-        return ctl.queue_full_for(self._queue_ahead(seqs[0], waiting)[0], len(seqs), refused)
+        return ctl.queue_full_for(self._queue_ahead(seqs[0])[0], len(seqs), refused)
 
     # -- a request posted from another thread, before the engine takes it in ----------------
-    def publish_queue(self, waiting: Iterable[Sequence]) -> None:
+    def publish_queue(self) -> None:
         """Publish the queue a request posted now would join (`queue_ahead`, for high and for
         every other priority), for `refuse_posted` on the event loop. On the engine thread,
         with each snapshot (after the step that changed the queue): one dict swapped in
         whole, so a reader sees one publication or the next, never a mix. A request taken in
         since is in neither this nor the loop's posted count until the next one: the event
-        loop then counts too few, and the engine decides as it takes the request in. Once a
-        step: one pass over the queue and one over the live sequences count both views
-        (`_tally`, `_held`), not two of each."""
-        queued, held = self._tally(waiting), self._held()
-        self._published = {rank: _ahead(queued[rank], held[rank], self._slots()) for rank in queued}
+        loop then counts too few, and the engine decides as it takes the request in."""
+        self._published = {rank: self.queue_ahead(rank) for rank in (HIGH, NORMAL)}
 
     def refuse_posted(self, rank: int, posted: int, size: int) -> AdmissionDecision | None:
         """The queue_full refusal the engine would give a request of `size` sequences of
@@ -298,12 +338,12 @@ class AdmissionPolicy:
                 return refused if i == 0 else ctl.queue_full_for(first, size, refused)
         return None
 
-    def _queue_ahead(self, seq: Sequence, waiting: Iterable[Sequence]) -> tuple[int, bool]:
+    def _queue_ahead(self, seq: Sequence) -> tuple[int, bool]:
         """(the requests queued ahead of `seq`, whether a batch slot is free for it)."""
-        queued, open_slots = self.queue_ahead(seq.priority, waiting)
+        queued, open_slots = self.queue_ahead(seq.priority)
         return queued, open_slots > 0
 
-    def queue_ahead(self, rank: int, waiting: Iterable[Sequence]) -> tuple[int, int | float]:
+    def queue_ahead(self, rank: int) -> tuple[int, int | float]:
         """(the requests queued ahead of a new request of priority `rank`, the batch slots
         still open to it). Every request not started counts, whether it waits for its KV
         commitment or for one of the `max_num_seqs` slots: a request admitted on KV room
@@ -311,34 +351,9 @@ class AdmissionPolicy:
         `max_queue_wait` bound that wait. Admitted requests take the free slots first (they
         start at the next step); only those past them count. High priority sorts ahead of
         queued lower ones (`queue_key`) and takes the slots of lower-priority work: only high
-        requests are ahead of it, and only high work holds its slots."""
-        view = HIGH if rank == HIGH else NORMAL
-        return _ahead(self._tally(waiting)[view], self._held()[view], self._slots())
-
-    def _tally(self, waiting: Iterable[Sequence]) -> dict[int, tuple[int, int]]:
-        """(requests waiting, admitted ones among them) as a high request sees the queue
-        (high ones only) and as any other does (all), in one pass."""
-        tickets = self._tickets
-        high = high_admitted = count = admitted = 0
-        for s in waiting:
-            t = tickets.get(s.request_id)
-            ok = t is not None and t.admitted
-            count += 1
-            admitted += ok
-            if s.priority == HIGH:
-                high += 1
-                high_admitted += ok
-        return {HIGH: (high, high_admitted), NORMAL: (count, admitted)}
-
-    def _held(self) -> dict[int, int]:
-        """Batch slots the running and swapped-out sequences hold: of high work (what a high
-        request cannot take) and of any, in one pass."""
-        high = held = 0
-        for s in self._live():
-            if s.status in (Status.RUNNING, Status.SWAPPED):
-                held += 1
-                high += s.priority == HIGH
-        return {HIGH: high, NORMAL: held}
+        requests are ahead of it, and only high work holds its slots. Read from the
+        scheduler's queue counts (`QueueCounts`): O(1) however long the queue."""
+        return _ahead(self._queues.waiting(rank), self._queues.held(rank), self._slots())
 
     def _group_key(self, seq: Sequence) -> GroupKey | None:
         """The prompt prefix the prefix cache can give `seq` from a request with the same one:
@@ -426,9 +441,8 @@ class AdmissionPolicy:
 
     def admitted_waiting(self, started: Iterable[Sequence]) -> int:
         """The admitted requests not among `started` (the running and swapped-out sequences):
-        those in the queue, as every ticket is a live sequence's. A walk of the queue for the
-        admitted ones (`Scheduler.startable`) stops once it has seen them all, instead of
-        walking thousands of requests admission holds back for KV each step. O(`started`)."""
+        those in the queue, as every ticket is a live sequence's: from the tickets, what the
+        queue counts (`QueueCounts.admitted_waiting`) must agree with. O(`started`)."""
         return len(self._admitted) - sum(map(self.is_admitted, started))
 
     def _issue(self, seq: Sequence, ticket: Ticket) -> None:
@@ -459,16 +473,19 @@ class AdmissionPolicy:
             return False
         t.admitted = True
         self._admitted[seq.request_id] = seq
+        self._queues.admit(seq, 1)
         self._join(seq.request_id, t)
         return True
 
     def cancel_start(self, seq: Sequence) -> None:
-        """`try_start` committed, but the request could not take its blocks after all."""
+        """`try_start` committed, but the request (still queued) could not take its blocks
+        after all."""
         t = self._tickets.get(seq.request_id)
         if t is not None and t.admitted and self.controller is not None:
             self.controller.uncommit(self._leave(seq.request_id, t))
             t.admitted = False
             del self._admitted[seq.request_id]
+            self._queues.admit(seq, -1)
 
     def on_step(self, preempted: int, usage: float) -> None:
         """A step was scheduled, with `preempted` sequences taken off the device for it and

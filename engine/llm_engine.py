@@ -657,7 +657,7 @@ class LLMEngine(ControlSurface):
         except AdmissionRejected as e:
             for seq in taken:
                 self.scheduler.remove(seq)
-            d = policy.refuse(seqs, taken, e.decision, self.scheduler.waiting)
+            d = policy.refuse(seqs, taken, e.decision)
             self._admission_event(seqs[0], d.decision, d.reason, sequences=len(seqs))
             refusal = AdmissionRejected(d)
             refusal.request_index = len(taken)  # type: ignore[attr-defined]
@@ -670,7 +670,6 @@ class LLMEngine(ControlSurface):
             seq,
             self.block_manager.num_blocks,
             self.block_manager.num_used,
-            self.scheduler.waiting,
             # the pool at its configured bytes, in the dtype in force (a remedy may hold it
             # at a share of them for a while)
             self.runner.blocks_for_budget(self.kv_cache.dtype),
@@ -1368,7 +1367,7 @@ class LLMEngine(ControlSurface):
         """What other threads read of the engine, made on the engine thread after what
         changed it; admission's queue, which a request posted now would join, is published
         with it (`AdmissionPolicy.publish_queue`)."""
-        self.admission_policy.publish_queue(self.scheduler.waiting)
+        self.admission_policy.publish_queue()
         return build_snapshot(self)
 
     def audit_blocks(self) -> None:

@@ -66,7 +66,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from kvguard.engine.admission import HIGH
-from kvguard.engine.admission_policy import AdmissionPolicy
+from kvguard.engine.admission_policy import AdmissionPolicy, QueueCounts
 from kvguard.engine.block_manager import BlockManager
 from kvguard.engine.sequence import Sequence, Status
 from kvguard.engine.speculative import (
@@ -198,7 +198,10 @@ class Scheduler:
         self.host_bm = host_block_manager
         self.kv = kv
         self.policy = policy
-        policy.watch(self.live, lambda: self.max_num_seqs)  # a full batch queues arrivals
+        # the queues by priority, kept as sequences move (`_moved`): admission's queue and the
+        # snapshot's read them, not a walk of the queues
+        self.counts = QueueCounts()
+        policy.watch(self.counts, lambda: self.max_num_seqs)  # a full batch queues arrivals
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunked = enable_chunked_prefill
@@ -239,16 +242,30 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
         bisect.insort(self.waiting, seq, key=self.policy.queue_key)
+        self._moved(seq, None, Status.WAITING)
 
     def remove(self, seq: Sequence) -> None:
         """Take `seq` out of whichever queue holds it and release its blocks on both tiers."""
-        for queue in (self.running, self.waiting, self.swapped):
+        for status, queue in self._queues():
             if seq in queue:
                 queue.remove(seq)
+                self._moved(seq, status, None)
                 break
         self.bm.free(seq)
         self.host_bm.give(seq.request_id, seq.host_block_table)
         seq.host_block_table = []
+
+    def _queues(self) -> tuple[tuple[Status, list[Sequence]], ...]:
+        """Each queue, with the status of the sequences in it."""
+        return (
+            (Status.RUNNING, self.running),
+            (Status.WAITING, self.waiting),
+            (Status.SWAPPED, self.swapped),
+        )
+
+    def _moved(self, seq: Sequence, src: Status | None, dst: Status | None) -> None:
+        """Count `seq`'s move from the queue `src` to `dst` (None: none), with its ticket."""
+        self.counts.move(seq, src, dst, self.policy.is_admitted(seq))
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -352,7 +369,7 @@ class Scheduler:
         tried: list[Sequence] = []
         out: list[Sequence] = []
         gated = False
-        admitted = self.policy.admitted_waiting(self.running + self.swapped)  # still to see
+        admitted = self.counts.admitted_waiting()  # still to see
         for seq in self.waiting:
             if len(out) >= slots or (gated and admitted <= 0):
                 break
@@ -502,6 +519,7 @@ class Scheduler:
     def preempt(self, seq: Sequence) -> str:
         """Move a running sequence off the device: swap if possible, else recompute later."""
         self.running.remove(seq)
+        self._moved(seq, Status.RUNNING, None)
         seq.draft = []
         seq.num_preemptions += 1
         n = len(seq.block_table)
@@ -512,6 +530,7 @@ class Scheduler:
             seq.host_block_table = host
             seq.status = Status.SWAPPED
             bisect.insort(self.swapped, seq, key=lambda s: s.sort_key)
+            self._moved(seq, None, Status.SWAPPED)
             mode = "swap"
             self.emit("swapped_out", request_id=seq.request_id, blocks=n)
         else:
@@ -648,8 +667,9 @@ class Scheduler:
         return max(len(seq.host_block_table), self.bm.blocks_for(seq.num_computed_tokens + n))
 
     def _swap_in(self, seq: Sequence) -> None:
-        """Back on the device: its leading blocks whose content the prefix cache still holds
-        there are shared (`BlockManager.rematch`), the rest copied in from the host."""
+        """Back on the device (the caller took it off `swapped`): its leading blocks whose
+        content the prefix cache still holds there are shared (`BlockManager.rematch`), the
+        rest copied in from the host."""
         host = seq.host_block_table
         shared = self.bm.rematch(seq, len(host))
         dev = self.bm.take(seq.request_id, len(host) - len(shared))
@@ -659,6 +679,7 @@ class Scheduler:
         seq.host_block_table, seq.block_table = [], shared + dev
         seq.status, seq.held = Status.RUNNING, False
         self.running.append(seq)
+        self._moved(seq, Status.SWAPPED, Status.RUNNING)
         self.emit("swapped_in", request_id=seq.request_id, blocks=len(dev))
 
     def _schedule_waiting(
@@ -727,6 +748,7 @@ class Scheduler:
                 if self.bm.caching and seq.prompt_logprobs is None:
                     self.bm.record(len(seq.prompt_token_ids), hit)
             self.running.append(seq)
+            self._moved(seq, Status.WAITING, Status.RUNNING)
             batch.add(seq, n)
             budget -= n
             if self.bm.caching and not one_step(seq):
@@ -933,6 +955,7 @@ class Scheduler:
         self.oom_batch = max(self.oom_batch, len(failed))
         for seq in failed:
             self.running.remove(seq)
+            self._moved(seq, Status.RUNNING, None)
             seq.num_preemptions += 1
             self._recompute(seq)
         before = self.max_num_batched_tokens
@@ -976,6 +999,7 @@ class Scheduler:
         return moved
 
     def audit(self) -> None:
+        self._check_counts()
         live = self.live()
         self.bm.audit((s.request_id, s.block_table) for s in live)
         self.host_bm.audit((s.request_id, s.host_block_table) for s in live)
@@ -989,3 +1013,20 @@ class Scheduler:
                 assert len(s.block_table) == self.bm.blocks_for(s.num_computed_tokens), (
                     f"{s.request_id} holds {len(s.block_table)} blocks for {s.num_computed_tokens} tokens"
                 )
+
+    def _check_counts(self) -> None:
+        """The queue counts (`QueueCounts`) equal a recount of the queues, each sequence's
+        status is its queue's, and the admitted waiting requests are those the admission
+        tickets count: a transition that moved a sequence or changed its ticket without
+        counting it fails here, in every test that audits between steps."""
+        recount = QueueCounts()
+        for status, queue in self._queues():
+            for s in queue:
+                assert s.status is status, f"{s.request_id} is {s.status} in the {status} queue"
+                recount.move(s, None, status, self.policy.is_admitted(s))
+        assert self.counts == recount, f"queue counts {self.counts} but recounted {recount}"
+        tickets = self.policy.admitted_waiting(self.running + self.swapped)
+        assert self.counts.admitted_waiting() == tickets, (
+            f"{self.counts.admitted_waiting()} admitted requests counted waiting, "
+            f"{tickets} by their tickets"
+        )

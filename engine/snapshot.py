@@ -11,8 +11,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvguard.engine.admission_policy import QUEUES
 from kvguard.engine.control_surface import allowed_name
-from kvguard.engine.sequence import PRIORITY_NAMES
 
 if TYPE_CHECKING:
     from kvguard.engine.block_manager import BlockManager
@@ -119,13 +119,6 @@ class EngineSnapshot:
         return self.counters["tokens_generated"]
 
 
-def _by_priority(seqs: list) -> dict[str, int]:
-    out = dict.fromkeys(PRIORITY_NAMES.values(), 0)
-    for s in seqs:
-        out[PRIORITY_NAMES[s.priority]] += 1
-    return out
-
-
 def _median(values) -> float | None:
     vals = list(values)
     return statistics.median(vals) if vals else None
@@ -178,11 +171,8 @@ def build_snapshot(engine: LLMEngine) -> EngineSnapshot:
         device=TierStats(engine.block_manager.num_blocks, engine.block_manager.num_used),
         host=TierStats(engine.host_block_manager.num_blocks, engine.host_block_manager.num_used),
         live_tokens=sum(s.num_computed_tokens for s in sch.running),
-        queues={
-            "waiting": _by_priority(sch.waiting),
-            "running": _by_priority(sch.running),
-            "swapped": _by_priority(sch.swapped),
-        },
+        # the scheduler's counts: a walk of a queue thousands long was the step's to wait for
+        queues={q.value: sch.counts.by_priority(q) for q in QUEUES},
         kv_cache_dtype=engine.kv_cache.dtype,
         knobs=engine.knobs(),
         admission={

@@ -1,0 +1,242 @@
+"""The scheduler's queue counts (`QueueCounts`) on a real engine (the tiny model).
+
+Admission reads the queue a request joins at every arrival, and the snapshot the queues' sizes
+at every step; both walked the waiting queue in Python on the engine thread, thousands long
+under overload (a burst of n arrivals cost O(n²), and every step a walk the batch did not
+decode). Now the scheduler counts its queues as sequences move between them, and the policy a
+waiting request's ticket as it commits or gives its peak back. These tests drive every move
+(arrival, start, swap out and in, recompute, abort, finish, a request refused after some of its
+sequences were taken in) and check after each that the counts equal a recount
+(`Scheduler.audit`) and that admission's queue and the snapshot read what a walk of the queues
+gives; that a move left uncounted fails the audit; and that an arrival and a snapshot read a
+handful of a 2000-request queue's entries, not all of them."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvguard.engine import LLMEngine, SamplingParams
+from kvguard.engine.admission import HIGH, NORMAL, AdmissionConfig
+from kvguard.engine.admission_policy import AdmissionRejected
+from kvguard.engine.llm_engine import NewRequest, refused_request
+from kvguard.engine.sequence import PRIORITY_NAMES, Sequence, Status
+from tests.test_engine import make_engine
+from tests.test_kv_pool import apply
+from tests.test_live_corners import SWAP
+
+
+def params(n: int = 24) -> SamplingParams:
+    return SamplingParams(max_tokens=n, ignore_eos=True)
+
+
+def prompt(i: int, n: int = 40) -> list[int]:
+    """`n` tokens no other request's prompt begins with: nobody waits on another's prompt."""
+    return [5 + i] + [10 + (7 * i + k) % 240 for k in range(n - 1)]
+
+
+def walked_queues(engine: LLMEngine) -> dict[str, dict[str, int]]:
+    """The snapshot's queues as a walk of each queue counts them."""
+    sch = engine.scheduler
+    queues = {"waiting": sch.waiting, "running": sch.running, "swapped": sch.swapped}
+    return {
+        name: {PRIORITY_NAMES[r]: sum(s.priority == r for s in q) for r in PRIORITY_NAMES}
+        for name, q in queues.items()
+    }
+
+
+def walked_ahead(engine: LLMEngine, rank: int) -> tuple[int, int | float]:
+    """`AdmissionPolicy.queue_ahead` as a walk of the queues computes it: the requests waiting
+    (high ones only, for a high request), less the admitted ones the batch slots left free
+    (those not held by running or swapped-out work, high work only for a high request) start."""
+    sch, policy = engine.scheduler, engine.admission_policy
+    seen = [s for s in sch.waiting if rank != HIGH or s.priority == HIGH]
+    admitted = sum(map(policy.is_admitted, seen))
+    held = sum(rank != HIGH or s.priority == HIGH for s in sch.running + sch.swapped)
+    free = max(0, sch.max_num_seqs - held)
+    return len(seen) - admitted + max(0, admitted - free), max(0, free - admitted)
+
+
+class Moves:
+    """What the scenario has seen of the queues, checked after every step and arrival."""
+
+    def __init__(self) -> None:
+        self.seen: set[str] = set()
+
+    def check(self, engine: LLMEngine) -> None:
+        """The counts equal a recount (the audit), and admission's queue, the one it publishes
+        and the snapshot's queues equal what a walk of the queues gives."""
+        engine.audit_blocks()
+        snap = engine.snapshot()
+        assert snap.queues == walked_queues(engine)
+        for rank in (HIGH, NORMAL):
+            assert engine.admission_policy.queue_ahead(rank) == walked_ahead(engine, rank)
+            assert engine.admission_policy._published[rank] == walked_ahead(engine, rank)
+        sch = engine.scheduler
+        self.seen |= {q for q in ("waiting", "running", "swapped") if getattr(sch, q)}
+        if sch.counts.admitted_waiting():
+            self.seen.add("admitted waiting")
+        if any(not engine.admission_policy.is_admitted(s) for s in sch.waiting):
+            self.seen.add("queued waiting")
+
+    def step(self, engine: LLMEngine) -> None:
+        engine.step()
+        self.check(engine)
+
+
+def overloaded() -> LLMEngine:
+    """Three batch slots, 32 blocks of 16 tokens, preempted sequences swapped out, and a queue
+    of at most 4 (a hard limit: a request of several sequences can be refused mid-way)."""
+    adm = AdmissionConfig(estimate="worst_case", max_queue=4, max_queue_wait_s=0.0)
+    engine = make_engine(
+        kv_cache_bytes="256KiB", max_model_len=256, max_num_seqs=3, admission=adm, **SWAP
+    )
+    assert engine.block_manager.num_blocks == 32
+    return engine
+
+
+def test_every_move_between_the_queues_is_counted() -> None:
+    engine, moves = overloaded(), Moves()
+    ids = [
+        engine.add_request(prompt(i), params(), priority=p)
+        for i, p in enumerate(["normal", "low", "normal"])
+    ]
+    moves.check(engine)  # admitted, waiting for the step
+    moves.step(engine)  # all three start
+    ids += [
+        engine.add_request(prompt(i), params(), priority=p)
+        for i, p in enumerate(["low", "normal", "high"], start=3)
+    ]
+    moves.check(engine)
+    moves.step(engine)  # the high one takes the low one's slot: it is swapped out
+    assert engine.scheduler.preemptions["swap"] == 1
+    assert [s.request_id for s in engine.scheduler.swapped] == [ids[1]]
+    # a request of three sequences: the queue takes two, refuses the third, and all go
+    before = dict(engine.scheduler.counts.queued[Status.WAITING])
+    with pytest.raises(AdmissionRejected) as refused:
+        engine.add_requests([NewRequest(prompt(9 + i), params()) for i in range(3)])
+    assert refused_request(refused.value) == 2  # the third: two were taken in, then withdrawn
+    assert engine.scheduler.counts.queued[Status.WAITING] == before
+    moves.check(engine)
+    res = apply(engine, engine.evict(1, "normal"))  # swapped out, back in as room allows
+    assert res.ok and res.data["evicted"] == [(ids[2], "swap")]
+    moves.check(engine)
+    assert engine.abort(ids[3])  # waiting
+    assert engine.abort(ids[1])  # swapped out
+    moves.check(engine)
+    assert apply(engine, engine.set_offload(False)).ok
+    res = apply(engine, engine.evict(1, "normal"))  # recomputed: back in the queue, admitted
+    assert res.ok and [mode for _, mode in res.data["evicted"]] == ["recompute"]
+    moves.check(engine)
+    assert engine.abort(ids[0])  # running
+    moves.check(engine)
+    for _ in range(200):
+        if not engine.has_unfinished():
+            break
+        moves.step(engine)
+    assert not engine.has_unfinished()
+    assert engine.scheduler.preemptions == {"swap": 2, "recompute": 1}
+    events = engine.snapshot().events
+    assert (events["swapped_out"], events["swapped_in"]) == (2, 1)  # the aborted one stayed out
+    assert moves.seen == {"waiting", "running", "swapped", "admitted waiting", "queued waiting"}
+    empty = dict.fromkeys(PRIORITY_NAMES.values(), 0)
+    assert engine.snapshot().queues == {"waiting": empty, "running": empty, "swapped": empty}
+
+
+def test_the_audit_fails_on_a_move_left_uncounted(monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = overloaded()
+    rid = engine.add_request(prompt(0), params())
+    engine.step()
+    engine.audit_blocks()
+    sch = engine.scheduler
+    sch.counts.queued[Status.WAITING][NORMAL] += 1  # a count off by one
+    with pytest.raises(AssertionError, match="queue counts"):
+        engine.audit_blocks()
+    sch.counts.queued[Status.WAITING][NORMAL] -= 1
+    engine.audit_blocks()
+    sch.counts.admit(sch.running[0], 1)  # a running request counted as admitted and waiting
+    with pytest.raises(AssertionError, match="queue counts"):
+        engine.audit_blocks()
+    sch.counts.admit(sch.running[0], -1)
+    engine.audit_blocks()
+    # a swap out that leaves the running queue uncounted
+    moved = sch._moved
+
+    def forgetful(seq: Sequence, src: Status | None, dst: Status | None) -> None:
+        if src is not Status.RUNNING:
+            moved(seq, src, dst)
+
+    monkeypatch.setattr(sch, "_moved", forgetful)
+    fut = engine.evict(1, "normal")
+    engine.step()
+    assert fut.result(0).data["evicted"] == [(rid, "swap")]
+    with pytest.raises(AssertionError, match="queue counts"):
+        engine.audit_blocks()
+
+
+class Watched(list):
+    """The scheduler's waiting queue, counting the entries that anything reads of it."""
+
+    read = 0
+
+    def __iter__(self):  # noqa: ANN204 - an iterator of Sequence
+        for seq in super().__iter__():
+            self.read += 1
+            yield seq
+
+    def __getitem__(self, i: int | slice) -> Sequence | list[Sequence]:
+        got = super().__getitem__(i)
+        self.read += len(got) if isinstance(i, slice) else 1
+        return got
+
+    def __contains__(self, seq: object) -> bool:
+        self.read += len(self)
+        return super().__contains__(seq)
+
+    def __radd__(self, other: list[Sequence]) -> list[Sequence]:
+        self.read += len(self)
+        return list.__add__(other, self)
+
+
+def queued_2000(kv_gated: bool) -> tuple[LLMEngine, Watched]:
+    """An engine with 2000 requests queued behind a full batch of four, or, with slots free,
+    for the KV commitment admission will not make while a long request holds the budget; its
+    waiting queue `Watched` from here on."""
+    adm = AdmissionConfig(estimate="worst_case", max_queue=10_000, max_queue_wait_s=0.0)
+    engine = make_engine(
+        kv_cache_bytes="256KiB",
+        max_model_len=256,
+        max_num_seqs=64 if kv_gated else 4,
+        admission=adm,
+    )
+    hog = 1 if kv_gated else 4  # a long request that holds the KV budget, or every slot
+    for i in range(hog):
+        engine.add_request(prompt(i, 20), params(220 if kv_gated else 24))
+    engine.step()
+    ranks = ["normal"] if kv_gated else ["high", "normal", "low"]
+    for i in range(2000):
+        engine.add_request(prompt(i % 200, 20), params(), priority=ranks[i % len(ranks)])
+    sch = engine.scheduler
+    assert len(sch.running) == hog and len(sch.waiting) == 2000
+    sch.waiting = waiting = Watched(sch.waiting)
+    return engine, waiting
+
+
+@pytest.mark.parametrize("kv_gated", [False, True], ids=["full-batch", "kv-gated"])
+def test_an_arrival_and_a_snapshot_read_a_few_queued_requests_not_the_queue(
+    kv_gated: bool,
+) -> None:
+    """With 2000 requests queued, a new arrival and a snapshot read at most a few dozen of
+    them: a binary search for the arrival's place, and the head of the queue for who starts
+    next (up to the first request held back for KV). Each read every one, and a burst of
+    arrivals cost the square of its length."""
+    engine, waiting = queued_2000(kv_gated)
+    engine.add_request(prompt(7, 20), params(), priority="low")
+    engine.add_request(prompt(8, 20), params(), priority="normal")
+    assert waiting.read <= 2 * 11  # two binary searches of 2000 entries for their places
+    # admitted as they came (high ones take lower-priority slots): the next step starts them
+    admitted = sum(map(engine.admission_policy.is_admitted, list.__iter__(waiting)))
+    assert admitted == (3 if kv_gated else 4)
+    waiting.read = 0
+    assert engine.snapshot().num_waiting == 2002
+    assert waiting.read <= admitted + 2
+    engine.audit_blocks()

@@ -694,13 +694,17 @@ class Scheduler:
         (they would otherwise wait on a commitment that only their own completion can free);
         requests without a commitment never overtake each other. While a high request's
         prompt runs, only high requests start. Requests queued after `behind` (the place of a
-        sequence still swapped out, `_swapped_place`) wait for it to come back."""
+        sequence still swapped out, `_swapped_place`) wait for it to come back. Once gated, the
+        walk ends with the last admitted request queued (the queue counts say how many are left
+        past `i`), not at the end of a queue thousands long that admission holds back for KV."""
         gated = False  # an uncommitted request ahead could not commit: later ones wait too
         share = self._prompt_share(batch, urgent)  # what one prompt may take of `budget`
         # running prompts whose blocks waiting requests may take instead of computing them
         leaders = [s for s in self.running if not one_step(s)] if self.bm.caching else []
-        i = deferred = 0
+        i = deferred = passed = 0  # passed: admitted requests left waiting before `i`
         while i < len(self.waiting) and budget > 0:
+            if gated and self.counts.admitted_waiting() <= passed:
+                break  # only admitted requests could start, and none waits past `i`
             seq = self.waiting[i]
             if self._outgrown(seq, batch):
                 continue  # taken out of the queue: the next one is at `i` now
@@ -717,6 +721,7 @@ class Scheduler:
                 continue
             if leaders and self._follows(seq, leaders):
                 i += 1  # it starts once the blocks it shares are in the cache
+                passed += 1  # admitted: it committed, if it had not
                 deferred += 1
                 if deferred >= self.max_num_seqs:
                     break  # no more could start this step: the rest of the queue waits too
@@ -735,6 +740,7 @@ class Scheduler:
                     # in the queue (next as room allows, so it cannot starve either).
                     seq.held = False
                     i += 1
+                    passed += self.policy.is_admitted(seq)
                     continue
                 break
             self.waiting.pop(i)

@@ -8,16 +8,20 @@ waiting request's ticket as it commits or gives its peak back. These tests drive
 (arrival, start, swap out and in, recompute, abort, finish, a request refused after some of its
 sequences were taken in) and check after each that the counts equal a recount
 (`Scheduler.audit`) and that admission's queue and the snapshot read what a walk of the queues
-gives; that a move left uncounted fails the audit; and that an arrival and a snapshot read a
-handful of a 2000-request queue's entries, not all of them."""
+gives; that a move left uncounted fails the audit; that an arrival, a snapshot and a step read
+a handful of a 2000-request queue's entries, not all of them; and that a step's walk of the
+queue, which now ends with the last admitted request queued, starts what a walk to the end
+started."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 
 from kvguard.engine import LLMEngine, SamplingParams
 from kvguard.engine.admission import HIGH, NORMAL, AdmissionConfig
-from kvguard.engine.admission_policy import AdmissionRejected
+from kvguard.engine.admission_policy import AdmissionRejected, QueueCounts
 from kvguard.engine.llm_engine import NewRequest, refused_request
 from kvguard.engine.sequence import PRIORITY_NAMES, Sequence, Status
 from tests.test_engine import make_engine
@@ -240,3 +244,80 @@ def test_an_arrival_and_a_snapshot_read_a_few_queued_requests_not_the_queue(
     assert engine.snapshot().num_waiting == 2002
     assert waiting.read <= admitted + 2
     engine.audit_blocks()
+
+
+def test_a_step_reads_the_queue_up_to_the_last_admitted_request_not_to_its_end() -> None:
+    """With slots free and 2000 requests queued that admission holds back for KV, a step
+    starts the admitted ones at the head of the queue and stops at the first held back: no
+    request behind it could start, as the queue counts say no admitted one waits there. The
+    step read the whole queue for admitted requests that were not there."""
+    engine, waiting = queued_2000(kv_gated=True)
+    engine.step()
+    # three started and the one held back, by the step, its prompt budget and its snapshot
+    assert waiting.read <= 16
+    assert len(engine.scheduler.running) == 4 and len(waiting) == 1997
+    engine.audit_blocks()
+
+
+class WalkToTheEnd:
+    """A scheduler's queue counts with as many admitted requests left to find as ever there
+    could be: its walks of the queue end at the end of the queue, as they did."""
+
+    def __init__(self, counts: QueueCounts) -> None:
+        self.counts = counts
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.counts, name)
+
+    def admitted_waiting(self) -> int:
+        return 1 << 30
+
+
+def admitted_behind_held_back(engine: LLMEngine) -> bool:
+    """Whether an admitted request waits behind one admission holds back for KV."""
+    held_back = False
+    for seq in engine.scheduler.waiting:
+        admitted = engine.admission_policy.is_admitted(seq)
+        if admitted and held_back:
+            return True
+        held_back = held_back or not admitted
+    return False
+
+
+def batches(walk_to_the_end: bool) -> tuple[list[list[str]], int]:
+    """The requests each step runs while waves of requests of every priority and of mixed
+    lengths queue on a 32-block pool, and the steps that left an admitted request queued
+    behind one admission holds back for KV: predicted admission overcommits, so preempted
+    requests come back to the queue admitted, behind requests held back that came before
+    them, and queued high ones sort ahead of admitted lower ones. Arrival times are fixed."""
+    adm = AdmissionConfig(max_queue=1000, max_queue_wait_s=0.0)
+    engine = make_engine(kv_cache_bytes="256KiB", max_model_len=256, max_num_seqs=8, admission=adm)
+    sch = engine.scheduler
+    if walk_to_the_end:
+        sch.counts = WalkToTheEnd(sch.counts)
+    t0, k, out, behind = time.monotonic() - 100.0, 0, [], 0
+
+    def step() -> None:
+        nonlocal behind
+        engine.step()
+        out.append(sorted(s.request_id for s in sch.running))
+        behind += admitted_behind_held_back(engine)
+        assert len(out) < 3000
+
+    for _ in range(4):
+        for _ in range(10):
+            rank = ("high", "normal", "low")[k * 7 % 3 if k % 4 else 2]
+            n = params(8 + 16 * (k % 4))
+            engine.add_request(prompt(k, 20 + 9 * (k % 5)), n, priority=rank, arrival_time=t0 + k)
+            k += 1
+        for _ in range(3):
+            step()
+    while engine.has_unfinished():
+        step()
+    return out, behind
+
+
+def test_a_walk_that_stops_at_the_last_admitted_request_starts_what_a_whole_walk_starts() -> None:
+    stopping, behind = batches(walk_to_the_end=False)
+    assert behind > 10  # the walk had admitted requests to find past the first held back
+    assert (stopping, behind) == batches(walk_to_the_end=True)

@@ -14,6 +14,7 @@ import ipaddress
 import json
 import logging
 import os
+import re
 import resource
 import signal
 import socket
@@ -124,6 +125,8 @@ RECONFIGURE_TIMEOUT_S = 30.0
 RELOAD_PROBLEM_CHARS = 200
 # A request's line and headers, at most (h11's default, said here so that the 431 can name it).
 MAX_HEADER_BYTES = 16 * 1024
+# where a request's line and headers end: the blank line, as h11 finds it
+HEAD_END = re.compile(b"\n\r?\n")
 # asyncio's message when accept() fails for want of a file descriptor (or of memory)
 ACCEPT_OUT_OF_RESOURCE = "socket.accept() out of system resource"
 # What api.max_connections left null keeps of the open files limit from the API's connections,
@@ -212,6 +215,29 @@ class ConnectionCap:
     on_refused: Callable[[], None] = _nothing
 
 
+def head_too_large(buffered: bytes) -> bool:
+    """Whether the request whose bytes begin `buffered` has a line and headers longer than
+    MAX_HEADER_BYTES: more than that has come, and their end (the blank line) is not within it."""
+    return len(buffered) > MAX_HEADER_BYTES and not HEAD_END.search(buffered, 0, MAX_HEADER_BYTES)
+
+
+class _HeadLimitedConnection(h11.Connection):
+    """h11's server side, holding each request's line and headers to MAX_HEADER_BYTES however
+    they arrive. h11's own max_incomplete_event_size counts only what it still waits for: a
+    head that came whole in one read (asyncio reads 256 KiB at a time) was parsed at any size,
+    so that only a slow or fragmented client met the limit. The check is here, where every
+    request's head is parsed (the first, one kept alive, one pipelined behind an answer), and
+    raises what h11 raises for a head still incomplete past the limit: the protocol answers
+    both with the same 431."""
+
+    def next_event(self) -> Any:
+        if self.their_state is h11.IDLE and head_too_large(self.trailing_data[0]):
+            raise h11.RemoteProtocolError(
+                "request line and headers too long", error_status_hint=431
+            )
+        return super().next_event()
+
+
 class _TimedH11(H11Protocol):
     """uvicorn's h11 protocol with the read timeouts of a server facing clients it cannot
     trust. uvicorn times a connection only once idle after an answer (timeout_keep_alive, kept
@@ -220,8 +246,8 @@ class _TimedH11(H11Protocol):
     arrive whole within `read_timeout` of their first byte (of the connect, for a connection's
     first request), else the client gets 408 (nothing, if it sent nothing) and the connection
     is closed; and its body may pause no longer than that, else the connection is closed and
-    the app sees the client gone. Headers over MAX_HEADER_BYTES answer 431, and what the client
-    still sends is read before the close: closed with its bytes unread, the connection was
+    the app sees the client gone. Headers over MAX_HEADER_BYTES answer 431, however they
+    arrive (`_HeadLimitedConnection`), and what the client still sends is read before the close: closed with its bytes unread, the connection was
     reset, and the client saw no answer at all.
 
     The answer's side is timed too: while the daemon cannot send (the socket's buffers are
@@ -246,6 +272,7 @@ class _TimedH11(H11Protocol):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.conn = _HeadLimitedConnection(h11.SERVER, MAX_HEADER_BYTES)
         self._read_timer: asyncio.TimerHandle | None = None
         self._awaiting: str | None = None  # what the timer waits for: a key of OWED
         self._waited = self.read_timeout  # how long the timer waits
@@ -988,8 +1015,7 @@ class Service:
                 self.cfg.api.request_read_timeout,
                 self.cfg.api.response_write_timeout,
                 self._connection_cap(),
-            ),
-            h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+            ),  # its h11 connections hold each request's head to MAX_HEADER_BYTES
         )
         server = _Server(config, on_listening=self._listening)
         self.metrics.http_connections.set_function(lambda: len(server.server_state.connections))

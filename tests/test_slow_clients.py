@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import resource
 import socket
 import subprocess
@@ -17,6 +18,7 @@ import httpx
 import pytest
 
 from kvguard.daemon.config import ConfigFileError, load_config
+from kvguard.daemon.service import MAX_HEADER_BYTES
 from tests.test_server import Daemon
 
 READ_TIMEOUT_S = 1.0
@@ -166,6 +168,71 @@ def test_headers_too_large_answer_431_not_a_reset(daemon: Daemon) -> None:
     r = httpx.get(daemon.url + "/health", headers=headers, timeout=CLOSE_BOUND_S)
     assert r.status_code == 431, r.text
     assert "at most 16 KiB" in r.text
+
+
+def request(size: int, method: str = "GET", path: str = "/health", body: bytes = b"") -> bytes:
+    """A request whose line and headers take `size` bytes (their blank line included), padded
+    with an X-Pad header, and `body` after them."""
+    head = f"{method} {path} HTTP/1.1\r\nHost: kvguard\r\n"
+    if body:
+        head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+    pad = size - len(head) - len("X-Pad: \r\n\r\n")
+    return f"{head}X-Pad: {'a' * pad}\r\n\r\n".encode() + body
+
+
+def answers(got: bytes) -> list[tuple[int, bytes]]:
+    """The answers whole in `got`, in order: each one's status and body (by Content-Length)."""
+    whole = []
+    while (end := got.find(b"\r\n\r\n")) >= 0:
+        head = got[:end].decode("latin-1").lower()
+        length = int(head.split("content-length:")[1].split("\r\n")[0])
+        if len(got) < end + 4 + length:
+            break
+        whole.append((int(head.split()[1]), got[end + 4 : end + 4 + length]))
+        got = got[end + 4 + length :]
+    return whole
+
+
+def answered(sock: socket.socket, sent: bytes, count: int) -> list[tuple[int, bytes]]:
+    """Send `sent` in one write, then read `count` answers (or what came before the close)."""
+    sock.sendall(sent)
+    got, _ = read_raw(sock, lambda got: len(answers(got)) >= count)
+    return answers(got)
+
+
+@pytest.mark.parametrize("size", [MAX_HEADER_BYTES + 1, 17 * 1024, 100 * 1024])
+@pytest.mark.parametrize("before", ["none", "answered", "pipelined"])
+def test_headers_too_large_in_one_read_answer_431(daemon: Daemon, size: int, before: str) -> None:
+    """h11 held a request's line and headers to the limit only while they were incomplete:
+    sent in one write, they were read whole (asyncio reads 256 KiB at a time) and served at any
+    size, and only a slow client met README's 16 KiB. Now they get 431 naming the limit,
+    however they arrive: as a connection's first request, as the next one on a connection
+    kept alive after its answer, or pipelined behind a request in the same write."""
+    small = request(200)
+    with socket.create_connection(("127.0.0.1", daemon.port), timeout=CLOSE_BOUND_S) as sock:
+        if before == "answered":
+            assert [status for status, _ in answered(sock, small, 1)] == [200]
+        sent = (small if before == "pipelined" else b"") + request(size)
+        got = answered(sock, sent, 2 if before == "pipelined" else 1)
+        assert [status for status, _ in got] == [200] * (before == "pipelined") + [431], got
+        assert b"the request line and headers may take at most 16 KiB" in got[-1][1], got
+        assert sock.recv(1) == b""  # and the connection is closed
+
+
+@pytest.mark.parametrize("size", [15 * 1024, MAX_HEADER_BYTES])
+def test_headers_within_the_limit_are_served_whatever_follows_them(
+    daemon: Daemon, size: int
+) -> None:
+    """What is held to the limit is the line and headers, not what arrives with them: a body
+    that takes the request past 16 KiB in the same write is served, and so is a request kept
+    alive after it."""
+    body = json.dumps({"model": "tiny", "prompt": "Hi", "max_tokens": 1}).encode()
+    completion = request(size, "POST", "/v1/completions", body + b" " * 4096)
+    with socket.create_connection(("127.0.0.1", daemon.port), timeout=CLOSE_BOUND_S) as sock:
+        first = answered(sock, completion, 1)
+        second = answered(sock, request(size), 1)
+    assert [status for status, _ in first + second] == [200, 200], first + second
+    assert json.loads(first[0][1])["object"] == "text_completion"
 
 
 def test_request_read_timeout_is_a_duration_of_a_second_or_more(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ from concurrent.futures import Future, InvalidStateError, wait
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from kvguard.engine.config import MAX_NUM_SEQS
 from kvguard.engine.control import REQUESTS_MOVED, ActionResult, Mailbox
@@ -61,7 +61,16 @@ class Cap(_Params):
 
 
 class Halt(_Params):
-    allow_priority: Literal["high", "normal", "low"] | None = "high"
+    # None (null) halts for every priority. "none" says the same: it is how `kvguard status`,
+    # the action's detail and the engine's knob show that halt, so an operator types it back.
+    allow_priority: Literal["high", "normal", "low", "none"] | None = "high"
+
+    @field_validator("allow_priority")
+    @classmethod
+    def _none_is_null(cls, value: str | None) -> str | None:
+        """Reads `none` as None: one value for a halt for all, in the engine and in a
+        remedy's identity (a rule writing `none` or `null` asks for the same)."""
+        return None if value == "none" else value
 
 
 class SetSeqs(_Params):
@@ -319,7 +328,8 @@ _SPECS = [
         Halt,
         lambda e, p, clamp: e.halt_admission(p.allow_priority),
         "resume_admission",
-        "refuse new requests (503) except priority `allow_priority` and above",
+        "refuse new requests (503) except priority `allow_priority` and above (null or"
+        " `none`: refuse every priority)",
         settings=frozenset({"admission"}),
     ),
     ActionSpec(

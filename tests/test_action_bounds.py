@@ -254,3 +254,11 @@ def test_params_that_are_not_a_mapping_are_refused() -> None:
 )
 def test_valid_params_pass_the_static_check(action: str, params: dict[str, Any]) -> None:
     parse_params(action, params)
+
+
+def test_a_halt_for_all_is_null_or_none() -> None:
+    """`none`, as `kvguard status` shows a halt for all, is that halt: the same value as null
+    for the engine and for a remedy's identity (a rule may write either)."""
+    assert parse_params("halt_admission", {"allow_priority": "none"}).model_dump() == {
+        "allow_priority": None
+    }

@@ -80,6 +80,25 @@ def test_invalid_action_params_answer_400_naming_the_field_and_change_nothing(
     assert knobs(daemon) == before
 
 
+def test_a_halt_for_every_priority_takes_none_as_status_shows_it(daemon: Daemon) -> None:
+    """`kvguard status` and the action's detail show a halt for all as `allowed: none`, but
+    `"allow_priority": "none"` was refused with a 400 listing only high, normal and low (null
+    was the one value that worked, named nowhere). Now "none" is that halt, and a value that
+    is neither names it among those accepted."""
+    try:
+        r = daemon.admin("POST", "/admin/actions/halt_admission", json={"allow_priority": "none"})
+        assert r.status_code == 200, r.text
+        assert r.json()["detail"] == "admission halted (allowed: none)"
+        assert knobs(daemon)["admission_allow_priority"] == "none"
+        ready = httpx.get(daemon.url + "/ready", timeout=60)
+        assert ready.status_code == 503 and "halted for every priority" in ready.text
+    finally:
+        assert daemon.admin("POST", "/admin/actions/resume_admission").status_code == 200
+    body = {"allow_priority": "nobody"}
+    msg = refused(post(daemon, "/admin/actions/halt_admission", body), "allow_priority")
+    assert "'high', 'normal', 'low' or 'none'" in msg
+
+
 def test_limits_above_the_config_are_named_in_the_refusal(daemon: Daemon) -> None:
     msg = refused(daemon.admin("POST", "/admin/actions/set_max_num_seqs", json={"n": 64}), "n")
     assert f"serving.max_num_seqs={SEQS}" in msg

@@ -75,6 +75,15 @@ NAME_IS_A_KEY = (
     "looks like an API key, and a key's name is shown to anyone (the `key` label on /metrics, "
     "`kvguard keys list`): name the key for its client instead (web-frontend)"
 )
+# what `kvguard keys add` calls each field it takes from its command line: a value refused
+# there is the argument's fault, never the file's (which the key was about to go to)
+ARGUMENTS = {
+    "name": "the NAME argument",
+    "max_priority": "--max-priority",
+    "default_priority": "--default-priority",
+    "max_requests": "--max-requests",
+}
+NAME_FORM = "a name is 1 to 64 letters, digits, '.', '_' or '-', the first a letter or digit"
 # a random key made elsewhere (`sk-...`, base64) is a long word of letters of both cases and
 # digits; a name a person writes this long and this mixed is rare
 KEY_SHAPED_NAME_LEN = 32
@@ -220,7 +229,30 @@ def _error(path: Path, lines: dict[tuple[Any, ...], int], err: Any) -> str:
         loc = loc[:-1]
         known = list(_Entry.model_fields if len(loc) > 1 else _File.model_fields)
         what = f"unknown key{_did_you_mean(value, known)} (expected one of: {', '.join(known)})"
-    elif kind == "literal_error" and isinstance(value, str):
+    else:
+        what = _problem(err, loc)
+    if _may_be_a_key(loc, value):
+        what += f"; {RAW_KEY_HINT}"
+    dotted = "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in loc).lstrip(".")
+    return f"{at}: {dotted or '(top level)'}: {what}"
+
+
+def _argument_error(err: Any) -> str:
+    """One line for a value `kvguard keys add` was given on its command line and refused:
+    named by its argument, with what a name must look like where it is the name. Not by the
+    file, nor with RAW_KEY_HINT about what the file holds: nothing in the file is wrong."""
+    field = err["loc"][0] if err["loc"] else ""
+    what = _problem(err, err["loc"])
+    if field == "name":  # NAME_FORM says which characters
+        what = "not allowed" if err["type"] == "string_pattern_mismatch" else what
+        what += f"; {NAME_FORM}"
+    return f"{ARGUMENTS.get(field, field)}: {what}"
+
+
+def _problem(err: Any, loc: tuple[Any, ...]) -> str:
+    """What is wrong with a field's value, quoting no string of it (see `_error`)."""
+    kind, value = err["type"], err.get("input")
+    if kind == "literal_error" and isinstance(value, str):
         what = f"not allowed{_did_you_mean(value, list(RANK))} (expected high, normal or low)"
     elif kind == "literal_error":
         what = f"{_shown(value)} (expected high, normal or low)"
@@ -239,10 +271,7 @@ def _error(path: Path, lines: dict[tuple[Any, ...], int], err: Any) -> str:
         what = err["msg"].lower()  # pydantic's words for a string's length: no value in them
     else:
         what = f"{err['msg'].lower()} (got {value!r})"  # a number out of range
-    if _may_be_a_key(loc, value):
-        what += f"; {RAW_KEY_HINT}"
-    dotted = "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in loc).lstrip(".")
-    return f"{at}: {dotted or '(top level)'}: {what}"
+    return what
 
 
 def _may_be_a_key(loc: tuple[Any, ...], value: Any) -> bool:
@@ -304,7 +333,7 @@ def add_key(
             max_requests=max_requests,
         )
     except ValidationError as e:
-        raise KeysFileError([_error(path, {}, err) for err in e.errors()]) from None
+        raise KeysFileError([_argument_error(err) for err in e.errors()]) from None
     _make_directory(path)
     with _editing(path):
         note = _append(path, entry)

@@ -30,6 +30,8 @@ from tests.test_server import KVGUARD, Daemon, serve_refused, until
 
 KINDS = ("prompt", "completion")
 REFUSALS = "kvguard_api_key_refusals_total"
+# what `kvguard keys add` says a name must look like when it refuses its NAME
+NAME_FORM = "a name is 1 to 64 letters, digits, '.', '_' or '-', the first a letter or digit"
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
 
@@ -582,7 +584,9 @@ def test_a_key_given_as_a_name_is_refused_and_never_published(
     """A key's name is published (the `key` label on the open /metrics, `kvguard keys list`):
     a key pasted into `name:`, or given to `kvguard keys add` as its name, loaded and was shown
     to anyone. Refused by line and field as a key in any other field is, never quoted; a long
-    name a person writes still loads."""
+    name a person writes still loads. `kvguard keys add` refusing its NAME so prefixed the
+    error with the file, nothing in which was wrong, and spoke of the digests the file holds:
+    it names its NAME argument and what a name must look like."""
     key = add(tmp_path / "made.yaml", "web", capsys=capsys)  # a key as `keys add` prints it
     other = "sk-SECRETfromAnotherServer0123456789"  # one made elsewhere (`keys hash`)
     path = tmp_path / "k.yaml"
@@ -605,7 +609,8 @@ def test_a_key_given_as_a_name_is_refused_and_never_published(
     fresh = tmp_path / "new.yaml"
     assert main(["keys", "--file", str(fresh), "add", key]) == 2
     err = capsys.readouterr().err
-    assert f"{fresh}: name: {hint}" in err and key not in err, err
+    assert f"error: the NAME argument: {hint.split('; a raw')[0]}; {NAME_FORM}\n" in err, err
+    assert key not in err and str(fresh) not in err and "raw API key" not in err, err
     assert not fresh.exists()
     long_name = "nightly-batch-eu-west-1-reporting"
     assert add(fresh, long_name, capsys=capsys).startswith("kvg-")
@@ -619,13 +624,16 @@ def test_a_name_refused_for_its_length_or_characters_is_not_called_a_key(
     would send its writer to `kvguard keys add NAME`, the command that refused it."""
     path = tmp_path / "k.yaml"
     for name, problem in (
-        ("nightly-batch-reporting-pipeline-europe-west-1-production-cluster", "at most 64"),
-        ("team-a/nightly-batch-prod", "not allowed (expected letters, digits"),
+        (
+            "nightly-batch-reporting-pipeline-europe-west-1-production-cluster",
+            "string should have at most 64",
+        ),
+        ("team-a/nightly-batch-prod", "not allowed; a name is"),
     ):
         assert main(["keys", "--file", str(path), "add", name]) == 2
         err = capsys.readouterr().err
-        assert f"{path}: name: " in err and problem in err, err
-        assert "raw API key" not in err, err
+        assert f"error: the NAME argument: {problem}" in err and NAME_FORM in err, err
+        assert str(path) not in err and "raw API key" not in err, err
         path.write_text(f"keys:\n  - name: {name}\n    sha256: {digest('a')}\n")
         with pytest.raises(KeysFileError) as e:
             load_keys(path)

@@ -217,6 +217,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         config["kv_cache_bytes"] = args.kv_cache_bytes
     given = {name: getattr(args, name) for name in GENERATE_DEFAULTS}
     # the flags given are checked before the model loads (seconds, minutes for a large one)
+    _check_sampling_flags({**given, "seed": args.seed})
     SamplingParams(**{k: v for k, v in given.items() if v is not None}, seed=args.seed)
     engine = LLMEngine.from_config(EngineConfig(**config))
     model = engine.sampling_defaults if args.generation_config == "auto" else {}
@@ -244,6 +245,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
         )
         return EXIT_FAILURE
     return 0
+
+
+def _check_sampling_flags(given: dict[str, Any]) -> None:
+    """ValueError naming the flag (`--max-tokens 0: ...`) whose value SamplingParams refuses:
+    its own message names the library's field (`max_tokens=0`), which the command line has
+    not, and a user looks for what they typed. Each flag given is checked alone."""
+    from kvguard.engine import SamplingParams
+
+    for name, value in given.items():
+        if value is None:
+            continue
+        try:
+            SamplingParams(**{name: value})
+        except ValueError as e:
+            said = str(e)
+            reason = said.partition(": ")[2] if said.startswith(f"{name}=") else said
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"{flag} {value}: {reason}") from None
 
 
 def _stdin_once(prompts: list[str]) -> None:

@@ -149,6 +149,25 @@ def test_kvguard_generate_names_the_refused_prompt(capsys: pytest.CaptureFixture
     assert "kvguard: error: prompt 2 of 2: prompt is empty" in err, err
 
 
+@pytest.mark.parametrize(
+    ("flag", "value", "refused"),
+    [
+        ("--max-tokens", "0", "--max-tokens 0: expected an integer >= 1"),
+        ("--temperature", "-1", "--temperature -1.0: expected a finite number >= 0"),
+        ("--top-p", "2", "--top-p 2.0: expected a number in [0, 1]"),
+        ("--top-k", "-1", "--top-k -1: expected an integer >= 0 (0 disables)"),
+    ],
+)
+def test_kvguard_generate_names_the_flag_it_refuses(
+    flag: str, value: str, refused: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--max-tokens 0` was refused as `max_tokens=0`, the library's field, which the command
+    line never showed the user: the flag is named as it is typed."""
+    assert main(["generate", "--model", "tiny", flag, value, "hi"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"kvguard: error: {refused}\n", err
+
+
 def test_sampling_params_of_the_wrong_type_or_numpy_counts(tiny: LLMEngine) -> None:
     """A dict where a SamplingParams belongs raised AttributeError ('dict' object has no
     attribute 'validate'); numpy integer counts were refused although prompts take them."""

@@ -3,7 +3,7 @@
 Every field is accounted for, so that no request is answered as if it had asked for something
 else. A field kvguard serves is typed strictly (integers are integers, numbers are finite, text
 is valid Unicode); an OpenAI field it does not serve is accepted only at the value that asks for
-nothing (`n: 1`, `best_of: 1`, `tools: []`, ...) and refused otherwise; an unknown
+nothing (`best_of: 1`, `suffix: ""`, `functions: []`, ...) and refused otherwise; an unknown
 field is refused, as OpenAI itself does, so that a typo (`max_token`) is not quietly dropped.
 Every refusal is a 400 with an OpenAI-style error naming the field (see README, "OpenAI fields").
 """
@@ -580,6 +580,19 @@ def _parameters(schema: dict[str, Any] | None) -> dict[str, Any] | None:
     return schema
 
 
+def _some_tools(value: list[Tool] | None) -> list[Tool] | None:
+    """`tools: []` is refused, as OpenAI refuses it (an array too short), rather than served
+    as no tools: a client that sends it would be refused by OpenAI, and one that means no
+    tools leaves the field out (or sends tool_choice "none")."""
+    if value == []:
+        raise PydanticCustomError(
+            "tools",
+            "an empty array offers no tool (OpenAI refuses it too): send at least one tool, "
+            "or leave tools out",
+        )
+    return value
+
+
 def _unique_names(value: list[Tool] | None) -> list[Tool] | None:
     names = [t.function.name for t in value or ()]
     if len(set(names)) != len(names):
@@ -803,7 +816,9 @@ Messages = Annotated[list[ChatMessage], AfterValidator(_tool_results)]
 # a chat request's tools, declared alike on the requests that take them (chat completions, and
 # /tokenize counting messages as chat serves them): `_ToolsInPlay` reads them
 ToolList = Annotated[
-    Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None, AfterValidator(_unique_names)
+    Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None,
+    AfterValidator(_some_tools),
+    AfterValidator(_unique_names),
 ]
 ToolChoice = Annotated[
     Literal["none", "auto", "required"] | NamedToolChoice | None,

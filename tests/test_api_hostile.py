@@ -545,8 +545,8 @@ def test_unserved_fields_at_their_do_nothing_value_are_accepted(client: httpx.Cl
     r = raw(client, "POST", "/v1/completions", completion(**quiet))
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["logprobs"] is None
-    quiet_chat = {"logprobs": False, "top_logprobs": 0, "tools": [], "tool_choice": "none"}
-    quiet_chat |= {"response_format": {"type": "text"}, "parallel_tool_calls": False}
+    quiet_chat = {"logprobs": False, "top_logprobs": 0, "tool_choice": "none"}
+    quiet_chat |= {"response_format": {"type": "text"}, "functions": []}
     msgs = [
         {"role": "system", "content": "be brief", "name": "ops"},
         {"role": "user", "content": [{"type": "text", "text": "hi"}]},

@@ -385,6 +385,16 @@ def test_parameters_no_arguments_match_are_a_400_naming_tools(daemon: Daemon, mo
     assert "$defs/A -> " in e.value.message and "matches no JSON value" in e.value.message
 
 
+def test_an_empty_tools_array_is_a_400_naming_tools_as_openai_answers(daemon: Daemon) -> None:
+    """`tools: []` was served as no tools, where OpenAI answers 400 (an array too short): a
+    client that works against kvguard so would be refused by OpenAI."""
+    for choice in ("none", "auto"):
+        with pytest.raises(openai.BadRequestError) as e:
+            _chat(daemon, tools=[], tool_choice=choice)
+        assert e.value.body["param"] == "tools", e.value.body
+        assert "an empty array offers no tool" in e.value.message
+
+
 def test_recursive_parameters_are_served(daemon: Daemon) -> None:
     """Parameters that hold themselves where a value may end are called with arguments that
     parse and match them."""

@@ -17,6 +17,7 @@ from kvguard.daemon.config import (
     DaemonConfig,
     MiB,
     apply_overrides,
+    inert_keys,
     load_config,
     parse_duration,
 )
@@ -128,6 +129,14 @@ def test_cpu_example_converts_with_offload_active() -> None:
     assert (engine.device, engine.kv_cache_bytes, engine.num_threads) == ("cpu", 256 * MiB, 2)
     assert engine.enable_cpu_offload and engine.min_gpu_blocks <= 364  # 256 MiB / 720 KiB blocks
     assert engine.admission.reserved_headroom_bytes == 8 * MiB
+
+
+def test_cpu_example_sets_no_inert_key() -> None:
+    """The CPU example is kvguard's own, not one of the brief's baselines: it set the brief's
+    inert monitoring.oom_alert_threshold, and a daemon started on it as shipped logged a
+    WARNING that the key changes nothing at every start and reload, teaching operators to
+    ignore warnings."""
+    assert inert_keys(load_config(EXAMPLES / "cpu-smollm2.yaml")) == []
 
 
 def test_dual_gpu_baseline_is_accepted_as_written() -> None:

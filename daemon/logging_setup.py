@@ -114,7 +114,7 @@ class _Bounded(logging.Filter):
             if now >= self._quiet_until.get(msg, 0.0) and msg not in self._timer:
                 self._quiet_until[msg] = now + self.interval_s
                 if peer is not None:
-                    record.msg = f"{msg.rstrip('.')} from {peer}."
+                    record.msg = f"{msg.rstrip('.')} from {_as_literal(peer, record)}."
                 return True
             n, _ = self._counted.get(msg, (0, None))
             self._counted[msg] = (n + 1, peer)
@@ -164,6 +164,13 @@ def _refused_after_invalid(exc: BaseException | None, tb: TracebackType | None) 
         return False
     conn = getattr(cycle, "conn", None)
     return isinstance(conn, h11.Connection) and conn.their_state is h11.ERROR
+
+
+def _as_literal(text: str, record: logging.LogRecord) -> str:
+    """`text` (a client's address) put into `record`'s message as it is: with arguments, the
+    message is a %-format, in which an address's own % (an IPv6 link-local `fe80::1%eth0`)
+    was read as a directive, and logging printed its error and a traceback instead."""
+    return text.replace("%", "%%") if record.args else text
 
 
 def _peer() -> str | None:

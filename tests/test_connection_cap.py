@@ -19,9 +19,11 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from kvguard.daemon import service
 from kvguard.daemon.config import ApiConfig, DaemonConfig
+from kvguard.daemon.logging_setup import PAST_MAX_CONNECTIONS, _Bounded
 from tests.test_server import Daemon, until
 from tests.test_slow_clients import open_files_limit
 
@@ -219,6 +221,35 @@ def test_an_unset_max_connections_leaves_descriptors_in_reserve(
     (warning,) = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert "api.max_connections is 101, more than the open files limit" in warning.message
     assert "raise LimitNOFILE=" in warning.message
+
+
+def test_a_link_local_client_address_is_logged_as_it_is() -> None:
+    """CPython writes an IPv6 link-local client as `fe80::1%eth0`: added to the refusal's
+    line, its `%e` was read as a format directive, and logging printed its own error and a
+    traceback instead of the line."""
+    logger = logging.getLogger("kvguard.test.link_local")
+    logger.propagate = False
+    got: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            got.append(record.getMessage())
+
+    class Connection(H11Protocol):  # as the daemon's: the line names its client
+        client = ("fe80::1%eth0", 8000)
+
+        def refuse(self) -> None:
+            logger.warning(PAST_MAX_CONNECTIONS, CAP)
+            logger.warning("Invalid HTTP request received.")  # a line without arguments
+
+    logger.addHandler(Keep())
+    what = {PAST_MAX_CONNECTIONS: "refused", "Invalid HTTP request received.": "invalid"}
+    logger.addFilter(_Bounded(logger, what))
+    Connection.__new__(Connection).refuse()
+    assert got == [
+        f"{PAST_MAX_CONNECTIONS % CAP} from fe80::1%eth0:8000.",
+        "Invalid HTTP request received from fe80::1%eth0:8000.",
+    ]
 
 
 def test_max_connections_changes_at_a_restart() -> None:

@@ -514,17 +514,16 @@ def _descriptors_held() -> int:
         return 0
 
 
-def connection_cap(configured: int | None) -> int | None:
-    """The most HTTP connections to serve at once: api.max_connections, or where it is null the
-    open files limit less the descriptors held now (the API is about to listen: the model, the
-    audit database and the workers are open) and a reserve for what opens later (FD_RESERVE; a
-    quarter of what is left where that is less). None where the limit is unbounded. Said in
-    the log either way, with a warning for a cap the limit would not let the daemon reach:
-    accepts would fail for want of a descriptor first, each client left unanswered."""
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+def connection_cap(configured: int | None, soft: int, held: int) -> int | None:
+    """The most HTTP connections to serve at once, given the open files limit `soft` and the
+    descriptors `held` as the API is about to listen (the model, the audit database and the
+    workers are open): api.max_connections, or where it is null the limit less `held` and a
+    reserve for what opens later (FD_RESERVE; a quarter of what is left where that is less).
+    None where the limit is unbounded. Said in the log either way, with a warning for a cap the
+    limit would not let the daemon reach: accepts would fail for want of a descriptor first,
+    each client left unanswered."""
     if soft == resource.RLIM_INFINITY:
         return configured
-    held = _descriptors_held()
     room = soft - held
     if configured is None:
         cap = max(1, room - min(FD_RESERVE, room // 4))
@@ -1042,7 +1041,8 @@ class Service:
     def _connection_cap(self) -> ConnectionCap:
         """api.max_connections as the API applies it (read at start only), its refusals
         counted and the cap exported."""
-        limit = connection_cap(self.cfg.api.max_connections)
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        limit = connection_cap(self.cfg.api.max_connections, soft, _descriptors_held())
         self.metrics.http_connections_max.set(float("inf") if limit is None else limit)
         return ConnectionCap(limit, self.metrics.http_connections_refused.inc)
 

@@ -377,8 +377,9 @@ class ApiConfig(_Section):
     # running for it aborted, as a hang-up is: a client that stopped reading held its answer's
     # memory, a file descriptor and its API key's slots for ever. Read at start only.
     response_write_timeout: Duration = 60.0
-    # The most HTTP connections served at once. Past it a new connection is answered 503 with
-    # Retry-After (naming this key) and closed; those open are served as before. Each holds a
+    # The most HTTP connections served at once. Past it an API request on a new connection is
+    # answered 503 with Retry-After (naming this key) and closed, the operator's served a few at
+    # once (service.OPERATOR_SPARE); those open are served as before. Each holds a
     # file descriptor, and past the open files limit the daemon could accept no one and its
     # audit database, model files and workers could open nothing. null: sized at start from
     # that limit, less the descriptors held then and a reserve (service.connection_cap).

@@ -510,7 +510,8 @@ class Metrics:
         # from the server once it serves (0 before)
         self.http_connections = Gauge(
             "kvguard_http_connections",
-            "HTTP connections open and served now (those api.max_connections counts)",
+            "HTTP connections open and served now (the operator's served past "
+            "api.max_connections among them: up to 16 more than the max)",
             registry=r,
         )
         self.http_connections_max = Gauge(
@@ -521,8 +522,8 @@ class Metrics:
         )
         self.http_connections_refused = Counter(
             "kvguard_http_connections_refused",
-            "HTTP connections answered 503 and closed as they connected: as many were served "
-            "as api.max_connections allows",
+            "HTTP connections answered 503 too_many_connections and closed: as many were "
+            "served as api.max_connections allows",
             registry=r,
         )
         self.http_accept_failures = Counter(

@@ -131,14 +131,31 @@ HEAD_END = re.compile(b"\n\r?\n")
 ACCEPT_OUT_OF_RESOURCE = "socket.accept() out of system resource"
 # What api.max_connections left null keeps of the open files limit from the API's connections,
 # beyond the descriptors held as the API starts: the audit database's files and spill file,
-# the model and tokenizer files a reload reads, the workers' pipes, and the connections refused
-# past the cap (each held until its client hangs up, REFUSED_LINGER_S at most). A quarter of
-# what is left where that is less (a limit of a few hundred).
+# the model and tokenizer files a reload reads, the workers' pipes, and the connections past the
+# cap (OPERATOR_SPARE and PAST_CAP_HELD, each at most a quarter of it). A quarter of what is
+# left where that is less (a limit of a few hundred).
 FD_RESERVE = 256
+# Past api.max_connections, a connection whose first request is the operator's (OPERATOR_PATHS)
+# is served all the same, this many at once (fewer where the open files limit leaves less):
+# refused as the API's clients are, the scrapes went unanswered (Prometheus's `up` fell and
+# KvguardDown fired) and neither /admin nor Alertmanager's webhook could reach the daemon, just
+# when it was saturated. Few, and closed once answered: the operator asks one thing at a time,
+# and any client may ask /health, so these cannot take many descriptors either.
+OPERATOR_SPARE = 16
+# The paths of the operator's requests (daemon/app.py's /health, /ready and /metrics;
+# admin_api's /admin/... and Alertmanager's /alertmanager), as a request's target names them.
+OPERATOR_PATHS = frozenset({b"/health", b"/ready", b"/metrics", b"/alertmanager"})
+OPERATOR_PREFIX = b"/admin/"
+# The connections past api.max_connections held at once, outside the cap: those whose request is
+# still awaited (to tell the operator's from the API's), and those refused that linger after
+# their 503 (REFUSED_LINGER_S). Past that many, a new one is answered 503 and closed at once,
+# unread (its client may then see a reset, not the 503): each held one keeps a descriptor, and
+# a flood of connects past the cap ran the daemon out of them, as the cap was set to prevent.
+PAST_CAP_HELD = 64
 # A connection refused past api.max_connections is closed once its client hangs up, or after
-# this: the client's request, sent as it connected, is read first (closed with it unread, the
-# connection would be reset, and the 503 lost), and a client that neither reads its answer nor
-# hangs up holds a descriptor the cap keeps for others no longer than this.
+# this: the rest of what the client sends is read first (closed with it unread, the connection
+# would be reset, and the 503 lost), and a client that neither reads its answer nor hangs up
+# holds a descriptor the cap keeps for others no longer than this.
 REFUSED_LINGER_S = 1.0
 # Retry-After of a connection refused past api.max_connections: a keep-alive connection left
 # idle closes after uvicorn's 5 s, so one is free by then unless every one is busy.
@@ -209,10 +226,24 @@ def _nothing() -> None:
 @dataclass(slots=True)
 class ConnectionCap:
     """api.max_connections as the API applies it: `limit` connections served at once (None:
-    no cap), and `on_refused`, run for each connection refused past it (the metric)."""
+    no cap); `spare` more at once for the operator's requests (OPERATOR_SPARE);
+    `held_most` connections past the cap held at once (PAST_CAP_HELD); and `on_refused`, run
+    for each connection refused past it (the metric). `spare_used` and `held_past` count what
+    the connections take of `spare` and `held_most` now."""
 
     limit: int | None = None
+    spare: int = OPERATOR_SPARE
+    held_most: int = PAST_CAP_HELD
     on_refused: Callable[[], None] = _nothing
+    spare_used: int = 0
+    held_past: int = 0
+
+
+def operator_target(target: bytes) -> bool:
+    """Whether a request's target is one of the operator's paths, which are served past
+    api.max_connections (OPERATOR_SPARE)."""
+    path = target.partition(b"?")[0]
+    return path in OPERATOR_PATHS or path.startswith(OPERATOR_PREFIX)
 
 
 def head_too_large(buffered: bytes) -> bool:
@@ -228,14 +259,32 @@ class _HeadLimitedConnection(h11.Connection):
     so that only a slow or fragmented client met the limit. The check is here, where every
     request's head is parsed (the first, one kept alive, one pipelined behind an answer), and
     raises what h11 raises for a head still incomplete past the limit: the protocol answers
-    both with the same 431."""
+    both with the same 431.
+
+    A connection past api.max_connections looks at its first request before uvicorn does
+    (`peek_event`), to serve it only if it is the operator's."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.peeked: Any = None  # an event read ahead by `peek_event`: the next one returned
 
     def next_event(self) -> Any:
+        if self.peeked is not None:
+            event, self.peeked = self.peeked, None
+            return event
         if self.their_state is h11.IDLE and head_too_large(self.trailing_data[0]):
             raise h11.RemoteProtocolError(
                 "request line and headers too long", error_status_hint=431
             )
         return super().next_event()
+
+    def peek_event(self) -> Any:
+        """The next event, left to be the next `next_event` returns (NEED_DATA is not kept:
+        more data may make an event of it)."""
+        event = self.next_event()
+        if event is not h11.NEED_DATA:
+            self.peeked = event
+        return event
 
 
 class _TimedH11(H11Protocol):
@@ -258,11 +307,13 @@ class _TimedH11(H11Protocol):
     (a non-streamed one, logprobs JSON of MBs) stays paused until nearly all of it is sent, and
     a client reading it steadily for longer than `write_timeout` was reset mid-answer.
 
-    Past `cap.limit` connections served (api.max_connections), a new one is answered 503 as it
-    connects, unread, and closed (`_refuse_past_cap`): the daemon keeps accepting, and the
-    connections open are served as before. uvicorn's limit_concurrency does not fit: it checks
-    each request, not each connection, so at the cap a request on a connection already open
-    was refused too, and it counts running tasks as well, answering plain text."""
+    Past `cap.limit` connections served (api.max_connections), a new one is read until its
+    first request's line and headers are whole (within `read_timeout`, as any): the operator's
+    (OPERATOR_PATHS) is served, `cap.spare` connections at most, and closed once answered;
+    any other is answered 503 and closed (`_refuse_past_cap`). The daemon keeps accepting, and
+    the connections open are served as before. uvicorn's limit_concurrency does not fit: it
+    checks each request, not each connection, so at the cap a request on a connection already
+    open was refused too, and it counts running tasks as well, answering plain text."""
 
     read_timeout = 20.0  # api.request_read_timeout: `timed_h11` sets it
     write_timeout = 60.0  # api.response_write_timeout: `timed_h11` sets it
@@ -277,24 +328,87 @@ class _TimedH11(H11Protocol):
         self._awaiting: str | None = None  # what the timer waits for: a key of OWED
         self._waited = self.read_timeout  # how long the timer waits
         self._refused = False  # answered 431 or 503: what the client still sends is dropped
+        self._past_cap = False  # connected past cap.limit: its first request is awaited
+        self._held_past = False  # counted in cap.held_past: awaited, or lingering after a 503
+        self._spare = False  # served past cap.limit: counted in cap.spare_used
         self._write_timer: asyncio.TimerHandle | None = None  # while writing is paused
         self._unsent_then = 0  # `_unsent()` as the timer's current period began
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        limit = self.cap.limit
-        if limit is not None and len(self.connections) > limit:  # this one among them
-            self._refuse_past_cap(limit)
+        cap = self.cap
+        if cap.limit is not None and len(self.connections) - cap.spare_used > cap.limit:
+            self._connected_past_cap()
             return
         self._arm("headers")
 
-    def _refuse_past_cap(self, limit: int) -> None:
-        """`limit` connections are served already: answer 503 at once, with Retry-After, and
-        end the connection. It is no longer among the connections served, which the cap and the
-        gauge count. What the client sends is read and dropped until it hangs up (its request
-        left unread would reset the connection, and the client never see the 503), for
-        REFUSED_LINGER_S at most."""
+    def _connected_past_cap(self) -> None:
+        """`cap.limit` connections are served already: this one is not among them, which the
+        cap and the gauge count, unless its first request is the operator's. That request is
+        awaited while fewer than `cap.held_most` are held so; past that, a 503 at once."""
         self.connections.discard(self)
+        if self.cap.held_past >= self.cap.held_most:
+            self._refuse_past_cap(linger=False)
+            return
+        self._hold_past(True)
+        self._past_cap = True
+        self._arm("headers")
+
+    def _hold_past(self, held: bool) -> None:
+        """Count this connection in `cap.held_past`, or no longer."""
+        if held != self._held_past:
+            self._held_past = held
+            self.cap.held_past += 1 if held else -1
+
+    def _take_spare(self, taken: bool) -> None:
+        """Count this connection in `cap.spare_used`, or no longer."""
+        if taken != self._spare:
+            self._spare = taken
+            self.cap.spare_used += 1 if taken else -1
+
+    def _judge_past_cap(self, data: bytes) -> None:
+        """A connection past the cap sent `data`: once its first request's line and headers are
+        whole, serve it if it is the operator's and `cap.spare` allows, else refuse it. Until
+        then it is only buffered (h11 holds it to MAX_HEADER_BYTES, as any request's head)."""
+        self.conn.receive_data(data)
+        try:
+            event = self.conn.peek_event()
+        except h11.RemoteProtocolError:  # not HTTP, or a head too large: not the operator's
+            event = None
+        if event is h11.NEED_DATA:
+            return
+        self._past_cap = False
+        request = event if isinstance(event, h11.Request) else None
+        cap = self.cap
+        if request is not None and operator_target(request.target) and cap.spare_used < cap.spare:
+            self._serve_spare(request)
+        else:
+            self._refuse_past_cap(head_only=request is not None and request.method == b"HEAD")
+
+    def _serve_spare(self, request: h11.Request) -> None:
+        """Serve the operator's `request` past the cap, as one of `cap.spare`, and close the
+        connection once it is answered (its request is handed on with `Connection: close`),
+        so that it takes its place among them no longer than that."""
+        self._hold_past(False)
+        self._take_spare(True)
+        self.connections.add(self)
+        headers = [*request.headers.raw_items(), (b"connection", b"close")]
+        self.conn.peeked = h11.Request(
+            method=request.method,
+            target=request.target,
+            headers=headers,
+            http_version=request.http_version,
+        )
+        self.handle_events()
+        self._follow_request()
+
+    def _refuse_past_cap(self, linger: bool = True, head_only: bool = False) -> None:
+        """Answer 503, with Retry-After, and end the connection. With `linger`, what the client
+        still sends is read and dropped until it hangs up (its request left unread would reset
+        the connection, and the client never see the 503), for REFUSED_LINGER_S at most; else
+        (PAST_CAP_HELD held already) the connection is closed at once. `head_only`: the
+        request was HEAD, whose answer has no body."""
+        limit = self.cap.limit
         message = (
             f"kvguard is serving {limit} connections, the most api.max_connections allows: "
             f"this one is closed unserved; retry after {CONNECTIONS_RETRY_S}s or on another "
@@ -309,16 +423,22 @@ class _TimedH11(H11Protocol):
                 (b"retry-after", str(CONNECTIONS_RETRY_S).encode()),
                 (b"x-request-id", new_id("req").encode()),
             ],
+            head_only,
         )
         self._refused = True
-        self.transport.write_eof()  # the client's close then ends the connection
-        self._arm("close", REFUSED_LINGER_S)
         self.cap.on_refused()
         log.warning(PAST_MAX_CONNECTIONS, limit)
+        if not linger:
+            self.transport.abort()
+            return
+        self.transport.write_eof()  # the client's close then ends the connection
+        self._arm("close", REFUSED_LINGER_S)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
         self._stop_write_timer()
+        self._hold_past(False)
+        self._take_spare(False)
         super().connection_lost(exc)
 
     def pause_writing(self) -> None:
@@ -375,6 +495,9 @@ class _TimedH11(H11Protocol):
 
     def data_received(self, data: bytes) -> None:
         if self._refused:
+            return
+        if self._past_cap:
+            self._judge_past_cap(data)
             return
         super().data_received(data)
         self._follow_request()
@@ -458,8 +581,11 @@ class _TimedH11(H11Protocol):
         body: bytes,
         content_type: bytes,
         extra: list[tuple[bytes, bytes]] | None = None,
+        head_only: bool = False,
     ) -> None:
-        """An answer that closes the connection, written before any request is whole."""
+        """An answer that closes the connection, written before the request is served (before
+        it is whole, or in place of serving it). `head_only`: the answer to a HEAD, the same
+        headers without the body (h11 refuses one)."""
         headers = [
             (b"content-type", content_type),
             (b"content-length", str(len(body)).encode()),
@@ -467,7 +593,8 @@ class _TimedH11(H11Protocol):
             (b"connection", b"close"),
         ]
         head = h11.Response(status_code=status, headers=headers, reason=STATUS_PHRASES[status])
-        for event in (head, h11.Data(data=body), h11.EndOfMessage()):
+        data = [] if head_only else [h11.Data(data=body)]
+        for event in (head, *data, h11.EndOfMessage()):
             self.transport.write(self.conn.send(event) or b"")
 
 
@@ -514,16 +641,26 @@ def _descriptors_held() -> int:
         return 0
 
 
-def connection_cap(configured: int | None, soft: int, held: int) -> int | None:
+def connection_cap(configured: int | None, soft: int, held: int) -> ConnectionCap:
     """The most HTTP connections to serve at once, given the open files limit `soft` and the
     descriptors `held` as the API is about to listen (the model, the audit database and the
     workers are open): api.max_connections, or where it is null the limit less `held` and a
     reserve for what opens later (FD_RESERVE; a quarter of what is left where that is less).
-    None where the limit is unbounded. Said in the log either way, with a warning for a cap the
-    limit would not let the daemon reach: accepts would fail for want of a descriptor first,
-    each client left unanswered."""
+    None where the limit is unbounded. The connections served past it (OPERATOR_SPARE) and
+    held past it (PAST_CAP_HELD) take at most a quarter each of what the limit leaves beyond
+    the cap. Said in the log either way, with a warning for a cap the limit would not let the
+    daemon reach: accepts would fail for want of a descriptor first, each client left
+    unanswered."""
     if soft == resource.RLIM_INFINITY:
-        return configured
+        return ConnectionCap(configured)
+    room = soft - held
+    limit = _connection_limit(configured, soft, held)
+    beyond = max(room - limit, 0) // 4
+    return ConnectionCap(limit, min(OPERATOR_SPARE, beyond), min(PAST_CAP_HELD, beyond))
+
+
+def _connection_limit(configured: int | None, soft: int, held: int) -> int:
+    """`connection_cap`'s limit under a bounded open files limit, logged."""
     room = soft - held
     if configured is None:
         cap = max(1, room - min(FD_RESERVE, room // 4))
@@ -1042,9 +1179,10 @@ class Service:
         """api.max_connections as the API applies it (read at start only), its refusals
         counted and the cap exported."""
         soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-        limit = connection_cap(self.cfg.api.max_connections, soft, _descriptors_held())
-        self.metrics.http_connections_max.set(float("inf") if limit is None else limit)
-        return ConnectionCap(limit, self.metrics.http_connections_refused.inc)
+        cap = connection_cap(self.cfg.api.max_connections, soft, _descriptors_held())
+        cap.on_refused = self.metrics.http_connections_refused.inc
+        self.metrics.http_connections_max.set(float("inf") if cap.limit is None else cap.limit)
+        return cap
 
     def _on_sighup(self, aio: asyncio.AbstractEventLoop) -> None:
         """SIGHUP while serving: a reload on a worker thread; none once the stop has begun

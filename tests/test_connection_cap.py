@@ -1,7 +1,8 @@
 """api.max_connections and the API's connection metrics: a real `kvguard serve` of the tiny
-model on loopback, real sockets and the real `openai` client. Past the cap a new connection is
-answered 503 as it connects and closed, while those open are served; with no descriptor left,
-the failed accepts are counted."""
+model on loopback, real sockets and the real `openai` client. Past the cap a new connection's
+first request is read: the operator's (/metrics, /health, /ready, /admin/..., /alertmanager) is
+served, a few at once, the API's answered 503 and the connection closed, while those open are
+served; with no descriptor left, the failed accepts are counted."""
 
 from __future__ import annotations
 
@@ -23,12 +24,12 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from kvguard.daemon import service
 from kvguard.daemon.config import ApiConfig, DaemonConfig
 from kvguard.daemon.logging_setup import PAST_MAX_CONNECTIONS, _Bounded
-from tests.test_server import Daemon, until
+from tests.test_server import TOKEN, Daemon, until
 from tests.test_slow_clients import open_files_limit
 
 CAP = 3
 WAIT_S = 60.0  # generous bound on waiting for a condition, not a goal
-GET_HEALTH = b"GET /health HTTP/1.1\r\nHost: kvguard\r\n\r\n"
+GET_MODELS = b"GET /v1/models HTTP/1.1\r\nHost: kvguard\r\n\r\n"
 COMPLETION = json.dumps({"model": "tiny", "prompt": "Hi", "max_tokens": 2}).encode()
 POST_COMPLETION = (  # the last on its connection: the daemon closes it once answered
     b"POST /v1/completions HTTP/1.1\r\nHost: kvguard\r\nContent-Type: application/json\r\n"
@@ -113,16 +114,16 @@ def test_past_max_connections_a_new_connection_gets_503_and_the_open_ones_are_se
     daemon: Daemon,
 ) -> None:
     """The API took connections until the process ran out of file descriptors, and then
-    answered no one. With api.max_connections, a connection past the cap is answered 503 as
-    it connects (Retry-After, the API's JSON error naming the key) and closed; those open are
-    served as before, and once one closes a new one is."""
+    answered no one. With api.max_connections, an API request on a connection past the cap is
+    answered 503 (Retry-After, the API's JSON error naming the key) and the connection closed;
+    those open are served as before, and once one closes a new one is."""
     observer = Observer(daemon)
     observer.wait_served(1, "the daemon's start-up checks to hang up: only the observer open")
     with contextlib.ExitStack() as stack:
         kept = [stack.enter_context(held(daemon)) for _ in range(CAP - 1)]
         observer.wait_served(CAP, f"{CAP} connections served")
         with held(daemon) as past:
-            past.sendall(GET_HEALTH)
+            past.sendall(GET_MODELS)
             status, headers, body = head_and_body(read_all(past))  # then closed by the daemon
         assert status == "HTTP/1.1 503 Service Unavailable", status
         assert headers["retry-after"] == "5" and headers["connection"] == "close", headers
@@ -150,6 +151,71 @@ def test_past_max_connections_a_new_connection_gets_503_and_the_open_ones_are_se
     log = Path(daemon.log.name).read_text()
     assert log.count("answered 503 to a connection from 127.0.0.1:") == 1, log[-4000:]
     assert "Traceback" not in log, log[-4000:]
+
+
+def operator_get(d: Daemon, path: str, method: str = "GET") -> tuple[str, dict[str, str]]:
+    """`method path` on a new connection, the admin token sent: the status line and headers
+    of the answer, read until the daemon closes the connection."""
+    with held(d) as sock:
+        sock.sendall(
+            f"{method} {path} HTTP/1.1\r\nHost: kvguard\r\n"
+            f"Authorization: Bearer {TOKEN}\r\n\r\n".encode()
+        )
+        status, headers, body = head_and_body(read_all(sock))
+    if status.endswith(" 503 Service Unavailable") and method == "GET":
+        assert json.loads(body)["error"]["code"] == "too_many_connections", body
+    return status, headers
+
+
+def awaiting_alerts(d: Daemon) -> socket.socket:
+    """A connection past the cap whose /alertmanager request is served and awaits its body:
+    held among the operator's connections until its client closes it."""
+    sock = held(d)
+    sock.sendall(
+        b"POST /alertmanager HTTP/1.1\r\nHost: kvguard\r\nContent-Type: application/json\r\n"
+        b"Authorization: Bearer " + TOKEN.encode() + b"\r\nContent-Length: 100\r\n\r\n{"
+    )
+    return sock
+
+
+def test_at_the_cap_the_operators_requests_on_new_connections_are_served(
+    daemon: Daemon,
+) -> None:
+    """Past the cap every new connection was answered 503 before its request was read: the
+    scrapes (Prometheus's `up` fell, KvguardDown fired), /health, /ready, /admin and the
+    `kvguard` command went unanswered just when the daemon was saturated. Now the first request
+    is read: the operator's is served, OPERATOR_SPARE connections at once, each closed once
+    answered; an API request still gets the 503."""
+    observer = Observer(daemon)
+    observer.wait_served(1, "only the observer open")
+    refused_before = metric(observer.scrape(), "kvguard_http_connections_refused_total")
+    with contextlib.ExitStack() as stack:
+        for _ in range(CAP - 1):
+            stack.enter_context(held(daemon))
+        observer.wait_served(CAP, f"{CAP} connections served")
+        for path in ("/metrics", "/health", "/ready", "/admin/state", "/metrics?name[]=up"):
+            status, headers = operator_get(daemon, path)
+            assert status == "HTTP/1.1 200 OK", (path, status)
+            assert headers["connection"] == "close", (path, headers)
+        assert operator_get(daemon, "/health", "HEAD")[0] == "HTTP/1.1 200 OK"
+        assert daemon.admin("GET", "/admin/state").status_code == 200  # as `kvguard` asks
+        assert operator_get(daemon, "/v1/models")[0] == "HTTP/1.1 503 Service Unavailable"
+        status, headers = operator_get(daemon, "/v1/models", "HEAD")  # no body, as for a HEAD
+        assert status == "HTTP/1.1 503 Service Unavailable" and headers["retry-after"] == "5"
+        with pytest.raises(openai.InternalServerError):
+            daemon.client().models.list()
+        observer.wait_served(CAP, "the operator's connections closed once answered")
+
+        for _ in range(service.OPERATOR_SPARE):  # the operator's allowance, taken whole
+            stack.enter_context(awaiting_alerts(daemon))
+        spare = CAP + service.OPERATOR_SPARE
+        observer.wait_served(spare, f"{service.OPERATOR_SPARE} connections served past the cap")
+        assert operator_get(daemon, "/health")[0] == "HTTP/1.1 503 Service Unavailable"
+        scrape = observer.scrape()
+        assert metric(scrape, "kvguard_http_connections_refused_total") == refused_before + 4
+    observer.wait_served(1, "the daemon to see the connections closed")
+    log = Path(daemon.log.name).read_text()
+    assert "Traceback" not in log and "Logging error" not in log, log[-4000:]
 
 
 @pytest.fixture(scope="module")
@@ -191,22 +257,103 @@ def test_accepts_that_fail_for_want_of_a_descriptor_are_counted(starved: Daemon)
     assert metric(scrape, "kvguard_http_connections_max") == 100000
 
 
+@pytest.fixture(scope="module")
+def crowded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    """A daemon whose cap is sized from a small open files limit (184 of 256 where it holds
+    11 descriptors as it starts)."""
+    with open_files_limit(OPEN_FILES):
+        d = Daemon(
+            tmp_path_factory.mktemp("crowded"),
+            debug_hooks=False,
+            api="request_read_timeout: 10m",
+        )
+    yield d
+    assert d.stop() == 0
+
+
+def refused_at_once(d: Daemon) -> socket.socket:
+    """A connection past the cap that asks the API and neither reads its answer nor hangs up:
+    returned once the daemon has answered it (a 503, then its end of the connection) or reset
+    it, so that the next connect is decided on before it."""
+    sock = held(d)
+    sock.sendall(GET_MODELS)
+    got = bytearray()
+    with contextlib.suppress(ConnectionResetError):  # closed at once, its request unread
+        while part := sock.recv(1 << 16):
+            got += part
+    assert not got or got.startswith(b"HTTP/1.1 503 "), bytes(got)
+    return sock
+
+
+def api_refused(d: Daemon) -> bool:
+    """Whether an API request on a new connection is refused for the cap (else it is served,
+    and the connection closed)."""
+    with held(d) as sock:
+        sock.sendall(GET_MODELS.replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n"))
+        status, _, body = head_and_body(read_all(sock))
+    return status == "HTTP/1.1 503 Service Unavailable" and b"too_many_connections" in body
+
+
+def scrape_new(d: Daemon) -> str:
+    """/metrics on a new connection (served past the cap too, as the operator's)."""
+    r = httpx.get(d.url + "/metrics", timeout=WAIT_S)
+    assert r.status_code == 200, r.text
+    return r.text
+
+
+def health(d: Daemon) -> bool:
+    """Whether /health on a new connection is served (while PAST_CAP_HELD connections past the
+    cap are held, a new one is answered 503 and closed at once, or reset)."""
+    try:
+        return operator_get(d, "/health")[0] == "HTTP/1.1 200 OK"
+    except ConnectionResetError:
+        return False
+
+
+def test_connections_past_the_cap_that_never_hang_up_do_not_take_every_descriptor(
+    crowded: Daemon,
+) -> None:
+    """A connection refused past the cap kept its descriptor until its client hung up (1 s at
+    most), outside the cap, and any number of them did: clients connecting faster than that
+    and never hanging up ran the daemon out of descriptors again, as if there were no cap, the
+    reserve for the audit database and the model files taken as well. Now PAST_CAP_HELD of
+    them are held at once (fewer under a small limit), and the next are closed at once."""
+    log_path = Path(crowded.log.name)
+    limit = int(metric(scrape_new(crowded), "kvguard_http_connections_max"))
+    past = 2 * OPEN_FILES[1]  # more than the open files limit, each decided before the next
+    with contextlib.ExitStack() as stack:
+        for _ in range(limit):  # the cap, held for the whole test: none served past it
+            stack.enter_context(held(crowded))
+        until(lambda: api_refused(crowded), WAIT_S, f"the {limit} connections served")
+        for _ in range(past):
+            stack.enter_context(refused_at_once(crowded))
+        log = log_path.read_text()
+        assert "the API cannot accept connections" not in log, log[-4000:]
+        until(lambda: health(crowded), WAIT_S, "/health served once those held have closed")
+        scrape = scrape_new(crowded)
+    assert metric(scrape, "kvguard_http_connections_refused_total") >= past  # /health's too
+    assert metric(scrape, "kvguard_http_accept_failures_total") == 0
+    assert "Traceback" not in log_path.read_text(), log_path.read_text()[-4000:]
+
+
 def test_an_unset_max_connections_leaves_descriptors_in_reserve(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Unset, the cap is what the open files limit leaves less a reserve: FD_RESERVE, or a
     quarter of the room where the limit is small; a cap set above what the limit leaves is
-    kept, with a warning naming the fix. Worked out from the limit and the descriptors held,
-    given: this process's own limit is not changed, nor its descriptors counted."""
+    kept, with a warning naming the fix. The connections past the cap (the operator's served,
+    those held to read their request or after their 503) take a quarter each at most of what
+    the limit leaves beyond the cap."""
     cap = service.connection_cap
+    spare, most = service.OPERATOR_SPARE, service.PAST_CAP_HELD
     with caplog.at_level(logging.INFO, "kvguard.daemon"):
-        assert cap(None, 111, 11) == 75  # a quarter of 100 kept
-        assert cap(50, 111, 11) == 50
-        assert cap(101, 111, 11) == 101
+        assert cap(None, 111, 11) == service.ConnectionCap(75, 6, 6)  # a quarter of 100 kept
+        assert cap(50, 111, 11) == service.ConnectionCap(50, 12, 12)
+        assert cap(101, 111, 11) == service.ConnectionCap(101, 0, 0)
     room = 10 * service.FD_RESERVE
-    assert cap(None, room + 40, 40) == room - service.FD_RESERVE
-    assert cap(None, resource.RLIM_INFINITY, 40) is None
-    assert cap(7, resource.RLIM_INFINITY, 40) == 7
+    assert cap(None, room + 40, 40) == service.ConnectionCap(room - service.FD_RESERVE, spare, most)
+    assert cap(None, resource.RLIM_INFINITY, 40) == service.ConnectionCap(None, spare, most)
+    assert cap(7, resource.RLIM_INFINITY, 40) == service.ConnectionCap(7, spare, most)
     assert "at most 75 (api.max_connections unset: the open files limit 111 less the 11" in (
         caplog.text
     )

@@ -279,13 +279,26 @@ class Scheduler:
 
     # -- one step ---------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
-        batch = self._schedule()
+        batch = ScheduledBatch()
+        try:
+            self._schedule(batch)
+        except BaseException:
+            self._unreserve(batch)
+            raise
         if not batch.empty:
             self.policy.on_step(len(batch.preempted), self.bm.num_used / self.bm.num_blocks)
         return batch
 
-    def _schedule(self) -> ScheduledBatch:
-        batch = ScheduledBatch()
+    def _unreserve(self, batch: ScheduledBatch) -> None:
+        """A step whose scheduling raised (a device copy out of memory, say) never runs: the
+        blocks taken for its tokens go back, so each sequence holds those of its computed
+        tokens, as after a step, and the engine, which keeps serving, schedules it afresh."""
+        for seq in batch.seqs:
+            seq.draft = []
+            if seq.status is Status.RUNNING:
+                self.bm.trim(seq)
+
+    def _schedule(self, batch: ScheduledBatch) -> None:
         spec = self.speculation
         for seq in self.running:
             seq.draft = []  # a step interrupted before its update leaves its drafts
@@ -301,7 +314,7 @@ class Scheduler:
                 self._schedule_waiting(batch, budget, True, place)
             if any(awaits_first_text(s) for s in batch.seqs):
                 self._schedule_drafts(batch)
-                return batch
+                return
             # the high prompt cannot run now (no slot or no blocks for it): never an idle
             # step waiting on it, everyone else runs as usual
         budget = self.max_num_batched_tokens - sum(batch.num_tokens)
@@ -309,7 +322,6 @@ class Scheduler:
         budget = self._schedule_swapped(batch, budget)
         self._schedule_waiting(batch, budget, False, self._swapped_place(batch))
         self._schedule_drafts(batch)
-        return batch
 
     def _urgent_prompt(self) -> bool:
         """Whether a `high` request awaits its first text while others decode: running (its
@@ -634,7 +646,6 @@ class Scheduler:
             if seq in batch.preempted or not self._room(self._swap_in_blocks(seq, least), seq):
                 break
             keep = self._spare()  # what `_room` kept in hand, before `seq` runs again
-            self.swapped.pop(0)
             self._swap_in(seq)
             n = self._reserve(seq, n, batch, keep) if n else 0
             if n:
@@ -667,20 +678,37 @@ class Scheduler:
         return max(len(seq.host_block_table), self.bm.blocks_for(seq.num_computed_tokens + n))
 
     def _swap_in(self, seq: Sequence) -> None:
-        """Back on the device (the caller took it off `swapped`): its leading blocks whose
-        content the prefix cache still holds there are shared (`BlockManager.rematch`), the
-        rest copied in from the host."""
+        """Back on the device: its leading blocks whose content the prefix cache still holds
+        there are shared (`BlockManager.rematch`), the rest copied in from the host. A copy
+        that raises (out of device memory, under the very pressure that swapped it out) gives
+        the device blocks back and leaves it swapped out, its host copy whole: it comes back
+        at a later step, where taken off `swapped` first it was in no queue, its client never
+        answered, and the queue counts kept it swapped out for good."""
         host = seq.host_block_table
         shared = self.bm.rematch(seq, len(host))
-        dev = self.bm.take(seq.request_id, len(host) - len(shared))
-        if dev:
-            self.kv.swap_in(host[len(shared) :], dev)
+        dev: list[int] = []
+        try:
+            dev = self.bm.take(seq.request_id, len(host) - len(shared))
+            if dev:
+                self.kv.swap_in(host[len(shared) :], dev)
+        except BaseException:
+            self.bm.give(seq.request_id, shared + dev)
+            raise
         self.host_bm.give(seq.request_id, host)
         seq.host_block_table, seq.block_table = [], shared + dev
+        self._start(self.swapped, self.swapped.index(seq), Status.SWAPPED)
+        self.emit("swapped_in", request_id=seq.request_id, blocks=len(dev))
+
+    def _start(self, queue: list[Sequence], i: int, src: Status) -> Sequence:
+        """`queue[i]` (the `src` queue) runs from now on: it leaves its queue for `running`
+        and the counts say so in the same call, so that the lists and the counts never
+        disagree. Called once its blocks are in place: whatever failed before left it
+        queued."""
+        seq = queue.pop(i)
         seq.status, seq.held = Status.RUNNING, False
         self.running.append(seq)
-        self._moved(seq, Status.SWAPPED, Status.RUNNING)
-        self.emit("swapped_in", request_id=seq.request_id, blocks=len(dev))
+        self._moved(seq, src, Status.RUNNING)
+        return seq
 
     def _schedule_waiting(
         self,
@@ -729,10 +757,7 @@ class Scheduler:
             hit = self._match(seq)
             n = self._chunk(seq, min(budget, share))
             if not n or not self._slot_for(seq, batch) or not self._room_for(seq, n, batch):
-                if hit:
-                    self.bm.unmatch(seq)
-                if not was_admitted:
-                    self.policy.cancel_start(seq)  # committed just now but cannot start
+                self._not_started(seq, hit, was_admitted)
                 if seq.held and not self.running:
                     # On an idle engine only the readmit threshold holds an evicted sequence
                     # back, and only for admitted requests queued behind it (`_nothing_else`):
@@ -743,9 +768,12 @@ class Scheduler:
                     passed += self.policy.is_admitted(seq)
                     continue
                 break
-            self.waiting.pop(i)
-            self.bm.allocate(seq, n)
-            seq.status, seq.held = Status.RUNNING, False
+            try:
+                self.bm.allocate(seq, n)
+            except BaseException:
+                self._not_started(seq, hit, was_admitted)  # it waits on at its place
+                raise
+            self._start(self.waiting, i, Status.WAITING)
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.monotonic()
                 seq.num_cached_tokens = hit
@@ -753,12 +781,18 @@ class Scheduler:
                 # from a recompute looks again, its output too: that is no prompt lookup)
                 if self.bm.caching and seq.prompt_logprobs is None:
                     self.bm.record(len(seq.prompt_token_ids), hit)
-            self.running.append(seq)
-            self._moved(seq, Status.WAITING, Status.RUNNING)
             batch.add(seq, n)
             budget -= n
             if self.bm.caching and not one_step(seq):
                 leaders.append(seq)
+
+    def _not_started(self, seq: Sequence, hit: int, was_admitted: bool) -> None:
+        """Waiting `seq` does not start after all: the cached blocks it matched (`hit`
+        tokens) go back, and a commitment it made just now (`was_admitted` False)."""
+        if hit:
+            self.bm.unmatch(seq)
+        if not was_admitted:
+            self.policy.cancel_start(seq)  # committed just now but cannot start
 
     def _outgrown(self, seq: Sequence, batch: ScheduledBatch) -> bool:
         """Whether `seq` holds more tokens than the whole pool does: its next token needs the

@@ -16,6 +16,7 @@ started."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -175,6 +176,83 @@ def test_the_audit_fails_on_a_move_left_uncounted(monkeypatch: pytest.MonkeyPatc
     assert fut.result(0).data["evicted"] == [(rid, "swap")]
     with pytest.raises(AssertionError, match="queue counts"):
         engine.audit_blocks()
+
+
+class DeviceOutOfMemory(RuntimeError):
+    """What a device copy or allocation raises under memory pressure (a CUDA OOM): faked, as
+    no device can run out here."""
+
+
+def raising_once(real: Callable[..., None], when: Callable[..., bool]) -> Callable[..., None]:
+    """`real`, except that the first call `when` accepts raises DeviceOutOfMemory instead."""
+    raised = []
+
+    def call(*args: object) -> None:
+        if not raised and when(*args):
+            raised.append(args)
+            raise DeviceOutOfMemory("CUDA out of memory (injected)")
+        real(*args)
+
+    return call
+
+
+def test_a_swap_in_that_raises_leaves_the_sequence_swapped_out_and_counted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The copy back to the device raises inside a step (the engine loop serves on): the
+    sequence stays swapped out holding its host copy, the device blocks taken for it go back,
+    the counts agree with the queues, and it comes back at a later step and finishes."""
+    engine, moves = overloaded(), Moves()
+    # the two that run on fill three blocks: the failed step took a fourth each for its
+    # token, and gives it back; the one evicted ends in a block of its own, copied back in
+    ids = [engine.add_request(prompt(i, n), params()) for i, n in enumerate([48, 48, 40])]
+    moves.step(engine)
+    sch = engine.scheduler
+    monkeypatch.setattr(sch.kv, "swap_in", raising_once(sch.kv.swap_in, lambda *a: True))
+    fut = engine.evict(1, "normal")
+    used = engine.block_manager.num_used
+    with pytest.raises(DeviceOutOfMemory):
+        engine.step()  # swapped out by the evict, then tried back in within the step
+    assert fut.result(0).data["evicted"] == [(ids[2], "swap")]
+    assert [s.request_id for s in sch.swapped] == [ids[2]]
+    assert engine.block_manager.num_used < used  # its device blocks went to the host
+    moves.check(engine)
+    done = {}
+    for _ in range(200):
+        if not engine.has_unfinished():
+            break
+        done |= {o.request_id: o.token_ids for o in engine.step() if o.finished}
+        moves.check(engine)
+    assert {rid: len(tokens) for rid, tokens in done.items()} == dict.fromkeys(ids, 24)
+    assert engine.snapshot().events["swapped_in"] == 1
+
+
+def test_a_start_whose_allocation_raises_leaves_the_request_queued_and_counted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Taking a waiting request's blocks raises as it starts: it waits on at its place, its
+    cached prefix blocks given back, the counts agree with the queues, and it starts at a
+    later step and finishes."""
+    engine, moves = overloaded(), Moves()
+    first = engine.add_request(prompt(0), params())
+    moves.step(engine)
+    second = engine.add_request(prompt(0), params())  # it finds the first's prompt cached
+    bm = engine.block_manager
+    monkeypatch.setattr(
+        bm, "allocate", raising_once(bm.allocate, lambda seq, n: seq.request_id == second)
+    )
+    with pytest.raises(DeviceOutOfMemory):
+        engine.step()
+    assert [s.request_id for s in engine.scheduler.waiting] == [second]
+    moves.check(engine)
+    done = {}
+    for _ in range(200):
+        if not engine.has_unfinished():
+            break
+        done |= {o.request_id: o.token_ids for o in engine.step() if o.finished}
+        moves.check(engine)
+    assert {rid: len(tokens) for rid, tokens in done.items()} == {first: 24, second: 24}
+    assert bm.hit_tokens == 32  # the second request started from the first's two blocks
 
 
 class Watched(list):

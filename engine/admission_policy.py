@@ -126,6 +126,26 @@ class QueueCounts:
         """`queue`'s sequences by priority name (the snapshot's)."""
         return {PRIORITY_NAMES[rank]: n for rank, n in self.queued[queue].items()}
 
+    def differences(self, recount: QueueCounts) -> list[str]:
+        """Where these counts differ from `recount`, one "what: counted n, recounted m" a
+        count: the log of a repair names the drift, not two whole tables to compare."""
+        pairs = [
+            (f"{queue.name.lower()} {PRIORITY_NAMES[rank]}", n, recount.queued[queue][rank])
+            for queue, counts in self.queued.items()
+            for rank, n in counts.items()
+        ]
+        pairs += [
+            (f"admitted waiting {PRIORITY_NAMES[rank]}", n, recount.admitted[rank])
+            for rank, n in self.admitted.items()
+        ]
+        return [f"{what}: counted {n}, recounted {m}" for what, n, m in pairs if n != m]
+
+    def set_to(self, recount: QueueCounts) -> None:
+        """Take `recount`'s counts, in place: the admission policy holds this very object."""
+        for queue, counts in recount.queued.items():
+            self.queued[queue].update(counts)
+        self.admitted.update(recount.admitted)
+
 
 @dataclass(slots=True)
 class Group:

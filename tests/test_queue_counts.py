@@ -11,10 +11,12 @@ sequences were taken in) and check after each that the counts equal a recount
 gives; that a move left uncounted fails the audit; that an arrival, a snapshot and a step read
 a handful of a 2000-request queue's entries, not all of them; and that a step's walk of the
 queue, which now ends with the last admitted request queued, starts what a walk to the end
-started."""
+started; that a start or a swap in whose device work raises leaves the sequence queued where
+it was, counted; and that a count that drifted all the same is repaired, with an error."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
@@ -24,7 +26,8 @@ from kvguard.engine import LLMEngine, SamplingParams
 from kvguard.engine.admission import HIGH, NORMAL, AdmissionConfig
 from kvguard.engine.admission_policy import AdmissionRejected, QueueCounts
 from kvguard.engine.llm_engine import NewRequest, refused_request
-from kvguard.engine.sequence import PRIORITY_NAMES, Sequence, Status
+from kvguard.engine.scheduler import RECOUNT_S
+from kvguard.engine.sequence import PRIORITIES, PRIORITY_NAMES, Sequence, Status
 from tests.test_engine import make_engine
 from tests.test_kv_pool import apply
 from tests.test_live_corners import SWAP
@@ -255,6 +258,46 @@ def test_a_start_whose_allocation_raises_leaves_the_request_queued_and_counted(
     assert bm.hit_tokens == 32  # the second request started from the first's two blocks
 
 
+def errors(caplog: pytest.LogCaptureFixture) -> list[str]:
+    """The errors logged so far."""
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_a_drifted_count_is_repaired_with_an_error_and_the_request_it_hid_starts(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An admitted request queued behind one admission holds back for KV starts only where
+    the counts say an admitted request waits past the one held back (a step's walk ends at
+    the last): counted one too few, it waits, on an idle engine for good. Once a second the
+    scheduler recounts its queues, logs the drift as an error and repairs it, and it starts."""
+    adm = AdmissionConfig(estimate="worst_case", max_queue=4, max_queue_wait_s=0.0)
+    engine = make_engine(kv_cache_bytes="256KiB", max_model_len=256, max_num_seqs=3, admission=adm)
+    sch, now = engine.scheduler, [0.0]
+    sch.clock = lambda: now[0]
+    engine.add_request(prompt(0, 20), params(220))  # holds 15 of the 32 blocks
+    low = engine.add_request(prompt(1, 20), params(), priority="low")
+    engine.step()  # a recount is due at the first step: nothing to repair
+    held_back = engine.add_request(prompt(2, 20), params(220))  # 15 more do not fit
+    assert sch.evict(1, PRIORITIES["low"]) == [(low, "recompute")]  # back in the queue, admitted
+    assert [s.request_id for s in sch.waiting] == [held_back, low]
+    sch.counts.admitted[PRIORITIES["low"]] -= 1  # a ticket change left uncounted
+    engine.step()
+    assert [s.request_id for s in sch.waiting] == [held_back, low]  # the count hid it
+    assert not errors(caplog)
+    now[0] += RECOUNT_S
+    engine.step()
+    assert [s.request_id for s in sch.waiting] == [held_back]
+    assert errors(caplog) == [
+        "queue counts drifted from the queues (admitted waiting low: counted 0, recounted 1): "
+        "set to the recount; a move between the queues or an admission ticket change went "
+        "uncounted, a kvguard bug to report"
+    ]
+    engine.audit_blocks()
+    now[0] += RECOUNT_S
+    engine.step()
+    assert len(errors(caplog)) == 1  # repaired: nothing more to say
+
+
 class Watched(list):
     """The scheduler's waiting queue, counting the entries that anything reads of it."""
 
@@ -290,6 +333,8 @@ def queued_2000(kv_gated: bool) -> tuple[LLMEngine, Watched]:
         max_num_seqs=64 if kv_gated else 4,
         admission=adm,
     )
+    # the once-a-second recount of the queue counts reads the queue: at the first step only
+    engine.scheduler.clock = lambda: 0.0
     hog = 1 if kv_gated else 4  # a long request that holds the KV budget, or every slot
     for i in range(hog):
         engine.add_request(prompt(i, 20), params(220 if kv_gated else 24))

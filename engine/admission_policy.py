@@ -100,8 +100,10 @@ class QueueCounts:
                     self.admitted[seq.priority] += step
 
     def admit(self, seq: Sequence, step: int) -> None:
-        """Waiting `seq`'s ticket committed its peak (1) or gave it back (-1)."""
-        self.admitted[seq.priority] += step
+        """`seq`'s ticket committed its peak (1) or gave it back (-1): counted while it waits
+        (one running or swapped out is not, and counts as it moves, `move`)."""
+        if seq.status is Status.WAITING:
+            self.admitted[seq.priority] += step
 
     def waiting(self, rank: int) -> tuple[int, int]:
         """(requests waiting, admitted ones among them) as a request of priority `rank` sees
@@ -111,10 +113,10 @@ class QueueCounts:
             return self.queued[Status.WAITING][HIGH], self.admitted[HIGH]
         return sum(self.queued[Status.WAITING].values()), self.admitted_waiting()
 
-    def held(self, rank: int) -> int:
-        """Batch slots the running and swapped-out sequences hold as a request of priority
+    def slots_taken(self, rank: int) -> int:
+        """Batch slots the running and swapped-out sequences take as a request of priority
         `rank` sees them: those of high work for a high request (it takes the others'), all
-        for any other."""
+        for any other. (Not `Sequence.held`, an evicted sequence held back.)"""
         ranks = (HIGH,) if rank == HIGH else tuple(PRIORITY_NAMES)
         return sum(self.queued[q][r] for q in (Status.RUNNING, Status.SWAPPED) for r in ranks)
 
@@ -373,7 +375,7 @@ class AdmissionPolicy:
         queued lower ones (`queue_key`) and takes the slots of lower-priority work: only high
         requests are ahead of it, and only high work holds its slots. Read from the
         scheduler's queue counts (`QueueCounts`): O(1) however long the queue."""
-        return _ahead(self._queues.waiting(rank), self._queues.held(rank), self._slots())
+        return _ahead(self._queues.waiting(rank), self._queues.slots_taken(rank), self._slots())
 
     def _group_key(self, seq: Sequence) -> GroupKey | None:
         """The prompt prefix the prefix cache can give `seq` from a request with the same one:
@@ -464,6 +466,16 @@ class AdmissionPolicy:
         those in the queue, as every ticket is a live sequence's: from the tickets, what the
         queue counts (`QueueCounts.admitted_waiting`) must agree with. O(`started`)."""
         return len(self._admitted) - sum(map(self.is_admitted, started))
+
+    def check_admitted(self) -> None:
+        """The admitted sequences (`_admitted`, what the overlap peak sums) are those whose
+        ticket holds its commitment: equal sizes alone would let one request's entry stand
+        for another's, and predicted admission would count a load that left and miss one
+        that came."""
+        tickets = {rid for rid, t in self._tickets.items() if t.admitted}
+        assert set(self._admitted) == tickets, (
+            f"admitted sequences {sorted(self._admitted)}, admitted tickets {sorted(tickets)}"
+        )
 
     def _issue(self, seq: Sequence, ticket: Ticket) -> None:
         """Keep `ticket` for `seq`, and `seq` among the admitted ones if it is."""
@@ -632,11 +644,11 @@ class AdmissionPolicy:
         return out
 
 
-def _ahead(waiting: tuple[int, int], held: int, slots: int | None) -> tuple[int, int | float]:
-    """`queue_ahead` of one view: `waiting` (requests, admitted ones) and the slots `held` of
+def _ahead(waiting: tuple[int, int], taken: int, slots: int | None) -> tuple[int, int | float]:
+    """`queue_ahead` of one view: `waiting` (requests, admitted ones) and the slots `taken` of
     `slots` (None: `max_num_seqs` unknown, a policy no scheduler watches: unbounded)."""
     count, admitted = waiting
-    free = math.inf if slots is None else max(0, slots - held)
+    free = math.inf if slots is None else max(0, slots - taken)
     return count - admitted + max(0, admitted - free), max(0, free - admitted)
 
 

@@ -790,7 +790,7 @@ class Scheduler:
                 continue
             if leaders and self._follows(seq, leaders):
                 i += 1  # it starts once the blocks it shares are in the cache
-                passed += 1  # admitted: it committed, if it had not
+                passed += self.policy.is_admitted(seq)  # it committed, if it had not
                 deferred += 1
                 if deferred >= self.max_num_seqs:
                     break  # no more could start this step: the rest of the queue waits too
@@ -1105,6 +1105,7 @@ class Scheduler:
                 assert s.status is status, f"{s.request_id} is {s.status} in the {status} queue"
         recount = self._recount()
         assert self.counts == recount, f"queue counts {self.counts} but recounted {recount}"
+        self.policy.check_admitted()
         tickets = self.policy.admitted_waiting(self.running + self.swapped)
         assert self.counts.admitted_waiting() == tickets, (
             f"{self.counts.admitted_waiting()} admitted requests counted waiting, "

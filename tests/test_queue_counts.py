@@ -161,10 +161,19 @@ def test_the_audit_fails_on_a_move_left_uncounted(monkeypatch: pytest.MonkeyPatc
         engine.audit_blocks()
     sch.counts.queued[Status.WAITING][NORMAL] -= 1
     engine.audit_blocks()
-    sch.counts.admit(sch.running[0], 1)  # a running request counted as admitted and waiting
+    sch.counts.admit(sch.running[0], 1)  # a running request's ticket: counted as it moves
+    engine.audit_blocks()
+    sch.counts.admitted[NORMAL] += 1  # a request counted as admitted and waiting
     with pytest.raises(AssertionError, match="queue counts"):
         engine.audit_blocks()
-    sch.counts.admit(sch.running[0], -1)
+    sch.counts.admitted[NORMAL] -= 1
+    engine.audit_blocks()
+    # the admitted sequences of the overlap peak: as many as the admitted tickets, not theirs
+    policy = engine.admission_policy
+    policy._admitted["req-stranger"] = policy._admitted.pop(rid)
+    with pytest.raises(AssertionError, match="admitted sequences"):
+        engine.audit_blocks()
+    policy._admitted[rid] = policy._admitted.pop("req-stranger")
     engine.audit_blocks()
     # a swap out that leaves the running queue uncounted
     moved = sch._moved

@@ -17,6 +17,7 @@ it was, counted; and that a count that drifted all the same is repaired, with an
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections.abc import Callable
 
@@ -453,3 +454,132 @@ def test_a_walk_that_stops_at_the_last_admitted_request_starts_what_a_whole_walk
     stopping, behind = batches(walk_to_the_end=False)
     assert behind > 10  # the walk had admitted requests to find past the first held back
     assert (stopping, behind) == batches(walk_to_the_end=True)
+
+
+class Lockstep:
+    """Two engines given the same operations: one as it runs, one whose walks of the waiting
+    queue go to its end (`WalkToTheEnd`). After each operation both pass the audit, admission
+    and the snapshot read what a walk of the queues gives, and both run and queue the same
+    requests."""
+
+    def __init__(self) -> None:
+        adm = AdmissionConfig(max_queue=40, max_queue_wait_s=0.0)
+        self.engines = [
+            make_engine(
+                kv_cache_bytes="256KiB",
+                max_model_len=256,
+                max_num_seqs=6,
+                admission=adm,
+                enable_prefix_caching=True,
+                **SWAP,
+            )
+            for _ in range(2)
+        ]
+        for engine in self.engines:
+            engine.scheduler.clock = lambda: 0.0  # no recount repairs what the audit would see
+        whole = self.engines[1].scheduler
+        whole.counts = WalkToTheEnd(whole.counts)  # type: ignore[assignment]
+
+    def apply(self, op: Callable[[LLMEngine], object]) -> None:
+        """Run `op` on both engines: the same outcome, and the same queues after it."""
+        outcomes = []
+        for engine in self.engines:
+            try:
+                outcomes.append(op(engine))
+            except AdmissionRejected as e:
+                outcomes.append(("refused", e.decision.kind, refused_request(e)))
+            self.check(engine)
+        assert outcomes[0] == outcomes[1] or not isinstance(outcomes[0], (str, list, tuple, int))
+        running, waiting = (
+            [[s.request_id for s in getattr(e.scheduler, q)] for e in self.engines]
+            for q in ("running", "waiting")
+        )
+        assert sorted(running[0]) == sorted(running[1])
+        assert waiting[0] == waiting[1]
+
+    @staticmethod
+    def check(engine: LLMEngine) -> None:
+        sch = engine.scheduler
+        counts = sch.counts
+        sch.counts = getattr(counts, "counts", counts)  # the audit compares the counts' own
+        try:
+            engine.audit_blocks()
+        finally:
+            sch.counts = counts
+        assert engine.snapshot().queues == walked_queues(engine)
+        for rank in (HIGH, NORMAL):
+            assert engine.admission_policy.queue_ahead(rank) == walked_ahead(engine, rank)
+
+
+def random_operation(rng: random.Random, k: int) -> Callable[[LLMEngine], object]:
+    """One operation of the mix: arrivals of one request or of several (mixed priorities and
+    lengths, some with a shared prefix), steps, aborts, evicts, offload turned on and off, KV
+    dtype switches, pool shares and batch limits. No injected out-of-memory fault: its
+    backoff restores the budget by the clock, which two engines do not share."""
+    kind = rng.choices(
+        ["add", "add several", "step", "abort", "evict", "offload", "dtype", "share", "seqs"],
+        [6, 2, 10, 2, 1, 1, 1, 1, 1],
+    )[0]
+    if kind.startswith("add"):
+        prefix = [3 + rng.randint(0, 5)] * rng.choice([0, 16, 32])
+        reqs = [
+            NewRequest(
+                prefix + [10 + (13 * k + 7 * j + q) % 240 for q in range(rng.randint(5, 60))],
+                SamplingParams(max_tokens=rng.randint(4, 48), ignore_eos=True),
+            )
+            for j in range(1 if kind == "add" else rng.randint(2, 4))
+        ]
+        rank = rng.choice(["high", "normal", "normal", "low"])
+        return lambda e: e.add_requests(reqs, priority=rank, arrival_time=1000.0 + k)
+    if kind == "step":
+        return lambda e: len(e.step())
+    if kind == "abort":
+        pick = rng.random()
+        return lambda e: bool(e._seqs) and e.abort(sorted(e._seqs)[int(pick * len(e._seqs))])
+    value = {
+        "evict": (rng.randint(1, 2), rng.choice(["normal", "low"])),
+        "offload": (rng.random() < 0.5,),
+        "dtype": (rng.choice(["fp32", "bf16", "fp8_e4m3"]),),
+        "share": (rng.choice([0.5, 0.75, 1.0]),),
+        "seqs": (rng.choice([2, 4, 6, None]),),
+    }[kind]
+    action = {
+        "evict": "evict",
+        "offload": "set_offload",
+        "dtype": "set_kv_cache_dtype",
+        "share": "set_kv_pool_share",
+        "seqs": "set_max_num_seqs",
+    }[kind]
+    return lambda e: getattr(e, action)(*value)  # applied at the next step
+
+
+@pytest.mark.parametrize(
+    ("seed", "seen"),
+    [(2, "admitted behind held back"), (4, "swapped and switched dtype")],
+)
+def test_random_operations_keep_the_counts_and_start_what_a_whole_walk_starts(
+    seed: int, seen: str
+) -> None:
+    """The reviewer's lockstep fuzz, seeded: 40 operations, then steps to the end. Seed 2
+    leaves admitted requests queued behind one held back for KV (the early stop's case),
+    seed 4 swaps sequences out and in across a KV dtype switch."""
+    rng, both = random.Random(seed), Lockstep()
+    engine, behind = both.engines[0], 0
+
+    def run(op: Callable[[LLMEngine], object]) -> None:
+        nonlocal behind
+        both.apply(op)
+        behind += admitted_behind_held_back(engine)
+
+    for k in range(40):
+        run(random_operation(rng, k))
+    for _ in range(1000):
+        if not any(e.has_unfinished() for e in both.engines):
+            break
+        run(lambda e: len(e.step()))
+    assert not any(e.has_unfinished() for e in both.engines)
+    events = engine.snapshot().events
+    if seen == "admitted behind held back":
+        assert behind > 10 and engine.scheduler.preemptions["recompute"] > 0
+    else:
+        assert events["swapped_in"] > 0 and events["kv_dtype_switched"] > 0

@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -68,6 +69,7 @@ from typing import TYPE_CHECKING, Protocol
 from kvguard.engine.admission import HIGH
 from kvguard.engine.admission_policy import AdmissionPolicy, QueueCounts
 from kvguard.engine.block_manager import BlockManager
+from kvguard.engine.kv_cache import is_oom
 from kvguard.engine.sequence import Sequence, Status
 from kvguard.engine.speculative import (
     ROW_COST_PRIOR,
@@ -85,6 +87,9 @@ EventSink = Callable[..., None]
 MIN_BATCHED_TOKENS = 64
 # how often a busy engine holds its queue counts to a recount of the queues (`recount_when_due`)
 RECOUNT_S = 1.0
+# a swap-in that runs out of device memory is said at most once per this many seconds: one
+# that lasts is tried again every step (`Scheduler._swap_in_failed`)
+SWAP_IN_WARN_EVERY_S = 60.0
 # A high request keeps steps to high work until its first text is out, for at most this many
 # output tokens: a token whose text is held back (it may begin a stop string) is not yet a
 # first token to the client, and the next one must not wait for a full step of others' work.
@@ -205,6 +210,7 @@ class Scheduler:
         self.counts = QueueCounts()
         policy.watch(self.counts, lambda: self.max_num_seqs)  # a full batch queues arrivals
         self.clock: Callable[[], float] = time.monotonic  # when a recount is due
+        self._swap_in_warn_at = -math.inf  # when a failed swap-in is next said
         self._recount_at = 0.0  # the next recount of the queue counts (`recount_when_due`)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -687,12 +693,33 @@ class Scheduler:
             if seq in batch.preempted or not self._room(self._swap_in_blocks(seq, least), seq):
                 break
             keep = self._spare()  # what `_room` kept in hand, before `seq` runs again
-            self._swap_in(seq)
+            try:
+                self._swap_in(seq)
+            except Exception as e:
+                if not is_oom(e):
+                    raise
+                self._swap_in_failed(seq, e)
+                break  # the running sequences go on; it is tried again at a later step
             n = self._reserve(seq, n, batch, keep) if n else 0
             if n:
                 batch.add(seq, n)
                 budget -= n
         return budget
+
+    def _swap_in_failed(self, seq: Sequence, error: BaseException) -> None:
+        """Copying `seq` back to the device ran out of memory (`_swap_in` left it swapped out,
+        its host copy whole). Raised out of the step, an OOM that lasts (the device held by
+        another process) failed every step, and no running sequence made progress: the step
+        goes on without it instead. Said once per SWAP_IN_WARN_EVERY_S."""
+        now = self.clock()
+        if now >= self._swap_in_warn_at:
+            self._swap_in_warn_at = now + SWAP_IN_WARN_EVERY_S
+            log.warning(
+                "%s stays swapped out: copying it back to the device ran out of memory (%s); "
+                "the running sequences go on and it is tried again at the next steps",
+                seq.request_id,
+                str(error).splitlines()[0] if str(error) else type(error).__name__,
+            )
 
     def _swapped_place(self, batch: ScheduledBatch) -> tuple | None:
         """The queue place (`queue_key`) of the first sequence still swapped out this step:

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 
 import pytest
+import torch
 
 from kvguard.engine import LLMEngine, SamplingParams
 from kvguard.engine.admission import HIGH, NORMAL, AdmissionConfig
@@ -238,6 +239,45 @@ def test_a_swap_in_that_raises_leaves_the_sequence_swapped_out_and_counted(
         moves.check(engine)
     assert {rid: len(tokens) for rid, tokens in done.items()} == dict.fromkeys(ids, 24)
     assert engine.snapshot().events["swapped_in"] == 1
+
+
+def test_a_swap_in_out_of_device_memory_for_a_while_does_not_stop_the_running_ones(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every copy back to the device runs out of memory for a while (the device held by
+    another process): raised out of each step, no running sequence made progress for as long
+    as it lasted. Now the step goes on without the swapped-out sequence: the running ones
+    finish, one warning says why it stays out, and it comes back once the copy succeeds."""
+    engine, moves = overloaded(), Moves()
+    ids = [engine.add_request(prompt(i, n), params()) for i, n in enumerate([48, 48, 40])]
+    moves.step(engine)
+    sch = engine.scheduler
+    copy_in = sch.kv.swap_in
+
+    def out_of_memory(*args: object) -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
+
+    monkeypatch.setattr(sch.kv, "swap_in", out_of_memory)
+    fut = engine.evict(1, "normal")
+    done: dict[str, int] = {}
+    with caplog.at_level(logging.WARNING, logger="kvguard.engine"):
+        for _ in range(200):
+            if set(done) == set(ids[:2]):
+                break
+            done |= {o.request_id: len(o.token_ids) for o in engine.step() if o.finished}
+            moves.check(engine)
+    assert fut.result(0).data["evicted"] == [(ids[2], "swap")]
+    assert done == dict.fromkeys(ids[:2], 24)
+    assert [s.request_id for s in sch.swapped] == [ids[2]]
+    said = [r.getMessage() for r in caplog.records if "stays swapped out" in r.getMessage()]
+    assert len(said) == 1 and "ran out of memory" in said[0], said
+    monkeypatch.setattr(sch.kv, "swap_in", copy_in)
+    for _ in range(200):
+        if not engine.has_unfinished():
+            break
+        done |= {o.request_id: len(o.token_ids) for o in engine.step() if o.finished}
+        moves.check(engine)
+    assert done == dict.fromkeys(ids, 24)
 
 
 def test_a_start_whose_allocation_raises_leaves_the_request_queued_and_counted(

@@ -152,6 +152,12 @@ OPERATOR_PREFIX = b"/admin/"
 # unread (its client may then see a reset, not the 503): each held one keeps a descriptor, and
 # a flood of connects past the cap ran the daemon out of them, as the cap was set to prevent.
 PAST_CAP_HELD = 64
+# How long a connection past api.max_connections may take to send its first request's line and
+# headers (api.request_read_timeout where that is shorter): held for the whole read timeout,
+# PAST_CAP_HELD connections that send nothing took every place past the cap for 20 s, and the
+# operator's requests were refused with the API's. An operator's client sends its request as
+# it connects.
+PAST_CAP_HEAD_S = 2.0
 # A connection refused past api.max_connections is closed once its client hangs up, or after
 # this: the rest of what the client sends is read first (closed with it unread, the connection
 # would be reset, and the 503 lost), and a client that neither reads its answer nor hangs up
@@ -308,7 +314,7 @@ class _TimedH11(H11Protocol):
     a client reading it steadily for longer than `write_timeout` was reset mid-answer.
 
     Past `cap.limit` connections served (api.max_connections), a new one is read until its
-    first request's line and headers are whole (within `read_timeout`, as any): the operator's
+    first request's line and headers are whole (within PAST_CAP_HEAD_S): the operator's
     (OPERATOR_PATHS) is served, `cap.spare` connections at most, and closed once answered;
     any other is answered 503 and closed (`_refuse_past_cap`). The daemon keeps accepting, and
     the connections open are served as before. uvicorn's limit_concurrency does not fit: it
@@ -345,14 +351,15 @@ class _TimedH11(H11Protocol):
     def _connected_past_cap(self) -> None:
         """`cap.limit` connections are served already: this one is not among them, which the
         cap and the gauge count, unless its first request is the operator's. That request is
-        awaited while fewer than `cap.held_most` are held so; past that, a 503 at once."""
+        awaited while fewer than `cap.held_most` are held so, for PAST_CAP_HEAD_S; past that
+        many, a 503 at once."""
         self.connections.discard(self)
         if self.cap.held_past >= self.cap.held_most:
             self._refuse_past_cap(linger=False)
             return
         self._hold_past(True)
         self._past_cap = True
-        self._arm("headers")
+        self._arm("headers", min(self.read_timeout, PAST_CAP_HEAD_S))
 
     def _hold_past(self, held: bool) -> None:
         """Count this connection in `cap.held_past`, or no longer."""
@@ -380,10 +387,26 @@ class _TimedH11(H11Protocol):
         self._past_cap = False
         request = event if isinstance(event, h11.Request) else None
         cap = self.cap
-        if request is not None and operator_target(request.target) and cap.spare_used < cap.spare:
+        if request is not None and cap.limit is not None and self._under_cap(cap.limit):
+            self._serve_freed()
+        elif request is not None and operator_target(request.target) and cap.spare_used < cap.spare:
             self._serve_spare(request)
         else:
             self._refuse_past_cap(head_only=request is not None and request.method == b"HEAD")
+
+    def _under_cap(self, limit: int) -> bool:
+        """Whether a connection served now would be within `limit` (this one is not counted):
+        one served may have closed since this one connected past the cap."""
+        return len(self.connections) - self.cap.spare_used < limit
+
+    def _serve_freed(self) -> None:
+        """A connection that came past the cap finds room under it as its request arrives (one
+        served closed meanwhile): it is served as any, among those the cap counts, rather than
+        refused while a new connection would be served."""
+        self._hold_past(False)
+        self.connections.add(self)
+        self.handle_events()
+        self._follow_request()
 
     def _serve_spare(self, request: h11.Request) -> None:
         """Serve the operator's `request` past the cap, as one of `cap.spare`, and close the
@@ -560,7 +583,7 @@ class _TimedH11(H11Protocol):
             self._arm("body")
             return
         if awaiting == "headers" and self.conn.trailing_data[0]:
-            self._answer(408, f"Request timeout: no whole request within {self.read_timeout:g}s\n")
+            self._answer(408, f"Request timeout: no whole request within {self._waited:g}s\n")
         owed = self.OWED.get(awaiting or "", awaiting)
         log.debug("closing %s's connection: waited %gs for %s", self.client, self._waited, owed)
         self.transport.close()

@@ -218,6 +218,45 @@ def test_at_the_cap_the_operators_requests_on_new_connections_are_served(
     assert "Traceback" not in log and "Logging error" not in log, log[-4000:]
 
 
+def test_connections_past_the_cap_that_send_nothing_do_not_lock_the_operator_out(
+    daemon: Daemon,
+) -> None:
+    """PAST_CAP_HELD connections past the cap that send nothing were held for the whole read
+    timeout (10 minutes here), and meanwhile every new connection, the operator's scrapes
+    too, was answered 503 at connect. Now one past the cap has PAST_CAP_HEAD_S to send its
+    request: the silent ones are closed, and the operator's requests are served again."""
+    observer = Observer(daemon)
+    observer.wait_served(1, "only the observer open")
+    with contextlib.ExitStack() as stack:
+        for _ in range(CAP - 1):
+            stack.enter_context(held(daemon))
+        observer.wait_served(CAP, f"{CAP} connections served")
+        silent = [stack.enter_context(held(daemon)) for _ in range(service.PAST_CAP_HELD)]
+        for sock in silent:  # closed by the daemon, unanswered: they sent nothing
+            assert read_all(sock) == b""
+        status, _ = operator_get(daemon, "/metrics")
+        assert status == "HTTP/1.1 200 OK", status
+
+
+def test_a_request_past_the_cap_that_finds_room_by_then_is_served(daemon: Daemon) -> None:
+    """A connection that came past the cap was judged by the cap as it stood at its connect:
+    its request was refused even where a served connection had closed meanwhile, while a new
+    connection was served. Now the cap is read as the request arrives."""
+    observer = Observer(daemon)
+    observer.wait_served(1, "only the observer open")
+    with contextlib.ExitStack() as stack:
+        kept = [stack.enter_context(held(daemon)) for _ in range(CAP - 1)]
+        observer.wait_served(CAP, f"{CAP} connections served")
+        with held(daemon) as late:  # past the cap: its request is awaited
+            # accepted in order: once one connected after it is refused, it is past the cap
+            assert operator_get(daemon, "/v1/models")[0] == "HTTP/1.1 503 Service Unavailable"
+            kept[0].close()
+            observer.wait_served(CAP - 1, "the daemon to see one served connection closed")
+            late.sendall(POST_COMPLETION)
+            status, _, body = head_and_body(read_all(late))
+    assert status == "HTTP/1.1 200 OK" and b'"text_completion"' in body, (status, body)
+
+
 @pytest.fixture(scope="module")
 def starved(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     """A daemon whose cap the open files limit cannot reach: accept() runs out of

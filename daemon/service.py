@@ -273,16 +273,23 @@ class _HeadLimitedConnection(h11.Connection):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.peeked: Any = None  # an event read ahead by `peek_event`: the next one returned
+        # the status h11 would answer the request it could not parse with (431: a head too
+        # long; 400: anything else), for the answer uvicorn asks for without saying why
+        self.refusal = 400
 
     def next_event(self) -> Any:
         if self.peeked is not None:
             event, self.peeked = self.peeked, None
             return event
-        if self.their_state is h11.IDLE and head_too_large(self.trailing_data[0]):
-            raise h11.RemoteProtocolError(
-                "request line and headers too long", error_status_hint=431
-            )
-        return super().next_event()
+        try:
+            if self.their_state is h11.IDLE and head_too_large(self.trailing_data[0]):
+                raise h11.RemoteProtocolError(
+                    "request line and headers too long", error_status_hint=431
+                )
+            return super().next_event()
+        except h11.RemoteProtocolError as e:
+            self.refusal = e.error_status_hint
+            raise
 
     def peek_event(self) -> Any:
         """The next event, left to be the next `next_event` returns (NEED_DATA is not kept:
@@ -530,8 +537,9 @@ class _TimedH11(H11Protocol):
         self._follow_request()  # a request the client sent before the answer ended
 
     def send_400_response(self, msg: str) -> None:
-        """uvicorn's answer to what h11 could not parse: 431 where it is headers too long."""
-        if len(self.conn.trailing_data[0]) <= MAX_HEADER_BYTES:
+        """uvicorn's answer to what h11 could not parse: 431 where it is headers too long (not
+        where a short malformed head came with more than MAX_HEADER_BYTES behind it: a 400)."""
+        if getattr(self.conn, "refusal", 400) != 431:
             super().send_400_response(msg)
             return
         self._answer(

@@ -219,6 +219,16 @@ def test_headers_too_large_in_one_read_answer_431(daemon: Daemon, size: int, bef
         assert sock.recv(1) == b""  # and the connection is closed
 
 
+def test_a_short_malformed_head_with_much_behind_it_answers_400_not_431(daemon: Daemon) -> None:
+    """A head h11 cannot parse, short, with more than 16 KiB behind it in the same write: the
+    431 was chosen by the length of all that was buffered, not of the head, and named a limit
+    the request was within."""
+    with socket.create_connection(("127.0.0.1", daemon.port), timeout=CLOSE_BOUND_S) as sock:
+        sock.sendall(b"NOT HTTP AT ALL\r\n\r\n" + b"x" * (20 * 1024))
+        got, ended = read_raw(sock)
+    assert got.startswith(b"HTTP/1.1 400 ") and ended in ("closed", "reset"), (ended, got)
+
+
 @pytest.mark.parametrize("size", [15 * 1024, MAX_HEADER_BYTES])
 def test_headers_within_the_limit_are_served_whatever_follows_them(
     daemon: Daemon, size: int

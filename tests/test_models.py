@@ -628,7 +628,7 @@ def test_cli_errors_are_one_line_exit_2(
         err.startswith("kvguard: error: unknown model 'no-such-model'") and "Traceback" not in err
     )
     assert main(["generate", "--model", "tiny", "--top-p", "2", "hi"]) == 2
-    assert "top_p" in capsys.readouterr().err
+    assert "--top-p 2.0" in capsys.readouterr().err  # the flag, as given
 
 
 def test_cli_generate_tiny_matches_transformers(
@@ -666,8 +666,8 @@ def test_cli_generate_checks_its_sampling_flags_before_loading_the_model(tmp_pat
     one): named first now, so a model that does not exist is not even looked for."""
     missing = str(tmp_path / "no-such-model")
     for flag, said in (
-        (["--temperature", "-1"], "temperature=-1.0: expected a finite number >= 0"),
-        (["--top-p", "2"], "top_p=2.0"),
+        (["--temperature", "-1"], "--temperature -1.0: expected a finite number >= 0"),
+        (["--top-p", "2"], "--top-p 2.0: expected a number in [0, 1]"),
     ):
         run = subprocess.run(
             [*_kvguard_command(), "generate", "--model", missing, *flag, "hi"],

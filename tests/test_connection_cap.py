@@ -257,18 +257,26 @@ def test_a_request_past_the_cap_that_finds_room_by_then_is_served(daemon: Daemon
     assert status == "HTTP/1.1 200 OK" and b'"text_completion"' in body, (status, body)
 
 
+def limited_daemon(
+    tmp_path_factory: pytest.TempPathFactory, name: str, api: str
+) -> Iterator[Daemon]:
+    """A daemon run under OPEN_FILES, connections that send nothing held for the whole test
+    (request_read_timeout), with the `api` keys given; stopped at the end."""
+    with open_files_limit(OPEN_FILES):
+        d = Daemon(
+            tmp_path_factory.mktemp(name),
+            debug_hooks=False,
+            api=f"{api}, request_read_timeout: 10m" if api else "request_read_timeout: 10m",
+        )
+    yield d
+    assert d.stop() == 0
+
+
 @pytest.fixture(scope="module")
 def starved(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     """A daemon whose cap the open files limit cannot reach: accept() runs out of
     descriptors first."""
-    with open_files_limit(OPEN_FILES):
-        d = Daemon(
-            tmp_path_factory.mktemp("starved"),
-            debug_hooks=False,
-            api="max_connections: 100000, request_read_timeout: 10m",
-        )
-    yield d
-    assert d.stop() == 0
+    yield from limited_daemon(tmp_path_factory, "starved", "max_connections: 100000")
 
 
 def test_accepts_that_fail_for_want_of_a_descriptor_are_counted(starved: Daemon) -> None:
@@ -300,14 +308,7 @@ def test_accepts_that_fail_for_want_of_a_descriptor_are_counted(starved: Daemon)
 def crowded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     """A daemon whose cap is sized from a small open files limit (184 of 256 where it holds
     11 descriptors as it starts)."""
-    with open_files_limit(OPEN_FILES):
-        d = Daemon(
-            tmp_path_factory.mktemp("crowded"),
-            debug_hooks=False,
-            api="request_read_timeout: 10m",
-        )
-    yield d
-    assert d.stop() == 0
+    yield from limited_daemon(tmp_path_factory, "crowded", "")
 
 
 def refused_at_once(d: Daemon) -> socket.socket:

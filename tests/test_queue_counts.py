@@ -33,6 +33,7 @@ from kvguard.engine.sequence import PRIORITIES, PRIORITY_NAMES, Sequence, Status
 from tests.test_engine import make_engine
 from tests.test_kv_pool import apply
 from tests.test_live_corners import SWAP
+from tests.test_remedies import run_all
 
 
 def params(n: int = 24) -> SamplingParams:
@@ -231,13 +232,8 @@ def test_a_swap_in_that_raises_leaves_the_sequence_swapped_out_and_counted(
     assert [s.request_id for s in sch.swapped] == [ids[2]]
     assert engine.block_manager.num_used < used  # its device blocks went to the host
     moves.check(engine)
-    done = {}
-    for _ in range(200):
-        if not engine.has_unfinished():
-            break
-        done |= {o.request_id: o.token_ids for o in engine.step() if o.finished}
-        moves.check(engine)
-    assert {rid: len(tokens) for rid, tokens in done.items()} == dict.fromkeys(ids, 24)
+    done = run_all(engine, moves.check)
+    assert {rid: len(o.token_ids) for rid, o in done.items()} == dict.fromkeys(ids, 24)
     assert engine.snapshot().events["swapped_in"] == 1
 
 
@@ -272,11 +268,7 @@ def test_a_swap_in_out_of_device_memory_for_a_while_does_not_stop_the_running_on
     said = [r.getMessage() for r in caplog.records if "stays swapped out" in r.getMessage()]
     assert len(said) == 1 and "ran out of memory" in said[0], said
     monkeypatch.setattr(sch.kv, "swap_in", copy_in)
-    for _ in range(200):
-        if not engine.has_unfinished():
-            break
-        done |= {o.request_id: len(o.token_ids) for o in engine.step() if o.finished}
-        moves.check(engine)
+    done |= {rid: len(o.token_ids) for rid, o in run_all(engine, moves.check).items()}
     assert done == dict.fromkeys(ids, 24)
 
 
@@ -298,13 +290,8 @@ def test_a_start_whose_allocation_raises_leaves_the_request_queued_and_counted(
         engine.step()
     assert [s.request_id for s in engine.scheduler.waiting] == [second]
     moves.check(engine)
-    done = {}
-    for _ in range(200):
-        if not engine.has_unfinished():
-            break
-        done |= {o.request_id: o.token_ids for o in engine.step() if o.finished}
-        moves.check(engine)
-    assert {rid: len(tokens) for rid, tokens in done.items()} == {first: 24, second: 24}
+    done = run_all(engine, moves.check)
+    assert {rid: len(o.token_ids) for rid, o in done.items()} == {first: 24, second: 24}
     assert bm.hit_tokens == 32  # the second request started from the first's two blocks
 
 

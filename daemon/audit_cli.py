@@ -30,6 +30,12 @@ EXPORT_TABLES = ("actions", "events", "incidents")
 WHOLE_COLUMNS = {"ID", "TIME", "OPENED", "CLOSED", "INCIDENT"}
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
 _PART = r"(\d+(?:\.\d+)?)(ms|s|m|h|d|w)"
+# The time part of an ISO time as `datetime.fromisoformat` reads it, after the date and its
+# one-character separator: HH, HH:MM or HH:MM:SS (colons optional), a fraction, an offset.
+_ISO_TIME = re.compile(
+    r"\D(\d\d)(?::?(\d\d)(?::?(\d\d)([.,]\d+)?)?)?"
+    r"(?:Z|[+-]\d\d(?::?\d\d(?::?\d\d(?:[.,]\d+)?)?)?)?$"
+)
 DEFAULT_DB_HELP = (
     "no --db or audit.url: audit.db in $STATE_DIRECTORY, else $KVGUARD_STATE_DIR, else "
     "/var/lib/kvguard where the daemon's is, else ./var/"
@@ -92,8 +98,9 @@ def _window_options(p: argparse.ArgumentParser) -> None:
         "--until",
         metavar="WHEN",
         help="up to this time: a duration ago or ISO (one without fractional seconds, as "
-        "printed, takes in the whole of its second; a date alone, the whole day; a week "
-        "alone, 2026-W50, the whole week)",
+        "printed, takes in the whole of its second; one to the minute or hour, "
+        "2026-12-07T22:38 or 2026-12-07T22, the whole minute or hour; a date alone, the whole "
+        "day; a week alone, 2026-W50, the whole week)",
     )
 
 
@@ -756,29 +763,42 @@ def parse_when(text: str, now: datetime | None = None, option: str = "--since") 
 
 
 def parse_until(text: str, now: datetime | None = None) -> datetime:
-    """An --until value: as `parse_when`, but an ISO time without fractional seconds (as the
-    tables print times) means the whole of that second: rows keep microseconds, and the row
-    printed at 12:00:00 may have been written at 12:00:00.73; a date alone means the whole of
-    that day, and a week alone the whole of that week (`_named_span`)."""
+    """An --until value: as `parse_when`, but an ISO time means the whole of the stretch it
+    names (`_named_span`): one without fractional seconds (as the tables print times) the whole
+    of that second, since rows keep microseconds and the row printed at 12:00:00 may have been
+    written at 12:00:00.73; a minute or an hour alone the whole minute or hour, a date alone the
+    whole day, a week alone the whole week; one with a fraction that instant."""
     t = parse_when(text, now, "--until")
     value = text.strip()
-    if re.fullmatch(rf"(?:{_PART})+", value) or re.search(r":\d\d[.,]\d", value):
+    if re.fullmatch(rf"(?:{_PART})+", value):
+        return t
+    span = _named_span(value)
+    if not span:
         return t
     try:
-        return t + _named_span(value) - timedelta(microseconds=1)  # rows end in microseconds
-    except OverflowError:  # the last second (or day, week) there is: every row is older
+        return t + span - timedelta(microseconds=1)  # rows end in microseconds
+    except OverflowError:  # the last second (or minute, hour, day, week) there is
         return datetime.max.replace(tzinfo=UTC)
 
 
 def _named_span(value: str) -> timedelta:
-    """The stretch of time an ISO time without fractional seconds names: a week (2026-W50), a
-    day (any date alone `fromisoformat` takes: 2026-12-07, 20261207, the week date 2026-W50-1),
-    else a second. Matching only YYYY-MM-DD took a week date for its midnight, leaving out
-    the rest of the day."""
+    """The stretch of time an ISO time names, by the precision it is written to: a week
+    (2026-W50), a day (any date alone `fromisoformat` takes: 2026-12-07, 20261207, the week
+    date 2026-W50-1), an hour (2026-12-07T22), a minute (22:38, 2238), a second (22:38:36), or
+    none for a fraction (22:38:36.5, 223836,5: that instant). Matching only YYYY-MM-DD took a
+    week date for its midnight, leaving out the rest of the day; and a minute was taken for
+    its first second, so `--since 22:38 --until 22:38` listed nothing of that minute."""
     try:
         date.fromisoformat(value)
     except ValueError:
-        return timedelta(seconds=1)
+        m = _ISO_TIME.search(value)
+        if m is None:  # fromisoformat took it, so this is not expected: its second, as before
+            return timedelta(seconds=1)
+        if m.group(4):
+            return timedelta(0)
+        if m.group(3):
+            return timedelta(seconds=1)
+        return timedelta(minutes=1) if m.group(2) else timedelta(hours=1)
     return timedelta(weeks=1) if re.fullmatch(r"\d{4}-?W\d\d", value) else timedelta(days=1)
 
 

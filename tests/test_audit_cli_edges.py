@@ -440,6 +440,42 @@ def test_until_a_printed_time_takes_in_that_whole_second(tmp_path: Path) -> None
         assert rc == 0 and [r["rule"] for r in json.loads(out)] == ["monday"], text
 
 
+def test_until_takes_in_the_whole_minute_or_hour_it_names(tmp_path: Path) -> None:
+    """`--until` reads the precision a time is written to, as it does a day's or a week's: a
+    minute (22:38) is the whole minute and an hour (T22) the whole hour, so `--since 22:38
+    --until 22:38` lists what happened in that minute rather than nothing; and a fraction is
+    that instant in the basic form too (20261207T223836.5), as in the extended one."""
+    from kvguard.daemon.audit_cli import parse_until
+
+    t = datetime(2026, 12, 7, 22, 38, 36, 604931, tzinfo=UTC)  # a row 36.6 s into the minute
+    url = f"sqlite:///{tmp_path / 'a.db'}"
+    s = AuditStore(url, host="h")
+    s.start()
+    _act(s, rule="in", time=t)
+    _act(s, rule="next-hour", time=t.replace(hour=23, minute=0, second=0, microsecond=0))
+    assert s.stop(timeout=10)
+
+    def rules(*window: str) -> list[str]:
+        rc, out = kvguard("audit", "list", "--db", url, *window, "--json")
+        assert rc == 0, out
+        return [r["rule"] for r in json.loads(out)]
+
+    minute, hour = t.replace(second=0, microsecond=0), t.replace(minute=0, second=0, microsecond=0)
+    for text in ("2026-12-07T22:38", "2026-12-07 22:38", "20261207T2238", "2026-12-07T22:38Z"):
+        assert parse_until(text) == minute + timedelta(minutes=1, microseconds=-1), text
+        assert rules("--since", text, "--until", text) == ["in"], text
+    assert parse_until("2026-12-07T23:38+01:00") == minute + timedelta(minutes=1, microseconds=-1)
+    for text in ("2026-12-07T22", "20261207T22", "2026-12-07T17-05"):
+        assert parse_until(text) == hour + timedelta(hours=1, microseconds=-1), text
+        assert rules("--since", text, "--until", text) == ["in"], text
+    assert rules("--until", "2026-12-07T22:37") == []  # the minute before holds nothing
+    # a fraction is that instant, in either form: the row at 36.6 s is after 36.5
+    for text in ("2026-12-07T22:38:36.5", "20261207T223836.5", "20261207T223836,5"):
+        assert parse_until(text) == t.replace(microsecond=500000), text
+        assert rules("--until", text) == [], text
+    assert rules("--until", "20261207T223836") == ["in"]  # whole seconds: that second
+
+
 # -- a fleet's database: `list` names each row's daemon --------------------------------------------
 def test_list_names_each_rows_instance_on_a_shared_database(tmp_path: Path) -> None:
     """Two daemons writing one database (as on PostgreSQL): their rows in `kvguard audit list`

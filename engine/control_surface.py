@@ -488,8 +488,8 @@ class ControlSurface:
             victim = self.scheduler.pick_victim()
             if victim is None:
                 break
-            victim.held = True  # back once usage has eased, as an eviction's
             moved.append((victim.request_id, self.scheduler.preempt(victim)))
+            victim.held = True  # back once usage has eased, as an eviction's
         if bm.num_used > new_n:
             return (
                 f"refused: {bm.num_used} blocks in use do not fit {new_n}",

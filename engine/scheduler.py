@@ -12,7 +12,8 @@ itself in the queue). When a running sequence needs a block and none is free, th
 lowest-priority, newest running sequence is preempted (even one already scheduled for this
 step, which then leaves it): swapped to the host pool when offload is on and it has room,
 recomputed later otherwise (on an FP8 pool swapped where only cost chose recompute:
-`_swaps`). Nothing is ever dropped (a sequence holding more tokens than the
+`_swaps`; recomputed too where the copy to the host runs out of memory: `_swap_out`).
+Nothing is ever dropped (a sequence holding more tokens than the
 whole pool, which could never run again, ends with `length`: `_outgrown`). A waiting `high`
 request takes its blocks, and with every `max_num_seqs` slot taken its slot, from
 lower-priority running sequences the same way.
@@ -87,13 +88,20 @@ EventSink = Callable[..., None]
 MIN_BATCHED_TOKENS = 64
 # how often a busy engine holds its queue counts to a recount of the queues (`recount_when_due`)
 RECOUNT_S = 1.0
-# a swap-in that runs out of device memory is said at most once per this many seconds: one
-# that lasts is tried again every step (`Scheduler._swap_in_failed`)
-SWAP_IN_WARN_EVERY_S = 60.0
+# a swap that runs out of memory is said at most once per this many seconds, each way: a
+# swap-in that lasts is tried again every step (`Scheduler._swap_in_failed`), and under
+# pressure every preemption may find the copy out failing (`Scheduler._swap_out_failed`)
+SWAP_WARN_EVERY_S = 60.0
 # A high request keeps steps to high work until its first text is out, for at most this many
 # output tokens: a token whose text is held back (it may begin a stop string) is not yet a
 # first token to the client, and the next one must not wait for a full step of others' work.
 FIRST_TEXT_TOKENS = 4
+
+
+def first_line(error: BaseException) -> str:
+    """`error`'s message for a log line: its first line (a CUDA OOM's runs to several), or
+    its type where it has none."""
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
 
 
 def runs_ahead(seq: Sequence) -> bool:
@@ -211,6 +219,7 @@ class Scheduler:
         policy.watch(self.counts, lambda: self.max_num_seqs)  # a full batch queues arrivals
         self.clock: Callable[[], float] = time.monotonic  # when a recount is due
         self._swap_in_warn_at = -math.inf  # when a failed swap-in is next said
+        self._swap_out_warn_at = -math.inf  # ... and a failed swap-out
         self._recount_at = 0.0  # the next recount of the queue counts (`recount_when_due`)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -576,28 +585,48 @@ class Scheduler:
         return max(candidates, key=lambda s: s.sort_key, default=None)
 
     def preempt(self, seq: Sequence) -> str:
-        """Move a running sequence off the device: swap if possible, else recompute later."""
+        """Move a running sequence off the device: swap if possible, else recompute later.
+        The copy to the host comes first, `seq` still running (`_swap_out`): one that runs out
+        of memory makes it a recompute, and one that raises anything else leaves it running
+        as it was and raises (taken off `running` first, it was in no queue and its client
+        never answered, its host blocks leaked and its device blocks were never freed)."""
+        host = self._swap_out(seq)
         self.running.remove(seq)
         self._moved(seq, Status.RUNNING, None)
         seq.draft = []
         seq.num_preemptions += 1
+        if host is None:
+            return self._recompute(seq)
         n = len(seq.block_table)
-        if self._swaps(n):
-            host = self.host_bm.take(seq.request_id, n)
+        self.bm.free(seq)
+        seq.host_block_table = host
+        seq.status = Status.SWAPPED
+        bisect.insort(self.swapped, seq, key=lambda s: s.sort_key)
+        self._moved(seq, None, Status.SWAPPED)
+        self.emit("swapped_out", request_id=seq.request_id, blocks=n)
+        self.preemptions["swap"] += 1
+        self.emit("preempted", request_id=seq.request_id, mode="swap", priority=seq.priority)
+        return "swap"
+
+    def _swap_out(self, seq: Sequence) -> list[int] | None:
+        """Copy running `seq`'s blocks to the host pool where it swaps (`_swaps`): the host
+        blocks holding them, or None where it is to be recomputed. A copy that raises gives
+        the host blocks back. Out of memory (on the device, or on the host: `is_oom`), under
+        the very pressure that preempts it, it is recomputed instead (None), a warning saying
+        so (`_swap_out_failed`); anything else is a bug and raises, as a swap-in's does."""
+        n = len(seq.block_table)
+        if not self._swaps(n):
+            return None
+        host = self.host_bm.take(seq.request_id, n)
+        try:
             self.kv.swap_out(seq.block_table, host)
-            self.bm.free(seq)
-            seq.host_block_table = host
-            seq.status = Status.SWAPPED
-            bisect.insort(self.swapped, seq, key=lambda s: s.sort_key)
-            self._moved(seq, None, Status.SWAPPED)
-            mode = "swap"
-            self.emit("swapped_out", request_id=seq.request_id, blocks=n)
-        else:
-            mode = self._recompute(seq)
-        if mode == "swap":
-            self.preemptions[mode] += 1
-            self.emit("preempted", request_id=seq.request_id, mode=mode, priority=seq.priority)
-        return mode
+        except BaseException as e:
+            self.host_bm.give(seq.request_id, host)
+            if not is_oom(e):
+                raise
+            self._swap_out_failed(seq, e)
+            return None
+        return host
 
     def _swaps(self, n_blocks: int) -> bool:
         """Whether a preempted sequence holding `n_blocks` goes to the host pool: while it
@@ -706,19 +735,32 @@ class Scheduler:
                 budget -= n
         return budget
 
+    def _swap_out_failed(self, seq: Sequence, error: BaseException) -> None:
+        """Copying `seq` to the host ran out of memory (`_swap_out`): it is recomputed
+        instead, its K/V computed again once it runs. Said once per SWAP_WARN_EVERY_S."""
+        now = self.clock()
+        if now >= self._swap_out_warn_at:
+            self._swap_out_warn_at = now + SWAP_WARN_EVERY_S
+            log.warning(
+                "%s is preempted by recompute: copying it to the host pool ran out of memory "
+                "(%s); it waits to run again from its text",
+                seq.request_id,
+                first_line(error),
+            )
+
     def _swap_in_failed(self, seq: Sequence, error: BaseException) -> None:
         """Copying `seq` back to the device ran out of memory (`_swap_in` left it swapped out,
         its host copy whole). Raised out of the step, an OOM that lasts (the device held by
         another process) failed every step, and no running sequence made progress: the step
-        goes on without it instead. Said once per SWAP_IN_WARN_EVERY_S."""
+        goes on without it instead. Said once per SWAP_WARN_EVERY_S."""
         now = self.clock()
         if now >= self._swap_in_warn_at:
-            self._swap_in_warn_at = now + SWAP_IN_WARN_EVERY_S
+            self._swap_in_warn_at = now + SWAP_WARN_EVERY_S
             log.warning(
                 "%s stays swapped out: copying it back to the device ran out of memory (%s); "
                 "the running sequences go on and it is tried again at the next steps",
                 seq.request_id,
-                str(error).splitlines()[0] if str(error) else type(error).__name__,
+                first_line(error),
             )
 
     def _swapped_place(self, batch: ScheduledBatch) -> tuple | None:
@@ -1102,8 +1144,8 @@ class Scheduler:
             victim = self.pick_victim(max_rank=max_rank)
             if victim is None:
                 break
-            victim.held = True
             moved.append((victim.request_id, self.preempt(victim)))
+            victim.held = True  # set once it is out: a preemption that raised leaves it running
         return moved
 
     def audit(self) -> None:

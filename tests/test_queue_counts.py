@@ -237,6 +237,11 @@ def test_a_swap_in_that_raises_leaves_the_sequence_swapped_out_and_counted(
     assert engine.snapshot().events["swapped_in"] == 1
 
 
+def out_of_memory(*args: object) -> None:
+    """A device copy that cannot get its memory, as torch raises it on CUDA."""
+    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
+
+
 def test_a_swap_in_out_of_device_memory_for_a_while_does_not_stop_the_running_ones(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -249,10 +254,6 @@ def test_a_swap_in_out_of_device_memory_for_a_while_does_not_stop_the_running_on
     moves.step(engine)
     sch = engine.scheduler
     copy_in = sch.kv.swap_in
-
-    def out_of_memory(*args: object) -> None:
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
-
     monkeypatch.setattr(sch.kv, "swap_in", out_of_memory)
     fut = engine.evict(1, "normal")
     done: dict[str, int] = {}
@@ -270,6 +271,122 @@ def test_a_swap_in_out_of_device_memory_for_a_while_does_not_stop_the_running_on
     monkeypatch.setattr(sch.kv, "swap_in", copy_in)
     done |= {rid: len(o.token_ids) for rid, o in run_all(engine, moves.check).items()}
     assert done == dict.fromkeys(ids, 24)
+
+
+def said(caplog: pytest.LogCaptureFixture, words: str) -> list[str]:
+    """The warnings logged so far that hold `words`."""
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno == logging.WARNING and words in r.getMessage()
+    ]
+
+
+def test_a_swap_out_out_of_memory_in_a_step_recomputes_the_sequence_instead(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A high arrival takes a low request's slot (`_make_way`) and copying the low one to the
+    host runs out of memory: it is recomputed instead, its host blocks given back and its
+    device blocks freed, one warning naming it and the error, and it finishes. Taken off the
+    running queue before the copy, it was in no queue, its blocks on both tiers leaked, and
+    the step raised."""
+    engine, moves = overloaded(), Moves()
+    ids = [
+        engine.add_request(prompt(i), params(), priority=p)
+        for i, p in enumerate(["normal", "low", "normal"])
+    ]
+    moves.step(engine)
+    sch = engine.scheduler
+    monkeypatch.setattr(sch.kv, "swap_out", out_of_memory)
+    ids.append(engine.add_request(prompt(3), params(), priority="high"))
+    with caplog.at_level(logging.WARNING, logger="kvguard.engine"):
+        moves.step(engine)  # the high one starts in the low one's slot
+    assert sch.preemptions == {"swap": 0, "recompute": 1}
+    assert [s.request_id for s in sch.waiting] == [ids[1]]
+    assert sorted(s.request_id for s in sch.running) == sorted([ids[0], ids[2], ids[3]])
+    assert engine.host_block_manager.num_used == 0
+    assert said(caplog, "preempted by recompute") == [
+        f"{ids[1]} is preempted by recompute: copying it to the host pool ran out of memory "
+        "(CUDA out of memory. Tried to allocate 2.00 MiB); it waits to run again from its text"
+    ]
+    done = run_all(engine, moves.check)
+    assert {rid: len(o.token_ids) for rid, o in done.items()} == dict.fromkeys(ids, 24)
+    assert engine.snapshot().events.get("swapped_out", 0) == 0
+
+
+def test_a_remedys_swap_out_out_of_memory_recomputes_what_it_preempts(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An eviction and a batch cut whose copies to the host run out of memory (on the host
+    too: the CPU allocator's error) preempt by recompute: each says so in its result, the
+    batch cut goes on to its limit, nothing holds host blocks, one warning covers them all,
+    and every request finishes."""
+    engine, moves = overloaded(), Moves()
+    ids = [engine.add_request(prompt(i), params()) for i in range(3)]
+    moves.step(engine)
+    sch = engine.scheduler
+    monkeypatch.setattr(sch.kv, "swap_out", out_of_memory)
+    with caplog.at_level(logging.WARNING, logger="kvguard.engine"):
+        res = apply(engine, engine.evict(1, "normal"))
+        assert res.data["evicted"] == [(ids[2], "recompute")]
+        moves.check(engine)
+
+        def host_out_of_memory(*args: object) -> None:
+            raise RuntimeError(
+                "[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate "
+                "memory: you tried to allocate 1048576 bytes"
+            )
+
+        monkeypatch.setattr(sch.kv, "swap_out", host_out_of_memory)
+        res = apply(engine, engine.set_max_num_seqs(1))
+        assert [mode for _, mode in res.data["preempted"]] == ["recompute", "recompute"]
+        assert len(sch.running) == 1 and engine.host_block_manager.num_used == 0
+        moves.check(engine)
+    assert len(said(caplog, "preempted by recompute")) == 1  # once a minute
+    assert sch.preemptions["swap"] == 0
+    assert apply(engine, engine.set_max_num_seqs(3)).ok
+    done = run_all(engine, moves.check)
+    assert {rid: len(o.token_ids) for rid, o in done.items()} == dict.fromkeys(ids, 24)
+
+
+def test_a_swap_out_that_raises_otherwise_leaves_the_sequence_running_and_counted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A copy to the host that raises anything but running out of memory is a bug: it raises,
+    out of the action or the step, as a swap-in's does, and the sequence runs on as it was,
+    its device blocks held and the host blocks taken for it given back. Once the copy works
+    again it is swapped out and every request finishes."""
+    engine, moves = overloaded(), Moves()
+    ids = [
+        engine.add_request(prompt(i), params(), priority=p)
+        for i, p in enumerate(["normal", "low", "normal"])
+    ]
+    moves.step(engine)
+    sch = engine.scheduler
+    copy_out = sch.kv.swap_out
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("swap_out: a kvguard bug")
+
+    monkeypatch.setattr(sch.kv, "swap_out", broken)
+    fut = engine.evict(1, "low")
+    engine.step()
+    with pytest.raises(RuntimeError, match="a kvguard bug"):
+        fut.result(0)
+    moves.check(engine)
+    low = next(s for s in sch.running if s.request_id == ids[1])
+    assert not low.held and low.num_preemptions == 0 and low.block_table
+    assert engine.host_block_manager.num_used == 0
+    ids.append(engine.add_request(prompt(3), params(), priority="high"))
+    with pytest.raises(RuntimeError, match="a kvguard bug"):
+        engine.step()  # the high one would take the low one's slot
+    assert ids[1] in [s.request_id for s in sch.running]
+    assert engine.host_block_manager.num_used == 0
+    moves.check(engine)
+    monkeypatch.setattr(sch.kv, "swap_out", copy_out)
+    done = run_all(engine, moves.check)
+    assert {rid: len(o.token_ids) for rid, o in done.items()} == dict.fromkeys(ids, 24)
+    assert sch.preemptions["swap"] == 1
 
 
 def test_a_start_whose_allocation_raises_leaves_the_request_queued_and_counted(

@@ -910,8 +910,12 @@ class LLMEngine(ControlSurface):
         # request's tokens missing from its stream though its final output has them.
         self._report_oom_repeats()
         self._maybe_restore_budget()
-        batch = self.scheduler.schedule()
-        self._pending += [self._outgrown(seq) for seq in batch.ended]
+        try:
+            batch = self.scheduler.schedule()
+        finally:
+            # the requests scheduling ended (`Scheduler._outgrown`) answer even where it then
+            # raised: their outputs wait in `_pending` for this step's return or the next's
+            self._pending += [self._outgrown(seq) for seq in self.scheduler.take_ended()]
         if not batch.empty:
             steps = self._steps_ahead(batch)
             self._pending += self._run(batch, steps)

@@ -169,8 +169,6 @@ class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)  # tokens to compute per sequence
     preempted: list[Sequence] = field(default_factory=list)
-    # ended this step with `length` (`Scheduler._outgrown`): the engine hands out their output
-    ended: list[Sequence] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
@@ -241,6 +239,9 @@ class Scheduler:
         # batch that failed, which the chain's cut halves (`oom_cut_base`)
         self.oom_batch = 0
         self.preemptions = {"swap": 0, "recompute": 0}
+        # ended with `length` by a step's scheduling (`_outgrown`), until the engine takes them
+        # to hand their outputs out (`take_ended`), also where that scheduling then raised
+        self.ended: list[Sequence] = []
         self.speculation = speculation
         # whether the device KV pool is FP8 now: no drafts then (see the module's docstring)
         self.kv_quantized = kv_quantized
@@ -344,6 +345,13 @@ class Scheduler:
         if not batch.empty:
             self.policy.on_step(len(batch.preempted), self.bm.num_used / self.bm.num_blocks)
         return batch
+
+    def take_ended(self) -> list[Sequence]:
+        """The sequences `_outgrown` ended since the last call, their outputs for the engine
+        to hand out. Kept here, not in the step's batch: a `schedule()` that raises after
+        ending one drops its batch, and with it the only answer its client would get."""
+        ended, self.ended = self.ended, []
+        return ended
 
     def _unreserve(self, batch: ScheduledBatch) -> None:
         """A step whose scheduling raised (a device copy out of memory, say) never runs: the
@@ -473,7 +481,7 @@ class Scheduler:
         for seq in sorted(self.running, key=lambda s: (not one_step(s), s.sort_key)):
             if seq.status is not Status.RUNNING or budget <= 0 or seq in taken:
                 continue
-            if self._outgrown(seq, batch):
+            if self._outgrown(seq):
                 continue
             if urgent and not awaits_first_text(seq):
                 continue  # a step of the work that stands between high requests and text
@@ -714,7 +722,7 @@ class Scheduler:
         the whole rest of a prompt that is not run in chunks."""
         while self.swapped and len(self.running) < self.max_num_seqs:
             seq = self.swapped[0]
-            if self._outgrown(seq, batch):
+            if self._outgrown(seq):
                 continue
             share = self._prompt_share(batch, False)
             n = self._chunk(seq, min(budget, share)) if budget > 0 else 0
@@ -844,7 +852,7 @@ class Scheduler:
             if gated and self.counts.admitted_waiting() <= passed:
                 break  # only admitted requests could start, and none waits past `i`
             seq = self.waiting[i]
-            if self._outgrown(seq, batch):
+            if self._outgrown(seq):
                 continue  # taken out of the queue: the next one is at `i` now
             if seq in batch.preempted or (urgent and seq.priority != HIGH):
                 break  # preempted this very step: let memory settle first
@@ -904,10 +912,10 @@ class Scheduler:
         if not was_admitted:
             self.policy.cancel_start(seq)  # committed just now but cannot start
 
-    def _outgrown(self, seq: Sequence, batch: ScheduledBatch) -> bool:
+    def _outgrown(self, seq: Sequence) -> bool:
         """Whether `seq` holds more tokens than the whole pool does: its next token needs the
         K/V of them all, so it could never run again, however free the pool were. It ends
-        here with `length`, its output kept (the engine hands it out, `batch.ended`), as a
+        here with `length`, its output kept (the engine hands it out, `take_ended`), as a
         request whose length limit is the pool's ends, instead of preempting itself for ever
         at the head of the queue with every request behind it waiting too. A safety net: the
         engine bounds each request's length by the pool, a prompt by refusing it when the
@@ -924,7 +932,7 @@ class Scheduler:
         seq.draft = []
         seq.finish_reason = "length"
         self.finish(seq)
-        batch.ended.append(seq)
+        self.ended.append(seq)
         return True
 
     def _follows(self, seq: Sequence, leaders: list[Sequence]) -> bool:

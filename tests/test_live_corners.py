@@ -13,6 +13,9 @@ each FP8 round trip."""
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+from dataclasses import dataclass
+
 import pytest
 import torch
 
@@ -233,15 +236,27 @@ def test_lifting_a_cap_after_the_pool_shrank_ends_the_request_at_the_pool(shrink
     assert sum(engine.snapshot().preemptions.values()) == 0
 
 
-@pytest.mark.parametrize("offload", [False, True], ids=["recomputed", "swapped"])
-def test_a_sequence_longer_than_the_whole_pool_ends_and_the_queue_behind_it_runs(
-    monkeypatch: pytest.MonkeyPatch, offload: bool
-) -> None:
-    """The scheduler's safety net, should a length limit ever escape the pool again: with the
-    engine's own checks taken out, a switch back from FP8 shrinks the pool under an evicted
-    request that already holds more tokens than the new pool (recomputed or swapped out). It
-    could never run again: it ends with `length` and the output it made, and the request
-    queued behind it runs, instead of both waiting for ever."""
+@dataclass
+class Outgrowing:
+    """An engine whose next step applies an eviction of request `rid` and a switch back from
+    FP8 that shrinks the pool under it to fewer tokens than it holds, and ends it
+    (`Scheduler._outgrown`); `made`: the tokens it made."""
+
+    engine: LLMEngine
+    rid: str
+    made: list[int]
+    evict: Future
+    switch: Future
+
+    def check_applied(self, offload: bool) -> None:
+        mode = "swap" if offload else "recompute"
+        assert self.evict.result(0).data["evicted"] == [(self.rid, mode)]
+        assert self.switch.result(0).ok and self.engine.block_manager.num_blocks == 32
+
+
+def outgrowing(monkeypatch: pytest.MonkeyPatch, offload: bool) -> Outgrowing:
+    """`Outgrowing`, the request recomputed or swapped out (`offload`), with the engine's own
+    checks that keep a request within the pool taken out."""
     monkeypatch.setattr(LLMEngine, "_longest_need", lambda self: (0, None))
     monkeypatch.setattr(LLMEngine, "_bound_lengths", lambda self: None, raising=False)
     swap = {**SWAP, "cpu_cache_ratio": 0.6} if offload else {}  # a host pool that holds it
@@ -251,12 +266,24 @@ def test_a_sequence_longer_than_the_whole_pool_ends_and_the_queue_behind_it_runs
     seq = engine._seqs[rid]
     while seq.num_tokens <= 520:  # 33 blocks of 16: more than the fp32 pool's 32
         engine.step()
-    made = list(seq.output_token_ids)
     evict, switch = engine.evict(1, "normal"), engine.set_kv_cache_dtype("fp32")
+    return Outgrowing(engine, rid, list(seq.output_token_ids), evict, switch)
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["recomputed", "swapped"])
+def test_a_sequence_longer_than_the_whole_pool_ends_and_the_queue_behind_it_runs(
+    monkeypatch: pytest.MonkeyPatch, offload: bool
+) -> None:
+    """The scheduler's safety net, should a length limit ever escape the pool again: with the
+    engine's own checks taken out, a switch back from FP8 shrinks the pool under an evicted
+    request that already holds more tokens than the new pool (recomputed or swapped out). It
+    could never run again: it ends with `length` and the output it made, and the request
+    queued behind it runs, instead of both waiting for ever."""
+    out = outgrowing(monkeypatch, offload)
+    engine, rid, made = out.engine, out.rid, out.made
     later = engine.add_request([5, 6, 7, 8], greedy(4))
     outs = {o.request_id: o for o in engine.step()}  # both applied, then the step
-    assert evict.result(0).data["evicted"] == [(rid, "swap" if offload else "recompute")]
-    assert switch.result(0).ok and engine.block_manager.num_blocks == 32
+    out.check_applied(offload)
     assert outs[rid].finished and outs[rid].finish_reason == "length"
     assert outs[rid].token_ids == made
     assert len(finish(engine)[later]) == 4

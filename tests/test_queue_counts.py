@@ -12,7 +12,10 @@ gives; that a move left uncounted fails the audit; that an arrival, a snapshot a
 a handful of a 2000-request queue's entries, not all of them; and that a step's walk of the
 queue, which now ends with the last admitted request queued, starts what a walk to the end
 started; that a start or a swap in whose device work raises leaves the sequence queued where
-it was, counted; and that a count that drifted all the same is repaired, with an error."""
+it was, counted, that a swap out that runs out of memory recomputes the sequence instead (and
+one that raises otherwise leaves it running), and that a request a step's scheduling ended
+answers though the rest of that scheduling raised; and that a count that drifted all the
+same is repaired, with an error."""
 
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ from kvguard.engine.scheduler import RECOUNT_S
 from kvguard.engine.sequence import PRIORITIES, PRIORITY_NAMES, Sequence, Status
 from tests.test_engine import make_engine
 from tests.test_kv_pool import apply
-from tests.test_live_corners import SWAP
+from tests.test_live_corners import SWAP, outgrowing
 from tests.test_remedies import run_all
 
 
@@ -410,6 +413,33 @@ def test_a_start_whose_allocation_raises_leaves_the_request_queued_and_counted(
     done = run_all(engine, moves.check)
     assert {rid: len(o.token_ids) for rid, o in done.items()} == {first: 24, second: 24}
     assert bm.hit_tokens == 32  # the second request started from the first's two blocks
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["recomputed", "swapped"])
+def test_a_request_ended_for_outgrowing_the_pool_answers_though_its_step_then_raises(
+    monkeypatch: pytest.MonkeyPatch, offload: bool
+) -> None:
+    """A step's scheduling ends a request that holds more tokens than the whole pool (its
+    `length` answer), then the request queued behind it fails to start (its allocation
+    raises) and the step raises. The ended request's answer comes out of the next step: kept
+    in the step's batch, which the raise dropped, it was never handed out and its client
+    waited for ever."""
+    out = outgrowing(monkeypatch, offload)
+    engine, rid = out.engine, out.rid
+    later = engine.add_request([5, 6, 7, 8], params(4))
+    bm = engine.block_manager
+    monkeypatch.setattr(
+        bm, "allocate", raising_once(bm.allocate, lambda seq, n: seq.request_id == later)
+    )
+    with pytest.raises(DeviceOutOfMemory):
+        engine.step()  # the eviction and the switch applied, then the step's scheduling
+    out.check_applied(offload)
+    assert not engine.has_request(rid)  # it ended in that step: counted
+    assert engine.snapshot().finished == {"length": {"normal": 1}}
+    done = run_all(engine, Moves().check)
+    assert done[rid].finish_reason == "length" and done[rid].token_ids == out.made
+    assert len(done[later].token_ids) == 4
+    assert engine.block_manager.num_used == 0 and engine.host_block_manager.num_used == 0
 
 
 def errors(caplog: pytest.LogCaptureFixture) -> list[str]:

@@ -145,6 +145,13 @@ class SnapshotCollector(Collector):
             "(serving.decode_steps)",
         )
         ahead.add_metric([], s.counters.get("steps_ahead", 0))
+        repairs = CounterMetricFamily(
+            "kvguard_scheduler_count_repairs",
+            "Recounts of the scheduler's queues (once a second while it steps) that found its "
+            "queue counts drifted and set them to the recount: a kvguard bug each, its error "
+            "logged naming the drift",
+        )
+        repairs.add_metric([], s.counters.get("count_repairs", 0))
         hit = CounterMetricFamily(
             "kvguard_prefix_cache_hit_tokens",
             "Prompt tokens whose K/V a request found in the prefix cache",
@@ -184,8 +191,8 @@ class SnapshotCollector(Collector):
             "draft position must pay for itself (learnt from the steps, or the configured one)",
         )
         row_cost.add_metric([], s.speculative.get("row_cost", 0.0))
-        yield from (pre, adm, oom, gen, prompt, steps, cut, ahead, hit, queried, structured, grammar,
-                    drafted, accepted, row_cost, self._finished(s))  # fmt: skip
+        yield from (pre, adm, oom, gen, prompt, steps, cut, ahead, repairs, hit, queried, structured,
+                    grammar, drafted, accepted, row_cost, self._finished(s))  # fmt: skip
 
     def _finished(self, s: EngineSnapshot) -> CounterMetricFamily:
         """Counted by the engine, where every finish passes: a request aborted because its

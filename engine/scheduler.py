@@ -219,6 +219,9 @@ class Scheduler:
         self._swap_in_warn_at = -math.inf  # when a failed swap-in is next said
         self._swap_out_warn_at = -math.inf  # ... and a failed swap-out
         self._recount_at = 0.0  # the next recount of the queue counts (`recount_when_due`)
+        # recounts that found the counts drifted and set them to the recount (`repair_counts`):
+        # a kvguard bug each, exported (kvguard_scheduler_count_repairs_total) beside the error
+        self.count_repairs = 0
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunked = enable_chunked_prefill
@@ -303,10 +306,12 @@ class Scheduler:
 
     def repair_counts(self) -> bool:
         """Set the queue counts to a recount where they differ, with an error that names the
-        drift; whether they did."""
+        drift, counted (`count_repairs`: an error line alone is seen by nobody who watches
+        the metrics); whether they did."""
         recount = self._recount()
         drift = self.counts.differences(recount)
         if drift:
+            self.count_repairs += 1
             log.error(
                 "queue counts drifted from the queues (%s): set to the recount; a move between "
                 "the queues or an admission ticket change went uncounted, a kvguard bug to report",

@@ -190,7 +190,8 @@ def build_snapshot(engine: LLMEngine) -> EngineSnapshot:
             # requests finished per second lately: how fast the queue drains past max_queue
             "finish_rate": 0.0 if adm is None else adm.finish_rate(),
         },
-        counters=dict(engine._counters),
+        # the engine's, and the scheduler's repairs of its queue counts (`repair_counts`)
+        counters={**engine._counters, "count_repairs": sch.count_repairs},
         preemptions=dict(sch.preemptions),
         admission_decisions={} if adm is None else dict(adm.decisions),
         ttft_p50_s=_median(engine._ttft),

@@ -26,7 +26,10 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
+from kvguard.daemon.metrics import SnapshotCollector
 from kvguard.engine import LLMEngine, SamplingParams
 from kvguard.engine.admission import HIGH, NORMAL, AdmissionConfig
 from kvguard.engine.admission_policy import AdmissionRejected, QueueCounts
@@ -447,13 +450,33 @@ def errors(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
 
 
+def count_repairs(engine: LLMEngine) -> float:
+    """`kvguard_scheduler_count_repairs_total` as the daemon's /metrics exports it from the
+    engine's latest snapshot."""
+    reg = CollectorRegistry()
+    reg.register(SnapshotCollector(lambda: engine.latest_snapshot, lambda: True))
+    text = generate_latest(reg).decode()
+    [fam] = [
+        f
+        for f in text_string_to_metric_families(text)
+        if f.name == "kvguard_scheduler_count_repairs"
+    ]
+    assert fam.type == "counter"
+    [sample] = fam.samples
+    assert sample.name == "kvguard_scheduler_count_repairs_total"
+    return sample.value
+
+
 def test_a_drifted_count_is_repaired_with_an_error_and_the_request_it_hid_starts(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """An admitted request queued behind one admission holds back for KV starts only where
     the counts say an admitted request waits past the one held back (a step's walk ends at
     the last): counted one too few, it waits, on an idle engine for good. Once a second the
-    scheduler recounts its queues, logs the drift as an error and repairs it, and it starts."""
+    scheduler recounts its queues, logs the drift as an error and repairs it, and it starts;
+    the repair is counted in the metrics the daemon exports
+    (`kvguard_scheduler_count_repairs_total`), where an operator sees it: an error line
+    alone was seen by nobody who watches the metrics."""
     adm = AdmissionConfig(estimate="worst_case", max_queue=4, max_queue_wait_s=0.0)
     engine = make_engine(kv_cache_bytes="256KiB", max_model_len=256, max_num_seqs=3, admission=adm)
     sch, now = engine.scheduler, [0.0]
@@ -461,6 +484,7 @@ def test_a_drifted_count_is_repaired_with_an_error_and_the_request_it_hid_starts
     engine.add_request(prompt(0, 20), params(220))  # holds 15 of the 32 blocks
     low = engine.add_request(prompt(1, 20), params(), priority="low")
     engine.step()  # a recount is due at the first step: nothing to repair
+    assert count_repairs(engine) == 0
     held_back = engine.add_request(prompt(2, 20), params(220))  # 15 more do not fit
     assert sch.evict(1, PRIORITIES["low"]) == [(low, "recompute")]  # back in the queue, admitted
     assert [s.request_id for s in sch.waiting] == [held_back, low]
@@ -476,10 +500,12 @@ def test_a_drifted_count_is_repaired_with_an_error_and_the_request_it_hid_starts
         "set to the recount; a move between the queues or an admission ticket change went "
         "uncounted, a kvguard bug to report"
     ]
+    assert count_repairs(engine) == 1
     engine.audit_blocks()
     now[0] += RECOUNT_S
     engine.step()
     assert len(errors(caplog)) == 1  # repaired: nothing more to say
+    assert count_repairs(engine) == 1
 
 
 class Watched(list):

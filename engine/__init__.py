@@ -1,9 +1,9 @@
 """kvguard.engine: the paged-KV inference engine (knows nothing of rules, metrics, HTTP or SQL).
 
 The public names are imported on first use (PEP 562 module `__getattr__`), not here: importing
-any submodule runs this file first, and the torch-free ones (`control`, `config`, `admission`)
-are what `kvguard rules check` and the daemon's config loader need. Importing `LLMEngine`
-eagerly would load torch (seconds, hundreds of MB) just to validate a YAML file.
+any submodule runs this file first, and the torch-free ones (`control`, `config`, `admission`,
+`priority`) are what `kvguard rules check` and the daemon's config loader need. Importing
+`LLMEngine` eagerly would load torch (seconds, hundreds of MB) just to validate a YAML file.
 """
 
 from __future__ import annotations

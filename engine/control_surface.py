@@ -27,7 +27,14 @@ from kvguard.engine.distributed.errors import PoolTorn
 from kvguard.engine.knobs import ConfigError, KnobField, KnobPath, knob_fields
 from kvguard.engine.kv_cache import KV_TORCH_DTYPES, is_oom, kv_dtype_name
 from kvguard.engine.model_runner import CUDA_GROW_MARGIN, HOST_GROW_BELOW
-from kvguard.engine.sequence import PRIORITY_NAMES, Status, parse_priority
+from kvguard.engine.priority import (
+    ALLOW_NONE,
+    PRIORITIES,
+    PRIORITY_NAMES,
+    parse_allow_priority,
+    parse_priority,
+)
+from kvguard.engine.sequence import Status
 
 if TYPE_CHECKING:
     from kvguard.engine.llm_engine import LLMEngine
@@ -140,7 +147,7 @@ def allowed_name(rank: int | None) -> str | None:
     """Admission knob as text: None (open), 'none' (halted for all), or the best priority allowed."""
     if rank is None:
         return None
-    return PRIORITY_NAMES.get(rank, "none")
+    return PRIORITY_NAMES.get(rank, ALLOW_NONE)
 
 
 class ControlSurface:
@@ -828,12 +835,14 @@ class ControlSurface:
         tighten_only: bool = False,
         only_above: float | None = None,
     ) -> Future:
-        """Refuse new requests except those of `allow_priority` or better (None: refuse all).
+        """Refuse new requests except those of `allow_priority` or better (None or "none":
+        refuse all; ValueError for anything else but a priority, `parse_allow_priority`).
         With `tighten_only` (the OOM chain) a stricter halt in force is kept as it is. With
         `only_above` (the OOM chain's last step) only while the device KV cache's usage is
         above it when the engine applies it, after the actions posted before it; otherwise
         nothing changes and the result is not ok (not needed: nothing applied)."""
-        rank = -1 if allow_priority is None else parse_priority(allow_priority)
+        allowed = parse_allow_priority(allow_priority)  # "none" is None, as for a rule
+        rank = -1 if allowed is None else PRIORITIES[allowed]
 
         def apply():
             was = self.allow_rank
@@ -848,8 +857,8 @@ class ControlSurface:
             if was == rank:  # no admission_halted event either: nothing was halted now
                 return f"admission already halted (allowed: {allowed_name(was)})", True, {}
             self.admission_policy.allow_rank = rank
-            self.events.emit("admission_halted", allow_priority=allow_priority)
-            return f"admission halted (allowed: {allow_priority or 'none'})", True, {}
+            self.events.emit("admission_halted", allow_priority=allowed)
+            return f"admission halted (allowed: {allowed or ALLOW_NONE})", True, {}
 
         return self._act("halt_admission", apply)
 

@@ -9,6 +9,11 @@ from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
+# kept importable from here, where they were defined before they moved to the torch-free
+# `priority` module
+from kvguard.engine.priority import PRIORITIES as PRIORITIES
+from kvguard.engine.priority import PRIORITY_NAMES as PRIORITY_NAMES
+from kvguard.engine.priority import parse_priority as parse_priority
 from kvguard.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -17,18 +22,6 @@ if TYPE_CHECKING:
     from kvguard.engine.structured import Grammar
 
 _T = TypeVar("_T")
-
-PRIORITIES = {"high": 0, "normal": 1, "low": 2}
-PRIORITY_NAMES = {v: k for k, v in PRIORITIES.items()}
-
-
-def parse_priority(value: str | int) -> int:
-    """`high|normal|low` (or 0/1/2) to the scheduler's rank; lower ranks are served first."""
-    if isinstance(value, int) and not isinstance(value, bool) and value in PRIORITY_NAMES:
-        return value
-    if isinstance(value, str) and value.lower() in PRIORITIES:
-        return PRIORITIES[value.lower()]
-    raise ValueError(f"priority={value!r}: expected one of high, normal, low")
 
 
 @dataclass(slots=True, frozen=True)

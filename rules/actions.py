@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from kvguard.engine.config import MAX_NUM_SEQS
 from kvguard.engine.control import REQUESTS_MOVED, ActionResult, Mailbox
+from kvguard.engine.priority import parse_allow_priority
 
 if TYPE_CHECKING:  # the engine (and torch) only when an action runs, not to validate a file
     from kvguard.engine.llm_engine import LLMEngine
@@ -68,9 +69,10 @@ class Halt(_Params):
     @field_validator("allow_priority")
     @classmethod
     def _none_is_null(cls, value: str | None) -> str | None:
-        """Reads `none` as None: one value for a halt for all, in the engine and in a
+        """Reads `none` as None, as the engine's `halt_admission` does (the one reading,
+        `parse_allow_priority`): one value for a halt for all, in the engine and in a
         remedy's identity (a rule writing `none` or `null` asks for the same)."""
-        return None if value == "none" else value
+        return parse_allow_priority(value)
 
 
 class SetSeqs(_Params):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 
 import pytest
 
@@ -14,7 +15,7 @@ from kvguard.engine.control import ActionResult
 from kvguard.engine.engine_loop import EngineLoop
 from kvguard.engine.llm_engine import AdmissionRejected
 from kvguard.engine.sequence import RequestOutput
-from kvguard.rules.actions import OOM_UNDO_FP8_BELOW, run_action
+from kvguard.rules.actions import OOM_UNDO_FP8_BELOW, parse_params, run_action
 from tests.test_engine import PROMPTS, make_engine
 
 
@@ -399,6 +400,34 @@ def test_halt_and_resume_admission() -> None:
     assert not engine.has_request(rid)
     kinds = [e.kind for e in engine.events.recent()]
     assert "admission_halted" in kinds and "admission_resumed" in kinds
+
+
+def test_a_halt_for_every_priority_is_none_in_the_library_as_in_a_rule() -> None:
+    """`halt_admission("none")`: "none" is how the engine's knob, the action's detail and
+    `kvguard status` show a halt for every priority, and a rule or the admin API takes it as
+    null; the library raised ValueError for it. Now it is that halt (the same value as None),
+    and a value that is neither a priority nor none raises naming the parameter."""
+    engine = make_engine(admission=AdmissionConfig())
+
+    def applied(engine: LLMEngine, fut: Future) -> ActionResult:
+        engine.step()  # the mailbox is drained at the next step boundary
+        return fut.result(0)
+
+    res = applied(engine, engine.halt_admission("none"))
+    assert res.ok and res.detail == "admission halted (allowed: none)"
+    assert engine.knobs()["admission_allow_priority"] == "none"
+    assert parse_params("halt_admission", {"allow_priority": "none"}).allow_priority is None
+    halted = [e for e in engine.events.recent() if e.kind == "admission_halted"]
+    assert [e.data["allow_priority"] for e in halted] == [None]
+    with pytest.raises(AdmissionRejected, match="halted"):
+        engine.add_request(PROMPTS[0], greedy(4), priority="high")
+    res = applied(engine, engine.halt_admission(None))
+    assert res.detail == "admission already halted (allowed: none)"  # the same halt
+    with pytest.raises(ValueError, match="allow_priority='nobody': expected one of high"):
+        engine.halt_admission("nobody")
+    assert applied(engine, engine.resume_admission()).ok
+    rid = engine.add_request(PROMPTS[0], greedy(4), priority="low")
+    assert run_all(engine)[rid].finish_reason == "length"
 
 
 def test_every_action_under_concurrent_load_loses_nothing() -> None:

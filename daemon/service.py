@@ -198,6 +198,9 @@ class _Server(uvicorn.Server):
         task sending it: that logs an error and a traceback per connection, for an end the
         drain expects (the client stopped reading)."""
         aio = asyncio.get_running_loop()
+        for server in self.servers:  # uvicorn's own close of them is then a no-op
+            server.close()
+        _drop_accept_retries(aio)
         closing = aio.call_later(CUT_GRACE_S - UNREAD_CLOSE_EARLY_S, self._close_unread)
         try:
             await super().shutdown(sockets=sockets)
@@ -223,6 +226,35 @@ class _Server(uvicorn.Server):
             )
         for conn in unread:
             conn.transport.abort()
+
+
+def _drop_accept_retries(aio: asyncio.AbstractEventLoop) -> int:
+    """Cancel asyncio's pending re-reads of listening sockets now closed; how many. After an
+    accept() that fails for want of a descriptor, asyncio stops reading the listening socket
+    and reads it again ACCEPT_RETRY_DELAY (1 s) later, a timer for each failed accept.
+    Closing the server does not cancel them: each one due after the close, the event loop
+    still running (the drain's grace for answers being sent), raised `ValueError: Invalid
+    file descriptor: -1` on the closed socket and logged it with a traceback. asyncio keeps no
+    other hold on them than the loop's own queues: the timers not yet due, and those due
+    already, moved to the callbacks this turn of the loop runs (the close may come in the same
+    turn); the selector loop's `_start_serving`, its socket the second argument. A loop
+    without these (another implementation) has nothing cancelled here."""
+    start_serving = getattr(aio, "_start_serving", None)
+    if start_serving is None:
+        return 0
+    pending = [*getattr(aio, "_scheduled", ()), *getattr(aio, "_ready", ())]
+    dropped = 0
+    for handle in pending:
+        args = getattr(handle, "_args", None) or ()
+        if getattr(handle, "_callback", None) != start_serving or handle.cancelled():
+            continue
+        sock = args[1] if len(args) > 1 else None
+        if isinstance(sock, socket.socket) and sock.fileno() == -1:
+            handle.cancel()
+            dropped += 1
+    if dropped:
+        log.debug("%d re-reads of the closed API socket after failed accepts cancelled", dropped)
+    return dropped
 
 
 def _nothing() -> None:

@@ -12,6 +12,7 @@ import json
 import logging
 import re
 import resource
+import signal
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +25,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from kvguard.daemon import service
 from kvguard.daemon.config import ApiConfig, DaemonConfig
 from kvguard.daemon.logging_setup import PAST_MAX_CONNECTIONS, _Bounded
+from tests.test_drain import reap, set_drain_timeout, slow_reader
 from tests.test_server import TOKEN, Daemon, until
 from tests.test_slow_clients import open_files_limit
 
@@ -302,6 +304,39 @@ def test_accepts_that_fail_for_want_of_a_descriptor_are_counted(starved: Daemon)
     assert metric(scrape, "kvguard_http_accept_failures_total") >= 1
     assert metric(scrape, "kvguard_http_connections_refused_total") == 0
     assert metric(scrape, "kvguard_http_connections_max") == 100000
+
+
+def test_a_stop_while_accepts_fail_logs_no_traceback(tmp_path: Path) -> None:
+    """After an accept() that fails for want of a descriptor, asyncio reads the listening
+    socket again a second later (a timer per failed accept). A stop within that second closed
+    the socket with the timers still due, and each then logged `ValueError: Invalid file
+    descriptor: -1` with a traceback. Here the accepts fail up to the stop, and an answer its
+    client does not read keeps the event loop running for the grace after it (the drain's
+    end, uvicorn's wait for the answers being sent), so that every timer comes due."""
+    with open_files_limit(OPEN_FILES):
+        d = Daemon(
+            tmp_path, debug_hooks=False, api="max_connections: 100000, request_read_timeout: 10m"
+        )
+    log_path = Path(d.log.name)
+    try:
+        set_drain_timeout(d, "1s")
+        with contextlib.ExitStack() as stack:
+            unread, _ = slow_reader(d)  # its answer begun, and never read
+            stack.callback(unread.close)
+            for _ in range(OPEN_FILES[1] + 64):
+                stack.enter_context(held(d))
+            until(
+                lambda: "the API cannot accept connections" in log_path.read_text(),
+                WAIT_S,
+                "an accept() to fail for want of a descriptor",
+            )
+            d.proc.send_signal(signal.SIGTERM)  # the clients still waiting: accepts still fail
+            assert d.proc.wait(WAIT_S) == 0
+    finally:
+        reap(d)
+    log = log_path.read_text()
+    assert "1 answers still not read by their clients" in log, log[-4000:]  # the loop ran on
+    assert "Traceback" not in log and "Invalid file descriptor" not in log, log[-4000:]
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ import time
 import weakref
 from collections.abc import Callable, Generator, Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any, NoReturn
@@ -176,11 +176,18 @@ MANUAL_WITHDRAWN = (
 class _Server(uvicorn.Server):
     """uvicorn without its own signal handlers: the service owns SIGTERM/SIGINT/SIGHUP.
     `on_listening` runs once its sockets accept connections (not if it is already told to
-    exit): the moment READY=1 may go out."""
+    exit): the moment READY=1 may go out. `cap`: the connections held past
+    api.max_connections, which its shutdown closes with the rest."""
 
-    def __init__(self, config: uvicorn.Config, on_listening: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        on_listening: Callable[[], None],
+        cap: ConnectionCap | None = None,
+    ) -> None:
         super().__init__(config)
         self._on_listening = on_listening
+        self._cap = cap
 
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
@@ -201,6 +208,8 @@ class _Server(uvicorn.Server):
         for server in self.servers:  # uvicorn's own close of them is then a no-op
             server.close()
         _drop_accept_retries(aio)
+        if self._cap is not None:  # uvicorn closes the others (idle, or a request half sent)
+            self._cap.close_held()
         closing = aio.call_later(CUT_GRACE_S - UNREAD_CLOSE_EARLY_S, self._close_unread)
         try:
             await super().shutdown(sockets=sockets)
@@ -261,20 +270,42 @@ def _nothing() -> None:
     return None
 
 
+def _never() -> bool:
+    return False
+
+
 @dataclass(slots=True)
 class ConnectionCap:
     """api.max_connections as the API applies it: `limit` connections served at once (None:
     no cap); `spare` more at once for the operator's requests (OPERATOR_SPARE);
-    `held_most` connections past the cap held at once (PAST_CAP_HELD); and `on_refused`, run
-    for each connection refused past it (the metric). `spare_used` and `held_past` count what
-    the connections take of `spare` and `held_most` now."""
+    `held_most` connections past the cap held at once (PAST_CAP_HELD); `on_refused`, run
+    for each connection refused past it (the metric); and `draining`, whether the drain has
+    begun (the refusals are then its `shutting_down`). `spare_used` counts what the
+    connections take of `spare` now, and `held` holds those past the cap (uvicorn's server
+    knows nothing of them: the stop ends them here)."""
 
     limit: int | None = None
     spare: int = OPERATOR_SPARE
     held_most: int = PAST_CAP_HELD
     on_refused: Callable[[], None] = _nothing
+    draining: Callable[[], bool] = _never
     spare_used: int = 0
-    held_past: int = 0
+    held: set[Any] = field(default_factory=set)
+
+    def drain_began(self) -> None:
+        """The drain refuses new work: a connection past the cap whose request's head has
+        begun is answered `shutting_down` now, and one that has sent nothing is closed, as
+        it would be at the drain's end; neither waits out PAST_CAP_HEAD_S. Those lingering
+        after their 503 are left to their client's close (REFUSED_LINGER_S at most)."""
+        for conn in list(self.held):
+            conn.drain_began()
+
+    def close_held(self) -> None:
+        """The server stops: close the connections still held past the cap, as uvicorn
+        closes its idle and half-sent ones, so that none outlives the server or holds its
+        close."""
+        for conn in list(self.held):
+            conn.transport.close()
 
 
 def operator_target(target: bytes) -> bool:
@@ -374,7 +405,7 @@ class _TimedH11(H11Protocol):
         self._waited = self.read_timeout  # how long the timer waits
         self._refused = False  # answered 431 or 503: what the client still sends is dropped
         self._past_cap = False  # connected past cap.limit: its first request is awaited
-        self._held_past = False  # counted in cap.held_past: awaited, or lingering after a 503
+        self._held_past = False  # in cap.held: awaited, or lingering after a 503
         self._spare = False  # served past cap.limit: counted in cap.spare_used
         self._write_timer: asyncio.TimerHandle | None = None  # while writing is paused
         self._unsent_then = 0  # `_unsent()` as the timer's current period began
@@ -393,7 +424,7 @@ class _TimedH11(H11Protocol):
         awaited while fewer than `cap.held_most` are held so, for PAST_CAP_HEAD_S; past that
         many, a 503 at once."""
         self.connections.discard(self)
-        if self.cap.held_past >= self.cap.held_most:
+        if len(self.cap.held) >= self.cap.held_most:
             self._refuse_past_cap(linger=False)
             return
         self._hold_past(True)
@@ -401,10 +432,13 @@ class _TimedH11(H11Protocol):
         self._arm("headers", min(self.read_timeout, PAST_CAP_HEAD_S))
 
     def _hold_past(self, held: bool) -> None:
-        """Count this connection in `cap.held_past`, or no longer."""
+        """Count this connection in `cap.held`, or no longer."""
         if held != self._held_past:
             self._held_past = held
-            self.cap.held_past += 1 if held else -1
+            if held:
+                self.cap.held.add(self)
+            else:
+                self.cap.held.discard(self)
 
     def _take_spare(self, taken: bool) -> None:
         """Count this connection in `cap.spare_used`, or no longer."""
@@ -469,32 +503,64 @@ class _TimedH11(H11Protocol):
         still sends is read and dropped until it hangs up (its request left unread would reset
         the connection, and the client never see the 503), for REFUSED_LINGER_S at most; else
         (PAST_CAP_HELD held already) the connection is closed at once. `head_only`: the
-        request was HEAD, whose answer has no body."""
-        limit = self.cap.limit
-        message = (
-            f"kvguard is serving {limit} connections, the most api.max_connections allows: "
-            f"this one is closed unserved; retry after {CONNECTIONS_RETRY_S}s or on another "
-            "replica"
-        )
-        body = error_body(message, "service_unavailable", code="too_many_connections")
+        request was HEAD, whose answer has no body. Once the drain has begun the answer is
+        the drain's `shutting_down`, as for any new request then (told to retry here in 5 s,
+        the client would find the daemon gone), and it is neither counted nor logged as a
+        refusal for the cap."""
+        self._past_cap = False
+        draining = self.cap.draining()
+        body, retry_s = self._drain_refusal() if draining else self._cap_refusal()
         self._send_closing(
             503,
             json.dumps(body).encode(),
             b"application/json",
             [
-                (b"retry-after", str(CONNECTIONS_RETRY_S).encode()),
+                (b"retry-after", str(retry_s).encode()),
                 (b"x-request-id", new_id("req").encode()),
             ],
             head_only,
         )
         self._refused = True
-        self.cap.on_refused()
-        log.warning(PAST_MAX_CONNECTIONS, limit)
+        if not draining:
+            self.cap.on_refused()
+            log.warning(PAST_MAX_CONNECTIONS, self.cap.limit)
         if not linger:
             self.transport.abort()
             return
         self.transport.write_eof()  # the client's close then ends the connection
         self._arm("close", REFUSED_LINGER_S)
+
+    def _cap_refusal(self) -> tuple[dict[str, Any], int]:
+        """503 `too_many_connections`'s body and Retry-After."""
+        message = (
+            f"kvguard is serving {self.cap.limit} connections, the most api.max_connections "
+            f"allows: this one is closed unserved; retry after {CONNECTIONS_RETRY_S}s or on "
+            "another replica"
+        )
+        body = error_body(message, "service_unavailable", code="too_many_connections")
+        return body, CONNECTIONS_RETRY_S
+
+    @staticmethod
+    def _drain_refusal() -> tuple[dict[str, Any], int]:
+        """The drain's 503 `shutting_down` (what the API answers every new request then): its
+        body and Retry-After."""
+        from kvguard.daemon.openai_api import shutting_down
+
+        refusal = shutting_down()
+        return refusal.body(), max(1, round(refusal.retry_after or 1))
+
+    def drain_began(self) -> None:
+        """The drain has begun, this connection held past the cap (ConnectionCap.drain_began):
+        still awaiting its request, answered `shutting_down` if it has begun sending it, else
+        closed."""
+        if not self._past_cap or self.transport.is_closing():
+            return
+        begun = bytes(self.conn.trailing_data[0])
+        if begun:
+            self._refuse_past_cap(head_only=begun.startswith(b"HEAD "))  # no body to a HEAD
+        else:
+            log.debug("closing %s's connection: the drain began before its request", self.client)
+            self.transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
@@ -835,6 +901,7 @@ class Service:
         # time answers each of them at once, even if the engine thread is stalled.
         self.requests: weakref.WeakSet[Any] = weakref.WeakSet()
         self._drain: asyncio.Task[None] | None = None  # held: the loop keeps weak references
+        self._cap: ConnectionCap | None = None  # api.max_connections as serve() applies it
         # Set while serve() runs, so that the engine thread can end it after a fatal failure.
         self._aio: asyncio.AbstractEventLoop | None = None
         self._server: uvicorn.Server | None = None
@@ -1197,6 +1264,7 @@ class Service:
         answers = app.state.open_answers
         self._answering = lambda: answers.count
         self._cut_uploads = answers.cut_uploads
+        cap = self._connection_cap()
         config = uvicorn.Config(
             app,
             host=self.cfg.api.host,
@@ -1213,10 +1281,10 @@ class Service:
             http=timed_h11(
                 self.cfg.api.request_read_timeout,
                 self.cfg.api.response_write_timeout,
-                self._connection_cap(),
+                cap,
             ),  # its h11 connections hold each request's head to MAX_HEADER_BYTES
         )
-        server = _Server(config, on_listening=self._listening)
+        server = _Server(config, on_listening=self._listening, cap=cap)
         self.metrics.http_connections.set_function(lambda: len(server.server_state.connections))
         gc_policy.freeze_startup_heap()  # everything long-lived exists now (see gc_policy)
         aio = asyncio.get_running_loop()
@@ -1244,6 +1312,8 @@ class Service:
         soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
         cap = connection_cap(self.cfg.api.max_connections, soft, _descriptors_held())
         cap.on_refused = self.metrics.http_connections_refused.inc
+        cap.draining = lambda: self.draining
+        self._cap = cap
         self.metrics.http_connections_max.set(float("inf") if cap.limit is None else cap.limit)
         return cap
 
@@ -1306,6 +1376,8 @@ class Service:
             return
         self.draining = True
         self.stopping.set()  # a reload under way is abandoned: it waits on the engine no more
+        if self._cap is not None:  # those past the cap awaiting their request: refused now
+            self._cap.drain_began()
         sdnotify.stopping_within(stop_budget_s(self.cfg.api.drain_timeout))
         deadline = time.monotonic() + self.cfg.api.drain_timeout
         log.info(  # both: the drain waits for each, and a stalled reader holds it to the end

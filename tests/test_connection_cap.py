@@ -25,7 +25,8 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from kvguard.daemon import service
 from kvguard.daemon.config import ApiConfig, DaemonConfig
 from kvguard.daemon.logging_setup import PAST_MAX_CONNECTIONS, _Bounded
-from tests.test_drain import reap, set_drain_timeout, slow_reader
+from kvguard.daemon.openai_api import SHUTTING_DOWN
+from tests.test_drain import draining, reap, server_has_read, set_drain_timeout, slow_reader
 from tests.test_server import TOKEN, Daemon, until
 from tests.test_slow_clients import open_files_limit
 
@@ -257,6 +258,58 @@ def test_a_request_past_the_cap_that_finds_room_by_then_is_served(daemon: Daemon
             late.sendall(POST_COMPLETION)
             status, _, body = head_and_body(read_all(late))
     assert status == "HTTP/1.1 200 OK" and b'"text_completion"' in body, (status, body)
+
+
+def shutting_down_error(raw: bytes) -> dict[str, str]:
+    """The error of an answer that must be the drain's refusal of new work: 503
+    `shutting_down`, with Retry-After, the connection closed."""
+    status, headers, body = head_and_body(raw)
+    assert status == "HTTP/1.1 503 Service Unavailable", raw
+    assert headers["retry-after"] == "5" and headers["connection"] == "close", headers
+    assert headers["content-type"] == "application/json" and "x-request-id" in headers
+    error = json.loads(body)["error"]
+    assert error["code"] == "shutting_down" and error["type"] == "service_unavailable", error
+    return error
+
+
+def test_during_a_drain_connections_past_the_cap_are_answered_shutting_down(
+    tmp_path: Path,
+) -> None:
+    """During a drain a new request is refused 503 `shutting_down`, but one on a connection
+    past the cap was answered `too_many_connections`, sending its client to retry here in 5 s;
+    and a connection past the cap still sending its request's head as the drain began was
+    left to its read timer (a 408 PAST_CAP_HEAD_S after its connect), held outside the
+    connections the drain closes. Now both get the drain's `shutting_down`: the one still
+    sending as the drain begins, the next when its request comes; neither counts as refused
+    for the cap."""
+    d = Daemon(
+        tmp_path, debug_hooks=False, api=f"max_connections: {CAP}, request_read_timeout: 10m"
+    )
+    try:
+        with contextlib.ExitStack() as stack:
+            unread, _ = slow_reader(d)  # the drain waits for its answer (20 s at most)
+            stack.callback(unread.close)
+            for _ in range(CAP - 1):
+                stack.enter_context(held(d))
+            until(lambda: api_refused(d), WAIT_S, f"{CAP} connections served")
+            refused = metric(scrape_new(d), "kvguard_http_connections_refused_total")
+            sending = stack.enter_context(held(d))  # past the cap, its head begun
+            sending.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: kvguard\r\nContent-")
+            until(lambda: server_has_read(d.port, sending), WAIT_S, "the head begun to be read")
+            d.proc.send_signal(signal.SIGTERM)
+            assert shutting_down_error(read_all(sending))["message"] == SHUTTING_DOWN
+            assert draining(d)  # /ready past the cap: the operator's, served
+            with held(d) as late:
+                late.sendall(GET_MODELS)
+                assert shutting_down_error(read_all(late))["message"] == SHUTTING_DOWN
+            scrape = scrape_new(d)
+            assert metric(scrape, "kvguard_http_connections_refused_total") == refused
+            unread.close()  # the last answer the drain waits for: the stop goes on
+            assert d.proc.wait(WAIT_S) == 0
+    finally:
+        reap(d)
+    log = Path(d.log.name).read_text()
+    assert "Traceback" not in log, log[-4000:]
 
 
 def limited_daemon(

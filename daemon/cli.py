@@ -90,18 +90,26 @@ def cmd_model_list(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    print(f"{'NAME':<16} {'CACHED':<7} {'SIZE':>9}  DESCRIPTION")
+    table = []
     for row in rows:
-        size = f"{row['size_bytes'] / 2**20:.1f}MiB" if row["cached"] else "-"
-        cached = "yes" if row["cached"] else "no"
-        print(f"{row['name']:<16} {cached:<7} {size:>9}  {row['description']}")
+        table.append((row["name"], *_cache_cells(row), row["description"]))
         packed = row.get("packed")
         if packed is not None:  # the form `serve` uses by default (model_quantization: auto)
-            size = f"{packed['size_bytes'] / 2**20:.1f}MiB" if packed["cached"] else "-"
-            cached = "yes" if packed["cached"] else "no"
             what = f"served by default ({packed['description']})"
-            print(f"{'  packed':<16} {cached:<7} {size:>9}  {what}")
+            table.append(("  packed", *_cache_cells(packed), what))
+    # as wide as the longest name: a converted GGUF is listed by its file's path
+    width = max(len("NAME"), *(len(name) for name, *_ in table))
+    print(f"{'NAME':<{width}} {'CACHED':<7} {'SIZE':>9}  DESCRIPTION")
+    for name, cached, size, what in table:
+        print(f"{name:<{width}} {cached:<7} {size:>9}  {what}")
     return 0
+
+
+def _cache_cells(row: dict[str, Any]) -> tuple[str, str]:
+    """A `model list` row's CACHED and SIZE cells."""
+    if not row["cached"]:
+        return "no", "-"
+    return "yes", f"{row['size_bytes'] / 2**20:.1f}MiB"
 
 
 def cmd_model_fetch(args: argparse.Namespace) -> int:

@@ -454,6 +454,35 @@ def test_model_list_labels_a_packed_conversion_by_what_it_holds(
     assert f"served by default ({label})" in capsys.readouterr().out
 
 
+def test_model_list_sizes_its_name_column_to_a_long_converted_gguf_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    """A converted GGUF is listed by its file's path, which may be long: written into a NAME
+    column 16 characters wide, it pushed that row's CACHED, SIZE and DESCRIPTION out of line
+    with the header's and the other rows'. The column is now as wide as its longest entry."""
+    home = tmp_path / "home"
+    folder = tmp_path / "a-folder-of-models-with-a-long-name"
+    folder.mkdir()
+    source = write_pinned_gguf(folder / "my-model.gguf")
+    path = resolve_model(str(source), home, progress=False, quantization="auto")
+    [row] = [r for r in list_models(home) if r["path"] == str(path)]
+    monkeypatch.setenv("KVGUARD_HOME", str(home))
+    assert main(["model", "list"]) == 0
+    header, *lines = capsys.readouterr().out.splitlines()
+    assert header.startswith("NAME ") and len(lines) > 1, (header, lines)
+    cached = header.index("CACHED")
+    size_end = header.index("SIZE") + len("SIZE")  # sizes are right-aligned under it
+    described = header.index("DESCRIPTION")
+    for line in lines:  # each cell under its header
+        assert line[cached - 1] == " " and line[cached:].split()[0] in ("yes", "no"), line
+        assert line[size_end - 1] != " " and line[size_end:described] == "  ", line
+        assert line[described] != " ", line
+    [listed] = [line for line in lines if line[:cached].rstrip() == str(source)]
+    size = f"{row['size_bytes'] / 2**20:.1f}MiB"
+    assert listed[cached:described].split() == ["yes", size], listed
+    assert listed[described:] == row["description"], listed
+
+
 # -- 10. a Python without pip (a uv-made environment): the error says so ---------------------
 def test_fetching_the_default_model_without_pip_says_pip_is_missing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any

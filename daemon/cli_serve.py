@@ -229,6 +229,14 @@ def _print_state(s: dict) -> None:
     print(f"model        {s['model']}  ready={s['ready']}{why} draining={s['draining']}")
     if s.get("dry_run"):  # the rules decide but change nothing: say so before what they show
         print("dry run      on: rules record what they would do and change nothing")
+    refused = s.get("reload_refused")  # absent from older daemons
+    if refused:  # `systemctl reload` succeeds whatever the file holds: said here, as in STATUS=
+        print(
+            f"reload       {refused['outcome']} at {refused['at']}: nothing of "
+            f"{refused['config']} applied, the config in force stands"
+        )
+        for problem in refused["errors"]:  # each on a line of its own, as the log has them
+            print("             " + " ".join(problem.split()))
     print(
         f"kv cache     {kv['dtype']}  {dev['blocks_used']}/{dev['blocks_total']} blocks "
         f"({dev['usage_ratio']:.1%})  host {kv['host']['blocks_used']}/{kv['host']['blocks_total']}"

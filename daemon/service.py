@@ -875,10 +875,11 @@ class Service:
         self._knobs_settled: Future | None = None
         # set when the stop begins: a reload waiting on the engine gives way at once
         self.stopping = StopSignal()
-        # the last reload's refusal (`_reload_problem`), shown in the STATUS= line: `systemctl
-        # reload` only sends SIGHUP and succeeds whatever the file holds, so `systemctl status`
-        # is where an operator sees the file was not applied; None after a good reload
-        self._reload_refused: str | None = None
+        # the last reload's refusal (`_refuse_reload`), shown in the STATUS= line and in
+        # /admin/state (`kvguard status`): `systemctl reload` only sends SIGHUP and succeeds
+        # whatever the file holds, so those are where an operator sees the file was not
+        # applied; None after a good reload
+        self._reload_refused: dict[str, Any] | None = None
         self._ready = False
         self._listening_now = False  # the API accepts connections: READY=1 may go out
         self.engine: LLMEngine
@@ -1114,7 +1115,16 @@ class Service:
         """The STATUS= line: `_status_line`, after the last reload's refusal while it stands
         (a refused reload still ends in READY=1, so nothing else tells systemd of it)."""
         refused = self._reload_refused
-        return f"{refused}; {self._status_line()}" if refused else self._status_line()
+        if refused is None:
+            return self._status_line()
+        problem = _reload_problem(refused["outcome"], refused["errors"], refused["at"])
+        return f"{problem}; {self._status_line()}"
+
+    def _refuse_reload(self, outcome: str, errors: list[str]) -> None:
+        """A reload that applied nothing (`outcome`: "refused", or "failed" where the engine
+        did not take its knobs or the reload raised): said by the STATUS= line and
+        /admin/state until a reload applies."""
+        self._reload_refused = {"outcome": outcome, "at": utcnow(), "errors": list(errors)}
 
     def _watchdog(self) -> None:
         """Ping systemd only while the engine loop beats: a stalled loop stops the pings, and
@@ -1588,7 +1598,7 @@ class Service:
                 log.error(
                     "reload refused, keeping the running rules: %s", "; ".join(rules["errors"])
                 )
-                self._reload_refused = _reload_problem("refused", rules["errors"])
+                self._refuse_reload("refused", rules["errors"])
                 return {"reloaded": False, "reason": "\n".join(rules["errors"])}
             changes, restart = applied[0] if applied else self._apply_reloadable(new)
             changes.update(rules.pop("prometheus_changed", {}))  # PromQL signals' new client
@@ -1651,7 +1661,7 @@ class Service:
                 data={"errors": [str(e)], "engine": e.outcome},
                 incident=self._incident,
             )
-            self._reload_refused = _reload_problem("failed", [str(e)])
+            self._refuse_reload("failed", [str(e)])
             return {"reloaded": False, "reason": str(e), "engine": e.outcome}
         except ConfigFileError as e:  # a KeysFileError too
             log.error("reload refused, keeping the running config: %s", e)
@@ -1661,7 +1671,7 @@ class Service:
                 data={"errors": e.errors},
                 incident=self._incident,
             )
-            self._reload_refused = _reload_problem("refused", e.errors)
+            self._refuse_reload("refused", e.errors)
             return {"reloaded": False, "reason": str(e)}
         except Exception as e:  # noqa: BLE001 - a reload must never take the daemon down
             log.exception("reload failed, keeping the running config and rules")
@@ -1671,7 +1681,7 @@ class Service:
                 data={"errors": [f"{type(e).__name__}: {e}"]},
                 incident=self._incident,
             )
-            self._reload_refused = _reload_problem("failed", [f"{type(e).__name__}: {e}"])
+            self._refuse_reload("failed", [f"{type(e).__name__}: {e}"])
             return {"reloaded": False, "reason": f"{type(e).__name__}: {e}"}
         finally:
             # not once a stop began meanwhile (a reload may wait on the engine for a minute):
@@ -2013,6 +2023,20 @@ class Service:
             if self.api_keys is None
             else {"file": str(self.api_keys.path), "keys": len(self.api_keys)},
             "host_memory_used_ratio": host_memory_used_ratio(),
+            # the last reload, if it applied nothing (until one applies): what `kvguard status`
+            # says, as the STATUS= line does
+            "reload_refused": self._reload_refused_state(),
+        }
+
+    def _reload_refused_state(self) -> dict[str, Any] | None:
+        refused = self._reload_refused
+        if refused is None:
+            return None
+        return {
+            "outcome": refused["outcome"],
+            "at": f"{refused['at']:%Y-%m-%dT%H:%M:%SZ}",
+            "config": self._config_name,
+            "errors": refused["errors"],
         }
 
     def _audit_state(self) -> dict[str, Any]:
@@ -2030,16 +2054,16 @@ class Service:
         }
 
 
-def _reload_problem(verb: str, errors: list[str]) -> str:
-    """A reload that applied nothing, for the STATUS= line: `reload refused at TIME: FILE:LINE:
-    key: problem (+N more in the journal)`. The first problem only, on one line and cut, since
-    `systemctl status` shows it whole; the time (UTC, as `kvguard audit` prints it) finds the
-    log's lines and the `config_error` audit event."""
+def _reload_problem(verb: str, errors: list[str], at: datetime | None = None) -> str:
+    """A reload that applied nothing (at `at`, default now), for the STATUS= line: `reload
+    refused at TIME: FILE:LINE: key: problem (+N more in the journal)`. The first problem only,
+    on one line and cut, since `systemctl status` shows it whole; the time (UTC, as `kvguard
+    audit` prints it) finds the log's lines and the `config_error` audit event."""
     first = " ".join((errors[0] if errors else "see the journal").split())
     if len(first) > RELOAD_PROBLEM_CHARS:
         first = first[: RELOAD_PROBLEM_CHARS - 3] + "..."
     more = f" (+{len(errors) - 1} more in the journal)" if len(errors) > 1 else ""
-    return f"reload {verb} at {utcnow():%Y-%m-%dT%H:%M:%SZ}: {first}{more}"
+    return f"reload {verb} at {at or utcnow():%Y-%m-%dT%H:%M:%SZ}: {first}{more}"
 
 
 def live_conflicts(running: DaemonConfig, new: DaemonConfig) -> list[str]:

@@ -270,6 +270,63 @@ def test_status_says_the_rules_run_dry(bare: tuple[Bare, Notify]) -> None:
     )
 
 
+def status_of(d: Daemon) -> str:
+    """What `kvguard status` prints for the daemon `d`."""
+    token = d.config.parent / "admin.token"
+    out = subprocess.run(
+        [KVGUARD, "status", "--url", d.url, "--token-file", str(token)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_status_says_the_last_reload_was_refused_when_and_why(tmp_path: Path) -> None:
+    """`systemctl reload` only sends SIGHUP, which succeeds whatever the file holds: a refused
+    reload was said by the log and the STATUS= line, while `kvguard status` (and /admin/state)
+    showed the daemon as after any reload. Now they say it was refused, when, and each
+    problem, until a reload applies."""
+    d = Daemon(tmp_path, debug_hooks=False)
+    try:
+        good = d.config.read_text()
+        assert "max_model_len: 512}" in good
+        d.config.write_text(good.replace("max_model_len: 512}", "max_num_seq: 3, block_size: 0}"))
+        d.proc.send_signal(signal.SIGHUP)  # as `systemctl reload` does
+        log = Path(d.log.name)
+        until(lambda: "reload refused" in log.read_text(), 60, "the SIGHUP's reload refused")
+        refused = d.admin("GET", "/admin/state").json().get("reload_refused")
+        assert (
+            refused is not None
+            and refused["outcome"] == "refused"
+            and refused["config"] == str(d.config)
+        ), refused
+        assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", refused["at"]), refused
+        where = f"{d.config}:1: serving."
+        assert len(refused["errors"]) == 2, refused["errors"]
+        assert all(e.startswith(where) for e in refused["errors"]), refused["errors"]
+        assert any("max_num_seq: unknown key" in e for e in refused["errors"]), refused["errors"]
+        out = status_of(d)
+        said = (
+            f"reload       refused at {refused['at']}: nothing of {d.config} applied, the "
+            "config in force stands"
+        )
+        lines = out.splitlines()
+        assert said in lines, out
+        after = lines[lines.index(said) + 1 : lines.index(said) + 3]
+        assert sorted(after) == sorted("             " + e for e in refused["errors"]), out
+
+        d.config.write_text(good)
+        r = d.admin("POST", "/admin/reload")
+        assert r.status_code == 200 and r.json()["reloaded"], r.text
+        assert d.admin("GET", "/admin/state").json()["reload_refused"] is None
+        out = status_of(d)
+        assert not re.search(r"^reload ", out, re.M) and out.startswith("model "), out
+    finally:
+        assert d.stop() == 0
+
+
 def test_status_names_the_option_or_variable_of_a_malformed_url(tmp_path: Path) -> None:
     """A URL httpx refuses to parse (a port that is no number, a bracket left open, no
     scheme) is an error naming where it came from, not a traceback."""

@@ -40,6 +40,11 @@ if TYPE_CHECKING:
     from kvguard.engine.llm_engine import LLMEngine
 
 
+def _count(n: int, noun: str) -> str:
+    """`n` and `noun`, plural but for one: an action's detail reads "evicted 1 sequence"."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 class ParamError(ValueError):
     """An action's argument is out of bounds or of the wrong type; `param` names it, so an API
     can answer which field to fix."""
@@ -222,8 +227,9 @@ class ControlSurface:
             limit = self._hold_batch(None if lifted else asked)
             moved = self.scheduler.shrink_running(limit)
             same = " (unchanged)" if limit == was else ""
+            preempted = _count(len(moved), "running sequence")
             return (
-                f"max_num_seqs={limit}{same}{note}; {len(moved)} running sequences preempted",
+                f"max_num_seqs={limit}{same}{note}; {preempted} preempted",
                 True,
                 {"preempted": moved},
             )
@@ -258,8 +264,9 @@ class ControlSurface:
                 why = f" (unchanged: min={minimum} is above it, and a reduction never raises it)"
             elif n == current:
                 why = " (unchanged)"
+            preempted = _count(len(moved), "running sequence")
             return (
-                f"max_num_seqs {current} -> {n}{why}; {len(moved)} running sequences preempted",
+                f"max_num_seqs {current} -> {n}{why}; {preempted} preempted",
                 True,
                 {"preempted": moved},
             )
@@ -298,7 +305,7 @@ class ControlSurface:
         def apply():
             moved = self.scheduler.evict(count, rank)
             return (
-                f"evicted {len(moved)} sequences of priority <= {max_priority}",
+                f"evicted {_count(len(moved), 'sequence')} of priority <= {max_priority}",
                 True,
                 {"evicted": moved},
             )
@@ -527,7 +534,7 @@ class ControlSurface:
         self.events.emit("kv_pool_resized", **data)
         return (
             f"KV pool {old_n} -> {new_n} blocks ({new_n / full:.0%} of configured){note}; "
-            f"{len(moved)} running sequences preempted; {pause * 1e3:.1f} ms",
+            f"{_count(len(moved), 'running sequence')} preempted; {pause * 1e3:.1f} ms",
             True,
             data,
         )
@@ -780,9 +787,9 @@ class ControlSurface:
                 )
             already = " already" if self.scheduler.offload == bool(enabled) else ""
             self.scheduler.offload = bool(enabled)
-            swapped = len(self.scheduler.swapped)
+            swapped = _count(len(self.scheduler.swapped), "sequence")
             return (
-                f"offload{already} {'on' if enabled else 'off'}; {swapped} sequences still swapped",
+                f"offload{already} {'on' if enabled else 'off'}; {swapped} still swapped",
                 True,
                 {},
             )
@@ -812,7 +819,7 @@ class ControlSurface:
                     touched += 1
                     self._finish_if_capped(seq)
             return (
-                f"max_new_tokens cap {n}{same}{note}; {touched} live requests adjusted",
+                f"max_new_tokens cap {n}{same}{note}; {_count(touched, 'live request')} adjusted",
                 True,
                 {"adjusted": touched},
             )

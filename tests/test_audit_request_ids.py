@@ -217,7 +217,7 @@ def test_the_oom_chains_row_names_the_requests_its_steps_took_off_the_device(
     assert row["action"] == "handle_oom" and data["applied"][:2] == ["reduce_max_num_seqs", "evict"]
     [(cut, _)], [(evicted, _)] = data["preempted"], data["evicted"]
     assert sorted([cut, evicted]) == rids, data
-    assert "evict: evicted 1 sequences" in row["detail"], row["detail"]
+    assert "evict: evicted 1 sequence of" in row["detail"], row["detail"]
     for rid in rids:
         rc, out = kvguard("audit", "list", "--db", store.url, "--request", rid, "--json")
         assert rc == 0 and [r["id"] for r in json.loads(out)] == [row["id"]], out

@@ -183,7 +183,7 @@ def test_an_eviction_that_evicts_nothing_leaves_the_tick_to_the_next_rung() -> N
     rid = h.engine.add_request(list(range(3, 40)), greedy(200), priority="low")
     h.engine.step()
     assert h.at(0, kv=0.995) == [("evict-low", "evict_lowest_priority", "applied")]
-    assert h.detail() == "evicted 1 sequences of priority <= low"
+    assert h.detail() == "evicted 1 sequence of priority <= low"
     assert h.knob("kv_cache_dtype") == "fp32"
     assert h.engine.abort(rid)  # nothing left to evict
     evict = ("evict-low", "evict_lowest_priority", "applied")

@@ -641,9 +641,12 @@ class AuditStore:
         peak_level: int | None = None,
         actions_count: int | None = None,
         closed_at: datetime | None = None,
+        summary: str | None = None,
     ) -> None:
         """Queue new values for an incident; writes are in call order, so this follows its open."""
         values: dict[str, Any] = {}
+        if summary is not None:
+            values["summary"] = summary
         if peak_level is not None:
             values["peak_level"] = int(peak_level)
         if actions_count is not None:

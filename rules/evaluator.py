@@ -74,6 +74,10 @@ MANUAL = "manual"  # the rule an operator's action is counted and audited under
 RELOAD = "reload"
 
 
+def _incident_summary(rule: Rule) -> str:
+    return f"{rule.name} ({rule.on or rule.signal})"
+
+
 class AuditSink(Protocol):
     def record_action(self, **fields: Any) -> None: ...
     def record_event(
@@ -86,6 +90,7 @@ class AuditSink(Protocol):
         peak_level: int | None = None,
         actions_count: int | None = None,
         closed_at: Any = None,
+        summary: str | None = None,
     ) -> None: ...
 
 
@@ -204,6 +209,9 @@ class Evaluator:
         self.incident: str | None = None
         self.incident_actions = 0
         self.incident_peak = 0
+        # the rule the incident's summary names, and whether an action of it changed something
+        # (`_name_incident`)
+        self.incident_named: tuple[str, bool] = ("", False)
         self.stats = Stats()
         # the last skipped tick logged: when, the skips counted then, why
         self._skip_logged: tuple[float, int, str] | None = None
@@ -864,6 +872,8 @@ class Evaluator:
         """Under the lock: record the attempt, move its rule's state, update the incident."""
         self._record(a, res, outcome, error)
         settle(outcome, res)
+        if self.incident is not None and not a.undo:
+            self._name_incident(a.rule, outcome, res)
         if self.incident is not None:  # its peak counts the rung that just acted
             self.incident_peak = max(self.incident_peak, self.level())
             if self.audit:
@@ -997,14 +1007,27 @@ class Evaluator:
         lvl = max(self.level(), 1)
         if self.incident is None:
             self.incident_actions, self.incident_peak = 0, lvl
-            summary = f"{rule.name} ({rule.on or rule.signal})"
+            self.incident_named = (rule.name, False)
             self.incident = (
-                self.audit.open_incident(lvl, summary)
+                self.audit.open_incident(lvl, _incident_summary(rule))
                 if self.audit
                 else f"local-{int(self.wall_clock())}"
             )
             if self.on_incident is not None:
                 self.on_incident(self.incident)
+
+    def _name_incident(self, rule: Rule, outcome: str, res: ActionResult | None) -> None:
+        """An incident's summary names the rule whose action opened it, decided before that
+        action ran; one that changed nothing (an eviction of 0 sequences: nothing of that
+        priority ran) or was refused or failed did not start the remedies. The summary then
+        names the first rule whose action in the incident did change something, once one
+        does (the rows recorded stay as they are: only the summary is updated)."""
+        named, changed = self.incident_named
+        if changed or outcome != "applied" or res is None or res.changed_nothing():
+            return
+        self.incident_named = (rule.name, True)
+        if rule.name != named and self.audit and self.incident is not None:
+            self.audit.update_incident(self.incident, summary=_incident_summary(rule))
 
     def count_outside_action(self) -> str | None:
         """An action no rule took (an operator's, trigger `manual`), about to be recorded: it

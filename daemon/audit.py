@@ -269,6 +269,9 @@ class AuditStore:
         ]
         self._spill_lock = threading.Lock()  # one spill at a time (a forced exit's stop too)
         self.spill_file: Path | None = None  # where stop() saved unwritten rows, if it had to
+        # when this run's store first started: the start's sweep looks at the run before it
+        # (`_note_unclean_stop`), whose rows are all older
+        self.started_at: datetime | None = None
         self.failures = 0
         self.dropped = 0
         self.rejected = 0
@@ -288,6 +291,8 @@ class AuditStore:
         """
         if self._thread is not None and self._thread.is_alive():
             return
+        if self.started_at is None:
+            self.started_at = utcnow()
         if not migrate:
             self._migrated = True
         self._announce_spills()
@@ -662,11 +667,13 @@ class AuditStore:
         `close_stale` (the daemon's sweep at start) first closes the incidents of this
         instance opened before now and never closed: an earlier run's, killed before its
         orderly stop could close them (see `_close_stale`). Else they would stay open, and
-        be kept by every later sweep, forever."""
+        be kept by every later sweep, forever. It also records an `unclean_stop` event where
+        the run before this one has no `daemon_stop` (`_note_unclean_stop`)."""
         now = utcnow()
         row: dict[str, Any] = {"before": now - timedelta(days=days)}
         if close_stale:
             row |= {"stale_of": self.instance, "stale_before": now, "host": self.host}
+            row["run_since"] = self.started_at or now
         self._enqueue(_Op("purge", row))
 
     def _enqueue(self, op: _Op) -> None:
@@ -1435,9 +1442,7 @@ def _close_stale(conn: Connection, r: dict[str, Any]) -> None:
     last the log knows of that run's pressure (its opening if it has none), and gets an
     `incident_closed` event saying how: the incidents table has no column for that.
     """
-    before = r["stale_before"]
-    if isinstance(before, str):  # from a spill file: only top-level times are parsed
-        before = datetime.fromisoformat(before)
+    before = _when(r["stale_before"])
     t, acts, evs = TABLES["incidents"], TABLES["actions"], TABLES["events"]
     stale = conn.execute(
         select(t.c.id, t.c.opened_at).where(
@@ -1445,7 +1450,9 @@ def _close_stale(conn: Connection, r: dict[str, Any]) -> None:
         )
     ).all()
     now = utcnow()
+    closed_here: list[tuple[str, datetime]] = []
     for incident, opened in stale:
+        closed_here.append((incident, opened))
         lasts = [
             conn.scalar(select(func.max(x.c.time)).where(x.c.incident == incident))
             for x in (acts, evs)
@@ -1475,6 +1482,98 @@ def _close_stale(conn: Connection, r: dict[str, Any]) -> None:
             r["stale_of"],
             closed.isoformat(),
         )
+    if r.get("run_since") is not None:  # none in a sweep spilled by an older kvguard
+        _note_unclean_stop(conn, r, now, closed_here)
+
+
+def _when(value: datetime | str) -> datetime:
+    """A time of a sweep's row: from a spill file it is text (only the rows' own times are
+    parsed there)."""
+    return datetime.fromisoformat(value) if isinstance(value, str) else value
+
+
+def _note_unclean_stop(
+    conn: Connection, r: dict[str, Any], now: datetime, closed: list[tuple[str, datetime]]
+) -> None:
+    """Record an `unclean_stop` event where the run of instance `stale_of` before this one (its
+    last `daemon_start` before `run_since`, when this run's store started) has no `daemon_stop`
+    after it: it was killed (SIGKILL, the OOM killer, a SIGBUS), crashed, or its host went
+    down. Without it, such a run with no incident open left no trace but a start with no stop.
+    The event names that run's start, its pid (where its `daemon_start` has it) and its last
+    row, and belongs to the incident it left open, if `_close_stale` just closed one (`closed`:
+    id, opening), so that the incident's timeline says how the run ended. Recorded once: a
+    sweep applied again (a spill file imported twice) finds the event it wrote."""
+    instance, since = r["stale_of"], _aware(_when(r["run_since"]))
+    start = _previous_start(conn, instance, since)
+    if start is None or _stopped_or_noted(conn, instance, start, since):
+        return
+    last = _last_row(conn, instance, start.time, since)
+    pid = start.data.get("pid") if isinstance(start.data, dict) else None
+    ran = f"started {_stamp(start.time)}" + (f" (pid {pid})" if pid is not None else "")
+    row = {
+        "time": now,
+        "host": r.get("host") or "-",
+        "instance": instance,
+        "kind": "unclean_stop",
+        "detail": f"the run {ran} ended without an orderly stop (killed, crashed, or its host "
+        f"went down): no daemon_stop after its daemon_start; its last row {_stamp(last)}",
+        "data": {"started_at": start.time.isoformat(), "pid": pid, "last_row_at": last.isoformat()},
+        "incident": next((i for i, opened in reversed(closed) if opened >= start.time), None),
+        "uid": _new_uid(),
+    }
+    conn.execute(insert(TABLES["events"]), [row])
+    log.warning(
+        "audit: the previous run of %s (%s) ended without an orderly stop: killed, crashed, or "
+        "its host went down (no daemon_stop; its last row %s); see `journalctl -u kvguard` "
+        "and the kernel log (`journalctl -k`: the OOM killer) for why",
+        instance,
+        ran,
+        _stamp(last),
+    )
+
+
+def _previous_start(conn: Connection, instance: str, since: datetime) -> Any:
+    """The last `daemon_start` (time, data) of `instance` before `since`, or None."""
+    ev = TABLES["events"]
+    return conn.execute(
+        select(ev.c.time, ev.c.data)
+        .where(ev.c.instance == instance, ev.c.kind == "daemon_start", ev.c.time < since)
+        .order_by(ev.c.time.desc(), ev.c.id.desc())
+        .limit(1)
+    ).first()
+
+
+def _stopped_or_noted(conn: Connection, instance: str, start: Any, since: datetime) -> bool:
+    """Whether the run that began at `start` has its `daemon_stop`, or its `unclean_stop`
+    already (recorded after it, by a start or an import, naming that start)."""
+    ev = TABLES["events"]
+    mine = ev.c.instance == instance
+    stop = select(ev.c.id).where(
+        mine, ev.c.kind == "daemon_stop", ev.c.time >= start.time, ev.c.time < since
+    )
+    if conn.scalar(stop.limit(1)) is not None:
+        return True
+    noted = select(ev.c.data).where(mine, ev.c.kind == "unclean_stop", ev.c.time >= start.time)
+    began = start.time.isoformat()
+    return any(isinstance(d, dict) and d.get("started_at") == began for d in conn.scalars(noted))
+
+
+def _last_row(conn: Connection, instance: str, start: datetime, since: datetime) -> datetime:
+    """The time of the last action or event of `instance` from `start` to `since`."""
+    lasts = [
+        conn.scalar(
+            select(func.max(t.c.time)).where(
+                t.c.instance == instance, t.c.time >= start, t.c.time < since
+            )
+        )
+        for t in (TABLES["actions"], TABLES["events"])
+    ]
+    return max(x for x in lasts if x is not None)  # the run's daemon_start at least
+
+
+def _stamp(t: datetime) -> str:
+    """A time as `kvguard audit` prints them."""
+    return t.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _purgeable(name: str, before: datetime) -> Any:

@@ -1063,7 +1063,9 @@ class Service:
         self.audit.start()  # never raises for the database: a bad one leaves audit degraded
         # the version: daemons of several versions may share one audit database (an upgrade)
         detail = f"kvguard {kvguard_version()}, model {self.engine_model}"
-        self.audit.record_event("daemon_start", detail=detail)
+        # the pid: a run that ends without its daemon_stop is named by it at the next start
+        # (an `unclean_stop` event), to be found in the journal and the kernel log
+        self.audit.record_event("daemon_start", detail=detail, data={"pid": os.getpid()})
         self.control = ControlPlane(self)
         self.control.on_tick = self.metrics.rule_tick.observe
         self.metrics.registry.register(

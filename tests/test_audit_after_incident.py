@@ -1,19 +1,117 @@
-"""The audit and the operator's commands as an incident responder meets them afterwards: an
-incident named after its first remedy that changed something, with action details in the
-singular for one.
+"""The audit and the operator's commands as an incident responder meets them afterwards: a run
+killed outright named at the next start (`unclean_stop`), and an incident named after its first
+remedy that changed something, with action details in the singular for one.
 
-Real parts throughout: SQLite files, the CLI's own entry point, a real tiny engine under the
-evaluator."""
+Real parts throughout: `kvguard serve` processes on loopback (tests/test_server), SQLite files,
+the CLI's own entry point, a real tiny engine under the evaluator."""
 
 from __future__ import annotations
 
 import json
+import signal
+import sqlite3
+from contextlib import closing
 from pathlib import Path
+from typing import Any
 
 from kvguard.daemon.audit import AuditStore
-from tests.test_audit import kvguard
+from tests.test_audit import _act, kvguard
 from tests.test_remedy_holds import Live
 from tests.test_rules_reload_lifecycle import EVICT, FP8_RUNG, greedy
+from tests.test_server import Daemon, until
+
+
+def _rows(db: Path, sql: str, *args: Any) -> list[tuple[Any, ...]]:
+    try:
+        with closing(sqlite3.connect(db)) as c:
+            return c.execute(sql, args).fetchall()
+    except sqlite3.Error:  # not created or not migrated yet
+        return []
+
+
+def _events(url: str, kind: str) -> list[dict[str, Any]]:
+    """The events of `kind`, as `kvguard audit export --table events --json` lists them."""
+    rc, out = kvguard("audit", "export", "--table", "events", "--json", "--db", url)
+    assert rc == 0
+    return [e for e in json.loads(out) if e["kind"] == kind]
+
+
+# -- a run that ended without its daemon_stop --------------------------------------------------
+def test_a_run_killed_outright_is_named_at_the_next_start_and_a_clean_stop_is_not(
+    tmp_path: Path,
+) -> None:
+    """A daemon killed with no incident open (SIGKILL here; SIGBUS, the OOM killer alike) left
+    nothing in the audit but a `daemon_start` with no `daemon_stop`. The next start records an
+    `unclean_stop` naming that run's start, its pid and its last row; a run stopped in order
+    gets none."""
+    db = tmp_path / "audit.db"
+    url = f"sqlite:///{db}"
+    first = Daemon(tmp_path)
+    try:
+        until(
+            lambda: _rows(db, "SELECT time FROM events WHERE kind = 'daemon_start'"),
+            60,
+            "the first run's daemon_start",
+        )
+    finally:
+        first.proc.send_signal(signal.SIGKILL)
+        first.proc.wait(30)
+        first.log.close()
+    [(started,)] = _rows(db, "SELECT time FROM events WHERE kind = 'daemon_start'")
+
+    second = Daemon(tmp_path)
+    try:
+        until(lambda: _events(url, "unclean_stop"), 60, "the unclean_stop of the killed run")
+    finally:
+        assert second.stop() == 0
+    [event] = _events(url, "unclean_stop")
+    assert event["data"]["pid"] == first.proc.pid
+    assert event["data"]["started_at"].startswith(started.replace(" ", "T"))
+    assert f"(pid {first.proc.pid}) ended without an orderly stop" in event["detail"]
+    assert event["incident"] is None  # it had none open
+    log = (tmp_path / "daemon.log").read_text()
+    assert "ended without an orderly stop" in log, log
+
+    third = Daemon(tmp_path)  # after the second run's orderly stop
+    assert third.stop() == 0  # its audit flushed: the start's sweep is written
+    assert len(_events(url, "unclean_stop")) == 1
+    starts = _rows(db, "SELECT count(*) FROM events WHERE kind = 'daemon_start'")
+    assert starts == [(3,)]
+
+
+def test_an_unclean_stop_is_recorded_once_for_the_run_before_only(tmp_path: Path) -> None:
+    """The start's sweep applied twice (a spill file holding it imported again) records one
+    event; a start with no earlier run of its instance records none, nor does the next start
+    after a run that stopped in order. The dead run's incident gets it in its timeline."""
+    url = f"sqlite:///{tmp_path / 'a.db'}"
+    killed = AuditStore(url, host="h", instance="gpu-0")
+    killed.start()
+    killed.purge_older_than(90, close_stale=True)  # its own start: no run before it
+    killed.record_event("daemon_start", data={"pid": 4242})
+    left_open = killed.open_incident(1, "left open")
+    _act(killed, incident=left_open)
+    assert killed.stop(timeout=10)  # as if killed: no daemon_stop
+    assert _events(url, "unclean_stop") == []
+
+    restarted = AuditStore(url, host="h", instance="gpu-0")
+    restarted.start()
+    restarted.record_event("daemon_start", data={"pid": 4343})
+    restarted.purge_older_than(90, close_stale=True)
+    restarted.purge_older_than(90, close_stale=True)  # again: nothing more
+    restarted.record_event("daemon_stop", detail="exit 0")
+    assert restarted.stop(timeout=10)
+    [event] = _events(url, "unclean_stop")
+    assert event["data"]["pid"] == 4242 and event["incident"] == left_open
+    rc, out = kvguard("audit", "timeline", left_open, "--db", url, "--json")
+    kinds = [r.get("kind") for r in json.loads(out)["timeline"]]
+    assert kinds == [None, "incident_closed", "unclean_stop"], kinds
+
+    after_clean = AuditStore(url, host="h", instance="gpu-0")
+    after_clean.start()
+    after_clean.record_event("daemon_start", data={"pid": 4444})
+    after_clean.purge_older_than(90, close_stale=True)
+    assert after_clean.stop(timeout=10)
+    assert len(_events(url, "unclean_stop")) == 1
 
 
 # -- an incident's summary, an action's detail -----------------------------------------------------

@@ -12,12 +12,16 @@ Handlers import SQLAlchemy and rich lazily so `kvguard --help` stays instant.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import math
+import os
 import re
+import stat
 import sys
-from collections.abc import Iterable, Sequence
+import tempfile
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
@@ -354,16 +358,71 @@ def cmd_audit_export(args: argparse.Namespace) -> int:
     store = _open_store(args)
     # streamed, a row at a time: a 90-day table does not fit in memory
     rows = store.export(args.table, since, until, args.instance)
-    out: IO[str] = open(args.output, "w", newline="") if args.output else sys.stdout  # noqa: SIM115
-    try:
+
+    def write(out: IO[str]) -> None:
         if args.csv:
             _write_csv(out, _columns(args.table), rows)
         else:
             _write_json(out, rows)
-    finally:
-        if args.output:
-            out.close()
+
+    if args.output is None:
+        write(sys.stdout)
+    else:
+        _write_output(args.output, write)
     return 0
+
+
+def _write_output(path: Path, write: Callable[[IO[str]], None]) -> None:
+    """Call `write` with a file that becomes `path` once it returns. A regular file is written
+    beside it under a temporary name and renamed over it at the end: an export that fails
+    midway (the database gone, a full disk, Ctrl-C) leaves the previous export whole rather
+    than emptied, and a half-written one never under its name. A FIFO or a device
+    (/dev/stdout) is written to as it is. An error names --output and the path."""
+    if path.is_dir():
+        raise ValueError(f"--output {path}: is a directory: name a file in it")
+    if path.exists() and not path.is_file():  # a FIFO, /dev/stdout: no rename there
+        with _opened_output(path) as out:
+            write(out)
+        return
+    shown, path = path, path.resolve() if path.is_symlink() else path  # the file it names
+    folder = path.parent
+    try:
+        fd, name = tempfile.mkstemp(dir=folder, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as e:
+        why = "no such directory" if not folder.is_dir() else e.strerror
+        raise ValueError(f"--output {shown}: cannot write in {folder}: {why}") from None
+    tmp = Path(name)
+    try:
+        os.chmod(fd, _new_file_mode(path))
+        with open(fd, "w", newline="") as out:
+            write(out)
+        os.replace(tmp, path)
+    except BaseException as e:
+        tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise ValueError(f"--output {shown}: {e.strerror or e}") from None
+        raise
+
+
+@contextlib.contextmanager
+def _opened_output(path: Path) -> Iterator[IO[str]]:
+    try:
+        out = open(path, "w", newline="")  # noqa: SIM115 - closed below
+    except OSError as e:
+        raise ValueError(f"--output {path}: {e.strerror or e}") from None
+    with out:
+        yield out
+
+
+def _new_file_mode(path: Path) -> int:
+    """The mode the export gets: the file's it replaces, else a new file's (0666 less the
+    umask), as a plain open() would leave it; never mkstemp's 0600."""
+    try:
+        return stat.S_IMODE(path.stat().st_mode)
+    except OSError:
+        umask = os.umask(0)
+        os.umask(umask)
+        return 0o666 & ~umask
 
 
 def cmd_audit_import(args: argparse.Namespace) -> int:

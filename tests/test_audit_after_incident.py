@@ -1,6 +1,7 @@
 """The audit and the operator's commands as an incident responder meets them afterwards: a run
-killed outright named at the next start (`unclean_stop`), and an incident named after its first
-remedy that changed something, with action details in the singular for one.
+killed outright named at the next start (`unclean_stop`), `kvguard audit export -o` that never
+empties the previous export, and an incident named after its first remedy that changed
+something, with action details in the singular for one.
 
 Real parts throughout: `kvguard serve` processes on loopback (tests/test_server), SQLite files,
 the CLI's own entry point, a real tiny engine under the evaluator."""
@@ -8,11 +9,15 @@ the CLI's own entry point, a real tiny engine under the evaluator."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sqlite3
+import stat
 from contextlib import closing
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from kvguard.daemon.audit import AuditStore
 from tests.test_audit import _act, kvguard
@@ -112,6 +117,57 @@ def test_an_unclean_stop_is_recorded_once_for_the_run_before_only(tmp_path: Path
     after_clean.purge_older_than(90, close_stale=True)
     assert after_clean.stop(timeout=10)
     assert len(_events(url, "unclean_stop")) == 1
+
+
+# -- kvguard audit export -o ---------------------------------------------------------------------
+@pytest.fixture
+def two_actions(tmp_path: Path) -> str:
+    url = f"sqlite:///{tmp_path / 'audit.db'}"
+    store = AuditStore(url, host="h")
+    store.start()
+    _act(store, detail="one")
+    _act(store, detail="two")
+    assert store.stop(timeout=10)
+    return url
+
+
+def test_an_export_that_fails_leaves_the_previous_export_whole(
+    tmp_path: Path, two_actions: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The target was opened, and emptied, before the first row was read: an export that then
+    failed destroyed the last good one. It is written beside the target and renamed over it
+    once whole, keeping the target's mode."""
+    out = tmp_path / "actions.csv"
+    out.write_text("the previous export\n")
+    out.chmod(0o640)
+    assert kvguard("audit", "export", "--csv", "-o", str(out), "--db", two_actions)[0] == 0
+    good = out.read_text()
+    assert good.startswith("id,") and good.count("\n") == 3, good
+    assert stat.S_IMODE(out.stat().st_mode) == 0o640
+    with closing(sqlite3.connect(tmp_path / "audit.db")) as c:
+        c.execute("DROP TABLE actions")  # still at head: the failure comes as rows are read
+    capsys.readouterr()
+    assert kvguard("audit", "export", "--csv", "-o", str(out), "--db", two_actions)[0] == 2
+    assert "no such table: actions" in capsys.readouterr().err
+    assert out.read_text() == good
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp left
+
+
+def test_an_export_to_a_missing_directory_names_the_option_and_the_path(
+    tmp_path: Path, two_actions: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    target = tmp_path / "missing" / "dir" / "x.csv"
+    assert kvguard("audit", "export", "--csv", "-o", str(target), "--db", two_actions)[0] == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"kvguard: error: --output {target}: cannot write in {target.parent}: no such directory\n"
+    )
+    new = tmp_path / "new.json"  # a new file gets what open() would give it, not 0600
+    assert kvguard("audit", "export", "--json", "-o", str(new), "--db", two_actions)[0] == 0
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(new.stat().st_mode) == 0o666 & ~umask
+    assert [r["detail"] for r in json.loads(new.read_text())] == ["one", "two"]
 
 
 # -- an incident's summary, an action's detail -----------------------------------------------------

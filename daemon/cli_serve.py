@@ -8,12 +8,19 @@ import io
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvguard.daemon.config import ApiConfig
 
 # What --model takes (`serve`, `generate`): everything serving.model does, said alike in both.
 MODEL_FORMS = (
     "a known model name (see `kvguard model list`), a Hugging Face-format model directory "
     "or a .gguf file"
 )
+# `kvguard status`'s token file where nothing names one: the one the systemd unit's
+# LoadCredential= hands the daemon as its credential
+DEFAULT_TOKEN_FILE = "/etc/kvguard/admin.token"
 
 
 def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -90,16 +97,23 @@ def add_status_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         description="Query GET /admin/state of a running daemon.",
     )
     p.add_argument(
+        "--config",
+        metavar="FILE",
+        type=Path,
+        help="the daemon's config: its address (api.host, api.port) and admin token file "
+        "(api.admin_token_file), where --url and --token-file are not given",
+    )
+    p.add_argument(
         "--url",
         default=None,
-        help="daemon base URL (default: $KVGUARD_URL or http://127.0.0.1:8000)",
+        help="daemon base URL (default: from --config, else $KVGUARD_URL or http://127.0.0.1:8000)",
     )
     p.add_argument(
         "--token-file",
         type=Path,
-        default=Path(os.environ.get("KVGUARD_ADMIN_TOKEN_FILE", "/etc/kvguard/admin.token")),
-        help="file holding the admin bearer token (default: $KVGUARD_ADMIN_TOKEN_FILE or "
-        "%(default)s)",
+        default=None,
+        help="file holding the admin bearer token (default: --config's api.admin_token_file, "
+        f"else $KVGUARD_ADMIN_TOKEN_FILE or {DEFAULT_TOKEN_FILE})",
     )
     p.add_argument("--json", action="store_true", help="print the raw JSON state")
     p.set_defaults(func=cmd_status)
@@ -108,23 +122,25 @@ def add_status_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
 def cmd_status(args: argparse.Namespace) -> int:
     import httpx
 
+    api = _config_api(args.config)
     # the URL first: a malformed one is an error of its own, which a token file that cannot be
     # read (no /etc/kvguard/admin.token on this host) hid behind the token's error
-    url, source = _status_url(args.url)
+    url, source = _status_url(args.url, api, args.config)
     _check_url(url, source)
+    token_file = _token_file(args.token_file, api)
     try:
-        token = args.token_file.read_text().strip()
+        token = token_file.read_text().strip()
     except OSError as e:
-        raise ValueError(f"cannot read the admin token from {args.token_file}: {e.strerror}") from e
+        raise ValueError(f"cannot read the admin token from {token_file}: {e.strerror}") from e
     except UnicodeDecodeError:
         raise ValueError(
-            f"{args.token_file} is not UTF-8 text: expected the daemon's admin token"
+            f"{token_file} is not UTF-8 text: expected the daemon's admin token"
         ) from None
     if not token:
-        raise ValueError(f"{args.token_file} is empty: expected the daemon's admin token")
+        raise ValueError(f"{token_file} is empty: expected the daemon's admin token")
     problem = token_problem(token)
     if problem:
-        raise ValueError(f"{args.token_file} {problem}: expected the daemon's admin token alone")
+        raise ValueError(f"{token_file} {problem}: expected the daemon's admin token alone")
     try:
         r = httpx.get(
             url.rstrip("/") + "/admin/state",
@@ -180,15 +196,53 @@ STATE_KEYS = frozenset(
 )
 
 
-def _status_url(given: str | None) -> tuple[str, str]:
-    """The daemon's URL and where it came from (`--url`, `$KVGUARD_URL` or the default), so
-    that an error names what the operator should fix."""
+def _config_api(path: Path | None) -> ApiConfig | None:
+    """The `api` section of the daemon's config (`--config`), read as `kvguard serve` and
+    `kvguard audit --config` read it (relative paths in it are relative to it); None without."""
+    if path is None:
+        return None
+    from kvguard.daemon.config import load_config  # imports the engine: only when needed
+
+    return load_config(path).api
+
+
+def _status_url(
+    given: str | None, api: ApiConfig | None = None, config: Path | None = None
+) -> tuple[str, str]:
+    """The daemon's URL and where it came from (`--url`, `--config`, `$KVGUARD_URL` or the
+    default), so that an error names what the operator should fix."""
     if given is not None:
         return given, "--url"
+    if api is not None:
+        return _api_url(api, config), f"--config {config}"
     env = os.environ.get("KVGUARD_URL")
     if env:
         return env, "$KVGUARD_URL"
     return "http://127.0.0.1:8000", "the default URL"
+
+
+def _api_url(api: ApiConfig, config: Path | None) -> str:
+    """The URL the daemon `api` configures answers at on this host: an address that binds every
+    one (0.0.0.0, ::) is reached on loopback."""
+    if api.port == 0:
+        raise ValueError(
+            f"--config {config}: api.port is 0 (any free port): the daemon's log says which it "
+            "took (`API bound to HOST:PORT`); pass --url"
+        )
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(api.host, api.host)
+    if ":" in host:  # an IPv6 address
+        host = f"[{host}]"
+    return f"http://{host}:{api.port}"
+
+
+def _token_file(given: Path | None, api: ApiConfig | None) -> Path:
+    """--token-file, else the config's admin token file, else $KVGUARD_ADMIN_TOKEN_FILE or
+    the default (a config that names none: the unit hands the daemon DEFAULT_TOKEN_FILE as its
+    credential)."""
+    if given is not None:
+        return given
+    path = api.admin_token_path() if api is not None else None
+    return path or Path(os.environ.get("KVGUARD_ADMIN_TOKEN_FILE", DEFAULT_TOKEN_FILE))
 
 
 def _check_url(url: str, source: str) -> None:

@@ -1,7 +1,7 @@
 """The audit and the operator's commands as an incident responder meets them afterwards: a run
 killed outright named at the next start (`unclean_stop`), `kvguard audit export -o` that never
-empties the previous export, and an incident named after its first remedy that changed
-something, with action details in the singular for one.
+empties the previous export, `kvguard status --config`, and an incident named after its first
+remedy that changed something, with action details in the singular for one.
 
 Real parts throughout: `kvguard serve` processes on loopback (tests/test_server), SQLite files,
 the CLI's own entry point, a real tiny engine under the evaluator."""
@@ -23,7 +23,7 @@ from kvguard.daemon.audit import AuditStore
 from tests.test_audit import _act, kvguard
 from tests.test_remedy_holds import Live
 from tests.test_rules_reload_lifecycle import EVICT, FP8_RUNG, greedy
-from tests.test_server import Daemon, until
+from tests.test_server import TOKEN, Daemon, until
 
 
 def _rows(db: Path, sql: str, *args: Any) -> list[tuple[Any, ...]]:
@@ -168,6 +168,43 @@ def test_an_export_to_a_missing_directory_names_the_option_and_the_path(
     os.umask(umask)
     assert stat.S_IMODE(new.stat().st_mode) == 0o666 & ~umask
     assert [r["detail"] for r in json.loads(new.read_text())] == ["one", "two"]
+
+
+# -- kvguard status --config ---------------------------------------------------------------------
+def test_status_reads_the_address_and_token_file_from_the_daemons_config(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A daemon on another port with its own token file needed --url and --token-file; the
+    config gives both, as `kvguard audit --config` takes the database from it. --url and
+    --token-file still win; --config wins over $KVGUARD_URL."""
+    monkeypatch.setenv("KVGUARD_URL", "http://127.0.0.1:9")  # nothing listens there
+    monkeypatch.delenv("KVGUARD_ADMIN_TOKEN_FILE", raising=False)
+    d = Daemon(tmp_path)
+    try:
+        rc, out = kvguard("status", "--config", str(d.config))
+        assert rc == 0 and out.startswith("model        tiny  ready=True"), out
+        # a config beside its own token file (a relative path), binding every address
+        ops = tmp_path / "ops"
+        ops.mkdir()
+        (ops / "admin.token").write_text(TOKEN + "\n")
+        (ops / "config.yaml").write_text(
+            f"api: {{host: 0.0.0.0, port: {d.port}, admin_token_file: admin.token}}\n"
+        )
+        rc, out = kvguard("status", "--config", str(ops / "config.yaml"), "--json")
+        assert rc == 0 and json.loads(out)["model"] == "tiny"
+        # the flags win
+        wrong = tmp_path / "wrong.token"
+        wrong.write_text("not-the-token\n")
+        argv = ["status", "--config", str(d.config)]
+        assert kvguard(*argv, "--token-file", str(wrong))[0] == 2
+        assert f"{d.url} answered 401" in capsys.readouterr().err
+        assert kvguard(*argv, "--url", "http://127.0.0.1:9")[0] == 2
+        assert "cannot reach kvguard at http://127.0.0.1:9" in capsys.readouterr().err
+    finally:
+        assert d.stop() == 0
+    (ops / "config.yaml").write_text("api: {port: 0}\n")
+    assert kvguard("status", "--config", str(ops / "config.yaml"))[0] == 2
+    assert "api.port is 0 (any free port)" in capsys.readouterr().err
 
 
 # -- an incident's summary, an action's detail -----------------------------------------------------

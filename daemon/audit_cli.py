@@ -240,6 +240,8 @@ def cmd_audit_list(args: argparse.Namespace) -> int:
     since, until = _window(args)
     limit = _limit(args.limit)
     store = _open_store(args)
+    if args.incident is not None:
+        _require_incident(store, args.incident)
     rows = store.list_actions(
         since=since,
         until=until,
@@ -343,7 +345,7 @@ def cmd_audit_timeline(args: argparse.Namespace) -> int:
     incident = store.get_incident(args.incident)
     rows = store.timeline(args.incident)
     if incident is None and not rows:
-        raise ValueError(f"no incident {args.incident!r} (see `kvguard audit incidents`)")
+        raise _no_incident(args.incident)
     if args.json:
         return _print_json({"incident": incident, "timeline": rows})
     if incident is not None:
@@ -351,6 +353,23 @@ def cmd_audit_timeline(args: argparse.Namespace) -> int:
     headers = ("TIME", "TYPE", "WHAT", "SIGNAL", "RESULT")
     _print_table(headers, [_timeline_cells(r) for r in rows], empty="no actions or events")
     return 0
+
+
+def _require_incident(store: AuditStore, incident: str) -> None:
+    """An incident id (`list --incident`) that names nothing in the database is an error, as
+    `timeline`'s is: a typo, or an id from another database, must not read as an incident in
+    which nothing was done. One whose row is gone but whose actions or events remain is known."""
+    if store.get_incident(incident) is not None:
+        return
+    if store.list_actions(incident=incident, limit=1) or store.list_events(
+        incident=incident, limit=1
+    ):
+        return
+    raise _no_incident(incident)
+
+
+def _no_incident(incident: str) -> ValueError:
+    return ValueError(f"no incident {incident!r} (see `kvguard audit incidents`)")
 
 
 def cmd_audit_export(args: argparse.Namespace) -> int:
@@ -438,6 +457,8 @@ def cmd_audit_import(args: argparse.Namespace) -> int:
     try:  # never create a database: rows loaded into a stray one are rows lost from sight
         require_database(url)
     except ValueError:
+        if _names_directory(url):  # said as it is: a directory, not a database missing
+            raise
         how = f" ({DEFAULT_DB_HELP})" if default else ""
         raise ValueError(
             f"no audit database at {shown(url)}{how}: not importing {args.file}; pass --db URL "
@@ -729,6 +750,8 @@ def _require_configs_database(args: argparse.Namespace, url: str, default: bool)
     try:
         require_database(url)
     except ValueError:
+        if _names_directory(url):
+            raise
         raise ValueError(
             f"no audit database at {sqlite_path(url)}: {args.config} sets no audit.url, so --config "
             "cannot say where the daemon keeps it (audit.db in the daemon's $STATE_DIRECTORY, "
@@ -736,6 +759,14 @@ def _require_configs_database(args: argparse.Namespace, url: str, default: bool)
             "sqlite:///PATH/audit.db or set KVGUARD_STATE_DIR to that directory, or set "
             "audit.url in the config"
         ) from None
+
+
+def _names_directory(url: str) -> bool:
+    """Whether a SQLite URL names a directory (`require_database` says so)."""
+    from kvguard.daemon.audit_migrate import sqlite_path
+
+    path = sqlite_path(url)
+    return path is not None and path.is_dir()
 
 
 def _open_store(args: argparse.Namespace) -> AuditStore:

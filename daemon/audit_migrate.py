@@ -227,8 +227,15 @@ def _journal_wal(cur: Any, busy_timeout_ms: int) -> None:
 
 
 def require_database(url: str) -> None:
-    """Refuse a SQLite file that does not exist: reading must not create an empty database."""
+    """Refuse a SQLite file that does not exist: reading must not create an empty database.
+    A directory is said to be one (`--db sqlite:///var/lib/kvguard`, the file's name left
+    out), not called a missing database."""
     path = sqlite_path(url)
+    if path is not None and path.is_dir():
+        raise ValueError(
+            f"{path} is a directory, not an audit database: name the database file in it "
+            f"(e.g. sqlite:///{path / 'audit.db'})"
+        )
     if path is not None and not path.is_file():
         raise ValueError(
             f"no audit database at {path} (the daemon creates it when it starts; "

@@ -1,7 +1,8 @@
 """The audit and the operator's commands as an incident responder meets them afterwards: a run
 killed outright named at the next start (`unclean_stop`), `kvguard audit export -o` that never
-empties the previous export, `kvguard status --config`, and an incident named after its first
-remedy that changed something, with action details in the singular for one.
+empties the previous export, `kvguard status --config`, an unknown incident id and a database
+URL naming a directory as errors saying so, and an incident named after its first remedy that
+changed something, with action details in the singular for one.
 
 Real parts throughout: `kvguard serve` processes on loopback (tests/test_server), SQLite files,
 the CLI's own entry point, a real tiny engine under the evaluator."""
@@ -205,6 +206,30 @@ def test_status_reads_the_address_and_token_file_from_the_daemons_config(
     (ops / "config.yaml").write_text("api: {port: 0}\n")
     assert kvguard("status", "--config", str(ops / "config.yaml"))[0] == 2
     assert "api.port is 0 (any free port)" in capsys.readouterr().err
+
+
+# -- unknown incident ids, a directory for a database ----------------------------------------------
+def test_list_of_an_unknown_incident_is_an_error_as_timelines_is(
+    tmp_path: Path, two_actions: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for argv in (["list", "--incident", "nosuch"], ["timeline", "nosuch"]):
+        assert kvguard("audit", *argv, "--db", two_actions)[0] == 2
+        err = capsys.readouterr().err
+        assert err == "kvguard: error: no incident 'nosuch' (see `kvguard audit incidents`)\n"
+    # a rule's name may have no actions: an empty list, as before
+    assert kvguard("audit", "list", "--rule", "nosuch", "--db", two_actions) == (0, "")
+    assert capsys.readouterr().err == "(no actions)\n"
+
+
+def test_a_database_url_naming_a_directory_says_it_is_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = f"sqlite:///{tmp_path}"
+    for argv in (["audit", "list"], ["audit", "incidents"], ["db", "current"]):
+        assert kvguard(*argv, "--db", url)[0] == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"kvguard: error: {tmp_path} is a directory, not an audit database")
+        assert "no audit database" not in err and f"sqlite:///{tmp_path / 'audit.db'}" in err
 
 
 # -- an incident's summary, an action's detail -----------------------------------------------------

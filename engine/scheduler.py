@@ -12,7 +12,7 @@ itself in the queue). When a running sequence needs a block and none is free, th
 lowest-priority, newest running sequence is preempted (even one already scheduled for this
 step, which then leaves it): swapped to the host pool when offload is on and it has room,
 recomputed later otherwise (on an FP8 pool swapped where only cost chose recompute:
-`_swaps`; recomputed too where the copy to the host runs out of memory: `_swap_out`).
+`_swaps`; recomputed too where the copy to the host fails: `_swap_out`).
 Nothing is ever dropped (a sequence holding more tokens than the
 whole pool, which could never run again, ends with `length`: `_outgrown`). A waiting `high`
 request takes its blocks, and with every `max_num_seqs` slot taken its slot, from
@@ -70,6 +70,7 @@ from typing import TYPE_CHECKING, Protocol
 from kvguard.engine.admission import HIGH
 from kvguard.engine.admission_policy import AdmissionPolicy, QueueCounts
 from kvguard.engine.block_manager import BlockManager
+from kvguard.engine.distributed.errors import RankFailure
 from kvguard.engine.kv_cache import is_oom
 from kvguard.engine.sequence import Sequence, Status
 from kvguard.engine.speculative import (
@@ -90,7 +91,8 @@ MIN_BATCHED_TOKENS = 64
 RECOUNT_S = 1.0
 # a swap that runs out of memory is said at most once per this many seconds, each way: a
 # swap-in that lasts is tried again every step (`Scheduler._swap_in_failed`), and under
-# pressure every preemption may find the copy out failing (`Scheduler._swap_out_failed`)
+# pressure every preemption may find the copy out failing (`Scheduler._swap_out_failed`);
+# a copy out that fails otherwise (a bug) is logged as an error as often, with its traceback
 SWAP_WARN_EVERY_S = 60.0
 # A high request keeps steps to high work until its first text is out, for at most this many
 # output tokens: a token whose text is held back (it may begin a stop string) is not yet a
@@ -217,7 +219,8 @@ class Scheduler:
         policy.watch(self.counts, lambda: self.max_num_seqs)  # a full batch queues arrivals
         self.clock: Callable[[], float] = time.monotonic  # when a recount is due
         self._swap_in_warn_at = -math.inf  # when a failed swap-in is next said
-        self._swap_out_warn_at = -math.inf  # ... and a failed swap-out
+        self._swap_out_warn_at = -math.inf  # ... and a swap-out out of memory
+        self._swap_out_error_at = -math.inf  # ... and a swap-out that failed otherwise
         self._recount_at = 0.0  # the next recount of the queue counts (`recount_when_due`)
         # recounts that found the counts drifted and set them to the recount (`repair_counts`):
         # a kvguard bug each, exported (kvguard_scheduler_count_repairs_total) beside the error
@@ -599,10 +602,11 @@ class Scheduler:
 
     def preempt(self, seq: Sequence) -> str:
         """Move a running sequence off the device: swap if possible, else recompute later.
-        The copy to the host comes first, `seq` still running (`_swap_out`): one that runs out
-        of memory makes it a recompute, and one that raises anything else leaves it running
-        as it was and raises (taken off `running` first, it was in no queue and its client
-        never answered, its host blocks leaked and its device blocks were never freed)."""
+        The copy to the host comes first, `seq` still running (`_swap_out`): one that fails
+        makes it a recompute, which needs no copy (taken off `running` first, it was in no
+        queue and its client never answered, its host blocks leaked and its device blocks
+        were never freed; raised with it still running, the next step picked the same victim
+        and raised again, and no request made progress)."""
         host = self._swap_out(seq)
         self.running.remove(seq)
         self._moved(seq, Status.RUNNING, None)
@@ -624,9 +628,13 @@ class Scheduler:
     def _swap_out(self, seq: Sequence) -> list[int] | None:
         """Copy running `seq`'s blocks to the host pool where it swaps (`_swaps`): the host
         blocks holding them, or None where it is to be recomputed. A copy that raises gives
-        the host blocks back. Out of memory (on the device, or on the host: `is_oom`), under
-        the very pressure that preempts it, it is recomputed instead (None), a warning saying
-        so (`_swap_out_failed`); anything else is a bug and raises, as a swap-in's does."""
+        the host blocks back, and `seq` is recomputed instead (None): the copy only read its
+        device blocks, and a recompute needs no copy. Out of memory (on the device, or on the
+        host: `is_oom`), under the very pressure that preempts it, a warning says so; anything
+        else is a bug, logged as an error with its traceback (`_swap_out_failed`). Raised out
+        of the step, such a bug left `seq` running, the next step picked it again, and every
+        step raised. A lost tensor-parallel rank (`RankFailure`) still raises: the engine
+        cannot go on."""
         n = len(seq.block_table)
         if not self._swaps(n):
             return None
@@ -635,7 +643,7 @@ class Scheduler:
             self.kv.swap_out(seq.block_table, host)
         except BaseException as e:
             self.host_bm.give(seq.request_id, host)
-            if not is_oom(e):
+            if not isinstance(e, Exception) or isinstance(e, RankFailure):
                 raise
             self._swap_out_failed(seq, e)
             return None
@@ -748,17 +756,29 @@ class Scheduler:
                 budget -= n
         return budget
 
-    def _swap_out_failed(self, seq: Sequence, error: BaseException) -> None:
-        """Copying `seq` to the host ran out of memory (`_swap_out`): it is recomputed
-        instead, its K/V computed again once it runs. Said once per SWAP_WARN_EVERY_S."""
+    def _swap_out_failed(self, seq: Sequence, error: Exception) -> None:
+        """Copying `seq` to the host failed (`_swap_out`): it is recomputed instead, its K/V
+        computed again once it runs. Out of memory, a warning; anything else, an error with
+        its traceback (a bug to report). Each said once per SWAP_WARN_EVERY_S, on its own
+        clock: a burst of out-of-memory warnings hides no bug."""
         now = self.clock()
-        if now >= self._swap_out_warn_at:
-            self._swap_out_warn_at = now + SWAP_WARN_EVERY_S
-            log.warning(
-                "%s is preempted by recompute: copying it to the host pool ran out of memory "
-                "(%s); it waits to run again from its text",
+        if is_oom(error):
+            if now >= self._swap_out_warn_at:
+                self._swap_out_warn_at = now + SWAP_WARN_EVERY_S
+                log.warning(
+                    "%s is preempted by recompute: copying it to the host pool ran out of "
+                    "memory (%s); it waits to run again from its text",
+                    seq.request_id,
+                    first_line(error),
+                )
+        elif now >= self._swap_out_error_at:
+            self._swap_out_error_at = now + SWAP_WARN_EVERY_S
+            log.error(
+                "%s is preempted by recompute: copying it to the host pool failed (%s), a "
+                "kvguard bug to report; it waits to run again from its text",
                 seq.request_id,
                 first_line(error),
+                exc_info=error,
             )
 
     def _swap_in_failed(self, seq: Sequence, error: BaseException) -> None:

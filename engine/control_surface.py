@@ -224,8 +224,7 @@ class ControlSurface:
             # to the configured limit holds what was asked, should a reload raise the limit
             lifted = asked is None or (not hold and not note and asked >= self.config.max_num_seqs)
             was = self.scheduler.max_num_seqs
-            limit = self._hold_batch(None if lifted else asked)
-            moved = self.scheduler.shrink_running(limit)
+            limit, moved = self._cut_batch(None if lifted else asked)
             same = " (unchanged)" if limit == was else ""
             preempted = _count(len(moved), "running sequence")
             return (
@@ -257,8 +256,7 @@ class ControlSurface:
                 base = min(current, max(self.scheduler.oom_cut_base(), 1))
                 self.scheduler.oom_batch = 0  # a later out-of-memory step's cut: its own batch
             n = min(current, max(minimum, math.floor(base * factor)))
-            self._hold_batch(n)
-            moved = self.scheduler.shrink_running(n)
+            _, moved = self._cut_batch(n)
             why = ""
             if minimum > current:
                 why = f" (unchanged: min={minimum} is above it, and a reduction never raises it)"
@@ -272,6 +270,20 @@ class ControlSurface:
             )
 
         return self._act("reduce_max_num_seqs", apply)
+
+    def _cut_batch(self: LLMEngine, cut: int | None) -> tuple[int, list[tuple[str, str]]]:
+        """Hold the batch at `cut` (`_hold_batch`) and preempt the running sequences over the
+        limit: the limit in force and the sequences preempted. A preemption that raises (a
+        bug) puts the limit and the cut as they were before the error goes on, so the action
+        recorded `failed` leaves no cut in force (what it preempted before stays preempted,
+        queued: nothing is lost)."""
+        was = self.batch_cut, self.scheduler.max_num_seqs
+        limit = self._hold_batch(cut)
+        try:
+            return limit, self.scheduler.shrink_running(limit)
+        except BaseException:
+            self.batch_cut, self.scheduler.max_num_seqs = was
+            raise
 
     def _hold_batch(self: LLMEngine, cut: int | None) -> int:
         """Record the batch limit a remedy holds (None: none) and put the limit in force at
@@ -756,11 +768,15 @@ class ControlSurface:
     def _set_knob(self: LLMEngine, name: str, value: Any) -> str:
         """One serving knob of `reconfigure` that cannot be refused (kv_cache_bytes and the
         admission config have their own), on the engine thread: what was done."""
+        old = getattr(self.config, name)
         setattr(self.config, name, value)
         sch = self.scheduler
         if name == "max_num_seqs":
-            limit = self._hold_batch(self.batch_cut)
-            moved = sch.shrink_running(limit)
+            try:
+                limit, moved = self._cut_batch(self.batch_cut)
+            except BaseException:
+                self.config.max_num_seqs = old  # the configured limit too, as it was
+                raise
             return f"max_num_seqs={value} (in force {limit}; {len(moved)} preempted)"
         if name == "max_num_batched_tokens":
             self.configured_batched_tokens = value

@@ -404,6 +404,52 @@ def test_a_swap_out_that_fails_otherwise_recomputes_the_sequence_and_every_reque
     assert engine.snapshot().events.get("swapped_out", 0) == 0
 
 
+def raising_after_the_first(real: Callable[[Sequence], str]) -> Callable[[Sequence], str]:
+    """`Scheduler.preempt`, except that every call after the first raises (a bug)."""
+    done: list[Sequence] = []
+
+    def preempt(seq: Sequence) -> str:
+        if done:
+            raise RuntimeError("preempt: a kvguard bug")
+        done.append(seq)
+        return real(seq)
+
+    return preempt
+
+
+BATCH_CUTS: dict[str, Callable[[LLMEngine], object]] = {
+    "set_max_num_seqs": lambda e: e.set_max_num_seqs(1),
+    "reduce_max_num_seqs": lambda e: e.reduce_max_num_seqs(0.4),  # 3 -> 1
+    "reconfigure": lambda e: e.reconfigure({("max_num_seqs",): 1}),
+}
+
+
+@pytest.mark.parametrize("cut", list(BATCH_CUTS))
+def test_a_batch_cut_whose_preemption_raises_leaves_the_limit_as_it_was(
+    monkeypatch: pytest.MonkeyPatch, cut: str
+) -> None:
+    """A batch cut to 1 whose second preemption raises (a bug): the action fails and the
+    limit, the cut a remedy holds and the configured limit are as they were, the sequence
+    preempted before the error waiting to run again, and every request finishes. Before,
+    the cut stayed in force while the rule that asked for it recorded the action `failed`."""
+    engine, moves = overloaded(), Moves()
+    ids = [engine.add_request(prompt(i), params()) for i in range(3)]
+    moves.step(engine)
+    sch = engine.scheduler
+    monkeypatch.setattr(sch, "preempt", raising_after_the_first(sch.preempt))
+    fut = BATCH_CUTS[cut](engine)
+    engine.step()
+    with pytest.raises(RuntimeError, match="a kvguard bug"):
+        fut.result(0)
+    assert engine.knobs()["max_num_seqs"] == 3
+    assert engine.batch_cut is None and engine.config.max_num_seqs == 3
+    assert sch.num_preemptions == 1
+    moves.check(engine)
+    monkeypatch.delattr(sch, "preempt")
+    done = run_all(engine, moves.check)
+    assert {rid: len(o.token_ids) for rid, o in done.items()} == dict.fromkeys(ids, 24)
+
+
 def test_a_start_whose_allocation_raises_leaves_the_request_queued_and_counted(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

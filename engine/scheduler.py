@@ -899,7 +899,14 @@ class Scheduler:
                 continue
             hit = self._match(seq)
             n = self._chunk(seq, min(budget, share))
-            if not n or not self._slot_for(seq, batch) or not self._room_for(seq, n, batch):
+            try:  # a slot or room made by preempting (`_make_way`), then its blocks
+                fits = bool(n) and self._slot_for(seq, batch) and self._room_for(seq, n, batch)
+                if fits:
+                    self.bm.allocate(seq, n)
+            except BaseException:
+                self._not_started(seq, hit, was_admitted)  # it waits on at its place
+                raise
+            if not fits:
                 self._not_started(seq, hit, was_admitted)
                 if seq.held and not self.running:
                     # On an idle engine only the readmit threshold holds an evicted sequence
@@ -911,11 +918,6 @@ class Scheduler:
                     passed += self.policy.is_admitted(seq)
                     continue
                 break
-            try:
-                self.bm.allocate(seq, n)
-            except BaseException:
-                self._not_started(seq, hit, was_admitted)  # it waits on at its place
-                raise
             self._start(self.waiting, i, Status.WAITING)
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.monotonic()

@@ -473,6 +473,46 @@ def test_a_start_whose_allocation_raises_leaves_the_request_queued_and_counted(
     assert bm.hit_tokens == 32  # the second request started from the first's two blocks
 
 
+def test_a_high_arrival_whose_slot_cannot_be_made_gives_its_matched_blocks_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A high arrival begins with two blocks of a running prompt (the prefix cache) and the
+    preemption making its slot raises (a bug): the step raises and it waits on as it was,
+    holding no block, and once preemptions work it starts from those two cached blocks,
+    counted as prefix-cache hits. Before, it kept the matched blocks while waiting and
+    started from them as if it had computed them: no hit counted."""
+    engine, moves = overloaded(), Moves()
+    ids = [
+        engine.add_request(prompt(i), params(), priority=p)
+        for i, p in enumerate(["normal", "low", "normal"])
+    ]
+    moves.step(engine)
+    moves.step(engine)
+    sch, bm = engine.scheduler, engine.block_manager
+    used = bm.num_used
+
+    def broken(seq: Sequence) -> str:
+        raise RuntimeError("preempt: a kvguard bug")
+
+    monkeypatch.setattr(sch, "preempt", broken)
+    shared = prompt(0)[:33] + [250, 251, 252, 253, 254, 255, 256]
+    ids.append(engine.add_request(shared, params(), priority="high"))
+    [high] = sch.waiting
+    with pytest.raises(RuntimeError, match="a kvguard bug"):
+        engine.step()  # the high one would take the low one's slot
+    assert high.status is Status.WAITING and engine.admission_policy.is_admitted(high)
+    assert high.block_table == [] and high.num_computed_tokens == 0
+    assert bm.num_used == used
+    moves.check(engine)
+    monkeypatch.delattr(sch, "preempt")
+    queried, hits = bm.queried_tokens, bm.hit_tokens
+    moves.step(engine)
+    assert high.status is Status.RUNNING and high.num_cached_tokens == 32
+    assert (bm.queried_tokens - queried, bm.hit_tokens - hits) == (40, 32)
+    done = run_all(engine, moves.check)
+    assert {rid: len(o.token_ids) for rid, o in done.items()} == dict.fromkeys(ids, 24)
+
+
 @pytest.mark.parametrize("offload", [False, True], ids=["recomputed", "swapped"])
 def test_a_request_ended_for_outgrowing_the_pool_answers_though_its_step_then_raises(
     monkeypatch: pytest.MonkeyPatch, offload: bool

@@ -166,7 +166,7 @@ def test_alerts_carry_severity_text_and_a_runbook_section() -> None:
     assert {a["alert"] for a in alerts()} >= {
         "KVCachePressure", "KVCacheCritical", "GPUNearOOM", "EngineOOM", "AdmissionHalted",
         "DegradationProlonged", "PreemptionStorm", "RuleEvaluationFailing", "AuditWritesFailing",
-        "PrometheusQueriesFailing", "NVMLDown", "KvguardDown",
+        "PrometheusQueriesFailing", "NVMLDown", "KvguardDown", "SchedulerCountsRepaired",
     }  # fmt: skip
 
 

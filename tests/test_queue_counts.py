@@ -13,9 +13,10 @@ a handful of a 2000-request queue's entries, not all of them; and that a step's 
 queue, which now ends with the last admitted request queued, starts what a walk to the end
 started; that a start or a swap in whose device work raises leaves the sequence queued where
 it was, counted, that a swap out that fails (out of memory or otherwise) recomputes the
-sequence instead, and that a request a step's scheduling ended
-answers though the rest of that scheduling raised; and that a count that drifted all the
-same is repaired, with an error."""
+sequence instead, that a batch cut whose preemption raises leaves the batch limit as it was
+and a waiting request whose slot it was making its matched cache blocks given back, and that a
+request a step's scheduling ended answers though the rest of that scheduling raised; and that
+a count that drifted all the same is repaired, with an error."""
 
 from __future__ import annotations
 

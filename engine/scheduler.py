@@ -12,7 +12,8 @@ itself in the queue). When a running sequence needs a block and none is free, th
 lowest-priority, newest running sequence is preempted (even one already scheduled for this
 step, which then leaves it): swapped to the host pool when offload is on and it has room,
 recomputed later otherwise (on an FP8 pool swapped where only cost chose recompute:
-`_swaps`; recomputed too where the copy to the host fails: `_swap_out`).
+`_swaps`; recomputed too where the copy to the host fails: `_swap_out`, or the copy back
+fails otherwise than out of memory: `_swap_in_broken`).
 Nothing is ever dropped (a sequence holding more tokens than the
 whole pool, which could never run again, ends with `length`: `_outgrown`). A waiting `high`
 request takes its blocks, and with every `max_num_seqs` slot taken its slot, from
@@ -92,7 +93,8 @@ RECOUNT_S = 1.0
 # a swap that runs out of memory is said at most once per this many seconds, each way: a
 # swap-in that lasts is tried again every step (`Scheduler._swap_in_failed`), and under
 # pressure every preemption may find the copy out failing (`Scheduler._swap_out_failed`);
-# a copy out that fails otherwise (a bug) is logged as an error as often, with its traceback
+# a copy either way that fails otherwise (a bug) is logged as an error as often, with its
+# traceback (`Scheduler._swap_in_broken`)
 SWAP_WARN_EVERY_S = 60.0
 # A high request keeps steps to high work until its first text is out, for at most this many
 # output tokens: a token whose text is held back (it may begin a stop string) is not yet a
@@ -218,7 +220,8 @@ class Scheduler:
         self.counts = QueueCounts()
         policy.watch(self.counts, lambda: self.max_num_seqs)  # a full batch queues arrivals
         self.clock: Callable[[], float] = time.monotonic  # when a recount is due
-        self._swap_in_warn_at = -math.inf  # when a failed swap-in is next said
+        self._swap_in_warn_at = -math.inf  # when a swap-in out of memory is next said
+        self._swap_in_error_at = -math.inf  # ... and a swap-in that failed otherwise
         self._swap_out_warn_at = -math.inf  # ... and a swap-out out of memory
         self._swap_out_error_at = -math.inf  # ... and a swap-out that failed otherwise
         self._recount_at = 0.0  # the next recount of the queue counts (`recount_when_due`)
@@ -662,6 +665,14 @@ class Scheduler:
         return self.offload or (self.recompute_for_cost and self.kv_quantized())
 
     def _recompute(self, seq: Sequence) -> str:
+        self._requeue(seq)
+        self.preemptions["recompute"] += 1
+        self.emit("preempted", request_id=seq.request_id, mode="recompute", priority=seq.priority)
+        return "recompute"
+
+    def _requeue(self, seq: Sequence) -> None:
+        """`seq`, in no queue and holding no host blocks, waits to be computed again from its
+        text: its device blocks freed, its K/V computed afresh once it starts."""
         seq.draft = []
         self.bm.free(seq)
         seq.num_computed_tokens = 0
@@ -670,9 +681,6 @@ class Scheduler:
         seq.block_contents = []
         seq.kv_converted = False  # its K/V are computed afresh
         self.add(seq)
-        self.preemptions["recompute"] += 1
-        self.emit("preempted", request_id=seq.request_id, mode="recompute", priority=seq.priority)
-        return "recompute"
 
     def _spare(self) -> int:
         """Free blocks kept in hand when a sequence starts or comes back: one per running
@@ -732,7 +740,9 @@ class Scheduler:
     def _schedule_swapped(self, batch: ScheduledBatch, budget: int) -> int:
         """Bring swapped sequences back in queue order while their next tokens fit: room for
         one token (a chunk the blocks cannot hold runs shrunk, `_reserve`'s `keep`), or for
-        the whole rest of a prompt that is not run in chunks."""
+        the whole rest of a prompt that is not run in chunks. A copy back that runs out of
+        memory leaves the sequence swapped out for a later step (`_swap_in_failed`); one that
+        fails otherwise has it recomputed instead (`_swap_in_broken`)."""
         while self.swapped and len(self.running) < self.max_num_seqs:
             seq = self.swapped[0]
             if self._outgrown(seq):
@@ -746,8 +756,11 @@ class Scheduler:
             try:
                 self._swap_in(seq)
             except Exception as e:
+                if isinstance(e, RankFailure):
+                    raise  # a lost tensor-parallel rank: the engine cannot go on
                 if not is_oom(e):
-                    raise
+                    self._swap_in_broken(seq, e)
+                    continue  # it waits to run again from its text; the next may come back
                 self._swap_in_failed(seq, e)
                 break  # the running sequences go on; it is tried again at a later step
             n = self._reserve(seq, n, batch, keep) if n else 0
@@ -796,6 +809,30 @@ class Scheduler:
                 first_line(error),
             )
 
+    def _swap_in_broken(self, seq: Sequence, error: Exception) -> None:
+        """Copying `seq` back to the device failed with anything but running out of memory, a
+        bug (`_swap_in` gave the device blocks taken for it back): it leaves the swapped queue
+        and its host blocks, and waits to be computed again from its text (`_requeue`), as a
+        sequence whose copy out failed does. Raised out of the step with it left swapped out,
+        the next step tried the same copy and raised again, and no request made progress for
+        as long as the copy failed. Its one preemption was counted when it was swapped out, so
+        this counts none. An error with the traceback, once per SWAP_WARN_EVERY_S."""
+        self.swapped.remove(seq)
+        self._moved(seq, Status.SWAPPED, None)
+        self.host_bm.give(seq.request_id, seq.host_block_table)
+        seq.host_block_table = []
+        self._requeue(seq)
+        now = self.clock()
+        if now >= self._swap_in_error_at:
+            self._swap_in_error_at = now + SWAP_WARN_EVERY_S
+            log.error(
+                "%s is recomputed: copying it back to the device from the host pool failed "
+                "(%s), a kvguard bug to report; it waits to run again from its text",
+                seq.request_id,
+                first_line(error),
+                exc_info=error,
+            )
+
     def _swapped_place(self, batch: ScheduledBatch) -> tuple | None:
         """The queue place (`queue_key`) of the first sequence still swapped out this step:
         waiting requests behind it wait with it, as they wait behind a preempted sequence that
@@ -826,7 +863,8 @@ class Scheduler:
         that raises (out of device memory, under the very pressure that swapped it out) gives
         the device blocks back and leaves it swapped out, its host copy whole: it comes back
         at a later step, where taken off `swapped` first it was in no queue, its client never
-        answered, and the queue counts kept it swapped out for good."""
+        answered, and the queue counts kept it swapped out for good. The caller decides what
+        follows (`_schedule_swapped`)."""
         host = seq.host_block_table
         shared = self.bm.rematch(seq, len(host))
         dev: list[int] = []

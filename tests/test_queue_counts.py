@@ -13,7 +13,8 @@ a handful of a 2000-request queue's entries, not all of them; and that a step's 
 queue, which now ends with the last admitted request queued, starts what a walk to the end
 started; that a start or a swap in whose device work raises leaves the sequence queued where
 it was, counted, that a swap out that fails (out of memory or otherwise) recomputes the
-sequence instead, that a batch cut whose preemption raises leaves the batch limit as it was
+sequence instead, as a swap in that fails otherwise than out of memory does (a lost rank still
+raises), that a batch cut whose preemption raises leaves the batch limit as it was
 and a waiting request whose slot it was making its matched cache blocks given back, and that a
 request a step's scheduling ended answers though the rest of that scheduling raised; and that
 a count that drifted all the same is repaired, with an error."""
@@ -34,6 +35,7 @@ from kvguard.daemon.metrics import SnapshotCollector
 from kvguard.engine import LLMEngine, SamplingParams
 from kvguard.engine.admission import HIGH, NORMAL, AdmissionConfig
 from kvguard.engine.admission_policy import AdmissionRejected, QueueCounts
+from kvguard.engine.distributed.errors import RankFailure
 from kvguard.engine.llm_engine import NewRequest, refused_request
 from kvguard.engine.scheduler import RECOUNT_S
 from kvguard.engine.sequence import PRIORITIES, PRIORITY_NAMES, Sequence, Status
@@ -205,36 +207,40 @@ class DeviceOutOfMemory(RuntimeError):
     no device can run out here."""
 
 
-def raising_once(real: Callable[..., None], when: Callable[..., bool]) -> Callable[..., None]:
-    """`real`, except that the first call `when` accepts raises DeviceOutOfMemory instead."""
+def raising_once(
+    real: Callable[..., None],
+    when: Callable[..., bool],
+    error: Callable[[str], Exception] = DeviceOutOfMemory,
+) -> Callable[..., None]:
+    """`real`, except that the first call `when` accepts raises `error` instead."""
     raised = []
 
     def call(*args: object) -> None:
         if not raised and when(*args):
             raised.append(args)
-            raise DeviceOutOfMemory("CUDA out of memory (injected)")
+            raise error("CUDA out of memory (injected)")
         real(*args)
 
     return call
 
 
-def test_a_swap_in_that_raises_leaves_the_sequence_swapped_out_and_counted(
+def test_a_swap_in_out_of_memory_once_leaves_the_sequence_swapped_out_and_counted(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The copy back to the device raises inside a step (the engine loop serves on): the
-    sequence stays swapped out holding its host copy, the device blocks taken for it go back,
-    the counts agree with the queues, and it comes back at a later step and finishes."""
+    """The copy back to the device runs out of memory once, inside a step: the sequence stays
+    swapped out holding its host copy, the device blocks taken for it go back, the counts
+    agree with the queues, and it comes back at a later step and finishes."""
     engine, moves = overloaded(), Moves()
-    # the two that run on fill three blocks: the failed step took a fourth each for its
-    # token, and gives it back; the one evicted ends in a block of its own, copied back in
+    # the two that run on fill three blocks and take a fourth each for their next token; the
+    # one evicted ends in a block of its own, copied back in
     ids = [engine.add_request(prompt(i, n), params()) for i, n in enumerate([48, 48, 40])]
     moves.step(engine)
     sch = engine.scheduler
-    monkeypatch.setattr(sch.kv, "swap_in", raising_once(sch.kv.swap_in, lambda *a: True))
+    oom = raising_once(sch.kv.swap_in, lambda *a: True, torch.OutOfMemoryError)
+    monkeypatch.setattr(sch.kv, "swap_in", oom)
     fut = engine.evict(1, "normal")
     used = engine.block_manager.num_used
-    with pytest.raises(DeviceOutOfMemory):
-        engine.step()  # swapped out by the evict, then tried back in within the step
+    engine.step()  # swapped out by the evict, then tried back in within the step
     assert fut.result(0).data["evicted"] == [(ids[2], "swap")]
     assert [s.request_id for s in sch.swapped] == [ids[2]]
     assert engine.block_manager.num_used < used  # its device blocks went to the host
@@ -403,6 +409,82 @@ def test_a_swap_out_that_fails_otherwise_recomputes_the_sequence_and_every_reque
     ]  # once a minute
     assert failed[0].exc_info is not None and "broken_copy" in caplog.text  # the traceback
     assert engine.snapshot().events.get("swapped_out", 0) == 0
+
+
+def broken_copy_in(*args: object) -> None:
+    """A copy back to the device that fails with anything but running out of memory: a bug."""
+    raise RuntimeError("swap_in: a kvguard bug")
+
+
+def evicted_and_run(break_copy_in: bool) -> tuple[LLMEngine, list[str], dict[str, list[int]]]:
+    """Three requests run a step, two are evicted (swapped out) and every request is run to its
+    end, the counts checked after each step; with `break_copy_in`, every copy back to the
+    device fails (`broken_copy_in`). The engine, the request ids and each request's tokens."""
+    engine, moves = overloaded(), Moves()
+    # both evicted end in a part-filled block: none comes back by sharing cached blocks alone
+    ids = [engine.add_request(prompt(i, n), params()) for i, n in enumerate([48, 40, 40])]
+    moves.step(engine)
+    if break_copy_in:
+        engine.scheduler.kv.swap_in = broken_copy_in
+    res = apply(engine, engine.evict(2, "normal"))  # out, and tried back in, in one step
+    assert res.ok and res.data["evicted"] == [(ids[2], "swap"), (ids[1], "swap")]
+    moves.check(engine)
+    done = run_all(engine, moves.check)
+    return engine, ids, {rid: o.token_ids for rid, o in done.items()}
+
+
+def test_a_swap_in_that_fails_otherwise_recomputes_the_sequence_and_every_request_finishes(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Every copy back to the device fails with anything but running out of memory (a bug):
+    each evicted sequence leaves the swapped queue and its host blocks and is computed again
+    from its text, one error with the traceback names the first back, and every request finishes
+    with the tokens it has where the copies work (greedy). Its one preemption stays counted
+    as the swap it was. Raised out of the step with the sequence left swapped out, the next
+    step tried the same copy and raised again: no request made progress for as long as the
+    copy failed."""
+    *_, want = evicted_and_run(break_copy_in=False)
+    with caplog.at_level(logging.WARNING, logger="kvguard.engine"):
+        engine, ids, got = evicted_and_run(break_copy_in=True)
+    assert got == want and {rid: len(t) for rid, t in got.items()} == dict.fromkeys(ids, 24)
+    sch = engine.scheduler
+    assert sch.preemptions == {"swap": 2, "recompute": 0}
+    assert not sch.swapped and engine.host_block_manager.num_used == 0
+    events = engine.snapshot().events
+    assert events["swapped_out"] == 2 and events.get("swapped_in", 0) == 0
+    failed = [r for r in caplog.records if "copying it back" in r.getMessage()]
+    assert [(r.levelno, r.getMessage()) for r in failed] == [
+        (
+            logging.ERROR,
+            f"{ids[1]} is recomputed: copying it back to the device from the host pool failed "
+            "(swap_in: a kvguard bug), a kvguard bug to report; it waits to run again from "
+            "its text",
+        )
+    ]  # once a minute
+    assert failed[0].exc_info is not None and "broken_copy_in" in caplog.text  # the traceback
+
+
+def test_a_swap_in_that_loses_a_rank_raises_and_leaves_the_sequence_swapped_out() -> None:
+    """A lost tensor-parallel rank during the copy back is no bug to recompute around: the
+    engine cannot go on, so it raises out of the step, the sequence still swapped out with
+    its host copy whole and the device blocks taken for it given back."""
+    engine, moves = overloaded(), Moves()
+    ids = [engine.add_request(prompt(i, n), params()) for i, n in enumerate([48, 48, 40])]
+    moves.step(engine)
+    sch = engine.scheduler
+
+    def rank_lost(*args: object) -> None:
+        raise RankFailure(1, "exited (injected)")
+
+    sch.kv.swap_in = rank_lost
+    fut = engine.evict(1, "normal")
+    with pytest.raises(RankFailure):
+        engine.step()
+    assert fut.result(0).data["evicted"] == [(ids[2], "swap")]
+    assert [s.request_id for s in sch.swapped] == [ids[2]]
+    assert engine.host_block_manager.num_used == len(sch.swapped[0].host_block_table) > 0
+    assert sch.preemptions == {"swap": 1, "recompute": 0}
+    moves.check(engine)
 
 
 def raising_after_the_first(real: Callable[[Sequence], str]) -> Callable[[Sequence], str]:

@@ -14,9 +14,16 @@ One engine (smollm2-135m by default), one KV byte budget, measured in one run:
 4. speed: decode tokens/s of the same batch (same prompts, same lengths, greedy) in each dtype,
    timed from the step where every sequence has its first token, so prefill is excluded; once
    after short prompts (the projections dominate a step) and once after long ones, where
-   reading the cached K/V dominates and a narrower pool is read faster.
+   reading the cached K/V dominates and a narrower pool is read faster;
+5. serving through the switch: an engine loop streaming `--streams` greedy requests (8) is
+   switched to FP8 the way a rule does it (`enable_fp8_kv` posted from another thread, applied
+   at a step boundary), then back (`disable_fp8_kv`), `--stream-rounds` times on the same loop:
+   the switch's own pause on the engine thread, and the inter-token gaps the streams see, the
+   largest around each switch against the median before it. The first round is the process's
+   first switch each way (cold).
 
     python bench/fp8.py [--quick] [--json FILE] [--threads N] [--kv-cache-bytes 256MiB]
+                        [--sections 1,2,3,4,5]
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import argparse
 import math
 import statistics
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -366,6 +374,149 @@ def decode_rows(full: DecodeRun, fp8: DecodeRun) -> list[list[Any]]:
 DECODE_HEADERS = ["KV dtype", "decode tokens", "decode s", "tok/s", "step ms p50", "vs full"]
 
 
+# ----------------------------------------------------------------------------- 5. under streams
+
+GAPS_BEFORE = 16  # each stream's inter-token gaps before a switch that make its median
+GAPS_AFTER = 4  # gaps from the one spanning the switch on, where its cost can show
+
+
+@dataclass(slots=True)
+class StreamSwitch:
+    round: int
+    direction: str  # "to fp8" or "back"
+    live_blocks: int  # device blocks the streams held when the switch was posted
+    pause_s: float  # the switch itself on the engine thread (ActionResult.data["pause_s"])
+    median_gap_s: float  # median of every stream's gaps before the switch
+    max_gap_s: float  # the largest gap any stream saw from the switch on (GAPS_AFTER each)
+    detail: str = ""
+
+
+class TokenClock:
+    """When each stream's tokens arrive (the listener runs on the engine thread as each step
+    delivers them); `wait` blocks until every stream has at least `n` tokens."""
+
+    def __init__(self, streams: int) -> None:
+        self.times: list[list[float]] = [[] for _ in range(streams)]
+        self.cond = threading.Condition()
+
+    def listener(self, i: int) -> Any:
+        def heard(out: Any) -> None:
+            if out.new_token_ids:
+                now = time.perf_counter()
+                with self.cond:
+                    self.times[i].extend([now] * len(out.new_token_ids))
+                    self.cond.notify_all()
+
+        return heard
+
+    def counts(self) -> list[int]:
+        with self.cond:
+            return [len(t) for t in self.times]
+
+    def wait(self, n: int, timeout: float = 600.0) -> None:
+        with self.cond:
+            if not self.cond.wait_for(lambda: min(map(len, self.times)) >= n, timeout):
+                raise SystemExit(f"streams did not reach {n} tokens in {timeout:.0f} s")
+
+
+def gaps_around(times: list[list[float]], marks: list[int]) -> tuple[float, float]:
+    """(median gap before, largest gap from the mark on): `marks[i]` is how many tokens stream
+    i had when the switch was posted, so its gap ending at token marks[i] spans the switch."""
+    before, after = [], []
+    for t, m in zip(times, marks, strict=True):
+        gaps = [b - a for a, b in zip(t, t[1:], strict=False)]  # gaps[k] ends at token k + 1
+        before += gaps[max(0, m - 1 - GAPS_BEFORE) : m - 1]
+        after += gaps[m - 1 : m - 1 + GAPS_AFTER]
+    return statistics.median(before), max(after)
+
+
+def switch_under_streams(
+    loop: Any, clock: TokenClock, action: str, rnd: int, direction: str
+) -> StreamSwitch:
+    from kvguard.rules.actions import run_action
+
+    marks = clock.counts()
+    live = loop.snapshot().blocks_used
+    res = run_action(loop.engine, action, clamp=True).result(600)
+    if not res.ok:
+        raise SystemExit(f"{action} refused under streams: {res.detail}")
+    clock.wait(max(marks) + GAPS_AFTER + 1)
+    median, worst = gaps_around(clock.times, marks)
+    return StreamSwitch(
+        rnd, direction, live, res.data.get("pause_s", 0.0), median, worst, res.detail
+    )
+
+
+def measure_under_streams(
+    model: str, threads: int, kv_bytes: str, streams: int, rounds: int, seed: int
+) -> list[StreamSwitch]:
+    """Each round: `streams` fresh greedy requests, switched to FP8 and back while they stream."""
+    from kvguard.engine import EngineConfig, LLMEngine
+    from kvguard.engine.engine_loop import EngineLoop
+
+    def build() -> LLMEngine:  # on the loop's thread, as the daemon builds it
+        import torch
+
+        torch.set_num_threads(threads)
+        cfg = EngineConfig(model=model, num_threads=threads, kv_cache_bytes=kv_bytes)
+        return LLMEngine.from_config(cfg, progress=False)
+
+    loop = EngineLoop().start(build)
+    warmup = 2 * GAPS_BEFORE
+    per_round = warmup + 2 * (GAPS_BEFORE + GAPS_AFTER + 2) + 8
+    out = []
+    try:
+        for rnd in range(rounds):
+            prompts = token_prompts(model, streams, 64, seed + rnd)
+            clock = TokenClock(streams)
+            subs = [
+                loop.submit_nowait(p, greedy(per_round), listener=clock.listener(i))[0]
+                for i, p in enumerate(prompts)
+            ]
+            clock.wait(warmup)
+            for action, direction in (("enable_fp8_kv", "to fp8"), ("disable_fp8_kv", "back")):
+                out.append(switch_under_streams(loop, clock, action, rnd, direction))
+                s = out[-1]
+                print(
+                    f"  round {rnd + 1} {direction}: pause {s.pause_s * 1e3:.1f} ms, gaps "
+                    f"median {s.median_gap_s * 1e3:.1f} ms, max {s.max_gap_s * 1e3:.1f} ms "
+                    f"({s.live_blocks} live blocks)",
+                    flush=True,
+                )
+                clock.wait(max(clock.counts()) + GAPS_BEFORE)
+            for sub in subs:
+                sub.result(600)
+    finally:
+        loop.stop()
+    return out
+
+
+def stream_rows(samples: list[StreamSwitch]) -> list[list[Any]]:
+    return [
+        [
+            f"{s.round + 1}{' (cold)' if s.round == 0 else ''}",
+            s.direction,
+            s.live_blocks,
+            f"{s.pause_s * 1e3:.1f}",
+            f"{s.median_gap_s * 1e3:.1f}",
+            f"{s.max_gap_s * 1e3:.1f}",
+            ratio(s.max_gap_s, s.median_gap_s),
+        ]
+        for s in samples
+    ]
+
+
+STREAM_HEADERS = [
+    "round",
+    "switch",
+    "live blocks",
+    "pause ms",
+    "gap p50 before ms",
+    "max gap ms",
+    "max/p50",
+]
+
+
 # ----------------------------------------------------------------------------- main
 
 
@@ -389,6 +540,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--fills", default="", help="live-switch fill levels (0.2,0.4,0.6,0.8; quick 0.6)"
     )
+    p.add_argument("--streams", type=int, default=0, help="streams switched under (8)")
+    p.add_argument(
+        "--stream-rounds", type=int, default=0, help="switches there and back under streams (3)"
+    )
+    p.add_argument("--sections", default="1,2,3,4,5", help="which sections to run (1,2,3,4,5)")
     args = p.parse_args()
     quick = args.quick
     args.kv_cache_bytes = args.kv_cache_bytes or ("16MiB" if quick else "256MiB")
@@ -398,6 +554,9 @@ def parse_args() -> argparse.Namespace:
     args.agree_tokens = args.agree_tokens or (8 if quick else 64)
     args.long_prompt = args.long_prompt or (64 if quick else 512)
     args.long_batch = args.long_batch or (2 if quick else 8)
+    args.streams = args.streams or 8
+    args.stream_rounds = args.stream_rounds or (1 if quick else 3)
+    args.sections = {int(x) for x in args.sections.split(",")}
     default_fills = "0.6" if quick else "0.2,0.4,0.6,0.8"
     args.fills = [float(x) for x in (args.fills or default_fills).split(",")]
     return args
@@ -405,6 +564,32 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    result: dict[str, Any] = {"model": args.model, "threads": args.threads}
+    result["kv_cache_bytes"] = args.kv_cache_bytes
+    if args.sections & {1, 2, 3, 4}:
+        result |= engine_sections(args)
+    if 5 in args.sections:
+        section(
+            f"5. {args.streams} streams switched to {FP8} and back by the rules' actions "
+            f"({args.stream_rounds} rounds)"
+        )
+        print(load_line())
+        streams = measure_under_streams(
+            args.model,
+            args.threads,
+            args.kv_cache_bytes,
+            args.streams,
+            args.stream_rounds,
+            args.seed,
+        )
+        print(format_table(STREAM_HEADERS, stream_rows(streams)))
+        print(load_line())
+        result["under_streams"] = [asdict(s) for s in streams]
+    write_json(args.json, result)
+
+
+def engine_sections(args: argparse.Namespace) -> dict[str, Any]:
+    """Sections 1-4 on one engine stepped from this thread; the summary where all four ran."""
     engine = make_engine(
         args.model, args.threads, kv_cache_bytes=args.kv_cache_bytes, max_num_seqs=64
     )
@@ -413,66 +598,59 @@ def main() -> None:
         f"model {args.model}, {args.threads} torch threads, device {engine.device}, KV budget "
         f"{args.kv_cache_bytes}, full precision = {full}; {load_line()}"
     )
-
-    section(f"1. capacity of one {args.kv_cache_bytes} KV budget")
-    caps = measure_capacity(engine, full)
-    print(format_table(CAPACITY_HEADERS, capacity_rows(caps)))
-
-    section(f"2. live switch {full} -> {FP8} with the cache holding live sequences")
-    pauses = measure_pauses(engine, full, args.fills, args.seed)
-    print(format_table(PAUSE_HEADERS, pause_rows(pauses)))
-
-    section(f"3. teacher-forced top-1 agreement, {FP8} vs {full}")
-    agree = measure_agreement(engine, full, args.agree_prompts, args.agree_tokens)
-    print(
-        f"{agree.top1_agreement:.2%} of {agree.positions} positions "
-        f"({agree.prompts} prompts x {agree.tokens} greedy {full} tokens, {agree.seconds:.1f} s)"
-    )
-
-    section(f"4. decode speed, {args.batch} sequences x {args.decode_tokens} tokens")
-    prompts = token_prompts(args.model, args.batch, 16, args.seed)
-    d_full, d_fp8 = measure_decode(engine, full, prompts, args.decode_tokens, args.rounds)
-    print(format_table(DECODE_HEADERS, decode_rows(d_full, d_fp8)))
-    same_all = same_outputs(d_full.outputs, d_fp8.outputs, None)
-    same_pre = same_outputs(d_full.outputs, d_fp8.outputs, SAME_PREFIX)
-    print(
-        f"free-running greedy outputs identical: {same_all:.0%} whole, "
-        f"{same_pre:.0%} on the first {SAME_PREFIX} tokens"
-    )
-    print(
-        f"\nafter {args.long_prompt}-token prompts, {args.long_batch} sequences x "
-        f"{args.decode_tokens} tokens:"
-    )
-    long_prompts = token_prompts(args.model, args.long_batch, args.long_prompt, args.seed + 1)
-    l_full, l_fp8 = measure_decode(engine, full, long_prompts, args.decode_tokens, args.rounds)
-    print(format_table(DECODE_HEADERS, decode_rows(l_full, l_fp8)))
-
-    section("summary")
-    for line in summary(
-        engine, caps, pauses, agree, d_full, d_fp8, (args.long_prompt, l_full, l_fp8)
-    ):
-        print(line)
+    out: dict[str, Any] = {"device": str(engine.device), "full_dtype": full}
+    want = args.sections
+    if 1 in want:
+        section(f"1. capacity of one {args.kv_cache_bytes} KV budget")
+        caps = measure_capacity(engine, full)
+        print(format_table(CAPACITY_HEADERS, capacity_rows(caps)))
+        out["capacity"] = [asdict(c) for c in caps]
+    if 2 in want:
+        section(f"2. live switch {full} -> {FP8} with the cache holding live sequences")
+        pauses = measure_pauses(engine, full, args.fills, args.seed)
+        print(format_table(PAUSE_HEADERS, pause_rows(pauses)))
+        out["live_switch"] = [asdict(s) | {"s_per_gib": s.s_per_gib} for s in pauses]
+    if 3 in want:
+        section(f"3. teacher-forced top-1 agreement, {FP8} vs {full}")
+        agree = measure_agreement(engine, full, args.agree_prompts, args.agree_tokens)
+        print(
+            f"{agree.top1_agreement:.2%} of {agree.positions} positions "
+            f"({agree.prompts} prompts x {agree.tokens} greedy {full} tokens, "
+            f"{agree.seconds:.1f} s)"
+        )
+        out["agreement"] = asdict(agree)
+    if 4 in want:
+        section(f"4. decode speed, {args.batch} sequences x {args.decode_tokens} tokens")
+        prompts = token_prompts(args.model, args.batch, 16, args.seed)
+        d_full, d_fp8 = measure_decode(engine, full, prompts, args.decode_tokens, args.rounds)
+        print(format_table(DECODE_HEADERS, decode_rows(d_full, d_fp8)))
+        same_all = same_outputs(d_full.outputs, d_fp8.outputs, None)
+        same_pre = same_outputs(d_full.outputs, d_fp8.outputs, SAME_PREFIX)
+        print(
+            f"free-running greedy outputs identical: {same_all:.0%} whole, "
+            f"{same_pre:.0%} on the first {SAME_PREFIX} tokens"
+        )
+        print(
+            f"\nafter {args.long_prompt}-token prompts, {args.long_batch} sequences x "
+            f"{args.decode_tokens} tokens:"
+        )
+        long_prompts = token_prompts(args.model, args.long_batch, args.long_prompt, args.seed + 1)
+        l_full, l_fp8 = measure_decode(engine, full, long_prompts, args.decode_tokens, args.rounds)
+        print(format_table(DECODE_HEADERS, decode_rows(l_full, l_fp8)))
+        out["decode"] = [r.as_json() for r in (d_full, d_fp8)]
+        out["decode_long_context"] = {
+            "prompt_tokens": args.long_prompt,
+            "sequences": args.long_batch,
+            "runs": [r.as_json() for r in (l_full, l_fp8)],
+        }
+        out["greedy_identical"] = {"whole": same_all, f"first_{SAME_PREFIX}": same_pre}
+    if {1, 2, 3, 4} <= want:
+        section("summary")
+        long = (args.long_prompt, l_full, l_fp8)
+        for line in summary(engine, caps, pauses, agree, d_full, d_fp8, long):
+            print(line)
     print(load_line())
-    write_json(
-        args.json,
-        {
-            "model": args.model,
-            "threads": args.threads,
-            "device": str(engine.device),
-            "kv_cache_bytes": args.kv_cache_bytes,
-            "full_dtype": full,
-            "capacity": [asdict(c) for c in caps],
-            "live_switch": [asdict(s) | {"s_per_gib": s.s_per_gib} for s in pauses],
-            "agreement": asdict(agree),
-            "decode": [r.as_json() for r in (d_full, d_fp8)],
-            "decode_long_context": {
-                "prompt_tokens": args.long_prompt,
-                "sequences": args.long_batch,
-                "runs": [r.as_json() for r in (l_full, l_fp8)],
-            },
-            "greedy_identical": {"whole": same_all, f"first_{SAME_PREFIX}": same_pre},
-        },
-    )
+    return out
 
 
 def summary(

@@ -425,3 +425,21 @@ def test_fp8_states_its_agreement_goal_met_or_not() -> None:
     goal = "goal teacher-forced top-1 agreement >= 98%: "
     assert goal + "met (99.22% over 128 positions)" in lines(127 / 128)
     assert goal + "NOT met (90.00% over 128 positions)" in lines(0.9)
+
+
+def test_fp8_reads_the_gap_spanning_a_switch_against_the_gaps_before_it() -> None:
+    from bench.fp8 import GAPS_AFTER, GAPS_BEFORE, gaps_around
+
+    # two streams, a token every 10 ms; the switch posted when each had 20 tokens, and the
+    # gap it spans (ending at token 20, index 20) 0.5 s in the first, 0.3 s in the second
+    times = []
+    for stall in (0.5, 0.3):
+        t = [0.01 * k for k in range(20)]
+        t += [t[-1] + stall + 0.01 * k for k in range(GAPS_AFTER + 2)]
+        times.append(t)
+    median, worst = gaps_around(times, [20, 20])
+    assert round(median, 6) == 0.01 and round(worst, 6) == 0.5
+    # a stall before the mark counts in the median's gaps only (GAPS_BEFORE of them)
+    times[0][10:] = [x + 2.0 for x in times[0][10:]]
+    median, worst = gaps_around(times, [20, 20])
+    assert round(median, 6) == 0.01 and round(worst, 6) == 0.5 and GAPS_BEFORE >= 10

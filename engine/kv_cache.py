@@ -3,6 +3,10 @@
 An fp8 pool carries one fp32 scale per block per KV head for K and for V. A second, host-side
 pool (pinned on CUDA) holds swapped-out sequences. Both pools can change dtype while serving:
 the conversion runs layer by layer, so at any moment at most one layer exists twice.
+
+A dtype switch holds the engine (it runs between two steps, every stream waiting): on a CPU
+the live blocks go through one C pass a layer (`cpu_ops.convert_blocks`), not a dozen torch
+ops each allocating and walking the layer's live K/V again.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import torch
 from kvguard.engine.config import ConfigError
 from kvguard.engine.distributed.errors import PoolTorn
 from kvguard.engine.model_config import ModelConfig
+from kvguard.kernels import cpu_ops
 from kvguard.kernels.fp8 import FP8_DTYPE, FP8_MAX, as_bytes, as_rows, dequantize, quantize
 
 KV_TORCH_DTYPES = {
@@ -248,6 +253,10 @@ class KVCache:
             copy_blocks(layer, src, fresh, dst)  # as they are, scales alongside
         elif src.numel():
             for which in (0, 1):
+                if cpu_ops.convert_blocks(
+                    layer[which], layer[2 + which], src, fresh[which], fresh[2 + which], dst
+                ):
+                    continue
                 vals = read_blocks(layer, src, which, torch.float32)
                 peak = max(peak, held + vals.numel() * vals.element_size())
                 write_blocks(fresh, dst, which, vals)

@@ -363,6 +363,9 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.kvg_silu_mul.restype = None
     lib.kvg_write_kv.argtypes = [_PTR, _PTR, _INT, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64]
     lib.kvg_write_kv.restype = ctypes.c_int
+    lib.kvg_convert_blocks.argtypes = [_PTR, _PTR, _INT, _I64, _PTR, _PTR, _INT, _I64, _PTR]
+    lib.kvg_convert_blocks.argtypes += [_PTR, _I64, _I64, _I64, _I64, _INT]
+    lib.kvg_convert_blocks.restype = ctypes.c_int
     lib.kvg_decode_layer.argtypes = [_PTR] * 9
     lib.kvg_decode_layer.restype = ctypes.c_int
     lib.kvg_refine8v.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64]

@@ -1397,6 +1397,99 @@ void kvg_silu_mul(const float *x, int64_t ldx, int64_t T, int64_t inter, float *
     }
 }
 
+/* ---- Pool conversion: whole blocks into a pool of another element type (the KV switch) ----- */
+
+/* `n` values (a multiple of 8) of `type` at `src` as fp32 into `out`; fp8 times `scale`, as
+ * torch's dequantise does (widened exactly, then one fp32 multiply). */
+static void load_row(float *out, const void *src, int64_t n, int type, float scale) {
+    switch (type) {
+    case KV_F32:
+        memcpy(out, src, (size_t)n * sizeof(float));
+        return;
+    case KV_F16:
+        for (int64_t i = 0; i < n; i += 8)
+            _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)src + i))));
+        return;
+    case KV_BF16:
+        for (int64_t i = 0; i < n; i += 8) {
+            const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)src + i)));
+            _mm256_storeu_ps(out + i, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+        }
+        return;
+    default: {
+        const __m256 sv = _mm256_set1_ps(scale);
+        for (int64_t i = 0; i < n; i += 8)
+            _mm256_storeu_ps(out + i, _mm256_mul_ps(fp8x8((const uint8_t *)src + i), sv));
+    }
+    }
+}
+
+/* The largest |x| of `n` floats (a multiple of 8), NaN where one is (as torch's amax): the
+ * maximum of the bits as integers, as kvg_write_kv takes it. */
+static float amax_abs(const float *x, int64_t n) {
+    __m256i m = _mm256_setzero_si256();
+    const __m256i abs = _mm256_set1_epi32(0x7fffffff);
+    for (int64_t i = 0; i < n; i += 8)
+        m = _mm256_max_epi32(m, _mm256_and_si256(abs, _mm256_castps_si256(_mm256_loadu_ps(x + i))));
+    __m128i m4 = _mm_max_epi32(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1));
+    m4 = _mm_max_epi32(m4, _mm_shuffle_epi32(m4, 0x4e));
+    m4 = _mm_max_epi32(m4, _mm_shuffle_epi32(m4, 0xb1));
+    return _mm_cvtss_f32(_mm_castsi128_ps(m4));
+}
+
+/* Blocks src_ids[i] of `src` ([src_blocks][bs][hkv][d] of src_type, fp8 with `src_scales`
+ * [src_blocks][hkv]) into blocks dst_ids[i] of `dst` (dst_type, fp8 with `dst_scales`), i < n,
+ * in one pass: each KV head's rows of a block widened to fp32, then stored in the new type; an
+ * fp8 block and head gets the fresh scale max(amax / 448, 1e-12) (NaN where the rows hold a
+ * NaN), and its values x / scale. The values are kvguard.engine.kv_cache's read_blocks then
+ * write_blocks, bit for bit (tests), without their whole-layer temporaries and a dozen passes:
+ * the live KV dtype switch converts only the blocks in use, and holds the engine meanwhile.
+ * d a multiple of 8, bs <= MAX_BLOCK, d <= MAX_DIM. Returns 0, 1 on a shape this does not
+ * serve, -3 on an id outside its pool (before anything is written), -1 without memory for the
+ * threads' rows. */
+int kvg_convert_blocks(const void *src, const float *src_scales, int src_type, int64_t src_blocks,
+                       void *dst, float *dst_scales, int dst_type, int64_t dst_blocks,
+                       const int64_t *src_ids, const int64_t *dst_ids, int64_t n, int64_t bs,
+                       int64_t hkv, int64_t d, int threads) {
+    if (bs < 1 || bs > MAX_BLOCK || hkv < 1 || d < 8 || d > MAX_DIM || d % 8 ||
+        (src_type == KV_FP8 && !src_scales) || (dst_type == KV_FP8 && !dst_scales))
+        return 1;
+    for (int64_t i = 0; i < n; ++i)
+        if (src_ids[i] < 0 || src_ids[i] >= src_blocks || dst_ids[i] < 0 || dst_ids[i] >= dst_blocks)
+            return -3;
+    if (threads < 1)
+        threads = 1;
+    const int64_t row = hkv * d, ses = elem_size(src_type), des = elem_size(dst_type);
+    float *ws = malloc(sizeof(float) * (size_t)(threads * bs * d)); /* one head's rows a thread */
+    if (!ws)
+        return -1;
+#pragma omp parallel for num_threads(threads) if (threads > 1 && n * bs * row >= PAR_MIN) schedule(static)
+    for (int64_t item = 0; item < n * hkv; ++item) {
+        const int64_t i = item / hkv, h = item % hkv, sb = src_ids[i], db = dst_ids[i];
+        int self = 0;
+#ifdef _OPENMP
+        self = omp_get_thread_num();
+#endif
+        float *vals = ws + self * bs * d;
+        const float in_scale = src_type == KV_FP8 ? src_scales[sb * hkv + h] : 1.0f;
+        for (int64_t u = 0; u < bs; ++u)
+            load_row(vals + u * d, (const char *)src + ((sb * bs + u) * row + h * d) * ses, d,
+                     src_type, in_scale);
+        float out_scale = 1.0f;
+        if (dst_type == KV_FP8) {
+            out_scale = amax_abs(vals, bs * d) / 448.0f;
+            if (out_scale < 1e-12f) /* clamp_min_: a NaN stays NaN */
+                out_scale = 1e-12f;
+            dst_scales[db * hkv + h] = out_scale;
+        }
+        for (int64_t u = 0; u < bs; ++u)
+            store_row((char *)dst + ((db * bs + u) * row + h * d) * des, vals + u * d, d, dst_type,
+                      out_scale);
+    }
+    free(ws);
+    return 0;
+}
+
 /* ---- Row maxima: the sampler's greedy choice and the lm_head's candidates ---------------- */
 
 /* The index of row x's largest value, the first where several are equal (torch.argmax); of

@@ -1,7 +1,7 @@
 """The CPU step kernels of `cpu_ops.c`: paged decode attention over the pool in place, the
 K/V write into a pool of any element type (fp8 with its growing per-block scales), RMSNorm
 (with the residual add folded in), RoPE and the gated MLP's SiLU-and-multiply, for fp32
-activations.
+activations; and the live KV dtype switch's conversion of whole blocks between pools.
 
 They live in the library `cpu_lowbit` builds (one compile on first use). `enabled(x)` says
 whether a tensor takes them: fp32 on the CPU, the library built, and `KVGUARD_CPU_OPS` not
@@ -131,6 +131,62 @@ def write_kv(
         raise IndexError(f"write_kv: a KV slot outside the pool of {nb * bs} slots")
     if rc:
         raise ValueError(f"write_kv: unsupported pool {tuple(cache.shape)} {cache.dtype}")
+
+
+# Threads of a conversion call: one. It streams memory (a few MiB a layer for a default pool),
+# so a second thread gains little, and it is called twice a layer: on a host whose cores other
+# processes also want, each parallel region waited for a descheduled worker. 56 live blocks of
+# the default pool (30 layers, fp32 -> fp8, 2 cores at a load average of 7.5): 76 ms on one
+# thread, 558 ms on two.
+CONVERT_THREADS = 1
+
+
+def convert_blocks(
+    src: torch.Tensor,
+    src_scales: torch.Tensor | None,
+    src_ids: torch.Tensor,
+    dst: torch.Tensor,
+    dst_scales: torch.Tensor | None,
+    dst_ids: torch.Tensor,
+) -> bool:
+    """Blocks `src_ids` of pool `src` into blocks `dst_ids` of `dst`, another element type
+    (fp8 with its per-block, per-KV-head scales), in one pass over the blocks: what
+    `kvguard.engine.kv_cache`'s read_blocks then write_blocks store, bit for bit (tests),
+    without their temporaries and a dozen passes over each layer's live K/V. False, nothing
+    written, where these kernels do not serve the pools (off, not built, another device or
+    shape): the caller converts with torch's ops."""
+    if not _on() or src.dtype == dst.dtype:
+        return False
+    _nb, bs, hkv, d = src.shape
+    if not (
+        src.is_cpu
+        and dst.is_cpu
+        and pool_supported(src, src_scales)
+        and pool_supported(dst, dst_scales)
+        and dst.shape[1:] == src.shape[1:]
+        and d % 8 == 0
+        and d <= MAX_DIM
+        and bs <= MAX_BLOCK
+    ):
+        return False
+    for name, ids in (("src_ids", src_ids), ("dst_ids", dst_ids)):
+        _vector("convert_blocks", name, ids, torch.int64, src_ids.numel())
+    rc = cpu_lowbit.library().kvg_convert_blocks(
+        src.data_ptr(), None if src_scales is None else src_scales.data_ptr(),
+        KV_TYPES[src.dtype], src.shape[0],
+        dst.data_ptr(), None if dst_scales is None else dst_scales.data_ptr(),
+        KV_TYPES[dst.dtype], dst.shape[0],
+        src_ids.data_ptr(), dst_ids.data_ptr(), src_ids.numel(), bs, hkv, d, CONVERT_THREADS,
+    )  # fmt: skip
+    if rc == -3:
+        raise IndexError(
+            f"convert_blocks: a block id outside its pool ({src.shape[0]} / {dst.shape[0]} blocks)"
+        )
+    if rc == -1:
+        raise MemoryError("convert_blocks: no memory for the threads' rows")
+    if rc:
+        raise ValueError(f"convert_blocks: unsupported pools {tuple(src.shape)} {src.dtype}")
+    return True
 
 
 def _bad(fn: str, name: str, want: str, t: torch.Tensor) -> ValueError:

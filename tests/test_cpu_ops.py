@@ -458,6 +458,65 @@ def test_the_c_kv_write_stores_torchs_bits(dtype: torch.dtype) -> None:
         cpu_ops.write_kv(got, got_s, x[:1], torch.tensor([nb * bs]))
 
 
+KV_NAMES = ["fp32", "fp16", "bf16", "fp8_e4m3"]
+
+
+@pytest.mark.parametrize(("old", "new"), [(a, b) for a in KV_NAMES for b in KV_NAMES if a != b])
+def test_the_c_block_conversion_stores_torchs_bits(old: str, new: str) -> None:
+    """`cpu_ops.convert_blocks` (the live KV switch on a CPU) against kv_cache's torch
+    read_blocks then write_blocks, byte for byte and scale for scale: blocks moved to other
+    ids, values over twelve decades, an all-zero block (the 1e-12 scale floor), ties, values
+    past fp16's range; a NaN ends NaN where torch's does (payloads aside). An id outside
+    either pool writes nothing."""
+    from kvguard.engine import kv_cache
+
+    class Shape:
+        num_kv_heads, head_dim, num_layers = 3, 64, 1
+
+    cpu = torch.device("cpu")
+    gen = torch.Generator().manual_seed(5)
+    vals = (
+        torch.randn(12, 16, 3, 64, generator=gen) * torch.logspace(-6, 6, 12)[:, None, None, None]
+    )
+    vals[4] = 0.0
+    vals[5, 0, :, :8] = torch.tensor([448.0, 1.0625, 1.1875, -1.0625, 2.0**-10, 232.0, 7e4, -9e4])
+    vals[6, 3, 1, 9] = float("nan")
+    src = kv_cache.new_layer(Shape, 12, 16, old, cpu)
+    every = torch.arange(12)
+    for which in (0, 1):
+        kv_cache.write_blocks(src, every, which, vals)
+    src_ids, dst_ids = torch.tensor([6, 0, 4, 11, 5, 7]), torch.tensor([1, 30, 2, 0, 17, 9])
+    want = kv_cache.new_layer(Shape, 40, 16, new, cpu)
+    got = kv_cache.new_layer(Shape, 40, 16, new, cpu)
+    for which in (0, 1):
+        read = kv_cache.read_blocks(src, src_ids, which, torch.float32)
+        kv_cache.write_blocks(want, dst_ids, which, read)
+        assert cpu_ops.convert_blocks(
+            src[which], src[2 + which], src_ids, got[which], got[2 + which], dst_ids
+        )
+    for w, g in zip(want, got, strict=True):
+        if w is None:
+            assert g is None
+            continue
+        nan = w.float().isnan()
+        assert nan.any() and torch.equal(g.float().isnan(), nan)
+        wb, gb = w.view(torch.uint8), g.view(torch.uint8)
+        if w.dim() == 4:  # K/V: every byte of rows holding no NaN
+            keep = ~nan.flatten(1).any(1)
+            assert torch.equal(gb[keep], wb[keep])
+        else:  # scales
+            assert torch.equal(g.nan_to_num(0.0), w.nan_to_num(0.0))
+    before = [t.view(torch.uint8).clone() for t in got if t is not None]
+    with pytest.raises(IndexError, match="outside its pool"):
+        cpu_ops.convert_blocks(
+            src[0], src[2], torch.tensor([1, 2]), got[0], got[2], torch.tensor([3, 40])
+        )
+    after = [t.view(torch.uint8) for t in got if t is not None]
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    # the same dtype is a byte copy (kv_cache.copy_blocks): not this kernel's
+    assert not cpu_ops.convert_blocks(src[0], src[2], src_ids, src[1], src[3], src_ids)
+
+
 def test_every_fp8_byte_reads_as_torch_dequantises_it() -> None:
     """One cached token and one query head: the output is the token's V row dequantised, so a
     row of all 256 e4m3 bytes (subnormals, both zeros, the largest values, both NaNs) checks

@@ -4,13 +4,19 @@ An fp8 pool carries one fp32 scale per block per KV head for K and for V. A seco
 pool (pinned on CUDA) holds swapped-out sequences. Both pools can change dtype while serving:
 the conversion runs layer by layer, so at any moment at most one layer exists twice.
 
-A dtype switch holds the engine (it runs between two steps, every stream waiting): on a CPU
-the live blocks go through one C pass a layer (`cpu_ops.convert_blocks`), not a dozen torch
-ops each allocating and walking the layer's live K/V again.
+A dtype switch holds the engine (it runs between two steps, every stream waiting), so it costs
+what the live blocks cost and no more: on a CPU each new layer is zero pages the kernel maps
+untouched (not a zeroed allocation, which wrote every free block), its pages taken as blocks
+fill after the switch, and the live blocks go through one C pass a layer
+(`cpu_ops.convert_blocks`). A resize in the same dtype zeroes its new layers as before: a pool
+grown back takes its memory when it grows, while the room checked for it is there.
 """
 
 from __future__ import annotations
 
+import errno
+import math
+import mmap
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,8 +48,9 @@ def is_oom(error: BaseException) -> bool:
 
     A CPU step that cannot allocate its workspace is the same fault as a GPU one that cannot:
     a smaller step fits, so it is requeued and the budget halved rather than failing the
-    step's requests. Only the allocator's own message counts: any other RuntimeError is a bug."""
-    if isinstance(error, OOM_ERRORS):
+    step's requests. Only the allocator's own message counts (and MemoryError: pages the
+    system would not map, `zero_pages`): any other RuntimeError is a bug."""
+    if isinstance(error, (*OOM_ERRORS, MemoryError)):
         return True
     return isinstance(error, RuntimeError) and CPU_ALLOC_FAILED in str(error)
 
@@ -90,12 +97,24 @@ def _layer_bytes(layer: LayerKV) -> int:
 
 
 def new_layer(
-    cfg: ModelConfig, n: int, block_size: int, dtype: str, device: torch.device, pin: bool = False
+    cfg: ModelConfig,
+    n: int,
+    block_size: int,
+    dtype: str,
+    device: torch.device,
+    pin: bool = False,
+    fresh_pages: bool = False,
 ) -> LayerKV:
+    """One layer's K and V (and fp8 scales) of `n` blocks, zeroed. `fresh_pages` (a CPU pool
+    converted while serving): the K/V as zero pages the kernel maps untouched, so building
+    the layer costs nothing per block; pages fill in as blocks are written."""
     shape = (n, block_size, cfg.num_kv_heads, cfg.head_dim)
     tdt = KV_TORCH_DTYPES[dtype]
+    lazy = fresh_pages and device.type == "cpu" and not pin
 
     def buf() -> torch.Tensor:
+        if lazy:
+            return zero_pages(shape, tdt)
         t = torch.zeros(shape, dtype=tdt, device=device)
         return t.pin_memory() if pin else t
 
@@ -105,6 +124,23 @@ def new_layer(
     ks = torch.zeros(scales, dtype=torch.float32, device=device)
     vs = torch.zeros(scales, dtype=torch.float32, device=device)
     return (buf(), buf(), ks.pin_memory() if pin else ks, vs.pin_memory() if pin else vs)
+
+
+def zero_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor of zeros on an anonymous private mapping: the kernel hands out zero pages
+    on first touch, so nothing is written (or faulted in) now, where torch.zeros writes every
+    byte. The mapping goes back to the system with the last tensor viewing it. MemoryError
+    where the system refuses it (a `LimitAS=`, strict overcommit), as an allocation would."""
+    nbytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
+    if not nbytes:  # no blocks (a host pool of none): nothing to map
+        return torch.zeros(shape, dtype=dtype)
+    try:
+        pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
+    except OSError as e:
+        if e.errno != errno.ENOMEM:
+            raise
+        raise MemoryError(f"cannot map {nbytes} bytes for a KV layer: {e.strerror}") from e
+    return torch.frombuffer(pages, dtype=torch.uint8).view(dtype).view(shape)
 
 
 def new_pool(cfg: ModelConfig, n: int, block_size: int, dtype: str, device: torch.device) -> Pool:
@@ -247,9 +283,12 @@ class KVCache:
     ) -> tuple[LayerKV, int]:
         """`layer` as `n` blocks of `dtype`, its blocks `src` at `dst`; and the most bytes the
         pool held meanwhile (`current` before)."""
-        fresh = new_layer(self.cfg, n, self.block_size, dtype, pool.device, pin=_pinned(layer))
+        resize = dtype == _layer_dtype(layer)  # a grown pool takes its memory now (can_grow)
+        fresh = new_layer(
+            self.cfg, n, self.block_size, dtype, pool.device, _pinned(layer), not resize
+        )
         held = peak = current + _layer_bytes(fresh)
-        if src.numel() and dtype == _layer_dtype(layer):  # a new size, same dtype: the bytes
+        if src.numel() and resize:  # a new size, same dtype: the bytes
             copy_blocks(layer, src, fresh, dst)  # as they are, scales alongside
         elif src.numel():
             for which in (0, 1):

@@ -1,20 +1,65 @@
-"""A live KV dtype switch costs what the live blocks cost.
+"""A live KV dtype switch costs what the live blocks cost, not what the pool holds.
 
 The switch (a rule's `enable_fp8_kv`, its undo) runs between two steps and holds every stream
-meanwhile. On a CPU it converted the live blocks through a dozen torch ops a layer, each
-allocating and walking the layer's live K/V again and each a parallel region of its own: on 2
-cores other processes also used, an 8-stream switch of the default pool paused serving for
-seconds. The live blocks now go through one C pass a layer.
+meanwhile. On a CPU it once wrote the whole new pool (torch.zeros: every byte of every free
+block, each page faulted in) and converted the live blocks through a dozen torch ops a layer,
+each a parallel region of its own; on 2 cores other processes also used, an 8-stream switch of
+the default pool paused serving for seconds. Now each new layer is zero pages the kernel maps
+untouched, and the live blocks go through one C pass a layer: the pages of blocks nobody holds
+are not touched, which is what these tests read (the kernel's own page table, `mincore`, not
+a clock).
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import mmap
+
 import pytest
+import torch
 
 from kvguard.engine import LLMEngine, SamplingParams
 from kvguard.engine import kv_cache as kv_cache_module
 from kvguard.kernels import cpu_lowbit, cpu_ops
 from tests.test_engine import make_engine
+from tests.test_live_corners import finish
+
+PAGE = mmap.PAGESIZE
+HUGE = 2 << 20  # a transparent huge page: a touched page may bring its whole 2 MiB region in
+
+
+def resident_pages(t: torch.Tensor) -> list[int]:
+    """Which of the pages under tensor `t` (contiguous) are in memory, by page index from the
+    page holding its first byte (the kernel's page table: mincore)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    start = t.data_ptr() - t.data_ptr() % PAGE
+    length = t.data_ptr() + t.numel() * t.element_size() - start
+    pages = (length + PAGE - 1) // PAGE
+    vec = (ctypes.c_ubyte * pages)()
+    rc = libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), vec)
+    assert rc == 0, f"mincore failed: errno {ctypes.get_errno()}"
+    return [i for i in range(pages) if vec[i] & 1]
+
+
+def touched_within_held_blocks(engine: LLMEngine) -> None:
+    """Every resident page of the device pool's K/V lies within the 2 MiB regions of the
+    blocks held now (the live blocks the switch converted, and what the step after it wrote):
+    the free blocks' bytes were neither written nor faulted in. The pool is big enough that
+    this leaves most of it out."""
+    held = set(engine.block_manager._holders)
+    assert held, "the test needs live blocks"
+    for layer in engine.kv_cache.layers:
+        for t in layer[:2]:
+            per_block = t[0].numel() * t.element_size()
+            base = t.data_ptr() - t.data_ptr() % PAGE
+            regions = {(t.data_ptr() + b * per_block - base) // HUGE for b in held}
+            regions |= {(t.data_ptr() + (b + 1) * per_block - 1 - base) // HUGE for b in held}
+            resident = resident_pages(t)
+            stray = [p for p in resident if p * PAGE // HUGE not in regions]
+            assert not stray, f"{len(stray)} pages of free blocks in memory, first {stray[:4]}"
+            total = (t.numel() * t.element_size()) // PAGE
+            assert len(resident) < total // 4, (len(resident), total)
 
 
 def switch(engine: LLMEngine, dtype: str) -> dict:
@@ -38,6 +83,18 @@ def serving() -> LLMEngine:
 
 def greedy(n: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def test_the_switch_and_its_undo_touch_only_the_blocks_in_use(serving: LLMEngine) -> None:
+    engine = serving
+    live = engine.snapshot().blocks_used
+    data = switch(engine, "fp8_e4m3")
+    assert data["blocks_after"] > 3 * data["blocks_before"] and live < data["blocks_before"] // 8
+    touched_within_held_blocks(engine)
+    switch(engine, "fp32")
+    touched_within_held_blocks(engine)
+    done = finish(engine)
+    assert len(done) == 4 and all(len(t) == 24 for t in done.values())
 
 
 def test_the_live_blocks_go_through_one_c_call_per_tensor_and_no_torch_pass(
@@ -64,3 +121,26 @@ def test_the_live_blocks_go_through_one_c_call_per_tensor_and_no_torch_pass(
     used = engine.snapshot().blocks_used
     switch(engine, "fp8_e4m3")
     assert calls == [used] * (2 * engine.model_config.num_layers)
+
+
+def test_a_mapping_the_system_refuses_is_a_refused_switch(
+    serving: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A layer whose pages the system will not map (a `LimitAS=`, strict overcommit) is the
+    out-of-memory it is: the switch is refused saying so, the pool stays whole and in use."""
+    engine = serving
+    want_blocks = engine.block_manager.num_blocks
+
+    def refuse(*_a, **_k):  # noqa: ANN002, ANN003, ANN202
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    monkeypatch.setattr(mmap, "mmap", refuse)
+    fut = engine.set_kv_cache_dtype("fp8_e4m3")
+    engine.step()
+    res = fut.result(0)
+    monkeypatch.undo()
+    assert not res.ok and "could not be built (out of memory" in res.detail, res.detail
+    assert engine.kv_cache.dtype == "fp32" and engine.block_manager.num_blocks == want_blocks
+    engine.audit_blocks()
+    done = finish(engine)
+    assert len(done) == 4 and all(len(t) == 24 for t in done.values())

@@ -72,8 +72,9 @@ def switch(engine: LLMEngine, dtype: str) -> dict:
 
 @pytest.fixture
 def serving() -> LLMEngine:
-    """Four requests decoding on a pool of 16 MiB per layer's K (and V), fp32."""
-    engine = make_engine(kv_cache_bytes="64MiB")
+    """Four requests decoding on a CPU pool of 16 MiB per layer's K (and V), fp32 (on a CPU
+    where a GPU is there too: these are the CPU pool's pages and kernels)."""
+    engine = make_engine(kv_cache_bytes="64MiB", device="cpu")
     for i in range(4):
         engine.add_request([3 + (5 * i + j) % 200 for j in range(40)], greedy(24))
     for _ in range(4):

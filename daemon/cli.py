@@ -97,8 +97,9 @@ def cmd_model_list(args: argparse.Namespace) -> int:
         if packed is not None:  # the form `serve` uses by default (model_quantization: auto)
             what = f"served by default ({packed['description']})"
             table.append(("  packed", *_cache_cells(packed), what))
-    # as wide as the longest name: a converted GGUF is listed by its file's path
-    width = max(len("NAME"), *(len(name) for name, *_ in table))
+    # as wide as the longest name: a converted GGUF is listed by its file's path (the header
+    # alone where nothing is listed)
+    width = max(len("NAME"), max((len(name) for name, *_ in table), default=0))
     print(f"{'NAME':<{width}} {'CACHED':<7} {'SIZE':>9}  DESCRIPTION")
     for name, cached, size, what in table:
         print(f"{name:<{width}} {cached:<7} {size:>9}  {what}")

@@ -483,6 +483,17 @@ def test_model_list_sizes_its_name_column_to_a_long_converted_gguf_path(
     assert listed[described:] == row["description"], listed
 
 
+def test_model_list_with_no_model_to_list_prints_its_header(
+    monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    """The NAME column's width was the longest of "NAME" and each name, taken as
+    `max(len("NAME"), *names)`: with no row that is `max(4)`, which raises TypeError, and
+    `kvguard model list` failed with a traceback instead of printing its (empty) table."""
+    monkeypatch.setattr(reg, "list_models", lambda home: [])
+    assert main(["model", "list"]) == 0
+    assert capsys.readouterr().out.splitlines() == ["NAME CACHED       SIZE  DESCRIPTION"]
+
+
 # -- 10. a Python without pip (a uv-made environment): the error says so ---------------------
 def test_fetching_the_default_model_without_pip_says_pip_is_missing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any

@@ -146,6 +146,9 @@ OPERATOR_SPARE = 16
 # admin_api's /admin/... and Alertmanager's /alertmanager), as a request's target names them.
 OPERATOR_PATHS = frozenset({b"/health", b"/ready", b"/metrics", b"/alertmanager"})
 OPERATOR_PREFIX = b"/admin/"
+# A request line as h11 reads it (`token SP target SP HTTP/d.d`, its CR optional): its method
+# and target, told before the rest of the head has come
+REQUEST_LINE = re.compile(rb"([!#$%&'*+.^_`|~0-9A-Za-z-]+) ([\x21-\x7e]+) HTTP/[0-9]\.[0-9]\r?")
 # The connections past api.max_connections held at once, outside the cap: those whose request is
 # still awaited (to tell the operator's from the API's), and those refused that linger after
 # their 503 (REFUSED_LINGER_S). Past that many, a new one is answered 503 and closed at once,
@@ -293,10 +296,12 @@ class ConnectionCap:
     held: set[Any] = field(default_factory=set)
 
     def drain_began(self) -> None:
-        """The drain refuses new work: a connection past the cap whose request's head has
-        begun is answered `shutting_down` now, and one that has sent nothing is closed, as
-        it would be at the drain's end; neither waits out PAST_CAP_HEAD_S. Those lingering
-        after their 503 are left to their client's close (REFUSED_LINGER_S at most)."""
+        """The drain refuses new work, but not the operator's: a connection past the cap
+        whose request line has come, naming no operator's path, is answered `shutting_down`
+        now rather than when the rest of its head comes (`_TimedH11.drain_began`). One that
+        has sent less, or nothing yet, is left to send its request: it may be a scrape or
+        an admin call, which the drain serves. Those lingering after their 503 are left to
+        their client's close (REFUSED_LINGER_S at most)."""
         for conn in list(self.held):
             conn.drain_began()
 
@@ -313,6 +318,17 @@ def operator_target(target: bytes) -> bool:
     api.max_connections (OPERATOR_SPARE)."""
     path = target.partition(b"?")[0]
     return path in OPERATOR_PATHS or path.startswith(OPERATOR_PREFIX)
+
+
+def request_line(buffered: bytes) -> tuple[bytes, bytes] | None:
+    """The method and target of the request whose bytes begin `buffered`, once its request
+    line is whole (None before); a whole line that is not `METHOD TARGET HTTP/x.y` gives
+    (b"", b""), which names no operator's path (h11 refuses it once the head is whole)."""
+    end = buffered.find(b"\n")
+    if end < 0:
+        return None
+    found = REQUEST_LINE.fullmatch(buffered, 0, end)
+    return (found.group(1), found.group(2)) if found else (b"", b"")
 
 
 def head_too_large(buffered: bytes) -> bool:
@@ -550,17 +566,18 @@ class _TimedH11(H11Protocol):
         return refusal.body(), max(1, round(refusal.retry_after or 1))
 
     def drain_began(self) -> None:
-        """The drain has begun, this connection held past the cap (ConnectionCap.drain_began):
-        still awaiting its request, answered `shutting_down` if it has begun sending it, else
-        closed."""
+        """The drain has begun, this connection held past the cap (ConnectionCap.drain_began)
+        and still awaiting its request: answered `shutting_down` now if its request line is
+        whole and names no operator's path (it cannot be one served during the drain). Any
+        other is left to come whole, as a request past the cap on a new connection then:
+        the operator's is served (a scrape, a `kvguard status` in flight at SIGTERM), the
+        rest answered `shutting_down` (`_judge_past_cap`); its PAST_CAP_HEAD_S timer, and
+        the server's stop (`close_held`), bound the wait."""
         if not self._past_cap or self.transport.is_closing():
             return
-        begun = bytes(self.conn.trailing_data[0])
-        if begun:
-            self._refuse_past_cap(head_only=begun.startswith(b"HEAD "))  # no body to a HEAD
-        else:
-            log.debug("closing %s's connection: the drain began before its request", self.client)
-            self.transport.close()
+        line = request_line(bytes(self.conn.trailing_data[0]))
+        if line is not None and not operator_target(line[1]):
+            self._refuse_past_cap(head_only=line[0] == b"HEAD")  # no body to a HEAD
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
@@ -714,7 +731,10 @@ class _TimedH11(H11Protocol):
     ) -> None:
         """An answer that closes the connection, written before the request is served (before
         it is whole, or in place of serving it). `head_only`: the answer to a HEAD, the same
-        headers without the body (h11 refuses one)."""
+        headers without the body, and without h11's end of message: h11 knows a request is
+        HEAD (and its answer bodiless) only once it has read the request's head, which a
+        refusal at the drain's start (`drain_began`) comes before, and it raised there that
+        the body declared was missing. The connection ends after this answer either way."""
         headers = [
             (b"content-type", content_type),
             (b"content-length", str(len(body)).encode()),
@@ -722,8 +742,8 @@ class _TimedH11(H11Protocol):
             (b"connection", b"close"),
         ]
         head = h11.Response(status_code=status, headers=headers, reason=STATUS_PHRASES[status])
-        data = [] if head_only else [h11.Data(data=body)]
-        for event in (head, *data, h11.EndOfMessage()):
+        rest = [] if head_only else [h11.Data(data=body), h11.EndOfMessage()]
+        for event in (head, *rest):
             self.transport.write(self.conn.send(event) or b"")
 
 
@@ -1388,7 +1408,7 @@ class Service:
             return
         self.draining = True
         self.stopping.set()  # a reload under way is abandoned: it waits on the engine no more
-        if self._cap is not None:  # those past the cap awaiting their request: refused now
+        if self._cap is not None:  # those past the cap asking the API: refused now
             self._cap.drain_began()
         sdnotify.stopping_within(stop_budget_s(self.cfg.api.drain_timeout))
         deadline = time.monotonic() + self.cfg.api.drain_timeout

@@ -6,6 +6,7 @@ served; with no descriptor left, the failed accepts are counted."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import http.client
 import json
@@ -14,12 +15,18 @@ import re
 import resource
 import signal
 import socket
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse
+from starlette.routing import Route
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from kvguard.daemon import service
@@ -279,9 +286,12 @@ def test_during_a_drain_connections_past_the_cap_are_answered_shutting_down(
     past the cap was answered `too_many_connections`, sending its client to retry here in 5 s;
     and a connection past the cap still sending its request's head as the drain began was
     left to its read timer (a 408 PAST_CAP_HEAD_S after its connect), held outside the
-    connections the drain closes. Now both get the drain's `shutting_down`: the one still
-    sending as the drain begins, the next when its request comes; neither counts as refused
-    for the cap."""
+    connections the drain closes. Now both get the drain's `shutting_down`: the one whose
+    request line (an API path) has come as the drain begins at once, the next when its
+    request comes; neither counts as refused for the cap. A HEAD's line come as the drain
+    began made its 503 raise (h11 had not read the request, and wanted the body declared),
+    which ended the drain's task there: the daemon never stopped. (The drain's start as the
+    connections see it, an operator's request among them: the in-process test below.)"""
     d = Daemon(
         tmp_path, debug_hooks=False, api=f"max_connections: {CAP}, request_read_timeout: 10m"
     )
@@ -296,8 +306,14 @@ def test_during_a_drain_connections_past_the_cap_are_answered_shutting_down(
             sending = stack.enter_context(held(d))  # past the cap, its head begun
             sending.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: kvguard\r\nContent-")
             until(lambda: server_has_read(d.port, sending), WAIT_S, "the head begun to be read")
+            heading = stack.enter_context(held(d))  # past the cap, a HEAD's line come
+            heading.sendall(b"HEAD /v1/models HTTP/1.1\r\nHost: kvguard\r\n")
+            until(lambda: server_has_read(d.port, heading), WAIT_S, "the HEAD's line read")
             d.proc.send_signal(signal.SIGTERM)
             assert shutting_down_error(read_all(sending))["message"] == SHUTTING_DOWN
+            status, headers, body = head_and_body(read_all(heading))
+            assert status == "HTTP/1.1 503 Service Unavailable" and body == b"", (status, body)
+            assert headers["retry-after"] == "5" and headers["connection"] == "close", headers
             assert draining(d)  # /ready past the cap: the operator's, served
             with held(d) as late:
                 late.sendall(GET_MODELS)
@@ -310,6 +326,116 @@ def test_during_a_drain_connections_past_the_cap_are_answered_shutting_down(
         reap(d)
     log = Path(d.log.name).read_text()
     assert "Traceback" not in log, log[-4000:]
+
+
+@contextlib.contextmanager
+def capped_server(cap: service.ConnectionCap) -> Iterator[tuple[int, Callable[[], None]]]:
+    """The daemon's server (`_Server`, its protocol `timed_h11` with `cap`) on loopback, in
+    this process, serving /metrics (the operator's) and /v1/models: its port, and what the
+    SIGTERM's drain does to the connections (`ConnectionCap.drain_began`, on the server's
+    loop, returned once done). The stop closes those still held past the cap."""
+
+    async def ok(request: Request) -> PlainTextResponse:
+        return PlainTextResponse(f"{request.url.path} served\n")
+
+    app = Starlette(routes=[Route("/metrics", ok), Route("/v1/models", ok)])
+    config = uvicorn.Config(
+        app, http=service.timed_h11(600.0, 60.0, cap), log_config=None, lifespan="off", ws="none"
+    )
+    server = service._Server(config, lambda: None, cap)
+    sock = service.bind_api("127.0.0.1", 0)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=lambda: loop.run_until_complete(server.serve([sock])))
+    thread.start()
+
+    async def began() -> None:
+        cap.drain_began()
+
+    try:
+        until(lambda: server.started, WAIT_S, "the server listening")
+        yield (
+            sock.getsockname()[1],
+            lambda: asyncio.run_coroutine_threadsafe(began(), loop).result(),
+        )
+    finally:
+        server.should_exit = True
+        thread.join(WAIT_S)
+        loop.close()
+        sock.close()
+    assert not thread.is_alive()
+
+
+def test_a_drain_leaves_a_request_past_the_cap_still_coming_to_be_judged_whole(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As the drain began, a connection past the cap that had begun its request was answered
+    503 `shutting_down`, and one that had sent nothing was closed: but the operator's
+    requests are served during the drain, past the cap too, and a scrape or a `kvguard
+    status` in flight at SIGTERM lost its answer. A HEAD cut mid-word (`HEA`) got the 503's
+    body, which a HEAD answer never has. Now only a request line already whole and naming an
+    API path is refused at the drain's start; the others are judged as their head comes (the
+    operator's served, the rest refused `shutting_down`, a HEAD without a body). The stop
+    closes what is still held."""
+    monkeypatch.setattr(service, "PAST_CAP_HEAD_S", 600.0)  # no read timer runs out here
+    drain, refusals = threading.Event(), []
+    cap = service.ConnectionCap(
+        limit=1, draining=drain.is_set, on_refused=lambda: refusals.append(1)
+    )
+    sent = {
+        "silent": b"",  # an operator's client that has not sent its request yet
+        "operator": b"GET /metrics HTTP/1.1\r\nHost: kvguard\r\n",
+        "operator line": b"GET /metr",
+        "api": b"GET /v1/models HTTP/1.1\r\nHost: kvguard\r\n",
+        "api head": b"HEAD /v1/models HTTP/1.1\r\n",
+        "api line": b"POST /v1/compl",
+        "head cut": b"HEA",
+        "never": b"",  # sends nothing, ever
+    }
+    rest = {
+        "silent": b"GET /metrics HTTP/1.1\r\nHost: kvguard\r\n\r\n",
+        "operator": b"\r\n",
+        "operator line": b"ics?x=1 HTTP/1.1\r\nHost: kvguard\r\n\r\n",
+        "api line": b"etions HTTP/1.1\r\nHost: kvguard\r\nContent-Length: 2\r\n\r\n{}",
+        "head cut": b"D /v1/models HTTP/1.1\r\nHost: kvguard\r\n\r\n",
+    }
+    with contextlib.ExitStack() as stack:
+        with capped_server(cap) as (port, drain_began):
+            served = stack.enter_context(socket.create_connection(("127.0.0.1", port), WAIT_S))
+            until(lambda: server_has_read(port, served), WAIT_S, "the served connection accepted")
+            past: dict[str, socket.socket] = {}
+            for name, data in sent.items():
+                past[name] = stack.enter_context(
+                    socket.create_connection(("127.0.0.1", port), WAIT_S)
+                )
+                until(lambda: len(cap.held) == len(past), WAIT_S, f"{name!r} held past the cap")
+                past[name].sendall(data)
+                until(lambda: server_has_read(port, past[name]), WAIT_S, f"{name!r} read")  # noqa: B023
+            drain.set()
+            drain_began()
+            # a request line naming an API path: refused at once, nothing more sent
+            assert shutting_down_error(read_all(past["api"]))["message"] == SHUTTING_DOWN
+            status, headers, body = head_and_body(read_all(past["api head"]))
+            assert status == "HTTP/1.1 503 Service Unavailable" and body == b"", (status, body)
+            assert headers["retry-after"] == "5" and int(headers["content-length"]) > 0, headers
+            for name in ("silent", "operator", "operator line", "api line", "head cut"):
+                past[name].setblocking(False)  # nothing answered, nor closed, before their head
+                with pytest.raises(BlockingIOError):
+                    past[name].recv(1)
+                past[name].setblocking(True)
+            for name, data in rest.items():
+                past[name].sendall(data)
+            for name in ("silent", "operator", "operator line"):  # the operator's: served
+                status, headers, body = head_and_body(read_all(past[name]))
+                assert (status, body) == ("HTTP/1.1 200 OK", b"/metrics served\n"), (name, status)
+                assert headers["connection"] == "close", headers
+            assert shutting_down_error(read_all(past["api line"]))["message"] == SHUTTING_DOWN
+            status, headers, body = head_and_body(read_all(past["head cut"]))
+            assert status == "HTTP/1.1 503 Service Unavailable" and body == b"", (status, body)
+            assert headers["retry-after"] == "5", headers
+            assert refusals == []  # the drain's refusals: none counted for the cap
+            until(lambda: cap.spare_used == 0, WAIT_S, "the operator's connections closed")
+        # the stop closed the one that never sent anything, held past the cap until then
+        assert read_all(past["never"]) == b""
 
 
 def limited_daemon(

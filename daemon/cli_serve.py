@@ -195,6 +195,9 @@ STATE_KEYS = frozenset(
     {"model", "ready", "draining", "kv", "queues", "admission", "knobs", "preemptions"}
 )
 
+# what a reload of a daemon started without --config read (its `reload_refused.config` is null)
+NO_CONFIG_READ = "started without --config: it read the built-in defaults and packaged rules again"
+
 
 def _config_api(path: Path | None) -> ApiConfig | None:
     """The `api` section of the daemon's config (`--config`), read as `kvguard serve` and
@@ -273,6 +276,23 @@ def _unusable_url(url: str, source: str, problem: str) -> ValueError:
     )
 
 
+def _reload_applied(refused: dict) -> str:
+    """What of a reload that did not apply is in force, by what became of its engine knobs
+    (`knobs`: None, nothing; "still_applying", they may still apply; "applied_late")."""
+    path = refused.get("config")
+    file = path or "the reload"  # null: started without --config
+    read = f" ({NO_CONFIG_READ})" if path is None else ""
+    knobs = refused.get("knobs")
+    if knobs == "still_applying":
+        return (
+            f"the engine is still applying the live knobs of {file}{read}, which may still "
+            "apply; nothing else of it applied"
+        )
+    if knobs == "applied_late":
+        return f"the live knobs of {file} applied late{read}; nothing else of it: reload again"
+    return f"nothing of {file} applied{read}, the config in force stands"
+
+
 def _print_state(s: dict) -> None:
     kv = s["kv"]
     dev = kv["device"]
@@ -285,10 +305,7 @@ def _print_state(s: dict) -> None:
         print("dry run      on: rules record what they would do and change nothing")
     refused = s.get("reload_refused")  # absent from older daemons
     if refused:  # `systemctl reload` succeeds whatever the file holds: said here, as in STATUS=
-        print(
-            f"reload       {refused['outcome']} at {refused['at']}: nothing of "
-            f"{refused['config']} applied, the config in force stands"
-        )
+        print(f"reload       {refused['outcome']} at {refused['at']}: {_reload_applied(refused)}")
         for problem in refused["errors"]:  # each on a line of its own, as the log has them
             print("             " + " ".join(problem.split()))
     print(

@@ -854,13 +854,32 @@ def raise_open_files_limit() -> None:
 class KnobsNotApplied(RuntimeError):
     """A reload's engine knobs not in force when the reload ends: `outcome` "withdrawn" (the
     engine never took them: nothing changed) or "still_applying" (it took them and had not
-    finished: they may yet apply, and are settled when they do). `abandoned`: the daemon began
-    to stop meanwhile, and the reload stopped waiting then."""
+    finished: they may yet apply, and are settled when they do; or an earlier reload's were,
+    and this one applied nothing). `abandoned`: the daemon began to stop meanwhile, and the
+    reload stopped waiting then. `late`: this reload's own knobs, still being applied."""
 
-    def __init__(self, message: str, outcome: str, abandoned: bool = False) -> None:
+    def __init__(
+        self,
+        message: str,
+        outcome: str,
+        abandoned: bool = False,
+        late: LateKnobs | None = None,
+    ) -> None:
         super().__init__(message)
         self.outcome = outcome
         self.abandoned = abandoned
+        self.late = late
+
+
+@dataclass(slots=True)
+class LateKnobs:
+    """A reload's engine knobs the reload stopped waiting for (`Service._knobs_late`), and
+    how they ended once the engine finished them: `settled` is None until then, then whether
+    they applied and the line that says so (set once, on the engine thread). A failed
+    reload's record (/admin/state's `reload_refused`) reads it, so that it says they may
+    still apply only while they may."""
+
+    settled: tuple[bool, str] | None = None
 
 
 class LoadInterrupted(BaseException):
@@ -1136,17 +1155,43 @@ class Service:
     def _systemd_status(self) -> str:
         """The STATUS= line: `_status_line`, after the last reload's refusal while it stands
         (a refused reload still ends in READY=1, so nothing else tells systemd of it)."""
-        refused = self._reload_refused
-        if refused is None:
+        record = self._reload_record()
+        if record is None:
             return self._status_line()
-        problem = _reload_problem(refused["outcome"], refused["errors"], refused["at"])
+        refused, _, errors = record
+        problem = _reload_problem(refused["outcome"], errors, refused["at"])
         return f"{problem}; {self._status_line()}"
 
-    def _refuse_reload(self, outcome: str, errors: list[str]) -> None:
+    def _refuse_reload(
+        self, outcome: str, errors: list[str], late: LateKnobs | None = None
+    ) -> None:
         """A reload that applied nothing (`outcome`: "refused", or "failed" where the engine
-        did not take its knobs or the reload raised): said by the STATUS= line and
-        /admin/state until a reload applies."""
-        self._reload_refused = {"outcome": outcome, "at": utcnow(), "errors": list(errors)}
+        did not take its knobs or the reload raised), or, where `late` is given, nothing but
+        the engine knobs it stopped waiting for, which may still apply: said by the STATUS=
+        line and /admin/state until a reload applies."""
+        self._reload_refused = {
+            "outcome": outcome,
+            "at": utcnow(),
+            "errors": list(errors),
+            "late": late,
+        }
+
+    def _reload_record(self) -> tuple[dict[str, Any], str | None, list[str]] | None:
+        """The last reload's record while it stands, with what of its file is in force:
+        `knobs` None (nothing), "still_applying" (its engine knobs may still apply) or
+        "applied_late" (they did, after the reload had stopped waiting), and the problems as
+        they stand (once the knobs settled, the line saying how, in place of the reload's
+        own, which said they might still apply)."""
+        refused = self._reload_refused
+        if refused is None:
+            return None
+        late: LateKnobs | None = refused["late"]
+        if late is None:
+            return refused, None, refused["errors"]
+        if late.settled is None:
+            return refused, "still_applying", refused["errors"]
+        applied, line = late.settled
+        return refused, "applied_late" if applied else None, [line]
 
     def _watchdog(self) -> None:
         """Ping systemd only while the engine loop beats: a stalled loop stops the pings, and
@@ -1683,7 +1728,7 @@ class Service:
                 data={"errors": [str(e)], "engine": e.outcome},
                 incident=self._incident,
             )
-            self._refuse_reload("failed", [str(e)])
+            self._refuse_reload("failed", [str(e)], e.late)
             return {"reloaded": False, "reason": str(e), "engine": e.outcome}
         except ConfigFileError as e:  # a KeysFileError too
             log.error("reload refused, keeping the running config: %s", e)
@@ -1804,7 +1849,7 @@ class Service:
                 "withdrawn",
             ) from e
         except ActionStillApplying as e:
-            self._knobs_late(e.future, new, live)
+            late = self._knobs_late(e.future, new, live)
             if e.stopped:
                 raise KnobsNotApplied(
                     f"the daemon began to stop while the engine was applying {names}: not "
@@ -1819,17 +1864,21 @@ class Service:
                 "audit log say so when they do; nothing else of the file was applied (rules, "
                 "keys, timeouts kept): reload again once they have",
                 "still_applying",
+                late=late,
             ) from e
 
-    def _knobs_late(self, fut: Future, new: DaemonConfig, live: list[KnobField]) -> None:
+    def _knobs_late(self, fut: Future, new: DaemonConfig, live: list[KnobField]) -> LateKnobs:
         """Knobs a reload stopped waiting for, settled when the engine finishes them: the
         config in force takes them if they applied (so that `self.cfg`, /admin/state and the
-        next reload's comparison say what the engine runs), and the log and the audit log
-        say how it ended. The next reload waits for this first."""
+        next reload's comparison say what the engine runs), and the log, the audit log and
+        the failed reload's record (the LateKnobs returned) say how it ended. The next
+        reload waits for this first."""
         settled: Future = Future()
         self._knobs_settled = settled
+        late = LateKnobs()
         knobs = _knob_changes(new, live, self._device_in_force)
         names = ", ".join(f"{k}={v}" for k, v in knobs.items())
+        rest = f"nothing else of {self._config_name} was applied"
 
         def done(f: Future) -> None:  # on the engine thread, as the command finishes
             try:
@@ -1838,12 +1887,21 @@ class Service:
                     why = "withdrawn" if f.cancelled() else f"{type(err).__name__}: {err}"
                     log.error("reload: the knobs the engine was applying failed (%s)", why)
                     self._audit_late("config_error", {"errors": [why]})
+                    late.settled = (False, f"the engine did not apply {names} ({why}); {rest}")
                 elif not f.result().ok:
                     detail = f.result().detail
                     log.error("reload: the engine refused %s late: %s", names, detail)
                     self._audit_late("config_error", {"errors": [detail]})
+                    late.settled = (False, f"the engine refused {names} late: {detail}; {rest}")
                 else:
                     self.cfg = _with_knobs(self.cfg, new, live)
+                    late.settled = (
+                        True,
+                        f"the engine finished applying {names} at "
+                        f"{utcnow():%Y-%m-%dT%H:%M:%SZ}, after the reload had stopped waiting: "
+                        f"they are in force; {rest} (rules, keys, timeouts kept): reload again "
+                        "to apply it",
+                    )
                     log.warning(
                         "reload: the engine finished applying %s after the reload had stopped "
                         "waiting; they are in force (nothing else of %s was applied: reload "
@@ -1856,6 +1914,7 @@ class Service:
                 settled.set_result(None)
 
         fut.add_done_callback(done)
+        return late
 
     def _audit_late(self, kind: str, data: dict[str, Any]) -> None:
         if self.audit is not None:
@@ -2051,14 +2110,19 @@ class Service:
         }
 
     def _reload_refused_state(self) -> dict[str, Any] | None:
-        refused = self._reload_refused
-        if refused is None:
+        """/admin/state's `reload_refused`: `config` is the file the reload read (null: the
+        daemon was started without --config, and the reload read the built-in defaults and
+        the packaged rules again); `knobs` says what of it is in force (`_reload_record`)."""
+        record = self._reload_record()
+        if record is None:
             return None
+        refused, knobs, errors = record
         return {
             "outcome": refused["outcome"],
             "at": f"{refused['at']:%Y-%m-%dT%H:%M:%SZ}",
-            "config": self._config_name,
-            "errors": refused["errors"],
+            "config": None if self.config_path is None else str(self.config_path),
+            "knobs": knobs,
+            "errors": errors,
         }
 
     def _audit_state(self) -> dict[str, Any]:

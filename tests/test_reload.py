@@ -25,6 +25,7 @@ import pytest
 from kvguard.daemon import sdnotify
 from kvguard.daemon import service as service_module
 from kvguard.daemon.audit import AuditStore
+from kvguard.daemon.cli_serve import _print_state
 from kvguard.daemon.config import load_config
 from kvguard.daemon.control_plane import ControlPlane
 from kvguard.daemon.service import Service
@@ -444,6 +445,108 @@ def test_knobs_the_engine_finishes_late_are_in_the_config_in_force_when_they_lan
     monkeypatch.setattr(service_module, "RECONFIGURE_TIMEOUT_S", 30)
     res = service.reload()  # the file again: its knobs are the ones in force
     assert res["reloaded"] and res["changes"] == {}, res
+
+
+def status_lines(svc: Service, capsys: pytest.CaptureFixture[str]) -> list[str]:
+    """What `kvguard status` prints of the last reload for the daemon in process: its
+    `reload` line and one line per problem ([] when there is none)."""
+    capsys.readouterr()
+    _print_state(svc.state())
+    lines = capsys.readouterr().out.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("reload ")), len(lines))
+    end = start + 1
+    while end < len(lines) and lines[end].startswith(" " * 13):
+        end += 1
+    return lines[start:end]
+
+
+def test_a_failed_reload_whose_knobs_may_still_apply_says_so_until_they_do(
+    service: Service,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`kvguard status` (/admin/state's `reload_refused`) said "nothing of FILE applied, the
+    config in force stands" of every reload that did not apply, one whose engine knobs were
+    still being applied too, and went on saying it once they had applied. Now it says they
+    may still apply while they may, and once they have, that they did (the STATUS= line
+    too); the record stands until a reload applies, since nothing else of the file did."""
+    monkeypatch.setattr(service_module, "RECONFIGURE_TIMEOUT_S", WAIT_S)
+    inside, release = threading.Event(), threading.Event()
+
+    def slow(event: EngineEvent) -> None:  # on the engine thread, inside the reconfigure
+        if event.kind == "knob_changed" and event.data["action"] == "reconfigure":
+            inside.set()
+            release.wait(120)
+
+    service.engine.events.subscribe(slow)
+    posted = service.engine.reconfigure
+
+    def taken(values: dict) -> object:
+        fut = posted(values)
+        until(inside.is_set, 60, "the engine inside the reconfigure")
+        return fut
+
+    monkeypatch.setattr(service.engine, "reconfigure", taken)
+    _file_asks_for(service, 3)
+    path = str(service.config_path)
+    try:
+        assert admin_post(service, "/admin/reload").status_code == 504
+        refused = service.state()["reload_refused"]
+        assert refused["outcome"] == "failed" and refused["config"] == path, refused
+        assert refused["knobs"] == "still_applying", refused
+        [line, problem] = status_lines(service, capsys)
+        assert line == (
+            f"reload       failed at {refused['at']}: the engine is still applying the live "
+            f"knobs of {path}, which may still apply; nothing else of it applied"
+        ), line
+        assert "may still apply" in problem, problem
+    finally:
+        release.set()
+    until(lambda: service.state()["reload_refused"]["knobs"] == "applied_late", 60, "them landed")
+    assert service.cfg.serving.max_num_seqs == 3
+    refused = service.state()["reload_refused"]
+    [error] = refused["errors"]
+    assert error.startswith("the engine finished applying serving.max_num_seqs=3 at "), error
+    assert "they are in force; nothing else of" in error and "may still apply" not in error
+    [line, problem] = status_lines(service, capsys)
+    assert line == (
+        f"reload       failed at {refused['at']}: the live knobs of {path} applied late; "
+        "nothing else of it: reload again"
+    ), line
+    assert problem == "             " + error
+    status = service._systemd_status()
+    assert status.startswith(f"reload failed at {refused['at']}: the engine finished "), status
+    monkeypatch.setattr(service_module, "RECONFIGURE_TIMEOUT_S", 30)
+    assert service.reload()["reloaded"]
+    assert service.state()["reload_refused"] is None and status_lines(service, capsys) == []
+
+
+def test_a_refused_reload_of_a_daemon_started_without_a_config_file_names_none(
+    service: Service,  # noqa: F811
+    tiny_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Started without --config, a reload reads the built-in defaults (and the flags) again.
+    Refused, /admin/state's `reload_refused.config` held a sentence in place of a path, and
+    `kvguard status` said "nothing of the built-in defaults (started without --config),
+    rules FILE applied". Now `config` is null, and the line says what the reload read. (The
+    flags here are ones the model served cannot take, which the reload reads again.)"""
+    monkeypatch.setattr(service, "config_path", None)
+    monkeypatch.setattr(service, "overrides", {"model": str(tiny_dir), "tensor_parallel": 3})
+    assert not service.reload()["reloaded"]
+    refused = service.state()["reload_refused"]
+    assert refused["outcome"] == "refused" and refused["config"] is None, refused
+    assert refused["knobs"] is None, refused
+    [error] = refused["errors"]
+    assert error.startswith("--tensor-parallel: serving.tensor_parallel: tensor_parallel=3 "), error
+    [line, problem] = status_lines(service, capsys)
+    assert line == (
+        f"reload       refused at {refused['at']}: nothing of the reload applied (started "
+        "without --config: it read the built-in defaults and packaged rules again), the config "
+        "in force stands"
+    ), line
+    assert problem == "             " + error
 
 
 HOT_RULES = """version: 1

@@ -301,9 +301,14 @@ class ConnectionCap:
         now rather than when the rest of its head comes (`_TimedH11.drain_began`). One that
         has sent less, or nothing yet, is left to send its request: it may be a scrape or
         an admin call, which the drain serves. Those lingering after their 503 are left to
-        their client's close (REFUSED_LINGER_S at most)."""
+        their client's close (REFUSED_LINGER_S at most). One connection whose answer raises
+        is closed and logged: the drain, which calls this, goes on for every other one."""
         for conn in list(self.held):
-            conn.drain_began()
+            try:
+                conn.drain_began()
+            except Exception:
+                log.exception("a connection past the cap could not be answered at the drain")
+                conn.transport.close()
 
     def close_held(self) -> None:
         """The server stops: close the connections still held past the cap, as uvicorn

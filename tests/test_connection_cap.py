@@ -653,3 +653,33 @@ def test_max_connections_changes_at_a_restart() -> None:
     new = DaemonConfig(api=ApiConfig(max_connections=CAP))
     assert old.api.max_connections is None
     assert service.engine_changes(old, new) == ([], ["api.max_connections"])
+
+
+def test_a_connection_whose_drain_answer_raises_is_closed_and_the_others_still_answered(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The drain answers the connections held past the cap one after another
+    (`ConnectionCap.drain_began`): one whose answer raised (a HEAD's 503 once did, in h11)
+    ended the drain task there, the daemon never stopped and the connections after it were
+    never answered. Now that one is closed and logged, and every other one is answered."""
+
+    class Held:
+        def __init__(self, fails: bool) -> None:
+            self.fails, self.answered, self.closed = fails, False, False
+            self.transport = self
+
+        def drain_began(self) -> None:
+            if self.fails:
+                raise RuntimeError("an answer that cannot be written")
+            self.answered = True
+
+        def close(self) -> None:
+            self.closed = True
+
+    conns = [Held(False), Held(True), Held(False)]
+    cap = service.ConnectionCap(limit=1, held=set(conns))
+    with caplog.at_level(logging.ERROR, logger="kvguard.daemon"):
+        cap.drain_began()
+    assert [c.answered for c in conns] == [True, False, True]
+    assert [c.closed for c in conns] == [False, True, False]
+    assert "could not be answered at the drain" in caplog.text

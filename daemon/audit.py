@@ -1505,7 +1505,7 @@ def _note_unclean_stop(
     sweep applied again (a spill file imported twice) finds the event it wrote."""
     instance, since = r["stale_of"], _aware(_when(r["run_since"]))
     start = _previous_start(conn, instance, since)
-    if start is None or _stopped_or_noted(conn, instance, start, since):
+    if start is None or _stopped_or_noted(conn, instance, start):
         return
     last = _last_row(conn, instance, start.time, since)
     pid = start.data.get("pid") if isinstance(start.data, dict) else None
@@ -1533,29 +1533,52 @@ def _note_unclean_stop(
 
 
 def _previous_start(conn: Connection, instance: str, since: datetime) -> Any:
-    """The last `daemon_start` (time, data) of `instance` before `since`, or None."""
+    """The last `daemon_start` (id, time, data) of `instance` before `since`, or None."""
     ev = TABLES["events"]
     return conn.execute(
-        select(ev.c.time, ev.c.data)
+        select(ev.c.id, ev.c.time, ev.c.data)
         .where(ev.c.instance == instance, ev.c.kind == "daemon_start", ev.c.time < since)
         .order_by(ev.c.time.desc(), ev.c.id.desc())
         .limit(1)
     ).first()
 
 
-def _stopped_or_noted(conn: Connection, instance: str, start: Any, since: datetime) -> bool:
-    """Whether the run that began at `start` has its `daemon_stop`, or its `unclean_stop`
-    already (recorded after it, by a start or an import, naming that start)."""
+def _of_kind_after(conn: Connection, kind: str, instance: str, after: datetime) -> Any:
+    """The events of `kind` (id, time, data) of `instance` at or after `after`, oldest first.
+
+    Asked by kind and time only (`ix_events_kind_time`), the instance picked out of the few
+    rows that gives (starts, stops and unclean stops of every instance): asked by instance
+    too, the database may take `ix_events_instance_time` and read every row of the run since
+    `after`, a million on a busy one, inside the start's write transaction."""
     ev = TABLES["events"]
-    mine = ev.c.instance == instance
-    stop = select(ev.c.id).where(
-        mine, ev.c.kind == "daemon_stop", ev.c.time >= start.time, ev.c.time < since
+    rows = conn.execute(
+        select(ev.c.id, ev.c.time, ev.c.data, ev.c.instance)
+        .where(ev.c.kind == kind, ev.c.time >= after)
+        .order_by(ev.c.time, ev.c.id)
     )
-    if conn.scalar(stop.limit(1)) is not None:
+    return [r for r in rows if r.instance == instance]
+
+
+def _stopped_or_noted(conn: Connection, instance: str, start: Any) -> bool:
+    """Whether the run that began at `start` has its `daemon_stop` (after it and before the
+    instance's next `daemon_start`, this run's as a rule), or its `unclean_stop` already
+    (recorded after it, by a start or an import, naming that start). Bounded by the next
+    start, not by `since`: a stop stamped after this store started but before its
+    `daemon_start` (a clock a little ahead in the run before) is still that run's."""
+    nexts = [
+        s for s in _of_kind_after(conn, "daemon_start", instance, start.time) if s.id != start.id
+    ]
+    until = nexts[0].time if nexts else None
+    if any(
+        until is None or s.time <= until
+        for s in _of_kind_after(conn, "daemon_stop", instance, start.time)
+    ):
         return True
-    noted = select(ev.c.data).where(mine, ev.c.kind == "unclean_stop", ev.c.time >= start.time)
     began = start.time.isoformat()
-    return any(isinstance(d, dict) and d.get("started_at") == began for d in conn.scalars(noted))
+    return any(
+        isinstance(r.data, dict) and r.data.get("started_at") == began
+        for r in _of_kind_after(conn, "unclean_stop", instance, start.time)
+    )
 
 
 def _last_row(conn: Connection, instance: str, start: datetime, since: datetime) -> datetime:

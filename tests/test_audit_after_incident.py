@@ -15,16 +15,20 @@ import signal
 import sqlite3
 import stat
 from contextlib import closing
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
+from sqlalchemy import event as sa_event
 
-from kvguard.daemon.audit import AuditStore
+from kvguard.daemon.audit import AuditStore, utcnow
 from tests.test_audit import _act, kvguard
 from tests.test_remedy_holds import Live
 from tests.test_rules_reload_lifecycle import EVICT, FP8_RUNG, greedy
 from tests.test_server import TOKEN, Daemon, until
+
+NOW = utcnow()
 
 
 def _rows(db: Path, sql: str, *args: Any) -> list[tuple[Any, ...]]:
@@ -118,6 +122,94 @@ def test_an_unclean_stop_is_recorded_once_for_the_run_before_only(tmp_path: Path
     after_clean.purge_older_than(90, close_stale=True)
     assert after_clean.stop(timeout=10)
     assert len(_events(url, "unclean_stop")) == 1
+
+
+def _sweep_steps(tmp_path: Path, rows: int) -> int:
+    """The SQLite virtual-machine steps of the start's sweep after a run killed with `rows`
+    events of its own: the work it does, counted, not timed."""
+    db = tmp_path / f"{rows}.db"
+    url = f"sqlite:///{db}"
+    killed = AuditStore(url, host="h", instance="gpu-0")
+    killed.start()
+    killed.record_event("daemon_start", data={"pid": 4242}, time=NOW - timedelta(days=2))
+    assert killed.stop(timeout=10)  # as if killed: no daemon_stop
+    with closing(sqlite3.connect(db)) as c, c:
+        c.executemany(
+            "INSERT INTO events (time, host, instance, kind, detail, uid) "
+            "VALUES (?, 'h', 'gpu-0', 'engine_oom', '', ?)",
+            [((NOW - timedelta(days=1, seconds=i)).isoformat(" "), f"u{i}") for i in range(rows)],
+        )
+    restarted = AuditStore(url, host="h", instance="gpu-0")
+    steps, counting = [0], [False]
+
+    def count() -> int:
+        steps[0] += counting[0]
+        return 0
+
+    sa_event.listen(
+        restarted._engine, "connect", lambda dbapi, _: dbapi.set_progress_handler(count, 1)
+    )
+    restarted.start()
+    restarted.record_event("daemon_start", data={"pid": 4343})
+    assert restarted.flush(30)
+    counting[0] = True
+    restarted.purge_older_than(90, close_stale=True)
+    assert restarted.flush(30)
+    counting[0] = False
+    assert restarted.stop(timeout=10)
+    [event] = _events(url, "unclean_stop")
+    assert event["data"]["pid"] == 4242
+    return steps[0]
+
+
+def test_the_start_sweep_reads_no_row_of_the_previous_run_to_find_its_stop(
+    tmp_path: Path,
+) -> None:
+    """Whether the run before had its `daemon_stop` was asked by instance and time: SQLite took
+    `ix_events_instance_time` and read every row of that run (a million: most of a second,
+    inside the start's write transaction; ten million, past WRITE_STALL_S). Asked by kind and
+    time, it reads the few starts and stops: the sweep does as much work after a run of 20,000
+    rows as after one of 200."""
+    small, big = _sweep_steps(tmp_path, 200), _sweep_steps(tmp_path, 20_000)
+    assert big < small * 1.5, (small, big)
+
+
+def test_a_stop_stamped_before_the_next_start_is_the_run_before_s_own(tmp_path: Path) -> None:
+    """The run before's stop counts up to the instance's next `daemon_start`, not only up to
+    when this run's store started: a clock a little ahead in the run before stamped its
+    orderly stop after that, and the start recorded an `unclean_stop` for a clean stop."""
+    url = f"sqlite:///{tmp_path / 'a.db'}"
+    restarted = AuditStore(url, host="h", instance="gpu-0")
+    restarted.start()
+    assert restarted.started_at is not None
+    since = restarted.started_at
+    clean = AuditStore(url, host="h", instance="gpu-0")
+    clean.start()
+    clean.record_event("daemon_start", data={"pid": 4242}, time=since - timedelta(hours=1))
+    clean.record_event("daemon_stop", detail="exit 0", time=since + timedelta(seconds=1))
+    assert clean.stop(timeout=10)
+    restarted.record_event("daemon_start", data={"pid": 4343}, time=since + timedelta(seconds=2))
+    restarted.purge_older_than(90, close_stale=True)
+    assert restarted.stop(timeout=10)
+    assert _events(url, "unclean_stop") == []
+
+    # the next start bounds it: a later run's stop (a sweep applied after it, from a spill
+    # file) is not the killed run's
+    url = f"sqlite:///{tmp_path / 'b.db'}"
+    sweeping = AuditStore(url, host="h", instance="gpu-0")
+    sweeping.start()
+    assert sweeping.started_at is not None
+    since = sweeping.started_at
+    others = AuditStore(url, host="h", instance="gpu-0")
+    others.start()
+    others.record_event("daemon_start", data={"pid": 4444}, time=since - timedelta(hours=1))
+    others.record_event("daemon_start", data={"pid": 4545}, time=since + timedelta(hours=1))
+    others.record_event("daemon_stop", detail="exit 0", time=since + timedelta(hours=2))
+    assert others.stop(timeout=10)
+    sweeping.purge_older_than(90, close_stale=True)
+    assert sweeping.stop(timeout=10)
+    [event] = _events(url, "unclean_stop")
+    assert event["data"]["pid"] == 4444
 
 
 # -- kvguard audit export -o ---------------------------------------------------------------------

@@ -18,9 +18,11 @@ import json
 import math
 import os
 import re
+import signal
 import stat
 import sys
 import tempfile
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
@@ -394,33 +396,96 @@ def cmd_audit_export(args: argparse.Namespace) -> int:
 def _write_output(path: Path, write: Callable[[IO[str]], None]) -> None:
     """Call `write` with a file that becomes `path` once it returns. A regular file is written
     beside it under a temporary name and renamed over it at the end: an export that fails
-    midway (the database gone, a full disk, Ctrl-C) leaves the previous export whole rather
-    than emptied, and a half-written one never under its name. A FIFO or a device
-    (/dev/stdout) is written to as it is. An error names --output and the path."""
+    midway (the database gone, a full disk, Ctrl-C, SIGTERM, SIGHUP) leaves the previous export
+    whole rather than emptied, and a half-written one never under its name. The file replaced
+    keeps its mode and, as far as this user may, its owner and group (`sudo kvguard audit
+    export -o ~/x.json` leaves a user's file theirs). Where no temporary file can be made (a
+    folder this user may not write in) an existing file this user may write is written in
+    place, as a plain open() would. A FIFO or a device (/dev/stdout) is written to as it is.
+    An error names --output and the path."""
     if path.is_dir():
         raise ValueError(f"--output {path}: is a directory: name a file in it")
     if path.exists() and not path.is_file():  # a FIFO, /dev/stdout: no rename there
         with _opened_output(path) as out:
             write(out)
         return
-    shown, path = path, path.resolve() if path.is_symlink() else path  # the file it names
+    shown = path
+    try:  # the file a symlink names
+        path = path.resolve() if path.is_symlink() else path
+    except (RuntimeError, OSError):  # RuntimeError: a loop, before Python 3.13
+        raise ValueError(f"--output {shown}: a symlink loop: name a file") from None
     folder = path.parent
     try:
         fd, name = tempfile.mkstemp(dir=folder, prefix=f".{path.name}.", suffix=".tmp")
     except OSError as e:
+        if path.is_file() and os.access(path, os.W_OK):
+            with _opened_output(shown) as out:
+                write(out)
+            return
         why = "no such directory" if not folder.is_dir() else e.strerror
         raise ValueError(f"--output {shown}: cannot write in {folder}: {why}") from None
     tmp = Path(name)
     try:
-        os.chmod(fd, _new_file_mode(path))
-        with open(fd, "w", newline="") as out:
-            write(out)
-        os.replace(tmp, path)
+        with _signals_raise():
+            _keep_owner(fd, path)
+            os.chmod(fd, _new_file_mode(path))
+            with open(fd, "w", newline="") as out:
+                write(out)
+            os.replace(tmp, path)
     except BaseException as e:
         tmp.unlink(missing_ok=True)
         if isinstance(e, OSError):
             raise ValueError(f"--output {shown}: {e.strerror or e}") from None
+        if isinstance(e, _Signalled):
+            signame = signal.Signals(e.signum).name
+            print(f"kvguard: export to {shown} stopped by {signame}", file=sys.stderr)
+            raise SystemExit(128 + e.signum) from None
         raise
+
+
+class _Signalled(BaseException):
+    """SIGTERM or SIGHUP during an export's write (`_signals_raise`)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _signals_raise() -> Iterator[None]:
+    """SIGTERM and SIGHUP raise `_Signalled` inside, so that the temporary file is removed
+    (their default action ended the process and left it); the handlers are put back after. A
+    signal ignored (nohup) stays ignored; off the main thread none can be set."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def raised(signum: int, _frame: Any) -> None:
+        raise _Signalled(signum)
+
+    before = {}
+    try:
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            if signal.getsignal(sig) is signal.SIG_DFL:
+                before[sig] = signal.signal(sig, raised)
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
+def _keep_owner(fd: int, path: Path) -> None:
+    """Give the new file (`fd`) the owner and group of the file it replaces, where this user
+    may (root may; another user only a group of theirs); else it stays this user's."""
+    try:
+        st = path.stat()
+    except OSError:  # a new file: this user's
+        return
+    try:
+        os.fchown(fd, st.st_uid, st.st_gid)
+    except OSError:  # another owner refused (not root): the group alone, if one of this user's
+        with contextlib.suppress(OSError):
+            os.fchown(fd, -1, st.st_gid)
 
 
 @contextlib.contextmanager

@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import sqlite3
 import stat
+import subprocess
+import sys
+import tempfile
 from contextlib import closing
 from datetime import timedelta
 from pathlib import Path
@@ -23,7 +27,9 @@ import pytest
 from sqlalchemy import event as sa_event
 
 from kvguard.daemon.audit import AuditStore, utcnow
+from kvguard.daemon.audit_cli import _write_output
 from tests.test_audit import _act, kvguard
+from tests.test_model_cache import as_a_user_modes_apply_to
 from tests.test_remedy_holds import Live
 from tests.test_rules_reload_lifecycle import EVICT, FP8_RUNG, greedy
 from tests.test_server import TOKEN, Daemon, until
@@ -261,6 +267,107 @@ def test_an_export_to_a_missing_directory_names_the_option_and_the_path(
     os.umask(umask)
     assert stat.S_IMODE(new.stat().st_mode) == 0o666 & ~umask
     assert [r["detail"] for r in json.loads(new.read_text())] == ["one", "two"]
+
+
+def test_an_export_over_a_file_in_a_folder_this_user_cannot_write_writes_it_in_place(
+    tmp_path: Path,
+) -> None:
+    """No temporary file can be made beside the target (a folder this user may not write in):
+    an existing file this user may write is written in place, as before the rename came; the
+    export errored instead. A new file there is still an error naming --output."""
+    base = Path(tempfile.mkdtemp(prefix="kvguard-export-"))  # not under tmp_path: nobody may enter
+    folder = base / "ro"
+    try:
+        base.chmod(0o711)
+        folder.mkdir()
+        target = folder / "x.json"
+        target.write_text("the previous export\n")
+        target.chmod(0o666)
+        folder.chmod(0o555)
+        with as_a_user_modes_apply_to():
+            _write_output(target, lambda out: out.write("[]\n"))
+            with pytest.raises(ValueError, match=r"^--output .*new\.json: cannot write in"):
+                _write_output(folder / "new.json", lambda out: out.write("[]\n"))
+        assert target.read_text() == "[]\n"
+        assert sorted(p.name for p in folder.iterdir()) == ["x.json"]
+    finally:
+        folder.chmod(0o755)
+        shutil.rmtree(base)
+
+
+def test_an_export_keeps_the_owner_and_group_of_the_file_it_replaces(
+    tmp_path: Path, two_actions: str
+) -> None:
+    """`sudo kvguard audit export -o ~/x.json` over a user's file made it root's (the temporary
+    file renamed over it was). The file keeps its owner and group: as root any; as another
+    user a group of theirs."""
+    out = tmp_path / "x.json"
+    out.write_text("the previous export\n")
+    if os.geteuid() == 0:
+        owner = (65534, 65534)  # nobody's
+    else:  # a group of this user's other than its own, where it has one
+        groups = [g for g in os.getgroups() if g != os.getegid()] or [os.getegid()]
+        owner = (os.geteuid(), groups[0])
+    os.chown(out, *owner)
+    assert kvguard("audit", "export", "--json", "-o", str(out), "--db", two_actions)[0] == 0
+    assert [r["detail"] for r in json.loads(out.read_text())] == ["one", "two"]
+    assert (out.stat().st_uid, out.stat().st_gid) == owner
+
+
+WRITE_THEN_SIGNAL = """
+import os, signal, sys
+from pathlib import Path
+from kvguard.daemon.audit_cli import _write_output
+
+def write(out):
+    out.write("[half")
+    out.flush()
+    os.kill(os.getpid(), getattr(signal, sys.argv[2]))
+    out.write("]")
+
+_write_output(Path(sys.argv[1]), write)
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP"])
+def test_an_export_stopped_by_sigterm_or_sighup_leaves_no_temporary_file(
+    tmp_path: Path, sig: str
+) -> None:
+    """Their default action ended the process midway and left the hidden temporary file
+    beside the target. They raise during the write: the file is removed, the previous export
+    stays whole, and the export exits 128 + the signal's number, saying so."""
+    out = tmp_path / "x.json"
+    out.write_text("the previous export\n")
+    proc = subprocess.run(
+        [sys.executable, "-c", WRITE_THEN_SIGNAL, str(out), sig],
+        env=dict(os.environ, PYTHONPATH=str(Path(__file__).parent.parent)),
+        preexec_fn=lambda: signal.signal(getattr(signal, sig), signal.SIG_DFL),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 128 + getattr(signal, sig), (proc.returncode, proc.stderr)
+    assert proc.stderr == f"kvguard: export to {out} stopped by {sig}\n"
+    assert out.read_text() == "the previous export\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.json"]
+
+
+def test_an_export_puts_the_signal_handlers_back_and_names_a_symlink_loop(
+    tmp_path: Path, two_actions: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The handlers set for the write are the ones before it afterwards. A symlink loop as
+    --output raised a RuntimeError traceback: it is an error naming --output."""
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
+    out = tmp_path / "x.json"
+    assert kvguard("audit", "export", "--json", "-o", str(out), "--db", two_actions)[0] == 0
+    assert {s: signal.getsignal(s) for s in before} == before
+    loop = tmp_path / "loop.json"
+    loop.symlink_to(loop)
+    capsys.readouterr()
+    assert kvguard("audit", "export", "--json", "-o", str(loop), "--db", two_actions)[0] == 2
+    assert (
+        capsys.readouterr().err == f"kvguard: error: --output {loop}: a symlink loop: name a file\n"
+    )
 
 
 # -- kvguard status --config ---------------------------------------------------------------------

@@ -35,6 +35,7 @@ from apscheduler.schedulers.background import BackgroundScheduler
 from kvguard.daemon.openai_schemas import unicode_problem
 from kvguard.engine.control import ActionResult
 from kvguard.engine.events import EngineEvent
+from kvguard.engine.plural import counted
 from kvguard.rules.actions import StopSignal, await_action, run_action
 from kvguard.rules.evaluator import Evaluator, same_rule
 from kvguard.rules.schema import RuleSet, RulesFileError, load_rules, rules_file
@@ -713,7 +714,7 @@ def _summary(event: EngineEvent) -> str:
         )
     if event.kind == "engine_step_failed":
         why = str(d.get("error"))[:LOGGED_CHARS]
-        return f"engine step failed ({why}): {len(d.get('failed', []))} requests ended"
+        return f"engine step failed ({why}): {counted(len(d.get('failed', [])), 'request')} ended"
     if event.kind == "step_budget_restored":
         return (
             f"batch budget {d.get('max_num_batched_tokens_before')} -> "

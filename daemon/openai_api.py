@@ -56,6 +56,7 @@ from kvguard.engine.admission_policy import AdmissionRejected
 from kvguard.engine.engine_loop import OutputBuffer, RequestStream, wake_after_delivery
 from kvguard.engine.llm_engine import NewRequest, refused_request
 from kvguard.engine.model_config import ModelLoadError
+from kvguard.engine.plural import counted
 from kvguard.engine.sampling_params import SamplingParams
 from kvguard.engine.sequence import RequestOutput, TokenLogprob, parse_priority
 from kvguard.engine.structured import compile_grammar, compile_schema
@@ -848,7 +849,7 @@ def _within_limit(
         _refused_for_key(service, key, "max_requests")
         raise ApiError(
             400,
-            f"this request asks for {asked} sequences and API key {key.name!r} may have "
+            f"this request asks for {counted(asked, 'sequence')} and API key {key.name!r} may have "
             f"{key.max_requests} at once (max_requests): it can never be served; ask for "
             "fewer choices or prompts",
             param,
@@ -861,8 +862,9 @@ def _within_limit(
         _refused_for_key(service, key, "max_requests")
         raise ApiError(
             429,
-            f"API key {key.name!r} has {live} sequences (choices) queued or running and may "
-            f"have {key.max_requests} at once (max_requests); this one asks for {asked}",
+            f"API key {key.name!r} has {counted(live, 'sequence')} "
+            f"({'choice' if live == 1 else 'choices'}) queued or running and may have "
+            f"{key.max_requests} at once (max_requests); this one asks for {asked}",
             code="key_request_limit",
             type_="rate_limit_error",
             retry_after=1,

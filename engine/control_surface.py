@@ -27,6 +27,7 @@ from kvguard.engine.distributed.errors import PoolTorn
 from kvguard.engine.knobs import ConfigError, KnobField, KnobPath, knob_fields
 from kvguard.engine.kv_cache import KV_TORCH_DTYPES, is_oom, kv_dtype_name
 from kvguard.engine.model_runner import CUDA_GROW_MARGIN, HOST_GROW_BELOW
+from kvguard.engine.plural import counted
 from kvguard.engine.priority import (
     ALLOW_NONE,
     PRIORITIES,
@@ -38,11 +39,6 @@ from kvguard.engine.sequence import Status
 
 if TYPE_CHECKING:
     from kvguard.engine.llm_engine import LLMEngine
-
-
-def _count(n: int, noun: str) -> str:
-    """`n` and `noun`, plural but for one: an action's detail reads "evicted 1 sequence"."""
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 class ParamError(ValueError):
@@ -226,7 +222,7 @@ class ControlSurface:
             was = self.scheduler.max_num_seqs
             limit, moved = self._cut_batch(None if lifted else asked)
             same = " (unchanged)" if limit == was else ""
-            preempted = _count(len(moved), "running sequence")
+            preempted = counted(len(moved), "running sequence")
             return (
                 f"max_num_seqs={limit}{same}{note}; {preempted} preempted",
                 True,
@@ -262,7 +258,7 @@ class ControlSurface:
                 why = f" (unchanged: min={minimum} is above it, and a reduction never raises it)"
             elif n == current:
                 why = " (unchanged)"
-            preempted = _count(len(moved), "running sequence")
+            preempted = counted(len(moved), "running sequence")
             return (
                 f"max_num_seqs {current} -> {n}{why}; {preempted} preempted",
                 True,
@@ -317,7 +313,7 @@ class ControlSurface:
         def apply():
             moved = self.scheduler.evict(count, rank)
             return (
-                f"evicted {_count(len(moved), 'sequence')} of priority <= {max_priority}",
+                f"evicted {counted(len(moved), 'sequence')} of priority <= {max_priority}",
                 True,
                 {"evicted": moved},
             )
@@ -546,7 +542,7 @@ class ControlSurface:
         self.events.emit("kv_pool_resized", **data)
         return (
             f"KV pool {old_n} -> {new_n} blocks ({new_n / full:.0%} of configured){note}; "
-            f"{_count(len(moved), 'running sequence')} preempted; {pause * 1e3:.1f} ms",
+            f"{counted(len(moved), 'running sequence')} preempted; {pause * 1e3:.1f} ms",
             True,
             data,
         )
@@ -803,7 +799,7 @@ class ControlSurface:
                 )
             already = " already" if self.scheduler.offload == bool(enabled) else ""
             self.scheduler.offload = bool(enabled)
-            swapped = _count(len(self.scheduler.swapped), "sequence")
+            swapped = counted(len(self.scheduler.swapped), "sequence")
             return (
                 f"offload{already} {'on' if enabled else 'off'}; {swapped} still swapped",
                 True,
@@ -835,7 +831,7 @@ class ControlSurface:
                     touched += 1
                     self._finish_if_capped(seq)
             return (
-                f"max_new_tokens cap {n}{same}{note}; {_count(touched, 'live request')} adjusted",
+                f"max_new_tokens cap {n}{same}{note}; {counted(touched, 'live request')} adjusted",
                 True,
                 {"adjusted": touched},
             )

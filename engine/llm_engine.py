@@ -43,6 +43,7 @@ from kvguard.engine.model_runner import (
     pick_device,
     pick_dtype,
 )
+from kvguard.engine.plural import counted
 from kvguard.engine.sampler import spend_draws
 from kvguard.engine.sampling_params import SamplingParams, is_int, is_number, split_ids
 from kvguard.engine.scheduler import (
@@ -1020,7 +1021,9 @@ class LLMEngine(ControlSurface):
             else:
                 outs.append(self._end(s, "error"))
                 failed.append(s.request_id)
-        self._step_failed(f"{what}; its {len(failed)} unfinished requests", error, failed)
+        self._step_failed(
+            f"{what}; its {counted(len(failed), 'unfinished request')}", error, failed
+        )
         return outs
 
     @staticmethod
@@ -1037,14 +1040,17 @@ class LLMEngine(ControlSurface):
         request behind it; ending these few keeps the engine serving everyone else."""
         outs = [self._end(seq, "error") for seq in batch.seqs if not seq.is_finished]
         failed = [o.request_id for o in outs]
-        self._step_failed(f"engine step failed; its {len(failed)} requests", error, failed)
+        self._step_failed(
+            f"engine step failed; its {counted(len(failed), 'request')}", error, failed
+        )
         return outs
 
     def _step_failed(self, what: str, error: Exception, failed: list[str]) -> None:
         """Log the fault with the ids of the requests it ended (the daemon's are those its
         clients hold: `<response id>-<choice>`), so that a client's 500 can be matched to its
         traceback, and emit `engine_step_failed` (audited) naming them all."""
-        log.error("%s end with an error: %s", what, listed(failed) or "none", exc_info=error)
+        ends = "ends" if len(failed) == 1 else "end"
+        log.error("%s %s with an error: %s", what, ends, listed(failed) or "none", exc_info=error)
         self.events.emit(
             "engine_step_failed", error=f"{type(error).__name__}: {error}", failed=failed
         )

@@ -347,7 +347,7 @@ def test_a_keys_schema_requests_past_its_limit_are_refused_before_any_is_compile
             with pytest.raises(openai.RateLimitError) as e:
                 second.result()
             assert (
-                "API key 'one' has 1 sequences (choices) queued or running and may have 1 at "
+                "API key 'one' has 1 sequence (choice) queued or running and may have 1 at "
                 "once (max_requests); this one asks for 1"
             ) in e.value.message
             assert e.value.body["code"] == "key_request_limit"
@@ -439,7 +439,7 @@ def test_concurrent_requests_of_a_key_are_held_to_its_max_requests(
             assert len(refused) == 5, f"{6 - len(refused)} of 6 served, max_requests 1"
             for e in refused:
                 assert e.body["code"] == "key_request_limit", e.message
-                assert "API key 'one' has 1 sequences (choices) queued or running" in e.message
+                assert "API key 'one' has 1 sequence (choice) queued or running" in e.message
     finally:
         pool.shutdown(cancel_futures=True)
         svc.close()

@@ -176,5 +176,5 @@ def test_an_engine_error_s_request_id_is_the_one_its_log_line_names(
         failed = httpx.post(url + "/v1/completions", json=body, timeout=120)
     assert failed.status_code == 500 and failed.json()["error"]["code"] == "engine_error"
     request_id = failed.headers["x-request-id"]
-    [line] = [r.getMessage() for r in caplog.records if "end with an error" in r.getMessage()]
-    assert line.endswith(f"end with an error: {request_id}-0"), (request_id, line)
+    [line] = [r.getMessage() for r in caplog.records if "with an error: " in r.getMessage()]
+    assert line.endswith(f"ends with an error: {request_id}-0"), (request_id, line)

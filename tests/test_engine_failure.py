@@ -80,13 +80,16 @@ def test_failed_step_answers_500_then_serves_on(
     assert plain_id, plain.json()["error"]["message"]
     streamed_id = f"{events[0]['id']}-0"
     assert f"({streamed_id})" in events[-1]["error"]["message"]
-    failed_lines = [r for r in caplog.records if "end with an error" in r.getMessage()]
+    failed_lines = [r for r in caplog.records if "with an error: " in r.getMessage()]
     assert [r.exc_info is not None for r in failed_lines] == [True, True]  # with the traceback
     assert service.audit.flush(10)
     for rid, line in zip((plain_id[1], streamed_id), failed_lines, strict=True):
-        assert line.getMessage().endswith(f"end with an error: {rid}"), line.getMessage()
+        # in the singular for one request: "its 1 requests end", "1 requests ended"
+        want = f"engine step failed; its 1 request ends with an error: {rid}"
+        assert line.getMessage() == want, line.getMessage()
         [row] = service.audit.list_events(kind="engine_step_failed", request=rid)
         assert row["data"] == {"error": "RuntimeError: poisoned step", "failed": [rid]}
+        assert row["detail"] == "engine step failed (RuntimeError: poisoned step): 1 request ended"
 
 
 def test_the_error_line_names_the_first_20_failed_requests_and_counts_the_rest() -> None:

@@ -220,10 +220,9 @@ class Scheduler:
         self.counts = QueueCounts()
         policy.watch(self.counts, lambda: self.max_num_seqs)  # a full batch queues arrivals
         self.clock: Callable[[], float] = time.monotonic  # when a recount is due
-        self._swap_in_warn_at = -math.inf  # when a swap-in out of memory is next said
-        self._swap_in_error_at = -math.inf  # ... and a swap-in that failed otherwise
-        self._swap_out_warn_at = -math.inf  # ... and a swap-out out of memory
-        self._swap_out_error_at = -math.inf  # ... and a swap-out that failed otherwise
+        # when each kind of failed swap is next said (`_due`): "in"/"out", out of memory or
+        # failed otherwise ("in!", "out!")
+        self._say_at: dict[str, float] = {}
         self._recount_at = 0.0  # the next recount of the queue counts (`recount_when_due`)
         # recounts that found the counts drifted and set them to the recount (`repair_counts`):
         # a kvguard bug each, exported (kvguard_scheduler_count_repairs_total) beside the error
@@ -769,23 +768,29 @@ class Scheduler:
                 budget -= n
         return budget
 
+    def _due(self, kind: str) -> bool:
+        """Whether a failed swap of `kind` is to be said now: once per SWAP_WARN_EVERY_S each,
+        on its own clock (a burst of out-of-memory warnings hides no bug)."""
+        now = self.clock()
+        if now < self._say_at.get(kind, -math.inf):
+            return False
+        self._say_at[kind] = now + SWAP_WARN_EVERY_S
+        return True
+
     def _swap_out_failed(self, seq: Sequence, error: Exception) -> None:
         """Copying `seq` to the host failed (`_swap_out`): it is recomputed instead, its K/V
         computed again once it runs. Out of memory, a warning; anything else, an error with
         its traceback (a bug to report). Each said once per SWAP_WARN_EVERY_S, on its own
         clock: a burst of out-of-memory warnings hides no bug."""
-        now = self.clock()
         if is_oom(error):
-            if now >= self._swap_out_warn_at:
-                self._swap_out_warn_at = now + SWAP_WARN_EVERY_S
+            if self._due("out"):
                 log.warning(
                     "%s is preempted by recompute: copying it to the host pool ran out of "
                     "memory (%s); it waits to run again from its text",
                     seq.request_id,
                     first_line(error),
                 )
-        elif now >= self._swap_out_error_at:
-            self._swap_out_error_at = now + SWAP_WARN_EVERY_S
+        elif self._due("out!"):
             log.error(
                 "%s is preempted by recompute: copying it to the host pool failed (%s), a "
                 "kvguard bug to report; it waits to run again from its text",
@@ -799,9 +804,7 @@ class Scheduler:
         its host copy whole). Raised out of the step, an OOM that lasts (the device held by
         another process) failed every step, and no running sequence made progress: the step
         goes on without it instead. Said once per SWAP_WARN_EVERY_S."""
-        now = self.clock()
-        if now >= self._swap_in_warn_at:
-            self._swap_in_warn_at = now + SWAP_WARN_EVERY_S
+        if self._due("in"):
             log.warning(
                 "%s stays swapped out: copying it back to the device ran out of memory (%s); "
                 "the running sequences go on and it is tried again at the next steps",
@@ -822,9 +825,7 @@ class Scheduler:
         self.host_bm.give(seq.request_id, seq.host_block_table)
         seq.host_block_table = []
         self._requeue(seq)
-        now = self.clock()
-        if now >= self._swap_in_error_at:
-            self._swap_in_error_at = now + SWAP_WARN_EVERY_S
+        if self._due("in!"):
             log.error(
                 "%s is recomputed: copying it back to the device from the host pool failed "
                 "(%s), a kvguard bug to report; it waits to run again from its text",

@@ -400,14 +400,11 @@ def test_knobs_the_engine_never_took_are_withdrawn_and_never_apply(
     assert service.engine.config.max_num_seqs == 3 == service.cfg.serving.max_num_seqs
 
 
-def test_knobs_the_engine_finishes_late_are_in_the_config_in_force_when_they_land(
-    service: Service,  # noqa: F811
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """The engine took the knobs and is stuck inside them (a slow engine-thread subscriber):
-    the reload does not claim to keep the running config (504: they may still apply), and when
-    they land the config in force takes them, the audit log says so, and the next reload starts
-    from them (before, the daemon's config kept the old value for good)."""
+def _knobs_stuck(svc: Service, monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """The engine takes a reload's knobs and is stuck inside them (a slow engine-thread
+    subscriber) until the event returned is set; the reload waits WAIT_S for them. Its wait
+    starts once the engine is inside the knobs (however slow the machine, they are not
+    withdrawn before the engine takes them)."""
     monkeypatch.setattr(service_module, "RECONFIGURE_TIMEOUT_S", WAIT_S)
     inside, release = threading.Event(), threading.Event()
 
@@ -416,17 +413,27 @@ def test_knobs_the_engine_finishes_late_are_in_the_config_in_force_when_they_lan
             inside.set()
             release.wait(120)
 
-    service.engine.events.subscribe(slow)
-    posted = service.engine.reconfigure
+    svc.engine.events.subscribe(slow)
+    posted = svc.engine.reconfigure
 
     def taken(values: dict) -> object:
-        """The reload's wait starts once the engine is inside the knobs (however slow the
-        machine, they are not withdrawn before the engine takes them)."""
         fut = posted(values)
         until(inside.is_set, 60, "the engine inside the reconfigure")
         return fut
 
-    monkeypatch.setattr(service.engine, "reconfigure", taken)
+    monkeypatch.setattr(svc.engine, "reconfigure", taken)
+    return release
+
+
+def test_knobs_the_engine_finishes_late_are_in_the_config_in_force_when_they_land(
+    service: Service,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The engine took the knobs and is stuck inside them (a slow engine-thread subscriber):
+    the reload does not claim to keep the running config (504: they may still apply), and when
+    they land the config in force takes them, the audit log says so, and the next reload starts
+    from them (before, the daemon's config kept the old value for good)."""
+    release = _knobs_stuck(service, monkeypatch)
     before = service.cfg.serving.max_num_seqs
     _file_asks_for(service, 3)
     try:
@@ -470,23 +477,7 @@ def test_a_failed_reload_whose_knobs_may_still_apply_says_so_until_they_do(
     still being applied too, and went on saying it once they had applied. Now it says they
     may still apply while they may, and once they have, that they did (the STATUS= line
     too); the record stands until a reload applies, since nothing else of the file did."""
-    monkeypatch.setattr(service_module, "RECONFIGURE_TIMEOUT_S", WAIT_S)
-    inside, release = threading.Event(), threading.Event()
-
-    def slow(event: EngineEvent) -> None:  # on the engine thread, inside the reconfigure
-        if event.kind == "knob_changed" and event.data["action"] == "reconfigure":
-            inside.set()
-            release.wait(120)
-
-    service.engine.events.subscribe(slow)
-    posted = service.engine.reconfigure
-
-    def taken(values: dict) -> object:
-        fut = posted(values)
-        until(inside.is_set, 60, "the engine inside the reconfigure")
-        return fut
-
-    monkeypatch.setattr(service.engine, "reconfigure", taken)
+    release = _knobs_stuck(service, monkeypatch)
     _file_asks_for(service, 3)
     path = str(service.config_path)
     try:

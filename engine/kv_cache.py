@@ -43,14 +43,20 @@ OOM_ERRORS: tuple[type[BaseException], ...] = (torch.OutOfMemoryError,)
 CPU_ALLOC_FAILED = "DefaultCPUAllocator: can't allocate memory"
 
 
+class KVMapRefused(MemoryError):
+    """The system would not map the pages of a KV layer (`zero_pages`: a `LimitAS=`, strict
+    overcommit): out of memory, as a refused allocation is. A MemoryError of its own so that
+    `is_oom` counts this one, not every MemoryError a step may raise."""
+
+
 def is_oom(error: BaseException) -> bool:
     """Whether `error` is running out of memory, on the device or on the host.
 
     A CPU step that cannot allocate its workspace is the same fault as a GPU one that cannot:
     a smaller step fits, so it is requeued and the budget halved rather than failing the
-    step's requests. Only the allocator's own message counts (and MemoryError: pages the
-    system would not map, `zero_pages`): any other RuntimeError is a bug."""
-    if isinstance(error, (*OOM_ERRORS, MemoryError)):
+    step's requests. Only the allocator's own message counts (and KVMapRefused: pages the
+    system would not map, `zero_pages`): any other RuntimeError or MemoryError is a bug."""
+    if isinstance(error, (*OOM_ERRORS, KVMapRefused)):
         return True
     return isinstance(error, RuntimeError) and CPU_ALLOC_FAILED in str(error)
 
@@ -129,8 +135,8 @@ def new_layer(
 def zero_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A CPU tensor of zeros on an anonymous private mapping: the kernel hands out zero pages
     on first touch, so nothing is written (or faulted in) now, where torch.zeros writes every
-    byte. The mapping goes back to the system with the last tensor viewing it. MemoryError
-    where the system refuses it (a `LimitAS=`, strict overcommit), as an allocation would."""
+    byte. The mapping goes back to the system with the last tensor viewing it. KVMapRefused
+    (a MemoryError) where the system refuses it (a `LimitAS=`, strict overcommit), as an allocation would."""
     nbytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
     if not nbytes:  # no blocks (a host pool of none): nothing to map
         return torch.zeros(shape, dtype=dtype)
@@ -139,7 +145,7 @@ def zero_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     except OSError as e:
         if e.errno != errno.ENOMEM:
             raise
-        raise MemoryError(f"cannot map {nbytes} bytes for a KV layer: {e.strerror}") from e
+        raise KVMapRefused(f"cannot map {nbytes} bytes for a KV layer: {e.strerror}") from e
     return torch.frombuffer(pages, dtype=torch.uint8).view(dtype).view(shape)
 
 

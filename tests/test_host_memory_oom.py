@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from kvguard.engine import LLMEngine, SamplingParams
+from kvguard.engine.kv_cache import KVMapRefused, is_oom
 from tests.test_engine import PROMPTS, make_engine
 from tests.test_remedies import run_all
 from tests.test_server import TEST_DAEMON_ENV, free_port
@@ -78,6 +79,25 @@ def test_any_other_runtime_error_in_a_step_still_fails_its_requests(
     assert {o.request_id for o in outs} == set(rids)
     assert all(o.finish_reason == "error" for o in outs)
     assert engine.snapshot().counters["oom"] == 0
+
+
+def test_a_memory_error_in_a_step_fails_its_requests_only_a_refused_kv_mapping_is_oom(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A kernel's MemoryError (its workspace, a poisoned size) is no allocator refusal: its
+    requests fail as any other step error's, where a retry could fail for ever. The one
+    MemoryError that is out of memory is a KV layer's pages the system would not map."""
+    assert is_oom(KVMapRefused("cannot map 4096 bytes for a KV layer"))
+    assert not is_oom(MemoryError("paged_decode: no memory for the split-K partial sums"))
+    engine = make_engine(max_num_batched_tokens=512)
+    rids = [engine.add_request(p, greedy(6)) for p in PROMPTS[:2]]
+    engine.step()
+    fail_next_forward(engine, MemoryError("CPU layer: no memory for a workspace"), monkeypatch)
+    outs = engine.step()
+    assert {o.request_id for o in outs} == set(rids)
+    assert all(o.finish_reason == "error" for o in outs)
+    snap = engine.snapshot()
+    assert snap.counters["oom"] == 0 and snap.max_num_batched_tokens == 512
     assert engine.snapshot().max_num_batched_tokens == 512
 
 

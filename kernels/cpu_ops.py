@@ -154,19 +154,20 @@ def convert_blocks(
     `kvguard.engine.kv_cache`'s read_blocks then write_blocks store, bit for bit (tests),
     without their temporaries and a dozen passes over each layer's live K/V. False, nothing
     written, where these kernels do not serve the pools (off, not built, another device or
-    shape): the caller converts with torch's ops."""
-    if not _on() or src.dtype == dst.dtype:
+    shape): the caller converts with torch's ops. The pools are checked before the kernels
+    are asked for: a CUDA pool's live switch must not build them (seconds of compiling on a
+    cold cache) inside the engine's pause, for nothing."""
+    if src.dtype == dst.dtype or not (src.is_cpu and dst.is_cpu):
         return False
     _nb, bs, hkv, d = src.shape
     if not (
-        src.is_cpu
-        and dst.is_cpu
-        and pool_supported(src, src_scales)
+        pool_supported(src, src_scales)
         and pool_supported(dst, dst_scales)
         and dst.shape[1:] == src.shape[1:]
         and d % 8 == 0
         and d <= MAX_DIM
         and bs <= MAX_BLOCK
+        and _on()
     ):
         return False
     for name, ids in (("src_ids", src_ids), ("dst_ids", dst_ids)):

@@ -12,6 +12,10 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -515,6 +519,36 @@ def test_the_c_block_conversion_stores_torchs_bits(old: str, new: str) -> None:
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
     # the same dtype is a byte copy (kv_cache.copy_blocks): not this kernel's
     assert not cpu_ops.convert_blocks(src[0], src[2], src_ids, src[1], src[3], src_ids)
+
+
+# A fresh process with an empty kvguard cache: `convert_blocks` on pools that are not on the
+# CPU (meta here, as a CUDA pool is not) answers False and leaves the cache empty.
+CONVERT_OFF_CPU = """
+import os, torch
+from kvguard.kernels import cpu_lowbit, cpu_ops
+src = torch.empty(4, 16, 2, 64, device="meta")
+dst = torch.empty(8, 16, 2, 64, dtype=torch.float16, device="meta")
+ids = torch.arange(2)
+print(cpu_ops.convert_blocks(src, None, ids, dst, None, ids))
+print(cpu_lowbit.library.cache_info().currsize, sorted(os.listdir(os.environ["KVGUARD_HOME"])))
+"""
+
+
+def test_a_conversion_of_pools_off_the_cpu_builds_no_kernels(tmp_path: Path) -> None:
+    """A CUDA engine's live KV switch asks `convert_blocks` first, inside the engine's pause:
+    pools the kernels do not serve are told so before the kernels are built (a compile of
+    seconds on a cold cache, for nothing)."""
+    env = {**os.environ, "KVGUARD_HOME": str(tmp_path)}
+    env.pop(cpu_ops.ENV, None)
+    proc = subprocess.run(
+        [sys.executable, "-c", CONVERT_OFF_CPU],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split("\n")[:2] == ["False", "0 []"], proc.stdout
 
 
 def test_every_fp8_byte_reads_as_torch_dequantises_it() -> None:

@@ -8,8 +8,9 @@ A dtype switch holds the engine (it runs between two steps, every stream waiting
 what the live blocks cost and no more: on a CPU each new layer is zero pages the kernel maps
 untouched (not a zeroed allocation, which wrote every free block), its pages taken as blocks
 fill after the switch, and the live blocks go through one C pass a layer
-(`cpu_ops.convert_blocks`). A resize in the same dtype zeroes its new layers as before: a pool
-grown back takes its memory when it grows, while the room checked for it is there.
+(`cpu_ops.convert_blocks`). A shrink in the same dtype is zero pages too (only its live blocks
+written: the host-mem rule's remedy must not take memory); a pool grown back is zeroed, taking
+its memory when it grows, while the room checked for it is there.
 """
 
 from __future__ import annotations
@@ -289,10 +290,12 @@ class KVCache:
     ) -> tuple[LayerKV, int]:
         """`layer` as `n` blocks of `dtype`, its blocks `src` at `dst`; and the most bytes the
         pool held meanwhile (`current` before)."""
-        resize = dtype == _layer_dtype(layer)  # a grown pool takes its memory now (can_grow)
-        fresh = new_layer(
-            self.cfg, n, self.block_size, dtype, pool.device, _pinned(layer), not resize
-        )
+        resize = dtype == _layer_dtype(layer)
+        # A grown pool takes its memory now (zeroed: the room was checked, can_grow); a
+        # new dtype, or a pool no larger than before (a shrink, the host-mem rule's remedy),
+        # is zero pages: only the live blocks' pages are written, the rest fill as blocks do
+        lazy = not resize or n <= layer[0].shape[0]
+        fresh = new_layer(self.cfg, n, self.block_size, dtype, pool.device, _pinned(layer), lazy)
         held = peak = current + _layer_bytes(fresh)
         if src.numel() and resize:  # a new size, same dtype: the bytes
             copy_blocks(layer, src, fresh, dst)  # as they are, scales alongside

@@ -145,3 +145,34 @@ def test_a_mapping_the_system_refuses_is_a_refused_switch(
     engine.audit_blocks()
     done = finish(engine)
     assert len(done) == 4 and all(len(t) == 24 for t in done.values())
+
+
+def resident_bytes(engine: LLMEngine, host: bool = False) -> int:
+    """The bytes of the device (or swap) pool in memory: its K/V and fp8 scales' pages."""
+    pool = engine.kv_cache.host_pool if host else engine.kv_cache.device_pool
+    tensors = [t for layer in pool.layers for t in layer if t is not None and t.numel()]
+    return sum(len(resident_pages(t)) * PAGE for t in tensors)
+
+
+def resize(engine: LLMEngine, share: float) -> dict:
+    fut = engine.set_kv_pool_share(share)
+    engine.step()
+    res = fut.result(0)
+    assert res.ok, res.detail
+    return res.data
+
+
+def test_a_shrink_after_a_switch_takes_no_memory(serving: LLMEngine) -> None:
+    """After a live switch the pool is zero pages, only the live blocks in memory. A shrink in
+    the same dtype (`set_kv_pool_share`, the host-mem rule's remedy against the OOM killer)
+    zeroed its new layers: it faulted in the whole shrunk pool, memory taken by a remedy that
+    gives memory back. It is zero pages too: only the live blocks' pages are written."""
+    engine = serving
+    switch(engine, "fp8_e4m3")
+    before = resident_bytes(engine)
+    data = resize(engine, 0.5)
+    assert data["blocks_after"] < data["blocks_before"]
+    assert resident_bytes(engine) <= before, (resident_bytes(engine), before)
+    touched_within_held_blocks(engine)
+    done = finish(engine)
+    assert len(done) == 4 and all(len(t) == 24 for t in done.values())

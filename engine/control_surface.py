@@ -496,7 +496,8 @@ class ControlSurface:
         if new_n == old_n:
             self.kv_pool_share = share
             return f"KV pool already {old_n} blocks{note}", True, {"blocks": old_n}
-        grow = (new_n - old_n) * self.kv_cache.bytes_per_block
+        # what the grown pool takes: all its bytes less what the old one holds in memory
+        grow = self.kv_cache.grow_bytes(self.kv_cache.device_pool, new_n) if new_n > old_n else 0
         if grow > 0 and not (self.runner.can_grow(grow) and self.runner.can_convert(dtype, new_n)):
             return (
                 f"refused: no room for {grow / 2**20:.0f} MiB more KV without pressing memory "
@@ -740,7 +741,7 @@ class ControlSurface:
         if new_n == old_n:
             self.kv_cache.host_budget_bytes = want * per_block
             return ""
-        grow = (new_n - old_n) * per_block
+        grow = self.kv_cache.grow_bytes(self.kv_cache.host_pool, new_n) if new_n > old_n else 0
         if grow > 0 and not self.runner.can_grow(grow):
             return (
                 f"; swap pool kept at {old_n} blocks (no room for {grow / 2**20:.0f} MiB more "

@@ -10,12 +10,14 @@ untouched (not a zeroed allocation, which wrote every free block), its pages tak
 fill after the switch, and the live blocks go through one C pass a layer
 (`cpu_ops.convert_blocks`). A shrink in the same dtype is zero pages too (only its live blocks
 written: the host-mem rule's remedy must not take memory); a pool grown back is zeroed, taking
-its memory when it grows, while the room checked for it is there.
+its memory when it grows, while the room checked for it (`grow_bytes`) is there.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
+import functools
 import math
 import mmap
 import traceback
@@ -234,6 +236,19 @@ class KVCache:
         budget = self.host_budget_bytes if host else self.budget_bytes
         return budget // bytes_per_block(self.cfg, self.block_size, dtype)
 
+    def grow_bytes(self, pool: Pool, new_n: int) -> int:
+        """The memory a rebuild of `pool` as `new_n` blocks of its dtype takes beyond what it
+        holds now, over all the model's layers: the grown pool is zeroed, every page of it
+        written, and the old one given back, so what counts is the new pool's bytes less the
+        old one's resident bytes. After a live dtype switch or a shrink the old pool is zero
+        pages, only its written blocks in memory: charging the difference of the block counts
+        would miss the rest of the new pool."""
+        per_block = self.bytes_per_block
+        whole = pool.num_blocks * per_block
+        if pool.nbytes and pool.device.type == "cpu":  # this rank's share of its pool in memory
+            whole = whole * sum(_resident_bytes(t) for t in _tensors(pool)) // pool.nbytes
+        return new_n * per_block - whole
+
     def swap_out(self, device_ids: list[int], host_ids: list[int]) -> None:
         dev, host = _ids(device_ids, self.device_pool), _ids(host_ids, self.host_pool)
         for d, h in zip(self.device_pool.layers, self.host_pool.layers, strict=True):
@@ -291,7 +306,7 @@ class KVCache:
         """`layer` as `n` blocks of `dtype`, its blocks `src` at `dst`; and the most bytes the
         pool held meanwhile (`current` before)."""
         resize = dtype == _layer_dtype(layer)
-        # A grown pool takes its memory now (zeroed: the room was checked, can_grow); a
+        # A grown pool takes its memory now (zeroed: the room was checked, `grow_bytes`); a
         # new dtype, or a pool no larger than before (a shrink, the host-mem rule's remedy),
         # is zero pages: only the live blocks' pages are written, the rest fill as blocks do
         lazy = not resize or n <= layer[0].shape[0]
@@ -331,6 +346,34 @@ class KVCache:
                 f"the KV pool is half converted: layer {done} could not be built ({error}) and "
                 f"layer {j} could not be put back ({e})"
             ) from e
+
+
+def _tensors(pool: Pool) -> list[torch.Tensor]:
+    return [t for layer in pool.layers for t in layer if t is not None]
+
+
+def _resident_bytes(t: torch.Tensor) -> int:
+    """How many bytes of CPU tensor `t` (contiguous) are in memory: its pages the kernel has
+    mapped (`mincore`). None where the kernel cannot be asked: a grow is then charged its
+    whole new pool, more than it may take, never less."""
+    nbytes = t.numel() * t.element_size()
+    if not nbytes:
+        return 0
+    if torch.cuda.is_available() and t.is_pinned():  # page-locked: in memory by definition
+        return nbytes
+    page = mmap.PAGESIZE
+    start = t.data_ptr() - t.data_ptr() % page
+    length = t.data_ptr() + nbytes - start
+    vec = (ctypes.c_ubyte * ((length + page - 1) // page))()
+    if _libc().mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), vec) != 0:
+        return 0
+    pages = torch.frombuffer(vec, dtype=torch.uint8).bitwise_and(1).sum().item()
+    return min(nbytes, pages * page)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
 
 
 def _nothing() -> None:

@@ -162,6 +162,19 @@ def resize(engine: LLMEngine, share: float) -> dict:
     return res.data
 
 
+def record_can_grow(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch, host: bool) -> list:
+    """`can_grow` answers yes (whatever the host's memory now) and records each charge asked
+    with the pool's resident bytes at that moment."""
+    asked = []
+
+    def record(extra: int) -> bool:
+        asked.append((extra, resident_bytes(engine, host)))
+        return True
+
+    monkeypatch.setattr(engine.runner, "can_grow", record)
+    return asked
+
+
 def test_a_shrink_after_a_switch_takes_no_memory(serving: LLMEngine) -> None:
     """After a live switch the pool is zero pages, only the live blocks in memory. A shrink in
     the same dtype (`set_kv_pool_share`, the host-mem rule's remedy against the OOM killer)
@@ -176,3 +189,52 @@ def test_a_shrink_after_a_switch_takes_no_memory(serving: LLMEngine) -> None:
     touched_within_held_blocks(engine)
     done = finish(engine)
     assert len(done) == 4 and all(len(t) == 24 for t in done.values())
+
+
+def test_a_grow_asks_for_the_memory_it_takes(
+    serving: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pool grown back is zeroed: all of it in memory. Grown from zero pages (after a switch
+    and a shrink) it asked `can_grow` for the blocks it added, not for the whole new pool less
+    the few pages the old one held, so the check that taking memory back leaves the host under
+    its line passed a grow twice the size it asked for."""
+    engine = serving
+    switch(engine, "fp8_e4m3")
+    resize(engine, 0.5)
+    asked = record_can_grow(engine, monkeypatch, host=False)
+    resize(engine, 1.0)
+    [(charge, before)] = asked
+    took = resident_bytes(engine) - before
+    tensors = 4 * engine.model_config.num_layers  # a page at either end of each, at most
+    slack = engine.kv_cache.bytes_per_block + tensors * PAGE
+    assert abs(charge - took) <= slack, (charge, took)
+    done = finish(engine)
+    assert len(done) == 4 and all(len(t) == 24 for t in done.values())
+
+
+def test_a_swap_pool_grown_after_a_switch_asks_for_the_memory_it_takes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The same for the swap pool a reload of kv_cache_bytes grows: after a switch it is zero
+    pages, and its zeroed rebuild takes all its new bytes."""
+    engine = make_engine(
+        kv_cache_bytes="16MiB", device="cpu", enable_cpu_offload=True, cpu_cache_ratio=0.5
+    )
+    for i in range(2):
+        engine.add_request([3 + (5 * i + j) % 200 for j in range(40)], greedy(8))
+    engine.step()
+    switch(engine, "fp8_e4m3")
+    asked = record_can_grow(engine, monkeypatch, host=True)
+    old_n = engine.host_block_manager.num_blocks
+    fut = engine.reconfigure({("kv_cache_bytes",): 32 * 2**20})
+    engine.step()
+    res = fut.result(0)
+    assert res.ok and engine.host_block_manager.num_blocks > old_n, res.detail
+    assert len(asked) == 2  # the device pool's grow asks first
+    (charge, before) = asked[1]
+    took = resident_bytes(engine, host=True) - before
+    tensors = 4 * engine.model_config.num_layers
+    slack = engine.kv_cache.bytes_per_block + tensors * PAGE
+    assert abs(charge - took) <= slack, (charge, took)
+    done = finish(engine)
+    assert len(done) == 2 and all(len(t) == 8 for t in done.values())

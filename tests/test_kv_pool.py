@@ -135,7 +135,9 @@ def test_an_fp8_switch_after_a_shrink_keeps_the_share() -> None:
 def test_the_pool_grows_back_only_into_free_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     """A restore (or a larger budget) takes memory only while the host stays under 90%:
     taking it back must not press the host into giving it back again. The host's memory
-    is what cannot be pressed here at will, so its reading is replaced."""
+    is what cannot be pressed here at will, so its reading is replaced. The shrunk pool is
+    zero pages and none of its blocks was written: the pool grown back (zeroed) takes all its
+    bytes, and that is the room it needs."""
     import kvguard.engine.model_runner as runner_module
 
     engine = make_engine(kv_cache_bytes="2MiB", max_model_len=128)
@@ -145,13 +147,13 @@ def test_the_pool_grows_back_only_into_free_memory(monkeypatch: pytest.MonkeyPat
 
     def room(below: float) -> int:
         asked.append(below)
-        return (full // 2) * per_block - 1  # one byte short of the way back
+        return full * per_block - 1  # one byte short of the way back
 
     monkeypatch.setattr(runner_module, "room_bytes", room)
     no = apply(engine, engine.set_kv_pool_share(1.0))
-    assert not no.ok and "no room for 1 MiB more KV" in no.detail and asked == [0.90]
+    assert not no.ok and "no room for 2 MiB more KV" in no.detail and asked == [0.90]
     assert engine.block_manager.num_blocks == full // 2
-    monkeypatch.setattr(runner_module, "room_bytes", lambda below: (full // 2) * per_block)
+    monkeypatch.setattr(runner_module, "room_bytes", lambda below: full * per_block)
     assert apply(engine, engine.set_kv_pool_share(1.0)).data["blocks_after"] == full
 
 

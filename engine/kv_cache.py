@@ -354,7 +354,7 @@ def _tensors(pool: Pool) -> list[torch.Tensor]:
 
 def _resident_bytes(t: torch.Tensor) -> int:
     """How many bytes of CPU tensor `t` (contiguous) are in memory: its pages the kernel has
-    mapped (`mincore`). None where the kernel cannot be asked: a grow is then charged its
+    mapped (`mincore`). 0 where the kernel cannot be asked: a grow is then charged its
     whole new pool, more than it may take, never less."""
     nbytes = t.numel() * t.element_size()
     if not nbytes:

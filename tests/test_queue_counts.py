@@ -114,6 +114,18 @@ def overloaded() -> LLMEngine:
     return engine
 
 
+def low_among_normal() -> tuple[LLMEngine, Moves, list[str]]:
+    """An overloaded engine running a normal, a low and a normal request, one step in (each
+    step checked, `Moves`): the low one is the next victim of a high arrival or a remedy."""
+    engine, moves = overloaded(), Moves()
+    ids = [
+        engine.add_request(prompt(i), params(), priority=p)
+        for i, p in enumerate(["normal", "low", "normal"])
+    ]
+    moves.step(engine)
+    return engine, moves, ids
+
+
 def test_every_move_between_the_queues_is_counted() -> None:
     engine, moves = overloaded(), Moves()
     ids = [
@@ -303,12 +315,7 @@ def test_a_swap_out_out_of_memory_in_a_step_recomputes_the_sequence_instead(
     device blocks freed, one warning naming it and the error, and it finishes. Taken off the
     running queue before the copy, it was in no queue, its blocks on both tiers leaked, and
     the step raised."""
-    engine, moves = overloaded(), Moves()
-    ids = [
-        engine.add_request(prompt(i), params(), priority=p)
-        for i, p in enumerate(["normal", "low", "normal"])
-    ]
-    moves.step(engine)
+    engine, moves, ids = low_among_normal()
     sch = engine.scheduler
     monkeypatch.setattr(sch.kv, "swap_out", out_of_memory)
     ids.append(engine.add_request(prompt(3), params(), priority="high"))
@@ -376,12 +383,7 @@ def test_a_swap_out_that_fails_otherwise_recomputes_the_sequence_and_every_reque
     the traceback names the first, and every request finishes. Raised out of the step with
     the victim still running, the next step picked the same victim and raised again: no
     request made progress for as long as the copy failed."""
-    engine, moves = overloaded(), Moves()
-    ids = [
-        engine.add_request(prompt(i), params(), priority=p)
-        for i, p in enumerate(["normal", "low", "normal"])
-    ]
-    moves.step(engine)
+    engine, moves, ids = low_among_normal()
     sch = engine.scheduler
     monkeypatch.setattr(sch.kv, "swap_out", broken_copy)
     with caplog.at_level(logging.WARNING, logger="kvguard.engine"):
@@ -564,12 +566,7 @@ def test_a_high_arrival_whose_slot_cannot_be_made_gives_its_matched_blocks_back(
     holding no block, and once preemptions work it starts from those two cached blocks,
     counted as prefix-cache hits. Before, it kept the matched blocks while waiting and
     started from them as if it had computed them: no hit counted."""
-    engine, moves = overloaded(), Moves()
-    ids = [
-        engine.add_request(prompt(i), params(), priority=p)
-        for i, p in enumerate(["normal", "low", "normal"])
-    ]
-    moves.step(engine)
+    engine, moves, ids = low_among_normal()
     moves.step(engine)
     sch, bm = engine.scheduler, engine.block_manager
     used = bm.num_used
